@@ -1,0 +1,45 @@
+-- fixed_window: the classic counter per window of WINDOW µs aligned to Redis time, with
+-- reservations in later windows. Not exact over a sliding window: up to 2*COUNT grants can fall
+-- within one WINDOW across a window edge. GUARD is not added (windows stay aligned); it only
+-- sets how early a due slot may be granted.
+--
+-- KEYS[1]  the seller's counters (hash: window index -> slots taken in it; `next` = the first
+--          window that may still have room)
+-- KEYS[2]  the seller's limit override ("COUNT WINDOW_US"), may be absent
+-- KEYS[3]  the seller's pause ("UNTIL_US"), may be absent
+-- ARGV[1]  default COUNT (integer >= 1)
+-- ARGV[2]  default WINDOW in µs (integer >= 1)
+-- ARGV[3]  GUARD in µs (-1 = window/20 within [25 ms, 2 s])
+-- ARGV[4]  RESERVE: 1 = hold a future slot for the caller, 0 = only answer
+-- ARGV[5]  HORIZON in µs: a slot further away than this is never reserved
+-- ARGV[6]  TOKEN (unused)
+-- Returns {STATUS, SLOT_US, NOW_US, COUNT, WINDOW_US}
+--   STATUS 1 = granted (call now), 2 = reserved (call at SLOT), 0 = denied (come back at SLOT)
+
+local a = acquire_args()
+local count, window = effective_limit(KEYS[2], a.count, a.window)
+local guard = guard_for(window, a.guard)
+local now = now_us()
+local at = math.max(now, paused_until(KEYS[3]))
+
+local current = math.floor(now / window)
+local index = math.max(math.floor(at / window), tonumber(redis.call('HGET', KEYS[1], 'next') or '0'))
+-- Windows from `next` on fill in order, so this walks only over windows filled meanwhile.
+while tonumber(redis.call('HGET', KEYS[1], tostring(index)) or '0') >= count do
+  index = index + 1
+end
+local slot = math.max(index * window, at)
+
+local status = due(slot, now, guard, a)
+if status == 0 then return {0, slot, now, count, window} end
+local used = redis.call('HINCRBY', KEYS[1], tostring(index), 1)
+local next_index = index
+if used >= count then next_index = index + 1 end
+redis.call('HSET', KEYS[1], 'next', next_index)
+for _, field in ipairs(redis.call('HKEYS', KEYS[1])) do
+  local w = tonumber(field)
+  if field ~= 'next' and w and w < current then redis.call('HDEL', KEYS[1], field) end
+end
+local last_end = (math.max(next_index, index + 1)) * window
+redis.call('PEXPIRE', KEYS[1], math.floor((last_end - now) / 1000) + 1)
+return {status, slot, now, count, window}

@@ -1,0 +1,39 @@
+-- gcra: generic cell rate algorithm with O(1) state per seller (its theoretical arrival time).
+-- Emission interval T = (WINDOW+GUARD) / (COUNT - BURST + 1), tolerance (BURST-1)*T: no window
+-- of WINDOW+GUARD holds more than COUNT grants. Reserving advances the TAT; the caller keeps the
+-- returned slot, nothing per caller is stored.
+--
+-- KEYS[1]  the seller's TAT (string, µs, Redis time)
+-- KEYS[2]  the seller's limit override ("COUNT WINDOW_US"), may be absent
+-- KEYS[3]  the seller's pause ("UNTIL_US"), may be absent
+-- ARGV[1]  default COUNT (integer >= 1)
+-- ARGV[2]  default WINDOW in µs (integer >= 1)
+-- ARGV[3]  GUARD in µs added to the window (-1 = window/20 within [25 ms, 2 s])
+-- ARGV[4]  RESERVE: 1 = hold a future slot for the caller, 0 = only answer
+-- ARGV[5]  HORIZON in µs: a slot further away than this is never reserved
+-- ARGV[6]  TOKEN (unused; every algorithm takes the same arguments)
+-- ARGV[7]  BURST (integer >= 1; at most COUNT)
+-- Returns {STATUS, SLOT_US, NOW_US, COUNT, WINDOW_US}
+--   STATUS 1 = granted (call now), 2 = reserved (call at SLOT), 0 = denied (come back at SLOT)
+
+local a = acquire_args()
+local burst = int_arg(7, 1)
+local count, window = effective_limit(KEYS[2], a.count, a.window)
+burst = math.min(burst, count)
+local guard = guard_for(window, a.guard)
+local interval = (window + guard) / (count - burst + 1)
+local now = now_us()
+
+local tat = math.max(tonumber(redis.call('GET', KEYS[1]) or '0'), now)
+local slot = math.max(tat - (burst - 1) * interval, now)
+local pause = paused_until(KEYS[3])
+if pause > slot then
+  slot = pause
+  tat = math.max(tat, pause)
+end
+
+local status = due(slot, now, guard, a)
+if status == 0 then return {0, slot, now, count, window} end
+local next_tat = tat + interval
+redis.call('SET', KEYS[1], string.format('%.0f', next_tat), 'PX', math.floor((next_tat - now) / 1000) + 1)
+return {status, slot, now, count, window}

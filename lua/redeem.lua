@@ -1,0 +1,27 @@
+-- redeem: a caller comes back for the slot it reserved. Granted if the slot is due (at most
+-- GUARD/10 ahead, at most GUARD/2 past), the seller is not paused past it, and the limit it was
+-- reserved under still applies. Writes nothing: the slot was counted when it was reserved.
+--
+-- KEYS[1]  the seller's limit override ("COUNT WINDOW_US"), may be absent
+-- KEYS[2]  the seller's pause ("UNTIL_US"), may be absent
+-- ARGV[1]  default COUNT (integer >= 1)
+-- ARGV[2]  default WINDOW in µs (integer >= 1)
+-- ARGV[3]  GUARD in µs (-1 = window/20 within [25 ms, 2 s])
+-- ARGV[4]  SLOT in µs (Redis time), as returned when it was reserved
+-- ARGV[5]  COUNT the slot was reserved under
+-- ARGV[6]  WINDOW_US the slot was reserved under
+-- Returns {STATUS, AT_US, NOW_US}
+--   1 granted; 2 early: come back at AT; 3 paused until AT; 4 the limit changed; 5 too late.
+--   3, 4 and 5 give the slot up: the caller acquires a new one.
+
+local default_count, default_window, guard = int_arg(1, 1), int_arg(2, 1), int_arg(3, -1)
+local slot, held_count, held_window = int_arg(4, 0), int_arg(5, 1), int_arg(6, 1)
+local count, window = effective_limit(KEYS[1], default_count, default_window)
+guard = guard_for(window, guard)
+local now = now_us()
+local pause = paused_until(KEYS[2])
+if pause > slot then return {3, pause, now} end
+if count ~= held_count or window ~= held_window then return {4, now, now} end
+if now < slot - math.floor(guard / 10) then return {2, slot, now} end
+if now > slot + math.floor(guard / 2) then return {5, now, now} end
+return {1, slot, now}

@@ -1,0 +1,42 @@
+-- sliding_window: exact sliding log with reservations.
+-- At most COUNT slots lie in any window of WINDOW+GUARD; a slot is a past grant or a future
+-- reservation, so a caller told to wait holds its slot and is not denied again.
+--
+-- KEYS[1]  the seller's log (sorted set: member = TOKEN, score = slot in µs, Redis time)
+-- KEYS[2]  the seller's limit override ("COUNT WINDOW_US"), may be absent
+-- KEYS[3]  the seller's pause ("UNTIL_US"), may be absent
+-- ARGV[1]  default COUNT (integer >= 1)
+-- ARGV[2]  default WINDOW in µs (integer >= 1)
+-- ARGV[3]  GUARD in µs added to the window (-1 = window/20 within [25 ms, 2 s])
+-- ARGV[4]  RESERVE: 1 = hold a future slot for the caller, 0 = only answer
+-- ARGV[5]  HORIZON in µs: a slot further away than this is never reserved
+-- ARGV[6]  TOKEN: a string unique to this attempt
+-- Returns {STATUS, SLOT_US, NOW_US, COUNT, WINDOW_US}
+--   STATUS 1 = granted (call now), 2 = reserved (call at SLOT), 0 = denied (come back at SLOT);
+--   COUNT and WINDOW_US are the limit that applied (override or default).
+
+local a = acquire_args()
+local token = ARGV[6]
+if token == nil or token == '' then error({err = 'ERR turnstile: TOKEN missing'}) end
+local count, window = effective_limit(KEYS[2], a.count, a.window)
+local guard = guard_for(window, a.guard)
+local span = window + guard
+local now = now_us()
+
+local slot = math.max(now, paused_until(KEYS[3]))
+redis.call('ZREMRANGEBYSCORE', KEYS[1], '-inf', now - span)
+local n = redis.call('ZCARD', KEYS[1])
+if n >= count then
+  -- After the last slot and at least SPAN after the COUNT-th most recent one: then no window
+  -- of SPAN containing the new slot holds more than COUNT slots.
+  local last = tonumber(redis.call('ZRANGE', KEYS[1], -1, -1, 'WITHSCORES')[2])
+  local kth = tonumber(redis.call('ZRANGE', KEYS[1], n - count, n - count, 'WITHSCORES')[2])
+  slot = math.max(slot, last, kth + span)
+end
+
+local status = due(slot, now, guard, a)
+if status == 0 then return {0, slot, now, count, window} end
+redis.call('ZADD', KEYS[1], slot, token)
+local last = tonumber(redis.call('ZRANGE', KEYS[1], -1, -1, 'WITHSCORES')[2])
+redis.call('PEXPIRE', KEYS[1], math.floor((last - now + span) / 1000) + 1)
+return {status, slot, now, count, window}

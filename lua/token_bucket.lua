@@ -1,0 +1,46 @@
+-- token_bucket: refill RATE = COUNT per WINDOW+GUARD into a bucket of CAPACITY tokens, each call
+-- takes REQUESTED tokens (as in Spring Cloud Gateway's script). Reserving lets the bucket go
+-- into debt, which schedules callers one after another instead of denying them in a loop.
+-- Not exact over a sliding window: a full bucket plus its refill allows up to
+-- CAPACITY + COUNT grants within one window.
+--
+-- KEYS[1]  the seller's bucket (hash: tokens, ts = µs at which `tokens` holds)
+-- KEYS[2]  the seller's limit override ("COUNT WINDOW_US"), may be absent
+-- KEYS[3]  the seller's pause ("UNTIL_US"), may be absent
+-- ARGV[1]  default COUNT (integer >= 1)
+-- ARGV[2]  default WINDOW in µs (integer >= 1)
+-- ARGV[3]  GUARD in µs added to the window (-1 = window/20 within [25 ms, 2 s])
+-- ARGV[4]  RESERVE: 1 = hold a future slot for the caller, 0 = only answer
+-- ARGV[5]  HORIZON in µs: a slot further away than this is never reserved
+-- ARGV[6]  TOKEN (unused)
+-- ARGV[7]  CAPACITY (integer >= 0; 0 = COUNT)
+-- ARGV[8]  REQUESTED tokens (integer >= 1, at most the capacity)
+-- Returns {STATUS, SLOT_US, NOW_US, COUNT, WINDOW_US}
+--   STATUS 1 = granted (call now), 2 = reserved (call at SLOT), 0 = denied (come back at SLOT)
+
+local a = acquire_args()
+local capacity = int_arg(7, 0)
+local requested = int_arg(8, 1)
+local count, window = effective_limit(KEYS[2], a.count, a.window)
+if capacity == 0 then capacity = count end
+if requested > capacity then error({err = 'ERR turnstile: REQUESTED exceeds CAPACITY'}) end
+local guard = guard_for(window, a.guard)
+local rate = count / (window + guard) -- tokens per µs
+local now = now_us()
+
+local state = redis.call('HMGET', KEYS[1], 'tokens', 'ts')
+local tokens = tonumber(state[1]) or capacity
+local ts = tonumber(state[2]) or now
+local at = math.max(now, paused_until(KEYS[3]))
+-- Tokens at `at`: refill since ts (before ts the debt is larger still), capped at capacity.
+local filled = math.min(tokens + (at - ts) * rate, capacity)
+local slot = at
+if filled < requested then slot = math.ceil(at + (requested - filled) / rate) end
+
+local status = due(slot, now, guard, a)
+if status == 0 then return {0, slot, now, count, window} end
+local left = filled + (slot - at) * rate - requested
+redis.call('HSET', KEYS[1], 'tokens', string.format('%.6f', left), 'ts', string.format('%.0f', slot))
+local full_at = slot + (capacity - left) / rate -- idle from then on: the key may go
+redis.call('PEXPIRE', KEYS[1], math.floor((full_at - now) / 1000) + 1)
+return {status, slot, now, count, window}

@@ -1,0 +1,52 @@
+//! `turnstile bench ...`: measurements that print figures, each beside a baseline measured in the
+//! same run on the same machine (no thresholds: the figures are for people to read).
+
+mod permits;
+
+use std::process::ExitCode;
+use std::time::Duration;
+
+use clap::Subcommand;
+
+use crate::config::RedisArgs;
+
+#[derive(Subcommand, Debug)]
+pub enum BenchCommand {
+    /// Permits/s and latency of each algorithm from one process, beside a plain INCR round trip.
+    Permits {
+        #[command(flatten)]
+        redis: RedisArgs,
+        /// Concurrent callers.
+        #[arg(long, default_value_t = 64)]
+        concurrency: usize,
+        /// How long each measurement runs.
+        #[arg(long, default_value = "3s", value_parser = crate::config::duration_arg)]
+        duration: Duration,
+        /// Distinct sellers the callers spread over.
+        #[arg(long, default_value_t = 1000)]
+        sellers: usize,
+    },
+}
+
+pub async fn run(which: BenchCommand) -> anyhow::Result<ExitCode> {
+    match which {
+        BenchCommand::Permits {
+            redis,
+            concurrency,
+            duration,
+            sellers,
+        } => {
+            permits::run(&redis, concurrency, duration, sellers).await?;
+        }
+    }
+    Ok(ExitCode::SUCCESS)
+}
+
+/// Latency percentiles of a sample, in microseconds.
+pub fn percentile(sorted: &[Duration], p: f64) -> f64 {
+    if sorted.is_empty() {
+        return 0.0;
+    }
+    let i = ((sorted.len() - 1) as f64 * p).round() as usize;
+    sorted[i].as_secs_f64() * 1e6
+}

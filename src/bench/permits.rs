@@ -1,0 +1,134 @@
+//! Permit throughput and latency per algorithm, beside a plain Redis round trip (INCR).
+
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use anyhow::Context;
+use redis::AsyncCommands;
+
+use super::percentile;
+use crate::config::{Algorithm, Limit, LimiterArgs, RedisArgs};
+use crate::domain::SellerId;
+use crate::permit::{PermitStore, RedisConn};
+
+struct Figures {
+    ops_per_sec: f64,
+    p50_us: f64,
+    p99_us: f64,
+}
+
+/// Runs `op` from `concurrency` tasks for `duration`; returns rate and latency.
+async fn measure<F, Fut>(concurrency: usize, duration: Duration, op: F) -> anyhow::Result<Figures>
+where
+    F: Fn(usize) -> Fut + Send + Sync + 'static,
+    Fut: std::future::Future<Output = anyhow::Result<()>> + Send,
+{
+    let op = Arc::new(op);
+    let start = Instant::now();
+    let deadline = start + duration;
+    let mut tasks = Vec::new();
+    for worker in 0..concurrency {
+        let op = op.clone();
+        tasks.push(tokio::spawn(async move {
+            let mut samples = Vec::new();
+            let mut i = worker;
+            while Instant::now() < deadline {
+                let t = Instant::now();
+                op(i).await?;
+                samples.push(t.elapsed());
+                i += concurrency;
+            }
+            anyhow::Ok(samples)
+        }));
+    }
+    let mut all = Vec::new();
+    for task in tasks {
+        all.extend(task.await??);
+    }
+    let elapsed = start.elapsed().as_secs_f64();
+    all.sort_unstable();
+    Ok(Figures {
+        ops_per_sec: all.len() as f64 / elapsed,
+        p50_us: percentile(&all, 0.5),
+        p99_us: percentile(&all, 0.99),
+    })
+}
+
+pub async fn run(
+    redis: &RedisArgs,
+    concurrency: usize,
+    duration: Duration,
+    sellers: usize,
+) -> anyhow::Result<()> {
+    let conn = RedisConn::connect(redis).await?;
+    let prefix = format!("{}-bench-{:x}", redis.key_prefix, rand::random::<u32>());
+    let sellers: Arc<Vec<SellerId>> = Arc::new(
+        (0..sellers)
+            .map(|i| SellerId::parse(&format!("bench-{i}")).unwrap())
+            .collect(),
+    );
+
+    println!(
+        "permits from one process: {concurrency} concurrent callers over {} sellers, {:?} each, limits out of the way",
+        sellers.len(),
+        duration
+    );
+    println!(
+        "{:<16} {:>12} {:>10} {:>10} {:>12}",
+        "operation", "ops/s", "p50 µs", "p99 µs", "vs INCR"
+    );
+    let baseline = {
+        let conn = conn.clone();
+        let prefix = prefix.clone();
+        let sellers = sellers.clone();
+        measure(concurrency, duration, move |i| {
+            let mut conn = conn.clone();
+            let key = format!("{prefix}:{{{}}}:incr", sellers[i % sellers.len()].key_tag());
+            async move {
+                let _: i64 = conn.incr(&key, 1).await?;
+                Ok(())
+            }
+        })
+        .await?
+    };
+    let row = |name: &str, f: &Figures| {
+        println!(
+            "{:<16} {:>12.0} {:>10.0} {:>10.0} {:>11.2}x",
+            name,
+            f.ops_per_sec,
+            f.p50_us,
+            f.p99_us,
+            f.ops_per_sec / baseline.ops_per_sec
+        )
+    };
+    row("INCR (baseline)", &baseline);
+    for algorithm in Algorithm::ALL {
+        let limiter = LimiterArgs {
+            limit: Limit::new(1_000_000_000, Duration::from_secs(1)).unwrap(),
+            algorithm,
+            guard: None,
+            gcra_burst: 1_000_000,
+            bucket_capacity: 0,
+            horizon: Duration::from_secs(86400),
+        };
+        let store = PermitStore::new(conn.clone(), &prefix, limiter);
+        let sellers = sellers.clone();
+        let figures = measure(concurrency, duration, move |i| {
+            let store = store.clone();
+            let seller = sellers[i % sellers.len()].clone();
+            async move {
+                store.acquire(&seller, true).await.context("acquire")?;
+                Ok(())
+            }
+        })
+        .await?;
+        row(algorithm.name(), &figures);
+    }
+    cleanup(&conn, &prefix).await?;
+    Ok(())
+}
+
+/// Deletes every key under `prefix` (SCAN + UNLINK on each node).
+pub async fn cleanup(conn: &RedisConn, prefix: &str) -> anyhow::Result<()> {
+    crate::permit::delete_prefix(conn, prefix).await
+}

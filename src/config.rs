@@ -1,0 +1,283 @@
+//! Settings shared by every subcommand: parsed once from flags and `TURNSTILE_*` variables into
+//! typed values, with errors that name the setting and what is wrong.
+
+use std::fmt;
+use std::str::FromStr;
+use std::time::Duration;
+
+use clap::{Args, ValueEnum};
+
+/// A per-seller limit: at most `count` registrations in any trailing `window`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Limit {
+    count: u32,
+    window: Duration,
+}
+
+/// Why a limit such as `100/60s` was refused.
+#[derive(Debug, thiserror::Error, PartialEq, Eq)]
+pub enum LimitError {
+    #[error("a limit is COUNT/DURATION, e.g. 100/60s, 20/1s, 100/1m or 5000/1h; got {0:?}")]
+    Shape(String),
+    #[error("the count in {0:?} must be a whole number from 1 to 1000000000")]
+    Count(String),
+    #[error("the duration in {0:?} must be a positive number with a unit: ms, s, m, h or d")]
+    Window(String),
+}
+
+impl Limit {
+    /// Builds a limit; `count` and `window` must be positive.
+    pub fn new(count: u32, window: Duration) -> Option<Self> {
+        (count > 0 && !window.is_zero() && window.as_micros() <= u64::MAX as u128)
+            .then_some(Self { count, window })
+    }
+    pub fn count(&self) -> u32 {
+        self.count
+    }
+    pub fn window(&self) -> Duration {
+        self.window
+    }
+    pub fn window_us(&self) -> u64 {
+        self.window.as_micros() as u64
+    }
+    /// The shortest time in which `n` registrations can be made from an idle start:
+    /// `(ceil(n / COUNT) - 1)` windows.
+    pub fn optimum_drain(&self, n: u64) -> Duration {
+        let windows = n.div_ceil(self.count as u64).saturating_sub(1);
+        self.window * windows as u32
+    }
+}
+
+impl FromStr for Limit {
+    type Err = LimitError;
+    fn from_str(s: &str) -> Result<Self, Self::Err> {
+        let (count, window) = s
+            .trim()
+            .split_once('/')
+            .ok_or_else(|| LimitError::Shape(s.to_owned()))?;
+        let count: u32 = count
+            .trim()
+            .parse()
+            .ok()
+            .filter(|c| (1..=1_000_000_000).contains(c))
+            .ok_or_else(|| LimitError::Count(s.to_owned()))?;
+        let window = parse_duration(window).ok_or_else(|| LimitError::Window(s.to_owned()))?;
+        Limit::new(count, window).ok_or_else(|| LimitError::Window(s.to_owned()))
+    }
+}
+
+impl fmt::Display for Limit {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "{}/{}", self.count, format_duration(self.window))
+    }
+}
+
+/// Parses `250ms`, `1s`, `1.5s`, `2m`, `1h`, `1d`; a bare number means seconds.
+pub fn parse_duration(s: &str) -> Option<Duration> {
+    let s = s.trim();
+    let split = s
+        .find(|c: char| !(c.is_ascii_digit() || c == '.'))
+        .unwrap_or(s.len());
+    let (number, unit) = s.split_at(split);
+    let number: f64 = number.parse().ok()?;
+    let unit_secs = match unit.trim() {
+        "ms" => 0.001,
+        "" | "s" | "sec" => 1.0,
+        "m" | "min" => 60.0,
+        "h" => 3600.0,
+        "d" => 86400.0,
+        _ => return None,
+    };
+    let secs = number * unit_secs;
+    (secs.is_finite() && secs > 0.0 && secs < 1e9).then(|| Duration::from_secs_f64(secs))
+}
+
+/// The shortest exact spelling of a duration (`60s` prints as `1m`).
+pub fn format_duration(d: Duration) -> String {
+    let ms = d.as_millis();
+    if d.subsec_nanos() % 1_000_000 != 0 || ms == 0 {
+        return format!("{}us", d.as_micros());
+    }
+    for (unit, size) in [
+        ("d", 86_400_000),
+        ("h", 3_600_000),
+        ("m", 60_000),
+        ("s", 1000),
+    ] {
+        if ms % size == 0 {
+            return format!("{}{unit}", ms / size);
+        }
+    }
+    format!("{ms}ms")
+}
+
+/// The limiter algorithm (one Lua script each, see `lua/`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
+pub enum Algorithm {
+    /// Exact: at most COUNT in any trailing window; reserves future slots for waiting callers.
+    SlidingWindow,
+    /// Exact pacing with O(1) state (theoretical arrival time); bursts only as configured.
+    Gcra,
+    /// Rate plus a bucket of CAPACITY tokens; allows up to CAPACITY + COUNT in one window.
+    TokenBucket,
+    /// A counter per aligned window; allows up to 2 x COUNT across a window edge.
+    FixedWindow,
+}
+
+impl Algorithm {
+    pub const ALL: [Algorithm; 4] = [
+        Algorithm::SlidingWindow,
+        Algorithm::Gcra,
+        Algorithm::TokenBucket,
+        Algorithm::FixedWindow,
+    ];
+    pub fn name(&self) -> &'static str {
+        match self {
+            Algorithm::SlidingWindow => "sliding-window",
+            Algorithm::Gcra => "gcra",
+            Algorithm::TokenBucket => "token-bucket",
+            Algorithm::FixedWindow => "fixed-window",
+        }
+    }
+}
+
+impl fmt::Display for Algorithm {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.name())
+    }
+}
+
+fn parse_limit(s: &str) -> Result<Limit, String> {
+    s.parse().map_err(|e: LimitError| e.to_string())
+}
+
+fn parse_opt_duration(s: &str) -> Result<Option<Duration>, String> {
+    if s == "auto" {
+        return Ok(None);
+    }
+    parse_duration(s)
+        .map(Some)
+        .ok_or_else(|| format!("{s:?} is not a duration such as 50ms or 1s (or `auto`)"))
+}
+
+fn parse_key_prefix(s: &str) -> Result<String, String> {
+    if s.is_empty() || s.len() > 64 {
+        return Err("must be 1 to 64 characters".into());
+    }
+    if s.contains(['{', '}']) || s.chars().any(char::is_control) {
+        return Err("must not contain braces (they would change the Redis Cluster hash tag) or control characters".into());
+    }
+    Ok(s.to_owned())
+}
+
+/// Where Redis is and how to reach it.
+#[derive(Args, Clone, Debug)]
+pub struct RedisArgs {
+    /// Redis URL; a comma-separated list of node URLs means Redis Cluster.
+    #[arg(
+        long = "redis-url",
+        env = "TURNSTILE_REDIS_URL",
+        default_value = "redis://127.0.0.1:6379/"
+    )]
+    pub url: String,
+    /// Force Redis Cluster mode with a single seed URL.
+    #[arg(long = "redis-cluster", env = "TURNSTILE_REDIS_CLUSTER", default_value_t = false, action = clap::ArgAction::Set, num_args = 0..=1, default_missing_value = "true")]
+    pub cluster: bool,
+    /// Prefix of every Redis key.
+    #[arg(long = "key-prefix", env = "TURNSTILE_KEY_PREFIX", default_value = "turnstile", value_parser = parse_key_prefix)]
+    pub key_prefix: String,
+}
+
+/// How permits are decided: the default limit, the algorithm and its tuning.
+#[derive(Args, Clone, Debug)]
+pub struct LimiterArgs {
+    /// Default per-seller limit, COUNT/DURATION (e.g. 20/1s, 100/1m, 5000/1h).
+    #[arg(long, env = "TURNSTILE_LIMIT", default_value = "100/60s", value_parser = parse_limit)]
+    pub limit: Limit,
+    #[arg(long, env = "TURNSTILE_ALGORITHM", value_enum, default_value_t = Algorithm::SlidingWindow)]
+    pub algorithm: Algorithm,
+    /// Time added to every window to absorb jitter between the permit and the downstream's
+    /// clock (`auto` = window/20, between 25ms and 2s).
+    #[arg(long, env = "TURNSTILE_LIMIT_GUARD", default_value = "auto", value_parser = parse_opt_duration)]
+    pub guard: Option<Duration>,
+    /// gcra: grants allowed at once after idleness (1 = pure pacing at COUNT per window).
+    #[arg(long, env = "TURNSTILE_GCRA_BURST", default_value_t = 1)]
+    pub gcra_burst: u32,
+    /// token-bucket: bucket capacity (0 = COUNT).
+    #[arg(long, env = "TURNSTILE_BUCKET_CAPACITY", default_value_t = 0)]
+    pub bucket_capacity: u32,
+    /// Farthest ahead a waiting caller may reserve a slot.
+    #[arg(long, env = "TURNSTILE_RESERVE_HORIZON", default_value = "24h", value_parser = parse_duration_arg)]
+    pub horizon: Duration,
+}
+
+fn parse_duration_arg(s: &str) -> Result<Duration, String> {
+    parse_duration(s)
+        .ok_or_else(|| format!("{s:?} is not a duration such as 500ms, 30s, 5m or 24h"))
+}
+
+/// Parses a duration flag (`500ms`, `30s`, `5m`, `24h`) with an error that shows the value.
+pub fn duration_arg(s: &str) -> Result<Duration, String> {
+    parse_duration_arg(s)
+}
+
+impl LimiterArgs {
+    /// The guard in effect for a window: the configured one, or window/20 within [25ms, 2s].
+    pub fn guard_for(&self, window: Duration) -> Duration {
+        self.guard.unwrap_or_else(|| {
+            (window / 20).clamp(Duration::from_millis(25), Duration::from_secs(2))
+        })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn limits_parse_with_units() {
+        assert_eq!(
+            "20/1s".parse(),
+            Ok(Limit::new(20, Duration::from_secs(1)).unwrap())
+        );
+        assert_eq!(
+            "100/1m".parse(),
+            Ok(Limit::new(100, Duration::from_secs(60)).unwrap())
+        );
+        assert_eq!(
+            "5000/1h".parse(),
+            Ok(Limit::new(5000, Duration::from_secs(3600)).unwrap())
+        );
+        assert_eq!(
+            "10/500ms".parse(),
+            Ok(Limit::new(10, Duration::from_millis(500)).unwrap())
+        );
+        assert_eq!("100/60s".parse::<Limit>().unwrap().to_string(), "100/1m");
+    }
+
+    #[test]
+    fn malformed_limits_are_refused_with_the_reason() {
+        assert!(matches!("0/1s".parse::<Limit>(), Err(LimitError::Count(_))));
+        assert!(matches!("abc".parse::<Limit>(), Err(LimitError::Shape(_))));
+        assert!(matches!(
+            "10/0s".parse::<Limit>(),
+            Err(LimitError::Window(_))
+        ));
+        assert!(matches!(
+            "10/5y".parse::<Limit>(),
+            Err(LimitError::Window(_))
+        ));
+        assert!(matches!(
+            "-1/1s".parse::<Limit>(),
+            Err(LimitError::Count(_))
+        ));
+    }
+
+    #[test]
+    fn optimum_drain_counts_whole_windows_after_the_first() {
+        let limit: Limit = "20/1s".parse().unwrap();
+        assert_eq!(limit.optimum_drain(400), Duration::from_secs(19));
+        assert_eq!(limit.optimum_drain(20), Duration::ZERO);
+        assert_eq!(limit.optimum_drain(21), Duration::from_secs(1));
+    }
+}

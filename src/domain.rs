@@ -1,0 +1,324 @@
+//! The registration domain: a message body parsed once, at the edge, into types that cannot be
+//! invalid afterwards.
+
+use std::fmt;
+
+use percent_encoding::{AsciiSet, CONTROLS, utf8_percent_encode};
+use serde::Deserialize;
+use serde_json::value::RawValue;
+use sha2::{Digest, Sha256};
+
+/// Largest message body accepted; larger ones are dead-lettered.
+pub const MAX_BODY_BYTES: usize = 1 << 20;
+
+/// Bytes outside visible ASCII, plus `%` itself, are percent-encoded in HTTP headers, so the
+/// header value is ASCII and decodes back (RFC 3986 percent-decoding of UTF-8) to the exact id.
+const HEADER_UNSAFE: &AsciiSet = &CONTROLS.add(b' ').add(b'%').add(b'"').add(b'\\').add(0x7f);
+
+/// A seller: 1–128 characters, no control characters. Any other character is allowed;
+/// Redis keys use [`SellerId::key_tag`], never the raw id.
+#[derive(Clone, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct SellerId(String);
+
+/// A message's stable identity (also the downstream Idempotency-Key).
+#[derive(Clone, Debug, PartialEq, Eq, Hash)]
+pub struct MessageId(String);
+
+/// An upload batch (optional): groups the registrations of one spreadsheet.
+#[derive(Clone, Debug, PartialEq, Eq, Hash)]
+pub struct BatchId(String);
+
+/// Why a message cannot be registered; the text goes into the dead letter's reason header.
+#[derive(Debug, thiserror::Error, PartialEq, Eq)]
+pub enum InvalidMessage {
+    #[error("empty body")]
+    Empty,
+    #[error("body of {0} bytes exceeds the {MAX_BODY_BYTES}-byte limit")]
+    TooLarge(usize),
+    #[error("body is not valid UTF-8")]
+    NotUtf8,
+    #[error("body is not a JSON object: {0}")]
+    NotJson(String),
+    #[error("invalid seller_id: {0}")]
+    Seller(&'static str),
+    #[error("invalid {field}: {why}")]
+    Field {
+        field: &'static str,
+        why: &'static str,
+    },
+}
+
+fn check_text(s: &str, max: usize) -> Result<(), &'static str> {
+    let chars = s.chars().count();
+    if chars == 0 {
+        Err("must not be empty")
+    } else if chars > max {
+        Err("too long")
+    } else if s.chars().any(char::is_control) {
+        Err("must not contain control characters")
+    } else {
+        Ok(())
+    }
+}
+
+impl SellerId {
+    pub const MAX_CHARS: usize = 128;
+
+    pub fn parse(s: &str) -> Result<Self, InvalidMessage> {
+        check_text(s, Self::MAX_CHARS).map_err(InvalidMessage::Seller)?;
+        Ok(Self(s.to_owned()))
+    }
+    pub fn as_str(&self) -> &str {
+        &self.0
+    }
+    /// The id as it goes into a Redis key and hash tag: ASCII letters, digits, `-`, `_` and `.`
+    /// stay, every other byte becomes `%XX`. Injective, and free of `{`, `}` and `:`, so two
+    /// sellers never share a key and the hash tag is always the whole id.
+    pub fn key_tag(&self) -> String {
+        const KEEP: &AsciiSet = &percent_encoding::NON_ALPHANUMERIC
+            .remove(b'-')
+            .remove(b'_')
+            .remove(b'.');
+        utf8_percent_encode(&self.0, KEEP).to_string()
+    }
+    /// The id as sent in `X-Seller-Id`: visible ASCII except `%` as is, anything else
+    /// percent-encoded UTF-8 (so `größe` is sent as `gr%C3%B6%C3%9Fe`).
+    pub fn header_value(&self) -> String {
+        header_encode(&self.0)
+    }
+}
+
+fn header_encode(s: &str) -> String {
+    utf8_percent_encode(s, HEADER_UNSAFE).to_string()
+}
+
+impl fmt::Display for SellerId {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(&self.0)
+    }
+}
+
+impl MessageId {
+    pub const MAX_CHARS: usize = 256;
+
+    pub fn parse(s: &str) -> Result<Self, InvalidMessage> {
+        check_text(s, Self::MAX_CHARS).map_err(|why| InvalidMessage::Field {
+            field: "message_id",
+            why,
+        })?;
+        Ok(Self(s.to_owned()))
+    }
+    /// The fallback identity of a message without one: a digest of its body.
+    pub fn digest_of(body: &[u8]) -> Self {
+        Self(format!(
+            "sha256:{}",
+            hex::encode(&Sha256::digest(body)[..16])
+        ))
+    }
+    pub fn as_str(&self) -> &str {
+        &self.0
+    }
+    /// The id as sent in `Idempotency-Key` (same encoding as `X-Seller-Id`).
+    pub fn header_value(&self) -> String {
+        header_encode(&self.0)
+    }
+}
+
+impl fmt::Display for MessageId {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(&self.0)
+    }
+}
+
+impl BatchId {
+    pub fn parse(s: &str) -> Result<Self, InvalidMessage> {
+        check_text(s, 256).map_err(|why| InvalidMessage::Field {
+            field: "batch_id",
+            why,
+        })?;
+        Ok(Self(s.to_owned()))
+    }
+    pub fn as_str(&self) -> &str {
+        &self.0
+    }
+    pub fn header_value(&self) -> String {
+        header_encode(&self.0)
+    }
+}
+
+/// One product registration, as received.
+#[derive(Debug)]
+pub struct Registration {
+    pub message_id: MessageId,
+    pub seller_id: SellerId,
+    pub batch_id: Option<BatchId>,
+    /// The `product` object exactly as it arrived (forwarded verbatim).
+    pub product: Box<RawValue>,
+}
+
+#[derive(Deserialize)]
+struct Wire<'a> {
+    #[serde(default, borrow)]
+    message_id: Option<&'a RawValue>,
+    #[serde(borrow)]
+    seller_id: Option<&'a RawValue>,
+    #[serde(default, borrow)]
+    batch_id: Option<&'a RawValue>,
+    #[serde(borrow)]
+    product: Option<&'a RawValue>,
+}
+
+fn string_field(raw: &RawValue, field: &'static str) -> Result<String, InvalidMessage> {
+    serde_json::from_str::<String>(raw.get()).map_err(|_| InvalidMessage::Field {
+        field,
+        why: "must be a string",
+    })
+}
+
+impl Registration {
+    /// Parses a message body; `amqp_message_id` is the AMQP `message-id` property, used when the
+    /// body has no `message_id`; failing both, the id is a digest of the body.
+    pub fn parse(body: &[u8], amqp_message_id: Option<&str>) -> Result<Self, InvalidMessage> {
+        if body.is_empty() {
+            return Err(InvalidMessage::Empty);
+        }
+        if body.len() > MAX_BODY_BYTES {
+            return Err(InvalidMessage::TooLarge(body.len()));
+        }
+        let text = std::str::from_utf8(body).map_err(|_| InvalidMessage::NotUtf8)?;
+        if !text.trim_start().starts_with('{') {
+            return Err(InvalidMessage::NotJson("expected an object".into()));
+        }
+        let wire: Wire =
+            serde_json::from_str(text).map_err(|e| InvalidMessage::NotJson(e.to_string()))?;
+        let seller = wire.seller_id.ok_or(InvalidMessage::Seller("missing"))?;
+        let seller = serde_json::from_str::<String>(seller.get())
+            .map_err(|_| InvalidMessage::Seller("must be a string"))?;
+        let seller_id = SellerId::parse(&seller)?;
+        let product = wire.product.ok_or(InvalidMessage::Field {
+            field: "product",
+            why: "missing",
+        })?;
+        if !product.get().starts_with('{') {
+            return Err(InvalidMessage::Field {
+                field: "product",
+                why: "must be a JSON object",
+            });
+        }
+        let message_id = match wire.message_id.filter(|raw| raw.get() != "null") {
+            Some(raw) => MessageId::parse(&string_field(raw, "message_id")?)?,
+            None => match amqp_message_id.filter(|id| !id.is_empty()) {
+                Some(id) => MessageId::parse(id)?,
+                None => MessageId::digest_of(body),
+            },
+        };
+        let batch_id = match wire.batch_id.filter(|raw| raw.get() != "null") {
+            Some(raw) => Some(BatchId::parse(&string_field(raw, "batch_id")?)?),
+            None => None,
+        };
+        Ok(Self {
+            message_id,
+            seller_id,
+            batch_id,
+            product: product.to_owned(),
+        })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_full_message_parses_and_keeps_the_product_verbatim() {
+        let body = br#"{"message_id":"m1","seller_id":"S-1001","batch_id":"b","product":{"sku": "A1",  "n":1.50}}"#;
+        let r = Registration::parse(body, None).unwrap();
+        assert_eq!(r.message_id.as_str(), "m1");
+        assert_eq!(r.seller_id.as_str(), "S-1001");
+        assert_eq!(r.batch_id.unwrap().as_str(), "b");
+        assert_eq!(r.product.get(), r#"{"sku": "A1",  "n":1.50}"#);
+    }
+
+    #[test]
+    fn the_message_id_falls_back_to_the_amqp_property_then_to_a_digest() {
+        let body = br#"{"seller_id":"S","product":{}}"#;
+        assert_eq!(
+            Registration::parse(body, Some("amqp-1"))
+                .unwrap()
+                .message_id
+                .as_str(),
+            "amqp-1"
+        );
+        let a = Registration::parse(body, None).unwrap().message_id;
+        let b = Registration::parse(body, None).unwrap().message_id;
+        assert_eq!(a, b);
+        assert!(a.as_str().starts_with("sha256:"));
+    }
+
+    #[test]
+    fn bad_bodies_are_refused_with_a_reason() {
+        let cases: &[&[u8]] = &[
+            b"",
+            b"not json",
+            b"[1,2]",
+            b"\xff\xfe",
+            br#"{"product":{}}"#,
+            br#"{"seller_id":7,"product":{}}"#,
+            br#"{"seller_id":"","product":{}}"#,
+            br#"{"seller_id":"a\u0001b","product":{}}"#,
+            br#"{"seller_id":"S"}"#,
+            br#"{"seller_id":"S","product":[1]}"#,
+            br#"{"seller_id":"S","product":{},"message_id":5}"#,
+        ];
+        for body in cases {
+            assert!(
+                Registration::parse(body, None).is_err(),
+                "{:?}",
+                String::from_utf8_lossy(body)
+            );
+        }
+        let long = format!(r#"{{"seller_id":"{}","product":{{}}}}"#, "x".repeat(129));
+        assert_eq!(
+            Registration::parse(long.as_bytes(), None).unwrap_err(),
+            InvalidMessage::Seller("too long")
+        );
+        let deep = format!(
+            r#"{{"seller_id":"S","product":{}{}}}"#,
+            "[".repeat(1000),
+            "]".repeat(1000)
+        );
+        assert!(Registration::parse(deep.as_bytes(), None).is_err());
+    }
+
+    #[test]
+    fn key_tags_are_injective_and_free_of_hash_tag_characters() {
+        let ids = ["{brace}", "a:b:c", "a b", "größe", "%7Bbrace%7D", "S-1001"];
+        let tags: Vec<String> = ids
+            .iter()
+            .map(|s| SellerId::parse(s).unwrap().key_tag())
+            .collect();
+        for (i, t) in tags.iter().enumerate() {
+            assert!(!t.contains(['{', '}', ':', ' ']), "{t}");
+            assert_eq!(
+                tags.iter().filter(|u| *u == t).count(),
+                1,
+                "{} collides",
+                ids[i]
+            );
+        }
+        assert_eq!(tags[5], "S-1001");
+    }
+
+    #[test]
+    fn non_ascii_seller_ids_are_percent_encoded_in_headers() {
+        assert_eq!(
+            SellerId::parse("größe").unwrap().header_value(),
+            "gr%C3%B6%C3%9Fe"
+        );
+        assert_eq!(SellerId::parse("{a:b}").unwrap().header_value(), "{a:b}");
+        assert_eq!(
+            SellerId::parse("50% off").unwrap().header_value(),
+            "50%25%20off"
+        );
+    }
+}

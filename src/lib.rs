@@ -1,0 +1,18 @@
+//! turnstile: a horizontally scaled RabbitMQ consumer that calls a per-seller rate-limited
+//! registration API, never exceeding any seller's limit across replicas, never losing a message
+//! and never letting one busy seller hold up the others.
+//!
+//! Module map (one module per outside system; only `cli` knows them all):
+//! - [`config`]: settings, limits and algorithms, parsed once with clear errors
+//! - [`domain`]: sellers, message ids, registrations (parse, don't validate)
+//! - [`permit`]: the Redis/Lua limiter shared by every replica
+//! - [`telemetry`]: tracing setup
+//! - [`bench`]: measurements that print figures
+//! - [`cli`]: the `turnstile` command line
+
+pub mod bench;
+pub mod cli;
+pub mod config;
+pub mod domain;
+pub mod permit;
+pub mod telemetry;

@@ -1,0 +1,103 @@
+//! One Redis connection type over standalone Redis and Redis Cluster.
+
+use std::time::Duration;
+
+use anyhow::Context;
+use redis::aio::{ConnectionLike, ConnectionManager, ConnectionManagerConfig};
+use redis::cluster::ClusterClient;
+use redis::cluster_async::ClusterConnection;
+use redis::{Cmd, Pipeline, RedisFuture, Value};
+
+use crate::config::RedisArgs;
+
+/// A cheap-to-clone, self-reconnecting connection to Redis or to a Redis Cluster.
+#[derive(Clone)]
+pub enum RedisConn {
+    Single(ConnectionManager),
+    Cluster(ClusterConnection),
+}
+
+/// How long a Redis call may take before it fails (the caller then retries with backoff).
+const RESPONSE_TIMEOUT: Duration = Duration::from_secs(2);
+const CONNECT_TIMEOUT: Duration = Duration::from_secs(2);
+
+/// The URL with any password replaced, for messages.
+pub fn redact_url(url: &str) -> String {
+    match url.split_once("://") {
+        Some((scheme, rest)) => match rest.rsplit_once('@') {
+            Some((_, host)) => format!("{scheme}://***@{host}"),
+            None => url.to_owned(),
+        },
+        None => url.to_owned(),
+    }
+}
+
+impl RedisConn {
+    /// Connects as `TURNSTILE_REDIS_URL` / `TURNSTILE_REDIS_CLUSTER` say.
+    pub async fn connect(args: &RedisArgs) -> anyhow::Result<Self> {
+        let urls: Vec<&str> = args
+            .url
+            .split(',')
+            .map(str::trim)
+            .filter(|u| !u.is_empty())
+            .collect();
+        let shown = urls
+            .iter()
+            .map(|u| redact_url(u))
+            .collect::<Vec<_>>()
+            .join(",");
+        anyhow::ensure!(!urls.is_empty(), "TURNSTILE_REDIS_URL is empty");
+        if urls.len() > 1 || args.cluster {
+            let client = ClusterClient::builder(urls.clone())
+                .connection_timeout(CONNECT_TIMEOUT)
+                .response_timeout(RESPONSE_TIMEOUT)
+                .build()
+                .with_context(|| format!("TURNSTILE_REDIS_URL {shown:?} is not a valid list of Redis Cluster node URLs"))?;
+            let conn = client
+                .get_async_connection()
+                .await
+                .with_context(|| format!("cannot connect to Redis Cluster at {shown}"))?;
+            Ok(Self::Cluster(conn))
+        } else {
+            let client = redis::Client::open(urls[0]).with_context(|| {
+                format!("TURNSTILE_REDIS_URL {shown:?} is not a valid Redis URL")
+            })?;
+            let config = ConnectionManagerConfig::new()
+                .set_connection_timeout(Some(CONNECT_TIMEOUT))
+                .set_response_timeout(Some(RESPONSE_TIMEOUT))
+                .set_number_of_retries(2)
+                .set_max_delay(Duration::from_secs(1));
+            let conn = client
+                .get_connection_manager_with_config(config)
+                .await
+                .with_context(|| format!("cannot connect to Redis at {shown}"))?;
+            Ok(Self::Single(conn))
+        }
+    }
+}
+
+impl ConnectionLike for RedisConn {
+    fn req_packed_command<'a>(&'a mut self, cmd: &'a Cmd) -> RedisFuture<'a, Value> {
+        match self {
+            Self::Single(c) => c.req_packed_command(cmd),
+            Self::Cluster(c) => c.req_packed_command(cmd),
+        }
+    }
+    fn req_packed_commands<'a>(
+        &'a mut self,
+        pipeline: &'a Pipeline,
+        offset: usize,
+        count: usize,
+    ) -> RedisFuture<'a, Vec<Value>> {
+        match self {
+            Self::Single(c) => c.req_packed_commands(pipeline, offset, count),
+            Self::Cluster(c) => c.req_packed_commands(pipeline, offset, count),
+        }
+    }
+    fn get_db(&self) -> i64 {
+        match self {
+            Self::Single(c) => c.get_db(),
+            Self::Cluster(c) => c.get_db(),
+        }
+    }
+}

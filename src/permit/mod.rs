@@ -1,0 +1,343 @@
+//! Permits: the shared, atomic per-seller limiter in Redis (Lua), used by every replica.
+//!
+//! A caller asks for a permit for a seller. It is granted now, or the caller is told when to
+//! come back; when reserving is on (the consumer's case) the caller then also *holds* that future
+//! slot, so a deep backlog is scheduled one slot after another instead of every waiting caller
+//! coming back at the same instant and being denied again. A caller that waits the returned time
+//! and comes back with its [`Reservation`] is granted, unless the seller was paused or its limit
+//! changed meanwhile, or it came back too late (then it simply reserves again).
+
+mod conn;
+mod scripts;
+
+use std::time::Duration;
+
+pub use conn::{RedisConn, redact_url};
+use redis::AsyncCommands;
+
+use crate::config::{Algorithm, Limit, LimiterArgs, RedisArgs};
+use crate::domain::SellerId;
+
+/// A failed permit decision: the caller cannot know whether it may call, so it must not.
+#[derive(Debug, thiserror::Error)]
+pub enum PermitError {
+    #[error("Redis: {0}")]
+    Redis(#[from] redis::RedisError),
+    #[error("unexpected answer from the {0} script")]
+    Answer(&'static str),
+}
+
+/// A slot held for a seller: call at `slot_us` (Redis time). It stays valid only under the limit
+/// it was reserved with.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Reservation {
+    pub slot_us: i64,
+    pub count: u32,
+    pub window_us: u64,
+}
+
+impl Reservation {
+    /// `SLOT_US/COUNT/WINDOW_US`: how a reservation travels in a message header.
+    pub fn encode(&self) -> String {
+        format!("{}/{}/{}", self.slot_us, self.count, self.window_us)
+    }
+    pub fn decode(s: &str) -> Option<Self> {
+        let mut parts = s.split('/');
+        let r = Self {
+            slot_us: parts.next()?.parse().ok()?,
+            count: parts.next()?.parse().ok()?,
+            window_us: parts.next()?.parse().ok()?,
+        };
+        parts.next().is_none().then_some(r)
+    }
+}
+
+/// What the limiter decided.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Decision {
+    /// Call now. `slot_us` is the Redis time the call is counted at.
+    Granted { slot_us: i64 },
+    /// Not yet: come back after `retry_after`. With a reservation, come back with it and the
+    /// slot is yours; without (reserving off, beyond the horizon), acquire again then.
+    Wait {
+        retry_after: Duration,
+        reservation: Option<Reservation>,
+    },
+}
+
+/// Why a reservation was given up when redeemed (the caller reserves anew).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Forfeit {
+    Paused,
+    LimitChanged,
+    Late,
+}
+
+/// The per-seller limiter over Redis, shared by all replicas through Redis.
+#[derive(Clone)]
+pub struct PermitStore {
+    conn: RedisConn,
+    prefix: String,
+    limiter: LimiterArgs,
+}
+
+fn wait_for(at_us: i64, now_us: i64) -> Duration {
+    Duration::from_micros(at_us.saturating_sub(now_us).max(0) as u64)
+}
+
+impl PermitStore {
+    pub async fn connect(redis: &RedisArgs, limiter: &LimiterArgs) -> anyhow::Result<Self> {
+        Ok(Self::new(
+            RedisConn::connect(redis).await?,
+            &redis.key_prefix,
+            limiter.clone(),
+        ))
+    }
+
+    pub fn new(conn: RedisConn, prefix: &str, limiter: LimiterArgs) -> Self {
+        Self {
+            conn,
+            prefix: prefix.to_owned(),
+            limiter,
+        }
+    }
+
+    pub fn connection(&self) -> RedisConn {
+        self.conn.clone()
+    }
+    pub fn algorithm(&self) -> Algorithm {
+        self.limiter.algorithm
+    }
+    pub fn default_limit(&self) -> Limit {
+        self.limiter.limit
+    }
+    pub fn key_prefix(&self) -> &str {
+        &self.prefix
+    }
+
+    /// A key of this seller's: `<prefix>:{<seller tag>}:<name>`. The braces make every key of a
+    /// seller share one Redis Cluster hash slot, so one script can touch them all.
+    pub fn seller_key(&self, seller: &SellerId, name: &str) -> String {
+        format!("{}:{{{}}}:{}", self.prefix, seller.key_tag(), name)
+    }
+
+    fn guard_arg(&self) -> i64 {
+        self.limiter.guard.map_or(-1, |g| g.as_micros() as i64)
+    }
+
+    /// Asks for a permit now. With `reserve`, a caller who must wait holds a slot.
+    pub async fn acquire(&self, seller: &SellerId, reserve: bool) -> Result<Decision, PermitError> {
+        let algorithm = self.limiter.algorithm;
+        let state = match algorithm {
+            Algorithm::SlidingWindow => "log",
+            Algorithm::Gcra => "tat",
+            Algorithm::TokenBucket => "bucket",
+            Algorithm::FixedWindow => "windows",
+        };
+        let limit = self.limiter.limit;
+        let mut invocation = scripts::acquire(algorithm).prepare_invoke();
+        invocation
+            .key(self.seller_key(seller, state))
+            .key(self.seller_key(seller, "limit"))
+            .key(self.seller_key(seller, "pause"))
+            .arg(limit.count())
+            .arg(limit.window_us())
+            .arg(self.guard_arg())
+            .arg(u8::from(reserve))
+            .arg(self.limiter.horizon.as_micros() as u64)
+            .arg(format!("{:x}", rand::random::<u64>()));
+        match algorithm {
+            Algorithm::Gcra => {
+                invocation.arg(self.limiter.gcra_burst.max(1));
+            }
+            Algorithm::TokenBucket => {
+                invocation.arg(self.limiter.bucket_capacity).arg(1);
+            }
+            _ => {}
+        }
+        let (status, slot, now, count, window): (u8, i64, i64, u32, u64) =
+            invocation.invoke_async(&mut self.conn.clone()).await?;
+        match status {
+            1 => Ok(Decision::Granted { slot_us: slot }),
+            2 => Ok(Decision::Wait {
+                retry_after: wait_for(slot, now),
+                reservation: Some(Reservation {
+                    slot_us: slot,
+                    count,
+                    window_us: window,
+                }),
+            }),
+            0 => Ok(Decision::Wait {
+                retry_after: wait_for(slot, now),
+                reservation: None,
+            }),
+            _ => Err(PermitError::Answer(algorithm.name())),
+        }
+    }
+
+    /// Comes back for a reserved slot: `Ok(Ok(decision))` is granted or still early (wait again
+    /// with the same reservation); `Ok(Err(forfeit))` means the slot is gone.
+    pub async fn redeem(
+        &self,
+        seller: &SellerId,
+        held: Reservation,
+    ) -> Result<Result<Decision, Forfeit>, PermitError> {
+        let limit = self.limiter.limit;
+        let (status, at, now): (u8, i64, i64) = scripts::redeem()
+            .key(self.seller_key(seller, "limit"))
+            .key(self.seller_key(seller, "pause"))
+            .arg(limit.count())
+            .arg(limit.window_us())
+            .arg(self.guard_arg())
+            .arg(held.slot_us)
+            .arg(held.count)
+            .arg(held.window_us)
+            .invoke_async(&mut self.conn.clone())
+            .await?;
+        Ok(match status {
+            1 => Ok(Decision::Granted { slot_us: at }),
+            2 => Ok(Decision::Wait {
+                retry_after: wait_for(at, now),
+                reservation: Some(held),
+            }),
+            3 => Err(Forfeit::Paused),
+            4 => Err(Forfeit::LimitChanged),
+            5 => Err(Forfeit::Late),
+            _ => return Err(PermitError::Answer("redeem")),
+        })
+    }
+
+    /// Redeems `held` if there is one, and reserves anew if it was forfeited: the one call a
+    /// consumer makes before each downstream call.
+    pub async fn acquire_or_redeem(
+        &self,
+        seller: &SellerId,
+        held: Option<Reservation>,
+    ) -> Result<(Decision, Option<Forfeit>), PermitError> {
+        if let Some(held) = held {
+            match self.redeem(seller, held).await? {
+                Ok(decision) => return Ok((decision, None)),
+                Err(forfeit) => return Ok((self.acquire(seller, true).await?, Some(forfeit))),
+            }
+        }
+        Ok((self.acquire(seller, true).await?, None))
+    }
+
+    /// Pauses the seller on every replica for `duration`; returns how long the pause now lasts
+    /// (an existing longer pause is kept).
+    pub async fn pause(
+        &self,
+        seller: &SellerId,
+        duration: Duration,
+    ) -> Result<Duration, PermitError> {
+        let duration_us = duration.as_micros().clamp(1, i64::MAX as u128) as i64;
+        let until: i64 = scripts::pause()
+            .key(self.seller_key(seller, "pause"))
+            .arg(duration_us)
+            .invoke_async(&mut self.conn.clone())
+            .await?;
+        let now = self.redis_time_us().await?;
+        Ok(wait_for(until, now))
+    }
+
+    /// How long the seller stays paused (zero when not paused).
+    pub async fn paused_for(&self, seller: &SellerId) -> Result<Duration, PermitError> {
+        let until: Option<i64> = self
+            .conn
+            .clone()
+            .get(self.seller_key(seller, "pause"))
+            .await?;
+        let now = self.redis_time_us().await?;
+        Ok(wait_for(until.unwrap_or(0), now))
+    }
+
+    /// Redis server time in µs.
+    pub async fn redis_time_us(&self) -> Result<i64, PermitError> {
+        let (secs, micros): (i64, i64) = redis::cmd("TIME")
+            .query_async(&mut self.conn.clone())
+            .await?;
+        Ok(secs * 1_000_000 + micros)
+    }
+
+    /// The seller's override, if one is set.
+    pub async fn limit_override(&self, seller: &SellerId) -> Result<Option<Limit>, PermitError> {
+        let raw: Option<String> = self
+            .conn
+            .clone()
+            .get(self.seller_key(seller, "limit"))
+            .await?;
+        Ok(raw.and_then(|raw| {
+            let (count, window) = raw.split_once(' ')?;
+            Limit::new(
+                count.parse().ok()?,
+                Duration::from_micros(window.parse().ok()?),
+            )
+        }))
+    }
+
+    /// The limit that applies to the seller: its override or the default.
+    pub async fn effective_limit(&self, seller: &SellerId) -> Result<Limit, PermitError> {
+        Ok(self
+            .limit_override(seller)
+            .await?
+            .unwrap_or(self.limiter.limit))
+    }
+
+    /// Sets a per-seller override, effective at once on every replica.
+    pub async fn set_limit(&self, seller: &SellerId, limit: Limit) -> Result<(), PermitError> {
+        let value = format!("{} {}", limit.count(), limit.window_us());
+        self.conn
+            .clone()
+            .set::<_, _, ()>(self.seller_key(seller, "limit"), value)
+            .await?;
+        Ok(())
+    }
+
+    /// Removes a per-seller override; returns whether there was one.
+    pub async fn clear_limit(&self, seller: &SellerId) -> Result<bool, PermitError> {
+        let removed: u32 = self
+            .conn
+            .clone()
+            .del(self.seller_key(seller, "limit"))
+            .await?;
+        Ok(removed > 0)
+    }
+}
+
+/// Deletes every key that starts with `prefix:` (for demos, benchmarks and tests that clean up
+/// after themselves). On a cluster, KEYS is sent to every primary; elsewhere SCAN is used.
+pub async fn delete_prefix(conn: &RedisConn, prefix: &str) -> anyhow::Result<()> {
+    let pattern = format!("{prefix}:*");
+    let mut conn = conn.clone();
+    let keys: Vec<String> = match &conn {
+        RedisConn::Cluster(_) => {
+            redis::cmd("KEYS")
+                .arg(&pattern)
+                .query_async(&mut conn)
+                .await?
+        }
+        RedisConn::Single(_) => {
+            let mut keys = Vec::new();
+            let mut cursor: u64 = 0;
+            loop {
+                let (next, batch): (u64, Vec<String>) = redis::cmd("SCAN")
+                    .arg(cursor)
+                    .arg("MATCH")
+                    .arg(&pattern)
+                    .arg("COUNT")
+                    .arg(1000)
+                    .query_async(&mut conn)
+                    .await?;
+                keys.extend(batch);
+                if next == 0 {
+                    break keys;
+                }
+                cursor = next;
+            }
+        }
+    };
+    for key in keys {
+        let _: i64 = conn.unlink(&key).await?;
+    }
+    Ok(())
+}

@@ -1,0 +1,47 @@
+//! The Lua scripts, loaded once. Each is `lua/prelude.lua` followed by the script's own file;
+//! `redis::Script` runs them by EVALSHA and reloads them after NOSCRIPT (e.g. a Redis restart).
+
+use std::sync::LazyLock;
+
+use redis::Script;
+
+use crate::config::Algorithm;
+
+macro_rules! script {
+    ($file:literal) => {
+        LazyLock::new(|| {
+            Script::new(concat!(
+                include_str!("../../lua/prelude.lua"),
+                "\n",
+                include_str!(concat!("../../lua/", $file))
+            ))
+        })
+    };
+}
+
+static SLIDING_WINDOW: LazyLock<Script> = script!("sliding_window.lua");
+static GCRA: LazyLock<Script> = script!("gcra.lua");
+static TOKEN_BUCKET: LazyLock<Script> = script!("token_bucket.lua");
+static FIXED_WINDOW: LazyLock<Script> = script!("fixed_window.lua");
+static REDEEM: LazyLock<Script> = script!("redeem.lua");
+static PAUSE: LazyLock<Script> = script!("pause.lua");
+
+/// The acquire script of an algorithm.
+pub fn acquire(algorithm: Algorithm) -> &'static Script {
+    match algorithm {
+        Algorithm::SlidingWindow => &SLIDING_WINDOW,
+        Algorithm::Gcra => &GCRA,
+        Algorithm::TokenBucket => &TOKEN_BUCKET,
+        Algorithm::FixedWindow => &FIXED_WINDOW,
+    }
+}
+
+/// Grants a reserved slot when it is due (see `lua/redeem.lua`).
+pub fn redeem() -> &'static Script {
+    &REDEEM
+}
+
+/// Pauses a seller (see `lua/pause.lua`).
+pub fn pause() -> &'static Script {
+    &PAUSE
+}
