@@ -95,7 +95,7 @@ pub fn parse_duration(s: &str) -> Option<Duration> {
 /// The shortest exact spelling of a duration (`60s` prints as `1m`).
 pub fn format_duration(d: Duration) -> String {
     let ms = d.as_millis();
-    if d.subsec_nanos() % 1_000_000 != 0 || ms == 0 {
+    if !d.subsec_nanos().is_multiple_of(1_000_000) || ms == 0 {
         return format!("{}us", d.as_micros());
     }
     for (unit, size) in [
@@ -104,7 +104,7 @@ pub fn format_duration(d: Duration) -> String {
         ("m", 60_000),
         ("s", 1000),
     ] {
-        if ms % size == 0 {
+        if ms.is_multiple_of(size) {
             return format!("{}{unit}", ms / size);
         }
     }
@@ -151,15 +151,6 @@ fn parse_limit(s: &str) -> Result<Limit, String> {
     s.parse().map_err(|e: LimitError| e.to_string())
 }
 
-fn parse_opt_duration(s: &str) -> Result<Option<Duration>, String> {
-    if s == "auto" {
-        return Ok(None);
-    }
-    parse_duration(s)
-        .map(Some)
-        .ok_or_else(|| format!("{s:?} is not a duration such as 50ms or 1s (or `auto`)"))
-}
-
 fn parse_key_prefix(s: &str) -> Result<String, String> {
     if s.is_empty() || s.len() > 64 {
         return Err("must be 1 to 64 characters".into());
@@ -197,8 +188,8 @@ pub struct LimiterArgs {
     #[arg(long, env = "TURNSTILE_ALGORITHM", value_enum, default_value_t = Algorithm::SlidingWindow)]
     pub algorithm: Algorithm,
     /// Time added to every window to absorb jitter between the permit and the downstream's
-    /// clock (`auto` = window/20, between 25ms and 2s).
-    #[arg(long, env = "TURNSTILE_LIMIT_GUARD", default_value = "auto", value_parser = parse_opt_duration)]
+    /// clock [default: window/20, between 25ms and 2s].
+    #[arg(long, env = "TURNSTILE_LIMIT_GUARD", value_parser = parse_duration_arg)]
     pub guard: Option<Duration>,
     /// gcra: grants allowed at once after idleness (1 = pure pacing at COUNT per window).
     #[arg(long, env = "TURNSTILE_GCRA_BURST", default_value_t = 1)]

@@ -8,7 +8,7 @@
 //! changed meanwhile, or it came back too late (then it simply reserves again).
 
 mod conn;
-mod scripts;
+pub mod scripts;
 
 use std::time::Duration;
 

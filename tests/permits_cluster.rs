@@ -1,0 +1,40 @@
+//! The permit engine against a local 3-node Redis Cluster, with sellers on every node.
+mod support;
+
+use support::{Backend, cluster};
+
+permit_tests!(Backend::Cluster);
+
+#[tokio::test]
+async fn sellers_spread_over_all_three_nodes_each_get_their_own_limit() {
+    let keys = support::Keys::new(Backend::Cluster, "spread").await;
+    let store = keys.store(support::limiter(
+        "1/1h",
+        turnstile::config::Algorithm::SlidingWindow,
+    ));
+    let mut nodes = std::collections::BTreeSet::new();
+    for i in 0..30 {
+        let seller = turnstile::domain::SellerId::parse(&format!("S-{i}")).unwrap();
+        let slot: u16 = redis::cmd("CLUSTER")
+            .arg("KEYSLOT")
+            .arg(store.seller_key(&seller, "log"))
+            .query_async(&mut keys.conn.clone())
+            .await
+            .unwrap();
+        nodes.insert(slot / 5462);
+        assert!(matches!(
+            store.acquire(&seller, false).await.unwrap(),
+            turnstile::permit::Decision::Granted { .. }
+        ));
+        assert!(matches!(
+            store.acquire(&seller, false).await.unwrap(),
+            turnstile::permit::Decision::Wait { .. }
+        ));
+    }
+    assert_eq!(
+        nodes.len(),
+        cluster::PORTS.len(),
+        "sellers did not reach every node"
+    );
+    keys.cleanup().await;
+}

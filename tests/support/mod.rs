@@ -1,0 +1,126 @@
+//! What the integration tests need, spawned with unique names so tests run in parallel and leave
+//! nothing behind: Redis connections (standalone, or a local 3-node Redis Cluster started on
+//! demand), key prefixes, limiter settings. Tracing is quiet unless TEST_LOG is set.
+#![allow(dead_code)]
+
+use std::process::Command;
+use std::sync::Once;
+use std::time::Duration;
+
+use turnstile::config::{Algorithm, Limit, LimiterArgs, RedisArgs};
+use turnstile::permit::{PermitStore, RedisConn, delete_prefix};
+
+pub mod cluster;
+pub mod permit_cases;
+
+static TRACING: Once = Once::new();
+
+/// Installs tracing once per test binary; output only when TEST_LOG is set.
+pub fn init_tracing() {
+    TRACING.call_once(|| {
+        if std::env::var_os("TEST_LOG").is_some() {
+            let _ = tracing_subscriber::fmt()
+                .with_env_filter(std::env::var("TEST_LOG").unwrap_or_else(|_| "info".into()))
+                .with_test_writer()
+                .try_init();
+        }
+    });
+}
+
+/// A name no other test (or earlier run) uses: `t-<what>-<random>`.
+pub fn unique(what: &str) -> String {
+    format!("t-{what}-{:08x}", rand::random::<u32>())
+}
+
+pub fn redis_url() -> String {
+    std::env::var("TURNSTILE_TEST_REDIS_URL").unwrap_or_else(|_| "redis://127.0.0.1:6379/".into())
+}
+
+pub fn redis_args(url: &str, key_prefix: &str) -> RedisArgs {
+    RedisArgs {
+        url: url.to_owned(),
+        cluster: false,
+        key_prefix: key_prefix.to_owned(),
+    }
+}
+
+pub fn limiter(limit: &str, algorithm: Algorithm) -> LimiterArgs {
+    LimiterArgs {
+        limit: limit.parse::<Limit>().unwrap(),
+        algorithm,
+        guard: None,
+        gcra_burst: 1,
+        bucket_capacity: 0,
+        horizon: Duration::from_secs(86400),
+    }
+}
+
+/// Which Redis a test runs against.
+#[derive(Clone, Copy, Debug)]
+pub enum Backend {
+    Standalone,
+    Cluster,
+}
+
+impl Backend {
+    pub fn url(self) -> String {
+        match self {
+            Backend::Standalone => redis_url(),
+            Backend::Cluster => cluster::urls().join(","),
+        }
+    }
+    pub async fn connect(self) -> RedisConn {
+        init_tracing();
+        RedisConn::connect(&redis_args(&self.url(), "unused"))
+            .await
+            .expect("Redis is reachable")
+    }
+}
+
+/// A key prefix of its own for one test; its keys are deleted when the test calls `cleanup`.
+pub struct Keys {
+    pub conn: RedisConn,
+    pub prefix: String,
+}
+
+impl Keys {
+    pub async fn new(backend: Backend, what: &str) -> Self {
+        Self {
+            conn: backend.connect().await,
+            prefix: unique(what),
+        }
+    }
+    pub fn store(&self, limiter: LimiterArgs) -> PermitStore {
+        PermitStore::new(self.conn.clone(), &self.prefix, limiter)
+    }
+    pub async fn cleanup(self) {
+        delete_prefix(&self.conn, &self.prefix)
+            .await
+            .expect("cleanup");
+    }
+}
+
+/// Runs a command and returns (exit code, stdout, stderr).
+pub fn run(cmd: &mut Command) -> (i32, String, String) {
+    let out = cmd.output().expect("command runs");
+    (
+        out.status.code().unwrap_or(-1),
+        String::from_utf8_lossy(&out.stdout).into_owned(),
+        String::from_utf8_lossy(&out.stderr).into_owned(),
+    )
+}
+
+/// The largest number of `times` (µs, any order) inside any half-open window of `window_us`.
+pub fn max_in_any_window(times: &[i64], window_us: i64) -> usize {
+    let mut sorted = times.to_vec();
+    sorted.sort_unstable();
+    let mut best = 0;
+    let mut start = 0;
+    for end in 0..sorted.len() {
+        while sorted[end] - sorted[start] >= window_us {
+            start += 1;
+        }
+        best = best.max(end - start + 1);
+    }
+    best
+}

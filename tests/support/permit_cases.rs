@@ -1,0 +1,406 @@
+//! The permit engine's behaviour, written once and run against standalone Redis
+//! (tests/permits.rs) and the local Redis Cluster (tests/permits_cluster.rs).
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use tokio::sync::Mutex;
+use turnstile::config::Algorithm;
+use turnstile::domain::SellerId;
+use turnstile::permit::{Decision, Forfeit, PermitStore};
+
+use super::{Backend, Keys, limiter, max_in_any_window};
+
+fn seller(s: &str) -> SellerId {
+    SellerId::parse(s).unwrap()
+}
+
+/// What a consumer does: acquire (reserving), wait the returned time, come back with the
+/// reservation; returns the slot it was granted at.
+pub async fn acquire_until_granted(store: &PermitStore, seller: &SellerId) -> i64 {
+    let mut held = None;
+    loop {
+        let (decision, _) = store.acquire_or_redeem(seller, held).await.unwrap();
+        match decision {
+            Decision::Granted { slot_us } => return slot_us,
+            Decision::Wait {
+                retry_after,
+                reservation,
+            } => {
+                held = reservation;
+                tokio::time::sleep(retry_after).await;
+            }
+        }
+    }
+}
+
+/// 64 callers on one seller for several windows: no trailing window holds more than COUNT
+/// grants, and reserving hands out the most the limit allows (no slot wasted).
+pub async fn exact_under_contention(backend: Backend, algorithm: Algorithm) {
+    let keys = Keys::new(backend, "exact").await;
+    let mut settings = limiter("10/400ms", algorithm);
+    settings.guard = Some(Duration::from_millis(100));
+    let store = Arc::new(keys.store(settings));
+    let seller = seller("S-busy");
+    let span_us = 500_000; // window + guard
+
+    // Everyone reserves at once: the slots form the tightest schedule the limit allows.
+    let mut tasks = Vec::new();
+    for _ in 0..64 {
+        let (store, seller) = (store.clone(), seller.clone());
+        tasks.push(tokio::spawn(async move {
+            store.acquire(&seller, true).await.unwrap()
+        }));
+    }
+    let mut slots = Vec::new();
+    for t in tasks {
+        match t.await.unwrap() {
+            Decision::Granted { slot_us } => slots.push(slot_us),
+            Decision::Wait {
+                reservation: Some(r),
+                ..
+            } => slots.push(r.slot_us),
+            other => panic!("a reserving caller was denied without a slot: {other:?}"),
+        }
+    }
+    slots.sort_unstable();
+    assert_eq!(
+        max_in_any_window(&slots, span_us),
+        10,
+        "{algorithm}: slots {slots:?}"
+    );
+    let first = slots[0];
+    match algorithm {
+        Algorithm::SlidingWindow => {
+            for i in 10..slots.len() {
+                assert_eq!(
+                    slots[i] - slots[i - 10],
+                    span_us,
+                    "{algorithm}: slot {i} not tight"
+                );
+            }
+        }
+        Algorithm::Gcra => {
+            for (i, slot) in slots.iter().enumerate() {
+                let expected = first + (i as i64) * span_us / 10;
+                assert!(
+                    (slot - expected).abs() <= 1,
+                    "{algorithm}: slot {i} at {slot}, expected {expected}"
+                );
+            }
+        }
+        _ => unreachable!(),
+    }
+
+    // Then 64 callers keep asking the way a consumer does, for three more windows' worth.
+    let granted = Arc::new(Mutex::new(Vec::new()));
+    let mut tasks = Vec::new();
+    for _ in 0..64 {
+        let (store, seller, granted) = (store.clone(), seller.clone(), granted.clone());
+        tasks.push(tokio::spawn(async move {
+            for _ in 0..2 {
+                let slot = acquire_until_granted(&store, &seller).await;
+                granted.lock().await.push(slot);
+            }
+        }));
+    }
+    for t in tasks {
+        t.await.unwrap();
+    }
+    let mut all = granted.lock().await.clone();
+    all.extend(&slots);
+    assert_eq!(all.len(), 64 * 3);
+    assert!(
+        max_in_any_window(&all, 400_000) <= 10,
+        "{algorithm}: more than COUNT in a window"
+    );
+    keys.cleanup().await;
+}
+
+/// A caller that waits the returned time is granted; a denied attempt (no reserving) writes
+/// nothing, so it takes no quota.
+pub async fn waiting_caller_is_granted_and_denials_take_no_quota(
+    backend: Backend,
+    algorithm: Algorithm,
+) {
+    let keys = Keys::new(backend, "wait").await;
+    let mut settings = limiter("3/300ms", algorithm);
+    settings.guard = Some(Duration::from_millis(100));
+    let store = keys.store(settings);
+    let s = seller("S-wait");
+    let mut granted = 0;
+    while let Decision::Granted { .. } = store.acquire(&s, false).await.unwrap() {
+        granted += 1;
+    }
+    assert!(
+        (1..=3).contains(&granted),
+        "{algorithm}: {granted} granted at once under 3/300ms"
+    );
+    let state_key = store.seller_key(&s, state_name(algorithm));
+    let before: Vec<u8> = redis::cmd("DUMP")
+        .arg(&state_key)
+        .query_async(&mut keys.conn.clone())
+        .await
+        .unwrap();
+    for _ in 0..20 {
+        match store.acquire(&s, false).await.unwrap() {
+            Decision::Wait {
+                retry_after,
+                reservation: None,
+            } => assert!(retry_after > Duration::ZERO),
+            other => panic!("{algorithm}: expected a denial, got {other:?}"),
+        }
+    }
+    let after: Vec<u8> = redis::cmd("DUMP")
+        .arg(&state_key)
+        .query_async(&mut keys.conn.clone())
+        .await
+        .unwrap();
+    assert_eq!(
+        before, after,
+        "{algorithm}: a denial changed the seller's state"
+    );
+
+    let Decision::Wait {
+        retry_after,
+        reservation: Some(held),
+    } = store.acquire(&s, true).await.unwrap()
+    else {
+        panic!("{algorithm}: a reserving caller must get a slot");
+    };
+    tokio::time::sleep(retry_after).await;
+    let redeemed = store.redeem(&s, held).await.unwrap();
+    assert!(
+        matches!(redeemed, Ok(Decision::Granted { .. })),
+        "{algorithm}: {redeemed:?}"
+    );
+    keys.cleanup().await;
+}
+
+pub fn state_name(algorithm: Algorithm) -> &'static str {
+    match algorithm {
+        Algorithm::SlidingWindow => "log",
+        Algorithm::Gcra => "tat",
+        Algorithm::TokenBucket => "bucket",
+        Algorithm::FixedWindow => "windows",
+    }
+}
+
+/// Seller ids with braces, colons, spaces, unicode and 128 characters never share quota.
+pub async fn unusual_seller_ids_are_isolated(backend: Backend) {
+    let keys = Keys::new(backend, "ids").await;
+    let store = keys.store(limiter("1/1h", Algorithm::SlidingWindow));
+    let long = "x".repeat(128);
+    let ids = [
+        "{brace}",
+        "brace",
+        "}{",
+        "a:b:c",
+        "a:b",
+        "with space",
+        "größe",
+        "店舗-1",
+        long.as_str(),
+        "%7Bbrace%7D",
+    ];
+    for id in ids {
+        let decision = store.acquire(&seller(id), false).await.unwrap();
+        assert!(
+            matches!(decision, Decision::Granted { .. }),
+            "{id:?} was not granted: {decision:?}"
+        );
+    }
+    for id in ids {
+        let decision = store.acquire(&seller(id), false).await.unwrap();
+        assert!(
+            matches!(decision, Decision::Wait { .. }),
+            "{id:?} got a second permit in the hour"
+        );
+    }
+    keys.cleanup().await;
+}
+
+/// Every key a seller leaves behind expires once the seller is idle.
+pub async fn keys_expire_after_idleness(backend: Backend, algorithm: Algorithm) {
+    let keys = Keys::new(backend, "idle").await;
+    let mut settings = limiter("2/200ms", algorithm);
+    settings.guard = Some(Duration::from_millis(50));
+    let store = keys.store(settings);
+    let s = seller("S-idle");
+    for _ in 0..5 {
+        store.acquire(&s, true).await.unwrap();
+    }
+    let key = store.seller_key(&s, state_name(algorithm));
+    let ttl: i64 = redis::cmd("PTTL")
+        .arg(&key)
+        .query_async(&mut keys.conn.clone())
+        .await
+        .unwrap();
+    assert!(ttl > 0, "{algorithm}: state key has no expiry (PTTL {ttl})");
+    tokio::time::sleep(Duration::from_millis(ttl as u64 + 5)).await;
+    let exists: bool = redis::cmd("EXISTS")
+        .arg(&key)
+        .query_async(&mut keys.conn.clone())
+        .await
+        .unwrap();
+    assert!(!exists, "{algorithm}: state key outlived its idleness");
+    keys.cleanup().await;
+}
+
+/// A pause blocks every caller until it ends, and a slot reserved inside it is given up.
+pub async fn pause_blocks_all_callers_until_it_ends(backend: Backend, algorithm: Algorithm) {
+    let keys = Keys::new(backend, "pause").await;
+    let mut settings = limiter("100/1s", algorithm);
+    settings.guard = Some(Duration::from_millis(100));
+    let store = keys.store(settings.clone());
+    let other_replica = keys.store(settings);
+    let s = seller("S-paused");
+    // Two held slots: a reservation made before the pause must not be honoured during it.
+    let early_slot = loop {
+        if let Decision::Wait {
+            reservation: Some(held),
+            ..
+        } = store.acquire(&s, true).await.unwrap()
+        {
+            break held;
+        }
+    };
+    let paused = store.pause(&s, Duration::from_millis(1500)).await.unwrap();
+    assert!(paused > Duration::from_millis(1000));
+    match other_replica.acquire(&s, false).await.unwrap() {
+        Decision::Wait { retry_after, .. } => {
+            assert!(retry_after >= paused - Duration::from_millis(100))
+        }
+        other => panic!("{algorithm}: granted during a pause: {other:?}"),
+    }
+    match other_replica.acquire(&s, true).await.unwrap() {
+        Decision::Wait {
+            retry_after,
+            reservation: Some(_),
+        } => {
+            assert!(retry_after >= paused - Duration::from_millis(100))
+        }
+        other => panic!("{algorithm}: expected a slot after the pause: {other:?}"),
+    }
+    assert_eq!(
+        store.redeem(&s, early_slot).await.unwrap(),
+        Err(Forfeit::Paused)
+    );
+    // A shorter pause does not cut the longer one short.
+    let still = store.pause(&s, Duration::from_millis(10)).await.unwrap();
+    assert!(still > Duration::from_millis(1000));
+    keys.cleanup().await;
+}
+
+/// An override takes effect at once on every replica, and clearing it restores the default.
+pub async fn overrides_take_effect(backend: Backend, algorithm: Algorithm) {
+    let keys = Keys::new(backend, "override").await;
+    let mut settings = limiter("2/1h", algorithm);
+    settings.gcra_burst = 5; // so that gcra, too, grants a whole window's worth at once
+    let store = keys.store(settings);
+    let s = seller("S-vip");
+    assert_eq!(store.effective_limit(&s).await.unwrap().to_string(), "2/1h");
+    store.set_limit(&s, "5/1h".parse().unwrap()).await.unwrap();
+    assert_eq!(
+        store.limit_override(&s).await.unwrap().unwrap().to_string(),
+        "5/1h"
+    );
+    let mut granted = 0;
+    while let Decision::Granted { .. } = store.acquire(&s, false).await.unwrap() {
+        granted += 1;
+        assert!(granted <= 5, "{algorithm}: more than the override allows");
+    }
+    assert_eq!(granted, 5, "{algorithm}");
+    let Decision::Wait {
+        reservation: Some(held),
+        ..
+    } = store.acquire(&s, true).await.unwrap()
+    else {
+        panic!("{algorithm}: expected a reservation");
+    };
+    assert!(store.clear_limit(&s).await.unwrap());
+    assert_eq!(
+        store.redeem(&s, held).await.unwrap(),
+        Err(Forfeit::LimitChanged)
+    );
+    assert_eq!(store.effective_limit(&s).await.unwrap().to_string(), "2/1h");
+    keys.cleanup().await;
+}
+
+/// Invalid inputs are refused before anything is written.
+pub async fn scripts_check_inputs_before_writing(backend: Backend) {
+    let keys = Keys::new(backend, "inputs").await;
+    let key = format!("{}:{{x}}:log", keys.prefix);
+    let err = turnstile::permit::scripts::acquire(Algorithm::SlidingWindow)
+        .key(&key)
+        .key(format!("{}:{{x}}:limit", keys.prefix))
+        .key(format!("{}:{{x}}:pause", keys.prefix))
+        .arg(0) // COUNT 0 is invalid
+        .arg(1_000_000)
+        .arg(-1)
+        .arg(1)
+        .arg(1_000_000)
+        .arg("token")
+        .invoke_async::<redis::Value>(&mut keys.conn.clone())
+        .await
+        .unwrap_err();
+    assert!(err.to_string().contains("ARGV[1]"), "{err}");
+    let exists: bool = redis::cmd("EXISTS")
+        .arg(&key)
+        .query_async(&mut keys.conn.clone())
+        .await
+        .unwrap();
+    assert!(!exists);
+    keys.cleanup().await;
+}
+
+/// Generates one test per case for a backend.
+#[macro_export]
+macro_rules! permit_tests {
+    ($backend:expr) => {
+        use turnstile::config::Algorithm::*;
+        use $crate::support::permit_cases as cases;
+
+        #[tokio::test]
+        async fn sliding_window_grants_are_exact_under_contention() {
+            cases::exact_under_contention($backend, SlidingWindow).await;
+        }
+        #[tokio::test]
+        async fn gcra_grants_are_exact_under_contention() {
+            cases::exact_under_contention($backend, Gcra).await;
+        }
+        #[tokio::test]
+        async fn a_caller_who_waits_is_granted_and_denials_take_no_quota() {
+            for algorithm in turnstile::config::Algorithm::ALL {
+                cases::waiting_caller_is_granted_and_denials_take_no_quota($backend, algorithm)
+                    .await;
+            }
+        }
+        #[tokio::test]
+        async fn unusual_seller_ids_are_isolated() {
+            cases::unusual_seller_ids_are_isolated($backend).await;
+        }
+        #[tokio::test]
+        async fn keys_expire_after_idleness() {
+            for algorithm in turnstile::config::Algorithm::ALL {
+                cases::keys_expire_after_idleness($backend, algorithm).await;
+            }
+        }
+        #[tokio::test]
+        async fn a_pause_blocks_every_caller_until_it_ends() {
+            for algorithm in turnstile::config::Algorithm::ALL {
+                cases::pause_blocks_all_callers_until_it_ends($backend, algorithm).await;
+            }
+        }
+        #[tokio::test]
+        async fn overrides_take_effect_and_clear() {
+            for algorithm in turnstile::config::Algorithm::ALL {
+                cases::overrides_take_effect($backend, algorithm).await;
+            }
+        }
+        #[tokio::test]
+        async fn scripts_check_inputs_before_writing() {
+            cases::scripts_check_inputs_before_writing($backend).await;
+        }
+    };
+}
