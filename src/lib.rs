@@ -16,3 +16,5 @@ pub mod config;
 pub mod domain;
 pub mod permit;
 pub mod telemetry;
+pub mod mock_api;
+pub mod upload;

@@ -1,0 +1,1 @@
+//! Reading uploads (.xlsx, .csv, .jsonl) into registration messages (being written).
