@@ -7,6 +7,7 @@
 --          window that may still have room)
 -- KEYS[2]  the seller's limit override ("COUNT WINDOW_US"), may be absent
 -- KEYS[3]  the seller's pause ("UNTIL_US"), may be absent
+-- KEYS[4]  optional: the message's completion record; if it exists nothing is written
 -- ARGV[1]  default COUNT (integer >= 1)
 -- ARGV[2]  default WINDOW in µs (integer >= 1)
 -- ARGV[3]  GUARD in µs (-1 = window/20 within [25 ms, 2 s])
@@ -14,12 +15,14 @@
 -- ARGV[5]  HORIZON in µs: a slot further away than this is never reserved
 -- ARGV[6]  TOKEN (unused)
 -- Returns {STATUS, SLOT_US, NOW_US, COUNT, WINDOW_US}
---   STATUS 1 = granted (call now), 2 = reserved (call at SLOT), 0 = denied (come back at SLOT)
+--   STATUS 1 = granted (call now), 2 = reserved (call at SLOT), 0 = denied (come back at SLOT),
+--   3 = the message already registered (KEYS[4] exists)
 
 local a = acquire_args()
 local count, window = effective_limit(KEYS[2], a.count, a.window)
 local guard = guard_for(window, a.guard)
 local now = now_us()
+if already_done(KEYS[4]) then return {3, now, now, count, window} end
 local at = math.max(now, paused_until(KEYS[3]))
 
 local current = math.floor(now / window)

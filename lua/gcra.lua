@@ -6,6 +6,7 @@
 -- KEYS[1]  the seller's TAT (string, µs, Redis time)
 -- KEYS[2]  the seller's limit override ("COUNT WINDOW_US"), may be absent
 -- KEYS[3]  the seller's pause ("UNTIL_US"), may be absent
+-- KEYS[4]  optional: the message's completion record; if it exists nothing is written
 -- ARGV[1]  default COUNT (integer >= 1)
 -- ARGV[2]  default WINDOW in µs (integer >= 1)
 -- ARGV[3]  GUARD in µs added to the window (-1 = window/20 within [25 ms, 2 s])
@@ -14,7 +15,8 @@
 -- ARGV[6]  TOKEN (unused; every algorithm takes the same arguments)
 -- ARGV[7]  BURST (integer >= 1; at most COUNT)
 -- Returns {STATUS, SLOT_US, NOW_US, COUNT, WINDOW_US}
---   STATUS 1 = granted (call now), 2 = reserved (call at SLOT), 0 = denied (come back at SLOT)
+--   STATUS 1 = granted (call now), 2 = reserved (call at SLOT), 0 = denied (come back at SLOT),
+--   3 = the message already registered (KEYS[4] exists)
 
 local a = acquire_args()
 local burst = int_arg(7, 1)
@@ -23,6 +25,7 @@ burst = math.min(burst, count)
 local guard = guard_for(window, a.guard)
 local interval = (window + guard) / (count - burst + 1)
 local now = now_us()
+if already_done(KEYS[4]) then return {3, now, now, count, window} end
 
 local tat = math.max(tonumber(redis.call('GET', KEYS[1]) or '0'), now)
 local slot = math.max(tat - (burst - 1) * interval, now)

@@ -56,3 +56,8 @@ local function due(slot, now, guard, a)
   if a.reserve == 0 or wait > a.horizon then return 0 end
   return 2
 end
+
+-- Whether the message already registered (its completion record exists, KEYS[n] if passed).
+local function already_done(key)
+  return key ~= nil and redis.call('EXISTS', key) == 1
+end

@@ -7,6 +7,7 @@
 -- KEYS[1]  the seller's bucket (hash: tokens, ts = µs at which `tokens` holds)
 -- KEYS[2]  the seller's limit override ("COUNT WINDOW_US"), may be absent
 -- KEYS[3]  the seller's pause ("UNTIL_US"), may be absent
+-- KEYS[4]  optional: the message's completion record; if it exists nothing is written
 -- ARGV[1]  default COUNT (integer >= 1)
 -- ARGV[2]  default WINDOW in µs (integer >= 1)
 -- ARGV[3]  GUARD in µs added to the window (-1 = window/20 within [25 ms, 2 s])
@@ -16,7 +17,8 @@
 -- ARGV[7]  CAPACITY (integer >= 0; 0 = COUNT)
 -- ARGV[8]  REQUESTED tokens (integer >= 1, at most the capacity)
 -- Returns {STATUS, SLOT_US, NOW_US, COUNT, WINDOW_US}
---   STATUS 1 = granted (call now), 2 = reserved (call at SLOT), 0 = denied (come back at SLOT)
+--   STATUS 1 = granted (call now), 2 = reserved (call at SLOT), 0 = denied (come back at SLOT),
+--   3 = the message already registered (KEYS[4] exists)
 
 local a = acquire_args()
 local capacity = int_arg(7, 0)
@@ -27,6 +29,7 @@ if requested > capacity then error({err = 'ERR turnstile: REQUESTED exceeds CAPA
 local guard = guard_for(window, a.guard)
 local rate = count / (window + guard) -- tokens per µs
 local now = now_us()
+if already_done(KEYS[4]) then return {3, now, now, count, window} end
 
 local state = redis.call('HMGET', KEYS[1], 'tokens', 'ts')
 local tokens = tonumber(state[1]) or capacity

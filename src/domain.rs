@@ -75,17 +75,23 @@ impl SellerId {
     /// stay, every other byte becomes `%XX`. Injective, and free of `{`, `}` and `:`, so two
     /// sellers never share a key and the hash tag is always the whole id.
     pub fn key_tag(&self) -> String {
-        const KEEP: &AsciiSet = &percent_encoding::NON_ALPHANUMERIC
-            .remove(b'-')
-            .remove(b'_')
-            .remove(b'.');
-        utf8_percent_encode(&self.0, KEEP).to_string()
+        key_part(&self.0)
     }
     /// The id as sent in `X-Seller-Id`: visible ASCII except `%` as is, anything else
     /// percent-encoded UTF-8 (so `größe` is sent as `gr%C3%B6%C3%9Fe`).
     pub fn header_value(&self) -> String {
         header_encode(&self.0)
     }
+}
+
+/// Text as it goes into a Redis key: ASCII letters, digits, `-`, `_` and `.` as is, every other
+/// byte `%XX` (injective; never `{`, `}`, `:` or a space).
+pub fn key_part(s: &str) -> String {
+    const KEEP: &AsciiSet = &percent_encoding::NON_ALPHANUMERIC
+        .remove(b'-')
+        .remove(b'_')
+        .remove(b'.');
+    utf8_percent_encode(s, KEEP).to_string()
 }
 
 fn header_encode(s: &str) -> String {

@@ -11,10 +11,15 @@
 //! - [`cli`]: the `turnstile` command line
 
 pub mod bench;
+pub mod broker;
 pub mod cli;
 pub mod config;
 pub mod domain;
-pub mod permit;
-pub mod telemetry;
+pub mod http;
+pub mod downstream;
 pub mod mock_api;
+pub mod permit;
+pub mod replica;
+pub mod telemetry;
+pub mod worker;
 pub mod upload;

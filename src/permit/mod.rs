@@ -16,7 +16,7 @@ pub use conn::{RedisConn, redact_url};
 use redis::AsyncCommands;
 
 use crate::config::{Algorithm, Limit, LimiterArgs, RedisArgs};
-use crate::domain::SellerId;
+use crate::domain::{BatchId, MessageId, SellerId};
 
 /// A failed permit decision: the caller cannot know whether it may call, so it must not.
 #[derive(Debug, thiserror::Error)]
@@ -63,6 +63,8 @@ pub enum Decision {
         retry_after: Duration,
         reservation: Option<Reservation>,
     },
+    /// The message already registered (its completion record exists): do not call again.
+    AlreadyDone,
 }
 
 /// Why a reservation was given up when redeemed (the caller reserves anew).
@@ -127,6 +129,27 @@ impl PermitStore {
 
     /// Asks for a permit now. With `reserve`, a caller who must wait holds a slot.
     pub async fn acquire(&self, seller: &SellerId, reserve: bool) -> Result<Decision, PermitError> {
+        self.acquire_for(seller, None, reserve).await
+    }
+
+    /// The completion record of a message: `<prefix>:{<seller>}:done:<message>`.
+    pub fn done_key(&self, seller: &SellerId, message: &MessageId) -> String {
+        self.seller_key(seller, &format!("done:{}", crate::domain::key_part(message.as_str())))
+    }
+
+    /// The progress of an upload: `<prefix>:{<seller>}:batch:<batch>`.
+    pub fn batch_key(&self, seller: &SellerId, batch: &BatchId) -> String {
+        self.seller_key(seller, &format!("batch:{}", crate::domain::key_part(batch.as_str())))
+    }
+
+    /// As [`Self::acquire`], for a message: if it already registered, answers `AlreadyDone` in
+    /// the same round trip and takes nothing.
+    pub async fn acquire_for(
+        &self,
+        seller: &SellerId,
+        message: Option<&MessageId>,
+        reserve: bool,
+    ) -> Result<Decision, PermitError> {
         let algorithm = self.limiter.algorithm;
         let state = match algorithm {
             Algorithm::SlidingWindow => "log",
@@ -139,7 +162,11 @@ impl PermitStore {
         invocation
             .key(self.seller_key(seller, state))
             .key(self.seller_key(seller, "limit"))
-            .key(self.seller_key(seller, "pause"))
+            .key(self.seller_key(seller, "pause"));
+        if let Some(message) = message {
+            invocation.key(self.done_key(seller, message));
+        }
+        invocation
             .arg(limit.count())
             .arg(limit.window_us())
             .arg(self.guard_arg())
@@ -182,10 +209,23 @@ impl PermitStore {
         seller: &SellerId,
         held: Reservation,
     ) -> Result<Result<Decision, Forfeit>, PermitError> {
+        self.redeem_for(seller, None, held).await
+    }
+
+    /// As [`Self::redeem`], for a message (answers `AlreadyDone` if it already registered).
+    pub async fn redeem_for(
+        &self,
+        seller: &SellerId,
+        message: Option<&MessageId>,
+        held: Reservation,
+    ) -> Result<Result<Decision, Forfeit>, PermitError> {
         let limit = self.limiter.limit;
-        let (status, at, now): (u8, i64, i64) = scripts::redeem()
-            .key(self.seller_key(seller, "limit"))
-            .key(self.seller_key(seller, "pause"))
+        let mut invocation = scripts::redeem().prepare_invoke();
+        invocation.key(self.seller_key(seller, "limit")).key(self.seller_key(seller, "pause"));
+        if let Some(message) = message {
+            invocation.key(self.done_key(seller, message));
+        }
+        let (status, at, now): (u8, i64, i64) = invocation
             .arg(limit.count())
             .arg(limit.window_us())
             .arg(self.guard_arg())
@@ -203,6 +243,7 @@ impl PermitStore {
             3 => Err(Forfeit::Paused),
             4 => Err(Forfeit::LimitChanged),
             5 => Err(Forfeit::Late),
+            6 => Ok(Decision::AlreadyDone),
             _ => return Err(PermitError::Answer("redeem")),
         })
     }
@@ -212,15 +253,42 @@ impl PermitStore {
     pub async fn acquire_or_redeem(
         &self,
         seller: &SellerId,
+        message: Option<&MessageId>,
         held: Option<Reservation>,
     ) -> Result<(Decision, Option<Forfeit>), PermitError> {
         if let Some(held) = held {
-            match self.redeem(seller, held).await? {
+            match self.redeem_for(seller, message, held).await? {
                 Ok(decision) => return Ok((decision, None)),
-                Err(forfeit) => return Ok((self.acquire(seller, true).await?, Some(forfeit))),
+                Err(forfeit) => {
+                    return Ok((self.acquire_for(seller, message, true).await?, Some(forfeit)));
+                }
             }
         }
-        Ok((self.acquire(seller, true).await?, None))
+        Ok((self.acquire_for(seller, message, true).await?, None))
+    }
+
+    /// Records the outcome of a message: `registered` (once; later deliveries of it are then
+    /// acked without a call) or `dead`; counts it in its batch's progress. Returns whether it
+    /// was newly recorded.
+    pub async fn complete(
+        &self,
+        seller: &SellerId,
+        message: &MessageId,
+        batch: Option<&BatchId>,
+        registered: bool,
+        ttl: Duration,
+    ) -> Result<bool, PermitError> {
+        let mut invocation = scripts::complete().prepare_invoke();
+        invocation.key(self.done_key(seller, message));
+        if let Some(batch) = batch {
+            invocation.key(self.batch_key(seller, batch));
+        }
+        let fresh: u8 = invocation
+            .arg(ttl.as_millis().max(1) as u64)
+            .arg(if registered { "registered" } else { "dead" })
+            .invoke_async(&mut self.conn.clone())
+            .await?;
+        Ok(fresh == 1)
     }
 
     /// Pauses the seller on every replica for `duration`; returns how long the pause now lasts

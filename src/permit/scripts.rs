@@ -25,6 +25,7 @@ static TOKEN_BUCKET: LazyLock<Script> = script!("token_bucket.lua");
 static FIXED_WINDOW: LazyLock<Script> = script!("fixed_window.lua");
 static REDEEM: LazyLock<Script> = script!("redeem.lua");
 static PAUSE: LazyLock<Script> = script!("pause.lua");
+static COMPLETE: LazyLock<Script> = script!("complete.lua");
 
 /// The acquire script of an algorithm.
 pub fn acquire(algorithm: Algorithm) -> &'static Script {
@@ -44,4 +45,9 @@ pub fn redeem() -> &'static Script {
 /// Pauses a seller (see `lua/pause.lua`).
 pub fn pause() -> &'static Script {
     &PAUSE
+}
+
+/// Records a registration or dead letter (see `lua/complete.lua`).
+pub fn complete() -> &'static Script {
+    &COMPLETE
 }

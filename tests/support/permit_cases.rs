@@ -20,7 +20,7 @@ fn seller(s: &str) -> SellerId {
 pub async fn acquire_until_granted(store: &PermitStore, seller: &SellerId) -> i64 {
     let mut held = None;
     loop {
-        let (decision, _) = store.acquire_or_redeem(seller, held).await.unwrap();
+        let (decision, _) = store.acquire_or_redeem(seller, None, held).await.unwrap();
         match decision {
             Decision::Granted { slot_us } => return slot_us,
             Decision::Wait {

@@ -1,0 +1,220 @@
+//! RabbitMQ: the topology turnstile declares, the consumer channel and the confirmed publisher.
+//!
+//! Topology for `TURNSTILE_QUEUE=<q>` (every name but `<q>` starts with `<q>.`):
+//! - `<q>`: the work queue (durable; quorum by default).
+//! - `<q>.dead`: dead letters, with the reason in headers.
+//! - the delay ladder: exchanges and queues `<q>.delay.<k>` for k = 0..LEVELS, queue k holding
+//!   messages for exactly 2^k x UNIT (a fixed queue TTL, so its head always expires first), and
+//!   `<q>.delay.out`, which routes back to `<q>`. A delay is written in binary in the routing key,
+//!   one word per level from the top (`0.1.1...`): exchange k sends a message with bit k set into
+//!   queue k, whose expired messages dead-letter into exchange k-1; with bit k clear, exchange k
+//!   passes it straight on to exchange k-1. So any delay takes at most LEVELS hops, never blocks
+//!   behind a longer one, and never passes through a consumer on the way (NServiceBus's design).
+//!   Dead-lettering between quorum queues is at-least-once, so no hop can drop a message.
+
+mod topology;
+
+pub use topology::{QueueType, Topology};
+
+use std::time::Duration;
+
+use anyhow::Context;
+use lapin::Confirmation;
+use lapin::message::Delivery;
+use lapin::options::{BasicPublishOptions, ConfirmSelectOptions};
+use lapin::types::{AMQPValue, FieldTable, LongString, ShortString};
+use lapin::{BasicProperties, Channel, Connection, ConnectionProperties};
+
+/// The smallest delay step of the ladder.
+pub const UNIT: Duration = Duration::from_millis(250);
+/// Levels of the ladder: delays up to (2^LEVELS - 1) x UNIT (about 36 hours).
+pub const LEVELS: u32 = 19;
+
+/// Headers turnstile reads and writes on the messages it republishes.
+pub mod headers {
+    /// The reserved permit slot (`SLOT_US/COUNT/WINDOW_US`, Redis time), see `permit::Reservation`.
+    pub const RESERVATION: &str = "x-turnstile-reservation";
+    /// Failed downstream attempts so far (429s are not counted).
+    pub const ATTEMPT: &str = "x-turnstile-attempt";
+    /// Times the message went through the delay ladder.
+    pub const DELAYS: &str = "x-turnstile-delays";
+    /// Why a message was dead-lettered: `invalid-message`, `rejected` or `attempts-exhausted`.
+    pub const REASON: &str = "x-turnstile-reason";
+    /// The detail of the reason: the parse error, or the status and a body excerpt.
+    pub const DETAIL: &str = "x-turnstile-detail";
+    /// Unix time in ms when the message was dead-lettered.
+    pub const DEAD_AT: &str = "x-turnstile-dead-at-ms";
+    /// The queue the dead letter was consumed from.
+    pub const QUEUE: &str = "x-turnstile-queue";
+}
+
+/// The URL with its password hidden, for logs and errors.
+pub fn redact_amqp_url(url: &str) -> String {
+    crate::permit::redact_url(url)
+}
+
+/// Opens a connection named after this replica.
+pub async fn connect(url: &str, name: &str) -> anyhow::Result<Connection> {
+    let properties = ConnectionProperties::default().with_connection_name(name.into());
+    Connection::connect(url, properties)
+        .await
+        .with_context(|| format!("cannot connect to RabbitMQ at {}", redact_amqp_url(url)))
+}
+
+/// A channel in confirm mode: every publish waits for the broker's confirm.
+#[derive(Clone)]
+pub struct Publisher {
+    channel: Channel,
+}
+
+/// A publish the broker did not take (nack, unroutable, or the channel failed).
+#[derive(Debug, thiserror::Error)]
+pub enum PublishError {
+    #[error("broker: {0}")]
+    Amqp(#[from] lapin::Error),
+    #[error("the broker refused the message (nack)")]
+    Nacked,
+    #[error("the message could not be routed to {0}")]
+    Unroutable(String),
+}
+
+impl Publisher {
+    pub async fn open(connection: &Connection) -> anyhow::Result<Self> {
+        let channel = connection
+            .create_channel()
+            .await
+            .context("opening the publish channel")?;
+        channel
+            .confirm_select(ConfirmSelectOptions::default())
+            .await
+            .context("enabling publisher confirms")?;
+        Ok(Self { channel })
+    }
+
+    pub fn channel(&self) -> &Channel {
+        &self.channel
+    }
+
+    /// Publishes persistently and mandatorily and waits for the broker's confirm.
+    pub async fn publish(
+        &self,
+        exchange: &str,
+        routing_key: &str,
+        body: &[u8],
+        properties: BasicProperties,
+    ) -> Result<(), PublishError> {
+        let confirm = self
+            .channel
+            .basic_publish(
+                exchange.into(),
+                routing_key.into(),
+                BasicPublishOptions {
+                    mandatory: true,
+                    ..Default::default()
+                },
+                body,
+                properties.with_delivery_mode(2),
+            )
+            .await?
+            .await?;
+        match confirm {
+            Confirmation::Ack(None) | Confirmation::NotRequested => Ok(()),
+            Confirmation::Ack(Some(_)) => Err(PublishError::Unroutable(format!(
+                "exchange {exchange:?}, key {routing_key:?}"
+            ))),
+            Confirmation::Nack(_) => Err(PublishError::Nacked),
+        }
+    }
+
+    /// Publishes a copy of `delivery` into the delay ladder: it reappears on the work queue after
+    /// `delay` (rounded down to the ladder's UNIT, capped at its maximum), with `extra` headers.
+    pub async fn delay(
+        &self,
+        topology: &Topology,
+        delivery: &Delivery,
+        delay: Duration,
+        extra: &[(&str, AMQPValue)],
+    ) -> Result<(), PublishError> {
+        let delays = header_u64(delivery, headers::DELAYS).unwrap_or(0) + 1;
+        let mut all: Vec<(&str, AMQPValue)> = extra.to_vec();
+        all.push((headers::DELAYS, AMQPValue::LongLongInt(delays as i64)));
+        let properties = copy_properties(delivery, &all);
+        let (exchange, key) = topology.delay_route(delay);
+        self.publish(&exchange, &key, &delivery.data, properties)
+            .await
+    }
+
+    /// Publishes a copy of `delivery` to the dead-letter queue with the reason in headers.
+    pub async fn dead_letter(
+        &self,
+        topology: &Topology,
+        delivery: &Delivery,
+        reason: &str,
+        detail: &str,
+    ) -> Result<(), PublishError> {
+        let now_ms = std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map_or(0, |d| d.as_millis() as i64);
+        let properties = copy_properties(
+            delivery,
+            &[
+                (headers::REASON, long_string(reason)),
+                (headers::DETAIL, long_string(detail)),
+                (headers::DEAD_AT, AMQPValue::LongLongInt(now_ms)),
+                (headers::QUEUE, long_string(topology.work())),
+            ],
+        );
+        self.publish("", topology.dead(), &delivery.data, properties)
+            .await
+    }
+}
+
+/// An AMQP long-string header value.
+pub fn long_string(s: &str) -> AMQPValue {
+    AMQPValue::LongString(LongString::from(s.as_bytes().to_vec()))
+}
+
+/// The delivery's properties with `extra` headers set (replacing same-named ones).
+fn copy_properties(delivery: &Delivery, extra: &[(&str, AMQPValue)]) -> BasicProperties {
+    let mut table = delivery.properties.headers().clone().unwrap_or_default();
+    for (name, value) in extra {
+        table.insert(ShortString::from(*name), value.clone());
+    }
+    delivery.properties.clone().with_headers(table)
+}
+
+fn header<'a>(delivery: &'a Delivery, name: &str) -> Option<&'a AMQPValue> {
+    delivery.properties.headers().as_ref()?.inner().get(name)
+}
+
+/// A header as an unsigned integer (any AMQP integer type, or a decimal string).
+pub fn header_u64(delivery: &Delivery, name: &str) -> Option<u64> {
+    match header(delivery, name)? {
+        AMQPValue::LongLongInt(v) => u64::try_from(*v).ok(),
+        AMQPValue::LongInt(v) => u64::try_from(*v).ok(),
+        AMQPValue::LongUInt(v) => Some(u64::from(*v)),
+        AMQPValue::ShortInt(v) => u64::try_from(*v).ok(),
+        AMQPValue::ShortUInt(v) => Some(u64::from(*v)),
+        AMQPValue::ShortShortUInt(v) => Some(u64::from(*v)),
+        AMQPValue::LongString(s) => std::str::from_utf8(s.as_bytes()).ok()?.parse().ok(),
+        _ => None,
+    }
+}
+
+/// A header as text.
+pub fn header_str(delivery: &Delivery, name: &str) -> Option<String> {
+    match header(delivery, name)? {
+        AMQPValue::LongString(s) => String::from_utf8(s.as_bytes().to_vec()).ok(),
+        AMQPValue::ShortString(s) => Some(s.to_string()),
+        _ => None,
+    }
+}
+
+/// Arguments table from pairs.
+pub(crate) fn table(pairs: &[(&str, AMQPValue)]) -> FieldTable {
+    let mut table = FieldTable::default();
+    for (k, v) in pairs {
+        table.insert(ShortString::from(*k), v.clone());
+    }
+    table
+}

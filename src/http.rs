@@ -1,0 +1,78 @@
+//! The replica's HTTP endpoints: `/metrics` (Prometheus), `/healthz`, `/readyz`.
+
+use std::net::SocketAddr;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, OnceLock};
+
+use anyhow::Context;
+use axum::Router;
+use axum::extract::State;
+use axum::http::StatusCode;
+use axum::routing::get;
+use metrics_exporter_prometheus::{PrometheusBuilder, PrometheusHandle};
+use tokio_util::sync::CancellationToken;
+
+/// The process-wide Prometheus recorder (installed on first use).
+pub fn prometheus() -> &'static PrometheusHandle {
+    static HANDLE: OnceLock<PrometheusHandle> = OnceLock::new();
+    HANDLE.get_or_init(|| {
+        let recorder = PrometheusBuilder::new()
+            .set_buckets(&[0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0])
+            .expect("static buckets are valid")
+            .build_recorder();
+        let handle = recorder.handle();
+        // Fails only if another recorder is installed already (then this one just renders empty).
+        let _ = metrics::set_global_recorder(recorder);
+        handle
+    })
+}
+
+/// What `/readyz` reports: connected to the broker and Redis, and consuming.
+#[derive(Clone, Default)]
+pub struct Readiness(Arc<AtomicBool>);
+
+impl Readiness {
+    pub fn set(&self, ready: bool) {
+        self.0.store(ready, Ordering::Relaxed);
+        metrics::gauge!("turnstile_ready").set(if ready { 1.0 } else { 0.0 });
+    }
+    pub fn get(&self) -> bool {
+        self.0.load(Ordering::Relaxed)
+    }
+}
+
+/// `TURNSTILE_HTTP_ADDR`: an address, or `off`.
+pub fn parse_addr(s: &str) -> Result<Option<SocketAddr>, String> {
+    if s.eq_ignore_ascii_case("off") {
+        return Ok(None);
+    }
+    s.parse().map(Some).map_err(|_| format!("{s:?} is not an address such as 0.0.0.0:9464 (or `off`)"))
+}
+
+/// Serves the endpoints until `shutdown`; returns the bound address (port 0 picks a free one).
+pub async fn serve(addr: SocketAddr, ready: Readiness, shutdown: CancellationToken) -> anyhow::Result<SocketAddr> {
+    prometheus();
+    let app = Router::new()
+        .route("/metrics", get(|| async { prometheus().render() }))
+        .route("/healthz", get(|| async { "ok\n" }))
+        .route(
+            "/readyz",
+            get(|State(ready): State<Readiness>| async move {
+                if ready.get() { (StatusCode::OK, "ready\n") } else { (StatusCode::SERVICE_UNAVAILABLE, "not ready\n") }
+            }),
+        )
+        .with_state(ready);
+    let listener = tokio::net::TcpListener::bind(addr)
+        .await
+        .with_context(|| format!("TURNSTILE_HTTP_ADDR: cannot listen on {addr}"))?;
+    let bound = listener.local_addr()?;
+    tokio::spawn(async move {
+        let served = axum::serve(listener, app)
+            .with_graceful_shutdown(async move { shutdown.cancelled().await })
+            .await;
+        if let Err(error) = served {
+            tracing::warn!(%error, "the HTTP endpoint stopped");
+        }
+    });
+    Ok(bound)
+}

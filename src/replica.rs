@@ -1,0 +1,240 @@
+//! `turnstile consume`: one replica. The startup code that knows every module: it connects to
+//! RabbitMQ and Redis, declares the topology, consumes with bounded concurrency, reconnects when
+//! the broker goes away, and drains on shutdown.
+
+use std::net::SocketAddr;
+use std::sync::Arc;
+use std::time::Duration;
+
+use anyhow::Context;
+use backon::{BackoffBuilder, ExponentialBuilder};
+use clap::Args;
+use futures::StreamExt;
+use lapin::options::{BasicCancelOptions, BasicConsumeOptions, BasicQosOptions};
+use lapin::types::FieldTable;
+use tokio::sync::Semaphore;
+use tokio_util::sync::CancellationToken;
+use tokio_util::task::TaskTracker;
+use tracing::{info, warn};
+
+use crate::broker::{self, Publisher, QueueType, Topology};
+use crate::config::{LimiterArgs, RedisArgs, duration_arg};
+use crate::downstream::{Downstream, DownstreamArgs};
+use crate::http::{self, Readiness};
+use crate::permit::PermitStore;
+use crate::worker::{Stats, Worker, WorkerSettings};
+
+/// Everything `turnstile consume` is configured with (flags and `TURNSTILE_*` variables).
+#[derive(Args, Clone, Debug)]
+pub struct ConsumeArgs {
+    /// Broker URL.
+    #[arg(long = "amqp-url", env = "TURNSTILE_AMQP_URL", default_value = "amqp://guest:guest@127.0.0.1:5672/%2f", hide_env_values = true)]
+    pub amqp_url: String,
+    /// Work queue; every other queue/exchange name derives from it.
+    #[arg(long, env = "TURNSTILE_QUEUE", default_value = "registrations")]
+    pub queue: String,
+    #[arg(long = "queue-type", env = "TURNSTILE_QUEUE_TYPE", value_enum, default_value_t = QueueType::Quorum)]
+    pub queue_type: QueueType,
+    /// Concurrent downstream calls per replica.
+    #[arg(long, env = "TURNSTILE_WORKERS", default_value_t = 16, value_parser = clap::value_parser!(u32).range(1..=4096))]
+    pub workers: u32,
+    /// AMQP prefetch [default: 8 x workers, at least 64]: bounds the messages in the replica,
+    /// held ones included.
+    #[arg(long, env = "TURNSTILE_PREFETCH", value_parser = clap::value_parser!(u16).range(1..))]
+    pub prefetch: Option<u16>,
+    /// /metrics, /healthz, /readyz; `127.0.0.1:0` picks a free port; `off` disables.
+    #[arg(long = "http-addr", env = "TURNSTILE_HTTP_ADDR", default_value = "0.0.0.0:9464", value_parser = http::parse_addr)]
+    pub http_addr: Option<SocketAddr>,
+    /// Failed attempts (5xx, timeouts, connection errors) before a message is dead-lettered.
+    #[arg(long = "max-attempts", env = "TURNSTILE_MAX_ATTEMPTS", default_value_t = 8, value_parser = clap::value_parser!(u32).range(1..))]
+    pub max_attempts: u32,
+    /// Longest wait for a permit held inside the replica; longer waits go through the broker.
+    #[arg(long, env = "TURNSTILE_HOLD", default_value = "2s", value_parser = duration_arg)]
+    pub hold: Duration,
+    /// First retry delay after a failed attempt; doubles with jitter up to --retry-max.
+    #[arg(long = "retry-min", env = "TURNSTILE_RETRY_MIN", default_value = "1s", value_parser = duration_arg)]
+    pub retry_min: Duration,
+    #[arg(long = "retry-max", env = "TURNSTILE_RETRY_MAX", default_value = "5m", value_parser = duration_arg)]
+    pub retry_max: Duration,
+    /// How long a registered message is remembered (a redelivery within it is not called again).
+    #[arg(long = "done-ttl", env = "TURNSTILE_DONE_TTL", default_value = "7d", value_parser = duration_arg)]
+    pub done_ttl: Duration,
+    #[command(flatten)]
+    pub downstream: DownstreamArgs,
+    #[command(flatten)]
+    pub redis: RedisArgs,
+    #[command(flatten)]
+    pub limiter: LimiterArgs,
+}
+
+impl ConsumeArgs {
+    pub fn prefetch(&self) -> u16 {
+        self.prefetch.unwrap_or_else(|| (self.workers.saturating_mul(8)).clamp(64, u16::MAX as u32) as u16)
+    }
+    pub fn topology(&self) -> Topology {
+        Topology::new(&self.queue, self.queue_type)
+    }
+}
+
+/// A running replica's handles.
+pub struct Replica {
+    pub stats: Arc<Stats>,
+    pub ready: Readiness,
+    pub http_addr: Option<SocketAddr>,
+    done: tokio::task::JoinHandle<anyhow::Result<()>>,
+}
+
+impl Replica {
+    /// Connects and starts consuming; returns once the replica is consuming (or fails to start).
+    pub async fn start(args: ConsumeArgs, shutdown: CancellationToken) -> anyhow::Result<Self> {
+        anyhow::ensure!(!args.queue.is_empty() && args.queue.len() <= 200, "TURNSTILE_QUEUE must be 1 to 200 characters");
+        let downstream = Downstream::new(&args.downstream)?;
+        let permits = PermitStore::connect(&args.redis, &args.limiter).await?;
+        let ready = Readiness::default();
+        let http_addr = match args.http_addr {
+            Some(addr) => Some(http::serve(addr, ready.clone(), shutdown.clone()).await?),
+            None => None,
+        };
+        let stats = Arc::new(Stats::default());
+        let prefetch = args.prefetch();
+        let worker = Arc::new(Worker {
+            permits,
+            downstream,
+            topology: args.topology(),
+            settings: WorkerSettings {
+                max_attempts: args.max_attempts,
+                hold: args.hold,
+                hold_capacity: (prefetch as usize * 3 / 4).max(1),
+                done_ttl: args.done_ttl,
+                retry_min: args.retry_min,
+                retry_max: args.retry_max,
+            },
+            workers: Arc::new(Semaphore::new(args.workers as usize)),
+            stats: stats.clone(),
+        });
+        // The first connection is made here so that a wrong URL fails the start at once.
+        let session = Session::open(&args, &worker).await?;
+        ready.set(true);
+        info!(queue = %args.queue, workers = args.workers, prefetch, algorithm = %args.limiter.algorithm, limit = %args.limiter.limit, http = ?http_addr, "consuming");
+        let done = tokio::spawn(run(args, worker, session, ready.clone(), shutdown));
+        Ok(Self { stats, ready, http_addr, done })
+    }
+
+    /// Waits until the replica has drained and stopped (after `shutdown` is cancelled).
+    pub async fn wait(self) -> anyhow::Result<()> {
+        self.done.await.context("the replica task panicked")?
+    }
+}
+
+/// One broker connection with its channels and consumer.
+struct Session {
+    connection: lapin::Connection,
+    publisher: Publisher,
+    consumer: lapin::Consumer,
+    consumer_channel: lapin::Channel,
+    tag: String,
+}
+
+impl Session {
+    async fn open(args: &ConsumeArgs, worker: &Worker) -> anyhow::Result<Self> {
+        let name = format!("turnstile {} pid {}", args.queue, std::process::id());
+        let connection = broker::connect(&args.amqp_url, &name).await?;
+        let publisher = Publisher::open(&connection).await?;
+        worker.topology.declare(publisher.channel()).await?;
+        let consumer_channel = connection.create_channel().await.context("opening the consumer channel")?;
+        consumer_channel
+            .basic_qos(args.prefetch(), BasicQosOptions::default())
+            .await
+            .context("setting the prefetch")?;
+        let tag = format!("turnstile-{}-{:x}", std::process::id(), rand::random::<u32>());
+        let consumer = consumer_channel
+            .basic_consume(args.queue.as_str().into(), tag.as_str().into(), BasicConsumeOptions::default(), FieldTable::default())
+            .await
+            .with_context(|| format!("consuming from {:?}", args.queue))?;
+        Ok(Self { connection, publisher, consumer, consumer_channel, tag })
+    }
+}
+
+/// Consumes until shutdown, reconnecting with backoff whenever the broker connection is lost.
+async fn run(
+    args: ConsumeArgs,
+    worker: Arc<Worker>,
+    first: Session,
+    ready: Readiness,
+    shutdown: CancellationToken,
+) -> anyhow::Result<()> {
+    let tracker = TaskTracker::new();
+    let mut session = Some(first);
+    let mut reconnects = ExponentialBuilder::default()
+        .with_min_delay(Duration::from_millis(200))
+        .with_max_delay(Duration::from_secs(10))
+        .with_jitter()
+        .without_max_times()
+        .build();
+    loop {
+        let mut current = match session.take() {
+            Some(s) => s,
+            None => {
+                let pause = reconnects.next().unwrap_or(Duration::from_secs(10));
+                tokio::select! {
+                    _ = tokio::time::sleep(pause) => {}
+                    _ = shutdown.cancelled() => break,
+                }
+                match Session::open(&args, &worker).await {
+                    Ok(s) => {
+                        info!("reconnected to the broker; consuming again");
+                        metrics::counter!("turnstile_reconnects_total").increment(1);
+                        ready.set(true);
+                        s
+                    }
+                    Err(error) => {
+                        warn!(error = format!("{error:#}"), "broker unavailable; retrying");
+                        continue;
+                    }
+                }
+            }
+        };
+        let connection_lost = CancellationToken::new();
+        let stopped_by_shutdown = loop {
+            tokio::select! {
+                _ = shutdown.cancelled() => break true,
+                next = current.consumer.next() => match next {
+                    Some(Ok(delivery)) => {
+                        let (worker, publisher) = (worker.clone(), current.publisher.clone());
+                        let (shutdown, lost) = (shutdown.clone(), connection_lost.clone());
+                        tracker.spawn(async move { worker.process(delivery, &publisher, &shutdown, &lost).await });
+                    }
+                    Some(Err(error)) => {
+                        warn!(%error, "broker connection lost");
+                        break false;
+                    }
+                    None => {
+                        warn!("the broker cancelled the consumer");
+                        break false;
+                    }
+                },
+            }
+        };
+        if stopped_by_shutdown {
+            ready.set(false);
+            info!("shutting down: no new deliveries; finishing in-flight work, returning held messages");
+            let _ = current
+                .consumer_channel
+                .basic_cancel(current.tag.as_str().into(), BasicCancelOptions::default())
+                .await;
+            tracker.close();
+            tracker.wait().await;
+            let _ = current.connection.close(200, "shutdown".into()).await;
+            info!("stopped");
+            return Ok(());
+        }
+        ready.set(false);
+        connection_lost.cancel();
+        metrics::counter!("turnstile_broker_errors_total").increment(1);
+        let _ = current.connection.close(320, "reconnecting".into()).await;
+    }
+    ready.set(false);
+    tracker.close();
+    tracker.wait().await;
+    Ok(())
+}

@@ -1,0 +1,333 @@
+//! One delivery, start to finish: parse, permit, call, and one [`Outcome`], applied in one place.
+//!
+//! A throttled message waits for the slot the limiter reserved for it. Short waits (up to
+//! `hold`) are held here, unacked and within prefetch; longer ones go through the broker's delay
+//! ladder and come back `lead` before their slot, then are held for the rest. Other sellers'
+//! messages never queue behind either: a held message takes no worker, and the ladder's queues
+//! each hold one fixed delay.
+
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
+use std::time::Duration;
+
+use backon::{BackoffBuilder, ExponentialBuilder, Retryable};
+use lapin::message::Delivery;
+use lapin::options::{BasicAckOptions, BasicNackOptions};
+use lapin::types::AMQPValue;
+use tokio::sync::Semaphore;
+use tokio_util::sync::CancellationToken;
+use tracing::{Instrument, debug, info_span, warn};
+
+use crate::broker::{Publisher, Topology, header_str, header_u64, headers, long_string};
+use crate::domain::Registration;
+use crate::downstream::{Downstream, Reply};
+use crate::permit::{Decision, PermitError, PermitStore, Reservation};
+
+/// What to do with a delivery; decided by [`Worker::handle`], applied by [`Worker::settle`].
+#[derive(Debug, PartialEq)]
+pub enum Outcome {
+    /// Registered now: ack.
+    Registered,
+    /// Registered before (completion record): ack without calling.
+    AlreadyDone,
+    /// Come back later through the delay ladder, keeping the reservation if there is one.
+    Delay { after: Duration, reservation: Option<Reservation>, attempt: u32 },
+    /// Give up: publish to `<queue>.dead` with the reason, then ack.
+    DeadLetter { reason: &'static str, detail: String },
+    /// Give the message back to the broker as it is (nack + requeue).
+    Requeue,
+}
+
+/// Counters of one replica (also exported as Prometheus metrics).
+#[derive(Debug, Default)]
+pub struct Stats {
+    pub deliveries: AtomicU64,
+    pub registered: AtomicU64,
+    pub already_done: AtomicU64,
+    pub delayed: AtomicU64,
+    pub retried: AtomicU64,
+    pub dead_lettered: AtomicU64,
+    pub requeued: AtomicU64,
+    pub throttled: AtomicU64,
+    pub forfeited: AtomicU64,
+    pub held: AtomicUsize,
+    pub in_flight: AtomicUsize,
+}
+
+/// How the worker behaves (from `ConsumeArgs`).
+#[derive(Clone, Debug)]
+pub struct WorkerSettings {
+    /// Failed attempts (5xx, timeouts, connection errors) before a message is dead-lettered.
+    pub max_attempts: u32,
+    /// Longest wait held in the replica; longer ones go through the broker.
+    pub hold: Duration,
+    /// Most messages held at once (the rest of the prefetch stays free for other sellers).
+    pub hold_capacity: usize,
+    /// How long completion records are kept (redeliveries within it are not called twice).
+    pub done_ttl: Duration,
+    /// First retry delay after a failed attempt (doubling, with jitter, up to `retry_max`).
+    pub retry_min: Duration,
+    pub retry_max: Duration,
+}
+
+/// Everything a delivery needs; shared by all of a replica's tasks.
+pub struct Worker {
+    pub permits: PermitStore,
+    pub downstream: Downstream,
+    pub topology: Topology,
+    pub settings: WorkerSettings,
+    pub workers: Arc<Semaphore>,
+    pub stats: Arc<Stats>,
+}
+
+/// How a handler's wait ended early.
+enum Interrupted {
+    /// Shutting down: return the message to the broker, keeping its reservation.
+    Shutdown,
+    /// The connection that delivered it is gone: the broker has requeued it already.
+    ConnectionLost,
+}
+
+impl Worker {
+    /// Handles a delivery and settles it; never fails (errors are logged with context).
+    pub async fn process(
+        &self,
+        delivery: Delivery,
+        publisher: &Publisher,
+        shutdown: &CancellationToken,
+        connection_lost: &CancellationToken,
+    ) {
+        self.stats.deliveries.fetch_add(1, Ordering::Relaxed);
+        metrics::counter!("turnstile_deliveries_total").increment(1);
+        let message_id = delivery.properties.message_id().as_ref().map(|m| m.to_string());
+        let registration = Registration::parse(&delivery.data, message_id.as_deref());
+        let attempt = header_u64(&delivery, headers::ATTEMPT).unwrap_or(0) as u32;
+        let span = match &registration {
+            Ok(r) => info_span!("registration", seller = %r.seller_id, message = %r.message_id, attempt),
+            Err(_) => info_span!("registration", seller = "?", message = ?message_id, attempt),
+        };
+        let outcome = async {
+            let outcome = match registration {
+                Ok(registration) => {
+                    let held = header_str(&delivery, headers::RESERVATION).and_then(|r| Reservation::decode(&r));
+                    self.handle(&registration, attempt, held, shutdown, connection_lost).await
+                }
+                Err(invalid) => Outcome::DeadLetter { reason: "invalid-message", detail: invalid.to_string() },
+            };
+            debug!(?outcome, "handled");
+            outcome
+        }
+        .instrument(span.clone())
+        .await;
+        self.settle(delivery, outcome, publisher).instrument(span).await;
+    }
+
+    /// Decides what happens to one registration. Holds a worker permit only while asking for a
+    /// permit and calling the downstream, so held messages never starve the workers.
+    pub async fn handle(
+        &self,
+        registration: &Registration,
+        mut attempt: u32,
+        mut held: Option<Reservation>,
+        shutdown: &CancellationToken,
+        connection_lost: &CancellationToken,
+    ) -> Outcome {
+        let seller = &registration.seller_id;
+        loop {
+            let worker = tokio::select! {
+                permit = self.workers.clone().acquire_owned() => permit.expect("the worker semaphore is never closed"),
+                _ = shutdown.cancelled() => return self.returned(held, attempt, Interrupted::Shutdown),
+                _ = connection_lost.cancelled() => return Outcome::Requeue,
+            };
+            let decision = tokio::select! {
+                d = self.decide(registration, held) => d,
+                _ = shutdown.cancelled() => return self.returned(held, attempt, Interrupted::Shutdown),
+                _ = connection_lost.cancelled() => return Outcome::Requeue,
+            };
+            match decision {
+                Decision::AlreadyDone => return Outcome::AlreadyDone,
+                Decision::Granted { .. } => {
+                    self.stats.in_flight.fetch_add(1, Ordering::Relaxed);
+                    let started = std::time::Instant::now();
+                    let reply = self.downstream.register(registration).await;
+                    metrics::histogram!("turnstile_downstream_seconds").record(started.elapsed().as_secs_f64());
+                    self.stats.in_flight.fetch_sub(1, Ordering::Relaxed);
+                    drop(worker);
+                    match reply {
+                        Reply::Registered => {
+                            self.record_completion(registration).await;
+                            return Outcome::Registered;
+                        }
+                        Reply::Throttled { retry_after } => {
+                            self.stats.throttled.fetch_add(1, Ordering::Relaxed);
+                            metrics::counter!("turnstile_downstream_throttled_total").increment(1);
+                            let pause = retry_after.unwrap_or_else(|| self.permits.default_limit().window());
+                            warn!(pause_ms = pause.as_millis() as u64, "downstream answered 429: pausing the seller on every replica");
+                            if let Err(error) = self.permits.pause(seller, pause.max(Duration::from_millis(1))).await {
+                                warn!(%error, "could not record the pause; delaying the message instead");
+                                return Outcome::Delay { after: pause, reservation: None, attempt };
+                            }
+                            held = None;
+                        }
+                        Reply::Transient(why) => {
+                            attempt += 1;
+                            if attempt >= self.settings.max_attempts {
+                                return Outcome::DeadLetter {
+                                    reason: "attempts-exhausted",
+                                    detail: format!("{attempt} attempts failed; last: {why}"),
+                                };
+                            }
+                            warn!(attempt, %why, "downstream failed; retrying later");
+                            self.stats.retried.fetch_add(1, Ordering::Relaxed);
+                            return Outcome::Delay { after: self.backoff(attempt), reservation: None, attempt };
+                        }
+                        Reply::Rejected { status, body } => {
+                            return Outcome::DeadLetter { reason: "rejected", detail: format!("HTTP {status}: {body}") };
+                        }
+                    }
+                }
+                Decision::Wait { retry_after, reservation } => {
+                    drop(worker);
+                    held = reservation;
+                    let holding = self.stats.held.load(Ordering::Relaxed);
+                    if reservation.is_none() || retry_after > self.settings.hold || holding >= self.settings.hold_capacity {
+                        let lead = if reservation.is_some() { self.lead() } else { Duration::ZERO };
+                        if retry_after > lead + crate::broker::UNIT {
+                            return Outcome::Delay { after: retry_after - lead, reservation, attempt };
+                        }
+                    }
+                    self.stats.held.fetch_add(1, Ordering::Relaxed);
+                    let waited = tokio::select! {
+                        _ = tokio::time::sleep(retry_after) => None,
+                        _ = shutdown.cancelled() => Some(Interrupted::Shutdown),
+                        _ = connection_lost.cancelled() => Some(Interrupted::ConnectionLost),
+                    };
+                    self.stats.held.fetch_sub(1, Ordering::Relaxed);
+                    if let Some(why) = waited {
+                        return self.returned(held, attempt, why);
+                    }
+                }
+            }
+        }
+    }
+
+    /// How early a message delayed through the broker comes back before its slot.
+    fn lead(&self) -> Duration {
+        (self.settings.hold / 2).max(crate::broker::UNIT * 2)
+    }
+
+    /// The n-th retry delay: exponential from `retry_min`, capped, with jitter.
+    fn backoff(&self, attempt: u32) -> Duration {
+        ExponentialBuilder::default()
+            .with_min_delay(self.settings.retry_min)
+            .with_max_delay(self.settings.retry_max)
+            .with_jitter()
+            .without_max_times()
+            .build()
+            .nth(attempt.saturating_sub(1) as usize)
+            .unwrap_or(self.settings.retry_max)
+    }
+
+    fn returned(&self, held: Option<Reservation>, attempt: u32, why: Interrupted) -> Outcome {
+        match why {
+            Interrupted::Shutdown => Outcome::Delay { after: Duration::ZERO, reservation: held, attempt },
+            Interrupted::ConnectionLost => Outcome::Requeue,
+        }
+    }
+
+    /// Asks for (or redeems) a permit, retrying Redis errors with backoff for as long as it
+    /// takes: without an answer no call is made (fail closed).
+    async fn decide(&self, registration: &Registration, held: Option<Reservation>) -> Decision {
+        let ask = || async {
+            self.permits
+                .acquire_or_redeem(&registration.seller_id, Some(&registration.message_id), held)
+                .await
+        };
+        let (decision, forfeit) = ask
+            .retry(
+                ExponentialBuilder::default()
+                    .with_min_delay(Duration::from_millis(50))
+                    .with_max_delay(Duration::from_secs(5))
+                    .with_jitter()
+                    .without_max_times(),
+            )
+            .notify(|error: &PermitError, after| {
+                metrics::counter!("turnstile_redis_errors_total").increment(1);
+                warn!(%error, retry_in_ms = after.as_millis() as u64, "no permit decision (Redis); not calling");
+            })
+            .await
+            .expect("retried without limit");
+        if let Some(forfeit) = forfeit {
+            self.stats.forfeited.fetch_add(1, Ordering::Relaxed);
+            debug!(?forfeit, "reserved slot given up; reserved anew");
+        }
+        match decision {
+            Decision::Granted { .. } => metrics::counter!("turnstile_permits_granted_total").increment(1),
+            Decision::Wait { .. } => metrics::counter!("turnstile_permits_denied_total").increment(1),
+            Decision::AlreadyDone => {}
+        }
+        decision
+    }
+
+    async fn record_completion(&self, registration: &Registration) {
+        let record = || async {
+            self.permits
+                .complete(
+                    &registration.seller_id,
+                    &registration.message_id,
+                    registration.batch_id.as_ref(),
+                    true,
+                    self.settings.done_ttl,
+                )
+                .await
+        };
+        let retry = ExponentialBuilder::default().with_min_delay(Duration::from_millis(50)).with_max_times(6);
+        if let Err(error) = record.retry(retry).await {
+            warn!(%error, "registered, but the completion record was not written: a redelivery could call again");
+        }
+    }
+
+    /// Applies an outcome: the one place that acks, nacks, delays or dead-letters.
+    pub async fn settle(&self, delivery: Delivery, outcome: Outcome, publisher: &Publisher) {
+        let published = match &outcome {
+            Outcome::Registered | Outcome::AlreadyDone | Outcome::Requeue => Ok(()),
+            Outcome::Delay { after, reservation, attempt } => {
+                let mut extra = vec![(headers::ATTEMPT, AMQPValue::LongLongInt(i64::from(*attempt)))];
+                extra.push((headers::RESERVATION, long_string(&reservation.map(|r| r.encode()).unwrap_or_default())));
+                publisher.delay(&self.topology, &delivery, *after, &extra).await
+            }
+            Outcome::DeadLetter { reason, detail } => {
+                warn!(reason, detail, "dead-lettering");
+                publisher.dead_letter(&self.topology, &delivery, reason, detail).await
+            }
+        };
+        let (counter, label) = match &outcome {
+            Outcome::Registered => (&self.stats.registered, "registered"),
+            Outcome::AlreadyDone => (&self.stats.already_done, "already_done"),
+            Outcome::Delay { .. } => (&self.stats.delayed, "delayed"),
+            Outcome::DeadLetter { .. } => (&self.stats.dead_lettered, "dead_lettered"),
+            Outcome::Requeue => (&self.stats.requeued, "requeued"),
+        };
+        let result = match published {
+            Ok(()) if outcome != Outcome::Requeue => {
+                counter.fetch_add(1, Ordering::Relaxed);
+                metrics::counter!("turnstile_outcomes_total", "outcome" => label).increment(1);
+                delivery.acker.ack(BasicAckOptions::default()).await
+            }
+            Ok(()) => {
+                counter.fetch_add(1, Ordering::Relaxed);
+                metrics::counter!("turnstile_outcomes_total", "outcome" => label).increment(1);
+                delivery.acker.nack(BasicNackOptions { requeue: true, ..Default::default() }).await
+            }
+            Err(error) => {
+                warn!(%error, "republishing failed; returning the message to the broker");
+                metrics::counter!("turnstile_broker_errors_total").increment(1);
+                self.stats.requeued.fetch_add(1, Ordering::Relaxed);
+                delivery.acker.nack(BasicNackOptions { requeue: true, ..Default::default() }).await
+            }
+        };
+        if let Err(error) = result {
+            debug!(%error, "could not settle the delivery (its channel is gone; the broker redelivers it)");
+        }
+    }
+}
