@@ -9,6 +9,8 @@ use crate::bench;
 use crate::config::{Limit, LimiterArgs, RedisArgs};
 use crate::domain::SellerId;
 use crate::permit::PermitStore;
+use crate::replica::{ConsumeArgs, Replica};
+use tokio_util::sync::CancellationToken;
 
 #[derive(Parser, Debug)]
 #[command(
@@ -23,6 +25,8 @@ pub struct Cli {
 
 #[derive(Subcommand, Debug)]
 pub enum Command {
+    /// Run one consumer replica (many may share the queue).
+    Consume(Box<ConsumeArgs>),
     /// Show or change per-seller limit overrides (stored in Redis, effective on every replica).
     Limits {
         #[command(subcommand)]
@@ -67,6 +71,12 @@ fn seller_arg(s: &str) -> anyhow::Result<SellerId> {
 /// Runs a parsed command line.
 pub async fn run(cli: Cli) -> anyhow::Result<ExitCode> {
     match cli.command {
+        Command::Consume(args) => {
+            let shutdown = shutdown_on_signal();
+            let replica = Replica::start(*args, shutdown).await?;
+            replica.wait().await?;
+            Ok(ExitCode::SUCCESS)
+        }
         Command::Limits {
             action,
             redis,
@@ -122,4 +132,28 @@ pub async fn run(cli: Cli) -> anyhow::Result<ExitCode> {
         }
         Command::Bench { which } => bench::run(which).await,
     }
+}
+
+/// A token cancelled on SIGTERM or SIGINT (Ctrl-C); the only place signals are read.
+pub fn shutdown_on_signal() -> CancellationToken {
+    let token = CancellationToken::new();
+    let cancel = token.clone();
+    tokio::spawn(async move {
+        let ctrl_c = tokio::signal::ctrl_c();
+        #[cfg(unix)]
+        {
+            let mut term =
+                tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate())
+                    .expect("installing the SIGTERM handler");
+            tokio::select! {
+                _ = ctrl_c => {}
+                _ = term.recv() => {}
+            }
+        }
+        #[cfg(not(unix))]
+        let _ = ctrl_c.await;
+        tracing::info!("shutdown signal received");
+        cancel.cancel();
+    });
+    token
 }

@@ -17,7 +17,9 @@ pub fn prometheus() -> &'static PrometheusHandle {
     static HANDLE: OnceLock<PrometheusHandle> = OnceLock::new();
     HANDLE.get_or_init(|| {
         let recorder = PrometheusBuilder::new()
-            .set_buckets(&[0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0])
+            .set_buckets(&[
+                0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0,
+            ])
             .expect("static buckets are valid")
             .build_recorder();
         let handle = recorder.handle();
@@ -46,11 +48,17 @@ pub fn parse_addr(s: &str) -> Result<Option<SocketAddr>, String> {
     if s.eq_ignore_ascii_case("off") {
         return Ok(None);
     }
-    s.parse().map(Some).map_err(|_| format!("{s:?} is not an address such as 0.0.0.0:9464 (or `off`)"))
+    s.parse()
+        .map(Some)
+        .map_err(|_| format!("{s:?} is not an address such as 0.0.0.0:9464 (or `off`)"))
 }
 
 /// Serves the endpoints until `shutdown`; returns the bound address (port 0 picks a free one).
-pub async fn serve(addr: SocketAddr, ready: Readiness, shutdown: CancellationToken) -> anyhow::Result<SocketAddr> {
+pub async fn serve(
+    addr: SocketAddr,
+    ready: Readiness,
+    shutdown: CancellationToken,
+) -> anyhow::Result<SocketAddr> {
     prometheus();
     let app = Router::new()
         .route("/metrics", get(|| async { prometheus().render() }))
@@ -58,7 +66,11 @@ pub async fn serve(addr: SocketAddr, ready: Readiness, shutdown: CancellationTok
         .route(
             "/readyz",
             get(|State(ready): State<Readiness>| async move {
-                if ready.get() { (StatusCode::OK, "ready\n") } else { (StatusCode::SERVICE_UNAVAILABLE, "not ready\n") }
+                if ready.get() {
+                    (StatusCode::OK, "ready\n")
+                } else {
+                    (StatusCode::SERVICE_UNAVAILABLE, "not ready\n")
+                }
             }),
         )
         .with_state(ready);

@@ -1,1 +1,522 @@
-//! `turnstile mock-api`: a strict stand-in for the registration API (being written).
+//! `turnstile mock-api`: a strict stand-in for the product-registration API, used by tests,
+//! benchmarks and the demo.
+//!
+//! Endpoints:
+//! - `POST /register/{seller}`: registers the JSON object in the body. Requires
+//!   `Content-Type: application/json` and `Idempotency-Key`; the seller counted is
+//!   `X-Seller-Id` verbatim (percent-encoded UTF-8 for non-ASCII ids), or else the path segment
+//!   encoded the same way. Enforces an exact sliding window per seller on the server's own
+//!   monotonic clock: `200 {"registered": true, "id": KEY}` while fewer than COUNT accepted
+//!   registrations lie in the trailing window, otherwise `429` with `Retry-After` (a violation).
+//!   An already accepted key is replayed with `200` and counted as a duplicate, not again.
+//! - `GET /stats`: [`Stats`] as JSON. `POST /reset`: forgets everything and restarts the clock.
+//!
+//! A product object with a `"mock"` object scripts its answers by attempt, for tests:
+//! `{"mock": {"statuses": [503, 503, 200], "delay_ms": 0, "retry_after": "2"}}` answers the
+//! n-th request with that Idempotency-Key with `statuses[n]` (the last one repeats), after
+//! `delay_ms`, with `Retry-After: retry_after` on a 429. A scripted 2xx goes through the limit
+//! check and registration like any request; a scripted non-2xx is counted in
+//! [`Stats::scripted`] only. Scripted requests are exempt from `--fail-rate`.
+
+use std::collections::{BTreeMap, HashMap, HashSet, VecDeque};
+use std::net::{IpAddr, Ipv4Addr, Ipv6Addr, SocketAddr};
+use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
+use std::time::Duration;
+
+use anyhow::Context;
+use axum::Router;
+use axum::body::Bytes;
+use axum::extract::{Path, State};
+use axum::http::header::{CONTENT_TYPE, RETRY_AFTER};
+use axum::http::{HeaderMap, HeaderValue, StatusCode};
+use axum::response::{IntoResponse, Response};
+use axum::routing::{get, post};
+use serde::{Deserialize, Serialize};
+use serde_json::{Map, Value, json};
+use tokio::task::JoinHandle;
+use tokio::time::Instant;
+use tokio_util::sync::CancellationToken;
+
+use crate::config::Limit;
+use crate::domain::SellerId;
+
+/// Settings of the mock registration API (`turnstile mock-api`).
+#[derive(clap::Args, Clone, Debug)]
+pub struct MockArgs {
+    /// Per-seller limit the mock enforces, COUNT/DURATION (e.g. 20/1s, 100/1m).
+    #[arg(long, default_value = "20/1s", value_parser = parse_limit)]
+    pub limit: Limit,
+    /// Address to listen on; port 0 picks a free port.
+    #[arg(long, default_value = "127.0.0.1:8080")]
+    pub addr: SocketAddr,
+    /// Milliseconds added to every response (after the decision, which is made on arrival).
+    #[arg(long, default_value_t = 0)]
+    pub latency_ms: u64,
+    /// Fraction of requests (0 to 1) answered 503 at random, before the limit check.
+    #[arg(long, default_value_t = 0.0, value_parser = parse_fraction)]
+    pub fail_rate: f64,
+}
+
+fn parse_limit(s: &str) -> Result<Limit, String> {
+    s.parse::<Limit>().map_err(|e| e.to_string())
+}
+
+fn parse_fraction(s: &str) -> Result<f64, String> {
+    s.trim()
+        .parse::<f64>()
+        .ok()
+        .filter(|f| (0.0..=1.0).contains(f))
+        .ok_or_else(|| format!("{s:?} is not a fraction from 0 to 1"))
+}
+
+/// Counters of everything the mock saw since it started or was last reset.
+#[derive(Clone, Debug, Default, Serialize, Deserialize, PartialEq)]
+pub struct Stats {
+    /// Every `POST /register/…` request, whatever its answer (including 400s).
+    pub requests: u64,
+    /// Registrations accepted for the first time (duplicates excluded).
+    pub registered: u64,
+    /// Requests refused with 429 because the seller's window was full.
+    pub violations: u64,
+    /// Requests replaying an Idempotency-Key that was already accepted.
+    pub duplicates: u64,
+    /// Requests answered 503 by `--fail-rate`.
+    pub injected_failures: u64,
+    /// Requests answered with a scripted non-2xx status.
+    pub scripted: u64,
+    /// Per-seller counters, keyed by the seller as counted (see the module docs).
+    pub sellers: BTreeMap<String, SellerStats>,
+}
+
+/// Counters of one seller.
+#[derive(Clone, Debug, Default, Serialize, Deserialize, PartialEq)]
+pub struct SellerStats {
+    /// Registrations accepted for the first time.
+    pub registered: u64,
+    /// Requests refused with 429.
+    pub violations: u64,
+    /// Replays of an already accepted Idempotency-Key.
+    pub duplicates: u64,
+    /// Milliseconds from the server's start (or last reset) to the first accepted registration.
+    pub first_ms: Option<u64>,
+    /// Milliseconds from the server's start (or last reset) to the last accepted registration.
+    pub last_ms: Option<u64>,
+    /// The most accepted registrations seen in any trailing window (never above COUNT).
+    pub max_in_window: u64,
+}
+
+/// A running mock API.
+pub struct MockServer {
+    addr: SocketAddr,
+    app: Arc<App>,
+    task: JoinHandle<std::io::Result<()>>,
+}
+
+impl MockServer {
+    /// Binds `args.addr`, starts serving in the background and returns at once. The server
+    /// stops when `shutdown` is cancelled; responses still sleeping are then sent at once.
+    pub async fn start(args: MockArgs, shutdown: CancellationToken) -> anyhow::Result<MockServer> {
+        anyhow::ensure!(
+            (0.0..=1.0).contains(&args.fail_rate),
+            "--fail-rate must be a fraction from 0 to 1, got {}",
+            args.fail_rate
+        );
+        let listener = tokio::net::TcpListener::bind(args.addr)
+            .await
+            .with_context(|| format!("mock-api cannot listen on {}", args.addr))?;
+        let addr = listener.local_addr()?;
+        let app = Arc::new(App {
+            limit: args.limit,
+            latency: Duration::from_millis(args.latency_ms),
+            fail_rate: args.fail_rate,
+            shutdown: shutdown.clone(),
+            state: Mutex::new(Ledger::new()),
+        });
+        let router = Router::new()
+            .route("/register/{seller}", post(register))
+            .route("/stats", get(stats))
+            .route("/reset", post(reset))
+            .with_state(app.clone());
+        let task = tokio::spawn(async move {
+            axum::serve(listener, router)
+                .with_graceful_shutdown(shutdown.cancelled_owned())
+                .await
+        });
+        tracing::info!(%addr, limit = %args.limit, latency_ms = args.latency_ms,
+            fail_rate = args.fail_rate, "mock registration API listening");
+        Ok(MockServer { addr, app, task })
+    }
+
+    /// The address actually bound (with the chosen port when started on port 0).
+    pub fn addr(&self) -> SocketAddr {
+        self.addr
+    }
+
+    /// The registration URL template, `http://ADDR/register/{seller_id}`, for
+    /// `TURNSTILE_DOWNSTREAM_URL`; an unspecified listen address becomes loopback.
+    pub fn url(&self) -> String {
+        let mut addr = self.addr;
+        if addr.ip().is_unspecified() {
+            addr.set_ip(match addr.ip() {
+                IpAddr::V4(_) => IpAddr::V4(Ipv4Addr::LOCALHOST),
+                IpAddr::V6(_) => IpAddr::V6(Ipv6Addr::LOCALHOST),
+            });
+        }
+        format!("http://{addr}/register/{{seller_id}}")
+    }
+
+    /// A snapshot of the counters.
+    pub fn stats(&self) -> Stats {
+        self.app.lock().stats.clone()
+    }
+
+    /// Waits until `shutdown` is cancelled and the server has stopped.
+    pub async fn wait(self) -> anyhow::Result<()> {
+        self.task
+            .await
+            .context("mock-api server task failed")?
+            .context("mock-api server failed")
+    }
+}
+
+/// Fetches [`Stats`] from a mock running elsewhere. `base` is `http://HOST:PORT` (a bare
+/// `HOST:PORT` or the [`MockServer::url`] template are accepted too).
+pub async fn fetch_stats(base: &str) -> anyhow::Result<Stats> {
+    let mut base = base.trim();
+    if let Some(i) = base.find("/register/") {
+        base = &base[..i];
+    }
+    let base = base.trim_end_matches('/');
+    let url = if base.contains("://") {
+        format!("{base}/stats")
+    } else {
+        format!("http://{base}/stats")
+    };
+    let response = reqwest::get(&url)
+        .await
+        .with_context(|| format!("cannot reach the mock API at {url}"))?
+        .error_for_status()
+        .with_context(|| format!("{url} answered with an error"))?;
+    response
+        .json::<Stats>()
+        .await
+        .with_context(|| format!("{url} did not answer with mock statistics"))
+}
+
+struct App {
+    limit: Limit,
+    latency: Duration,
+    fail_rate: f64,
+    shutdown: CancellationToken,
+    state: Mutex<Ledger>,
+}
+
+impl App {
+    fn lock(&self) -> MutexGuard<'_, Ledger> {
+        self.state.lock().unwrap_or_else(PoisonError::into_inner)
+    }
+}
+
+struct Ledger {
+    epoch: Instant,
+    windows: HashMap<String, VecDeque<Instant>>,
+    accepted: HashSet<String>,
+    attempts: HashMap<String, usize>,
+    stats: Stats,
+}
+
+impl Ledger {
+    fn new() -> Self {
+        Self {
+            epoch: Instant::now(),
+            windows: HashMap::new(),
+            accepted: HashSet::new(),
+            attempts: HashMap::new(),
+            stats: Stats::default(),
+        }
+    }
+}
+
+/// A test's scripted answers, from the product's `"mock"` object.
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct Script {
+    statuses: Vec<u16>,
+    #[serde(default)]
+    delay_ms: u64,
+    #[serde(default)]
+    retry_after: Option<String>,
+}
+
+struct ValidScript {
+    statuses: Vec<StatusCode>,
+    delay: Duration,
+    retry_after: Option<HeaderValue>,
+}
+
+struct Request {
+    seller: String,
+    key: String,
+    script: Option<ValidScript>,
+}
+
+enum Answer {
+    Registered {
+        status: StatusCode,
+        id: String,
+    },
+    Limited {
+        retry_after_secs: u64,
+    },
+    Injected,
+    Scripted {
+        status: StatusCode,
+        retry_after: Option<HeaderValue>,
+    },
+}
+
+fn error(status: StatusCode, message: impl Into<String>) -> Response {
+    (status, axum::Json(json!({ "error": message.into() }))).into_response()
+}
+
+fn parse_request(path_seller: &str, headers: &HeaderMap, body: &[u8]) -> Result<Request, String> {
+    let content_type = headers
+        .get(CONTENT_TYPE)
+        .ok_or("missing Content-Type: application/json")?
+        .to_str()
+        .map_err(|_| "Content-Type is not ASCII")?;
+    let essence = content_type.split(';').next().unwrap_or_default().trim();
+    if !essence.eq_ignore_ascii_case("application/json") {
+        return Err(format!(
+            "Content-Type must be application/json, got {content_type:?}"
+        ));
+    }
+    let key = headers
+        .get("idempotency-key")
+        .ok_or("missing Idempotency-Key")?
+        .to_str()
+        .map_err(|_| "Idempotency-Key must be ASCII (percent-encoded UTF-8)")?;
+    if key.is_empty() {
+        return Err("empty Idempotency-Key".into());
+    }
+    let seller = match headers.get("x-seller-id") {
+        Some(value) => {
+            let value = value
+                .to_str()
+                .map_err(|_| "X-Seller-Id must be ASCII (percent-encoded UTF-8)")?;
+            if value.is_empty() {
+                return Err("empty X-Seller-Id".into());
+            }
+            value.to_owned()
+        }
+        None => SellerId::parse(path_seller)
+            .map(|id| id.header_value())
+            .unwrap_or_else(|_| path_seller.to_owned()),
+    };
+    let product: Map<String, Value> =
+        serde_json::from_slice(body).map_err(|e| format!("the body must be a JSON object: {e}"))?;
+    let script = match product.get("mock") {
+        Some(mock @ Value::Object(_)) => Some(validate_script(mock)?),
+        _ => None,
+    };
+    Ok(Request {
+        seller,
+        key: key.to_owned(),
+        script,
+    })
+}
+
+fn validate_script(mock: &Value) -> Result<ValidScript, String> {
+    let script = Script::deserialize(mock).map_err(|e| format!("invalid mock script: {e}"))?;
+    if script.statuses.is_empty() {
+        return Err("invalid mock script: statuses must not be empty".into());
+    }
+    let statuses = script
+        .statuses
+        .iter()
+        .map(|&s| {
+            StatusCode::from_u16(s)
+                .ok()
+                .filter(|c| (200..600).contains(&c.as_u16()))
+                .ok_or_else(|| format!("invalid mock script: {s} is not a status from 200 to 599"))
+        })
+        .collect::<Result<Vec<_>, _>>()?;
+    let retry_after = script
+        .retry_after
+        .map(|r| {
+            HeaderValue::from_str(&r).map_err(|_| {
+                format!("invalid mock script: retry_after {r:?} is not a header value")
+            })
+        })
+        .transpose()?;
+    Ok(ValidScript {
+        statuses,
+        delay: Duration::from_millis(script.delay_ms),
+        retry_after,
+    })
+}
+
+fn millis(d: Duration) -> u64 {
+    u64::try_from(d.as_millis()).unwrap_or(u64::MAX)
+}
+
+impl App {
+    fn decide(&self, req: &Request, roll: f64) -> Answer {
+        let mut ledger = self.lock();
+        let now = Instant::now();
+        let Ledger {
+            epoch,
+            windows,
+            accepted,
+            attempts,
+            stats,
+        } = &mut *ledger;
+        stats.requests += 1;
+        let mut status = StatusCode::OK;
+        if let Some(script) = &req.script {
+            let attempt = attempts.entry(req.key.clone()).or_default();
+            status = script.statuses[(*attempt).min(script.statuses.len() - 1)];
+            *attempt += 1;
+            if !status.is_success() {
+                stats.scripted += 1;
+                return Answer::Scripted {
+                    status,
+                    retry_after: script.retry_after.clone(),
+                };
+            }
+        } else if roll < self.fail_rate {
+            stats.injected_failures += 1;
+            return Answer::Injected;
+        }
+        let answer = Answer::Registered {
+            status,
+            id: req.key.clone(),
+        };
+        if accepted.contains(&req.key) {
+            stats.duplicates += 1;
+            stats
+                .sellers
+                .entry(req.seller.clone())
+                .or_default()
+                .duplicates += 1;
+            return answer;
+        }
+        let window = self.limit.window();
+        let times = windows.entry(req.seller.clone()).or_default();
+        while times.front().is_some_and(|&t| now - t >= window) {
+            times.pop_front();
+        }
+        let seller = stats.sellers.entry(req.seller.clone()).or_default();
+        if times.len() >= self.limit.count() as usize {
+            stats.violations += 1;
+            seller.violations += 1;
+            let oldest = *times.front().expect("a full window is not empty");
+            let wait = (oldest + window).saturating_duration_since(now);
+            let retry_after_secs = u64::try_from(wait.as_nanos().div_ceil(1_000_000_000))
+                .unwrap_or(u64::MAX)
+                .max(1);
+            return Answer::Limited { retry_after_secs };
+        }
+        times.push_back(now);
+        accepted.insert(req.key.clone());
+        stats.registered += 1;
+        seller.registered += 1;
+        let at = millis(now - *epoch);
+        seller.first_ms.get_or_insert(at);
+        seller.last_ms = Some(at);
+        seller.max_in_window = seller.max_in_window.max(times.len() as u64);
+        answer
+    }
+
+    async fn pause(&self, delay: Duration) {
+        if delay.is_zero() {
+            return;
+        }
+        tokio::select! {
+            () = tokio::time::sleep(delay) => {}
+            () = self.shutdown.cancelled() => {}
+        }
+    }
+}
+
+impl IntoResponse for Answer {
+    fn into_response(self) -> Response {
+        match self {
+            Answer::Registered { status, id } => {
+                (status, axum::Json(json!({ "registered": true, "id": id }))).into_response()
+            }
+            Answer::Limited { retry_after_secs } => {
+                let mut response = error(
+                    StatusCode::TOO_MANY_REQUESTS,
+                    format!("seller limit reached; retry after {retry_after_secs}s"),
+                );
+                response
+                    .headers_mut()
+                    .insert(RETRY_AFTER, HeaderValue::from(retry_after_secs));
+                response
+            }
+            Answer::Injected => error(StatusCode::SERVICE_UNAVAILABLE, "injected failure"),
+            Answer::Scripted {
+                status,
+                retry_after,
+            } => {
+                let mut response = error(status, format!("scripted {}", status.as_u16()));
+                if let Some(value) = retry_after.filter(|_| status == StatusCode::TOO_MANY_REQUESTS)
+                {
+                    response.headers_mut().insert(RETRY_AFTER, value);
+                }
+                response
+            }
+        }
+    }
+}
+
+async fn register(
+    State(app): State<Arc<App>>,
+    Path(seller): Path<String>,
+    headers: HeaderMap,
+    body: Bytes,
+) -> Response {
+    let req = match parse_request(&seller, &headers, &body) {
+        Ok(req) => req,
+        Err(why) => {
+            app.lock().stats.requests += 1;
+            return error(StatusCode::BAD_REQUEST, why);
+        }
+    };
+    let answer = app.decide(&req, rand::random::<f64>());
+    let scripted_delay = req.script.as_ref().map_or(Duration::ZERO, |s| s.delay);
+    app.pause(app.latency + scripted_delay).await;
+    answer.into_response()
+}
+
+async fn stats(State(app): State<Arc<App>>) -> axum::Json<Stats> {
+    axum::Json(app.lock().stats.clone())
+}
+
+async fn reset(State(app): State<Arc<App>>) -> StatusCode {
+    *app.lock() = Ledger::new();
+    StatusCode::NO_CONTENT
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use clap::Parser;
+
+    #[derive(Parser)]
+    struct Cli {
+        #[command(flatten)]
+        mock: MockArgs,
+    }
+
+    #[test]
+    fn flags_default_to_a_quiet_local_mock_and_refuse_bad_fractions() {
+        let args = Cli::try_parse_from(["mock"]).unwrap().mock;
+        assert_eq!(args.limit, "20/1s".parse().unwrap());
+        assert_eq!(args.addr, "127.0.0.1:8080".parse().unwrap());
+        assert_eq!((args.latency_ms, args.fail_rate), (0, 0.0));
+        assert!(Cli::try_parse_from(["mock", "--fail-rate", "1.5"]).is_err());
+        assert!(Cli::try_parse_from(["mock", "--limit", "0/1s"]).is_err());
+    }
+}

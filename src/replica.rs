@@ -28,7 +28,12 @@ use crate::worker::{Stats, Worker, WorkerSettings};
 #[derive(Args, Clone, Debug)]
 pub struct ConsumeArgs {
     /// Broker URL.
-    #[arg(long = "amqp-url", env = "TURNSTILE_AMQP_URL", default_value = "amqp://guest:guest@127.0.0.1:5672/%2f", hide_env_values = true)]
+    #[arg(
+        long = "amqp-url",
+        env = "TURNSTILE_AMQP_URL",
+        default_value = "amqp://guest:guest@127.0.0.1:5672/%2f",
+        hide_env_values = true
+    )]
     pub amqp_url: String,
     /// Work queue; every other queue/exchange name derives from it.
     #[arg(long, env = "TURNSTILE_QUEUE", default_value = "registrations")]
@@ -69,7 +74,8 @@ pub struct ConsumeArgs {
 
 impl ConsumeArgs {
     pub fn prefetch(&self) -> u16 {
-        self.prefetch.unwrap_or_else(|| (self.workers.saturating_mul(8)).clamp(64, u16::MAX as u32) as u16)
+        self.prefetch
+            .unwrap_or_else(|| (self.workers.saturating_mul(8)).clamp(64, u16::MAX as u32) as u16)
     }
     pub fn topology(&self) -> Topology {
         Topology::new(&self.queue, self.queue_type)
@@ -87,7 +93,10 @@ pub struct Replica {
 impl Replica {
     /// Connects and starts consuming; returns once the replica is consuming (or fails to start).
     pub async fn start(args: ConsumeArgs, shutdown: CancellationToken) -> anyhow::Result<Self> {
-        anyhow::ensure!(!args.queue.is_empty() && args.queue.len() <= 200, "TURNSTILE_QUEUE must be 1 to 200 characters");
+        anyhow::ensure!(
+            !args.queue.is_empty() && args.queue.len() <= 200,
+            "TURNSTILE_QUEUE must be 1 to 200 characters"
+        );
         let downstream = Downstream::new(&args.downstream)?;
         let permits = PermitStore::connect(&args.redis, &args.limiter).await?;
         let ready = Readiness::default();
@@ -117,7 +126,12 @@ impl Replica {
         ready.set(true);
         info!(queue = %args.queue, workers = args.workers, prefetch, algorithm = %args.limiter.algorithm, limit = %args.limiter.limit, http = ?http_addr, "consuming");
         let done = tokio::spawn(run(args, worker, session, ready.clone(), shutdown));
-        Ok(Self { stats, ready, http_addr, done })
+        Ok(Self {
+            stats,
+            ready,
+            http_addr,
+            done,
+        })
     }
 
     /// Waits until the replica has drained and stopped (after `shutdown` is cancelled).
@@ -141,17 +155,35 @@ impl Session {
         let connection = broker::connect(&args.amqp_url, &name).await?;
         let publisher = Publisher::open(&connection).await?;
         worker.topology.declare(publisher.channel()).await?;
-        let consumer_channel = connection.create_channel().await.context("opening the consumer channel")?;
+        let consumer_channel = connection
+            .create_channel()
+            .await
+            .context("opening the consumer channel")?;
         consumer_channel
             .basic_qos(args.prefetch(), BasicQosOptions::default())
             .await
             .context("setting the prefetch")?;
-        let tag = format!("turnstile-{}-{:x}", std::process::id(), rand::random::<u32>());
+        let tag = format!(
+            "turnstile-{}-{:x}",
+            std::process::id(),
+            rand::random::<u32>()
+        );
         let consumer = consumer_channel
-            .basic_consume(args.queue.as_str().into(), tag.as_str().into(), BasicConsumeOptions::default(), FieldTable::default())
+            .basic_consume(
+                args.queue.as_str().into(),
+                tag.as_str().into(),
+                BasicConsumeOptions::default(),
+                FieldTable::default(),
+            )
             .await
             .with_context(|| format!("consuming from {:?}", args.queue))?;
-        Ok(Self { connection, publisher, consumer, consumer_channel, tag })
+        Ok(Self {
+            connection,
+            publisher,
+            consumer,
+            consumer_channel,
+            tag,
+        })
     }
 }
 
@@ -217,7 +249,9 @@ async fn run(
         };
         if stopped_by_shutdown {
             ready.set(false);
-            info!("shutting down: no new deliveries; finishing in-flight work, returning held messages");
+            info!(
+                "shutting down: no new deliveries; finishing in-flight work, returning held messages"
+            );
             let _ = current
                 .consumer_channel
                 .basic_cancel(current.tag.as_str().into(), BasicCancelOptions::default())

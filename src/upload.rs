@@ -1,1 +1,816 @@
-//! Reading uploads (.xlsx, .csv, .jsonl) into registration messages (being written).
+//! Reading a seller's upload file (.xlsx, .csv, .jsonl) into product registration messages,
+//! ready to publish as they are (`turnstile publish FILE --seller S [--batch B] [--strict]`).
+//!
+//! # Formats
+//!
+//! The format follows the file extension, in any letter case: `.xlsx`, `.csv`, `.jsonl` or
+//! `.ndjson`.
+//!
+//! - **XLSX**: the first worksheet in workbook order (hidden or not). Its first non-empty row
+//!   names the product fields; every later row is one product `{field: value}`. Numbers stay
+//!   JSON numbers (an integral number such as `3.0` becomes `3`), booleans stay booleans,
+//!   dates and times become ISO 8601 strings (`2024-03-01`, `2024-03-01T09:30:00`,
+//!   `09:30:00`; durations `PT1H30M`), text becomes a string. A cell holding an error such as
+//!   `#N/A` makes its row bad.
+//! - **CSV**: UTF-8 (a leading byte order mark is ignored). The delimiter is whichever of `,`
+//!   `;` or tab occurs most often outside quotes in the first line (`,` on a tie), so the
+//!   semicolon files of European spreadsheet programs read as well. The first line names the
+//!   fields. **Every value stays a JSON string**: CSV carries no types, and guessing them
+//!   would turn an EAN like `0885909950805` into a number without its leading zero, so the
+//!   downstream API gets exactly the text the seller typed. A row with a different number of
+//!   cells than the header is bad.
+//! - **JSONL**: every non-blank line is one product, a JSON object forwarded verbatim (field
+//!   order, spacing and number spelling kept). A line that is not a JSON object is bad.
+//!
+//! In CSV and XLSX, header names are trimmed of surrounding whitespace; an empty or repeated
+//! name refuses the whole file (its column would be ambiguous), except that empty header
+//! cells at the right end are ignored, and a row with a value under such a column is bad.
+//! Empty and whitespace-only cells are left out of the product; other text is kept verbatim.
+//! A row whose cells are all empty is skipped without being reported.
+//!
+//! # Row numbers
+//!
+//! [`UploadRow::row`] and [`BadRow::row`] are what the seller sees: the spreadsheet row
+//! number in XLSX (header = row 1 when the sheet starts at the top), the line number on which
+//! the record starts in CSV (the same as the spreadsheet row unless a quoted cell spans
+//! lines), the line number in JSONL.
+//!
+//! # Identity
+//!
+//! The batch id is the one given, or `<file stem>-<first 12 hex digits of the SHA-256 of the
+//! file bytes>`, so publishing the same file twice gives the same batch. Each row's message
+//! id is `u-` followed by the first 32 hex digits of
+//! `SHA-256(seller \0 batch \0 row number \0 product JSON)`, where the product JSON is
+//! exactly the `product` object sent downstream. Therefore the same file, seller and batch
+//! always give the same ids (the downstream `Idempotency-Key` deduplicates a re-publish),
+//! two identical rows in one file still get distinct ids, and an edited row gets a new id,
+//! so an idempotency key never stands for two different request bodies.
+//!
+//! # Limits
+//!
+//! At most [`MAX_ROWS`] non-empty rows below the header (lines in JSONL); a longer file is
+//! refused. A product whose message body would exceed [`MAX_BODY_BYTES`] is a bad row.
+
+use std::fmt;
+use std::io::Cursor;
+use std::path::{Path, PathBuf};
+
+use calamine::{Data, ExcelDateTime, Reader, SheetType, Xlsx};
+use serde_json::value::RawValue;
+use sha2::{Digest, Sha256};
+
+use crate::domain::{BatchId, MAX_BODY_BYTES, MessageId, SellerId};
+
+/// Most product rows (non-empty rows below the header, or non-blank JSONL lines) in one file.
+pub const MAX_ROWS: usize = 100_000;
+
+/// Bad rows listed in the message of [`UploadError::Strict`].
+const LISTED_BAD_ROWS: usize = 10;
+
+/// Longest file stem kept in a derived batch id (the id itself is limited to 256 characters).
+const MAX_STEM_CHARS: usize = 200;
+
+const UTF8_BOM: &[u8] = b"\xEF\xBB\xBF";
+
+/// A seller's upload file, read into messages ready to publish.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Upload {
+    /// The seller every message registers for.
+    pub seller_id: SellerId,
+    /// The batch: given by the caller or derived from the file name and contents.
+    pub batch_id: BatchId,
+    /// One message per product, in file order.
+    pub rows: Vec<UploadRow>,
+    /// Rows that could not become a product, in file order; they are not in `rows`.
+    pub bad_rows: Vec<BadRow>,
+    /// The format the file was read as.
+    pub format: Format,
+}
+
+/// One product registration message.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct UploadRow {
+    /// 1-based row (XLSX), line where the record starts (CSV) or line (JSONL), as the
+    /// seller sees it in the file.
+    pub row: usize,
+    /// The message's stable identity, also in the body; see the module docs.
+    pub message_id: MessageId,
+    /// The full message body, UTF-8 JSON:
+    /// `{"message_id":…,"seller_id":…,"batch_id":…,"product":{…}}`.
+    pub body: Vec<u8>,
+}
+
+/// A row that was skipped because it cannot become a product.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct BadRow {
+    /// 1-based row or line number, as in [`UploadRow::row`].
+    pub row: usize,
+    /// Why the row was skipped, for the seller.
+    pub reason: String,
+}
+
+impl fmt::Display for BadRow {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "row {}: {}", self.row, self.reason)
+    }
+}
+
+/// An upload file format, chosen by file extension.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum Format {
+    /// Excel workbook (`.xlsx`); the first worksheet is read.
+    Xlsx,
+    /// Comma (or semicolon or tab) separated values (`.csv`).
+    Csv,
+    /// One JSON object per line (`.jsonl` or `.ndjson`).
+    Jsonl,
+}
+
+impl Format {
+    /// The format for `path`'s extension (case-insensitive), or
+    /// [`UploadError::UnsupportedFormat`].
+    pub fn from_path(path: &Path) -> Result<Self, UploadError> {
+        let ext = path
+            .extension()
+            .map(|e| e.to_string_lossy().to_ascii_lowercase());
+        match ext.as_deref() {
+            Some("xlsx") => Ok(Self::Xlsx),
+            Some("csv") => Ok(Self::Csv),
+            Some("jsonl" | "ndjson") => Ok(Self::Jsonl),
+            _ => Err(UploadError::UnsupportedFormat {
+                path: path.to_owned(),
+            }),
+        }
+    }
+}
+
+impl fmt::Display for Format {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(match self {
+            Self::Xlsx => "xlsx",
+            Self::Csv => "csv",
+            Self::Jsonl => "jsonl",
+        })
+    }
+}
+
+/// Why an upload file was refused as a whole.
+#[derive(Debug, thiserror::Error)]
+pub enum UploadError {
+    /// The file is missing or unreadable.
+    #[error("cannot read {}", .path.display())]
+    Read {
+        path: PathBuf,
+        #[source]
+        source: std::io::Error,
+    },
+    /// The extension is not one of the supported formats.
+    #[error(
+        "{}: unsupported file type; use .xlsx, .csv or .jsonl (or .ndjson)",
+        .path.display()
+    )]
+    UnsupportedFormat { path: PathBuf },
+    /// The file (or the first worksheet) holds nothing.
+    #[error("{} is empty", .path.display())]
+    Empty { path: PathBuf },
+    /// The first row (the first non-empty row of the worksheet) names no field.
+    #[error(
+        "{}: the first row is empty; it must name the product fields",
+        .path.display()
+    )]
+    NoHeader { path: PathBuf },
+    /// The file is not a workbook calamine can read (corrupt, encrypted, not a zip, …).
+    #[error("{}: not a readable .xlsx workbook: {reason}", .path.display())]
+    Xlsx { path: PathBuf, reason: String },
+    /// The workbook has no worksheet (only chart sheets, or none at all).
+    #[error("{}: the workbook has no worksheet", .path.display())]
+    NoSheets { path: PathBuf },
+    /// The CSV file could not be parsed.
+    #[error("{}: unreadable CSV: {reason}", .path.display())]
+    Csv { path: PathBuf, reason: String },
+    /// A header cell is empty, repeated or unusable, so the fields would be ambiguous.
+    #[error("{}: header {column}: {why}; the first row must name each product field once", .path.display())]
+    Header {
+        path: PathBuf,
+        column: String,
+        why: String,
+    },
+    /// There is a header but not a single row below it.
+    #[error("{}: no products below the header row", .path.display())]
+    NoProducts { path: PathBuf },
+    /// More than [`MAX_ROWS`] rows.
+    #[error("{}: more than {limit} rows; split it into smaller files", .path.display())]
+    TooManyRows { path: PathBuf, limit: usize },
+    /// `strict` was asked for and some rows are bad; `bad_rows` holds all of them.
+    #[error(
+        "{}: refused (strict): {}: {}",
+        .path.display(),
+        count(.bad_rows.len(), "bad row"),
+        list_bad_rows(.bad_rows)
+    )]
+    Strict {
+        path: PathBuf,
+        bad_rows: Vec<BadRow>,
+    },
+}
+
+fn count(n: usize, noun: &str) -> String {
+    if n == 1 {
+        format!("1 {noun}")
+    } else {
+        format!("{n} {noun}s")
+    }
+}
+
+fn list_bad_rows(bad: &[BadRow]) -> String {
+    let mut text = bad
+        .iter()
+        .take(LISTED_BAD_ROWS)
+        .map(BadRow::to_string)
+        .collect::<Vec<_>>()
+        .join("; ");
+    if bad.len() > LISTED_BAD_ROWS {
+        text.push_str(&format!("; and {} more", bad.len() - LISTED_BAD_ROWS));
+    }
+    text
+}
+
+/// Reads the upload at `path` into one registration message per product for `seller`.
+///
+/// `batch` is the batch id to use; without it one is derived from the file (see the module
+/// docs). Bad rows are skipped and listed in [`Upload::bad_rows`]; with `strict`, any bad
+/// row refuses the file with [`UploadError::Strict`] instead.
+pub fn read_upload(
+    path: &Path,
+    seller: &SellerId,
+    batch: Option<&BatchId>,
+    strict: bool,
+) -> Result<Upload, UploadError> {
+    let format = Format::from_path(path)?;
+    let bytes = std::fs::read(path).map_err(|source| UploadError::Read {
+        path: path.to_owned(),
+        source,
+    })?;
+    let batch_id = match batch {
+        Some(batch) => batch.clone(),
+        None => derived_batch(path, &bytes),
+    };
+    let parsed = match format {
+        Format::Xlsx => read_xlsx(&bytes),
+        Format::Csv => read_csv(&bytes),
+        Format::Jsonl => read_jsonl(&bytes),
+    }
+    .map_err(|e| e.at(path))?;
+
+    let mut rows = Vec::with_capacity(parsed.products.len());
+    let mut bad_rows = parsed.bad;
+    for (row, product) in parsed.products {
+        let message_id = message_id(seller, &batch_id, row, &product);
+        let body = body(&message_id, seller, &batch_id, &product);
+        if body.len() > MAX_BODY_BYTES {
+            bad_rows.push(BadRow {
+                row,
+                reason: format!(
+                    "the message would be {} bytes, over the {MAX_BODY_BYTES}-byte limit",
+                    body.len()
+                ),
+            });
+        } else {
+            rows.push(UploadRow {
+                row,
+                message_id,
+                body,
+            });
+        }
+    }
+    bad_rows.sort_by_key(|b| b.row);
+    if strict && !bad_rows.is_empty() {
+        return Err(UploadError::Strict {
+            path: path.to_owned(),
+            bad_rows,
+        });
+    }
+    Ok(Upload {
+        seller_id: seller.clone(),
+        batch_id,
+        rows,
+        bad_rows,
+        format,
+    })
+}
+
+fn derived_batch(path: &Path, bytes: &[u8]) -> BatchId {
+    let stem: String = path
+        .file_stem()
+        .map(|s| s.to_string_lossy().into_owned())
+        .unwrap_or_default()
+        .chars()
+        .map(|c| if c.is_control() { '_' } else { c })
+        .take(MAX_STEM_CHARS)
+        .collect();
+    let stem = if stem.trim().is_empty() {
+        "upload"
+    } else {
+        &stem
+    };
+    let digest = hex::encode(&Sha256::digest(bytes)[..6]);
+    BatchId::parse(&format!("{stem}-{digest}"))
+        .expect("a stem without control characters and a digest form a valid batch id")
+}
+
+fn message_id(seller: &SellerId, batch: &BatchId, row: usize, product: &str) -> MessageId {
+    let mut hash = Sha256::new();
+    for part in [
+        seller.as_str().as_bytes(),
+        b"\0",
+        batch.as_str().as_bytes(),
+        b"\0",
+        row.to_string().as_bytes(),
+        b"\0",
+        product.as_bytes(),
+    ] {
+        hash.update(part);
+    }
+    MessageId::parse(&format!("u-{}", hex::encode(&hash.finalize()[..16])))
+        .expect("a hex digest is a valid message id")
+}
+
+fn body(message_id: &MessageId, seller: &SellerId, batch: &BatchId, product: &str) -> Vec<u8> {
+    format!(
+        r#"{{"message_id":{},"seller_id":{},"batch_id":{},"product":{product}}}"#,
+        json_string(message_id.as_str()),
+        json_string(seller.as_str()),
+        json_string(batch.as_str()),
+    )
+    .into_bytes()
+}
+
+fn json_string(s: &str) -> String {
+    serde_json::to_string(s).expect("a string always serializes")
+}
+
+/// A file-level failure before the path is known to the error.
+enum Refusal {
+    Empty,
+    NoHeader,
+    Xlsx(calamine::XlsxError),
+    NoSheets,
+    Csv(csv::Error),
+    Header { column: String, why: String },
+    NoProducts,
+    TooManyRows,
+}
+
+impl Refusal {
+    fn at(self, path: &Path) -> UploadError {
+        let path = path.to_owned();
+        match self {
+            Self::Empty => UploadError::Empty { path },
+            Self::NoHeader => UploadError::NoHeader { path },
+            Self::Xlsx(e) => UploadError::Xlsx {
+                path,
+                reason: e.to_string(),
+            },
+            Self::NoSheets => UploadError::NoSheets { path },
+            Self::Csv(e) => UploadError::Csv {
+                path,
+                reason: e.to_string(),
+            },
+            Self::Header { column, why } => UploadError::Header { path, column, why },
+            Self::NoProducts => UploadError::NoProducts { path },
+            Self::TooManyRows => UploadError::TooManyRows {
+                path,
+                limit: MAX_ROWS,
+            },
+        }
+    }
+}
+
+/// Products (row number, product JSON object text) and bad rows, in file order.
+#[derive(Default)]
+struct Parsed {
+    products: Vec<(usize, String)>,
+    bad: Vec<BadRow>,
+}
+
+impl Parsed {
+    fn product(&mut self, row: usize, json: String) -> Result<(), Refusal> {
+        self.products.push((row, json));
+        self.check_size()
+    }
+    fn bad(&mut self, row: usize, reason: String) -> Result<(), Refusal> {
+        self.bad.push(BadRow { row, reason });
+        self.check_size()
+    }
+    fn check_size(&self) -> Result<(), Refusal> {
+        if self.products.len() + self.bad.len() > MAX_ROWS {
+            Err(Refusal::TooManyRows)
+        } else {
+            Ok(())
+        }
+    }
+    fn non_empty(self) -> Result<Self, Refusal> {
+        if self.products.is_empty() && self.bad.is_empty() {
+            Err(Refusal::NoProducts)
+        } else {
+            Ok(self)
+        }
+    }
+}
+
+/// A JSON object's text built field by field, in the order the fields are added.
+struct ObjectText(String);
+
+impl ObjectText {
+    fn new() -> Self {
+        Self(String::from("{"))
+    }
+    fn push(&mut self, key: &str, value_json: &str) {
+        if self.0.len() > 1 {
+            self.0.push(',');
+        }
+        self.0.push_str(&json_string(key));
+        self.0.push(':');
+        self.0.push_str(value_json);
+    }
+    fn is_empty(&self) -> bool {
+        self.0.len() == 1
+    }
+    fn finish(mut self) -> String {
+        self.0.push('}');
+        self.0
+    }
+}
+
+/// The header's field names. Empty cells at the right end are dropped; an empty or repeated
+/// name elsewhere refuses the file. `column` names a 0-based column for the seller.
+fn field_names(
+    cells: Vec<Option<String>>,
+    column: impl Fn(usize) -> String,
+) -> Result<Vec<String>, Refusal> {
+    let named = cells.iter().rposition(Option::is_some).map_or(0, |i| i + 1);
+    if named == 0 {
+        return Err(Refusal::NoHeader);
+    }
+    let mut names: Vec<String> = Vec::with_capacity(named);
+    for (i, cell) in cells.into_iter().take(named).enumerate() {
+        let Some(name) = cell else {
+            return Err(Refusal::Header {
+                column: column(i),
+                why: "is empty".into(),
+            });
+        };
+        if let Some(first) = names.iter().position(|n| *n == name) {
+            return Err(Refusal::Header {
+                column: column(i),
+                why: format!("repeats {name:?} of {}", column(first)),
+            });
+        }
+        names.push(name);
+    }
+    Ok(names)
+}
+
+fn read_xlsx(bytes: &[u8]) -> Result<Parsed, Refusal> {
+    if bytes.is_empty() {
+        return Err(Refusal::Empty);
+    }
+    let mut workbook = Xlsx::new(Cursor::new(bytes)).map_err(Refusal::Xlsx)?;
+    let sheet = workbook
+        .sheets_metadata()
+        .iter()
+        .find(|s| s.typ == SheetType::WorkSheet)
+        .map(|s| s.name.clone())
+        .ok_or(Refusal::NoSheets)?;
+    let range = workbook.worksheet_range(&sheet).map_err(Refusal::Xlsx)?;
+    let Some((first_row, first_col)) = range.start() else {
+        return Err(Refusal::Empty);
+    };
+    let (first_row, first_col) = (first_row as usize, first_col as usize);
+    let column = |i: usize| format!("column {}", column_letters(first_col + i));
+    let mut rows = range.rows();
+    let Some(header) = rows.next() else {
+        return Err(Refusal::Empty);
+    };
+    let mut cells = Vec::with_capacity(header.len());
+    for (i, cell) in header.iter().enumerate() {
+        cells.push(header_text(cell).map_err(|why| Refusal::Header {
+            column: column(i),
+            why,
+        })?);
+    }
+    let names = field_names(cells, column)?;
+
+    let mut parsed = Parsed::default();
+    for (offset, cells) in rows.enumerate() {
+        let row = first_row + offset + 2;
+        let mut product = ObjectText::new();
+        let mut problem = None;
+        for (i, cell) in cells.iter().enumerate() {
+            let value = match xlsx_value(cell) {
+                Ok(Some(value)) => value,
+                Ok(None) => continue,
+                Err(why) => {
+                    problem.get_or_insert_with(|| format!("{} {why}", column(i)));
+                    continue;
+                }
+            };
+            match names.get(i) {
+                Some(name) => product.push(name, &value),
+                None => {
+                    problem.get_or_insert_with(|| {
+                        format!("{} holds a value but has no header", column(i))
+                    });
+                }
+            }
+        }
+        match problem {
+            Some(reason) => parsed.bad(row, reason)?,
+            None if product.is_empty() => {}
+            None => parsed.product(row, product.finish())?,
+        }
+    }
+    parsed.non_empty()
+}
+
+/// Spreadsheet column letters for a 0-based column: 0 → A, 25 → Z, 26 → AA.
+fn column_letters(mut index: usize) -> String {
+    let mut letters = Vec::new();
+    loop {
+        letters.push(b'A' + (index % 26) as u8);
+        if index < 26 {
+            break;
+        }
+        index = index / 26 - 1;
+    }
+    letters.reverse();
+    String::from_utf8(letters).expect("ASCII letters")
+}
+
+/// A header cell as a field name: `None` when empty, an error for an error cell.
+fn header_text(cell: &Data) -> Result<Option<String>, String> {
+    let text = match cell {
+        Data::Empty => return Ok(None),
+        Data::String(s) | Data::DateTimeIso(s) | Data::DurationIso(s) => s.trim().to_owned(),
+        Data::Int(i) => i.to_string(),
+        Data::Float(f) => number_json(*f)?,
+        Data::Bool(b) => b.to_string(),
+        Data::DateTime(dt) => excel_datetime(dt),
+        Data::Error(e) => return Err(format!("holds the error {e}")),
+    };
+    Ok(Some(text).filter(|t| !t.is_empty()))
+}
+
+/// A data cell as JSON value text: `None` when empty or whitespace-only.
+fn xlsx_value(cell: &Data) -> Result<Option<String>, String> {
+    Ok(Some(match cell {
+        Data::Empty => return Ok(None),
+        Data::String(s) if s.trim().is_empty() => return Ok(None),
+        Data::String(s) | Data::DateTimeIso(s) | Data::DurationIso(s) => json_string(s),
+        Data::Int(i) => i.to_string(),
+        Data::Float(f) => number_json(*f)?,
+        Data::Bool(b) => b.to_string(),
+        Data::DateTime(dt) => json_string(&excel_datetime(dt)),
+        Data::Error(e) => return Err(format!("holds the error {e}")),
+    }))
+}
+
+/// A number as JSON: integral values within ±2^53 as integers, others in shortest form.
+fn number_json(f: f64) -> Result<String, String> {
+    const EXACT: f64 = 9_007_199_254_740_992.0;
+    if !f.is_finite() {
+        Err(format!("holds the non-finite number {f}"))
+    } else if f.fract() == 0.0 && f.abs() <= EXACT {
+        Ok(format!("{}", f as i64))
+    } else {
+        Ok(serde_json::to_string(&f).expect("a finite float serializes"))
+    }
+}
+
+/// An Excel date, time, date-time or duration as ISO 8601 text.
+fn excel_datetime(dt: &ExcelDateTime) -> String {
+    if dt.is_duration() {
+        return iso_duration(dt.as_f64());
+    }
+    let (y, mo, d, h, mi, s, ms) = dt.to_ymd_hms_milli();
+    let time = if ms == 0 {
+        format!("{h:02}:{mi:02}:{s:02}")
+    } else {
+        format!("{h:02}:{mi:02}:{s:02}.{ms:03}")
+    };
+    let value = dt.as_f64();
+    if (0.0..1.0).contains(&value) {
+        time
+    } else if (h, mi, s, ms) == (0, 0, 0, 0) {
+        format!("{y:04}-{mo:02}-{d:02}")
+    } else {
+        format!("{y:04}-{mo:02}-{d:02}T{time}")
+    }
+}
+
+/// A duration in days as ISO 8601 (`PT1H30M`, `PT0S`, `-PT2.5S`), to the millisecond.
+fn iso_duration(days: f64) -> String {
+    let total_ms = (days * 86_400_000.0).round();
+    let sign = if total_ms < 0.0 { "-" } else { "" };
+    let total_ms = total_ms.abs() as u64;
+    let (h, rest) = (total_ms / 3_600_000, total_ms % 3_600_000);
+    let (m, rest) = (rest / 60_000, rest % 60_000);
+    let (s, ms) = (rest / 1000, rest % 1000);
+    let mut text = format!("{sign}PT");
+    if h > 0 {
+        text.push_str(&format!("{h}H"));
+    }
+    if m > 0 {
+        text.push_str(&format!("{m}M"));
+    }
+    if ms > 0 {
+        let fraction = format!("{ms:03}");
+        text.push_str(&format!("{s}.{}S", fraction.trim_end_matches('0')));
+    } else if s > 0 || (h == 0 && m == 0) {
+        text.push_str(&format!("{s}S"));
+    }
+    text
+}
+
+fn strip_bom(bytes: &[u8]) -> &[u8] {
+    bytes.strip_prefix(UTF8_BOM).unwrap_or(bytes)
+}
+
+/// The delimiter occurring most often outside quotes in the first non-blank line.
+fn sniff_delimiter(bytes: &[u8]) -> u8 {
+    let line = bytes
+        .split(|&b| b == b'\n')
+        .find(|l| !l.trim_ascii().is_empty())
+        .unwrap_or_default();
+    let mut counts = [(b',', 0usize), (b';', 0), (b'\t', 0)];
+    let mut quoted = false;
+    for &b in line {
+        if b == b'"' {
+            quoted = !quoted;
+        } else if !quoted && let Some(count) = counts.iter_mut().find(|(d, _)| *d == b) {
+            count.1 += 1;
+        }
+    }
+    counts
+        .iter()
+        .fold(
+            (b',', 0),
+            |best, &(d, n)| if n > best.1 { (d, n) } else { best },
+        )
+        .0
+}
+
+fn csv_cell(raw: &[u8]) -> Result<Option<&str>, ()> {
+    let text = std::str::from_utf8(raw).map_err(|_| ())?;
+    Ok(Some(text).filter(|t| !t.trim().is_empty()))
+}
+
+fn read_csv(bytes: &[u8]) -> Result<Parsed, Refusal> {
+    let bytes = strip_bom(bytes);
+    if bytes.trim_ascii().is_empty() {
+        return Err(Refusal::Empty);
+    }
+    let mut reader = csv::ReaderBuilder::new()
+        .has_headers(false)
+        .flexible(true)
+        .delimiter(sniff_delimiter(bytes))
+        .from_reader(bytes);
+    let mut records = reader.byte_records();
+    let column = |i: usize| format!("column {}", i + 1);
+    let header = match records.next() {
+        Some(record) => record.map_err(Refusal::Csv)?,
+        None => return Err(Refusal::Empty),
+    };
+    let mut cells = Vec::with_capacity(header.len());
+    for (i, raw) in header.iter().enumerate() {
+        let name = csv_cell(raw).map_err(|()| Refusal::Header {
+            column: column(i),
+            why: "is not valid UTF-8 (save the file as CSV UTF-8)".into(),
+        })?;
+        cells.push(name.map(|n| n.trim().to_owned()));
+    }
+    let width = header.len();
+    let names = field_names(cells, column)?;
+
+    let mut parsed = Parsed::default();
+    let mut line = header.position().map_or(1, |p| p.line() as usize);
+    for record in records {
+        let record = record.map_err(Refusal::Csv)?;
+        line = record.position().map_or(line + 1, |p| p.line() as usize);
+        if record.iter().all(|raw| raw.trim_ascii().is_empty()) {
+            continue;
+        }
+        if record.len() != width {
+            parsed.bad(
+                line,
+                format!(
+                    "has {}, the header has {width}",
+                    count(record.len(), "cell")
+                ),
+            )?;
+            continue;
+        }
+        let mut product = ObjectText::new();
+        let mut problem = None;
+        for (i, raw) in record.iter().enumerate() {
+            match (csv_cell(raw), names.get(i)) {
+                (Err(()), _) => {
+                    problem.get_or_insert_with(|| {
+                        format!(
+                            "{} is not valid UTF-8 (save the file as CSV UTF-8)",
+                            column(i)
+                        )
+                    });
+                }
+                (Ok(None), _) => {}
+                (Ok(Some(text)), Some(name)) => product.push(name, &json_string(text)),
+                (Ok(Some(_)), None) => {
+                    problem.get_or_insert_with(|| {
+                        format!("{} holds a value but has no header", column(i))
+                    });
+                }
+            }
+        }
+        match problem {
+            Some(reason) => parsed.bad(line, reason)?,
+            None if product.is_empty() => {}
+            None => parsed.product(line, product.finish())?,
+        }
+    }
+    parsed.non_empty()
+}
+
+fn read_jsonl(bytes: &[u8]) -> Result<Parsed, Refusal> {
+    let bytes = strip_bom(bytes);
+    let mut parsed = Parsed::default();
+    for (index, line) in bytes.split(|&b| b == b'\n').enumerate() {
+        let line = line.trim_ascii();
+        if line.is_empty() {
+            continue;
+        }
+        let row = index + 1;
+        match jsonl_product(line) {
+            Ok(product) => parsed.product(row, product)?,
+            Err(reason) => parsed.bad(row, reason)?,
+        }
+    }
+    if parsed.products.is_empty() && parsed.bad.is_empty() {
+        return Err(Refusal::Empty);
+    }
+    Ok(parsed)
+}
+
+fn jsonl_product(line: &[u8]) -> Result<String, String> {
+    let text = std::str::from_utf8(line).map_err(|_| "is not valid UTF-8".to_owned())?;
+    let raw: &RawValue = serde_json::from_str(text).map_err(|e| {
+        let message = e.to_string();
+        let message = message
+            .rsplit_once(" at line ")
+            .map_or(message.as_str(), |(m, _)| m);
+        format!("invalid JSON at column {}: {message}", e.column())
+    })?;
+    if raw.get().starts_with('{') {
+        Ok(raw.get().to_owned())
+    } else {
+        Err("is not a JSON object (each line must be one product object)".to_owned())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn column_letters_follow_the_spreadsheet_convention() {
+        let letters: Vec<String> = [0, 25, 26, 27, 51, 52, 701, 702]
+            .into_iter()
+            .map(column_letters)
+            .collect();
+        assert_eq!(letters, ["A", "Z", "AA", "AB", "AZ", "BA", "ZZ", "AAA"]);
+    }
+
+    #[test]
+    fn integral_numbers_become_integers_and_others_keep_their_shortest_form() {
+        assert_eq!(number_json(3.0).unwrap(), "3");
+        assert_eq!(number_json(-0.0).unwrap(), "0");
+        assert_eq!(number_json(19.99).unwrap(), "19.99");
+        assert_eq!(number_json(1e300).unwrap(), "1e+300");
+        assert!(number_json(f64::NAN).is_err());
+    }
+
+    #[test]
+    fn durations_are_iso_8601() {
+        assert_eq!(iso_duration(0.0), "PT0S");
+        assert_eq!(iso_duration(1.5 / 24.0), "PT1H30M");
+        assert_eq!(iso_duration(26.0 / 24.0), "PT26H");
+        assert_eq!(iso_duration(-2.5 / 86_400.0), "-PT2.5S");
+    }
+
+    #[test]
+    fn the_delimiter_is_sniffed_outside_quotes() {
+        assert_eq!(sniff_delimiter(b"a,b,c\n1;2"), b',');
+        assert_eq!(sniff_delimiter(b"\n\"a,b,c\";d;e\n"), b';');
+        assert_eq!(sniff_delimiter(b"a\tb\n"), b'\t');
+        assert_eq!(sniff_delimiter(b"single\n"), b',');
+    }
+}

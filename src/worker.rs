@@ -31,9 +31,16 @@ pub enum Outcome {
     /// Registered before (completion record): ack without calling.
     AlreadyDone,
     /// Come back later through the delay ladder, keeping the reservation if there is one.
-    Delay { after: Duration, reservation: Option<Reservation>, attempt: u32 },
+    Delay {
+        after: Duration,
+        reservation: Option<Reservation>,
+        attempt: u32,
+    },
     /// Give up: publish to `<queue>.dead` with the reason, then ack.
-    DeadLetter { reason: &'static str, detail: String },
+    DeadLetter {
+        reason: &'static str,
+        detail: String,
+    },
     /// Give the message back to the broker as it is (nack + requeue).
     Requeue,
 }
@@ -99,27 +106,40 @@ impl Worker {
     ) {
         self.stats.deliveries.fetch_add(1, Ordering::Relaxed);
         metrics::counter!("turnstile_deliveries_total").increment(1);
-        let message_id = delivery.properties.message_id().as_ref().map(|m| m.to_string());
+        let message_id = delivery
+            .properties
+            .message_id()
+            .as_ref()
+            .map(|m| m.to_string());
         let registration = Registration::parse(&delivery.data, message_id.as_deref());
         let attempt = header_u64(&delivery, headers::ATTEMPT).unwrap_or(0) as u32;
         let span = match &registration {
-            Ok(r) => info_span!("registration", seller = %r.seller_id, message = %r.message_id, attempt),
+            Ok(r) => {
+                info_span!("registration", seller = %r.seller_id, message = %r.message_id, attempt)
+            }
             Err(_) => info_span!("registration", seller = "?", message = ?message_id, attempt),
         };
         let outcome = async {
             let outcome = match registration {
                 Ok(registration) => {
-                    let held = header_str(&delivery, headers::RESERVATION).and_then(|r| Reservation::decode(&r));
-                    self.handle(&registration, attempt, held, shutdown, connection_lost).await
+                    let held = header_str(&delivery, headers::RESERVATION)
+                        .and_then(|r| Reservation::decode(&r));
+                    self.handle(&registration, attempt, held, shutdown, connection_lost)
+                        .await
                 }
-                Err(invalid) => Outcome::DeadLetter { reason: "invalid-message", detail: invalid.to_string() },
+                Err(invalid) => Outcome::DeadLetter {
+                    reason: "invalid-message",
+                    detail: invalid.to_string(),
+                },
             };
             debug!(?outcome, "handled");
             outcome
         }
         .instrument(span.clone())
         .await;
-        self.settle(delivery, outcome, publisher).instrument(span).await;
+        self.settle(delivery, outcome, publisher)
+            .instrument(span)
+            .await;
     }
 
     /// Decides what happens to one registration. Holds a worker permit only while asking for a
@@ -150,7 +170,8 @@ impl Worker {
                     self.stats.in_flight.fetch_add(1, Ordering::Relaxed);
                     let started = std::time::Instant::now();
                     let reply = self.downstream.register(registration).await;
-                    metrics::histogram!("turnstile_downstream_seconds").record(started.elapsed().as_secs_f64());
+                    metrics::histogram!("turnstile_downstream_seconds")
+                        .record(started.elapsed().as_secs_f64());
                     self.stats.in_flight.fetch_sub(1, Ordering::Relaxed);
                     drop(worker);
                     match reply {
@@ -161,11 +182,23 @@ impl Worker {
                         Reply::Throttled { retry_after } => {
                             self.stats.throttled.fetch_add(1, Ordering::Relaxed);
                             metrics::counter!("turnstile_downstream_throttled_total").increment(1);
-                            let pause = retry_after.unwrap_or_else(|| self.permits.default_limit().window());
-                            warn!(pause_ms = pause.as_millis() as u64, "downstream answered 429: pausing the seller on every replica");
-                            if let Err(error) = self.permits.pause(seller, pause.max(Duration::from_millis(1))).await {
+                            let pause = retry_after
+                                .unwrap_or_else(|| self.permits.default_limit().window());
+                            warn!(
+                                pause_ms = pause.as_millis() as u64,
+                                "downstream answered 429: pausing the seller on every replica"
+                            );
+                            if let Err(error) = self
+                                .permits
+                                .pause(seller, pause.max(Duration::from_millis(1)))
+                                .await
+                            {
                                 warn!(%error, "could not record the pause; delaying the message instead");
-                                return Outcome::Delay { after: pause, reservation: None, attempt };
+                                return Outcome::Delay {
+                                    after: pause,
+                                    reservation: None,
+                                    attempt,
+                                };
                             }
                             held = None;
                         }
@@ -179,21 +212,42 @@ impl Worker {
                             }
                             warn!(attempt, %why, "downstream failed; retrying later");
                             self.stats.retried.fetch_add(1, Ordering::Relaxed);
-                            return Outcome::Delay { after: self.backoff(attempt), reservation: None, attempt };
+                            return Outcome::Delay {
+                                after: self.backoff(attempt),
+                                reservation: None,
+                                attempt,
+                            };
                         }
                         Reply::Rejected { status, body } => {
-                            return Outcome::DeadLetter { reason: "rejected", detail: format!("HTTP {status}: {body}") };
+                            return Outcome::DeadLetter {
+                                reason: "rejected",
+                                detail: format!("HTTP {status}: {body}"),
+                            };
                         }
                     }
                 }
-                Decision::Wait { retry_after, reservation } => {
+                Decision::Wait {
+                    retry_after,
+                    reservation,
+                } => {
                     drop(worker);
                     held = reservation;
                     let holding = self.stats.held.load(Ordering::Relaxed);
-                    if reservation.is_none() || retry_after > self.settings.hold || holding >= self.settings.hold_capacity {
-                        let lead = if reservation.is_some() { self.lead() } else { Duration::ZERO };
+                    if reservation.is_none()
+                        || retry_after > self.settings.hold
+                        || holding >= self.settings.hold_capacity
+                    {
+                        let lead = if reservation.is_some() {
+                            self.lead()
+                        } else {
+                            Duration::ZERO
+                        };
                         if retry_after > lead + crate::broker::UNIT {
-                            return Outcome::Delay { after: retry_after - lead, reservation, attempt };
+                            return Outcome::Delay {
+                                after: retry_after - lead,
+                                reservation,
+                                attempt,
+                            };
                         }
                     }
                     self.stats.held.fetch_add(1, Ordering::Relaxed);
@@ -230,7 +284,11 @@ impl Worker {
 
     fn returned(&self, held: Option<Reservation>, attempt: u32, why: Interrupted) -> Outcome {
         match why {
-            Interrupted::Shutdown => Outcome::Delay { after: Duration::ZERO, reservation: held, attempt },
+            Interrupted::Shutdown => Outcome::Delay {
+                after: Duration::ZERO,
+                reservation: held,
+                attempt,
+            },
             Interrupted::ConnectionLost => Outcome::Requeue,
         }
     }
@@ -240,7 +298,11 @@ impl Worker {
     async fn decide(&self, registration: &Registration, held: Option<Reservation>) -> Decision {
         let ask = || async {
             self.permits
-                .acquire_or_redeem(&registration.seller_id, Some(&registration.message_id), held)
+                .acquire_or_redeem(
+                    &registration.seller_id,
+                    Some(&registration.message_id),
+                    held,
+                )
                 .await
         };
         let (decision, forfeit) = ask
@@ -262,8 +324,12 @@ impl Worker {
             debug!(?forfeit, "reserved slot given up; reserved anew");
         }
         match decision {
-            Decision::Granted { .. } => metrics::counter!("turnstile_permits_granted_total").increment(1),
-            Decision::Wait { .. } => metrics::counter!("turnstile_permits_denied_total").increment(1),
+            Decision::Granted { .. } => {
+                metrics::counter!("turnstile_permits_granted_total").increment(1)
+            }
+            Decision::Wait { .. } => {
+                metrics::counter!("turnstile_permits_denied_total").increment(1)
+            }
             Decision::AlreadyDone => {}
         }
         decision
@@ -281,7 +347,9 @@ impl Worker {
                 )
                 .await
         };
-        let retry = ExponentialBuilder::default().with_min_delay(Duration::from_millis(50)).with_max_times(6);
+        let retry = ExponentialBuilder::default()
+            .with_min_delay(Duration::from_millis(50))
+            .with_max_times(6);
         if let Err(error) = record.retry(retry).await {
             warn!(%error, "registered, but the completion record was not written: a redelivery could call again");
         }
@@ -291,14 +359,28 @@ impl Worker {
     pub async fn settle(&self, delivery: Delivery, outcome: Outcome, publisher: &Publisher) {
         let published = match &outcome {
             Outcome::Registered | Outcome::AlreadyDone | Outcome::Requeue => Ok(()),
-            Outcome::Delay { after, reservation, attempt } => {
-                let mut extra = vec![(headers::ATTEMPT, AMQPValue::LongLongInt(i64::from(*attempt)))];
-                extra.push((headers::RESERVATION, long_string(&reservation.map(|r| r.encode()).unwrap_or_default())));
-                publisher.delay(&self.topology, &delivery, *after, &extra).await
+            Outcome::Delay {
+                after,
+                reservation,
+                attempt,
+            } => {
+                let mut extra = vec![(
+                    headers::ATTEMPT,
+                    AMQPValue::LongLongInt(i64::from(*attempt)),
+                )];
+                extra.push((
+                    headers::RESERVATION,
+                    long_string(&reservation.map(|r| r.encode()).unwrap_or_default()),
+                ));
+                publisher
+                    .delay(&self.topology, &delivery, *after, &extra)
+                    .await
             }
             Outcome::DeadLetter { reason, detail } => {
                 warn!(reason, detail, "dead-lettering");
-                publisher.dead_letter(&self.topology, &delivery, reason, detail).await
+                publisher
+                    .dead_letter(&self.topology, &delivery, reason, detail)
+                    .await
             }
         };
         let (counter, label) = match &outcome {
@@ -317,13 +399,25 @@ impl Worker {
             Ok(()) => {
                 counter.fetch_add(1, Ordering::Relaxed);
                 metrics::counter!("turnstile_outcomes_total", "outcome" => label).increment(1);
-                delivery.acker.nack(BasicNackOptions { requeue: true, ..Default::default() }).await
+                delivery
+                    .acker
+                    .nack(BasicNackOptions {
+                        requeue: true,
+                        ..Default::default()
+                    })
+                    .await
             }
             Err(error) => {
                 warn!(%error, "republishing failed; returning the message to the broker");
                 metrics::counter!("turnstile_broker_errors_total").increment(1);
                 self.stats.requeued.fetch_add(1, Ordering::Relaxed);
-                delivery.acker.nack(BasicNackOptions { requeue: true, ..Default::default() }).await
+                delivery
+                    .acker
+                    .nack(BasicNackOptions {
+                        requeue: true,
+                        ..Default::default()
+                    })
+                    .await
             }
         };
         if let Err(error) = result {

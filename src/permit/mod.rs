@@ -134,12 +134,18 @@ impl PermitStore {
 
     /// The completion record of a message: `<prefix>:{<seller>}:done:<message>`.
     pub fn done_key(&self, seller: &SellerId, message: &MessageId) -> String {
-        self.seller_key(seller, &format!("done:{}", crate::domain::key_part(message.as_str())))
+        self.seller_key(
+            seller,
+            &format!("done:{}", crate::domain::key_part(message.as_str())),
+        )
     }
 
     /// The progress of an upload: `<prefix>:{<seller>}:batch:<batch>`.
     pub fn batch_key(&self, seller: &SellerId, batch: &BatchId) -> String {
-        self.seller_key(seller, &format!("batch:{}", crate::domain::key_part(batch.as_str())))
+        self.seller_key(
+            seller,
+            &format!("batch:{}", crate::domain::key_part(batch.as_str())),
+        )
     }
 
     /// As [`Self::acquire`], for a message: if it already registered, answers `AlreadyDone` in
@@ -221,7 +227,9 @@ impl PermitStore {
     ) -> Result<Result<Decision, Forfeit>, PermitError> {
         let limit = self.limiter.limit;
         let mut invocation = scripts::redeem().prepare_invoke();
-        invocation.key(self.seller_key(seller, "limit")).key(self.seller_key(seller, "pause"));
+        invocation
+            .key(self.seller_key(seller, "limit"))
+            .key(self.seller_key(seller, "pause"));
         if let Some(message) = message {
             invocation.key(self.done_key(seller, message));
         }
@@ -260,7 +268,10 @@ impl PermitStore {
             match self.redeem_for(seller, message, held).await? {
                 Ok(decision) => return Ok((decision, None)),
                 Err(forfeit) => {
-                    return Ok((self.acquire_for(seller, message, true).await?, Some(forfeit)));
+                    return Ok((
+                        self.acquire_for(seller, message, true).await?,
+                        Some(forfeit),
+                    ));
                 }
             }
         }

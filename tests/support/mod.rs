@@ -10,8 +10,10 @@ use std::time::Duration;
 use turnstile::config::{Algorithm, Limit, LimiterArgs, RedisArgs};
 use turnstile::permit::{PermitStore, RedisConn, delete_prefix};
 
+pub mod broker;
 pub mod cluster;
 pub mod permit_cases;
+pub mod pipeline;
 
 static TRACING: Once = Once::new();
 

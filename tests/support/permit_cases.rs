@@ -30,6 +30,7 @@ pub async fn acquire_until_granted(store: &PermitStore, seller: &SellerId) -> i6
                 held = reservation;
                 tokio::time::sleep(retry_after).await;
             }
+            Decision::AlreadyDone => unreachable!("no completion record is passed"),
         }
     }
 }

@@ -1,0 +1,86 @@
+//! The broker topology: idempotent declaration and the delay ladder.
+mod support;
+
+use std::time::{Duration, Instant};
+
+use futures::StreamExt;
+use lapin::message::Delivery;
+use lapin::options::BasicAckOptions;
+use lapin::types::AMQPValue;
+use support::broker::TestBroker;
+use turnstile::broker::{QueueType, headers};
+
+async fn ladder_returns_messages_after_their_delay(queue_type: QueueType) {
+    let broker = TestBroker::new("ladder", queue_type).await;
+    broker
+        .topology
+        .declare(broker.publisher.channel())
+        .await
+        .expect("declaring twice is fine");
+    let mut consumer = broker.consume(broker.queue()).await;
+    // Publish a message, consume it, and send it through the ladder with several delays, the
+    // longest first: none waits behind a longer one.
+    let delays = [3000u64, 1250, 250, 0];
+    for (i, _) in delays.iter().enumerate() {
+        broker.publish(format!(r#"{{"n":{i}}}"#).as_bytes()).await;
+    }
+    let mut originals: Vec<Delivery> = Vec::new();
+    for _ in delays {
+        originals.push(consumer.next().await.unwrap().unwrap());
+    }
+    let started = Instant::now();
+    for (delivery, delay) in originals.iter().zip(delays) {
+        broker
+            .publisher
+            .delay(
+                &broker.topology,
+                delivery,
+                Duration::from_millis(delay),
+                &[(headers::ATTEMPT, AMQPValue::LongLongInt(2))],
+            )
+            .await
+            .unwrap();
+        delivery
+            .acker
+            .ack(BasicAckOptions::default())
+            .await
+            .unwrap();
+    }
+    let mut arrivals = Vec::new();
+    for _ in delays {
+        let d = consumer.next().await.unwrap().unwrap();
+        let n: serde_json::Value = serde_json::from_slice(&d.data).unwrap();
+        assert_eq!(turnstile::broker::header_u64(&d, headers::ATTEMPT), Some(2));
+        assert_eq!(turnstile::broker::header_u64(&d, headers::DELAYS), Some(1));
+        arrivals.push((n["n"].as_u64().unwrap() as usize, started.elapsed()));
+        d.acker.ack(BasicAckOptions::default()).await.unwrap();
+    }
+    let order: Vec<usize> = arrivals.iter().map(|(n, _)| *n).collect();
+    assert_eq!(
+        order,
+        vec![3, 2, 1, 0],
+        "shorter delays came back first: {arrivals:?}"
+    );
+    for (n, at) in &arrivals {
+        assert!(
+            *at >= Duration::from_millis(delays[*n]),
+            "message {n} came back early: {at:?}"
+        );
+        println!(
+            "{queue_type:?}: delay {} ms came back after {} ms",
+            delays[*n],
+            at.as_millis()
+        );
+    }
+    broker.cleanup().await;
+}
+
+#[tokio::test]
+async fn the_delay_ladder_returns_messages_after_their_delay_on_quorum_queues() {
+    ladder_returns_messages_after_their_delay(QueueType::Quorum).await;
+}
+
+#[tokio::test]
+async fn the_delay_ladder_returns_messages_after_their_delay_on_classic_queues() {
+    ladder_returns_messages_after_their_delay(QueueType::Classic).await;
+}

@@ -1,0 +1,94 @@
+//! A broker topology of its own for one test (unique queue name), deleted at cleanup.
+
+use lapin::options::{BasicConsumeOptions, QueuePurgeOptions};
+use lapin::types::FieldTable;
+use lapin::{BasicProperties, Connection};
+use turnstile::broker::{self, Publisher, QueueType, Topology};
+
+pub fn amqp_url() -> String {
+    std::env::var("TURNSTILE_TEST_AMQP_URL")
+        .unwrap_or_else(|_| "amqp://guest:guest@127.0.0.1:5672/%2f".into())
+}
+
+pub struct TestBroker {
+    pub connection: Connection,
+    pub publisher: Publisher,
+    pub topology: Topology,
+}
+
+impl TestBroker {
+    /// Declares a fresh topology named `t-<what>-<random>`.
+    pub async fn new(what: &str, queue_type: QueueType) -> Self {
+        super::init_tracing();
+        let connection = broker::connect(&amqp_url(), "turnstile test")
+            .await
+            .expect("RabbitMQ is reachable");
+        let publisher = Publisher::open(&connection).await.unwrap();
+        let topology = Topology::new(&super::unique(what), queue_type);
+        topology.declare(publisher.channel()).await.unwrap();
+        Self {
+            connection,
+            publisher,
+            topology,
+        }
+    }
+
+    pub fn queue(&self) -> &str {
+        self.topology.work()
+    }
+
+    /// Publishes a JSON body to the work queue the way a producer does.
+    pub async fn publish(&self, body: &[u8]) {
+        let properties = BasicProperties::default().with_content_type("application/json".into());
+        self.publisher
+            .publish("", self.topology.work(), body, properties)
+            .await
+            .unwrap();
+    }
+
+    /// A consumer on any queue of this topology.
+    pub async fn consume(&self, queue: &str) -> lapin::Consumer {
+        let channel = self.connection.create_channel().await.unwrap();
+        channel
+            .basic_consume(
+                queue.into(),
+                super::unique("c").as_str().into(),
+                BasicConsumeOptions::default(),
+                FieldTable::default(),
+            )
+            .await
+            .unwrap()
+    }
+
+    /// Messages ready in a queue.
+    pub async fn depth(&self, queue: &str) -> u32 {
+        let channel = self.connection.create_channel().await.unwrap();
+        let q = channel
+            .queue_declare(
+                queue.into(),
+                lapin::options::QueueDeclareOptions {
+                    passive: true,
+                    ..Default::default()
+                },
+                FieldTable::default(),
+            )
+            .await
+            .unwrap();
+        let _ = channel.close(200, "".into()).await;
+        q.message_count()
+    }
+
+    pub async fn purge(&self, queue: &str) {
+        let channel = self.connection.create_channel().await.unwrap();
+        channel
+            .queue_purge(queue.into(), QueuePurgeOptions::default())
+            .await
+            .unwrap();
+    }
+
+    pub async fn cleanup(self) {
+        let channel = self.connection.create_channel().await.unwrap();
+        self.topology.delete(&channel).await.unwrap();
+        let _ = self.connection.close(200, "".into()).await;
+    }
+}
