@@ -20,6 +20,7 @@ pub mod http;
 pub mod mock_api;
 pub mod permit;
 pub mod replica;
+pub mod rig;
 pub mod telemetry;
 pub mod upload;
 pub mod worker;

@@ -84,6 +84,10 @@ pub struct Stats {
     pub injected_failures: u64,
     /// Requests answered with a scripted non-2xx status.
     pub scripted: u64,
+    /// The mock's clock when this snapshot was taken (ms since start or reset), the clock of
+    /// `first_ms` and `last_ms`.
+    #[serde(default)]
+    pub now_ms: u64,
     /// Per-seller counters, keyed by the seller as counted (see the module docs).
     pub sellers: BTreeMap<String, SellerStats>,
 }
@@ -167,7 +171,7 @@ impl MockServer {
 
     /// A snapshot of the counters.
     pub fn stats(&self) -> Stats {
-        self.app.lock().stats.clone()
+        self.app.lock().snapshot()
     }
 
     /// Waits until `shutdown` is cancelled and the server has stopped.
@@ -226,6 +230,10 @@ struct Ledger {
 }
 
 impl Ledger {
+    fn snapshot(&self) -> Stats {
+        Stats { now_ms: self.epoch.elapsed().as_millis() as u64, ..self.stats.clone() }
+    }
+
     fn new() -> Self {
         Self {
             epoch: Instant::now(),
@@ -491,7 +499,7 @@ async fn register(
 }
 
 async fn stats(State(app): State<Arc<App>>) -> axum::Json<Stats> {
-    axum::Json(app.lock().stats.clone())
+    axum::Json(app.lock().snapshot())
 }
 
 async fn reset(State(app): State<Arc<App>>) -> StatusCode {

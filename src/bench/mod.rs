@@ -2,6 +2,7 @@
 //! same run on the same machine (no thresholds: the figures are for people to read).
 
 mod permits;
+pub mod scenario;
 
 use std::process::ExitCode;
 use std::time::Duration;
@@ -26,6 +27,8 @@ pub enum BenchCommand {
         #[arg(long, default_value_t = 1000)]
         sellers: usize,
     },
+    /// A busy seller's backlog ahead of many small sellers, against a strict downstream.
+    Scenario(Box<scenario::ScenarioArgs>),
 }
 
 pub async fn run(which: BenchCommand) -> anyhow::Result<ExitCode> {
@@ -37,6 +40,11 @@ pub async fn run(which: BenchCommand) -> anyhow::Result<ExitCode> {
             sellers,
         } => {
             permits::run(&redis, concurrency, duration, sellers).await?;
+        }
+        BenchCommand::Scenario(args) => {
+            if !scenario::run(*args).await? {
+                return Ok(ExitCode::FAILURE);
+            }
         }
     }
     Ok(ExitCode::SUCCESS)

@@ -204,6 +204,7 @@ impl PermitStore {
                 retry_after: wait_for(slot, now),
                 reservation: None,
             }),
+            3 => Ok(Decision::AlreadyDone),
             _ => Err(PermitError::Answer(algorithm.name())),
         }
     }

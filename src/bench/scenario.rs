@@ -1,0 +1,152 @@
+//! `turnstile bench scenario`: one busy seller's backlog published ahead of many small sellers,
+//! against a strict downstream; prints the figures the design is held to.
+
+use std::time::Duration;
+
+use clap::Args;
+
+use crate::broker::QueueType;
+use crate::config::{Algorithm, Limit, LimiterArgs, RedisArgs};
+use crate::downstream::DownstreamArgs;
+use crate::replica::ConsumeArgs;
+use crate::rig::{Message, Rig, registration_body};
+
+#[derive(Args, Debug, Clone)]
+pub struct ScenarioArgs {
+    /// `bar`: 20/1s, 400 + 20x20, 4 replicas x 8 workers. `deep`: 10/2s, 300 + 30x10.
+    /// Flags given explicitly override the preset.
+    #[arg(long, default_value = "bar")]
+    pub preset: String,
+    #[arg(long, value_parser = |s: &str| s.parse::<Limit>().map_err(|e| e.to_string()))]
+    pub limit: Option<Limit>,
+    #[arg(long)]
+    pub replicas: Option<usize>,
+    #[arg(long)]
+    pub workers: Option<u32>,
+    /// Messages of the busy seller (published first).
+    #[arg(long)]
+    pub big: Option<usize>,
+    #[arg(long = "small-sellers")]
+    pub small_sellers: Option<usize>,
+    /// Messages of each small seller.
+    #[arg(long)]
+    pub small: Option<usize>,
+    #[arg(long, value_enum, default_value_t = Algorithm::SlidingWindow)]
+    pub algorithm: Algorithm,
+    #[arg(long = "queue-type", value_enum, default_value_t = QueueType::Quorum)]
+    pub queue_type: QueueType,
+    #[arg(long, default_value = "2s", value_parser = crate::config::duration_arg)]
+    pub hold: Duration,
+    #[arg(long = "amqp-url", env = "TURNSTILE_AMQP_URL", default_value = "amqp://guest:guest@127.0.0.1:5672/%2f", hide_env_values = true)]
+    pub amqp_url: String,
+    #[command(flatten)]
+    pub redis: RedisArgs,
+    /// Print the report as one JSON object on the last line.
+    #[arg(long)]
+    pub json: bool,
+}
+
+struct Preset {
+    limit: &'static str,
+    replicas: usize,
+    workers: u32,
+    big: usize,
+    small_sellers: usize,
+    small: usize,
+}
+
+/// Settings of a consumer replica for a rig (the downstream URL is the rig's mock).
+pub fn rig_settings(amqp_url: &str, queue: &str, queue_type: QueueType, redis: &RedisArgs, limiter: LimiterArgs, workers: u32, hold: Duration) -> ConsumeArgs {
+    ConsumeArgs {
+        amqp_url: amqp_url.to_owned(),
+        queue: queue.to_owned(),
+        queue_type,
+        workers,
+        prefetch: None,
+        http_addr: None,
+        max_attempts: 8,
+        hold,
+        retry_min: Duration::from_secs(1),
+        retry_max: Duration::from_secs(60),
+        done_ttl: Duration::from_secs(3600),
+        downstream: DownstreamArgs { url: "http://127.0.0.1:1/{seller_id}".into(), token: None, timeout: Duration::from_secs(10) },
+        redis: redis.clone(),
+        limiter,
+    }
+}
+
+pub async fn run(args: ScenarioArgs) -> anyhow::Result<bool> {
+    let preset = match args.preset.as_str() {
+        "bar" => Preset { limit: "20/1s", replicas: 4, workers: 8, big: 400, small_sellers: 20, small: 20 },
+        "deep" => Preset { limit: "10/2s", replicas: 4, workers: 8, big: 300, small_sellers: 30, small: 10 },
+        other => anyhow::bail!("--preset {other:?}: choose bar or deep"),
+    };
+    let limit = args.limit.unwrap_or_else(|| preset.limit.parse().expect("preset limits parse"));
+    let replicas = args.replicas.unwrap_or(preset.replicas);
+    let workers = args.workers.unwrap_or(preset.workers);
+    let big = args.big.unwrap_or(preset.big);
+    let small_sellers = args.small_sellers.unwrap_or(preset.small_sellers);
+    let small = args.small.unwrap_or(preset.small);
+
+    let limiter = LimiterArgs {
+        limit,
+        algorithm: args.algorithm,
+        guard: None,
+        gcra_burst: 1,
+        bucket_capacity: 0,
+        horizon: Duration::from_secs(86400),
+    };
+    let mut redis = args.redis.clone();
+    redis.key_prefix = format!("{}-scenario", redis.key_prefix);
+    let settings = rig_settings(&args.amqp_url, "turnstile-scenario", args.queue_type, &redis, limiter, workers, args.hold);
+    eprintln!(
+        "scenario: limit {limit}, {replicas} replicas x {workers} workers, {}: one seller's {big} messages published ahead of {small_sellers} sellers with {small} each",
+        args.algorithm
+    );
+    let mut rig = Rig::start(settings, replicas).await?;
+    let mut messages = Vec::new();
+    for i in 0..big {
+        messages.push(Message { seller: "big".into(), body: registration_body(&format!("big-{i}"), "big", None, serde_json::json!({"sku": i})) });
+    }
+    for s in 0..small_sellers {
+        let seller = format!("small-{s}");
+        for i in 0..small {
+            messages.push(Message { body: registration_body(&format!("{seller}-{i}"), &seller, None, serde_json::json!({"sku": i})), seller: seller.clone() });
+        }
+    }
+    rig.publish(messages).await?;
+    let optimum = limit.optimum_drain(big as u64);
+    rig.wait(optimum * 3 + Duration::from_secs(60), |_| {}).await?;
+    let report = rig.finish().await?;
+
+    let big_drain = report.sellers.get("big").and_then(|s| s.drain_s).unwrap_or(f64::NAN);
+    let ratio = big_drain / optimum.as_secs_f64().max(f64::EPSILON);
+    let small_latency = report
+        .sellers
+        .iter()
+        .filter(|(s, _)| s.starts_with("small-"))
+        .filter_map(|(_, r)| r.last_s)
+        .fold(0.0f64, f64::max);
+    println!("{:<44} {:>10}", "figure", "value");
+    println!("{:<44} {:>10}", "published", report.published);
+    println!("{:<44} {:>10}", "registered", report.registered);
+    println!("{:<44} {:>10}", "lost", report.lost);
+    println!("{:<44} {:>10}", "duplicates (downstream)", report.duplicates);
+    println!("{:<44} {:>10}", "violations (downstream, strict window)", report.violations);
+    println!("{:<44} {:>10}", "dead-lettered", report.dead_lettered);
+    println!("{:<44} {:>10.2}", "broker deliveries per message", report.deliveries_per_message);
+    println!("{:<44} {:>9.2}s", "big seller drain (first to last registration)", big_drain);
+    println!("{:<44} {:>9.2}s", "optimum ((ceil(n/COUNT)-1) windows)", optimum.as_secs_f64());
+    println!("{:<44} {:>9.3}x", "drain / optimum", ratio);
+    println!("{:<44} {:>9.2}s", "small sellers: last registered after publish", small_latency);
+    if args.json {
+        let mut value = serde_json::to_value(&report)?;
+        value["big_drain_s"] = big_drain.into();
+        value["optimum_s"] = optimum.as_secs_f64().into();
+        value["drain_ratio"] = ratio.into();
+        value["small_max_latency_s"] = small_latency.into();
+        value.as_object_mut().expect("a report is an object").remove("sellers");
+        println!("{value}");
+    }
+    Ok(report.lost == 0 && report.violations == 0 && report.duplicates == 0)
+}

@@ -1,0 +1,222 @@
+//! An in-process rig: a strict mock downstream, N consumer replicas, a queue topology and key
+//! prefix of its own; publishes a workload, waits for it, reports what the downstream saw, and
+//! cleans up. Used by `turnstile bench scenario` and `turnstile demo`.
+
+use std::collections::BTreeMap;
+use std::sync::atomic::Ordering;
+use std::time::{Duration, Instant};
+
+use anyhow::Context;
+use futures::StreamExt;
+use lapin::BasicProperties;
+use serde::Serialize;
+use tokio_util::sync::CancellationToken;
+
+use crate::broker::{self, Publisher, Topology};
+use crate::config::Limit;
+use crate::downstream::DownstreamArgs;
+use crate::mock_api::{MockArgs, MockServer, Stats};
+use crate::permit::{RedisConn, delete_prefix};
+use crate::replica::{ConsumeArgs, Replica};
+
+/// One message to publish: its seller and body.
+pub struct Message {
+    pub seller: String,
+    pub body: Vec<u8>,
+}
+
+/// What the downstream saw, and what the replicas did.
+#[derive(Debug, Serialize)]
+pub struct Report {
+    pub published: u64,
+    pub registered: u64,
+    pub dead_lettered: u64,
+    pub lost: u64,
+    pub duplicates: u64,
+    pub violations: u64,
+    pub deliveries: u64,
+    pub deliveries_per_message: f64,
+    pub elapsed_s: f64,
+    /// Per seller: registered, first and last registration (s after publishing started).
+    pub sellers: BTreeMap<String, SellerReport>,
+}
+
+#[derive(Debug, Serialize, Clone)]
+pub struct SellerReport {
+    pub published: u64,
+    pub registered: u64,
+    pub first_s: Option<f64>,
+    pub last_s: Option<f64>,
+    /// Last registration minus first: how long the seller's messages took to drain.
+    pub drain_s: Option<f64>,
+}
+
+/// A running rig.
+pub struct Rig {
+    pub mock: MockServer,
+    pub topology: Topology,
+    pub key_prefix: String,
+    pub limit: Limit,
+    redis: RedisConn,
+    connection: lapin::Connection,
+    publisher: Publisher,
+    replicas: Vec<Replica>,
+    stop: CancellationToken,
+    stop_mock: CancellationToken,
+    published_at_ms: u64,
+    published: BTreeMap<String, u64>,
+}
+
+impl Rig {
+    /// Starts the mock enforcing `base.limiter.limit`, and `replicas` replicas configured as
+    /// `base` but on a queue and key prefix of their own (named `<queue>-<random>`).
+    pub async fn start(mut base: ConsumeArgs, replicas: usize) -> anyhow::Result<Self> {
+        let run = format!("{:08x}", rand::random::<u32>());
+        base.queue = format!("{}-{run}", base.queue);
+        base.redis.key_prefix = format!("{}-{run}", base.redis.key_prefix);
+        base.http_addr = None;
+        let stop_mock = CancellationToken::new();
+        let mock = MockServer::start(
+            MockArgs { limit: base.limiter.limit, addr: "127.0.0.1:0".parse()?, latency_ms: 0, fail_rate: 0.0 },
+            stop_mock.clone(),
+        )
+        .await?;
+        base.downstream = DownstreamArgs { url: mock.url(), token: None, timeout: Duration::from_secs(10) };
+        let redis = RedisConn::connect(&base.redis).await?;
+        let connection = broker::connect(&base.amqp_url, "turnstile rig").await?;
+        let publisher = Publisher::open(&connection).await?;
+        let topology = base.topology();
+        topology.declare(publisher.channel()).await?;
+        let stop = CancellationToken::new();
+        let mut started = Vec::new();
+        for _ in 0..replicas {
+            started.push(Replica::start(base.clone(), stop.clone()).await?);
+        }
+        Ok(Self {
+            mock,
+            topology,
+            key_prefix: base.redis.key_prefix.clone(),
+            limit: base.limiter.limit,
+            redis,
+            connection,
+            publisher,
+            replicas: started,
+            stop,
+            stop_mock,
+            published_at_ms: 0,
+            published: BTreeMap::new(),
+        })
+    }
+
+    /// Publishes the messages in order, confirmed, many in flight at once.
+    pub async fn publish(&mut self, messages: Vec<Message>) -> anyhow::Result<()> {
+        if self.published.is_empty() {
+            self.published_at_ms = self.mock.stats().now_ms;
+        }
+        for m in &messages {
+            *self.published.entry(m.seller.clone()).or_default() += 1;
+        }
+        let publisher = &self.publisher;
+        let queue = self.topology.work().to_owned();
+        let results: Vec<_> = futures::stream::iter(messages)
+            .map(|m| {
+                let queue = queue.clone();
+                async move {
+                    let properties = BasicProperties::default().with_content_type("application/json".into());
+                    publisher.publish("", &queue, &m.body, properties).await
+                }
+            })
+            .buffered(256)
+            .collect()
+            .await;
+        for r in results {
+            r.context("publishing the workload")?;
+        }
+        Ok(())
+    }
+
+    pub fn published(&self) -> u64 {
+        self.published.values().sum()
+    }
+
+    /// Dead letters in the rig's dead-letter queue.
+    pub async fn dead_letters(&self) -> anyhow::Result<u64> {
+        let channel = self.connection.create_channel().await?;
+        let q = channel
+            .queue_declare(
+                self.topology.dead().into(),
+                lapin::options::QueueDeclareOptions { passive: true, ..Default::default() },
+                Default::default(),
+            )
+            .await?;
+        let _ = channel.close(200, "".into()).await;
+        Ok(u64::from(q.message_count()))
+    }
+
+    /// Waits until every published message registered or was dead-lettered, or `timeout`;
+    /// calls `progress` with the mock's stats about every 100 ms.
+    pub async fn wait(&self, timeout: Duration, mut progress: impl FnMut(&Stats)) -> anyhow::Result<()> {
+        let deadline = Instant::now() + timeout;
+        loop {
+            let stats = self.mock.stats();
+            progress(&stats);
+            if stats.registered + self.dead_letters().await? >= self.published() || Instant::now() > deadline {
+                return Ok(());
+            }
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        }
+    }
+
+    /// Stops the replicas (draining them), reports, and deletes the rig's queues and keys.
+    pub async fn finish(mut self) -> anyhow::Result<Report> {
+        self.stop.cancel();
+        let mut deliveries = 0;
+        for replica in std::mem::take(&mut self.replicas) {
+            deliveries += replica.stats.deliveries.load(Ordering::Relaxed);
+            replica.wait().await?;
+        }
+        let stats = self.mock.stats();
+        let dead_lettered = self.dead_letters().await?;
+        let published: u64 = self.published.values().sum();
+        let since = |ms: Option<u64>| ms.map(|ms| (ms as f64 - self.published_at_ms as f64) / 1000.0);
+        let sellers = self
+            .published
+            .iter()
+            .map(|(seller, &n)| {
+                let s = stats.sellers.get(&crate::domain::SellerId::parse(seller).map(|s| s.header_value()).unwrap_or_default()).cloned().unwrap_or_default();
+                let drain = match (s.first_ms, s.last_ms) {
+                    (Some(a), Some(b)) => Some((b - a) as f64 / 1000.0),
+                    _ => None,
+                };
+                (seller.clone(), SellerReport { published: n, registered: s.registered, first_s: since(s.first_ms), last_s: since(s.last_ms), drain_s: drain })
+            })
+            .collect();
+        let report = Report {
+            published,
+            registered: stats.registered,
+            dead_lettered,
+            lost: published.saturating_sub(stats.registered + dead_lettered),
+            duplicates: stats.duplicates,
+            violations: stats.violations,
+            deliveries,
+            deliveries_per_message: deliveries as f64 / published.max(1) as f64,
+            elapsed_s: (stats.now_ms.saturating_sub(self.published_at_ms)) as f64 / 1000.0,
+            sellers,
+        };
+        let channel = self.connection.create_channel().await?;
+        self.topology.delete(&channel).await.context("deleting the rig's queues")?;
+        let _ = self.connection.close(200, "done".into()).await;
+        delete_prefix(&self.redis, &self.key_prefix).await.context("deleting the rig's keys")?;
+        self.stop_mock.cancel();
+        Ok(report)
+    }
+}
+
+/// A registration body as the contract defines it.
+pub fn registration_body(message_id: &str, seller: &str, batch: Option<&str>, product: serde_json::Value) -> Vec<u8> {
+    let mut body = serde_json::json!({"message_id": message_id, "seller_id": seller, "product": product});
+    if let Some(batch) = batch {
+        body["batch_id"] = batch.into();
+    }
+    body.to_string().into_bytes()
+}
