@@ -5,11 +5,19 @@ use std::process::ExitCode;
 use anyhow::Context;
 use clap::{Parser, Subcommand};
 
+use std::path::PathBuf;
+use std::time::Duration;
+
 use crate::bench;
+use crate::broker::{BrokerArgs, dead_letters};
 use crate::config::{Limit, LimiterArgs, RedisArgs};
-use crate::domain::SellerId;
+use crate::domain::{BatchId, SellerId};
+use crate::mock_api::{MockArgs, MockServer};
 use crate::permit::PermitStore;
+use crate::progress;
 use crate::replica::{ConsumeArgs, Replica};
+use crate::upload::read_upload;
+use futures::StreamExt;
 use tokio_util::sync::CancellationToken;
 
 #[derive(Parser, Debug)]
@@ -27,6 +35,21 @@ pub struct Cli {
 pub enum Command {
     /// Run one consumer replica (many may share the queue).
     Consume(Box<ConsumeArgs>),
+    /// A strict stand-in for the registration API (for demos, tests and benchmarks).
+    MockApi(MockArgs),
+    /// Publish a seller's upload (.xlsx, .csv or .jsonl): one registration message per product.
+    Publish(Box<PublishArgs>),
+    /// How far each upload is: registered, waiting, dead-lettered, and when it will be done.
+    Status(Box<StatusArgs>),
+    /// Everything on the local RabbitMQ and Redis: mock API, replicas, uploads, live progress.
+    Demo(Box<crate::demo::DemoArgs>),
+    /// Inspect dead letters, or move chosen ones back to the work queue.
+    DeadLetters {
+        #[command(subcommand)]
+        action: DeadLettersAction,
+        #[command(flatten)]
+        broker: BrokerArgs,
+    },
     /// Show or change per-seller limit overrides (stored in Redis, effective on every replica).
     Limits {
         #[command(subcommand)]
@@ -61,6 +84,59 @@ pub enum LimitsAction {
     Clear {
         #[arg(long)]
         seller: String,
+    },
+}
+
+#[derive(clap::Args, Debug)]
+pub struct PublishArgs {
+    /// The upload: .xlsx (first sheet), .csv or .jsonl; the first row (or each object's keys)
+    /// names the product fields.
+    pub file: PathBuf,
+    #[arg(long)]
+    pub seller: String,
+    /// The upload's batch id [default: file name + digest of its content].
+    #[arg(long)]
+    pub batch: Option<String>,
+    /// Refuse the whole file if any row is bad (default: report bad rows and skip them).
+    #[arg(long)]
+    pub strict: bool,
+    #[command(flatten)]
+    pub broker: BrokerArgs,
+    #[command(flatten)]
+    pub redis: RedisArgs,
+    #[command(flatten)]
+    pub limiter: LimiterArgs,
+}
+
+#[derive(clap::Args, Debug)]
+pub struct StatusArgs {
+    #[arg(long)]
+    pub seller: Option<String>,
+    #[arg(long)]
+    pub batch: Option<String>,
+    /// Print JSON instead of a table.
+    #[arg(long)]
+    pub json: bool,
+    #[command(flatten)]
+    pub redis: RedisArgs,
+    #[command(flatten)]
+    pub limiter: LimiterArgs,
+}
+
+#[derive(Subcommand, Debug)]
+pub enum DeadLettersAction {
+    /// List dead letters with their reasons (they stay where they are).
+    List {
+        /// Only those with this reason (invalid-message, rejected, attempts-exhausted).
+        #[arg(long)]
+        reason: Option<String>,
+        #[arg(long)]
+        json: bool,
+    },
+    /// Move dead letters (all, or those with --reason) back to the work queue, attempts reset.
+    Replay {
+        #[arg(long)]
+        reason: Option<String>,
     },
 }
 
@@ -131,6 +207,54 @@ pub async fn run(cli: Cli) -> anyhow::Result<ExitCode> {
             Ok(ExitCode::SUCCESS)
         }
         Command::Bench { which } => bench::run(which).await,
+        Command::MockApi(args) => {
+            let shutdown = shutdown_on_signal();
+            let server = MockServer::start(args, shutdown).await?;
+            println!("mock registration API on {}", server.url());
+            server.wait().await?;
+            Ok(ExitCode::SUCCESS)
+        }
+        Command::Publish(args) => publish(*args).await,
+        Command::Status(args) => status(*args).await,
+        Command::Demo(args) => crate::demo::run(*args).await,
+        Command::DeadLetters { action, broker } => {
+            let (connection, publisher, topology) = broker.open("turnstile dead-letters").await?;
+            let channel = connection.create_channel().await?;
+            match action {
+                DeadLettersAction::List { reason, json } => {
+                    let letters =
+                        dead_letters::list(&channel, &topology, reason.as_deref()).await?;
+                    if json {
+                        println!("{}", serde_json::to_string_pretty(&letters)?);
+                    } else {
+                        println!("{} dead letters in {}", letters.len(), topology.dead());
+                        for d in &letters {
+                            println!(
+                                "{:<24} {:<16} {:<20} {}",
+                                d.message_id.as_deref().unwrap_or("-"),
+                                d.seller_id.as_deref().unwrap_or("-"),
+                                d.reason,
+                                d.detail
+                            );
+                        }
+                    }
+                }
+                DeadLettersAction::Replay { reason } => {
+                    let done =
+                        dead_letters::replay(&channel, &publisher, &topology, reason.as_deref())
+                            .await?;
+                    println!(
+                        "replayed {} to {}; {} left in {}",
+                        done.replayed,
+                        topology.work(),
+                        done.kept,
+                        topology.dead()
+                    );
+                }
+            }
+            let _ = connection.close(200, "done".into()).await;
+            Ok(ExitCode::SUCCESS)
+        }
     }
 }
 
@@ -156,4 +280,140 @@ pub fn shutdown_on_signal() -> CancellationToken {
         cancel.cancel();
     });
     token
+}
+
+/// How long upload progress is kept in Redis.
+const PROGRESS_TTL: Duration = Duration::from_secs(7 * 86400);
+
+async fn publish(args: PublishArgs) -> anyhow::Result<ExitCode> {
+    let seller = seller_arg(&args.seller)?;
+    let batch = match &args.batch {
+        Some(b) => Some(BatchId::parse(b).map_err(|e| anyhow::anyhow!("--batch {b:?}: {e}"))?),
+        None => None,
+    };
+    let upload = read_upload(&args.file, &seller, batch.as_ref(), args.strict)?;
+    for bad in &upload.bad_rows {
+        eprintln!("skipped {bad}");
+    }
+    let store = PermitStore::connect(&args.redis, &args.limiter).await?;
+    let (connection, publisher, topology) = args.broker.open("turnstile publish").await?;
+    let bar = indicatif::ProgressBar::new(upload.rows.len() as u64).with_style(
+        indicatif::ProgressStyle::with_template("{msg} [{bar:40}] {pos}/{len} ({per_sec})")
+            .expect("static template")
+            .progress_chars("=> "),
+    );
+    bar.set_message(format!(
+        "publishing {} of {seller}",
+        upload.batch_id.as_str()
+    ));
+    let queue = topology.work().to_owned();
+    let published = futures::stream::iter(&upload.rows)
+        .map(|row| {
+            let (publisher, queue, bar) = (&publisher, &queue, &bar);
+            async move {
+                let properties = lapin::BasicProperties::default()
+                    .with_content_type("application/json".into())
+                    .with_message_id(row.message_id.as_str().into());
+                publisher
+                    .publish("", queue, &row.body, properties)
+                    .await
+                    .with_context(|| format!("publishing row {}", row.row))?;
+                bar.inc(1);
+                anyhow::Ok(())
+            }
+        })
+        .buffered(128)
+        .collect::<Vec<_>>()
+        .await;
+    bar.finish_and_clear();
+    let failed: Vec<_> = published.into_iter().filter_map(Result::err).collect();
+    let sent = upload.rows.len() - failed.len();
+    progress::record_published(
+        &store,
+        &seller,
+        &upload.batch_id,
+        upload.rows.len() as u64,
+        PROGRESS_TTL,
+    )
+    .await
+    .context("recording the upload's progress")?;
+    let _ = connection.close(200, "done".into()).await;
+    let limit = store.effective_limit(&seller).await?;
+    println!(
+        "{}: published {sent} of {} products of {seller} (batch {}) to {queue}; {} bad rows skipped; at {limit} they take at least {:.0}s",
+        args.file.display(),
+        upload.rows.len(),
+        upload.batch_id.as_str(),
+        upload.bad_rows.len(),
+        limit.optimum_drain(sent as u64).as_secs_f64()
+    );
+    if let Some(error) = failed.first() {
+        anyhow::bail!(
+            "{} products were not published (confirmed): {error:#}",
+            failed.len()
+        );
+    }
+    Ok(ExitCode::SUCCESS)
+}
+
+async fn status(args: StatusArgs) -> anyhow::Result<ExitCode> {
+    let store = PermitStore::connect(&args.redis, &args.limiter).await?;
+    let seller = args.seller.as_deref().map(seller_arg).transpose()?;
+    let batch = match &args.batch {
+        Some(b) => Some(BatchId::parse(b).map_err(|e| anyhow::anyhow!("--batch {b:?}: {e}"))?),
+        None => None,
+    };
+    anyhow::ensure!(
+        batch.is_none() || seller.is_some(),
+        "--batch needs --seller"
+    );
+    let uploads = progress::list(&store, seller.as_ref(), batch.as_ref()).await?;
+    let mut rows = Vec::new();
+    for p in &uploads {
+        let seller = SellerId::parse(&p.seller).map_err(|e| anyhow::anyhow!("{e}"))?;
+        let limit = store.effective_limit(&seller).await?;
+        let paused = store.paused_for(&seller).await?;
+        rows.push((p, limit, p.eta(limit) + paused));
+    }
+    if args.json {
+        let value: Vec<_> = rows
+            .iter()
+            .map(|(p, limit, eta)| {
+                serde_json::json!({"seller": p.seller, "batch": p.batch, "total": p.total, "registered": p.registered,
+                    "waiting": p.waiting(), "dead_lettered": p.dead, "limit": limit.to_string(), "eta_s": eta.as_secs_f64()})
+            })
+            .collect();
+        println!("{}", serde_json::to_string_pretty(&value)?);
+        return Ok(ExitCode::SUCCESS);
+    }
+    if rows.is_empty() {
+        println!(
+            "no uploads recorded under key prefix {:?}",
+            store.key_prefix()
+        );
+        return Ok(ExitCode::SUCCESS);
+    }
+    println!(
+        "{:<16} {:<28} {:>6} {:>10} {:>8} {:>6} {:>10} {:>10}",
+        "seller", "batch", "total", "registered", "waiting", "dead", "limit", "done in"
+    );
+    for (p, limit, eta) in rows {
+        let done = if p.waiting() == 0 {
+            "done".to_owned()
+        } else {
+            format!("~{:.0}s", eta.as_secs_f64().max(1.0))
+        };
+        println!(
+            "{:<16} {:<28} {:>6} {:>10} {:>8} {:>6} {:>10} {:>10}",
+            p.seller,
+            p.batch,
+            p.total,
+            p.registered,
+            p.waiting(),
+            p.dead,
+            limit.to_string(),
+            done
+        );
+    }
+    Ok(ExitCode::SUCCESS)
 }

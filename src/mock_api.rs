@@ -231,7 +231,10 @@ struct Ledger {
 
 impl Ledger {
     fn snapshot(&self) -> Stats {
-        Stats { now_ms: self.epoch.elapsed().as_millis() as u64, ..self.stats.clone() }
+        Stats {
+            now_ms: self.epoch.elapsed().as_millis() as u64,
+            ..self.stats.clone()
+        }
     }
 
     fn new() -> Self {

@@ -17,7 +17,7 @@ use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
 use tracing::{info, warn};
 
-use crate::broker::{self, Publisher, QueueType, Topology};
+use crate::broker::{self, BrokerArgs, Publisher, Topology};
 use crate::config::{LimiterArgs, RedisArgs, duration_arg};
 use crate::downstream::{Downstream, DownstreamArgs};
 use crate::http::{self, Readiness};
@@ -27,19 +27,8 @@ use crate::worker::{Stats, Worker, WorkerSettings};
 /// Everything `turnstile consume` is configured with (flags and `TURNSTILE_*` variables).
 #[derive(Args, Clone, Debug)]
 pub struct ConsumeArgs {
-    /// Broker URL.
-    #[arg(
-        long = "amqp-url",
-        env = "TURNSTILE_AMQP_URL",
-        default_value = "amqp://guest:guest@127.0.0.1:5672/%2f",
-        hide_env_values = true
-    )]
-    pub amqp_url: String,
-    /// Work queue; every other queue/exchange name derives from it.
-    #[arg(long, env = "TURNSTILE_QUEUE", default_value = "registrations")]
-    pub queue: String,
-    #[arg(long = "queue-type", env = "TURNSTILE_QUEUE_TYPE", value_enum, default_value_t = QueueType::Quorum)]
-    pub queue_type: QueueType,
+    #[command(flatten)]
+    pub broker: BrokerArgs,
     /// Concurrent downstream calls per replica.
     #[arg(long, env = "TURNSTILE_WORKERS", default_value_t = 16, value_parser = clap::value_parser!(u32).range(1..=4096))]
     pub workers: u32,
@@ -78,7 +67,7 @@ impl ConsumeArgs {
             .unwrap_or_else(|| (self.workers.saturating_mul(8)).clamp(64, u16::MAX as u32) as u16)
     }
     pub fn topology(&self) -> Topology {
-        Topology::new(&self.queue, self.queue_type)
+        self.broker.topology()
     }
 }
 
@@ -94,7 +83,7 @@ impl Replica {
     /// Connects and starts consuming; returns once the replica is consuming (or fails to start).
     pub async fn start(args: ConsumeArgs, shutdown: CancellationToken) -> anyhow::Result<Self> {
         anyhow::ensure!(
-            !args.queue.is_empty() && args.queue.len() <= 200,
+            !args.broker.queue.is_empty() && args.broker.queue.len() <= 200,
             "TURNSTILE_QUEUE must be 1 to 200 characters"
         );
         let downstream = Downstream::new(&args.downstream)?;
@@ -124,7 +113,7 @@ impl Replica {
         // The first connection is made here so that a wrong URL fails the start at once.
         let session = Session::open(&args, &worker).await?;
         ready.set(true);
-        info!(queue = %args.queue, workers = args.workers, prefetch, algorithm = %args.limiter.algorithm, limit = %args.limiter.limit, http = ?http_addr, "consuming");
+        info!(queue = %args.broker.queue, workers = args.workers, prefetch, algorithm = %args.limiter.algorithm, limit = %args.limiter.limit, http = ?http_addr, "consuming");
         let done = tokio::spawn(run(args, worker, session, ready.clone(), shutdown));
         Ok(Self {
             stats,
@@ -151,8 +140,8 @@ struct Session {
 
 impl Session {
     async fn open(args: &ConsumeArgs, worker: &Worker) -> anyhow::Result<Self> {
-        let name = format!("turnstile {} pid {}", args.queue, std::process::id());
-        let connection = broker::connect(&args.amqp_url, &name).await?;
+        let name = format!("turnstile {} pid {}", args.broker.queue, std::process::id());
+        let connection = broker::connect(&args.broker.amqp_url, &name).await?;
         let publisher = Publisher::open(&connection).await?;
         worker.topology.declare(publisher.channel()).await?;
         let consumer_channel = connection
@@ -170,13 +159,13 @@ impl Session {
         );
         let consumer = consumer_channel
             .basic_consume(
-                args.queue.as_str().into(),
+                args.broker.queue.as_str().into(),
                 tag.as_str().into(),
                 BasicConsumeOptions::default(),
                 FieldTable::default(),
             )
             .await
-            .with_context(|| format!("consuming from {:?}", args.queue))?;
+            .with_context(|| format!("consuming from {:?}", args.broker.queue))?;
         Ok(Self {
             connection,
             publisher,

@@ -12,7 +12,7 @@ use lapin::BasicProperties;
 use serde::Serialize;
 use tokio_util::sync::CancellationToken;
 
-use crate::broker::{self, Publisher, Topology};
+use crate::broker::{Publisher, Topology};
 use crate::config::Limit;
 use crate::downstream::DownstreamArgs;
 use crate::mock_api::{MockArgs, MockServer, Stats};
@@ -72,21 +72,27 @@ impl Rig {
     /// `base` but on a queue and key prefix of their own (named `<queue>-<random>`).
     pub async fn start(mut base: ConsumeArgs, replicas: usize) -> anyhow::Result<Self> {
         let run = format!("{:08x}", rand::random::<u32>());
-        base.queue = format!("{}-{run}", base.queue);
+        base.broker.queue = format!("{}-{run}", base.broker.queue);
         base.redis.key_prefix = format!("{}-{run}", base.redis.key_prefix);
         base.http_addr = None;
         let stop_mock = CancellationToken::new();
         let mock = MockServer::start(
-            MockArgs { limit: base.limiter.limit, addr: "127.0.0.1:0".parse()?, latency_ms: 0, fail_rate: 0.0 },
+            MockArgs {
+                limit: base.limiter.limit,
+                addr: "127.0.0.1:0".parse()?,
+                latency_ms: 0,
+                fail_rate: 0.0,
+            },
             stop_mock.clone(),
         )
         .await?;
-        base.downstream = DownstreamArgs { url: mock.url(), token: None, timeout: Duration::from_secs(10) };
+        base.downstream = DownstreamArgs {
+            url: mock.url(),
+            token: None,
+            timeout: Duration::from_secs(10),
+        };
         let redis = RedisConn::connect(&base.redis).await?;
-        let connection = broker::connect(&base.amqp_url, "turnstile rig").await?;
-        let publisher = Publisher::open(&connection).await?;
-        let topology = base.topology();
-        topology.declare(publisher.channel()).await?;
+        let (connection, publisher, topology) = base.broker.open("turnstile rig").await?;
         let stop = CancellationToken::new();
         let mut started = Vec::new();
         for _ in 0..replicas {
@@ -122,7 +128,8 @@ impl Rig {
             .map(|m| {
                 let queue = queue.clone();
                 async move {
-                    let properties = BasicProperties::default().with_content_type("application/json".into());
+                    let properties =
+                        BasicProperties::default().with_content_type("application/json".into());
                     publisher.publish("", &queue, &m.body, properties).await
                 }
             })
@@ -145,7 +152,10 @@ impl Rig {
         let q = channel
             .queue_declare(
                 self.topology.dead().into(),
-                lapin::options::QueueDeclareOptions { passive: true, ..Default::default() },
+                lapin::options::QueueDeclareOptions {
+                    passive: true,
+                    ..Default::default()
+                },
                 Default::default(),
             )
             .await?;
@@ -155,12 +165,18 @@ impl Rig {
 
     /// Waits until every published message registered or was dead-lettered, or `timeout`;
     /// calls `progress` with the mock's stats about every 100 ms.
-    pub async fn wait(&self, timeout: Duration, mut progress: impl FnMut(&Stats)) -> anyhow::Result<()> {
+    pub async fn wait(
+        &self,
+        timeout: Duration,
+        mut progress: impl FnMut(&Stats),
+    ) -> anyhow::Result<()> {
         let deadline = Instant::now() + timeout;
         loop {
             let stats = self.mock.stats();
             progress(&stats);
-            if stats.registered + self.dead_letters().await? >= self.published() || Instant::now() > deadline {
+            if stats.registered + self.dead_letters().await? >= self.published()
+                || Instant::now() > deadline
+            {
                 return Ok(());
             }
             tokio::time::sleep(Duration::from_millis(100)).await;
@@ -178,17 +194,35 @@ impl Rig {
         let stats = self.mock.stats();
         let dead_lettered = self.dead_letters().await?;
         let published: u64 = self.published.values().sum();
-        let since = |ms: Option<u64>| ms.map(|ms| (ms as f64 - self.published_at_ms as f64) / 1000.0);
+        let since =
+            |ms: Option<u64>| ms.map(|ms| (ms as f64 - self.published_at_ms as f64) / 1000.0);
         let sellers = self
             .published
             .iter()
             .map(|(seller, &n)| {
-                let s = stats.sellers.get(&crate::domain::SellerId::parse(seller).map(|s| s.header_value()).unwrap_or_default()).cloned().unwrap_or_default();
+                let s = stats
+                    .sellers
+                    .get(
+                        &crate::domain::SellerId::parse(seller)
+                            .map(|s| s.header_value())
+                            .unwrap_or_default(),
+                    )
+                    .cloned()
+                    .unwrap_or_default();
                 let drain = match (s.first_ms, s.last_ms) {
                     (Some(a), Some(b)) => Some((b - a) as f64 / 1000.0),
                     _ => None,
                 };
-                (seller.clone(), SellerReport { published: n, registered: s.registered, first_s: since(s.first_ms), last_s: since(s.last_ms), drain_s: drain })
+                (
+                    seller.clone(),
+                    SellerReport {
+                        published: n,
+                        registered: s.registered,
+                        first_s: since(s.first_ms),
+                        last_s: since(s.last_ms),
+                        drain_s: drain,
+                    },
+                )
             })
             .collect();
         let report = Report {
@@ -204,17 +238,28 @@ impl Rig {
             sellers,
         };
         let channel = self.connection.create_channel().await?;
-        self.topology.delete(&channel).await.context("deleting the rig's queues")?;
+        self.topology
+            .delete(&channel)
+            .await
+            .context("deleting the rig's queues")?;
         let _ = self.connection.close(200, "done".into()).await;
-        delete_prefix(&self.redis, &self.key_prefix).await.context("deleting the rig's keys")?;
+        delete_prefix(&self.redis, &self.key_prefix)
+            .await
+            .context("deleting the rig's keys")?;
         self.stop_mock.cancel();
         Ok(report)
     }
 }
 
 /// A registration body as the contract defines it.
-pub fn registration_body(message_id: &str, seller: &str, batch: Option<&str>, product: serde_json::Value) -> Vec<u8> {
-    let mut body = serde_json::json!({"message_id": message_id, "seller_id": seller, "product": product});
+pub fn registration_body(
+    message_id: &str,
+    seller: &str,
+    batch: Option<&str>,
+    product: serde_json::Value,
+) -> Vec<u8> {
+    let mut body =
+        serde_json::json!({"message_id": message_id, "seller_id": seller, "product": product});
     if let Some(batch) = batch {
         body["batch_id"] = batch.into();
     }

@@ -296,9 +296,15 @@ async fn stats_round_trip_through_fetch_stats_and_reset_clears_them() {
     );
 
     let base = format!("http://{}", mock.server.addr());
-    let same_moment = |s: Stats| Stats { now_ms: local.now_ms, ..s };
+    let same_moment = |s: Stats| Stats {
+        now_ms: local.now_ms,
+        ..s
+    };
     assert_eq!(same_moment(fetch_stats(&base).await.unwrap()), local);
-    assert_eq!(same_moment(fetch_stats(&mock.server.url()).await.unwrap()), local);
+    assert_eq!(
+        same_moment(fetch_stats(&mock.server.url()).await.unwrap()),
+        local
+    );
 
     let reset = mock
         .client

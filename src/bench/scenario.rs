@@ -37,7 +37,12 @@ pub struct ScenarioArgs {
     pub queue_type: QueueType,
     #[arg(long, default_value = "2s", value_parser = crate::config::duration_arg)]
     pub hold: Duration,
-    #[arg(long = "amqp-url", env = "TURNSTILE_AMQP_URL", default_value = "amqp://guest:guest@127.0.0.1:5672/%2f", hide_env_values = true)]
+    #[arg(
+        long = "amqp-url",
+        env = "TURNSTILE_AMQP_URL",
+        default_value = "amqp://guest:guest@127.0.0.1:5672/%2f",
+        hide_env_values = true
+    )]
     pub amqp_url: String,
     #[command(flatten)]
     pub redis: RedisArgs,
@@ -56,11 +61,21 @@ struct Preset {
 }
 
 /// Settings of a consumer replica for a rig (the downstream URL is the rig's mock).
-pub fn rig_settings(amqp_url: &str, queue: &str, queue_type: QueueType, redis: &RedisArgs, limiter: LimiterArgs, workers: u32, hold: Duration) -> ConsumeArgs {
+pub fn rig_settings(
+    amqp_url: &str,
+    queue: &str,
+    queue_type: QueueType,
+    redis: &RedisArgs,
+    limiter: LimiterArgs,
+    workers: u32,
+    hold: Duration,
+) -> ConsumeArgs {
     ConsumeArgs {
-        amqp_url: amqp_url.to_owned(),
-        queue: queue.to_owned(),
-        queue_type,
+        broker: crate::broker::BrokerArgs {
+            amqp_url: amqp_url.to_owned(),
+            queue: queue.to_owned(),
+            queue_type,
+        },
         workers,
         prefetch: None,
         http_addr: None,
@@ -69,7 +84,11 @@ pub fn rig_settings(amqp_url: &str, queue: &str, queue_type: QueueType, redis: &
         retry_min: Duration::from_secs(1),
         retry_max: Duration::from_secs(60),
         done_ttl: Duration::from_secs(3600),
-        downstream: DownstreamArgs { url: "http://127.0.0.1:1/{seller_id}".into(), token: None, timeout: Duration::from_secs(10) },
+        downstream: DownstreamArgs {
+            url: "http://127.0.0.1:1/{seller_id}".into(),
+            token: None,
+            timeout: Duration::from_secs(10),
+        },
         redis: redis.clone(),
         limiter,
     }
@@ -77,11 +96,27 @@ pub fn rig_settings(amqp_url: &str, queue: &str, queue_type: QueueType, redis: &
 
 pub async fn run(args: ScenarioArgs) -> anyhow::Result<bool> {
     let preset = match args.preset.as_str() {
-        "bar" => Preset { limit: "20/1s", replicas: 4, workers: 8, big: 400, small_sellers: 20, small: 20 },
-        "deep" => Preset { limit: "10/2s", replicas: 4, workers: 8, big: 300, small_sellers: 30, small: 10 },
+        "bar" => Preset {
+            limit: "20/1s",
+            replicas: 4,
+            workers: 8,
+            big: 400,
+            small_sellers: 20,
+            small: 20,
+        },
+        "deep" => Preset {
+            limit: "10/2s",
+            replicas: 4,
+            workers: 8,
+            big: 300,
+            small_sellers: 30,
+            small: 10,
+        },
         other => anyhow::bail!("--preset {other:?}: choose bar or deep"),
     };
-    let limit = args.limit.unwrap_or_else(|| preset.limit.parse().expect("preset limits parse"));
+    let limit = args
+        .limit
+        .unwrap_or_else(|| preset.limit.parse().expect("preset limits parse"));
     let replicas = args.replicas.unwrap_or(preset.replicas);
     let workers = args.workers.unwrap_or(preset.workers);
     let big = args.big.unwrap_or(preset.big);
@@ -98,7 +133,15 @@ pub async fn run(args: ScenarioArgs) -> anyhow::Result<bool> {
     };
     let mut redis = args.redis.clone();
     redis.key_prefix = format!("{}-scenario", redis.key_prefix);
-    let settings = rig_settings(&args.amqp_url, "turnstile-scenario", args.queue_type, &redis, limiter, workers, args.hold);
+    let settings = rig_settings(
+        &args.amqp_url,
+        "turnstile-scenario",
+        args.queue_type,
+        &redis,
+        limiter,
+        workers,
+        args.hold,
+    );
     eprintln!(
         "scenario: limit {limit}, {replicas} replicas x {workers} workers, {}: one seller's {big} messages published ahead of {small_sellers} sellers with {small} each",
         args.algorithm
@@ -106,20 +149,41 @@ pub async fn run(args: ScenarioArgs) -> anyhow::Result<bool> {
     let mut rig = Rig::start(settings, replicas).await?;
     let mut messages = Vec::new();
     for i in 0..big {
-        messages.push(Message { seller: "big".into(), body: registration_body(&format!("big-{i}"), "big", None, serde_json::json!({"sku": i})) });
+        messages.push(Message {
+            seller: "big".into(),
+            body: registration_body(
+                &format!("big-{i}"),
+                "big",
+                None,
+                serde_json::json!({"sku": i}),
+            ),
+        });
     }
     for s in 0..small_sellers {
         let seller = format!("small-{s}");
         for i in 0..small {
-            messages.push(Message { body: registration_body(&format!("{seller}-{i}"), &seller, None, serde_json::json!({"sku": i})), seller: seller.clone() });
+            messages.push(Message {
+                body: registration_body(
+                    &format!("{seller}-{i}"),
+                    &seller,
+                    None,
+                    serde_json::json!({"sku": i}),
+                ),
+                seller: seller.clone(),
+            });
         }
     }
     rig.publish(messages).await?;
     let optimum = limit.optimum_drain(big as u64);
-    rig.wait(optimum * 3 + Duration::from_secs(60), |_| {}).await?;
+    rig.wait(optimum * 3 + Duration::from_secs(60), |_| {})
+        .await?;
     let report = rig.finish().await?;
 
-    let big_drain = report.sellers.get("big").and_then(|s| s.drain_s).unwrap_or(f64::NAN);
+    let big_drain = report
+        .sellers
+        .get("big")
+        .and_then(|s| s.drain_s)
+        .unwrap_or(f64::NAN);
     let ratio = big_drain / optimum.as_secs_f64().max(f64::EPSILON);
     let small_latency = report
         .sellers
@@ -131,21 +195,43 @@ pub async fn run(args: ScenarioArgs) -> anyhow::Result<bool> {
     println!("{:<44} {:>10}", "published", report.published);
     println!("{:<44} {:>10}", "registered", report.registered);
     println!("{:<44} {:>10}", "lost", report.lost);
-    println!("{:<44} {:>10}", "duplicates (downstream)", report.duplicates);
-    println!("{:<44} {:>10}", "violations (downstream, strict window)", report.violations);
+    println!(
+        "{:<44} {:>10}",
+        "duplicates (downstream)", report.duplicates
+    );
+    println!(
+        "{:<44} {:>10}",
+        "violations (downstream, strict window)", report.violations
+    );
     println!("{:<44} {:>10}", "dead-lettered", report.dead_lettered);
-    println!("{:<44} {:>10.2}", "broker deliveries per message", report.deliveries_per_message);
-    println!("{:<44} {:>9.2}s", "big seller drain (first to last registration)", big_drain);
-    println!("{:<44} {:>9.2}s", "optimum ((ceil(n/COUNT)-1) windows)", optimum.as_secs_f64());
+    println!(
+        "{:<44} {:>10.2}",
+        "broker deliveries per message", report.deliveries_per_message
+    );
+    println!(
+        "{:<44} {:>9.2}s",
+        "big seller drain (first to last registration)", big_drain
+    );
+    println!(
+        "{:<44} {:>9.2}s",
+        "optimum ((ceil(n/COUNT)-1) windows)",
+        optimum.as_secs_f64()
+    );
     println!("{:<44} {:>9.3}x", "drain / optimum", ratio);
-    println!("{:<44} {:>9.2}s", "small sellers: last registered after publish", small_latency);
+    println!(
+        "{:<44} {:>9.2}s",
+        "small sellers: last registered after publish", small_latency
+    );
     if args.json {
         let mut value = serde_json::to_value(&report)?;
         value["big_drain_s"] = big_drain.into();
         value["optimum_s"] = optimum.as_secs_f64().into();
         value["drain_ratio"] = ratio.into();
         value["small_max_latency_s"] = small_latency.into();
-        value.as_object_mut().expect("a report is an object").remove("sellers");
+        value
+            .as_object_mut()
+            .expect("a report is an object")
+            .remove("sellers");
         println!("{value}");
     }
     Ok(report.lost == 0 && report.violations == 0 && report.duplicates == 0)

@@ -12,6 +12,7 @@
 //!   behind a longer one, and never passes through a consumer on the way (NServiceBus's design).
 //!   Dead-lettering between quorum queues is at-least-once, so no hop can drop a message.
 
+pub mod dead_letters;
 mod topology;
 
 pub use topology::{QueueType, Topology};
@@ -46,6 +47,39 @@ pub mod headers {
     pub const DEAD_AT: &str = "x-turnstile-dead-at-ms";
     /// The queue the dead letter was consumed from.
     pub const QUEUE: &str = "x-turnstile-queue";
+}
+
+/// Where the broker is and which queues turnstile uses there.
+#[derive(clap::Args, Clone, Debug)]
+pub struct BrokerArgs {
+    /// Broker URL.
+    #[arg(
+        long = "amqp-url",
+        env = "TURNSTILE_AMQP_URL",
+        default_value = "amqp://guest:guest@127.0.0.1:5672/%2f",
+        hide_env_values = true
+    )]
+    pub amqp_url: String,
+    /// Work queue; every other queue/exchange name derives from it.
+    #[arg(long, env = "TURNSTILE_QUEUE", default_value = "registrations")]
+    pub queue: String,
+    #[arg(long = "queue-type", env = "TURNSTILE_QUEUE_TYPE", value_enum, default_value_t = QueueType::Quorum)]
+    pub queue_type: QueueType,
+}
+
+impl BrokerArgs {
+    pub fn topology(&self) -> Topology {
+        Topology::new(&self.queue, self.queue_type)
+    }
+
+    /// Connects, opens a confirming publisher and declares the topology (idempotent).
+    pub async fn open(&self, name: &str) -> anyhow::Result<(Connection, Publisher, Topology)> {
+        let connection = connect(&self.amqp_url, name).await?;
+        let publisher = Publisher::open(&connection).await?;
+        let topology = self.topology();
+        topology.declare(publisher.channel()).await?;
+        Ok((connection, publisher, topology))
+    }
 }
 
 /// The URL with its password hidden, for logs and errors.

@@ -384,40 +384,41 @@ impl PermitStore {
     }
 }
 
-/// Deletes every key that starts with `prefix:` (for demos, benchmarks and tests that clean up
-/// after themselves). On a cluster, KEYS is sent to every primary; elsewhere SCAN is used.
-pub async fn delete_prefix(conn: &RedisConn, prefix: &str) -> anyhow::Result<()> {
-    let pattern = format!("{prefix}:*");
+/// Every key matching a glob pattern: KEYS on each primary of a cluster, SCAN elsewhere. Meant
+/// for operator commands and cleanup over a prefix, not for the hot path.
+pub async fn keys_matching(conn: &RedisConn, pattern: &str) -> Result<Vec<String>, PermitError> {
     let mut conn = conn.clone();
-    let keys: Vec<String> = match &conn {
-        RedisConn::Cluster(_) => {
-            redis::cmd("KEYS")
-                .arg(&pattern)
-                .query_async(&mut conn)
-                .await?
+    if let RedisConn::Cluster(_) = conn {
+        return Ok(redis::cmd("KEYS")
+            .arg(pattern)
+            .query_async(&mut conn)
+            .await?);
+    }
+    let mut keys = Vec::new();
+    let mut cursor: u64 = 0;
+    loop {
+        let (next, batch): (u64, Vec<String>) = redis::cmd("SCAN")
+            .arg(cursor)
+            .arg("MATCH")
+            .arg(pattern)
+            .arg("COUNT")
+            .arg(1000)
+            .query_async(&mut conn)
+            .await?;
+        keys.extend(batch);
+        if next == 0 {
+            return Ok(keys);
         }
-        RedisConn::Single(_) => {
-            let mut keys = Vec::new();
-            let mut cursor: u64 = 0;
-            loop {
-                let (next, batch): (u64, Vec<String>) = redis::cmd("SCAN")
-                    .arg(cursor)
-                    .arg("MATCH")
-                    .arg(&pattern)
-                    .arg("COUNT")
-                    .arg(1000)
-                    .query_async(&mut conn)
-                    .await?;
-                keys.extend(batch);
-                if next == 0 {
-                    break keys;
-                }
-                cursor = next;
-            }
-        }
-    };
-    for key in keys {
-        let _: i64 = conn.unlink(&key).await?;
+        cursor = next;
+    }
+}
+
+/// Deletes every key that starts with `prefix:` (for demos, benchmarks and tests that clean up
+/// after themselves).
+pub async fn delete_prefix(conn: &RedisConn, prefix: &str) -> anyhow::Result<()> {
+    let mut unlink = conn.clone();
+    for key in keys_matching(conn, &format!("{prefix}:*")).await? {
+        let _: i64 = unlink.unlink(&key).await?;
     }
     Ok(())
 }

@@ -59,9 +59,11 @@ impl Pipeline {
     /// The settings a replica of this pipeline runs with (tests adjust them before starting).
     pub fn settings(&self, workers: u32) -> ConsumeArgs {
         ConsumeArgs {
-            amqp_url: amqp_url(),
-            queue: self.broker.queue().to_owned(),
-            queue_type: QueueType::Quorum,
+            broker: turnstile::broker::BrokerArgs {
+                amqp_url: amqp_url(),
+                queue: self.broker.queue().to_owned(),
+                queue_type: QueueType::Quorum,
+            },
             workers,
             prefetch: None,
             http_addr: None,
@@ -109,15 +111,24 @@ impl Pipeline {
     }
 
     /// Sum of a counter over all replicas.
-    pub fn total(&self, counter: impl Fn(&turnstile::worker::Stats) -> &std::sync::atomic::AtomicU64) -> u64 {
-        self.replicas.iter().map(|(_, r)| counter(&r.stats).load(std::sync::atomic::Ordering::Relaxed)).sum()
+    pub fn total(
+        &self,
+        counter: impl Fn(&turnstile::worker::Stats) -> &std::sync::atomic::AtomicU64,
+    ) -> u64 {
+        self.replicas
+            .iter()
+            .map(|(_, r)| counter(&r.stats).load(std::sync::atomic::Ordering::Relaxed))
+            .sum()
     }
 
     /// Waits until the replicas have settled `n` messages as registered (acked, recorded).
     pub async fn wait_settled_registered(&self, n: u64) {
         let deadline = tokio::time::Instant::now() + Duration::from_secs(180);
         while self.total(|s| &s.registered) < n {
-            assert!(tokio::time::Instant::now() < deadline, "replicas settled fewer than {n}");
+            assert!(
+                tokio::time::Instant::now() < deadline,
+                "replicas settled fewer than {n}"
+            );
             tokio::time::sleep(Duration::from_millis(20)).await;
         }
     }

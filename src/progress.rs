@@ -1,0 +1,106 @@
+//! Upload progress in Redis: the producer records what it published, consumers record what
+//! registered or was dead-lettered (`lua/complete.lua`); `turnstile status` reads both.
+
+use std::time::Duration;
+
+use redis::AsyncCommands;
+
+use crate::config::Limit;
+use crate::domain::{BatchId, SellerId};
+use crate::permit::{PermitError, PermitStore, keys_matching};
+
+/// How far one upload (batch) is.
+#[derive(Debug, Clone, serde::Serialize)]
+pub struct Progress {
+    pub seller: String,
+    pub batch: String,
+    pub total: u64,
+    pub registered: u64,
+    pub dead: u64,
+    pub published_ms: Option<u64>,
+    pub last_ms: Option<u64>,
+}
+
+impl Progress {
+    /// Messages neither registered nor dead-lettered yet.
+    pub fn waiting(&self) -> u64 {
+        self.total.saturating_sub(self.registered + self.dead)
+    }
+
+    /// The least time the rest can take under `limit`, the seller's window being fresh:
+    /// `ceil(waiting / COUNT)` windows, minus one if the current window still has room. The
+    /// limit makes this the finish time (with a backlog, registrations run at the limit).
+    pub fn eta(&self, limit: Limit) -> Duration {
+        limit.optimum_drain(self.waiting())
+    }
+}
+
+/// Records that `total` messages of a batch were published (re-publishing the same batch keeps
+/// its counts: its messages are not registered twice).
+pub async fn record_published(
+    store: &PermitStore,
+    seller: &SellerId,
+    batch: &BatchId,
+    total: u64,
+    ttl: Duration,
+) -> Result<(), PermitError> {
+    let key = store.batch_key(seller, batch);
+    let now_ms = (store.redis_time_us().await? / 1000) as u64;
+    let mut conn = store.connection();
+    let _: () = redis::pipe()
+        .atomic()
+        .hset(&key, "seller", seller.as_str())
+        .hset(&key, "batch", batch.as_str())
+        .hset(&key, "total", total)
+        .hset(&key, "published_ms", now_ms)
+        .pexpire(&key, ttl.as_millis() as i64)
+        .query_async(&mut conn)
+        .await?;
+    Ok(())
+}
+
+/// Progress of every upload recorded under the key prefix, or a seller's, or one batch.
+pub async fn list(
+    store: &PermitStore,
+    seller: Option<&SellerId>,
+    batch: Option<&BatchId>,
+) -> anyhow::Result<Vec<Progress>> {
+    let keys = match (seller, batch) {
+        (Some(seller), Some(batch)) => vec![store.batch_key(seller, batch)],
+        (Some(seller), None) => {
+            keys_matching(&store.connection(), &store.seller_key(seller, "batch:*")).await?
+        }
+        (None, _) => {
+            keys_matching(
+                &store.connection(),
+                &format!("{}:*:batch:*", store.key_prefix()),
+            )
+            .await?
+        }
+    };
+    let mut out = Vec::new();
+    let mut conn = store.connection();
+    for key in keys {
+        let fields: std::collections::HashMap<String, String> = conn.hgetall(&key).await?;
+        let Some(seller_name) = fields.get("seller") else {
+            continue;
+        };
+        let num = |f: &str| fields.get(f).and_then(|v| v.parse::<u64>().ok());
+        let p = Progress {
+            seller: seller_name.clone(),
+            batch: fields.get("batch").cloned().unwrap_or_default(),
+            total: num("total").unwrap_or(0),
+            registered: num("registered").unwrap_or(0),
+            dead: num("dead").unwrap_or(0),
+            published_ms: num("published_ms"),
+            last_ms: num("last_ms"),
+        };
+        if batch.is_none_or(|b| b.as_str() == p.batch) {
+            out.push(p);
+        }
+    }
+    out.sort_by(|a, b| {
+        (a.seller.as_str(), a.batch.as_str()).cmp(&(b.seller.as_str(), b.batch.as_str()))
+    });
+    Ok(out)
+}
