@@ -417,3 +417,46 @@ async fn status(args: StatusArgs) -> anyhow::Result<ExitCode> {
     }
     Ok(ExitCode::SUCCESS)
 }
+
+#[cfg(test)]
+mod tests {
+    use clap::CommandFactory;
+
+    #[test]
+    fn the_command_line_is_well_formed() {
+        super::Cli::command().debug_assert();
+    }
+
+    #[test]
+    fn every_subcommand_parses_with_its_defaults() {
+        use clap::Parser;
+        for args in [
+            &[
+                "turnstile",
+                "consume",
+                "--downstream-url",
+                "http://127.0.0.1:1/{seller_id}",
+            ][..],
+            &[
+                "turnstile",
+                "consume",
+                "--downstream-url",
+                "http://h/{seller_id}",
+                "--http-addr",
+                "off",
+            ],
+            &["turnstile", "mock-api"],
+            &["turnstile", "publish", "f.csv", "--seller", "S"],
+            &["turnstile", "status"],
+            &["turnstile", "demo"],
+            &["turnstile", "dead-letters", "list"],
+            &["turnstile", "limits", "get", "--seller", "S"],
+            &["turnstile", "bench", "scenario"],
+            &["turnstile", "bench", "permits"],
+        ] {
+            if let Err(error) = super::Cli::try_parse_from(args) {
+                panic!("{args:?}: {error}");
+            }
+        }
+    }
+}

@@ -172,7 +172,7 @@ pub struct RedisArgs {
     )]
     pub url: String,
     /// Force Redis Cluster mode with a single seed URL.
-    #[arg(long = "redis-cluster", env = "TURNSTILE_REDIS_CLUSTER", default_value_t = false, action = clap::ArgAction::Set, num_args = 0..=1, default_missing_value = "true")]
+    #[arg(id = "redis_cluster", long = "redis-cluster", env = "TURNSTILE_REDIS_CLUSTER", default_value_t = false, action = clap::ArgAction::Set, num_args = 0..=1, default_missing_value = "true")]
     pub cluster: bool,
     /// Prefix of every Redis key.
     #[arg(long = "key-prefix", env = "TURNSTILE_KEY_PREFIX", default_value = "turnstile", value_parser = parse_key_prefix)]

@@ -13,7 +13,11 @@ use crate::domain::Registration;
 #[derive(Args, Clone)]
 pub struct DownstreamArgs {
     /// Registration endpoint; `{seller_id}` is replaced by the URL-encoded seller id.
-    #[arg(long = "downstream-url", env = "TURNSTILE_DOWNSTREAM_URL")]
+    #[arg(
+        id = "downstream_url",
+        long = "downstream-url",
+        env = "TURNSTILE_DOWNSTREAM_URL"
+    )]
     pub url: String,
     /// Sent as `Authorization: Bearer <token>`; never logged.
     #[arg(
@@ -23,7 +27,7 @@ pub struct DownstreamArgs {
     )]
     pub token: Option<String>,
     /// How long one call may take before it counts as a timeout (retried).
-    #[arg(long = "downstream-timeout", env = "TURNSTILE_DOWNSTREAM_TIMEOUT", default_value = "10s", value_parser = crate::config::duration_arg)]
+    #[arg(id = "downstream_timeout", long = "downstream-timeout", env = "TURNSTILE_DOWNSTREAM_TIMEOUT", default_value = "10s", value_parser = crate::config::duration_arg)]
     pub timeout: Duration,
 }
 

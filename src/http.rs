@@ -43,13 +43,20 @@ impl Readiness {
     }
 }
 
-/// `TURNSTILE_HTTP_ADDR`: an address, or `off`.
-pub fn parse_addr(s: &str) -> Result<Option<SocketAddr>, String> {
+/// `TURNSTILE_HTTP_ADDR`: where to serve the endpoints, or `off`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Listen {
+    Off,
+    At(SocketAddr),
+}
+
+/// Parses `TURNSTILE_HTTP_ADDR`.
+pub fn parse_addr(s: &str) -> Result<Listen, String> {
     if s.eq_ignore_ascii_case("off") {
-        return Ok(None);
+        return Ok(Listen::Off);
     }
     s.parse()
-        .map(Some)
+        .map(Listen::At)
         .map_err(|_| format!("{s:?} is not an address such as 0.0.0.0:9464 (or `off`)"))
 }
 

@@ -20,7 +20,7 @@ use tracing::{info, warn};
 use crate::broker::{self, BrokerArgs, Publisher, Topology};
 use crate::config::{LimiterArgs, RedisArgs, duration_arg};
 use crate::downstream::{Downstream, DownstreamArgs};
-use crate::http::{self, Readiness};
+use crate::http::{self, Listen, Readiness};
 use crate::permit::PermitStore;
 use crate::worker::{Stats, Worker, WorkerSettings};
 
@@ -38,7 +38,7 @@ pub struct ConsumeArgs {
     pub prefetch: Option<u16>,
     /// /metrics, /healthz, /readyz; `127.0.0.1:0` picks a free port; `off` disables.
     #[arg(long = "http-addr", env = "TURNSTILE_HTTP_ADDR", default_value = "0.0.0.0:9464", value_parser = http::parse_addr)]
-    pub http_addr: Option<SocketAddr>,
+    pub http_addr: Listen,
     /// Failed attempts (5xx, timeouts, connection errors) before a message is dead-lettered.
     #[arg(long = "max-attempts", env = "TURNSTILE_MAX_ATTEMPTS", default_value_t = 8, value_parser = clap::value_parser!(u32).range(1..))]
     pub max_attempts: u32,
@@ -90,8 +90,8 @@ impl Replica {
         let permits = PermitStore::connect(&args.redis, &args.limiter).await?;
         let ready = Readiness::default();
         let http_addr = match args.http_addr {
-            Some(addr) => Some(http::serve(addr, ready.clone(), shutdown.clone()).await?),
-            None => None,
+            Listen::At(addr) => Some(http::serve(addr, ready.clone(), shutdown.clone()).await?),
+            Listen::Off => None,
         };
         let stats = Arc::new(Stats::default());
         let prefetch = args.prefetch();

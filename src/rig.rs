@@ -74,7 +74,7 @@ impl Rig {
         let run = format!("{:08x}", rand::random::<u32>());
         base.broker.queue = format!("{}-{run}", base.broker.queue);
         base.redis.key_prefix = format!("{}-{run}", base.redis.key_prefix);
-        base.http_addr = None;
+        base.http_addr = crate::http::Listen::Off;
         let stop_mock = CancellationToken::new();
         let mock = MockServer::start(
             MockArgs {

@@ -78,7 +78,7 @@ pub fn rig_settings(
         },
         workers,
         prefetch: None,
-        http_addr: None,
+        http_addr: crate::http::Listen::Off,
         max_attempts: 8,
         hold,
         retry_min: Duration::from_secs(1),

@@ -66,7 +66,7 @@ impl Pipeline {
             },
             workers,
             prefetch: None,
-            http_addr: None,
+            http_addr: turnstile::http::Listen::Off,
             max_attempts: 8,
             hold: Duration::from_secs(2),
             retry_min: Duration::from_millis(100),
