@@ -11,18 +11,22 @@
 -- ARGV[1]  default COUNT (integer >= 1)
 -- ARGV[2]  default WINDOW in µs (integer >= 1)
 -- ARGV[3]  GUARD in µs (-1 = window/20 within [25 ms, 2 s])
--- ARGV[4]  RESERVE: 1 = hold a future slot for the caller, 0 = only answer
+-- ARGV[4]  FLAGS: +1 = reserve a future slot for a caller who must wait (else only answer);
+--          +2 = Redis keeps its data across restarts (no cold-start wait, see the prelude)
 -- ARGV[5]  HORIZON in µs: a slot further away than this is never reserved
 -- ARGV[6]  TOKEN (unused)
--- Returns {STATUS, SLOT_US, NOW_US, COUNT, WINDOW_US}
+-- Returns {STATUS, SLOT_US, NOW_US, COUNT, WINDOW_US, EPOCH}
 --   STATUS 1 = granted (call now), 2 = reserved (call at SLOT), 0 = denied (come back at SLOT),
---   3 = the message already registered (KEYS[4] exists)
+--   3 = the message already registered (KEYS[4] exists);
+--   EPOCH (with STATUS 2) is this Redis server's run id: a reservation is only good on the
+--   server incarnation that holds it (see redeem.lua)
 
 local a = acquire_args()
 local count, window = effective_limit(KEYS[2], a.count, a.window)
 local guard = guard_for(window, a.guard)
 local now = now_us()
 if already_done(KEYS[4]) then return {3, now, now, count, window} end
+cold_start(KEYS[1], KEYS[3], window, now, a.durable)
 local at = math.max(now, paused_until(KEYS[3]))
 
 local current = math.floor(now / window)
@@ -45,4 +49,5 @@ for _, field in ipairs(redis.call('HKEYS', KEYS[1])) do
 end
 local last_end = (math.max(next_index, index + 1)) * window
 redis.call('PEXPIRE', KEYS[1], math.floor((last_end - now) / 1000) + 1)
+if status == 2 then return {2, slot, now, count, window, server().run_id} end
 return {status, slot, now, count, window}

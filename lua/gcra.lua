@@ -10,13 +10,16 @@
 -- ARGV[1]  default COUNT (integer >= 1)
 -- ARGV[2]  default WINDOW in µs (integer >= 1)
 -- ARGV[3]  GUARD in µs added to the window (-1 = window/20 within [25 ms, 2 s])
--- ARGV[4]  RESERVE: 1 = hold a future slot for the caller, 0 = only answer
+-- ARGV[4]  FLAGS: +1 = reserve a future slot for a caller who must wait (else only answer);
+--          +2 = Redis keeps its data across restarts (no cold-start wait, see the prelude)
 -- ARGV[5]  HORIZON in µs: a slot further away than this is never reserved
 -- ARGV[6]  TOKEN (unused; every algorithm takes the same arguments)
 -- ARGV[7]  BURST (integer >= 1; at most COUNT)
--- Returns {STATUS, SLOT_US, NOW_US, COUNT, WINDOW_US}
+-- Returns {STATUS, SLOT_US, NOW_US, COUNT, WINDOW_US, EPOCH}
 --   STATUS 1 = granted (call now), 2 = reserved (call at SLOT), 0 = denied (come back at SLOT),
---   3 = the message already registered (KEYS[4] exists)
+--   3 = the message already registered (KEYS[4] exists);
+--   EPOCH (with STATUS 2) is this Redis server's run id: a reservation is only good on the
+--   server incarnation that holds it (see redeem.lua)
 
 local a = acquire_args()
 local burst = int_arg(7, 1)
@@ -26,6 +29,7 @@ local guard = guard_for(window, a.guard)
 local interval = (window + guard) / (count - burst + 1)
 local now = now_us()
 if already_done(KEYS[4]) then return {3, now, now, count, window} end
+cold_start(KEYS[1], KEYS[3], window + guard, now, a.durable)
 
 local tat = math.max(tonumber(redis.call('GET', KEYS[1]) or '0'), now)
 local slot = math.max(tat - (burst - 1) * interval, now)
@@ -39,4 +43,5 @@ local status = due(slot, now, guard, a)
 if status == 0 then return {0, slot, now, count, window} end
 local next_tat = tat + interval
 redis.call('SET', KEYS[1], string.format('%.0f', next_tat), 'PX', math.floor((next_tat - now) / 1000) + 1)
+if status == 2 then return {2, slot, now, count, window, server().run_id} end
 return {status, slot, now, count, window}

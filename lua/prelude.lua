@@ -41,9 +41,11 @@ end
 local function acquire_args()
   local a = {
     count = int_arg(1, 1), window = int_arg(2, 1), guard = int_arg(3, -1),
-    reserve = int_arg(4, 0), horizon = int_arg(5, 0),
+    flags = int_arg(4, 0), horizon = int_arg(5, 0),
   }
-  if a.reserve > 1 then error({err = 'ERR turnstile: RESERVE must be 0 or 1'}) end
+  if a.flags > 3 then error({err = 'ERR turnstile: FLAGS must be 0 to 3'}) end
+  a.reserve = a.flags % 2
+  a.durable = a.flags >= 2
   return a
 end
 
@@ -60,4 +62,31 @@ end
 -- Whether the message already registered (its completion record exists, KEYS[n] if passed).
 local function already_done(key)
   return key ~= nil and redis.call('EXISTS', key) == 1
+end
+
+-- After Redis lost its data (a restart without persistence), calls granted just before it may
+-- still count at the downstream. So a seller without state, on a Redis that started less than
+-- SPAN ago, is paused until SPAN after the start: a restart never lets a second window's worth
+-- through. (uptime is whole seconds: the start is taken as late as it can have been.)
+local server_info = nil
+-- This Redis server's run id (new at every start) and uptime in seconds, read once per call.
+local function server()
+  if server_info == nil then
+    local info = redis.call('INFO', 'server')
+    server_info = {
+      run_id = string.match(info, 'run_id:(%x+)') or '',
+      uptime = tonumber(string.match(info, 'uptime_in_seconds:(%d+)')),
+    }
+  end
+  return server_info
+end
+
+local function cold_start(state_key, pause_key, span, now, durable)
+  if durable or redis.call('EXISTS', state_key) == 1 then return end
+  local up = server().uptime
+  if up == nil or up * 1000000 >= span then return end
+  local until_us = now - up * 1000000 + span
+  if until_us > paused_until(pause_key) then
+    redis.call('SET', pause_key, string.format('%.0f', until_us), 'PX', math.floor((until_us - now) / 1000) + 1)
+  end
 end

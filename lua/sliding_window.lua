@@ -9,12 +9,15 @@
 -- ARGV[1]  default COUNT (integer >= 1)
 -- ARGV[2]  default WINDOW in µs (integer >= 1)
 -- ARGV[3]  GUARD in µs added to the window (-1 = window/20 within [25 ms, 2 s])
--- ARGV[4]  RESERVE: 1 = hold a future slot for the caller, 0 = only answer
+-- ARGV[4]  FLAGS: +1 = reserve a future slot for a caller who must wait (else only answer);
+--          +2 = Redis keeps its data across restarts (no cold-start wait, see the prelude)
 -- ARGV[5]  HORIZON in µs: a slot further away than this is never reserved
 -- ARGV[6]  TOKEN: a string unique to this attempt
--- Returns {STATUS, SLOT_US, NOW_US, COUNT, WINDOW_US}
+-- Returns {STATUS, SLOT_US, NOW_US, COUNT, WINDOW_US, EPOCH}
 --   STATUS 1 = granted (call now), 2 = reserved (call at SLOT), 0 = denied (come back at SLOT),
 --   3 = the message already registered (KEYS[4] exists);
+--   EPOCH (with STATUS 2) is this Redis server's run id: a reservation is only good on the
+--   server incarnation that holds it (see redeem.lua);
 --   COUNT and WINDOW_US are the limit that applied (override or default).
 
 local a = acquire_args()
@@ -25,6 +28,7 @@ local guard = guard_for(window, a.guard)
 local span = window + guard
 local now = now_us()
 if already_done(KEYS[4]) then return {3, now, now, count, window} end
+cold_start(KEYS[1], KEYS[3], span, now, a.durable)
 
 local slot = math.max(now, paused_until(KEYS[3]))
 redis.call('ZREMRANGEBYSCORE', KEYS[1], '-inf', now - span)
@@ -42,4 +46,5 @@ if status == 0 then return {0, slot, now, count, window} end
 redis.call('ZADD', KEYS[1], slot, token)
 local last = tonumber(redis.call('ZRANGE', KEYS[1], -1, -1, 'WITHSCORES')[2])
 redis.call('PEXPIRE', KEYS[1], math.floor((last - now + span) / 1000) + 1)
+if status == 2 then return {2, slot, now, count, window, server().run_id} end
 return {status, slot, now, count, window}

@@ -148,7 +148,8 @@ impl fmt::Display for Algorithm {
 }
 
 fn parse_limit(s: &str) -> Result<Limit, String> {
-    s.parse().map_err(|e: LimitError| e.to_string())
+    s.parse()
+        .map_err(|e: LimitError| format!("{e} (TURNSTILE_LIMIT)"))
 }
 
 fn parse_key_prefix(s: &str) -> Result<String, String> {
@@ -200,6 +201,10 @@ pub struct LimiterArgs {
     /// Farthest ahead a waiting caller may reserve a slot.
     #[arg(long, env = "TURNSTILE_RESERVE_HORIZON", default_value = "24h", value_parser = parse_duration_arg)]
     pub horizon: Duration,
+    /// Redis keeps its data across restarts (AOF, replicas): skip the wait of one window that
+    /// otherwise follows a Redis start, when grants made before it may have been lost.
+    #[arg(long = "redis-durable", env = "TURNSTILE_REDIS_DURABLE", default_value_t = false, action = clap::ArgAction::Set, num_args = 0..=1, default_missing_value = "true")]
+    pub redis_durable: bool,
 }
 
 fn parse_duration_arg(s: &str) -> Result<Duration, String> {
@@ -213,6 +218,19 @@ pub fn duration_arg(s: &str) -> Result<Duration, String> {
 }
 
 impl LimiterArgs {
+    /// The defaults of every tuning setting, with a limit and an algorithm.
+    pub fn new(limit: Limit, algorithm: Algorithm) -> Self {
+        Self {
+            limit,
+            algorithm,
+            guard: None,
+            gcra_burst: 1,
+            bucket_capacity: 0,
+            horizon: Duration::from_secs(86400),
+            redis_durable: false,
+        }
+    }
+
     /// The guard in effect for a window: the configured one, or window/20 within [25ms, 2s].
     pub fn guard_for(&self, window: Duration) -> Duration {
         self.guard.unwrap_or_else(|| {

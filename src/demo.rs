@@ -91,14 +91,7 @@ pub async fn run(args: DemoArgs) -> anyhow::Result<ExitCode> {
             body: row.body,
         }));
     }
-    let limiter = LimiterArgs {
-        limit: args.limit,
-        algorithm: args.algorithm,
-        guard: None,
-        gcra_burst: 1,
-        bucket_capacity: 0,
-        horizon: Duration::from_secs(86400),
-    };
+    let limiter = LimiterArgs::new(args.limit, args.algorithm);
     let mut redis = args.redis.clone();
     redis.key_prefix = format!("{}-demo", redis.key_prefix);
     let settings = rig_settings(

@@ -18,6 +18,7 @@ pub mod demo;
 pub mod domain;
 pub mod downstream;
 pub mod http;
+pub mod local_redis;
 pub mod mock_api;
 pub mod permit;
 pub mod progress;

@@ -156,12 +156,12 @@ impl Worker {
         loop {
             let worker = tokio::select! {
                 permit = self.workers.clone().acquire_owned() => permit.expect("the worker semaphore is never closed"),
-                _ = shutdown.cancelled() => return self.returned(held, attempt, Interrupted::Shutdown),
+                _ = shutdown.cancelled() => return self.returned(held.clone(), attempt, Interrupted::Shutdown),
                 _ = connection_lost.cancelled() => return Outcome::Requeue,
             };
             let decision = tokio::select! {
-                d = self.decide(registration, held) => d,
-                _ = shutdown.cancelled() => return self.returned(held, attempt, Interrupted::Shutdown),
+                d = self.decide(registration, held.as_ref()) => d,
+                _ = shutdown.cancelled() => return self.returned(held.clone(), attempt, Interrupted::Shutdown),
                 _ = connection_lost.cancelled() => return Outcome::Requeue,
             };
             match decision {
@@ -233,11 +233,11 @@ impl Worker {
                     drop(worker);
                     held = reservation;
                     let holding = self.stats.held.load(Ordering::Relaxed);
-                    if reservation.is_none()
+                    if held.is_none()
                         || retry_after > self.settings.hold
                         || holding >= self.settings.hold_capacity
                     {
-                        let lead = if reservation.is_some() {
+                        let lead = if held.is_some() {
                             self.lead()
                         } else {
                             Duration::ZERO
@@ -245,7 +245,7 @@ impl Worker {
                         if retry_after > lead + crate::broker::UNIT {
                             return Outcome::Delay {
                                 after: retry_after - lead,
-                                reservation,
+                                reservation: held,
                                 attempt,
                             };
                         }
@@ -258,7 +258,7 @@ impl Worker {
                     };
                     self.stats.held.fetch_sub(1, Ordering::Relaxed);
                     if let Some(why) = waited {
-                        return self.returned(held, attempt, why);
+                        return self.returned(held.clone(), attempt, why);
                     }
                 }
             }
@@ -295,7 +295,7 @@ impl Worker {
 
     /// Asks for (or redeems) a permit, retrying Redis errors with backoff for as long as it
     /// takes: without an answer no call is made (fail closed).
-    async fn decide(&self, registration: &Registration, held: Option<Reservation>) -> Decision {
+    async fn decide(&self, registration: &Registration, held: Option<&Reservation>) -> Decision {
         let ask = || async {
             self.permits
                 .acquire_or_redeem(
@@ -370,7 +370,12 @@ impl Worker {
                 )];
                 extra.push((
                     headers::RESERVATION,
-                    long_string(&reservation.map(|r| r.encode()).unwrap_or_default()),
+                    long_string(
+                        &reservation
+                            .as_ref()
+                            .map(Reservation::encode)
+                            .unwrap_or_default(),
+                    ),
                 ));
                 publisher
                     .delay(&self.topology, &delivery, *after, &extra)

@@ -104,12 +104,11 @@ pub async fn run(
     row("INCR (baseline)", &baseline);
     for algorithm in Algorithm::ALL {
         let limiter = LimiterArgs {
-            limit: Limit::new(1_000_000_000, Duration::from_secs(1)).unwrap(),
-            algorithm,
-            guard: None,
             gcra_burst: 1_000_000,
-            bucket_capacity: 0,
-            horizon: Duration::from_secs(86400),
+            ..LimiterArgs::new(
+                Limit::new(1_000_000_000, Duration::from_secs(1)).unwrap(),
+                algorithm,
+            )
         };
         let store = PermitStore::new(conn.clone(), &prefix, limiter);
         let sellers = sellers.clone();

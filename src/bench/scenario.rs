@@ -123,14 +123,7 @@ pub async fn run(args: ScenarioArgs) -> anyhow::Result<bool> {
     let small_sellers = args.small_sellers.unwrap_or(preset.small_sellers);
     let small = args.small.unwrap_or(preset.small);
 
-    let limiter = LimiterArgs {
-        limit,
-        algorithm: args.algorithm,
-        guard: None,
-        gcra_burst: 1,
-        bucket_capacity: 0,
-        horizon: Duration::from_secs(86400),
-    };
+    let limiter = LimiterArgs::new(limit, args.algorithm);
     let mut redis = args.redis.clone();
     redis.key_prefix = format!("{}-scenario", redis.key_prefix);
     let settings = rig_settings(

@@ -28,18 +28,23 @@ pub enum PermitError {
 }
 
 /// A slot held for a seller: call at `slot_us` (Redis time). It stays valid only under the limit
-/// it was reserved with.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+/// it was reserved with, and only on the Redis server incarnation (`epoch`, its run id) whose
+/// schedule holds it: after a restart or failover the slot is given up and reserved anew.
+#[derive(Clone, Debug, PartialEq, Eq)]
 pub struct Reservation {
     pub slot_us: i64,
     pub count: u32,
     pub window_us: u64,
+    pub epoch: String,
 }
 
 impl Reservation {
-    /// `SLOT_US/COUNT/WINDOW_US`: how a reservation travels in a message header.
+    /// `SLOT_US/COUNT/WINDOW_US/EPOCH`: how a reservation travels in a message header.
     pub fn encode(&self) -> String {
-        format!("{}/{}/{}", self.slot_us, self.count, self.window_us)
+        format!(
+            "{}/{}/{}/{}",
+            self.slot_us, self.count, self.window_us, self.epoch
+        )
     }
     pub fn decode(s: &str) -> Option<Self> {
         let mut parts = s.split('/');
@@ -47,13 +52,14 @@ impl Reservation {
             slot_us: parts.next()?.parse().ok()?,
             count: parts.next()?.parse().ok()?,
             window_us: parts.next()?.parse().ok()?,
+            epoch: parts.next()?.to_owned(),
         };
         parts.next().is_none().then_some(r)
     }
 }
 
 /// What the limiter decided.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[derive(Clone, Debug, PartialEq, Eq)]
 pub enum Decision {
     /// Call now. `slot_us` is the Redis time the call is counted at.
     Granted { slot_us: i64 },
@@ -73,6 +79,8 @@ pub enum Forfeit {
     Paused,
     LimitChanged,
     Late,
+    /// Redis restarted or failed over since: the schedule that held the slot is gone.
+    ServerRestarted,
 }
 
 /// The per-seller limiter over Redis, shared by all replicas through Redis.
@@ -123,6 +131,21 @@ impl PermitStore {
         format!("{}:{{{}}}:{}", self.prefix, seller.key_tag(), name)
     }
 
+    /// The key holding the seller's limiter state for the configured algorithm.
+    pub fn state_key(&self, seller: &SellerId) -> String {
+        let name = match self.limiter.algorithm {
+            Algorithm::SlidingWindow => "log",
+            Algorithm::Gcra => "tat",
+            Algorithm::TokenBucket => "bucket",
+            Algorithm::FixedWindow => "windows",
+        };
+        self.seller_key(seller, name)
+    }
+
+    fn durable_flag(&self) -> u8 {
+        if self.limiter.redis_durable { 2 } else { 0 }
+    }
+
     fn guard_arg(&self) -> i64 {
         self.limiter.guard.map_or(-1, |g| g.as_micros() as i64)
     }
@@ -157,16 +180,10 @@ impl PermitStore {
         reserve: bool,
     ) -> Result<Decision, PermitError> {
         let algorithm = self.limiter.algorithm;
-        let state = match algorithm {
-            Algorithm::SlidingWindow => "log",
-            Algorithm::Gcra => "tat",
-            Algorithm::TokenBucket => "bucket",
-            Algorithm::FixedWindow => "windows",
-        };
         let limit = self.limiter.limit;
         let mut invocation = scripts::acquire(algorithm).prepare_invoke();
         invocation
-            .key(self.seller_key(seller, state))
+            .key(self.state_key(seller))
             .key(self.seller_key(seller, "limit"))
             .key(self.seller_key(seller, "pause"));
         if let Some(message) = message {
@@ -176,7 +193,7 @@ impl PermitStore {
             .arg(limit.count())
             .arg(limit.window_us())
             .arg(self.guard_arg())
-            .arg(u8::from(reserve))
+            .arg(u8::from(reserve) | self.durable_flag())
             .arg(self.limiter.horizon.as_micros() as u64)
             .arg(format!("{:x}", rand::random::<u64>()));
         match algorithm {
@@ -188,16 +205,27 @@ impl PermitStore {
             }
             _ => {}
         }
-        let (status, slot, now, count, window): (u8, i64, i64, u32, u64) =
-            invocation.invoke_async(&mut self.conn.clone()).await?;
+        let answer: Vec<redis::Value> = invocation.invoke_async(&mut self.conn.clone()).await?;
+        let bad = || PermitError::Answer(algorithm.name());
+        let int = |i: usize| -> Result<i64, PermitError> {
+            answer
+                .get(i)
+                .and_then(|v| redis::from_redis_value_ref(v).ok())
+                .ok_or_else(bad)
+        };
+        let (status, slot, now) = (int(0)?, int(1)?, int(2)?);
         match status {
             1 => Ok(Decision::Granted { slot_us: slot }),
             2 => Ok(Decision::Wait {
                 retry_after: wait_for(slot, now),
                 reservation: Some(Reservation {
                     slot_us: slot,
-                    count,
-                    window_us: window,
+                    count: u32::try_from(int(3)?).map_err(|_| bad())?,
+                    window_us: u64::try_from(int(4)?).map_err(|_| bad())?,
+                    epoch: answer
+                        .get(5)
+                        .and_then(|v| redis::from_redis_value_ref(v).ok())
+                        .ok_or_else(bad)?,
                 }),
             }),
             0 => Ok(Decision::Wait {
@@ -230,7 +258,8 @@ impl PermitStore {
         let mut invocation = scripts::redeem().prepare_invoke();
         invocation
             .key(self.seller_key(seller, "limit"))
-            .key(self.seller_key(seller, "pause"));
+            .key(self.seller_key(seller, "pause"))
+            .key(self.state_key(seller));
         if let Some(message) = message {
             invocation.key(self.done_key(seller, message));
         }
@@ -241,6 +270,8 @@ impl PermitStore {
             .arg(held.slot_us)
             .arg(held.count)
             .arg(held.window_us)
+            .arg(self.durable_flag())
+            .arg(&held.epoch)
             .invoke_async(&mut self.conn.clone())
             .await?;
         Ok(match status {
@@ -253,6 +284,7 @@ impl PermitStore {
             4 => Err(Forfeit::LimitChanged),
             5 => Err(Forfeit::Late),
             6 => Ok(Decision::AlreadyDone),
+            7 => Err(Forfeit::ServerRestarted),
             _ => return Err(PermitError::Answer("redeem")),
         })
     }
@@ -263,10 +295,10 @@ impl PermitStore {
         &self,
         seller: &SellerId,
         message: Option<&MessageId>,
-        held: Option<Reservation>,
+        held: Option<&Reservation>,
     ) -> Result<(Decision, Option<Forfeit>), PermitError> {
         if let Some(held) = held {
-            match self.redeem_for(seller, message, held).await? {
+            match self.redeem_for(seller, message, held.clone()).await? {
                 Ok(decision) => return Ok((decision, None)),
                 Err(forfeit) => {
                     return Ok((

@@ -20,7 +20,10 @@ fn seller(s: &str) -> SellerId {
 pub async fn acquire_until_granted(store: &PermitStore, seller: &SellerId) -> i64 {
     let mut held = None;
     loop {
-        let (decision, _) = store.acquire_or_redeem(seller, None, held).await.unwrap();
+        let (decision, _) = store
+            .acquire_or_redeem(seller, None, held.as_ref())
+            .await
+            .unwrap();
         match decision {
             Decision::Granted { slot_us } => return slot_us,
             Decision::Wait {
@@ -137,7 +140,7 @@ pub async fn waiting_caller_is_granted_and_denials_take_no_quota(
         (1..=3).contains(&granted),
         "{algorithm}: {granted} granted at once under 3/300ms"
     );
-    let state_key = store.seller_key(&s, state_name(algorithm));
+    let state_key = store.state_key(&s);
     let before: Vec<u8> = redis::cmd("DUMP")
         .arg(&state_key)
         .query_async(&mut keys.conn.clone())
@@ -176,15 +179,6 @@ pub async fn waiting_caller_is_granted_and_denials_take_no_quota(
         "{algorithm}: {redeemed:?}"
     );
     keys.cleanup().await;
-}
-
-pub fn state_name(algorithm: Algorithm) -> &'static str {
-    match algorithm {
-        Algorithm::SlidingWindow => "log",
-        Algorithm::Gcra => "tat",
-        Algorithm::TokenBucket => "bucket",
-        Algorithm::FixedWindow => "windows",
-    }
 }
 
 /// Seller ids with braces, colons, spaces, unicode and 128 characters never share quota.
@@ -231,7 +225,7 @@ pub async fn keys_expire_after_idleness(backend: Backend, algorithm: Algorithm) 
     for _ in 0..5 {
         store.acquire(&s, true).await.unwrap();
     }
-    let key = store.seller_key(&s, state_name(algorithm));
+    let key = store.state_key(&s);
     let ttl: i64 = redis::cmd("PTTL")
         .arg(&key)
         .query_async(&mut keys.conn.clone())

@@ -14,13 +14,14 @@ use turnstile::mock_api::{MockArgs, MockServer, Stats};
 use turnstile::replica::{ConsumeArgs, Replica};
 
 use super::broker::{TestBroker, amqp_url};
-use super::{Backend, Keys, limiter, redis_args};
+use super::{Keys, limiter, redis_args};
 
 pub struct Pipeline {
     pub broker: TestBroker,
     pub keys: Keys,
     pub mock: MockServer,
     pub limit: String,
+    pub redis_url: String,
     stop_mock: CancellationToken,
     replicas: Vec<(CancellationToken, Replica)>,
 }
@@ -32,8 +33,18 @@ impl Pipeline {
     }
 
     pub async fn with_mock(what: &str, limit: &str, latency_ms: u64) -> Self {
+        Self::build(what, limit, latency_ms, &super::redis_url()).await
+    }
+
+    /// A pipeline whose replicas use the Redis at `redis_url`.
+    pub async fn on_redis(what: &str, limit: &str, redis_url: &str) -> Self {
+        Self::build(what, limit, 0, redis_url).await
+    }
+
+    async fn build(what: &str, limit: &str, latency_ms: u64, redis_url: &str) -> Self {
         let broker = TestBroker::new(what, QueueType::Quorum).await;
-        let keys = Keys::new(Backend::Standalone, what).await;
+        let keys = Keys::at(redis_url, what).await;
+        let redis_url = redis_url.to_owned();
         let stop_mock = CancellationToken::new();
         let mock = MockServer::start(
             MockArgs {
@@ -51,6 +62,7 @@ impl Pipeline {
             keys,
             mock,
             limit: limit.to_owned(),
+            redis_url,
             stop_mock,
             replicas: Vec::new(),
         }
@@ -77,7 +89,7 @@ impl Pipeline {
                 token: Some("secret-token".into()),
                 timeout: Duration::from_secs(5),
             },
-            redis: redis_args(&super::redis_url(), &self.keys.prefix),
+            redis: redis_args(&self.redis_url, &self.keys.prefix),
             limiter: limiter(&self.limit, Algorithm::SlidingWindow),
         }
     }
@@ -195,6 +207,11 @@ impl Pipeline {
     }
 
     /// Stops every replica (as SIGTERM would) and waits for them to drain.
+    /// The replicas started so far (for readiness and counters).
+    pub fn replicas(&self) -> impl Iterator<Item = &Replica> {
+        self.replicas.iter().map(|(_, r)| r)
+    }
+
     pub async fn stop_replicas(&mut self) {
         for (token, _) in &self.replicas {
             token.cancel();

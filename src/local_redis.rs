@@ -1,0 +1,73 @@
+//! A private `redis-server` on a free loopback port, as a child process that can be stopped
+//! and started again (empty, as a Redis without persistence restarts). For fault injection in
+//! tests and `turnstile bench faults`; never touches the Redis turnstile is configured with.
+
+use std::net::TcpListener;
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+use anyhow::Context;
+
+pub struct LocalRedis {
+    port: u16,
+    child: Option<Child>,
+}
+
+impl LocalRedis {
+    /// Starts `redis-server` on a free port and waits until it answers.
+    pub fn start() -> anyhow::Result<Self> {
+        let port = TcpListener::bind("127.0.0.1:0")?.local_addr()?.port();
+        let mut redis = Self { port, child: None };
+        redis.restart()?;
+        Ok(redis)
+    }
+
+    pub fn url(&self) -> String {
+        format!("redis://127.0.0.1:{}/", self.port)
+    }
+
+    /// Kills the server (its data is gone, as with a crash of a Redis without persistence).
+    pub fn stop(&mut self) {
+        if let Some(mut child) = self.child.take() {
+            let _ = child.kill();
+            let _ = child.wait();
+        }
+    }
+
+    /// Starts the server again on the same port, empty.
+    pub fn restart(&mut self) -> anyhow::Result<()> {
+        self.stop();
+        let child = Command::new("redis-server")
+            .args([
+                "--port",
+                &self.port.to_string(),
+                "--bind",
+                "127.0.0.1",
+                "--save",
+                "",
+                "--appendonly",
+                "no",
+            ])
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .spawn()
+            .context("starting redis-server (is it installed?)")?;
+        self.child = Some(child);
+        let deadline = Instant::now() + Duration::from_secs(10);
+        while std::net::TcpStream::connect(("127.0.0.1", self.port)).is_err() {
+            anyhow::ensure!(
+                Instant::now() < deadline,
+                "redis-server did not start on port {}",
+                self.port
+            );
+            std::thread::sleep(Duration::from_millis(20));
+        }
+        Ok(())
+    }
+}
+
+impl Drop for LocalRedis {
+    fn drop(&mut self) {
+        self.stop();
+    }
+}

@@ -1,0 +1,309 @@
+//! Faults: Redis outages and restarts, a replica killed with SIGKILL, broker connections cut,
+//! downstream storms, bad input, secrets. Nothing lost, no limit broken.
+mod support;
+
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+use serde_json::json;
+use support::pipeline::Pipeline;
+use support::{limiter, run};
+use turnstile::broker::{header_str, headers};
+use turnstile::config::Algorithm;
+use turnstile::domain::SellerId;
+use turnstile::local_redis::LocalRedis;
+use turnstile::permit::{Decision, PermitStore, RedisConn};
+
+fn turnstile() -> Command {
+    Command::new(env!("CARGO_BIN_EXE_turnstile"))
+}
+
+async fn eventually(what: &str, mut done: impl FnMut() -> bool) {
+    let deadline = Instant::now() + Duration::from_secs(120);
+    while !done() {
+        assert!(Instant::now() < deadline, "never happened: {what}");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+}
+
+#[tokio::test]
+async fn a_redis_that_just_started_makes_sellers_wait_out_one_window() {
+    let redis = LocalRedis::start().unwrap();
+    let conn = RedisConn::connect(&support::redis_args(&redis.url(), "x"))
+        .await
+        .unwrap();
+    let seller = SellerId::parse("S-1").unwrap();
+    let mut settings = limiter("5/20s", Algorithm::SlidingWindow);
+    settings.redis_durable = false;
+    let store = PermitStore::new(conn.clone(), "cold", settings.clone());
+    match store.acquire(&seller, false).await.unwrap() {
+        Decision::Wait { retry_after, .. } => {
+            assert!(retry_after > Duration::from_secs(15), "{retry_after:?}")
+        }
+        other => panic!("granted on a Redis that may have lost a full window: {other:?}"),
+    }
+    settings.redis_durable = true;
+    let durable = PermitStore::new(conn, "durable", settings);
+    assert!(matches!(
+        durable.acquire(&seller, false).await.unwrap(),
+        Decision::Granted { .. }
+    ));
+}
+
+#[tokio::test]
+async fn a_redis_outage_stops_all_calls_and_its_restart_lets_no_burst_through() {
+    let mut redis = LocalRedis::start().unwrap();
+    let mut p = Pipeline::on_redis("redis-outage", "10/1s", &redis.url()).await;
+    let mut settings = p.settings(4);
+    settings.limiter.redis_durable = false;
+    p.start_replica(settings).await;
+    p.publish("S-outage", 60).await;
+    eventually("some registered", || p.mock.stats().registered >= 15).await;
+    redis.stop();
+    tokio::time::sleep(Duration::from_millis(300)).await; // calls granted before the stop finish
+    let during = p.mock.stats().registered;
+    tokio::time::sleep(Duration::from_millis(1500)).await;
+    assert_eq!(
+        p.mock.stats().registered,
+        during,
+        "a call was made without a permit (Redis down)"
+    );
+    redis.restart().unwrap();
+    let stats = p.wait_registered(60).await;
+    assert_eq!(
+        (stats.registered, stats.violations, stats.duplicates),
+        (60, 0, 0),
+        "{stats:?}"
+    );
+    p.stop_replicas().await;
+    assert_eq!(p.broker.depth(p.broker.queue()).await, 0);
+    p.cleanup().await;
+}
+
+fn spawn_consumer(p: &Pipeline, workers: u32) -> Child {
+    turnstile()
+        .arg("consume")
+        .env("TURNSTILE_QUEUE", p.broker.queue())
+        .env("TURNSTILE_KEY_PREFIX", &p.keys.prefix)
+        .env("TURNSTILE_REDIS_URL", &p.redis_url)
+        .env("TURNSTILE_REDIS_DURABLE", "true")
+        .env("TURNSTILE_DOWNSTREAM_URL", p.mock.url())
+        .env("TURNSTILE_LIMIT", &p.limit)
+        .env("TURNSTILE_HTTP_ADDR", "off")
+        .env("TURNSTILE_WORKERS", workers.to_string())
+        .env("RUST_LOG", "warn")
+        .stdout(Stdio::null())
+        .stderr(Stdio::null())
+        .spawn()
+        .expect("turnstile consume starts")
+}
+
+#[tokio::test]
+async fn a_replica_killed_with_sigkill_loses_nothing() {
+    let p = Pipeline::new("sigkill", "20/1s").await;
+    p.publish("S-busy", 100).await;
+    p.publish("S-small", 10).await;
+    let mut doomed = spawn_consumer(&p, 4);
+    let mut survivor = spawn_consumer(&p, 4);
+    eventually("some registered", || p.mock.stats().registered >= 30).await;
+    doomed.kill().unwrap(); // SIGKILL
+    doomed.wait().unwrap();
+    let stats = p.wait_registered(110).await;
+    survivor.kill().unwrap();
+    survivor.wait().unwrap();
+    println!(
+        "after SIGKILL: {} registered, {} duplicate calls, {} violations",
+        stats.registered, stats.duplicates, stats.violations
+    );
+    assert_eq!(stats.registered, 110, "every message registered");
+    assert_eq!(stats.violations, 0);
+    // A duplicate call is possible only for a message whose 2xx arrived at the killed replica
+    // before it could write the completion record: at most its 4 in-flight calls.
+    assert!(stats.duplicates <= 4, "{stats:?}");
+    p.cleanup().await;
+}
+
+fn close_connections_named(name_part: &str) -> usize {
+    let out = Command::new("rabbitmqctl")
+        .args(["list_connections", "pid", "client_properties", "-q"])
+        .output()
+        .unwrap();
+    let text = String::from_utf8_lossy(&out.stdout);
+    let mut closed = 0;
+    for line in text.lines().filter(|l| l.contains(name_part)) {
+        let pid = line.split_whitespace().next().unwrap();
+        let status = Command::new("rabbitmqctl")
+            .args(["close_connection", pid, "fault test"])
+            .status()
+            .unwrap();
+        assert!(status.success());
+        closed += 1;
+    }
+    closed
+}
+
+#[tokio::test]
+async fn a_closed_broker_connection_is_rebuilt_and_nothing_is_lost() {
+    let mut p = Pipeline::new("close-conn", "20/1s").await;
+    p.start_replicas(1, 4).await;
+    p.publish("S-conn", 80).await;
+    eventually("some registered", || p.mock.stats().registered >= 20).await;
+    assert!(
+        close_connections_named(p.broker.queue()) >= 1,
+        "the replica's connection was found"
+    );
+    eventually("not ready after the cut", || {
+        !p.replicas().next().unwrap().ready.get()
+    })
+    .await;
+    eventually("ready again", || p.replicas().next().unwrap().ready.get()).await;
+    let stats = p.wait_registered(80).await;
+    assert_eq!((stats.registered, stats.violations), (80, 0), "{stats:?}");
+    p.stop_replicas().await;
+    assert_eq!(p.broker.depth(p.broker.queue()).await, 0);
+    p.cleanup().await;
+}
+
+#[tokio::test]
+async fn a_downstream_storm_is_retried_with_backoff_then_dead_lettered_never_in_a_hot_loop() {
+    let mut p = Pipeline::new("storm", "100/1s").await;
+    let mut settings = p.settings(4);
+    settings.max_attempts = 3;
+    settings.downstream.timeout = Duration::from_millis(300);
+    p.start_replica(settings.clone()).await;
+    for i in 0..5 {
+        p.publish_product(
+            "S-storm",
+            &format!("503-{i}"),
+            json!({"mock": {"statuses": [503]}}),
+        )
+        .await;
+        p.publish_product(
+            "S-storm",
+            &format!("slow-{i}"),
+            json!({"mock": {"statuses": [200], "delay_ms": 1000}}),
+        )
+        .await;
+        p.publish_product(
+            "S-storm",
+            &format!("flaky-{i}"),
+            json!({"mock": {"statuses": [503, 502, 200]}}),
+        )
+        .await;
+    }
+    let dead = p.dead_letters(10).await;
+    let stats = p.wait_registered(5).await;
+    for d in &dead {
+        assert_eq!(
+            header_str(d, headers::REASON).as_deref(),
+            Some("attempts-exhausted")
+        );
+    }
+    // Exactly one request per attempt: 5 x 3 (503) + 5 x 3 (timeouts) + 5 x 3 (flaky, 3rd ok).
+    assert_eq!(stats.requests, 45, "{stats:?}");
+    p.stop_replicas().await;
+
+    // Connection refused: retried, then dead-lettered with the cause.
+    settings.downstream.url = "http://127.0.0.1:9/register/{seller_id}".into();
+    p.start_replica(settings).await;
+    p.publish_product("S-refused", "refused-1", json!({})).await;
+    let dead = p.dead_letters(1).await;
+    assert!(
+        header_str(&dead[0], headers::DETAIL)
+            .unwrap()
+            .contains("connection error")
+    );
+    p.cleanup().await;
+}
+
+#[tokio::test]
+async fn bad_input_is_dead_lettered_and_unusual_seller_ids_are_registered() {
+    let mut p = Pipeline::new("input", "100/1s").await;
+    p.start_replicas(1, 4).await;
+    let nested = format!(
+        r#"{{"seller_id":"S","product":{}{}}}"#,
+        "[".repeat(5000),
+        "]".repeat(5000)
+    );
+    let huge = format!(
+        r#"{{"seller_id":"S","product":{{"x":"{}"}}}}"#,
+        "a".repeat(2 << 20)
+    );
+    let long_seller = format!(r#"{{"seller_id":"{}","product":{{}}}}"#, "x".repeat(129));
+    let bad: Vec<Vec<u8>> = vec![
+        b"".to_vec(),
+        b"not json".to_vec(),
+        b"\"a string\"".to_vec(),
+        br#"{"seller_id":"S","product":"not an object"}"#.to_vec(),
+        br#"{"seller_id":["S"],"product":{}}"#.to_vec(),
+        br#"{"seller_id":"","product":{}}"#.to_vec(),
+        br#"{"seller_id":"a\nb","product":{}}"#.to_vec(),
+        long_seller.into_bytes(),
+        nested.into_bytes(),
+        huge.into_bytes(),
+        b"{\"seller_id\":\"S\",\"product\":{\"x\":\"\xff\"}}".to_vec(),
+    ];
+    for body in &bad {
+        p.broker.publish(body).await;
+    }
+    let long = "y".repeat(128);
+    let unusual = [
+        "{brace}",
+        "a:b:c",
+        "with space",
+        "größe",
+        "店舗",
+        long.as_str(),
+    ];
+    for (i, seller) in unusual.iter().enumerate() {
+        p.publish_product(seller, &format!("u-{i}"), json!({"i": i}))
+            .await;
+    }
+    let dead = p.dead_letters(bad.len()).await;
+    assert!(
+        dead.iter()
+            .all(|d| header_str(d, headers::REASON).as_deref() == Some("invalid-message"))
+    );
+    let stats = p.wait_registered(unusual.len() as u64).await;
+    for seller in unusual {
+        let sent_as = SellerId::parse(seller).unwrap().header_value();
+        assert!(sent_as.is_ascii());
+        assert_eq!(
+            stats.sellers[&sent_as].registered, 1,
+            "{seller} arrived as {sent_as}"
+        );
+    }
+    assert_eq!(stats.sellers["gr%C3%B6%C3%9Fe"].registered, 1);
+    p.cleanup().await;
+}
+
+#[test]
+fn secrets_never_appear_in_errors_and_config_errors_name_the_setting() {
+    let (code, out, err) = run(turnstile()
+        .arg("consume")
+        .env("TURNSTILE_AMQP_URL", "amqp://user:hunter2@127.0.0.1:9/%2f")
+        .env("TURNSTILE_REDIS_URL", "redis://:redispass@127.0.0.1:6379/")
+        .env("TURNSTILE_DOWNSTREAM_URL", "http://127.0.0.1:9/{seller_id}")
+        .env("TURNSTILE_DOWNSTREAM_TOKEN", "tok-secret")
+        .env("TURNSTILE_HTTP_ADDR", "off")
+        .env("RUST_LOG", "debug"));
+    assert_ne!(code, 0);
+    let all = format!("{out}{err}");
+    for secret in ["hunter2", "redispass", "tok-secret"] {
+        assert!(!all.contains(secret), "{secret} leaked: {all}");
+    }
+    let (code, _, err) = run(turnstile()
+        .arg("consume")
+        .env("TURNSTILE_DOWNSTREAM_URL", "x")
+        .env("TURNSTILE_LIMIT", "0/1s"));
+    assert_eq!(code, 2);
+    assert!(err.contains("TURNSTILE_LIMIT"), "{err}");
+    let (code, _, err) = run(turnstile()
+        .arg("consume")
+        .env_remove("TURNSTILE_DOWNSTREAM_URL"));
+    assert_eq!(code, 2);
+    assert!(
+        err.contains("downstream-url") || err.contains("TURNSTILE_DOWNSTREAM_URL"),
+        "{err}"
+    );
+}
