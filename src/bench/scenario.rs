@@ -75,6 +75,7 @@ pub fn rig_settings(
             amqp_url: amqp_url.to_owned(),
             queue: queue.to_owned(),
             queue_type,
+            delay_queue_type: queue_type,
         },
         workers,
         prefetch: None,

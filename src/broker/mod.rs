@@ -65,11 +65,15 @@ pub struct BrokerArgs {
     pub queue: String,
     #[arg(long = "queue-type", env = "TURNSTILE_QUEUE_TYPE", value_enum, default_value_t = QueueType::Quorum)]
     pub queue_type: QueueType,
+    /// Queue type of the delay ladder's levels (see README: quorum never drops a delayed message
+    /// but can hold it late after a broker restart; classic is on time but can drop it).
+    #[arg(long = "delay-queue-type", env = "TURNSTILE_DELAY_QUEUE_TYPE", value_enum, default_value_t = QueueType::Quorum)]
+    pub delay_queue_type: QueueType,
 }
 
 impl BrokerArgs {
     pub fn topology(&self) -> Topology {
-        Topology::new(&self.queue, self.queue_type)
+        Topology::new(&self.queue, self.queue_type).with_delay_type(self.delay_queue_type)
     }
 
     /// Connects, opens a confirming publisher and declares the topology (idempotent).

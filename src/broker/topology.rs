@@ -29,15 +29,27 @@ pub struct Topology {
     work: String,
     dead: String,
     queue_type: QueueType,
+    delay_type: QueueType,
 }
 
 impl Topology {
+    /// Every queue is of `queue_type` (see [`Topology::with_delay_type`] for the ladder).
     pub fn new(work: &str, queue_type: QueueType) -> Self {
         Self {
             work: work.to_owned(),
             dead: format!("{work}.dead"),
             queue_type,
+            delay_type: queue_type,
         }
+    }
+
+    /// The queue type of the delay ladder's levels. Quorum (the default) never drops a delayed
+    /// message, but on RabbitMQ 3.10.8 its TTL dead-lettering was seen to stall after a broker
+    /// restart (rabbitmq-server#10718): delayed messages then come back late. Classic levels
+    /// come back on time but drop messages whose TTL ran out while the broker was down.
+    pub fn with_delay_type(mut self, delay_type: QueueType) -> Self {
+        self.delay_type = delay_type;
+        self
     }
     pub fn work(&self) -> &str {
         &self.work
@@ -142,11 +154,12 @@ impl Topology {
                 ("x-message-ttl", AMQPValue::LongLongInt(ttl_ms)),
                 ("x-dead-letter-exchange", long_string(&next)),
             ];
-            if self.queue_type == QueueType::Quorum {
+            if self.delay_type == QueueType::Quorum {
+                extra.push(("x-queue-type", long_string("quorum")));
                 extra.push(("x-dead-letter-strategy", long_string("at-least-once")));
                 extra.push(("x-overflow", long_string("reject-publish")));
             }
-            self.declare_queue(channel, &name, self.queue_arguments(&extra))
+            self.declare_queue(channel, &name, super::table(&extra))
                 .await?;
             self.declare_exchange(channel, &name, ExchangeKind::Topic)
                 .await?;
@@ -175,15 +188,18 @@ impl Topology {
         Ok(())
     }
 
+    /// Every queue of the topology: work, dead letters, ladder levels.
+    pub fn queues(&self) -> Vec<String> {
+        let mut queues = vec![self.work.clone(), self.dead.clone()];
+        queues.extend((0..LEVELS).map(|k| self.level(k)));
+        queues
+    }
+
     /// Deletes everything `declare` made (tests, demos and benchmarks clean up with it).
     pub async fn delete(&self, channel: &Channel) -> anyhow::Result<()> {
-        let mut queues = vec![self.work.clone(), self.dead.clone()];
         let mut exchanges = vec![self.out()];
-        for k in 0..LEVELS {
-            queues.push(self.level(k));
-            exchanges.push(self.level(k));
-        }
-        for q in queues {
+        exchanges.extend((0..LEVELS).map(|k| self.level(k)));
+        for q in self.queues() {
             channel
                 .queue_delete(ShortString::from(q), QueueDeleteOptions::default())
                 .await?;

@@ -33,6 +33,14 @@ impl TestBroker {
         }
     }
 
+    /// A new connection and publisher (after a broker restart).
+    pub async fn reconnect(&mut self) {
+        self.connection = broker::connect(&amqp_url(), "turnstile test")
+            .await
+            .expect("RabbitMQ is reachable");
+        self.publisher = Publisher::open(&self.connection).await.unwrap();
+    }
+
     pub fn queue(&self) -> &str {
         self.topology.work()
     }
@@ -61,8 +69,12 @@ impl TestBroker {
     }
 
     /// Messages ready in a queue.
+    /// Messages ready in a queue (on a fresh connection: the test's may have seen a restart).
     pub async fn depth(&self, queue: &str) -> u32 {
-        let channel = self.connection.create_channel().await.unwrap();
+        let connection = broker::connect(&amqp_url(), "turnstile test depth")
+            .await
+            .unwrap();
+        let channel = connection.create_channel().await.unwrap();
         let q = channel
             .queue_declare(
                 queue.into(),
@@ -74,8 +86,30 @@ impl TestBroker {
             )
             .await
             .unwrap();
-        let _ = channel.close(200, "".into()).await;
+        let _ = connection.close(200, "".into()).await;
         q.message_count()
+    }
+
+    /// Messages the broker holds in any queue of the topology, in any state (ready, unacked,
+    /// awaiting dead-lettering), as `rabbitmqctl list_queues messages` counts them.
+    pub async fn depth_everywhere(&self) -> u32 {
+        let out = std::process::Command::new("rabbitmqctl")
+            .args(["list_queues", "name", "messages", "-q"])
+            .output()
+            .expect("rabbitmqctl runs");
+        let queues = self.topology.queues();
+        String::from_utf8_lossy(&out.stdout)
+            .lines()
+            .filter_map(|line| {
+                let mut fields = line.split_whitespace();
+                let (name, n) = (fields.next()?, fields.next()?);
+                queues
+                    .iter()
+                    .any(|q| q == name)
+                    .then(|| n.parse::<u32>().ok())
+                    .flatten()
+            })
+            .sum()
     }
 
     pub async fn purge(&self, queue: &str) {
@@ -86,9 +120,13 @@ impl TestBroker {
             .unwrap();
     }
 
+    /// Deletes the topology (on a fresh connection: the test's may have seen a broker restart).
     pub async fn cleanup(self) {
-        let channel = self.connection.create_channel().await.unwrap();
+        let connection = broker::connect(&amqp_url(), "turnstile test cleanup")
+            .await
+            .unwrap();
+        let channel = connection.create_channel().await.unwrap();
         self.topology.delete(&channel).await.unwrap();
-        let _ = self.connection.close(200, "".into()).await;
+        let _ = connection.close(200, "".into()).await;
     }
 }

@@ -80,14 +80,12 @@ impl Backend {
 pub struct Keys {
     pub conn: RedisConn,
     pub prefix: String,
+    url: String,
 }
 
 impl Keys {
     pub async fn new(backend: Backend, what: &str) -> Self {
-        Self {
-            conn: backend.connect().await,
-            prefix: unique(what),
-        }
+        Self::at(&backend.url(), what).await
     }
 
     /// Keys on the Redis at `url` (e.g. a private one from `LocalRedis`).
@@ -99,15 +97,20 @@ impl Keys {
         Self {
             conn,
             prefix: unique(what),
+            url: url.to_owned(),
         }
     }
+
     pub fn store(&self, limiter: LimiterArgs) -> PermitStore {
         PermitStore::new(self.conn.clone(), &self.prefix, limiter)
     }
+
     pub async fn cleanup(self) {
-        delete_prefix(&self.conn, &self.prefix)
+        // A fresh connection: the test's may have seen its server restart.
+        let conn = RedisConn::connect(&redis_args(&self.url, "unused"))
             .await
-            .expect("cleanup");
+            .expect("Redis is reachable");
+        delete_prefix(&conn, &self.prefix).await.expect("cleanup");
     }
 }
 

@@ -75,6 +75,7 @@ impl Pipeline {
                 amqp_url: amqp_url(),
                 queue: self.broker.queue().to_owned(),
                 queue_type: QueueType::Quorum,
+                delay_queue_type: QueueType::Quorum,
             },
             workers,
             prefetch: None,
