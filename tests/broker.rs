@@ -84,3 +84,40 @@ async fn the_delay_ladder_returns_messages_after_their_delay_on_quorum_queues() 
 async fn the_delay_ladder_returns_messages_after_their_delay_on_classic_queues() {
     ladder_returns_messages_after_their_delay(QueueType::Classic).await;
 }
+
+#[tokio::test]
+async fn a_message_delayed_again_through_the_same_level_still_comes_back() {
+    // RabbitMQ drops (classic) or holds forever (quorum) a message whose `x-death` history names
+    // the queue it expires from again, taking it for a dead-letter cycle.
+    let broker = TestBroker::new("again", QueueType::Quorum).await;
+    let mut consumer = broker.consume(broker.queue()).await;
+    broker.publish(br#"{"n":1}"#).await;
+    let mut delivery = consumer.next().await.unwrap().unwrap();
+    for round in 0..3 {
+        broker
+            .publisher
+            .delay(&broker.topology, &delivery, Duration::from_millis(750), &[])
+            .await
+            .unwrap();
+        delivery
+            .acker
+            .ack(BasicAckOptions::default())
+            .await
+            .unwrap();
+        let next = tokio::time::timeout(Duration::from_secs(30), consumer.next()).await;
+        delivery = next
+            .unwrap_or_else(|_| panic!("round {round}: the message did not come back"))
+            .unwrap()
+            .unwrap();
+        assert_eq!(
+            turnstile::broker::header_u64(&delivery, headers::DELAYS),
+            Some(round + 1)
+        );
+    }
+    delivery
+        .acker
+        .ack(BasicAckOptions::default())
+        .await
+        .unwrap();
+    broker.cleanup().await;
+}

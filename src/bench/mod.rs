@@ -1,6 +1,7 @@
 //! `turnstile bench ...`: measurements that print figures, each beside a baseline measured in the
 //! same run on the same machine (no thresholds: the figures are for people to read).
 
+pub mod faults;
 mod permits;
 pub mod scenario;
 
@@ -29,6 +30,8 @@ pub enum BenchCommand {
     },
     /// A busy seller's backlog ahead of many small sellers, against a strict downstream.
     Scenario(Box<scenario::ScenarioArgs>),
+    /// A workload while a replica is SIGKILLed, Redis restarts and broker connections are cut.
+    Faults(Box<faults::FaultArgs>),
 }
 
 pub async fn run(which: BenchCommand) -> anyhow::Result<ExitCode> {
@@ -40,6 +43,11 @@ pub async fn run(which: BenchCommand) -> anyhow::Result<ExitCode> {
             sellers,
         } => {
             permits::run(&redis, concurrency, duration, sellers).await?;
+        }
+        BenchCommand::Faults(args) => {
+            if !faults::run(*args).await? {
+                return Ok(ExitCode::FAILURE);
+            }
         }
         BenchCommand::Scenario(args) => {
             if !scenario::run(*args).await? {

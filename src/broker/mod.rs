@@ -65,8 +65,7 @@ pub struct BrokerArgs {
     pub queue: String,
     #[arg(long = "queue-type", env = "TURNSTILE_QUEUE_TYPE", value_enum, default_value_t = QueueType::Quorum)]
     pub queue_type: QueueType,
-    /// Queue type of the delay ladder's levels (see README: quorum never drops a delayed message
-    /// but can hold it late after a broker restart; classic is on time but can drop it).
+    /// Queue type of the delay ladder's levels (quorum: at-least-once dead-lettering).
     #[arg(long = "delay-queue-type", env = "TURNSTILE_DELAY_QUEUE_TYPE", value_enum, default_value_t = QueueType::Quorum)]
     pub delay_queue_type: QueueType,
 }
@@ -212,9 +211,23 @@ pub fn long_string(s: &str) -> AMQPValue {
     AMQPValue::LongString(LongString::from(s.as_bytes().to_vec()))
 }
 
-/// The delivery's properties with `extra` headers set (replacing same-named ones).
+/// The delivery's properties with `extra` headers set (replacing same-named ones) and the
+/// broker's dead-letter history removed. The history must go: a message that goes through the
+/// ladder a second time with `x-death` naming a ladder queue is taken for a dead-letter cycle,
+/// which a quorum queue then holds forever and a classic queue drops.
 fn copy_properties(delivery: &Delivery, extra: &[(&str, AMQPValue)]) -> BasicProperties {
-    let mut table = delivery.properties.headers().clone().unwrap_or_default();
+    let mut table = FieldTable::default();
+    if let Some(headers) = delivery.properties.headers() {
+        for (name, value) in headers.inner() {
+            let name_str = name.as_str();
+            if name_str != "x-death"
+                && !name_str.starts_with("x-first-death-")
+                && !name_str.starts_with("x-last-death-")
+            {
+                table.insert(name.clone(), value.clone());
+            }
+        }
+    }
     for (name, value) in extra {
         table.insert(ShortString::from(*name), value.clone());
     }

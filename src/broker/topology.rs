@@ -43,10 +43,8 @@ impl Topology {
         }
     }
 
-    /// The queue type of the delay ladder's levels. Quorum (the default) never drops a delayed
-    /// message, but on RabbitMQ 3.10.8 its TTL dead-lettering was seen to stall after a broker
-    /// restart (rabbitmq-server#10718): delayed messages then come back late. Classic levels
-    /// come back on time but drop messages whose TTL ran out while the broker was down.
+    /// The queue type of the delay ladder's levels (quorum by default: at-least-once
+    /// dead-lettering from level to level).
     pub fn with_delay_type(mut self, delay_type: QueueType) -> Self {
         self.delay_type = delay_type;
         self
