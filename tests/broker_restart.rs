@@ -4,8 +4,9 @@
 mod support;
 
 use std::process::Command;
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
+use support::eventually;
 use support::pipeline::Pipeline;
 
 fn rabbitmqctl(args: &[&str]) {
@@ -14,14 +15,6 @@ fn rabbitmqctl(args: &[&str]) {
         .status()
         .expect("rabbitmqctl runs");
     assert!(status.success(), "rabbitmqctl {args:?}");
-}
-
-async fn eventually(what: &str, mut done: impl FnMut() -> bool) {
-    let deadline = Instant::now() + Duration::from_secs(120);
-    while !done() {
-        assert!(Instant::now() < deadline, "never happened: {what}");
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    }
 }
 
 #[tokio::test]

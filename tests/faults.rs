@@ -3,9 +3,10 @@
 mod support;
 
 use std::process::{Child, Command, Stdio};
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use serde_json::json;
+use support::eventually;
 use support::pipeline::Pipeline;
 use support::{limiter, run};
 use turnstile::broker::{header_str, headers};
@@ -16,14 +17,6 @@ use turnstile::permit::{Decision, PermitStore, RedisConn};
 
 fn turnstile() -> Command {
     Command::new(env!("CARGO_BIN_EXE_turnstile"))
-}
-
-async fn eventually(what: &str, mut done: impl FnMut() -> bool) {
-    let deadline = Instant::now() + Duration::from_secs(120);
-    while !done() {
-        assert!(Instant::now() < deadline, "never happened: {what}");
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    }
 }
 
 #[tokio::test]

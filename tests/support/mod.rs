@@ -138,3 +138,15 @@ pub fn max_in_any_window(times: &[i64], window_us: i64) -> usize {
     }
     best
 }
+
+/// Waits until `done` holds (a guard against hanging, not a speed check: generous on purpose).
+pub async fn eventually(what: &str, mut done: impl FnMut() -> bool) {
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(120);
+    while !done() {
+        assert!(
+            std::time::Instant::now() < deadline,
+            "never happened: {what}"
+        );
+        tokio::time::sleep(std::time::Duration::from_millis(20)).await;
+    }
+}
