@@ -12,11 +12,9 @@ use anyhow::Context;
 use clap::Args;
 use indicatif::{MultiProgress, ProgressBar, ProgressStyle};
 
-use crate::bench::scenario::rig_settings;
-use crate::broker::QueueType;
-use crate::config::{Algorithm, Limit, LimiterArgs, RedisArgs};
+use crate::config::{Algorithm, Limit, LimiterArgs};
 use crate::domain::{BatchId, SellerId};
-use crate::rig::{Message, Rig};
+use crate::rig::{Message, Rig, RigArgs};
 use crate::upload::read_upload;
 
 #[derive(Args, Debug, Clone)]
@@ -38,17 +36,8 @@ pub struct DemoArgs {
     /// Print the summary as one JSON object on the last line of stdout.
     #[arg(long)]
     pub json: bool,
-    #[arg(long = "queue-type", value_enum, default_value_t = QueueType::Quorum)]
-    pub queue_type: QueueType,
-    #[arg(
-        long = "amqp-url",
-        env = "TURNSTILE_AMQP_URL",
-        default_value = "amqp://guest:guest@127.0.0.1:5672/%2f",
-        hide_env_values = true
-    )]
-    pub amqp_url: String,
     #[command(flatten)]
-    pub redis: RedisArgs,
+    pub rig: RigArgs,
 }
 
 fn examples_dir(given: Option<&Path>) -> anyhow::Result<PathBuf> {
@@ -92,17 +81,9 @@ pub async fn run(args: DemoArgs) -> anyhow::Result<ExitCode> {
         }));
     }
     let limiter = LimiterArgs::new(args.limit, args.algorithm);
-    let mut redis = args.redis.clone();
-    redis.key_prefix = format!("{}-demo", redis.key_prefix);
-    let settings = rig_settings(
-        &args.amqp_url,
-        "turnstile-demo",
-        args.queue_type,
-        &redis,
-        limiter,
-        args.workers,
-        Duration::from_secs(2),
-    );
+    let settings = args
+        .rig
+        .replica_settings("demo", limiter, args.workers, Duration::from_secs(2));
     eprintln!(
         "turnstile demo: strict mock API at {} per seller, {} replicas x {} workers, {} uploads from {}",
         args.limit,

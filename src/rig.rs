@@ -12,12 +12,62 @@ use lapin::BasicProperties;
 use serde::Serialize;
 use tokio_util::sync::CancellationToken;
 
-use crate::broker::{Publisher, Topology};
+use crate::broker::{BrokerArgs, DEFAULT_AMQP_URL, Publisher, QueueType, Topology};
 use crate::config::Limit;
+use crate::config::{LimiterArgs, RedisArgs};
 use crate::downstream::DownstreamArgs;
 use crate::mock_api::{MockArgs, MockServer, Stats};
 use crate::permit::{RedisConn, delete_prefix};
 use crate::replica::{ConsumeArgs, Replica};
+
+/// Where a rig runs: the broker and Redis it uses. Its queue and key prefix are its own
+/// (`turnstile-<name>-<random>`, `<prefix>-<name>-<random>`), deleted when it finishes.
+#[derive(clap::Args, Debug, Clone)]
+pub struct RigArgs {
+    #[arg(long = "queue-type", value_enum, default_value_t = QueueType::Quorum)]
+    pub queue_type: QueueType,
+    #[arg(long = "amqp-url", env = "TURNSTILE_AMQP_URL", default_value = DEFAULT_AMQP_URL, hide_env_values = true)]
+    pub amqp_url: String,
+    #[command(flatten)]
+    pub redis: RedisArgs,
+}
+
+impl RigArgs {
+    /// Settings of the rig's replicas (the downstream URL is set to the rig's mock on start).
+    pub fn replica_settings(
+        &self,
+        name: &str,
+        limiter: LimiterArgs,
+        workers: u32,
+        hold: Duration,
+    ) -> ConsumeArgs {
+        let mut redis = self.redis.clone();
+        redis.key_prefix = format!("{}-{name}", redis.key_prefix);
+        ConsumeArgs {
+            broker: BrokerArgs {
+                amqp_url: self.amqp_url.clone(),
+                queue: format!("turnstile-{name}"),
+                queue_type: self.queue_type,
+                delay_queue_type: self.queue_type,
+            },
+            workers,
+            prefetch: None,
+            http_addr: crate::http::Listen::Off,
+            max_attempts: 8,
+            hold,
+            retry_min: Duration::from_secs(1),
+            retry_max: Duration::from_secs(60),
+            done_ttl: Duration::from_secs(3600),
+            downstream: DownstreamArgs {
+                url: "http://127.0.0.1:1/{seller_id}".into(),
+                token: None,
+                timeout: Duration::from_secs(10),
+            },
+            redis,
+            limiter,
+        }
+    }
+}
 
 /// One message to publish: its seller and body.
 pub struct Message {

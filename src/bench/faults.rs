@@ -10,7 +10,7 @@ use clap::Args;
 use lapin::BasicProperties;
 use tokio_util::sync::CancellationToken;
 
-use crate::broker::{BrokerArgs, QueueType};
+use crate::broker::{BrokerArgs, DEFAULT_AMQP_URL, QueueType};
 use crate::config::Limit;
 use crate::local_redis::LocalRedis;
 use crate::mock_api::{MockArgs, MockServer};
@@ -34,7 +34,7 @@ pub struct FaultArgs {
     #[arg(
         long = "amqp-url",
         env = "TURNSTILE_AMQP_URL",
-        default_value = "amqp://guest:guest@127.0.0.1:5672/%2f",
+        default_value = DEFAULT_AMQP_URL,
         hide_env_values = true
     )]
     pub amqp_url: String,

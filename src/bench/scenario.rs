@@ -5,11 +5,8 @@ use std::time::Duration;
 
 use clap::Args;
 
-use crate::broker::QueueType;
-use crate::config::{Algorithm, Limit, LimiterArgs, RedisArgs};
-use crate::downstream::DownstreamArgs;
-use crate::replica::ConsumeArgs;
-use crate::rig::{Message, Rig, registration_body};
+use crate::config::{Algorithm, Limit, LimiterArgs};
+use crate::rig::{Message, Rig, RigArgs, registration_body};
 
 #[derive(Args, Debug, Clone)]
 pub struct ScenarioArgs {
@@ -33,19 +30,10 @@ pub struct ScenarioArgs {
     pub small: Option<usize>,
     #[arg(long, value_enum, default_value_t = Algorithm::SlidingWindow)]
     pub algorithm: Algorithm,
-    #[arg(long = "queue-type", value_enum, default_value_t = QueueType::Quorum)]
-    pub queue_type: QueueType,
     #[arg(long, default_value = "2s", value_parser = crate::config::duration_arg)]
     pub hold: Duration,
-    #[arg(
-        long = "amqp-url",
-        env = "TURNSTILE_AMQP_URL",
-        default_value = "amqp://guest:guest@127.0.0.1:5672/%2f",
-        hide_env_values = true
-    )]
-    pub amqp_url: String,
     #[command(flatten)]
-    pub redis: RedisArgs,
+    pub rig: RigArgs,
     /// Print the report as one JSON object on the last line.
     #[arg(long)]
     pub json: bool,
@@ -58,41 +46,6 @@ struct Preset {
     big: usize,
     small_sellers: usize,
     small: usize,
-}
-
-/// Settings of a consumer replica for a rig (the downstream URL is the rig's mock).
-pub fn rig_settings(
-    amqp_url: &str,
-    queue: &str,
-    queue_type: QueueType,
-    redis: &RedisArgs,
-    limiter: LimiterArgs,
-    workers: u32,
-    hold: Duration,
-) -> ConsumeArgs {
-    ConsumeArgs {
-        broker: crate::broker::BrokerArgs {
-            amqp_url: amqp_url.to_owned(),
-            queue: queue.to_owned(),
-            queue_type,
-            delay_queue_type: queue_type,
-        },
-        workers,
-        prefetch: None,
-        http_addr: crate::http::Listen::Off,
-        max_attempts: 8,
-        hold,
-        retry_min: Duration::from_secs(1),
-        retry_max: Duration::from_secs(60),
-        done_ttl: Duration::from_secs(3600),
-        downstream: DownstreamArgs {
-            url: "http://127.0.0.1:1/{seller_id}".into(),
-            token: None,
-            timeout: Duration::from_secs(10),
-        },
-        redis: redis.clone(),
-        limiter,
-    }
 }
 
 pub async fn run(args: ScenarioArgs) -> anyhow::Result<bool> {
@@ -125,17 +78,9 @@ pub async fn run(args: ScenarioArgs) -> anyhow::Result<bool> {
     let small = args.small.unwrap_or(preset.small);
 
     let limiter = LimiterArgs::new(limit, args.algorithm);
-    let mut redis = args.redis.clone();
-    redis.key_prefix = format!("{}-scenario", redis.key_prefix);
-    let settings = rig_settings(
-        &args.amqp_url,
-        "turnstile-scenario",
-        args.queue_type,
-        &redis,
-        limiter,
-        workers,
-        args.hold,
-    );
+    let settings = args
+        .rig
+        .replica_settings("scenario", limiter, workers, args.hold);
     eprintln!(
         "scenario: limit {limit}, {replicas} replicas x {workers} workers, {}: one seller's {big} messages published ahead of {small_sellers} sellers with {small} each",
         args.algorithm

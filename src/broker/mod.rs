@@ -49,6 +49,9 @@ pub mod headers {
     pub const QUEUE: &str = "x-turnstile-queue";
 }
 
+/// `TURNSTILE_AMQP_URL`'s default: the local broker.
+pub const DEFAULT_AMQP_URL: &str = "amqp://guest:guest@127.0.0.1:5672/%2f";
+
 /// Where the broker is and which queues turnstile uses there.
 #[derive(clap::Args, Clone, Debug)]
 pub struct BrokerArgs {
@@ -56,7 +59,7 @@ pub struct BrokerArgs {
     #[arg(
         long = "amqp-url",
         env = "TURNSTILE_AMQP_URL",
-        default_value = "amqp://guest:guest@127.0.0.1:5672/%2f",
+        default_value = DEFAULT_AMQP_URL,
         hide_env_values = true
     )]
     pub amqp_url: String,
