@@ -7,7 +7,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use anyhow::Context;
-use backon::{BackoffBuilder, ExponentialBuilder};
+use backon::{ExponentialBuilder, Retryable};
 use clap::Args;
 use futures::StreamExt;
 use lapin::options::{BasicCancelOptions, BasicConsumeOptions, BasicQosOptions};
@@ -21,7 +21,7 @@ use crate::broker::{self, BrokerArgs, Publisher, Topology};
 use crate::config::{LimiterArgs, RedisArgs, duration_arg};
 use crate::downstream::{Downstream, DownstreamArgs};
 use crate::http::{self, Listen, Readiness};
-use crate::permit::PermitStore;
+use crate::permit::{PermitStore, RedisClient};
 use crate::worker::{Stats, Worker, WorkerSettings};
 
 /// Everything `turnstile consume` is configured with (flags and `TURNSTILE_*` variables).
@@ -80,20 +80,34 @@ pub struct Replica {
 }
 
 impl Replica {
-    /// Connects and starts consuming; returns once the replica is consuming (or fails to start).
+    /// Checks the configuration, serves the HTTP endpoints (not ready yet), then connects to
+    /// Redis and the broker, retrying with backoff for as long as either is unreachable, and
+    /// returns once the replica is consuming. A configuration error fails at once. If `shutdown`
+    /// comes first, the returned replica has already stopped.
     pub async fn start(args: ConsumeArgs, shutdown: CancellationToken) -> anyhow::Result<Self> {
         anyhow::ensure!(
             !args.broker.queue.is_empty() && args.broker.queue.len() <= 200,
             "TURNSTILE_QUEUE must be 1 to 200 characters"
         );
+        broker::check_url(&args.broker.amqp_url)?;
+        let redis = RedisClient::new(&args.redis)?;
         let downstream = Downstream::new(&args.downstream)?;
-        let permits = PermitStore::connect(&args.redis, &args.limiter).await?;
         let ready = Readiness::default();
         let http_addr = match args.http_addr {
             Listen::At(addr) => Some(http::serve(addr, ready.clone(), shutdown.clone()).await?),
             Listen::Off => None,
         };
         let stats = Arc::new(Stats::default());
+        let stopped = |stats, ready, http_addr| Self {
+            stats,
+            ready,
+            http_addr,
+            done: tokio::spawn(async { Ok(()) }),
+        };
+        let Some(conn) = until_connected("Redis", &shutdown, || redis.connect()).await else {
+            return Ok(stopped(stats, ready, http_addr));
+        };
+        let permits = PermitStore::new(conn, &args.redis.key_prefix, args.limiter.clone());
         let prefetch = args.prefetch();
         let worker = Arc::new(Worker {
             permits,
@@ -110,8 +124,11 @@ impl Replica {
             workers: Arc::new(Semaphore::new(args.workers as usize)),
             stats: stats.clone(),
         });
-        // The first connection is made here so that a wrong URL fails the start at once.
-        let session = Session::open(&args, &worker).await?;
+        let Some(session) =
+            until_connected("the broker", &shutdown, || Session::open(&args, &worker)).await
+        else {
+            return Ok(stopped(stats, ready, http_addr));
+        };
         ready.set(true);
         info!(queue = %args.broker.queue, workers = args.workers, prefetch, algorithm = %args.limiter.algorithm, limit = %args.limiter.limit, http = ?http_addr, "consuming");
         let done = tokio::spawn(run(args, worker, session, ready.clone(), shutdown));
@@ -176,6 +193,38 @@ impl Session {
     }
 }
 
+/// Calls `connect` until it succeeds, with exponential backoff and jitter (200 ms to 10 s),
+/// logging each failure; `None` if `shutdown` comes first.
+async fn until_connected<T, F, Fut>(
+    what: &str,
+    shutdown: &CancellationToken,
+    connect: F,
+) -> Option<T>
+where
+    F: FnMut() -> Fut,
+    Fut: Future<Output = anyhow::Result<T>>,
+{
+    let attempts = connect
+        .retry(
+            ExponentialBuilder::default()
+                .with_min_delay(Duration::from_millis(200))
+                .with_max_delay(Duration::from_secs(10))
+                .with_jitter()
+                .without_max_times(),
+        )
+        .notify(|error: &anyhow::Error, after| {
+            warn!(
+                error = format!("{error:#}"),
+                retry_in_ms = after.as_millis() as u64,
+                "{what} unavailable; retrying"
+            );
+        });
+    tokio::select! {
+        connected = attempts => Some(connected.expect("retried without limit")),
+        _ = shutdown.cancelled() => None,
+    }
+}
+
 /// Consumes until shutdown, reconnecting with backoff whenever the broker connection is lost.
 async fn run(
     args: ConsumeArgs,
@@ -186,32 +235,20 @@ async fn run(
 ) -> anyhow::Result<()> {
     let tracker = TaskTracker::new();
     let mut session = Some(first);
-    let mut reconnects = ExponentialBuilder::default()
-        .with_min_delay(Duration::from_millis(200))
-        .with_max_delay(Duration::from_secs(10))
-        .with_jitter()
-        .without_max_times()
-        .build();
     loop {
         let mut current = match session.take() {
             Some(s) => s,
             None => {
-                let pause = reconnects.next().unwrap_or(Duration::from_secs(10));
-                tokio::select! {
-                    _ = tokio::time::sleep(pause) => {}
-                    _ = shutdown.cancelled() => break,
-                }
-                match Session::open(&args, &worker).await {
-                    Ok(s) => {
+                match until_connected("the broker", &shutdown, || Session::open(&args, &worker))
+                    .await
+                {
+                    Some(s) => {
                         info!("reconnected to the broker; consuming again");
                         metrics::counter!("turnstile_reconnects_total").increment(1);
                         ready.set(true);
                         s
                     }
-                    Err(error) => {
-                        warn!(error = format!("{error:#}"), "broker unavailable; retrying");
-                        continue;
-                    }
+                    None => break,
                 }
             }
         };

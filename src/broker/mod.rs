@@ -93,6 +93,16 @@ pub fn redact_amqp_url(url: &str) -> String {
     crate::permit::redact_url(url)
 }
 
+/// Checks `TURNSTILE_AMQP_URL` without connecting (a malformed URL is not worth retrying).
+pub fn check_url(url: &str) -> anyhow::Result<()> {
+    url.parse::<lapin::uri::AMQPUri>().map(drop).map_err(|why| {
+        anyhow::anyhow!(
+            "TURNSTILE_AMQP_URL {:?} is not a valid AMQP URL: {why}",
+            redact_amqp_url(url)
+        )
+    })
+}
+
 /// Opens a connection named after this replica.
 pub async fn connect(url: &str, name: &str) -> anyhow::Result<Connection> {
     let properties = ConnectionProperties::default().with_connection_name(name.into());

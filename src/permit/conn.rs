@@ -32,47 +32,89 @@ pub fn redact_url(url: &str) -> String {
     }
 }
 
-impl RedisConn {
-    /// Connects as `TURNSTILE_REDIS_URL` / `TURNSTILE_REDIS_CLUSTER` say.
-    pub async fn connect(args: &RedisArgs) -> anyhow::Result<Self> {
+/// A checked Redis configuration, not yet connected: building it catches every configuration
+/// error, so that connecting can then be retried for as long as Redis is away.
+#[derive(Clone)]
+pub struct RedisClient {
+    client: Client,
+    /// The URLs with passwords hidden, for messages.
+    shown: String,
+}
+
+#[derive(Clone)]
+enum Client {
+    Single(redis::Client),
+    Cluster(ClusterClient),
+}
+
+impl RedisClient {
+    /// Checks `TURNSTILE_REDIS_URL` / `TURNSTILE_REDIS_CLUSTER` without connecting.
+    pub fn new(args: &RedisArgs) -> anyhow::Result<Self> {
         let urls: Vec<&str> = args
             .url
             .split(',')
             .map(str::trim)
             .filter(|u| !u.is_empty())
             .collect();
-        let shown = urls
-            .iter()
-            .map(|u| redact_url(u))
-            .collect::<Vec<_>>()
-            .join(",");
         anyhow::ensure!(!urls.is_empty(), "TURNSTILE_REDIS_URL is empty");
+        let shown = shown_urls(&urls);
         if urls.len() > 1 || args.cluster {
             let client = ClusterClient::builder(urls.clone())
                 .connection_timeout(CONNECT_TIMEOUT)
                 .response_timeout(RESPONSE_TIMEOUT)
                 .build()
                 .with_context(|| format!("TURNSTILE_REDIS_URL {shown:?} is not a valid list of Redis Cluster node URLs"))?;
-            let conn = client
-                .get_async_connection()
-                .await
-                .with_context(|| format!("cannot connect to Redis Cluster at {shown}"))?;
-            Ok(Self::Cluster(conn))
+            Ok(Self {
+                client: Client::Cluster(client),
+                shown,
+            })
         } else {
             let client = redis::Client::open(urls[0]).with_context(|| {
                 format!("TURNSTILE_REDIS_URL {shown:?} is not a valid Redis URL")
             })?;
-            let config = ConnectionManagerConfig::new()
-                .set_connection_timeout(Some(CONNECT_TIMEOUT))
-                .set_response_timeout(Some(RESPONSE_TIMEOUT))
-                .set_number_of_retries(2)
-                .set_max_delay(Duration::from_secs(1));
-            let conn = client
-                .get_connection_manager_with_config(config)
-                .await
-                .with_context(|| format!("cannot connect to Redis at {shown}"))?;
-            Ok(Self::Single(conn))
+            Ok(Self {
+                client: Client::Single(client),
+                shown,
+            })
         }
+    }
+
+    /// Connects; fails when Redis cannot be reached (worth retrying).
+    pub async fn connect(&self) -> anyhow::Result<RedisConn> {
+        match &self.client {
+            Client::Cluster(client) => {
+                let conn = client.get_async_connection().await.with_context(|| {
+                    format!("cannot connect to Redis Cluster at {}", self.shown)
+                })?;
+                Ok(RedisConn::Cluster(conn))
+            }
+            Client::Single(client) => {
+                let config = ConnectionManagerConfig::new()
+                    .set_connection_timeout(Some(CONNECT_TIMEOUT))
+                    .set_response_timeout(Some(RESPONSE_TIMEOUT))
+                    .set_number_of_retries(2)
+                    .set_max_delay(Duration::from_secs(1));
+                let conn = client
+                    .get_connection_manager_with_config(config)
+                    .await
+                    .with_context(|| format!("cannot connect to Redis at {}", self.shown))?;
+                Ok(RedisConn::Single(conn))
+            }
+        }
+    }
+}
+
+fn shown_urls(urls: &[&str]) -> String {
+    urls.iter()
+        .map(|u| redact_url(u))
+        .collect::<Vec<_>>()
+        .join(",")
+}
+
+impl RedisConn {
+    /// Connects as `TURNSTILE_REDIS_URL` / `TURNSTILE_REDIS_CLUSTER` say (once, no retry).
+    pub async fn connect(args: &RedisArgs) -> anyhow::Result<Self> {
+        RedisClient::new(args)?.connect().await
     }
 }
 
