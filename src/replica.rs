@@ -53,6 +53,10 @@ pub struct ConsumeArgs {
     /// How long a registered message is remembered (a redelivery within it is not called again).
     #[arg(long = "done-ttl", env = "TURNSTILE_DONE_TTL", default_value = "7d", value_parser = duration_arg)]
     pub done_ttl: Duration,
+    /// On SIGTERM, how long in-flight calls may take to finish; after it the replica closes its
+    /// connection anyway and the broker redelivers what was still unsettled.
+    #[arg(long = "shutdown-grace", env = "TURNSTILE_SHUTDOWN_GRACE", default_value = "8s", value_parser = duration_arg)]
+    pub shutdown_grace: Duration,
     #[command(flatten)]
     pub downstream: DownstreamArgs,
     #[command(flatten)]
@@ -125,7 +129,7 @@ impl Replica {
             stats: stats.clone(),
         });
         let Some(session) =
-            until_connected("the broker", &shutdown, || Session::open(&args, &worker)).await
+            until_connected("RabbitMQ", &shutdown, || Session::open(&args, &worker)).await
         else {
             return Ok(stopped(stats, ready, http_addr));
         };
@@ -216,7 +220,7 @@ where
             warn!(
                 error = format!("{error:#}"),
                 retry_in_ms = after.as_millis() as u64,
-                "{what} unavailable; retrying"
+                "{what} is unavailable; retrying"
             );
         });
     tokio::select! {
@@ -239,8 +243,7 @@ async fn run(
         let mut current = match session.take() {
             Some(s) => s,
             None => {
-                match until_connected("the broker", &shutdown, || Session::open(&args, &worker))
-                    .await
+                match until_connected("RabbitMQ", &shutdown, || Session::open(&args, &worker)).await
                 {
                     Some(s) => {
                         info!("reconnected to the broker; consuming again");
@@ -283,7 +286,15 @@ async fn run(
                 .basic_cancel(current.tag.as_str().into(), BasicCancelOptions::default())
                 .await;
             tracker.close();
-            tracker.wait().await;
+            if tokio::time::timeout(args.shutdown_grace, tracker.wait())
+                .await
+                .is_err()
+            {
+                warn!(
+                    unsettled = tracker.len(),
+                    "shutdown grace over: closing with calls in flight; the broker redelivers their messages"
+                );
+            }
             let _ = current.connection.close(200, "shutdown".into()).await;
             info!("stopped");
             return Ok(());

@@ -59,6 +59,94 @@ pub struct Stats {
     pub forfeited: AtomicU64,
     pub held: AtomicUsize,
     pub in_flight: AtomicUsize,
+    /// How long each permit decision took (one Redis round trip, or more after errors).
+    pub permit_latency: LatencyHistogram,
+}
+
+/// A lock-free latency histogram: log2 buckets with 8 linear steps each (at most 12.5% error),
+/// from 1 µs to about 10^6 s. Cheap enough for every message.
+pub struct LatencyHistogram {
+    buckets: Box<[AtomicU64]>,
+}
+
+impl LatencyHistogram {
+    const STEPS: u32 = 8;
+    const BUCKETS: usize = 8 + 8 * 38;
+
+    fn index(micros: u64) -> usize {
+        if micros < u64::from(Self::STEPS) {
+            return micros as usize;
+        }
+        let exponent = 63 - micros.leading_zeros(); // >= 3
+        let step = (micros >> (exponent - 3)) & 7;
+        ((exponent as usize - 2) * 8 + step as usize).min(Self::BUCKETS - 1)
+    }
+
+    fn lower_bound(index: usize) -> u64 {
+        if index < 8 {
+            return index as u64;
+        }
+        let exponent = (index / 8 + 2) as u32;
+        let step = (index % 8) as u64;
+        (8 + step) << (exponent - 3)
+    }
+
+    pub fn record(&self, took: Duration) {
+        let micros = u64::try_from(took.as_micros()).unwrap_or(u64::MAX);
+        self.buckets[Self::index(micros)].fetch_add(1, Ordering::Relaxed);
+    }
+
+    /// Samples recorded so far.
+    pub fn count(&self) -> u64 {
+        self.buckets.iter().map(|b| b.load(Ordering::Relaxed)).sum()
+    }
+
+    /// The `q`-quantile (0..=1) of the samples so far (the lower bound of its bucket), or zero.
+    pub fn quantile(&self, q: f64) -> Duration {
+        let counts: Vec<u64> = self
+            .buckets
+            .iter()
+            .map(|b| b.load(Ordering::Relaxed))
+            .collect();
+        let total: u64 = counts.iter().sum();
+        if total == 0 {
+            return Duration::ZERO;
+        }
+        let rank = ((total as f64 * q.clamp(0.0, 1.0)).ceil() as u64).max(1);
+        let mut seen = 0;
+        for (i, n) in counts.iter().enumerate() {
+            seen += n;
+            if seen >= rank {
+                return Duration::from_micros(Self::lower_bound(i));
+            }
+        }
+        Duration::from_micros(Self::lower_bound(Self::BUCKETS - 1))
+    }
+
+    /// Adds another histogram's samples to this one (to sum over replicas).
+    pub fn absorb(&self, other: &LatencyHistogram) {
+        for (mine, theirs) in self.buckets.iter().zip(other.buckets.iter()) {
+            mine.fetch_add(theirs.load(Ordering::Relaxed), Ordering::Relaxed);
+        }
+    }
+}
+
+impl Default for LatencyHistogram {
+    fn default() -> Self {
+        Self {
+            buckets: (0..Self::BUCKETS).map(|_| AtomicU64::new(0)).collect(),
+        }
+    }
+}
+
+impl std::fmt::Debug for LatencyHistogram {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("LatencyHistogram")
+            .field("count", &self.count())
+            .field("p50", &self.quantile(0.5))
+            .field("p99", &self.quantile(0.99))
+            .finish()
+    }
 }
 
 /// How the worker behaves (from `ConsumeArgs`).
@@ -85,6 +173,42 @@ pub struct Worker {
     pub settings: WorkerSettings,
     pub workers: Arc<Semaphore>,
     pub stats: Arc<Stats>,
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn latency_buckets_are_ordered_and_within_an_eighth() {
+        let mut last = 0;
+        for i in 0..LatencyHistogram::BUCKETS {
+            let low = LatencyHistogram::lower_bound(i);
+            assert!(i == 0 || low > last, "bucket {i}");
+            assert_eq!(LatencyHistogram::index(low), i);
+            last = low;
+        }
+        for micros in [1, 7, 8, 9, 100, 479, 1000, 123_456, 10_000_000] {
+            let low = LatencyHistogram::lower_bound(LatencyHistogram::index(micros));
+            assert!(
+                low <= micros && micros - low <= micros / 8,
+                "{micros} -> {low}"
+            );
+        }
+    }
+
+    #[test]
+    fn quantiles_follow_the_samples() {
+        let h = LatencyHistogram::default();
+        for micros in 1..=100u64 {
+            h.record(Duration::from_micros(micros * 10));
+        }
+        assert_eq!(h.count(), 100);
+        let p50 = h.quantile(0.5).as_micros() as u64;
+        let p99 = h.quantile(0.99).as_micros() as u64;
+        assert!((440..=500).contains(&p50), "{p50}");
+        assert!((870..=990).contains(&p99), "{p99}");
+    }
 }
 
 /// How a handler's wait ended early.
@@ -296,6 +420,7 @@ impl Worker {
     /// Asks for (or redeems) a permit, retrying Redis errors with backoff for as long as it
     /// takes: without an answer no call is made (fail closed).
     async fn decide(&self, registration: &Registration, held: Option<&Reservation>) -> Decision {
+        let started = std::time::Instant::now();
         let ask = || async {
             self.permits
                 .acquire_or_redeem(
@@ -319,6 +444,7 @@ impl Worker {
             })
             .await
             .expect("retried without limit");
+        self.stats.permit_latency.record(started.elapsed());
         if let Some(forfeit) = forfeit {
             self.stats.forfeited.fetch_add(1, Ordering::Relaxed);
             debug!(?forfeit, "reserved slot given up; reserved anew");

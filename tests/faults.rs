@@ -272,19 +272,57 @@ async fn bad_input_is_dead_lettered_and_unusual_seller_ids_are_registered() {
 
 #[test]
 fn secrets_never_appear_in_errors_and_config_errors_name_the_setting() {
-    let (code, out, err) = run(turnstile()
-        .arg("consume")
-        .env("TURNSTILE_AMQP_URL", "amqp://user:hunter2@127.0.0.1:9/%2f")
-        .env("TURNSTILE_REDIS_URL", "redis://:redispass@127.0.0.1:6379/")
+    // Unreachable services are retried (and logged) until SIGTERM; run each case for 2 s.
+    let retrying_for_2s = |amqp_url: &str, redis_url: &str| {
+        let mut cmd = Command::new("timeout");
+        cmd.args([
+            "-s",
+            "TERM",
+            "2s",
+            env!("CARGO_BIN_EXE_turnstile"),
+            "consume",
+        ])
+        .env("TURNSTILE_AMQP_URL", amqp_url)
+        .env("TURNSTILE_REDIS_URL", redis_url)
         .env("TURNSTILE_DOWNSTREAM_URL", "http://127.0.0.1:9/{seller_id}")
         .env("TURNSTILE_DOWNSTREAM_TOKEN", "tok-secret")
         .env("TURNSTILE_HTTP_ADDR", "off")
-        .env("RUST_LOG", "debug"));
-    assert_ne!(code, 0);
-    let all = format!("{out}{err}");
+        .env("RUST_LOG", "debug");
+        let (_, out, err) = run(&mut cmd);
+        format!("{out}{err}")
+    };
+    let redis_refused = retrying_for_2s(
+        "amqp://guest:guest@127.0.0.1:5672/%2f",
+        "redis://:redispass@127.0.0.1:6379/",
+    );
+    assert!(
+        redis_refused.contains("Redis is unavailable; retrying"),
+        "{redis_refused}"
+    );
+    let broker_away = retrying_for_2s("amqp://user:hunter2@127.0.0.1:9/%2f", &support::redis_url());
+    assert!(
+        broker_away.contains("RabbitMQ is unavailable; retrying"),
+        "{broker_away}"
+    );
     for secret in ["hunter2", "redispass", "tok-secret"] {
-        assert!(!all.contains(secret), "{secret} leaked: {all}");
+        assert!(
+            !redis_refused.contains(secret),
+            "{secret} leaked: {redis_refused}"
+        );
+        assert!(
+            !broker_away.contains(secret),
+            "{secret} leaked: {broker_away}"
+        );
     }
+    let (code, _, err) = run(turnstile()
+        .arg("consume")
+        .env("TURNSTILE_DOWNSTREAM_URL", "x")
+        .env("TURNSTILE_AMQP_URL", "amqp://user:hunter2@[nonsense/"));
+    assert_eq!(code, 1, "a malformed URL fails at once");
+    assert!(
+        err.contains("TURNSTILE_AMQP_URL") && !err.contains("hunter2"),
+        "{err}"
+    );
     let (code, _, err) = run(turnstile()
         .arg("consume")
         .env("TURNSTILE_DOWNSTREAM_URL", "x")
@@ -299,4 +337,142 @@ fn secrets_never_appear_in_errors_and_config_errors_name_the_setting() {
         err.contains("downstream-url") || err.contains("TURNSTILE_DOWNSTREAM_URL"),
         "{err}"
     );
+}
+
+/// A TCP port with nothing listening on it (yet).
+fn free_port() -> u16 {
+    std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port()
+}
+
+/// From now on, forwards connections on `port` to the test broker (a broker "coming up" there).
+async fn broker_comes_up_on(port: u16) -> tokio::task::JoinHandle<()> {
+    let listener = tokio::net::TcpListener::bind(("127.0.0.1", port))
+        .await
+        .unwrap();
+    let broker = support::broker::amqp_url();
+    let target = broker
+        .split('@')
+        .nth(1)
+        .and_then(|rest| rest.split('/').next())
+        .unwrap_or("127.0.0.1:5672")
+        .to_owned();
+    tokio::spawn(async move {
+        while let Ok((mut inbound, _)) = listener.accept().await {
+            let target = target.clone();
+            tokio::spawn(async move {
+                if let Ok(mut outbound) = tokio::net::TcpStream::connect(target).await {
+                    let _ = tokio::io::copy_bidirectional(&mut inbound, &mut outbound).await;
+                }
+            });
+        }
+    })
+}
+
+async fn http_status(url: &str) -> Option<u16> {
+    reqwest::get(url).await.ok().map(|r| r.status().as_u16())
+}
+
+#[tokio::test]
+async fn a_replica_started_before_redis_and_the_broker_waits_not_ready_then_consumes() {
+    let mut redis = LocalRedis::start().unwrap();
+    let p = Pipeline::on_redis("late-services", "50/1s", &redis.url()).await;
+    redis.stop();
+    let (broker_port, http_port) = (free_port(), free_port());
+    let mut settings = p.settings(4);
+    settings.broker.amqp_url = format!("amqp://guest:guest@127.0.0.1:{broker_port}/%2f");
+    settings.http_addr = turnstile::http::Listen::At(([127, 0, 0, 1], http_port).into());
+    let shutdown = tokio_util::sync::CancellationToken::new();
+    let starting = tokio::spawn(turnstile::replica::Replica::start(
+        settings,
+        shutdown.clone(),
+    ));
+    let base = format!("http://127.0.0.1:{http_port}");
+
+    let mut alive = None;
+    for _ in 0..500 {
+        alive = http_status(&format!("{base}/healthz")).await;
+        if alive.is_some() {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    assert_eq!(alive, Some(200), "/healthz answers while Redis is away");
+    assert_eq!(http_status(&format!("{base}/readyz")).await, Some(503));
+
+    redis.restart().unwrap();
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    assert!(!starting.is_finished(), "started without a broker");
+    assert_eq!(
+        http_status(&format!("{base}/readyz")).await,
+        Some(503),
+        "ready without a broker"
+    );
+
+    let forwarder = broker_comes_up_on(broker_port).await;
+    let replica = starting
+        .await
+        .unwrap()
+        .expect("the replica starts once both are up");
+    assert_eq!(http_status(&format!("{base}/readyz")).await, Some(200));
+    p.publish("S-late", 30).await;
+    let stats = p.wait_registered(30).await;
+    assert_eq!((stats.registered, stats.violations), (30, 0), "{stats:?}");
+    shutdown.cancel();
+    replica.wait().await.unwrap();
+    forwarder.abort();
+    p.cleanup().await;
+}
+
+#[tokio::test]
+async fn sigterm_under_load_finishes_in_flight_calls_returns_the_rest_and_exits_zero() {
+    // A slow downstream keeps all 16 workers busy, and limits hold or delay most messages.
+    let mut p = Pipeline::with_mock("sigterm-load", "20/1s", 300).await;
+    for seller in ["S-a", "S-b", "S-c", "S-d", "S-e"] {
+        p.publish(seller, 60).await;
+    }
+    let mut child = spawn_consumer(&p, 16);
+    eventually("some registered", || p.mock.stats().registered >= 40).await;
+    let in_flight_at_signal = p.mock.stats();
+    let signalled = std::time::Instant::now();
+    let term = Command::new("kill")
+        .args(["-TERM", &child.id().to_string()])
+        .status()
+        .unwrap();
+    assert!(term.success());
+    let exited = tokio::task::spawn_blocking(move || {
+        // A guard against a hang (the replica's own grace is 8 s), not a speed check.
+        for _ in 0..600 {
+            if let Some(status) = child.try_wait().unwrap() {
+                return Some(status);
+            }
+            std::thread::sleep(Duration::from_millis(50));
+        }
+        let _ = child.kill();
+        None
+    })
+    .await
+    .unwrap();
+    let took = signalled.elapsed();
+    let status = exited.expect("the replica exits after SIGTERM");
+    println!(
+        "SIGTERM with {} registered: exit {:?} after {took:?}",
+        in_flight_at_signal.registered,
+        status.code()
+    );
+    assert_eq!(status.code(), Some(0), "exit code after SIGTERM");
+
+    p.start_replicas(1, 16).await;
+    let stats = p.wait_registered(300).await;
+    p.stop_replicas().await;
+    assert_eq!(
+        (stats.registered, stats.duplicates, stats.violations),
+        (300, 0, 0),
+        "{stats:?}"
+    );
+    assert_eq!(p.broker.depth_everywhere().await, 0);
+    p.cleanup().await;
 }

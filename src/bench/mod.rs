@@ -4,6 +4,7 @@
 pub mod faults;
 mod permits;
 pub mod scenario;
+pub mod throughput;
 
 use std::process::ExitCode;
 use std::time::Duration;
@@ -30,6 +31,9 @@ pub enum BenchCommand {
     },
     /// A busy seller's backlog ahead of many small sellers, against a strict downstream.
     Scenario(Box<scenario::ScenarioArgs>),
+    /// Drain rate with limits out of the way, beside a bare ack loop and a bare parse-POST-ack
+    /// loop on the same broker; Redis round trips per message; permit latency; 1..N replicas.
+    Throughput(Box<throughput::ThroughputArgs>),
     /// A workload while a replica is SIGKILLed, Redis restarts and broker connections are cut.
     Faults(Box<faults::FaultArgs>),
 }
@@ -46,6 +50,11 @@ pub async fn run(which: BenchCommand) -> anyhow::Result<ExitCode> {
         }
         BenchCommand::Faults(args) => {
             if !faults::run(*args).await? {
+                return Ok(ExitCode::FAILURE);
+            }
+        }
+        BenchCommand::Throughput(args) => {
+            if !throughput::run(*args).await? {
                 return Ok(ExitCode::FAILURE);
             }
         }

@@ -1,5 +1,6 @@
 //! One Redis connection type over standalone Redis and Redis Cluster.
 
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Duration;
 
 use anyhow::Context;
@@ -118,8 +119,18 @@ impl RedisConn {
     }
 }
 
+/// Requests sent to Redis by this process (a pipeline counts once): what
+/// `turnstile bench throughput` divides by the messages registered.
+static ROUND_TRIPS: AtomicU64 = AtomicU64::new(0);
+
+/// Requests this process has sent to Redis so far (every connection, a pipeline counting once).
+pub fn round_trips() -> u64 {
+    ROUND_TRIPS.load(Ordering::Relaxed)
+}
+
 impl ConnectionLike for RedisConn {
     fn req_packed_command<'a>(&'a mut self, cmd: &'a Cmd) -> RedisFuture<'a, Value> {
+        ROUND_TRIPS.fetch_add(1, Ordering::Relaxed);
         match self {
             Self::Single(c) => c.req_packed_command(cmd),
             Self::Cluster(c) => c.req_packed_command(cmd),
@@ -131,6 +142,7 @@ impl ConnectionLike for RedisConn {
         offset: usize,
         count: usize,
     ) -> RedisFuture<'a, Vec<Value>> {
+        ROUND_TRIPS.fetch_add(1, Ordering::Relaxed);
         match self {
             Self::Single(c) => c.req_packed_commands(pipeline, offset, count),
             Self::Cluster(c) => c.req_packed_commands(pipeline, offset, count),

@@ -90,26 +90,14 @@ impl TestBroker {
         q.message_count()
     }
 
-    /// Messages the broker holds in any queue of the topology, in any state (ready, unacked,
-    /// awaiting dead-lettering), as `rabbitmqctl list_queues messages` counts them.
+    /// Messages waiting in any queue of the topology (work, delay ladder, dead letters); with
+    /// no consumer running, that is every message the broker still holds.
     pub async fn depth_everywhere(&self) -> u32 {
-        let out = std::process::Command::new("rabbitmqctl")
-            .args(["list_queues", "name", "messages", "-q"])
-            .output()
-            .expect("rabbitmqctl runs");
-        let queues = self.topology.queues();
-        String::from_utf8_lossy(&out.stdout)
-            .lines()
-            .filter_map(|line| {
-                let mut fields = line.split_whitespace();
-                let (name, n) = (fields.next()?, fields.next()?);
-                queues
-                    .iter()
-                    .any(|q| q == name)
-                    .then(|| n.parse::<u32>().ok())
-                    .flatten()
-            })
-            .sum()
+        let mut total = 0;
+        for queue in self.topology.queues() {
+            total += self.depth(&queue).await;
+        }
+        total
     }
 
     pub async fn purge(&self, queue: &str) {

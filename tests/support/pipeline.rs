@@ -85,6 +85,7 @@ impl Pipeline {
             retry_min: Duration::from_millis(100),
             retry_max: Duration::from_secs(1),
             done_ttl: Duration::from_secs(600),
+            shutdown_grace: Duration::from_secs(8),
             downstream: DownstreamArgs {
                 url: self.mock.url(),
                 token: Some("secret-token".into()),

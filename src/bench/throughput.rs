@@ -1,0 +1,492 @@
+//! `turnstile bench throughput`: how fast turnstile drains a backlog with limits out of the way,
+//! beside two loops on the same broker in the same run: a bare consume-and-ack loop (the broker's
+//! own limit) and a bare loop that parses each message, POSTs it to the same downstream and acks
+//! (the same work without permits). Also counts Redis commands per registered message (INFO
+//! commandstats deltas) and the permit latency under that load, for 1, 2, 4... replicas.
+
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::time::{Duration, Instant};
+
+use anyhow::Context;
+use clap::Args;
+use futures::StreamExt;
+use lapin::BasicProperties;
+use lapin::options::{BasicAckOptions, BasicConsumeOptions, BasicQosOptions};
+use lapin::types::FieldTable;
+use serde::Serialize;
+use tokio::sync::Semaphore;
+use tokio_util::sync::CancellationToken;
+
+use crate::broker::{self, Topology};
+use crate::config::{Algorithm, Limit, LimiterArgs};
+use crate::domain::Registration;
+use crate::downstream::{Downstream, DownstreamArgs, Reply};
+use crate::local_redis::LocalRedis;
+use crate::mock_api::{MockArgs, MockServer};
+use crate::permit::{RedisConn, delete_prefix, round_trips};
+use crate::replica::{ConsumeArgs, Replica};
+use crate::rig::{RigArgs, registration_body};
+use crate::worker::{LatencyHistogram, Stats};
+
+#[derive(Args, Debug, Clone)]
+pub struct ThroughputArgs {
+    /// Messages per run.
+    #[arg(long, default_value_t = 20_000)]
+    pub messages: usize,
+    /// Sellers the messages spread over (round robin).
+    #[arg(long, default_value_t = 2_000)]
+    pub sellers: usize,
+    /// The per-seller limit; the default keeps limits out of the way.
+    #[arg(long, default_value = "1000000/1s", value_parser = |s: &str| s.parse::<Limit>().map_err(|e| e.to_string()))]
+    pub limit: Limit,
+    #[arg(long, value_enum, default_value_t = Algorithm::SlidingWindow)]
+    pub algorithm: Algorithm,
+    /// Replica counts to run turnstile with, one run each (e.g. `1,2,4`).
+    #[arg(long, value_delimiter = ',', default_value = "1,2,4")]
+    pub replicas: Vec<usize>,
+    /// Workers per replica (the bare loop runs as many calls at once as one replica).
+    #[arg(long, default_value_t = 64)]
+    pub workers: u32,
+    /// Redis to use; by default a private `redis-server` on a free port, so that the command
+    /// counts are turnstile's alone. A comma-separated list of URLs means Redis Cluster.
+    #[arg(long = "bench-redis-url")]
+    pub redis_url: Option<String>,
+    #[command(flatten)]
+    pub rig: RigArgs,
+    /// Print the results as one JSON object on the last line.
+    #[arg(long)]
+    pub json: bool,
+}
+
+/// One measured run.
+#[derive(Debug, Serialize)]
+pub struct Run {
+    pub name: String,
+    pub messages: u64,
+    pub seconds: f64,
+    pub per_second: f64,
+    /// Versus the bare parse-POST-ack loop of the same run.
+    pub vs_bare_loop: f64,
+    /// Requests replicas sent to Redis (a script call or a pipeline counts once).
+    pub redis_round_trips_per_message: Option<f64>,
+    /// Scripts Redis ran (EVALSHA/EVAL).
+    pub redis_scripts_per_message: Option<f64>,
+    /// Every command Redis executed, those inside scripts included.
+    pub redis_commands_per_message: Option<f64>,
+    pub permit_p50_us: Option<f64>,
+    pub permit_p99_us: Option<f64>,
+    pub violations: Option<u64>,
+    pub duplicates: Option<u64>,
+    pub lost: Option<u64>,
+}
+
+pub async fn run(args: ThroughputArgs) -> anyhow::Result<bool> {
+    anyhow::ensure!(
+        args.messages > 0 && args.sellers > 0,
+        "--messages and --sellers must be positive"
+    );
+    let private_redis;
+    let redis_url = match &args.redis_url {
+        Some(url) => url.clone(),
+        None => {
+            private_redis = LocalRedis::start()?;
+            private_redis.url()
+        }
+    };
+    let mut redis_args = args.rig.redis.clone();
+    redis_args.url = redis_url.clone();
+    let redis = RedisConn::connect(&redis_args).await?;
+    let stop_mock = CancellationToken::new();
+    let mock = MockServer::start(
+        MockArgs {
+            limit: args.limit,
+            addr: "127.0.0.1:0".parse()?,
+            latency_ms: 0,
+            fail_rate: 0.0,
+        },
+        stop_mock.clone(),
+    )
+    .await?;
+    let downstream_args = DownstreamArgs {
+        url: mock.url(),
+        token: None,
+        timeout: Duration::from_secs(10),
+    };
+    let limiter = LimiterArgs {
+        // A private Redis has just started: no cold-start wait, as with a durable Redis.
+        redis_durable: true,
+        ..LimiterArgs::new(args.limit, args.algorithm)
+    };
+    let tag = format!("{:08x}", rand::random::<u32>());
+    let mut settings =
+        args.rig
+            .replica_settings("throughput", limiter, args.workers, Duration::from_secs(2));
+    settings.redis = redis_args.clone();
+    settings.redis.key_prefix = format!("{}-throughput-{tag}", args.rig.redis.key_prefix);
+    settings.downstream = downstream_args.clone();
+    let prefetch = settings.prefetch();
+    println!(
+        "{} messages over {} sellers per run, limit {} ({}), {} workers and prefetch {} per replica, {:?} queues, Redis {}",
+        args.messages,
+        args.sellers,
+        args.limit,
+        args.algorithm,
+        args.workers,
+        prefetch,
+        args.rig.queue_type,
+        crate::permit::redact_url(&redis_url),
+    );
+
+    let mut runs: Vec<Run> = Vec::new();
+    let mut bench = Bench {
+        args: &args,
+        settings,
+        tag,
+        mock: &mock,
+        redis: &redis,
+        round: 0,
+    };
+
+    let (topology, seconds) = bench.backlog().await?;
+    let ack_only = bare_loop(&bench.settings, &topology, args.messages, None).await?;
+    bench.done_with(&topology).await?;
+    runs.push(Run::bare(
+        "ack-only loop (broker limit)",
+        args.messages,
+        ack_only,
+    ));
+    println!(
+        "published {} in {seconds:.2}s for the ack-only loop",
+        args.messages
+    );
+
+    let (topology, _) = bench.backlog().await?;
+    let downstream = Downstream::new(&downstream_args)?;
+    let bare = bare_loop(&bench.settings, &topology, args.messages, Some(&downstream)).await?;
+    bench.done_with(&topology).await?;
+    runs.push(Run::bare(
+        "bare loop: parse, POST, ack",
+        args.messages,
+        bare,
+    ));
+
+    for &replicas in &args.replicas {
+        let run = bench.turnstile(replicas).await?;
+        runs.push(run);
+    }
+    let bare_rate = runs[1].per_second;
+    for run in &mut runs {
+        run.vs_bare_loop = run.per_second / bare_rate;
+    }
+    stop_mock.cancel();
+    delete_prefix(&redis, &bench.settings.redis.key_prefix).await?;
+
+    println!();
+    println!(
+        "{:<30} {:>7} {:>7} {:>8} {:>8} {:>9} {:>11} {:>12} {:>10} {:>9} {:>5} {:>5}",
+        "run",
+        "msgs",
+        "secs",
+        "msg/s",
+        "vs bare",
+        "trips/msg",
+        "scripts/msg",
+        "commands/msg",
+        "permit p50",
+        "p99",
+        "viol",
+        "lost"
+    );
+    let opt = |v: Option<f64>, digits: usize| v.map_or("-".to_owned(), |v| format!("{v:.digits$}"));
+    let opt_n = |v: Option<u64>| v.map_or("-".to_owned(), |v| v.to_string());
+    for r in &runs {
+        println!(
+            "{:<30} {:>7} {:>7.2} {:>8.0} {:>7.2}x {:>9} {:>11} {:>12} {:>8}µs {:>7}µs {:>5} {:>5}",
+            r.name,
+            r.messages,
+            r.seconds,
+            r.per_second,
+            r.vs_bare_loop,
+            opt(r.redis_round_trips_per_message, 2),
+            opt(r.redis_scripts_per_message, 2),
+            opt(r.redis_commands_per_message, 1),
+            opt(r.permit_p50_us, 0),
+            opt(r.permit_p99_us, 0),
+            opt_n(r.violations),
+            opt_n(r.lost),
+        );
+    }
+    let clean = runs
+        .iter()
+        .all(|r| r.lost.unwrap_or(0) == 0 && r.violations.unwrap_or(0) == 0);
+    if args.json {
+        println!("{}", serde_json::to_string(&runs)?);
+    }
+    Ok(clean)
+}
+
+impl Run {
+    fn bare(name: &str, messages: usize, took: Duration) -> Self {
+        Self {
+            name: name.to_owned(),
+            messages: messages as u64,
+            seconds: took.as_secs_f64(),
+            per_second: messages as f64 / took.as_secs_f64(),
+            vs_bare_loop: 0.0,
+            redis_round_trips_per_message: None,
+            redis_scripts_per_message: None,
+            redis_commands_per_message: None,
+            permit_p50_us: None,
+            permit_p99_us: None,
+            violations: None,
+            duplicates: None,
+            lost: None,
+        }
+    }
+}
+
+struct Bench<'a> {
+    args: &'a ThroughputArgs,
+    settings: ConsumeArgs,
+    tag: String,
+    mock: &'a MockServer,
+    redis: &'a RedisConn,
+    round: usize,
+}
+
+impl Bench<'_> {
+    /// A fresh queue with the whole workload published to it (ids unique to this round).
+    async fn backlog(&mut self) -> anyhow::Result<(Topology, f64)> {
+        self.round += 1;
+        let mut broker_args = self.settings.broker.clone();
+        broker_args.queue = format!("turnstile-throughput-{}-{}", self.tag, self.round);
+        let (connection, publisher, topology) = broker_args.open("turnstile bench").await?;
+        let started = Instant::now();
+        let queue = topology.work().to_owned();
+        let round = self.round;
+        let sellers = self.args.sellers;
+        let results: Vec<_> = futures::stream::iter(0..self.args.messages)
+            .map(|i| {
+                let (publisher, queue) = (&publisher, &queue);
+                async move {
+                    let body = registration_body(
+                        &format!("r{round}-m{i}"),
+                        &format!("S-{}", i % sellers),
+                        None,
+                        serde_json::json!({"sku": i, "name": "bench product"}),
+                    );
+                    let properties =
+                        BasicProperties::default().with_content_type("application/json".into());
+                    publisher.publish("", queue, &body, properties).await
+                }
+            })
+            .buffer_unordered(512)
+            .collect()
+            .await;
+        for r in results {
+            r.context("publishing the backlog")?;
+        }
+        let seconds = started.elapsed().as_secs_f64();
+        let _ = connection.close(200, "published".into()).await;
+        Ok((topology, seconds))
+    }
+
+    async fn done_with(&self, topology: &Topology) -> anyhow::Result<()> {
+        let connection = broker::connect(&self.settings.broker.amqp_url, "turnstile bench").await?;
+        let channel = connection.create_channel().await?;
+        topology.delete(&channel).await?;
+        let _ = connection.close(200, "done".into()).await;
+        Ok(())
+    }
+
+    /// `replicas` replicas drain a fresh backlog; Redis commands are counted around the run.
+    async fn turnstile(&mut self, replicas: usize) -> anyhow::Result<Run> {
+        let (topology, _) = self.backlog().await?;
+        let before_mock = self.mock.stats();
+        let commands_before = command_calls(self.redis).await?;
+        let trips_before = round_trips();
+        let mut settings = self.settings.clone();
+        settings.broker.queue = topology.work().to_owned();
+        let stop = CancellationToken::new();
+        let started = Instant::now();
+        let mut running = Vec::new();
+        for _ in 0..replicas {
+            running.push(Replica::start(settings.clone(), stop.clone()).await?);
+        }
+        let target = self.args.messages as u64;
+        let deadline = Instant::now() + Duration::from_secs(600);
+        loop {
+            let settled: u64 = running
+                .iter()
+                .map(|r| {
+                    r.stats.registered.load(Ordering::Relaxed)
+                        + r.stats.dead_lettered.load(Ordering::Relaxed)
+                })
+                .sum();
+            if settled >= target || Instant::now() > deadline {
+                break;
+            }
+            tokio::time::sleep(Duration::from_millis(5)).await;
+        }
+        let took = started.elapsed();
+        let latency = LatencyHistogram::default();
+        let stats: Vec<Arc<Stats>> = running.iter().map(|r| r.stats.clone()).collect();
+        stop.cancel();
+        for replica in running {
+            replica.wait().await?;
+        }
+        for s in &stats {
+            latency.absorb(&s.permit_latency);
+        }
+        let trips = round_trips() - trips_before;
+        let commands_after = command_calls(self.redis).await?;
+        let after_mock = self.mock.stats();
+        self.done_with(&topology).await?;
+        let registered = after_mock.registered - before_mock.registered;
+        let commands = commands_after
+            .total
+            .saturating_sub(commands_before.total + commands_before.nodes);
+        let scripts = commands_after.scripts - commands_before.scripts;
+        let per_message = |n: u64| Some(n as f64 / registered.max(1) as f64);
+        Ok(Run {
+            name: format!(
+                "turnstile, {replicas} replica{}",
+                if replicas == 1 { "" } else { "s" }
+            ),
+            messages: registered,
+            seconds: took.as_secs_f64(),
+            per_second: registered as f64 / took.as_secs_f64(),
+            vs_bare_loop: 0.0,
+            redis_round_trips_per_message: per_message(trips),
+            redis_scripts_per_message: per_message(scripts),
+            redis_commands_per_message: per_message(commands),
+            permit_p50_us: Some(latency.quantile(0.5).as_secs_f64() * 1e6),
+            permit_p99_us: Some(latency.quantile(0.99).as_secs_f64() * 1e6),
+            violations: Some(after_mock.violations - before_mock.violations),
+            duplicates: Some(after_mock.duplicates - before_mock.duplicates),
+            lost: Some(target.saturating_sub(registered)),
+        })
+    }
+}
+
+/// A bare consumer: with `downstream`, parses each message, POSTs it (as many at once as a
+/// replica's workers) and acks; without, acks each delivery as it comes. Returns the time to
+/// drain `messages`.
+async fn bare_loop(
+    settings: &ConsumeArgs,
+    topology: &Topology,
+    messages: usize,
+    downstream: Option<&Downstream>,
+) -> anyhow::Result<Duration> {
+    let started = Instant::now();
+    let connection =
+        broker::connect(&settings.broker.amqp_url, "turnstile bench bare loop").await?;
+    let channel = connection.create_channel().await?;
+    channel
+        .basic_qos(settings.prefetch(), BasicQosOptions::default())
+        .await?;
+    let mut consumer = channel
+        .basic_consume(
+            topology.work().into(),
+            "bare".into(),
+            BasicConsumeOptions::default(),
+            FieldTable::default(),
+        )
+        .await?;
+    let done = Arc::new(AtomicU64::new(0));
+    let workers = Arc::new(Semaphore::new(settings.workers as usize));
+    let tasks = tokio_util::task::TaskTracker::new();
+    let mut received = 0;
+    while received < messages {
+        let delivery = consumer
+            .next()
+            .await
+            .context("the bare loop's consumer ended")??;
+        received += 1;
+        match downstream {
+            None => {
+                delivery.acker.ack(BasicAckOptions::default()).await?;
+                done.fetch_add(1, Ordering::Relaxed);
+            }
+            Some(downstream) => {
+                let worker = workers.clone().acquire_owned().await?;
+                let (downstream, done) = (downstream.clone(), done.clone());
+                tasks.spawn(async move {
+                    let registration = Registration::parse(&delivery.data, None)
+                        .expect("the bench publishes valid registrations");
+                    let reply = downstream.register(&registration).await;
+                    drop(worker);
+                    if matches!(reply, Reply::Registered) {
+                        let _ = delivery.acker.ack(BasicAckOptions::default()).await;
+                        done.fetch_add(1, Ordering::Relaxed);
+                    }
+                });
+            }
+        }
+    }
+    tasks.close();
+    tasks.wait().await;
+    let took = started.elapsed();
+    let _ = connection.close(200, "done".into()).await;
+    anyhow::ensure!(
+        done.load(Ordering::Relaxed) == messages as u64,
+        "the bare loop registered {} of {messages}",
+        done.load(Ordering::Relaxed)
+    );
+    Ok(took)
+}
+
+/// What Redis has executed so far, summed over every node: scripts called (EVALSHA, EVAL) and
+/// all commands (the commands scripts run inside Redis included).
+struct CommandCalls {
+    scripts: u64,
+    total: u64,
+    /// Nodes asked (each INFO call itself counts one command on its node).
+    nodes: u64,
+}
+
+async fn command_calls(redis: &RedisConn) -> anyhow::Result<CommandCalls> {
+    let mut conn = redis.clone();
+    let infos: Vec<String> = match redis {
+        RedisConn::Single(_) => vec![
+            redis::cmd("INFO")
+                .arg("commandstats")
+                .query_async(&mut conn)
+                .await?,
+        ],
+        RedisConn::Cluster(_) => {
+            let by_node: std::collections::HashMap<String, String> = redis::cmd("INFO")
+                .arg("commandstats")
+                .query_async(&mut conn)
+                .await
+                .context("INFO commandstats on every node")?;
+            by_node.into_values().collect()
+        }
+    };
+    let mut calls = CommandCalls {
+        scripts: 0,
+        total: 0,
+        nodes: infos.len() as u64,
+    };
+    for info in &infos {
+        for line in info.lines() {
+            let Some((name, rest)) = line
+                .strip_prefix("cmdstat_")
+                .and_then(|l| l.split_once(':'))
+            else {
+                continue;
+            };
+            let n: u64 = rest
+                .split(',')
+                .find_map(|f| f.strip_prefix("calls="))
+                .and_then(|v| v.parse().ok())
+                .unwrap_or(0);
+            calls.total += n;
+            if name.starts_with("eval") {
+                calls.scripts += n;
+            }
+        }
+    }
+    Ok(calls)
+}
