@@ -59,6 +59,68 @@ pub struct ThroughputArgs {
     pub json: bool,
 }
 
+/// CPU time used so far by the broker, the Redis servers and this process, from /proc (Linux).
+#[derive(Clone, Copy, Debug, Default)]
+struct Cpu {
+    broker: f64,
+    redis: f64,
+    this: f64,
+}
+
+/// Processes whose command line names them: RabbitMQ's `beam.smp`, `redis-server` on `ports`.
+fn cpu_now(redis_ports: &[u16]) -> Cpu {
+    let ticks = 100.0; // USER_HZ on Linux
+    let seconds = |pid: &str| -> f64 {
+        std::fs::read_to_string(format!("/proc/{pid}/stat"))
+            .ok()
+            .and_then(|stat| {
+                let fields: Vec<&str> = stat.rsplit_once(')')?.1.split_whitespace().collect();
+                let user: f64 = fields.get(11)?.parse().ok()?;
+                let system: f64 = fields.get(12)?.parse().ok()?;
+                Some((user + system) / ticks)
+            })
+            .unwrap_or(0.0)
+    };
+    let mut cpu = Cpu {
+        this: seconds("self"),
+        ..Cpu::default()
+    };
+    let Ok(entries) = std::fs::read_dir("/proc") else {
+        return cpu;
+    };
+    for entry in entries.flatten() {
+        let pid = entry.file_name().to_string_lossy().into_owned();
+        if !pid.bytes().all(|b| b.is_ascii_digit()) {
+            continue;
+        }
+        let Ok(cmdline) = std::fs::read(format!("/proc/{pid}/cmdline")) else {
+            continue;
+        };
+        let cmdline = String::from_utf8_lossy(&cmdline).replace('\0', " ");
+        if cmdline.contains("beam.smp") && cmdline.contains("rabbit") {
+            cpu.broker += seconds(&pid);
+        } else if cmdline.starts_with("redis-server")
+            && redis_ports
+                .iter()
+                .any(|p| cmdline.contains(&format!(":{p}")) || cmdline.contains(&format!("--port {p}")))
+        {
+            cpu.redis += seconds(&pid);
+        }
+    }
+    cpu
+}
+
+impl std::ops::Sub for Cpu {
+    type Output = Cpu;
+    fn sub(self, before: Cpu) -> Cpu {
+        Cpu {
+            broker: self.broker - before.broker,
+            redis: self.redis - before.redis,
+            this: self.this - before.this,
+        }
+    }
+}
+
 /// One measured run.
 #[derive(Debug, Serialize)]
 pub struct Run {
@@ -79,6 +141,11 @@ pub struct Run {
     pub violations: Option<u64>,
     pub duplicates: Option<u64>,
     pub lost: Option<u64>,
+    /// CPU time per message (µs): the broker, Redis, and this process (consumers and the
+    /// in-process downstream together). On 2 cores their sum bounds the rate.
+    pub cpu_broker_us: f64,
+    pub cpu_redis_us: f64,
+    pub cpu_process_us: f64,
 }
 
 pub async fn run(args: ThroughputArgs) -> anyhow::Result<bool> {
@@ -145,32 +212,21 @@ pub async fn run(args: ThroughputArgs) -> anyhow::Result<bool> {
         tag,
         mock: &mock,
         redis: &redis,
+        redis_ports: redis_url
+            .split(',')
+            .filter_map(|u| u.trim().rsplit_once(':'))
+            .filter_map(|(_, port)| port.trim_end_matches('/').parse().ok())
+            .collect(),
         round: 0,
     };
 
-    let (topology, seconds) = bench.backlog().await?;
-    let ack_only = bare_loop(&bench.settings, &topology, args.messages, None).await?;
-    bench.done_with(&topology).await?;
-    runs.push(Run::bare(
-        "ack-only loop (broker limit)",
-        args.messages,
-        ack_only,
-    ));
-    println!(
-        "published {} in {seconds:.2}s for the ack-only loop",
-        args.messages
-    );
-
-    let (topology, _) = bench.backlog().await?;
+    runs.push(bench.bare("ack-only loop (broker limit)", None).await?);
     let downstream = Downstream::new(&downstream_args)?;
-    let bare = bare_loop(&bench.settings, &topology, args.messages, Some(&downstream)).await?;
-    bench.done_with(&topology).await?;
-    runs.push(Run::bare(
-        "bare loop: parse, POST, ack",
-        args.messages,
-        bare,
-    ));
-
+    runs.push(
+        bench
+            .bare("bare loop: parse, POST, ack", Some(&downstream))
+            .await?,
+    );
     for &replicas in &args.replicas {
         let run = bench.turnstile(replicas).await?;
         runs.push(run);
@@ -202,7 +258,7 @@ pub async fn run(args: ThroughputArgs) -> anyhow::Result<bool> {
     let opt_n = |v: Option<u64>| v.map_or("-".to_owned(), |v| v.to_string());
     for r in &runs {
         println!(
-            "{:<30} {:>7} {:>7.2} {:>8.0} {:>7.2}x {:>9} {:>11} {:>12} {:>8}µs {:>7}µs {:>5} {:>5}",
+            "{:<30} {:>7} {:>7.2} {:>8.0} {:>7.2}x {:>9} {:>11} {:>12} {:>8}µs {:>7}µs {:>5} {:>5}   {:>7.0} + {:>5.0} + {:>5.0}",
             r.name,
             r.messages,
             r.seconds,
@@ -215,6 +271,9 @@ pub async fn run(args: ThroughputArgs) -> anyhow::Result<bool> {
             opt(r.permit_p99_us, 0),
             opt_n(r.violations),
             opt_n(r.lost),
+            r.cpu_broker_us,
+            r.cpu_redis_us,
+            r.cpu_process_us,
         );
     }
     let clean = runs
@@ -242,7 +301,18 @@ impl Run {
             violations: None,
             duplicates: None,
             lost: None,
+            cpu_broker_us: 0.0,
+            cpu_redis_us: 0.0,
+            cpu_process_us: 0.0,
         }
+    }
+
+    fn with_cpu(mut self, used: Cpu) -> Self {
+        let per = |s: f64| s * 1e6 / self.messages.max(1) as f64;
+        self.cpu_broker_us = per(used.broker);
+        self.cpu_redis_us = per(used.redis);
+        self.cpu_process_us = per(used.this);
+        self
     }
 }
 
@@ -252,17 +322,27 @@ struct Bench<'a> {
     tag: String,
     mock: &'a MockServer,
     redis: &'a RedisConn,
+    redis_ports: Vec<u16>,
     round: usize,
 }
 
 impl Bench<'_> {
+    /// A bare loop (see [`bare_loop`]) drains a fresh backlog.
+    async fn bare(&mut self, name: &str, downstream: Option<&Downstream>) -> anyhow::Result<Run> {
+        let topology = self.backlog().await?;
+        let cpu = cpu_now(&self.redis_ports);
+        let took = bare_loop(&self.settings, &topology, self.args.messages, downstream).await?;
+        let used = cpu_now(&self.redis_ports) - cpu;
+        self.done_with(&topology).await?;
+        Ok(Run::bare(name, self.args.messages, took).with_cpu(used))
+    }
+
     /// A fresh queue with the whole workload published to it (ids unique to this round).
-    async fn backlog(&mut self) -> anyhow::Result<(Topology, f64)> {
+    async fn backlog(&mut self) -> anyhow::Result<Topology> {
         self.round += 1;
         let mut broker_args = self.settings.broker.clone();
         broker_args.queue = format!("turnstile-throughput-{}-{}", self.tag, self.round);
         let (connection, publisher, topology) = broker_args.open("turnstile bench").await?;
-        let started = Instant::now();
         let queue = topology.work().to_owned();
         let round = self.round;
         let sellers = self.args.sellers;
@@ -287,9 +367,8 @@ impl Bench<'_> {
         for r in results {
             r.context("publishing the backlog")?;
         }
-        let seconds = started.elapsed().as_secs_f64();
         let _ = connection.close(200, "published".into()).await;
-        Ok((topology, seconds))
+        Ok(topology)
     }
 
     async fn done_with(&self, topology: &Topology) -> anyhow::Result<()> {
@@ -302,10 +381,11 @@ impl Bench<'_> {
 
     /// `replicas` replicas drain a fresh backlog; Redis commands are counted around the run.
     async fn turnstile(&mut self, replicas: usize) -> anyhow::Result<Run> {
-        let (topology, _) = self.backlog().await?;
+        let topology = self.backlog().await?;
         let before_mock = self.mock.stats();
         let commands_before = command_calls(self.redis).await?;
         let trips_before = round_trips();
+        let cpu = cpu_now(&self.redis_ports);
         let mut settings = self.settings.clone();
         settings.broker.queue = topology.work().to_owned();
         let stop = CancellationToken::new();
@@ -340,6 +420,7 @@ impl Bench<'_> {
             latency.absorb(&s.permit_latency);
         }
         let trips = round_trips() - trips_before;
+        let used = cpu_now(&self.redis_ports) - cpu;
         let commands_after = command_calls(self.redis).await?;
         let after_mock = self.mock.stats();
         self.done_with(&topology).await?;
@@ -366,7 +447,11 @@ impl Bench<'_> {
             violations: Some(after_mock.violations - before_mock.violations),
             duplicates: Some(after_mock.duplicates - before_mock.duplicates),
             lost: Some(target.saturating_sub(registered)),
-        })
+            cpu_broker_us: 0.0,
+            cpu_redis_us: 0.0,
+            cpu_process_us: 0.0,
+        }
+        .with_cpu(used))
     }
 }
 
