@@ -252,14 +252,55 @@ async fn measure(args: &SellersArgs, target: &Target, base: &str) -> anyhow::Res
         });
     }
 
+    let mut completion = completion_records(args, target, base, baseline_set_bytes).await?;
+    let idle = idle(args, target, base, &mut algorithms).await?;
+    let done_keys = keys_matching(conn, &format!("{base}:*")).await?;
+    completion.records_after_idle = done_keys.iter().filter(|k| k.contains(":done:")).count();
+    let ttl_ms: i64 = redis::cmd("PTTL")
+        .arg(
+            limiter_store(conn, base, args.limit, Algorithm::SlidingWindow)
+                .done_key(&seller(0), &message(0, 0)),
+        )
+        .query_async(&mut conn.clone())
+        .await?;
+    completion.ttl_left_s = ttl_ms as f64 / 1000.0;
+
+    let replica_sellers = args.replica_sellers.unwrap_or(n);
+    let replica = if replica_sellers == 0 {
+        None
+    } else {
+        Some(replica_memory(args, target, replica_sellers).await?)
+    };
+
+    Ok(Summary {
+        sellers: n,
+        permits: args.permits,
+        limit: args.limit.to_string(),
+        idle_limit: args.idle_limit.to_string(),
+        redis: target.shown.clone(),
+        baseline_set_bytes,
+        algorithms,
+        completion,
+        idle,
+        replica,
+    })
+}
+
+/// Completion records (`PermitStore::complete`: done key and the upload's hash), one upload of
+/// `--messages-per-seller` messages per seller, kept for `--done-ttl`.
+async fn completion_records(
+    args: &SellersArgs,
+    target: &Target,
+    base: &str,
+    baseline_set_bytes: f64,
+) -> anyhow::Result<CompletionFigures> {
     eprintln!("  completion records");
-    let done_prefix = base;
     let per_seller = args.messages_per_seller.max(1);
-    let records = n * per_seller;
-    let done_store = limiter_store(conn, done_prefix, args.limit, Algorithm::SlidingWindow);
+    let records = args.sellers * per_seller;
+    let store = limiter_store(&target.conn, base, args.limit, Algorithm::SlidingWindow);
     let batch = BatchId::parse("products-0123abcd").expect("a valid batch id");
-    let bytes_per_record = bytes_per(target, done_prefix, records, args.concurrency, |r| {
-        let store = done_store.clone();
+    let bytes_per_record = bytes_per(target, base, records, args.concurrency, |r| {
+        let store = store.clone();
         let batch = batch.clone();
         let (s, m) = (r / per_seller, r % per_seller);
         async move {
@@ -277,52 +318,26 @@ async fn measure(args: &SellersArgs, target: &Target, base: &str) -> anyhow::Res
         }
     })
     .await?;
-    let done_usage = mean_usage(
-        conn,
-        sample(n).map(|s| done_store.done_key(&seller(s), &message(s, 0))),
+    let sampled = || sample(args.sellers);
+    let done_key_memory_usage = mean_usage(
+        &target.conn,
+        sampled().map(|s| store.done_key(&seller(s), &message(s, 0))),
     )
     .await?;
-    let batch_usage = mean_usage(
-        conn,
-        sample(n).map(|s| done_store.batch_key(&seller(s), &batch)),
+    let batch_key_memory_usage = mean_usage(
+        &target.conn,
+        sampled().map(|s| store.batch_key(&seller(s), &batch)),
     )
     .await?;
-
-    let idle = idle(args, target, base, &mut algorithms).await?;
-    let done_keys = keys_matching(conn, &format!("{done_prefix}:*")).await?;
-    let records_after_idle = done_keys.iter().filter(|k| k.contains(":done:")).count();
-    let ttl_ms: i64 = redis::cmd("PTTL")
-        .arg(done_store.done_key(&seller(0), &message(0, 0)))
-        .query_async(&mut conn.clone())
-        .await?;
-
-    let replica_sellers = args.replica_sellers.unwrap_or(n);
-    let replica = if replica_sellers == 0 {
-        None
-    } else {
-        Some(replica_memory(args, target, replica_sellers).await?)
-    };
-
-    Ok(Summary {
-        sellers: n,
-        permits: args.permits,
-        limit: args.limit.to_string(),
-        idle_limit: args.idle_limit.to_string(),
-        redis: target.shown.clone(),
-        baseline_set_bytes,
-        algorithms,
-        completion: CompletionFigures {
-            records,
-            bytes_per_record,
-            done_key_memory_usage: done_usage,
-            batch_key_memory_usage: batch_usage,
-            ratio_to_baseline: bytes_per_record / baseline_set_bytes,
-            records_after_idle,
-            ttl_left_s: ttl_ms as f64 / 1000.0,
-            projected_bytes_10k_sellers_x_500: bytes_per_record * 10_000.0 * 500.0,
-        },
-        idle,
-        replica,
+    Ok(CompletionFigures {
+        records,
+        bytes_per_record,
+        done_key_memory_usage,
+        batch_key_memory_usage,
+        ratio_to_baseline: bytes_per_record / baseline_set_bytes,
+        records_after_idle: 0,
+        ttl_left_s: 0.0,
+        projected_bytes_10k_sellers_x_500: bytes_per_record * 10_000.0 * 500.0,
     })
 }
 
