@@ -4,6 +4,7 @@
 pub mod faults;
 mod permits;
 pub mod scenario;
+pub mod sellers;
 pub mod throughput;
 
 use std::process::ExitCode;
@@ -36,6 +37,9 @@ pub enum BenchCommand {
     Throughput(Box<throughput::ThroughputArgs>),
     /// A workload while a replica is SIGKILLed, Redis restarts and broker connections are cut.
     Faults(Box<faults::FaultArgs>),
+    /// Ten thousand active sellers: Redis memory per seller for each algorithm, keys gone after
+    /// idleness, and a replica's memory as it serves them.
+    Sellers(Box<sellers::SellersArgs>),
 }
 
 pub async fn run(which: BenchCommand) -> anyhow::Result<ExitCode> {
@@ -60,6 +64,11 @@ pub async fn run(which: BenchCommand) -> anyhow::Result<ExitCode> {
         }
         BenchCommand::Scenario(args) => {
             if !scenario::run(*args).await? {
+                return Ok(ExitCode::FAILURE);
+            }
+        }
+        BenchCommand::Sellers(args) => {
+            if !sellers::run(*args).await? {
                 return Ok(ExitCode::FAILURE);
             }
         }
