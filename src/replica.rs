@@ -17,7 +17,7 @@ use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
 use tracing::{info, warn};
 
-use crate::broker::{self, BrokerArgs, Publisher, Topology};
+use crate::broker::{self, BrokerArgs, Publisher, Settler, Topology};
 use crate::config::{LimiterArgs, RedisArgs, duration_arg};
 use crate::downstream::{Downstream, DownstreamArgs};
 use crate::http::{self, Listen, Readiness};
@@ -154,6 +154,7 @@ impl Replica {
 struct Session {
     connection: lapin::Connection,
     publisher: Publisher,
+    settler: Settler,
     consumer: lapin::Consumer,
     consumer_channel: lapin::Channel,
     tag: String,
@@ -190,6 +191,7 @@ impl Session {
         Ok(Self {
             connection,
             publisher,
+            settler: Settler::new(consumer_channel.clone()),
             consumer,
             consumer_channel,
             tag,
@@ -261,9 +263,11 @@ async fn run(
                 _ = shutdown.cancelled() => break true,
                 next = current.consumer.next() => match next {
                     Some(Ok(delivery)) => {
+                        current.settler.received(delivery.delivery_tag);
                         let (worker, publisher) = (worker.clone(), current.publisher.clone());
+                        let settler = current.settler.clone();
                         let (shutdown, lost) = (shutdown.clone(), connection_lost.clone());
-                        tracker.spawn(async move { worker.process(delivery, &publisher, &shutdown, &lost).await });
+                        tracker.spawn(async move { worker.process(delivery, &publisher, &settler, &shutdown, &lost).await });
                     }
                     Some(Err(error)) => {
                         warn!(%error, "broker connection lost");
@@ -294,6 +298,9 @@ async fn run(
                     unsettled = tracker.len(),
                     "shutdown grace over: closing with calls in flight; the broker redelivers their messages"
                 );
+            }
+            if let Err(error) = current.settler.flush().await {
+                warn!(%error, "last acks not sent; the broker redelivers those messages (their completion records keep them from being called again)");
             }
             let _ = current.connection.close(200, "shutdown".into()).await;
             info!("stopped");

@@ -12,13 +12,12 @@ use std::time::Duration;
 
 use backon::{BackoffBuilder, ExponentialBuilder, Retryable};
 use lapin::message::Delivery;
-use lapin::options::{BasicAckOptions, BasicNackOptions};
 use lapin::types::AMQPValue;
 use tokio::sync::Semaphore;
 use tokio_util::sync::CancellationToken;
 use tracing::{Instrument, debug, info_span, warn};
 
-use crate::broker::{Publisher, Topology, header_str, header_u64, headers, long_string};
+use crate::broker::{Publisher, Settler, Topology, header_str, header_u64, headers, long_string};
 use crate::domain::Registration;
 use crate::downstream::{Downstream, Reply};
 use crate::permit::{Decision, PermitError, PermitStore, Reservation};
@@ -225,6 +224,7 @@ impl Worker {
         &self,
         delivery: Delivery,
         publisher: &Publisher,
+        settler: &Settler,
         shutdown: &CancellationToken,
         connection_lost: &CancellationToken,
     ) {
@@ -261,7 +261,7 @@ impl Worker {
         }
         .instrument(span.clone())
         .await;
-        self.settle(delivery, outcome, publisher)
+        self.settle(delivery, outcome, publisher, settler)
             .instrument(span)
             .await;
     }
@@ -482,7 +482,13 @@ impl Worker {
     }
 
     /// Applies an outcome: the one place that acks, nacks, delays or dead-letters.
-    pub async fn settle(&self, delivery: Delivery, outcome: Outcome, publisher: &Publisher) {
+    pub async fn settle(
+        &self,
+        delivery: Delivery,
+        outcome: Outcome,
+        publisher: &Publisher,
+        settler: &Settler,
+    ) {
         let published = match &outcome {
             Outcome::Registered | Outcome::AlreadyDone | Outcome::Requeue => Ok(()),
             Outcome::Delay {
@@ -521,34 +527,24 @@ impl Worker {
             Outcome::DeadLetter { .. } => (&self.stats.dead_lettered, "dead_lettered"),
             Outcome::Requeue => (&self.stats.requeued, "requeued"),
         };
+        let tag = delivery.delivery_tag;
         let result = match published {
             Ok(()) if outcome != Outcome::Requeue => {
                 counter.fetch_add(1, Ordering::Relaxed);
                 metrics::counter!("turnstile_outcomes_total", "outcome" => label).increment(1);
-                delivery.acker.ack(BasicAckOptions::default()).await
+                settler.ack(tag);
+                Ok(())
             }
             Ok(()) => {
                 counter.fetch_add(1, Ordering::Relaxed);
                 metrics::counter!("turnstile_outcomes_total", "outcome" => label).increment(1);
-                delivery
-                    .acker
-                    .nack(BasicNackOptions {
-                        requeue: true,
-                        ..Default::default()
-                    })
-                    .await
+                settler.requeue(tag).await
             }
             Err(error) => {
                 warn!(%error, "republishing failed; returning the message to the broker");
                 metrics::counter!("turnstile_broker_errors_total").increment(1);
                 self.stats.requeued.fetch_add(1, Ordering::Relaxed);
-                delivery
-                    .acker
-                    .nack(BasicNackOptions {
-                        requeue: true,
-                        ..Default::default()
-                    })
-                    .await
+                settler.requeue(tag).await
             }
         };
         if let Err(error) = result {

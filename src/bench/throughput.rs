@@ -100,9 +100,9 @@ fn cpu_now(redis_ports: &[u16]) -> Cpu {
         if cmdline.contains("beam.smp") && cmdline.contains("rabbit") {
             cpu.broker += seconds(&pid);
         } else if cmdline.starts_with("redis-server")
-            && redis_ports
-                .iter()
-                .any(|p| cmdline.contains(&format!(":{p}")) || cmdline.contains(&format!("--port {p}")))
+            && redis_ports.iter().any(|p| {
+                cmdline.contains(&format!(":{p}")) || cmdline.contains(&format!("--port {p}"))
+            })
         {
             cpu.redis += seconds(&pid);
         }

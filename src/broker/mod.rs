@@ -13,6 +13,8 @@
 //!   Dead-lettering between quorum queues is at-least-once, so no hop can drop a message.
 
 pub mod dead_letters;
+mod settle;
+pub use settle::Settler;
 mod topology;
 
 pub use topology::{QueueType, Topology};
