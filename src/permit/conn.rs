@@ -44,7 +44,7 @@ pub struct RedisClient {
 #[derive(Clone)]
 enum Client {
     Single(redis::Client),
-    Cluster(ClusterClient),
+    Cluster(Box<ClusterClient>),
 }
 
 impl RedisClient {
@@ -65,7 +65,7 @@ impl RedisClient {
                 .build()
                 .with_context(|| format!("TURNSTILE_REDIS_URL {shown:?} is not a valid list of Redis Cluster node URLs"))?;
             Ok(Self {
-                client: Client::Cluster(client),
+                client: Client::Cluster(Box::new(client)),
                 shown,
             })
         } else {

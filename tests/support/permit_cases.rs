@@ -25,7 +25,7 @@ pub async fn acquire_until_granted(store: &PermitStore, seller: &SellerId) -> i6
             .await
             .unwrap();
         match decision {
-            Decision::Granted { slot_us } => return slot_us,
+            Decision::Granted { slot_us, .. } => return slot_us,
             Decision::Wait {
                 retry_after,
                 reservation,
@@ -59,7 +59,7 @@ pub async fn exact_under_contention(backend: Backend, algorithm: Algorithm) {
     let mut slots = Vec::new();
     for t in tasks {
         match t.await.unwrap() {
-            Decision::Granted { slot_us } => slots.push(slot_us),
+            Decision::Granted { slot_us, .. } => slots.push(slot_us),
             Decision::Wait {
                 reservation: Some(r),
                 ..
