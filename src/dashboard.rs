@@ -334,9 +334,10 @@ impl Dashboard {
             .context("reading dead letters by reason")
     }
 
-    /// Registrations per second over the last [`THROUGHPUT_SECONDS`], ending a second ago.
+    /// Registrations per second over the last [`THROUGHPUT_SECONDS`], the current one included
+    /// (replicas record once a second, so the newest second fills in as they do).
     async fn throughput(&self, now_ms: u64) -> anyhow::Result<Throughput> {
-        let end_s = (now_ms / 1000).saturating_sub(1);
+        let end_s = now_ms / 1000;
         let start_s = end_s + 1 - THROUGHPUT_SECONDS;
         let minutes: Vec<u64> = (start_s / 60..=end_s / 60).collect();
         let mut pipe = redis::pipe();
