@@ -15,9 +15,11 @@
 --          +2 = Redis keeps its data across restarts (no cold-start wait, see the prelude)
 -- ARGV[5]  HORIZON in µs: a slot further away than this is never reserved
 -- ARGV[6]  TOKEN (unused)
--- Returns {STATUS, SLOT_US, NOW_US, COUNT, WINDOW_US, EPOCH}
+-- Returns {STATUS, SLOT_US, NOW_US, COUNT, WINDOW_US, EPOCH, USED_PERMILLE}
 --   STATUS 1 = granted (call now), 2 = reserved (call at SLOT), 0 = denied (come back at SLOT),
 --   3 = the message already registered (KEYS[4] exists);
+--   USED_PERMILLE (with STATUS 1; EPOCH is then '') is how much of the limit is taken after
+--   this grant, in thousandths (slots in the slot's window / COUNT): the near-limit metric;
 --   EPOCH (with STATUS 2) is this Redis server's run id: a reservation is only good on the
 --   server incarnation that holds it (see redeem.lua)
 
@@ -50,4 +52,4 @@ end
 local last_end = (math.max(next_index, index + 1)) * window
 redis.call('PEXPIRE', KEYS[1], math.floor((last_end - now) / 1000) + 1)
 if status == 2 then return {2, slot, now, count, window, server().run_id} end
-return {status, slot, now, count, window}
+return {status, slot, now, count, window, '', math.floor(used * 1000 / count)}

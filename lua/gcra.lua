@@ -15,9 +15,11 @@
 -- ARGV[5]  HORIZON in µs: a slot further away than this is never reserved
 -- ARGV[6]  TOKEN (unused; every algorithm takes the same arguments)
 -- ARGV[7]  BURST (integer >= 1; at most COUNT)
--- Returns {STATUS, SLOT_US, NOW_US, COUNT, WINDOW_US, EPOCH}
+-- Returns {STATUS, SLOT_US, NOW_US, COUNT, WINDOW_US, EPOCH, USED_PERMILLE}
 --   STATUS 1 = granted (call now), 2 = reserved (call at SLOT), 0 = denied (come back at SLOT),
 --   3 = the message already registered (KEYS[4] exists);
+--   USED_PERMILLE (with STATUS 1; EPOCH is then '') is how much of the limit is taken after
+--   this grant, in thousandths (TAT ahead of now / BURST intervals): the near-limit metric;
 --   EPOCH (with STATUS 2) is this Redis server's run id: a reservation is only good on the
 --   server incarnation that holds it (see redeem.lua)
 
@@ -44,4 +46,4 @@ if status == 0 then return {0, slot, now, count, window} end
 local next_tat = tat + interval
 redis.call('SET', KEYS[1], string.format('%.0f', next_tat), 'PX', math.floor((next_tat - now) / 1000) + 1)
 if status == 2 then return {2, slot, now, count, window, server().run_id} end
-return {status, slot, now, count, window}
+return {status, slot, now, count, window, '', math.floor((next_tat - now) * 1000 / (burst * interval))}

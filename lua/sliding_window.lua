@@ -13,9 +13,11 @@
 --          +2 = Redis keeps its data across restarts (no cold-start wait, see the prelude)
 -- ARGV[5]  HORIZON in µs: a slot further away than this is never reserved
 -- ARGV[6]  TOKEN: a string unique to this attempt
--- Returns {STATUS, SLOT_US, NOW_US, COUNT, WINDOW_US, EPOCH}
+-- Returns {STATUS, SLOT_US, NOW_US, COUNT, WINDOW_US, EPOCH, USED_PERMILLE}
 --   STATUS 1 = granted (call now), 2 = reserved (call at SLOT), 0 = denied (come back at SLOT),
 --   3 = the message already registered (KEYS[4] exists);
+--   USED_PERMILLE (with STATUS 1; EPOCH is then '') is how much of the limit is taken after
+--   this grant, in thousandths (slots in the window / COUNT): the near-limit metric;
 --   EPOCH (with STATUS 2) is this Redis server's run id: a reservation is only good on the
 --   server incarnation that holds it (see redeem.lua);
 --   COUNT and WINDOW_US are the limit that applied (override or default).
@@ -47,4 +49,4 @@ redis.call('ZADD', KEYS[1], slot, token)
 local last = tonumber(redis.call('ZRANGE', KEYS[1], -1, -1, 'WITHSCORES')[2])
 redis.call('PEXPIRE', KEYS[1], math.floor((last - now + span) / 1000) + 1)
 if status == 2 then return {2, slot, now, count, window, server().run_id} end
-return {status, slot, now, count, window}
+return {status, slot, now, count, window, '', math.floor((n + 1) * 1000 / count)}

@@ -17,9 +17,11 @@
 -- ARGV[6]  TOKEN (unused)
 -- ARGV[7]  CAPACITY (integer >= 0; 0 = COUNT)
 -- ARGV[8]  REQUESTED tokens (integer >= 1, at most the capacity)
--- Returns {STATUS, SLOT_US, NOW_US, COUNT, WINDOW_US, EPOCH}
+-- Returns {STATUS, SLOT_US, NOW_US, COUNT, WINDOW_US, EPOCH, USED_PERMILLE}
 --   STATUS 1 = granted (call now), 2 = reserved (call at SLOT), 0 = denied (come back at SLOT),
 --   3 = the message already registered (KEYS[4] exists);
+--   USED_PERMILLE (with STATUS 1; EPOCH is then '') is how much of the limit is taken after
+--   this grant, in thousandths (tokens taken / CAPACITY): the near-limit metric;
 --   EPOCH (with STATUS 2) is this Redis server's run id: a reservation is only good on the
 --   server incarnation that holds it (see redeem.lua)
 
@@ -51,4 +53,4 @@ redis.call('HSET', KEYS[1], 'tokens', string.format('%.6f', left), 'ts', string.
 local full_at = slot + (capacity - left) / rate -- idle from then on: the key may go
 redis.call('PEXPIRE', KEYS[1], math.floor((full_at - now) / 1000) + 1)
 if status == 2 then return {2, slot, now, count, window, server().run_id} end
-return {status, slot, now, count, window}
+return {status, slot, now, count, window, '', math.floor((capacity - left) * 1000 / capacity)}

@@ -119,12 +119,37 @@ impl Downstream {
         if let Some(auth) = &self.authorization {
             request = request.header(reqwest::header::AUTHORIZATION, auth.clone());
         }
-        match request.send().await {
-            Ok(response) => classify(response).await,
-            Err(error) if error.is_timeout() => Reply::Transient("timeout".into()),
-            Err(error) if error.is_connect() => Reply::Transient("connection error".into()),
-            Err(error) => Reply::Transient(format!("request failed: {}", error.without_url())),
-        }
+        let started = std::time::Instant::now();
+        let (reply, class) = match request.send().await {
+            Ok(response) => {
+                let class = status_class(response.status());
+                (classify(response).await, class)
+            }
+            Err(error) if error.is_timeout() => (Reply::Transient("timeout".into()), "timeout"),
+            Err(error) if error.is_connect() => {
+                (Reply::Transient("connection error".into()), "error")
+            }
+            Err(error) => (
+                Reply::Transient(format!("request failed: {}", error.without_url())),
+                "error",
+            ),
+        };
+        metrics::counter!("turnstile_downstream_requests_total", "class" => class).increment(1);
+        metrics::histogram!("turnstile_downstream_request_duration_seconds", "class" => class)
+            .record(started.elapsed().as_secs_f64());
+        reply
+    }
+}
+
+/// The `class` label of a downstream answer: `2xx`, `429`, `4xx`, `5xx`, or `error` for any
+/// other status (`timeout` and `error` also stand for calls that got no answer).
+pub fn status_class(status: StatusCode) -> &'static str {
+    match status.as_u16() {
+        200..=299 => "2xx",
+        429 => "429",
+        400..=499 => "4xx",
+        500..=599 => "5xx",
+        _ => "error",
     }
 }
 

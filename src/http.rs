@@ -1,4 +1,5 @@
-//! The replica's HTTP endpoints: `/metrics` (Prometheus), `/healthz`, `/readyz`.
+//! The replica's HTTP endpoints: `/metrics` (Prometheus), `/healthz`, `/readyz`, and the
+//! dashboard: its page at `/` and its data at `/api/dashboard` (see [`crate::dashboard`]).
 
 use std::net::SocketAddr;
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -7,10 +8,14 @@ use std::sync::{Arc, OnceLock};
 use anyhow::Context;
 use axum::Router;
 use axum::extract::State;
-use axum::http::StatusCode;
+use axum::http::{StatusCode, header};
+use axum::response::{Html, IntoResponse, Response};
 use axum::routing::get;
 use metrics_exporter_prometheus::{PrometheusBuilder, PrometheusHandle};
 use tokio_util::sync::CancellationToken;
+
+use crate::dashboard::{self, Dashboard};
+use crate::worker::Stats;
 
 /// The process-wide Prometheus recorder (installed on first use).
 pub fn prometheus() -> &'static PrometheusHandle {
@@ -60,27 +65,70 @@ pub fn parse_addr(s: &str) -> Result<Listen, String> {
         .map_err(|_| format!("{s:?} is not an address such as 0.0.0.0:9464 (or `off`)"))
 }
 
+/// What the endpoints read: readiness, the replica's counters, and its dashboard once the
+/// replica has connected to Redis (until then `/api/dashboard` answers 503).
+#[derive(Clone)]
+pub struct Endpoints {
+    pub ready: Readiness,
+    pub stats: Arc<Stats>,
+    pub dashboard: Arc<OnceLock<Arc<Dashboard>>>,
+}
+
+async fn metrics_page(State(endpoints): State<Endpoints>) -> String {
+    let stats = &endpoints.stats;
+    metrics::gauge!("turnstile_in_flight").set(stats.in_flight.load(Ordering::Relaxed) as f64);
+    metrics::gauge!("turnstile_held_messages").set(stats.held.load(Ordering::Relaxed) as f64);
+    prometheus().render()
+}
+
+async fn readyz(State(endpoints): State<Endpoints>) -> (StatusCode, &'static str) {
+    if endpoints.ready.get() {
+        (StatusCode::OK, "ready\n")
+    } else {
+        (StatusCode::SERVICE_UNAVAILABLE, "not ready\n")
+    }
+}
+
+async fn dashboard_data(State(endpoints): State<Endpoints>) -> Response {
+    let unavailable = |error: String| {
+        let body = serde_json::json!({ "error": error }).to_string();
+        (
+            StatusCode::SERVICE_UNAVAILABLE,
+            [(header::CONTENT_TYPE, "application/json")],
+            body,
+        )
+            .into_response()
+    };
+    let Some(dashboard) = endpoints.dashboard.get() else {
+        return unavailable("not connected to Redis yet".into());
+    };
+    match dashboard.json().await {
+        Ok(json) => (
+            [
+                (header::CONTENT_TYPE, "application/json"),
+                (header::CACHE_CONTROL, "no-store"),
+            ],
+            json.as_str().to_owned(),
+        )
+            .into_response(),
+        Err(error) => unavailable(format!("{error:#}")),
+    }
+}
+
 /// Serves the endpoints until `shutdown`; returns the bound address (port 0 picks a free one).
 pub async fn serve(
     addr: SocketAddr,
-    ready: Readiness,
+    endpoints: Endpoints,
     shutdown: CancellationToken,
 ) -> anyhow::Result<SocketAddr> {
     prometheus();
     let app = Router::new()
-        .route("/metrics", get(|| async { prometheus().render() }))
+        .route("/", get(|| async { Html(dashboard::PAGE) }))
+        .route("/api/dashboard", get(dashboard_data))
+        .route("/metrics", get(metrics_page))
         .route("/healthz", get(|| async { "ok\n" }))
-        .route(
-            "/readyz",
-            get(|State(ready): State<Readiness>| async move {
-                if ready.get() {
-                    (StatusCode::OK, "ready\n")
-                } else {
-                    (StatusCode::SERVICE_UNAVAILABLE, "not ready\n")
-                }
-            }),
-        )
-        .with_state(ready);
+        .route("/readyz", get(readyz))
+        .with_state(endpoints);
     let listener = tokio::net::TcpListener::bind(addr)
         .await
         .with_context(|| format!("TURNSTILE_HTTP_ADDR: cannot listen on {addr}"))?;

@@ -7,6 +7,7 @@
 //! - [`domain`]: sellers, message ids, registrations (parse, don't validate)
 //! - [`permit`]: the Redis/Lua limiter shared by every replica
 //! - [`telemetry`]: tracing setup
+//! - [`http`], [`dashboard`]: what operators see: metrics, health, the live dashboard
 //! - [`bench`]: measurements that print figures
 //! - [`cli`]: the `turnstile` command line
 
@@ -14,6 +15,7 @@ pub mod bench;
 pub mod broker;
 pub mod cli;
 pub mod config;
+pub mod dashboard;
 pub mod demo;
 pub mod domain;
 pub mod downstream;

@@ -1,6 +1,9 @@
 //! Upload progress in Redis: the producer records what it published, consumers record what
-//! registered or was dead-lettered (`lua/complete.lua`); `turnstile status` reads both.
+//! registered or was dead-lettered (`lua/complete.lua`); `turnstile status` reads both. Each
+//! recorded upload is also indexed by publish time (`uploads`, a shared key), so the dashboard
+//! finds the recent ones without scanning the keyspace.
 
+use std::collections::HashMap;
 use std::time::Duration;
 
 use redis::AsyncCommands;
@@ -56,7 +59,64 @@ pub async fn record_published(
         .pexpire(&key, ttl.as_millis() as i64)
         .query_async(&mut conn)
         .await?;
+    let index = store.shared_key(UPLOADS);
+    let _: () = redis::pipe()
+        .zadd(&index, &key, now_ms)
+        .zrembyscore(
+            &index,
+            "-inf",
+            now_ms.saturating_sub(ttl.as_millis() as u64) as f64,
+        )
+        .cmd("ZREMRANGEBYRANK")
+        .arg(&index)
+        .arg(0)
+        .arg(-(INDEXED_UPLOADS as i64) - 1)
+        .pexpire(&index, ttl.as_millis() as i64)
+        .query_async(&mut conn)
+        .await?;
     Ok(())
+}
+
+/// The shared key indexing uploads by publish time (sorted set: batch key -> published ms).
+const UPLOADS: &str = "uploads";
+/// Most uploads kept in the index (the oldest go first).
+const INDEXED_UPLOADS: usize = 1000;
+
+/// The `n` most recently published uploads that are still recorded, newest first.
+pub async fn recent(store: &PermitStore, n: usize) -> Result<Vec<Progress>, PermitError> {
+    let index = store.shared_key(UPLOADS);
+    let mut conn = store.connection();
+    let keys: Vec<String> = conn.zrevrange(&index, 0, n.max(1) as isize - 1).await?;
+    let read = keys.iter().map(|key| {
+        let mut conn = store.connection();
+        async move {
+            let fields: HashMap<String, String> = conn.hgetall(key).await?;
+            Ok::<_, PermitError>(fields)
+        }
+    });
+    let mut out = Vec::new();
+    for (key, fields) in keys.iter().zip(futures::future::try_join_all(read).await?) {
+        match parse(&fields) {
+            Some(p) => out.push(p),
+            // Expired: drop it from the index.
+            None => conn.zrem::<_, _, ()>(&index, key).await?,
+        }
+    }
+    Ok(out)
+}
+
+/// An upload's progress from its hash (`None` when it holds no upload).
+fn parse(fields: &HashMap<String, String>) -> Option<Progress> {
+    let num = |f: &str| fields.get(f).and_then(|v| v.parse::<u64>().ok());
+    Some(Progress {
+        seller: fields.get("seller")?.clone(),
+        batch: fields.get("batch").cloned().unwrap_or_default(),
+        total: num("total").unwrap_or(0),
+        registered: num("registered").unwrap_or(0),
+        dead: num("dead").unwrap_or(0),
+        published_ms: num("published_ms"),
+        last_ms: num("last_ms"),
+    })
 }
 
 /// Progress of every upload recorded under the key prefix, or a seller's, or one batch.
@@ -81,19 +141,9 @@ pub async fn list(
     let mut out = Vec::new();
     let mut conn = store.connection();
     for key in keys {
-        let fields: std::collections::HashMap<String, String> = conn.hgetall(&key).await?;
-        let Some(seller_name) = fields.get("seller") else {
+        let fields: HashMap<String, String> = conn.hgetall(&key).await?;
+        let Some(p) = parse(&fields) else {
             continue;
-        };
-        let num = |f: &str| fields.get(f).and_then(|v| v.parse::<u64>().ok());
-        let p = Progress {
-            seller: seller_name.clone(),
-            batch: fields.get("batch").cloned().unwrap_or_default(),
-            total: num("total").unwrap_or(0),
-            registered: num("registered").unwrap_or(0),
-            dead: num("dead").unwrap_or(0),
-            published_ms: num("published_ms"),
-            last_ms: num("last_ms"),
         };
         if batch.is_none_or(|b| b.as_str() == p.batch) {
             out.push(p);

@@ -3,7 +3,7 @@
 //! the broker goes away, and drains on shutdown.
 
 use std::net::SocketAddr;
-use std::sync::Arc;
+use std::sync::{Arc, OnceLock};
 use std::time::Duration;
 
 use anyhow::Context;
@@ -19,8 +19,9 @@ use tracing::{info, warn};
 
 use crate::broker::{self, BrokerArgs, Publisher, Settler, Topology};
 use crate::config::{LimiterArgs, RedisArgs, duration_arg};
+use crate::dashboard::{self, Dashboard, ReplicaInfo};
 use crate::downstream::{Downstream, DownstreamArgs};
-use crate::http::{self, Listen, Readiness};
+use crate::http::{self, Endpoints, Listen, Readiness};
 use crate::permit::{PermitStore, RedisClient};
 use crate::worker::{Stats, Worker, WorkerSettings};
 
@@ -36,7 +37,8 @@ pub struct ConsumeArgs {
     /// held ones included.
     #[arg(long, env = "TURNSTILE_PREFETCH", value_parser = clap::value_parser!(u16).range(1..))]
     pub prefetch: Option<u16>,
-    /// /metrics, /healthz, /readyz; `127.0.0.1:0` picks a free port; `off` disables.
+    /// The dashboard (/), /api/dashboard, /metrics, /healthz, /readyz; `127.0.0.1:0` picks a
+    /// free port; `off` disables.
     #[arg(long = "http-addr", env = "TURNSTILE_HTTP_ADDR", default_value = "0.0.0.0:9464", value_parser = http::parse_addr)]
     pub http_addr: Listen,
     /// Failed attempts (5xx, timeouts, connection errors) before a message is dead-lettered.
@@ -97,11 +99,17 @@ impl Replica {
         let redis = RedisClient::new(&args.redis)?;
         let downstream = Downstream::new(&args.downstream)?;
         let ready = Readiness::default();
+        let stats = Arc::new(Stats::default());
+        let dashboard_slot = Arc::new(OnceLock::new());
+        let endpoints = Endpoints {
+            ready: ready.clone(),
+            stats: stats.clone(),
+            dashboard: dashboard_slot.clone(),
+        };
         let http_addr = match args.http_addr {
-            Listen::At(addr) => Some(http::serve(addr, ready.clone(), shutdown.clone()).await?),
+            Listen::At(addr) => Some(http::serve(addr, endpoints, shutdown.clone()).await?),
             Listen::Off => None,
         };
-        let stats = Arc::new(Stats::default());
         let stopped = |stats, ready, http_addr| Self {
             stats,
             ready,
@@ -113,6 +121,20 @@ impl Replica {
         };
         let permits = PermitStore::new(conn, &args.redis.key_prefix, args.limiter.clone());
         let prefetch = args.prefetch();
+        let dashboard = Arc::new(Dashboard::new(
+            permits.clone(),
+            stats.clone(),
+            ready.clone(),
+            ReplicaInfo {
+                queue: args.broker.queue.clone(),
+                algorithm: args.limiter.algorithm.name(),
+                limit: args.limiter.limit.to_string(),
+                workers: args.workers,
+                prefetch,
+                pid: std::process::id(),
+            },
+        ));
+        let _ = dashboard_slot.set(dashboard.clone());
         let worker = Arc::new(Worker {
             permits,
             downstream,
@@ -134,8 +156,31 @@ impl Replica {
             return Ok(stopped(stats, ready, http_addr));
         };
         ready.set(true);
+        let ready_for_run = ready.clone();
         info!(queue = %args.broker.queue, workers = args.workers, prefetch, algorithm = %args.limiter.algorithm, limit = %args.limiter.limit, http = ?http_addr, "consuming");
-        let done = tokio::spawn(run(args, worker, session, ready.clone(), shutdown));
+        // The dashboard's samplers outlive `shutdown` until the replica has drained, so that
+        // the last registrations are counted too.
+        let samplers_stop = CancellationToken::new();
+        let mut samplers = vec![tokio::spawn(dashboard::sample(
+            dashboard.clone(),
+            samplers_stop.clone(),
+        ))];
+        if http_addr.is_some() {
+            samplers.push(tokio::spawn(dashboard::watch_queues(
+                dashboard,
+                args.broker.amqp_url.clone(),
+                args.topology(),
+                samplers_stop.clone(),
+            )));
+        }
+        let done = tokio::spawn(async move {
+            let ran = run(args, worker, session, ready_for_run, shutdown).await;
+            samplers_stop.cancel();
+            for sampler in samplers {
+                let _ = sampler.await;
+            }
+            ran
+        });
         Ok(Self {
             stats,
             ready,

@@ -1,18 +1,93 @@
 //! Tracing: human-readable lines by default, JSON lines with `TURNSTILE_LOG_FORMAT=json`;
 //! the filter comes from `RUST_LOG` (default `info`).
+//!
+//! A JSON line is one object: `timestamp`, `level`, `target`, the event's fields at the top level
+//! (`message` is the text) and the current span under `span`, e.g. a message's
+//! `{"name": "registration", "seller": "S-1", "message": "<message id>", "attempt": 0}`.
 
+use tracing::Subscriber;
 use tracing_subscriber::EnvFilter;
+use tracing_subscriber::fmt::MakeWriter;
+use tracing_subscriber::util::SubscriberInitExt;
 
 /// Installs the global subscriber (once; later calls do nothing). Logs go to stderr.
 pub fn init() {
     let filter = EnvFilter::try_from_default_env().unwrap_or_else(|_| EnvFilter::new("info"));
     let json = std::env::var("TURNSTILE_LOG_FORMAT").is_ok_and(|f| f.eq_ignore_ascii_case("json"));
+    let _ = subscriber(filter, json, std::io::stderr).try_init();
+}
+
+/// The subscriber `init` installs, writing to `writer` (tests capture lines with it).
+pub fn subscriber<W>(filter: EnvFilter, json: bool, writer: W) -> Box<dyn Subscriber + Send + Sync>
+where
+    W: for<'w> MakeWriter<'w> + Send + Sync + 'static,
+{
     let builder = tracing_subscriber::fmt()
         .with_env_filter(filter)
-        .with_writer(std::io::stderr);
-    let _ = if json {
-        builder.json().try_init()
+        .with_writer(writer);
+    if json {
+        Box::new(
+            builder
+                .json()
+                .flatten_event(true)
+                .with_current_span(true)
+                .with_span_list(false)
+                .finish(),
+        )
     } else {
-        builder.try_init()
-    };
+        Box::new(builder.finish())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::sync::{Arc, Mutex};
+
+    use super::*;
+
+    /// A writer into a shared buffer.
+    #[derive(Clone, Default)]
+    struct Lines(Arc<Mutex<Vec<u8>>>);
+
+    impl std::io::Write for Lines {
+        fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
+            self.0.lock().unwrap().extend_from_slice(buf);
+            Ok(buf.len())
+        }
+        fn flush(&mut self) -> std::io::Result<()> {
+            Ok(())
+        }
+    }
+
+    impl<'w> MakeWriter<'w> for Lines {
+        type Writer = Lines;
+        fn make_writer(&'w self) -> Self::Writer {
+            self.clone()
+        }
+    }
+
+    #[test]
+    fn a_json_line_carries_the_span_of_the_message() {
+        let lines = Lines::default();
+        let subscriber = subscriber(EnvFilter::new("info"), true, lines.clone());
+        tracing::subscriber::with_default(subscriber, || {
+            let span = tracing::info_span!(
+                "registration",
+                seller = "S-1",
+                message = "m-7",
+                attempt = 2u32
+            );
+            let _entered = span.enter();
+            tracing::warn!(status = 503, "downstream failed; retrying later");
+        });
+        let text = String::from_utf8(lines.0.lock().unwrap().clone()).unwrap();
+        let line: serde_json::Value = serde_json::from_str(text.trim()).expect("one JSON line");
+        assert_eq!(line["message"], "downstream failed; retrying later");
+        assert_eq!(line["status"], 503);
+        assert_eq!(line["level"], "WARN");
+        assert_eq!(line["span"]["name"], "registration");
+        assert_eq!(line["span"]["seller"], "S-1");
+        assert_eq!(line["span"]["message"], "m-7");
+        assert_eq!(line["span"]["attempt"], 2);
+    }
 }

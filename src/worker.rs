@@ -6,8 +6,9 @@
 //! messages never queue behind either: a held message takes no worker, and the ladder's queues
 //! each hold one fixed delay.
 
-use std::sync::Arc;
+use std::collections::HashSet;
 use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use backon::{BackoffBuilder, ExponentialBuilder, Retryable};
@@ -60,6 +61,27 @@ pub struct Stats {
     pub in_flight: AtomicUsize,
     /// How long each permit decision took (one Redis round trip, or more after errors).
     pub permit_latency: LatencyHistogram,
+    /// Sellers asked about since the dashboard sampler last took them (at most
+    /// [`Stats::MAX_SELLERS`]; the sampler records them in Redis every second).
+    pub sellers: Mutex<HashSet<String>>,
+}
+
+impl Stats {
+    /// Most sellers remembered between two samples.
+    pub const MAX_SELLERS: usize = 10_000;
+
+    /// Notes that the replica asked for a permit for `seller`.
+    pub fn touch(&self, seller: &crate::domain::SellerId) {
+        let mut sellers = self.sellers.lock().expect("never poisoned");
+        if sellers.len() < Self::MAX_SELLERS && !sellers.contains(seller.as_str()) {
+            sellers.insert(seller.as_str().to_owned());
+        }
+    }
+
+    /// The sellers noted since the last call.
+    pub fn take_sellers(&self) -> HashSet<String> {
+        std::mem::take(&mut *self.sellers.lock().expect("never poisoned"))
+    }
 }
 
 /// A lock-free latency histogram: log2 buckets with 8 linear steps each (at most 12.5% error),
@@ -292,10 +314,7 @@ impl Worker {
                 Decision::AlreadyDone => return Outcome::AlreadyDone,
                 Decision::Granted { .. } => {
                     self.stats.in_flight.fetch_add(1, Ordering::Relaxed);
-                    let started = std::time::Instant::now();
                     let reply = self.downstream.register(registration).await;
-                    metrics::histogram!("turnstile_downstream_seconds")
-                        .record(started.elapsed().as_secs_f64());
                     self.stats.in_flight.fetch_sub(1, Ordering::Relaxed);
                     drop(worker);
                     match reply {
@@ -449,15 +468,7 @@ impl Worker {
             self.stats.forfeited.fetch_add(1, Ordering::Relaxed);
             debug!(?forfeit, "reserved slot given up; reserved anew");
         }
-        match decision {
-            Decision::Granted { .. } => {
-                metrics::counter!("turnstile_permits_granted_total").increment(1)
-            }
-            Decision::Wait { .. } => {
-                metrics::counter!("turnstile_permits_denied_total").increment(1)
-            }
-            Decision::AlreadyDone => {}
-        }
+        self.stats.touch(&registration.seller_id);
         decision
     }
 
@@ -520,9 +531,13 @@ impl Worker {
                     .await
             }
         };
+        let delivered_attempt = header_u64(&delivery, headers::ATTEMPT).unwrap_or(0);
         let (counter, label) = match &outcome {
             Outcome::Registered => (&self.stats.registered, "registered"),
             Outcome::AlreadyDone => (&self.stats.already_done, "already_done"),
+            Outcome::Delay { attempt, .. } if u64::from(*attempt) > delivered_attempt => {
+                (&self.stats.delayed, "retried")
+            }
             Outcome::Delay { .. } => (&self.stats.delayed, "delayed"),
             Outcome::DeadLetter { .. } => (&self.stats.dead_lettered, "dead_lettered"),
             Outcome::Requeue => (&self.stats.requeued, "requeued"),
@@ -532,6 +547,14 @@ impl Worker {
             Ok(()) if outcome != Outcome::Requeue => {
                 counter.fetch_add(1, Ordering::Relaxed);
                 metrics::counter!("turnstile_outcomes_total", "outcome" => label).increment(1);
+                if let Outcome::DeadLetter { reason, .. } = &outcome {
+                    crate::dashboard::dead_lettered(
+                        &self.permits,
+                        &delivery,
+                        reason,
+                        self.settings.done_ttl,
+                    );
+                }
                 settler.ack(tag);
                 Ok(())
             }

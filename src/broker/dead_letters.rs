@@ -1,10 +1,10 @@
 //! Inspecting dead letters and replaying chosen ones onto the work queue.
 
-use lapin::options::{BasicAckOptions, BasicGetOptions, BasicNackOptions, QueueDeclareOptions};
+use lapin::options::{BasicAckOptions, BasicGetOptions, BasicNackOptions};
 use lapin::types::{FieldTable, ShortString};
 use lapin::{BasicProperties, Channel};
 
-use super::{Publisher, Topology, header_str, headers};
+use super::{Publisher, Topology, depth, header_str, headers};
 
 /// One dead letter as listed.
 #[derive(Debug, serde::Serialize)]
@@ -46,20 +46,6 @@ fn describe(delivery: &lapin::message::Delivery) -> DeadLetter {
 pub struct Replayed {
     pub replayed: u64,
     pub kept: u64,
-}
-
-async fn depth(channel: &Channel, queue: &str) -> anyhow::Result<u32> {
-    let q = channel
-        .queue_declare(
-            queue.into(),
-            QueueDeclareOptions {
-                passive: true,
-                ..Default::default()
-            },
-            FieldTable::default(),
-        )
-        .await?;
-    Ok(q.message_count())
 }
 
 /// Visits each dead letter present now exactly once: `visit` returns true to take it off the

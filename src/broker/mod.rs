@@ -105,6 +105,22 @@ pub fn check_url(url: &str) -> anyhow::Result<()> {
     })
 }
 
+/// Messages ready in a queue (a passive declare: fails if the queue does not exist).
+pub async fn depth(channel: &Channel, queue: &str) -> anyhow::Result<u32> {
+    let q = channel
+        .queue_declare(
+            queue.into(),
+            lapin::options::QueueDeclareOptions {
+                passive: true,
+                ..Default::default()
+            },
+            FieldTable::default(),
+        )
+        .await
+        .with_context(|| format!("reading the depth of {queue:?}"))?;
+    Ok(q.message_count())
+}
+
 /// Opens a connection named after this replica.
 pub async fn connect(url: &str, name: &str) -> anyhow::Result<Connection> {
     let properties = ConnectionProperties::default().with_connection_name(name.into());

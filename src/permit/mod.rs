@@ -61,8 +61,10 @@ impl Reservation {
 /// What the limiter decided.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub enum Decision {
-    /// Call now. `slot_us` is the Redis time the call is counted at.
-    Granted { slot_us: i64 },
+    /// Call now. `slot_us` is the Redis time the call is counted at; `used_permille` is how
+    /// much of the seller's limit is taken with this grant, in thousandths (a redeemed
+    /// reservation counts as 1000: its slot was reserved because the limit had no room).
+    Granted { slot_us: i64, used_permille: u32 },
     /// Not yet: come back after `retry_after`. With a reservation, come back with it and the
     /// slot is yours; without (reserving off, beyond the horizon), acquire again then.
     Wait {
@@ -81,6 +83,64 @@ pub enum Forfeit {
     Late,
     /// Redis restarted or failed over since: the schedule that held the slot is gone.
     ServerRestarted,
+}
+
+impl Forfeit {
+    /// The metric label.
+    pub fn label(self) -> &'static str {
+        match self {
+            Forfeit::Paused => "paused",
+            Forfeit::LimitChanged => "limit_changed",
+            Forfeit::Late => "late",
+            Forfeit::ServerRestarted => "server_restarted",
+        }
+    }
+}
+
+/// A grant that leaves at least this much of the limit taken (thousandths) is near the limit
+/// (as envoy's ratelimit counts `near_limit`: 80%).
+pub const NEAR_LIMIT_PERMILLE: u32 = 800;
+
+/// How much of a seller's limit is taken now (see `lua/usage.lua`): `used` of `capacity`
+/// counts against the limit now, `ahead` is promised beyond it (reserved slots, debt).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Usage {
+    pub used: u64,
+    pub capacity: u64,
+    pub ahead: u64,
+    /// The limit that applies (the seller's override or the default).
+    pub limit: Limit,
+    /// Whether `limit` is the seller's own override.
+    pub overridden: bool,
+    /// How long the seller stays paused (zero when not paused).
+    pub paused_for: Duration,
+}
+
+/// Counts a decision in the permit metrics (label: the algorithm; never the seller). A grant
+/// that leaves the limit at least [`NEAR_LIMIT_PERMILLE`] taken is `near_limit`; a wait told by
+/// an acquire is `over_limit` (the limit had no room), a wait told by a redeem is only `denied`
+/// (the caller came back before its reserved slot).
+fn observe(algorithm: Algorithm, decision: &Decision, acquired: bool) {
+    let algorithm = algorithm.name();
+    match decision {
+        Decision::Granted { used_permille, .. } => {
+            metrics::counter!("turnstile_permits_granted_total", "algorithm" => algorithm)
+                .increment(1);
+            if *used_permille >= NEAR_LIMIT_PERMILLE {
+                metrics::counter!("turnstile_permits_near_limit_total", "algorithm" => algorithm)
+                    .increment(1);
+            }
+        }
+        Decision::Wait { .. } => {
+            metrics::counter!("turnstile_permits_denied_total", "algorithm" => algorithm)
+                .increment(1);
+            if acquired {
+                metrics::counter!("turnstile_permits_over_limit_total", "algorithm" => algorithm)
+                    .increment(1);
+            }
+        }
+        Decision::AlreadyDone => {}
+    }
 }
 
 /// The per-seller limiter over Redis, shared by all replicas through Redis.
@@ -129,6 +189,13 @@ impl PermitStore {
     /// seller share one Redis Cluster hash slot, so one script can touch them all.
     pub fn seller_key(&self, seller: &SellerId, name: &str) -> String {
         format!("{}:{{{}}}:{}", self.prefix, seller.key_tag(), name)
+    }
+
+    /// A key shared by all sellers and replicas (dashboard indexes and tallies):
+    /// `<prefix>:{<prefix>~shared}:<name>`. Its hash tag holds a `~`, which no seller's tag does,
+    /// so it never lands on a seller's keys, and all shared keys sit in one Cluster slot.
+    pub fn shared_key(&self, name: &str) -> String {
+        format!("{}:{{{}~shared}}:{}", self.prefix, self.prefix, name)
     }
 
     /// The key holding the seller's limiter state for the configured algorithm.
@@ -214,8 +281,11 @@ impl PermitStore {
                 .ok_or_else(bad)
         };
         let (status, slot, now) = (int(0)?, int(1)?, int(2)?);
-        match status {
-            1 => Ok(Decision::Granted { slot_us: slot }),
+        let decision = match status {
+            1 => Ok(Decision::Granted {
+                slot_us: slot,
+                used_permille: int(6).map_or(0, |p| p.clamp(0, i64::from(u32::MAX)) as u32),
+            }),
             2 => Ok(Decision::Wait {
                 retry_after: wait_for(slot, now),
                 reservation: Some(Reservation {
@@ -234,7 +304,9 @@ impl PermitStore {
             }),
             3 => Ok(Decision::AlreadyDone),
             _ => Err(PermitError::Answer(algorithm.name())),
-        }
+        }?;
+        observe(algorithm, &decision, true);
+        Ok(decision)
     }
 
     /// Comes back for a reserved slot: `Ok(Ok(decision))` is granted or still early (wait again
@@ -274,8 +346,11 @@ impl PermitStore {
             .arg(&held.epoch)
             .invoke_async(&mut self.conn.clone())
             .await?;
-        Ok(match status {
-            1 => Ok(Decision::Granted { slot_us: at }),
+        let redeemed = match status {
+            1 => Ok(Decision::Granted {
+                slot_us: at,
+                used_permille: 1000,
+            }),
             2 => Ok(Decision::Wait {
                 retry_after: wait_for(at, now),
                 reservation: Some(held),
@@ -286,7 +361,16 @@ impl PermitStore {
             6 => Ok(Decision::AlreadyDone),
             7 => Err(Forfeit::ServerRestarted),
             _ => return Err(PermitError::Answer("redeem")),
-        })
+        };
+        match &redeemed {
+            Ok(decision) => observe(self.limiter.algorithm, decision, false),
+            Err(forfeit) => metrics::counter!(
+                "turnstile_reservations_forfeited_total",
+                "reason" => forfeit.label()
+            )
+            .increment(1),
+        }
+        Ok(redeemed)
     }
 
     /// Redeems `held` if there is one, and reserves anew if it was forfeited: the one call a
@@ -361,6 +445,50 @@ impl PermitStore {
             .await?;
         let now = self.redis_time_us().await?;
         Ok(wait_for(until.unwrap_or(0), now))
+    }
+
+    /// How much of the seller's limit is taken now, the limit that applies and any pause, in one
+    /// read-only round trip (for the dashboard; the limiter never needs it).
+    pub async fn usage(&self, seller: &SellerId) -> Result<Usage, PermitError> {
+        let answer: Vec<i64> = scripts::usage()
+            .key(self.state_key(seller))
+            .key(self.seller_key(seller, "limit"))
+            .key(self.seller_key(seller, "pause"))
+            .arg(self.limiter.algorithm.name())
+            .arg(self.limiter.limit.count())
+            .arg(self.limiter.limit.window_us())
+            .arg(self.guard_arg())
+            .arg(self.limiter.gcra_burst.max(1))
+            .arg(self.limiter.bucket_capacity)
+            .invoke_async(&mut self.conn.clone())
+            .await?;
+        let bad = || PermitError::Answer("usage");
+        let &[
+            used,
+            capacity,
+            ahead,
+            count,
+            window_us,
+            paused_until,
+            now,
+            overridden,
+        ] = answer.as_slice()
+        else {
+            return Err(bad());
+        };
+        let limit = Limit::new(
+            u32::try_from(count).map_err(|_| bad())?,
+            Duration::from_micros(u64::try_from(window_us).map_err(|_| bad())?),
+        )
+        .ok_or_else(bad)?;
+        Ok(Usage {
+            used: used.max(0) as u64,
+            capacity: capacity.max(0) as u64,
+            ahead: ahead.max(0) as u64,
+            limit,
+            overridden: overridden == 1,
+            paused_for: wait_for(paused_until, now),
+        })
     }
 
     /// Redis server time in µs.

@@ -26,6 +26,7 @@ static FIXED_WINDOW: LazyLock<Script> = script!("fixed_window.lua");
 static REDEEM: LazyLock<Script> = script!("redeem.lua");
 static PAUSE: LazyLock<Script> = script!("pause.lua");
 static COMPLETE: LazyLock<Script> = script!("complete.lua");
+static USAGE: LazyLock<Script> = script!("usage.lua");
 
 /// The acquire script of an algorithm.
 pub fn acquire(algorithm: Algorithm) -> &'static Script {
@@ -50,4 +51,9 @@ pub fn pause() -> &'static Script {
 /// Records a registration or dead letter (see `lua/complete.lua`).
 pub fn complete() -> &'static Script {
     &COMPLETE
+}
+
+/// Reads how much of a seller's limit is taken (see `lua/usage.lua`); writes nothing.
+pub fn usage() -> &'static Script {
+    &USAGE
 }

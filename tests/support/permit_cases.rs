@@ -25,7 +25,7 @@ pub async fn acquire_until_granted(store: &PermitStore, seller: &SellerId) -> i6
             .await
             .unwrap();
         match decision {
-            Decision::Granted { slot_us } => return slot_us,
+            Decision::Granted { slot_us, .. } => return slot_us,
             Decision::Wait {
                 retry_after,
                 reservation,
@@ -59,7 +59,7 @@ pub async fn exact_under_contention(backend: Backend, algorithm: Algorithm) {
     let mut slots = Vec::new();
     for t in tasks {
         match t.await.unwrap() {
-            Decision::Granted { slot_us } => slots.push(slot_us),
+            Decision::Granted { slot_us, .. } => slots.push(slot_us),
             Decision::Wait {
                 reservation: Some(r),
                 ..
@@ -355,6 +355,72 @@ pub async fn scripts_check_inputs_before_writing(backend: Backend) {
     keys.cleanup().await;
 }
 
+/// The dashboard's view of a seller: grants count as used, reservations as promised ahead, each
+/// grant tells how much of the limit it leaves taken (near-limit), and pauses and overrides show.
+pub async fn usage_shows_grants_reservations_pauses_and_overrides(
+    backend: Backend,
+    algorithm: Algorithm,
+) {
+    let keys = Keys::new(backend, "usage").await;
+    let mut settings = limiter("5/1h", algorithm);
+    settings.gcra_burst = 5; // gcra's capacity is its burst
+    let store = keys.store(settings);
+    let s = seller("S-usage");
+    let fresh = store.usage(&s).await.unwrap();
+    assert_eq!(
+        (fresh.used, fresh.capacity, fresh.ahead),
+        (0, 5, 0),
+        "{algorithm:?}"
+    );
+
+    let mut taken = Vec::new();
+    for _ in 0..5 {
+        match store.acquire(&s, true).await.unwrap() {
+            Decision::Granted { used_permille, .. } => taken.push(used_permille),
+            other => panic!("{algorithm:?}: the first five are granted: {other:?}"),
+        }
+    }
+    // Refill and clock drift between calls may shave a thousandth off.
+    for (i, permille) in taken.iter().enumerate() {
+        let expected = (i as u32 + 1) * 200;
+        assert!(
+            (expected - 5..=expected).contains(permille),
+            "{algorithm:?}: grant {} left {permille}/1000 taken",
+            i + 1
+        );
+    }
+    assert!(taken[0] < turnstile::permit::NEAR_LIMIT_PERMILLE);
+    assert!(taken[4] >= turnstile::permit::NEAR_LIMIT_PERMILLE);
+    for _ in 0..2 {
+        assert!(
+            matches!(
+                store.acquire(&s, true).await.unwrap(),
+                Decision::Wait {
+                    reservation: Some(_),
+                    ..
+                }
+            ),
+            "{algorithm:?}: the next ones reserve"
+        );
+    }
+    let busy = store.usage(&s).await.unwrap();
+    assert_eq!(
+        (busy.used, busy.capacity, busy.ahead),
+        (5, 5, 2),
+        "{algorithm:?}"
+    );
+    assert!(!busy.overridden && busy.paused_for.is_zero());
+
+    store.pause(&s, Duration::from_secs(60)).await.unwrap();
+    let limit: turnstile::config::Limit = "7/1h".parse().unwrap();
+    store.set_limit(&s, limit).await.unwrap();
+    let steered = store.usage(&s).await.unwrap();
+    assert!(steered.paused_for > Duration::from_secs(50), "{steered:?}");
+    assert!(steered.paused_for <= Duration::from_secs(60), "{steered:?}");
+    assert_eq!((steered.limit, steered.overridden), (limit, true));
+    keys.cleanup().await;
+}
+
 /// Generates one test per case for a backend.
 #[macro_export]
 macro_rules! permit_tests {
@@ -397,6 +463,13 @@ macro_rules! permit_tests {
         async fn overrides_take_effect_and_clear() {
             for algorithm in turnstile::config::Algorithm::ALL {
                 cases::overrides_take_effect($backend, algorithm).await;
+            }
+        }
+        #[tokio::test]
+        async fn usage_shows_grants_reservations_pauses_and_overrides() {
+            for algorithm in turnstile::config::Algorithm::ALL {
+                cases::usage_shows_grants_reservations_pauses_and_overrides($backend, algorithm)
+                    .await;
             }
         }
         #[tokio::test]

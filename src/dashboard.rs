@@ -1,0 +1,537 @@
+//! The operators' dashboard: a page at `/` of every replica (`dashboard.html`, plain HTML and a
+//! little JS) that polls `/api/dashboard` every 2 s for a [`Snapshot`] of the state all replicas
+//! share: per-seller window use and pauses, upload progress and ETA, dead letters by reason,
+//! queue depths and throughput.
+//!
+//! Every replica feeds the shared state (all under [`PermitStore::shared_key`], one Redis
+//! Cluster slot), so any replica's page shows the whole deployment:
+//! - `throughput:<minute>`: registrations per second (hash: unix second -> count), added by each
+//!   replica's sampler once a second, kept 11 minutes;
+//! - `sellers`: sellers asked about in the last 10 minutes (sorted set: seller -> last ms),
+//!   at most 10,000, also written by the sampler from [`Stats::take_sellers`];
+//! - `dead-letters`: dead letters by reason since the key prefix is in use (hash), counted when
+//!   the dead letter is confirmed by the broker;
+//! - `uploads`: the upload index written by [`progress::record_published`].
+//!
+//! The cost is bounded whatever the number of sellers: a snapshot reads the 200 sellers asked
+//! about most recently and the 50 most recent uploads (one read-only script per seller), shows
+//! the 50 busiest, and is computed at most once a second however many pages poll it. Queue
+//! depths come from the broker every 5 s (passive declares on a connection of the dashboard's
+//! own) and are also exported as gauges.
+
+use std::collections::{BTreeMap, HashMap, HashSet};
+use std::sync::atomic::Ordering;
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant, SystemTime};
+
+use anyhow::Context;
+use lapin::message::Delivery;
+use redis::AsyncCommands;
+use serde::Serialize;
+use tokio_util::sync::CancellationToken;
+use tracing::{Instrument, debug, warn};
+
+use crate::broker::{self, Topology};
+use crate::domain::{Registration, SellerId};
+use crate::http::Readiness;
+use crate::permit::{PermitStore, Usage};
+use crate::progress;
+use crate::worker::Stats;
+
+/// The page served at `/`.
+pub const PAGE: &str = include_str!("dashboard.html");
+
+/// Sellers shown (the busiest first) and uploads shown (the newest first).
+const SELLERS_SHOWN: usize = 50;
+const UPLOADS_SHOWN: usize = 50;
+/// Sellers asked about most recently that a snapshot looks at.
+const SELLER_CANDIDATES: usize = 200;
+/// How long a seller counts as active after a replica last asked for its permit.
+const ACTIVE_FOR: Duration = Duration::from_secs(600);
+/// Seconds of throughput in a snapshot.
+const THROUGHPUT_SECONDS: u64 = 300;
+/// How long a computed snapshot is served to every page that asks.
+const CACHE_FOR: Duration = Duration::from_secs(1);
+/// Longest time a snapshot may take (then `/api/dashboard` answers 503).
+const GATHER_TIMEOUT: Duration = Duration::from_secs(5);
+/// How often the replica reads its queue depths from the broker.
+const QUEUES_EVERY: Duration = Duration::from_secs(5);
+
+const THROUGHPUT: &str = "throughput";
+const SELLERS: &str = "sellers";
+const DEAD_LETTERS: &str = "dead-letters";
+
+/// What the page shows about the replica that serves it.
+#[derive(Clone, Debug, Serialize)]
+pub struct ReplicaInfo {
+    pub queue: String,
+    pub algorithm: &'static str,
+    /// The default limit (sellers may have overrides).
+    pub limit: String,
+    pub workers: u32,
+    pub prefetch: u16,
+    pub pid: u32,
+}
+
+/// Messages in the replica's queues, as last read from the broker.
+#[derive(Clone, Copy, Debug, Default, Serialize)]
+pub struct QueueDepths {
+    /// Ready in the work queue.
+    pub work: u64,
+    /// In the delay ladder (throttled or retried, coming back later).
+    pub delayed: u64,
+    /// In `<queue>.dead`.
+    pub dead: u64,
+    /// When they were read (unix ms).
+    pub read_ms: u64,
+}
+
+/// Everything the page shows, at one moment.
+#[derive(Debug, Serialize)]
+pub struct Snapshot {
+    /// Unix ms when it was taken.
+    pub now_ms: u64,
+    pub replica: ReplicaView,
+    /// `None` until the broker was read once.
+    pub queues: Option<QueueDepths>,
+    /// The busiest sellers (by share of their limit taken, then promised ahead).
+    pub sellers: Vec<SellerRow>,
+    /// Sellers any replica asked about in the last 10 minutes (the table shows at most 50).
+    pub sellers_active: u64,
+    /// Paused sellers among those looked at, longest pause first.
+    pub paused: Vec<SellerRow>,
+    /// The most recent uploads, newest first.
+    pub uploads: Vec<UploadRow>,
+    /// Dead letters by reason, counted by every replica.
+    pub dead_letters: BTreeMap<String, u64>,
+    pub throughput: Throughput,
+}
+
+/// The serving replica itself.
+#[derive(Debug, Serialize)]
+pub struct ReplicaView {
+    #[serde(flatten)]
+    pub info: ReplicaInfo,
+    pub ready: bool,
+    pub in_flight: usize,
+    pub held: usize,
+    pub deliveries: u64,
+    pub registered: u64,
+}
+
+/// One seller's window.
+#[derive(Debug, Serialize)]
+pub struct SellerRow {
+    pub seller: String,
+    /// The limit that applies, e.g. `100/1m`.
+    pub limit: String,
+    /// Whether the limit is the seller's own override.
+    pub overridden: bool,
+    /// `used` of `capacity` counts against the limit now (see `lua/usage.lua`).
+    pub used: u64,
+    pub capacity: u64,
+    /// Promised beyond the window: reserved slots of waiting messages.
+    pub ahead: u64,
+    /// Remaining pause in ms (0 when not paused).
+    pub paused_ms: u64,
+}
+
+/// One upload's progress.
+#[derive(Debug, Serialize)]
+pub struct UploadRow {
+    pub seller: String,
+    pub batch: String,
+    pub total: u64,
+    pub registered: u64,
+    pub dead: u64,
+    pub waiting: u64,
+    /// Seconds until the rest is registered at the seller's limit (plus any pause); 0 when done.
+    pub eta_s: f64,
+    pub published_ms: Option<u64>,
+    pub last_ms: Option<u64>,
+}
+
+/// Registrations per second by every replica, oldest first, ending at `end_s` (unix seconds).
+#[derive(Debug, Serialize)]
+pub struct Throughput {
+    pub end_s: u64,
+    pub per_second: Vec<u64>,
+    /// Their sum.
+    pub total: u64,
+}
+
+/// A replica's dashboard: what it needs to take a [`Snapshot`].
+pub struct Dashboard {
+    permits: PermitStore,
+    stats: Arc<Stats>,
+    ready: Readiness,
+    info: ReplicaInfo,
+    depths: Arc<Mutex<Option<QueueDepths>>>,
+    cache: tokio::sync::Mutex<Option<(Instant, Arc<String>)>>,
+}
+
+fn unix_ms() -> u64 {
+    SystemTime::now()
+        .duration_since(SystemTime::UNIX_EPOCH)
+        .map_or(0, |d| d.as_millis() as u64)
+}
+
+impl Dashboard {
+    pub fn new(
+        permits: PermitStore,
+        stats: Arc<Stats>,
+        ready: Readiness,
+        info: ReplicaInfo,
+    ) -> Self {
+        Self {
+            permits,
+            stats,
+            ready,
+            info,
+            depths: Arc::default(),
+            cache: tokio::sync::Mutex::default(),
+        }
+    }
+
+    /// The snapshot as JSON, computed at most once a second.
+    pub async fn json(&self) -> anyhow::Result<Arc<String>> {
+        let mut cache = self.cache.lock().await;
+        if let Some((at, json)) = &*cache
+            && at.elapsed() < CACHE_FOR
+        {
+            return Ok(json.clone());
+        }
+        let snapshot = tokio::time::timeout(GATHER_TIMEOUT, self.snapshot())
+            .await
+            .context("the snapshot took too long")??;
+        let json = Arc::new(serde_json::to_string(&snapshot)?);
+        *cache = Some((Instant::now(), json.clone()));
+        Ok(json)
+    }
+
+    /// Reads the shared state from Redis (and the last queue depths) into a snapshot.
+    pub async fn snapshot(&self) -> anyhow::Result<Snapshot> {
+        let now_ms = unix_ms();
+        let (uploads, (recent_sellers, sellers_active), dead_letters, throughput) = tokio::try_join!(
+            async {
+                progress::recent(&self.permits, UPLOADS_SHOWN)
+                    .await
+                    .context("reading uploads")
+            },
+            self.active_sellers(now_ms),
+            self.dead_letters(),
+            self.throughput(now_ms),
+        )?;
+
+        let mut seen = HashSet::new();
+        let candidates: Vec<SellerId> = uploads
+            .iter()
+            .map(|u| u.seller.as_str())
+            .chain(recent_sellers.iter().map(String::as_str))
+            .filter(|s| seen.insert(*s))
+            .filter_map(|s| SellerId::parse(s).ok())
+            .collect();
+        let usages = futures::future::try_join_all(
+            candidates.iter().map(|seller| self.permits.usage(seller)),
+        )
+        .await
+        .context("reading sellers' windows")?;
+        let usage: HashMap<&str, &Usage> = candidates
+            .iter()
+            .map(SellerId::as_str)
+            .zip(usages.iter())
+            .collect();
+
+        let uploads = uploads
+            .iter()
+            .map(|p| {
+                let eta = match usage.get(p.seller.as_str()) {
+                    _ if p.waiting() == 0 => Duration::ZERO,
+                    Some(u) => p.eta(u.limit) + u.paused_for,
+                    None => p.eta(self.permits.default_limit()),
+                };
+                UploadRow {
+                    seller: p.seller.clone(),
+                    batch: p.batch.clone(),
+                    total: p.total,
+                    registered: p.registered,
+                    dead: p.dead,
+                    waiting: p.waiting(),
+                    eta_s: eta.as_secs_f64(),
+                    published_ms: p.published_ms,
+                    last_ms: p.last_ms,
+                }
+            })
+            .collect();
+
+        let row = |seller: &str, u: &Usage| SellerRow {
+            seller: seller.to_owned(),
+            limit: u.limit.to_string(),
+            overridden: u.overridden,
+            used: u.used,
+            capacity: u.capacity,
+            ahead: u.ahead,
+            paused_ms: u.paused_for.as_millis() as u64,
+        };
+        let mut rows: Vec<SellerRow> = usage.iter().map(|(s, u)| row(s, u)).collect();
+        let mut paused: Vec<SellerRow> = usage
+            .iter()
+            .filter(|(_, u)| !u.paused_for.is_zero())
+            .map(|(s, u)| row(s, u))
+            .collect();
+        paused.sort_by(|a, b| b.paused_ms.cmp(&a.paused_ms).then(a.seller.cmp(&b.seller)));
+        paused.truncate(SELLERS_SHOWN);
+        // Busiest first: share of the limit taken (in thousandths), then promised ahead.
+        let share = |r: &SellerRow| (r.used * 1000).checked_div(r.capacity).unwrap_or(0);
+        rows.sort_by(|a, b| {
+            (share(b), b.ahead, b.paused_ms)
+                .cmp(&(share(a), a.ahead, a.paused_ms))
+                .then(a.seller.cmp(&b.seller))
+        });
+        rows.truncate(SELLERS_SHOWN);
+
+        Ok(Snapshot {
+            now_ms,
+            replica: ReplicaView {
+                info: self.info.clone(),
+                ready: self.ready.get(),
+                in_flight: self.stats.in_flight.load(Ordering::Relaxed),
+                held: self.stats.held.load(Ordering::Relaxed),
+                deliveries: self.stats.deliveries.load(Ordering::Relaxed),
+                registered: self.stats.registered.load(Ordering::Relaxed),
+            },
+            queues: *self.depths.lock().expect("never poisoned"),
+            sellers: rows,
+            sellers_active,
+            paused,
+            uploads,
+            dead_letters,
+            throughput,
+        })
+    }
+
+    /// The sellers asked about most recently, and how many were in the last 10 minutes.
+    async fn active_sellers(&self, now_ms: u64) -> anyhow::Result<(Vec<String>, u64)> {
+        let key = self.permits.shared_key(SELLERS);
+        let (recent, active): (Vec<String>, u64) = redis::pipe()
+            .zrevrange(&key, 0, SELLER_CANDIDATES as isize - 1)
+            .zcount(
+                &key,
+                now_ms.saturating_sub(ACTIVE_FOR.as_millis() as u64),
+                "+inf",
+            )
+            .query_async(&mut self.permits.connection())
+            .await
+            .context("reading active sellers")?;
+        Ok((recent, active))
+    }
+
+    async fn dead_letters(&self) -> anyhow::Result<BTreeMap<String, u64>> {
+        self.permits
+            .connection()
+            .hgetall(self.permits.shared_key(DEAD_LETTERS))
+            .await
+            .context("reading dead letters by reason")
+    }
+
+    /// Registrations per second over the last [`THROUGHPUT_SECONDS`], the current one included
+    /// (replicas record once a second, so the newest second fills in as they do).
+    async fn throughput(&self, now_ms: u64) -> anyhow::Result<Throughput> {
+        let end_s = now_ms / 1000;
+        let start_s = end_s + 1 - THROUGHPUT_SECONDS;
+        let minutes: Vec<u64> = (start_s / 60..=end_s / 60).collect();
+        let mut pipe = redis::pipe();
+        for m in &minutes {
+            pipe.hgetall(self.permits.shared_key(&format!("{THROUGHPUT}:{m}")));
+        }
+        let counts: Vec<HashMap<u64, u64>> = pipe
+            .query_async(&mut self.permits.connection())
+            .await
+            .context("reading throughput")?;
+        let mut per_second = vec![0; THROUGHPUT_SECONDS as usize];
+        for (second, n) in counts.iter().flatten() {
+            if (start_s..=end_s).contains(second) {
+                per_second[(second - start_s) as usize] += n;
+            }
+        }
+        Ok(Throughput {
+            end_s,
+            total: per_second.iter().sum(),
+            per_second,
+        })
+    }
+
+    /// Records what this replica did since the last call: `registered` in the current second's
+    /// throughput and the sellers it asked about. One round trip; nothing when idle.
+    async fn record(&self, registered: u64, sellers: &HashSet<String>) -> redis::RedisResult<()> {
+        if registered == 0 && sellers.is_empty() {
+            return Ok(());
+        }
+        let now_ms = unix_ms();
+        let mut pipe = redis::pipe();
+        if registered > 0 {
+            let second = now_ms / 1000;
+            let key = self
+                .permits
+                .shared_key(&format!("{THROUGHPUT}:{}", second / 60));
+            pipe.hincr(&key, second, registered)
+                .ignore()
+                .pexpire(&key, 11 * 60 * 1000)
+                .ignore();
+        }
+        if !sellers.is_empty() {
+            let key = self.permits.shared_key(SELLERS);
+            let members: Vec<(u64, &str)> = sellers.iter().map(|s| (now_ms, s.as_str())).collect();
+            pipe.zadd_multiple(&key, &members)
+                .ignore()
+                .zrembyscore(
+                    &key,
+                    "-inf",
+                    now_ms.saturating_sub(ACTIVE_FOR.as_millis() as u64) as f64,
+                )
+                .ignore()
+                .cmd("ZREMRANGEBYRANK")
+                .arg(&key)
+                .arg(0)
+                .arg(-(Stats::MAX_SELLERS as i64) - 1)
+                .ignore()
+                .pexpire(&key, ACTIVE_FOR.as_millis() as i64)
+                .ignore();
+        }
+        pipe.query_async(&mut self.permits.connection()).await
+    }
+}
+
+/// Feeds the shared state once a second (throughput, active sellers) until `stop`, then once
+/// more. Runs on every replica, with or without HTTP: every page counts every replica.
+pub async fn sample(dashboard: Arc<Dashboard>, stop: CancellationToken) {
+    let mut recorded = dashboard.stats.registered.load(Ordering::Relaxed);
+    let mut tick = tokio::time::interval(Duration::from_secs(1));
+    tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    loop {
+        let stopping = tokio::select! {
+            _ = tick.tick() => false,
+            _ = stop.cancelled() => true,
+        };
+        let registered = dashboard.stats.registered.load(Ordering::Relaxed);
+        let sellers = dashboard.stats.take_sellers();
+        match dashboard.record(registered - recorded, &sellers).await {
+            Ok(()) => recorded = registered,
+            Err(error) => {
+                metrics::counter!("turnstile_redis_errors_total").increment(1);
+                debug!(%error, "could not record dashboard samples; retrying next second");
+            }
+        }
+        if stopping {
+            return;
+        }
+    }
+}
+
+/// Reads the queue depths from the broker every 5 s until `stop` (on a connection of its own,
+/// reopened after errors), for the page and the `turnstile_queue_messages` gauges.
+pub async fn watch_queues(
+    dashboard: Arc<Dashboard>,
+    amqp_url: String,
+    topology: Topology,
+    stop: CancellationToken,
+) {
+    let name = format!(
+        "turnstile {} dashboard pid {}",
+        topology.work(),
+        std::process::id()
+    );
+    let mut open: Option<(lapin::Connection, lapin::Channel)> = None;
+    let mut tick = tokio::time::interval(QUEUES_EVERY);
+    tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    loop {
+        tokio::select! {
+            _ = tick.tick() => {}
+            _ = stop.cancelled() => break,
+        }
+        let read = async {
+            if open.is_none() {
+                let connection = broker::connect(&amqp_url, &name).await?;
+                let channel = connection.create_channel().await?;
+                open = Some((connection, channel));
+            }
+            let (_, channel) = open.as_ref().expect("opened above");
+            let mut depths = QueueDepths {
+                read_ms: unix_ms(),
+                ..Default::default()
+            };
+            for (i, queue) in topology.queues().iter().enumerate() {
+                let n = u64::from(broker::depth(channel, queue).await?);
+                match i {
+                    0 => depths.work = n,
+                    1 => depths.dead = n,
+                    _ => depths.delayed += n,
+                }
+            }
+            anyhow::Ok(depths)
+        };
+        match tokio::time::timeout(QUEUES_EVERY, read).await {
+            Ok(Ok(depths)) => {
+                for (queue, n) in [
+                    ("work", depths.work),
+                    ("delay", depths.delayed),
+                    ("dead", depths.dead),
+                ] {
+                    metrics::gauge!("turnstile_queue_messages", "queue" => queue).set(n as f64);
+                }
+                *dashboard.depths.lock().expect("never poisoned") = Some(depths);
+            }
+            Ok(Err(error)) => {
+                metrics::counter!("turnstile_broker_errors_total").increment(1);
+                debug!(error = format!("{error:#}"), "could not read queue depths");
+                open = None;
+            }
+            Err(_) => open = None,
+        }
+    }
+    if let Some((connection, _)) = open {
+        let _ = connection.close(200, "stopping".into()).await;
+    }
+}
+
+/// Counts a dead letter (confirmed by the broker) in the metrics, in the shared tally by reason
+/// and in its upload's progress. The Redis part runs in the background: it never delays the
+/// ack, and a failure only costs the count.
+pub fn dead_lettered(
+    permits: &PermitStore,
+    delivery: &Delivery,
+    reason: &'static str,
+    ttl: Duration,
+) {
+    metrics::counter!("turnstile_dead_letters_total", "reason" => reason).increment(1);
+    let message_id = delivery
+        .properties
+        .message_id()
+        .as_ref()
+        .map(|m| m.to_string());
+    let registration = Registration::parse(&delivery.data, message_id.as_deref()).ok();
+    let permits = permits.clone();
+    let record = async move {
+        let tally = async {
+            permits
+                .connection()
+                .hincr::<_, _, _, ()>(permits.shared_key(DEAD_LETTERS), reason, 1)
+                .await
+                .map_err(crate::permit::PermitError::from)
+        };
+        let upload = async {
+            match registration.as_ref().filter(|r| r.batch_id.is_some()) {
+                Some(r) => permits
+                    .complete(&r.seller_id, &r.message_id, r.batch_id.as_ref(), false, ttl)
+                    .await
+                    .map(drop),
+                None => Ok(()),
+            }
+        };
+        if let Err(error) = tokio::try_join!(tally, upload) {
+            metrics::counter!("turnstile_redis_errors_total").increment(1);
+            warn!(%error, "dead-lettered, but not counted in the dashboard and upload progress");
+        }
+    };
+    tokio::spawn(record.in_current_span());
+}

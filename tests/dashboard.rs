@@ -1,0 +1,466 @@
+//! What operators see: the live dashboard (rendered by headless Chromium), `/metrics`,
+//! `/api/dashboard` before Redis is there, and JSON log lines.
+mod support;
+
+use std::path::{Path, PathBuf};
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use serde_json::{Value, json};
+use support::limiter;
+use support::pipeline::Pipeline;
+use tokio_util::sync::CancellationToken;
+use turnstile::config::Algorithm;
+use turnstile::domain::{BatchId, SellerId};
+use turnstile::http::Listen;
+use turnstile::permit::PermitStore;
+use turnstile::replica::Replica;
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_dashboard_shows_each_seller_and_its_upload_progress_while_a_workload_runs() {
+    let chromium = Chromium::find();
+    let mut p = Pipeline::new("dash", "3/1s").await;
+    let store = p.keys.store(limiter(&p.limit, Algorithm::SlidingWindow));
+    for _ in 0..2 {
+        let mut settings = p.settings(4);
+        settings.http_addr = Listen::At("127.0.0.1:0".parse().unwrap());
+        p.start_replica(settings).await;
+    }
+    let http = p.replicas().next().unwrap().http_addr.unwrap();
+    let (page, api) = (
+        format!("http://{http}/"),
+        format!("http://{http}/api/dashboard"),
+    );
+
+    // Four uploads: a big one, a small one, one with a product the API rejects, and one of a
+    // seller paused for ten minutes (nothing of it is published, so it only waits).
+    upload(&p, &store, "S-big", "spring", 30, 0).await;
+    upload(&p, &store, "S-small", "summer", 6, 0).await;
+    upload(&p, &store, "S-bad", "autumn", 1, 1).await;
+    turnstile::progress::record_published(
+        &store,
+        &seller("S-paused"),
+        &batch("winter"),
+        3,
+        Duration::from_secs(600),
+    )
+    .await
+    .unwrap();
+    store
+        .pause(&seller("S-paused"), Duration::from_secs(600))
+        .await
+        .unwrap();
+
+    // While it runs: the page lists every seller and upload.
+    wait_for_api(&api, "the big upload under way", |d| {
+        upload_of(d, "S-big")["registered"].as_u64() > Some(0)
+    })
+    .await;
+    let artifacts = Path::new(env!("CARGO_MANIFEST_DIR")).join("target/artifacts");
+    std::fs::create_dir_all(&artifacts).unwrap();
+    chromium
+        .screenshot(&page, &artifacts.join("dashboard.png"))
+        .await;
+    let dom = chromium.dump_dom(&page).await;
+    std::fs::write(artifacts.join("dashboard-running.html"), &dom).unwrap();
+    assert!(
+        dom.contains("data-updated="),
+        "the page never rendered data from /api/dashboard:\n{dom}"
+    );
+    for (seller, total) in [("S-big", 30), ("S-small", 6), ("S-bad", 2), ("S-paused", 3)] {
+        let row = row(&dom, "upload", seller);
+        let registered = cell(&row, "registered");
+        let (done, of) = registered.split_once(" / ").expect("registered / total");
+        assert_eq!(of, total.to_string(), "{seller}'s upload total: {row}");
+        assert!(done.parse::<u64>().unwrap() <= total, "{row}");
+        row_of(&dom, "seller", seller).expect("a window row for each seller of the workload");
+    }
+    assert!(
+        item(&dom, "paused", "S-paused").is_some(),
+        "the paused seller is listed as paused"
+    );
+
+    // After it ran: the numbers are what registered.
+    let stats = p.wait_registered(30 + 6 + 1).await;
+    assert_eq!(stats.violations, 0, "{stats:?}");
+    wait_for_api(&api, "every registration counted", |d| {
+        d["throughput"]["total"] == 37
+            && upload_of(d, "S-bad")["dead"] == 1
+            && upload_of(d, "S-big")["registered"] == 30
+            && upload_of(d, "S-small")["registered"] == 6
+    })
+    .await;
+    let dom = chromium.dump_dom(&page).await;
+    std::fs::write(artifacts.join("dashboard-done.html"), &dom).unwrap();
+    let registered = |seller: &str| stats.sellers[seller].registered;
+    let big = row(&dom, "upload", "S-big");
+    assert_eq!(registered("S-big"), 30);
+    assert_eq!(cell(&big, "registered"), "30 / 30", "{big}");
+    assert_eq!(cell(&big, "eta"), "done", "{big}");
+    let small = row(&dom, "upload", "S-small");
+    assert_eq!(registered("S-small"), 6);
+    assert_eq!(cell(&small, "registered"), "6 / 6", "{small}");
+    let bad = row(&dom, "upload", "S-bad");
+    assert_eq!(registered("S-bad"), 1);
+    assert_eq!(cell(&bad, "registered"), "1 / 2", "{bad}");
+    assert_eq!(cell(&bad, "dead"), "1", "{bad}");
+    assert_eq!(cell(&bad, "eta"), "done", "{bad}");
+    let paused = row(&dom, "upload", "S-paused");
+    assert_eq!(cell(&paused, "registered"), "0 / 3", "{paused}");
+    assert!(
+        cell(&paused, "eta").starts_with('~') && cell(&paused, "eta").contains('m'),
+        "a paused upload finishes after its pause (minutes): {paused}"
+    );
+    let rejected = item(&dom, "dead-letters", "rejected").expect("dead letters by reason");
+    assert!(rejected.contains(">1<"), "one rejected: {rejected}");
+    assert_eq!(text_of(&dom, "throughput-total"), "37");
+    p.cleanup().await;
+}
+
+#[tokio::test]
+async fn metrics_count_permits_outcomes_and_downstream_answers_without_a_label_per_seller() {
+    let mut p = Pipeline::new("metrics", "2/1s").await;
+    let mut settings = p.settings(2);
+    settings.http_addr = Listen::At("127.0.0.1:0".parse().unwrap());
+    p.start_replica(settings).await;
+    let http = p.replicas().next().unwrap().http_addr.unwrap();
+    p.publish("S-metrics-seller", 5).await;
+    p.publish_product(
+        "S-metrics-rejected",
+        "m-rejected",
+        json!({"mock": {"statuses": [400]}}),
+    )
+    .await;
+    p.wait_registered(5).await;
+    p.dead_letters(1).await;
+
+    let url = format!("http://{http}/metrics");
+    let mut body = String::new();
+    let wanted = [
+        r#"turnstile_permits_granted_total{algorithm="sliding-window"}"#,
+        r#"turnstile_permits_near_limit_total{algorithm="sliding-window"}"#,
+        r#"turnstile_permits_over_limit_total{algorithm="sliding-window"}"#,
+        r#"turnstile_permits_denied_total{algorithm="sliding-window"}"#,
+        r#"turnstile_outcomes_total{outcome="registered"}"#,
+        r#"turnstile_outcomes_total{outcome="dead_lettered"}"#,
+        r#"turnstile_dead_letters_total{reason="rejected"}"#,
+        r#"turnstile_downstream_requests_total{class="2xx"}"#,
+        r#"turnstile_downstream_requests_total{class="4xx"}"#,
+        r#"turnstile_downstream_request_duration_seconds_count{class="2xx"}"#,
+        r#"turnstile_queue_messages{queue="dead"}"#,
+        "turnstile_deliveries_total",
+        "turnstile_in_flight",
+        "turnstile_held_messages",
+        "turnstile_ready",
+    ];
+    eventually_async("every metric exported", async || {
+        body = reqwest::get(&url).await.unwrap().text().await.unwrap();
+        wanted.iter().all(|m| value(&body, m).is_some())
+    })
+    .await;
+    for metric in wanted {
+        assert!(value(&body, metric).is_some(), "{metric} missing:\n{body}");
+    }
+    let counted = |m: &str| value(&body, m).unwrap();
+    assert!(counted(wanted[0]) >= 5.0, "five grants at least:\n{body}");
+    assert!(counted(wanted[4]) >= 5.0);
+    assert!(counted(wanted[7]) >= 5.0);
+    assert!(counted(wanted[8]) >= 1.0);
+    assert!(counted(wanted[6]) >= 1.0);
+    assert!(
+        !body.contains("S-metrics"),
+        "no label carries a seller id:\n{body}"
+    );
+    p.cleanup().await;
+}
+
+#[tokio::test]
+async fn before_redis_answers_the_dashboard_data_is_503_and_the_replica_is_not_ready() {
+    let p = Pipeline::new("unready", "10/1s").await;
+    let mut settings = p.settings(1);
+    settings.redis.url = "redis://127.0.0.1:1/".into(); // nothing listens there
+    let port = std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port();
+    settings.http_addr = Listen::At(format!("127.0.0.1:{port}").parse().unwrap());
+    let shutdown = CancellationToken::new();
+    let starting = tokio::spawn(Replica::start(settings, shutdown.clone()));
+    let base = format!("http://127.0.0.1:{port}");
+    let mut answered = None;
+    eventually_async("the HTTP endpoints serve", async || {
+        answered = reqwest::get(format!("{base}/api/dashboard")).await.ok();
+        answered.is_some()
+    })
+    .await;
+    let answer = answered.unwrap();
+    assert_eq!(answer.status(), 503);
+    let error: Value = answer.json().await.unwrap();
+    assert_eq!(error["error"], "not connected to Redis yet");
+    let page = reqwest::get(format!("{base}/")).await.unwrap();
+    assert_eq!(page.status(), 200);
+    assert!(page.text().await.unwrap().contains("/api/dashboard"));
+    assert_eq!(
+        reqwest::get(format!("{base}/readyz"))
+            .await
+            .unwrap()
+            .status(),
+        503
+    );
+    assert_eq!(
+        reqwest::get(format!("{base}/healthz"))
+            .await
+            .unwrap()
+            .status(),
+        200
+    );
+    shutdown.cancel();
+    starting.await.unwrap().unwrap().wait().await.unwrap();
+    p.cleanup().await;
+}
+
+#[tokio::test]
+async fn a_json_log_line_of_a_message_carries_its_seller_message_id_and_attempt() {
+    // This runtime runs every task on this thread, so a thread-local subscriber sees them all.
+    let lines = Lines::default();
+    let _logging = tracing::subscriber::set_default(turnstile::telemetry::subscriber(
+        tracing_subscriber::EnvFilter::new("turnstile=debug"),
+        true,
+        lines.clone(),
+    ));
+    let mut p = Pipeline::new("logs", "100/1s").await;
+    p.start_replicas(1, 1).await;
+    p.publish_product("S-log", "m-log", json!({"mock": {"statuses": [503, 200]}}))
+        .await;
+    p.wait_settled_registered(1).await;
+    p.stop_replicas().await;
+    let text = String::from_utf8(lines.0.lock().unwrap().clone()).unwrap();
+    let of_message: Vec<Value> = text
+        .lines()
+        .map(|l| serde_json::from_str::<Value>(l).expect("every line is JSON"))
+        .filter(|l| l["span"]["message"] == "m-log")
+        .collect();
+    let retried = of_message
+        .iter()
+        .find(|l| l["message"] == "downstream failed; retrying later")
+        .unwrap_or_else(|| panic!("the retry is logged in the message's span:\n{text}"));
+    assert_eq!(retried["span"]["seller"], "S-log");
+    assert_eq!(retried["span"]["attempt"], 0, "the first delivery");
+    assert!(
+        of_message.iter().any(|l| l["span"]["attempt"] == 1),
+        "the redelivery's lines carry attempt 1:\n{text}"
+    );
+    p.cleanup().await;
+}
+
+// ---------------------------------------------------------------------------------------------
+
+fn seller(s: &str) -> SellerId {
+    SellerId::parse(s).unwrap()
+}
+
+fn batch(b: &str) -> BatchId {
+    BatchId::parse(b).unwrap()
+}
+
+/// Publishes an upload of `ok` products and `rejected` ones (answered 400) and records it the
+/// way `turnstile publish` does.
+async fn upload(
+    p: &Pipeline,
+    store: &PermitStore,
+    seller_id: &str,
+    batch_id: &str,
+    ok: usize,
+    rejected: usize,
+) {
+    for i in 0..ok + rejected {
+        let product = if i < ok {
+            json!({"sku": i})
+        } else {
+            json!({"sku": i, "mock": {"statuses": [400]}})
+        };
+        let body = json!({"message_id": format!("{seller_id}-{batch_id}-{i}"), "seller_id": seller_id,
+            "batch_id": batch_id, "product": product});
+        p.broker.publish(body.to_string().as_bytes()).await;
+    }
+    turnstile::progress::record_published(
+        store,
+        &seller(seller_id),
+        &batch(batch_id),
+        (ok + rejected) as u64,
+        Duration::from_secs(600),
+    )
+    .await
+    .unwrap();
+}
+
+fn upload_of<'a>(dashboard: &'a Value, seller: &str) -> &'a Value {
+    dashboard["uploads"]
+        .as_array()
+        .and_then(|u| u.iter().find(|u| u["seller"] == seller))
+        .unwrap_or(&Value::Null)
+}
+
+/// Polls `/api/dashboard` until `done` holds for its answer.
+async fn wait_for_api(api: &str, what: &str, done: impl Fn(&Value) -> bool) {
+    eventually_async(what, async || match reqwest::get(api).await {
+        Ok(r) if r.status().is_success() => done(&r.json().await.unwrap()),
+        _ => false,
+    })
+    .await;
+}
+
+/// As `support::eventually`, for a check that needs to await.
+async fn eventually_async(what: &str, mut done: impl AsyncFnMut() -> bool) {
+    let deadline = std::time::Instant::now() + Duration::from_secs(120);
+    while !done().await {
+        assert!(
+            std::time::Instant::now() < deadline,
+            "never happened: {what}"
+        );
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+}
+
+/// A metric's value in a Prometheus text page (`name{labels}` exactly as rendered).
+fn value(page: &str, metric: &str) -> Option<f64> {
+    page.lines().find_map(|l| {
+        l.strip_prefix(metric)?
+            .strip_prefix(' ')?
+            .trim()
+            .parse()
+            .ok()
+    })
+}
+
+/// The DOM of a `<tr class="<class>" data-seller="<seller>" …>…</tr>` row, if rendered.
+fn row_of(dom: &str, class: &str, seller: &str) -> Option<String> {
+    let start = dom.find(&format!(r#"<tr class="{class}" data-seller="{seller}""#))?;
+    let end = dom[start..].find("</tr>")? + start;
+    Some(dom[start..end].to_owned())
+}
+
+fn row(dom: &str, class: &str, seller: &str) -> String {
+    row_of(dom, class, seller).unwrap_or_else(|| panic!("no {class} row for {seller}:\n{dom}"))
+}
+
+/// The text of the cell `<td class="… <class>">text</td>` of a row.
+fn cell(row: &str, class: &str) -> String {
+    let marker = format!(r#" {class}">"#);
+    let start = row
+        .find(&marker)
+        .unwrap_or_else(|| panic!("no {class} cell in {row}"))
+        + marker.len();
+    row[start..][..row[start..].find("</td>").unwrap()].to_owned()
+}
+
+/// The `<li data-…="<key>">…</li>` of the list with id `list`.
+fn item(dom: &str, list: &str, key: &str) -> Option<String> {
+    let list = &dom[dom.find(&format!(r#"id="{list}""#))?..];
+    let list = &list[..list.find("</ul>")?];
+    let start = list.find(&format!(r#"="{key}">"#))?;
+    Some(list[start..][..list[start..].find("</li>")?].to_owned())
+}
+
+/// The text of the element with id `id` (no markup inside).
+fn text_of(dom: &str, id: &str) -> String {
+    let marker = format!(r#"id="{id}">"#);
+    let start = dom.find(&marker).unwrap_or_else(|| panic!("no #{id}")) + marker.len();
+    dom[start..][..dom[start..].find('<').unwrap()].to_owned()
+}
+
+/// Headless Chromium (Debian's `chromium`, or `$CHROMIUM`).
+struct Chromium {
+    binary: PathBuf,
+}
+
+impl Chromium {
+    /// Finds it, or fails the test saying how to install it.
+    fn find() -> Self {
+        let binary = std::env::var_os("CHROMIUM")
+            .map(PathBuf::from)
+            .or_else(|| {
+                std::env::split_paths(&std::env::var_os("PATH")?)
+                    .map(|dir| dir.join("chromium"))
+                    .find(|path| path.is_file())
+            })
+            .unwrap_or_else(|| {
+                panic!(
+                    "this test needs headless Chromium: `apt-get install -y chromium` \
+                     (or set CHROMIUM=/path/to/chromium); .ci/run installs it"
+                )
+            });
+        Self { binary }
+    }
+
+    /// Runs Chromium on `url` with a fresh profile until the page's timers have run for 5 s of
+    /// virtual time (so its first refreshes happened); returns stdout.
+    async fn run(&self, url: &str, action: &[String]) -> String {
+        let profile = std::env::temp_dir().join(support::unique("chromium"));
+        let mut command = tokio::process::Command::new(&self.binary);
+        command
+            .args([
+                "--headless",
+                "--no-sandbox",
+                "--disable-gpu",
+                "--disable-dev-shm-usage",
+                "--disable-background-networking",
+                "--disable-extensions",
+                "--no-first-run",
+                "--no-default-browser-check",
+                "--hide-scrollbars",
+                "--window-size=1280,1000",
+                "--virtual-time-budget=5000",
+            ])
+            .arg(format!("--user-data-dir={}", profile.display()))
+            .args(action)
+            .arg(url)
+            .kill_on_drop(true);
+        let out = tokio::time::timeout(Duration::from_secs(120), command.output())
+            .await
+            .expect("chromium finishes (guard time)")
+            .expect("chromium runs");
+        let _ = std::fs::remove_dir_all(&profile);
+        assert!(
+            out.status.success(),
+            "chromium failed: {}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        String::from_utf8_lossy(&out.stdout).into_owned()
+    }
+
+    /// The DOM after the page's scripts ran.
+    async fn dump_dom(&self, url: &str) -> String {
+        self.run(url, &["--dump-dom".into()]).await
+    }
+
+    /// A PNG of the page as rendered.
+    async fn screenshot(&self, url: &str, path: &Path) {
+        let _ = std::fs::remove_file(path);
+        self.run(url, &[format!("--screenshot={}", path.display())])
+            .await;
+        assert!(path.is_file(), "chromium wrote no screenshot at {path:?}");
+    }
+}
+
+/// A log writer into a shared buffer.
+#[derive(Clone, Default)]
+struct Lines(Arc<Mutex<Vec<u8>>>);
+
+impl std::io::Write for Lines {
+    fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
+        self.0.lock().unwrap().extend_from_slice(buf);
+        Ok(buf.len())
+    }
+    fn flush(&mut self) -> std::io::Result<()> {
+        Ok(())
+    }
+}
+
+impl<'w> tracing_subscriber::fmt::MakeWriter<'w> for Lines {
+    type Writer = Lines;
+    fn make_writer(&'w self) -> Self::Writer {
+        self.clone()
+    }
+}
