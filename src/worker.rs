@@ -196,42 +196,6 @@ pub struct Worker {
     pub stats: Arc<Stats>,
 }
 
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn latency_buckets_are_ordered_and_within_an_eighth() {
-        let mut last = 0;
-        for i in 0..LatencyHistogram::BUCKETS {
-            let low = LatencyHistogram::lower_bound(i);
-            assert!(i == 0 || low > last, "bucket {i}");
-            assert_eq!(LatencyHistogram::index(low), i);
-            last = low;
-        }
-        for micros in [1, 7, 8, 9, 100, 479, 1000, 123_456, 10_000_000] {
-            let low = LatencyHistogram::lower_bound(LatencyHistogram::index(micros));
-            assert!(
-                low <= micros && micros - low <= micros / 8,
-                "{micros} -> {low}"
-            );
-        }
-    }
-
-    #[test]
-    fn quantiles_follow_the_samples() {
-        let h = LatencyHistogram::default();
-        for micros in 1..=100u64 {
-            h.record(Duration::from_micros(micros * 10));
-        }
-        assert_eq!(h.count(), 100);
-        let p50 = h.quantile(0.5).as_micros() as u64;
-        let p99 = h.quantile(0.99).as_micros() as u64;
-        assert!((440..=500).contains(&p50), "{p50}");
-        assert!((870..=990).contains(&p99), "{p99}");
-    }
-}
-
 /// How a handler's wait ended early.
 enum Interrupted {
     /// Shutting down: return the message to the broker, keeping its reservation.
@@ -573,5 +537,41 @@ impl Worker {
         if let Err(error) = result {
             debug!(%error, "could not settle the delivery (its channel is gone; the broker redelivers it)");
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn latency_buckets_are_ordered_and_within_an_eighth() {
+        let mut last = 0;
+        for i in 0..LatencyHistogram::BUCKETS {
+            let low = LatencyHistogram::lower_bound(i);
+            assert!(i == 0 || low > last, "bucket {i}");
+            assert_eq!(LatencyHistogram::index(low), i);
+            last = low;
+        }
+        for micros in [1, 7, 8, 9, 100, 479, 1000, 123_456, 10_000_000] {
+            let low = LatencyHistogram::lower_bound(LatencyHistogram::index(micros));
+            assert!(
+                low <= micros && micros - low <= micros / 8,
+                "{micros} -> {low}"
+            );
+        }
+    }
+
+    #[test]
+    fn quantiles_follow_the_samples() {
+        let h = LatencyHistogram::default();
+        for micros in 1..=100u64 {
+            h.record(Duration::from_micros(micros * 10));
+        }
+        assert_eq!(h.count(), 100);
+        let p50 = h.quantile(0.5).as_micros() as u64;
+        let p99 = h.quantile(0.99).as_micros() as u64;
+        assert!((440..=500).contains(&p50), "{p50}");
+        assert!((870..=990).contains(&p99), "{p99}");
     }
 }

@@ -220,18 +220,26 @@ pub async fn run(args: ThroughputArgs) -> anyhow::Result<bool> {
         round: 0,
     };
 
-    runs.push(bench.bare("ack-only loop (broker limit)", None).await?);
-    let downstream = Downstream::new(&downstream_args)?;
     runs.push(
         bench
-            .bare("bare loop: parse, POST, ack", Some(&downstream))
+            .bare("ack-only loop (broker limit)", Loop::AckOnly)
             .await?,
     );
+    runs.push(
+        bench
+            .bare("ack-only, acks batched by 100", Loop::AckBatched)
+            .await?,
+    );
+    let downstream = Downstream::new(&downstream_args)?;
+    let bare = bench
+        .bare("bare loop: parse, POST, ack", Loop::Register(&downstream))
+        .await?;
+    let bare_rate = bare.per_second;
+    runs.push(bare);
     for &replicas in &args.replicas {
         let run = bench.turnstile(replicas).await?;
         runs.push(run);
     }
-    let bare_rate = runs[1].per_second;
     for run in &mut runs {
         run.vs_bare_loop = run.per_second / bare_rate;
     }
@@ -328,10 +336,10 @@ struct Bench<'a> {
 
 impl Bench<'_> {
     /// A bare loop (see [`bare_loop`]) drains a fresh backlog.
-    async fn bare(&mut self, name: &str, downstream: Option<&Downstream>) -> anyhow::Result<Run> {
+    async fn bare(&mut self, name: &str, kind: Loop<'_>) -> anyhow::Result<Run> {
         let topology = self.backlog().await?;
         let cpu = cpu_now(&self.redis_ports);
-        let took = bare_loop(&self.settings, &topology, self.args.messages, downstream).await?;
+        let took = bare_loop(&self.settings, &topology, self.args.messages, kind).await?;
         let used = cpu_now(&self.redis_ports) - cpu;
         self.done_with(&topology).await?;
         Ok(Run::bare(name, self.args.messages, took).with_cpu(used))
@@ -455,14 +463,23 @@ impl Bench<'_> {
     }
 }
 
-/// A bare consumer: with `downstream`, parses each message, POSTs it (as many at once as a
-/// replica's workers) and acks; without, acks each delivery as it comes. Returns the time to
-/// drain `messages`.
+/// What a bare loop does with each delivery.
+#[derive(Clone, Copy)]
+enum Loop<'a> {
+    /// Acks it as it comes.
+    AckOnly,
+    /// Acks every hundredth with `multiple` (the broker's ceiling with batched acks).
+    AckBatched,
+    /// Parses it, POSTs it (as many at once as a replica's workers) and acks it.
+    Register(&'a Downstream),
+}
+
+/// A bare consumer of a backlog of `messages`; returns the time to drain it.
 async fn bare_loop(
     settings: &ConsumeArgs,
     topology: &Topology,
     messages: usize,
-    downstream: Option<&Downstream>,
+    kind: Loop<'_>,
 ) -> anyhow::Result<Duration> {
     let started = Instant::now();
     let connection =
@@ -489,12 +506,21 @@ async fn bare_loop(
             .await
             .context("the bare loop's consumer ended")??;
         received += 1;
-        match downstream {
-            None => {
+        match kind {
+            Loop::AckOnly => {
                 delivery.acker.ack(BasicAckOptions::default()).await?;
                 done.fetch_add(1, Ordering::Relaxed);
             }
-            Some(downstream) => {
+            Loop::AckBatched => {
+                if received % 100 == 0 || received == messages {
+                    delivery
+                        .acker
+                        .ack(BasicAckOptions { multiple: true })
+                        .await?;
+                    done.store(received as u64, Ordering::Relaxed);
+                }
+            }
+            Loop::Register(downstream) => {
                 let worker = workers.clone().acquire_owned().await?;
                 let (downstream, done) = (downstream.clone(), done.clone());
                 tasks.spawn(async move {
