@@ -121,3 +121,55 @@ async fn a_message_delayed_again_through_the_same_level_still_comes_back() {
         .unwrap();
     broker.cleanup().await;
 }
+
+#[tokio::test]
+async fn batched_acks_settle_exactly_what_was_acked_in_any_order() {
+    let broker = TestBroker::new("settle", QueueType::Quorum).await;
+    for i in 1..=10 {
+        broker.publish(format!(r#"{{"n":{i}}}"#).as_bytes()).await;
+    }
+    let connection =
+        turnstile::broker::connect(&support::broker::amqp_url(), "turnstile test settle")
+            .await
+            .unwrap();
+    let channel = connection.create_channel().await.unwrap();
+    let mut consumer = channel
+        .basic_consume(
+            broker.queue().into(),
+            "settle".into(),
+            Default::default(),
+            Default::default(),
+        )
+        .await
+        .unwrap();
+    let settler = turnstile::broker::Settler::new(channel.clone());
+    let mut tags = Vec::new();
+    for _ in 0..10 {
+        let delivery = consumer.next().await.unwrap().unwrap();
+        settler.received(delivery.delivery_tag);
+        tags.push(delivery.delivery_tag);
+    }
+    // Out of order: the first two stay unsettled for a while, the fifth is requeued, and
+    // one (the last) is never settled at all.
+    for &tag in &tags[2..9] {
+        if tag == tags[4] {
+            settler.requeue(tag).await.unwrap();
+        } else {
+            settler.ack(tag);
+        }
+    }
+    tokio::time::sleep(Duration::from_millis(100)).await;
+    settler.ack(tags[1]);
+    settler.ack(tags[0]);
+    settler.flush().await.unwrap();
+    // Closing the channel returns what it still holds: the requeued one (redelivered to this
+    // consumer meanwhile, or still ready) and the unsettled last one.
+    channel.close(200, "done".into()).await.unwrap();
+    connection.close(200, "done".into()).await.unwrap();
+    assert_eq!(
+        broker.depth(broker.queue()).await,
+        2,
+        "exactly the requeued and the never-settled message are left"
+    );
+    broker.cleanup().await;
+}
