@@ -48,6 +48,9 @@ pub struct ThroughputArgs {
     /// Workers per replica (the bare loop runs as many calls at once as one replica).
     #[arg(long, default_value_t = 64)]
     pub workers: u32,
+    /// Rounds of every measurement; the table shows each row's median round.
+    #[arg(long, default_value_t = 3, value_parser = clap::value_parser!(u32).range(1..))]
+    pub repeat: u32,
     /// Redis to use; by default a private `redis-server` on a free port, so that the command
     /// counts are turnstile's alone. A comma-separated list of URLs means Redis Cluster.
     #[arg(long = "bench-redis-url")]
@@ -205,7 +208,6 @@ pub async fn run(args: ThroughputArgs) -> anyhow::Result<bool> {
         crate::permit::redact_url(&redis_url),
     );
 
-    let mut runs: Vec<Run> = Vec::new();
     let mut bench = Bench {
         args: &args,
         settings,
@@ -220,28 +222,49 @@ pub async fn run(args: ThroughputArgs) -> anyhow::Result<bool> {
         round: 0,
     };
 
-    runs.push(
-        bench
-            .bare("ack-only loop (broker limit)", Loop::AckOnly)
-            .await?,
-    );
-    runs.push(
-        bench
-            .bare("ack-only, acks batched by 100", Loop::AckBatched)
-            .await?,
-    );
     let downstream = Downstream::new(&downstream_args)?;
-    let bare = bench
-        .bare("bare loop: parse, POST, ack", Loop::Register(&downstream))
-        .await?;
-    let bare_rate = bare.per_second;
-    runs.push(bare);
-    for &replicas in &args.replicas {
-        let run = bench.turnstile(replicas).await?;
-        runs.push(run);
+    // Every round measures every row once, in the same order. The table shows each row's
+    // median round; its ratio is the median of the ratios taken within each round.
+    let mut rounds: Vec<Vec<Run>> = Vec::new();
+    for round in 1..=args.repeat {
+        println!("round {round} of {}", args.repeat);
+        let mut row = vec![
+            bench
+                .bare("ack-only loop (broker limit)", Loop::AckOnly)
+                .await?,
+            bench
+                .bare("ack-only, acks batched by 100", Loop::AckBatched)
+                .await?,
+        ];
+        let bare = bench
+            .bare("bare loop: parse, POST, ack", Loop::Register(&downstream))
+            .await?;
+        let bare_rate = bare.per_second;
+        row.push(bare);
+        for &replicas in &args.replicas {
+            row.push(bench.turnstile(replicas).await?);
+        }
+        for run in &mut row {
+            run.vs_bare_loop = run.per_second / bare_rate;
+        }
+        rounds.push(row);
     }
-    for run in &mut runs {
-        run.vs_bare_loop = run.per_second / bare_rate;
+    let clean = rounds
+        .iter()
+        .flatten()
+        .all(|r| r.lost.unwrap_or(0) == 0 && r.violations.unwrap_or(0) == 0);
+    let median = |mut values: Vec<f64>| {
+        values.sort_by(f64::total_cmp);
+        values[values.len() / 2]
+    };
+    let mut runs = Vec::new();
+    for _ in 0..rounds[0].len() {
+        let mut of_row: Vec<Run> = rounds.iter_mut().map(|r| r.remove(0)).collect();
+        let ratio = median(of_row.iter().map(|r| r.vs_bare_loop).collect());
+        of_row.sort_by(|a, b| a.per_second.total_cmp(&b.per_second));
+        let mut typical = of_row.swap_remove(of_row.len() / 2);
+        typical.vs_bare_loop = ratio;
+        runs.push(typical);
     }
     stop_mock.cancel();
     delete_prefix(&redis, &bench.settings.redis.key_prefix).await?;
@@ -284,9 +307,6 @@ pub async fn run(args: ThroughputArgs) -> anyhow::Result<bool> {
             r.cpu_process_us,
         );
     }
-    let clean = runs
-        .iter()
-        .all(|r| r.lost.unwrap_or(0) == 0 && r.violations.unwrap_or(0) == 0);
     if args.json {
         println!("{}", serde_json::to_string(&runs)?);
     }
