@@ -222,7 +222,28 @@ pub async fn run(args: ThroughputArgs) -> anyhow::Result<bool> {
         round: 0,
     };
 
-    let downstream = Downstream::new(&downstream_args)?;
+    // The bare loops call a downstream without limits (they have no limiter); with the default
+    // limit it is the same as turnstile's.
+    let unlimited: Limit = "1000000/1s".parse().expect("a valid limit");
+    let bare_mock;
+    let bare_downstream = if args.limit == unlimited {
+        Downstream::new(&downstream_args)?
+    } else {
+        bare_mock = MockServer::start(
+            MockArgs {
+                limit: unlimited,
+                addr: "127.0.0.1:0".parse()?,
+                latency_ms: 0,
+                fail_rate: 0.0,
+            },
+            stop_mock.clone(),
+        )
+        .await?;
+        Downstream::new(&DownstreamArgs {
+            url: bare_mock.url(),
+            ..downstream_args.clone()
+        })?
+    };
     // Every round measures every row once, in the same order. The table shows each row's
     // median round; its ratio is the median of the ratios taken within each round.
     let mut rounds: Vec<Vec<Run>> = Vec::new();
@@ -237,7 +258,7 @@ pub async fn run(args: ThroughputArgs) -> anyhow::Result<bool> {
                 .await?,
         ];
         let bare = bench
-            .bare("bare loop: parse, POST, ack", Loop::Register(&downstream))
+            .bare("bare loop: parse, POST, ack", Loop::Register(&bare_downstream))
             .await?;
         let bare_rate = bare.per_second;
         row.push(bare);
