@@ -57,6 +57,18 @@ pub struct MockArgs {
     pub fail_rate: f64,
 }
 
+impl MockArgs {
+    /// A mock enforcing `limit` on a free loopback port, answering at once, never failing.
+    pub fn local(limit: Limit) -> Self {
+        Self {
+            limit,
+            addr: SocketAddr::from(([127, 0, 0, 1], 0)),
+            latency_ms: 0,
+            fail_rate: 0.0,
+        }
+    }
+}
+
 fn parse_limit(s: &str) -> Result<Limit, String> {
     s.parse::<Limit>().map_err(|e| e.to_string())
 }

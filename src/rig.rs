@@ -127,16 +127,8 @@ impl Rig {
         base.redis.key_prefix = format!("{}-{run}", base.redis.key_prefix);
         base.http_addr = crate::http::Listen::Off;
         let stop_mock = CancellationToken::new();
-        let mock = MockServer::start(
-            MockArgs {
-                limit: base.limiter.limit,
-                addr: "127.0.0.1:0".parse()?,
-                latency_ms: 0,
-                fail_rate: 0.0,
-            },
-            stop_mock.clone(),
-        )
-        .await?;
+        let mock =
+            MockServer::start(MockArgs::local(base.limiter.limit), stop_mock.clone()).await?;
         base.downstream = DownstreamArgs {
             url: mock.url(),
             token: None,
@@ -200,18 +192,9 @@ impl Rig {
     /// Dead letters in the rig's dead-letter queue.
     pub async fn dead_letters(&self) -> anyhow::Result<u64> {
         let channel = self.connection.create_channel().await?;
-        let q = channel
-            .queue_declare(
-                self.topology.dead().into(),
-                lapin::options::QueueDeclareOptions {
-                    passive: true,
-                    ..Default::default()
-                },
-                Default::default(),
-            )
-            .await?;
+        let depth = crate::broker::depth(&channel, self.topology.dead()).await;
         let _ = channel.close(200, "".into()).await;
-        Ok(u64::from(q.message_count()))
+        Ok(u64::from(depth?))
     }
 
     /// Waits until every published message registered or was dead-lettered, or `timeout`;

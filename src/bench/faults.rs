@@ -111,16 +111,7 @@ pub async fn run(args: FaultArgs) -> anyhow::Result<bool> {
     let (connection, publisher, topology) = broker.open("turnstile bench faults").await?;
     let mut redis = LocalRedis::start()?;
     let stop_mock = CancellationToken::new();
-    let mock = MockServer::start(
-        MockArgs {
-            limit: args.limit,
-            addr: "127.0.0.1:0".parse()?,
-            latency_ms: 0,
-            fail_rate: 0.0,
-        },
-        stop_mock.clone(),
-    )
-    .await?;
+    let mock = MockServer::start(MockArgs::local(args.limit), stop_mock.clone()).await?;
     let mut replicas = Vec::new();
     for _ in 0..args.replicas {
         replicas.push(spawn_replica(&args, &queue, &redis.url(), &mock.url())?);

@@ -168,16 +168,7 @@ pub async fn run(args: ThroughputArgs) -> anyhow::Result<bool> {
     redis_args.url = redis_url.clone();
     let redis = RedisConn::connect(&redis_args).await?;
     let stop_mock = CancellationToken::new();
-    let mock = MockServer::start(
-        MockArgs {
-            limit: args.limit,
-            addr: "127.0.0.1:0".parse()?,
-            latency_ms: 0,
-            fail_rate: 0.0,
-        },
-        stop_mock.clone(),
-    )
-    .await?;
+    let mock = MockServer::start(MockArgs::local(args.limit), stop_mock.clone()).await?;
     let downstream_args = DownstreamArgs {
         url: mock.url(),
         token: None,
@@ -229,16 +220,7 @@ pub async fn run(args: ThroughputArgs) -> anyhow::Result<bool> {
     let bare_downstream = if args.limit == unlimited {
         Downstream::new(&downstream_args)?
     } else {
-        bare_mock = MockServer::start(
-            MockArgs {
-                limit: unlimited,
-                addr: "127.0.0.1:0".parse()?,
-                latency_ms: 0,
-                fail_rate: 0.0,
-            },
-            stop_mock.clone(),
-        )
-        .await?;
+        bare_mock = MockServer::start(MockArgs::local(unlimited), stop_mock.clone()).await?;
         Downstream::new(&DownstreamArgs {
             url: bare_mock.url(),
             ..downstream_args.clone()
@@ -258,7 +240,10 @@ pub async fn run(args: ThroughputArgs) -> anyhow::Result<bool> {
                 .await?,
         ];
         let bare = bench
-            .bare("bare loop: parse, POST, ack", Loop::Register(&bare_downstream))
+            .bare(
+                "bare loop: parse, POST, ack",
+                Loop::Register(&bare_downstream),
+            )
             .await?;
         let bare_rate = bare.per_second;
         row.push(bare);

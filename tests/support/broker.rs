@@ -75,19 +75,9 @@ impl TestBroker {
             .await
             .unwrap();
         let channel = connection.create_channel().await.unwrap();
-        let q = channel
-            .queue_declare(
-                queue.into(),
-                lapin::options::QueueDeclareOptions {
-                    passive: true,
-                    ..Default::default()
-                },
-                FieldTable::default(),
-            )
-            .await
-            .unwrap();
+        let depth = broker::depth(&channel, queue).await.unwrap();
         let _ = connection.close(200, "".into()).await;
-        q.message_count()
+        depth
     }
 
     /// Messages waiting in any queue of the topology (work, delay ladder, dead letters); with

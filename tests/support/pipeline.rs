@@ -48,10 +48,8 @@ impl Pipeline {
         let stop_mock = CancellationToken::new();
         let mock = MockServer::start(
             MockArgs {
-                limit: limit.parse().unwrap(),
-                addr: "127.0.0.1:0".parse().unwrap(),
                 latency_ms,
-                fail_rate: 0.0,
+                ..MockArgs::local(limit.parse().unwrap())
             },
             stop_mock.clone(),
         )
