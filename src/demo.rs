@@ -36,6 +36,9 @@ pub struct DemoArgs {
     /// Print the summary as one JSON object on the last line of stdout.
     #[arg(long)]
     pub json: bool,
+    /// Where the first replica serves the live dashboard (port 0 picks a free one), or `off`.
+    #[arg(long, default_value = "127.0.0.1:0", value_parser = crate::http::parse_addr)]
+    pub dashboard: crate::http::Listen,
     #[command(flatten)]
     pub rig: RigArgs,
 }
@@ -69,21 +72,24 @@ pub async fn run(args: DemoArgs) -> anyhow::Result<ExitCode> {
     let dir = examples_dir(args.examples.as_deref())?;
     let mut messages = Vec::new();
     let mut per_seller: BTreeMap<String, u64> = BTreeMap::new();
+    let mut uploads = Vec::new();
     for (seller, file, batch) in UPLOADS {
         let seller_id = SellerId::parse(seller).expect("demo sellers are valid");
         let batch_id = BatchId::parse(batch).expect("demo batches are valid");
         let upload = read_upload(&dir.join(file), &seller_id, Some(&batch_id), true)
             .with_context(|| format!("reading the example upload {file}"))?;
         *per_seller.entry(seller.to_string()).or_default() += upload.rows.len() as u64;
+        uploads.push((seller_id, batch_id, upload.rows.len() as u64));
         messages.extend(upload.rows.into_iter().map(|row| Message {
             seller: seller.to_string(),
             body: row.body,
         }));
     }
     let limiter = LimiterArgs::new(args.limit, args.algorithm);
-    let settings = args
-        .rig
-        .replica_settings("demo", limiter, args.workers, Duration::from_secs(2));
+    let mut settings =
+        args.rig
+            .replica_settings("demo", limiter, args.workers, Duration::from_secs(2));
+    settings.http_addr = args.dashboard;
     eprintln!(
         "turnstile demo: strict mock API at {} per seller, {} replicas x {} workers, {} uploads from {}",
         args.limit,
@@ -93,7 +99,13 @@ pub async fn run(args: DemoArgs) -> anyhow::Result<ExitCode> {
         dir.display()
     );
     let mut rig = Rig::start(settings, args.replicas).await?;
+    if let Some(addr) = rig.dashboard() {
+        eprintln!("live dashboard while the demo runs: http://{addr}/");
+    }
     let total = messages.len() as u64;
+    for (seller, batch, n) in &uploads {
+        rig.record_upload(seller, batch, *n).await?;
+    }
     rig.publish(messages).await?;
     eprintln!("published {total} registrations (confirmed); registering within the limit:");
 

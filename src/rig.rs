@@ -108,6 +108,7 @@ pub struct Rig {
     pub topology: Topology,
     pub key_prefix: String,
     pub limit: Limit,
+    limiter: LimiterArgs,
     redis: RedisConn,
     connection: lapin::Connection,
     publisher: Publisher,
@@ -120,12 +121,13 @@ pub struct Rig {
 
 impl Rig {
     /// Starts the mock enforcing `base.limiter.limit`, and `replicas` replicas configured as
-    /// `base` but on a queue and key prefix of their own (named `<queue>-<random>`).
+    /// `base` but on a queue and key prefix of their own (named `<queue>-<random>`). Only the
+    /// first replica serves HTTP (the dashboard), if `base.http_addr` says so.
     pub async fn start(mut base: ConsumeArgs, replicas: usize) -> anyhow::Result<Self> {
         let run = format!("{:08x}", rand::random::<u32>());
         base.broker.queue = format!("{}-{run}", base.broker.queue);
         base.redis.key_prefix = format!("{}-{run}", base.redis.key_prefix);
-        base.http_addr = crate::http::Listen::Off;
+        let first_http = std::mem::replace(&mut base.http_addr, crate::http::Listen::Off);
         let stop_mock = CancellationToken::new();
         let mock =
             MockServer::start(MockArgs::local(base.limiter.limit), stop_mock.clone()).await?;
@@ -138,14 +140,19 @@ impl Rig {
         let (connection, publisher, topology) = base.broker.open("turnstile rig").await?;
         let stop = CancellationToken::new();
         let mut started = Vec::new();
-        for _ in 0..replicas {
-            started.push(Replica::start(base.clone(), stop.clone()).await?);
+        for i in 0..replicas {
+            let mut settings = base.clone();
+            if i == 0 {
+                settings.http_addr = first_http;
+            }
+            started.push(Replica::start(settings, stop.clone()).await?);
         }
         Ok(Self {
             mock,
             topology,
             key_prefix: base.redis.key_prefix.clone(),
             limit: base.limiter.limit,
+            limiter: base.limiter.clone(),
             redis,
             connection,
             publisher,
@@ -183,6 +190,29 @@ impl Rig {
             r.context("publishing the workload")?;
         }
         Ok(())
+    }
+
+    /// Where the first replica serves the dashboard, if it does.
+    pub fn dashboard(&self) -> Option<std::net::SocketAddr> {
+        self.replicas.first().and_then(|r| r.http_addr)
+    }
+
+    /// Records an upload of `total` messages, as `turnstile publish` does (for the dashboard
+    /// and `turnstile status`).
+    pub async fn record_upload(
+        &self,
+        seller: &crate::domain::SellerId,
+        batch: &crate::domain::BatchId,
+        total: u64,
+    ) -> anyhow::Result<()> {
+        let store = crate::permit::PermitStore::new(
+            self.redis.clone(),
+            &self.key_prefix,
+            self.limiter.clone(),
+        );
+        crate::progress::record_published(&store, seller, batch, total, Duration::from_secs(3600))
+            .await
+            .context("recording the upload")
     }
 
     pub fn published(&self) -> u64 {
