@@ -242,13 +242,20 @@ impl Dashboard {
             .zip(usages.iter())
             .collect();
 
+        // A seller's uploads share its limit: each is done at the latest when the seller's
+        // whole backlog is (their messages interleave in the queue).
+        let mut backlog: HashMap<&str, u64> = HashMap::new();
+        for p in uploads.iter() {
+            *backlog.entry(p.seller.as_str()).or_default() += p.waiting();
+        }
         let uploads = uploads
             .iter()
             .map(|p| {
+                let waiting = backlog.get(p.seller.as_str()).copied().unwrap_or(0);
                 let eta = match usage.get(p.seller.as_str()) {
                     _ if p.waiting() == 0 => Duration::ZERO,
-                    Some(u) => p.eta(u.limit) + u.paused_for,
-                    None => p.eta(self.permits.default_limit()),
+                    Some(u) => u.limit.optimum_drain(waiting) + u.paused_for,
+                    None => self.permits.default_limit().optimum_drain(waiting),
                 };
                 UploadRow {
                     seller: p.seller.clone(),
