@@ -368,12 +368,17 @@ async fn status(args: StatusArgs) -> anyhow::Result<ExitCode> {
         "--batch needs --seller"
     );
     let uploads = progress::list(&store, seller.as_ref(), batch.as_ref()).await?;
+    let backlog = progress::backlog_by_seller(&uploads);
     let mut rows = Vec::new();
     for p in &uploads {
         let seller = SellerId::parse(&p.seller).map_err(|e| anyhow::anyhow!("{e}"))?;
         let limit = store.effective_limit(&seller).await?;
         let paused = store.paused_for(&seller).await?;
-        rows.push((p, limit, p.eta(limit) + paused));
+        rows.push((
+            p,
+            limit,
+            limit.optimum_drain(backlog[p.seller.as_str()]) + paused,
+        ));
     }
     if args.json {
         let value: Vec<_> = rows

@@ -242,12 +242,7 @@ impl Dashboard {
             .zip(usages.iter())
             .collect();
 
-        // A seller's uploads share its limit: each is done at the latest when the seller's
-        // whole backlog is (their messages interleave in the queue).
-        let mut backlog: HashMap<&str, u64> = HashMap::new();
-        for p in uploads.iter() {
-            *backlog.entry(p.seller.as_str()).or_default() += p.waiting();
-        }
+        let backlog = progress::backlog_by_seller(&uploads);
         let uploads = uploads
             .iter()
             .map(|p| {

@@ -8,7 +8,6 @@ use std::time::Duration;
 
 use redis::AsyncCommands;
 
-use crate::config::Limit;
 use crate::domain::{BatchId, SellerId};
 use crate::permit::{PermitError, PermitStore, keys_matching};
 
@@ -29,13 +28,18 @@ impl Progress {
     pub fn waiting(&self) -> u64 {
         self.total.saturating_sub(self.registered + self.dead)
     }
+}
 
-    /// The least time the rest can take under `limit`, the seller's window being fresh:
-    /// `ceil(waiting / COUNT)` windows, minus one if the current window still has room. The
-    /// limit makes this the finish time (with a backlog, registrations run at the limit).
-    pub fn eta(&self, limit: Limit) -> Duration {
-        limit.optimum_drain(self.waiting())
+/// Messages waiting per seller over `uploads`. A seller's uploads share its limit and their
+/// messages interleave in the queue, so each upload is done, at the latest, when its seller's
+/// whole backlog is: `limit.optimum_drain(backlog)` (with a backlog, registrations run at the
+/// limit, so that is also about when it finishes).
+pub fn backlog_by_seller(uploads: &[Progress]) -> std::collections::HashMap<&str, u64> {
+    let mut backlog = std::collections::HashMap::new();
+    for p in uploads {
+        *backlog.entry(p.seller.as_str()).or_default() += p.waiting();
     }
+    backlog
 }
 
 /// Records that `total` messages of a batch were published (re-publishing the same batch keeps
@@ -153,4 +157,35 @@ pub async fn list(
         (a.seller.as_str(), a.batch.as_str()).cmp(&(b.seller.as_str(), b.batch.as_str()))
     });
     Ok(out)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn upload(seller: &str, total: u64, registered: u64) -> Progress {
+        Progress {
+            seller: seller.into(),
+            batch: format!("b{total}"),
+            total,
+            registered,
+            dead: 0,
+            published_ms: None,
+            last_ms: None,
+        }
+    }
+
+    #[test]
+    fn a_sellers_uploads_share_one_backlog() {
+        let uploads = [
+            upload("S-1", 40, 30),
+            upload("S-1", 40, 4),
+            upload("S-2", 5, 5),
+        ];
+        let backlog = backlog_by_seller(&uploads);
+        assert_eq!(backlog["S-1"], 46);
+        assert_eq!(backlog["S-2"], 0);
+        let limit: crate::config::Limit = "5/1s".parse().unwrap();
+        assert_eq!(limit.optimum_drain(backlog["S-1"]), Duration::from_secs(9));
+    }
 }
