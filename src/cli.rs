@@ -262,17 +262,17 @@ pub async fn run(cli: Cli) -> anyhow::Result<ExitCode> {
 pub fn shutdown_on_signal() -> CancellationToken {
     let token = CancellationToken::new();
     let cancel = token.clone();
+    // Registered here, before anything else runs: a SIGTERM in the first instant is then a
+    // shutdown too, not the default action (exit at once).
+    #[cfg(unix)]
+    let mut term = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate())
+        .expect("installing the SIGTERM handler");
     tokio::spawn(async move {
         let ctrl_c = tokio::signal::ctrl_c();
         #[cfg(unix)]
-        {
-            let mut term =
-                tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate())
-                    .expect("installing the SIGTERM handler");
-            tokio::select! {
-                _ = ctrl_c => {}
-                _ = term.recv() => {}
-            }
+        tokio::select! {
+            _ = ctrl_c => {}
+            _ = term.recv() => {}
         }
         #[cfg(not(unix))]
         let _ = ctrl_c.await;

@@ -330,24 +330,29 @@ async fn run(
             info!(
                 "shutting down: no new deliveries; finishing in-flight work, returning held messages"
             );
-            let _ = current
-                .consumer_channel
-                .basic_cancel(current.tag.as_str().into(), BasicCancelOptions::default())
-                .await;
-            tracker.close();
-            if tokio::time::timeout(args.shutdown_grace, tracker.wait())
-                .await
-                .is_err()
-            {
-                warn!(
-                    unsettled = tracker.len(),
-                    "shutdown grace over: closing with calls in flight; the broker redelivers their messages"
-                );
+            // One deadline for every step, so that a hung broker or downstream cannot hold the
+            // exit past the grace (plus a moment to send the last acks and close).
+            let grace_over = tokio::time::Instant::now() + args.shutdown_grace;
+            let closing_over = grace_over + Duration::from_secs(1);
+            let _ = tokio::time::timeout_at(
+                grace_over,
+                current
+                    .consumer_channel
+                    .basic_cancel(current.tag.as_str().into(), BasicCancelOptions::default()),
+            )
+            .await;
+            drain(&tracker, grace_over).await;
+            match tokio::time::timeout_at(closing_over, current.settler.flush()).await {
+                Ok(Ok(())) => {}
+                _ => warn!(
+                    "last acks not sent; the broker redelivers those messages (their completion records keep them from being called again)"
+                ),
             }
-            if let Err(error) = current.settler.flush().await {
-                warn!(%error, "last acks not sent; the broker redelivers those messages (their completion records keep them from being called again)");
-            }
-            let _ = current.connection.close(200, "shutdown".into()).await;
+            let _ = tokio::time::timeout_at(
+                closing_over,
+                current.connection.close(200, "shutdown".into()),
+            )
+            .await;
             info!("stopped");
             return Ok(());
         }
@@ -357,7 +362,21 @@ async fn run(
         let _ = current.connection.close(320, "reconnecting".into()).await;
     }
     ready.set(false);
-    tracker.close();
-    tracker.wait().await;
+    drain(&tracker, tokio::time::Instant::now() + args.shutdown_grace).await;
     Ok(())
+}
+
+/// Lets in-flight work finish until `deadline`; after it, what is still unsettled is left to
+/// the broker (it redelivers once the connection closes).
+async fn drain(tracker: &TaskTracker, deadline: tokio::time::Instant) {
+    tracker.close();
+    if tokio::time::timeout_at(deadline, tracker.wait())
+        .await
+        .is_err()
+    {
+        warn!(
+            unsettled = tracker.len(),
+            "shutdown grace over: closing with calls in flight; the broker redelivers their messages"
+        );
+    }
 }

@@ -519,8 +519,13 @@ impl Worker {
                         self.settings.done_ttl,
                     );
                 }
-                settler.ack(tag);
-                Ok(())
+                if matches!(outcome, Outcome::Registered | Outcome::AlreadyDone) {
+                    settler.ack(tag);
+                    Ok(())
+                } else {
+                    // Republished: an ack lost with the connection would leave two copies.
+                    settler.ack_now(tag).await
+                }
             }
             Ok(()) => {
                 counter.fetch_add(1, Ordering::Relaxed);

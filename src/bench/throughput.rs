@@ -18,7 +18,7 @@ use serde::Serialize;
 use tokio::sync::Semaphore;
 use tokio_util::sync::CancellationToken;
 
-use crate::broker::{self, Topology};
+use crate::broker::{self, Settler, Topology};
 use crate::config::{Algorithm, Limit, LimiterArgs};
 use crate::domain::Registration;
 use crate::downstream::{Downstream, DownstreamArgs, Reply};
@@ -124,6 +124,17 @@ impl std::ops::Sub for Cpu {
     }
 }
 
+/// The port of a `redis://host:port/db` URL (6379 when none is given).
+fn url_port(url: &str) -> Option<u16> {
+    let rest = url.trim().split_once("://").map_or(url.trim(), |(_, r)| r);
+    let authority = rest.split('/').next()?;
+    let host = authority.rsplit_once('@').map_or(authority, |(_, h)| h);
+    match host.rsplit_once(':') {
+        Some((_, port)) => port.parse().ok(),
+        None => Some(6379),
+    }
+}
+
 /// One measured run.
 #[derive(Debug, Serialize)]
 pub struct Run {
@@ -131,8 +142,10 @@ pub struct Run {
     pub messages: u64,
     pub seconds: f64,
     pub per_second: f64,
-    /// Versus the bare parse-POST-ack loop of the same run.
+    /// Versus the bare parse-POST-ack loop of the same round.
     pub vs_bare_loop: f64,
+    /// Versus the same loop with acks batched as turnstile batches them.
+    pub vs_bare_batched: f64,
     /// Requests replicas sent to Redis (a script call or a pipeline counts once).
     pub redis_round_trips_per_message: Option<f64>,
     /// Scripts Redis ran (EVALSHA/EVAL).
@@ -205,11 +218,7 @@ pub async fn run(args: ThroughputArgs) -> anyhow::Result<bool> {
         tag,
         mock: &mock,
         redis: &redis,
-        redis_ports: redis_url
-            .split(',')
-            .filter_map(|u| u.trim().rsplit_once(':'))
-            .filter_map(|(_, port)| port.trim_end_matches('/').parse().ok())
-            .collect(),
+        redis_ports: redis_url.split(',').filter_map(url_port).collect(),
         round: 0,
     };
 
@@ -245,13 +254,21 @@ pub async fn run(args: ThroughputArgs) -> anyhow::Result<bool> {
                 Loop::Register(&bare_downstream),
             )
             .await?;
-        let bare_rate = bare.per_second;
+        let batched = bench
+            .bare(
+                "bare loop, acks batched",
+                Loop::RegisterBatched(&bare_downstream),
+            )
+            .await?;
+        let (bare_rate, batched_rate) = (bare.per_second, batched.per_second);
         row.push(bare);
+        row.push(batched);
         for &replicas in &args.replicas {
             row.push(bench.turnstile(replicas).await?);
         }
         for run in &mut row {
             run.vs_bare_loop = run.per_second / bare_rate;
+            run.vs_bare_batched = run.per_second / batched_rate;
         }
         rounds.push(row);
     }
@@ -267,9 +284,11 @@ pub async fn run(args: ThroughputArgs) -> anyhow::Result<bool> {
     for _ in 0..rounds[0].len() {
         let mut of_row: Vec<Run> = rounds.iter_mut().map(|r| r.remove(0)).collect();
         let ratio = median(of_row.iter().map(|r| r.vs_bare_loop).collect());
+        let ratio_batched = median(of_row.iter().map(|r| r.vs_bare_batched).collect());
         of_row.sort_by(|a, b| a.per_second.total_cmp(&b.per_second));
         let mut typical = of_row.swap_remove(of_row.len() / 2);
         typical.vs_bare_loop = ratio;
+        typical.vs_bare_batched = ratio_batched;
         runs.push(typical);
     }
     stop_mock.cancel();
@@ -277,30 +296,32 @@ pub async fn run(args: ThroughputArgs) -> anyhow::Result<bool> {
 
     println!();
     println!(
-        "{:<30} {:>7} {:>7} {:>8} {:>8} {:>9} {:>11} {:>12} {:>10} {:>9} {:>5} {:>5}",
+        "{:<30} {:>7} {:>6} {:>8} {:>8} {:>10} {:>9} {:>11} {:>12} {:>10} {:>9} {:>5} {:>5}   CPU µs/msg: broker + Redis + this process",
         "run",
         "msgs",
         "secs",
         "msg/s",
         "vs bare",
+        "vs batched",
         "trips/msg",
         "scripts/msg",
         "commands/msg",
         "permit p50",
         "p99",
         "viol",
-        "lost"
+        "lost",
     );
     let opt = |v: Option<f64>, digits: usize| v.map_or("-".to_owned(), |v| format!("{v:.digits$}"));
     let opt_n = |v: Option<u64>| v.map_or("-".to_owned(), |v| v.to_string());
     for r in &runs {
         println!(
-            "{:<30} {:>7} {:>7.2} {:>8.0} {:>7.2}x {:>9} {:>11} {:>12} {:>8}µs {:>7}µs {:>5} {:>5}   {:>7.0} + {:>5.0} + {:>5.0}",
+            "{:<30} {:>7} {:>6.2} {:>8.0} {:>7.2}x {:>9.2}x {:>9} {:>11} {:>12} {:>8}µs {:>7}µs {:>5} {:>5}   {:>5.0} + {:>5.0} + {:>5.0}",
             r.name,
             r.messages,
             r.seconds,
             r.per_second,
             r.vs_bare_loop,
+            r.vs_bare_batched,
             opt(r.redis_round_trips_per_message, 2),
             opt(r.redis_scripts_per_message, 2),
             opt(r.redis_commands_per_message, 1),
@@ -327,6 +348,7 @@ impl Run {
             seconds: took.as_secs_f64(),
             per_second: messages as f64 / took.as_secs_f64(),
             vs_bare_loop: 0.0,
+            vs_bare_batched: 0.0,
             redis_round_trips_per_message: None,
             redis_scripts_per_message: None,
             redis_commands_per_message: None,
@@ -473,6 +495,7 @@ impl Bench<'_> {
             seconds: took.as_secs_f64(),
             per_second: registered as f64 / took.as_secs_f64(),
             vs_bare_loop: 0.0,
+            vs_bare_batched: 0.0,
             redis_round_trips_per_message: per_message(trips),
             redis_scripts_per_message: per_message(scripts),
             redis_commands_per_message: per_message(commands),
@@ -498,6 +521,8 @@ enum Loop<'a> {
     AckBatched,
     /// Parses it, POSTs it (as many at once as a replica's workers) and acks it.
     Register(&'a Downstream),
+    /// The same, with acks batched as turnstile batches them ([`Settler`]).
+    RegisterBatched(&'a Downstream),
 }
 
 /// A bare consumer of a backlog of `messages`; returns the time to drain it.
@@ -524,6 +549,7 @@ async fn bare_loop(
         .await?;
     let done = Arc::new(AtomicU64::new(0));
     let workers = Arc::new(Semaphore::new(settings.workers as usize));
+    let settler = matches!(kind, Loop::RegisterBatched(_)).then(|| Settler::new(channel.clone()));
     let tasks = tokio_util::task::TaskTracker::new();
     let mut received = 0;
     while received < messages {
@@ -546,16 +572,25 @@ async fn bare_loop(
                     done.store(received as u64, Ordering::Relaxed);
                 }
             }
-            Loop::Register(downstream) => {
+            Loop::Register(downstream) | Loop::RegisterBatched(downstream) => {
                 let worker = workers.clone().acquire_owned().await?;
                 let (downstream, done) = (downstream.clone(), done.clone());
+                let settler = settler.clone();
+                if let Some(settler) = &settler {
+                    settler.received(delivery.delivery_tag);
+                }
                 tasks.spawn(async move {
                     let registration = Registration::parse(&delivery.data, None)
                         .expect("the bench publishes valid registrations");
                     let reply = downstream.register(&registration).await;
                     drop(worker);
                     if matches!(reply, Reply::Registered) {
-                        let _ = delivery.acker.ack(BasicAckOptions::default()).await;
+                        match settler {
+                            Some(settler) => settler.ack(delivery.delivery_tag),
+                            None => {
+                                let _ = delivery.acker.ack(BasicAckOptions::default()).await;
+                            }
+                        }
                         done.fetch_add(1, Ordering::Relaxed);
                     }
                 });
@@ -564,6 +599,9 @@ async fn bare_loop(
     }
     tasks.close();
     tasks.wait().await;
+    if let Some(settler) = &settler {
+        settler.flush().await?;
+    }
     let took = started.elapsed();
     let _ = connection.close(200, "done".into()).await;
     anyhow::ensure!(

@@ -8,7 +8,9 @@
 //! acked tag below it covers exactly the acked ones. A nack is sent at once, and its tag leaves
 //! the unsettled set only after the nack went out, so a multiple ack can never cover a tag
 //! that was meant to be requeued. Acks stuck above a long-held delivery are sent one by one
-//! after [`STRAGGLER`].
+//! after [`STRAGGLER`]. Only one task at a time takes acks out and sends them (the `sending`
+//! lock is held from taking to the last frame): two senders could otherwise race, a multiple
+//! ack overtaking a single ack it covers, which the broker refuses as an unknown tag.
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::sync::{Arc, Mutex};
@@ -29,6 +31,7 @@ const STRAGGLER: Duration = Duration::from_millis(25);
 pub struct Settler {
     channel: Channel,
     state: Arc<Mutex<State>>,
+    sending: Arc<tokio::sync::Mutex<()>>,
     wake: mpsc::Sender<()>,
 }
 
@@ -44,11 +47,18 @@ impl Settler {
     /// Starts the flusher for `channel` (the channel the deliveries come from).
     pub fn new(channel: Channel) -> Self {
         let state = Arc::new(Mutex::new(State::default()));
+        let sending = Arc::new(tokio::sync::Mutex::new(()));
         let (wake, woken) = mpsc::channel(1);
-        tokio::spawn(flusher(channel.clone(), state.clone(), woken));
+        tokio::spawn(flusher(
+            channel.clone(),
+            state.clone(),
+            sending.clone(),
+            woken,
+        ));
         Self {
             channel,
             state,
+            sending,
             wake,
         }
     }
@@ -56,6 +66,16 @@ impl Settler {
     /// Records a delivery as it arrives (in delivery-tag order, before it is handled).
     pub fn received(&self, tag: u64) {
         self.lock().unsettled.insert(tag);
+    }
+
+    /// Acks a delivery at once, alone: for a delivery that was republished (delayed or
+    /// dead-lettered), whose ack lost with a connection would leave a second copy behind.
+    pub async fn ack_now(&self, tag: u64) -> Result<(), lapin::Error> {
+        let _sending = self.sending.lock().await;
+        self.lock().unsettled.remove(&tag);
+        self.channel
+            .basic_ack(tag, BasicAckOptions::default())
+            .await
     }
 
     /// Acks a delivery: sent with the next batch.
@@ -80,15 +100,18 @@ impl Settler {
                 },
             )
             .await;
-        // Only now may a multiple ack pass this tag (see the module docs).
-        self.lock().unsettled.remove(&tag);
-        let _ = self.wake.try_send(());
+        // Only now may a multiple ack pass this tag (see the module docs). If the nack failed
+        // the channel is gone: the tag stays unsettled and nothing passes it any more.
+        if sent.is_ok() {
+            self.lock().unsettled.remove(&tag);
+            let _ = self.wake.try_send(());
+        }
         sent
     }
 
     /// Sends every ack collected so far (before closing the channel).
     pub async fn flush(&self) -> Result<(), lapin::Error> {
-        flush(&self.channel, &self.state, true).await
+        flush(&self.channel, &self.state, &self.sending, true).await
     }
 
     fn lock(&self) -> std::sync::MutexGuard<'_, State> {
@@ -96,7 +119,12 @@ impl Settler {
     }
 }
 
-async fn flusher(channel: Channel, state: Arc<Mutex<State>>, mut woken: mpsc::Receiver<()>) {
+async fn flusher(
+    channel: Channel,
+    state: Arc<Mutex<State>>,
+    sending: Arc<tokio::sync::Mutex<()>>,
+    mut woken: mpsc::Receiver<()>,
+) {
     loop {
         let waiting = !state
             .lock()
@@ -109,11 +137,11 @@ async fn flusher(channel: Channel, state: Arc<Mutex<State>>, mut woken: mpsc::Re
             Ok(woken.recv().await)
         };
         if let Ok(None) = wake {
-            let _ = flush(&channel, &state, true).await;
+            let _ = flush(&channel, &state, &sending, true).await;
             return;
         }
         tokio::time::sleep(LINGER).await;
-        if let Err(error) = flush(&channel, &state, false).await {
+        if let Err(error) = flush(&channel, &state, &sending, false).await {
             tracing::debug!(%error, "acks not sent (the channel is gone; the broker redelivers)");
         }
     }
@@ -124,8 +152,10 @@ async fn flusher(channel: Channel, state: Arc<Mutex<State>>, mut woken: mpsc::Re
 async fn flush(
     channel: &Channel,
     state: &Mutex<State>,
+    sending: &tokio::sync::Mutex<()>,
     everything: bool,
 ) -> Result<(), lapin::Error> {
+    let _sending = sending.lock().await;
     let (run_end, singles) = {
         let mut state = state.lock().unwrap_or_else(|e| e.into_inner());
         let lowest_unsettled = state.unsettled.first().copied().unwrap_or(u64::MAX);
