@@ -276,8 +276,9 @@ pub fn shutdown_on_signal() -> CancellationToken {
         }
         #[cfg(not(unix))]
         let _ = ctrl_c.await;
-        tracing::info!("shutdown signal received");
+        // Cancel before logging: a log line cannot fail the shutdown (stderr may be closed).
         cancel.cancel();
+        tracing::info!("shutdown signal received");
     });
     token
 }

@@ -472,7 +472,11 @@ pub async fn watch_queues(
             }
             anyhow::Ok(depths)
         };
-        match tokio::time::timeout(QUEUES_EVERY, read).await {
+        let read = tokio::select! {
+            read = tokio::time::timeout(QUEUES_EVERY, read) => read,
+            _ = stop.cancelled() => break,
+        };
+        match read {
             Ok(Ok(depths)) => {
                 for (queue, n) in [
                     ("work", depths.work),

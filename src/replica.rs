@@ -116,7 +116,9 @@ impl Replica {
             http_addr,
             done: tokio::spawn(async { Ok(()) }),
         };
-        let Some(conn) = until_connected("Redis", &shutdown, || redis.connect()).await else {
+        let Some(conn) =
+            until_connected("Redis", &shutdown, always_retry, || redis.connect()).await?
+        else {
             return Ok(stopped(stats, ready, http_addr));
         };
         let permits = PermitStore::new(conn, &args.redis.key_prefix, args.limiter.clone());
@@ -150,9 +152,17 @@ impl Replica {
             workers: Arc::new(Semaphore::new(args.workers as usize)),
             stats: stats.clone(),
         });
-        let Some(session) =
-            until_connected("RabbitMQ", &shutdown, || Session::open(&args, &worker)).await
-        else {
+        // At startup a broker refusal that retrying cannot fix (credentials, vhost, a queue
+        // declared with other arguments) fails the start with the broker's reason.
+        let opened = until_connected(
+            "RabbitMQ",
+            &shutdown,
+            broker::is_configuration_error,
+            || Session::open(&args, &worker),
+        )
+        .await
+        .context("TURNSTILE_AMQP_URL / TURNSTILE_QUEUE_TYPE: the broker refused the replica")?;
+        let Some(session) = opened else {
             return Ok(stopped(stats, ready, http_addr));
         };
         ready.set(true);
@@ -245,12 +255,14 @@ impl Session {
 }
 
 /// Calls `connect` until it succeeds, with exponential backoff and jitter (200 ms to 10 s),
-/// logging each failure; `None` if `shutdown` comes first.
+/// logging each failure; `Ok(None)` if `shutdown` comes first, `Err` at once for an error that
+/// `hopeless` says retrying cannot fix.
 async fn until_connected<T, F, Fut>(
     what: &str,
     shutdown: &CancellationToken,
+    hopeless: fn(&anyhow::Error) -> bool,
     connect: F,
-) -> Option<T>
+) -> anyhow::Result<Option<T>>
 where
     F: FnMut() -> Fut,
     Fut: Future<Output = anyhow::Result<T>>,
@@ -263,6 +275,7 @@ where
                 .with_jitter()
                 .without_max_times(),
         )
+        .when(|error| !hopeless(error))
         .notify(|error: &anyhow::Error, after| {
             warn!(
                 error = format!("{error:#}"),
@@ -271,9 +284,14 @@ where
             );
         });
     tokio::select! {
-        connected = attempts => Some(connected.expect("retried without limit")),
-        _ = shutdown.cancelled() => None,
+        connected = attempts => connected.map(Some),
+        _ = shutdown.cancelled() => Ok(None),
     }
+}
+
+/// Never hopeless: keep trying.
+fn always_retry(_: &anyhow::Error) -> bool {
+    false
 }
 
 /// Consumes until shutdown, reconnecting with backoff whenever the broker connection is lost.
@@ -290,8 +308,14 @@ async fn run(
         let mut current = match session.take() {
             Some(s) => s,
             None => {
-                match until_connected("RabbitMQ", &shutdown, || Session::open(&args, &worker)).await
-                {
+                // Once running, keep trying whatever the broker says (a permission or policy
+                // may be fixed while the replica waits, not ready).
+                let reopened = until_connected("RabbitMQ", &shutdown, always_retry, || {
+                    Session::open(&args, &worker)
+                })
+                .await
+                .expect("always_retry never gives up");
+                match reopened {
                     Some(s) => {
                         info!("reconnected to the broker; consuming again");
                         metrics::counter!("turnstile_reconnects_total").increment(1);

@@ -314,6 +314,29 @@ fn secrets_never_appear_in_errors_and_config_errors_name_the_setting() {
             "{secret} leaked: {broker_away}"
         );
     }
+    // A refusal that retrying cannot fix (wrong password) fails the start at once (the guard
+    // of 30 s only keeps a regression from hanging the suite).
+    let (code, _, err) = run(Command::new("timeout")
+        .args([
+            "-s",
+            "TERM",
+            "30s",
+            env!("CARGO_BIN_EXE_turnstile"),
+            "consume",
+        ])
+        .env(
+            "TURNSTILE_AMQP_URL",
+            "amqp://guest:hunter3@127.0.0.1:5672/%2f",
+        )
+        .env("TURNSTILE_REDIS_URL", support::redis_url())
+        .env("TURNSTILE_DOWNSTREAM_URL", "http://127.0.0.1:9/{seller_id}")
+        .env("TURNSTILE_HTTP_ADDR", "off"));
+    assert_eq!(code, 1, "a refused login fails the start: {err}");
+    assert!(
+        err.contains("ACCESS_REFUSED") && err.contains("TURNSTILE_AMQP_URL"),
+        "{err}"
+    );
+    assert!(!err.contains("hunter3"), "{err}");
     let (code, _, err) = run(turnstile()
         .arg("consume")
         .env("TURNSTILE_DOWNSTREAM_URL", "x")

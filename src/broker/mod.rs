@@ -121,6 +121,25 @@ pub async fn depth(channel: &Channel, queue: &str) -> anyhow::Result<u32> {
     Ok(q.message_count())
 }
 
+/// Whether the broker refused us for a reason that retrying cannot fix: wrong credentials or
+/// permissions (ACCESS_REFUSED), an unknown vhost (NOT_ALLOWED), or a queue that exists with
+/// other arguments, e.g. another queue type (PRECONDITION_FAILED).
+pub fn is_configuration_error(error: &anyhow::Error) -> bool {
+    use lapin::protocol::{AMQPErrorKind, AMQPHardError, AMQPSoftError};
+    error
+        .chain()
+        .filter_map(|e| e.downcast_ref::<lapin::Error>())
+        .any(|e| match e.kind() {
+            lapin::ErrorKind::ProtocolError(amqp) => matches!(
+                amqp.kind(),
+                AMQPErrorKind::Soft(
+                    AMQPSoftError::ACCESSREFUSED | AMQPSoftError::PRECONDITIONFAILED
+                ) | AMQPErrorKind::Hard(AMQPHardError::NOTALLOWED)
+            ),
+            _ => false,
+        })
+}
+
 /// Opens a connection named after this replica.
 pub async fn connect(url: &str, name: &str) -> anyhow::Result<Connection> {
     let properties = ConnectionProperties::default().with_connection_name(name.into());
