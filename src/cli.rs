@@ -72,7 +72,7 @@ pub enum LimitsAction {
     Set {
         #[arg(long)]
         seller: String,
-        #[arg(long = "limit", value_parser = |s: &str| s.parse::<Limit>().map_err(|e| e.to_string()))]
+        #[arg(long = "limit", value_parser = crate::config::limit_arg)]
         new_limit: Limit,
     },
     /// Show the limit that applies to a seller, and whether it is an override or paused.

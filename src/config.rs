@@ -147,9 +147,13 @@ impl fmt::Display for Algorithm {
     }
 }
 
+/// Parses a limit flag (`COUNT/DURATION`, e.g. `20/1s`) with an error that says what is wrong.
+pub fn limit_arg(s: &str) -> Result<Limit, String> {
+    s.parse().map_err(|e: LimitError| e.to_string())
+}
+
 fn parse_limit(s: &str) -> Result<Limit, String> {
-    s.parse()
-        .map_err(|e: LimitError| format!("{e} (TURNSTILE_LIMIT)"))
+    limit_arg(s).map_err(|e| format!("{e} (TURNSTILE_LIMIT)"))
 }
 
 fn parse_key_prefix(s: &str) -> Result<String, String> {

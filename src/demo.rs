@@ -26,7 +26,7 @@ pub struct DemoArgs {
     #[arg(long, default_value_t = 4)]
     pub workers: u32,
     /// The (time-compressed) per-seller limit of the mock API and the consumers.
-    #[arg(long, default_value = "5/1s", value_parser = |s: &str| s.parse::<Limit>().map_err(|e| e.to_string()))]
+    #[arg(long, default_value = "5/1s", value_parser = crate::config::limit_arg)]
     pub limit: Limit,
     #[arg(long, value_enum, default_value_t = Algorithm::SlidingWindow)]
     pub algorithm: Algorithm,

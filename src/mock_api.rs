@@ -44,7 +44,7 @@ use crate::domain::SellerId;
 #[derive(clap::Args, Clone, Debug)]
 pub struct MockArgs {
     /// Per-seller limit the mock enforces, COUNT/DURATION (e.g. 20/1s, 100/1m).
-    #[arg(long, default_value = "20/1s", value_parser = parse_limit)]
+    #[arg(long, default_value = "20/1s", value_parser = crate::config::limit_arg)]
     pub limit: Limit,
     /// Address to listen on; port 0 picks a free port.
     #[arg(long, default_value = "127.0.0.1:8080")]
@@ -67,10 +67,6 @@ impl MockArgs {
             fail_rate: 0.0,
         }
     }
-}
-
-fn parse_limit(s: &str) -> Result<Limit, String> {
-    s.parse::<Limit>().map_err(|e| e.to_string())
 }
 
 fn parse_fraction(s: &str) -> Result<f64, String> {

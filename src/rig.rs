@@ -17,7 +17,7 @@ use crate::config::Limit;
 use crate::config::{LimiterArgs, RedisArgs};
 use crate::downstream::DownstreamArgs;
 use crate::mock_api::{MockArgs, MockServer, Stats};
-use crate::permit::{RedisConn, delete_prefix};
+use crate::permit::{PermitStore, RedisConn, delete_prefix};
 use crate::replica::{ConsumeArgs, Replica};
 
 /// Where a rig runs: the broker and Redis it uses. Its queue and key prefix are its own
@@ -108,8 +108,8 @@ pub struct Rig {
     pub topology: Topology,
     pub key_prefix: String,
     pub limit: Limit,
-    limiter: LimiterArgs,
-    redis: RedisConn,
+    /// The rig's Redis, under its key prefix (upload progress, cleanup).
+    store: PermitStore,
     connection: lapin::Connection,
     publisher: Publisher,
     replicas: Vec<Replica>,
@@ -152,8 +152,7 @@ impl Rig {
             topology,
             key_prefix: base.redis.key_prefix.clone(),
             limit: base.limiter.limit,
-            limiter: base.limiter.clone(),
-            redis,
+            store: PermitStore::new(redis, &base.redis.key_prefix, base.limiter.clone()),
             connection,
             publisher,
             replicas: started,
@@ -205,14 +204,15 @@ impl Rig {
         batch: &crate::domain::BatchId,
         total: u64,
     ) -> anyhow::Result<()> {
-        let store = crate::permit::PermitStore::new(
-            self.redis.clone(),
-            &self.key_prefix,
-            self.limiter.clone(),
-        );
-        crate::progress::record_published(&store, seller, batch, total, Duration::from_secs(3600))
-            .await
-            .context("recording the upload")
+        crate::progress::record_published(
+            &self.store,
+            seller,
+            batch,
+            total,
+            Duration::from_secs(3600),
+        )
+        .await
+        .context("recording the upload")
     }
 
     pub fn published(&self) -> u64 {
@@ -307,7 +307,7 @@ impl Rig {
             .await
             .context("deleting the rig's queues")?;
         let _ = self.connection.close(200, "done".into()).await;
-        delete_prefix(&self.redis, &self.key_prefix)
+        delete_prefix(&self.store.connection(), &self.key_prefix)
             .await
             .context("deleting the rig's keys")?;
         self.stop_mock.cancel();

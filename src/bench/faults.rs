@@ -18,7 +18,7 @@ use crate::rig::registration_body;
 
 #[derive(Args, Debug, Clone)]
 pub struct FaultArgs {
-    #[arg(long, default_value = "20/1s", value_parser = |s: &str| s.parse::<Limit>().map_err(|e| e.to_string()))]
+    #[arg(long, default_value = "20/1s", value_parser = crate::config::limit_arg)]
     pub limit: Limit,
     #[arg(long, default_value_t = 3)]
     pub replicas: usize,

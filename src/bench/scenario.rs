@@ -14,7 +14,7 @@ pub struct ScenarioArgs {
     /// Flags given explicitly override the preset.
     #[arg(long, default_value = "bar")]
     pub preset: String,
-    #[arg(long, value_parser = |s: &str| s.parse::<Limit>().map_err(|e| e.to_string()))]
+    #[arg(long, value_parser = crate::config::limit_arg)]
     pub limit: Option<Limit>,
     #[arg(long)]
     pub replicas: Option<usize>,

@@ -36,10 +36,6 @@ use crate::permit::{PermitStore, RedisConn, delete_prefix, keys_matching, redact
 use crate::replica::Replica;
 use crate::rig::{RigArgs, registration_body};
 
-fn parse_limit(s: &str) -> Result<Limit, String> {
-    s.parse::<Limit>().map_err(|e| e.to_string())
-}
-
 /// Flags of `turnstile bench sellers`.
 #[derive(Args, Debug, Clone)]
 pub struct SellersArgs {
@@ -50,12 +46,12 @@ pub struct SellersArgs {
     #[arg(long, default_value_t = 5)]
     pub permits: u32,
     /// Limit of the memory measurement.
-    #[arg(long, default_value = "100/60s", value_parser = parse_limit)]
+    #[arg(long, default_value = "100/60s", value_parser = crate::config::limit_arg)]
     pub limit: Limit,
     /// Short limit of the idleness check: every limiter key must be gone one window plus guard
     /// after the last permit. Its window should outlast filling one algorithm's keys, so that
     /// "keys before" counts every seller.
-    #[arg(long = "idle-limit", default_value = "5/10s", value_parser = parse_limit)]
+    #[arg(long = "idle-limit", default_value = "5/10s", value_parser = crate::config::limit_arg)]
     pub idle_limit: Limit,
     /// Completion records written per seller (one upload each).
     #[arg(long = "messages-per-seller", default_value_t = 10)]

@@ -38,7 +38,7 @@ pub struct ThroughputArgs {
     #[arg(long, default_value_t = 2_000)]
     pub sellers: usize,
     /// The per-seller limit; the default keeps limits out of the way.
-    #[arg(long, default_value = "1000000/1s", value_parser = |s: &str| s.parse::<Limit>().map_err(|e| e.to_string()))]
+    #[arg(long, default_value = "1000000/1s", value_parser = crate::config::limit_arg)]
     pub limit: Limit,
     #[arg(long, value_enum, default_value_t = Algorithm::SlidingWindow)]
     pub algorithm: Algorithm,

@@ -13,7 +13,7 @@
 //! ack overtaking a single ack it covers, which the broker refuses as an unknown tag.
 
 use std::collections::{BTreeMap, BTreeSet};
-use std::sync::{Arc, Mutex};
+use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::{Duration, Instant};
 
 use lapin::Channel;
@@ -114,9 +114,14 @@ impl Settler {
         flush(&self.channel, &self.state, &self.sending, true).await
     }
 
-    fn lock(&self) -> std::sync::MutexGuard<'_, State> {
-        self.state.lock().unwrap_or_else(|e| e.into_inner())
+    fn lock(&self) -> MutexGuard<'_, State> {
+        lock(&self.state)
     }
+}
+
+/// The state, even after a panic elsewhere (its sets stay consistent at every step).
+fn lock(state: &Mutex<State>) -> MutexGuard<'_, State> {
+    state.lock().unwrap_or_else(|e| e.into_inner())
 }
 
 async fn flusher(
@@ -126,11 +131,7 @@ async fn flusher(
     mut woken: mpsc::Receiver<()>,
 ) {
     loop {
-        let waiting = !state
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
-            .acked
-            .is_empty();
+        let waiting = !lock(&state).acked.is_empty();
         let wake = if waiting {
             tokio::time::timeout(STRAGGLER, woken.recv()).await
         } else {
@@ -157,7 +158,7 @@ async fn flush(
 ) -> Result<(), lapin::Error> {
     let _sending = sending.lock().await;
     let (run_end, singles) = {
-        let mut state = state.lock().unwrap_or_else(|e| e.into_inner());
+        let mut state = lock(state);
         let lowest_unsettled = state.unsettled.first().copied().unwrap_or(u64::MAX);
         let run_end = state
             .acked
