@@ -17,6 +17,7 @@ use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
 use tracing::{info, warn};
 
+use crate::broker::ladder::Ladder;
 use crate::broker::{self, BrokerArgs, Publisher, Settler, Topology};
 use crate::config::{LimiterArgs, RedisArgs, duration_arg};
 use crate::dashboard::{self, Dashboard, ReplicaInfo};
@@ -37,6 +38,9 @@ pub struct ConsumeArgs {
     /// held ones included.
     #[arg(long, env = "TURNSTILE_PREFETCH", value_parser = clap::value_parser!(u16).range(1..))]
     pub prefetch: Option<u16>,
+    /// Messages each delay ladder level's consumer holds at most (12 levels).
+    #[arg(long = "delay-prefetch", env = "TURNSTILE_DELAY_PREFETCH", default_value_t = 64, value_parser = clap::value_parser!(u16).range(1..))]
+    pub delay_prefetch: u16,
     /// The dashboard (/), /api/dashboard, /metrics, /healthz, /readyz; `127.0.0.1:0` picks a
     /// free port; `off` disables.
     #[arg(long = "http-addr", env = "TURNSTILE_HTTP_ADDR", default_value = "0.0.0.0:9464", value_parser = http::parse_addr)]
@@ -327,9 +331,29 @@ async fn run(
             }
         };
         let connection_lost = CancellationToken::new();
+        let ladder = Arc::new(Ladder {
+            topology: worker.topology.clone(),
+            publisher: current.publisher.clone(),
+            stats: worker.stats.ladder.clone(),
+            prefetch: args.delay_prefetch,
+        });
+        if let Err(error) = ladder
+            .start(&current.connection, &tracker, &shutdown, &connection_lost)
+            .await
+        {
+            warn!(
+                error = format!("{error:#}"),
+                "could not consume the delay ladder"
+            );
+            connection_lost.cancel();
+        }
         let stopped_by_shutdown = loop {
             tokio::select! {
                 _ = shutdown.cancelled() => break true,
+                _ = connection_lost.cancelled() => {
+                    warn!("the delay ladder's consumers stopped; reconnecting");
+                    break false;
+                }
                 next = current.consumer.next() => match next {
                     Some(Ok(delivery)) => {
                         current.settler.received(delivery.delivery_tag);

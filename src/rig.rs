@@ -52,6 +52,7 @@ impl RigArgs {
             },
             workers,
             prefetch: None,
+            delay_prefetch: 64,
             http_addr: crate::http::Listen::Off,
             max_attempts: 8,
             hold,

@@ -59,6 +59,8 @@ pub struct Stats {
     pub forfeited: AtomicU64,
     pub held: AtomicUsize,
     pub in_flight: AtomicUsize,
+    /// What the delay ladder's consumers did in this replica.
+    pub ladder: Arc<crate::broker::ladder::LadderStats>,
     /// How long each permit decision took (one Redis round trip, or more after errors).
     pub permit_latency: LatencyHistogram,
     /// Sellers asked about since the dashboard sampler last took them (at most

@@ -17,6 +17,7 @@ async fn ladder_returns_messages_after_their_delay(queue_type: QueueType) {
         .declare(broker.publisher.channel())
         .await
         .expect("declaring twice is fine");
+    let ladder = broker.run_ladder().await;
     let mut consumer = broker.consume(broker.queue()).await;
     // Publish a message, consume it, and send it through the ladder with several delays, the
     // longest first: none waits behind a longer one.
@@ -72,6 +73,7 @@ async fn ladder_returns_messages_after_their_delay(queue_type: QueueType) {
             at.as_millis()
         );
     }
+    ladder.cancel();
     broker.cleanup().await;
 }
 
@@ -87,9 +89,8 @@ async fn the_delay_ladder_returns_messages_after_their_delay_on_classic_queues()
 
 #[tokio::test]
 async fn a_message_delayed_again_through_the_same_level_still_comes_back() {
-    // RabbitMQ drops (classic) or holds forever (quorum) a message whose `x-death` history names
-    // the queue it expires from again, taking it for a dead-letter cycle.
     let broker = TestBroker::new("again", QueueType::Quorum).await;
+    let ladder = broker.run_ladder().await;
     let mut consumer = broker.consume(broker.queue()).await;
     broker.publish(br#"{"n":1}"#).await;
     let mut delivery = consumer.next().await.unwrap().unwrap();
@@ -119,6 +120,7 @@ async fn a_message_delayed_again_through_the_same_level_still_comes_back() {
         .ack(BasicAckOptions::default())
         .await
         .unwrap();
+    ladder.cancel();
     broker.cleanup().await;
 }
 

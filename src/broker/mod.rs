@@ -3,20 +3,17 @@
 //! Topology for `TURNSTILE_QUEUE=<q>` (every name but `<q>` starts with `<q>.`):
 //! - `<q>`: the work queue (durable; quorum by default).
 //! - `<q>.dead`: dead letters, with the reason in headers.
-//! - the delay ladder: exchanges and queues `<q>.delay.<k>` for k = 0..LEVELS, queue k holding
-//!   messages for exactly 2^k x UNIT (a fixed queue TTL, so its head always expires first), and
-//!   `<q>.delay.out`, which routes back to `<q>`. A delay is written in binary in the routing key,
-//!   one word per level from the top (`0.1.1...`): exchange k sends a message with bit k set into
-//!   queue k, whose expired messages dead-letter into exchange k-1; with bit k clear, exchange k
-//!   passes it straight on to exchange k-1. So any delay takes at most LEVELS hops, never blocks
-//!   behind a longer one, and never passes through a consumer on the way (NServiceBus's design).
-//!   Dead-lettering between quorum queues is at-least-once, so no hop can drop a message.
+//! - the delay ladder ([`ladder`]): queues `<q>.wait.<k>` for k = 0..LEVELS, in which a
+//!   message waits 2^k x UNIT; the replicas consume them and move each message on, confirmed,
+//!   when its wait is over. No broker TTL or dead-lettering is involved.
 
 pub mod dead_letters;
 mod settle;
 pub use settle::Settler;
+pub mod ladder;
 mod topology;
 
+pub use ladder::{Hop, LEVELS, UNIT};
 pub use topology::{QueueType, Topology};
 
 use std::time::Duration;
@@ -28,11 +25,6 @@ use lapin::options::{BasicPublishOptions, ConfirmSelectOptions};
 use lapin::types::{AMQPValue, FieldTable, LongString, ShortString};
 use lapin::{BasicProperties, Channel, Connection, ConnectionProperties};
 
-/// The smallest delay step of the ladder.
-pub const UNIT: Duration = Duration::from_millis(250);
-/// Levels of the ladder: delays up to (2^LEVELS - 1) x UNIT (about 36 hours).
-pub const LEVELS: u32 = 19;
-
 /// Headers turnstile reads and writes on the messages it republishes.
 pub mod headers {
     /// The reserved permit slot (`SLOT_US/COUNT/WINDOW_US`, Redis time), see `permit::Reservation`.
@@ -41,6 +33,10 @@ pub mod headers {
     pub const ATTEMPT: &str = "x-turnstile-attempt";
     /// Times the message went through the delay ladder.
     pub const DELAYS: &str = "x-turnstile-delays";
+    /// When a delayed message is due back in the work queue (Unix ms).
+    pub const DUE: &str = "x-turnstile-due-ms";
+    /// When a delayed message's wait in its current ladder level ends (Unix ms).
+    pub const HOP: &str = "x-turnstile-hop-ms";
     /// Why a message was dead-lettered: `invalid-message`, `rejected` or `attempts-exhausted`.
     pub const REASON: &str = "x-turnstile-reason";
     /// The detail of the reason: the parse error, or the status and a body excerpt.
@@ -214,7 +210,7 @@ impl Publisher {
     }
 
     /// Publishes a copy of `delivery` into the delay ladder: it reappears on the work queue after
-    /// `delay` (rounded down to the ladder's UNIT, capped at its maximum), with `extra` headers.
+    /// `delay` (less than one UNIT early, capped at [`ladder::MAX_DELAY`]), with `extra` headers.
     pub async fn delay(
         &self,
         topology: &Topology,
@@ -222,12 +218,29 @@ impl Publisher {
         delay: Duration,
         extra: &[(&str, AMQPValue)],
     ) -> Result<(), PublishError> {
+        let now = ladder::unix_ms();
+        let due = ladder::due_after(now, delay);
         let delays = header_u64(delivery, headers::DELAYS).unwrap_or(0) + 1;
         let mut all: Vec<(&str, AMQPValue)> = extra.to_vec();
         all.push((headers::DELAYS, AMQPValue::LongLongInt(delays as i64)));
+        all.push((headers::DUE, AMQPValue::LongLongInt(due as i64)));
+        self.hop(topology, delivery, ladder::next_hop(now, due), &all)
+            .await
+    }
+
+    /// Publishes a copy of `delivery` into `hop` (a ladder level or the work queue), with
+    /// `extra` headers.
+    pub async fn hop(
+        &self,
+        topology: &Topology,
+        delivery: &Delivery,
+        hop: Hop,
+        extra: &[(&str, AMQPValue)],
+    ) -> Result<(), PublishError> {
+        let mut all = extra.to_vec();
+        all.extend(ladder::hop_headers(hop));
         let properties = copy_properties(delivery, &all);
-        let (exchange, key) = topology.delay_route(delay);
-        self.publish(&exchange, &key, &delivery.data, properties)
+        self.publish("", &topology.hop_queue(hop), &delivery.data, properties)
             .await
     }
 

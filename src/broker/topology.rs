@@ -1,18 +1,16 @@
 //! Queue and exchange names, and their idempotent declaration.
 
-use std::time::Duration;
-
 use anyhow::Context;
 use clap::ValueEnum;
 use lapin::Channel;
-use lapin::ExchangeKind;
-use lapin::options::{
-    ExchangeBindOptions, ExchangeDeclareOptions, ExchangeDeleteOptions, QueueBindOptions,
-    QueueDeclareOptions, QueueDeleteOptions,
-};
+use lapin::options::{QueueDeclareOptions, QueueDeleteOptions};
 use lapin::types::{AMQPValue, FieldTable, ShortString};
 
-use super::{LEVELS, UNIT, long_string, table};
+use super::ladder::{Hop, LEVELS};
+use super::{long_string, table};
+
+/// The delivery limit declared on quorum ladder levels: never reached (see `declare`).
+const DELIVERY_LIMIT: i64 = 1_000_000;
 
 /// The queue type of every queue turnstile declares.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
@@ -55,24 +53,22 @@ impl Topology {
     pub fn dead(&self) -> &str {
         &self.dead
     }
-    fn level(&self, k: u32) -> String {
+    /// The queue of delay level `k` (messages wait 2^k x UNIT in it).
+    pub(super) fn level(&self, k: u32) -> String {
+        format!("{}.wait.{k}", self.work)
+    }
+    /// Level `k` of the ladder of turnstile before 0.2 (TTL queues and exchanges
+    /// `<q>.delay.<k>`), drained if the broker still has it.
+    pub(super) fn legacy_level(&self, k: u32) -> String {
         format!("{}.delay.{k}", self.work)
     }
-    fn out(&self) -> String {
-        format!("{}.delay.out", self.work)
-    }
 
-    /// The exchange and routing key that delay a message by `delay`, rounded down to UNIT and
-    /// capped at the ladder's maximum (a longer wait simply goes round again).
-    pub fn delay_route(&self, delay: Duration) -> (String, String) {
-        let max = (1u64 << LEVELS) - 1;
-        let units = ((delay.as_millis() / UNIT.as_millis()) as u64).min(max);
-        let key = (0..LEVELS)
-            .rev()
-            .map(|k| if units & (1 << k) != 0 { "1" } else { "0" })
-            .collect::<Vec<_>>()
-            .join(".");
-        (self.level(LEVELS - 1), key)
+    /// The queue a message enters for `hop` (published through the default exchange).
+    pub fn hop_queue(&self, hop: Hop) -> String {
+        match hop {
+            Hop::Level { level, .. } => self.level(level),
+            Hop::Work => self.work.clone(),
+        }
     }
 
     fn queue_arguments(&self, extra: &[(&str, AMQPValue)]) -> FieldTable {
@@ -101,87 +97,23 @@ impl Topology {
         Ok(())
     }
 
-    async fn declare_exchange(
-        &self,
-        channel: &Channel,
-        name: &str,
-        kind: ExchangeKind,
-    ) -> anyhow::Result<()> {
-        channel
-            .exchange_declare(
-                name.into(),
-                kind,
-                ExchangeDeclareOptions {
-                    durable: true,
-                    ..Default::default()
-                },
-                FieldTable::default(),
-            )
-            .await
-            .with_context(|| format!("declaring exchange {name:?}"))
-    }
-
     /// Declares everything (idempotent: safe for every replica at every start).
     pub async fn declare(&self, channel: &Channel) -> anyhow::Result<()> {
         self.declare_queue(channel, &self.work, self.queue_arguments(&[]))
             .await?;
         self.declare_queue(channel, &self.dead, self.queue_arguments(&[]))
             .await?;
-        let out = self.out();
-        self.declare_exchange(channel, &out, ExchangeKind::Fanout)
-            .await?;
-        channel
-            .queue_bind(
-                self.work.as_str().into(),
-                out.as_str().into(),
-                "".into(),
-                QueueBindOptions::default(),
-                FieldTable::default(),
-            )
-            .await
-            .context("binding the work queue to the delay ladder's exit")?;
         for k in 0..LEVELS {
-            let name = self.level(k);
-            let next = if k == 0 {
-                out.clone()
-            } else {
-                self.level(k - 1)
-            };
-            let ttl_ms = (UNIT.as_millis() as i64) << k;
-            let mut extra = vec![
-                ("x-message-ttl", AMQPValue::LongLongInt(ttl_ms)),
-                ("x-dead-letter-exchange", long_string(&next)),
-            ];
+            let mut args = Vec::new();
             if self.delay_type == QueueType::Quorum {
-                extra.push(("x-queue-type", long_string("quorum")));
-                extra.push(("x-dead-letter-strategy", long_string("at-least-once")));
-                extra.push(("x-overflow", long_string("reject-publish")));
+                args.push(("x-queue-type", long_string("quorum")));
+                // RabbitMQ 4.x gives quorum queues a delivery limit of 20 by default: a held
+                // ladder message is returned at every lost connection, and must never be
+                // dropped for it.
+                args.push(("x-delivery-limit", AMQPValue::LongLongInt(DELIVERY_LIMIT)));
             }
-            self.declare_queue(channel, &name, super::table(&extra))
+            self.declare_queue(channel, &self.level(k), table(&args))
                 .await?;
-            self.declare_exchange(channel, &name, ExchangeKind::Topic)
-                .await?;
-            let position = "*.".repeat((LEVELS - 1 - k) as usize);
-            channel
-                .queue_bind(
-                    name.as_str().into(),
-                    name.as_str().into(),
-                    format!("{position}1.#").into(),
-                    QueueBindOptions::default(),
-                    FieldTable::default(),
-                )
-                .await
-                .with_context(|| format!("binding delay level {k}"))?;
-            channel
-                .exchange_bind(
-                    next.as_str().into(),
-                    name.as_str().into(),
-                    format!("{position}0.#").into(),
-                    ExchangeBindOptions::default(),
-                    FieldTable::default(),
-                )
-                .await
-                .with_context(|| format!("binding delay level {k} to the next"))?;
         }
         Ok(())
     }
@@ -195,34 +127,11 @@ impl Topology {
 
     /// Deletes everything `declare` made (tests, demos and benchmarks clean up with it).
     pub async fn delete(&self, channel: &Channel) -> anyhow::Result<()> {
-        let mut exchanges = vec![self.out()];
-        exchanges.extend((0..LEVELS).map(|k| self.level(k)));
         for q in self.queues() {
             channel
                 .queue_delete(ShortString::from(q), QueueDeleteOptions::default())
                 .await?;
         }
-        for e in exchanges {
-            channel
-                .exchange_delete(ShortString::from(e), ExchangeDeleteOptions::default())
-                .await?;
-        }
         Ok(())
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn delays_are_written_in_binary_from_the_top_level() {
-        let t = Topology::new("q", QueueType::Quorum);
-        let (exchange, key) = t.delay_route(Duration::from_millis(1300));
-        assert_eq!(exchange, format!("q.delay.{}", LEVELS - 1));
-        let bits: Vec<&str> = key.split('.').collect();
-        assert_eq!(bits.len(), LEVELS as usize);
-        assert_eq!(bits[bits.len() - 3..], ["1", "0", "1"]); // 5 units = 1250 ms
-        assert!(bits[..bits.len() - 3].iter().all(|b| *b == "0"));
     }
 }

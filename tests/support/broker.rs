@@ -90,6 +90,23 @@ impl TestBroker {
         total
     }
 
+    /// Moves the delay ladder on (as every replica does) until the returned token is cancelled.
+    pub async fn run_ladder(&self) -> tokio_util::sync::CancellationToken {
+        let stop = tokio_util::sync::CancellationToken::new();
+        let ladder = std::sync::Arc::new(broker::ladder::Ladder {
+            topology: self.topology.clone(),
+            publisher: self.publisher.clone(),
+            stats: Default::default(),
+            prefetch: 64,
+        });
+        let tracker = tokio_util::task::TaskTracker::new();
+        ladder
+            .start(&self.connection, &tracker, &stop, &stop.child_token())
+            .await
+            .expect("the ladder starts");
+        stop
+    }
+
     pub async fn purge(&self, queue: &str) {
         let channel = self.connection.create_channel().await.unwrap();
         channel

@@ -77,6 +77,7 @@ impl Pipeline {
             },
             workers,
             prefetch: None,
+            delay_prefetch: 64,
             http_addr: turnstile::http::Listen::Off,
             max_attempts: 8,
             hold: Duration::from_secs(2),
