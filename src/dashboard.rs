@@ -117,6 +117,18 @@ pub struct ReplicaView {
     pub held: usize,
     pub deliveries: u64,
     pub registered: u64,
+    pub ladder: LadderView,
+}
+
+/// What this replica's delay ladder consumers did: messages held now, hops moved on, hops
+/// that ended more than a second late, and the longest any message came back after its due
+/// time.
+#[derive(Debug, Serialize)]
+pub struct LadderView {
+    pub held: usize,
+    pub hops: u64,
+    pub overdue: u64,
+    pub max_late_ms: u64,
 }
 
 /// One seller's window.
@@ -301,6 +313,12 @@ impl Dashboard {
                 held: self.stats.held.load(Ordering::Relaxed),
                 deliveries: self.stats.deliveries.load(Ordering::Relaxed),
                 registered: self.stats.registered.load(Ordering::Relaxed),
+                ladder: LadderView {
+                    held: self.stats.ladder.held.load(Ordering::Relaxed),
+                    hops: self.stats.ladder.hops.load(Ordering::Relaxed),
+                    overdue: self.stats.ladder.overdue.load(Ordering::Relaxed),
+                    max_late_ms: self.stats.ladder.max_late_ms.load(Ordering::Relaxed),
+                },
             },
             queues: *self.depths.lock().expect("never poisoned"),
             sellers: rows,

@@ -78,6 +78,8 @@ async fn metrics_page(State(endpoints): State<Endpoints>) -> String {
     let stats = &endpoints.stats;
     metrics::gauge!("turnstile_in_flight").set(stats.in_flight.load(Ordering::Relaxed) as f64);
     metrics::gauge!("turnstile_held_messages").set(stats.held.load(Ordering::Relaxed) as f64);
+    metrics::gauge!("turnstile_delay_held_messages")
+        .set(stats.ladder.held.load(Ordering::Relaxed) as f64);
     prometheus().render()
 }
 

@@ -88,6 +88,8 @@ pub struct Report {
     pub violations: u64,
     pub deliveries: u64,
     pub deliveries_per_message: f64,
+    /// Delay ladder hops (each a delivery to a ladder consumer), per published message.
+    pub ladder_hops_per_message: f64,
     pub elapsed_s: f64,
     /// Per seller: registered, first and last registration (s after publishing started).
     pub sellers: BTreeMap<String, SellerReport>,
@@ -251,9 +253,10 @@ impl Rig {
     /// Stops the replicas (draining them), reports, and deletes the rig's queues and keys.
     pub async fn finish(mut self) -> anyhow::Result<Report> {
         self.stop.cancel();
-        let mut deliveries = 0;
+        let (mut deliveries, mut hops) = (0, 0);
         for replica in std::mem::take(&mut self.replicas) {
             deliveries += replica.stats.deliveries.load(Ordering::Relaxed);
+            hops += replica.stats.ladder.hops.load(Ordering::Relaxed);
             replica.wait().await?;
         }
         let stats = self.mock.stats();
@@ -299,6 +302,7 @@ impl Rig {
             violations: stats.violations,
             deliveries,
             deliveries_per_message: deliveries as f64 / published.max(1) as f64,
+            ladder_hops_per_message: hops as f64 / published.max(1) as f64,
             elapsed_s: (stats.now_ms.saturating_sub(self.published_at_ms)) as f64 / 1000.0,
             sellers,
         };

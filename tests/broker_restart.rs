@@ -1,48 +1,108 @@
-//! A broker restart (`rabbitmqctl stop_app` / `start_app`) under load: replicas report not-ready,
-//! reconnect with backoff, re-declare, resume; nothing is lost. Its own test binary, so that no
-//! other test runs while the broker is down.
+//! Broker restarts (`rabbitmqctl stop_app` / `start_app`) under load: replicas report not-ready,
+//! reconnect with backoff, re-declare, resume; nothing is lost and nothing stays in the delay
+//! ladder. Its own test binary, so that no other test runs while the broker is down.
 mod support;
 
 use std::process::Command;
+use std::sync::atomic::Ordering;
 use std::time::Duration;
 
+use rand::Rng;
 use support::eventually;
 use support::pipeline::Pipeline;
+use turnstile::broker::QueueType;
 
-fn rabbitmqctl(args: &[&str]) {
-    let status = Command::new("rabbitmqctl")
+fn rabbitmqctl(args: &[&str]) -> String {
+    let out = Command::new("rabbitmqctl")
         .args(args)
-        .status()
+        .output()
         .expect("rabbitmqctl runs");
-    assert!(status.success(), "rabbitmqctl {args:?}");
+    assert!(out.status.success(), "rabbitmqctl {args:?}");
+    String::from_utf8_lossy(&out.stdout).into_owned()
 }
 
-#[tokio::test]
-async fn a_broker_restart_loses_nothing_and_replicas_resume() {
-    let mut p = Pipeline::new("broker-restart", "20/1s").await;
-    p.start_replicas(2, 4).await;
-    p.publish("S-restart", 80).await;
-    p.publish("S-small", 5).await;
-    eventually("some registered", || p.mock.stats().registered >= 25).await;
+/// Every message the broker holds in the pipeline's queues, whatever its state: ready,
+/// unacked, or parked by the broker (a quorum queue's dead-letter backlog counts in
+/// `messages` but is neither ready nor unacked).
+fn held_by_broker(p: &Pipeline) -> u64 {
+    let queues = p.broker.topology.queues();
+    rabbitmqctl(&["-q", "list_queues", "name", "messages"])
+        .lines()
+        .filter_map(|line| {
+            let (name, n) = line.split_once('\t')?;
+            queues
+                .iter()
+                .any(|q| q == name)
+                .then(|| n.trim().parse::<u64>().ok())?
+        })
+        .sum()
+}
+
+async fn restart_broker(p: &mut Pipeline, down: Duration) {
     rabbitmqctl(&["stop_app"]);
     eventually("replicas not ready", || {
         p.replicas().all(|r| !r.ready.get())
     })
     .await;
-    tokio::time::sleep(Duration::from_secs(1)).await;
+    tokio::time::sleep(down).await;
     rabbitmqctl(&["start_app"]);
     eventually("replicas ready again", || {
         p.replicas().all(|r| r.ready.get())
     })
     .await;
     p.broker.reconnect().await;
-    p.publish("S-after", 5).await;
-    let stats = p.wait_registered(90).await;
+}
+
+/// A backlog deep enough to keep messages on several ladder levels, restarted `restarts`
+/// times at random moments, with new sellers publishing between restarts.
+async fn repeated_restarts_strand_nothing(delay_type: QueueType, restarts: usize) {
+    let mut p = Pipeline::with_delay_type("restarts", "10/1s", delay_type).await;
+    p.start_replicas(2, 4).await;
+    p.publish("S-big", 300).await;
+    let mut total = 300;
+    let mut rng = rand::rng();
+    for round in 0..restarts {
+        tokio::time::sleep(Duration::from_millis(rng.random_range(300..3_000))).await;
+        let down = Duration::from_millis(rng.random_range(200..2_500));
+        restart_broker(&mut p, down).await;
+        let seller = format!("S-round-{round}");
+        p.publish(&seller, 25).await;
+        total += 25;
+    }
+    let stats = p.wait_registered(total).await;
+    eventually("every copy left the broker's queues", || {
+        held_by_broker(&p) == 0
+    })
+    .await;
+    let late_ms = p
+        .replicas()
+        .map(|r| r.stats.ladder.max_late_ms.load(Ordering::Relaxed))
+        .max()
+        .unwrap_or(0);
+    let hops: u64 = p
+        .replicas()
+        .map(|r| r.stats.ladder.hops.load(Ordering::Relaxed))
+        .sum();
+    let overdue: u64 = p
+        .replicas()
+        .map(|r| r.stats.ladder.overdue.load(Ordering::Relaxed))
+        .sum();
     p.stop_replicas().await;
     println!(
-        "after a broker restart: {} registered, {} duplicate calls",
-        stats.registered, stats.duplicates
+        "{delay_type:?} ladder, {restarts} broker restarts: {} of {total} registered, {} violations, \
+         {} duplicate calls, {hops} ladder hops ({overdue} ended >1 s late), longest past its due \
+         time: {late_ms} ms",
+        stats.registered, stats.violations, stats.duplicates
     );
-    assert_eq!((stats.registered, stats.violations), (90, 0), "{stats:?}");
+    assert_eq!(stats.registered, total, "{stats:?}");
+    assert_eq!(stats.violations, 0, "{stats:?}");
+    assert!(hops > 0, "the backlog went through the ladder");
     p.cleanup().await;
+}
+
+/// One test, so that the two ladders are never restarted at the same time.
+#[tokio::test]
+async fn ten_broker_restarts_strand_nothing_in_quorum_or_classic_ladders() {
+    repeated_restarts_strand_nothing(QueueType::Quorum, 10).await;
+    repeated_restarts_strand_nothing(QueueType::Classic, 10).await;
 }

@@ -151,6 +151,7 @@ async fn metrics_count_permits_outcomes_and_downstream_answers_without_a_label_p
         "turnstile_deliveries_total",
         "turnstile_in_flight",
         "turnstile_held_messages",
+        "turnstile_delay_held_messages",
         "turnstile_ready",
     ];
     eventually_async("every metric exported", async || {

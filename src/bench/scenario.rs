@@ -148,6 +148,10 @@ pub async fn run(args: ScenarioArgs) -> anyhow::Result<bool> {
         "broker deliveries per message", report.deliveries_per_message
     );
     println!(
+        "{:<44} {:>10.2}",
+        "delay ladder hops per message", report.ladder_hops_per_message
+    );
+    println!(
         "{:<44} {:>9.2}s",
         "big seller drain (first to last registration)", big_drain
     );

@@ -19,12 +19,17 @@ pub struct TestBroker {
 impl TestBroker {
     /// Declares a fresh topology named `t-<what>-<random>`.
     pub async fn new(what: &str, queue_type: QueueType) -> Self {
+        Self::with_delay_type(what, queue_type, queue_type).await
+    }
+
+    /// A fresh topology whose delay ladder levels are of `delay_type`.
+    pub async fn with_delay_type(what: &str, queue_type: QueueType, delay_type: QueueType) -> Self {
         super::init_tracing();
         let connection = broker::connect(&amqp_url(), "turnstile test")
             .await
             .expect("RabbitMQ is reachable");
         let publisher = Publisher::open(&connection).await.unwrap();
-        let topology = Topology::new(&super::unique(what), queue_type);
+        let topology = Topology::new(&super::unique(what), queue_type).with_delay_type(delay_type);
         topology.declare(publisher.channel()).await.unwrap();
         Self {
             connection,

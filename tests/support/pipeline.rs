@@ -22,6 +22,7 @@ pub struct Pipeline {
     pub mock: MockServer,
     pub limit: String,
     pub redis_url: String,
+    pub delay_type: QueueType,
     stop_mock: CancellationToken,
     replicas: Vec<(CancellationToken, Replica)>,
 }
@@ -33,16 +34,34 @@ impl Pipeline {
     }
 
     pub async fn with_mock(what: &str, limit: &str, latency_ms: u64) -> Self {
-        Self::build(what, limit, latency_ms, &super::redis_url()).await
+        Self::build(
+            what,
+            limit,
+            latency_ms,
+            &super::redis_url(),
+            QueueType::Quorum,
+        )
+        .await
+    }
+
+    /// A pipeline whose delay ladder levels are of `delay_type`.
+    pub async fn with_delay_type(what: &str, limit: &str, delay_type: QueueType) -> Self {
+        Self::build(what, limit, 0, &super::redis_url(), delay_type).await
     }
 
     /// A pipeline whose replicas use the Redis at `redis_url`.
     pub async fn on_redis(what: &str, limit: &str, redis_url: &str) -> Self {
-        Self::build(what, limit, 0, redis_url).await
+        Self::build(what, limit, 0, redis_url, QueueType::Quorum).await
     }
 
-    async fn build(what: &str, limit: &str, latency_ms: u64, redis_url: &str) -> Self {
-        let broker = TestBroker::new(what, QueueType::Quorum).await;
+    async fn build(
+        what: &str,
+        limit: &str,
+        latency_ms: u64,
+        redis_url: &str,
+        delay_type: QueueType,
+    ) -> Self {
+        let broker = TestBroker::with_delay_type(what, QueueType::Quorum, delay_type).await;
         let keys = Keys::at(redis_url, what).await;
         let redis_url = redis_url.to_owned();
         let stop_mock = CancellationToken::new();
@@ -61,6 +80,7 @@ impl Pipeline {
             mock,
             limit: limit.to_owned(),
             redis_url,
+            delay_type,
             stop_mock,
             replicas: Vec::new(),
         }
@@ -73,7 +93,7 @@ impl Pipeline {
                 amqp_url: amqp_url(),
                 queue: self.broker.queue().to_owned(),
                 queue_type: QueueType::Quorum,
-                delay_queue_type: QueueType::Quorum,
+                delay_queue_type: self.delay_type,
             },
             workers,
             prefetch: None,
