@@ -7,7 +7,8 @@
 --          window that may still have room)
 -- KEYS[2]  the seller's limit override ("COUNT WINDOW_US"), may be absent
 -- KEYS[3]  the seller's pause ("UNTIL_US"), may be absent
--- KEYS[4]  optional: the message's completion record; if it exists nothing is written
+-- KEYS[4]  the seller's reserved slots (sorted set: member = TOKEN, score = slot; see the prelude)
+-- KEYS[5]  optional: the message's completion record; if it exists nothing is written
 -- ARGV[1]  default COUNT (integer >= 1)
 -- ARGV[2]  default WINDOW in µs (integer >= 1)
 -- ARGV[3]  GUARD in µs (-1 = window/20 within [25 ms, 2 s])
@@ -17,7 +18,7 @@
 -- ARGV[6]  TOKEN (unused)
 -- Returns {STATUS, SLOT_US, NOW_US, COUNT, WINDOW_US, EPOCH, USED_PERMILLE}
 --   STATUS 1 = granted (call now), 2 = reserved (call at SLOT), 0 = denied (come back at SLOT),
---   3 = the message already registered (KEYS[4] exists);
+--   3 = the message already registered (KEYS[5] exists);
 --   USED_PERMILLE (with STATUS 1; EPOCH is then '') is how much of the limit is taken after
 --   this grant, in thousandths (slots in the slot's window / COUNT): the near-limit metric;
 --   EPOCH (with STATUS 2) is this Redis server's run id: a reservation is only good on the
@@ -27,7 +28,7 @@ local a = acquire_args()
 local count, window = effective_limit(KEYS[2], a.count, a.window)
 local guard = guard_for(window, a.guard)
 local now = now_us()
-if already_done(KEYS[4]) then return {3, now, now, count, window} end
+if already_done(KEYS[5]) then return {3, now, now, count, window} end
 cold_start(KEYS[1], KEYS[3], window, now, a.durable)
 local at = math.max(now, paused_until(KEYS[3]))
 
@@ -51,5 +52,8 @@ for _, field in ipairs(redis.call('HKEYS', KEYS[1])) do
 end
 local last_end = (math.max(next_index, index + 1)) * window
 redis.call('PEXPIRE', KEYS[1], math.floor((last_end - now) / 1000) + 1)
-if status == 2 then return {2, slot, now, count, window, server().run_id} end
+if status == 2 then
+  hold_reservation(KEYS[4], a.token, slot, now, window + guard)
+  return {2, slot, now, count, window, server().run_id}
+end
 return {status, slot, now, count, window, '', math.floor(used * 1000 / count)}

@@ -44,6 +44,10 @@ local function acquire_args()
     flags = int_arg(4, 0), horizon = int_arg(5, 0),
   }
   if a.flags > 3 then error({err = 'ERR turnstile: FLAGS must be 0 to 3'}) end
+  a.token = ARGV[6]
+  if a.token == nil or not string.match(a.token, '^[%w-]+$') or #a.token > 64 then
+    error({err = 'ERR turnstile: TOKEN must be 1 to 64 letters, digits or dashes'})
+  end
   a.reserve = a.flags % 2
   a.durable = a.flags >= 2
   return a
@@ -89,4 +93,15 @@ local function cold_start(state_key, pause_key, span, now, durable)
   if until_us > paused_until(pause_key) then
     redis.call('SET', pause_key, string.format('%.0f', until_us), 'PX', math.floor((until_us - now) / 1000) + 1)
   end
+end
+
+-- A reserved slot is bound to its TOKEN: the seller's reserved set (member TOKEN, score SLOT)
+-- holds every reservation not yet redeemed, and redeem.lua consumes the entry, so a
+-- reservation is good once, and only for the caller that holds its token. Entries older than
+-- SPAN can no longer be redeemed and are pruned.
+local function hold_reservation(key, token, slot, now, span)
+  redis.call('ZREMRANGEBYSCORE', key, '-inf', now - span)
+  redis.call('ZADD', key, slot, token)
+  local last = tonumber(redis.call('ZRANGE', key, -1, -1, 'WITHSCORES')[2])
+  redis.call('PEXPIRE', key, math.floor((last - now + span) / 1000) + 1)
 end

@@ -85,6 +85,11 @@ pub enum LimitsAction {
         #[arg(long)]
         seller: String,
     },
+    /// Lift a seller's pause (taken from a 429's Retry-After) on every replica at once.
+    Resume {
+        #[arg(long)]
+        seller: String,
+    },
 }
 
 #[derive(clap::Args, Debug)]
@@ -186,6 +191,18 @@ pub async fn run(cli: Cli) -> anyhow::Result<ExitCode> {
                         print!(", paused for {:.1}s", paused.as_secs_f64());
                     }
                     println!();
+                }
+                LimitsAction::Resume { seller } => {
+                    let seller = seller_arg(&seller)?;
+                    let was = store.resume(&seller).await.context("lifting the pause")?;
+                    println!(
+                        "{seller}: {}",
+                        if was {
+                            "pause lifted"
+                        } else {
+                            "was not paused"
+                        }
+                    );
                 }
                 LimitsAction::Clear { seller } => {
                     let seller = seller_arg(&seller)?;

@@ -50,11 +50,13 @@ pub enum Reply {
     Throttled { retry_after: Option<Duration> },
     /// 408, 425, 500, 502, 503, 504, a timeout or a connection error: retry later.
     Transient(String),
-    /// Any other 4xx (and other unexpected statuses): dead-letter at once.
+    /// Any other 4xx, a 3xx (never followed; `body` then names the Location) and other
+    /// unexpected statuses: dead-letter at once.
     Rejected { status: u16, body: String },
 }
 
-/// Longest body excerpt kept for a dead letter's reason.
+/// Longest body excerpt kept for a dead letter's reason (characters); at most four times as
+/// many bytes of a body are ever read.
 const EXCERPT: usize = 300;
 
 /// The registration API client.
@@ -62,6 +64,8 @@ const EXCERPT: usize = 300;
 pub struct Downstream {
     client: reqwest::Client,
     url: String,
+    /// Whether `{seller_id}` stands in the URL's path (else in its query or nowhere).
+    seller_in_path: bool,
     authorization: Option<HeaderValue>,
 }
 
@@ -87,25 +91,49 @@ impl Downstream {
             }
             None => None,
         };
+        // A redirect is never followed: a POST answered `302 Location: /login` by an SSO proxy
+        // must not pass for a registration when the login page answers 200.
         let client = reqwest::Client::builder()
+            .redirect(reqwest::redirect::Policy::none())
             .timeout(args.timeout)
             .connect_timeout(args.timeout.min(Duration::from_secs(5)))
             .pool_max_idle_per_host(256)
             .build()
             .context("building the HTTP client")?;
+        let template_path = args.url.split(['?', '#']).next().unwrap_or_default();
         Ok(Self {
             client,
             url: args.url.clone(),
+            seller_in_path: template_path.contains("{seller_id}"),
             authorization,
         })
     }
 
+    /// The URL for a seller: `{seller_id}` replaced by the percent-encoded id, so that `/`,
+    /// `?`, `#`, `%` and spaces stay inside one path segment or query value. An id of `.` or
+    /// `..` cannot be one path segment (URL parsers remove such segments, encoded or not), so
+    /// it is refused when `{seller_id}` stands in the path.
+    pub fn url_for(&self, seller: &crate::domain::SellerId) -> Result<String, String> {
+        let id = seller.as_str();
+        if self.seller_in_path && (id == "." || id == "..") {
+            return Err(format!(
+                "seller id {id:?} cannot be a path segment of TURNSTILE_DOWNSTREAM_URL"
+            ));
+        }
+        Ok(self.url.replace("{seller_id}", &urlencoding::encode(id)))
+    }
+
     /// POSTs the product verbatim with the contract's headers and classifies the answer.
     pub async fn register(&self, registration: &Registration) -> Reply {
-        let url = self.url.replace(
-            "{seller_id}",
-            &urlencoding::encode(registration.seller_id.as_str()),
-        );
+        let url = match self.url_for(&registration.seller_id) {
+            Ok(url) => url,
+            Err(why) => {
+                return Reply::Rejected {
+                    status: 0,
+                    body: why,
+                };
+            }
+        };
         let mut request = self
             .client
             .post(url)
@@ -169,12 +197,45 @@ async fn classify(response: reqwest::Response) -> Reply {
     if matches!(status.as_u16(), 408 | 425 | 500 | 502 | 503 | 504) {
         return Reply::Transient(format!("HTTP {}", status.as_u16()));
     }
-    let body = response.text().await.unwrap_or_default();
-    let body: String = body.chars().take(EXCERPT).collect();
+    let location = status.is_redirection().then(|| {
+        response
+            .headers()
+            .get(reqwest::header::LOCATION)
+            .map(|l| {
+                String::from_utf8_lossy(l.as_bytes())
+                    .chars()
+                    .take(EXCERPT)
+                    .collect::<String>()
+            })
+            .unwrap_or_default()
+    });
+    let excerpt = excerpt(response).await;
+    let body = match location {
+        Some(location) => format!("redirect not followed, Location: {location:?}; {excerpt}"),
+        None => excerpt,
+    };
     Reply::Rejected {
         status: status.as_u16(),
         body,
     }
+}
+
+/// The first [`EXCERPT`] characters of a body, reading at most 4 x EXCERPT bytes of it
+/// (a downstream may answer with gigabytes).
+async fn excerpt(mut response: reqwest::Response) -> String {
+    let mut bytes = Vec::new();
+    while bytes.len() < EXCERPT * 4 {
+        match response.chunk().await {
+            Ok(Some(chunk)) => {
+                bytes.extend_from_slice(&chunk[..chunk.len().min(EXCERPT * 4 - bytes.len())])
+            }
+            _ => break,
+        }
+    }
+    String::from_utf8_lossy(&bytes)
+        .chars()
+        .take(EXCERPT)
+        .collect()
 }
 
 /// `Retry-After`: whole seconds, or an HTTP date.
@@ -193,6 +254,49 @@ pub fn parse_retry_after(value: &str) -> Option<Duration> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    fn downstream(url: &str) -> Downstream {
+        Downstream::new(&DownstreamArgs {
+            url: url.into(),
+            token: None,
+            timeout: Duration::from_secs(1),
+        })
+        .unwrap()
+    }
+
+    #[test]
+    fn a_seller_id_is_always_one_path_segment_or_one_query_value() {
+        let d = downstream("http://api.test/sellers/{seller_id}/products");
+        let url = |id: &str| {
+            d.url_for(&crate::domain::SellerId::parse(id).unwrap())
+                .map(|u| reqwest::Url::parse(&u).unwrap().path().to_owned())
+        };
+        assert_eq!(url("a/b").unwrap(), "/sellers/a%2Fb/products");
+        assert_eq!(url("a?b#c").unwrap(), "/sellers/a%3Fb%23c/products");
+        assert_eq!(url("...").unwrap(), "/sellers/.../products");
+        assert_eq!(url("%2e%2e").unwrap(), "/sellers/%252e%252e/products");
+        assert!(url("..").is_err() && url(".").is_err());
+        let q = downstream("http://api.test/products?seller={seller_id}");
+        let query = |id: &str| {
+            let u = q
+                .url_for(&crate::domain::SellerId::parse(id).unwrap())
+                .unwrap();
+            let u = reqwest::Url::parse(&u).unwrap();
+            let pairs: Vec<(String, String)> = u.query_pairs().into_owned().collect();
+            (u.path().to_owned(), pairs)
+        };
+        assert_eq!(
+            query(".."),
+            ("/products".into(), vec![("seller".into(), "..".into())])
+        );
+        assert_eq!(
+            query("a&b=c#d"),
+            (
+                "/products".into(),
+                vec![("seller".into(), "a&b=c#d".into())]
+            )
+        );
+    }
 
     #[test]
     fn retry_after_is_seconds_or_an_http_date() {

@@ -48,6 +48,12 @@ pub struct ConsumeArgs {
     /// Failed attempts (5xx, timeouts, connection errors) before a message is dead-lettered.
     #[arg(long = "max-attempts", env = "TURNSTILE_MAX_ATTEMPTS", default_value_t = 8, value_parser = clap::value_parser!(u32).range(1..))]
     pub max_attempts: u32,
+    /// Cap on a pause taken from a 429's Retry-After (a longer one is capped and logged).
+    #[arg(long = "max-pause", env = "TURNSTILE_MAX_PAUSE", default_value = "1h", value_parser = duration_arg)]
+    pub max_pause: Duration,
+    /// A message throttled (429) this long is dead-lettered as `throttled`.
+    #[arg(long = "throttle-deadline", env = "TURNSTILE_THROTTLE_DEADLINE", default_value = "24h", value_parser = duration_arg)]
+    pub throttle_deadline: Duration,
     /// Longest wait for a permit held inside the replica; longer waits go through the broker.
     #[arg(long, env = "TURNSTILE_HOLD", default_value = "2s", value_parser = duration_arg)]
     pub hold: Duration,
@@ -148,6 +154,8 @@ impl Replica {
             settings: WorkerSettings {
                 max_attempts: args.max_attempts,
                 hold: args.hold,
+                max_pause: args.max_pause,
+                throttle_deadline: args.throttle_deadline,
                 hold_capacity: (prefetch as usize * 3 / 4).max(1),
                 done_ttl: args.done_ttl,
                 retry_min: args.retry_min,

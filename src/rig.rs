@@ -56,6 +56,8 @@ impl RigArgs {
             http_addr: crate::http::Listen::Off,
             max_attempts: 8,
             hold,
+            max_pause: Duration::from_secs(3600),
+            throttle_deadline: Duration::from_secs(24 * 3600),
             retry_min: Duration::from_secs(1),
             retry_max: Duration::from_secs(60),
             done_ttl: Duration::from_secs(3600),

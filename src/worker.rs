@@ -30,12 +30,9 @@ pub enum Outcome {
     Registered,
     /// Registered before (completion record): ack without calling.
     AlreadyDone,
-    /// Come back later through the delay ladder, keeping the reservation if there is one.
-    Delay {
-        after: Duration,
-        reservation: Option<Reservation>,
-        attempt: u32,
-    },
+    /// Come back later through the delay ladder, with what the message carries (its
+    /// reservation, if any).
+    Delay { after: Duration, carried: Carried },
     /// Give up: publish to `<queue>.dead` with the reason, then ack.
     DeadLetter {
         reason: &'static str,
@@ -43,6 +40,61 @@ pub enum Outcome {
     },
     /// Give the message back to the broker as it is (nack + requeue).
     Requeue,
+}
+
+/// What a message carries from one delivery to the next, in `x-turnstile-*` headers. Read once
+/// at the edge, and untrusted: anything that does not parse is ignored (a reservation must
+/// also be live in Redis to count, see `permit::Reservation`).
+#[derive(Clone, Debug, Default, PartialEq)]
+pub struct Carried {
+    /// Failed downstream attempts so far (429s are not counted).
+    pub attempt: u32,
+    /// The permit slot reserved for the message.
+    pub reservation: Option<Reservation>,
+    /// Since when (Unix ms) the downstream has answered 429 to this message.
+    pub throttled_since_ms: Option<u64>,
+}
+
+impl Carried {
+    /// Reads the headers of a delivery received at `now_ms` (a throttling start in the future
+    /// counts from now).
+    pub fn from_delivery(delivery: &Delivery, now_ms: u64) -> Self {
+        Self {
+            attempt: header_u64(delivery, headers::ATTEMPT)
+                .map_or(0, |a| u32::try_from(a).unwrap_or(u32::MAX)),
+            reservation: header_str(delivery, headers::RESERVATION)
+                .and_then(|r| Reservation::decode(&r)),
+            throttled_since_ms: header_u64(delivery, headers::THROTTLED_SINCE)
+                .map(|t| t.min(now_ms)),
+        }
+    }
+
+    /// The headers that carry it on.
+    fn headers(&self) -> Vec<(&'static str, AMQPValue)> {
+        let mut headers = vec![
+            (
+                headers::ATTEMPT,
+                AMQPValue::LongLongInt(i64::from(self.attempt)),
+            ),
+            (
+                headers::RESERVATION,
+                long_string(
+                    &self
+                        .reservation
+                        .as_ref()
+                        .map(Reservation::encode)
+                        .unwrap_or_default(),
+                ),
+            ),
+        ];
+        if let Some(since) = self.throttled_since_ms {
+            headers.push((
+                headers::THROTTLED_SINCE,
+                AMQPValue::LongLongInt(since as i64),
+            ));
+        }
+        headers
+    }
 }
 
 /// Counters of one replica (also exported as Prometheus metrics).
@@ -179,6 +231,10 @@ pub struct WorkerSettings {
     pub max_attempts: u32,
     /// Longest wait held in the replica; longer ones go through the broker.
     pub hold: Duration,
+    /// Longest pause a 429's Retry-After may ask for (a longer one is capped and logged).
+    pub max_pause: Duration,
+    /// How long a message may be throttled (429s) before it is dead-lettered as `throttled`.
+    pub throttle_deadline: Duration,
     /// Most messages held at once (the rest of the prefetch stays free for other sellers).
     pub hold_capacity: usize,
     /// How long completion records are kept (redeliveries within it are not called twice).
@@ -196,6 +252,64 @@ pub struct Worker {
     pub settings: WorkerSettings,
     pub workers: Arc<Semaphore>,
     pub stats: Arc<Stats>,
+}
+
+/// Permit decisions the limiter may refuse (not for want of Redis) before the message is
+/// dead-lettered: retrying cannot help, and the worker must not spin.
+const PERMIT_REFUSALS: u32 = 3;
+
+/// Backoff while Redis is unavailable: 50 ms doubling to 5 s, with jitter, for as long as it
+/// takes (fail closed: no call without a decision).
+fn redis_backoff() -> impl Iterator<Item = Duration> {
+    ExponentialBuilder::default()
+        .with_min_delay(Duration::from_millis(50))
+        .with_max_delay(Duration::from_secs(5))
+        .with_jitter()
+        .without_max_times()
+        .build()
+}
+
+/// What a failed permit decision leads to.
+#[derive(Debug, PartialEq)]
+enum PermitFailure {
+    /// Redis is unreachable or busy: wait this long (holding no worker), then ask again.
+    Unavailable(Duration),
+    /// The limiter refused the request (a script error, an unexpected answer): ask again
+    /// without the message's reservation.
+    Refused,
+    /// Refused [`PERMIT_REFUSALS`] times: dead-letter the message with the reason.
+    GiveUp,
+}
+
+/// Decides what a failed permit decision leads to: transport errors are retried with backoff
+/// without limit, anything else a few times and then given up.
+fn permit_failure(
+    error: &PermitError,
+    refused: &mut u32,
+    unavailable: &mut impl Iterator<Item = Duration>,
+) -> PermitFailure {
+    if error.is_transient() {
+        return PermitFailure::Unavailable(unavailable.next().unwrap_or(Duration::from_secs(5)));
+    }
+    *refused += 1;
+    if *refused >= PERMIT_REFUSALS {
+        PermitFailure::GiveUp
+    } else {
+        PermitFailure::Refused
+    }
+}
+
+/// What a message interrupted while waiting becomes: at shutdown it goes back to the work queue
+/// keeping what it carries (its reservation); with its connection lost, the broker has requeued
+/// it already.
+fn returned(carried: Carried, why: Interrupted) -> Outcome {
+    match why {
+        Interrupted::Shutdown => Outcome::Delay {
+            after: Duration::ZERO,
+            carried,
+        },
+        Interrupted::ConnectionLost => Outcome::Requeue,
+    }
 }
 
 /// How a handler's wait ended early.
@@ -224,7 +338,8 @@ impl Worker {
             .as_ref()
             .map(|m| m.to_string());
         let registration = Registration::parse(&delivery.data, message_id.as_deref());
-        let attempt = header_u64(&delivery, headers::ATTEMPT).unwrap_or(0) as u32;
+        let carried = Carried::from_delivery(&delivery, crate::broker::ladder::unix_ms());
+        let attempt = carried.attempt;
         let span = match &registration {
             Ok(r) => {
                 info_span!("registration", seller = %r.seller_id, message = %r.message_id, attempt)
@@ -234,9 +349,7 @@ impl Worker {
         let outcome = async {
             let outcome = match registration {
                 Ok(registration) => {
-                    let held = header_str(&delivery, headers::RESERVATION)
-                        .and_then(|r| Reservation::decode(&r));
-                    self.handle(&registration, attempt, held, shutdown, connection_lost)
+                    self.handle(&registration, carried, shutdown, connection_lost)
                         .await
                 }
                 Err(invalid) => Outcome::DeadLetter {
@@ -259,22 +372,58 @@ impl Worker {
     pub async fn handle(
         &self,
         registration: &Registration,
-        mut attempt: u32,
-        mut held: Option<Reservation>,
+        mut carried: Carried,
         shutdown: &CancellationToken,
         connection_lost: &CancellationToken,
     ) -> Outcome {
-        let seller = &registration.seller_id;
+        if let Err(why) = self.downstream.url_for(&registration.seller_id) {
+            return Outcome::DeadLetter {
+                reason: "invalid-message",
+                detail: why,
+            };
+        }
+        let mut unavailable = redis_backoff();
+        let mut refused = 0;
         loop {
             let worker = tokio::select! {
                 permit = self.workers.clone().acquire_owned() => permit.expect("the worker semaphore is never closed"),
-                _ = shutdown.cancelled() => return self.returned(held.clone(), attempt, Interrupted::Shutdown),
+                _ = shutdown.cancelled() => return returned(carried, Interrupted::Shutdown),
                 _ = connection_lost.cancelled() => return Outcome::Requeue,
             };
-            let decision = tokio::select! {
-                d = self.decide(registration, held.as_ref()) => d,
-                _ = shutdown.cancelled() => return self.returned(held.clone(), attempt, Interrupted::Shutdown),
+            let decided = tokio::select! {
+                d = self.decide(registration, carried.reservation.as_ref()) => d,
+                _ = shutdown.cancelled() => return returned(carried, Interrupted::Shutdown),
                 _ = connection_lost.cancelled() => return Outcome::Requeue,
+            };
+            let decision = match decided {
+                Ok(decision) => decision,
+                Err(error) => {
+                    // No worker is held while the message waits for Redis.
+                    drop(worker);
+                    metrics::counter!("turnstile_redis_errors_total").increment(1);
+                    match permit_failure(&error, &mut refused, &mut unavailable) {
+                        PermitFailure::Unavailable(wait) => {
+                            warn!(%error, retry_in_ms = wait.as_millis() as u64, "no permit decision (Redis); not calling");
+                            tokio::select! {
+                                _ = tokio::time::sleep(wait) => {}
+                                _ = shutdown.cancelled() => return returned(carried, Interrupted::Shutdown),
+                                _ = connection_lost.cancelled() => return Outcome::Requeue,
+                            }
+                        }
+                        PermitFailure::Refused => {
+                            // Whatever the message carried (a reservation) is dropped.
+                            warn!(%error, refused, "the limiter refused the request; acquiring anew without a reservation");
+                            carried.reservation = None;
+                        }
+                        PermitFailure::GiveUp => {
+                            return Outcome::DeadLetter {
+                                reason: "invalid-message",
+                                detail: format!("the limiter refused it {refused} times: {error}"),
+                            };
+                        }
+                    }
+                    continue;
+                }
             };
             match decision {
                 Decision::AlreadyDone => return Outcome::AlreadyDone,
@@ -283,36 +432,23 @@ impl Worker {
                     let reply = self.downstream.register(registration).await;
                     self.stats.in_flight.fetch_sub(1, Ordering::Relaxed);
                     drop(worker);
+                    carried.reservation = None;
                     match reply {
                         Reply::Registered => {
                             self.record_completion(registration).await;
                             return Outcome::Registered;
                         }
                         Reply::Throttled { retry_after } => {
-                            self.stats.throttled.fetch_add(1, Ordering::Relaxed);
-                            metrics::counter!("turnstile_downstream_throttled_total").increment(1);
-                            let pause = retry_after
-                                .unwrap_or_else(|| self.permits.default_limit().window());
-                            warn!(
-                                pause_ms = pause.as_millis() as u64,
-                                "downstream answered 429: pausing the seller on every replica"
-                            );
-                            if let Err(error) = self
-                                .permits
-                                .pause(seller, pause.max(Duration::from_millis(1)))
+                            if let Some(outcome) = self
+                                .throttled(registration, retry_after, &mut carried)
                                 .await
                             {
-                                warn!(%error, "could not record the pause; delaying the message instead");
-                                return Outcome::Delay {
-                                    after: pause,
-                                    reservation: None,
-                                    attempt,
-                                };
+                                return outcome;
                             }
-                            held = None;
                         }
                         Reply::Transient(why) => {
-                            attempt += 1;
+                            carried.attempt = carried.attempt.saturating_add(1);
+                            let attempt = carried.attempt;
                             if attempt >= self.settings.max_attempts {
                                 return Outcome::DeadLetter {
                                     reason: "attempts-exhausted",
@@ -323,8 +459,7 @@ impl Worker {
                             self.stats.retried.fetch_add(1, Ordering::Relaxed);
                             return Outcome::Delay {
                                 after: self.backoff(attempt),
-                                reservation: None,
-                                attempt,
+                                carried,
                             };
                         }
                         Reply::Rejected { status, body } => {
@@ -340,13 +475,14 @@ impl Worker {
                     reservation,
                 } => {
                     drop(worker);
-                    held = reservation;
+                    carried.reservation = reservation;
                     let holding = self.stats.held.load(Ordering::Relaxed);
-                    if held.is_none()
+                    let reserved = carried.reservation.is_some();
+                    if !reserved
                         || retry_after > self.settings.hold
                         || holding >= self.settings.hold_capacity
                     {
-                        let lead = if held.is_some() {
+                        let lead = if reserved {
                             self.lead()
                         } else {
                             Duration::ZERO
@@ -354,8 +490,7 @@ impl Worker {
                         if retry_after > lead + crate::broker::UNIT {
                             return Outcome::Delay {
                                 after: retry_after - lead,
-                                reservation: held,
-                                attempt,
+                                carried,
                             };
                         }
                     }
@@ -367,11 +502,60 @@ impl Worker {
                     };
                     self.stats.held.fetch_sub(1, Ordering::Relaxed);
                     if let Some(why) = waited {
-                        return self.returned(held.clone(), attempt, why);
+                        return returned(carried, why);
                     }
                 }
             }
         }
+    }
+
+    /// A 429: pauses the seller on every replica for Retry-After (or one window), capped at
+    /// `max_pause`; `None` means ask for a permit again (after the pause). A message throttled
+    /// for longer than `throttle_deadline` is dead-lettered as `throttled`.
+    async fn throttled(
+        &self,
+        registration: &Registration,
+        retry_after: Option<Duration>,
+        carried: &mut Carried,
+    ) -> Option<Outcome> {
+        self.stats.throttled.fetch_add(1, Ordering::Relaxed);
+        metrics::counter!("turnstile_downstream_throttled_total").increment(1);
+        let now = crate::broker::ladder::unix_ms();
+        let since = *carried.throttled_since_ms.get_or_insert(now);
+        let throttled_for = Duration::from_millis(now.saturating_sub(since));
+        if throttled_for >= self.settings.throttle_deadline {
+            return Some(Outcome::DeadLetter {
+                reason: "throttled",
+                detail: format!(
+                    "the downstream answered 429 for {} s (TURNSTILE_THROTTLE_DEADLINE {} s)",
+                    throttled_for.as_secs(),
+                    self.settings.throttle_deadline.as_secs()
+                ),
+            });
+        }
+        let asked = retry_after.unwrap_or_else(|| self.permits.default_limit().window());
+        let pause = asked
+            .min(self.settings.max_pause)
+            .max(Duration::from_millis(1));
+        if asked > self.settings.max_pause {
+            warn!(
+                retry_after_s = asked.as_secs(),
+                max_pause_s = self.settings.max_pause.as_secs(),
+                "Retry-After longer than TURNSTILE_MAX_PAUSE: pausing for TURNSTILE_MAX_PAUSE"
+            );
+        }
+        warn!(
+            pause_ms = pause.as_millis() as u64,
+            "downstream answered 429: pausing the seller on every replica"
+        );
+        if let Err(error) = self.permits.pause(&registration.seller_id, pause).await {
+            warn!(%error, "could not record the pause; delaying the message instead");
+            return Some(Outcome::Delay {
+                after: pause,
+                carried: carried.clone(),
+            });
+        }
+        None
     }
 
     /// How early a message delayed through the broker comes back before its slot.
@@ -391,51 +575,29 @@ impl Worker {
             .unwrap_or(self.settings.retry_max)
     }
 
-    fn returned(&self, held: Option<Reservation>, attempt: u32, why: Interrupted) -> Outcome {
-        match why {
-            Interrupted::Shutdown => Outcome::Delay {
-                after: Duration::ZERO,
-                reservation: held,
-                attempt,
-            },
-            Interrupted::ConnectionLost => Outcome::Requeue,
-        }
-    }
-
-    /// Asks for (or redeems) a permit, retrying Redis errors with backoff for as long as it
-    /// takes: without an answer no call is made (fail closed).
-    async fn decide(&self, registration: &Registration, held: Option<&Reservation>) -> Decision {
+    /// Asks for (or redeems) a permit: one attempt (see [`permit_failure`] for what an error
+    /// leads to).
+    async fn decide(
+        &self,
+        registration: &Registration,
+        held: Option<&Reservation>,
+    ) -> Result<Decision, PermitError> {
         let started = std::time::Instant::now();
-        let ask = || async {
-            self.permits
-                .acquire_or_redeem(
-                    &registration.seller_id,
-                    Some(&registration.message_id),
-                    held,
-                )
-                .await
-        };
-        let (decision, forfeit) = ask
-            .retry(
-                ExponentialBuilder::default()
-                    .with_min_delay(Duration::from_millis(50))
-                    .with_max_delay(Duration::from_secs(5))
-                    .with_jitter()
-                    .without_max_times(),
+        let (decision, forfeit) = self
+            .permits
+            .acquire_or_redeem(
+                &registration.seller_id,
+                Some(&registration.message_id),
+                held,
             )
-            .notify(|error: &PermitError, after| {
-                metrics::counter!("turnstile_redis_errors_total").increment(1);
-                warn!(%error, retry_in_ms = after.as_millis() as u64, "no permit decision (Redis); not calling");
-            })
-            .await
-            .expect("retried without limit");
+            .await?;
         self.stats.permit_latency.record(started.elapsed());
         if let Some(forfeit) = forfeit {
             self.stats.forfeited.fetch_add(1, Ordering::Relaxed);
             debug!(?forfeit, "reserved slot given up; reserved anew");
         }
         self.stats.touch(&registration.seller_id);
-        decision
+        Ok(decision)
     }
 
     async fn record_completion(&self, registration: &Registration) {
@@ -468,26 +630,9 @@ impl Worker {
     ) {
         let published = match &outcome {
             Outcome::Registered | Outcome::AlreadyDone | Outcome::Requeue => Ok(()),
-            Outcome::Delay {
-                after,
-                reservation,
-                attempt,
-            } => {
-                let mut extra = vec![(
-                    headers::ATTEMPT,
-                    AMQPValue::LongLongInt(i64::from(*attempt)),
-                )];
-                extra.push((
-                    headers::RESERVATION,
-                    long_string(
-                        &reservation
-                            .as_ref()
-                            .map(Reservation::encode)
-                            .unwrap_or_default(),
-                    ),
-                ));
+            Outcome::Delay { after, carried } => {
                 publisher
-                    .delay(&self.topology, &delivery, *after, &extra)
+                    .delay(&self.topology, &delivery, *after, &carried.headers())
                     .await
             }
             Outcome::DeadLetter { reason, detail } => {
@@ -501,7 +646,7 @@ impl Worker {
         let (counter, label) = match &outcome {
             Outcome::Registered => (&self.stats.registered, "registered"),
             Outcome::AlreadyDone => (&self.stats.already_done, "already_done"),
-            Outcome::Delay { attempt, .. } if u64::from(*attempt) > delivered_attempt => {
+            Outcome::Delay { carried, .. } if u64::from(carried.attempt) > delivered_attempt => {
                 (&self.stats.delayed, "retried")
             }
             Outcome::Delay { .. } => (&self.stats.delayed, "delayed"),
@@ -550,6 +695,33 @@ impl Worker {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn redis_outages_are_waited_out_and_refusals_given_up_after_three() {
+        let io = PermitError::Redis(redis::RedisError::from(std::io::Error::from(
+            std::io::ErrorKind::ConnectionRefused,
+        )));
+        let (mut refused, mut backoff) = (0, redis_backoff());
+        for _ in 0..100 {
+            assert!(matches!(
+                permit_failure(&io, &mut refused, &mut backoff),
+                PermitFailure::Unavailable(wait) if wait <= Duration::from_secs(10)
+            ));
+        }
+        let script = PermitError::Answer("redeem");
+        assert_eq!(
+            permit_failure(&script, &mut refused, &mut backoff),
+            PermitFailure::Refused
+        );
+        assert_eq!(
+            permit_failure(&script, &mut refused, &mut backoff),
+            PermitFailure::Refused
+        );
+        assert_eq!(
+            permit_failure(&script, &mut refused, &mut backoff),
+            PermitFailure::GiveUp
+        );
+    }
 
     #[test]
     fn latency_buckets_are_ordered_and_within_an_eighth() {

@@ -37,7 +37,10 @@ pub mod headers {
     pub const DUE: &str = "x-turnstile-due-ms";
     /// When a delayed message's wait in its current ladder level ends (Unix ms).
     pub const HOP: &str = "x-turnstile-hop-ms";
-    /// Why a message was dead-lettered: `invalid-message`, `rejected` or `attempts-exhausted`.
+    /// Since when (Unix ms) the downstream has answered 429 to the message.
+    pub const THROTTLED_SINCE: &str = "x-turnstile-throttled-since-ms";
+    /// Why a message was dead-lettered: `invalid-message`, `rejected`, `attempts-exhausted` or
+    /// `throttled`.
     pub const REASON: &str = "x-turnstile-reason";
     /// The detail of the reason: the parse error, or the status and a body excerpt.
     pub const DETAIL: &str = "x-turnstile-detail";

@@ -27,34 +27,62 @@ pub enum PermitError {
     Answer(&'static str),
 }
 
-/// A slot held for a seller: call at `slot_us` (Redis time). It stays valid only under the limit
-/// it was reserved with, and only on the Redis server incarnation (`epoch`, its run id) whose
-/// schedule holds it: after a restart or failover the slot is given up and reserved anew.
+impl PermitError {
+    /// Whether asking again later can succeed: Redis unreachable, restarting, busy or moving
+    /// slots. A script's refusal (an input it rejects) or an unexpected answer is not.
+    pub fn is_transient(&self) -> bool {
+        match self {
+            PermitError::Redis(error) => {
+                !matches!(error.retry_method(), redis::RetryMethod::NoRetry)
+            }
+            PermitError::Answer(_) => false,
+        }
+    }
+}
+
+/// A slot held for a seller: call at `slot_us` (Redis time). It is bound to its `token` in the
+/// seller's reserved set and is redeemed at most once (see `lua/redeem.lua`); it stays valid
+/// only under the limit it was reserved with, and only on the Redis server incarnation
+/// (`epoch`, its run id) whose schedule holds it.
+///
+/// A reservation travels in a message header, which anyone can write: [`Reservation::decode`]
+/// accepts only the exact form, and the script grants only a live entry, so a forged, copied or
+/// stale header never lets a call through — the message just acquires anew.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct Reservation {
     pub slot_us: i64,
     pub count: u32,
     pub window_us: u64,
     pub epoch: String,
+    pub token: String,
 }
 
 impl Reservation {
-    /// `SLOT_US/COUNT/WINDOW_US/EPOCH`: how a reservation travels in a message header.
+    /// `SLOT_US/COUNT/WINDOW_US/EPOCH/TOKEN`: how a reservation travels in a message header.
     pub fn encode(&self) -> String {
         format!(
-            "{}/{}/{}/{}",
-            self.slot_us, self.count, self.window_us, self.epoch
+            "{}/{}/{}/{}/{}",
+            self.slot_us, self.count, self.window_us, self.epoch, self.token
         )
     }
+
+    /// The reservation in a header, or `None` for anything but the exact form (hex run id of
+    /// at most 64 characters, token of 1 to 64 letters, digits or dashes).
     pub fn decode(s: &str) -> Option<Self> {
         let mut parts = s.split('/');
         let r = Self {
-            slot_us: parts.next()?.parse().ok()?,
-            count: parts.next()?.parse().ok()?,
-            window_us: parts.next()?.parse().ok()?,
+            slot_us: parts.next()?.parse().ok().filter(|s| *s >= 0)?,
+            count: parts.next()?.parse().ok().filter(|c| *c >= 1)?,
+            window_us: parts.next()?.parse().ok().filter(|w| *w >= 1)?,
             epoch: parts.next()?.to_owned(),
+            token: parts.next()?.to_owned(),
         };
-        parts.next().is_none().then_some(r)
+        let token_ok = (1..=64).contains(&r.token.len())
+            && r.token
+                .bytes()
+                .all(|b| b.is_ascii_alphanumeric() || b == b'-');
+        let epoch_ok = r.epoch.len() <= 64 && r.epoch.bytes().all(|b| b.is_ascii_hexdigit());
+        (parts.next().is_none() && token_ok && epoch_ok).then_some(r)
     }
 }
 
@@ -83,6 +111,9 @@ pub enum Forfeit {
     Late,
     /// Redis restarted or failed over since: the schedule that held the slot is gone.
     ServerRestarted,
+    /// No such reservation: never made (a forged header), already redeemed (a duplicate copy
+    /// of the message), or given up.
+    NotReserved,
 }
 
 impl Forfeit {
@@ -93,6 +124,7 @@ impl Forfeit {
             Forfeit::LimitChanged => "limit_changed",
             Forfeit::Late => "late",
             Forfeit::ServerRestarted => "server_restarted",
+            Forfeit::NotReserved => "not_reserved",
         }
     }
 }
@@ -248,11 +280,13 @@ impl PermitStore {
     ) -> Result<Decision, PermitError> {
         let algorithm = self.limiter.algorithm;
         let limit = self.limiter.limit;
+        let token = format!("{:x}", rand::random::<u64>());
         let mut invocation = scripts::acquire(algorithm).prepare_invoke();
         invocation
             .key(self.state_key(seller))
             .key(self.seller_key(seller, "limit"))
-            .key(self.seller_key(seller, "pause"));
+            .key(self.seller_key(seller, "pause"))
+            .key(self.seller_key(seller, "reserved"));
         if let Some(message) = message {
             invocation.key(self.done_key(seller, message));
         }
@@ -262,7 +296,7 @@ impl PermitStore {
             .arg(self.guard_arg())
             .arg(u8::from(reserve) | self.durable_flag())
             .arg(self.limiter.horizon.as_micros() as u64)
-            .arg(format!("{:x}", rand::random::<u64>()));
+            .arg(&token);
         match algorithm {
             Algorithm::Gcra => {
                 invocation.arg(self.limiter.gcra_burst.max(1));
@@ -296,6 +330,7 @@ impl PermitStore {
                         .get(5)
                         .and_then(|v| redis::from_redis_value_ref(v).ok())
                         .ok_or_else(bad)?,
+                    token,
                 }),
             }),
             0 => Ok(Decision::Wait {
@@ -331,10 +366,12 @@ impl PermitStore {
         invocation
             .key(self.seller_key(seller, "limit"))
             .key(self.seller_key(seller, "pause"))
-            .key(self.state_key(seller));
+            .key(self.state_key(seller))
+            .key(self.seller_key(seller, "reserved"));
         if let Some(message) = message {
             invocation.key(self.done_key(seller, message));
         }
+        let give_back = self.limiter.algorithm == Algorithm::SlidingWindow;
         let (status, at, now): (u8, i64, i64) = invocation
             .arg(limit.count())
             .arg(limit.window_us())
@@ -344,6 +381,8 @@ impl PermitStore {
             .arg(held.window_us)
             .arg(self.durable_flag())
             .arg(&held.epoch)
+            .arg(&held.token)
+            .arg(u8::from(give_back))
             .invoke_async(&mut self.conn.clone())
             .await?;
         let redeemed = match status {
@@ -360,6 +399,7 @@ impl PermitStore {
             5 => Err(Forfeit::Late),
             6 => Ok(Decision::AlreadyDone),
             7 => Err(Forfeit::ServerRestarted),
+            8 => Err(Forfeit::NotReserved),
             _ => return Err(PermitError::Answer("redeem")),
         };
         match &redeemed {
@@ -521,6 +561,16 @@ impl PermitStore {
             .limit_override(seller)
             .await?
             .unwrap_or(self.limiter.limit))
+    }
+
+    /// Lifts the seller's pause on every replica at once; whether it was paused.
+    pub async fn resume(&self, seller: &SellerId) -> Result<bool, PermitError> {
+        let removed: u32 = self
+            .conn
+            .clone()
+            .del(self.seller_key(seller, "pause"))
+            .await?;
+        Ok(removed > 0)
     }
 
     /// Sets a per-seller override, effective at once on every replica.

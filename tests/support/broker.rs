@@ -1,7 +1,7 @@
 //! A broker topology of its own for one test (unique queue name), deleted at cleanup.
 
 use lapin::options::{BasicConsumeOptions, QueuePurgeOptions};
-use lapin::types::FieldTable;
+use lapin::types::{AMQPValue, FieldTable};
 use lapin::{BasicProperties, Connection};
 use turnstile::broker::{self, Publisher, QueueType, Topology};
 
@@ -53,6 +53,21 @@ impl TestBroker {
     /// Publishes a JSON body to the work queue the way a producer does.
     pub async fn publish(&self, body: &[u8]) {
         let properties = BasicProperties::default().with_content_type("application/json".into());
+        self.publisher
+            .publish("", self.topology.work(), body, properties)
+            .await
+            .unwrap();
+    }
+
+    /// Publishes a JSON body to the work queue with AMQP headers (e.g. forged internal ones).
+    pub async fn publish_with_headers(&self, body: &[u8], headers: &[(&str, AMQPValue)]) {
+        let mut table = FieldTable::default();
+        for (name, value) in headers {
+            table.insert((*name).into(), value.clone());
+        }
+        let properties = BasicProperties::default()
+            .with_content_type("application/json".into())
+            .with_headers(table);
         self.publisher
             .publish("", self.topology.work(), body, properties)
             .await

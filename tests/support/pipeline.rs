@@ -101,6 +101,8 @@ impl Pipeline {
             http_addr: turnstile::http::Listen::Off,
             max_attempts: 8,
             hold: Duration::from_secs(2),
+            max_pause: Duration::from_secs(3600),
+            throttle_deadline: Duration::from_secs(24 * 3600),
             retry_min: Duration::from_millis(100),
             retry_max: Duration::from_secs(1),
             done_ttl: Duration::from_secs(600),
