@@ -14,7 +14,8 @@
 //! A product object with a `"mock"` object scripts its answers by attempt, for tests:
 //! `{"mock": {"statuses": [503, 503, 200], "delay_ms": 0, "retry_after": "2"}}` answers the
 //! n-th request with that Idempotency-Key with `statuses[n]` (the last one repeats), after
-//! `delay_ms`, with `Retry-After: retry_after` on a 429. A scripted 2xx goes through the limit
+//! `delay_ms`, with `Retry-After: retry_after` on a 429 and `Location: /login` on a 3xx (the
+//! login page answers 200, as an SSO proxy's would). A scripted 2xx goes through the limit
 //! check and registration like any request; a scripted non-2xx is counted in
 //! [`Stats::scripted`] only. Scripted requests are exempt from `--fail-rate`.
 
@@ -147,6 +148,7 @@ impl MockServer {
         let router = Router::new()
             .route("/register/{seller}", post(register))
             .route("/stats", get(stats))
+            .route("/login", get(login).post(login))
             .route("/reset", post(reset))
             .with_state(app.clone());
         let task = tokio::spawn(async move {
@@ -484,6 +486,13 @@ impl IntoResponse for Answer {
                 {
                     response.headers_mut().insert(RETRY_AFTER, value);
                 }
+                if status.is_redirection() {
+                    // What an SSO proxy in front of an API does to an unauthenticated POST.
+                    response.headers_mut().insert(
+                        axum::http::header::LOCATION,
+                        HeaderValue::from_static("/login"),
+                    );
+                }
                 response
             }
         }
@@ -507,6 +516,11 @@ async fn register(
     let scripted_delay = req.script.as_ref().map_or(Duration::ZERO, |s| s.delay);
     app.pause(app.latency + scripted_delay).await;
     answer.into_response()
+}
+
+/// The page a scripted 3xx points to: a 200 that is not a registration.
+async fn login() -> &'static str {
+    "please log in"
 }
 
 async fn stats(State(app): State<Arc<App>>) -> axum::Json<Stats> {

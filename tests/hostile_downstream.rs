@@ -1,0 +1,154 @@
+//! What the downstream answers is untrusted too: redirects, endless or absurd Retry-After, and
+//! seller ids that would change the URL's structure.
+mod support;
+
+use std::time::Duration;
+
+use serde_json::json;
+use support::eventually;
+use support::pipeline::Pipeline;
+use turnstile::broker::{header_str, headers};
+use turnstile::domain::SellerId;
+
+fn reason_and_detail(d: &lapin::message::Delivery) -> (String, String) {
+    (
+        header_str(d, headers::REASON).unwrap_or_default(),
+        header_str(d, headers::DETAIL).unwrap_or_default(),
+    )
+}
+
+#[tokio::test]
+async fn a_redirect_is_never_followed_but_dead_lettered_with_its_location() {
+    let mut p = Pipeline::new("redirect", "100/1s").await;
+    p.start_replicas(1, 2).await;
+    p.publish_product(
+        "S-sso",
+        "m-redirected",
+        json!({"mock": {"statuses": [302]}}),
+    )
+    .await;
+    let dead = p.dead_letters(1).await;
+    let (reason, detail) = reason_and_detail(&dead[0]);
+    let stats = p.mock.stats();
+    p.stop_replicas().await;
+    assert_eq!(reason, "rejected");
+    assert!(
+        detail.contains("HTTP 302") && detail.contains("/login"),
+        "{detail}"
+    );
+    assert_eq!(
+        stats.requests, 1,
+        "the login page was never asked: {stats:?}"
+    );
+    assert_eq!(p.total(|s| &s.registered), 0);
+    p.cleanup().await;
+}
+
+#[tokio::test]
+async fn a_retry_after_of_years_pauses_the_seller_only_for_the_max_pause() {
+    let mut p = Pipeline::new("retry-after", "100/1s").await;
+    let mut settings = p.settings(2);
+    settings.max_pause = Duration::from_secs(2);
+    p.start_replica(settings.clone()).await;
+    p.publish_product(
+        "S-years",
+        "m-years",
+        json!({"mock": {"statuses": [429, 200], "retry_after": "99999999"}}),
+    )
+    .await;
+    let store = p.keys.store(settings.limiter);
+    let seller = SellerId::parse("S-years").unwrap();
+    eventually("the 429 paused the seller", || {
+        p.total(|s| &s.throttled) >= 1
+    })
+    .await;
+    let paused = store.paused_for(&seller).await.unwrap();
+    assert!(paused <= Duration::from_secs(2), "paused for {paused:?}");
+    let stats = p.wait_registered(1).await;
+    p.stop_replicas().await;
+    assert_eq!(stats.sellers["S-years"].registered, 1);
+    p.cleanup().await;
+}
+
+#[tokio::test]
+async fn a_downstream_that_throttles_forever_is_given_up_after_the_throttle_deadline() {
+    let mut p = Pipeline::new("throttle-deadline", "100/1s").await;
+    let mut settings = p.settings(2);
+    settings.max_pause = Duration::from_millis(300);
+    settings.throttle_deadline = Duration::from_secs(2);
+    p.start_replica(settings).await;
+    p.publish_product(
+        "S-forever",
+        "m-forever",
+        json!({"mock": {"statuses": [429], "retry_after": "1"}}),
+    )
+    .await;
+    let dead = p.dead_letters(1).await;
+    let (reason, detail) = reason_and_detail(&dead[0]);
+    p.stop_replicas().await;
+    assert_eq!(reason, "throttled", "{detail}");
+    assert!(detail.contains("429"), "{detail}");
+    p.cleanup().await;
+}
+
+#[tokio::test]
+async fn a_paused_seller_is_resumed_on_every_replica_at_once() {
+    let mut p = Pipeline::new("resume", "100/1s").await;
+    let settings = p.settings(2);
+    let store = p.keys.store(settings.limiter.clone());
+    let seller = SellerId::parse("S-resumed").unwrap();
+    store
+        .pause(&seller, Duration::from_secs(3600))
+        .await
+        .unwrap();
+    p.start_replicas(2, 2).await;
+    p.publish("S-resumed", 3).await;
+    eventually("the messages wait", || p.total(|s| &s.delayed) >= 3).await;
+    assert!(store.resume(&seller).await.unwrap(), "it was paused");
+    assert_eq!(store.paused_for(&seller).await.unwrap(), Duration::ZERO);
+    // The delayed messages come back at their reserved slots (after the old pause) and reserve
+    // anew on arrival: publish one more, which goes through at once.
+    p.publish_product("S-resumed", "m-after-resume", json!({}))
+        .await;
+    eventually("registered after the resume", || {
+        p.mock
+            .stats()
+            .sellers
+            .get("S-resumed")
+            .is_some_and(|s| s.registered >= 1)
+    })
+    .await;
+    p.stop_replicas().await;
+    p.cleanup().await;
+}
+
+#[tokio::test]
+async fn seller_ids_never_change_the_url_structure() {
+    let mut p = Pipeline::new("segments", "100/1s").await;
+    p.start_replicas(1, 2).await;
+    for (i, seller) in ["..", "."].iter().enumerate() {
+        p.publish_product(seller, &format!("m-dots-{i}"), json!({}))
+            .await;
+    }
+    for seller in ["a/b", "a?b", "a#b", "%2e%2e", "..."] {
+        p.publish_product(seller, &format!("m-{seller}"), json!({}))
+            .await;
+    }
+    let dead = p.dead_letters(2).await;
+    let stats = p.wait_registered(5).await;
+    p.stop_replicas().await;
+    for d in &dead {
+        let (reason, detail) = reason_and_detail(d);
+        assert_eq!(reason, "invalid-message", "{detail}");
+        assert!(detail.contains("path segment"), "{detail}");
+    }
+    for seller in ["a/b", "a?b", "a#b", "%2e%2e", "..."] {
+        let key = SellerId::parse(seller).unwrap().header_value();
+        assert_eq!(
+            stats.sellers.get(&key).map(|s| s.registered),
+            Some(1),
+            "{seller} reached its own path: {stats:?}"
+        );
+    }
+    p.cleanup().await;
+}
