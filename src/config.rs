@@ -166,14 +166,15 @@ fn parse_key_prefix(s: &str) -> Result<String, String> {
     Ok(s.to_owned())
 }
 
-/// Where Redis is and how to reach it.
-#[derive(Args, Clone, Debug)]
+/// Where Redis is and how to reach it. Its `Debug` hides the URL's password.
+#[derive(Args, Clone)]
 pub struct RedisArgs {
     /// Redis URL; a comma-separated list of node URLs means Redis Cluster.
     #[arg(
         long = "redis-url",
         env = "TURNSTILE_REDIS_URL",
-        default_value = "redis://127.0.0.1:6379/"
+        default_value = "redis://127.0.0.1:6379/",
+        hide_env_values = true
     )]
     pub url: String,
     /// Force Redis Cluster mode with a single seed URL.
@@ -182,6 +183,16 @@ pub struct RedisArgs {
     /// Prefix of every Redis key.
     #[arg(long = "key-prefix", env = "TURNSTILE_KEY_PREFIX", default_value = "turnstile", value_parser = parse_key_prefix)]
     pub key_prefix: String,
+}
+
+impl std::fmt::Debug for RedisArgs {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("RedisArgs")
+            .field("url", &crate::permit::redact_url(&self.url))
+            .field("cluster", &self.cluster)
+            .field("key_prefix", &self.key_prefix)
+            .finish()
+    }
 }
 
 /// How permits are decided: the default limit, the algorithm and its tuning.

@@ -6,6 +6,7 @@ use anyhow::Context;
 use clap::Args;
 use reqwest::StatusCode;
 use reqwest::header::{CONTENT_TYPE, HeaderValue, RETRY_AFTER};
+use secrecy::{ExposeSecret, SecretString};
 
 use crate::domain::Registration;
 
@@ -16,7 +17,8 @@ pub struct DownstreamArgs {
     #[arg(
         id = "downstream_url",
         long = "downstream-url",
-        env = "TURNSTILE_DOWNSTREAM_URL"
+        env = "TURNSTILE_DOWNSTREAM_URL",
+        hide_env_values = true
     )]
     pub url: String,
     /// Sent as `Authorization: Bearer <token>`; never logged.
@@ -25,7 +27,7 @@ pub struct DownstreamArgs {
         env = "TURNSTILE_DOWNSTREAM_TOKEN",
         hide_env_values = true
     )]
-    pub token: Option<String>,
+    pub token: Option<SecretString>,
     /// How long one call may take before it counts as a timeout (retried).
     #[arg(id = "downstream_timeout", long = "downstream-timeout", env = "TURNSTILE_DOWNSTREAM_TIMEOUT", default_value = "10s", value_parser = crate::config::duration_arg)]
     pub timeout: Duration,
@@ -34,7 +36,7 @@ pub struct DownstreamArgs {
 impl std::fmt::Debug for DownstreamArgs {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("DownstreamArgs")
-            .field("url", &self.url)
+            .field("url", &crate::permit::redact_url(&self.url))
             .field("token", &self.token.as_ref().map(|_| "***"))
             .field("timeout", &self.timeout)
             .finish()
@@ -84,7 +86,7 @@ impl Downstream {
         );
         let authorization = match &args.token {
             Some(token) => {
-                let mut value = HeaderValue::from_str(&format!("Bearer {token}"))
+                let mut value = HeaderValue::from_str(&format!("Bearer {}", token.expose_secret()))
                     .map_err(|_| anyhow::anyhow!("TURNSTILE_DOWNSTREAM_TOKEN contains characters not allowed in an HTTP header"))?;
                 value.set_sensitive(true);
                 Some(value)

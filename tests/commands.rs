@@ -228,3 +228,49 @@ fn the_demo_registers_everything_within_the_limits_and_reports_json() {
     assert_eq!(last["duplicates"], 0);
     assert_eq!(last["violations"], 0);
 }
+
+#[test]
+fn no_secret_is_shown_by_help_or_a_startup_error() {
+    let secrets = [
+        (
+            "TURNSTILE_REDIS_URL",
+            "redis://:redis-password@127.0.0.1:1/",
+        ),
+        (
+            "TURNSTILE_AMQP_URL",
+            "amqp://guest:amqp-password@127.0.0.1:1/%2f",
+        ),
+        (
+            "TURNSTILE_DOWNSTREAM_URL",
+            "http://127.0.0.1:1/register/{seller_id}?api_key=api-key-secret",
+        ),
+        ("TURNSTILE_DOWNSTREAM_TOKEN", "bearer-token-secret"),
+    ];
+    let words = [
+        "redis-password",
+        "amqp-password",
+        "api-key-secret",
+        "bearer-token-secret",
+    ];
+    for args in [
+        &["consume", "--help"][..],
+        &["publish", "--help"],
+        &["limits", "get", "--help"],
+        &["status", "--help"],
+        // A configuration error at start names the setting, not its secret.
+        &["consume", "--workers", "0"],
+        &["consume", "--http-addr", "not-an-address"],
+        &["limits", "get", "--seller", "S-1"],
+    ] {
+        let mut cmd = turnstile();
+        cmd.envs(secrets).env("RUST_LOG", "debug").args(args);
+        let (_, out, err) = run(cmd.stdin(Stdio::null()));
+        for word in words {
+            assert!(
+                !out.contains(word) && !err.contains(word),
+                "`turnstile {}` shows {word}:\n{out}\n{err}",
+                args.join(" ")
+            );
+        }
+    }
+}

@@ -53,8 +53,9 @@ pub mod headers {
 /// `TURNSTILE_AMQP_URL`'s default: the local broker.
 pub const DEFAULT_AMQP_URL: &str = "amqp://guest:guest@127.0.0.1:5672/%2f";
 
-/// Where the broker is and which queues turnstile uses there.
-#[derive(clap::Args, Clone, Debug)]
+/// Where the broker is and which queues turnstile uses there. Its `Debug` hides the URL's
+/// password.
+#[derive(clap::Args, Clone)]
 pub struct BrokerArgs {
     /// Broker URL.
     #[arg(
@@ -72,6 +73,17 @@ pub struct BrokerArgs {
     /// Queue type of the delay ladder's levels (quorum: at-least-once dead-lettering).
     #[arg(long = "delay-queue-type", env = "TURNSTILE_DELAY_QUEUE_TYPE", value_enum, default_value_t = QueueType::Quorum)]
     pub delay_queue_type: QueueType,
+}
+
+impl std::fmt::Debug for BrokerArgs {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("BrokerArgs")
+            .field("amqp_url", &redact_amqp_url(&self.amqp_url))
+            .field("queue", &self.queue)
+            .field("queue_type", &self.queue_type)
+            .field("delay_queue_type", &self.delay_queue_type)
+            .finish()
+    }
 }
 
 impl BrokerArgs {

@@ -22,14 +22,27 @@ pub enum RedisConn {
 const RESPONSE_TIMEOUT: Duration = Duration::from_secs(2);
 const CONNECT_TIMEOUT: Duration = Duration::from_secs(2);
 
-/// The URL with any password replaced, for messages.
+/// The URL (or comma-separated URLs) with passwords and query values hidden, for messages.
 pub fn redact_url(url: &str) -> String {
-    match url.split_once("://") {
-        Some((scheme, rest)) => match rest.rsplit_once('@') {
-            Some((_, host)) => format!("{scheme}://***@{host}"),
-            None => url.to_owned(),
-        },
-        None => url.to_owned(),
+    url.split(',')
+        .map(redact_one_url)
+        .collect::<Vec<_>>()
+        .join(",")
+}
+
+/// One URL with its user info (`user:password@`) and its query (API keys) hidden.
+fn redact_one_url(url: &str) -> String {
+    let (base, query) = match url.split_once(['?', '#']) {
+        Some((base, _)) => (base, "?***"),
+        None => (url, ""),
+    };
+    let Some((scheme, rest)) = base.split_once("://") else {
+        return format!("{base}{query}");
+    };
+    let (authority, path) = rest.split_at(rest.find('/').unwrap_or(rest.len()));
+    match authority.rsplit_once('@') {
+        Some((_, host)) => format!("{scheme}://***@{host}{path}{query}"),
+        None => format!("{base}{query}"),
     }
 }
 
@@ -153,5 +166,25 @@ impl ConnectionLike for RedisConn {
             Self::Single(c) => c.get_db(),
             Self::Cluster(c) => c.get_db(),
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::redact_url;
+
+    #[test]
+    fn urls_are_shown_without_passwords_or_query_values() {
+        assert_eq!(redact_url("redis://:pw@h:6379/0"), "redis://***@h:6379/0");
+        assert_eq!(
+            redact_url("redis://u:p@a:1/,redis://u:p@b:2/"),
+            "redis://***@a:1/,redis://***@b:2/"
+        );
+        assert_eq!(
+            redact_url("https://api.test/s/{seller_id}?api_key=SECRET"),
+            "https://api.test/s/{seller_id}?***"
+        );
+        assert_eq!(redact_url("amqp://g:g@h/%2f"), "amqp://***@h/%2f");
+        assert_eq!(redact_url("http://h/a@b"), "http://h/a@b");
     }
 }
