@@ -63,6 +63,12 @@ use crate::domain::{BatchId, MAX_BODY_BYTES, MessageId, SellerId};
 
 /// Most product rows (non-empty rows below the header, or non-blank JSONL lines) in one file.
 pub const MAX_ROWS: usize = 100_000;
+/// Largest upload file read.
+pub const MAX_FILE_BYTES: u64 = 64 * 1024 * 1024;
+/// Most columns a spreadsheet row may use (a product has far fewer fields).
+pub const MAX_COLUMNS: u32 = 1_024;
+/// Largest unpacked size an .xlsx may declare for all its parts together.
+pub const MAX_UNPACKED_BYTES: u64 = 512 * 1024 * 1024;
 
 /// Bad rows listed in the message of [`UploadError::Strict`].
 const LISTED_BAD_ROWS: usize = 10;
@@ -198,6 +204,10 @@ pub enum UploadError {
     /// There is a header but not a single row below it.
     #[error("{}: no products below the header row", .path.display())]
     NoProducts { path: PathBuf },
+    /// Larger than what turnstile reads (file size, columns, declared unpacked size): a bomb
+    /// is refused before anything large is allocated.
+    #[error("{}: refused: {why}", .path.display())]
+    TooBig { path: PathBuf, why: String },
     /// More than [`MAX_ROWS`] rows.
     #[error("{}: more than {limit} rows; split it into smaller files", .path.display())]
     TooManyRows { path: PathBuf, limit: usize },
@@ -247,10 +257,7 @@ pub fn read_upload(
     strict: bool,
 ) -> Result<Upload, UploadError> {
     let format = Format::from_path(path)?;
-    let bytes = std::fs::read(path).map_err(|source| UploadError::Read {
-        path: path.to_owned(),
-        source,
-    })?;
+    let bytes = read_bounded(path)?;
     let batch_id = match batch {
         Some(batch) => batch.clone(),
         None => derived_batch(path, &bytes),
@@ -352,11 +359,16 @@ fn json_string(s: &str) -> String {
 /// A file-level failure before the path is known to the error.
 enum Refusal {
     Empty,
+    /// Beyond a bound that protects memory: what, and the bound.
+    TooBig(String),
     NoHeader,
     Xlsx(calamine::XlsxError),
     NoSheets,
     Csv(csv::Error),
-    Header { column: String, why: String },
+    Header {
+        column: String,
+        why: String,
+    },
     NoProducts,
     TooManyRows,
 }
@@ -366,6 +378,7 @@ impl Refusal {
         let path = path.to_owned();
         match self {
             Self::Empty => UploadError::Empty { path },
+            Self::TooBig(why) => UploadError::TooBig { path, why },
             Self::NoHeader => UploadError::NoHeader { path },
             Self::Xlsx(e) => UploadError::Xlsx {
                 path,
@@ -471,10 +484,60 @@ fn field_names(
     Ok(names)
 }
 
+/// Reads a file of at most [`MAX_FILE_BYTES`] (checked before reading, and while reading).
+fn read_bounded(path: &Path) -> Result<Vec<u8>, UploadError> {
+    use std::io::Read;
+    let read_error = |source| UploadError::Read {
+        path: path.to_owned(),
+        source,
+    };
+    let too_big = || UploadError::TooBig {
+        path: path.to_owned(),
+        why: format!("the file is larger than {} MiB", MAX_FILE_BYTES >> 20),
+    };
+    let file = std::fs::File::open(path).map_err(read_error)?;
+    if file.metadata().map_err(read_error)?.len() > MAX_FILE_BYTES {
+        return Err(too_big());
+    }
+    let mut bytes = Vec::new();
+    file.take(MAX_FILE_BYTES + 1)
+        .read_to_end(&mut bytes)
+        .map_err(read_error)?;
+    if bytes.len() as u64 > MAX_FILE_BYTES {
+        return Err(too_big());
+    }
+    Ok(bytes)
+}
+
+/// Refuses a workbook whose parts declare more than [`MAX_UNPACKED_BYTES`] unpacked (a zip
+/// bomb), reading only the zip's directory.
+fn check_unpacked_size(bytes: &[u8]) -> Result<(), Refusal> {
+    let Ok(mut archive) = zip::ZipArchive::new(Cursor::new(bytes)) else {
+        return Ok(()); // not a zip: calamine says why
+    };
+    let mut total: u64 = 0;
+    for i in 0..archive.len() {
+        if let Ok(part) = archive.by_index_raw(i) {
+            total = total.saturating_add(part.size());
+        }
+    }
+    if total > MAX_UNPACKED_BYTES {
+        return Err(Refusal::TooBig(format!(
+            "the workbook unpacks to {} MiB, over {} MiB",
+            total >> 20,
+            MAX_UNPACKED_BYTES >> 20
+        )));
+    }
+    Ok(())
+}
+
+/// Reads the first worksheet cell by cell (calamine's streaming reader), one row at a time: a
+/// far cell (`XFD1048576`) costs nothing, and memory stays bounded by [`MAX_COLUMNS`] cells.
 fn read_xlsx(bytes: &[u8]) -> Result<Parsed, Refusal> {
     if bytes.is_empty() {
         return Err(Refusal::Empty);
     }
+    check_unpacked_size(bytes)?;
     let mut workbook = Xlsx::new(Cursor::new(bytes)).map_err(Refusal::Xlsx)?;
     let sheet = workbook
         .sheets_metadata()
@@ -482,55 +545,117 @@ fn read_xlsx(bytes: &[u8]) -> Result<Parsed, Refusal> {
         .find(|s| s.typ == SheetType::WorkSheet)
         .map(|s| s.name.clone())
         .ok_or(Refusal::NoSheets)?;
-    let range = workbook.worksheet_range(&sheet).map_err(Refusal::Xlsx)?;
-    let Some((first_row, first_col)) = range.start() else {
-        return Err(Refusal::Empty);
-    };
-    let (first_row, first_col) = (first_row as usize, first_col as usize);
-    let column = |i: usize| format!("column {}", column_letters(first_col + i));
-    let mut rows = range.rows();
-    let Some(header) = rows.next() else {
-        return Err(Refusal::Empty);
-    };
-    let mut cells = Vec::with_capacity(header.len());
-    for (i, cell) in header.iter().enumerate() {
-        cells.push(header_text(cell).map_err(|why| Refusal::Header {
-            column: column(i),
-            why,
-        })?);
+    let mut reader = workbook
+        .worksheet_cells_reader(&sheet)
+        .map_err(Refusal::Xlsx)?;
+    let mut rows = SheetRows::default();
+    while let Some(cell) = reader.next_cell().map_err(Refusal::Xlsx)? {
+        let (row, col) = cell.get_position();
+        if col >= MAX_COLUMNS {
+            return Err(Refusal::TooBig(format!(
+                "a cell in column {} (at most {MAX_COLUMNS} columns are read)",
+                column_letters(col as usize)
+            )));
+        }
+        let value = Data::from(cell.get_value().clone());
+        if value == Data::Empty {
+            continue;
+        }
+        rows.push(row, col, value)?;
     }
-    let names = field_names(cells, column)?;
+    rows.finish()
+}
 
-    let mut parsed = Parsed::default();
-    for (offset, cells) in rows.enumerate() {
-        let row = first_row + offset + 2;
+/// The rows of a worksheet as its cells stream in (in row order): the header, then each
+/// product row as soon as it is complete.
+#[derive(Default)]
+struct SheetRows {
+    first_col: Option<u32>,
+    /// The header's field names and the sheet row they came from (0-based).
+    header: Option<(u32, Vec<String>)>,
+    /// The row being read (0-based) and its cells (column, value).
+    current: Option<(u32, Vec<(u32, Data)>)>,
+    parsed: Parsed,
+}
+
+impl SheetRows {
+    fn push(&mut self, row: u32, col: u32, value: Data) -> Result<(), Refusal> {
+        if self.current.as_ref().is_some_and(|(r, _)| *r != row) {
+            self.end_row()?;
+        }
+        self.current
+            .get_or_insert_with(|| (row, Vec::new()))
+            .1
+            .push((col, value));
+        Ok(())
+    }
+
+    fn end_row(&mut self) -> Result<(), Refusal> {
+        let Some((row, cells)) = self.current.take() else {
+            return Ok(());
+        };
+        let Some((header_row, names)) = &self.header else {
+            // The first non-empty row is the header; its first cell fixes the first column.
+            let first_col = cells.iter().map(|(c, _)| *c).min().unwrap_or(0);
+            self.first_col = Some(first_col);
+            let column = |i: usize| format!("column {}", column_letters(first_col as usize + i));
+            let width = cells
+                .iter()
+                .map(|(c, _)| (c - first_col) as usize + 1)
+                .max()
+                .unwrap_or(0);
+            let mut texts = vec![None; width];
+            for (c, value) in &cells {
+                let i = (c - first_col) as usize;
+                texts[i] = header_text(value).map_err(|why| Refusal::Header {
+                    column: column(i),
+                    why,
+                })?;
+            }
+            self.header = Some((row, field_names(texts, column)?));
+            return Ok(());
+        };
+        let _ = header_row;
+        let first_col = self.first_col.unwrap_or(0);
+        let column = |col: u32| format!("column {}", column_letters(col as usize));
         let mut product = ObjectText::new();
         let mut problem = None;
-        for (i, cell) in cells.iter().enumerate() {
+        for (col, cell) in &cells {
             let value = match xlsx_value(cell) {
                 Ok(Some(value)) => value,
                 Ok(None) => continue,
                 Err(why) => {
-                    problem.get_or_insert_with(|| format!("{} {why}", column(i)));
+                    problem.get_or_insert_with(|| format!("{} {why}", column(*col)));
                     continue;
                 }
             };
-            match names.get(i) {
+            match col
+                .checked_sub(first_col)
+                .and_then(|i| names.get(i as usize))
+            {
                 Some(name) => product.push(name, &value),
                 None => {
                     problem.get_or_insert_with(|| {
-                        format!("{} holds a value but has no header", column(i))
+                        format!("{} holds a value but has no header", column(*col))
                     });
                 }
             }
         }
+        let row = row as usize + 1;
         match problem {
-            Some(reason) => parsed.bad(row, reason)?,
-            None if product.is_empty() => {}
-            None => parsed.product(row, product.finish())?,
+            Some(reason) => self.parsed.bad(row, reason),
+            None if product.is_empty() => Ok(()),
+            None => self.parsed.product(row, product.finish()),
         }
     }
-    parsed.non_empty()
+
+    fn finish(mut self) -> Result<Parsed, Refusal> {
+        self.end_row()?;
+        if self.header.is_none() {
+            return Err(Refusal::Empty);
+        }
+        self.parsed.non_empty()
+    }
 }
 
 /// Spreadsheet column letters for a 0-based column: 0 → A, 25 → Z, 26 → AA.

@@ -105,6 +105,8 @@ enum Cell<'a> {
     Styled(f64, u8),
     Error(&'a str),
     Empty,
+    /// Text at an explicit cell reference (e.g. `XFD1048576`), wherever the row is.
+    At(&'a str, &'a str),
 }
 
 fn crc32(data: &[u8]) -> u32 {
@@ -212,6 +214,10 @@ fn workbook(sheets: &[Sheet], first_col: usize) -> Vec<u8> {
                     Cell::Styled(v, s) => format!(r#"<c r="{at}" s="{s}"><v>{v}</v></c>"#),
                     Cell::Error(e) => format!(r#"<c r="{at}" t="e"><v>{e}</v></c>"#),
                     Cell::Empty => String::new(),
+                    Cell::At(at, s) => format!(
+                        r#"<c r="{at}" t="inlineStr"><is><t>{}</t></is></c>"#,
+                        xml_escape(s)
+                    ),
                 });
             }
             data.push_str("</row>");
@@ -767,4 +773,51 @@ fn files_with_more_than_the_row_limit_are_refused() {
         error.to_string().contains("more than 100000 rows"),
         "{error}"
     );
+}
+
+#[test]
+fn a_spreadsheet_bomb_is_refused_before_anything_large_is_allocated() {
+    // One far cell: a dense reader would allocate 2^20 rows x 2^14 columns (512 GiB).
+    let far = workbook(
+        &[(
+            "Sheet1",
+            &[
+                (1, &[Cell::Text("sku")][..]),
+                (2, &[Cell::Text("A-1")][..]),
+                (1_048_576, &[Cell::At("XFD1048576", "far")][..]),
+            ],
+        )],
+        0,
+    );
+    let error = read_bytes("bomb.xlsx", &far).unwrap_err();
+    assert!(matches!(error, UploadError::TooBig { .. }), "{error:?}");
+    assert!(error.to_string().contains("column XFD"), "{error}");
+    // A far row in a used column costs nothing either: it is one more product.
+    let far_row = workbook(
+        &[(
+            "Sheet1",
+            &[
+                (1, &[Cell::Text("sku")][..]),
+                (1_048_576, &[Cell::At("A1048576", "last")][..]),
+            ],
+        )],
+        0,
+    );
+    let upload = read_bytes("far-row.xlsx", &far_row).unwrap();
+    assert_eq!(upload.rows.len(), 1);
+    assert_eq!(upload.rows[0].row, 1_048_576);
+}
+
+#[test]
+fn a_file_over_the_size_limit_is_refused_without_reading_it() {
+    let file = TempFile::new("huge.csv", b"sku\n");
+    std::fs::OpenOptions::new()
+        .write(true)
+        .open(&file.path)
+        .unwrap()
+        .set_len(turnstile::upload::MAX_FILE_BYTES + 1)
+        .unwrap();
+    let error = read_upload(&file.path, &seller("S-1001"), None, false).unwrap_err();
+    assert!(matches!(error, UploadError::TooBig { .. }), "{error:?}");
+    assert!(error.to_string().contains("larger than 64 MiB"), "{error}");
 }
