@@ -12,6 +12,8 @@ use axum::http::{StatusCode, header};
 use axum::response::{Html, IntoResponse, Response};
 use axum::routing::get;
 use metrics_exporter_prometheus::{PrometheusBuilder, PrometheusHandle};
+use secrecy::{ExposeSecret, SecretString};
+use subtle::ConstantTimeEq;
 use tokio_util::sync::CancellationToken;
 
 use crate::dashboard::{self, Dashboard};
@@ -69,6 +71,8 @@ pub fn parse_addr(s: &str) -> Result<Listen, String> {
 /// replica has connected to Redis (until then `/api/dashboard` answers 503).
 #[derive(Clone)]
 pub struct Endpoints {
+    /// When set, `/` and `/api/dashboard` need it (see [`require_token`]).
+    pub token: Option<SecretString>,
     pub ready: Readiness,
     pub stats: Arc<Stats>,
     pub dashboard: Arc<OnceLock<Arc<Dashboard>>>,
@@ -117,6 +121,65 @@ async fn dashboard_data(State(endpoints): State<Endpoints>) -> Response {
     }
 }
 
+/// The cookie that carries the dashboard token after `/?token=…`.
+const TOKEN_COOKIE: &str = "turnstile_token";
+
+/// With `TURNSTILE_HTTP_TOKEN` set, the dashboard and its data need the token: as
+/// `Authorization: Bearer <token>`, as the cookie set by opening `/?token=<token>` once, or in
+/// that query. Compared in constant time. /metrics, /healthz and /readyz stay open.
+async fn require_token(
+    State(endpoints): State<Endpoints>,
+    request: axum::extract::Request,
+    next: axum::middleware::Next,
+) -> Response {
+    let Some(token) = &endpoints.token else {
+        return next.run(request).await;
+    };
+    let expected = token.expose_secret().as_bytes();
+    let matches = |given: &str| bool::from(given.as_bytes().ct_eq(expected));
+    let headers = request.headers();
+    let bearer = headers
+        .get(header::AUTHORIZATION)
+        .and_then(|v| v.to_str().ok())
+        .and_then(|v| v.strip_prefix("Bearer "))
+        .is_some_and(|given| matches(given.trim()));
+    let cookie = headers
+        .get_all(header::COOKIE)
+        .iter()
+        .filter_map(|v| v.to_str().ok())
+        .flat_map(|v| v.split(';'))
+        .filter_map(|pair| pair.trim().split_once('='))
+        .any(|(name, value)| name == TOKEN_COOKIE && matches(value));
+    if bearer || cookie {
+        return next.run(request).await;
+    }
+    let in_query = request
+        .uri()
+        .query()
+        .and_then(|q| reqwest::Url::parse(&format!("http://dashboard/?{q}")).ok())
+        .is_some_and(|url| {
+            url.query_pairs()
+                .any(|(name, value)| name == "token" && matches(&value))
+        });
+    if in_query {
+        let mut response = next.run(request).await;
+        let cookie = format!(
+            "{TOKEN_COOKIE}={}; HttpOnly; SameSite=Strict; Path=/",
+            token.expose_secret()
+        );
+        if let Ok(value) = header::HeaderValue::from_str(&cookie) {
+            response.headers_mut().insert(header::SET_COOKIE, value);
+        }
+        return response;
+    }
+    (
+        StatusCode::UNAUTHORIZED,
+        [(header::WWW_AUTHENTICATE, "Bearer")],
+        "the dashboard needs TURNSTILE_HTTP_TOKEN: open /?token=<token> or send Authorization: Bearer <token>\n",
+    )
+        .into_response()
+}
+
 /// Serves the endpoints until `shutdown`; returns the bound address (port 0 picks a free one).
 pub async fn serve(
     addr: SocketAddr,
@@ -124,9 +187,15 @@ pub async fn serve(
     shutdown: CancellationToken,
 ) -> anyhow::Result<SocketAddr> {
     prometheus();
-    let app = Router::new()
+    let dashboard = Router::new()
         .route("/", get(|| async { Html(dashboard::PAGE) }))
         .route("/api/dashboard", get(dashboard_data))
+        .route_layer(axum::middleware::from_fn_with_state(
+            endpoints.clone(),
+            require_token,
+        ));
+    let app = Router::new()
+        .merge(dashboard)
         .route("/metrics", get(metrics_page))
         .route("/healthz", get(|| async { "ok\n" }))
         .route("/readyz", get(readyz))

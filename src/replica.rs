@@ -12,6 +12,7 @@ use clap::Args;
 use futures::StreamExt;
 use lapin::options::{BasicCancelOptions, BasicConsumeOptions, BasicQosOptions};
 use lapin::types::FieldTable;
+use secrecy::SecretString;
 use tokio::sync::Semaphore;
 use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
@@ -45,6 +46,14 @@ pub struct ConsumeArgs {
     /// free port; `off` disables.
     #[arg(long = "http-addr", env = "TURNSTILE_HTTP_ADDR", default_value = "0.0.0.0:9464", value_parser = http::parse_addr)]
     pub http_addr: Listen,
+    /// When set, the dashboard (/) and /api/dashboard need this token (bearer, or the cookie
+    /// set by opening /?token=…); /metrics, /healthz and /readyz stay open.
+    #[arg(
+        long = "http-token",
+        env = "TURNSTILE_HTTP_TOKEN",
+        hide_env_values = true
+    )]
+    pub http_token: Option<SecretString>,
     /// Failed attempts (5xx, timeouts, connection errors) before a message is dead-lettered.
     #[arg(long = "max-attempts", env = "TURNSTILE_MAX_ATTEMPTS", default_value_t = 8, value_parser = clap::value_parser!(u32).range(1..))]
     pub max_attempts: u32,
@@ -112,6 +121,7 @@ impl Replica {
         let stats = Arc::new(Stats::default());
         let dashboard_slot = Arc::new(OnceLock::new());
         let endpoints = Endpoints {
+            token: args.http_token.clone(),
             ready: ready.clone(),
             stats: stats.clone(),
             dashboard: dashboard_slot.clone(),

@@ -54,6 +54,7 @@ impl RigArgs {
             prefetch: None,
             delay_prefetch: 64,
             http_addr: crate::http::Listen::Off,
+            http_token: None,
             max_attempts: 8,
             hold,
             max_pause: Duration::from_secs(3600),

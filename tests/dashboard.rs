@@ -465,3 +465,48 @@ impl<'w> tracing_subscriber::fmt::MakeWriter<'w> for Lines {
         self.clone()
     }
 }
+
+#[tokio::test]
+async fn with_an_http_token_the_dashboard_needs_it_and_probes_stay_open() {
+    let mut p = Pipeline::new("http-token", "10/1s").await;
+    let mut settings = p.settings(1);
+    settings.http_addr = Listen::At("127.0.0.1:0".parse().unwrap());
+    settings.http_token = Some("dash-secret".into());
+    p.start_replica(settings).await;
+    let base = format!("http://{}", p.replicas().next().unwrap().http_addr.unwrap());
+    let client = reqwest::Client::builder()
+        .redirect(reqwest::redirect::Policy::none())
+        .build()
+        .unwrap();
+    let status = |path: &str, auth: Option<(&str, &str)>| {
+        let mut request = client.get(format!("{base}{path}"));
+        if let Some((name, value)) = auth {
+            request = request.header(name, value);
+        }
+        async move { request.send().await.unwrap() }
+    };
+    for path in ["/", "/api/dashboard"] {
+        assert_eq!(
+            status(path, None).await.status(),
+            401,
+            "{path} without a token"
+        );
+        let wrong = status(path, Some(("Authorization", "Bearer nope"))).await;
+        assert_eq!(wrong.status(), 401, "{path} with a wrong token");
+        let bearer = status(path, Some(("Authorization", "Bearer dash-secret"))).await;
+        assert_eq!(bearer.status(), 200, "{path} with the bearer token");
+    }
+    let opened = status("/?token=dash-secret", None).await;
+    assert_eq!(opened.status(), 200);
+    let cookie = opened.headers()["set-cookie"].to_str().unwrap().to_owned();
+    assert!(cookie.contains("HttpOnly"), "{cookie}");
+    let pair = cookie.split(';').next().unwrap().to_owned();
+    let with_cookie = status("/api/dashboard", Some(("Cookie", &pair))).await;
+    assert_eq!(with_cookie.status(), 200);
+    for path in ["/metrics", "/healthz", "/readyz"] {
+        assert_eq!(status(path, None).await.status(), 200, "{path} stays open");
+    }
+    let metrics = status("/metrics", None).await.text().await.unwrap();
+    assert!(!metrics.contains("dash-secret"));
+    p.cleanup().await;
+}

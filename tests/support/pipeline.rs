@@ -99,6 +99,7 @@ impl Pipeline {
             prefetch: None,
             delay_prefetch: 64,
             http_addr: turnstile::http::Listen::Off,
+            http_token: None,
             max_attempts: 8,
             hold: Duration::from_secs(2),
             max_pause: Duration::from_secs(3600),
