@@ -821,3 +821,57 @@ fn a_file_over_the_size_limit_is_refused_without_reading_it() {
     assert!(matches!(error, UploadError::TooBig { .. }), "{error:?}");
     assert!(error.to_string().contains("larger than 64 MiB"), "{error}");
 }
+
+proptest::proptest! {
+    #![proptest_config(proptest::prelude::ProptestConfig {
+        cases: 64,
+        failure_persistence: None,
+        ..Default::default()
+    })]
+
+    /// Whatever a file holds, reading it gives products, bad rows or one clear refusal: never a
+    /// panic or an abort.
+    #[test]
+    fn any_file_is_read_or_refused_without_panicking(
+        bytes in proptest::collection::vec(proptest::prelude::any::<u8>(), 0..2048),
+        ext in proptest::sample::select(vec!["csv", "jsonl", "xlsx"]),
+    ) {
+        let _ = read_bytes(&format!("fuzz.{ext}"), &bytes);
+    }
+
+    /// Workbooks with arbitrary cells at arbitrary places (far ones included).
+    #[test]
+    fn any_workbook_layout_is_read_or_refused_without_panicking(
+        cells in proptest::collection::vec((1u32..1_048_577, 0u32..16_384, "[a-z0-9 ]{0,8}"), 0..12),
+    ) {
+        let refs: Vec<(u32, String, String)> = cells
+            .iter()
+            .map(|(r, c, t)| (*r, format!("{}{r}", column_name(*c)), t.clone()))
+            .collect();
+        let mut rows: Vec<(u32, Vec<Cell>)> = Vec::new();
+        let mut sorted: Vec<&(u32, String, String)> = refs.iter().collect();
+        sorted.sort_by_key(|(r, at, _)| (*r, at.len(), at.clone()));
+        for (r, at, text) in sorted {
+            match rows.last_mut() {
+                Some((row, cells)) if row == r => cells.push(Cell::At(at, text)),
+                _ => rows.push((*r, vec![Cell::At(at, text)])),
+            }
+        }
+        let rows: Vec<(u32, &[Cell])> = rows.iter().map(|(r, c)| (*r, c.as_slice())).collect();
+        let _ = read_bytes("layout.xlsx", &workbook(&[("Sheet1", &rows)], 0));
+    }
+}
+
+/// Spreadsheet column letters for a 0-based column (A, …, Z, AA, …, XFD).
+fn column_name(mut col: u32) -> String {
+    let mut letters = Vec::new();
+    loop {
+        letters.push(b'A' + (col % 26) as u8);
+        if col < 26 {
+            break;
+        }
+        col = col / 26 - 1;
+    }
+    letters.reverse();
+    String::from_utf8(letters).unwrap()
+}

@@ -1,0 +1,113 @@
+//! Property tests over what comes from outside: message bodies, turnstile's own headers (which
+//! anyone can forge), seller ids in the downstream URL, and the ladder's arithmetic. Run
+//! briefly in the suite (a few hundred cases each); no services needed.
+
+use std::time::Duration;
+
+use proptest::prelude::*;
+use turnstile::broker::ladder::{Hop, LEVELS, SLACK, UNIT, next_hop, remaining_wait};
+use turnstile::domain::{Registration, SellerId};
+use turnstile::downstream::{Downstream, DownstreamArgs};
+use turnstile::permit::Reservation;
+
+fn config() -> ProptestConfig {
+    ProptestConfig {
+        cases: 512,
+        failure_persistence: None,
+        ..ProptestConfig::default()
+    }
+}
+
+/// A seller id as the contract allows it: 1 to 128 characters, no control characters.
+fn seller_id() -> impl Strategy<Value = String> {
+    proptest::collection::vec(
+        any::<char>().prop_filter("no control", |c| !c.is_control()),
+        1..=128,
+    )
+    .prop_map(|chars| chars.into_iter().collect())
+}
+
+proptest! {
+    #![proptest_config(config())]
+
+    #[test]
+    fn any_body_parses_or_is_refused_without_panicking(body in proptest::collection::vec(any::<u8>(), 0..512)) {
+        let _ = Registration::parse(&body, None);
+    }
+
+    #[test]
+    fn any_allowed_seller_id_round_trips_and_keeps_its_own_hash_tag(id in seller_id()) {
+        let body = serde_json::json!({"seller_id": id, "product": {"a": 1}}).to_string();
+        let registration = Registration::parse(body.as_bytes(), None).unwrap();
+        prop_assert_eq!(registration.seller_id.as_str(), id.as_str());
+        let tag = registration.seller_id.key_tag();
+        prop_assert!(!tag.contains('{') && !tag.contains('}'), "{}", tag);
+        let header = registration.seller_id.header_value();
+        prop_assert!(header.bytes().all(|b| b.is_ascii_graphic()), "{}", header);
+    }
+
+    #[test]
+    fn any_header_decodes_to_a_well_formed_reservation_or_nothing(text in ".{0,200}") {
+        if let Some(r) = Reservation::decode(&text) {
+            prop_assert!(r.slot_us >= 0 && r.count >= 1 && r.window_us >= 1);
+            prop_assert!(!r.token.is_empty() && r.token.len() <= 64);
+            prop_assert_eq!(Reservation::decode(&r.encode()), Some(r));
+        }
+    }
+
+    #[test]
+    fn a_reservation_survives_its_header(
+        slot_us in 0i64..i64::MAX, count in 1u32.., window_us in 1u64..,
+        epoch in "[0-9a-f]{0,40}", token in "[A-Za-z0-9-]{1,64}",
+    ) {
+        let r = Reservation { slot_us, count, window_us, epoch, token };
+        prop_assert_eq!(Reservation::decode(&r.encode()), Some(r));
+    }
+
+    #[test]
+    fn a_seller_id_never_changes_the_downstream_path(id in seller_id()) {
+        let downstream = Downstream::new(&DownstreamArgs {
+            url: "https://api.test/sellers/{seller_id}/products?x=1".into(),
+            token: None,
+            timeout: Duration::from_secs(1),
+        }).unwrap();
+        let seller = SellerId::parse(&id).unwrap();
+        match downstream.url_for(&seller) {
+            Ok(url) => {
+                let url = reqwest::Url::parse(&url).unwrap();
+                let segments: Vec<&str> = url.path_segments().unwrap().collect();
+                prop_assert_eq!(segments.len(), 3, "{}", url);
+                prop_assert_eq!(segments[0], "sellers");
+                prop_assert_eq!(segments[2], "products");
+                prop_assert_eq!(url.query(), Some("x=1"));
+            }
+            Err(_) => prop_assert!(id == "." || id == ".."),
+        }
+    }
+
+    #[test]
+    fn every_hop_ends_by_the_due_time_and_the_last_one_less_than_a_unit_early(
+        now in 0u64..1 << 50, delay_ms in 0u64..200_000_000,
+    ) {
+        let due = now + delay_ms;
+        let (mut at, mut hops) = (now, 0u32);
+        while let Hop::Level { level, until_ms } = next_hop(at, due) {
+            prop_assert!(level < LEVELS);
+            prop_assert!(until_ms <= due + SLACK.as_millis() as u64);
+            prop_assert!(until_ms > at);
+            at = until_ms;
+            hops += 1;
+        }
+        prop_assert!(due + (SLACK.as_millis() as u64) < at + UNIT.as_millis() as u64);
+        let top = (UNIT.as_millis() as u64) << (LEVELS - 1);
+        prop_assert!(u64::from(hops) <= delay_ms / top + u64::from(LEVELS));
+    }
+
+    #[test]
+    fn a_forged_hop_end_never_holds_longer_than_the_level(
+        now in 0u64..1 << 50, until in proptest::option::of(any::<u64>()), level in 0..LEVELS,
+    ) {
+        let wait = UNIT * (1u32 << level);
+        prop_assert!(remaining_wait(now, until, wait) <= wait);
+    }
+}
