@@ -571,8 +571,8 @@ fn read_xlsx(bytes: &[u8]) -> Result<Parsed, Refusal> {
 #[derive(Default)]
 struct SheetRows {
     first_col: Option<u32>,
-    /// The header's field names and the sheet row they came from (0-based).
-    header: Option<(u32, Vec<String>)>,
+    /// The header's field names.
+    header: Option<Vec<String>>,
     /// The row being read (0-based) and its cells (column, value).
     current: Option<(u32, Vec<(u32, Data)>)>,
     parsed: Parsed,
@@ -594,7 +594,7 @@ impl SheetRows {
         let Some((row, cells)) = self.current.take() else {
             return Ok(());
         };
-        let Some((header_row, names)) = &self.header else {
+        let Some(names) = &self.header else {
             // The first non-empty row is the header; its first cell fixes the first column.
             let first_col = cells.iter().map(|(c, _)| *c).min().unwrap_or(0);
             self.first_col = Some(first_col);
@@ -612,10 +612,9 @@ impl SheetRows {
                     why,
                 })?;
             }
-            self.header = Some((row, field_names(texts, column)?));
+            self.header = Some(field_names(texts, column)?);
             return Ok(());
         };
-        let _ = header_row;
         let first_col = self.first_col.unwrap_or(0);
         let column = |col: u32| format!("column {}", column_letters(col as usize));
         let mut product = ObjectText::new();
@@ -659,7 +658,7 @@ impl SheetRows {
 }
 
 /// Spreadsheet column letters for a 0-based column: 0 → A, 25 → Z, 26 → AA.
-fn column_letters(mut index: usize) -> String {
+pub fn column_letters(mut index: usize) -> String {
     let mut letters = Vec::new();
     loop {
         letters.push(b'A' + (index % 26) as u8);

@@ -846,7 +846,7 @@ proptest::proptest! {
     ) {
         let refs: Vec<(u32, String, String)> = cells
             .iter()
-            .map(|(r, c, t)| (*r, format!("{}{r}", column_name(*c)), t.clone()))
+            .map(|(r, c, t)| (*r, format!("{}{r}", turnstile::upload::column_letters(*c as usize)), t.clone()))
             .collect();
         let mut rows: Vec<(u32, Vec<Cell>)> = Vec::new();
         let mut sorted: Vec<&(u32, String, String)> = refs.iter().collect();
@@ -860,18 +860,4 @@ proptest::proptest! {
         let rows: Vec<(u32, &[Cell])> = rows.iter().map(|(r, c)| (*r, c.as_slice())).collect();
         let _ = read_bytes("layout.xlsx", &workbook(&[("Sheet1", &rows)], 0));
     }
-}
-
-/// Spreadsheet column letters for a 0-based column (A, …, Z, AA, …, XFD).
-fn column_name(mut col: u32) -> String {
-    let mut letters = Vec::new();
-    loop {
-        letters.push(b'A' + (col % 26) as u8);
-        if col < 26 {
-            break;
-        }
-        col = col / 26 - 1;
-    }
-    letters.reverse();
-    String::from_utf8(letters).unwrap()
 }

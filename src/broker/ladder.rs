@@ -29,12 +29,10 @@ use std::time::Duration;
 
 use anyhow::Context;
 use futures::StreamExt;
+use lapin::Connection;
 use lapin::message::Delivery;
-use lapin::options::{
-    BasicAckOptions, BasicConsumeOptions, BasicNackOptions, BasicQosOptions, QueueDeclareOptions,
-};
+use lapin::options::{BasicAckOptions, BasicConsumeOptions, BasicNackOptions, BasicQosOptions};
 use lapin::types::{AMQPValue, FieldTable};
-use lapin::{Channel, Connection};
 use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
 use tracing::{debug, warn};
@@ -287,25 +285,13 @@ async fn legacy_ladder_exists(connection: &Connection, topology: &Topology) -> b
     let Ok(channel) = connection.create_channel().await else {
         return false;
     };
-    let exists = passive_declare(&channel, &topology.legacy_level(0)).await;
+    let exists = super::depth(&channel, &topology.legacy_level(0))
+        .await
+        .is_ok();
     if exists {
         let _ = channel.close(200, "checked".into()).await;
     }
     exists
-}
-
-async fn passive_declare(channel: &Channel, queue: &str) -> bool {
-    channel
-        .queue_declare(
-            queue.into(),
-            QueueDeclareOptions {
-                passive: true,
-                ..Default::default()
-            },
-            FieldTable::default(),
-        )
-        .await
-        .is_ok()
 }
 
 /// The headers of a message entering `hop` (its due time is kept from the delivery).
