@@ -369,7 +369,7 @@ async fn run(
             tokio::select! {
                 _ = shutdown.cancelled() => break true,
                 _ = connection_lost.cancelled() => {
-                    warn!("the delay ladder's consumers stopped; reconnecting");
+                    warn!("the broker session failed (a delay ladder consumer or the publish channel); reconnecting");
                     break false;
                 }
                 next = current.consumer.next() => match next {

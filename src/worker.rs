@@ -362,7 +362,7 @@ impl Worker {
         }
         .instrument(span.clone())
         .await;
-        self.settle(delivery, outcome, publisher, settler)
+        self.settle(delivery, outcome, publisher, settler, connection_lost)
             .instrument(span)
             .await;
     }
@@ -627,6 +627,7 @@ impl Worker {
         outcome: Outcome,
         publisher: &Publisher,
         settler: &Settler,
+        connection_lost: &CancellationToken,
     ) {
         let published = match &outcome {
             Outcome::Registered | Outcome::AlreadyDone | Outcome::Requeue => Ok(()),
@@ -680,9 +681,23 @@ impl Worker {
                 settler.requeue(tag).await
             }
             Err(error) => {
-                warn!(%error, "republishing failed; returning the message to the broker");
                 metrics::counter!("turnstile_broker_errors_total").increment(1);
                 self.stats.requeued.fetch_add(1, Ordering::Relaxed);
+                if !publisher.channel().status().connected() {
+                    // A closed publish channel fails every republish: reconnect (the replica
+                    // reports not ready meanwhile) instead of returning messages in a loop.
+                    warn!(%error, "the publish channel is closed; reconnecting to the broker");
+                    connection_lost.cancel();
+                    return;
+                }
+                // Back off before returning it, so that a broker refusing publishes (nacks)
+                // is not hammered by the same message again at once.
+                let pause = Duration::from_millis(rand::random_range(500..1_500));
+                warn!(%error, retry_in_ms = pause.as_millis() as u64, "republishing failed; returning the message to the broker");
+                tokio::select! {
+                    _ = tokio::time::sleep(pause) => {}
+                    _ = connection_lost.cancelled() => return,
+                }
                 settler.requeue(tag).await
             }
         };
