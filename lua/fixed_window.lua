@@ -53,7 +53,7 @@ end
 local last_end = (math.max(next_index, index + 1)) * window
 redis.call('PEXPIRE', KEYS[1], math.floor((last_end - now) / 1000) + 1)
 if status == 2 then
-  hold_reservation(KEYS[4], a.token, slot, now, window + guard)
+  hold_reservation(KEYS[4], a.token, slot, now, guard)
   return {2, slot, now, count, window, server().run_id}
 end
 return {status, slot, now, count, window, '', math.floor(used * 1000 / count)}

@@ -47,7 +47,7 @@ if status == 0 then return {0, slot, now, count, window} end
 local next_tat = tat + interval
 redis.call('SET', KEYS[1], string.format('%.0f', next_tat), 'PX', math.floor((next_tat - now) / 1000) + 1)
 if status == 2 then
-  hold_reservation(KEYS[4], a.token, slot, now, window + guard)
+  hold_reservation(KEYS[4], a.token, slot, now, guard)
   return {2, slot, now, count, window, server().run_id}
 end
 return {status, slot, now, count, window, '', math.floor((next_tat - now) * 1000 / (burst * interval))}

@@ -97,11 +97,12 @@ end
 
 -- A reserved slot is bound to its TOKEN: the seller's reserved set (member TOKEN, score SLOT)
 -- holds every reservation not yet redeemed, and redeem.lua consumes the entry, so a
--- reservation is good once, and only for the caller that holds its token. Entries older than
--- SPAN can no longer be redeemed and are pruned.
-local function hold_reservation(key, token, slot, now, span)
-  redis.call('ZREMRANGEBYSCORE', key, '-inf', now - span)
+-- reservation is good once, and only for the caller that holds its token. An entry more than
+-- GUARD past its slot can no longer be redeemed (too late): it is pruned, and the set expires
+-- GUARD after its last slot.
+local function hold_reservation(key, token, slot, now, guard)
+  redis.call('ZREMRANGEBYSCORE', key, '-inf', now - guard)
   redis.call('ZADD', key, slot, token)
   local last = tonumber(redis.call('ZRANGE', key, -1, -1, 'WITHSCORES')[2])
-  redis.call('PEXPIRE', key, math.floor((last - now + span) / 1000) + 1)
+  redis.call('PEXPIRE', key, math.floor((last - now + guard) / 1000) + 1)
 end

@@ -49,7 +49,7 @@ redis.call('ZADD', KEYS[1], slot, token)
 local last = tonumber(redis.call('ZRANGE', KEYS[1], -1, -1, 'WITHSCORES')[2])
 redis.call('PEXPIRE', KEYS[1], math.floor((last - now + span) / 1000) + 1)
 if status == 2 then
-  hold_reservation(KEYS[4], a.token, slot, now, window + guard)
+  hold_reservation(KEYS[4], a.token, slot, now, guard)
   return {2, slot, now, count, window, server().run_id}
 end
 return {status, slot, now, count, window, '', math.floor((n + 1) * 1000 / count)}

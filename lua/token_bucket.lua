@@ -54,7 +54,7 @@ redis.call('HSET', KEYS[1], 'tokens', string.format('%.6f', left), 'ts', string.
 local full_at = slot + (capacity - left) / rate -- idle from then on: the key may go
 redis.call('PEXPIRE', KEYS[1], math.floor((full_at - now) / 1000) + 1)
 if status == 2 then
-  hold_reservation(KEYS[4], a.token, slot, now, window + guard)
+  hold_reservation(KEYS[4], a.token, slot, now, guard)
   return {2, slot, now, count, window, server().run_id}
 end
 return {status, slot, now, count, window, '', math.floor((capacity - left) * 1000 / capacity)}
