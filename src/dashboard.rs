@@ -22,7 +22,7 @@
 use std::collections::{BTreeMap, HashMap, HashSet};
 use std::sync::atomic::Ordering;
 use std::sync::{Arc, Mutex};
-use std::time::{Duration, Instant, SystemTime};
+use std::time::{Duration, Instant};
 
 use anyhow::Context;
 use lapin::message::Delivery;
@@ -31,7 +31,7 @@ use serde::Serialize;
 use tokio_util::sync::CancellationToken;
 use tracing::{Instrument, debug, warn};
 
-use crate::broker::{self, Topology};
+use crate::broker::{self, Topology, unix_ms};
 use crate::domain::{Registration, SellerId};
 use crate::http::Readiness;
 use crate::permit::{PermitStore, Usage};
@@ -180,12 +180,6 @@ pub struct Dashboard {
     info: ReplicaInfo,
     depths: Arc<Mutex<Option<QueueDepths>>>,
     cache: tokio::sync::Mutex<Option<(Instant, Arc<String>)>>,
-}
-
-fn unix_ms() -> u64 {
-    SystemTime::now()
-        .duration_since(SystemTime::UNIX_EPOCH)
-        .map_or(0, |d| d.as_millis() as u64)
 }
 
 impl Dashboard {

@@ -338,7 +338,7 @@ impl Worker {
             .as_ref()
             .map(|m| m.to_string());
         let registration = Registration::parse(&delivery.data, message_id.as_deref());
-        let carried = Carried::from_delivery(&delivery, crate::broker::ladder::unix_ms());
+        let carried = Carried::from_delivery(&delivery, crate::broker::unix_ms());
         let attempt = carried.attempt;
         let span = match &registration {
             Ok(r) => {
@@ -520,7 +520,7 @@ impl Worker {
     ) -> Option<Outcome> {
         self.stats.throttled.fetch_add(1, Ordering::Relaxed);
         metrics::counter!("turnstile_downstream_throttled_total").increment(1);
-        let now = crate::broker::ladder::unix_ms();
+        let now = crate::broker::unix_ms();
         let since = *carried.throttled_since_ms.get_or_insert(now);
         let throttled_for = Duration::from_millis(now.saturating_sub(since));
         if throttled_for >= self.settings.throttle_deadline {

@@ -37,7 +37,7 @@ use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
 use tracing::{debug, warn};
 
-use super::{Publisher, Topology, header_u64, headers};
+use super::{Publisher, Topology, header_u64, headers, unix_ms};
 
 /// The smallest delay step of the ladder.
 pub const UNIT: Duration = Duration::from_millis(250);
@@ -101,13 +101,6 @@ pub fn due_after(now_ms: u64, delay: Duration) -> u64 {
     now_ms + delay.min(MAX_DELAY).as_millis() as u64
 }
 
-/// Unix time in ms on this replica's clock.
-pub fn unix_ms() -> u64 {
-    std::time::SystemTime::now()
-        .duration_since(std::time::UNIX_EPOCH)
-        .map_or(0, |d| d.as_millis() as u64)
-}
-
 /// What the ladder did in this replica (exported as metrics; read by tests and the dashboard).
 #[derive(Debug, Default)]
 pub struct LadderStats {
@@ -115,8 +108,6 @@ pub struct LadderStats {
     pub held: AtomicUsize,
     /// Hops moved on (to the next level or the work queue).
     pub hops: AtomicU64,
-    /// Messages returned to the work queue.
-    pub returned: AtomicU64,
     /// Hops that ended more than [`OVERDUE`] after their time (the message sat in the broker,
     /// e.g. during a broker restart or with no replica running).
     pub overdue: AtomicU64,
@@ -257,7 +248,6 @@ impl Ladder {
                 metrics::counter!("turnstile_delay_hops_total").increment(1);
                 if hop == Hop::Work {
                     let late = now.saturating_sub(due);
-                    self.stats.returned.fetch_add(1, Ordering::Relaxed);
                     self.stats.max_late_ms.fetch_max(late, Ordering::Relaxed);
                     metrics::histogram!("turnstile_delay_late_seconds")
                         .record(late as f64 / 1000.0);

@@ -233,7 +233,7 @@ impl Publisher {
         delay: Duration,
         extra: &[(&str, AMQPValue)],
     ) -> Result<(), PublishError> {
-        let now = ladder::unix_ms();
+        let now = unix_ms();
         let due = ladder::due_after(now, delay);
         let delays = header_u64(delivery, headers::DELAYS).unwrap_or(0) + 1;
         let mut all: Vec<(&str, AMQPValue)> = extra.to_vec();
@@ -267,9 +267,7 @@ impl Publisher {
         reason: &str,
         detail: &str,
     ) -> Result<(), PublishError> {
-        let now_ms = std::time::SystemTime::now()
-            .duration_since(std::time::UNIX_EPOCH)
-            .map_or(0, |d| d.as_millis() as i64);
+        let now_ms = unix_ms() as i64;
         let properties = copy_properties(
             delivery,
             &[
@@ -282,6 +280,14 @@ impl Publisher {
         self.publish("", topology.dead(), &delivery.data, properties)
             .await
     }
+}
+
+/// Unix time in ms on this replica's clock (the ladder's hops and header timestamps; never
+/// a limit, which Redis's clock measures).
+pub fn unix_ms() -> u64 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| d.as_millis() as u64)
 }
 
 /// An AMQP long-string header value.
