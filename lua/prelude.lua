@@ -10,6 +10,16 @@ local function int_arg(i, min)
   return v
 end
 
+-- ARGV[i] as a reservation TOKEN (1 to 64 letters, digits or dashes), or the script fails
+-- before anything is written.
+local function token_arg(i)
+  local token = ARGV[i]
+  if token == nil or not string.match(token, '^[%w-]+$') or #token > 64 then
+    error({err = 'ERR turnstile: TOKEN must be 1 to 64 letters, digits or dashes'})
+  end
+  return token
+end
+
 -- The limit that applies: the seller's override ("COUNT WINDOW_US") if set, else the default.
 local function effective_limit(override_key, count, window)
   local override = redis.call('GET', override_key)
@@ -44,10 +54,7 @@ local function acquire_args()
     flags = int_arg(4, 0), horizon = int_arg(5, 0),
   }
   if a.flags > 3 then error({err = 'ERR turnstile: FLAGS must be 0 to 3'}) end
-  a.token = ARGV[6]
-  if a.token == nil or not string.match(a.token, '^[%w-]+$') or #a.token > 64 then
-    error({err = 'ERR turnstile: TOKEN must be 1 to 64 letters, digits or dashes'})
-  end
+  a.token = token_arg(6)
   a.reserve = a.flags % 2
   a.durable = a.flags >= 2
   return a

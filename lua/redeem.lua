@@ -31,10 +31,7 @@
 local default_count, default_window, guard = int_arg(1, 1), int_arg(2, 1), int_arg(3, -1)
 local slot, held_count, held_window = int_arg(4, 0), int_arg(5, 1), int_arg(6, 1)
 local durable = int_arg(7, 0) >= 2
-local token = ARGV[9]
-if token == nil or not string.match(token, '^[%w-]+$') or #token > 64 then
-  error({err = 'ERR turnstile: TOKEN must be 1 to 64 letters, digits or dashes'})
-end
+local token = token_arg(9)
 local give_back = int_arg(10, 0) == 1
 local count, window = effective_limit(KEYS[1], default_count, default_window)
 guard = guard_for(window, guard)

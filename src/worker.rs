@@ -60,13 +60,17 @@ impl Carried {
     /// counts from now).
     pub fn from_delivery(delivery: &Delivery, now_ms: u64) -> Self {
         Self {
-            attempt: header_u64(delivery, headers::ATTEMPT)
-                .map_or(0, |a| u32::try_from(a).unwrap_or(u32::MAX)),
+            attempt: Self::attempt_of(delivery),
             reservation: header_str(delivery, headers::RESERVATION)
                 .and_then(|r| Reservation::decode(&r)),
             throttled_since_ms: header_u64(delivery, headers::THROTTLED_SINCE)
                 .map(|t| t.min(now_ms)),
         }
+    }
+
+    /// Failed attempts a delivery says it had (saturating; 0 when the header does not parse).
+    fn attempt_of(delivery: &Delivery) -> u32 {
+        header_u64(delivery, headers::ATTEMPT).map_or(0, |a| u32::try_from(a).unwrap_or(u32::MAX))
     }
 
     /// The headers that carry it on.
@@ -643,11 +647,11 @@ impl Worker {
                     .await
             }
         };
-        let delivered_attempt = header_u64(&delivery, headers::ATTEMPT).unwrap_or(0);
+        let delivered_attempt = Carried::attempt_of(&delivery);
         let (counter, label) = match &outcome {
             Outcome::Registered => (&self.stats.registered, "registered"),
             Outcome::AlreadyDone => (&self.stats.already_done, "already_done"),
-            Outcome::Delay { carried, .. } if u64::from(carried.attempt) > delivered_attempt => {
+            Outcome::Delay { carried, .. } if carried.attempt > delivered_attempt => {
                 (&self.stats.delayed, "retried")
             }
             Outcome::Delay { .. } => (&self.stats.delayed, "delayed"),
