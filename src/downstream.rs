@@ -116,13 +116,22 @@ impl Downstream {
     /// `..` cannot be one path segment (URL parsers remove such segments, encoded or not), so
     /// it is refused when `{seller_id}` stands in the path.
     pub fn url_for(&self, seller: &crate::domain::SellerId) -> Result<String, String> {
+        self.check_seller(seller)?;
+        Ok(self
+            .url
+            .replace("{seller_id}", &urlencoding::encode(seller.as_str())))
+    }
+
+    /// Whether the seller's id can stand where `{seller_id}` does (see [`Self::url_for`]),
+    /// without building the URL.
+    pub fn check_seller(&self, seller: &crate::domain::SellerId) -> Result<(), String> {
         let id = seller.as_str();
         if self.seller_in_path && (id == "." || id == "..") {
             return Err(format!(
                 "seller id {id:?} cannot be a path segment of TURNSTILE_DOWNSTREAM_URL"
             ));
         }
-        Ok(self.url.replace("{seller_id}", &urlencoding::encode(id)))
+        Ok(())
     }
 
     /// POSTs the product verbatim with the contract's headers and classifies the answer.

@@ -380,7 +380,7 @@ impl Worker {
         shutdown: &CancellationToken,
         connection_lost: &CancellationToken,
     ) -> Outcome {
-        if let Err(why) = self.downstream.url_for(&registration.seller_id) {
+        if let Err(why) = self.downstream.check_seller(&registration.seller_id) {
             return Outcome::DeadLetter {
                 reason: "invalid-message",
                 detail: why,
