@@ -8,41 +8,40 @@
 -- KEYS[2]  the seller's limit override ("COUNT WINDOW_US"), may be absent
 -- KEYS[3]  the seller's pause ("UNTIL_US"), may be absent
 -- KEYS[4]  the seller's reserved slots (sorted set: member = TOKEN, score = slot; see the prelude)
--- KEYS[5]  optional: the message's completion record; if it exists nothing is written
+-- KEYS[5]  the seller's server stamp (run id of the Redis that wrote its state; see the prelude)
+-- KEYS[6]  optional: the message's completion record; if it exists nothing is written
 -- ARGV[1]  default COUNT (integer >= 1)
 -- ARGV[2]  default WINDOW in µs (integer >= 1)
 -- ARGV[3]  GUARD in µs (-1 = window/20 within [25 ms, 2 s])
 -- ARGV[4]  FLAGS: +1 = reserve a future slot for a caller who must wait (else only answer);
 --          +2 = Redis keeps its data across restarts (no cold-start wait, see the prelude)
 -- ARGV[5]  HORIZON in µs: a slot further away than this is never reserved
--- ARGV[6]  TOKEN (unused)
--- Returns {STATUS, SLOT_US, NOW_US, COUNT, WINDOW_US, EPOCH, USED_PERMILLE}
+-- ARGV[6]  TOKEN: a string unique to this attempt (letters, digits, dashes; at most 64)
+-- Returns {STATUS, SLOT_US, NOW_US, COUNT, WINDOW_US, USED_PERMILLE}
 --   STATUS 1 = granted (call now), 2 = reserved (call at SLOT), 0 = denied (come back at SLOT),
 --   3 = the message already registered (KEYS[5] exists);
---   USED_PERMILLE (with STATUS 1; EPOCH is then '') is how much of the limit is taken after
+--   USED_PERMILLE (with STATUS 1) is how much of the limit is taken after
 --   this grant, in thousandths (slots in the slot's window / COUNT): the near-limit metric;
---   EPOCH (with STATUS 2) is this Redis server's run id: a reservation is only good on the
---   server incarnation that holds it (see redeem.lua)
 
 local a = acquire_args()
 local count, window = effective_limit(KEYS[2], a.count, a.window)
 local guard = guard_for(window, a.guard)
 local now = now_us()
-if already_done(KEYS[5]) then return {3, now, now, count, window} end
-cold_start(KEYS[1], KEYS[3], window, now, a.durable)
+if already_done(KEYS[6]) then return {3, now, now, count, window} end
+check_server(KEYS[5], KEYS[1], KEYS[3], window, now, a.durable)
 local at = math.max(now, paused_until(KEYS[3]))
 
 local current = math.floor(now / window)
 local index = math.max(math.floor(at / window), tonumber(redis.call('HGET', KEYS[1], 'next') or '0'))
 -- Windows from `next` on fill in order, so this walks only over windows filled meanwhile.
-while tonumber(redis.call('HGET', KEYS[1], tostring(index)) or '0') >= count do
+while tonumber(redis.call('HGET', KEYS[1], string.format('%.0f', index)) or '0') >= count do
   index = index + 1
 end
 local slot = math.max(index * window, at)
 
 local status = due(slot, now, guard, a)
 if status == 0 then return {0, slot, now, count, window} end
-local used = redis.call('HINCRBY', KEYS[1], tostring(index), 1)
+local used = redis.call('HINCRBY', KEYS[1], string.format('%.0f', index), 1)
 local next_index = index
 if used >= count then next_index = index + 1 end
 redis.call('HSET', KEYS[1], 'next', next_index)
@@ -51,9 +50,11 @@ for _, field in ipairs(redis.call('HKEYS', KEYS[1])) do
   if field ~= 'next' and w and w < current then redis.call('HDEL', KEYS[1], field) end
 end
 local last_end = (math.max(next_index, index + 1)) * window
-redis.call('PEXPIRE', KEYS[1], math.floor((last_end - now) / 1000) + 1)
+local ttl = math.floor((last_end - now) / 1000) + 1
+redis.call('PEXPIRE', KEYS[1], ttl)
+keep_stamp(KEYS[5], ttl, a.durable)
 if status == 2 then
   hold_reservation(KEYS[4], a.token, slot, now, guard)
-  return {2, slot, now, count, window, server().run_id}
+  return {2, slot, now, count, window}
 end
-return {status, slot, now, count, window, '', math.floor(used * 1000 / count)}
+return {status, slot, now, count, window, math.floor(used * 1000 / count)}

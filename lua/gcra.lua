@@ -7,7 +7,8 @@
 -- KEYS[2]  the seller's limit override ("COUNT WINDOW_US"), may be absent
 -- KEYS[3]  the seller's pause ("UNTIL_US"), may be absent
 -- KEYS[4]  the seller's reserved slots (sorted set: member = TOKEN, score = slot; see the prelude)
--- KEYS[5]  optional: the message's completion record; if it exists nothing is written
+-- KEYS[5]  the seller's server stamp (run id of the Redis that wrote its state; see the prelude)
+-- KEYS[6]  optional: the message's completion record; if it exists nothing is written
 -- ARGV[1]  default COUNT (integer >= 1)
 -- ARGV[2]  default WINDOW in µs (integer >= 1)
 -- ARGV[3]  GUARD in µs added to the window (-1 = window/20 within [25 ms, 2 s])
@@ -16,13 +17,11 @@
 -- ARGV[5]  HORIZON in µs: a slot further away than this is never reserved
 -- ARGV[6]  TOKEN: a string unique to this attempt (letters, digits, dashes; at most 64)
 -- ARGV[7]  BURST (integer >= 1; at most COUNT)
--- Returns {STATUS, SLOT_US, NOW_US, COUNT, WINDOW_US, EPOCH, USED_PERMILLE}
+-- Returns {STATUS, SLOT_US, NOW_US, COUNT, WINDOW_US, USED_PERMILLE}
 --   STATUS 1 = granted (call now), 2 = reserved (call at SLOT), 0 = denied (come back at SLOT),
 --   3 = the message already registered (KEYS[5] exists);
---   USED_PERMILLE (with STATUS 1; EPOCH is then '') is how much of the limit is taken after
+--   USED_PERMILLE (with STATUS 1) is how much of the limit is taken after
 --   this grant, in thousandths (TAT ahead of now / BURST intervals): the near-limit metric;
---   EPOCH (with STATUS 2) is this Redis server's run id: a reservation is only good on the
---   server incarnation that holds it (see redeem.lua)
 
 local a = acquire_args()
 local burst = int_arg(7, 1)
@@ -31,8 +30,8 @@ burst = math.min(burst, count)
 local guard = guard_for(window, a.guard)
 local interval = (window + guard) / (count - burst + 1)
 local now = now_us()
-if already_done(KEYS[5]) then return {3, now, now, count, window} end
-cold_start(KEYS[1], KEYS[3], window + guard, now, a.durable)
+if already_done(KEYS[6]) then return {3, now, now, count, window} end
+check_server(KEYS[5], KEYS[1], KEYS[3], window + guard, now, a.durable)
 
 local tat = math.max(tonumber(redis.call('GET', KEYS[1]) or '0'), now)
 local slot = math.max(tat - (burst - 1) * interval, now)
@@ -45,9 +44,11 @@ end
 local status = due(slot, now, guard, a)
 if status == 0 then return {0, slot, now, count, window} end
 local next_tat = tat + interval
-redis.call('SET', KEYS[1], string.format('%.0f', next_tat), 'PX', math.floor((next_tat - now) / 1000) + 1)
+local ttl = math.floor((next_tat - now) / 1000) + 1
+redis.call('SET', KEYS[1], string.format('%.0f', next_tat), 'PX', ttl)
+keep_stamp(KEYS[5], ttl, a.durable)
 if status == 2 then
   hold_reservation(KEYS[4], a.token, slot, now, guard)
-  return {2, slot, now, count, window, server().run_id}
+  return {2, slot, now, count, window}
 end
-return {status, slot, now, count, window, '', math.floor((next_tat - now) * 1000 / (burst * interval))}
+return {status, slot, now, count, window, math.floor((next_tat - now) * 1000 / (burst * interval))}

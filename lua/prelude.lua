@@ -75,12 +75,9 @@ local function already_done(key)
   return key ~= nil and redis.call('EXISTS', key) == 1
 end
 
--- After Redis lost its data (a restart without persistence), calls granted just before it may
--- still count at the downstream. So a seller without state, on a Redis that started less than
--- SPAN ago, is paused until SPAN after the start: a restart never lets a second window's worth
--- through. (uptime is whole seconds: the start is taken as late as it can have been.)
+-- This Redis server's run id (new at every start, different on every server) and uptime in
+-- seconds, read once per call.
 local server_info = nil
--- This Redis server's run id (new at every start) and uptime in seconds, read once per call.
 local function server()
   if server_info == nil then
     local info = redis.call('INFO', 'server')
@@ -92,14 +89,40 @@ local function server()
   return server_info
 end
 
-local function cold_start(state_key, pause_key, span, now, durable)
-  if durable or redis.call('EXISTS', state_key) == 1 then return end
-  local up = server().uptime
-  if up == nil or up * 1000000 >= span then return end
-  local until_us = now - up * 1000000 + span
-  if until_us > paused_until(pause_key) then
+-- A Redis that lost writes may have forgotten grants the downstream still counts: a restart
+-- without persistence (everything lost), a restart from an older RDB snapshot or AOF with
+-- `everysec` (the last writes lost), a replica promoted while it lagged. So, unless DURABLE
+-- (the operator says Redis loses no acknowledged write), each seller's state is stamped with the
+-- run id of the server that wrote it (STAMP_KEY, living as long as the state), and a seller
+-- asked about on a server that did not write its state is paused first:
+--   * on a server that started less than SPAN ago, until SPAN after the start: every grant the
+--     lost writes held was made before the start, so none of them is in any window by then;
+--   * on a server up for longer whose stamp names another server (a replica promoted, data
+--     moved), until SPAN from now: the former server's last grants were made before now;
+--   * without a stamp on a server up for longer than SPAN: a new or long-idle seller (or one
+--     whose very first writes were lost with a lagging replica: see README, Faults).
+-- (uptime is whole seconds: the start is taken as late as it can have been.)
+local function check_server(stamp_key, state_key, pause_key, span, now, durable)
+  if durable then return end
+  local s = server()
+  local stamp = redis.call('GET', stamp_key)
+  if stamp == s.run_id then return end
+  local until_us = nil
+  if s.uptime ~= nil and s.uptime * 1000000 < span then
+    until_us = now - s.uptime * 1000000 + span
+  elseif stamp then
+    until_us = now + span
+  end
+  if until_us ~= nil and until_us > paused_until(pause_key) then
     redis.call('SET', pause_key, string.format('%.0f', until_us), 'PX', math.floor((until_us - now) / 1000) + 1)
   end
+  local ttl = math.max(redis.call('PTTL', state_key), math.floor(span / 1000)) + 1
+  redis.call('SET', stamp_key, s.run_id, 'PX', ttl)
+end
+
+-- Keeps the server stamp as long as the state it vouches for (TTL in ms).
+local function keep_stamp(stamp_key, ttl, durable)
+  if not durable then redis.call('PEXPIRE', stamp_key, ttl) end
 end
 
 -- A reserved slot is bound to its TOKEN: the seller's reserved set (member TOKEN, score SLOT)
@@ -112,4 +135,42 @@ local function hold_reservation(key, token, slot, now, guard)
   redis.call('ZADD', key, slot, token)
   local last = tonumber(redis.call('ZRANGE', key, -1, -1, 'WITHSCORES')[2])
   redis.call('PEXPIRE', key, math.floor((last - now + guard) / 1000) + 1)
+end
+
+-- Gives the slot reserved with TOKEN at SLOT (under a limit of COUNT per WINDOW) back to the
+-- seller's state of ALGORITHM, so that the next caller may take it (the reservation itself is
+-- removed from the reserved set by the caller):
+--   sliding-window  its log entry (member TOKEN) is removed: exact;
+--   fixed-window    its window's counter goes down by one, and the window is open again: exact;
+--   token-bucket    its token goes back into the bucket (capped at CAPACITY);
+--   gcra            nothing: one number (TAT) cannot free a slot inside its schedule; the slot
+--                   stays unused (a capacity loss, never an excess). See reschedule.lua for
+--                   giving back a whole schedule's reservations at once.
+local function give_back(algorithm, state_key, token, slot, window, capacity)
+  if algorithm == 'sliding-window' then
+    redis.call('ZREM', state_key, token)
+  elseif algorithm == 'fixed-window' then
+    local index = math.floor(slot / window)
+    local field = string.format('%.0f', index)
+    if tonumber(redis.call('HGET', state_key, field) or '0') > 0 then
+      redis.call('HINCRBY', state_key, field, -1)
+      if index < tonumber(redis.call('HGET', state_key, 'next') or '0') then
+        redis.call('HSET', state_key, 'next', field)
+      end
+    end
+  elseif algorithm == 'token-bucket' then
+    local tokens = tonumber(redis.call('HGET', state_key, 'tokens') or '')
+    if tokens ~= nil then
+      redis.call('HSET', state_key, 'tokens', string.format('%.6f', math.min(tokens + 1, capacity)))
+    end
+  end
+end
+
+-- ARGV[i] as one of the algorithms, or the script fails before anything is written.
+local function algorithm_arg(i)
+  local a = ARGV[i]
+  if a ~= 'sliding-window' and a ~= 'gcra' and a ~= 'token-bucket' and a ~= 'fixed-window' then
+    error({err = 'ERR turnstile: ARGV[' .. i .. '] must be an algorithm'})
+  end
+  return a
 end

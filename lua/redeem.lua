@@ -1,39 +1,40 @@
 -- redeem: a caller comes back for the slot it reserved. The reservation is bound to its TOKEN
 -- and is good once: it must still be in the seller's reserved set at its SLOT, and any answer
 -- but "early" consumes it. Granted if the slot is due (at most GUARD/10 ahead, at most GUARD/2
--- past), the seller is not paused past it, the limit it was reserved under still applies, and
--- it was reserved on this Redis server incarnation. A forfeited slot is given back where the
--- state keeps one entry per slot (GIVE_BACK: the sliding window's log, member TOKEN).
+-- past), the seller is not paused past it, and the limit it was reserved under still applies.
+-- A forfeited slot is given back to the seller's state in the same step (see give_back in the
+-- prelude), so the next caller may take it.
 --
 -- KEYS[1]  the seller's limit override ("COUNT WINDOW_US"), may be absent
 -- KEYS[2]  the seller's pause ("UNTIL_US"), may be absent
--- KEYS[3]  the seller's limiter state (to notice a Redis that lost its data, see cold_start)
+-- KEYS[3]  the seller's limiter state for ALGORITHM
 -- KEYS[4]  the seller's reserved slots (sorted set: member = TOKEN, score = slot)
--- KEYS[5]  optional: the message's completion record
+-- KEYS[5]  the seller's server stamp (see check_server in the prelude)
+-- KEYS[6]  optional: the message's completion record
 -- ARGV[1]  default COUNT (integer >= 1)
 -- ARGV[2]  default WINDOW in µs (integer >= 1)
 -- ARGV[3]  GUARD in µs (-1 = window/20 within [25 ms, 2 s])
 -- ARGV[4]  SLOT in µs (Redis time), as returned when it was reserved
 -- ARGV[5]  COUNT the slot was reserved under
 -- ARGV[6]  WINDOW_US the slot was reserved under
--- ARGV[7]  FLAGS: +2 = Redis keeps its data across restarts (no cold-start wait)
--- ARGV[8]  EPOCH: the run id of the Redis server the slot was reserved on
+-- ARGV[7]  FLAGS: +2 = Redis keeps its data across restarts (no server check)
+-- ARGV[8]  ALGORITHM: sliding-window, gcra, token-bucket or fixed-window
 -- ARGV[9]  TOKEN the slot was reserved with (letters, digits, dashes; at most 64)
--- ARGV[10] GIVE_BACK: 1 = KEYS[3] is a log whose member TOKEN is the slot (remove it on
---          forfeit); 0 = the state keeps no entry per slot
+-- ARGV[10] token-bucket: CAPACITY (integer >= 0; 0 = COUNT); others: ignored
 -- Returns {STATUS, AT_US, NOW_US}
 --   1 granted; 2 early: come back at AT (the reservation is kept); 3 paused until AT; 4 the
---   limit changed; 5 too late; 6 the message already registered (KEYS[5] exists); 7 the slot
---   was reserved on another incarnation of the server (Redis restarted or failed over);
---   8 no such reservation (never made, already redeemed or given up, or lost with Redis).
---   3 to 8 leave no reservation: the caller acquires a new one.
+--   limit changed; 5 too late; 6 the message already registered (KEYS[6] exists); 8 no such
+--   reservation (never made, already redeemed, given back by a limit change or resume, or lost
+--   with Redis). 3 to 8 leave no reservation: the caller acquires a new one.
 
 local default_count, default_window, guard = int_arg(1, 1), int_arg(2, 1), int_arg(3, -1)
 local slot, held_count, held_window = int_arg(4, 0), int_arg(5, 1), int_arg(6, 1)
 local durable = int_arg(7, 0) >= 2
+local algorithm = algorithm_arg(8)
 local token = token_arg(9)
-local give_back = int_arg(10, 0) == 1
+local capacity = int_arg(10, 0)
 local count, window = effective_limit(KEYS[1], default_count, default_window)
+if capacity == 0 then capacity = count end
 guard = guard_for(window, guard)
 local now = now_us()
 
@@ -41,16 +42,17 @@ local reserved = tonumber(redis.call('ZSCORE', KEYS[4], token))
 local function release(status, at)
   if reserved ~= nil then
     redis.call('ZREM', KEYS[4], token)
-    if give_back and status ~= 1 then redis.call('ZREM', KEYS[3], token) end
+    if status ~= 1 then give_back(algorithm, KEYS[3], token, reserved, held_window, capacity) end
   end
   return {status, at, now}
 end
 
-if already_done(KEYS[5]) then return release(6, now) end
+if already_done(KEYS[6]) then return release(6, now) end
 if reserved == nil or reserved ~= slot then return {8, now, now} end
-cold_start(KEYS[3], KEYS[2], window + guard, now, durable)
+local span = window + guard
+if algorithm == 'fixed-window' then span = window end
+check_server(KEYS[5], KEYS[3], KEYS[2], span, now, durable)
 local pause = paused_until(KEYS[2])
-if ARGV[8] ~= server().run_id then return release(7, now) end
 if pause > slot then return release(3, pause) end
 if count ~= held_count or window ~= held_window then return release(4, now) end
 if now < slot - math.floor(guard / 10) then return {2, slot, now} end

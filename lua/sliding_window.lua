@@ -6,7 +6,8 @@
 -- KEYS[2]  the seller's limit override ("COUNT WINDOW_US"), may be absent
 -- KEYS[3]  the seller's pause ("UNTIL_US"), may be absent
 -- KEYS[4]  the seller's reserved slots (sorted set: member = TOKEN, score = slot; see the prelude)
--- KEYS[5]  optional: the message's completion record; if it exists nothing is written
+-- KEYS[5]  the seller's server stamp (run id of the Redis that wrote its state; see the prelude)
+-- KEYS[6]  optional: the message's completion record; if it exists nothing is written
 -- ARGV[1]  default COUNT (integer >= 1)
 -- ARGV[2]  default WINDOW in µs (integer >= 1)
 -- ARGV[3]  GUARD in µs added to the window (-1 = window/20 within [25 ms, 2 s])
@@ -14,13 +15,11 @@
 --          +2 = Redis keeps its data across restarts (no cold-start wait, see the prelude)
 -- ARGV[5]  HORIZON in µs: a slot further away than this is never reserved
 -- ARGV[6]  TOKEN: a string unique to this attempt (letters, digits, dashes; at most 64)
--- Returns {STATUS, SLOT_US, NOW_US, COUNT, WINDOW_US, EPOCH, USED_PERMILLE}
+-- Returns {STATUS, SLOT_US, NOW_US, COUNT, WINDOW_US, USED_PERMILLE}
 --   STATUS 1 = granted (call now), 2 = reserved (call at SLOT), 0 = denied (come back at SLOT),
 --   3 = the message already registered (KEYS[5] exists);
---   USED_PERMILLE (with STATUS 1; EPOCH is then '') is how much of the limit is taken after
+--   USED_PERMILLE (with STATUS 1) is how much of the limit is taken after
 --   this grant, in thousandths (slots in the window / COUNT): the near-limit metric;
---   EPOCH (with STATUS 2) is this Redis server's run id: a reservation is only good on the
---   server incarnation that holds it (see redeem.lua);
 --   COUNT and WINDOW_US are the limit that applied (override or default).
 
 local a = acquire_args()
@@ -29,8 +28,8 @@ local count, window = effective_limit(KEYS[2], a.count, a.window)
 local guard = guard_for(window, a.guard)
 local span = window + guard
 local now = now_us()
-if already_done(KEYS[5]) then return {3, now, now, count, window} end
-cold_start(KEYS[1], KEYS[3], span, now, a.durable)
+if already_done(KEYS[6]) then return {3, now, now, count, window} end
+check_server(KEYS[5], KEYS[1], KEYS[3], span, now, a.durable)
 
 local slot = math.max(now, paused_until(KEYS[3]))
 redis.call('ZREMRANGEBYSCORE', KEYS[1], '-inf', now - span)
@@ -47,9 +46,11 @@ local status = due(slot, now, guard, a)
 if status == 0 then return {0, slot, now, count, window} end
 redis.call('ZADD', KEYS[1], slot, token)
 local last = tonumber(redis.call('ZRANGE', KEYS[1], -1, -1, 'WITHSCORES')[2])
-redis.call('PEXPIRE', KEYS[1], math.floor((last - now + span) / 1000) + 1)
+local ttl = math.floor((last - now + span) / 1000) + 1
+redis.call('PEXPIRE', KEYS[1], ttl)
+keep_stamp(KEYS[5], ttl, a.durable)
 if status == 2 then
   hold_reservation(KEYS[4], a.token, slot, now, guard)
-  return {2, slot, now, count, window, server().run_id}
+  return {2, slot, now, count, window}
 end
-return {status, slot, now, count, window, '', math.floor((n + 1) * 1000 / count)}
+return {status, slot, now, count, window, math.floor((n + 1) * 1000 / count)}

@@ -8,23 +8,22 @@
 -- KEYS[2]  the seller's limit override ("COUNT WINDOW_US"), may be absent
 -- KEYS[3]  the seller's pause ("UNTIL_US"), may be absent
 -- KEYS[4]  the seller's reserved slots (sorted set: member = TOKEN, score = slot; see the prelude)
--- KEYS[5]  optional: the message's completion record; if it exists nothing is written
+-- KEYS[5]  the seller's server stamp (run id of the Redis that wrote its state; see the prelude)
+-- KEYS[6]  optional: the message's completion record; if it exists nothing is written
 -- ARGV[1]  default COUNT (integer >= 1)
 -- ARGV[2]  default WINDOW in µs (integer >= 1)
 -- ARGV[3]  GUARD in µs added to the window (-1 = window/20 within [25 ms, 2 s])
 -- ARGV[4]  FLAGS: +1 = reserve a future slot for a caller who must wait (else only answer);
 --          +2 = Redis keeps its data across restarts (no cold-start wait, see the prelude)
 -- ARGV[5]  HORIZON in µs: a slot further away than this is never reserved
--- ARGV[6]  TOKEN (unused)
+-- ARGV[6]  TOKEN: a string unique to this attempt (letters, digits, dashes; at most 64)
 -- ARGV[7]  CAPACITY (integer >= 0; 0 = COUNT)
 -- ARGV[8]  REQUESTED tokens (integer >= 1, at most the capacity)
--- Returns {STATUS, SLOT_US, NOW_US, COUNT, WINDOW_US, EPOCH, USED_PERMILLE}
+-- Returns {STATUS, SLOT_US, NOW_US, COUNT, WINDOW_US, USED_PERMILLE}
 --   STATUS 1 = granted (call now), 2 = reserved (call at SLOT), 0 = denied (come back at SLOT),
 --   3 = the message already registered (KEYS[5] exists);
---   USED_PERMILLE (with STATUS 1; EPOCH is then '') is how much of the limit is taken after
+--   USED_PERMILLE (with STATUS 1) is how much of the limit is taken after
 --   this grant, in thousandths (tokens taken / CAPACITY): the near-limit metric;
---   EPOCH (with STATUS 2) is this Redis server's run id: a reservation is only good on the
---   server incarnation that holds it (see redeem.lua)
 
 local a = acquire_args()
 local capacity = int_arg(7, 0)
@@ -35,8 +34,8 @@ if requested > capacity then error({err = 'ERR turnstile: REQUESTED exceeds CAPA
 local guard = guard_for(window, a.guard)
 local rate = count / (window + guard) -- tokens per µs
 local now = now_us()
-if already_done(KEYS[5]) then return {3, now, now, count, window} end
-cold_start(KEYS[1], KEYS[3], window + guard, now, a.durable)
+if already_done(KEYS[6]) then return {3, now, now, count, window} end
+check_server(KEYS[5], KEYS[1], KEYS[3], window + guard, now, a.durable)
 
 local state = redis.call('HMGET', KEYS[1], 'tokens', 'ts')
 local tokens = tonumber(state[1]) or capacity
@@ -52,9 +51,11 @@ if status == 0 then return {0, slot, now, count, window} end
 local left = filled + (slot - at) * rate - requested
 redis.call('HSET', KEYS[1], 'tokens', string.format('%.6f', left), 'ts', string.format('%.0f', slot))
 local full_at = slot + (capacity - left) / rate -- idle from then on: the key may go
-redis.call('PEXPIRE', KEYS[1], math.floor((full_at - now) / 1000) + 1)
+local ttl = math.floor((full_at - now) / 1000) + 1
+redis.call('PEXPIRE', KEYS[1], ttl)
+keep_stamp(KEYS[5], ttl, a.durable)
 if status == 2 then
   hold_reservation(KEYS[4], a.token, slot, now, guard)
-  return {2, slot, now, count, window, server().run_id}
+  return {2, slot, now, count, window}
 end
-return {status, slot, now, count, window, '', math.floor((capacity - left) * 1000 / capacity)}
+return {status, slot, now, count, window, math.floor((capacity - left) * 1000 / capacity)}

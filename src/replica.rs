@@ -24,7 +24,7 @@ use crate::config::{LimiterArgs, RedisArgs, duration_arg};
 use crate::dashboard::{self, Dashboard, ReplicaInfo};
 use crate::downstream::{Downstream, DownstreamArgs};
 use crate::http::{self, Endpoints, Listen, Readiness};
-use crate::permit::{PermitStore, RedisClient};
+use crate::permit::{self, PermitStore, RedisClient};
 use crate::worker::{Stats, Worker, WorkerSettings};
 
 /// Everything `turnstile consume` is configured with (flags and `TURNSTILE_*` variables).
@@ -157,6 +157,7 @@ impl Replica {
             },
         ));
         let _ = dashboard_slot.set(dashboard.clone());
+        let (reschedules, _) = tokio::sync::broadcast::channel(1024);
         let worker = Arc::new(Worker {
             permits,
             downstream,
@@ -173,6 +174,7 @@ impl Replica {
             },
             workers: Arc::new(Semaphore::new(args.workers as usize)),
             stats: stats.clone(),
+            reschedules,
         });
         // At startup a broker refusal that retrying cannot fix (credentials, vhost, a queue
         // declared with other arguments) fails the start with the broker's reason.
@@ -193,10 +195,14 @@ impl Replica {
         // The dashboard's samplers outlive `shutdown` until the replica has drained, so that
         // the last registrations are counted too.
         let samplers_stop = CancellationToken::new();
-        let mut samplers = vec![tokio::spawn(dashboard::sample(
-            dashboard.clone(),
-            samplers_stop.clone(),
-        ))];
+        let mut samplers = vec![
+            tokio::spawn(dashboard::sample(dashboard.clone(), samplers_stop.clone())),
+            tokio::spawn(permit::watch_reschedules(
+                worker.permits.clone(),
+                worker.reschedules.clone(),
+                samplers_stop.clone(),
+            )),
+        ];
         if http_addr.is_some() {
             samplers.push(tokio::spawn(dashboard::watch_queues(
                 dashboard,
@@ -316,6 +322,30 @@ fn always_retry(_: &anyhow::Error) -> bool {
     false
 }
 
+/// Turns each reschedule notice into a release of the delay ladder's held messages it
+/// concerns, until shutdown.
+async fn release_ladder_messages(
+    mut notices: tokio::sync::broadcast::Receiver<permit::Rescheduled>,
+    releases: tokio::sync::broadcast::Sender<broker::ladder::Release>,
+    shutdown: CancellationToken,
+) {
+    loop {
+        let notice = tokio::select! {
+            notice = notices.recv() => notice,
+            _ = shutdown.cancelled() => return,
+        };
+        match notice {
+            Ok(notice) => {
+                let _ = releases.send(Arc::new(move |delivery| {
+                    crate::worker::released_by(&notice, delivery)
+                }));
+            }
+            Err(tokio::sync::broadcast::error::RecvError::Lagged(_)) => {}
+            Err(tokio::sync::broadcast::error::RecvError::Closed) => return,
+        }
+    }
+}
+
 /// Consumes until shutdown, reconnecting with backoff whenever the broker connection is lost.
 async fn run(
     args: ConsumeArgs,
@@ -325,6 +355,12 @@ async fn run(
     shutdown: CancellationToken,
 ) -> anyhow::Result<()> {
     let tracker = TaskTracker::new();
+    let (releases, _) = tokio::sync::broadcast::channel(1024);
+    tracker.spawn(release_ladder_messages(
+        worker.reschedules.subscribe(),
+        releases.clone(),
+        shutdown.clone(),
+    ));
     let mut session = Some(first);
     loop {
         let mut current = match session.take() {
@@ -354,6 +390,7 @@ async fn run(
             publisher: current.publisher.clone(),
             stats: worker.stats.ladder.clone(),
             prefetch: args.delay_prefetch,
+            releases: releases.clone(),
         });
         if let Err(error) = ladder
             .start(&current.connection, &tracker, &shutdown, &connection_lost)

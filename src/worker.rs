@@ -21,7 +21,7 @@ use tracing::{Instrument, debug, info_span, warn};
 use crate::broker::{Publisher, Settler, Topology, header_str, header_u64, headers, long_string};
 use crate::domain::Registration;
 use crate::downstream::{Downstream, Reply};
-use crate::permit::{Decision, PermitError, PermitStore, Reservation};
+use crate::permit::{Decision, PermitError, PermitStore, Rescheduled, Reservation};
 
 /// What to do with a delivery; decided by [`Worker::handle`], applied by [`Worker::settle`].
 #[derive(Debug, PartialEq)]
@@ -256,6 +256,9 @@ pub struct Worker {
     pub settings: WorkerSettings,
     pub workers: Arc<Semaphore>,
     pub stats: Arc<Stats>,
+    /// Notices of sellers whose terms changed (see `permit::watch_reschedules`): a message held
+    /// for a slot given back by the change comes back at once.
+    pub reschedules: tokio::sync::broadcast::Sender<Rescheduled>,
 }
 
 /// Permit decisions the limiter may refuse (not for want of Redis) before the message is
@@ -314,6 +317,46 @@ fn returned(carried: Carried, why: Interrupted) -> Outcome {
         },
         Interrupted::ConnectionLost => Outcome::Requeue,
     }
+}
+
+/// Completes when a notice says that `registration`'s reserved slot was given back (its
+/// seller's terms changed after it was reserved), or when notices were missed (coming back
+/// early costs one redeem, which answers "early" if the slot is still held); never without a
+/// reservation.
+async fn given_back(
+    mut notices: tokio::sync::broadcast::Receiver<Rescheduled>,
+    registration: &Registration,
+    reservation: Option<&Reservation>,
+) {
+    use tokio::sync::broadcast::error::RecvError;
+    let Some(reservation) = reservation else {
+        return std::future::pending().await;
+    };
+    loop {
+        match notices.recv().await {
+            Ok(notice) if notice.concerns(registration.seller_id.as_str(), reservation) => return,
+            Ok(_) => {}
+            Err(RecvError::Lagged(_)) => return,
+            Err(RecvError::Closed) => return std::future::pending().await,
+        }
+    }
+}
+
+/// Whether a delivery waiting in the delay ladder holds a slot that `notice` says was given
+/// back: it then goes to the work queue at once instead of waiting for that slot.
+pub fn released_by(notice: &Rescheduled, delivery: &Delivery) -> bool {
+    let Some(reservation) =
+        header_str(delivery, headers::RESERVATION).and_then(|r| Reservation::decode(&r))
+    else {
+        return false;
+    };
+    let message_id = delivery
+        .properties
+        .message_id()
+        .as_ref()
+        .map(|m| m.to_string());
+    Registration::parse(&delivery.data, message_id.as_deref())
+        .is_ok_and(|r| notice.concerns(r.seller_id.as_str(), &reservation))
 }
 
 /// How a handler's wait ended early.
@@ -499,8 +542,10 @@ impl Worker {
                         }
                     }
                     self.stats.held.fetch_add(1, Ordering::Relaxed);
+                    let notices = self.reschedules.subscribe();
                     let waited = tokio::select! {
                         _ = tokio::time::sleep(retry_after) => None,
+                        _ = given_back(notices, registration, carried.reservation.as_ref()) => None,
                         _ = shutdown.cancelled() => Some(Interrupted::Shutdown),
                         _ = connection_lost.cancelled() => Some(Interrupted::ConnectionLost),
                     };

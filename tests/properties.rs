@@ -49,7 +49,7 @@ proptest! {
     #[test]
     fn any_header_decodes_to_a_well_formed_reservation_or_nothing(text in ".{0,200}") {
         if let Some(r) = Reservation::decode(&text) {
-            prop_assert!(r.slot_us >= 0 && r.count >= 1 && r.window_us >= 1);
+            prop_assert!(r.slot_us >= 0 && r.count >= 1 && r.window_us >= 1 && r.reserved_at_us >= 0);
             prop_assert!(!r.token.is_empty() && r.token.len() <= 64);
             prop_assert_eq!(Reservation::decode(&r.encode()), Some(r));
         }
@@ -58,9 +58,9 @@ proptest! {
     #[test]
     fn a_reservation_survives_its_header(
         slot_us in 0i64..i64::MAX, count in 1u32.., window_us in 1u64..,
-        epoch in "[0-9a-f]{0,40}", token in "[A-Za-z0-9-]{1,64}",
+        reserved_at_us in 0i64..i64::MAX, token in "[A-Za-z0-9-]{1,64}",
     ) {
-        let r = Reservation { slot_us, count, window_us, epoch, token };
+        let r = Reservation { slot_us, count, window_us, reserved_at_us, token };
         prop_assert_eq!(Reservation::decode(&r.encode()), Some(r));
     }
 

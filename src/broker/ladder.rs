@@ -23,6 +23,7 @@
 //! level's own wait, is bounded by that wait counted from receipt; a due time further than
 //! [`MAX_DELAY`] is cut to it; a message without a due time goes to the work queue at once.
 
+use std::collections::VecDeque;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::time::Duration;
@@ -125,7 +126,14 @@ pub struct Ladder {
     pub stats: Arc<LadderStats>,
     /// Messages each level's consumer holds at most.
     pub prefetch: u16,
+    /// Release notices: each names, by a test over a delivery, messages that must not wait for
+    /// the end of their delay any more (their reserved slot was given back) and go to the work
+    /// queue at once.
+    pub releases: tokio::sync::broadcast::Sender<Release>,
 }
+
+/// A test over a held delivery: whether it is released (see [`Ladder::releases`]).
+pub type Release = Arc<dyn Fn(&Delivery) -> bool + Send + Sync>;
 
 impl Ladder {
     /// Starts consuming every level on `connection`.
@@ -176,6 +184,9 @@ impl Ladder {
         Ok(())
     }
 
+    /// Holds the level's messages in order of their hop's end (at most the prefetch) and moves
+    /// each on when its hop is over; a release notice moves the messages it names on to the
+    /// work queue at once.
     async fn run_level(
         self: Arc<Self>,
         mut consumer: lapin::Consumer,
@@ -184,51 +195,72 @@ impl Ladder {
         shutdown: &CancellationToken,
         failed: &CancellationToken,
     ) {
+        let mut releases = self.releases.subscribe();
+        let mut held: VecDeque<(Delivery, Option<u64>)> = VecDeque::new();
         loop {
-            let delivery = tokio::select! {
-                next = consumer.next() => next,
-                _ = shutdown.cancelled() => return,
-                _ = failed.cancelled() => return,
-            };
-            let delivery = match delivery {
-                Some(Ok(delivery)) => delivery,
-                Some(Err(error)) => {
-                    debug!(%error, "delay ladder consumer ended");
-                    failed.cancel();
-                    return;
+            let head_wait = held
+                .front()
+                .map(|(_, hop_until)| remaining_wait(unix_ms(), *hop_until, wait));
+            tokio::select! {
+                next = consumer.next() => match next {
+                    Some(Ok(delivery)) => {
+                        self.stats.held.fetch_add(1, Ordering::Relaxed);
+                        let hop_until = header_u64(&delivery, headers::HOP);
+                        held.push_back((delivery, hop_until));
+                    }
+                    Some(Err(error)) => {
+                        debug!(%error, "delay ladder consumer ended");
+                        failed.cancel();
+                        break;
+                    }
+                    None => {
+                        warn!("the broker cancelled a delay ladder consumer");
+                        failed.cancel();
+                        break;
+                    }
+                },
+                _ = tokio::time::sleep(head_wait.unwrap_or_default()), if head_wait.is_some() => {
+                    let (delivery, hop_until) = held.pop_front().expect("a head to wait for");
+                    self.spawn_move_on(tracker, delivery, hop_until, false);
                 }
-                None => {
-                    warn!("the broker cancelled a delay ladder consumer");
-                    failed.cancel();
-                    return;
+                release = releases.recv() => {
+                    let Ok(release) = release else { continue };
+                    let (released, kept): (Vec<_>, Vec<_>) =
+                        held.drain(..).partition(|(delivery, _)| release(delivery));
+                    held = kept.into();
+                    for (delivery, hop_until) in released {
+                        self.spawn_move_on(tracker, delivery, hop_until, true);
+                    }
                 }
-            };
-            self.stats.held.fetch_add(1, Ordering::Relaxed);
-            let hop_until = header_u64(&delivery, headers::HOP);
-            let pause = remaining_wait(unix_ms(), hop_until, wait);
-            let waited = tokio::select! {
-                _ = tokio::time::sleep(pause) => true,
-                _ = shutdown.cancelled() => false,
-                _ = failed.cancelled() => false,
-            };
-            if !waited {
-                // Unacked: the broker returns it to its level when the connection closes.
-                self.stats.held.fetch_sub(1, Ordering::Relaxed);
-                return;
+                _ = shutdown.cancelled() => break,
+                _ = failed.cancelled() => break,
             }
-            let ladder = self.clone();
-            tracker.spawn(async move {
-                ladder.move_on(delivery, hop_until).await;
-                ladder.stats.held.fetch_sub(1, Ordering::Relaxed);
-            });
         }
+        // Unacked: the broker returns them to their level when the connection closes.
+        self.stats.held.fetch_sub(held.len(), Ordering::Relaxed);
     }
 
-    /// Publishes the message to its next hop (confirmed), then acks it; a failed publish
-    /// returns it to its level.
-    async fn move_on(&self, delivery: Delivery, hop_until: Option<u64>) {
+    fn spawn_move_on(
+        self: &Arc<Self>,
+        tracker: &TaskTracker,
+        delivery: Delivery,
+        hop_until: Option<u64>,
+        released: bool,
+    ) {
+        let ladder = self.clone();
+        tracker.spawn(async move {
+            ladder.move_on(delivery, hop_until, released).await;
+            ladder.stats.held.fetch_sub(1, Ordering::Relaxed);
+        });
+    }
+
+    /// Publishes the message to its next hop (confirmed) — the work queue when `released` —,
+    /// then acks it; a failed publish returns it to its level.
+    async fn move_on(&self, delivery: Delivery, hop_until: Option<u64>, released: bool) {
         let now = unix_ms();
-        if let Some(until) = hop_until
+        if released {
+            metrics::counter!("turnstile_delay_released_total").increment(1);
+        } else if let Some(until) = hop_until
             && now.saturating_sub(until) > OVERDUE.as_millis() as u64
         {
             self.stats.overdue.fetch_add(1, Ordering::Relaxed);
@@ -237,7 +269,11 @@ impl Ladder {
         let due = header_u64(&delivery, headers::DUE)
             .map(|due| due.min(due_after(now, MAX_DELAY)))
             .unwrap_or(now);
-        let hop = next_hop(now, due);
+        let hop = if released {
+            Hop::Work
+        } else {
+            next_hop(now, due)
+        };
         let published = self
             .publisher
             .hop(&self.topology, &delivery, hop, &[])
@@ -246,7 +282,7 @@ impl Ladder {
             Ok(()) => {
                 self.stats.hops.fetch_add(1, Ordering::Relaxed);
                 metrics::counter!("turnstile_delay_hops_total").increment(1);
-                if hop == Hop::Work {
+                if hop == Hop::Work && !released {
                     let late = now.saturating_sub(due);
                     self.stats.max_late_ms.fetch_max(late, Ordering::Relaxed);
                     metrics::histogram!("turnstile_delay_late_seconds")

@@ -42,8 +42,9 @@ impl PermitError {
 
 /// A slot held for a seller: call at `slot_us` (Redis time). It is bound to its `token` in the
 /// seller's reserved set and is redeemed at most once (see `lua/redeem.lua`); it stays valid
-/// only under the limit it was reserved with, and only on the Redis server incarnation
-/// (`epoch`, its run id) whose schedule holds it.
+/// only under the limit it was reserved with, and only until the seller's terms change (a
+/// limit set or cleared, a pause lifted: see [`PermitStore::reschedule`]), which gives it back.
+/// `reserved_at_us` (Redis time) tells a holder whether a [`Rescheduled`] notice concerns it.
 ///
 /// A reservation travels in a message header, which anyone can write: [`Reservation::decode`]
 /// accepts only the exact form, and the script grants only a live entry, so a forged, copied or
@@ -53,36 +54,36 @@ pub struct Reservation {
     pub slot_us: i64,
     pub count: u32,
     pub window_us: u64,
-    pub epoch: String,
+    pub reserved_at_us: i64,
     pub token: String,
 }
 
 impl Reservation {
-    /// `SLOT_US/COUNT/WINDOW_US/EPOCH/TOKEN`: how a reservation travels in a message header.
+    /// `SLOT_US/COUNT/WINDOW_US/RESERVED_AT_US/TOKEN`: how a reservation travels in a message
+    /// header.
     pub fn encode(&self) -> String {
         format!(
             "{}/{}/{}/{}/{}",
-            self.slot_us, self.count, self.window_us, self.epoch, self.token
+            self.slot_us, self.count, self.window_us, self.reserved_at_us, self.token
         )
     }
 
-    /// The reservation in a header, or `None` for anything but the exact form (hex run id of
-    /// at most 64 characters, token of 1 to 64 letters, digits or dashes).
+    /// The reservation in a header, or `None` for anything but the exact form (non-negative
+    /// integers, token of 1 to 64 letters, digits or dashes).
     pub fn decode(s: &str) -> Option<Self> {
         let mut parts = s.split('/');
         let r = Self {
             slot_us: parts.next()?.parse().ok().filter(|s| *s >= 0)?,
             count: parts.next()?.parse().ok().filter(|c| *c >= 1)?,
             window_us: parts.next()?.parse().ok().filter(|w| *w >= 1)?,
-            epoch: parts.next()?.to_owned(),
+            reserved_at_us: parts.next()?.parse().ok().filter(|t| *t >= 0)?,
             token: parts.next()?.to_owned(),
         };
         let token_ok = (1..=64).contains(&r.token.len())
             && r.token
                 .bytes()
                 .all(|b| b.is_ascii_alphanumeric() || b == b'-');
-        let epoch_ok = r.epoch.len() <= 64 && r.epoch.bytes().all(|b| b.is_ascii_hexdigit());
-        (parts.next().is_none() && token_ok && epoch_ok).then_some(r)
+        (parts.next().is_none() && token_ok).then_some(r)
     }
 }
 
@@ -109,10 +110,8 @@ pub enum Forfeit {
     Paused,
     LimitChanged,
     Late,
-    /// Redis restarted or failed over since: the schedule that held the slot is gone.
-    ServerRestarted,
     /// No such reservation: never made (a forged header), already redeemed (a duplicate copy
-    /// of the message), or given up.
+    /// of the message), given back when the seller's terms changed, or lost with Redis.
     NotReserved,
 }
 
@@ -123,7 +122,6 @@ impl Forfeit {
             Forfeit::Paused => "paused",
             Forfeit::LimitChanged => "limit_changed",
             Forfeit::Late => "late",
-            Forfeit::ServerRestarted => "server_restarted",
             Forfeit::NotReserved => "not_reserved",
         }
     }
@@ -286,7 +284,8 @@ impl PermitStore {
             .key(self.state_key(seller))
             .key(self.seller_key(seller, "limit"))
             .key(self.seller_key(seller, "pause"))
-            .key(self.seller_key(seller, "reserved"));
+            .key(self.seller_key(seller, "reserved"))
+            .key(self.seller_key(seller, "server"));
         if let Some(message) = message {
             invocation.key(self.done_key(seller, message));
         }
@@ -318,7 +317,7 @@ impl PermitStore {
         let decision = match status {
             1 => Ok(Decision::Granted {
                 slot_us: slot,
-                used_permille: int(6).map_or(0, |p| p.clamp(0, i64::from(u32::MAX)) as u32),
+                used_permille: int(5).map_or(0, |p| p.clamp(0, i64::from(u32::MAX)) as u32),
             }),
             2 => Ok(Decision::Wait {
                 retry_after: wait_for(slot, now),
@@ -326,10 +325,7 @@ impl PermitStore {
                     slot_us: slot,
                     count: u32::try_from(int(3)?).map_err(|_| bad())?,
                     window_us: u64::try_from(int(4)?).map_err(|_| bad())?,
-                    epoch: answer
-                        .get(5)
-                        .and_then(|v| redis::from_redis_value_ref(v).ok())
-                        .ok_or_else(bad)?,
+                    reserved_at_us: now,
                     token,
                 }),
             }),
@@ -367,11 +363,11 @@ impl PermitStore {
             .key(self.seller_key(seller, "limit"))
             .key(self.seller_key(seller, "pause"))
             .key(self.state_key(seller))
-            .key(self.seller_key(seller, "reserved"));
+            .key(self.seller_key(seller, "reserved"))
+            .key(self.seller_key(seller, "server"));
         if let Some(message) = message {
             invocation.key(self.done_key(seller, message));
         }
-        let give_back = self.limiter.algorithm == Algorithm::SlidingWindow;
         let (status, at, now): (u8, i64, i64) = invocation
             .arg(limit.count())
             .arg(limit.window_us())
@@ -380,9 +376,9 @@ impl PermitStore {
             .arg(held.count)
             .arg(held.window_us)
             .arg(self.durable_flag())
-            .arg(&held.epoch)
+            .arg(self.limiter.algorithm.name())
             .arg(&held.token)
-            .arg(u8::from(give_back))
+            .arg(self.limiter.bucket_capacity)
             .invoke_async(&mut self.conn.clone())
             .await?;
         let redeemed = match status {
@@ -398,7 +394,6 @@ impl PermitStore {
             4 => Err(Forfeit::LimitChanged),
             5 => Err(Forfeit::Late),
             6 => Ok(Decision::AlreadyDone),
-            7 => Err(Forfeit::ServerRestarted),
             8 => Err(Forfeit::NotReserved),
             _ => return Err(PermitError::Answer("redeem")),
         };
@@ -565,34 +560,170 @@ impl PermitStore {
 
     /// Lifts the seller's pause on every replica at once; whether it was paused.
     pub async fn resume(&self, seller: &SellerId) -> Result<bool, PermitError> {
-        let removed: u32 = self
-            .conn
-            .clone()
-            .del(self.seller_key(seller, "pause"))
-            .await?;
-        Ok(removed > 0)
+        self.reschedule(seller, Change::Resume).await
     }
 
     /// Sets a per-seller override, effective at once on every replica.
     pub async fn set_limit(&self, seller: &SellerId, limit: Limit) -> Result<(), PermitError> {
-        let value = format!("{} {}", limit.count(), limit.window_us());
-        self.conn
-            .clone()
-            .set::<_, _, ()>(self.seller_key(seller, "limit"), value)
-            .await?;
+        self.reschedule(seller, Change::Set(limit)).await?;
         Ok(())
     }
 
     /// Removes a per-seller override; returns whether there was one.
     pub async fn clear_limit(&self, seller: &SellerId) -> Result<bool, PermitError> {
-        let removed: u32 = self
-            .conn
-            .clone()
-            .del(self.seller_key(seller, "limit"))
+        self.reschedule(seller, Change::Clear).await
+    }
+
+    /// Applies `change` to the seller's terms and gives back every slot reserved under the old
+    /// ones in the same atomic step (see `lua/reschedule.lua`), then announces it in the
+    /// shared reschedule log, from which every replica's [`watch_reschedules`] wakes the
+    /// messages it holds for the seller: the new terms apply at once to the whole backlog.
+    /// Returns whether there was something to change (an override to clear, a pause to lift).
+    pub async fn reschedule(&self, seller: &SellerId, change: Change) -> Result<bool, PermitError> {
+        let mut invocation = scripts::reschedule().prepare_invoke();
+        invocation
+            .key(self.state_key(seller))
+            .key(self.seller_key(seller, "limit"))
+            .key(self.seller_key(seller, "pause"))
+            .key(self.seller_key(seller, "reserved"))
+            .arg(self.limiter.algorithm.name())
+            .arg(self.limiter.limit.count())
+            .arg(self.limiter.limit.window_us())
+            .arg(self.guard_arg())
+            .arg(self.limiter.gcra_burst.max(1))
+            .arg(self.limiter.bucket_capacity);
+        match change {
+            Change::Set(limit) => {
+                invocation
+                    .arg("set")
+                    .arg(format!("{} {}", limit.count(), limit.window_us()))
+            }
+            Change::Clear => invocation.arg("clear"),
+            Change::Resume => invocation.arg("resume"),
+            Change::Release => invocation.arg("release"),
+        };
+        let (changed, released, now): (u8, u64, i64) =
+            invocation.invoke_async(&mut self.conn.clone()).await?;
+        metrics::counter!("turnstile_reservations_released_total").increment(released);
+        let log = self.shared_key(RESCHEDULES);
+        redis::pipe()
+            .zadd(&log, seller.as_str(), now)
+            .ignore()
+            .zrembyscore(&log, "-inf", now - RESCHEDULE_LOG_SPAN.as_micros() as i64)
+            .ignore()
+            .pexpire(&log, RESCHEDULE_LOG_SPAN.as_millis() as i64)
+            .ignore()
+            .query_async::<()>(&mut self.conn.clone())
             .await?;
-        Ok(removed > 0)
+        Ok(changed == 1)
+    }
+
+    /// Sellers whose terms changed after `since_us` (Redis time), oldest first, with when: read
+    /// from the shared reschedule log (at most 1,000 at a time).
+    pub async fn rescheduled_since(&self, since_us: i64) -> Result<Vec<Rescheduled>, PermitError> {
+        let entries: Vec<(String, f64)> = redis::cmd("ZRANGEBYSCORE")
+            .arg(self.shared_key(RESCHEDULES))
+            .arg(format!("({since_us}"))
+            .arg("+inf")
+            .arg("WITHSCORES")
+            .arg("LIMIT")
+            .arg(0)
+            .arg(1000)
+            .query_async(&mut self.conn.clone())
+            .await?;
+        Ok(entries
+            .into_iter()
+            .map(|(seller, at)| Rescheduled {
+                seller,
+                at_us: at as i64,
+            })
+            .collect())
     }
 }
+
+/// A change of a seller's terms (see [`PermitStore::reschedule`]).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Change {
+    /// The seller's limit becomes this override.
+    Set(Limit),
+    /// The seller's override is removed (the default applies).
+    Clear,
+    /// The seller's pause is lifted.
+    Resume,
+    /// Nothing changes but every reserved slot is given back.
+    Release,
+}
+
+/// The shared log of reschedules: sorted set, member = seller id, score = when (Redis µs).
+const RESCHEDULES: &str = "reschedules";
+/// How long a reschedule stays in the shared log (a replica that polls less often than this
+/// misses it: its held messages then come back at their old slots, as before the change).
+const RESCHEDULE_LOG_SPAN: Duration = Duration::from_secs(3600);
+
+/// A seller whose terms changed at `at_us` (Redis time): every reservation of the seller made
+/// before then was given back, and whoever holds one should come back now.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Rescheduled {
+    pub seller: String,
+    pub at_us: i64,
+}
+
+impl Rescheduled {
+    /// Whether this notice concerns a message of `seller` holding `reservation`.
+    pub fn concerns(&self, seller: &str, reservation: &Reservation) -> bool {
+        self.seller == seller && reservation.reserved_at_us <= self.at_us
+    }
+}
+
+/// How often a replica reads the reschedule log.
+pub const RESCHEDULE_POLL: Duration = Duration::from_millis(250);
+
+/// Reads the shared reschedule log every [`RESCHEDULE_POLL`] until `shutdown`, and sends each
+/// new entry to `notices` (the messages this replica holds listen there). Starts from the Redis
+/// time at its first read. Each read looks [`RESCHEDULE_LOOKBACK`] behind the newest entry seen,
+/// so that an entry written late (its time is taken in the script, its log entry is written
+/// just after) is not skipped; entries already sent are not sent again. A Redis error is logged
+/// at debug level and the next poll tries again.
+pub async fn watch_reschedules(
+    store: PermitStore,
+    notices: tokio::sync::broadcast::Sender<Rescheduled>,
+    shutdown: tokio_util::sync::CancellationToken,
+) {
+    let lookback = RESCHEDULE_LOOKBACK.as_micros() as i64;
+    let mut cursor: Option<i64> = None;
+    let mut sent: std::collections::HashSet<(String, i64)> = Default::default();
+    let mut ticker = tokio::time::interval(RESCHEDULE_POLL);
+    ticker.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    loop {
+        tokio::select! {
+            _ = ticker.tick() => {}
+            _ = shutdown.cancelled() => return,
+        }
+        let Some(since) = cursor else {
+            match store.redis_time_us().await {
+                Ok(now) => cursor = Some(now),
+                Err(error) => tracing::debug!(%error, "reading the reschedule log: no Redis time"),
+            }
+            continue;
+        };
+        match store.rescheduled_since(since - lookback).await {
+            Ok(entries) => {
+                for entry in entries {
+                    cursor = cursor.max(Some(entry.at_us));
+                    if sent.insert((entry.seller.clone(), entry.at_us)) {
+                        let _ = notices.send(entry);
+                    }
+                }
+                let oldest = cursor.unwrap_or(since) - lookback;
+                sent.retain(|(_, at)| *at > oldest);
+            }
+            Err(error) => tracing::debug!(%error, "reading the reschedule log failed"),
+        }
+    }
+}
+
+/// How far behind the newest entry seen the reschedule log is read again.
+const RESCHEDULE_LOOKBACK: Duration = Duration::from_secs(2);
 
 /// Every key matching a glob pattern: KEYS on each primary of a cluster, SCAN elsewhere. Meant
 /// for operator commands and cleanup over a prefix, not for the hot path.

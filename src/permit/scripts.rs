@@ -27,6 +27,7 @@ static REDEEM: LazyLock<Script> = script!("redeem.lua");
 static PAUSE: LazyLock<Script> = script!("pause.lua");
 static COMPLETE: LazyLock<Script> = script!("complete.lua");
 static USAGE: LazyLock<Script> = script!("usage.lua");
+static RESCHEDULE: LazyLock<Script> = script!("reschedule.lua");
 
 /// The acquire script of an algorithm.
 pub fn acquire(algorithm: Algorithm) -> &'static Script {
@@ -56,4 +57,9 @@ pub fn complete() -> &'static Script {
 /// Reads how much of a seller's limit is taken (see `lua/usage.lua`); writes nothing.
 pub fn usage() -> &'static Script {
     &USAGE
+}
+
+/// Changes a seller's terms and gives back its reserved slots (see `lua/reschedule.lua`).
+pub fn reschedule() -> &'static Script {
+    &RESCHEDULE
 }

@@ -118,6 +118,7 @@ impl TestBroker {
             publisher: self.publisher.clone(),
             stats: Default::default(),
             prefetch: 64,
+            releases: tokio::sync::broadcast::channel(1).0,
         });
         let tracker = tokio_util::task::TaskTracker::new();
         ladder

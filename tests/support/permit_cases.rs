@@ -322,9 +322,144 @@ pub async fn overrides_take_effect(backend: Backend, algorithm: Algorithm) {
     assert!(store.clear_limit(&s).await.unwrap());
     assert_eq!(
         store.redeem(&s, held).await.unwrap(),
-        Err(Forfeit::LimitChanged)
+        Err(Forfeit::NotReserved),
+        "{algorithm}: a change of limit gives reserved slots back"
     );
     assert_eq!(store.effective_limit(&s).await.unwrap().to_string(), "2/1h");
+    keys.cleanup().await;
+}
+
+/// Reserves `n` slots for the seller (granting what is due); returns the reservations.
+async fn reserve_backlog(
+    store: &PermitStore,
+    s: &SellerId,
+    n: usize,
+) -> Vec<turnstile::permit::Reservation> {
+    let mut held = Vec::new();
+    for _ in 0..n {
+        if let Decision::Wait {
+            reservation: Some(r),
+            ..
+        } = store.acquire(s, true).await.unwrap()
+        {
+            held.push(r);
+        }
+    }
+    held
+}
+
+/// The wait a new caller is told (zero when granted at once).
+async fn wait_of_a_new_caller(store: &PermitStore, s: &SellerId) -> Duration {
+    match store.acquire(s, true).await.unwrap() {
+        Decision::Granted { .. } => Duration::ZERO,
+        Decision::Wait { retry_after, .. } => retry_after,
+        Decision::AlreadyDone => unreachable!("no completion record is passed"),
+    }
+}
+
+/// A limit raised in the middle of a reserved backlog applies to the whole backlog at once:
+/// every slot reserved under the old limit is given back in the same step (its holder finds it
+/// gone and reserves anew), so a new caller is not scheduled behind the old schedule.
+pub async fn a_raised_limit_applies_at_once_to_a_reserved_backlog(
+    backend: Backend,
+    algorithm: Algorithm,
+) {
+    let keys = Keys::new(backend, "raise").await;
+    let store = keys.store(limiter("2/10s", algorithm));
+    let s = seller("S-raised");
+    let held = reserve_backlog(&store, &s, 20).await;
+    assert!(held.len() >= 17, "{algorithm}: {} reserved", held.len());
+    let last = held.iter().map(|r| r.slot_us).max().unwrap() - held[0].reserved_at_us;
+    assert!(
+        last > 60_000_000,
+        "{algorithm}: the old schedule ends {last} µs ahead"
+    );
+    let before = wait_of_a_new_caller(&store, &s).await;
+    assert!(before > Duration::from_secs(60), "{algorithm}: {before:?}");
+
+    store
+        .set_limit(&s, "1000/10s".parse().unwrap())
+        .await
+        .unwrap();
+    let after = wait_of_a_new_caller(&store, &s).await;
+    println!("{algorithm}: a new caller waits {before:?} under 2/10s, {after:?} after the raise");
+    assert!(
+        after < Duration::from_secs(1),
+        "{algorithm}: still scheduled behind the old backlog: {after:?}"
+    );
+    for r in held {
+        assert_eq!(
+            store.redeem(&s, r).await.unwrap(),
+            Err(Forfeit::NotReserved),
+            "{algorithm}"
+        );
+    }
+    keys.cleanup().await;
+}
+
+/// Lifting a pause gives the paused backlog's slots back as a limit change does: the backlog
+/// is scheduled from now, not from the end of the pause (gcra, whose one number cannot tell
+/// the calls before the pause from the jump to its end, at most one window + guard from now).
+pub async fn a_lifted_pause_reschedules_the_backlog(backend: Backend, algorithm: Algorithm) {
+    let keys = Keys::new(backend, "resume").await;
+    let store = keys.store(limiter("5/10s", algorithm));
+    let s = seller("S-resumed");
+    store.pause(&s, Duration::from_secs(3600)).await.unwrap();
+    let held = reserve_backlog(&store, &s, 5).await;
+    assert_eq!(held.len(), 5, "{algorithm}: all wait for the pause");
+    assert!(store.resume(&s).await.unwrap());
+    let after = wait_of_a_new_caller(&store, &s).await;
+    println!("{algorithm}: after a 1 h pause is lifted, a new caller waits {after:?}");
+    assert!(
+        after <= Duration::from_millis(10_500),
+        "{algorithm}: scheduled after the lifted pause: {after:?}"
+    );
+    for r in held {
+        assert_eq!(
+            store.redeem(&s, r).await.unwrap(),
+            Err(Forfeit::NotReserved),
+            "{algorithm}"
+        );
+    }
+    keys.cleanup().await;
+}
+
+/// A reservation forfeited at redemption (here: a pause covers its slot) gives its slot back in
+/// the same step, so the next caller gets it instead of a slot behind it. Not gcra: one TAT
+/// cannot free a slot inside its schedule (README, Algorithms).
+pub async fn a_forfeited_slot_goes_back_to_the_next_caller(backend: Backend, algorithm: Algorithm) {
+    let keys = Keys::new(backend, "giveback").await;
+    let mut settings = limiter("1/2s", algorithm);
+    settings.guard = Some(Duration::from_millis(100));
+    let store = keys.store(settings);
+    let s = seller("S-forfeit");
+    assert!(matches!(
+        store.acquire(&s, true).await.unwrap(),
+        Decision::Granted { .. }
+    ));
+    let held = reserve_backlog(&store, &s, 1)
+        .await
+        .pop()
+        .expect("one reservation");
+    // A pause past the slot: the reservation is forfeited when redeemed.
+    let slot_in = Duration::from_micros((held.slot_us - held.reserved_at_us) as u64);
+    store
+        .pause(&s, slot_in + Duration::from_millis(300))
+        .await
+        .unwrap();
+    assert_eq!(
+        store.redeem(&s, held.clone()).await.unwrap(),
+        Err(Forfeit::Paused),
+        "{algorithm}"
+    );
+    // The next caller is scheduled at the end of the pause, in the slot given back, not one
+    // whole interval later.
+    let wait = wait_of_a_new_caller(&store, &s).await;
+    println!("{algorithm}: after a forfeit, the next caller waits {wait:?}");
+    assert!(
+        wait < slot_in + Duration::from_millis(1500),
+        "{algorithm}: the forfeited slot was not given back (waits {wait:?})"
+    );
     keys.cleanup().await;
 }
 
@@ -470,6 +605,25 @@ macro_rules! permit_tests {
             for algorithm in turnstile::config::Algorithm::ALL {
                 cases::usage_shows_grants_reservations_pauses_and_overrides($backend, algorithm)
                     .await;
+            }
+        }
+        #[tokio::test]
+        async fn a_raised_limit_applies_at_once_to_a_reserved_backlog() {
+            for algorithm in turnstile::config::Algorithm::ALL {
+                cases::a_raised_limit_applies_at_once_to_a_reserved_backlog($backend, algorithm)
+                    .await;
+            }
+        }
+        #[tokio::test]
+        async fn a_lifted_pause_reschedules_the_backlog() {
+            for algorithm in turnstile::config::Algorithm::ALL {
+                cases::a_lifted_pause_reschedules_the_backlog($backend, algorithm).await;
+            }
+        }
+        #[tokio::test]
+        async fn a_forfeited_slot_goes_back_to_the_next_caller() {
+            for algorithm in [SlidingWindow, FixedWindow, TokenBucket] {
+                cases::a_forfeited_slot_goes_back_to_the_next_caller($backend, algorithm).await;
             }
         }
         #[tokio::test]
