@@ -139,6 +139,12 @@ impl Algorithm {
             Algorithm::FixedWindow => "fixed-window",
         }
     }
+
+    /// Whether no trailing window ever holds more than COUNT grants (sliding-window, gcra);
+    /// token-bucket and fixed-window allow up to twice that across a refill or a window edge.
+    pub fn is_exact(&self) -> bool {
+        matches!(self, Algorithm::SlidingWindow | Algorithm::Gcra)
+    }
 }
 
 impl fmt::Display for Algorithm {

@@ -11,15 +11,36 @@ use anyhow::Context;
 pub struct LocalRedis {
     port: u16,
     child: Option<Child>,
+    /// Where the server keeps its snapshot (`dump.rdb`), if it loads one at start.
+    snapshots: Option<std::path::PathBuf>,
 }
 
 impl LocalRedis {
     /// Starts `redis-server` on a free port and waits until it answers.
     pub fn start() -> anyhow::Result<Self> {
+        Self::start_in(None)
+    }
+
+    /// As [`LocalRedis::start`], with RDB snapshots in `dir`: the server saves only when told
+    /// (`SAVE`), and at every (re)start loads the last snapshot saved, as a Redis restarted
+    /// after a crash does with Debian's default persistence.
+    pub fn start_with_snapshots(dir: &std::path::Path) -> anyhow::Result<Self> {
+        Self::start_in(Some(dir.to_owned()))
+    }
+
+    fn start_in(snapshots: Option<std::path::PathBuf>) -> anyhow::Result<Self> {
         let port = TcpListener::bind("127.0.0.1:0")?.local_addr()?.port();
-        let mut redis = Self { port, child: None };
+        let mut redis = Self {
+            port,
+            child: None,
+            snapshots,
+        };
         redis.restart()?;
         Ok(redis)
+    }
+
+    pub fn port(&self) -> u16 {
+        self.port
     }
 
     pub fn url(&self) -> String {
@@ -34,20 +55,27 @@ impl LocalRedis {
         }
     }
 
-    /// Starts the server again on the same port, empty.
+    /// Starts the server again on the same port: empty, or from its last snapshot.
     pub fn restart(&mut self) -> anyhow::Result<()> {
         self.stop();
-        let child = Command::new("redis-server")
-            .args([
-                "--port",
-                &self.port.to_string(),
-                "--bind",
-                "127.0.0.1",
-                "--save",
-                "",
-                "--appendonly",
-                "no",
-            ])
+        let mut command = Command::new("redis-server");
+        command.args([
+            "--port",
+            &self.port.to_string(),
+            "--bind",
+            "127.0.0.1",
+            "--save",
+            "",
+            "--appendonly",
+            "no",
+        ]);
+        if let Some(dir) = &self.snapshots {
+            command
+                .arg("--dir")
+                .arg(dir)
+                .args(["--dbfilename", "dump.rdb"]);
+        }
+        let child = command
             .stdout(Stdio::null())
             .stderr(Stdio::null())
             .spawn()

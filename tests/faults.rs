@@ -43,6 +43,152 @@ async fn a_redis_that_just_started_makes_sellers_wait_out_one_window() {
     ));
 }
 
+/// Grants at once (without reserving) until the limit says wait; returns the grants' slots.
+async fn grant_all(store: &PermitStore, seller: &SellerId, most: usize) -> Vec<i64> {
+    let mut slots = Vec::new();
+    while slots.len() < most {
+        match store.acquire(seller, false).await {
+            Ok(Decision::Granted { slot_us, .. }) => slots.push(slot_us),
+            Ok(_) => break,
+            // A Redis still loading its snapshot: ask again.
+            Err(error) if error.is_transient() => {
+                tokio::time::sleep(Duration::from_millis(20)).await
+            }
+            Err(error) => panic!("{error}"),
+        }
+    }
+    slots
+}
+
+/// Waits until the private Redis has been up longer than `span` (so that a seller without
+/// state is not paused as after a restart).
+async fn wait_uptime(conn: &RedisConn, span: Duration) {
+    loop {
+        let info: String = redis::cmd("INFO")
+            .arg("server")
+            .query_async(&mut conn.clone())
+            .await
+            .unwrap();
+        let up: u64 = info
+            .lines()
+            .find_map(|l| l.strip_prefix("uptime_in_seconds:"))
+            .unwrap()
+            .trim()
+            .parse()
+            .unwrap();
+        if Duration::from_secs(up) > span {
+            return;
+        }
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+}
+
+/// A Redis restarted from an RDB snapshot taken after the first of 50 grants (limit 50 per
+/// 3 s) has forgotten the other 49, which the downstream still counts. The seller's state was
+/// written by the server before the restart (its stamp names the old run id), so it is paused
+/// until one window + guard after the restart: no grant falls within a window of the old ones.
+#[tokio::test]
+async fn a_redis_restored_from_an_older_snapshot_lets_no_burst_through() {
+    let dir = std::env::temp_dir().join(support::unique("snapshot"));
+    std::fs::create_dir_all(&dir).unwrap();
+    let mut redis = LocalRedis::start_with_snapshots(&dir).unwrap();
+    let conn = RedisConn::connect(&support::redis_args(&redis.url(), "x"))
+        .await
+        .unwrap();
+    let mut settings = limiter("50/3s", Algorithm::SlidingWindow);
+    settings.redis_durable = false;
+    let span_us: i64 = 3_150_000; // window + guard (window/20)
+    let store = PermitStore::new(conn.clone(), "snapshot", settings);
+    let seller = SellerId::parse("S-restored").unwrap();
+    wait_uptime(&conn, Duration::from_micros(span_us as u64)).await;
+
+    let mut before = grant_all(&store, &seller, 1).await;
+    let _: () = redis::cmd("SAVE")
+        .query_async(&mut conn.clone())
+        .await
+        .unwrap();
+    before.extend(grant_all(&store, &seller, 49).await);
+    assert_eq!(before.len(), 50, "the window holds 50 grants");
+    redis.stop(); // a crash: the 49 grants after the snapshot are lost
+    redis.restart().unwrap();
+    let after = grant_all(&store, &seller, 50).await;
+    let last_before = *before.iter().max().unwrap();
+    let within = after.iter().filter(|t| **t < last_before + span_us).count();
+    println!(
+        "restored from a snapshot holding 1 of 50 grants: {} granted at once after the restart, \
+         {within} of them within a window of the 50 before",
+        after.len()
+    );
+    let mut all = before;
+    all.extend(&after);
+    assert!(
+        support::max_in_any_window(&all, span_us) <= 50,
+        "a burst went through: {within} grants within the window of the 50 before"
+    );
+    drop(redis);
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+/// A replica promoted while it lagged has missed the primary's last grants. The seller's stamp
+/// (replicated from the primary) names the primary's run id, so on the promoted replica the
+/// seller is paused for one window + guard: the missed grants cannot let a burst through.
+#[tokio::test]
+async fn a_promoted_replica_that_missed_grants_lets_no_burst_through() {
+    let primary = LocalRedis::start().unwrap();
+    let replica = LocalRedis::start().unwrap();
+    let on_primary = RedisConn::connect(&support::redis_args(&primary.url(), "x"))
+        .await
+        .unwrap();
+    let on_replica = RedisConn::connect(&support::redis_args(&replica.url(), "x"))
+        .await
+        .unwrap();
+    let mut settings = limiter("50/3s", Algorithm::SlidingWindow);
+    settings.redis_durable = false;
+    let span_us: i64 = 3_150_000;
+    let seller = SellerId::parse("S-failover").unwrap();
+    let store = PermitStore::new(on_primary.clone(), "failover", settings.clone());
+    let promoted = PermitStore::new(on_replica.clone(), "failover", settings);
+    let _: () = redis::cmd("REPLICAOF")
+        .arg("127.0.0.1")
+        .arg(primary.port())
+        .query_async(&mut on_replica.clone())
+        .await
+        .unwrap();
+    wait_uptime(&on_primary, Duration::from_micros(span_us as u64)).await;
+    wait_uptime(&on_replica, Duration::from_micros(span_us as u64)).await;
+
+    let mut before = grant_all(&store, &seller, 1).await;
+    // The replica has the first grant (and the stamp) ...
+    let _: i64 = redis::cmd("WAIT")
+        .arg(1)
+        .arg(5000)
+        .query_async(&mut on_primary.clone())
+        .await
+        .unwrap();
+    // ... and is promoted; the primary's next 49 grants never reach it (the lag).
+    let _: () = redis::cmd("REPLICAOF")
+        .arg("NO")
+        .arg("ONE")
+        .query_async(&mut on_replica.clone())
+        .await
+        .unwrap();
+    before.extend(grant_all(&store, &seller, 49).await);
+    assert_eq!(before.len(), 50);
+    let after = grant_all(&promoted, &seller, 50).await;
+    let mut all = before.clone();
+    all.extend(&after);
+    let last_before = *before.iter().max().unwrap();
+    let within = after.iter().filter(|t| **t < last_before + span_us).count();
+    println!(
+        "promoted replica that missed 49 of 50 grants: {within} granted within the window of \
+         the 50 before"
+    );
+    assert!(
+        support::max_in_any_window(&all, span_us) <= 50,
+        "a burst went through on the promoted replica: {within}"
+    );
+}
+
 #[tokio::test]
 async fn a_redis_outage_stops_all_calls_and_its_restart_lets_no_burst_through() {
     let mut redis = LocalRedis::start().unwrap();

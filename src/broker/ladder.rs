@@ -114,6 +114,9 @@ pub struct LadderStats {
     pub overdue: AtomicU64,
     /// The latest any message came back after its due time, in ms.
     pub max_late_ms: AtomicU64,
+    /// Messages sent to the work queue before their due time because their reserved slot was
+    /// given back (a release notice).
+    pub released: AtomicU64,
 }
 
 /// Moves the ladder on: one consumer per level (and per legacy level, if the broker still has
@@ -259,6 +262,7 @@ impl Ladder {
     async fn move_on(&self, delivery: Delivery, hop_until: Option<u64>, released: bool) {
         let now = unix_ms();
         if released {
+            self.stats.released.fetch_add(1, Ordering::Relaxed);
             metrics::counter!("turnstile_delay_released_total").increment(1);
         } else if let Some(until) = hop_until
             && now.saturating_sub(until) > OVERDUE.as_millis() as u64
