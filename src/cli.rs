@@ -132,7 +132,8 @@ pub struct StatusArgs {
 pub enum DeadLettersAction {
     /// List dead letters with their reasons (they stay where they are).
     List {
-        /// Only those with this reason (invalid-message, rejected, attempts-exhausted).
+        /// Only those with this reason (invalid-message, rejected, attempts-exhausted, throttled,
+        /// delivery-limit).
         #[arg(long)]
         reason: Option<String>,
         #[arg(long)]
@@ -140,6 +141,7 @@ pub enum DeadLettersAction {
     },
     /// Move dead letters (all, or those with --reason) back to the work queue, attempts reset.
     Replay {
+        /// Only those with this reason (as listed).
         #[arg(long)]
         reason: Option<String>,
     },

@@ -248,7 +248,7 @@ impl Session {
         let name = format!("turnstile {} pid {}", args.broker.queue, std::process::id());
         let connection = broker::connect(&args.broker.amqp_url, &name).await?;
         let publisher = Publisher::open(&connection).await?;
-        worker.topology.declare(publisher.channel()).await?;
+        worker.topology.declare(&connection).await?;
         let consumer_channel = connection
             .create_channel()
             .await

@@ -14,7 +14,7 @@ async fn ladder_returns_messages_after_their_delay(queue_type: QueueType) {
     let broker = TestBroker::new("ladder", queue_type).await;
     broker
         .topology
-        .declare(broker.publisher.channel())
+        .declare(&broker.connection)
         .await
         .expect("declaring twice is fine");
     let ladder = broker.run_ladder().await;

@@ -1,10 +1,21 @@
 //! Inspecting dead letters and replaying chosen ones onto the work queue.
+//!
+//! Most dead letters were published by a replica with the reason in [`headers::REASON`]. The
+//! broker dead-letters too: a quorum work queue moves a message returned more than its
+//! delivery limit to `<q>.dead` with only its `x-death` history, whose reason `delivery_limit`
+//! (RabbitMQ 3.10 and later) is listed as `delivery-limit`; any other broker reason `R` (an
+//! operator's TTL or length limit: `expired`, `maxlen`; a reject by another client:
+//! `rejected`) as `broker-R`.
 
+use lapin::message::Delivery;
 use lapin::options::{BasicAckOptions, BasicGetOptions, BasicNackOptions};
-use lapin::types::{FieldTable, ShortString};
+use lapin::types::{AMQPValue, FieldTable};
 use lapin::{BasicProperties, Channel};
 
-use super::{Publisher, Topology, depth, header_str, headers};
+use super::{Publisher, Topology, depth, header_str, headers, is_death_history};
+
+/// The reason listed for a message the broker dead-lettered after too many returns.
+pub const DELIVERY_LIMIT_REASON: &str = "delivery-limit";
 
 /// One dead letter as listed.
 #[derive(Debug, serde::Serialize)]
@@ -17,7 +28,69 @@ pub struct DeadLetter {
     pub bytes: usize,
 }
 
-fn describe(delivery: &lapin::message::Delivery) -> DeadLetter {
+/// The broker's latest dead-lettering of a message: the first entry of its `x-death` header.
+struct Death {
+    reason: String,
+    queue: String,
+    count: u64,
+    at_ms: Option<u64>,
+}
+
+fn latest_death(delivery: &Delivery) -> Option<Death> {
+    let headers = delivery.properties.headers().as_ref()?;
+    let AMQPValue::FieldArray(deaths) = headers.inner().get("x-death")? else {
+        return None;
+    };
+    let AMQPValue::FieldTable(entry) = deaths.as_slice().first()? else {
+        return None;
+    };
+    let text = |name: &str| match entry.inner().get(name) {
+        Some(AMQPValue::LongString(s)) => Some(s.to_string()),
+        Some(AMQPValue::ShortString(s)) => Some(s.to_string()),
+        _ => None,
+    };
+    Some(Death {
+        reason: text("reason")?,
+        queue: text("queue").unwrap_or_default(),
+        count: match entry.inner().get("count") {
+            Some(AMQPValue::LongLongInt(n)) => u64::try_from(*n).unwrap_or(0),
+            Some(AMQPValue::LongInt(n)) => u64::try_from(*n).unwrap_or(0),
+            _ => 0,
+        },
+        at_ms: match entry.inner().get("time") {
+            Some(AMQPValue::Timestamp(seconds)) => seconds.checked_mul(1000),
+            _ => None,
+        },
+    })
+}
+
+/// Why a dead letter is dead, the detail, and when it died (Unix ms): turnstile's headers, or
+/// else the broker's `x-death`.
+fn reason_of(delivery: &Delivery) -> (String, String, Option<u64>) {
+    if let Some(reason) = header_str(delivery, headers::REASON) {
+        return (
+            reason,
+            header_str(delivery, headers::DETAIL).unwrap_or_default(),
+            super::header_u64(delivery, headers::DEAD_AT),
+        );
+    }
+    match latest_death(delivery) {
+        Some(death) => {
+            let reason = match death.reason.as_str() {
+                "delivery_limit" => DELIVERY_LIMIT_REASON.to_owned(),
+                other => format!("broker-{other}"),
+            };
+            let detail = format!(
+                "dead-lettered by the broker from {:?} ({}, {} time(s))",
+                death.queue, death.reason, death.count
+            );
+            (reason, detail, death.at_ms)
+        }
+        None => ("unknown".into(), String::new(), None),
+    }
+}
+
+fn describe(delivery: &Delivery) -> DeadLetter {
     let body: Option<serde_json::Value> = serde_json::from_slice(&delivery.data).ok();
     let field = |name: &str| {
         body.as_ref()
@@ -25,6 +98,7 @@ fn describe(delivery: &lapin::message::Delivery) -> DeadLetter {
             .and_then(|v| v.as_str())
             .map(str::to_owned)
     };
+    let (reason, detail, dead_at_ms) = reason_of(delivery);
     DeadLetter {
         message_id: field("message_id").or_else(|| {
             delivery
@@ -34,9 +108,9 @@ fn describe(delivery: &lapin::message::Delivery) -> DeadLetter {
                 .map(|m| m.to_string())
         }),
         seller_id: field("seller_id"),
-        reason: header_str(delivery, headers::REASON).unwrap_or_else(|| "unknown".into()),
-        detail: header_str(delivery, headers::DETAIL).unwrap_or_default(),
-        dead_at_ms: super::header_u64(delivery, headers::DEAD_AT),
+        reason,
+        detail,
+        dead_at_ms,
         bytes: delivery.data.len(),
     }
 }
@@ -53,8 +127,8 @@ pub struct Replayed {
 /// while visiting and the ones left are returned at the end, so none is seen twice or lost.
 async fn visit<F, Fut>(channel: &Channel, topology: &Topology, mut visit: F) -> anyhow::Result<()>
 where
-    F: FnMut(lapin::message::Delivery) -> Fut,
-    Fut: std::future::Future<Output = anyhow::Result<(bool, lapin::message::Delivery)>>,
+    F: FnMut(Delivery) -> Fut,
+    Fut: std::future::Future<Output = anyhow::Result<(bool, Delivery)>>,
 {
     let present = depth(channel, topology.dead()).await?;
     let mut keep = Vec::new();
@@ -103,8 +177,8 @@ pub async fn list(
 }
 
 /// Moves the dead letters with `reason` (all when `None`) back to the work queue: the body as
-/// it was, turnstile's own headers removed (a fresh start: attempts at zero), confirmed before
-/// the dead letter is removed.
+/// it was, turnstile's own headers and the broker's dead-letter history removed (a fresh start:
+/// attempts at zero), confirmed before the dead letter is removed.
 pub async fn replay(
     channel: &Channel,
     publisher: &Publisher,
@@ -113,8 +187,7 @@ pub async fn replay(
 ) -> anyhow::Result<Replayed> {
     let mut done = Replayed::default();
     visit(channel, topology, |delivery| {
-        let take =
-            reason.is_none_or(|r| header_str(&delivery, headers::REASON).as_deref() == Some(r));
+        let take = reason.is_none_or(|r| reason_of(&delivery).0 == r);
         let work = topology.work().to_owned();
         let publisher = publisher.clone();
         if take {
@@ -124,21 +197,16 @@ pub async fn replay(
         }
         async move {
             if take {
-                let mut table = delivery.properties.headers().clone().unwrap_or_default();
-                let own: Vec<ShortString> = table
-                    .inner()
-                    .keys()
-                    .filter(|k| k.as_str().starts_with("x-turnstile-"))
-                    .cloned()
-                    .collect();
                 let mut kept = FieldTable::default();
-                for (k, v) in table.inner() {
-                    if !own.contains(k) {
-                        kept.insert(k.clone(), v.clone());
+                if let Some(table) = delivery.properties.headers() {
+                    for (k, v) in table.inner() {
+                        if !k.as_str().starts_with("x-turnstile-") && !is_death_history(k.as_str())
+                        {
+                            kept.insert(k.clone(), v.clone());
+                        }
                     }
                 }
-                table = kept;
-                let properties: BasicProperties = delivery.properties.clone().with_headers(table);
+                let properties: BasicProperties = delivery.properties.clone().with_headers(kept);
                 publisher
                     .publish("", &work, &delivery.data, properties)
                     .await?;

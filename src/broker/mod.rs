@@ -1,8 +1,10 @@
 //! RabbitMQ: the topology turnstile declares, the consumer channel and the confirmed publisher.
 //!
 //! Topology for `TURNSTILE_QUEUE=<q>` (every name but `<q>` starts with `<q>.`):
-//! - `<q>`: the work queue (durable; quorum by default).
-//! - `<q>.dead`: dead letters, with the reason in headers.
+//! - `<q>`: the work queue (durable; quorum by default). A quorum work queue dead-letters a
+//!   message returned more than [`WORK_DELIVERY_LIMIT`] times to `<q>.dead`, at least once.
+//! - `<q>.dead`: dead letters, with the reason in headers (turnstile's own), or in `x-death`
+//!   (the broker's: the delivery limit).
 //! - the delay ladder ([`ladder`]): queues `<q>.wait.<k>` for k = 0..LEVELS, in which a
 //!   message waits 2^k x UNIT; the replicas consume them and move each message on, confirmed,
 //!   when its wait is over. No broker TTL or dead-lettering is involved.
@@ -14,7 +16,7 @@ pub mod ladder;
 mod topology;
 
 pub use ladder::{Hop, LEVELS, UNIT};
-pub use topology::{QueueType, Topology};
+pub use topology::{QueueType, Topology, WORK_DELIVERY_LIMIT, WorkQueue};
 
 use std::time::Duration;
 
@@ -39,8 +41,9 @@ pub mod headers {
     pub const HOP: &str = "x-turnstile-hop-ms";
     /// Since when (Unix ms) the downstream has answered 429 to the message.
     pub const THROTTLED_SINCE: &str = "x-turnstile-throttled-since-ms";
-    /// Why a message was dead-lettered: `invalid-message`, `rejected`, `attempts-exhausted` or
-    /// `throttled`.
+    /// Why turnstile dead-lettered a message: `invalid-message`, `rejected`,
+    /// `attempts-exhausted` or `throttled` (a message the broker dead-lettered has none, see
+    /// [`super::dead_letters`]).
     pub const REASON: &str = "x-turnstile-reason";
     /// The detail of the reason: the parse error, or the status and a body excerpt.
     pub const DETAIL: &str = "x-turnstile-detail";
@@ -96,7 +99,7 @@ impl BrokerArgs {
         let connection = connect(&self.amqp_url, name).await?;
         let publisher = Publisher::open(&connection).await?;
         let topology = self.topology();
-        topology.declare(publisher.channel()).await?;
+        topology.declare(&connection).await?;
         Ok((connection, publisher, topology))
     }
 }
@@ -303,11 +306,7 @@ fn copy_properties(delivery: &Delivery, extra: &[(&str, AMQPValue)]) -> BasicPro
     let mut table = FieldTable::default();
     if let Some(headers) = delivery.properties.headers() {
         for (name, value) in headers.inner() {
-            let name_str = name.as_str();
-            if name_str != "x-death"
-                && !name_str.starts_with("x-first-death-")
-                && !name_str.starts_with("x-last-death-")
-            {
+            if !is_death_history(name.as_str()) {
                 table.insert(name.clone(), value.clone());
             }
         }
@@ -316,6 +315,12 @@ fn copy_properties(delivery: &Delivery, extra: &[(&str, AMQPValue)]) -> BasicPro
         table.insert(ShortString::from(*name), value.clone());
     }
     delivery.properties.clone().with_headers(table)
+}
+
+/// Whether a header is the broker's dead-letter history (`x-death`, `x-first-death-*`,
+/// `x-last-death-*`).
+pub(crate) fn is_death_history(name: &str) -> bool {
+    name == "x-death" || name.starts_with("x-first-death-") || name.starts_with("x-last-death-")
 }
 
 fn header<'a>(delivery: &'a Delivery, name: &str) -> Option<&'a AMQPValue> {

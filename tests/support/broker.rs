@@ -24,13 +24,24 @@ impl TestBroker {
 
     /// A fresh topology whose delay ladder levels are of `delay_type`.
     pub async fn with_delay_type(what: &str, queue_type: QueueType, delay_type: QueueType) -> Self {
+        let topology = Topology::new(&super::unique(what), queue_type).with_delay_type(delay_type);
+        let broker = Self::undeclared(topology).await;
+        broker
+            .topology
+            .declare(&broker.connection)
+            .await
+            .expect("the topology is declared");
+        broker
+    }
+
+    /// Connects for `topology` without declaring anything (the test declares it, maybe after
+    /// setting up what an older turnstile left); `cleanup` still deletes the whole topology.
+    pub async fn undeclared(topology: Topology) -> Self {
         super::init_tracing();
         let connection = broker::connect(&amqp_url(), "turnstile test")
             .await
             .expect("RabbitMQ is reachable");
         let publisher = Publisher::open(&connection).await.unwrap();
-        let topology = Topology::new(&super::unique(what), queue_type).with_delay_type(delay_type);
-        topology.declare(publisher.channel()).await.unwrap();
         Self {
             connection,
             publisher,

@@ -54,6 +54,19 @@ impl Pipeline {
         Self::build(what, limit, 0, redis_url, QueueType::Quorum).await
     }
 
+    /// A pipeline on a topology the test has declared itself (quorum ladder levels).
+    pub async fn on_broker(what: &str, limit: &str, broker: TestBroker) -> Self {
+        Self::around(
+            broker,
+            what,
+            limit,
+            0,
+            &super::redis_url(),
+            QueueType::Quorum,
+        )
+        .await
+    }
+
     async fn build(
         what: &str,
         limit: &str,
@@ -62,6 +75,17 @@ impl Pipeline {
         delay_type: QueueType,
     ) -> Self {
         let broker = TestBroker::with_delay_type(what, QueueType::Quorum, delay_type).await;
+        Self::around(broker, what, limit, latency_ms, redis_url, delay_type).await
+    }
+
+    async fn around(
+        broker: TestBroker,
+        what: &str,
+        limit: &str,
+        latency_ms: u64,
+        redis_url: &str,
+        delay_type: QueueType,
+    ) -> Self {
         let keys = Keys::at(redis_url, what).await;
         let redis_url = redis_url.to_owned();
         let stop_mock = CancellationToken::new();
