@@ -27,6 +27,7 @@ static REDEEM: LazyLock<Script> = script!("redeem.lua");
 static PAUSE: LazyLock<Script> = script!("pause.lua");
 static COMPLETE: LazyLock<Script> = script!("complete.lua");
 static USAGE: LazyLock<Script> = script!("usage.lua");
+static TALLY: LazyLock<Script> = script!("tally.lua");
 
 /// The acquire script of an algorithm.
 pub fn acquire(algorithm: Algorithm) -> &'static Script {
@@ -48,7 +49,7 @@ pub fn pause() -> &'static Script {
     &PAUSE
 }
 
-/// Records a registration or dead letter (see `lua/complete.lua`).
+/// Moves a message to registered, dead or waiting again, once (see `lua/complete.lua`).
 pub fn complete() -> &'static Script {
     &COMPLETE
 }
@@ -56,4 +57,9 @@ pub fn complete() -> &'static Script {
 /// Reads how much of a seller's limit is taken (see `lua/usage.lua`); writes nothing.
 pub fn usage() -> &'static Script {
     &USAGE
+}
+
+/// Adds to a count of a hash, never below zero (see `lua/tally.lua`).
+pub fn tally() -> &'static Script {
+    &TALLY
 }
