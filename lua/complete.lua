@@ -1,27 +1,67 @@
--- complete: records that a message registered (once), or was dead-lettered.
--- The completion record lets a redelivered message that already registered be acked without a
--- second downstream call; the batch's progress feeds `turnstile status`. A dead letter gets no
--- completion record, so that it can be replayed.
+-- complete: moves a message to the state it is in now, and counts it there once. The message's
+-- completion record holds its state:
+--   (none)          waiting: published, neither registered nor dead-lettered (or replayed since)
+--   registered      registered; a redelivery is acked without a second call (see already_done)
+--   dead:<REASON>   dead-lettered for REASON and not replayed since
+-- (`1`, written by earlier versions, means registered.) Its upload's progress counts each
+-- message in at most one of `registered` and `dead`, so waiting = total - registered - dead.
+--
+-- Transitions (any other changes nothing and counts nothing):
+--   registered  waiting -> registered: registered + 1
+--               dead -> registered (a copy of a dead letter registered): dead - 1, registered + 1
+--   dead        waiting -> dead: dead + 1 (a message already dead or registered is not counted
+--               again; a repeated dead letter only renews the record's TTL)
+--   replayed    dead -> waiting, before the replay republishes it: dead - 1, record deleted
+-- A count is never taken below zero, and a batch that no longer exists is not recreated by a
+-- decrement.
 --
 -- KEYS[1]  the message's completion record (string)
 -- KEYS[2]  optional: the batch's progress (hash: registered, dead, first_ms, last_ms)
 -- ARGV[1]  TTL of both, in ms (integer >= 1)
--- ARGV[2]  OUTCOME: `registered` or `dead`
--- Returns 1 when newly recorded, 0 when the message was already recorded
+-- ARGV[2]  OUTCOME: `registered`, `dead` or `replayed`
+-- ARGV[3]  with `dead`: REASON (1 to 64 letters, digits or dashes)
+-- Returns {CHANGED, WAS_DEAD_FOR}: CHANGED 1 when the state changed (and was counted), else 0;
+--   WAS_DEAD_FOR the REASON the message was dead for when it left `dead`, else ''
 
 local ttl = int_arg(1, 1)
 local outcome = ARGV[2]
-if outcome ~= 'registered' and outcome ~= 'dead' then
-  error({err = 'ERR turnstile: OUTCOME must be registered or dead'})
+if outcome ~= 'registered' and outcome ~= 'dead' and outcome ~= 'replayed' then
+  error({err = 'ERR turnstile: OUTCOME must be registered, dead or replayed'})
 end
-if outcome == 'registered' and not redis.call('SET', KEYS[1], '1', 'NX', 'PX', ttl) then
-  return 0
+local reason = ARGV[3]
+if outcome == 'dead' and (reason == nil or not string.match(reason, '^[%w-]+$') or #reason > 64) then
+  error({err = 'ERR turnstile: REASON must be 1 to 64 letters, digits or dashes'})
 end
-if KEYS[2] then
-  local ms = math.floor(now_us() / 1000)
-  redis.call('HINCRBY', KEYS[2], outcome, 1)
+
+local state = redis.call('GET', KEYS[1])
+local registered = state == 'registered' or state == '1'
+local dead_for = state and string.match(state, '^dead:(.+)$')
+
+local ms = nil
+local function count(field, by)
+  if KEYS[2] == nil then return end
+  if by < 0 and tonumber(redis.call('HGET', KEYS[2], field) or '0') < -by then return end
+  ms = ms or math.floor(now_us() / 1000)
+  redis.call('HINCRBY', KEYS[2], field, by)
   redis.call('HSETNX', KEYS[2], 'first_ms', ms)
   redis.call('HSET', KEYS[2], 'last_ms', ms)
   redis.call('PEXPIRE', KEYS[2], ttl)
 end
-return 1
+
+if outcome == 'registered' then
+  if registered then return {0, ''} end
+  redis.call('SET', KEYS[1], 'registered', 'PX', ttl)
+  if dead_for then count('dead', -1) end
+  count('registered', 1)
+  return {1, dead_for or ''}
+elseif outcome == 'dead' then
+  if dead_for then redis.call('PEXPIRE', KEYS[1], ttl) end
+  if registered or dead_for then return {0, ''} end
+  redis.call('SET', KEYS[1], 'dead:' .. reason, 'PX', ttl)
+  count('dead', 1)
+  return {1, ''}
+end
+if not dead_for then return {0, ''} end
+redis.call('DEL', KEYS[1])
+count('dead', -1)
+return {1, dead_for}

@@ -70,9 +70,13 @@ local function due(slot, now, guard, a)
   return 2
 end
 
--- Whether the message already registered (its completion record exists, KEYS[n] if passed).
+-- Whether the message already registered: its completion record (KEYS[n] if passed) says
+-- `registered` (or `1`, as earlier versions wrote it). A dead letter's record (`dead:<REASON>`)
+-- is not done: a replayed or duplicate copy is called again (see complete.lua).
 local function already_done(key)
-  return key ~= nil and redis.call('EXISTS', key) == 1
+  if key == nil then return false end
+  local state = redis.call('GET', key)
+  return state == 'registered' or state == '1'
 end
 
 -- This Redis server's run id (new at every start, different on every server) and uptime in

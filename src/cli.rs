@@ -49,6 +49,10 @@ pub enum Command {
         action: DeadLettersAction,
         #[command(flatten)]
         broker: BrokerArgs,
+        #[command(flatten)]
+        redis: RedisArgs,
+        #[command(flatten)]
+        limiter: LimiterArgs,
     },
     /// Show or change per-seller limit overrides (stored in Redis, effective on every replica).
     Limits {
@@ -139,11 +143,16 @@ pub enum DeadLettersAction {
         #[arg(long)]
         json: bool,
     },
-    /// Move dead letters (all, or those with --reason) back to the work queue, attempts reset.
+    /// Move dead letters (all, or those with --reason) back to the work queue, attempts reset;
+    /// their messages count as waiting again in their uploads' progress.
     Replay {
         /// Only those with this reason (as listed).
         #[arg(long)]
         reason: Option<String>,
+        /// How long completion records are kept (the replicas' TURNSTILE_DONE_TTL): a message
+        /// whose republish fails is recorded as dead again for that long.
+        #[arg(long = "done-ttl", env = "TURNSTILE_DONE_TTL", default_value = "7d", value_parser = crate::config::duration_arg)]
+        done_ttl: Duration,
     },
 }
 
@@ -236,7 +245,12 @@ pub async fn run(cli: Cli) -> anyhow::Result<ExitCode> {
         Command::Publish(args) => publish(*args).await,
         Command::Status(args) => status(*args).await,
         Command::Demo(args) => crate::demo::run(*args).await,
-        Command::DeadLetters { action, broker } => {
+        Command::DeadLetters {
+            action,
+            broker,
+            redis,
+            limiter,
+        } => {
             let (connection, publisher, topology) = broker.open("turnstile dead-letters").await?;
             let channel = connection.create_channel().await?;
             match action {
@@ -258,10 +272,17 @@ pub async fn run(cli: Cli) -> anyhow::Result<ExitCode> {
                         }
                     }
                 }
-                DeadLettersAction::Replay { reason } => {
-                    let done =
-                        dead_letters::replay(&channel, &publisher, &topology, reason.as_deref())
-                            .await?;
+                DeadLettersAction::Replay { reason, done_ttl } => {
+                    let store = PermitStore::connect(&redis, &limiter).await?;
+                    let done = dead_letters::replay(
+                        &channel,
+                        &publisher,
+                        &topology,
+                        reason.as_deref(),
+                        &store,
+                        done_ttl,
+                    )
+                    .await?;
                     println!(
                         "replayed {} to {}; {} left in {}",
                         done.replayed,
@@ -405,7 +426,7 @@ async fn status(args: StatusArgs) -> anyhow::Result<ExitCode> {
             .iter()
             .map(|(p, limit, eta)| {
                 serde_json::json!({"seller": p.seller, "batch": p.batch, "total": p.total, "registered": p.registered,
-                    "waiting": p.waiting(), "dead_lettered": p.dead, "limit": limit.to_string(), "eta_s": eta.as_secs_f64()})
+                    "waiting": p.waiting(), "dead_lettered": p.dead, "done": p.waiting() == 0, "limit": limit.to_string(), "eta_s": eta.as_secs_f64()})
             })
             .collect();
         println!("{}", serde_json::to_string_pretty(&value)?);
@@ -475,6 +496,7 @@ mod tests {
             &["turnstile", "status"],
             &["turnstile", "demo"],
             &["turnstile", "dead-letters", "list"],
+            &["turnstile", "dead-letters", "replay"],
             &["turnstile", "limits", "get", "--seller", "S"],
             &["turnstile", "bench", "scenario"],
             &["turnstile", "bench", "permits"],

@@ -9,8 +9,9 @@
 //!   replica's sampler once a second, kept 11 minutes;
 //! - `sellers`: sellers asked about in the last 10 minutes (sorted set: seller -> last ms),
 //!   at most 10,000, also written by the sampler from [`Stats::take_sellers`];
-//! - `dead-letters`: dead letters by reason since the key prefix is in use (hash), counted when
-//!   the dead letter is confirmed by the broker;
+//! - `dead-now`: messages dead-lettered and not replayed since, by reason (hash, kept by
+//!   [`PermitStore::complete`]): a message counts once however often it was dead-lettered, and
+//!   no longer once replayed or registered by a copy;
 //! - `uploads`: the upload index written by [`progress::record_published`].
 //!
 //! The cost is bounded whatever the number of sellers: a snapshot reads the 200 sellers asked
@@ -26,15 +27,14 @@ use std::time::{Duration, Instant};
 
 use anyhow::Context;
 use lapin::message::Delivery;
-use redis::AsyncCommands;
 use serde::Serialize;
 use tokio_util::sync::CancellationToken;
 use tracing::{Instrument, debug, warn};
 
 use crate::broker::{self, Topology, unix_ms};
-use crate::domain::{Registration, SellerId};
+use crate::domain::SellerId;
 use crate::http::Readiness;
-use crate::permit::{PermitStore, Usage};
+use crate::permit::{Completion, PermitStore, Usage};
 use crate::progress;
 use crate::worker::Stats;
 
@@ -59,7 +59,6 @@ const QUEUES_EVERY: Duration = Duration::from_secs(5);
 
 const THROUGHPUT: &str = "throughput";
 const SELLERS: &str = "sellers";
-const DEAD_LETTERS: &str = "dead-letters";
 
 /// What the page shows about the replica that serves it.
 #[derive(Clone, Debug, Serialize)]
@@ -102,7 +101,7 @@ pub struct Snapshot {
     pub paused: Vec<SellerRow>,
     /// The most recent uploads, newest first.
     pub uploads: Vec<UploadRow>,
-    /// Dead letters by reason, counted by every replica.
+    /// Messages dead-lettered and not replayed since, by reason (each counted once).
     pub dead_letters: BTreeMap<String, u64>,
     pub throughput: Throughput,
 }
@@ -342,8 +341,7 @@ impl Dashboard {
 
     async fn dead_letters(&self) -> anyhow::Result<BTreeMap<String, u64>> {
         self.permits
-            .connection()
-            .hgetall(self.permits.shared_key(DEAD_LETTERS))
+            .dead_now()
             .await
             .context("reading dead letters by reason")
     }
@@ -512,9 +510,11 @@ pub async fn watch_queues(
     }
 }
 
-/// Counts a dead letter (confirmed by the broker) in the metrics, in the shared tally by reason
-/// and in its upload's progress. The Redis part runs in the background: it never delays the
-/// ack, and a failure only costs the count.
+/// Counts a dead letter (confirmed by the broker) in the metrics, and its message as dead in
+/// its upload's progress and in the dead letters by reason, once per message
+/// ([`PermitStore::complete`]; a body without an identity is counted per dead letter). The
+/// Redis part runs in the background: it never delays the ack, and a failure only costs the
+/// count.
 pub fn dead_lettered(
     permits: &PermitStore,
     delivery: &Delivery,
@@ -522,31 +522,23 @@ pub fn dead_lettered(
     ttl: Duration,
 ) {
     metrics::counter!("turnstile_dead_letters_total", "reason" => reason).increment(1);
-    let message_id = delivery
-        .properties
-        .message_id()
-        .as_ref()
-        .map(|m| m.to_string());
-    let registration = Registration::parse(&delivery.data, message_id.as_deref()).ok();
+    let registration = broker::registration_of(delivery).ok();
     let permits = permits.clone();
     let record = async move {
-        let tally = async {
-            permits
-                .connection()
-                .hincr::<_, _, _, ()>(permits.shared_key(DEAD_LETTERS), reason, 1)
+        let counted = match &registration {
+            Some(r) => permits
+                .complete(
+                    &r.seller_id,
+                    &r.message_id,
+                    r.batch_id.as_ref(),
+                    Completion::Dead(reason),
+                    ttl,
+                )
                 .await
-                .map_err(crate::permit::PermitError::from)
+                .map(drop),
+            None => permits.tally_dead(reason, 1).await,
         };
-        let upload = async {
-            match registration.as_ref().filter(|r| r.batch_id.is_some()) {
-                Some(r) => permits
-                    .complete(&r.seller_id, &r.message_id, r.batch_id.as_ref(), false, ttl)
-                    .await
-                    .map(drop),
-                None => Ok(()),
-            }
-        };
-        if let Err(error) = tokio::try_join!(tally, upload) {
+        if let Err(error) = counted {
             metrics::counter!("turnstile_redis_errors_total").increment(1);
             warn!(%error, "dead-lettered, but not counted in the dashboard and upload progress");
         }

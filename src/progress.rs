@@ -1,5 +1,7 @@
 //! Upload progress in Redis: the producer records what it published, consumers record what
-//! registered or was dead-lettered (`lua/complete.lua`); `turnstile status` reads both. Each
+//! registered or was dead-lettered and the replay what it took back (`lua/complete.lua`);
+//! `turnstile status` reads both. Each message is counted once, in the state its completion
+//! record says it is in now, so `registered` and `dead` never overlap. Each
 //! recorded upload is also indexed by publish time (`uploads`, a shared key), so the dashboard
 //! finds the recent ones without scanning the keyspace.
 
@@ -24,7 +26,8 @@ pub struct Progress {
 }
 
 impl Progress {
-    /// Messages neither registered nor dead-lettered yet.
+    /// Messages neither registered nor dead (never dead-lettered, or replayed since): the
+    /// upload is done when none is left.
     pub fn waiting(&self) -> u64 {
         self.total.saturating_sub(self.registered + self.dead)
     }

@@ -21,7 +21,7 @@ use tracing::{Instrument, debug, info_span, warn};
 use crate::broker::{Publisher, Settler, Topology, header_str, header_u64, headers, long_string};
 use crate::domain::Registration;
 use crate::downstream::{Downstream, Reply};
-use crate::permit::{Decision, PermitError, PermitStore, Rescheduled, Reservation};
+use crate::permit::{Completion, Decision, PermitError, PermitStore, Rescheduled, Reservation};
 
 /// What to do with a delivery; decided by [`Worker::handle`], applied by [`Worker::settle`].
 #[derive(Debug, PartialEq)]
@@ -656,7 +656,7 @@ impl Worker {
                     &registration.seller_id,
                     &registration.message_id,
                     registration.batch_id.as_ref(),
-                    true,
+                    Completion::Registered,
                     self.settings.done_ttl,
                 )
                 .await

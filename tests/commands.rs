@@ -274,3 +274,219 @@ fn no_secret_is_shown_by_help_or_a_startup_error() {
         }
     }
 }
+
+/// `turnstile status --json` for a seller.
+fn status_of(p: &Pipeline, seller: &str) -> serde_json::Value {
+    let mut cmd = turnstile();
+    env_of(p, &mut cmd);
+    let (code, out, err) = run(cmd.args(["status", "--seller", seller, "--json"]));
+    assert_eq!(code, 0, "{err}");
+    serde_json::from_str(&out).unwrap()
+}
+
+/// (registered, dead, waiting) of a seller's one upload, as `turnstile status` shows them.
+fn counts_of(p: &Pipeline, seller: &str) -> (u64, u64, u64) {
+    let s = status_of(p, seller);
+    let n = |f: &str| s[0][f].as_u64().unwrap_or_else(|| panic!("{f} in {s}"));
+    (n("registered"), n("dead_lettered"), n("waiting"))
+}
+
+/// Polls `turnstile status` until a seller's upload shows `want` (dead letters are counted just
+/// after the broker confirmed them); panics with what it showed last.
+async fn wait_counts(p: &Pipeline, seller: &str, want: (u64, u64, u64)) {
+    let deadline = std::time::Instant::now() + Duration::from_secs(60);
+    loop {
+        let counts = counts_of(p, seller);
+        if counts == want {
+            return;
+        }
+        assert!(
+            std::time::Instant::now() < deadline,
+            "status of {seller}: (registered, dead, waiting) = {counts:?}, expected {want:?}"
+        );
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+}
+
+/// The dashboard's dead letters by reason and a seller's upload row, as a replica serves them.
+async fn dashboard_of(p: &Pipeline, seller: &str) -> (serde_json::Value, serde_json::Value) {
+    let store = p.keys.store(support::limiter(
+        &p.limit,
+        turnstile::config::Algorithm::SlidingWindow,
+    ));
+    let dashboard = turnstile::dashboard::Dashboard::new(
+        store,
+        Default::default(),
+        Default::default(),
+        turnstile::dashboard::ReplicaInfo {
+            queue: p.broker.queue().to_owned(),
+            algorithm: "sliding-window",
+            limit: p.limit.clone(),
+            workers: 1,
+            prefetch: 1,
+            pid: 0,
+        },
+    );
+    let snapshot = serde_json::to_value(dashboard.snapshot().await.unwrap()).unwrap();
+    let upload = snapshot["uploads"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|u| u["seller"] == seller)
+        .cloned()
+        .unwrap_or_default();
+    (snapshot["dead_letters"].clone(), upload)
+}
+
+#[tokio::test]
+async fn status_counts_each_message_once_through_dead_letters_and_their_replay() {
+    const N: u64 = 60;
+    const REJECTED: u64 = 20;
+    let mut p = Pipeline::new("once", "100/1s").await;
+    // Every third product is rejected (400) the first time and accepted after the replay.
+    let file = std::env::temp_dir().join(format!("{}.jsonl", support::unique("once")));
+    let lines: String = (0..N)
+        .map(|i| {
+            let product = if i % 3 == 0 {
+                serde_json::json!({"sku": i, "mock": {"statuses": [400, 200]}})
+            } else {
+                serde_json::json!({"sku": i})
+            };
+            format!("{product}\n")
+        })
+        .collect();
+    std::fs::write(&file, lines).unwrap();
+    let mut cmd = turnstile();
+    env_of(&p, &mut cmd);
+    let (code, out, err) = run(cmd.args([
+        "publish",
+        file.to_str().unwrap(),
+        "--seller",
+        "S-once",
+        "--batch",
+        "b1",
+    ]));
+    std::fs::remove_file(&file).unwrap();
+    assert_eq!(code, 0, "{out}\n{err}");
+
+    p.start_replicas(1, 4).await;
+    p.wait_registered(N - REJECTED).await;
+    while u64::from(p.broker.depth(p.broker.topology.dead()).await) < REJECTED {
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    wait_counts(&p, "S-once", (N - REJECTED, REJECTED, 0)).await;
+    let (dead, upload) = dashboard_of(&p, "S-once").await;
+    assert_eq!(dead["rejected"], REJECTED, "{dead}");
+    assert_eq!(upload["dead"], REJECTED, "{upload}");
+
+    // Replayed while no replica runs: every replayed message waits, none is dead any more.
+    p.stop_replicas().await;
+    let mut cmd = turnstile();
+    env_of(&p, &mut cmd);
+    let (code, out, err) = run(cmd.args(["dead-letters", "replay"]));
+    assert_eq!(code, 0, "{err}");
+    assert!(out.starts_with(&format!("replayed {REJECTED} to")), "{out}");
+    let after_replay = counts_of(&p, "S-once");
+    let mut cmd = turnstile();
+    env_of(&p, &mut cmd);
+    let (_, table, _) = run(cmd.args(["status", "--seller", "S-once"]));
+    let (dead, upload) = dashboard_of(&p, "S-once").await;
+    assert_eq!(
+        after_replay,
+        (N - REJECTED, 0, REJECTED),
+        "(registered, dead, waiting) right after the replay"
+    );
+    assert!(
+        !table
+            .lines()
+            .any(|l| l.contains("b1") && l.ends_with("done")),
+        "status says done while {REJECTED} wait in the work queue:\n{table}"
+    );
+    assert_eq!(dead.get("rejected"), None, "{dead}");
+    assert_eq!(
+        (&upload["dead"], &upload["waiting"]),
+        (&0.into(), &REJECTED.into()),
+        "{upload}"
+    );
+
+    // While they register, the counts never overlap: done only once all N registered.
+    p.start_replicas(1, 4).await;
+    loop {
+        let (registered, dead, waiting) = counts_of(&p, "S-once");
+        assert_eq!(dead, 0);
+        assert_eq!(
+            registered + waiting,
+            N,
+            "registered {registered} + waiting {waiting}"
+        );
+        if registered == N {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    let stats = p.mock.stats();
+    assert_eq!((stats.registered, stats.duplicates), (N, 0), "{stats:?}");
+    let (dead, upload) = dashboard_of(&p, "S-once").await;
+    assert_eq!(
+        (&upload["registered"], &upload["dead"]),
+        (&N.into(), &0.into()),
+        "{upload}"
+    );
+    assert_eq!(dead.get("rejected"), None, "{dead}");
+    p.cleanup().await;
+}
+
+#[tokio::test]
+async fn a_message_dead_lettered_twice_counts_once() {
+    let mut p = Pipeline::new("twice", "100/1s").await;
+    let store = p.keys.store(support::limiter(
+        &p.limit,
+        turnstile::config::Algorithm::SlidingWindow,
+    ));
+    let seller = turnstile::domain::SellerId::parse("S-twice").unwrap();
+    let batch = turnstile::domain::BatchId::parse("b2").unwrap();
+    turnstile::progress::record_published(&store, &seller, &batch, 2, Duration::from_secs(600))
+        .await
+        .unwrap();
+    // m-copied is in the queue twice (a duplicate copy); m-again is rejected again after its
+    // first replay. Both are accepted the third time they are asked.
+    let product = serde_json::json!({"mock": {"statuses": [400, 400, 200]}});
+    for id in ["m-copied", "m-copied", "m-again"] {
+        let body = turnstile::rig::registration_body(id, "S-twice", Some("b2"), product.clone());
+        p.broker.publish(&body).await;
+    }
+    // One worker: the replayed copies are called one after the other, so the second finds the
+    // first registered (two copies called at once would both reach the API: at-least-once).
+    p.start_replicas(1, 1).await;
+    while p.broker.depth(p.broker.topology.dead()).await < 3 {
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    // Three dead letters of two messages: two dead.
+    wait_counts(&p, "S-twice", (0, 2, 0)).await;
+    assert_eq!(dashboard_of(&p, "S-twice").await.0["rejected"], 2);
+
+    let replay = |p: &Pipeline| {
+        let mut cmd = turnstile();
+        env_of(p, &mut cmd);
+        let (code, out, err) = run(cmd.args(["dead-letters", "replay"]));
+        assert_eq!(code, 0, "{err}");
+        out
+    };
+    // Replayed: m-copied registers (its second copy is already done), m-again is dead again.
+    assert!(replay(&p).starts_with("replayed 3 to"));
+    p.wait_registered(1).await;
+    while p.broker.depth(p.broker.topology.dead()).await < 1 {
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    wait_counts(&p, "S-twice", (1, 1, 0)).await;
+    assert_eq!(dashboard_of(&p, "S-twice").await.0["rejected"], 1);
+
+    assert!(replay(&p).starts_with("replayed 1 to"));
+    p.wait_registered(2).await;
+    wait_counts(&p, "S-twice", (2, 0, 0)).await;
+    let (dead, _) = dashboard_of(&p, "S-twice").await;
+    assert_eq!(dead.get("rejected"), None, "{dead}");
+    let stats = p.mock.stats();
+    assert_eq!((stats.registered, stats.duplicates), (2, 0), "{stats:?}");
+    p.cleanup().await;
+}

@@ -129,11 +129,18 @@ async fn a_message_returned_more_often_than_the_delivery_limit_is_dead_lettered_
         );
         tokio::time::sleep(Duration::from_millis(20)).await;
     }
+    let keys = support::Keys::new(support::Backend::Standalone, "replay-limit").await;
+    let permits = keys.store(support::limiter(
+        "10/1s",
+        turnstile::config::Algorithm::SlidingWindow,
+    ));
     let replayed = dead_letters::replay(
         &channel,
         &broker.publisher,
         &broker.topology,
         Some("delivery-limit"),
+        &permits,
+        Duration::from_secs(60),
     )
     .await
     .unwrap();
@@ -154,6 +161,7 @@ async fn a_message_returned_more_often_than_the_delivery_limit_is_dead_lettered_
     );
     back.acker.ack(BasicAckOptions::default()).await.unwrap();
     assert_eq!(broker.depth(broker.topology.dead()).await, 0);
+    keys.cleanup().await;
     broker.cleanup().await;
 }
 

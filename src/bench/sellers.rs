@@ -32,7 +32,7 @@ use crate::broker::{DEFAULT_AMQP_URL, QueueType};
 use crate::config::{Algorithm, Limit, LimiterArgs, RedisArgs, duration_arg, format_duration};
 use crate::domain::{BatchId, MessageId, SellerId};
 use crate::local_redis::LocalRedis;
-use crate::permit::{PermitStore, RedisConn, delete_prefix, keys_matching, redact_url};
+use crate::permit::{Completion, PermitStore, RedisConn, delete_prefix, keys_matching, redact_url};
 use crate::replica::Replica;
 use crate::rig::{RigArgs, registration_body};
 
@@ -305,7 +305,7 @@ async fn completion_records(
                     &seller(s),
                     &message(s, m),
                     Some(&batch),
-                    true,
+                    Completion::Registered,
                     args.done_ttl,
                 )
                 .await
@@ -775,7 +775,7 @@ async fn warm_scripts(target: &Target, base: &str) -> anyhow::Result<()> {
         &seller(0),
         &message(0, 0),
         None,
-        true,
+        Completion::Registered,
         Duration::from_secs(1),
     )
     .await

@@ -7,10 +7,16 @@
 //! operator's TTL or length limit: `expired`, `maxlen`; a reject by another client:
 //! `rejected`) as `broker-R`.
 
+use std::time::Duration;
+
+use anyhow::Context;
 use lapin::message::Delivery;
 use lapin::options::{BasicAckOptions, BasicGetOptions, BasicNackOptions};
 use lapin::types::{AMQPValue, FieldTable};
 use lapin::{BasicProperties, Channel};
+
+use crate::domain::Registration;
+use crate::permit::{Completion, PermitError, PermitStore};
 
 use super::{Publisher, Topology, depth, header_str, headers, is_death_history};
 
@@ -178,12 +184,17 @@ pub async fn list(
 
 /// Moves the dead letters with `reason` (all when `None`) back to the work queue: the body as
 /// it was, turnstile's own headers and the broker's dead-letter history removed (a fresh start:
-/// attempts at zero), confirmed before the dead letter is removed.
+/// attempts at zero), confirmed before the dead letter is removed. Each message is counted as
+/// waiting again before it is republished ([`revive`]), so no replica can register or
+/// dead-letter it while it still counts as dead; if the republish fails, it is counted dead
+/// again (with `ttl`, the completion records' TTL).
 pub async fn replay(
     channel: &Channel,
     publisher: &Publisher,
     topology: &Topology,
     reason: Option<&str>,
+    permits: &PermitStore,
+    ttl: Duration,
 ) -> anyhow::Result<Replayed> {
     let mut done = Replayed::default();
     visit(channel, topology, |delivery| {
@@ -207,13 +218,94 @@ pub async fn replay(
                     }
                 }
                 let properties: BasicProperties = delivery.properties.clone().with_headers(kept);
-                publisher
+                let revived = revive(permits, &delivery, ttl)
+                    .await
+                    .context("counting a replayed message as waiting again")?;
+                if let Err(error) = publisher
                     .publish("", &work, &delivery.data, properties)
-                    .await?;
+                    .await
+                {
+                    revived.undo(permits, ttl).await;
+                    return Err(error.into());
+                }
             }
             Ok((take, delivery))
         }
     })
     .await?;
     Ok(done)
+}
+
+/// What [`revive`] changed, to be undone if the republish fails.
+enum Revived {
+    /// Nothing was counted dead for it (already registered, counted as waiting, or a duplicate
+    /// copy whose message was revived already).
+    Nothing,
+    /// Its completion record went from dead (for this reason) back to waiting.
+    Message(Registration, String),
+    /// A body without an identity left the dead letters by reason.
+    Unidentified(&'static str),
+}
+
+/// Counts a dead letter's message as waiting again, before it is republished: its completion
+/// record goes from dead back to waiting (`lua/complete.lua`, which also lowers its upload's
+/// `dead` and the dead letters by reason), once however many copies are replayed. A body
+/// without an identity (counted per dead letter, always as `invalid-message`) leaves the dead
+/// letters by reason.
+async fn revive(
+    permits: &PermitStore,
+    delivery: &Delivery,
+    ttl: Duration,
+) -> Result<Revived, PermitError> {
+    let was_dead_for = header_str(delivery, headers::REASON).unwrap_or_default();
+    match super::registration_of(delivery) {
+        Ok(r) => {
+            let revived = permits
+                .complete(
+                    &r.seller_id,
+                    &r.message_id,
+                    r.batch_id.as_ref(),
+                    Completion::Replayed,
+                    ttl,
+                )
+                .await?;
+            Ok(if revived {
+                Revived::Message(r, was_dead_for)
+            } else {
+                Revived::Nothing
+            })
+        }
+        Err(_) if was_dead_for == INVALID => {
+            permits.tally_dead(INVALID, -1).await?;
+            Ok(Revived::Unidentified(INVALID))
+        }
+        Err(_) => Ok(Revived::Nothing),
+    }
+}
+
+/// The reason of a dead letter whose body does not parse.
+const INVALID: &str = "invalid-message";
+
+impl Revived {
+    /// Counts the message as dead again (its republish failed: it stays a dead letter). A
+    /// failure here leaves it counted as waiting, never as done.
+    async fn undo(self, permits: &PermitStore, ttl: Duration) {
+        let undone = match &self {
+            Revived::Nothing => Ok(()),
+            Revived::Message(r, reason) => permits
+                .complete(
+                    &r.seller_id,
+                    &r.message_id,
+                    r.batch_id.as_ref(),
+                    Completion::Dead(reason),
+                    ttl,
+                )
+                .await
+                .map(drop),
+            Revived::Unidentified(reason) => permits.tally_dead(reason, 1).await,
+        };
+        if let Err(error) = undone {
+            tracing::warn!(%error, "not republished, and still counted as waiting");
+        }
+    }
 }

@@ -341,6 +341,19 @@ pub fn header_u64(delivery: &Delivery, name: &str) -> Option<u64> {
     }
 }
 
+/// The registration a delivery carries, parsed as the worker parses it (the AMQP message-id
+/// property is the fallback id), or why it is invalid.
+pub fn registration_of(
+    delivery: &Delivery,
+) -> Result<crate::domain::Registration, crate::domain::InvalidMessage> {
+    let message_id = delivery
+        .properties
+        .message_id()
+        .as_ref()
+        .map(|m| m.as_str());
+    crate::domain::Registration::parse(&delivery.data, message_id)
+}
+
 /// A header as text.
 pub fn header_str(delivery: &Delivery, name: &str) -> Option<String> {
     match header(delivery, name)? {

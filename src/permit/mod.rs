@@ -127,6 +127,34 @@ impl Forfeit {
     }
 }
 
+/// What happened to a message, as its completion record keeps it (see `lua/complete.lua`):
+/// each message is in one state, and counted in its upload's progress in that one.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Completion<'a> {
+    /// The downstream accepted it (2xx).
+    Registered,
+    /// Dead-lettered (confirmed by the broker) with this reason: counted once, however many
+    /// copies are dead-lettered, and not at all if it already registered.
+    Dead(&'a str),
+    /// Taken out of the dead letters to be republished to the work queue: waiting again.
+    Replayed,
+}
+
+impl Completion<'_> {
+    /// The script's OUTCOME argument.
+    fn outcome(self) -> &'static str {
+        match self {
+            Completion::Registered => "registered",
+            Completion::Dead(_) => "dead",
+            Completion::Replayed => "replayed",
+        }
+    }
+}
+
+/// The shared hash of messages dead now, by reason (see [`PermitStore::dead_now`]). Named anew:
+/// `dead-letters`, its predecessor, counted every dead letter and was never lowered.
+const DEAD_NOW: &str = "dead-now";
+
 /// A grant that leaves at least this much of the limit taken (thousandths) is near the limit
 /// (as envoy's ratelimit counts `near_limit`: 80%).
 pub const NEAR_LIMIT_PERMILLE: u32 = 800;
@@ -430,15 +458,15 @@ impl PermitStore {
         Ok((self.acquire_for(seller, message, true).await?, None))
     }
 
-    /// Records the outcome of a message: `registered` (once; later deliveries of it are then
-    /// acked without a call) or `dead`; counts it in its batch's progress. Returns whether it
-    /// was newly recorded.
+    /// Moves a message to the state it is in now (see `lua/complete.lua`) and counts it there
+    /// once: in its batch's progress and, when it becomes or stops being dead, in the dead
+    /// letters by reason ([`Self::dead_now`]). Returns whether its state changed.
     pub async fn complete(
         &self,
         seller: &SellerId,
         message: &MessageId,
         batch: Option<&BatchId>,
-        registered: bool,
+        completion: Completion<'_>,
         ttl: Duration,
     ) -> Result<bool, PermitError> {
         let mut invocation = scripts::complete().prepare_invoke();
@@ -446,12 +474,51 @@ impl PermitStore {
         if let Some(batch) = batch {
             invocation.key(self.batch_key(seller, batch));
         }
-        let fresh: u8 = invocation
+        invocation
             .arg(ttl.as_millis().max(1) as u64)
-            .arg(if registered { "registered" } else { "dead" })
+            .arg(completion.outcome());
+        if let Completion::Dead(reason) = completion {
+            invocation.arg(reason);
+        }
+        let (changed, was_dead_for): (u8, String) =
+            invocation.invoke_async(&mut self.conn.clone()).await?;
+        // The tally is a shared key (another Cluster slot): a second step, only when a message
+        // becomes or stops being dead. Its failure costs the count, not the transition.
+        let tallied = match (changed, completion) {
+            (1, Completion::Dead(reason)) => self.tally_dead(reason, 1).await,
+            (1, _) if !was_dead_for.is_empty() => self.tally_dead(&was_dead_for, -1).await,
+            _ => Ok(()),
+        };
+        if let Err(error) = tallied {
+            metrics::counter!("turnstile_redis_errors_total").increment(1);
+            tracing::warn!(%error, "the dead letters by reason were not updated");
+        }
+        Ok(changed == 1)
+    }
+
+    /// Adds `by` to the dead letters now with `reason` (never below zero). [`Self::complete`]
+    /// keeps it for messages with an identity; this is for those without (a body that does not
+    /// parse), counted per dead letter.
+    pub async fn tally_dead(&self, reason: &str, by: i64) -> Result<(), PermitError> {
+        let _: i64 = scripts::tally()
+            .key(self.shared_key(DEAD_NOW))
+            .arg(reason)
+            .arg(by)
             .invoke_async(&mut self.conn.clone())
             .await?;
-        Ok(fresh == 1)
+        Ok(())
+    }
+
+    /// The messages dead-lettered and not replayed (nor registered by a copy) since, by reason:
+    /// each message with an identity counted once, each dead letter without one once.
+    pub async fn dead_now(&self) -> Result<std::collections::BTreeMap<String, u64>, PermitError> {
+        let counts: std::collections::BTreeMap<String, i64> =
+            self.conn.clone().hgetall(self.shared_key(DEAD_NOW)).await?;
+        Ok(counts
+            .into_iter()
+            .filter(|(_, n)| *n > 0)
+            .map(|(reason, n)| (reason, n as u64))
+            .collect())
     }
 
     /// Pauses the seller on every replica for `duration`; returns how long the pause now lasts

@@ -28,6 +28,7 @@ static PAUSE: LazyLock<Script> = script!("pause.lua");
 static COMPLETE: LazyLock<Script> = script!("complete.lua");
 static USAGE: LazyLock<Script> = script!("usage.lua");
 static RESCHEDULE: LazyLock<Script> = script!("reschedule.lua");
+static TALLY: LazyLock<Script> = script!("tally.lua");
 
 /// The acquire script of an algorithm.
 pub fn acquire(algorithm: Algorithm) -> &'static Script {
@@ -49,7 +50,7 @@ pub fn pause() -> &'static Script {
     &PAUSE
 }
 
-/// Records a registration or dead letter (see `lua/complete.lua`).
+/// Moves a message to registered, dead or waiting again, once (see `lua/complete.lua`).
 pub fn complete() -> &'static Script {
     &COMPLETE
 }
@@ -62,4 +63,9 @@ pub fn usage() -> &'static Script {
 /// Changes a seller's terms and gives back its reserved slots (see `lua/reschedule.lua`).
 pub fn reschedule() -> &'static Script {
     &RESCHEDULE
+}
+
+/// Adds to a count of a hash, never below zero (see `lua/tally.lua`).
+pub fn tally() -> &'static Script {
+    &TALLY
 }

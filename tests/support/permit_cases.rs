@@ -556,6 +556,130 @@ pub async fn usage_shows_grants_reservations_pauses_and_overrides(
     keys.cleanup().await;
 }
 
+/// A message's completion record moves it between waiting, registered and dead, and its upload
+/// and the dead letters by reason count it in the one state it is in: repeats change nothing,
+/// a dead letter's record does not suppress a call, and counts never go below zero.
+pub async fn completion_records_count_each_message_once(backend: Backend) {
+    use turnstile::domain::{BatchId, MessageId};
+    use turnstile::permit::Completion::{Dead, Registered, Replayed};
+    let keys = Keys::new(backend, "once").await;
+    let store = keys.store(limiter("1000/1s", Algorithm::SlidingWindow));
+    let (s, batch) = (seller("S-once"), BatchId::parse("b").unwrap());
+    let m = MessageId::parse("m-1").unwrap();
+    let ttl = Duration::from_secs(60);
+    turnstile::progress::record_published(&store, &s, &batch, 1, ttl)
+        .await
+        .unwrap();
+    let counts = async || {
+        let p = turnstile::progress::list(&store, Some(&s), Some(&batch))
+            .await
+            .unwrap();
+        let tally = store.dead_now().await.unwrap();
+        let tally = |r: &str| tally.get(r).copied().unwrap_or(0);
+        (
+            p[0].registered,
+            p[0].dead,
+            p[0].waiting(),
+            tally("rejected"),
+            tally("throttled"),
+        )
+    };
+    let done = async |algorithm| {
+        let store = keys.store(limiter("1000/1s", algorithm));
+        store.acquire_for(&s, Some(&m), false).await.unwrap() == Decision::AlreadyDone
+    };
+    // (transition, changed, then (registered, dead, waiting, rejected, throttled))
+    for (step, (completion, changed, then)) in [
+        (Dead("rejected"), true, (0, 1, 0, 1, 0)),
+        (Dead("rejected"), false, (0, 1, 0, 1, 0)),
+        (Dead("throttled"), false, (0, 1, 0, 1, 0)),
+        (Replayed, true, (0, 0, 1, 0, 0)),
+        (Replayed, false, (0, 0, 1, 0, 0)),
+        (Dead("throttled"), true, (0, 1, 0, 0, 1)),
+        (Registered, true, (1, 0, 0, 0, 0)),
+        (Registered, false, (1, 0, 0, 0, 0)),
+        (Dead("rejected"), false, (1, 0, 0, 0, 0)),
+        (Replayed, false, (1, 0, 0, 0, 0)),
+    ]
+    .into_iter()
+    .enumerate()
+    {
+        let was = store
+            .complete(&s, &m, Some(&batch), completion, ttl)
+            .await
+            .unwrap();
+        assert_eq!(
+            (was, counts().await),
+            (changed, then),
+            "step {step}: {completion:?}"
+        );
+        // Only a registered message is done: a dead letter's copy or a replay is called again.
+        let registered = then.0 == 1;
+        for algorithm in Algorithm::ALL {
+            assert_eq!(
+                done(algorithm).await,
+                registered,
+                "step {step}: {algorithm:?}"
+            );
+        }
+    }
+
+    // A record written by an earlier version (`1`) means registered.
+    let old = MessageId::parse("m-old").unwrap();
+    let _: () = redis::cmd("SET")
+        .arg(store.done_key(&s, &old))
+        .arg("1")
+        .query_async(&mut keys.conn.clone())
+        .await
+        .unwrap();
+    assert_eq!(
+        store.acquire_for(&s, Some(&old), false).await.unwrap(),
+        Decision::AlreadyDone
+    );
+    assert!(
+        !store
+            .complete(&s, &old, Some(&batch), Dead("rejected"), ttl)
+            .await
+            .unwrap()
+    );
+
+    // A decrement never recreates an upload that is gone, nor takes a count below zero.
+    let gone = BatchId::parse("gone").unwrap();
+    let m2 = MessageId::parse("m-2").unwrap();
+    store
+        .complete(&s, &m2, Some(&gone), Dead("rejected"), ttl)
+        .await
+        .unwrap();
+    let _: () = redis::cmd("DEL")
+        .arg(store.batch_key(&s, &gone))
+        .query_async(&mut keys.conn.clone())
+        .await
+        .unwrap();
+    store.tally_dead("rejected", -5).await.unwrap();
+    assert!(
+        store
+            .complete(&s, &m2, Some(&gone), Replayed, ttl)
+            .await
+            .unwrap()
+    );
+    let exists: bool = redis::cmd("EXISTS")
+        .arg(store.batch_key(&s, &gone))
+        .query_async(&mut keys.conn.clone())
+        .await
+        .unwrap();
+    assert!(!exists, "a replay recreated an expired upload");
+    assert!(store.dead_now().await.unwrap().is_empty());
+
+    // A reason that is not a plain word is refused before anything is written.
+    let err = store
+        .complete(&s, &m2, Some(&batch), Dead("bad reason"), ttl)
+        .await
+        .unwrap_err();
+    assert!(err.to_string().contains("REASON"), "{err}");
+    assert_eq!(counts().await, (1, 0, 0, 0, 0));
+    keys.cleanup().await;
+}
+
 /// Generates one test per case for a backend.
 #[macro_export]
 macro_rules! permit_tests {
@@ -625,6 +749,10 @@ macro_rules! permit_tests {
             for algorithm in [SlidingWindow, FixedWindow, TokenBucket] {
                 cases::a_forfeited_slot_goes_back_to_the_next_caller($backend, algorithm).await;
             }
+        }
+        #[tokio::test]
+        async fn completion_records_count_each_message_once() {
+            cases::completion_records_count_each_message_once($backend).await;
         }
         #[tokio::test]
         async fn scripts_check_inputs_before_writing() {
