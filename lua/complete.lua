@@ -16,10 +16,13 @@
 -- decrement.
 --
 -- KEYS[1]  the message's completion record (string)
--- KEYS[2]  optional: the batch's progress (hash: registered, dead, first_ms, last_ms)
+-- KEYS[2]  the seller's calls (see calls_gate in the prelude): with `registered` and a CALL, the
+--          call's answer is recorded now (see end_call)
+-- KEYS[3]  optional: the batch's progress (hash: registered, dead, first_ms, last_ms)
 -- ARGV[1]  TTL of both, in ms (integer >= 1)
 -- ARGV[2]  OUTCOME: `registered`, `dead` or `replayed`
--- ARGV[3]  with `dead`: REASON (1 to 64 letters, digits or dashes)
+-- ARGV[3]  with `dead`: REASON (1 to 64 letters, digits or dashes); else ignored
+-- ARGV[4]  CALL: the token of the call that registered it ('' when none)
 -- Returns {CHANGED, WAS_DEAD_FOR}: CHANGED 1 when the state changed (and was counted), else 0;
 --   WAS_DEAD_FOR the REASON the message was dead for when it left `dead`, else ''
 
@@ -39,16 +42,18 @@ local dead_for = state and string.match(state, '^dead:(.+)$')
 
 local ms = nil
 local function count(field, by)
-  if KEYS[2] == nil then return end
-  if by < 0 and tonumber(redis.call('HGET', KEYS[2], field) or '0') < -by then return end
+  if KEYS[3] == nil then return end
+  if by < 0 and tonumber(redis.call('HGET', KEYS[3], field) or '0') < -by then return end
   ms = ms or math.floor(now_us() / 1000)
-  redis.call('HINCRBY', KEYS[2], field, by)
-  redis.call('HSETNX', KEYS[2], 'first_ms', ms)
-  redis.call('HSET', KEYS[2], 'last_ms', ms)
-  redis.call('PEXPIRE', KEYS[2], ttl)
+  redis.call('HINCRBY', KEYS[3], field, by)
+  redis.call('HSETNX', KEYS[3], 'first_ms', ms)
+  redis.call('HSET', KEYS[3], 'last_ms', ms)
+  redis.call('PEXPIRE', KEYS[3], ttl)
 end
 
 if outcome == 'registered' then
+  local call = ARGV[4] or ''
+  if call ~= '' then end_call(KEYS[2], token_arg(4), now_us()) end
   if registered then return {0, ''} end
   redis.call('SET', KEYS[1], 'registered', 'PX', ttl)
   if dead_for then count('dead', -1) end

@@ -9,7 +9,8 @@
 -- KEYS[3]  the seller's pause ("UNTIL_US"), may be absent
 -- KEYS[4]  the seller's reserved slots (sorted set: member = TOKEN, score = slot; see the prelude)
 -- KEYS[5]  the seller's server stamp (run id of the Redis that wrote its state; see the prelude)
--- KEYS[6]  optional: the message's completion record; if it exists nothing is written
+-- KEYS[6]  the seller's calls (unused: this algorithm is not exact, see README)
+-- KEYS[7]  optional: the message's completion record; if it exists nothing is written
 -- ARGV[1]  default COUNT (integer >= 1)
 -- ARGV[2]  default WINDOW in µs (integer >= 1)
 -- ARGV[3]  GUARD in µs (-1 = window/20 within [25 ms, 2 s])
@@ -17,6 +18,7 @@
 --          +2 = Redis keeps its data across restarts (no cold-start wait, see the prelude)
 -- ARGV[5]  HORIZON in µs: a slot further away than this is never reserved
 -- ARGV[6]  TOKEN: a string unique to this attempt (letters, digits, dashes; at most 64)
+-- ARGV[7]  BOUND (unused: calls are not tracked)
 -- Returns {STATUS, SLOT_US, NOW_US, COUNT, WINDOW_US, USED_PERMILLE}
 --   STATUS 1 = granted (call now), 2 = reserved (call at SLOT), 0 = denied (come back at SLOT),
 --   3 = the message already registered (KEYS[5] exists);
@@ -27,7 +29,7 @@ local a = acquire_args()
 local count, window = effective_limit(KEYS[2], a.count, a.window)
 local guard = guard_for(window, a.guard)
 local now = now_us()
-if already_done(KEYS[6]) then return {3, now, now, count, window} end
+if already_done(KEYS[7]) then return {3, now, now, count, window} end
 check_server(KEYS[5], KEYS[1], KEYS[3], window, now, a.durable)
 local at = math.max(now, paused_until(KEYS[3]))
 

@@ -8,7 +8,8 @@
 -- KEYS[3]  the seller's pause ("UNTIL_US"), may be absent
 -- KEYS[4]  the seller's reserved slots (sorted set: member = TOKEN, score = slot; see the prelude)
 -- KEYS[5]  the seller's server stamp (run id of the Redis that wrote its state; see the prelude)
--- KEYS[6]  optional: the message's completion record; if it exists nothing is written
+-- KEYS[6]  the seller's calls (sorted set: member = TOKEN, score = END; see calls_gate in the prelude)
+-- KEYS[7]  optional: the message's completion record; if it exists nothing is written
 -- ARGV[1]  default COUNT (integer >= 1)
 -- ARGV[2]  default WINDOW in µs (integer >= 1)
 -- ARGV[3]  GUARD in µs added to the window (-1 = window/20 within [25 ms, 2 s])
@@ -16,7 +17,9 @@
 --          +2 = Redis keeps its data across restarts (no cold-start wait, see the prelude)
 -- ARGV[5]  HORIZON in µs: a slot further away than this is never reserved
 -- ARGV[6]  TOKEN: a string unique to this attempt (letters, digits, dashes; at most 64)
--- ARGV[7]  BURST (integer >= 1; at most COUNT)
+-- ARGV[7]  BOUND in µs: the latest a granted call's answer (or timeout) comes back after its
+--          grant (integer >= 0)
+-- ARGV[8]  BURST (integer >= 1; at most COUNT)
 -- Returns {STATUS, SLOT_US, NOW_US, COUNT, WINDOW_US, USED_PERMILLE}
 --   STATUS 1 = granted (call now), 2 = reserved (call at SLOT), 0 = denied (come back at SLOT),
 --   3 = the message already registered (KEYS[5] exists);
@@ -24,13 +27,13 @@
 --   this grant, in thousandths (TAT ahead of now / BURST intervals): the near-limit metric;
 
 local a = acquire_args()
-local burst = int_arg(7, 1)
+local burst = int_arg(8, 1)
 local count, window = effective_limit(KEYS[2], a.count, a.window)
 burst = math.min(burst, count)
 local guard = guard_for(window, a.guard)
 local interval = (window + guard) / (count - burst + 1)
 local now = now_us()
-if already_done(KEYS[6]) then return {3, now, now, count, window} end
+if already_done(KEYS[7]) then return {3, now, now, count, window} end
 check_server(KEYS[5], KEYS[1], KEYS[3], window + guard, now, a.durable)
 
 local tat = math.max(tonumber(redis.call('GET', KEYS[1]) or '0'), now)
@@ -42,6 +45,11 @@ if pause > slot then
 end
 
 local status = due(slot, now, guard, a)
+if status == 1 then
+  -- Due, but calls of the last window may still be in flight: wait for their answers.
+  local open_at = calls_gate(KEYS[6], now, window, count, guard)
+  if open_at then slot, status = math.max(open_at, slot), (a.reserve == 1 and 2 or 0) end
+end
 if status == 0 then return {0, slot, now, count, window} end
 local next_tat = tat + interval
 local ttl = math.floor((next_tat - now) / 1000) + 1
@@ -51,4 +59,5 @@ if status == 2 then
   hold_reservation(KEYS[4], a.token, slot, now, guard)
   return {2, slot, now, count, window}
 end
+start_call(KEYS[6], a.token, now, a.bound, window)
 return {status, slot, now, count, window, math.floor((next_tat - now) * 1000 / (burst * interval))}

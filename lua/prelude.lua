@@ -55,6 +55,7 @@ local function acquire_args()
   }
   if a.flags > 3 then error({err = 'ERR turnstile: FLAGS must be 0 to 3'}) end
   a.token = token_arg(6)
+  a.bound = int_arg(7, 0)
   a.reserve = a.flags % 2
   a.durable = a.flags >= 2
   return a
@@ -177,4 +178,35 @@ local function algorithm_arg(i)
     error({err = 'ERR turnstile: ARGV[' .. i .. '] must be an algorithm'})
   end
   return a
+end
+
+-- Calls (the exact algorithms): every call granted occupies the time from its grant until its
+-- answer, because the downstream may count it at any moment in between. The seller's calls
+-- (sorted set CALLS: member TOKEN, score = the call's END: while it is in flight, its grant +
+-- BOUND, the latest its answer or timeout can come back; once answered, when the answer was
+-- recorded, see ended.lua) keep every call whose END lies within the last WINDOW: a call that
+-- ended earlier cannot share a window with one starting now. A new call may start only while
+-- fewer than COUNT are kept; then, whatever each call's latency, no window of the downstream
+-- holds more than COUNT (README, "Exact whatever the latency").
+-- Returns nil when a call may start now, else when to ask again: when the COUNT-th latest END
+-- leaves the window if every call in flight takes its whole BOUND, but no later than GUARD
+-- from now (an answer usually comes much sooner).
+local function calls_gate(calls_key, now, window, count, guard)
+  redis.call('ZREMRANGEBYSCORE', calls_key, '-inf', now - window)
+  local n = redis.call('ZCARD', calls_key)
+  if n < count then return nil end
+  local kth = tonumber(redis.call('ZRANGE', calls_key, n - count, n - count, 'WITHSCORES')[2])
+  return math.min(kth + window, now + math.max(guard, 1000))
+end
+
+-- Records a call granted now with TOKEN: in flight until now + BOUND at the latest.
+local function start_call(calls_key, token, now, bound, window)
+  redis.call('ZADD', calls_key, now + bound, token)
+  redis.call('PEXPIRE', calls_key, math.floor((bound + window) / 1000) + 1)
+end
+
+-- Records that the call TOKEN was answered now: its END comes forward (never back).
+local function end_call(calls_key, token, now)
+  local bound = tonumber(redis.call('ZSCORE', calls_key, token) or '')
+  if bound ~= nil and now < bound then redis.call('ZADD', calls_key, now, token) end
 end

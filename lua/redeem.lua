@@ -10,7 +10,8 @@
 -- KEYS[3]  the seller's limiter state for ALGORITHM
 -- KEYS[4]  the seller's reserved slots (sorted set: member = TOKEN, score = slot)
 -- KEYS[5]  the seller's server stamp (see check_server in the prelude)
--- KEYS[6]  optional: the message's completion record
+-- KEYS[6]  the seller's calls (sorted set: member = TOKEN, score = END; see calls_gate)
+-- KEYS[7]  optional: the message's completion record
 -- ARGV[1]  default COUNT (integer >= 1)
 -- ARGV[2]  default WINDOW in µs (integer >= 1)
 -- ARGV[3]  GUARD in µs (-1 = window/20 within [25 ms, 2 s])
@@ -21,9 +22,12 @@
 -- ARGV[8]  ALGORITHM: sliding-window, gcra, token-bucket or fixed-window
 -- ARGV[9]  TOKEN the slot was reserved with (letters, digits, dashes; at most 64)
 -- ARGV[10] token-bucket: CAPACITY (integer >= 0; 0 = COUNT); others: ignored
+-- ARGV[11] BOUND in µs: the latest a granted call's answer (or timeout) comes back after its
+--          grant (integer >= 0; sliding-window and gcra track their calls)
 -- Returns {STATUS, AT_US, NOW_US}
---   1 granted; 2 early: come back at AT (the reservation is kept); 3 paused until AT; 4 the
---   limit changed; 5 too late; 6 the message already registered (KEYS[6] exists); 8 no such
+--   1 granted; 2 early (or calls of the last window still in flight): come back at AT (the
+--   reservation is kept); 3 paused until AT; 4 the limit changed; 5 too late; 6 the message
+--   already registered (KEYS[7] says so); 8 no such
 --   reservation (never made, already redeemed, given back by a limit change or resume, or lost
 --   with Redis). 3 to 8 leave no reservation: the caller acquires a new one.
 
@@ -33,6 +37,7 @@ local durable = int_arg(7, 0) >= 2
 local algorithm = algorithm_arg(8)
 local token = token_arg(9)
 local capacity = int_arg(10, 0)
+local bound = int_arg(11, 0)
 local count, window = effective_limit(KEYS[1], default_count, default_window)
 if capacity == 0 then capacity = count end
 guard = guard_for(window, guard)
@@ -47,7 +52,7 @@ local function release(status, at)
   return {status, at, now}
 end
 
-if already_done(KEYS[6]) then return release(6, now) end
+if already_done(KEYS[7]) then return release(6, now) end
 if reserved == nil or reserved ~= slot then return {8, now, now} end
 local span = window + guard
 if algorithm == 'fixed-window' then span = window end
@@ -57,4 +62,9 @@ if pause > slot then return release(3, pause) end
 if count ~= held_count or window ~= held_window then return release(4, now) end
 if now < slot - math.floor(guard / 10) then return {2, slot, now} end
 if now > slot + math.floor(guard / 2) then return release(5, now) end
+if algorithm == 'sliding-window' or algorithm == 'gcra' then
+  local open_at = calls_gate(KEYS[6], now, window, count, guard)
+  if open_at then return {2, open_at, now} end
+  start_call(KEYS[6], token, now, bound, window)
+end
 return release(1, slot)

@@ -9,7 +9,8 @@
 -- KEYS[3]  the seller's pause ("UNTIL_US"), may be absent
 -- KEYS[4]  the seller's reserved slots (sorted set: member = TOKEN, score = slot; see the prelude)
 -- KEYS[5]  the seller's server stamp (run id of the Redis that wrote its state; see the prelude)
--- KEYS[6]  optional: the message's completion record; if it exists nothing is written
+-- KEYS[6]  the seller's calls (unused: this algorithm is not exact, see README)
+-- KEYS[7]  optional: the message's completion record; if it exists nothing is written
 -- ARGV[1]  default COUNT (integer >= 1)
 -- ARGV[2]  default WINDOW in µs (integer >= 1)
 -- ARGV[3]  GUARD in µs added to the window (-1 = window/20 within [25 ms, 2 s])
@@ -17,8 +18,9 @@
 --          +2 = Redis keeps its data across restarts (no cold-start wait, see the prelude)
 -- ARGV[5]  HORIZON in µs: a slot further away than this is never reserved
 -- ARGV[6]  TOKEN: a string unique to this attempt (letters, digits, dashes; at most 64)
--- ARGV[7]  CAPACITY (integer >= 0; 0 = COUNT)
--- ARGV[8]  REQUESTED tokens (integer >= 1, at most the capacity)
+-- ARGV[7]  BOUND (unused: calls are not tracked)
+-- ARGV[8]  CAPACITY (integer >= 0; 0 = COUNT)
+-- ARGV[9]  REQUESTED tokens (integer >= 1, at most the capacity)
 -- Returns {STATUS, SLOT_US, NOW_US, COUNT, WINDOW_US, USED_PERMILLE}
 --   STATUS 1 = granted (call now), 2 = reserved (call at SLOT), 0 = denied (come back at SLOT),
 --   3 = the message already registered (KEYS[5] exists);
@@ -26,15 +28,15 @@
 --   this grant, in thousandths (tokens taken / CAPACITY): the near-limit metric;
 
 local a = acquire_args()
-local capacity = int_arg(7, 0)
-local requested = int_arg(8, 1)
+local capacity = int_arg(8, 0)
+local requested = int_arg(9, 1)
 local count, window = effective_limit(KEYS[2], a.count, a.window)
 if capacity == 0 then capacity = count end
 if requested > capacity then error({err = 'ERR turnstile: REQUESTED exceeds CAPACITY'}) end
 local guard = guard_for(window, a.guard)
 local rate = count / (window + guard) -- tokens per µs
 local now = now_us()
-if already_done(KEYS[6]) then return {3, now, now, count, window} end
+if already_done(KEYS[7]) then return {3, now, now, count, window} end
 check_server(KEYS[5], KEYS[1], KEYS[3], window + guard, now, a.durable)
 
 local state = redis.call('HMGET', KEYS[1], 'tokens', 'ts')

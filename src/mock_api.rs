@@ -56,6 +56,13 @@ pub struct MockArgs {
     /// Fraction of requests (0 to 1) answered 503 at random, before the limit check.
     #[arg(long, default_value_t = 0.0, value_parser = parse_fraction)]
     pub fail_rate: f64,
+    /// Fraction of requests (0 to 1), at random, that reach the API late: held --slow-ms before
+    /// they are counted (a new connection, a TLS handshake, a pause on the way).
+    #[arg(long, default_value_t = 0.0, value_parser = parse_fraction)]
+    pub slow_rate: f64,
+    /// How late a slow request (--slow-rate) is counted, in ms.
+    #[arg(long, default_value_t = 300)]
+    pub slow_ms: u64,
 }
 
 impl MockArgs {
@@ -66,6 +73,8 @@ impl MockArgs {
             addr: SocketAddr::from(([127, 0, 0, 1], 0)),
             latency_ms: 0,
             fail_rate: 0.0,
+            slow_rate: 0.0,
+            slow_ms: 300,
         }
     }
 }
@@ -130,9 +139,10 @@ impl MockServer {
     /// stops when `shutdown` is cancelled; responses still sleeping are then sent at once.
     pub async fn start(args: MockArgs, shutdown: CancellationToken) -> anyhow::Result<MockServer> {
         anyhow::ensure!(
-            (0.0..=1.0).contains(&args.fail_rate),
-            "--fail-rate must be a fraction from 0 to 1, got {}",
-            args.fail_rate
+            (0.0..=1.0).contains(&args.fail_rate) && (0.0..=1.0).contains(&args.slow_rate),
+            "--fail-rate and --slow-rate must be fractions from 0 to 1, got {} and {}",
+            args.fail_rate,
+            args.slow_rate
         );
         let listener = tokio::net::TcpListener::bind(args.addr)
             .await
@@ -142,6 +152,8 @@ impl MockServer {
             limit: args.limit,
             latency: Duration::from_millis(args.latency_ms),
             fail_rate: args.fail_rate,
+            slow_rate: args.slow_rate,
+            slow: Duration::from_millis(args.slow_ms),
             shutdown: shutdown.clone(),
             state: Mutex::new(Ledger::new()),
         });
@@ -221,6 +233,8 @@ struct App {
     limit: Limit,
     latency: Duration,
     fail_rate: f64,
+    slow_rate: f64,
+    slow: Duration,
     shutdown: CancellationToken,
     state: Mutex<Ledger>,
 }
@@ -512,6 +526,9 @@ async fn register(
             return error(StatusCode::BAD_REQUEST, why);
         }
     };
+    if rand::random::<f64>() < app.slow_rate {
+        app.pause(app.slow).await;
+    }
     let answer = app.decide(&req, rand::random::<f64>());
     let scripted_delay = req.script.as_ref().map_or(Duration::ZERO, |s| s.delay);
     app.pause(app.latency + scripted_delay).await;

@@ -141,7 +141,8 @@ impl Replica {
         else {
             return Ok(stopped(stats, ready, http_addr));
         };
-        let permits = PermitStore::new(conn, &args.redis.key_prefix, args.limiter.clone());
+        let permits = PermitStore::new(conn, &args.redis.key_prefix, args.limiter.clone())
+            .with_call_timeout(args.downstream.timeout);
         let prefetch = args.prefetch();
         let dashboard = Arc::new(Dashboard::new(
             permits.clone(),

@@ -21,7 +21,7 @@ use tracing::{Instrument, debug, info_span, warn};
 use crate::broker::{Publisher, Settler, Topology, header_str, header_u64, headers, long_string};
 use crate::domain::Registration;
 use crate::downstream::{Downstream, Reply};
-use crate::permit::{Completion, Decision, PermitError, PermitStore, Rescheduled, Reservation};
+use crate::permit::{CALL_ALLOWANCE, Decision, PermitError, PermitStore, Rescheduled, Reservation};
 
 /// What to do with a delivery; decided by [`Worker::handle`], applied by [`Worker::settle`].
 #[derive(Debug, PartialEq)]
@@ -437,6 +437,7 @@ impl Worker {
                 _ = shutdown.cancelled() => return returned(carried, Interrupted::Shutdown),
                 _ = connection_lost.cancelled() => return Outcome::Requeue,
             };
+            let asked = std::time::Instant::now();
             let decided = tokio::select! {
                 d = self.decide(registration, carried.reservation.as_ref()) => d,
                 _ = shutdown.cancelled() => return returned(carried, Interrupted::Shutdown),
@@ -474,15 +475,28 @@ impl Worker {
             };
             match decision {
                 Decision::AlreadyDone => return Outcome::AlreadyDone,
-                Decision::Granted { .. } => {
+                Decision::Granted { call, .. } => {
+                    if asked.elapsed() > CALL_ALLOWANCE {
+                        // Too late to send under this grant: its place in the window was only
+                        // promised for a call starting within the allowance. Ask again.
+                        warn!(
+                            waited_ms = asked.elapsed().as_millis() as u64,
+                            "a permit came back too late to send the call with it; asking again"
+                        );
+                        carried.reservation = None;
+                        continue;
+                    }
                     self.stats.in_flight.fetch_add(1, Ordering::Relaxed);
                     let reply = self.downstream.register(registration).await;
                     self.stats.in_flight.fetch_sub(1, Ordering::Relaxed);
+                    if !matches!(reply, Reply::Registered) {
+                        self.record_call_end(registration, &call).await;
+                    }
                     drop(worker);
                     carried.reservation = None;
                     match reply {
                         Reply::Registered => {
-                            self.record_completion(registration).await;
+                            self.record_completion(registration, &call).await;
                             return Outcome::Registered;
                         }
                         Reply::Throttled { retry_after } => {
@@ -649,14 +663,15 @@ impl Worker {
         Ok(decision)
     }
 
-    async fn record_completion(&self, registration: &Registration) {
+    /// Records the registration (and the answer of its call, `call`) in one step.
+    async fn record_completion(&self, registration: &Registration, call: &str) {
         let record = || async {
             self.permits
-                .complete(
+                .complete_call(
                     &registration.seller_id,
                     &registration.message_id,
                     registration.batch_id.as_ref(),
-                    Completion::Registered,
+                    call,
                     self.settings.done_ttl,
                 )
                 .await
@@ -666,6 +681,14 @@ impl Worker {
             .with_max_times(6);
         if let Err(error) = record.retry(retry).await {
             warn!(%error, "registered, but the completion record was not written: a redelivery could call again");
+        }
+    }
+
+    /// Records that the call `call` was answered (not a registration): it stops holding its
+    /// place in the seller's window beyond now. On failure it holds it until its bound.
+    async fn record_call_end(&self, registration: &Registration, call: &str) {
+        if let Err(error) = self.permits.call_ended(&registration.seller_id, call).await {
+            debug!(%error, "the call's answer was not recorded; its place is kept until its bound");
         }
     }
 

@@ -27,8 +27,8 @@ async fn mock_with(limit: &str, fail_rate: f64) -> Mock {
     let args = MockArgs {
         limit: limit.parse().unwrap(),
         addr: "127.0.0.1:0".parse().unwrap(),
-        latency_ms: 0,
         fail_rate,
+        ..MockArgs::local(limit.parse().unwrap())
     };
     let shutdown = CancellationToken::new();
     let server = MockServer::start(args, shutdown.clone()).await.unwrap();
@@ -331,8 +331,7 @@ async fn the_server_stops_when_shutdown_is_cancelled() {
     let args = MockArgs {
         limit: "1/1s".parse().unwrap(),
         addr: "127.0.0.1:0".parse().unwrap(),
-        latency_ms: 0,
-        fail_rate: 0.0,
+        ..MockArgs::local("1/1s".parse().unwrap())
     };
     let server = MockServer::start(args, shutdown.clone()).await.unwrap();
     let base = format!("http://{}", server.addr());

@@ -93,7 +93,13 @@ pub enum Decision {
     /// Call now. `slot_us` is the Redis time the call is counted at; `used_permille` is how
     /// much of the seller's limit is taken with this grant, in thousandths (a redeemed
     /// reservation counts as 1000: its slot was reserved because the limit had no room).
-    Granted { slot_us: i64, used_permille: u32 },
+    /// `call` names the call in the seller's calls until its answer is recorded
+    /// ([`PermitStore::complete_call`], [`PermitStore::call_ended`]).
+    Granted {
+        slot_us: i64,
+        used_permille: u32,
+        call: String,
+    },
     /// Not yet: come back after `retry_after`. With a reservation, come back with it and the
     /// slot is yours; without (reserving off, beyond the horizon), acquire again then.
     Wait {
@@ -207,7 +213,12 @@ pub struct PermitStore {
     conn: RedisConn,
     prefix: String,
     limiter: LimiterArgs,
+    call_bound: Duration,
 }
+
+/// How long after its grant a call may still start: a worker that could not send it sooner
+/// drops the grant (the call's place is kept until its bound, never less).
+pub const CALL_ALLOWANCE: Duration = Duration::from_secs(1);
 
 fn wait_for(at_us: i64, now_us: i64) -> Duration {
     Duration::from_micros(at_us.saturating_sub(now_us).max(0) as u64)
@@ -227,7 +238,39 @@ impl PermitStore {
             conn,
             prefix: prefix.to_owned(),
             limiter,
+            call_bound: Duration::ZERO,
         }
+    }
+
+    /// Calls granted by this store are sent within [`CALL_ALLOWANCE`] of their grant and
+    /// answered (or timed out) within `timeout` of being sent: each holds its place in the
+    /// seller's window until its answer is recorded, and at most until grant + allowance +
+    /// timeout (see `calls_gate` in `lua/prelude.lua`). Without it (zero), a call counts at its
+    /// grant only, as a point.
+    pub fn with_call_timeout(mut self, timeout: Duration) -> Self {
+        self.call_bound = CALL_ALLOWANCE + timeout;
+        self
+    }
+
+    fn call_bound_us(&self) -> u64 {
+        self.call_bound.as_micros() as u64
+    }
+
+    /// The seller's calls in flight or answered within a window (sorted set, see
+    /// `calls_gate` in `lua/prelude.lua`).
+    pub fn calls_key(&self, seller: &SellerId) -> String {
+        self.seller_key(seller, "calls")
+    }
+
+    /// Records that the call `call` was answered now (for every answer but a registration,
+    /// which [`Self::complete_call`] records with its completion).
+    pub async fn call_ended(&self, seller: &SellerId, call: &str) -> Result<(), PermitError> {
+        let _: i64 = scripts::ended()
+            .key(self.calls_key(seller))
+            .arg(call)
+            .invoke_async(&mut self.conn.clone())
+            .await?;
+        Ok(())
     }
 
     pub fn connection(&self) -> RedisConn {
@@ -313,7 +356,8 @@ impl PermitStore {
             .key(self.seller_key(seller, "limit"))
             .key(self.seller_key(seller, "pause"))
             .key(self.seller_key(seller, "reserved"))
-            .key(self.seller_key(seller, "server"));
+            .key(self.seller_key(seller, "server"))
+            .key(self.calls_key(seller));
         if let Some(message) = message {
             invocation.key(self.done_key(seller, message));
         }
@@ -323,7 +367,8 @@ impl PermitStore {
             .arg(self.guard_arg())
             .arg(u8::from(reserve) | self.durable_flag())
             .arg(self.limiter.horizon.as_micros() as u64)
-            .arg(&token);
+            .arg(&token)
+            .arg(self.call_bound_us());
         match algorithm {
             Algorithm::Gcra => {
                 invocation.arg(self.limiter.gcra_burst.max(1));
@@ -346,6 +391,7 @@ impl PermitStore {
             1 => Ok(Decision::Granted {
                 slot_us: slot,
                 used_permille: int(5).map_or(0, |p| p.clamp(0, i64::from(u32::MAX)) as u32),
+                call: token,
             }),
             2 => Ok(Decision::Wait {
                 retry_after: wait_for(slot, now),
@@ -392,7 +438,8 @@ impl PermitStore {
             .key(self.seller_key(seller, "pause"))
             .key(self.state_key(seller))
             .key(self.seller_key(seller, "reserved"))
-            .key(self.seller_key(seller, "server"));
+            .key(self.seller_key(seller, "server"))
+            .key(self.calls_key(seller));
         if let Some(message) = message {
             invocation.key(self.done_key(seller, message));
         }
@@ -407,12 +454,14 @@ impl PermitStore {
             .arg(self.limiter.algorithm.name())
             .arg(&held.token)
             .arg(self.limiter.bucket_capacity)
+            .arg(self.call_bound_us())
             .invoke_async(&mut self.conn.clone())
             .await?;
         let redeemed = match status {
             1 => Ok(Decision::Granted {
                 slot_us: at,
                 used_permille: 1000,
+                call: held.token.clone(),
             }),
             2 => Ok(Decision::Wait {
                 retry_after: wait_for(at, now),
@@ -469,17 +518,49 @@ impl PermitStore {
         completion: Completion<'_>,
         ttl: Duration,
     ) -> Result<bool, PermitError> {
+        self.record(seller, message, batch, completion, "", ttl)
+            .await
+    }
+
+    /// As [`Self::complete`] with [`Completion::Registered`], for the message registered by the
+    /// call `call`: its answer is recorded in the same step (see [`Decision::Granted`]).
+    pub async fn complete_call(
+        &self,
+        seller: &SellerId,
+        message: &MessageId,
+        batch: Option<&BatchId>,
+        call: &str,
+        ttl: Duration,
+    ) -> Result<bool, PermitError> {
+        self.record(seller, message, batch, Completion::Registered, call, ttl)
+            .await
+    }
+
+    async fn record(
+        &self,
+        seller: &SellerId,
+        message: &MessageId,
+        batch: Option<&BatchId>,
+        completion: Completion<'_>,
+        call: &str,
+        ttl: Duration,
+    ) -> Result<bool, PermitError> {
         let mut invocation = scripts::complete().prepare_invoke();
-        invocation.key(self.done_key(seller, message));
+        invocation
+            .key(self.done_key(seller, message))
+            .key(self.calls_key(seller));
         if let Some(batch) = batch {
             invocation.key(self.batch_key(seller, batch));
         }
+        let reason = match completion {
+            Completion::Dead(reason) => reason,
+            _ => "",
+        };
         invocation
             .arg(ttl.as_millis().max(1) as u64)
-            .arg(completion.outcome());
-        if let Completion::Dead(reason) = completion {
-            invocation.arg(reason);
-        }
+            .arg(completion.outcome())
+            .arg(reason)
+            .arg(call);
         let (changed, was_dead_for): (u8, String) =
             invocation.invoke_async(&mut self.conn.clone()).await?;
         // The tally is a shared key (another Cluster slot): a second step, only when a message

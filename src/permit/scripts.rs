@@ -29,6 +29,7 @@ static COMPLETE: LazyLock<Script> = script!("complete.lua");
 static USAGE: LazyLock<Script> = script!("usage.lua");
 static RESCHEDULE: LazyLock<Script> = script!("reschedule.lua");
 static TALLY: LazyLock<Script> = script!("tally.lua");
+static ENDED: LazyLock<Script> = script!("ended.lua");
 
 /// The acquire script of an algorithm.
 pub fn acquire(algorithm: Algorithm) -> &'static Script {
@@ -68,4 +69,9 @@ pub fn reschedule() -> &'static Script {
 /// Adds to a count of a hash, never below zero (see `lua/tally.lua`).
 pub fn tally() -> &'static Script {
     &TALLY
+}
+
+/// Records that a granted call was answered (see `lua/ended.lua`).
+pub fn ended() -> &'static Script {
+    &ENDED
 }

@@ -34,33 +34,38 @@ impl Pipeline {
     }
 
     pub async fn with_mock(what: &str, limit: &str, latency_ms: u64) -> Self {
-        Self::build(
-            what,
-            limit,
+        let mock = MockArgs {
             latency_ms,
-            &super::redis_url(),
-            QueueType::Quorum,
-        )
-        .await
+            ..MockArgs::local(limit.parse().unwrap())
+        };
+        Self::with_mock_args(what, limit, mock).await
+    }
+
+    /// A pipeline whose mock runs with `mock` (its limit is `limit`'s).
+    pub async fn with_mock_args(what: &str, limit: &str, mock: MockArgs) -> Self {
+        Self::build(what, limit, mock, &super::redis_url(), QueueType::Quorum).await
     }
 
     /// A pipeline whose delay ladder levels are of `delay_type`.
     pub async fn with_delay_type(what: &str, limit: &str, delay_type: QueueType) -> Self {
-        Self::build(what, limit, 0, &super::redis_url(), delay_type).await
+        let mock = MockArgs::local(limit.parse().unwrap());
+        Self::build(what, limit, mock, &super::redis_url(), delay_type).await
     }
 
     /// A pipeline whose replicas use the Redis at `redis_url`.
     pub async fn on_redis(what: &str, limit: &str, redis_url: &str) -> Self {
-        Self::build(what, limit, 0, redis_url, QueueType::Quorum).await
+        let mock = MockArgs::local(limit.parse().unwrap());
+        Self::build(what, limit, mock, redis_url, QueueType::Quorum).await
     }
 
     /// A pipeline on a topology the test has declared itself (quorum ladder levels).
     pub async fn on_broker(what: &str, limit: &str, broker: TestBroker) -> Self {
+        let mock = MockArgs::local(limit.parse().unwrap());
         Self::around(
             broker,
             what,
             limit,
-            0,
+            mock,
             &super::redis_url(),
             QueueType::Quorum,
         )
@@ -70,19 +75,19 @@ impl Pipeline {
     async fn build(
         what: &str,
         limit: &str,
-        latency_ms: u64,
+        mock: MockArgs,
         redis_url: &str,
         delay_type: QueueType,
     ) -> Self {
         let broker = TestBroker::with_delay_type(what, QueueType::Quorum, delay_type).await;
-        Self::around(broker, what, limit, latency_ms, redis_url, delay_type).await
+        Self::around(broker, what, limit, mock, redis_url, delay_type).await
     }
 
     async fn around(
         broker: TestBroker,
         what: &str,
         limit: &str,
-        latency_ms: u64,
+        mock: MockArgs,
         redis_url: &str,
         delay_type: QueueType,
     ) -> Self {
@@ -91,8 +96,8 @@ impl Pipeline {
         let stop_mock = CancellationToken::new();
         let mock = MockServer::start(
             MockArgs {
-                latency_ms,
-                ..MockArgs::local(limit.parse().unwrap())
+                limit: limit.parse().unwrap(),
+                ..mock
             },
             stop_mock.clone(),
         )
