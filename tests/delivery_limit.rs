@@ -18,7 +18,7 @@ use support::broker::TestBroker;
 use support::pipeline::Pipeline;
 use support::{run, unique};
 use turnstile::broker::{
-    self, QueueType, Topology, WORK_DELIVERY_LIMIT, WorkQueue, dead_letters, long_string,
+    self, Declared, Protection, QueueType, Topology, WORK_DELIVERY_LIMIT, dead_letters, long_string,
 };
 use turnstile::replica::Replica;
 
@@ -66,7 +66,10 @@ async fn a_message_returned_more_often_than_the_delivery_limit_is_dead_lettered_
     let broker = TestBroker::undeclared(topology).await;
     assert_eq!(
         broker.topology.declare(&broker.connection).await.unwrap(),
-        WorkQueue::Protected
+        Declared {
+            work: Protection::Protected,
+            dead: Protection::Protected
+        }
     );
     broker
         .publish(br#"{"message_id":"m-poison","seller_id":"S-1","product":{}}"#)
@@ -244,7 +247,11 @@ async fn a_work_queue_declared_by_an_older_turnstile_is_kept_with_a_warning_and_
         let _logging = tracing::subscriber::set_default(subscriber);
         topology.declare(&broker.connection).await.unwrap()
     };
-    let WorkQueue::Legacy { policy } = found else {
+    let Declared {
+        work: Protection::Legacy { policy },
+        dead: Protection::Protected,
+    } = found
+    else {
         panic!("the old work queue was taken for a new one: {found:?}")
     };
     let logged = logs.text();
