@@ -1,24 +1,26 @@
 //! The work queue's delivery limit and dead-letter target (issue 12): a message returned more
 //! often than the limit is dead-lettered to `<q>.dead` (neither lost nor looping forever), then
-//! listed and replayed; a work queue declared by an older turnstile is kept with a warning;
+//! listed and replayed; `<q>.dead` declares a delivery limit that listing it never reaches; a
+//! work queue or dead-letter queue declared by an older turnstile is kept with a warning;
 //! another difference (the queue type) still fails the start.
 mod support;
 
 use std::io::Write;
 use std::process::Command;
 use std::sync::{Arc, Mutex};
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use futures::StreamExt;
-use lapin::Connection;
-use lapin::options::{BasicAckOptions, BasicNackOptions, QueueDeclareOptions};
+use lapin::options::{BasicAckOptions, BasicGetOptions, BasicNackOptions, QueueDeclareOptions};
 use lapin::types::{AMQPValue, FieldTable};
+use lapin::{BasicProperties, Connection};
 use serde_json::json;
 use support::broker::TestBroker;
 use support::pipeline::Pipeline;
 use support::{run, unique};
 use turnstile::broker::{
-    self, QueueType, Topology, WORK_DELIVERY_LIMIT, WorkQueue, dead_letters, long_string,
+    self, Declared, Protection, QueueType, Topology, UNREACHED_DELIVERY_LIMIT, WORK_DELIVERY_LIMIT,
+    dead_letters, long_string,
 };
 use turnstile::replica::Replica;
 
@@ -66,7 +68,10 @@ async fn a_message_returned_more_often_than_the_delivery_limit_is_dead_lettered_
     let broker = TestBroker::undeclared(topology).await;
     assert_eq!(
         broker.topology.declare(&broker.connection).await.unwrap(),
-        WorkQueue::Protected
+        Declared {
+            work: Protection::Protected,
+            dead: Protection::Protected
+        }
     );
     broker
         .publish(br#"{"message_id":"m-poison","seller_id":"S-1","product":{}}"#)
@@ -165,6 +170,112 @@ async fn a_message_returned_more_often_than_the_delivery_limit_is_dead_lettered_
     broker.cleanup().await;
 }
 
+/// Puts one dead letter straight into `<q>.dead`, as a replica or the broker would.
+async fn put_dead_letter(broker: &TestBroker, message_id: &str) {
+    let body = format!(r#"{{"message_id":"{message_id}","seller_id":"S-1","product":{{}}}}"#);
+    broker
+        .publisher
+        .publish(
+            "",
+            broker.topology.dead(),
+            body.as_bytes(),
+            BasicProperties::default().with_content_type("application/json".into()),
+        )
+        .await
+        .unwrap();
+}
+
+/// Lists the dead letters `times` times through the code of `turnstile dead-letters list`, each
+/// time once the quorum queue has the letter the last listing returned ready again (or gave up
+/// on it after 3 s: dropped); how many listings saw it.
+async fn listings_that_saw_it(broker: &TestBroker, times: u32) -> u32 {
+    let channel = broker.connection.create_channel().await.unwrap();
+    let dead = broker.topology.dead();
+    let mut seen = 0;
+    for _ in 0..times {
+        let deadline = Instant::now() + Duration::from_secs(3);
+        while broker::depth(&channel, dead).await.unwrap() < 1 && Instant::now() < deadline {
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+        let listed = dead_letters::list(&channel, &broker.topology, None)
+            .await
+            .unwrap();
+        match listed.len() {
+            0 => break,
+            1 => seen += 1,
+            n => panic!("{n} dead letters listed: {listed:?}"),
+        }
+    }
+    seen
+}
+
+#[tokio::test]
+async fn a_dead_letter_listed_more_often_than_rabbitmq_4s_default_limit_is_still_there() {
+    const LISTINGS: u32 = 25;
+    // What RabbitMQ 4.x does to the `<q>.dead` of older turnstiles (declared without a limit):
+    // its default limit of 20, declared here so that this broker (3.10.8, no default) shows it.
+    // Each listing returns the dead letter with a nack, and the broker counts it.
+    let topology = Topology::new(&unique("dead-20"), QueueType::Quorum);
+    let old = TestBroker::undeclared(topology).await;
+    declare_as_is(
+        &old.connection,
+        old.topology.dead(),
+        &[quorum(), ("x-delivery-limit", AMQPValue::LongLongInt(20))],
+    )
+    .await
+    .unwrap();
+    put_dead_letter(&old, "m-dead").await;
+    let seen_at_20 = listings_that_saw_it(&old, LISTINGS).await;
+    let left_at_20 = old.depth(old.topology.dead()).await;
+    old.cleanup().await;
+
+    // The dead-letter queue as declared now.
+    let broker = TestBroker::new("dead-listed", QueueType::Quorum).await;
+    put_dead_letter(&broker, "m-dead").await;
+    let seen = listings_that_saw_it(&broker, LISTINGS).await;
+    let channel = broker.connection.create_channel().await.unwrap();
+    let deadline = Instant::now() + Duration::from_secs(10);
+    let letter = loop {
+        if let Some(letter) = channel
+            .basic_get(broker.topology.dead().into(), BasicGetOptions::default())
+            .await
+            .unwrap()
+        {
+            break letter;
+        }
+        assert!(Instant::now() < deadline, "the dead letter is gone");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    };
+    let headers = letter
+        .delivery
+        .properties
+        .headers()
+        .clone()
+        .unwrap_or_default();
+    let count = headers.inner().get("x-delivery-count").cloned();
+    letter
+        .delivery
+        .acker
+        .nack(BasicNackOptions {
+            requeue: true,
+            ..Default::default()
+        })
+        .await
+        .unwrap();
+    println!(
+        "{LISTINGS} listings: with RabbitMQ 4.x's default limit of 20 the dead letter was seen \
+         by {seen_at_20} and then dropped ({left_at_20} left); with the declared limit of \
+         {UNREACHED_DELIVERY_LIMIT} seen by {seen}, still there with x-delivery-count {count:?}"
+    );
+    assert_eq!(
+        (seen_at_20, left_at_20),
+        (21, 0),
+        "listings count towards a quorum queue's delivery limit"
+    );
+    assert_eq!(seen, LISTINGS);
+    broker.cleanup().await;
+}
+
 #[tokio::test]
 async fn the_work_queue_declares_the_production_delivery_limit_and_dead_letter_target() {
     assert_eq!(WORK_DELIVERY_LIMIT, 500);
@@ -208,6 +319,40 @@ async fn the_work_queue_declares_the_production_delivery_limit_and_dead_letter_t
     classic.cleanup().await;
 }
 
+#[tokio::test]
+async fn the_dead_letter_queue_declares_a_delivery_limit_that_listings_never_reach() {
+    assert_eq!(UNREACHED_DELIVERY_LIMIT, 1_000_000);
+    let broker = TestBroker::new("dead-args", QueueType::Quorum).await;
+    let dead = broker.topology.dead().to_owned();
+    let declared = [
+        quorum(),
+        ("x-delivery-limit", AMQPValue::LongLongInt(1_000_000)),
+    ];
+    // The broker compares every argument on a redeclaration: equal ones pass, others fail.
+    declare_as_is(&broker.connection, &dead, &declared)
+        .await
+        .expect("the dead-letter queue has exactly these arguments");
+    let mut other_limit = declared.clone();
+    other_limit[1].1 = AMQPValue::LongLongInt(20);
+    let refused = declare_as_is(&broker.connection, &dead, &other_limit)
+        .await
+        .unwrap_err();
+    let refused_without = declare_as_is(&broker.connection, &dead, &[quorum()])
+        .await
+        .unwrap_err();
+    println!(
+        "quorum dead-letter queue redeclared with x-delivery-limit 1000000: accepted; with a \
+         limit of 20: {refused}; without a limit: {refused_without}"
+    );
+    broker.cleanup().await;
+
+    let classic = TestBroker::new("dead-args", QueueType::Classic).await;
+    declare_as_is(&classic.connection, classic.topology.dead(), &[])
+        .await
+        .expect("a classic dead-letter queue has no arguments (no delivery limit)");
+    classic.cleanup().await;
+}
+
 /// Log lines written while it is the thread's subscriber.
 #[derive(Clone, Default)]
 struct Logs(Arc<Mutex<Vec<u8>>>);
@@ -234,14 +379,8 @@ fn rabbitmqctl(args: &[&str]) -> String {
     out
 }
 
-#[tokio::test]
-async fn a_work_queue_declared_by_an_older_turnstile_is_kept_with_a_warning_and_messages_flow() {
-    let topology = Topology::new(&unique("legacy"), QueueType::Quorum);
-    let broker = TestBroker::undeclared(topology.clone()).await;
-    declare_as_is(&broker.connection, topology.work(), &[quorum()])
-        .await
-        .unwrap();
-
+/// Declares `topology` with this thread's log lines captured: what it found and what it logged.
+async fn declare_logged(topology: &Topology, connection: &Connection) -> (Declared, String) {
     let logs = Logs::default();
     let writer = logs.clone();
     let subscriber = tracing_subscriber::fmt()
@@ -250,12 +389,27 @@ async fn a_work_queue_declared_by_an_older_turnstile_is_kept_with_a_warning_and_
         .finish();
     let found = {
         let _logging = tracing::subscriber::set_default(subscriber);
-        topology.declare(&broker.connection).await.unwrap()
+        topology.declare(connection).await.unwrap()
     };
-    let WorkQueue::Legacy { policy } = found else {
+    (found, logs.text())
+}
+
+#[tokio::test]
+async fn a_work_queue_declared_by_an_older_turnstile_is_kept_with_a_warning_and_messages_flow() {
+    let topology = Topology::new(&unique("legacy"), QueueType::Quorum);
+    let broker = TestBroker::undeclared(topology.clone()).await;
+    declare_as_is(&broker.connection, topology.work(), &[quorum()])
+        .await
+        .unwrap();
+
+    let (found, logged) = declare_logged(&topology, &broker.connection).await;
+    let Declared {
+        work: Protection::Legacy { policy },
+        dead: Protection::Protected,
+    } = found
+    else {
         panic!("the old work queue was taken for a new one: {found:?}")
     };
-    let logged = logs.text();
     println!("logged: {logged}");
     assert_eq!(logged.lines().count(), 1, "one warning: {logged}");
     assert!(
@@ -291,6 +445,92 @@ async fn a_work_queue_declared_by_an_older_turnstile_is_kept_with_a_warning_and_
     println!("rabbitmqctl list_queues name policy: {line:?}");
     rabbitmqctl(&["clear_policy", "-p", "/", &format!("turnstile-{q}")]);
     assert_eq!(line, Some(format!("{q}\tturnstile-{q}").as_str()));
+    p.cleanup().await;
+}
+
+#[tokio::test]
+async fn a_dead_letter_queue_declared_by_an_older_turnstile_is_kept_with_a_warning_and_the_replica_runs()
+ {
+    let topology = Topology::new(&unique("legacy-dead"), QueueType::Quorum);
+    let broker = TestBroker::undeclared(topology.clone()).await;
+    // What an older turnstile declared: both queues quorum and nothing else; one dead letter.
+    for queue in [topology.work(), topology.dead()] {
+        declare_as_is(&broker.connection, queue, &[quorum()])
+            .await
+            .unwrap();
+    }
+    put_dead_letter(&broker, "m-old-dead").await;
+
+    let (found, logged) = declare_logged(&topology, &broker.connection).await;
+    println!("logged: {logged}");
+    let Declared {
+        work: Protection::Legacy {
+            policy: work_policy,
+        },
+        dead: Protection::Legacy {
+            policy: dead_policy,
+        },
+    } = found
+    else {
+        panic!("an old queue was taken for a new one: {found:?}")
+    };
+    let q = topology.work();
+    assert_eq!(
+        dead_policy,
+        format!(
+            r#"rabbitmqctl set_policy -p '/' 'turnstile-{q}.dead' '^{q}\.dead$' '{{"delivery-limit":1000000}}' --apply-to queues"#
+        )
+    );
+    assert!(
+        work_policy.contains(&format!("'turnstile-{q}' '^{q}$'")),
+        "{work_policy}"
+    );
+    let warnings: Vec<&str> = logged.lines().collect();
+    assert_eq!(warnings.len(), 2, "one warning a queue: {logged}");
+    assert!(
+        warnings[0].contains("WARN") && warnings[0].contains(&work_policy),
+        "{logged}"
+    );
+    assert!(
+        warnings[1].contains("WARN")
+            && warnings[1].contains("the dead-letter queue was declared by an older turnstile")
+            && warnings[1].contains(&dead_policy),
+        "{logged}"
+    );
+    assert!(exists(&broker.connection, &format!("{q}.wait.11")).await);
+
+    // A replica starts on them (declaring them again) and registers; the dead letter stays.
+    let mut p = Pipeline::on_broker("legacy-dead", "100/1s", broker).await;
+    p.start_replicas(1, 2).await;
+    p.publish_product("S-1", "m-legacy-dead", json!({})).await;
+    let stats = p.wait_registered(1).await;
+    println!("registered next to the old dead-letter queue: {stats:?}");
+    p.stop_replicas().await;
+    assert_eq!(p.broker.depth(topology.dead()).await, 1);
+
+    // Both commands are accepted and each policy applies to its own queue only (the policies
+    // are cleared before anything is asserted: the broker is shared).
+    let applied: Vec<_> = [&work_policy, &dead_policy]
+        .map(|policy| run(Command::new("sh").args(["-c", policy])))
+        .into();
+    let (_, queues, _) =
+        run(Command::new("rabbitmqctl").args(["list_queues", "-q", "name", "policy"]));
+    for name in [format!("turnstile-{q}"), format!("turnstile-{q}.dead")] {
+        run(Command::new("rabbitmqctl").args(["clear_policy", "-p", "/", &name]));
+    }
+    for ((code, out, err), policy) in applied.iter().zip([&work_policy, &dead_policy]) {
+        assert_eq!(*code, 0, "{policy}: {out}{err}");
+    }
+    let line = |name: &str| {
+        queues
+            .lines()
+            .find(|l| l.starts_with(&format!("{name}\t")))
+            .map(str::to_owned)
+    };
+    let (work_line, dead_line) = (line(q), line(topology.dead()));
+    println!("rabbitmqctl list_queues name policy: {work_line:?}, {dead_line:?}");
+    assert_eq!(work_line, Some(format!("{q}\tturnstile-{q}")));
+    assert_eq!(dead_line, Some(format!("{q}.dead\tturnstile-{q}.dead")));
     p.cleanup().await;
 }
 

@@ -4,7 +4,8 @@
 //! - `<q>`: the work queue (durable; quorum by default). A quorum work queue dead-letters a
 //!   message returned more than [`WORK_DELIVERY_LIMIT`] times to `<q>.dead`, at least once.
 //! - `<q>.dead`: dead letters, with the reason in headers (turnstile's own), or in `x-death`
-//!   (the broker's: the delivery limit).
+//!   (the broker's: the delivery limit). A quorum `<q>.dead` declares a delivery limit that
+//!   listing it never reaches ([`UNREACHED_DELIVERY_LIMIT`]).
 //! - the delay ladder ([`ladder`]): queues `<q>.wait.<k>` for k = 0..LEVELS, in which a
 //!   message waits 2^k x UNIT; the replicas consume them and move each message on, confirmed,
 //!   when its wait is over. No broker TTL or dead-lettering is involved.
@@ -16,7 +17,9 @@ pub mod ladder;
 mod topology;
 
 pub use ladder::{Hop, LEVELS, UNIT};
-pub use topology::{QueueType, Topology, WORK_DELIVERY_LIMIT, WorkQueue};
+pub use topology::{
+    Declared, Protection, QueueType, Topology, UNREACHED_DELIVERY_LIMIT, WORK_DELIVERY_LIMIT,
+};
 
 use std::time::Duration;
 

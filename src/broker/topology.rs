@@ -10,8 +10,14 @@ use tracing::warn;
 use super::ladder::{Hop, LEVELS};
 use super::{long_string, table};
 
-/// The delivery limit declared on quorum ladder levels: never reached (see `declare`).
-const LADDER_DELIVERY_LIMIT: i64 = 1_000_000;
+/// The delivery limit of the quorum queues where a return never means a poison message: the
+/// ladder's levels (a held message is returned at every lost connection) and `<q>.dead` (every
+/// `dead-letters list`, and every replay that keeps a dead letter, returns it once). RabbitMQ
+/// 4.x gives a quorum queue without one a limit of 20 and then drops the message; this one is
+/// never reached: a million returns are a listing every 30 s for a year. Not `-1`, which only
+/// RabbitMQ 4.0 and later read as unlimited: 3.10.8 accepts it and drops a message at its
+/// first return, and a queue keeps its arguments across broker upgrades.
+pub const UNREACHED_DELIVERY_LIMIT: u32 = 1_000_000;
 
 /// Returns of one message to a quorum work queue (nacks with requeue, lost connections, killed
 /// replicas) after which the broker dead-letters it to `<q>.dead`. A healthy system returns a
@@ -19,24 +25,68 @@ const LADDER_DELIVERY_LIMIT: i64 = 1_000_000;
 /// returned at each kill and stops here (README, "Faults").
 pub const WORK_DELIVERY_LIMIT: u32 = 500;
 
-/// The work queue arguments that older turnstiles did not declare: a broker that has the queue
-/// without them refuses a declaration naming them (PRECONDITION_FAILED).
-const PROTECTION_ARGS: [&str; 5] = [
-    "x-delivery-limit",
-    "x-dead-letter-exchange",
-    "x-dead-letter-routing-key",
-    "x-dead-letter-strategy",
-    "x-overflow",
-];
-
-/// How `declare` found the work queue.
+/// How `declare` found a queue that turnstile declares with arguments older turnstiles did not
+/// (its protection: the work queue's delivery limit and dead-letter target, the dead-letter
+/// queue's delivery limit).
 #[derive(Clone, Debug, PartialEq, Eq)]
-pub enum WorkQueue {
-    /// Declared with its delivery limit (quorum) and dead-letter target.
+pub enum Protection {
+    /// Declared with them.
     Protected,
     /// Declared by an older turnstile without them, and used as it is: `policy` is the
     /// `rabbitmqctl` command that gives it the same protection (logged as a warning).
     Legacy { policy: String },
+}
+
+/// What `declare` found.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Declared {
+    /// The work queue `<q>`.
+    pub work: Protection,
+    /// The dead-letter queue `<q>.dead`.
+    pub dead: Protection,
+}
+
+/// A queue declared with arguments that older turnstiles did not declare.
+struct Guarded<'a> {
+    /// What the queue is, for the warning.
+    role: &'static str,
+    name: &'a str,
+    /// The arguments older turnstiles did not declare (on top of the queue type); a broker that
+    /// has the queue without them refuses a declaration naming them (PRECONDITION_FAILED).
+    protection: Vec<(&'static str, AMQPValue)>,
+    /// What the queue risks without them, for the warning.
+    risk: &'static str,
+}
+
+impl Guarded<'_> {
+    /// The policy with the same effect as the protection, for a queue declared without it: the
+    /// `rabbitmqctl` command that sets it in `vhost`. Its name is `turnstile-<queue>` and its
+    /// pattern matches that one queue exactly, so the work queue's and the dead-letter queue's
+    /// policies never apply to the same queue (a queue follows only one policy).
+    fn policy_command(&self, vhost: &str) -> String {
+        // Every protective argument `x-<key>` has the policy key `<key>`.
+        let definition: serde_json::Map<String, serde_json::Value> = self
+            .protection
+            .iter()
+            .map(|(arg, value)| (arg.trim_start_matches("x-").to_owned(), policy_value(value)))
+            .collect();
+        format!(
+            "rabbitmqctl set_policy -p {} {} {} {} --apply-to queues",
+            shell_quote(vhost),
+            shell_quote(&format!("turnstile-{}", self.name)),
+            shell_quote(&format!("^{}$", regex_escape(self.name))),
+            shell_quote(&serde_json::Value::Object(definition).to_string()),
+        )
+    }
+}
+
+/// A protective argument's value in a policy definition.
+fn policy_value(value: &AMQPValue) -> serde_json::Value {
+    match value {
+        AMQPValue::LongString(s) => s.to_string().into(),
+        AMQPValue::LongLongInt(n) => (*n).into(),
+        other => unreachable!("turnstile declares no protective argument like {other:?}"),
+    }
 }
 
 /// The queue type of every queue turnstile declares.
@@ -118,48 +168,62 @@ impl Topology {
         table(&pairs)
     }
 
-    /// The work queue's arguments: a quorum queue dead-letters a message returned more than
+    /// The work queue: a quorum queue dead-letters a message returned more than
     /// `delivery_limit` times to `<q>.dead`, at least once (which needs `x-overflow:
     /// reject-publish`; without a length limit it changes nothing else). A classic queue has no
     /// delivery limit; it gets the same dead-letter target, which only an operator's TTL or
     /// length limit could use: turnstile never rejects nor nacks a work message without requeue.
-    fn work_arguments(&self) -> FieldTable {
-        let mut extra = vec![
+    fn work_queue(&self) -> Guarded<'_> {
+        let mut protection = vec![
             ("x-dead-letter-exchange", long_string("")),
             ("x-dead-letter-routing-key", long_string(&self.dead)),
         ];
-        if self.queue_type == QueueType::Quorum {
-            extra.extend([
-                (
-                    "x-delivery-limit",
-                    AMQPValue::LongLongInt(i64::from(self.delivery_limit)),
-                ),
-                ("x-dead-letter-strategy", long_string("at-least-once")),
-                ("x-overflow", long_string("reject-publish")),
-            ]);
+        let risk = match self.queue_type {
+            QueueType::Quorum => {
+                protection.extend([
+                    (
+                        "x-delivery-limit",
+                        AMQPValue::LongLongInt(i64::from(self.delivery_limit)),
+                    ),
+                    ("x-dead-letter-strategy", long_string("at-least-once")),
+                    ("x-overflow", long_string("reject-publish")),
+                ]);
+                "without a delivery limit and dead-letter target: RabbitMQ 4.x drops a message \
+                 returned more than 20 times (its default limit), RabbitMQ 3.x redelivers a \
+                 message that crashes replicas forever"
+            }
+            QueueType::Classic => {
+                "without a dead-letter target: a TTL or length limit set by a policy drops \
+                 messages instead of dead-lettering them"
+            }
+        };
+        Guarded {
+            role: "work queue",
+            name: &self.work,
+            protection,
+            risk,
         }
-        self.queue_arguments(&extra)
     }
 
-    /// The policy with the same effect as [`Topology::work_arguments`], for a work queue
-    /// declared without them: the `rabbitmqctl` command that sets it in `vhost`.
-    fn policy_command(&self, vhost: &str) -> String {
-        let mut definition = serde_json::json!({
-            "dead-letter-exchange": "",
-            "dead-letter-routing-key": self.dead,
-        });
-        if self.queue_type == QueueType::Quorum {
-            definition["delivery-limit"] = self.delivery_limit.into();
-            definition["dead-letter-strategy"] = "at-least-once".into();
-            definition["overflow"] = "reject-publish".into();
+    /// The dead-letter queue: as a quorum queue with a delivery limit that listings never reach
+    /// ([`UNREACHED_DELIVERY_LIMIT`]), and no dead-letter target of its own. A classic queue
+    /// has no delivery limit: nothing to declare.
+    fn dead_queue(&self) -> Guarded<'_> {
+        let protection = match self.queue_type {
+            QueueType::Quorum => vec![(
+                "x-delivery-limit",
+                AMQPValue::LongLongInt(i64::from(UNREACHED_DELIVERY_LIMIT)),
+            )],
+            QueueType::Classic => Vec::new(),
+        };
+        Guarded {
+            role: "dead-letter queue",
+            name: &self.dead,
+            protection,
+            risk: "without a delivery limit: RabbitMQ 4.x drops a dead letter returned more \
+                   than 20 times (its default limit), and every `dead-letters list` (and every \
+                   replay that keeps it) returns each dead letter once",
         }
-        format!(
-            "rabbitmqctl set_policy -p {} {} {} {} --apply-to queues",
-            shell_quote(vhost),
-            shell_quote(&format!("turnstile-{}", self.work)),
-            shell_quote(&format!("^{}$", regex_escape(&self.work))),
-            shell_quote(&definition.to_string()),
-        )
     }
 
     async fn declare_queue(
@@ -179,65 +243,69 @@ impl Topology {
         Ok(())
     }
 
-    /// Declares everything on a channel of its own (idempotent: safe for every replica at every
-    /// start). A work queue that an older turnstile declared without the delivery limit and
-    /// dead-letter target is kept as it is, with a warning that names the policy giving it the
-    /// same protection; any other difference (e.g. the queue type) fails.
-    pub async fn declare(&self, connection: &Connection) -> anyhow::Result<WorkQueue> {
-        let mut channel = open_channel(connection).await?;
-        let work = match self
-            .declare_queue(&channel, &self.work, self.work_arguments())
-            .await
-        {
-            Ok(()) => WorkQueue::Protected,
-            Err(error) => {
-                let Some(refusal) = missing_protection(&error) else {
-                    return Err(error);
-                };
-                // The refusal closed the channel.
-                channel = open_channel(connection).await?;
-                self.declare_queue(&channel, &self.work, self.queue_arguments(&[]))
-                    .await?;
-                let policy = self.policy_command(&refusal.vhost);
-                let risk = match self.queue_type {
-                    QueueType::Quorum => {
-                        "without a delivery limit and dead-letter target: RabbitMQ 4.x drops a \
-                         message returned more than 20 times (its default limit), RabbitMQ 3.x \
-                         redelivers a message that crashes replicas forever"
-                    }
-                    QueueType::Classic => {
-                        "without a dead-letter target: a TTL or length limit set by a policy \
-                         drops messages instead of dead-lettering them"
-                    }
-                };
-                warn!(
-                    queue = %self.work,
-                    broker = %refusal.message,
-                    "the work queue was declared by an older turnstile {risk}; it is used as it \
-                     is. Give it the same protection with: {policy}"
-                );
-                WorkQueue::Legacy { policy }
-            }
+    /// Declares `queue` with its protection on `channel`; a queue that an older turnstile
+    /// declared without it is declared as before (on a new channel: the refusal closed this
+    /// one) and used as it is, with a warning naming the policy that gives it the same
+    /// protection. Any other difference (e.g. the queue type) fails.
+    async fn declare_guarded(
+        &self,
+        connection: &Connection,
+        channel: &mut Channel,
+        queue: &Guarded<'_>,
+    ) -> anyhow::Result<Protection> {
+        let declared = self
+            .declare_queue(channel, queue.name, self.queue_arguments(&queue.protection))
+            .await;
+        let Err(error) = declared else {
+            return Ok(Protection::Protected);
         };
-        self.declare_queue(&channel, &self.dead, self.queue_arguments(&[]))
+        let Some(refusal) = missing_protection(&error, &queue.protection) else {
+            return Err(error);
+        };
+        *channel = open_channel(connection).await?;
+        self.declare_queue(channel, queue.name, self.queue_arguments(&[]))
+            .await?;
+        let policy = queue.policy_command(&refusal.vhost);
+        warn!(
+            queue = %queue.name,
+            broker = %refusal.message,
+            "the {} was declared by an older turnstile {}; it is used as it is. Give it the same \
+             protection with: {policy}",
+            queue.role,
+            queue.risk,
+        );
+        Ok(Protection::Legacy { policy })
+    }
+
+    /// Declares everything on a channel of its own (idempotent: safe for every replica at every
+    /// start). A work queue or dead-letter queue that an older turnstile declared without its
+    /// protection (delivery limit, dead-letter target) is kept as it is, with a warning that
+    /// names the policy giving it the same protection; any other difference (e.g. the queue
+    /// type) fails.
+    pub async fn declare(&self, connection: &Connection) -> anyhow::Result<Declared> {
+        let mut channel = open_channel(connection).await?;
+        let work = self
+            .declare_guarded(connection, &mut channel, &self.work_queue())
+            .await?;
+        let dead = self
+            .declare_guarded(connection, &mut channel, &self.dead_queue())
             .await?;
         for k in 0..LEVELS {
             let mut args = Vec::new();
             if self.delay_type == QueueType::Quorum {
                 args.push(("x-queue-type", long_string("quorum")));
-                // RabbitMQ 4.x gives quorum queues a delivery limit of 20 by default: a held
-                // ladder message is returned at every lost connection, and must never be
+                // A held ladder message is returned at every lost connection, and must never be
                 // dropped for it.
                 args.push((
                     "x-delivery-limit",
-                    AMQPValue::LongLongInt(LADDER_DELIVERY_LIMIT),
+                    AMQPValue::LongLongInt(i64::from(UNREACHED_DELIVERY_LIMIT)),
                 ));
             }
             self.declare_queue(&channel, &self.level(k), table(&args))
                 .await?;
         }
         let _ = channel.close(200, "declared".into()).await;
-        Ok(work)
+        Ok(Declared { work, dead })
     }
 
     /// Every queue of the topology: work, dead letters, ladder levels.
@@ -265,18 +333,17 @@ async fn open_channel(connection: &Connection) -> anyhow::Result<Channel> {
         .context("opening a channel to declare the topology")
 }
 
-/// The broker's refusal of a declaration because the existing queue lacks one of the
-/// [`PROTECTION_ARGS`].
+/// The broker's refusal of a declaration because the existing queue lacks one of its protective
+/// arguments.
 struct Refusal {
     message: String,
     vhost: String,
 }
 
-/// The refusal in `error` if it is PRECONDITION_FAILED for an argument of [`PROTECTION_ARGS`]
-/// that the existing queue does not have (the broker names only the first argument that
-/// differs: another difference, e.g. the queue type, shows when the queue is declared as
-/// before).
-fn missing_protection(error: &anyhow::Error) -> Option<Refusal> {
+/// The refusal in `error` if it is PRECONDITION_FAILED for an argument of `protection` that the
+/// existing queue does not have (the broker names only the first argument that differs:
+/// another difference, e.g. the queue type, shows when the queue is declared as before).
+fn missing_protection(error: &anyhow::Error, protection: &[(&str, AMQPValue)]) -> Option<Refusal> {
     use lapin::protocol::{AMQPErrorKind, AMQPSoftError};
     error
         .chain()
@@ -286,9 +353,9 @@ fn missing_protection(error: &anyhow::Error) -> Option<Refusal> {
                 if amqp.kind() == &AMQPErrorKind::Soft(AMQPSoftError::PRECONDITIONFAILED) =>
             {
                 let message = amqp.get_message().to_string();
-                let missing = PROTECTION_ARGS
+                let missing = protection
                     .iter()
-                    .any(|arg| message.contains(&format!("inequivalent arg '{arg}'")))
+                    .any(|(arg, _)| message.contains(&format!("inequivalent arg '{arg}'")))
                     && message.ends_with("but current is none");
                 missing.then(|| Refusal {
                     vhost: quoted_after(&message, "in vhost '")
@@ -330,19 +397,30 @@ mod tests {
     use super::*;
 
     #[test]
-    fn the_policy_command_matches_exactly_the_work_queue_and_survives_the_shell() {
+    fn the_policy_commands_match_exactly_their_queue_and_survive_the_shell() {
         let quorum = Topology::new("registrations", QueueType::Quorum);
         assert_eq!(
-            quorum.policy_command("/"),
+            quorum.work_queue().policy_command("/"),
             "rabbitmqctl set_policy -p '/' 'turnstile-registrations' '^registrations$' \
              '{\"dead-letter-exchange\":\"\",\"dead-letter-routing-key\":\"registrations.dead\",\
              \"dead-letter-strategy\":\"at-least-once\",\"delivery-limit\":500,\
              \"overflow\":\"reject-publish\"}' --apply-to queues"
         );
+        // Another name and a pattern that only `registrations.dead` matches (`^registrations$`
+        // does not): the two policies never compete for a queue.
+        assert_eq!(
+            quorum.dead_queue().policy_command("/"),
+            "rabbitmqctl set_policy -p '/' 'turnstile-registrations.dead' \
+             '^registrations\\.dead$' '{\"delivery-limit\":1000000}' --apply-to queues"
+        );
         let classic = Topology::new("it's.v2", QueueType::Classic);
         assert_eq!(
-            classic.policy_command("prod"),
+            classic.work_queue().policy_command("prod"),
             r#"rabbitmqctl set_policy -p 'prod' 'turnstile-it'\''s.v2' '^it'\''s\.v2$' '{"dead-letter-exchange":"","dead-letter-routing-key":"it'\''s.v2.dead"}' --apply-to queues"#
+        );
+        assert!(
+            classic.dead_queue().protection.is_empty(),
+            "a classic queue has no delivery limit"
         );
     }
 }
