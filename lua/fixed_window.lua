@@ -10,7 +10,8 @@
 -- KEYS[4]  the seller's reserved slots (sorted set: member = TOKEN, score = slot; see the prelude)
 -- KEYS[5]  the seller's server stamp (run id of the Redis that wrote its state; see the prelude)
 -- KEYS[6]  the seller's calls (unused: this algorithm is not exact, see README)
--- KEYS[7]  optional: the message's completion record; if it exists nothing is written
+-- KEYS[7]  the seller's far queue (hash: at, n; see far_ticket in the prelude)
+-- KEYS[8]  optional: the message's completion record; if it exists nothing is written
 -- ARGV[1]  default COUNT (integer >= 1)
 -- ARGV[2]  default WINDOW in µs (integer >= 1)
 -- ARGV[3]  GUARD in µs (-1 = window/20 within [25 ms, 2 s])
@@ -20,8 +21,9 @@
 -- ARGV[6]  TOKEN: a string unique to this attempt (letters, digits, dashes; at most 64)
 -- ARGV[7]  BOUND (unused: calls are not tracked)
 -- Returns {STATUS, SLOT_US, NOW_US, COUNT, WINDOW_US, USED_PERMILLE}
---   STATUS 1 = granted (call now), 2 = reserved (call at SLOT), 0 = denied (come back at SLOT),
---   3 = the message already registered (KEYS[5] exists);
+--   STATUS 1 = granted (call now), 2 = reserved (call at SLOT), 0 = denied (come back at SLOT;
+--   with reserving on, when the seller's reserved set is full: see far_ticket),
+--   3 = the message already registered (KEYS[8] says so);
 --   USED_PERMILLE (with STATUS 1) is how much of the limit is taken after
 --   this grant, in thousandths (slots in the slot's window / COUNT): the near-limit metric;
 
@@ -29,7 +31,7 @@ local a = acquire_args()
 local count, window = effective_limit(KEYS[2], a.count, a.window)
 local guard = guard_for(window, a.guard)
 local now = now_us()
-if already_done(KEYS[7]) then return {3, now, now, count, window} end
+if already_done(KEYS[8]) then return {3, now, now, count, window} end
 check_server(KEYS[5], KEYS[1], KEYS[3], window, now, a.durable)
 local at = math.max(now, paused_until(KEYS[3]))
 
@@ -42,6 +44,9 @@ end
 local slot = math.max(index * window, at)
 
 local status = due(slot, now, guard, a)
+if status == 2 and reserved_full(KEYS[4], now, guard) then
+  status, slot = 0, far_ticket(KEYS[7], KEYS[4], now, window, count)
+end
 if status == 0 then return {0, slot, now, count, window} end
 local used = redis.call('HINCRBY', KEYS[1], string.format('%.0f', index), 1)
 local next_index = index

@@ -9,7 +9,8 @@
 -- KEYS[4]  the seller's reserved slots (sorted set: member = TOKEN, score = slot; see the prelude)
 -- KEYS[5]  the seller's server stamp (run id of the Redis that wrote its state; see the prelude)
 -- KEYS[6]  the seller's calls (sorted set: member = TOKEN, score = END; see calls_gate in the prelude)
--- KEYS[7]  optional: the message's completion record; if it exists nothing is written
+-- KEYS[7]  the seller's far queue (hash: at, n; see far_ticket in the prelude)
+-- KEYS[8]  optional: the message's completion record; if it exists nothing is written
 -- ARGV[1]  default COUNT (integer >= 1)
 -- ARGV[2]  default WINDOW in µs (integer >= 1)
 -- ARGV[3]  GUARD in µs added to the window (-1 = window/20 within [25 ms, 2 s])
@@ -21,8 +22,9 @@
 --          grant (integer >= 0)
 -- ARGV[8]  BURST (integer >= 1; at most COUNT)
 -- Returns {STATUS, SLOT_US, NOW_US, COUNT, WINDOW_US, USED_PERMILLE}
---   STATUS 1 = granted (call now), 2 = reserved (call at SLOT), 0 = denied (come back at SLOT),
---   3 = the message already registered (KEYS[5] exists);
+--   STATUS 1 = granted (call now), 2 = reserved (call at SLOT), 0 = denied (come back at SLOT;
+--   with reserving on, when the seller's reserved set is full: see far_ticket),
+--   3 = the message already registered (KEYS[8] says so);
 --   USED_PERMILLE (with STATUS 1) is how much of the limit is taken after
 --   this grant, in thousandths (TAT ahead of now / BURST intervals): the near-limit metric;
 
@@ -33,7 +35,7 @@ burst = math.min(burst, count)
 local guard = guard_for(window, a.guard)
 local interval = (window + guard) / (count - burst + 1)
 local now = now_us()
-if already_done(KEYS[7]) then return {3, now, now, count, window} end
+if already_done(KEYS[8]) then return {3, now, now, count, window} end
 check_server(KEYS[5], KEYS[1], KEYS[3], window + guard, now, a.durable)
 
 local tat = math.max(tonumber(redis.call('GET', KEYS[1]) or '0'), now)
@@ -49,6 +51,9 @@ if status == 1 then
   -- Due, but calls of the last window may still be in flight: wait for their answers.
   local open_at = calls_gate(KEYS[6], now, window, count, guard)
   if open_at then slot, status = math.max(open_at, slot), (a.reserve == 1 and 2 or 0) end
+end
+if status == 2 and reserved_full(KEYS[4], now, guard) then
+  status, slot = 0, far_ticket(KEYS[7], KEYS[4], now, window + guard, count)
 end
 if status == 0 then return {0, slot, now, count, window} end
 local next_tat = tat + interval

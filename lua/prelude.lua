@@ -71,6 +71,41 @@ local function due(slot, now, guard, a)
   return 2
 end
 
+-- Most slots a seller holds reserved at once: beyond them, a waiting caller is told when to come
+-- back without a slot (far_ticket), so a seller's state stays bounded however deep its backlog.
+local MAX_RESERVED = 3072
+
+-- Whether the seller's reserved set is full (see MAX_RESERVED), once entries that can no longer
+-- be redeemed (more than GUARD past their slot) are pruned.
+local function reserved_full(reserved_key, now, guard)
+  redis.call('ZREMRANGEBYSCORE', reserved_key, '-inf', now - guard)
+  return redis.call('ZCARD', reserved_key) >= MAX_RESERVED
+end
+
+-- When a caller turned away by a full reserved set should come back (Redis µs): its place in
+-- the seller's far queue (FAR_KEY, hash: `at` = when the next callers come back, `n` = how many
+-- were told `at`). The far queue lets COUNT callers come back per SPAN, from one emission
+-- interval (SPAN/COUNT) after the first reserved slot is due: the pace at which reserved slots
+-- are redeemed and free room, so each comes back about when there is room to reserve, and a
+-- backlog however deep is told when to come back in order, never all at once. Two numbers.
+local function far_ticket(far_key, reserved_key, now, span, count)
+  local f = redis.call('HMGET', far_key, 'at', 'n')
+  local at, n = tonumber(f[1]) or 0, tonumber(f[2]) or 0
+  local first = tonumber(redis.call('ZRANGE', reserved_key, 0, 0, 'WITHSCORES')[2] or '') or now
+  local start = math.max(now, first) + span / count
+  if at < start - span then
+    at, n = start, 0 -- the far queue came back long ago: start afresh
+  elseif at < start then
+    at = start
+  end
+  local ticket = at
+  n = n + 1
+  if n >= count then at, n = at + span, 0 end
+  redis.call('HSET', far_key, 'at', string.format('%.0f', at), 'n', n)
+  redis.call('PEXPIRE', far_key, math.floor((at - now + span) / 1000) + 1)
+  return ticket
+end
+
 -- Whether the message already registered: its completion record (KEYS[n] if passed) says
 -- `registered` (or `1`, as earlier versions wrote it). A dead letter's record (`dead:<REASON>`)
 -- is not done: a replayed or duplicate copy is called again (see complete.lua).

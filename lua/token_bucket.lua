@@ -10,7 +10,8 @@
 -- KEYS[4]  the seller's reserved slots (sorted set: member = TOKEN, score = slot; see the prelude)
 -- KEYS[5]  the seller's server stamp (run id of the Redis that wrote its state; see the prelude)
 -- KEYS[6]  the seller's calls (unused: this algorithm is not exact, see README)
--- KEYS[7]  optional: the message's completion record; if it exists nothing is written
+-- KEYS[7]  the seller's far queue (hash: at, n; see far_ticket in the prelude)
+-- KEYS[8]  optional: the message's completion record; if it exists nothing is written
 -- ARGV[1]  default COUNT (integer >= 1)
 -- ARGV[2]  default WINDOW in µs (integer >= 1)
 -- ARGV[3]  GUARD in µs added to the window (-1 = window/20 within [25 ms, 2 s])
@@ -22,8 +23,9 @@
 -- ARGV[8]  CAPACITY (integer >= 0; 0 = COUNT)
 -- ARGV[9]  REQUESTED tokens (integer >= 1, at most the capacity)
 -- Returns {STATUS, SLOT_US, NOW_US, COUNT, WINDOW_US, USED_PERMILLE}
---   STATUS 1 = granted (call now), 2 = reserved (call at SLOT), 0 = denied (come back at SLOT),
---   3 = the message already registered (KEYS[5] exists);
+--   STATUS 1 = granted (call now), 2 = reserved (call at SLOT), 0 = denied (come back at SLOT;
+--   with reserving on, when the seller's reserved set is full: see far_ticket),
+--   3 = the message already registered (KEYS[8] says so);
 --   USED_PERMILLE (with STATUS 1) is how much of the limit is taken after
 --   this grant, in thousandths (tokens taken / CAPACITY): the near-limit metric;
 
@@ -36,7 +38,7 @@ if requested > capacity then error({err = 'ERR turnstile: REQUESTED exceeds CAPA
 local guard = guard_for(window, a.guard)
 local rate = count / (window + guard) -- tokens per µs
 local now = now_us()
-if already_done(KEYS[7]) then return {3, now, now, count, window} end
+if already_done(KEYS[8]) then return {3, now, now, count, window} end
 check_server(KEYS[5], KEYS[1], KEYS[3], window + guard, now, a.durable)
 
 local state = redis.call('HMGET', KEYS[1], 'tokens', 'ts')
@@ -49,6 +51,9 @@ local slot = at
 if filled < requested then slot = math.ceil(at + (requested - filled) / rate) end
 
 local status = due(slot, now, guard, a)
+if status == 2 and reserved_full(KEYS[4], now, guard) then
+  status, slot = 0, far_ticket(KEYS[7], KEYS[4], now, window + guard, count)
+end
 if status == 0 then return {0, slot, now, count, window} end
 local left = filled + (slot - at) * rate - requested
 redis.call('HSET', KEYS[1], 'tokens', string.format('%.6f', left), 'ts', string.format('%.0f', slot))

@@ -357,7 +357,8 @@ impl PermitStore {
             .key(self.seller_key(seller, "pause"))
             .key(self.seller_key(seller, "reserved"))
             .key(self.seller_key(seller, "server"))
-            .key(self.calls_key(seller));
+            .key(self.calls_key(seller))
+            .key(self.seller_key(seller, "far"));
         if let Some(message) = message {
             invocation.key(self.done_key(seller, message));
         }

@@ -463,6 +463,72 @@ pub async fn a_forfeited_slot_goes_back_to_the_next_caller(backend: Backend, alg
     keys.cleanup().await;
 }
 
+/// Redis bytes used by every key of `prefix` (MEMORY USAGE, all samples).
+pub async fn bytes_of(conn: &turnstile::permit::RedisConn, prefix: &str) -> u64 {
+    let mut total = 0;
+    for key in turnstile::permit::keys_matching(conn, &format!("{prefix}:*"))
+        .await
+        .unwrap()
+    {
+        let bytes: Option<u64> = redis::cmd("MEMORY")
+            .arg("USAGE")
+            .arg(&key)
+            .arg("SAMPLES")
+            .arg(0)
+            .query_async(&mut conn.clone())
+            .await
+            .unwrap();
+        total += bytes.unwrap_or(0);
+    }
+    total
+}
+
+/// 10,000 callers of one seller at 100/1m: at most 3,072 hold a reserved slot; the others are
+/// told when to come back, 100 per minute from when the first reserved slot is due (the pace
+/// at which slots free up), so the seller's state stays bounded however deep the backlog.
+pub async fn a_deep_backlog_keeps_the_sellers_state_bounded(
+    backend: Backend,
+    algorithm: Algorithm,
+) {
+    let keys = Keys::new(backend, "deep").await;
+    let store = keys.store(limiter("100/1m", algorithm));
+    let s = seller("S-deep");
+    let (mut reserved, mut far) = (0, Vec::new());
+    for _ in 0..10_000 {
+        match store.acquire(&s, true).await.unwrap() {
+            Decision::Wait {
+                reservation: Some(_),
+                ..
+            } => reserved += 1,
+            Decision::Wait {
+                retry_after,
+                reservation: None,
+            } => far.push(retry_after),
+            _ => {}
+        }
+    }
+    let bytes = bytes_of(&keys.conn, &keys.prefix).await;
+    println!(
+        "{algorithm}: 10,000 callers at 100/1m: {reserved} reserved, {} told to come back \
+         (from {:?} to {:?}), {bytes} bytes in Redis",
+        far.len(),
+        far.first().unwrap(),
+        far.last().unwrap()
+    );
+    assert_eq!(reserved, 3072, "{algorithm}");
+    assert!(bytes < 1 << 20, "{algorithm}: {bytes} bytes");
+    // At most 100 per minute come back (the first minute may be short: it starts with the
+    // first reserved slot, which the slow test may already have passed).
+    let spread = far.last().unwrap().saturating_sub(*far.first().unwrap());
+    let expected = Duration::from_secs(60) * (far.len() as u32 / 100 - 2);
+    assert!(
+        spread >= expected,
+        "{algorithm}: {} come back within {spread:?}",
+        far.len()
+    );
+    keys.cleanup().await;
+}
+
 /// Invalid inputs are refused before anything is written.
 pub async fn scripts_check_inputs_before_writing(backend: Backend) {
     let keys = Keys::new(backend, "inputs").await;
@@ -753,6 +819,12 @@ macro_rules! permit_tests {
         #[tokio::test]
         async fn completion_records_count_each_message_once() {
             cases::completion_records_count_each_message_once($backend).await;
+        }
+        #[tokio::test]
+        async fn a_deep_backlog_keeps_the_sellers_state_bounded() {
+            for algorithm in turnstile::config::Algorithm::ALL {
+                cases::a_deep_backlog_keeps_the_sellers_state_bounded($backend, algorithm).await;
+            }
         }
         #[tokio::test]
         async fn scripts_check_inputs_before_writing() {
