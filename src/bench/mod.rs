@@ -1,6 +1,7 @@
 //! `turnstile bench ...`: measurements that print figures, each beside a baseline measured in the
 //! same run on the same machine (no thresholds: the figures are for people to read).
 
+mod depth;
 pub mod faults;
 mod permits;
 pub mod scenario;
@@ -40,6 +41,24 @@ pub enum BenchCommand {
     /// Ten thousand active sellers: Redis memory per seller for each algorithm, keys gone after
     /// idleness, and a replica's memory as it serves them.
     Sellers(Box<sellers::SellersArgs>),
+    /// One seller's Redis memory against the depth of its backlog (each queued message asks
+    /// for a permit, reserving), beside the smallest depth.
+    Depth {
+        #[command(flatten)]
+        redis: RedisArgs,
+        /// The seller's limit.
+        #[arg(long, default_value = "100/1m", value_parser = crate::config::limit_arg)]
+        limit: crate::config::Limit,
+        /// Backlog depths to weigh (comma-separated).
+        #[arg(long, value_delimiter = ',', default_value = "1000,10000,100000,1000000")]
+        depths: Vec<u64>,
+        /// Concurrent callers.
+        #[arg(long, default_value_t = 32)]
+        concurrency: u64,
+        /// Also print JSON lines.
+        #[arg(long)]
+        json: bool,
+    },
 }
 
 pub async fn run(which: BenchCommand) -> anyhow::Result<ExitCode> {
@@ -51,6 +70,15 @@ pub async fn run(which: BenchCommand) -> anyhow::Result<ExitCode> {
             sellers,
         } => {
             permits::run(&redis, concurrency, duration, sellers).await?;
+        }
+        BenchCommand::Depth {
+            redis,
+            limit,
+            depths,
+            concurrency,
+            json,
+        } => {
+            depth::run(&redis, limit, &depths, concurrency, json).await?;
         }
         BenchCommand::Faults(args) => {
             if !faults::run(*args).await? {

@@ -483,15 +483,17 @@ pub async fn bytes_of(conn: &turnstile::permit::RedisConn, prefix: &str) -> u64 
     total
 }
 
-/// 10,000 callers of one seller at 100/1m: at most 3,072 hold a reserved slot; the others are
-/// told when to come back, 100 per minute from when the first reserved slot is due (the pace
-/// at which slots free up), so the seller's state stays bounded however deep the backlog.
+/// 10,000 callers of one seller at 100/30m: at most 3,072 hold a reserved slot; the others
+/// are told when to come back, 100 per half hour from when the first reserved slot is due (the
+/// pace at which slots free up), so the seller's state stays bounded however deep the backlog.
+/// (Half an hour, so that no reserved slot falls due while the test runs on a loaded machine;
+/// `turnstile bench depth` measures 100/1m up to 1,000,000 callers.)
 pub async fn a_deep_backlog_keeps_the_sellers_state_bounded(
     backend: Backend,
     algorithm: Algorithm,
 ) {
     let keys = Keys::new(backend, "deep").await;
-    let store = keys.store(limiter("100/1m", algorithm));
+    let store = keys.store(limiter("100/30m", algorithm));
     let s = seller("S-deep");
     let (mut reserved, mut far) = (0, Vec::new());
     for _ in 0..10_000 {
@@ -509,7 +511,7 @@ pub async fn a_deep_backlog_keeps_the_sellers_state_bounded(
     }
     let bytes = bytes_of(&keys.conn, &keys.prefix).await;
     println!(
-        "{algorithm}: 10,000 callers at 100/1m: {reserved} reserved, {} told to come back \
+        "{algorithm}: 10,000 callers at 100/30m: {reserved} reserved, {} told to come back \
          (from {:?} to {:?}), {bytes} bytes in Redis",
         far.len(),
         far.first().unwrap(),
@@ -517,10 +519,9 @@ pub async fn a_deep_backlog_keeps_the_sellers_state_bounded(
     );
     assert_eq!(reserved, 3072, "{algorithm}");
     assert!(bytes < 1 << 20, "{algorithm}: {bytes} bytes");
-    // At most 100 per minute come back (the first minute may be short: it starts with the
-    // first reserved slot, which the slow test may already have passed).
+    // At most 100 per half hour come back.
     let spread = far.last().unwrap().saturating_sub(*far.first().unwrap());
-    let expected = Duration::from_secs(60) * (far.len() as u32 / 100 - 2);
+    let expected = Duration::from_secs(1800) * (far.len() as u32 / 100 - 1);
     assert!(
         spread >= expected,
         "{algorithm}: {} come back within {spread:?}",
