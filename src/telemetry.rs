@@ -1,5 +1,5 @@
 //! Tracing: human-readable lines by default, JSON lines with `TURNSTILE_LOG_FORMAT=json`;
-//! the filter comes from `RUST_LOG` (default `info`).
+//! the filter comes from `RUST_LOG` (default [`DEFAULT_FILTER`]).
 //!
 //! A JSON line is one object: `timestamp`, `level`, `target`, the event's fields at the top level
 //! (`message` is the text) and the current span under `span`, e.g. a message's
@@ -12,12 +12,19 @@ use tracing_subscriber::util::SubscriberInitExt;
 
 /// Installs the global subscriber (once; later calls do nothing). Logs go to stderr.
 pub fn init() {
-    let filter = EnvFilter::try_from_default_env().unwrap_or_else(|_| EnvFilter::new("info"));
+    let filter =
+        EnvFilter::try_from_default_env().unwrap_or_else(|_| EnvFilter::new(DEFAULT_FILTER));
     let json = std::env::var("TURNSTILE_LOG_FORMAT").is_ok_and(|f| f.eq_ignore_ascii_case("json"));
     let _ = subscriber(filter, json, std::io::stderr).try_init();
 }
 
 /// The subscriber `init` installs, writing to `writer` (tests capture lines with it).
+/// The filter without `RUST_LOG`: `info`, but not lapin's own line for every channel the broker
+/// closes. turnstile closes channels on purpose (a passive check for an old queue, a
+/// declaration the broker refuses and that is retried with other arguments) and logs every
+/// refusal it does not expect itself, with its context; lapin would log each one as an ERROR.
+pub const DEFAULT_FILTER: &str = "info,lapin::channel=off";
+
 pub fn subscriber<W>(filter: EnvFilter, json: bool, writer: W) -> Box<dyn Subscriber + Send + Sync>
 where
     W: for<'w> MakeWriter<'w> + Send + Sync + 'static,
