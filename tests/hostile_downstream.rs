@@ -92,37 +92,6 @@ async fn a_downstream_that_throttles_forever_is_given_up_after_the_throttle_dead
 }
 
 #[tokio::test]
-async fn a_paused_seller_is_resumed_on_every_replica_at_once() {
-    let mut p = Pipeline::new("resume", "100/1s").await;
-    let settings = p.settings(2);
-    let store = p.keys.store(settings.limiter.clone());
-    let seller = SellerId::parse("S-resumed").unwrap();
-    store
-        .pause(&seller, Duration::from_secs(3600))
-        .await
-        .unwrap();
-    p.start_replicas(2, 2).await;
-    p.publish("S-resumed", 3).await;
-    eventually("the messages wait", || p.total(|s| &s.delayed) >= 3).await;
-    assert!(store.resume(&seller).await.unwrap(), "it was paused");
-    assert_eq!(store.paused_for(&seller).await.unwrap(), Duration::ZERO);
-    // The delayed messages come back at their reserved slots (after the old pause) and reserve
-    // anew on arrival: publish one more, which goes through at once.
-    p.publish_product("S-resumed", "m-after-resume", json!({}))
-        .await;
-    eventually("registered after the resume", || {
-        p.mock
-            .stats()
-            .sellers
-            .get("S-resumed")
-            .is_some_and(|s| s.registered >= 1)
-    })
-    .await;
-    p.stop_replicas().await;
-    p.cleanup().await;
-}
-
-#[tokio::test]
 async fn seller_ids_never_change_the_url_structure() {
     let mut p = Pipeline::new("segments", "100/1s").await;
     p.start_replicas(1, 2).await;

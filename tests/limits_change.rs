@@ -112,6 +112,7 @@ async fn a_lifted_pause_brings_the_delayed_messages_back_at_once() {
     p.publish("S-resumed", 5).await;
     eventually("the messages wait", || p.total(|s| &s.delayed) >= 5).await;
     assert!(store.resume(&seller).await.unwrap(), "it was paused");
+    assert_eq!(store.paused_for(&seller).await.unwrap(), Duration::ZERO);
     let stats = p.wait_registered(5).await;
     p.stop_replicas().await;
     assert_eq!((stats.violations, stats.duplicates), (0, 0), "{stats:?}");

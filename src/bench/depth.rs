@@ -10,7 +10,7 @@ use anyhow::Context;
 
 use crate::config::{Algorithm, Limit, LimiterArgs, RedisArgs};
 use crate::domain::SellerId;
-use crate::permit::{Decision, PermitStore, RedisConn, delete_prefix, keys_matching};
+use crate::permit::{Decision, PermitStore, RedisConn, delete_prefix, memory_of_prefix};
 
 /// What one depth left in Redis.
 struct Weighed {
@@ -19,22 +19,6 @@ struct Weighed {
     told_to_come_back: u64,
     bytes: u64,
     secs: f64,
-}
-
-/// Bytes of every key of `prefix` (MEMORY USAGE with all samples).
-async fn bytes_of(conn: &RedisConn, prefix: &str) -> anyhow::Result<u64> {
-    let mut total = 0;
-    for key in keys_matching(conn, &format!("{prefix}:*")).await? {
-        let bytes: Option<u64> = redis::cmd("MEMORY")
-            .arg("USAGE")
-            .arg(&key)
-            .arg("SAMPLES")
-            .arg(0)
-            .query_async(&mut conn.clone())
-            .await?;
-        total += bytes.unwrap_or(0);
-    }
-    Ok(total)
 }
 
 /// `depth` callers of one seller ask for a permit, `concurrency` at a time.
@@ -77,7 +61,7 @@ async fn weigh(
         task.await??;
     }
     let secs = started.elapsed().as_secs_f64();
-    let bytes = bytes_of(conn, prefix).await?;
+    let bytes = memory_of_prefix(conn, prefix).await?;
     delete_prefix(conn, prefix).await?;
     Ok(Weighed {
         depth,
@@ -97,7 +81,9 @@ pub async fn run(
     concurrency: u64,
     json: bool,
 ) -> anyhow::Result<()> {
-    let conn = RedisConn::connect(redis).await.context("connecting to Redis")?;
+    let conn = RedisConn::connect(redis)
+        .await
+        .context("connecting to Redis")?;
     println!(
         "one seller at {limit}: Redis bytes of all its keys after N queued messages each asked for a permit (reserving)"
     );
@@ -108,11 +94,7 @@ pub async fn run(
     for algorithm in Algorithm::ALL {
         let mut first = None;
         for &depth in depths {
-            let prefix = format!(
-                "{}-depth-{:08x}",
-                redis.key_prefix,
-                rand::random::<u32>()
-            );
+            let prefix = format!("{}-depth-{:08x}", redis.key_prefix, rand::random::<u32>());
             let mut limiter = LimiterArgs::new(limit, algorithm);
             limiter.redis_durable = true;
             let w = weigh(&conn, &prefix, limiter, depth, concurrency).await?;

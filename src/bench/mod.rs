@@ -50,7 +50,11 @@ pub enum BenchCommand {
         #[arg(long, default_value = "100/1m", value_parser = crate::config::limit_arg)]
         limit: crate::config::Limit,
         /// Backlog depths to weigh (comma-separated).
-        #[arg(long, value_delimiter = ',', default_value = "1000,10000,100000,1000000")]
+        #[arg(
+            long,
+            value_delimiter = ',',
+            default_value = "1000,10000,100000,1000000"
+        )]
         depths: Vec<u64>,
         /// Concurrent callers.
         #[arg(long, default_value_t = 32)]

@@ -869,12 +869,7 @@ fn limiter_store(
 async fn mean_usage(conn: &RedisConn, keys: impl Iterator<Item = String>) -> anyhow::Result<f64> {
     let (mut total, mut count) = (0u64, 0u64);
     for key in keys {
-        let usage: Option<u64> = redis::cmd("MEMORY")
-            .arg("USAGE")
-            .arg(&key)
-            .arg("SAMPLES")
-            .arg(0)
-            .query_async(&mut conn.clone())
+        let usage = crate::permit::memory_usage(conn, &key)
             .await
             .with_context(|| format!("MEMORY USAGE {key}"))?;
         if let Some(usage) = usage {

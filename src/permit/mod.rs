@@ -903,6 +903,27 @@ pub async fn keys_matching(conn: &RedisConn, pattern: &str) -> Result<Vec<String
     }
 }
 
+/// Bytes Redis uses for `key` (`MEMORY USAGE key SAMPLES 0`: exact), or `None` if it does not
+/// exist. For benchmarks and tests that weigh the limiter's state.
+pub async fn memory_usage(conn: &RedisConn, key: &str) -> Result<Option<u64>, PermitError> {
+    Ok(redis::cmd("MEMORY")
+        .arg("USAGE")
+        .arg(key)
+        .arg("SAMPLES")
+        .arg(0)
+        .query_async(&mut conn.clone())
+        .await?)
+}
+
+/// Bytes Redis uses for every key that starts with `prefix:`.
+pub async fn memory_of_prefix(conn: &RedisConn, prefix: &str) -> Result<u64, PermitError> {
+    let mut total = 0;
+    for key in keys_matching(conn, &format!("{prefix}:*")).await? {
+        total += memory_usage(conn, &key).await?.unwrap_or(0);
+    }
+    Ok(total)
+}
+
 /// Deletes every key that starts with `prefix:` (for demos, benchmarks and tests that clean up
 /// after themselves).
 pub async fn delete_prefix(conn: &RedisConn, prefix: &str) -> anyhow::Result<()> {

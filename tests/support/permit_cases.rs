@@ -348,6 +348,22 @@ async fn reserve_backlog(
     held
 }
 
+/// Every one of `held` was given back: its holder finds no reservation.
+async fn all_given_back(
+    store: &PermitStore,
+    s: &SellerId,
+    held: Vec<turnstile::permit::Reservation>,
+    algorithm: Algorithm,
+) {
+    for r in held {
+        assert_eq!(
+            store.redeem(s, r).await.unwrap(),
+            Err(Forfeit::NotReserved),
+            "{algorithm}"
+        );
+    }
+}
+
 /// The wait a new caller is told (zero when granted at once).
 async fn wait_of_a_new_caller(store: &PermitStore, s: &SellerId) -> Duration {
     match store.acquire(s, true).await.unwrap() {
@@ -387,13 +403,7 @@ pub async fn a_raised_limit_applies_at_once_to_a_reserved_backlog(
         after < Duration::from_secs(1),
         "{algorithm}: still scheduled behind the old backlog: {after:?}"
     );
-    for r in held {
-        assert_eq!(
-            store.redeem(&s, r).await.unwrap(),
-            Err(Forfeit::NotReserved),
-            "{algorithm}"
-        );
-    }
+    all_given_back(&store, &s, held, algorithm).await;
     keys.cleanup().await;
 }
 
@@ -414,13 +424,7 @@ pub async fn a_lifted_pause_reschedules_the_backlog(backend: Backend, algorithm:
         after <= Duration::from_millis(10_500),
         "{algorithm}: scheduled after the lifted pause: {after:?}"
     );
-    for r in held {
-        assert_eq!(
-            store.redeem(&s, r).await.unwrap(),
-            Err(Forfeit::NotReserved),
-            "{algorithm}"
-        );
-    }
+    all_given_back(&store, &s, held, algorithm).await;
     keys.cleanup().await;
 }
 
@@ -463,26 +467,6 @@ pub async fn a_forfeited_slot_goes_back_to_the_next_caller(backend: Backend, alg
     keys.cleanup().await;
 }
 
-/// Redis bytes used by every key of `prefix` (MEMORY USAGE, all samples).
-pub async fn bytes_of(conn: &turnstile::permit::RedisConn, prefix: &str) -> u64 {
-    let mut total = 0;
-    for key in turnstile::permit::keys_matching(conn, &format!("{prefix}:*"))
-        .await
-        .unwrap()
-    {
-        let bytes: Option<u64> = redis::cmd("MEMORY")
-            .arg("USAGE")
-            .arg(&key)
-            .arg("SAMPLES")
-            .arg(0)
-            .query_async(&mut conn.clone())
-            .await
-            .unwrap();
-        total += bytes.unwrap_or(0);
-    }
-    total
-}
-
 /// 10,000 callers of one seller at 100/30m: at most 3,072 hold a reserved slot; the others
 /// are told when to come back, 100 per half hour from when the first reserved slot is due (the
 /// pace at which slots free up), so the seller's state stays bounded however deep the backlog.
@@ -509,7 +493,9 @@ pub async fn a_deep_backlog_keeps_the_sellers_state_bounded(
             _ => {}
         }
     }
-    let bytes = bytes_of(&keys.conn, &keys.prefix).await;
+    let bytes = turnstile::permit::memory_of_prefix(&keys.conn, &keys.prefix)
+        .await
+        .unwrap();
     println!(
         "{algorithm}: 10,000 callers at 100/30m: {reserved} reserved, {} told to come back \
          (from {:?} to {:?}), {bytes} bytes in Redis",
