@@ -52,6 +52,7 @@ pub enum QueueType {
 #[derive(Clone, Debug)]
 pub struct Topology {
     work: String,
+    ready: String,
     dead: String,
     queue_type: QueueType,
     delay_type: QueueType,
@@ -63,6 +64,7 @@ impl Topology {
     pub fn new(work: &str, queue_type: QueueType) -> Self {
         Self {
             work: work.to_owned(),
+            ready: format!("{work}.ready"),
             dead: format!("{work}.dead"),
             queue_type,
             delay_type: queue_type,
@@ -87,6 +89,12 @@ impl Topology {
     pub fn work(&self) -> &str {
         &self.work
     }
+    /// The return queue's name (`<q>.ready`): where every message comes back into the consume
+    /// path after a delay (the end of a ladder hop, a release, a return at shutdown), consumed
+    /// beside the work queue so that it is never queued behind the work queue's backlog.
+    pub fn ready(&self) -> &str {
+        &self.ready
+    }
     /// The dead-letter queue's name (`<q>.dead`).
     pub fn dead(&self) -> &str {
         &self.dead
@@ -105,7 +113,7 @@ impl Topology {
     pub fn hop_queue(&self, hop: Hop) -> String {
         match hop {
             Hop::Level { level, .. } => self.level(level),
-            Hop::Work => self.work.clone(),
+            Hop::Ready => self.ready.clone(),
         }
     }
 
@@ -118,11 +126,12 @@ impl Topology {
         table(&pairs)
     }
 
-    /// The work queue's arguments: a quorum queue dead-letters a message returned more than
-    /// `delivery_limit` times to `<q>.dead`, at least once (which needs `x-overflow:
-    /// reject-publish`; without a length limit it changes nothing else). A classic queue has no
-    /// delivery limit; it gets the same dead-letter target, which only an operator's TTL or
-    /// length limit could use: turnstile never rejects nor nacks a work message without requeue.
+    /// The work queue's arguments, which the return queue shares: a quorum queue dead-letters a
+    /// message returned more than `delivery_limit` times to `<q>.dead`, at least once (which
+    /// needs `x-overflow: reject-publish`; without a length limit it changes nothing else). A
+    /// classic queue has no delivery limit; it gets the same dead-letter target, which only an
+    /// operator's TTL or length limit could use: turnstile never rejects nor nacks a work
+    /// message without requeue.
     fn work_arguments(&self) -> FieldTable {
         let mut extra = vec![
             ("x-dead-letter-exchange", long_string("")),
@@ -221,6 +230,10 @@ impl Topology {
         };
         self.declare_queue(&channel, &self.dead, self.queue_arguments(&[]))
             .await?;
+        // The return queue is new (issue 13): no older turnstile declared it without its
+        // protection, so it needs no fallback.
+        self.declare_queue(&channel, &self.ready, self.work_arguments())
+            .await?;
         for k in 0..LEVELS {
             let mut args = Vec::new();
             if self.delay_type == QueueType::Quorum {
@@ -240,9 +253,9 @@ impl Topology {
         Ok(work)
     }
 
-    /// Every queue of the topology: work, dead letters, ladder levels.
+    /// Every queue of the topology: work, return queue, dead letters, ladder levels.
     pub fn queues(&self) -> Vec<String> {
-        let mut queues = vec![self.work.clone(), self.dead.clone()];
+        let mut queues = vec![self.work.clone(), self.ready.clone(), self.dead.clone()];
         queues.extend((0..LEVELS).map(|k| self.level(k)));
         queues
     }
