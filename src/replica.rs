@@ -4,7 +4,6 @@
 //! away, and drains on shutdown.
 
 use std::net::SocketAddr;
-use std::sync::atomic::Ordering;
 use std::sync::{Arc, OnceLock};
 use std::time::Duration;
 
@@ -504,8 +503,7 @@ async fn run(
                 },
                 next = current.returns.consumer.next() => match current.returns.received(next) {
                     Some(delivery) => {
-                        worker.stats.ladder.returns.fetch_add(1, Ordering::Relaxed);
-                        metrics::counter!("turnstile_delay_returns_total").increment(1);
+                        worker.stats.ladder.returned(&delivery);
                         dispatch(delivery, &current.returns.settler);
                     }
                     None => break false,

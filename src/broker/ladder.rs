@@ -123,6 +123,25 @@ pub struct LadderStats {
     /// Deliveries taken from the return queue `<q>.ready` by this replica's workers (also
     /// counted in the worker's deliveries).
     pub returns: AtomicU64,
+    /// Of those with a due time, the latest one was taken after it, in ms: the ladder's own
+    /// lateness plus the wait in the return queue.
+    pub max_return_late_ms: AtomicU64,
+    /// The sum of how late (after their due time) those were taken, in ms (for a mean).
+    pub return_late_ms: AtomicU64,
+}
+
+impl LadderStats {
+    /// Counts a delivery taken from the return queue and how long after its due time it came.
+    pub fn returned(&self, delivery: &Delivery) {
+        self.returns.fetch_add(1, Ordering::Relaxed);
+        metrics::counter!("turnstile_delay_returns_total").increment(1);
+        if let Some(due) = header_u64(delivery, headers::DUE) {
+            let late = unix_ms().saturating_sub(due);
+            self.max_return_late_ms.fetch_max(late, Ordering::Relaxed);
+            self.return_late_ms.fetch_add(late, Ordering::Relaxed);
+            metrics::histogram!("turnstile_delay_return_late_seconds").record(late as f64 / 1000.0);
+        }
+    }
 }
 
 /// Moves the ladder on: one consumer per level (and per legacy level, if the broker still has
