@@ -77,6 +77,9 @@ pub struct ReplicaInfo {
 pub struct QueueDepths {
     /// Ready in the work queue.
     pub work: u64,
+    /// Back from a delay and ready in the return queue `<queue>.ready` (taken beside the work
+    /// queue, not behind it).
+    pub returning: u64,
     /// In the delay ladder (throttled or retried, coming back later).
     pub delayed: u64,
     /// In `<queue>.dead`.
@@ -472,12 +475,16 @@ pub async fn watch_queues(
                 read_ms: unix_ms(),
                 ..Default::default()
             };
-            for (i, queue) in topology.queues().iter().enumerate() {
-                let n = u64::from(broker::depth(channel, queue).await?);
-                match i {
-                    0 => depths.work = n,
-                    1 => depths.dead = n,
-                    _ => depths.delayed += n,
+            for queue in topology.queues() {
+                let n = u64::from(broker::depth(channel, &queue).await?);
+                if queue == topology.work() {
+                    depths.work = n;
+                } else if queue == topology.ready() {
+                    depths.returning = n;
+                } else if queue == topology.dead() {
+                    depths.dead = n;
+                } else {
+                    depths.delayed += n;
                 }
             }
             anyhow::Ok(depths)
@@ -490,6 +497,7 @@ pub async fn watch_queues(
             Ok(Ok(depths)) => {
                 for (queue, n) in [
                     ("work", depths.work),
+                    ("ready", depths.returning),
                     ("delay", depths.delayed),
                     ("dead", depths.dead),
                 ] {

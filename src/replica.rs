@@ -1,6 +1,7 @@
 //! `turnstile consume`: one replica. The startup code that knows every module: it connects to
-//! RabbitMQ and Redis, declares the topology, consumes with bounded concurrency, reconnects when
-//! the broker goes away, and drains on shutdown.
+//! RabbitMQ and Redis, declares the topology, consumes the work queue and, beside it, the return
+//! queue (messages back from a delay) with bounded concurrency, reconnects when the broker goes
+//! away, and drains on shutdown.
 
 use std::net::SocketAddr;
 use std::sync::{Arc, OnceLock};
@@ -234,14 +235,14 @@ impl Replica {
     }
 }
 
-/// One broker connection with its channels and consumer.
+/// One broker connection with its channels and consumers.
 struct Session {
     connection: lapin::Connection,
     publisher: Publisher,
-    settler: Settler,
-    consumer: lapin::Consumer,
-    consumer_channel: lapin::Channel,
-    tag: String,
+    /// New messages, from producers (and from older replicas' returns).
+    work: Intake,
+    /// Messages coming back after a delay (`<q>.ready`).
+    returns: Intake,
 }
 
 impl Session {
@@ -250,36 +251,112 @@ impl Session {
         let connection = broker::connect(&args.broker.amqp_url, &name).await?;
         let publisher = Publisher::open(&connection).await?;
         worker.topology.declare(&connection).await?;
-        let consumer_channel = connection
-            .create_channel()
-            .await
-            .context("opening the consumer channel")?;
-        consumer_channel
-            .basic_qos(args.prefetch(), BasicQosOptions::default())
-            .await
-            .context("setting the prefetch")?;
         let tag = format!(
             "turnstile-{}-{:x}",
             std::process::id(),
             rand::random::<u32>()
         );
-        let consumer = consumer_channel
+        let prefetch = args.prefetch();
+        let work = Intake::open(&connection, worker.topology.work(), prefetch, tag.clone()).await?;
+        let returns = Intake::open(
+            &connection,
+            worker.topology.ready(),
+            prefetch,
+            format!("{tag}-ready"),
+        )
+        .await?;
+        Ok(Self {
+            connection,
+            publisher,
+            work,
+            returns,
+        })
+    }
+
+    /// Stops both consumers (no new deliveries; unsettled ones stay with the replica).
+    async fn cancel(&self) {
+        tokio::join!(self.work.cancel(), self.returns.cancel());
+    }
+
+    /// Sends the acks both settlers collected so far.
+    async fn flush(&self) -> Result<(), lapin::Error> {
+        let (work, returns) = tokio::join!(self.work.settler.flush(), self.returns.settler.flush());
+        work.and(returns)
+    }
+}
+
+/// A queue the workers take deliveries from, on a channel of its own: the channel's prefetch
+/// bounds what the replica holds from this queue alone, and its settler batches the acks of
+/// this queue's delivery tags alone, so neither queue's deliveries can hold up the other's.
+struct Intake {
+    queue: String,
+    channel: lapin::Channel,
+    settler: Settler,
+    consumer: lapin::Consumer,
+    tag: String,
+}
+
+impl Intake {
+    async fn open(
+        connection: &lapin::Connection,
+        queue: &str,
+        prefetch: u16,
+        tag: String,
+    ) -> anyhow::Result<Self> {
+        let channel = connection
+            .create_channel()
+            .await
+            .with_context(|| format!("opening the consumer channel of {queue:?}"))?;
+        channel
+            .basic_qos(prefetch, BasicQosOptions::default())
+            .await
+            .with_context(|| format!("setting the prefetch of {queue:?}"))?;
+        let consumer = channel
             .basic_consume(
-                args.broker.queue.as_str().into(),
+                queue.into(),
                 tag.as_str().into(),
                 BasicConsumeOptions::default(),
                 FieldTable::default(),
             )
             .await
-            .with_context(|| format!("consuming from {:?}", args.broker.queue))?;
+            .with_context(|| format!("consuming from {queue:?}"))?;
         Ok(Self {
-            connection,
-            publisher,
-            settler: Settler::new(consumer_channel.clone()),
+            queue: queue.to_owned(),
+            settler: Settler::new(channel.clone()),
+            channel,
             consumer,
-            consumer_channel,
             tag,
         })
+    }
+
+    /// The next delivery, recorded as received; `None` (logged) when the consumer ended: the
+    /// connection was lost or the broker cancelled the consumer.
+    fn received(
+        &self,
+        next: Option<Result<lapin::message::Delivery, lapin::Error>>,
+    ) -> Option<lapin::message::Delivery> {
+        match next {
+            Some(Ok(delivery)) => {
+                self.settler.received(delivery.delivery_tag);
+                Some(delivery)
+            }
+            Some(Err(error)) => {
+                warn!(%error, queue = %self.queue, "broker connection lost");
+                None
+            }
+            None => {
+                warn!(queue = %self.queue, "the broker cancelled the consumer");
+                None
+            }
+        }
+    }
+
+    /// Stops the consumer: no new deliveries (those already received are still settled).
+    async fn cancel(&self) {
+        let _ = self
+            .channel
+            .basic_cancel(self.tag.as_str().into(), BasicCancelOptions::default())
+            .await;
     }
 }
 
@@ -403,6 +480,17 @@ async fn run(
             );
             connection_lost.cancel();
         }
+        // Both queues feed the same workers (and the same worker semaphore).
+        let dispatch = |delivery: lapin::message::Delivery, settler: &Settler| {
+            let (worker, publisher) = (worker.clone(), current.publisher.clone());
+            let settler = settler.clone();
+            let (shutdown, lost) = (shutdown.clone(), connection_lost.clone());
+            tracker.spawn(async move {
+                worker
+                    .process(delivery, &publisher, &settler, &shutdown, &lost)
+                    .await
+            });
+        };
         let stopped_by_shutdown = loop {
             tokio::select! {
                 _ = shutdown.cancelled() => break true,
@@ -410,22 +498,16 @@ async fn run(
                     warn!("the broker session failed (a delay ladder consumer or the publish channel); reconnecting");
                     break false;
                 }
-                next = current.consumer.next() => match next {
-                    Some(Ok(delivery)) => {
-                        current.settler.received(delivery.delivery_tag);
-                        let (worker, publisher) = (worker.clone(), current.publisher.clone());
-                        let settler = current.settler.clone();
-                        let (shutdown, lost) = (shutdown.clone(), connection_lost.clone());
-                        tracker.spawn(async move { worker.process(delivery, &publisher, &settler, &shutdown, &lost).await });
+                next = current.work.consumer.next() => match current.work.received(next) {
+                    Some(delivery) => dispatch(delivery, &current.work.settler),
+                    None => break false,
+                },
+                next = current.returns.consumer.next() => match current.returns.received(next) {
+                    Some(delivery) => {
+                        worker.stats.ladder.returned(&delivery);
+                        dispatch(delivery, &current.returns.settler);
                     }
-                    Some(Err(error)) => {
-                        warn!(%error, "broker connection lost");
-                        break false;
-                    }
-                    None => {
-                        warn!("the broker cancelled the consumer");
-                        break false;
-                    }
+                    None => break false,
                 },
             }
         };
@@ -438,15 +520,9 @@ async fn run(
             // exit past the grace (plus a moment to send the last acks and close).
             let grace_over = tokio::time::Instant::now() + args.shutdown_grace;
             let closing_over = grace_over + Duration::from_secs(1);
-            let _ = tokio::time::timeout_at(
-                grace_over,
-                current
-                    .consumer_channel
-                    .basic_cancel(current.tag.as_str().into(), BasicCancelOptions::default()),
-            )
-            .await;
+            let _ = tokio::time::timeout_at(grace_over, current.cancel()).await;
             drain(&tracker, grace_over).await;
-            match tokio::time::timeout_at(closing_over, current.settler.flush()).await {
+            match tokio::time::timeout_at(closing_over, current.flush()).await {
                 Ok(Ok(())) => {}
                 _ => warn!(
                     "last acks not sent; the broker redelivers those messages (their completion records keep them from being called again)"

@@ -91,6 +91,19 @@ pub struct Report {
     pub violations: u64,
     pub deliveries: u64,
     pub deliveries_per_message: f64,
+    /// Of the deliveries, those taken from the return queue `<queue>.ready` (messages back
+    /// from a delay); the rest came from the work queue.
+    pub returns: u64,
+    /// The latest a delay ladder message was moved into the return queue after its due time,
+    /// in ms (the ladder's own lateness).
+    pub ladder_max_late_ms: u64,
+    /// The latest a message was taken from the return queue after its due time, and the mean,
+    /// in ms (the ladder's lateness plus the wait in the return queue).
+    pub return_max_late_ms: u64,
+    pub return_mean_late_ms: f64,
+    /// Reserved slots given up at redemption (in a rig without pauses or changes of terms:
+    /// the message came back too late for its slot) and reserved anew.
+    pub forfeited: u64,
     /// Delay ladder hops (each a delivery to a ladder consumer), per published message.
     pub ladder_hops_per_message: f64,
     pub elapsed_s: f64,
@@ -119,6 +132,8 @@ pub struct Rig {
     connection: lapin::Connection,
     publisher: Publisher,
     replicas: Vec<Replica>,
+    /// The settings replicas start with (the first one started serves HTTP if asked).
+    settings: ConsumeArgs,
     stop: CancellationToken,
     stop_mock: CancellationToken,
     published_at_ms: u64,
@@ -129,11 +144,18 @@ impl Rig {
     /// Starts the mock enforcing `base.limiter.limit`, and `replicas` replicas configured as
     /// `base` but on a queue and key prefix of their own (named `<queue>-<random>`). Only the
     /// first replica serves HTTP (the dashboard), if `base.http_addr` says so.
-    pub async fn start(mut base: ConsumeArgs, replicas: usize) -> anyhow::Result<Self> {
+    pub async fn start(base: ConsumeArgs, replicas: usize) -> anyhow::Result<Self> {
+        let mut rig = Self::prepare(base).await?;
+        rig.start_replicas(replicas).await?;
+        Ok(rig)
+    }
+
+    /// Starts the mock and declares the queues, without replicas yet (to publish a backlog
+    /// before any replica consumes: [`Rig::start_replicas`]).
+    pub async fn prepare(mut base: ConsumeArgs) -> anyhow::Result<Self> {
         let run = format!("{:08x}", rand::random::<u32>());
         base.broker.queue = format!("{}-{run}", base.broker.queue);
         base.redis.key_prefix = format!("{}-{run}", base.redis.key_prefix);
-        let first_http = std::mem::replace(&mut base.http_addr, crate::http::Listen::Off);
         let stop_mock = CancellationToken::new();
         let mock =
             MockServer::start(MockArgs::local(base.limiter.limit), stop_mock.clone()).await?;
@@ -144,15 +166,6 @@ impl Rig {
         };
         let redis = RedisConn::connect(&base.redis).await?;
         let (connection, publisher, topology) = base.broker.open("turnstile rig").await?;
-        let stop = CancellationToken::new();
-        let mut started = Vec::new();
-        for i in 0..replicas {
-            let mut settings = base.clone();
-            if i == 0 {
-                settings.http_addr = first_http;
-            }
-            started.push(Replica::start(settings, stop.clone()).await?);
-        }
         Ok(Self {
             mock,
             topology,
@@ -161,12 +174,26 @@ impl Rig {
             store: PermitStore::new(redis, &base.redis.key_prefix, base.limiter.clone()),
             connection,
             publisher,
-            replicas: started,
-            stop,
+            replicas: Vec::new(),
+            settings: base,
+            stop: CancellationToken::new(),
             stop_mock,
             published_at_ms: 0,
             published: BTreeMap::new(),
         })
+    }
+
+    /// Starts `n` more replicas.
+    pub async fn start_replicas(&mut self, n: usize) -> anyhow::Result<()> {
+        for _ in 0..n {
+            let mut settings = self.settings.clone();
+            if !self.replicas.is_empty() {
+                settings.http_addr = crate::http::Listen::Off;
+            }
+            self.replicas
+                .push(Replica::start(settings, self.stop.clone()).await?);
+        }
+        Ok(())
     }
 
     /// Publishes the messages in order, confirmed, many in flight at once.
@@ -256,10 +283,18 @@ impl Rig {
     /// Stops the replicas (draining them), reports, and deletes the rig's queues and keys.
     pub async fn finish(mut self) -> anyhow::Result<Report> {
         self.stop.cancel();
-        let (mut deliveries, mut hops) = (0, 0);
+        let (mut deliveries, mut hops, mut returns, mut forfeited) = (0, 0, 0, 0);
+        let (mut return_max_late_ms, mut return_late_ms, mut ladder_max_late_ms) = (0, 0, 0);
         for replica in std::mem::take(&mut self.replicas) {
-            deliveries += replica.stats.deliveries.load(Ordering::Relaxed);
-            hops += replica.stats.ladder.hops.load(Ordering::Relaxed);
+            let (stats, ladder) = (&replica.stats, &replica.stats.ladder);
+            deliveries += stats.deliveries.load(Ordering::Relaxed);
+            forfeited += stats.forfeited.load(Ordering::Relaxed);
+            hops += ladder.hops.load(Ordering::Relaxed);
+            returns += ladder.returns.load(Ordering::Relaxed);
+            return_late_ms += ladder.return_late_ms.load(Ordering::Relaxed);
+            ladder_max_late_ms = ladder_max_late_ms.max(ladder.max_late_ms.load(Ordering::Relaxed));
+            return_max_late_ms =
+                return_max_late_ms.max(ladder.max_return_late_ms.load(Ordering::Relaxed));
             replica.wait().await?;
         }
         let stats = self.mock.stats();
@@ -305,6 +340,11 @@ impl Rig {
             violations: stats.violations,
             deliveries,
             deliveries_per_message: deliveries as f64 / published.max(1) as f64,
+            returns,
+            ladder_max_late_ms,
+            return_max_late_ms,
+            return_mean_late_ms: return_late_ms as f64 / returns.max(1) as f64,
+            forfeited,
             ladder_hops_per_message: hops as f64 / published.max(1) as f64,
             elapsed_s: (stats.now_ms.saturating_sub(self.published_at_ms)) as f64 / 1000.0,
             sellers,

@@ -306,9 +306,9 @@ fn permit_failure(
     }
 }
 
-/// What a message interrupted while waiting becomes: at shutdown it goes back to the work queue
-/// keeping what it carries (its reservation); with its connection lost, the broker has requeued
-/// it already.
+/// What a message interrupted while waiting becomes: at shutdown it goes back through the return
+/// queue keeping what it carries (its reservation); with its connection lost, the broker has
+/// requeued it already.
 fn returned(carried: Carried, why: Interrupted) -> Outcome {
     match why {
         Interrupted::Shutdown => Outcome::Delay {
@@ -343,7 +343,7 @@ async fn given_back(
 }
 
 /// Whether a delivery waiting in the delay ladder holds a slot that `notice` says was given
-/// back: it then goes to the work queue at once instead of waiting for that slot.
+/// back: it then goes to the return queue at once instead of waiting for that slot.
 pub fn released_by(notice: &Rescheduled, delivery: &Delivery) -> bool {
     let Some(reservation) =
         header_str(delivery, headers::RESERVATION).and_then(|r| Reservation::decode(&r))

@@ -19,8 +19,9 @@ async fn ladder_returns_messages_after_their_delay(queue_type: QueueType) {
         .expect("declaring twice is fine");
     let ladder = broker.run_ladder().await;
     let mut consumer = broker.consume(broker.queue()).await;
+    let mut returns = broker.consume(broker.topology.ready()).await;
     // Publish a message, consume it, and send it through the ladder with several delays, the
-    // longest first: none waits behind a longer one.
+    // longest first: none waits behind a longer one. Each comes back on the return queue.
     let delays = [3000u64, 1250, 250, 0];
     for (i, _) in delays.iter().enumerate() {
         broker.publish(format!(r#"{{"n":{i}}}"#).as_bytes()).await;
@@ -49,7 +50,7 @@ async fn ladder_returns_messages_after_their_delay(queue_type: QueueType) {
     }
     let mut arrivals = Vec::new();
     for _ in delays {
-        let d = consumer.next().await.unwrap().unwrap();
+        let d = returns.next().await.unwrap().unwrap();
         let n: serde_json::Value = serde_json::from_slice(&d.data).unwrap();
         assert_eq!(turnstile::broker::header_u64(&d, headers::ATTEMPT), Some(2));
         assert_eq!(turnstile::broker::header_u64(&d, headers::DELAYS), Some(1));
@@ -92,6 +93,7 @@ async fn a_message_delayed_again_through_the_same_level_still_comes_back() {
     let broker = TestBroker::new("again", QueueType::Quorum).await;
     let ladder = broker.run_ladder().await;
     let mut consumer = broker.consume(broker.queue()).await;
+    let mut returns = broker.consume(broker.topology.ready()).await;
     broker.publish(br#"{"n":1}"#).await;
     let mut delivery = consumer.next().await.unwrap().unwrap();
     for round in 0..3 {
@@ -105,7 +107,7 @@ async fn a_message_delayed_again_through_the_same_level_still_comes_back() {
             .ack(BasicAckOptions::default())
             .await
             .unwrap();
-        let next = tokio::time::timeout(Duration::from_secs(30), consumer.next()).await;
+        let next = tokio::time::timeout(Duration::from_secs(30), returns.next()).await;
         delivery = next
             .unwrap_or_else(|_| panic!("round {round}: the message did not come back"))
             .unwrap()

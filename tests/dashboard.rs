@@ -153,6 +153,7 @@ async fn metrics_count_permits_outcomes_and_downstream_answers_without_a_label_p
         "turnstile_held_messages",
         "turnstile_delay_held_messages",
         "turnstile_ready",
+        r#"turnstile_queue_messages{queue="ready"}"#,
     ];
     eventually_async("every metric exported", async || {
         body = reqwest::get(&url).await.unwrap().text().await.unwrap();

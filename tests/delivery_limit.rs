@@ -277,7 +277,7 @@ async fn a_dead_letter_listed_more_often_than_rabbitmq_4s_default_limit_is_still
 }
 
 #[tokio::test]
-async fn the_work_queue_declares_the_production_delivery_limit_and_dead_letter_target() {
+async fn the_work_and_return_queues_declare_the_production_delivery_limit_and_dead_letter_target() {
     assert_eq!(WORK_DELIVERY_LIMIT, 500);
     let broker = TestBroker::new("limit-args", QueueType::Quorum).await;
     let dead = broker.topology.dead().to_owned();
@@ -293,6 +293,9 @@ async fn the_work_queue_declares_the_production_delivery_limit_and_dead_letter_t
     declare_as_is(&broker.connection, broker.queue(), &declared)
         .await
         .expect("the work queue has exactly these arguments");
+    declare_as_is(&broker.connection, broker.topology.ready(), &declared)
+        .await
+        .expect("the return queue has the work queue's arguments");
     let mut other_limit = declared.clone();
     other_limit[1].1 = AMQPValue::LongLongInt(20);
     let refused = declare_as_is(&broker.connection, broker.queue(), &other_limit)
@@ -316,6 +319,16 @@ async fn the_work_queue_declares_the_production_delivery_limit_and_dead_letter_t
     )
     .await
     .expect("a classic work queue has the dead-letter target, no delivery limit");
+    declare_as_is(
+        &classic.connection,
+        classic.topology.ready(),
+        &[
+            ("x-dead-letter-exchange", long_string("")),
+            ("x-dead-letter-routing-key", long_string(&dead)),
+        ],
+    )
+    .await
+    .expect("so does a classic return queue");
     classic.cleanup().await;
 }
 

@@ -1,5 +1,8 @@
 //! `turnstile bench scenario`: one busy seller's backlog published ahead of many small sellers,
-//! against a strict downstream; prints the figures the design is held to.
+//! against a strict downstream; prints the figures the design is held to. `--preset backlog`
+//! is issue 13's case: the whole workload (53,000 messages) is in the work queue before the
+//! replicas start, so the busy seller's messages come back from the delay ladder while tens of
+//! thousands wait in the work queue.
 
 use std::time::Duration;
 
@@ -11,6 +14,7 @@ use crate::rig::{Message, Rig, RigArgs, registration_body};
 #[derive(Args, Debug, Clone)]
 pub struct ScenarioArgs {
     /// `bar`: 20/1s, 400 + 20x20, 4 replicas x 8 workers. `deep`: 10/2s, 300 + 30x10.
+    /// `backlog`: 20/1s, 3,000 + 5,000x10 in the work queue before the replicas start.
     /// Flags given explicitly override the preset.
     #[arg(long, default_value = "bar")]
     pub preset: String,
@@ -46,6 +50,8 @@ struct Preset {
     big: usize,
     small_sellers: usize,
     small: usize,
+    /// Publish everything before starting the replicas (a deep work queue from the start).
+    prefill: bool,
 }
 
 pub async fn run(args: ScenarioArgs) -> anyhow::Result<bool> {
@@ -57,6 +63,7 @@ pub async fn run(args: ScenarioArgs) -> anyhow::Result<bool> {
             big: 400,
             small_sellers: 20,
             small: 20,
+            prefill: false,
         },
         "deep" => Preset {
             limit: "10/2s",
@@ -65,8 +72,18 @@ pub async fn run(args: ScenarioArgs) -> anyhow::Result<bool> {
             big: 300,
             small_sellers: 30,
             small: 10,
+            prefill: false,
         },
-        other => anyhow::bail!("--preset {other:?}: choose bar or deep"),
+        "backlog" => Preset {
+            limit: "20/1s",
+            replicas: 4,
+            workers: 8,
+            big: 3_000,
+            small_sellers: 5_000,
+            small: 10,
+            prefill: true,
+        },
+        other => anyhow::bail!("--preset {other:?}: choose bar, deep or backlog"),
     };
     let limit = args
         .limit
@@ -82,10 +99,19 @@ pub async fn run(args: ScenarioArgs) -> anyhow::Result<bool> {
         .rig
         .replica_settings("scenario", limiter, workers, args.hold);
     eprintln!(
-        "scenario: limit {limit}, {replicas} replicas x {workers} workers, {}: one seller's {big} messages published ahead of {small_sellers} sellers with {small} each",
-        args.algorithm
+        "scenario: limit {limit}, {replicas} replicas x {workers} workers, {}: one seller's {big} messages published ahead of {small_sellers} sellers with {small} each{}",
+        args.algorithm,
+        if preset.prefill {
+            ", all in the work queue before the replicas start"
+        } else {
+            ""
+        }
     );
-    let mut rig = Rig::start(settings, replicas).await?;
+    let mut rig = if preset.prefill {
+        Rig::prepare(settings).await?
+    } else {
+        Rig::start(settings, replicas).await?
+    };
     let mut messages = Vec::new();
     for i in 0..big {
         messages.push(Message {
@@ -112,7 +138,16 @@ pub async fn run(args: ScenarioArgs) -> anyhow::Result<bool> {
             });
         }
     }
+    let published_at = std::time::Instant::now();
     rig.publish(messages).await?;
+    if preset.prefill {
+        eprintln!(
+            "published {} messages in {:.1} s; starting the replicas",
+            rig.published(),
+            published_at.elapsed().as_secs_f64()
+        );
+        rig.start_replicas(replicas).await?;
+    }
     let optimum = limit.optimum_drain(big as u64);
     rig.wait(optimum * 3 + Duration::from_secs(60), |_| {})
         .await?;
@@ -149,7 +184,53 @@ pub async fn run(args: ScenarioArgs) -> anyhow::Result<bool> {
     );
     println!(
         "{:<44} {:>10.2}",
+        "  from the work queue",
+        (report.deliveries - report.returns) as f64 / report.published.max(1) as f64
+    );
+    println!(
+        "{:<44} {:>10.2}",
+        "  from the return queue",
+        report.returns as f64 / report.published.max(1) as f64
+    );
+    println!(
+        "{:<44} {:>10.2}",
         "delay ladder hops per message", report.ladder_hops_per_message
+    );
+    // Only the big seller waits (every small seller's messages fit in one window), so every
+    // return is one of its messages, and the work queue delivered the small sellers' once each.
+    let small_published = report.published.saturating_sub(big as u64);
+    let big_work = (report.deliveries - report.returns).saturating_sub(small_published);
+    let per_big = |n: u64| n as f64 / (big as f64).max(1.0);
+    println!(
+        "{:<44} {:>10.2}",
+        "big seller: deliveries per message",
+        per_big(big_work + report.returns)
+    );
+    println!(
+        "{:<44} {:>10.2}",
+        "  from the work queue",
+        per_big(big_work)
+    );
+    println!(
+        "{:<44} {:>10.2}",
+        "  from the return queue",
+        per_big(report.returns)
+    );
+    println!(
+        "{:<44} {:>10}",
+        "reserved slots forfeited (came back late)", report.forfeited
+    );
+    println!(
+        "{:<44} {:>8}ms",
+        "ladder: latest move to the return queue", report.ladder_max_late_ms
+    );
+    println!(
+        "{:<44} {:>8.0}ms",
+        "return queue: taken after due, mean", report.return_mean_late_ms
+    );
+    println!(
+        "{:<44} {:>8}ms",
+        "return queue: taken after due, latest", report.return_max_late_ms
     );
     println!(
         "{:<44} {:>9.2}s",

@@ -5,8 +5,10 @@
 //! current hop ([`headers::HOP`]). Every replica consumes every level; a level's consumer takes
 //! its messages in order, waits until the head's hop has ended, republishes it (confirmed) to the
 //! next level — the highest whose wait still fits before the due time — or, with less than one
-//! UNIT left, to the work queue, and only then acks it. Since all messages of a level wait the
-//! same time, a level's queue is ordered by hop end: no short delay waits behind a long one.
+//! UNIT left, to the return queue `<q>.ready`, and only then acks it. The replicas consume the
+//! return queue beside the work queue, so a message whose slot is due never waits behind the
+//! work queue's backlog. Since all messages of a level wait the same time, a level's queue is
+//! ordered by hop end: no short delay waits behind a long one.
 //!
 //! Why not the broker's own TTL + dead-lettering (the design before): a quorum queue's
 //! at-least-once dead-letter worker that starts before its target exchange, queue or bindings
@@ -21,7 +23,7 @@
 //!
 //! Every header is untrusted: a hop end that does not parse, or lies further ahead than the
 //! level's own wait, is bounded by that wait counted from receipt; a due time further than
-//! [`MAX_DELAY`] is cut to it; a message without a due time goes to the work queue at once.
+//! [`MAX_DELAY`] is cut to it; a message without a due time goes to the return queue at once.
 
 use std::collections::VecDeque;
 use std::sync::Arc;
@@ -51,7 +53,7 @@ pub const MAX_DELAY: Duration = Duration::from_secs(36 * 3600);
 /// A hop that ends this much later than it should counts as overdue.
 pub const OVERDUE: Duration = Duration::from_secs(1);
 /// Levels of the ladder before this design (TTL queues dead-lettering into each other),
-/// drained into the work queue when a broker still has them.
+/// drained into the return queue when a broker still has them.
 const LEGACY_LEVELS: u32 = 19;
 
 /// Where a delayed message goes next.
@@ -59,8 +61,9 @@ const LEGACY_LEVELS: u32 = 19;
 pub enum Hop {
     /// Wait in level `level` until `until_ms` (Unix ms).
     Level { level: u32, until_ms: u64 },
-    /// Due (less than one UNIT left): back to the work queue.
-    Work,
+    /// Due (less than one UNIT left): back to the consume path through the return queue
+    /// `<q>.ready`.
+    Ready,
 }
 
 /// How much later than its due time a hop may end: the few ms a replica takes to move a
@@ -68,12 +71,12 @@ pub enum Hop {
 pub const SLACK: Duration = Duration::from_millis(25);
 
 /// The next hop of a message due at `due_ms`, at `now_ms`: the highest level whose wait ends
-/// no later than the due time plus [`SLACK`] (greedy binary decomposition), or the work queue.
+/// no later than the due time plus [`SLACK`] (greedy binary decomposition), or the return queue.
 pub fn next_hop(now_ms: u64, due_ms: u64) -> Hop {
     let unit = UNIT.as_millis() as u64;
     let units = (due_ms + SLACK.as_millis() as u64).saturating_sub(now_ms) / unit;
     if units == 0 {
-        return Hop::Work;
+        return Hop::Ready;
     }
     let level = (63 - units.leading_zeros()).min(LEVELS - 1);
     Hop::Level {
@@ -107,16 +110,38 @@ pub fn due_after(now_ms: u64, delay: Duration) -> u64 {
 pub struct LadderStats {
     /// Ladder messages this replica holds now (received, not yet moved on).
     pub held: AtomicUsize,
-    /// Hops moved on (to the next level or the work queue).
+    /// Hops moved on (to the next level or the return queue).
     pub hops: AtomicU64,
     /// Hops that ended more than [`OVERDUE`] after their time (the message sat in the broker,
     /// e.g. during a broker restart or with no replica running).
     pub overdue: AtomicU64,
     /// The latest any message came back after its due time, in ms.
     pub max_late_ms: AtomicU64,
-    /// Messages sent to the work queue before their due time because their reserved slot was
+    /// Messages sent to the return queue before their due time because their reserved slot was
     /// given back (a release notice).
     pub released: AtomicU64,
+    /// Deliveries taken from the return queue `<q>.ready` by this replica's workers (also
+    /// counted in the worker's deliveries).
+    pub returns: AtomicU64,
+    /// Of those with a due time, the latest one was taken after it, in ms: the ladder's own
+    /// lateness plus the wait in the return queue.
+    pub max_return_late_ms: AtomicU64,
+    /// The sum of how late (after their due time) those were taken, in ms (for a mean).
+    pub return_late_ms: AtomicU64,
+}
+
+impl LadderStats {
+    /// Counts a delivery taken from the return queue and how long after its due time it came.
+    pub fn returned(&self, delivery: &Delivery) {
+        self.returns.fetch_add(1, Ordering::Relaxed);
+        metrics::counter!("turnstile_delay_returns_total").increment(1);
+        if let Some(due) = header_u64(delivery, headers::DUE) {
+            let late = unix_ms().saturating_sub(due);
+            self.max_return_late_ms.fetch_max(late, Ordering::Relaxed);
+            self.return_late_ms.fetch_add(late, Ordering::Relaxed);
+            metrics::histogram!("turnstile_delay_return_late_seconds").record(late as f64 / 1000.0);
+        }
+    }
 }
 
 /// Moves the ladder on: one consumer per level (and per legacy level, if the broker still has
@@ -130,7 +155,7 @@ pub struct Ladder {
     /// Messages each level's consumer holds at most.
     pub prefetch: u16,
     /// Release notices: each names, by a test over a delivery, messages that must not wait for
-    /// the end of their delay any more (their reserved slot was given back) and go to the work
+    /// the end of their delay any more (their reserved slot was given back) and go to the return
     /// queue at once.
     pub releases: tokio::sync::broadcast::Sender<Release>,
 }
@@ -160,7 +185,7 @@ impl Ladder {
             .collect();
         if legacy_ladder_exists(connection, &self.topology).await {
             warn!(
-                "the broker still has the delay ladder of an older turnstile (<queue>.delay.<k>): moving its messages to the work queue"
+                "the broker still has the delay ladder of an older turnstile (<queue>.delay.<k>): moving its messages to the return queue"
             );
             levels.extend(
                 (0..LEGACY_LEVELS).map(|k| (self.topology.legacy_level(k), Duration::ZERO)),
@@ -189,7 +214,7 @@ impl Ladder {
 
     /// Holds the level's messages in order of their hop's end (at most the prefetch) and moves
     /// each on when its hop is over; a release notice moves the messages it names on to the
-    /// work queue at once.
+    /// return queue at once.
     async fn run_level(
         self: Arc<Self>,
         mut consumer: lapin::Consumer,
@@ -257,7 +282,7 @@ impl Ladder {
         });
     }
 
-    /// Publishes the message to its next hop (confirmed) — the work queue when `released` —,
+    /// Publishes the message to its next hop (confirmed) — the return queue when `released` —,
     /// then acks it; a failed publish returns it to its level.
     async fn move_on(&self, delivery: Delivery, hop_until: Option<u64>, released: bool) {
         let now = unix_ms();
@@ -274,7 +299,7 @@ impl Ladder {
             .map(|due| due.min(due_after(now, MAX_DELAY)))
             .unwrap_or(now);
         let hop = if released {
-            Hop::Work
+            Hop::Ready
         } else {
             next_hop(now, due)
         };
@@ -286,7 +311,7 @@ impl Ladder {
             Ok(()) => {
                 self.stats.hops.fetch_add(1, Ordering::Relaxed);
                 metrics::counter!("turnstile_delay_hops_total").increment(1);
-                if hop == Hop::Work && !released {
+                if hop == Hop::Ready && !released {
                     let late = now.saturating_sub(due);
                     self.stats.max_late_ms.fetch_max(late, Ordering::Relaxed);
                     metrics::histogram!("turnstile_delay_late_seconds")
@@ -330,7 +355,7 @@ pub(super) fn hop_headers(hop: Hop) -> Vec<(&'static str, AMQPValue)> {
         Hop::Level { until_ms, .. } => {
             vec![(headers::HOP, AMQPValue::LongLongInt(until_ms as i64))]
         }
-        Hop::Work => Vec::new(),
+        Hop::Ready => Vec::new(),
     }
 }
 
@@ -342,7 +367,7 @@ mod tests {
 
     #[test]
     fn a_delay_takes_one_hop_per_set_bit_highest_first() {
-        // 1,300 ms = 5 units (+50 ms): level 2 (1,000 ms), then level 0 (250 ms), then work.
+        // 1,300 ms = 5 units (+50 ms): level 2 (1,000 ms), then level 0 (250 ms), then the return queue.
         let mut now = 10_000;
         let due = now + 1_300;
         let mut levels = Vec::new();
@@ -377,14 +402,14 @@ mod tests {
     }
 
     #[test]
-    fn a_message_due_now_or_in_the_past_goes_to_the_work_queue() {
-        assert_eq!(next_hop(1_000, 1_000), Hop::Work);
-        assert_eq!(next_hop(1_000, 1_224), Hop::Work);
+    fn a_message_due_now_or_in_the_past_goes_to_the_return_queue() {
+        assert_eq!(next_hop(1_000, 1_000), Hop::Ready);
+        assert_eq!(next_hop(1_000, 1_224), Hop::Ready);
         assert!(matches!(
             next_hop(1_000, 1_225),
             Hop::Level { level: 0, .. }
         ));
-        assert_eq!(next_hop(5_000, 1_000), Hop::Work);
+        assert_eq!(next_hop(5_000, 1_000), Hop::Ready);
         assert_eq!(
             next_hop(1_000, 1_250),
             Hop::Level {

@@ -3,6 +3,10 @@
 //! Topology for `TURNSTILE_QUEUE=<q>` (every name but `<q>` starts with `<q>.`):
 //! - `<q>`: the work queue (durable; quorum by default). A quorum work queue dead-letters a
 //!   message returned more than [`WORK_DELIVERY_LIMIT`] times to `<q>.dead`, at least once.
+//! - `<q>.ready`: the return queue. Every message that re-enters the consume path after a delay
+//!   (the end of its ladder hops, a return at shutdown) is published here, never to `<q>`, and
+//!   each replica consumes it beside `<q>` with a prefetch of its own: a message whose slot is
+//!   due does not wait behind the work queue's backlog. Protected as the work queue is.
 //! - `<q>.dead`: dead letters, with the reason in headers (turnstile's own), or in `x-death`
 //!   (the broker's: the delivery limit). A quorum `<q>.dead` declares a delivery limit that
 //!   listing it never reaches ([`UNREACHED_DELIVERY_LIMIT`]).
@@ -38,7 +42,7 @@ pub mod headers {
     pub const ATTEMPT: &str = "x-turnstile-attempt";
     /// Times the message went through the delay ladder.
     pub const DELAYS: &str = "x-turnstile-delays";
-    /// When a delayed message is due back in the work queue (Unix ms).
+    /// When a delayed message is due back in the consume path (Unix ms).
     pub const DUE: &str = "x-turnstile-due-ms";
     /// When a delayed message's wait in its current ladder level ends (Unix ms).
     pub const HOP: &str = "x-turnstile-hop-ms";
@@ -230,8 +234,9 @@ impl Publisher {
         }
     }
 
-    /// Publishes a copy of `delivery` into the delay ladder: it reappears on the work queue after
-    /// `delay` (less than one UNIT early, capped at [`ladder::MAX_DELAY`]), with `extra` headers.
+    /// Publishes a copy of `delivery` into the delay ladder: it reappears on the return queue
+    /// after `delay` (less than one UNIT early, capped at [`ladder::MAX_DELAY`]), with `extra`
+    /// headers. A delay under one UNIT goes to the return queue at once.
     pub async fn delay(
         &self,
         topology: &Topology,
@@ -249,7 +254,7 @@ impl Publisher {
             .await
     }
 
-    /// Publishes a copy of `delivery` into `hop` (a ladder level or the work queue), with
+    /// Publishes a copy of `delivery` into `hop` (a ladder level or the return queue), with
     /// `extra` headers.
     pub async fn hop(
         &self,

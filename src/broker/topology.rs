@@ -102,6 +102,7 @@ pub enum QueueType {
 #[derive(Clone, Debug)]
 pub struct Topology {
     work: String,
+    ready: String,
     dead: String,
     queue_type: QueueType,
     delay_type: QueueType,
@@ -113,6 +114,7 @@ impl Topology {
     pub fn new(work: &str, queue_type: QueueType) -> Self {
         Self {
             work: work.to_owned(),
+            ready: format!("{work}.ready"),
             dead: format!("{work}.dead"),
             queue_type,
             delay_type: queue_type,
@@ -137,6 +139,12 @@ impl Topology {
     pub fn work(&self) -> &str {
         &self.work
     }
+    /// The return queue's name (`<q>.ready`): where every message comes back into the consume
+    /// path after a delay (the end of a ladder hop, a release, a return at shutdown), consumed
+    /// beside the work queue so that it is never queued behind the work queue's backlog.
+    pub fn ready(&self) -> &str {
+        &self.ready
+    }
     /// The dead-letter queue's name (`<q>.dead`).
     pub fn dead(&self) -> &str {
         &self.dead
@@ -155,7 +163,7 @@ impl Topology {
     pub fn hop_queue(&self, hop: Hop) -> String {
         match hop {
             Hop::Level { level, .. } => self.level(level),
-            Hop::Work => self.work.clone(),
+            Hop::Ready => self.ready.clone(),
         }
     }
 
@@ -174,6 +182,16 @@ impl Topology {
     /// delivery limit; it gets the same dead-letter target, which only an operator's TTL or
     /// length limit could use: turnstile never rejects nor nacks a work message without requeue.
     fn work_queue(&self) -> Guarded<'_> {
+        self.protected_like_work("work queue", &self.work)
+    }
+
+    /// The return queue: protected as the work queue is. It is new (issue 13): no older
+    /// turnstile declared it without its protection.
+    fn ready_queue(&self) -> Guarded<'_> {
+        self.protected_like_work("return queue", &self.ready)
+    }
+
+    fn protected_like_work<'a>(&'a self, role: &'static str, name: &'a str) -> Guarded<'a> {
         let mut protection = vec![
             ("x-dead-letter-exchange", long_string("")),
             ("x-dead-letter-routing-key", long_string(&self.dead)),
@@ -198,8 +216,8 @@ impl Topology {
             }
         };
         Guarded {
-            role: "work queue",
-            name: &self.work,
+            role,
+            name,
             protection,
             risk,
         }
@@ -290,6 +308,8 @@ impl Topology {
         let dead = self
             .declare_guarded(connection, &mut channel, &self.dead_queue())
             .await?;
+        self.declare_guarded(connection, &mut channel, &self.ready_queue())
+            .await?;
         for k in 0..LEVELS {
             let mut args = Vec::new();
             if self.delay_type == QueueType::Quorum {
@@ -308,9 +328,9 @@ impl Topology {
         Ok(Declared { work, dead })
     }
 
-    /// Every queue of the topology: work, dead letters, ladder levels.
+    /// Every queue of the topology: work, return queue, dead letters, ladder levels.
     pub fn queues(&self) -> Vec<String> {
-        let mut queues = vec![self.work.clone(), self.dead.clone()];
+        let mut queues = vec![self.work.clone(), self.ready.clone(), self.dead.clone()];
         queues.extend((0..LEVELS).map(|k| self.level(k)));
         queues
     }

@@ -70,6 +70,25 @@ impl TestBroker {
             .unwrap();
     }
 
+    /// Publishes JSON bodies to the work queue, confirmed, many in flight at once (a backlog of
+    /// thousands in seconds).
+    pub async fn publish_all(&self, bodies: Vec<Vec<u8>>) {
+        use futures::StreamExt;
+        let queue = self.topology.work();
+        let published: Vec<_> = futures::stream::iter(bodies)
+            .map(|body| async move {
+                let properties =
+                    BasicProperties::default().with_content_type("application/json".into());
+                self.publisher.publish("", queue, &body, properties).await
+            })
+            .buffer_unordered(256)
+            .collect()
+            .await;
+        for result in published {
+            result.expect("the broker confirmed the publish");
+        }
+    }
+
     /// Publishes a JSON body to the work queue with AMQP headers (e.g. forged internal ones).
     pub async fn publish_with_headers(&self, body: &[u8], headers: &[(&str, AMQPValue)]) {
         let mut table = FieldTable::default();
