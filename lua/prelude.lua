@@ -75,10 +75,20 @@ end
 -- back without a slot (far_ticket), so a seller's state stays bounded however deep its backlog.
 local MAX_RESERVED = 3072
 
+-- How late past its slot a reservation may still be redeemed (µs). The exact algorithms check
+-- every grant against the calls of the last window (calls_gate), so a late call cannot break
+-- their limit: a message late for its slot (it waited for a worker, the broker was slow) is
+-- still served up to one window + guard late. The others count the call at its slot only:
+-- GUARD/2.
+local function lateness(algorithm, window, guard)
+  if algorithm == 'sliding-window' or algorithm == 'gcra' then return window + guard end
+  return math.floor(guard / 2)
+end
+
 -- Whether the seller's reserved set is full (see MAX_RESERVED), once entries that can no longer
--- be redeemed (more than GUARD past their slot) are pruned.
-local function reserved_full(reserved_key, now, guard)
-  redis.call('ZREMRANGEBYSCORE', reserved_key, '-inf', now - guard)
+-- be redeemed (more than LATE past their slot, see lateness) are pruned.
+local function reserved_full(reserved_key, now, late)
+  redis.call('ZREMRANGEBYSCORE', reserved_key, '-inf', now - late)
   return redis.call('ZCARD', reserved_key) >= MAX_RESERVED
 end
 
@@ -168,13 +178,13 @@ end
 -- A reserved slot is bound to its TOKEN: the seller's reserved set (member TOKEN, score SLOT)
 -- holds every reservation not yet redeemed, and redeem.lua consumes the entry, so a
 -- reservation is good once, and only for the caller that holds its token. An entry more than
--- GUARD past its slot can no longer be redeemed (too late): it is pruned, and the set expires
--- GUARD after its last slot.
-local function hold_reservation(key, token, slot, now, guard)
-  redis.call('ZREMRANGEBYSCORE', key, '-inf', now - guard)
+-- LATE past its slot (see lateness) can no longer be redeemed: it is pruned, and the set
+-- expires LATE after its last slot.
+local function hold_reservation(key, token, slot, now, late)
+  redis.call('ZREMRANGEBYSCORE', key, '-inf', now - late)
   redis.call('ZADD', key, slot, token)
   local last = tonumber(redis.call('ZRANGE', key, -1, -1, 'WITHSCORES')[2])
-  redis.call('PEXPIRE', key, math.floor((last - now + guard) / 1000) + 1)
+  redis.call('PEXPIRE', key, math.floor((last - now + late) / 1000) + 1)
 end
 
 -- Gives the slot reserved with TOKEN at SLOT (under a limit of COUNT per WINDOW) back to the

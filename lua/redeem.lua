@@ -1,7 +1,8 @@
 -- redeem: a caller comes back for the slot it reserved. The reservation is bound to its TOKEN
 -- and is good once: it must still be in the seller's reserved set at its SLOT, and any answer
--- but "early" consumes it. Granted if the slot is due (at most GUARD/10 ahead, at most GUARD/2
--- past), the seller is not paused past it, and the limit it was reserved under still applies.
+-- but "early" consumes it. Granted if the slot is due (at most GUARD/10 ahead, and not later
+-- than the algorithm's lateness allows, see the prelude), the seller is not paused past it,
+-- and the limit it was reserved under still applies.
 -- A forfeited slot is given back to the seller's state in the same step (see give_back in the
 -- prelude), so the next caller may take it.
 --
@@ -61,7 +62,7 @@ local pause = paused_until(KEYS[2])
 if pause > slot then return release(3, pause) end
 if count ~= held_count or window ~= held_window then return release(4, now) end
 if now < slot - math.floor(guard / 10) then return {2, slot, now} end
-if now > slot + math.floor(guard / 2) then return release(5, now) end
+if now > slot + lateness(algorithm, window, guard) then return release(5, now) end
 if algorithm == 'sliding-window' or algorithm == 'gcra' then
   local open_at = calls_gate(KEYS[6], now, window, count, guard)
   if open_at then return {2, open_at, now} end

@@ -51,7 +51,7 @@ local slot = at
 if filled < requested then slot = math.ceil(at + (requested - filled) / rate) end
 
 local status = due(slot, now, guard, a)
-if status == 2 and reserved_full(KEYS[4], now, guard) then
+if status == 2 and reserved_full(KEYS[4], now, lateness('token-bucket', window, guard)) then
   status, slot = 0, far_ticket(KEYS[7], KEYS[4], now, window + guard, count)
 end
 if status == 0 then return {0, slot, now, count, window} end
@@ -62,7 +62,7 @@ local ttl = math.floor((full_at - now) / 1000) + 1
 redis.call('PEXPIRE', KEYS[1], ttl)
 keep_stamp(KEYS[5], ttl, a.durable)
 if status == 2 then
-  hold_reservation(KEYS[4], a.token, slot, now, guard)
+  hold_reservation(KEYS[4], a.token, slot, now, lateness('token-bucket', window, guard))
   return {2, slot, now, count, window}
 end
 return {status, slot, now, count, window, math.floor((capacity - left) * 1000 / capacity)}

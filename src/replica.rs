@@ -175,6 +175,7 @@ impl Replica {
                 retry_max: args.retry_max,
             },
             workers: Arc::new(Semaphore::new(args.workers as usize)),
+            due_lane: Arc::new(Semaphore::new((args.workers as usize / 4).max(1))),
             stats: stats.clone(),
             reschedules,
         });

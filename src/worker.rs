@@ -255,6 +255,10 @@ pub struct Worker {
     pub topology: Topology,
     pub settings: WorkerSettings,
     pub workers: Arc<Semaphore>,
+    /// Extra workers only for messages coming back for a reserved slot (a quarter of
+    /// `workers`, at least one): a due slot never waits for a worker behind new messages, and a
+    /// slot lost to that wait would cost the message another round through the ladder.
+    pub due_lane: Arc<Semaphore>,
     pub stats: Arc<Stats>,
     /// Notices of sellers whose terms changed (see `permit::watch_reschedules`): a message held
     /// for a slot given back by the change comes back at once.
@@ -434,6 +438,7 @@ impl Worker {
         loop {
             let worker = tokio::select! {
                 permit = self.workers.clone().acquire_owned() => permit.expect("the worker semaphore is never closed"),
+                permit = self.due_lane.clone().acquire_owned(), if carried.reservation.is_some() => permit.expect("the due lane is never closed"),
                 _ = shutdown.cancelled() => return returned(carried, Interrupted::Shutdown),
                 _ = connection_lost.cancelled() => return Outcome::Requeue,
             };

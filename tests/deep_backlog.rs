@@ -43,12 +43,10 @@ async fn delayed_messages_come_back_in_time_while_the_work_queue_is_deep() {
     }
     let backlog = (OTHER_SELLERS * 2) as u32;
     p.broker.publish_all(bodies).await;
-    // A prefetch of one delivery per worker: what this test measures is the work queue's
-    // backlog, not the wait for a free worker behind deliveries already in the replica (with a
-    // prefetch far above the workers and a slow downstream, a returning message waits for a
-    // worker behind them: README, "How throttled messages wait").
-    let mut settings = p.settings(4);
-    settings.prefetch = Some(4);
+    // The default prefetch (64, sixteen deliveries per worker): a returning message neither
+    // waits behind the work queue's backlog (its own queue) nor for a worker behind the
+    // deliveries already in the replica (the due lane).
+    let settings = p.settings(4);
     p.start_replica(settings).await;
 
     let deadline = tokio::time::Instant::now() + Duration::from_secs(300);
