@@ -145,20 +145,39 @@ impl Rig {
     /// `base` but on a queue and key prefix of their own (named `<queue>-<random>`). Only the
     /// first replica serves HTTP (the dashboard), if `base.http_addr` says so.
     pub async fn start(base: ConsumeArgs, replicas: usize) -> anyhow::Result<Self> {
-        let mut rig = Self::prepare(base).await?;
+        let mock = MockArgs::local(base.limiter.limit);
+        Self::start_with(base, mock, replicas).await
+    }
+
+    /// As [`Rig::start`], with the mock configured as `mock` (its limit is the replicas').
+    pub async fn start_with(
+        base: ConsumeArgs,
+        mock: MockArgs,
+        replicas: usize,
+    ) -> anyhow::Result<Self> {
+        let mut rig = Self::prepare_with(base, mock).await?;
         rig.start_replicas(replicas).await?;
         Ok(rig)
     }
 
     /// Starts the mock and declares the queues, without replicas yet (to publish a backlog
     /// before any replica consumes: [`Rig::start_replicas`]).
-    pub async fn prepare(mut base: ConsumeArgs) -> anyhow::Result<Self> {
+    pub async fn prepare(base: ConsumeArgs) -> anyhow::Result<Self> {
+        let mock = MockArgs::local(base.limiter.limit);
+        Self::prepare_with(base, mock).await
+    }
+
+    /// As [`Rig::prepare`], with the mock configured as `mock` (its limit is the replicas').
+    pub async fn prepare_with(mut base: ConsumeArgs, mock: MockArgs) -> anyhow::Result<Self> {
         let run = format!("{:08x}", rand::random::<u32>());
         base.broker.queue = format!("{}-{run}", base.broker.queue);
         base.redis.key_prefix = format!("{}-{run}", base.redis.key_prefix);
         let stop_mock = CancellationToken::new();
-        let mock =
-            MockServer::start(MockArgs::local(base.limiter.limit), stop_mock.clone()).await?;
+        let mock = MockArgs {
+            limit: base.limiter.limit,
+            ..mock
+        };
+        let mock = MockServer::start(mock, stop_mock.clone()).await?;
         base.downstream = DownstreamArgs {
             url: mock.url(),
             token: None,

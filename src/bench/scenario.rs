@@ -9,6 +9,7 @@ use std::time::Duration;
 use clap::Args;
 
 use crate::config::{Algorithm, Limit, LimiterArgs};
+use crate::mock_api::MockArgs;
 use crate::rig::{Message, Rig, RigArgs, registration_body};
 
 #[derive(Args, Debug, Clone)]
@@ -36,6 +37,17 @@ pub struct ScenarioArgs {
     pub algorithm: Algorithm,
     #[arg(long, default_value = "2s", value_parser = crate::config::duration_arg)]
     pub hold: Duration,
+    /// AMQP prefetch of each replica's consumers [default: 8 x workers, at least 64]; with a
+    /// long --hold, a larger prefetch lets replicas hold a backlog instead of the delay ladder.
+    #[arg(long)]
+    pub prefetch: Option<u16>,
+    /// Fraction of requests that reach the mock API late (--slow-ms), counted only then: the
+    /// limit must hold whatever the latency.
+    #[arg(long = "slow-rate", default_value_t = 0.0)]
+    pub slow_rate: f64,
+    /// How late a slow request (--slow-rate) reaches the mock, in ms.
+    #[arg(long = "slow-ms", default_value_t = 300)]
+    pub slow_ms: u64,
     #[command(flatten)]
     pub rig: RigArgs,
     /// Print the report as one JSON object on the last line.
@@ -95,9 +107,10 @@ pub async fn run(args: ScenarioArgs) -> anyhow::Result<bool> {
     let small = args.small.unwrap_or(preset.small);
 
     let limiter = LimiterArgs::new(limit, args.algorithm);
-    let settings = args
+    let mut settings = args
         .rig
         .replica_settings("scenario", limiter, workers, args.hold);
+    settings.prefetch = args.prefetch;
     eprintln!(
         "scenario: limit {limit}, {replicas} replicas x {workers} workers, {}: one seller's {big} messages published ahead of {small_sellers} sellers with {small} each{}",
         args.algorithm,
@@ -107,10 +120,15 @@ pub async fn run(args: ScenarioArgs) -> anyhow::Result<bool> {
             ""
         }
     );
+    let mock = MockArgs {
+        slow_rate: args.slow_rate,
+        slow_ms: args.slow_ms,
+        ..MockArgs::local(limit)
+    };
     let mut rig = if preset.prefill {
-        Rig::prepare(settings).await?
+        Rig::prepare_with(settings, mock).await?
     } else {
-        Rig::start(settings, replicas).await?
+        Rig::start_with(settings, mock, replicas).await?
     };
     let mut messages = Vec::new();
     for i in 0..big {
