@@ -74,7 +74,7 @@ pub async fn run(
         duration
     );
     println!(
-        "{:<16} {:>12} {:>10} {:>10} {:>12}",
+        "{:<26} {:>12} {:>10} {:>10} {:>12}",
         "operation", "ops/s", "p50 µs", "p99 µs", "vs INCR"
     );
     let baseline = {
@@ -93,7 +93,7 @@ pub async fn run(
     };
     let row = |name: &str, f: &Figures| {
         println!(
-            "{:<16} {:>12.0} {:>10.0} {:>10.0} {:>11.2}x",
+            "{:<26} {:>12.0} {:>10.0} {:>10.0} {:>11.2}x",
             name,
             f.ops_per_sec,
             f.p50_us,
@@ -102,9 +102,15 @@ pub async fn run(
         )
     };
     row("INCR (baseline)", &baseline);
-    for algorithm in Algorithm::ALL {
+    // Without and with TURNSTILE_REDIS_DURABLE: the server stamp (INFO server, a GET and a
+    // PEXPIRE in each script) is checked only without.
+    for (algorithm, durable) in Algorithm::ALL
+        .into_iter()
+        .flat_map(|a| [(a, false), (a, true)])
+    {
         let limiter = LimiterArgs {
             gcra_burst: 1_000_000,
+            redis_durable: durable,
             ..LimiterArgs::new(
                 Limit::new(1_000_000_000, Duration::from_secs(1)).unwrap(),
                 algorithm,
@@ -121,7 +127,12 @@ pub async fn run(
             }
         })
         .await?;
-        row(algorithm.name(), &figures);
+        let name = if durable {
+            format!("{algorithm}, durable")
+        } else {
+            algorithm.name().to_owned()
+        };
+        row(&name, &figures);
     }
     cleanup(&conn, &prefix).await?;
     Ok(())
