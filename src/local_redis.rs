@@ -43,6 +43,11 @@ impl LocalRedis {
         self.port
     }
 
+    /// The folder of a server without snapshots (removed when it is dropped).
+    fn scratch_dir(&self) -> std::path::PathBuf {
+        std::env::temp_dir().join(format!("turnstile-redis-{}", self.port))
+    }
+
     pub fn url(&self) -> String {
         format!("redis://127.0.0.1:{}/", self.port)
     }
@@ -69,12 +74,21 @@ impl LocalRedis {
             "--appendonly",
             "no",
         ]);
-        if let Some(dir) = &self.snapshots {
-            command
-                .arg("--dir")
-                .arg(dir)
-                .args(["--dbfilename", "dump.rdb"]);
-        }
+        // Its files (a snapshot, or the copy a replica receives from its primary) go to a
+        // folder of its own, never to the caller's working directory.
+        let dir = match &self.snapshots {
+            Some(dir) => dir.clone(),
+            None => {
+                let dir = self.scratch_dir();
+                std::fs::create_dir_all(&dir)
+                    .with_context(|| format!("creating {}", dir.display()))?;
+                dir
+            }
+        };
+        command
+            .arg("--dir")
+            .arg(&dir)
+            .args(["--dbfilename", "dump.rdb"]);
         let child = command
             .stdout(Stdio::null())
             .stderr(Stdio::null())
@@ -97,5 +111,8 @@ impl LocalRedis {
 impl Drop for LocalRedis {
     fn drop(&mut self) {
         self.stop();
+        if self.snapshots.is_none() {
+            let _ = std::fs::remove_dir_all(self.scratch_dir());
+        }
     }
 }
