@@ -34,7 +34,7 @@ use tracing::{Instrument, debug, warn};
 use crate::broker::{self, Topology, unix_ms};
 use crate::domain::SellerId;
 use crate::http::Readiness;
-use crate::permit::{Completion, PermitStore, Usage};
+use crate::permit::{PermitStore, Usage};
 use crate::progress;
 use crate::worker::Stats;
 
@@ -533,19 +533,7 @@ pub fn dead_lettered(
     let registration = broker::registration_of(delivery).ok();
     let permits = permits.clone();
     let record = async move {
-        let counted = match &registration {
-            Some(r) => permits
-                .complete(
-                    &r.seller_id,
-                    &r.message_id,
-                    r.batch_id.as_ref(),
-                    Completion::Dead(reason),
-                    ttl,
-                )
-                .await
-                .map(drop),
-            None => permits.tally_dead(reason, 1).await,
-        };
+        let counted = permits.count_dead(registration.as_ref(), reason, ttl).await;
         if let Err(error) = counted {
             metrics::counter!("turnstile_redis_errors_total").increment(1);
             warn!(%error, "dead-lettered, but not counted in the dashboard and upload progress");

@@ -292,17 +292,8 @@ impl Revived {
     async fn undo(self, permits: &PermitStore, ttl: Duration) {
         let undone = match &self {
             Revived::Nothing => Ok(()),
-            Revived::Message(r, reason) => permits
-                .complete(
-                    &r.seller_id,
-                    &r.message_id,
-                    r.batch_id.as_ref(),
-                    Completion::Dead(reason),
-                    ttl,
-                )
-                .await
-                .map(drop),
-            Revived::Unidentified(reason) => permits.tally_dead(reason, 1).await,
+            Revived::Message(r, reason) => permits.count_dead(Some(r), reason, ttl).await,
+            Revived::Unidentified(reason) => permits.count_dead(None, reason, ttl).await,
         };
         if let Err(error) = undone {
             tracing::warn!(%error, "not republished, and still counted as waiting");

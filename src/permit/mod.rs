@@ -578,6 +578,29 @@ impl PermitStore {
         Ok(changed == 1)
     }
 
+    /// Counts a message as dead-lettered for `reason`: its completion record when it has an
+    /// identity (once, however many copies), else one more dead letter by reason.
+    pub async fn count_dead(
+        &self,
+        registration: Option<&crate::domain::Registration>,
+        reason: &str,
+        ttl: Duration,
+    ) -> Result<(), PermitError> {
+        match registration {
+            Some(r) => self
+                .complete(
+                    &r.seller_id,
+                    &r.message_id,
+                    r.batch_id.as_ref(),
+                    Completion::Dead(reason),
+                    ttl,
+                )
+                .await
+                .map(drop),
+            None => self.tally_dead(reason, 1).await,
+        }
+    }
+
     /// Adds `by` to the dead letters now with `reason` (never below zero). [`Self::complete`]
     /// keeps it for messages with an identity; this is for those without (a body that does not
     /// parse), counted per dead letter.
