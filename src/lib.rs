@@ -2,13 +2,18 @@
 //! registration API, never exceeding any seller's limit across replicas, never losing a message
 //! and never letting one busy seller hold up the others.
 //!
-//! Module map (one module per outside system; only `cli` knows them all):
-//! - [`config`]: settings, limits and algorithms, parsed once with clear errors
-//! - [`domain`]: sellers, message ids, registrations (parse, don't validate)
-//! - [`permit`]: the Redis/Lua limiter shared by every replica
-//! - [`telemetry`]: tracing setup
-//! - [`http`], [`dashboard`]: what operators see: metrics, health, the live dashboard
-//! - [`bench`]: measurements that print figures
+//! Module map, by part (`replica` is the composition root of one replica, `cli` of the binary;
+//! README's "Layout" issue tracks making the compiler keep these parts apart):
+//! - consume path: [`replica`] (start, run, reconnect, drain), [`worker`] (one delivery -> one
+//!   Outcome, settled in one place), [`broker`] (lapin: topology, delay ladder, settling, dead
+//!   letters), [`permit`] (the Redis/Lua limiter, every Redis key), [`downstream`] (the
+//!   registration call), [`domain`] (sellers, message ids, registrations: parse, don't
+//!   validate), [`config`] (limits, algorithms, Redis settings), [`telemetry`] (tracing)
+//! - operator side: [`http`] (metrics, health, readiness), [`dashboard`] (its samplers and page)
+//! - producer side: [`upload`] (spreadsheets to messages), [`progress`] (uploads' progress)
+//! - lab: [`bench`] (figures beside baselines), [`demo`], [`rig`] (one harness for benches and
+//!   the demo), [`mock_api`] (a strict stand-in for the API), [`local_redis`] (a private
+//!   `redis-server` for fault tests)
 //! - [`cli`]: the `turnstile` command line
 
 pub mod bench;
