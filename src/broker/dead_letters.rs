@@ -185,7 +185,7 @@ pub async fn list(
 /// Moves the dead letters with `reason` (all when `None`) back to the work queue: the body as
 /// it was, turnstile's own headers and the broker's dead-letter history removed (a fresh start:
 /// attempts at zero), confirmed before the dead letter is removed. Each message is counted as
-/// waiting again before it is republished ([`revive`]), so no replica can register or
+/// waiting again before it is republished (`revive`), so no replica can register or
 /// dead-letter it while it still counts as dead; if the republish fails, it is counted dead
 /// again (with `ttl`, the completion records' TTL).
 pub async fn replay(

@@ -852,7 +852,7 @@ pub const RESCHEDULE_POLL: Duration = Duration::from_millis(250);
 
 /// Reads the shared reschedule log every [`RESCHEDULE_POLL`] until `shutdown`, and sends each
 /// new entry to `notices` (the messages this replica holds listen there). Starts from the Redis
-/// time at its first read. Each read looks [`RESCHEDULE_LOOKBACK`] behind the newest entry seen,
+/// time at its first read. Each read looks two seconds behind the newest entry seen,
 /// so that an entry written late (its time is taken in the script, its log entry is written
 /// just after) is not skipped; entries already sent are not sent again. A Redis error is logged
 /// at debug level and the next poll tries again.
