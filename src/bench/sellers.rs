@@ -338,7 +338,9 @@ async fn completion_records(
 }
 
 /// Every algorithm at the short idle limit: limiter keys counted right after the sellers took
-/// their permits, and again one window plus guard after the last one.
+/// their permits, and again two windows plus guards after the last one (a reserved slot lies
+/// at most a window + guard ahead, and stays redeemable a window + guard late with the exact
+/// algorithms).
 async fn idle(
     args: &SellersArgs,
     target: &Target,
@@ -368,7 +370,7 @@ async fn idle(
             .await?
             .len();
     }
-    let waited = limit.window() + longest_guard + Duration::from_millis(500);
+    let waited = (limit.window() + longest_guard) * 2 + Duration::from_millis(500);
     eprintln!(
         "  idle: waiting {} after the last permit",
         format_duration(waited)
