@@ -27,6 +27,14 @@ fn limits_set_get_clear_from_the_command_line() {
     );
     let (code, out, _) = turnstile(&["limits", "get", "--seller", "S-9"]);
     assert_eq!((code, out.trim()), (0, "S-9: 100/1m (default)"));
+    // The commands wrote the seller's keys and the shared reschedule log: leave nothing.
+    tokio::runtime::Runtime::new().unwrap().block_on(async {
+        let args = support::redis_args(&support::redis_url(), &prefix);
+        let conn = turnstile::permit::RedisConn::connect(&args).await.unwrap();
+        turnstile::permit::delete_prefix(&conn, &prefix)
+            .await
+            .unwrap();
+    });
 }
 
 #[test]
