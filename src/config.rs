@@ -194,7 +194,7 @@ pub struct RedisArgs {
 impl std::fmt::Debug for RedisArgs {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("RedisArgs")
-            .field("url", &crate::permit::redact_url(&self.url))
+            .field("url", &redact_url(&self.url))
             .field("cluster", &self.cluster)
             .field("key_prefix", &self.key_prefix)
             .finish()
@@ -260,6 +260,30 @@ impl LimiterArgs {
     }
 }
 
+/// The URL (or comma-separated URLs) with passwords and query values hidden, for messages.
+pub fn redact_url(url: &str) -> String {
+    url.split(',')
+        .map(redact_one_url)
+        .collect::<Vec<_>>()
+        .join(",")
+}
+
+/// One URL with its user info (`user:password@`) and its query (API keys) hidden.
+fn redact_one_url(url: &str) -> String {
+    let (base, query) = match url.split_once(['?', '#']) {
+        Some((base, _)) => (base, "?***"),
+        None => (url, ""),
+    };
+    let Some((scheme, rest)) = base.split_once("://") else {
+        return format!("{base}{query}");
+    };
+    let (authority, path) = rest.split_at(rest.find('/').unwrap_or(rest.len()));
+    match authority.rsplit_once('@') {
+        Some((_, host)) => format!("{scheme}://***@{host}{path}{query}"),
+        None => format!("{base}{query}"),
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -309,5 +333,20 @@ mod tests {
         assert_eq!(limit.optimum_drain(400), Duration::from_secs(19));
         assert_eq!(limit.optimum_drain(20), Duration::ZERO);
         assert_eq!(limit.optimum_drain(21), Duration::from_secs(1));
+    }
+
+    #[test]
+    fn urls_are_shown_without_passwords_or_query_values() {
+        assert_eq!(redact_url("redis://:pw@h:6379/0"), "redis://***@h:6379/0");
+        assert_eq!(
+            redact_url("redis://u:p@a:1/,redis://u:p@b:2/"),
+            "redis://***@a:1/,redis://***@b:2/"
+        );
+        assert_eq!(
+            redact_url("https://api.test/s/{seller_id}?api_key=SECRET"),
+            "https://api.test/s/{seller_id}?***"
+        );
+        assert_eq!(redact_url("amqp://g:g@h/%2f"), "amqp://***@h/%2f");
+        assert_eq!(redact_url("http://h/a@b"), "http://h/a@b");
     }
 }

@@ -26,16 +26,15 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use anyhow::Context;
-use lapin::message::Delivery;
 use serde::Serialize;
 use tokio_util::sync::CancellationToken;
-use tracing::{Instrument, debug, warn};
+use tracing::debug;
 
 use crate::broker::{self, Topology, unix_ms};
 use crate::domain::SellerId;
-use crate::http::Readiness;
 use crate::permit::{PermitStore, Usage};
 use crate::progress;
+use crate::telemetry::Readiness;
 use crate::worker::Stats;
 
 /// The page served at `/`.
@@ -516,28 +515,4 @@ pub async fn watch_queues(
     if let Some((connection, _)) = open {
         let _ = connection.close(200, "stopping".into()).await;
     }
-}
-
-/// Counts a dead letter (confirmed by the broker) in the metrics, and its message as dead in
-/// its upload's progress and in the dead letters by reason, once per message
-/// ([`PermitStore::complete`]; a body without an identity is counted per dead letter). The
-/// Redis part runs in the background: it never delays the ack, and a failure only costs the
-/// count.
-pub fn dead_lettered(
-    permits: &PermitStore,
-    delivery: &Delivery,
-    reason: &'static str,
-    ttl: Duration,
-) {
-    metrics::counter!("turnstile_dead_letters_total", "reason" => reason).increment(1);
-    let registration = broker::registration_of(delivery).ok();
-    let permits = permits.clone();
-    let record = async move {
-        let counted = permits.count_dead(registration.as_ref(), reason, ttl).await;
-        if let Err(error) = counted {
-            metrics::counter!("turnstile_redis_errors_total").increment(1);
-            warn!(%error, "dead-lettered, but not counted in the dashboard and upload progress");
-        }
-    };
-    tokio::spawn(record.in_current_span());
 }

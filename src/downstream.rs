@@ -36,7 +36,7 @@ pub struct DownstreamArgs {
 impl std::fmt::Debug for DownstreamArgs {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("DownstreamArgs")
-            .field("url", &crate::permit::redact_url(&self.url))
+            .field("url", &crate::config::redact_url(&self.url))
             .field("token", &self.token.as_ref().map(|_| "***"))
             .field("timeout", &self.timeout)
             .finish()
@@ -77,7 +77,7 @@ impl Downstream {
         let parsed = reqwest::Url::parse(&probe).with_context(|| {
             format!(
                 "TURNSTILE_DOWNSTREAM_URL {:?} is not a valid URL",
-                crate::permit::redact_url(&args.url)
+                crate::config::redact_url(&args.url)
             )
         })?;
         anyhow::ensure!(

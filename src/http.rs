@@ -2,7 +2,7 @@
 //! dashboard: its page at `/` and its data at `/api/dashboard` (see [`crate::dashboard`]).
 
 use std::net::SocketAddr;
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::Ordering;
 use std::sync::{Arc, OnceLock};
 
 use anyhow::Context;
@@ -17,6 +17,7 @@ use subtle::ConstantTimeEq;
 use tokio_util::sync::CancellationToken;
 
 use crate::dashboard::{self, Dashboard};
+pub use crate::telemetry::Readiness;
 use crate::worker::Stats;
 
 /// The process-wide Prometheus recorder (installed on first use).
@@ -34,20 +35,6 @@ pub fn prometheus() -> &'static PrometheusHandle {
         let _ = metrics::set_global_recorder(recorder);
         handle
     })
-}
-
-/// What `/readyz` reports: connected to the broker and Redis, and consuming.
-#[derive(Clone, Default)]
-pub struct Readiness(Arc<AtomicBool>);
-
-impl Readiness {
-    pub fn set(&self, ready: bool) {
-        self.0.store(ready, Ordering::Relaxed);
-        metrics::gauge!("turnstile_ready").set(if ready { 1.0 } else { 0.0 });
-    }
-    pub fn get(&self) -> bool {
-        self.0.load(Ordering::Relaxed)
-    }
 }
 
 /// `TURNSTILE_HTTP_ADDR`: where to serve the endpoints, or `off`.

@@ -1,9 +1,13 @@
 //! Tracing: human-readable lines by default, JSON lines with `TURNSTILE_LOG_FORMAT=json`;
-//! the filter comes from `RUST_LOG` (default [`DEFAULT_FILTER`]).
+//! the filter comes from `RUST_LOG` (default [`DEFAULT_FILTER`]); and [`Readiness`], the
+//! replica's ready flag that `/readyz` and a gauge report.
 //!
 //! A JSON line is one object: `timestamp`, `level`, `target`, the event's fields at the top level
 //! (`message` is the text) and the current span under `span`, e.g. a message's
 //! `{"name": "registration", "seller": "S-1", "message": "<message id>", "attempt": 0}`.
+
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
 
 use tracing::Subscriber;
 use tracing_subscriber::EnvFilter;
@@ -19,6 +23,21 @@ pub fn init() {
 }
 
 /// The subscriber `init` installs, writing to `writer` (tests capture lines with it).
+/// What `/readyz` reports and the `turnstile_ready` gauge shows: connected to the broker and
+/// Redis, and consuming. Set by the replica, read by the operator side.
+#[derive(Clone, Default)]
+pub struct Readiness(Arc<AtomicBool>);
+
+impl Readiness {
+    pub fn set(&self, ready: bool) {
+        self.0.store(ready, Ordering::Relaxed);
+        metrics::gauge!("turnstile_ready").set(if ready { 1.0 } else { 0.0 });
+    }
+    pub fn get(&self) -> bool {
+        self.0.load(Ordering::Relaxed)
+    }
+}
+
 /// The filter without `RUST_LOG`: `info`, but not lapin's own line for every channel the broker
 /// closes. turnstile closes channels on purpose (a passive check for an old queue, a
 /// declaration the broker refuses and that is retried with other arguments) and logs every

@@ -363,6 +363,30 @@ pub fn released_by(notice: &Rescheduled, delivery: &Delivery) -> bool {
         .is_ok_and(|r| notice.concerns(r.seller_id.as_str(), &reservation))
 }
 
+/// Counts a dead letter (confirmed by the broker) in the metrics, and its message as dead in
+/// its upload's progress and in the dead letters by reason, once per message
+/// ([`PermitStore::count_dead`]; a body without an identity is counted per dead letter). The
+/// Redis part runs in the background: it never delays the ack, and a failure only costs the
+/// count.
+fn count_dead_letter(
+    permits: &PermitStore,
+    delivery: &Delivery,
+    reason: &'static str,
+    ttl: Duration,
+) {
+    metrics::counter!("turnstile_dead_letters_total", "reason" => reason).increment(1);
+    let registration = crate::broker::registration_of(delivery).ok();
+    let permits = permits.clone();
+    let record = async move {
+        let counted = permits.count_dead(registration.as_ref(), reason, ttl).await;
+        if let Err(error) = counted {
+            metrics::counter!("turnstile_redis_errors_total").increment(1);
+            warn!(%error, "dead-lettered, but not counted in the dashboard and upload progress");
+        }
+    };
+    tokio::spawn(record.in_current_span());
+}
+
 /// How a handler's wait ended early.
 enum Interrupted {
     /// Shutting down: return the message to the broker, keeping its reservation.
@@ -737,12 +761,7 @@ impl Worker {
                 counter.fetch_add(1, Ordering::Relaxed);
                 metrics::counter!("turnstile_outcomes_total", "outcome" => label).increment(1);
                 if let Outcome::DeadLetter { reason, .. } = &outcome {
-                    crate::dashboard::dead_lettered(
-                        &self.permits,
-                        &delivery,
-                        reason,
-                        self.settings.done_ttl,
-                    );
+                    count_dead_letter(&self.permits, &delivery, reason, self.settings.done_ttl);
                 }
                 if matches!(outcome, Outcome::Registered | Outcome::AlreadyDone) {
                     settler.ack(tag);

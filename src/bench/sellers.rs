@@ -29,10 +29,11 @@ use tokio::process::{Child, ChildStdout};
 use tokio_util::sync::CancellationToken;
 
 use crate::broker::{DEFAULT_AMQP_URL, QueueType};
+use crate::config::redact_url;
 use crate::config::{Algorithm, Limit, LimiterArgs, RedisArgs, duration_arg, format_duration};
 use crate::domain::{BatchId, MessageId, SellerId};
 use crate::local_redis::LocalRedis;
-use crate::permit::{Completion, PermitStore, RedisConn, delete_prefix, keys_matching, redact_url};
+use crate::permit::{Completion, PermitStore, RedisConn, delete_prefix, keys_matching};
 use crate::replica::Replica;
 use crate::rig::{RigArgs, registration_body};
 

@@ -209,7 +209,7 @@ pub async fn run(args: ThroughputArgs) -> anyhow::Result<bool> {
         args.workers,
         prefetch,
         args.rig.queue_type,
-        crate::permit::redact_url(&redis_url),
+        crate::config::redact_url(&redis_url),
     );
 
     let mut bench = Bench {

@@ -113,7 +113,7 @@ impl BrokerArgs {
 
 /// The URL with its password hidden, for logs and errors.
 pub fn redact_amqp_url(url: &str) -> String {
-    crate::permit::redact_url(url)
+    crate::config::redact_url(url)
 }
 
 /// Checks `TURNSTILE_AMQP_URL` without connecting (a malformed URL is not worth retrying).

@@ -9,7 +9,7 @@ use redis::cluster::ClusterClient;
 use redis::cluster_async::ClusterConnection;
 use redis::{Cmd, Pipeline, RedisFuture, Value};
 
-use crate::config::RedisArgs;
+use crate::config::{RedisArgs, redact_url};
 
 /// A cheap-to-clone, self-reconnecting connection to Redis or to a Redis Cluster.
 #[derive(Clone)]
@@ -21,30 +21,6 @@ pub enum RedisConn {
 /// How long a Redis call may take before it fails (the caller then retries with backoff).
 const RESPONSE_TIMEOUT: Duration = Duration::from_secs(2);
 const CONNECT_TIMEOUT: Duration = Duration::from_secs(2);
-
-/// The URL (or comma-separated URLs) with passwords and query values hidden, for messages.
-pub fn redact_url(url: &str) -> String {
-    url.split(',')
-        .map(redact_one_url)
-        .collect::<Vec<_>>()
-        .join(",")
-}
-
-/// One URL with its user info (`user:password@`) and its query (API keys) hidden.
-fn redact_one_url(url: &str) -> String {
-    let (base, query) = match url.split_once(['?', '#']) {
-        Some((base, _)) => (base, "?***"),
-        None => (url, ""),
-    };
-    let Some((scheme, rest)) = base.split_once("://") else {
-        return format!("{base}{query}");
-    };
-    let (authority, path) = rest.split_at(rest.find('/').unwrap_or(rest.len()));
-    match authority.rsplit_once('@') {
-        Some((_, host)) => format!("{scheme}://***@{host}{path}{query}"),
-        None => format!("{base}{query}"),
-    }
-}
 
 /// A checked Redis configuration, not yet connected: building it catches every configuration
 /// error, so that connecting can then be retried for as long as Redis is away.
@@ -166,25 +142,5 @@ impl ConnectionLike for RedisConn {
             Self::Single(c) => c.get_db(),
             Self::Cluster(c) => c.get_db(),
         }
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    use super::redact_url;
-
-    #[test]
-    fn urls_are_shown_without_passwords_or_query_values() {
-        assert_eq!(redact_url("redis://:pw@h:6379/0"), "redis://***@h:6379/0");
-        assert_eq!(
-            redact_url("redis://u:p@a:1/,redis://u:p@b:2/"),
-            "redis://***@a:1/,redis://***@b:2/"
-        );
-        assert_eq!(
-            redact_url("https://api.test/s/{seller_id}?api_key=SECRET"),
-            "https://api.test/s/{seller_id}?***"
-        );
-        assert_eq!(redact_url("amqp://g:g@h/%2f"), "amqp://***@h/%2f");
-        assert_eq!(redact_url("http://h/a@b"), "http://h/a@b");
     }
 }

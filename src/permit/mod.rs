@@ -12,7 +12,7 @@ pub mod scripts;
 
 use std::time::Duration;
 
-pub use conn::{RedisClient, RedisConn, redact_url, round_trips};
+pub use conn::{RedisClient, RedisConn, round_trips};
 use redis::AsyncCommands;
 
 use crate::config::{Algorithm, Limit, LimiterArgs, RedisArgs};
