@@ -61,11 +61,15 @@ impl Carried {
     pub fn from_delivery(delivery: &Delivery, now_ms: u64) -> Self {
         Self {
             attempt: Self::attempt_of(delivery),
-            reservation: header_str(delivery, headers::RESERVATION)
-                .and_then(|r| Reservation::decode(&r)),
+            reservation: Self::reservation_of(delivery),
             throttled_since_ms: header_u64(delivery, headers::THROTTLED_SINCE)
                 .map(|t| t.min(now_ms)),
         }
+    }
+
+    /// The reservation a delivery carries, if its header has the exact form.
+    fn reservation_of(delivery: &Delivery) -> Option<Reservation> {
+        header_str(delivery, headers::RESERVATION).and_then(|r| Reservation::decode(&r))
     }
 
     /// Failed attempts a delivery says it had (saturating; 0 when the header does not parse).
@@ -349,17 +353,10 @@ async fn given_back(
 /// Whether a delivery waiting in the delay ladder holds a slot that `notice` says was given
 /// back: it then goes to the return queue at once instead of waiting for that slot.
 pub fn released_by(notice: &Rescheduled, delivery: &Delivery) -> bool {
-    let Some(reservation) =
-        header_str(delivery, headers::RESERVATION).and_then(|r| Reservation::decode(&r))
-    else {
+    let Some(reservation) = Carried::reservation_of(delivery) else {
         return false;
     };
-    let message_id = delivery
-        .properties
-        .message_id()
-        .as_ref()
-        .map(|m| m.to_string());
-    Registration::parse(&delivery.data, message_id.as_deref())
+    crate::broker::registration_of(delivery)
         .is_ok_and(|r| notice.concerns(r.seller_id.as_str(), &reservation))
 }
 
