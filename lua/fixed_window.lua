@@ -44,7 +44,8 @@ end
 local slot = math.max(index * window, at)
 
 local status = due(slot, now, guard, a)
-if status == 2 and reserved_full(KEYS[4], now, lateness('fixed-window', window, guard)) then
+local late = lateness('fixed-window', window, guard)
+if status == 2 and reserved_full(KEYS[4], now, late) then
   status, slot = 0, far_ticket(KEYS[7], KEYS[4], now, window, count)
 end
 if status == 0 then return {0, slot, now, count, window} end
@@ -61,7 +62,7 @@ local ttl = math.floor((last_end - now) / 1000) + 1
 redis.call('PEXPIRE', KEYS[1], ttl)
 keep_stamp(KEYS[5], ttl, a.durable)
 if status == 2 then
-  hold_reservation(KEYS[4], a.token, slot, now, lateness('fixed-window', window, guard))
+  hold_reservation(KEYS[4], a.token, slot, now, late)
   return {2, slot, now, count, window}
 end
 return {status, slot, now, count, window, math.floor(used * 1000 / count)}

@@ -178,10 +178,10 @@ end
 -- A reserved slot is bound to its TOKEN: the seller's reserved set (member TOKEN, score SLOT)
 -- holds every reservation not yet redeemed, and redeem.lua consumes the entry, so a
 -- reservation is good once, and only for the caller that holds its token. An entry more than
--- LATE past its slot (see lateness) can no longer be redeemed: it is pruned, and the set
--- expires LATE after its last slot.
+-- LATE past its slot (see lateness) can no longer be redeemed: reserved_full prunes it before
+-- every new reservation, and the set expires LATE after its last slot.
 local function hold_reservation(key, token, slot, now, late)
-  redis.call('ZREMRANGEBYSCORE', key, '-inf', now - late)
+  -- (reserved_full has just pruned the entries more than LATE past their slot.)
   redis.call('ZADD', key, slot, token)
   local last = tonumber(redis.call('ZRANGE', key, -1, -1, 'WITHSCORES')[2])
   redis.call('PEXPIRE', key, math.floor((last - now + late) / 1000) + 1)
@@ -242,6 +242,15 @@ local function calls_gate(calls_key, now, window, count, guard)
   if n < count then return nil end
   local kth = tonumber(redis.call('ZRANGE', calls_key, n - count, n - count, 'WITHSCORES')[2])
   return math.min(kth + window, now + math.max(guard, 1000))
+end
+
+-- A due STATUS (1) held back by calls_gate becomes a reservation at the time the gate may open
+-- (or a denial, come back then, when the caller does not reserve). Returns SLOT, STATUS.
+local function after_gate(status, slot, calls_key, now, window, count, guard, reserve)
+  if status ~= 1 then return slot, status end
+  local open_at = calls_gate(calls_key, now, window, count, guard)
+  if not open_at then return slot, status end
+  return math.max(open_at, slot), (reserve == 1 and 2 or 0)
 end
 
 -- Records a call granted now with TOKEN: in flight until now + BOUND at the latest.

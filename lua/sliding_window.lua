@@ -48,12 +48,10 @@ if n >= count then
 end
 
 local status = due(slot, now, guard, a)
-if status == 1 then
-  -- Due, but calls of the last window may still be in flight: wait for their answers.
-  local open_at = calls_gate(KEYS[6], now, window, count, guard)
-  if open_at then slot, status = math.max(open_at, slot), (a.reserve == 1 and 2 or 0) end
-end
-if status == 2 and reserved_full(KEYS[4], now, lateness('sliding-window', window, guard)) then
+local late = lateness('sliding-window', window, guard)
+-- Due, but calls of the last window may still be in flight: wait for their answers.
+slot, status = after_gate(status, slot, KEYS[6], now, window, count, guard, a.reserve)
+if status == 2 and reserved_full(KEYS[4], now, late) then
   status, slot = 0, far_ticket(KEYS[7], KEYS[4], now, span, count)
 end
 if status == 0 then return {0, slot, now, count, window} end
@@ -63,7 +61,7 @@ local ttl = math.floor((last - now + span) / 1000) + 1
 redis.call('PEXPIRE', KEYS[1], ttl)
 keep_stamp(KEYS[5], ttl, a.durable)
 if status == 2 then
-  hold_reservation(KEYS[4], a.token, slot, now, lateness('sliding-window', window, guard))
+  hold_reservation(KEYS[4], a.token, slot, now, late)
   return {2, slot, now, count, window}
 end
 start_call(KEYS[6], token, now, a.bound, window)

@@ -51,7 +51,8 @@ local slot = at
 if filled < requested then slot = math.ceil(at + (requested - filled) / rate) end
 
 local status = due(slot, now, guard, a)
-if status == 2 and reserved_full(KEYS[4], now, lateness('token-bucket', window, guard)) then
+local late = lateness('token-bucket', window, guard)
+if status == 2 and reserved_full(KEYS[4], now, late) then
   status, slot = 0, far_ticket(KEYS[7], KEYS[4], now, window + guard, count)
 end
 if status == 0 then return {0, slot, now, count, window} end
@@ -62,7 +63,7 @@ local ttl = math.floor((full_at - now) / 1000) + 1
 redis.call('PEXPIRE', KEYS[1], ttl)
 keep_stamp(KEYS[5], ttl, a.durable)
 if status == 2 then
-  hold_reservation(KEYS[4], a.token, slot, now, lateness('token-bucket', window, guard))
+  hold_reservation(KEYS[4], a.token, slot, now, late)
   return {2, slot, now, count, window}
 end
 return {status, slot, now, count, window, math.floor((capacity - left) * 1000 / capacity)}
