@@ -515,7 +515,9 @@ impl Worker {
                     self.stats.in_flight.fetch_add(1, Ordering::Relaxed);
                     let reply = self.downstream.register(registration).await;
                     self.stats.in_flight.fetch_sub(1, Ordering::Relaxed);
-                    if !matches!(reply, Reply::Registered) {
+                    // Only the exact algorithms hold calls until their answer; a registration's
+                    // answer is recorded with its completion.
+                    if self.permits.algorithm().is_exact() && !matches!(reply, Reply::Registered) {
                         self.record_call_end(registration, &call).await;
                     }
                     drop(worker);
