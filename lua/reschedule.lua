@@ -40,25 +40,20 @@ local burst = math.min(int_arg(5, 1), count)
 local capacity = int_arg(6, 0)
 if capacity == 0 then capacity = count end
 local change = ARGV[7]
-local override = nil
-if change == 'set' then
-  local c, w = string.match(ARGV[8] or '', '^(%d+) (%d+)$')
-  if not c or tonumber(c) < 1 or tonumber(w) < 1 then
-    error({err = 'ERR turnstile: the new limit must be "COUNT WINDOW_US" with integers >= 1'})
-  end
-  override = ARGV[8]
-elseif change ~= 'clear' and change ~= 'resume' and change ~= 'release' then
-  error({err = 'ERR turnstile: CHANGE must be set, clear, resume or release'})
-end
-local now = now_us()
-
 -- The limit that applies after the change.
 local new_count, new_window = count, window
 if change == 'set' then
-  new_count, new_window = tonumber(string.match(override, '^(%d+) ')), tonumber(string.match(override, ' (%d+)$'))
+  local c, w = string.match(ARGV[8] or '', '^(%d+) (%d+)$')
+  new_count, new_window = tonumber(c), tonumber(w)
+  if not c or new_count < 1 or new_window < 1 then
+    error({err = 'ERR turnstile: the new limit must be "COUNT WINDOW_US" with integers >= 1'})
+  end
 elseif change == 'clear' then
   new_count, new_window = int_arg(2, 1), int_arg(3, 1)
+elseif change ~= 'resume' and change ~= 'release' then
+  error({err = 'ERR turnstile: CHANGE must be set, clear, resume or release'})
 end
+local now = now_us()
 
 local reserved = redis.call('ZRANGE', KEYS[4], 0, -1, 'WITHSCORES')
 local released = #reserved / 2
@@ -106,7 +101,7 @@ redis.call('DEL', KEYS[4])
 
 local changed = 1
 if change == 'set' then
-  redis.call('SET', KEYS[2], override)
+  redis.call('SET', KEYS[2], ARGV[8])
 elseif change == 'clear' then
   changed = redis.call('DEL', KEYS[2])
 elseif change == 'resume' then
