@@ -8,7 +8,7 @@ use lapin::message::Delivery;
 use lapin::options::BasicAckOptions;
 use lapin::types::AMQPValue;
 use support::broker::TestBroker;
-use turnstile::broker::{QueueType, headers};
+use turnstile_core::broker::{QueueType, headers};
 
 async fn ladder_returns_messages_after_their_delay(queue_type: QueueType) {
     let broker = TestBroker::new("ladder", queue_type).await;
@@ -52,8 +52,14 @@ async fn ladder_returns_messages_after_their_delay(queue_type: QueueType) {
     for _ in delays {
         let d = returns.next().await.unwrap().unwrap();
         let n: serde_json::Value = serde_json::from_slice(&d.data).unwrap();
-        assert_eq!(turnstile::broker::header_u64(&d, headers::ATTEMPT), Some(2));
-        assert_eq!(turnstile::broker::header_u64(&d, headers::DELAYS), Some(1));
+        assert_eq!(
+            turnstile_core::broker::header_u64(&d, headers::ATTEMPT),
+            Some(2)
+        );
+        assert_eq!(
+            turnstile_core::broker::header_u64(&d, headers::DELAYS),
+            Some(1)
+        );
         arrivals.push((n["n"].as_u64().unwrap() as usize, started.elapsed()));
         d.acker.ack(BasicAckOptions::default()).await.unwrap();
     }
@@ -113,7 +119,7 @@ async fn a_message_delayed_again_through_the_same_level_still_comes_back() {
             .unwrap()
             .unwrap();
         assert_eq!(
-            turnstile::broker::header_u64(&delivery, headers::DELAYS),
+            turnstile_core::broker::header_u64(&delivery, headers::DELAYS),
             Some(round + 1)
         );
     }
@@ -133,7 +139,7 @@ async fn batched_acks_settle_exactly_what_was_acked_in_any_order() {
         broker.publish(format!(r#"{{"n":{i}}}"#).as_bytes()).await;
     }
     let connection =
-        turnstile::broker::connect(&support::broker::amqp_url(), "turnstile test settle")
+        turnstile_core::broker::connect(&support::broker::amqp_url(), "turnstile test settle")
             .await
             .unwrap();
     let channel = connection.create_channel().await.unwrap();
@@ -146,7 +152,7 @@ async fn batched_acks_settle_exactly_what_was_acked_in_any_order() {
         )
         .await
         .unwrap();
-    let settler = turnstile::broker::Settler::new(channel.clone());
+    let settler = turnstile_core::broker::Settler::new(channel.clone());
     let mut tags = Vec::new();
     for _ in 0..10 {
         let delivery = consumer.next().await.unwrap().unwrap();

@@ -10,7 +10,7 @@ use std::time::Duration;
 use rand::Rng;
 use support::eventually;
 use support::pipeline::Pipeline;
-use turnstile::broker::QueueType;
+use turnstile_core::broker::QueueType;
 
 fn rabbitmqctl(args: &[&str]) -> String {
     let out = Command::new("rabbitmqctl")

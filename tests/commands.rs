@@ -312,13 +312,13 @@ async fn wait_counts(p: &Pipeline, seller: &str, want: (u64, u64, u64)) {
 async fn dashboard_of(p: &Pipeline, seller: &str) -> (serde_json::Value, serde_json::Value) {
     let store = p.keys.store(support::limiter(
         &p.limit,
-        turnstile::config::Algorithm::SlidingWindow,
+        turnstile_core::config::Algorithm::SlidingWindow,
     ));
-    let dashboard = turnstile::dashboard::Dashboard::new(
+    let dashboard = turnstile_ops::dashboard::Dashboard::new(
         store,
         Default::default(),
         Default::default(),
-        turnstile::dashboard::ReplicaInfo {
+        turnstile_ops::dashboard::ReplicaInfo {
             queue: p.broker.queue().to_owned(),
             algorithm: "sliding-window",
             limit: p.limit.clone(),
@@ -441,18 +441,25 @@ async fn a_message_dead_lettered_twice_counts_once() {
     let mut p = Pipeline::new("twice", "100/1s").await;
     let store = p.keys.store(support::limiter(
         &p.limit,
-        turnstile::config::Algorithm::SlidingWindow,
+        turnstile_core::config::Algorithm::SlidingWindow,
     ));
-    let seller = turnstile::domain::SellerId::parse("S-twice").unwrap();
-    let batch = turnstile::domain::BatchId::parse("b2").unwrap();
-    turnstile::progress::record_published(&store, &seller, &batch, 2, Duration::from_secs(600))
-        .await
-        .unwrap();
+    let seller = turnstile_core::domain::SellerId::parse("S-twice").unwrap();
+    let batch = turnstile_core::domain::BatchId::parse("b2").unwrap();
+    turnstile_upload::progress::record_published(
+        &store,
+        &seller,
+        &batch,
+        2,
+        Duration::from_secs(600),
+    )
+    .await
+    .unwrap();
     // m-copied is in the queue twice (a duplicate copy); m-again is rejected again after its
     // first replay. Both are accepted the third time they are asked.
     let product = serde_json::json!({"mock": {"statuses": [400, 400, 200]}});
     for id in ["m-copied", "m-copied", "m-again"] {
-        let body = turnstile::rig::registration_body(id, "S-twice", Some("b2"), product.clone());
+        let body =
+            turnstile_lab::rig::registration_body(id, "S-twice", Some("b2"), product.clone());
         p.broker.publish(&body).await;
     }
     // One worker: the replayed copies are called one after the other, so the second finds the

@@ -5,7 +5,7 @@ use std::time::Duration;
 
 use serde_json::json;
 use support::pipeline::Pipeline;
-use turnstile::broker::{header_str, header_u64, headers};
+use turnstile_core::broker::{header_str, header_u64, headers};
 
 #[tokio::test]
 async fn several_replicas_register_every_message_exactly_once_within_the_limit() {

@@ -10,11 +10,19 @@ use serde_json::{Value, json};
 use support::limiter;
 use support::pipeline::Pipeline;
 use tokio_util::sync::CancellationToken;
-use turnstile::config::Algorithm;
-use turnstile::domain::{BatchId, SellerId};
-use turnstile::http::Listen;
-use turnstile::permit::PermitStore;
-use turnstile::replica::Replica;
+use turnstile_core::config::Algorithm;
+use turnstile_core::domain::{BatchId, SellerId};
+use turnstile_core::permit::PermitStore;
+use turnstile_ops::http::Listen;
+use turnstile_ops::serve::{HttpArgs, ServeArgs, Served};
+
+/// Endpoints served at `addr`, without a token.
+fn serving_at(addr: &str) -> HttpArgs {
+    HttpArgs {
+        http_addr: Listen::At(addr.parse().unwrap()),
+        http_token: None,
+    }
+}
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_dashboard_shows_each_seller_and_its_upload_progress_while_a_workload_runs() {
@@ -22,9 +30,9 @@ async fn the_dashboard_shows_each_seller_and_its_upload_progress_while_a_workloa
     let mut p = Pipeline::new("dash", "3/1s").await;
     let store = p.keys.store(limiter(&p.limit, Algorithm::SlidingWindow));
     for _ in 0..2 {
-        let mut settings = p.settings(4);
-        settings.http_addr = Listen::At("127.0.0.1:0".parse().unwrap());
-        p.start_replica(settings).await;
+        let settings = p.settings(4);
+        p.start_replica_serving(settings, serving_at("127.0.0.1:0"))
+            .await;
     }
     let http = p.replicas().next().unwrap().http_addr.unwrap();
     let (page, api) = (
@@ -37,7 +45,7 @@ async fn the_dashboard_shows_each_seller_and_its_upload_progress_while_a_workloa
     upload(&p, &store, "S-big", "spring", 30, 0).await;
     upload(&p, &store, "S-small", "summer", 6, 0).await;
     upload(&p, &store, "S-bad", "autumn", 1, 1).await;
-    turnstile::progress::record_published(
+    turnstile_upload::progress::record_published(
         &store,
         &seller("S-paused"),
         &batch("winter"),
@@ -120,9 +128,9 @@ async fn the_dashboard_shows_each_seller_and_its_upload_progress_while_a_workloa
 #[tokio::test]
 async fn metrics_count_permits_outcomes_and_downstream_answers_without_a_label_per_seller() {
     let mut p = Pipeline::new("metrics", "2/1s").await;
-    let mut settings = p.settings(2);
-    settings.http_addr = Listen::At("127.0.0.1:0".parse().unwrap());
-    p.start_replica(settings).await;
+    let settings = p.settings(2);
+    p.start_replica_serving(settings, serving_at("127.0.0.1:0"))
+        .await;
     let http = p.replicas().next().unwrap().http_addr.unwrap();
     p.publish("S-metrics-seller", 5).await;
     p.publish_product(
@@ -186,9 +194,12 @@ async fn before_redis_answers_the_dashboard_data_is_503_and_the_replica_is_not_r
         .local_addr()
         .unwrap()
         .port();
-    settings.http_addr = Listen::At(format!("127.0.0.1:{port}").parse().unwrap());
+    let settings = ServeArgs {
+        consume: settings,
+        http: serving_at(&format!("127.0.0.1:{port}")),
+    };
     let shutdown = CancellationToken::new();
-    let starting = tokio::spawn(Replica::start(settings, shutdown.clone()));
+    let starting = tokio::spawn(Served::start(settings, shutdown.clone()));
     let base = format!("http://127.0.0.1:{port}");
     let mut answered = None;
     eventually_async("the HTTP endpoints serve", async || {
@@ -226,7 +237,7 @@ async fn before_redis_answers_the_dashboard_data_is_503_and_the_replica_is_not_r
 async fn a_json_log_line_of_a_message_carries_its_seller_message_id_and_attempt() {
     // This runtime runs every task on this thread, so a thread-local subscriber sees them all.
     let lines = Lines::default();
-    let _logging = tracing::subscriber::set_default(turnstile::telemetry::subscriber(
+    let _logging = tracing::subscriber::set_default(turnstile_core::telemetry::subscriber(
         tracing_subscriber::EnvFilter::new("turnstile=debug"),
         true,
         lines.clone(),
@@ -286,7 +297,7 @@ async fn upload(
             "batch_id": batch_id, "product": product});
         p.broker.publish(body.to_string().as_bytes()).await;
     }
-    turnstile::progress::record_published(
+    turnstile_upload::progress::record_published(
         store,
         &seller(seller_id),
         &batch(batch_id),
@@ -470,10 +481,12 @@ impl<'w> tracing_subscriber::fmt::MakeWriter<'w> for Lines {
 #[tokio::test]
 async fn with_an_http_token_the_dashboard_needs_it_and_probes_stay_open() {
     let mut p = Pipeline::new("http-token", "10/1s").await;
-    let mut settings = p.settings(1);
-    settings.http_addr = Listen::At("127.0.0.1:0".parse().unwrap());
-    settings.http_token = Some("dash-secret".into());
-    p.start_replica(settings).await;
+    let settings = p.settings(1);
+    let http = HttpArgs {
+        http_token: Some("dash-secret".into()),
+        ..serving_at("127.0.0.1:0")
+    };
+    p.start_replica_serving(settings, http).await;
     let base = format!("http://{}", p.replicas().next().unwrap().http_addr.unwrap());
     let client = reqwest::Client::builder()
         .redirect(reqwest::redirect::Policy::none())

@@ -18,11 +18,11 @@ use serde_json::json;
 use support::broker::TestBroker;
 use support::pipeline::Pipeline;
 use support::{run, unique};
-use turnstile::broker::{
+use turnstile_core::broker::{
     self, Declared, Protection, QueueType, Topology, UNREACHED_DELIVERY_LIMIT, WORK_DELIVERY_LIMIT,
     dead_letters, long_string,
 };
-use turnstile::replica::Replica;
+use turnstile_core::replica::Replica;
 
 /// Declares a durable queue on a channel of its own, as another client (or an older
 /// turnstile) would.
@@ -137,7 +137,7 @@ async fn a_message_returned_more_often_than_the_delivery_limit_is_dead_lettered_
     let keys = support::Keys::new(support::Backend::Standalone, "replay-limit").await;
     let permits = keys.store(support::limiter(
         "10/1s",
-        turnstile::config::Algorithm::SlidingWindow,
+        turnstile_core::config::Algorithm::SlidingWindow,
     ));
     let replayed = dead_letters::replay(
         &channel,

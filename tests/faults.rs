@@ -9,11 +9,11 @@ use serde_json::json;
 use support::eventually;
 use support::pipeline::Pipeline;
 use support::{limiter, run};
-use turnstile::broker::{header_str, headers};
-use turnstile::config::Algorithm;
-use turnstile::domain::SellerId;
-use turnstile::local_redis::LocalRedis;
-use turnstile::permit::{Decision, PermitStore, RedisConn};
+use turnstile_core::broker::{header_str, headers};
+use turnstile_core::config::Algorithm;
+use turnstile_core::domain::SellerId;
+use turnstile_core::permit::{Decision, PermitStore, RedisConn};
+use turnstile_lab::local_redis::LocalRedis;
 
 fn turnstile() -> Command {
     Command::new(env!("CARGO_BIN_EXE_turnstile"))
@@ -553,9 +553,15 @@ async fn a_replica_started_before_redis_and_the_broker_waits_not_ready_then_cons
     let (broker_port, http_port) = (free_port(), free_port());
     let mut settings = p.settings(4);
     settings.broker.amqp_url = format!("amqp://guest:guest@127.0.0.1:{broker_port}/%2f");
-    settings.http_addr = turnstile::http::Listen::At(([127, 0, 0, 1], http_port).into());
+    let settings = turnstile_ops::serve::ServeArgs {
+        consume: settings,
+        http: turnstile_ops::serve::HttpArgs {
+            http_addr: turnstile_ops::http::Listen::At(([127, 0, 0, 1], http_port).into()),
+            http_token: None,
+        },
+    };
     let shutdown = tokio_util::sync::CancellationToken::new();
-    let starting = tokio::spawn(turnstile::replica::Replica::start(
+    let starting = tokio::spawn(turnstile_ops::serve::Served::start(
         settings,
         shutdown.clone(),
     ));

@@ -7,8 +7,8 @@ use std::time::Duration;
 use serde_json::json;
 use support::eventually;
 use support::pipeline::Pipeline;
-use turnstile::broker::{header_str, headers};
-use turnstile::domain::SellerId;
+use turnstile_core::broker::{header_str, headers};
+use turnstile_core::domain::SellerId;
 
 fn reason_and_detail(d: &lapin::message::Delivery) -> (String, String) {
     (

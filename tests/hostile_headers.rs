@@ -8,9 +8,9 @@ use std::sync::atomic::Ordering;
 use lapin::types::AMQPValue;
 use serde_json::json;
 use support::pipeline::Pipeline;
-use turnstile::broker::{headers, long_string};
-use turnstile::domain::SellerId;
-use turnstile::permit::{Decision, Reservation};
+use turnstile_core::broker::{headers, long_string};
+use turnstile_core::domain::SellerId;
+use turnstile_core::permit::{Decision, Reservation};
 
 fn body(seller: &str, id: &str) -> Vec<u8> {
     json!({"message_id": id, "seller_id": seller, "product": {"id": id}})

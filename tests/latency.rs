@@ -4,8 +4,8 @@
 mod support;
 
 use support::pipeline::Pipeline;
-use turnstile::config::Algorithm;
-use turnstile::mock_api::MockArgs;
+use turnstile_core::config::Algorithm;
+use turnstile_lab::mock_api::MockArgs;
 
 /// One request in ten reaches the strict mock 400 ms late (it counts the request only then),
 /// at 20/1s with 2 replicas of 4 workers: the mock never sees more than 20 in a second.

@@ -7,9 +7,9 @@ use std::time::Duration;
 
 use support::eventually;
 use support::pipeline::Pipeline;
-use turnstile::config::Algorithm;
-use turnstile::domain::SellerId;
-use turnstile::permit::PermitStore;
+use turnstile_core::config::Algorithm;
+use turnstile_core::domain::SellerId;
+use turnstile_core::permit::PermitStore;
 
 /// The latest slot reserved for the seller (Redis time, µs), or none.
 async fn last_reserved_slot(p: &Pipeline, store: &PermitStore, seller: &SellerId) -> Option<i64> {

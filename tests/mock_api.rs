@@ -5,7 +5,7 @@ use std::time::Duration;
 use reqwest::StatusCode;
 use serde_json::{Value, json};
 use tokio_util::sync::CancellationToken;
-use turnstile::mock_api::{MockArgs, MockServer, Stats, fetch_stats};
+use turnstile_lab::mock_api::{MockArgs, MockServer, Stats, fetch_stats};
 
 struct Mock {
     server: MockServer,

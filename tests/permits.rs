@@ -30,8 +30,10 @@ fn limits_set_get_clear_from_the_command_line() {
     // The commands wrote the seller's keys and the shared reschedule log: leave nothing.
     tokio::runtime::Runtime::new().unwrap().block_on(async {
         let args = support::redis_args(&support::redis_url(), &prefix);
-        let conn = turnstile::permit::RedisConn::connect(&args).await.unwrap();
-        turnstile::permit::delete_prefix(&conn, &prefix)
+        let conn = turnstile_core::permit::RedisConn::connect(&args)
+            .await
+            .unwrap();
+        turnstile_core::permit::delete_prefix(&conn, &prefix)
             .await
             .unwrap();
     });

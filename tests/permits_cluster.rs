@@ -10,11 +10,11 @@ async fn sellers_spread_over_all_three_nodes_each_get_their_own_limit() {
     let keys = support::Keys::new(Backend::Cluster, "spread").await;
     let store = keys.store(support::limiter(
         "1/1h",
-        turnstile::config::Algorithm::SlidingWindow,
+        turnstile_core::config::Algorithm::SlidingWindow,
     ));
     let mut nodes = std::collections::BTreeSet::new();
     for i in 0..30 {
-        let seller = turnstile::domain::SellerId::parse(&format!("S-{i}")).unwrap();
+        let seller = turnstile_core::domain::SellerId::parse(&format!("S-{i}")).unwrap();
         let slot: u16 = redis::cmd("CLUSTER")
             .arg("KEYSLOT")
             .arg(store.seller_key(&seller, "log"))
@@ -24,11 +24,11 @@ async fn sellers_spread_over_all_three_nodes_each_get_their_own_limit() {
         nodes.insert(slot / 5462);
         assert!(matches!(
             store.acquire(&seller, false).await.unwrap(),
-            turnstile::permit::Decision::Granted { .. }
+            turnstile_core::permit::Decision::Granted { .. }
         ));
         assert!(matches!(
             store.acquire(&seller, false).await.unwrap(),
-            turnstile::permit::Decision::Wait { .. }
+            turnstile_core::permit::Decision::Wait { .. }
         ));
     }
     assert_eq!(

@@ -5,10 +5,10 @@
 use std::time::Duration;
 
 use proptest::prelude::*;
-use turnstile::broker::ladder::{Hop, LEVELS, SLACK, UNIT, next_hop, remaining_wait};
-use turnstile::domain::{Registration, SellerId};
-use turnstile::downstream::{Downstream, DownstreamArgs};
-use turnstile::permit::Reservation;
+use turnstile_core::broker::ladder::{Hop, LEVELS, SLACK, UNIT, next_hop, remaining_wait};
+use turnstile_core::domain::{Registration, SellerId};
+use turnstile_core::downstream::{Downstream, DownstreamArgs};
+use turnstile_core::permit::Reservation;
 
 fn config() -> ProptestConfig {
     ProptestConfig {

@@ -3,8 +3,8 @@ mod support;
 
 use std::time::Duration;
 
-use turnstile::local_redis::LocalRedis;
-use turnstile::permit::RedisConn;
+use turnstile_core::permit::RedisConn;
+use turnstile_lab::local_redis::LocalRedis;
 
 async fn ping(conn: &RedisConn) -> Result<String, redis::RedisError> {
     redis::cmd("PING").query_async(&mut conn.clone()).await

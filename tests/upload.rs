@@ -4,8 +4,8 @@ use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicUsize, Ordering};
 
 use serde_json::{Value, json};
-use turnstile::domain::{BatchId, Registration, SellerId};
-use turnstile::upload::{Format, MAX_ROWS, Upload, UploadError, read_upload};
+use turnstile_core::domain::{BatchId, Registration, SellerId};
+use turnstile_upload::upload::{Format, MAX_ROWS, Upload, UploadError, read_upload};
 
 /// A file in its own fresh directory under the system temp dir, removed on drop.
 struct TempFile {
@@ -746,7 +746,7 @@ fn unusual_seller_and_batch_ids_are_escaped_in_the_body() {
 
 #[test]
 fn a_product_too_large_for_one_message_is_a_bad_row() {
-    let big = "x".repeat(turnstile::domain::MAX_BODY_BYTES);
+    let big = "x".repeat(turnstile_core::domain::MAX_BODY_BYTES);
     let text = format!("sku,blob\nA,small\nB,{big}\n");
     let upload = read_bytes("big.csv", text.as_bytes()).unwrap();
     assert_eq!(upload.rows.len(), 1);
@@ -815,7 +815,7 @@ fn a_file_over_the_size_limit_is_refused_without_reading_it() {
         .write(true)
         .open(&file.path)
         .unwrap()
-        .set_len(turnstile::upload::MAX_FILE_BYTES + 1)
+        .set_len(turnstile_upload::upload::MAX_FILE_BYTES + 1)
         .unwrap();
     let error = read_upload(&file.path, &seller("S-1001"), None, false).unwrap_err();
     assert!(matches!(error, UploadError::TooBig { .. }), "{error:?}");
@@ -846,7 +846,7 @@ proptest::proptest! {
     ) {
         let refs: Vec<(u32, String, String)> = cells
             .iter()
-            .map(|(r, c, t)| (*r, format!("{}{r}", turnstile::upload::column_letters(*c as usize)), t.clone()))
+            .map(|(r, c, t)| (*r, format!("{}{r}", turnstile_upload::upload::column_letters(*c as usize)), t.clone()))
             .collect();
         let mut rows: Vec<(u32, Vec<Cell>)> = Vec::new();
         let mut sorted: Vec<&(u32, String, String)> = refs.iter().collect();

@@ -3,7 +3,7 @@
 use lapin::options::{BasicConsumeOptions, QueuePurgeOptions};
 use lapin::types::{AMQPValue, FieldTable};
 use lapin::{BasicProperties, Connection};
-use turnstile::broker::{self, Publisher, QueueType, Topology};
+use turnstile_core::broker::{self, Publisher, QueueType, Topology};
 
 pub fn amqp_url() -> String {
     std::env::var("TURNSTILE_TEST_AMQP_URL")

@@ -6,8 +6,8 @@
 use std::process::Command;
 use std::sync::Once;
 
-use turnstile::config::{Algorithm, Limit, LimiterArgs, RedisArgs};
-use turnstile::permit::{PermitStore, RedisConn, delete_prefix};
+use turnstile_core::config::{Algorithm, Limit, LimiterArgs, RedisArgs};
+use turnstile_core::permit::{PermitStore, RedisConn, delete_prefix};
 
 pub mod broker;
 pub mod cluster;

@@ -5,9 +5,9 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use tokio::sync::Mutex;
-use turnstile::config::Algorithm;
-use turnstile::domain::SellerId;
-use turnstile::permit::{Decision, Forfeit, PermitStore};
+use turnstile_core::config::Algorithm;
+use turnstile_core::domain::SellerId;
+use turnstile_core::permit::{Decision, Forfeit, PermitStore};
 
 use super::{Backend, Keys, limiter, max_in_any_window};
 
@@ -334,7 +334,7 @@ async fn reserve_backlog(
     store: &PermitStore,
     s: &SellerId,
     n: usize,
-) -> Vec<turnstile::permit::Reservation> {
+) -> Vec<turnstile_core::permit::Reservation> {
     let mut held = Vec::new();
     for _ in 0..n {
         if let Decision::Wait {
@@ -352,7 +352,7 @@ async fn reserve_backlog(
 async fn all_given_back(
     store: &PermitStore,
     s: &SellerId,
-    held: Vec<turnstile::permit::Reservation>,
+    held: Vec<turnstile_core::permit::Reservation>,
     algorithm: Algorithm,
 ) {
     for r in held {
@@ -493,7 +493,7 @@ pub async fn a_deep_backlog_keeps_the_sellers_state_bounded(
             _ => {}
         }
     }
-    let bytes = turnstile::permit::memory_of_prefix(&keys.conn, &keys.prefix)
+    let bytes = turnstile_core::permit::memory_of_prefix(&keys.conn, &keys.prefix)
         .await
         .unwrap();
     println!(
@@ -520,7 +520,7 @@ pub async fn a_deep_backlog_keeps_the_sellers_state_bounded(
 pub async fn scripts_check_inputs_before_writing(backend: Backend) {
     let keys = Keys::new(backend, "inputs").await;
     let key = format!("{}:{{x}}:log", keys.prefix);
-    let err = turnstile::permit::scripts::acquire(Algorithm::SlidingWindow)
+    let err = turnstile_core::permit::scripts::acquire(Algorithm::SlidingWindow)
         .key(&key)
         .key(format!("{}:{{x}}:limit", keys.prefix))
         .key(format!("{}:{{x}}:pause", keys.prefix))
@@ -577,8 +577,8 @@ pub async fn usage_shows_grants_reservations_pauses_and_overrides(
             i + 1
         );
     }
-    assert!(taken[0] < turnstile::permit::NEAR_LIMIT_PERMILLE);
-    assert!(taken[4] >= turnstile::permit::NEAR_LIMIT_PERMILLE);
+    assert!(taken[0] < turnstile_core::permit::NEAR_LIMIT_PERMILLE);
+    assert!(taken[4] >= turnstile_core::permit::NEAR_LIMIT_PERMILLE);
     for _ in 0..2 {
         assert!(
             matches!(
@@ -600,7 +600,7 @@ pub async fn usage_shows_grants_reservations_pauses_and_overrides(
     assert!(!busy.overridden && busy.paused_for.is_zero());
 
     store.pause(&s, Duration::from_secs(60)).await.unwrap();
-    let limit: turnstile::config::Limit = "7/1h".parse().unwrap();
+    let limit: turnstile_core::config::Limit = "7/1h".parse().unwrap();
     store.set_limit(&s, limit).await.unwrap();
     let steered = store.usage(&s).await.unwrap();
     assert!(steered.paused_for > Duration::from_secs(50), "{steered:?}");
@@ -613,18 +613,18 @@ pub async fn usage_shows_grants_reservations_pauses_and_overrides(
 /// and the dead letters by reason count it in the one state it is in: repeats change nothing,
 /// a dead letter's record does not suppress a call, and counts never go below zero.
 pub async fn completion_records_count_each_message_once(backend: Backend) {
-    use turnstile::domain::{BatchId, MessageId};
-    use turnstile::permit::Completion::{Dead, Registered, Replayed};
+    use turnstile_core::domain::{BatchId, MessageId};
+    use turnstile_core::permit::Completion::{Dead, Registered, Replayed};
     let keys = Keys::new(backend, "once").await;
     let store = keys.store(limiter("1000/1s", Algorithm::SlidingWindow));
     let (s, batch) = (seller("S-once"), BatchId::parse("b").unwrap());
     let m = MessageId::parse("m-1").unwrap();
     let ttl = Duration::from_secs(60);
-    turnstile::progress::record_published(&store, &s, &batch, 1, ttl)
+    turnstile_upload::progress::record_published(&store, &s, &batch, 1, ttl)
         .await
         .unwrap();
     let counts = async || {
-        let p = turnstile::progress::list(&store, Some(&s), Some(&batch))
+        let p = turnstile_upload::progress::list(&store, Some(&s), Some(&batch))
             .await
             .unwrap();
         let tally = store.dead_now().await.unwrap();
@@ -737,7 +737,7 @@ pub async fn completion_records_count_each_message_once(backend: Backend) {
 #[macro_export]
 macro_rules! permit_tests {
     ($backend:expr) => {
-        use turnstile::config::Algorithm::*;
+        use turnstile_core::config::Algorithm::*;
         use $crate::support::permit_cases as cases;
 
         #[tokio::test]
@@ -750,7 +750,7 @@ macro_rules! permit_tests {
         }
         #[tokio::test]
         async fn a_caller_who_waits_is_granted_and_denials_take_no_quota() {
-            for algorithm in turnstile::config::Algorithm::ALL {
+            for algorithm in turnstile_core::config::Algorithm::ALL {
                 cases::waiting_caller_is_granted_and_denials_take_no_quota($backend, algorithm)
                     .await;
             }
@@ -761,39 +761,39 @@ macro_rules! permit_tests {
         }
         #[tokio::test]
         async fn keys_expire_after_idleness() {
-            for algorithm in turnstile::config::Algorithm::ALL {
+            for algorithm in turnstile_core::config::Algorithm::ALL {
                 cases::keys_expire_after_idleness($backend, algorithm).await;
             }
         }
         #[tokio::test]
         async fn a_pause_blocks_every_caller_until_it_ends() {
-            for algorithm in turnstile::config::Algorithm::ALL {
+            for algorithm in turnstile_core::config::Algorithm::ALL {
                 cases::pause_blocks_all_callers_until_it_ends($backend, algorithm).await;
             }
         }
         #[tokio::test]
         async fn overrides_take_effect_and_clear() {
-            for algorithm in turnstile::config::Algorithm::ALL {
+            for algorithm in turnstile_core::config::Algorithm::ALL {
                 cases::overrides_take_effect($backend, algorithm).await;
             }
         }
         #[tokio::test]
         async fn usage_shows_grants_reservations_pauses_and_overrides() {
-            for algorithm in turnstile::config::Algorithm::ALL {
+            for algorithm in turnstile_core::config::Algorithm::ALL {
                 cases::usage_shows_grants_reservations_pauses_and_overrides($backend, algorithm)
                     .await;
             }
         }
         #[tokio::test]
         async fn a_raised_limit_applies_at_once_to_a_reserved_backlog() {
-            for algorithm in turnstile::config::Algorithm::ALL {
+            for algorithm in turnstile_core::config::Algorithm::ALL {
                 cases::a_raised_limit_applies_at_once_to_a_reserved_backlog($backend, algorithm)
                     .await;
             }
         }
         #[tokio::test]
         async fn a_lifted_pause_reschedules_the_backlog() {
-            for algorithm in turnstile::config::Algorithm::ALL {
+            for algorithm in turnstile_core::config::Algorithm::ALL {
                 cases::a_lifted_pause_reschedules_the_backlog($backend, algorithm).await;
             }
         }
@@ -809,7 +809,7 @@ macro_rules! permit_tests {
         }
         #[tokio::test]
         async fn a_deep_backlog_keeps_the_sellers_state_bounded() {
-            for algorithm in turnstile::config::Algorithm::ALL {
+            for algorithm in turnstile_core::config::Algorithm::ALL {
                 cases::a_deep_backlog_keeps_the_sellers_state_bounded($backend, algorithm).await;
             }
         }

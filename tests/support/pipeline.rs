@@ -7,11 +7,12 @@ use futures::StreamExt;
 use lapin::message::Delivery;
 use lapin::options::BasicAckOptions;
 use tokio_util::sync::CancellationToken;
-use turnstile::broker::QueueType;
-use turnstile::config::Algorithm;
-use turnstile::downstream::DownstreamArgs;
-use turnstile::mock_api::{MockArgs, MockServer, Stats};
-use turnstile::replica::{ConsumeArgs, Replica};
+use turnstile_core::broker::QueueType;
+use turnstile_core::config::Algorithm;
+use turnstile_core::downstream::DownstreamArgs;
+use turnstile_core::replica::ConsumeArgs;
+use turnstile_lab::mock_api::{MockArgs, MockServer, Stats};
+use turnstile_ops::serve::{HttpArgs, ServeArgs, Served};
 
 use super::broker::{TestBroker, amqp_url};
 use super::{Keys, limiter, redis_args};
@@ -24,7 +25,7 @@ pub struct Pipeline {
     pub redis_url: String,
     pub delay_type: QueueType,
     stop_mock: CancellationToken,
-    replicas: Vec<(CancellationToken, Replica)>,
+    replicas: Vec<(CancellationToken, Served)>,
 }
 
 impl Pipeline {
@@ -118,7 +119,7 @@ impl Pipeline {
     /// The settings a replica of this pipeline runs with (tests adjust them before starting).
     pub fn settings(&self, workers: u32) -> ConsumeArgs {
         ConsumeArgs {
-            broker: turnstile::broker::BrokerArgs {
+            broker: turnstile_core::broker::BrokerArgs {
                 amqp_url: amqp_url(),
                 queue: self.broker.queue().to_owned(),
                 queue_type: QueueType::Quorum,
@@ -127,8 +128,6 @@ impl Pipeline {
             workers,
             prefetch: None,
             delay_prefetch: 64,
-            http_addr: turnstile::http::Listen::Off,
-            http_token: None,
             max_attempts: 8,
             hold: Duration::from_secs(2),
             max_pause: Duration::from_secs(3600),
@@ -155,9 +154,19 @@ impl Pipeline {
         }
     }
 
+    /// Starts one replica with `settings`, serving no HTTP.
     pub async fn start_replica(&mut self, settings: ConsumeArgs) {
+        self.start_replica_serving(settings, HttpArgs::off()).await;
+    }
+
+    /// Starts one replica with `settings`, serving its endpoints as `http` says.
+    pub async fn start_replica_serving(&mut self, settings: ConsumeArgs, http: HttpArgs) {
         let token = CancellationToken::new();
-        let replica = Replica::start(settings, token.clone())
+        let settings = ServeArgs {
+            consume: settings,
+            http,
+        };
+        let replica = Served::start(settings, token.clone())
             .await
             .expect("replica starts");
         self.replicas.push((token, replica));
@@ -178,7 +187,7 @@ impl Pipeline {
     /// Sum of a counter over all replicas.
     pub fn total(
         &self,
-        counter: impl Fn(&turnstile::worker::Stats) -> &std::sync::atomic::AtomicU64,
+        counter: impl Fn(&turnstile_core::worker::Stats) -> &std::sync::atomic::AtomicU64,
     ) -> u64 {
         self.replicas
             .iter()
@@ -261,7 +270,7 @@ impl Pipeline {
 
     /// Stops every replica (as SIGTERM would) and waits for them to drain.
     /// The replicas started so far (for readiness and counters).
-    pub fn replicas(&self) -> impl Iterator<Item = &Replica> {
+    pub fn replicas(&self) -> impl Iterator<Item = &Served> {
         self.replicas.iter().map(|(_, r)| r)
     }
 

@@ -8,9 +8,9 @@ use std::time::Duration;
 
 use clap::Args;
 
-use crate::config::{Algorithm, Limit, LimiterArgs};
 use crate::mock_api::MockArgs;
 use crate::rig::{Message, Rig, RigArgs, registration_body};
+use turnstile_core::config::{Algorithm, Limit, LimiterArgs};
 
 #[derive(Args, Debug, Clone)]
 pub struct ScenarioArgs {
@@ -19,7 +19,7 @@ pub struct ScenarioArgs {
     /// Flags given explicitly override the preset.
     #[arg(long, default_value = "bar")]
     pub preset: String,
-    #[arg(long, value_parser = crate::config::limit_arg)]
+    #[arg(long, value_parser = turnstile_core::config::limit_arg)]
     pub limit: Option<Limit>,
     #[arg(long)]
     pub replicas: Option<usize>,
@@ -35,7 +35,7 @@ pub struct ScenarioArgs {
     pub small: Option<usize>,
     #[arg(long, value_enum, default_value_t = Algorithm::SlidingWindow)]
     pub algorithm: Algorithm,
-    #[arg(long, default_value = "2s", value_parser = crate::config::duration_arg)]
+    #[arg(long, default_value = "2s", value_parser = turnstile_core::config::duration_arg)]
     pub hold: Duration,
     /// AMQP prefetch of each replica's consumers [default: 8 x workers, at least 64]; with a
     /// long --hold, a larger prefetch lets replicas hold a backlog instead of the delay ladder.

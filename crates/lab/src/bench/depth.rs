@@ -8,9 +8,9 @@ use std::time::Instant;
 
 use anyhow::Context;
 
-use crate::config::{Algorithm, Limit, LimiterArgs, RedisArgs};
-use crate::domain::SellerId;
-use crate::permit::{Decision, PermitStore, RedisConn, delete_prefix, memory_of_prefix};
+use turnstile_core::config::{Algorithm, Limit, LimiterArgs, RedisArgs};
+use turnstile_core::domain::SellerId;
+use turnstile_core::permit::{Decision, PermitStore, RedisConn, delete_prefix, memory_of_prefix};
 
 /// What one depth left in Redis.
 struct Weighed {

@@ -17,8 +17,8 @@ use subtle::ConstantTimeEq;
 use tokio_util::sync::CancellationToken;
 
 use crate::dashboard::{self, Dashboard};
-pub use crate::telemetry::Readiness;
-use crate::worker::Stats;
+pub use turnstile_core::telemetry::Readiness;
+use turnstile_core::worker::Stats;
 
 /// The process-wide Prometheus recorder (installed on first use).
 pub fn prometheus() -> &'static PrometheusHandle {

@@ -59,7 +59,7 @@ use calamine::{Data, ExcelDateTime, Reader, SheetType, Xlsx};
 use serde_json::value::RawValue;
 use sha2::{Digest, Sha256};
 
-use crate::domain::{BatchId, MAX_BODY_BYTES, MessageId, SellerId};
+use turnstile_core::domain::{BatchId, MAX_BODY_BYTES, MessageId, SellerId};
 
 /// Most product rows (non-empty rows below the header, or non-blank JSONL lines) in one file.
 pub const MAX_ROWS: usize = 100_000;

@@ -13,7 +13,7 @@ use std::time::Duration;
 
 use clap::Subcommand;
 
-use crate::config::RedisArgs;
+use turnstile_core::config::RedisArgs;
 
 #[derive(Subcommand, Debug)]
 pub enum BenchCommand {
@@ -25,7 +25,7 @@ pub enum BenchCommand {
         #[arg(long, default_value_t = 64)]
         concurrency: usize,
         /// How long each measurement runs.
-        #[arg(long, default_value = "3s", value_parser = crate::config::duration_arg)]
+        #[arg(long, default_value = "3s", value_parser = turnstile_core::config::duration_arg)]
         duration: Duration,
         /// Distinct sellers the callers spread over.
         #[arg(long, default_value_t = 1000)]
@@ -47,8 +47,8 @@ pub enum BenchCommand {
         #[command(flatten)]
         redis: RedisArgs,
         /// The seller's limit.
-        #[arg(long, default_value = "100/1m", value_parser = crate::config::limit_arg)]
-        limit: crate::config::Limit,
+        #[arg(long, default_value = "100/1m", value_parser = turnstile_core::config::limit_arg)]
+        limit: turnstile_core::config::Limit,
         /// Backlog depths to weigh (comma-separated).
         #[arg(
             long,

@@ -18,16 +18,16 @@ use serde::Serialize;
 use tokio::sync::Semaphore;
 use tokio_util::sync::CancellationToken;
 
-use crate::broker::{self, Settler, Topology};
-use crate::config::{Algorithm, Limit, LimiterArgs};
-use crate::domain::Registration;
-use crate::downstream::{Downstream, DownstreamArgs, Reply};
 use crate::local_redis::LocalRedis;
 use crate::mock_api::{MockArgs, MockServer};
-use crate::permit::{RedisConn, delete_prefix, round_trips};
-use crate::replica::{ConsumeArgs, Replica};
 use crate::rig::{RigArgs, registration_body};
-use crate::worker::{LatencyHistogram, Stats};
+use turnstile_core::broker::{self, Settler, Topology};
+use turnstile_core::config::{Algorithm, Limit, LimiterArgs};
+use turnstile_core::domain::Registration;
+use turnstile_core::downstream::{Downstream, DownstreamArgs, Reply};
+use turnstile_core::permit::{RedisConn, delete_prefix, round_trips};
+use turnstile_core::replica::{ConsumeArgs, Replica};
+use turnstile_core::worker::{LatencyHistogram, Stats};
 
 #[derive(Args, Debug, Clone)]
 pub struct ThroughputArgs {
@@ -38,7 +38,7 @@ pub struct ThroughputArgs {
     #[arg(long, default_value_t = 2_000)]
     pub sellers: usize,
     /// The per-seller limit; the default keeps limits out of the way.
-    #[arg(long, default_value = "1000000/1s", value_parser = crate::config::limit_arg)]
+    #[arg(long, default_value = "1000000/1s", value_parser = turnstile_core::config::limit_arg)]
     pub limit: Limit,
     #[arg(long, value_enum, default_value_t = Algorithm::SlidingWindow)]
     pub algorithm: Algorithm,
@@ -209,7 +209,7 @@ pub async fn run(args: ThroughputArgs) -> anyhow::Result<bool> {
         args.workers,
         prefetch,
         args.rig.queue_type,
-        crate::config::redact_url(&redis_url),
+        turnstile_core::config::redact_url(&redis_url),
     );
 
     let mut bench = Bench {

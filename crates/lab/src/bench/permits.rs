@@ -7,9 +7,9 @@ use anyhow::Context;
 use redis::AsyncCommands;
 
 use super::percentile;
-use crate::config::{Algorithm, Limit, LimiterArgs, RedisArgs};
-use crate::domain::SellerId;
-use crate::permit::{PermitStore, RedisConn};
+use turnstile_core::config::{Algorithm, Limit, LimiterArgs, RedisArgs};
+use turnstile_core::domain::SellerId;
+use turnstile_core::permit::{PermitStore, RedisConn};
 
 struct Figures {
     ops_per_sec: f64,
@@ -140,5 +140,5 @@ pub async fn run(
 
 /// Deletes every key under `prefix` (SCAN + UNLINK on each node).
 pub async fn cleanup(conn: &RedisConn, prefix: &str) -> anyhow::Result<()> {
-    crate::permit::delete_prefix(conn, prefix).await
+    turnstile_core::permit::delete_prefix(conn, prefix).await
 }

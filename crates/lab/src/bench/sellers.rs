@@ -28,14 +28,16 @@ use tokio::io::{AsyncBufReadExt, BufReader, Lines};
 use tokio::process::{Child, ChildStdout};
 use tokio_util::sync::CancellationToken;
 
-use crate::broker::{DEFAULT_AMQP_URL, QueueType};
-use crate::config::redact_url;
-use crate::config::{Algorithm, Limit, LimiterArgs, RedisArgs, duration_arg, format_duration};
-use crate::domain::{BatchId, MessageId, SellerId};
 use crate::local_redis::LocalRedis;
-use crate::permit::{Completion, PermitStore, RedisConn, delete_prefix, keys_matching};
-use crate::replica::Replica;
 use crate::rig::{RigArgs, registration_body};
+use turnstile_core::broker::{DEFAULT_AMQP_URL, QueueType};
+use turnstile_core::config::redact_url;
+use turnstile_core::config::{
+    Algorithm, Limit, LimiterArgs, RedisArgs, duration_arg, format_duration,
+};
+use turnstile_core::domain::{BatchId, MessageId, SellerId};
+use turnstile_core::permit::{Completion, PermitStore, RedisConn, delete_prefix, keys_matching};
+use turnstile_core::replica::Replica;
 
 /// Flags of `turnstile bench sellers`.
 #[derive(Args, Debug, Clone)]
@@ -47,12 +49,12 @@ pub struct SellersArgs {
     #[arg(long, default_value_t = 5)]
     pub permits: u32,
     /// Limit of the memory measurement.
-    #[arg(long, default_value = "100/60s", value_parser = crate::config::limit_arg)]
+    #[arg(long, default_value = "100/60s", value_parser = turnstile_core::config::limit_arg)]
     pub limit: Limit,
     /// Short limit of the idleness check: every limiter key must be gone one window plus guard
     /// after the last permit. Its window should outlast filling one algorithm's keys, so that
     /// "keys before" counts every seller.
-    #[arg(long = "idle-limit", default_value = "5/10s", value_parser = crate::config::limit_arg)]
+    #[arg(long = "idle-limit", default_value = "5/10s", value_parser = turnstile_core::config::limit_arg)]
     pub idle_limit: Limit,
     /// Completion records written per seller (one upload each).
     #[arg(long = "messages-per-seller", default_value_t = 10)]
@@ -505,7 +507,7 @@ async fn replica_memory(
 
 /// Publishes 2 registrations for each seller in `sellers` (confirmed); returns how many.
 async fn publish(
-    publisher: &crate::broker::Publisher,
+    publisher: &turnstile_core::broker::Publisher,
     queue: &str,
     sellers: std::ops::Range<usize>,
 ) -> anyhow::Result<u64> {
@@ -872,7 +874,7 @@ fn limiter_store(
 async fn mean_usage(conn: &RedisConn, keys: impl Iterator<Item = String>) -> anyhow::Result<f64> {
     let (mut total, mut count) = (0u64, 0u64);
     for key in keys {
-        let usage = crate::permit::memory_usage(conn, &key)
+        let usage = turnstile_core::permit::memory_usage(conn, &key)
             .await
             .with_context(|| format!("MEMORY USAGE {key}"))?;
         if let Some(usage) = usage {

@@ -12,13 +12,14 @@ use lapin::BasicProperties;
 use serde::Serialize;
 use tokio_util::sync::CancellationToken;
 
-use crate::broker::{BrokerArgs, DEFAULT_AMQP_URL, Publisher, QueueType, Topology};
-use crate::config::Limit;
-use crate::config::{LimiterArgs, RedisArgs};
-use crate::downstream::DownstreamArgs;
 use crate::mock_api::{MockArgs, MockServer, Stats};
-use crate::permit::{PermitStore, RedisConn, delete_prefix};
-use crate::replica::{ConsumeArgs, Replica};
+use turnstile_core::broker::{BrokerArgs, DEFAULT_AMQP_URL, Publisher, QueueType, Topology};
+use turnstile_core::config::Limit;
+use turnstile_core::config::{LimiterArgs, RedisArgs};
+use turnstile_core::downstream::DownstreamArgs;
+use turnstile_core::permit::{PermitStore, RedisConn, delete_prefix};
+use turnstile_core::replica::ConsumeArgs;
+use turnstile_ops::serve::{HttpArgs, ServeArgs, Served};
 
 /// Where a rig runs: the broker and Redis it uses. Its queue and key prefix are its own
 /// (`turnstile-<name>-<random>`, `<prefix>-<name>-<random>`), deleted when it finishes.
@@ -53,8 +54,6 @@ impl RigArgs {
             workers,
             prefetch: None,
             delay_prefetch: 64,
-            http_addr: crate::http::Listen::Off,
-            http_token: None,
             max_attempts: 8,
             hold,
             max_pause: Duration::from_secs(3600),
@@ -131,9 +130,11 @@ pub struct Rig {
     store: PermitStore,
     connection: lapin::Connection,
     publisher: Publisher,
-    replicas: Vec<Replica>,
-    /// The settings replicas start with (the first one started serves HTTP if asked).
+    replicas: Vec<Served>,
+    /// The settings replicas start with.
     settings: ConsumeArgs,
+    /// The endpoints the first replica started serves (off unless set before it starts).
+    pub http: HttpArgs,
     stop: CancellationToken,
     stop_mock: CancellationToken,
     published_at_ms: u64,
@@ -142,8 +143,8 @@ pub struct Rig {
 
 impl Rig {
     /// Starts the mock enforcing `base.limiter.limit`, and `replicas` replicas configured as
-    /// `base` but on a queue and key prefix of their own (named `<queue>-<random>`). Only the
-    /// first replica serves HTTP (the dashboard), if `base.http_addr` says so.
+    /// `base` but on a queue and key prefix of their own (named `<queue>-<random>`), none
+    /// serving HTTP (see [`Rig::http`] to have the first one serve the dashboard).
     pub async fn start(base: ConsumeArgs, replicas: usize) -> anyhow::Result<Self> {
         let mock = MockArgs::local(base.limiter.limit);
         Self::start_with(base, mock, replicas).await
@@ -195,6 +196,7 @@ impl Rig {
             publisher,
             replicas: Vec::new(),
             settings: base,
+            http: HttpArgs::off(),
             stop: CancellationToken::new(),
             stop_mock,
             published_at_ms: 0,
@@ -205,12 +207,17 @@ impl Rig {
     /// Starts `n` more replicas.
     pub async fn start_replicas(&mut self, n: usize) -> anyhow::Result<()> {
         for _ in 0..n {
-            let mut settings = self.settings.clone();
-            if !self.replicas.is_empty() {
-                settings.http_addr = crate::http::Listen::Off;
-            }
+            let http = if self.replicas.is_empty() {
+                self.http.clone()
+            } else {
+                HttpArgs::off()
+            };
+            let settings = ServeArgs {
+                consume: self.settings.clone(),
+                http,
+            };
             self.replicas
-                .push(Replica::start(settings, self.stop.clone()).await?);
+                .push(Served::start(settings, self.stop.clone()).await?);
         }
         Ok(())
     }
@@ -252,11 +259,11 @@ impl Rig {
     /// and `turnstile status`).
     pub async fn record_upload(
         &self,
-        seller: &crate::domain::SellerId,
-        batch: &crate::domain::BatchId,
+        seller: &turnstile_core::domain::SellerId,
+        batch: &turnstile_core::domain::BatchId,
         total: u64,
     ) -> anyhow::Result<()> {
-        crate::progress::record_published(
+        turnstile_upload::progress::record_published(
             &self.store,
             seller,
             batch,
@@ -274,7 +281,7 @@ impl Rig {
     /// Dead letters in the rig's dead-letter queue.
     pub async fn dead_letters(&self) -> anyhow::Result<u64> {
         let channel = self.connection.create_channel().await?;
-        let depth = crate::broker::depth(&channel, self.topology.dead()).await;
+        let depth = turnstile_core::broker::depth(&channel, self.topology.dead()).await;
         let _ = channel.close(200, "".into()).await;
         Ok(u64::from(depth?))
     }
@@ -328,7 +335,7 @@ impl Rig {
                 let s = stats
                     .sellers
                     .get(
-                        &crate::domain::SellerId::parse(seller)
+                        &turnstile_core::domain::SellerId::parse(seller)
                             .map(|s| s.header_value())
                             .unwrap_or_default(),
                     )

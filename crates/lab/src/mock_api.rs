@@ -38,14 +38,14 @@ use tokio::task::JoinHandle;
 use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
 
-use crate::config::Limit;
-use crate::domain::SellerId;
+use turnstile_core::config::Limit;
+use turnstile_core::domain::SellerId;
 
 /// Settings of the mock registration API (`turnstile mock-api`).
 #[derive(clap::Args, Clone, Debug)]
 pub struct MockArgs {
     /// Per-seller limit the mock enforces, COUNT/DURATION (e.g. 20/1s, 100/1m).
-    #[arg(long, default_value = "20/1s", value_parser = crate::config::limit_arg)]
+    #[arg(long, default_value = "20/1s", value_parser = turnstile_core::config::limit_arg)]
     pub limit: Limit,
     /// Address to listen on; port 0 picks a free port.
     #[arg(long, default_value = "127.0.0.1:8080")]

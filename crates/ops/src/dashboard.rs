@@ -30,12 +30,12 @@ use serde::Serialize;
 use tokio_util::sync::CancellationToken;
 use tracing::debug;
 
-use crate::broker::{self, Topology, unix_ms};
-use crate::domain::SellerId;
-use crate::permit::{PermitStore, Usage};
-use crate::progress;
-use crate::telemetry::Readiness;
-use crate::worker::Stats;
+use turnstile_core::broker::{self, Topology, unix_ms};
+use turnstile_core::domain::SellerId;
+use turnstile_core::permit::{PermitStore, Usage};
+use turnstile_core::telemetry::Readiness;
+use turnstile_core::worker::Stats;
+use turnstile_upload::progress;
 
 /// The page served at `/`.
 pub const PAGE: &str = include_str!("dashboard.html");

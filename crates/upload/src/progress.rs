@@ -10,8 +10,8 @@ use std::time::Duration;
 
 use redis::AsyncCommands;
 
-use crate::domain::{BatchId, SellerId};
-use crate::permit::{PermitError, PermitStore, keys_matching};
+use turnstile_core::domain::{BatchId, SellerId};
+use turnstile_core::permit::{PermitError, PermitStore, keys_matching};
 
 /// How far one upload (batch) is.
 #[derive(Debug, Clone, serde::Serialize)]
@@ -188,7 +188,7 @@ mod tests {
         let backlog = backlog_by_seller(&uploads);
         assert_eq!(backlog["S-1"], 46);
         assert_eq!(backlog["S-2"], 0);
-        let limit: crate::config::Limit = "5/1s".parse().unwrap();
+        let limit: turnstile_core::config::Limit = "5/1s".parse().unwrap();
         assert_eq!(limit.optimum_drain(backlog["S-1"]), Duration::from_secs(9));
     }
 }

@@ -1,10 +1,11 @@
-//! `turnstile consume`: one replica. The startup code that knows every module: it connects to
-//! RabbitMQ and Redis, declares the topology, consumes the work queue and, beside it, the return
-//! queue (messages back from a delay) with bounded concurrency, reconnects when the broker goes
-//! away, and drains on shutdown.
+//! One replica: the composition root of the consume path. It connects to Redis and RabbitMQ,
+//! declares the topology, consumes the work queue and, beside it, the return queue (messages
+//! back from a delay) with bounded concurrency, reconnects when the broker goes away, and drains
+//! on shutdown. It starts in stages ([`Starting`] → [`Connecting`] → [`Replica`]) so that the
+//! operator side can serve its endpoints from the first moment and build its views once Redis
+//! answers, without the consume path knowing it.
 
-use std::net::SocketAddr;
-use std::sync::{Arc, OnceLock};
+use std::sync::Arc;
 use std::time::Duration;
 
 use anyhow::Context;
@@ -13,7 +14,6 @@ use clap::Args;
 use futures::StreamExt;
 use lapin::options::{BasicCancelOptions, BasicConsumeOptions, BasicQosOptions};
 use lapin::types::FieldTable;
-use secrecy::SecretString;
 use tokio::sync::Semaphore;
 use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
@@ -22,10 +22,9 @@ use tracing::{info, warn};
 use crate::broker::ladder::Ladder;
 use crate::broker::{self, BrokerArgs, Publisher, Settler, Topology};
 use crate::config::{LimiterArgs, RedisArgs, duration_arg};
-use crate::dashboard::{self, Dashboard, ReplicaInfo};
 use crate::downstream::{Downstream, DownstreamArgs};
-use crate::http::{self, Endpoints, Listen, Readiness};
 use crate::permit::{self, PermitStore, RedisClient};
+use crate::telemetry::Readiness;
 use crate::worker::{Stats, Worker, WorkerSettings};
 
 /// Everything `turnstile consume` is configured with (flags and `TURNSTILE_*` variables).
@@ -43,18 +42,6 @@ pub struct ConsumeArgs {
     /// Messages each delay ladder level's consumer holds at most (12 levels).
     #[arg(long = "delay-prefetch", env = "TURNSTILE_DELAY_PREFETCH", default_value_t = 64, value_parser = clap::value_parser!(u16).range(1..))]
     pub delay_prefetch: u16,
-    /// The dashboard (/), /api/dashboard, /metrics, /healthz, /readyz; `127.0.0.1:0` picks a
-    /// free port; `off` disables.
-    #[arg(long = "http-addr", env = "TURNSTILE_HTTP_ADDR", default_value = "0.0.0.0:9464", value_parser = http::parse_addr)]
-    pub http_addr: Listen,
-    /// When set, the dashboard (/) and /api/dashboard need this token (bearer, or the cookie
-    /// set by opening /?token=…); /metrics, /healthz and /readyz stay open.
-    #[arg(
-        long = "http-token",
-        env = "TURNSTILE_HTTP_TOKEN",
-        hide_env_values = true
-    )]
-    pub http_token: Option<SecretString>,
     /// Failed attempts (5xx, timeouts, connection errors) before a message is dead-lettered.
     #[arg(long = "max-attempts", env = "TURNSTILE_MAX_ATTEMPTS", default_value_t = 8, value_parser = clap::value_parser!(u32).range(1..))]
     pub max_attempts: u32,
@@ -88,10 +75,12 @@ pub struct ConsumeArgs {
 }
 
 impl ConsumeArgs {
+    /// The prefetch of each consumer channel (work and return queue).
     pub fn prefetch(&self) -> u16 {
         self.prefetch
             .unwrap_or_else(|| (self.workers.saturating_mul(8)).clamp(64, u16::MAX as u32) as u16)
     }
+    /// The queues this replica consumes and publishes to.
     pub fn topology(&self) -> Topology {
         self.broker.topology()
     }
@@ -101,86 +90,111 @@ impl ConsumeArgs {
 pub struct Replica {
     pub stats: Arc<Stats>,
     pub ready: Readiness,
-    pub http_addr: Option<SocketAddr>,
     done: tokio::task::JoinHandle<anyhow::Result<()>>,
 }
 
 impl Replica {
-    /// Checks the configuration, serves the HTTP endpoints (not ready yet), then connects to
-    /// Redis and the broker, retrying with backoff for as long as either is unreachable, and
-    /// returns once the replica is consuming. A configuration error fails at once. If `shutdown`
-    /// comes first, the returned replica has already stopped.
+    /// Checks the configuration, then connects to Redis and the broker, retrying with backoff
+    /// for as long as either is unreachable, and returns once the replica is consuming. A
+    /// configuration error fails at once. If `shutdown` comes first, the returned replica has
+    /// already stopped.
     pub async fn start(args: ConsumeArgs, shutdown: CancellationToken) -> anyhow::Result<Self> {
+        let starting = Starting::new(args)?;
+        let stopped = starting.stopped();
+        match starting.connect_redis(&shutdown).await? {
+            Some(connecting) => Ok(connecting.consume(shutdown).await?.unwrap_or(stopped)),
+            None => Ok(stopped),
+        }
+    }
+
+    /// Waits until the replica has drained and stopped (after `shutdown` is cancelled).
+    pub async fn wait(self) -> anyhow::Result<()> {
+        self.done.await.context("the replica task panicked")?
+    }
+}
+
+/// A replica whose configuration was checked and that has not connected yet: its readiness
+/// (false) and counters can be watched already.
+pub struct Starting {
+    pub stats: Arc<Stats>,
+    pub ready: Readiness,
+    args: ConsumeArgs,
+    redis: RedisClient,
+    downstream: Downstream,
+}
+
+impl Starting {
+    /// Checks the configuration; fails at once on an error. No I/O.
+    pub fn new(args: ConsumeArgs) -> anyhow::Result<Self> {
         anyhow::ensure!(
             !args.broker.queue.is_empty() && args.broker.queue.len() <= 200,
             "TURNSTILE_QUEUE must be 1 to 200 characters"
         );
         broker::check_url(&args.broker.amqp_url)?;
-        let redis = RedisClient::new(&args.redis)?;
-        let downstream = Downstream::new(&args.downstream)?;
-        let ready = Readiness::default();
-        let stats = Arc::new(Stats::default());
-        let dashboard_slot = Arc::new(OnceLock::new());
-        let endpoints = Endpoints {
-            token: args.http_token.clone(),
-            ready: ready.clone(),
-            stats: stats.clone(),
-            dashboard: dashboard_slot.clone(),
+        Ok(Self {
+            redis: RedisClient::new(&args.redis)?,
+            downstream: Downstream::new(&args.downstream)?,
+            stats: Arc::new(Stats::default()),
+            ready: Readiness::default(),
+            args,
+        })
+    }
+
+    /// The handles of a replica that stopped before it consumed anything.
+    pub fn stopped(&self) -> Replica {
+        Replica {
+            stats: self.stats.clone(),
+            ready: self.ready.clone(),
+            done: tokio::spawn(async { Ok(()) }),
+        }
+    }
+
+    /// Connects to Redis, retrying with backoff; `None` if `shutdown` comes first.
+    pub async fn connect_redis(
+        self,
+        shutdown: &CancellationToken,
+    ) -> anyhow::Result<Option<Connecting>> {
+        let Some(conn) =
+            until_connected("Redis", shutdown, always_retry, || self.redis.connect()).await?
+        else {
+            return Ok(None);
         };
-        let http_addr = match args.http_addr {
-            Listen::At(addr) => Some(http::serve(addr, endpoints, shutdown.clone()).await?),
-            Listen::Off => None,
-        };
-        let stopped = |stats, ready, http_addr| Self {
+        let permits =
+            PermitStore::new(conn, &self.args.redis.key_prefix, self.args.limiter.clone())
+                .with_call_timeout(self.args.downstream.timeout);
+        Ok(Some(Connecting {
+            permits,
+            starting: self,
+        }))
+    }
+}
+
+/// A replica connected to Redis, not yet to the broker.
+pub struct Connecting {
+    /// The replica's permit store (the operator side reads its views through it).
+    pub permits: PermitStore,
+    starting: Starting,
+}
+
+impl Connecting {
+    /// The settings the replica runs with.
+    pub fn args(&self) -> &ConsumeArgs {
+        &self.starting.args
+    }
+
+    /// Connects to the broker (retrying with backoff while it is unreachable) and consumes;
+    /// returns once the replica is consuming; `None` if `shutdown` came first. A refusal that
+    /// retrying cannot fix (credentials, vhost, a queue declared with other arguments) fails
+    /// with the broker's reason.
+    pub async fn consume(self, shutdown: CancellationToken) -> anyhow::Result<Option<Replica>> {
+        let Starting {
             stats,
             ready,
-            http_addr,
-            done: tokio::spawn(async { Ok(()) }),
-        };
-        let Some(conn) =
-            until_connected("Redis", &shutdown, always_retry, || redis.connect()).await?
-        else {
-            return Ok(stopped(stats, ready, http_addr));
-        };
-        let permits = PermitStore::new(conn, &args.redis.key_prefix, args.limiter.clone())
-            .with_call_timeout(args.downstream.timeout);
-        let prefetch = args.prefetch();
-        let dashboard = Arc::new(Dashboard::new(
-            permits.clone(),
-            stats.clone(),
-            ready.clone(),
-            ReplicaInfo {
-                queue: args.broker.queue.clone(),
-                algorithm: args.limiter.algorithm.name(),
-                limit: args.limiter.limit.to_string(),
-                workers: args.workers,
-                prefetch,
-                pid: std::process::id(),
-            },
-        ));
-        let _ = dashboard_slot.set(dashboard.clone());
-        let (reschedules, _) = tokio::sync::broadcast::channel(1024);
-        let worker = Arc::new(Worker {
-            permits,
+            args,
             downstream,
-            topology: args.topology(),
-            settings: WorkerSettings {
-                max_attempts: args.max_attempts,
-                hold: args.hold,
-                max_pause: args.max_pause,
-                throttle_deadline: args.throttle_deadline,
-                hold_capacity: (prefetch as usize * 3 / 4).max(1),
-                done_ttl: args.done_ttl,
-                retry_min: args.retry_min,
-                retry_max: args.retry_max,
-            },
-            workers: Arc::new(Semaphore::new(args.workers as usize)),
-            due_lane: Arc::new(Semaphore::new((args.workers as usize / 4).max(1))),
-            stats: stats.clone(),
-            reschedules,
-        });
-        // At startup a broker refusal that retrying cannot fix (credentials, vhost, a queue
-        // declared with other arguments) fails the start with the broker's reason.
+            ..
+        } = self.starting;
+        let worker = Arc::new(new_worker(&args, self.permits, downstream, stats.clone()));
         let opened = until_connected(
             "RabbitMQ",
             &shutdown,
@@ -190,49 +204,55 @@ impl Replica {
         .await
         .context("TURNSTILE_AMQP_URL / TURNSTILE_QUEUE_TYPE: the broker refused the replica")?;
         let Some(session) = opened else {
-            return Ok(stopped(stats, ready, http_addr));
+            return Ok(None);
         };
         ready.set(true);
+        info!(queue = %args.broker.queue, workers = args.workers, prefetch = args.prefetch(), algorithm = %args.limiter.algorithm, limit = %args.limiter.limit, "consuming");
+        // The reschedule watcher outlives `shutdown` until the replica has drained.
+        let watcher_stop = CancellationToken::new();
+        let watcher = tokio::spawn(permit::watch_reschedules(
+            worker.permits.clone(),
+            worker.reschedules.clone(),
+            watcher_stop.clone(),
+        ));
         let ready_for_run = ready.clone();
-        info!(queue = %args.broker.queue, workers = args.workers, prefetch, algorithm = %args.limiter.algorithm, limit = %args.limiter.limit, http = ?http_addr, "consuming");
-        // The dashboard's samplers outlive `shutdown` until the replica has drained, so that
-        // the last registrations are counted too.
-        let samplers_stop = CancellationToken::new();
-        let mut samplers = vec![
-            tokio::spawn(dashboard::sample(dashboard.clone(), samplers_stop.clone())),
-            tokio::spawn(permit::watch_reschedules(
-                worker.permits.clone(),
-                worker.reschedules.clone(),
-                samplers_stop.clone(),
-            )),
-        ];
-        if http_addr.is_some() {
-            samplers.push(tokio::spawn(dashboard::watch_queues(
-                dashboard,
-                args.broker.amqp_url.clone(),
-                args.topology(),
-                samplers_stop.clone(),
-            )));
-        }
         let done = tokio::spawn(async move {
             let ran = run(args, worker, session, ready_for_run, shutdown).await;
-            samplers_stop.cancel();
-            for sampler in samplers {
-                let _ = sampler.await;
-            }
+            watcher_stop.cancel();
+            let _ = watcher.await;
             ran
         });
-        Ok(Self {
-            stats,
-            ready,
-            http_addr,
-            done,
-        })
+        Ok(Some(Replica { stats, ready, done }))
     }
+}
 
-    /// Waits until the replica has drained and stopped (after `shutdown` is cancelled).
-    pub async fn wait(self) -> anyhow::Result<()> {
-        self.done.await.context("the replica task panicked")?
+/// The replica's one worker (shared by every delivery task).
+fn new_worker(
+    args: &ConsumeArgs,
+    permits: PermitStore,
+    downstream: Downstream,
+    stats: Arc<Stats>,
+) -> Worker {
+    let prefetch = args.prefetch();
+    let (reschedules, _) = tokio::sync::broadcast::channel(1024);
+    Worker {
+        permits,
+        downstream,
+        topology: args.topology(),
+        settings: WorkerSettings {
+            max_attempts: args.max_attempts,
+            hold: args.hold,
+            max_pause: args.max_pause,
+            throttle_deadline: args.throttle_deadline,
+            hold_capacity: (prefetch as usize * 3 / 4).max(1),
+            done_ttl: args.done_ttl,
+            retry_min: args.retry_min,
+            retry_max: args.retry_max,
+        },
+        workers: Arc::new(Semaphore::new(args.workers as usize)),
+        due_lane: Arc::new(Semaphore::new((args.workers as usize / 4).max(1))),
+        stats,
+        reschedules,
     }
 }
 

@@ -10,15 +10,15 @@ use clap::Args;
 use lapin::BasicProperties;
 use tokio_util::sync::CancellationToken;
 
-use crate::broker::{BrokerArgs, DEFAULT_AMQP_URL, QueueType};
-use crate::config::Limit;
 use crate::local_redis::LocalRedis;
 use crate::mock_api::{MockArgs, MockServer};
 use crate::rig::registration_body;
+use turnstile_core::broker::{BrokerArgs, DEFAULT_AMQP_URL, QueueType};
+use turnstile_core::config::Limit;
 
 #[derive(Args, Debug, Clone)]
 pub struct FaultArgs {
-    #[arg(long, default_value = "20/1s", value_parser = crate::config::limit_arg)]
+    #[arg(long, default_value = "20/1s", value_parser = turnstile_core::config::limit_arg)]
     pub limit: Limit,
     #[arg(long, default_value_t = 3)]
     pub replicas: usize,

@@ -12,10 +12,13 @@ use anyhow::Context;
 use clap::Args;
 use indicatif::{MultiProgress, ProgressBar, ProgressStyle};
 
-use crate::config::{Algorithm, Limit, LimiterArgs};
-use crate::domain::{BatchId, SellerId};
+use turnstile_core::config::{Algorithm, Limit, LimiterArgs};
+use turnstile_core::domain::{BatchId, SellerId};
+use turnstile_ops::http::{Listen, parse_addr};
+use turnstile_ops::serve::HttpArgs;
+
 use crate::rig::{Message, Rig, RigArgs};
-use crate::upload::read_upload;
+use turnstile_upload::upload::read_upload;
 
 #[derive(Args, Debug, Clone)]
 pub struct DemoArgs {
@@ -26,7 +29,7 @@ pub struct DemoArgs {
     #[arg(long, default_value_t = 4)]
     pub workers: u32,
     /// The (time-compressed) per-seller limit of the mock API and the consumers.
-    #[arg(long, default_value = "5/1s", value_parser = crate::config::limit_arg)]
+    #[arg(long, default_value = "5/1s", value_parser = turnstile_core::config::limit_arg)]
     pub limit: Limit,
     #[arg(long, value_enum, default_value_t = Algorithm::SlidingWindow)]
     pub algorithm: Algorithm,
@@ -37,8 +40,8 @@ pub struct DemoArgs {
     #[arg(long)]
     pub json: bool,
     /// Where the first replica serves the live dashboard (port 0 picks a free one), or `off`.
-    #[arg(long, default_value = "127.0.0.1:0", value_parser = crate::http::parse_addr)]
-    pub dashboard: crate::http::Listen,
+    #[arg(long, default_value = "127.0.0.1:0", value_parser = parse_addr)]
+    pub dashboard: Listen,
     #[command(flatten)]
     pub rig: RigArgs,
 }
@@ -86,10 +89,9 @@ pub async fn run(args: DemoArgs) -> anyhow::Result<ExitCode> {
         }));
     }
     let limiter = LimiterArgs::new(args.limit, args.algorithm);
-    let mut settings =
-        args.rig
-            .replica_settings("demo", limiter, args.workers, Duration::from_secs(2));
-    settings.http_addr = args.dashboard;
+    let settings = args
+        .rig
+        .replica_settings("demo", limiter, args.workers, Duration::from_secs(2));
     eprintln!(
         "turnstile demo: strict mock API at {} per seller, {} replicas x {} workers, {} uploads from {}",
         args.limit,
@@ -98,7 +100,12 @@ pub async fn run(args: DemoArgs) -> anyhow::Result<ExitCode> {
         UPLOADS.len(),
         dir.display()
     );
-    let mut rig = Rig::start(settings, args.replicas).await?;
+    let mut rig = Rig::prepare(settings).await?;
+    rig.http = HttpArgs {
+        http_addr: args.dashboard,
+        http_token: None,
+    };
+    rig.start_replicas(args.replicas).await?;
     if let Some(addr) = rig.dashboard() {
         eprintln!("live dashboard while the demo runs: http://{addr}/");
     }

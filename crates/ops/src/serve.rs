@@ -1,0 +1,149 @@
+//! `turnstile consume` as the operator runs it: one replica of the consume path with its HTTP
+//! endpoints and dashboard beside it. The endpoints answer from the first moment (not ready
+//! until the replica consumes); the dashboard's views are built once Redis answers, and its
+//! samplers run until the replica has drained, so that the last registrations are counted too.
+
+use std::net::SocketAddr;
+use std::sync::{Arc, OnceLock};
+
+use clap::Args;
+use secrecy::SecretString;
+use tokio::task::JoinHandle;
+use tokio_util::sync::CancellationToken;
+use tracing::info;
+use turnstile_core::replica::{Connecting, ConsumeArgs, Replica, Starting};
+use turnstile_core::telemetry::Readiness;
+use turnstile_core::worker::Stats;
+
+use crate::dashboard::{self, Dashboard, ReplicaInfo};
+use crate::http::{self, Endpoints, Listen};
+
+/// Everything `turnstile consume` is configured with: the consume path's settings and the
+/// operator endpoints'.
+#[derive(Args, Clone, Debug)]
+pub struct ServeArgs {
+    #[command(flatten)]
+    pub consume: ConsumeArgs,
+    #[command(flatten)]
+    pub http: HttpArgs,
+}
+
+/// Where and how the operator endpoints are served.
+#[derive(Args, Clone, Debug)]
+pub struct HttpArgs {
+    /// The dashboard (/), /api/dashboard, /metrics, /healthz, /readyz; `127.0.0.1:0` picks a
+    /// free port; `off` disables.
+    #[arg(long = "http-addr", env = "TURNSTILE_HTTP_ADDR", default_value = "0.0.0.0:9464", value_parser = http::parse_addr)]
+    pub http_addr: Listen,
+    /// When set, the dashboard (/) and /api/dashboard need this token (bearer, or the cookie
+    /// set by opening /?token=…); /metrics, /healthz and /readyz stay open.
+    #[arg(
+        long = "http-token",
+        env = "TURNSTILE_HTTP_TOKEN",
+        hide_env_values = true
+    )]
+    pub http_token: Option<SecretString>,
+}
+
+impl HttpArgs {
+    /// No endpoints (the lab's extra replicas).
+    pub fn off() -> Self {
+        Self {
+            http_addr: Listen::Off,
+            http_token: None,
+        }
+    }
+}
+
+/// A replica with its endpoints.
+pub struct Served {
+    pub stats: Arc<Stats>,
+    pub ready: Readiness,
+    /// Where the endpoints listen, if they do.
+    pub http_addr: Option<SocketAddr>,
+    replica: Replica,
+    samplers: Vec<JoinHandle<()>>,
+    samplers_stop: CancellationToken,
+}
+
+impl Served {
+    /// Serves the endpoints (not ready yet), then starts the replica (see [`Replica::start`])
+    /// and, once it consumes, the dashboard's samplers.
+    pub async fn start(args: ServeArgs, shutdown: CancellationToken) -> anyhow::Result<Self> {
+        let starting = Starting::new(args.consume)?;
+        let views = Arc::new(OnceLock::new());
+        let endpoints = Endpoints {
+            token: args.http.http_token,
+            ready: starting.ready.clone(),
+            stats: starting.stats.clone(),
+            dashboard: views.clone(),
+        };
+        let http_addr = match args.http.http_addr {
+            Listen::At(addr) => Some(http::serve(addr, endpoints, shutdown.clone()).await?),
+            Listen::Off => None,
+        };
+        let mut served = Self {
+            stats: starting.stats.clone(),
+            ready: starting.ready.clone(),
+            http_addr,
+            replica: starting.stopped(),
+            samplers: Vec::new(),
+            samplers_stop: CancellationToken::new(),
+        };
+        let Some(connecting) = starting.connect_redis(&shutdown).await? else {
+            return Ok(served);
+        };
+        let dashboard = Arc::new(dashboard_of(&connecting, &served));
+        let _ = views.set(dashboard.clone());
+        let (amqp_url, topology) = (
+            connecting.args().broker.amqp_url.clone(),
+            connecting.args().topology(),
+        );
+        let Some(replica) = connecting.consume(shutdown).await? else {
+            return Ok(served);
+        };
+        served.replica = replica;
+        if let Some(addr) = http_addr {
+            info!(%addr, "serving the dashboard, /metrics, /healthz and /readyz");
+        }
+        let stop = served.samplers_stop.clone();
+        served.samplers.push(tokio::spawn(dashboard::sample(
+            dashboard.clone(),
+            stop.clone(),
+        )));
+        if http_addr.is_some() {
+            served.samplers.push(tokio::spawn(dashboard::watch_queues(
+                dashboard, amqp_url, topology, stop,
+            )));
+        }
+        Ok(served)
+    }
+
+    /// Waits until the replica has drained and stopped, then stops the samplers.
+    pub async fn wait(self) -> anyhow::Result<()> {
+        let ran = self.replica.wait().await;
+        self.samplers_stop.cancel();
+        for sampler in self.samplers {
+            let _ = sampler.await;
+        }
+        ran
+    }
+}
+
+/// The dashboard of a replica that has just connected to Redis.
+fn dashboard_of(connecting: &Connecting, served: &Served) -> Dashboard {
+    let args = connecting.args();
+    Dashboard::new(
+        connecting.permits.clone(),
+        served.stats.clone(),
+        served.ready.clone(),
+        ReplicaInfo {
+            queue: args.broker.queue.clone(),
+            algorithm: args.limiter.algorithm.name(),
+            limit: args.limiter.limit.to_string(),
+            workers: args.workers,
+            prefetch: args.prefetch(),
+            pid: std::process::id(),
+        },
+    )
+}

@@ -1,0 +1,3 @@
+//! The producer side of turnstile.
+pub mod progress;
+pub mod upload;

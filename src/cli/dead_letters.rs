@@ -1,0 +1,100 @@
+//! `turnstile dead-letters`: list dead letters with their reasons, or move chosen ones back to
+//! the work queue.
+
+use std::process::ExitCode;
+use std::time::Duration;
+
+use clap::Subcommand;
+use turnstile_core::broker::{BrokerArgs, dead_letters};
+use turnstile_core::config::{LimiterArgs, RedisArgs};
+use turnstile_core::permit::PermitStore;
+
+/// `turnstile dead-letters`: its action, the broker and Redis.
+#[derive(clap::Args, Debug)]
+pub struct DeadLettersArgs {
+    #[command(subcommand)]
+    pub action: DeadLettersAction,
+    #[command(flatten)]
+    pub broker: BrokerArgs,
+    #[command(flatten)]
+    pub redis: RedisArgs,
+    #[command(flatten)]
+    pub limiter: LimiterArgs,
+}
+
+#[derive(Subcommand, Debug)]
+pub enum DeadLettersAction {
+    /// List dead letters with their reasons (they stay where they are).
+    List {
+        /// Only those with this reason (invalid-message, rejected, attempts-exhausted, throttled,
+        /// delivery-limit).
+        #[arg(long)]
+        reason: Option<String>,
+        #[arg(long)]
+        json: bool,
+    },
+    /// Move dead letters (all, or those with --reason) back to the work queue, attempts reset;
+    /// their messages count as waiting again in their uploads' progress.
+    Replay {
+        /// Only those with this reason (as listed).
+        #[arg(long)]
+        reason: Option<String>,
+        /// How long completion records are kept (the replicas' TURNSTILE_DONE_TTL): a message
+        /// whose republish fails is recorded as dead again for that long.
+        #[arg(long = "done-ttl", env = "TURNSTILE_DONE_TTL", default_value = "7d", value_parser = turnstile_core::config::duration_arg)]
+        done_ttl: Duration,
+    },
+}
+
+/// Runs `turnstile dead-letters`.
+pub async fn run(
+    DeadLettersArgs {
+        action,
+        broker,
+        redis,
+        limiter,
+    }: DeadLettersArgs,
+) -> anyhow::Result<ExitCode> {
+    let (connection, publisher, topology) = broker.open("turnstile dead-letters").await?;
+    let channel = connection.create_channel().await?;
+    match action {
+        DeadLettersAction::List { reason, json } => {
+            let letters = dead_letters::list(&channel, &topology, reason.as_deref()).await?;
+            if json {
+                println!("{}", serde_json::to_string_pretty(&letters)?);
+            } else {
+                println!("{} dead letters in {}", letters.len(), topology.dead());
+                for d in &letters {
+                    println!(
+                        "{:<24} {:<16} {:<20} {}",
+                        d.message_id.as_deref().unwrap_or("-"),
+                        d.seller_id.as_deref().unwrap_or("-"),
+                        d.reason,
+                        d.detail
+                    );
+                }
+            }
+        }
+        DeadLettersAction::Replay { reason, done_ttl } => {
+            let store = PermitStore::connect(&redis, &limiter).await?;
+            let done = dead_letters::replay(
+                &channel,
+                &publisher,
+                &topology,
+                reason.as_deref(),
+                &store,
+                done_ttl,
+            )
+            .await?;
+            println!(
+                "replayed {} to {}; {} left in {}",
+                done.replayed,
+                topology.work(),
+                done.kept,
+                topology.dead()
+            );
+        }
+    }
+    let _ = connection.close(200, "done".into()).await;
+    Ok(ExitCode::SUCCESS)
+}

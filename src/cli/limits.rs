@@ -1,0 +1,117 @@
+//! `turnstile limits`: show or change per-seller limit overrides and pauses (stored in Redis,
+//! effective on every replica at once).
+
+use std::process::ExitCode;
+
+use anyhow::Context;
+use clap::Subcommand;
+use turnstile_core::config::{Limit, LimiterArgs, RedisArgs};
+use turnstile_core::permit::PermitStore;
+
+use super::seller_arg;
+
+/// `turnstile limits`: its action and where the limits live.
+#[derive(clap::Args, Debug)]
+pub struct LimitsArgs {
+    #[command(subcommand)]
+    pub action: LimitsAction,
+    #[command(flatten)]
+    pub redis: RedisArgs,
+    #[command(flatten)]
+    pub limiter: LimiterArgs,
+}
+
+#[derive(Subcommand, Debug)]
+pub enum LimitsAction {
+    /// Set a seller's limit, e.g. `--limit 500/1m`.
+    Set {
+        #[arg(long)]
+        seller: String,
+        #[arg(long = "limit", value_parser = turnstile_core::config::limit_arg)]
+        new_limit: Limit,
+    },
+    /// Show the limit that applies to a seller, and whether it is an override or paused.
+    Get {
+        #[arg(long)]
+        seller: String,
+    },
+    /// Remove a seller's override (the default applies again).
+    Clear {
+        #[arg(long)]
+        seller: String,
+    },
+    /// Lift a seller's pause (taken from a 429's Retry-After) on every replica at once.
+    Resume {
+        #[arg(long)]
+        seller: String,
+    },
+}
+
+/// Runs `turnstile limits`.
+pub async fn run(
+    LimitsArgs {
+        action,
+        redis,
+        limiter,
+    }: LimitsArgs,
+) -> anyhow::Result<ExitCode> {
+    let store = PermitStore::connect(&redis, &limiter).await?;
+    match action {
+        LimitsAction::Set { seller, new_limit } => {
+            let seller = seller_arg(&seller)?;
+            store
+                .set_limit(&seller, new_limit)
+                .await
+                .context("setting the limit")?;
+            println!("{seller}: {new_limit} (override)");
+        }
+        LimitsAction::Get { seller } => {
+            let seller = seller_arg(&seller)?;
+            let limit = store
+                .limit_override(&seller)
+                .await
+                .context("reading the limit")?;
+            let paused = store
+                .paused_for(&seller)
+                .await
+                .context("reading the pause")?;
+            match limit {
+                Some(limit) => print!("{seller}: {limit} (override)"),
+                None => print!("{seller}: {} (default)", store.default_limit()),
+            }
+            if !paused.is_zero() {
+                print!(", paused for {:.1}s", paused.as_secs_f64());
+            }
+            println!();
+        }
+        LimitsAction::Resume { seller } => {
+            let seller = seller_arg(&seller)?;
+            let was = store.resume(&seller).await.context("lifting the pause")?;
+            println!(
+                "{seller}: {}",
+                if was {
+                    "pause lifted"
+                } else {
+                    "was not paused"
+                }
+            );
+        }
+        LimitsAction::Clear { seller } => {
+            let seller = seller_arg(&seller)?;
+            let had = store
+                .clear_limit(&seller)
+                .await
+                .context("clearing the limit")?;
+            let what = if had {
+                "override cleared"
+            } else {
+                "had no override"
+            };
+            println!(
+                "{seller}: {what}; {} (default) applies",
+                store.default_limit()
+            );
+        }
+    }
+    Ok(ExitCode::SUCCESS)
+}

@@ -1,0 +1,109 @@
+//! `turnstile publish`: one registration message per product of a seller's upload, published
+//! confirmed, and the upload's progress recorded.
+
+use std::path::PathBuf;
+use std::process::ExitCode;
+use std::time::Duration;
+
+use anyhow::Context;
+use futures::StreamExt;
+use turnstile_core::broker::BrokerArgs;
+use turnstile_core::config::{LimiterArgs, RedisArgs};
+use turnstile_core::permit::PermitStore;
+use turnstile_upload::progress;
+use turnstile_upload::upload::read_upload;
+
+use super::{batch_arg, seller_arg};
+
+#[derive(clap::Args, Debug)]
+pub struct PublishArgs {
+    /// The upload: .xlsx (first sheet), .csv or .jsonl; the first row (or each object's keys)
+    /// names the product fields.
+    pub file: PathBuf,
+    #[arg(long)]
+    pub seller: String,
+    /// The upload's batch id [default: file name + digest of its content].
+    #[arg(long)]
+    pub batch: Option<String>,
+    /// Refuse the whole file if any row is bad (default: report bad rows and skip them).
+    #[arg(long)]
+    pub strict: bool,
+    #[command(flatten)]
+    pub broker: BrokerArgs,
+    #[command(flatten)]
+    pub redis: RedisArgs,
+    #[command(flatten)]
+    pub limiter: LimiterArgs,
+}
+
+/// How long upload progress is kept in Redis.
+const PROGRESS_TTL: Duration = Duration::from_secs(7 * 86400);
+
+/// Runs `turnstile publish`.
+pub async fn run(args: PublishArgs) -> anyhow::Result<ExitCode> {
+    let seller = seller_arg(&args.seller)?;
+    let batch = args.batch.as_deref().map(batch_arg).transpose()?;
+    let upload = read_upload(&args.file, &seller, batch.as_ref(), args.strict)?;
+    for bad in &upload.bad_rows {
+        eprintln!("skipped {bad}");
+    }
+    let store = PermitStore::connect(&args.redis, &args.limiter).await?;
+    let (connection, publisher, topology) = args.broker.open("turnstile publish").await?;
+    let bar = indicatif::ProgressBar::new(upload.rows.len() as u64).with_style(
+        indicatif::ProgressStyle::with_template("{msg} [{bar:40}] {pos}/{len} ({per_sec})")
+            .expect("static template")
+            .progress_chars("=> "),
+    );
+    bar.set_message(format!(
+        "publishing {} of {seller}",
+        upload.batch_id.as_str()
+    ));
+    let queue = topology.work().to_owned();
+    let published = futures::stream::iter(&upload.rows)
+        .map(|row| {
+            let (publisher, queue, bar) = (&publisher, &queue, &bar);
+            async move {
+                let properties = lapin::BasicProperties::default()
+                    .with_content_type("application/json".into())
+                    .with_message_id(row.message_id.as_str().into());
+                publisher
+                    .publish("", queue, &row.body, properties)
+                    .await
+                    .with_context(|| format!("publishing row {}", row.row))?;
+                bar.inc(1);
+                anyhow::Ok(())
+            }
+        })
+        .buffered(128)
+        .collect::<Vec<_>>()
+        .await;
+    bar.finish_and_clear();
+    let failed: Vec<_> = published.into_iter().filter_map(Result::err).collect();
+    let sent = upload.rows.len() - failed.len();
+    progress::record_published(
+        &store,
+        &seller,
+        &upload.batch_id,
+        upload.rows.len() as u64,
+        PROGRESS_TTL,
+    )
+    .await
+    .context("recording the upload's progress")?;
+    let _ = connection.close(200, "done".into()).await;
+    let limit = store.effective_limit(&seller).await?;
+    println!(
+        "{}: published {sent} of {} products of {seller} (batch {}) to {queue}; {} bad rows skipped; at {limit} they take at least {:.0}s",
+        args.file.display(),
+        upload.rows.len(),
+        upload.batch_id.as_str(),
+        upload.bad_rows.len(),
+        limit.optimum_drain(sent as u64).as_secs_f64()
+    );
+    if let Some(error) = failed.first() {
+        anyhow::bail!(
+            "{} products were not published (confirmed): {error:#}",
+            failed.len()
+        );
+    }
+    Ok(ExitCode::SUCCESS)
+}
