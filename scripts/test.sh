@@ -4,5 +4,5 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 cargo fmt --all -- --check
-cargo clippy --all-targets -q -- -D warnings
-cargo test --all-targets "$@"
+cargo clippy --workspace --all-targets -q -- -D warnings
+cargo test --workspace --all-targets "$@"
