@@ -13,24 +13,29 @@ FROM rust:1-bookworm AS builder
 WORKDIR /build
 
 # 1. Dependencies only: build the dependency graph against stub sources so this layer is
-#    cached until Cargo.toml or Cargo.lock changes.
+#    cached until a Cargo.toml or Cargo.lock changes. The workspace: the binary at the root,
+#    its library crates under crates/ (see README's "Layout").
 COPY Cargo.toml Cargo.lock ./
+COPY crates/core/Cargo.toml crates/core/
+COPY crates/upload/Cargo.toml crates/upload/
+COPY crates/ops/Cargo.toml crates/ops/
+COPY crates/lab/Cargo.toml crates/lab/
 RUN mkdir -p src \
  && echo 'fn main() {}' > src/main.rs \
- && : > src/lib.rs \
- && cargo build --release --locked \
- && rm -rf src \
+ && for c in core upload ops lab; do mkdir -p crates/$c/src && : > crates/$c/src/lib.rs; done \
+ && cargo build --release --locked --bin turnstile \
+ && rm -rf src crates/*/src \
       target/release/turnstile \
       target/release/turnstile.d \
-      target/release/.fingerprint/turnstile-* \
-      target/release/deps/turnstile-* \
-      target/release/deps/libturnstile-*
+      target/release/.fingerprint/turnstile* \
+      target/release/deps/turnstile* \
+      target/release/deps/libturnstile*
 
-# 2. The crate itself. lua/ is needed at compile time (scripts are include_str!'d);
-#    tests/ and examples/ are not part of `cargo build` of the lib + bin.
-COPY lua ./lua
+# 2. The crates themselves. crates/core/lua/ is needed at compile time (the scripts are
+#    include_str!'d); tests/ and examples/ are not part of `cargo build` of the binary.
 COPY src ./src
-RUN cargo build --release --locked \
+COPY crates ./crates
+RUN cargo build --release --locked --bin turnstile \
  && install -m 0755 target/release/turnstile /usr/local/bin/turnstile \
  && /usr/local/bin/turnstile --version
 
