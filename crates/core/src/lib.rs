@@ -1,4 +1,19 @@
-//! The consume path of turnstile.
+//! turnstile's consume path: a horizontally scaled RabbitMQ consumer that calls a per-seller
+//! rate-limited registration API, never exceeding any seller's limit across replicas, never
+//! losing a message and never letting one busy seller hold up the others.
+//!
+//! This crate knows nothing of the operator side (`turnstile-ops`), the producer side
+//! (`turnstile-upload`) or the lab (`turnstile-lab`); they depend on it, never the other way.
+//! - [`replica`]: the composition root of one replica: start in stages, consume, reconnect,
+//!   drain
+//! - [`worker`]: one delivery → one `Outcome`, settled in one place; the decisions apart as
+//!   pure functions
+//! - [`broker`]: RabbitMQ (lapin): topology, the delay ladder, settling, dead letters
+//! - [`permit`]: the Redis/Lua limiter shared by every replica, and the Redis keyspace
+//! - [`downstream`]: the registration call and what its answer means
+//! - [`domain`]: sellers, message ids, registrations (parse, don't validate)
+//! - [`config`]: limits, algorithms, Redis settings
+//! - [`telemetry`]: tracing and the replica's readiness flag
 pub mod broker;
 pub mod config;
 pub mod domain;

@@ -1,4 +1,11 @@
-//! The lab of turnstile.
+//! turnstile's lab: what measures and demonstrates the consume path, apart from it (nothing in
+//! `turnstile-core`, `turnstile-upload` or `turnstile-ops` depends on this crate).
+//! - [`rig`]: the one harness: a strict mock API, N replicas, a queue and key prefix of their
+//!   own, a workload, cleanup (used by tests, benchmarks and the demo)
+//! - [`bench`]: `turnstile bench ...`, figures beside a baseline measured in the same run
+//! - [`demo`]: `turnstile demo`
+//! - [`mock_api`]: a strict stand-in for the registration API that counts every violation
+//! - [`local_redis`]: a private `redis-server` for fault tests
 pub mod bench;
 pub mod demo;
 pub mod local_redis;
