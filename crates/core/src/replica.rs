@@ -460,39 +460,80 @@ async fn run(
         releases.clone(),
         shutdown.clone(),
     ));
+    let consuming = Consuming {
+        args: &args,
+        worker: &worker,
+        tracker: &tracker,
+        releases: &releases,
+        shutdown: &shutdown,
+    };
     let mut session = Some(first);
     loop {
         let mut current = match session.take() {
             Some(s) => s,
-            None => {
-                // Once running, keep trying whatever the broker says (a permission or policy
-                // may be fixed while the replica waits, not ready).
-                let reopened = until_connected("RabbitMQ", &shutdown, always_retry, || {
-                    Session::open(&args, &worker)
-                })
-                .await
-                .expect("always_retry never gives up");
-                match reopened {
-                    Some(s) => {
-                        info!("reconnected to the broker; consuming again");
-                        metrics::counter!("turnstile_reconnects_total").increment(1);
-                        ready.set(true);
-                        s
-                    }
-                    None => break,
+            None => match consuming.reconnect().await {
+                Some(s) => {
+                    ready.set(true);
+                    s
                 }
-            }
+                None => break,
+            },
         };
+        let stopped_by_shutdown = consuming.consume(&mut current).await;
+        ready.set(false);
+        if stopped_by_shutdown {
+            consuming.close(current).await;
+            return Ok(());
+        }
+        metrics::counter!("turnstile_broker_errors_total").increment(1);
+        let _ = current.connection.close(320, "reconnecting".into()).await;
+    }
+    drain(&tracker, tokio::time::Instant::now() + args.shutdown_grace).await;
+    Ok(())
+}
+
+/// What one broker session after another consumes with.
+struct Consuming<'a> {
+    args: &'a ConsumeArgs,
+    worker: &'a Arc<Worker>,
+    tracker: &'a TaskTracker,
+    releases: &'a tokio::sync::broadcast::Sender<broker::ladder::Release>,
+    shutdown: &'a CancellationToken,
+}
+
+impl Consuming<'_> {
+    /// Opens a new session, retrying whatever the broker says (a permission or policy may be
+    /// fixed while the replica waits, not ready); `None` if shutdown comes first.
+    async fn reconnect(&self) -> Option<Session> {
+        let reopened = until_connected("RabbitMQ", self.shutdown, always_retry, || {
+            Session::open(self.args, self.worker)
+        })
+        .await
+        .expect("always_retry never gives up")?;
+        info!("reconnected to the broker; consuming again");
+        metrics::counter!("turnstile_reconnects_total").increment(1);
+        Some(reopened)
+    }
+
+    /// Consumes the session's work queue, return queue and delay ladder until shutdown (true)
+    /// or until the session fails (false: its connection is lost, or a consumer or the publish
+    /// channel failed).
+    async fn consume(&self, current: &mut Session) -> bool {
         let connection_lost = CancellationToken::new();
         let ladder = Arc::new(Ladder {
-            topology: worker.topology.clone(),
+            topology: self.worker.topology.clone(),
             publisher: current.publisher.clone(),
-            stats: worker.stats.ladder.clone(),
-            prefetch: args.delay_prefetch,
-            releases: releases.clone(),
+            stats: self.worker.stats.ladder.clone(),
+            prefetch: self.args.delay_prefetch,
+            releases: self.releases.clone(),
         });
         if let Err(error) = ladder
-            .start(&current.connection, &tracker, &shutdown, &connection_lost)
+            .start(
+                &current.connection,
+                self.tracker,
+                self.shutdown,
+                &connection_lost,
+            )
             .await
         {
             warn!(
@@ -503,10 +544,10 @@ async fn run(
         }
         // Both queues feed the same workers (and the same worker semaphore).
         let dispatch = |delivery: lapin::message::Delivery, settler: &Settler| {
-            let (worker, publisher) = (worker.clone(), current.publisher.clone());
+            let (worker, publisher) = (self.worker.clone(), current.publisher.clone());
             let settler = settler.clone();
-            let (shutdown, lost) = (shutdown.clone(), connection_lost.clone());
-            tracker.spawn(async move {
+            let (shutdown, lost) = (self.shutdown.clone(), connection_lost.clone());
+            self.tracker.spawn(async move {
                 worker
                     .process(delivery, &publisher, &settler, &shutdown, &lost)
                     .await
@@ -514,7 +555,7 @@ async fn run(
         };
         let stopped_by_shutdown = loop {
             tokio::select! {
-                _ = shutdown.cancelled() => break true,
+                _ = self.shutdown.cancelled() => break true,
                 _ = connection_lost.cancelled() => {
                     warn!("the broker session failed (a delay ladder consumer or the publish channel); reconnecting");
                     break false;
@@ -525,46 +566,44 @@ async fn run(
                 },
                 next = current.returns.consumer.next() => match current.returns.received(next) {
                     Some(delivery) => {
-                        worker.stats.ladder.returned(&delivery);
+                        self.worker.stats.ladder.returned(&delivery);
                         dispatch(delivery, &current.returns.settler);
                     }
                     None => break false,
                 },
             }
         };
-        if stopped_by_shutdown {
-            ready.set(false);
-            info!(
-                "shutting down: no new deliveries; finishing in-flight work, returning held messages"
-            );
-            // One deadline for every step, so that a hung broker or downstream cannot hold the
-            // exit past the grace (plus a moment to send the last acks and close).
-            let grace_over = tokio::time::Instant::now() + args.shutdown_grace;
-            let closing_over = grace_over + Duration::from_secs(1);
-            let _ = tokio::time::timeout_at(grace_over, current.cancel()).await;
-            drain(&tracker, grace_over).await;
-            match tokio::time::timeout_at(closing_over, current.flush()).await {
-                Ok(Ok(())) => {}
-                _ => warn!(
-                    "last acks not sent; the broker redelivers those messages (their completion records keep them from being called again)"
-                ),
-            }
-            let _ = tokio::time::timeout_at(
-                closing_over,
-                current.connection.close(200, "shutdown".into()),
-            )
-            .await;
-            info!("stopped");
-            return Ok(());
+        if !stopped_by_shutdown {
+            connection_lost.cancel();
         }
-        ready.set(false);
-        connection_lost.cancel();
-        metrics::counter!("turnstile_broker_errors_total").increment(1);
-        let _ = current.connection.close(320, "reconnecting".into()).await;
+        stopped_by_shutdown
     }
-    ready.set(false);
-    drain(&tracker, tokio::time::Instant::now() + args.shutdown_grace).await;
-    Ok(())
+
+    /// Shuts the session down: no new deliveries, in-flight work finished (held messages
+    /// returned) within the grace, the last acks sent, the connection closed.
+    async fn close(&self, current: Session) {
+        info!(
+            "shutting down: no new deliveries; finishing in-flight work, returning held messages"
+        );
+        // One deadline for every step, so that a hung broker or downstream cannot hold the
+        // exit past the grace (plus a moment to send the last acks and close).
+        let grace_over = tokio::time::Instant::now() + self.args.shutdown_grace;
+        let closing_over = grace_over + Duration::from_secs(1);
+        let _ = tokio::time::timeout_at(grace_over, current.cancel()).await;
+        drain(self.tracker, grace_over).await;
+        match tokio::time::timeout_at(closing_over, current.flush()).await {
+            Ok(Ok(())) => {}
+            _ => warn!(
+                "last acks not sent; the broker redelivers those messages (their completion records keep them from being called again)"
+            ),
+        }
+        let _ = tokio::time::timeout_at(
+            closing_over,
+            current.connection.close(200, "shutdown".into()),
+        )
+        .await;
+        info!("stopped");
+    }
 }
 
 /// Lets in-flight work finish until `deadline`; after it, what is still unsettled is left to
