@@ -6,6 +6,7 @@ use std::process::ExitCode;
 use anyhow::Context;
 use clap::Subcommand;
 use turnstile_core::config::{Limit, LimiterArgs, RedisArgs};
+use turnstile_core::domain::SellerId;
 use turnstile_core::permit::PermitStore;
 
 use super::seller_arg;
@@ -56,45 +57,25 @@ pub async fn run(
     }: LimitsArgs,
 ) -> anyhow::Result<ExitCode> {
     let store = PermitStore::connect(&redis, &limiter).await?;
-    match action {
+    let line = match action {
         LimitsAction::Set { seller, new_limit } => {
             let seller = seller_arg(&seller)?;
             store
                 .set_limit(&seller, new_limit)
                 .await
                 .context("setting the limit")?;
-            println!("{seller}: {new_limit} (override)");
+            format!("{seller}: {new_limit} (override)")
         }
-        LimitsAction::Get { seller } => {
-            let seller = seller_arg(&seller)?;
-            let limit = store
-                .limit_override(&seller)
-                .await
-                .context("reading the limit")?;
-            let paused = store
-                .paused_for(&seller)
-                .await
-                .context("reading the pause")?;
-            match limit {
-                Some(limit) => print!("{seller}: {limit} (override)"),
-                None => print!("{seller}: {} (default)", store.default_limit()),
-            }
-            if !paused.is_zero() {
-                print!(", paused for {:.1}s", paused.as_secs_f64());
-            }
-            println!();
-        }
+        LimitsAction::Get { seller } => get(&store, &seller_arg(&seller)?).await?,
         LimitsAction::Resume { seller } => {
             let seller = seller_arg(&seller)?;
             let was = store.resume(&seller).await.context("lifting the pause")?;
-            println!(
-                "{seller}: {}",
-                if was {
-                    "pause lifted"
-                } else {
-                    "was not paused"
-                }
-            );
+            let what = if was {
+                "pause lifted"
+            } else {
+                "was not paused"
+            };
+            format!("{seller}: {what}")
         }
         LimitsAction::Clear { seller } => {
             let seller = seller_arg(&seller)?;
@@ -107,11 +88,32 @@ pub async fn run(
             } else {
                 "had no override"
             };
-            println!(
+            format!(
                 "{seller}: {what}; {} (default) applies",
                 store.default_limit()
-            );
+            )
         }
-    }
+    };
+    println!("{line}");
     Ok(ExitCode::SUCCESS)
+}
+
+/// The limit that applies to a seller, whether it is an override, and its pause.
+async fn get(store: &PermitStore, seller: &SellerId) -> anyhow::Result<String> {
+    let limit = store
+        .limit_override(seller)
+        .await
+        .context("reading the limit")?;
+    let paused = store
+        .paused_for(seller)
+        .await
+        .context("reading the pause")?;
+    let mut line = match limit {
+        Some(limit) => format!("{seller}: {limit} (override)"),
+        None => format!("{seller}: {} (default)", store.default_limit()),
+    };
+    if !paused.is_zero() {
+        line += &format!(", paused for {:.1}s", paused.as_secs_f64());
+    }
+    Ok(line)
 }

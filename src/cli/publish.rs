@@ -7,11 +7,11 @@ use std::time::Duration;
 
 use anyhow::Context;
 use futures::StreamExt;
-use turnstile_core::broker::BrokerArgs;
+use turnstile_core::broker::{BrokerArgs, Publisher};
 use turnstile_core::config::{LimiterArgs, RedisArgs};
 use turnstile_core::permit::PermitStore;
 use turnstile_upload::progress;
-use turnstile_upload::upload::read_upload;
+use turnstile_upload::upload::{UploadRow, read_upload};
 
 use super::{batch_arg, seller_arg};
 
@@ -49,35 +49,9 @@ pub async fn run(args: PublishArgs) -> anyhow::Result<ExitCode> {
     }
     let store = PermitStore::connect(&args.redis, &args.limiter).await?;
     let (connection, publisher, topology) = args.broker.open("turnstile publish").await?;
-    let bar = indicatif::ProgressBar::new(upload.rows.len() as u64).with_style(
-        indicatif::ProgressStyle::with_template("{msg} [{bar:40}] {pos}/{len} ({per_sec})")
-            .expect("static template")
-            .progress_chars("=> "),
-    );
-    bar.set_message(format!(
-        "publishing {} of {seller}",
-        upload.batch_id.as_str()
-    ));
     let queue = topology.work().to_owned();
-    let published = futures::stream::iter(&upload.rows)
-        .map(|row| {
-            let (publisher, queue, bar) = (&publisher, &queue, &bar);
-            async move {
-                let properties = lapin::BasicProperties::default()
-                    .with_content_type("application/json".into())
-                    .with_message_id(row.message_id.as_str().into());
-                publisher
-                    .publish("", queue, &row.body, properties)
-                    .await
-                    .with_context(|| format!("publishing row {}", row.row))?;
-                bar.inc(1);
-                anyhow::Ok(())
-            }
-        })
-        .buffered(128)
-        .collect::<Vec<_>>()
-        .await;
-    bar.finish_and_clear();
+    let label = format!("publishing {} of {seller}", upload.batch_id.as_str());
+    let published = publish_rows(&publisher, &queue, &upload.rows, label).await;
     let failed: Vec<_> = published.into_iter().filter_map(Result::err).collect();
     let sent = upload.rows.len() - failed.len();
     progress::record_published(
@@ -106,4 +80,40 @@ pub async fn run(args: PublishArgs) -> anyhow::Result<ExitCode> {
         );
     }
     Ok(ExitCode::SUCCESS)
+}
+
+/// Publishes the rows to `queue`, confirmed, many at once, with a progress bar; one result per
+/// row.
+async fn publish_rows(
+    publisher: &Publisher,
+    queue: &str,
+    rows: &[UploadRow],
+    label: String,
+) -> Vec<anyhow::Result<()>> {
+    let bar = indicatif::ProgressBar::new(rows.len() as u64).with_style(
+        indicatif::ProgressStyle::with_template("{msg} [{bar:40}] {pos}/{len} ({per_sec})")
+            .expect("static template")
+            .progress_chars("=> "),
+    );
+    bar.set_message(label);
+    let published = futures::stream::iter(rows)
+        .map(|row| {
+            let bar = &bar;
+            async move {
+                let properties = lapin::BasicProperties::default()
+                    .with_content_type("application/json".into())
+                    .with_message_id(row.message_id.as_str().into());
+                publisher
+                    .publish("", queue, &row.body, properties)
+                    .await
+                    .with_context(|| format!("publishing row {}", row.row))?;
+                bar.inc(1);
+                anyhow::Ok(())
+            }
+        })
+        .buffered(128)
+        .collect::<Vec<_>>()
+        .await;
+    bar.finish_and_clear();
+    published
 }

@@ -2,11 +2,12 @@
 //! will be done.
 
 use std::process::ExitCode;
+use std::time::Duration;
 
-use turnstile_core::config::{LimiterArgs, RedisArgs};
+use turnstile_core::config::{Limit, LimiterArgs, RedisArgs};
 use turnstile_core::domain::SellerId;
 use turnstile_core::permit::PermitStore;
-use turnstile_upload::progress;
+use turnstile_upload::progress::{self, Progress};
 
 use super::{batch_arg, seller_arg};
 
@@ -63,8 +64,14 @@ pub async fn run(args: StatusArgs) -> anyhow::Result<ExitCode> {
             "no uploads recorded under key prefix {:?}",
             store.key_prefix()
         );
-        return Ok(ExitCode::SUCCESS);
+    } else {
+        print_table(&rows);
     }
+    Ok(ExitCode::SUCCESS)
+}
+
+/// Prints one line per upload: its counts, its seller's limit and when it will be done.
+fn print_table(rows: &[(&Progress, Limit, Duration)]) {
     println!(
         "{:<16} {:<28} {:>6} {:>10} {:>8} {:>6} {:>10} {:>10}",
         "seller", "batch", "total", "registered", "waiting", "dead", "limit", "done in"
@@ -87,5 +94,4 @@ pub async fn run(args: StatusArgs) -> anyhow::Result<ExitCode> {
             done
         );
     }
-    Ok(ExitCode::SUCCESS)
 }
