@@ -800,7 +800,6 @@ fn read_csv(bytes: &[u8]) -> Result<Parsed, Refusal> {
         .delimiter(sniff_delimiter(bytes))
         .from_reader(bytes);
     let mut records = reader.byte_records();
-    let column = |i: usize| format!("column {}", i + 1);
     let header = match records.next() {
         Some(record) => record.map_err(Refusal::Csv)?,
         None => return Err(Refusal::Empty),
@@ -808,13 +807,13 @@ fn read_csv(bytes: &[u8]) -> Result<Parsed, Refusal> {
     let mut cells = Vec::with_capacity(header.len());
     for (i, raw) in header.iter().enumerate() {
         let name = csv_cell(raw).map_err(|()| Refusal::Header {
-            column: column(i),
+            column: csv_column(i),
             why: "is not valid UTF-8 (save the file as CSV UTF-8)".into(),
         })?;
         cells.push(name.map(|n| n.trim().to_owned()));
     }
     let width = header.len();
-    let names = field_names(cells, column)?;
+    let names = field_names(cells, csv_column)?;
 
     let mut parsed = Parsed::default();
     let mut line = header.position().map_or(1, |p| p.line() as usize);
@@ -834,34 +833,47 @@ fn read_csv(bytes: &[u8]) -> Result<Parsed, Refusal> {
             )?;
             continue;
         }
-        let mut product = ObjectText::new();
-        let mut problem = None;
-        for (i, raw) in record.iter().enumerate() {
-            match (csv_cell(raw), names.get(i)) {
-                (Err(()), _) => {
-                    problem.get_or_insert_with(|| {
-                        format!(
-                            "{} is not valid UTF-8 (save the file as CSV UTF-8)",
-                            column(i)
-                        )
-                    });
-                }
-                (Ok(None), _) => {}
-                (Ok(Some(text)), Some(name)) => product.push(name, &json_string(text)),
-                (Ok(Some(_)), None) => {
-                    problem.get_or_insert_with(|| {
-                        format!("{} holds a value but has no header", column(i))
-                    });
-                }
-            }
-        }
-        match problem {
-            Some(reason) => parsed.bad(line, reason)?,
-            None if product.is_empty() => {}
-            None => parsed.product(line, product.finish())?,
+        match csv_product(&record, &names) {
+            Err(reason) => parsed.bad(line, reason)?,
+            Ok(product) if product.is_empty() => {}
+            Ok(product) => parsed.product(line, product.finish())?,
         }
     }
     parsed.non_empty()
+}
+
+/// A CSV column's name in a message: `column 1` for the first.
+fn csv_column(i: usize) -> String {
+    format!("column {}", i + 1)
+}
+
+/// One CSV record as a product, or why the row is bad (the first problem found).
+fn csv_product(record: &csv::ByteRecord, names: &[String]) -> Result<ObjectText, String> {
+    let mut product = ObjectText::new();
+    let mut problem = None;
+    for (i, raw) in record.iter().enumerate() {
+        match (csv_cell(raw), names.get(i)) {
+            (Err(()), _) => {
+                problem.get_or_insert_with(|| {
+                    format!(
+                        "{} is not valid UTF-8 (save the file as CSV UTF-8)",
+                        csv_column(i)
+                    )
+                });
+            }
+            (Ok(None), _) => {}
+            (Ok(Some(text)), Some(name)) => product.push(name, &json_string(text)),
+            (Ok(Some(_)), None) => {
+                problem.get_or_insert_with(|| {
+                    format!("{} holds a value but has no header", csv_column(i))
+                });
+            }
+        }
+    }
+    match problem {
+        Some(reason) => Err(reason),
+        None => Ok(product),
+    }
 }
 
 fn read_jsonl(bytes: &[u8]) -> Result<Parsed, Refusal> {
