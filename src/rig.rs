@@ -17,7 +17,7 @@ use crate::config::Limit;
 use crate::config::{LimiterArgs, RedisArgs};
 use crate::downstream::DownstreamArgs;
 use crate::mock_api::{MockArgs, MockServer, Stats};
-use crate::permit::{PermitStore, RedisConn, delete_prefix};
+use crate::permit::{PermitStore, RedisConn};
 use crate::replica::{ConsumeArgs, Replica};
 
 /// Where a rig runs: the broker and Redis it uses. Its queue and key prefix are its own
@@ -374,7 +374,8 @@ impl Rig {
             .await
             .context("deleting the rig's queues")?;
         let _ = self.connection.close(200, "done".into()).await;
-        delete_prefix(&self.store.connection(), &self.key_prefix)
+        self.store
+            .delete_all_keys()
             .await
             .context("deleting the rig's keys")?;
         self.stop_mock.cancel();
