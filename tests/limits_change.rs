@@ -14,7 +14,7 @@ use turnstile_core::permit::PermitStore;
 /// The latest slot reserved for the seller (Redis time, µs), or none.
 async fn last_reserved_slot(p: &Pipeline, store: &PermitStore, seller: &SellerId) -> Option<i64> {
     let last: Vec<(String, f64)> = redis::cmd("ZRANGE")
-        .arg(store.seller_key(seller, "reserved"))
+        .arg(store.keys().reserved(seller))
         .arg(-1)
         .arg(-1)
         .arg("WITHSCORES")

@@ -17,7 +17,11 @@ async fn sellers_spread_over_all_three_nodes_each_get_their_own_limit() {
         let seller = turnstile_core::domain::SellerId::parse(&format!("S-{i}")).unwrap();
         let slot: u16 = redis::cmd("CLUSTER")
             .arg("KEYSLOT")
-            .arg(store.seller_key(&seller, "log"))
+            .arg(
+                store
+                    .keys()
+                    .state(&seller, turnstile_core::config::Algorithm::SlidingWindow),
+            )
             .query_async(&mut keys.conn.clone())
             .await
             .unwrap();

@@ -7,7 +7,7 @@ use std::time::Duration;
 use tokio::sync::Mutex;
 use turnstile_core::config::Algorithm;
 use turnstile_core::domain::SellerId;
-use turnstile_core::permit::{Decision, Forfeit, PermitStore};
+use turnstile_core::permit::{Decision, Forfeit, Keyspace, PermitStore};
 
 use super::{Backend, Keys, limiter, max_in_any_window};
 
@@ -139,7 +139,7 @@ pub async fn waiting_caller_is_granted_and_denials_take_no_quota(
         (1..=3).contains(&granted),
         "{algorithm}: {granted} granted at once under 3/1h"
     );
-    let state_key = store.state_key(&s);
+    let state_key = store.keys().state(&s, algorithm);
     let dump = || async {
         let bytes: Vec<u8> = redis::cmd("DUMP")
             .arg(&state_key)
@@ -231,7 +231,7 @@ pub async fn keys_expire_after_idleness(backend: Backend, algorithm: Algorithm) 
     for _ in 0..5 {
         store.acquire(&s, true).await.unwrap();
     }
-    let key = store.state_key(&s);
+    let key = store.keys().state(&s, algorithm);
     let ttl: i64 = redis::cmd("PTTL")
         .arg(&key)
         .query_async(&mut keys.conn.clone())
@@ -519,11 +519,12 @@ pub async fn a_deep_backlog_keeps_the_sellers_state_bounded(
 /// Invalid inputs are refused before anything is written.
 pub async fn scripts_check_inputs_before_writing(backend: Backend) {
     let keys = Keys::new(backend, "inputs").await;
-    let key = format!("{}:{{x}}:log", keys.prefix);
+    let (space, x) = (Keyspace::new(&keys.prefix), seller("x"));
+    let key = space.state(&x, Algorithm::SlidingWindow);
     let err = turnstile_core::permit::scripts::acquire(Algorithm::SlidingWindow)
         .key(&key)
-        .key(format!("{}:{{x}}:limit", keys.prefix))
-        .key(format!("{}:{{x}}:pause", keys.prefix))
+        .key(space.limit(&x))
+        .key(space.pause(&x))
         .arg(0) // COUNT 0 is invalid
         .arg(1_000_000)
         .arg(-1)
@@ -680,7 +681,7 @@ pub async fn completion_records_count_each_message_once(backend: Backend) {
     // A record written by an earlier version (`1`) means registered.
     let old = MessageId::parse("m-old").unwrap();
     let _: () = redis::cmd("SET")
-        .arg(store.done_key(&s, &old))
+        .arg(store.keys().done(&s, &old))
         .arg("1")
         .query_async(&mut keys.conn.clone())
         .await
@@ -704,7 +705,7 @@ pub async fn completion_records_count_each_message_once(backend: Backend) {
         .await
         .unwrap();
     let _: () = redis::cmd("DEL")
-        .arg(store.batch_key(&s, &gone))
+        .arg(store.keys().batch(&s, &gone))
         .query_async(&mut keys.conn.clone())
         .await
         .unwrap();
@@ -716,7 +717,7 @@ pub async fn completion_records_count_each_message_once(backend: Backend) {
             .unwrap()
     );
     let exists: bool = redis::cmd("EXISTS")
-        .arg(store.batch_key(&s, &gone))
+        .arg(store.keys().batch(&s, &gone))
         .query_async(&mut keys.conn.clone())
         .await
         .unwrap();

@@ -17,7 +17,7 @@ use turnstile_core::broker::{BrokerArgs, DEFAULT_AMQP_URL, Publisher, QueueType,
 use turnstile_core::config::Limit;
 use turnstile_core::config::{LimiterArgs, RedisArgs};
 use turnstile_core::downstream::DownstreamArgs;
-use turnstile_core::permit::{PermitStore, RedisConn, delete_prefix};
+use turnstile_core::permit::{PermitStore, RedisConn};
 use turnstile_core::replica::ConsumeArgs;
 use turnstile_ops::serve::{HttpArgs, ServeArgs, Served};
 
@@ -381,7 +381,8 @@ impl Rig {
             .await
             .context("deleting the rig's queues")?;
         let _ = self.connection.close(200, "done".into()).await;
-        delete_prefix(&self.store.connection(), &self.key_prefix)
+        self.store
+            .delete_all_keys()
             .await
             .context("deleting the rig's keys")?;
         self.stop_mock.cancel();

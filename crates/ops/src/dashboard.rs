@@ -3,8 +3,9 @@
 //! share: per-seller window use and pauses, upload progress and ETA, dead letters by reason,
 //! queue depths and throughput.
 //!
-//! Every replica feeds the shared state (all under [`PermitStore::shared_key`], one Redis
-//! Cluster slot), so any replica's page shows the whole deployment:
+//! Every replica feeds the shared state (all shared keys, one Redis Cluster slot: see
+//! [`turnstile_core::permit::keys`]; read and written by [`PermitStore`]), so any replica's page shows the
+//! whole deployment:
 //! - `throughput:<minute>`: registrations per second (hash: unix second -> count), added by each
 //!   replica's sampler once a second, kept 11 minutes;
 //! - `sellers`: sellers asked about in the last 10 minutes (sorted set: seller -> last ms),
@@ -55,9 +56,6 @@ const CACHE_FOR: Duration = Duration::from_secs(1);
 const GATHER_TIMEOUT: Duration = Duration::from_secs(5);
 /// How often the replica reads its queue depths from the broker.
 const QUEUES_EVERY: Duration = Duration::from_secs(5);
-
-const THROUGHPUT: &str = "throughput";
-const SELLERS: &str = "sellers";
 
 /// What the page shows about the replica that serves it.
 #[derive(Clone, Debug, Serialize)]
@@ -327,18 +325,13 @@ impl Dashboard {
 
     /// The sellers asked about most recently, and how many were in the last 10 minutes.
     async fn active_sellers(&self, now_ms: u64) -> anyhow::Result<(Vec<String>, u64)> {
-        let key = self.permits.shared_key(SELLERS);
-        let (recent, active): (Vec<String>, u64) = redis::pipe()
-            .zrevrange(&key, 0, SELLER_CANDIDATES as isize - 1)
-            .zcount(
-                &key,
+        self.permits
+            .sellers_seen(
+                SELLER_CANDIDATES,
                 now_ms.saturating_sub(ACTIVE_FOR.as_millis() as u64),
-                "+inf",
             )
-            .query_async(&mut self.permits.connection())
             .await
-            .context("reading active sellers")?;
-        Ok((recent, active))
+            .context("reading active sellers")
     }
 
     async fn dead_letters(&self) -> anyhow::Result<BTreeMap<String, u64>> {
@@ -353,21 +346,11 @@ impl Dashboard {
     async fn throughput(&self, now_ms: u64) -> anyhow::Result<Throughput> {
         let end_s = now_ms / 1000;
         let start_s = end_s + 1 - THROUGHPUT_SECONDS;
-        let minutes: Vec<u64> = (start_s / 60..=end_s / 60).collect();
-        let mut pipe = redis::pipe();
-        for m in &minutes {
-            pipe.hgetall(self.permits.shared_key(&format!("{THROUGHPUT}:{m}")));
-        }
-        let counts: Vec<HashMap<u64, u64>> = pipe
-            .query_async(&mut self.permits.connection())
+        let per_second = self
+            .permits
+            .throughput(start_s, end_s)
             .await
             .context("reading throughput")?;
-        let mut per_second = vec![0; THROUGHPUT_SECONDS as usize];
-        for (second, n) in counts.iter().flatten() {
-            if (start_s..=end_s).contains(second) {
-                per_second[(second - start_s) as usize] += n;
-            }
-        }
         Ok(Throughput {
             end_s,
             total: per_second.iter().sum(),
@@ -377,42 +360,20 @@ impl Dashboard {
 
     /// Records what this replica did since the last call: `registered` in the current second's
     /// throughput and the sellers it asked about. One round trip; nothing when idle.
-    async fn record(&self, registered: u64, sellers: &HashSet<String>) -> redis::RedisResult<()> {
-        if registered == 0 && sellers.is_empty() {
-            return Ok(());
-        }
-        let now_ms = unix_ms();
-        let mut pipe = redis::pipe();
-        if registered > 0 {
-            let second = now_ms / 1000;
-            let key = self
-                .permits
-                .shared_key(&format!("{THROUGHPUT}:{}", second / 60));
-            pipe.hincr(&key, second, registered)
-                .ignore()
-                .pexpire(&key, 11 * 60 * 1000)
-                .ignore();
-        }
-        if !sellers.is_empty() {
-            let key = self.permits.shared_key(SELLERS);
-            let members: Vec<(u64, &str)> = sellers.iter().map(|s| (now_ms, s.as_str())).collect();
-            pipe.zadd_multiple(&key, &members)
-                .ignore()
-                .zrembyscore(
-                    &key,
-                    "-inf",
-                    now_ms.saturating_sub(ACTIVE_FOR.as_millis() as u64) as f64,
-                )
-                .ignore()
-                .cmd("ZREMRANGEBYRANK")
-                .arg(&key)
-                .arg(0)
-                .arg(-(Stats::MAX_SELLERS as i64) - 1)
-                .ignore()
-                .pexpire(&key, ACTIVE_FOR.as_millis() as i64)
-                .ignore();
-        }
-        pipe.query_async(&mut self.permits.connection()).await
+    async fn record(
+        &self,
+        registered: u64,
+        sellers: &HashSet<String>,
+    ) -> Result<(), turnstile_core::permit::PermitError> {
+        self.permits
+            .record_activity(
+                unix_ms(),
+                registered,
+                sellers,
+                ACTIVE_FOR,
+                Stats::MAX_SELLERS,
+            )
+            .await
     }
 }
 

@@ -6,13 +6,21 @@
 //! coming back at the same instant and being denied again. A caller that waits the returned time
 //! and comes back with its [`Reservation`] is granted, unless the seller was paused or its limit
 //! changed meanwhile, or it came back too late (then it simply reserves again).
+//!
+//! This module owns the Redis keyspace: [`keys`] builds every key, and nothing outside it talks
+//! to Redis about turnstile's keys but through [`PermitStore`] (the limiter here, the uploads'
+//! progress and the dashboard's shared state in `records`).
 
 mod conn;
+pub mod keys;
+mod records;
 pub mod scripts;
 
 use std::time::Duration;
 
 pub use conn::{RedisClient, RedisConn, round_trips};
+pub use keys::Keyspace;
+pub use records::UploadProgress;
 use redis::AsyncCommands;
 
 use crate::config::{Algorithm, Limit, LimiterArgs, RedisArgs};
@@ -157,10 +165,6 @@ impl Completion<'_> {
     }
 }
 
-/// The shared hash of messages dead now, by reason (see [`PermitStore::dead_now`]). Named anew:
-/// `dead-letters`, its predecessor, counted every dead letter and was never lowered.
-const DEAD_NOW: &str = "dead-now";
-
 /// A grant that leaves at least this much of the limit taken (thousandths) is near the limit
 /// (as envoy's ratelimit counts `near_limit`: 80%).
 pub const NEAR_LIMIT_PERMILLE: u32 = 800;
@@ -211,7 +215,7 @@ fn observe(algorithm: Algorithm, decision: &Decision, acquired: bool) {
 #[derive(Clone)]
 pub struct PermitStore {
     conn: RedisConn,
-    prefix: String,
+    keys: Keyspace,
     limiter: LimiterArgs,
     call_bound: Duration,
 }
@@ -236,7 +240,7 @@ impl PermitStore {
     pub fn new(conn: RedisConn, prefix: &str, limiter: LimiterArgs) -> Self {
         Self {
             conn,
-            prefix: prefix.to_owned(),
+            keys: Keyspace::new(prefix),
             limiter,
             call_bound: Duration::ZERO,
         }
@@ -256,26 +260,17 @@ impl PermitStore {
         self.call_bound.as_micros() as u64
     }
 
-    /// The seller's calls in flight or answered within a window (sorted set, see
-    /// `calls_gate` in `lua/prelude.lua`).
-    pub fn calls_key(&self, seller: &SellerId) -> String {
-        self.seller_key(seller, "calls")
-    }
-
     /// Records that the call `call` was answered now (for every answer but a registration,
     /// which [`Self::complete_call`] records with its completion).
     pub async fn call_ended(&self, seller: &SellerId, call: &str) -> Result<(), PermitError> {
         let _: i64 = scripts::ended()
-            .key(self.calls_key(seller))
+            .key(self.keys.calls(seller))
             .arg(call)
             .invoke_async(&mut self.conn.clone())
             .await?;
         Ok(())
     }
 
-    pub fn connection(&self) -> RedisConn {
-        self.conn.clone()
-    }
     pub fn algorithm(&self) -> Algorithm {
         self.limiter.algorithm
     }
@@ -283,31 +278,23 @@ impl PermitStore {
         self.limiter.limit
     }
     pub fn key_prefix(&self) -> &str {
-        &self.prefix
+        self.keys.prefix()
     }
 
-    /// A key of this seller's: `<prefix>:{<seller tag>}:<name>`. The braces make every key of a
-    /// seller share one Redis Cluster hash slot, so one script can touch them all.
-    pub fn seller_key(&self, seller: &SellerId, name: &str) -> String {
-        format!("{}:{{{}}}:{}", self.prefix, seller.key_tag(), name)
-    }
-
-    /// A key shared by all sellers and replicas (dashboard indexes and tallies):
-    /// `<prefix>:{<prefix>~shared}:<name>`. Its hash tag holds a `~`, which no seller's tag does,
-    /// so it never lands on a seller's keys, and all shared keys sit in one Cluster slot.
-    pub fn shared_key(&self, name: &str) -> String {
-        format!("{}:{{{}~shared}}:{}", self.prefix, self.prefix, name)
+    /// The keys this store uses (see [`keys`]).
+    pub fn keys(&self) -> &Keyspace {
+        &self.keys
     }
 
     /// The key holding the seller's limiter state for the configured algorithm.
-    pub fn state_key(&self, seller: &SellerId) -> String {
-        let name = match self.limiter.algorithm {
-            Algorithm::SlidingWindow => "log",
-            Algorithm::Gcra => "tat",
-            Algorithm::TokenBucket => "bucket",
-            Algorithm::FixedWindow => "windows",
-        };
-        self.seller_key(seller, name)
+    fn state_key(&self, seller: &SellerId) -> String {
+        self.keys.state(seller, self.limiter.algorithm)
+    }
+
+    /// Deletes every key under this store's prefix (for demos, benchmarks and tests that clean
+    /// up after themselves; never for a prefix replicas still use).
+    pub async fn delete_all_keys(&self) -> anyhow::Result<()> {
+        delete_prefix(&self.conn, self.keys.prefix()).await
     }
 
     fn durable_flag(&self) -> u8 {
@@ -321,22 +308,6 @@ impl PermitStore {
     /// Asks for a permit now. With `reserve`, a caller who must wait holds a slot.
     pub async fn acquire(&self, seller: &SellerId, reserve: bool) -> Result<Decision, PermitError> {
         self.acquire_for(seller, None, reserve).await
-    }
-
-    /// The completion record of a message: `<prefix>:{<seller>}:done:<message>`.
-    pub fn done_key(&self, seller: &SellerId, message: &MessageId) -> String {
-        self.seller_key(
-            seller,
-            &format!("done:{}", crate::domain::key_part(message.as_str())),
-        )
-    }
-
-    /// The progress of an upload: `<prefix>:{<seller>}:batch:<batch>`.
-    pub fn batch_key(&self, seller: &SellerId, batch: &BatchId) -> String {
-        self.seller_key(
-            seller,
-            &format!("batch:{}", crate::domain::key_part(batch.as_str())),
-        )
     }
 
     /// As [`Self::acquire`], for a message: if it already registered, answers `AlreadyDone` in
@@ -353,14 +324,14 @@ impl PermitStore {
         let mut invocation = scripts::acquire(algorithm).prepare_invoke();
         invocation
             .key(self.state_key(seller))
-            .key(self.seller_key(seller, "limit"))
-            .key(self.seller_key(seller, "pause"))
-            .key(self.seller_key(seller, "reserved"))
-            .key(self.seller_key(seller, "server"))
-            .key(self.calls_key(seller))
-            .key(self.seller_key(seller, "far"));
+            .key(self.keys.limit(seller))
+            .key(self.keys.pause(seller))
+            .key(self.keys.reserved(seller))
+            .key(self.keys.server(seller))
+            .key(self.keys.calls(seller))
+            .key(self.keys.far(seller));
         if let Some(message) = message {
-            invocation.key(self.done_key(seller, message));
+            invocation.key(self.keys.done(seller, message));
         }
         invocation
             .arg(limit.count())
@@ -435,14 +406,14 @@ impl PermitStore {
         let limit = self.limiter.limit;
         let mut invocation = scripts::redeem().prepare_invoke();
         invocation
-            .key(self.seller_key(seller, "limit"))
-            .key(self.seller_key(seller, "pause"))
+            .key(self.keys.limit(seller))
+            .key(self.keys.pause(seller))
             .key(self.state_key(seller))
-            .key(self.seller_key(seller, "reserved"))
-            .key(self.seller_key(seller, "server"))
-            .key(self.calls_key(seller));
+            .key(self.keys.reserved(seller))
+            .key(self.keys.server(seller))
+            .key(self.keys.calls(seller));
         if let Some(message) = message {
-            invocation.key(self.done_key(seller, message));
+            invocation.key(self.keys.done(seller, message));
         }
         let (status, at, now): (u8, i64, i64) = invocation
             .arg(limit.count())
@@ -548,10 +519,10 @@ impl PermitStore {
     ) -> Result<bool, PermitError> {
         let mut invocation = scripts::complete().prepare_invoke();
         invocation
-            .key(self.done_key(seller, message))
-            .key(self.calls_key(seller));
+            .key(self.keys.done(seller, message))
+            .key(self.keys.calls(seller));
         if let Some(batch) = batch {
-            invocation.key(self.batch_key(seller, batch));
+            invocation.key(self.keys.batch(seller, batch));
         }
         let reason = match completion {
             Completion::Dead(reason) => reason,
@@ -606,7 +577,7 @@ impl PermitStore {
     /// parse), counted per dead letter.
     pub async fn tally_dead(&self, reason: &str, by: i64) -> Result<(), PermitError> {
         let _: i64 = scripts::tally()
-            .key(self.shared_key(DEAD_NOW))
+            .key(self.keys.dead_now())
             .arg(reason)
             .arg(by)
             .invoke_async(&mut self.conn.clone())
@@ -618,7 +589,7 @@ impl PermitStore {
     /// each message with an identity counted once, each dead letter without one once.
     pub async fn dead_now(&self) -> Result<std::collections::BTreeMap<String, u64>, PermitError> {
         let counts: std::collections::BTreeMap<String, i64> =
-            self.conn.clone().hgetall(self.shared_key(DEAD_NOW)).await?;
+            self.conn.clone().hgetall(self.keys.dead_now()).await?;
         Ok(counts
             .into_iter()
             .filter(|(_, n)| *n > 0)
@@ -635,7 +606,7 @@ impl PermitStore {
     ) -> Result<Duration, PermitError> {
         let duration_us = duration.as_micros().clamp(1, i64::MAX as u128) as i64;
         let until: i64 = scripts::pause()
-            .key(self.seller_key(seller, "pause"))
+            .key(self.keys.pause(seller))
             .arg(duration_us)
             .invoke_async(&mut self.conn.clone())
             .await?;
@@ -645,11 +616,7 @@ impl PermitStore {
 
     /// How long the seller stays paused (zero when not paused).
     pub async fn paused_for(&self, seller: &SellerId) -> Result<Duration, PermitError> {
-        let until: Option<i64> = self
-            .conn
-            .clone()
-            .get(self.seller_key(seller, "pause"))
-            .await?;
+        let until: Option<i64> = self.conn.clone().get(self.keys.pause(seller)).await?;
         let now = self.redis_time_us().await?;
         Ok(wait_for(until.unwrap_or(0), now))
     }
@@ -659,8 +626,8 @@ impl PermitStore {
     pub async fn usage(&self, seller: &SellerId) -> Result<Usage, PermitError> {
         let answer: Vec<i64> = scripts::usage()
             .key(self.state_key(seller))
-            .key(self.seller_key(seller, "limit"))
-            .key(self.seller_key(seller, "pause"))
+            .key(self.keys.limit(seller))
+            .key(self.keys.pause(seller))
             .arg(self.limiter.algorithm.name())
             .arg(self.limiter.limit.count())
             .arg(self.limiter.limit.window_us())
@@ -708,11 +675,7 @@ impl PermitStore {
 
     /// The seller's override, if one is set.
     pub async fn limit_override(&self, seller: &SellerId) -> Result<Option<Limit>, PermitError> {
-        let raw: Option<String> = self
-            .conn
-            .clone()
-            .get(self.seller_key(seller, "limit"))
-            .await?;
+        let raw: Option<String> = self.conn.clone().get(self.keys.limit(seller)).await?;
         Ok(raw.and_then(|raw| {
             let (count, window) = raw.split_once(' ')?;
             Limit::new(
@@ -755,9 +718,9 @@ impl PermitStore {
         let mut invocation = scripts::reschedule().prepare_invoke();
         invocation
             .key(self.state_key(seller))
-            .key(self.seller_key(seller, "limit"))
-            .key(self.seller_key(seller, "pause"))
-            .key(self.seller_key(seller, "reserved"))
+            .key(self.keys.limit(seller))
+            .key(self.keys.pause(seller))
+            .key(self.keys.reserved(seller))
             .arg(self.limiter.algorithm.name())
             .arg(self.limiter.limit.count())
             .arg(self.limiter.limit.window_us())
@@ -777,7 +740,7 @@ impl PermitStore {
         let (changed, released, now): (u8, u64, i64) =
             invocation.invoke_async(&mut self.conn.clone()).await?;
         metrics::counter!("turnstile_reservations_released_total").increment(released);
-        let log = self.shared_key(RESCHEDULES);
+        let log = self.keys.reschedules();
         redis::pipe()
             .zadd(&log, seller.as_str(), now)
             .ignore()
@@ -794,7 +757,7 @@ impl PermitStore {
     /// from the shared reschedule log (at most 1,000 at a time).
     pub async fn rescheduled_since(&self, since_us: i64) -> Result<Vec<Rescheduled>, PermitError> {
         let entries: Vec<(String, f64)> = redis::cmd("ZRANGEBYSCORE")
-            .arg(self.shared_key(RESCHEDULES))
+            .arg(self.keys.reschedules())
             .arg(format!("({since_us}"))
             .arg("+inf")
             .arg("WITHSCORES")
@@ -826,8 +789,6 @@ pub enum Change {
     Release,
 }
 
-/// The shared log of reschedules: sorted set, member = seller id, score = when (Redis µs).
-const RESCHEDULES: &str = "reschedules";
 /// How long a reschedule stays in the shared log (a replica that polls less often than this
 /// misses it: its held messages then come back at their old slots, as before the change).
 const RESCHEDULE_LOG_SPAN: Duration = Duration::from_secs(3600);
@@ -941,7 +902,7 @@ pub async fn memory_usage(conn: &RedisConn, key: &str) -> Result<Option<u64>, Pe
 /// Bytes Redis uses for every key that starts with `prefix:`.
 pub async fn memory_of_prefix(conn: &RedisConn, prefix: &str) -> Result<u64, PermitError> {
     let mut total = 0;
-    for key in keys_matching(conn, &format!("{prefix}:*")).await? {
+    for key in keys_matching(conn, &Keyspace::new(prefix).everything()).await? {
         total += memory_usage(conn, &key).await?.unwrap_or(0);
     }
     Ok(total)
@@ -951,7 +912,7 @@ pub async fn memory_of_prefix(conn: &RedisConn, prefix: &str) -> Result<u64, Per
 /// after themselves).
 pub async fn delete_prefix(conn: &RedisConn, prefix: &str) -> anyhow::Result<()> {
     let mut unlink = conn.clone();
-    for key in keys_matching(conn, &format!("{prefix}:*")).await? {
+    for key in keys_matching(conn, &Keyspace::new(prefix).everything()).await? {
         let _: i64 = unlink.unlink(&key).await?;
     }
     Ok(())

@@ -9,7 +9,7 @@ use redis::AsyncCommands;
 use super::percentile;
 use turnstile_core::config::{Algorithm, Limit, LimiterArgs, RedisArgs};
 use turnstile_core::domain::SellerId;
-use turnstile_core::permit::{PermitStore, RedisConn};
+use turnstile_core::permit::{Keyspace, PermitStore, RedisConn};
 
 struct Figures {
     ops_per_sec: f64,
@@ -79,11 +79,11 @@ pub async fn run(
     );
     let baseline = {
         let conn = conn.clone();
-        let prefix = prefix.clone();
+        let keys = Keyspace::new(&prefix);
         let sellers = sellers.clone();
         measure(concurrency, duration, move |i| {
             let mut conn = conn.clone();
-            let key = format!("{prefix}:{{{}}}:incr", sellers[i % sellers.len()].key_tag());
+            let key = keys.lab_incr(&sellers[i % sellers.len()]);
             async move {
                 let _: i64 = conn.incr(&key, 1).await?;
                 Ok(())

@@ -36,7 +36,9 @@ use turnstile_core::config::{
     Algorithm, Limit, LimiterArgs, RedisArgs, duration_arg, format_duration,
 };
 use turnstile_core::domain::{BatchId, MessageId, SellerId};
-use turnstile_core::permit::{Completion, PermitStore, RedisConn, delete_prefix, keys_matching};
+use turnstile_core::permit::{
+    Completion, Keyspace, PermitStore, RedisConn, delete_prefix, keys_matching,
+};
 use turnstile_core::replica::Replica;
 
 /// Flags of `turnstile bench sellers`.
@@ -209,7 +211,7 @@ async fn measure(args: &SellersArgs, target: &Target, base: &str) -> anyhow::Res
     eprintln!("  baseline: SET per seller");
     let baseline_set_bytes = bytes_per(target, base, n, args.concurrency, |i| {
         let mut conn = conn.clone();
-        let key = format!("{base}:{{{}}}:baseline", seller(i).key_tag());
+        let key = Keyspace::new(base).lab_baseline(&seller(i));
         async move {
             let () = redis::cmd("SET")
                 .arg(key)
@@ -239,7 +241,11 @@ async fn measure(args: &SellersArgs, target: &Target, base: &str) -> anyhow::Res
             async move { take(&store, &seller(i), args.permits).await }
         })
         .await?;
-        let usage = mean_usage(conn, sample(n).map(|i| store.state_key(&seller(i)))).await?;
+        let usage = mean_usage(
+            conn,
+            sample(n).map(|i| store.keys().state(&seller(i), algorithm)),
+        )
+        .await?;
         algorithms.push(AlgorithmFigures {
             algorithm: algorithm.name(),
             bytes_per_seller_one_permit: one,
@@ -253,12 +259,14 @@ async fn measure(args: &SellersArgs, target: &Target, base: &str) -> anyhow::Res
 
     let mut completion = completion_records(args, target, base, baseline_set_bytes).await?;
     let idle = idle(args, target, base, &mut algorithms).await?;
-    let done_keys = keys_matching(conn, &format!("{base}:*")).await?;
-    completion.records_after_idle = done_keys.iter().filter(|k| k.contains(":done:")).count();
+    completion.records_after_idle = keys_matching(conn, &Keyspace::new(base).completion_records())
+        .await?
+        .len();
     let ttl_ms: i64 = redis::cmd("PTTL")
         .arg(
             limiter_store(conn, base, args.limit, Algorithm::SlidingWindow)
-                .done_key(&seller(0), &message(0, 0)),
+                .keys()
+                .done(&seller(0), &message(0, 0)),
         )
         .query_async(&mut conn.clone())
         .await?;
@@ -320,12 +328,12 @@ async fn completion_records(
     let sampled = || sample(args.sellers);
     let done_key_memory_usage = mean_usage(
         &target.conn,
-        sampled().map(|s| store.done_key(&seller(s), &message(s, 0))),
+        sampled().map(|s| store.keys().done(&seller(s), &message(s, 0))),
     )
     .await?;
     let batch_key_memory_usage = mean_usage(
         &target.conn,
-        sampled().map(|s| store.batch_key(&seller(s), &batch)),
+        sampled().map(|s| store.keys().batch(&seller(s), &batch)),
     )
     .await?;
     Ok(CompletionFigures {
@@ -369,7 +377,7 @@ async fn idle(
         last_permit = Instant::now();
         longest_guard =
             longest_guard.max(LimiterArgs::new(limit, algorithm).guard_for(limit.window()));
-        figures.keys_before_idle = keys_matching(&target.conn, &format!("{prefix}:*"))
+        figures.keys_before_idle = keys_matching(&target.conn, &store.keys().everything())
             .await?
             .len();
     }
@@ -389,7 +397,7 @@ async fn idle(
     };
     for (algorithm, figures) in Algorithm::ALL.into_iter().zip(algorithms.iter_mut()) {
         let prefix = format!("{base}-idle-{}", algorithm.name());
-        figures.keys_after_idle = keys_matching(&target.conn, &format!("{prefix}:*"))
+        figures.keys_after_idle = keys_matching(&target.conn, &Keyspace::new(&prefix).everything())
             .await?
             .len();
     }

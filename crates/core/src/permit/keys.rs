@@ -1,0 +1,370 @@
+//! Every Redis key turnstile uses, built in one place: nothing else formats a key.
+//!
+//! All keys start with the key prefix (`TURNSTILE_KEY_PREFIX`, no braces) and carry a Redis
+//! Cluster hash tag (the text between the first `{` and the next `}`), which decides the hash
+//! slot, hence the node, a key lives on:
+//!
+//! - **a seller's keys**: `<prefix>:{<seller tag>}:<name>`, the tag being
+//!   [`SellerId::key_tag`] (the id percent-encoded: never `{`, `}`, `:` or `~`). Every key of a
+//!   seller shares its slot, so one Lua script can read and write them all atomically, on one
+//!   node, and sellers spread over the nodes. The scripts receive every key they touch in
+//!   `KEYS` (none builds a key name itself).
+//!   - the limiter state of the configured algorithm ([`Keyspace::state`]): `log`
+//!     (sliding-window), `tat` (gcra), `bucket` (token-bucket) or `windows` (fixed-window);
+//!   - `limit` (the seller's override), `pause`, `reserved` (reserved slots), `server` (the
+//!     stamp of the Redis that wrote the state), `calls` (calls in flight or recently
+//!     answered), `far` (the far queue);
+//!   - `done:<message>`: a message's completion record; `batch:<batch>`: an upload's progress
+//!     (message and batch ids percent-encoded as the seller's tag is).
+//! - **shared keys**: `<prefix>:{<prefix>~shared}:<name>`, one slot for all of them (a
+//!   pipeline over several is one node's work). Their tag holds a `~`, which no seller's tag
+//!   does, so they never land on a seller's tag: `sellers`, `uploads`, `dead-now`,
+//!   `reschedules` and `throughput:<minute>`.
+//! - **lab keys**: baselines the benchmarks write beside a seller's keys (`incr`, `baseline`).
+//!
+//! README.md, "Redis keys", lists every key with its type, TTL, writers and readers.
+
+use crate::config::Algorithm;
+use crate::domain::{BatchId, MessageId, SellerId, key_part};
+
+/// The keys under one key prefix.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Keyspace {
+    prefix: String,
+}
+
+impl Keyspace {
+    /// The keys under `prefix` (checked by the configuration: 1 to 64 characters, no braces).
+    pub fn new(prefix: &str) -> Self {
+        Self {
+            prefix: prefix.to_owned(),
+        }
+    }
+
+    /// The key prefix.
+    pub fn prefix(&self) -> &str {
+        &self.prefix
+    }
+
+    /// A key of the seller's: `<prefix>:{<seller tag>}:<name>`.
+    fn seller(&self, seller: &SellerId, name: &str) -> String {
+        format!("{}:{{{}}}:{}", self.prefix, seller.key_tag(), name)
+    }
+
+    /// A key shared by all sellers and replicas: `<prefix>:{<prefix>~shared}:<name>`.
+    fn shared(&self, name: &str) -> String {
+        format!("{}:{{{}~shared}}:{}", self.prefix, self.prefix, name)
+    }
+
+    /// The seller's limiter state under `algorithm`: its log (sliding-window, sorted set), TAT
+    /// (gcra, string), bucket (token-bucket, hash) or window counters (fixed-window, hash).
+    pub fn state(&self, seller: &SellerId, algorithm: Algorithm) -> String {
+        let name = match algorithm {
+            Algorithm::SlidingWindow => "log",
+            Algorithm::Gcra => "tat",
+            Algorithm::TokenBucket => "bucket",
+            Algorithm::FixedWindow => "windows",
+        };
+        self.seller(seller, name)
+    }
+
+    /// The seller's limit override (string `COUNT WINDOW_US`).
+    pub fn limit(&self, seller: &SellerId) -> String {
+        self.seller(seller, "limit")
+    }
+
+    /// The seller's pause (string: its end in µs, Redis time).
+    pub fn pause(&self, seller: &SellerId) -> String {
+        self.seller(seller, "pause")
+    }
+
+    /// The seller's reserved slots (sorted set: member = token, score = slot).
+    pub fn reserved(&self, seller: &SellerId) -> String {
+        self.seller(seller, "reserved")
+    }
+
+    /// The seller's server stamp: run id of the Redis that wrote its state (see
+    /// `check_server` in `lua/prelude.lua`).
+    pub fn server(&self, seller: &SellerId) -> String {
+        self.seller(seller, "server")
+    }
+
+    /// The seller's calls in flight or answered within a window (sorted set: member = token,
+    /// score = end; see `calls_gate` in `lua/prelude.lua`).
+    pub fn calls(&self, seller: &SellerId) -> String {
+        self.seller(seller, "calls")
+    }
+
+    /// The seller's far queue (hash: `at`, `n`; see `far_ticket` in `lua/prelude.lua`).
+    pub fn far(&self, seller: &SellerId) -> String {
+        self.seller(seller, "far")
+    }
+
+    /// A message's completion record: `<prefix>:{<seller>}:done:<message>` (string, see
+    /// `lua/complete.lua`).
+    pub fn done(&self, seller: &SellerId, message: &MessageId) -> String {
+        self.seller(seller, &format!("done:{}", key_part(message.as_str())))
+    }
+
+    /// An upload's progress: `<prefix>:{<seller>}:batch:<batch>` (hash).
+    pub fn batch(&self, seller: &SellerId, batch: &BatchId) -> String {
+        self.seller(seller, &format!("batch:{}", key_part(batch.as_str())))
+    }
+
+    /// A glob pattern matching every upload's progress of the seller.
+    pub fn batches_of(&self, seller: &SellerId) -> String {
+        self.seller(seller, "batch:*")
+    }
+
+    /// A glob pattern matching every upload's progress under the prefix.
+    pub fn batches(&self) -> String {
+        format!("{}:*:batch:*", self.prefix)
+    }
+
+    /// A glob pattern matching every completion record under the prefix.
+    pub fn completion_records(&self) -> String {
+        format!("{}:*:done:*", self.prefix)
+    }
+
+    /// A glob pattern matching every key under the prefix (for cleanup and weighing).
+    pub fn everything(&self) -> String {
+        format!("{}:*", self.prefix)
+    }
+
+    /// Sellers any replica asked permits for recently (sorted set: seller id -> last unix ms).
+    pub fn sellers_seen(&self) -> String {
+        self.shared("sellers")
+    }
+
+    /// The index of uploads by publish time (sorted set: batch key -> published unix ms).
+    pub fn uploads(&self) -> String {
+        self.shared("uploads")
+    }
+
+    /// Messages dead now, by reason (hash: reason -> count). Named anew: `dead-letters`, its
+    /// predecessor, counted every dead letter and was never lowered.
+    pub fn dead_now(&self) -> String {
+        self.shared("dead-now")
+    }
+
+    /// The log of reschedules (sorted set: seller id -> when its terms changed, Redis µs).
+    pub fn reschedules(&self) -> String {
+        self.shared("reschedules")
+    }
+
+    /// Registrations in the unix minute `minute` (hash: unix second -> count).
+    pub fn throughput(&self, minute: u64) -> String {
+        self.shared(&format!("throughput:{minute}"))
+    }
+
+    /// The lab's baseline counter beside the seller's keys (`turnstile bench permits`: a plain
+    /// INCR to compare a permit with).
+    pub fn lab_incr(&self, seller: &SellerId) -> String {
+        self.seller(seller, "incr")
+    }
+
+    /// The lab's baseline string beside the seller's keys (`turnstile bench sellers`: a plain
+    /// SET to compare a seller's memory with).
+    pub fn lab_baseline(&self, seller: &SellerId) -> String {
+        self.seller(seller, "baseline")
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The part of `key` Redis Cluster hashes: the text between the first `{` and the next
+    /// `}` if it is not empty, else the whole key.
+    fn hash_tag(key: &str) -> &str {
+        if let Some(open) = key.find('{')
+            && let Some(len) = key[open + 1..].find('}')
+            && len > 0
+        {
+            return &key[open + 1..open + 1 + len];
+        }
+        key
+    }
+
+    /// The Redis Cluster slot of `key`: CRC16 (XMODEM) of its hash tag, mod 16384.
+    fn slot(key: &str) -> u16 {
+        let mut crc: u16 = 0;
+        for byte in hash_tag(key).bytes() {
+            crc ^= u16::from(byte) << 8;
+            for _ in 0..8 {
+                crc = if crc & 0x8000 != 0 {
+                    (crc << 1) ^ 0x1021
+                } else {
+                    crc << 1
+                };
+            }
+        }
+        crc % 16384
+    }
+
+    fn seller(s: &str) -> SellerId {
+        SellerId::parse(s).unwrap()
+    }
+
+    /// Every key of a seller's the keyspace builds.
+    fn seller_keys(keys: &Keyspace, s: &SellerId) -> Vec<String> {
+        let mut all: Vec<String> = Algorithm::ALL
+            .into_iter()
+            .map(|a| keys.state(s, a))
+            .collect();
+        all.extend([
+            keys.limit(s),
+            keys.pause(s),
+            keys.reserved(s),
+            keys.server(s),
+            keys.calls(s),
+            keys.far(s),
+            keys.done(s, &MessageId::parse("m:{1}").unwrap()),
+            keys.batch(s, &BatchId::parse("b 1").unwrap()),
+            keys.lab_incr(s),
+            keys.lab_baseline(s),
+        ]);
+        all
+    }
+
+    fn shared_keys(keys: &Keyspace) -> Vec<String> {
+        vec![
+            keys.sellers_seen(),
+            keys.uploads(),
+            keys.dead_now(),
+            keys.reschedules(),
+            keys.throughput(29_000_000),
+        ]
+    }
+
+    #[test]
+    fn the_slot_is_the_one_redis_computes() {
+        // CLUSTER KEYSLOT answers these (Redis Cluster specification).
+        assert_eq!(slot("123456789"), 12739);
+        assert_eq!(slot("{user1000}.following"), slot("user1000"));
+        assert_eq!(hash_tag("foo{}{bar}"), "foo{}{bar}");
+    }
+
+    #[test]
+    fn keys_keep_their_names() {
+        let keys = Keyspace::new("turnstile");
+        let s = seller("S-1");
+        assert_eq!(
+            keys.state(&s, Algorithm::SlidingWindow),
+            "turnstile:{S-1}:log"
+        );
+        assert_eq!(keys.state(&s, Algorithm::Gcra), "turnstile:{S-1}:tat");
+        assert_eq!(
+            keys.state(&s, Algorithm::TokenBucket),
+            "turnstile:{S-1}:bucket"
+        );
+        assert_eq!(
+            keys.state(&s, Algorithm::FixedWindow),
+            "turnstile:{S-1}:windows"
+        );
+        assert_eq!(keys.limit(&s), "turnstile:{S-1}:limit");
+        assert_eq!(keys.pause(&s), "turnstile:{S-1}:pause");
+        assert_eq!(keys.reserved(&s), "turnstile:{S-1}:reserved");
+        assert_eq!(keys.server(&s), "turnstile:{S-1}:server");
+        assert_eq!(keys.calls(&s), "turnstile:{S-1}:calls");
+        assert_eq!(keys.far(&s), "turnstile:{S-1}:far");
+        assert_eq!(
+            keys.done(&s, &MessageId::parse("m 1").unwrap()),
+            "turnstile:{S-1}:done:m%201"
+        );
+        assert_eq!(
+            keys.batch(&s, &BatchId::parse("b:1").unwrap()),
+            "turnstile:{S-1}:batch:b%3A1"
+        );
+        assert_eq!(keys.batches_of(&s), "turnstile:{S-1}:batch:*");
+        assert_eq!(keys.batches(), "turnstile:*:batch:*");
+        assert_eq!(keys.completion_records(), "turnstile:*:done:*");
+        assert_eq!(keys.everything(), "turnstile:*");
+        assert_eq!(keys.sellers_seen(), "turnstile:{turnstile~shared}:sellers");
+        assert_eq!(keys.uploads(), "turnstile:{turnstile~shared}:uploads");
+        assert_eq!(keys.dead_now(), "turnstile:{turnstile~shared}:dead-now");
+        assert_eq!(
+            keys.reschedules(),
+            "turnstile:{turnstile~shared}:reschedules"
+        );
+        assert_eq!(
+            keys.throughput(12),
+            "turnstile:{turnstile~shared}:throughput:12"
+        );
+        assert_eq!(keys.lab_incr(&s), "turnstile:{S-1}:incr");
+        assert_eq!(keys.lab_baseline(&s), "turnstile:{S-1}:baseline");
+    }
+
+    #[test]
+    fn a_sellers_keys_share_one_slot_under_its_tag() {
+        let keys = Keyspace::new("turn:stile");
+        for id in ["S-1", "größe", "{brace}", "a:b", "turn:stile~shared", "%7B"] {
+            let s = seller(id);
+            for key in seller_keys(&keys, &s) {
+                assert!(key.starts_with("turn:stile:"), "{key}");
+                assert_eq!(hash_tag(&key), s.key_tag(), "{key}");
+                assert_eq!(slot(&key), slot(&keys.limit(&s)), "{key}");
+            }
+        }
+    }
+
+    #[test]
+    fn shared_keys_share_one_slot_and_never_a_sellers_tag() {
+        for prefix in ["turnstile", "t~x", "a.b-c"] {
+            let keys = Keyspace::new(prefix);
+            let shared = shared_keys(&keys);
+            let tag = format!("{prefix}~shared");
+            for key in &shared {
+                assert!(key.starts_with(&format!("{prefix}:")), "{key}");
+                assert_eq!(hash_tag(key), tag, "{key}");
+            }
+            // Not even a seller named after the shared tag lands on it.
+            for id in [tag.as_str(), &format!("{{{tag}}}"), prefix, "S-1"] {
+                let s = seller(id);
+                for key in seller_keys(&keys, &s) {
+                    assert_ne!(hash_tag(&key), tag, "{key}");
+                    assert!(!shared.contains(&key), "{key}");
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn patterns_match_the_keys_they_name() {
+        // The glob patterns only use `*`: match it as a prefix/suffix split.
+        fn matches(pattern: &str, key: &str) -> bool {
+            let parts: Vec<&str> = pattern.split('*').collect();
+            let mut rest = key;
+            for (i, part) in parts.iter().enumerate() {
+                if i == 0 {
+                    let Some(r) = rest.strip_prefix(part) else {
+                        return false;
+                    };
+                    rest = r;
+                } else if i == parts.len() - 1 {
+                    return rest.ends_with(part);
+                } else {
+                    let Some(at) = rest.find(part) else {
+                        return false;
+                    };
+                    rest = &rest[at + part.len()..];
+                }
+            }
+            rest.is_empty()
+        }
+        let keys = Keyspace::new("turnstile");
+        let (s, other) = (seller("S-1"), seller("S-2"));
+        let batch = keys.batch(&s, &BatchId::parse("b1").unwrap());
+        let done = keys.done(&s, &MessageId::parse("m1").unwrap());
+        assert!(matches(&keys.batches_of(&s), &batch));
+        assert!(!matches(&keys.batches_of(&other), &batch));
+        assert!(matches(&keys.batches(), &batch));
+        assert!(!matches(&keys.batches(), &done));
+        assert!(matches(&keys.completion_records(), &done));
+        assert!(!matches(&keys.completion_records(), &batch));
+        for key in seller_keys(&keys, &s).iter().chain(&shared_keys(&keys)) {
+            assert!(matches(&keys.everything(), key), "{key}");
+            assert!(!matches(&Keyspace::new("turnstile-2").everything(), key));
+        }
+    }
+}
