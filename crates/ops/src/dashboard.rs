@@ -247,72 +247,12 @@ impl Dashboard {
             .zip(usages.iter())
             .collect();
 
-        let backlog = progress::backlog_by_seller(&uploads);
-        let uploads = uploads
-            .iter()
-            .map(|p| {
-                let waiting = backlog.get(p.seller.as_str()).copied().unwrap_or(0);
-                let eta = match usage.get(p.seller.as_str()) {
-                    _ if p.waiting() == 0 => Duration::ZERO,
-                    Some(u) => u.limit.optimum_drain(waiting) + u.paused_for,
-                    None => self.permits.default_limit().optimum_drain(waiting),
-                };
-                UploadRow {
-                    seller: p.seller.clone(),
-                    batch: p.batch.clone(),
-                    total: p.total,
-                    registered: p.registered,
-                    dead: p.dead,
-                    waiting: p.waiting(),
-                    eta_s: eta.as_secs_f64(),
-                    published_ms: p.published_ms,
-                    last_ms: p.last_ms,
-                }
-            })
-            .collect();
-
-        let row = |seller: &str, u: &Usage| SellerRow {
-            seller: seller.to_owned(),
-            limit: u.limit.to_string(),
-            overridden: u.overridden,
-            used: u.used,
-            capacity: u.capacity,
-            ahead: u.ahead,
-            paused_ms: u.paused_for.as_millis() as u64,
-        };
-        let mut rows: Vec<SellerRow> = usage.iter().map(|(s, u)| row(s, u)).collect();
-        let mut paused: Vec<SellerRow> = usage
-            .iter()
-            .filter(|(_, u)| !u.paused_for.is_zero())
-            .map(|(s, u)| row(s, u))
-            .collect();
-        paused.sort_by(|a, b| b.paused_ms.cmp(&a.paused_ms).then(a.seller.cmp(&b.seller)));
-        paused.truncate(SELLERS_SHOWN);
-        // Busiest first: share of the limit taken (in thousandths), then promised ahead.
-        let share = |r: &SellerRow| (r.used * 1000).checked_div(r.capacity).unwrap_or(0);
-        rows.sort_by(|a, b| {
-            (share(b), b.ahead, b.paused_ms)
-                .cmp(&(share(a), a.ahead, a.paused_ms))
-                .then(a.seller.cmp(&b.seller))
-        });
-        rows.truncate(SELLERS_SHOWN);
+        let uploads = upload_rows(&uploads, &usage, self.permits.default_limit());
+        let (rows, paused) = seller_rows(&usage);
 
         Ok(Snapshot {
             now_ms,
-            replica: ReplicaView {
-                info: self.info.clone(),
-                ready: self.ready.get(),
-                in_flight: self.stats.in_flight.load(Ordering::Relaxed),
-                held: self.stats.held.load(Ordering::Relaxed),
-                deliveries: self.stats.deliveries.load(Ordering::Relaxed),
-                registered: self.stats.registered.load(Ordering::Relaxed),
-                ladder: LadderView {
-                    held: self.stats.ladder.held.load(Ordering::Relaxed),
-                    hops: self.stats.ladder.hops.load(Ordering::Relaxed),
-                    overdue: self.stats.ladder.overdue.load(Ordering::Relaxed),
-                    max_late_ms: self.stats.ladder.max_late_ms.load(Ordering::Relaxed),
-                },
-            },
+            replica: self.replica_view(),
             queues: *self.depths.lock().expect("never poisoned"),
             sellers: rows,
             sellers_active,
@@ -321,6 +261,25 @@ impl Dashboard {
             dead_letters,
             throughput,
         })
+    }
+
+    /// This replica's own figures.
+    fn replica_view(&self) -> ReplicaView {
+        let stats = &self.stats;
+        ReplicaView {
+            info: self.info.clone(),
+            ready: self.ready.get(),
+            in_flight: stats.in_flight.load(Ordering::Relaxed),
+            held: stats.held.load(Ordering::Relaxed),
+            deliveries: stats.deliveries.load(Ordering::Relaxed),
+            registered: stats.registered.load(Ordering::Relaxed),
+            ladder: LadderView {
+                held: stats.ladder.held.load(Ordering::Relaxed),
+                hops: stats.ladder.hops.load(Ordering::Relaxed),
+                overdue: stats.ladder.overdue.load(Ordering::Relaxed),
+                max_late_ms: stats.ladder.max_late_ms.load(Ordering::Relaxed),
+            },
+        }
     }
 
     /// The sellers asked about most recently, and how many were in the last 10 minutes.
@@ -378,6 +337,69 @@ impl Dashboard {
 }
 
 /// Feeds the shared state once a second (throughput, active sellers) until `stop`, then once
+/// One row per upload, with its ETA from its seller's backlog, limit and pause (the default
+/// limit for a seller whose usage was not read).
+fn upload_rows(
+    uploads: &[progress::Progress],
+    usage: &HashMap<&str, &Usage>,
+    default: turnstile_core::config::Limit,
+) -> Vec<UploadRow> {
+    let backlog = progress::backlog_by_seller(uploads);
+    uploads
+        .iter()
+        .map(|p| {
+            let waiting = backlog.get(p.seller.as_str()).copied().unwrap_or(0);
+            let eta = match usage.get(p.seller.as_str()) {
+                _ if p.waiting() == 0 => Duration::ZERO,
+                Some(u) => u.limit.optimum_drain(waiting) + u.paused_for,
+                None => default.optimum_drain(waiting),
+            };
+            UploadRow {
+                seller: p.seller.clone(),
+                batch: p.batch.clone(),
+                total: p.total,
+                registered: p.registered,
+                dead: p.dead,
+                waiting: p.waiting(),
+                eta_s: eta.as_secs_f64(),
+                published_ms: p.published_ms,
+                last_ms: p.last_ms,
+            }
+        })
+        .collect()
+}
+
+/// The busiest sellers (share of the limit taken, then promised ahead) and the longest paused,
+/// at most [`SELLERS_SHOWN`] of each.
+fn seller_rows(usage: &HashMap<&str, &Usage>) -> (Vec<SellerRow>, Vec<SellerRow>) {
+    let row = |seller: &str, u: &Usage| SellerRow {
+        seller: seller.to_owned(),
+        limit: u.limit.to_string(),
+        overridden: u.overridden,
+        used: u.used,
+        capacity: u.capacity,
+        ahead: u.ahead,
+        paused_ms: u.paused_for.as_millis() as u64,
+    };
+    let mut rows: Vec<SellerRow> = usage.iter().map(|(s, u)| row(s, u)).collect();
+    let mut paused: Vec<SellerRow> = usage
+        .iter()
+        .filter(|(_, u)| !u.paused_for.is_zero())
+        .map(|(s, u)| row(s, u))
+        .collect();
+    paused.sort_by(|a, b| b.paused_ms.cmp(&a.paused_ms).then(a.seller.cmp(&b.seller)));
+    paused.truncate(SELLERS_SHOWN);
+    // Busiest first: share of the limit taken (in thousandths), then promised ahead.
+    let share = |r: &SellerRow| (r.used * 1000).checked_div(r.capacity).unwrap_or(0);
+    rows.sort_by(|a, b| {
+        (share(b), b.ahead, b.paused_ms)
+            .cmp(&(share(a), a.ahead, a.paused_ms))
+            .then(a.seller.cmp(&b.seller))
+    });
+    rows.truncate(SELLERS_SHOWN);
+    (rows, paused)
+}
+
 /// more. Runs on every replica, with or without HTTP: every page counts every replica.
 pub async fn sample(dashboard: Arc<Dashboard>, stop: CancellationToken) {
     let mut recorded = dashboard.stats.registered.load(Ordering::Relaxed);
@@ -404,6 +426,41 @@ pub async fn sample(dashboard: Arc<Dashboard>, stop: CancellationToken) {
 }
 
 /// Reads the queue depths from the broker every 5 s until `stop` (on a connection of its own,
+/// The depth of each of the topology's queues, the delay ladder's summed.
+async fn read_depths(channel: &lapin::Channel, topology: &Topology) -> anyhow::Result<QueueDepths> {
+    let mut depths = QueueDepths {
+        read_ms: unix_ms(),
+        ..Default::default()
+    };
+    for queue in topology.queues() {
+        let n = u64::from(broker::depth(channel, &queue).await?);
+        if queue == topology.work() {
+            depths.work = n;
+        } else if queue == topology.ready() {
+            depths.returning = n;
+        } else if queue == topology.dead() {
+            depths.dead = n;
+        } else {
+            depths.delayed += n;
+        }
+    }
+    Ok(depths)
+}
+
+impl QueueDepths {
+    /// Sets the `turnstile_queue_messages` gauges.
+    fn export(&self) {
+        for (queue, n) in [
+            ("work", self.work),
+            ("ready", self.returning),
+            ("delay", self.delayed),
+            ("dead", self.dead),
+        ] {
+            metrics::gauge!("turnstile_queue_messages", "queue" => queue).set(n as f64);
+        }
+    }
+}
+
 /// reopened after errors), for the page and the `turnstile_queue_messages` gauges.
 pub async fn watch_queues(
     dashboard: Arc<Dashboard>,
@@ -431,23 +488,7 @@ pub async fn watch_queues(
                 open = Some((connection, channel));
             }
             let (_, channel) = open.as_ref().expect("opened above");
-            let mut depths = QueueDepths {
-                read_ms: unix_ms(),
-                ..Default::default()
-            };
-            for queue in topology.queues() {
-                let n = u64::from(broker::depth(channel, &queue).await?);
-                if queue == topology.work() {
-                    depths.work = n;
-                } else if queue == topology.ready() {
-                    depths.returning = n;
-                } else if queue == topology.dead() {
-                    depths.dead = n;
-                } else {
-                    depths.delayed += n;
-                }
-            }
-            anyhow::Ok(depths)
+            read_depths(channel, &topology).await
         };
         let read = tokio::select! {
             read = tokio::time::timeout(QUEUES_EVERY, read) => read,
@@ -455,14 +496,7 @@ pub async fn watch_queues(
         };
         match read {
             Ok(Ok(depths)) => {
-                for (queue, n) in [
-                    ("work", depths.work),
-                    ("ready", depths.returning),
-                    ("delay", depths.delayed),
-                    ("dead", depths.dead),
-                ] {
-                    metrics::gauge!("turnstile_queue_messages", "queue" => queue).set(n as f64);
-                }
+                depths.export();
                 *dashboard.depths.lock().expect("never poisoned") = Some(depths);
             }
             Ok(Err(error)) => {
