@@ -351,37 +351,7 @@ impl PermitStore {
             _ => {}
         }
         let answer: Vec<redis::Value> = invocation.invoke_async(&mut self.conn.clone()).await?;
-        let bad = || PermitError::Answer(algorithm.name());
-        let int = |i: usize| -> Result<i64, PermitError> {
-            answer
-                .get(i)
-                .and_then(|v| redis::from_redis_value_ref(v).ok())
-                .ok_or_else(bad)
-        };
-        let (status, slot, now) = (int(0)?, int(1)?, int(2)?);
-        let decision = match status {
-            1 => Ok(Decision::Granted {
-                slot_us: slot,
-                used_permille: int(5).map_or(0, |p| p.clamp(0, i64::from(u32::MAX)) as u32),
-                call: token,
-            }),
-            2 => Ok(Decision::Wait {
-                retry_after: wait_for(slot, now),
-                reservation: Some(Reservation {
-                    slot_us: slot,
-                    count: u32::try_from(int(3)?).map_err(|_| bad())?,
-                    window_us: u64::try_from(int(4)?).map_err(|_| bad())?,
-                    reserved_at_us: now,
-                    token,
-                }),
-            }),
-            0 => Ok(Decision::Wait {
-                retry_after: wait_for(slot, now),
-                reservation: None,
-            }),
-            3 => Ok(Decision::AlreadyDone),
-            _ => Err(PermitError::Answer(algorithm.name())),
-        }?;
+        let decision = acquired(algorithm, &answer, token)?;
         observe(algorithm, &decision, true);
         Ok(decision)
     }
@@ -916,4 +886,43 @@ pub async fn delete_prefix(conn: &RedisConn, prefix: &str) -> anyhow::Result<()>
         let _: i64 = unlink.unlink(&key).await?;
     }
     Ok(())
+}
+/// An acquire script's answer `{status, slot, now, count, window, used‰}` as a decision;
+/// `token` names the call (granted) or the reservation (told to wait with a slot held).
+fn acquired(
+    algorithm: Algorithm,
+    answer: &[redis::Value],
+    token: String,
+) -> Result<Decision, PermitError> {
+    let bad = || PermitError::Answer(algorithm.name());
+    let int = |i: usize| -> Result<i64, PermitError> {
+        answer
+            .get(i)
+            .and_then(|v| redis::from_redis_value_ref(v).ok())
+            .ok_or_else(bad)
+    };
+    let (status, slot, now) = (int(0)?, int(1)?, int(2)?);
+    match status {
+        1 => Ok(Decision::Granted {
+            slot_us: slot,
+            used_permille: int(5).map_or(0, |p| p.clamp(0, i64::from(u32::MAX)) as u32),
+            call: token,
+        }),
+        2 => Ok(Decision::Wait {
+            retry_after: wait_for(slot, now),
+            reservation: Some(Reservation {
+                slot_us: slot,
+                count: u32::try_from(int(3)?).map_err(|_| bad())?,
+                window_us: u64::try_from(int(4)?).map_err(|_| bad())?,
+                reserved_at_us: now,
+                token,
+            }),
+        }),
+        0 => Ok(Decision::Wait {
+            retry_after: wait_for(slot, now),
+            reservation: None,
+        }),
+        3 => Ok(Decision::AlreadyDone),
+        _ => Err(bad()),
+    }
 }
