@@ -98,7 +98,7 @@ pub async fn run(args: DemoArgs) -> anyhow::Result<ExitCode> {
         UPLOADS.len(),
         dir.display()
     );
-    let mut rig = Rig::start(settings, args.replicas).await?;
+    let mut rig = Rig::build(settings).start(args.replicas).await?;
     if let Some(addr) = rig.dashboard() {
         eprintln!("live dashboard while the demo runs: http://{addr}/");
     }
@@ -106,7 +106,7 @@ pub async fn run(args: DemoArgs) -> anyhow::Result<ExitCode> {
     for (seller, batch, n) in &uploads {
         rig.record_upload(seller, batch, *n).await?;
     }
-    rig.publish(messages).await?;
+    rig.publish_all(messages).await?;
     eprintln!("published {total} registrations (confirmed); registering within the limit:");
 
     let bars = MultiProgress::new();
