@@ -9,8 +9,8 @@ use std::time::Duration;
 
 use rand::Rng;
 use support::eventually;
-use support::pipeline::Pipeline;
 use turnstile_core::broker::QueueType;
+use turnstile_lab::rig::Rig;
 
 fn rabbitmqctl(args: &[&str]) -> String {
     let out = Command::new("rabbitmqctl")
@@ -24,8 +24,8 @@ fn rabbitmqctl(args: &[&str]) -> String {
 /// Every message the broker holds in the pipeline's queues, whatever its state: ready,
 /// unacked, or parked by the broker (a quorum queue's dead-letter backlog counts in
 /// `messages` but is neither ready nor unacked).
-fn held_by_broker(p: &Pipeline) -> u64 {
-    let queues = p.broker.topology.queues();
+fn held_by_broker(rig: &Rig) -> u64 {
+    let queues = rig.topology.queues();
     rabbitmqctl(&["-q", "list_queues", "name", "messages"])
         .lines()
         .filter_map(|line| {
@@ -38,56 +38,63 @@ fn held_by_broker(p: &Pipeline) -> u64 {
         .sum()
 }
 
-async fn restart_broker(p: &mut Pipeline, down: Duration) {
+async fn restart_broker(rig: &mut Rig, down: Duration) -> anyhow::Result<()> {
     rabbitmqctl(&["stop_app"]);
     eventually("replicas not ready", || {
-        p.replicas().all(|r| !r.ready.get())
+        rig.replicas().all(|r| !r.ready.get())
     })
     .await;
     tokio::time::sleep(down).await;
     rabbitmqctl(&["start_app"]);
     eventually("replicas ready again", || {
-        p.replicas().all(|r| r.ready.get())
+        rig.replicas().all(|r| r.ready.get())
     })
     .await;
-    p.broker.reconnect().await;
+    rig.reconnect().await?;
+    Ok(())
 }
 
 /// A backlog deep enough to keep messages on several ladder levels, restarted `restarts`
 /// times at random moments, with new sellers publishing between restarts.
-async fn repeated_restarts_strand_nothing(delay_type: QueueType, restarts: usize) {
-    let mut p = Pipeline::with_delay_type("restarts", "10/1s", delay_type).await;
-    p.start_replicas(2, 4).await;
-    p.publish("S-big", 300).await;
+async fn repeated_restarts_strand_nothing(
+    delay_type: QueueType,
+    restarts: usize,
+) -> anyhow::Result<()> {
+    let mut rig = support::rig("restarts", "10/1s")
+        .with_delay_type(delay_type)
+        .prepare()
+        .await?;
+    rig.start_replicas(2, 4).await?;
+    rig.publish("S-big", 300).await?;
     let mut total = 300;
     let mut rng = rand::rng();
     for round in 0..restarts {
         tokio::time::sleep(Duration::from_millis(rng.random_range(300..3_000))).await;
         let down = Duration::from_millis(rng.random_range(200..2_500));
-        restart_broker(&mut p, down).await;
+        restart_broker(&mut rig, down).await?;
         let seller = format!("S-round-{round}");
-        p.publish(&seller, 25).await;
+        rig.publish(&seller, 25).await?;
         total += 25;
     }
-    let stats = p.wait_registered(total).await;
+    let stats = rig.wait_registered(total).await?;
     eventually("every copy left the broker's queues", || {
-        held_by_broker(&p) == 0
+        held_by_broker(&rig) == 0
     })
     .await;
-    let late_ms = p
+    let late_ms = rig
         .replicas()
         .map(|r| r.stats.ladder.max_late_ms.load(Ordering::Relaxed))
         .max()
         .unwrap_or(0);
-    let hops: u64 = p
+    let hops: u64 = rig
         .replicas()
         .map(|r| r.stats.ladder.hops.load(Ordering::Relaxed))
         .sum();
-    let overdue: u64 = p
+    let overdue: u64 = rig
         .replicas()
         .map(|r| r.stats.ladder.overdue.load(Ordering::Relaxed))
         .sum();
-    p.stop_replicas().await;
+    rig.stop_replicas().await?;
     println!(
         "{delay_type:?} ladder, {restarts} broker restarts: {} of {total} registered, {} violations, \
          {} duplicate calls, {hops} ladder hops ({overdue} ended >1 s late), longest past its due \
@@ -97,12 +104,12 @@ async fn repeated_restarts_strand_nothing(delay_type: QueueType, restarts: usize
     assert_eq!(stats.registered, total, "{stats:?}");
     assert_eq!(stats.violations, 0, "{stats:?}");
     assert!(hops > 0, "the backlog went through the ladder");
-    p.cleanup().await;
+    rig.cleanup().await
 }
 
 /// One test, so that the two ladders are never restarted at the same time.
 #[tokio::test]
-async fn ten_broker_restarts_strand_nothing_in_quorum_or_classic_ladders() {
-    repeated_restarts_strand_nothing(QueueType::Quorum, 10).await;
-    repeated_restarts_strand_nothing(QueueType::Classic, 10).await;
+async fn ten_broker_restarts_strand_nothing_in_quorum_or_classic_ladders() -> anyhow::Result<()> {
+    repeated_restarts_strand_nothing(QueueType::Quorum, 10).await?;
+    repeated_restarts_strand_nothing(QueueType::Classic, 10).await
 }

@@ -5,20 +5,20 @@ mod support;
 use std::process::{Child, Command, Stdio};
 use std::time::Duration;
 
-use support::pipeline::Pipeline;
 use support::{redis_url, run};
+use turnstile_lab::rig::Rig;
 
 fn turnstile() -> Command {
     Command::new(env!("CARGO_BIN_EXE_turnstile"))
 }
 
 /// The environment a replica or command of this pipeline runs with.
-fn env_of(p: &Pipeline, cmd: &mut Command) {
-    cmd.env("TURNSTILE_QUEUE", p.broker.queue())
-        .env("TURNSTILE_KEY_PREFIX", &p.keys.prefix)
+fn env_of(rig: &Rig, cmd: &mut Command) {
+    cmd.env("TURNSTILE_QUEUE", rig.topology.work())
+        .env("TURNSTILE_KEY_PREFIX", &rig.key_prefix)
         .env("TURNSTILE_REDIS_URL", redis_url())
-        .env("TURNSTILE_DOWNSTREAM_URL", p.mock.url())
-        .env("TURNSTILE_LIMIT", &p.limit)
+        .env("TURNSTILE_DOWNSTREAM_URL", rig.mock.url())
+        .env("TURNSTILE_LIMIT", rig.limit.to_string())
         .env("TURNSTILE_HTTP_ADDR", "off")
         .env("RUST_LOG", "warn");
 }
@@ -28,10 +28,11 @@ fn examples(file: &str) -> String {
 }
 
 #[tokio::test]
-async fn publish_sends_one_message_per_product_and_status_follows_the_upload() {
-    let mut p = Pipeline::new("publish", "100/1s").await;
+async fn publish_sends_one_message_per_product_and_status_follows_the_upload() -> anyhow::Result<()>
+{
+    let mut rig = support::rig("publish", "100/1s").prepare().await?;
     let mut cmd = turnstile();
-    env_of(&p, &mut cmd);
+    env_of(&rig, &mut cmd);
     let (code, out, err) = run(cmd.args([
         "publish",
         &examples("products.csv"),
@@ -45,23 +46,23 @@ async fn publish_sends_one_message_per_product_and_status_follows_the_upload() {
         out.contains("published 40 of 40 products of S-77 (batch b1)"),
         "{out}"
     );
-    assert_eq!(p.broker.depth(p.broker.queue()).await, 40);
+    assert_eq!(rig.depth(rig.topology.work()).await?, 40);
 
-    let status = |p: &Pipeline| {
+    let status = |rig: &Rig| {
         let mut cmd = turnstile();
-        env_of(p, &mut cmd);
+        env_of(rig, &mut cmd);
         let (code, out, err) = run(cmd.args(["status", "--seller", "S-77", "--json"]));
         assert_eq!(code, 0, "{err}");
         serde_json::from_str::<serde_json::Value>(&out).unwrap()
     };
-    let before = status(&p);
+    let before = status(&rig);
     assert_eq!(before[0]["total"], 40);
     assert_eq!(before[0]["waiting"], 40);
 
-    p.start_replicas(1, 4).await;
-    p.wait_registered(40).await;
-    p.wait_settled_registered(40).await;
-    let after = status(&p);
+    rig.start_replicas(1, 4).await?;
+    rig.wait_registered(40).await?;
+    rig.wait_settled_registered(40).await?;
+    let after = status(&rig);
     assert_eq!(
         (
             after[0]["registered"].as_u64(),
@@ -72,7 +73,7 @@ async fn publish_sends_one_message_per_product_and_status_follows_the_upload() {
 
     // Publishing the same file again registers nothing twice.
     let mut cmd = turnstile();
-    env_of(&p, &mut cmd);
+    env_of(&rig, &mut cmd);
     let (code, _, err) = run(cmd.args([
         "publish",
         &examples("products.csv"),
@@ -82,15 +83,15 @@ async fn publish_sends_one_message_per_product_and_status_follows_the_upload() {
         "b1",
     ]));
     assert_eq!(code, 0, "{err}");
-    while p.total(|s| &s.already_done) < 40 {
+    while rig.total(|s| &s.already_done) < 40 {
         tokio::time::sleep(Duration::from_millis(50)).await;
     }
-    let stats = p.mock.stats();
+    let stats = rig.mock.stats();
     assert_eq!(
         (stats.registered, stats.duplicates, stats.requests),
         (40, 0, 40)
     );
-    p.cleanup().await;
+    rig.cleanup().await
 }
 
 #[tokio::test]
@@ -102,22 +103,22 @@ async fn publish_refuses_a_missing_file_with_a_clear_error() {
 }
 
 #[tokio::test]
-async fn dead_letters_are_listed_and_replayed_after_the_cause_is_fixed() {
-    let mut p = Pipeline::new("replay", "100/1s").await;
-    p.start_replicas(1, 2).await;
+async fn dead_letters_are_listed_and_replayed_after_the_cause_is_fixed() -> anyhow::Result<()> {
+    let mut rig = support::rig("replay", "100/1s").prepare().await?;
+    rig.start_replicas(1, 2).await?;
     // Rejected once (400), then accepted: the cause is "fixed" downstream.
-    p.publish_product(
+    rig.publish_product(
         "S-1",
         "m-fixed",
         serde_json::json!({"mock": {"statuses": [400, 200]}}),
     )
-    .await;
-    p.broker.publish(b"garbage").await;
-    while p.broker.depth(p.broker.topology.dead()).await < 2 {
+    .await?;
+    rig.publish_body(b"garbage").await?;
+    while rig.depth(rig.topology.dead()).await? < 2 {
         tokio::time::sleep(Duration::from_millis(50)).await;
     }
     let mut cmd = turnstile();
-    env_of(&p, &mut cmd);
+    env_of(&rig, &mut cmd);
     let (code, out, err) = run(cmd.args(["dead-letters", "list", "--json"]));
     assert_eq!(code, 0, "{err}");
     let listed: serde_json::Value = serde_json::from_str(&out).unwrap();
@@ -130,28 +131,28 @@ async fn dead_letters_are_listed_and_replayed_after_the_cause_is_fixed() {
     reasons.sort();
     assert_eq!(reasons, ["invalid-message", "rejected"]);
     assert_eq!(
-        p.broker.depth(p.broker.topology.dead()).await,
+        rig.depth(rig.topology.dead()).await?,
         2,
         "listing leaves them in place"
     );
 
     let mut cmd = turnstile();
-    env_of(&p, &mut cmd);
+    env_of(&rig, &mut cmd);
     let (code, out, err) = run(cmd.args(["dead-letters", "replay", "--reason", "rejected"]));
     assert_eq!(code, 0, "{err}");
     assert!(out.starts_with("replayed 1 to"), "{out}");
-    p.wait_registered(1).await;
+    rig.wait_registered(1).await?;
     assert_eq!(
-        p.broker.depth(p.broker.topology.dead()).await,
+        rig.depth(rig.topology.dead()).await?,
         1,
         "the garbage stays dead"
     );
-    p.cleanup().await;
+    rig.cleanup().await
 }
 
-fn spawn_consumer(p: &Pipeline, workers: u32) -> Child {
+fn spawn_consumer(rig: &Rig, workers: u32) -> Child {
     let mut cmd = turnstile();
-    env_of(p, &mut cmd);
+    env_of(rig, &mut cmd);
     cmd.args(["consume"])
         .env("TURNSTILE_WORKERS", workers.to_string())
         .stdout(Stdio::null())
@@ -169,14 +170,14 @@ fn signal(child: &Child, sig: &str) {
 }
 
 #[tokio::test]
-async fn sigterm_during_a_run_exits_zero_and_loses_nothing() {
-    let mut p = Pipeline::new("sigterm", "20/1s").await;
-    p.publish("busy", 100).await;
-    p.publish("other", 10).await;
-    let mut child = spawn_consumer(&p, 4);
+async fn sigterm_during_a_run_exits_zero_and_loses_nothing() -> anyhow::Result<()> {
+    let mut rig = support::rig("sigterm", "20/1s").prepare().await?;
+    rig.publish("busy", 100).await?;
+    rig.publish("other", 10).await?;
+    let mut child = spawn_consumer(&rig, 4);
     // Let it register some and hold or delay the rest, then stop it.
     let started = std::time::Instant::now();
-    while p.mock.stats().registered < 30 {
+    while rig.mock.stats().registered < 30 {
         assert!(
             child.try_wait().unwrap().is_none(),
             "the replica exited early"
@@ -194,16 +195,16 @@ async fn sigterm_during_a_run_exits_zero_and_loses_nothing() {
         .unwrap();
     assert_eq!(status.code(), Some(0), "exit code after SIGTERM");
     // A fresh replica finishes the work: every message registered exactly once.
-    p.start_replicas(1, 4).await;
-    let stats = p.wait_registered(110).await;
-    p.stop_replicas().await;
+    rig.start_replicas(1, 4).await?;
+    let stats = rig.wait_registered(110).await?;
+    rig.stop_replicas().await?;
     assert_eq!(
         (stats.registered, stats.duplicates, stats.violations),
         (110, 0, 0),
         "{stats:?}"
     );
-    assert_eq!(p.broker.depth(p.broker.queue()).await, 0);
-    p.cleanup().await;
+    assert_eq!(rig.depth(rig.topology.work()).await?, 0);
+    rig.cleanup().await
 }
 
 #[test]
@@ -276,27 +277,27 @@ fn no_secret_is_shown_by_help_or_a_startup_error() {
 }
 
 /// `turnstile status --json` for a seller.
-fn status_of(p: &Pipeline, seller: &str) -> serde_json::Value {
+fn status_of(rig: &Rig, seller: &str) -> serde_json::Value {
     let mut cmd = turnstile();
-    env_of(p, &mut cmd);
+    env_of(rig, &mut cmd);
     let (code, out, err) = run(cmd.args(["status", "--seller", seller, "--json"]));
     assert_eq!(code, 0, "{err}");
     serde_json::from_str(&out).unwrap()
 }
 
 /// (registered, dead, waiting) of a seller's one upload, as `turnstile status` shows them.
-fn counts_of(p: &Pipeline, seller: &str) -> (u64, u64, u64) {
-    let s = status_of(p, seller);
+fn counts_of(rig: &Rig, seller: &str) -> (u64, u64, u64) {
+    let s = status_of(rig, seller);
     let n = |f: &str| s[0][f].as_u64().unwrap_or_else(|| panic!("{f} in {s}"));
     (n("registered"), n("dead_lettered"), n("waiting"))
 }
 
 /// Polls `turnstile status` until a seller's upload shows `want` (dead letters are counted just
 /// after the broker confirmed them); panics with what it showed last.
-async fn wait_counts(p: &Pipeline, seller: &str, want: (u64, u64, u64)) {
+async fn wait_counts(rig: &Rig, seller: &str, want: (u64, u64, u64)) {
     let deadline = std::time::Instant::now() + Duration::from_secs(60);
     loop {
-        let counts = counts_of(p, seller);
+        let counts = counts_of(rig, seller);
         if counts == want {
             return;
         }
@@ -309,19 +310,16 @@ async fn wait_counts(p: &Pipeline, seller: &str, want: (u64, u64, u64)) {
 }
 
 /// The dashboard's dead letters by reason and a seller's upload row, as a replica serves them.
-async fn dashboard_of(p: &Pipeline, seller: &str) -> (serde_json::Value, serde_json::Value) {
-    let store = p.keys.store(support::limiter(
-        &p.limit,
-        turnstile_core::config::Algorithm::SlidingWindow,
-    ));
+async fn dashboard_of(rig: &Rig, seller: &str) -> (serde_json::Value, serde_json::Value) {
+    let store = rig.store();
     let dashboard = turnstile_ops::dashboard::Dashboard::new(
         store,
         Default::default(),
         Default::default(),
         turnstile_ops::dashboard::ReplicaInfo {
-            queue: p.broker.queue().to_owned(),
+            queue: rig.topology.work().to_owned(),
             algorithm: "sliding-window",
-            limit: p.limit.clone(),
+            limit: rig.limit.to_string(),
             workers: 1,
             prefetch: 1,
             pid: 0,
@@ -339,10 +337,11 @@ async fn dashboard_of(p: &Pipeline, seller: &str) -> (serde_json::Value, serde_j
 }
 
 #[tokio::test]
-async fn status_counts_each_message_once_through_dead_letters_and_their_replay() {
+async fn status_counts_each_message_once_through_dead_letters_and_their_replay()
+-> anyhow::Result<()> {
     const N: u64 = 60;
     const REJECTED: u64 = 20;
-    let mut p = Pipeline::new("once", "100/1s").await;
+    let mut rig = support::rig("once", "100/1s").prepare().await?;
     // Every third product is rejected (400) the first time and accepted after the replay.
     let file = std::env::temp_dir().join(format!("{}.jsonl", support::unique("once")));
     let lines: String = (0..N)
@@ -357,7 +356,7 @@ async fn status_counts_each_message_once_through_dead_letters_and_their_replay()
         .collect();
     std::fs::write(&file, lines).unwrap();
     let mut cmd = turnstile();
-    env_of(&p, &mut cmd);
+    env_of(&rig, &mut cmd);
     let (code, out, err) = run(cmd.args([
         "publish",
         file.to_str().unwrap(),
@@ -369,28 +368,28 @@ async fn status_counts_each_message_once_through_dead_letters_and_their_replay()
     std::fs::remove_file(&file).unwrap();
     assert_eq!(code, 0, "{out}\n{err}");
 
-    p.start_replicas(1, 4).await;
-    p.wait_registered(N - REJECTED).await;
-    while u64::from(p.broker.depth(p.broker.topology.dead()).await) < REJECTED {
+    rig.start_replicas(1, 4).await?;
+    rig.wait_registered(N - REJECTED).await?;
+    while u64::from(rig.depth(rig.topology.dead()).await?) < REJECTED {
         tokio::time::sleep(Duration::from_millis(50)).await;
     }
-    wait_counts(&p, "S-once", (N - REJECTED, REJECTED, 0)).await;
-    let (dead, upload) = dashboard_of(&p, "S-once").await;
+    wait_counts(&rig, "S-once", (N - REJECTED, REJECTED, 0)).await;
+    let (dead, upload) = dashboard_of(&rig, "S-once").await;
     assert_eq!(dead["rejected"], REJECTED, "{dead}");
     assert_eq!(upload["dead"], REJECTED, "{upload}");
 
     // Replayed while no replica runs: every replayed message waits, none is dead any more.
-    p.stop_replicas().await;
+    rig.stop_replicas().await?;
     let mut cmd = turnstile();
-    env_of(&p, &mut cmd);
+    env_of(&rig, &mut cmd);
     let (code, out, err) = run(cmd.args(["dead-letters", "replay"]));
     assert_eq!(code, 0, "{err}");
     assert!(out.starts_with(&format!("replayed {REJECTED} to")), "{out}");
-    let after_replay = counts_of(&p, "S-once");
+    let after_replay = counts_of(&rig, "S-once");
     let mut cmd = turnstile();
-    env_of(&p, &mut cmd);
+    env_of(&rig, &mut cmd);
     let (_, table, _) = run(cmd.args(["status", "--seller", "S-once"]));
-    let (dead, upload) = dashboard_of(&p, "S-once").await;
+    let (dead, upload) = dashboard_of(&rig, "S-once").await;
     assert_eq!(
         after_replay,
         (N - REJECTED, 0, REJECTED),
@@ -410,9 +409,9 @@ async fn status_counts_each_message_once_through_dead_letters_and_their_replay()
     );
 
     // While they register, the counts never overlap: done only once all N registered.
-    p.start_replicas(1, 4).await;
+    rig.start_replicas(1, 4).await?;
     loop {
-        let (registered, dead, waiting) = counts_of(&p, "S-once");
+        let (registered, dead, waiting) = counts_of(&rig, "S-once");
         assert_eq!(dead, 0);
         assert_eq!(
             registered + waiting,
@@ -424,25 +423,22 @@ async fn status_counts_each_message_once_through_dead_letters_and_their_replay()
         }
         tokio::time::sleep(Duration::from_millis(50)).await;
     }
-    let stats = p.mock.stats();
+    let stats = rig.mock.stats();
     assert_eq!((stats.registered, stats.duplicates), (N, 0), "{stats:?}");
-    let (dead, upload) = dashboard_of(&p, "S-once").await;
+    let (dead, upload) = dashboard_of(&rig, "S-once").await;
     assert_eq!(
         (&upload["registered"], &upload["dead"]),
         (&N.into(), &0.into()),
         "{upload}"
     );
     assert_eq!(dead.get("rejected"), None, "{dead}");
-    p.cleanup().await;
+    rig.cleanup().await
 }
 
 #[tokio::test]
-async fn a_message_dead_lettered_twice_counts_once() {
-    let mut p = Pipeline::new("twice", "100/1s").await;
-    let store = p.keys.store(support::limiter(
-        &p.limit,
-        turnstile_core::config::Algorithm::SlidingWindow,
-    ));
+async fn a_message_dead_lettered_twice_counts_once() -> anyhow::Result<()> {
+    let mut rig = support::rig("twice", "100/1s").prepare().await?;
+    let store = rig.store();
     let seller = turnstile_core::domain::SellerId::parse("S-twice").unwrap();
     let batch = turnstile_core::domain::BatchId::parse("b2").unwrap();
     turnstile_upload::progress::record_published(
@@ -460,40 +456,40 @@ async fn a_message_dead_lettered_twice_counts_once() {
     for id in ["m-copied", "m-copied", "m-again"] {
         let body =
             turnstile_lab::rig::registration_body(id, "S-twice", Some("b2"), product.clone());
-        p.broker.publish(&body).await;
+        rig.publish_body(&body).await?;
     }
     // One worker: the replayed copies are called one after the other, so the second finds the
     // first registered (two copies called at once would both reach the API: at-least-once).
-    p.start_replicas(1, 1).await;
-    while p.broker.depth(p.broker.topology.dead()).await < 3 {
+    rig.start_replicas(1, 1).await?;
+    while rig.depth(rig.topology.dead()).await? < 3 {
         tokio::time::sleep(Duration::from_millis(50)).await;
     }
     // Three dead letters of two messages: two dead.
-    wait_counts(&p, "S-twice", (0, 2, 0)).await;
-    assert_eq!(dashboard_of(&p, "S-twice").await.0["rejected"], 2);
+    wait_counts(&rig, "S-twice", (0, 2, 0)).await;
+    assert_eq!(dashboard_of(&rig, "S-twice").await.0["rejected"], 2);
 
-    let replay = |p: &Pipeline| {
+    let replay = |rig: &Rig| {
         let mut cmd = turnstile();
-        env_of(p, &mut cmd);
+        env_of(rig, &mut cmd);
         let (code, out, err) = run(cmd.args(["dead-letters", "replay"]));
         assert_eq!(code, 0, "{err}");
         out
     };
     // Replayed: m-copied registers (its second copy is already done), m-again is dead again.
-    assert!(replay(&p).starts_with("replayed 3 to"));
-    p.wait_registered(1).await;
-    while p.broker.depth(p.broker.topology.dead()).await < 1 {
+    assert!(replay(&rig).starts_with("replayed 3 to"));
+    rig.wait_registered(1).await?;
+    while rig.depth(rig.topology.dead()).await? < 1 {
         tokio::time::sleep(Duration::from_millis(50)).await;
     }
-    wait_counts(&p, "S-twice", (1, 1, 0)).await;
-    assert_eq!(dashboard_of(&p, "S-twice").await.0["rejected"], 1);
+    wait_counts(&rig, "S-twice", (1, 1, 0)).await;
+    assert_eq!(dashboard_of(&rig, "S-twice").await.0["rejected"], 1);
 
-    assert!(replay(&p).starts_with("replayed 1 to"));
-    p.wait_registered(2).await;
-    wait_counts(&p, "S-twice", (2, 0, 0)).await;
-    let (dead, _) = dashboard_of(&p, "S-twice").await;
+    assert!(replay(&rig).starts_with("replayed 1 to"));
+    rig.wait_registered(2).await?;
+    wait_counts(&rig, "S-twice", (2, 0, 0)).await;
+    let (dead, _) = dashboard_of(&rig, "S-twice").await;
     assert_eq!(dead.get("rejected"), None, "{dead}");
-    let stats = p.mock.stats();
+    let stats = rig.mock.stats();
     assert_eq!((stats.registered, stats.duplicates), (2, 0), "{stats:?}");
-    p.cleanup().await;
+    rig.cleanup().await
 }

@@ -4,18 +4,18 @@ mod support;
 use std::time::Duration;
 
 use serde_json::json;
-use support::pipeline::Pipeline;
 use turnstile_core::broker::{header_str, header_u64, headers};
 
 #[tokio::test]
-async fn several_replicas_register_every_message_exactly_once_within_the_limit() {
-    let mut p = Pipeline::new("replicas", "10/1s").await;
-    p.publish("big", 45).await;
+async fn several_replicas_register_every_message_exactly_once_within_the_limit()
+-> anyhow::Result<()> {
+    let mut rig = support::rig("replicas", "10/1s").prepare().await?;
+    rig.publish("big", 45).await?;
     for s in 0..8 {
-        p.publish(&format!("small-{s}"), 4).await;
+        rig.publish(&format!("small-{s}"), 4).await?;
     }
-    p.start_replicas(3, 4).await;
-    let stats = p.wait_registered(45 + 32).await;
+    rig.start_replicas(3, 4).await?;
+    let stats = rig.wait_registered(45 + 32).await?;
     assert_eq!(stats.violations, 0, "{stats:?}");
     assert_eq!(stats.duplicates, 0, "{stats:?}");
     assert_eq!(stats.registered, 77);
@@ -23,93 +23,98 @@ async fn several_replicas_register_every_message_exactly_once_within_the_limit()
     for s in 0..8 {
         assert_eq!(stats.sellers[&format!("small-{s}")].registered, 4);
     }
-    p.stop_replicas().await;
+    rig.stop_replicas().await?;
     assert_eq!(
-        p.broker.depth(p.broker.queue()).await,
+        rig.depth(rig.topology.work()).await?,
         0,
         "nothing left in the work queue"
     );
     assert_eq!(
-        p.broker.depth(p.broker.topology.dead()).await,
+        rig.depth(rig.topology.dead()).await?,
         0,
         "nothing dead-lettered"
     );
-    p.cleanup().await;
+    rig.cleanup().await
 }
 
 #[tokio::test]
-async fn a_2xx_is_acked_and_a_redelivered_registered_message_is_not_called_again() {
-    let mut p = Pipeline::new("ok", "100/1s").await;
-    p.start_replicas(1, 2).await;
-    p.publish_product("S-1", "m-1", json!({"sku": "A"})).await;
-    p.wait_settled_registered(1).await;
+async fn a_2xx_is_acked_and_a_redelivered_registered_message_is_not_called_again()
+-> anyhow::Result<()> {
+    let mut rig = support::rig("ok", "100/1s").prepare().await?;
+    rig.start_replicas(1, 2).await?;
+    rig.publish_product("S-1", "m-1", json!({"sku": "A"}))
+        .await?;
+    rig.wait_settled_registered(1).await?;
     // The same message again (a redelivery after a lost ack looks like this): acked, not called.
-    p.publish_product("S-1", "m-1", json!({"sku": "A"})).await;
-    p.publish_product("S-1", "m-2", json!({"sku": "B"})).await;
-    p.wait_settled_registered(2).await;
-    while p.total(|s| &s.already_done) < 1 {
+    rig.publish_product("S-1", "m-1", json!({"sku": "A"}))
+        .await?;
+    rig.publish_product("S-1", "m-2", json!({"sku": "B"}))
+        .await?;
+    rig.wait_settled_registered(2).await?;
+    while rig.total(|s| &s.already_done) < 1 {
         tokio::time::sleep(Duration::from_millis(20)).await;
     }
-    p.stop_replicas().await;
-    let stats = p.mock.stats();
+    rig.stop_replicas().await?;
+    let stats = rig.mock.stats();
     assert_eq!(stats.requests, 2, "m-1 was called once: {stats:?}");
     assert_eq!(stats.duplicates, 0);
-    assert_eq!(p.broker.depth(p.broker.queue()).await, 0);
-    p.cleanup().await;
+    assert_eq!(rig.depth(rig.topology.work()).await?, 0);
+    rig.cleanup().await
 }
 
 #[tokio::test]
-async fn a_429_pauses_the_seller_and_delays_the_message_without_counting_an_attempt() {
-    let mut p = Pipeline::new("throttled", "100/1s").await;
-    let mut settings = p.settings(2);
+async fn a_429_pauses_the_seller_and_delays_the_message_without_counting_an_attempt()
+-> anyhow::Result<()> {
+    let mut rig = support::rig("throttled", "100/1s").prepare().await?;
+    let mut settings = rig.settings(2);
     settings.max_attempts = 1; // a counted attempt would dead-letter at once
-    p.start_replica(settings).await;
-    p.publish_product(
+    rig.start_replica(settings).await?;
+    rig.publish_product(
         "S-429",
         "m-429",
         json!({"mock": {"statuses": [429, 200], "retry_after": "1"}}),
     )
-    .await;
-    let stats = p.wait_registered(1).await;
+    .await?;
+    let stats = rig.wait_registered(1).await?;
     assert_eq!(stats.scripted, 1, "one 429 answered: {stats:?}");
     assert_eq!(stats.violations, 0);
-    p.stop_replicas().await;
-    assert_eq!(p.broker.depth(p.broker.topology.dead()).await, 0);
-    p.cleanup().await;
+    rig.stop_replicas().await?;
+    assert_eq!(rig.depth(rig.topology.dead()).await?, 0);
+    rig.cleanup().await
 }
 
 #[tokio::test]
-async fn a_503_is_retried_with_backoff_and_then_registered() {
-    let mut p = Pipeline::new("retry", "100/1s").await;
-    p.start_replicas(1, 2).await;
-    p.publish_product(
+async fn a_503_is_retried_with_backoff_and_then_registered() -> anyhow::Result<()> {
+    let mut rig = support::rig("retry", "100/1s").prepare().await?;
+    rig.start_replicas(1, 2).await?;
+    rig.publish_product(
         "S-503",
         "m-503",
         json!({"mock": {"statuses": [503, 503, 200]}}),
     )
-    .await;
-    let stats = p.wait_registered(1).await;
+    .await?;
+    let stats = rig.wait_registered(1).await?;
     assert_eq!(stats.scripted, 2, "{stats:?}");
-    p.stop_replicas().await;
-    p.cleanup().await;
+    rig.stop_replicas().await?;
+    rig.cleanup().await
 }
 
 #[tokio::test]
-async fn failures_past_the_attempt_limit_are_dead_lettered_with_the_reason() {
-    let mut p = Pipeline::new("exhausted", "100/1s").await;
-    let mut settings = p.settings(2);
+async fn failures_past_the_attempt_limit_are_dead_lettered_with_the_reason() -> anyhow::Result<()> {
+    let mut rig = support::rig("exhausted", "100/1s").prepare().await?;
+    let mut settings = rig.settings(2);
     settings.max_attempts = 3;
     settings.downstream.timeout = Duration::from_millis(300);
-    p.start_replica(settings).await;
-    p.publish_product("S-down", "m-503", json!({"mock": {"statuses": [503]}}))
-        .await;
-    p.publish_product(
+    rig.start_replica(settings).await?;
+    rig.publish_product("S-down", "m-503", json!({"mock": {"statuses": [503]}}))
+        .await?;
+    rig.publish_product(
         "S-down",
         "m-slow",
         json!({"mock": {"statuses": [200], "delay_ms": 2000}}),
     )
-    .await;
-    let mut dead = p.dead_letters(2).await;
+    .await?;
+    let mut dead = rig.dead_letters(2).await?;
     dead.sort_by_key(|d| header_str(d, headers::DETAIL));
     for d in &dead {
         assert_eq!(
@@ -137,16 +142,16 @@ async fn failures_past_the_attempt_limit_are_dead_lettered_with_the_reason() {
         body["message_id"], "m-503",
         "the dead letter keeps its body"
     );
-    p.cleanup().await;
+    rig.cleanup().await
 }
 
 #[tokio::test]
-async fn a_400_is_dead_lettered_at_once_with_status_and_body() {
-    let mut p = Pipeline::new("rejected", "100/1s").await;
-    p.start_replicas(1, 2).await;
-    p.publish_product("S-bad", "m-400", json!({"mock": {"statuses": [400]}}))
-        .await;
-    let dead = p.dead_letters(1).await;
+async fn a_400_is_dead_lettered_at_once_with_status_and_body() -> anyhow::Result<()> {
+    let mut rig = support::rig("rejected", "100/1s").prepare().await?;
+    rig.start_replicas(1, 2).await?;
+    rig.publish_product("S-bad", "m-400", json!({"mock": {"statuses": [400]}}))
+        .await?;
+    let dead = rig.dead_letters(1).await?;
     assert_eq!(
         header_str(&dead[0], headers::REASON).as_deref(),
         Some("rejected")
@@ -156,14 +161,15 @@ async fn a_400_is_dead_lettered_at_once_with_status_and_body() {
         detail.starts_with("HTTP 400: ") && detail.contains("scripted"),
         "{detail}"
     );
-    assert_eq!(p.mock.stats().requests, 1, "called once, not retried");
-    p.cleanup().await;
+    assert_eq!(rig.mock.stats().requests, 1, "called once, not retried");
+    rig.cleanup().await
 }
 
 #[tokio::test]
-async fn invalid_messages_are_dead_lettered_with_the_reason_and_the_replica_goes_on() {
-    let mut p = Pipeline::new("invalid", "100/1s").await;
-    p.start_replicas(1, 2).await;
+async fn invalid_messages_are_dead_lettered_with_the_reason_and_the_replica_goes_on()
+-> anyhow::Result<()> {
+    let mut rig = support::rig("invalid", "100/1s").prepare().await?;
+    rig.start_replicas(1, 2).await?;
     let bad: Vec<&[u8]> = vec![
         b"",
         b"not json",
@@ -173,10 +179,10 @@ async fn invalid_messages_are_dead_lettered_with_the_reason_and_the_replica_goes
         b"\xff\xfe",
     ];
     for body in &bad {
-        p.broker.publish(body).await;
+        rig.publish_body(body).await?;
     }
-    p.publish("S-good", 1).await;
-    let dead = p.dead_letters(bad.len()).await;
+    rig.publish("S-good", 1).await?;
+    let dead = rig.dead_letters(bad.len()).await?;
     for d in &dead {
         assert_eq!(
             header_str(d, headers::REASON).as_deref(),
@@ -184,6 +190,6 @@ async fn invalid_messages_are_dead_lettered_with_the_reason_and_the_replica_goes
         );
         assert!(!header_str(d, headers::DETAIL).unwrap().is_empty());
     }
-    p.wait_registered(1).await;
-    p.cleanup().await;
+    rig.wait_registered(1).await?;
+    rig.cleanup().await
 }

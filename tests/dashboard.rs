@@ -7,12 +7,10 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use serde_json::{Value, json};
-use support::limiter;
-use support::pipeline::Pipeline;
 use tokio_util::sync::CancellationToken;
-use turnstile_core::config::Algorithm;
 use turnstile_core::domain::{BatchId, SellerId};
 use turnstile_core::permit::PermitStore;
+use turnstile_lab::rig::Rig;
 use turnstile_ops::http::Listen;
 use turnstile_ops::serve::{HttpArgs, ServeArgs, Served};
 
@@ -25,16 +23,17 @@ fn serving_at(addr: &str) -> HttpArgs {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn the_dashboard_shows_each_seller_and_its_upload_progress_while_a_workload_runs() {
+async fn the_dashboard_shows_each_seller_and_its_upload_progress_while_a_workload_runs()
+-> anyhow::Result<()> {
     let chromium = Chromium::find();
-    let mut p = Pipeline::new("dash", "3/1s").await;
-    let store = p.keys.store(limiter(&p.limit, Algorithm::SlidingWindow));
+    let mut rig = support::rig("dash", "3/1s").prepare().await?;
+    let store = rig.store();
     for _ in 0..2 {
-        let settings = p.settings(4);
-        p.start_replica_serving(settings, serving_at("127.0.0.1:0"))
-            .await;
+        let consume = rig.settings(4);
+        let http = serving_at("127.0.0.1:0");
+        rig.start_replica(ServeArgs { consume, http }).await?;
     }
-    let http = p.replicas().next().unwrap().http_addr.unwrap();
+    let http = rig.replicas().next().unwrap().http_addr.unwrap();
     let (page, api) = (
         format!("http://{http}/"),
         format!("http://{http}/api/dashboard"),
@@ -42,9 +41,9 @@ async fn the_dashboard_shows_each_seller_and_its_upload_progress_while_a_workloa
 
     // Four uploads: a big one, a small one, one with a product the API rejects, and one of a
     // seller paused for ten minutes (nothing of it is published, so it only waits).
-    upload(&p, &store, "S-big", "spring", 30, 0).await;
-    upload(&p, &store, "S-small", "summer", 6, 0).await;
-    upload(&p, &store, "S-bad", "autumn", 1, 1).await;
+    upload(&mut rig, &store, "S-big", "spring", 30, 0).await?;
+    upload(&mut rig, &store, "S-small", "summer", 6, 0).await?;
+    upload(&mut rig, &store, "S-bad", "autumn", 1, 1).await?;
     turnstile_upload::progress::record_published(
         &store,
         &seller("S-paused"),
@@ -89,7 +88,7 @@ async fn the_dashboard_shows_each_seller_and_its_upload_progress_while_a_workloa
     );
 
     // After it ran: the numbers are what registered.
-    let stats = p.wait_registered(30 + 6 + 1).await;
+    let stats = rig.wait_registered(30 + 6 + 1).await?;
     assert_eq!(stats.violations, 0, "{stats:?}");
     wait_for_api(&api, "every registration counted", |d| {
         d["throughput"]["total"] == 37
@@ -122,25 +121,26 @@ async fn the_dashboard_shows_each_seller_and_its_upload_progress_while_a_workloa
     let rejected = item(&dom, "dead-letters", "rejected").expect("dead letters by reason");
     assert!(rejected.contains(">1<"), "one rejected: {rejected}");
     assert_eq!(text_of(&dom, "throughput-total"), "37");
-    p.cleanup().await;
+    rig.cleanup().await
 }
 
 #[tokio::test]
-async fn metrics_count_permits_outcomes_and_downstream_answers_without_a_label_per_seller() {
-    let mut p = Pipeline::new("metrics", "2/1s").await;
-    let settings = p.settings(2);
-    p.start_replica_serving(settings, serving_at("127.0.0.1:0"))
-        .await;
-    let http = p.replicas().next().unwrap().http_addr.unwrap();
-    p.publish("S-metrics-seller", 5).await;
-    p.publish_product(
+async fn metrics_count_permits_outcomes_and_downstream_answers_without_a_label_per_seller()
+-> anyhow::Result<()> {
+    let mut rig = support::rig("metrics", "2/1s").prepare().await?;
+    let consume = rig.settings(2);
+    let http = serving_at("127.0.0.1:0");
+    rig.start_replica(ServeArgs { consume, http }).await?;
+    let http = rig.replicas().next().unwrap().http_addr.unwrap();
+    rig.publish("S-metrics-seller", 5).await?;
+    rig.publish_product(
         "S-metrics-rejected",
         "m-rejected",
         json!({"mock": {"statuses": [400]}}),
     )
-    .await;
-    p.wait_registered(5).await;
-    p.dead_letters(1).await;
+    .await?;
+    rig.wait_registered(5).await?;
+    rig.dead_letters(1).await?;
 
     let url = format!("http://{http}/metrics");
     let mut body = String::new();
@@ -181,13 +181,14 @@ async fn metrics_count_permits_outcomes_and_downstream_answers_without_a_label_p
         !body.contains("S-metrics"),
         "no label carries a seller id:\n{body}"
     );
-    p.cleanup().await;
+    rig.cleanup().await
 }
 
 #[tokio::test]
-async fn before_redis_answers_the_dashboard_data_is_503_and_the_replica_is_not_ready() {
-    let p = Pipeline::new("unready", "10/1s").await;
-    let mut settings = p.settings(1);
+async fn before_redis_answers_the_dashboard_data_is_503_and_the_replica_is_not_ready()
+-> anyhow::Result<()> {
+    let rig = support::rig("unready", "10/1s").prepare().await?;
+    let mut settings = rig.settings(1);
     settings.redis.url = "redis://127.0.0.1:1/".into(); // nothing listens there
     let port = std::net::TcpListener::bind("127.0.0.1:0")
         .unwrap()
@@ -230,11 +231,12 @@ async fn before_redis_answers_the_dashboard_data_is_503_and_the_replica_is_not_r
     );
     shutdown.cancel();
     starting.await.unwrap().unwrap().wait().await.unwrap();
-    p.cleanup().await;
+    rig.cleanup().await
 }
 
 #[tokio::test]
-async fn a_json_log_line_of_a_message_carries_its_seller_message_id_and_attempt() {
+async fn a_json_log_line_of_a_message_carries_its_seller_message_id_and_attempt()
+-> anyhow::Result<()> {
     // This runtime runs every task on this thread, so a thread-local subscriber sees them all.
     let lines = Lines::default();
     let _logging = tracing::subscriber::set_default(turnstile_core::telemetry::subscriber(
@@ -242,12 +244,12 @@ async fn a_json_log_line_of_a_message_carries_its_seller_message_id_and_attempt(
         true,
         lines.clone(),
     ));
-    let mut p = Pipeline::new("logs", "100/1s").await;
-    p.start_replicas(1, 1).await;
-    p.publish_product("S-log", "m-log", json!({"mock": {"statuses": [503, 200]}}))
-        .await;
-    p.wait_settled_registered(1).await;
-    p.stop_replicas().await;
+    let mut rig = support::rig("logs", "100/1s").prepare().await?;
+    rig.start_replicas(1, 1).await?;
+    rig.publish_product("S-log", "m-log", json!({"mock": {"statuses": [503, 200]}}))
+        .await?;
+    rig.wait_settled_registered(1).await?;
+    rig.stop_replicas().await?;
     let text = String::from_utf8(lines.0.lock().unwrap().clone()).unwrap();
     let of_message: Vec<Value> = text
         .lines()
@@ -264,7 +266,7 @@ async fn a_json_log_line_of_a_message_carries_its_seller_message_id_and_attempt(
         of_message.iter().any(|l| l["span"]["attempt"] == 1),
         "the redelivery's lines carry attempt 1:\n{text}"
     );
-    p.cleanup().await;
+    rig.cleanup().await
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -280,13 +282,13 @@ fn batch(b: &str) -> BatchId {
 /// Publishes an upload of `ok` products and `rejected` ones (answered 400) and records it the
 /// way `turnstile publish` does.
 async fn upload(
-    p: &Pipeline,
+    rig: &mut Rig,
     store: &PermitStore,
     seller_id: &str,
     batch_id: &str,
     ok: usize,
     rejected: usize,
-) {
+) -> anyhow::Result<()> {
     for i in 0..ok + rejected {
         let product = if i < ok {
             json!({"sku": i})
@@ -295,7 +297,7 @@ async fn upload(
         };
         let body = json!({"message_id": format!("{seller_id}-{batch_id}-{i}"), "seller_id": seller_id,
             "batch_id": batch_id, "product": product});
-        p.broker.publish(body.to_string().as_bytes()).await;
+        rig.publish_body(body.to_string().as_bytes()).await?;
     }
     turnstile_upload::progress::record_published(
         store,
@@ -306,6 +308,7 @@ async fn upload(
     )
     .await
     .unwrap();
+    Ok(())
 }
 
 fn upload_of<'a>(dashboard: &'a Value, seller: &str) -> &'a Value {
@@ -479,15 +482,18 @@ impl<'w> tracing_subscriber::fmt::MakeWriter<'w> for Lines {
 }
 
 #[tokio::test]
-async fn with_an_http_token_the_dashboard_needs_it_and_probes_stay_open() {
-    let mut p = Pipeline::new("http-token", "10/1s").await;
-    let settings = p.settings(1);
+async fn with_an_http_token_the_dashboard_needs_it_and_probes_stay_open() -> anyhow::Result<()> {
+    let mut rig = support::rig("http-token", "10/1s").prepare().await?;
+    let consume = rig.settings(1);
     let http = HttpArgs {
         http_token: Some("dash-secret".into()),
         ..serving_at("127.0.0.1:0")
     };
-    p.start_replica_serving(settings, http).await;
-    let base = format!("http://{}", p.replicas().next().unwrap().http_addr.unwrap());
+    rig.start_replica(ServeArgs { consume, http }).await?;
+    let base = format!(
+        "http://{}",
+        rig.replicas().next().unwrap().http_addr.unwrap()
+    );
     let client = reqwest::Client::builder()
         .redirect(reqwest::redirect::Policy::none())
         .build()
@@ -522,5 +528,5 @@ async fn with_an_http_token_the_dashboard_needs_it_and_probes_stay_open() {
     }
     let metrics = status("/metrics", None).await.text().await.unwrap();
     assert!(!metrics.contains("dash-secret"));
-    p.cleanup().await;
+    rig.cleanup().await
 }

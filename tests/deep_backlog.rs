@@ -6,7 +6,8 @@ mod support;
 use std::sync::atomic::Ordering;
 use std::time::Duration;
 
-use support::pipeline::Pipeline;
+use turnstile_lab::mock_api::MockArgs;
+use turnstile_lab::rig::{Message, registration_body};
 
 /// Messages of the seller whose backlog waits through the delay ladder (2/2s: all but the
 /// first two wait longer than the hold, 2 s).
@@ -24,34 +25,39 @@ const OTHER_SELLERS: usize = 3_000;
 /// backlog still waits: an ordering fact, whatever the machine's speed (a slower machine
 /// drains the backlog more slowly still).
 #[tokio::test]
-async fn delayed_messages_come_back_in_time_while_the_work_queue_is_deep() {
-    let mut p = Pipeline::with_mock("deep", "2/2s", 50).await;
-    let body = |seller: &str, id: String| {
-        serde_json::json!({"message_id": id, "seller_id": seller, "product": {"sku": 1}})
-            .to_string()
-            .into_bytes()
+async fn delayed_messages_come_back_in_time_while_the_work_queue_is_deep() -> anyhow::Result<()> {
+    let mut rig = support::rig("deep", "2/2s")
+        .with_mock(MockArgs {
+            latency_ms: 50,
+            ..MockArgs::local("2/2s".parse()?)
+        })
+        .prepare()
+        .await?;
+    let message = |seller: &str, id: String| Message {
+        seller: seller.to_owned(),
+        body: registration_body(&id, seller, None, serde_json::json!({"sku": 1})),
     };
     // The returning seller's messages first: the replica takes them at once and sends all but
     // two through the ladder; the backlog is then in the work queue behind them.
-    let mut bodies: Vec<Vec<u8>> = (0..RETURNING)
-        .map(|i| body("S-returning", format!("S-returning-{i}")))
+    let mut messages: Vec<Message> = (0..RETURNING)
+        .map(|i| message("S-returning", format!("S-returning-{i}")))
         .collect();
     for s in 0..OTHER_SELLERS {
         for i in 0..2 {
-            bodies.push(body(&format!("S-{s}"), format!("S-{s}-{i}")));
+            messages.push(message(&format!("S-{s}"), format!("S-{s}-{i}")));
         }
     }
     let backlog = (OTHER_SELLERS * 2) as u32;
-    p.broker.publish_all(bodies).await;
+    rig.publish_all(messages).await?;
     // The default prefetch (64, sixteen deliveries per worker): a returning message neither
     // waits behind the work queue's backlog (its own queue) nor for a worker behind the
     // deliveries already in the replica (the due lane).
-    let settings = p.settings(4);
-    p.start_replica(settings).await;
+    let settings = rig.settings(4);
+    rig.start_replica(settings).await?;
 
     let deadline = tokio::time::Instant::now() + Duration::from_secs(300);
     let finished = loop {
-        let stats = p.mock.stats();
+        let stats = rig.mock.stats();
         let returning = stats.sellers.get("S-returning").map_or(0, |s| s.registered);
         if returning >= RETURNING as u64 {
             break stats;
@@ -62,13 +68,13 @@ async fn delayed_messages_come_back_in_time_while_the_work_queue_is_deep() {
         );
         tokio::time::sleep(Duration::from_millis(50)).await;
     };
-    let waiting = p.broker.depth(p.broker.queue()).await;
+    let waiting = rig.depth(rig.topology.work()).await?;
     let others = finished.registered - RETURNING as u64;
-    let hops: u64 = p
+    let hops: u64 = rig
         .replicas()
         .map(|r| r.stats.ladder.hops.load(Ordering::Relaxed))
         .sum();
-    let forfeited = p.total(|s| &s.forfeited);
+    let forfeited = rig.total(|s| &s.forfeited);
     println!(
         "the returning seller's {RETURNING} messages registered {:.1} s after its first, with \
          {waiting} of {backlog} other messages still in the work queue ({others} registered); \
@@ -89,5 +95,5 @@ async fn delayed_messages_come_back_in_time_while_the_work_queue_is_deep() {
         "the returning seller finished only after the backlog in front of its returns: \
          {waiting} of {backlog} left"
     );
-    p.cleanup().await;
+    rig.cleanup().await
 }

@@ -16,7 +16,6 @@ use lapin::types::{AMQPValue, FieldTable};
 use lapin::{BasicProperties, Connection};
 use serde_json::json;
 use support::broker::TestBroker;
-use support::pipeline::Pipeline;
 use support::{run, unique};
 use turnstile_core::broker::{
     self, Declared, Protection, QueueType, Topology, UNREACHED_DELIVERY_LIMIT, WORK_DELIVERY_LIMIT,
@@ -408,7 +407,8 @@ async fn declare_logged(topology: &Topology, connection: &Connection) -> (Declar
 }
 
 #[tokio::test]
-async fn a_work_queue_declared_by_an_older_turnstile_is_kept_with_a_warning_and_messages_flow() {
+async fn a_work_queue_declared_by_an_older_turnstile_is_kept_with_a_warning_and_messages_flow()
+-> anyhow::Result<()> {
     let topology = Topology::new(&unique("legacy"), QueueType::Quorum);
     let broker = TestBroker::undeclared(topology.clone()).await;
     declare_as_is(&broker.connection, topology.work(), &[quorum()])
@@ -443,12 +443,15 @@ async fn a_work_queue_declared_by_an_older_turnstile_is_kept_with_a_warning_and_
     assert!(exists(&broker.connection, &format!("{q}.wait.11")).await);
 
     // A replica starts on it (declaring it again) and registers.
-    let mut p = Pipeline::on_broker("legacy", "100/1s", broker).await;
-    p.start_replicas(1, 2).await;
-    p.publish_product("S-1", "m-legacy", json!({})).await;
-    let stats = p.wait_registered(1).await;
+    let mut rig = support::rig("legacy", "100/1s")
+        .on_queue(topology.work())
+        .prepare()
+        .await?;
+    rig.start_replicas(1, 2).await?;
+    rig.publish_product("S-1", "m-legacy", json!({})).await?;
+    let stats = rig.wait_registered(1).await?;
     println!("registered through the old work queue: {stats:?}");
-    p.stop_replicas().await;
+    rig.stop_replicas().await?;
 
     // The command in the warning is accepted by this broker and applies to the queue.
     let (code, out, err) = run(Command::new("sh").args(["-c", &policy]));
@@ -458,12 +461,12 @@ async fn a_work_queue_declared_by_an_older_turnstile_is_kept_with_a_warning_and_
     println!("rabbitmqctl list_queues name policy: {line:?}");
     rabbitmqctl(&["clear_policy", "-p", "/", &format!("turnstile-{q}")]);
     assert_eq!(line, Some(format!("{q}\tturnstile-{q}").as_str()));
-    p.cleanup().await;
+    rig.cleanup().await
 }
 
 #[tokio::test]
 async fn a_dead_letter_queue_declared_by_an_older_turnstile_is_kept_with_a_warning_and_the_replica_runs()
- {
+-> anyhow::Result<()> {
     let topology = Topology::new(&unique("legacy-dead"), QueueType::Quorum);
     let broker = TestBroker::undeclared(topology.clone()).await;
     // What an older turnstile declared: both queues quorum and nothing else; one dead letter.
@@ -513,13 +516,17 @@ async fn a_dead_letter_queue_declared_by_an_older_turnstile_is_kept_with_a_warni
     assert!(exists(&broker.connection, &format!("{q}.wait.11")).await);
 
     // A replica starts on them (declaring them again) and registers; the dead letter stays.
-    let mut p = Pipeline::on_broker("legacy-dead", "100/1s", broker).await;
-    p.start_replicas(1, 2).await;
-    p.publish_product("S-1", "m-legacy-dead", json!({})).await;
-    let stats = p.wait_registered(1).await;
+    let mut rig = support::rig("legacy-dead", "100/1s")
+        .on_queue(topology.work())
+        .prepare()
+        .await?;
+    rig.start_replicas(1, 2).await?;
+    rig.publish_product("S-1", "m-legacy-dead", json!({}))
+        .await?;
+    let stats = rig.wait_registered(1).await?;
     println!("registered next to the old dead-letter queue: {stats:?}");
-    p.stop_replicas().await;
-    assert_eq!(p.broker.depth(topology.dead()).await, 1);
+    rig.stop_replicas().await?;
+    assert_eq!(rig.depth(topology.dead()).await?, 1);
 
     // Both commands are accepted and each policy applies to its own queue only (the policies
     // are cleared before anything is asserted: the broker is shared).
@@ -544,17 +551,17 @@ async fn a_dead_letter_queue_declared_by_an_older_turnstile_is_kept_with_a_warni
     println!("rabbitmqctl list_queues name policy: {work_line:?}, {dead_line:?}");
     assert_eq!(work_line, Some(format!("{q}\tturnstile-{q}")));
     assert_eq!(dead_line, Some(format!("{q}.dead\tturnstile-{q}.dead")));
-    p.cleanup().await;
+    rig.cleanup().await
 }
 
 #[tokio::test]
-async fn a_classic_work_queue_still_fails_a_quorum_replica_start() {
-    let p = Pipeline::new("classic-start", "10/1s").await;
+async fn a_classic_work_queue_still_fails_a_quorum_replica_start() -> anyhow::Result<()> {
+    let rig = support::rig("classic-start", "10/1s").prepare().await?;
     let classic = unique("classic");
-    declare_as_is(&p.broker.connection, &classic, &[])
+    declare_as_is(rig.connection(), &classic, &[])
         .await
         .unwrap();
-    let mut settings = p.settings(1);
+    let mut settings = rig.settings(1);
     settings.broker.queue = classic.clone();
     let started = Replica::start(settings, Default::default()).await;
     let error = match started {
@@ -568,10 +575,10 @@ async fn a_classic_work_queue_still_fails_a_quorum_replica_start() {
         shown.contains("TURNSTILE_QUEUE_TYPE") && shown.contains("inequivalent arg 'x-queue-type'"),
         "{shown}"
     );
-    assert!(!exists(&p.broker.connection, &format!("{classic}.dead")).await);
+    assert!(!exists(rig.connection(), &format!("{classic}.dead")).await);
     Topology::new(&classic, QueueType::Classic)
-        .delete(p.broker.connection.create_channel().await.as_ref().unwrap())
+        .delete(rig.connection().create_channel().await.as_ref().unwrap())
         .await
         .unwrap();
-    p.cleanup().await;
+    rig.cleanup().await
 }

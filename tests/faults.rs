@@ -7,13 +7,14 @@ use std::time::Duration;
 
 use serde_json::json;
 use support::eventually;
-use support::pipeline::Pipeline;
 use support::{limiter, run};
 use turnstile_core::broker::{header_str, headers};
 use turnstile_core::config::Algorithm;
 use turnstile_core::domain::SellerId;
 use turnstile_core::permit::{Decision, PermitStore, RedisConn};
 use turnstile_lab::local_redis::LocalRedis;
+use turnstile_lab::mock_api::MockArgs;
+use turnstile_lab::rig::Rig;
 
 fn turnstile() -> Command {
     Command::new(env!("CARGO_BIN_EXE_turnstile"))
@@ -190,44 +191,48 @@ async fn a_promoted_replica_that_missed_grants_lets_no_burst_through() {
 }
 
 #[tokio::test]
-async fn a_redis_outage_stops_all_calls_and_its_restart_lets_no_burst_through() {
+async fn a_redis_outage_stops_all_calls_and_its_restart_lets_no_burst_through() -> anyhow::Result<()>
+{
     let mut redis = LocalRedis::start().unwrap();
-    let mut p = Pipeline::on_redis("redis-outage", "10/1s", &redis.url()).await;
-    let mut settings = p.settings(4);
+    let mut rig = support::rig("redis-outage", "10/1s")
+        .on_redis(&redis.url())
+        .prepare()
+        .await?;
+    let mut settings = rig.settings(4);
     settings.limiter.redis_durable = false;
-    p.start_replica(settings).await;
-    p.publish("S-outage", 60).await;
-    eventually("some registered", || p.mock.stats().registered >= 15).await;
+    rig.start_replica(settings).await?;
+    rig.publish("S-outage", 60).await?;
+    eventually("some registered", || rig.mock.stats().registered >= 15).await;
     redis.stop();
     tokio::time::sleep(Duration::from_millis(300)).await; // calls granted before the stop finish
-    let during = p.mock.stats().registered;
+    let during = rig.mock.stats().registered;
     tokio::time::sleep(Duration::from_millis(1500)).await;
     assert_eq!(
-        p.mock.stats().registered,
+        rig.mock.stats().registered,
         during,
         "a call was made without a permit (Redis down)"
     );
     redis.restart().unwrap();
-    let stats = p.wait_registered(60).await;
+    let stats = rig.wait_registered(60).await?;
     assert_eq!(
         (stats.registered, stats.violations, stats.duplicates),
         (60, 0, 0),
         "{stats:?}"
     );
-    p.stop_replicas().await;
-    assert_eq!(p.broker.depth(p.broker.queue()).await, 0);
-    p.cleanup().await;
+    rig.stop_replicas().await?;
+    assert_eq!(rig.depth(rig.topology.work()).await?, 0);
+    rig.cleanup().await
 }
 
-fn spawn_consumer(p: &Pipeline, workers: u32) -> Child {
+fn spawn_consumer(rig: &Rig, workers: u32) -> Child {
     turnstile()
         .arg("consume")
-        .env("TURNSTILE_QUEUE", p.broker.queue())
-        .env("TURNSTILE_KEY_PREFIX", &p.keys.prefix)
-        .env("TURNSTILE_REDIS_URL", &p.redis_url)
+        .env("TURNSTILE_QUEUE", rig.topology.work())
+        .env("TURNSTILE_KEY_PREFIX", &rig.key_prefix)
+        .env("TURNSTILE_REDIS_URL", rig.redis_url())
         .env("TURNSTILE_REDIS_DURABLE", "true")
-        .env("TURNSTILE_DOWNSTREAM_URL", p.mock.url())
-        .env("TURNSTILE_LIMIT", &p.limit)
+        .env("TURNSTILE_DOWNSTREAM_URL", rig.mock.url())
+        .env("TURNSTILE_LIMIT", rig.limit.to_string())
         .env("TURNSTILE_HTTP_ADDR", "off")
         .env("TURNSTILE_WORKERS", workers.to_string())
         .env("RUST_LOG", "warn")
@@ -238,18 +243,19 @@ fn spawn_consumer(p: &Pipeline, workers: u32) -> Child {
 }
 
 #[tokio::test]
-async fn a_replica_killed_with_sigkill_loses_nothing() {
-    let p = Pipeline::new("sigkill", "20/1s").await;
-    p.publish("S-busy", 100).await;
-    p.publish("S-small", 10).await;
-    let mut doomed = spawn_consumer(&p, 4);
-    let mut survivor = spawn_consumer(&p, 4);
-    eventually("some registered", || p.mock.stats().registered >= 30).await;
+async fn a_replica_killed_with_sigkill_loses_nothing() -> anyhow::Result<()> {
+    let mut rig = support::rig("sigkill", "20/1s").prepare().await?;
+    rig.publish("S-busy", 100).await?;
+    rig.publish("S-small", 10).await?;
+    let mut doomed = spawn_consumer(&rig, 4);
+    let mut survivor = spawn_consumer(&rig, 4);
+    eventually("some registered", || rig.mock.stats().registered >= 30).await;
     doomed.kill().unwrap(); // SIGKILL
     doomed.wait().unwrap();
-    let stats = p.wait_registered(110).await;
+    let registered = rig.wait_registered(110).await;
     survivor.kill().unwrap();
     survivor.wait().unwrap();
+    let stats = registered?;
     println!(
         "after SIGKILL: {} registered, {} duplicate calls, {} violations",
         stats.registered, stats.duplicates, stats.violations
@@ -259,7 +265,7 @@ async fn a_replica_killed_with_sigkill_loses_nothing() {
     // A duplicate call is possible only for a message whose 2xx arrived at the killed replica
     // before it could write the completion record: at most its 4 in-flight calls.
     assert!(stats.duplicates <= 4, "{stats:?}");
-    p.cleanup().await;
+    rig.cleanup().await
 }
 
 fn close_connections_named(name_part: &str) -> usize {
@@ -282,56 +288,57 @@ fn close_connections_named(name_part: &str) -> usize {
 }
 
 #[tokio::test]
-async fn a_closed_broker_connection_is_rebuilt_and_nothing_is_lost() {
-    let mut p = Pipeline::new("close-conn", "20/1s").await;
-    p.start_replicas(1, 4).await;
-    p.publish("S-conn", 80).await;
-    eventually("some registered", || p.mock.stats().registered >= 20).await;
+async fn a_closed_broker_connection_is_rebuilt_and_nothing_is_lost() -> anyhow::Result<()> {
+    let mut rig = support::rig("close-conn", "20/1s").prepare().await?;
+    rig.start_replicas(1, 4).await?;
+    rig.publish("S-conn", 80).await?;
+    eventually("some registered", || rig.mock.stats().registered >= 20).await;
     assert!(
-        close_connections_named(p.broker.queue()) >= 1,
+        close_connections_named(rig.topology.work()) >= 1,
         "the replica's connection was found"
     );
     eventually("not ready after the cut", || {
-        !p.replicas().next().unwrap().ready.get()
+        !rig.replicas().next().unwrap().ready.get()
     })
     .await;
-    eventually("ready again", || p.replicas().next().unwrap().ready.get()).await;
-    let stats = p.wait_registered(80).await;
+    eventually("ready again", || rig.replicas().next().unwrap().ready.get()).await;
+    let stats = rig.wait_registered(80).await?;
     assert_eq!((stats.registered, stats.violations), (80, 0), "{stats:?}");
-    p.stop_replicas().await;
-    assert_eq!(p.broker.depth(p.broker.queue()).await, 0);
-    p.cleanup().await;
+    rig.stop_replicas().await?;
+    assert_eq!(rig.depth(rig.topology.work()).await?, 0);
+    rig.cleanup().await
 }
 
 #[tokio::test]
-async fn a_downstream_storm_is_retried_with_backoff_then_dead_lettered_never_in_a_hot_loop() {
-    let mut p = Pipeline::new("storm", "100/1s").await;
-    let mut settings = p.settings(4);
+async fn a_downstream_storm_is_retried_with_backoff_then_dead_lettered_never_in_a_hot_loop()
+-> anyhow::Result<()> {
+    let mut rig = support::rig("storm", "100/1s").prepare().await?;
+    let mut settings = rig.settings(4);
     settings.max_attempts = 3;
     settings.downstream.timeout = Duration::from_millis(300);
-    p.start_replica(settings.clone()).await;
+    rig.start_replica(settings.clone()).await?;
     for i in 0..5 {
-        p.publish_product(
+        rig.publish_product(
             "S-storm",
             &format!("503-{i}"),
             json!({"mock": {"statuses": [503]}}),
         )
-        .await;
-        p.publish_product(
+        .await?;
+        rig.publish_product(
             "S-storm",
             &format!("slow-{i}"),
             json!({"mock": {"statuses": [200], "delay_ms": 1000}}),
         )
-        .await;
-        p.publish_product(
+        .await?;
+        rig.publish_product(
             "S-storm",
             &format!("flaky-{i}"),
             json!({"mock": {"statuses": [503, 502, 200]}}),
         )
-        .await;
+        .await?;
     }
-    let dead = p.dead_letters(10).await;
-    let stats = p.wait_registered(5).await;
+    let dead = rig.dead_letters(10).await?;
+    let stats = rig.wait_registered(5).await?;
     for d in &dead {
         assert_eq!(
             header_str(d, headers::REASON).as_deref(),
@@ -340,25 +347,26 @@ async fn a_downstream_storm_is_retried_with_backoff_then_dead_lettered_never_in_
     }
     // Exactly one request per attempt: 5 x 3 (503) + 5 x 3 (timeouts) + 5 x 3 (flaky, 3rd ok).
     assert_eq!(stats.requests, 45, "{stats:?}");
-    p.stop_replicas().await;
+    rig.stop_replicas().await?;
 
     // Connection refused: retried, then dead-lettered with the cause.
     settings.downstream.url = "http://127.0.0.1:9/register/{seller_id}".into();
-    p.start_replica(settings).await;
-    p.publish_product("S-refused", "refused-1", json!({})).await;
-    let dead = p.dead_letters(1).await;
+    rig.start_replica(settings).await?;
+    rig.publish_product("S-refused", "refused-1", json!({}))
+        .await?;
+    let dead = rig.dead_letters(1).await?;
     assert!(
         header_str(&dead[0], headers::DETAIL)
             .unwrap()
             .contains("connection error")
     );
-    p.cleanup().await;
+    rig.cleanup().await
 }
 
 #[tokio::test]
-async fn bad_input_is_dead_lettered_and_unusual_seller_ids_are_registered() {
-    let mut p = Pipeline::new("input", "100/1s").await;
-    p.start_replicas(1, 4).await;
+async fn bad_input_is_dead_lettered_and_unusual_seller_ids_are_registered() -> anyhow::Result<()> {
+    let mut rig = support::rig("input", "100/1s").prepare().await?;
+    rig.start_replicas(1, 4).await?;
     let nested = format!(
         r#"{{"seller_id":"S","product":{}{}}}"#,
         "[".repeat(5000),
@@ -383,7 +391,7 @@ async fn bad_input_is_dead_lettered_and_unusual_seller_ids_are_registered() {
         b"{\"seller_id\":\"S\",\"product\":{\"x\":\"\xff\"}}".to_vec(),
     ];
     for body in &bad {
-        p.broker.publish(body).await;
+        rig.publish_body(body).await?;
     }
     let long = "y".repeat(128);
     let unusual = [
@@ -395,15 +403,15 @@ async fn bad_input_is_dead_lettered_and_unusual_seller_ids_are_registered() {
         long.as_str(),
     ];
     for (i, seller) in unusual.iter().enumerate() {
-        p.publish_product(seller, &format!("u-{i}"), json!({"i": i}))
-            .await;
+        rig.publish_product(seller, &format!("u-{i}"), json!({"i": i}))
+            .await?;
     }
-    let dead = p.dead_letters(bad.len()).await;
+    let dead = rig.dead_letters(bad.len()).await?;
     assert!(
         dead.iter()
             .all(|d| header_str(d, headers::REASON).as_deref() == Some("invalid-message"))
     );
-    let stats = p.wait_registered(unusual.len() as u64).await;
+    let stats = rig.wait_registered(unusual.len() as u64).await?;
     for seller in unusual {
         let sent_as = SellerId::parse(seller).unwrap().header_value();
         assert!(sent_as.is_ascii());
@@ -413,7 +421,7 @@ async fn bad_input_is_dead_lettered_and_unusual_seller_ids_are_registered() {
         );
     }
     assert_eq!(stats.sellers["gr%C3%B6%C3%9Fe"].registered, 1);
-    p.cleanup().await;
+    rig.cleanup().await
 }
 
 #[test]
@@ -546,12 +554,16 @@ async fn http_status(url: &str) -> Option<u16> {
 }
 
 #[tokio::test]
-async fn a_replica_started_before_redis_and_the_broker_waits_not_ready_then_consumes() {
+async fn a_replica_started_before_redis_and_the_broker_waits_not_ready_then_consumes()
+-> anyhow::Result<()> {
     let mut redis = LocalRedis::start().unwrap();
-    let p = Pipeline::on_redis("late-services", "50/1s", &redis.url()).await;
+    let mut rig = support::rig("late-services", "50/1s")
+        .on_redis(&redis.url())
+        .prepare()
+        .await?;
     redis.stop();
     let (broker_port, http_port) = (free_port(), free_port());
-    let mut settings = p.settings(4);
+    let mut settings = rig.settings(4);
     settings.broker.amqp_url = format!("amqp://guest:guest@127.0.0.1:{broker_port}/%2f");
     let settings = turnstile_ops::serve::ServeArgs {
         consume: settings,
@@ -593,25 +605,32 @@ async fn a_replica_started_before_redis_and_the_broker_waits_not_ready_then_cons
         .unwrap()
         .expect("the replica starts once both are up");
     assert_eq!(http_status(&format!("{base}/readyz")).await, Some(200));
-    p.publish("S-late", 30).await;
-    let stats = p.wait_registered(30).await;
+    rig.publish("S-late", 30).await?;
+    let stats = rig.wait_registered(30).await?;
     assert_eq!((stats.registered, stats.violations), (30, 0), "{stats:?}");
     shutdown.cancel();
     replica.wait().await.unwrap();
     forwarder.abort();
-    p.cleanup().await;
+    rig.cleanup().await
 }
 
 #[tokio::test]
-async fn sigterm_under_load_finishes_in_flight_calls_returns_the_rest_and_exits_zero() {
+async fn sigterm_under_load_finishes_in_flight_calls_returns_the_rest_and_exits_zero()
+-> anyhow::Result<()> {
     // A slow downstream keeps all 16 workers busy, and limits hold or delay most messages.
-    let mut p = Pipeline::with_mock("sigterm-load", "20/1s", 300).await;
+    let mut rig = support::rig("sigterm-load", "20/1s")
+        .with_mock(MockArgs {
+            latency_ms: 300,
+            ..MockArgs::local("20/1s".parse()?)
+        })
+        .prepare()
+        .await?;
     for seller in ["S-a", "S-b", "S-c", "S-d", "S-e"] {
-        p.publish(seller, 60).await;
+        rig.publish(seller, 60).await?;
     }
-    let mut child = spawn_consumer(&p, 16);
-    eventually("some registered", || p.mock.stats().registered >= 40).await;
-    let in_flight_at_signal = p.mock.stats();
+    let mut child = spawn_consumer(&rig, 16);
+    eventually("some registered", || rig.mock.stats().registered >= 40).await;
+    let in_flight_at_signal = rig.mock.stats();
     let signalled = std::time::Instant::now();
     let term = Command::new("kill")
         .args(["-TERM", &child.id().to_string()])
@@ -640,14 +659,14 @@ async fn sigterm_under_load_finishes_in_flight_calls_returns_the_rest_and_exits_
     );
     assert_eq!(status.code(), Some(0), "exit code after SIGTERM");
 
-    p.start_replicas(1, 16).await;
-    let stats = p.wait_registered(300).await;
-    p.stop_replicas().await;
+    rig.start_replicas(1, 16).await?;
+    let stats = rig.wait_registered(300).await?;
+    rig.stop_replicas().await?;
     assert_eq!(
         (stats.registered, stats.duplicates, stats.violations),
         (300, 0, 0),
         "{stats:?}"
     );
-    assert_eq!(p.broker.depth_everywhere().await, 0);
-    p.cleanup().await;
+    assert_eq!(rig.depth_everywhere().await?, 0);
+    rig.cleanup().await
 }

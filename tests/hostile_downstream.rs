@@ -6,7 +6,6 @@ use std::time::Duration;
 
 use serde_json::json;
 use support::eventually;
-use support::pipeline::Pipeline;
 use turnstile_core::broker::{header_str, headers};
 use turnstile_core::domain::SellerId;
 
@@ -18,19 +17,19 @@ fn reason_and_detail(d: &lapin::message::Delivery) -> (String, String) {
 }
 
 #[tokio::test]
-async fn a_redirect_is_never_followed_but_dead_lettered_with_its_location() {
-    let mut p = Pipeline::new("redirect", "100/1s").await;
-    p.start_replicas(1, 2).await;
-    p.publish_product(
+async fn a_redirect_is_never_followed_but_dead_lettered_with_its_location() -> anyhow::Result<()> {
+    let mut rig = support::rig("redirect", "100/1s").prepare().await?;
+    rig.start_replicas(1, 2).await?;
+    rig.publish_product(
         "S-sso",
         "m-redirected",
         json!({"mock": {"statuses": [302]}}),
     )
-    .await;
-    let dead = p.dead_letters(1).await;
+    .await?;
+    let dead = rig.dead_letters(1).await?;
     let (reason, detail) = reason_and_detail(&dead[0]);
-    let stats = p.mock.stats();
-    p.stop_replicas().await;
+    let stats = rig.mock.stats();
+    rig.stop_replicas().await?;
     assert_eq!(reason, "rejected");
     assert!(
         detail.contains("HTTP 302") && detail.contains("/login"),
@@ -40,72 +39,75 @@ async fn a_redirect_is_never_followed_but_dead_lettered_with_its_location() {
         stats.requests, 1,
         "the login page was never asked: {stats:?}"
     );
-    assert_eq!(p.total(|s| &s.registered), 0);
-    p.cleanup().await;
+    assert_eq!(rig.total(|s| &s.registered), 0);
+    rig.cleanup().await
 }
 
 #[tokio::test]
-async fn a_retry_after_of_years_pauses_the_seller_only_for_the_max_pause() {
-    let mut p = Pipeline::new("retry-after", "100/1s").await;
-    let mut settings = p.settings(2);
+async fn a_retry_after_of_years_pauses_the_seller_only_for_the_max_pause() -> anyhow::Result<()> {
+    let mut rig = support::rig("retry-after", "100/1s").prepare().await?;
+    let mut settings = rig.settings(2);
     settings.max_pause = Duration::from_secs(2);
-    p.start_replica(settings.clone()).await;
-    p.publish_product(
+    rig.start_replica(settings).await?;
+    rig.publish_product(
         "S-years",
         "m-years",
         json!({"mock": {"statuses": [429, 200], "retry_after": "99999999"}}),
     )
-    .await;
-    let store = p.keys.store(settings.limiter);
+    .await?;
+    let store = rig.store();
     let seller = SellerId::parse("S-years").unwrap();
     eventually("the 429 paused the seller", || {
-        p.total(|s| &s.throttled) >= 1
+        rig.total(|s| &s.throttled) >= 1
     })
     .await;
     let paused = store.paused_for(&seller).await.unwrap();
     assert!(paused <= Duration::from_secs(2), "paused for {paused:?}");
-    let stats = p.wait_registered(1).await;
-    p.stop_replicas().await;
+    let stats = rig.wait_registered(1).await?;
+    rig.stop_replicas().await?;
     assert_eq!(stats.sellers["S-years"].registered, 1);
-    p.cleanup().await;
+    rig.cleanup().await
 }
 
 #[tokio::test]
-async fn a_downstream_that_throttles_forever_is_given_up_after_the_throttle_deadline() {
-    let mut p = Pipeline::new("throttle-deadline", "100/1s").await;
-    let mut settings = p.settings(2);
+async fn a_downstream_that_throttles_forever_is_given_up_after_the_throttle_deadline()
+-> anyhow::Result<()> {
+    let mut rig = support::rig("throttle-deadline", "100/1s")
+        .prepare()
+        .await?;
+    let mut settings = rig.settings(2);
     settings.max_pause = Duration::from_millis(300);
     settings.throttle_deadline = Duration::from_secs(2);
-    p.start_replica(settings).await;
-    p.publish_product(
+    rig.start_replica(settings).await?;
+    rig.publish_product(
         "S-forever",
         "m-forever",
         json!({"mock": {"statuses": [429], "retry_after": "1"}}),
     )
-    .await;
-    let dead = p.dead_letters(1).await;
+    .await?;
+    let dead = rig.dead_letters(1).await?;
     let (reason, detail) = reason_and_detail(&dead[0]);
-    p.stop_replicas().await;
+    rig.stop_replicas().await?;
     assert_eq!(reason, "throttled", "{detail}");
     assert!(detail.contains("429"), "{detail}");
-    p.cleanup().await;
+    rig.cleanup().await
 }
 
 #[tokio::test]
-async fn seller_ids_never_change_the_url_structure() {
-    let mut p = Pipeline::new("segments", "100/1s").await;
-    p.start_replicas(1, 2).await;
+async fn seller_ids_never_change_the_url_structure() -> anyhow::Result<()> {
+    let mut rig = support::rig("segments", "100/1s").prepare().await?;
+    rig.start_replicas(1, 2).await?;
     for (i, seller) in ["..", "."].iter().enumerate() {
-        p.publish_product(seller, &format!("m-dots-{i}"), json!({}))
-            .await;
+        rig.publish_product(seller, &format!("m-dots-{i}"), json!({}))
+            .await?;
     }
     for seller in ["a/b", "a?b", "a#b", "%2e%2e", "..."] {
-        p.publish_product(seller, &format!("m-{seller}"), json!({}))
-            .await;
+        rig.publish_product(seller, &format!("m-{seller}"), json!({}))
+            .await?;
     }
-    let dead = p.dead_letters(2).await;
-    let stats = p.wait_registered(5).await;
-    p.stop_replicas().await;
+    let dead = rig.dead_letters(2).await?;
+    let stats = rig.wait_registered(5).await?;
+    rig.stop_replicas().await?;
     for d in &dead {
         let (reason, detail) = reason_and_detail(d);
         assert_eq!(reason, "invalid-message", "{detail}");
@@ -119,5 +121,5 @@ async fn seller_ids_never_change_the_url_structure() {
             "{seller} reached its own path: {stats:?}"
         );
     }
-    p.cleanup().await;
+    rig.cleanup().await
 }

@@ -7,7 +7,6 @@ use std::sync::atomic::Ordering;
 
 use lapin::types::AMQPValue;
 use serde_json::json;
-use support::pipeline::Pipeline;
 use turnstile_core::broker::{headers, long_string};
 use turnstile_core::domain::SellerId;
 use turnstile_core::permit::{Decision, Reservation};
@@ -19,9 +18,9 @@ fn body(seller: &str, id: &str) -> Vec<u8> {
 }
 
 #[tokio::test]
-async fn forged_and_copied_reservations_never_let_a_call_through() {
-    let mut p = Pipeline::new("forged", "2/3s").await;
-    let store = p.keys.store(p.settings(1).limiter);
+async fn forged_and_copied_reservations_never_let_a_call_through() -> anyhow::Result<()> {
+    let mut rig = support::rig("forged", "2/3s").prepare().await?;
+    let store = rig.store();
     let seller = SellerId::parse("S-forged").unwrap();
     // Take the seller's limit (out of the downstream's sight) and reserve one genuine slot.
     let genuine = loop {
@@ -37,9 +36,8 @@ async fn forged_and_copied_reservations_never_let_a_call_through() {
     let header = |r: &Reservation| (headers::RESERVATION, long_string(&r.encode()));
     // Three copies of the genuine reservation (a duplicated ladder message, a lost ack) ...
     for i in 0..3 {
-        p.broker
-            .publish_with_headers(&body("S-forged", &format!("copy-{i}")), &[header(&genuine)])
-            .await;
+        rig.publish_with_headers(&body("S-forged", &format!("copy-{i}")), &[header(&genuine)])
+            .await?;
     }
     // ... and six reservations nobody made, for the same slot, on the same Redis.
     for i in 0..6 {
@@ -47,17 +45,16 @@ async fn forged_and_copied_reservations_never_let_a_call_through() {
             token: format!("forged-{i}"),
             ..genuine.clone()
         };
-        p.broker
-            .publish_with_headers(
-                &body("S-forged", &format!("forged-{i}")),
-                &[header(&forged)],
-            )
-            .await;
+        rig.publish_with_headers(
+            &body("S-forged", &format!("forged-{i}")),
+            &[header(&forged)],
+        )
+        .await?;
     }
-    p.start_replicas(1, 4).await;
-    let stats = p.wait_registered(9).await;
-    let not_reserved = p.total(|s| &s.forfeited);
-    p.stop_replicas().await;
+    rig.start_replicas(1, 4).await?;
+    let stats = rig.wait_registered(9).await?;
+    let not_reserved = rig.total(|s| &s.forfeited);
+    rig.stop_replicas().await?;
     println!("forged and copied reservations: {stats:?}, {not_reserved} reservations refused");
     assert_eq!(stats.violations, 0, "{stats:?}");
     assert_eq!(stats.duplicates, 0, "{stats:?}");
@@ -65,13 +62,14 @@ async fn forged_and_copied_reservations_never_let_a_call_through() {
         not_reserved >= 8,
         "the genuine slot was redeemed once, the rest acquired anew"
     );
-    p.cleanup().await;
+    rig.cleanup().await
 }
 
 #[tokio::test]
-async fn malformed_internal_headers_neither_stop_a_replica_nor_block_other_sellers() {
-    let mut p = Pipeline::new("malformed", "100/1s").await;
-    p.start_replicas(1, 2).await;
+async fn malformed_internal_headers_neither_stop_a_replica_nor_block_other_sellers()
+-> anyhow::Result<()> {
+    let mut rig = support::rig("malformed", "100/1s").prepare().await?;
+    rig.start_replicas(1, 2).await?;
     let forged: Vec<(&str, AMQPValue)> = vec![
         (headers::RESERVATION, long_string("garbage")),
         (headers::RESERVATION, long_string("1/0/1/abc")), // the old form, with a count of 0
@@ -86,26 +84,25 @@ async fn malformed_internal_headers_neither_stop_a_replica_nor_block_other_selle
         (headers::DELAYS, long_string("\u{0}")),
     ];
     for (i, header) in forged.iter().enumerate() {
-        p.broker
-            .publish_with_headers(
-                &body("S-odd", &format!("odd-{i}")),
-                std::slice::from_ref(header),
-            )
-            .await;
+        rig.publish_with_headers(
+            &body("S-odd", &format!("odd-{i}")),
+            std::slice::from_ref(header),
+        )
+        .await?;
     }
-    p.publish("S-normal", 3).await;
-    let stats = p.wait_registered(forged.len() as u64 + 3).await;
-    let dead = p.total(|s| &s.dead_lettered);
-    let ready = p.replicas().all(|r| r.ready.get());
-    let in_flight: usize = p
+    rig.publish("S-normal", 3).await?;
+    let stats = rig.wait_registered(forged.len() as u64 + 3).await?;
+    let dead = rig.total(|s| &s.dead_lettered);
+    let ready = rig.replicas().all(|r| r.ready.get());
+    let in_flight: usize = rig
         .replicas()
         .map(|r| r.stats.in_flight.load(Ordering::Relaxed))
         .sum();
-    p.stop_replicas().await;
+    rig.stop_replicas().await?;
     assert_eq!(stats.sellers["S-normal"].registered, 3, "{stats:?}");
     assert_eq!(stats.violations, 0);
     assert_eq!(dead, 0, "odd headers are ignored, not fatal");
     assert!(ready);
     assert_eq!(in_flight, 0);
-    p.cleanup().await;
+    rig.cleanup().await
 }

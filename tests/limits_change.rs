@@ -6,19 +6,23 @@ mod support;
 use std::time::Duration;
 
 use support::eventually;
-use support::pipeline::Pipeline;
 use turnstile_core::config::Algorithm;
 use turnstile_core::domain::SellerId;
 use turnstile_core::permit::PermitStore;
 
 /// The latest slot reserved for the seller (Redis time, µs), or none.
-async fn last_reserved_slot(p: &Pipeline, store: &PermitStore, seller: &SellerId) -> Option<i64> {
+async fn last_reserved_slot(store: &PermitStore, seller: &SellerId) -> Option<i64> {
+    let mut conn = redis::Client::open(support::redis_url())
+        .unwrap()
+        .get_multiplexed_async_connection()
+        .await
+        .unwrap();
     let last: Vec<(String, f64)> = redis::cmd("ZRANGE")
         .arg(store.keys().reserved(seller))
         .arg(-1)
         .arg(-1)
         .arg("WITHSCORES")
-        .query_async(&mut p.keys.conn.clone())
+        .query_async(&mut conn)
         .await
         .unwrap();
     last.first().map(|(_, slot)| *slot as i64)
@@ -28,25 +32,30 @@ async fn last_reserved_slot(p: &Pipeline, store: &PermitStore, seller: &SellerId
 /// registered the override is raised to 50/1s: the rest, most of them in the delay ladder with
 /// slots up to ~28 s ahead, must all be registered before the last slot the old limit had
 /// reserved — they come back at once and reserve anew under the new limit.
-async fn raised_mid_backlog(algorithm: Algorithm) {
-    let mut p = Pipeline::new(&format!("raise-{algorithm}"), "50/1s").await;
-    let mut settings = p.settings(4);
-    settings.limiter.algorithm = algorithm;
-    let store = p.keys.store(settings.limiter.clone());
+async fn raised_mid_backlog(algorithm: Algorithm) -> anyhow::Result<()> {
+    let mut rig = support::rig(&format!("raise-{algorithm}"), "50/1s")
+        .with_algorithm(algorithm)
+        .prepare()
+        .await?;
+    let settings = rig.settings(4);
+    let store = rig.store();
     let seller = SellerId::parse("S-raised").unwrap();
     store
         .set_limit(&seller, "5/1s".parse().unwrap())
         .await
         .unwrap();
-    p.start_replica(settings.clone()).await;
-    p.start_replica(settings).await;
-    p.publish("S-raised", 150).await;
+    rig.start_replica(settings.clone()).await?;
+    rig.start_replica(settings).await?;
+    rig.publish("S-raised", 150).await?;
     eventually("10 registered under 5/1s", || {
-        p.mock.stats().registered >= 10
+        rig.mock.stats().registered >= 10
     })
     .await;
-    eventually("the backlog is reserved", || p.total(|s| &s.delayed) >= 100).await;
-    let old_end = last_reserved_slot(&p, &store, &seller)
+    eventually("the backlog is reserved", || {
+        rig.total(|s| &s.delayed) >= 100
+    })
+    .await;
+    let old_end = last_reserved_slot(&store, &seller)
         .await
         .expect("slots reserved under 5/1s");
     let raised_at = store.redis_time_us().await.unwrap();
@@ -54,9 +63,9 @@ async fn raised_mid_backlog(algorithm: Algorithm) {
         .set_limit(&seller, "50/1s".parse().unwrap())
         .await
         .unwrap();
-    let stats = p.wait_registered(150).await;
+    let stats = rig.wait_registered(150).await?;
     let done_at = store.redis_time_us().await.unwrap();
-    let released: u64 = p
+    let released: u64 = rig
         .replicas()
         .map(|r| {
             r.stats
@@ -65,8 +74,8 @@ async fn raised_mid_backlog(algorithm: Algorithm) {
                 .load(std::sync::atomic::Ordering::Relaxed)
         })
         .sum();
-    let deliveries = p.deliveries();
-    p.stop_replicas().await;
+    let deliveries = rig.total(|s| &s.deliveries);
+    rig.stop_replicas().await?;
     println!(
         "{algorithm}: raised 5/1s -> 50/1s with the old schedule ending {:.1} s later: all 150 \
          registered {:.1} s after the raise; {released} ladder messages released early, \
@@ -86,35 +95,35 @@ async fn raised_mid_backlog(algorithm: Algorithm) {
     if algorithm.is_exact() {
         assert_eq!(stats.violations, 0, "{algorithm}: {stats:?}");
     }
-    p.cleanup().await;
+    rig.cleanup().await
 }
 
 #[tokio::test]
-async fn a_limit_raised_mid_backlog_reaches_every_delayed_message_at_once() {
+async fn a_limit_raised_mid_backlog_reaches_every_delayed_message_at_once() -> anyhow::Result<()> {
     for algorithm in Algorithm::ALL {
-        raised_mid_backlog(algorithm).await;
+        raised_mid_backlog(algorithm).await?;
     }
+    Ok(())
 }
 
 /// A paused seller's delayed messages come back as soon as the pause is lifted, not at the
 /// slots they had reserved after the end of the (one-hour) pause.
 #[tokio::test]
-async fn a_lifted_pause_brings_the_delayed_messages_back_at_once() {
-    let mut p = Pipeline::new("resumed", "100/1s").await;
-    let settings = p.settings(2);
-    let store = p.keys.store(settings.limiter.clone());
+async fn a_lifted_pause_brings_the_delayed_messages_back_at_once() -> anyhow::Result<()> {
+    let mut rig = support::rig("resumed", "100/1s").prepare().await?;
+    let store = rig.store();
     let seller = SellerId::parse("S-resumed").unwrap();
     store
         .pause(&seller, Duration::from_secs(3600))
         .await
         .unwrap();
-    p.start_replicas(2, 2).await;
-    p.publish("S-resumed", 5).await;
-    eventually("the messages wait", || p.total(|s| &s.delayed) >= 5).await;
+    rig.start_replicas(2, 2).await?;
+    rig.publish("S-resumed", 5).await?;
+    eventually("the messages wait", || rig.total(|s| &s.delayed) >= 5).await;
     assert!(store.resume(&seller).await.unwrap(), "it was paused");
     assert_eq!(store.paused_for(&seller).await.unwrap(), Duration::ZERO);
-    let stats = p.wait_registered(5).await;
-    p.stop_replicas().await;
+    let stats = rig.wait_registered(5).await?;
+    rig.stop_replicas().await?;
     assert_eq!((stats.violations, stats.duplicates), (0, 0), "{stats:?}");
-    p.cleanup().await;
+    rig.cleanup().await
 }

@@ -1,7 +1,7 @@
 //! A broker topology of its own for one test (unique queue name), deleted at cleanup.
 
 use lapin::options::{BasicConsumeOptions, QueuePurgeOptions};
-use lapin::types::{AMQPValue, FieldTable};
+use lapin::types::FieldTable;
 use lapin::{BasicProperties, Connection};
 use turnstile_core::broker::{self, Publisher, QueueType, Topology};
 
@@ -19,12 +19,7 @@ pub struct TestBroker {
 impl TestBroker {
     /// Declares a fresh topology named `t-<what>-<random>`.
     pub async fn new(what: &str, queue_type: QueueType) -> Self {
-        Self::with_delay_type(what, queue_type, queue_type).await
-    }
-
-    /// A fresh topology whose delay ladder levels are of `delay_type`.
-    pub async fn with_delay_type(what: &str, queue_type: QueueType, delay_type: QueueType) -> Self {
-        let topology = Topology::new(&super::unique(what), queue_type).with_delay_type(delay_type);
+        let topology = Topology::new(&super::unique(what), queue_type);
         let broker = Self::undeclared(topology).await;
         broker
             .topology
@@ -49,14 +44,6 @@ impl TestBroker {
         }
     }
 
-    /// A new connection and publisher (after a broker restart).
-    pub async fn reconnect(&mut self) {
-        self.connection = broker::connect(&amqp_url(), "turnstile test")
-            .await
-            .expect("RabbitMQ is reachable");
-        self.publisher = Publisher::open(&self.connection).await.unwrap();
-    }
-
     pub fn queue(&self) -> &str {
         self.topology.work()
     }
@@ -64,40 +51,6 @@ impl TestBroker {
     /// Publishes a JSON body to the work queue the way a producer does.
     pub async fn publish(&self, body: &[u8]) {
         let properties = BasicProperties::default().with_content_type("application/json".into());
-        self.publisher
-            .publish("", self.topology.work(), body, properties)
-            .await
-            .unwrap();
-    }
-
-    /// Publishes JSON bodies to the work queue, confirmed, many in flight at once (a backlog of
-    /// thousands in seconds).
-    pub async fn publish_all(&self, bodies: Vec<Vec<u8>>) {
-        use futures::StreamExt;
-        let queue = self.topology.work();
-        let published: Vec<_> = futures::stream::iter(bodies)
-            .map(|body| async move {
-                let properties =
-                    BasicProperties::default().with_content_type("application/json".into());
-                self.publisher.publish("", queue, &body, properties).await
-            })
-            .buffer_unordered(256)
-            .collect()
-            .await;
-        for result in published {
-            result.expect("the broker confirmed the publish");
-        }
-    }
-
-    /// Publishes a JSON body to the work queue with AMQP headers (e.g. forged internal ones).
-    pub async fn publish_with_headers(&self, body: &[u8], headers: &[(&str, AMQPValue)]) {
-        let mut table = FieldTable::default();
-        for (name, value) in headers {
-            table.insert((*name).into(), value.clone());
-        }
-        let properties = BasicProperties::default()
-            .with_content_type("application/json".into())
-            .with_headers(table);
         self.publisher
             .publish("", self.topology.work(), body, properties)
             .await
@@ -128,16 +81,6 @@ impl TestBroker {
         let depth = broker::depth(&channel, queue).await.unwrap();
         let _ = connection.close(200, "".into()).await;
         depth
-    }
-
-    /// Messages waiting in any queue of the topology (work, delay ladder, dead letters); with
-    /// no consumer running, that is every message the broker still holds.
-    pub async fn depth_everywhere(&self) -> u32 {
-        let mut total = 0;
-        for queue in self.topology.queues() {
-            total += self.depth(&queue).await;
-        }
-        total
     }
 
     /// Moves the delay ladder on (as every replica does) until the returned token is cancelled.

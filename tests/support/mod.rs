@@ -1,18 +1,21 @@
 //! What the integration tests need, spawned with unique names so tests run in parallel and leave
-//! nothing behind: Redis connections (standalone, or a local 3-node Redis Cluster started on
-//! demand), key prefixes, limiter settings. Tracing is quiet unless TEST_LOG is set.
+//! nothing behind: rigs (`turnstile_lab::rig`: queues, keys, a strict mock downstream, replicas)
+//! with the tests' settings, Redis connections (standalone, or a local 3-node Redis Cluster
+//! started on demand), key prefixes, limiter settings. Tracing is quiet unless TEST_LOG is set.
 #![allow(dead_code)]
 
 use std::process::Command;
 use std::sync::Once;
+use std::time::Duration;
 
+use turnstile_core::broker::QueueType;
 use turnstile_core::config::{Algorithm, Limit, LimiterArgs, RedisArgs};
 use turnstile_core::permit::{PermitStore, RedisConn, delete_prefix};
+use turnstile_lab::rig::{Rig, RigArgs, RigBuilder};
 
 pub mod broker;
 pub mod cluster;
 pub mod permit_cases;
-pub mod pipeline;
 
 static TRACING: Once = Once::new();
 
@@ -52,6 +55,30 @@ pub fn limiter(limit: &str, algorithm: Algorithm) -> LimiterArgs {
         redis_durable: true,
         ..LimiterArgs::new(limit.parse::<Limit>().unwrap(), algorithm)
     }
+}
+
+/// A rig for one test, on the test broker and Redis: its queues `turnstile-<what>-<random>`,
+/// keys `t-<what>-<random>`, a strict mock enforcing `limit`; its replicas take permits with the
+/// sliding window, hold a message up to 2 s, and retry a failed call quickly (100 ms to 1 s).
+pub fn rig(what: &str, limit: &str) -> RigBuilder {
+    init_tracing();
+    let place = RigArgs {
+        queue_type: QueueType::Quorum,
+        amqp_url: broker::amqp_url(),
+        redis: redis_args(&redis_url(), "t"),
+    };
+    let mut settings = place.replica_settings(
+        what,
+        limiter(limit, Algorithm::SlidingWindow),
+        1,
+        Duration::from_secs(2),
+    );
+    settings.retry_min = Duration::from_millis(100);
+    settings.retry_max = Duration::from_secs(1);
+    settings.done_ttl = Duration::from_secs(600);
+    settings.downstream.token = Some("secret-token".into());
+    settings.downstream.timeout = Duration::from_secs(5);
+    Rig::build(settings)
 }
 
 /// Which Redis a test runs against.

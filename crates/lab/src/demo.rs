@@ -100,12 +100,14 @@ pub async fn run(args: DemoArgs) -> anyhow::Result<ExitCode> {
         UPLOADS.len(),
         dir.display()
     );
-    let mut rig = Rig::prepare(settings).await?;
-    rig.http = HttpArgs {
+    let http = HttpArgs {
         http_addr: args.dashboard,
         http_token: None,
     };
-    rig.start_replicas(args.replicas).await?;
+    let mut rig = Rig::build(settings)
+        .serving(http)
+        .start(args.replicas)
+        .await?;
     if let Some(addr) = rig.dashboard() {
         eprintln!("live dashboard while the demo runs: http://{addr}/");
     }
@@ -113,7 +115,7 @@ pub async fn run(args: DemoArgs) -> anyhow::Result<ExitCode> {
     for (seller, batch, n) in &uploads {
         rig.record_upload(seller, batch, *n).await?;
     }
-    rig.publish(messages).await?;
+    rig.publish_all(messages).await?;
     eprintln!("published {total} registrations (confirmed); registering within the limit:");
 
     let bars = MultiProgress::new();

@@ -1,23 +1,28 @@
-//! An in-process rig: a strict mock downstream, N consumer replicas, a queue topology and key
-//! prefix of its own; publishes a workload, waits for it, reports what the downstream saw, and
-//! cleans up. Used by `turnstile bench scenario` and `turnstile demo`.
+//! An in-process rig: a strict mock downstream, consumer replicas, a queue topology and key
+//! prefix of its own; publishes registrations, waits for them, reports what the downstream saw,
+//! and cleans up (deletes its queues and keys). The one harness of `turnstile bench`,
+//! `turnstile demo` and the integration tests.
 
 use std::collections::BTreeMap;
-use std::sync::atomic::Ordering;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 
 use anyhow::Context;
 use futures::StreamExt;
 use lapin::BasicProperties;
+use lapin::message::Delivery;
+use lapin::options::{BasicAckOptions, BasicConsumeOptions};
+use lapin::types::{AMQPValue, FieldTable};
 use serde::Serialize;
 use tokio_util::sync::CancellationToken;
 
 use crate::mock_api::{MockArgs, MockServer, Stats};
 use turnstile_core::broker::{BrokerArgs, DEFAULT_AMQP_URL, Publisher, QueueType, Topology};
-use turnstile_core::config::Limit;
+use turnstile_core::config::{Algorithm, Limit};
 use turnstile_core::config::{LimiterArgs, RedisArgs};
 use turnstile_core::downstream::DownstreamArgs;
-use turnstile_core::permit::{PermitStore, RedisConn};
+use turnstile_core::permit::{PermitStore, RedisConn, delete_prefix};
 use turnstile_core::replica::ConsumeArgs;
 use turnstile_ops::serve::{HttpArgs, ServeArgs, Served};
 
@@ -120,6 +125,112 @@ pub struct SellerReport {
     pub drain_s: Option<f64>,
 }
 
+/// A rig being set up ([`Rig::build`]): the settings its replicas run with, its mock downstream
+/// and its work queue. Nothing runs until [`RigBuilder::prepare`] or [`RigBuilder::start`].
+#[must_use]
+pub struct RigBuilder {
+    settings: ConsumeArgs,
+    mock: Option<MockArgs>,
+    /// The work queue is named exactly as in `settings` (a topology its caller declared).
+    exact_queue: bool,
+    /// The endpoints the first replica started serves.
+    http: HttpArgs,
+}
+
+impl RigBuilder {
+    /// The first replica started serves the dashboard and the other endpoints as `http` says
+    /// (the others serve none).
+    pub fn serving(mut self, http: HttpArgs) -> Self {
+        self.http = http;
+        self
+    }
+
+    /// The mock downstream runs with `mock` (its limit is the replicas').
+    pub fn with_mock(mut self, mock: MockArgs) -> Self {
+        self.mock = Some(mock);
+        self
+    }
+
+    /// The delay ladder's levels are queues of `delay_type`.
+    pub fn with_delay_type(mut self, delay_type: QueueType) -> Self {
+        self.settings.broker.delay_queue_type = delay_type;
+        self
+    }
+
+    /// The replicas (and the rig's own permit store) take permits with `algorithm`.
+    pub fn with_algorithm(mut self, algorithm: Algorithm) -> Self {
+        self.settings.limiter.algorithm = algorithm;
+        self
+    }
+
+    /// The replicas use the Redis at `url` (the rig's keys are deleted there).
+    pub fn on_redis(mut self, url: &str) -> Self {
+        self.settings.redis.url = url.to_owned();
+        self
+    }
+
+    /// The rig works on the queue `work` and the topology around it, named as given (a topology
+    /// its caller declared, maybe as an older turnstile did); it is still deleted at cleanup.
+    pub fn on_queue(mut self, work: &str) -> Self {
+        self.settings.broker.queue = work.to_owned();
+        self.exact_queue = true;
+        self
+    }
+
+    /// Starts the mock and declares the queues, without replicas yet (to publish a backlog
+    /// before any replica consumes: [`Rig::start_replicas`]). The queue and key prefix get a
+    /// random suffix of their own (`<queue>-<random>`, `<prefix>-<random>`).
+    pub async fn prepare(self) -> anyhow::Result<Rig> {
+        let Self {
+            settings: mut base,
+            mock,
+            exact_queue,
+            http,
+        } = self;
+        let run = format!("{:08x}", rand::random::<u32>());
+        if !exact_queue {
+            base.broker.queue = format!("{}-{run}", base.broker.queue);
+        }
+        base.redis.key_prefix = format!("{}-{run}", base.redis.key_prefix);
+        let stop_mock = CancellationToken::new();
+        let mock = MockArgs {
+            limit: base.limiter.limit,
+            ..mock.unwrap_or_else(|| MockArgs::local(base.limiter.limit))
+        };
+        let mock = MockServer::start(mock, stop_mock.clone()).await?;
+        base.downstream.url = mock.url();
+        let redis = RedisConn::connect(&base.redis).await?;
+        let (connection, publisher, topology) = base.broker.open("turnstile rig").await?;
+        Ok(Rig {
+            mock,
+            topology,
+            key_prefix: base.redis.key_prefix.clone(),
+            limit: base.limiter.limit,
+            store: PermitStore::new(redis, &base.redis.key_prefix, base.limiter.clone()),
+            connection,
+            publisher,
+            replicas: Vec::new(),
+            counters: Vec::new(),
+            settings: base,
+            http,
+            stop: CancellationToken::new(),
+            stop_mock,
+            published_at_ms: None,
+            published: 0,
+            published_by_seller: BTreeMap::new(),
+        })
+    }
+
+    /// As [`RigBuilder::prepare`], then starts `replicas` replicas with the settings' workers.
+    /// Only the first serves HTTP (the dashboard), if [`RigBuilder::serving`] says so.
+    pub async fn start(self, replicas: usize) -> anyhow::Result<Rig> {
+        let workers = self.settings.workers;
+        let mut rig = self.prepare().await?;
+        rig.start_replicas(replicas, workers).await?;
+        Ok(rig)
+    }
+}
+
 /// A running rig.
 pub struct Rig {
     pub mock: MockServer,
@@ -130,122 +241,96 @@ pub struct Rig {
     store: PermitStore,
     connection: lapin::Connection,
     publisher: Publisher,
+    /// The replicas running.
     replicas: Vec<Served>,
+    /// The counters of every replica the rig started, the stopped ones too.
+    counters: Vec<Arc<turnstile_core::worker::Stats>>,
     /// The settings replicas start with.
     settings: ConsumeArgs,
-    /// The endpoints the first replica started serves (off unless set before it starts).
-    pub http: HttpArgs,
+    /// The endpoints the first replica started serves (the others serve none).
+    http: HttpArgs,
     stop: CancellationToken,
     stop_mock: CancellationToken,
-    published_at_ms: u64,
-    published: BTreeMap<String, u64>,
+    /// When the first message was published (the mock's clock).
+    published_at_ms: Option<u64>,
+    published: u64,
+    /// Messages published for a known seller (raw bodies count only in `published`).
+    published_by_seller: BTreeMap<String, u64>,
 }
 
 impl Rig {
-    /// Starts the mock enforcing `base.limiter.limit`, and `replicas` replicas configured as
-    /// `base` but on a queue and key prefix of their own (named `<queue>-<random>`), none
-    /// serving HTTP (see [`Rig::http`] to have the first one serve the dashboard).
-    pub async fn start(base: ConsumeArgs, replicas: usize) -> anyhow::Result<Self> {
-        let mock = MockArgs::local(base.limiter.limit);
-        Self::start_with(base, mock, replicas).await
-    }
-
-    /// As [`Rig::start`], with the mock configured as `mock` (its limit is the replicas').
-    pub async fn start_with(
-        base: ConsumeArgs,
-        mock: MockArgs,
-        replicas: usize,
-    ) -> anyhow::Result<Self> {
-        let mut rig = Self::prepare_with(base, mock).await?;
-        rig.start_replicas(replicas).await?;
-        Ok(rig)
-    }
-
-    /// Starts the mock and declares the queues, without replicas yet (to publish a backlog
-    /// before any replica consumes: [`Rig::start_replicas`]).
-    pub async fn prepare(base: ConsumeArgs) -> anyhow::Result<Self> {
-        let mock = MockArgs::local(base.limiter.limit);
-        Self::prepare_with(base, mock).await
-    }
-
-    /// As [`Rig::prepare`], with the mock configured as `mock` (its limit is the replicas').
-    pub async fn prepare_with(mut base: ConsumeArgs, mock: MockArgs) -> anyhow::Result<Self> {
-        let run = format!("{:08x}", rand::random::<u32>());
-        base.broker.queue = format!("{}-{run}", base.broker.queue);
-        base.redis.key_prefix = format!("{}-{run}", base.redis.key_prefix);
-        let stop_mock = CancellationToken::new();
-        let mock = MockArgs {
-            limit: base.limiter.limit,
-            ..mock
-        };
-        let mock = MockServer::start(mock, stop_mock.clone()).await?;
-        base.downstream = DownstreamArgs {
-            url: mock.url(),
-            token: None,
-            timeout: Duration::from_secs(10),
-        };
-        let redis = RedisConn::connect(&base.redis).await?;
-        let (connection, publisher, topology) = base.broker.open("turnstile rig").await?;
-        Ok(Self {
-            mock,
-            topology,
-            key_prefix: base.redis.key_prefix.clone(),
-            limit: base.limiter.limit,
-            store: PermitStore::new(redis, &base.redis.key_prefix, base.limiter.clone()),
-            connection,
-            publisher,
-            replicas: Vec::new(),
-            settings: base,
+    /// A rig whose replicas run with `settings` (from [`RigArgs::replica_settings`]) on a queue
+    /// and key prefix of their own, against a strict mock enforcing `settings.limiter.limit`.
+    pub fn build(settings: ConsumeArgs) -> RigBuilder {
+        RigBuilder {
+            settings,
+            mock: None,
+            exact_queue: false,
             http: HttpArgs::off(),
-            stop: CancellationToken::new(),
-            stop_mock,
-            published_at_ms: 0,
-            published: BTreeMap::new(),
-        })
+        }
     }
 
-    /// Starts `n` more replicas.
-    pub async fn start_replicas(&mut self, n: usize) -> anyhow::Result<()> {
+    /// The settings a replica of this rig starts with, with `workers` workers (to adjust before
+    /// [`Rig::start_replica`]).
+    pub fn settings(&self, workers: u32) -> ConsumeArgs {
+        ConsumeArgs {
+            workers,
+            ..self.settings.clone()
+        }
+    }
+
+    /// Starts one replica with `settings` (from [`Rig::settings`], serving no HTTP unless
+    /// given as [`ServeArgs`]); returns once it consumes.
+    pub async fn start_replica(
+        &mut self,
+        settings: impl Into<ServeArgs>,
+    ) -> anyhow::Result<&Served> {
+        let replica = Served::start(settings.into(), self.stop.clone())
+            .await
+            .context("starting a replica of the rig")?;
+        self.counters.push(replica.stats.clone());
+        self.replicas.push(replica);
+        Ok(self.replicas.last().expect("just started"))
+    }
+
+    /// Starts `n` more replicas with `workers` workers each. Only the first replica running
+    /// serves HTTP, if [`RigBuilder::serving`] says so.
+    pub async fn start_replicas(&mut self, n: usize, workers: u32) -> anyhow::Result<()> {
         for _ in 0..n {
             let http = if self.replicas.is_empty() {
                 self.http.clone()
             } else {
                 HttpArgs::off()
             };
-            let settings = ServeArgs {
-                consume: self.settings.clone(),
-                http,
-            };
-            self.replicas
-                .push(Served::start(settings, self.stop.clone()).await?);
+            let consume = self.settings(workers);
+            self.start_replica(ServeArgs { consume, http }).await?;
         }
         Ok(())
     }
 
-    /// Publishes the messages in order, confirmed, many in flight at once.
-    pub async fn publish(&mut self, messages: Vec<Message>) -> anyhow::Result<()> {
-        if self.published.is_empty() {
-            self.published_at_ms = self.mock.stats().now_ms;
-        }
-        for m in &messages {
-            *self.published.entry(m.seller.clone()).or_default() += 1;
-        }
-        let publisher = &self.publisher;
-        let queue = self.topology.work().to_owned();
-        let results: Vec<_> = futures::stream::iter(messages)
-            .map(|m| {
-                let queue = queue.clone();
-                async move {
-                    let properties =
-                        BasicProperties::default().with_content_type("application/json".into());
-                    publisher.publish("", &queue, &m.body, properties).await
-                }
-            })
-            .buffered(256)
-            .collect()
-            .await;
-        for r in results {
-            r.context("publishing the workload")?;
+    /// The replicas running (for readiness and their counters).
+    pub fn replicas(&self) -> impl Iterator<Item = &Served> {
+        self.replicas.iter()
+    }
+
+    /// A counter summed over every replica the rig started (stopped ones included).
+    pub fn total(&self, counter: impl Fn(&turnstile_core::worker::Stats) -> &AtomicU64) -> u64 {
+        self.counters
+            .iter()
+            .map(|stats| counter(stats).load(Ordering::Relaxed))
+            .sum()
+    }
+
+    /// Stops every replica (as SIGTERM would) and waits for them to drain; replicas started
+    /// later run until the next stop.
+    pub async fn stop_replicas(&mut self) -> anyhow::Result<()> {
+        let stop = std::mem::take(&mut self.stop);
+        stop.cancel();
+        for replica in self.replicas.drain(..) {
+            replica
+                .wait()
+                .await
+                .context("a replica of the rig stopped")?;
         }
         Ok(())
     }
@@ -253,6 +338,116 @@ impl Rig {
     /// Where the first replica serves the dashboard, if it does.
     pub fn dashboard(&self) -> Option<std::net::SocketAddr> {
         self.replicas.first().and_then(|r| r.http_addr)
+    }
+
+    /// The Redis URL of the rig's replicas.
+    pub fn redis_url(&self) -> &str {
+        &self.settings.redis.url
+    }
+
+    /// The rig's permits: its Redis, under its key prefix, with its replicas' limiter.
+    pub fn store(&self) -> PermitStore {
+        self.store.clone()
+    }
+
+    /// The rig's broker connection.
+    pub fn connection(&self) -> &lapin::Connection {
+        &self.connection
+    }
+
+    /// A new broker connection and publisher (after a broker restart).
+    pub async fn reconnect(&mut self) -> anyhow::Result<()> {
+        let connection =
+            turnstile_core::broker::connect(&self.settings.broker.amqp_url, "turnstile rig")
+                .await?;
+        self.publisher = Publisher::open(&connection).await?;
+        self.connection = connection;
+        Ok(())
+    }
+
+    /// Notes `n` messages published, of `seller` if known.
+    fn count_published(&mut self, seller: Option<&str>, n: u64) {
+        if self.published_at_ms.is_none() {
+            self.published_at_ms = Some(self.mock.stats().now_ms);
+        }
+        self.published += n;
+        if let Some(seller) = seller {
+            *self
+                .published_by_seller
+                .entry(seller.to_owned())
+                .or_default() += n;
+        }
+    }
+
+    /// Publishes one body to the work queue the way a producer does, confirmed.
+    async fn send(&self, body: &[u8], headers: FieldTable) -> anyhow::Result<()> {
+        let properties = BasicProperties::default()
+            .with_content_type("application/json".into())
+            .with_headers(headers);
+        self.publisher
+            .publish("", self.topology.work(), body, properties)
+            .await
+            .context("publishing to the rig's work queue")
+    }
+
+    /// Publishes `n` registrations of `seller`, one after the other (message ids
+    /// `<seller>-<i>`, products `{"sku": i}`).
+    pub async fn publish(&mut self, seller: &str, n: usize) -> anyhow::Result<()> {
+        for i in 0..n {
+            let product = serde_json::json!({ "sku": i });
+            self.publish_product(seller, &format!("{seller}-{i}"), product)
+                .await?;
+        }
+        Ok(())
+    }
+
+    /// Publishes one registration of `seller`'s `product` as message `message_id`.
+    pub async fn publish_product(
+        &mut self,
+        seller: &str,
+        message_id: &str,
+        product: serde_json::Value,
+    ) -> anyhow::Result<()> {
+        self.count_published(Some(seller), 1);
+        let body = registration_body(message_id, seller, None, product);
+        self.send(&body, FieldTable::default()).await
+    }
+
+    /// Publishes any body (a malformed one too) to the work queue.
+    pub async fn publish_body(&mut self, body: &[u8]) -> anyhow::Result<()> {
+        self.publish_with_headers(body, &[]).await
+    }
+
+    /// Publishes any body with AMQP headers (forged internal ones, say) to the work queue.
+    pub async fn publish_with_headers(
+        &mut self,
+        body: &[u8],
+        headers: &[(&str, AMQPValue)],
+    ) -> anyhow::Result<()> {
+        self.count_published(None, 1);
+        let mut table = FieldTable::default();
+        for (name, value) in headers {
+            table.insert((*name).into(), value.clone());
+        }
+        self.send(body, table).await
+    }
+
+    /// Publishes the messages in order, confirmed, many in flight at once (a backlog of
+    /// thousands in seconds).
+    pub async fn publish_all(&mut self, messages: Vec<Message>) -> anyhow::Result<()> {
+        for m in &messages {
+            self.count_published(Some(&m.seller), 1);
+        }
+        let rig = &*self;
+        let results: Vec<_> = futures::stream::iter(messages)
+            .map(|m| async move { rig.send(&m.body, FieldTable::default()).await })
+            .buffered(256)
+            .collect()
+            .await;
+        for r in results {
+            r.context("publishing the workload")?;
+        }
+        Ok(())
     }
 
     /// Records an upload of `total` messages, as `turnstile publish` does (for the dashboard
@@ -274,16 +469,60 @@ impl Rig {
         .context("recording the upload")
     }
 
+    /// Messages published so far.
     pub fn published(&self) -> u64 {
-        self.published.values().sum()
+        self.published
     }
 
-    /// Dead letters in the rig's dead-letter queue.
-    pub async fn dead_letters(&self) -> anyhow::Result<u64> {
+    /// Messages ready in a queue of the rig.
+    pub async fn depth(&self, queue: &str) -> anyhow::Result<u32> {
         let channel = self.connection.create_channel().await?;
-        let depth = turnstile_core::broker::depth(&channel, self.topology.dead()).await;
+        let depth = turnstile_core::broker::depth(&channel, queue).await;
         let _ = channel.close(200, "".into()).await;
-        Ok(u64::from(depth?))
+        depth
+    }
+
+    /// Messages waiting in any queue of the rig (work, delay ladder, dead letters); with no
+    /// replica running, every message the broker still holds.
+    pub async fn depth_everywhere(&self) -> anyhow::Result<u32> {
+        let mut total = 0;
+        for queue in self.topology.queues() {
+            total += self.depth(&queue).await?;
+        }
+        Ok(total)
+    }
+
+    /// Dead letters waiting in the rig's dead-letter queue.
+    pub async fn dead_lettered(&self) -> anyhow::Result<u64> {
+        Ok(u64::from(self.depth(self.topology.dead()).await?))
+    }
+
+    /// Waits for `n` dead letters and takes them (acked) from the dead-letter queue; fails if
+    /// one takes longer than two minutes (a guard against hanging, not a speed check).
+    pub async fn dead_letters(&self, n: usize) -> anyhow::Result<Vec<Delivery>> {
+        let channel = self.connection.create_channel().await?;
+        let mut consumer = channel
+            .basic_consume(
+                self.topology.dead().into(),
+                format!("rig-dead-letters-{:08x}", rand::random::<u32>())
+                    .as_str()
+                    .into(),
+                BasicConsumeOptions::default(),
+                FieldTable::default(),
+            )
+            .await?;
+        let mut taken = Vec::new();
+        while taken.len() < n {
+            let next = tokio::time::timeout(Duration::from_secs(120), consumer.next())
+                .await
+                .with_context(|| format!("only {} of {n} dead letters came", taken.len()))?
+                .context("the dead-letter consumer ended")??;
+            next.acker.ack(BasicAckOptions::default()).await?;
+            taken.push(next);
+        }
+        // Any delivery past the n-th goes back to the queue.
+        let _ = channel.close(200, "".into()).await;
+        Ok(taken)
     }
 
     /// Waits until every published message registered or was dead-lettered, or `timeout`;
@@ -297,7 +536,7 @@ impl Rig {
         loop {
             let stats = self.mock.stats();
             progress(&stats);
-            if stats.registered + self.dead_letters().await? >= self.published()
+            if stats.registered + self.dead_lettered().await? >= self.published()
                 || Instant::now() > deadline
             {
                 return Ok(());
@@ -306,30 +545,71 @@ impl Rig {
         }
     }
 
+    /// Waits until the mock has registered `n` messages and returns its stats; fails after three
+    /// minutes (a guard against hanging, not a speed check: generous on purpose).
+    pub async fn wait_registered(&self, n: u64) -> anyhow::Result<Stats> {
+        let deadline = Instant::now() + Duration::from_secs(180);
+        loop {
+            let stats = self.mock.stats();
+            if stats.registered >= n {
+                return Ok(stats);
+            }
+            anyhow::ensure!(
+                Instant::now() < deadline,
+                "only {} of {n} registered: {stats:?}",
+                stats.registered
+            );
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+    }
+
+    /// Waits until the replicas have settled `n` messages as registered (acked, recorded);
+    /// fails after three minutes.
+    pub async fn wait_settled_registered(&self, n: u64) -> anyhow::Result<()> {
+        let deadline = Instant::now() + Duration::from_secs(180);
+        while self.total(|s| &s.registered) < n {
+            anyhow::ensure!(
+                Instant::now() < deadline,
+                "the replicas settled fewer than {n} as registered"
+            );
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+        Ok(())
+    }
+
     /// Stops the replicas (draining them), reports, and deletes the rig's queues and keys.
     pub async fn finish(mut self) -> anyhow::Result<Report> {
-        self.stop.cancel();
-        let (mut deliveries, mut hops, mut returns, mut forfeited) = (0, 0, 0, 0);
-        let (mut return_max_late_ms, mut return_late_ms, mut ladder_max_late_ms) = (0, 0, 0);
-        for replica in std::mem::take(&mut self.replicas) {
-            let (stats, ladder) = (&replica.stats, &replica.stats.ladder);
-            deliveries += stats.deliveries.load(Ordering::Relaxed);
-            forfeited += stats.forfeited.load(Ordering::Relaxed);
-            hops += ladder.hops.load(Ordering::Relaxed);
-            returns += ladder.returns.load(Ordering::Relaxed);
-            return_late_ms += ladder.return_late_ms.load(Ordering::Relaxed);
-            ladder_max_late_ms = ladder_max_late_ms.max(ladder.max_late_ms.load(Ordering::Relaxed));
-            return_max_late_ms =
-                return_max_late_ms.max(ladder.max_return_late_ms.load(Ordering::Relaxed));
-            replica.wait().await?;
-        }
+        let stopped = self.stop_replicas().await;
+        let report = self.report().await;
+        self.cleanup().await?;
+        stopped?;
+        report
+    }
+
+    /// What the downstream saw and what the replicas did.
+    async fn report(&self) -> anyhow::Result<Report> {
+        let sum = |counter: fn(&turnstile_core::worker::Stats) -> &AtomicU64| self.total(counter);
+        let max = |counter: fn(&turnstile_core::worker::Stats) -> &AtomicU64| {
+            self.counters
+                .iter()
+                .map(|stats| counter(stats).load(Ordering::Relaxed))
+                .max()
+                .unwrap_or(0)
+        };
+        let deliveries = sum(|s| &s.deliveries);
+        let forfeited = sum(|s| &s.forfeited);
+        let hops = sum(|s| &s.ladder.hops);
+        let returns = sum(|s| &s.ladder.returns);
+        let return_late_ms = sum(|s| &s.ladder.return_late_ms);
+        let ladder_max_late_ms = max(|s| &s.ladder.max_late_ms);
+        let return_max_late_ms = max(|s| &s.ladder.max_return_late_ms);
         let stats = self.mock.stats();
-        let dead_lettered = self.dead_letters().await?;
-        let published: u64 = self.published.values().sum();
-        let since =
-            |ms: Option<u64>| ms.map(|ms| (ms as f64 - self.published_at_ms as f64) / 1000.0);
+        let dead_lettered = self.dead_lettered().await?;
+        let published = self.published;
+        let published_at_ms = self.published_at_ms.unwrap_or(stats.now_ms);
+        let since = |ms: Option<u64>| ms.map(|ms| (ms as f64 - published_at_ms as f64) / 1000.0);
         let sellers = self
-            .published
+            .published_by_seller
             .iter()
             .map(|(seller, &n)| {
                 let s = stats
@@ -357,7 +637,7 @@ impl Rig {
                 )
             })
             .collect();
-        let report = Report {
+        Ok(Report {
             published,
             registered: stats.registered,
             dead_lettered,
@@ -372,21 +652,34 @@ impl Rig {
             return_mean_late_ms: return_late_ms as f64 / returns.max(1) as f64,
             forfeited,
             ladder_hops_per_message: hops as f64 / published.max(1) as f64,
-            elapsed_s: (stats.now_ms.saturating_sub(self.published_at_ms)) as f64 / 1000.0,
+            elapsed_s: (stats.now_ms.saturating_sub(published_at_ms)) as f64 / 1000.0,
             sellers,
-        };
-        let channel = self.connection.create_channel().await?;
+        })
+    }
+
+    /// Stops the replicas and the mock, and deletes the rig's queues and keys (on connections
+    /// of their own: the rig's may have seen its server restart). Deletes them even when a
+    /// replica failed to stop, then reports that.
+    pub async fn cleanup(mut self) -> anyhow::Result<()> {
+        let stopped = self.stop_replicas().await;
+        self.stop_mock.cancel();
+        let _ = self.connection.close(200, "done".into()).await;
+        let connection = turnstile_core::broker::connect(
+            &self.settings.broker.amqp_url,
+            "turnstile rig cleanup",
+        )
+        .await?;
+        let channel = connection.create_channel().await?;
         self.topology
             .delete(&channel)
             .await
             .context("deleting the rig's queues")?;
-        let _ = self.connection.close(200, "done".into()).await;
-        self.store
-            .delete_all_keys()
+        let _ = connection.close(200, "done".into()).await;
+        let redis = RedisConn::connect(&self.settings.redis).await?;
+        delete_prefix(&redis, &self.key_prefix)
             .await
             .context("deleting the rig's keys")?;
-        self.stop_mock.cancel();
-        Ok(report)
+        stopped
     }
 }
 

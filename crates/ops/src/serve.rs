@@ -55,6 +55,16 @@ impl HttpArgs {
     }
 }
 
+impl From<ConsumeArgs> for ServeArgs {
+    /// A replica serving no endpoints.
+    fn from(consume: ConsumeArgs) -> Self {
+        Self {
+            consume,
+            http: HttpArgs::off(),
+        }
+    }
+}
+
 /// A replica with its endpoints.
 pub struct Served {
     pub stats: Arc<Stats>,

@@ -125,10 +125,11 @@ pub async fn run(args: ScenarioArgs) -> anyhow::Result<bool> {
         slow_ms: args.slow_ms,
         ..MockArgs::local(limit)
     };
+    let rig = Rig::build(settings).with_mock(mock);
     let mut rig = if preset.prefill {
-        Rig::prepare_with(settings, mock).await?
+        rig.prepare().await?
     } else {
-        Rig::start_with(settings, mock, replicas).await?
+        rig.start(replicas).await?
     };
     let mut messages = Vec::new();
     for i in 0..big {
@@ -157,14 +158,14 @@ pub async fn run(args: ScenarioArgs) -> anyhow::Result<bool> {
         }
     }
     let published_at = std::time::Instant::now();
-    rig.publish(messages).await?;
+    rig.publish_all(messages).await?;
     if preset.prefill {
         eprintln!(
             "published {} messages in {:.1} s; starting the replicas",
             rig.published(),
             published_at.elapsed().as_secs_f64()
         );
-        rig.start_replicas(replicas).await?;
+        rig.start_replicas(replicas, workers).await?;
     }
     let optimum = limit.optimum_drain(big as u64);
     rig.wait(optimum * 3 + Duration::from_secs(60), |_| {})
