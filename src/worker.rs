@@ -11,14 +11,16 @@ use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-use backon::{BackoffBuilder, ExponentialBuilder, Retryable};
+use backon::{BackoffBuilder, ExponentialBackoff, ExponentialBuilder, Retryable};
 use lapin::message::Delivery;
 use lapin::types::AMQPValue;
-use tokio::sync::Semaphore;
+use tokio::sync::{OwnedSemaphorePermit, Semaphore};
 use tokio_util::sync::CancellationToken;
 use tracing::{Instrument, debug, info_span, warn};
 
-use crate::broker::{Publisher, Settler, Topology, header_str, header_u64, headers, long_string};
+use crate::broker::{
+    PublishError, Publisher, Settler, Topology, header_str, header_u64, headers, long_string,
+};
 use crate::domain::Registration;
 use crate::downstream::{Downstream, Reply};
 use crate::permit::{CALL_ALLOWANCE, Decision, PermitError, PermitStore, Rescheduled, Reservation};
@@ -40,6 +42,21 @@ pub enum Outcome {
     },
     /// Give the message back to the broker as it is (nack + requeue).
     Requeue,
+}
+
+impl Outcome {
+    /// The outcome's label in `turnstile_outcomes_total`, for a delivery that carried
+    /// `delivered_attempt` failed attempts: a delay after one more failed attempt is `retried`.
+    fn label(&self, delivered_attempt: u32) -> &'static str {
+        match self {
+            Outcome::Registered => "registered",
+            Outcome::AlreadyDone => "already_done",
+            Outcome::Delay { carried, .. } if carried.attempt > delivered_attempt => "retried",
+            Outcome::Delay { .. } => "delayed",
+            Outcome::DeadLetter { .. } => "dead_lettered",
+            Outcome::Requeue => "requeued",
+        }
+    }
 }
 
 /// What a message carries from one delivery to the next, in `x-turnstile-*` headers. Read once
@@ -252,6 +269,165 @@ pub struct WorkerSettings {
     pub retry_max: Duration,
 }
 
+/// The next step for a message, decided from plain values by [`WorkerSettings`]' `plan_*`
+/// methods (no I/O) and carried out by [`Worker::handle`].
+#[derive(Debug, PartialEq)]
+enum Plan {
+    /// Settle the delivery with this outcome.
+    Settle(Outcome),
+    /// Call the downstream now, under the grant that names the call `call`.
+    Call { call: String },
+    /// Hold the message here, unacked, for this long (or until its reserved slot is given
+    /// back), then ask for its permit again.
+    Hold(Duration),
+    /// Ask for a permit again at once.
+    AskAgain,
+    /// No permit decision (Redis unavailable): wait this long, holding no worker, then ask
+    /// again.
+    AskAfter(Duration),
+    /// A 429: pause the seller on every replica for `pause` (what the downstream `asked`
+    /// for, capped at `max_pause`), then ask again.
+    PauseSeller { pause: Duration, asked: Duration },
+    /// A failed attempt: come back through the delay ladder `after` the backoff.
+    Retry { after: Duration, why: String },
+}
+
+impl WorkerSettings {
+    /// What a permit decision leads to, given how long it took to come (`waited`) and how many
+    /// messages are held in the replica (`holding`). A grant is called only if it came within
+    /// [`CALL_ALLOWANCE`]: its place in the window was only promised for a call starting
+    /// within it; a later one is asked for again, without the reservation.
+    fn plan_decision(
+        &self,
+        decision: Decision,
+        waited: Duration,
+        holding: usize,
+        carried: &mut Carried,
+    ) -> Plan {
+        match decision {
+            Decision::AlreadyDone => Plan::Settle(Outcome::AlreadyDone),
+            Decision::Granted { call, .. } if waited <= CALL_ALLOWANCE => Plan::Call { call },
+            Decision::Granted { .. } => {
+                carried.reservation = None;
+                Plan::AskAgain
+            }
+            Decision::Wait {
+                retry_after,
+                reservation,
+            } => {
+                carried.reservation = reservation;
+                self.plan_wait(retry_after, holding, carried)
+            }
+        }
+    }
+
+    /// Where a message told to wait `retry_after` waits. Held here if it has a reservation,
+    /// the wait is within `hold` and fewer than `hold_capacity` messages are held (`holding`);
+    /// otherwise it goes through the delay ladder, coming back [`WorkerSettings::lead`] before
+    /// its reserved slot (or at the time, without a reservation) — unless that leaves no more
+    /// than one ladder step, which is held here too.
+    fn plan_wait(&self, retry_after: Duration, holding: usize, carried: &Carried) -> Plan {
+        let reserved = carried.reservation.is_some();
+        if !reserved || retry_after > self.hold || holding >= self.hold_capacity {
+            let lead = if reserved {
+                self.lead()
+            } else {
+                Duration::ZERO
+            };
+            if retry_after > lead + crate::broker::UNIT {
+                return Plan::Settle(Outcome::Delay {
+                    after: retry_after - lead,
+                    carried: carried.clone(),
+                });
+            }
+        }
+        Plan::Hold(retry_after)
+    }
+
+    /// What the downstream's reply to a call leads to. The call spent the message's
+    /// reservation. `now_ms` is the time (Unix ms); `window` is the default limit's window,
+    /// the pause after a 429 without Retry-After.
+    fn plan_reply(
+        &self,
+        reply: Reply,
+        carried: &mut Carried,
+        now_ms: u64,
+        window: Duration,
+    ) -> Plan {
+        carried.reservation = None;
+        match reply {
+            Reply::Registered => Plan::Settle(Outcome::Registered),
+            Reply::Throttled { retry_after } => {
+                self.plan_throttled(retry_after.unwrap_or(window), carried, now_ms)
+            }
+            Reply::Transient(why) => self.plan_failure(why, carried),
+            Reply::Rejected { status, body } => Plan::Settle(Outcome::DeadLetter {
+                reason: "rejected",
+                detail: format!("HTTP {status}: {body}"),
+            }),
+        }
+    }
+
+    /// A 429 that `asked` for a pause: the seller is paused for it, capped at `max_pause` (at
+    /// least 1 ms). A message throttled for `throttle_deadline` since its first 429 (noted in
+    /// `carried` now if this is the first) is dead-lettered as `throttled` instead.
+    fn plan_throttled(&self, asked: Duration, carried: &mut Carried, now_ms: u64) -> Plan {
+        let since = *carried.throttled_since_ms.get_or_insert(now_ms);
+        let throttled_for = Duration::from_millis(now_ms.saturating_sub(since));
+        if throttled_for >= self.throttle_deadline {
+            return Plan::Settle(Outcome::DeadLetter {
+                reason: "throttled",
+                detail: format!(
+                    "the downstream answered 429 for {} s (TURNSTILE_THROTTLE_DEADLINE {} s)",
+                    throttled_for.as_secs(),
+                    self.throttle_deadline.as_secs()
+                ),
+            });
+        }
+        Plan::PauseSeller {
+            pause: asked.min(self.max_pause).max(Duration::from_millis(1)),
+            asked,
+        }
+    }
+
+    /// A failed attempt (5xx, timeout, connection error), counted in `carried`: the
+    /// `max_attempts`-th is dead-lettered as `attempts-exhausted`, earlier ones are retried
+    /// after [`WorkerSettings::backoff`].
+    fn plan_failure(&self, why: String, carried: &mut Carried) -> Plan {
+        carried.attempt = carried.attempt.saturating_add(1);
+        let attempt = carried.attempt;
+        if attempt >= self.max_attempts {
+            return Plan::Settle(Outcome::DeadLetter {
+                reason: "attempts-exhausted",
+                detail: format!("{attempt} attempts failed; last: {why}"),
+            });
+        }
+        Plan::Retry {
+            after: self.backoff(attempt),
+            why,
+        }
+    }
+
+    /// How early a message delayed through the broker comes back before its slot: half the
+    /// hold, at least two ladder steps.
+    fn lead(&self) -> Duration {
+        (self.hold / 2).max(crate::broker::UNIT * 2)
+    }
+
+    /// The n-th retry delay: exponential from `retry_min` (doubling), capped at `retry_max`,
+    /// plus a random jitter of up to as much again.
+    fn backoff(&self, attempt: u32) -> Duration {
+        ExponentialBuilder::default()
+            .with_min_delay(self.retry_min)
+            .with_max_delay(self.retry_max)
+            .with_jitter()
+            .without_max_times()
+            .build()
+            .nth(attempt.saturating_sub(1) as usize)
+            .unwrap_or(self.retry_max)
+    }
+}
+
 /// Everything a delivery needs; shared by all of a replica's tasks.
 pub struct Worker {
     pub permits: PermitStore,
@@ -275,7 +451,7 @@ const PERMIT_REFUSALS: u32 = 3;
 
 /// Backoff while Redis is unavailable: 50 ms doubling to 5 s, with jitter, for as long as it
 /// takes (fail closed: no call without a decision).
-fn redis_backoff() -> impl Iterator<Item = Duration> {
+fn redis_backoff() -> ExponentialBackoff {
     ExponentialBuilder::default()
         .with_min_delay(Duration::from_millis(50))
         .with_max_delay(Duration::from_secs(5))
@@ -311,6 +487,45 @@ fn permit_failure(
         PermitFailure::GiveUp
     } else {
         PermitFailure::Refused
+    }
+}
+
+/// The permit errors met while handling one message: the limiter's refusals so far, and the
+/// backoff while Redis is unavailable.
+struct PermitErrors {
+    refused: u32,
+    unavailable: ExponentialBackoff,
+}
+
+impl Default for PermitErrors {
+    fn default() -> Self {
+        Self {
+            refused: 0,
+            unavailable: redis_backoff(),
+        }
+    }
+}
+
+impl PermitErrors {
+    /// What a failed permit decision leads to (see [`permit_failure`]); counted and logged.
+    fn plan(&mut self, error: PermitError, carried: &mut Carried) -> Plan {
+        metrics::counter!("turnstile_redis_errors_total").increment(1);
+        match permit_failure(&error, &mut self.refused, &mut self.unavailable) {
+            PermitFailure::Unavailable(wait) => {
+                warn!(%error, retry_in_ms = wait.as_millis() as u64, "no permit decision (Redis); not calling");
+                Plan::AskAfter(wait)
+            }
+            PermitFailure::Refused => {
+                // Whatever the message carried (a reservation) is dropped.
+                warn!(%error, refused = self.refused, "the limiter refused the request; acquiring anew without a reservation");
+                carried.reservation = None;
+                Plan::AskAgain
+            }
+            PermitFailure::GiveUp => Plan::Settle(Outcome::DeadLetter {
+                reason: "invalid-message",
+                detail: format!("the limiter refused it {} times: {error}", self.refused),
+            }),
+        }
     }
 }
 
@@ -454,180 +669,186 @@ impl Worker {
                 detail: why,
             };
         }
-        let mut unavailable = redis_backoff();
-        let mut refused = 0;
+        let mut permit_errors = PermitErrors::default();
         loop {
-            let worker = tokio::select! {
-                permit = self.workers.clone().acquire_owned() => permit.expect("the worker semaphore is never closed"),
-                permit = self.due_lane.clone().acquire_owned(), if carried.reservation.is_some() => permit.expect("the due lane is never closed"),
-                _ = shutdown.cancelled() => return returned(carried, Interrupted::Shutdown),
-                _ = connection_lost.cancelled() => return Outcome::Requeue,
-            };
-            let asked = std::time::Instant::now();
-            let decided = tokio::select! {
-                d = self.decide(registration, carried.reservation.as_ref()) => d,
-                _ = shutdown.cancelled() => return returned(carried, Interrupted::Shutdown),
-                _ = connection_lost.cancelled() => return Outcome::Requeue,
-            };
-            let decision = match decided {
-                Ok(decision) => decision,
-                Err(error) => {
-                    // No worker is held while the message waits for Redis.
-                    drop(worker);
-                    metrics::counter!("turnstile_redis_errors_total").increment(1);
-                    match permit_failure(&error, &mut refused, &mut unavailable) {
-                        PermitFailure::Unavailable(wait) => {
-                            warn!(%error, retry_in_ms = wait.as_millis() as u64, "no permit decision (Redis); not calling");
-                            tokio::select! {
-                                _ = tokio::time::sleep(wait) => {}
-                                _ = shutdown.cancelled() => return returned(carried, Interrupted::Shutdown),
-                                _ = connection_lost.cancelled() => return Outcome::Requeue,
-                            }
-                        }
-                        PermitFailure::Refused => {
-                            // Whatever the message carried (a reservation) is dropped.
-                            warn!(%error, refused, "the limiter refused the request; acquiring anew without a reservation");
-                            carried.reservation = None;
-                        }
-                        PermitFailure::GiveUp => {
-                            return Outcome::DeadLetter {
-                                reason: "invalid-message",
-                                detail: format!("the limiter refused it {refused} times: {error}"),
-                            };
-                        }
-                    }
-                    continue;
-                }
-            };
-            match decision {
-                Decision::AlreadyDone => return Outcome::AlreadyDone,
-                Decision::Granted { call, .. } => {
-                    if asked.elapsed() > CALL_ALLOWANCE {
-                        // Too late to send under this grant: its place in the window was only
-                        // promised for a call starting within the allowance. Ask again.
-                        warn!(
-                            waited_ms = asked.elapsed().as_millis() as u64,
-                            "a permit came back too late to send the call with it; asking again"
-                        );
-                        carried.reservation = None;
-                        continue;
-                    }
-                    self.stats.in_flight.fetch_add(1, Ordering::Relaxed);
-                    let reply = self.downstream.register(registration).await;
-                    self.stats.in_flight.fetch_sub(1, Ordering::Relaxed);
-                    // Only the exact algorithms hold calls until their answer; a registration's
-                    // answer is recorded with its completion.
-                    if self.permits.algorithm().is_exact() && !matches!(reply, Reply::Registered) {
-                        self.record_call_end(registration, &call).await;
-                    }
-                    drop(worker);
-                    carried.reservation = None;
-                    match reply {
-                        Reply::Registered => {
-                            self.record_completion(registration, &call).await;
-                            return Outcome::Registered;
-                        }
-                        Reply::Throttled { retry_after } => {
-                            if let Some(outcome) = self
-                                .throttled(registration, retry_after, &mut carried)
-                                .await
-                            {
-                                return outcome;
-                            }
-                        }
-                        Reply::Transient(why) => {
-                            carried.attempt = carried.attempt.saturating_add(1);
-                            let attempt = carried.attempt;
-                            if attempt >= self.settings.max_attempts {
-                                return Outcome::DeadLetter {
-                                    reason: "attempts-exhausted",
-                                    detail: format!("{attempt} attempts failed; last: {why}"),
-                                };
-                            }
-                            warn!(attempt, %why, "downstream failed; retrying later");
-                            self.stats.retried.fetch_add(1, Ordering::Relaxed);
-                            return Outcome::Delay {
-                                after: self.backoff(attempt),
-                                carried,
-                            };
-                        }
-                        Reply::Rejected { status, body } => {
-                            return Outcome::DeadLetter {
-                                reason: "rejected",
-                                detail: format!("HTTP {status}: {body}"),
-                            };
-                        }
-                    }
-                }
-                Decision::Wait {
-                    retry_after,
-                    reservation,
-                } => {
-                    drop(worker);
-                    carried.reservation = reservation;
-                    let holding = self.stats.held.load(Ordering::Relaxed);
-                    let reserved = carried.reservation.is_some();
-                    if !reserved
-                        || retry_after > self.settings.hold
-                        || holding >= self.settings.hold_capacity
-                    {
-                        let lead = if reserved {
-                            self.lead()
-                        } else {
-                            Duration::ZERO
-                        };
-                        if retry_after > lead + crate::broker::UNIT {
-                            return Outcome::Delay {
-                                after: retry_after - lead,
-                                carried,
-                            };
-                        }
-                    }
-                    self.stats.held.fetch_add(1, Ordering::Relaxed);
-                    let notices = self.reschedules.subscribe();
-                    let waited = tokio::select! {
-                        _ = tokio::time::sleep(retry_after) => None,
-                        _ = given_back(notices, registration, carried.reservation.as_ref()) => None,
-                        _ = shutdown.cancelled() => Some(Interrupted::Shutdown),
-                        _ = connection_lost.cancelled() => Some(Interrupted::ConnectionLost),
-                    };
-                    self.stats.held.fetch_sub(1, Ordering::Relaxed);
-                    if let Some(why) = waited {
-                        return returned(carried, why);
-                    }
-                }
+            let plan = self
+                .ask(
+                    registration,
+                    &mut carried,
+                    &mut permit_errors,
+                    shutdown,
+                    connection_lost,
+                )
+                .await;
+            let carried_out = self
+                .carry_out(plan, registration, &carried, shutdown, connection_lost)
+                .await;
+            if let Some(outcome) = carried_out {
+                return outcome;
             }
         }
     }
 
-    /// A 429: pauses the seller on every replica for Retry-After (or one window), capped at
-    /// `max_pause`; `None` means ask for a permit again (after the pause). A message throttled
-    /// for longer than `throttle_deadline` is dead-lettered as `throttled`.
-    async fn throttled(
+    /// One round: takes a worker, asks for (or redeems) a permit and plans what its answer
+    /// leads to; a grant is called at once, under the worker, and the plan is then the
+    /// reply's. Never returns [`Plan::Call`].
+    async fn ask(
         &self,
         registration: &Registration,
-        retry_after: Option<Duration>,
         carried: &mut Carried,
-    ) -> Option<Outcome> {
-        self.stats.throttled.fetch_add(1, Ordering::Relaxed);
-        metrics::counter!("turnstile_downstream_throttled_total").increment(1);
-        let now = crate::broker::unix_ms();
-        let since = *carried.throttled_since_ms.get_or_insert(now);
-        let throttled_for = Duration::from_millis(now.saturating_sub(since));
-        if throttled_for >= self.settings.throttle_deadline {
-            return Some(Outcome::DeadLetter {
-                reason: "throttled",
-                detail: format!(
-                    "the downstream answered 429 for {} s (TURNSTILE_THROTTLE_DEADLINE {} s)",
-                    throttled_for.as_secs(),
-                    self.settings.throttle_deadline.as_secs()
-                ),
-            });
+        permit_errors: &mut PermitErrors,
+        shutdown: &CancellationToken,
+        connection_lost: &CancellationToken,
+    ) -> Plan {
+        let interrupted = |why| Plan::Settle(returned(carried.clone(), why));
+        let worker = tokio::select! {
+            permit = self.workers.clone().acquire_owned() => permit.expect("the worker semaphore is never closed"),
+            permit = self.due_lane.clone().acquire_owned(), if carried.reservation.is_some() => permit.expect("the due lane is never closed"),
+            _ = shutdown.cancelled() => return interrupted(Interrupted::Shutdown),
+            _ = connection_lost.cancelled() => return interrupted(Interrupted::ConnectionLost),
+        };
+        let asked = std::time::Instant::now();
+        let decided = tokio::select! {
+            d = self.decide(registration, carried.reservation.as_ref()) => d,
+            _ = shutdown.cancelled() => return interrupted(Interrupted::Shutdown),
+            _ = connection_lost.cancelled() => return interrupted(Interrupted::ConnectionLost),
+        };
+        let decision = match decided {
+            Ok(decision) => decision,
+            Err(error) => {
+                // No worker is held while the message waits for Redis.
+                drop(worker);
+                return permit_errors.plan(error, carried);
+            }
+        };
+        let waited = asked.elapsed();
+        let holding = self.stats.held.load(Ordering::Relaxed);
+        match self
+            .settings
+            .plan_decision(decision, waited, holding, carried)
+        {
+            Plan::Call { call } => self.call(registration, &call, worker, carried).await,
+            plan => {
+                drop(worker);
+                if plan == Plan::AskAgain {
+                    warn!(
+                        waited_ms = waited.as_millis() as u64,
+                        "a permit came back too late to send the call with it; asking again"
+                    );
+                }
+                plan
+            }
         }
-        let asked = retry_after.unwrap_or_else(|| self.permits.default_limit().window());
-        let pause = asked
-            .min(self.settings.max_pause)
-            .max(Duration::from_millis(1));
+    }
+
+    /// Calls the downstream under a grant (the call named `call`), lets go of the worker once
+    /// the call's answer is recorded, and plans what the reply leads to.
+    async fn call(
+        &self,
+        registration: &Registration,
+        call: &str,
+        worker: OwnedSemaphorePermit,
+        carried: &mut Carried,
+    ) -> Plan {
+        self.stats.in_flight.fetch_add(1, Ordering::Relaxed);
+        let reply = self.downstream.register(registration).await;
+        self.stats.in_flight.fetch_sub(1, Ordering::Relaxed);
+        // Only the exact algorithms hold calls until their answer; a registration's answer is
+        // recorded with its completion.
+        if self.permits.algorithm().is_exact() && !matches!(reply, Reply::Registered) {
+            self.record_call_end(registration, call).await;
+        }
+        drop(worker);
+        match reply {
+            Reply::Registered => self.record_completion(registration, call).await,
+            Reply::Throttled { .. } => {
+                self.stats.throttled.fetch_add(1, Ordering::Relaxed);
+                metrics::counter!("turnstile_downstream_throttled_total").increment(1);
+            }
+            Reply::Transient(_) | Reply::Rejected { .. } => {}
+        }
+        let now_ms = crate::broker::unix_ms();
+        let window = self.permits.default_limit().window();
+        self.settings.plan_reply(reply, carried, now_ms, window)
+    }
+
+    /// Carries out a plan other than a call: `Some` outcome to settle the message with, or
+    /// `None` to ask for a permit again.
+    async fn carry_out(
+        &self,
+        plan: Plan,
+        registration: &Registration,
+        carried: &Carried,
+        shutdown: &CancellationToken,
+        connection_lost: &CancellationToken,
+    ) -> Option<Outcome> {
+        let delay = |after| {
+            Some(Outcome::Delay {
+                after,
+                carried: carried.clone(),
+            })
+        };
+        let interrupted = match plan {
+            Plan::Settle(outcome) => return Some(outcome),
+            Plan::AskAgain => return None,
+            Plan::Call { .. } => unreachable!("a grant is called as soon as it is planned"),
+            Plan::AskAfter(wait) => {
+                tokio::select! {
+                    _ = tokio::time::sleep(wait) => None,
+                    _ = shutdown.cancelled() => Some(Interrupted::Shutdown),
+                    _ = connection_lost.cancelled() => Some(Interrupted::ConnectionLost),
+                }
+            }
+            Plan::Hold(wait) => {
+                self.hold(wait, registration, carried, shutdown, connection_lost)
+                    .await
+            }
+            Plan::PauseSeller { pause, asked } => {
+                if self.pause_seller(registration, pause, asked).await {
+                    return None;
+                }
+                return delay(pause);
+            }
+            Plan::Retry { after, why } => {
+                warn!(attempt = carried.attempt, %why, "downstream failed; retrying later");
+                self.stats.retried.fetch_add(1, Ordering::Relaxed);
+                return delay(after);
+            }
+        };
+        interrupted.map(|why| returned(carried.clone(), why))
+    }
+
+    /// Holds a message here (counted in `held`) for `wait`, or until its reserved slot is
+    /// given back; `Some` if the wait was interrupted.
+    async fn hold(
+        &self,
+        wait: Duration,
+        registration: &Registration,
+        carried: &Carried,
+        shutdown: &CancellationToken,
+        connection_lost: &CancellationToken,
+    ) -> Option<Interrupted> {
+        self.stats.held.fetch_add(1, Ordering::Relaxed);
+        let notices = self.reschedules.subscribe();
+        let waited = tokio::select! {
+            _ = tokio::time::sleep(wait) => None,
+            _ = given_back(notices, registration, carried.reservation.as_ref()) => None,
+            _ = shutdown.cancelled() => Some(Interrupted::Shutdown),
+            _ = connection_lost.cancelled() => Some(Interrupted::ConnectionLost),
+        };
+        self.stats.held.fetch_sub(1, Ordering::Relaxed);
+        waited
+    }
+
+    /// A 429: pauses the seller on every replica for `pause` (the downstream `asked` for
+    /// Retry-After, or one window); `false` if the pause could not be recorded (the message is
+    /// then delayed instead).
+    async fn pause_seller(
+        &self,
+        registration: &Registration,
+        pause: Duration,
+        asked: Duration,
+    ) -> bool {
         if asked > self.settings.max_pause {
             warn!(
                 retry_after_s = asked.as_secs(),
@@ -641,29 +862,9 @@ impl Worker {
         );
         if let Err(error) = self.permits.pause(&registration.seller_id, pause).await {
             warn!(%error, "could not record the pause; delaying the message instead");
-            return Some(Outcome::Delay {
-                after: pause,
-                carried: carried.clone(),
-            });
+            return false;
         }
-        None
-    }
-
-    /// How early a message delayed through the broker comes back before its slot.
-    fn lead(&self) -> Duration {
-        (self.settings.hold / 2).max(crate::broker::UNIT * 2)
-    }
-
-    /// The n-th retry delay: exponential from `retry_min`, capped, with jitter.
-    fn backoff(&self, attempt: u32) -> Duration {
-        ExponentialBuilder::default()
-            .with_min_delay(self.settings.retry_min)
-            .with_max_delay(self.settings.retry_max)
-            .with_jitter()
-            .without_max_times()
-            .build()
-            .nth(attempt.saturating_sub(1) as usize)
-            .unwrap_or(self.settings.retry_max)
+        true
     }
 
     /// Asks for (or redeems) a permit: one attempt (see [`permit_failure`] for what an error
@@ -729,76 +930,102 @@ impl Worker {
         settler: &Settler,
         connection_lost: &CancellationToken,
     ) {
-        let published = match &outcome {
-            Outcome::Registered | Outcome::AlreadyDone | Outcome::Requeue => Ok(()),
-            Outcome::Delay { after, carried } => {
-                publisher
-                    .delay(&self.topology, &delivery, *after, &carried.headers())
-                    .await
-            }
-            Outcome::DeadLetter { reason, detail } => {
-                warn!(reason, detail, "dead-lettering");
-                publisher
-                    .dead_letter(&self.topology, &delivery, reason, detail)
-                    .await
-            }
-        };
-        let delivered_attempt = Carried::attempt_of(&delivery);
-        let (counter, label) = match &outcome {
-            Outcome::Registered => (&self.stats.registered, "registered"),
-            Outcome::AlreadyDone => (&self.stats.already_done, "already_done"),
-            Outcome::Delay { carried, .. } if carried.attempt > delivered_attempt => {
-                (&self.stats.delayed, "retried")
-            }
-            Outcome::Delay { .. } => (&self.stats.delayed, "delayed"),
-            Outcome::DeadLetter { .. } => (&self.stats.dead_lettered, "dead_lettered"),
-            Outcome::Requeue => (&self.stats.requeued, "requeued"),
-        };
         let tag = delivery.delivery_tag;
-        let result = match published {
-            Ok(()) if outcome != Outcome::Requeue => {
-                counter.fetch_add(1, Ordering::Relaxed);
-                metrics::counter!("turnstile_outcomes_total", "outcome" => label).increment(1);
-                if let Outcome::DeadLetter { reason, .. } = &outcome {
-                    count_dead_letter(&self.permits, &delivery, reason, self.settings.done_ttl);
-                }
-                if matches!(outcome, Outcome::Registered | Outcome::AlreadyDone) {
-                    settler.ack(tag);
-                    Ok(())
-                } else {
-                    // Republished: an ack lost with the connection would leave two copies.
-                    settler.ack_now(tag).await
-                }
-            }
+        let result = match self.republish(&delivery, &outcome, publisher).await {
             Ok(()) => {
-                counter.fetch_add(1, Ordering::Relaxed);
-                metrics::counter!("turnstile_outcomes_total", "outcome" => label).increment(1);
-                settler.requeue(tag).await
+                self.count(&delivery, &outcome);
+                match outcome {
+                    Outcome::Registered | Outcome::AlreadyDone => {
+                        settler.ack(tag);
+                        Ok(())
+                    }
+                    Outcome::Requeue => settler.requeue(tag).await,
+                    // Republished: an ack lost with the connection would leave two copies.
+                    Outcome::Delay { .. } | Outcome::DeadLetter { .. } => {
+                        settler.ack_now(tag).await
+                    }
+                }
             }
             Err(error) => {
-                metrics::counter!("turnstile_broker_errors_total").increment(1);
-                self.stats.requeued.fetch_add(1, Ordering::Relaxed);
-                if !publisher.channel().status().connected() {
-                    // A closed publish channel fails every republish: reconnect (the replica
-                    // reports not ready meanwhile) instead of returning messages in a loop.
-                    warn!(%error, "the publish channel is closed; reconnecting to the broker");
-                    connection_lost.cancel();
-                    return;
-                }
-                // Back off before returning it, so that a broker refusing publishes (nacks)
-                // is not hammered by the same message again at once.
-                let pause = Duration::from_millis(rand::random_range(500..1_500));
-                warn!(%error, retry_in_ms = pause.as_millis() as u64, "republishing failed; returning the message to the broker");
-                tokio::select! {
-                    _ = tokio::time::sleep(pause) => {}
-                    _ = connection_lost.cancelled() => return,
-                }
-                settler.requeue(tag).await
+                self.return_unpublished(error, tag, publisher, settler, connection_lost)
+                    .await
             }
         };
         if let Err(error) = result {
             debug!(%error, "could not settle the delivery (its channel is gone; the broker redelivers it)");
         }
+    }
+
+    /// Publishes what an outcome sends on: the delayed copy, or the dead letter.
+    async fn republish(
+        &self,
+        delivery: &Delivery,
+        outcome: &Outcome,
+        publisher: &Publisher,
+    ) -> Result<(), PublishError> {
+        match outcome {
+            Outcome::Registered | Outcome::AlreadyDone | Outcome::Requeue => Ok(()),
+            Outcome::Delay { after, carried } => {
+                publisher
+                    .delay(&self.topology, delivery, *after, &carried.headers())
+                    .await
+            }
+            Outcome::DeadLetter { reason, detail } => {
+                warn!(reason, detail, "dead-lettering");
+                publisher
+                    .dead_letter(&self.topology, delivery, reason, detail)
+                    .await
+            }
+        }
+    }
+
+    /// Counts a settled outcome in the stats and the metrics (a dead letter also in the
+    /// dashboard and its upload's progress, see [`count_dead_letter`]).
+    fn count(&self, delivery: &Delivery, outcome: &Outcome) {
+        let counter = match outcome {
+            Outcome::Registered => &self.stats.registered,
+            Outcome::AlreadyDone => &self.stats.already_done,
+            Outcome::Delay { .. } => &self.stats.delayed,
+            Outcome::DeadLetter { .. } => &self.stats.dead_lettered,
+            Outcome::Requeue => &self.stats.requeued,
+        };
+        counter.fetch_add(1, Ordering::Relaxed);
+        let label = outcome.label(Carried::attempt_of(delivery));
+        metrics::counter!("turnstile_outcomes_total", "outcome" => label).increment(1);
+        if let Outcome::DeadLetter { reason, .. } = outcome {
+            count_dead_letter(&self.permits, delivery, reason, self.settings.done_ttl);
+        }
+    }
+
+    /// Returns a message whose outcome could not be published to the broker, after a pause;
+    /// with the publish channel closed, asks for a new connection instead (the broker then
+    /// requeues it).
+    async fn return_unpublished(
+        &self,
+        error: PublishError,
+        tag: u64,
+        publisher: &Publisher,
+        settler: &Settler,
+        connection_lost: &CancellationToken,
+    ) -> Result<(), lapin::Error> {
+        metrics::counter!("turnstile_broker_errors_total").increment(1);
+        self.stats.requeued.fetch_add(1, Ordering::Relaxed);
+        if !publisher.channel().status().connected() {
+            // A closed publish channel fails every republish: reconnect (the replica reports
+            // not ready meanwhile) instead of returning messages in a loop.
+            warn!(%error, "the publish channel is closed; reconnecting to the broker");
+            connection_lost.cancel();
+            return Ok(());
+        }
+        // Back off before returning it, so that a broker refusing publishes (nacks) is not
+        // hammered by the same message again at once.
+        let pause = Duration::from_millis(rand::random_range(500..1_500));
+        warn!(%error, retry_in_ms = pause.as_millis() as u64, "republishing failed; returning the message to the broker");
+        tokio::select! {
+            _ = tokio::time::sleep(pause) => {}
+            _ = connection_lost.cancelled() => return Ok(()),
+        }
+        settler.requeue(tag).await
     }
 }
 
