@@ -1033,6 +1033,340 @@ impl Worker {
 mod tests {
     use super::*;
 
+    const MS: Duration = Duration::from_millis(1);
+    const SECOND: Duration = Duration::from_secs(1);
+
+    /// Settings as a replica might have them: 5 attempts, a 2 s hold for 10 messages, pauses
+    /// of at most 60 s, a 600 s throttle deadline, retries from 1 s to 30 s.
+    fn settings() -> WorkerSettings {
+        WorkerSettings {
+            max_attempts: 5,
+            hold: 2 * SECOND,
+            max_pause: 60 * SECOND,
+            throttle_deadline: 600 * SECOND,
+            hold_capacity: 10,
+            done_ttl: 3_600 * SECOND,
+            retry_min: SECOND,
+            retry_max: 30 * SECOND,
+        }
+    }
+
+    fn reservation() -> Reservation {
+        Reservation {
+            slot_us: 1_000_000,
+            count: 1,
+            window_us: 1_000_000,
+            reserved_at_us: 0,
+            token: "t".into(),
+        }
+    }
+
+    fn reserved() -> Carried {
+        Carried {
+            reservation: Some(reservation()),
+            ..Carried::default()
+        }
+    }
+
+    fn wait(retry_after: Duration, reservation: Option<Reservation>) -> Decision {
+        Decision::Wait {
+            retry_after,
+            reservation,
+        }
+    }
+
+    fn delay(after: Duration, carried: Carried) -> Plan {
+        Plan::Settle(Outcome::Delay { after, carried })
+    }
+
+    fn dead_letter(reason: &'static str, detail: &str) -> Plan {
+        Plan::Settle(Outcome::DeadLetter {
+            reason,
+            detail: detail.into(),
+        })
+    }
+
+    #[test]
+    fn a_reserved_wait_within_the_hold_is_held_here() {
+        let mut carried = Carried::default();
+        let decision = wait(1_500 * MS, Some(reservation()));
+        let plan = settings().plan_decision(decision, Duration::ZERO, 0, &mut carried);
+        assert_eq!(plan, Plan::Hold(1_500 * MS));
+        assert_eq!(
+            carried,
+            reserved(),
+            "the reservation is kept for the redeem"
+        );
+    }
+
+    #[test]
+    fn a_denial_longer_than_the_hold_goes_through_the_ladder() {
+        let mut carried = Carried::default();
+        let decision = wait(10 * SECOND, Some(reservation()));
+        let plan = settings().plan_decision(decision, Duration::ZERO, 0, &mut carried);
+        // Back one lead (half the 2 s hold) before the slot, with the reservation.
+        assert_eq!(plan, delay(9 * SECOND, reserved()));
+    }
+
+    #[test]
+    fn a_short_wait_goes_through_the_ladder_when_the_hold_is_full() {
+        let plan = settings().plan_wait(1_500 * MS, 10, &reserved());
+        assert_eq!(plan, delay(500 * MS, reserved()));
+    }
+
+    #[test]
+    fn a_wait_within_one_ladder_step_of_the_lead_is_held_even_when_the_hold_is_full() {
+        let plan = settings().plan_wait(1_250 * MS, 10, &reserved());
+        assert_eq!(plan, Plan::Hold(1_250 * MS));
+    }
+
+    #[test]
+    fn a_wait_without_a_reservation_goes_through_the_ladder_for_all_of_it() {
+        let plan = settings().plan_wait(SECOND, 0, &Carried::default());
+        assert_eq!(plan, delay(SECOND, Carried::default()));
+    }
+
+    #[test]
+    fn a_wait_without_a_reservation_within_one_ladder_step_is_held_here() {
+        let plan = settings().plan_wait(250 * MS, 0, &Carried::default());
+        assert_eq!(plan, Plan::Hold(250 * MS));
+    }
+
+    #[test]
+    fn the_lead_is_half_the_hold_and_at_least_two_ladder_steps() {
+        assert_eq!(settings().lead(), SECOND);
+        let short_hold = WorkerSettings {
+            hold: 600 * MS,
+            ..settings()
+        };
+        assert_eq!(short_hold.lead(), 2 * crate::broker::UNIT);
+    }
+
+    #[test]
+    fn a_grant_that_came_in_time_is_called() {
+        let mut carried = reserved();
+        let granted = Decision::Granted {
+            slot_us: 0,
+            used_permille: 1_000,
+            call: "call-1".into(),
+        };
+        let plan = settings().plan_decision(granted, CALL_ALLOWANCE, 0, &mut carried);
+        assert_eq!(
+            plan,
+            Plan::Call {
+                call: "call-1".into()
+            }
+        );
+    }
+
+    #[test]
+    fn a_grant_that_came_too_late_is_asked_for_again_without_the_reservation() {
+        let mut carried = reserved();
+        let granted = Decision::Granted {
+            slot_us: 0,
+            used_permille: 1_000,
+            call: "call-1".into(),
+        };
+        let late = CALL_ALLOWANCE + MS;
+        let plan = settings().plan_decision(granted, late, 0, &mut carried);
+        assert_eq!(plan, Plan::AskAgain);
+        assert_eq!(carried.reservation, None);
+    }
+
+    #[test]
+    fn a_message_registered_before_is_acked_without_a_call() {
+        let plan =
+            settings().plan_decision(Decision::AlreadyDone, Duration::ZERO, 0, &mut reserved());
+        assert_eq!(plan, Plan::Settle(Outcome::AlreadyDone));
+    }
+
+    #[test]
+    fn a_registration_spends_the_reservation() {
+        let mut carried = reserved();
+        let plan = settings().plan_reply(Reply::Registered, &mut carried, 0, SECOND);
+        assert_eq!(plan, Plan::Settle(Outcome::Registered));
+        assert_eq!(carried.reservation, None);
+    }
+
+    #[test]
+    fn a_fifth_failure_with_max_attempts_five_is_dead_lettered() {
+        let mut carried = Carried {
+            attempt: 4,
+            ..reserved()
+        };
+        let reply = Reply::Transient("HTTP 503".into());
+        let plan = settings().plan_reply(reply, &mut carried, 0, SECOND);
+        assert_eq!(
+            plan,
+            dead_letter("attempts-exhausted", "5 attempts failed; last: HTTP 503")
+        );
+        assert_eq!(carried.attempt, 5);
+    }
+
+    #[test]
+    fn a_fourth_failure_is_retried_after_the_fourth_backoff_without_the_reservation() {
+        let mut carried = Carried {
+            attempt: 3,
+            ..reserved()
+        };
+        let reply = Reply::Transient("timeout".into());
+        let plan = settings().plan_reply(reply, &mut carried, 0, SECOND);
+        let Plan::Retry { after, why } = plan else {
+            panic!("{plan:?}");
+        };
+        assert!((8 * SECOND..=16 * SECOND).contains(&after), "{after:?}");
+        assert_eq!(why, "timeout");
+        assert_eq!(carried.attempt, 4);
+        assert_eq!(carried.reservation, None);
+    }
+
+    #[test]
+    fn backoff_doubles_up_to_retry_max() {
+        let settings = settings();
+        for attempt in 1..=10u32 {
+            let base = (SECOND * 2u32.pow(attempt - 1)).min(settings.retry_max);
+            for _ in 0..20 {
+                let after = settings.backoff(attempt);
+                // The jitter adds up to as much again.
+                assert!(base <= after && after <= base * 2, "{attempt}: {after:?}");
+            }
+        }
+        assert!(
+            settings.backoff(0) <= 2 * SECOND,
+            "attempt 0 counts as the first"
+        );
+    }
+
+    #[test]
+    fn a_rejection_is_dead_lettered_with_its_status_and_body() {
+        let reply = Reply::Rejected {
+            status: 422,
+            body: "unknown seller".into(),
+        };
+        let plan = settings().plan_reply(reply, &mut Carried::default(), 0, SECOND);
+        assert_eq!(plan, dead_letter("rejected", "HTTP 422: unknown seller"));
+    }
+
+    #[test]
+    fn a_first_429_pauses_the_seller_for_its_retry_after_and_notes_since_when() {
+        let mut carried = reserved();
+        let reply = Reply::Throttled {
+            retry_after: Some(5 * SECOND),
+        };
+        let plan = settings().plan_reply(reply, &mut carried, 1_000_000, SECOND);
+        let (pause, asked) = (5 * SECOND, 5 * SECOND);
+        assert_eq!(plan, Plan::PauseSeller { pause, asked });
+        assert_eq!(carried.throttled_since_ms, Some(1_000_000));
+        assert_eq!(carried.reservation, None);
+    }
+
+    #[test]
+    fn a_429_without_retry_after_pauses_the_seller_for_one_window() {
+        let reply = Reply::Throttled { retry_after: None };
+        let plan = settings().plan_reply(reply, &mut Carried::default(), 0, 3 * SECOND);
+        let (pause, asked) = (3 * SECOND, 3 * SECOND);
+        assert_eq!(plan, Plan::PauseSeller { pause, asked });
+    }
+
+    #[test]
+    fn a_retry_after_beyond_max_pause_pauses_for_max_pause() {
+        let plan = settings().plan_throttled(3_600 * SECOND, &mut Carried::default(), 0);
+        let (pause, asked) = (60 * SECOND, 3_600 * SECOND);
+        assert_eq!(plan, Plan::PauseSeller { pause, asked });
+    }
+
+    #[test]
+    fn a_retry_after_of_zero_pauses_for_a_millisecond() {
+        let plan = settings().plan_throttled(Duration::ZERO, &mut Carried::default(), 0);
+        let (pause, asked) = (MS, Duration::ZERO);
+        assert_eq!(plan, Plan::PauseSeller { pause, asked });
+    }
+
+    #[test]
+    fn a_429_just_before_the_throttle_deadline_pauses_the_seller() {
+        let mut carried = Carried {
+            throttled_since_ms: Some(1_000_000),
+            ..Carried::default()
+        };
+        let now_ms = 1_000_000 + 599_999;
+        let plan = settings().plan_throttled(SECOND, &mut carried, now_ms);
+        let (pause, asked) = (SECOND, SECOND);
+        assert_eq!(plan, Plan::PauseSeller { pause, asked });
+        assert_eq!(
+            carried.throttled_since_ms,
+            Some(1_000_000),
+            "still the first"
+        );
+    }
+
+    #[test]
+    fn a_429_past_the_throttle_deadline_is_dead_lettered_as_throttled() {
+        let mut carried = Carried {
+            throttled_since_ms: Some(1_000_000),
+            ..Carried::default()
+        };
+        let now_ms = 1_000_000 + 600_000;
+        let plan = settings().plan_throttled(SECOND, &mut carried, now_ms);
+        let detail = "the downstream answered 429 for 600 s (TURNSTILE_THROTTLE_DEADLINE 600 s)";
+        assert_eq!(plan, dead_letter("throttled", detail));
+    }
+
+    #[test]
+    fn a_limiter_refusal_drops_the_reservation_and_the_third_dead_letters_the_message() {
+        let mut errors = PermitErrors::default();
+        let mut carried = reserved();
+        let refusal = || PermitError::Answer("redeem");
+        assert_eq!(errors.plan(refusal(), &mut carried), Plan::AskAgain);
+        assert_eq!(carried.reservation, None);
+        assert_eq!(errors.plan(refusal(), &mut carried), Plan::AskAgain);
+        let detail = "the limiter refused it 3 times: unexpected answer from the redeem script";
+        let plan = errors.plan(refusal(), &mut carried);
+        assert_eq!(plan, dead_letter("invalid-message", detail));
+    }
+
+    #[test]
+    fn redis_out_of_reach_is_asked_again_later_keeping_the_reservation() {
+        let mut errors = PermitErrors::default();
+        let mut carried = reserved();
+        let io = PermitError::Redis(redis::RedisError::from(std::io::Error::from(
+            std::io::ErrorKind::ConnectionRefused,
+        )));
+        let plan = errors.plan(io, &mut carried);
+        assert!(
+            matches!(plan, Plan::AskAfter(wait) if wait <= 100 * MS),
+            "{plan:?}"
+        );
+        assert_eq!(carried, reserved());
+    }
+
+    #[test]
+    fn a_wait_interrupted_by_shutdown_goes_back_with_its_reservation() {
+        let outcome = returned(reserved(), Interrupted::Shutdown);
+        let after = Duration::ZERO;
+        let carried = reserved();
+        assert_eq!(outcome, Outcome::Delay { after, carried });
+    }
+
+    #[test]
+    fn a_wait_interrupted_by_a_lost_connection_is_left_to_the_broker() {
+        let outcome = returned(reserved(), Interrupted::ConnectionLost);
+        assert_eq!(outcome, Outcome::Requeue);
+    }
+
+    #[test]
+    fn a_delay_after_one_more_failed_attempt_counts_as_retried() {
+        let delayed = Outcome::Delay {
+            after: SECOND,
+            carried: Carried {
+                attempt: 2,
+                ..Carried::default()
+            },
+        };
+        assert_eq!(delayed.label(1), "retried");
+        assert_eq!(delayed.label(2), "delayed");
+        assert_eq!(Outcome::Requeue.label(0), "requeued");
+    }
+
     #[test]
     fn redis_outages_are_waited_out_and_refusals_given_up_after_three() {
         let io = PermitError::Redis(redis::RedisError::from(std::io::Error::from(
