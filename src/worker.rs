@@ -14,6 +14,7 @@ use std::time::Duration;
 use backon::{BackoffBuilder, ExponentialBackoff, ExponentialBuilder, Retryable};
 use lapin::message::Delivery;
 use lapin::types::AMQPValue;
+use metrics_util::storage::Summary;
 use tokio::sync::{OwnedSemaphorePermit, Semaphore};
 use tokio_util::sync::CancellationToken;
 use tracing::{Instrument, debug, info_span, warn};
@@ -139,7 +140,7 @@ pub struct Stats {
     /// What the delay ladder's consumers did in this replica.
     pub ladder: Arc<crate::broker::ladder::LadderStats>,
     /// How long each permit decision took (one Redis round trip, or more after errors).
-    pub permit_latency: LatencyHistogram,
+    pub permit_latency: LatencySummary,
     /// Sellers asked about since the dashboard sampler last took them (at most
     /// [`Stats::MAX_SELLERS`]; the sampler records them in Redis every second).
     pub sellers: Mutex<HashSet<String>>,
@@ -163,85 +164,64 @@ impl Stats {
     }
 }
 
-/// A lock-free latency histogram: log2 buckets with 8 linear steps each (at most 12.5% error),
-/// from 1 µs to about 10^6 s. Cheap enough for every message.
-pub struct LatencyHistogram {
-    buckets: Box<[AtomicU64]>,
+/// Latencies for quantiles, in metrics-util's [`Summary`] (a DDSketch: quantiles within 1% of
+/// the true value, from 1 µs up), behind a lock held only to add or read samples.
+pub struct LatencySummary {
+    summary: Mutex<Summary>,
 }
 
-impl LatencyHistogram {
-    const STEPS: u32 = 8;
-    const BUCKETS: usize = 8 + 8 * 38;
+impl LatencySummary {
+    /// Relative error of a quantile.
+    const ALPHA: f64 = 0.01;
+    /// Most buckets; 1% wide, 2048 of them span far more than 1 µs to a day.
+    const MAX_BUCKETS: u32 = 2_048;
+    /// Shorter latencies (seconds) count as zero.
+    const MIN_SECONDS: f64 = 1e-6;
 
-    fn index(micros: u64) -> usize {
-        if micros < u64::from(Self::STEPS) {
-            return micros as usize;
-        }
-        let exponent = 63 - micros.leading_zeros(); // >= 3
-        let step = (micros >> (exponent - 3)) & 7;
-        ((exponent as usize - 2) * 8 + step as usize).min(Self::BUCKETS - 1)
-    }
-
-    fn lower_bound(index: usize) -> u64 {
-        if index < 8 {
-            return index as u64;
-        }
-        let exponent = (index / 8 + 2) as u32;
-        let step = (index % 8) as u64;
-        (8 + step) << (exponent - 3)
-    }
-
+    /// Adds one sample.
     pub fn record(&self, took: Duration) {
-        let micros = u64::try_from(took.as_micros()).unwrap_or(u64::MAX);
-        self.buckets[Self::index(micros)].fetch_add(1, Ordering::Relaxed);
+        self.lock().add(took.as_secs_f64());
     }
 
     /// Samples recorded so far.
     pub fn count(&self) -> u64 {
-        self.buckets.iter().map(|b| b.load(Ordering::Relaxed)).sum()
+        self.lock().count() as u64
     }
 
-    /// The `q`-quantile (0..=1) of the samples so far (the lower bound of its bucket), or zero.
+    /// The `q`-quantile (0..=1) of the samples so far, or zero.
     pub fn quantile(&self, q: f64) -> Duration {
-        let counts: Vec<u64> = self
-            .buckets
-            .iter()
-            .map(|b| b.load(Ordering::Relaxed))
-            .collect();
-        let total: u64 = counts.iter().sum();
-        if total == 0 {
-            return Duration::ZERO;
-        }
-        let rank = ((total as f64 * q.clamp(0.0, 1.0)).ceil() as u64).max(1);
-        let mut seen = 0;
-        for (i, n) in counts.iter().enumerate() {
-            seen += n;
-            if seen >= rank {
-                return Duration::from_micros(Self::lower_bound(i));
-            }
-        }
-        Duration::from_micros(Self::lower_bound(Self::BUCKETS - 1))
+        let seconds = self.lock().quantile(q.clamp(0.0, 1.0));
+        seconds.map_or(Duration::ZERO, |s| Duration::from_secs_f64(s.max(0.0)))
     }
 
-    /// Adds another histogram's samples to this one (to sum over replicas).
-    pub fn absorb(&self, other: &LatencyHistogram) {
-        for (mine, theirs) in self.buckets.iter().zip(other.buckets.iter()) {
-            mine.fetch_add(theirs.load(Ordering::Relaxed), Ordering::Relaxed);
-        }
+    /// Adds another summary's samples to this one (to sum over replicas).
+    pub fn absorb(&self, other: &LatencySummary) {
+        let theirs = other.lock().clone();
+        self.lock()
+            .merge(&theirs)
+            .expect("every latency summary has the same parameters");
+    }
+
+    fn lock(&self) -> std::sync::MutexGuard<'_, Summary> {
+        self.summary.lock().expect("never poisoned")
     }
 }
 
-impl Default for LatencyHistogram {
+impl Default for LatencySummary {
     fn default() -> Self {
         Self {
-            buckets: (0..Self::BUCKETS).map(|_| AtomicU64::new(0)).collect(),
+            summary: Mutex::new(Summary::new(
+                Self::ALPHA,
+                Self::MAX_BUCKETS,
+                Self::MIN_SECONDS,
+            )),
         }
     }
 }
 
-impl std::fmt::Debug for LatencyHistogram {
+impl std::fmt::Debug for LatencySummary {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("LatencyHistogram")
+        f.debug_struct("LatencySummary")
             .field("count", &self.count())
             .field("p50", &self.quantile(0.5))
             .field("p99", &self.quantile(0.99))
@@ -1395,33 +1375,30 @@ mod tests {
     }
 
     #[test]
-    fn latency_buckets_are_ordered_and_within_an_eighth() {
-        let mut last = 0;
-        for i in 0..LatencyHistogram::BUCKETS {
-            let low = LatencyHistogram::lower_bound(i);
-            assert!(i == 0 || low > last, "bucket {i}");
-            assert_eq!(LatencyHistogram::index(low), i);
-            last = low;
+    fn latency_quantiles_follow_the_samples_within_a_percent() {
+        let latencies = LatencySummary::default();
+        assert_eq!(latencies.quantile(0.5), Duration::ZERO, "no samples yet");
+        for micros in 1..=100u64 {
+            latencies.record(Duration::from_micros(micros * 10));
         }
-        for micros in [1, 7, 8, 9, 100, 479, 1000, 123_456, 10_000_000] {
-            let low = LatencyHistogram::lower_bound(LatencyHistogram::index(micros));
-            assert!(
-                low <= micros && micros - low <= micros / 8,
-                "{micros} -> {low}"
-            );
-        }
+        assert_eq!(latencies.count(), 100);
+        let p50 = latencies.quantile(0.5).as_secs_f64() * 1e6;
+        let p99 = latencies.quantile(0.99).as_secs_f64() * 1e6;
+        assert!((495.0..=505.0).contains(&p50), "{p50}");
+        assert!((980.0..=1_000.0).contains(&p99), "{p99}");
     }
 
     #[test]
-    fn quantiles_follow_the_samples() {
-        let h = LatencyHistogram::default();
-        for micros in 1..=100u64 {
-            h.record(Duration::from_micros(micros * 10));
+    fn absorbed_latencies_count_in_the_quantiles() {
+        let (fast, slow) = (LatencySummary::default(), LatencySummary::default());
+        for _ in 0..50 {
+            fast.record(Duration::from_micros(100));
+            slow.record(Duration::from_millis(10));
         }
-        assert_eq!(h.count(), 100);
-        let p50 = h.quantile(0.5).as_micros() as u64;
-        let p99 = h.quantile(0.99).as_micros() as u64;
-        assert!((440..=500).contains(&p50), "{p50}");
-        assert!((870..=990).contains(&p99), "{p99}");
+        fast.absorb(&slow);
+        assert_eq!(fast.count(), 100);
+        let p99 = fast.quantile(0.99).as_secs_f64() * 1e3;
+        assert!((9.9..=10.1).contains(&p99), "{p99}");
+        assert_eq!(slow.count(), 50, "the absorbed summary keeps its samples");
     }
 }

@@ -27,7 +27,7 @@ use crate::mock_api::{MockArgs, MockServer};
 use crate::permit::{RedisConn, delete_prefix, round_trips};
 use crate::replica::{ConsumeArgs, Replica};
 use crate::rig::{RigArgs, registration_body};
-use crate::worker::{LatencyHistogram, Stats};
+use crate::worker::{LatencySummary, Stats};
 
 #[derive(Args, Debug, Clone)]
 pub struct ThroughputArgs {
@@ -466,7 +466,7 @@ impl Bench<'_> {
             tokio::time::sleep(Duration::from_millis(5)).await;
         }
         let took = started.elapsed();
-        let latency = LatencyHistogram::default();
+        let latency = LatencySummary::default();
         let stats: Vec<Arc<Stats>> = running.iter().map(|r| r.stats.clone()).collect();
         stop.cancel();
         for replica in running {
