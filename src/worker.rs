@@ -173,7 +173,7 @@ pub struct LatencySummary {
 impl LatencySummary {
     /// Relative error of a quantile.
     const ALPHA: f64 = 0.01;
-    /// Most buckets; 1% wide, 2048 of them span far more than 1 µs to a day.
+    /// Most buckets: each is about 2% wide, so 2048 of them span 1 µs to well beyond a day.
     const MAX_BUCKETS: u32 = 2_048;
     /// Shorter latencies (seconds) count as zero.
     const MIN_SECONDS: f64 = 1e-6;
