@@ -11,14 +11,17 @@ use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-use backon::{BackoffBuilder, ExponentialBuilder, Retryable};
+use backon::{BackoffBuilder, ExponentialBackoff, ExponentialBuilder, Retryable};
 use lapin::message::Delivery;
 use lapin::types::AMQPValue;
-use tokio::sync::Semaphore;
+use metrics_util::storage::Summary;
+use tokio::sync::{OwnedSemaphorePermit, Semaphore};
 use tokio_util::sync::CancellationToken;
 use tracing::{Instrument, debug, info_span, warn};
 
-use crate::broker::{Publisher, Settler, Topology, header_str, header_u64, headers, long_string};
+use crate::broker::{
+    PublishError, Publisher, Settler, Topology, header_str, header_u64, headers, long_string,
+};
 use crate::domain::Registration;
 use crate::downstream::{Downstream, Reply};
 use crate::permit::{CALL_ALLOWANCE, Decision, PermitError, PermitStore, Rescheduled, Reservation};
@@ -40,6 +43,21 @@ pub enum Outcome {
     },
     /// Give the message back to the broker as it is (nack + requeue).
     Requeue,
+}
+
+impl Outcome {
+    /// The outcome's label in `turnstile_outcomes_total`, for a delivery that carried
+    /// `delivered_attempt` failed attempts: a delay after one more failed attempt is `retried`.
+    fn label(&self, delivered_attempt: u32) -> &'static str {
+        match self {
+            Outcome::Registered => "registered",
+            Outcome::AlreadyDone => "already_done",
+            Outcome::Delay { carried, .. } if carried.attempt > delivered_attempt => "retried",
+            Outcome::Delay { .. } => "delayed",
+            Outcome::DeadLetter { .. } => "dead_lettered",
+            Outcome::Requeue => "requeued",
+        }
+    }
 }
 
 /// What a message carries from one delivery to the next, in `x-turnstile-*` headers. Read once
@@ -122,7 +140,7 @@ pub struct Stats {
     /// What the delay ladder's consumers did in this replica.
     pub ladder: Arc<crate::broker::ladder::LadderStats>,
     /// How long each permit decision took (one Redis round trip, or more after errors).
-    pub permit_latency: LatencyHistogram,
+    pub permit_latency: LatencySummary,
     /// Sellers asked about since the dashboard sampler last took them (at most
     /// [`Stats::MAX_SELLERS`]; the sampler records them in Redis every second).
     pub sellers: Mutex<HashSet<String>>,
@@ -146,85 +164,64 @@ impl Stats {
     }
 }
 
-/// A lock-free latency histogram: log2 buckets with 8 linear steps each (at most 12.5% error),
-/// from 1 µs to about 10^6 s. Cheap enough for every message.
-pub struct LatencyHistogram {
-    buckets: Box<[AtomicU64]>,
+/// Latencies for quantiles, in metrics-util's [`Summary`] (a DDSketch: quantiles within 1% of
+/// the true value, from 1 µs up), behind a lock held only to add or read samples.
+pub struct LatencySummary {
+    summary: Mutex<Summary>,
 }
 
-impl LatencyHistogram {
-    const STEPS: u32 = 8;
-    const BUCKETS: usize = 8 + 8 * 38;
+impl LatencySummary {
+    /// Relative error of a quantile.
+    const ALPHA: f64 = 0.01;
+    /// Most buckets: each is about 2% wide, so 2048 of them span 1 µs to well beyond a day.
+    const MAX_BUCKETS: u32 = 2_048;
+    /// Shorter latencies (seconds) count as zero.
+    const MIN_SECONDS: f64 = 1e-6;
 
-    fn index(micros: u64) -> usize {
-        if micros < u64::from(Self::STEPS) {
-            return micros as usize;
-        }
-        let exponent = 63 - micros.leading_zeros(); // >= 3
-        let step = (micros >> (exponent - 3)) & 7;
-        ((exponent as usize - 2) * 8 + step as usize).min(Self::BUCKETS - 1)
-    }
-
-    fn lower_bound(index: usize) -> u64 {
-        if index < 8 {
-            return index as u64;
-        }
-        let exponent = (index / 8 + 2) as u32;
-        let step = (index % 8) as u64;
-        (8 + step) << (exponent - 3)
-    }
-
+    /// Adds one sample.
     pub fn record(&self, took: Duration) {
-        let micros = u64::try_from(took.as_micros()).unwrap_or(u64::MAX);
-        self.buckets[Self::index(micros)].fetch_add(1, Ordering::Relaxed);
+        self.lock().add(took.as_secs_f64());
     }
 
     /// Samples recorded so far.
     pub fn count(&self) -> u64 {
-        self.buckets.iter().map(|b| b.load(Ordering::Relaxed)).sum()
+        self.lock().count() as u64
     }
 
-    /// The `q`-quantile (0..=1) of the samples so far (the lower bound of its bucket), or zero.
+    /// The `q`-quantile (0..=1) of the samples so far, or zero.
     pub fn quantile(&self, q: f64) -> Duration {
-        let counts: Vec<u64> = self
-            .buckets
-            .iter()
-            .map(|b| b.load(Ordering::Relaxed))
-            .collect();
-        let total: u64 = counts.iter().sum();
-        if total == 0 {
-            return Duration::ZERO;
-        }
-        let rank = ((total as f64 * q.clamp(0.0, 1.0)).ceil() as u64).max(1);
-        let mut seen = 0;
-        for (i, n) in counts.iter().enumerate() {
-            seen += n;
-            if seen >= rank {
-                return Duration::from_micros(Self::lower_bound(i));
-            }
-        }
-        Duration::from_micros(Self::lower_bound(Self::BUCKETS - 1))
+        let seconds = self.lock().quantile(q.clamp(0.0, 1.0));
+        seconds.map_or(Duration::ZERO, |s| Duration::from_secs_f64(s.max(0.0)))
     }
 
-    /// Adds another histogram's samples to this one (to sum over replicas).
-    pub fn absorb(&self, other: &LatencyHistogram) {
-        for (mine, theirs) in self.buckets.iter().zip(other.buckets.iter()) {
-            mine.fetch_add(theirs.load(Ordering::Relaxed), Ordering::Relaxed);
-        }
+    /// Adds another summary's samples to this one (to sum over replicas).
+    pub fn absorb(&self, other: &LatencySummary) {
+        let theirs = other.lock().clone();
+        self.lock()
+            .merge(&theirs)
+            .expect("every latency summary has the same parameters");
+    }
+
+    fn lock(&self) -> std::sync::MutexGuard<'_, Summary> {
+        self.summary.lock().expect("never poisoned")
     }
 }
 
-impl Default for LatencyHistogram {
+impl Default for LatencySummary {
     fn default() -> Self {
         Self {
-            buckets: (0..Self::BUCKETS).map(|_| AtomicU64::new(0)).collect(),
+            summary: Mutex::new(Summary::new(
+                Self::ALPHA,
+                Self::MAX_BUCKETS,
+                Self::MIN_SECONDS,
+            )),
         }
     }
 }
 
-impl std::fmt::Debug for LatencyHistogram {
+impl std::fmt::Debug for LatencySummary {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("LatencyHistogram")
+        f.debug_struct("LatencySummary")
             .field("count", &self.count())
             .field("p50", &self.quantile(0.5))
             .field("p99", &self.quantile(0.99))
@@ -252,6 +249,165 @@ pub struct WorkerSettings {
     pub retry_max: Duration,
 }
 
+/// The next step for a message, decided from plain values by [`WorkerSettings`]' `plan_*`
+/// methods (no I/O) and carried out by [`Worker::handle`].
+#[derive(Debug, PartialEq)]
+enum Plan {
+    /// Settle the delivery with this outcome.
+    Settle(Outcome),
+    /// Call the downstream now, under the grant that names the call `call`.
+    Call { call: String },
+    /// Hold the message here, unacked, for this long (or until its reserved slot is given
+    /// back), then ask for its permit again.
+    Hold(Duration),
+    /// Ask for a permit again at once.
+    AskAgain,
+    /// No permit decision (Redis unavailable): wait this long, holding no worker, then ask
+    /// again.
+    AskAfter(Duration),
+    /// A 429: pause the seller on every replica for `pause` (what the downstream `asked`
+    /// for, capped at `max_pause`), then ask again.
+    PauseSeller { pause: Duration, asked: Duration },
+    /// A failed attempt: come back through the delay ladder `after` the backoff.
+    Retry { after: Duration, why: String },
+}
+
+impl WorkerSettings {
+    /// What a permit decision leads to, given how long it took to come (`waited`) and how many
+    /// messages are held in the replica (`holding`). A grant is called only if it came within
+    /// [`CALL_ALLOWANCE`]: its place in the window was only promised for a call starting
+    /// within it; a later one is asked for again, without the reservation.
+    fn plan_decision(
+        &self,
+        decision: Decision,
+        waited: Duration,
+        holding: usize,
+        carried: &mut Carried,
+    ) -> Plan {
+        match decision {
+            Decision::AlreadyDone => Plan::Settle(Outcome::AlreadyDone),
+            Decision::Granted { call, .. } if waited <= CALL_ALLOWANCE => Plan::Call { call },
+            Decision::Granted { .. } => {
+                carried.reservation = None;
+                Plan::AskAgain
+            }
+            Decision::Wait {
+                retry_after,
+                reservation,
+            } => {
+                carried.reservation = reservation;
+                self.plan_wait(retry_after, holding, carried)
+            }
+        }
+    }
+
+    /// Where a message told to wait `retry_after` waits. Held here if it has a reservation,
+    /// the wait is within `hold` and fewer than `hold_capacity` messages are held (`holding`);
+    /// otherwise it goes through the delay ladder, coming back [`WorkerSettings::lead`] before
+    /// its reserved slot (or at the time, without a reservation) — unless that leaves no more
+    /// than one ladder step, which is held here too.
+    fn plan_wait(&self, retry_after: Duration, holding: usize, carried: &Carried) -> Plan {
+        let reserved = carried.reservation.is_some();
+        if !reserved || retry_after > self.hold || holding >= self.hold_capacity {
+            let lead = if reserved {
+                self.lead()
+            } else {
+                Duration::ZERO
+            };
+            if retry_after > lead + crate::broker::UNIT {
+                return Plan::Settle(Outcome::Delay {
+                    after: retry_after - lead,
+                    carried: carried.clone(),
+                });
+            }
+        }
+        Plan::Hold(retry_after)
+    }
+
+    /// What the downstream's reply to a call leads to. The call spent the message's
+    /// reservation. `now_ms` is the time (Unix ms); `window` is the default limit's window,
+    /// the pause after a 429 without Retry-After.
+    fn plan_reply(
+        &self,
+        reply: Reply,
+        carried: &mut Carried,
+        now_ms: u64,
+        window: Duration,
+    ) -> Plan {
+        carried.reservation = None;
+        match reply {
+            Reply::Registered => Plan::Settle(Outcome::Registered),
+            Reply::Throttled { retry_after } => {
+                self.plan_throttled(retry_after.unwrap_or(window), carried, now_ms)
+            }
+            Reply::Transient(why) => self.plan_failure(why, carried),
+            Reply::Rejected { status, body } => Plan::Settle(Outcome::DeadLetter {
+                reason: "rejected",
+                detail: format!("HTTP {status}: {body}"),
+            }),
+        }
+    }
+
+    /// A 429 that `asked` for a pause: the seller is paused for it, capped at `max_pause` (at
+    /// least 1 ms). A message throttled for `throttle_deadline` since its first 429 (noted in
+    /// `carried` now if this is the first) is dead-lettered as `throttled` instead.
+    fn plan_throttled(&self, asked: Duration, carried: &mut Carried, now_ms: u64) -> Plan {
+        let since = *carried.throttled_since_ms.get_or_insert(now_ms);
+        let throttled_for = Duration::from_millis(now_ms.saturating_sub(since));
+        if throttled_for >= self.throttle_deadline {
+            return Plan::Settle(Outcome::DeadLetter {
+                reason: "throttled",
+                detail: format!(
+                    "the downstream answered 429 for {} s (TURNSTILE_THROTTLE_DEADLINE {} s)",
+                    throttled_for.as_secs(),
+                    self.throttle_deadline.as_secs()
+                ),
+            });
+        }
+        Plan::PauseSeller {
+            pause: asked.min(self.max_pause).max(Duration::from_millis(1)),
+            asked,
+        }
+    }
+
+    /// A failed attempt (5xx, timeout, connection error), counted in `carried`: the
+    /// `max_attempts`-th is dead-lettered as `attempts-exhausted`, earlier ones are retried
+    /// after [`WorkerSettings::backoff`].
+    fn plan_failure(&self, why: String, carried: &mut Carried) -> Plan {
+        carried.attempt = carried.attempt.saturating_add(1);
+        let attempt = carried.attempt;
+        if attempt >= self.max_attempts {
+            return Plan::Settle(Outcome::DeadLetter {
+                reason: "attempts-exhausted",
+                detail: format!("{attempt} attempts failed; last: {why}"),
+            });
+        }
+        Plan::Retry {
+            after: self.backoff(attempt),
+            why,
+        }
+    }
+
+    /// How early a message delayed through the broker comes back before its slot: half the
+    /// hold, at least two ladder steps.
+    fn lead(&self) -> Duration {
+        (self.hold / 2).max(crate::broker::UNIT * 2)
+    }
+
+    /// The n-th retry delay: exponential from `retry_min` (doubling), capped at `retry_max`,
+    /// plus a random jitter of up to as much again.
+    fn backoff(&self, attempt: u32) -> Duration {
+        ExponentialBuilder::default()
+            .with_min_delay(self.retry_min)
+            .with_max_delay(self.retry_max)
+            .with_jitter()
+            .without_max_times()
+            .build()
+            .nth(attempt.saturating_sub(1) as usize)
+            .unwrap_or(self.retry_max)
+    }
+}
+
 /// Everything a delivery needs; shared by all of a replica's tasks.
 pub struct Worker {
     pub permits: PermitStore,
@@ -275,7 +431,7 @@ const PERMIT_REFUSALS: u32 = 3;
 
 /// Backoff while Redis is unavailable: 50 ms doubling to 5 s, with jitter, for as long as it
 /// takes (fail closed: no call without a decision).
-fn redis_backoff() -> impl Iterator<Item = Duration> {
+fn redis_backoff() -> ExponentialBackoff {
     ExponentialBuilder::default()
         .with_min_delay(Duration::from_millis(50))
         .with_max_delay(Duration::from_secs(5))
@@ -311,6 +467,45 @@ fn permit_failure(
         PermitFailure::GiveUp
     } else {
         PermitFailure::Refused
+    }
+}
+
+/// The permit errors met while handling one message: the limiter's refusals so far, and the
+/// backoff while Redis is unavailable.
+struct PermitErrors {
+    refused: u32,
+    unavailable: ExponentialBackoff,
+}
+
+impl Default for PermitErrors {
+    fn default() -> Self {
+        Self {
+            refused: 0,
+            unavailable: redis_backoff(),
+        }
+    }
+}
+
+impl PermitErrors {
+    /// What a failed permit decision leads to (see [`permit_failure`]); counted and logged.
+    fn plan(&mut self, error: PermitError, carried: &mut Carried) -> Plan {
+        metrics::counter!("turnstile_redis_errors_total").increment(1);
+        match permit_failure(&error, &mut self.refused, &mut self.unavailable) {
+            PermitFailure::Unavailable(wait) => {
+                warn!(%error, retry_in_ms = wait.as_millis() as u64, "no permit decision (Redis); not calling");
+                Plan::AskAfter(wait)
+            }
+            PermitFailure::Refused => {
+                // Whatever the message carried (a reservation) is dropped.
+                warn!(%error, refused = self.refused, "the limiter refused the request; acquiring anew without a reservation");
+                carried.reservation = None;
+                Plan::AskAgain
+            }
+            PermitFailure::GiveUp => Plan::Settle(Outcome::DeadLetter {
+                reason: "invalid-message",
+                detail: format!("the limiter refused it {} times: {error}", self.refused),
+            }),
+        }
     }
 }
 
@@ -454,180 +649,186 @@ impl Worker {
                 detail: why,
             };
         }
-        let mut unavailable = redis_backoff();
-        let mut refused = 0;
+        let mut permit_errors = PermitErrors::default();
         loop {
-            let worker = tokio::select! {
-                permit = self.workers.clone().acquire_owned() => permit.expect("the worker semaphore is never closed"),
-                permit = self.due_lane.clone().acquire_owned(), if carried.reservation.is_some() => permit.expect("the due lane is never closed"),
-                _ = shutdown.cancelled() => return returned(carried, Interrupted::Shutdown),
-                _ = connection_lost.cancelled() => return Outcome::Requeue,
-            };
-            let asked = std::time::Instant::now();
-            let decided = tokio::select! {
-                d = self.decide(registration, carried.reservation.as_ref()) => d,
-                _ = shutdown.cancelled() => return returned(carried, Interrupted::Shutdown),
-                _ = connection_lost.cancelled() => return Outcome::Requeue,
-            };
-            let decision = match decided {
-                Ok(decision) => decision,
-                Err(error) => {
-                    // No worker is held while the message waits for Redis.
-                    drop(worker);
-                    metrics::counter!("turnstile_redis_errors_total").increment(1);
-                    match permit_failure(&error, &mut refused, &mut unavailable) {
-                        PermitFailure::Unavailable(wait) => {
-                            warn!(%error, retry_in_ms = wait.as_millis() as u64, "no permit decision (Redis); not calling");
-                            tokio::select! {
-                                _ = tokio::time::sleep(wait) => {}
-                                _ = shutdown.cancelled() => return returned(carried, Interrupted::Shutdown),
-                                _ = connection_lost.cancelled() => return Outcome::Requeue,
-                            }
-                        }
-                        PermitFailure::Refused => {
-                            // Whatever the message carried (a reservation) is dropped.
-                            warn!(%error, refused, "the limiter refused the request; acquiring anew without a reservation");
-                            carried.reservation = None;
-                        }
-                        PermitFailure::GiveUp => {
-                            return Outcome::DeadLetter {
-                                reason: "invalid-message",
-                                detail: format!("the limiter refused it {refused} times: {error}"),
-                            };
-                        }
-                    }
-                    continue;
-                }
-            };
-            match decision {
-                Decision::AlreadyDone => return Outcome::AlreadyDone,
-                Decision::Granted { call, .. } => {
-                    if asked.elapsed() > CALL_ALLOWANCE {
-                        // Too late to send under this grant: its place in the window was only
-                        // promised for a call starting within the allowance. Ask again.
-                        warn!(
-                            waited_ms = asked.elapsed().as_millis() as u64,
-                            "a permit came back too late to send the call with it; asking again"
-                        );
-                        carried.reservation = None;
-                        continue;
-                    }
-                    self.stats.in_flight.fetch_add(1, Ordering::Relaxed);
-                    let reply = self.downstream.register(registration).await;
-                    self.stats.in_flight.fetch_sub(1, Ordering::Relaxed);
-                    // Only the exact algorithms hold calls until their answer; a registration's
-                    // answer is recorded with its completion.
-                    if self.permits.algorithm().is_exact() && !matches!(reply, Reply::Registered) {
-                        self.record_call_end(registration, &call).await;
-                    }
-                    drop(worker);
-                    carried.reservation = None;
-                    match reply {
-                        Reply::Registered => {
-                            self.record_completion(registration, &call).await;
-                            return Outcome::Registered;
-                        }
-                        Reply::Throttled { retry_after } => {
-                            if let Some(outcome) = self
-                                .throttled(registration, retry_after, &mut carried)
-                                .await
-                            {
-                                return outcome;
-                            }
-                        }
-                        Reply::Transient(why) => {
-                            carried.attempt = carried.attempt.saturating_add(1);
-                            let attempt = carried.attempt;
-                            if attempt >= self.settings.max_attempts {
-                                return Outcome::DeadLetter {
-                                    reason: "attempts-exhausted",
-                                    detail: format!("{attempt} attempts failed; last: {why}"),
-                                };
-                            }
-                            warn!(attempt, %why, "downstream failed; retrying later");
-                            self.stats.retried.fetch_add(1, Ordering::Relaxed);
-                            return Outcome::Delay {
-                                after: self.backoff(attempt),
-                                carried,
-                            };
-                        }
-                        Reply::Rejected { status, body } => {
-                            return Outcome::DeadLetter {
-                                reason: "rejected",
-                                detail: format!("HTTP {status}: {body}"),
-                            };
-                        }
-                    }
-                }
-                Decision::Wait {
-                    retry_after,
-                    reservation,
-                } => {
-                    drop(worker);
-                    carried.reservation = reservation;
-                    let holding = self.stats.held.load(Ordering::Relaxed);
-                    let reserved = carried.reservation.is_some();
-                    if !reserved
-                        || retry_after > self.settings.hold
-                        || holding >= self.settings.hold_capacity
-                    {
-                        let lead = if reserved {
-                            self.lead()
-                        } else {
-                            Duration::ZERO
-                        };
-                        if retry_after > lead + crate::broker::UNIT {
-                            return Outcome::Delay {
-                                after: retry_after - lead,
-                                carried,
-                            };
-                        }
-                    }
-                    self.stats.held.fetch_add(1, Ordering::Relaxed);
-                    let notices = self.reschedules.subscribe();
-                    let waited = tokio::select! {
-                        _ = tokio::time::sleep(retry_after) => None,
-                        _ = given_back(notices, registration, carried.reservation.as_ref()) => None,
-                        _ = shutdown.cancelled() => Some(Interrupted::Shutdown),
-                        _ = connection_lost.cancelled() => Some(Interrupted::ConnectionLost),
-                    };
-                    self.stats.held.fetch_sub(1, Ordering::Relaxed);
-                    if let Some(why) = waited {
-                        return returned(carried, why);
-                    }
-                }
+            let plan = self
+                .ask(
+                    registration,
+                    &mut carried,
+                    &mut permit_errors,
+                    shutdown,
+                    connection_lost,
+                )
+                .await;
+            let carried_out = self
+                .carry_out(plan, registration, &carried, shutdown, connection_lost)
+                .await;
+            if let Some(outcome) = carried_out {
+                return outcome;
             }
         }
     }
 
-    /// A 429: pauses the seller on every replica for Retry-After (or one window), capped at
-    /// `max_pause`; `None` means ask for a permit again (after the pause). A message throttled
-    /// for longer than `throttle_deadline` is dead-lettered as `throttled`.
-    async fn throttled(
+    /// One round: takes a worker, asks for (or redeems) a permit and plans what its answer
+    /// leads to; a grant is called at once, under the worker, and the plan is then the
+    /// reply's. Never returns [`Plan::Call`].
+    async fn ask(
         &self,
         registration: &Registration,
-        retry_after: Option<Duration>,
         carried: &mut Carried,
-    ) -> Option<Outcome> {
-        self.stats.throttled.fetch_add(1, Ordering::Relaxed);
-        metrics::counter!("turnstile_downstream_throttled_total").increment(1);
-        let now = crate::broker::unix_ms();
-        let since = *carried.throttled_since_ms.get_or_insert(now);
-        let throttled_for = Duration::from_millis(now.saturating_sub(since));
-        if throttled_for >= self.settings.throttle_deadline {
-            return Some(Outcome::DeadLetter {
-                reason: "throttled",
-                detail: format!(
-                    "the downstream answered 429 for {} s (TURNSTILE_THROTTLE_DEADLINE {} s)",
-                    throttled_for.as_secs(),
-                    self.settings.throttle_deadline.as_secs()
-                ),
-            });
+        permit_errors: &mut PermitErrors,
+        shutdown: &CancellationToken,
+        connection_lost: &CancellationToken,
+    ) -> Plan {
+        let interrupted = |why| Plan::Settle(returned(carried.clone(), why));
+        let worker = tokio::select! {
+            permit = self.workers.clone().acquire_owned() => permit.expect("the worker semaphore is never closed"),
+            permit = self.due_lane.clone().acquire_owned(), if carried.reservation.is_some() => permit.expect("the due lane is never closed"),
+            _ = shutdown.cancelled() => return interrupted(Interrupted::Shutdown),
+            _ = connection_lost.cancelled() => return interrupted(Interrupted::ConnectionLost),
+        };
+        let asked = std::time::Instant::now();
+        let decided = tokio::select! {
+            d = self.decide(registration, carried.reservation.as_ref()) => d,
+            _ = shutdown.cancelled() => return interrupted(Interrupted::Shutdown),
+            _ = connection_lost.cancelled() => return interrupted(Interrupted::ConnectionLost),
+        };
+        let decision = match decided {
+            Ok(decision) => decision,
+            Err(error) => {
+                // No worker is held while the message waits for Redis.
+                drop(worker);
+                return permit_errors.plan(error, carried);
+            }
+        };
+        let waited = asked.elapsed();
+        let holding = self.stats.held.load(Ordering::Relaxed);
+        match self
+            .settings
+            .plan_decision(decision, waited, holding, carried)
+        {
+            Plan::Call { call } => self.call(registration, &call, worker, carried).await,
+            plan => {
+                drop(worker);
+                if plan == Plan::AskAgain {
+                    warn!(
+                        waited_ms = waited.as_millis() as u64,
+                        "a permit came back too late to send the call with it; asking again"
+                    );
+                }
+                plan
+            }
         }
-        let asked = retry_after.unwrap_or_else(|| self.permits.default_limit().window());
-        let pause = asked
-            .min(self.settings.max_pause)
-            .max(Duration::from_millis(1));
+    }
+
+    /// Calls the downstream under a grant (the call named `call`), lets go of the worker once
+    /// the call's answer is recorded, and plans what the reply leads to.
+    async fn call(
+        &self,
+        registration: &Registration,
+        call: &str,
+        worker: OwnedSemaphorePermit,
+        carried: &mut Carried,
+    ) -> Plan {
+        self.stats.in_flight.fetch_add(1, Ordering::Relaxed);
+        let reply = self.downstream.register(registration).await;
+        self.stats.in_flight.fetch_sub(1, Ordering::Relaxed);
+        // Only the exact algorithms hold calls until their answer; a registration's answer is
+        // recorded with its completion.
+        if self.permits.algorithm().is_exact() && !matches!(reply, Reply::Registered) {
+            self.record_call_end(registration, call).await;
+        }
+        drop(worker);
+        match reply {
+            Reply::Registered => self.record_completion(registration, call).await,
+            Reply::Throttled { .. } => {
+                self.stats.throttled.fetch_add(1, Ordering::Relaxed);
+                metrics::counter!("turnstile_downstream_throttled_total").increment(1);
+            }
+            Reply::Transient(_) | Reply::Rejected { .. } => {}
+        }
+        let now_ms = crate::broker::unix_ms();
+        let window = self.permits.default_limit().window();
+        self.settings.plan_reply(reply, carried, now_ms, window)
+    }
+
+    /// Carries out a plan other than a call: `Some` outcome to settle the message with, or
+    /// `None` to ask for a permit again.
+    async fn carry_out(
+        &self,
+        plan: Plan,
+        registration: &Registration,
+        carried: &Carried,
+        shutdown: &CancellationToken,
+        connection_lost: &CancellationToken,
+    ) -> Option<Outcome> {
+        let delay = |after| {
+            Some(Outcome::Delay {
+                after,
+                carried: carried.clone(),
+            })
+        };
+        let interrupted = match plan {
+            Plan::Settle(outcome) => return Some(outcome),
+            Plan::AskAgain => return None,
+            Plan::Call { .. } => unreachable!("a grant is called as soon as it is planned"),
+            Plan::AskAfter(wait) => {
+                tokio::select! {
+                    _ = tokio::time::sleep(wait) => None,
+                    _ = shutdown.cancelled() => Some(Interrupted::Shutdown),
+                    _ = connection_lost.cancelled() => Some(Interrupted::ConnectionLost),
+                }
+            }
+            Plan::Hold(wait) => {
+                self.hold(wait, registration, carried, shutdown, connection_lost)
+                    .await
+            }
+            Plan::PauseSeller { pause, asked } => {
+                if self.pause_seller(registration, pause, asked).await {
+                    return None;
+                }
+                return delay(pause);
+            }
+            Plan::Retry { after, why } => {
+                warn!(attempt = carried.attempt, %why, "downstream failed; retrying later");
+                self.stats.retried.fetch_add(1, Ordering::Relaxed);
+                return delay(after);
+            }
+        };
+        interrupted.map(|why| returned(carried.clone(), why))
+    }
+
+    /// Holds a message here (counted in `held`) for `wait`, or until its reserved slot is
+    /// given back; `Some` if the wait was interrupted.
+    async fn hold(
+        &self,
+        wait: Duration,
+        registration: &Registration,
+        carried: &Carried,
+        shutdown: &CancellationToken,
+        connection_lost: &CancellationToken,
+    ) -> Option<Interrupted> {
+        self.stats.held.fetch_add(1, Ordering::Relaxed);
+        let notices = self.reschedules.subscribe();
+        let waited = tokio::select! {
+            _ = tokio::time::sleep(wait) => None,
+            _ = given_back(notices, registration, carried.reservation.as_ref()) => None,
+            _ = shutdown.cancelled() => Some(Interrupted::Shutdown),
+            _ = connection_lost.cancelled() => Some(Interrupted::ConnectionLost),
+        };
+        self.stats.held.fetch_sub(1, Ordering::Relaxed);
+        waited
+    }
+
+    /// A 429: pauses the seller on every replica for `pause` (the downstream `asked` for
+    /// Retry-After, or one window); `false` if the pause could not be recorded (the message is
+    /// then delayed instead).
+    async fn pause_seller(
+        &self,
+        registration: &Registration,
+        pause: Duration,
+        asked: Duration,
+    ) -> bool {
         if asked > self.settings.max_pause {
             warn!(
                 retry_after_s = asked.as_secs(),
@@ -641,29 +842,9 @@ impl Worker {
         );
         if let Err(error) = self.permits.pause(&registration.seller_id, pause).await {
             warn!(%error, "could not record the pause; delaying the message instead");
-            return Some(Outcome::Delay {
-                after: pause,
-                carried: carried.clone(),
-            });
+            return false;
         }
-        None
-    }
-
-    /// How early a message delayed through the broker comes back before its slot.
-    fn lead(&self) -> Duration {
-        (self.settings.hold / 2).max(crate::broker::UNIT * 2)
-    }
-
-    /// The n-th retry delay: exponential from `retry_min`, capped, with jitter.
-    fn backoff(&self, attempt: u32) -> Duration {
-        ExponentialBuilder::default()
-            .with_min_delay(self.settings.retry_min)
-            .with_max_delay(self.settings.retry_max)
-            .with_jitter()
-            .without_max_times()
-            .build()
-            .nth(attempt.saturating_sub(1) as usize)
-            .unwrap_or(self.settings.retry_max)
+        true
     }
 
     /// Asks for (or redeems) a permit: one attempt (see [`permit_failure`] for what an error
@@ -729,82 +910,442 @@ impl Worker {
         settler: &Settler,
         connection_lost: &CancellationToken,
     ) {
-        let published = match &outcome {
-            Outcome::Registered | Outcome::AlreadyDone | Outcome::Requeue => Ok(()),
-            Outcome::Delay { after, carried } => {
-                publisher
-                    .delay(&self.topology, &delivery, *after, &carried.headers())
-                    .await
-            }
-            Outcome::DeadLetter { reason, detail } => {
-                warn!(reason, detail, "dead-lettering");
-                publisher
-                    .dead_letter(&self.topology, &delivery, reason, detail)
-                    .await
-            }
-        };
-        let delivered_attempt = Carried::attempt_of(&delivery);
-        let (counter, label) = match &outcome {
-            Outcome::Registered => (&self.stats.registered, "registered"),
-            Outcome::AlreadyDone => (&self.stats.already_done, "already_done"),
-            Outcome::Delay { carried, .. } if carried.attempt > delivered_attempt => {
-                (&self.stats.delayed, "retried")
-            }
-            Outcome::Delay { .. } => (&self.stats.delayed, "delayed"),
-            Outcome::DeadLetter { .. } => (&self.stats.dead_lettered, "dead_lettered"),
-            Outcome::Requeue => (&self.stats.requeued, "requeued"),
-        };
         let tag = delivery.delivery_tag;
-        let result = match published {
-            Ok(()) if outcome != Outcome::Requeue => {
-                counter.fetch_add(1, Ordering::Relaxed);
-                metrics::counter!("turnstile_outcomes_total", "outcome" => label).increment(1);
-                if let Outcome::DeadLetter { reason, .. } = &outcome {
-                    count_dead_letter(&self.permits, &delivery, reason, self.settings.done_ttl);
-                }
-                if matches!(outcome, Outcome::Registered | Outcome::AlreadyDone) {
-                    settler.ack(tag);
-                    Ok(())
-                } else {
-                    // Republished: an ack lost with the connection would leave two copies.
-                    settler.ack_now(tag).await
-                }
-            }
+        let result = match self.republish(&delivery, &outcome, publisher).await {
             Ok(()) => {
-                counter.fetch_add(1, Ordering::Relaxed);
-                metrics::counter!("turnstile_outcomes_total", "outcome" => label).increment(1);
-                settler.requeue(tag).await
+                self.count(&delivery, &outcome);
+                match outcome {
+                    Outcome::Registered | Outcome::AlreadyDone => {
+                        settler.ack(tag);
+                        Ok(())
+                    }
+                    Outcome::Requeue => settler.requeue(tag).await,
+                    // Republished: an ack lost with the connection would leave two copies.
+                    Outcome::Delay { .. } | Outcome::DeadLetter { .. } => {
+                        settler.ack_now(tag).await
+                    }
+                }
             }
             Err(error) => {
-                metrics::counter!("turnstile_broker_errors_total").increment(1);
-                self.stats.requeued.fetch_add(1, Ordering::Relaxed);
-                if !publisher.channel().status().connected() {
-                    // A closed publish channel fails every republish: reconnect (the replica
-                    // reports not ready meanwhile) instead of returning messages in a loop.
-                    warn!(%error, "the publish channel is closed; reconnecting to the broker");
-                    connection_lost.cancel();
-                    return;
-                }
-                // Back off before returning it, so that a broker refusing publishes (nacks)
-                // is not hammered by the same message again at once.
-                let pause = Duration::from_millis(rand::random_range(500..1_500));
-                warn!(%error, retry_in_ms = pause.as_millis() as u64, "republishing failed; returning the message to the broker");
-                tokio::select! {
-                    _ = tokio::time::sleep(pause) => {}
-                    _ = connection_lost.cancelled() => return,
-                }
-                settler.requeue(tag).await
+                self.return_unpublished(error, tag, publisher, settler, connection_lost)
+                    .await
             }
         };
         if let Err(error) = result {
             debug!(%error, "could not settle the delivery (its channel is gone; the broker redelivers it)");
         }
     }
+
+    /// Publishes what an outcome sends on: the delayed copy, or the dead letter.
+    async fn republish(
+        &self,
+        delivery: &Delivery,
+        outcome: &Outcome,
+        publisher: &Publisher,
+    ) -> Result<(), PublishError> {
+        match outcome {
+            Outcome::Registered | Outcome::AlreadyDone | Outcome::Requeue => Ok(()),
+            Outcome::Delay { after, carried } => {
+                publisher
+                    .delay(&self.topology, delivery, *after, &carried.headers())
+                    .await
+            }
+            Outcome::DeadLetter { reason, detail } => {
+                warn!(reason, detail, "dead-lettering");
+                publisher
+                    .dead_letter(&self.topology, delivery, reason, detail)
+                    .await
+            }
+        }
+    }
+
+    /// Counts a settled outcome in the stats and the metrics (a dead letter also in the
+    /// dashboard and its upload's progress, see [`count_dead_letter`]).
+    fn count(&self, delivery: &Delivery, outcome: &Outcome) {
+        let counter = match outcome {
+            Outcome::Registered => &self.stats.registered,
+            Outcome::AlreadyDone => &self.stats.already_done,
+            Outcome::Delay { .. } => &self.stats.delayed,
+            Outcome::DeadLetter { .. } => &self.stats.dead_lettered,
+            Outcome::Requeue => &self.stats.requeued,
+        };
+        counter.fetch_add(1, Ordering::Relaxed);
+        let label = outcome.label(Carried::attempt_of(delivery));
+        metrics::counter!("turnstile_outcomes_total", "outcome" => label).increment(1);
+        if let Outcome::DeadLetter { reason, .. } = outcome {
+            count_dead_letter(&self.permits, delivery, reason, self.settings.done_ttl);
+        }
+    }
+
+    /// Returns a message whose outcome could not be published to the broker, after a pause;
+    /// with the publish channel closed, asks for a new connection instead (the broker then
+    /// requeues it).
+    async fn return_unpublished(
+        &self,
+        error: PublishError,
+        tag: u64,
+        publisher: &Publisher,
+        settler: &Settler,
+        connection_lost: &CancellationToken,
+    ) -> Result<(), lapin::Error> {
+        metrics::counter!("turnstile_broker_errors_total").increment(1);
+        self.stats.requeued.fetch_add(1, Ordering::Relaxed);
+        if !publisher.channel().status().connected() {
+            // A closed publish channel fails every republish: reconnect (the replica reports
+            // not ready meanwhile) instead of returning messages in a loop.
+            warn!(%error, "the publish channel is closed; reconnecting to the broker");
+            connection_lost.cancel();
+            return Ok(());
+        }
+        // Back off before returning it, so that a broker refusing publishes (nacks) is not
+        // hammered by the same message again at once.
+        let pause = Duration::from_millis(rand::random_range(500..1_500));
+        warn!(%error, retry_in_ms = pause.as_millis() as u64, "republishing failed; returning the message to the broker");
+        tokio::select! {
+            _ = tokio::time::sleep(pause) => {}
+            _ = connection_lost.cancelled() => return Ok(()),
+        }
+        settler.requeue(tag).await
+    }
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    const MS: Duration = Duration::from_millis(1);
+    const SECOND: Duration = Duration::from_secs(1);
+
+    /// Settings as a replica might have them: 5 attempts, a 2 s hold for 10 messages, pauses
+    /// of at most 60 s, a 600 s throttle deadline, retries from 1 s to 30 s.
+    fn settings() -> WorkerSettings {
+        WorkerSettings {
+            max_attempts: 5,
+            hold: 2 * SECOND,
+            max_pause: 60 * SECOND,
+            throttle_deadline: 600 * SECOND,
+            hold_capacity: 10,
+            done_ttl: 3_600 * SECOND,
+            retry_min: SECOND,
+            retry_max: 30 * SECOND,
+        }
+    }
+
+    fn reservation() -> Reservation {
+        Reservation {
+            slot_us: 1_000_000,
+            count: 1,
+            window_us: 1_000_000,
+            reserved_at_us: 0,
+            token: "t".into(),
+        }
+    }
+
+    fn reserved() -> Carried {
+        Carried {
+            reservation: Some(reservation()),
+            ..Carried::default()
+        }
+    }
+
+    fn wait(retry_after: Duration, reservation: Option<Reservation>) -> Decision {
+        Decision::Wait {
+            retry_after,
+            reservation,
+        }
+    }
+
+    fn delay(after: Duration, carried: Carried) -> Plan {
+        Plan::Settle(Outcome::Delay { after, carried })
+    }
+
+    fn dead_letter(reason: &'static str, detail: &str) -> Plan {
+        Plan::Settle(Outcome::DeadLetter {
+            reason,
+            detail: detail.into(),
+        })
+    }
+
+    #[test]
+    fn a_reserved_wait_within_the_hold_is_held_here() {
+        let mut carried = Carried::default();
+        let decision = wait(1_500 * MS, Some(reservation()));
+        let plan = settings().plan_decision(decision, Duration::ZERO, 0, &mut carried);
+        assert_eq!(plan, Plan::Hold(1_500 * MS));
+        assert_eq!(
+            carried,
+            reserved(),
+            "the reservation is kept for the redeem"
+        );
+    }
+
+    #[test]
+    fn a_denial_longer_than_the_hold_goes_through_the_ladder() {
+        let mut carried = Carried::default();
+        let decision = wait(10 * SECOND, Some(reservation()));
+        let plan = settings().plan_decision(decision, Duration::ZERO, 0, &mut carried);
+        // Back one lead (half the 2 s hold) before the slot, with the reservation.
+        assert_eq!(plan, delay(9 * SECOND, reserved()));
+    }
+
+    #[test]
+    fn a_short_wait_goes_through_the_ladder_when_the_hold_is_full() {
+        let plan = settings().plan_wait(1_500 * MS, 10, &reserved());
+        assert_eq!(plan, delay(500 * MS, reserved()));
+    }
+
+    #[test]
+    fn a_wait_within_one_ladder_step_of_the_lead_is_held_even_when_the_hold_is_full() {
+        let plan = settings().plan_wait(1_250 * MS, 10, &reserved());
+        assert_eq!(plan, Plan::Hold(1_250 * MS));
+    }
+
+    #[test]
+    fn a_wait_without_a_reservation_goes_through_the_ladder_for_all_of_it() {
+        let plan = settings().plan_wait(SECOND, 0, &Carried::default());
+        assert_eq!(plan, delay(SECOND, Carried::default()));
+    }
+
+    #[test]
+    fn a_wait_without_a_reservation_within_one_ladder_step_is_held_here() {
+        let plan = settings().plan_wait(250 * MS, 0, &Carried::default());
+        assert_eq!(plan, Plan::Hold(250 * MS));
+    }
+
+    #[test]
+    fn the_lead_is_half_the_hold_and_at_least_two_ladder_steps() {
+        assert_eq!(settings().lead(), SECOND);
+        let short_hold = WorkerSettings {
+            hold: 600 * MS,
+            ..settings()
+        };
+        assert_eq!(short_hold.lead(), 2 * crate::broker::UNIT);
+    }
+
+    #[test]
+    fn a_grant_that_came_in_time_is_called() {
+        let mut carried = reserved();
+        let granted = Decision::Granted {
+            slot_us: 0,
+            used_permille: 1_000,
+            call: "call-1".into(),
+        };
+        let plan = settings().plan_decision(granted, CALL_ALLOWANCE, 0, &mut carried);
+        assert_eq!(
+            plan,
+            Plan::Call {
+                call: "call-1".into()
+            }
+        );
+    }
+
+    #[test]
+    fn a_grant_that_came_too_late_is_asked_for_again_without_the_reservation() {
+        let mut carried = reserved();
+        let granted = Decision::Granted {
+            slot_us: 0,
+            used_permille: 1_000,
+            call: "call-1".into(),
+        };
+        let late = CALL_ALLOWANCE + MS;
+        let plan = settings().plan_decision(granted, late, 0, &mut carried);
+        assert_eq!(plan, Plan::AskAgain);
+        assert_eq!(carried.reservation, None);
+    }
+
+    #[test]
+    fn a_message_registered_before_is_acked_without_a_call() {
+        let plan =
+            settings().plan_decision(Decision::AlreadyDone, Duration::ZERO, 0, &mut reserved());
+        assert_eq!(plan, Plan::Settle(Outcome::AlreadyDone));
+    }
+
+    #[test]
+    fn a_registration_spends_the_reservation() {
+        let mut carried = reserved();
+        let plan = settings().plan_reply(Reply::Registered, &mut carried, 0, SECOND);
+        assert_eq!(plan, Plan::Settle(Outcome::Registered));
+        assert_eq!(carried.reservation, None);
+    }
+
+    #[test]
+    fn a_fifth_failure_with_max_attempts_five_is_dead_lettered() {
+        let mut carried = Carried {
+            attempt: 4,
+            ..reserved()
+        };
+        let reply = Reply::Transient("HTTP 503".into());
+        let plan = settings().plan_reply(reply, &mut carried, 0, SECOND);
+        assert_eq!(
+            plan,
+            dead_letter("attempts-exhausted", "5 attempts failed; last: HTTP 503")
+        );
+        assert_eq!(carried.attempt, 5);
+    }
+
+    #[test]
+    fn a_fourth_failure_is_retried_after_the_fourth_backoff_without_the_reservation() {
+        let mut carried = Carried {
+            attempt: 3,
+            ..reserved()
+        };
+        let reply = Reply::Transient("timeout".into());
+        let plan = settings().plan_reply(reply, &mut carried, 0, SECOND);
+        let Plan::Retry { after, why } = plan else {
+            panic!("{plan:?}");
+        };
+        assert!((8 * SECOND..=16 * SECOND).contains(&after), "{after:?}");
+        assert_eq!(why, "timeout");
+        assert_eq!(carried.attempt, 4);
+        assert_eq!(carried.reservation, None);
+    }
+
+    #[test]
+    fn backoff_doubles_up_to_retry_max() {
+        let settings = settings();
+        for attempt in 1..=10u32 {
+            let base = (SECOND * 2u32.pow(attempt - 1)).min(settings.retry_max);
+            for _ in 0..20 {
+                let after = settings.backoff(attempt);
+                // The jitter adds up to as much again.
+                assert!(base <= after && after <= base * 2, "{attempt}: {after:?}");
+            }
+        }
+        assert!(
+            settings.backoff(0) <= 2 * SECOND,
+            "attempt 0 counts as the first"
+        );
+    }
+
+    #[test]
+    fn a_rejection_is_dead_lettered_with_its_status_and_body() {
+        let reply = Reply::Rejected {
+            status: 422,
+            body: "unknown seller".into(),
+        };
+        let plan = settings().plan_reply(reply, &mut Carried::default(), 0, SECOND);
+        assert_eq!(plan, dead_letter("rejected", "HTTP 422: unknown seller"));
+    }
+
+    #[test]
+    fn a_first_429_pauses_the_seller_for_its_retry_after_and_notes_since_when() {
+        let mut carried = reserved();
+        let reply = Reply::Throttled {
+            retry_after: Some(5 * SECOND),
+        };
+        let plan = settings().plan_reply(reply, &mut carried, 1_000_000, SECOND);
+        let (pause, asked) = (5 * SECOND, 5 * SECOND);
+        assert_eq!(plan, Plan::PauseSeller { pause, asked });
+        assert_eq!(carried.throttled_since_ms, Some(1_000_000));
+        assert_eq!(carried.reservation, None);
+    }
+
+    #[test]
+    fn a_429_without_retry_after_pauses_the_seller_for_one_window() {
+        let reply = Reply::Throttled { retry_after: None };
+        let plan = settings().plan_reply(reply, &mut Carried::default(), 0, 3 * SECOND);
+        let (pause, asked) = (3 * SECOND, 3 * SECOND);
+        assert_eq!(plan, Plan::PauseSeller { pause, asked });
+    }
+
+    #[test]
+    fn a_retry_after_beyond_max_pause_pauses_for_max_pause() {
+        let plan = settings().plan_throttled(3_600 * SECOND, &mut Carried::default(), 0);
+        let (pause, asked) = (60 * SECOND, 3_600 * SECOND);
+        assert_eq!(plan, Plan::PauseSeller { pause, asked });
+    }
+
+    #[test]
+    fn a_retry_after_of_zero_pauses_for_a_millisecond() {
+        let plan = settings().plan_throttled(Duration::ZERO, &mut Carried::default(), 0);
+        let (pause, asked) = (MS, Duration::ZERO);
+        assert_eq!(plan, Plan::PauseSeller { pause, asked });
+    }
+
+    #[test]
+    fn a_429_just_before_the_throttle_deadline_pauses_the_seller() {
+        let mut carried = Carried {
+            throttled_since_ms: Some(1_000_000),
+            ..Carried::default()
+        };
+        let now_ms = 1_000_000 + 599_999;
+        let plan = settings().plan_throttled(SECOND, &mut carried, now_ms);
+        let (pause, asked) = (SECOND, SECOND);
+        assert_eq!(plan, Plan::PauseSeller { pause, asked });
+        assert_eq!(
+            carried.throttled_since_ms,
+            Some(1_000_000),
+            "still the first"
+        );
+    }
+
+    #[test]
+    fn a_429_past_the_throttle_deadline_is_dead_lettered_as_throttled() {
+        let mut carried = Carried {
+            throttled_since_ms: Some(1_000_000),
+            ..Carried::default()
+        };
+        let now_ms = 1_000_000 + 600_000;
+        let plan = settings().plan_throttled(SECOND, &mut carried, now_ms);
+        let detail = "the downstream answered 429 for 600 s (TURNSTILE_THROTTLE_DEADLINE 600 s)";
+        assert_eq!(plan, dead_letter("throttled", detail));
+    }
+
+    #[test]
+    fn a_limiter_refusal_drops_the_reservation_and_the_third_dead_letters_the_message() {
+        let mut errors = PermitErrors::default();
+        let mut carried = reserved();
+        let refusal = || PermitError::Answer("redeem");
+        assert_eq!(errors.plan(refusal(), &mut carried), Plan::AskAgain);
+        assert_eq!(carried.reservation, None);
+        assert_eq!(errors.plan(refusal(), &mut carried), Plan::AskAgain);
+        let detail = "the limiter refused it 3 times: unexpected answer from the redeem script";
+        let plan = errors.plan(refusal(), &mut carried);
+        assert_eq!(plan, dead_letter("invalid-message", detail));
+    }
+
+    #[test]
+    fn redis_out_of_reach_is_asked_again_later_keeping_the_reservation() {
+        let mut errors = PermitErrors::default();
+        let mut carried = reserved();
+        let io = PermitError::Redis(redis::RedisError::from(std::io::Error::from(
+            std::io::ErrorKind::ConnectionRefused,
+        )));
+        let plan = errors.plan(io, &mut carried);
+        assert!(
+            matches!(plan, Plan::AskAfter(wait) if wait <= 100 * MS),
+            "{plan:?}"
+        );
+        assert_eq!(carried, reserved());
+    }
+
+    #[test]
+    fn a_wait_interrupted_by_shutdown_goes_back_with_its_reservation() {
+        let outcome = returned(reserved(), Interrupted::Shutdown);
+        let after = Duration::ZERO;
+        let carried = reserved();
+        assert_eq!(outcome, Outcome::Delay { after, carried });
+    }
+
+    #[test]
+    fn a_wait_interrupted_by_a_lost_connection_is_left_to_the_broker() {
+        let outcome = returned(reserved(), Interrupted::ConnectionLost);
+        assert_eq!(outcome, Outcome::Requeue);
+    }
+
+    #[test]
+    fn a_delay_after_one_more_failed_attempt_counts_as_retried() {
+        let delayed = Outcome::Delay {
+            after: SECOND,
+            carried: Carried {
+                attempt: 2,
+                ..Carried::default()
+            },
+        };
+        assert_eq!(delayed.label(1), "retried");
+        assert_eq!(delayed.label(2), "delayed");
+        assert_eq!(Outcome::Requeue.label(0), "requeued");
+    }
 
     #[test]
     fn redis_outages_are_waited_out_and_refusals_given_up_after_three() {
@@ -834,33 +1375,30 @@ mod tests {
     }
 
     #[test]
-    fn latency_buckets_are_ordered_and_within_an_eighth() {
-        let mut last = 0;
-        for i in 0..LatencyHistogram::BUCKETS {
-            let low = LatencyHistogram::lower_bound(i);
-            assert!(i == 0 || low > last, "bucket {i}");
-            assert_eq!(LatencyHistogram::index(low), i);
-            last = low;
+    fn latency_quantiles_follow_the_samples_within_a_percent() {
+        let latencies = LatencySummary::default();
+        assert_eq!(latencies.quantile(0.5), Duration::ZERO, "no samples yet");
+        for micros in 1..=100u64 {
+            latencies.record(Duration::from_micros(micros * 10));
         }
-        for micros in [1, 7, 8, 9, 100, 479, 1000, 123_456, 10_000_000] {
-            let low = LatencyHistogram::lower_bound(LatencyHistogram::index(micros));
-            assert!(
-                low <= micros && micros - low <= micros / 8,
-                "{micros} -> {low}"
-            );
-        }
+        assert_eq!(latencies.count(), 100);
+        let p50 = latencies.quantile(0.5).as_secs_f64() * 1e6;
+        let p99 = latencies.quantile(0.99).as_secs_f64() * 1e6;
+        assert!((495.0..=505.0).contains(&p50), "{p50}");
+        assert!((980.0..=1_000.0).contains(&p99), "{p99}");
     }
 
     #[test]
-    fn quantiles_follow_the_samples() {
-        let h = LatencyHistogram::default();
-        for micros in 1..=100u64 {
-            h.record(Duration::from_micros(micros * 10));
+    fn absorbed_latencies_count_in_the_quantiles() {
+        let (fast, slow) = (LatencySummary::default(), LatencySummary::default());
+        for _ in 0..50 {
+            fast.record(Duration::from_micros(100));
+            slow.record(Duration::from_millis(10));
         }
-        assert_eq!(h.count(), 100);
-        let p50 = h.quantile(0.5).as_micros() as u64;
-        let p99 = h.quantile(0.99).as_micros() as u64;
-        assert!((440..=500).contains(&p50), "{p50}");
-        assert!((870..=990).contains(&p99), "{p99}");
+        fast.absorb(&slow);
+        assert_eq!(fast.count(), 100);
+        let p99 = fast.quantile(0.99).as_secs_f64() * 1e3;
+        assert!((9.9..=10.1).contains(&p99), "{p99}");
+        assert_eq!(slow.count(), 50, "the absorbed summary keeps its samples");
     }
 }

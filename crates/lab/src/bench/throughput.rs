@@ -27,7 +27,7 @@ use turnstile_core::domain::Registration;
 use turnstile_core::downstream::{Downstream, DownstreamArgs, Reply};
 use turnstile_core::permit::{RedisConn, delete_prefix, round_trips};
 use turnstile_core::replica::{ConsumeArgs, Replica};
-use turnstile_core::worker::{LatencyHistogram, Stats};
+use turnstile_core::worker::{LatencySummary, Stats};
 
 #[derive(Args, Debug, Clone)]
 pub struct ThroughputArgs {
@@ -466,7 +466,7 @@ impl Bench<'_> {
             tokio::time::sleep(Duration::from_millis(5)).await;
         }
         let took = started.elapsed();
-        let latency = LatencyHistogram::default();
+        let latency = LatencySummary::default();
         let stats: Vec<Arc<Stats>> = running.iter().map(|r| r.stats.clone()).collect();
         stop.cancel();
         for replica in running {
