@@ -123,7 +123,10 @@ impl Carried {
     }
 }
 
-/// Counters of one replica (also exported as Prometheus metrics).
+/// What one replica reports to whoever watches it: its counters (also exported as Prometheus
+/// metrics) and the sellers it has seen. This is the consume path's whole interface to the
+/// operator side: the dashboard and `/metrics` read it; the worker writes it and knows nothing
+/// of them. (Dead letters are counted in Redis, through [`PermitStore::count_dead`].)
 #[derive(Debug, Default)]
 pub struct Stats {
     pub deliveries: AtomicU64,
