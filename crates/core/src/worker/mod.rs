@@ -1,0 +1,531 @@
+//! One delivery, start to finish: parse, permit, call, and one [`Outcome`], applied in one place.
+//!
+//! A throttled message waits for the slot the limiter reserved for it. Short waits (up to
+//! `hold`) are held here, unacked and within prefetch; longer ones go through the broker's delay
+//! ladder and come back `lead` before their slot, then are held for the rest. Other sellers'
+//! messages never queue behind either: a held message takes no worker, and the ladder's queues
+//! each hold one fixed delay.
+//!
+//! - this module: [`Worker`], the I/O of one delivery (permit, call, hold, settle)
+//! - [`plan`]: what happens to a message, decided from plain values ([`Outcome`], `Plan`,
+//!   [`WorkerSettings`]' `plan_*` methods, backoff and lead), with unit tests that need no
+//!   services
+//! - [`stats`]: [`Stats`], what a replica reports to whoever watches it
+
+use std::sync::Arc;
+use std::sync::atomic::Ordering;
+use std::time::Duration;
+
+use backon::{ExponentialBuilder, Retryable};
+use lapin::message::Delivery;
+use tokio::sync::{OwnedSemaphorePermit, Semaphore};
+use tokio_util::sync::CancellationToken;
+use tracing::{Instrument, debug, info_span, warn};
+
+use crate::broker::{PublishError, Publisher, Settler, Topology};
+use crate::domain::Registration;
+use crate::downstream::{Downstream, Reply};
+mod plan;
+mod stats;
+
+pub use plan::{Carried, Outcome, WorkerSettings};
+use plan::{Interrupted, PermitErrors, Plan, returned};
+pub use stats::{LatencySummary, Stats};
+
+use crate::permit::{Decision, PermitError, PermitStore, Rescheduled, Reservation};
+
+/// Everything a delivery needs; shared by all of a replica's tasks.
+pub struct Worker {
+    pub permits: PermitStore,
+    pub downstream: Downstream,
+    pub topology: Topology,
+    pub settings: WorkerSettings,
+    pub workers: Arc<Semaphore>,
+    /// Extra workers only for messages coming back for a reserved slot (a quarter of
+    /// `workers`, at least one): a due slot never waits for a worker behind new messages, and a
+    /// slot lost to that wait would cost the message another round through the ladder.
+    pub due_lane: Arc<Semaphore>,
+    pub stats: Arc<Stats>,
+    /// Notices of sellers whose terms changed (see `permit::watch_reschedules`): a message held
+    /// for a slot given back by the change comes back at once.
+    pub reschedules: tokio::sync::broadcast::Sender<Rescheduled>,
+}
+
+/// Completes when a notice says that `registration`'s reserved slot was given back (its
+/// seller's terms changed after it was reserved), or when notices were missed (coming back
+/// early costs one redeem, which answers "early" if the slot is still held); never without a
+/// reservation.
+async fn given_back(
+    mut notices: tokio::sync::broadcast::Receiver<Rescheduled>,
+    registration: &Registration,
+    reservation: Option<&Reservation>,
+) {
+    use tokio::sync::broadcast::error::RecvError;
+    let Some(reservation) = reservation else {
+        return std::future::pending().await;
+    };
+    loop {
+        match notices.recv().await {
+            Ok(notice) if notice.concerns(registration.seller_id.as_str(), reservation) => return,
+            Ok(_) => {}
+            Err(RecvError::Lagged(_)) => return,
+            Err(RecvError::Closed) => return std::future::pending().await,
+        }
+    }
+}
+
+/// Whether a delivery waiting in the delay ladder holds a slot that `notice` says was given
+/// back: it then goes to the return queue at once instead of waiting for that slot.
+pub fn released_by(notice: &Rescheduled, delivery: &Delivery) -> bool {
+    let Some(reservation) = Carried::reservation_of(delivery) else {
+        return false;
+    };
+    crate::broker::registration_of(delivery)
+        .is_ok_and(|r| notice.concerns(r.seller_id.as_str(), &reservation))
+}
+
+/// Counts a dead letter (confirmed by the broker) in the metrics, and its message as dead in
+/// its upload's progress and in the dead letters by reason, once per message
+/// ([`PermitStore::count_dead`]; a body without an identity is counted per dead letter). The
+/// Redis part runs in the background: it never delays the ack, and a failure only costs the
+/// count.
+fn count_dead_letter(
+    permits: &PermitStore,
+    delivery: &Delivery,
+    reason: &'static str,
+    ttl: Duration,
+) {
+    metrics::counter!("turnstile_dead_letters_total", "reason" => reason).increment(1);
+    let registration = crate::broker::registration_of(delivery).ok();
+    let permits = permits.clone();
+    let record = async move {
+        let counted = permits.count_dead(registration.as_ref(), reason, ttl).await;
+        if let Err(error) = counted {
+            metrics::counter!("turnstile_redis_errors_total").increment(1);
+            warn!(%error, "dead-lettered, but not counted in the dashboard and upload progress");
+        }
+    };
+    tokio::spawn(record.in_current_span());
+}
+
+impl Worker {
+    /// Handles a delivery and settles it; never fails (errors are logged with context).
+    pub async fn process(
+        &self,
+        delivery: Delivery,
+        publisher: &Publisher,
+        settler: &Settler,
+        shutdown: &CancellationToken,
+        connection_lost: &CancellationToken,
+    ) {
+        self.stats.deliveries.fetch_add(1, Ordering::Relaxed);
+        metrics::counter!("turnstile_deliveries_total").increment(1);
+        let message_id = delivery
+            .properties
+            .message_id()
+            .as_ref()
+            .map(|m| m.to_string());
+        let registration = Registration::parse(&delivery.data, message_id.as_deref());
+        let carried = Carried::from_delivery(&delivery, crate::broker::unix_ms());
+        let attempt = carried.attempt;
+        let span = match &registration {
+            Ok(r) => {
+                info_span!("registration", seller = %r.seller_id, message = %r.message_id, attempt)
+            }
+            Err(_) => info_span!("registration", seller = "?", message = ?message_id, attempt),
+        };
+        let outcome = async {
+            let outcome = match registration {
+                Ok(registration) => {
+                    self.handle(&registration, carried, shutdown, connection_lost)
+                        .await
+                }
+                Err(invalid) => Outcome::DeadLetter {
+                    reason: "invalid-message",
+                    detail: invalid.to_string(),
+                },
+            };
+            debug!(?outcome, "handled");
+            outcome
+        }
+        .instrument(span.clone())
+        .await;
+        self.settle(delivery, outcome, publisher, settler, connection_lost)
+            .instrument(span)
+            .await;
+    }
+
+    /// Decides what happens to one registration. Holds a worker permit only while asking for a
+    /// permit and calling the downstream, so held messages never starve the workers.
+    pub async fn handle(
+        &self,
+        registration: &Registration,
+        mut carried: Carried,
+        shutdown: &CancellationToken,
+        connection_lost: &CancellationToken,
+    ) -> Outcome {
+        if let Err(why) = self.downstream.check_seller(&registration.seller_id) {
+            return Outcome::DeadLetter {
+                reason: "invalid-message",
+                detail: why,
+            };
+        }
+        let mut permit_errors = PermitErrors::default();
+        loop {
+            let plan = self
+                .ask(
+                    registration,
+                    &mut carried,
+                    &mut permit_errors,
+                    shutdown,
+                    connection_lost,
+                )
+                .await;
+            let carried_out = self
+                .carry_out(plan, registration, &carried, shutdown, connection_lost)
+                .await;
+            if let Some(outcome) = carried_out {
+                return outcome;
+            }
+        }
+    }
+
+    /// One round: takes a worker, asks for (or redeems) a permit and plans what its answer
+    /// leads to; a grant is called at once, under the worker, and the plan is then the
+    /// reply's. Never returns [`Plan::Call`].
+    async fn ask(
+        &self,
+        registration: &Registration,
+        carried: &mut Carried,
+        permit_errors: &mut PermitErrors,
+        shutdown: &CancellationToken,
+        connection_lost: &CancellationToken,
+    ) -> Plan {
+        let interrupted = |why| Plan::Settle(returned(carried.clone(), why));
+        let worker = tokio::select! {
+            permit = self.workers.clone().acquire_owned() => permit.expect("the worker semaphore is never closed"),
+            permit = self.due_lane.clone().acquire_owned(), if carried.reservation.is_some() => permit.expect("the due lane is never closed"),
+            _ = shutdown.cancelled() => return interrupted(Interrupted::Shutdown),
+            _ = connection_lost.cancelled() => return interrupted(Interrupted::ConnectionLost),
+        };
+        let asked = std::time::Instant::now();
+        let decided = tokio::select! {
+            d = self.decide(registration, carried.reservation.as_ref()) => d,
+            _ = shutdown.cancelled() => return interrupted(Interrupted::Shutdown),
+            _ = connection_lost.cancelled() => return interrupted(Interrupted::ConnectionLost),
+        };
+        let decision = match decided {
+            Ok(decision) => decision,
+            Err(error) => {
+                // No worker is held while the message waits for Redis.
+                drop(worker);
+                return permit_errors.plan(error, carried);
+            }
+        };
+        let waited = asked.elapsed();
+        let holding = self.stats.held.load(Ordering::Relaxed);
+        match self
+            .settings
+            .plan_decision(decision, waited, holding, carried)
+        {
+            Plan::Call { call } => self.call(registration, &call, worker, carried).await,
+            plan => {
+                drop(worker);
+                if plan == Plan::AskAgain {
+                    warn!(
+                        waited_ms = waited.as_millis() as u64,
+                        "a permit came back too late to send the call with it; asking again"
+                    );
+                }
+                plan
+            }
+        }
+    }
+
+    /// Calls the downstream under a grant (the call named `call`), lets go of the worker once
+    /// the call's answer is recorded, and plans what the reply leads to.
+    async fn call(
+        &self,
+        registration: &Registration,
+        call: &str,
+        worker: OwnedSemaphorePermit,
+        carried: &mut Carried,
+    ) -> Plan {
+        self.stats.in_flight.fetch_add(1, Ordering::Relaxed);
+        let reply = self.downstream.register(registration).await;
+        self.stats.in_flight.fetch_sub(1, Ordering::Relaxed);
+        // Only the exact algorithms hold calls until their answer; a registration's answer is
+        // recorded with its completion.
+        if self.permits.algorithm().is_exact() && !matches!(reply, Reply::Registered) {
+            self.record_call_end(registration, call).await;
+        }
+        drop(worker);
+        match reply {
+            Reply::Registered => self.record_completion(registration, call).await,
+            Reply::Throttled { .. } => {
+                self.stats.throttled.fetch_add(1, Ordering::Relaxed);
+                metrics::counter!("turnstile_downstream_throttled_total").increment(1);
+            }
+            Reply::Transient(_) | Reply::Rejected { .. } => {}
+        }
+        let now_ms = crate::broker::unix_ms();
+        let window = self.permits.default_limit().window();
+        self.settings.plan_reply(reply, carried, now_ms, window)
+    }
+
+    /// Carries out a plan other than a call: `Some` outcome to settle the message with, or
+    /// `None` to ask for a permit again.
+    async fn carry_out(
+        &self,
+        plan: Plan,
+        registration: &Registration,
+        carried: &Carried,
+        shutdown: &CancellationToken,
+        connection_lost: &CancellationToken,
+    ) -> Option<Outcome> {
+        let delay = |after| {
+            Some(Outcome::Delay {
+                after,
+                carried: carried.clone(),
+            })
+        };
+        let interrupted = match plan {
+            Plan::Settle(outcome) => return Some(outcome),
+            Plan::AskAgain => return None,
+            Plan::Call { .. } => unreachable!("a grant is called as soon as it is planned"),
+            Plan::AskAfter(wait) => {
+                tokio::select! {
+                    _ = tokio::time::sleep(wait) => None,
+                    _ = shutdown.cancelled() => Some(Interrupted::Shutdown),
+                    _ = connection_lost.cancelled() => Some(Interrupted::ConnectionLost),
+                }
+            }
+            Plan::Hold(wait) => {
+                self.hold(wait, registration, carried, shutdown, connection_lost)
+                    .await
+            }
+            Plan::PauseSeller { pause, asked } => {
+                if self.pause_seller(registration, pause, asked).await {
+                    return None;
+                }
+                return delay(pause);
+            }
+            Plan::Retry { after, why } => {
+                warn!(attempt = carried.attempt, %why, "downstream failed; retrying later");
+                self.stats.retried.fetch_add(1, Ordering::Relaxed);
+                return delay(after);
+            }
+        };
+        interrupted.map(|why| returned(carried.clone(), why))
+    }
+
+    /// Holds a message here (counted in `held`) for `wait`, or until its reserved slot is
+    /// given back; `Some` if the wait was interrupted.
+    async fn hold(
+        &self,
+        wait: Duration,
+        registration: &Registration,
+        carried: &Carried,
+        shutdown: &CancellationToken,
+        connection_lost: &CancellationToken,
+    ) -> Option<Interrupted> {
+        self.stats.held.fetch_add(1, Ordering::Relaxed);
+        let notices = self.reschedules.subscribe();
+        let waited = tokio::select! {
+            _ = tokio::time::sleep(wait) => None,
+            _ = given_back(notices, registration, carried.reservation.as_ref()) => None,
+            _ = shutdown.cancelled() => Some(Interrupted::Shutdown),
+            _ = connection_lost.cancelled() => Some(Interrupted::ConnectionLost),
+        };
+        self.stats.held.fetch_sub(1, Ordering::Relaxed);
+        waited
+    }
+
+    /// A 429: pauses the seller on every replica for `pause` (the downstream `asked` for
+    /// Retry-After, or one window); `false` if the pause could not be recorded (the message is
+    /// then delayed instead).
+    async fn pause_seller(
+        &self,
+        registration: &Registration,
+        pause: Duration,
+        asked: Duration,
+    ) -> bool {
+        if asked > self.settings.max_pause {
+            warn!(
+                retry_after_s = asked.as_secs(),
+                max_pause_s = self.settings.max_pause.as_secs(),
+                "Retry-After longer than TURNSTILE_MAX_PAUSE: pausing for TURNSTILE_MAX_PAUSE"
+            );
+        }
+        warn!(
+            pause_ms = pause.as_millis() as u64,
+            "downstream answered 429: pausing the seller on every replica"
+        );
+        if let Err(error) = self.permits.pause(&registration.seller_id, pause).await {
+            warn!(%error, "could not record the pause; delaying the message instead");
+            return false;
+        }
+        true
+    }
+
+    /// Asks for (or redeems) a permit: one attempt (see [`permit_failure`] for what an error
+    /// leads to).
+    async fn decide(
+        &self,
+        registration: &Registration,
+        held: Option<&Reservation>,
+    ) -> Result<Decision, PermitError> {
+        let started = std::time::Instant::now();
+        let (decision, forfeit) = self
+            .permits
+            .acquire_or_redeem(
+                &registration.seller_id,
+                Some(&registration.message_id),
+                held,
+            )
+            .await?;
+        self.stats.permit_latency.record(started.elapsed());
+        if let Some(forfeit) = forfeit {
+            self.stats.forfeited.fetch_add(1, Ordering::Relaxed);
+            debug!(?forfeit, "reserved slot given up; reserved anew");
+        }
+        self.stats.touch(&registration.seller_id);
+        Ok(decision)
+    }
+
+    /// Records the registration (and the answer of its call, `call`) in one step.
+    async fn record_completion(&self, registration: &Registration, call: &str) {
+        let record = || async {
+            self.permits
+                .complete_call(
+                    &registration.seller_id,
+                    &registration.message_id,
+                    registration.batch_id.as_ref(),
+                    call,
+                    self.settings.done_ttl,
+                )
+                .await
+        };
+        let retry = ExponentialBuilder::default()
+            .with_min_delay(Duration::from_millis(50))
+            .with_max_times(6);
+        if let Err(error) = record.retry(retry).await {
+            warn!(%error, "registered, but the completion record was not written: a redelivery could call again");
+        }
+    }
+
+    /// Records that the call `call` was answered (not a registration): it stops holding its
+    /// place in the seller's window beyond now. On failure it holds it until its bound.
+    async fn record_call_end(&self, registration: &Registration, call: &str) {
+        if let Err(error) = self.permits.call_ended(&registration.seller_id, call).await {
+            debug!(%error, "the call's answer was not recorded; its place is kept until its bound");
+        }
+    }
+
+    /// Applies an outcome: the one place that acks, nacks, delays or dead-letters.
+    pub async fn settle(
+        &self,
+        delivery: Delivery,
+        outcome: Outcome,
+        publisher: &Publisher,
+        settler: &Settler,
+        connection_lost: &CancellationToken,
+    ) {
+        let tag = delivery.delivery_tag;
+        let result = match self.republish(&delivery, &outcome, publisher).await {
+            Ok(()) => {
+                self.count(&delivery, &outcome);
+                match outcome {
+                    Outcome::Registered | Outcome::AlreadyDone => {
+                        settler.ack(tag);
+                        Ok(())
+                    }
+                    Outcome::Requeue => settler.requeue(tag).await,
+                    // Republished: an ack lost with the connection would leave two copies.
+                    Outcome::Delay { .. } | Outcome::DeadLetter { .. } => {
+                        settler.ack_now(tag).await
+                    }
+                }
+            }
+            Err(error) => {
+                self.return_unpublished(error, tag, publisher, settler, connection_lost)
+                    .await
+            }
+        };
+        if let Err(error) = result {
+            debug!(%error, "could not settle the delivery (its channel is gone; the broker redelivers it)");
+        }
+    }
+
+    /// Publishes what an outcome sends on: the delayed copy, or the dead letter.
+    async fn republish(
+        &self,
+        delivery: &Delivery,
+        outcome: &Outcome,
+        publisher: &Publisher,
+    ) -> Result<(), PublishError> {
+        match outcome {
+            Outcome::Registered | Outcome::AlreadyDone | Outcome::Requeue => Ok(()),
+            Outcome::Delay { after, carried } => {
+                publisher
+                    .delay(&self.topology, delivery, *after, &carried.headers())
+                    .await
+            }
+            Outcome::DeadLetter { reason, detail } => {
+                warn!(reason, detail, "dead-lettering");
+                publisher
+                    .dead_letter(&self.topology, delivery, reason, detail)
+                    .await
+            }
+        }
+    }
+
+    /// Counts a settled outcome in the stats and the metrics (a dead letter also in the
+    /// dashboard and its upload's progress, see [`count_dead_letter`]).
+    fn count(&self, delivery: &Delivery, outcome: &Outcome) {
+        let counter = match outcome {
+            Outcome::Registered => &self.stats.registered,
+            Outcome::AlreadyDone => &self.stats.already_done,
+            Outcome::Delay { .. } => &self.stats.delayed,
+            Outcome::DeadLetter { .. } => &self.stats.dead_lettered,
+            Outcome::Requeue => &self.stats.requeued,
+        };
+        counter.fetch_add(1, Ordering::Relaxed);
+        let label = outcome.label(Carried::attempt_of(delivery));
+        metrics::counter!("turnstile_outcomes_total", "outcome" => label).increment(1);
+        if let Outcome::DeadLetter { reason, .. } = outcome {
+            count_dead_letter(&self.permits, delivery, reason, self.settings.done_ttl);
+        }
+    }
+
+    /// Returns a message whose outcome could not be published to the broker, after a pause;
+    /// with the publish channel closed, asks for a new connection instead (the broker then
+    /// requeues it).
+    async fn return_unpublished(
+        &self,
+        error: PublishError,
+        tag: u64,
+        publisher: &Publisher,
+        settler: &Settler,
+        connection_lost: &CancellationToken,
+    ) -> Result<(), lapin::Error> {
+        metrics::counter!("turnstile_broker_errors_total").increment(1);
+        self.stats.requeued.fetch_add(1, Ordering::Relaxed);
+        if !publisher.channel().status().connected() {
+            // A closed publish channel fails every republish: reconnect (the replica reports
+            // not ready meanwhile) instead of returning messages in a loop.
+            warn!(%error, "the publish channel is closed; reconnecting to the broker");
+            connection_lost.cancel();
+            return Ok(());
+        }
+        // Back off before returning it, so that a broker refusing publishes (nacks) is not
+        // hammered by the same message again at once.
+        let pause = Duration::from_millis(rand::random_range(500..1_500));
+        warn!(%error, retry_in_ms = pause.as_millis() as u64, "republishing failed; returning the message to the broker");
+        tokio::select! {
+            _ = tokio::time::sleep(pause) => {}
+            _ = connection_lost.cancelled() => return Ok(()),
+        }
+        settler.requeue(tag).await
+    }
+}

@@ -1,0 +1,772 @@
+//! What happens to a message, decided from plain values with no I/O: the [`Outcome`] of a
+//! delivery, the next step ([`Plan`]) after a permit decision, a downstream answer or a permit
+//! error, and the backoff and lead they use. [`super::Worker`] carries the plans out.
+
+use std::time::Duration;
+
+use backon::{BackoffBuilder, ExponentialBackoff, ExponentialBuilder};
+use lapin::message::Delivery;
+use lapin::types::AMQPValue;
+
+use crate::broker::{header_str, header_u64, headers, long_string};
+use crate::downstream::Reply;
+use tracing::warn;
+
+use crate::permit::{CALL_ALLOWANCE, Decision, PermitError, Reservation};
+
+/// What to do with a delivery; decided by [`Worker::handle`], applied by [`Worker::settle`].
+#[derive(Debug, PartialEq)]
+pub enum Outcome {
+    /// Registered now: ack.
+    Registered,
+    /// Registered before (completion record): ack without calling.
+    AlreadyDone,
+    /// Come back later through the delay ladder, with what the message carries (its
+    /// reservation, if any).
+    Delay { after: Duration, carried: Carried },
+    /// Give up: publish to `<queue>.dead` with the reason, then ack.
+    DeadLetter {
+        reason: &'static str,
+        detail: String,
+    },
+    /// Give the message back to the broker as it is (nack + requeue).
+    Requeue,
+}
+
+impl Outcome {
+    /// The outcome's label in `turnstile_outcomes_total`, for a delivery that carried
+    /// `delivered_attempt` failed attempts: a delay after one more failed attempt is `retried`.
+    pub(super) fn label(&self, delivered_attempt: u32) -> &'static str {
+        match self {
+            Outcome::Registered => "registered",
+            Outcome::AlreadyDone => "already_done",
+            Outcome::Delay { carried, .. } if carried.attempt > delivered_attempt => "retried",
+            Outcome::Delay { .. } => "delayed",
+            Outcome::DeadLetter { .. } => "dead_lettered",
+            Outcome::Requeue => "requeued",
+        }
+    }
+}
+
+/// What a message carries from one delivery to the next, in `x-turnstile-*` headers. Read once
+/// at the edge, and untrusted: anything that does not parse is ignored (a reservation must
+/// also be live in Redis to count, see `permit::Reservation`).
+#[derive(Clone, Debug, Default, PartialEq)]
+pub struct Carried {
+    /// Failed downstream attempts so far (429s are not counted).
+    pub attempt: u32,
+    /// The permit slot reserved for the message.
+    pub reservation: Option<Reservation>,
+    /// Since when (Unix ms) the downstream has answered 429 to this message.
+    pub throttled_since_ms: Option<u64>,
+}
+
+impl Carried {
+    /// Reads the headers of a delivery received at `now_ms` (a throttling start in the future
+    /// counts from now).
+    pub fn from_delivery(delivery: &Delivery, now_ms: u64) -> Self {
+        Self {
+            attempt: Self::attempt_of(delivery),
+            reservation: Self::reservation_of(delivery),
+            throttled_since_ms: header_u64(delivery, headers::THROTTLED_SINCE)
+                .map(|t| t.min(now_ms)),
+        }
+    }
+
+    /// The reservation a delivery carries, if its header has the exact form.
+    pub(super) fn reservation_of(delivery: &Delivery) -> Option<Reservation> {
+        header_str(delivery, headers::RESERVATION).and_then(|r| Reservation::decode(&r))
+    }
+
+    /// Failed attempts a delivery says it had (saturating; 0 when the header does not parse).
+    pub(super) fn attempt_of(delivery: &Delivery) -> u32 {
+        header_u64(delivery, headers::ATTEMPT).map_or(0, |a| u32::try_from(a).unwrap_or(u32::MAX))
+    }
+
+    /// The headers that carry it on.
+    pub(super) fn headers(&self) -> Vec<(&'static str, AMQPValue)> {
+        let mut headers = vec![
+            (
+                headers::ATTEMPT,
+                AMQPValue::LongLongInt(i64::from(self.attempt)),
+            ),
+            (
+                headers::RESERVATION,
+                long_string(
+                    &self
+                        .reservation
+                        .as_ref()
+                        .map(Reservation::encode)
+                        .unwrap_or_default(),
+                ),
+            ),
+        ];
+        if let Some(since) = self.throttled_since_ms {
+            headers.push((
+                headers::THROTTLED_SINCE,
+                AMQPValue::LongLongInt(since as i64),
+            ));
+        }
+        headers
+    }
+}
+
+/// How the worker behaves (from `ConsumeArgs`).
+#[derive(Clone, Debug)]
+pub struct WorkerSettings {
+    /// Failed attempts (5xx, timeouts, connection errors) before a message is dead-lettered.
+    pub max_attempts: u32,
+    /// Longest wait held in the replica; longer ones go through the broker.
+    pub hold: Duration,
+    /// Longest pause a 429's Retry-After may ask for (a longer one is capped and logged).
+    pub max_pause: Duration,
+    /// How long a message may be throttled (429s) before it is dead-lettered as `throttled`.
+    pub throttle_deadline: Duration,
+    /// Most messages held at once (the rest of the prefetch stays free for other sellers).
+    pub hold_capacity: usize,
+    /// How long completion records are kept (redeliveries within it are not called twice).
+    pub done_ttl: Duration,
+    /// First retry delay after a failed attempt (doubling, with jitter, up to `retry_max`).
+    pub retry_min: Duration,
+    pub retry_max: Duration,
+}
+
+/// The next step for a message, decided from plain values by [`WorkerSettings`]' `plan_*`
+/// methods (no I/O) and carried out by [`Worker::handle`].
+#[derive(Debug, PartialEq)]
+pub(super) enum Plan {
+    /// Settle the delivery with this outcome.
+    Settle(Outcome),
+    /// Call the downstream now, under the grant that names the call `call`.
+    Call { call: String },
+    /// Hold the message here, unacked, for this long (or until its reserved slot is given
+    /// back), then ask for its permit again.
+    Hold(Duration),
+    /// Ask for a permit again at once.
+    AskAgain,
+    /// No permit decision (Redis unavailable): wait this long, holding no worker, then ask
+    /// again.
+    AskAfter(Duration),
+    /// A 429: pause the seller on every replica for `pause` (what the downstream `asked`
+    /// for, capped at `max_pause`), then ask again.
+    PauseSeller { pause: Duration, asked: Duration },
+    /// A failed attempt: come back through the delay ladder `after` the backoff.
+    Retry { after: Duration, why: String },
+}
+
+impl WorkerSettings {
+    /// What a permit decision leads to, given how long it took to come (`waited`) and how many
+    /// messages are held in the replica (`holding`). A grant is called only if it came within
+    /// [`CALL_ALLOWANCE`]: its place in the window was only promised for a call starting
+    /// within it; a later one is asked for again, without the reservation.
+    pub(super) fn plan_decision(
+        &self,
+        decision: Decision,
+        waited: Duration,
+        holding: usize,
+        carried: &mut Carried,
+    ) -> Plan {
+        match decision {
+            Decision::AlreadyDone => Plan::Settle(Outcome::AlreadyDone),
+            Decision::Granted { call, .. } if waited <= CALL_ALLOWANCE => Plan::Call { call },
+            Decision::Granted { .. } => {
+                carried.reservation = None;
+                Plan::AskAgain
+            }
+            Decision::Wait {
+                retry_after,
+                reservation,
+            } => {
+                carried.reservation = reservation;
+                self.plan_wait(retry_after, holding, carried)
+            }
+        }
+    }
+
+    /// Where a message told to wait `retry_after` waits. Held here if it has a reservation,
+    /// the wait is within `hold` and fewer than `hold_capacity` messages are held (`holding`);
+    /// otherwise it goes through the delay ladder, coming back [`WorkerSettings::lead`] before
+    /// its reserved slot (or at the time, without a reservation) — unless that leaves no more
+    /// than one ladder step, which is held here too.
+    pub(super) fn plan_wait(
+        &self,
+        retry_after: Duration,
+        holding: usize,
+        carried: &Carried,
+    ) -> Plan {
+        let reserved = carried.reservation.is_some();
+        if !reserved || retry_after > self.hold || holding >= self.hold_capacity {
+            let lead = if reserved {
+                self.lead()
+            } else {
+                Duration::ZERO
+            };
+            if retry_after > lead + crate::broker::UNIT {
+                return Plan::Settle(Outcome::Delay {
+                    after: retry_after - lead,
+                    carried: carried.clone(),
+                });
+            }
+        }
+        Plan::Hold(retry_after)
+    }
+
+    /// What the downstream's reply to a call leads to. The call spent the message's
+    /// reservation. `now_ms` is the time (Unix ms); `window` is the default limit's window,
+    /// the pause after a 429 without Retry-After.
+    pub(super) fn plan_reply(
+        &self,
+        reply: Reply,
+        carried: &mut Carried,
+        now_ms: u64,
+        window: Duration,
+    ) -> Plan {
+        carried.reservation = None;
+        match reply {
+            Reply::Registered => Plan::Settle(Outcome::Registered),
+            Reply::Throttled { retry_after } => {
+                self.plan_throttled(retry_after.unwrap_or(window), carried, now_ms)
+            }
+            Reply::Transient(why) => self.plan_failure(why, carried),
+            Reply::Rejected { status, body } => Plan::Settle(Outcome::DeadLetter {
+                reason: "rejected",
+                detail: format!("HTTP {status}: {body}"),
+            }),
+        }
+    }
+
+    /// A 429 that `asked` for a pause: the seller is paused for it, capped at `max_pause` (at
+    /// least 1 ms). A message throttled for `throttle_deadline` since its first 429 (noted in
+    /// `carried` now if this is the first) is dead-lettered as `throttled` instead.
+    pub(super) fn plan_throttled(
+        &self,
+        asked: Duration,
+        carried: &mut Carried,
+        now_ms: u64,
+    ) -> Plan {
+        let since = *carried.throttled_since_ms.get_or_insert(now_ms);
+        let throttled_for = Duration::from_millis(now_ms.saturating_sub(since));
+        if throttled_for >= self.throttle_deadline {
+            return Plan::Settle(Outcome::DeadLetter {
+                reason: "throttled",
+                detail: format!(
+                    "the downstream answered 429 for {} s (TURNSTILE_THROTTLE_DEADLINE {} s)",
+                    throttled_for.as_secs(),
+                    self.throttle_deadline.as_secs()
+                ),
+            });
+        }
+        Plan::PauseSeller {
+            pause: asked.min(self.max_pause).max(Duration::from_millis(1)),
+            asked,
+        }
+    }
+
+    /// A failed attempt (5xx, timeout, connection error), counted in `carried`: the
+    /// `max_attempts`-th is dead-lettered as `attempts-exhausted`, earlier ones are retried
+    /// after [`WorkerSettings::backoff`].
+    pub(super) fn plan_failure(&self, why: String, carried: &mut Carried) -> Plan {
+        carried.attempt = carried.attempt.saturating_add(1);
+        let attempt = carried.attempt;
+        if attempt >= self.max_attempts {
+            return Plan::Settle(Outcome::DeadLetter {
+                reason: "attempts-exhausted",
+                detail: format!("{attempt} attempts failed; last: {why}"),
+            });
+        }
+        Plan::Retry {
+            after: self.backoff(attempt),
+            why,
+        }
+    }
+
+    /// How early a message delayed through the broker comes back before its slot: half the
+    /// hold, at least two ladder steps.
+    pub(super) fn lead(&self) -> Duration {
+        (self.hold / 2).max(crate::broker::UNIT * 2)
+    }
+
+    /// The n-th retry delay: exponential from `retry_min` (doubling), capped at `retry_max`,
+    /// plus a random jitter of up to as much again.
+    pub(super) fn backoff(&self, attempt: u32) -> Duration {
+        ExponentialBuilder::default()
+            .with_min_delay(self.retry_min)
+            .with_max_delay(self.retry_max)
+            .with_jitter()
+            .without_max_times()
+            .build()
+            .nth(attempt.saturating_sub(1) as usize)
+            .unwrap_or(self.retry_max)
+    }
+}
+
+/// Permit decisions the limiter may refuse (not for want of Redis) before the message is
+/// dead-lettered: retrying cannot help, and the worker must not spin.
+pub(super) const PERMIT_REFUSALS: u32 = 3;
+
+/// Backoff while Redis is unavailable: 50 ms doubling to 5 s, with jitter, for as long as it
+/// takes (fail closed: no call without a decision).
+pub(super) fn redis_backoff() -> ExponentialBackoff {
+    ExponentialBuilder::default()
+        .with_min_delay(Duration::from_millis(50))
+        .with_max_delay(Duration::from_secs(5))
+        .with_jitter()
+        .without_max_times()
+        .build()
+}
+
+/// What a failed permit decision leads to.
+#[derive(Debug, PartialEq)]
+pub(super) enum PermitFailure {
+    /// Redis is unreachable or busy: wait this long (holding no worker), then ask again.
+    Unavailable(Duration),
+    /// The limiter refused the request (a script error, an unexpected answer): ask again
+    /// without the message's reservation.
+    Refused,
+    /// Refused [`PERMIT_REFUSALS`] times: dead-letter the message with the reason.
+    GiveUp,
+}
+
+/// Decides what a failed permit decision leads to: transport errors are retried with backoff
+/// without limit, anything else a few times and then given up.
+pub(super) fn permit_failure(
+    error: &PermitError,
+    refused: &mut u32,
+    unavailable: &mut impl Iterator<Item = Duration>,
+) -> PermitFailure {
+    if error.is_transient() {
+        return PermitFailure::Unavailable(unavailable.next().unwrap_or(Duration::from_secs(5)));
+    }
+    *refused += 1;
+    if *refused >= PERMIT_REFUSALS {
+        PermitFailure::GiveUp
+    } else {
+        PermitFailure::Refused
+    }
+}
+
+/// The permit errors met while handling one message: the limiter's refusals so far, and the
+/// backoff while Redis is unavailable.
+pub(super) struct PermitErrors {
+    refused: u32,
+    unavailable: ExponentialBackoff,
+}
+
+impl Default for PermitErrors {
+    fn default() -> Self {
+        Self {
+            refused: 0,
+            unavailable: redis_backoff(),
+        }
+    }
+}
+
+impl PermitErrors {
+    /// What a failed permit decision leads to (see [`permit_failure`]); counted and logged.
+    pub(super) fn plan(&mut self, error: PermitError, carried: &mut Carried) -> Plan {
+        metrics::counter!("turnstile_redis_errors_total").increment(1);
+        match permit_failure(&error, &mut self.refused, &mut self.unavailable) {
+            PermitFailure::Unavailable(wait) => {
+                warn!(%error, retry_in_ms = wait.as_millis() as u64, "no permit decision (Redis); not calling");
+                Plan::AskAfter(wait)
+            }
+            PermitFailure::Refused => {
+                // Whatever the message carried (a reservation) is dropped.
+                warn!(%error, refused = self.refused, "the limiter refused the request; acquiring anew without a reservation");
+                carried.reservation = None;
+                Plan::AskAgain
+            }
+            PermitFailure::GiveUp => Plan::Settle(Outcome::DeadLetter {
+                reason: "invalid-message",
+                detail: format!("the limiter refused it {} times: {error}", self.refused),
+            }),
+        }
+    }
+}
+
+/// What a message interrupted while waiting becomes: at shutdown it goes back through the return
+/// queue keeping what it carries (its reservation); with its connection lost, the broker has
+/// requeued it already.
+pub(super) fn returned(carried: Carried, why: Interrupted) -> Outcome {
+    match why {
+        Interrupted::Shutdown => Outcome::Delay {
+            after: Duration::ZERO,
+            carried,
+        },
+        Interrupted::ConnectionLost => Outcome::Requeue,
+    }
+}
+
+/// How a handler's wait ended early.
+pub(super) enum Interrupted {
+    /// Shutting down: return the message to the broker, keeping its reservation.
+    Shutdown,
+    /// The connection that delivered it is gone: the broker has requeued it already.
+    ConnectionLost,
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const MS: Duration = Duration::from_millis(1);
+    const SECOND: Duration = Duration::from_secs(1);
+
+    /// Settings as a replica might have them: 5 attempts, a 2 s hold for 10 messages, pauses
+    /// of at most 60 s, a 600 s throttle deadline, retries from 1 s to 30 s.
+    fn settings() -> WorkerSettings {
+        WorkerSettings {
+            max_attempts: 5,
+            hold: 2 * SECOND,
+            max_pause: 60 * SECOND,
+            throttle_deadline: 600 * SECOND,
+            hold_capacity: 10,
+            done_ttl: 3_600 * SECOND,
+            retry_min: SECOND,
+            retry_max: 30 * SECOND,
+        }
+    }
+
+    fn reservation() -> Reservation {
+        Reservation {
+            slot_us: 1_000_000,
+            count: 1,
+            window_us: 1_000_000,
+            reserved_at_us: 0,
+            token: "t".into(),
+        }
+    }
+
+    fn reserved() -> Carried {
+        Carried {
+            reservation: Some(reservation()),
+            ..Carried::default()
+        }
+    }
+
+    fn wait(retry_after: Duration, reservation: Option<Reservation>) -> Decision {
+        Decision::Wait {
+            retry_after,
+            reservation,
+        }
+    }
+
+    fn delay(after: Duration, carried: Carried) -> Plan {
+        Plan::Settle(Outcome::Delay { after, carried })
+    }
+
+    fn dead_letter(reason: &'static str, detail: &str) -> Plan {
+        Plan::Settle(Outcome::DeadLetter {
+            reason,
+            detail: detail.into(),
+        })
+    }
+
+    #[test]
+    fn a_reserved_wait_within_the_hold_is_held_here() {
+        let mut carried = Carried::default();
+        let decision = wait(1_500 * MS, Some(reservation()));
+        let plan = settings().plan_decision(decision, Duration::ZERO, 0, &mut carried);
+        assert_eq!(plan, Plan::Hold(1_500 * MS));
+        assert_eq!(
+            carried,
+            reserved(),
+            "the reservation is kept for the redeem"
+        );
+    }
+
+    #[test]
+    fn a_denial_longer_than_the_hold_goes_through_the_ladder() {
+        let mut carried = Carried::default();
+        let decision = wait(10 * SECOND, Some(reservation()));
+        let plan = settings().plan_decision(decision, Duration::ZERO, 0, &mut carried);
+        // Back one lead (half the 2 s hold) before the slot, with the reservation.
+        assert_eq!(plan, delay(9 * SECOND, reserved()));
+    }
+
+    #[test]
+    fn a_short_wait_goes_through_the_ladder_when_the_hold_is_full() {
+        let plan = settings().plan_wait(1_500 * MS, 10, &reserved());
+        assert_eq!(plan, delay(500 * MS, reserved()));
+    }
+
+    #[test]
+    fn a_wait_within_one_ladder_step_of_the_lead_is_held_even_when_the_hold_is_full() {
+        let plan = settings().plan_wait(1_250 * MS, 10, &reserved());
+        assert_eq!(plan, Plan::Hold(1_250 * MS));
+    }
+
+    #[test]
+    fn a_wait_without_a_reservation_goes_through_the_ladder_for_all_of_it() {
+        let plan = settings().plan_wait(SECOND, 0, &Carried::default());
+        assert_eq!(plan, delay(SECOND, Carried::default()));
+    }
+
+    #[test]
+    fn a_wait_without_a_reservation_within_one_ladder_step_is_held_here() {
+        let plan = settings().plan_wait(250 * MS, 0, &Carried::default());
+        assert_eq!(plan, Plan::Hold(250 * MS));
+    }
+
+    #[test]
+    fn the_lead_is_half_the_hold_and_at_least_two_ladder_steps() {
+        assert_eq!(settings().lead(), SECOND);
+        let short_hold = WorkerSettings {
+            hold: 600 * MS,
+            ..settings()
+        };
+        assert_eq!(short_hold.lead(), 2 * crate::broker::UNIT);
+    }
+
+    #[test]
+    fn a_grant_that_came_in_time_is_called() {
+        let mut carried = reserved();
+        let granted = Decision::Granted {
+            slot_us: 0,
+            used_permille: 1_000,
+            call: "call-1".into(),
+        };
+        let plan = settings().plan_decision(granted, CALL_ALLOWANCE, 0, &mut carried);
+        assert_eq!(
+            plan,
+            Plan::Call {
+                call: "call-1".into()
+            }
+        );
+    }
+
+    #[test]
+    fn a_grant_that_came_too_late_is_asked_for_again_without_the_reservation() {
+        let mut carried = reserved();
+        let granted = Decision::Granted {
+            slot_us: 0,
+            used_permille: 1_000,
+            call: "call-1".into(),
+        };
+        let late = CALL_ALLOWANCE + MS;
+        let plan = settings().plan_decision(granted, late, 0, &mut carried);
+        assert_eq!(plan, Plan::AskAgain);
+        assert_eq!(carried.reservation, None);
+    }
+
+    #[test]
+    fn a_message_registered_before_is_acked_without_a_call() {
+        let plan =
+            settings().plan_decision(Decision::AlreadyDone, Duration::ZERO, 0, &mut reserved());
+        assert_eq!(plan, Plan::Settle(Outcome::AlreadyDone));
+    }
+
+    #[test]
+    fn a_registration_spends_the_reservation() {
+        let mut carried = reserved();
+        let plan = settings().plan_reply(Reply::Registered, &mut carried, 0, SECOND);
+        assert_eq!(plan, Plan::Settle(Outcome::Registered));
+        assert_eq!(carried.reservation, None);
+    }
+
+    #[test]
+    fn a_fifth_failure_with_max_attempts_five_is_dead_lettered() {
+        let mut carried = Carried {
+            attempt: 4,
+            ..reserved()
+        };
+        let reply = Reply::Transient("HTTP 503".into());
+        let plan = settings().plan_reply(reply, &mut carried, 0, SECOND);
+        assert_eq!(
+            plan,
+            dead_letter("attempts-exhausted", "5 attempts failed; last: HTTP 503")
+        );
+        assert_eq!(carried.attempt, 5);
+    }
+
+    #[test]
+    fn a_fourth_failure_is_retried_after_the_fourth_backoff_without_the_reservation() {
+        let mut carried = Carried {
+            attempt: 3,
+            ..reserved()
+        };
+        let reply = Reply::Transient("timeout".into());
+        let plan = settings().plan_reply(reply, &mut carried, 0, SECOND);
+        let Plan::Retry { after, why } = plan else {
+            panic!("{plan:?}");
+        };
+        assert!((8 * SECOND..=16 * SECOND).contains(&after), "{after:?}");
+        assert_eq!(why, "timeout");
+        assert_eq!(carried.attempt, 4);
+        assert_eq!(carried.reservation, None);
+    }
+
+    #[test]
+    fn backoff_doubles_up_to_retry_max() {
+        let settings = settings();
+        for attempt in 1..=10u32 {
+            let base = (SECOND * 2u32.pow(attempt - 1)).min(settings.retry_max);
+            for _ in 0..20 {
+                let after = settings.backoff(attempt);
+                // The jitter adds up to as much again.
+                assert!(base <= after && after <= base * 2, "{attempt}: {after:?}");
+            }
+        }
+        assert!(
+            settings.backoff(0) <= 2 * SECOND,
+            "attempt 0 counts as the first"
+        );
+    }
+
+    #[test]
+    fn a_rejection_is_dead_lettered_with_its_status_and_body() {
+        let reply = Reply::Rejected {
+            status: 422,
+            body: "unknown seller".into(),
+        };
+        let plan = settings().plan_reply(reply, &mut Carried::default(), 0, SECOND);
+        assert_eq!(plan, dead_letter("rejected", "HTTP 422: unknown seller"));
+    }
+
+    #[test]
+    fn a_first_429_pauses_the_seller_for_its_retry_after_and_notes_since_when() {
+        let mut carried = reserved();
+        let reply = Reply::Throttled {
+            retry_after: Some(5 * SECOND),
+        };
+        let plan = settings().plan_reply(reply, &mut carried, 1_000_000, SECOND);
+        let (pause, asked) = (5 * SECOND, 5 * SECOND);
+        assert_eq!(plan, Plan::PauseSeller { pause, asked });
+        assert_eq!(carried.throttled_since_ms, Some(1_000_000));
+        assert_eq!(carried.reservation, None);
+    }
+
+    #[test]
+    fn a_429_without_retry_after_pauses_the_seller_for_one_window() {
+        let reply = Reply::Throttled { retry_after: None };
+        let plan = settings().plan_reply(reply, &mut Carried::default(), 0, 3 * SECOND);
+        let (pause, asked) = (3 * SECOND, 3 * SECOND);
+        assert_eq!(plan, Plan::PauseSeller { pause, asked });
+    }
+
+    #[test]
+    fn a_retry_after_beyond_max_pause_pauses_for_max_pause() {
+        let plan = settings().plan_throttled(3_600 * SECOND, &mut Carried::default(), 0);
+        let (pause, asked) = (60 * SECOND, 3_600 * SECOND);
+        assert_eq!(plan, Plan::PauseSeller { pause, asked });
+    }
+
+    #[test]
+    fn a_retry_after_of_zero_pauses_for_a_millisecond() {
+        let plan = settings().plan_throttled(Duration::ZERO, &mut Carried::default(), 0);
+        let (pause, asked) = (MS, Duration::ZERO);
+        assert_eq!(plan, Plan::PauseSeller { pause, asked });
+    }
+
+    #[test]
+    fn a_429_just_before_the_throttle_deadline_pauses_the_seller() {
+        let mut carried = Carried {
+            throttled_since_ms: Some(1_000_000),
+            ..Carried::default()
+        };
+        let now_ms = 1_000_000 + 599_999;
+        let plan = settings().plan_throttled(SECOND, &mut carried, now_ms);
+        let (pause, asked) = (SECOND, SECOND);
+        assert_eq!(plan, Plan::PauseSeller { pause, asked });
+        assert_eq!(
+            carried.throttled_since_ms,
+            Some(1_000_000),
+            "still the first"
+        );
+    }
+
+    #[test]
+    fn a_429_past_the_throttle_deadline_is_dead_lettered_as_throttled() {
+        let mut carried = Carried {
+            throttled_since_ms: Some(1_000_000),
+            ..Carried::default()
+        };
+        let now_ms = 1_000_000 + 600_000;
+        let plan = settings().plan_throttled(SECOND, &mut carried, now_ms);
+        let detail = "the downstream answered 429 for 600 s (TURNSTILE_THROTTLE_DEADLINE 600 s)";
+        assert_eq!(plan, dead_letter("throttled", detail));
+    }
+
+    #[test]
+    fn a_limiter_refusal_drops_the_reservation_and_the_third_dead_letters_the_message() {
+        let mut errors = PermitErrors::default();
+        let mut carried = reserved();
+        let refusal = || PermitError::Answer("redeem");
+        assert_eq!(errors.plan(refusal(), &mut carried), Plan::AskAgain);
+        assert_eq!(carried.reservation, None);
+        assert_eq!(errors.plan(refusal(), &mut carried), Plan::AskAgain);
+        let detail = "the limiter refused it 3 times: unexpected answer from the redeem script";
+        let plan = errors.plan(refusal(), &mut carried);
+        assert_eq!(plan, dead_letter("invalid-message", detail));
+    }
+
+    #[test]
+    fn redis_out_of_reach_is_asked_again_later_keeping_the_reservation() {
+        let mut errors = PermitErrors::default();
+        let mut carried = reserved();
+        let io = PermitError::Redis(redis::RedisError::from(std::io::Error::from(
+            std::io::ErrorKind::ConnectionRefused,
+        )));
+        let plan = errors.plan(io, &mut carried);
+        assert!(
+            matches!(plan, Plan::AskAfter(wait) if wait <= 100 * MS),
+            "{plan:?}"
+        );
+        assert_eq!(carried, reserved());
+    }
+
+    #[test]
+    fn a_wait_interrupted_by_shutdown_goes_back_with_its_reservation() {
+        let outcome = returned(reserved(), Interrupted::Shutdown);
+        let after = Duration::ZERO;
+        let carried = reserved();
+        assert_eq!(outcome, Outcome::Delay { after, carried });
+    }
+
+    #[test]
+    fn a_wait_interrupted_by_a_lost_connection_is_left_to_the_broker() {
+        let outcome = returned(reserved(), Interrupted::ConnectionLost);
+        assert_eq!(outcome, Outcome::Requeue);
+    }
+
+    #[test]
+    fn a_delay_after_one_more_failed_attempt_counts_as_retried() {
+        let delayed = Outcome::Delay {
+            after: SECOND,
+            carried: Carried {
+                attempt: 2,
+                ..Carried::default()
+            },
+        };
+        assert_eq!(delayed.label(1), "retried");
+        assert_eq!(delayed.label(2), "delayed");
+        assert_eq!(Outcome::Requeue.label(0), "requeued");
+    }
+
+    #[test]
+    fn redis_outages_are_waited_out_and_refusals_given_up_after_three() {
+        let io = PermitError::Redis(redis::RedisError::from(std::io::Error::from(
+            std::io::ErrorKind::ConnectionRefused,
+        )));
+        let (mut refused, mut backoff) = (0, redis_backoff());
+        for _ in 0..100 {
+            assert!(matches!(
+                permit_failure(&io, &mut refused, &mut backoff),
+                PermitFailure::Unavailable(wait) if wait <= Duration::from_secs(10)
+            ));
+        }
+        let script = PermitError::Answer("redeem");
+        assert_eq!(
+            permit_failure(&script, &mut refused, &mut backoff),
+            PermitFailure::Refused
+        );
+        assert_eq!(
+            permit_failure(&script, &mut refused, &mut backoff),
+            PermitFailure::Refused
+        );
+        assert_eq!(
+            permit_failure(&script, &mut refused, &mut backoff),
+            PermitFailure::GiveUp
+        );
+    }
+}
