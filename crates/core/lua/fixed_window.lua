@@ -45,9 +45,7 @@ local slot = math.max(index * window, at)
 
 local status = due(slot, now, guard, a)
 local late = lateness('fixed-window', window, guard)
-if status == 2 and reserved_full(KEYS[4], now, late) then
-  status, slot = 0, far_ticket(KEYS[7], KEYS[4], now, window, count)
-end
+status, slot = slot_or_far_ticket(status, slot, KEYS[4], KEYS[7], now, late, window, count)
 if status == 0 then return {0, slot, now, count, window} end
 local used = redis.call('HINCRBY', KEYS[1], string.format('%.0f', index), 1)
 local next_index = index
@@ -60,9 +58,7 @@ end
 local last_end = (math.max(next_index, index + 1)) * window
 local ttl = math.floor((last_end - now) / 1000) + 1
 redis.call('PEXPIRE', KEYS[1], ttl)
-keep_stamp(KEYS[5], ttl, a.durable)
-if status == 2 then
-  hold_reservation(KEYS[4], a.token, slot, now, late)
+if keep_and_hold(status, ttl, KEYS[5], KEYS[4], slot, now, late, a) then
   return {2, slot, now, count, window}
 end
 return {status, slot, now, count, window, math.floor(used * 1000 / count)}

@@ -50,16 +50,12 @@ local status = due(slot, now, guard, a)
 local late = lateness('gcra', window, guard)
 -- Due, but calls of the last window may still be in flight: wait for their answers.
 slot, status = after_gate(status, slot, KEYS[6], now, window, count, guard, a.reserve)
-if status == 2 and reserved_full(KEYS[4], now, late) then
-  status, slot = 0, far_ticket(KEYS[7], KEYS[4], now, window + guard, count)
-end
+status, slot = slot_or_far_ticket(status, slot, KEYS[4], KEYS[7], now, late, window + guard, count)
 if status == 0 then return {0, slot, now, count, window} end
 local next_tat = tat + interval
 local ttl = math.floor((next_tat - now) / 1000) + 1
 redis.call('SET', KEYS[1], string.format('%.0f', next_tat), 'PX', ttl)
-keep_stamp(KEYS[5], ttl, a.durable)
-if status == 2 then
-  hold_reservation(KEYS[4], a.token, slot, now, late)
+if keep_and_hold(status, ttl, KEYS[5], KEYS[4], slot, now, late, a) then
   return {2, slot, now, count, window}
 end
 start_call(KEYS[6], a.token, now, a.bound, window)

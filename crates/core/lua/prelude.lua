@@ -187,6 +187,27 @@ local function hold_reservation(key, token, slot, now, late)
   redis.call('PEXPIRE', key, math.floor((last - now + late) / 1000) + 1)
 end
 
+-- The reserving step of every acquire script. A wait (STATUS 2) takes a slot in the seller's
+-- reserved set RESERVED_KEY, unless the set is full: then it gets a ticket of the far queue
+-- FAR_KEY instead (status 0: come back at the ticket's time, holding nothing; see far_ticket).
+-- Returns STATUS, SLOT.
+local function slot_or_far_ticket(status, slot, reserved_key, far_key, now, late, span, count)
+  if status == 2 and reserved_full(reserved_key, now, late) then
+    return 0, far_ticket(far_key, reserved_key, now, span, count)
+  end
+  return status, slot
+end
+
+-- The last step of every acquire script, once the seller's state was written to last TTL ms:
+-- the server stamp STAMP_KEY lasts as long, and a wait (STATUS 2) holds its reservation in
+-- RESERVED_KEY. Returns true for a wait (the script answers it), false for a grant.
+local function keep_and_hold(status, ttl, stamp_key, reserved_key, slot, now, late, a)
+  keep_stamp(stamp_key, ttl, a.durable)
+  if status ~= 2 then return false end
+  hold_reservation(reserved_key, a.token, slot, now, late)
+  return true
+end
+
 -- Gives the slot reserved with TOKEN at SLOT (under a limit of COUNT per WINDOW) back to the
 -- seller's state of ALGORITHM, so that the next caller may take it (the reservation itself is
 -- removed from the reserved set by the caller):

@@ -51,17 +51,13 @@ local status = due(slot, now, guard, a)
 local late = lateness('sliding-window', window, guard)
 -- Due, but calls of the last window may still be in flight: wait for their answers.
 slot, status = after_gate(status, slot, KEYS[6], now, window, count, guard, a.reserve)
-if status == 2 and reserved_full(KEYS[4], now, late) then
-  status, slot = 0, far_ticket(KEYS[7], KEYS[4], now, span, count)
-end
+status, slot = slot_or_far_ticket(status, slot, KEYS[4], KEYS[7], now, late, span, count)
 if status == 0 then return {0, slot, now, count, window} end
 redis.call('ZADD', KEYS[1], slot, token)
 local last = tonumber(redis.call('ZRANGE', KEYS[1], -1, -1, 'WITHSCORES')[2])
 local ttl = math.floor((last - now + span) / 1000) + 1
 redis.call('PEXPIRE', KEYS[1], ttl)
-keep_stamp(KEYS[5], ttl, a.durable)
-if status == 2 then
-  hold_reservation(KEYS[4], a.token, slot, now, late)
+if keep_and_hold(status, ttl, KEYS[5], KEYS[4], slot, now, late, a) then
   return {2, slot, now, count, window}
 end
 start_call(KEYS[6], token, now, a.bound, window)

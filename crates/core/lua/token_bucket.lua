@@ -52,18 +52,14 @@ if filled < requested then slot = math.ceil(at + (requested - filled) / rate) en
 
 local status = due(slot, now, guard, a)
 local late = lateness('token-bucket', window, guard)
-if status == 2 and reserved_full(KEYS[4], now, late) then
-  status, slot = 0, far_ticket(KEYS[7], KEYS[4], now, window + guard, count)
-end
+status, slot = slot_or_far_ticket(status, slot, KEYS[4], KEYS[7], now, late, window + guard, count)
 if status == 0 then return {0, slot, now, count, window} end
 local left = filled + (slot - at) * rate - requested
 redis.call('HSET', KEYS[1], 'tokens', string.format('%.6f', left), 'ts', string.format('%.0f', slot))
 local full_at = slot + (capacity - left) / rate -- idle from then on: the key may go
 local ttl = math.floor((full_at - now) / 1000) + 1
 redis.call('PEXPIRE', KEYS[1], ttl)
-keep_stamp(KEYS[5], ttl, a.durable)
-if status == 2 then
-  hold_reservation(KEYS[4], a.token, slot, now, late)
+if keep_and_hold(status, ttl, KEYS[5], KEYS[4], slot, now, late, a) then
   return {2, slot, now, count, window}
 end
 return {status, slot, now, count, window, math.floor((capacity - left) * 1000 / capacity)}
