@@ -193,3 +193,35 @@ async fn invalid_messages_are_dead_lettered_with_the_reason_and_the_replica_goes
     rig.wait_registered(1).await?;
     rig.cleanup().await
 }
+
+#[tokio::test]
+async fn a_rig_dropped_without_cleanup_leaves_no_queue_and_no_key_behind() -> anyhow::Result<()> {
+    let mut rig = support::rig("dropped", "5/1s").prepare().await?;
+    rig.publish("S-dropped", 20).await?;
+    rig.start_replicas(1, 2).await?;
+    rig.wait_registered(3).await?;
+    let (work, prefix) = (rig.topology.work().to_owned(), rig.key_prefix.clone());
+    let redis = support::Backend::Standalone.connect().await;
+    let everything = turnstile_core::permit::Keyspace::new(&prefix).everything();
+    assert!(
+        !turnstile_core::permit::keys_matching(&redis, &everything)
+            .await?
+            .is_empty()
+    );
+
+    drop(rig); // as a test that fails half-way does
+
+    let connection = turnstile_core::broker::connect(&support::broker::amqp_url(), "check").await?;
+    let channel = connection.create_channel().await?;
+    let passive = lapin::options::QueueDeclareOptions {
+        passive: true,
+        ..Default::default()
+    };
+    let declared = channel
+        .queue_declare(work.as_str().into(), passive, Default::default())
+        .await;
+    assert!(declared.is_err(), "the work queue {work} is still there");
+    let left = turnstile_core::permit::keys_matching(&redis, &everything).await?;
+    assert!(left.is_empty(), "keys left behind: {left:?}");
+    Ok(())
+}

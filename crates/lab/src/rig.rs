@@ -215,6 +215,7 @@ impl RigBuilder {
             http,
             stop: CancellationToken::new(),
             stop_mock,
+            cleaned: false,
             published_at_ms: None,
             published: 0,
             published_by_seller: BTreeMap::new(),
@@ -251,6 +252,8 @@ pub struct Rig {
     http: HttpArgs,
     stop: CancellationToken,
     stop_mock: CancellationToken,
+    /// Its queues and keys are deleted (by [`Rig::cleanup`]); otherwise dropping it deletes them.
+    cleaned: bool,
     /// When the first message was published (the mock's clock).
     published_at_ms: Option<u64>,
     published: u64,
@@ -664,23 +667,62 @@ impl Rig {
         let stopped = self.stop_replicas().await;
         self.stop_mock.cancel();
         let _ = self.connection.close(200, "done".into()).await;
-        let connection = turnstile_core::broker::connect(
-            &self.settings.broker.amqp_url,
-            "turnstile rig cleanup",
-        )
-        .await?;
-        let channel = connection.create_channel().await?;
-        self.topology
-            .delete(&channel)
-            .await
-            .context("deleting the rig's queues")?;
-        let _ = connection.close(200, "done".into()).await;
-        let redis = RedisConn::connect(&self.settings.redis).await?;
-        delete_prefix(&redis, &self.key_prefix)
-            .await
-            .context("deleting the rig's keys")?;
+        delete_queues_and_keys(&self.settings, &self.topology, &self.key_prefix).await?;
+        self.cleaned = true;
         stopped
     }
+}
+
+impl Drop for Rig {
+    /// A rig dropped without [`Rig::cleanup`] (a test that failed half-way, an early `?`) still
+    /// leaves nothing behind: its replicas and mock are told to stop, and its queues and keys
+    /// are deleted on a thread of their own (with its own runtime and connections, so that a
+    /// blocked or unwinding test runtime cannot hold it up).
+    fn drop(&mut self) {
+        if self.cleaned {
+            return;
+        }
+        self.stop.cancel();
+        self.stop_mock.cancel();
+        let (settings, topology, prefix) = (
+            self.settings.clone(),
+            self.topology.clone(),
+            self.key_prefix.clone(),
+        );
+        let deleted = std::thread::spawn(move || {
+            let runtime = tokio::runtime::Builder::new_current_thread()
+                .enable_all()
+                .build()?;
+            runtime.block_on(delete_queues_and_keys(&settings, &topology, &prefix))
+        })
+        .join();
+        match deleted {
+            Ok(Ok(())) => {}
+            Ok(Err(error)) => eprintln!("rig dropped: cleanup failed: {error:#}"),
+            Err(_) => eprintln!("rig dropped: the cleanup thread panicked"),
+        }
+    }
+}
+
+/// Deletes a rig's queues and keys, on connections of its own.
+async fn delete_queues_and_keys(
+    settings: &ConsumeArgs,
+    topology: &Topology,
+    key_prefix: &str,
+) -> anyhow::Result<()> {
+    let connection =
+        turnstile_core::broker::connect(&settings.broker.amqp_url, "turnstile rig cleanup").await?;
+    let channel = connection.create_channel().await?;
+    topology
+        .delete(&channel)
+        .await
+        .context("deleting the rig's queues")?;
+    let _ = connection.close(200, "done".into()).await;
+    let redis = RedisConn::connect(&settings.redis).await?;
+    delete_prefix(&redis, key_prefix)
+        .await
+        .context("deleting the rig's keys")?;
+    Ok(())
 }
 
 /// A registration body as the contract defines it.
