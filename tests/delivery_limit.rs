@@ -441,6 +441,10 @@ async fn a_work_queue_declared_by_an_older_turnstile_is_kept_with_a_warning_and_
     );
     assert!(exists(&broker.connection, topology.dead()).await);
     assert!(exists(&broker.connection, &format!("{q}.wait.11")).await);
+    // Declared again (as at every reconnect): no second warning.
+    let (again, logged) = declare_logged(&topology, &broker.connection).await;
+    assert!(matches!(again.work, Protection::Legacy { .. }), "{again:?}");
+    assert!(logged.is_empty(), "warned again: {logged}");
 
     // A replica starts on it (declaring it again) and registers.
     let mut rig = support::rig("legacy", "100/1s")

@@ -284,14 +284,16 @@ impl Topology {
         self.declare_queue(channel, queue.name, self.queue_arguments(&[]))
             .await?;
         let policy = queue.policy_command(&refusal.vhost);
-        warn!(
-            queue = %queue.name,
-            broker = %refusal.message,
-            "the {} was declared by an older turnstile {}; it is used as it is. Give it the same \
-             protection with: {policy}",
-            queue.role,
-            queue.risk,
-        );
+        if first_warning(queue.name) {
+            warn!(
+                queue = %queue.name,
+                broker = %refusal.message,
+                "the {} was declared by an older turnstile {}; it is used as it is. Give it the \
+                 same protection with: {policy}",
+                queue.role,
+                queue.risk,
+            );
+        }
         Ok(Protection::Legacy { policy })
     }
 
@@ -351,6 +353,18 @@ async fn open_channel(connection: &Connection) -> anyhow::Result<Channel> {
         .create_channel()
         .await
         .context("opening a channel to declare the topology")
+}
+
+/// Whether this is the first warning about `queue` in this process: a replica declares its
+/// topology again at every reconnect, and one warning per queue says it all.
+fn first_warning(queue: &str) -> bool {
+    static WARNED: std::sync::OnceLock<std::sync::Mutex<std::collections::HashSet<String>>> =
+        std::sync::OnceLock::new();
+    WARNED
+        .get_or_init(Default::default)
+        .lock()
+        .expect("never poisoned")
+        .insert(queue.to_owned())
 }
 
 /// The broker's refusal of a declaration because the existing queue lacks one of its protective
