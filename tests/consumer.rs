@@ -209,6 +209,7 @@ async fn a_rig_dropped_without_cleanup_leaves_no_queue_and_no_key_behind() -> an
             .is_empty()
     );
 
+    rig.stop_replicas().await?;
     drop(rig); // as a test that fails half-way does
 
     let connection = turnstile_core::broker::connect(&support::broker::amqp_url(), "check").await?;

@@ -667,17 +667,18 @@ impl Rig {
         let stopped = self.stop_replicas().await;
         self.stop_mock.cancel();
         let _ = self.connection.close(200, "done".into()).await;
+        self.cleaned = true; // one attempt: a failure here is reported, not retried on drop
         delete_queues_and_keys(&self.settings, &self.topology, &self.key_prefix).await?;
-        self.cleaned = true;
         stopped
     }
 }
 
 impl Drop for Rig {
     /// A rig dropped without [`Rig::cleanup`] (a test that failed half-way, an early `?`) still
-    /// leaves nothing behind: its replicas and mock are told to stop, and its queues and keys
+    /// deletes what it made: its replicas and mock are told to stop, and its queues and keys
     /// are deleted on a thread of their own (with its own runtime and connections, so that a
-    /// blocked or unwinding test runtime cannot hold it up).
+    /// blocked or unwinding test runtime cannot hold it up), within [`DROP_CLEANUP`]. Best
+    /// effort: replicas still draining when it is dropped may write a few keys afterwards.
     fn drop(&mut self) {
         if self.cleaned {
             return;
@@ -693,7 +694,14 @@ impl Drop for Rig {
             let runtime = tokio::runtime::Builder::new_current_thread()
                 .enable_all()
                 .build()?;
-            runtime.block_on(delete_queues_and_keys(&settings, &topology, &prefix))
+            runtime.block_on(async {
+                tokio::time::timeout(
+                    DROP_CLEANUP,
+                    delete_queues_and_keys(&settings, &topology, &prefix),
+                )
+                .await
+                .context("timed out")?
+            })
         })
         .join();
         match deleted {
@@ -703,6 +711,10 @@ impl Drop for Rig {
         }
     }
 }
+
+/// Longest a dropped rig's cleanup may take (a broker that does not answer must not hang the
+/// test that dropped it).
+const DROP_CLEANUP: Duration = Duration::from_secs(30);
 
 /// Deletes a rig's queues and keys, on connections of its own.
 async fn delete_queues_and_keys(

@@ -336,7 +336,6 @@ impl Dashboard {
     }
 }
 
-/// Feeds the shared state once a second (throughput, active sellers) until `stop`, then once
 /// One row per upload, with its ETA from its seller's backlog, limit and pause (the default
 /// limit for a seller whose usage was not read).
 fn upload_rows(
@@ -400,6 +399,7 @@ fn seller_rows(usage: &HashMap<&str, &Usage>) -> (Vec<SellerRow>, Vec<SellerRow>
     (rows, paused)
 }
 
+/// Feeds the shared state once a second (throughput, active sellers) until `stop`, then once
 /// more. Runs on every replica, with or without HTTP: every page counts every replica.
 pub async fn sample(dashboard: Arc<Dashboard>, stop: CancellationToken) {
     let mut recorded = dashboard.stats.registered.load(Ordering::Relaxed);
@@ -425,7 +425,6 @@ pub async fn sample(dashboard: Arc<Dashboard>, stop: CancellationToken) {
     }
 }
 
-/// Reads the queue depths from the broker every 5 s until `stop` (on a connection of its own,
 /// The depth of each of the topology's queues, the delay ladder's summed.
 async fn read_depths(channel: &lapin::Channel, topology: &Topology) -> anyhow::Result<QueueDepths> {
     let mut depths = QueueDepths {
@@ -461,6 +460,7 @@ impl QueueDepths {
     }
 }
 
+/// Reads the queue depths from the broker every 5 s until `stop` (on a connection of its own,
 /// reopened after errors), for the page and the `turnstile_queue_messages` gauges.
 pub async fn watch_queues(
     dashboard: Arc<Dashboard>,

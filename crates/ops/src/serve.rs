@@ -6,6 +6,7 @@
 use std::net::SocketAddr;
 use std::sync::{Arc, OnceLock};
 
+use anyhow::Context;
 use clap::Args;
 use secrecy::SecretString;
 use tokio::task::JoinHandle;
@@ -71,14 +72,15 @@ pub struct Served {
     pub ready: Readiness,
     /// Where the endpoints listen, if they do.
     pub http_addr: Option<SocketAddr>,
-    replica: Replica,
-    samplers: Vec<JoinHandle<()>>,
-    samplers_stop: CancellationToken,
+    /// The replica until it has drained, then the dashboard's samplers until they stopped
+    /// (whether or not anyone waits for it).
+    done: JoinHandle<anyhow::Result<()>>,
 }
 
 impl Served {
     /// Serves the endpoints (not ready yet), then starts the replica (see [`Replica::start`])
-    /// and, once it consumes, the dashboard's samplers.
+    /// and, once it consumes, the dashboard's samplers, which run until the replica has
+    /// drained.
     pub async fn start(args: ServeArgs, shutdown: CancellationToken) -> anyhow::Result<Self> {
         let starting = Starting::new(args.consume)?;
         let views = Arc::new(OnceLock::new());
@@ -92,61 +94,71 @@ impl Served {
             Listen::At(addr) => Some(http::serve(addr, endpoints, shutdown.clone()).await?),
             Listen::Off => None,
         };
-        let mut served = Self {
-            stats: starting.stats.clone(),
-            ready: starting.ready.clone(),
+        let (stats, ready) = (starting.stats.clone(), starting.ready.clone());
+        let stopped = |replica: Replica| Self {
+            stats: stats.clone(),
+            ready: ready.clone(),
             http_addr,
-            replica: starting.stopped(),
-            samplers: Vec::new(),
-            samplers_stop: CancellationToken::new(),
+            done: tokio::spawn(replica.wait()),
         };
+        let stopped_early = starting.stopped();
         let Some(connecting) = starting.connect_redis(&shutdown).await? else {
-            return Ok(served);
+            return Ok(stopped(stopped_early));
         };
-        let dashboard = Arc::new(dashboard_of(&connecting, &served));
+        let dashboard = Arc::new(dashboard_of(&connecting, &stats, &ready));
         let _ = views.set(dashboard.clone());
         let (amqp_url, topology) = (
             connecting.args().broker.amqp_url.clone(),
             connecting.args().topology(),
         );
         let Some(replica) = connecting.consume(shutdown).await? else {
-            return Ok(served);
+            return Ok(stopped(stopped_early));
         };
-        served.replica = replica;
         if let Some(addr) = http_addr {
             info!(%addr, "serving the dashboard, /metrics, /healthz and /readyz");
         }
-        let stop = served.samplers_stop.clone();
-        served.samplers.push(tokio::spawn(dashboard::sample(
+        let stop = CancellationToken::new();
+        let mut samplers = vec![tokio::spawn(dashboard::sample(
             dashboard.clone(),
             stop.clone(),
-        )));
+        ))];
         if http_addr.is_some() {
-            served.samplers.push(tokio::spawn(dashboard::watch_queues(
-                dashboard, amqp_url, topology, stop,
+            samplers.push(tokio::spawn(dashboard::watch_queues(
+                dashboard,
+                amqp_url,
+                topology,
+                stop.clone(),
             )));
         }
-        Ok(served)
+        let done = tokio::spawn(async move {
+            let ran = replica.wait().await;
+            stop.cancel();
+            for sampler in samplers {
+                let _ = sampler.await;
+            }
+            ran
+        });
+        Ok(Self {
+            stats,
+            ready,
+            http_addr,
+            done,
+        })
     }
 
-    /// Waits until the replica has drained and stopped, then stops the samplers.
+    /// Waits until the replica has drained and stopped, and the samplers with it.
     pub async fn wait(self) -> anyhow::Result<()> {
-        let ran = self.replica.wait().await;
-        self.samplers_stop.cancel();
-        for sampler in self.samplers {
-            let _ = sampler.await;
-        }
-        ran
+        self.done.await.context("the replica task panicked")?
     }
 }
 
 /// The dashboard of a replica that has just connected to Redis.
-fn dashboard_of(connecting: &Connecting, served: &Served) -> Dashboard {
+fn dashboard_of(connecting: &Connecting, stats: &Arc<Stats>, ready: &Readiness) -> Dashboard {
     let args = connecting.args();
     Dashboard::new(
         connecting.permits.clone(),
-        served.stats.clone(),
-        served.ready.clone(),
+        stats.clone(),
+        ready.clone(),
         ReplicaInfo {
             queue: args.broker.queue.clone(),
             algorithm: args.limiter.algorithm.name(),

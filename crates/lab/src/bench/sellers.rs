@@ -39,7 +39,7 @@ use turnstile_core::domain::{BatchId, MessageId, SellerId};
 use turnstile_core::permit::{
     Completion, Keyspace, PermitStore, RedisConn, delete_prefix, keys_matching,
 };
-use turnstile_core::replica::Replica;
+use turnstile_ops::serve::Served;
 
 /// Flags of `turnstile bench sellers`.
 #[derive(Args, Debug, Clone)]
@@ -452,7 +452,7 @@ async fn replica_memory(
         .await
         .context("opening the broker")?;
     let stop = CancellationToken::new();
-    let replica = Replica::start(settings.clone(), stop.clone()).await?;
+    let replica = Served::start(settings.clone().into(), stop.clone()).await?;
 
     let served = async {
         let mut rss = Vec::new();

@@ -26,8 +26,9 @@ use turnstile_core::config::{Algorithm, Limit, LimiterArgs};
 use turnstile_core::domain::Registration;
 use turnstile_core::downstream::{Downstream, DownstreamArgs, Reply};
 use turnstile_core::permit::{RedisConn, delete_prefix, round_trips};
-use turnstile_core::replica::{ConsumeArgs, Replica};
+use turnstile_core::replica::ConsumeArgs;
 use turnstile_core::worker::{LatencySummary, Stats};
+use turnstile_ops::serve::Served;
 
 #[derive(Args, Debug, Clone)]
 pub struct ThroughputArgs {
@@ -448,7 +449,7 @@ impl Bench<'_> {
         let started = Instant::now();
         let mut running = Vec::new();
         for _ in 0..replicas {
-            running.push(Replica::start(settings.clone(), stop.clone()).await?);
+            running.push(Served::start(settings.clone().into(), stop.clone()).await?);
         }
         let target = self.args.messages as u64;
         let deadline = Instant::now() + Duration::from_secs(600);
