@@ -292,40 +292,42 @@ fn counts_of(rig: &Rig, seller: &str) -> (u64, u64, u64) {
     (n("registered"), n("dead_lettered"), n("waiting"))
 }
 
-/// Polls `turnstile status` until a seller's upload shows `want` (dead letters are counted just
-/// after the broker confirmed them); panics with what it showed last.
-async fn wait_counts(rig: &Rig, seller: &str, want: (u64, u64, u64)) {
+/// Reads with `read` until it gives `want`; panics after a minute with what it gave last.
+async fn wait_for<T: PartialEq + std::fmt::Debug>(
+    what: &str,
+    want: T,
+    mut read: impl AsyncFnMut() -> T,
+) {
     let deadline = std::time::Instant::now() + Duration::from_secs(60);
     loop {
-        let counts = counts_of(rig, seller);
-        if counts == want {
+        let got = read().await;
+        if got == want {
             return;
         }
         assert!(
             std::time::Instant::now() < deadline,
-            "status of {seller}: (registered, dead, waiting) = {counts:?}, expected {want:?}"
+            "{what} = {got:?}, expected {want:?}"
         );
         tokio::time::sleep(Duration::from_millis(100)).await;
     }
+}
+
+/// Polls `turnstile status` until a seller's upload shows `want` (dead letters are counted just
+/// after the broker confirmed them); panics with what it showed last.
+async fn wait_counts(rig: &Rig, seller: &str, want: (u64, u64, u64)) {
+    let what = format!("status of {seller}: (registered, dead, waiting)");
+    wait_for(&what, want, async || counts_of(rig, seller)).await;
 }
 
 /// Waits until the dashboard counts `want` messages dead now as `rejected` (`None`: no such
 /// row). The dashboard's tally follows the completion record in a second step (the two live in
 /// different Cluster slots), so it may trail the upload's counts for a moment.
 async fn wait_rejected_now(rig: &Rig, seller: &str, want: Option<u64>) {
-    let deadline = std::time::Instant::now() + Duration::from_secs(60);
-    loop {
+    wait_for("dead letters now as rejected", want, async || {
         let (dead, _) = dashboard_of(rig, seller).await;
-        let rejected = dead.get("rejected").and_then(serde_json::Value::as_u64);
-        if rejected == want {
-            return;
-        }
-        assert!(
-            std::time::Instant::now() < deadline,
-            "dead letters now: {dead}, expected rejected = {want:?}"
-        );
-        tokio::time::sleep(Duration::from_millis(100)).await;
-    }
+        dead.get("rejected").and_then(serde_json::Value::as_u64)
+    })
+    .await;
 }
 
 /// The dashboard's dead letters by reason and a seller's upload row, as a replica serves them.

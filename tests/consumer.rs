@@ -214,14 +214,11 @@ async fn a_rig_dropped_without_cleanup_leaves_no_queue_and_no_key_behind() -> an
 
     let connection = turnstile_core::broker::connect(&support::broker::amqp_url(), "check").await?;
     let channel = connection.create_channel().await?;
-    let passive = lapin::options::QueueDeclareOptions {
-        passive: true,
-        ..Default::default()
-    };
-    let declared = channel
-        .queue_declare(work.as_str().into(), passive, Default::default())
-        .await;
-    assert!(declared.is_err(), "the work queue {work} is still there");
+    let depth = turnstile_core::broker::depth(&channel, &work).await;
+    assert!(
+        depth.is_err(),
+        "the work queue {work} is still there: {depth:?}"
+    );
     let left = turnstile_core::permit::keys_matching(&redis, &everything).await?;
     assert!(left.is_empty(), "keys left behind: {left:?}");
     Ok(())
