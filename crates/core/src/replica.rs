@@ -100,10 +100,20 @@ impl Replica {
     /// already stopped.
     pub async fn start(args: ConsumeArgs, shutdown: CancellationToken) -> anyhow::Result<Self> {
         let starting = Starting::new(args)?;
-        let stopped = starting.stopped();
-        match starting.connect_redis(&shutdown).await? {
-            Some(connecting) => Ok(connecting.consume(shutdown).await?.unwrap_or(stopped)),
-            None => Ok(stopped),
+        let (stats, ready) = (starting.stats.clone(), starting.ready.clone());
+        let consuming = match starting.connect_redis(&shutdown).await? {
+            Some(connecting) => connecting.consume(shutdown).await?,
+            None => None,
+        };
+        Ok(consuming.unwrap_or_else(|| Replica::stopped(stats, ready)))
+    }
+
+    /// The handles of a replica that stopped before it consumed anything.
+    fn stopped(stats: Arc<Stats>, ready: Readiness) -> Self {
+        Self {
+            stats,
+            ready,
+            done: tokio::spawn(async { Ok(()) }),
         }
     }
 
@@ -138,15 +148,6 @@ impl Starting {
             ready: Readiness::default(),
             args,
         })
-    }
-
-    /// The handles of a replica that stopped before it consumed anything.
-    pub fn stopped(&self) -> Replica {
-        Replica {
-            stats: self.stats.clone(),
-            ready: self.ready.clone(),
-            done: tokio::spawn(async { Ok(()) }),
-        }
     }
 
     /// Connects to Redis, retrying with backoff; `None` if `shutdown` comes first.

@@ -12,7 +12,7 @@ use secrecy::SecretString;
 use tokio::task::JoinHandle;
 use tokio_util::sync::CancellationToken;
 use tracing::info;
-use turnstile_core::replica::{Connecting, ConsumeArgs, Replica, Starting};
+use turnstile_core::replica::{Connecting, ConsumeArgs, Starting};
 use turnstile_core::telemetry::Readiness;
 use turnstile_core::worker::Stats;
 
@@ -78,9 +78,9 @@ pub struct Served {
 }
 
 impl Served {
-    /// Serves the endpoints (not ready yet), then starts the replica (see [`Replica::start`])
-    /// and, once it consumes, the dashboard's samplers, which run until the replica has
-    /// drained.
+    /// Serves the endpoints (not ready yet), then starts the replica (see
+    /// [`turnstile_core::replica::Replica::start`]) and, once it consumes, the dashboard's
+    /// samplers, which run until the replica has drained.
     pub async fn start(args: ServeArgs, shutdown: CancellationToken) -> anyhow::Result<Self> {
         let starting = Starting::new(args.consume)?;
         let views = Arc::new(OnceLock::new());
@@ -95,15 +95,16 @@ impl Served {
             Listen::Off => None,
         };
         let (stats, ready) = (starting.stats.clone(), starting.ready.clone());
-        let stopped = |replica: Replica| Self {
+        // Shut down before it consumed: the endpoints keep answering (not ready) until
+        // `shutdown`, and there is nothing to drain.
+        let stopped = || Self {
             stats: stats.clone(),
             ready: ready.clone(),
             http_addr,
-            done: tokio::spawn(replica.wait()),
+            done: tokio::spawn(async { Ok(()) }),
         };
-        let stopped_early = starting.stopped();
         let Some(connecting) = starting.connect_redis(&shutdown).await? else {
-            return Ok(stopped(stopped_early));
+            return Ok(stopped());
         };
         let dashboard = Arc::new(dashboard_of(&connecting, &stats, &ready));
         let _ = views.set(dashboard.clone());
@@ -112,7 +113,7 @@ impl Served {
             connecting.args().topology(),
         );
         let Some(replica) = connecting.consume(shutdown).await? else {
-            return Ok(stopped(stopped_early));
+            return Ok(stopped());
         };
         if let Some(addr) = http_addr {
             info!(%addr, "serving the dashboard, /metrics, /healthz and /readyz");
