@@ -467,6 +467,7 @@ async fn a_message_dead_lettered_twice_counts_once() -> anyhow::Result<()> {
         &seller,
         &batch,
         2,
+        2,
         Duration::from_secs(600),
     )
     .await

@@ -195,6 +195,48 @@ async fn invalid_messages_are_dead_lettered_with_the_reason_and_the_replica_goes
 }
 
 #[tokio::test]
+async fn weighed_messages_under_a_stack_register_within_every_limit_and_a_cost_that_never_fits_is_dead_lettered()
+-> anyhow::Result<()> {
+    let mut rig = support::rig("weighed", "4/1s,10/3s").prepare().await?;
+    for i in 0..12u32 {
+        rig.publish_weighed(
+            "S-heavy",
+            &format!("heavy-{i}"),
+            i % 3 + 1,
+            json!({ "sku": i }),
+        )
+        .await?;
+    }
+    rig.publish_weighed("S-heavy", "too-heavy", 5, json!({"sku": "big"}))
+        .await?;
+    for i in 0..3 {
+        rig.publish_weighed("S-light", &format!("light-{i}"), 1, json!({ "sku": i }))
+            .await?;
+    }
+    rig.start_replicas(2, 3).await?;
+    let stats = rig.wait_registered(15).await?;
+    let dead = rig.dead_letters(1).await?;
+    assert_eq!(
+        header_str(&dead[0], headers::REASON).as_deref(),
+        Some("invalid-message")
+    );
+    let detail = header_str(&dead[0], headers::DETAIL).unwrap();
+    assert_eq!(
+        detail,
+        "cost 5 exceeds what the seller's limit 4/1s,10/3s can ever grant to one call (4 units)"
+    );
+    assert_eq!(
+        stats.violations, 0,
+        "no window of either limit overfull: {stats:?}"
+    );
+    assert_eq!(stats.duplicates, 0, "{stats:?}");
+    assert_eq!(stats.sellers["S-heavy"].units, 4 * (1 + 2 + 3));
+    assert!(stats.sellers["S-heavy"].max_in_window <= 4, "{stats:?}");
+    assert_eq!(stats.sellers["S-light"].units, 3);
+    rig.cleanup().await
+}
+
+#[tokio::test]
 async fn a_rig_dropped_without_cleanup_leaves_no_queue_and_no_key_behind() -> anyhow::Result<()> {
     let mut rig = support::rig("dropped", "5/1s").prepare().await?;
     rig.publish("S-dropped", 20).await?;

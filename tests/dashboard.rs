@@ -49,6 +49,7 @@ async fn the_dashboard_shows_each_seller_and_its_upload_progress_while_a_workloa
         &seller("S-paused"),
         &batch("winter"),
         3,
+        3,
         Duration::from_secs(600),
     )
     .await
@@ -303,6 +304,7 @@ async fn upload(
         store,
         &seller(seller_id),
         &batch(batch_id),
+        (ok + rejected) as u64,
         (ok + rejected) as u64,
         Duration::from_secs(600),
     )

@@ -29,7 +29,7 @@ async fn delayed_messages_come_back_in_time_while_the_work_queue_is_deep() -> an
     let mut rig = support::rig("deep", "2/2s")
         .with_mock(MockArgs {
             latency_ms: 50,
-            ..MockArgs::local("2/2s".parse()?)
+            ..MockArgs::local("2/2s".parse::<turnstile_core::config::Limits>()?)
         })
         .prepare()
         .await?;

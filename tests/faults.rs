@@ -621,7 +621,7 @@ async fn sigterm_under_load_finishes_in_flight_calls_returns_the_rest_and_exits_
     let mut rig = support::rig("sigterm-load", "20/1s")
         .with_mock(MockArgs {
             latency_ms: 300,
-            ..MockArgs::local("20/1s".parse()?)
+            ..MockArgs::local("20/1s".parse::<turnstile_core::config::Limits>()?)
         })
         .prepare()
         .await?;

@@ -12,7 +12,7 @@ async fn late_arrivals(algorithm: Algorithm) -> anyhow::Result<()> {
     let mock = MockArgs {
         slow_rate: 0.1,
         slow_ms: 400,
-        ..MockArgs::local("20/1s".parse().unwrap())
+        ..MockArgs::local("20/1s".parse::<turnstile_core::config::Limits>().unwrap())
     };
     let mut rig = support::rig(&format!("late-{algorithm}"), "20/1s")
         .with_mock(mock)

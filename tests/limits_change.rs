@@ -41,7 +41,10 @@ async fn raised_mid_backlog(algorithm: Algorithm) -> anyhow::Result<()> {
     let store = rig.store();
     let seller = SellerId::parse("S-raised").unwrap();
     store
-        .set_limit(&seller, "5/1s".parse().unwrap())
+        .set_limit(
+            &seller,
+            "5/1s".parse::<turnstile_core::config::Limits>().unwrap(),
+        )
         .await
         .unwrap();
     rig.start_replica(settings.clone()).await?;
@@ -60,7 +63,10 @@ async fn raised_mid_backlog(algorithm: Algorithm) -> anyhow::Result<()> {
         .expect("slots reserved under 5/1s");
     let raised_at = store.redis_time_us().await.unwrap();
     store
-        .set_limit(&seller, "50/1s".parse().unwrap())
+        .set_limit(
+            &seller,
+            "50/1s".parse::<turnstile_core::config::Limits>().unwrap(),
+        )
         .await
         .unwrap();
     let stats = rig.wait_registered(150).await?;

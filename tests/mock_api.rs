@@ -28,7 +28,7 @@ async fn mock_with(limit: &str, fail_rate: f64) -> Mock {
         limit: limit.parse().unwrap(),
         addr: "127.0.0.1:0".parse().unwrap(),
         fail_rate,
-        ..MockArgs::local(limit.parse().unwrap())
+        ..MockArgs::local(limit.parse::<turnstile_core::config::Limits>().unwrap())
     };
     let shutdown = CancellationToken::new();
     let server = MockServer::start(args, shutdown.clone()).await.unwrap();
@@ -331,7 +331,7 @@ async fn the_server_stops_when_shutdown_is_cancelled() {
     let args = MockArgs {
         limit: "1/1s".parse().unwrap(),
         addr: "127.0.0.1:0".parse().unwrap(),
-        ..MockArgs::local("1/1s".parse().unwrap())
+        ..MockArgs::local("1/1s".parse::<turnstile_core::config::Limits>().unwrap())
     };
     let server = MockServer::start(args, shutdown.clone()).await.unwrap();
     let base = format!("http://{}", server.addr());

@@ -19,14 +19,37 @@ fn limits_set_get_clear_from_the_command_line() {
     let (code, out, _) = turnstile(&["limits", "set", "--seller", "S-9", "--limit", "500/1m"]);
     assert_eq!((code, out.trim()), (0, "S-9: 500/1m (override)"));
     let (code, out, _) = turnstile(&["limits", "get", "--seller", "S-9"]);
-    assert_eq!((code, out.trim()), (0, "S-9: 500/1m (override)"));
+    assert_eq!((code, first_line(&out)), (0, "S-9: 500/1m (override)"));
+    assert!(
+        out.contains("500/1m     0 of 500 units taken now, 0 ahead"),
+        "{out}"
+    );
+    let (code, out, _) = turnstile(&[
+        "limits",
+        "set",
+        "--seller",
+        "S-9",
+        "--limit",
+        "500/1h,10/1s",
+    ]);
+    assert_eq!((code, out.trim()), (0, "S-9: 10/1s,500/1h (override)"));
+    let (code, out, _) = turnstile(&["limits", "get", "--seller", "S-9"]);
+    assert_eq!(
+        (code, first_line(&out)),
+        (0, "S-9: 10/1s,500/1h (override)")
+    );
+    assert!(out.contains("10/1s      0 of 10 units taken now"), "{out}");
+    assert!(
+        out.contains("500/1h     0 of 500 units taken now, 0 ahead  <- binds now"),
+        "{out}"
+    );
     let (code, out, _) = turnstile(&["limits", "clear", "--seller", "S-9"]);
     assert_eq!(
         (code, out.trim()),
         (0, "S-9: override cleared; 100/1m (default) applies")
     );
     let (code, out, _) = turnstile(&["limits", "get", "--seller", "S-9"]);
-    assert_eq!((code, out.trim()), (0, "S-9: 100/1m (default)"));
+    assert_eq!((code, first_line(&out)), (0, "S-9: 100/1m (default)"));
     // The commands wrote the seller's keys and the shared reschedule log: leave nothing.
     tokio::runtime::Runtime::new().unwrap().block_on(async {
         let args = support::redis_args(&support::redis_url(), &prefix);
@@ -39,17 +62,41 @@ fn limits_set_get_clear_from_the_command_line() {
     });
 }
 
+fn first_line(out: &str) -> &str {
+    out.lines().next().unwrap_or_default()
+}
+
 #[test]
 fn malformed_limits_are_refused_with_a_clear_error() {
     for (limit, expected) in [
         ("0/1s", "count"),
         ("abc", "COUNT/DURATION"),
         ("10/0s", "duration"),
+        ("10/1s,20/1s", "same window"),
+        (
+            "1/1s,2/2s,3/3s,4/4s,5/5s,6/6s,7/7s,8/8s,9/9s",
+            "1 to 8 limits",
+        ),
     ] {
         let (code, _, err) = run(Command::new(env!("CARGO_BIN_EXE_turnstile"))
             .args(["limits", "set", "--seller", "S", "--limit", limit]));
         assert_eq!(code, 2, "{limit}: {err}");
         assert!(err.contains(expected), "{limit}: {err}");
+    }
+    // A bucket capacity applies to one limit: with a stack it is refused, at start too.
+    for args in [
+        &["limits", "set", "--seller", "S", "--limit", "6/1s,20/5s"][..],
+        &["consume"],
+    ] {
+        let (code, _, err) = run(Command::new(env!("CARGO_BIN_EXE_turnstile"))
+            .args(args)
+            .env("TURNSTILE_LIMIT", "6/1s,20/5s")
+            .env("TURNSTILE_ALGORITHM", "token-bucket")
+            .env("TURNSTILE_BUCKET_CAPACITY", "10")
+            .env("TURNSTILE_HTTP_ADDR", "off")
+            .env("TURNSTILE_DOWNSTREAM_URL", "http://127.0.0.1:1/{seller_id}"));
+        assert_eq!(code, 1, "{args:?}: {err}");
+        assert!(err.contains("unset the capacity"), "{args:?}: {err}");
     }
     let (code, _, err) = run(Command::new(env!("CARGO_BIN_EXE_turnstile"))
         .args(["limits", "get", "--seller", "S"])

@@ -6,6 +6,7 @@ use std::time::Duration;
 
 use proptest::prelude::*;
 use turnstile_core::broker::ladder::{Hop, LEVELS, SLACK, UNIT, next_hop, remaining_wait};
+use turnstile_core::config::{Limit, Limits};
 use turnstile_core::domain::{Registration, SellerId};
 use turnstile_core::downstream::{Downstream, DownstreamArgs};
 use turnstile_core::permit::Reservation;
@@ -49,7 +50,7 @@ proptest! {
     #[test]
     fn any_header_decodes_to_a_well_formed_reservation_or_nothing(text in ".{0,200}") {
         if let Some(r) = Reservation::decode(&text) {
-            prop_assert!(r.slot_us >= 0 && r.count >= 1 && r.window_us >= 1 && r.reserved_at_us >= 0);
+            prop_assert!(r.slot_us >= 0 && r.limits.min_count() >= 1 && r.reserved_at_us >= 0);
             prop_assert!(!r.token.is_empty() && r.token.len() <= 64);
             prop_assert_eq!(Reservation::decode(&r.encode()), Some(r));
         }
@@ -57,10 +58,16 @@ proptest! {
 
     #[test]
     fn a_reservation_survives_its_header(
-        slot_us in 0i64..i64::MAX, count in 1u32.., window_us in 1u64..,
+        slot_us in 0i64..i64::MAX,
+        stack in proptest::collection::btree_map(1u64.., 1u32.., 1..=8),
         reserved_at_us in 0i64..i64::MAX, token in "[A-Za-z0-9-]{1,64}",
     ) {
-        let r = Reservation { slot_us, count, window_us, reserved_at_us, token };
+        let stack: Vec<Limit> = stack
+            .into_iter()
+            .map(|(window_us, count)| Limit::new(count, Duration::from_micros(window_us)).unwrap())
+            .collect();
+        let limits = Limits::new(&stack).unwrap();
+        let r = Reservation { slot_us, limits, reserved_at_us, token };
         prop_assert_eq!(Reservation::decode(&r.encode()), Some(r));
     }
 

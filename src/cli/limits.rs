@@ -5,7 +5,7 @@ use std::process::ExitCode;
 
 use anyhow::Context;
 use clap::Subcommand;
-use turnstile_core::config::{Limit, LimiterArgs, RedisArgs};
+use turnstile_core::config::{LimiterArgs, Limits, RedisArgs};
 use turnstile_core::domain::SellerId;
 use turnstile_core::permit::PermitStore;
 
@@ -24,14 +24,16 @@ pub struct LimitsArgs {
 
 #[derive(Subcommand, Debug)]
 pub enum LimitsAction {
-    /// Set a seller's limit, e.g. `--limit 500/1m`.
+    /// Set a seller's limit, e.g. `--limit 500/1m`, or a stack that must all hold, e.g.
+    /// `--limit 10/1s,500/1h`.
     Set {
         #[arg(long)]
         seller: String,
-        #[arg(long = "limit", value_parser = turnstile_core::config::limit_arg)]
-        new_limit: Limit,
+        #[arg(long = "limit", value_parser = turnstile_core::config::limits_arg)]
+        new_limit: Limits,
     },
-    /// Show the limit that applies to a seller, and whether it is an override or paused.
+    /// Show each limit that applies to a seller (an override or the default), how much of it is
+    /// taken, which one binds now, and any pause.
     Get {
         #[arg(long)]
         seller: String,
@@ -60,6 +62,13 @@ pub async fn run(
     let line = match action {
         LimitsAction::Set { seller, new_limit } => {
             let seller = seller_arg(&seller)?;
+            LimiterArgs {
+                limit: new_limit,
+                ..limiter.clone()
+            }
+            .check()
+            .map_err(anyhow::Error::msg)
+            .context("refusing the new limit")?;
             store
                 .set_limit(&seller, new_limit)
                 .await
@@ -98,22 +107,32 @@ pub async fn run(
     Ok(ExitCode::SUCCESS)
 }
 
-/// The limit that applies to a seller, whether it is an override, and its pause.
+/// The stack that applies to a seller, whether it is an override, and its pause; then a line
+/// per limit: how much of it is taken now and promised ahead, and which one binds now.
 async fn get(store: &PermitStore, seller: &SellerId) -> anyhow::Result<String> {
-    let limit = store
-        .limit_override(seller)
-        .await
-        .context("reading the limit")?;
-    let paused = store
-        .paused_for(seller)
-        .await
-        .context("reading the pause")?;
-    let mut line = match limit {
-        Some(limit) => format!("{seller}: {limit} (override)"),
-        None => format!("{seller}: {} (default)", store.default_limit()),
+    let usage = store.usage(seller).await.context("reading the limit")?;
+    let whose = if usage.overridden {
+        "override"
+    } else {
+        "default"
     };
-    if !paused.is_zero() {
-        line += &format!(", paused for {:.1}s", paused.as_secs_f64());
+    let mut line = format!("{seller}: {} ({whose})", usage.limit);
+    if !usage.paused_for.is_zero() {
+        line += &format!(", paused for {:.1}s", usage.paused_for.as_secs_f64());
+    }
+    for (i, u) in usage.per_limit.iter().enumerate() {
+        line += &format!(
+            "\n  {:<10} {} of {} units taken now, {} ahead{}",
+            u.limit.to_string(),
+            u.used,
+            u.capacity,
+            u.ahead,
+            if i == usage.binding && usage.per_limit.len() > 1 {
+                "  <- binds now"
+            } else {
+                ""
+            }
+        );
     }
     Ok(line)
 }

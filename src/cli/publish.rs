@@ -11,7 +11,7 @@ use turnstile_core::broker::{BrokerArgs, Publisher};
 use turnstile_core::config::{LimiterArgs, RedisArgs};
 use turnstile_core::permit::PermitStore;
 use turnstile_upload::progress;
-use turnstile_upload::upload::{UploadRow, read_upload};
+use turnstile_upload::upload::{UploadRow, read_weighed_upload};
 
 use super::{batch_arg, seller_arg};
 
@@ -28,6 +28,11 @@ pub struct PublishArgs {
     /// Refuse the whole file if any row is bad (default: report bad rows and skip them).
     #[arg(long)]
     pub strict: bool,
+    /// The product field (column) holding each registration's cost: the units of every limit
+    /// of the seller it takes, a whole number from 1 to 10000 [default: every registration
+    /// costs 1].
+    #[arg(long = "cost-column", value_name = "NAME")]
+    pub cost_column: Option<String>,
     #[command(flatten)]
     pub broker: BrokerArgs,
     #[command(flatten)]
@@ -43,7 +48,13 @@ const PROGRESS_TTL: Duration = Duration::from_secs(7 * 86400);
 pub async fn run(args: PublishArgs) -> anyhow::Result<ExitCode> {
     let seller = seller_arg(&args.seller)?;
     let batch = args.batch.as_deref().map(batch_arg).transpose()?;
-    let upload = read_upload(&args.file, &seller, batch.as_ref(), args.strict)?;
+    let upload = read_weighed_upload(
+        &args.file,
+        &seller,
+        batch.as_ref(),
+        args.strict,
+        args.cost_column.as_deref(),
+    )?;
     for bad in &upload.bad_rows {
         eprintln!("skipped {bad}");
     }
@@ -52,6 +63,13 @@ pub async fn run(args: PublishArgs) -> anyhow::Result<ExitCode> {
     let queue = topology.work().to_owned();
     let label = format!("publishing {} of {seller}", upload.batch_id.as_str());
     let published = publish_rows(&publisher, &queue, &upload.rows, label).await;
+    let failed_rows: std::collections::HashSet<usize> = upload
+        .rows
+        .iter()
+        .zip(&published)
+        .filter(|(_, result)| result.is_err())
+        .map(|(row, _)| row.row)
+        .collect();
     let failed: Vec<_> = published.into_iter().filter_map(Result::err).collect();
     let sent = upload.rows.len() - failed.len();
     progress::record_published(
@@ -59,19 +77,26 @@ pub async fn run(args: PublishArgs) -> anyhow::Result<ExitCode> {
         &seller,
         &upload.batch_id,
         upload.rows.len() as u64,
+        upload.units(),
         PROGRESS_TTL,
     )
     .await
     .context("recording the upload's progress")?;
     let _ = connection.close(200, "done".into()).await;
     let limit = store.effective_limit(&seller).await?;
+    let sent_rows = upload.rows.iter().filter(|r| !failed_rows.contains(&r.row));
+    let optimum = limit.optimum_drain_of(sent_rows.map(|r| r.cost.units()));
+    let weighed = match &args.cost_column {
+        Some(column) => format!(" of {} units ({column})", upload.units()),
+        None => String::new(),
+    };
     println!(
-        "{}: published {sent} of {} products of {seller} (batch {}) to {queue}; {} bad rows skipped; at {limit} they take at least {:.0}s",
+        "{}: published {sent} of {} products{weighed} of {seller} (batch {}) to {queue}; {} bad rows skipped; at {limit} they take at least {:.0}s",
         args.file.display(),
         upload.rows.len(),
         upload.batch_id.as_str(),
         upload.bad_rows.len(),
-        limit.optimum_drain(sent as u64).as_secs_f64()
+        optimum.as_secs_f64()
     );
     if let Some(error) = failed.first() {
         anyhow::bail!(

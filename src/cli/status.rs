@@ -4,7 +4,7 @@
 use std::process::ExitCode;
 use std::time::Duration;
 
-use turnstile_core::config::{Limit, LimiterArgs, RedisArgs};
+use turnstile_core::config::{LimiterArgs, Limits, RedisArgs};
 use turnstile_core::domain::SellerId;
 use turnstile_core::permit::PermitStore;
 use turnstile_upload::progress::{self, Progress};
@@ -71,7 +71,7 @@ pub async fn run(args: StatusArgs) -> anyhow::Result<ExitCode> {
 }
 
 /// Prints one line per upload: its counts, its seller's limit and when it will be done.
-fn print_table(rows: &[(&Progress, Limit, Duration)]) {
+fn print_table(rows: &[(&Progress, Limits, Duration)]) {
     println!(
         "{:<16} {:<28} {:>6} {:>10} {:>8} {:>6} {:>10} {:>10}",
         "seller", "batch", "total", "registered", "waiting", "dead", "limit", "done in"

@@ -9,7 +9,7 @@ use std::sync::Once;
 use std::time::Duration;
 
 use turnstile_core::broker::QueueType;
-use turnstile_core::config::{Algorithm, Limit, LimiterArgs, RedisArgs};
+use turnstile_core::config::{Algorithm, LimiterArgs, RedisArgs};
 use turnstile_core::permit::{PermitStore, RedisConn, delete_prefix};
 use turnstile_lab::rig::{Rig, RigArgs, RigBuilder};
 
@@ -53,7 +53,10 @@ pub fn limiter(limit: &str, algorithm: Algorithm) -> LimiterArgs {
         // The shared test Redis may have started less than a window ago; the cold-start wait
         // has its own test on a Redis of its own.
         redis_durable: true,
-        ..LimiterArgs::new(limit.parse::<Limit>().unwrap(), algorithm)
+        ..LimiterArgs::new(
+            limit.parse::<turnstile_core::config::Limits>().unwrap(),
+            algorithm,
+        )
     }
 }
 

@@ -5,8 +5,8 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use tokio::sync::Mutex;
-use turnstile_core::config::Algorithm;
-use turnstile_core::domain::SellerId;
+use turnstile_core::config::{Algorithm, Limits};
+use turnstile_core::domain::{Cost, SellerId};
 use turnstile_core::permit::{Decision, Forfeit, Keyspace, PermitStore};
 
 use super::{Backend, Keys, limiter, max_in_any_window};
@@ -18,12 +18,22 @@ fn seller(s: &str) -> SellerId {
 /// What a consumer does: acquire (reserving), wait the returned time, come back with the
 /// reservation; returns the slot it was granted at.
 pub async fn acquire_until_granted(store: &PermitStore, seller: &SellerId) -> i64 {
+    acquire_units_until_granted(store, seller, Cost::ONE).await
+}
+
+/// As [`acquire_until_granted`], for a call of `cost` units.
+pub async fn acquire_units_until_granted(
+    store: &PermitStore,
+    seller: &SellerId,
+    cost: Cost,
+) -> i64 {
     let mut held = None;
     loop {
-        let (decision, _) = store
-            .acquire_or_redeem(seller, None, held.as_ref())
+        let (decision, forfeit) = store
+            .acquire_or_redeem(seller, None, cost, held.as_ref())
             .await
             .unwrap();
+        assert_eq!(forfeit, None, "a caller coming back at its slot keeps it");
         match decision {
             Decision::Granted { slot_us, .. } => return slot_us,
             Decision::Wait {
@@ -34,6 +44,7 @@ pub async fn acquire_until_granted(store: &PermitStore, seller: &SellerId) -> i6
                 tokio::time::sleep(retry_after).await;
             }
             Decision::AlreadyDone => unreachable!("no completion record is passed"),
+            Decision::TooCostly { .. } => panic!("{cost} units never pass"),
         }
     }
 }
@@ -301,7 +312,10 @@ pub async fn overrides_take_effect(backend: Backend, algorithm: Algorithm) {
     let store = keys.store(settings);
     let s = seller("S-vip");
     assert_eq!(store.effective_limit(&s).await.unwrap().to_string(), "2/1h");
-    store.set_limit(&s, "5/1h".parse().unwrap()).await.unwrap();
+    store
+        .set_limit(&s, "5/1h".parse::<Limits>().unwrap())
+        .await
+        .unwrap();
     assert_eq!(
         store.limit_override(&s).await.unwrap().unwrap().to_string(),
         "5/1h"
@@ -370,6 +384,7 @@ async fn wait_of_a_new_caller(store: &PermitStore, s: &SellerId) -> Duration {
         Decision::Granted { .. } => Duration::ZERO,
         Decision::Wait { retry_after, .. } => retry_after,
         Decision::AlreadyDone => unreachable!("no completion record is passed"),
+        Decision::TooCostly { .. } => unreachable!("one unit always passes"),
     }
 }
 
@@ -394,7 +409,7 @@ pub async fn a_raised_limit_applies_at_once_to_a_reserved_backlog(
     assert!(before > Duration::from_secs(60), "{algorithm}: {before:?}");
 
     store
-        .set_limit(&s, "1000/10s".parse().unwrap())
+        .set_limit(&s, "1000/10s".parse::<Limits>().unwrap())
         .await
         .unwrap();
     let after = wait_of_a_new_caller(&store, &s).await;
@@ -606,7 +621,7 @@ pub async fn usage_shows_grants_reservations_pauses_and_overrides(
     let steered = store.usage(&s).await.unwrap();
     assert!(steered.paused_for > Duration::from_secs(50), "{steered:?}");
     assert!(steered.paused_for <= Duration::from_secs(60), "{steered:?}");
-    assert_eq!((steered.limit, steered.overridden), (limit, true));
+    assert_eq!((steered.limit, steered.overridden), (limit.into(), true));
     keys.cleanup().await;
 }
 
@@ -621,7 +636,7 @@ pub async fn completion_records_count_each_message_once(backend: Backend) {
     let (s, batch) = (seller("S-once"), BatchId::parse("b").unwrap());
     let m = MessageId::parse("m-1").unwrap();
     let ttl = Duration::from_secs(60);
-    turnstile_upload::progress::record_published(&store, &s, &batch, 1, ttl)
+    turnstile_upload::progress::record_published(&store, &s, &batch, 1, 1, ttl)
         .await
         .unwrap();
     let counts = async || {
@@ -640,7 +655,11 @@ pub async fn completion_records_count_each_message_once(backend: Backend) {
     };
     let done = async |algorithm| {
         let store = keys.store(limiter("1000/1s", algorithm));
-        store.acquire_for(&s, Some(&m), false).await.unwrap() == Decision::AlreadyDone
+        store
+            .acquire_for(&s, Some(&m), Cost::ONE, false)
+            .await
+            .unwrap()
+            == Decision::AlreadyDone
     };
     // (transition, changed, then (registered, dead, waiting, rejected, throttled))
     for (step, (completion, changed, then)) in [
@@ -687,7 +706,10 @@ pub async fn completion_records_count_each_message_once(backend: Backend) {
         .await
         .unwrap();
     assert_eq!(
-        store.acquire_for(&s, Some(&old), false).await.unwrap(),
+        store
+            .acquire_for(&s, Some(&old), Cost::ONE, false)
+            .await
+            .unwrap(),
         Decision::AlreadyDone
     );
     assert!(
@@ -735,6 +757,215 @@ pub async fn completion_records_count_each_message_once(backend: Backend) {
 }
 
 /// Generates one test per case for a backend.
+/// The most units in any window of `window_us` among grants `(slot, units)`.
+fn max_units_in_any_window(grants: &[(i64, u32)], window_us: i64) -> u64 {
+    let mut sorted = grants.to_vec();
+    sorted.sort_unstable();
+    let (mut best, mut held, mut start) = (0, 0, 0);
+    for end in 0..sorted.len() {
+        held += u64::from(sorted[end].1);
+        while sorted[end].0 - sorted[start].0 >= window_us {
+            held -= u64::from(sorted[start].1);
+            start += 1;
+        }
+        best = best.max(held);
+    }
+    best
+}
+
+/// 24 callers with costs of 1 to 3 units on one seller under the stack 6/300ms,11/1s, two
+/// calls each, the way a consumer asks (none comes back late, so none loses its slot): no
+/// window of either limit holds more than its COUNT in units, and every unit asked for is
+/// granted. (gcra's interval at 11/1s, 1.05 s / 9, is not a whole µs.)
+pub async fn a_weighed_stack_is_exact_under_contention(backend: Backend, algorithm: Algorithm) {
+    let keys = Keys::new(backend, "weighed").await;
+    let mut settings = limiter("6/300ms,11/1s", algorithm);
+    settings.guard = Some(Duration::from_millis(50));
+    settings.gcra_burst = 3; // the largest cost: gcra takes a cost of at most its burst
+    let store = Arc::new(keys.store(settings));
+    let seller = seller("S-weighed");
+    let mut tasks = Vec::new();
+    for i in 0..24u32 {
+        let (store, seller) = (store.clone(), seller.clone());
+        let cost = Cost::new(i % 3 + 1).unwrap();
+        tasks.push(tokio::spawn(async move {
+            let mut grants = Vec::new();
+            for _ in 0..2 {
+                let slot = acquire_units_until_granted(&store, &seller, cost).await;
+                grants.push((slot, cost.units()));
+            }
+            grants
+        }));
+    }
+    let mut grants = Vec::new();
+    for task in tasks {
+        grants.extend(task.await.unwrap());
+    }
+    let units: u64 = grants.iter().map(|(_, u)| u64::from(*u)).sum();
+    assert_eq!(units, 2 * 8 * (1 + 2 + 3), "{algorithm}");
+    for (window_us, count) in [(350_000, 6), (1_050_000, 11)] {
+        let most = max_units_in_any_window(&grants, window_us);
+        assert!(
+            most <= count,
+            "{algorithm}: {most} units in {window_us} µs: {grants:?}"
+        );
+    }
+    // The stack binds: the longer limit's window was filled to its count at least once, but
+    // for the one or two units a cost of up to 3 may leave unused.
+    let most = max_units_in_any_window(&grants, 1_050_000);
+    assert!(
+        most >= 9,
+        "{algorithm}: at most {most} units in a window of 11/1s: {grants:?}"
+    );
+    keys.cleanup().await;
+}
+
+/// A call that costs more than the stack can ever grant at once is told so, and takes nothing.
+pub async fn a_cost_beyond_the_stack_never_passes_and_takes_nothing(
+    backend: Backend,
+    algorithm: Algorithm,
+) {
+    let keys = Keys::new(backend, "costly").await;
+    let mut settings = limiter("6/1s,20/5s", algorithm);
+    settings.gcra_burst = 6;
+    let store = keys.store(settings.clone());
+    let s = seller("S-costly");
+    let units = |n| Cost::new(n).unwrap();
+    let expect_too_costly = |decision: Decision, most: u32, limits: &str| match decision {
+        Decision::TooCostly {
+            cost,
+            most: m,
+            limits: l,
+        } => {
+            assert_eq!((m, l.to_string()), (most, limits.to_owned()), "{algorithm}");
+            assert!(cost.units() > most, "{algorithm}");
+        }
+        other => panic!("{algorithm}: {other:?}"),
+    };
+    expect_too_costly(
+        store.acquire_units(&s, units(7), true).await.unwrap(),
+        6,
+        "6/1s,20/5s",
+    );
+    let usage = store.usage(&s).await.unwrap();
+    assert!(
+        usage.per_limit.iter().all(|u| u.used == 0 && u.ahead == 0),
+        "{algorithm}: {usage:?}"
+    );
+    // The most the stack grants at once passes at once.
+    assert!(
+        matches!(
+            store.acquire_units(&s, units(6), true).await.unwrap(),
+            Decision::Granted { .. }
+        ),
+        "{algorithm}"
+    );
+    // A seller's own stack decides what can pass.
+    store
+        .set_limit(&s, "2/1s,50/1m".parse::<Limits>().unwrap())
+        .await
+        .unwrap();
+    expect_too_costly(
+        store.acquire_units(&s, units(3), true).await.unwrap(),
+        2,
+        "2/1s,50/1m",
+    );
+    if algorithm == Algorithm::Gcra {
+        // gcra takes a cost of at most its burst.
+        settings.gcra_burst = 1;
+        let store = keys.store(settings);
+        let other = seller("S-paced");
+        expect_too_costly(
+            store.acquire_units(&other, units(2), true).await.unwrap(),
+            1,
+            "6/1s,20/5s",
+        );
+    }
+    keys.cleanup().await;
+}
+
+/// Seed-style token-bucket requests of more than one token (Spring Cloud Gateway's `requested`):
+/// a request takes that many tokens, one that finds too few is denied and takes none, and a
+/// smaller one then still passes.
+pub async fn token_bucket_requests_take_that_many_tokens(backend: Backend) {
+    let keys = Keys::new(backend, "requested").await;
+    let mut settings = limiter("10/1h", Algorithm::TokenBucket);
+    settings.bucket_capacity = 10;
+    let store = keys.store(settings);
+    let s = seller("S-bucket");
+    let units = |n| Cost::new(n).unwrap();
+    for _ in 0..2 {
+        assert!(matches!(
+            store.acquire_units(&s, units(4), false).await.unwrap(),
+            Decision::Granted { .. }
+        ));
+    }
+    assert_eq!(store.usage(&s).await.unwrap().used, 8);
+    match store.acquire_units(&s, units(4), false).await.unwrap() {
+        Decision::Wait {
+            reservation: None,
+            retry_after,
+        } => {
+            // Two tokens short at 10 per hour (+ guard): about 12 minutes.
+            assert!(retry_after > Duration::from_secs(600), "{retry_after:?}");
+        }
+        other => panic!("{other:?}"),
+    }
+    assert_eq!(
+        store.usage(&s).await.unwrap().used,
+        8,
+        "a denial takes nothing"
+    );
+    assert!(matches!(
+        store.acquire_units(&s, units(2), false).await.unwrap(),
+        Decision::Granted { .. }
+    ));
+    assert_eq!(store.usage(&s).await.unwrap().used, 10);
+    keys.cleanup().await;
+}
+
+/// A reservation is redeemed only for the cost it was made for: another cost finds no such
+/// reservation and leaves it in place for its holder.
+pub async fn a_reservation_is_good_only_for_its_cost(backend: Backend, algorithm: Algorithm) {
+    let keys = Keys::new(backend, "bound-cost").await;
+    let mut settings = limiter("2/1s", algorithm);
+    settings.gcra_burst = 2;
+    let store = keys.store(settings);
+    let s = seller("S-bound");
+    let two = Cost::new(2).unwrap();
+    assert!(matches!(
+        store.acquire_units(&s, two, true).await.unwrap(),
+        Decision::Granted { .. }
+    ));
+    let (wait, held) = match store.acquire_units(&s, two, true).await.unwrap() {
+        Decision::Wait {
+            retry_after,
+            reservation: Some(r),
+        } => (retry_after, r),
+        other => panic!("{algorithm}: {other:?}"),
+    };
+    assert_eq!(
+        store
+            .redeem_for(&s, None, Cost::ONE, held.clone())
+            .await
+            .unwrap(),
+        Err(Forfeit::NotReserved),
+        "{algorithm}"
+    );
+    tokio::time::sleep(wait).await;
+    let redeemed = loop {
+        match store.redeem_for(&s, None, two, held.clone()).await.unwrap() {
+            Ok(Decision::Wait { retry_after, .. }) => tokio::time::sleep(retry_after).await,
+            other => break other,
+        }
+    };
+    assert!(
+        matches!(redeemed, Ok(Decision::Granted { .. })),
+        "{algorithm}: {redeemed:?}"
+    );
+    keys.cleanup().await;
+}
+
 #[macro_export]
 macro_rules! permit_tests {
     ($backend:expr) => {
@@ -748,6 +979,31 @@ macro_rules! permit_tests {
         #[tokio::test]
         async fn gcra_grants_are_exact_under_contention() {
             cases::exact_under_contention($backend, Gcra).await;
+        }
+        #[tokio::test]
+        async fn sliding_window_keeps_a_weighed_stack_exact_under_contention() {
+            cases::a_weighed_stack_is_exact_under_contention($backend, SlidingWindow).await;
+        }
+        #[tokio::test]
+        async fn gcra_keeps_a_weighed_stack_exact_under_contention() {
+            cases::a_weighed_stack_is_exact_under_contention($backend, Gcra).await;
+        }
+        #[tokio::test]
+        async fn a_cost_beyond_the_stack_never_passes_and_takes_nothing() {
+            for algorithm in turnstile_core::config::Algorithm::ALL {
+                cases::a_cost_beyond_the_stack_never_passes_and_takes_nothing($backend, algorithm)
+                    .await;
+            }
+        }
+        #[tokio::test]
+        async fn token_bucket_requests_take_that_many_tokens() {
+            cases::token_bucket_requests_take_that_many_tokens($backend).await;
+        }
+        #[tokio::test]
+        async fn a_reservation_is_good_only_for_its_cost() {
+            for algorithm in turnstile_core::config::Algorithm::ALL {
+                cases::a_reservation_is_good_only_for_its_cost($backend, algorithm).await;
+            }
         }
         #[tokio::test]
         async fn a_caller_who_waits_is_granted_and_denials_take_no_quota() {

@@ -1,64 +1,89 @@
--- fixed_window: the classic counter per window of WINDOW µs aligned to Redis time, with
--- reservations in later windows. Not exact over a sliding window: up to 2*COUNT grants can fall
--- within one WINDOW across a window edge. GUARD is not added (windows stay aligned); it only
--- sets how early a due slot may be granted.
+-- fixed_window: the classic counter per window of WINDOW µs aligned to Redis time, one per limit
+-- of the seller's stack, with reservations in later windows. A call of COST units takes the
+-- first moment at which the window of every limit has room for COST more. Not exact over a
+-- sliding window: up to 2*COUNT units can fall within one WINDOW across a window edge. GUARD is
+-- not added (windows stay aligned); it only sets how early a due slot may be granted.
 --
--- KEYS[1]  the seller's counters (hash: window index -> slots taken in it; `next` = the first
---          window that may still have room)
--- KEYS[2]  the seller's limit override ("COUNT WINDOW_US"), may be absent
+-- KEYS[1]  the seller's counters (hash, per limit: window index -> units taken in it, `next` =
+--          the first window that may still have room; see fw_field in the prelude)
+-- KEYS[2]  the seller's limit override ("COUNTS WINDOWS_US"), may be absent
 -- KEYS[3]  the seller's pause ("UNTIL_US"), may be absent
--- KEYS[4]  the seller's reserved slots (sorted set: member = TOKEN, score = slot; see the prelude)
+-- KEYS[4]  the seller's reserved slots (sorted set: member = held_name(TOKEN, COST), score = slot)
 -- KEYS[5]  the seller's server stamp (run id of the Redis that wrote its state; see the prelude)
 -- KEYS[6]  the seller's calls (unused: this algorithm is not exact, see README)
 -- KEYS[7]  the seller's far queue (hash: at, n; see far_ticket in the prelude)
 -- KEYS[8]  optional: the message's completion record; if it exists nothing is written
--- ARGV[1]  default COUNT (integer >= 1)
--- ARGV[2]  default WINDOW in µs (integer >= 1)
+-- ARGV[1]  default COUNTS: the stack's counts, comma-separated (integers >= 1; 1 to 8 limits)
+-- ARGV[2]  default WINDOWS in µs, comma-separated, one per count (integers >= 1)
 -- ARGV[3]  GUARD in µs (-1 = window/20 within [25 ms, 2 s])
 -- ARGV[4]  FLAGS: +1 = reserve a future slot for a caller who must wait (else only answer);
 --          +2 = Redis keeps its data across restarts (no cold-start wait, see the prelude)
 -- ARGV[5]  HORIZON in µs: a slot further away than this is never reserved
 -- ARGV[6]  TOKEN: a string unique to this attempt (letters, digits, dashes; at most 64)
 -- ARGV[7]  BOUND (unused: calls are not tracked)
--- Returns {STATUS, SLOT_US, NOW_US, COUNT, WINDOW_US, USED_PERMILLE}
+-- ARGV[8]  COST: units of every limit the call takes (integer from 1 to 10000)
+-- Returns {STATUS, SLOT_US, NOW_US, COUNTS, WINDOWS_US, USED_PERMILLE}
 --   STATUS 1 = granted (call now), 2 = reserved (call at SLOT), 0 = denied (come back at SLOT;
 --   with reserving on, when the seller's reserved set is full: see far_ticket),
---   3 = the message already registered (KEYS[8] says so);
---   USED_PERMILLE (with STATUS 1) is how much of the limit is taken after
---   this grant, in thousandths (slots in the slot's window / COUNT): the near-limit metric;
+--   3 = the message already registered (KEYS[8] says so),
+--   4 = COST exceeds the smallest COUNT of the stack: never granted (SLOT_US is that COUNT);
+--   USED_PERMILLE (with STATUS 1) is how much of the limit is taken after this grant, in
+--   thousandths (units of the slot's window / COUNT, the fullest limit): the near-limit metric.
 
 local a = acquire_args()
-local count, window = effective_limit(KEYS[2], a.count, a.window)
-local guard = guard_for(window, a.guard)
+local limits = with_spans(effective_limits(KEYS[2], a.limits), a.guard)
 local now = now_us()
-if already_done(KEYS[8]) then return {3, now, now, count, window} end
-check_server(KEYS[5], KEYS[1], KEYS[3], window, now, a.durable)
-local at = math.max(now, paused_until(KEYS[3]))
+if already_done(KEYS[8]) then return {3, now, now, limits.counts, limits.windows} end
+if a.cost > limits.min_count then return never(limits.min_count, now, limits) end
+check_server(KEYS[5], KEYS[1], KEYS[3], limits.max_window, now, a.durable)
 
-local current = math.floor(now / window)
-local index = math.max(math.floor(at / window), tonumber(redis.call('HGET', KEYS[1], 'next') or '0'))
--- Windows from `next` on fill in order, so this walks only over windows filled meanwhile.
-while tonumber(redis.call('HGET', KEYS[1], string.format('%.0f', index)) or '0') >= count do
-  index = index + 1
+local function taken(i, l, index)
+  return tonumber(redis.call('HGET', KEYS[1], fw_field(i, l, index)) or '0')
 end
-local slot = math.max(index * window, at)
+-- The first moment from `at` on when every limit's window has room for COST more. Each limit's
+-- windows from its `next` on fill in order, so this walks only over windows filled meanwhile;
+-- a limit that moves the slot to a later window makes the others look again from there.
+local slot = math.max(now, paused_until(KEYS[3]))
+for i, l in ipairs(limits) do
+  l.next = tonumber(redis.call('HGET', KEYS[1], fw_next(i, l)) or '0')
+end
+local moved = true
+while moved do
+  moved = false
+  for i, l in ipairs(limits) do
+    local index = math.max(math.floor(slot / l.window), l.next)
+    while taken(i, l, index) + a.cost > l.count do index = index + 1 end
+    if index * l.window > slot then
+      slot = index * l.window
+      moved = true
+    end
+    l.index = index
+  end
+end
 
-local status = due(slot, now, guard, a)
-local late = lateness('fixed-window', window, guard)
-status, slot = slot_or_far_ticket(status, slot, KEYS[4], KEYS[7], now, late, window, count)
-if status == 0 then return {0, slot, now, count, window} end
-local used = redis.call('HINCRBY', KEYS[1], string.format('%.0f', index), 1)
-local next_index = index
-if used >= count then next_index = index + 1 end
-redis.call('HSET', KEYS[1], 'next', next_index)
+local status = due(slot, now, limits.min_guard, a)
+local late = lateness('fixed-window', limits)
+status, slot = slot_or_far_ticket(status, slot, KEYS[4], KEYS[7], now, late, limits, a)
+if status == 0 then return {0, slot, now, limits.counts, limits.windows} end
+local last_end, used = 0, 0
+for i, l in ipairs(limits) do
+  local units = redis.call('HINCRBY', KEYS[1], fw_field(i, l, l.index), a.cost)
+  used = math.max(used, math.floor(units * 1000 / l.count))
+  -- `next` moves past the windows that are full now.
+  local next_index = math.max(l.next, math.floor(now / l.window))
+  while taken(i, l, next_index) >= l.count do next_index = next_index + 1 end
+  redis.call('HSET', KEYS[1], fw_next(i, l), string.format('%.0f', next_index))
+  last_end = math.max(last_end, math.max(next_index, l.index + 1) * l.window)
+end
+-- Windows already over are forgotten (of every limit the fields name, in the stack or not).
 for _, field in ipairs(redis.call('HKEYS', KEYS[1])) do
-  local w = tonumber(field)
-  if field ~= 'next' and w and w < current then redis.call('HDEL', KEYS[1], field) end
+  local w, index = string.match(field, '^(%d+):(%d+)$')
+  if w == nil then w, index = limits[1].window, string.match(field, '^(%d+)$') end
+  if index and tonumber(index) < math.floor(now / tonumber(w)) then redis.call('HDEL', KEYS[1], field) end
 end
-local last_end = (math.max(next_index, index + 1)) * window
 local ttl = math.floor((last_end - now) / 1000) + 1
 redis.call('PEXPIRE', KEYS[1], ttl)
 if keep_and_hold(status, ttl, KEYS[5], KEYS[4], slot, now, late, a) then
-  return {2, slot, now, count, window}
+  return {2, slot, now, limits.counts, limits.windows}
 end
-return {status, slot, now, count, window, math.floor(used * 1000 / count)}
+return {status, slot, now, limits.counts, limits.windows, used}

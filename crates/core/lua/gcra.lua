@@ -1,62 +1,86 @@
--- gcra: generic cell rate algorithm with O(1) state per seller (its theoretical arrival time).
--- Emission interval T = (WINDOW+GUARD) / (COUNT - BURST + 1), tolerance (BURST-1)*T: no window
--- of WINDOW+GUARD holds more than COUNT grants. Reserving advances the TAT; the caller keeps the
--- returned slot, nothing per caller is stored.
+-- gcra: generic cell rate algorithm with O(1) state per limit of a seller's stack (its
+-- theoretical arrival time). Per limit: emission interval T = (WINDOW+GUARD) / (COUNT - B + 1)
+-- with B = min(BURST, COUNT), tolerance (B-1)*T; a call of COST units is COST cells at once
+-- (TAT advances COST*T), which conforms only when COST <= B: then no window of WINDOW+GUARD
+-- holds more than COUNT units of any limit. A larger cost is never granted (status 4). A slot is
+-- the latest that every limit of the stack allows. Reserving advances the TATs; the caller keeps
+-- the returned slot, nothing per caller is stored.
 --
--- KEYS[1]  the seller's TAT (string, µs, Redis time)
--- KEYS[2]  the seller's limit override ("COUNT WINDOW_US"), may be absent
+-- KEYS[1]  the seller's TATs (string: one per limit of the stack, in its order, comma-separated;
+--          µs, Redis time)
+-- KEYS[2]  the seller's limit override ("COUNTS WINDOWS_US"), may be absent
 -- KEYS[3]  the seller's pause ("UNTIL_US"), may be absent
--- KEYS[4]  the seller's reserved slots (sorted set: member = TOKEN, score = slot; see the prelude)
+-- KEYS[4]  the seller's reserved slots (sorted set: member = held_name(TOKEN, COST), score = slot)
 -- KEYS[5]  the seller's server stamp (run id of the Redis that wrote its state; see the prelude)
--- KEYS[6]  the seller's calls (sorted set: member = TOKEN, score = END; see calls_gate in the prelude)
+-- KEYS[6]  the seller's calls (sorted set: the units of each TOKEN, score = END; see calls_gate)
 -- KEYS[7]  the seller's far queue (hash: at, n; see far_ticket in the prelude)
 -- KEYS[8]  optional: the message's completion record; if it exists nothing is written
--- ARGV[1]  default COUNT (integer >= 1)
--- ARGV[2]  default WINDOW in µs (integer >= 1)
--- ARGV[3]  GUARD in µs added to the window (-1 = window/20 within [25 ms, 2 s])
+-- ARGV[1]  default COUNTS: the stack's counts, comma-separated (integers >= 1; 1 to 8 limits)
+-- ARGV[2]  default WINDOWS in µs, comma-separated, one per count (integers >= 1)
+-- ARGV[3]  GUARD in µs added to each window (-1 = window/20 within [25 ms, 2 s])
 -- ARGV[4]  FLAGS: +1 = reserve a future slot for a caller who must wait (else only answer);
 --          +2 = Redis keeps its data across restarts (no cold-start wait, see the prelude)
 -- ARGV[5]  HORIZON in µs: a slot further away than this is never reserved
 -- ARGV[6]  TOKEN: a string unique to this attempt (letters, digits, dashes; at most 64)
 -- ARGV[7]  BOUND in µs: the latest a granted call's answer (or timeout) comes back after its
 --          grant (integer >= 0)
--- ARGV[8]  BURST (integer >= 1; at most COUNT)
--- Returns {STATUS, SLOT_US, NOW_US, COUNT, WINDOW_US, USED_PERMILLE}
+-- ARGV[8]  COST: units of every limit the call takes (integer from 1 to 10000)
+-- ARGV[9]  BURST (integer >= 1; each limit's is at most its COUNT)
+-- Returns {STATUS, SLOT_US, NOW_US, COUNTS, WINDOWS_US, USED_PERMILLE}
 --   STATUS 1 = granted (call now), 2 = reserved (call at SLOT), 0 = denied (come back at SLOT;
 --   with reserving on, when the seller's reserved set is full: see far_ticket),
---   3 = the message already registered (KEYS[8] says so);
---   USED_PERMILLE (with STATUS 1) is how much of the limit is taken after
---   this grant, in thousandths (TAT ahead of now / BURST intervals): the near-limit metric;
+--   3 = the message already registered (KEYS[8] says so),
+--   4 = COST exceeds the smallest burst of the stack: never granted (SLOT_US is that burst);
+--   USED_PERMILLE (with STATUS 1) is how much of the limit is taken after this grant, in
+--   thousandths (TAT ahead of now / B intervals, the most taken limit of the stack): the
+--   near-limit metric; COUNTS and WINDOWS_US are the stack that applied.
 
 local a = acquire_args()
-local burst = int_arg(8, 1)
-local count, window = effective_limit(KEYS[2], a.count, a.window)
-burst = math.min(burst, count)
-local guard = guard_for(window, a.guard)
-local interval = (window + guard) / (count - burst + 1)
+local burst = int_arg(9, 1)
+local limits = with_spans(effective_limits(KEYS[2], a.limits), a.guard)
+local max_cost = nil
+for _, l in ipairs(limits) do
+  l.burst = math.min(burst, l.count)
+  l.interval = l.span / (l.count - l.burst + 1)
+  max_cost = math.min(max_cost or l.burst, l.burst)
+end
 local now = now_us()
-if already_done(KEYS[8]) then return {3, now, now, count, window} end
-check_server(KEYS[5], KEYS[1], KEYS[3], window + guard, now, a.durable)
+if already_done(KEYS[8]) then return {3, now, now, limits.counts, limits.windows} end
+if a.cost > max_cost then return never(max_cost, now, limits) end
+check_server(KEYS[5], KEYS[1], KEYS[3], limits.max_span, now, a.durable)
 
-local tat = math.max(tonumber(redis.call('GET', KEYS[1]) or '0'), now)
-local slot = math.max(tat - (burst - 1) * interval, now)
-local pause = paused_until(KEYS[3])
-if pause > slot then
-  slot = pause
-  tat = math.max(tat, pause)
+-- The stored TATs, one per limit; a limit without one (the stack grew) takes the latest stored.
+local stored, latest = {}, 0
+for t in string.gmatch(redis.call('GET', KEYS[1]) or '', '[^,]+') do
+  stored[#stored + 1] = tonumber(t) or 0
+  latest = math.max(latest, stored[#stored])
 end
+local slot = math.max(now, paused_until(KEYS[3]))
+for i, l in ipairs(limits) do
+  l.tat = math.max(stored[i] or latest, now)
+  slot = math.max(slot, l.tat - (l.burst - a.cost) * l.interval)
+end
+-- A whole µs, never earlier: the slot is answered, held in the reserved set and redeemed as an
+-- integer (an interval such as 5.25 s / 18 is not one).
+slot = math.ceil(slot)
 
-local status = due(slot, now, guard, a)
-local late = lateness('gcra', window, guard)
+local status = due(slot, now, limits.min_guard, a)
+local late = lateness('gcra', limits)
 -- Due, but calls of the last window may still be in flight: wait for their answers.
-slot, status = after_gate(status, slot, KEYS[6], now, window, count, guard, a.reserve)
-status, slot = slot_or_far_ticket(status, slot, KEYS[4], KEYS[7], now, late, window + guard, count)
-if status == 0 then return {0, slot, now, count, window} end
-local next_tat = tat + interval
-local ttl = math.floor((next_tat - now) / 1000) + 1
-redis.call('SET', KEYS[1], string.format('%.0f', next_tat), 'PX', ttl)
-if keep_and_hold(status, ttl, KEYS[5], KEYS[4], slot, now, late, a) then
-  return {2, slot, now, count, window}
+slot, status = after_gate(status, slot, KEYS[6], now, limits, a)
+status, slot = slot_or_far_ticket(status, slot, KEYS[4], KEYS[7], now, late, limits, a)
+if status == 0 then return {0, slot, now, limits.counts, limits.windows} end
+local tats, ahead, used = {}, 0, 0
+for i, l in ipairs(limits) do
+  local next_tat = math.max(l.tat, slot) + a.cost * l.interval
+  tats[i] = string.format('%.0f', next_tat)
+  ahead = math.max(ahead, next_tat - now)
+  used = math.max(used, math.floor((next_tat - now) * 1000 / (l.burst * l.interval)))
 end
-start_call(KEYS[6], a.token, now, a.bound, window)
-return {status, slot, now, count, window, math.floor((next_tat - now) * 1000 / (burst * interval))}
+local ttl = math.floor(ahead / 1000) + 1
+redis.call('SET', KEYS[1], table.concat(tats, ','), 'PX', ttl)
+if keep_and_hold(status, ttl, KEYS[5], KEYS[4], slot, now, late, a) then
+  return {2, slot, now, limits.counts, limits.windows}
+end
+start_call(KEYS[6], a.token, a.cost, now, a.bound, limits)
+return {status, slot, now, limits.counts, limits.windows, used}

@@ -20,20 +20,119 @@ local function token_arg(i)
   return token
 end
 
--- The limit that applies: the seller's override ("COUNT WINDOW_US") if set, else the default.
-local function effective_limit(override_key, count, window)
+-- Most limits in a stack (see parse_limits).
+local MAX_STACK = 8
+
+-- A stack of limits, all of which must hold, from COUNTS ("C1,C2,...") and WINDOWS
+-- ("W1,W2,..." in µs): as many of each, 1 to MAX_STACK, integers >= 1. Returns a list of
+-- {count, window}, with `counts` and `windows` the terms as given (how they are answered and
+-- compared), or nil when malformed.
+local function parse_limits(counts, windows)
+  if type(counts) ~= 'string' or type(windows) ~= 'string' then return nil end
+  local limits = {counts = counts, windows = windows}
+  for c in string.gmatch(counts, '[^,]+') do
+    if not string.match(c, '^%d+$') or tonumber(c) < 1 or #limits >= MAX_STACK then return nil end
+    limits[#limits + 1] = {count = tonumber(c)}
+  end
+  local i = 0
+  for w in string.gmatch(windows, '[^,]+') do
+    i = i + 1
+    if not string.match(w, '^%d+$') or tonumber(w) < 1 or limits[i] == nil then return nil end
+    limits[i].window = tonumber(w)
+  end
+  if i == 0 or i ~= #limits then return nil end
+  return limits
+end
+
+-- The default stack in ARGV[i] (COUNTS) and ARGV[i + 1] (WINDOWS), or the script fails before
+-- anything is written.
+local function limits_arg(i)
+  local limits = parse_limits(ARGV[i], ARGV[i + 1])
+  if limits == nil then
+    error({err = 'ERR turnstile: ARGV[' .. i .. '] and ARGV[' .. (i + 1) ..
+      '] must be COUNTS and WINDOWS: 1 to ' .. MAX_STACK .. ' integers >= 1 each, comma-separated'})
+  end
+  return limits
+end
+
+-- The stack that applies: the seller's override ("COUNTS WINDOWS_US", e.g. "6,20 1000000,5000000";
+-- one limit is "COUNT WINDOW_US" as earlier versions wrote it) if set and well-formed, else DEFAULT.
+local function effective_limits(override_key, default)
   local override = redis.call('GET', override_key)
   if override then
-    local c, w = string.match(override, '^(%d+) (%d+)$')
-    if c and tonumber(c) >= 1 and tonumber(w) >= 1 then return tonumber(c), tonumber(w) end
+    local limits = parse_limits(string.match(override, '^([%d,]+) ([%d,]+)$'))
+    if limits then return limits end
   end
-  return count, window
+  return default
 end
 
 -- Guard added to a window (µs): as configured, or window/20 within [25 ms, 2 s] when < 0.
 local function guard_for(window, guard)
   if guard >= 0 then return guard end
   return math.min(math.max(math.floor(window / 20), 25000), 2000000)
+end
+
+-- Completes a stack with what every script derives from it: each limit's guard (GUARD as in
+-- guard_for) and span (window + guard), and over the stack: min_count, min_guard, min_span,
+-- max_span and max_window, and `slowest`, the limit with the lowest long-run rate (count/span).
+local function with_spans(limits, guard)
+  for _, l in ipairs(limits) do
+    l.guard = guard_for(l.window, guard)
+    l.span = l.window + l.guard
+    if limits.min_count == nil or l.count < limits.min_count then limits.min_count = l.count end
+    if limits.min_guard == nil or l.guard < limits.min_guard then limits.min_guard = l.guard end
+    if limits.min_span == nil or l.span < limits.min_span then limits.min_span = l.span end
+    if limits.max_span == nil or l.span > limits.max_span then limits.max_span = l.span end
+    if limits.max_window == nil or l.window > limits.max_window then limits.max_window = l.window end
+    if limits.slowest == nil or l.count * limits.slowest.span < limits.slowest.count * l.span then
+      limits.slowest = l
+    end
+  end
+  return limits
+end
+
+-- The members of a sorted set that stand for the COST units of a call or slot TOKEN: TOKEN
+-- itself, then TOKEN*2 up to TOKEN*COST (a token is letters, digits and dashes only).
+local function unit(token, i)
+  if i == 1 then return token end
+  return token .. '*' .. i
+end
+
+-- Adds the COST units of TOKEN to the sorted set KEY at SCORE.
+local function add_units(key, score, token, cost)
+  local args = {}
+  for i = 1, cost do
+    args[#args + 1] = score
+    args[#args + 1] = unit(token, i)
+    if #args >= 1000 then
+      redis.call('ZADD', key, unpack(args))
+      args = {}
+    end
+  end
+  if #args > 0 then redis.call('ZADD', key, unpack(args)) end
+end
+
+-- Removes every unit of TOKEN from the sorted set KEY; returns how many there were.
+local function remove_units(key, token)
+  if redis.call('ZREM', key, token) == 0 then return 0 end
+  local i = 2
+  while redis.call('ZREM', key, unit(token, i)) == 1 do i = i + 1 end
+  return i - 1
+end
+
+-- How a reservation of COST units is named in the seller's reserved set: TOKEN for one unit
+-- (as earlier versions named every reservation), TOKEN+COST otherwise. Redeeming needs both, so
+-- a reservation is bound to its entry and to its weight.
+local function held_name(token, cost)
+  if cost == 1 then return token end
+  return token .. '+' .. cost
+end
+
+-- The TOKEN and COST of a reserved set's member (see held_name).
+local function held_parts(member)
+  local token, cost = string.match(member, '^([%w-]+)%+(%d+)$')
+  if token then return token, tonumber(cost) end
+  return member, 1
 end
 
 -- Redis server time in µs: the only clock a limit is measured on.
@@ -47,18 +146,29 @@ local function paused_until(pause_key)
   return tonumber(redis.call('GET', pause_key) or '0')
 end
 
+-- Most units one call may take (COST): a larger cost is refused before anything is written.
+local MAX_COST = 10000
+
 -- The common arguments of the acquire scripts (see each script's header).
 local function acquire_args()
   local a = {
-    count = int_arg(1, 1), window = int_arg(2, 1), guard = int_arg(3, -1),
+    limits = limits_arg(1), guard = int_arg(3, -1),
     flags = int_arg(4, 0), horizon = int_arg(5, 0),
   }
   if a.flags > 3 then error({err = 'ERR turnstile: FLAGS must be 0 to 3'}) end
   a.token = token_arg(6)
   a.bound = int_arg(7, 0)
+  a.cost = int_arg(8, 1)
+  if a.cost > MAX_COST then error({err = 'ERR turnstile: COST must be at most ' .. MAX_COST}) end
   a.reserve = a.flags % 2
   a.durable = a.flags >= 2
   return a
+end
+
+-- The answer of the acquire scripts to a call whose cost the seller's limits can never grant
+-- (more than MAX units at once): status 4, nothing written.
+local function never(max, now, limits)
+  return {4, max, now, limits.counts, limits.windows}
 end
 
 -- The answer of the acquire scripts, shared so that they decide alike:
@@ -78,11 +188,11 @@ local MAX_RESERVED = 3072
 -- How late past its slot a reservation may still be redeemed (µs). The exact algorithms check
 -- every grant against the calls of the last window (calls_gate), so a late call cannot break
 -- their limit: a message late for its slot (it waited for a worker, the broker was slow) is
--- still served up to one window + guard late. The others count the call at its slot only:
--- GUARD/2.
-local function lateness(algorithm, window, guard)
-  if algorithm == 'sliding-window' or algorithm == 'gcra' then return window + guard end
-  return math.floor(guard / 2)
+-- still served up to one window + guard late (the shortest of the stack). The others count the
+-- call at its slot only: GUARD/2 (the smallest of the stack).
+local function lateness(algorithm, limits)
+  if algorithm == 'sliding-window' or algorithm == 'gcra' then return limits.min_span end
+  return math.floor(limits.min_guard / 2)
 end
 
 -- Whether the seller's reserved set is full (see MAX_RESERVED), once entries that can no longer
@@ -175,25 +285,27 @@ local function keep_stamp(stamp_key, ttl, durable)
   if not durable then redis.call('PEXPIRE', stamp_key, ttl) end
 end
 
--- A reserved slot is bound to its TOKEN: the seller's reserved set (member TOKEN, score SLOT)
--- holds every reservation not yet redeemed, and redeem.lua consumes the entry, so a
--- reservation is good once, and only for the caller that holds its token. An entry more than
--- LATE past its slot (see lateness) can no longer be redeemed: reserved_full prunes it before
--- every new reservation, and the set expires LATE after its last slot.
-local function hold_reservation(key, token, slot, now, late)
+-- A reserved slot is bound to its TOKEN and COST: the seller's reserved set (member
+-- held_name(TOKEN, COST), score SLOT) holds every reservation not yet redeemed, and redeem.lua
+-- consumes the entry, so a reservation is good once, and only for the caller that holds its
+-- token. An entry more than LATE past its slot (see lateness) can no longer be redeemed:
+-- reserved_full prunes it before every new reservation, and the set expires LATE after its last
+-- slot.
+local function hold_reservation(key, token, cost, slot, now, late)
   -- (reserved_full has just pruned the entries more than LATE past their slot.)
-  redis.call('ZADD', key, slot, token)
+  redis.call('ZADD', key, slot, held_name(token, cost))
   local last = tonumber(redis.call('ZRANGE', key, -1, -1, 'WITHSCORES')[2])
   redis.call('PEXPIRE', key, math.floor((last - now + late) / 1000) + 1)
 end
 
 -- The reserving step of every acquire script. A wait (STATUS 2) takes a slot in the seller's
 -- reserved set RESERVED_KEY, unless the set is full: then it gets a ticket of the far queue
--- FAR_KEY instead (status 0: come back at the ticket's time, holding nothing; see far_ticket).
--- Returns STATUS, SLOT.
-local function slot_or_far_ticket(status, slot, reserved_key, far_key, now, late, span, count)
+-- FAR_KEY instead (status 0: come back at the ticket's time, holding nothing; see far_ticket),
+-- paced by the stack's slowest limit at the caller's cost. Returns STATUS, SLOT.
+local function slot_or_far_ticket(status, slot, reserved_key, far_key, now, late, limits, a)
   if status == 2 and reserved_full(reserved_key, now, late) then
-    return 0, far_ticket(far_key, reserved_key, now, span, count)
+    local per_span = math.max(math.floor(limits.slowest.count / a.cost), 1)
+    return 0, far_ticket(far_key, reserved_key, now, limits.slowest.span, per_span)
   end
   return status, slot
 end
@@ -204,35 +316,71 @@ end
 local function keep_and_hold(status, ttl, stamp_key, reserved_key, slot, now, late, a)
   keep_stamp(stamp_key, ttl, a.durable)
   if status ~= 2 then return false end
-  hold_reservation(reserved_key, a.token, slot, now, late)
+  hold_reservation(reserved_key, a.token, a.cost, slot, now, late)
   return true
 end
 
--- Gives the slot reserved with TOKEN at SLOT (under a limit of COUNT per WINDOW) back to the
--- seller's state of ALGORITHM, so that the next caller may take it (the reservation itself is
--- removed from the reserved set by the caller):
---   sliding-window  its log entry (member TOKEN) is removed: exact;
---   fixed-window    its window's counter goes down by one, and the window is open again: exact;
---   token-bucket    its token goes back into the bucket (capped at CAPACITY);
---   gcra            nothing: one number (TAT) cannot free a slot inside its schedule; the slot
---                   stays unused (a capacity loss, never an excess). See reschedule.lua for
---                   giving back a whole schedule's reservations at once.
-local function give_back(algorithm, state_key, token, slot, window, capacity)
+-- fixed-window: the field of the counter of window INDEX of the I-th limit L of a stack (the
+-- index itself for the first limit, as earlier versions wrote it; WINDOW_US:INDEX for the
+-- others), and the field of that limit's `next` (the first window that may still have room).
+local function fw_field(i, l, index)
+  if i == 1 then return string.format('%.0f', index) end
+  return string.format('%.0f:%.0f', l.window, index)
+end
+local function fw_next(i, l)
+  if i == 1 then return 'next' end
+  return string.format('%.0f:next', l.window)
+end
+
+-- token-bucket: the field holding the I-th bucket's tokens (`tokens`, then `tokens2`, ...; the
+-- buckets share the field `ts`, the µs at which they hold).
+local function tb_field(i)
+  if i == 1 then return 'tokens' end
+  return 'tokens' .. i
+end
+
+-- token-bucket: each limit's bucket holds CAPACITY tokens when it is the only limit and
+-- CAPACITY > 0, else its COUNT.
+local function with_capacities(limits, capacity)
+  for _, l in ipairs(limits) do
+    l.capacity = l.count
+    if #limits == 1 and capacity > 0 then l.capacity = capacity end
+  end
+  return limits
+end
+
+-- Gives the COST units reserved with TOKEN at SLOT (under the stack LIMITS) back to the seller's
+-- state of ALGORITHM, so that the next caller may take them (the reservation itself is removed
+-- from the reserved set by the caller):
+--   sliding-window  its log entries (the units of TOKEN) are removed: exact;
+--   fixed-window    each limit's counter of the slot's window goes down by COST, and the window
+--                   is open again: exact;
+--   token-bucket    COST tokens go back into each bucket (capped at its capacity; see
+--                   with_capacities for LIMITS' capacities);
+--   gcra            nothing: a TAT cannot free a slot inside its schedule; the slot stays unused
+--                   (a capacity loss, never an excess). See reschedule.lua for giving back a
+--                   whole schedule's reservations at once.
+local function give_back(algorithm, state_key, token, cost, slot, limits)
   if algorithm == 'sliding-window' then
-    redis.call('ZREM', state_key, token)
+    remove_units(state_key, token)
   elseif algorithm == 'fixed-window' then
-    local index = math.floor(slot / window)
-    local field = string.format('%.0f', index)
-    if tonumber(redis.call('HGET', state_key, field) or '0') > 0 then
-      redis.call('HINCRBY', state_key, field, -1)
-      if index < tonumber(redis.call('HGET', state_key, 'next') or '0') then
-        redis.call('HSET', state_key, 'next', field)
+    for i, l in ipairs(limits) do
+      local index = math.floor(slot / l.window)
+      local field = fw_field(i, l, index)
+      local taken = tonumber(redis.call('HGET', state_key, field) or '0')
+      if taken > 0 then
+        redis.call('HINCRBY', state_key, field, -math.min(taken, cost))
+        if index < tonumber(redis.call('HGET', state_key, fw_next(i, l)) or '0') then
+          redis.call('HSET', state_key, fw_next(i, l), string.format('%.0f', index))
+        end
       end
     end
   elseif algorithm == 'token-bucket' then
-    local tokens = tonumber(redis.call('HGET', state_key, 'tokens') or '')
-    if tokens ~= nil then
-      redis.call('HSET', state_key, 'tokens', string.format('%.6f', math.min(tokens + 1, capacity)))
+    for i, l in ipairs(limits) do
+      local tokens = tonumber(redis.call('HGET', state_key, tb_field(i)) or '')
+      if tokens ~= nil then
+        redis.call('HSET', state_key, tb_field(i), string.format('%.6f', math.min(tokens + cost, l.capacity)))
+      end
     end
   end
 end
@@ -248,40 +396,53 @@ end
 
 -- Calls (the exact algorithms): every call granted occupies the time from its grant until its
 -- answer, because the downstream may count it at any moment in between. The seller's calls
--- (sorted set CALLS: member TOKEN, score = the call's END: while it is in flight, its grant +
--- BOUND, the latest its answer or timeout can come back; once answered, when the answer was
--- recorded, see ended.lua) keep every call whose END lies within the last WINDOW: a call that
--- ended earlier cannot share a window with one starting now. A new call may start only while
--- fewer than COUNT are kept; then, whatever each call's latency, no window of the downstream
--- holds more than COUNT (README, "Exact whatever the latency").
--- Returns nil when a call may start now, else when to ask again: when the COUNT-th latest END
--- leaves the window if every call in flight takes its whole BOUND, but no later than GUARD
--- from now (an answer usually comes much sooner).
-local function calls_gate(calls_key, now, window, count, guard)
-  redis.call('ZREMRANGEBYSCORE', calls_key, '-inf', now - window)
-  local n = redis.call('ZCARD', calls_key)
-  if n < count then return nil end
-  local kth = tonumber(redis.call('ZRANGE', calls_key, n - count, n - count, 'WITHSCORES')[2])
-  return math.min(kth + window, now + math.max(guard, 1000))
+-- (sorted set CALLS: the units of each call TOKEN, see unit; score = the call's END: while it
+-- is in flight, its grant + BOUND, the latest its answer or timeout can come back; once
+-- answered, when the answer was recorded, see ended.lua) keep every call whose END lies within
+-- the stack's longest window: a call that ended earlier cannot share a window with one starting
+-- now. A new call of COST units may start only while, for every limit, the units whose END lies
+-- within its WINDOW leave room for COST more; then, whatever each call's latency, no window of
+-- the downstream holds more than COUNT units of any limit (README, "Exact whatever the
+-- latency").
+-- Returns nil when a call may start now, else when to ask again: when enough ENDs leave every
+-- window if every call in flight takes its whole BOUND, but no later than GUARD from now (an
+-- answer usually comes much sooner).
+local function calls_gate(calls_key, now, limits, cost)
+  redis.call('ZREMRANGEBYSCORE', calls_key, '-inf', now - limits.max_window)
+  local open_at = nil
+  for _, l in ipairs(limits) do
+    local n = redis.call('ZCOUNT', calls_key, string.format('(%.0f', now - l.window), '+inf')
+    local room = l.count - cost
+    if n > room then
+      local kth = tonumber(redis.call('ZREVRANGE', calls_key, room, room, 'WITHSCORES')[2])
+      open_at = math.max(open_at or 0, kth + l.window)
+    end
+  end
+  if open_at == nil then return nil end
+  return math.min(open_at, now + math.max(limits.min_guard, 1000))
 end
 
 -- A due STATUS (1) held back by calls_gate becomes a reservation at the time the gate may open
 -- (or a denial, come back then, when the caller does not reserve). Returns SLOT, STATUS.
-local function after_gate(status, slot, calls_key, now, window, count, guard, reserve)
+local function after_gate(status, slot, calls_key, now, limits, a)
   if status ~= 1 then return slot, status end
-  local open_at = calls_gate(calls_key, now, window, count, guard)
+  local open_at = calls_gate(calls_key, now, limits, a.cost)
   if not open_at then return slot, status end
-  return math.max(open_at, slot), (reserve == 1 and 2 or 0)
+  return math.max(open_at, slot), (a.reserve == 1 and 2 or 0)
 end
 
--- Records a call granted now with TOKEN: in flight until now + BOUND at the latest.
-local function start_call(calls_key, token, now, bound, window)
-  redis.call('ZADD', calls_key, now + bound, token)
-  redis.call('PEXPIRE', calls_key, math.floor((bound + window) / 1000) + 1)
+-- Records a call of COST units granted now with TOKEN: in flight until now + BOUND at the latest.
+local function start_call(calls_key, token, cost, now, bound, limits)
+  add_units(calls_key, now + bound, token, cost)
+  redis.call('PEXPIRE', calls_key, math.floor((bound + limits.max_window) / 1000) + 1)
 end
 
--- Records that the call TOKEN was answered now: its END comes forward (never back).
+-- Records that the call TOKEN was answered now: the END of each of its units comes forward
+-- (never back).
 local function end_call(calls_key, token, now)
   local bound = tonumber(redis.call('ZSCORE', calls_key, token) or '')
-  if bound ~= nil and now < bound then redis.call('ZADD', calls_key, now, token) end
+  if bound == nil or now >= bound then return end
+  redis.call('ZADD', calls_key, now, token)
+  local i = 2
+  while redis.call('ZADD', calls_key, 'XX', 'CH', now, unit(token, i)) == 1 do i = i + 1 end
 end

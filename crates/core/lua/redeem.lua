@@ -1,71 +1,76 @@
 -- redeem: a caller comes back for the slot it reserved. The reservation is bound to its TOKEN
--- and is good once: it must still be in the seller's reserved set at its SLOT, and any answer
--- but "early" consumes it. Granted if the slot is due (at most GUARD/10 ahead, and not later
--- than the algorithm's lateness allows, see the prelude), the seller is not paused past it,
--- and the limit it was reserved under still applies.
+-- and COST and is good once: it must still be in the seller's reserved set at its SLOT, and any
+-- answer but "early" consumes it. Granted if the slot is due (at most GUARD/10 ahead, and not
+-- later than the algorithm's lateness allows, see the prelude), the seller is not paused past
+-- it, and the stack of limits it was reserved under still applies.
 -- A forfeited slot is given back to the seller's state in the same step (see give_back in the
 -- prelude), so the next caller may take it.
 --
--- KEYS[1]  the seller's limit override ("COUNT WINDOW_US"), may be absent
+-- KEYS[1]  the seller's limit override ("COUNTS WINDOWS_US"), may be absent
 -- KEYS[2]  the seller's pause ("UNTIL_US"), may be absent
 -- KEYS[3]  the seller's limiter state for ALGORITHM
--- KEYS[4]  the seller's reserved slots (sorted set: member = TOKEN, score = slot)
+-- KEYS[4]  the seller's reserved slots (sorted set: member = held_name(TOKEN, COST), score = slot)
 -- KEYS[5]  the seller's server stamp (see check_server in the prelude)
--- KEYS[6]  the seller's calls (sorted set: member = TOKEN, score = END; see calls_gate)
+-- KEYS[6]  the seller's calls (sorted set: the units of each TOKEN, score = END; see calls_gate)
 -- KEYS[7]  optional: the message's completion record
--- ARGV[1]  default COUNT (integer >= 1)
--- ARGV[2]  default WINDOW in µs (integer >= 1)
+-- ARGV[1]  default COUNTS, comma-separated (integers >= 1; 1 to 8 limits)
+-- ARGV[2]  default WINDOWS in µs, comma-separated, one per count (integers >= 1)
 -- ARGV[3]  GUARD in µs (-1 = window/20 within [25 ms, 2 s])
 -- ARGV[4]  SLOT in µs (Redis time), as returned when it was reserved
--- ARGV[5]  COUNT the slot was reserved under
--- ARGV[6]  WINDOW_US the slot was reserved under
+-- ARGV[5]  COUNTS the slot was reserved under
+-- ARGV[6]  WINDOWS_US the slot was reserved under
 -- ARGV[7]  FLAGS: +2 = Redis keeps its data across restarts (no server check)
 -- ARGV[8]  ALGORITHM: sliding-window, gcra, token-bucket or fixed-window
 -- ARGV[9]  TOKEN the slot was reserved with (letters, digits, dashes; at most 64)
--- ARGV[10] token-bucket: CAPACITY (integer >= 0; 0 = COUNT); others: ignored
+-- ARGV[10] token-bucket: CAPACITY (integer >= 0; see with_capacities); others: ignored
 -- ARGV[11] BOUND in µs: the latest a granted call's answer (or timeout) comes back after its
 --          grant (integer >= 0; sliding-window and gcra track their calls)
+-- ARGV[12] COST the slot was reserved for (integer from 1 to 10000)
 -- Returns {STATUS, AT_US, NOW_US}
 --   1 granted; 2 early (or calls of the last window still in flight): come back at AT (the
---   reservation is kept); 3 paused until AT; 4 the limit changed; 5 too late; 6 the message
---   already registered (KEYS[7] says so); 8 no such
---   reservation (never made, already redeemed, given back by a limit change or resume, or lost
---   with Redis). 3 to 8 leave no reservation: the caller acquires a new one.
+--   reservation is kept); 3 paused until AT; 4 the limits changed; 5 too late; 6 the message
+--   already registered (KEYS[7] says so); 8 no such reservation (never made, already redeemed,
+--   made for another cost, given back by a limit change or resume, or lost with Redis).
+--   3 to 8 leave no reservation: the caller acquires a new one.
 
-local default_count, default_window, guard = int_arg(1, 1), int_arg(2, 1), int_arg(3, -1)
-local slot, held_count, held_window = int_arg(4, 0), int_arg(5, 1), int_arg(6, 1)
+local default = limits_arg(1)
+local guard = int_arg(3, -1)
+local slot = int_arg(4, 0)
+local held = limits_arg(5)
 local durable = int_arg(7, 0) >= 2
 local algorithm = algorithm_arg(8)
 local token = token_arg(9)
 local capacity = int_arg(10, 0)
 local bound = int_arg(11, 0)
-local count, window = effective_limit(KEYS[1], default_count, default_window)
-if capacity == 0 then capacity = count end
-guard = guard_for(window, guard)
+local cost = int_arg(12, 1)
+local limits = with_spans(effective_limits(KEYS[1], default), guard)
+with_capacities(with_spans(held, guard), capacity)
 local now = now_us()
 
-local reserved = tonumber(redis.call('ZSCORE', KEYS[4], token))
+local name = held_name(token, cost)
+local reserved = tonumber(redis.call('ZSCORE', KEYS[4], name))
 local function release(status, at)
   if reserved ~= nil then
-    redis.call('ZREM', KEYS[4], token)
-    if status ~= 1 then give_back(algorithm, KEYS[3], token, reserved, held_window, capacity) end
+    redis.call('ZREM', KEYS[4], name)
+    -- The slot's units were taken under the stack it was reserved under.
+    if status ~= 1 then give_back(algorithm, KEYS[3], token, cost, reserved, held) end
   end
   return {status, at, now}
 end
 
 if already_done(KEYS[7]) then return release(6, now) end
 if reserved == nil or reserved ~= slot then return {8, now, now} end
-local span = window + guard
-if algorithm == 'fixed-window' then span = window end
+local span = limits.max_span
+if algorithm == 'fixed-window' then span = limits.max_window end
 check_server(KEYS[5], KEYS[3], KEYS[2], span, now, durable)
 local pause = paused_until(KEYS[2])
 if pause > slot then return release(3, pause) end
-if count ~= held_count or window ~= held_window then return release(4, now) end
-if now < slot - math.floor(guard / 10) then return {2, slot, now} end
-if now > slot + lateness(algorithm, window, guard) then return release(5, now) end
+if limits.counts ~= held.counts or limits.windows ~= held.windows then return release(4, now) end
+if now < slot - math.floor(limits.min_guard / 10) then return {2, slot, now} end
+if now > slot + lateness(algorithm, limits) then return release(5, now) end
 if algorithm == 'sliding-window' or algorithm == 'gcra' then
-  local open_at = calls_gate(KEYS[6], now, window, count, guard)
+  local open_at = calls_gate(KEYS[6], now, limits, cost)
   if open_at then return {2, open_at, now} end
-  start_call(KEYS[6], token, now, bound, window)
+  start_call(KEYS[6], token, cost, now, bound, limits)
 end
 return release(1, slot)

@@ -1,64 +1,72 @@
--- sliding_window: exact sliding log with reservations.
--- At most COUNT slots lie in any window of WINDOW+GUARD; a slot is a past grant or a future
--- reservation, so a caller told to wait holds its slot and is not denied again.
+-- sliding_window: exact sliding log with reservations, for a stack of limits and weighed calls.
+-- For every limit of the stack, at most COUNT units lie in any window of WINDOW+GUARD; a unit
+-- is part of a past grant or of a future reservation, so a caller told to wait holds its slot and
+-- is not denied again. A call of COST units takes COST units at its slot (see unit).
 --
--- KEYS[1]  the seller's log (sorted set: member = TOKEN, score = slot in µs, Redis time)
--- KEYS[2]  the seller's limit override ("COUNT WINDOW_US"), may be absent
+-- KEYS[1]  the seller's log (sorted set: the units of each TOKEN, score = slot in µs, Redis time)
+-- KEYS[2]  the seller's limit override ("COUNTS WINDOWS_US"), may be absent
 -- KEYS[3]  the seller's pause ("UNTIL_US"), may be absent
--- KEYS[4]  the seller's reserved slots (sorted set: member = TOKEN, score = slot; see the prelude)
+-- KEYS[4]  the seller's reserved slots (sorted set: member = held_name(TOKEN, COST), score = slot)
 -- KEYS[5]  the seller's server stamp (run id of the Redis that wrote its state; see the prelude)
--- KEYS[6]  the seller's calls (sorted set: member = TOKEN, score = END; see calls_gate in the prelude)
+-- KEYS[6]  the seller's calls (sorted set: the units of each TOKEN, score = END; see calls_gate)
 -- KEYS[7]  the seller's far queue (hash: at, n; see far_ticket in the prelude)
 -- KEYS[8]  optional: the message's completion record; if it exists nothing is written
--- ARGV[1]  default COUNT (integer >= 1)
--- ARGV[2]  default WINDOW in µs (integer >= 1)
--- ARGV[3]  GUARD in µs added to the window (-1 = window/20 within [25 ms, 2 s])
+-- ARGV[1]  default COUNTS: the stack's counts, comma-separated (integers >= 1; 1 to 8 limits)
+-- ARGV[2]  default WINDOWS in µs, comma-separated, one per count (integers >= 1)
+-- ARGV[3]  GUARD in µs added to each window (-1 = window/20 within [25 ms, 2 s])
 -- ARGV[4]  FLAGS: +1 = reserve a future slot for a caller who must wait (else only answer);
 --          +2 = Redis keeps its data across restarts (no cold-start wait, see the prelude)
 -- ARGV[5]  HORIZON in µs: a slot further away than this is never reserved
 -- ARGV[6]  TOKEN: a string unique to this attempt (letters, digits, dashes; at most 64)
 -- ARGV[7]  BOUND in µs: the latest a granted call's answer (or timeout) comes back after its
 --          grant (integer >= 0)
--- Returns {STATUS, SLOT_US, NOW_US, COUNT, WINDOW_US, USED_PERMILLE}
+-- ARGV[8]  COST: units of every limit the call takes (integer from 1 to 10000)
+-- Returns {STATUS, SLOT_US, NOW_US, COUNTS, WINDOWS_US, USED_PERMILLE}
 --   STATUS 1 = granted (call now), 2 = reserved (call at SLOT), 0 = denied (come back at SLOT;
 --   with reserving on, when the seller's reserved set is full: see far_ticket),
---   3 = the message already registered (KEYS[8] says so);
---   USED_PERMILLE (with STATUS 1) is how much of the limit is taken after
---   this grant, in thousandths (slots in the window / COUNT): the near-limit metric;
---   COUNT and WINDOW_US are the limit that applied (override or default).
+--   3 = the message already registered (KEYS[8] says so),
+--   4 = COST exceeds the smallest COUNT of the stack: never granted (SLOT_US is that COUNT);
+--   USED_PERMILLE (with STATUS 1) is how much of the limit is taken after this grant, in
+--   thousandths (units in the window / COUNT, the most taken limit of the stack): the
+--   near-limit metric; COUNTS and WINDOWS_US are the stack that applied (override or default).
 
 local a = acquire_args()
-local token = a.token
-local count, window = effective_limit(KEYS[2], a.count, a.window)
-local guard = guard_for(window, a.guard)
-local span = window + guard
+local limits = with_spans(effective_limits(KEYS[2], a.limits), a.guard)
 local now = now_us()
-if already_done(KEYS[8]) then return {3, now, now, count, window} end
-check_server(KEYS[5], KEYS[1], KEYS[3], span, now, a.durable)
+if already_done(KEYS[8]) then return {3, now, now, limits.counts, limits.windows} end
+if a.cost > limits.min_count then return never(limits.min_count, now, limits) end
+check_server(KEYS[5], KEYS[1], KEYS[3], limits.max_span, now, a.durable)
 
 local slot = math.max(now, paused_until(KEYS[3]))
-redis.call('ZREMRANGEBYSCORE', KEYS[1], '-inf', now - span)
-local n = redis.call('ZCARD', KEYS[1])
-if n >= count then
-  -- After the last slot and at least SPAN after the COUNT-th most recent one: then no window
-  -- of SPAN containing the new slot holds more than COUNT slots.
-  local last = tonumber(redis.call('ZRANGE', KEYS[1], -1, -1, 'WITHSCORES')[2])
-  local kth = tonumber(redis.call('ZRANGE', KEYS[1], n - count, n - count, 'WITHSCORES')[2])
-  slot = math.max(slot, last, kth + span)
+redis.call('ZREMRANGEBYSCORE', KEYS[1], '-inf', now - limits.max_span)
+local last = nil
+local used = 0
+for _, l in ipairs(limits) do
+  -- Units counted by this limit from now on: those slotted within its span back from now.
+  local n = redis.call('ZCOUNT', KEYS[1], string.format('(%.0f', now - l.span), '+inf')
+  local room = l.count - a.cost
+  if n > room then
+    -- After the last slot and at least SPAN after the most recent unit that must leave for COST
+    -- more to fit: then no window of SPAN containing the new slot holds more than COUNT units.
+    last = last or tonumber(redis.call('ZRANGE', KEYS[1], -1, -1, 'WITHSCORES')[2])
+    local kth = tonumber(redis.call('ZREVRANGE', KEYS[1], room, room, 'WITHSCORES')[2])
+    slot = math.max(slot, last, kth + l.span)
+  end
+  used = math.max(used, math.floor(math.min(n + a.cost, l.count) * 1000 / l.count))
 end
 
-local status = due(slot, now, guard, a)
-local late = lateness('sliding-window', window, guard)
+local status = due(slot, now, limits.min_guard, a)
+local late = lateness('sliding-window', limits)
 -- Due, but calls of the last window may still be in flight: wait for their answers.
-slot, status = after_gate(status, slot, KEYS[6], now, window, count, guard, a.reserve)
-status, slot = slot_or_far_ticket(status, slot, KEYS[4], KEYS[7], now, late, span, count)
-if status == 0 then return {0, slot, now, count, window} end
-redis.call('ZADD', KEYS[1], slot, token)
-local last = tonumber(redis.call('ZRANGE', KEYS[1], -1, -1, 'WITHSCORES')[2])
-local ttl = math.floor((last - now + span) / 1000) + 1
+slot, status = after_gate(status, slot, KEYS[6], now, limits, a)
+status, slot = slot_or_far_ticket(status, slot, KEYS[4], KEYS[7], now, late, limits, a)
+if status == 0 then return {0, slot, now, limits.counts, limits.windows} end
+add_units(KEYS[1], slot, a.token, a.cost)
+last = tonumber(redis.call('ZRANGE', KEYS[1], -1, -1, 'WITHSCORES')[2])
+local ttl = math.floor((last - now + limits.max_span) / 1000) + 1
 redis.call('PEXPIRE', KEYS[1], ttl)
 if keep_and_hold(status, ttl, KEYS[5], KEYS[4], slot, now, late, a) then
-  return {2, slot, now, count, window}
+  return {2, slot, now, limits.counts, limits.windows}
 end
-start_call(KEYS[6], token, now, a.bound, window)
-return {status, slot, now, count, window, math.floor((n + 1) * 1000 / count)}
+start_call(KEYS[6], a.token, a.cost, now, a.bound, limits)
+return {status, slot, now, limits.counts, limits.windows, used}

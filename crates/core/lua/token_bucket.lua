@@ -1,65 +1,77 @@
--- token_bucket: refill RATE = COUNT per WINDOW+GUARD into a bucket of CAPACITY tokens, each call
--- takes REQUESTED tokens (as in Spring Cloud Gateway's script). Reserving lets the bucket go
--- into debt, which schedules callers one after another instead of denying them in a loop.
--- Not exact over a sliding window: a full bucket plus its refill allows up to
--- CAPACITY + COUNT grants within one window.
+-- token_bucket: per limit of the seller's stack, refill RATE = COUNT per WINDOW+GUARD into a
+-- bucket of CAPACITY tokens (see with_capacities); each call takes COST tokens from every bucket
+-- (as `requested` in Spring Cloud Gateway's script), at the first moment all of them hold that
+-- many. Reserving lets the buckets go into debt, which schedules callers one after another
+-- instead of denying them in a loop. Not exact over a sliding window: a full bucket plus its
+-- refill allows up to CAPACITY + COUNT units within one window.
 --
--- KEYS[1]  the seller's bucket (hash: tokens, ts = µs at which `tokens` holds)
--- KEYS[2]  the seller's limit override ("COUNT WINDOW_US"), may be absent
+-- KEYS[1]  the seller's buckets (hash: tokens, tokens2, ... one per limit of the stack; ts = µs
+--          at which they hold)
+-- KEYS[2]  the seller's limit override ("COUNTS WINDOWS_US"), may be absent
 -- KEYS[3]  the seller's pause ("UNTIL_US"), may be absent
--- KEYS[4]  the seller's reserved slots (sorted set: member = TOKEN, score = slot; see the prelude)
+-- KEYS[4]  the seller's reserved slots (sorted set: member = held_name(TOKEN, COST), score = slot)
 -- KEYS[5]  the seller's server stamp (run id of the Redis that wrote its state; see the prelude)
 -- KEYS[6]  the seller's calls (unused: this algorithm is not exact, see README)
 -- KEYS[7]  the seller's far queue (hash: at, n; see far_ticket in the prelude)
 -- KEYS[8]  optional: the message's completion record; if it exists nothing is written
--- ARGV[1]  default COUNT (integer >= 1)
--- ARGV[2]  default WINDOW in µs (integer >= 1)
--- ARGV[3]  GUARD in µs added to the window (-1 = window/20 within [25 ms, 2 s])
+-- ARGV[1]  default COUNTS: the stack's counts, comma-separated (integers >= 1; 1 to 8 limits)
+-- ARGV[2]  default WINDOWS in µs, comma-separated, one per count (integers >= 1)
+-- ARGV[3]  GUARD in µs added to each window (-1 = window/20 within [25 ms, 2 s])
 -- ARGV[4]  FLAGS: +1 = reserve a future slot for a caller who must wait (else only answer);
 --          +2 = Redis keeps its data across restarts (no cold-start wait, see the prelude)
 -- ARGV[5]  HORIZON in µs: a slot further away than this is never reserved
 -- ARGV[6]  TOKEN: a string unique to this attempt (letters, digits, dashes; at most 64)
 -- ARGV[7]  BOUND (unused: calls are not tracked)
--- ARGV[8]  CAPACITY (integer >= 0; 0 = COUNT)
--- ARGV[9]  REQUESTED tokens (integer >= 1, at most the capacity)
--- Returns {STATUS, SLOT_US, NOW_US, COUNT, WINDOW_US, USED_PERMILLE}
+-- ARGV[8]  COST: tokens the call takes from every bucket (integer from 1 to 10000)
+-- ARGV[9]  CAPACITY of a single limit's bucket (integer >= 0; 0 = COUNT; a stack's buckets hold
+--          their COUNT)
+-- Returns {STATUS, SLOT_US, NOW_US, COUNTS, WINDOWS_US, USED_PERMILLE}
 --   STATUS 1 = granted (call now), 2 = reserved (call at SLOT), 0 = denied (come back at SLOT;
 --   with reserving on, when the seller's reserved set is full: see far_ticket),
---   3 = the message already registered (KEYS[8] says so);
---   USED_PERMILLE (with STATUS 1) is how much of the limit is taken after
---   this grant, in thousandths (tokens taken / CAPACITY): the near-limit metric;
+--   3 = the message already registered (KEYS[8] says so),
+--   4 = COST exceeds the smallest capacity: never granted (SLOT_US is that capacity);
+--   USED_PERMILLE (with STATUS 1) is how much of the limit is taken after this grant, in
+--   thousandths (tokens taken / CAPACITY, the emptiest bucket): the near-limit metric.
 
 local a = acquire_args()
-local capacity = int_arg(8, 0)
-local requested = int_arg(9, 1)
-local count, window = effective_limit(KEYS[2], a.count, a.window)
-if capacity == 0 then capacity = count end
-if requested > capacity then error({err = 'ERR turnstile: REQUESTED exceeds CAPACITY'}) end
-local guard = guard_for(window, a.guard)
-local rate = count / (window + guard) -- tokens per µs
+local limits = with_spans(effective_limits(KEYS[2], a.limits), a.guard)
+with_capacities(limits, int_arg(9, 0))
+local max_cost = nil
+for _, l in ipairs(limits) do max_cost = math.min(max_cost or l.capacity, l.capacity) end
 local now = now_us()
-if already_done(KEYS[8]) then return {3, now, now, count, window} end
-check_server(KEYS[5], KEYS[1], KEYS[3], window + guard, now, a.durable)
+if already_done(KEYS[8]) then return {3, now, now, limits.counts, limits.windows} end
+if a.cost > max_cost then return never(max_cost, now, limits) end
+check_server(KEYS[5], KEYS[1], KEYS[3], limits.max_span, now, a.durable)
 
-local state = redis.call('HMGET', KEYS[1], 'tokens', 'ts')
-local tokens = tonumber(state[1]) or capacity
-local ts = tonumber(state[2]) or now
+local fields = {'ts'}
+for i = 1, #limits do fields[i + 1] = tb_field(i) end
+local state = redis.call('HMGET', KEYS[1], unpack(fields))
+local ts = tonumber(state[1]) or now
 local at = math.max(now, paused_until(KEYS[3]))
--- Tokens at `at`: refill since ts (before ts the debt is larger still), capped at capacity.
-local filled = math.min(tokens + (at - ts) * rate, capacity)
 local slot = at
-if filled < requested then slot = math.ceil(at + (requested - filled) / rate) end
+for i, l in ipairs(limits) do
+  l.rate = l.count / l.span -- tokens per µs
+  -- Tokens at `at`: refill since ts (before ts the debt is larger still), capped at capacity.
+  l.filled = math.min((tonumber(state[i + 1]) or l.capacity) + (at - ts) * l.rate, l.capacity)
+  if l.filled < a.cost then slot = math.max(slot, math.ceil(at + (a.cost - l.filled) / l.rate)) end
+end
 
-local status = due(slot, now, guard, a)
-local late = lateness('token-bucket', window, guard)
-status, slot = slot_or_far_ticket(status, slot, KEYS[4], KEYS[7], now, late, window + guard, count)
-if status == 0 then return {0, slot, now, count, window} end
-local left = filled + (slot - at) * rate - requested
-redis.call('HSET', KEYS[1], 'tokens', string.format('%.6f', left), 'ts', string.format('%.0f', slot))
-local full_at = slot + (capacity - left) / rate -- idle from then on: the key may go
+local status = due(slot, now, limits.min_guard, a)
+local late = lateness('token-bucket', limits)
+status, slot = slot_or_far_ticket(status, slot, KEYS[4], KEYS[7], now, late, limits, a)
+if status == 0 then return {0, slot, now, limits.counts, limits.windows} end
+local write, full_at, used = {'ts', string.format('%.0f', slot)}, slot, 0
+for i, l in ipairs(limits) do
+  local left = math.min(l.filled + (slot - at) * l.rate, l.capacity) - a.cost
+  write[#write + 1] = tb_field(i)
+  write[#write + 1] = string.format('%.6f', left)
+  full_at = math.max(full_at, slot + (l.capacity - left) / l.rate) -- idle from then on
+  used = math.max(used, math.floor((l.capacity - left) * 1000 / l.capacity))
+end
+redis.call('HSET', KEYS[1], unpack(write))
 local ttl = math.floor((full_at - now) / 1000) + 1
 redis.call('PEXPIRE', KEYS[1], ttl)
 if keep_and_hold(status, ttl, KEYS[5], KEYS[4], slot, now, late, a) then
-  return {2, slot, now, count, window}
+  return {2, slot, now, limits.counts, limits.windows}
 end
-return {status, slot, now, count, window, math.floor((capacity - left) * 1000 / capacity)}
+return {status, slot, now, limits.counts, limits.windows, used}

@@ -1,66 +1,79 @@
--- usage: how much of a seller's limit is taken now, for the dashboard. Reads only; never writes.
--- USED of CAPACITY is what the limit counts now (the share that makes the next caller wait);
--- AHEAD is what is already promised beyond it (reserved slots, debt): the scheduled backlog.
---   sliding-window: USED = grants in the trailing window (+ guard), CAPACITY = COUNT,
---                   AHEAD = slots reserved after now
+-- usage: how much of each limit of a seller's stack is taken now, for the dashboard. Reads only;
+-- never writes. Per limit, USED of CAPACITY is what the limit counts now (the share that makes
+-- the next caller wait); AHEAD is what is already promised beyond it (reserved units, debt): the
+-- scheduled backlog. In units (a call of COST takes COST).
+--   sliding-window: USED = units in the trailing window (+ guard), CAPACITY = COUNT,
+--                   AHEAD = units reserved after now
 --   gcra:           cells = ceil((TAT - now) / interval); USED = min(cells, BURST),
 --                   CAPACITY = BURST, AHEAD = the other cells
 --   token-bucket:   USED = tokens taken (CAPACITY - tokens now), AHEAD = debt in tokens
---   fixed-window:   USED = slots of the current window, CAPACITY = COUNT,
---                   AHEAD = slots reserved in later windows
+--   fixed-window:   USED = units of the current window, CAPACITY = COUNT,
+--                   AHEAD = units reserved in later windows
 --
 -- KEYS[1]  the seller's limiter state for ALGORITHM (see the acquire scripts)
--- KEYS[2]  the seller's limit override ("COUNT WINDOW_US"), may be absent
+-- KEYS[2]  the seller's limit override ("COUNTS WINDOWS_US"), may be absent
 -- KEYS[3]  the seller's pause ("UNTIL_US"), may be absent
 -- ARGV[1]  ALGORITHM: sliding-window, gcra, token-bucket or fixed-window
--- ARGV[2]  default COUNT (integer >= 1)
--- ARGV[3]  default WINDOW in µs (integer >= 1)
+-- ARGV[2]  default COUNTS, comma-separated (integers >= 1; 1 to 8 limits)
+-- ARGV[3]  default WINDOWS in µs, comma-separated, one per count (integers >= 1)
 -- ARGV[4]  GUARD in µs (-1 = window/20 within [25 ms, 2 s])
 -- ARGV[5]  gcra: BURST (integer >= 1); others: ignored
--- ARGV[6]  token-bucket: CAPACITY (integer >= 0; 0 = COUNT); others: ignored
--- Returns {USED, CAPACITY, AHEAD, COUNT, WINDOW_US, PAUSED_UNTIL_US, NOW_US, OVERRIDE}
---   COUNT and WINDOW_US are the limit that applies; OVERRIDE is 1 when it is the seller's own.
+-- ARGV[6]  token-bucket: CAPACITY (integer >= 0; see with_capacities); others: ignored
+-- Returns {PAUSED_UNTIL_US, NOW_US, OVERRIDE, COUNTS, WINDOWS_US, then per limit of the stack in
+-- its order: USED, CAPACITY, AHEAD}; COUNTS and WINDOWS_US are the stack that applies, OVERRIDE
+-- is 1 when it is the seller's own.
 
-local algorithm = ARGV[1]
-local count, window = effective_limit(KEYS[2], int_arg(2, 1), int_arg(3, 1))
-local guard = guard_for(window, int_arg(4, -1))
-local span = window + guard
+local algorithm = algorithm_arg(1)
+local limits = with_spans(effective_limits(KEYS[2], limits_arg(2)), int_arg(4, -1))
+with_capacities(limits, int_arg(6, 0))
 local now = now_us()
-local used, capacity, ahead = 0, count, 0
-
-if algorithm == 'sliding-window' then
-  used = redis.call('ZCOUNT', KEYS[1], string.format('(%.0f', now - span), string.format('%.0f', now))
-  ahead = redis.call('ZCOUNT', KEYS[1], string.format('(%.0f', now), '+inf')
-elseif algorithm == 'gcra' then
-  local burst = math.min(int_arg(5, 1), count)
-  local interval = span / (count - burst + 1)
-  local tat = tonumber(redis.call('GET', KEYS[1]) or '0')
-  local cells = math.ceil(math.max(tat - now, 0) / interval)
-  capacity = burst
-  used = math.min(cells, burst)
-  ahead = cells - used
-elseif algorithm == 'token-bucket' then
-  capacity = int_arg(6, 0)
-  if capacity == 0 then capacity = count end
-  local state = redis.call('HMGET', KEYS[1], 'tokens', 'ts')
-  local tokens = tonumber(state[1]) or capacity
-  local ts = tonumber(state[2]) or now
-  -- Tokens now: refilled since ts, or (ts in the future, a reservation) the debt still to pay.
-  local tokens_now = math.min(tokens + (now - ts) * count / span, capacity)
-  used = math.ceil(capacity - math.max(tokens_now, 0))
-  ahead = math.ceil(math.max(-tokens_now, 0))
-elseif algorithm == 'fixed-window' then
-  local current = math.floor(now / window)
-  local fields = redis.call('HGETALL', KEYS[1])
-  for i = 1, #fields, 2 do
-    local w = tonumber(fields[i])
-    if fields[i] ~= 'next' and w then
-      if w == current then used = tonumber(fields[i + 1])
-      elseif w > current then ahead = ahead + tonumber(fields[i + 1]) end
-    end
-  end
-else
-  error({err = 'ERR turnstile: unknown ALGORITHM ' .. tostring(algorithm)})
+local answer = {paused_until(KEYS[3]), now, redis.call('EXISTS', KEYS[2]), limits.counts, limits.windows}
+local function row(used, capacity, ahead)
+  answer[#answer + 1] = math.floor(used)
+  answer[#answer + 1] = math.floor(capacity)
+  answer[#answer + 1] = math.floor(ahead)
 end
 
-return {used, capacity, ahead, count, window, paused_until(KEYS[3]), now, redis.call('EXISTS', KEYS[2])}
+if algorithm == 'sliding-window' then
+  local ahead = redis.call('ZCOUNT', KEYS[1], string.format('(%.0f', now), '+inf')
+  for _, l in ipairs(limits) do
+    row(redis.call('ZCOUNT', KEYS[1], string.format('(%.0f', now - l.span), string.format('%.0f', now)), l.count, ahead)
+  end
+elseif algorithm == 'gcra' then
+  local stored, latest = {}, 0
+  for t in string.gmatch(redis.call('GET', KEYS[1]) or '', '[^,]+') do
+    stored[#stored + 1] = tonumber(t) or 0
+    latest = math.max(latest, stored[#stored])
+  end
+  for i, l in ipairs(limits) do
+    local burst = math.min(int_arg(5, 1), l.count)
+    local interval = l.span / (l.count - burst + 1)
+    local cells = math.ceil(math.max((stored[i] or latest) - now, 0) / interval)
+    row(math.min(cells, burst), burst, cells - math.min(cells, burst))
+  end
+elseif algorithm == 'token-bucket' then
+  local fields = {'ts'}
+  for i = 1, #limits do fields[i + 1] = tb_field(i) end
+  local state = redis.call('HMGET', KEYS[1], unpack(fields))
+  local ts = tonumber(state[1]) or now
+  for i, l in ipairs(limits) do
+    -- Tokens now: refilled since ts, or (ts in the future, a reservation) the debt still to pay.
+    local tokens_now = math.min((tonumber(state[i + 1]) or l.capacity) + (now - ts) * l.count / l.span, l.capacity)
+    row(math.ceil(l.capacity - math.max(tokens_now, 0)), l.capacity, math.ceil(math.max(-tokens_now, 0)))
+  end
+else
+  for i, l in ipairs(limits) do
+    local current = math.floor(now / l.window)
+    local used = tonumber(redis.call('HGET', KEYS[1], fw_field(i, l, current)) or '0')
+    local ahead = 0
+    for _, field in ipairs(redis.call('HKEYS', KEYS[1])) do
+      local w, index = string.match(field, '^(%d+):(%d+)$')
+      if w == nil then w, index = limits[1].window, string.match(field, '^(%d+)$') end
+      if index and tonumber(w) == l.window and tonumber(index) > current and (i == 1) == (string.find(field, ':') == nil) then
+        ahead = ahead + tonumber(redis.call('HGET', KEYS[1], field))
+      end
+    end
+    row(used, l.count, ahead)
+  end
+end
+return answer

@@ -72,6 +72,295 @@ impl fmt::Display for Limit {
     }
 }
 
+/// A stack of per-seller limits that must all hold, e.g. `100/1m,2000/1d`: 1 to
+/// [`Limits::MAX`] limits, ordered by window, no two with the same window. A call of cost N takes
+/// N units of every limit of the stack.
+#[derive(Clone, Copy)]
+pub struct Limits {
+    len: usize,
+    items: [Limit; Limits::MAX],
+}
+
+/// Why a stack such as `6/1s,20/5s` was refused.
+#[derive(Debug, thiserror::Error, PartialEq, Eq)]
+pub enum LimitsError {
+    #[error(transparent)]
+    Limit(#[from] LimitError),
+    #[error("a stack holds 1 to 8 limits, comma-separated (e.g. 100/1m,2000/1d); got {0:?}")]
+    Size(String),
+    #[error("two limits of {0:?} have the same window {1}: keep only the stricter one")]
+    SameWindow(String, String),
+}
+
+impl Limits {
+    /// Most limits in a stack (as `lua/prelude.lua`'s MAX_STACK).
+    pub const MAX: usize = 8;
+
+    /// A stack of one limit.
+    pub fn single(limit: Limit) -> Self {
+        Self {
+            len: 1,
+            items: [limit; Limits::MAX],
+        }
+    }
+
+    /// A stack of `limits` (ordered by window here), or why not.
+    pub fn new(limits: &[Limit]) -> Result<Self, LimitsError> {
+        let shown = || {
+            limits
+                .iter()
+                .map(Limit::to_string)
+                .collect::<Vec<_>>()
+                .join(",")
+        };
+        if limits.is_empty() || limits.len() > Self::MAX {
+            return Err(LimitsError::Size(shown()));
+        }
+        let mut items = [limits[0]; Limits::MAX];
+        items[..limits.len()].copy_from_slice(limits);
+        items[..limits.len()].sort_by_key(|l| (l.window, l.count));
+        if let Some(pair) = items[..limits.len()]
+            .windows(2)
+            .find(|pair| pair[0].window == pair[1].window)
+        {
+            return Err(LimitsError::SameWindow(
+                shown(),
+                format_duration(pair[0].window),
+            ));
+        }
+        Ok(Self {
+            len: limits.len(),
+            items,
+        })
+    }
+
+    /// The limits, shortest window first.
+    pub fn iter(&self) -> impl ExactSizeIterator<Item = &Limit> + '_ {
+        self.items[..self.len].iter()
+    }
+    pub fn as_slice(&self) -> &[Limit] {
+        &self.items[..self.len]
+    }
+    pub fn len(&self) -> usize {
+        self.len
+    }
+    /// Always false: a stack holds at least one limit.
+    pub fn is_empty(&self) -> bool {
+        false
+    }
+    pub fn is_stack(&self) -> bool {
+        self.len > 1
+    }
+
+    /// The shortest window of the stack.
+    pub fn shortest_window(&self) -> Duration {
+        self.items[0].window
+    }
+
+    /// The most units one call may take: the smallest COUNT of the stack.
+    pub fn min_count(&self) -> u32 {
+        self.iter().map(Limit::count).min().unwrap_or(1)
+    }
+
+    /// The limit with the lowest long-run rate (COUNT per window): the one that binds a long
+    /// backlog.
+    pub fn slowest(&self) -> Limit {
+        *self
+            .iter()
+            .min_by(|a, b| {
+                (u128::from(a.count) * b.window.as_nanos())
+                    .cmp(&(u128::from(b.count) * a.window.as_nanos()))
+            })
+            .expect("a stack is never empty")
+    }
+
+    /// The counts as the scripts take them: `6,20`.
+    pub fn counts_arg(&self) -> String {
+        self.iter()
+            .map(|l| l.count.to_string())
+            .collect::<Vec<_>>()
+            .join(",")
+    }
+
+    /// The windows in µs as the scripts take them: `1000000,5000000`.
+    pub fn windows_arg(&self) -> String {
+        self.iter()
+            .map(|l| l.window_us().to_string())
+            .collect::<Vec<_>>()
+            .join(",")
+    }
+
+    /// The stack the scripts answer (`counts_arg`, `windows_arg`), or `None` if malformed.
+    pub fn from_args(counts: &str, windows: &str) -> Option<Self> {
+        let counts: Vec<u32> = counts
+            .split(',')
+            .map(|c| c.parse().ok())
+            .collect::<Option<_>>()?;
+        let windows: Vec<u64> = windows
+            .split(',')
+            .map(|w| w.parse().ok())
+            .collect::<Option<_>>()?;
+        if counts.len() != windows.len() {
+            return None;
+        }
+        let limits: Vec<Limit> = counts
+            .into_iter()
+            .zip(windows)
+            .map(|(c, w)| Limit::new(c, Duration::from_micros(w)))
+            .collect::<Option<_>>()?;
+        Self::new(&limits).ok()
+    }
+
+    /// The shortest time in which `units` units can be registered from an idle start, one unit
+    /// per call: see [`Self::optimum_drain_of`].
+    pub fn optimum_drain(&self, units: u64) -> Duration {
+        let mut shaper = Shaper::new(self);
+        let mut left = units;
+        let mut at = 0;
+        while left > 0 {
+            at = shaper.earliest(at, 1);
+            let batch = shaper.room(at).min(left);
+            shaper.grant(at, batch);
+            left -= batch;
+        }
+        Duration::from_micros(at)
+    }
+
+    /// The shortest time in which calls of these costs, in this order, can be registered from
+    /// an idle start: each at the earliest moment every limit of the stack has room for its
+    /// cost in each trailing window (the greedy schedule, which no other schedule of the same
+    /// calls in the same order beats: it is the network-calculus greedy shaper). For one limit
+    /// and unit costs, `(ceil(n / COUNT) - 1)` windows.
+    pub fn optimum_drain_of(&self, costs: impl IntoIterator<Item = u32>) -> Duration {
+        let mut shaper = Shaper::new(self);
+        let mut at = 0;
+        for cost in costs {
+            let cost = u64::from(cost.clamp(1, self.min_count()));
+            at = shaper.earliest(at, cost);
+            shaper.grant(at, cost);
+        }
+        Duration::from_micros(at)
+    }
+}
+
+/// The greedy schedule of a stack, in µs from an idle start: every grant so far and, per limit,
+/// where its trailing window starts in them and how many units it holds.
+struct Shaper {
+    grants: Vec<(u64, u64)>,
+    limits: Vec<(u64, u64, usize, u64)>,
+}
+
+impl Shaper {
+    fn new(limits: &Limits) -> Self {
+        Self {
+            grants: Vec::new(),
+            limits: limits
+                .iter()
+                .map(|l| (u64::from(l.count), l.window_us(), 0, 0))
+                .collect(),
+        }
+    }
+
+    /// Moves each limit's window to end at `at`.
+    fn slide(&mut self, at: u64) {
+        for (_, window, start, held) in &mut self.limits {
+            while *start < self.grants.len() && self.grants[*start].0 + *window <= at {
+                *held -= self.grants[*start].1;
+                *start += 1;
+            }
+        }
+    }
+
+    /// The earliest moment from `at` on when every limit has room for `cost` more units.
+    fn earliest(&mut self, mut at: u64, cost: u64) -> u64 {
+        loop {
+            self.slide(at);
+            let later = self
+                .limits
+                .iter()
+                .filter(|(count, _, _, held)| held + cost > *count)
+                .map(|(count, window, start, held)| {
+                    // The oldest grants that must leave for `cost` more to fit.
+                    let mut excess = held + cost - count;
+                    let mut i = *start;
+                    while excess > self.grants[i].1 {
+                        excess -= self.grants[i].1;
+                        i += 1;
+                    }
+                    self.grants[i].0 + window
+                })
+                .max();
+            match later {
+                Some(later) => at = later,
+                None => return at,
+            }
+        }
+    }
+
+    /// How many units every limit still has room for at `at`.
+    fn room(&mut self, at: u64) -> u64 {
+        self.slide(at);
+        self.limits
+            .iter()
+            .map(|(count, _, _, held)| count - held)
+            .min()
+            .unwrap_or(0)
+    }
+
+    fn grant(&mut self, at: u64, units: u64) {
+        match self.grants.last_mut() {
+            Some((t, n)) if *t == at => *n += units,
+            _ => self.grants.push((at, units)),
+        }
+        for (_, _, _, held) in &mut self.limits {
+            *held += units;
+        }
+    }
+}
+
+impl FromStr for Limits {
+    type Err = LimitsError;
+    fn from_str(s: &str) -> Result<Self, Self::Err> {
+        let limits: Vec<Limit> = s
+            .split(',')
+            .map(str::parse)
+            .collect::<Result<_, LimitError>>()?;
+        Self::new(&limits)
+    }
+}
+
+impl fmt::Display for Limits {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        for (i, limit) in self.iter().enumerate() {
+            if i > 0 {
+                f.write_str(",")?;
+            }
+            write!(f, "{limit}")?;
+        }
+        Ok(())
+    }
+}
+
+impl PartialEq for Limits {
+    fn eq(&self, other: &Self) -> bool {
+        self.as_slice() == other.as_slice()
+    }
+}
+
+impl Eq for Limits {}
+
+impl fmt::Debug for Limits {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "Limits({self})")
+    }
+}
+
+impl From<Limit> for Limits {
+    fn from(limit: Limit) -> Self {
+        Self::single(limit)
+    }
+}
+
 /// Parses `250ms`, `1s`, `1.5s`, `2m`, `1h`, `1d`; a bare number means seconds.
 pub fn parse_duration(s: &str) -> Option<Duration> {
     let s = s.trim();
@@ -158,8 +447,14 @@ pub fn limit_arg(s: &str) -> Result<Limit, String> {
     s.parse().map_err(|e: LimitError| e.to_string())
 }
 
-fn parse_limit(s: &str) -> Result<Limit, String> {
-    limit_arg(s).map_err(|e| format!("{e} (TURNSTILE_LIMIT)"))
+/// Parses a stack flag (`COUNT/DURATION[,COUNT/DURATION…]`, e.g. `6/1s,20/5s`) with an error
+/// that says what is wrong.
+pub fn limits_arg(s: &str) -> Result<Limits, String> {
+    s.parse().map_err(|e: LimitsError| e.to_string())
+}
+
+fn parse_limits(s: &str) -> Result<Limits, String> {
+    limits_arg(s).map_err(|e| format!("{e} (TURNSTILE_LIMIT)"))
 }
 
 fn parse_key_prefix(s: &str) -> Result<String, String> {
@@ -204,9 +499,10 @@ impl std::fmt::Debug for RedisArgs {
 /// How permits are decided: the default limit, the algorithm and its tuning.
 #[derive(Args, Clone, Debug)]
 pub struct LimiterArgs {
-    /// Default per-seller limit, COUNT/DURATION (e.g. 20/1s, 100/1m, 5000/1h).
-    #[arg(long, env = "TURNSTILE_LIMIT", default_value = "100/60s", value_parser = parse_limit)]
-    pub limit: Limit,
+    /// Default per-seller limit, COUNT/DURATION (e.g. 20/1s, 100/1m, 5000/1h); a
+    /// comma-separated stack must all hold (e.g. 100/1m,2000/1d).
+    #[arg(long, env = "TURNSTILE_LIMIT", default_value = "100/60s", value_parser = parse_limits)]
+    pub limit: Limits,
     #[arg(long, env = "TURNSTILE_ALGORITHM", value_enum, default_value_t = Algorithm::SlidingWindow)]
     pub algorithm: Algorithm,
     /// Time added to every window to absorb jitter between the permit and the downstream's
@@ -240,9 +536,9 @@ pub fn duration_arg(s: &str) -> Result<Duration, String> {
 
 impl LimiterArgs {
     /// The defaults of every tuning setting, with a limit and an algorithm.
-    pub fn new(limit: Limit, algorithm: Algorithm) -> Self {
+    pub fn new(limit: impl Into<Limits>, algorithm: Algorithm) -> Self {
         Self {
-            limit,
+            limit: limit.into(),
             algorithm,
             guard: None,
             gcra_burst: 1,
@@ -250,6 +546,21 @@ impl LimiterArgs {
             horizon: Duration::from_secs(86400),
             redis_durable: false,
         }
+    }
+
+    /// Refuses settings that cannot work together, with what to use instead (checked at start).
+    pub fn check(&self) -> Result<(), String> {
+        if self.limit.is_stack()
+            && self.algorithm == Algorithm::TokenBucket
+            && self.bucket_capacity > 0
+        {
+            return Err(format!(
+                "TURNSTILE_BUCKET_CAPACITY={} applies to a single limit, but TURNSTILE_LIMIT={} is a \
+                 stack, whose buckets each hold their own COUNT: unset the capacity, or use one limit",
+                self.bucket_capacity, self.limit
+            ));
+        }
+        Ok(())
     }
 
     /// The guard in effect for a window: the configured one, or window/20 within [25ms, 2s].
@@ -333,6 +644,69 @@ mod tests {
         assert_eq!(limit.optimum_drain(400), Duration::from_secs(19));
         assert_eq!(limit.optimum_drain(20), Duration::ZERO);
         assert_eq!(limit.optimum_drain(21), Duration::from_secs(1));
+    }
+
+    #[test]
+    fn stacks_parse_in_window_order_and_print_back() {
+        let stack: Limits = "2000/1d, 100/1m".parse().unwrap();
+        assert_eq!(stack.to_string(), "100/1m,2000/1d");
+        assert_eq!(stack.len(), 2);
+        assert_eq!(stack.min_count(), 100);
+        assert_eq!(stack.counts_arg(), "100,2000");
+        assert_eq!(stack.windows_arg(), "60000000,86400000000");
+        assert_eq!(
+            Limits::from_args(&stack.counts_arg(), &stack.windows_arg()),
+            Some(stack)
+        );
+        assert_eq!(stack.slowest().to_string(), "2000/1d");
+        let one: Limits = "20/1s".parse().unwrap();
+        assert!(!one.is_stack());
+        assert_eq!(one, Limits::single("20/1s".parse().unwrap()));
+    }
+
+    #[test]
+    fn malformed_stacks_are_refused_with_the_reason() {
+        assert!(matches!(
+            "10/1s,15/1s".parse::<Limits>(),
+            Err(LimitsError::SameWindow(_, _))
+        ));
+        assert!(matches!(
+            "10/1s,".parse::<Limits>(),
+            Err(LimitsError::Limit(_))
+        ));
+        let nine = (1..=9)
+            .map(|i| format!("{i}/{i}s"))
+            .collect::<Vec<_>>()
+            .join(",");
+        assert!(matches!(nine.parse::<Limits>(), Err(LimitsError::Size(_))));
+        assert_eq!(Limits::from_args("1,2", "1000"), None);
+        assert_eq!(Limits::from_args("0", "1000"), None);
+    }
+
+    #[test]
+    fn the_optimum_of_a_stack_is_its_greedy_schedule() {
+        let stack: Limits = "6/1s,20/5s".parse().unwrap();
+        // 6, 6, 6, 2 at 0-3 s (20 in 5 s), again at 5-8 s and 10-13 s.
+        assert_eq!(stack.optimum_drain(60), Duration::from_secs(13));
+        assert_eq!(stack.optimum_drain(6), Duration::ZERO);
+        assert_eq!(stack.optimum_drain(7), Duration::from_secs(1));
+        // Costs of 3 fill 6/1s with two calls a second; 20/5s then fits 6 calls (18 units).
+        assert_eq!(stack.optimum_drain_of([3; 6]), Duration::from_secs(2));
+        assert_eq!(stack.optimum_drain_of([3; 7]), Duration::from_secs(5));
+        let one: Limits = "20/1s".parse().unwrap();
+        assert_eq!(one.optimum_drain(400), Duration::from_secs(19));
+        assert_eq!(one.optimum_drain_of([1; 400]), Duration::from_secs(19));
+    }
+
+    #[test]
+    fn a_bucket_capacity_is_refused_with_a_stack() {
+        let mut args = LimiterArgs::new(
+            "6/1s,20/5s".parse::<Limits>().unwrap(),
+            Algorithm::TokenBucket,
+        );
+        assert_eq!(args.check(), Ok(()));
+        args.bucket_capacity = 10;
+        assert!(args.check().unwrap_err().contains("unset the capacity"));
     }
 
     #[test]

@@ -29,7 +29,7 @@ pub struct MessageId(String);
 pub struct BatchId(String);
 
 /// Why a message cannot be registered; the text goes into the dead letter's reason header.
-#[derive(Debug, thiserror::Error, PartialEq, Eq)]
+#[derive(Clone, Debug, thiserror::Error, PartialEq, Eq)]
 pub enum InvalidMessage {
     #[error("empty body")]
     Empty,
@@ -152,12 +152,58 @@ impl BatchId {
     }
 }
 
+/// What one registration takes of every limit of its seller: 1 to [`Cost::MAX`] units
+/// (the envelope's `cost`, default 1).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct Cost(u32);
+
+impl Cost {
+    /// Most units one registration may take (as `lua/prelude.lua`'s MAX_COST).
+    pub const MAX: u32 = 10_000;
+    /// One unit: a registration without a `cost`.
+    pub const ONE: Cost = Cost(1);
+
+    /// A cost of `units`, if it is 1 to [`Cost::MAX`].
+    pub fn new(units: u32) -> Option<Self> {
+        (1..=Self::MAX).contains(&units).then_some(Self(units))
+    }
+    pub fn units(self) -> u32 {
+        self.0
+    }
+
+    /// The `cost` of an envelope: a JSON integer from 1 to [`Cost::MAX`] (`2.0`, `"2"`, `0`
+    /// and `-1` are refused).
+    fn parse(raw: &RawValue) -> Result<Self, InvalidMessage> {
+        let why = "must be an integer from 1 to 10000";
+        let units: u64 = serde_json::from_str(raw.get())
+            .map_err(|_| InvalidMessage::Field { field: "cost", why })?;
+        u32::try_from(units)
+            .ok()
+            .and_then(Cost::new)
+            .ok_or(InvalidMessage::Field { field: "cost", why })
+    }
+}
+
+impl Default for Cost {
+    fn default() -> Self {
+        Cost::ONE
+    }
+}
+
+impl fmt::Display for Cost {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "{}", self.0)
+    }
+}
+
 /// One product registration, as received.
 #[derive(Debug)]
 pub struct Registration {
     pub message_id: MessageId,
     pub seller_id: SellerId,
     pub batch_id: Option<BatchId>,
+    /// Units of every limit its call takes.
+    pub cost: Cost,
     /// The `product` object exactly as it arrived (forwarded verbatim).
     pub product: Box<RawValue>,
 }
@@ -170,6 +216,8 @@ struct Wire<'a> {
     seller_id: Option<&'a RawValue>,
     #[serde(default, borrow)]
     batch_id: Option<&'a RawValue>,
+    #[serde(default, borrow)]
+    cost: Option<&'a RawValue>,
     #[serde(borrow)]
     product: Option<&'a RawValue>,
 }
@@ -222,10 +270,15 @@ impl Registration {
             Some(raw) => Some(BatchId::parse(&string_field(raw, "batch_id")?)?),
             None => None,
         };
+        let cost = match wire.cost.filter(|raw| raw.get() != "null") {
+            Some(raw) => Cost::parse(raw)?,
+            None => Cost::ONE,
+        };
         Ok(Self {
             message_id,
             seller_id,
             batch_id,
+            cost,
             product: product.to_owned(),
         })
     }
@@ -294,6 +347,36 @@ mod tests {
             "]".repeat(1000)
         );
         assert!(Registration::parse(deep.as_bytes(), None).is_err());
+    }
+
+    #[test]
+    fn a_cost_is_a_whole_number_of_units_from_one_to_the_most() {
+        let cost = |c: &str| {
+            let body = format!(r#"{{"seller_id":"S","cost":{c},"product":{{}}}}"#);
+            Registration::parse(body.as_bytes(), None).map(|r| r.cost.units())
+        };
+        assert_eq!(cost("3"), Ok(3));
+        assert_eq!(cost("null"), Ok(1));
+        assert_eq!(cost("10000"), Ok(10_000));
+        let refused = InvalidMessage::Field {
+            field: "cost",
+            why: "must be an integer from 1 to 10000",
+        };
+        for bad in [
+            "0",
+            "-1",
+            "2.5",
+            "2.0",
+            "\"2\"",
+            "10001",
+            "1e3",
+            "[1]",
+            "99999999999999999999",
+        ] {
+            assert_eq!(cost(bad), Err(refused.clone()), "{bad}");
+        }
+        let none = Registration::parse(br#"{"seller_id":"S","product":{}}"#, None).unwrap();
+        assert_eq!(none.cost, Cost::ONE);
     }
 
     #[test]

@@ -141,6 +141,7 @@ impl Starting {
             "TURNSTILE_QUEUE must be 1 to 200 characters"
         );
         broker::check_url(&args.broker.amqp_url)?;
+        args.limiter.check().map_err(anyhow::Error::msg)?;
         Ok(Self {
             redis: RedisClient::new(&args.redis)?,
             downstream: Downstream::new(&args.downstream)?,

@@ -113,7 +113,7 @@ pub async fn run(args: DemoArgs) -> anyhow::Result<ExitCode> {
     }
     let total = messages.len() as u64;
     for (seller, batch, n) in &uploads {
-        rig.record_upload(seller, batch, *n).await?;
+        rig.record_upload(seller, batch, *n, *n).await?;
     }
     rig.publish_all(messages).await?;
     eprintln!("published {total} registrations (confirmed); registering within the limit:");

@@ -6,8 +6,10 @@
 //!   `Content-Type: application/json` and `Idempotency-Key`; the seller counted is
 //!   `X-Seller-Id` verbatim (percent-encoded UTF-8 for non-ASCII ids), or else the path segment
 //!   encoded the same way. Enforces an exact sliding window per seller on the server's own
-//!   monotonic clock: `200 {"registered": true, "id": KEY}` while fewer than COUNT accepted
-//!   registrations lie in the trailing window, otherwise `429` with `Retry-After` (a violation).
+//!   monotonic clock, for every limit of its stack (`--limit 6/1s,20/5s`), in units: a
+//!   registration whose product has an integer `"cost"` of at least 1 takes that many units,
+//!   any other one unit. `200 {"registered": true, "id": KEY}` while every limit's trailing
+//!   window has room for the request's units, otherwise `429` with `Retry-After` (a violation).
 //!   An already accepted key is replayed with `200` and counted as a duplicate, not again.
 //! - `GET /stats`: [`Stats`] as JSON. `POST /reset`: forgets everything and restarts the clock.
 //!
@@ -38,15 +40,16 @@ use tokio::task::JoinHandle;
 use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
 
-use turnstile_core::config::Limit;
+use turnstile_core::config::Limits;
 use turnstile_core::domain::SellerId;
 
 /// Settings of the mock registration API (`turnstile mock-api`).
 #[derive(clap::Args, Clone, Debug)]
 pub struct MockArgs {
-    /// Per-seller limit the mock enforces, COUNT/DURATION (e.g. 20/1s, 100/1m).
-    #[arg(long, default_value = "20/1s", value_parser = turnstile_core::config::limit_arg)]
-    pub limit: Limit,
+    /// Per-seller limit the mock enforces, COUNT/DURATION (e.g. 20/1s, 100/1m), or a
+    /// comma-separated stack that must all hold (e.g. 6/1s,20/5s), in units (see the module docs).
+    #[arg(long, default_value = "20/1s", value_parser = turnstile_core::config::limits_arg)]
+    pub limit: Limits,
     /// Address to listen on; port 0 picks a free port.
     #[arg(long, default_value = "127.0.0.1:8080")]
     pub addr: SocketAddr,
@@ -67,9 +70,9 @@ pub struct MockArgs {
 
 impl MockArgs {
     /// A mock enforcing `limit` on a free loopback port, answering at once, never failing.
-    pub fn local(limit: Limit) -> Self {
+    pub fn local(limit: impl Into<Limits>) -> Self {
         Self {
-            limit,
+            limit: limit.into(),
             addr: SocketAddr::from(([127, 0, 0, 1], 0)),
             latency_ms: 0,
             fail_rate: 0.0,
@@ -123,8 +126,12 @@ pub struct SellerStats {
     pub first_ms: Option<u64>,
     /// Milliseconds from the server's start (or last reset) to the last accepted registration.
     pub last_ms: Option<u64>,
-    /// The most accepted registrations seen in any trailing window (never above COUNT).
+    /// The most units of accepted registrations seen in any trailing window of the stack's
+    /// first (shortest) limit (never above its COUNT).
     pub max_in_window: u64,
+    /// Units of the registrations accepted (one per registration without a `cost`).
+    #[serde(default)]
+    pub units: u64,
 }
 
 /// A running mock API.
@@ -230,7 +237,7 @@ pub async fn fetch_stats(base: &str) -> anyhow::Result<Stats> {
 }
 
 struct App {
-    limit: Limit,
+    limit: Limits,
     latency: Duration,
     fail_rate: f64,
     slow_rate: f64,
@@ -247,7 +254,8 @@ impl App {
 
 struct Ledger {
     epoch: Instant,
-    windows: HashMap<String, VecDeque<Instant>>,
+    /// Per seller, the accepted registrations of the longest window: when, and their units.
+    windows: HashMap<String, VecDeque<(Instant, u32)>>,
     accepted: HashSet<String>,
     attempts: HashMap<String, usize>,
     stats: Stats,
@@ -292,6 +300,8 @@ struct ValidScript {
 struct Request {
     seller: String,
     key: String,
+    /// The product's `cost` (a positive integer), else 1.
+    units: u32,
     script: Option<ValidScript>,
 }
 
@@ -354,9 +364,16 @@ fn parse_request(path_seller: &str, headers: &HeaderMap, body: &[u8]) -> Result<
         Some(mock @ Value::Object(_)) => Some(validate_script(mock)?),
         _ => None,
     };
+    let units = product
+        .get("cost")
+        .and_then(Value::as_u64)
+        .and_then(|c| u32::try_from(c).ok())
+        .filter(|c| *c >= 1)
+        .unwrap_or(1);
     Ok(Request {
         seller,
         key: key.to_owned(),
+        units,
         script,
     })
 }
@@ -436,30 +453,61 @@ impl App {
                 .duplicates += 1;
             return answer;
         }
-        let window = self.limit.window();
+        let longest = self
+            .limit
+            .iter()
+            .map(|l| l.window())
+            .max()
+            .unwrap_or_default();
         let times = windows.entry(req.seller.clone()).or_default();
-        while times.front().is_some_and(|&t| now - t >= window) {
+        while times.front().is_some_and(|&(t, _)| now - t >= longest) {
             times.pop_front();
         }
         let seller = stats.sellers.entry(req.seller.clone()).or_default();
-        if times.len() >= self.limit.count() as usize {
+        // Each limit's units in its trailing window, and when the oldest that must leave for
+        // this request to fit leaves it.
+        let mut wait = None::<Duration>;
+        let mut first_window_units = 0;
+        for (i, limit) in self.limit.iter().enumerate() {
+            let window = limit.window();
+            let in_window: Vec<&(Instant, u32)> =
+                times.iter().filter(|(t, _)| now - *t < window).collect();
+            let held: u64 = in_window.iter().map(|(_, u)| u64::from(*u)).sum();
+            if i == 0 {
+                first_window_units = held + u64::from(req.units);
+            }
+            let excess = (held + u64::from(req.units)).saturating_sub(u64::from(limit.count()));
+            if excess > 0 {
+                let mut left = excess;
+                let mut leaves = now;
+                for (t, u) in &in_window {
+                    leaves = *t + window;
+                    if u64::from(*u) >= left {
+                        break;
+                    }
+                    left -= u64::from(*u);
+                }
+                let w = leaves.saturating_duration_since(now);
+                wait = Some(wait.map_or(w, |x: Duration| x.max(w)));
+            }
+        }
+        if let Some(wait) = wait {
             stats.violations += 1;
             seller.violations += 1;
-            let oldest = *times.front().expect("a full window is not empty");
-            let wait = (oldest + window).saturating_duration_since(now);
             let retry_after_secs = u64::try_from(wait.as_nanos().div_ceil(1_000_000_000))
                 .unwrap_or(u64::MAX)
                 .max(1);
             return Answer::Limited { retry_after_secs };
         }
-        times.push_back(now);
+        times.push_back((now, req.units));
         accepted.insert(req.key.clone());
         stats.registered += 1;
         seller.registered += 1;
+        seller.units += u64::from(req.units);
         let at = millis(now - *epoch);
         seller.first_ms.get_or_insert(at);
         seller.last_ms = Some(at);
-        seller.max_in_window = seller.max_in_window.max(times.len() as u64);
+        seller.max_in_window = seller.max_in_window.max(first_window_units);
         answer
     }
 

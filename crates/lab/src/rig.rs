@@ -19,7 +19,7 @@ use tokio_util::sync::CancellationToken;
 
 use crate::mock_api::{MockArgs, MockServer, Stats};
 use turnstile_core::broker::{BrokerArgs, DEFAULT_AMQP_URL, Publisher, QueueType, Topology};
-use turnstile_core::config::{Algorithm, Limit};
+use turnstile_core::config::{Algorithm, Limits};
 use turnstile_core::config::{LimiterArgs, RedisArgs};
 use turnstile_core::downstream::DownstreamArgs;
 use turnstile_core::permit::{PermitStore, RedisConn, delete_prefix};
@@ -237,7 +237,7 @@ pub struct Rig {
     pub mock: MockServer,
     pub topology: Topology,
     pub key_prefix: String,
-    pub limit: Limit,
+    pub limit: Limits,
     /// The rig's Redis, under its key prefix (upload progress, cleanup).
     store: PermitStore,
     connection: lapin::Connection,
@@ -416,6 +416,20 @@ impl Rig {
         self.send(&body, FieldTable::default()).await
     }
 
+    /// Publishes one registration of `seller` costing `cost` units (the envelope's `cost`; the
+    /// product carries it too, as `"cost"`, for the mock to count) as message `message_id`.
+    pub async fn publish_weighed(
+        &mut self,
+        seller: &str,
+        message_id: &str,
+        cost: u32,
+        product: serde_json::Value,
+    ) -> anyhow::Result<()> {
+        self.count_published(Some(seller), 1);
+        let body = weighed_body(message_id, seller, cost, product);
+        self.send(&body, FieldTable::default()).await
+    }
+
     /// Publishes any body (a malformed one too) to the work queue.
     pub async fn publish_body(&mut self, body: &[u8]) -> anyhow::Result<()> {
         self.publish_with_headers(body, &[]).await
@@ -453,19 +467,21 @@ impl Rig {
         Ok(())
     }
 
-    /// Records an upload of `total` messages, as `turnstile publish` does (for the dashboard
-    /// and `turnstile status`).
+    /// Records an upload of `total` messages of `units` units together, as `turnstile publish`
+    /// does (for the dashboard and `turnstile status`).
     pub async fn record_upload(
         &self,
         seller: &turnstile_core::domain::SellerId,
         batch: &turnstile_core::domain::BatchId,
         total: u64,
+        units: u64,
     ) -> anyhow::Result<()> {
         turnstile_upload::progress::record_published(
             &self.store,
             seller,
             batch,
             total,
+            units,
             Duration::from_secs(3600),
         )
         .await
@@ -738,6 +754,20 @@ async fn delete_queues_and_keys(
 }
 
 /// A registration body as the contract defines it.
+/// A registration of `cost` units: the envelope's `cost`, and the product's `"cost"` (which the
+/// mock counts) set to it.
+pub fn weighed_body(
+    message_id: &str,
+    seller: &str,
+    cost: u32,
+    mut product: serde_json::Value,
+) -> Vec<u8> {
+    product["cost"] = cost.into();
+    serde_json::json!({"message_id": message_id, "seller_id": seller, "cost": cost, "product": product})
+        .to_string()
+        .into_bytes()
+}
+
 pub fn registration_body(
     message_id: &str,
     seller: &str,

@@ -134,17 +134,31 @@ pub struct LadderView {
 #[derive(Debug, Serialize)]
 pub struct SellerRow {
     pub seller: String,
-    /// The limit that applies, e.g. `100/1m`.
+    /// The limit that applies, e.g. `100/1m`, or the stack, e.g. `6/1s,20/5s`.
     pub limit: String,
     /// Whether the limit is the seller's own override.
     pub overridden: bool,
-    /// `used` of `capacity` counts against the limit now (see `lua/usage.lua`).
+    /// The limit of the stack that binds now (the most taken; see `permit::binding_of`):
+    /// `used`, `capacity` and `ahead` are its own.
+    pub binding: String,
+    /// Each limit of the stack, in its order.
+    pub limits: Vec<LimitRow>,
+    /// `used` of `capacity` counts against the limit now (see `lua/usage.lua`), in units.
     pub used: u64,
     pub capacity: u64,
     /// Promised beyond the window: reserved slots of waiting messages.
     pub ahead: u64,
     /// Remaining pause in ms (0 when not paused).
     pub paused_ms: u64,
+}
+
+/// One limit of a seller's stack: `used` of `capacity` units taken now, `ahead` promised.
+#[derive(Debug, Serialize)]
+pub struct LimitRow {
+    pub limit: String,
+    pub used: u64,
+    pub capacity: u64,
+    pub ahead: u64,
 }
 
 /// One upload's progress.
@@ -156,7 +170,9 @@ pub struct UploadRow {
     pub registered: u64,
     pub dead: u64,
     pub waiting: u64,
-    /// Seconds until the rest is registered at the seller's limit (plus any pause); 0 when done.
+    /// Seconds until the rest is registered at the seller's limits (its waiting units at the
+    /// upload's mean cost, through the greedy schedule of the stack, plus any pause); 0 when
+    /// done.
     pub eta_s: f64,
     pub published_ms: Option<u64>,
     pub last_ms: Option<u64>,
@@ -341,7 +357,7 @@ impl Dashboard {
 fn upload_rows(
     uploads: &[progress::Progress],
     usage: &HashMap<&str, &Usage>,
-    default: turnstile_core::config::Limit,
+    default: turnstile_core::config::Limits,
 ) -> Vec<UploadRow> {
     let backlog = progress::backlog_by_seller(uploads);
     uploads
@@ -375,6 +391,17 @@ fn seller_rows(usage: &HashMap<&str, &Usage>) -> (Vec<SellerRow>, Vec<SellerRow>
         seller: seller.to_owned(),
         limit: u.limit.to_string(),
         overridden: u.overridden,
+        binding: u.per_limit[u.binding].limit.to_string(),
+        limits: u
+            .per_limit
+            .iter()
+            .map(|l| LimitRow {
+                limit: l.limit.to_string(),
+                used: l.used,
+                capacity: l.capacity,
+                ahead: l.ahead,
+            })
+            .collect(),
         used: u.used,
         capacity: u.capacity,
         ahead: u.ahead,

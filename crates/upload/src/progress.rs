@@ -14,28 +14,32 @@ use turnstile_core::permit::{PermitError, PermitStore};
 /// How far one upload (batch) is.
 pub use turnstile_core::permit::UploadProgress as Progress;
 
-/// Messages waiting per seller over `uploads`. A seller's uploads share its limit and their
-/// messages interleave in the queue, so each upload is done, at the latest, when its seller's
-/// whole backlog is: `limit.optimum_drain(backlog)` (with a backlog, registrations run at the
-/// limit, so that is also about when it finishes).
+/// Units waiting per seller over `uploads` (each upload's waiting messages at its mean cost). A
+/// seller's uploads share its limits and their messages interleave in the queue, so each upload
+/// is done, at the latest, when its seller's whole backlog is: `limits.optimum_drain(backlog)`
+/// (with a backlog, registrations run at the binding limit, so that is also about when it
+/// finishes).
 pub fn backlog_by_seller(uploads: &[Progress]) -> std::collections::HashMap<&str, u64> {
     let mut backlog = std::collections::HashMap::new();
     for p in uploads {
-        *backlog.entry(p.seller.as_str()).or_default() += p.waiting();
+        *backlog.entry(p.seller.as_str()).or_default() += p.waiting_units();
     }
     backlog
 }
 
-/// Records that `total` messages of a batch were published (re-publishing the same batch keeps
-/// its counts: its messages are not registered twice).
+/// Records that `total` messages of a batch, of `units` units together, were published
+/// (re-publishing the same batch keeps its counts: its messages are not registered twice).
 pub async fn record_published(
     store: &PermitStore,
     seller: &SellerId,
     batch: &BatchId,
     total: u64,
+    units: u64,
     ttl: Duration,
 ) -> Result<(), PermitError> {
-    store.record_published(seller, batch, total, ttl).await
+    store
+        .record_published(seller, batch, total, units, ttl)
+        .await
 }
 
 /// The `n` most recently published uploads that are still recorded, newest first.
@@ -65,6 +69,7 @@ mod tests {
             seller: seller.into(),
             batch: format!("b{total}"),
             total,
+            units: total,
             registered,
             dead: 0,
             published_ms: None,

@@ -1,5 +1,13 @@
 //! Reading a seller's upload file (.xlsx, .csv, .jsonl) into product registration messages,
-//! ready to publish as they are (`turnstile publish FILE --seller S [--batch B] [--strict]`).
+//! ready to publish as they are (`turnstile publish FILE --seller S [--batch B] [--strict]
+//! [--cost-column NAME]`).
+//!
+//! # Cost
+//!
+//! With a cost column, each product's field of that name is its message's `cost`: the units
+//! of every limit of the seller its registration takes. The value must be a whole number from
+//! 1 to 10,000 (a JSON number, or text of digits as CSV gives it); a row without one, or with
+//! another value, is bad. The field stays in the product, which is forwarded verbatim.
 //!
 //! # Formats
 //!
@@ -59,7 +67,7 @@ use calamine::{Data, ExcelDateTime, Reader, SheetType, Xlsx};
 use serde_json::value::RawValue;
 use sha2::{Digest, Sha256};
 
-use turnstile_core::domain::{BatchId, MAX_BODY_BYTES, MessageId, SellerId};
+use turnstile_core::domain::{BatchId, Cost, MAX_BODY_BYTES, MessageId, SellerId};
 
 /// Most product rows (non-empty rows below the header, or non-blank JSONL lines) in one file.
 pub const MAX_ROWS: usize = 100_000;
@@ -93,6 +101,13 @@ pub struct Upload {
     pub format: Format,
 }
 
+impl Upload {
+    /// Units of every limit the upload's registrations take together.
+    pub fn units(&self) -> u64 {
+        self.rows.iter().map(|r| u64::from(r.cost.units())).sum()
+    }
+}
+
 /// One product registration message.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct UploadRow {
@@ -102,8 +117,11 @@ pub struct UploadRow {
     /// The message's stable identity, also in the body; see the module docs.
     pub message_id: MessageId,
     /// The full message body, UTF-8 JSON:
-    /// `{"message_id":…,"seller_id":…,"batch_id":…,"product":{…}}`.
+    /// `{"message_id":…,"seller_id":…,"batch_id":…,"product":{…}}`, with `"cost":N` after
+    /// the batch id when the upload is weighed by a cost column.
     pub body: Vec<u8>,
+    /// Units of every limit its registration takes (1 without a cost column).
+    pub cost: Cost,
 }
 
 /// A row that was skipped because it cannot become a product.
@@ -256,6 +274,18 @@ pub fn read_upload(
     batch: Option<&BatchId>,
     strict: bool,
 ) -> Result<Upload, UploadError> {
+    read_weighed_upload(path, seller, batch, strict, None)
+}
+
+/// As [`read_upload`], each message weighed by the product field `cost_column` if given (see
+/// the module docs, "Cost").
+pub fn read_weighed_upload(
+    path: &Path,
+    seller: &SellerId,
+    batch: Option<&BatchId>,
+    strict: bool,
+    cost_column: Option<&str>,
+) -> Result<Upload, UploadError> {
     let format = Format::from_path(path)?;
     let bytes = read_bounded(path)?;
     let batch_id = match batch {
@@ -272,8 +302,16 @@ pub fn read_upload(
     let mut rows = Vec::with_capacity(parsed.products.len());
     let mut bad_rows = parsed.bad;
     for (row, product) in parsed.products {
+        let cost = match cost_column.map(|column| cost_of(&product, column)) {
+            None => None,
+            Some(Ok(cost)) => Some(cost),
+            Some(Err(reason)) => {
+                bad_rows.push(BadRow { row, reason });
+                continue;
+            }
+        };
         let message_id = message_id(seller, &batch_id, row, &product);
-        let body = body(&message_id, seller, &batch_id, &product);
+        let body = body(&message_id, seller, &batch_id, cost, &product);
         if body.len() > MAX_BODY_BYTES {
             bad_rows.push(BadRow {
                 row,
@@ -287,6 +325,7 @@ pub fn read_upload(
                 row,
                 message_id,
                 body,
+                cost: cost.unwrap_or(Cost::ONE),
             });
         }
     }
@@ -342,14 +381,43 @@ fn message_id(seller: &SellerId, batch: &BatchId, row: usize, product: &str) -> 
         .expect("a hex digest is a valid message id")
 }
 
-fn body(message_id: &MessageId, seller: &SellerId, batch: &BatchId, product: &str) -> Vec<u8> {
+fn body(
+    message_id: &MessageId,
+    seller: &SellerId,
+    batch: &BatchId,
+    cost: Option<Cost>,
+    product: &str,
+) -> Vec<u8> {
+    let cost = cost.map(|c| format!(r#","cost":{c}"#)).unwrap_or_default();
     format!(
-        r#"{{"message_id":{},"seller_id":{},"batch_id":{},"product":{product}}}"#,
+        r#"{{"message_id":{},"seller_id":{},"batch_id":{}{cost},"product":{product}}}"#,
         json_string(message_id.as_str()),
         json_string(seller.as_str()),
         json_string(batch.as_str()),
     )
     .into_bytes()
+}
+
+/// The cost in the product's field `column` (see the module docs, "Cost"), or why not.
+fn cost_of(product: &str, column: &str) -> Result<Cost, String> {
+    let why = || {
+        format!(
+            "its {column:?} must be a whole number from 1 to {}",
+            Cost::MAX
+        )
+    };
+    let fields: serde_json::Map<String, serde_json::Value> =
+        serde_json::from_str(product).map_err(|_| why())?;
+    let units = match fields.get(column) {
+        None => return Err(format!("it has no {column:?} (the cost column)")),
+        Some(serde_json::Value::Number(n)) => n.as_u64(),
+        Some(serde_json::Value::String(text)) => text.trim().parse::<u64>().ok(),
+        Some(_) => None,
+    };
+    units
+        .and_then(|u| u32::try_from(u).ok())
+        .and_then(Cost::new)
+        .ok_or_else(why)
 }
 
 fn json_string(s: &str) -> String {

@@ -23,8 +23,8 @@ pub use keys::Keyspace;
 pub use records::UploadProgress;
 use redis::AsyncCommands;
 
-use crate::config::{Algorithm, Limit, LimiterArgs, RedisArgs};
-use crate::domain::{BatchId, MessageId, SellerId};
+use crate::config::{Algorithm, Limit, LimiterArgs, Limits, RedisArgs};
+use crate::domain::{BatchId, Cost, MessageId, SellerId};
 
 /// A failed permit decision: the caller cannot know whether it may call, so it must not.
 #[derive(Debug, thiserror::Error)]
@@ -48,9 +48,9 @@ impl PermitError {
     }
 }
 
-/// A slot held for a seller: call at `slot_us` (Redis time). It is bound to its `token` in the
-/// seller's reserved set and is redeemed at most once (see `lua/redeem.lua`); it stays valid
-/// only under the limit it was reserved with, and only until the seller's terms change (a
+/// A slot held for a seller: call at `slot_us` (Redis time). It is bound to its `token` (and
+/// the cost it was reserved for) in the seller's reserved set and is redeemed at most once (see
+/// `lua/redeem.lua`); it stays valid only under the stack of limits it was reserved with, and only until the seller's terms change (a
 /// limit set or cleared, a pause lifted: see [`PermitStore::reschedule`]), which gives it back.
 /// `reserved_at_us` (Redis time) tells a holder whether a [`Rescheduled`] notice concerns it.
 ///
@@ -60,30 +60,36 @@ impl PermitError {
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct Reservation {
     pub slot_us: i64,
-    pub count: u32,
-    pub window_us: u64,
+    pub limits: Limits,
     pub reserved_at_us: i64,
     pub token: String,
 }
 
 impl Reservation {
-    /// `SLOT_US/COUNT/WINDOW_US/RESERVED_AT_US/TOKEN`: how a reservation travels in a message
-    /// header.
+    /// `SLOT_US/COUNTS/WINDOWS_US/RESERVED_AT_US/TOKEN` (COUNTS and WINDOWS_US comma-separated,
+    /// one per limit of the stack; a single limit reads as earlier versions wrote it): how a
+    /// reservation travels in a message header.
     pub fn encode(&self) -> String {
         format!(
             "{}/{}/{}/{}/{}",
-            self.slot_us, self.count, self.window_us, self.reserved_at_us, self.token
+            self.slot_us,
+            self.limits.counts_arg(),
+            self.limits.windows_arg(),
+            self.reserved_at_us,
+            self.token
         )
     }
 
     /// The reservation in a header, or `None` for anything but the exact form (non-negative
-    /// integers, token of 1 to 64 letters, digits or dashes).
+    /// integers, a well-formed stack, token of 1 to 64 letters, digits or dashes).
     pub fn decode(s: &str) -> Option<Self> {
         let mut parts = s.split('/');
+        let slot_us = parts.next()?.parse().ok().filter(|s| *s >= 0)?;
+        let (counts, windows) = (parts.next()?, parts.next()?);
         let r = Self {
-            slot_us: parts.next()?.parse().ok().filter(|s| *s >= 0)?,
-            count: parts.next()?.parse().ok().filter(|c| *c >= 1)?,
-            window_us: parts.next()?.parse().ok().filter(|w| *w >= 1)?,
+            slot_us,
+            limits: Limits::from_args(counts, windows)
+                .filter(|l| l.counts_arg() == counts && l.windows_arg() == windows)?,
             reserved_at_us: parts.next()?.parse().ok().filter(|t| *t >= 0)?,
             token: parts.next()?.to_owned(),
         };
@@ -116,6 +122,14 @@ pub enum Decision {
     },
     /// The message already registered (its completion record exists): do not call again.
     AlreadyDone,
+    /// The call's cost exceeds what the seller's `limits` can ever grant at once (`most`
+    /// units: the smallest COUNT, or with gcra the burst, or with token-bucket the capacity).
+    /// Nothing was taken; asking again cannot help.
+    TooCostly {
+        cost: Cost,
+        most: u32,
+        limits: Limits,
+    },
 }
 
 /// Why a reservation was given up when redeemed (the caller reserves anew).
@@ -169,19 +183,59 @@ impl Completion<'_> {
 /// (as envoy's ratelimit counts `near_limit`: 80%).
 pub const NEAR_LIMIT_PERMILLE: u32 = 800;
 
-/// How much of a seller's limit is taken now (see `lua/usage.lua`): `used` of `capacity`
-/// counts against the limit now, `ahead` is promised beyond it (reserved slots, debt).
+/// How much of one limit of a seller's stack is taken now, in units: `used` of `capacity`
+/// counts against the limit now, `ahead` is promised beyond it (reserved units, debt).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct LimitUsage {
+    pub limit: Limit,
+    pub used: u64,
+    pub capacity: u64,
+    pub ahead: u64,
+}
+
+impl LimitUsage {
+    /// `used / capacity` as thousandths.
+    pub fn permille(&self) -> u64 {
+        self.used * 1000 / self.capacity.max(1)
+    }
+}
+
+/// How much of a seller's limits is taken now (see `lua/usage.lua`): `used`, `capacity` and
+/// `ahead` are those of the limit that binds now (`per_limit[binding]`, see [`binding_of`]).
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct Usage {
     pub used: u64,
     pub capacity: u64,
     pub ahead: u64,
-    /// The limit that applies (the seller's override or the default).
-    pub limit: Limit,
+    /// The stack that applies (the seller's override or the default).
+    pub limit: Limits,
+    /// Each limit of the stack, in its order.
+    pub per_limit: Vec<LimitUsage>,
+    /// Which of `per_limit` binds now.
+    pub binding: usize,
     /// Whether `limit` is the seller's own override.
     pub overridden: bool,
     /// How long the seller stays paused (zero when not paused).
     pub paused_for: Duration,
+}
+
+/// The limit of a stack that binds now: the most taken (`used / capacity`); among equally taken
+/// ones (all idle, say), the one with the lowest long-run rate, which binds a long backlog.
+pub fn binding_of(per_limit: &[LimitUsage]) -> usize {
+    let rate_below = |a: &Limit, b: &Limit| {
+        u128::from(a.count()) * b.window().as_nanos()
+            < u128::from(b.count()) * a.window().as_nanos()
+    };
+    let mut best = 0;
+    for (i, u) in per_limit.iter().enumerate().skip(1) {
+        let b = &per_limit[best];
+        if u.permille() > b.permille()
+            || (u.permille() == b.permille() && rate_below(&u.limit, &b.limit))
+        {
+            best = i;
+        }
+    }
+    best
 }
 
 /// Counts a decision in the permit metrics (label: the algorithm; never the seller). A grant
@@ -207,7 +261,7 @@ fn observe(algorithm: Algorithm, decision: &Decision, acquired: bool) {
                     .increment(1);
             }
         }
-        Decision::AlreadyDone => {}
+        Decision::AlreadyDone | Decision::TooCostly { .. } => {}
     }
 }
 
@@ -274,7 +328,7 @@ impl PermitStore {
     pub fn algorithm(&self) -> Algorithm {
         self.limiter.algorithm
     }
-    pub fn default_limit(&self) -> Limit {
+    pub fn default_limit(&self) -> Limits {
         self.limiter.limit
     }
     pub fn key_prefix(&self) -> &str {
@@ -305,17 +359,28 @@ impl PermitStore {
         self.limiter.guard.map_or(-1, |g| g.as_micros() as i64)
     }
 
-    /// Asks for a permit now. With `reserve`, a caller who must wait holds a slot.
+    /// Asks for a permit of one unit now. With `reserve`, a caller who must wait holds a slot.
     pub async fn acquire(&self, seller: &SellerId, reserve: bool) -> Result<Decision, PermitError> {
-        self.acquire_for(seller, None, reserve).await
+        self.acquire_for(seller, None, Cost::ONE, reserve).await
     }
 
-    /// As [`Self::acquire`], for a message: if it already registered, answers `AlreadyDone` in
-    /// the same round trip and takes nothing.
+    /// As [`Self::acquire`], for a call of `cost` units of every limit.
+    pub async fn acquire_units(
+        &self,
+        seller: &SellerId,
+        cost: Cost,
+        reserve: bool,
+    ) -> Result<Decision, PermitError> {
+        self.acquire_for(seller, None, cost, reserve).await
+    }
+
+    /// As [`Self::acquire_units`], for a message: if it already registered, answers
+    /// `AlreadyDone` in the same round trip and takes nothing.
     pub async fn acquire_for(
         &self,
         seller: &SellerId,
         message: Option<&MessageId>,
+        cost: Cost,
         reserve: bool,
     ) -> Result<Decision, PermitError> {
         let algorithm = self.limiter.algorithm;
@@ -334,24 +399,25 @@ impl PermitStore {
             invocation.key(self.keys.done(seller, message));
         }
         invocation
-            .arg(limit.count())
-            .arg(limit.window_us())
+            .arg(limit.counts_arg())
+            .arg(limit.windows_arg())
             .arg(self.guard_arg())
             .arg(u8::from(reserve) | self.durable_flag())
             .arg(self.limiter.horizon.as_micros() as u64)
             .arg(&token)
-            .arg(self.call_bound_us());
+            .arg(self.call_bound_us())
+            .arg(cost.units());
         match algorithm {
             Algorithm::Gcra => {
                 invocation.arg(self.limiter.gcra_burst.max(1));
             }
             Algorithm::TokenBucket => {
-                invocation.arg(self.limiter.bucket_capacity).arg(1);
+                invocation.arg(self.limiter.bucket_capacity);
             }
             _ => {}
         }
         let answer: Vec<redis::Value> = invocation.invoke_async(&mut self.conn.clone()).await?;
-        let decision = acquired(algorithm, &answer, token)?;
+        let decision = acquired(algorithm, &answer, token, cost)?;
         observe(algorithm, &decision, true);
         Ok(decision)
     }
@@ -363,14 +429,16 @@ impl PermitStore {
         seller: &SellerId,
         held: Reservation,
     ) -> Result<Result<Decision, Forfeit>, PermitError> {
-        self.redeem_for(seller, None, held).await
+        self.redeem_for(seller, None, Cost::ONE, held).await
     }
 
-    /// As [`Self::redeem`], for a message (answers `AlreadyDone` if it already registered).
+    /// As [`Self::redeem`], for a message of `cost` units (answers `AlreadyDone` if it already
+    /// registered). A reservation is only good for the cost it was made for.
     pub async fn redeem_for(
         &self,
         seller: &SellerId,
         message: Option<&MessageId>,
+        cost: Cost,
         held: Reservation,
     ) -> Result<Result<Decision, Forfeit>, PermitError> {
         let limit = self.limiter.limit;
@@ -386,17 +454,18 @@ impl PermitStore {
             invocation.key(self.keys.done(seller, message));
         }
         let (status, at, now): (u8, i64, i64) = invocation
-            .arg(limit.count())
-            .arg(limit.window_us())
+            .arg(limit.counts_arg())
+            .arg(limit.windows_arg())
             .arg(self.guard_arg())
             .arg(held.slot_us)
-            .arg(held.count)
-            .arg(held.window_us)
+            .arg(held.limits.counts_arg())
+            .arg(held.limits.windows_arg())
             .arg(self.durable_flag())
             .arg(self.limiter.algorithm.name())
             .arg(&held.token)
             .arg(self.limiter.bucket_capacity)
             .arg(self.call_bound_us())
+            .arg(cost.units())
             .invoke_async(&mut self.conn.clone())
             .await?;
         let redeemed = match status {
@@ -433,20 +502,21 @@ impl PermitStore {
         &self,
         seller: &SellerId,
         message: Option<&MessageId>,
+        cost: Cost,
         held: Option<&Reservation>,
     ) -> Result<(Decision, Option<Forfeit>), PermitError> {
         if let Some(held) = held {
-            match self.redeem_for(seller, message, held.clone()).await? {
+            match self.redeem_for(seller, message, cost, held.clone()).await? {
                 Ok(decision) => return Ok((decision, None)),
                 Err(forfeit) => {
                     return Ok((
-                        self.acquire_for(seller, message, true).await?,
+                        self.acquire_for(seller, message, cost, true).await?,
                         Some(forfeit),
                     ));
                 }
             }
         }
-        Ok((self.acquire_for(seller, message, true).await?, None))
+        Ok((self.acquire_for(seller, message, cost, true).await?, None))
     }
 
     /// Moves a message to the state it is in now (see `lua/complete.lua`) and counts it there
@@ -591,45 +661,60 @@ impl PermitStore {
         Ok(wait_for(until.unwrap_or(0), now))
     }
 
-    /// How much of the seller's limit is taken now, the limit that applies and any pause, in one
-    /// read-only round trip (for the dashboard; the limiter never needs it).
+    /// How much of each of the seller's limits is taken now, the stack that applies and any
+    /// pause, in one read-only round trip (for the dashboard; the limiter never needs it).
     pub async fn usage(&self, seller: &SellerId) -> Result<Usage, PermitError> {
-        let answer: Vec<i64> = scripts::usage()
+        let answer: Vec<redis::Value> = scripts::usage()
             .key(self.state_key(seller))
             .key(self.keys.limit(seller))
             .key(self.keys.pause(seller))
             .arg(self.limiter.algorithm.name())
-            .arg(self.limiter.limit.count())
-            .arg(self.limiter.limit.window_us())
+            .arg(self.limiter.limit.counts_arg())
+            .arg(self.limiter.limit.windows_arg())
             .arg(self.guard_arg())
             .arg(self.limiter.gcra_burst.max(1))
             .arg(self.limiter.bucket_capacity)
             .invoke_async(&mut self.conn.clone())
             .await?;
         let bad = || PermitError::Answer("usage");
-        let &[
-            used,
-            capacity,
-            ahead,
-            count,
-            window_us,
-            paused_until,
-            now,
-            overridden,
-        ] = answer.as_slice()
-        else {
-            return Err(bad());
+        let int = |i: usize| -> Result<i64, PermitError> {
+            answer
+                .get(i)
+                .and_then(|v| redis::from_redis_value_ref(v).ok())
+                .ok_or_else(bad)
         };
-        let limit = Limit::new(
-            u32::try_from(count).map_err(|_| bad())?,
-            Duration::from_micros(u64::try_from(window_us).map_err(|_| bad())?),
-        )
-        .ok_or_else(bad)?;
+        let text = |i: usize| -> Result<String, PermitError> {
+            answer
+                .get(i)
+                .and_then(|v| redis::from_redis_value_ref(v).ok())
+                .ok_or_else(bad)
+        };
+        let (paused_until, now, overridden) = (int(0)?, int(1)?, int(2)?);
+        let limit = Limits::from_args(&text(3)?, &text(4)?).ok_or_else(bad)?;
+        if answer.len() != 5 + 3 * limit.len() {
+            return Err(bad());
+        }
+        let per_limit = limit
+            .iter()
+            .enumerate()
+            .map(|(i, l)| {
+                Ok(LimitUsage {
+                    limit: *l,
+                    used: int(5 + 3 * i)?.max(0) as u64,
+                    capacity: int(6 + 3 * i)?.max(0) as u64,
+                    ahead: int(7 + 3 * i)?.max(0) as u64,
+                })
+            })
+            .collect::<Result<Vec<_>, PermitError>>()?;
+        let binding = binding_of(&per_limit);
+        let bound = &per_limit[binding];
         Ok(Usage {
-            used: used.max(0) as u64,
-            capacity: capacity.max(0) as u64,
-            ahead: ahead.max(0) as u64,
+            used: bound.used,
+            capacity: bound.capacity,
+            ahead: bound.ahead,
             limit,
+            per_limit,
+            binding,
             overridden: overridden == 1,
             paused_for: wait_for(paused_until, now),
         })
@@ -643,20 +728,17 @@ impl PermitStore {
         Ok(secs * 1_000_000 + micros)
     }
 
-    /// The seller's override, if one is set.
-    pub async fn limit_override(&self, seller: &SellerId) -> Result<Option<Limit>, PermitError> {
+    /// The seller's override, if one is set (and well-formed: the scripts ignore any other).
+    pub async fn limit_override(&self, seller: &SellerId) -> Result<Option<Limits>, PermitError> {
         let raw: Option<String> = self.conn.clone().get(self.keys.limit(seller)).await?;
         Ok(raw.and_then(|raw| {
-            let (count, window) = raw.split_once(' ')?;
-            Limit::new(
-                count.parse().ok()?,
-                Duration::from_micros(window.parse().ok()?),
-            )
+            let (counts, windows) = raw.split_once(' ')?;
+            Limits::from_args(counts, windows)
         }))
     }
 
-    /// The limit that applies to the seller: its override or the default.
-    pub async fn effective_limit(&self, seller: &SellerId) -> Result<Limit, PermitError> {
+    /// The stack that applies to the seller: its override or the default.
+    pub async fn effective_limit(&self, seller: &SellerId) -> Result<Limits, PermitError> {
         Ok(self
             .limit_override(seller)
             .await?
@@ -668,8 +750,13 @@ impl PermitStore {
         self.reschedule(seller, Change::Resume).await
     }
 
-    /// Sets a per-seller override, effective at once on every replica.
-    pub async fn set_limit(&self, seller: &SellerId, limit: Limit) -> Result<(), PermitError> {
+    /// Sets a per-seller override (one limit or a stack), effective at once on every replica.
+    pub async fn set_limit(
+        &self,
+        seller: &SellerId,
+        limit: impl Into<Limits>,
+    ) -> Result<(), PermitError> {
+        let limit = limit.into();
         self.reschedule(seller, Change::Set(limit)).await?;
         Ok(())
     }
@@ -692,8 +779,8 @@ impl PermitStore {
             .key(self.keys.pause(seller))
             .key(self.keys.reserved(seller))
             .arg(self.limiter.algorithm.name())
-            .arg(self.limiter.limit.count())
-            .arg(self.limiter.limit.window_us())
+            .arg(self.limiter.limit.counts_arg())
+            .arg(self.limiter.limit.windows_arg())
             .arg(self.guard_arg())
             .arg(self.limiter.gcra_burst.max(1))
             .arg(self.limiter.bucket_capacity);
@@ -701,7 +788,7 @@ impl PermitStore {
             Change::Set(limit) => {
                 invocation
                     .arg("set")
-                    .arg(format!("{} {}", limit.count(), limit.window_us()))
+                    .arg(format!("{} {}", limit.counts_arg(), limit.windows_arg()))
             }
             Change::Clear => invocation.arg("clear"),
             Change::Resume => invocation.arg("resume"),
@@ -749,8 +836,8 @@ impl PermitStore {
 /// A change of a seller's terms (see [`PermitStore::reschedule`]).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Change {
-    /// The seller's limit becomes this override.
-    Set(Limit),
+    /// The seller's limit becomes this override (one limit or a stack).
+    Set(Limits),
     /// The seller's override is removed (the default applies).
     Clear,
     /// The seller's pause is lifted.
@@ -893,6 +980,7 @@ fn acquired(
     algorithm: Algorithm,
     answer: &[redis::Value],
     token: String,
+    cost: Cost,
 ) -> Result<Decision, PermitError> {
     let bad = || PermitError::Answer(algorithm.name());
     let int = |i: usize| -> Result<i64, PermitError> {
@@ -900,6 +988,14 @@ fn acquired(
             .get(i)
             .and_then(|v| redis::from_redis_value_ref(v).ok())
             .ok_or_else(bad)
+    };
+    let limits = || -> Result<Limits, PermitError> {
+        let text = |i: usize| -> Option<String> {
+            answer
+                .get(i)
+                .and_then(|v| redis::from_redis_value_ref(v).ok())
+        };
+        Limits::from_args(&text(3).ok_or_else(bad)?, &text(4).ok_or_else(bad)?).ok_or_else(bad)
     };
     let (status, slot, now) = (int(0)?, int(1)?, int(2)?);
     match status {
@@ -912,8 +1008,7 @@ fn acquired(
             retry_after: wait_for(slot, now),
             reservation: Some(Reservation {
                 slot_us: slot,
-                count: u32::try_from(int(3)?).map_err(|_| bad())?,
-                window_us: u64::try_from(int(4)?).map_err(|_| bad())?,
+                limits: limits()?,
                 reserved_at_us: now,
                 token,
             }),
@@ -923,6 +1018,11 @@ fn acquired(
             reservation: None,
         }),
         3 => Ok(Decision::AlreadyDone),
+        4 => Ok(Decision::TooCostly {
+            cost,
+            most: u32::try_from(slot).map_err(|_| bad())?,
+            limits: limits()?,
+        }),
         _ => Err(bad()),
     }
 }

@@ -16,6 +16,9 @@ pub struct UploadProgress {
     pub seller: String,
     pub batch: String,
     pub total: u64,
+    /// Units of every limit the upload's messages take together (their costs; `total` when
+    /// the upload did not weigh them).
+    pub units: u64,
     pub registered: u64,
     pub dead: u64,
     pub published_ms: Option<u64>,
@@ -29,6 +32,15 @@ impl UploadProgress {
         self.total.saturating_sub(self.registered + self.dead)
     }
 
+    /// The units of the waiting messages, at the upload's mean cost per message.
+    pub fn waiting_units(&self) -> u64 {
+        let waiting = self.waiting();
+        if self.total == 0 || self.units <= self.total {
+            return waiting;
+        }
+        (u128::from(waiting) * u128::from(self.units)).div_ceil(u128::from(self.total)) as u64
+    }
+
     /// An upload's progress from its hash (`None` when it holds no upload).
     fn parse(fields: &HashMap<String, String>) -> Option<Self> {
         let num = |f: &str| fields.get(f).and_then(|v| v.parse::<u64>().ok());
@@ -36,6 +48,7 @@ impl UploadProgress {
             seller: fields.get("seller")?.clone(),
             batch: fields.get("batch").cloned().unwrap_or_default(),
             total: num("total").unwrap_or(0),
+            units: num("units").or(num("total")).unwrap_or(0),
             registered: num("registered").unwrap_or(0),
             dead: num("dead").unwrap_or(0),
             published_ms: num("published_ms"),
@@ -50,14 +63,16 @@ const INDEXED_UPLOADS: usize = 1000;
 const THROUGHPUT_KEPT: Duration = Duration::from_secs(11 * 60);
 
 impl PermitStore {
-    /// Records that `total` messages of a batch were published, kept `ttl` (re-publishing the
-    /// same batch keeps its counts: its messages are not registered twice), and indexes the
-    /// upload by publish time (the 1,000 newest younger than `ttl`).
+    /// Records that `total` messages of a batch, of `units` units together, were published,
+    /// kept `ttl` (re-publishing the same batch keeps its counts: its messages are not
+    /// registered twice), and indexes the upload by publish time (the 1,000 newest younger than
+    /// `ttl`).
     pub async fn record_published(
         &self,
         seller: &SellerId,
         batch: &BatchId,
         total: u64,
+        units: u64,
         ttl: Duration,
     ) -> Result<(), PermitError> {
         let key = self.keys.batch(seller, batch);
@@ -68,6 +83,7 @@ impl PermitStore {
             .hset(&key, "seller", seller.as_str())
             .hset(&key, "batch", batch.as_str())
             .hset(&key, "total", total)
+            .hset(&key, "units", units)
             .hset(&key, "published_ms", now_ms)
             .pexpire(&key, ttl.as_millis() as i64)
             .query_async(&mut conn)

@@ -210,7 +210,7 @@ impl Worker {
         };
         let asked = std::time::Instant::now();
         let decided = tokio::select! {
-            d = self.decide(registration, carried.reservation.as_ref()) => d,
+            d = self.decide(registration, carried.reservation.as_deref()) => d,
             _ = shutdown.cancelled() => return interrupted(Interrupted::Shutdown),
             _ = connection_lost.cancelled() => return interrupted(Interrupted::ConnectionLost),
         };
@@ -269,7 +269,7 @@ impl Worker {
             Reply::Transient(_) | Reply::Rejected { .. } => {}
         }
         let now_ms = crate::broker::unix_ms();
-        let window = self.permits.default_limit().window();
+        let window = self.permits.default_limit().shortest_window();
         self.settings.plan_reply(reply, carried, now_ms, window)
     }
 
@@ -333,7 +333,7 @@ impl Worker {
         let notices = self.reschedules.subscribe();
         let waited = tokio::select! {
             _ = tokio::time::sleep(wait) => None,
-            _ = given_back(notices, registration, carried.reservation.as_ref()) => None,
+            _ = given_back(notices, registration, carried.reservation.as_deref()) => None,
             _ = shutdown.cancelled() => Some(Interrupted::Shutdown),
             _ = connection_lost.cancelled() => Some(Interrupted::ConnectionLost),
         };
@@ -381,6 +381,7 @@ impl Worker {
             .acquire_or_redeem(
                 &registration.seller_id,
                 Some(&registration.message_id),
+                registration.cost,
                 held,
             )
             .await?;

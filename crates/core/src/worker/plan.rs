@@ -55,8 +55,9 @@ impl Outcome {
 pub struct Carried {
     /// Failed downstream attempts so far (429s are not counted).
     pub attempt: u32,
-    /// The permit slot reserved for the message.
-    pub reservation: Option<Reservation>,
+    /// The permit slot reserved for the message (boxed: a reservation names its whole stack
+    /// of limits, and `Carried` travels by value in every [`Outcome`]).
+    pub reservation: Option<Box<Reservation>>,
     /// Since when (Unix ms) the downstream has answered 429 to this message.
     pub throttled_since_ms: Option<u64>,
 }
@@ -67,7 +68,7 @@ impl Carried {
     pub fn from_delivery(delivery: &Delivery, now_ms: u64) -> Self {
         Self {
             attempt: Self::attempt_of(delivery),
-            reservation: Self::reservation_of(delivery),
+            reservation: Self::reservation_of(delivery).map(Box::new),
             throttled_since_ms: header_u64(delivery, headers::THROTTLED_SINCE)
                 .map(|t| t.min(now_ms)),
         }
@@ -95,7 +96,7 @@ impl Carried {
                 long_string(
                     &self
                         .reservation
-                        .as_ref()
+                        .as_deref()
                         .map(Reservation::encode)
                         .unwrap_or_default(),
                 ),
@@ -177,9 +178,16 @@ impl WorkerSettings {
                 retry_after,
                 reservation,
             } => {
-                carried.reservation = reservation;
+                carried.reservation = reservation.map(Box::new);
                 self.plan_wait(retry_after, holding, carried)
             }
+            Decision::TooCostly { cost, most, limits } => Plan::Settle(Outcome::DeadLetter {
+                reason: "invalid-message",
+                detail: format!(
+                    "cost {cost} exceeds what the seller's limit {limits} can ever grant to one \
+                     call ({most} units)"
+                ),
+            }),
         }
     }
 
@@ -430,8 +438,7 @@ mod tests {
     fn reservation() -> Reservation {
         Reservation {
             slot_us: 1_000_000,
-            count: 1,
-            window_us: 1_000_000,
+            limits: "1/1s".parse().unwrap(),
             reserved_at_us: 0,
             token: "t".into(),
         }
@@ -439,7 +446,7 @@ mod tests {
 
     fn reserved() -> Carried {
         Carried {
-            reservation: Some(reservation()),
+            reservation: Some(Box::new(reservation())),
             ..Carried::default()
         }
     }

@@ -2,25 +2,33 @@
 //! against a strict downstream; prints the figures the design is held to. `--preset backlog`
 //! is issue 13's case: the whole workload (53,000 messages) is in the work queue before the
 //! replicas start, so the busy seller's messages come back from the delay ladder while tens of
-//! thousands wait in the work queue.
+//! thousands wait in the work queue. `--preset stacked` is issue 15's: a stack of two limits
+//! (6/1s,20/5s) enforced by the mock in cost units, every message costing 1 to 3 units.
 
 use std::time::Duration;
 
 use clap::Args;
 
 use crate::mock_api::MockArgs;
-use crate::rig::{Message, Rig, RigArgs, registration_body};
-use turnstile_core::config::{Algorithm, Limit, LimiterArgs};
+use crate::rig::{Message, Rig, RigArgs, registration_body, weighed_body};
+use turnstile_core::config::{Algorithm, LimiterArgs, Limits};
 
 #[derive(Args, Debug, Clone)]
 pub struct ScenarioArgs {
     /// `bar`: 20/1s, 400 + 20x20, 4 replicas x 8 workers. `deep`: 10/2s, 300 + 30x10.
     /// `backlog`: 20/1s, 3,000 + 5,000x10 in the work queue before the replicas start.
+    /// `stacked`: 6/1s,20/5s in cost units, costs 1 to 3, 150 + 30x5 (bar's shape: half the
+    /// messages are the big seller's).
     /// Flags given explicitly override the preset.
     #[arg(long, default_value = "bar")]
     pub preset: String,
-    #[arg(long, value_parser = turnstile_core::config::limit_arg)]
-    pub limit: Option<Limit>,
+    /// The limit, or a comma-separated stack, both turnstile's and the mock's.
+    #[arg(long, value_parser = turnstile_core::config::limits_arg)]
+    pub limit: Option<Limits>,
+    /// Messages cost 1 to this many units, in turn (the mock counts them from the product's
+    /// `cost`).
+    #[arg(long = "max-cost")]
+    pub max_cost: Option<u32>,
     #[arg(long)]
     pub replicas: Option<usize>,
     #[arg(long)]
@@ -64,6 +72,8 @@ struct Preset {
     small: usize,
     /// Publish everything before starting the replicas (a deep work queue from the start).
     prefill: bool,
+    /// Messages cost 1, 2, … up to this many units, in turn.
+    max_cost: u32,
 }
 
 pub async fn run(args: ScenarioArgs) -> anyhow::Result<bool> {
@@ -76,6 +86,7 @@ pub async fn run(args: ScenarioArgs) -> anyhow::Result<bool> {
             small_sellers: 20,
             small: 20,
             prefill: false,
+            max_cost: 1,
         },
         "deep" => Preset {
             limit: "10/2s",
@@ -85,6 +96,7 @@ pub async fn run(args: ScenarioArgs) -> anyhow::Result<bool> {
             small_sellers: 30,
             small: 10,
             prefill: false,
+            max_cost: 1,
         },
         "backlog" => Preset {
             limit: "20/1s",
@@ -94,8 +106,19 @@ pub async fn run(args: ScenarioArgs) -> anyhow::Result<bool> {
             small_sellers: 5_000,
             small: 10,
             prefill: true,
+            max_cost: 1,
         },
-        other => anyhow::bail!("--preset {other:?}: choose bar, deep or backlog"),
+        "stacked" => Preset {
+            limit: "6/1s,20/5s",
+            replicas: 4,
+            workers: 8,
+            big: 150,
+            small_sellers: 30,
+            small: 5,
+            prefill: false,
+            max_cost: 3,
+        },
+        other => anyhow::bail!("--preset {other:?}: choose bar, deep, backlog or stacked"),
     };
     let limit = args
         .limit
@@ -105,15 +128,29 @@ pub async fn run(args: ScenarioArgs) -> anyhow::Result<bool> {
     let big = args.big.unwrap_or(preset.big);
     let small_sellers = args.small_sellers.unwrap_or(preset.small_sellers);
     let small = args.small.unwrap_or(preset.small);
+    let max_cost = args
+        .max_cost
+        .unwrap_or(preset.max_cost)
+        .clamp(1, limit.min_count());
+    let cost_of = |i: usize| (i as u32 % max_cost) + 1;
 
-    let limiter = LimiterArgs::new(limit, args.algorithm);
+    let limiter = LimiterArgs {
+        // gcra takes a cost of at most its burst.
+        gcra_burst: max_cost,
+        ..LimiterArgs::new(limit, args.algorithm)
+    };
     let mut settings = args
         .rig
         .replica_settings("scenario", limiter, workers, args.hold);
     settings.prefetch = args.prefetch;
     eprintln!(
-        "scenario: limit {limit}, {replicas} replicas x {workers} workers, {}: one seller's {big} messages published ahead of {small_sellers} sellers with {small} each{}",
+        "scenario: limit {limit}, {replicas} replicas x {workers} workers, {}: one seller's {big} messages published ahead of {small_sellers} sellers with {small} each{}{}",
         args.algorithm,
+        if max_cost > 1 {
+            format!(", costing 1 to {max_cost} units in turn")
+        } else {
+            String::new()
+        },
         if preset.prefill {
             ", all in the work queue before the replicas start"
         } else {
@@ -132,29 +169,26 @@ pub async fn run(args: ScenarioArgs) -> anyhow::Result<bool> {
         rig.start(replicas).await?
     };
     let mut messages = Vec::new();
+    let message = |seller: &str, i: usize| {
+        let id = format!("{seller}-{i}");
+        let body = if max_cost > 1 {
+            let cost = cost_of(i);
+            weighed_body(&id, seller, cost, serde_json::json!({ "sku": i }))
+        } else {
+            registration_body(&id, seller, None, serde_json::json!({"sku": i}))
+        };
+        Message {
+            seller: seller.to_owned(),
+            body,
+        }
+    };
     for i in 0..big {
-        messages.push(Message {
-            seller: "big".into(),
-            body: registration_body(
-                &format!("big-{i}"),
-                "big",
-                None,
-                serde_json::json!({"sku": i}),
-            ),
-        });
+        messages.push(message("big", i));
     }
     for s in 0..small_sellers {
         let seller = format!("small-{s}");
         for i in 0..small {
-            messages.push(Message {
-                body: registration_body(
-                    &format!("{seller}-{i}"),
-                    &seller,
-                    None,
-                    serde_json::json!({"sku": i}),
-                ),
-                seller: seller.clone(),
-            });
+            messages.push(message(&seller, i));
         }
     }
     let published_at = std::time::Instant::now();
@@ -167,7 +201,7 @@ pub async fn run(args: ScenarioArgs) -> anyhow::Result<bool> {
         );
         rig.start_replicas(replicas, workers).await?;
     }
-    let optimum = limit.optimum_drain(big as u64);
+    let optimum = limit.optimum_drain_of((0..big).map(cost_of));
     rig.wait(optimum * 3 + Duration::from_secs(60), |_| {})
         .await?;
     let report = rig.finish().await?;
@@ -257,7 +291,7 @@ pub async fn run(args: ScenarioArgs) -> anyhow::Result<bool> {
     );
     println!(
         "{:<44} {:>9.2}s",
-        "optimum ((ceil(n/COUNT)-1) windows)",
+        "optimum (greedy schedule of the stack)",
         optimum.as_secs_f64()
     );
     println!("{:<44} {:>9.3}x", "drain / optimum", ratio);

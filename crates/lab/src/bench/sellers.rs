@@ -835,7 +835,7 @@ async fn fresh_window(store: &PermitStore, algorithm: Algorithm) -> anyhow::Resu
     if algorithm != Algorithm::FixedWindow {
         return Ok(());
     }
-    let window = store.default_limit().window_us() as i64;
+    let window = store.default_limit().shortest_window().as_micros() as i64;
     let now = store.redis_time_us().await.context("Redis TIME")?;
     let left = window - now.rem_euclid(window);
     if left < (window / 2).min(15_000_000) {
