@@ -8,6 +8,7 @@ use std::time::Duration;
 
 use serde_json::{Value, json};
 use tokio_util::sync::CancellationToken;
+use turnstile_core::config::Limits;
 use turnstile_core::domain::{BatchId, SellerId};
 use turnstile_core::permit::PermitStore;
 use turnstile_lab::rig::Rig;
@@ -39,8 +40,12 @@ async fn the_dashboard_shows_each_seller_and_its_upload_progress_while_a_workloa
         format!("http://{http}/api/dashboard"),
     );
 
-    // Four uploads: a big one, a small one, one with a product the API rejects, and one of a
-    // seller paused for ten minutes (nothing of it is published, so it only waits).
+    // Four uploads: a big one, a small one of a seller with a stack of limits, one with a
+    // product the API rejects, and one of a seller paused for ten minutes (nothing of it is
+    // published, so it only waits).
+    store
+        .set_limit(&seller("S-small"), "3/1s,8/1m".parse::<Limits>().unwrap())
+        .await?;
     upload(&mut rig, &store, "S-big", "spring", 30, 0).await?;
     upload(&mut rig, &store, "S-small", "summer", 6, 0).await?;
     upload(&mut rig, &store, "S-bad", "autumn", 1, 1).await?;
@@ -98,8 +103,22 @@ async fn the_dashboard_shows_each_seller_and_its_upload_progress_while_a_workloa
             && upload_of(d, "S-small")["registered"] == 6
     })
     .await;
+    // Once its last second has passed, the stacked seller's minute limit binds: 6 of 8 units.
+    wait_for_api(&api, "the stacked seller's minute limit binding", |d| {
+        seller_of(d, "S-small").is_some_and(|s| {
+            s["limit"] == "3/1s,8/1m"
+                && s["binding"] == "8/1m"
+                && s["limits"][1] == json!({"limit": "8/1m", "used": 6, "capacity": 8, "ahead": 0})
+        })
+    })
+    .await;
     let dom = chromium.dump_dom(&page).await;
     std::fs::write(artifacts.join("dashboard-done.html"), &dom).unwrap();
+    let stacked = row(&dom, "seller", "S-small");
+    assert!(
+        stacked.contains("3/1s,8/1m") && stacked.contains("binds: 8/1m"),
+        "the stack and the limit that binds: {stacked}"
+    );
     let registered = |seller: &str| stats.sellers[seller].registered;
     let big = row(&dom, "upload", "S-big");
     assert_eq!(registered("S-big"), 30);
@@ -318,6 +337,12 @@ fn upload_of<'a>(dashboard: &'a Value, seller: &str) -> &'a Value {
         .as_array()
         .and_then(|u| u.iter().find(|u| u["seller"] == seller))
         .unwrap_or(&Value::Null)
+}
+
+fn seller_of<'a>(dashboard: &'a Value, seller: &str) -> Option<&'a Value> {
+    dashboard["sellers"]
+        .as_array()
+        .and_then(|rows| rows.iter().find(|row| row["seller"] == seller))
 }
 
 /// Polls `/api/dashboard` until `done` holds for its answer.
