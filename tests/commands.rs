@@ -5,6 +5,7 @@ mod support;
 use std::process::{Child, Command, Stdio};
 use std::time::Duration;
 
+use serde_json::json;
 use support::{redis_url, run};
 use turnstile_lab::rig::Rig;
 
@@ -91,6 +92,60 @@ async fn publish_sends_one_message_per_product_and_status_follows_the_upload() -
         (stats.registered, stats.duplicates, stats.requests),
         (40, 0, 40)
     );
+    rig.cleanup().await
+}
+
+#[tokio::test]
+async fn a_weighed_upload_is_published_with_its_costs_and_registers_within_the_stack()
+-> anyhow::Result<()> {
+    let mut rig = support::rig("weighed-publish", "6/1s,20/5s")
+        .prepare()
+        .await?;
+    // The mock counts a product's `cost` as its units, so the cost column is named so here.
+    let file = std::env::temp_dir().join(format!("{}.jsonl", rig.topology.work()));
+    std::fs::write(
+        &file,
+        [1, 2, 3, 4]
+            .map(|c| format!("{{\"sku\":{c},\"cost\":{c}}}\n"))
+            .concat()
+            + "{\"sku\":5,\"cost\":\"seven\"}\n",
+    )?;
+    let mut cmd = turnstile();
+    env_of(&rig, &mut cmd);
+    let (code, out, err) = run(cmd.args([
+        "publish",
+        file.to_str().unwrap(),
+        "--seller",
+        "S-weighed",
+        "--batch",
+        "w1",
+        "--cost-column",
+        "cost",
+    ]));
+    std::fs::remove_file(&file)?;
+    assert_eq!(code, 0, "{err}");
+    // 1 + 2 + 3 fill the first second; 4 goes one second later.
+    assert!(
+        out.contains("published 4 of 4 products of 10 units (cost) of S-weighed (batch w1)")
+            && out.contains("1 bad rows skipped; at 6/1s,20/5s they take at least 1s"),
+        "{out}"
+    );
+    assert!(err.contains("row 5"), "the bad row is reported: {err}");
+    let before = status_of(&rig, "S-weighed");
+    assert_eq!(
+        (
+            &before[0]["waiting"],
+            &before[0]["waiting_units"],
+            &before[0]["limit"]
+        ),
+        (&json!(4), &json!(10), &json!("6/1s,20/5s"))
+    );
+    assert_eq!(before[0]["limits"].as_array().map(Vec::len), Some(2));
+
+    rig.start_replicas(1, 4).await?;
+    let stats = rig.wait_registered(4).await?;
+    assert_eq!(stats.violations, 0, "{stats:?}");
+    assert_eq!(stats.sellers["S-weighed"].units, 10, "{stats:?}");
     rig.cleanup().await
 }
 

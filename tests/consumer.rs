@@ -223,7 +223,8 @@ async fn weighed_messages_under_a_stack_register_within_every_limit_and_a_cost_t
     let detail = header_str(&dead[0], headers::DETAIL).unwrap();
     assert_eq!(
         detail,
-        "cost 5 exceeds what the seller's limit 4/1s,10/3s can ever grant to one call (4 units)"
+        "cost 5 exceeds what the seller's limit 4/1s,10/3s can ever grant to one call: at most 4, \
+         the smallest COUNT"
     );
     assert_eq!(
         stats.violations, 0,

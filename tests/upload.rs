@@ -5,7 +5,9 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 
 use serde_json::{Value, json};
 use turnstile_core::domain::{BatchId, Registration, SellerId};
-use turnstile_upload::upload::{Format, MAX_ROWS, Upload, UploadError, read_upload};
+use turnstile_upload::upload::{
+    Format, MAX_ROWS, Upload, UploadError, read_upload, read_weighed_upload,
+};
 
 /// A file in its own fresh directory under the system temp dir, removed on drop.
 struct TempFile {
@@ -50,6 +52,18 @@ fn batch(s: &str) -> BatchId {
 
 fn read(path: &Path) -> Upload {
     read_upload(path, &seller("S-1001"), None, false).unwrap()
+}
+
+/// The upload at `path`, each message weighed by the column `cost_column`.
+fn read_weighed(path: &Path, cost_column: &str) -> Upload {
+    read_weighed_upload(
+        path,
+        &seller("S-1001"),
+        Some(&batch("b")),
+        false,
+        Some(cost_column),
+    )
+    .unwrap()
 }
 
 fn read_bytes(name: &str, bytes: &[u8]) -> Result<Upload, UploadError> {
@@ -860,4 +874,71 @@ proptest::proptest! {
         let rows: Vec<(u32, &[Cell])> = rows.iter().map(|(r, c)| (*r, c.as_slice())).collect();
         let _ = read_bytes("layout.xlsx", &workbook(&[("Sheet1", &rows)], 0));
     }
+}
+
+#[test]
+fn a_cost_column_weighs_each_message_and_a_row_without_a_whole_cost_is_bad() {
+    let csv = "sku,images\nA,1\nB,3\nC,\nD,two\nE,0\nF,10001\nG, 7 \nH,2.5\n";
+    let file = TempFile::new("weighed.csv", csv.as_bytes());
+    let weighed = |column: &str| read_weighed(&file.path, column);
+    let upload = weighed("images");
+    let costs: Vec<u32> = upload
+        .rows
+        .iter()
+        .map(|r| Registration::parse(&r.body, None).unwrap().cost.units())
+        .collect();
+    assert_eq!(costs, [1, 3, 7]);
+    assert_eq!(
+        upload
+            .rows
+            .iter()
+            .map(|r| r.cost.units())
+            .collect::<Vec<_>>(),
+        costs,
+        "the row's cost is the body's"
+    );
+    assert_eq!(upload.units(), 11);
+    // The field stays in the product, forwarded verbatim.
+    assert_eq!(products(&upload)[1], json!({"sku": "B", "images": "3"}));
+    let must = "its \"images\" must be a whole number from 1 to 10000";
+    assert_eq!(
+        bad(&upload),
+        [
+            (4, "it has no \"images\" (the cost column)".to_owned()),
+            (5, must.to_owned()),
+            (6, must.to_owned()),
+            (7, must.to_owned()),
+            (9, must.to_owned()),
+        ]
+    );
+    // Without a cost column every message costs 1 and the body has no `cost`.
+    let plain = read_upload(&file.path, &seller("S-1001"), Some(&batch("b")), false).unwrap();
+    assert_eq!(plain.rows.len(), 8);
+    assert_eq!(plain.units(), 8);
+    let body: Value = serde_json::from_slice(&plain.rows[1].body).unwrap();
+    assert_eq!(body.get("cost"), None);
+    // A column no row has makes every row bad.
+    assert_eq!(weighed("weight").rows.len(), 0);
+}
+
+#[test]
+fn an_xlsx_cost_column_takes_whole_numbers_from_number_cells() {
+    let bytes = xlsx(&[
+        &[Cell::Text("sku"), Cell::Text("cost")],
+        &[Cell::Text("A"), Cell::Num(2.0)],
+        &[Cell::Text("B"), Cell::Num(2.5)],
+        &[Cell::Text("C"), Cell::Text("4")],
+    ]);
+    let file = TempFile::new("weighed.xlsx", &bytes);
+    let upload = read_weighed(&file.path, "cost");
+    assert_eq!(
+        upload
+            .rows
+            .iter()
+            .map(|r| r.cost.units())
+            .collect::<Vec<_>>(),
+        [2, 4]
+    );
+    assert_eq!(bad(&upload).len(), 1, "{:?}", bad(&upload));
+    assert_eq!(bad(&upload)[0].0, 3);
 }

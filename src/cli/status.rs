@@ -1,12 +1,12 @@
-//! `turnstile status`: how far each upload is (registered, waiting, dead-lettered) and when it
-//! will be done.
+//! `turnstile status`: how far each upload is (registered, waiting, dead-lettered), its
+//! seller's limits (which one binds now) and when it will be done.
 
 use std::process::ExitCode;
 use std::time::Duration;
 
-use turnstile_core::config::{LimiterArgs, Limits, RedisArgs};
+use turnstile_core::config::{LimiterArgs, RedisArgs};
 use turnstile_core::domain::SellerId;
-use turnstile_core::permit::PermitStore;
+use turnstile_core::permit::{PermitStore, Usage};
 use turnstile_upload::progress::{self, Progress};
 
 use super::{batch_arg, seller_arg};
@@ -40,20 +40,22 @@ pub async fn run(args: StatusArgs) -> anyhow::Result<ExitCode> {
     let mut rows = Vec::new();
     for p in &uploads {
         let seller = SellerId::parse(&p.seller).map_err(|e| anyhow::anyhow!("{e}"))?;
-        let limit = store.effective_limit(&seller).await?;
-        let paused = store.paused_for(&seller).await?;
-        rows.push((
-            p,
-            limit,
-            limit.optimum_drain(backlog[p.seller.as_str()]) + paused,
-        ));
+        let usage = store.usage(&seller).await?;
+        let eta = usage.limit.optimum_drain(backlog[p.seller.as_str()]) + usage.paused_for;
+        rows.push((p, usage, eta));
     }
     if args.json {
         let value: Vec<_> = rows
             .iter()
-            .map(|(p, limit, eta)| {
+            .map(|(p, usage, eta)| {
+                let limits: Vec<_> = usage
+                    .per_limit
+                    .iter()
+                    .map(|l| serde_json::json!({"limit": l.limit.to_string(), "used": l.used, "capacity": l.capacity, "ahead": l.ahead}))
+                    .collect();
                 serde_json::json!({"seller": p.seller, "batch": p.batch, "total": p.total, "registered": p.registered,
-                    "waiting": p.waiting(), "dead_lettered": p.dead, "done": p.waiting() == 0, "limit": limit.to_string(), "eta_s": eta.as_secs_f64()})
+                    "waiting": p.waiting(), "waiting_units": p.waiting_units(), "dead_lettered": p.dead, "done": p.waiting() == 0,
+                    "limit": usage.limit.to_string(), "limits": limits, "binding": binding(usage), "eta_s": eta.as_secs_f64()})
             })
             .collect();
         println!("{}", serde_json::to_string_pretty(&value)?);
@@ -70,27 +72,34 @@ pub async fn run(args: StatusArgs) -> anyhow::Result<ExitCode> {
     Ok(ExitCode::SUCCESS)
 }
 
-/// Prints one line per upload: its counts, its seller's limit and when it will be done.
-fn print_table(rows: &[(&Progress, Limits, Duration)]) {
+/// The limit of the seller's stack that binds now (see `permit::binding_of`).
+fn binding(usage: &Usage) -> String {
+    usage.per_limit[usage.binding].limit.to_string()
+}
+
+/// Prints one line per upload: its counts, its seller's limits, the one that binds now and when
+/// it will be done.
+fn print_table(rows: &[(&Progress, Usage, Duration)]) {
     println!(
-        "{:<16} {:<28} {:>6} {:>10} {:>8} {:>6} {:>10} {:>10}",
-        "seller", "batch", "total", "registered", "waiting", "dead", "limit", "done in"
+        "{:<16} {:<28} {:>6} {:>10} {:>8} {:>6} {:>14} {:>8} {:>10}",
+        "seller", "batch", "total", "registered", "waiting", "dead", "limit", "binds", "done in"
     );
-    for (p, limit, eta) in rows {
+    for (p, usage, eta) in rows {
         let done = if p.waiting() == 0 {
             "done".to_owned()
         } else {
             format!("~{:.0}s", eta.as_secs_f64().max(1.0))
         };
         println!(
-            "{:<16} {:<28} {:>6} {:>10} {:>8} {:>6} {:>10} {:>10}",
+            "{:<16} {:<28} {:>6} {:>10} {:>8} {:>6} {:>14} {:>8} {:>10}",
             p.seller,
             p.batch,
             p.total,
             p.registered,
             p.waiting(),
             p.dead,
-            limit.to_string(),
+            usage.limit.to_string(),
+            binding(usage),
             done
         );
     }

@@ -531,6 +531,82 @@ pub async fn a_deep_backlog_keeps_the_sellers_state_bounded(
     keys.cleanup().await;
 }
 
+/// sliding-window holds one log member per unit: a backlog of weighed calls stops reserving once
+/// the log holds 3,072 units beyond the largest COUNT, and is told when to come back, so the
+/// seller's state stays bounded whatever the costs. At 100/30m and 50 units a call, two calls
+/// are granted (100 units) and reservations stop once the next would pass 3,072 + 100: 61 of
+/// them (3,150 units), where 998 would be 49,900 log members.
+pub async fn a_weighed_backlog_keeps_the_sliding_log_bounded(backend: Backend) {
+    let keys = Keys::new(backend, "weighed-deep").await;
+    let store = keys.store(limiter("100/30m", Algorithm::SlidingWindow));
+    let s = seller("S-weighed-deep");
+    let cost = Cost::new(50).unwrap();
+    let (mut granted, mut reserved, mut far) = (0, 0, 0);
+    for _ in 0..1_000 {
+        match store.acquire_units(&s, cost, true).await.unwrap() {
+            Decision::Granted { .. } => granted += 1,
+            Decision::Wait {
+                reservation: Some(_),
+                ..
+            } => reserved += 1,
+            Decision::Wait {
+                reservation: None, ..
+            } => far += 1,
+            other => panic!("{other:?}"),
+        }
+    }
+    let bytes = turnstile_core::permit::memory_of_prefix(&keys.conn, &keys.prefix)
+        .await
+        .unwrap();
+    assert_eq!((granted, reserved, far), (2, 61, 937), "{bytes} bytes");
+    assert!(bytes < 1 << 20, "{bytes} bytes");
+    keys.cleanup().await;
+}
+
+/// An override key holding anything but the form turnstile writes (a stack sorted by window,
+/// no two windows alike, plain integers) — written by hand, or restored from elsewhere — is
+/// ignored by every script: the default applies, and a reservation made under it stays good.
+pub async fn a_malformed_override_is_ignored_and_the_default_applies(backend: Backend) {
+    let keys = Keys::new(backend, "malformed-override").await;
+    let store = keys.store(limiter("6/1s,20/5s", Algorithm::SlidingWindow));
+    let space = Keyspace::new(&keys.prefix);
+    for (i, odd) in [
+        "20,6 5000000,1000000",
+        "6,20 1000000,1000000",
+        "06,20 1000000,5000000",
+        "6,,20 1000000,,5000000",
+        "6,20 1000000",
+        "6, 20 1000000,5000000",
+        "0 1000000",
+        "6,20,30,40,50,60,70,80,90 1,2,3,4,5,6,7,8,9",
+    ]
+    .into_iter()
+    .enumerate()
+    {
+        let s = seller(&format!("S-odd-{i}"));
+        let _: () = redis::cmd("SET")
+            .arg(space.limit(&s))
+            .arg(odd)
+            .query_async(&mut keys.conn.clone())
+            .await
+            .unwrap();
+        let usage = store.usage(&s).await.unwrap();
+        assert_eq!(
+            (usage.limit.to_string(), usage.overridden),
+            ("6/1s,20/5s".to_owned(), false),
+            "{odd:?}"
+        );
+        assert!(
+            matches!(
+                store.acquire(&s, true).await.unwrap(),
+                Decision::Granted { .. }
+            ),
+            "{odd:?}"
+        );
+    }
+    keys.cleanup().await;
+}
+
 /// Invalid inputs are refused before anything is written.
 pub async fn scripts_check_inputs_before_writing(backend: Backend) {
     let keys = Keys::new(backend, "inputs").await;
@@ -836,6 +912,7 @@ pub async fn a_cost_beyond_the_stack_never_passes_and_takes_nothing(
             cost,
             most: m,
             limits: l,
+            ..
         } => {
             assert_eq!((m, l.to_string()), (most, limits.to_owned()), "{algorithm}");
             assert!(cost.units() > most, "{algorithm}");
@@ -1069,6 +1146,14 @@ macro_rules! permit_tests {
             for algorithm in turnstile_core::config::Algorithm::ALL {
                 cases::a_deep_backlog_keeps_the_sellers_state_bounded($backend, algorithm).await;
             }
+        }
+        #[tokio::test]
+        async fn a_weighed_backlog_keeps_the_sliding_log_bounded() {
+            cases::a_weighed_backlog_keeps_the_sliding_log_bounded($backend).await;
+        }
+        #[tokio::test]
+        async fn a_malformed_override_is_ignored_and_the_default_applies() {
+            cases::a_malformed_override_is_ignored_and_the_default_applies($backend).await;
         }
         #[tokio::test]
         async fn scripts_check_inputs_before_writing() {

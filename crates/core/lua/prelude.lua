@@ -24,7 +24,8 @@ end
 local MAX_STACK = 8
 
 -- A stack of limits, all of which must hold, from COUNTS ("C1,C2,...") and WINDOWS
--- ("W1,W2,..." in µs): as many of each, 1 to MAX_STACK, integers >= 1. Returns a list of
+-- ("W1,W2,..." in µs): as many of each, 1 to MAX_STACK, integers >= 1 without leading zeros,
+-- windows strictly increasing (as `Limits` in config.rs writes them). Returns a list of
 -- {count, window}, with `counts` and `windows` the terms as given (how they are answered and
 -- compared), or nil when malformed.
 local function parse_limits(counts, windows)
@@ -41,6 +42,17 @@ local function parse_limits(counts, windows)
     limits[i].window = tonumber(w)
   end
   if i == 0 or i ~= #limits then return nil end
+  -- Only the form turnstile writes: plain integers, windows strictly increasing (a stack sorted
+  -- by window, no two alike), so that a stack compares equal to itself as text.
+  local shown_counts, shown_windows = {}, {}
+  for j, l in ipairs(limits) do
+    if j > 1 and l.window <= limits[j - 1].window then return nil end
+    shown_counts[j] = string.format('%.0f', l.count)
+    shown_windows[j] = string.format('%.0f', l.window)
+  end
+  if table.concat(shown_counts, ',') ~= counts or table.concat(shown_windows, ',') ~= windows then
+    return nil
+  end
   return limits
 end
 
@@ -73,8 +85,8 @@ local function guard_for(window, guard)
 end
 
 -- Completes a stack with what every script derives from it: each limit's guard (GUARD as in
--- guard_for) and span (window + guard), and over the stack: min_count, min_guard, min_span,
--- max_span and max_window, and `slowest`, the limit with the lowest long-run rate (count/span).
+-- guard_for) and span (window + guard), and over the stack: min_count, max_count, min_guard,
+-- min_span, max_span and max_window, and `slowest`, the limit with the lowest long-run rate (count/span).
 local function with_spans(limits, guard)
   for _, l in ipairs(limits) do
     l.guard = guard_for(l.window, guard)
@@ -84,6 +96,7 @@ local function with_spans(limits, guard)
     if limits.min_span == nil or l.span < limits.min_span then limits.min_span = l.span end
     if limits.max_span == nil or l.span > limits.max_span then limits.max_span = l.span end
     if limits.max_window == nil or l.window > limits.max_window then limits.max_window = l.window end
+    if limits.max_count == nil or l.count > limits.max_count then limits.max_count = l.count end
     if limits.slowest == nil or l.count * limits.slowest.span < limits.slowest.count * l.span then
       limits.slowest = l
     end
@@ -98,26 +111,29 @@ local function unit(token, i)
   return token .. '*' .. i
 end
 
--- Adds the COST units of TOKEN to the sorted set KEY at SCORE.
-local function add_units(key, score, token, cost)
+-- Runs COMMAND on the sorted set KEY with the COST units of TOKEN (each after SCORE, if given),
+-- in variadic calls of at most 500 units: ZADD adds them, ZREM removes them.
+local function for_units(command, key, token, cost, score)
   local args = {}
   for i = 1, cost do
-    args[#args + 1] = score
+    if score ~= nil then args[#args + 1] = score end
     args[#args + 1] = unit(token, i)
     if #args >= 1000 then
-      redis.call('ZADD', key, unpack(args))
+      redis.call(command, key, unpack(args))
       args = {}
     end
   end
-  if #args > 0 then redis.call('ZADD', key, unpack(args)) end
+  if #args > 0 then redis.call(command, key, unpack(args)) end
 end
 
--- Removes every unit of TOKEN from the sorted set KEY; returns how many there were.
-local function remove_units(key, token)
-  if redis.call('ZREM', key, token) == 0 then return 0 end
-  local i = 2
-  while redis.call('ZREM', key, unit(token, i)) == 1 do i = i + 1 end
-  return i - 1
+-- Adds the COST units of TOKEN to the sorted set KEY at SCORE.
+local function add_units(key, score, token, cost)
+  for_units('ZADD', key, token, cost, score)
+end
+
+-- Removes the COST units of TOKEN from the sorted set KEY.
+local function remove_units(key, token, cost)
+  for_units('ZREM', key, token, cost)
 end
 
 -- How a reservation of COST units is named in the seller's reserved set: TOKEN for one unit
@@ -299,15 +315,24 @@ local function hold_reservation(key, token, cost, slot, now, late)
 end
 
 -- The reserving step of every acquire script. A wait (STATUS 2) takes a slot in the seller's
--- reserved set RESERVED_KEY, unless the set is full: then it gets a ticket of the far queue
--- FAR_KEY instead (status 0: come back at the ticket's time, holding nothing; see far_ticket),
--- paced by the stack's slowest limit at the caller's cost. Returns STATUS, SLOT.
-local function slot_or_far_ticket(status, slot, reserved_key, far_key, now, late, limits, a)
-  if status == 2 and reserved_full(reserved_key, now, late) then
+-- reserved set RESERVED_KEY, unless the set is full, or CROWDED (optional: the seller's state
+-- holds as many units as reservations may add, see log_crowded): then it gets a ticket of the
+-- far queue FAR_KEY instead (status 0: come back at the ticket's time, holding nothing; see
+-- far_ticket), paced by the stack's slowest limit at the caller's cost. Returns STATUS, SLOT.
+local function slot_or_far_ticket(status, slot, reserved_key, far_key, now, late, limits, a, crowded)
+  if status == 2 and (reserved_full(reserved_key, now, late) or crowded) then
     local per_span = math.max(math.floor(limits.slowest.count / a.cost), 1)
     return 0, far_ticket(far_key, reserved_key, now, limits.slowest.span, per_span)
   end
   return status, slot
+end
+
+-- sliding-window: whether a reservation of COST more units would take the seller's log (KEY,
+-- one member per unit) past MAX_RESERVED units beyond the most a window may hold. At one unit a
+-- call the reserved set fills first, as before costs; with costs this bounds the log, and so the
+-- seller's memory, to MAX_RESERVED + the largest COUNT + COST members however deep its backlog.
+local function log_crowded(key, limits, cost)
+  return redis.call('ZCARD', key) + cost > MAX_RESERVED + limits.max_count
 end
 
 -- The last step of every acquire script, once the seller's state was written to last TTL ms:
@@ -362,7 +387,7 @@ end
 --                   whole schedule's reservations at once.
 local function give_back(algorithm, state_key, token, cost, slot, limits)
   if algorithm == 'sliding-window' then
-    remove_units(state_key, token)
+    remove_units(state_key, token, cost)
   elseif algorithm == 'fixed-window' then
     for i, l in ipairs(limits) do
       local index = math.floor(slot / l.window)
@@ -438,11 +463,20 @@ local function start_call(calls_key, token, cost, now, bound, limits)
 end
 
 -- Records that the call TOKEN was answered now: the END of each of its units comes forward
--- (never back).
+-- (never back). The answer does not know the call's cost, so its units are moved 64 at a time
+-- (ZADD XX touches only those that exist) until a batch finds fewer: a few calls for any cost.
 local function end_call(calls_key, token, now)
   local bound = tonumber(redis.call('ZSCORE', calls_key, token) or '')
   if bound == nil or now >= bound then return end
   redis.call('ZADD', calls_key, now, token)
-  local i = 2
-  while redis.call('ZADD', calls_key, 'XX', 'CH', now, unit(token, i)) == 1 do i = i + 1 end
+  local first = 2
+  repeat
+    local args = {}
+    for i = first, first + 63 do
+      args[#args + 1] = now
+      args[#args + 1] = unit(token, i)
+    end
+    local moved = redis.call('ZADD', calls_key, 'XX', 'CH', unpack(args))
+    first = first + 64
+  until moved < 64
 end

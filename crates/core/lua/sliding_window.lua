@@ -59,7 +59,8 @@ local status = due(slot, now, limits.min_guard, a)
 local late = lateness('sliding-window', limits)
 -- Due, but calls of the last window may still be in flight: wait for their answers.
 slot, status = after_gate(status, slot, KEYS[6], now, limits, a)
-status, slot = slot_or_far_ticket(status, slot, KEYS[4], KEYS[7], now, late, limits, a)
+status, slot = slot_or_far_ticket(status, slot, KEYS[4], KEYS[7], now, late, limits, a,
+  log_crowded(KEYS[1], limits, a.cost))
 if status == 0 then return {0, slot, now, limits.counts, limits.windows} end
 add_units(KEYS[1], slot, a.token, a.cost)
 last = tonumber(redis.call('ZRANGE', KEYS[1], -1, -1, 'WITHSCORES')[2])

@@ -21,13 +21,17 @@
 -- ARGV[6]  token-bucket: CAPACITY (integer >= 0; see with_capacities); others: ignored
 -- Returns {PAUSED_UNTIL_US, NOW_US, OVERRIDE, COUNTS, WINDOWS_US, then per limit of the stack in
 -- its order: USED, CAPACITY, AHEAD}; COUNTS and WINDOWS_US are the stack that applies, OVERRIDE
--- is 1 when it is the seller's own.
+-- is 1 when it is the seller's own (a well-formed override is set).
 
 local algorithm = algorithm_arg(1)
-local limits = with_spans(effective_limits(KEYS[2], limits_arg(2)), int_arg(4, -1))
+local default = limits_arg(2)
+local limits = with_spans(effective_limits(KEYS[2], default), int_arg(4, -1))
 with_capacities(limits, int_arg(6, 0))
 local now = now_us()
-local answer = {paused_until(KEYS[3]), now, redis.call('EXISTS', KEYS[2]), limits.counts, limits.windows}
+-- (An override that is not well-formed is ignored by every script: the default applies.)
+local overridden = 0
+if limits ~= default then overridden = 1 end
+local answer = {paused_until(KEYS[3]), now, overridden, limits.counts, limits.windows}
 local function row(used, capacity, ahead)
   answer[#answer + 1] = math.floor(used)
   answer[#answer + 1] = math.floor(capacity)

@@ -129,6 +129,8 @@ pub enum Decision {
         cost: Cost,
         most: u32,
         limits: Limits,
+        /// What sets `most` with this algorithm, and what to change (for the dead letter).
+        bound_by: &'static str,
     },
 }
 
@@ -1022,6 +1024,14 @@ fn acquired(
             cost,
             most: u32::try_from(slot).map_err(|_| bad())?,
             limits: limits()?,
+            bound_by: match algorithm {
+                Algorithm::SlidingWindow | Algorithm::FixedWindow => "the smallest COUNT",
+                Algorithm::Gcra => {
+                    "the smallest of COUNT and TURNSTILE_GCRA_BURST (raise the burst to the \
+                     largest cost)"
+                }
+                Algorithm::TokenBucket => "the smallest bucket capacity",
+            },
         }),
         _ => Err(bad()),
     }

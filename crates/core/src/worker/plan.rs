@@ -181,11 +181,16 @@ impl WorkerSettings {
                 carried.reservation = reservation.map(Box::new);
                 self.plan_wait(retry_after, holding, carried)
             }
-            Decision::TooCostly { cost, most, limits } => Plan::Settle(Outcome::DeadLetter {
+            Decision::TooCostly {
+                cost,
+                most,
+                limits,
+                bound_by,
+            } => Plan::Settle(Outcome::DeadLetter {
                 reason: "invalid-message",
                 detail: format!(
                     "cost {cost} exceeds what the seller's limit {limits} can ever grant to one \
-                     call ({most} units)"
+                     call: at most {most}, {bound_by}"
                 ),
             }),
         }
@@ -479,6 +484,25 @@ mod tests {
             carried,
             reserved(),
             "the reservation is kept for the redeem"
+        );
+    }
+
+    #[test]
+    fn a_cost_the_limits_can_never_grant_is_dead_lettered_as_invalid_with_what_bounds_it() {
+        let decision = Decision::TooCostly {
+            cost: crate::domain::Cost::new(3).unwrap(),
+            most: 1,
+            limits: "6/1s,20/5s".parse().unwrap(),
+            bound_by: "the smallest of COUNT and TURNSTILE_GCRA_BURST",
+        };
+        let plan = settings().plan_decision(decision, Duration::ZERO, 0, &mut Carried::default());
+        assert_eq!(
+            plan,
+            dead_letter(
+                "invalid-message",
+                "cost 3 exceeds what the seller's limit 6/1s,20/5s can ever grant to one call: \
+                 at most 1, the smallest of COUNT and TURNSTILE_GCRA_BURST"
+            )
         );
     }
 
