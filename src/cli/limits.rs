@@ -7,7 +7,7 @@ use anyhow::Context;
 use clap::Subcommand;
 use turnstile_core::config::{LimiterArgs, Limits, RedisArgs};
 use turnstile_core::domain::SellerId;
-use turnstile_core::permit::PermitStore;
+use turnstile_core::permit::{MAX_WEIGHT, PermitStore};
 
 use super::seller_arg;
 
@@ -25,12 +25,17 @@ pub struct LimitsArgs {
 #[derive(Subcommand, Debug)]
 pub enum LimitsAction {
     /// Set a seller's limit, e.g. `--limit 500/1m`, or a stack that must all hold, e.g.
-    /// `--limit 10/1s,500/1h`.
+    /// `--limit 10/1s,500/1h`; and/or its weight under the global limit, e.g. `--weight 5`.
+    #[command(group(clap::ArgGroup::new("what").required(true).multiple(true).args(["new_limit", "weight"])))]
     Set {
         #[arg(long)]
         seller: String,
         #[arg(long = "limit", value_parser = turnstile_core::config::limits_arg)]
-        new_limit: Limits,
+        new_limit: Option<Limits>,
+        /// The seller's share of TURNSTILE_GLOBAL_LIMIT when it binds, relative to the others'
+        /// (default 1; 1 to 1000).
+        #[arg(long, value_parser = clap::value_parser!(u32).range(1..=i64::from(MAX_WEIGHT)))]
+        weight: Option<u32>,
     },
     /// Show each limit that applies to a seller (an override or the default), how much of it is
     /// taken, which one binds now, and any pause.
@@ -60,20 +65,35 @@ pub async fn run(
 ) -> anyhow::Result<ExitCode> {
     let store = PermitStore::connect(&redis, &limiter).await?;
     let line = match action {
-        LimitsAction::Set { seller, new_limit } => {
+        LimitsAction::Set {
+            seller,
+            new_limit,
+            weight,
+        } => {
             let seller = seller_arg(&seller)?;
-            LimiterArgs {
-                limit: new_limit,
-                ..limiter.clone()
+            let mut said = Vec::new();
+            if let Some(new_limit) = new_limit {
+                LimiterArgs {
+                    limit: new_limit,
+                    ..limiter.clone()
+                }
+                .check()
+                .map_err(anyhow::Error::msg)
+                .context("refusing the new limit")?;
+                store
+                    .set_limit(&seller, new_limit)
+                    .await
+                    .context("setting the limit")?;
+                said.push(format!("{new_limit} (override)"));
             }
-            .check()
-            .map_err(anyhow::Error::msg)
-            .context("refusing the new limit")?;
-            store
-                .set_limit(&seller, new_limit)
-                .await
-                .context("setting the limit")?;
-            format!("{seller}: {new_limit} (override)")
+            if let Some(weight) = weight {
+                store
+                    .set_weight(&seller, weight)
+                    .await
+                    .context("setting the weight")?;
+                said.push(format!("weight {weight}"));
+            }
+            format!("{seller}: {}", said.join(", "))
         }
         LimitsAction::Get { seller } => get(&store, &seller_arg(&seller)?).await?,
         LimitsAction::Resume { seller } => {
@@ -117,6 +137,10 @@ async fn get(store: &PermitStore, seller: &SellerId) -> anyhow::Result<String> {
         "default"
     };
     let mut line = format!("{seller}: {} ({whose})", usage.limit);
+    let weight = store.weight(seller).await.context("reading the weight")?;
+    if weight != 1 {
+        line += &format!(", weight {weight}");
+    }
     if !usage.paused_for.is_zero() {
         line += &format!(", paused for {:.1}s", usage.paused_for.as_secs_f64());
     }

@@ -522,6 +522,32 @@ pub struct LimiterArgs {
     /// otherwise follows a Redis start, when grants made before it may have been lost.
     #[arg(long = "redis-durable", env = "TURNSTILE_REDIS_DURABLE", default_value_t = false, action = clap::ArgAction::Set, num_args = 0..=1, default_missing_value = "true")]
     pub redis_durable: bool,
+    /// One limit (or a comma-separated stack) for all sellers together, in cost units, shared
+    /// fairly among the sellers with work by their weights; `off` disables it.
+    #[arg(long = "global-limit", env = "TURNSTILE_GLOBAL_LIMIT", default_value = "off", value_parser = parse_global_limit)]
+    pub global_limit: GlobalLimit,
+}
+
+/// `TURNSTILE_GLOBAL_LIMIT`: a stack of limits for all sellers together, or none (`off`).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct GlobalLimit(pub Option<Limits>);
+
+impl fmt::Display for GlobalLimit {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match &self.0 {
+            Some(limits) => write!(f, "{limits}"),
+            None => f.write_str("off"),
+        }
+    }
+}
+
+fn parse_global_limit(s: &str) -> Result<GlobalLimit, String> {
+    if s.trim().eq_ignore_ascii_case("off") {
+        return Ok(GlobalLimit(None));
+    }
+    limits_arg(s)
+        .map(|limits| GlobalLimit(Some(limits)))
+        .map_err(|e| format!("{e} (TURNSTILE_GLOBAL_LIMIT: a limit, a stack, or off)"))
 }
 
 fn parse_duration_arg(s: &str) -> Result<Duration, String> {
@@ -545,6 +571,7 @@ impl LimiterArgs {
             bucket_capacity: 0,
             horizon: Duration::from_secs(86400),
             redis_durable: false,
+            global_limit: GlobalLimit(None),
         }
     }
 

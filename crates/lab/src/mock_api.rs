@@ -66,6 +66,10 @@ pub struct MockArgs {
     /// How late a slow request (--slow-rate) is counted, in ms.
     #[arg(long, default_value_t = 300)]
     pub slow_ms: u64,
+    /// A limit (or stack) over every seller's registrations together, in units, enforced as
+    /// strictly as the per-seller one (a request over it is a 429 and a violation).
+    #[arg(long = "global-limit", value_parser = turnstile_core::config::limits_arg)]
+    pub global_limit: Option<Limits>,
 }
 
 impl MockArgs {
@@ -78,6 +82,7 @@ impl MockArgs {
             fail_rate: 0.0,
             slow_rate: 0.0,
             slow_ms: 300,
+            global_limit: None,
         }
     }
 }
@@ -99,6 +104,14 @@ pub struct Stats {
     pub registered: u64,
     /// Requests refused with 429 because the seller's window was full.
     pub violations: u64,
+    /// Requests refused with 429 because the global limit's window was full (`--global-limit`;
+    /// also counted in `violations`).
+    #[serde(default)]
+    pub global_violations: u64,
+    /// The most units of accepted registrations, every seller's together, seen in any
+    /// trailing window of the global stack's first limit (never above its COUNT).
+    #[serde(default)]
+    pub max_global_in_window: u64,
     /// Requests replaying an Idempotency-Key that was already accepted.
     pub duplicates: u64,
     /// Requests answered 503 by `--fail-rate`.
@@ -157,6 +170,7 @@ impl MockServer {
         let addr = listener.local_addr()?;
         let app = Arc::new(App {
             limit: args.limit,
+            global_limit: args.global_limit,
             latency: Duration::from_millis(args.latency_ms),
             fail_rate: args.fail_rate,
             slow_rate: args.slow_rate,
@@ -236,8 +250,51 @@ pub async fn fetch_stats(base: &str) -> anyhow::Result<Stats> {
         .with_context(|| format!("{url} did not answer with mock statistics"))
 }
 
+/// Whether `units` more fit every limit of `limits` now, given the accepted registrations
+/// `times` (when, and their units; those older than the longest window are dropped): `None`
+/// if they fit, else how long until the oldest that must leave for them has left; and the
+/// units the first (shortest) limit's window would hold with them.
+fn room_for(
+    times: &mut VecDeque<(Instant, u32)>,
+    limits: &Limits,
+    now: Instant,
+    units: u32,
+) -> (Option<Duration>, u64) {
+    let longest = limits.iter().map(|l| l.window()).max().unwrap_or_default();
+    while times.front().is_some_and(|&(t, _)| now - t >= longest) {
+        times.pop_front();
+    }
+    let mut wait = None::<Duration>;
+    let mut first_window_units = 0;
+    for (i, limit) in limits.iter().enumerate() {
+        let window = limit.window();
+        let in_window: Vec<&(Instant, u32)> =
+            times.iter().filter(|(t, _)| now - *t < window).collect();
+        let held: u64 = in_window.iter().map(|(_, u)| u64::from(*u)).sum();
+        if i == 0 {
+            first_window_units = held + u64::from(units);
+        }
+        let excess = (held + u64::from(units)).saturating_sub(u64::from(limit.count()));
+        if excess > 0 {
+            let mut left = excess;
+            let mut leaves = now;
+            for (t, u) in &in_window {
+                leaves = *t + window;
+                if u64::from(*u) >= left {
+                    break;
+                }
+                left -= u64::from(*u);
+            }
+            let w = leaves.saturating_duration_since(now);
+            wait = Some(wait.map_or(w, |x: Duration| x.max(w)));
+        }
+    }
+    (wait, first_window_units)
+}
+
 struct App {
     limit: Limits,
+    global_limit: Option<Limits>,
     latency: Duration,
     fail_rate: f64,
     slow_rate: f64,
@@ -256,6 +313,8 @@ struct Ledger {
     epoch: Instant,
     /// Per seller, the accepted registrations of the longest window: when, and their units.
     windows: HashMap<String, VecDeque<(Instant, u32)>>,
+    /// Every seller's accepted registrations of the global limit's longest window.
+    global_times: VecDeque<(Instant, u32)>,
     accepted: HashSet<String>,
     attempts: HashMap<String, usize>,
     stats: Stats,
@@ -273,6 +332,7 @@ impl Ledger {
         Self {
             epoch: Instant::now(),
             windows: HashMap::new(),
+            global_times: VecDeque::new(),
             accepted: HashSet::new(),
             attempts: HashMap::new(),
             stats: Stats::default(),
@@ -419,6 +479,7 @@ impl App {
         let Ledger {
             epoch,
             windows,
+            global_times,
             accepted,
             attempts,
             stats,
@@ -453,51 +514,28 @@ impl App {
                 .duplicates += 1;
             return answer;
         }
-        let longest = self
-            .limit
-            .iter()
-            .map(|l| l.window())
-            .max()
-            .unwrap_or_default();
         let times = windows.entry(req.seller.clone()).or_default();
-        while times.front().is_some_and(|&(t, _)| now - t >= longest) {
-            times.pop_front();
-        }
         let seller = stats.sellers.entry(req.seller.clone()).or_default();
-        // Each limit's units in its trailing window, and when the oldest that must leave for
-        // this request to fit leaves it.
-        let mut wait = None::<Duration>;
-        let mut first_window_units = 0;
-        for (i, limit) in self.limit.iter().enumerate() {
-            let window = limit.window();
-            let in_window: Vec<&(Instant, u32)> =
-                times.iter().filter(|(t, _)| now - *t < window).collect();
-            let held: u64 = in_window.iter().map(|(_, u)| u64::from(*u)).sum();
-            if i == 0 {
-                first_window_units = held + u64::from(req.units);
-            }
-            let excess = (held + u64::from(req.units)).saturating_sub(u64::from(limit.count()));
-            if excess > 0 {
-                let mut left = excess;
-                let mut leaves = now;
-                for (t, u) in &in_window {
-                    leaves = *t + window;
-                    if u64::from(*u) >= left {
-                        break;
-                    }
-                    left -= u64::from(*u);
-                }
-                let w = leaves.saturating_duration_since(now);
-                wait = Some(wait.map_or(w, |x: Duration| x.max(w)));
-            }
+        let (wait, first_window_units) = room_for(times, &self.limit, now, req.units);
+        // The global limit, over every seller's registrations together.
+        let (global_wait, global_units) = match &self.global_limit {
+            Some(global) => room_for(global_times, global, now, req.units),
+            None => (None, 0),
+        };
+        if global_wait.is_some() {
+            stats.global_violations += 1;
         }
-        if let Some(wait) = wait {
+        if let Some(wait) = wait.max(global_wait) {
             stats.violations += 1;
             seller.violations += 1;
             let retry_after_secs = u64::try_from(wait.as_nanos().div_ceil(1_000_000_000))
                 .unwrap_or(u64::MAX)
                 .max(1);
             return Answer::Limited { retry_after_secs };
+        }
+        if self.global_limit.is_some() {
+            global_times.push_back((now, req.units));
+            stats.max_global_in_window = stats.max_global_in_window.max(global_units);
         }
         times.push_back((now, req.units));
         accepted.insert(req.key.clone());

@@ -195,6 +195,7 @@ impl RigBuilder {
         let stop_mock = CancellationToken::new();
         let mock = MockArgs {
             limit: base.limiter.limit,
+            global_limit: base.limiter.global_limit.0,
             ..mock.unwrap_or_else(|| MockArgs::local(base.limiter.limit))
         };
         let mock = MockServer::start(mock, stop_mock.clone()).await?;

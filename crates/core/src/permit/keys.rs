@@ -20,6 +20,9 @@
 //!   pipeline over several is one node's work). Their tag holds a `~`, which no seller's tag
 //!   does, so they never land on a seller's tag: `sellers`, `uploads`, `dead-now`,
 //!   `reschedules` and `throughput:<minute>`.
+//! - **global keys**: `<prefix>:{<prefix>~global}:<name>`, the global limit's state in one
+//!   slot of its own (`lua/global.lua` takes them all): `log`, `fair`, `finish`, `active`,
+//!   `weights`, `sellers`.
 //! - **lab keys**: baselines the benchmarks write beside a seller's keys (`incr`, `baseline`).
 //!
 //! README.md, "Redis keys", lists every key with its type, TTL, writers and readers.
@@ -155,6 +158,55 @@ impl Keyspace {
     /// Registrations in the unix minute `minute` (hash: unix second -> count).
     pub fn throughput(&self, minute: u64) -> String {
         self.shared(&format!("throughput:{minute}"))
+    }
+
+    /// A key of the global limit's: `<prefix>:{<prefix>~global}:<name>`, one slot for all of
+    /// them (one script reads and writes them atomically), apart from the shared keys' slot.
+    fn global(&self, name: &str) -> String {
+        format!("{}:{{{}~global}}:{}", self.prefix, self.prefix, name)
+    }
+
+    /// The global limit's log (sorted set: `<unit>|<seller tag>` -> grant µs; see
+    /// `lua/global.lua`).
+    pub fn global_log(&self) -> String {
+        self.global("log")
+    }
+
+    /// The global fair state (hash: `v` = virtual time, `w` = the active sellers' weights).
+    pub fn global_fair(&self) -> String {
+        self.global("fair")
+    }
+
+    /// The active sellers' finish tags (sorted set: seller tag -> virtual finish).
+    pub fn global_finish(&self) -> String {
+        self.global("finish")
+    }
+
+    /// The active sellers (sorted set: seller tag -> active until, µs).
+    pub fn global_active(&self) -> String {
+        self.global("active")
+    }
+
+    /// The sellers' weights under the global limit (hash: seller tag -> weight; absent = 1).
+    pub fn global_weights(&self) -> String {
+        self.global("weights")
+    }
+
+    /// The active sellers' tickets and weights (hash: `t|<seller tag>`, `w|<seller tag>`).
+    pub fn global_sellers(&self) -> String {
+        self.global("sellers")
+    }
+
+    /// Every key of the global limit, in the order `lua/global.lua` takes them.
+    pub fn global_keys(&self) -> [String; 6] {
+        [
+            self.global_log(),
+            self.global_fair(),
+            self.global_finish(),
+            self.global_active(),
+            self.global_weights(),
+            self.global_sellers(),
+        ]
     }
 
     /// The lab's baseline counter beside the seller's keys (`turnstile bench permits`: a plain
@@ -325,6 +377,22 @@ mod tests {
                     assert_ne!(hash_tag(&key), tag, "{key}");
                     assert!(!shared.contains(&key), "{key}");
                 }
+            }
+        }
+    }
+
+    #[test]
+    fn global_keys_share_one_slot_of_their_own() {
+        for prefix in ["turnstile", "t~x"] {
+            let keys = Keyspace::new(prefix);
+            let tag = format!("{prefix}~global");
+            for key in keys.global_keys() {
+                assert!(key.starts_with(&format!("{prefix}:")), "{key}");
+                assert_eq!(hash_tag(&key), tag, "{key}");
+                assert!(!shared_keys(&keys).contains(&key), "{key}");
+            }
+            for key in seller_keys(&keys, &seller(&tag)) {
+                assert_ne!(hash_tag(&key), tag, "{key}");
             }
         }
     }

@@ -120,6 +120,11 @@ pub enum Decision {
         retry_after: Duration,
         reservation: Option<Reservation>,
     },
+    /// The seller's limit granted, the global limit (`TURNSTILE_GLOBAL_LIMIT`) did not: the
+    /// seller's grant was given back; come back after `retry_after` (a ticket of the seller's,
+    /// see `lua/global.lua`). `ahead`: the seller has taken more than its fair share while
+    /// others wait; else the global limit had no room.
+    GlobalWait { retry_after: Duration, ahead: bool },
     /// The message already registered (its completion record exists): do not call again.
     AlreadyDone,
     /// The call's cost exceeds what the seller's `limits` can ever grant at once (`most`
@@ -132,6 +137,28 @@ pub enum Decision {
         /// What sets `most` with this algorithm, and what to change (for the dead letter).
         bound_by: &'static str,
     },
+}
+
+/// What the global limit decided for a seller's call (see `lua/global.lua`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum GlobalDecision {
+    /// Call now: the global units are taken.
+    Granted,
+    /// Not now: come back after `retry_after`. `ahead`: the seller has taken more than its
+    /// fair share while others wait; else the global limit has no room now.
+    Wait { retry_after: Duration, ahead: bool },
+    /// The cost exceeds the smallest COUNT of the global stack: never granted.
+    TooCostly { most: u32 },
+}
+
+/// Most a seller's weight under the global limit may be.
+pub const MAX_WEIGHT: u32 = 1000;
+
+/// How long a seller stays active for the global limit's fair shares after its last grant (or
+/// after the time its last denial told it to come back): a tenth of the global stack's
+/// shortest window, within [20 ms, 1 s].
+fn global_idle(global: &Limits) -> Duration {
+    (global.shortest_window() / 10).clamp(Duration::from_millis(20), Duration::from_secs(1))
 }
 
 /// Why a reservation was given up when redeemed (the caller reserves anew).
@@ -263,7 +290,7 @@ fn observe(algorithm: Algorithm, decision: &Decision, acquired: bool) {
                     .increment(1);
             }
         }
-        Decision::AlreadyDone | Decision::TooCostly { .. } => {}
+        Decision::GlobalWait { .. } | Decision::AlreadyDone | Decision::TooCostly { .. } => {}
     }
 }
 
@@ -498,8 +525,9 @@ impl PermitStore {
         Ok(redeemed)
     }
 
-    /// Redeems `held` if there is one, and reserves anew if it was forfeited: the one call a
-    /// consumer makes before each downstream call.
+    /// Redeems `held` if there is one, and reserves anew if it was forfeited; a grant is then
+    /// asked of the global limit too, if there is one (see [`Self::within_global`]): the one
+    /// permit a consumer asks for before each downstream call.
     pub async fn acquire_or_redeem(
         &self,
         seller: &SellerId,
@@ -507,18 +535,152 @@ impl PermitStore {
         cost: Cost,
         held: Option<&Reservation>,
     ) -> Result<(Decision, Option<Forfeit>), PermitError> {
-        if let Some(held) = held {
-            match self.redeem_for(seller, message, cost, held.clone()).await? {
-                Ok(decision) => return Ok((decision, None)),
-                Err(forfeit) => {
-                    return Ok((
-                        self.acquire_for(seller, message, cost, true).await?,
-                        Some(forfeit),
-                    ));
-                }
+        let (decision, forfeit) = match held {
+            Some(held) => match self.redeem_for(seller, message, cost, held.clone()).await? {
+                Ok(decision) => (decision, None),
+                Err(forfeit) => (
+                    self.acquire_for(seller, message, cost, true).await?,
+                    Some(forfeit),
+                ),
+            },
+            None => (self.acquire_for(seller, message, cost, true).await?, None),
+        };
+        Ok((self.within_global(seller, cost, decision).await?, forfeit))
+    }
+
+    /// A seller's grant under the global limit (`TURNSTILE_GLOBAL_LIMIT`): kept if the global
+    /// limit grants it too, else given back to the seller ([`Self::release`]) and turned into
+    /// [`Decision::GlobalWait`] (global units are never reserved ahead) or, for a cost the
+    /// global limit can never grant, into [`Decision::TooCostly`]. Any other decision, and
+    /// every decision without a global limit, is returned as it is.
+    pub async fn within_global(
+        &self,
+        seller: &SellerId,
+        cost: Cost,
+        decision: Decision,
+    ) -> Result<Decision, PermitError> {
+        let Decision::Granted { slot_us, call, .. } = &decision else {
+            return Ok(decision);
+        };
+        let Some(global) = self.limiter.global_limit.0 else {
+            return Ok(decision);
+        };
+        let refused = match self.admit_globally(seller, cost, call).await {
+            Ok(GlobalDecision::Granted) => return Ok(decision),
+            Ok(GlobalDecision::Wait { retry_after, ahead }) => {
+                Decision::GlobalWait { retry_after, ahead }
             }
+            Ok(GlobalDecision::TooCostly { most }) => Decision::TooCostly {
+                cost,
+                most,
+                limits: global,
+                bound_by: "the smallest COUNT of TURNSTILE_GLOBAL_LIMIT",
+            },
+            Err(error) => {
+                // The grant is not called either way; give it back if Redis lets us.
+                let _ = self.release(seller, call, cost, *slot_us).await;
+                return Err(error);
+            }
+        };
+        self.release(seller, call, cost, *slot_us).await?;
+        Ok(refused)
+    }
+
+    /// Asks the global limit for `cost` units for the call `call` of `seller` (see
+    /// `lua/global.lua`); without a global limit, grants.
+    pub async fn admit_globally(
+        &self,
+        seller: &SellerId,
+        cost: Cost,
+        call: &str,
+    ) -> Result<GlobalDecision, PermitError> {
+        let Some(global) = self.limiter.global_limit.0 else {
+            return Ok(GlobalDecision::Granted);
+        };
+        let mut invocation = scripts::global().prepare_invoke();
+        for key in self.keys.global_keys() {
+            invocation.key(key);
         }
-        Ok((self.acquire_for(seller, message, cost, true).await?, None))
+        let (status, at, now, why): (u8, i64, i64, u8) = invocation
+            .arg(global.counts_arg())
+            .arg(global.windows_arg())
+            .arg(self.guard_arg())
+            .arg(call)
+            .arg(cost.units())
+            .arg(seller.key_tag())
+            .arg(global_idle(&global).as_micros() as u64)
+            .invoke_async(&mut self.conn.clone())
+            .await?;
+        let decision = match (status, why) {
+            (1, _) => GlobalDecision::Granted,
+            (0, 1 | 2) => GlobalDecision::Wait {
+                retry_after: wait_for(at, now),
+                ahead: why == 1,
+            },
+            (4, _) => GlobalDecision::TooCostly {
+                most: u32::try_from(at).map_err(|_| PermitError::Answer("global"))?,
+            },
+            _ => return Err(PermitError::Answer("global")),
+        };
+        let outcome = match decision {
+            GlobalDecision::Granted => "granted",
+            GlobalDecision::Wait { ahead: true, .. } => "ahead",
+            GlobalDecision::Wait { ahead: false, .. } => "full",
+            GlobalDecision::TooCostly { .. } => "too-costly",
+        };
+        metrics::counter!("turnstile_global_permits_total", "outcome" => outcome).increment(1);
+        Ok(decision)
+    }
+
+    /// Gives back the seller's grant `call` of `cost` units counted at `slot_us`, which will not
+    /// be called (see `lua/release.lua`).
+    pub async fn release(
+        &self,
+        seller: &SellerId,
+        call: &str,
+        cost: Cost,
+        slot_us: i64,
+    ) -> Result<(), PermitError> {
+        let _: i64 = scripts::release()
+            .key(self.state_key(seller))
+            .key(self.keys.limit(seller))
+            .key(self.keys.calls(seller))
+            .arg(self.limiter.limit.counts_arg())
+            .arg(self.limiter.limit.windows_arg())
+            .arg(self.guard_arg())
+            .arg(self.limiter.algorithm.name())
+            .arg(call)
+            .arg(cost.units())
+            .arg(slot_us.max(0))
+            .arg(self.limiter.bucket_capacity)
+            .invoke_async(&mut self.conn.clone())
+            .await?;
+        Ok(())
+    }
+
+    /// Sets a seller's weight under the global limit (1 = the default share; 1 to
+    /// [`MAX_WEIGHT`]), effective at its next activation on every replica.
+    pub async fn set_weight(&self, seller: &SellerId, weight: u32) -> Result<(), PermitError> {
+        let mut conn = self.conn.clone();
+        let key = self.keys.global_weights();
+        if weight <= 1 {
+            let _: i64 = conn.hdel(key, seller.key_tag()).await?;
+        } else {
+            let _: i64 = conn
+                .hset(key, seller.key_tag(), weight.min(MAX_WEIGHT))
+                .await?;
+        }
+        Ok(())
+    }
+
+    /// A seller's weight under the global limit (1 unless set).
+    pub async fn weight(&self, seller: &SellerId) -> Result<u32, PermitError> {
+        let weight: Option<u32> = self
+            .conn
+            .clone()
+            .hget(self.keys.global_weights(), seller.key_tag())
+            .await?;
+        Ok(weight.unwrap_or(1).max(1))
     }
 
     /// Moves a message to the state it is in now (see `lua/complete.lua`) and counts it there

@@ -30,6 +30,8 @@ static USAGE: LazyLock<Script> = script!("usage.lua");
 static RESCHEDULE: LazyLock<Script> = script!("reschedule.lua");
 static TALLY: LazyLock<Script> = script!("tally.lua");
 static ENDED: LazyLock<Script> = script!("ended.lua");
+static GLOBAL: LazyLock<Script> = script!("global.lua");
+static RELEASE: LazyLock<Script> = script!("release.lua");
 
 /// The acquire script of an algorithm.
 pub fn acquire(algorithm: Algorithm) -> &'static Script {
@@ -74,4 +76,14 @@ pub fn tally() -> &'static Script {
 /// Records that a granted call was answered (see `lua/ended.lua`).
 pub fn ended() -> &'static Script {
     &ENDED
+}
+
+/// Takes units of the global limit, fairly among sellers (see `lua/global.lua`).
+pub fn global() -> &'static Script {
+    &GLOBAL
+}
+
+/// Gives back a seller's grant that will not be called (see `lua/release.lua`).
+pub fn release() -> &'static Script {
+    &RELEASE
 }

@@ -181,6 +181,10 @@ impl WorkerSettings {
                 carried.reservation = reservation.map(Box::new);
                 self.plan_wait(retry_after, holding, carried)
             }
+            Decision::GlobalWait { retry_after, .. } => {
+                carried.reservation = None;
+                self.plan_global_wait(retry_after, holding, carried)
+            }
             Decision::TooCostly {
                 cost,
                 most,
@@ -220,6 +224,27 @@ impl WorkerSettings {
                     carried: carried.clone(),
                 });
             }
+        }
+        Plan::Hold(retry_after)
+    }
+
+    /// Where a message the global limit turned away waits `retry_after` (its ticket: see
+    /// `lua/global.lua`): held here if the wait is within `hold` and fewer than
+    /// `hold_capacity` messages are held (a ticket is precise, and a held message costs no
+    /// delivery), else delayed through the broker for all of it.
+    pub(super) fn plan_global_wait(
+        &self,
+        retry_after: Duration,
+        holding: usize,
+        carried: &Carried,
+    ) -> Plan {
+        if (retry_after > self.hold || holding >= self.hold_capacity)
+            && retry_after > crate::broker::UNIT
+        {
+            return Plan::Settle(Outcome::Delay {
+                after: retry_after,
+                carried: carried.clone(),
+            });
         }
         Plan::Hold(retry_after)
     }
@@ -504,6 +529,26 @@ mod tests {
                  at most 1, the smallest of COUNT and TURNSTILE_GCRA_BURST"
             )
         );
+    }
+
+    #[test]
+    fn a_global_wait_within_the_hold_is_held_here_and_a_longer_one_goes_through_the_ladder() {
+        let global = |retry_after| Decision::GlobalWait {
+            retry_after,
+            ahead: true,
+        };
+        let mut carried = reserved();
+        let plan = settings().plan_decision(global(1_500 * MS), Duration::ZERO, 0, &mut carried);
+        assert_eq!(plan, Plan::Hold(1_500 * MS));
+        assert_eq!(
+            carried,
+            Carried::default(),
+            "the seller's grant was given back"
+        );
+        let plan = settings().plan_decision(global(5 * SECOND), Duration::ZERO, 0, &mut carried);
+        assert_eq!(plan, delay(5 * SECOND, Carried::default()));
+        let plan = settings().plan_decision(global(SECOND), Duration::ZERO, 10, &mut carried);
+        assert_eq!(plan, delay(SECOND, Carried::default()), "the hold is full");
     }
 
     #[test]

@@ -11,20 +11,24 @@ use clap::Args;
 
 use crate::mock_api::MockArgs;
 use crate::rig::{Message, Rig, RigArgs, registration_body, weighed_body};
-use turnstile_core::config::{Algorithm, LimiterArgs, Limits};
+use turnstile_core::config::{Algorithm, GlobalLimit, LimiterArgs, Limits};
 
 #[derive(Args, Debug, Clone)]
 pub struct ScenarioArgs {
     /// `bar`: 20/1s, 400 + 20x20, 4 replicas x 8 workers. `deep`: 10/2s, 300 + 30x10.
     /// `backlog`: 20/1s, 3,000 + 5,000x10 in the work queue before the replicas start.
     /// `stacked`: 6/1s,20/5s in cost units, costs 1 to 3, 150 + 30x5 (bar's shape: half the
-    /// messages are the big seller's).
+    /// messages are the big seller's). `global`: a global limit of 100/1s over sellers of
+    /// 1000/1s each, 3 replicas, 1,500 + 100x3.
     /// Flags given explicitly override the preset.
     #[arg(long, default_value = "bar")]
     pub preset: String,
     /// The limit, or a comma-separated stack, both turnstile's and the mock's.
     #[arg(long, value_parser = turnstile_core::config::limits_arg)]
     pub limit: Option<Limits>,
+    /// A global limit over all sellers together, both turnstile's and the mock's.
+    #[arg(long = "global-limit", value_parser = turnstile_core::config::limits_arg)]
+    pub global_limit: Option<Limits>,
     /// Messages cost 1 to this many units, in turn (the mock counts them from the product's
     /// `cost`).
     #[arg(long = "max-cost")]
@@ -43,10 +47,12 @@ pub struct ScenarioArgs {
     pub small: Option<usize>,
     #[arg(long, value_enum, default_value_t = Algorithm::SlidingWindow)]
     pub algorithm: Algorithm,
-    #[arg(long, default_value = "2s", value_parser = turnstile_core::config::duration_arg)]
-    pub hold: Duration,
-    /// AMQP prefetch of each replica's consumers [default: 8 x workers, at least 64]; with a
-    /// long --hold, a larger prefetch lets replicas hold a backlog instead of the delay ladder.
+    /// How long a replica may hold a waiting message [default: 2s; `global`: 30s].
+    #[arg(long, value_parser = turnstile_core::config::duration_arg)]
+    pub hold: Option<Duration>,
+    /// AMQP prefetch of each replica's consumers [default: 8 x workers, at least 64; `global`:
+    /// 700]; with a long --hold, a larger prefetch lets replicas hold a backlog instead of the
+    /// delay ladder.
     #[arg(long)]
     pub prefetch: Option<u16>,
     /// Fraction of requests that reach the mock API late (--slow-ms), counted only then: the
@@ -74,6 +80,11 @@ struct Preset {
     prefill: bool,
     /// Messages cost 1, 2, … up to this many units, in turn.
     max_cost: u32,
+    /// The global limit over all sellers, if any.
+    global: Option<&'static str>,
+    /// How long a replica holds a waiting message, and its prefetch (None: the default).
+    hold: Duration,
+    prefetch: Option<u16>,
 }
 
 pub async fn run(args: ScenarioArgs) -> anyhow::Result<bool> {
@@ -87,6 +98,9 @@ pub async fn run(args: ScenarioArgs) -> anyhow::Result<bool> {
             small: 20,
             prefill: false,
             max_cost: 1,
+            global: None,
+            hold: Duration::from_secs(2),
+            prefetch: None,
         },
         "deep" => Preset {
             limit: "10/2s",
@@ -97,6 +111,9 @@ pub async fn run(args: ScenarioArgs) -> anyhow::Result<bool> {
             small: 10,
             prefill: false,
             max_cost: 1,
+            global: None,
+            hold: Duration::from_secs(2),
+            prefetch: None,
         },
         "backlog" => Preset {
             limit: "20/1s",
@@ -107,6 +124,9 @@ pub async fn run(args: ScenarioArgs) -> anyhow::Result<bool> {
             small: 10,
             prefill: true,
             max_cost: 1,
+            global: None,
+            hold: Duration::from_secs(2),
+            prefetch: None,
         },
         "stacked" => Preset {
             limit: "6/1s,20/5s",
@@ -117,8 +137,26 @@ pub async fn run(args: ScenarioArgs) -> anyhow::Result<bool> {
             small: 5,
             prefill: false,
             max_cost: 3,
+            global: None,
+            hold: Duration::from_secs(2),
+            prefetch: None,
         },
-        other => anyhow::bail!("--preset {other:?}: choose bar, deep, backlog or stacked"),
+        "global" => Preset {
+            limit: "1000/1s",
+            replicas: 3,
+            workers: 16,
+            big: 1_500,
+            small_sellers: 100,
+            small: 3,
+            prefill: false,
+            max_cost: 1,
+            global: Some("100/1s"),
+            // The replicas hold the backlog behind the global limit (1,800 messages) instead of
+            // the delay ladder: one delivery per message.
+            hold: Duration::from_secs(30),
+            prefetch: Some(700),
+        },
+        other => anyhow::bail!("--preset {other:?}: choose bar, deep, backlog, stacked or global"),
     };
     let limit = args
         .limit
@@ -134,17 +172,29 @@ pub async fn run(args: ScenarioArgs) -> anyhow::Result<bool> {
         .clamp(1, limit.min_count());
     let cost_of = |i: usize| (i as u32 % max_cost) + 1;
 
+    let global = args.global_limit.or_else(|| {
+        preset
+            .global
+            .map(|g| g.parse().expect("preset limits parse"))
+    });
     let limiter = LimiterArgs {
         // gcra takes a cost of at most its burst.
         gcra_burst: max_cost,
+        global_limit: GlobalLimit(global),
         ..LimiterArgs::new(limit, args.algorithm)
     };
-    let mut settings = args
-        .rig
-        .replica_settings("scenario", limiter, workers, args.hold);
-    settings.prefetch = args.prefetch;
+    let mut settings = args.rig.replica_settings(
+        "scenario",
+        limiter,
+        workers,
+        args.hold.unwrap_or(preset.hold),
+    );
+    settings.prefetch = args.prefetch.or(preset.prefetch);
     eprintln!(
-        "scenario: limit {limit}, {replicas} replicas x {workers} workers, {}: one seller's {big} messages published ahead of {small_sellers} sellers with {small} each{}{}",
+        "scenario: limit {limit}{}, {replicas} replicas x {workers} workers, {}: one seller's {big} messages published ahead of {small_sellers} sellers with {small} each{}{}",
+        global
+            .map(|g| format!(", global limit {g}"))
+            .unwrap_or_default(),
         args.algorithm,
         if max_cost > 1 {
             format!(", costing 1 to {max_cost} units in turn")
@@ -207,6 +257,7 @@ pub async fn run(args: ScenarioArgs) -> anyhow::Result<bool> {
     let lower_bound = limit.optimum_drain(units);
     rig.wait(optimum * 3 + Duration::from_secs(60), |_| {})
         .await?;
+    let rig_stats = rig.mock.stats();
     let report = rig.finish().await?;
 
     let big_drain = report
@@ -314,6 +365,9 @@ pub async fn run(args: ScenarioArgs) -> anyhow::Result<bool> {
         "{:<44} {:>9.2}s",
         "small sellers: last registered after publish", small_latency
     );
+    if let Some(global) = global {
+        print_global(&report, &rig_stats, global);
+    }
     if args.json {
         let mut value = serde_json::to_value(&report)?;
         value["big_drain_s"] = big_drain.into();
@@ -327,4 +381,49 @@ pub async fn run(args: ScenarioArgs) -> anyhow::Result<bool> {
         println!("{value}");
     }
     Ok(report.lost == 0 && report.violations == 0 && report.duplicates == 0)
+}
+
+/// The global limit's figures: requests the mock refused for it, the most units it saw in one
+/// window, and how much of the budget was used from the first registration to the last (the
+/// optimum drain of every registered unit through the global stack, over the real one).
+fn print_global(report: &crate::rig::Report, stats: &crate::mock_api::Stats, global: Limits) {
+    let first = report
+        .sellers
+        .values()
+        .filter_map(|s| s.first_s)
+        .fold(f64::INFINITY, f64::min);
+    let last = report
+        .sellers
+        .values()
+        .filter_map(|s| s.last_s)
+        .fold(0.0f64, f64::max);
+    let units: u64 = stats.sellers.values().map(|s| s.units).sum();
+    let optimum = global.optimum_drain(units).as_secs_f64();
+    println!(
+        "{:<44} {:>10}",
+        "global: refused over the global limit", stats.global_violations
+    );
+    println!(
+        "{:<44} {:>10}",
+        format!(
+            "global: most units in one {} window",
+            global.iter().next().expect("a stack")
+        ),
+        stats.max_global_in_window
+    );
+    println!(
+        "{:<44} {:>9.2}s",
+        "global: first to last registration",
+        last - first
+    );
+    println!(
+        "{:<44} {:>9.2}s",
+        format!("global: optimum for {units} units"),
+        optimum
+    );
+    println!(
+        "{:<44} {:>9.1}%",
+        "global: budget used while there was work",
+        100.0 * optimum / (last - first).max(f64::EPSILON)
+    );
 }

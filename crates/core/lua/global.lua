@@ -1,0 +1,124 @@
+-- global: the global limit (TURNSTILE_GLOBAL_LIMIT), one stack for all sellers together, shared
+-- fairly among the sellers with work. Asked once a seller's own permit granted a call now; the
+-- call is made only if this grants too (else the seller's grant is given back: release.lua).
+--
+-- The limit: an exact sliding log of the units granted (one member per unit, score = grant
+-- time), every limit of the stack checked at once: at most COUNT units in any window of
+-- WINDOW+GUARD. Nothing is reserved ahead, so no seller holds global slots ahead of another.
+--
+-- Fairness (start-time fair queuing over virtual time): each present seller S has a finish
+-- tag F(S), in units per weight; the virtual time V is the smallest F of the present sellers
+-- (never going back). A seller is present while it asks: until IDLE after its last request,
+-- granted or not. A seller that becomes present starts at max(F(S), V): no credit for
+-- idleness, and a newly active seller is at once among the first served. A call of COST units
+-- may take global units only while its start max(F(S), V) is at most QUANTUM ahead of V; it
+-- then moves F(S) on by COST / WEIGHT. So while sellers compete, each one's served units per
+-- weight stay within QUANTUM (+ one call) of every other's: shares follow the weights, and a
+-- seller with a deep backlog cannot take the budget from one with three products. When a
+-- seller stops asking, V moves on to the others within IDLE: the budget is never held for it.
+--
+-- A denial says when to come back: no sooner than the global log has room for COST, and at
+-- the seller's next ticket: each seller's denied calls are spread at the global rate (one
+-- ticket per COST / rate), the most the seller could be given if it were alone. A seller whose
+-- share turns out smaller is denied again and comes back later; one that is left alone finds
+-- its calls coming back as fast as the budget allows.
+--
+-- KEYS[1]  the global log (sorted set: member = `<unit>|<seller>`, see unit; score = grant µs)
+-- KEYS[2]  the fair state (hash: `v` = virtual time, `w` = the present sellers' weights together)
+-- KEYS[3]  the present sellers' finish tags (sorted set: seller -> F)
+-- KEYS[4]  the present sellers (sorted set: seller -> present until, µs)
+-- KEYS[5]  the sellers' weights (hash: seller -> weight; absent = 1; `limits set --weight`)
+-- KEYS[6]  the present sellers' tickets and weights (hash: `t|<seller>` -> next ticket µs,
+--          `w|<seller>` -> the weight it became present with)
+-- ARGV[1]  COUNTS of the global stack, comma-separated (integers >= 1; 1 to 8 limits)
+-- ARGV[2]  WINDOWS in µs, comma-separated, one per count
+-- ARGV[3]  GUARD in µs added to each window (-1 = window/20 within [25 ms, 2 s])
+-- ARGV[4]  TOKEN of the call (letters, digits, dashes; at most 64)
+-- ARGV[5]  COST: units the call takes (integer from 1 to 10000)
+-- ARGV[6]  SELLER: the seller's key tag (1 to 512 characters, no `|`)
+-- ARGV[7]  IDLE in µs (integer >= 1)
+-- Returns {STATUS, AT_US, NOW_US, WHY}
+--   STATUS 1 = granted (call now), 0 = denied (come back at AT), 4 = COST exceeds the smallest
+--   COUNT of the stack: never granted (AT_US is that COUNT);
+--   WHY 0 = granted, 1 = ahead of its fair share, 2 = the global limit has no room now.
+
+local limits = with_spans(limits_arg(1), int_arg(3, -1))
+local token = token_arg(4)
+local cost = int_arg(5, 1)
+if cost > MAX_COST then error({err = 'ERR turnstile: COST must be at most ' .. MAX_COST}) end
+local seller = ARGV[6]
+if seller == nil or #seller < 1 or #seller > 512 or string.find(seller, '|', 1, true) then
+  error({err = 'ERR turnstile: SELLER must be 1 to 512 characters without |'})
+end
+local idle = int_arg(7, 1)
+local now = now_us()
+if cost > limits.min_count then return {4, limits.min_count, now, 0} end
+
+-- The global rate (units per µs) of the stack's slowest limit: the pace of a seller's tickets.
+local rate = limits.slowest.count / limits.slowest.span
+local quantum = math.max(limits.min_count / 20, 1)
+
+-- Sellers that stopped asking leave (a few per call; the rest at the next calls).
+local gone = redis.call('ZRANGEBYSCORE', KEYS[4], '-inf', now, 'LIMIT', 0, 64)
+for _, s in ipairs(gone) do
+  local w = tonumber(redis.call('HGET', KEYS[6], 'w|' .. s) or '1')
+  redis.call('HINCRBYFLOAT', KEYS[2], 'w', -w)
+  redis.call('ZREM', KEYS[4], s)
+  redis.call('ZREM', KEYS[3], s)
+  redis.call('HDEL', KEYS[6], 'w|' .. s, 't|' .. s)
+end
+
+local weight = tonumber(redis.call('HGET', KEYS[5], seller) or '1') or 1
+if redis.call('ZSCORE', KEYS[4], seller) == false then
+  redis.call('HINCRBYFLOAT', KEYS[2], 'w', weight)
+  redis.call('HSET', KEYS[6], 'w|' .. seller, weight)
+else
+  weight = tonumber(redis.call('HGET', KEYS[6], 'w|' .. seller) or weight) or weight
+end
+
+local v = tonumber(redis.call('HGET', KEYS[2], 'v') or '0') or 0
+local first = redis.call('ZRANGE', KEYS[3], 0, 0, 'WITHSCORES')
+if first[2] ~= nil then v = math.max(v, tonumber(first[2])) end
+local start = math.max(tonumber(redis.call('ZSCORE', KEYS[3], seller) or '') or v, v)
+
+-- Whatever the answer: V as it is now, the seller present until IDLE from now, its finish tag
+-- FINISH, and every key kept as long as a seller may stay present.
+local function keep(finish)
+  redis.call('HSET', KEYS[2], 'v', string.format('%.17g', v))
+  redis.call('ZADD', KEYS[4], now + idle, seller)
+  redis.call('ZADD', KEYS[3], string.format('%.17g', finish), seller)
+  local ttl = math.floor((idle + limits.max_span) / 1000) + 1
+  for _, key in ipairs({KEYS[2], KEYS[3], KEYS[4], KEYS[6]}) do redis.call('PEXPIRE', key, ttl) end
+end
+
+-- Room now: for every limit, the units granted in its span leave room for COST more.
+redis.call('ZREMRANGEBYSCORE', KEYS[1], '-inf', now - limits.max_span)
+local room_at = nil
+for _, l in ipairs(limits) do
+  local n = redis.call('ZCOUNT', KEYS[1], string.format('(%.0f', now - l.span), '+inf')
+  local room = l.count - cost
+  if n > room then
+    local kth = tonumber(redis.call('ZREVRANGE', KEYS[1], room, room, 'WITHSCORES')[2])
+    room_at = math.max(room_at or 0, kth + l.span)
+  end
+end
+
+local ahead = start - v > quantum
+if not ahead and room_at == nil then
+  for i = 1, cost do
+    redis.call('ZADD', KEYS[1], now, unit(token, i) .. '|' .. seller)
+  end
+  redis.call('PEXPIRE', KEYS[1], math.floor(limits.max_span / 1000) + 1)
+  keep(start + cost / weight)
+  return {1, now, now, 0}
+end
+
+-- Denied: come back at the seller's next ticket, and not before there is room.
+local interval = cost / rate
+local at = math.max(room_at or 0, now + interval)
+at = math.max(at, tonumber(redis.call('HGET', KEYS[6], 't|' .. seller) or '0') or 0)
+redis.call('HSET', KEYS[6], 't|' .. seller, string.format('%.0f', at + interval))
+keep(start)
+local why = 2
+if ahead then why = 1 end
+return {0, math.floor(at), now, why}
