@@ -64,18 +64,18 @@ pub fn limiter(limit: &str, algorithm: Algorithm) -> LimiterArgs {
 /// keys `t-<what>-<random>`, a strict mock enforcing `limit`; its replicas take permits with the
 /// sliding window, hold a message up to 2 s, and retry a failed call quickly (100 ms to 1 s).
 pub fn rig(what: &str, limit: &str) -> RigBuilder {
+    rig_with(what, limiter(limit, Algorithm::SlidingWindow))
+}
+
+/// As [`rig`], with the limiter settings `limiter`.
+pub fn rig_with(what: &str, limiter: LimiterArgs) -> RigBuilder {
     init_tracing();
     let place = RigArgs {
         queue_type: QueueType::Quorum,
         amqp_url: broker::amqp_url(),
         redis: redis_args(&redis_url(), "t"),
     };
-    let mut settings = place.replica_settings(
-        what,
-        limiter(limit, Algorithm::SlidingWindow),
-        1,
-        Duration::from_secs(2),
-    );
+    let mut settings = place.replica_settings(what, limiter, 1, Duration::from_secs(2));
     settings.retry_min = Duration::from_millis(100);
     settings.retry_max = Duration::from_secs(1);
     settings.done_ttl = Duration::from_secs(600);

@@ -142,8 +142,8 @@ pub enum Decision {
 /// What the global limit decided for a seller's call (see `lua/global.lua`).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum GlobalDecision {
-    /// Call now: the global units are taken.
-    Granted,
+    /// Call now: the global units are taken, counted at `at_us` (Redis time).
+    Granted { at_us: i64 },
     /// Not now: come back after `retry_after`. `ahead`: the seller has taken more than its
     /// fair share while others wait; else the global limit has no room now.
     Wait { retry_after: Duration, ahead: bool },
@@ -566,7 +566,7 @@ impl PermitStore {
             return Ok(decision);
         };
         let refused = match self.admit_globally(seller, cost, call).await {
-            Ok(GlobalDecision::Granted) => return Ok(decision),
+            Ok(GlobalDecision::Granted { .. }) => return Ok(decision),
             Ok(GlobalDecision::Wait { retry_after, ahead }) => {
                 Decision::GlobalWait { retry_after, ahead }
             }
@@ -595,7 +595,7 @@ impl PermitStore {
         call: &str,
     ) -> Result<GlobalDecision, PermitError> {
         let Some(global) = self.limiter.global_limit.0 else {
-            return Ok(GlobalDecision::Granted);
+            return Ok(GlobalDecision::Granted { at_us: 0 });
         };
         let mut invocation = scripts::global().prepare_invoke();
         for key in self.keys.global_keys() {
@@ -612,7 +612,7 @@ impl PermitStore {
             .invoke_async(&mut self.conn.clone())
             .await?;
         let decision = match (status, why) {
-            (1, _) => GlobalDecision::Granted,
+            (1, _) => GlobalDecision::Granted { at_us: at },
             (0, 1 | 2) => GlobalDecision::Wait {
                 retry_after: wait_for(at, now),
                 ahead: why == 1,
@@ -623,7 +623,7 @@ impl PermitStore {
             _ => return Err(PermitError::Answer("global")),
         };
         let outcome = match decision {
-            GlobalDecision::Granted => "granted",
+            GlobalDecision::Granted { .. } => "granted",
             GlobalDecision::Wait { ahead: true, .. } => "ahead",
             GlobalDecision::Wait { ahead: false, .. } => "full",
             GlobalDecision::TooCostly { .. } => "too-costly",

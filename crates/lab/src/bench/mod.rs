@@ -6,6 +6,7 @@ pub mod faults;
 mod permits;
 pub mod scenario;
 pub mod sellers;
+mod shares;
 pub mod throughput;
 
 use std::process::ExitCode;

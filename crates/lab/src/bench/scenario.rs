@@ -19,7 +19,8 @@ pub struct ScenarioArgs {
     /// `backlog`: 20/1s, 3,000 + 5,000x10 in the work queue before the replicas start.
     /// `stacked`: 6/1s,20/5s in cost units, costs 1 to 3, 150 + 30x5 (bar's shape: half the
     /// messages are the big seller's). `global`: a global limit of 100/1s over sellers of
-    /// 1000/1s each, 3 replicas, 1,500 + 100x3.
+    /// 1000/1s each, 3 replicas, 1,500 + 100x3. `weighted`: the same global limit, two sellers
+    /// of weights 4 and 1 with 1,000 messages each (`--big`), their shares while both have work.
     /// Flags given explicitly override the preset.
     #[arg(long, default_value = "bar")]
     pub preset: String,
@@ -88,6 +89,9 @@ struct Preset {
 }
 
 pub async fn run(args: ScenarioArgs) -> anyhow::Result<bool> {
+    if args.preset == "weighted" {
+        return super::shares::run(&args).await;
+    }
     let preset = match args.preset.as_str() {
         "bar" => Preset {
             limit: "20/1s",
@@ -156,7 +160,9 @@ pub async fn run(args: ScenarioArgs) -> anyhow::Result<bool> {
             hold: Duration::from_secs(30),
             prefetch: Some(700),
         },
-        other => anyhow::bail!("--preset {other:?}: choose bar, deep, backlog, stacked or global"),
+        other => anyhow::bail!(
+            "--preset {other:?}: choose bar, deep, backlog, stacked, global or weighted"
+        ),
     };
     let limit = args
         .limit
@@ -421,9 +427,16 @@ fn print_global(report: &crate::rig::Report, stats: &crate::mock_api::Stats, glo
         format!("global: optimum for {units} units"),
         optimum
     );
+    let slowest = global.slowest();
+    let rate = f64::from(slowest.count()) / slowest.window().as_secs_f64();
     println!(
         "{:<44} {:>9.1}%",
         "global: budget used while there was work",
-        100.0 * optimum / (last - first).max(f64::EPSILON)
+        100.0 * units as f64 / (rate * (last - first)).max(f64::EPSILON)
+    );
+    println!(
+        "{:<44} {:>9.3}x",
+        "global: drain / optimum",
+        (last - first) / optimum.max(f64::EPSILON)
     );
 }

@@ -1,0 +1,284 @@
+//! The global limit (`TURNSTILE_GLOBAL_LIMIT`): exact over every seller together, shared fairly
+//! by weight, and a refused grant given back to its seller; against the real Redis (and the
+//! local Redis Cluster, where the global state lives in one slot of its own).
+
+mod support;
+
+use std::sync::Arc;
+
+use serde_json::json;
+use tokio::sync::Mutex;
+use turnstile_core::config::{Algorithm, GlobalLimit, LimiterArgs};
+use turnstile_core::domain::{Cost, SellerId};
+use turnstile_core::permit::{Decision, GlobalDecision};
+
+use support::{Backend, Keys};
+
+fn seller(s: &str) -> SellerId {
+    SellerId::parse(s).unwrap()
+}
+
+/// Sellers of `limit` each under the global `global`.
+fn limiter(limit: &str, global: &str) -> LimiterArgs {
+    LimiterArgs {
+        global_limit: GlobalLimit(Some(global.parse().unwrap())),
+        ..support::limiter(limit, Algorithm::SlidingWindow)
+    }
+}
+
+/// The most units among grants `(at µs, units)` inside any half-open window of `window_us`.
+fn most_units_in_a_window(grants: &[(i64, u32)], window_us: i64) -> u64 {
+    let mut sorted = grants.to_vec();
+    sorted.sort_unstable();
+    let (mut best, mut held, mut start) = (0, 0u64, 0);
+    for end in 0..sorted.len() {
+        held += u64::from(sorted[end].1);
+        while sorted[end].0 - sorted[start].0 >= window_us {
+            held -= u64::from(sorted[start].1);
+            start += 1;
+        }
+        best = best.max(held);
+    }
+    best
+}
+
+/// Eight callers over sixteen sellers, costs of 1 to 3 units, ask the global stack
+/// `6/1s,15/3s` until 45 units are granted, each coming back when told: no window of either
+/// limit ever holds more than its COUNT in units, whoever asked.
+async fn the_global_stack_is_exact_over_every_seller(backend: Backend) {
+    let keys = Keys::new(backend, "global-exact").await;
+    let store = keys.store(limiter("1000/1s", "6/1s,15/3s"));
+    let grants = Arc::new(Mutex::new(Vec::<(i64, u32)>::new()));
+    let mut callers = Vec::new();
+    for caller in 0..8u32 {
+        let (store, grants) = (store.clone(), grants.clone());
+        callers.push(tokio::spawn(async move {
+            for call in 0u32.. {
+                if grants.lock().await.iter().map(|g| g.1).sum::<u32>() >= 45 {
+                    return;
+                }
+                let s = seller(&format!("S-{}", (caller + call) % 16));
+                let cost = Cost::new(call % 3 + 1).unwrap();
+                let token = format!("c{caller}-{call}");
+                match store.admit_globally(&s, cost, &token).await.unwrap() {
+                    GlobalDecision::Granted { at_us } => {
+                        grants.lock().await.push((at_us, cost.units()));
+                    }
+                    GlobalDecision::Wait { retry_after, .. } => {
+                        tokio::time::sleep(retry_after).await;
+                    }
+                    GlobalDecision::TooCostly { .. } => unreachable!("3 units fit 6/1s"),
+                }
+            }
+        }));
+    }
+    for caller in callers {
+        caller.await.unwrap();
+    }
+    let grants = grants.lock().await.clone();
+    assert!(
+        most_units_in_a_window(&grants, 1_000_000) <= 6,
+        "{grants:?}"
+    );
+    assert!(
+        most_units_in_a_window(&grants, 3_000_000) <= 15,
+        "{grants:?}"
+    );
+    keys.cleanup().await;
+}
+
+/// A seller with a backlog asks three times for every ask of a seller with little work: while
+/// the global limit has room, the small seller is never turned away, and from the small one's
+/// first ask on the busy one runs at most QUANTUM (20/1s: 1 unit) and one call ahead of it;
+/// once the window is full both wait.
+async fn a_busy_seller_cannot_run_ahead_of_a_small_one(backend: Backend) {
+    let keys = Keys::new(backend, "global-fair").await;
+    let store = keys.store(limiter("1000/1s", "20/1s"));
+    let (busy, small) = (seller("S-busy"), seller("S-small"));
+    let one = Cost::ONE;
+    let (mut busy_granted, mut small_granted, mut small_refused_with_room) = (0, 0, 0);
+    for round in 0..12 {
+        for ask in 0..3 {
+            let token = format!("b{round}-{ask}");
+            if let GlobalDecision::Granted { .. } =
+                store.admit_globally(&busy, one, &token).await.unwrap()
+            {
+                busy_granted += 1;
+            }
+        }
+        match store
+            .admit_globally(&small, one, &format!("s{round}"))
+            .await
+            .unwrap()
+        {
+            GlobalDecision::Granted { .. } => small_granted += 1,
+            GlobalDecision::Wait { ahead, .. } => {
+                assert!(!ahead, "the small seller is never ahead");
+                if busy_granted + small_granted < 20 {
+                    small_refused_with_room += 1;
+                }
+            }
+            GlobalDecision::TooCostly { .. } => unreachable!(),
+        }
+        // The busy seller's first three grants were made while it was alone: the small one
+        // starts level with it (no credit for idleness on either side).
+        assert!(
+            busy_granted - 3 <= small_granted + 2,
+            "round {round}: busy {busy_granted}, small {small_granted}"
+        );
+    }
+    assert_eq!(small_refused_with_room, 0);
+    assert_eq!(busy_granted + small_granted, 20, "the window is used whole");
+    keys.cleanup().await;
+}
+
+/// Two sellers asking alike, of weights 4 and 1, share a window of 50 units about 4:1.
+async fn weights_divide_the_global_limit(backend: Backend) {
+    let keys = Keys::new(backend, "global-weights").await;
+    let store = keys.store(limiter("1000/1s", "50/1s"));
+    let (heavy, light) = (seller("S-heavy"), seller("S-light"));
+    store.set_weight(&heavy, 4).await.unwrap();
+    assert_eq!(store.weight(&heavy).await.unwrap(), 4);
+    assert_eq!(store.weight(&light).await.unwrap(), 1);
+    let (mut h, mut l) = (0u32, 0u32);
+    for round in 0..40 {
+        for ask in 0..4 {
+            for (s, n) in [(&heavy, &mut h), (&light, &mut l)] {
+                let token = format!("{}-{round}-{ask}", s.as_str());
+                if let GlobalDecision::Granted { .. } =
+                    store.admit_globally(s, Cost::ONE, &token).await.unwrap()
+                {
+                    *n += 1;
+                }
+            }
+        }
+    }
+    assert_eq!(h + l, 50, "the window is used whole");
+    assert!((36..=44).contains(&h), "heavy {h}, light {l}");
+    keys.cleanup().await;
+}
+
+/// A seller's grant the global limit refuses is given back to the seller: its own limit shows
+/// only what was called, and the call can be asked for again at once.
+async fn a_refused_grant_is_given_back_to_the_seller(backend: Backend) {
+    let keys = Keys::new(backend, "global-release").await;
+    let store = keys.store(limiter("3/1s", "1/1s"));
+    let s = seller("S-given-back");
+    let granted = |d: &Decision| matches!(d, Decision::Granted { .. });
+    let (first, _) = store
+        .acquire_or_redeem(&s, None, Cost::ONE, None)
+        .await
+        .unwrap();
+    assert!(granted(&first), "{first:?}");
+    for _ in 0..4 {
+        let (refused, _) = store
+            .acquire_or_redeem(&s, None, Cost::ONE, None)
+            .await
+            .unwrap();
+        assert!(
+            matches!(refused, Decision::GlobalWait { ahead: false, .. }),
+            "{refused:?}"
+        );
+    }
+    let usage = store.usage(&s).await.unwrap();
+    assert_eq!(usage.used, 1, "only the call made counts: {usage:?}");
+    // A cost the global stack never grants is refused as such, and given back too.
+    let (costly, _) = store
+        .acquire_or_redeem(&s, None, Cost::new(2).unwrap(), None)
+        .await
+        .unwrap();
+    match costly {
+        Decision::TooCostly { most, bound_by, .. } => {
+            assert_eq!(most, 1);
+            assert!(bound_by.contains("TURNSTILE_GLOBAL_LIMIT"), "{bound_by}");
+        }
+        other => panic!("{other:?}"),
+    }
+    assert_eq!(store.usage(&s).await.unwrap().used, 1);
+    keys.cleanup().await;
+}
+
+/// Every key of the global limit but the weights expires once nobody asks.
+async fn the_global_state_expires_when_idle(backend: Backend) {
+    let keys = Keys::new(backend, "global-idle").await;
+    let store = keys.store(limiter("1000/1s", "5/1s"));
+    for i in 0..8 {
+        let _ = store
+            .admit_globally(&seller(&format!("S-{i}")), Cost::ONE, &format!("t{i}"))
+            .await
+            .unwrap();
+    }
+    let space = store.keys().clone();
+    for key in [
+        space.global_log(),
+        space.global_fair(),
+        space.global_finish(),
+        space.global_active(),
+        space.global_sellers(),
+    ] {
+        let ttl: i64 = redis::cmd("PTTL")
+            .arg(&key)
+            .query_async(&mut keys.conn.clone())
+            .await
+            .unwrap();
+        assert!(ttl > 0 && ttl <= 1_300, "{key}: {ttl} ms");
+    }
+    keys.cleanup().await;
+}
+
+macro_rules! global_tests {
+    ($backend:expr) => {
+        #[tokio::test]
+        async fn the_global_stack_is_exact_over_every_seller() {
+            super::the_global_stack_is_exact_over_every_seller($backend).await;
+        }
+        #[tokio::test]
+        async fn a_busy_seller_cannot_run_ahead_of_a_small_one() {
+            super::a_busy_seller_cannot_run_ahead_of_a_small_one($backend).await;
+        }
+        #[tokio::test]
+        async fn weights_divide_the_global_limit() {
+            super::weights_divide_the_global_limit($backend).await;
+        }
+        #[tokio::test]
+        async fn a_refused_grant_is_given_back_to_the_seller() {
+            super::a_refused_grant_is_given_back_to_the_seller($backend).await;
+        }
+        #[tokio::test]
+        async fn the_global_state_expires_when_idle() {
+            super::the_global_state_expires_when_idle($backend).await;
+        }
+    };
+}
+
+mod standalone {
+    global_tests!(super::Backend::Standalone);
+}
+
+mod cluster {
+    global_tests!(super::Backend::Cluster);
+}
+
+/// Replicas under a global limit: three sellers' registrations never exceed it at the strict
+/// downstream, which enforces it too, and all of them register.
+#[tokio::test]
+async fn replicas_keep_the_global_limit_at_the_downstream() -> anyhow::Result<()> {
+    let settings = LimiterArgs {
+        global_limit: GlobalLimit(Some("4/1s".parse().unwrap())),
+        ..support::limiter("100/1s", Algorithm::SlidingWindow)
+    };
+    let mut rig = support::rig_with("global-rig", settings).prepare().await?;
+    for s in ["S-a", "S-b", "S-c"] {
+        for i in 0..4 {
+            rig.publish_product(s, &format!("{s}-{i}"), json!({ "sku": i }))
+                .await?;
+        }
+    }
+    rig.start_replicas(2, 4).await?;
+    let stats = rig.wait_registered(12).await?;
+    assert_eq!(stats.violations, 0, "{stats:?}");
+    assert_eq!(stats.global_violations, 0, "{stats:?}");
+    assert!(stats.max_global_in_window <= 4, "{stats:?}");
+    assert_eq!(stats.duplicates, 0, "{stats:?}");
+    rig.cleanup().await
+}
