@@ -74,17 +74,17 @@ pub async fn run(
             let mut said = Vec::new();
             if let Some(new_limit) = new_limit {
                 LimiterArgs {
-                    limit: new_limit,
+                    limit: new_limit.clone(),
                     ..limiter.clone()
                 }
                 .check()
                 .map_err(anyhow::Error::msg)
                 .context("refusing the new limit")?;
+                said.push(format!("{new_limit} (override)"));
                 store
                     .set_limit(&seller, new_limit)
                     .await
                     .context("setting the limit")?;
-                said.push(format!("{new_limit} (override)"));
             }
             if let Some(weight) = weight {
                 store

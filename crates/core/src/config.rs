@@ -75,10 +75,10 @@ impl fmt::Display for Limit {
 /// A stack of per-seller limits that must all hold, e.g. `100/1m,2000/1d`: 1 to
 /// [`Limits::MAX`] limits, ordered by window, no two with the same window. A call of cost N takes
 /// N units of every limit of the stack.
-#[derive(Clone, Copy)]
+#[derive(Clone)]
 pub struct Limits {
-    len: usize,
-    items: [Limit; Limits::MAX],
+    /// The limits, shortest window first (shared: a stack is cloned into every reservation).
+    items: std::sync::Arc<[Limit]>,
 }
 
 /// Why a stack such as `6/1s,20/5s` was refused.
@@ -99,8 +99,7 @@ impl Limits {
     /// A stack of one limit.
     pub fn single(limit: Limit) -> Self {
         Self {
-            len: 1,
-            items: [limit; Limits::MAX],
+            items: std::sync::Arc::new([limit]),
         }
     }
 
@@ -116,10 +115,9 @@ impl Limits {
         if limits.is_empty() || limits.len() > Self::MAX {
             return Err(LimitsError::Size(shown()));
         }
-        let mut items = [limits[0]; Limits::MAX];
-        items[..limits.len()].copy_from_slice(limits);
-        items[..limits.len()].sort_by_key(|l| (l.window, l.count));
-        if let Some(pair) = items[..limits.len()]
+        let mut items = limits.to_vec();
+        items.sort_by_key(|l| (l.window, l.count));
+        if let Some(pair) = items
             .windows(2)
             .find(|pair| pair[0].window == pair[1].window)
         {
@@ -129,27 +127,26 @@ impl Limits {
             ));
         }
         Ok(Self {
-            len: limits.len(),
-            items,
+            items: items.into(),
         })
     }
 
     /// The limits, shortest window first.
     pub fn iter(&self) -> impl ExactSizeIterator<Item = &Limit> + '_ {
-        self.items[..self.len].iter()
+        self.items.iter()
     }
     pub fn as_slice(&self) -> &[Limit] {
-        &self.items[..self.len]
+        &self.items
     }
     pub fn len(&self) -> usize {
-        self.len
+        self.items.len()
     }
     /// Always false: a stack holds at least one limit.
     pub fn is_empty(&self) -> bool {
         false
     }
     pub fn is_stack(&self) -> bool {
-        self.len > 1
+        self.items.len() > 1
     }
 
     /// The shortest window of the stack.
@@ -529,7 +526,7 @@ pub struct LimiterArgs {
 }
 
 /// `TURNSTILE_GLOBAL_LIMIT`: a stack of limits for all sellers together, or none (`off`).
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
 pub struct GlobalLimit(pub Option<Limits>);
 
 impl fmt::Display for GlobalLimit {
@@ -683,7 +680,7 @@ mod tests {
         assert_eq!(stack.windows_arg(), "60000000,86400000000");
         assert_eq!(
             Limits::from_args(&stack.counts_arg(), &stack.windows_arg()),
-            Some(stack)
+            Some(stack.clone())
         );
         assert_eq!(stack.slowest().to_string(), "2000/1d");
         let one: Limits = "20/1s".parse().unwrap();

@@ -169,8 +169,8 @@ impl MockServer {
             .with_context(|| format!("mock-api cannot listen on {}", args.addr))?;
         let addr = listener.local_addr()?;
         let app = Arc::new(App {
-            limit: args.limit,
-            global_limit: args.global_limit,
+            limit: args.limit.clone(),
+            global_limit: args.global_limit.clone(),
             latency: Duration::from_millis(args.latency_ms),
             fail_rate: args.fail_rate,
             slow_rate: args.slow_rate,

@@ -194,9 +194,9 @@ impl RigBuilder {
         base.redis.key_prefix = format!("{}-{run}", base.redis.key_prefix);
         let stop_mock = CancellationToken::new();
         let mock = MockArgs {
-            limit: base.limiter.limit,
-            global_limit: base.limiter.global_limit.0,
-            ..mock.unwrap_or_else(|| MockArgs::local(base.limiter.limit))
+            limit: base.limiter.limit.clone(),
+            global_limit: base.limiter.global_limit.0.clone(),
+            ..mock.unwrap_or_else(|| MockArgs::local(base.limiter.limit.clone()))
         };
         let mock = MockServer::start(mock, stop_mock.clone()).await?;
         base.downstream.url = mock.url();
@@ -206,7 +206,7 @@ impl RigBuilder {
             mock,
             topology,
             key_prefix: base.redis.key_prefix.clone(),
-            limit: base.limiter.limit,
+            limit: base.limiter.limit.clone(),
             store: PermitStore::new(redis, &base.redis.key_prefix, base.limiter.clone()),
             connection,
             publisher,

@@ -357,7 +357,7 @@ impl Dashboard {
 fn upload_rows(
     uploads: &[progress::Progress],
     usage: &HashMap<&str, &Usage>,
-    default: turnstile_core::config::Limits,
+    default: &turnstile_core::config::Limits,
 ) -> Vec<UploadRow> {
     let backlog = progress::backlog_by_seller(uploads);
     uploads

@@ -357,8 +357,8 @@ impl PermitStore {
     pub fn algorithm(&self) -> Algorithm {
         self.limiter.algorithm
     }
-    pub fn default_limit(&self) -> Limits {
-        self.limiter.limit
+    pub fn default_limit(&self) -> &Limits {
+        &self.limiter.limit
     }
     pub fn key_prefix(&self) -> &str {
         self.keys.prefix()
@@ -413,7 +413,7 @@ impl PermitStore {
         reserve: bool,
     ) -> Result<Decision, PermitError> {
         let algorithm = self.limiter.algorithm;
-        let limit = self.limiter.limit;
+        let limit = &self.limiter.limit;
         let token = format!("{:x}", rand::random::<u64>());
         let mut invocation = scripts::acquire(algorithm).prepare_invoke();
         invocation
@@ -470,7 +470,7 @@ impl PermitStore {
         cost: Cost,
         held: Reservation,
     ) -> Result<Result<Decision, Forfeit>, PermitError> {
-        let limit = self.limiter.limit;
+        let limit = &self.limiter.limit;
         let mut invocation = scripts::redeem().prepare_invoke();
         invocation
             .key(self.keys.limit(seller))
@@ -562,7 +562,7 @@ impl PermitStore {
         let Decision::Granted { slot_us, call, .. } = &decision else {
             return Ok(decision);
         };
-        let Some(global) = self.limiter.global_limit.0 else {
+        let Some(global) = &self.limiter.global_limit.0 else {
             return Ok(decision);
         };
         let refused = match self.admit_globally(seller, cost, call).await {
@@ -573,7 +573,7 @@ impl PermitStore {
             Ok(GlobalDecision::TooCostly { most }) => Decision::TooCostly {
                 cost,
                 most,
-                limits: global,
+                limits: global.clone(),
                 bound_by: "the smallest COUNT of TURNSTILE_GLOBAL_LIMIT",
             },
             Err(error) => {
@@ -594,7 +594,7 @@ impl PermitStore {
         cost: Cost,
         call: &str,
     ) -> Result<GlobalDecision, PermitError> {
-        let Some(global) = self.limiter.global_limit.0 else {
+        let Some(global) = &self.limiter.global_limit.0 else {
             return Ok(GlobalDecision::Granted { at_us: 0 });
         };
         let mut invocation = scripts::global().prepare_invoke();
@@ -608,7 +608,7 @@ impl PermitStore {
             .arg(call)
             .arg(cost.units())
             .arg(seller.key_tag())
-            .arg(global_idle(&global).as_micros() as u64)
+            .arg(global_idle(global).as_micros() as u64)
             .invoke_async(&mut self.conn.clone())
             .await?;
         let decision = match (status, why) {
@@ -906,7 +906,7 @@ impl PermitStore {
         Ok(self
             .limit_override(seller)
             .await?
-            .unwrap_or(self.limiter.limit))
+            .unwrap_or_else(|| self.limiter.limit.clone()))
     }
 
     /// Lifts the seller's pause on every replica at once; whether it was paused.
@@ -998,7 +998,7 @@ impl PermitStore {
 }
 
 /// A change of a seller's terms (see [`PermitStore::reschedule`]).
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[derive(Clone, Debug, PartialEq, Eq)]
 pub enum Change {
     /// The seller's limit becomes this override (one limit or a stack).
     Set(Limits),

@@ -210,7 +210,7 @@ impl Worker {
         };
         let asked = std::time::Instant::now();
         let decided = tokio::select! {
-            d = self.decide(registration, carried.reservation.as_deref()) => d,
+            d = self.decide(registration, carried.reservation.as_ref()) => d,
             _ = shutdown.cancelled() => return interrupted(Interrupted::Shutdown),
             _ = connection_lost.cancelled() => return interrupted(Interrupted::ConnectionLost),
         };
@@ -333,7 +333,7 @@ impl Worker {
         let notices = self.reschedules.subscribe();
         let waited = tokio::select! {
             _ = tokio::time::sleep(wait) => None,
-            _ = given_back(notices, registration, carried.reservation.as_deref()) => None,
+            _ = given_back(notices, registration, carried.reservation.as_ref()) => None,
             _ = shutdown.cancelled() => Some(Interrupted::Shutdown),
             _ = connection_lost.cancelled() => Some(Interrupted::ConnectionLost),
         };

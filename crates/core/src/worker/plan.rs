@@ -55,9 +55,8 @@ impl Outcome {
 pub struct Carried {
     /// Failed downstream attempts so far (429s are not counted).
     pub attempt: u32,
-    /// The permit slot reserved for the message (boxed: a reservation names its whole stack
-    /// of limits, and `Carried` travels by value in every [`Outcome`]).
-    pub reservation: Option<Box<Reservation>>,
+    /// The permit slot reserved for the message.
+    pub reservation: Option<Reservation>,
     /// Since when (Unix ms) the downstream has answered 429 to this message.
     pub throttled_since_ms: Option<u64>,
 }
@@ -68,7 +67,7 @@ impl Carried {
     pub fn from_delivery(delivery: &Delivery, now_ms: u64) -> Self {
         Self {
             attempt: Self::attempt_of(delivery),
-            reservation: Self::reservation_of(delivery).map(Box::new),
+            reservation: Self::reservation_of(delivery),
             throttled_since_ms: header_u64(delivery, headers::THROTTLED_SINCE)
                 .map(|t| t.min(now_ms)),
         }
@@ -96,7 +95,7 @@ impl Carried {
                 long_string(
                     &self
                         .reservation
-                        .as_deref()
+                        .as_ref()
                         .map(Reservation::encode)
                         .unwrap_or_default(),
                 ),
@@ -178,7 +177,7 @@ impl WorkerSettings {
                 retry_after,
                 reservation,
             } => {
-                carried.reservation = reservation.map(Box::new);
+                carried.reservation = reservation;
                 self.plan_wait(retry_after, holding, carried)
             }
             Decision::GlobalWait { retry_after, .. } => {
@@ -476,7 +475,7 @@ mod tests {
 
     fn reserved() -> Carried {
         Carried {
-            reservation: Some(Box::new(reservation())),
+            reservation: Some(reservation()),
             ..Carried::default()
         }
     }

@@ -186,8 +186,8 @@ pub async fn run(args: ScenarioArgs) -> anyhow::Result<bool> {
     let limiter = LimiterArgs {
         // gcra takes a cost of at most its burst.
         gcra_burst: max_cost,
-        global_limit: GlobalLimit(global),
-        ..LimiterArgs::new(limit, args.algorithm)
+        global_limit: GlobalLimit(global.clone()),
+        ..LimiterArgs::new(limit.clone(), args.algorithm)
     };
     let mut settings = args.rig.replica_settings(
         "scenario",
@@ -199,6 +199,7 @@ pub async fn run(args: ScenarioArgs) -> anyhow::Result<bool> {
     eprintln!(
         "scenario: limit {limit}{}, {replicas} replicas x {workers} workers, {}: one seller's {big} messages published ahead of {small_sellers} sellers with {small} each{}{}",
         global
+            .as_ref()
             .map(|g| format!(", global limit {g}"))
             .unwrap_or_default(),
         args.algorithm,
@@ -216,7 +217,7 @@ pub async fn run(args: ScenarioArgs) -> anyhow::Result<bool> {
     let mock = MockArgs {
         slow_rate: args.slow_rate,
         slow_ms: args.slow_ms,
-        ..MockArgs::local(limit)
+        ..MockArgs::local(limit.clone())
     };
     let rig = Rig::build(settings).with_mock(mock);
     let mut rig = if preset.prefill {
@@ -371,7 +372,7 @@ pub async fn run(args: ScenarioArgs) -> anyhow::Result<bool> {
         "{:<44} {:>9.2}s",
         "small sellers: last registered after publish", small_latency
     );
-    if let Some(global) = global {
+    if let Some(global) = &global {
         print_global(&report, &rig_stats, global);
     }
     if args.json {
@@ -392,7 +393,7 @@ pub async fn run(args: ScenarioArgs) -> anyhow::Result<bool> {
 /// The global limit's figures: requests the mock refused for it, the most units it saw in one
 /// window, and how much of the budget was used from the first registration to the last (the
 /// optimum drain of every registered unit through the global stack, over the real one).
-fn print_global(report: &crate::rig::Report, stats: &crate::mock_api::Stats, global: Limits) {
+fn print_global(report: &crate::rig::Report, stats: &crate::mock_api::Stats, global: &Limits) {
     let first = report
         .sellers
         .values()

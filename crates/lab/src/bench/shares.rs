@@ -13,15 +13,17 @@ use turnstile_core::domain::SellerId;
 pub async fn run(args: &ScenarioArgs) -> anyhow::Result<bool> {
     let limit: Limits = args
         .limit
+        .clone()
         .unwrap_or_else(|| "1000/1s".parse().expect("limits parse"));
     let global: Limits = args
         .global_limit
+        .clone()
         .unwrap_or_else(|| "100/1s".parse().expect("limits parse"));
     let (replicas, workers) = (args.replicas.unwrap_or(3), args.workers.unwrap_or(16));
     let per_seller = args.big.unwrap_or(1_000);
     let limiter = LimiterArgs {
-        global_limit: GlobalLimit(Some(global)),
-        ..LimiterArgs::new(limit, args.algorithm)
+        global_limit: GlobalLimit(Some(global.clone())),
+        ..LimiterArgs::new(limit.clone(), args.algorithm)
     };
     let hold = args.hold.unwrap_or(Duration::from_secs(60));
     let mut settings = args
