@@ -1,16 +1,21 @@
-//! The global limit (`TURNSTILE_GLOBAL_LIMIT`): exact over every seller together, shared fairly
-//! by weight, and a refused grant given back to its seller; against the real Redis (and the
-//! local Redis Cluster, where the global state lives in one slot of its own).
+//! Beyond a seller's own limit: the global limit (`TURNSTILE_GLOBAL_LIMIT`), exact over every
+//! seller together and shared fairly by weight, and the cap on a seller's calls in flight
+//! (`TURNSTILE_SELLER_CONCURRENCY`); a grant either refuses is given back to its seller.
+//! Against the real Redis and the local Redis Cluster (where the global state lives in one slot
+//! of its own).
 
 mod support;
 
 use std::sync::Arc;
 
 use serde_json::json;
+use std::num::NonZeroU32;
+use std::time::Duration;
 use tokio::sync::Mutex;
-use turnstile_core::config::{Algorithm, GlobalLimit, LimiterArgs};
+
+use turnstile_core::config::{Algorithm, GlobalLimit, LimiterArgs, SellerConcurrency};
 use turnstile_core::domain::{Cost, SellerId};
-use turnstile_core::permit::{Decision, GlobalDecision};
+use turnstile_core::permit::{Decision, Deferral, GlobalDecision};
 
 use support::{Backend, Keys};
 
@@ -176,7 +181,13 @@ async fn a_refused_grant_is_given_back_to_the_seller(backend: Backend) {
             .await
             .unwrap();
         assert!(
-            matches!(refused, Decision::GlobalWait { ahead: false, .. }),
+            matches!(
+                refused,
+                Decision::Deferred {
+                    by: Deferral::GlobalFull,
+                    ..
+                }
+            ),
             "{refused:?}"
         );
     }
@@ -226,6 +237,66 @@ async fn the_global_state_expires_when_idle(backend: Backend) {
     keys.cleanup().await;
 }
 
+/// Sellers of `limit` with at most `n` calls in flight each.
+fn leased(limit: &str, n: u32) -> LimiterArgs {
+    LimiterArgs {
+        seller_concurrency: SellerConcurrency(NonZeroU32::new(n)),
+        ..support::limiter(limit, Algorithm::SlidingWindow)
+    }
+}
+
+/// At most two calls of a seller in flight: a third grant is deferred and given back (its
+/// seller's limit shows only the two), another seller is not held back, an answered call frees
+/// its lease at once, and one never answered (its replica died) frees it at its bound.
+async fn a_sellers_calls_in_flight_are_capped_by_leases(backend: Backend) {
+    let keys = Keys::new(backend, "leases").await;
+    // A call's bound: 1 s to send it + a 100 ms timeout.
+    let store = keys
+        .store(leased("100/1m", 2))
+        .with_call_timeout(Duration::from_millis(100));
+    let (s, other) = (seller("S-leased"), seller("S-other"));
+    let ask = |s: &SellerId| {
+        let (store, s) = (store.clone(), s.clone());
+        async move {
+            store
+                .acquire_or_redeem(&s, None, Cost::ONE, None)
+                .await
+                .unwrap()
+                .0
+        }
+    };
+    let call = |d: Decision| match d {
+        Decision::Granted { call, .. } => call,
+        other => panic!("{other:?}"),
+    };
+    let first = call(ask(&s).await);
+    let _second = call(ask(&s).await);
+    let third = ask(&s).await;
+    assert!(
+        matches!(
+            third,
+            Decision::Deferred {
+                by: Deferral::Concurrency,
+                ..
+            }
+        ),
+        "{third:?}"
+    );
+    assert_eq!(
+        store.usage(&s).await.unwrap().used,
+        2,
+        "the third grant was given back"
+    );
+    call(ask(&other).await);
+    store.end_lease(&s, &first).await.unwrap();
+    let _third = call(ask(&s).await);
+    assert!(matches!(ask(&s).await, Decision::Deferred { .. }));
+    // Never answered: the leases end at their bound (1.1 s after their grant).
+    tokio::time::sleep(Duration::from_millis(1_200)).await;
+    call(ask(&s).await);
+    keys.cleanup().await;
+}
+
 macro_rules! global_tests {
     ($backend:expr) => {
         #[tokio::test]
@@ -243,6 +314,10 @@ macro_rules! global_tests {
         #[tokio::test]
         async fn a_refused_grant_is_given_back_to_the_seller() {
             super::a_refused_grant_is_given_back_to_the_seller($backend).await;
+        }
+        #[tokio::test]
+        async fn a_sellers_calls_in_flight_are_capped_by_leases() {
+            super::a_sellers_calls_in_flight_are_capped_by_leases($backend).await;
         }
         #[tokio::test]
         async fn the_global_state_expires_when_idle() {
@@ -279,6 +354,35 @@ async fn replicas_keep_the_global_limit_at_the_downstream() -> anyhow::Result<()
     assert_eq!(stats.violations, 0, "{stats:?}");
     assert_eq!(stats.global_violations, 0, "{stats:?}");
     assert!(stats.max_global_in_window <= 4, "{stats:?}");
+    assert_eq!(stats.duplicates, 0, "{stats:?}");
+    rig.cleanup().await
+}
+
+/// Replicas with at most one call of a seller in flight, against a downstream that takes 50 ms
+/// to answer: it never sees two calls of one seller at once, and everything registers.
+#[tokio::test]
+async fn replicas_keep_one_call_of_a_seller_in_flight() -> anyhow::Result<()> {
+    let mock = turnstile_lab::mock_api::MockArgs {
+        latency_ms: 50,
+        ..turnstile_lab::mock_api::MockArgs::local(
+            "100/1s".parse::<turnstile_core::config::Limits>()?,
+        )
+    };
+    let mut rig = support::rig_with("leases-rig", leased("100/1s", 1))
+        .with_mock(mock)
+        .prepare()
+        .await?;
+    for s in ["S-one", "S-two"] {
+        for i in 0..8 {
+            rig.publish_product(s, &format!("{s}-{i}"), json!({ "sku": i }))
+                .await?;
+        }
+    }
+    rig.start_replicas(2, 4).await?;
+    let stats = rig.wait_registered(16).await?;
+    for s in ["S-one", "S-two"] {
+        assert_eq!(stats.sellers[s].max_in_flight, 1, "{s}: {stats:?}");
+    }
     assert_eq!(stats.duplicates, 0, "{stats:?}");
     rig.cleanup().await
 }

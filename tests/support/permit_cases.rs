@@ -44,7 +44,7 @@ pub async fn acquire_units_until_granted(
                 tokio::time::sleep(retry_after).await;
             }
             Decision::AlreadyDone => unreachable!("no completion record is passed"),
-            Decision::GlobalWait { .. } => unreachable!("no global limit"),
+            Decision::Deferred { .. } => unreachable!("no global limit, no leases"),
             Decision::TooCostly { .. } => panic!("{cost} units never pass"),
         }
     }
@@ -385,7 +385,7 @@ async fn wait_of_a_new_caller(store: &PermitStore, s: &SellerId) -> Duration {
         Decision::Granted { .. } => Duration::ZERO,
         Decision::Wait { retry_after, .. } => retry_after,
         Decision::AlreadyDone => unreachable!("no completion record is passed"),
-        Decision::GlobalWait { .. } => unreachable!("no global limit"),
+        Decision::Deferred { .. } => unreachable!("no global limit, no leases"),
         Decision::TooCostly { .. } => unreachable!("one unit always passes"),
     }
 }

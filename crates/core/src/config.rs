@@ -523,6 +523,26 @@ pub struct LimiterArgs {
     /// fairly among the sellers with work by their weights; `off` disables it.
     #[arg(long = "global-limit", env = "TURNSTILE_GLOBAL_LIMIT", default_value = "off", value_parser = parse_global_limit)]
     pub global_limit: GlobalLimit,
+    /// Most calls of one seller in flight at once across every replica (leases in Redis that
+    /// expire if a replica dies); `off` disables it.
+    #[arg(long = "seller-concurrency", env = "TURNSTILE_SELLER_CONCURRENCY", default_value = "off", value_parser = parse_concurrency)]
+    pub seller_concurrency: SellerConcurrency,
+}
+
+/// `TURNSTILE_SELLER_CONCURRENCY`: most calls of one seller in flight, or no such cap (`off`).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct SellerConcurrency(pub Option<std::num::NonZeroU32>);
+
+fn parse_concurrency(s: &str) -> Result<SellerConcurrency, String> {
+    if s.trim().eq_ignore_ascii_case("off") {
+        return Ok(SellerConcurrency(None));
+    }
+    s.trim()
+        .parse::<std::num::NonZeroU32>()
+        .map(|n| SellerConcurrency(Some(n)))
+        .map_err(|_| {
+            format!("{s:?} is not a number of calls >= 1 or off (TURNSTILE_SELLER_CONCURRENCY)")
+        })
 }
 
 /// `TURNSTILE_GLOBAL_LIMIT`: a stack of limits for all sellers together, or none (`off`).
@@ -569,6 +589,7 @@ impl LimiterArgs {
             horizon: Duration::from_secs(86400),
             redis_durable: false,
             global_limit: GlobalLimit(None),
+            seller_concurrency: SellerConcurrency(None),
         }
     }
 

@@ -145,6 +145,9 @@ pub struct SellerStats {
     /// Units of the registrations accepted (one per registration without a `cost`).
     #[serde(default)]
     pub units: u64,
+    /// The most requests of the seller in flight at once (arrived, not yet answered).
+    #[serde(default)]
+    pub max_in_flight: u64,
 }
 
 /// A running mock API.
@@ -315,6 +318,8 @@ struct Ledger {
     windows: HashMap<String, VecDeque<(Instant, u32)>>,
     /// Every seller's accepted registrations of the global limit's longest window.
     global_times: VecDeque<(Instant, u32)>,
+    /// Per seller, requests arrived and not yet answered.
+    in_flight: HashMap<String, u64>,
     accepted: HashSet<String>,
     attempts: HashMap<String, usize>,
     stats: Stats,
@@ -333,6 +338,7 @@ impl Ledger {
             epoch: Instant::now(),
             windows: HashMap::new(),
             global_times: VecDeque::new(),
+            in_flight: HashMap::new(),
             accepted: HashSet::new(),
             attempts: HashMap::new(),
             stats: Stats::default(),
@@ -483,6 +489,7 @@ impl App {
             accepted,
             attempts,
             stats,
+            ..
         } = &mut *ledger;
         stats.requests += 1;
         let mut status = StatusCode::OK;
@@ -547,6 +554,22 @@ impl App {
         seller.last_ms = Some(at);
         seller.max_in_window = seller.max_in_window.max(first_window_units);
         answer
+    }
+
+    /// A request of `seller` is in flight from its arrival until its answer is sent.
+    fn arrived(&self, seller: &str) {
+        let mut ledger = self.lock();
+        let in_flight = ledger.in_flight.entry(seller.to_owned()).or_default();
+        *in_flight += 1;
+        let now = *in_flight;
+        let stats = ledger.stats.sellers.entry(seller.to_owned()).or_default();
+        stats.max_in_flight = stats.max_in_flight.max(now);
+    }
+
+    fn answered(&self, seller: &str) {
+        if let Some(n) = self.lock().in_flight.get_mut(seller) {
+            *n = n.saturating_sub(1);
+        }
     }
 
     async fn pause(&self, delay: Duration) {
@@ -615,9 +638,11 @@ async fn register(
     if rand::random::<f64>() < app.slow_rate {
         app.pause(app.slow).await;
     }
+    app.arrived(&req.seller);
     let answer = app.decide(&req, rand::random::<f64>());
     let scripted_delay = req.script.as_ref().map_or(Duration::ZERO, |s| s.delay);
     app.pause(app.latency + scripted_delay).await;
+    app.answered(&req.seller);
     answer.into_response()
 }
 

@@ -98,6 +98,17 @@ impl Keyspace {
         self.seller(seller, "calls")
     }
 
+    /// The seller's leases of calls in flight (sorted set: call token -> expiry µs; see
+    /// `lua/lease.lua`).
+    pub fn leases(&self, seller: &SellerId) -> String {
+        self.seller(seller, "leases")
+    }
+
+    /// When the seller's next caller refused a lease comes back (string: µs).
+    pub fn lease_ticket(&self, seller: &SellerId) -> String {
+        self.seller(seller, "lease-ticket")
+    }
+
     /// The seller's far queue (hash: `at`, `n`; see `far_ticket` in `lua/prelude.lua`).
     pub fn far(&self, seller: &SellerId) -> String {
         self.seller(seller, "far")
@@ -271,6 +282,8 @@ mod tests {
             keys.server(s),
             keys.calls(s),
             keys.far(s),
+            keys.leases(s),
+            keys.lease_ticket(s),
             keys.done(s, &MessageId::parse("m:{1}").unwrap()),
             keys.batch(s, &BatchId::parse("b 1").unwrap()),
             keys.lab_incr(s),

@@ -120,11 +120,10 @@ pub enum Decision {
         retry_after: Duration,
         reservation: Option<Reservation>,
     },
-    /// The seller's limit granted, the global limit (`TURNSTILE_GLOBAL_LIMIT`) did not: the
-    /// seller's grant was given back; come back after `retry_after` (a ticket of the seller's,
-    /// see `lua/global.lua`). `ahead`: the seller has taken more than its fair share while
-    /// others wait; else the global limit had no room.
-    GlobalWait { retry_after: Duration, ahead: bool },
+    /// The seller's limit granted, but a lease of its calls in flight or the global limit did
+    /// not: the seller's grant was given back; come back after `retry_after` (a ticket of the
+    /// seller's, see `lua/lease.lua` and `lua/global.lua`).
+    Deferred { retry_after: Duration, by: Deferral },
     /// The message already registered (its completion record exists): do not call again.
     AlreadyDone,
     /// The call's cost exceeds what the seller's `limits` can ever grant at once (`most`
@@ -138,6 +137,20 @@ pub enum Decision {
         bound_by: &'static str,
     },
 }
+
+/// What deferred a call the seller's own limit granted (see [`Decision::Deferred`]).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Deferral {
+    /// `TURNSTILE_SELLER_CONCURRENCY` calls of the seller are in flight.
+    Concurrency,
+    /// The seller has taken more than its fair share of the global limit while others wait.
+    GlobalShare,
+    /// The global limit has no room now.
+    GlobalFull,
+}
+
+/// How soon the callers refused a lease come back, one after another (see `lua/lease.lua`).
+const LEASE_POLL: Duration = Duration::from_millis(10);
 
 /// What the global limit decided for a seller's call (see `lua/global.lua`).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -290,7 +303,7 @@ fn observe(algorithm: Algorithm, decision: &Decision, acquired: bool) {
                     .increment(1);
             }
         }
-        Decision::GlobalWait { .. } | Decision::AlreadyDone | Decision::TooCostly { .. } => {}
+        Decision::Deferred { .. } | Decision::AlreadyDone | Decision::TooCostly { .. } => {}
     }
 }
 
@@ -545,15 +558,16 @@ impl PermitStore {
             },
             None => (self.acquire_for(seller, message, cost, true).await?, None),
         };
-        Ok((self.within_global(seller, cost, decision).await?, forfeit))
+        Ok((self.beyond_seller(seller, cost, decision).await?, forfeit))
     }
 
-    /// A seller's grant under the global limit (`TURNSTILE_GLOBAL_LIMIT`): kept if the global
-    /// limit grants it too, else given back to the seller ([`Self::release`]) and turned into
-    /// [`Decision::GlobalWait`] (global units are never reserved ahead) or, for a cost the
-    /// global limit can never grant, into [`Decision::TooCostly`]. Any other decision, and
-    /// every decision without a global limit, is returned as it is.
-    pub async fn within_global(
+    /// A seller's grant is called only with a lease of its calls in flight
+    /// (`TURNSTILE_SELLER_CONCURRENCY`) and the global limit's units (`TURNSTILE_GLOBAL_LIMIT`)
+    /// too, asked in that order. If either refuses, what was taken is given back (the lease;
+    /// the seller's grant, [`Self::release`]) and the grant becomes [`Decision::Deferred`] or,
+    /// for a cost the global limit can never grant, [`Decision::TooCostly`]. Any other
+    /// decision, and every decision when neither is set, is returned as it is.
+    pub async fn beyond_seller(
         &self,
         seller: &SellerId,
         cost: Cost,
@@ -562,28 +576,114 @@ impl PermitStore {
         let Decision::Granted { slot_us, call, .. } = &decision else {
             return Ok(decision);
         };
-        let Some(global) = &self.limiter.global_limit.0 else {
-            return Ok(decision);
-        };
-        let refused = match self.admit_globally(seller, cost, call).await {
-            Ok(GlobalDecision::Granted { .. }) => return Ok(decision),
-            Ok(GlobalDecision::Wait { retry_after, ahead }) => {
-                Decision::GlobalWait { retry_after, ahead }
+        let leased = self.limiter.seller_concurrency.0.is_some();
+        let refused = match self.take_lease(seller, call).await {
+            Ok(None) => self.global_refusal(seller, cost, call).await,
+            Ok(Some(retry_after)) => {
+                return self
+                    .give_back(seller, call, cost, *slot_us, false)
+                    .await
+                    .map(|()| Decision::Deferred {
+                        retry_after,
+                        by: Deferral::Concurrency,
+                    });
             }
-            Ok(GlobalDecision::TooCostly { most }) => Decision::TooCostly {
+            Err(error) => Err(error),
+        };
+        match refused {
+            Ok(None) => Ok(decision),
+            Ok(Some(refused)) => {
+                self.give_back(seller, call, cost, *slot_us, leased).await?;
+                Ok(refused)
+            }
+            Err(error) => {
+                // Not called either way: give back what was taken if Redis lets us.
+                let _ = self.give_back(seller, call, cost, *slot_us, leased).await;
+                Err(error)
+            }
+        }
+    }
+
+    /// Gives back a grant that will not be called, and its lease if `leased`.
+    async fn give_back(
+        &self,
+        seller: &SellerId,
+        call: &str,
+        cost: Cost,
+        slot_us: i64,
+        leased: bool,
+    ) -> Result<(), PermitError> {
+        if leased {
+            self.end_lease(seller, call).await?;
+        }
+        self.release(seller, call, cost, slot_us).await
+    }
+
+    /// What the global limit refuses of a call (`None`: it grants, or there is none).
+    async fn global_refusal(
+        &self,
+        seller: &SellerId,
+        cost: Cost,
+        call: &str,
+    ) -> Result<Option<Decision>, PermitError> {
+        let Some(global) = &self.limiter.global_limit.0 else {
+            return Ok(None);
+        };
+        Ok(match self.admit_globally(seller, cost, call).await? {
+            GlobalDecision::Granted { .. } => None,
+            GlobalDecision::Wait { retry_after, ahead } => Some(Decision::Deferred {
+                retry_after,
+                by: if ahead {
+                    Deferral::GlobalShare
+                } else {
+                    Deferral::GlobalFull
+                },
+            }),
+            GlobalDecision::TooCostly { most } => Some(Decision::TooCostly {
                 cost,
                 most,
                 limits: global.clone(),
                 bound_by: "the smallest COUNT of TURNSTILE_GLOBAL_LIMIT",
-            },
-            Err(error) => {
-                // The grant is not called either way; give it back if Redis lets us.
-                let _ = self.release(seller, call, cost, *slot_us).await;
-                return Err(error);
-            }
+            }),
+        })
+    }
+
+    /// Takes a lease of the seller's calls in flight for `call` (see `lua/lease.lua`): `None`
+    /// when leased (or without `TURNSTILE_SELLER_CONCURRENCY`), else when to ask again.
+    pub async fn take_lease(
+        &self,
+        seller: &SellerId,
+        call: &str,
+    ) -> Result<Option<Duration>, PermitError> {
+        let Some(limit) = self.limiter.seller_concurrency.0 else {
+            return Ok(None);
         };
-        self.release(seller, call, cost, *slot_us).await?;
-        Ok(refused)
+        let (status, at, now): (u8, i64, i64) = scripts::lease()
+            .key(self.keys.leases(seller))
+            .key(self.keys.lease_ticket(seller))
+            .arg(limit.get())
+            .arg(call)
+            .arg(self.call_bound_us().max(1))
+            .arg(LEASE_POLL.as_micros() as u64)
+            .invoke_async(&mut self.conn.clone())
+            .await?;
+        let outcome = if status == 1 { "leased" } else { "refused" };
+        metrics::counter!("turnstile_seller_leases_total", "outcome" => outcome).increment(1);
+        Ok((status != 1).then(|| wait_for(at, now)))
+    }
+
+    /// Ends the lease of `call` (its answer came back, or it will not be sent); without
+    /// `TURNSTILE_SELLER_CONCURRENCY`, nothing.
+    pub async fn end_lease(&self, seller: &SellerId, call: &str) -> Result<(), PermitError> {
+        if self.limiter.seller_concurrency.0.is_none() {
+            return Ok(());
+        }
+        let _: i64 = self
+            .conn
+            .clone()
+            .zrem(self.keys.leases(seller), call)
+            .await?;
+        Ok(())
     }
 
     /// Asks the global limit for `cost` units for the call `call` of `seller` (see

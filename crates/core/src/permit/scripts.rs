@@ -32,6 +32,7 @@ static TALLY: LazyLock<Script> = script!("tally.lua");
 static ENDED: LazyLock<Script> = script!("ended.lua");
 static GLOBAL: LazyLock<Script> = script!("global.lua");
 static RELEASE: LazyLock<Script> = script!("release.lua");
+static LEASE: LazyLock<Script> = script!("lease.lua");
 
 /// The acquire script of an algorithm.
 pub fn acquire(algorithm: Algorithm) -> &'static Script {
@@ -86,4 +87,9 @@ pub fn global() -> &'static Script {
 /// Gives back a seller's grant that will not be called (see `lua/release.lua`).
 pub fn release() -> &'static Script {
     &RELEASE
+}
+
+/// Takes one of a seller's leases of calls in flight (see `lua/lease.lua`).
+pub fn lease() -> &'static Script {
+    &LEASE
 }

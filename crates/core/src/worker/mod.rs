@@ -224,6 +224,10 @@ impl Worker {
         };
         let waited = asked.elapsed();
         let holding = self.stats.held.load(Ordering::Relaxed);
+        let granted_call = match &decision {
+            Decision::Granted { call, .. } => Some(call.clone()),
+            _ => None,
+        };
         match self
             .settings
             .plan_decision(decision, waited, holding, carried)
@@ -232,6 +236,10 @@ impl Worker {
             plan => {
                 drop(worker);
                 if plan == Plan::AskAgain {
+                    // The grant is dropped unsent: its lease too.
+                    if let Some(call) = &granted_call {
+                        self.end_lease(registration, call).await;
+                    }
                     warn!(
                         waited_ms = waited.as_millis() as u64,
                         "a permit came back too late to send the call with it; asking again"
@@ -254,6 +262,7 @@ impl Worker {
         self.stats.in_flight.fetch_add(1, Ordering::Relaxed);
         let reply = self.downstream.register(registration).await;
         self.stats.in_flight.fetch_sub(1, Ordering::Relaxed);
+        self.end_lease(registration, call).await;
         // Only the exact algorithms hold calls until their answer; a registration's answer is
         // recorded with its completion.
         if self.permits.algorithm().is_exact() && !matches!(reply, Reply::Registered) {
@@ -392,6 +401,14 @@ impl Worker {
         }
         self.stats.touch(&registration.seller_id);
         Ok(decision)
+    }
+
+    /// Ends the lease of the call `call` (under `TURNSTILE_SELLER_CONCURRENCY`); if that fails,
+    /// the lease ends at its expiry (the call's bound).
+    async fn end_lease(&self, registration: &Registration, call: &str) {
+        if let Err(error) = self.permits.end_lease(&registration.seller_id, call).await {
+            warn!(%error, "could not end the call's lease: it ends at its expiry");
+        }
     }
 
     /// Records the registration (and the answer of its call, `call`) in one step.

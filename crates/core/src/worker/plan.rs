@@ -180,9 +180,9 @@ impl WorkerSettings {
                 carried.reservation = reservation;
                 self.plan_wait(retry_after, holding, carried)
             }
-            Decision::GlobalWait { retry_after, .. } => {
+            Decision::Deferred { retry_after, .. } => {
                 carried.reservation = None;
-                self.plan_global_wait(retry_after, holding, carried)
+                self.plan_deferred(retry_after, holding, carried)
             }
             Decision::TooCostly {
                 cost,
@@ -227,11 +227,11 @@ impl WorkerSettings {
         Plan::Hold(retry_after)
     }
 
-    /// Where a message the global limit turned away waits `retry_after` (its ticket: see
-    /// `lua/global.lua`): held here if the wait is within `hold` and fewer than
+    /// Where a message a lease or the global limit turned away waits `retry_after` (its
+    /// ticket: see `lua/lease.lua`, `lua/global.lua`): held here if the wait is within `hold` and fewer than
     /// `hold_capacity` messages are held (a ticket is precise, and a held message costs no
     /// delivery), else delayed through the broker for all of it.
-    pub(super) fn plan_global_wait(
+    pub(super) fn plan_deferred(
         &self,
         retry_after: Duration,
         holding: usize,
@@ -532,9 +532,9 @@ mod tests {
 
     #[test]
     fn a_global_wait_within_the_hold_is_held_here_and_a_longer_one_goes_through_the_ladder() {
-        let global = |retry_after| Decision::GlobalWait {
+        let global = |retry_after| Decision::Deferred {
             retry_after,
-            ahead: true,
+            by: crate::permit::Deferral::GlobalShare,
         };
         let mut carried = reserved();
         let plan = settings().plan_decision(global(1_500 * MS), Duration::ZERO, 0, &mut carried);
