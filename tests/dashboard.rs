@@ -183,7 +183,7 @@ async fn metrics_count_permits_outcomes_and_downstream_answers_without_a_label_p
         "turnstile_ready",
         r#"turnstile_queue_messages{queue="ready"}"#,
     ];
-    eventually_async("every metric exported", async || {
+    support::eventually_async("every metric exported", async || {
         body = reqwest::get(&url).await.unwrap().text().await.unwrap();
         wanted.iter().all(|m| value(&body, m).is_some())
     })
@@ -223,7 +223,7 @@ async fn before_redis_answers_the_dashboard_data_is_503_and_the_replica_is_not_r
     let starting = tokio::spawn(Served::start(settings, shutdown.clone()));
     let base = format!("http://127.0.0.1:{port}");
     let mut answered = None;
-    eventually_async("the HTTP endpoints serve", async || {
+    support::eventually_async("the HTTP endpoints serve", async || {
         answered = reqwest::get(format!("{base}/api/dashboard")).await.ok();
         answered.is_some()
     })
@@ -347,23 +347,11 @@ fn seller_of<'a>(dashboard: &'a Value, seller: &str) -> Option<&'a Value> {
 
 /// Polls `/api/dashboard` until `done` holds for its answer.
 async fn wait_for_api(api: &str, what: &str, done: impl Fn(&Value) -> bool) {
-    eventually_async(what, async || match reqwest::get(api).await {
+    support::eventually_async(what, async || match reqwest::get(api).await {
         Ok(r) if r.status().is_success() => done(&r.json().await.unwrap()),
         _ => false,
     })
     .await;
-}
-
-/// As `support::eventually`, for a check that needs to await.
-async fn eventually_async(what: &str, mut done: impl AsyncFnMut() -> bool) {
-    let deadline = std::time::Instant::now() + Duration::from_secs(120);
-    while !done().await {
-        assert!(
-            std::time::Instant::now() < deadline,
-            "never happened: {what}"
-        );
-        tokio::time::sleep(Duration::from_millis(100)).await;
-    }
 }
 
 /// A metric's value in a Prometheus text page (`name{labels}` exactly as rendered).

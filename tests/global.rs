@@ -160,6 +160,23 @@ async fn weights_divide_the_global_limit(backend: Backend) {
     }
     assert_eq!(h + l, 50, "the window is used whole");
     assert!((36..=44).contains(&h), "heavy {h}, light {l}");
+    // What the dashboard and `turnstile status` show of it.
+    let usage = store.global_usage().await.unwrap().unwrap();
+    assert_eq!(usage.limit.to_string(), "50/1s");
+    assert_eq!(
+        (usage.per_limit[0].used, usage.per_limit[0].capacity),
+        (50, 50)
+    );
+    assert_eq!((usage.present, usage.weights), (2, 5.0));
+    let shares: Vec<(&str, u64, u32)> = usage
+        .shares
+        .iter()
+        .map(|s| (s.seller.as_str(), s.units, s.weight))
+        .collect();
+    assert_eq!(
+        shares,
+        [("S-heavy", u64::from(h), 4), ("S-light", u64::from(l), 1)]
+    );
     keys.cleanup().await;
 }
 
@@ -342,7 +359,13 @@ async fn replicas_keep_the_global_limit_at_the_downstream() -> anyhow::Result<()
         global_limit: GlobalLimit(Some("4/1s".parse().unwrap())),
         ..support::limiter("100/1s", Algorithm::SlidingWindow)
     };
-    let mut rig = support::rig_with("global-rig", settings).prepare().await?;
+    let mut rig = support::rig_with("global-rig", settings)
+        .serving(turnstile_ops::serve::HttpArgs {
+            http_addr: turnstile_ops::http::Listen::At("127.0.0.1:0".parse()?),
+            http_token: None,
+        })
+        .prepare()
+        .await?;
     for s in ["S-a", "S-b", "S-c"] {
         for i in 0..4 {
             rig.publish_product(s, &format!("{s}-{i}"), json!({ "sku": i }))
@@ -355,6 +378,16 @@ async fn replicas_keep_the_global_limit_at_the_downstream() -> anyhow::Result<()
     assert_eq!(stats.global_violations, 0, "{stats:?}");
     assert!(stats.max_global_in_window <= 4, "{stats:?}");
     assert_eq!(stats.duplicates, 0, "{stats:?}");
+    // The dashboard shows the global budget.
+    let api = format!("http://{}/api/dashboard", rig.dashboard().unwrap());
+    support::eventually_async("the dashboard's global limit", async || {
+        let Ok(answer) = reqwest::get(&api).await else {
+            return false;
+        };
+        let d: serde_json::Value = answer.json().await.unwrap_or_default();
+        d["global"]["limit"] == "4/1s" && d["global"]["limits"][0]["capacity"] == 4
+    })
+    .await;
     rig.cleanup().await
 }
 

@@ -1,12 +1,13 @@
 //! `turnstile status`: how far each upload is (registered, waiting, dead-lettered), its
-//! seller's limits (which one binds now) and when it will be done.
+//! seller's limits (which one binds now) and when it will be done; and the global limit's use
+//! and each seller's share of it, when there is one.
 
 use std::process::ExitCode;
 use std::time::Duration;
 
 use turnstile_core::config::{LimiterArgs, RedisArgs};
 use turnstile_core::domain::SellerId;
-use turnstile_core::permit::{PermitStore, Usage};
+use turnstile_core::permit::{GlobalUsage, PermitStore, Usage};
 use turnstile_upload::progress::{self, Progress};
 
 use super::{batch_arg, seller_arg};
@@ -61,6 +62,7 @@ pub async fn run(args: StatusArgs) -> anyhow::Result<ExitCode> {
         println!("{}", serde_json::to_string_pretty(&value)?);
         return Ok(ExitCode::SUCCESS);
     }
+    let global = store.global_usage().await?;
     if rows.is_empty() {
         println!(
             "no uploads recorded under key prefix {:?}",
@@ -69,7 +71,37 @@ pub async fn run(args: StatusArgs) -> anyhow::Result<ExitCode> {
     } else {
         print_table(&rows);
     }
+    if let Some(global) = &global {
+        print_global(global);
+    }
     Ok(ExitCode::SUCCESS)
+}
+
+/// The global limit: each limit's units taken now, the sellers asking, and each seller's
+/// share of its shortest window.
+fn print_global(global: &GlobalUsage) {
+    let taken: Vec<String> = global
+        .per_limit
+        .iter()
+        .map(|l| format!("{}: {} of {} units taken now", l.limit, l.used, l.capacity))
+        .collect();
+    println!(
+        "\nglobal limit {}: {}; {} sellers asking (weights {})",
+        global.limit,
+        taken.join(", "),
+        global.present,
+        global.weights
+    );
+    let total: u64 = global.shares.iter().map(|s| s.units).sum();
+    for share in global.shares.iter().take(20) {
+        println!(
+            "  {:<24} {:>6} units {:>5.1}%  weight {}",
+            share.seller,
+            share.units,
+            100.0 * share.units as f64 / total.max(1) as f64,
+            share.weight
+        );
+    }
 }
 
 /// The limit of the seller's stack that binds now (see `permit::binding_of`).

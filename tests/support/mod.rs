@@ -180,3 +180,15 @@ pub async fn eventually(what: &str, mut done: impl FnMut() -> bool) {
         tokio::time::sleep(std::time::Duration::from_millis(20)).await;
     }
 }
+
+/// As [`eventually`], for a check that needs to await.
+#[allow(dead_code)] // not every test binary awaits in its checks
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(120);
+    while !done().await {
+        assert!(
+            std::time::Instant::now() < deadline,
+            "never happened: {what}"
+        );
+        tokio::time::sleep(std::time::Duration::from_millis(100)).await;
+    }
+}

@@ -104,6 +104,31 @@ pub struct Snapshot {
     /// Messages dead-lettered and not replayed since, by reason (each counted once).
     pub dead_letters: BTreeMap<String, u64>,
     pub throughput: Throughput,
+    /// The global limit's budget, its use and each seller's share (`None` without one).
+    pub global: Option<GlobalView>,
+}
+
+/// The global limit (`TURNSTILE_GLOBAL_LIMIT`) now: each limit's units taken of its COUNT,
+/// the sellers asking for it, and the sellers' shares of its shortest window.
+#[derive(Debug, Serialize)]
+pub struct GlobalView {
+    pub limit: String,
+    pub limits: Vec<LimitRow>,
+    /// Sellers asking now, and their weights together.
+    pub present: u64,
+    pub weights: f64,
+    /// The sellers with units in the shortest window, most first (at most [`SELLERS_SHOWN`]).
+    pub shares: Vec<ShareRow>,
+}
+
+/// One seller's share of the global limit's shortest window.
+#[derive(Debug, Serialize)]
+pub struct ShareRow {
+    pub seller: String,
+    pub units: u64,
+    pub weight: u32,
+    /// `units` over every seller's units in the window, in thousandths.
+    pub permille: u64,
 }
 
 /// The serving replica itself.
@@ -265,6 +290,12 @@ impl Dashboard {
 
         let uploads = upload_rows(&uploads, &usage, self.permits.default_limit());
         let (rows, paused) = seller_rows(&usage);
+        let global = self
+            .permits
+            .global_usage()
+            .await
+            .context("reading the global limit")?
+            .map(global_view);
 
         Ok(Snapshot {
             now_ms,
@@ -276,6 +307,7 @@ impl Dashboard {
             uploads,
             dead_letters,
             throughput,
+            global,
         })
     }
 
@@ -382,6 +414,37 @@ fn upload_rows(
             }
         })
         .collect()
+}
+
+/// The global limit as the dashboard shows it.
+fn global_view(usage: turnstile_core::permit::GlobalUsage) -> GlobalView {
+    let total: u64 = usage.shares.iter().map(|s| s.units).sum();
+    GlobalView {
+        limit: usage.limit.to_string(),
+        limits: usage
+            .per_limit
+            .iter()
+            .map(|l| LimitRow {
+                limit: l.limit.to_string(),
+                used: l.used,
+                capacity: l.capacity,
+                ahead: l.ahead,
+            })
+            .collect(),
+        present: usage.present,
+        weights: usage.weights,
+        shares: usage
+            .shares
+            .into_iter()
+            .take(SELLERS_SHOWN)
+            .map(|s| ShareRow {
+                permille: s.units * 1000 / total.max(1),
+                seller: s.seller,
+                units: s.units,
+                weight: s.weight,
+            })
+            .collect(),
+    }
 }
 
 /// The busiest sellers (share of the limit taken, then promised ahead) and the longest paused,

@@ -138,6 +138,29 @@ pub enum Decision {
     },
 }
 
+/// How much of the global limit is taken now, and by whom (see [`PermitStore::global_usage`]).
+#[derive(Clone, Debug, PartialEq)]
+pub struct GlobalUsage {
+    /// The global stack.
+    pub limit: Limits,
+    /// Each limit of the stack: units granted in its window now (`used`), of `capacity`.
+    pub per_limit: Vec<LimitUsage>,
+    /// Sellers asking for global units now, and their weights together.
+    pub present: u64,
+    pub weights: f64,
+    /// Each seller with units in the shortest window, most first: its units and weight.
+    pub shares: Vec<GlobalShare>,
+}
+
+/// One seller's part of the global limit's shortest window.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct GlobalShare {
+    /// The seller's key tag (its id percent-encoded; see `SellerId::key_tag`).
+    pub seller: String,
+    pub units: u64,
+    pub weight: u32,
+}
+
 /// What deferred a call the seller's own limit granted (see [`Decision::Deferred`]).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Deferral {
@@ -646,6 +669,61 @@ impl PermitStore {
                 bound_by: "the smallest COUNT of TURNSTILE_GLOBAL_LIMIT",
             }),
         })
+    }
+
+    /// How much of the global limit is taken now and by whom, in one read-only round trip;
+    /// `None` without a global limit.
+    pub async fn global_usage(&self) -> Result<Option<GlobalUsage>, PermitError> {
+        let Some(global) = &self.limiter.global_limit.0 else {
+            return Ok(None);
+        };
+        let mut invocation = scripts::global_usage().prepare_invoke();
+        for key in self.keys.global_keys() {
+            invocation.key(key);
+        }
+        let answer: Vec<redis::Value> = invocation
+            .arg(global.counts_arg())
+            .arg(global.windows_arg())
+            .arg(self.guard_arg())
+            .invoke_async(&mut self.conn.clone())
+            .await?;
+        let bad = || PermitError::Answer("global usage");
+        let value = |i: usize| answer.get(i).ok_or_else(bad);
+        let int = |i: usize| -> Result<i64, PermitError> {
+            redis::from_redis_value_ref(value(i)?).map_err(|_| bad())
+        };
+        let text = |i: usize| -> Result<String, PermitError> {
+            redis::from_redis_value_ref(value(i)?).map_err(|_| bad())
+        };
+        let per_limit = global
+            .iter()
+            .enumerate()
+            .map(|(i, l)| {
+                Ok(LimitUsage {
+                    limit: *l,
+                    used: int(3 + 2 * i)?.max(0) as u64,
+                    capacity: int(4 + 2 * i)?.max(0) as u64,
+                    ahead: 0,
+                })
+            })
+            .collect::<Result<Vec<_>, PermitError>>()?;
+        let first_share = 3 + 2 * global.len();
+        let mut shares = Vec::new();
+        for i in (first_share..answer.len()).step_by(3) {
+            shares.push(GlobalShare {
+                seller: text(i)?,
+                units: int(i + 1)?.max(0) as u64,
+                weight: u32::try_from(int(i + 2)?).unwrap_or(1).max(1),
+            });
+        }
+        shares.sort_by(|a, b| b.units.cmp(&a.units).then(a.seller.cmp(&b.seller)));
+        Ok(Some(GlobalUsage {
+            limit: global.clone(),
+            per_limit,
+            present: int(1)?.max(0) as u64,
+            weights: text(2)?.parse().unwrap_or(0.0),
+            shares,
+        }))
     }
 
     /// Takes a lease of the seller's calls in flight for `call` (see `lua/lease.lua`): `None`

@@ -33,6 +33,7 @@ static ENDED: LazyLock<Script> = script!("ended.lua");
 static GLOBAL: LazyLock<Script> = script!("global.lua");
 static RELEASE: LazyLock<Script> = script!("release.lua");
 static LEASE: LazyLock<Script> = script!("lease.lua");
+static GLOBAL_USAGE: LazyLock<Script> = script!("global_usage.lua");
 
 /// The acquire script of an algorithm.
 pub fn acquire(algorithm: Algorithm) -> &'static Script {
@@ -92,4 +93,9 @@ pub fn release() -> &'static Script {
 /// Takes one of a seller's leases of calls in flight (see `lua/lease.lua`).
 pub fn lease() -> &'static Script {
     &LEASE
+}
+
+/// Reads how much of the global limit is taken, and by whom (see `lua/global_usage.lua`).
+pub fn global_usage() -> &'static Script {
+    &GLOBAL_USAGE
 }
