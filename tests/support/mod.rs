@@ -182,7 +182,7 @@ pub async fn eventually(what: &str, mut done: impl FnMut() -> bool) {
 }
 
 /// As [`eventually`], for a check that needs to await.
-#[allow(dead_code)] // not every test binary awaits in its checks
+pub async fn eventually_async(what: &str, mut done: impl AsyncFnMut() -> bool) {
     let deadline = std::time::Instant::now() + std::time::Duration::from_secs(120);
     while !done().await {
         assert!(
