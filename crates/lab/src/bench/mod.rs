@@ -31,6 +31,9 @@ pub enum BenchCommand {
         /// Distinct sellers the callers spread over.
         #[arg(long, default_value_t = 1000)]
         sellers: usize,
+        /// The global limit measured last, over sellers whose own limits are out of the way.
+        #[arg(long = "global-limit", default_value = "10000/1s", value_parser = turnstile_core::config::limits_arg)]
+        global_limit: turnstile_core::config::Limits,
     },
     /// A busy seller's backlog ahead of many small sellers, against a strict downstream.
     Scenario(Box<scenario::ScenarioArgs>),
@@ -73,8 +76,9 @@ pub async fn run(which: BenchCommand) -> anyhow::Result<ExitCode> {
             concurrency,
             duration,
             sellers,
+            global_limit,
         } => {
-            permits::run(&redis, concurrency, duration, sellers).await?;
+            permits::run(&redis, concurrency, duration, sellers, global_limit).await?;
         }
         BenchCommand::Depth {
             redis,

@@ -7,9 +7,9 @@ use anyhow::Context;
 use redis::AsyncCommands;
 
 use super::percentile;
-use turnstile_core::config::{Algorithm, Limit, LimiterArgs, RedisArgs};
-use turnstile_core::domain::SellerId;
-use turnstile_core::permit::{Keyspace, PermitStore, RedisConn};
+use turnstile_core::config::{Algorithm, GlobalLimit, Limit, LimiterArgs, Limits, RedisArgs};
+use turnstile_core::domain::{Cost, SellerId};
+use turnstile_core::permit::{Decision, Keyspace, PermitStore, RedisConn};
 
 struct Figures {
     ops_per_sec: f64,
@@ -59,6 +59,7 @@ pub async fn run(
     concurrency: usize,
     duration: Duration,
     sellers: usize,
+    global: Limits,
 ) -> anyhow::Result<()> {
     let conn = RedisConn::connect(redis).await?;
     let prefix = format!("{}-bench-{:x}", redis.key_prefix, rand::random::<u32>());
@@ -133,6 +134,49 @@ pub async fn run(
             algorithm.name().to_owned()
         };
         row(&name, &figures);
+    }
+    // A consumer's whole permit (acquire_or_redeem), without and with the global limit: each
+    // call of the latter also asks the global limit (one slot of its own on a Redis Cluster),
+    // and a refusal gives the seller's grant back.
+    for with_global in [false, true] {
+        let limiter = LimiterArgs {
+            global_limit: GlobalLimit(with_global.then(|| global.clone())),
+            ..LimiterArgs::new(
+                Limit::new(1_000_000_000, Duration::from_secs(1)).unwrap(),
+                Algorithm::SlidingWindow,
+            )
+        };
+        let store = PermitStore::new(conn.clone(), &prefix, limiter);
+        let sellers = sellers.clone();
+        let granted = Arc::new(std::sync::atomic::AtomicU64::new(0));
+        let counted = granted.clone();
+        let figures = measure(concurrency, duration, move |i| {
+            let (store, counted) = (store.clone(), counted.clone());
+            let seller = sellers[i % sellers.len()].clone();
+            async move {
+                let (decision, _) = store
+                    .acquire_or_redeem(&seller, None, Cost::ONE, None)
+                    .await
+                    .context("acquire_or_redeem")?;
+                if matches!(decision, Decision::Granted { .. }) {
+                    counted.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+                }
+                Ok(())
+            }
+        })
+        .await?;
+        let name = if with_global {
+            format!("+ global {global}")
+        } else {
+            "sliding-window, whole".to_owned()
+        };
+        row(&name, &figures);
+        let granted = granted.load(std::sync::atomic::Ordering::Relaxed) as f64;
+        println!(
+            "{:<26} {:>12.0} granted/s",
+            "",
+            granted / duration.as_secs_f64()
+        );
     }
     cleanup(&conn, &prefix).await?;
     Ok(())
