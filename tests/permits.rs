@@ -43,6 +43,19 @@ fn limits_set_get_clear_from_the_command_line() {
         out.contains("500/1h     0 of 500 units taken now, 0 ahead  <- binds now"),
         "{out}"
     );
+    let (code, out, _) = turnstile(&["limits", "set", "--seller", "S-9", "--weight", "5"]);
+    assert_eq!((code, out.trim()), (0, "S-9: weight 5"));
+    let (code, out, _) = turnstile(&["limits", "get", "--seller", "S-9"]);
+    assert_eq!(
+        (code, first_line(&out)),
+        (0, "S-9: 10/1s,500/1h (override), weight 5")
+    );
+    let (code, _, err) = turnstile(&["limits", "set", "--seller", "S-9", "--weight", "0"]);
+    assert_eq!(code, 2, "{err}");
+    let (code, _, err) = turnstile(&["limits", "set", "--seller", "S-9"]);
+    assert_eq!(code, 2, "a limit or a weight is needed: {err}");
+    let (code, out, _) = turnstile(&["limits", "set", "--seller", "S-9", "--weight", "1"]);
+    assert_eq!((code, out.trim()), (0, "S-9: weight 1"));
     let (code, out, _) = turnstile(&["limits", "clear", "--seller", "S-9"]);
     assert_eq!(
         (code, out.trim()),
