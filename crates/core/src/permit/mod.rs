@@ -687,14 +687,11 @@ impl PermitStore {
             .arg(self.guard_arg())
             .invoke_async(&mut self.conn.clone())
             .await?;
-        let bad = || PermitError::Answer("global usage");
-        let value = |i: usize| answer.get(i).ok_or_else(bad);
-        let int = |i: usize| -> Result<i64, PermitError> {
-            redis::from_redis_value_ref(value(i)?).map_err(|_| bad())
+        let answer = Answer {
+            values: &answer,
+            script: "global usage",
         };
-        let text = |i: usize| -> Result<String, PermitError> {
-            redis::from_redis_value_ref(value(i)?).map_err(|_| bad())
-        };
+        let (int, text) = (|i| answer.int(i), |i| answer.text(i));
         let per_limit = global
             .iter()
             .enumerate()
@@ -709,7 +706,7 @@ impl PermitStore {
             .collect::<Result<Vec<_>, PermitError>>()?;
         let first_share = 3 + 2 * global.len();
         let mut shares = Vec::new();
-        for i in (first_share..answer.len()).step_by(3) {
+        for i in (first_share..answer.values.len()).step_by(3) {
             shares.push(GlobalShare {
                 seller: text(i)?,
                 units: int(i + 1)?.max(0) as u64,
@@ -1018,23 +1015,15 @@ impl PermitStore {
             .arg(self.limiter.bucket_capacity)
             .invoke_async(&mut self.conn.clone())
             .await?;
-        let bad = || PermitError::Answer("usage");
-        let int = |i: usize| -> Result<i64, PermitError> {
-            answer
-                .get(i)
-                .and_then(|v| redis::from_redis_value_ref(v).ok())
-                .ok_or_else(bad)
+        let answer = Answer {
+            values: &answer,
+            script: "usage",
         };
-        let text = |i: usize| -> Result<String, PermitError> {
-            answer
-                .get(i)
-                .and_then(|v| redis::from_redis_value_ref(v).ok())
-                .ok_or_else(bad)
-        };
+        let int = |i| answer.int(i);
         let (paused_until, now, overridden) = (int(0)?, int(1)?, int(2)?);
-        let limit = Limits::from_args(&text(3)?, &text(4)?).ok_or_else(bad)?;
-        if answer.len() != 5 + 3 * limit.len() {
-            return Err(bad());
+        let limit = answer.limits(3)?;
+        if answer.values.len() != 5 + 3 * limit.len() {
+            return Err(answer.bad());
         }
         let per_limit = limit
             .iter()
@@ -1317,6 +1306,35 @@ pub async fn delete_prefix(conn: &RedisConn, prefix: &str) -> anyhow::Result<()>
     Ok(())
 }
 /// An acquire script's answer `{status, slot, now, count, window, used‰}` as a decision;
+/// A script's answer (a list), read by position; anything missing or of another type is the
+/// script's bad answer.
+struct Answer<'a> {
+    values: &'a [redis::Value],
+    script: &'static str,
+}
+
+impl Answer<'_> {
+    fn bad(&self) -> PermitError {
+        PermitError::Answer(self.script)
+    }
+    fn get<T: redis::FromRedisValue>(&self, i: usize) -> Result<T, PermitError> {
+        self.values
+            .get(i)
+            .and_then(|v| redis::from_redis_value_ref(v).ok())
+            .ok_or_else(|| self.bad())
+    }
+    fn int(&self, i: usize) -> Result<i64, PermitError> {
+        self.get(i)
+    }
+    fn text(&self, i: usize) -> Result<String, PermitError> {
+        self.get(i)
+    }
+    /// The stack at `i` (counts) and `i + 1` (windows).
+    fn limits(&self, i: usize) -> Result<Limits, PermitError> {
+        Limits::from_args(&self.text(i)?, &self.text(i + 1)?).ok_or_else(|| self.bad())
+    }
+}
+
 /// `token` names the call (granted) or the reservation (told to wait with a slot held).
 fn acquired(
     algorithm: Algorithm,
@@ -1324,33 +1342,24 @@ fn acquired(
     token: String,
     cost: Cost,
 ) -> Result<Decision, PermitError> {
-    let bad = || PermitError::Answer(algorithm.name());
-    let int = |i: usize| -> Result<i64, PermitError> {
-        answer
-            .get(i)
-            .and_then(|v| redis::from_redis_value_ref(v).ok())
-            .ok_or_else(bad)
+    let answer = Answer {
+        values: answer,
+        script: algorithm.name(),
     };
-    let limits = || -> Result<Limits, PermitError> {
-        let text = |i: usize| -> Option<String> {
-            answer
-                .get(i)
-                .and_then(|v| redis::from_redis_value_ref(v).ok())
-        };
-        Limits::from_args(&text(3).ok_or_else(bad)?, &text(4).ok_or_else(bad)?).ok_or_else(bad)
-    };
-    let (status, slot, now) = (int(0)?, int(1)?, int(2)?);
+    let (status, slot, now) = (answer.int(0)?, answer.int(1)?, answer.int(2)?);
     match status {
         1 => Ok(Decision::Granted {
             slot_us: slot,
-            used_permille: int(5).map_or(0, |p| p.clamp(0, i64::from(u32::MAX)) as u32),
+            used_permille: answer
+                .int(5)
+                .map_or(0, |p| p.clamp(0, i64::from(u32::MAX)) as u32),
             call: token,
         }),
         2 => Ok(Decision::Wait {
             retry_after: wait_for(slot, now),
             reservation: Some(Reservation {
                 slot_us: slot,
-                limits: limits()?,
+                limits: answer.limits(3)?,
                 reserved_at_us: now,
                 token,
             }),
@@ -1362,8 +1371,8 @@ fn acquired(
         3 => Ok(Decision::AlreadyDone),
         4 => Ok(Decision::TooCostly {
             cost,
-            most: u32::try_from(slot).map_err(|_| bad())?,
-            limits: limits()?,
+            most: u32::try_from(slot).map_err(|_| answer.bad())?,
+            limits: answer.limits(3)?,
             bound_by: match algorithm {
                 Algorithm::SlidingWindow | Algorithm::FixedWindow => "the smallest COUNT",
                 Algorithm::Gcra => {
@@ -1373,6 +1382,6 @@ fn acquired(
                 Algorithm::TokenBucket => "the smallest bucket capacity",
             },
         }),
-        _ => Err(bad()),
+        _ => Err(answer.bad()),
     }
 }
