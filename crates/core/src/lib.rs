@@ -9,10 +9,11 @@
 //! - [`worker`]: one delivery → one `Outcome`, settled in one place; the decisions apart as
 //!   pure functions
 //! - [`broker`]: RabbitMQ (lapin): topology, the delay ladder, settling, dead letters
-//! - [`permit`]: the Redis/Lua limiter shared by every replica, and the Redis keyspace
+//! - [`permit`]: the Redis/Lua limiter shared by every replica (per seller, its calls in
+//!   flight, the global limit), and the Redis keyspace
 //! - [`downstream`]: the registration call and what its answer means
 //! - [`domain`]: sellers, message ids, registrations (parse, don't validate)
-//! - [`config`]: limits, algorithms, Redis settings
+//! - [`config`]: limits and stacks, algorithms, the global limit, Redis settings
 //! - [`telemetry`]: tracing and the replica's readiness flag
 pub mod broker;
 pub mod config;

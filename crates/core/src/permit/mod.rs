@@ -7,6 +7,12 @@
 //! and comes back with its [`Reservation`] is granted, unless the seller was paused or its limit
 //! changed meanwhile, or it came back too late (then it simply reserves again).
 //!
+//! A seller's grant is then checked against what lies beyond the seller
+//! ([`PermitStore::beyond_seller`]): a lease of its calls in flight
+//! (`TURNSTILE_SELLER_CONCURRENCY`, `lua/lease.lua`) and the global limit shared fairly by all
+//! sellers (`TURNSTILE_GLOBAL_LIMIT`, `lua/global.lua`, in a Redis slot of its own); if either
+//! refuses, the grant is given back (`lua/release.lua`) and the call deferred.
+//!
 //! This module owns the Redis keyspace: [`keys`] builds every key, and nothing outside it talks
 //! to Redis about turnstile's keys but through [`PermitStore`] (the limiter here, the uploads'
 //! progress and the dashboard's shared state in `records`).
