@@ -11,6 +11,9 @@
 //!   any other one unit. `200 {"registered": true, "id": KEY}` while every limit's trailing
 //!   window has room for the request's units, otherwise `429` with `Retry-After` (a violation).
 //!   An already accepted key is replayed with `200` and counted as a duplicate, not again.
+//!   With `--global-limit`, every seller's registrations together are held to that stack as
+//!   strictly (a request over it is a `429` and a violation, counted in `global_violations`).
+//!   Each seller's most requests in flight at once is recorded (`max_in_flight`).
 //! - `GET /stats`: [`Stats`] as JSON. `POST /reset`: forgets everything and restarts the clock.
 //!
 //! A product object with a `"mock"` object scripts its answers by attempt, for tests:
