@@ -6,16 +6,18 @@
 -- time), every limit of the stack checked at once: at most COUNT units in any window of
 -- WINDOW+GUARD. Nothing is reserved ahead, so no seller holds global slots ahead of another.
 --
--- Fairness (start-time fair queuing over virtual time): each present seller S has a finish
--- tag F(S), in units per weight; the virtual time V is the smallest F of the present sellers
--- (never going back). A seller is present while it asks: until IDLE after its last request,
--- granted or not. A seller that becomes present starts at max(F(S), V): no credit for
--- idleness, and a newly active seller is at once among the first served. A call of COST units
--- may take global units only while its start max(F(S), V) is at most QUANTUM ahead of V; it
--- then moves F(S) on by COST / WEIGHT. So while sellers compete, each one's served units per
--- weight stay within QUANTUM (+ one call) of every other's: shares follow the weights, and a
--- seller with a deep backlog cannot take the budget from one with three products. When a
--- seller stops asking, V moves on to the others within IDLE: the budget is never held for it.
+-- Fairness (start-time fair queuing over virtual time): a seller competes while it is being
+-- refused: from a refusal until IDLE after the time its last refusal told it to come back (a
+-- seller whose calls are all granted takes nothing from anyone and holds nothing back). Each competing seller S has a finish tag
+-- F(S), in units per weight; the virtual time V is the smallest F of the competing sellers
+-- (never going back). A seller that starts competing starts at max(F(S), V): no credit for
+-- idleness, and a seller new to the contention is level with the least-served one. A call of
+-- COST units may take global units only while its seller's start max(F(S), V) is at most
+-- QUANTUM ahead of V; a competing seller's grant then moves F(S) on by COST / WEIGHT. So while
+-- sellers compete, each one's served units per weight stay within QUANTUM (+ one call) of
+-- every other's: shares follow the weights, and a seller with a deep backlog cannot take the
+-- budget from one with three products. When a seller stops competing, V moves on to the
+-- others within IDLE: the budget is never held for it.
 --
 -- A denial says when to come back: no sooner than the global log has room for COST, and at
 -- the seller's next ticket: each seller's denied calls are spread at the global rate (one
@@ -24,19 +26,24 @@
 -- its calls coming back as fast as the budget allows.
 --
 -- KEYS[1]  the global log (sorted set: member = `<unit>|<seller>`, see unit; score = grant µs)
--- KEYS[2]  the fair state (hash: `v` = virtual time, `w` = the present sellers' weights together)
--- KEYS[3]  the present sellers' finish tags (sorted set: seller -> F)
--- KEYS[4]  the present sellers (sorted set: seller -> present until, µs)
--- KEYS[5]  the sellers' weights (hash: seller -> weight; absent = 1; `limits set --weight`)
--- KEYS[6]  the present sellers' tickets and weights (hash: `t|<seller>` -> next ticket µs,
---          `w|<seller>` -> the weight it became present with)
+-- KEYS[2]  the fair state (hash: `v` = virtual time, `w` = the competing sellers' weights)
+-- KEYS[3]  the competing sellers' finish tags (sorted set: seller -> F)
+-- KEYS[4]  the competing sellers (sorted set: seller -> competing until, µs: IDLE after its
+--          last ticket)
+-- KEYS[5]  the sellers' weights (hash: seller -> weight 1 to 1000; absent = 1; `limits set
+--          --weight`)
+-- KEYS[6]  the competing sellers' tickets and weights (hash: `t|<seller>` -> next ticket µs,
+--          `w|<seller>` -> the weight it started competing with)
+-- KEYS[7]  the global state's server stamp (see check_server in the prelude)
+-- KEYS[8]  the global pause (string: its end in µs), set by check_server
 -- ARGV[1]  COUNTS of the global stack, comma-separated (integers >= 1; 1 to 8 limits)
 -- ARGV[2]  WINDOWS in µs, comma-separated, one per count
 -- ARGV[3]  GUARD in µs added to each window (-1 = window/20 within [25 ms, 2 s])
 -- ARGV[4]  TOKEN of the call (letters, digits, dashes; at most 64)
 -- ARGV[5]  COST: units the call takes (integer from 1 to 10000)
--- ARGV[6]  SELLER: the seller's key tag (1 to 512 characters, no `|`)
+-- ARGV[6]  SELLER: the seller's key tag (1 to 2048 characters, no `|`)
 -- ARGV[7]  IDLE in µs (integer >= 1)
+-- ARGV[8]  FLAGS: +2 = Redis keeps its data across restarts (no server check)
 -- Returns {STATUS, AT_US, NOW_US, WHY}
 --   STATUS 1 = granted (call now), 0 = denied (come back at AT), 4 = COST exceeds the smallest
 --   COUNT of the stack: never granted (AT_US is that COUNT);
@@ -47,51 +54,54 @@ local token = token_arg(4)
 local cost = int_arg(5, 1)
 if cost > MAX_COST then error({err = 'ERR turnstile: COST must be at most ' .. MAX_COST}) end
 local seller = ARGV[6]
-if seller == nil or #seller < 1 or #seller > 512 or string.find(seller, '|', 1, true) then
-  error({err = 'ERR turnstile: SELLER must be 1 to 512 characters without |'})
+if seller == nil or #seller < 1 or #seller > 2048 or string.find(seller, '|', 1, true) then
+  error({err = 'ERR turnstile: SELLER must be 1 to 2048 characters without |'})
 end
 local idle = int_arg(7, 1)
+local durable = int_arg(8, 0) >= 2
 local now = now_us()
 if cost > limits.min_count then return {4, limits.min_count, now, 0} end
+check_server(KEYS[7], KEYS[1], KEYS[8], limits.max_span, now, durable)
 
 -- The global rate (units per µs) of the stack's slowest limit: the pace of a seller's tickets.
 local rate = limits.slowest.count / limits.slowest.span
 local quantum = math.max(limits.min_count / 20, 1)
 
--- Sellers that stopped asking leave (a few per call; the rest at the next calls).
-local gone = redis.call('ZRANGEBYSCORE', KEYS[4], '-inf', now, 'LIMIT', 0, 64)
+-- A weight as set (1 to 1000), whatever the hash holds.
+local function weight_of(raw)
+  local w = math.floor(tonumber(raw or '1') or 1)
+  return math.min(math.max(w, 1), 1000)
+end
+
+-- Sellers that stopped competing leave (up to 256 per call; the rest at the next calls).
+local gone = redis.call('ZRANGEBYSCORE', KEYS[4], '-inf', now, 'LIMIT', 0, 256)
 for _, s in ipairs(gone) do
-  local w = tonumber(redis.call('HGET', KEYS[6], 'w|' .. s) or '1')
-  redis.call('HINCRBYFLOAT', KEYS[2], 'w', -w)
+  redis.call('HINCRBYFLOAT', KEYS[2], 'w', -weight_of(redis.call('HGET', KEYS[6], 'w|' .. s)))
   redis.call('ZREM', KEYS[4], s)
   redis.call('ZREM', KEYS[3], s)
   redis.call('HDEL', KEYS[6], 'w|' .. s, 't|' .. s)
 end
+if redis.call('ZCARD', KEYS[4]) == 0 then redis.call('HSET', KEYS[2], 'w', 0) end
 
-local weight = tonumber(redis.call('HGET', KEYS[5], seller) or '1') or 1
-if redis.call('ZSCORE', KEYS[4], seller) == false then
-  redis.call('HINCRBYFLOAT', KEYS[2], 'w', weight)
-  redis.call('HSET', KEYS[6], 'w|' .. seller, weight)
-else
-  weight = tonumber(redis.call('HGET', KEYS[6], 'w|' .. seller) or weight) or weight
-end
+local competing = redis.call('ZSCORE', KEYS[4], seller) ~= false
+local weight = weight_of(redis.call('HGET', KEYS[5], seller))
+if competing then weight = weight_of(redis.call('HGET', KEYS[6], 'w|' .. seller)) end
 
 local v = tonumber(redis.call('HGET', KEYS[2], 'v') or '0') or 0
 local first = redis.call('ZRANGE', KEYS[3], 0, 0, 'WITHSCORES')
 if first[2] ~= nil then v = math.max(v, tonumber(first[2])) end
 local start = math.max(tonumber(redis.call('ZSCORE', KEYS[3], seller) or '') or v, v)
+redis.call('HSET', KEYS[2], 'v', string.format('%.17g', v))
 
--- Whatever the answer: V as it is now, the seller present until IDLE from now, its finish tag
--- FINISH, and every key kept as long as a seller may stay present.
-local function keep(finish)
-  redis.call('HSET', KEYS[2], 'v', string.format('%.17g', v))
-  redis.call('ZADD', KEYS[4], now + idle, seller)
-  redis.call('ZADD', KEYS[3], string.format('%.17g', finish), seller)
-  local ttl = math.floor((idle + limits.max_span) / 1000) + 1
+-- Every fair key lives as long as a seller may still compete.
+local function keep_fair()
+  local last = tonumber(redis.call('ZRANGE', KEYS[4], -1, -1, 'WITHSCORES')[2] or '') or now
+  local ttl = math.floor((math.max(last - now, 0) + idle + limits.max_span) / 1000) + 1
   for _, key in ipairs({KEYS[2], KEYS[3], KEYS[4], KEYS[6]}) do redis.call('PEXPIRE', key, ttl) end
 end
 
--- Room now: for every limit, the units granted in its span leave room for COST more.
+-- Room now: for every limit, the units granted in its span leave room for COST more; and no
+-- pause (a Redis that may have lost grants, see check_server).
 redis.call('ZREMRANGEBYSCORE', KEYS[1], '-inf', now - limits.max_span)
 local room_at = nil
 for _, l in ipairs(limits) do
@@ -102,23 +112,43 @@ for _, l in ipairs(limits) do
     room_at = math.max(room_at or 0, kth + l.span)
   end
 end
+local pause = paused_until(KEYS[8])
+if pause > now then room_at = math.max(room_at or 0, pause) end
 
 local ahead = start - v > quantum
 if not ahead and room_at == nil then
+  local args = {}
   for i = 1, cost do
-    redis.call('ZADD', KEYS[1], now, unit(token, i) .. '|' .. seller)
+    args[#args + 1] = now
+    args[#args + 1] = unit(token, i) .. '|' .. seller
+    if #args >= 1000 or i == cost then
+      redis.call('ZADD', KEYS[1], unpack(args))
+      args = {}
+    end
   end
-  redis.call('PEXPIRE', KEYS[1], math.floor(limits.max_span / 1000) + 1)
-  keep(start + cost / weight)
+  local ttl = math.floor(limits.max_span / 1000) + 1
+  redis.call('PEXPIRE', KEYS[1], ttl)
+  keep_stamp(KEYS[7], ttl, durable)
+  if competing then
+    redis.call('ZADD', KEYS[3], string.format('%.17g', start + cost / weight), seller)
+    keep_fair()
+  end
   return {1, now, now, 0}
 end
 
--- Denied: come back at the seller's next ticket, and not before there is room.
+-- Refused: the seller comes back at its next ticket, not before there is room, and competes
+-- until IDLE after that (it still has work).
+if not competing then
+  redis.call('HINCRBYFLOAT', KEYS[2], 'w', weight)
+  redis.call('HSET', KEYS[6], 'w|' .. seller, weight)
+end
+redis.call('ZADD', KEYS[3], string.format('%.17g', start), seller)
 local interval = cost / rate
 local at = math.max(room_at or 0, now + interval)
 at = math.max(at, tonumber(redis.call('HGET', KEYS[6], 't|' .. seller) or '0') or 0)
 redis.call('HSET', KEYS[6], 't|' .. seller, string.format('%.0f', at + interval))
-keep(start)
+redis.call('ZADD', KEYS[4], 'GT', at + idle, seller)
+keep_fair()
 local why = 2
 if ahead then why = 1 end
 return {0, math.floor(at), now, why}

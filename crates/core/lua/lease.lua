@@ -15,7 +15,7 @@
 -- ARGV[3]  BOUND in µs: the latest the call's answer or timeout comes back (integer >= 1)
 -- ARGV[4]  POLL in µs: the spacing of refused callers' tickets (integer >= 1)
 -- Returns {STATUS, AT_US, NOW_US}: 1 = leased (call now); 0 = LIMIT calls in flight: come back
---   at AT (the seller's next ticket, and no later than the first lease's expiry)
+--   at AT (the seller's next ticket)
 
 local limit = int_arg(1, 1)
 local token = token_arg(2)
@@ -24,11 +24,10 @@ local poll = int_arg(4, 1)
 local now = now_us()
 redis.call('ZREMRANGEBYSCORE', KEYS[1], '-inf', now)
 if redis.call('ZCARD', KEYS[1]) >= limit then
-  local first = tonumber(redis.call('ZRANGE', KEYS[1], 0, 0, 'WITHSCORES')[2])
   local ticket = math.max(now + poll, tonumber(redis.call('GET', KEYS[2]) or '0') or 0)
   redis.call('SET', KEYS[2], string.format('%.0f', ticket + poll), 'PX',
     math.floor((ticket + poll - now) / 1000) + 1)
-  return {0, math.min(first, ticket), now}
+  return {0, ticket, now}
 end
 redis.call('ZADD', KEYS[1], now + bound, token)
 local last = tonumber(redis.call('ZRANGE', KEYS[1], -1, -1, 'WITHSCORES')[2])

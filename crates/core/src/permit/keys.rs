@@ -22,7 +22,7 @@
 //!   `reschedules` and `throughput:<minute>`.
 //! - **global keys**: `<prefix>:{<prefix>~global}:<name>`, the global limit's state in one
 //!   slot of its own (`lua/global.lua` takes them all): `log`, `fair`, `finish`, `active`,
-//!   `weights`, `sellers`.
+//!   `weights`, `sellers`, `server`, `pause`.
 //! - **lab keys**: baselines the benchmarks write beside a seller's keys (`incr`, `baseline`).
 //!
 //! README.md, "Redis keys", lists every key with its type, TTL, writers and readers.
@@ -208,8 +208,10 @@ impl Keyspace {
         self.global("sellers")
     }
 
-    /// Every key of the global limit, in the order `lua/global.lua` takes them.
-    pub fn global_keys(&self) -> [String; 6] {
+    /// Every key of the global limit, in the order `lua/global.lua` takes them: then the
+    /// stamp of the Redis that wrote the global state (`server`) and the global pause (`pause`;
+    /// see `check_server` in `lua/prelude.lua`).
+    pub fn global_keys(&self) -> [String; 8] {
         [
             self.global_log(),
             self.global_fair(),
@@ -217,6 +219,8 @@ impl Keyspace {
             self.global_active(),
             self.global_weights(),
             self.global_sellers(),
+            self.global("server"),
+            self.global("pause"),
         ]
     }
 

@@ -642,10 +642,11 @@ impl PermitStore {
         slot_us: i64,
         leased: bool,
     ) -> Result<(), PermitError> {
+        let released = self.release(seller, call, cost, slot_us).await;
         if leased {
             self.end_lease(seller, call).await?;
         }
-        self.release(seller, call, cost, slot_us).await
+        released
     }
 
     /// What the global limit refuses of a call (`None`: it grants, or there is none).
@@ -790,6 +791,7 @@ impl PermitStore {
             .arg(cost.units())
             .arg(seller.key_tag())
             .arg(global_idle(global).as_micros() as u64)
+            .arg(self.durable_flag())
             .invoke_async(&mut self.conn.clone())
             .await?;
         let decision = match (status, why) {
