@@ -266,6 +266,45 @@ async fn a_refused_grant_is_given_back_to_the_seller(backend: Backend) {
     keys.cleanup().await;
 }
 
+/// A global state stamped by another Redis server (a failover to a replica, state restored
+/// from elsewhere) may have lost grants: the global limit grants nothing for one window + guard
+/// from now, whoever asks; then it grants again.
+async fn a_global_state_from_another_server_pauses_the_global_limit(backend: Backend) {
+    let keys = Keys::new(backend, "global-stamp").await;
+    let store = keys.store(LimiterArgs {
+        redis_durable: false,
+        ..limiter("1000/1s", "5/1s")
+    });
+    let s = seller("S-stamp");
+    assert!(matches!(
+        store.admit_globally(&s, Cost::ONE, "first").await.unwrap(),
+        GlobalDecision::Granted { .. }
+    ));
+    let stamp = store.keys().global_keys()[6].clone();
+    let _: () = redis::cmd("SET")
+        .arg(&stamp)
+        .arg("0123456789abcdef")
+        .query_async(&mut keys.conn.clone())
+        .await
+        .unwrap();
+    match store.admit_globally(&s, Cost::ONE, "second").await.unwrap() {
+        GlobalDecision::Wait {
+            retry_after,
+            ahead: false,
+        } => {
+            // One window + guard (1.05 s) from the moment the stamp was found foreign.
+            assert_eq!(retry_after, Duration::from_micros(1_050_000));
+            tokio::time::sleep(retry_after).await;
+        }
+        other => panic!("{other:?}"),
+    }
+    assert!(matches!(
+        store.admit_globally(&s, Cost::ONE, "third").await.unwrap(),
+        GlobalDecision::Granted { .. }
+    ));
+    keys.cleanup().await;
+}
+
 /// Every key of the global limit but the weights expires once nobody asks.
 async fn the_global_state_expires_when_idle(backend: Backend) {
     let keys = Keys::new(backend, "global-idle").await;
@@ -381,6 +420,10 @@ macro_rules! global_tests {
         #[tokio::test]
         async fn a_sellers_calls_in_flight_are_capped_by_leases() {
             super::a_sellers_calls_in_flight_are_capped_by_leases($backend).await;
+        }
+        #[tokio::test]
+        async fn a_global_state_from_another_server_pauses_the_global_limit() {
+            super::a_global_state_from_another_server_pauses_the_global_limit($backend).await;
         }
         #[tokio::test]
         async fn the_global_state_expires_when_idle() {

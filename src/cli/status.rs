@@ -77,7 +77,7 @@ pub async fn run(args: StatusArgs) -> anyhow::Result<ExitCode> {
     Ok(ExitCode::SUCCESS)
 }
 
-/// The global limit: each limit's units taken now, the sellers asking, and each seller's
+/// The global limit: each limit's units taken now, the sellers competing, and each seller's
 /// share of its shortest window.
 fn print_global(global: &GlobalUsage) {
     let taken: Vec<String> = global
@@ -86,7 +86,7 @@ fn print_global(global: &GlobalUsage) {
         .map(|l| format!("{}: {} of {} units taken now", l.limit, l.used, l.capacity))
         .collect();
     println!(
-        "\nglobal limit {}: {}; {} sellers asking (weights {})",
+        "\nglobal limit {}: {}; {} sellers competing (weights {})",
         global.limit,
         taken.join(", "),
         global.present,

@@ -109,12 +109,12 @@ pub struct Snapshot {
 }
 
 /// The global limit (`TURNSTILE_GLOBAL_LIMIT`) now: each limit's units taken of its COUNT,
-/// the sellers asking for it, and the sellers' shares of its shortest window.
+/// the sellers competing for it (refused recently), and the sellers' shares of its shortest window.
 #[derive(Debug, Serialize)]
 pub struct GlobalView {
     pub limit: String,
     pub limits: Vec<LimitRow>,
-    /// Sellers asking now, and their weights together.
+    /// Sellers competing now (refused recently), and their weights together.
     pub present: u64,
     pub weights: f64,
     /// The sellers with units in the shortest window, most first (at most [`SELLERS_SHOWN`]).

@@ -151,7 +151,8 @@ pub struct GlobalUsage {
     pub limit: Limits,
     /// Each limit of the stack: units granted in its window now (`used`), of `capacity`.
     pub per_limit: Vec<LimitUsage>,
-    /// Sellers asking for global units now, and their weights together.
+    /// Sellers competing for global units now (refused recently; see `lua/global.lua`), and
+    /// their weights together.
     pub present: u64,
     pub weights: f64,
     /// Each seller with units in the shortest window, most first: its units and weight.
