@@ -228,9 +228,9 @@ impl WorkerSettings {
     }
 
     /// Where a message a lease or the global limit turned away waits `retry_after` (its
-    /// ticket: see `lua/lease.lua`, `lua/global.lua`): held here if the wait is within `hold` and fewer than
-    /// `hold_capacity` messages are held (a ticket is precise, and a held message costs no
-    /// delivery), else delayed through the broker for all of it.
+    /// ticket: see `lua/lease.lua`, `lua/global.lua`): held here if the wait is within `hold`
+    /// and fewer than `hold_capacity` messages are held (a ticket is precise, and a held
+    /// message costs no delivery), else delayed through the broker for all of it.
     pub(super) fn plan_deferred(
         &self,
         retry_after: Duration,
