@@ -31,22 +31,6 @@ fn limiter(limit: &str, global: &str) -> LimiterArgs {
     }
 }
 
-/// The most units among grants `(at µs, units)` inside any half-open window of `window_us`.
-fn most_units_in_a_window(grants: &[(i64, u32)], window_us: i64) -> u64 {
-    let mut sorted = grants.to_vec();
-    sorted.sort_unstable();
-    let (mut best, mut held, mut start) = (0, 0u64, 0);
-    for end in 0..sorted.len() {
-        held += u64::from(sorted[end].1);
-        while sorted[end].0 - sorted[start].0 >= window_us {
-            held -= u64::from(sorted[start].1);
-            start += 1;
-        }
-        best = best.max(held);
-    }
-    best
-}
-
 /// Eight callers over sixteen sellers, costs of 1 to 3 units, ask the global stack
 /// `6/1s,15/3s` until 45 units are granted, each coming back when told: no window of either
 /// limit ever holds more than its COUNT in units, whoever asked.
@@ -82,11 +66,11 @@ async fn the_global_stack_is_exact_over_every_seller(backend: Backend) {
     }
     let grants = grants.lock().await.clone();
     assert!(
-        most_units_in_a_window(&grants, 1_000_000) <= 6,
+        support::max_units_in_any_window(&grants, 1_000_000) <= 6,
         "{grants:?}"
     );
     assert!(
-        most_units_in_a_window(&grants, 3_000_000) <= 15,
+        support::max_units_in_any_window(&grants, 3_000_000) <= 15,
         "{grants:?}"
     );
     keys.cleanup().await;

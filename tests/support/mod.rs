@@ -169,6 +169,23 @@ pub fn max_in_any_window(times: &[i64], window_us: i64) -> usize {
     best
 }
 
+/// The most units among grants `(at µs, units)`, any order, inside any half-open window of
+/// `window_us`.
+pub fn max_units_in_any_window(grants: &[(i64, u32)], window_us: i64) -> u64 {
+    let mut sorted = grants.to_vec();
+    sorted.sort_unstable();
+    let (mut best, mut held, mut start) = (0, 0, 0);
+    for end in 0..sorted.len() {
+        held += u64::from(sorted[end].1);
+        while sorted[end].0 - sorted[start].0 >= window_us {
+            held -= u64::from(sorted[start].1);
+            start += 1;
+        }
+        best = best.max(held);
+    }
+    best
+}
+
 /// Waits until `done` holds (a guard against hanging, not a speed check: generous on purpose).
 pub async fn eventually(what: &str, mut done: impl FnMut() -> bool) {
     let deadline = std::time::Instant::now() + std::time::Duration::from_secs(120);

@@ -9,7 +9,7 @@ use turnstile_core::config::{Algorithm, Limits};
 use turnstile_core::domain::{Cost, SellerId};
 use turnstile_core::permit::{Decision, Forfeit, Keyspace, PermitStore};
 
-use super::{Backend, Keys, limiter, max_in_any_window};
+use super::{Backend, Keys, limiter, max_in_any_window, max_units_in_any_window};
 
 fn seller(s: &str) -> SellerId {
     SellerId::parse(s).unwrap()
@@ -835,22 +835,6 @@ pub async fn completion_records_count_each_message_once(backend: Backend) {
 }
 
 /// Generates one test per case for a backend.
-/// The most units in any window of `window_us` among grants `(slot, units)`.
-fn max_units_in_any_window(grants: &[(i64, u32)], window_us: i64) -> u64 {
-    let mut sorted = grants.to_vec();
-    sorted.sort_unstable();
-    let (mut best, mut held, mut start) = (0, 0, 0);
-    for end in 0..sorted.len() {
-        held += u64::from(sorted[end].1);
-        while sorted[end].0 - sorted[start].0 >= window_us {
-            held -= u64::from(sorted[start].1);
-            start += 1;
-        }
-        best = best.max(held);
-    }
-    best
-}
-
 /// 24 callers with costs of 1 to 3 units on one seller under the stack 6/300ms,11/1s, two
 /// calls each, the way a consumer asks (none comes back late, so none loses its slot): no
 /// window of either limit holds more than its COUNT in units, and every unit asked for is

@@ -279,18 +279,7 @@ pub async fn run(args: ScenarioArgs) -> anyhow::Result<bool> {
         .filter(|(s, _)| s.starts_with("small-"))
         .filter_map(|(_, r)| r.last_s)
         .fold(0.0f64, f64::max);
-    println!("{:<44} {:>10}", "figure", "value");
-    println!("{:<44} {:>10}", "published", report.published);
-    println!("{:<44} {:>10}", "registered", report.registered);
-    println!("{:<44} {:>10}", "lost", report.lost);
-    println!(
-        "{:<44} {:>10}",
-        "duplicates (downstream)", report.duplicates
-    );
-    println!(
-        "{:<44} {:>10}",
-        "violations (downstream, strict window)", report.violations
-    );
+    print_outcome(&report);
     println!("{:<44} {:>10}", "dead-lettered", report.dead_lettered);
     println!(
         "{:<44} {:>10.2}",
@@ -442,5 +431,22 @@ fn print_global(report: &crate::rig::Report, stats: &crate::mock_api::Stats, glo
         "{:<44} {:>9.3}x",
         "global: drain / optimum",
         (last - first) / optimum.max(f64::EPSILON)
+    );
+}
+
+/// The head of a scenario's figures: what was published, registered, lost, duplicated and over
+/// a limit at the downstream.
+pub(super) fn print_outcome(report: &crate::rig::Report) {
+    println!("{:<44} {:>10}", "figure", "value");
+    println!("{:<44} {:>10}", "published", report.published);
+    println!("{:<44} {:>10}", "registered", report.registered);
+    println!("{:<44} {:>10}", "lost", report.lost);
+    println!(
+        "{:<44} {:>10}",
+        "duplicates (downstream)", report.duplicates
+    );
+    println!(
+        "{:<44} {:>10}",
+        "violations (downstream, strict window)", report.violations
     );
 }

@@ -69,17 +69,7 @@ pub async fn run(args: &ScenarioArgs) -> anyhow::Result<bool> {
         .filter(|(h, l)| *h > 0 && *l > 0 && *h < units && *l < units)
         .collect();
     let (first, last) = (both.first(), both.last());
-    println!("{:<44} {:>10}", "figure", "value");
-    println!("{:<44} {:>10}", "registered", report.registered);
-    println!("{:<44} {:>10}", "lost", report.lost);
-    println!(
-        "{:<44} {:>10}",
-        "duplicates (downstream)", report.duplicates
-    );
-    println!(
-        "{:<44} {:>10}",
-        "violations (downstream, strict window)", report.violations
-    );
+    super::scenario::print_outcome(&report);
     println!(
         "{:<44} {:>10.2}",
         "broker deliveries per message", report.deliveries_per_message
