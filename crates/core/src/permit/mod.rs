@@ -699,15 +699,14 @@ impl PermitStore {
             values: &answer,
             script: "global usage",
         };
-        let (int, text) = (|i| answer.int(i), |i| answer.text(i));
         let per_limit = global
             .iter()
             .enumerate()
             .map(|(i, l)| {
                 Ok(LimitUsage {
                     limit: *l,
-                    used: int(3 + 2 * i)?.max(0) as u64,
-                    capacity: int(4 + 2 * i)?.max(0) as u64,
+                    used: answer.count(3 + 2 * i)?,
+                    capacity: answer.count(4 + 2 * i)?,
                     ahead: 0,
                 })
             })
@@ -716,17 +715,17 @@ impl PermitStore {
         let mut shares = Vec::new();
         for i in (first_share..answer.values.len()).step_by(3) {
             shares.push(GlobalShare {
-                seller: text(i)?,
-                units: int(i + 1)?.max(0) as u64,
-                weight: u32::try_from(int(i + 2)?).unwrap_or(1).max(1),
+                seller: answer.text(i)?,
+                units: answer.count(i + 1)?,
+                weight: u32::try_from(answer.int(i + 2)?).unwrap_or(1).max(1),
             });
         }
         shares.sort_by(|a, b| b.units.cmp(&a.units).then(a.seller.cmp(&b.seller)));
         Ok(Some(GlobalUsage {
             limit: global.clone(),
             per_limit,
-            present: int(1)?.max(0) as u64,
-            weights: text(2)?.parse().unwrap_or(0.0),
+            present: answer.count(1)?,
+            weights: answer.text(2)?.parse().unwrap_or(0.0),
             shares,
         }))
     }
@@ -1028,8 +1027,7 @@ impl PermitStore {
             values: &answer,
             script: "usage",
         };
-        let int = |i| answer.int(i);
-        let (paused_until, now, overridden) = (int(0)?, int(1)?, int(2)?);
+        let (paused_until, now, overridden) = (answer.int(0)?, answer.int(1)?, answer.int(2)?);
         let limit = answer.limits(3)?;
         if answer.values.len() != 5 + 3 * limit.len() {
             return Err(answer.bad());
@@ -1040,9 +1038,9 @@ impl PermitStore {
             .map(|(i, l)| {
                 Ok(LimitUsage {
                     limit: *l,
-                    used: int(5 + 3 * i)?.max(0) as u64,
-                    capacity: int(6 + 3 * i)?.max(0) as u64,
-                    ahead: int(7 + 3 * i)?.max(0) as u64,
+                    used: answer.count(5 + 3 * i)?,
+                    capacity: answer.count(6 + 3 * i)?,
+                    ahead: answer.count(7 + 3 * i)?,
                 })
             })
             .collect::<Result<Vec<_>, PermitError>>()?;
@@ -1337,6 +1335,10 @@ impl Answer<'_> {
     }
     fn text(&self, i: usize) -> Result<String, PermitError> {
         self.get(i)
+    }
+    /// A count at `i` (a negative one reads as 0).
+    fn count(&self, i: usize) -> Result<u64, PermitError> {
+        Ok(self.int(i)?.max(0) as u64)
     }
     /// The stack at `i` (counts) and `i + 1` (windows).
     fn limits(&self, i: usize) -> Result<Limits, PermitError> {
