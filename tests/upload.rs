@@ -54,6 +54,11 @@ fn read(path: &Path) -> Upload {
     read_upload(path, &seller("S-1001"), None, false).unwrap()
 }
 
+/// Each row's cost, in order.
+fn row_costs(upload: &Upload) -> Vec<u32> {
+    upload.rows.iter().map(|r| r.cost.units()).collect()
+}
+
 /// The upload at `path`, each message weighed by the column `cost_column`.
 fn read_weighed(path: &Path, cost_column: &str) -> Upload {
     read_weighed_upload(
@@ -888,15 +893,7 @@ fn a_cost_column_weighs_each_message_and_a_row_without_a_whole_cost_is_bad() {
         .map(|r| Registration::parse(&r.body, None).unwrap().cost.units())
         .collect();
     assert_eq!(costs, [1, 3, 7]);
-    assert_eq!(
-        upload
-            .rows
-            .iter()
-            .map(|r| r.cost.units())
-            .collect::<Vec<_>>(),
-        costs,
-        "the row's cost is the body's"
-    );
+    assert_eq!(row_costs(&upload), costs, "the row's cost is the body's");
     assert_eq!(upload.units(), 11);
     // The field stays in the product, forwarded verbatim.
     assert_eq!(products(&upload)[1], json!({"sku": "B", "images": "3"}));
@@ -931,14 +928,7 @@ fn an_xlsx_cost_column_takes_whole_numbers_from_number_cells() {
     ]);
     let file = TempFile::new("weighed.xlsx", &bytes);
     let upload = read_weighed(&file.path, "cost");
-    assert_eq!(
-        upload
-            .rows
-            .iter()
-            .map(|r| r.cost.units())
-            .collect::<Vec<_>>(),
-        [2, 4]
-    );
+    assert_eq!(row_costs(&upload), [2, 4]);
     assert_eq!(bad(&upload).len(), 1, "{:?}", bad(&upload));
     assert_eq!(bad(&upload)[0].0, 3);
 }
