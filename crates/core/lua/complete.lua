@@ -18,13 +18,23 @@
 -- KEYS[1]  the message's completion record (string)
 -- KEYS[2]  the seller's calls (see calls_gate in the prelude): with `registered` and a CALL, the
 --          call's answer is recorded now (see end_call)
--- KEYS[3]  optional: the batch's progress (hash: registered, dead, first_ms, last_ms)
+-- KEYS[3]  with ADAPTIVE: the seller's learned state (see learn.lua)
+-- KEYS[4]  with ADAPTIVE: the seller's accepted log (see note_accepted in the prelude)
+-- KEYS[5]  with ADAPTIVE: the seller's limit override, may be absent
+-- KEYS[6] (KEYS[3] without ADAPTIVE)  optional: the batch's progress (hash: registered, dead,
+--          first_ms, last_ms)
 -- ARGV[1]  TTL of both, in ms (integer >= 1)
 -- ARGV[2]  OUTCOME: `registered`, `dead` or `replayed`
 -- ARGV[3]  with `dead`: REASON (1 to 64 letters, digits or dashes); else ignored
 -- ARGV[4]  CALL: the token of the call that registered it ('' when none)
--- Returns {CHANGED, WAS_DEAD_FOR}: CHANGED 1 when the state changed (and was counted), else 0;
---   WAS_DEAD_FOR the REASON the message was dead for when it left `dead`, else ''
+-- ARGV[5]  ADAPTIVE: 1 = adaptive limits on: a CALL's acceptance is noted in the accepted log
+--          (note_accepted); else 0 or absent
+-- ARGV[6]  with ADAPTIVE: default COUNTS, comma-separated
+-- ARGV[7]  with ADAPTIVE: default WINDOWS in µs, comma-separated
+-- ARGV[8]  with ADAPTIVE: COST of the call (integer >= 1)
+-- Returns {CHANGED, WAS_DEAD_FOR, RAISE}: CHANGED 1 when the state changed (and was counted),
+--   else 0; WAS_DEAD_FOR the REASON the message was dead for when it left `dead`, else '';
+--   RAISE 1 when a learned count is due to go up (learn.lua, `recovery`), else 0
 
 local ttl = int_arg(1, 1)
 local outcome = ARGV[2]
@@ -36,37 +46,54 @@ if outcome == 'dead' and (reason == nil or not string.match(reason, '^[%w-]+$') 
   error({err = 'ERR turnstile: REASON must be 1 to 64 letters, digits or dashes'})
 end
 
+local adaptive = ARGV[5] == '1'
+local batch_key = KEYS[3]
+local default, cost = nil, nil
+if adaptive then
+  batch_key = KEYS[6]
+  default, cost = limits_arg(6), int_arg(8, 1)
+  if cost > MAX_COST then error({err = 'ERR turnstile: COST must be at most ' .. MAX_COST}) end
+end
+
 local state = redis.call('GET', KEYS[1])
 local registered = state == 'registered' or state == '1'
 local dead_for = state and string.match(state, '^dead:(.+)$')
 
 local ms = nil
 local function count(field, by)
-  if KEYS[3] == nil then return end
-  if by < 0 and tonumber(redis.call('HGET', KEYS[3], field) or '0') < -by then return end
+  if batch_key == nil then return end
+  if by < 0 and tonumber(redis.call('HGET', batch_key, field) or '0') < -by then return end
   ms = ms or math.floor(now_us() / 1000)
-  redis.call('HINCRBY', KEYS[3], field, by)
-  redis.call('HSETNX', KEYS[3], 'first_ms', ms)
-  redis.call('HSET', KEYS[3], 'last_ms', ms)
-  redis.call('PEXPIRE', KEYS[3], ttl)
+  redis.call('HINCRBY', batch_key, field, by)
+  redis.call('HSETNX', batch_key, 'first_ms', ms)
+  redis.call('HSET', batch_key, 'last_ms', ms)
+  redis.call('PEXPIRE', batch_key, ttl)
 end
 
 if outcome == 'registered' then
   local call = ARGV[4] or ''
-  if call ~= '' then end_call(KEYS[2], token_arg(4), now_us()) end
-  if registered then return {0, ''} end
+  local raise = 0
+  if call ~= '' then
+    local now = now_us()
+    end_call(KEYS[2], token_arg(4), now)
+    if adaptive then
+      local configured = with_spans(effective_limits(KEYS[5], default), -1)
+      raise = note_accepted(KEYS[3], KEYS[4], configured, call, cost, now)
+    end
+  end
+  if registered then return {0, '', raise} end
   redis.call('SET', KEYS[1], 'registered', 'PX', ttl)
   if dead_for then count('dead', -1) end
   count('registered', 1)
-  return {1, dead_for or ''}
+  return {1, dead_for or '', raise}
 elseif outcome == 'dead' then
   if dead_for then redis.call('PEXPIRE', KEYS[1], ttl) end
-  if registered or dead_for then return {0, ''} end
+  if registered or dead_for then return {0, '', 0} end
   redis.call('SET', KEYS[1], 'dead:' .. reason, 'PX', ttl)
   count('dead', 1)
-  return {1, ''}
+  return {1, '', 0}
 end
-if not dead_for then return {0, ''} end
+if not dead_for then return {0, '', 0} end
 redis.call('DEL', KEYS[1])
 count('dead', -1)
-return {1, dead_for}
+return {1, dead_for, 0}

@@ -67,15 +67,44 @@ local function limits_arg(i)
   return limits
 end
 
+-- Adaptive limits: the seller's learned state (hash LEARNED_KEY, written by learn.lua; see there)
+-- lowers the counts of the stack it was learned under (`terms`, "COUNTS WINDOWS_US"). The stack
+-- that applies is CONFIGURED with each count min(configured, learned), but never below COST where
+-- the configured count allows COST (a call the configured stack can grant is never refused for a
+-- learned count). A learned state for other terms (the limit changed since) is ignored. The
+-- downstream's quota (`left` units until `until` µs, from rate-limit headers) is read with it, as
+-- `quota_left` and `quota_until`; `configured` is CONFIGURED. Returns CONFIGURED when nothing is
+-- learned.
+local function with_learned(learned_key, configured, cost)
+  local s = redis.call('HMGET', learned_key, 'terms', 'counts', 'left', 'until')
+  if s[1] ~= configured.counts .. ' ' .. configured.windows then return configured end
+  local learned = parse_limits(s[2], configured.windows)
+  if learned == nil or #learned ~= #configured then return configured end
+  local counts = {}
+  for i, l in ipairs(learned) do
+    local c = configured[i].count
+    l.count = math.min(c, math.max(l.count, math.min(cost, c)))
+    counts[i] = string.format('%.0f', l.count)
+  end
+  learned.counts = table.concat(counts, ',')
+  learned.configured = configured
+  learned.quota_left = tonumber(s[3])
+  learned.quota_until = tonumber(s[4])
+  return learned
+end
+
 -- The stack that applies: the seller's override ("COUNTS WINDOWS_US", e.g. "6,20 1000000,5000000";
--- one limit is "COUNT WINDOW_US" as earlier versions wrote it) if set and well-formed, else DEFAULT.
-local function effective_limits(override_key, default)
+-- one limit is "COUNT WINDOW_US" as earlier versions wrote it) if set and well-formed, else DEFAULT;
+-- with LEARNED_KEY (adaptive limits on), its learned counts for a call of COST (see with_learned).
+local function effective_limits(override_key, default, learned_key, cost)
+  local configured = default
   local override = redis.call('GET', override_key)
   if override then
     local limits = parse_limits(string.match(override, '^([%d,]+) ([%d,]+)$'))
-    if limits then return limits end
+    if limits then configured = limits end
   end
-  return default
+  if learned_key == nil then return configured end
+  return with_learned(learned_key, configured, cost or 1)
 end
 
 -- Guard added to a window (µs): as configured, or window/20 within [25 ms, 2 s] when < 0.
@@ -162,6 +191,23 @@ local function paused_until(pause_key)
   return tonumber(redis.call('GET', pause_key) or '0')
 end
 
+-- The earliest a call of COST units may be slotted: after the seller's pause (PAUSE_KEY) and,
+-- when the downstream's quota (see with_learned) has fewer than COST units left, after its reset.
+local function not_before(pause_key, limits, cost, now)
+  local at = paused_until(pause_key)
+  local u = limits.quota_until
+  if u ~= nil and u > now and (limits.quota_left or 0) < cost then at = math.max(at, u) end
+  return at
+end
+
+-- A call (or reservation) of COST units slotted at SLOT before the quota's reset takes its units
+-- from the quota's `left` (see not_before).
+local function take_quota(learned_key, limits, slot, cost, now)
+  local u = limits.quota_until
+  if learned_key == nil or u == nil or u <= now or slot >= u then return end
+  redis.call('HINCRBY', learned_key, 'left', -cost)
+end
+
 -- Most units one call may take (COST): a larger cost is refused before anything is written.
 local MAX_COST = 10000
 
@@ -171,13 +217,16 @@ local function acquire_args()
     limits = limits_arg(1), guard = int_arg(3, -1),
     flags = int_arg(4, 0), horizon = int_arg(5, 0),
   }
-  if a.flags > 3 then error({err = 'ERR turnstile: FLAGS must be 0 to 3'}) end
+  if a.flags > 7 then error({err = 'ERR turnstile: FLAGS must be 0 to 7'}) end
   a.token = token_arg(6)
   a.bound = int_arg(7, 0)
   a.cost = int_arg(8, 1)
   if a.cost > MAX_COST then error({err = 'ERR turnstile: COST must be at most ' .. MAX_COST}) end
   a.reserve = a.flags % 2
-  a.durable = a.flags >= 2
+  a.durable = math.floor(a.flags / 2) % 2 == 1
+  -- The keys every acquire script takes after its own seven (see sliding_window.lua).
+  if a.flags >= 4 then a.learned = KEYS[8] end
+  a.shadow, a.shadow_log, a.done = KEYS[9], KEYS[10], KEYS[11]
   return a
 end
 
@@ -335,14 +384,69 @@ local function log_crowded(key, limits, cost)
   return redis.call('ZCARD', key) + cost > MAX_RESERVED + limits.max_count
 end
 
+-- A shadow limit (`limits set --shadow`): a stack judged beside the enforced one and never
+-- enforced. SHADOW_KEY (hash, no TTL): `counts` and `windows` (as parse_limits takes them), and
+-- how many decisions it `agree`d with, would have held back (`stricter`: the call was granted but
+-- a shadow window had no room for it; `delay_ms` adds up by how long) or would have let go at once
+-- (`looser`: the caller was told to wait, every shadow window had room). SHADOW_LOG_KEY (sorted
+-- set): the units granted, score = grant time, within the shadow's longest window and at most its
+-- largest COUNT of them (the newest: older ones cannot decide anything). Windows are judged
+-- without a guard. Sets a.verdict (the answer's last field); nothing without a shadow.
+local function judge_shadow(a, now, granted)
+  if a.shadow == nil then return end
+  local s = redis.call('HMGET', a.shadow, 'counts', 'windows')
+  local limits = parse_limits(s[1], s[2])
+  if limits == nil then return end
+  with_spans(limits, 0)
+  redis.call('ZREMRANGEBYSCORE', a.shadow_log, '-inf', now - limits.max_window)
+  local wait = 0
+  for _, l in ipairs(limits) do
+    local room = l.count - a.cost
+    if room < 0 then
+      wait = math.max(wait, l.window)
+    else
+      local n = redis.call('ZCOUNT', a.shadow_log, string.format('(%.0f', now - l.window), '+inf')
+      if n > room then
+        local kth = tonumber(redis.call('ZREVRANGE', a.shadow_log, room, room, 'WITHSCORES')[2])
+        wait = math.max(wait, kth + l.window - now)
+      end
+    end
+  end
+  local verdict = 'agree'
+  if granted then
+    if wait > 0 then
+      verdict = 'stricter'
+      redis.call('HINCRBY', a.shadow, 'delay_ms', math.ceil(wait / 1000))
+    end
+    add_units(a.shadow_log, now, a.token, a.cost)
+    redis.call('ZREMRANGEBYRANK', a.shadow_log, 0, -(limits.max_count + 1))
+    redis.call('PEXPIRE', a.shadow_log, math.floor(limits.max_window / 1000) + 1)
+  elseif wait == 0 then
+    verdict = 'looser'
+  end
+  redis.call('HINCRBY', a.shadow, verdict, 1)
+  a.verdict = verdict
+end
+
+-- The answer of the acquire scripts to a caller told to wait (STATUS 0 or 2) until SLOT.
+local function told_to_wait(status, slot, now, limits, a)
+  judge_shadow(a, now, false)
+  return {status, slot, now, limits.counts, limits.windows, 0, a.verdict or ''}
+end
+
 -- The last step of every acquire script, once the seller's state was written to last TTL ms:
--- the server stamp STAMP_KEY lasts as long, and a wait (STATUS 2) holds its reservation in
--- RESERVED_KEY. Returns true for a wait (the script answers it), false for a grant.
-local function keep_and_hold(status, ttl, stamp_key, reserved_key, slot, now, late, a)
+-- the server stamp STAMP_KEY lasts as long, the call (or reservation) takes its part of the
+-- downstream's quota (take_quota), and a wait (STATUS 2) holds its reservation in RESERVED_KEY.
+-- Returns the script's answer for a wait, nil for a grant (judged by the shadow limit).
+local function keep_and_hold(status, ttl, stamp_key, reserved_key, slot, now, late, a, limits)
   keep_stamp(stamp_key, ttl, a.durable)
-  if status ~= 2 then return false end
+  take_quota(a.learned, limits, slot, a.cost, now)
+  if status ~= 2 then
+    judge_shadow(a, now, true)
+    return nil
+  end
   hold_reservation(reserved_key, a.token, a.cost, slot, now, late)
-  return true
+  return told_to_wait(2, slot, now, limits, a)
 end
 
 -- fixed-window: the field of the counter of window INDEX of the I-th limit L of a stack (the
@@ -479,4 +583,171 @@ local function end_call(calls_key, token, now)
     local moved = redis.call('ZADD', calls_key, 'XX', 'CH', unpack(args))
     first = first + 64
   until moved < 64
+end
+
+-- Gives back every slot reserved by the seller (RESERVED_KEY, emptied) to its state of ALGORITHM
+-- (STATE_KEY), made under the stack LIMITS, and brings that state to the stack NEW_LIMITS that
+-- applies from now on (BURST: gcra's). Returns how many reservations were given back.
+--   sliding-window  every reserved unit leaves the log: exact;
+--   fixed-window    every reserved slot's units leave its windows' counters: exact;
+--   token-bucket    the buckets are brought to now, every reserved unit goes back into each
+--                   (between 0 and its capacity: only reservations run into debt);
+--   gcra            each limit's TAT moves back by one emission interval per reserved unit
+--                   whose slot lies after every call made (later than GUARD/10 from now): those
+--                   are the end of the schedule (a grant is only made when no slot lies ahead),
+--                   so what is left is the schedule of the calls, at most BURST intervals past
+--                   the latest a grant may be (a pause folded into the TAT ends there); the most
+--                   cells any limit still holds are then spaced at each new limit's interval, at
+--                   most one new window ahead (by then every earlier call has left any window).
+--   fixed-window counters are kept per window index: a new WINDOW length starts new indexes
+--   (the old counts no longer apply; fixed-window is not exact across its edges anyway).
+local function give_back_reserved(algorithm, state_key, reserved_key, limits, new_limits, now, burst)
+  local reserved = redis.call('ZRANGE', reserved_key, 0, -1, 'WITHSCORES')
+  local released = #reserved / 2
+  local function units_of(members)
+    local units = 0
+    for i = 1, #members, 2 do
+      local _, cost = held_parts(members[i])
+      units = units + cost
+    end
+    return units
+  end
+  if algorithm == 'gcra' then
+    local value = redis.call('GET', state_key)
+    if value then
+      local stored, latest = {}, 0
+      for t in string.gmatch(value, '[^,]+') do
+        stored[#stored + 1] = tonumber(t) or 0
+        latest = math.max(latest, stored[#stored])
+      end
+      -- Only units slotted after every call made so far (later than the earliest a grant may be)
+      -- are the end of the schedule; an older, unredeemed one stays unused.
+      local early = math.floor(limits.min_guard / 10)
+      local ahead = units_of(redis.call('ZRANGEBYSCORE', reserved_key, string.format('(%.0f', now + early), '+inf', 'WITHSCORES'))
+      local cells = 0
+      for i, l in ipairs(limits) do
+        local b = math.min(burst, l.count)
+        local interval = l.span / (l.count - b + 1)
+        -- A grant is only made with its slot at most GUARD/10 ahead, so the calls' TAT is at most
+        -- BURST intervals past that (a pause folded into the TAT ends there too).
+        local calls_tat = math.min((stored[i] or latest) - ahead * interval, now + early + b * interval)
+        cells = math.max(cells, math.max(calls_tat - now, 0) / interval)
+      end
+      -- The calls' cells, spaced at each new interval, never more than one new window ahead.
+      local tats, longest = {}, 0
+      for i, l in ipairs(new_limits) do
+        local b = math.min(burst, l.count)
+        local ahead_us = math.min(cells * l.span / (l.count - b + 1), l.span)
+        tats[i] = string.format('%.0f', now + ahead_us)
+        longest = math.max(longest, ahead_us)
+      end
+      if longest > 0 then
+        redis.call('SET', state_key, table.concat(tats, ','), 'PX', math.floor(longest / 1000) + 1)
+      else
+        redis.call('DEL', state_key)
+      end
+    end
+  elseif algorithm == 'token-bucket' then
+    local fields = {'ts'}
+    for i = 1, #limits do fields[i + 1] = tb_field(i) end
+    local state = redis.call('HMGET', state_key, unpack(fields))
+    local ts = tonumber(state[1])
+    if ts ~= nil then
+      -- The buckets now, with the reserved units back. Only reservations run into debt (a grant
+      -- needs the tokens at its slot, at most GUARD/10 ahead), so once they are all given back
+      -- each bucket now holds at least nothing; a pause folded into TS is dropped the same way.
+      local units = units_of(reserved)
+      local write = {'ts', string.format('%.0f', now)}
+      for i, l in ipairs(limits) do
+        local tokens = tonumber(state[i + 1])
+        if tokens ~= nil then
+          local filled = tokens + (now - ts) * l.count / l.span + units
+          write[#write + 1] = tb_field(i)
+          write[#write + 1] = string.format('%.6f', math.min(math.max(filled, 0), l.capacity))
+        end
+      end
+      redis.call('HSET', state_key, unpack(write))
+    end
+  else
+    for i = 1, #reserved, 2 do
+      local token, cost = held_parts(reserved[i])
+      give_back(algorithm, state_key, token, cost, tonumber(reserved[i + 1]), limits)
+    end
+    -- The windows are looked at again from now: a new COUNT may leave room in a full one.
+    if algorithm == 'fixed-window' then
+      for i, l in ipairs(limits) do redis.call('HDEL', state_key, fw_next(i, l)) end
+    end
+  end
+  redis.call('DEL', reserved_key)
+  return released
+end
+
+-- Adaptive limits: how long a seller's learned state outlives the last answer it was kept alive
+-- by (ms): 10 minutes, or 10 of the configured stack's longest windows if longer.
+local function learned_ttl(configured)
+  return math.max(600000, math.floor(configured.max_window / 100))
+end
+
+-- The seller's learned state (LEARNED_KEY, see learn.lua) for the stack CONFIGURED: `counts`
+-- (one per limit; the configured count where nothing is learned, never above it), `from` (the
+-- counts before the last change), `at` (when that was, µs; 0 if never), `why`, and `patience`
+-- (how many of a limit's windows of full use a raise waits for). A state learned under other
+-- terms reads as nothing learned.
+local function learned_state(learned_key, configured)
+  local s = redis.call('HMGET', learned_key, 'terms', 'counts', 'from', 'at', 'why', 'patience')
+  local st = {counts = {}, from = {}, at = 0, why = '', patience = 1}
+  for i, l in ipairs(configured) do
+    st.counts[i] = l.count
+    st.from[i] = l.count
+  end
+  if s[1] ~= configured.counts .. ' ' .. configured.windows then return st end
+  for name, text in pairs({counts = s[2], from = s[3]}) do
+    local read = parse_limits(text, configured.windows)
+    if read then
+      for i, l in ipairs(read) do st[name][i] = math.min(l.count, configured[i].count) end
+    end
+  end
+  st.at = tonumber(s[4]) or 0
+  st.why = s[5] or ''
+  st.patience = math.max(tonumber(s[6]) or 1, 1)
+  return st
+end
+
+-- Units the downstream accepted within the window of the limit L up to NOW (ACCEPTED_KEY, see
+-- note_accepted).
+local function accepted_in(accepted_key, l, now)
+  return redis.call('ZCOUNT', accepted_key, string.format('(%.0f', now - l.window), '+inf')
+end
+
+-- The limits of CONFIGURED whose learned count (in the state ST) is due to go up: it is below the
+-- configured count, the downstream accepted at least that count in the limit's last window (the
+-- learned limit was used in full without a 429), and `patience` of its windows passed since the
+-- last change. Returns their indexes (an empty list: none).
+local function raise_due(st, configured, accepted_key, now)
+  local due = {}
+  for i, l in ipairs(configured) do
+    if st.counts[i] < l.count and now - st.at >= st.patience * l.window
+        and accepted_in(accepted_key, l, now) >= st.counts[i] then
+      due[#due + 1] = i
+    end
+  end
+  return due
+end
+
+-- Adaptive limits: records in the seller's accepted log (ACCEPTED_KEY: sorted set of the units
+-- the downstream accepted, score = when the answer was recorded; within the configured stack's
+-- longest window, and at most twice its largest COUNT + COST of them) that the call TOKEN of COST
+-- units was accepted NOW, keeps the learned state (LEARNED_KEY) alive while the seller is
+-- answered, and returns 1 when a learned count is due to go up (raise_due), else 0.
+local function note_accepted(learned_key, accepted_key, configured, token, cost, now)
+  redis.call('ZREMRANGEBYSCORE', accepted_key, '-inf', now - configured.max_window)
+  add_units(accepted_key, now, token, cost)
+  redis.call('ZREMRANGEBYRANK', accepted_key, 0, -(2 * configured.max_count + cost + 1))
+  redis.call('PEXPIRE', accepted_key, math.floor(configured.max_window / 1000) + 1)
+  if redis.call('EXISTS', learned_key) == 0 then return 0 end
+  redis.call('PEXPIRE', learned_key, learned_ttl(configured))
+  if #raise_due(learned_state(learned_key, configured), configured, accepted_key, now) > 0 then
+    return 1
+  end
+  return 0
 end

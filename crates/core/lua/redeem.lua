@@ -12,38 +12,46 @@
 -- KEYS[4]  the seller's reserved slots (sorted set: member = held_name(TOKEN, COST), score = slot)
 -- KEYS[5]  the seller's server stamp (see check_server in the prelude)
 -- KEYS[6]  the seller's calls (sorted set: the units of each TOKEN, score = END; see calls_gate)
--- KEYS[7]  optional: the message's completion record
+-- KEYS[7]  the seller's learned state (see with_learned in the prelude; used with FLAGS +4)
+-- KEYS[8]  the seller's shadow limit (see judge_shadow in the prelude), may be absent
+-- KEYS[9]  the seller's shadow log (see judge_shadow)
+-- KEYS[10] optional: the message's completion record
 -- ARGV[1]  default COUNTS, comma-separated (integers >= 1; 1 to 8 limits)
 -- ARGV[2]  default WINDOWS in µs, comma-separated, one per count (integers >= 1)
 -- ARGV[3]  GUARD in µs (-1 = window/20 within [25 ms, 2 s])
 -- ARGV[4]  SLOT in µs (Redis time), as returned when it was reserved
 -- ARGV[5]  COUNTS the slot was reserved under
 -- ARGV[6]  WINDOWS_US the slot was reserved under
--- ARGV[7]  FLAGS: +2 = Redis keeps its data across restarts (no server check)
+-- ARGV[7]  FLAGS: +2 = Redis keeps its data across restarts (no server check); +4 = adaptive
+--          limits: the learned counts apply (KEYS[7])
 -- ARGV[8]  ALGORITHM: sliding-window, gcra, token-bucket or fixed-window
 -- ARGV[9]  TOKEN the slot was reserved with (letters, digits, dashes; at most 64)
 -- ARGV[10] token-bucket: CAPACITY (integer >= 0; see with_capacities); others: ignored
 -- ARGV[11] BOUND in µs: the latest a granted call's answer (or timeout) comes back after its
 --          grant (integer >= 0; sliding-window and gcra track their calls)
 -- ARGV[12] COST the slot was reserved for (integer from 1 to 10000)
--- Returns {STATUS, AT_US, NOW_US}
+-- Returns {STATUS, AT_US, NOW_US, VERDICT}
 --   1 granted; 2 early (or calls of the last window still in flight): come back at AT (the
 --   reservation is kept); 3 paused until AT; 4 the limits changed; 5 too late; 6 the message
---   already registered (KEYS[7] says so); 8 no such reservation (never made, already redeemed,
+--   already registered (KEYS[10] says so); 8 no such reservation (never made, already redeemed,
 --   made for another cost, given back by a limit change or resume, or lost with Redis).
---   3 to 8 leave no reservation: the caller acquires a new one.
+--   3 to 8 leave no reservation: the caller acquires a new one. VERDICT (with 1) is the shadow
+--   limit's (see judge_shadow), else ''.
 
 local default = limits_arg(1)
 local guard = int_arg(3, -1)
 local slot = int_arg(4, 0)
 local held = limits_arg(5)
-local durable = int_arg(7, 0) >= 2
+local flags = int_arg(7, 0)
+local durable = math.floor(flags / 2) % 2 == 1
+local learned_key = nil
+if flags >= 4 then learned_key = KEYS[7] end
 local algorithm = algorithm_arg(8)
 local token = token_arg(9)
 local capacity = int_arg(10, 0)
 local bound = int_arg(11, 0)
 local cost = int_arg(12, 1)
-local limits = with_spans(effective_limits(KEYS[1], default), guard)
+local limits = with_spans(effective_limits(KEYS[1], default, learned_key, cost), guard)
 with_capacities(with_spans(held, guard), capacity)
 local now = now_us()
 
@@ -55,22 +63,28 @@ local function release(status, at)
     -- The slot's units were taken under the stack it was reserved under.
     if status ~= 1 then give_back(algorithm, KEYS[3], token, cost, reserved, held) end
   end
-  return {status, at, now}
+  local verdict = ''
+  if status == 1 then
+    local a = {shadow = KEYS[8], shadow_log = KEYS[9], token = token, cost = cost}
+    judge_shadow(a, now, true)
+    verdict = a.verdict or ''
+  end
+  return {status, at, now, verdict}
 end
 
-if already_done(KEYS[7]) then return release(6, now) end
-if reserved == nil or reserved ~= slot then return {8, now, now} end
+if already_done(KEYS[10]) then return release(6, now) end
+if reserved == nil or reserved ~= slot then return {8, now, now, ''} end
 local span = limits.max_span
 if algorithm == 'fixed-window' then span = limits.max_window end
 check_server(KEYS[5], KEYS[3], KEYS[2], span, now, durable)
 local pause = paused_until(KEYS[2])
 if pause > slot then return release(3, pause) end
 if limits.counts ~= held.counts or limits.windows ~= held.windows then return release(4, now) end
-if now < slot - math.floor(limits.min_guard / 10) then return {2, slot, now} end
+if now < slot - math.floor(limits.min_guard / 10) then return {2, slot, now, ''} end
 if now > slot + lateness(algorithm, limits) then return release(5, now) end
 if algorithm == 'sliding-window' or algorithm == 'gcra' then
   local open_at = calls_gate(KEYS[6], now, limits, cost)
-  if open_at then return {2, open_at, now} end
+  if open_at then return {2, open_at, now, ''} end
   start_call(KEYS[6], token, cost, now, bound, limits)
 end
 return release(1, slot)

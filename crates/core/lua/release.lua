@@ -9,6 +9,7 @@
 -- KEYS[1]  the seller's limiter state for ALGORITHM
 -- KEYS[2]  the seller's limit override ("COUNTS WINDOWS_US"), may be absent
 -- KEYS[3]  the seller's calls (sorted set: the units of each TOKEN, score = END)
+-- KEYS[4]  optional (adaptive limits on): the seller's learned state (see with_learned)
 -- ARGV[1]  default COUNTS, comma-separated (integers >= 1; 1 to 8 limits)
 -- ARGV[2]  default WINDOWS in µs, comma-separated, one per count (integers >= 1)
 -- ARGV[3]  GUARD in µs (-1 = window/20 within [25 ms, 2 s])
@@ -27,7 +28,7 @@ local cost = int_arg(6, 1)
 if cost > MAX_COST then error({err = 'ERR turnstile: COST must be at most ' .. MAX_COST}) end
 local slot = int_arg(7, 0)
 local capacity = int_arg(8, 0)
-local limits = with_capacities(with_spans(effective_limits(KEYS[2], default), guard), capacity)
+local limits = with_capacities(with_spans(effective_limits(KEYS[2], default, KEYS[4], cost), guard), capacity)
 give_back(algorithm, KEYS[1], token, cost, slot, limits)
 if algorithm == 'sliding-window' or algorithm == 'gcra' then remove_units(KEYS[3], token, cost) end
 return 1

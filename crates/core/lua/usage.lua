@@ -13,6 +13,7 @@
 -- KEYS[1]  the seller's limiter state for ALGORITHM (see the acquire scripts)
 -- KEYS[2]  the seller's limit override ("COUNTS WINDOWS_US"), may be absent
 -- KEYS[3]  the seller's pause ("UNTIL_US"), may be absent
+-- KEYS[4]  optional (adaptive limits on): the seller's learned state (see with_learned)
 -- ARGV[1]  ALGORITHM: sliding-window, gcra, token-bucket or fixed-window
 -- ARGV[2]  default COUNTS, comma-separated (integers >= 1; 1 to 8 limits)
 -- ARGV[3]  default WINDOWS in µs, comma-separated, one per count (integers >= 1)
@@ -21,16 +22,17 @@
 -- ARGV[6]  token-bucket: CAPACITY (integer >= 0; see with_capacities); others: ignored
 -- Returns {PAUSED_UNTIL_US, NOW_US, OVERRIDE, COUNTS, WINDOWS_US, then per limit of the stack in
 -- its order: USED, CAPACITY, AHEAD}; COUNTS and WINDOWS_US are the stack that applies, OVERRIDE
--- is 1 when it is the seller's own (a well-formed override is set).
+-- is 1 when it is the seller's own (a well-formed override is set); with learned counts, COUNTS
+-- are the learned ones.
 
 local algorithm = algorithm_arg(1)
 local default = limits_arg(2)
-local limits = with_spans(effective_limits(KEYS[2], default), int_arg(4, -1))
+local limits = with_spans(effective_limits(KEYS[2], default, KEYS[4]), int_arg(4, -1))
 with_capacities(limits, int_arg(6, 0))
 local now = now_us()
 -- (An override that is not well-formed is ignored by every script: the default applies.)
 local overridden = 0
-if limits ~= default then overridden = 1 end
+if (limits.configured or limits) ~= default then overridden = 1 end
 local answer = {paused_until(KEYS[3]), now, overridden, limits.counts, limits.windows}
 local function row(used, capacity, ahead)
   answer[#answer + 1] = math.floor(used)

@@ -527,6 +527,24 @@ pub struct LimiterArgs {
     /// expire if a replica dies); `off` disables it.
     #[arg(long = "seller-concurrency", env = "TURNSTILE_SELLER_CONCURRENCY", default_value = "off", value_parser = parse_concurrency)]
     pub seller_concurrency: SellerConcurrency,
+    /// Adaptive limits: a 429 lowers the seller's limit to what the downstream accepted,
+    /// sustained success raises it again up to the configured one, and rate-limit headers set
+    /// it (shared by every replica through Redis); `off` keeps the configured limits only.
+    #[arg(long = "adaptive", env = "TURNSTILE_ADAPTIVE", default_value = "on", value_parser = parse_switch)]
+    pub adaptive: bool,
+    /// Lowest count a learned limit goes to, per window of each limit (a configured COUNT below
+    /// it is kept).
+    #[arg(long = "adaptive-min", env = "TURNSTILE_ADAPTIVE_MIN", default_value = "1")]
+    pub adaptive_min: std::num::NonZeroU32,
+}
+
+/// `on`/`off` (also `true`/`false`, `1`/`0`, `yes`/`no`).
+fn parse_switch(s: &str) -> Result<bool, String> {
+    match s.trim().to_ascii_lowercase().as_str() {
+        "on" | "true" | "1" | "yes" => Ok(true),
+        "off" | "false" | "0" | "no" => Ok(false),
+        _ => Err(format!("{s:?} is not on or off")),
+    }
 }
 
 /// `TURNSTILE_SELLER_CONCURRENCY`: most calls of one seller in flight, or no such cap (`off`).
@@ -590,6 +608,8 @@ impl LimiterArgs {
             redis_durable: false,
             global_limit: GlobalLimit(None),
             seller_concurrency: SellerConcurrency(None),
+            adaptive: true,
+            adaptive_min: std::num::NonZeroU32::MIN,
         }
     }
 

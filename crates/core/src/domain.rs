@@ -196,6 +196,20 @@ impl fmt::Display for Cost {
     }
 }
 
+/// What one answer of the downstream said about the seller's rate limit there (its rate-limit
+/// headers, read by `downstream::headers`; learned from by `permit`, see `lua/learn.lua`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct RateLimitHeaders {
+    /// The quota's COUNT (requests allowed per window), if given.
+    pub limit: Option<u64>,
+    /// The quota's window, if the form gives one.
+    pub window: Option<std::time::Duration>,
+    /// Requests left in the current window, if given.
+    pub remaining: Option<u64>,
+    /// Time from the answer until the quota resets, if given.
+    pub reset: Option<std::time::Duration>,
+}
+
 /// One product registration, as received.
 #[derive(Debug)]
 pub struct Registration {

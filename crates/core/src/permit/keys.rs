@@ -13,7 +13,8 @@
 //!     (sliding-window), `tat` (gcra), `bucket` (token-bucket) or `windows` (fixed-window);
 //!   - `limit` (the seller's override), `pause`, `reserved` (reserved slots), `server` (the
 //!     stamp of the Redis that wrote the state), `calls` (calls in flight or recently
-//!     answered), `far` (the far queue);
+//!     answered), `far` (the far queue), `learned` and `accepted` (adaptive limits),
+//!     `shadow` and `shadow-log` (a shadow limit);
 //!   - `done:<message>`: a message's completion record; `batch:<batch>`: an upload's progress
 //!     (message and batch ids percent-encoded as the seller's tag is).
 //! - **shared keys**: `<prefix>:{<prefix>~shared}:<name>`, one slot for all of them (a
@@ -112,6 +113,28 @@ impl Keyspace {
     /// The seller's far queue (hash: `at`, `n`; see `far_ticket` in `lua/prelude.lua`).
     pub fn far(&self, seller: &SellerId) -> String {
         self.seller(seller, "far")
+    }
+
+    /// The seller's learned limit and the downstream's quota (hash; see `lua/learn.lua`).
+    pub fn learned(&self, seller: &SellerId) -> String {
+        self.seller(seller, "learned")
+    }
+
+    /// The units the downstream accepted of the seller within its longest window (sorted set;
+    /// see `note_accepted` in `lua/prelude.lua`).
+    pub fn accepted(&self, seller: &SellerId) -> String {
+        self.seller(seller, "accepted")
+    }
+
+    /// The seller's shadow limit and its verdicts (hash; see `judge_shadow` in
+    /// `lua/prelude.lua`).
+    pub fn shadow(&self, seller: &SellerId) -> String {
+        self.seller(seller, "shadow")
+    }
+
+    /// The units granted to the seller, as the shadow limit judges them (sorted set).
+    pub fn shadow_log(&self, seller: &SellerId) -> String {
+        self.seller(seller, "shadow-log")
     }
 
     /// A message's completion record: `<prefix>:{<seller>}:done:<message>` (string, see
@@ -288,6 +311,10 @@ mod tests {
             keys.far(s),
             keys.leases(s),
             keys.lease_ticket(s),
+            keys.learned(s),
+            keys.accepted(s),
+            keys.shadow(s),
+            keys.shadow_log(s),
             keys.done(s, &MessageId::parse("m:{1}").unwrap()),
             keys.batch(s, &BatchId::parse("b 1").unwrap()),
             keys.lab_incr(s),

@@ -30,7 +30,7 @@ pub use records::UploadProgress;
 use redis::AsyncCommands;
 
 use crate::config::{Algorithm, Limit, LimiterArgs, Limits, RedisArgs};
-use crate::domain::{BatchId, Cost, MessageId, SellerId};
+use crate::domain::{BatchId, Cost, MessageId, RateLimitHeaders, SellerId};
 
 /// A failed permit decision: the caller cannot know whether it may call, so it must not.
 #[derive(Debug, thiserror::Error)]
@@ -251,6 +251,103 @@ impl Completion<'_> {
     }
 }
 
+/// What [`PermitStore::record`] did: whether the message's state changed, and whether a
+/// learned limit of its seller is due to go up.
+struct Recorded {
+    changed: bool,
+    raise_due: bool,
+}
+
+/// What the downstream's answers taught about a seller's real limit (see `lua/learn.lua`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Lesson {
+    /// A 429 for the call granted at `granted_us` (Redis µs), with what its rate-limit headers
+    /// said, if anything.
+    Throttled {
+        granted_us: i64,
+        told: Option<RateLimitHeaders>,
+    },
+    /// [`PermitStore::complete_call`] said a learned limit is due to go up.
+    Recovery,
+    /// A 2xx answer's rate-limit headers.
+    Told(RateLimitHeaders),
+}
+
+/// Why a learned limit last changed.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Why {
+    /// A 429 lowered it.
+    Throttled,
+    /// Sustained success raised it.
+    Recovery,
+    /// Rate-limit headers set it.
+    Header,
+}
+
+impl Why {
+    fn parse(s: &str) -> Option<Self> {
+        match s {
+            "429" => Some(Why::Throttled),
+            "recovery" => Some(Why::Recovery),
+            "header" => Some(Why::Header),
+            _ => None,
+        }
+    }
+
+    /// The metric label and the name shown: `429`, `recovery` or `header`.
+    pub fn label(self) -> &'static str {
+        match self {
+            Why::Throttled => "429",
+            Why::Recovery => "recovery",
+            Why::Header => "header",
+        }
+    }
+}
+
+/// A change of a seller's learned limit (see [`PermitStore::learn`]): its counts now.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct LearnedChange {
+    pub counts: String,
+    pub why: Why,
+}
+
+/// What adaptive limits learned of a seller (see [`PermitStore::learned`]).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Learned {
+    /// The stack configured for the seller (its override or the default).
+    pub configured: Limits,
+    /// The stack that applies: `configured` with the learned counts.
+    pub limit: Limits,
+    /// The stack before the last change, if there was one.
+    pub from: Option<Limits>,
+    pub why: Option<Why>,
+    pub changed_ago: Option<Duration>,
+    /// Windows of full use the next raise waits for.
+    pub patience: u32,
+    /// The downstream's quota from rate-limit headers, while it lasts.
+    pub quota: Option<Quota>,
+}
+
+/// What rate-limit headers said is left of a seller's quota at the downstream.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Quota {
+    pub left: u64,
+    pub resets_in: Duration,
+}
+
+/// A seller's shadow limit and its verdicts so far (see `judge_shadow` in `lua/prelude.lua`).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Shadow {
+    pub limit: Limits,
+    /// Decisions it agreed with.
+    pub agree: u64,
+    /// Calls granted that it would have held back, and by how long in all.
+    pub stricter: u64,
+    pub delay: Duration,
+    /// Callers told to wait that it would have let go at once.
+    pub looser: u64,
+}
+
 /// A grant that leaves at least this much of the limit taken (thousandths) is near the limit
 /// (as envoy's ratelimit counts `near_limit`: 80%).
 pub const NEAR_LIMIT_PERMILLE: u32 = 800;
@@ -335,6 +432,18 @@ fn observe(algorithm: Algorithm, decision: &Decision, acquired: bool) {
         }
         Decision::Deferred { .. } | Decision::AlreadyDone | Decision::TooCostly { .. } => {}
     }
+}
+
+/// Counts a shadow limit's verdict on a decision (see `judge_shadow` in `lua/prelude.lua`):
+/// `agree`, `stricter` or `looser`; nothing without a shadow limit.
+fn count_verdict(verdict: &str) {
+    let verdict = match verdict {
+        "agree" => "agree",
+        "stricter" => "stricter",
+        "looser" => "looser",
+        _ => return,
+    };
+    metrics::counter!("turnstile_shadow_verdicts_total", "verdict" => verdict).increment(1);
 }
 
 /// The per-seller limiter over Redis, shared by all replicas through Redis.
@@ -427,6 +536,17 @@ impl PermitStore {
         if self.limiter.redis_durable { 2 } else { 0 }
     }
 
+    /// The scripts' FLAGS bit for adaptive limits (`TURNSTILE_ADAPTIVE`).
+    fn adaptive_flag(&self) -> u8 {
+        if self.limiter.adaptive { 4 } else { 0 }
+    }
+
+    /// The seller's learned state, passed to the scripts that apply it only with adaptive
+    /// limits on.
+    fn learned_key(&self, seller: &SellerId) -> Option<String> {
+        self.limiter.adaptive.then(|| self.keys.learned(seller))
+    }
+
     fn guard_arg(&self) -> i64 {
         self.limiter.guard.map_or(-1, |g| g.as_micros() as i64)
     }
@@ -466,7 +586,10 @@ impl PermitStore {
             .key(self.keys.reserved(seller))
             .key(self.keys.server(seller))
             .key(self.keys.calls(seller))
-            .key(self.keys.far(seller));
+            .key(self.keys.far(seller))
+            .key(self.keys.learned(seller))
+            .key(self.keys.shadow(seller))
+            .key(self.keys.shadow_log(seller));
         if let Some(message) = message {
             invocation.key(self.keys.done(seller, message));
         }
@@ -474,7 +597,7 @@ impl PermitStore {
             .arg(limit.counts_arg())
             .arg(limit.windows_arg())
             .arg(self.guard_arg())
-            .arg(u8::from(reserve) | self.durable_flag())
+            .arg(u8::from(reserve) | self.durable_flag() | self.adaptive_flag())
             .arg(self.limiter.horizon.as_micros() as u64)
             .arg(&token)
             .arg(self.call_bound_us())
@@ -521,18 +644,21 @@ impl PermitStore {
             .key(self.state_key(seller))
             .key(self.keys.reserved(seller))
             .key(self.keys.server(seller))
-            .key(self.keys.calls(seller));
+            .key(self.keys.calls(seller))
+            .key(self.keys.learned(seller))
+            .key(self.keys.shadow(seller))
+            .key(self.keys.shadow_log(seller));
         if let Some(message) = message {
             invocation.key(self.keys.done(seller, message));
         }
-        let (status, at, now): (u8, i64, i64) = invocation
+        let (status, at, now, verdict): (u8, i64, i64, String) = invocation
             .arg(limit.counts_arg())
             .arg(limit.windows_arg())
             .arg(self.guard_arg())
             .arg(held.slot_us)
             .arg(held.limits.counts_arg())
             .arg(held.limits.windows_arg())
-            .arg(self.durable_flag())
+            .arg(self.durable_flag() | self.adaptive_flag())
             .arg(self.limiter.algorithm.name())
             .arg(&held.token)
             .arg(self.limiter.bucket_capacity)
@@ -540,6 +666,7 @@ impl PermitStore {
             .arg(cost.units())
             .invoke_async(&mut self.conn.clone())
             .await?;
+        count_verdict(&verdict);
         let redeemed = match status {
             1 => Ok(Decision::Granted {
                 slot_us: at,
@@ -824,10 +951,15 @@ impl PermitStore {
         cost: Cost,
         slot_us: i64,
     ) -> Result<(), PermitError> {
-        let _: i64 = scripts::release()
+        let mut invocation = scripts::release().prepare_invoke();
+        invocation
             .key(self.state_key(seller))
             .key(self.keys.limit(seller))
-            .key(self.keys.calls(seller))
+            .key(self.keys.calls(seller));
+        if let Some(learned) = self.learned_key(seller) {
+            invocation.key(learned);
+        }
+        let _: i64 = invocation
             .arg(self.limiter.limit.counts_arg())
             .arg(self.limiter.limit.windows_arg())
             .arg(self.guard_arg())
@@ -877,22 +1009,29 @@ impl PermitStore {
         completion: Completion<'_>,
         ttl: Duration,
     ) -> Result<bool, PermitError> {
-        self.record(seller, message, batch, completion, "", ttl)
+        self.record(seller, message, batch, completion, ("", Cost::ONE), ttl)
             .await
+            .map(|recorded| recorded.changed)
     }
 
     /// As [`Self::complete`] with [`Completion::Registered`], for the message registered by the
-    /// call `call`: its answer is recorded in the same step (see [`Decision::Granted`]).
+    /// call `call` of `cost` units: its answer is recorded in the same step (see
+    /// [`Decision::Granted`]) and, with adaptive limits, its acceptance by the downstream (see
+    /// `note_accepted` in `lua/prelude.lua`). Returns whether a learned limit of the seller is
+    /// due to go up ([`Self::learn`] with [`Lesson::Recovery`]).
     pub async fn complete_call(
         &self,
         seller: &SellerId,
         message: &MessageId,
         batch: Option<&BatchId>,
         call: &str,
+        cost: Cost,
         ttl: Duration,
     ) -> Result<bool, PermitError> {
-        self.record(seller, message, batch, Completion::Registered, call, ttl)
-            .await
+        let recorded = self
+            .record(seller, message, batch, Completion::Registered, (call, cost), ttl)
+            .await?;
+        Ok(recorded.raise_due)
     }
 
     async fn record(
@@ -901,13 +1040,20 @@ impl PermitStore {
         message: &MessageId,
         batch: Option<&BatchId>,
         completion: Completion<'_>,
-        call: &str,
+        (call, cost): (&str, Cost),
         ttl: Duration,
-    ) -> Result<bool, PermitError> {
+    ) -> Result<Recorded, PermitError> {
         let mut invocation = scripts::complete().prepare_invoke();
         invocation
             .key(self.keys.done(seller, message))
             .key(self.keys.calls(seller));
+        let adaptive = self.limiter.adaptive && !call.is_empty();
+        if adaptive {
+            invocation
+                .key(self.keys.learned(seller))
+                .key(self.keys.accepted(seller))
+                .key(self.keys.limit(seller));
+        }
         if let Some(batch) = batch {
             invocation.key(self.keys.batch(seller, batch));
         }
@@ -920,7 +1066,14 @@ impl PermitStore {
             .arg(completion.outcome())
             .arg(reason)
             .arg(call);
-        let (changed, was_dead_for): (u8, String) =
+        if adaptive {
+            invocation
+                .arg(1)
+                .arg(self.limiter.limit.counts_arg())
+                .arg(self.limiter.limit.windows_arg())
+                .arg(cost.units());
+        }
+        let (changed, was_dead_for, raise): (u8, String, u8) =
             invocation.invoke_async(&mut self.conn.clone()).await?;
         // The tally is a shared key (another Cluster slot): a second step, only when a message
         // becomes or stops being dead. Its failure costs the count, not the transition.
@@ -933,7 +1086,158 @@ impl PermitStore {
             metrics::counter!("turnstile_redis_errors_total").increment(1);
             tracing::warn!(%error, "the dead letters by reason were not updated");
         }
-        Ok(changed == 1)
+        Ok(Recorded {
+            changed: changed == 1,
+            raise_due: raise == 1,
+        })
+    }
+
+    /// Learns from what the downstream answered for the seller (see `lua/learn.lua`): a 429, a
+    /// learned limit used in full for long enough, or rate-limit headers. When the counts that
+    /// apply change, every slot reserved under the old ones is given back and announced, as
+    /// for an operator's change, so the seller's whole backlog follows at once. Does nothing
+    /// (and answers `None`) with adaptive limits off.
+    pub async fn learn(
+        &self,
+        seller: &SellerId,
+        lesson: Lesson,
+    ) -> Result<Option<LearnedChange>, PermitError> {
+        if !self.limiter.adaptive {
+            return Ok(None);
+        }
+        let (event, granted_us, told) = match lesson {
+            Lesson::Throttled { granted_us, told } => ("throttled", granted_us, told),
+            Lesson::Recovery => ("recovery", 0, None),
+            Lesson::Told(told) => ("header", 0, Some(told)),
+        };
+        let told = told.unwrap_or_default();
+        let micros = |d: Option<Duration>| d.map_or(-1, |d| d.as_micros().min(i64::MAX as u128) as i64);
+        let count = |n: Option<u64>| n.map_or(-1, |n| n.min(i64::MAX as u64) as i64);
+        let (changed, released, now, counts, why): (u8, u64, i64, String, String) =
+            scripts::learn()
+                .key(self.keys.learned(seller))
+                .key(self.keys.accepted(seller))
+                .key(self.keys.limit(seller))
+                .key(self.state_key(seller))
+                .key(self.keys.reserved(seller))
+                .key(self.keys.calls(seller))
+                .arg(self.limiter.algorithm.name())
+                .arg(self.limiter.limit.counts_arg())
+                .arg(self.limiter.limit.windows_arg())
+                .arg(self.guard_arg())
+                .arg(self.limiter.gcra_burst.max(1))
+                .arg(self.limiter.bucket_capacity)
+                .arg(self.limiter.adaptive_min.get())
+                .arg(event)
+                .arg(granted_us.max(0))
+                .arg(count(told.limit.filter(|&n| n >= 1)))
+                .arg(micros(told.window.filter(|w| !w.is_zero())))
+                .arg(count(told.remaining))
+                .arg(micros(told.reset))
+                .invoke_async(&mut self.conn.clone())
+                .await?;
+        if changed == 0 {
+            return Ok(None);
+        }
+        let why = Why::parse(&why).unwrap_or(Why::Header);
+        metrics::counter!("turnstile_adaptive_changes_total", "why" => why.label()).increment(1);
+        self.announce(seller, released, now).await?;
+        Ok(Some(LearnedChange { counts, why }))
+    }
+
+    /// What adaptive limits learned of the seller under its configured stack now, if anything
+    /// (see `lua/learn.lua`): read by operator commands and the dashboard.
+    pub async fn learned(&self, seller: &SellerId) -> Result<Option<Learned>, PermitError> {
+        let fields: std::collections::HashMap<String, String> =
+            self.conn.clone().hgetall(self.keys.learned(seller)).await?;
+        let configured = self.effective_limit(seller).await?;
+        let terms = format!("{} {}", configured.counts_arg(), configured.windows_arg());
+        if fields.get("terms") != Some(&terms) {
+            return Ok(None);
+        }
+        let windows = configured.windows_arg();
+        let stack = |field: &str| {
+            fields
+                .get(field)
+                .and_then(|counts| Limits::from_args(counts, &windows))
+        };
+        let number = |field: &str| fields.get(field).and_then(|v| v.parse::<i64>().ok());
+        let now = self.redis_time_us().await?;
+        let quota = match (number("left"), number("until")) {
+            (Some(left), Some(until)) if until > now => Some(Quota {
+                left: left.max(0) as u64,
+                resets_in: wait_for(until, now),
+            }),
+            _ => None,
+        };
+        Ok(Some(Learned {
+            limit: stack("counts").unwrap_or_else(|| configured.clone()),
+            from: stack("from"),
+            why: fields.get("why").and_then(|w| Why::parse(w)),
+            changed_ago: number("at")
+                .filter(|&at| at > 0)
+                .map(|at| wait_for(now, at)),
+            patience: number("patience").unwrap_or(1).clamp(1, 64) as u32,
+            quota,
+            configured,
+        }))
+    }
+
+    /// Sets the seller's shadow limit (one limit or a stack), judged beside the enforced one
+    /// from now on and never enforced (see `judge_shadow` in `lua/prelude.lua`); its verdicts
+    /// start from zero.
+    pub async fn set_shadow(&self, seller: &SellerId, limit: Limits) -> Result<(), PermitError> {
+        let key = self.keys.shadow(seller);
+        redis::pipe()
+            .atomic()
+            .del(&key)
+            .ignore()
+            .del(self.keys.shadow_log(seller))
+            .ignore()
+            .hset_multiple(
+                &key,
+                &[("counts", limit.counts_arg()), ("windows", limit.windows_arg())],
+            )
+            .ignore()
+            .query_async::<()>(&mut self.conn.clone())
+            .await?;
+        Ok(())
+    }
+
+    /// Removes the seller's shadow limit; whether there was one.
+    pub async fn clear_shadow(&self, seller: &SellerId) -> Result<bool, PermitError> {
+        let (removed, _): (u8, u8) = redis::pipe()
+            .atomic()
+            .del(self.keys.shadow(seller))
+            .del(self.keys.shadow_log(seller))
+            .query_async(&mut self.conn.clone())
+            .await?;
+        Ok(removed == 1)
+    }
+
+    /// The seller's shadow limit and what it would have done so far, if one is set.
+    pub async fn shadow(&self, seller: &SellerId) -> Result<Option<Shadow>, PermitError> {
+        let fields: std::collections::HashMap<String, String> =
+            self.conn.clone().hgetall(self.keys.shadow(seller)).await?;
+        let (Some(counts), Some(windows)) = (fields.get("counts"), fields.get("windows")) else {
+            return Ok(None);
+        };
+        let Some(limit) = Limits::from_args(counts, windows) else {
+            return Ok(None);
+        };
+        let number = |field: &str| {
+            fields
+                .get(field)
+                .and_then(|v| v.parse::<u64>().ok())
+                .unwrap_or(0)
+        };
+        Ok(Some(Shadow {
+            limit,
+            agree: number("agree"),
+            stricter: number("stricter"),
+            looser: number("looser"),
+            delay: Duration::from_millis(number("delay_ms")),
+        }))
     }
 
     /// Counts a message as dead-lettered for `reason`: its completion record when it has an
@@ -1011,10 +1315,15 @@ impl PermitStore {
     /// How much of each of the seller's limits is taken now, the stack that applies and any
     /// pause, in one read-only round trip (for the dashboard; the limiter never needs it).
     pub async fn usage(&self, seller: &SellerId) -> Result<Usage, PermitError> {
-        let answer: Vec<redis::Value> = scripts::usage()
+        let mut invocation = scripts::usage().prepare_invoke();
+        invocation
             .key(self.state_key(seller))
             .key(self.keys.limit(seller))
-            .key(self.keys.pause(seller))
+            .key(self.keys.pause(seller));
+        if let Some(learned) = self.learned_key(seller) {
+            invocation.key(learned);
+        }
+        let answer: Vec<redis::Value> = invocation
             .arg(self.limiter.algorithm.name())
             .arg(self.limiter.limit.counts_arg())
             .arg(self.limiter.limit.windows_arg())
@@ -1115,7 +1424,11 @@ impl PermitStore {
             .key(self.state_key(seller))
             .key(self.keys.limit(seller))
             .key(self.keys.pause(seller))
-            .key(self.keys.reserved(seller))
+            .key(self.keys.reserved(seller));
+        if let Some(learned) = self.learned_key(seller) {
+            invocation.key(learned);
+        }
+        invocation
             .arg(self.limiter.algorithm.name())
             .arg(self.limiter.limit.counts_arg())
             .arg(self.limiter.limit.windows_arg())
@@ -1134,6 +1447,14 @@ impl PermitStore {
         };
         let (changed, released, now): (u8, u64, i64) =
             invocation.invoke_async(&mut self.conn.clone()).await?;
+        self.announce(seller, released, now).await?;
+        Ok(changed == 1)
+    }
+
+    /// Announces that the seller's terms changed at `now` (Redis µs) and `released` reserved
+    /// slots were given back, in the shared reschedule log, from which every replica's
+    /// [`watch_reschedules`] wakes the messages it holds for the seller.
+    async fn announce(&self, seller: &SellerId, released: u64, now: i64) -> Result<(), PermitError> {
         metrics::counter!("turnstile_reservations_released_total").increment(released);
         let log = self.keys.reschedules();
         redis::pipe()
@@ -1145,7 +1466,7 @@ impl PermitStore {
             .ignore()
             .query_async::<()>(&mut self.conn.clone())
             .await?;
-        Ok(changed == 1)
+        Ok(())
     }
 
     /// Sellers whose terms changed after `since_us` (Redis time), oldest first, with when: read
@@ -1358,6 +1679,9 @@ fn acquired(
         script: algorithm.name(),
     };
     let (status, slot, now) = (answer.int(0)?, answer.int(1)?, answer.int(2)?);
+    if let Ok(verdict) = answer.text(6) {
+        count_verdict(&verdict);
+    }
     match status {
         1 => Ok(Decision::Granted {
             slot_us: slot,

@@ -33,6 +33,7 @@ static ENDED: LazyLock<Script> = script!("ended.lua");
 static GLOBAL: LazyLock<Script> = script!("global.lua");
 static RELEASE: LazyLock<Script> = script!("release.lua");
 static LEASE: LazyLock<Script> = script!("lease.lua");
+static LEARN: LazyLock<Script> = script!("learn.lua");
 static GLOBAL_USAGE: LazyLock<Script> = script!("global_usage.lua");
 
 /// The acquire script of an algorithm.
@@ -98,4 +99,9 @@ pub fn lease() -> &'static Script {
 /// Reads how much of the global limit is taken, and by whom (see `lua/global_usage.lua`).
 pub fn global_usage() -> &'static Script {
     &GLOBAL_USAGE
+}
+
+/// `lua/learn.lua`: adaptive limits, learned from the downstream's answers.
+pub fn learn() -> &'static Script {
+    &LEARN
 }

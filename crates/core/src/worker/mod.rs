@@ -20,7 +20,7 @@ use backon::{ExponentialBuilder, Retryable};
 use lapin::message::Delivery;
 use tokio::sync::{OwnedSemaphorePermit, Semaphore};
 use tokio_util::sync::CancellationToken;
-use tracing::{Instrument, debug, info_span, warn};
+use tracing::{Instrument, debug, info, info_span, warn};
 
 use crate::broker::{PublishError, Publisher, Settler, Topology};
 use crate::domain::Registration;
@@ -32,7 +32,7 @@ pub use plan::{Carried, Outcome, WorkerSettings};
 use plan::{Interrupted, PermitErrors, Plan, returned};
 pub use stats::{LatencySummary, Stats};
 
-use crate::permit::{Decision, PermitError, PermitStore, Rescheduled, Reservation};
+use crate::permit::{Decision, Lesson, PermitError, PermitStore, Rescheduled, Reservation, Why};
 
 /// Everything a delivery needs; shared by all of a replica's tasks.
 pub struct Worker {
@@ -224,15 +224,18 @@ impl Worker {
         };
         let waited = asked.elapsed();
         let holding = self.stats.held.load(Ordering::Relaxed);
-        let granted_call = match &decision {
-            Decision::Granted { call, .. } => Some(call.clone()),
-            _ => None,
+        let (granted_call, granted_us) = match &decision {
+            Decision::Granted { call, slot_us, .. } => (Some(call.clone()), *slot_us),
+            _ => (None, 0),
         };
         match self
             .settings
             .plan_decision(decision, waited, holding, carried)
         {
-            Plan::Call { call } => self.call(registration, &call, worker, carried).await,
+            Plan::Call { call } => {
+                self.call(registration, (&call, granted_us), worker, carried)
+                    .await
+            }
             plan => {
                 drop(worker);
                 if plan == Plan::AskAgain {
@@ -250,36 +253,69 @@ impl Worker {
         }
     }
 
-    /// Calls the downstream under a grant (the call named `call`), lets go of the worker once
-    /// the call's answer is recorded, and plans what the reply leads to.
+    /// Calls the downstream under a grant (the call named `call`, granted at `granted_us`),
+    /// lets go of the worker once the call's answer is recorded (and learned from, see
+    /// [`Self::learn`]), and plans what the reply leads to.
     async fn call(
         &self,
         registration: &Registration,
-        call: &str,
+        (call, granted_us): (&str, i64),
         worker: OwnedSemaphorePermit,
         carried: &mut Carried,
     ) -> Plan {
         self.stats.in_flight.fetch_add(1, Ordering::Relaxed);
-        let reply = self.downstream.register(registration).await;
+        let answered = self.downstream.call(registration).await;
         self.stats.in_flight.fetch_sub(1, Ordering::Relaxed);
         self.end_lease(registration, call).await;
+        let reply = answered.reply;
         // Only the exact algorithms hold calls until their answer; a registration's answer is
         // recorded with its completion.
         if self.permits.algorithm().is_exact() && !matches!(reply, Reply::Registered) {
             self.record_call_end(registration, call).await;
         }
-        drop(worker);
-        match reply {
-            Reply::Registered => self.record_completion(registration, call).await,
+        let lesson = match reply {
+            Reply::Registered => {
+                let raise_due = self.record_completion(registration, call).await;
+                match answered.rate_limit {
+                    Some(told) => Some(Lesson::Told(told)),
+                    None => raise_due.then_some(Lesson::Recovery),
+                }
+            }
             Reply::Throttled { .. } => {
                 self.stats.throttled.fetch_add(1, Ordering::Relaxed);
                 metrics::counter!("turnstile_downstream_throttled_total").increment(1);
+                Some(Lesson::Throttled {
+                    granted_us,
+                    told: answered.rate_limit,
+                })
             }
-            Reply::Transient(_) | Reply::Rejected { .. } => {}
-        }
+            Reply::Transient(_) | Reply::Rejected { .. } => None,
+        };
+        let lowered = match lesson {
+            Some(lesson) => self.learn(registration, lesson).await,
+            None => false,
+        };
+        drop(worker);
         let now_ms = crate::broker::unix_ms();
         let window = self.permits.default_limit().shortest_window();
-        self.settings.plan_reply(reply, carried, now_ms, window)
+        self.settings
+            .plan_reply(reply, carried, now_ms, window, lowered)
+    }
+
+    /// Learns from an answer (adaptive limits, see [`PermitStore::learn`]); whether a 429
+    /// lowered the seller's learned limit. A failure only costs the lesson.
+    async fn learn(&self, registration: &Registration, lesson: Lesson) -> bool {
+        match self.permits.learn(&registration.seller_id, lesson).await {
+            Ok(Some(change)) => {
+                info!(counts = %change.counts, why = change.why.label(), "the seller's learned limit changed");
+                matches!(lesson, Lesson::Throttled { .. }) && change.why == Why::Throttled
+            }
+            Ok(None) => false,
+            Err(error) => {
+                debug!(%error, "could not learn from the downstream's answer");
+                false
+            }
+        }
     }
 
     /// Carries out a plan other than a call: `Some` outcome to settle the message with, or
@@ -411,8 +447,9 @@ impl Worker {
         }
     }
 
-    /// Records the registration (and the answer of its call, `call`) in one step.
-    async fn record_completion(&self, registration: &Registration, call: &str) {
+    /// Records the registration (and the answer of its call, `call`) in one step; whether a
+    /// learned limit of the seller is due to go up.
+    async fn record_completion(&self, registration: &Registration, call: &str) -> bool {
         let record = || async {
             self.permits
                 .complete_call(
@@ -420,6 +457,7 @@ impl Worker {
                     &registration.message_id,
                     registration.batch_id.as_ref(),
                     call,
+                    registration.cost,
                     self.settings.done_ttl,
                 )
                 .await
@@ -427,9 +465,10 @@ impl Worker {
         let retry = ExponentialBuilder::default()
             .with_min_delay(Duration::from_millis(50))
             .with_max_times(6);
-        if let Err(error) = record.retry(retry).await {
+        record.retry(retry).await.unwrap_or_else(|error| {
             warn!(%error, "registered, but the completion record was not written: a redelivery could call again");
-        }
+            false
+        })
     }
 
     /// Records that the call `call` was answered (not a registration): it stops holding its

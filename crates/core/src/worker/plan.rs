@@ -257,10 +257,15 @@ impl WorkerSettings {
         carried: &mut Carried,
         now_ms: u64,
         window: Duration,
+        lowered: bool,
     ) -> Plan {
         carried.reservation = None;
         match reply {
             Reply::Registered => Plan::Settle(Outcome::Registered),
+            // The learned limit went down: it spaces the seller's next calls, no pause needed.
+            Reply::Throttled { retry_after: None } if lowered => self
+                .throttled_too_long(carried, now_ms)
+                .unwrap_or(Plan::AskAgain),
             Reply::Throttled { retry_after } => {
                 self.plan_throttled(retry_after.unwrap_or(window), carried, now_ms)
             }
@@ -281,22 +286,30 @@ impl WorkerSettings {
         carried: &mut Carried,
         now_ms: u64,
     ) -> Plan {
+        if let Some(dead) = self.throttled_too_long(carried, now_ms) {
+            return dead;
+        }
+        Plan::PauseSeller {
+            pause: asked.min(self.max_pause).max(Duration::from_millis(1)),
+            asked,
+        }
+    }
+
+    /// The dead letter of a message throttled for `throttle_deadline` since its first 429
+    /// (noted in `carried` now if this is the first), else `None`.
+    fn throttled_too_long(&self, carried: &mut Carried, now_ms: u64) -> Option<Plan> {
         let since = *carried.throttled_since_ms.get_or_insert(now_ms);
         let throttled_for = Duration::from_millis(now_ms.saturating_sub(since));
-        if throttled_for >= self.throttle_deadline {
-            return Plan::Settle(Outcome::DeadLetter {
+        (throttled_for >= self.throttle_deadline).then(|| {
+            Plan::Settle(Outcome::DeadLetter {
                 reason: "throttled",
                 detail: format!(
                     "the downstream answered 429 for {} s (TURNSTILE_THROTTLE_DEADLINE {} s)",
                     throttled_for.as_secs(),
                     self.throttle_deadline.as_secs()
                 ),
-            });
-        }
-        Plan::PauseSeller {
-            pause: asked.min(self.max_pause).max(Duration::from_millis(1)),
-            asked,
-        }
+            })
+        })
     }
 
     /// A failed attempt (5xx, timeout, connection error), counted in `carried`: the
@@ -634,7 +647,7 @@ mod tests {
     #[test]
     fn a_registration_spends_the_reservation() {
         let mut carried = reserved();
-        let plan = settings().plan_reply(Reply::Registered, &mut carried, 0, SECOND);
+        let plan = settings().plan_reply(Reply::Registered, &mut carried, 0, SECOND, false);
         assert_eq!(plan, Plan::Settle(Outcome::Registered));
         assert_eq!(carried.reservation, None);
     }
@@ -646,7 +659,7 @@ mod tests {
             ..reserved()
         };
         let reply = Reply::Transient("HTTP 503".into());
-        let plan = settings().plan_reply(reply, &mut carried, 0, SECOND);
+        let plan = settings().plan_reply(reply, &mut carried, 0, SECOND, false);
         assert_eq!(
             plan,
             dead_letter("attempts-exhausted", "5 attempts failed; last: HTTP 503")
@@ -661,7 +674,7 @@ mod tests {
             ..reserved()
         };
         let reply = Reply::Transient("timeout".into());
-        let plan = settings().plan_reply(reply, &mut carried, 0, SECOND);
+        let plan = settings().plan_reply(reply, &mut carried, 0, SECOND, false);
         let Plan::Retry { after, why } = plan else {
             panic!("{plan:?}");
         };
@@ -694,7 +707,7 @@ mod tests {
             status: 422,
             body: "unknown seller".into(),
         };
-        let plan = settings().plan_reply(reply, &mut Carried::default(), 0, SECOND);
+        let plan = settings().plan_reply(reply, &mut Carried::default(), 0, SECOND, false);
         assert_eq!(plan, dead_letter("rejected", "HTTP 422: unknown seller"));
     }
 
@@ -704,7 +717,7 @@ mod tests {
         let reply = Reply::Throttled {
             retry_after: Some(5 * SECOND),
         };
-        let plan = settings().plan_reply(reply, &mut carried, 1_000_000, SECOND);
+        let plan = settings().plan_reply(reply, &mut carried, 1_000_000, SECOND, false);
         let (pause, asked) = (5 * SECOND, 5 * SECOND);
         assert_eq!(plan, Plan::PauseSeller { pause, asked });
         assert_eq!(carried.throttled_since_ms, Some(1_000_000));
@@ -714,9 +727,40 @@ mod tests {
     #[test]
     fn a_429_without_retry_after_pauses_the_seller_for_one_window() {
         let reply = Reply::Throttled { retry_after: None };
-        let plan = settings().plan_reply(reply, &mut Carried::default(), 0, 3 * SECOND);
+        let plan = settings().plan_reply(reply, &mut Carried::default(), 0, 3 * SECOND, false);
         let (pause, asked) = (3 * SECOND, 3 * SECOND);
         assert_eq!(plan, Plan::PauseSeller { pause, asked });
+    }
+
+    #[test]
+    fn a_429_that_lowered_the_learned_limit_asks_again_without_a_pause() {
+        let reply = Reply::Throttled { retry_after: None };
+        let mut carried = Carried::default();
+        let plan = settings().plan_reply(reply, &mut carried, 5_000, 3 * SECOND, true);
+        assert_eq!(plan, Plan::AskAgain);
+        assert_eq!(carried.throttled_since_ms, Some(5_000));
+    }
+
+    #[test]
+    fn a_429_that_lowered_the_learned_limit_still_honours_retry_after() {
+        let reply = Reply::Throttled {
+            retry_after: Some(2 * SECOND),
+        };
+        let plan = settings().plan_reply(reply, &mut Carried::default(), 0, 3 * SECOND, true);
+        let (pause, asked) = (2 * SECOND, 2 * SECOND);
+        assert_eq!(plan, Plan::PauseSeller { pause, asked });
+    }
+
+    #[test]
+    fn a_429_that_lowered_the_learned_limit_past_the_deadline_is_dead_lettered() {
+        let reply = Reply::Throttled { retry_after: None };
+        let mut carried = Carried {
+            throttled_since_ms: Some(0),
+            ..Carried::default()
+        };
+        let far = settings().throttle_deadline.as_millis() as u64;
+        let plan = settings().plan_reply(reply, &mut carried, far, SECOND, true);
+        assert!(matches!(plan, Plan::Settle(Outcome::DeadLetter { reason: "throttled", .. })));
     }
 
     #[test]

@@ -10,6 +10,9 @@ use secrecy::{ExposeSecret, SecretString};
 
 use crate::domain::Registration;
 
+pub mod headers;
+pub use headers::RateLimitHeaders;
+
 /// Where and how to call the registration API.
 #[derive(Args, Clone)]
 pub struct DownstreamArgs {
@@ -136,12 +139,21 @@ impl Downstream {
 
     /// POSTs the product verbatim with the contract's headers and classifies the answer.
     pub async fn register(&self, registration: &Registration) -> Reply {
+        self.call(registration).await.reply
+    }
+
+    /// As [`Self::register`], with what a 2xx or 429 answer's rate-limit headers said (see
+    /// [`headers`]).
+    pub async fn call(&self, registration: &Registration) -> Answered {
         let url = match self.url_for(&registration.seller_id) {
             Ok(url) => url,
             Err(why) => {
-                return Reply::Rejected {
-                    status: 0,
-                    body: why,
+                return Answered {
+                    reply: Reply::Rejected {
+                        status: 0,
+                        body: why,
+                    },
+                    rate_limit: None,
                 };
             }
         };
@@ -159,9 +171,14 @@ impl Downstream {
             request = request.header(reqwest::header::AUTHORIZATION, auth.clone());
         }
         let started = std::time::Instant::now();
+        let mut rate_limit = None;
         let (reply, class) = match request.send().await {
             Ok(response) => {
                 let class = status_class(response.status());
+                if matches!(class, "2xx" | "429") {
+                    rate_limit =
+                        RateLimitHeaders::read(response.headers(), std::time::SystemTime::now());
+                }
                 (classify(response).await, class)
             }
             Err(error) if error.is_timeout() => (Reply::Transient("timeout".into()), "timeout"),
@@ -176,8 +193,15 @@ impl Downstream {
         metrics::counter!("turnstile_downstream_requests_total", "class" => class).increment(1);
         metrics::histogram!("turnstile_downstream_request_duration_seconds", "class" => class)
             .record(started.elapsed().as_secs_f64());
-        reply
+        Answered { reply, rate_limit }
     }
+}
+
+/// A call's classified answer, and what its rate-limit headers said (2xx and 429 only).
+#[derive(Debug)]
+pub struct Answered {
+    pub reply: Reply,
+    pub rate_limit: Option<RateLimitHeaders>,
 }
 
 /// The `class` label of a downstream answer: `2xx`, `429`, `4xx`, `5xx`, or `error` for any

@@ -1,0 +1,163 @@
+-- learn: adaptive limits. What the downstream's answers say about its real limit for a seller
+-- lowers (or raises again) the counts of the seller's configured stack, within
+-- [min(MIN, COUNT), COUNT] for each limit, in the seller's learned state, which every replica's
+-- acquire applies at once (see with_learned in the prelude). EVENT is one of:
+--   throttled  a 429 for a call granted at GRANTED: the limit the downstream most likely counted
+--              (the one whose window holds the most accepted units for its learned count) goes
+--              down to what the downstream accepted in that window (multiplicative decrease; to
+--              half when it accepted that count in full), once per change: a 429 for a call
+--              granted before the last change only corrects a decrease that went below what was
+--              accepted since (answers of one burst come back in any order). A 429 after a raise
+--              doubles the patience of the next raise (at most 64 windows).
+--   recovery   the downstream accepted a learned count in full over PATIENCE windows (see
+--              raise_due): each such limit goes up by a twentieth of its configured count (at
+--              least 1; additive increase), never above it.
+--   header     rate-limit headers of any answer (a 429 too): LIMIT per WINDOW sets each limit's
+--              count (see below) as the truth, up or down; REMAINING units until RESET become
+--              the downstream's quota (see not_before in the prelude), shared by every replica.
+--              A throttled event whose headers carry a LIMIT learns from the headers only.
+-- LIMIT maps onto a configured limit of window W as: LIMIT if W equals WINDOW or is shorter;
+-- LIMIT * W / WINDOW (rounded down) if W is longer; without WINDOW, WINDOW is the stack's
+-- shortest. The quota's REMAINING is reduced by the seller's units in flight (calls granted and
+-- not answered: the exact algorithms track them) and its units reserved before the reset; an
+-- answer for the same reset (within 1 s) can only lower what is left.
+-- Any change of the counts gives back every reserved slot at once (as an operator's change does,
+-- see give_back_reserved in the prelude). The state lives for learned_ttl after its last change
+-- or accepted answer (see complete.lua).
+--
+-- KEYS[1]  the seller's learned state (hash: terms, counts, from, at, why, patience, left, until)
+-- KEYS[2]  the seller's accepted log (see note_accepted in the prelude)
+-- KEYS[3]  the seller's limit override ("COUNTS WINDOWS_US"), may be absent
+-- KEYS[4]  the seller's limiter state for ALGORITHM
+-- KEYS[5]  the seller's reserved slots (sorted set: member = held_name(TOKEN, COST), score = slot)
+-- KEYS[6]  the seller's calls (see calls_gate in the prelude)
+-- ARGV[1]  ALGORITHM: sliding-window, gcra, token-bucket or fixed-window
+-- ARGV[2]  default COUNTS, comma-separated (integers >= 1; 1 to 8 limits)
+-- ARGV[3]  default WINDOWS in µs, comma-separated, one per count (integers >= 1)
+-- ARGV[4]  GUARD in µs (-1 = window/20 within [25 ms, 2 s])
+-- ARGV[5]  gcra: BURST (integer >= 1); others: ignored
+-- ARGV[6]  token-bucket: CAPACITY (integer >= 0; see with_capacities); others: ignored
+-- ARGV[7]  MIN: the lowest a learned count goes (integer >= 1; a COUNT below it is kept)
+-- ARGV[8]  EVENT: throttled, recovery or header
+-- ARGV[9]  GRANTED in µs (Redis time): when the throttled call was granted (integer >= 0)
+-- ARGV[10] LIMIT from headers (integer >= 1; -1 = none)
+-- ARGV[11] WINDOW in µs from headers (integer >= 1; -1 = none)
+-- ARGV[12] REMAINING from headers (integer >= 0; -1 = none)
+-- ARGV[13] RESET in µs from now, from headers (integer >= 0; -1 = none)
+-- Returns {CHANGED, RELEASED, NOW_US, COUNTS, WHY}: CHANGED 1 when the counts that apply changed
+-- (RELEASED reservations were given back); COUNTS the learned counts now; WHY the last change's
+-- reason (429, recovery, header) or ''.
+
+local algorithm = algorithm_arg(1)
+local default = limits_arg(2)
+local guard = int_arg(4, -1)
+local burst = int_arg(5, 1)
+local capacity = int_arg(6, 0)
+local min = int_arg(7, 1)
+local event = ARGV[8]
+if event ~= 'throttled' and event ~= 'recovery' and event ~= 'header' then
+  error({err = 'ERR turnstile: EVENT must be throttled, recovery or header'})
+end
+local granted = int_arg(9, 0)
+local limit, window = int_arg(10, -1), int_arg(11, -1)
+local remaining, reset = int_arg(12, -1), int_arg(13, -1)
+if limit == 0 or window == 0 then
+  error({err = 'ERR turnstile: LIMIT and WINDOW must be >= 1 or -1'})
+end
+
+local configured = with_spans(effective_limits(KEYS[3], default), guard)
+local before = with_capacities(with_spans(effective_limits(KEYS[3], default, KEYS[1], 1), guard), capacity)
+local now = now_us()
+local st = learned_state(KEYS[1], configured)
+local counts = {}
+for i, c in ipairs(st.counts) do counts[i] = c end
+local why = nil
+local function floor_of(i)
+  return math.min(min, configured[i].count)
+end
+
+if limit >= 1 then
+  local w = window
+  if w < 1 then w = configured[1].window end
+  for i, l in ipairs(configured) do
+    local n = limit
+    if l.window > w then n = math.floor(limit * l.window / w) end
+    n = math.max(floor_of(i), math.min(l.count, n))
+    if n ~= counts[i] then
+      counts[i] = n
+      why = 'header'
+    end
+  end
+elseif event == 'throttled' then
+  local b, most, accepted = 1, -1, {}
+  for i, l in ipairs(configured) do
+    accepted[i] = accepted_in(KEYS[2], l, now)
+    if accepted[i] / counts[i] > most then b, most = i, accepted[i] / counts[i] end
+  end
+  if granted < st.at then
+    local corrected = math.min(accepted[b], st.from[b] - 1)
+    if st.why == '429' and corrected > counts[b] then
+      counts[b] = corrected
+      why = '429'
+    end
+  else
+    local lowered = accepted[b]
+    if lowered >= counts[b] then lowered = math.floor(counts[b] / 2) end
+    lowered = math.max(floor_of(b), lowered)
+    if lowered < counts[b] then
+      if st.why == 'recovery' then st.patience = math.min(st.patience * 2, 64) end
+      counts[b] = lowered
+      why = '429'
+    end
+  end
+elseif event == 'recovery' then
+  for _, i in ipairs(raise_due(st, configured, KEYS[2], now)) do
+    local c = configured[i].count
+    counts[i] = math.min(c, counts[i] + math.max(1, math.floor(c / 20)))
+    why = 'recovery'
+  end
+end
+
+local function csv(list)
+  local shown = {}
+  for i, n in ipairs(list) do shown[i] = string.format('%.0f', n) end
+  return table.concat(shown, ',')
+end
+
+local write = nil
+if why then
+  write = {'counts', csv(counts), 'from', csv(st.counts), 'at', string.format('%.0f', now),
+    'why', why, 'patience', st.patience}
+end
+if remaining >= 0 and reset >= 0 then
+  local until_us = now + reset
+  local units = redis.call('ZCOUNT', KEYS[6], string.format('(%.0f', now), '+inf')
+  for _, member in ipairs(redis.call('ZRANGEBYSCORE', KEYS[5], '-inf', string.format('(%.0f', until_us))) do
+    local _, cost = held_parts(member)
+    units = units + cost
+  end
+  local left = math.max(remaining - units, 0)
+  local q = redis.call('HMGET', KEYS[1], 'left', 'until')
+  local old_left, old_until = tonumber(q[1]), tonumber(q[2])
+  if old_left and old_until and old_until > now and math.abs(old_until - until_us) <= 1000000 then
+    left = math.min(left, old_left)
+    until_us = math.max(until_us, old_until)
+  end
+  write = write or {'counts', csv(counts), 'patience', st.patience}
+  write[#write + 1] = 'left'
+  write[#write + 1] = left
+  write[#write + 1] = 'until'
+  write[#write + 1] = string.format('%.0f', until_us)
+end
+
+local changed, released = 0, 0
+if write then
+  redis.call('HSET', KEYS[1], 'terms', configured.counts .. ' ' .. configured.windows, unpack(write))
+  redis.call('PEXPIRE', KEYS[1], learned_ttl(configured))
+  local after = with_spans(effective_limits(KEYS[3], default, KEYS[1], 1), guard)
+  if after.counts ~= before.counts then
+    changed = 1
+    released = give_back_reserved(algorithm, KEYS[4], KEYS[5], before, after, now, burst)
+  end
+end
+return {changed, released, now, csv(counts), why or st.why}
