@@ -5,7 +5,8 @@
 --   throttled  a 429 for a call granted at GRANTED: the limit the downstream most likely counted
 --              (the one whose window holds the most accepted units for its learned count) goes
 --              down to what the downstream accepted in that window (multiplicative decrease; to
---              half when it accepted that count in full), once per change: a 429 for a call
+--              half when it accepted that count in full, or nothing yet: no evidence), once per
+--              change: a 429 for a call
 --              granted before the last change only corrects a decrease that went below what was
 --              accepted since (answers of one burst come back in any order). A 429 after a raise
 --              doubles the patience of the next raise (at most 64 windows).
@@ -102,7 +103,7 @@ elseif event == 'throttled' then
     end
   else
     local lowered = accepted[b]
-    if lowered >= counts[b] then lowered = math.floor(counts[b] / 2) end
+    if lowered >= counts[b] or lowered == 0 then lowered = math.floor(counts[b] / 2) end
     lowered = math.max(floor_of(b), lowered)
     if lowered < counts[b] then
       if st.why == 'recovery' then st.patience = math.min(st.patience * 2, 64) end

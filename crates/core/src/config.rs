@@ -534,7 +534,11 @@ pub struct LimiterArgs {
     pub adaptive: bool,
     /// Lowest count a learned limit goes to, per window of each limit (a configured COUNT below
     /// it is kept).
-    #[arg(long = "adaptive-min", env = "TURNSTILE_ADAPTIVE_MIN", default_value = "1")]
+    #[arg(
+        long = "adaptive-min",
+        env = "TURNSTILE_ADAPTIVE_MIN",
+        default_value = "1"
+    )]
     pub adaptive_min: std::num::NonZeroU32,
 }
 

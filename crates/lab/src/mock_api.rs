@@ -73,6 +73,88 @@ pub struct MockArgs {
     /// strictly as the per-seller one (a request over it is a 429 and a violation).
     #[arg(long = "global-limit", value_parser = turnstile_core::config::limits_arg)]
     pub global_limit: Option<Limits>,
+    /// Rate-limit headers sent with every 200 and 429, for the seller's first limit: `x`
+    /// (`X-RateLimit-Limit`, `-Remaining`, `-Reset` in seconds), `ietf` (`RateLimit-Policy:
+    /// "default";q=COUNT;w=SECONDS` and `RateLimit: "default";r=REMAINING;t=SECONDS`) or `none`.
+    #[arg(long = "rate-limit-headers", value_enum, default_value_t = RateLimitForm::None)]
+    pub rate_limit_headers: RateLimitForm,
+    /// Answer a 429 without `Retry-After`.
+    #[arg(long = "no-retry-after")]
+    pub no_retry_after: bool,
+}
+
+/// Which rate-limit headers the mock sends (see [`MockArgs::rate_limit_headers`]).
+#[derive(clap::ValueEnum, Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum RateLimitForm {
+    #[default]
+    None,
+    X,
+    Ietf,
+}
+
+/// A seller's quota under the mock's first limit, as its rate-limit headers tell it.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+struct QuotaView {
+    form: RateLimitForm,
+    limit: u64,
+    window_secs: u64,
+    remaining: u64,
+    /// Whole seconds (rounded up) until the oldest unit in the window leaves it; 0 if none.
+    reset_secs: u64,
+}
+
+impl QuotaView {
+    fn of(
+        form: RateLimitForm,
+        times: &VecDeque<(Instant, u32)>,
+        limits: &Limits,
+        now: Instant,
+    ) -> Self {
+        let first = limits
+            .iter()
+            .next()
+            .expect("a stack holds at least one limit");
+        let window = first.window();
+        let in_window = times.iter().filter(|(t, _)| now - *t < window);
+        let held: u64 = in_window.clone().map(|(_, u)| u64::from(*u)).sum();
+        let reset = in_window
+            .map(|(t, _)| (*t + window).saturating_duration_since(now))
+            .next()
+            .unwrap_or_default();
+        Self {
+            form,
+            limit: u64::from(first.count()),
+            window_secs: window.as_secs().max(1),
+            remaining: u64::from(first.count()).saturating_sub(held),
+            reset_secs: u64::try_from(reset.as_nanos().div_ceil(1_000_000_000)).unwrap_or(u64::MAX),
+        }
+    }
+
+    fn write(self, headers: &mut HeaderMap) {
+        let mut put = |name: &'static str, value: String| {
+            if let Ok(value) = HeaderValue::from_str(&value) {
+                headers.insert(name, value);
+            }
+        };
+        match self.form {
+            RateLimitForm::None => {}
+            RateLimitForm::X => {
+                put("x-ratelimit-limit", self.limit.to_string());
+                put("x-ratelimit-remaining", self.remaining.to_string());
+                put("x-ratelimit-reset", self.reset_secs.to_string());
+            }
+            RateLimitForm::Ietf => {
+                put(
+                    "ratelimit-policy",
+                    format!("\"default\";q={};w={}", self.limit, self.window_secs),
+                );
+                put(
+                    "ratelimit",
+                    format!("\"default\";r={};t={}", self.remaining, self.reset_secs),
+                );
+            }
+        }
+    }
 }
 
 impl MockArgs {
@@ -86,6 +168,8 @@ impl MockArgs {
             slow_rate: 0.0,
             slow_ms: 300,
             global_limit: None,
+            rate_limit_headers: RateLimitForm::None,
+            no_retry_after: false,
         }
     }
 }
@@ -177,6 +261,8 @@ impl MockServer {
         let app = Arc::new(App {
             limit: args.limit.clone(),
             global_limit: args.global_limit.clone(),
+            rate_limit_headers: args.rate_limit_headers,
+            no_retry_after: args.no_retry_after,
             latency: Duration::from_millis(args.latency_ms),
             fail_rate: args.fail_rate,
             slow_rate: args.slow_rate,
@@ -301,6 +387,8 @@ fn room_for(
 struct App {
     limit: Limits,
     global_limit: Option<Limits>,
+    rate_limit_headers: RateLimitForm,
+    no_retry_after: bool,
     latency: Duration,
     fail_rate: f64,
     slow_rate: f64,
@@ -378,9 +466,11 @@ enum Answer {
     Registered {
         status: StatusCode,
         id: String,
+        quota: Option<QuotaView>,
     },
     Limited {
-        retry_after_secs: u64,
+        retry_after_secs: Option<u64>,
+        quota: Option<QuotaView>,
     },
     Injected,
     Scripted {
@@ -514,6 +604,7 @@ impl App {
         let answer = Answer::Registered {
             status,
             id: req.key.clone(),
+            quota: None,
         };
         if accepted.contains(&req.key) {
             stats.duplicates += 1;
@@ -541,7 +632,10 @@ impl App {
             let retry_after_secs = u64::try_from(wait.as_nanos().div_ceil(1_000_000_000))
                 .unwrap_or(u64::MAX)
                 .max(1);
-            return Answer::Limited { retry_after_secs };
+            return Answer::Limited {
+                retry_after_secs: (!self.no_retry_after).then_some(retry_after_secs),
+                quota: self.quota(times, now),
+            };
         }
         if self.global_limit.is_some() {
             global_times.push_back((now, req.units));
@@ -556,7 +650,17 @@ impl App {
         seller.first_ms.get_or_insert(at);
         seller.last_ms = Some(at);
         seller.max_in_window = seller.max_in_window.max(first_window_units);
-        answer
+        Answer::Registered {
+            status,
+            id: req.key.clone(),
+            quota: self.quota(times, now),
+        }
+    }
+
+    /// The seller's quota for its rate-limit headers, if the mock sends them.
+    fn quota(&self, times: &VecDeque<(Instant, u32)>, now: Instant) -> Option<QuotaView> {
+        (self.rate_limit_headers != RateLimitForm::None)
+            .then(|| QuotaView::of(self.rate_limit_headers, times, &self.limit, now))
     }
 
     /// A request of `seller` is in flight from its arrival until its answer is sent.
@@ -589,17 +693,27 @@ impl App {
 impl IntoResponse for Answer {
     fn into_response(self) -> Response {
         match self {
-            Answer::Registered { status, id } => {
-                (status, axum::Json(json!({ "registered": true, "id": id }))).into_response()
-            }
-            Answer::Limited { retry_after_secs } => {
-                let mut response = error(
-                    StatusCode::TOO_MANY_REQUESTS,
-                    format!("seller limit reached; retry after {retry_after_secs}s"),
-                );
+            Answer::Registered { status, id, quota } => {
+                let mut response =
+                    (status, axum::Json(json!({ "registered": true, "id": id }))).into_response();
+                if let Some(quota) = quota {
+                    quota.write(response.headers_mut());
+                }
                 response
-                    .headers_mut()
-                    .insert(RETRY_AFTER, HeaderValue::from(retry_after_secs));
+            }
+            Answer::Limited {
+                retry_after_secs,
+                quota,
+            } => {
+                let mut response = error(StatusCode::TOO_MANY_REQUESTS, "seller limit reached");
+                if let Some(secs) = retry_after_secs {
+                    response
+                        .headers_mut()
+                        .insert(RETRY_AFTER, HeaderValue::from(secs));
+                }
+                if let Some(quota) = quota {
+                    quota.write(response.headers_mut());
+                }
                 response
             }
             Answer::Injected => error(StatusCode::SERVICE_UNAVAILABLE, "injected failure"),

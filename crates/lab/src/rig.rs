@@ -135,9 +135,18 @@ pub struct RigBuilder {
     exact_queue: bool,
     /// The endpoints the first replica started serves.
     http: HttpArgs,
+    /// The mock's own per-seller limit, when it differs from the replicas'.
+    api_limit: Option<Limits>,
 }
 
 impl RigBuilder {
+    /// The mock enforces `limit` per seller, whatever the replicas are told (their limit is a
+    /// guess that adaptive limits correct).
+    pub fn with_api_limit(mut self, limit: Limits) -> Self {
+        self.api_limit = Some(limit);
+        self
+    }
+
     /// The first replica started serves the dashboard and the other endpoints as `http` says
     /// (the others serve none).
     pub fn serving(mut self, http: HttpArgs) -> Self {
@@ -145,7 +154,8 @@ impl RigBuilder {
         self
     }
 
-    /// The mock downstream runs with `mock` (its limit is the replicas').
+    /// The mock downstream runs with `mock` (its limit is the replicas', unless
+    /// [`RigBuilder::with_api_limit`] says otherwise).
     pub fn with_mock(mut self, mock: MockArgs) -> Self {
         self.mock = Some(mock);
         self
@@ -186,6 +196,7 @@ impl RigBuilder {
             mock,
             exact_queue,
             http,
+            api_limit,
         } = self;
         let run = format!("{:08x}", rand::random::<u32>());
         if !exact_queue {
@@ -194,7 +205,7 @@ impl RigBuilder {
         base.redis.key_prefix = format!("{}-{run}", base.redis.key_prefix);
         let stop_mock = CancellationToken::new();
         let mock = MockArgs {
-            limit: base.limiter.limit.clone(),
+            limit: api_limit.unwrap_or_else(|| base.limiter.limit.clone()),
             global_limit: base.limiter.global_limit.0.clone(),
             ..mock.unwrap_or_else(|| MockArgs::local(base.limiter.limit.clone()))
         };
@@ -271,6 +282,7 @@ impl Rig {
             mock: None,
             exact_queue: false,
             http: HttpArgs::off(),
+            api_limit: None,
         }
     }
 

@@ -241,8 +241,8 @@ fn number(s: &str) -> Option<(u64, u64)> {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use reqwest::header::{HeaderName, HeaderValue};
     use proptest::prelude::*;
+    use reqwest::header::{HeaderName, HeaderValue};
 
     const NOW_SECS: u64 = 1_700_000_000;
 

@@ -1029,7 +1029,14 @@ impl PermitStore {
         ttl: Duration,
     ) -> Result<bool, PermitError> {
         let recorded = self
-            .record(seller, message, batch, Completion::Registered, (call, cost), ttl)
+            .record(
+                seller,
+                message,
+                batch,
+                Completion::Registered,
+                (call, cost),
+                ttl,
+            )
             .await?;
         Ok(recorded.raise_due)
     }
@@ -1111,7 +1118,8 @@ impl PermitStore {
             Lesson::Told(told) => ("header", 0, Some(told)),
         };
         let told = told.unwrap_or_default();
-        let micros = |d: Option<Duration>| d.map_or(-1, |d| d.as_micros().min(i64::MAX as u128) as i64);
+        let micros =
+            |d: Option<Duration>| d.map_or(-1, |d| d.as_micros().min(i64::MAX as u128) as i64);
         let count = |n: Option<u64>| n.map_or(-1, |n| n.min(i64::MAX as u64) as i64);
         let (changed, released, now, counts, why): (u8, u64, i64, String, String) =
             scripts::learn()
@@ -1196,7 +1204,10 @@ impl PermitStore {
             .ignore()
             .hset_multiple(
                 &key,
-                &[("counts", limit.counts_arg()), ("windows", limit.windows_arg())],
+                &[
+                    ("counts", limit.counts_arg()),
+                    ("windows", limit.windows_arg()),
+                ],
             )
             .ignore()
             .query_async::<()>(&mut self.conn.clone())
@@ -1454,7 +1465,12 @@ impl PermitStore {
     /// Announces that the seller's terms changed at `now` (Redis µs) and `released` reserved
     /// slots were given back, in the shared reschedule log, from which every replica's
     /// [`watch_reschedules`] wakes the messages it holds for the seller.
-    async fn announce(&self, seller: &SellerId, released: u64, now: i64) -> Result<(), PermitError> {
+    async fn announce(
+        &self,
+        seller: &SellerId,
+        released: u64,
+        now: i64,
+    ) -> Result<(), PermitError> {
         metrics::counter!("turnstile_reservations_released_total").increment(released);
         let log = self.keys.reschedules();
         redis::pipe()

@@ -760,7 +760,13 @@ mod tests {
         };
         let far = settings().throttle_deadline.as_millis() as u64;
         let plan = settings().plan_reply(reply, &mut carried, far, SECOND, true);
-        assert!(matches!(plan, Plan::Settle(Outcome::DeadLetter { reason: "throttled", .. })));
+        assert!(matches!(
+            plan,
+            Plan::Settle(Outcome::DeadLetter {
+                reason: "throttled",
+                ..
+            })
+        ));
     }
 
     #[test]

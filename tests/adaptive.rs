@@ -1,0 +1,356 @@
+//! Adaptive limits (`TURNSTILE_ADAPTIVE`): a 429 lowers a seller's learned limit to what the
+//! downstream accepted, sustained success raises it again up to the configured limit,
+//! rate-limit headers set it and a quota shared by every replica; and shadow limits, judged
+//! beside the enforced one and never enforced. Against the real Redis and the local Redis
+//! Cluster, and replicas against the strict mock whose real limit differs from turnstile's.
+
+mod support;
+
+use std::time::Duration;
+
+use serde_json::json;
+
+use turnstile_core::config::{Algorithm, LimiterArgs, Limits};
+use turnstile_core::domain::{Cost, MessageId, RateLimitHeaders, SellerId};
+use turnstile_core::permit::{Decision, Lesson, PermitStore, Why};
+use turnstile_lab::mock_api::{MockArgs, RateLimitForm};
+
+use support::{Backend, Keys};
+
+fn seller(s: &str) -> SellerId {
+    SellerId::parse(s).unwrap()
+}
+
+fn limits(s: &str) -> Limits {
+    s.parse().unwrap()
+}
+
+fn limiter(limit: &str) -> LimiterArgs {
+    support::limiter(limit, Algorithm::SlidingWindow)
+}
+
+/// Takes a permit now and has the downstream accept the call: returns when it was granted.
+async fn accepted_call(store: &PermitStore, s: &SellerId, n: usize) -> i64 {
+    let Decision::Granted { slot_us, call, .. } = store.acquire(s, false).await.unwrap() else {
+        panic!("call {n} of {s} was not granted at once");
+    };
+    let message = MessageId::parse(&format!("m-{n}")).unwrap();
+    store
+        .complete_call(s, &message, None, &call, Cost::ONE, Duration::from_secs(60))
+        .await
+        .unwrap();
+    slot_us
+}
+
+/// The stack that applies to `s` now, as an acquire answers it (asked without reserving).
+async fn counts_now(store: &PermitStore, s: &SellerId) -> String {
+    store.usage(s).await.unwrap().limit.counts_arg()
+}
+
+async fn a_429_lowers_the_learned_limit_to_what_the_downstream_accepted(backend: Backend) {
+    let keys = Keys::new(backend, "adaptive-lower").await;
+    let store = keys.store(limiter("20/2s"));
+    let s = seller("S-lower");
+    let mut granted = 0;
+    for n in 0..5 {
+        granted = accepted_call(&store, &s, n).await;
+    }
+    let lesson = Lesson::Throttled {
+        granted_us: granted,
+        told: None,
+    };
+    let change = store.learn(&s, lesson).await.unwrap().expect("a change");
+    assert_eq!((change.counts.as_str(), change.why), ("5", Why::Throttled));
+    assert_eq!(counts_now(&store, &s).await, "5");
+    let learned = store.learned(&s).await.unwrap().expect("learned");
+    assert_eq!(learned.configured, limits("20/2s"));
+    assert_eq!(learned.limit, limits("5/2s"));
+    assert_eq!(learned.from, Some(limits("20/2s")));
+    // The learned limit is what every acquire applies: five calls were made in the window.
+    assert!(matches!(
+        store.acquire(&s, false).await.unwrap(),
+        Decision::Wait { .. }
+    ));
+    // A 429 for a call granted before that change says nothing new.
+    let stale = Lesson::Throttled {
+        granted_us: granted - 1,
+        told: None,
+    };
+    assert_eq!(store.learn(&s, stale).await.unwrap(), None);
+    assert_eq!(counts_now(&store, &s).await, "5");
+    keys.cleanup().await;
+}
+
+async fn a_learned_limit_never_goes_below_the_minimum(backend: Backend) {
+    let keys = Keys::new(backend, "adaptive-min").await;
+    let store = keys.store(LimiterArgs {
+        adaptive_min: 3.try_into().unwrap(),
+        ..limiter("8/2s")
+    });
+    let s = seller("S-min");
+    for round in 0..4 {
+        let now = store.redis_time_us().await.unwrap();
+        let lesson = Lesson::Throttled {
+            granted_us: now,
+            told: None,
+        };
+        store.learn(&s, lesson).await.unwrap();
+        assert!(
+            counts_now(&store, &s).await.parse::<u32>().unwrap() >= 3,
+            "round {round}"
+        );
+    }
+    // Nothing accepted: each 429 halves (8, 4, then the minimum 3).
+    assert_eq!(counts_now(&store, &s).await, "3");
+    keys.cleanup().await;
+}
+
+async fn sustained_success_raises_the_learned_limit_up_to_the_configured_one(backend: Backend) {
+    let keys = Keys::new(backend, "adaptive-raise").await;
+    let store = keys.store(limiter("4/300ms"));
+    let s = seller("S-raise");
+    let now = store.redis_time_us().await.unwrap();
+    let lesson = Lesson::Throttled {
+        granted_us: now,
+        told: None,
+    };
+    store.learn(&s, lesson).await.unwrap();
+    assert_eq!(counts_now(&store, &s).await, "2");
+    // Use the learned limit in full, window after window: each raise is due only then.
+    let mut seen = vec![2];
+    for n in 0..200 {
+        let decision = store.acquire(&s, false).await.unwrap();
+        let Decision::Granted { call, .. } = decision else {
+            tokio::time::sleep(Duration::from_millis(20)).await;
+            continue;
+        };
+        let message = MessageId::parse(&format!("r-{n}")).unwrap();
+        let due = store
+            .complete_call(
+                &s,
+                &message,
+                None,
+                &call,
+                Cost::ONE,
+                Duration::from_secs(60),
+            )
+            .await
+            .unwrap();
+        if due {
+            let change = store.learn(&s, Lesson::Recovery).await.unwrap();
+            if let Some(change) = change {
+                assert_eq!(change.why, Why::Recovery);
+                seen.push(change.counts.parse::<u32>().unwrap());
+            }
+        }
+        if seen.last() == Some(&4) {
+            break;
+        }
+    }
+    assert_eq!(
+        seen,
+        vec![2, 3, 4],
+        "one step at a time, up to the configured count"
+    );
+    // At the configured count, nothing is due any more.
+    assert_eq!(store.learn(&s, Lesson::Recovery).await.unwrap(), None);
+    keys.cleanup().await;
+}
+
+async fn rate_limit_headers_set_the_limit_and_a_quota_every_replica_follows(backend: Backend) {
+    let keys = Keys::new(backend, "adaptive-headers").await;
+    let one = keys.store(limiter("20/1s"));
+    let other = keys.store(limiter("20/1s"));
+    let s = seller("S-headers");
+    let told = RateLimitHeaders {
+        limit: Some(10),
+        window: Some(Duration::from_secs(1)),
+        remaining: Some(0),
+        reset: Some(Duration::from_secs(3)),
+    };
+    let change = one.learn(&s, Lesson::Told(told)).await.unwrap();
+    assert_eq!(
+        change.map(|c| (c.counts, c.why)),
+        Some(("10".into(), Why::Header))
+    );
+    // The other replica waits for the quota's reset, though no call was made.
+    match other.acquire(&s, false).await.unwrap() {
+        Decision::Wait { retry_after, .. } => {
+            assert!(retry_after > Duration::from_secs(2), "{retry_after:?}")
+        }
+        decision => panic!("the quota was ignored: {decision:?}"),
+    }
+    let quota = one.learned(&s).await.unwrap().unwrap().quota.unwrap();
+    assert_eq!(quota.left, 0);
+    // A later answer of the same window cannot give back what is used up.
+    let told_later = RateLimitHeaders {
+        remaining: Some(5),
+        ..told
+    };
+    one.learn(&s, Lesson::Told(told_later)).await.unwrap();
+    assert_eq!(
+        one.learned(&s).await.unwrap().unwrap().quota.unwrap().left,
+        0
+    );
+    // A window of 1 min maps onto a configured 1 s limit as itself.
+    let per_minute = RateLimitHeaders {
+        limit: Some(6),
+        window: Some(Duration::from_secs(60)),
+        ..RateLimitHeaders::default()
+    };
+    one.learn(&s, Lesson::Told(per_minute)).await.unwrap();
+    assert_eq!(counts_now(&one, &s).await, "6");
+    keys.cleanup().await;
+}
+
+async fn a_changed_limit_or_adaptive_off_drops_what_was_learned(backend: Backend) {
+    let keys = Keys::new(backend, "adaptive-terms").await;
+    let store = keys.store(limiter("20/1s"));
+    let s = seller("S-terms");
+    let told = RateLimitHeaders {
+        limit: Some(7),
+        ..RateLimitHeaders::default()
+    };
+    store.learn(&s, Lesson::Told(told)).await.unwrap();
+    assert_eq!(counts_now(&store, &s).await, "7");
+    let off = keys.store(LimiterArgs {
+        adaptive: false,
+        ..limiter("20/1s")
+    });
+    assert_eq!(counts_now(&off, &s).await, "20");
+    assert_eq!(off.learn(&s, Lesson::Told(told)).await.unwrap(), None);
+    store.set_limit(&s, limits("30/1s")).await.unwrap();
+    assert_eq!(counts_now(&store, &s).await, "30");
+    assert_eq!(store.learned(&s).await.unwrap(), None);
+    keys.cleanup().await;
+}
+
+async fn a_shadow_limit_records_what_it_would_have_done_without_enforcing_it(backend: Backend) {
+    let keys = Keys::new(backend, "adaptive-shadow").await;
+    let store = keys.store(limiter("5/10s"));
+    let s = seller("S-shadow");
+    store.set_shadow(&s, limits("2/10s")).await.unwrap();
+    for n in 0..5 {
+        accepted_call(&store, &s, n).await;
+    }
+    let shadow = store.shadow(&s).await.unwrap().expect("a shadow");
+    assert_eq!(shadow.limit, limits("2/10s"));
+    assert_eq!((shadow.agree, shadow.stricter, shadow.looser), (2, 3, 0));
+    assert!(shadow.delay > Duration::from_secs(20), "{shadow:?}");
+    // A shadow looser than the enforced limit: the caller told to wait would have gone.
+    store.set_shadow(&s, limits("50/10s")).await.unwrap();
+    assert!(matches!(
+        store.acquire(&s, false).await.unwrap(),
+        Decision::Wait { .. }
+    ));
+    let shadow = store.shadow(&s).await.unwrap().unwrap();
+    assert_eq!((shadow.agree, shadow.stricter, shadow.looser), (0, 0, 1));
+    assert!(store.clear_shadow(&s).await.unwrap());
+    assert_eq!(store.shadow(&s).await.unwrap(), None);
+    keys.cleanup().await;
+}
+
+macro_rules! adaptive_tests {
+    ($backend:expr) => {
+        #[tokio::test]
+        async fn a_429_lowers_the_learned_limit_to_what_the_downstream_accepted() {
+            super::a_429_lowers_the_learned_limit_to_what_the_downstream_accepted($backend).await;
+        }
+        #[tokio::test]
+        async fn a_learned_limit_never_goes_below_the_minimum() {
+            super::a_learned_limit_never_goes_below_the_minimum($backend).await;
+        }
+        #[tokio::test]
+        async fn sustained_success_raises_the_learned_limit_up_to_the_configured_one() {
+            super::sustained_success_raises_the_learned_limit_up_to_the_configured_one($backend)
+                .await;
+        }
+        #[tokio::test]
+        async fn rate_limit_headers_set_the_limit_and_a_quota_every_replica_follows() {
+            super::rate_limit_headers_set_the_limit_and_a_quota_every_replica_follows($backend)
+                .await;
+        }
+        #[tokio::test]
+        async fn a_changed_limit_or_adaptive_off_drops_what_was_learned() {
+            super::a_changed_limit_or_adaptive_off_drops_what_was_learned($backend).await;
+        }
+        #[tokio::test]
+        async fn a_shadow_limit_records_what_it_would_have_done_without_enforcing_it() {
+            super::a_shadow_limit_records_what_it_would_have_done_without_enforcing_it($backend)
+                .await;
+        }
+    };
+}
+
+mod standalone {
+    adaptive_tests!(super::Backend::Standalone);
+}
+
+mod cluster {
+    adaptive_tests!(super::Backend::Cluster);
+}
+
+/// Replicas told 20/1s against an API that allows 5/1s and says so in `X-RateLimit-*`: the
+/// headers set the learned limit to the API's, and everything registers.
+#[tokio::test]
+async fn replicas_learn_the_apis_limit_from_its_headers() -> anyhow::Result<()> {
+    let mock = MockArgs {
+        rate_limit_headers: RateLimitForm::X,
+        ..MockArgs::local(limits("5/1s"))
+    };
+    let mut rig = support::rig("adaptive-rig-headers", "20/1s")
+        .with_mock(mock)
+        .with_api_limit(limits("5/1s"))
+        .prepare()
+        .await?;
+    for i in 0..20 {
+        rig.publish_product("S-api", &format!("api-{i}"), json!({ "sku": i }))
+            .await?;
+    }
+    rig.start_replicas(2, 4).await?;
+    let stats = rig.wait_registered(20).await?;
+    assert_eq!(stats.duplicates, 0, "{stats:?}");
+    let learned = rig
+        .store()
+        .learned(&seller("S-api"))
+        .await?
+        .expect("learned");
+    assert_eq!(learned.limit, limits("5/1s"), "{learned:?}");
+    assert_eq!(learned.why, Some(Why::Header));
+    rig.cleanup().await
+}
+
+/// Replicas told 20/1s against an API that allows 5/1s and sends no rate-limit headers nor
+/// Retry-After: its 429s lower the learned limit (never above what the API accepted in a
+/// window), and everything registers.
+#[tokio::test]
+async fn replicas_learn_the_apis_limit_from_its_429s() -> anyhow::Result<()> {
+    let mock = MockArgs {
+        no_retry_after: true,
+        ..MockArgs::local(limits("5/1s"))
+    };
+    let mut rig = support::rig("adaptive-rig-429", "20/1s")
+        .with_mock(mock)
+        .with_api_limit(limits("5/1s"))
+        .prepare()
+        .await?;
+    for i in 0..30 {
+        rig.publish_product("S-429", &format!("t-{i}"), json!({ "sku": i }))
+            .await?;
+    }
+    rig.start_replicas(2, 4).await?;
+    let stats = rig.wait_registered(30).await?;
+    assert_eq!(stats.duplicates, 0, "{stats:?}");
+    assert!(stats.violations > 0, "the API refused calls: {stats:?}");
+    let learned = rig
+        .store()
+        .learned(&seller("S-429"))
+        .await?
+        .expect("learned");
+    let count = learned.limit.iter().next().unwrap().count();
+    assert!(
+        (1..20).contains(&count),
+        "429s lowered the limit: {learned:?}"
+    );
+    rig.cleanup().await
+}
