@@ -75,6 +75,78 @@ fn limits_set_get_clear_from_the_command_line() {
     });
 }
 
+#[test]
+fn limits_get_shows_the_learned_limit_and_a_shadow_limits_verdicts() {
+    use turnstile_core::config::{Algorithm, Limits};
+    use turnstile_core::domain::{RateLimitHeaders, SellerId};
+    use turnstile_core::permit::{Decision, Lesson};
+    let prefix = unique("cli-adaptive");
+    let turnstile = |args: &[&str]| {
+        run(Command::new(env!("CARGO_BIN_EXE_turnstile"))
+            .args(args)
+            .env("TURNSTILE_KEY_PREFIX", &prefix)
+            .env("TURNSTILE_LIMIT", "20/1m"))
+    };
+    let (code, out, _) = turnstile(&[
+        "limits", "set", "--seller", "S-7", "--limit", "2/1m", "--shadow",
+    ]);
+    assert_eq!(
+        (code, out.trim()),
+        (0, "S-7: 2/1m (shadow: judged, not enforced)")
+    );
+    let runtime = tokio::runtime::Runtime::new().unwrap();
+    let conn = runtime.block_on(async {
+        let args = support::redis_args(&support::redis_url(), &prefix);
+        turnstile_core::permit::RedisConn::connect(&args)
+            .await
+            .unwrap()
+    });
+    let store = turnstile_core::permit::PermitStore::new(
+        conn.clone(),
+        &prefix,
+        support::limiter("20/1m", Algorithm::SlidingWindow),
+    );
+    let s = SellerId::parse("S-7").unwrap();
+    runtime.block_on(async {
+        for _ in 0..3 {
+            let decision = store.acquire(&s, false).await.unwrap();
+            assert!(matches!(decision, Decision::Granted { .. }), "{decision:?}");
+        }
+        let told = RateLimitHeaders {
+            limit: Some(8),
+            ..RateLimitHeaders::default()
+        };
+        store.learn(&s, Lesson::Told(told)).await.unwrap();
+    });
+    let (code, out, _) = turnstile(&["limits", "get", "--seller", "S-7"]);
+    assert_eq!(code, 0, "{out}");
+    assert!(
+        first_line(&out).starts_with("S-7: 20/1m (default), learned 8/1m (header "),
+        "{out}"
+    );
+    assert!(out.contains("from 20/1m)"), "{out}");
+    assert!(out.contains("8/1m       3 of 8 units taken now"), "{out}");
+    assert!(
+        out.contains("shadow 2/1m: agreed 2, would have held back 1 (by "),
+        "{out}"
+    );
+    assert_eq!(
+        runtime.block_on(store.learned(&s)).unwrap().unwrap().limit,
+        "8/1m".parse::<Limits>().unwrap()
+    );
+    let (code, out, _) = turnstile(&["limits", "clear", "--seller", "S-7", "--shadow"]);
+    assert_eq!((code, out.trim()), (0, "S-7: shadow limit cleared"));
+    let (code, out, _) = turnstile(&["limits", "get", "--seller", "S-7"]);
+    assert!(code == 0 && !out.contains("shadow"), "{out}");
+    let (code, _, err) = turnstile(&["limits", "set", "--seller", "S-7", "--shadow"]);
+    assert_eq!(code, 2, "--shadow needs --limit: {err}");
+    runtime.block_on(async {
+        turnstile_core::permit::delete_prefix(&conn, &prefix)
+            .await
+            .unwrap();
+    });
+}
+
 fn first_line(out: &str) -> &str {
     out.lines().next().unwrap_or_default()
 }

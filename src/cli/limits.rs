@@ -1,5 +1,5 @@
-//! `turnstile limits`: show or change per-seller limit overrides and pauses (stored in Redis,
-//! effective on every replica at once).
+//! `turnstile limits`: show or change per-seller limit overrides, shadow limits and pauses
+//! (stored in Redis, effective on every replica at once), and show what adaptive limits learned.
 
 use std::process::ExitCode;
 
@@ -26,27 +26,37 @@ pub struct LimitsArgs {
 pub enum LimitsAction {
     /// Set a seller's limit, e.g. `--limit 500/1m`, or a stack that must all hold, e.g.
     /// `--limit 10/1s,500/1h`; and/or its weight under the global limit, e.g. `--weight 5`.
+    /// With `--shadow`, the limit is only judged beside the enforced one, never enforced:
+    /// `limits get`, the dashboard and `turnstile_shadow_verdicts_total` show what it would
+    /// have done.
     #[command(group(clap::ArgGroup::new("what").required(true).multiple(true).args(["new_limit", "weight"])))]
     Set {
         #[arg(long)]
         seller: String,
         #[arg(long = "limit", value_parser = turnstile_core::config::limits_arg)]
         new_limit: Option<Limits>,
+        /// Set `--limit` as the seller's shadow limit (its verdicts start from zero).
+        #[arg(long, requires = "new_limit")]
+        shadow: bool,
         /// The seller's share of TURNSTILE_GLOBAL_LIMIT when it binds, relative to the others'
         /// (default 1; 1 to 1000).
         #[arg(long, value_parser = clap::value_parser!(u32).range(1..=i64::from(MAX_WEIGHT)))]
         weight: Option<u32>,
     },
-    /// Show each limit that applies to a seller (an override or the default), how much of it is
-    /// taken, which one binds now, and any pause.
+    /// Show each limit that applies to a seller (an override or the default, and what adaptive
+    /// limits learned of it), how much of it is taken, which one binds now, any pause, and the
+    /// shadow limit's verdicts.
     Get {
         #[arg(long)]
         seller: String,
     },
-    /// Remove a seller's override (the default applies again).
+    /// Remove a seller's override (the default applies again), or with `--shadow` its shadow
+    /// limit.
     Clear {
         #[arg(long)]
         seller: String,
+        #[arg(long)]
+        shadow: bool,
     },
     /// Lift a seller's pause (taken from a 429's Retry-After) on every replica at once.
     Resume {
@@ -69,10 +79,17 @@ pub async fn run(
             seller,
             new_limit,
             weight,
+            shadow,
         } => {
             let seller = seller_arg(&seller)?;
             let mut said = Vec::new();
-            if let Some(new_limit) = new_limit {
+            if let Some(new_limit) = new_limit.clone().filter(|_| shadow) {
+                store
+                    .set_shadow(&seller, new_limit.clone())
+                    .await
+                    .context("setting the shadow limit")?;
+                said.push(format!("{new_limit} (shadow: judged, not enforced)"));
+            } else if let Some(new_limit) = new_limit {
                 LimiterArgs {
                     limit: new_limit.clone(),
                     ..limiter.clone()
@@ -106,7 +123,26 @@ pub async fn run(
             };
             format!("{seller}: {what}")
         }
-        LimitsAction::Clear { seller } => {
+        LimitsAction::Clear {
+            seller,
+            shadow: true,
+        } => {
+            let seller = seller_arg(&seller)?;
+            let had = store
+                .clear_shadow(&seller)
+                .await
+                .context("clearing the shadow limit")?;
+            let what = if had {
+                "shadow limit cleared"
+            } else {
+                "had no shadow limit"
+            };
+            format!("{seller}: {what}")
+        }
+        LimitsAction::Clear {
+            seller,
+            shadow: false,
+        } => {
             let seller = seller_arg(&seller)?;
             let had = store
                 .clear_limit(&seller)
@@ -136,7 +172,17 @@ async fn get(store: &PermitStore, seller: &SellerId) -> anyhow::Result<String> {
     } else {
         "default"
     };
-    let mut line = format!("{seller}: {} ({whose})", usage.limit);
+    let learned = store
+        .learned(seller)
+        .await
+        .context("reading the learned limit")?;
+    let configured = learned
+        .as_ref()
+        .map_or(&usage.limit, |learned| &learned.configured);
+    let mut line = format!("{seller}: {configured} ({whose})");
+    if let Some(learned) = &learned {
+        line += &learned_line(learned);
+    }
     let weight = store.weight(seller).await.context("reading the weight")?;
     if weight != 1 {
         line += &format!(", weight {weight}");
@@ -158,5 +204,44 @@ async fn get(store: &PermitStore, seller: &SellerId) -> anyhow::Result<String> {
             }
         );
     }
+    if let Some(shadow) = store.shadow(seller).await.context("reading the shadow")? {
+        line += &format!(
+            "\n  shadow {}: agreed {}, would have held back {} (by {:.1}s in all), would have let {} go at once",
+            shadow.limit,
+            shadow.agree,
+            shadow.stricter,
+            shadow.delay.as_secs_f64(),
+            shadow.looser
+        );
+    }
     Ok(line)
+}
+
+/// What adaptive limits learned of a seller: the limit that applies, why and when it last
+/// changed, and the downstream's quota.
+fn learned_line(learned: &turnstile_core::permit::Learned) -> String {
+    let mut line = String::new();
+    if learned.limit != learned.configured {
+        line += &format!(", learned {}", learned.limit);
+    } else {
+        line += ", learned: as configured";
+    }
+    if let (Some(why), Some(ago)) = (learned.why, learned.changed_ago) {
+        line += &format!(" ({} {:.1}s ago", why.label(), ago.as_secs_f64());
+        if let Some(from) = &learned.from {
+            line += &format!(", from {from}");
+        }
+        line += ")";
+    }
+    if learned.limit != learned.configured {
+        line += &format!("; raised after {} window(s) of full use", learned.patience);
+    }
+    if let Some(quota) = learned.quota {
+        line += &format!(
+            "; downstream quota {} left, resets in {:.1}s",
+            quota.left,
+            quota.resets_in.as_secs_f64()
+        );
+    }
+    line
 }
