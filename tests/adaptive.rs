@@ -301,6 +301,10 @@ async fn replicas_learn_the_apis_limit_from_its_headers() -> anyhow::Result<()> 
     let mut rig = support::rig("adaptive-rig-headers", "20/1s")
         .with_mock(mock)
         .with_api_limit(limits("5/1s"))
+        .serving(turnstile_ops::serve::HttpArgs {
+            http_addr: turnstile_ops::http::Listen::At("127.0.0.1:0".parse()?),
+            http_token: None,
+        })
         .prepare()
         .await?;
     for i in 0..20 {
@@ -317,6 +321,30 @@ async fn replicas_learn_the_apis_limit_from_its_headers() -> anyhow::Result<()> 
         .expect("learned");
     assert_eq!(learned.limit, limits("5/1s"), "{learned:?}");
     assert_eq!(learned.why, Some(Why::Header));
+    // The dashboard shows configured vs learned, and the metrics count the change.
+    let http = rig.dashboard().unwrap();
+    let d: serde_json::Value = reqwest::get(format!("http://{http}/api/dashboard"))
+        .await?
+        .json()
+        .await?;
+    let row = d["sellers"]
+        .as_array()
+        .and_then(|rows| rows.iter().find(|r| r["seller"] == "S-api"))
+        .cloned()
+        .unwrap_or_default();
+    assert_eq!(
+        (&row["limit"], &row["configured"], &row["learned"]),
+        (&json!("5/1s"), &json!("20/1s"), &json!("header")),
+        "{d}"
+    );
+    let metrics = reqwest::get(format!("http://{http}/metrics"))
+        .await?
+        .text()
+        .await?;
+    assert!(
+        metrics.contains(r#"turnstile_adaptive_changes_total{why="header"}"#),
+        "{metrics}"
+    );
     rig.cleanup().await
 }
 

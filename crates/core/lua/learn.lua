@@ -45,9 +45,9 @@
 -- ARGV[11] WINDOW in µs from headers (integer >= 1; -1 = none)
 -- ARGV[12] REMAINING from headers (integer >= 0; -1 = none)
 -- ARGV[13] RESET in µs from now, from headers (integer >= 0; -1 = none)
--- Returns {CHANGED, RELEASED, NOW_US, COUNTS, WHY}: CHANGED 1 when the counts that apply changed
--- (RELEASED reservations were given back); COUNTS the learned counts now; WHY the last change's
--- reason (429, recovery, header) or ''.
+-- Returns {CHANGED, RELEASED, NOW_US, COUNTS, WHY, CONFIGURED}: CHANGED 1 when the counts that
+-- apply changed (RELEASED reservations were given back); COUNTS the learned counts now; WHY the
+-- last change's reason (429, recovery, header) or ''; CONFIGURED the configured stack's counts.
 
 local algorithm = algorithm_arg(1)
 local default = limits_arg(2)
@@ -161,4 +161,4 @@ if write then
     released = give_back_reserved(algorithm, KEYS[4], KEYS[5], before, after, now, burst)
   end
 end
-return {changed, released, now, csv(counts), why or st.why}
+return {changed, released, now, csv(counts), why or st.why, configured.counts}

@@ -13,21 +13,27 @@
 -- KEYS[1]  the seller's limiter state for ALGORITHM (see the acquire scripts)
 -- KEYS[2]  the seller's limit override ("COUNTS WINDOWS_US"), may be absent
 -- KEYS[3]  the seller's pause ("UNTIL_US"), may be absent
--- KEYS[4]  optional (adaptive limits on): the seller's learned state (see with_learned)
+-- KEYS[4]  the seller's learned state (see with_learned; applied with ARGV[7])
+-- KEYS[5]  the seller's shadow limit (see judge_shadow in the prelude), may be absent
 -- ARGV[1]  ALGORITHM: sliding-window, gcra, token-bucket or fixed-window
 -- ARGV[2]  default COUNTS, comma-separated (integers >= 1; 1 to 8 limits)
 -- ARGV[3]  default WINDOWS in µs, comma-separated, one per count (integers >= 1)
 -- ARGV[4]  GUARD in µs (-1 = window/20 within [25 ms, 2 s])
 -- ARGV[5]  gcra: BURST (integer >= 1); others: ignored
 -- ARGV[6]  token-bucket: CAPACITY (integer >= 0; see with_capacities); others: ignored
+-- ARGV[7]  ADAPTIVE: 1 = adaptive limits on (the learned counts apply), else 0
 -- Returns {PAUSED_UNTIL_US, NOW_US, OVERRIDE, COUNTS, WINDOWS_US, then per limit of the stack in
 -- its order: USED, CAPACITY, AHEAD}; COUNTS and WINDOWS_US are the stack that applies, OVERRIDE
 -- is 1 when it is the seller's own (a well-formed override is set); with learned counts, COUNTS
--- are the learned ones.
+-- are the learned ones; then CONFIGURED_COUNTS (the configured stack's counts), WHY (why the
+-- learned counts last changed, or ''), and the shadow limit: its COUNTS and WINDOWS_US ('' when
+-- none), AGREE, STRICTER and LOOSER.
 
 local algorithm = algorithm_arg(1)
 local default = limits_arg(2)
-local limits = with_spans(effective_limits(KEYS[2], default, KEYS[4]), int_arg(4, -1))
+local learned_key = nil
+if int_arg(7, 0) == 1 then learned_key = KEYS[4] end
+local limits = with_spans(effective_limits(KEYS[2], default, learned_key), int_arg(4, -1))
 with_capacities(limits, int_arg(6, 0))
 local now = now_us()
 -- (An override that is not well-formed is ignored by every script: the default applies.)
@@ -82,4 +88,10 @@ else
     row(used, l.count, ahead)
   end
 end
+local configured = limits.configured or limits
+answer[#answer + 1] = configured.counts
+answer[#answer + 1] = ''
+if limits.configured then answer[#answer] = redis.call('HGET', KEYS[4], 'why') or '' end
+local shadow = redis.call('HMGET', KEYS[5], 'counts', 'windows', 'agree', 'stricter', 'looser')
+for i = 1, 5 do answer[#answer + 1] = shadow[i] or '' end
 return answer

@@ -163,6 +163,15 @@ pub struct SellerRow {
     pub limit: String,
     /// Whether the limit is the seller's own override.
     pub overridden: bool,
+    /// The stack configured for the seller; `limit` is it with what adaptive limits learned.
+    pub configured: String,
+    /// Why the learned limit is below `configured` (`429`, `recovery`, `header`); absent when
+    /// it is not.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub learned: Option<&'static str>,
+    /// The seller's shadow limit and its verdicts, if one is set.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub shadow: Option<ShadowRow>,
     /// The limit of the stack that binds now (the most taken; see `permit::binding_of`):
     /// `used`, `capacity` and `ahead` are its own.
     pub binding: String,
@@ -175,6 +184,16 @@ pub struct SellerRow {
     pub ahead: u64,
     /// Remaining pause in ms (0 when not paused).
     pub paused_ms: u64,
+}
+
+/// A seller's shadow limit: how many decisions it agreed with, would have held back
+/// (`stricter`) or let go at once (`looser`).
+#[derive(Debug, Serialize)]
+pub struct ShadowRow {
+    pub limit: String,
+    pub agree: u64,
+    pub stricter: u64,
+    pub looser: u64,
 }
 
 /// One limit of a seller's stack: `used` of `capacity` units taken now, `ahead` promised.
@@ -454,6 +473,14 @@ fn seller_rows(usage: &HashMap<&str, &Usage>) -> (Vec<SellerRow>, Vec<SellerRow>
         seller: seller.to_owned(),
         limit: u.limit.to_string(),
         overridden: u.overridden,
+        configured: u.configured.to_string(),
+        learned: u.learned_why.map(|why| why.label()),
+        shadow: u.shadow.as_ref().map(|s| ShadowRow {
+            limit: s.limit.to_string(),
+            agree: s.agree,
+            stricter: s.stricter,
+            looser: s.looser,
+        }),
         binding: u.per_limit[u.binding].limit.to_string(),
         limits: u
             .per_limit

@@ -341,7 +341,7 @@ pub struct Shadow {
     pub limit: Limits,
     /// Decisions it agreed with.
     pub agree: u64,
-    /// Calls granted that it would have held back, and by how long in all.
+    /// Calls granted that it would have held back, and by how long in all (to the ms).
     pub stricter: u64,
     pub delay: Duration,
     /// Callers told to wait that it would have let go at once.
@@ -386,6 +386,12 @@ pub struct Usage {
     pub overridden: bool,
     /// How long the seller stays paused (zero when not paused).
     pub paused_for: Duration,
+    /// The stack configured for the seller; `limit` is it with the learned counts (adaptive
+    /// limits), lowered for `learned_why` (`None` when nothing is learned below it).
+    pub configured: Limits,
+    pub learned_why: Option<Why>,
+    /// The seller's shadow limit and its verdicts (`delay` not read), if one is set.
+    pub shadow: Option<Shadow>,
 }
 
 /// The limit of a stack that binds now: the most taken (`used / capacity`); among equally taken
@@ -432,6 +438,17 @@ fn observe(algorithm: Algorithm, decision: &Decision, acquired: bool) {
         }
         Decision::Deferred { .. } | Decision::AlreadyDone | Decision::TooCostly { .. } => {}
     }
+}
+
+/// How far a learned stack stands below its configured one: the smallest learned / configured
+/// count over its limits (1 when nothing is learned below it), from the counts as the scripts
+/// write them.
+fn learned_ratio(learned: &str, configured: &str) -> f64 {
+    learned
+        .split(',')
+        .zip(configured.split(','))
+        .filter_map(|(l, c)| Some(l.parse::<f64>().ok()? / c.parse::<f64>().ok()?.max(1.0)))
+        .fold(1.0, f64::min)
 }
 
 /// Counts a shadow limit's verdict on a decision (see `judge_shadow` in `lua/prelude.lua`):
@@ -1121,34 +1138,42 @@ impl PermitStore {
         let micros =
             |d: Option<Duration>| d.map_or(-1, |d| d.as_micros().min(i64::MAX as u128) as i64);
         let count = |n: Option<u64>| n.map_or(-1, |n| n.min(i64::MAX as u64) as i64);
-        let (changed, released, now, counts, why): (u8, u64, i64, String, String) =
-            scripts::learn()
-                .key(self.keys.learned(seller))
-                .key(self.keys.accepted(seller))
-                .key(self.keys.limit(seller))
-                .key(self.state_key(seller))
-                .key(self.keys.reserved(seller))
-                .key(self.keys.calls(seller))
-                .arg(self.limiter.algorithm.name())
-                .arg(self.limiter.limit.counts_arg())
-                .arg(self.limiter.limit.windows_arg())
-                .arg(self.guard_arg())
-                .arg(self.limiter.gcra_burst.max(1))
-                .arg(self.limiter.bucket_capacity)
-                .arg(self.limiter.adaptive_min.get())
-                .arg(event)
-                .arg(granted_us.max(0))
-                .arg(count(told.limit.filter(|&n| n >= 1)))
-                .arg(micros(told.window.filter(|w| !w.is_zero())))
-                .arg(count(told.remaining))
-                .arg(micros(told.reset))
-                .invoke_async(&mut self.conn.clone())
-                .await?;
+        let (changed, released, now, counts, why, configured): (
+            u8,
+            u64,
+            i64,
+            String,
+            String,
+            String,
+        ) = scripts::learn()
+            .key(self.keys.learned(seller))
+            .key(self.keys.accepted(seller))
+            .key(self.keys.limit(seller))
+            .key(self.state_key(seller))
+            .key(self.keys.reserved(seller))
+            .key(self.keys.calls(seller))
+            .arg(self.limiter.algorithm.name())
+            .arg(self.limiter.limit.counts_arg())
+            .arg(self.limiter.limit.windows_arg())
+            .arg(self.guard_arg())
+            .arg(self.limiter.gcra_burst.max(1))
+            .arg(self.limiter.bucket_capacity)
+            .arg(self.limiter.adaptive_min.get())
+            .arg(event)
+            .arg(granted_us.max(0))
+            .arg(count(told.limit.filter(|&n| n >= 1)))
+            .arg(micros(told.window.filter(|w| !w.is_zero())))
+            .arg(count(told.remaining))
+            .arg(micros(told.reset))
+            .invoke_async(&mut self.conn.clone())
+            .await?;
         if changed == 0 {
             return Ok(None);
         }
         let why = Why::parse(&why).unwrap_or(Why::Header);
         metrics::counter!("turnstile_adaptive_changes_total", "why" => why.label()).increment(1);
+        metrics::histogram!("turnstile_adaptive_learned_ratio")
+            .record(learned_ratio(&counts, &configured));
         self.announce(seller, released, now).await?;
         Ok(Some(LearnedChange { counts, why }))
     }
@@ -1326,21 +1351,19 @@ impl PermitStore {
     /// How much of each of the seller's limits is taken now, the stack that applies and any
     /// pause, in one read-only round trip (for the dashboard; the limiter never needs it).
     pub async fn usage(&self, seller: &SellerId) -> Result<Usage, PermitError> {
-        let mut invocation = scripts::usage().prepare_invoke();
-        invocation
+        let answer: Vec<redis::Value> = scripts::usage()
             .key(self.state_key(seller))
             .key(self.keys.limit(seller))
-            .key(self.keys.pause(seller));
-        if let Some(learned) = self.learned_key(seller) {
-            invocation.key(learned);
-        }
-        let answer: Vec<redis::Value> = invocation
+            .key(self.keys.pause(seller))
+            .key(self.keys.learned(seller))
+            .key(self.keys.shadow(seller))
             .arg(self.limiter.algorithm.name())
             .arg(self.limiter.limit.counts_arg())
             .arg(self.limiter.limit.windows_arg())
             .arg(self.guard_arg())
             .arg(self.limiter.gcra_burst.max(1))
             .arg(self.limiter.bucket_capacity)
+            .arg(u8::from(self.limiter.adaptive))
             .invoke_async(&mut self.conn.clone())
             .await?;
         let answer = Answer {
@@ -1349,9 +1372,23 @@ impl PermitStore {
         };
         let (paused_until, now, overridden) = (answer.int(0)?, answer.int(1)?, answer.int(2)?);
         let limit = answer.limits(3)?;
-        if answer.values.len() != 5 + 3 * limit.len() {
+        let tail = 5 + 3 * limit.len();
+        if answer.values.len() != tail + 7 {
             return Err(answer.bad());
         }
+        let configured = Limits::from_args(&answer.text(tail)?, &limit.windows_arg())
+            .ok_or_else(|| answer.bad())?;
+        let verdicts = |i| answer.text(i).ok().and_then(|n| n.parse::<u64>().ok());
+        let shadow =
+            Limits::from_args(&answer.text(tail + 2)?, &answer.text(tail + 3)?).map(|limit| {
+                Shadow {
+                    limit,
+                    agree: verdicts(tail + 4).unwrap_or(0),
+                    stricter: verdicts(tail + 5).unwrap_or(0),
+                    looser: verdicts(tail + 6).unwrap_or(0),
+                    delay: Duration::ZERO,
+                }
+            });
         let per_limit = limit
             .iter()
             .enumerate()
@@ -1366,6 +1403,7 @@ impl PermitStore {
             .collect::<Result<Vec<_>, PermitError>>()?;
         let binding = binding_of(&per_limit);
         let bound = &per_limit[binding];
+        let learned_why = Why::parse(&answer.text(tail + 1)?).filter(|_| configured != limit);
         Ok(Usage {
             used: bound.used,
             capacity: bound.capacity,
@@ -1375,6 +1413,9 @@ impl PermitStore {
             binding,
             overridden: overridden == 1,
             paused_for: wait_for(paused_until, now),
+            learned_why,
+            configured,
+            shadow,
         })
     }
 
@@ -1734,5 +1775,18 @@ fn acquired(
             },
         }),
         _ => Err(answer.bad()),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::learned_ratio;
+
+    #[test]
+    fn the_learned_ratio_is_the_lowest_of_the_stack() {
+        assert_eq!(learned_ratio("5", "20"), 0.25);
+        assert_eq!(learned_ratio("6,20", "6,40"), 0.5);
+        assert_eq!(learned_ratio("20", "20"), 1.0);
+        assert_eq!(learned_ratio("", "20"), 1.0);
     }
 }
