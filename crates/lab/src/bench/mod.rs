@@ -1,6 +1,7 @@
 //! `turnstile bench ...`: measurements that print figures, each beside a baseline measured in the
 //! same run on the same machine (no thresholds: the figures are for people to read).
 
+mod adaptive;
 mod depth;
 pub mod faults;
 mod permits;

@@ -21,7 +21,9 @@ pub struct ScenarioArgs {
     /// messages are the big seller's). `global`: a global limit of 100/1s over sellers of
     /// 1000/1s each, 3 replicas, 1,500 + 100x3. `weighted`: the same global limit, two sellers
     /// of weights 4 and 1 with 1,000 messages each (`--big`), their shares while both have work.
-    /// Flags given explicitly override the preset.
+    /// `adaptive`: turnstile told 20/1s, the API allowing 5/1s (`--api-limit`), 300 + 20x3:
+    /// the 429s in the second half of the big seller's drain and the drain against the API's
+    /// own optimum. Flags given explicitly override the preset.
     #[arg(long, default_value = "bar")]
     pub preset: String,
     /// The limit, or a comma-separated stack, both turnstile's and the mock's.
@@ -68,6 +70,19 @@ pub struct ScenarioArgs {
     /// Print the report as one JSON object on the last line.
     #[arg(long)]
     pub json: bool,
+    /// `adaptive`: the API's own per-seller limit, while turnstile is told `--limit`.
+    #[arg(long = "api-limit", value_parser = turnstile_core::config::limits_arg)]
+    pub api_limit: Option<Limits>,
+    /// `adaptive`: the rate-limit headers the mock API sends (`none`, `x`, `ietf`).
+    #[arg(long = "rate-limit-headers", value_enum, default_value_t = crate::mock_api::RateLimitForm::None)]
+    pub rate_limit_headers: crate::mock_api::RateLimitForm,
+    /// `adaptive`: the mock API answers a 429 without `Retry-After`.
+    #[arg(long = "no-retry-after")]
+    pub no_retry_after: bool,
+    /// `adaptive`: `off` runs with the configured limit only (the figures before adaptive
+    /// limits).
+    #[arg(long, default_value = "on", value_parser = ["on", "off"])]
+    pub adaptive: String,
 }
 
 struct Preset {
@@ -91,6 +106,9 @@ struct Preset {
 pub async fn run(args: ScenarioArgs) -> anyhow::Result<bool> {
     if args.preset == "weighted" {
         return super::shares::run(&args).await;
+    }
+    if args.preset == "adaptive" {
+        return super::adaptive::run(&args).await;
     }
     let preset = match args.preset.as_str() {
         "bar" => Preset {
@@ -161,7 +179,7 @@ pub async fn run(args: ScenarioArgs) -> anyhow::Result<bool> {
             prefetch: Some(700),
         },
         other => anyhow::bail!(
-            "--preset {other:?}: choose bar, deep, backlog, stacked, global or weighted"
+            "--preset {other:?}: choose bar, deep, backlog, stacked, global, weighted or adaptive"
         ),
     };
     let limit = args

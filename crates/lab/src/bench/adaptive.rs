@@ -1,0 +1,185 @@
+//! `turnstile bench scenario --preset adaptive`: turnstile is told a limit (20/1s) above what
+//! the API really allows (5/1s, `--api-limit`); one busy seller's backlog (300) ahead of small
+//! sellers (20 x 3). Prints the share of the busy seller's calls answered 429 in each half of
+//! its drain, and the drain against the API's own optimum (its greedy schedule at the API's
+//! limit). `--adaptive off` gives the figures without adaptive limits; `--rate-limit-headers`
+//! makes the API say its limit.
+
+use std::time::Duration;
+
+use crate::bench::scenario::{ScenarioArgs, print_outcome};
+use crate::mock_api::{MockArgs, SellerStats};
+use crate::rig::{Message, Rig, registration_body};
+use turnstile_core::config::{LimiterArgs, Limits};
+
+/// The busy seller's calls and 429s so far, at a time on the mock's clock (ms).
+#[derive(Clone, Copy, Debug, Default)]
+struct Sample {
+    at_ms: u64,
+    calls: u64,
+    throttled: u64,
+}
+
+impl Sample {
+    fn of(at_ms: u64, seller: Option<&SellerStats>) -> Self {
+        let seller = seller.cloned().unwrap_or_default();
+        Sample {
+            at_ms,
+            calls: seller.registered + seller.violations + seller.duplicates,
+            throttled: seller.violations,
+        }
+    }
+}
+
+/// Runs the preset; `Ok(false)` when anything was lost or registered twice.
+pub async fn run(args: &ScenarioArgs) -> anyhow::Result<bool> {
+    let told: Limits = args
+        .limit
+        .clone()
+        .unwrap_or_else(|| "20/1s".parse().expect("limits parse"));
+    let api: Limits = args
+        .api_limit
+        .clone()
+        .unwrap_or_else(|| "5/1s".parse().expect("limits parse"));
+    let (replicas, workers) = (args.replicas.unwrap_or(4), args.workers.unwrap_or(8));
+    let big = args.big.unwrap_or(300);
+    let (small_sellers, small) = (
+        args.small_sellers.unwrap_or(20),
+        args.small.unwrap_or(3),
+    );
+    let limiter = LimiterArgs {
+        adaptive: args.adaptive == "on",
+        ..LimiterArgs::new(told.clone(), args.algorithm)
+    };
+    let hold = args.hold.unwrap_or(Duration::from_secs(2));
+    let mut settings = args
+        .rig
+        .replica_settings("adaptive", limiter, workers, hold);
+    settings.prefetch = args.prefetch;
+    eprintln!(
+        "adaptive: turnstile told {told}, the API allows {api} (rate-limit headers: {:?}, \
+         Retry-After: {}), adaptive limits {}, {replicas} replicas x {workers} workers: one \
+         seller's {big} messages ahead of {small_sellers} sellers with {small} each",
+        args.rate_limit_headers,
+        if args.no_retry_after { "no" } else { "yes" },
+        args.adaptive
+    );
+    let mock = MockArgs {
+        rate_limit_headers: args.rate_limit_headers,
+        no_retry_after: args.no_retry_after,
+        ..MockArgs::local(api.clone())
+    };
+    let mut rig = Rig::build(settings)
+        .with_mock(mock)
+        .with_api_limit(api.clone())
+        .start(replicas)
+        .await?;
+    let mut messages = Vec::new();
+    let mut add = |seller: &str, i: usize| {
+        messages.push(Message {
+            seller: seller.to_owned(),
+            body: registration_body(
+                &format!("{seller}-{i}"),
+                seller,
+                None,
+                serde_json::json!({ "sku": i }),
+            ),
+        })
+    };
+    for i in 0..big {
+        add("big", i);
+    }
+    for s in 0..small_sellers {
+        for i in 0..small {
+            add(&format!("small-{s}"), i);
+        }
+    }
+    rig.publish_all(messages).await?;
+    let optimum = api.optimum_drain(big as u64);
+    let mut samples = Vec::new();
+    rig.wait(optimum * 4 + Duration::from_secs(60), |stats| {
+        samples.push(Sample::of(stats.now_ms, stats.sellers.get("big")));
+    })
+    .await?;
+    let stats = rig.mock.stats();
+    let learned = rig
+        .store()
+        .learned(&turnstile_core::domain::SellerId::parse("big")?)
+        .await?;
+    let report = rig.finish().await?;
+
+    let seller = stats.sellers.get("big").cloned().unwrap_or_default();
+    let (first, last) = (
+        seller.first_ms.unwrap_or(0),
+        seller.last_ms.unwrap_or(0),
+    );
+    let middle = (first + last) / 2;
+    let start = Sample::default();
+    let at_middle = samples
+        .iter()
+        .rev()
+        .find(|s| s.at_ms <= middle)
+        .copied()
+        .unwrap_or(start);
+    let end = Sample::of(stats.now_ms, Some(&seller));
+    let share = |from: Sample, to: Sample| {
+        100.0 * (to.throttled - from.throttled) as f64 / (to.calls - from.calls).max(1) as f64
+    };
+    let drain = (last - first) as f64 / 1000.0;
+    print_outcome(&report);
+    println!(
+        "{:<44} {:>10}",
+        "429s of the big seller (all)", end.throttled
+    );
+    println!(
+        "{:<44} {:>9.1}%",
+        "429s: share of its calls, first half",
+        share(start, at_middle)
+    );
+    println!(
+        "{:<44} {:>9.1}%",
+        "429s: share of its calls, second half",
+        share(at_middle, end)
+    );
+    println!(
+        "{:<44} {:>10.2}",
+        "big seller: calls per registration",
+        end.calls as f64 / seller.registered.max(1) as f64
+    );
+    println!(
+        "{:<44} {:>10.2}",
+        "broker deliveries per message", report.deliveries_per_message
+    );
+    println!(
+        "{:<44} {:>9.2}s",
+        "big seller drain (first to last registration)", drain
+    );
+    println!(
+        "{:<44} {:>9.2}s",
+        format!("API optimum ({big} at {api})"),
+        optimum.as_secs_f64()
+    );
+    println!(
+        "{:<44} {:>9.3}x",
+        "drain / API optimum",
+        drain / optimum.as_secs_f64().max(f64::EPSILON)
+    );
+    let small_latency = report
+        .sellers
+        .iter()
+        .filter(|(s, _)| s.starts_with("small-"))
+        .filter_map(|(_, r)| r.last_s)
+        .fold(0.0f64, f64::max);
+    println!(
+        "{:<44} {:>9.2}s",
+        "small sellers: last registered after publish", small_latency
+    );
+    if let Some(learned) = learned {
+        println!(
+            "{:<44} {:>10}",
+            "big seller: learned limit at the end",
+            learned.limit.to_string()
+        );
+    }
+    Ok(report.lost == 0 && report.duplicates == 0)
+}
