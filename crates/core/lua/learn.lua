@@ -22,9 +22,10 @@
 -- shortest. The quota's REMAINING is reduced by the seller's units in flight (calls granted and
 -- not answered: the exact algorithms track them) and its units reserved before the reset; an
 -- answer for the same reset (within 1 s) can only lower what is left.
--- Any change of the counts gives back every reserved slot at once (as an operator's change does,
--- see give_back_reserved in the prelude). The state lives for learned_ttl after its last change
--- or accepted answer (see complete.lua).
+-- A change that lowers any count gives back every reserved slot at once (as an operator's change
+-- does, see give_back_reserved in the prelude); a raise keeps them: a slot reserved under
+-- stricter counts stays good (redeem takes it, see within). The state lives for learned_ttl
+-- after its last change or accepted answer (see complete.lua).
 --
 -- KEYS[1]  the seller's learned state (hash: terms, counts, from, at, why, patience, left, until)
 -- KEYS[2]  the seller's accepted log (see note_accepted in the prelude)
@@ -46,8 +47,9 @@
 -- ARGV[12] REMAINING from headers (integer >= 0; -1 = none)
 -- ARGV[13] RESET in µs from now, from headers (integer >= 0; -1 = none)
 -- Returns {CHANGED, RELEASED, NOW_US, COUNTS, WHY, CONFIGURED}: CHANGED 1 when the counts that
--- apply changed (RELEASED reservations were given back); COUNTS the learned counts now; WHY the
--- last change's reason (429, recovery, header) or ''; CONFIGURED the configured stack's counts.
+-- apply changed; RELEASED how many reservations were given back (-1: none was, a raise keeps
+-- them); COUNTS the learned counts now; WHY the last change's reason (429, recovery, header) or
+-- ''; CONFIGURED the configured stack's counts.
 
 local algorithm = algorithm_arg(1)
 local default = limits_arg(2)
@@ -151,14 +153,16 @@ if remaining >= 0 and reset >= 0 then
   write[#write + 1] = string.format('%.0f', until_us)
 end
 
-local changed, released = 0, 0
+local changed, released = 0, -1
 if write then
   redis.call('HSET', KEYS[1], 'terms', configured.counts .. ' ' .. configured.windows, unpack(write))
   redis.call('PEXPIRE', KEYS[1], learned_ttl(configured))
   local after = with_spans(effective_limits(KEYS[3], default, KEYS[1], 1), guard)
   if after.counts ~= before.counts then
     changed = 1
-    released = give_back_reserved(algorithm, KEYS[4], KEYS[5], before, after, now, burst)
+    if not within(after, before) then
+      released = give_back_reserved(algorithm, KEYS[4], KEYS[5], before, after, now, burst)
+    end
   end
 end
 return {changed, released, now, csv(counts), why or st.why, configured.counts}

@@ -191,6 +191,17 @@ local function paused_until(pause_key)
   return tonumber(redis.call('GET', pause_key) or '0')
 end
 
+-- Whether the stack HELD is as strict as LIMITS or stricter: the same windows, and no count
+-- above LIMITS' (a slot reserved under HELD is good under LIMITS: every window it was reserved
+-- to keep within HELD's count is within LIMITS' too).
+local function within(held, limits)
+  if held.windows ~= limits.windows or #held ~= #limits then return false end
+  for i, l in ipairs(held) do
+    if l.count > limits[i].count then return false end
+  end
+  return true
+end
+
 -- The earliest a call of COST units may be slotted: after the seller's pause (PAUSE_KEY) and,
 -- when the downstream's quota (see with_learned) has fewer than COST units left, after its reset.
 local function not_before(pause_key, limits, cost, now)

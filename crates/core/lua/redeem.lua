@@ -2,7 +2,8 @@
 -- and COST and is good once: it must still be in the seller's reserved set at its SLOT, and any
 -- answer but "early" consumes it. Granted if the slot is due (at most GUARD/10 ahead, and not
 -- later than the algorithm's lateness allows, see the prelude), the seller is not paused past
--- it, and the stack of limits it was reserved under still applies.
+-- it, and the stack of limits it was reserved under still applies or is stricter than the one
+-- that applies (a learned limit raised since, see within in the prelude).
 -- A forfeited slot is given back to the seller's state in the same step (see give_back in the
 -- prelude), so the next caller may take it.
 --
@@ -79,7 +80,7 @@ if algorithm == 'fixed-window' then span = limits.max_window end
 check_server(KEYS[5], KEYS[3], KEYS[2], span, now, durable)
 local pause = paused_until(KEYS[2])
 if pause > slot then return release(3, pause) end
-if limits.counts ~= held.counts or limits.windows ~= held.windows then return release(4, now) end
+if not within(held, limits) then return release(4, now) end
 if now < slot - math.floor(limits.min_guard / 10) then return {2, slot, now, ''} end
 if now > slot + lateness(algorithm, limits) then return release(5, now) end
 if algorithm == 'sliding-window' or algorithm == 'gcra' then

@@ -553,6 +553,18 @@ impl PermitStore {
         if self.limiter.redis_durable { 2 } else { 0 }
     }
 
+    /// The arguments that open `lua/usage.lua`, `lua/reschedule.lua` and `lua/learn.lua`: the
+    /// algorithm, the default stack, the guard, gcra's burst and token-bucket's capacity.
+    fn terms_args(&self, invocation: &mut redis::ScriptInvocation<'_>) {
+        invocation
+            .arg(self.limiter.algorithm.name())
+            .arg(self.limiter.limit.counts_arg())
+            .arg(self.limiter.limit.windows_arg())
+            .arg(self.guard_arg())
+            .arg(self.limiter.gcra_burst.max(1))
+            .arg(self.limiter.bucket_capacity);
+    }
+
     /// The scripts' FLAGS bit for adaptive limits (`TURNSTILE_ADAPTIVE`).
     fn adaptive_flag(&self) -> u8 {
         if self.limiter.adaptive { 4 } else { 0 }
@@ -1138,26 +1150,23 @@ impl PermitStore {
         let micros =
             |d: Option<Duration>| d.map_or(-1, |d| d.as_micros().min(i64::MAX as u128) as i64);
         let count = |n: Option<u64>| n.map_or(-1, |n| n.min(i64::MAX as u64) as i64);
-        let (changed, released, now, counts, why, configured): (
-            u8,
-            u64,
-            i64,
-            String,
-            String,
-            String,
-        ) = scripts::learn()
+        let mut invocation = scripts::learn().prepare_invoke();
+        invocation
             .key(self.keys.learned(seller))
             .key(self.keys.accepted(seller))
             .key(self.keys.limit(seller))
             .key(self.state_key(seller))
             .key(self.keys.reserved(seller))
-            .key(self.keys.calls(seller))
-            .arg(self.limiter.algorithm.name())
-            .arg(self.limiter.limit.counts_arg())
-            .arg(self.limiter.limit.windows_arg())
-            .arg(self.guard_arg())
-            .arg(self.limiter.gcra_burst.max(1))
-            .arg(self.limiter.bucket_capacity)
+            .key(self.keys.calls(seller));
+        self.terms_args(&mut invocation);
+        let (changed, released, now, counts, why, configured): (
+            u8,
+            i64,
+            i64,
+            String,
+            String,
+            String,
+        ) = invocation
             .arg(self.limiter.adaptive_min.get())
             .arg(event)
             .arg(granted_us.max(0))
@@ -1174,7 +1183,10 @@ impl PermitStore {
         metrics::counter!("turnstile_adaptive_changes_total", "why" => why.label()).increment(1);
         metrics::histogram!("turnstile_adaptive_learned_ratio")
             .record(learned_ratio(&counts, &configured));
-        self.announce(seller, released, now).await?;
+        // A raise keeps the reserved slots (-1): nobody needs waking.
+        if let Ok(released) = u64::try_from(released) {
+            self.announce(seller, released, now).await?;
+        }
         Ok(Some(LearnedChange { counts, why }))
     }
 
@@ -1351,18 +1363,15 @@ impl PermitStore {
     /// How much of each of the seller's limits is taken now, the stack that applies and any
     /// pause, in one read-only round trip (for the dashboard; the limiter never needs it).
     pub async fn usage(&self, seller: &SellerId) -> Result<Usage, PermitError> {
-        let answer: Vec<redis::Value> = scripts::usage()
+        let mut invocation = scripts::usage().prepare_invoke();
+        invocation
             .key(self.state_key(seller))
             .key(self.keys.limit(seller))
             .key(self.keys.pause(seller))
             .key(self.keys.learned(seller))
-            .key(self.keys.shadow(seller))
-            .arg(self.limiter.algorithm.name())
-            .arg(self.limiter.limit.counts_arg())
-            .arg(self.limiter.limit.windows_arg())
-            .arg(self.guard_arg())
-            .arg(self.limiter.gcra_burst.max(1))
-            .arg(self.limiter.bucket_capacity)
+            .key(self.keys.shadow(seller));
+        self.terms_args(&mut invocation);
+        let answer: Vec<redis::Value> = invocation
             .arg(u8::from(self.limiter.adaptive))
             .invoke_async(&mut self.conn.clone())
             .await?;
@@ -1480,13 +1489,7 @@ impl PermitStore {
         if let Some(learned) = self.learned_key(seller) {
             invocation.key(learned);
         }
-        invocation
-            .arg(self.limiter.algorithm.name())
-            .arg(self.limiter.limit.counts_arg())
-            .arg(self.limiter.limit.windows_arg())
-            .arg(self.guard_arg())
-            .arg(self.limiter.gcra_burst.max(1))
-            .arg(self.limiter.bucket_capacity);
+        self.terms_args(&mut invocation);
         match change {
             Change::Set(limit) => {
                 invocation

@@ -7,7 +7,7 @@
 
 use std::time::Duration;
 
-use crate::bench::scenario::{ScenarioArgs, print_outcome};
+use crate::bench::scenario::{ScenarioArgs, print_outcome, small_sellers_done};
 use crate::mock_api::{MockArgs, SellerStats};
 use crate::rig::{Message, Rig, registration_body};
 use turnstile_core::config::{LimiterArgs, Limits};
@@ -43,10 +43,7 @@ pub async fn run(args: &ScenarioArgs) -> anyhow::Result<bool> {
         .unwrap_or_else(|| "5/1s".parse().expect("limits parse"));
     let (replicas, workers) = (args.replicas.unwrap_or(4), args.workers.unwrap_or(8));
     let big = args.big.unwrap_or(300);
-    let (small_sellers, small) = (
-        args.small_sellers.unwrap_or(20),
-        args.small.unwrap_or(3),
-    );
+    let (small_sellers, small) = (args.small_sellers.unwrap_or(20), args.small.unwrap_or(3));
     let limiter = LimiterArgs {
         adaptive: args.adaptive == "on",
         ..LimiterArgs::new(told.clone(), args.algorithm)
@@ -109,10 +106,7 @@ pub async fn run(args: &ScenarioArgs) -> anyhow::Result<bool> {
     let report = rig.finish().await?;
 
     let seller = stats.sellers.get("big").cloned().unwrap_or_default();
-    let (first, last) = (
-        seller.first_ms.unwrap_or(0),
-        seller.last_ms.unwrap_or(0),
-    );
+    let (first, last) = (seller.first_ms.unwrap_or(0), seller.last_ms.unwrap_or(0));
     let middle = (first + last) / 2;
     let start = Sample::default();
     let at_middle = samples
@@ -164,15 +158,10 @@ pub async fn run(args: &ScenarioArgs) -> anyhow::Result<bool> {
         "drain / API optimum",
         drain / optimum.as_secs_f64().max(f64::EPSILON)
     );
-    let small_latency = report
-        .sellers
-        .iter()
-        .filter(|(s, _)| s.starts_with("small-"))
-        .filter_map(|(_, r)| r.last_s)
-        .fold(0.0f64, f64::max);
     println!(
         "{:<44} {:>9.2}s",
-        "small sellers: last registered after publish", small_latency
+        "small sellers: last registered after publish",
+        small_sellers_done(&report)
     );
     if let Some(learned) = learned {
         println!(

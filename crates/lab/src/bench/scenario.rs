@@ -291,12 +291,7 @@ pub async fn run(args: ScenarioArgs) -> anyhow::Result<bool> {
         .and_then(|s| s.drain_s)
         .unwrap_or(f64::NAN);
     let ratio = big_drain / optimum.as_secs_f64().max(f64::EPSILON);
-    let small_latency = report
-        .sellers
-        .iter()
-        .filter(|(s, _)| s.starts_with("small-"))
-        .filter_map(|(_, r)| r.last_s)
-        .fold(0.0f64, f64::max);
+    let small_latency = small_sellers_done(&report);
     print_outcome(&report);
     println!("{:<44} {:>10}", "dead-lettered", report.dead_lettered);
     println!(
@@ -467,4 +462,14 @@ pub(super) fn print_outcome(report: &crate::rig::Report) {
         "{:<44} {:>10}",
         "violations (downstream, strict window)", report.violations
     );
+}
+
+/// When the last small seller's last message registered, in seconds after the publish.
+pub(super) fn small_sellers_done(report: &crate::rig::Report) -> f64 {
+    report
+        .sellers
+        .iter()
+        .filter(|(s, _)| s.starts_with("small-"))
+        .filter_map(|(_, r)| r.last_s)
+        .fold(0.0f64, f64::max)
 }
