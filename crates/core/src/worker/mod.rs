@@ -23,7 +23,7 @@ use tokio_util::sync::CancellationToken;
 use tracing::{Instrument, debug, info, info_span, warn};
 
 use crate::broker::{PublishError, Publisher, Settler, Topology};
-use crate::domain::Registration;
+use crate::domain::{RateLimitHeaders, Registration};
 use crate::downstream::{Downstream, Reply};
 mod plan;
 mod stats;
@@ -273,10 +273,16 @@ impl Worker {
         if self.permits.algorithm().is_exact() && !matches!(reply, Reply::Registered) {
             self.record_call_end(registration, call).await;
         }
+        // A quota's reset is capped as a Retry-After is: a downstream cannot stall a seller
+        // longer than TURNSTILE_MAX_PAUSE by saying so in its headers.
+        let rate_limit = answered.rate_limit.map(|told| RateLimitHeaders {
+            reset: told.reset.map(|reset| reset.min(self.settings.max_pause)),
+            ..told
+        });
         let lesson = match reply {
             Reply::Registered => {
                 let raise_due = self.record_completion(registration, call).await;
-                match answered.rate_limit {
+                match rate_limit {
                     Some(told) => Some(Lesson::Told(told)),
                     None => raise_due.then_some(Lesson::Recovery),
                 }
@@ -286,7 +292,7 @@ impl Worker {
                 metrics::counter!("turnstile_downstream_throttled_total").increment(1);
                 Some(Lesson::Throttled {
                     granted_us,
-                    told: answered.rate_limit,
+                    told: rate_limit,
                 })
             }
             Reply::Transient(_) | Reply::Rejected { .. } => None,
