@@ -22,12 +22,14 @@
 -- shortest. The quota's REMAINING is reduced by the seller's units in flight (calls granted and
 -- not answered: the exact algorithms track them) and its units reserved before the reset; an
 -- answer for the same reset (within 1 s) can only lower what is left.
--- A change that lowers any count gives back every reserved slot at once (as an operator's change
--- does, see give_back_reserved in the prelude); a raise keeps them: a slot reserved under
--- stricter counts stays good (redeem takes it, see within). The state lives for learned_ttl
--- after its last change or accepted answer (see complete.lua).
+-- A change that lowers any count gives back every reserved slot at once and wakes their holders
+-- (as an operator's change does, see give_back_reserved in the prelude), except after a failed
+-- probe (see give_back_since_raise); a raise keeps them: a slot reserved under stricter counts
+-- stays good (redeem takes it, see within). The state lives for learned_ttl after its last
+-- change or accepted answer (see complete.lua).
 --
--- KEYS[1]  the seller's learned state (hash: terms, counts, from, at, why, patience, left, until)
+-- KEYS[1]  the seller's learned state (hash: terms, counts, from, at, why, patience, mark, left,
+--          until)
 -- KEYS[2]  the seller's accepted log (see note_accepted in the prelude)
 -- KEYS[3]  the seller's limit override ("COUNTS WINDOWS_US"), may be absent
 -- KEYS[4]  the seller's limiter state for ALGORITHM
@@ -46,10 +48,11 @@
 -- ARGV[11] WINDOW in µs from headers (integer >= 1; -1 = none)
 -- ARGV[12] REMAINING from headers (integer >= 0; -1 = none)
 -- ARGV[13] RESET in µs from now, from headers (integer >= 0; -1 = none)
--- Returns {CHANGED, RELEASED, NOW_US, COUNTS, WHY, CONFIGURED}: CHANGED 1 when the counts that
--- apply changed; RELEASED how many reservations were given back (-1: none was, a raise keeps
--- them); COUNTS the learned counts now; WHY the last change's reason (429, recovery, header) or
--- ''; CONFIGURED the configured stack's counts.
+-- Returns {CHANGED, RELEASED, NOW_US, COUNTS, WHY, CONFIGURED, WAKE}: CHANGED 1 when the counts
+-- that apply changed; RELEASED how many reservations were given back; COUNTS the learned counts
+-- now; WHY the last change's reason (429, recovery, header) or ''; CONFIGURED the configured
+-- stack's counts; WAKE 1 when every reservation was given back (their holders should come back
+-- now: announce it), else 0.
 
 local algorithm = algorithm_arg(1)
 local default = limits_arg(2)
@@ -153,16 +156,42 @@ if remaining >= 0 and reset >= 0 then
   write[#write + 1] = string.format('%.0f', until_us)
 end
 
-local changed, released = 0, -1
+-- After a raise, a decrease back to the stack before it (a failed probe) needs only the slots
+-- reserved since the raise given back: with sliding-window every new reservation is slotted
+-- after every unit of the log, so those are the ones at or after MARK (the log's last slot when
+-- the raise was made); the others were reserved under that stack and stay good. Their holders
+-- find them gone when they come back (redeem answers 8) and reserve anew; nobody is woken.
+local function give_back_since_raise(after)
+  local mark = tonumber(redis.call('HGET', KEYS[1], 'mark') or '')
+  if algorithm ~= 'sliding-window' or st.why ~= 'recovery' or mark == nil then return nil end
+  local pre_raise = parse_limits(csv(st.from), configured.windows)
+  if pre_raise == nil or not within(pre_raise, after) then return nil end
+  local members = redis.call('ZRANGEBYSCORE', KEYS[5], string.format('%.0f', mark), '+inf')
+  for _, member in ipairs(members) do
+    local token, cost = held_parts(member)
+    remove_units(KEYS[4], token, cost)
+    redis.call('ZREM', KEYS[5], member)
+  end
+  return #members
+end
+
+local changed, released, wake = 0, 0, 0
 if write then
   redis.call('HSET', KEYS[1], 'terms', configured.counts .. ' ' .. configured.windows, unpack(write))
   redis.call('PEXPIRE', KEYS[1], learned_ttl(configured))
   local after = with_spans(effective_limits(KEYS[3], default, KEYS[1], 1), guard)
   if after.counts ~= before.counts then
     changed = 1
-    if not within(after, before) then
-      released = give_back_reserved(algorithm, KEYS[4], KEYS[5], before, after, now, burst)
+    if within(before, after) then
+      local last = redis.call('ZRANGE', KEYS[4], -1, -1, 'WITHSCORES')[2]
+      redis.call('HSET', KEYS[1], 'mark', string.format('%.0f', math.max(tonumber(last or '') or now, now)))
+    else
+      released = give_back_since_raise(after)
+      if released == nil then
+        released = give_back_reserved(algorithm, KEYS[4], KEYS[5], before, after, now, burst)
+        wake = 1
+      end
     end
   end
 end
-return {changed, released, now, csv(counts), why or st.why, configured.counts}
+return {changed, released, now, csv(counts), why or st.why, configured.counts, wake}

@@ -1159,13 +1159,14 @@ impl PermitStore {
             .key(self.keys.reserved(seller))
             .key(self.keys.calls(seller));
         self.terms_args(&mut invocation);
-        let (changed, released, now, counts, why, configured): (
+        let (changed, released, now, counts, why, configured, wake): (
             u8,
+            u64,
             i64,
-            i64,
             String,
             String,
             String,
+            u8,
         ) = invocation
             .arg(self.limiter.adaptive_min.get())
             .arg(event)
@@ -1183,9 +1184,10 @@ impl PermitStore {
         metrics::counter!("turnstile_adaptive_changes_total", "why" => why.label()).increment(1);
         metrics::histogram!("turnstile_adaptive_learned_ratio")
             .record(learned_ratio(&counts, &configured));
-        // A raise keeps the reserved slots (-1): nobody needs waking.
-        if let Ok(released) = u64::try_from(released) {
+        if wake == 1 {
             self.announce(seller, released, now).await?;
+        } else {
+            metrics::counter!("turnstile_reservations_released_total").increment(released);
         }
         Ok(Some(LearnedChange { counts, why }))
     }
