@@ -106,8 +106,14 @@ async fn a_learned_limit_never_goes_below_the_minimum(backend: Backend) {
 }
 
 async fn sustained_success_raises_the_learned_limit_up_to_the_configured_one(backend: Backend) {
+    for algorithm in Algorithm::ALL {
+        raises_up_to_the_configured_limit(backend, algorithm).await;
+    }
+}
+
+async fn raises_up_to_the_configured_limit(backend: Backend, algorithm: Algorithm) {
     let keys = Keys::new(backend, "adaptive-raise").await;
-    let store = keys.store(limiter("4/300ms"));
+    let store = keys.store(support::limiter("4/300ms", algorithm));
     let s = seller("S-raise");
     let now = store.redis_time_us().await.unwrap();
     let lesson = Lesson::Throttled {
@@ -150,7 +156,7 @@ async fn sustained_success_raises_the_learned_limit_up_to_the_configured_one(bac
     assert_eq!(
         seen,
         vec![2, 3, 4],
-        "one step at a time, up to the configured count"
+        "{algorithm}: one step at a time, up to the configured count"
     );
     // At the configured count, nothing is due any more.
     assert_eq!(store.learn(&s, Lesson::Recovery).await.unwrap(), None);

@@ -7,7 +7,7 @@ use anyhow::Context;
 use clap::Subcommand;
 use turnstile_core::config::{LimiterArgs, Limits, RedisArgs};
 use turnstile_core::domain::SellerId;
-use turnstile_core::permit::{MAX_WEIGHT, PermitStore};
+use turnstile_core::permit::{MAX_SHADOW_COUNT, MAX_WEIGHT, PermitStore};
 
 use super::seller_arg;
 
@@ -84,6 +84,10 @@ pub async fn run(
             let seller = seller_arg(&seller)?;
             let mut said = Vec::new();
             if let Some(new_limit) = new_limit.clone().filter(|_| shadow) {
+                anyhow::ensure!(
+                    new_limit.iter().all(|l| l.count() <= MAX_SHADOW_COUNT),
+                    "refusing the shadow limit {new_limit}: a shadow COUNT may be at most {MAX_SHADOW_COUNT} (its log keeps that many units per seller)"
+                );
                 store
                     .set_shadow(&seller, new_limit.clone())
                     .await

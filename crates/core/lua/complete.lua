@@ -32,6 +32,7 @@
 -- ARGV[6]  with ADAPTIVE: default COUNTS, comma-separated
 -- ARGV[7]  with ADAPTIVE: default WINDOWS in µs, comma-separated
 -- ARGV[8]  with ADAPTIVE: COST of the call (integer >= 1)
+-- ARGV[9]  with ADAPTIVE: GUARD in µs (-1 = window/20 within [25 ms, 2 s])
 -- Returns {CHANGED, WAS_DEAD_FOR, RAISE}: CHANGED 1 when the state changed (and was counted),
 --   else 0; WAS_DEAD_FOR the REASON the message was dead for when it left `dead`, else '';
 --   RAISE 1 when a learned count is due to go up (learn.lua, `recovery`), else 0
@@ -48,10 +49,10 @@ end
 
 local adaptive = ARGV[5] == '1'
 local batch_key = KEYS[3]
-local default, cost = nil, nil
+local default, cost, guard = nil, nil, nil
 if adaptive then
   batch_key = KEYS[6]
-  default, cost = limits_arg(6), int_arg(8, 1)
+  default, cost, guard = limits_arg(6), int_arg(8, 1), int_arg(9, -1)
   if cost > MAX_COST then error({err = 'ERR turnstile: COST must be at most ' .. MAX_COST}) end
 end
 
@@ -77,7 +78,7 @@ if outcome == 'registered' then
     local now = now_us()
     end_call(KEYS[2], token_arg(4), now)
     if adaptive then
-      local configured = with_spans(effective_limits(KEYS[5], default), -1)
+      local configured = with_spans(effective_limits(KEYS[5], default), guard)
       raise = note_accepted(KEYS[3], KEYS[4], configured, call, cost, now)
     end
   end

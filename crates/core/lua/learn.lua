@@ -12,7 +12,8 @@
 --              doubles the patience of the next raise (at most 64 windows).
 --   recovery   the downstream accepted a learned count in full over PATIENCE windows (see
 --              raise_due): each such limit goes up by a twentieth of its configured count (at
---              least 1; additive increase), never above it.
+--              least 1; additive increase), never above it. A header event without a LIMIT
+--              checks for a raise the same way.
 --   header     rate-limit headers of any answer (a 429 too): LIMIT per WINDOW sets each limit's
 --              count (see below) as the truth, up or down; REMAINING units until RESET become
 --              the downstream's quota (see not_before in the prelude), shared by every replica.
@@ -48,11 +49,11 @@
 -- ARGV[11] WINDOW in µs from headers (integer >= 1; -1 = none)
 -- ARGV[12] REMAINING from headers (integer >= 0; -1 = none)
 -- ARGV[13] RESET in µs from now, from headers (integer >= 0; -1 = none)
--- Returns {CHANGED, RELEASED, NOW_US, COUNTS, WHY, CONFIGURED, WAKE}: CHANGED 1 when the counts
+-- Returns {CHANGED, RELEASED, NOW_US, COUNTS, WHY, CONFIGURED, WAKE, LOWERED}: CHANGED 1 when the counts
 -- that apply changed; RELEASED how many reservations were given back; COUNTS the learned counts
 -- now; WHY the last change's reason (429, recovery, header) or ''; CONFIGURED the configured
 -- stack's counts; WAKE 1 when every reservation was given back (their holders should come back
--- now: announce it), else 0.
+-- now: announce it), else 0; LOWERED 1 when a count went down, else 0.
 
 local algorithm = algorithm_arg(1)
 local default = limits_arg(2)
@@ -97,7 +98,7 @@ if limit >= 1 then
 elseif event == 'throttled' then
   local b, most, accepted = 1, -1, {}
   for i, l in ipairs(configured) do
-    accepted[i] = accepted_in(KEYS[2], l, now)
+    accepted[i] = accepted_in(KEYS[2], l.window, now)
     if accepted[i] / counts[i] > most then b, most = i, accepted[i] / counts[i] end
   end
   if granted < st.at then
@@ -116,7 +117,8 @@ elseif event == 'throttled' then
       why = '429'
     end
   end
-elseif event == 'recovery' then
+elseif event == 'recovery' or event == 'header' then
+  -- (A header without a LIMIT says nothing about the counts: sustained success still raises.)
   for _, i in ipairs(raise_due(st, configured, KEYS[2], now)) do
     local c = configured[i].count
     counts[i] = math.min(c, counts[i] + math.max(1, math.floor(c / 20)))
@@ -145,7 +147,8 @@ if remaining >= 0 and reset >= 0 then
   local left = math.max(remaining - units, 0)
   local q = redis.call('HMGET', KEYS[1], 'left', 'until')
   local old_left, old_until = tonumber(q[1]), tonumber(q[2])
-  if old_left and old_until and old_until > now and math.abs(old_until - until_us) <= 1000000 then
+  if not st.fresh and old_left and old_until and old_until > now
+      and math.abs(old_until - until_us) <= 1000000 then
     left = math.min(left, old_left)
     until_us = math.max(until_us, old_until)
   end
@@ -156,17 +159,20 @@ if remaining >= 0 and reset >= 0 then
   write[#write + 1] = string.format('%.0f', until_us)
 end
 
--- After a raise, a decrease back to the stack before it (a failed probe) needs only the slots
--- reserved since the raise given back: with sliding-window every new reservation is slotted
--- after every unit of the log, so those are the ones at or after MARK (the log's last slot when
--- the raise was made); the others were reserved under that stack and stay good. Their holders
--- find them gone when they come back (redeem answers 8) and reserve anew; nobody is woken.
+-- After a raise, a decrease back to the stack before it (a failed probe) gives back only the
+-- slots reserved after MARK (with sliding-window, the log's last slot when the raise was made: a
+-- reservation made while the log held units ahead is slotted after all of them). A slot the
+-- raised stack reserved at or before MARK (the log had nothing ahead then) is left to redeem,
+-- which refuses a slot reserved under a looser stack than the one that applies (see within) and
+-- gives it back. The holders of the slots given back find them gone when they come back (redeem
+-- answers 8) and reserve anew; nobody is woken. Returns how many were given back, or nil when
+-- this is no failed probe (then every slot is given back).
 local function give_back_since_raise(after)
   local mark = tonumber(redis.call('HGET', KEYS[1], 'mark') or '')
   if algorithm ~= 'sliding-window' or st.why ~= 'recovery' or mark == nil then return nil end
   local pre_raise = parse_limits(csv(st.from), configured.windows)
   if pre_raise == nil or not within(pre_raise, after) then return nil end
-  local members = redis.call('ZRANGEBYSCORE', KEYS[5], string.format('%.0f', mark), '+inf')
+  local members = redis.call('ZRANGEBYSCORE', KEYS[5], string.format('(%.0f', mark), '+inf')
   for _, member in ipairs(members) do
     local token, cost = held_parts(member)
     remove_units(KEYS[4], token, cost)
@@ -175,17 +181,26 @@ local function give_back_since_raise(after)
   return #members
 end
 
-local changed, released, wake = 0, 0, 0
+local changed, released, wake, lowered = 0, 0, 0, 0
 if write then
+  -- The raise's mark (see give_back_since_raise), read before anything is written.
+  local mark = now
+  if algorithm == 'sliding-window' then
+    mark = math.max(tonumber(redis.call('ZRANGE', KEYS[4], -1, -1, 'WITHSCORES')[2] or '') or now, now)
+  end
+  -- A state learned under other terms is dropped whole, not carried over field by field.
+  if st.fresh then redis.call('DEL', KEYS[1]) end
   redis.call('HSET', KEYS[1], 'terms', configured.counts .. ' ' .. configured.windows, unpack(write))
-  redis.call('PEXPIRE', KEYS[1], learned_ttl(configured))
+  -- Kept at least until the quota's reset, which no accepted answer renews while it holds.
+  local quota_until = tonumber(redis.call('HGET', KEYS[1], 'until') or '') or 0
+  redis.call('PEXPIRE', KEYS[1], math.max(learned_ttl(configured), math.floor((quota_until - now) / 1000) + 1))
   local after = with_spans(effective_limits(KEYS[3], default, KEYS[1], 1), guard)
   if after.counts ~= before.counts then
     changed = 1
     if within(before, after) then
-      local last = redis.call('ZRANGE', KEYS[4], -1, -1, 'WITHSCORES')[2]
-      redis.call('HSET', KEYS[1], 'mark', string.format('%.0f', math.max(tonumber(last or '') or now, now)))
+      redis.call('HSET', KEYS[1], 'mark', string.format('%.0f', mark))
     else
+      lowered = 1
       released = give_back_since_raise(after)
       if released == nil then
         released = give_back_reserved(algorithm, KEYS[4], KEYS[5], before, after, now, burst)
@@ -194,4 +209,4 @@ if write then
     end
   end
 end
-return {changed, released, now, csv(counts), why or st.why, configured.counts, wake}
+return {changed, released, now, csv(counts), why or st.why, configured.counts, wake, lowered}

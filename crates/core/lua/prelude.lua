@@ -401,8 +401,10 @@ end
 -- a shadow window had no room for it; `delay_ms` adds up by how long) or would have let go at once
 -- (`looser`: the caller was told to wait, every shadow window had room). SHADOW_LOG_KEY (sorted
 -- set): the units granted, score = grant time, within the shadow's longest window and at most its
--- largest COUNT of them (the newest: older ones cannot decide anything). Windows are judged
--- without a guard. Sets a.verdict (the answer's last field); nothing without a shadow.
+-- largest COUNT of them (the newest: older ones cannot decide anything), and never more than
+-- MAX_SHADOW_LOG (a shadow COUNT above it is refused when set). Windows are judged without a
+-- guard. Sets a.verdict (the answer's last field); nothing without a shadow.
+local MAX_SHADOW_LOG = 10000
 local function judge_shadow(a, now, granted)
   if a.shadow == nil then return end
   local s = redis.call('HMGET', a.shadow, 'counts', 'windows')
@@ -430,7 +432,7 @@ local function judge_shadow(a, now, granted)
       redis.call('HINCRBY', a.shadow, 'delay_ms', math.ceil(wait / 1000))
     end
     add_units(a.shadow_log, now, a.token, a.cost)
-    redis.call('ZREMRANGEBYRANK', a.shadow_log, 0, -(limits.max_count + 1))
+    redis.call('ZREMRANGEBYRANK', a.shadow_log, 0, -(math.min(limits.max_count, MAX_SHADOW_LOG) + 1))
     redis.call('PEXPIRE', a.shadow_log, math.floor(limits.max_window / 1000) + 1)
   elseif wait == 0 then
     verdict = 'looser'
@@ -703,15 +705,16 @@ end
 -- (one per limit; the configured count where nothing is learned, never above it), `from` (the
 -- counts before the last change), `at` (when that was, µs; 0 if never), `why`, and `patience`
 -- (how many of a limit's windows of full use a raise waits for). A state learned under other
--- terms reads as nothing learned.
+-- terms reads as nothing learned (`fresh`).
 local function learned_state(learned_key, configured)
   local s = redis.call('HMGET', learned_key, 'terms', 'counts', 'from', 'at', 'why', 'patience')
-  local st = {counts = {}, from = {}, at = 0, why = '', patience = 1}
+  local st = {counts = {}, from = {}, at = 0, why = '', patience = 1, fresh = true}
   for i, l in ipairs(configured) do
     st.counts[i] = l.count
     st.from[i] = l.count
   end
   if s[1] ~= configured.counts .. ' ' .. configured.windows then return st end
+  st.fresh = false
   for name, text in pairs({counts = s[2], from = s[3]}) do
     local read = parse_limits(text, configured.windows)
     if read then
@@ -724,21 +727,22 @@ local function learned_state(learned_key, configured)
   return st
 end
 
--- Units the downstream accepted within the window of the limit L up to NOW (ACCEPTED_KEY, see
+-- Units the downstream accepted within the last LENGTH µs up to NOW (ACCEPTED_KEY, see
 -- note_accepted).
-local function accepted_in(accepted_key, l, now)
-  return redis.call('ZCOUNT', accepted_key, string.format('(%.0f', now - l.window), '+inf')
+local function accepted_in(accepted_key, length, now)
+  return redis.call('ZCOUNT', accepted_key, string.format('(%.0f', now - length), '+inf')
 end
 
 -- The limits of CONFIGURED whose learned count (in the state ST) is due to go up: it is below the
--- configured count, the downstream accepted at least that count in the limit's last window (the
--- learned limit was used in full without a 429), and `patience` of its windows passed since the
--- last change. Returns their indexes (an empty list: none).
+-- configured count, the downstream accepted at least that count in the limit's last window +
+-- guard (its span: the learned limit was used in full without a 429, however paced), and
+-- `patience` of its windows passed since the last change. Returns their indexes (an empty list:
+-- none).
 local function raise_due(st, configured, accepted_key, now)
   local due = {}
   for i, l in ipairs(configured) do
     if st.counts[i] < l.count and now - st.at >= st.patience * l.window
-        and accepted_in(accepted_key, l, now) >= st.counts[i] then
+        and accepted_in(accepted_key, l.span, now) >= st.counts[i] then
       due[#due + 1] = i
     end
   end
@@ -747,16 +751,18 @@ end
 
 -- Adaptive limits: records in the seller's accepted log (ACCEPTED_KEY: sorted set of the units
 -- the downstream accepted, score = when the answer was recorded; within the configured stack's
--- longest window, and at most twice its largest COUNT + COST of them) that the call TOKEN of COST
+-- longest window + guard, and at most twice its largest COUNT + COST of them) that the call TOKEN of COST
 -- units was accepted NOW, keeps the learned state (LEARNED_KEY) alive while the seller is
 -- answered, and returns 1 when a learned count is due to go up (raise_due), else 0.
 local function note_accepted(learned_key, accepted_key, configured, token, cost, now)
-  redis.call('ZREMRANGEBYSCORE', accepted_key, '-inf', now - configured.max_window)
+  redis.call('ZREMRANGEBYSCORE', accepted_key, '-inf', now - configured.max_span)
   add_units(accepted_key, now, token, cost)
   redis.call('ZREMRANGEBYRANK', accepted_key, 0, -(2 * configured.max_count + cost + 1))
-  redis.call('PEXPIRE', accepted_key, math.floor(configured.max_window / 1000) + 1)
+  redis.call('PEXPIRE', accepted_key, math.floor(configured.max_span / 1000) + 1)
   if redis.call('EXISTS', learned_key) == 0 then return 0 end
-  redis.call('PEXPIRE', learned_key, learned_ttl(configured))
+  if redis.call('PTTL', learned_key) < learned_ttl(configured) then
+    redis.call('PEXPIRE', learned_key, learned_ttl(configured))
+  end
   if #raise_due(learned_state(learned_key, configured), configured, accepted_key, now) > 0 then
     return 1
   end

@@ -194,6 +194,10 @@ pub enum GlobalDecision {
     TooCostly { most: u32 },
 }
 
+/// Largest COUNT of a shadow limit: its log keeps at most this many units per seller (see
+/// `judge_shadow` in `lua/prelude.lua`).
+pub const MAX_SHADOW_COUNT: u32 = 10_000;
+
 /// Most a seller's weight under the global limit may be.
 pub const MAX_WEIGHT: u32 = 1000;
 
@@ -304,11 +308,13 @@ impl Why {
     }
 }
 
-/// A change of a seller's learned limit (see [`PermitStore::learn`]): its counts now.
+/// A change of a seller's learned limit (see [`PermitStore::learn`]): its counts now, and
+/// whether a count went down.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct LearnedChange {
     pub counts: String,
     pub why: Why,
+    pub lowered: bool,
 }
 
 /// What adaptive limits learned of a seller (see [`PermitStore::learned`]).
@@ -1107,7 +1113,8 @@ impl PermitStore {
                 .arg(1)
                 .arg(self.limiter.limit.counts_arg())
                 .arg(self.limiter.limit.windows_arg())
-                .arg(cost.units());
+                .arg(cost.units())
+                .arg(self.guard_arg());
         }
         let (changed, was_dead_for, raise): (u8, String, u8) =
             invocation.invoke_async(&mut self.conn.clone()).await?;
@@ -1159,13 +1166,14 @@ impl PermitStore {
             .key(self.keys.reserved(seller))
             .key(self.keys.calls(seller));
         self.terms_args(&mut invocation);
-        let (changed, released, now, counts, why, configured, wake): (
+        let (changed, released, now, counts, why, configured, wake, lowered): (
             u8,
             u64,
             i64,
             String,
             String,
             String,
+            u8,
             u8,
         ) = invocation
             .arg(self.limiter.adaptive_min.get())
@@ -1189,12 +1197,20 @@ impl PermitStore {
         } else {
             metrics::counter!("turnstile_reservations_released_total").increment(released);
         }
-        Ok(Some(LearnedChange { counts, why }))
+        Ok(Some(LearnedChange {
+            counts,
+            why,
+            lowered: lowered == 1,
+        }))
     }
 
     /// What adaptive limits learned of the seller under its configured stack now, if anything
-    /// (see `lua/learn.lua`): read by operator commands and the dashboard.
+    /// (see `lua/learn.lua`): read by operator commands and the dashboard; `None` with adaptive
+    /// limits off (nothing learned applies then).
     pub async fn learned(&self, seller: &SellerId) -> Result<Option<Learned>, PermitError> {
+        if !self.limiter.adaptive {
+            return Ok(None);
+        }
         let fields: std::collections::HashMap<String, String> =
             self.conn.clone().hgetall(self.keys.learned(seller)).await?;
         let configured = self.effective_limit(seller).await?;

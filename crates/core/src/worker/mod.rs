@@ -32,7 +32,7 @@ pub use plan::{Carried, Outcome, WorkerSettings};
 use plan::{Interrupted, PermitErrors, Plan, returned};
 pub use stats::{LatencySummary, Stats};
 
-use crate::permit::{Decision, Lesson, PermitError, PermitStore, Rescheduled, Reservation, Why};
+use crate::permit::{Decision, Lesson, PermitError, PermitStore, Rescheduled, Reservation};
 
 /// Everything a delivery needs; shared by all of a replica's tasks.
 pub struct Worker {
@@ -314,7 +314,7 @@ impl Worker {
         match self.permits.learn(&registration.seller_id, lesson).await {
             Ok(Some(change)) => {
                 info!(counts = %change.counts, why = change.why.label(), "the seller's learned limit changed");
-                matches!(lesson, Lesson::Throttled { .. }) && change.why == Why::Throttled
+                matches!(lesson, Lesson::Throttled { .. }) && change.lowered
             }
             Ok(None) => false,
             Err(error) => {
