@@ -734,15 +734,16 @@ local function accepted_in(accepted_key, length, now)
 end
 
 -- The limits of CONFIGURED whose learned count (in the state ST) is due to go up: it is below the
--- configured count, the downstream accepted at least that count in the limit's last window +
--- guard (its span: the learned limit was used in full without a 429, however paced), and
--- `patience` of its windows passed since the last change. Returns their indexes (an empty list:
--- none).
+-- configured count, the downstream accepted in the limit's last window at least what the learned
+-- count lets through one window at full use, however paced (COUNT per WINDOW + guard: at most
+-- ceil(COUNT * WINDOW / span) in a window; the learned limit was used in full without a 429),
+-- and `patience` of its windows passed since the last change. Returns their indexes (an empty
+-- list: none).
 local function raise_due(st, configured, accepted_key, now)
   local due = {}
   for i, l in ipairs(configured) do
     if st.counts[i] < l.count and now - st.at >= st.patience * l.window
-        and accepted_in(accepted_key, l.span, now) >= st.counts[i] then
+        and accepted_in(accepted_key, l.window, now) >= math.ceil(st.counts[i] * l.window / l.span) then
       due[#due + 1] = i
     end
   end
