@@ -56,10 +56,11 @@ pub async fn run(args: &ScenarioArgs) -> anyhow::Result<bool> {
     eprintln!(
         "adaptive: turnstile told {told}, the API allows {api} (rate-limit headers: {:?}, \
          Retry-After: {}), adaptive limits {}, {replicas} replicas x {workers} workers: one \
-         seller's {big} messages ahead of {small_sellers} sellers with {small} each",
+         seller's {big} messages (in {} wave(s)) ahead of {small_sellers} sellers with {small} each",
         args.rate_limit_headers,
         if args.no_retry_after { "no" } else { "yes" },
-        args.adaptive
+        args.adaptive,
+        args.waves.max(1)
     );
     let mock = MockArgs {
         rate_limit_headers: args.rate_limit_headers,
@@ -71,29 +72,37 @@ pub async fn run(args: &ScenarioArgs) -> anyhow::Result<bool> {
         .with_api_limit(api.clone())
         .start(replicas)
         .await?;
-    let mut messages = Vec::new();
-    let mut add = |seller: &str, i: usize| {
-        messages.push(Message {
-            seller: seller.to_owned(),
-            body: registration_body(
-                &format!("{seller}-{i}"),
-                seller,
-                None,
-                serde_json::json!({ "sku": i }),
-            ),
-        })
+    let message = |seller: &str, i: usize| Message {
+        seller: seller.to_owned(),
+        body: registration_body(
+            &format!("{seller}-{i}"),
+            seller,
+            None,
+            serde_json::json!({ "sku": i }),
+        ),
     };
-    for i in 0..big {
-        add("big", i);
-    }
-    for s in 0..small_sellers {
-        for i in 0..small {
-            add(&format!("small-{s}"), i);
-        }
-    }
-    rig.publish_all(messages).await?;
+    let waves = args.waves.clamp(1, big.max(1));
     let optimum = api.optimum_drain(big as u64);
     let mut samples = Vec::new();
+    for wave in 0..waves {
+        let mut messages: Vec<Message> = (wave * big / waves..(wave + 1) * big / waves)
+            .map(|i| message("big", i))
+            .collect();
+        if wave == 0 {
+            for s in 0..small_sellers {
+                messages.extend((0..small).map(|i| message(&format!("small-{s}"), i)));
+            }
+        }
+        rig.publish_all(messages).await?;
+        if wave + 1 < waves {
+            let next = tokio::time::Instant::now() + optimum / waves as u32;
+            while tokio::time::Instant::now() < next {
+                let stats = rig.mock.stats();
+                samples.push(Sample::of(stats.now_ms, stats.sellers.get("big")));
+                tokio::time::sleep(Duration::from_millis(100)).await;
+            }
+        }
+    }
     rig.wait(optimum * 4 + Duration::from_secs(60), |stats| {
         samples.push(Sample::of(stats.now_ms, stats.sellers.get("big")));
     })

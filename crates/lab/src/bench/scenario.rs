@@ -83,6 +83,11 @@ pub struct ScenarioArgs {
     /// limits).
     #[arg(long, default_value = "on", value_parser = ["on", "off"])]
     pub adaptive: String,
+    /// `adaptive`: publish the busy seller's messages in this many waves, one every
+    /// optimum / waves (new arrivals while it drains: a raised limit is tested by new
+    /// reservations); 1 publishes them all at once.
+    #[arg(long, default_value_t = 1)]
+    pub waves: usize,
 }
 
 struct Preset {
