@@ -7,10 +7,10 @@
 
 use std::time::Duration;
 
-use crate::bench::scenario::{ScenarioArgs, print_outcome, small_sellers_done};
+use crate::bench::scenario::{ScenarioArgs, limits_or, print_outcome, small_sellers_done};
 use crate::mock_api::{MockArgs, SellerStats};
 use crate::rig::{Message, Rig, registration_body};
-use turnstile_core::config::{LimiterArgs, Limits};
+use turnstile_core::config::LimiterArgs;
 
 /// The busy seller's calls and 429s so far, at a time on the mock's clock (ms).
 #[derive(Clone, Copy, Debug, Default)]
@@ -33,14 +33,8 @@ impl Sample {
 
 /// Runs the preset; `Ok(false)` when anything was lost or registered twice.
 pub async fn run(args: &ScenarioArgs) -> anyhow::Result<bool> {
-    let told: Limits = args
-        .limit
-        .clone()
-        .unwrap_or_else(|| "20/1s".parse().expect("limits parse"));
-    let api: Limits = args
-        .api_limit
-        .clone()
-        .unwrap_or_else(|| "5/1s".parse().expect("limits parse"));
+    let told = limits_or(&args.limit, "20/1s");
+    let api = limits_or(&args.api_limit, "5/1s");
     let (replicas, workers) = (args.replicas.unwrap_or(4), args.workers.unwrap_or(8));
     let big = args.big.unwrap_or(300);
     let (small_sellers, small) = (args.small_sellers.unwrap_or(20), args.small.unwrap_or(3));

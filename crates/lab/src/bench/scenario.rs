@@ -478,3 +478,10 @@ pub(super) fn small_sellers_done(report: &crate::rig::Report) -> f64 {
         .filter_map(|(_, r)| r.last_s)
         .fold(0.0f64, f64::max)
 }
+
+/// A limits flag as given, or the preset's `default`.
+pub(super) fn limits_or(given: &Option<Limits>, default: &str) -> Limits {
+    given
+        .clone()
+        .unwrap_or_else(|| default.parse().expect("preset limits parse"))
+}

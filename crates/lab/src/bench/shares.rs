@@ -4,21 +4,15 @@
 
 use std::time::Duration;
 
-use crate::bench::scenario::ScenarioArgs;
+use crate::bench::scenario::{ScenarioArgs, limits_or};
 use crate::rig::{Message, Rig, registration_body};
-use turnstile_core::config::{GlobalLimit, LimiterArgs, Limits};
+use turnstile_core::config::{GlobalLimit, LimiterArgs};
 use turnstile_core::domain::SellerId;
 
 /// Runs the preset; `Ok(false)` when anything was lost, duplicated or over a limit.
 pub async fn run(args: &ScenarioArgs) -> anyhow::Result<bool> {
-    let limit: Limits = args
-        .limit
-        .clone()
-        .unwrap_or_else(|| "1000/1s".parse().expect("limits parse"));
-    let global: Limits = args
-        .global_limit
-        .clone()
-        .unwrap_or_else(|| "100/1s".parse().expect("limits parse"));
+    let limit = limits_or(&args.limit, "1000/1s");
+    let global = limits_or(&args.global_limit, "100/1s");
     let (replicas, workers) = (args.replicas.unwrap_or(3), args.workers.unwrap_or(16));
     let per_seller = args.big.unwrap_or(1_000);
     let limiter = LimiterArgs {
