@@ -183,3 +183,40 @@ async fn batched_acks_settle_exactly_what_was_acked_in_any_order() {
     );
     broker.cleanup().await;
 }
+
+/// Replicas given a list of broker nodes whose first never answers (`TURNSTILE_AMQP_URL`
+/// comma-separated, as for a cluster) connect to one that answers and register everything; a
+/// list with a malformed URL is refused before anything connects, naming the node.
+#[tokio::test]
+async fn replicas_given_several_broker_nodes_use_one_that_answers() -> anyhow::Result<()> {
+    use turnstile_core::config::Algorithm;
+    use turnstile_lab::rig::{Rig, RigArgs};
+    let place = RigArgs {
+        queue_type: QueueType::Quorum,
+        amqp_url: format!(
+            "amqp://guest:guest@127.0.0.1:1/%2f,{}",
+            support::broker::amqp_url()
+        ),
+        redis: support::redis_args(&support::redis_url(), "t"),
+    };
+    let limiter = support::limiter("50/1s", Algorithm::SlidingWindow);
+    let settings = place.replica_settings("nodes", limiter, 4, Duration::from_secs(2));
+    let mut rig = Rig::build(settings).prepare().await?;
+    rig.publish("S-nodes", 10).await?;
+    rig.start_replicas(2, 4).await?;
+    let stats = rig.wait_registered(10).await?;
+    assert_eq!((stats.registered, stats.duplicates), (10, 0), "{stats:?}");
+    rig.cleanup().await?;
+
+    let refused = turnstile_core::broker::Nodes::parse(&format!(
+        "{},amqp://guest:secret@127.0.0.1:5672/%2f?heartbeat=x",
+        support::broker::amqp_url()
+    ))
+    .unwrap_err();
+    let said = format!("{refused:#}");
+    assert!(
+        said.contains("node 2 of 2") && !said.contains("secret"),
+        "{said}"
+    );
+    Ok(())
+}

@@ -131,6 +131,8 @@ pub struct Starting {
     args: ConsumeArgs,
     redis: RedisClient,
     downstream: Downstream,
+    /// The broker's nodes, and which to try first (see [`broker::Nodes`]).
+    nodes: Arc<broker::Nodes>,
 }
 
 impl Starting {
@@ -140,9 +142,10 @@ impl Starting {
             !args.broker.queue.is_empty() && args.broker.queue.len() <= 200,
             "TURNSTILE_QUEUE must be 1 to 200 characters"
         );
-        broker::check_url(&args.broker.amqp_url)?;
+        let nodes = Arc::new(broker::Nodes::parse(&args.broker.amqp_url)?);
         args.limiter.check().map_err(anyhow::Error::msg)?;
         Ok(Self {
+            nodes,
             redis: RedisClient::new(&args.redis)?,
             downstream: Downstream::new(&args.downstream)?,
             stats: Arc::new(Stats::default()),
@@ -194,6 +197,7 @@ impl Connecting {
             ready,
             args,
             downstream,
+            nodes,
             ..
         } = self.starting;
         let worker = Arc::new(new_worker(&args, self.permits, downstream, stats.clone()));
@@ -201,7 +205,7 @@ impl Connecting {
             "RabbitMQ",
             &shutdown,
             broker::is_configuration_error,
-            || Session::open(&args, &worker),
+            || Session::open(&args, &worker, &nodes),
         )
         .await
         .context("TURNSTILE_AMQP_URL / TURNSTILE_QUEUE_TYPE: the broker refused the replica")?;
@@ -219,7 +223,7 @@ impl Connecting {
         ));
         let ready_for_run = ready.clone();
         let done = tokio::spawn(async move {
-            let ran = run(args, worker, session, ready_for_run, shutdown).await;
+            let ran = run(args, worker, nodes, session, ready_for_run, shutdown).await;
             watcher_stop.cancel();
             let _ = watcher.await;
             ran
@@ -269,9 +273,13 @@ struct Session {
 }
 
 impl Session {
-    async fn open(args: &ConsumeArgs, worker: &Worker) -> anyhow::Result<Self> {
+    async fn open(
+        args: &ConsumeArgs,
+        worker: &Worker,
+        nodes: &broker::Nodes,
+    ) -> anyhow::Result<Self> {
         let name = format!("turnstile {} pid {}", args.broker.queue, std::process::id());
-        let connection = broker::connect(&args.broker.amqp_url, &name).await?;
+        let connection = nodes.connect(&name).await?;
         let publisher = Publisher::open(&connection).await?;
         worker.topology.declare(&connection).await?;
         let tag = format!(
@@ -451,6 +459,7 @@ async fn release_ladder_messages(
 async fn run(
     args: ConsumeArgs,
     worker: Arc<Worker>,
+    nodes: Arc<broker::Nodes>,
     first: Session,
     ready: Readiness,
     shutdown: CancellationToken,
@@ -465,6 +474,7 @@ async fn run(
     let consuming = Consuming {
         args: &args,
         worker: &worker,
+        nodes: &nodes,
         tracker: &tracker,
         releases: &releases,
         shutdown: &shutdown,
@@ -498,6 +508,7 @@ async fn run(
 struct Consuming<'a> {
     args: &'a ConsumeArgs,
     worker: &'a Arc<Worker>,
+    nodes: &'a broker::Nodes,
     tracker: &'a TaskTracker,
     releases: &'a tokio::sync::broadcast::Sender<broker::ladder::Release>,
     shutdown: &'a CancellationToken,
@@ -508,7 +519,7 @@ impl Consuming<'_> {
     /// fixed while the replica waits, not ready); `None` if shutdown comes first.
     async fn reconnect(&self) -> Option<Session> {
         let reopened = until_connected("RabbitMQ", self.shutdown, always_retry, || {
-            Session::open(self.args, self.worker)
+            Session::open(self.args, self.worker, self.nodes)
         })
         .await
         .expect("always_retry never gives up")?;

@@ -25,6 +25,7 @@ pub use topology::{
     Declared, Protection, QueueType, Topology, UNREACHED_DELIVERY_LIMIT, WORK_DELIVERY_LIMIT,
 };
 
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::Duration;
 
 use anyhow::Context;
@@ -67,7 +68,8 @@ pub const DEFAULT_AMQP_URL: &str = "amqp://guest:guest@127.0.0.1:5672/%2f";
 /// password.
 #[derive(clap::Args, Clone)]
 pub struct BrokerArgs {
-    /// Broker URL.
+    /// Broker URL, or a comma-separated list of the URLs of a cluster's nodes: a replica
+    /// connects to one that answers and, when its connection is lost, tries the next first.
     #[arg(
         long = "amqp-url",
         env = "TURNSTILE_AMQP_URL",
@@ -118,12 +120,84 @@ pub fn redact_amqp_url(url: &str) -> String {
 
 /// Checks `TURNSTILE_AMQP_URL` without connecting (a malformed URL is not worth retrying).
 pub fn check_url(url: &str) -> anyhow::Result<()> {
-    url.parse::<lapin::uri::AMQPUri>().map(drop).map_err(|why| {
-        anyhow::anyhow!(
-            "TURNSTILE_AMQP_URL {:?} is not a valid AMQP URL: {why}",
-            redact_amqp_url(url)
-        )
-    })
+    Nodes::parse(url).map(drop)
+}
+
+/// How long one node may take to accept a connection before the next is tried.
+const NODE_CONNECT_TIMEOUT: Duration = Duration::from_secs(5);
+
+/// The broker's nodes (`TURNSTILE_AMQP_URL`: one URL, or a comma-separated list of a cluster's
+/// nodes), and which one to try first: the one after the node of the last connection, so that
+/// a replica whose connection was lost moves on to the next node at once.
+#[derive(Debug)]
+pub struct Nodes {
+    urls: Vec<String>,
+    next: AtomicUsize,
+}
+
+impl Nodes {
+    /// Every URL of the list, each checked (a malformed URL is not worth retrying).
+    pub fn parse(list: &str) -> anyhow::Result<Self> {
+        let urls: Vec<String> = list
+            .split(',')
+            .map(str::trim)
+            .filter(|u| !u.is_empty())
+            .map(str::to_owned)
+            .collect();
+        anyhow::ensure!(!urls.is_empty(), "TURNSTILE_AMQP_URL is empty");
+        for (i, url) in urls.iter().enumerate() {
+            url.parse::<lapin::uri::AMQPUri>().map_err(|why| {
+                anyhow::anyhow!(
+                    "TURNSTILE_AMQP_URL {:?} (node {} of {}) is not a valid AMQP URL: {why}",
+                    redact_amqp_url(url),
+                    i + 1,
+                    urls.len()
+                )
+            })?;
+        }
+        Ok(Self {
+            urls,
+            next: AtomicUsize::new(0),
+        })
+    }
+
+    /// Connects to the first node that answers, trying each once in turn from the one after
+    /// the last connection's (each within [`NODE_CONNECT_TIMEOUT`]); the error of the last
+    /// node tried when none answers.
+    pub async fn connect(&self, name: &str) -> anyhow::Result<Connection> {
+        let first = self.next.load(Ordering::Relaxed);
+        let mut last_error = None;
+        for i in try_order(first, self.urls.len()) {
+            let url = &self.urls[i];
+            let properties = ConnectionProperties::default().with_connection_name(name.into());
+            let attempt =
+                tokio::time::timeout(NODE_CONNECT_TIMEOUT, Connection::connect(url, properties));
+            let error = match attempt.await {
+                Ok(Ok(connection)) => {
+                    self.next
+                        .store((i + 1) % self.urls.len(), Ordering::Relaxed);
+                    return Ok(connection);
+                }
+                Ok(Err(error)) => anyhow::Error::new(error),
+                Err(_) => anyhow::anyhow!("no answer within {NODE_CONNECT_TIMEOUT:?}"),
+            };
+            if self.urls.len() > 1 {
+                tracing::warn!(node = %redact_amqp_url(url), error = format!("{error:#}"), "a broker node did not answer; trying the next");
+            }
+            last_error = Some(error.context(format!(
+                "cannot connect to RabbitMQ at {}",
+                redact_amqp_url(url)
+            )));
+        }
+        Err(last_error
+            .expect("a list of nodes is never empty")
+            .context(format!("no broker node of {} answered", self.urls.len())))
+    }
+}
+
+/// The nodes' indexes in the order they are tried: from `first`, wrapping around.
+fn try_order(first: usize, n: usize) -> impl Iterator<Item = usize> {
+    (0..n).map(move |k| (first + k) % n)
 }
 
 /// Messages ready in a queue (a passive declare: fails if the queue does not exist).
@@ -161,12 +235,10 @@ pub fn is_configuration_error(error: &anyhow::Error) -> bool {
         })
 }
 
-/// Opens a connection named after this replica.
-pub async fn connect(url: &str, name: &str) -> anyhow::Result<Connection> {
-    let properties = ConnectionProperties::default().with_connection_name(name.into());
-    Connection::connect(url, properties)
-        .await
-        .with_context(|| format!("cannot connect to RabbitMQ at {}", redact_amqp_url(url)))
+/// Opens a connection named `name` to the first node of `urls` (one URL or a comma-separated
+/// list, see [`Nodes`]) that answers.
+pub async fn connect(urls: &str, name: &str) -> anyhow::Result<Connection> {
+    Nodes::parse(urls)?.connect(name).await
 }
 
 /// A channel in confirm mode: every publish waits for the broker's confirm.
@@ -378,4 +450,29 @@ pub(crate) fn table(pairs: &[(&str, AMQPValue)]) -> FieldTable {
         table.insert(ShortString::from(*k), v.clone());
     }
     table
+}
+
+#[cfg(test)]
+mod nodes_tests {
+    use super::*;
+
+    #[test]
+    fn nodes_are_tried_from_the_one_after_the_last_connection_wrapping_around() {
+        assert_eq!(try_order(0, 3).collect::<Vec<_>>(), [0, 1, 2]);
+        assert_eq!(try_order(2, 3).collect::<Vec<_>>(), [2, 0, 1]);
+        assert_eq!(try_order(0, 1).collect::<Vec<_>>(), [0]);
+    }
+
+    #[test]
+    fn a_list_of_broker_urls_is_checked_node_by_node() {
+        let nodes = Nodes::parse("amqp://a:5672/%2f, amqp://b:5673/%2f").unwrap();
+        assert_eq!(nodes.urls, ["amqp://a:5672/%2f", "amqp://b:5673/%2f"]);
+        let bad = Nodes::parse("amqp://a:5672/%2f,http://user:secret@b/").unwrap_err();
+        let said = format!("{bad:#}");
+        assert!(
+            said.contains("node 2 of 2") && !said.contains("secret"),
+            "{said}"
+        );
+        assert!(Nodes::parse(" , ").is_err());
+    }
 }
