@@ -506,12 +506,18 @@ impl Rig {
         self.published
     }
 
-    /// Messages ready in a queue of the rig.
+    /// Messages ready in a queue of the rig; read through a connection of its own to another
+    /// node when the rig's node went away (a broker cluster's failover).
     pub async fn depth(&self, queue: &str) -> anyhow::Result<u32> {
-        let channel = self.connection.create_channel().await?;
-        let depth = turnstile_core::broker::depth(&channel, queue).await;
-        let _ = channel.close(200, "".into()).await;
-        depth
+        if !self.connection.status().connected() {
+            let connection =
+                turnstile_core::broker::connect(&self.settings.broker.amqp_url, "turnstile rig")
+                    .await?;
+            let depth = queue_depth(&connection, queue).await;
+            let _ = connection.close(200, "".into()).await;
+            return depth;
+        }
+        queue_depth(&self.connection, queue).await
     }
 
     /// Messages waiting in any queue of the rig (work, delay ladder, dead letters); with no
@@ -793,4 +799,12 @@ pub fn registration_body(
         body["batch_id"] = batch.into();
     }
     body.to_string().into_bytes()
+}
+
+/// Messages ready in `queue`, read on a channel of its own.
+async fn queue_depth(connection: &lapin::Connection, queue: &str) -> anyhow::Result<u32> {
+    let channel = connection.create_channel().await?;
+    let depth = turnstile_core::broker::depth(&channel, queue).await;
+    let _ = channel.close(200, "".into()).await;
+    depth
 }
