@@ -84,6 +84,21 @@ pub struct Message {
     pub body: Vec<u8>,
 }
 
+impl Message {
+    /// The `i`-th message of `seller`: message id `<seller>-<i>`, product `{"sku": i}`.
+    pub fn numbered(seller: &str, i: usize) -> Self {
+        Self {
+            seller: seller.to_owned(),
+            body: registration_body(
+                &format!("{seller}-{i}"),
+                seller,
+                None,
+                serde_json::json!({ "sku": i }),
+            ),
+        }
+    }
+}
+
 /// What the downstream saw, and what the replicas did.
 #[derive(Debug, Serialize)]
 pub struct Report {

@@ -9,7 +9,7 @@ use std::time::Duration;
 
 use crate::bench::scenario::{ScenarioArgs, limits_or, print_outcome, small_sellers_done};
 use crate::mock_api::{MockArgs, SellerStats};
-use crate::rig::{Message, Rig, registration_body};
+use crate::rig::{Message, Rig};
 use turnstile_core::config::LimiterArgs;
 
 /// The busy seller's calls and 429s so far, at a time on the mock's clock (ms).
@@ -66,25 +66,16 @@ pub async fn run(args: &ScenarioArgs) -> anyhow::Result<bool> {
         .with_api_limit(api.clone())
         .start(replicas)
         .await?;
-    let message = |seller: &str, i: usize| Message {
-        seller: seller.to_owned(),
-        body: registration_body(
-            &format!("{seller}-{i}"),
-            seller,
-            None,
-            serde_json::json!({ "sku": i }),
-        ),
-    };
     let waves = args.waves.clamp(1, big.max(1));
     let optimum = api.optimum_drain(big as u64);
     let mut samples = Vec::new();
     for wave in 0..waves {
         let mut messages: Vec<Message> = (wave * big / waves..(wave + 1) * big / waves)
-            .map(|i| message("big", i))
+            .map(|i| Message::numbered("big", i))
             .collect();
         if wave == 0 {
             for s in 0..small_sellers {
-                messages.extend((0..small).map(|i| message(&format!("small-{s}"), i)));
+                messages.extend((0..small).map(|i| Message::numbered(&format!("small-{s}"), i)));
             }
         }
         rig.publish_all(messages).await?;

@@ -5,7 +5,7 @@
 use std::time::Duration;
 
 use crate::bench::scenario::{ScenarioArgs, limits_or};
-use crate::rig::{Message, Rig, registration_body};
+use crate::rig::{Message, Rig};
 use turnstile_core::config::{GlobalLimit, LimiterArgs};
 use turnstile_core::domain::SellerId;
 
@@ -34,15 +34,7 @@ pub async fn run(args: &ScenarioArgs) -> anyhow::Result<bool> {
     let mut messages = Vec::new();
     for i in 0..per_seller {
         for seller in ["heavy", "light"] {
-            messages.push(Message {
-                seller: seller.to_owned(),
-                body: registration_body(
-                    &format!("{seller}-{i}"),
-                    seller,
-                    None,
-                    serde_json::json!({ "sku": i }),
-                ),
-            });
+            messages.push(Message::numbered(seller, i));
         }
     }
     rig.publish_all(messages).await?;
