@@ -110,13 +110,15 @@ impl Reservation {
 /// What the limiter decided.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub enum Decision {
-    /// Call now. `slot_us` is the Redis time the call is counted at; `used_permille` is how
-    /// much of the seller's limit is taken with this grant, in thousandths (a redeemed
-    /// reservation counts as 1000: its slot was reserved because the limit had no room).
+    /// Call now. `slot_us` is the Redis time the call is counted at (a redeemed reservation's
+    /// slot), `granted_us` the Redis time of the grant; `used_permille` is how much of the
+    /// seller's limit is taken with this grant, in thousandths (a redeemed reservation counts as
+    /// 1000: its slot was reserved because the limit had no room).
     /// `call` names the call in the seller's calls until its answer is recorded
     /// ([`PermitStore::complete_call`], [`PermitStore::call_ended`]).
     Granted {
         slot_us: i64,
+        granted_us: i64,
         used_permille: u32,
         call: String,
     },
@@ -705,6 +707,7 @@ impl PermitStore {
         let redeemed = match status {
             1 => Ok(Decision::Granted {
                 slot_us: at,
+                granted_us: now,
                 used_permille: 1000,
                 call: held.token.clone(),
             }),
@@ -1763,6 +1766,7 @@ fn acquired(
     match status {
         1 => Ok(Decision::Granted {
             slot_us: slot,
+            granted_us: now,
             used_permille: answer
                 .int(5)
                 .map_or(0, |p| p.clamp(0, i64::from(u32::MAX)) as u32),

@@ -225,7 +225,9 @@ impl Worker {
         let waited = asked.elapsed();
         let holding = self.stats.held.load(Ordering::Relaxed);
         let (granted_call, granted_us) = match &decision {
-            Decision::Granted { call, slot_us, .. } => (Some(call.clone()), *slot_us),
+            Decision::Granted {
+                call, granted_us, ..
+            } => (Some(call.clone()), *granted_us),
             _ => (None, 0),
         };
         match self

@@ -611,6 +611,7 @@ mod tests {
         let mut carried = reserved();
         let granted = Decision::Granted {
             slot_us: 0,
+            granted_us: 0,
             used_permille: 1_000,
             call: "call-1".into(),
         };
@@ -628,6 +629,7 @@ mod tests {
         let mut carried = reserved();
         let granted = Decision::Granted {
             slot_us: 0,
+            granted_us: 0,
             used_permille: 1_000,
             call: "call-1".into(),
         };
