@@ -157,6 +157,17 @@ async fn a_promoted_replica_that_missed_grants_lets_no_burst_through() {
         .unwrap();
     wait_uptime(&on_primary, Duration::from_micros(span_us as u64)).await;
     wait_uptime(&on_replica, Duration::from_micros(span_us as u64)).await;
+    // The replica's first sync is done before WAIT counts on it (WAIT would otherwise block
+    // for the whole sync, longer than a command may take on this connection).
+    support::eventually_async("the replica synced with the primary", async || {
+        let info: String = redis::cmd("INFO")
+            .arg("replication")
+            .query_async(&mut on_replica.clone())
+            .await
+            .unwrap_or_default();
+        info.contains("master_link_status:up")
+    })
+    .await;
 
     let mut before = grant_all(&store, &seller, 1).await;
     // The replica has the first grant (and the stamp) ...
