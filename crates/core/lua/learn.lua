@@ -126,12 +126,6 @@ elseif event == 'recovery' or event == 'header' then
   end
 end
 
-local function csv(list)
-  local shown = {}
-  for i, n in ipairs(list) do shown[i] = string.format('%.0f', n) end
-  return table.concat(shown, ',')
-end
-
 local write = nil
 if why then
   write = {'counts', csv(counts), 'from', csv(st.counts), 'at', string.format('%.0f', now),

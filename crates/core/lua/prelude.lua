@@ -20,6 +20,14 @@ local function token_arg(i)
   return token
 end
 
+-- NUMBERS as the scripts write them: whole numbers, comma-separated (a stack's COUNTS or
+-- WINDOWS, learned counts).
+local function csv(numbers)
+  local shown = {}
+  for i, n in ipairs(numbers) do shown[i] = string.format('%.0f', n) end
+  return table.concat(shown, ',')
+end
+
 -- Most limits in a stack (see parse_limits).
 local MAX_STACK = 8
 
@@ -44,15 +52,12 @@ local function parse_limits(counts, windows)
   if i == 0 or i ~= #limits then return nil end
   -- Only the form turnstile writes: plain integers, windows strictly increasing (a stack sorted
   -- by window, no two alike), so that a stack compares equal to itself as text.
-  local shown_counts, shown_windows = {}, {}
+  local listed_counts, listed_windows = {}, {}
   for j, l in ipairs(limits) do
     if j > 1 and l.window <= limits[j - 1].window then return nil end
-    shown_counts[j] = string.format('%.0f', l.count)
-    shown_windows[j] = string.format('%.0f', l.window)
+    listed_counts[j], listed_windows[j] = l.count, l.window
   end
-  if table.concat(shown_counts, ',') ~= counts or table.concat(shown_windows, ',') ~= windows then
-    return nil
-  end
+  if csv(listed_counts) ~= counts or csv(listed_windows) ~= windows then return nil end
   return limits
 end
 
@@ -84,9 +89,9 @@ local function with_learned(learned_key, configured, cost)
   for i, l in ipairs(learned) do
     local c = configured[i].count
     l.count = math.min(c, math.max(l.count, math.min(cost, c)))
-    counts[i] = string.format('%.0f', l.count)
+    counts[i] = l.count
   end
-  learned.counts = table.concat(counts, ',')
+  learned.counts = csv(counts)
   learned.configured = configured
   learned.quota_left = tonumber(s[3])
   learned.quota_until = tonumber(s[4])

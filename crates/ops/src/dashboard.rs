@@ -205,6 +205,17 @@ pub struct LimitRow {
     pub ahead: u64,
 }
 
+impl From<&turnstile_core::permit::LimitUsage> for LimitRow {
+    fn from(l: &turnstile_core::permit::LimitUsage) -> Self {
+        LimitRow {
+            limit: l.limit.to_string(),
+            used: l.used,
+            capacity: l.capacity,
+            ahead: l.ahead,
+        }
+    }
+}
+
 /// One upload's progress.
 #[derive(Debug, Serialize)]
 pub struct UploadRow {
@@ -440,16 +451,7 @@ fn global_view(usage: turnstile_core::permit::GlobalUsage) -> GlobalView {
     let total: u64 = usage.shares.iter().map(|s| s.units).sum();
     GlobalView {
         limit: usage.limit.to_string(),
-        limits: usage
-            .per_limit
-            .iter()
-            .map(|l| LimitRow {
-                limit: l.limit.to_string(),
-                used: l.used,
-                capacity: l.capacity,
-                ahead: l.ahead,
-            })
-            .collect(),
+        limits: usage.per_limit.iter().map(LimitRow::from).collect(),
         present: usage.present,
         weights: usage.weights,
         shares: usage
@@ -482,16 +484,7 @@ fn seller_rows(usage: &HashMap<&str, &Usage>) -> (Vec<SellerRow>, Vec<SellerRow>
             looser: s.looser,
         }),
         binding: u.per_limit[u.binding].limit.to_string(),
-        limits: u
-            .per_limit
-            .iter()
-            .map(|l| LimitRow {
-                limit: l.limit.to_string(),
-                used: l.used,
-                capacity: l.capacity,
-                ahead: l.ahead,
-            })
-            .collect(),
+        limits: u.per_limit.iter().map(LimitRow::from).collect(),
         used: u.used,
         capacity: u.capacity,
         ahead: u.ahead,
