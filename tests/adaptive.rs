@@ -12,7 +12,7 @@ use serde_json::json;
 
 use turnstile_core::config::{Algorithm, LimiterArgs, Limits};
 use turnstile_core::domain::{Cost, MessageId, RateLimitHeaders, SellerId};
-use turnstile_core::permit::{Decision, Lesson, PermitStore, Why};
+use turnstile_core::permit::{CallAnswer, Decision, Lesson, PermitStore, Why};
 use turnstile_lab::mock_api::{MockArgs, RateLimitForm};
 
 use support::{Backend, Keys};
@@ -29,14 +29,35 @@ fn limiter(limit: &str) -> LimiterArgs {
     support::limiter(limit, Algorithm::SlidingWindow)
 }
 
+/// The answer to the call `call` of one unit granted at `granted_us`, answered at once.
+fn answer(call: &str, granted_us: i64) -> CallAnswer<'_> {
+    CallAnswer {
+        call,
+        cost: Cost::ONE,
+        answered_us: Some(granted_us),
+    }
+}
+
 /// Takes a permit now and has the downstream accept the call: returns when it was granted.
 async fn accepted_call(store: &PermitStore, s: &SellerId, n: usize) -> i64 {
-    let Decision::Granted { slot_us, call, .. } = store.acquire(s, false).await.unwrap() else {
+    let Decision::Granted {
+        slot_us,
+        call,
+        granted_us,
+        ..
+    } = store.acquire(s, false).await.unwrap()
+    else {
         panic!("call {n} of {s} was not granted at once");
     };
     let message = MessageId::parse(&format!("m-{n}")).unwrap();
     store
-        .complete_call(s, &message, None, &call, Cost::ONE, Duration::from_secs(60))
+        .complete_call(
+            s,
+            &message,
+            None,
+            answer(&call, granted_us),
+            Duration::from_secs(60),
+        )
         .await
         .unwrap();
     slot_us
@@ -126,7 +147,10 @@ async fn raises_up_to_the_configured_limit(backend: Backend, algorithm: Algorith
     let mut seen = vec![2];
     for n in 0..200 {
         let decision = store.acquire(&s, false).await.unwrap();
-        let Decision::Granted { call, .. } = decision else {
+        let Decision::Granted {
+            call, granted_us, ..
+        } = decision
+        else {
             tokio::time::sleep(Duration::from_millis(20)).await;
             continue;
         };
@@ -136,14 +160,16 @@ async fn raises_up_to_the_configured_limit(backend: Backend, algorithm: Algorith
                 &s,
                 &message,
                 None,
-                &call,
-                Cost::ONE,
+                answer(&call, granted_us),
                 Duration::from_secs(60),
             )
             .await
             .unwrap();
         if due {
-            let change = store.learn(&s, Lesson::Recovery).await.unwrap();
+            let change = store
+                .learn_at(&s, Lesson::Recovery, Some(granted_us))
+                .await
+                .unwrap();
             if let Some(change) = change {
                 assert_eq!(change.why, Why::Recovery);
                 seen.push(change.counts.parse::<u32>().unwrap());

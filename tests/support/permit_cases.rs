@@ -1059,6 +1059,18 @@ macro_rules! permit_tests {
             cases::a_weighed_stack_is_exact_under_contention($backend, Gcra).await;
         }
         #[tokio::test]
+        async fn callers_asking_together_share_calls_and_the_limit_holds() {
+            cases::callers_asking_together_share_calls_and_the_limit_holds($backend).await;
+        }
+        #[tokio::test]
+        async fn an_operation_refused_in_a_batch_fails_alone() {
+            cases::an_operation_refused_in_a_batch_fails_alone($backend).await;
+        }
+        #[tokio::test]
+        async fn a_late_record_ends_the_call_at_its_answer() {
+            cases::a_late_record_ends_the_call_at_its_answer($backend).await;
+        }
+        #[tokio::test]
         async fn a_cost_beyond_the_stack_never_passes_and_takes_nothing() {
             for algorithm in turnstile_core::config::Algorithm::ALL {
                 cases::a_cost_beyond_the_stack_never_passes_and_takes_nothing($backend, algorithm)
@@ -1153,4 +1165,151 @@ macro_rules! permit_tests {
             cases::scripts_check_inputs_before_writing($backend).await;
         }
     };
+}
+
+/// Forty callers of one seller asking at the same moment: the store sends them in fewer calls
+/// to Redis than callers (one seller's operations may share a call on any Redis), and the
+/// limit holds exactly as if each had asked alone.
+pub async fn callers_asking_together_share_calls_and_the_limit_holds(backend: Backend) {
+    let keys = Keys::new(backend, "together").await;
+    let store = keys.store(limiter("10/1m", Algorithm::SlidingWindow));
+    let s = seller("S-together");
+    let asks = (0..40).map(|_| store.acquire(&s, false));
+    let decisions = futures::future::join_all(asks).await;
+    let granted = decisions
+        .iter()
+        .filter(|d| matches!(d, Ok(Decision::Granted { .. })))
+        .count();
+    let told_to_wait = decisions
+        .iter()
+        .filter(|d| matches!(d, Ok(Decision::Wait { .. })))
+        .count();
+    assert_eq!((granted, told_to_wait), (10, 30));
+    let calls = store.batched_calls();
+    assert!(
+        (1..40).contains(&calls),
+        "40 operations went in {calls} calls"
+    );
+    keys.cleanup().await;
+}
+
+/// An operation the batch script refuses fails alone: the others of its call are answered
+/// and written, and a malformed batch runs nothing.
+pub async fn an_operation_refused_in_a_batch_fails_alone(backend: Backend) {
+    let keys = Keys::new(backend, "refused").await;
+    let ks = Keyspace::new(&keys.prefix);
+    let s = seller("S-refused");
+    let done = |m: &str| ks.done(&s, &turnstile_core::domain::MessageId::parse(m).unwrap());
+    let mut conn = keys.conn.clone();
+    let registered = |key: &str| {
+        let mut conn = keys.conn.clone();
+        let key = key.to_owned();
+        async move {
+            let state: Option<String> = redis::AsyncCommands::get(&mut conn, key).await.unwrap();
+            state
+        }
+    };
+    let answers: Vec<(i64, redis::Value)> = turnstile_core::permit::scripts::batch()
+        .key(done("m-1"))
+        .key(ks.calls(&s))
+        .key(done("m-2"))
+        .key(ks.calls(&s))
+        .arg(2)
+        .arg("complete")
+        .arg(2)
+        .arg(4)
+        .arg(60_000)
+        .arg("registered")
+        .arg("")
+        .arg("")
+        .arg("complete")
+        .arg(2)
+        .arg(4)
+        .arg(60_000)
+        .arg("no-such-outcome")
+        .arg("")
+        .arg("")
+        .invoke_async(&mut conn)
+        .await
+        .unwrap();
+    assert_eq!(answers[0].0, 1, "the first operation was answered");
+    assert_eq!(answers[1].0, 0, "the second was refused");
+    let why: String = redis::from_redis_value(answers[1].1.clone()).unwrap();
+    assert!(why.contains("OUTCOME must be"), "{why}");
+    assert_eq!(
+        registered(&done("m-1")).await.as_deref(),
+        Some("registered")
+    );
+    assert_eq!(registered(&done("m-2")).await, None);
+    let malformed: Result<redis::Value, _> = turnstile_core::permit::scripts::batch()
+        .key(done("m-3"))
+        .key(ks.calls(&s))
+        .arg(1)
+        .arg("complete")
+        .arg(2)
+        .arg(9)
+        .arg(60_000)
+        .arg("registered")
+        .invoke_async(&mut conn)
+        .await;
+    let error = malformed.expect_err("a batch that names more arguments than it has");
+    assert!(error.to_string().contains("malformed batch"), "{error}");
+    assert_eq!(registered(&done("m-3")).await, None);
+    keys.cleanup().await;
+}
+
+/// A call's answer recorded after a while (riding along with other calls) ends the call when
+/// its answer came, as the caller measured it, never later than the record and never in
+/// Redis's future.
+pub async fn a_late_record_ends_the_call_at_its_answer(backend: Backend) {
+    let keys = Keys::new(backend, "answered").await;
+    let store = keys
+        .store(limiter("10/1m", Algorithm::SlidingWindow))
+        .with_call_timeout(Duration::from_secs(10));
+    let ks = Keyspace::new(&keys.prefix);
+    let s = seller("S-answered");
+    let end_of = |call: String| {
+        let mut conn = keys.conn.clone();
+        let key = ks.calls(&s);
+        async move {
+            let end: Option<f64> = redis::AsyncCommands::zscore(&mut conn, key, call)
+                .await
+                .unwrap();
+            end.expect("the call is tracked") as i64
+        }
+    };
+    let grant = |d| match d {
+        Decision::Granted {
+            call, granted_us, ..
+        } => (call, granted_us),
+        other => panic!("not granted: {other:?}"),
+    };
+    let (call, granted_us) = grant(store.acquire(&s, false).await.unwrap());
+    assert!(
+        end_of(call.clone()).await > granted_us + 10_000_000,
+        "in flight: its bound"
+    );
+    store
+        .call_ended(&s, &call, Some(granted_us + 1_500))
+        .await
+        .unwrap();
+    assert_eq!(end_of(call).await, granted_us + 1_500);
+    let (call, granted_us) = grant(store.acquire(&s, false).await.unwrap());
+    let message = turnstile_core::domain::MessageId::parse("m-late").unwrap();
+    let answer = turnstile_core::permit::CallAnswer {
+        call: &call,
+        cost: Cost::ONE,
+        answered_us: Some(granted_us + 3_600_000_000),
+    };
+    store
+        .complete_call(&s, &message, None, answer, Duration::from_secs(60))
+        .await
+        .unwrap();
+    let recorded_by = store.redis_time_us().await.unwrap();
+    let end = end_of(call).await;
+    assert!(
+        end >= granted_us && end <= recorded_by,
+        "an answer claimed in the future ends when recorded: {end} vs {granted_us}..{recorded_by}"
+    );
+    keys.cleanup().await;
 }

@@ -1,10 +1,13 @@
--- ended: records that a granted call was answered (or timed out, or failed) now, so that it no
+-- ended: records that a granted call was answered (or timed out, or failed), so that it no
 -- longer holds its place in the seller's window beyond its answer (see calls_gate in the
 -- prelude). A registration records its answer in complete.lua instead.
 --
 -- KEYS[1]  the seller's calls (sorted set: member = TOKEN, score = END)
 -- ARGV[1]  TOKEN of the call (letters, digits, dashes; at most 64)
+-- ARGV[2]  ANSWERED_US: when its answer came (see answered_arg in the prelude; -1 or absent =
+--          now)
 -- Returns 1
 
-end_call(KEYS[1], token_arg(1), now_us())
+local token = token_arg(1)
+end_call(KEYS[1], token, answered_arg(2, now_us()))
 return 1

@@ -44,7 +44,9 @@
 -- ARGV[6]  token-bucket: CAPACITY (integer >= 0; see with_capacities); others: ignored
 -- ARGV[7]  MIN: the lowest a learned count goes (integer >= 1; a COUNT below it is kept)
 -- ARGV[8]  EVENT: throttled, recovery or header
--- ARGV[9]  GRANTED in µs (Redis time): when the throttled call was granted (integer >= 0)
+-- ARGV[9]  GRANTED in µs (Redis time): throttled: when the throttled call was granted; recovery
+--          and header: when the answer came back (0 = now; see answered_arg in the prelude): a
+--          raise is judged, and a quota's RESET counted, from then (integer >= 0)
 -- ARGV[10] LIMIT from headers (integer >= 1; -1 = none)
 -- ARGV[11] WINDOW in µs from headers (integer >= 1; -1 = none)
 -- ARGV[12] REMAINING from headers (integer >= 0; -1 = none)
@@ -75,6 +77,9 @@ end
 local configured = with_spans(effective_limits(KEYS[3], default), guard)
 local before = with_capacities(with_spans(effective_limits(KEYS[3], default, KEYS[1], 1), guard), capacity)
 local now = now_us()
+-- When the answer taught it (a lesson may ride along with other calls for a while).
+local as_of = now
+if event ~= 'throttled' and granted > 0 then as_of = math.min(granted, now) end
 local st = learned_state(KEYS[1], configured)
 local counts = {}
 for i, c in ipairs(st.counts) do counts[i] = c end
@@ -119,7 +124,7 @@ elseif event == 'throttled' then
   end
 elseif event == 'recovery' or event == 'header' then
   -- (A header without a LIMIT says nothing about the counts: sustained success still raises.)
-  for _, i in ipairs(raise_due(st, configured, KEYS[2], now)) do
+  for _, i in ipairs(raise_due(st, configured, KEYS[2], as_of)) do
     local c = configured[i].count
     counts[i] = math.min(c, counts[i] + math.max(1, math.floor(c / 20)))
     why = 'recovery'
@@ -132,7 +137,7 @@ if why then
     'why', why, 'patience', st.patience}
 end
 if remaining >= 0 and reset >= 0 then
-  local until_us = now + reset
+  local until_us = as_of + reset
   local units = redis.call('ZCOUNT', KEYS[6], string.format('(%.0f', now), '+inf')
   for _, member in ipairs(redis.call('ZRANGEBYSCORE', KEYS[5], '-inf', string.format('(%.0f', until_us))) do
     local _, cost = held_parts(member)

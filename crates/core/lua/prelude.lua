@@ -1,6 +1,10 @@
 -- prelude: prepended to every turnstile script (see src/permit/scripts.rs). Defines helpers
 -- only; reads and writes nothing by itself.
 
+-- The call's keys and arguments, as locals every helper and script below reads: batch.lua runs
+-- several operations in one call by giving each its own before it runs.
+local KEYS, ARGV = KEYS, ARGV
+
 -- ARGV[i] as an integer >= min, or the script fails before anything is written.
 local function int_arg(i, min)
   local v = tonumber(ARGV[i])
@@ -18,6 +22,15 @@ local function token_arg(i)
     error({err = 'ERR turnstile: TOKEN must be 1 to 64 letters, digits or dashes'})
   end
   return token
+end
+
+-- ARGV[i] as when a call's answer came back (ANSWERED_US, Redis time in µs, at most NOW): the
+-- caller's upper bound for it (the grant's Redis time plus the time it measured from asking
+-- for the permit to the answer), so that a record written later still ends the call when its
+-- answer came; -1 or absent: NOW.
+local function answered_arg(i, now)
+  if ARGV[i] == nil or ARGV[i] == '-1' then return now end
+  return math.min(int_arg(i, 0), now)
 end
 
 -- NUMBERS as the scripts write them: whole numbers, comma-separated (a stack's COUNTS or
@@ -545,7 +558,7 @@ end
 -- answer, because the downstream may count it at any moment in between. The seller's calls
 -- (sorted set CALLS: the units of each call TOKEN, see unit; score = the call's END: while it
 -- is in flight, its grant + BOUND, the latest its answer or timeout can come back; once
--- answered, when the answer was recorded, see ended.lua) keep every call whose END lies within
+-- answered, when its answer came back, see ended.lua) keep every call whose END lies within
 -- the stack's longest window: a call that ended earlier cannot share a window with one starting
 -- now. A new call of COST units may start only while, for every limit, the units whose END lies
 -- within its WINDOW leave room for COST more; then, whatever each call's latency, no window of
@@ -584,18 +597,19 @@ local function start_call(calls_key, token, cost, now, bound, limits)
   redis.call('PEXPIRE', calls_key, math.floor((bound + limits.max_window) / 1000) + 1)
 end
 
--- Records that the call TOKEN was answered now: the END of each of its units comes forward
--- (never back). The answer does not know the call's cost, so its units are moved 64 at a time
--- (ZADD XX touches only those that exist) until a batch finds fewer: a few calls for any cost.
-local function end_call(calls_key, token, now)
+-- Records that the call TOKEN was answered at AT (see answered_arg): the END of each of its
+-- units comes forward to AT (never back). The answer does not know the call's cost, so its
+-- units are moved 64 at a time (ZADD XX touches only those that exist) until a batch finds
+-- fewer: a few calls for any cost.
+local function end_call(calls_key, token, at)
   local bound = tonumber(redis.call('ZSCORE', calls_key, token) or '')
-  if bound == nil or now >= bound then return end
-  redis.call('ZADD', calls_key, now, token)
+  if bound == nil or at >= bound then return end
+  redis.call('ZADD', calls_key, at, token)
   local first = 2
   repeat
     local args = {}
     for i = first, first + 63 do
-      args[#args + 1] = now
+      args[#args + 1] = at
       args[#args + 1] = unit(token, i)
     end
     local moved = redis.call('ZADD', calls_key, 'XX', 'CH', unpack(args))
@@ -756,7 +770,7 @@ local function raise_due(st, configured, accepted_key, now)
 end
 
 -- Adaptive limits: records in the seller's accepted log (ACCEPTED_KEY: sorted set of the units
--- the downstream accepted, score = when the answer was recorded; within the configured stack's
+-- the downstream accepted, score = when the answer came back; within the configured stack's
 -- longest window + guard, and at most twice its largest COUNT + COST of them) that the call TOKEN of COST
 -- units was accepted NOW, keeps the learned state (LEARNED_KEY) alive while the seller is
 -- answered, and returns 1 when a learned count is due to go up (raise_due), else 0.

@@ -17,13 +17,16 @@
 //! to Redis about turnstile's keys but through [`PermitStore`] (the limiter here, the uploads'
 //! progress and the dashboard's shared state in `records`).
 
+mod batch;
 mod conn;
 pub mod keys;
 mod records;
 pub mod scripts;
 
+use std::sync::{Arc, OnceLock};
 use std::time::Duration;
 
+use batch::{Batcher, Operation, When};
 pub use conn::{RedisClient, RedisConn, round_trips};
 pub use keys::Keyspace;
 pub use records::UploadProgress;
@@ -32,6 +35,23 @@ use redis::AsyncCommands;
 use crate::config::{Algorithm, Limit, LimiterArgs, Limits, RedisArgs};
 use crate::domain::{BatchId, Cost, MessageId, RateLimitHeaders, SellerId};
 
+/// Something script arguments are added to: a script invocation, or an operation of a batch.
+trait Args {
+    fn push<T: redis::ToRedisArgs>(&mut self, arg: T) -> &mut Self;
+}
+
+impl Args for redis::ScriptInvocation<'_> {
+    fn push<T: redis::ToRedisArgs>(&mut self, arg: T) -> &mut Self {
+        self.arg(arg)
+    }
+}
+
+impl Args for Operation {
+    fn push<T: redis::ToRedisArgs>(&mut self, arg: T) -> &mut Self {
+        self.arg(arg)
+    }
+}
+
 /// A failed permit decision: the caller cannot know whether it may call, so it must not.
 #[derive(Debug, thiserror::Error)]
 pub enum PermitError {
@@ -39,6 +59,10 @@ pub enum PermitError {
     Redis(#[from] redis::RedisError),
     #[error("unexpected answer from the {0} script")]
     Answer(&'static str),
+    /// A script refused an operation of a batch (see `lua/batch.lua`): its inputs, or a
+    /// command inside it failed.
+    #[error("Redis refused: {0}")]
+    Refused(String),
 }
 
 impl PermitError {
@@ -49,7 +73,7 @@ impl PermitError {
             PermitError::Redis(error) => {
                 !matches!(error.retry_method(), redis::RetryMethod::NoRetry)
             }
-            PermitError::Answer(_) => false,
+            PermitError::Answer(_) | PermitError::Refused(_) => false,
         }
     }
 }
@@ -255,6 +279,16 @@ impl Completion<'_> {
             Completion::Replayed => "replayed",
         }
     }
+}
+
+/// A call's answer, as [`PermitStore::complete_call`] records it: the call's name (see
+/// [`Decision::Granted`]), its cost, and when the answer came back (Redis µs, an upper bound: the
+/// grant's time plus the time from asking for the permit to the answer; `None`: when recorded).
+#[derive(Clone, Copy, Debug)]
+pub struct CallAnswer<'a> {
+    pub call: &'a str,
+    pub cost: Cost,
+    pub answered_us: Option<i64>,
 }
 
 /// What [`PermitStore::record`] did: whether the message's state changed, and whether a
@@ -478,6 +512,63 @@ pub struct PermitStore {
     keys: Keyspace,
     limiter: LimiterArgs,
     call_bound: Duration,
+    /// Sends the hot operations in batches (see [`batch`]); started at first use.
+    batcher: Arc<OnceLock<Batcher>>,
+    /// How long a completion record may wait to ride along with another call (see
+    /// [`record_delay`]).
+    record_delay: Duration,
+    clock: Arc<RedisClock>,
+}
+
+/// The longest a completion record (or a call's end, or a lesson from a 2xx) waits to ride
+/// along with another call to the same place before it is sent by itself.
+pub const MOST_RECORD_DELAY: Duration = Duration::from_millis(100);
+
+/// How long completion records may wait under `limits`: [`MOST_RECORD_DELAY`], or a quarter of
+/// the shortest window if that is less (a record should land well before the next window's
+/// calls are decided; it carries when the answer came, so a late one is still exact).
+pub fn record_delay(limits: &Limits) -> Duration {
+    (limits.shortest_window() / 4).min(MOST_RECORD_DELAY)
+}
+
+/// This replica's estimate of Redis's clock, from the Redis time in the limiter's answers.
+/// A sample `redis_now - local_now` (taken when the answer arrived) is at most the true offset
+/// (Redis read its clock before the answer arrived), so a time estimated with it is never
+/// ahead of Redis's: the largest sample of the last [`RedisClock::FRESH`] is used.
+#[derive(Default)]
+struct RedisClock {
+    /// (offset µs, local µs when observed); 0 = none yet.
+    sample: std::sync::Mutex<(i64, i64)>,
+}
+
+impl RedisClock {
+    const FRESH: i64 = 10_000_000;
+
+    fn observe(&self, redis_now_us: i64) {
+        let local = local_now_us();
+        let offset = redis_now_us - local;
+        let mut sample = self
+            .sample
+            .lock()
+            .expect("the clock's lock is never poisoned");
+        if sample.1 == 0 || offset > sample.0 || local - sample.1 > Self::FRESH {
+            *sample = (offset, local);
+        }
+    }
+
+    fn now_us(&self) -> Option<i64> {
+        let (offset, at) = *self
+            .sample
+            .lock()
+            .expect("the clock's lock is never poisoned");
+        (at != 0).then(|| local_now_us() + offset)
+    }
+}
+
+fn local_now_us() -> i64 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| d.as_micros() as i64)
 }
 
 /// How long after its grant a call may still start: a worker that could not send it sooner
@@ -501,9 +592,37 @@ impl PermitStore {
         Self {
             conn,
             keys: Keyspace::new(prefix),
+            record_delay: record_delay(&limiter.limit),
             limiter,
             call_bound: Duration::ZERO,
+            batcher: Arc::default(),
+            clock: Arc::default(),
         }
+    }
+
+    /// Runs a hot operation through the batcher (see [`batch`]) and reads its answer as `T`.
+    async fn run<T: redis::FromRedisValue>(
+        &self,
+        operation: Operation,
+        when: When,
+    ) -> Result<T, PermitError> {
+        let batcher = self
+            .batcher
+            .get_or_init(|| Batcher::start(self.conn.clone()));
+        let answer = batcher.run(operation, when).await?;
+        redis::from_redis_value(answer).map_err(|e| PermitError::Redis(e.into()))
+    }
+
+    /// Calls to Redis this store (and its clones) sent for the limiter's hot operations so
+    /// far, each carrying one or more operations (see [`batch`]).
+    pub fn batched_calls(&self) -> u64 {
+        self.batcher.get().map_or(0, Batcher::calls)
+    }
+
+    /// Redis's time now as this replica estimates it from the limiter's answers (never ahead
+    /// of Redis's, see `RedisClock`); `None` before the first answer.
+    pub fn redis_now_us(&self) -> Option<i64> {
+        self.clock.now_us()
     }
 
     /// Calls granted by this store are sent within [`CALL_ALLOWANCE`] of their grant and
@@ -520,14 +639,21 @@ impl PermitStore {
         self.call_bound.as_micros() as u64
     }
 
-    /// Records that the call `call` was answered now (for every answer but a registration,
-    /// which [`Self::complete_call`] records with its completion).
-    pub async fn call_ended(&self, seller: &SellerId, call: &str) -> Result<(), PermitError> {
-        let _: i64 = scripts::ended()
+    /// Records that the call `call` was answered at `answered_us` (Redis time, an upper bound;
+    /// `None`: now), for every answer but a registration, which [`Self::complete_call`] records
+    /// with its completion. The record rides along with other calls (see [`record_delay`]).
+    pub async fn call_ended(
+        &self,
+        seller: &SellerId,
+        call: &str,
+        answered_us: Option<i64>,
+    ) -> Result<(), PermitError> {
+        let mut operation = Operation::new("ended");
+        operation
             .key(self.keys.calls(seller))
             .arg(call)
-            .invoke_async(&mut self.conn.clone())
-            .await?;
+            .arg(answered_us.unwrap_or(-1).max(-1));
+        let _: i64 = self.run(operation, When::Within(self.record_delay)).await?;
         Ok(())
     }
 
@@ -563,14 +689,14 @@ impl PermitStore {
 
     /// The arguments that open `lua/usage.lua`, `lua/reschedule.lua` and `lua/learn.lua`: the
     /// algorithm, the default stack, the guard, gcra's burst and token-bucket's capacity.
-    fn terms_args(&self, invocation: &mut redis::ScriptInvocation<'_>) {
+    fn terms_args(&self, invocation: &mut impl Args) {
         invocation
-            .arg(self.limiter.algorithm.name())
-            .arg(self.limiter.limit.counts_arg())
-            .arg(self.limiter.limit.windows_arg())
-            .arg(self.guard_arg())
-            .arg(self.limiter.gcra_burst.max(1))
-            .arg(self.limiter.bucket_capacity);
+            .push(self.limiter.algorithm.name())
+            .push(self.limiter.limit.counts_arg())
+            .push(self.limiter.limit.windows_arg())
+            .push(self.guard_arg())
+            .push(self.limiter.gcra_burst.max(1))
+            .push(self.limiter.bucket_capacity);
     }
 
     /// The scripts' FLAGS bit for adaptive limits (`TURNSTILE_ADAPTIVE`).
@@ -615,7 +741,7 @@ impl PermitStore {
         let algorithm = self.limiter.algorithm;
         let limit = &self.limiter.limit;
         let token = format!("{:x}", rand::random::<u64>());
-        let mut invocation = scripts::acquire(algorithm).prepare_invoke();
+        let mut invocation = Operation::new(algorithm.name());
         invocation
             .key(self.state_key(seller))
             .key(self.keys.limit(seller))
@@ -648,8 +774,22 @@ impl PermitStore {
             }
             _ => {}
         }
-        let answer: Vec<redis::Value> = invocation.invoke_async(&mut self.conn.clone()).await?;
+        let answer: Vec<redis::Value> = self.run(invocation, When::Now).await?;
         let decision = acquired(algorithm, &answer, token, cost)?;
+        if let Decision::Granted {
+            granted_us: now, ..
+        }
+        | Decision::Wait {
+            reservation:
+                Some(Reservation {
+                    reserved_at_us: now,
+                    ..
+                }),
+            ..
+        } = &decision
+        {
+            self.clock.observe(*now);
+        }
         observe(algorithm, &decision, true);
         Ok(decision)
     }
@@ -674,7 +814,7 @@ impl PermitStore {
         held: Reservation,
     ) -> Result<Result<Decision, Forfeit>, PermitError> {
         let limit = &self.limiter.limit;
-        let mut invocation = scripts::redeem().prepare_invoke();
+        let mut invocation = Operation::new("redeem");
         invocation
             .key(self.keys.limit(seller))
             .key(self.keys.pause(seller))
@@ -688,7 +828,7 @@ impl PermitStore {
         if let Some(message) = message {
             invocation.key(self.keys.done(seller, message));
         }
-        let (status, at, now, verdict): (u8, i64, i64, String) = invocation
+        invocation
             .arg(limit.counts_arg())
             .arg(limit.windows_arg())
             .arg(self.guard_arg())
@@ -700,9 +840,10 @@ impl PermitStore {
             .arg(&held.token)
             .arg(self.limiter.bucket_capacity)
             .arg(self.call_bound_us())
-            .arg(cost.units())
-            .invoke_async(&mut self.conn.clone())
-            .await?;
+            .arg(cost.units());
+        let (status, at, now, verdict): (u8, i64, i64, String) =
+            self.run(invocation, When::Now).await?;
+        self.clock.observe(now);
         count_verdict(&verdict);
         let redeemed = match status {
             1 => Ok(Decision::Granted {
@@ -1047,23 +1188,25 @@ impl PermitStore {
         completion: Completion<'_>,
         ttl: Duration,
     ) -> Result<bool, PermitError> {
-        self.record(seller, message, batch, completion, ("", Cost::ONE), ttl)
+        self.record(seller, message, batch, completion, None, ttl)
             .await
             .map(|recorded| recorded.changed)
     }
 
     /// As [`Self::complete`] with [`Completion::Registered`], for the message registered by the
-    /// call `call` of `cost` units: its answer is recorded in the same step (see
-    /// [`Decision::Granted`]) and, with adaptive limits, its acceptance by the downstream (see
-    /// `note_accepted` in `lua/prelude.lua`). Returns whether a learned limit of the seller is
-    /// due to go up ([`Self::learn`] with [`Lesson::Recovery`]).
+    /// call `answer` names: its answer is recorded in the same step (see [`Decision::Granted`])
+    /// and, with adaptive limits, its acceptance by the downstream (see `note_accepted` in
+    /// `lua/prelude.lua`). The record rides along with other calls for up to [`record_delay`]:
+    /// it must be written before the message is acked, and a replica that dies before writing
+    /// it leaves the message to be called again (README, "Redis calls per message"). Returns
+    /// whether a learned limit of the seller is due to go up ([`Self::learn`] with
+    /// [`Lesson::Recovery`]).
     pub async fn complete_call(
         &self,
         seller: &SellerId,
         message: &MessageId,
         batch: Option<&BatchId>,
-        call: &str,
-        cost: Cost,
+        answer: CallAnswer<'_>,
         ttl: Duration,
     ) -> Result<bool, PermitError> {
         let recorded = self
@@ -1072,7 +1215,7 @@ impl PermitStore {
                 message,
                 batch,
                 Completion::Registered,
-                (call, cost),
+                Some(answer),
                 ttl,
             )
             .await?;
@@ -1085,10 +1228,12 @@ impl PermitStore {
         message: &MessageId,
         batch: Option<&BatchId>,
         completion: Completion<'_>,
-        (call, cost): (&str, Cost),
+        answer: Option<CallAnswer<'_>>,
         ttl: Duration,
     ) -> Result<Recorded, PermitError> {
-        let mut invocation = scripts::complete().prepare_invoke();
+        let (call, cost, answered_us) =
+            answer.map_or(("", Cost::ONE, None), |a| (a.call, a.cost, a.answered_us));
+        let mut invocation = Operation::new("complete");
         invocation
             .key(self.keys.done(seller, message))
             .key(self.keys.calls(seller));
@@ -1110,7 +1255,8 @@ impl PermitStore {
             .arg(ttl.as_millis().max(1) as u64)
             .arg(completion.outcome())
             .arg(reason)
-            .arg(call);
+            .arg(call)
+            .arg(answered_us.unwrap_or(-1).max(-1));
         if adaptive {
             invocation
                 .arg(1)
@@ -1119,8 +1265,12 @@ impl PermitStore {
                 .arg(cost.units())
                 .arg(self.guard_arg());
         }
-        let (changed, was_dead_for, raise): (u8, String, u8) =
-            invocation.invoke_async(&mut self.conn.clone()).await?;
+        let when = if call.is_empty() {
+            When::Now
+        } else {
+            When::Within(self.record_delay)
+        };
+        let (changed, was_dead_for, raise): (u8, String, u8) = self.run(invocation, when).await?;
         // The tally is a shared key (another Cluster slot): a second step, only when a message
         // becomes or stops being dead. Its failure costs the count, not the transition.
         let tallied = match (changed, completion) {
@@ -1148,19 +1298,32 @@ impl PermitStore {
         seller: &SellerId,
         lesson: Lesson,
     ) -> Result<Option<LearnedChange>, PermitError> {
+        self.learn_at(seller, lesson, None).await
+    }
+
+    /// As [`Self::learn`], for a lesson of an answer that came back at `answered_us` (Redis
+    /// time, an upper bound; see [`CallAnswer`]): a raise is judged and a quota's reset counted
+    /// from then. A 2xx's lesson rides along with other calls (see [`record_delay`]); a 429's
+    /// is sent at once.
+    pub async fn learn_at(
+        &self,
+        seller: &SellerId,
+        lesson: Lesson,
+        answered_us: Option<i64>,
+    ) -> Result<Option<LearnedChange>, PermitError> {
         if !self.limiter.adaptive {
             return Ok(None);
         }
         let (event, granted_us, told) = match lesson {
             Lesson::Throttled { granted_us, told } => ("throttled", granted_us, told),
-            Lesson::Recovery => ("recovery", 0, None),
-            Lesson::Told(told) => ("header", 0, Some(told)),
+            Lesson::Recovery => ("recovery", answered_us.unwrap_or(0), None),
+            Lesson::Told(told) => ("header", answered_us.unwrap_or(0), Some(told)),
         };
         let told = told.unwrap_or_default();
         let micros =
             |d: Option<Duration>| d.map_or(-1, |d| d.as_micros().min(i64::MAX as u128) as i64);
         let count = |n: Option<u64>| n.map_or(-1, |n| n.min(i64::MAX as u64) as i64);
-        let mut invocation = scripts::learn().prepare_invoke();
+        let mut invocation = Operation::new("learn");
         invocation
             .key(self.keys.learned(seller))
             .key(self.keys.accepted(seller))
@@ -1169,6 +1332,19 @@ impl PermitStore {
             .key(self.keys.reserved(seller))
             .key(self.keys.calls(seller));
         self.terms_args(&mut invocation);
+        invocation
+            .arg(self.limiter.adaptive_min.get())
+            .arg(event)
+            .arg(granted_us.max(0))
+            .arg(count(told.limit.filter(|&n| n >= 1)))
+            .arg(micros(told.window.filter(|w| !w.is_zero())))
+            .arg(count(told.remaining))
+            .arg(micros(told.reset));
+        // A 429's lesson decides what the message does next; a 2xx's may ride along.
+        let when = match lesson {
+            Lesson::Throttled { .. } => When::Now,
+            Lesson::Recovery | Lesson::Told(_) => When::Within(self.record_delay),
+        };
         let (changed, released, now, counts, why, configured, wake, lowered): (
             u8,
             u64,
@@ -1178,16 +1354,7 @@ impl PermitStore {
             String,
             u8,
             u8,
-        ) = invocation
-            .arg(self.limiter.adaptive_min.get())
-            .arg(event)
-            .arg(granted_us.max(0))
-            .arg(count(told.limit.filter(|&n| n >= 1)))
-            .arg(micros(told.window.filter(|w| !w.is_zero())))
-            .arg(count(told.remaining))
-            .arg(micros(told.reset))
-            .invoke_async(&mut self.conn.clone())
-            .await?;
+        ) = self.run(invocation, when).await?;
         if changed == 0 {
             return Ok(None);
         }

@@ -36,6 +36,35 @@ static LEASE: LazyLock<Script> = script!("lease.lua");
 static LEARN: LazyLock<Script> = script!("learn.lua");
 static GLOBAL_USAGE: LazyLock<Script> = script!("global_usage.lua");
 
+/// `lua/batch.lua` after the prelude and, wrapped each in a function of its own, the scripts it
+/// runs as operations.
+macro_rules! operation {
+    ($name:literal, $file:literal) => {
+        concat!(
+            "\nlocal function op_",
+            $name,
+            "()\n",
+            include_str!(concat!("../../lua/", $file)),
+            "\nend\n"
+        )
+    };
+}
+
+static BATCH: LazyLock<Script> = LazyLock::new(|| {
+    Script::new(concat!(
+        include_str!("../../lua/prelude.lua"),
+        operation!("sliding_window", "sliding_window.lua"),
+        operation!("gcra", "gcra.lua"),
+        operation!("token_bucket", "token_bucket.lua"),
+        operation!("fixed_window", "fixed_window.lua"),
+        operation!("redeem", "redeem.lua"),
+        operation!("complete", "complete.lua"),
+        operation!("ended", "ended.lua"),
+        operation!("learn", "learn.lua"),
+        include_str!("../../lua/batch.lua")
+    ))
+});
+
 /// The acquire script of an algorithm.
 pub fn acquire(algorithm: Algorithm) -> &'static Script {
     match algorithm {
@@ -104,4 +133,10 @@ pub fn global_usage() -> &'static Script {
 /// `lua/learn.lua`: adaptive limits, learned from the downstream's answers.
 pub fn learn() -> &'static Script {
     &LEARN
+}
+
+/// Several operations (acquire, redeem, complete, ended, learn) in one call (see
+/// `lua/batch.lua` and `permit::batch`).
+pub fn batch() -> &'static Script {
+    &BATCH
 }

@@ -32,7 +32,27 @@ pub use plan::{Carried, Outcome, WorkerSettings};
 use plan::{Interrupted, PermitErrors, Plan, returned};
 pub use stats::{LatencySummary, Stats};
 
-use crate::permit::{Decision, Lesson, PermitError, PermitStore, Rescheduled, Reservation};
+use crate::permit::{
+    CallAnswer, Decision, Lesson, PermitError, PermitStore, Rescheduled, Reservation,
+};
+
+/// A grant being called: the call's name, the Redis time of the grant, and when this worker
+/// asked for it.
+struct Grant<'a> {
+    call: &'a str,
+    granted_us: i64,
+    asked: std::time::Instant,
+}
+
+impl Grant<'_> {
+    /// An upper bound, in Redis time, for when the call's answer came (now): Redis granted at
+    /// `granted_us`, which was after the worker asked, so no more than the time since the ask
+    /// has passed on Redis's clock since then.
+    fn answered_us(&self) -> i64 {
+        let since = self.asked.elapsed().as_micros().min(i64::MAX as u128) as i64;
+        self.granted_us.saturating_add(since)
+    }
+}
 
 /// Everything a delivery needs; shared by all of a replica's tasks.
 pub struct Worker {
@@ -202,6 +222,9 @@ impl Worker {
         connection_lost: &CancellationToken,
     ) -> Plan {
         let interrupted = |why| Plan::Settle(returned(carried.clone(), why));
+        if let Some(plan) = self.early_return(carried) {
+            return plan;
+        }
         let worker = tokio::select! {
             permit = self.workers.clone().acquire_owned() => permit.expect("the worker semaphore is never closed"),
             permit = self.due_lane.clone().acquire_owned(), if carried.reservation.is_some() => permit.expect("the due lane is never closed"),
@@ -235,8 +258,12 @@ impl Worker {
             .plan_decision(decision, waited, holding, carried)
         {
             Plan::Call { call } => {
-                self.call(registration, (&call, granted_us), worker, carried)
-                    .await
+                let grant = Grant {
+                    call: &call,
+                    granted_us,
+                    asked,
+                };
+                self.call(registration, grant, worker, carried).await
             }
             plan => {
                 drop(worker);
@@ -255,25 +282,41 @@ impl Worker {
         }
     }
 
-    /// Calls the downstream under a grant (the call named `call`, granted at `granted_us`),
-    /// lets go of the worker once the call's answer is recorded (and learned from, see
-    /// [`Self::learn`]), and plans what the reply leads to.
+    /// The plan for a message back before its reserved slot (see
+    /// [`WorkerSettings::plan_early_return`]), if it is.
+    fn early_return(&self, carried: &Carried) -> Option<Plan> {
+        let slot_us = carried.reservation.as_ref()?.slot_us;
+        let until_slot = slot_us.checked_sub(self.permits.redis_now_us()?)?;
+        let until_slot = Duration::from_micros(u64::try_from(until_slot).ok()?);
+        let holding = self.stats.held.load(Ordering::Relaxed);
+        self.settings
+            .plan_early_return(until_slot, holding, carried)
+    }
+
+    /// Calls the downstream under a grant, lets go of the worker once the answer came, records
+    /// the answer (with the registration, for a 2xx) and learns from it (see [`Self::learn`]),
+    /// and plans what the reply leads to.
     async fn call(
         &self,
         registration: &Registration,
-        (call, granted_us): (&str, i64),
+        grant: Grant<'_>,
         worker: OwnedSemaphorePermit,
         carried: &mut Carried,
     ) -> Plan {
         self.stats.in_flight.fetch_add(1, Ordering::Relaxed);
         let answered = self.downstream.call(registration).await;
+        let answered_us = grant.answered_us();
         self.stats.in_flight.fetch_sub(1, Ordering::Relaxed);
-        self.end_lease(registration, call).await;
+        self.end_lease(registration, grant.call).await;
+        // The records below may wait to ride along with other calls to Redis: the worker is
+        // free for the next call meanwhile (the message stays unacked until they are written).
+        drop(worker);
         let reply = answered.reply;
         // Only the exact algorithms hold calls until their answer; a registration's answer is
         // recorded with its completion.
         if self.permits.algorithm().is_exact() && !matches!(reply, Reply::Registered) {
-            self.record_call_end(registration, call).await;
+            self.record_call_end(registration, grant.call, answered_us)
+                .await;
         }
         // A quota's reset is capped as a Retry-After is: a downstream cannot stall a seller
         // longer than TURNSTILE_MAX_PAUSE by saying so in its headers.
@@ -281,39 +324,53 @@ impl Worker {
             reset: told.reset.map(|reset| reset.min(self.settings.max_pause)),
             ..told
         });
-        let lesson = match reply {
+        let lowered = match reply {
             Reply::Registered => {
-                let raise_due = self.record_completion(registration, call).await;
-                match rate_limit {
-                    Some(told) => Some(Lesson::Told(told)),
-                    None => raise_due.then_some(Lesson::Recovery),
+                let answer = CallAnswer {
+                    call: grant.call,
+                    cost: registration.cost,
+                    answered_us: Some(answered_us),
+                };
+                // Both go in the same batch when they can (see `permit::batch`).
+                let (raise_due, _) =
+                    tokio::join!(self.record_completion(registration, answer), async {
+                        if let Some(told) = rate_limit {
+                            let lesson = Lesson::Told(told);
+                            self.learn(registration, lesson, answered_us).await;
+                        }
+                    });
+                if raise_due && rate_limit.is_none() {
+                    self.learn(registration, Lesson::Recovery, answered_us)
+                        .await;
                 }
+                false
             }
             Reply::Throttled { .. } => {
                 self.stats.throttled.fetch_add(1, Ordering::Relaxed);
                 metrics::counter!("turnstile_downstream_throttled_total").increment(1);
-                Some(Lesson::Throttled {
-                    granted_us,
+                let lesson = Lesson::Throttled {
+                    granted_us: grant.granted_us,
                     told: rate_limit,
-                })
+                };
+                self.learn(registration, lesson, answered_us).await
             }
-            Reply::Transient(_) | Reply::Rejected { .. } => None,
+            Reply::Transient(_) | Reply::Rejected { .. } => false,
         };
-        let lowered = match lesson {
-            Some(lesson) => self.learn(registration, lesson).await,
-            None => false,
-        };
-        drop(worker);
         let now_ms = crate::broker::unix_ms();
         let window = self.permits.default_limit().shortest_window();
         self.settings
             .plan_reply(reply, carried, now_ms, window, lowered)
     }
 
-    /// Learns from an answer (adaptive limits, see [`PermitStore::learn`]); whether a 429
-    /// lowered the seller's learned limit. A failure only costs the lesson.
-    async fn learn(&self, registration: &Registration, lesson: Lesson) -> bool {
-        match self.permits.learn(&registration.seller_id, lesson).await {
+    /// Learns from an answer that came back at `answered_us` (adaptive limits, see
+    /// [`PermitStore::learn_at`]); whether a 429 lowered the seller's learned limit. A failure
+    /// only costs the lesson.
+    async fn learn(&self, registration: &Registration, lesson: Lesson, answered_us: i64) -> bool {
+        let learned = self
+            .permits
+            .learn_at(&registration.seller_id, lesson, Some(answered_us))
+            .await;
+        match learned {
             Ok(Some(change)) => {
                 info!(counts = %change.counts, why = change.why.label(), "the seller's learned limit changed");
                 matches!(lesson, Lesson::Throttled { .. }) && change.lowered
@@ -455,17 +512,16 @@ impl Worker {
         }
     }
 
-    /// Records the registration (and the answer of its call, `call`) in one step; whether a
-    /// learned limit of the seller is due to go up.
-    async fn record_completion(&self, registration: &Registration, call: &str) -> bool {
+    /// Records the registration (and its call's `answer`) in one step; whether a learned limit
+    /// of the seller is due to go up.
+    async fn record_completion(&self, registration: &Registration, answer: CallAnswer<'_>) -> bool {
         let record = || async {
             self.permits
                 .complete_call(
                     &registration.seller_id,
                     &registration.message_id,
                     registration.batch_id.as_ref(),
-                    call,
-                    registration.cost,
+                    answer,
                     self.settings.done_ttl,
                 )
                 .await
@@ -479,10 +535,15 @@ impl Worker {
         })
     }
 
-    /// Records that the call `call` was answered (not a registration): it stops holding its
-    /// place in the seller's window beyond now. On failure it holds it until its bound.
-    async fn record_call_end(&self, registration: &Registration, call: &str) {
-        if let Err(error) = self.permits.call_ended(&registration.seller_id, call).await {
+    /// Records that the call `call` was answered at `answered_us` (not a registration): it
+    /// stops holding its place in the seller's window beyond then. On failure it holds it until
+    /// its bound.
+    async fn record_call_end(&self, registration: &Registration, call: &str, answered_us: i64) {
+        let ended = self
+            .permits
+            .call_ended(&registration.seller_id, call, Some(answered_us))
+            .await;
+        if let Err(error) = ended {
             debug!(%error, "the call's answer was not recorded; its place is kept until its bound");
         }
     }

@@ -227,6 +227,28 @@ impl WorkerSettings {
         Plan::Hold(retry_after)
     }
 
+    /// A message that comes back holding a reservation whose slot is still `until_slot` ahead
+    /// (by this replica's estimate of Redis's clock, which is never ahead of it) waits for its
+    /// slot without asking Redis, which would only answer "early": as after that answer, it is
+    /// held here or sent back through the ladder (see [`Self::plan_wait`]). `None` (ask now)
+    /// for a slot less than a millisecond ahead, or further ahead than `hold`: a header
+    /// claiming a far slot is checked with Redis at once, so a forged one can delay a message
+    /// by no more than `hold`.
+    pub(super) fn plan_early_return(
+        &self,
+        until_slot: Duration,
+        holding: usize,
+        carried: &Carried,
+    ) -> Option<Plan> {
+        if carried.reservation.is_none()
+            || until_slot < Duration::from_millis(1)
+            || until_slot > self.hold
+        {
+            return None;
+        }
+        Some(self.plan_wait(until_slot, holding, carried))
+    }
+
     /// Where a message a lease or the global limit turned away waits `retry_after` (its
     /// ticket: see `lua/lease.lua`, `lua/global.lua`): held here if the wait is within `hold`
     /// and fewer than `hold_capacity` messages are held (a ticket is precise, and a held
@@ -604,6 +626,31 @@ mod tests {
             ..settings()
         };
         assert_eq!(short_hold.lead(), 2 * crate::broker::UNIT);
+    }
+
+    #[test]
+    fn a_reservation_back_before_its_slot_waits_for_it_without_asking() {
+        let s = settings();
+        let soon = Duration::from_millis(700);
+        assert_eq!(
+            s.plan_early_return(soon, 0, &reserved()),
+            Some(Plan::Hold(soon))
+        );
+        assert_eq!(
+            s.plan_early_return(soon, 0, &Carried::default()),
+            None,
+            "nothing reserved: ask"
+        );
+        assert_eq!(
+            s.plan_early_return(Duration::ZERO, 0, &reserved()),
+            None,
+            "due: redeem"
+        );
+        assert_eq!(
+            s.plan_early_return(s.hold + Duration::from_millis(1), 0, &reserved()),
+            None,
+            "a slot further than the hold is checked with Redis at once"
+        );
     }
 
     #[test]

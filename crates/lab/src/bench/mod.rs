@@ -15,7 +15,9 @@ use std::time::Duration;
 
 use clap::Subcommand;
 
+use anyhow::Context;
 use turnstile_core::config::RedisArgs;
+use turnstile_core::permit::RedisConn;
 
 #[derive(Subcommand, Debug)]
 pub enum BenchCommand {
@@ -121,4 +123,69 @@ pub fn percentile(sorted: &[Duration], p: f64) -> f64 {
     }
     let i = ((sorted.len() - 1) as f64 * p).round() as usize;
     sorted[i].as_secs_f64() * 1e6
+}
+
+/// What Redis has executed so far, summed over every node: scripts called (EVALSHA, EVAL) and
+/// all commands (the commands scripts run inside Redis included).
+pub struct CommandCalls {
+    pub scripts: u64,
+    pub total: u64,
+    /// Nodes asked (each INFO call itself counts one command on its node).
+    pub nodes: u64,
+}
+
+pub async fn command_calls(redis: &RedisConn) -> anyhow::Result<CommandCalls> {
+    let mut conn = redis.clone();
+    let infos: Vec<String> = match redis {
+        RedisConn::Single(_) => vec![
+            redis::cmd("INFO")
+                .arg("commandstats")
+                .query_async(&mut conn)
+                .await?,
+        ],
+        RedisConn::Cluster(_) => {
+            let by_node: std::collections::HashMap<String, String> = redis::cmd("INFO")
+                .arg("commandstats")
+                .query_async(&mut conn)
+                .await
+                .context("INFO commandstats on every node")?;
+            by_node.into_values().collect()
+        }
+    };
+    let mut calls = CommandCalls {
+        scripts: 0,
+        total: 0,
+        nodes: infos.len() as u64,
+    };
+    for info in &infos {
+        for line in info.lines() {
+            let Some((name, rest)) = line
+                .strip_prefix("cmdstat_")
+                .and_then(|l| l.split_once(':'))
+            else {
+                continue;
+            };
+            let n: u64 = rest
+                .split(',')
+                .find_map(|f| f.strip_prefix("calls="))
+                .and_then(|v| v.parse().ok())
+                .unwrap_or(0);
+            calls.total += n;
+            if name.starts_with("eval") {
+                calls.scripts += n;
+            }
+        }
+    }
+    Ok(calls)
+}
+
+impl CommandCalls {
+    /// Per message of `messages`, since `before`: (scripts called, commands executed, the
+    /// commands inside scripts included; each INFO asked for these counts left out).
+    pub fn per_message_since(&self, before: &CommandCalls, messages: u64) -> (f64, f64) {
+        let n = messages.max(1) as f64;
+        let scripts = self.scripts.saturating_sub(before.scripts);
+        let commands = self.total.saturating_sub(before.total + before.nodes);
+        (scripts as f64 / n, commands as f64 / n)
+    }
 }

@@ -12,6 +12,9 @@ use clap::Args;
 use crate::mock_api::MockArgs;
 use crate::rig::{Message, Rig, RigArgs, registration_body, weighed_body};
 use turnstile_core::config::{Algorithm, GlobalLimit, LimiterArgs, Limits};
+use turnstile_core::permit::{RedisConn, round_trips};
+
+use super::command_calls;
 
 #[derive(Args, Debug, Clone)]
 pub struct ScenarioArgs {
@@ -248,6 +251,8 @@ pub async fn run(args: ScenarioArgs) -> anyhow::Result<bool> {
     } else {
         rig.start(replicas).await?
     };
+    let redis = RedisConn::connect(&args.rig.redis).await?;
+    let redis_before = (command_calls(&redis).await?, round_trips());
     let mut messages = Vec::new();
     let message = |seller: &str, i: usize| {
         let id = format!("{seller}-{i}");
@@ -287,8 +292,14 @@ pub async fn run(args: ScenarioArgs) -> anyhow::Result<bool> {
     let lower_bound = limit.optimum_drain(units);
     rig.wait(optimum * 3 + Duration::from_secs(60), |_| {})
         .await?;
+    let redis_after = (command_calls(&redis).await?, round_trips());
     let rig_stats = rig.mock.stats();
     let report = rig.finish().await?;
+    let (scripts_per_message, commands_per_message) = redis_after
+        .0
+        .per_message_since(&redis_before.0, report.registered);
+    let requests_per_message =
+        (redis_after.1 - redis_before.1) as f64 / report.registered.max(1) as f64;
 
     let big_drain = report
         .sellers
@@ -382,6 +393,18 @@ pub async fn run(args: ScenarioArgs) -> anyhow::Result<bool> {
         "{:<44} {:>9.2}s",
         "small sellers: last registered after publish", small_latency
     );
+    println!(
+        "{:<44} {:>10.2}",
+        "Redis: script calls per registration", scripts_per_message
+    );
+    println!(
+        "{:<44} {:>10.2}",
+        "  requests the replicas sent (pipeline = 1)", requests_per_message
+    );
+    println!(
+        "{:<44} {:>10.1}",
+        "  commands run, inside scripts included", commands_per_message
+    );
     if let Some(global) = &global {
         print_global(&report, &rig_stats, global);
     }
@@ -391,6 +414,9 @@ pub async fn run(args: ScenarioArgs) -> anyhow::Result<bool> {
         value["optimum_s"] = optimum.as_secs_f64().into();
         value["drain_ratio"] = ratio.into();
         value["small_max_latency_s"] = small_latency.into();
+        value["redis_scripts_per_message"] = scripts_per_message.into();
+        value["redis_requests_per_message"] = requests_per_message.into();
+        value["redis_commands_per_message"] = commands_per_message.into();
         value
             .as_object_mut()
             .expect("a report is an object")

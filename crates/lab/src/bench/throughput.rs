@@ -440,7 +440,7 @@ impl Bench<'_> {
     async fn turnstile(&mut self, replicas: usize) -> anyhow::Result<Run> {
         let topology = self.backlog().await?;
         let before_mock = self.mock.stats();
-        let commands_before = command_calls(self.redis).await?;
+        let commands_before = super::command_calls(self.redis).await?;
         let trips_before = round_trips();
         let cpu = cpu_now(&self.redis_ports);
         let mut settings = self.settings.clone();
@@ -478,7 +478,7 @@ impl Bench<'_> {
         }
         let trips = round_trips() - trips_before;
         let used = cpu_now(&self.redis_ports) - cpu;
-        let commands_after = command_calls(self.redis).await?;
+        let commands_after = super::command_calls(self.redis).await?;
         let after_mock = self.mock.stats();
         self.done_with(&topology).await?;
         let registered = after_mock.registered - before_mock.registered;
@@ -611,58 +611,4 @@ async fn bare_loop(
         done.load(Ordering::Relaxed)
     );
     Ok(took)
-}
-
-/// What Redis has executed so far, summed over every node: scripts called (EVALSHA, EVAL) and
-/// all commands (the commands scripts run inside Redis included).
-struct CommandCalls {
-    scripts: u64,
-    total: u64,
-    /// Nodes asked (each INFO call itself counts one command on its node).
-    nodes: u64,
-}
-
-async fn command_calls(redis: &RedisConn) -> anyhow::Result<CommandCalls> {
-    let mut conn = redis.clone();
-    let infos: Vec<String> = match redis {
-        RedisConn::Single(_) => vec![
-            redis::cmd("INFO")
-                .arg("commandstats")
-                .query_async(&mut conn)
-                .await?,
-        ],
-        RedisConn::Cluster(_) => {
-            let by_node: std::collections::HashMap<String, String> = redis::cmd("INFO")
-                .arg("commandstats")
-                .query_async(&mut conn)
-                .await
-                .context("INFO commandstats on every node")?;
-            by_node.into_values().collect()
-        }
-    };
-    let mut calls = CommandCalls {
-        scripts: 0,
-        total: 0,
-        nodes: infos.len() as u64,
-    };
-    for info in &infos {
-        for line in info.lines() {
-            let Some((name, rest)) = line
-                .strip_prefix("cmdstat_")
-                .and_then(|l| l.split_once(':'))
-            else {
-                continue;
-            };
-            let n: u64 = rest
-                .split(',')
-                .find_map(|f| f.strip_prefix("calls="))
-                .and_then(|v| v.parse().ok())
-                .unwrap_or(0);
-            calls.total += n;
-            if name.starts_with("eval") {
-                calls.scripts += n;
-            }
-        }
-    }
-    Ok(calls)
 }

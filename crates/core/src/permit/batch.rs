@@ -1,0 +1,426 @@
+//! Group commit for the limiter's hot operations: what a replica's workers ask of Redis at the
+//! same moment goes in one `lua/batch.lua` call instead of one call each.
+//!
+//! An [`Operation`] (acquire, redeem, complete, ended, learn) is sent either at once
+//! ([`When::Now`]) or [`When::Within`] a delay, riding along with the next call that goes to
+//! the same place anyway. Operations go together only where one script may touch all their
+//! keys: on standalone Redis that is any operations; on Redis Cluster, one seller's (its hash
+//! tag, so one slot). Per place, at most [`MOST_IN_FLIGHT`] calls are in flight; what arrives
+//! meanwhile waits for the next one, so a lone operation is sent at once and a busy replica
+//! sends fewer, fuller calls. A rider waits at most its delay: the completion records, which
+//! must only be written before the message is acked, cost nearly nothing while the replica is
+//! busy (see README, "Redis calls per message").
+//!
+//! A call that fails (connection, timeout) fails every operation in it with the same error; an
+//! operation that raised an error (a script's refusal) fails alone.
+
+use std::cmp::Reverse;
+use std::collections::{BinaryHeap, HashMap, VecDeque};
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::time::Duration;
+
+use futures::StreamExt;
+use futures::stream::FuturesUnordered;
+use redis::{ToRedisArgs, Value};
+use tokio::sync::{mpsc, oneshot};
+use tokio::time::Instant;
+
+use super::{PermitError, RedisConn, scripts};
+
+/// Calls in flight at once per place (per Redis, or per seller on Redis Cluster).
+pub const MOST_IN_FLIGHT: usize = 2;
+/// Operations in one call at most (`lua/batch.lua` takes up to 256).
+pub const MOST_PER_CALL: usize = 64;
+
+/// One operation of `lua/batch.lua`: a script's name, its keys and its arguments.
+#[derive(Debug)]
+pub struct Operation {
+    name: &'static str,
+    keys: Vec<String>,
+    args: Vec<Vec<u8>>,
+}
+
+impl Operation {
+    /// An operation of the script `name` (see `lua/batch.lua` for the names).
+    pub fn new(name: &'static str) -> Self {
+        Self {
+            name,
+            keys: Vec::with_capacity(11),
+            args: Vec::with_capacity(12),
+        }
+    }
+
+    pub fn key(&mut self, key: String) -> &mut Self {
+        self.keys.push(key);
+        self
+    }
+
+    pub fn arg<T: ToRedisArgs>(&mut self, arg: T) -> &mut Self {
+        self.args.extend(arg.to_redis_args());
+        self
+    }
+
+    /// Where it may go with others: its keys' hash tag on Redis Cluster (every key of an
+    /// operation carries its seller's), anywhere on standalone Redis.
+    fn place(&self, cluster: bool) -> String {
+        if !cluster {
+            return String::new();
+        }
+        self.keys
+            .first()
+            .map(|k| hash_tag(k).to_owned())
+            .unwrap_or_default()
+    }
+}
+
+/// The part of a key that Redis Cluster hashes: the text between the first `{` and the next
+/// `}` when it is not empty, else the whole key.
+fn hash_tag(key: &str) -> &str {
+    if let Some(open) = key.find('{')
+        && let Some(len) = key[open + 1..].find('}')
+        && len > 0
+    {
+        return &key[open + 1..open + 1 + len];
+    }
+    key
+}
+
+/// When an operation must be sent.
+#[derive(Clone, Copy, Debug)]
+pub enum When {
+    /// At once (with whatever else is waiting for the same place).
+    Now,
+    /// With the next call to the same place, and at the latest after this long.
+    Within(Duration),
+}
+
+struct Request {
+    operation: Operation,
+    /// `None`: now.
+    deadline: Option<Instant>,
+    reply: oneshot::Sender<Result<Value, PermitError>>,
+}
+
+/// Sends operations in batches; cheap to share. Its task ends once every handle is dropped,
+/// after sending what still waits.
+pub struct Batcher {
+    requests: mpsc::UnboundedSender<Request>,
+    calls: Arc<AtomicU64>,
+}
+
+impl Batcher {
+    /// Starts the task that sends batches over `conn` (must be called within a Tokio runtime).
+    pub fn start(conn: RedisConn) -> Self {
+        let cluster = matches!(conn, RedisConn::Cluster(_));
+        // Unbounded: what waits here is bounded by the callers (a replica's workers and
+        // prefetch), each waiting for its own answer.
+        let (requests, receiver) = mpsc::unbounded_channel();
+        let calls = Arc::new(AtomicU64::new(0));
+        tokio::spawn(serve(conn, cluster, receiver, calls.clone()));
+        Self { requests, calls }
+    }
+
+    /// Calls sent to Redis so far (each with one or more operations).
+    pub fn calls(&self) -> u64 {
+        self.calls.load(Ordering::Relaxed)
+    }
+
+    /// Runs `operation` (in a batch, see the module) and returns its own answer.
+    pub async fn run(&self, operation: Operation, when: When) -> Result<Value, PermitError> {
+        let (reply, answer) = oneshot::channel();
+        let deadline = match when {
+            When::Now => None,
+            When::Within(delay) => Some(Instant::now() + delay),
+        };
+        let request = Request {
+            operation,
+            deadline,
+            reply,
+        };
+        if self.requests.send(request).is_err() {
+            return Err(stopped());
+        }
+        answer.await.unwrap_or_else(|_| Err(stopped()))
+    }
+}
+
+fn stopped() -> PermitError {
+    PermitError::Redis(redis::RedisError::from((
+        redis::ErrorKind::Client,
+        "the batcher stopped",
+    )))
+}
+
+/// What waits for one place.
+#[derive(Default)]
+struct Place {
+    now: VecDeque<Request>,
+    /// Riders, in the order they came (and so of their deadlines).
+    riders: VecDeque<Request>,
+    in_flight: usize,
+}
+
+impl Place {
+    fn rider_due(&self, now: Instant) -> bool {
+        self.riders
+            .front()
+            .is_some_and(|r| r.deadline.is_none_or(|d| d <= now))
+    }
+
+    /// The next call's operations: every one waiting to go now, then riders, up to
+    /// [`MOST_PER_CALL`]; `None` when nothing is due (or too many calls are in flight).
+    fn next_call(&mut self, now: Instant, closing: bool) -> Option<Vec<Request>> {
+        let due =
+            !self.now.is_empty() || self.rider_due(now) || (closing && !self.riders.is_empty());
+        if self.in_flight >= MOST_IN_FLIGHT || !due {
+            return None;
+        }
+        let mut call: Vec<Request> = Vec::new();
+        while call.len() < MOST_PER_CALL
+            && let Some(r) = self.now.pop_front()
+        {
+            call.push(r);
+        }
+        while call.len() < MOST_PER_CALL
+            && let Some(r) = self.riders.pop_front()
+        {
+            call.push(r);
+        }
+        self.in_flight += 1;
+        Some(call)
+    }
+
+    fn idle(&self) -> bool {
+        self.now.is_empty() && self.riders.is_empty() && self.in_flight == 0
+    }
+}
+
+async fn serve(
+    conn: RedisConn,
+    cluster: bool,
+    mut receiver: mpsc::UnboundedReceiver<Request>,
+    calls: Arc<AtomicU64>,
+) {
+    let mut places: HashMap<String, Place> = HashMap::new();
+    let mut deadlines: BinaryHeap<Reverse<(Instant, String)>> = BinaryHeap::new();
+    let mut flights = FuturesUnordered::new();
+    let mut open = true;
+    loop {
+        if !open && places.is_empty() {
+            break;
+        }
+        let next_deadline = deadlines.peek().map(|Reverse((at, _))| *at);
+        let mut touched: Vec<String> = Vec::new();
+        tokio::select! {
+            request = receiver.recv(), if open => match request {
+                Some(request) => {
+                    let mut request = Some(request);
+                    // Whatever else is already waiting goes in the same round.
+                    while let Some(r) = request.take().or_else(|| receiver.try_recv().ok()) {
+                        let place = r.operation.place(cluster);
+                        let entry = places.entry(place.clone()).or_default();
+                        match r.deadline {
+                            None => entry.now.push_back(r),
+                            Some(at) => {
+                                deadlines.push(Reverse((at, place.clone())));
+                                entry.riders.push_back(r);
+                            }
+                        }
+                        touched.push(place);
+                    }
+                }
+                None => {
+                    open = false;
+                    touched.extend(places.keys().cloned());
+                }
+            },
+            Some(place) = flights.next(), if !flights.is_empty() => {
+                if let Some(p) = places.get_mut(&place) {
+                    p.in_flight -= 1;
+                }
+                touched.push(place);
+            },
+            _ = sleep_until(next_deadline), if next_deadline.is_some() => {
+                let now = Instant::now();
+                while let Some(Reverse((at, _))) = deadlines.peek()
+                    && *at <= now
+                {
+                    let Reverse((_, place)) = deadlines.pop().expect("peeked");
+                    touched.push(place);
+                }
+            },
+        }
+        let now = Instant::now();
+        touched.sort_unstable();
+        touched.dedup();
+        for place in touched {
+            let Some(p) = places.get_mut(&place) else {
+                continue;
+            };
+            while let Some(call) = p.next_call(now, !open) {
+                calls.fetch_add(1, Ordering::Relaxed);
+                flights.push(send(conn.clone(), place.clone(), call));
+            }
+            if p.idle() {
+                places.remove(&place);
+            }
+        }
+    }
+}
+
+async fn sleep_until(at: Option<Instant>) {
+    match at {
+        Some(at) => tokio::time::sleep_until(at).await,
+        None => std::future::pending().await,
+    }
+}
+
+/// Sends one call and hands each operation its answer; returns the place it went to.
+async fn send(mut conn: RedisConn, place: String, call: Vec<Request>) -> String {
+    let mut invocation = scripts::batch().prepare_invoke();
+    invocation.arg(call.len());
+    for r in &call {
+        let op = &r.operation;
+        for key in &op.keys {
+            invocation.key(key);
+        }
+        invocation
+            .arg(op.name)
+            .arg(op.keys.len())
+            .arg(op.args.len());
+        for arg in &op.args {
+            invocation.arg(arg.as_slice());
+        }
+    }
+    let answered: Result<Value, redis::RedisError> = invocation.invoke_async(&mut conn).await;
+    match answered.map(|v| answers(v, call.len())) {
+        Ok(Some(answers)) => {
+            for (r, answer) in call.into_iter().zip(answers) {
+                let _ = r.reply.send(answer);
+            }
+        }
+        Ok(None) => {
+            for r in call {
+                let _ = r.reply.send(Err(PermitError::Answer("batch")));
+            }
+        }
+        Err(error) => {
+            for r in call {
+                let _ = r.reply.send(Err(PermitError::Redis(error.clone())));
+            }
+        }
+    }
+    place
+}
+
+/// Each operation's answer in a batch's reply (`None` if the reply is not one per operation).
+fn answers(reply: Value, n: usize) -> Option<Vec<Result<Value, PermitError>>> {
+    let Value::Array(entries) = reply else {
+        return None;
+    };
+    if entries.len() != n {
+        return None;
+    }
+    entries
+        .into_iter()
+        .map(|entry| {
+            let Value::Array(mut pair) = entry else {
+                return None;
+            };
+            if pair.len() != 2 {
+                return None;
+            }
+            let answer = pair.pop().expect("two");
+            match pair.pop().expect("two") {
+                Value::Int(1) => Some(Ok(answer)),
+                Value::Int(0) => {
+                    let why: String = redis::from_redis_value(answer).ok()?;
+                    Some(Err(PermitError::Refused(why)))
+                }
+                _ => None,
+            }
+        })
+        .collect()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_hash_tag_is_the_text_between_the_first_braces() {
+        assert_eq!(hash_tag("p:{seller-1}:log"), "seller-1");
+        assert_eq!(hash_tag("p:{}:log"), "p:{}:log");
+        assert_eq!(hash_tag("p:log"), "p:log");
+        assert_eq!(hash_tag("p:{a}{b}"), "a");
+        assert_eq!(hash_tag("p:{open"), "p:{open");
+    }
+
+    #[test]
+    fn answers_are_one_per_operation_or_none() {
+        let ok = Value::Array(vec![Value::Int(1), Value::Int(7)]);
+        let refused = Value::Array(vec![
+            Value::Int(0),
+            Value::BulkString(b"ERR turnstile: no".to_vec()),
+        ]);
+        let got = answers(Value::Array(vec![ok.clone(), refused]), 2).expect("two answers");
+        assert!(matches!(got[0], Ok(Value::Int(7))));
+        assert!(matches!(&got[1], Err(PermitError::Refused(why)) if why == "ERR turnstile: no"));
+        assert!(answers(Value::Array(vec![ok.clone()]), 2).is_none());
+        assert!(answers(Value::Int(1), 1).is_none());
+        assert!(
+            answers(
+                Value::Array(vec![Value::Array(vec![Value::Int(2), Value::Nil])]),
+                1
+            )
+            .is_none()
+        );
+    }
+
+    #[test]
+    fn a_call_takes_what_must_go_now_then_riders_and_no_more_than_two_fly() {
+        let request = |deadline| Request {
+            operation: Operation::new("ended"),
+            deadline,
+            reply: oneshot::channel().0,
+        };
+        let now = Instant::now();
+        let mut place = Place::default();
+        place
+            .riders
+            .push_back(request(Some(now + Duration::from_secs(1))));
+        assert!(place.next_call(now, false).is_none(), "a rider alone waits");
+        place.now.push_back(request(None));
+        let call = place.next_call(now, false).expect("a call");
+        assert_eq!(call.len(), 2, "the rider rides along");
+        place.riders.push_back(request(Some(now)));
+        assert_eq!(
+            place.next_call(now, false).map(|c| c.len()),
+            Some(1),
+            "a due rider goes"
+        );
+        place.now.push_back(request(None));
+        assert!(
+            place.next_call(now, false).is_none(),
+            "two calls are in flight"
+        );
+        place.in_flight = 0;
+        for _ in 0..MOST_PER_CALL + 5 {
+            place.now.push_back(request(None));
+        }
+        assert_eq!(
+            place.next_call(now, false).map(|c| c.len()),
+            Some(MOST_PER_CALL)
+        );
+        place
+            .riders
+            .push_back(request(Some(now + Duration::from_secs(9))));
+        place.now.clear();
+        place.in_flight = 0;
+        assert!(
+            place.next_call(now, true).is_some(),
+            "closing sends every rider"
+        );
+    }
+}
