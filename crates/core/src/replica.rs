@@ -259,6 +259,7 @@ fn new_worker(
         due_lane: Arc::new(Semaphore::new((args.workers as usize / 4).max(1))),
         stats,
         reschedules,
+        records_in_writing: Default::default(),
     }
 }
 

@@ -12,18 +12,19 @@
 //!   services
 //! - [`stats`]: [`Stats`], what a replica reports to whoever watches it
 
+use std::collections::HashMap;
 use std::sync::Arc;
 use std::sync::atomic::Ordering;
 use std::time::Duration;
 
 use backon::{ExponentialBuilder, Retryable};
 use lapin::message::Delivery;
-use tokio::sync::{OwnedSemaphorePermit, Semaphore};
+use tokio::sync::{Notify, OwnedSemaphorePermit, Semaphore};
 use tokio_util::sync::CancellationToken;
 use tracing::{Instrument, debug, info, info_span, warn};
 
 use crate::broker::{PublishError, Publisher, Settler, Topology};
-use crate::domain::{RateLimitHeaders, Registration};
+use crate::domain::{MessageId, RateLimitHeaders, Registration, SellerId};
 use crate::downstream::{Downstream, Reply};
 mod plan;
 mod stats;
@@ -69,6 +70,68 @@ pub struct Worker {
     /// Notices of sellers whose terms changed (see `permit::watch_reschedules`): a message held
     /// for a slot given back by the change comes back at once.
     pub reschedules: tokio::sync::broadcast::Sender<Rescheduled>,
+    /// Registrations whose completion record is being written here.
+    pub records_in_writing: RecordsInWriting,
+}
+
+/// Registrations whose completion record this replica is writing: a record may ride along with
+/// other calls to Redis for a while (see `permit::batch`), and another copy of the same message
+/// delivered to this replica meanwhile waits for it, then finds the message registered, as it
+/// would if the record had been written at once. Holds only records in writing (at most one
+/// per message in flight).
+#[derive(Default)]
+pub struct RecordsInWriting {
+    by_message: std::sync::Mutex<HashMap<(SellerId, MessageId), Arc<Notify>>>,
+}
+
+/// Ends a record's writing when dropped (written, failed, or the task gone): its waiters go on.
+struct Writing<'a> {
+    records: &'a RecordsInWriting,
+    key: (SellerId, MessageId),
+}
+
+impl Drop for Writing<'_> {
+    fn drop(&mut self) {
+        if let Some(notify) = self.records.lock().remove(&self.key) {
+            notify.notify_waiters();
+        }
+    }
+}
+
+impl RecordsInWriting {
+    fn lock(&self) -> std::sync::MutexGuard<'_, HashMap<(SellerId, MessageId), Arc<Notify>>> {
+        self.by_message
+            .lock()
+            .expect("the records' lock is never poisoned")
+    }
+
+    /// Notes that `registration`'s record is being written until the guard is dropped.
+    fn begin(&self, registration: &Registration) -> Writing<'_> {
+        let key = (
+            registration.seller_id.clone(),
+            registration.message_id.clone(),
+        );
+        self.lock().entry(key.clone()).or_default();
+        Writing { records: self, key }
+    }
+
+    /// Waits while `registration`'s record is being written here.
+    async fn wait_for(&self, registration: &Registration) {
+        let key = (
+            registration.seller_id.clone(),
+            registration.message_id.clone(),
+        );
+        let Some(notify) = self.lock().get(&key).cloned() else {
+            return;
+        };
+        let notified = notify.notified();
+        tokio::pin!(notified);
+        // Registered before looking again: a wake-up between the two is not missed.
+        notified.as_mut().enable();
+        if self.lock().contains_key(&key) {
+            notified.await;
+        }
+    }
 }
 
 /// Completes when a notice says that `registration`'s reserved slot was given back (its
@@ -231,6 +294,8 @@ impl Worker {
             _ = shutdown.cancelled() => return interrupted(Interrupted::Shutdown),
             _ = connection_lost.cancelled() => return interrupted(Interrupted::ConnectionLost),
         };
+        // A copy of a message registered here a moment ago asks once its record is written.
+        self.records_in_writing.wait_for(registration).await;
         let asked = std::time::Instant::now();
         let decided = tokio::select! {
             d = self.decide(registration, carried.reservation.as_ref()) => d,
@@ -308,6 +373,9 @@ impl Worker {
         let answered_us = grant.answered_us();
         self.stats.in_flight.fetch_sub(1, Ordering::Relaxed);
         self.end_lease(registration, grant.call).await;
+        // Noted before the worker is free for a copy of the same message (see `ask`).
+        let writing = matches!(answered.reply, Reply::Registered)
+            .then(|| self.records_in_writing.begin(registration));
         // The records below may wait to ride along with other calls to Redis: the worker is
         // free for the next call meanwhile (the message stays unacked until they are written).
         drop(worker);
@@ -339,6 +407,7 @@ impl Worker {
                             self.learn(registration, lesson, answered_us).await;
                         }
                     });
+                drop(writing);
                 if raise_due && rate_limit.is_none() {
                     self.learn(registration, Lesson::Recovery, answered_us)
                         .await;
@@ -653,5 +722,45 @@ impl Worker {
             _ = connection_lost.cancelled() => return Ok(()),
         }
         settler.requeue(tag).await
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::sync::atomic::AtomicBool;
+
+    use super::*;
+
+    fn registration(id: &str) -> Registration {
+        let body = format!(r#"{{"message_id":"{id}","seller_id":"S-1","product":{{}}}}"#);
+        Registration::parse(body.as_bytes(), None).expect("a registration")
+    }
+
+    #[tokio::test]
+    async fn a_copy_waits_while_its_message_record_is_written_here_and_no_longer() {
+        let records = Arc::new(RecordsInWriting::default());
+        let first = registration("m-1");
+        let writing = records.begin(&first);
+        // Another message does not wait.
+        records.wait_for(&registration("m-2")).await;
+        let done = Arc::new(AtomicBool::new(false));
+        let copy = tokio::spawn({
+            let (records, done) = (records.clone(), done.clone());
+            async move {
+                records.wait_for(&registration("m-1")).await;
+                done.store(true, Ordering::SeqCst);
+            }
+        });
+        for _ in 0..10 {
+            tokio::task::yield_now().await;
+        }
+        assert!(
+            !done.load(Ordering::SeqCst),
+            "the copy waits for the record"
+        );
+        drop(writing);
+        copy.await.unwrap();
+        assert!(done.load(Ordering::SeqCst));
+        assert!(records.lock().is_empty(), "nothing is kept once written");
     }
 }
