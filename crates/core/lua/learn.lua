@@ -20,8 +20,9 @@
 --              A throttled event whose headers carry a LIMIT learns from the headers only.
 -- LIMIT maps onto a configured limit of window W as: LIMIT if W equals WINDOW or is shorter;
 -- LIMIT * W / WINDOW (rounded down) if W is longer; without WINDOW, WINDOW is the stack's
--- shortest. The quota's REMAINING is reduced by the seller's units in flight (calls granted and
--- not answered: the exact algorithms track them) and its units reserved before the reset; an
+-- shortest. The quota's REMAINING is reduced by the seller's units in flight at the answer or
+-- granted since (calls whose end lies after it: the exact algorithms track them) and its units
+-- reserved before the reset; an
 -- answer for the same reset (within 1 s) can only lower what is left.
 -- A change that lowers any count gives back every reserved slot at once and wakes their holders
 -- (as an operator's change does, see give_back_reserved in the prelude), except after a failed
@@ -138,7 +139,8 @@ if why then
 end
 if remaining >= 0 and reset >= 0 then
   local until_us = as_of + reset
-  local units = redis.call('ZCOUNT', KEYS[6], string.format('(%.0f', now), '+inf')
+  -- (Units of calls that ended since the answer count too: the lesson may have ridden along.)
+  local units = redis.call('ZCOUNT', KEYS[6], string.format('(%.0f', as_of), '+inf')
   for _, member in ipairs(redis.call('ZRANGEBYSCORE', KEYS[5], '-inf', string.format('(%.0f', until_us))) do
     local _, cost = held_parts(member)
     units = units + cost

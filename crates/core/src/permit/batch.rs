@@ -145,9 +145,11 @@ impl Batcher {
     }
 }
 
+/// The batcher's task is gone (it only stops once every handle is dropped): like a lost
+/// connection, worth asking again.
 fn stopped() -> PermitError {
-    PermitError::Redis(redis::RedisError::from((
-        redis::ErrorKind::Client,
+    PermitError::Redis(redis::RedisError::from(std::io::Error::new(
+        std::io::ErrorKind::BrokenPipe,
         "the batcher stopped",
     )))
 }
@@ -156,7 +158,8 @@ fn stopped() -> PermitError {
 #[derive(Default)]
 struct Place {
     now: VecDeque<Request>,
-    /// Riders, in the order they came (and so of their deadlines).
+    /// Riders, in the order they came, which is the order of their deadlines: every rider of
+    /// a batcher waits the same delay (a store's [`super::record_delay`]).
     riders: VecDeque<Request>,
     in_flight: usize,
 }
@@ -180,12 +183,19 @@ impl Place {
         while call.len() < MOST_PER_CALL
             && let Some(r) = self.now.pop_front()
         {
-            call.push(r);
+            // A caller that gave up (shutdown, a lost connection) would never use the answer:
+            // a grant or a reservation sent for it would only hold the seller's capacity.
+            if !r.reply.is_closed() {
+                call.push(r);
+            }
         }
         while call.len() < MOST_PER_CALL
             && let Some(r) = self.riders.pop_front()
         {
             call.push(r);
+        }
+        if call.is_empty() {
+            return None;
         }
         self.in_flight += 1;
         Some(call)
@@ -380,10 +390,15 @@ mod tests {
 
     #[test]
     fn a_call_takes_what_must_go_now_then_riders_and_no_more_than_two_fly() {
-        let request = |deadline| Request {
-            operation: Operation::new("ended"),
-            deadline,
-            reply: oneshot::channel().0,
+        let waiting = std::cell::RefCell::new(Vec::new());
+        let request = |deadline| {
+            let (reply, answer) = oneshot::channel();
+            waiting.borrow_mut().push(answer);
+            Request {
+                operation: Operation::new("ended"),
+                deadline,
+                reply,
+            }
         };
         let now = Instant::now();
         let mut place = Place::default();
@@ -422,5 +437,18 @@ mod tests {
             place.next_call(now, true).is_some(),
             "closing sends every rider"
         );
+        place.in_flight = 0;
+        let (reply, gave_up) = oneshot::channel();
+        drop(gave_up);
+        place.now.push_back(Request {
+            operation: Operation::new("ended"),
+            deadline: None,
+            reply,
+        });
+        assert!(
+            place.next_call(now, false).is_none(),
+            "nothing is sent for a caller gone"
+        );
+        assert!(place.idle());
     }
 }

@@ -531,44 +531,57 @@ pub fn record_delay(limits: &Limits) -> Duration {
     (limits.shortest_window() / 4).min(MOST_RECORD_DELAY)
 }
 
-/// This replica's estimate of Redis's clock, from the Redis time in the limiter's answers.
-/// A sample `redis_now - local_now` (taken when the answer arrived) is at most the true offset
-/// (Redis read its clock before the answer arrived), so a time estimated with it is never
-/// ahead of Redis's: the largest sample of the last [`RedisClock::FRESH`] is used.
-#[derive(Default)]
+/// This replica's estimate of Redis's clock, from the Redis time in the limiter's answers. A
+/// sample `redis_now - local_now` (the local side on a monotonic clock, taken when the answer
+/// arrived) is at most the true offset, since Redis read its clock before the answer arrived;
+/// the largest sample of the last [`RedisClock::FRESH`] is used, so an estimate is not ahead of
+/// the clock of the Redis that answered it (on Redis Cluster, of the node with the fastest
+/// clock). It only decides how long a message waits before it asks: Redis decides the rest.
 struct RedisClock {
-    /// (offset µs, local µs when observed); 0 = none yet.
-    sample: std::sync::Mutex<(i64, i64)>,
+    base: std::time::Instant,
+    /// (offset µs, local µs when observed), once observed.
+    sample: std::sync::Mutex<Option<(i64, i64)>>,
+}
+
+impl Default for RedisClock {
+    fn default() -> Self {
+        Self {
+            base: std::time::Instant::now(),
+            sample: std::sync::Mutex::new(None),
+        }
+    }
 }
 
 impl RedisClock {
     const FRESH: i64 = 10_000_000;
 
+    fn local_us(&self) -> i64 {
+        self.base.elapsed().as_micros().min(i64::MAX as u128) as i64
+    }
+
     fn observe(&self, redis_now_us: i64) {
-        let local = local_now_us();
+        let local = self.local_us();
         let offset = redis_now_us - local;
         let mut sample = self
             .sample
             .lock()
             .expect("the clock's lock is never poisoned");
-        if sample.1 == 0 || offset > sample.0 || local - sample.1 > Self::FRESH {
-            *sample = (offset, local);
+        let newer = match *sample {
+            None => true,
+            Some((kept, at)) => offset > kept || local - at > Self::FRESH,
+        };
+        if newer {
+            *sample = Some((offset, local));
         }
     }
 
     fn now_us(&self) -> Option<i64> {
-        let (offset, at) = *self
+        let sample = *self
             .sample
             .lock()
             .expect("the clock's lock is never poisoned");
-        (at != 0).then(|| local_now_us() + offset)
+        sample.map(|(offset, _)| self.local_us() + offset)
     }
-}
-
-fn local_now_us() -> i64 {
-    std::time::SystemTime::now()
-        .duration_since(std::time::UNIX_EPOCH)
-        .map_or(0, |d| d.as_micros() as i64)
 }
 
 /// How long after its grant a call may still start: a worker that could not send it sooner
@@ -1303,8 +1316,8 @@ impl PermitStore {
 
     /// As [`Self::learn`], for a lesson of an answer that came back at `answered_us` (Redis
     /// time, an upper bound; see [`CallAnswer`]): a raise is judged and a quota's reset counted
-    /// from then. A 2xx's lesson rides along with other calls (see [`record_delay`]); a 429's
-    /// is sent at once.
+    /// from then. What a 2xx's headers teach rides along with other calls (see
+    /// [`record_delay`]); a 429's lesson and a raise are sent at once.
     pub async fn learn_at(
         &self,
         seller: &SellerId,
@@ -1340,10 +1353,11 @@ impl PermitStore {
             .arg(micros(told.window.filter(|w| !w.is_zero())))
             .arg(count(told.remaining))
             .arg(micros(told.reset));
-        // A 429's lesson decides what the message does next; a 2xx's may ride along.
+        // A 429's lesson decides what the message does next, and a raise comes after its
+        // record already rode along: both go at once. A 2xx's headers may ride along.
         let when = match lesson {
-            Lesson::Throttled { .. } => When::Now,
-            Lesson::Recovery | Lesson::Told(_) => When::Within(self.record_delay),
+            Lesson::Throttled { .. } | Lesson::Recovery => When::Now,
+            Lesson::Told(_) => When::Within(self.record_delay),
         };
         let (changed, released, now, counts, why, configured, wake, lowered): (
             u8,

@@ -115,6 +115,14 @@ impl RecordsInWriting {
         Writing { records: self, key }
     }
 
+    /// Whether `registration`'s record is being written here.
+    fn is_writing(&self, registration: &Registration) -> bool {
+        self.lock().contains_key(&(
+            registration.seller_id.clone(),
+            registration.message_id.clone(),
+        ))
+    }
+
     /// Waits while `registration`'s record is being written here.
     async fn wait_for(&self, registration: &Registration) {
         let key = (
@@ -288,14 +296,22 @@ impl Worker {
         if let Some(plan) = self.early_return(carried) {
             return plan;
         }
+        // A copy of a message registered here a moment ago asks once its record is written.
+        tokio::select! {
+            _ = self.records_in_writing.wait_for(registration) => {}
+            _ = shutdown.cancelled() => return interrupted(Interrupted::Shutdown),
+            _ = connection_lost.cancelled() => return interrupted(Interrupted::ConnectionLost),
+        }
         let worker = tokio::select! {
             permit = self.workers.clone().acquire_owned() => permit.expect("the worker semaphore is never closed"),
             permit = self.due_lane.clone().acquire_owned(), if carried.reservation.is_some() => permit.expect("the due lane is never closed"),
             _ = shutdown.cancelled() => return interrupted(Interrupted::Shutdown),
             _ = connection_lost.cancelled() => return interrupted(Interrupted::ConnectionLost),
         };
-        // A copy of a message registered here a moment ago asks once its record is written.
-        self.records_in_writing.wait_for(registration).await;
+        if self.records_in_writing.is_writing(registration) {
+            // Registered by another worker while this one waited for a worker.
+            return Plan::AskAgain;
+        }
         let asked = std::time::Instant::now();
         let decided = tokio::select! {
             d = self.decide(registration, carried.reservation.as_ref()) => d,
@@ -372,20 +388,23 @@ impl Worker {
         let answered = self.downstream.call(registration).await;
         let answered_us = grant.answered_us();
         self.stats.in_flight.fetch_sub(1, Ordering::Relaxed);
-        self.end_lease(registration, grant.call).await;
         // Noted before the worker is free for a copy of the same message (see `ask`).
         let writing = matches!(answered.reply, Reply::Registered)
             .then(|| self.records_in_writing.begin(registration));
+        self.end_lease(registration, grant.call).await;
         // The records below may wait to ride along with other calls to Redis: the worker is
         // free for the next call meanwhile (the message stays unacked until they are written).
         drop(worker);
         let reply = answered.reply;
         // Only the exact algorithms hold calls until their answer; a registration's answer is
         // recorded with its completion.
-        if self.permits.algorithm().is_exact() && !matches!(reply, Reply::Registered) {
-            self.record_call_end(registration, grant.call, answered_us)
-                .await;
-        }
+        let registered = matches!(reply, Reply::Registered);
+        let call_end = async {
+            if self.permits.algorithm().is_exact() && !registered {
+                self.record_call_end(registration, grant.call, answered_us)
+                    .await;
+            }
+        };
         // A quota's reset is capped as a Retry-After is: a downstream cannot stall a seller
         // longer than TURNSTILE_MAX_PAUSE by saying so in its headers.
         let rate_limit = answered.rate_limit.map(|told| RateLimitHeaders {
@@ -421,9 +440,15 @@ impl Worker {
                     granted_us: grant.granted_us,
                     told: rate_limit,
                 };
-                self.learn(registration, lesson, answered_us).await
+                // The call's end rides in the lesson's call, which goes at once.
+                let (_, lowered) =
+                    tokio::join!(call_end, self.learn(registration, lesson, answered_us));
+                lowered
             }
-            Reply::Transient(_) | Reply::Rejected { .. } => false,
+            Reply::Transient(_) | Reply::Rejected { .. } => {
+                call_end.await;
+                false
+            }
         };
         let now_ms = crate::broker::unix_ms();
         let window = self.permits.default_limit().shortest_window();
