@@ -1290,7 +1290,7 @@ pub async fn a_late_record_ends_the_call_at_its_answer(backend: Backend) {
         "in flight: its bound"
     );
     store
-        .call_ended(&s, &call, Some(granted_us + 1_500))
+        .call_ended(&s, &call, Cost::ONE, Some(granted_us + 1_500))
         .await
         .unwrap();
     assert_eq!(end_of(call).await, granted_us + 1_500);

@@ -29,11 +29,12 @@
 -- ARGV[4]  CALL: the token of the call that registered it ('' when none)
 -- ARGV[5]  ANSWERED_US: when the CALL's answer came (see answered_arg in the prelude; -1 or
 --          absent = now): its end in the seller's calls and its time in the accepted log
--- ARGV[6]  ADAPTIVE: 1 = adaptive limits on: a CALL's acceptance is noted in the accepted log
+-- ARGV[6]  COST of the CALL (integer from 1 to MAX_COST; 0 or absent = not known, see end_call;
+--          ADAPTIVE needs it)
+-- ARGV[7]  ADAPTIVE: 1 = adaptive limits on: a CALL's acceptance is noted in the accepted log
 --          (note_accepted); else 0 or absent
--- ARGV[7]  with ADAPTIVE: default COUNTS, comma-separated
--- ARGV[8]  with ADAPTIVE: default WINDOWS in µs, comma-separated
--- ARGV[9]  with ADAPTIVE: COST of the call (integer >= 1)
+-- ARGV[8]  with ADAPTIVE: default COUNTS, comma-separated
+-- ARGV[9]  with ADAPTIVE: default WINDOWS in µs, comma-separated
 -- ARGV[10] with ADAPTIVE: GUARD in µs (-1 = window/20 within [25 ms, 2 s])
 -- Returns {CHANGED, WAS_DEAD_FOR, RAISE}: CHANGED 1 when the state changed (and was counted),
 --   else 0; WAS_DEAD_FOR the REASON the message was dead for when it left `dead`, else '';
@@ -49,13 +50,16 @@ if outcome == 'dead' and (reason == nil or not string.match(reason, '^[%w-]+$') 
   error({err = 'ERR turnstile: REASON must be 1 to 64 letters, digits or dashes'})
 end
 
-local adaptive = ARGV[6] == '1'
+local adaptive = ARGV[7] == '1'
 local batch_key = KEYS[3]
-local default, cost, guard = nil, nil, nil
+local cost = 0
+if ARGV[6] ~= nil then cost = int_arg(6, 0) end
+if cost > MAX_COST then error({err = 'ERR turnstile: COST must be at most ' .. MAX_COST}) end
+local default, guard = nil, nil
 if adaptive then
   batch_key = KEYS[6]
-  default, cost, guard = limits_arg(7), int_arg(9, 1), int_arg(10, -1)
-  if cost > MAX_COST then error({err = 'ERR turnstile: COST must be at most ' .. MAX_COST}) end
+  default, guard = limits_arg(8), int_arg(10, -1)
+  if cost < 1 then error({err = 'ERR turnstile: COST must be >= 1 with ADAPTIVE'}) end
 end
 
 local state = redis.call('GET', KEYS[1])
@@ -79,7 +83,7 @@ if outcome == 'registered' then
   if call ~= '' then
     local token = token_arg(4)
     local answered = answered_arg(5, now_us())
-    end_call(KEYS[2], token, answered)
+    end_call(KEYS[2], token, answered, cost)
     if adaptive then
       local configured = with_spans(effective_limits(KEYS[5], default), guard)
       raise = note_accepted(KEYS[3], KEYS[4], configured, call, cost, answered)

@@ -598,13 +598,24 @@ local function start_call(calls_key, token, cost, now, bound, limits)
 end
 
 -- Records that the call TOKEN was answered at AT (see answered_arg): the END of each of its
--- units comes forward to AT (never back). The answer does not know the call's cost, so its
--- units are moved 64 at a time (ZADD XX touches only those that exist) until a batch finds
--- fewer: a few calls for any cost.
-local function end_call(calls_key, token, at)
+-- units comes forward to AT (never back). With its COST known (>= 1) exactly its units move;
+-- without (0), they are moved 64 at a time (ZADD XX touches only those that exist) until a batch
+-- finds fewer: a few calls for any cost.
+local function end_call(calls_key, token, at, cost)
   local bound = tonumber(redis.call('ZSCORE', calls_key, token) or '')
   if bound == nil or at >= bound then return end
   redis.call('ZADD', calls_key, at, token)
+  if cost >= 1 then
+    if cost > 1 then
+      local args = {}
+      for i = 2, cost do
+        args[#args + 1] = at
+        args[#args + 1] = unit(token, i)
+      end
+      redis.call('ZADD', calls_key, 'XX', unpack(args))
+    end
+    return
+  end
   local first = 2
   repeat
     local args = {}

@@ -652,20 +652,22 @@ impl PermitStore {
         self.call_bound.as_micros() as u64
     }
 
-    /// Records that the call `call` was answered at `answered_us` (Redis time, an upper bound;
-    /// `None`: now), for every answer but a registration, which [`Self::complete_call`] records
+    /// Records that the call `call` of `cost` units was answered at `answered_us` (Redis time,
+    /// an upper bound; `None`: now), for every answer but a registration, which [`Self::complete_call`] records
     /// with its completion. The record rides along with other calls (see [`record_delay`]).
     pub async fn call_ended(
         &self,
         seller: &SellerId,
         call: &str,
+        cost: Cost,
         answered_us: Option<i64>,
     ) -> Result<(), PermitError> {
         let mut operation = Operation::new("ended");
         operation
             .key(self.keys.calls(seller))
             .arg(call)
-            .arg(answered_us.unwrap_or(-1).max(-1));
+            .arg(answered_us.unwrap_or(-1).max(-1))
+            .arg(cost.units());
         let _: i64 = self.run(operation, When::Within(self.record_delay)).await?;
         Ok(())
     }
@@ -1245,7 +1247,7 @@ impl PermitStore {
         ttl: Duration,
     ) -> Result<Recorded, PermitError> {
         let (call, cost, answered_us) =
-            answer.map_or(("", Cost::ONE, None), |a| (a.call, a.cost, a.answered_us));
+            answer.map_or(("", 0, None), |a| (a.call, a.cost.units(), a.answered_us));
         let mut invocation = Operation::new("complete");
         invocation
             .key(self.keys.done(seller, message))
@@ -1269,13 +1271,13 @@ impl PermitStore {
             .arg(completion.outcome())
             .arg(reason)
             .arg(call)
-            .arg(answered_us.unwrap_or(-1).max(-1));
+            .arg(answered_us.unwrap_or(-1).max(-1))
+            .arg(cost);
         if adaptive {
             invocation
                 .arg(1)
                 .arg(self.limiter.limit.counts_arg())
                 .arg(self.limiter.limit.windows_arg())
-                .arg(cost.units())
                 .arg(self.guard_arg());
         }
         let when = if call.is_empty() {

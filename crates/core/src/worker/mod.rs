@@ -635,7 +635,12 @@ impl Worker {
     async fn record_call_end(&self, registration: &Registration, call: &str, answered_us: i64) {
         let ended = self
             .permits
-            .call_ended(&registration.seller_id, call, Some(answered_us))
+            .call_ended(
+                &registration.seller_id,
+                call,
+                registration.cost,
+                Some(answered_us),
+            )
             .await;
         if let Err(error) = ended {
             debug!(%error, "the call's answer was not recorded; its place is kept until its bound");
