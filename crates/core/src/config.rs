@@ -540,6 +540,12 @@ pub struct LimiterArgs {
         default_value = "1"
     )]
     pub adaptive_min: std::num::NonZeroU32,
+    /// Longest a completion record (or a call's end, or what a 2xx's headers teach) waits to
+    /// ride along with another call to Redis; also at most a quarter of the shortest window. A
+    /// replica killed in that time leaves the message to be called again (README, "Redis calls
+    /// per message"); `0` sends each as soon as the calls in flight allow. At most 1 s.
+    #[arg(long = "record-delay", env = "TURNSTILE_RECORD_DELAY", default_value = "100ms", value_parser = parse_duration_arg)]
+    pub record_delay: Duration,
 }
 
 /// `on`/`off` (also `true`/`false`, `1`/`0`, `yes`/`no`).
@@ -614,11 +620,19 @@ impl LimiterArgs {
             seller_concurrency: SellerConcurrency(None),
             adaptive: true,
             adaptive_min: std::num::NonZeroU32::MIN,
+            record_delay: Duration::from_millis(100),
         }
     }
 
     /// Refuses settings that cannot work together, with what to use instead (checked at start).
     pub fn check(&self) -> Result<(), String> {
+        if self.record_delay > Duration::from_secs(1) {
+            return Err(format!(
+                "TURNSTILE_RECORD_DELAY={} is longer than 1s: a completion record would wait that \
+                 long before its message is acked; use 1s or less",
+                format_duration(self.record_delay)
+            ));
+        }
         if self.limit.is_stack()
             && self.algorithm == Algorithm::TokenBucket
             && self.bucket_capacity > 0

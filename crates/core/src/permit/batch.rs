@@ -287,7 +287,36 @@ async fn sleep_until(at: Option<Instant>) {
 }
 
 /// Sends one call and hands each operation its answer; returns the place it went to.
-async fn send(mut conn: RedisConn, place: String, call: Vec<Request>) -> String {
+async fn send(conn: RedisConn, place: String, mut call: Vec<Request>) -> String {
+    if call.len() == 1
+        && let Some(script) = scripts::operation(call[0].operation.name)
+    {
+        let r = call.pop().expect("one");
+        let _ = r.reply.send(send_alone(conn, script, &r.operation).await);
+        return place;
+    }
+    send_batch(conn, call).await;
+    place
+}
+
+/// One operation alone, by its own script.
+async fn send_alone(
+    mut conn: RedisConn,
+    script: &'static redis::Script,
+    op: &Operation,
+) -> Result<Value, PermitError> {
+    let mut invocation = script.prepare_invoke();
+    for key in &op.keys {
+        invocation.key(key);
+    }
+    for arg in &op.args {
+        invocation.arg(arg.as_slice());
+    }
+    let answer: Value = invocation.invoke_async(&mut conn).await?;
+    Ok(answer)
+}
+
+async fn send_batch(mut conn: RedisConn, call: Vec<Request>) {
     let mut invocation = scripts::batch().prepare_invoke();
     invocation.arg(call.len());
     for r in &call {
@@ -321,7 +350,6 @@ async fn send(mut conn: RedisConn, place: String, call: Vec<Request>) -> String 
             }
         }
     }
-    place
 }
 
 /// Each operation's answer in a batch's reply (`None` if the reply is not one per operation).

@@ -520,15 +520,13 @@ pub struct PermitStore {
     clock: Arc<RedisClock>,
 }
 
-/// The longest a completion record (or a call's end, or a lesson from a 2xx) waits to ride
-/// along with another call to the same place before it is sent by itself.
-pub const MOST_RECORD_DELAY: Duration = Duration::from_millis(100);
-
-/// How long completion records may wait under `limits`: [`MOST_RECORD_DELAY`], or a quarter of
-/// the shortest window if that is less (a record should land well before the next window's
-/// calls are decided; it carries when the answer came, so a late one is still exact).
-pub fn record_delay(limits: &Limits) -> Duration {
-    (limits.shortest_window() / 4).min(MOST_RECORD_DELAY)
+/// How long a completion record (or a call's end, or a lesson from a 2xx) may wait to ride
+/// along with another call to the same place before it is sent by itself:
+/// `TURNSTILE_RECORD_DELAY`, or a quarter of the default limit's shortest window if that is less
+/// (a record should land well before the next window's calls are decided; it carries when the
+/// answer came, so a late one is still exact).
+pub fn record_delay(limiter: &LimiterArgs) -> Duration {
+    (limiter.limit.shortest_window() / 4).min(limiter.record_delay)
 }
 
 /// This replica's estimate of Redis's clock, from the Redis time in the limiter's answers. A
@@ -605,7 +603,7 @@ impl PermitStore {
         Self {
             conn,
             keys: Keyspace::new(prefix),
-            record_delay: record_delay(&limiter.limit),
+            record_delay: record_delay(&limiter),
             limiter,
             call_bound: Duration::ZERO,
             batcher: Arc::default(),

@@ -140,3 +140,19 @@ pub fn learn() -> &'static Script {
 pub fn batch() -> &'static Script {
     &BATCH
 }
+
+/// The script of one batch operation by its name in `lua/batch.lua` (what a call of a single
+/// operation runs: its own script is smaller than the batch's, so it costs Redis less to run).
+pub fn operation(name: &str) -> Option<&'static Script> {
+    Some(match name {
+        "sliding-window" => &SLIDING_WINDOW,
+        "gcra" => &GCRA,
+        "token-bucket" => &TOKEN_BUCKET,
+        "fixed-window" => &FIXED_WINDOW,
+        "redeem" => &REDEEM,
+        "complete" => &COMPLETE,
+        "ended" => &ENDED,
+        "learn" => &LEARN,
+        _ => return None,
+    })
+}
