@@ -7,9 +7,10 @@
 //! keys: on standalone Redis that is any operations; on Redis Cluster, one seller's (its hash
 //! tag, so one slot). Per place, at most [`MOST_IN_FLIGHT`] calls are in flight; what arrives
 //! meanwhile waits for the next one, so a lone operation is sent at once and a busy replica
-//! sends fewer, fuller calls. A rider waits at most its delay: the completion records, which
-//! must only be written before the message is acked, cost nearly nothing while the replica is
-//! busy (see README, "Redis calls per message").
+//! sends fewer, fuller calls. A rider waits at most its delay, and only while fewer than
+//! [`MOST_RIDERS_WAITING`] wait: the completion records, which must only be written before the
+//! message is acked, cost nearly nothing while the replica is busy (see README, "Redis calls
+//! per message").
 //!
 //! A call that fails (connection, timeout) fails every operation in it with the same error; an
 //! operation that raised an error (a script's refusal) fails alone.
@@ -20,8 +21,6 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Duration;
 
-use futures::StreamExt;
-use futures::stream::FuturesUnordered;
 use redis::{ToRedisArgs, Value};
 use tokio::sync::{mpsc, oneshot};
 use tokio::time::Instant;
@@ -32,6 +31,10 @@ use super::{PermitError, RedisConn, scripts};
 pub const MOST_IN_FLIGHT: usize = 2;
 /// Operations in one call at most (`lua/batch.lua` takes up to 256).
 pub const MOST_PER_CALL: usize = 64;
+/// Riders waiting at once at most: each holds a message unacked (its prefetch slot), so when
+/// rides are rare (one seller's calls on Redis Cluster, many sellers) a rider beyond these is
+/// sent at once, as if it had to go now.
+pub const MOST_RIDERS_WAITING: usize = 32;
 
 /// One operation of `lua/batch.lua`: a script's name, its keys and its arguments.
 #[derive(Debug)]
@@ -214,7 +217,10 @@ async fn serve(
 ) {
     let mut places: HashMap<String, Place> = HashMap::new();
     let mut deadlines: BinaryHeap<Reverse<(Instant, String)>> = BinaryHeap::new();
-    let mut flights = FuturesUnordered::new();
+    // Each call runs in a task of its own (the Redis client's work for it is spread over the
+    // runtime like any caller's), and reports back here when it is answered.
+    let (landed, mut landings) = mpsc::unbounded_channel::<String>();
+    let mut riders_waiting = 0;
     let mut open = true;
     loop {
         if !open && places.is_empty() {
@@ -231,11 +237,12 @@ async fn serve(
                         let place = r.operation.place(cluster);
                         let entry = places.entry(place.clone()).or_default();
                         match r.deadline {
-                            None => entry.now.push_back(r),
-                            Some(at) => {
+                            Some(at) if riders_waiting < MOST_RIDERS_WAITING => {
                                 deadlines.push(Reverse((at, place.clone())));
                                 entry.riders.push_back(r);
+                                riders_waiting += 1;
                             }
+                            _ => entry.now.push_back(Request { deadline: None, ..r }),
                         }
                         touched.push(place);
                     }
@@ -245,7 +252,7 @@ async fn serve(
                     touched.extend(places.keys().cloned());
                 }
             },
-            Some(place) = flights.next(), if !flights.is_empty() => {
+            Some(place) = landings.recv() => {
                 if let Some(p) = places.get_mut(&place) {
                     p.in_flight -= 1;
                 }
@@ -269,8 +276,13 @@ async fn serve(
                 continue;
             };
             while let Some(call) = p.next_call(now, !open) {
+                riders_waiting -= call.iter().filter(|r| r.deadline.is_some()).count();
                 calls.fetch_add(1, Ordering::Relaxed);
-                flights.push(send(conn.clone(), place.clone(), call));
+                let (conn, landed) = (conn.clone(), landed.clone());
+                let place = place.clone();
+                tokio::spawn(async move {
+                    let _ = landed.send(send(conn, place, call).await);
+                });
             }
             if p.idle() {
                 places.remove(&place);
