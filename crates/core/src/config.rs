@@ -543,8 +543,9 @@ pub struct LimiterArgs {
     /// Longest a completion record (or a call's end, or what a 2xx's headers teach) waits to
     /// ride along with another call to Redis; also at most a quarter of the shortest window. A
     /// replica killed in that time leaves the message to be called again (README, "Redis calls
-    /// per message"); `0` sends each as soon as the calls in flight allow. At most 1 s.
-    #[arg(long = "record-delay", env = "TURNSTILE_RECORD_DELAY", default_value = "100ms", value_parser = parse_duration_arg)]
+    /// per message"); `0` (the default) sends each as soon as the calls in flight allow, as
+    /// strict as a record written at once. At most 1 s.
+    #[arg(long = "record-delay", env = "TURNSTILE_RECORD_DELAY", default_value = "0", value_parser = parse_delay_arg)]
     pub record_delay: Duration,
 }
 
@@ -600,6 +601,24 @@ fn parse_duration_arg(s: &str) -> Result<Duration, String> {
         .ok_or_else(|| format!("{s:?} is not a duration such as 500ms, 30s, 5m or 24h"))
 }
 
+/// A duration that may also be zero (`0`, `0ms`, `0s`).
+fn parse_delay_arg(s: &str) -> Result<Duration, String> {
+    let t = s.trim();
+    let digits = t
+        .strip_suffix("ms")
+        .or_else(|| t.strip_suffix('s'))
+        .unwrap_or(t);
+    if digits.contains('0') && digits.chars().all(|c| c == '0' || c == '.') {
+        return Ok(Duration::ZERO);
+    }
+    parse_duration_arg(s)
+}
+
+/// Parses a delay flag: a duration, or zero (`0`, `0ms`, `0s`).
+pub fn delay_arg(s: &str) -> Result<Duration, String> {
+    parse_delay_arg(s)
+}
+
 /// Parses a duration flag (`500ms`, `30s`, `5m`, `24h`) with an error that shows the value.
 pub fn duration_arg(s: &str) -> Result<Duration, String> {
     parse_duration_arg(s)
@@ -620,7 +639,7 @@ impl LimiterArgs {
             seller_concurrency: SellerConcurrency(None),
             adaptive: true,
             adaptive_min: std::num::NonZeroU32::MIN,
-            record_delay: Duration::from_millis(100),
+            record_delay: Duration::ZERO,
         }
     }
 
@@ -681,6 +700,17 @@ fn redact_one_url(url: &str) -> String {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_record_delay_may_be_zero_but_not_garbage() {
+        for zero in ["0", "0ms", "0s", "0.0s"] {
+            assert_eq!(parse_delay_arg(zero), Ok(Duration::ZERO), "{zero}");
+        }
+        assert_eq!(parse_delay_arg("100ms"), Ok(Duration::from_millis(100)));
+        for bad in ["", "ms", "-1ms", "soon", "0x"] {
+            assert!(parse_delay_arg(bad).is_err(), "{bad}");
+        }
+    }
 
     #[test]
     fn limits_parse_with_units() {

@@ -25,6 +25,7 @@ use redis::{ToRedisArgs, Value};
 use tokio::sync::{mpsc, oneshot};
 use tokio::time::Instant;
 
+use super::keys::hash_tag;
 use super::{PermitError, RedisConn, scripts};
 
 /// Calls in flight at once per place (per Redis, or per seller on Redis Cluster).
@@ -75,18 +76,6 @@ impl Operation {
             .map(|k| hash_tag(k).to_owned())
             .unwrap_or_default()
     }
-}
-
-/// The part of a key that Redis Cluster hashes: the text between the first `{` and the next
-/// `}` when it is not empty, else the whole key.
-fn hash_tag(key: &str) -> &str {
-    if let Some(open) = key.find('{')
-        && let Some(len) = key[open + 1..].find('}')
-        && len > 0
-    {
-        return &key[open + 1..open + 1 + len];
-    }
-    key
 }
 
 /// When an operation must be sent.
@@ -397,15 +386,6 @@ fn answers(reply: Value, n: usize) -> Option<Vec<Result<Value, PermitError>>> {
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    #[test]
-    fn a_hash_tag_is_the_text_between_the_first_braces() {
-        assert_eq!(hash_tag("p:{seller-1}:log"), "seller-1");
-        assert_eq!(hash_tag("p:{}:log"), "p:{}:log");
-        assert_eq!(hash_tag("p:log"), "p:log");
-        assert_eq!(hash_tag("p:{a}{b}"), "a");
-        assert_eq!(hash_tag("p:{open"), "p:{open");
-    }
 
     #[test]
     fn answers_are_one_per_operation_or_none() {

@@ -260,20 +260,29 @@ impl Keyspace {
     }
 }
 
+/// The part of `key` Redis Cluster hashes: the text between the first `{` and the next `}` if
+/// it is not empty, else the whole key (keys with the same tag share a slot).
+pub(crate) fn hash_tag(key: &str) -> &str {
+    if let Some(open) = key.find('{')
+        && let Some(len) = key[open + 1..].find('}')
+        && len > 0
+    {
+        return &key[open + 1..open + 1 + len];
+    }
+    key
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
 
-    /// The part of `key` Redis Cluster hashes: the text between the first `{` and the next
-    /// `}` if it is not empty, else the whole key.
-    fn hash_tag(key: &str) -> &str {
-        if let Some(open) = key.find('{')
-            && let Some(len) = key[open + 1..].find('}')
-            && len > 0
-        {
-            return &key[open + 1..open + 1 + len];
-        }
-        key
+    #[test]
+    fn a_hash_tag_is_the_text_between_the_first_braces() {
+        assert_eq!(hash_tag("p:{seller-1}:log"), "seller-1");
+        assert_eq!(hash_tag("p:{}:log"), "p:{}:log");
+        assert_eq!(hash_tag("p:log"), "p:log");
+        assert_eq!(hash_tag("p:{a}{b}"), "a");
+        assert_eq!(hash_tag("p:{open"), "p:{open");
     }
 
     /// The Redis Cluster slot of `key`: CRC16 (XMODEM) of its hash tag, mod 16384.

@@ -73,6 +73,9 @@ pub struct ScenarioArgs {
     /// Print the report as one JSON object on the last line.
     #[arg(long)]
     pub json: bool,
+    /// The replicas' TURNSTILE_RECORD_DELAY (default: its default, 0).
+    #[arg(long, value_parser = turnstile_core::config::delay_arg)]
+    pub record_delay: Option<Duration>,
     /// `adaptive`: the API's own per-seller limit, while turnstile is told `--limit`.
     #[arg(long = "api-limit", value_parser = turnstile_core::config::limits_arg)]
     pub api_limit: Option<Limits>,
@@ -213,6 +216,9 @@ pub async fn run(args: ScenarioArgs) -> anyhow::Result<bool> {
         // gcra takes a cost of at most its burst.
         gcra_burst: max_cost,
         global_limit: GlobalLimit(global.clone()),
+        record_delay: args
+            .record_delay
+            .unwrap_or(LimiterArgs::new(limit.clone(), args.algorithm).record_delay),
         ..LimiterArgs::new(limit.clone(), args.algorithm)
     };
     let mut settings = args.rig.replica_settings(
