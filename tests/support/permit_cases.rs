@@ -1067,6 +1067,10 @@ macro_rules! permit_tests {
             cases::an_operation_refused_in_a_batch_fails_alone($backend).await;
         }
         #[tokio::test]
+        async fn a_record_waiting_to_ride_goes_with_the_next_call() {
+            cases::a_record_waiting_to_ride_goes_with_the_next_call($backend).await;
+        }
+        #[tokio::test]
         async fn a_late_record_ends_the_call_at_its_answer() {
             cases::a_late_record_ends_the_call_at_its_answer($backend).await;
         }
@@ -1290,10 +1294,11 @@ pub async fn a_late_record_ends_the_call_at_its_answer(backend: Backend) {
         "in flight: its bound"
     );
     store
-        .call_ended(&s, &call, Cost::ONE, Some(granted_us + 1_500))
+        .call_ended(&s, &call, Cost::ONE, Some(granted_us + 1))
         .await
         .unwrap();
-    assert_eq!(end_of(call).await, granted_us + 1_500);
+    // (Recorded a round trip after the grant at least, so after the answer it names.)
+    assert_eq!(end_of(call).await, granted_us + 1);
     let (call, granted_us) = grant(store.acquire(&s, false).await.unwrap());
     let message = turnstile_core::domain::MessageId::parse("m-late").unwrap();
     let answer = turnstile_core::permit::CallAnswer {
@@ -1310,6 +1315,52 @@ pub async fn a_late_record_ends_the_call_at_its_answer(backend: Backend) {
     assert!(
         end >= granted_us && end <= recorded_by,
         "an answer claimed in the future ends when recorded: {end} vs {granted_us}..{recorded_by}"
+    );
+    keys.cleanup().await;
+}
+
+/// With TURNSTILE_RECORD_DELAY, a completion record waits to ride along: the next call to the
+/// same place carries it, and nothing is sent for the record alone.
+pub async fn a_record_waiting_to_ride_goes_with_the_next_call(backend: Backend) {
+    let keys = Keys::new(backend, "ride").await;
+    let mut settings = limiter("10/1m", Algorithm::SlidingWindow);
+    settings.record_delay = Duration::from_secs(5);
+    let store = keys.store(settings);
+    let s = seller("S-ride");
+    let Decision::Granted {
+        call, granted_us, ..
+    } = store.acquire(&s, false).await.unwrap()
+    else {
+        panic!("the first call is granted");
+    };
+    let calls_before = store.batched_calls();
+    let message = turnstile_core::domain::MessageId::parse("m-ride").unwrap();
+    let answer = turnstile_core::permit::CallAnswer {
+        call: &call,
+        cost: Cost::ONE,
+        answered_us: Some(granted_us),
+    };
+    let record = store.complete_call(&s, &message, None, answer, Duration::from_secs(60));
+    let next = store.acquire_for(&s, Some(&message), Cost::ONE, false);
+    // The record is asked for first; the acquire then goes at once, and the record with it.
+    let (recorded, next) = tokio::join!(record, next);
+    recorded.unwrap();
+    assert!(matches!(
+        next.unwrap(),
+        Decision::Granted { .. } | Decision::AlreadyDone
+    ));
+    assert_eq!(
+        store.batched_calls() - calls_before,
+        1,
+        "the record rode in the acquire's call"
+    );
+    assert_eq!(
+        store
+            .acquire_for(&s, Some(&message), Cost::ONE, false)
+            .await
+            .unwrap(),
+        Decision::AlreadyDone,
+        "and it was written"
     );
     keys.cleanup().await;
 }

@@ -13,6 +13,9 @@
 //! sellers (`TURNSTILE_GLOBAL_LIMIT`, `lua/global.lua`, in a Redis slot of its own); if either
 //! refuses, the grant is given back (`lua/release.lua`) and the call deferred.
 //!
+//! The hot operations (acquire, redeem, the completion record, a call's end, a lesson) go to
+//! Redis in batches, several in one call when they can (`batch`, `lua/batch.lua`).
+//!
 //! This module owns the Redis keyspace: [`keys`] builds every key, and nothing outside it talks
 //! to Redis about turnstile's keys but through [`PermitStore`] (the limiter here, the uploads'
 //! progress and the dashboard's shared state in `records`).
