@@ -15,11 +15,13 @@
 //! - [`domain`]: sellers, message ids, registrations (parse, don't validate)
 //! - [`config`]: limits and stacks, algorithms, the global limit, Redis settings
 //! - [`telemetry`]: tracing and the replica's readiness flag
+//! - [`series`]: every metric exported, its help and label values, all at 0 from startup
 pub mod broker;
 pub mod config;
 pub mod domain;
 pub mod downstream;
 pub mod permit;
 pub mod replica;
+pub mod series;
 pub mod telemetry;
 pub mod worker;

@@ -82,6 +82,7 @@ impl Served {
     /// [`turnstile_core::replica::Replica::start`]) and, once it consumes, the dashboard's
     /// samplers, which run until the replica has drained.
     pub async fn start(args: ServeArgs, shutdown: CancellationToken) -> anyhow::Result<Self> {
+        let algorithm = args.consume.limiter.algorithm;
         let starting = Starting::new(args.consume)?;
         let views = Arc::new(OnceLock::new());
         let endpoints = Endpoints {
@@ -91,7 +92,13 @@ impl Served {
             dashboard: views.clone(),
         };
         let http_addr = match args.http.http_addr {
-            Listen::At(addr) => Some(http::serve(addr, endpoints, shutdown.clone()).await?),
+            Listen::At(addr) => {
+                // Every series from the first scrape: counters at 0, not ready yet.
+                http::prometheus();
+                turnstile_core::series::export_at_zero(algorithm);
+                starting.ready.set(false);
+                Some(http::serve(addr, endpoints, shutdown.clone()).await?)
+            }
             Listen::Off => None,
         };
         let (stats, ready) = (starting.stats.clone(), starting.ready.clone());

@@ -204,6 +204,10 @@ pub struct Answered {
     pub rate_limit: Option<RateLimitHeaders>,
 }
 
+/// Every value of the `class` label of `turnstile_downstream_requests_total` and
+/// `turnstile_downstream_request_duration_seconds`.
+pub const CLASSES: [&str; 6] = ["2xx", "429", "4xx", "5xx", "timeout", "error"];
+
 /// The `class` label of a downstream answer: `2xx`, `429`, `4xx`, `5xx`, or `error` for any
 /// other status (`timeout` and `error` also stand for calls that got no answer).
 pub fn status_class(status: StatusCode) -> &'static str {
@@ -297,6 +301,14 @@ mod tests {
             timeout: Duration::from_secs(1),
         })
         .unwrap()
+    }
+
+    #[test]
+    fn every_status_falls_in_one_of_the_classes_exported_at_zero() {
+        for code in 100..=999 {
+            let status = StatusCode::from_u16(code).expect("a valid status code");
+            assert!(CLASSES.contains(&status_class(status)), "{code}");
+        }
     }
 
     #[test]

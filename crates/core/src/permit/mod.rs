@@ -227,6 +227,17 @@ pub enum GlobalDecision {
 /// `judge_shadow` in `lua/prelude.lua`).
 pub const MAX_SHADOW_COUNT: u32 = 10_000;
 
+/// The `outcome` label values of `turnstile_seller_leases_total`.
+pub const LEASE_OUTCOMES: [&str; 2] = ["leased", "refused"];
+
+/// The `outcome` label values of `turnstile_global_permits_total`: granted; refused because
+/// the seller is over its fair share while others wait (`ahead`) or because the global limit
+/// has no room (`full`); a cost it never grants.
+pub const GLOBAL_OUTCOMES: [&str; 4] = ["granted", "ahead", "full", "too-costly"];
+
+/// The `verdict` label values of `turnstile_shadow_verdicts_total`.
+pub const SHADOW_VERDICTS: [&str; 3] = ["agree", "stricter", "looser"];
+
 /// Most a seller's weight under the global limit may be.
 pub const MAX_WEIGHT: u32 = 1000;
 
@@ -249,8 +260,15 @@ pub enum Forfeit {
 }
 
 impl Forfeit {
+    pub const ALL: [Forfeit; 4] = [
+        Forfeit::Paused,
+        Forfeit::LimitChanged,
+        Forfeit::Late,
+        Forfeit::NotReserved,
+    ];
+
     /// The metric label.
-    pub fn label(self) -> &'static str {
+    pub const fn label(self) -> &'static str {
         match self {
             Forfeit::Paused => "paused",
             Forfeit::LimitChanged => "limit_changed",
@@ -328,6 +346,8 @@ pub enum Why {
 }
 
 impl Why {
+    pub const ALL: [Why; 3] = [Why::Throttled, Why::Recovery, Why::Header];
+
     fn parse(s: &str) -> Option<Self> {
         match s {
             "429" => Some(Why::Throttled),
@@ -338,7 +358,7 @@ impl Why {
     }
 
     /// The metric label and the name shown: `429`, `recovery` or `header`.
-    pub fn label(self) -> &'static str {
+    pub const fn label(self) -> &'static str {
         match self {
             Why::Throttled => "429",
             Why::Recovery => "recovery",
@@ -499,11 +519,8 @@ fn learned_ratio(learned: &str, configured: &str) -> f64 {
 /// Counts a shadow limit's verdict on a decision (see `judge_shadow` in `lua/prelude.lua`):
 /// `agree`, `stricter` or `looser`; nothing without a shadow limit.
 fn count_verdict(verdict: &str) {
-    let verdict = match verdict {
-        "agree" => "agree",
-        "stricter" => "stricter",
-        "looser" => "looser",
-        _ => return,
+    let Some(&verdict) = SHADOW_VERDICTS.iter().find(|&&v| v == verdict) else {
+        return;
     };
     metrics::counter!("turnstile_shadow_verdicts_total", "verdict" => verdict).increment(1);
 }
@@ -1071,7 +1088,7 @@ impl PermitStore {
             .arg(LEASE_POLL.as_micros() as u64)
             .invoke_async(&mut self.conn.clone())
             .await?;
-        let outcome = if status == 1 { "leased" } else { "refused" };
+        let outcome = LEASE_OUTCOMES[usize::from(status != 1)];
         metrics::counter!("turnstile_seller_leases_total", "outcome" => outcome).increment(1);
         Ok((status != 1).then(|| wait_for(at, now)))
     }
@@ -1127,12 +1144,12 @@ impl PermitStore {
             },
             _ => return Err(PermitError::Answer("global")),
         };
-        let outcome = match decision {
-            GlobalDecision::Granted { .. } => "granted",
-            GlobalDecision::Wait { ahead: true, .. } => "ahead",
-            GlobalDecision::Wait { ahead: false, .. } => "full",
-            GlobalDecision::TooCostly { .. } => "too-costly",
-        };
+        let outcome = GLOBAL_OUTCOMES[match decision {
+            GlobalDecision::Granted { .. } => 0,
+            GlobalDecision::Wait { ahead: true, .. } => 1,
+            GlobalDecision::Wait { ahead: false, .. } => 2,
+            GlobalDecision::TooCostly { .. } => 3,
+        }];
         metrics::counter!("turnstile_global_permits_total", "outcome" => outcome).increment(1);
         Ok(decision)
     }

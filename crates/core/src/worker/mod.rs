@@ -29,7 +29,7 @@ use crate::downstream::{Downstream, Reply};
 mod plan;
 mod stats;
 
-pub use plan::{Carried, Outcome, WorkerSettings};
+pub use plan::{Carried, DEAD_LETTER_REASONS, OUTCOME_LABELS, Outcome, WorkerSettings};
 use plan::{Interrupted, PermitErrors, Plan, returned};
 pub use stats::{LatencySummary, Stats};
 

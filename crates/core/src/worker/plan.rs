@@ -33,6 +33,25 @@ pub enum Outcome {
     Requeue,
 }
 
+/// The `outcome` label values of `turnstile_outcomes_total` (see [`Outcome::label`]).
+pub const OUTCOME_LABELS: [&str; 6] = [
+    "registered",
+    "already_done",
+    "delayed",
+    "retried",
+    "dead_lettered",
+    "requeued",
+];
+
+/// Every reason a replica dead-letters with (`x-turnstile-reason`, the `reason` label of
+/// `turnstile_dead_letters_total`).
+pub const DEAD_LETTER_REASONS: [&str; 4] = [
+    "invalid-message",
+    "rejected",
+    "attempts-exhausted",
+    "throttled",
+];
+
 impl Outcome {
     /// The outcome's label in `turnstile_outcomes_total`, for a delivery that carried
     /// `delivered_attempt` failed attempts: a delay after one more failed attempt is `retried`.
@@ -915,6 +934,44 @@ mod tests {
         assert_eq!(delayed.label(1), "retried");
         assert_eq!(delayed.label(2), "delayed");
         assert_eq!(Outcome::Requeue.label(0), "requeued");
+    }
+
+    #[test]
+    fn every_outcome_label_and_dead_letter_reason_is_in_the_fixed_sets_exported_at_zero() {
+        let outcomes = [
+            Outcome::Registered,
+            Outcome::AlreadyDone,
+            Outcome::Delay {
+                after: SECOND,
+                carried: Carried::default(),
+            },
+            Outcome::Delay {
+                after: SECOND,
+                carried: Carried {
+                    attempt: 1,
+                    ..Carried::default()
+                },
+            },
+            Outcome::DeadLetter {
+                reason: "rejected",
+                detail: String::new(),
+            },
+            Outcome::Requeue,
+        ];
+        let labels: std::collections::BTreeSet<_> = outcomes.iter().map(|o| o.label(0)).collect();
+        let fixed: std::collections::BTreeSet<_> = OUTCOME_LABELS.into_iter().collect();
+        assert_eq!(labels, fixed);
+
+        // Every dead-letter reason written in the worker's source is one of the fixed set.
+        for source in [include_str!("plan.rs"), include_str!("mod.rs")] {
+            for literal in source.split("reason: \"").skip(1) {
+                let reason = &literal[..literal.find('"').expect("a closed literal")];
+                assert!(
+                    DEAD_LETTER_REASONS.contains(&reason),
+                    "dead-letter reason {reason:?} is missing from DEAD_LETTER_REASONS"
+                );
+            }
+        }
     }
 
     #[test]

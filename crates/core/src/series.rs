@@ -1,0 +1,365 @@
+//! Every metric a replica exports, with its help text and the fixed values of its label: the
+//! one list [`export_at_zero`] describes and registers at startup, so that the first scrape of
+//! `/metrics` already shows each counter and histogram (each label value its own series) at 0,
+//! and `rate()` or an alert rule sees 0 rather than "no data" (Prometheus' "avoid missing
+//! metrics").
+//!
+//! Gauges are set by what they report: `turnstile_ready` at startup (0 until ready), the
+//! replica's own gauges at each scrape, and `turnstile_queue_messages` once the broker has been
+//! asked (within moments of startup, then every 5 s): a depth not yet read is absent rather
+//! than a false 0.
+
+use crate::config::Algorithm;
+use crate::downstream;
+use crate::permit::{self, Forfeit, Why};
+use crate::worker;
+
+/// What kind of series a metric is.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Kind {
+    Counter,
+    Gauge,
+    Histogram,
+}
+
+/// One metric: its name, kind, help text and (at most one) label with its fixed values.
+#[derive(Clone, Copy, Debug)]
+pub struct Metric {
+    pub name: &'static str,
+    pub kind: Kind,
+    pub help: &'static str,
+    pub label: Option<Label>,
+}
+
+/// A label and every value it takes.
+#[derive(Clone, Copy, Debug)]
+pub struct Label {
+    pub key: &'static str,
+    pub values: Values,
+}
+
+/// A label's values: a fixed list, or the one a replica runs with.
+#[derive(Clone, Copy, Debug)]
+pub enum Values {
+    Fixed(&'static [&'static str]),
+    /// The replica's algorithm (`TURNSTILE_ALGORITHM`): the only value it ever counts under.
+    Algorithm,
+}
+
+const fn plain(name: &'static str, kind: Kind, help: &'static str) -> Metric {
+    Metric {
+        name,
+        kind,
+        help,
+        label: None,
+    }
+}
+
+const fn labelled(
+    name: &'static str,
+    kind: Kind,
+    help: &'static str,
+    key: &'static str,
+    values: Values,
+) -> Metric {
+    Metric {
+        name,
+        kind,
+        help,
+        label: Some(Label { key, values }),
+    }
+}
+
+const FORFEITS: [&str; 4] = [
+    Forfeit::ALL[0].label(),
+    Forfeit::ALL[1].label(),
+    Forfeit::ALL[2].label(),
+    Forfeit::ALL[3].label(),
+];
+const WHYS: [&str; 3] = [Why::ALL[0].label(), Why::ALL[1].label(), Why::ALL[2].label()];
+
+use Kind::{Counter, Gauge, Histogram};
+
+/// Every metric the consume path and the replica's endpoints export (README's "Metrics" table
+/// says the same in words; a test keeps the two in step).
+pub const METRICS: &[Metric] = &[
+    plain(
+        "turnstile_deliveries_total",
+        Counter,
+        "Deliveries received from the work queue and the return queue.",
+    ),
+    labelled(
+        "turnstile_outcomes_total",
+        Counter,
+        "How deliveries were settled.",
+        "outcome",
+        Values::Fixed(&worker::OUTCOME_LABELS),
+    ),
+    labelled(
+        "turnstile_dead_letters_total",
+        Counter,
+        "Dead letters confirmed by the broker, by reason.",
+        "reason",
+        Values::Fixed(&worker::DEAD_LETTER_REASONS),
+    ),
+    labelled(
+        "turnstile_permits_granted_total",
+        Counter,
+        "Permits granted (acquired or redeemed).",
+        "algorithm",
+        Values::Algorithm,
+    ),
+    labelled(
+        "turnstile_permits_near_limit_total",
+        Counter,
+        "Grants that left the seller's limit at least 80% taken.",
+        "algorithm",
+        Values::Algorithm,
+    ),
+    labelled(
+        "turnstile_permits_denied_total",
+        Counter,
+        "Permit requests told to wait (over the limit, or back before a reserved slot).",
+        "algorithm",
+        Values::Algorithm,
+    ),
+    labelled(
+        "turnstile_permits_over_limit_total",
+        Counter,
+        "Permit requests told to wait because the limit had no room.",
+        "algorithm",
+        Values::Algorithm,
+    ),
+    labelled(
+        "turnstile_reservations_forfeited_total",
+        Counter,
+        "Reserved slots given up at redemption, by reason.",
+        "reason",
+        Values::Fixed(&FORFEITS),
+    ),
+    plain(
+        "turnstile_reservations_released_total",
+        Counter,
+        "Reserved slots given back by a change of a seller's terms.",
+    ),
+    plain(
+        "turnstile_delay_released_total",
+        Counter,
+        "Delayed messages returned early because their slot was given back.",
+    ),
+    labelled(
+        "turnstile_global_permits_total",
+        Counter,
+        "Answers of the global limit to seller grants.",
+        "outcome",
+        Values::Fixed(&permit::GLOBAL_OUTCOMES),
+    ),
+    labelled(
+        "turnstile_seller_leases_total",
+        Counter,
+        "Leases of a seller's calls in flight (TURNSTILE_SELLER_CONCURRENCY).",
+        "outcome",
+        Values::Fixed(&permit::LEASE_OUTCOMES),
+    ),
+    labelled(
+        "turnstile_adaptive_changes_total",
+        Counter,
+        "Changes of a seller's learned limit made by this replica.",
+        "why",
+        Values::Fixed(&WHYS),
+    ),
+    plain(
+        "turnstile_adaptive_learned_ratio",
+        Histogram,
+        "At each change, the learned count over the configured one.",
+    ),
+    labelled(
+        "turnstile_shadow_verdicts_total",
+        Counter,
+        "Decisions judged by a seller's shadow limit.",
+        "verdict",
+        Values::Fixed(&permit::SHADOW_VERDICTS),
+    ),
+    labelled(
+        "turnstile_downstream_requests_total",
+        Counter,
+        "Downstream calls by answer class.",
+        "class",
+        Values::Fixed(&downstream::CLASSES),
+    ),
+    labelled(
+        "turnstile_downstream_request_duration_seconds",
+        Histogram,
+        "Time of one downstream call, by answer class.",
+        "class",
+        Values::Fixed(&downstream::CLASSES),
+    ),
+    plain(
+        "turnstile_downstream_throttled_total",
+        Counter,
+        "429 answers from the downstream.",
+    ),
+    plain(
+        "turnstile_redis_errors_total",
+        Counter,
+        "Failed Redis calls.",
+    ),
+    plain(
+        "turnstile_broker_errors_total",
+        Counter,
+        "Failed republishes, lost broker connections, failed queue-depth reads.",
+    ),
+    plain(
+        "turnstile_reconnects_total",
+        Counter,
+        "Broker reconnections after a lost connection.",
+    ),
+    plain(
+        "turnstile_ready",
+        Gauge,
+        "1 while /readyz says ready.",
+    ),
+    plain(
+        "turnstile_in_flight",
+        Gauge,
+        "Downstream calls under way in this replica.",
+    ),
+    plain(
+        "turnstile_held_messages",
+        Gauge,
+        "Throttled messages held in this replica waiting for their slot.",
+    ),
+    plain(
+        "turnstile_delay_held_messages",
+        Gauge,
+        "Delay ladder messages this replica holds.",
+    ),
+    plain(
+        "turnstile_delay_hops_total",
+        Counter,
+        "Delay ladder hops moved on by this replica.",
+    ),
+    plain(
+        "turnstile_delay_overdue_total",
+        Counter,
+        "Delay ladder hops moved on more than 1 s after their end.",
+    ),
+    plain(
+        "turnstile_delay_late_seconds",
+        Histogram,
+        "How long after its due time a delayed message was moved into the return queue.",
+    ),
+    plain(
+        "turnstile_delay_returns_total",
+        Counter,
+        "Deliveries taken from the return queue.",
+    ),
+    plain(
+        "turnstile_delay_return_late_seconds",
+        Histogram,
+        "How long after its due time a message was taken from the return queue.",
+    ),
+    labelled(
+        "turnstile_queue_messages",
+        Gauge,
+        "Messages ready in the work queue, the return queue, the delay ladder and the dead queue.",
+        "queue",
+        Values::Fixed(&["work", "ready", "delay", "dead"]),
+    ),
+];
+
+impl Metric {
+    /// Each label value this metric is exported under by a replica running `algorithm` (one
+    /// empty entry for a metric without a label).
+    pub fn label_values(&self, algorithm: Algorithm) -> Vec<&'static str> {
+        match self.label.map(|label| label.values) {
+            None => vec![""],
+            Some(Values::Fixed(values)) => values.to_vec(),
+            Some(Values::Algorithm) => vec![algorithm.name()],
+        }
+    }
+}
+
+/// Describes every metric to the installed recorder and registers each counter and histogram
+/// series at 0 (each label value of each), for a replica running `algorithm`. Call once, after
+/// the recorder is installed and before serving `/metrics`.
+pub fn export_at_zero(algorithm: Algorithm) {
+    for metric in METRICS {
+        let (name, help) = (metric.name, metric.help);
+        match metric.kind {
+            Counter => metrics::describe_counter!(name, help),
+            Gauge => metrics::describe_gauge!(name, help),
+            Histogram => metrics::describe_histogram!(name, help),
+        }
+        for value in metric.label_values(algorithm) {
+            let labels: Vec<metrics::Label> = match metric.label {
+                Some(label) => vec![metrics::Label::new(label.key, value)],
+                None => Vec::new(),
+            };
+            match metric.kind {
+                Counter => metrics::counter!(name, labels).increment(0),
+                // A histogram's series appear once registered; no observation is recorded.
+                Histogram => drop(metrics::histogram!(name, labels)),
+                Gauge => {}
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn every_metric_is_named_once_and_follows_the_naming_conventions() {
+        let mut names: Vec<_> = METRICS.iter().map(|m| m.name).collect();
+        names.sort();
+        let count = names.len();
+        names.dedup();
+        assert_eq!(names.len(), count, "a metric is listed twice");
+        for metric in METRICS {
+            assert!(metric.name.starts_with("turnstile_"), "{}", metric.name);
+            assert_eq!(
+                metric.kind == Counter,
+                metric.name.ends_with("_total"),
+                "{}: counters and only counters end in _total",
+                metric.name
+            );
+            if let Some(label) = metric.label {
+                assert!(!label.key.is_empty());
+                assert!(!metric.label_values(Algorithm::Gcra).contains(&""));
+            }
+        }
+    }
+
+    #[test]
+    fn every_metric_in_the_source_is_in_the_catalogue() {
+        let sources = [
+            include_str!("worker/mod.rs"),
+            include_str!("worker/plan.rs"),
+            include_str!("permit/mod.rs"),
+            include_str!("downstream/mod.rs"),
+            include_str!("broker/ladder.rs"),
+            include_str!("replica.rs"),
+            include_str!("telemetry.rs"),
+        ];
+        let mut seen = 0;
+        for source in sources {
+            for macro_call in ["counter!(", "gauge!(", "histogram!("] {
+                for after in source.split(macro_call).skip(1) {
+                    let after = after.trim_start();
+                    let Some(quoted) = after.strip_prefix('"') else {
+                        continue; // a name from a variable, as in export_at_zero
+                    };
+                    let name = &quoted[..quoted.find('"').expect("a closed literal")];
+                    seen += 1;
+                    assert!(
+                        METRICS.iter().any(|m| m.name == name),
+                        "{name} is exported but missing from series::METRICS"
+                    );
+                }
+            }
+        }
+        assert!(seen > 20, "found only {seen} metrics in the sources");
+    }
+}
