@@ -89,7 +89,9 @@ async fn a_fresh_replica_exports_every_series_at_zero_and_no_series_appears_late
         );
     }
     assert!(
-        first.iter().any(|(s, v)| s == "turnstile_ready" && *v <= 1.0),
+        first
+            .iter()
+            .any(|(s, v)| s == "turnstile_ready" && *v <= 1.0),
         "readiness is exported:\n{first_page}"
     );
 
@@ -108,11 +110,12 @@ async fn a_fresh_replica_exports_every_series_at_zero_and_no_series_appears_late
     let mut later = Vec::new();
     support::eventually_async("the workload is counted", async || {
         later = series(&reqwest::get(&url).await.unwrap().text().await.unwrap());
-        later.iter().any(|(s, v)| {
-            s == r#"turnstile_dead_letters_total{reason="rejected"}"# && *v >= 1.0
-        }) && later.iter().any(|(s, v)| {
-            s == r#"turnstile_permits_denied_total{algorithm="sliding-window"}"# && *v >= 1.0
-        })
+        later
+            .iter()
+            .any(|(s, v)| s == r#"turnstile_dead_letters_total{reason="rejected"}"# && *v >= 1.0)
+            && later.iter().any(|(s, v)| {
+                s == r#"turnstile_permits_denied_total{algorithm="sliding-window"}"# && *v >= 1.0
+            })
     })
     .await;
     let new: Vec<&String> = later
@@ -121,7 +124,10 @@ async fn a_fresh_replica_exports_every_series_at_zero_and_no_series_appears_late
         .filter(|s| !s.starts_with("turnstile_queue_messages{"))
         .filter(|s| !first_ids.contains(&identity(s)))
         .collect();
-    assert!(new.is_empty(), "series missing from the first scrape: {new:?}");
+    assert!(
+        new.is_empty(),
+        "series missing from the first scrape: {new:?}"
+    );
     let exported: BTreeSet<&str> = METRICS.iter().map(|m| m.name).collect();
     for (s, _) in &later {
         let name = identity(s);
@@ -129,4 +135,161 @@ async fn a_fresh_replica_exports_every_series_at_zero_and_no_series_appears_late
         assert!(exported.contains(name), "{name} is not in series::METRICS");
     }
     rig.cleanup().await
+}
+
+/// The names a PromQL query uses that a replica does not export (a histogram exports
+/// `<name>_bucket`, `_sum` and `_count`), and whether it names any of ours at all.
+fn unexported(query: &str) -> (Vec<String>, bool) {
+    let exported = |name: &str| {
+        METRICS.iter().any(|m| {
+            m.name == name
+                || (m.kind == Kind::Histogram
+                    && ["_bucket", "_sum", "_count"]
+                        .iter()
+                        .any(|suffix| name.strip_suffix(suffix) == Some(m.name)))
+        })
+    };
+    let mut missing = Vec::new();
+    let mut named = false;
+    for (at, _) in query.match_indices("turnstile_") {
+        if at > 0 && query.as_bytes()[at - 1].is_ascii_alphanumeric() {
+            continue;
+        }
+        let end = query[at..]
+            .find(|c: char| !(c.is_ascii_alphanumeric() || c == '_'))
+            .map_or(query.len(), |n| at + n);
+        let name = &query[at..end];
+        named = true;
+        if !exported(name) {
+            missing.push(name.to_owned());
+        }
+    }
+    (missing, named)
+}
+
+/// Every `expr` of every panel (rows' nested panels too) and every variable's query.
+fn queries(dashboard: &serde_json::Value) -> Vec<(String, String)> {
+    fn walk(panels: &serde_json::Value, out: &mut Vec<(String, String)>) {
+        for panel in panels.as_array().into_iter().flatten() {
+            let title = panel["title"].as_str().unwrap_or("?").to_owned();
+            for target in panel["targets"].as_array().into_iter().flatten() {
+                let expr = target["expr"]
+                    .as_str()
+                    .expect("a Prometheus target has an expr");
+                out.push((title.clone(), expr.to_owned()));
+            }
+            walk(&panel["panels"], out);
+        }
+    }
+    let mut out = Vec::new();
+    walk(&dashboard["panels"], &mut out);
+    for variable in dashboard["templating"]["list"]
+        .as_array()
+        .into_iter()
+        .flatten()
+    {
+        if variable["type"] == "query" {
+            let query = &variable["query"];
+            let query = query["query"]
+                .as_str()
+                .or(query.as_str())
+                .unwrap_or_default();
+            out.push((format!("${}", variable["name"]), query.to_owned()));
+        }
+    }
+    out
+}
+
+#[test]
+fn every_query_of_the_grafana_dashboard_names_metrics_a_replica_exports() {
+    let text = include_str!("../deploy/grafana/turnstile.json");
+    let dashboard: serde_json::Value = serde_json::from_str(text).expect("the dashboard is JSON");
+    let queries = queries(&dashboard);
+    assert!(queries.len() >= 20, "{} queries", queries.len());
+    for (panel, query) in &queries {
+        let (missing, named) = unexported(query);
+        assert!(named, "{panel}: {query} names no turnstile metric");
+        assert!(
+            missing.is_empty(),
+            "{panel}: {query} names {missing:?}, which no replica exports"
+        );
+    }
+    // What an operator must see: throughput, permits, downstream answers and latency, queue
+    // depths, dead letters by reason, readiness.
+    let all: String = queries
+        .iter()
+        .map(|(_, q)| q.as_str())
+        .collect::<Vec<_>>()
+        .join("\n");
+    for wanted in [
+        "turnstile_outcomes_total",
+        "turnstile_deliveries_total",
+        "turnstile_permits_granted_total",
+        "turnstile_permits_denied_total",
+        "turnstile_permits_near_limit_total",
+        "turnstile_downstream_requests_total",
+        "turnstile_downstream_request_duration_seconds_bucket",
+        "turnstile_queue_messages",
+        "sum by (reason) (increase(turnstile_dead_letters_total",
+        "turnstile_ready",
+    ] {
+        assert!(all.contains(wanted), "the dashboard shows no {wanted}");
+    }
+    // Panels have distinct ids and query the dashboard's Prometheus data source variable.
+    let mut ids = BTreeSet::new();
+    let mut stack = vec![&dashboard["panels"]];
+    while let Some(panels) = stack.pop() {
+        for panel in panels.as_array().into_iter().flatten() {
+            assert!(
+                ids.insert(panel["id"].as_u64().expect("a panel id")),
+                "id twice"
+            );
+            if panel["type"] != "row" {
+                assert_eq!(
+                    panel["datasource"]["uid"], "${datasource}",
+                    "{}",
+                    panel["title"]
+                );
+            }
+            stack.push(&panel["panels"]);
+        }
+    }
+    assert_eq!(dashboard["uid"], "turnstile");
+}
+
+#[test]
+fn the_dashboard_check_catches_a_metric_no_replica_exports() {
+    let (missing, named) = unexported("sum(rate(turnstile_permits_grantd_total[5m]))");
+    assert!(named);
+    assert_eq!(missing, ["turnstile_permits_grantd_total"]);
+    let (missing, _) = unexported("rate(turnstile_downstream_request_duration_seconds_bucket[1m])");
+    assert!(missing.is_empty());
+    let (_, named) = unexported("up");
+    assert!(!named);
+}
+
+#[test]
+fn readme_documents_every_metric_and_no_other() {
+    let readme = include_str!("../README.md");
+    let table: BTreeSet<&str> = readme
+        .lines()
+        .filter_map(|l| l.strip_prefix("| `turnstile_")?.split('`').next())
+        .collect();
+    let exported: BTreeSet<&str> = METRICS
+        .iter()
+        .map(|m| m.name.strip_prefix("turnstile_").unwrap())
+        .collect();
+    assert_eq!(table, exported, "README's metrics table vs series::METRICS");
+}
+
+#[test]
+fn every_alert_rule_names_metrics_a_replica_exports() {
+    let rules = include_str!("../deploy/prometheus/alerts.yml");
+    let (missing, named) = unexported(rules);
+    assert!(named);
+    assert!(missing.is_empty(), "alerts.yml names {missing:?}");
+    assert!(
+        rules.matches("- alert: ").count() >= 5,
+        "the rules file holds the alerts"
+    );
 }

@@ -76,7 +76,11 @@ const FORFEITS: [&str; 4] = [
     Forfeit::ALL[2].label(),
     Forfeit::ALL[3].label(),
 ];
-const WHYS: [&str; 3] = [Why::ALL[0].label(), Why::ALL[1].label(), Why::ALL[2].label()];
+const WHYS: [&str; 3] = [
+    Why::ALL[0].label(),
+    Why::ALL[1].label(),
+    Why::ALL[2].label(),
+];
 
 use Kind::{Counter, Gauge, Histogram};
 
@@ -214,11 +218,7 @@ pub const METRICS: &[Metric] = &[
         Counter,
         "Broker reconnections after a lost connection.",
     ),
-    plain(
-        "turnstile_ready",
-        Gauge,
-        "1 while /readyz says ready.",
-    ),
+    plain("turnstile_ready", Gauge, "1 while /readyz says ready."),
     plain(
         "turnstile_in_flight",
         Gauge,
