@@ -1,5 +1,7 @@
 //! `turnstile publish`: one registration message per product of a seller's upload, published
-//! confirmed, and the upload's progress recorded.
+//! confirmed, and the upload's progress recorded. An upload is one trace: every message
+//! carries a `traceparent` of the same trace id (printed when publishing starts), each with a
+//! span id of its own.
 
 use std::path::PathBuf;
 use std::process::ExitCode;
@@ -10,6 +12,7 @@ use futures::StreamExt;
 use turnstile_core::broker::{BrokerArgs, Publisher};
 use turnstile_core::config::{LimiterArgs, RedisArgs};
 use turnstile_core::permit::PermitStore;
+use turnstile_core::trace::TraceContext;
 use turnstile_upload::progress;
 use turnstile_upload::upload::{UploadRow, read_weighed_upload};
 
@@ -62,7 +65,15 @@ pub async fn run(args: PublishArgs) -> anyhow::Result<ExitCode> {
     let (connection, publisher, topology) = args.broker.open("turnstile publish").await?;
     let queue = topology.work().to_owned();
     let label = format!("publishing {} of {seller}", upload.batch_id.as_str());
-    let published = publish_rows(&publisher, &queue, &upload.rows, label).await;
+    let trace = TraceContext::start();
+    println!(
+        "{}: publishing {} products of {seller} (batch {}) as trace-id {}",
+        args.file.display(),
+        upload.rows.len(),
+        upload.batch_id.as_str(),
+        trace.trace_id()
+    );
+    let published = publish_rows(&publisher, &queue, &upload.rows, &trace, label).await;
     let failed_rows: std::collections::HashSet<usize> = upload
         .rows
         .iter()
@@ -107,12 +118,13 @@ pub async fn run(args: PublishArgs) -> anyhow::Result<ExitCode> {
     Ok(ExitCode::SUCCESS)
 }
 
-/// Publishes the rows to `queue`, confirmed, many at once, with a progress bar; one result per
-/// row.
+/// Publishes the rows to `queue`, confirmed, many at once, with a progress bar, each as a span
+/// of `trace` (its `traceparent` header); one result per row.
 async fn publish_rows(
     publisher: &Publisher,
     queue: &str,
     rows: &[UploadRow],
+    trace: &TraceContext,
     label: String,
 ) -> Vec<anyhow::Result<()>> {
     let bar = indicatif::ProgressBar::new(rows.len() as u64).with_style(
@@ -125,9 +137,14 @@ async fn publish_rows(
         .map(|row| {
             let bar = &bar;
             async move {
+                let mut headers = lapin::types::FieldTable::default();
+                for (name, value) in trace.child().amqp_headers() {
+                    headers.insert(name.into(), value);
+                }
                 let properties = lapin::BasicProperties::default()
                     .with_content_type("application/json".into())
-                    .with_message_id(row.message_id.as_str().into());
+                    .with_message_id(row.message_id.as_str().into())
+                    .with_headers(headers);
                 publisher
                     .publish("", queue, &row.body, properties)
                     .await

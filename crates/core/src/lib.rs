@@ -15,6 +15,8 @@
 //! - [`domain`]: sellers, message ids, registrations (parse, don't validate)
 //! - [`config`]: limits and stacks, algorithms, the global limit, Redis settings
 //! - [`telemetry`]: tracing and the replica's readiness flag
+//! - [`trace`]: W3C trace context: a message's `traceparent` / `tracestate`, parsed once, and
+//!   each downstream call a span of its own in that trace
 //! - [`series`]: every metric exported, its help and label values, all at 0 from startup
 pub mod broker;
 pub mod config;
@@ -24,4 +26,5 @@ pub mod permit;
 pub mod replica;
 pub mod series;
 pub mod telemetry;
+pub mod trace;
 pub mod worker;

@@ -4,7 +4,9 @@
 //!
 //! A JSON line is one object: `timestamp`, `level`, `target`, the event's fields at the top level
 //! (`message` is the text) and the current span under `span`, e.g. a message's
-//! `{"name": "registration", "seller": "S-1", "message": "<message id>", "attempt": 0}`.
+//! `{"name": "registration", "seller": "S-1", "message": "<message id>", "attempt": 0,
+//! "trace_id": "<32 hex>", "span_id": "<16 hex>"}` (`span_id`: the downstream call's span, once
+//! it is made; see `crate::trace`).
 
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -115,5 +117,39 @@ mod tests {
         assert_eq!(line["span"]["seller"], "S-1");
         assert_eq!(line["span"]["message"], "m-7");
         assert_eq!(line["span"]["attempt"], 2);
+    }
+
+    #[test]
+    fn a_json_line_carries_the_trace_of_the_message_and_the_span_of_its_call_once_made() {
+        let lines = Lines::default();
+        let subscriber = subscriber(EnvFilter::new("info"), true, lines.clone());
+        let trace = crate::trace::TraceContext::start();
+        let call = trace.child();
+        tracing::subscriber::with_default(subscriber, || {
+            let span = tracing::info_span!(
+                "registration",
+                seller = "S-1",
+                trace_id = %trace.trace_id(),
+                span_id = tracing::field::Empty
+            );
+            let _entered = span.enter();
+            tracing::info!("before the call");
+            span.record("span_id", tracing::field::display(call.span_id()));
+            tracing::info!("after the call");
+        });
+        let text = String::from_utf8(lines.0.lock().unwrap().clone()).unwrap();
+        let lines: Vec<serde_json::Value> = text
+            .lines()
+            .map(|l| serde_json::from_str(l).expect("a JSON line"))
+            .collect();
+        assert_eq!(lines.len(), 2);
+        let trace_id = trace.trace_id().to_string();
+        assert_eq!(lines[0]["span"]["trace_id"], trace_id.as_str());
+        assert!(lines[0]["span"].get("span_id").is_none(), "{}", lines[0]);
+        assert_eq!(lines[1]["span"]["trace_id"], trace_id.as_str());
+        assert_eq!(
+            lines[1]["span"]["span_id"],
+            call.span_id().to_string().as_str()
+        );
     }
 }

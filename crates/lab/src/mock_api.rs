@@ -13,7 +13,8 @@
 //!   An already accepted key is replayed with `200` and counted as a duplicate, not again.
 //!   With `--global-limit`, every seller's registrations together are held to that stack as
 //!   strictly (a request over it is a `429` and a violation, counted in `global_violations`).
-//!   Each seller's most requests in flight at once is recorded (`max_in_flight`).
+//!   Each seller's most requests in flight at once is recorded (`max_in_flight`), and the
+//!   headers of the last [`RECENT_REQUESTS`] requests ([`MockServer::recent_requests`]).
 //! - `GET /stats`: [`Stats`] as JSON. `POST /reset`: forgets everything and restarts the clock.
 //!
 //! A product object with a `"mock"` object scripts its answers by attempt, for tests:
@@ -237,6 +238,37 @@ pub struct SellerStats {
     pub max_in_flight: u64,
 }
 
+/// How many of the latest requests' headers the mock keeps ([`MockServer::recent_requests`]).
+pub const RECENT_REQUESTS: usize = 1_000;
+
+/// One request as the mock received it: its headers, names in lowercase, values as text
+/// (lossy), in order.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct SeenRequest {
+    pub headers: Vec<(String, String)>,
+}
+
+impl SeenRequest {
+    fn of(headers: &HeaderMap) -> Self {
+        let headers = headers
+            .iter()
+            .map(|(name, value)| {
+                let value = String::from_utf8_lossy(value.as_bytes()).into_owned();
+                (name.as_str().to_owned(), value)
+            })
+            .collect();
+        Self { headers }
+    }
+
+    /// The first value of header `name` (lowercase), if the request had one.
+    pub fn header(&self, name: &str) -> Option<&str> {
+        self.headers
+            .iter()
+            .find(|(n, _)| n == name)
+            .map(|(_, v)| v.as_str())
+    }
+}
+
 /// A running mock API.
 pub struct MockServer {
     addr: SocketAddr,
@@ -307,6 +339,12 @@ impl MockServer {
     /// A snapshot of the counters.
     pub fn stats(&self) -> Stats {
         self.app.lock().snapshot()
+    }
+
+    /// The last [`RECENT_REQUESTS`] `POST /register/…` requests (every one, whatever its
+    /// answer), oldest first.
+    pub fn recent_requests(&self) -> Vec<SeenRequest> {
+        self.app.lock().recent.iter().cloned().collect()
     }
 
     /// Waits until `shutdown` is cancelled and the server has stopped.
@@ -414,6 +452,8 @@ struct Ledger {
     accepted: HashSet<String>,
     attempts: HashMap<String, usize>,
     stats: Stats,
+    /// The last [`RECENT_REQUESTS`] requests.
+    recent: VecDeque<SeenRequest>,
 }
 
 impl Ledger {
@@ -433,6 +473,7 @@ impl Ledger {
             accepted: HashSet::new(),
             attempts: HashMap::new(),
             stats: Stats::default(),
+            recent: VecDeque::new(),
         }
     }
 }
@@ -745,6 +786,14 @@ async fn register(
     headers: HeaderMap,
     body: Bytes,
 ) -> Response {
+    let seen = SeenRequest::of(&headers);
+    {
+        let mut ledger = app.lock();
+        if ledger.recent.len() == RECENT_REQUESTS {
+            ledger.recent.pop_front();
+        }
+        ledger.recent.push_back(seen);
+    }
     let req = match parse_request(&seller, &headers, &body) {
         Ok(req) => req,
         Err(why) => {

@@ -9,6 +9,7 @@ use reqwest::header::{CONTENT_TYPE, HeaderValue, RETRY_AFTER};
 use secrecy::{ExposeSecret, SecretString};
 
 use crate::domain::Registration;
+use crate::trace::TraceContext;
 
 pub mod headers;
 pub use headers::RateLimitHeaders;
@@ -137,14 +138,16 @@ impl Downstream {
         Ok(())
     }
 
-    /// POSTs the product verbatim with the contract's headers and classifies the answer.
+    /// POSTs the product verbatim with the contract's headers, as the first span of a new
+    /// trace, and classifies the answer.
     pub async fn register(&self, registration: &Registration) -> Reply {
-        self.call(registration).await.reply
+        self.call(registration, &TraceContext::start()).await.reply
     }
 
-    /// As [`Self::register`], with what a 2xx or 429 answer's rate-limit headers said (see
+    /// As [`Self::register`], as the span `trace` (the call's own: see
+    /// [`TraceContext::child`]), with what a 2xx or 429 answer's rate-limit headers said (see
     /// [`headers`]).
-    pub async fn call(&self, registration: &Registration) -> Answered {
+    pub async fn call(&self, registration: &Registration, trace: &TraceContext) -> Answered {
         let url = match self.url_for(&registration.seller_id) {
             Ok(url) => url,
             Err(why) => {
@@ -170,6 +173,7 @@ impl Downstream {
         if let Some(auth) = &self.authorization {
             request = request.header(reqwest::header::AUTHORIZATION, auth.clone());
         }
+        request = with_trace(request, trace);
         let started = std::time::Instant::now();
         let mut rate_limit = None;
         let (reply, class) = match request.send().await {
@@ -195,6 +199,24 @@ impl Downstream {
             .record(started.elapsed().as_secs_f64());
         Answered { reply, rate_limit }
     }
+}
+
+/// `traceparent`, and `tracestate` when there is one. Both are ASCII by construction; a value
+/// that a header could not carry would be left out rather than fail the call.
+fn with_trace(
+    mut request: reqwest::RequestBuilder,
+    trace: &TraceContext,
+) -> reqwest::RequestBuilder {
+    if let Ok(value) = HeaderValue::from_str(&trace.traceparent()) {
+        request = request.header(crate::trace::TRACEPARENT, value);
+    }
+    let state = trace
+        .tracestate()
+        .map(|s| HeaderValue::from_str(s.as_str()));
+    if let Some(Ok(value)) = state {
+        request = request.header(crate::trace::TRACESTATE, value);
+    }
+    request
 }
 
 /// A call's classified answer, and what its rate-limit headers said (2xx and 429 only).

@@ -26,6 +26,7 @@ use tracing::{Instrument, debug, info, info_span, warn};
 use crate::broker::{PublishError, Publisher, Settler, Topology};
 use crate::domain::{MessageId, RateLimitHeaders, Registration, SellerId};
 use crate::downstream::{Downstream, Reply};
+use crate::trace::TraceContext;
 mod plan;
 mod stats;
 
@@ -219,16 +220,23 @@ impl Worker {
         let registration = Registration::parse(&delivery.data, message_id.as_deref());
         let carried = Carried::from_delivery(&delivery, crate::broker::unix_ms());
         let attempt = carried.attempt;
+        // A missing or invalid traceparent starts a new trace: never a reason to refuse.
+        let trace = TraceContext::from_headers(delivery.properties.headers().as_ref())
+            .unwrap_or_else(TraceContext::start);
+        let trace_id = trace.trace_id();
+        // `span_id`: the current downstream call's span, recorded when it is made.
         let span = match &registration {
             Ok(r) => {
-                info_span!("registration", seller = %r.seller_id, message = %r.message_id, attempt)
+                info_span!("registration", seller = %r.seller_id, message = %r.message_id, attempt, trace_id = %trace_id, span_id = tracing::field::Empty)
             }
-            Err(_) => info_span!("registration", seller = "?", message = ?message_id, attempt),
+            Err(_) => {
+                info_span!("registration", seller = "?", message = ?message_id, attempt, trace_id = %trace_id, span_id = tracing::field::Empty)
+            }
         };
         let outcome = async {
             let outcome = match registration {
                 Ok(registration) => {
-                    self.handle(&registration, carried, shutdown, connection_lost)
+                    self.handle(&registration, &trace, carried, shutdown, connection_lost)
                         .await
                 }
                 Err(invalid) => Outcome::DeadLetter {
@@ -246,11 +254,13 @@ impl Worker {
             .await;
     }
 
-    /// Decides what happens to one registration. Holds a worker permit only while asking for a
-    /// permit and calling the downstream, so held messages never starve the workers.
+    /// Decides what happens to one registration (of the trace `trace`: each call is a span of
+    /// it). Holds a worker permit only while asking for a permit and calling the downstream, so
+    /// held messages never starve the workers.
     pub async fn handle(
         &self,
         registration: &Registration,
+        trace: &TraceContext,
         mut carried: Carried,
         shutdown: &CancellationToken,
         connection_lost: &CancellationToken,
@@ -266,6 +276,7 @@ impl Worker {
             let plan = self
                 .ask(
                     registration,
+                    trace,
                     &mut carried,
                     &mut permit_errors,
                     shutdown,
@@ -287,6 +298,7 @@ impl Worker {
     async fn ask(
         &self,
         registration: &Registration,
+        trace: &TraceContext,
         carried: &mut Carried,
         permit_errors: &mut PermitErrors,
         shutdown: &CancellationToken,
@@ -344,7 +356,7 @@ impl Worker {
                     granted_us,
                     asked,
                 };
-                self.call(registration, grant, worker, carried).await
+                self.call(registration, trace, grant, worker, carried).await
             }
             plan => {
                 drop(worker);
@@ -374,18 +386,21 @@ impl Worker {
             .plan_early_return(until_slot, holding, carried)
     }
 
-    /// Calls the downstream under a grant, lets go of the worker once the answer came, records
-    /// the answer (with the registration, for a 2xx) and learns from it (see [`Self::learn`]),
-    /// and plans what the reply leads to.
+    /// Calls the downstream under a grant, as a new span of the message's trace, lets go of the
+    /// worker once the answer came, records the answer (with the registration, for a 2xx) and
+    /// learns from it (see [`Self::learn`]), and plans what the reply leads to.
     async fn call(
         &self,
         registration: &Registration,
+        trace: &TraceContext,
         grant: Grant<'_>,
         worker: OwnedSemaphorePermit,
         carried: &mut Carried,
     ) -> Plan {
+        let span = trace.child();
+        tracing::Span::current().record("span_id", tracing::field::display(span.span_id()));
         self.stats.in_flight.fetch_add(1, Ordering::Relaxed);
-        let answered = self.downstream.call(registration).await;
+        let answered = self.downstream.call(registration, &span).await;
         let answered_us = grant.answered_us();
         self.stats.in_flight.fetch_sub(1, Ordering::Relaxed);
         // Noted before the worker is free for a copy of the same message (see `ask`).
