@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # README's test command: what the tests need that a fresh machine lacks (headless Chromium,
-# docker-compose, promtool; installed once), formatting, lints, then every test against the
-# local RabbitMQ and Redis (the tests start the local Redis Cluster and the mock downstream
-# they need themselves).
+# docker-compose, promtool, the manifest validator's npm packages; installed once), formatting,
+# lints, then every test against the local RabbitMQ and Redis (the tests start the local Redis
+# Cluster and the mock downstream they need themselves).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -37,6 +37,16 @@ if ! command -v promtool >/dev/null 2>&1 && [ -z "${PROMTOOL:-}" ] && [ ! -x tar
   }
   mkdir -p target/tools && cp "$unpack/root/usr/bin/promtool" target/tools/promtool
   rm -rf "$unpack"
+fi
+# The Kubernetes manifests' validator (tests/deploy.rs runs deploy/validate/validate.mjs): its
+# npm packages, pinned in deploy/validate/package-lock.json, installed again only when that
+# lockfile changed since the last install (a copy of it is kept in node_modules).
+if ! command -v node >/dev/null 2>&1 || ! command -v npm >/dev/null 2>&1; then
+  apt_install nodejs npm
+fi
+if ! cmp -s deploy/validate/package-lock.json deploy/validate/node_modules/.turnstile-installed-lock.json; then
+  npm ci --prefix deploy/validate --no-audit --no-fund --loglevel=error
+  cp deploy/validate/package-lock.json deploy/validate/node_modules/.turnstile-installed-lock.json
 fi
 cargo fmt --all -- --check
 cargo clippy --workspace --all-targets -q -- -D warnings
