@@ -34,6 +34,9 @@ pub struct Cli {
 #[derive(Subcommand, Debug)]
 pub enum Command {
     /// Run one consumer replica (many may share the queue).
+    #[command(
+        after_help = "Also read from the environment: TURNSTILE_LOG_FORMAT (`json` for one JSON object per line; default text) and RUST_LOG (the log filter; default `info,lapin::channel=off`, and `lapin::channel=off` is added to a RUST_LOG that names no lapin target)."
+    )]
     Consume(Box<ServeArgs>),
     /// A strict stand-in for the registration API (for demos, tests and benchmarks).
     MockApi(turnstile_lab::mock_api::MockArgs),

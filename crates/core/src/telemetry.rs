@@ -18,10 +18,24 @@ use tracing_subscriber::util::SubscriberInitExt;
 
 /// Installs the global subscriber (once; later calls do nothing). Logs go to stderr.
 pub fn init() {
-    let filter =
-        EnvFilter::try_from_default_env().unwrap_or_else(|_| EnvFilter::new(DEFAULT_FILTER));
+    let filter = filter_from(std::env::var("RUST_LOG").ok().as_deref());
     let json = std::env::var("TURNSTILE_LOG_FORMAT").is_ok_and(|f| f.eq_ignore_ascii_case("json"));
     let _ = subscriber(filter, json, std::io::stderr).try_init();
+}
+
+/// The filter for `RUST_LOG`: [`DEFAULT_FILTER`] without it (or when it does not parse);
+/// otherwise `RUST_LOG`, plus `lapin::channel=off` unless it says something of lapin itself
+/// (`RUST_LOG=warn` alone would log each channel turnstile closes on purpose as an ERROR).
+pub fn filter_from(rust_log: Option<&str>) -> EnvFilter {
+    let Some(directives) = rust_log.map(str::trim).filter(|d| !d.is_empty()) else {
+        return EnvFilter::new(DEFAULT_FILTER);
+    };
+    let directives = if directives.contains("lapin") {
+        directives.to_owned()
+    } else {
+        format!("{directives},lapin::channel=off")
+    };
+    EnvFilter::try_new(directives).unwrap_or_else(|_| EnvFilter::new(DEFAULT_FILTER))
 }
 
 /// The subscriber `init` installs, writing to `writer` (tests capture lines with it).
@@ -92,6 +106,27 @@ mod tests {
         fn make_writer(&'w self) -> Self::Writer {
             self.clone()
         }
+    }
+
+    #[test]
+    fn rust_log_keeps_lapins_channel_lines_off_unless_it_names_lapin() {
+        assert_eq!(
+            filter_from(None).to_string(),
+            EnvFilter::new(DEFAULT_FILTER).to_string()
+        );
+        assert_eq!(
+            filter_from(Some("  ")).to_string(),
+            EnvFilter::new(DEFAULT_FILTER).to_string()
+        );
+        let warn = filter_from(Some("warn")).to_string();
+        assert!(
+            warn.contains("lapin::channel=off") && warn.contains("warn"),
+            "{warn}"
+        );
+        let lapin = filter_from(Some("info,lapin=debug")).to_string();
+        assert!(!lapin.contains("channel=off"), "{lapin}");
+        let bad = filter_from(Some("[[[")).to_string();
+        assert_eq!(bad, EnvFilter::new(DEFAULT_FILTER).to_string());
     }
 
     #[test]
