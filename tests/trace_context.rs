@@ -329,3 +329,44 @@ async fn publish_makes_an_upload_one_trace_and_keeps_its_message_ids() -> anyhow
     );
     rig.cleanup().await
 }
+
+#[tokio::test]
+async fn a_message_without_a_valid_traceparent_keeps_the_trace_it_was_given_through_its_retries()
+-> anyhow::Result<()> {
+    let mut rig = support::rig("trace-retried", "100/1s").prepare().await?;
+    let retried = json!({"sku": 1, "mock": {"statuses": [503, 503, 200]}});
+    let untraced: Vec<(&str, Headers)> = vec![
+        ("m-untraced", vec![]),
+        // A bad header in another case than the one turnstile writes must not stay beside it.
+        (
+            "m-bad-case",
+            vec![("TraceParent", long_string("00-nonsense"))],
+        ),
+    ];
+    for (id, headers) in &untraced {
+        rig.publish_with_headers(&body("S-retried", id, retried.clone()), headers)
+            .await?;
+    }
+    rig.start_replicas(1, 2).await?;
+    let stats = rig.wait_registered(untraced.len() as u64).await?;
+    rig.stop_replicas().await?;
+    assert_eq!(stats.duplicates, 0, "{stats:?}");
+
+    let seen = rig.mock.recent_requests();
+    for (id, _) in &untraced {
+        let calls: Vec<TraceContext> = requests_of(&seen, id)
+            .into_iter()
+            .map(traceparent_of)
+            .collect();
+        assert_eq!(calls.len(), 3, "{id}: two 503s, then a 2xx");
+        let traces: BTreeSet<String> = calls.iter().map(|c| c.trace_id().to_string()).collect();
+        assert_eq!(
+            traces.len(),
+            1,
+            "{id}: one trace for every attempt: {traces:?}"
+        );
+        let spans: BTreeSet<String> = calls.iter().map(|c| c.span_id().to_string()).collect();
+        assert_eq!(spans.len(), 3, "{id}: a span per attempt");
+    }
+    rig.cleanup().await
+}

@@ -378,7 +378,8 @@ pub fn long_string(s: &str) -> AMQPValue {
     AMQPValue::LongString(LongString::from(s.as_bytes().to_vec()))
 }
 
-/// The delivery's properties with `extra` headers set (replacing same-named ones) and the
+/// The delivery's properties with `extra` headers set (replacing those of the same name in any
+/// case: a `TraceParent` beside the `traceparent` set would make both invalid) and the
 /// broker's dead-letter history removed. The history must go: a message that goes through the
 /// ladder a second time with `x-death` naming a ladder queue is taken for a dead-letter cycle,
 /// which a quorum queue then holds forever and a classic queue drops.
@@ -386,7 +387,10 @@ fn copy_properties(delivery: &Delivery, extra: &[(&str, AMQPValue)]) -> BasicPro
     let mut table = FieldTable::default();
     if let Some(headers) = delivery.properties.headers() {
         for (name, value) in headers.inner() {
-            if !is_death_history(name.as_str()) {
+            let replaced = extra
+                .iter()
+                .any(|(set, _)| set.eq_ignore_ascii_case(name.as_str()));
+            if !is_death_history(name.as_str()) && !replaced {
                 table.insert(name.clone(), value.clone());
             }
         }

@@ -218,11 +218,16 @@ impl Worker {
             .as_ref()
             .map(|m| m.to_string());
         let registration = Registration::parse(&delivery.data, message_id.as_deref());
-        let carried = Carried::from_delivery(&delivery, crate::broker::unix_ms());
+        let mut carried = Carried::from_delivery(&delivery, crate::broker::unix_ms());
         let attempt = carried.attempt;
-        // A missing or invalid traceparent starts a new trace: never a reason to refuse.
+        // A missing or invalid traceparent starts a new trace (never a reason to refuse), which
+        // the message's delayed copies then carry.
         let trace = TraceContext::from_headers(delivery.properties.headers().as_ref())
-            .unwrap_or_else(TraceContext::start);
+            .unwrap_or_else(|| {
+                let started = TraceContext::start();
+                carried.started_trace = Some(started.clone());
+                started
+            });
         let trace_id = trace.trace_id();
         // `span_id`: the current downstream call's span, recorded when it is made.
         let span = match &registration {

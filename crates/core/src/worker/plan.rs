@@ -13,6 +13,7 @@ use crate::downstream::Reply;
 use tracing::warn;
 
 use crate::permit::{CALL_ALLOWANCE, Decision, PermitError, Reservation};
+use crate::trace::TraceContext;
 
 /// What to do with a delivery; decided by [`Worker::handle`], applied by [`Worker::settle`].
 #[derive(Debug, PartialEq)]
@@ -78,6 +79,9 @@ pub struct Carried {
     pub reservation: Option<Reservation>,
     /// Since when (Unix ms) the downstream has answered 429 to this message.
     pub throttled_since_ms: Option<u64>,
+    /// The trace this replica started for a message that came without a valid `traceparent`:
+    /// its delayed copies carry it (as `traceparent`), so that all its attempts are one trace.
+    pub started_trace: Option<TraceContext>,
 }
 
 impl Carried {
@@ -89,6 +93,7 @@ impl Carried {
             reservation: Self::reservation_of(delivery),
             throttled_since_ms: header_u64(delivery, headers::THROTTLED_SINCE)
                 .map(|t| t.min(now_ms)),
+            started_trace: None,
         }
     }
 
@@ -125,6 +130,9 @@ impl Carried {
                 headers::THROTTLED_SINCE,
                 AMQPValue::LongLongInt(since as i64),
             ));
+        }
+        if let Some(trace) = &self.started_trace {
+            headers.extend(trace.amqp_headers());
         }
         headers
     }
