@@ -335,12 +335,16 @@ async fn a_message_without_a_valid_traceparent_keeps_the_trace_it_was_given_thro
 -> anyhow::Result<()> {
     let mut rig = support::rig("trace-retried", "100/1s").prepare().await?;
     let retried = json!({"sku": 1, "mock": {"statuses": [503, 503, 200]}});
+    // Each with a valid tracestate, which belongs to no valid traceparent: never forwarded.
     let untraced: Vec<(&str, Headers)> = vec![
-        ("m-untraced", vec![]),
-        // A bad header in another case than the one turnstile writes must not stay beside it.
+        ("m-untraced", vec![(TRACESTATE, long_string(STATE))]),
+        // Bad headers in another case than the one turnstile writes must not stay beside it.
         (
             "m-bad-case",
-            vec![("TraceParent", long_string("00-nonsense"))],
+            vec![
+                ("TraceParent", long_string("00-nonsense")),
+                ("TraceState", long_string(STATE)),
+            ],
         ),
     ];
     for (id, headers) in &untraced {
@@ -354,10 +358,15 @@ async fn a_message_without_a_valid_traceparent_keeps_the_trace_it_was_given_thro
 
     let seen = rig.mock.recent_requests();
     for (id, _) in &untraced {
-        let calls: Vec<TraceContext> = requests_of(&seen, id)
-            .into_iter()
-            .map(traceparent_of)
-            .collect();
+        let requests = requests_of(&seen, id);
+        for request in &requests {
+            assert_eq!(
+                request.header(TRACESTATE),
+                None,
+                "{id}: no foreign tracestate"
+            );
+        }
+        let calls: Vec<TraceContext> = requests.into_iter().map(traceparent_of).collect();
         assert_eq!(calls.len(), 3, "{id}: two 503s, then a 2xx");
         let traces: BTreeSet<String> = calls.iter().map(|c| c.trace_id().to_string()).collect();
         assert_eq!(

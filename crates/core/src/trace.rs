@@ -211,6 +211,10 @@ pub struct TraceContext {
 impl TraceContext {
     /// The `sampled` flag.
     pub const SAMPLED: u8 = 0x01;
+    /// The flags a version `00` trace keeps: `sampled` and Level 2's `random` (the trace id
+    /// is random; it stays the same trace id). The spec reserves the others, and a vendor must
+    /// set them to zero.
+    pub const KNOWN_FLAGS: u8 = 0x03;
 
     /// A new trace (a random trace id and span id, no `tracestate`), flagged `sampled`:
     /// turnstile logs every registration with its trace id, a recording decision the spec
@@ -239,7 +243,8 @@ impl TraceContext {
     /// Parses `traceparent` (and, if it is valid, `tracestate`; an invalid one is dropped).
     ///
     /// Version `00` is exactly `00-<32 hex>-<16 hex>-<2 hex>`, lowercase hex, trace id and
-    /// parent id not all zero; its flags are kept as they are. Version `ff` is invalid. A higher
+    /// parent id not all zero; its flags are kept but for those no version defines, which are
+    /// zeroed as the spec asks (see [`Self::KNOWN_FLAGS`]). Version `ff` is invalid. A higher
     /// version is read as the spec says (its `00` fields, then the end or a `-`); only its
     /// `sampled` flag is kept, and it continues as version `00`.
     pub fn parse(traceparent: &[u8], tracestate: Option<&[u8]>) -> Option<Self> {
@@ -255,7 +260,7 @@ impl TraceContext {
         let span_id = hex_bytes::<8>(&value[36..52])?;
         let flags = hex_byte(&value[53..55])?;
         let flags = match version {
-            0 if value.len() == 55 => flags,
+            0 if value.len() == 55 => flags & Self::KNOWN_FLAGS,
             0 => return None,
             _ if value.len() == 55 || value[55] == b'-' => flags & Self::SAMPLED,
             _ => return None,
@@ -357,6 +362,14 @@ mod tests {
             assert_eq!(trace.span_id().to_string(), PARENT);
             assert_eq!(format!("{:02x}", trace.flags()), flags);
             assert_eq!(trace.traceparent(), value);
+        }
+        for (given, kept) in [("ff", 0x03), ("04", 0x00), ("83", 0x03), ("02", 0x02)] {
+            let trace = parent(&format!("00-{TRACE}-{PARENT}-{given}")).expect("valid");
+            assert_eq!(
+                trace.flags(),
+                kept,
+                "flags {given}: the reserved ones are zeroed"
+            );
         }
         let padded = format!(" \t00-{TRACE}-{PARENT}-01 ");
         assert_eq!(
@@ -584,7 +597,10 @@ mod tests {
                 let again = TraceContext::parse(canonical.as_bytes(), Some(&tracestate));
                 prop_assert_eq!(again.as_ref(), Some(&trace));
                 if traceparent.starts_with(b"00") {
-                    prop_assert_eq!(canonical.as_bytes(), trim_ows(&traceparent));
+                    let given = trim_ows(&traceparent);
+                    prop_assert_eq!(&canonical.as_bytes()[..53], &given[..53]);
+                    let flags = u8::from_str_radix(std::str::from_utf8(&given[53..]).unwrap(), 16).unwrap();
+                    prop_assert_eq!(trace.flags(), flags & TraceContext::KNOWN_FLAGS);
                 }
             }
             if let Some(state) = TraceState::parse(&tracestate) {

@@ -133,6 +133,11 @@ impl Carried {
         }
         if let Some(trace) = &self.started_trace {
             headers.extend(trace.amqp_headers());
+            // The message's own tracestate belonged to the traceparent that was invalid: an
+            // empty one (which means none) replaces it, whatever the case of its name.
+            if trace.tracestate().is_none() {
+                headers.push((crate::trace::TRACESTATE, long_string("")));
+            }
         }
         headers
     }
