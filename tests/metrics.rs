@@ -7,6 +7,7 @@ mod support;
 use std::collections::BTreeSet;
 
 use serde_json::json;
+use turnstile_core::config::Algorithm;
 use turnstile_core::series::{Kind, METRICS};
 use turnstile_ops::http::Listen;
 use turnstile_ops::serve::{HttpArgs, ServeArgs};
@@ -88,10 +89,9 @@ async fn a_fresh_replica_exports_every_series_at_zero_and_no_series_appears_late
             metric.name
         );
     }
+    let ready = first.iter().find(|(s, _)| s == "turnstile_ready");
     assert!(
-        first
-            .iter()
-            .any(|(s, v)| s == "turnstile_ready" && *v <= 1.0),
+        ready.is_some_and(|(_, v)| *v == 0.0 || *v == 1.0),
         "readiness is exported:\n{first_page}"
     );
 
@@ -213,6 +213,11 @@ fn every_query_of_the_grafana_dashboard_names_metrics_a_replica_exports() {
             missing.is_empty(),
             "{panel}: {query} names {missing:?}, which no replica exports"
         );
+        let unknown = unknown_label_values(query);
+        assert!(
+            unknown.is_empty(),
+            "{panel}: {query}: no series has {unknown:?}"
+        );
     }
     // What an operator must see: throughput, permits, downstream answers and latency, queue
     // depths, dead letters by reason, readiness.
@@ -230,7 +235,7 @@ fn every_query_of_the_grafana_dashboard_names_metrics_a_replica_exports() {
         "turnstile_downstream_requests_total",
         "turnstile_downstream_request_duration_seconds_bucket",
         "turnstile_queue_messages",
-        "sum by (reason) (increase(turnstile_dead_letters_total",
+        "sum by (reason) (rate(turnstile_dead_letters_total",
         "turnstile_ready",
     ] {
         assert!(all.contains(wanted), "the dashboard shows no {wanted}");
@@ -257,11 +262,58 @@ fn every_query_of_the_grafana_dashboard_names_metrics_a_replica_exports() {
     assert_eq!(dashboard["uid"], "turnstile");
 }
 
+/// The label matchers of a query (`key="v"`, `key=~"a|b"`) whose value no exported metric
+/// takes under that label (`instance` and `le` are Prometheus' own).
+fn unknown_label_values(query: &str) -> Vec<String> {
+    let mut unknown = Vec::new();
+    for (at, _) in query.match_indices('"') {
+        // A matcher's value starts after `key="` or `key=~"`.
+        let before = &query[..at];
+        let Some(before) = before
+            .strip_suffix("=~")
+            .or_else(|| before.strip_suffix('='))
+        else {
+            continue;
+        };
+        let key_start = before
+            .rfind(|c: char| !(c.is_ascii_alphanumeric() || c == '_'))
+            .map_or(0, |i| i + 1);
+        let key = &before[key_start..];
+        if key.is_empty() || key == "instance" || key == "le" {
+            continue;
+        }
+        let value = &query[at + 1..];
+        let value = &value[..value.find('"').unwrap_or(value.len())];
+        let known: BTreeSet<&str> = METRICS
+            .iter()
+            .filter(|m| m.label.is_some_and(|l| l.key == key))
+            .flat_map(|m| Algorithm::ALL.iter().flat_map(move |&a| m.label_values(a)))
+            .collect();
+        for alternative in value.split('|') {
+            if !known.contains(alternative) {
+                unknown.push(format!("{key}={alternative:?}"));
+            }
+        }
+    }
+    unknown
+}
+
 #[test]
 fn the_dashboard_check_catches_a_metric_no_replica_exports() {
     let (missing, named) = unexported("sum(rate(turnstile_permits_grantd_total[5m]))");
     assert!(named);
     assert_eq!(missing, ["turnstile_permits_grantd_total"]);
+    assert_eq!(
+        unknown_label_values(
+            r#"rate(turnstile_outcomes_total{instance=~"$i",outcome="registerd"}[1m])"#
+        ),
+        [r#"outcome="registerd""#]
+    );
+    assert_eq!(
+        unknown_label_values(r#"turnstile_downstream_requests_total{class=~"5xx|timeout|eror"}"#),
+        [r#"class="eror""#]
+    );
+    assert!(unknown_label_values(r#"turnstile_queue_messages{queue="work"}"#).is_empty());
     let (missing, _) = unexported("rate(turnstile_downstream_request_duration_seconds_bucket[1m])");
     assert!(missing.is_empty());
     let (_, named) = unexported("up");
@@ -288,8 +340,66 @@ fn every_alert_rule_names_metrics_a_replica_exports() {
     let (missing, named) = unexported(rules);
     assert!(named);
     assert!(missing.is_empty(), "alerts.yml names {missing:?}");
+    let unknown = unknown_label_values(rules);
+    assert!(
+        unknown.is_empty(),
+        "alerts.yml matches {unknown:?}, which no series has"
+    );
     assert!(
         rules.matches("- alert: ").count() >= 5,
         "the rules file holds the alerts"
     );
+}
+
+/// Every `.rs` file under `dir`.
+fn sources(dir: &std::path::Path, out: &mut Vec<std::path::PathBuf>) {
+    for entry in std::fs::read_dir(dir).unwrap() {
+        let path = entry.unwrap().path();
+        if path.is_dir() {
+            sources(&path, out);
+        } else if path.extension().is_some_and(|e| e == "rs") {
+            out.push(path);
+        }
+    }
+}
+
+#[test]
+fn every_metric_the_sources_emit_is_in_the_catalogue() {
+    let root = std::path::Path::new(env!("CARGO_MANIFEST_DIR"));
+    let mut files = Vec::new();
+    for dir in [
+        "src",
+        "crates/core/src",
+        "crates/ops/src",
+        "crates/upload/src",
+        "crates/lab/src",
+    ] {
+        sources(&root.join(dir), &mut files);
+    }
+    let mut seen = BTreeSet::new();
+    for file in &files {
+        let source = std::fs::read_to_string(file).unwrap();
+        for macro_call in ["counter!(", "gauge!(", "histogram!("] {
+            for after in source.split(macro_call).skip(1) {
+                let Some(quoted) = after.trim_start().strip_prefix('"') else {
+                    continue; // a name from a variable, as in series::export_at_zero
+                };
+                let name = &quoted[..quoted.find('"').expect("a closed literal")];
+                assert!(
+                    METRICS.iter().any(|m| m.name == name),
+                    "{name} ({}) is emitted but missing from series::METRICS",
+                    file.display()
+                );
+                seen.insert(name.to_owned());
+            }
+        }
+    }
+    // The scan finds them: the core's, and the operator side's queue depths and gauges.
+    for name in [
+        "turnstile_deliveries_total",
+        "turnstile_queue_messages",
+        "turnstile_in_flight",
+    ] {
+        assert!(seen.contains(name), "{name} not found in the sources");
+    }
 }

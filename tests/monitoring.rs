@@ -163,3 +163,47 @@ fn promtool_refuses_a_broken_rule() {
     std::fs::remove_dir_all(&dir).unwrap();
     assert!(!ok, "a broken expression passed:\n{said}");
 }
+
+#[test]
+fn every_query_of_the_grafana_dashboard_is_promql_promtool_accepts() {
+    let dashboard: serde_json::Value =
+        serde_json::from_str(include_str!("../deploy/grafana/turnstile.json")).unwrap();
+    let mut queries = Vec::new();
+    let mut stack = vec![&dashboard["panels"]];
+    while let Some(panels) = stack.pop() {
+        for panel in panels.as_array().into_iter().flatten() {
+            for target in panel["targets"].as_array().into_iter().flatten() {
+                queries.push(target["expr"].as_str().unwrap().to_owned());
+            }
+            stack.push(&panel["panels"]);
+        }
+    }
+    assert!(queries.len() >= 20);
+    // Each query as a recording rule, with Grafana's variables as Grafana would set them.
+    let mut rules = String::from("groups:\n  - name: dashboard\n    rules:\n");
+    for (n, query) in queries.iter().enumerate() {
+        let query = query
+            .replace("$__rate_interval", "1m")
+            .replace("$instance", ".*");
+        assert!(
+            !query.contains('$'),
+            "a variable promtool cannot see: {query}"
+        );
+        let quoted = serde_json::to_string(&query).unwrap(); // a JSON string is a YAML string
+        rules.push_str(&format!(
+            "      - record: dashboard:query_{n}\n        expr: {quoted}\n"
+        ));
+    }
+    let dir = std::env::temp_dir().join(format!("turnstile-dashboard-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    std::fs::write(dir.join("queries.yml"), &rules).unwrap();
+    let mut check = promtool();
+    check.args(["check", "rules", "queries.yml"]);
+    let (ok, said) = run(check, &dir);
+    std::fs::remove_dir_all(&dir).unwrap();
+    assert!(ok, "{said}\n{rules}");
+    assert!(
+        said.contains(&format!("{} rules found", queries.len())),
+        "{said}"
+    );
+}
