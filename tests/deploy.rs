@@ -72,11 +72,11 @@ fn validate(dir: &Path) -> (bool, String) {
     (out.status.success(), text)
 }
 
-/// A copy of the manifests in a directory of its own, with `from` replaced by `to` in `file`.
-struct Broken(PathBuf);
+/// A copy of the manifests in a directory of its own, altered by `replace` and `remove`.
+struct Altered(PathBuf);
 
-impl Broken {
-    fn new(name: &str, file: &str, from: &str, to: &str) -> Self {
+impl Altered {
+    fn new(name: &str) -> Self {
         let dir =
             std::env::temp_dir().join(format!("turnstile-deploy-{}-{name}", std::process::id()));
         let _ = std::fs::remove_dir_all(&dir);
@@ -85,7 +85,12 @@ impl Broken {
             let path = entry.unwrap().path();
             std::fs::copy(&path, dir.join(path.file_name().unwrap())).unwrap();
         }
-        let target = dir.join(file);
+        Altered(dir)
+    }
+
+    /// Replaces `from`, which `file` must hold exactly once, by `to`.
+    fn replace(self, file: &str, from: &str, to: &str) -> Self {
+        let target = self.0.join(file);
         let text = std::fs::read_to_string(&target).unwrap();
         assert_eq!(
             text.matches(from).count(),
@@ -93,7 +98,23 @@ impl Broken {
             "{file} should hold {from:?} exactly once"
         );
         std::fs::write(&target, text.replacen(from, to, 1)).unwrap();
-        Broken(dir)
+        self
+    }
+
+    /// Deletes `file` from the copy.
+    fn remove(self, file: &str) -> Self {
+        std::fs::remove_file(self.0.join(file)).unwrap();
+        self
+    }
+
+    /// Without servicemonitor.yaml, deleted and taken out of the kustomization as deployment.yaml
+    /// says to do without the Prometheus Operator.
+    fn without_service_monitor(self) -> Self {
+        self.remove("servicemonitor.yaml").replace(
+            "kustomization.yaml",
+            "  - servicemonitor.yaml\n",
+            "",
+        )
     }
 
     /// Validates the copy; it must fail, and what it printed is returned.
@@ -102,13 +123,34 @@ impl Broken {
         assert!(!ok, "the validator accepted a broken manifest:\n{out}");
         out
     }
+
+    /// Validates the copy; it must pass, and what it printed is returned.
+    fn accepted(&self) -> String {
+        let (ok, out) = validate(&self.0);
+        assert!(ok, "the validator refused a valid variant:\n{out}");
+        out
+    }
 }
 
-impl Drop for Broken {
+impl Drop for Altered {
     fn drop(&mut self) {
         let _ = std::fs::remove_dir_all(&self.0);
     }
 }
+
+/// The pod annotations that deployment.yaml's comment says to add without the Prometheus
+/// Operator, commented out as they are there...
+const ANNOTATIONS_COMMENTED: &str = "      #   annotations:
+      #     prometheus.io/scrape: \"true\"
+      #     prometheus.io/port: \"9464\"
+      #     prometheus.io/path: /metrics
+";
+/// ...and in effect.
+const ANNOTATIONS: &str = "      annotations:
+        prometheus.io/scrape: \"true\"
+        prometheus.io/port: \"9464\"
+        prometheus.io/path: /metrics
+";
 
 #[test]
 fn the_kubernetes_manifests_pass_the_schemas_and_the_checks() {
@@ -135,8 +177,7 @@ fn the_kubernetes_manifests_pass_the_schemas_and_the_checks() {
 
 #[test]
 fn a_termination_grace_not_above_the_shutdown_grace_is_rejected() {
-    let broken = Broken::new(
-        "grace",
+    let broken = Altered::new("grace").replace(
         "deployment.yaml",
         "terminationGracePeriodSeconds: 15",
         "terminationGracePeriodSeconds: 8",
@@ -150,8 +191,7 @@ fn a_termination_grace_not_above_the_shutdown_grace_is_rejected() {
 
 #[test]
 fn a_misspelled_scaled_object_field_is_rejected() {
-    let broken = Broken::new(
-        "misspelled",
+    let broken = Altered::new("misspelled").replace(
         "scaledobject.yaml",
         "      authenticationRef:",
         "      authRef:",
@@ -167,8 +207,7 @@ fn a_misspelled_scaled_object_field_is_rejected() {
 
 #[test]
 fn a_value_of_the_wrong_type_is_rejected_by_the_schema() {
-    let broken = Broken::new(
-        "type",
+    let broken = Altered::new("type").replace(
         "scaledobject.yaml",
         "maxReplicaCount: 16",
         "maxReplicaCount: sixteen",
@@ -182,8 +221,7 @@ fn a_value_of_the_wrong_type_is_rejected_by_the_schema() {
 
 #[test]
 fn a_setting_the_binary_does_not_read_is_rejected() {
-    let broken = Broken::new(
-        "setting",
+    let broken = Altered::new("setting").replace(
         "configmap.yaml",
         "TURNSTILE_WORKERS: \"16\"",
         "TURNSTILE_WORKER: \"16\"",
@@ -197,8 +235,7 @@ fn a_setting_the_binary_does_not_read_is_rejected() {
 
 #[test]
 fn a_scaled_object_watching_another_queue_than_the_consumers_is_rejected() {
-    let broken = Broken::new(
-        "queue",
+    let broken = Altered::new("queue").replace(
         "configmap.yaml",
         "TURNSTILE_QUEUE: registrations",
         "TURNSTILE_QUEUE: uploads",
@@ -206,6 +243,134 @@ fn a_scaled_object_watching_another_queue_than_the_consumers_is_rejected() {
     let out = broken.rejected();
     assert!(
         out.contains("scaledobject.yaml: ScaledObject turnstile: spec.triggers: no rabbitmq trigger on the work queue \"uploads\""),
+        "{out}"
+    );
+}
+
+#[test]
+fn the_shipped_pods_carry_no_scrape_annotations() {
+    let deployment = std::fs::read_to_string(manifests().join("deployment.yaml")).unwrap();
+    assert!(
+        deployment.contains(ANNOTATIONS_COMMENTED),
+        "deployment.yaml's comment should show the annotations to add without the operator"
+    );
+    assert!(
+        !deployment.lines().any(|l| {
+            let l = l.trim_start();
+            l.starts_with("prometheus.io/") || l.starts_with("annotations:")
+        }),
+        "deployment.yaml's pods must not carry scrape annotations beside the ServiceMonitor"
+    );
+}
+
+#[test]
+fn pod_annotations_beside_a_service_monitor_are_rejected() {
+    let broken =
+        Altered::new("both").replace("deployment.yaml", ANNOTATIONS_COMMENTED, ANNOTATIONS);
+    let out = broken.rejected();
+    assert!(
+        out.contains("deployment.yaml: Deployment turnstile: spec.template.metadata.annotations: prometheus.io/scrape \"true\" on pods that the ServiceMonitor turnstile (servicemonitor.yaml, through the Service turnstile-metrics) also scrapes"),
+        "{out}"
+    );
+    assert_eq!(out.matches("FAIL").count(), 1, "{out}");
+}
+
+#[test]
+fn pod_annotations_instead_of_the_service_monitor_are_accepted() {
+    let variant = Altered::new("annotations")
+        .replace("deployment.yaml", ANNOTATIONS_COMMENTED, ANNOTATIONS)
+        .without_service_monitor();
+    let out = variant.accepted();
+    assert!(!out.contains("ServiceMonitor"), "{out}");
+}
+
+#[test]
+fn pod_annotations_on_another_port_are_rejected() {
+    let broken = Altered::new("annotation-port")
+        .replace(
+            "deployment.yaml",
+            ANNOTATIONS_COMMENTED,
+            &ANNOTATIONS.replace("\"9464\"", "\"9090\""),
+        )
+        .without_service_monitor();
+    let out = broken.rejected();
+    assert!(
+        out.contains("deployment.yaml: Deployment turnstile: spec.template.metadata.annotations: with prometheus.io/scrape \"true\", prometheus.io/port must be \"9464\""),
+        "{out}"
+    );
+}
+
+#[test]
+fn neither_a_service_monitor_nor_pod_annotations_is_rejected() {
+    let broken = Altered::new("unscraped").without_service_monitor();
+    let out = broken.rejected();
+    assert!(
+        out.contains(
+            "deployment.yaml: Deployment turnstile: nothing scrapes the replicas' /metrics"
+        ),
+        "{out}"
+    );
+}
+
+#[test]
+fn the_kustomization_leaves_the_placeholder_secret_out() {
+    let kustomization = std::fs::read_to_string(manifests().join("kustomization.yaml")).unwrap();
+    assert!(
+        !kustomization.lines().any(|l| l.trim() == "- secret.yaml"),
+        "kustomization.yaml must not apply secret.yaml's placeholders:\n{kustomization}"
+    );
+    assert!(manifests().join("secret.yaml").is_file());
+}
+
+#[test]
+fn a_kustomization_listing_the_placeholder_secret_is_rejected() {
+    let broken = Altered::new("secret-listed").replace(
+        "kustomization.yaml",
+        "  - configmap.yaml\n",
+        "  - configmap.yaml\n  - secret.yaml\n",
+    );
+    let out = broken.rejected();
+    assert!(
+        out.contains("kustomization.yaml: Kustomization: resources lists secret.yaml, the Secret's template: `kubectl apply -k` would overwrite the real credentials"),
+        "{out}"
+    );
+    assert_eq!(out.matches("FAIL").count(), 1, "{out}");
+}
+
+#[test]
+fn a_kustomization_missing_a_manifest_is_rejected() {
+    let broken =
+        Altered::new("unlisted").replace("kustomization.yaml", "  - scaledobject.yaml\n", "");
+    let out = broken.rejected();
+    assert!(
+        out.contains(
+            "kustomization.yaml: Kustomization: resources does not list scaledobject.yaml"
+        ),
+        "{out}"
+    );
+}
+
+#[test]
+fn the_unlisted_secret_is_still_validated() {
+    let broken = Altered::new("secret-url").replace(
+        "secret.yaml",
+        "TURNSTILE_AMQP_URL: amqp://",
+        "TURNSTILE_AMQP_URL: http://",
+    );
+    let out = broken.rejected();
+    assert!(
+        out.contains("secret.yaml: Secret turnstile-credentials: TURNSTILE_AMQP_URL \"http://"),
+        "{out}"
+    );
+
+    let broken = Altered::new("secret-field").replace("secret.yaml", "stringData:", "stringdata:");
+    let out = broken.rejected();
+    assert!(
+        out.contains("secret.yaml: Secret turnstile-credentials: stringdata: unknown field"),
+        "{out}"
+    );
+    assert!(
+        out.contains("secret.yaml: Secret turnstile-credentials: TURNSTILE_AMQP_URL is missing"),
         "{out}"
     );
 }

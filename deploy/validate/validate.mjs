@@ -244,10 +244,11 @@ const matches = (selector, labels) =>
   Object.entries(selector).every(([k, v]) => (labels ?? {})[k] === v);
 
 function checkInvariants(docs, help, binaryText, report) {
-  const only = (kind) => {
+  const only = (kind, optional = false) => {
     const found = docs.filter((d) => d.doc.kind === kind);
+    if (found.length === 0 && optional) return null;
     if (found.length !== 1) {
-      report(null, `expected exactly one ${kind} in the manifests, found ${found.length}`);
+      report(null, `expected ${optional ? "at most" : "exactly"} one ${kind} in the manifests, found ${found.length}`);
       return null;
     }
     return found[0];
@@ -258,7 +259,8 @@ function checkInvariants(docs, help, binaryText, report) {
   const so = only("ScaledObject");
   const ta = only("TriggerAuthentication");
   const svc = only("Service");
-  const sm = only("ServiceMonitor");
+  // Optional: without the Prometheus Operator, the pod annotations take its place (below).
+  const sm = only("ServiceMonitor", true);
   const pdb = only("PodDisruptionBudget");
   const kustomizations = docs.filter((d) => d.doc.kind === "Kustomization");
 
@@ -360,10 +362,6 @@ function checkInvariants(docs, help, binaryText, report) {
         report(dep, `${at}.envFrom does not name the Secret ${secret.doc.metadata?.name}`);
       }
     }
-    const ann = spec.template?.metadata?.annotations ?? {};
-    if (ann["prometheus.io/scrape"] !== "true" || ann["prometheus.io/port"] !== String(httpPort) || (ann["prometheus.io/path"] ?? "/metrics") !== "/metrics") {
-      report(dep, `spec.template.metadata.annotations: prometheus.io/scrape "true", prometheus.io/port "${httpPort}" and prometheus.io/path /metrics are required`);
-    }
   }
 
   // KEDA.
@@ -412,13 +410,56 @@ function checkInvariants(docs, help, binaryText, report) {
     const e = (sm.doc.spec?.endpoints ?? []).find((x) => x.port === "http");
     if (!e || (e.path ?? "/metrics") !== "/metrics") report(sm, "spec.endpoints: an endpoint on port http, path /metrics, is required");
   }
+  // Scraped exactly once: by the ServiceMonitor (through the Service) or, without the Prometheus
+  // Operator, by a Prometheus honouring the pods' prometheus.io/* annotations. Both would scrape
+  // every replica twice (a Prometheus may do both), doubling every sum().
+  if (dep) {
+    const ann = dep.doc.spec?.template?.metadata?.annotations ?? {};
+    const annotated = ann["prometheus.io/scrape"] === "true";
+    const smScrapes = !!sm && !!svc &&
+      matches(sm.doc.spec?.selector?.matchLabels, svc.doc.metadata?.labels) &&
+      matches(svc.doc.spec?.selector, podLabels);
+    if (annotated && smScrapes) {
+      report(
+        dep,
+        `spec.template.metadata.annotations: prometheus.io/scrape "true" on pods that the ServiceMonitor ${sm.doc.metadata?.name} ` +
+          `(${path.basename(sm.file)}, through the Service ${svc.doc.metadata?.name}) also scrapes: every replica would be scraped twice ` +
+          "and every sum() doubled; keep one: the ServiceMonitor with the Prometheus Operator, else the annotations without servicemonitor.yaml",
+      );
+    } else if (annotated) {
+      if (ann["prometheus.io/port"] !== String(httpPort) || (ann["prometheus.io/path"] ?? "/metrics") !== "/metrics") {
+        report(dep, `spec.template.metadata.annotations: with prometheus.io/scrape "true", prometheus.io/port must be "${httpPort}" and prometheus.io/path /metrics`);
+      }
+    } else if (!sm) {
+      report(
+        dep,
+        "nothing scrapes the replicas' /metrics: keep servicemonitor.yaml (with service.yaml) for the Prometheus Operator, or, without it, " +
+          `give the pod template the annotations prometheus.io/scrape "true", prometheus.io/port "${httpPort}" and prometheus.io/path /metrics`,
+      );
+    }
+  }
   if (pdb && !matches(pdb.doc.spec?.selector?.matchLabels, podLabels)) report(pdb, "spec.selector does not select the Deployment's pods");
 
+  // The kustomization applies every file beside it but the Secret's (secret.yaml): that one holds
+  // placeholders, and `kubectl apply -k` would overwrite the real Secret, created out of band,
+  // with them. It is filled in and applied by hand, and validated above all the same.
+  const secretFiles = new Set(docs.filter((d) => d.doc.kind === "Secret").map((d) => d.file));
+  for (const f of secretFiles) {
+    const others = docs.filter((d) => d.file === f && d.doc.kind !== "Secret").map((d) => d.doc.kind);
+    if (others.length > 0) {
+      report(docs.find((d) => d.file === f && d.doc.kind === "Secret"), `${path.basename(f)} must hold only the Secret (it also holds ${others.join(", ")}): it stays out of the kustomization, the rest goes in`);
+    }
+  }
   for (const k of kustomizations) {
     const dir = path.dirname(k.file);
     const listed = new Set((k.doc.resources ?? []).map((r) => path.resolve(dir, r)));
     for (const d of new Set(docs.map((x) => x.file))) {
-      if (d !== k.file && path.dirname(d) === dir && !listed.has(d)) report(k, `resources does not list ${path.basename(d)}`);
+      if (d === k.file || path.dirname(d) !== dir) continue;
+      if (secretFiles.has(d)) {
+        if (listed.has(d)) {
+          report(k, `resources lists ${path.basename(d)}, the Secret's template: \`kubectl apply -k\` would overwrite the real credentials with its placeholders; leave it out and apply the filled file by hand (kubectl apply -f)`);
+        }
+      } else if (!listed.has(d)) report(k, `resources does not list ${path.basename(d)}`);
     }
     for (const r of listed) if (!fs.existsSync(r)) report(k, `resources lists ${path.relative(dir, r)}, which does not exist`);
   }
