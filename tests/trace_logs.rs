@@ -90,6 +90,9 @@ async fn a_messages_log_lines_carry_its_trace_id_and_each_calls_span_id() -> any
         .iter()
         .filter_map(|l| l["span"]["span_id"].as_str().map(str::to_owned))
         .collect();
-    assert_eq!(spans, called, "the logs name each call's span:\n{logged:#?}");
+    assert_eq!(
+        spans, called,
+        "the logs name each call's span:\n{logged:#?}"
+    );
     rig.cleanup().await
 }
