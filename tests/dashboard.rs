@@ -2,15 +2,18 @@
 //! `/api/dashboard` before Redis is there, and JSON log lines.
 mod support;
 
+use std::collections::BTreeSet;
 use std::path::{Path, PathBuf};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use serde_json::{Value, json};
 use tokio_util::sync::CancellationToken;
+use turnstile_core::broker::long_string;
 use turnstile_core::config::Limits;
 use turnstile_core::domain::{BatchId, SellerId};
 use turnstile_core::permit::PermitStore;
+use turnstile_core::trace::{TRACEPARENT, TraceContext};
 use turnstile_lab::rig::Rig;
 use turnstile_ops::http::Listen;
 use turnstile_ops::serve::{HttpArgs, ServeArgs, Served};
@@ -263,7 +266,7 @@ async fn before_redis_answers_the_dashboard_data_is_503_and_the_replica_is_not_r
 }
 
 #[tokio::test]
-async fn a_json_log_line_of_a_message_carries_its_seller_message_id_and_attempt()
+async fn a_json_log_line_of_a_message_carries_its_seller_message_id_attempt_and_trace()
 -> anyhow::Result<()> {
     // This runtime runs every task on this thread, so a thread-local subscriber sees them all.
     let lines = Lines::default();
@@ -274,10 +277,34 @@ async fn a_json_log_line_of_a_message_carries_its_seller_message_id_and_attempt(
     ));
     let mut rig = support::rig("logs", "100/1s").prepare().await?;
     rig.start_replicas(1, 1).await?;
-    rig.publish_product("S-log", "m-log", json!({"mock": {"statuses": [503, 200]}}))
-        .await?;
+    let trace = "4bf92f3577b34da6a3ce929d0e0e4736";
+    let body = json!({
+        "message_id": "m-log",
+        "seller_id": "S-log",
+        "product": {"mock": {"statuses": [503, 200]}},
+    });
+    let traceparent = format!("00-{trace}-00f067aa0ba902b7-01");
+    rig.publish_with_headers(
+        body.to_string().as_bytes(),
+        &[(TRACEPARENT, long_string(&traceparent))],
+    )
+    .await?;
     rig.wait_settled_registered(1).await?;
     rig.stop_replicas().await?;
+    // The span of each call, as the downstream received it.
+    let called: BTreeSet<String> = rig
+        .mock
+        .recent_requests()
+        .iter()
+        .filter(|r| r.header("idempotency-key") == Some("m-log"))
+        .map(|r| {
+            let call = TraceContext::parse(r.header(TRACEPARENT).unwrap().as_bytes(), None);
+            let call = call.expect("a valid traceparent");
+            assert_eq!(call.trace_id().to_string(), trace, "the message's trace");
+            call.span_id().to_string()
+        })
+        .collect();
+    assert_eq!(called.len(), 2, "a 503, then a 2xx");
     let text = String::from_utf8(lines.0.lock().unwrap().clone()).unwrap();
     let of_message: Vec<Value> = text
         .lines()
@@ -294,6 +321,15 @@ async fn a_json_log_line_of_a_message_carries_its_seller_message_id_and_attempt(
         of_message.iter().any(|l| l["span"]["attempt"] == 1),
         "the redelivery's lines carry attempt 1:\n{text}"
     );
+    // Every line carries the message's trace, and the lines name each call's span.
+    for line in &of_message {
+        assert_eq!(line["span"]["trace_id"], trace, "{line}");
+    }
+    let logged: BTreeSet<String> = of_message
+        .iter()
+        .filter_map(|l| l["span"]["span_id"].as_str().map(str::to_owned))
+        .collect();
+    assert_eq!(logged, called, "the logs name each call's span:\n{text}");
     rig.cleanup().await
 }
 

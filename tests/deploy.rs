@@ -124,6 +124,14 @@ impl Altered {
         out
     }
 
+    /// Validates the copy; it must fail with `problem` among what it printed, which is
+    /// returned.
+    fn rejected_saying(&self, problem: &str) -> String {
+        let out = self.rejected();
+        assert!(out.contains(problem), "expected {problem:?} in:\n{out}");
+        out
+    }
+
     /// Validates the copy; it must pass, and what it printed is returned.
     fn accepted(&self) -> String {
         let (ok, out) = validate(&self.0);
@@ -182,11 +190,7 @@ fn a_termination_grace_not_above_the_shutdown_grace_is_rejected() {
         "terminationGracePeriodSeconds: 15",
         "terminationGracePeriodSeconds: 8",
     );
-    let out = broken.rejected();
-    assert!(
-        out.contains("deployment.yaml: Deployment turnstile: spec.template.spec.terminationGracePeriodSeconds 8 must exceed TURNSTILE_SHUTDOWN_GRACE (8s"),
-        "{out}"
-    );
+    broken.rejected_saying("deployment.yaml: Deployment turnstile: spec.template.spec.terminationGracePeriodSeconds 8 must exceed TURNSTILE_SHUTDOWN_GRACE (8s");
 }
 
 #[test]
@@ -196,12 +200,8 @@ fn a_misspelled_scaled_object_field_is_rejected() {
         "      authenticationRef:",
         "      authRef:",
     );
-    let out = broken.rejected();
-    assert!(
-        out.contains(
-            "scaledobject.yaml: ScaledObject turnstile: spec.triggers[0].authRef: unknown field"
-        ),
-        "{out}"
+    broken.rejected_saying(
+        "scaledobject.yaml: ScaledObject turnstile: spec.triggers[0].authRef: unknown field",
     );
 }
 
@@ -212,10 +212,8 @@ fn a_value_of_the_wrong_type_is_rejected_by_the_schema() {
         "maxReplicaCount: 16",
         "maxReplicaCount: sixteen",
     );
-    let out = broken.rejected();
-    assert!(
-        out.contains("scaledobject.yaml: ScaledObject turnstile: schema: spec/maxReplicaCount must be integer"),
-        "{out}"
+    broken.rejected_saying(
+        "scaledobject.yaml: ScaledObject turnstile: schema: spec/maxReplicaCount must be integer",
     );
 }
 
@@ -226,11 +224,7 @@ fn a_setting_the_binary_does_not_read_is_rejected() {
         "TURNSTILE_WORKERS: \"16\"",
         "TURNSTILE_WORKER: \"16\"",
     );
-    let out = broken.rejected();
-    assert!(
-        out.contains("configmap.yaml: ConfigMap turnstile-config: TURNSTILE_WORKER: not a variable turnstile consume reads"),
-        "{out}"
-    );
+    broken.rejected_saying("configmap.yaml: ConfigMap turnstile-config: TURNSTILE_WORKER: not a variable turnstile consume reads");
 }
 
 #[test]
@@ -240,11 +234,7 @@ fn a_scaled_object_watching_another_queue_than_the_consumers_is_rejected() {
         "TURNSTILE_QUEUE: registrations",
         "TURNSTILE_QUEUE: uploads",
     );
-    let out = broken.rejected();
-    assert!(
-        out.contains("scaledobject.yaml: ScaledObject turnstile: spec.triggers: no rabbitmq trigger on the work queue \"uploads\""),
-        "{out}"
-    );
+    broken.rejected_saying("scaledobject.yaml: ScaledObject turnstile: spec.triggers: no rabbitmq trigger on the work queue \"uploads\"");
 }
 
 #[test]
@@ -267,11 +257,7 @@ fn the_shipped_pods_carry_no_scrape_annotations() {
 fn pod_annotations_beside_a_service_monitor_are_rejected() {
     let broken =
         Altered::new("both").replace("deployment.yaml", ANNOTATIONS_COMMENTED, ANNOTATIONS);
-    let out = broken.rejected();
-    assert!(
-        out.contains("deployment.yaml: Deployment turnstile: spec.template.metadata.annotations: prometheus.io/scrape \"true\" on pods that the ServiceMonitor turnstile (servicemonitor.yaml, through the Service turnstile-metrics) also scrapes"),
-        "{out}"
-    );
+    let out = broken.rejected_saying("deployment.yaml: Deployment turnstile: spec.template.metadata.annotations: prometheus.io/scrape \"true\" on pods that the ServiceMonitor turnstile (servicemonitor.yaml, through the Service turnstile-metrics) also scrapes");
     assert_eq!(out.matches("FAIL").count(), 1, "{out}");
 }
 
@@ -293,22 +279,14 @@ fn pod_annotations_on_another_port_are_rejected() {
             &ANNOTATIONS.replace("\"9464\"", "\"9090\""),
         )
         .without_service_monitor();
-    let out = broken.rejected();
-    assert!(
-        out.contains("deployment.yaml: Deployment turnstile: spec.template.metadata.annotations: with prometheus.io/scrape \"true\", prometheus.io/port must be \"9464\""),
-        "{out}"
-    );
+    broken.rejected_saying("deployment.yaml: Deployment turnstile: spec.template.metadata.annotations: with prometheus.io/scrape \"true\", prometheus.io/port must be \"9464\"");
 }
 
 #[test]
 fn neither_a_service_monitor_nor_pod_annotations_is_rejected() {
     let broken = Altered::new("unscraped").without_service_monitor();
-    let out = broken.rejected();
-    assert!(
-        out.contains(
-            "deployment.yaml: Deployment turnstile: nothing scrapes the replicas' /metrics"
-        ),
-        "{out}"
+    broken.rejected_saying(
+        "deployment.yaml: Deployment turnstile: nothing scrapes the replicas' /metrics",
     );
 }
 
@@ -329,11 +307,7 @@ fn a_kustomization_listing_the_placeholder_secret_is_rejected() {
         "  - configmap.yaml\n",
         "  - configmap.yaml\n  - secret.yaml\n",
     );
-    let out = broken.rejected();
-    assert!(
-        out.contains("kustomization.yaml: Kustomization: resources lists secret.yaml, the Secret's template: `kubectl apply -k` would overwrite the real credentials"),
-        "{out}"
-    );
+    let out = broken.rejected_saying("kustomization.yaml: Kustomization: resources lists secret.yaml, the Secret's template: `kubectl apply -k` would overwrite the real credentials");
     assert_eq!(out.matches("FAIL").count(), 1, "{out}");
 }
 
@@ -341,12 +315,8 @@ fn a_kustomization_listing_the_placeholder_secret_is_rejected() {
 fn a_kustomization_missing_a_manifest_is_rejected() {
     let broken =
         Altered::new("unlisted").replace("kustomization.yaml", "  - scaledobject.yaml\n", "");
-    let out = broken.rejected();
-    assert!(
-        out.contains(
-            "kustomization.yaml: Kustomization: resources does not list scaledobject.yaml"
-        ),
-        "{out}"
+    broken.rejected_saying(
+        "kustomization.yaml: Kustomization: resources does not list scaledobject.yaml",
     );
 }
 
@@ -357,18 +327,12 @@ fn the_unlisted_secret_is_still_validated() {
         "TURNSTILE_AMQP_URL: amqp://",
         "TURNSTILE_AMQP_URL: http://",
     );
-    let out = broken.rejected();
-    assert!(
-        out.contains("secret.yaml: Secret turnstile-credentials: TURNSTILE_AMQP_URL \"http://"),
-        "{out}"
-    );
+    broken
+        .rejected_saying("secret.yaml: Secret turnstile-credentials: TURNSTILE_AMQP_URL \"http://");
 
     let broken = Altered::new("secret-field").replace("secret.yaml", "stringData:", "stringdata:");
-    let out = broken.rejected();
-    assert!(
-        out.contains("secret.yaml: Secret turnstile-credentials: stringdata: unknown field"),
-        "{out}"
-    );
+    let out = broken
+        .rejected_saying("secret.yaml: Secret turnstile-credentials: stringdata: unknown field");
     assert!(
         out.contains("secret.yaml: Secret turnstile-credentials: TURNSTILE_AMQP_URL is missing"),
         "{out}"
