@@ -53,31 +53,24 @@ fn write_hex(f: &mut fmt::Formatter<'_>, bytes: &[u8]) -> fmt::Result {
     bytes.iter().try_for_each(|b| write!(f, "{b:02x}"))
 }
 
-/// Lowercase hex, as in `traceparent`.
-impl fmt::Display for TraceId {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        write_hex(f, &self.0)
-    }
+/// `Display` and `Debug` as lowercase hex, as in `traceparent`.
+macro_rules! lowercase_hex {
+    ($($id:ty),*) => {$(
+        impl fmt::Display for $id {
+            fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+                write_hex(f, &self.0)
+            }
+        }
+
+        impl fmt::Debug for $id {
+            fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+                write_hex(f, &self.0)
+            }
+        }
+    )*};
 }
 
-impl fmt::Debug for TraceId {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        write_hex(f, &self.0)
-    }
-}
-
-/// Lowercase hex, as in `traceparent`.
-impl fmt::Display for SpanId {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        write_hex(f, &self.0)
-    }
-}
-
-impl fmt::Debug for SpanId {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        write_hex(f, &self.0)
-    }
-}
+lowercase_hex!(TraceId, SpanId);
 
 /// A valid, non-empty `tracestate`: at most [`TraceState::MAX_MEMBERS`] `key=value` members
 /// with distinct keys, at most [`TraceState::MAX_LEN`] characters, keys and values as the
