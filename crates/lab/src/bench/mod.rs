@@ -132,6 +132,17 @@ pub struct CommandCalls {
     pub total: u64,
     /// Nodes asked (each INFO call itself counts one command on its node).
     pub nodes: u64,
+    /// Per command: (calls, µs spent), summed over the nodes.
+    pub by_command: std::collections::BTreeMap<String, (u64, u64)>,
+}
+
+/// Where Redis's time went, per message, for one command (INFO commandstats). A script's time
+/// includes the commands it ran, which are also counted under their own names.
+#[derive(Clone, Debug, serde::Serialize)]
+pub struct CommandTime {
+    pub command: String,
+    pub calls_per_message: f64,
+    pub us_per_message: f64,
 }
 
 pub async fn command_calls(redis: &RedisConn) -> anyhow::Result<CommandCalls> {
@@ -156,6 +167,7 @@ pub async fn command_calls(redis: &RedisConn) -> anyhow::Result<CommandCalls> {
         scripts: 0,
         total: 0,
         nodes: infos.len() as u64,
+        by_command: Default::default(),
     };
     for info in &infos {
         for line in info.lines() {
@@ -165,11 +177,15 @@ pub async fn command_calls(redis: &RedisConn) -> anyhow::Result<CommandCalls> {
             else {
                 continue;
             };
-            let n: u64 = rest
-                .split(',')
-                .find_map(|f| f.strip_prefix("calls="))
-                .and_then(|v| v.parse().ok())
-                .unwrap_or(0);
+            let field = |name: &str| -> u64 {
+                rest.split(',')
+                    .find_map(|f| f.strip_prefix(name))
+                    .and_then(|v| v.parse().ok())
+                    .unwrap_or(0)
+            };
+            let (n, usec) = (field("calls="), field("usec="));
+            let entry = calls.by_command.entry(name.to_owned()).or_default();
+            *entry = (entry.0 + n, entry.1 + usec);
             calls.total += n;
             if name.starts_with("eval") {
                 calls.scripts += n;
@@ -180,6 +196,29 @@ pub async fn command_calls(redis: &RedisConn) -> anyhow::Result<CommandCalls> {
 }
 
 impl CommandCalls {
+    /// Per message of `messages`, since `before`: each command's calls and µs, most time first
+    /// (the `info` asked for these counts left out).
+    pub fn time_per_message_since(&self, before: &CommandCalls, messages: u64) -> Vec<CommandTime> {
+        let n = messages.max(1) as f64;
+        let mut times: Vec<CommandTime> = self
+            .by_command
+            .iter()
+            .filter(|(name, _)| name.as_str() != "info")
+            .filter_map(|(name, &(calls, usec))| {
+                let (calls_before, usec_before) =
+                    before.by_command.get(name).copied().unwrap_or_default();
+                let calls = calls.saturating_sub(calls_before);
+                (calls > 0).then(|| CommandTime {
+                    command: name.clone(),
+                    calls_per_message: calls as f64 / n,
+                    us_per_message: usec.saturating_sub(usec_before) as f64 / n,
+                })
+            })
+            .collect();
+        times.sort_by(|a, b| b.us_per_message.total_cmp(&a.us_per_message));
+        times
+    }
+
     /// Per message of `messages`, since `before`: (scripts called, commands executed, the
     /// commands inside scripts included; each INFO asked for these counts left out).
     pub fn per_message_since(&self, before: &CommandCalls, messages: u64) -> (f64, f64) {

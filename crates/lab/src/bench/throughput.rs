@@ -163,6 +163,8 @@ pub struct Run {
     pub cpu_broker_us: f64,
     pub cpu_redis_us: f64,
     pub cpu_process_us: f64,
+    /// Where Redis's time went (turnstile runs): per command, most time first.
+    pub redis_time: Vec<super::CommandTime>,
 }
 
 pub async fn run(args: ThroughputArgs) -> anyhow::Result<bool> {
@@ -335,6 +337,36 @@ pub async fn run(args: ThroughputArgs) -> anyhow::Result<bool> {
             r.cpu_process_us,
         );
     }
+    for r in runs.iter().filter(|r| !r.redis_time.is_empty()) {
+        let scripts: f64 = r
+            .redis_time
+            .iter()
+            .filter(|t| t.command.starts_with("eval"))
+            .map(|t| t.us_per_message)
+            .sum();
+        let inside: f64 = r
+            .redis_time
+            .iter()
+            .filter(|t| !t.command.starts_with("eval"))
+            .map(|t| t.us_per_message)
+            .sum();
+        println!(
+            "{}: Redis µs per message in scripts {scripts:.1} (their commands {inside:.1}, the rest Lua and calls); by command (calls, µs):",
+            r.name
+        );
+        let top: Vec<String> = r
+            .redis_time
+            .iter()
+            .take(12)
+            .map(|t| {
+                format!(
+                    "{} {:.2}/{:.1}",
+                    t.command, t.calls_per_message, t.us_per_message
+                )
+            })
+            .collect();
+        println!("  {}", top.join(", "));
+    }
     if args.json {
         println!("{}", serde_json::to_string(&runs)?);
     }
@@ -353,6 +385,7 @@ impl Run {
             redis_round_trips_per_message: None,
             redis_scripts_per_message: None,
             redis_commands_per_message: None,
+            redis_time: Vec::new(),
             permit_p50_us: None,
             permit_p99_us: None,
             violations: None,
@@ -500,6 +533,7 @@ impl Bench<'_> {
             redis_round_trips_per_message: per_message(trips),
             redis_scripts_per_message: per_message(scripts),
             redis_commands_per_message: per_message(commands),
+            redis_time: commands_after.time_per_message_since(&commands_before, registered),
             permit_p50_us: Some(latency.quantile(0.5).as_secs_f64() * 1e6),
             permit_p99_us: Some(latency.quantile(0.99).as_secs_f64() * 1e6),
             violations: Some(after_mock.violations - before_mock.violations),
