@@ -49,8 +49,7 @@ local MAX_STACK = 8
 -- windows strictly increasing (as `Limits` in config.rs writes them). Returns a list of
 -- {count, window}, with `counts` and `windows` the terms as given (how they are answered and
 -- compared), or nil when malformed.
-local function parse_limits(counts, windows)
-  if type(counts) ~= 'string' or type(windows) ~= 'string' then return nil end
+local function parse_limits_once(counts, windows)
   local limits = {counts = counts, windows = windows}
   for c in string.gmatch(counts, '[^,]+') do
     if not string.match(c, '^%d+$') or tonumber(c) < 1 or #limits >= MAX_STACK then return nil end
@@ -71,6 +70,26 @@ local function parse_limits(counts, windows)
     listed_counts[j], listed_windows[j] = l.count, l.window
   end
   if csv(listed_counts) ~= counts or csv(listed_windows) ~= windows then return nil end
+  return limits
+end
+
+-- The stacks this call has parsed, by their text (false: malformed). The operations of a batch
+-- mostly pass the same default stack, and parsing it is a good part of an operation's cost.
+local parsed_stacks = {}
+
+-- parse_limits_once, each stack parsed once per call: every caller gets a table of its own (it
+-- may complete it, see with_spans, or change its counts, see with_learned).
+local function parse_limits(counts, windows)
+  if type(counts) ~= 'string' or type(windows) ~= 'string' then return nil end
+  local text = counts .. ' ' .. windows
+  local parsed = parsed_stacks[text]
+  if parsed == nil then
+    parsed = parse_limits_once(counts, windows) or false
+    parsed_stacks[text] = parsed
+  end
+  if not parsed then return nil end
+  local limits = {counts = counts, windows = windows}
+  for i, l in ipairs(parsed) do limits[i] = {count = l.count, window = l.window} end
   return limits
 end
 
