@@ -1,6 +1,7 @@
 //! The registration domain: a message body parsed once, at the edge, into types that cannot be
 //! invalid afterwards.
 
+use std::borrow::Cow;
 use std::fmt;
 
 use percent_encoding::{AsciiSet, CONTROLS, utf8_percent_encode};
@@ -74,7 +75,7 @@ impl SellerId {
     /// The id as it goes into a Redis key and hash tag: ASCII letters, digits, `-`, `_` and `.`
     /// stay, every other byte becomes `%XX`. Injective, and free of `{`, `}` and `:`, so two
     /// sellers never share a key and the hash tag is always the whole id.
-    pub fn key_tag(&self) -> String {
+    pub fn key_tag(&self) -> Cow<'_, str> {
         key_part(&self.0)
     }
     /// The id as sent in `X-Seller-Id`: visible ASCII except `%` as is, anything else
@@ -85,13 +86,14 @@ impl SellerId {
 }
 
 /// Text as it goes into a Redis key: ASCII letters, digits, `-`, `_` and `.` as is, every other
-/// byte `%XX` (injective; never `{`, `}`, `:` or a space).
-pub fn key_part(s: &str) -> String {
+/// byte `%XX` (injective; never `{`, `}`, `:` or a space). Borrowed when nothing needs encoding,
+/// as most ids (every key of a message is built from them).
+pub fn key_part(s: &str) -> Cow<'_, str> {
     const KEEP: &AsciiSet = &percent_encoding::NON_ALPHANUMERIC
         .remove(b'-')
         .remove(b'_')
         .remove(b'.');
-    utf8_percent_encode(s, KEEP).to_string()
+    utf8_percent_encode(s, KEEP).into()
 }
 
 fn header_encode(s: &str) -> String {
@@ -398,7 +400,7 @@ mod tests {
         let ids = ["{brace}", "a:b:c", "a b", "größe", "%7Bbrace%7D", "S-1001"];
         let tags: Vec<String> = ids
             .iter()
-            .map(|s| SellerId::parse(s).unwrap().key_tag())
+            .map(|s| SellerId::parse(s).unwrap().key_tag().into_owned())
             .collect();
         for (i, t) in tags.iter().enumerate() {
             assert!(!t.contains(['{', '}', ':', ' ']), "{t}");

@@ -49,8 +49,17 @@ impl SpanId {
     }
 }
 
+/// Lowercase hex of an id (at most 16 bytes), written at once: a message's ids are written
+/// into its log span and into every call's `traceparent`.
 fn write_hex(f: &mut fmt::Formatter<'_>, bytes: &[u8]) -> fmt::Result {
-    bytes.iter().try_for_each(|b| write!(f, "{b:02x}"))
+    const DIGITS: &[u8; 16] = b"0123456789abcdef";
+    let mut text = [0u8; 32];
+    for (pair, byte) in text.chunks_exact_mut(2).zip(bytes) {
+        pair[0] = DIGITS[usize::from(byte >> 4)];
+        pair[1] = DIGITS[usize::from(byte & 0x0f)];
+    }
+    let len = 2 * bytes.len().min(16);
+    f.write_str(std::str::from_utf8(&text[..len]).expect("hex digits are ASCII"))
 }
 
 /// `Display` and `Debug` as lowercase hex, as in `traceparent`.

@@ -52,7 +52,13 @@ impl Keyspace {
 
     /// A key of the seller's: `<prefix>:{<seller tag>}:<name>`.
     fn seller(&self, seller: &SellerId, name: &str) -> String {
-        format!("{}:{{{}}}:{}", self.prefix, seller.key_tag(), name)
+        // Built by hand: a message's calls build a score of these keys each.
+        let tag = seller.key_tag();
+        let mut key = String::with_capacity(self.prefix.len() + tag.len() + name.len() + 4);
+        for part in [self.prefix.as_str(), ":{", &tag, "}:", name] {
+            key.push_str(part);
+        }
+        key
     }
 
     /// A key shared by all sellers and replicas: `<prefix>:{<prefix>~shared}:<name>`.
