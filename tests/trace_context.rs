@@ -377,5 +377,34 @@ async fn a_message_without_a_valid_traceparent_keeps_the_trace_it_was_given_thro
         let spans: BTreeSet<String> = calls.iter().map(|c| c.span_id().to_string()).collect();
         assert_eq!(spans.len(), 3, "{id}: a span per attempt");
     }
+
+    // A dead letter carries the trace its call was made in (a replay continues it), though
+    // the message came without one and was never delayed.
+    rig.publish_with_headers(
+        &body(
+            "S-retried",
+            "m-refused",
+            json!({"mock": {"statuses": [400]}}),
+        ),
+        &[(TRACESTATE, long_string(STATE))],
+    )
+    .await?;
+    rig.start_replicas(1, 2).await?;
+    let dead = rig.dead_letters(1).await?;
+    rig.stop_replicas().await?;
+    let seen = rig.mock.recent_requests();
+    let calls: BTreeSet<String> = requests_of(&seen, "m-refused")
+        .into_iter()
+        .map(|r| traceparent_of(r).trace_id().to_string())
+        .collect();
+    assert_eq!(calls.len(), 1, "its call's trace: {calls:?}");
+    let headers = dead[0].properties.headers().clone().unwrap_or_default();
+    let carried = TraceContext::from_headers(Some(&headers)).expect("a valid traceparent");
+    assert_eq!(
+        BTreeSet::from([carried.trace_id().to_string()]),
+        calls,
+        "the dead letter's trace is its calls'"
+    );
+    assert_eq!(carried.tracestate(), None, "no foreign tracestate");
     rig.cleanup().await
 }

@@ -342,24 +342,25 @@ impl Publisher {
             .await
     }
 
-    /// Publishes a copy of `delivery` to the dead-letter queue with the reason in headers.
+    /// Publishes a copy of `delivery` to the dead-letter queue with the reason in headers (and
+    /// `extra` headers set).
     pub async fn dead_letter(
         &self,
         topology: &Topology,
         delivery: &Delivery,
         reason: &str,
         detail: &str,
+        extra: &[(&str, AMQPValue)],
     ) -> Result<(), PublishError> {
         let now_ms = unix_ms() as i64;
-        let properties = copy_properties(
-            delivery,
-            &[
-                (headers::REASON, long_string(reason)),
-                (headers::DETAIL, long_string(detail)),
-                (headers::DEAD_AT, AMQPValue::LongLongInt(now_ms)),
-                (headers::QUEUE, long_string(topology.work())),
-            ],
-        );
+        let mut set = vec![
+            (headers::REASON, long_string(reason)),
+            (headers::DETAIL, long_string(detail)),
+            (headers::DEAD_AT, AMQPValue::LongLongInt(now_ms)),
+            (headers::QUEUE, long_string(topology.work())),
+        ];
+        set.extend(extra.iter().cloned());
+        let properties = copy_properties(delivery, &set);
         self.publish("", topology.dead(), &delivery.data, properties)
             .await
     }

@@ -19,6 +19,7 @@ use std::time::Duration;
 
 use backon::{ExponentialBuilder, Retryable};
 use lapin::message::Delivery;
+use lapin::types::AMQPValue;
 use tokio::sync::{Notify, OwnedSemaphorePermit, Semaphore};
 use tokio_util::sync::CancellationToken;
 use tracing::{Instrument, debug, info, info_span, warn};
@@ -229,6 +230,7 @@ impl Worker {
                 started
             });
         let trace_id = trace.trace_id();
+        let trace_headers = carried.trace_headers();
         // `span_id`: the current downstream call's span, recorded when it is made.
         let span = match &registration {
             Ok(r) => {
@@ -254,9 +256,16 @@ impl Worker {
         }
         .instrument(span.clone())
         .await;
-        self.settle(delivery, outcome, publisher, settler, connection_lost)
-            .instrument(span)
-            .await;
+        self.settle(
+            delivery,
+            outcome,
+            &trace_headers,
+            publisher,
+            settler,
+            connection_lost,
+        )
+        .instrument(span)
+        .await;
     }
 
     /// Decides what happens to one registration (of the trace `trace`: each call is a span of
@@ -667,17 +676,22 @@ impl Worker {
         }
     }
 
-    /// Applies an outcome: the one place that acks, nacks, delays or dead-letters.
+    /// Applies an outcome: the one place that acks, nacks, delays or dead-letters (a dead
+    /// letter with `trace_headers`, see [`Carried::trace_headers`]).
     pub async fn settle(
         &self,
         delivery: Delivery,
         outcome: Outcome,
+        trace_headers: &[(&'static str, AMQPValue)],
         publisher: &Publisher,
         settler: &Settler,
         connection_lost: &CancellationToken,
     ) {
         let tag = delivery.delivery_tag;
-        let result = match self.republish(&delivery, &outcome, publisher).await {
+        let result = match self
+            .republish(&delivery, &outcome, trace_headers, publisher)
+            .await
+        {
             Ok(()) => {
                 self.count(&delivery, &outcome);
                 match outcome {
@@ -707,6 +721,7 @@ impl Worker {
         &self,
         delivery: &Delivery,
         outcome: &Outcome,
+        trace_headers: &[(&'static str, AMQPValue)],
         publisher: &Publisher,
     ) -> Result<(), PublishError> {
         match outcome {
@@ -719,7 +734,7 @@ impl Worker {
             Outcome::DeadLetter { reason, detail } => {
                 warn!(reason, detail, "dead-lettering");
                 publisher
-                    .dead_letter(&self.topology, delivery, reason, detail)
+                    .dead_letter(&self.topology, delivery, reason, detail, trace_headers)
                     .await
             }
         }

@@ -80,7 +80,8 @@ pub struct Carried {
     /// Since when (Unix ms) the downstream has answered 429 to this message.
     pub throttled_since_ms: Option<u64>,
     /// The trace this replica started for a message that came without a valid `traceparent`:
-    /// its delayed copies carry it (as `traceparent`), so that all its attempts are one trace.
+    /// its delayed copies and its dead letter carry it (as `traceparent`), so that all its
+    /// attempts, and a replay of its dead letter, are one trace.
     pub started_trace: Option<TraceContext>,
 }
 
@@ -131,13 +132,21 @@ impl Carried {
                 AMQPValue::LongLongInt(since as i64),
             ));
         }
-        if let Some(trace) = &self.started_trace {
-            headers.extend(trace.amqp_headers());
-            // The message's own tracestate belonged to the traceparent that was invalid: an
-            // empty one (which means none) replaces it, whatever the case of its name.
-            if trace.tracestate().is_none() {
-                headers.push((crate::trace::TRACESTATE, long_string("")));
-            }
+        headers.extend(self.trace_headers());
+        headers
+    }
+
+    /// The headers that carry the trace started for the message (see `started_trace`) on its
+    /// delayed copies and its dead letter; none when it came with a valid one.
+    pub(super) fn trace_headers(&self) -> Vec<(&'static str, AMQPValue)> {
+        let Some(trace) = &self.started_trace else {
+            return Vec::new();
+        };
+        let mut headers = trace.amqp_headers();
+        // The message's own tracestate belonged to the traceparent that was invalid: an empty
+        // one (which means none) replaces it, whatever the case of its name.
+        if trace.tracestate().is_none() {
+            headers.push((crate::trace::TRACESTATE, long_string("")));
         }
         headers
     }
