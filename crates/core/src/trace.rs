@@ -25,27 +25,27 @@ pub struct TraceId([u8; 16]);
 #[derive(Clone, Copy, PartialEq, Eq, Hash)]
 pub struct SpanId([u8; 8]);
 
+/// N random bytes, not all zero (an all-zero id is invalid).
+fn random_id<const N: usize>() -> [u8; N] {
+    loop {
+        let bytes: [u8; N] = rand::random();
+        if bytes != [0; N] {
+            return bytes;
+        }
+    }
+}
+
 impl TraceId {
     /// A new trace.
     pub fn random() -> Self {
-        loop {
-            let bytes: [u8; 16] = rand::random();
-            if bytes != [0; 16] {
-                return Self(bytes);
-            }
-        }
+        Self(random_id())
     }
 }
 
 impl SpanId {
     /// A new span.
     pub fn random() -> Self {
-        loop {
-            let bytes: [u8; 8] = rand::random();
-            if bytes != [0; 8] {
-                return Self(bytes);
-            }
-        }
+        Self(random_id())
     }
 }
 
