@@ -545,7 +545,7 @@ pub struct LimiterArgs {
     /// replica killed in that time leaves the message to be called again (README, "Redis calls
     /// per message"); `0` (the default) sends each as soon as the calls in flight allow, as
     /// strict as a record written at once. At most 1 s.
-    #[arg(long = "record-delay", env = "TURNSTILE_RECORD_DELAY", default_value = "0", value_parser = parse_delay_arg)]
+    #[arg(long = "record-delay", env = "TURNSTILE_RECORD_DELAY", default_value = "0", value_parser = delay_arg)]
     pub record_delay: Duration,
 }
 
@@ -601,8 +601,8 @@ fn parse_duration_arg(s: &str) -> Result<Duration, String> {
         .ok_or_else(|| format!("{s:?} is not a duration such as 500ms, 30s, 5m or 24h"))
 }
 
-/// A duration that may also be zero (`0`, `0ms`, `0s`).
-fn parse_delay_arg(s: &str) -> Result<Duration, String> {
+/// Parses a delay flag: a duration, or zero (`0`, `0ms`, `0s`).
+pub fn delay_arg(s: &str) -> Result<Duration, String> {
     let t = s.trim();
     let digits = t
         .strip_suffix("ms")
@@ -612,11 +612,6 @@ fn parse_delay_arg(s: &str) -> Result<Duration, String> {
         return Ok(Duration::ZERO);
     }
     parse_duration_arg(s)
-}
-
-/// Parses a delay flag: a duration, or zero (`0`, `0ms`, `0s`).
-pub fn delay_arg(s: &str) -> Result<Duration, String> {
-    parse_delay_arg(s)
 }
 
 /// Parses a duration flag (`500ms`, `30s`, `5m`, `24h`) with an error that shows the value.
@@ -704,11 +699,11 @@ mod tests {
     #[test]
     fn a_record_delay_may_be_zero_but_not_garbage() {
         for zero in ["0", "0ms", "0s", "0.0s"] {
-            assert_eq!(parse_delay_arg(zero), Ok(Duration::ZERO), "{zero}");
+            assert_eq!(delay_arg(zero), Ok(Duration::ZERO), "{zero}");
         }
-        assert_eq!(parse_delay_arg("100ms"), Ok(Duration::from_millis(100)));
+        assert_eq!(delay_arg("100ms"), Ok(Duration::from_millis(100)));
         for bad in ["", "ms", "-1ms", "soon", "0x"] {
-            assert!(parse_delay_arg(bad).is_err(), "{bad}");
+            assert!(delay_arg(bad).is_err(), "{bad}");
         }
     }
 

@@ -75,19 +75,9 @@ pub fn acquire(algorithm: Algorithm) -> &'static Script {
     }
 }
 
-/// Grants a reserved slot when it is due (see `lua/redeem.lua`).
-pub fn redeem() -> &'static Script {
-    &REDEEM
-}
-
 /// Pauses a seller (see `lua/pause.lua`).
 pub fn pause() -> &'static Script {
     &PAUSE
-}
-
-/// Moves a message to registered, dead or waiting again, once (see `lua/complete.lua`).
-pub fn complete() -> &'static Script {
-    &COMPLETE
 }
 
 /// Reads how much of a seller's limit is taken (see `lua/usage.lua`); writes nothing.
@@ -103,11 +93,6 @@ pub fn reschedule() -> &'static Script {
 /// Adds to a count of a hash, never below zero (see `lua/tally.lua`).
 pub fn tally() -> &'static Script {
     &TALLY
-}
-
-/// Records that a granted call was answered (see `lua/ended.lua`).
-pub fn ended() -> &'static Script {
-    &ENDED
 }
 
 /// Takes units of the global limit, fairly among sellers (see `lua/global.lua`).
@@ -128,11 +113,6 @@ pub fn lease() -> &'static Script {
 /// Reads how much of the global limit is taken, and by whom (see `lua/global_usage.lua`).
 pub fn global_usage() -> &'static Script {
     &GLOBAL_USAGE
-}
-
-/// `lua/learn.lua`: adaptive limits, learned from the downstream's answers.
-pub fn learn() -> &'static Script {
-    &LEARN
 }
 
 /// Several operations (acquire, redeem, complete, ended, learn) in one call (see

@@ -19,7 +19,6 @@ use std::time::Duration;
 
 use backon::{ExponentialBuilder, Retryable};
 use lapin::message::Delivery;
-use lapin::types::AMQPValue;
 use tokio::sync::{Notify, OwnedSemaphorePermit, Semaphore};
 use tokio_util::sync::CancellationToken;
 use tracing::{Instrument, debug, info, info_span, warn};
@@ -107,30 +106,29 @@ impl RecordsInWriting {
             .expect("the records' lock is never poisoned")
     }
 
-    /// Notes that `registration`'s record is being written until the guard is dropped.
-    fn begin(&self, registration: &Registration) -> Writing<'_> {
-        let key = (
+    /// The key of `registration`'s record.
+    fn key(registration: &Registration) -> (SellerId, MessageId) {
+        (
             registration.seller_id.clone(),
             registration.message_id.clone(),
-        );
+        )
+    }
+
+    /// Notes that `registration`'s record is being written until the guard is dropped.
+    fn begin(&self, registration: &Registration) -> Writing<'_> {
+        let key = Self::key(registration);
         self.lock().entry(key.clone()).or_default();
         Writing { records: self, key }
     }
 
     /// Whether `registration`'s record is being written here.
     fn is_writing(&self, registration: &Registration) -> bool {
-        self.lock().contains_key(&(
-            registration.seller_id.clone(),
-            registration.message_id.clone(),
-        ))
+        self.lock().contains_key(&Self::key(registration))
     }
 
     /// Waits while `registration`'s record is being written here.
     async fn wait_for(&self, registration: &Registration) {
-        let key = (
-            registration.seller_id.clone(),
-            registration.message_id.clone(),
-        );
+        let key = Self::key(registration);
         let Some(notify) = self.lock().get(&key).cloned() else {
             return;
         };
@@ -222,7 +220,7 @@ impl Worker {
         let mut carried = Carried::from_delivery(&delivery, crate::broker::unix_ms());
         let attempt = carried.attempt;
         // A missing or invalid traceparent starts a new trace (never a reason to refuse), which
-        // the message's delayed copies then carry.
+        // the message's delayed copies and dead letter then carry.
         let trace = TraceContext::from_headers(delivery.properties.headers().as_ref())
             .unwrap_or_else(|| {
                 let started = TraceContext::start();
@@ -230,7 +228,7 @@ impl Worker {
                 started
             });
         let trace_id = trace.trace_id();
-        let trace_headers = carried.trace_headers();
+        let started_trace = carried.started_trace.clone();
         // `span_id`: the current downstream call's span, recorded when it is made.
         let span = match &registration {
             Ok(r) => {
@@ -259,7 +257,7 @@ impl Worker {
         self.settle(
             delivery,
             outcome,
-            &trace_headers,
+            started_trace.as_ref(),
             publisher,
             settler,
             connection_lost,
@@ -677,19 +675,19 @@ impl Worker {
     }
 
     /// Applies an outcome: the one place that acks, nacks, delays or dead-letters (a dead
-    /// letter with `trace_headers`, see [`Carried::trace_headers`]).
+    /// letter carries `started_trace`, see [`Carried::started_trace`]).
     pub async fn settle(
         &self,
         delivery: Delivery,
         outcome: Outcome,
-        trace_headers: &[(&'static str, AMQPValue)],
+        started_trace: Option<&TraceContext>,
         publisher: &Publisher,
         settler: &Settler,
         connection_lost: &CancellationToken,
     ) {
         let tag = delivery.delivery_tag;
         let result = match self
-            .republish(&delivery, &outcome, trace_headers, publisher)
+            .republish(&delivery, &outcome, started_trace, publisher)
             .await
         {
             Ok(()) => {
@@ -721,7 +719,7 @@ impl Worker {
         &self,
         delivery: &Delivery,
         outcome: &Outcome,
-        trace_headers: &[(&'static str, AMQPValue)],
+        started_trace: Option<&TraceContext>,
         publisher: &Publisher,
     ) -> Result<(), PublishError> {
         match outcome {
@@ -734,7 +732,13 @@ impl Worker {
             Outcome::DeadLetter { reason, detail } => {
                 warn!(reason, detail, "dead-lettering");
                 publisher
-                    .dead_letter(&self.topology, delivery, reason, detail, trace_headers)
+                    .dead_letter(
+                        &self.topology,
+                        delivery,
+                        reason,
+                        detail,
+                        &plan::started_trace_headers(started_trace),
+                    )
                     .await
             }
         }

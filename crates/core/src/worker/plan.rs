@@ -132,24 +132,26 @@ impl Carried {
                 AMQPValue::LongLongInt(since as i64),
             ));
         }
-        headers.extend(self.trace_headers());
+        headers.extend(started_trace_headers(self.started_trace.as_ref()));
         headers
     }
+}
 
-    /// The headers that carry the trace started for the message (see `started_trace`) on its
-    /// delayed copies and its dead letter; none when it came with a valid one.
-    pub(super) fn trace_headers(&self) -> Vec<(&'static str, AMQPValue)> {
-        let Some(trace) = &self.started_trace else {
-            return Vec::new();
-        };
-        let mut headers = trace.amqp_headers();
-        // The message's own tracestate belonged to the traceparent that was invalid: an empty
-        // one (which means none) replaces it, whatever the case of its name.
-        if trace.tracestate().is_none() {
-            headers.push((crate::trace::TRACESTATE, long_string("")));
-        }
-        headers
+/// The headers that carry the trace a replica started for a message (see
+/// [`Carried::started_trace`]) on its delayed copies and its dead letter; none without one.
+pub(super) fn started_trace_headers(
+    started: Option<&TraceContext>,
+) -> Vec<(&'static str, AMQPValue)> {
+    let Some(trace) = started else {
+        return Vec::new();
+    };
+    let mut headers = trace.amqp_headers();
+    // The message's own tracestate belonged to the traceparent that was invalid: an empty one
+    // (which means none) replaces it, whatever the case of its name.
+    if trace.tracestate().is_none() {
+        headers.push((crate::trace::TRACESTATE, long_string("")));
     }
+    headers
 }
 
 /// How the worker behaves (from `ConsumeArgs`).

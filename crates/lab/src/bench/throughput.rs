@@ -515,10 +515,7 @@ impl Bench<'_> {
         let after_mock = self.mock.stats();
         self.done_with(&topology).await?;
         let registered = after_mock.registered - before_mock.registered;
-        let commands = commands_after
-            .total
-            .saturating_sub(commands_before.total + commands_before.nodes);
-        let scripts = commands_after.scripts - commands_before.scripts;
+        let (scripts, commands) = commands_after.per_message_since(&commands_before, registered);
         let per_message = |n: u64| Some(n as f64 / registered.max(1) as f64);
         Ok(Run {
             name: format!(
@@ -531,8 +528,8 @@ impl Bench<'_> {
             vs_bare_loop: 0.0,
             vs_bare_batched: 0.0,
             redis_round_trips_per_message: per_message(trips),
-            redis_scripts_per_message: per_message(scripts),
-            redis_commands_per_message: per_message(commands),
+            redis_scripts_per_message: Some(scripts),
+            redis_commands_per_message: Some(commands),
             redis_time: commands_after.time_per_message_since(&commands_before, registered),
             permit_p50_us: Some(latency.quantile(0.5).as_secs_f64() * 1e6),
             permit_p99_us: Some(latency.quantile(0.99).as_secs_f64() * 1e6),
