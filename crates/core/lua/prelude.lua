@@ -647,6 +647,52 @@ local function end_call(calls_key, token, at, cost)
   until moved < 64
 end
 
+-- Most units of a permit block (see take_block) besides the call that asks for it.
+local MAX_BLOCK = 64
+
+-- The name of unit I (2, 3, ...) of the permit block of the call TOKEN: a call of its own, of
+-- one unit, in the seller's log and calls (see take_block).
+local function block_unit(token, i)
+  return token .. '-' .. i
+end
+
+-- Permit blocks (sliding-window): a call of one unit granted now (TOKEN, already in the log and
+-- in flight) may take up to WANT more units at once for the same replica's next calls of the
+-- seller, handed out within HOLD µs of NOW, each then sent within its own BOUND (a.bound).
+-- Only while the seller is far from its limits: no reservation waiting (RESERVED_KEY empty), no
+-- shadow limit, no learned limit or quota applying (see with_learned), and, for every limit of
+-- the stack, the units in the log within its span and the calls of the calls gate within its
+-- window (see calls_gate), block included, at most half its COUNT; the second half is granted
+-- call by call, with reservations, as before. Each unit (block_unit(TOKEN, I)) is in the log at
+-- NOW and in flight in the calls until NOW + HOLD + BOUND, the latest a call made with it can
+-- answer: the calls gate counts it, wherever in that time it is used, exactly as a call of that
+-- latency (README, "Permit blocks"); a unit the replica does not use is given back
+-- (unblock.lua) or leaves at that END. Returns how many units were taken (0: none).
+local function take_block(a, limits, log_key, reserved_key, calls_key, now, want, hold)
+  if want < 1 or a.cost ~= 1 or limits.configured ~= nil or limits.quota_until ~= nil then return 0 end
+  if redis.call('EXISTS', reserved_key) == 1 then return 0 end
+  if a.shadow ~= nil and redis.call('EXISTS', a.shadow) == 1 then return 0 end
+  local n = math.min(want, MAX_BLOCK)
+  for _, l in ipairs(limits) do
+    local logged = redis.call('ZCOUNT', log_key, string.format('(%.0f', now - l.span), '+inf')
+    local calls = redis.call('ZCOUNT', calls_key, string.format('(%.0f', now - l.window), '+inf')
+    n = math.min(n, math.floor(l.count / 2) - math.max(logged, calls))
+  end
+  if n < 1 then return 0 end
+  local logged, in_flight, ends = {}, {}, string.format('%.0f', now + hold + a.bound)
+  for i = 2, n + 1 do
+    local unit = block_unit(a.token, i)
+    logged[#logged + 1] = now
+    logged[#logged + 1] = unit
+    in_flight[#in_flight + 1] = ends
+    in_flight[#in_flight + 1] = unit
+  end
+  redis.call('ZADD', log_key, unpack(logged))
+  redis.call('ZADD', calls_key, unpack(in_flight))
+  redis.call('PEXPIRE', calls_key, math.floor((hold + a.bound + limits.max_window) / 1000) + 1)
+  return n
+end
+
 -- Gives back every slot reserved by the seller (RESERVED_KEY, emptied) to its state of ALGORITHM
 -- (STATE_KEY), made under the stack LIMITS, and brings that state to the stack NEW_LIMITS that
 -- applies from now on (BURST: gcra's). Returns how many reservations were given back.

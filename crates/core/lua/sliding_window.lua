@@ -25,7 +25,10 @@
 -- ARGV[7]  BOUND in µs: the latest a granted call's answer (or timeout) comes back after its
 --          grant (integer >= 0)
 -- ARGV[8]  COST: units of every limit the call takes (integer from 1 to 10000)
--- Returns {STATUS, SLOT_US, NOW_US, COUNTS, WINDOWS_US, USED_PERMILLE, VERDICT}
+-- ARGV[9]  optional BLOCK: with a grant, take up to BLOCK more units for this replica's next
+--          calls of the seller (integer 0 to 64; 0 or absent = none; see take_block)
+-- ARGV[10] with BLOCK: HOLD in µs, how long after the grant the replica hands out those units
+-- Returns {STATUS, SLOT_US, NOW_US, COUNTS, WINDOWS_US, USED_PERMILLE, VERDICT, BLOCKED}
 --   STATUS 1 = granted (call now), 2 = reserved (call at SLOT), 0 = denied (come back at SLOT;
 --   with reserving on, when the seller's reserved set is full: see far_ticket),
 --   3 = the message already registered (KEYS[11] says so),
@@ -35,8 +38,15 @@
 --   near-limit metric; COUNTS and WINDOWS_US are the stack that applied (override or default).
 --   VERDICT (STATUS 0, 1, 2) is the shadow limit's: agree, stricter, looser or '' (see judge_shadow);
 --   COUNTS and WINDOWS_US are the learned ones when adaptive limits lowered them.
+--   BLOCKED (STATUS 1): how many block units were taken, named TOKEN-2 ... TOKEN-(BLOCKED+1).
 
 local a = acquire_args()
+local block, hold = 0, 0
+if ARGV[9] ~= nil then
+  block = int_arg(9, 0)
+  if block > MAX_BLOCK then error({err = 'ERR turnstile: BLOCK must be at most ' .. MAX_BLOCK}) end
+  if block > 0 then hold = int_arg(10, 0) end
+end
 local limits = with_spans(effective_limits(KEYS[2], a.limits, a.learned, a.cost), a.guard)
 local now = now_us()
 if already_done(a.done) then return {3, now, now, limits.counts, limits.windows} end
@@ -75,4 +85,6 @@ redis.call('PEXPIRE', KEYS[1], ttl)
 local waiting = keep_and_hold(status, ttl, KEYS[5], KEYS[4], slot, now, late, a, limits)
 if waiting then return waiting end
 start_call(KEYS[6], a.token, a.cost, now, a.bound, limits)
-return {status, slot, now, limits.counts, limits.windows, used, a.verdict or ''}
+local blocked = 0
+if status == 1 then blocked = take_block(a, limits, KEYS[1], KEYS[4], KEYS[6], now, block, hold) end
+return {status, slot, now, limits.counts, limits.windows, used, a.verdict or '', blocked}

@@ -222,8 +222,11 @@ impl Connecting {
             watcher_stop.clone(),
         ));
         let ready_for_run = ready.clone();
+        let permits = worker.permits.clone();
         let done = tokio::spawn(async move {
             let ran = run(args, worker, nodes, session, ready_for_run, shutdown).await;
+            // What this replica's permit blocks did not use is free for the others at once.
+            let _ = tokio::time::timeout(Duration::from_secs(1), permits.give_back_blocks()).await;
             watcher_stop.cancel();
             let _ = watcher.await;
             ran

@@ -120,6 +120,16 @@ pub const METRICS: &[Metric] = &[
         "algorithm",
         Values::Algorithm,
     ),
+    plain(
+        "turnstile_permit_blocks_total",
+        Counter,
+        "Permit blocks taken: units for this replica's next calls of a seller far from its limits.",
+    ),
+    plain(
+        "turnstile_permit_block_units_total",
+        Counter,
+        "Grants handed out from a permit block (no Redis script of their own).",
+    ),
     labelled(
         "turnstile_permits_denied_total",
         Counter,

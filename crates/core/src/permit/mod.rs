@@ -21,6 +21,7 @@
 //! progress and the dashboard's shared state in `records`).
 
 mod batch;
+pub mod block;
 mod conn;
 pub mod keys;
 mod records;
@@ -30,6 +31,7 @@ use std::sync::{Arc, OnceLock};
 use std::time::Duration;
 
 use batch::{Batcher, Operation, When};
+use block::{Blocks, Settled};
 pub use conn::{RedisClient, RedisConn, round_trips};
 pub use keys::Keyspace;
 pub use records::UploadProgress;
@@ -538,7 +540,21 @@ pub struct PermitStore {
     /// [`record_delay`]).
     record_delay: Duration,
     clock: Arc<RedisClock>,
+    /// Permit blocks, when they apply (see [`block`]): sliding-window, neither a global limit
+    /// nor a seller concurrency, `TURNSTILE_PERMIT_BLOCK` > 0.
+    blocks: Option<Arc<Blocks>>,
 }
+
+/// How long what a block leaves may wait to ride along with another call to Redis before it is
+/// written by itself.
+const BLOCK_SETTLE_DELAY: Duration = Duration::from_millis(100);
+
+/// How long a block's units are handed out after it was asked for.
+pub const BLOCK_HOLD: Duration = Duration::from_secs(1);
+
+/// How long after its hold a block's ledger waits for its calls' answers before it is written
+/// with what it has (a unit's call not answered by then keeps its place until its bound).
+const BLOCK_SETTLE_BY: Duration = Duration::from_secs(120);
 
 /// How long a completion record (or a call's end, or a lesson from a 2xx) may wait to ride
 /// along with another call to the same place before it is sent by itself:
@@ -620,10 +636,22 @@ impl PermitStore {
     }
 
     pub fn new(conn: RedisConn, prefix: &str, limiter: LimiterArgs) -> Self {
+        let blocks = (limiter.algorithm == Algorithm::SlidingWindow
+            && limiter.global_limit.0.is_none()
+            && limiter.seller_concurrency.0.is_none()
+            && limiter.permit_block > 0)
+            .then(|| {
+                Arc::new(Blocks::new(
+                    limiter.permit_block,
+                    BLOCK_HOLD,
+                    BLOCK_SETTLE_BY,
+                ))
+            });
         Self {
             conn,
             keys: Keyspace::new(prefix),
             record_delay: record_delay(&limiter),
+            blocks,
             limiter,
             call_bound: Duration::ZERO,
             batcher: Arc::default(),
@@ -680,6 +708,9 @@ impl PermitStore {
         cost: Cost,
         answered_us: Option<i64>,
     ) -> Result<(), PermitError> {
+        if self.answered_in_block(call, answered_us, false) {
+            return Ok(());
+        }
         let mut operation = Operation::new("ended");
         operation
             .key(self.keys.calls(seller))
@@ -771,6 +802,21 @@ impl PermitStore {
         cost: Cost,
         reserve: bool,
     ) -> Result<Decision, PermitError> {
+        self.acquire_with(seller, message, cost, reserve, 0)
+            .await
+            .map(|(decision, _)| decision)
+    }
+
+    /// As [`Self::acquire_for`], asking with a grant for a block of up to `block` more units
+    /// (sliding-window; see `take_block` in `lua/prelude.lua`); also answers how many were taken.
+    async fn acquire_with(
+        &self,
+        seller: &SellerId,
+        message: Option<&MessageId>,
+        cost: Cost,
+        reserve: bool,
+        block: u32,
+    ) -> Result<(Decision, u32), PermitError> {
         let algorithm = self.limiter.algorithm;
         let limit = &self.limiter.limit;
         let token = format!("{:x}", rand::random::<u64>());
@@ -805,9 +851,18 @@ impl PermitStore {
             Algorithm::TokenBucket => {
                 invocation.arg(self.limiter.bucket_capacity);
             }
+            Algorithm::SlidingWindow if block > 0 => {
+                let hold = self.blocks.as_ref().map_or(0, |b| b.hold_us());
+                invocation.arg(block).arg(hold);
+            }
             _ => {}
         }
         let answer: Vec<redis::Value> = self.run(invocation, When::Now).await?;
+        let blocked = answer
+            .get(7)
+            .and_then(|v| redis::from_redis_value_ref::<u32>(v).ok())
+            .unwrap_or(0)
+            .min(block);
         let decision = acquired(algorithm, &answer, token, cost)?;
         if let Decision::Granted {
             granted_us: now, ..
@@ -824,7 +879,167 @@ impl PermitStore {
             self.clock.observe(*now);
         }
         observe(algorithm, &decision, true);
+        Ok((decision, blocked))
+    }
+
+    /// A grant from the seller's block, if this replica holds one with a unit left (see
+    /// [`block`]): the message's completion record is read first (a unit does not read it the
+    /// way an acquire does), and a message that already registered takes no unit.
+    async fn from_block(
+        &self,
+        seller: &SellerId,
+        message: Option<&MessageId>,
+        cost: Cost,
+    ) -> Result<Option<Decision>, PermitError> {
+        let Some(blocks) = &self.blocks else {
+            return Ok(None);
+        };
+        self.settle_blocks(blocks.sweep());
+        if cost != Cost::ONE || !blocks.holds(seller) {
+            return Ok(None);
+        }
+        // Asked before a unit is taken: a unit is handed out only when the call follows.
+        let mut ask = Operation::new("handout");
+        ask.key(self.keys.pause(seller));
+        if let Some(message) = message {
+            ask.key(self.keys.done(seller, message));
+        }
+        match self.run::<u8>(ask, When::Now).await? {
+            0 => {}
+            1 => return Ok(Some(Decision::AlreadyDone)),
+            _ => {
+                self.drop_block(seller);
+                return Ok(None);
+            }
+        }
+        let Some(unit) = blocks.take(seller) else {
+            return Ok(None);
+        };
+        let decision = Decision::Granted {
+            slot_us: unit.granted_us,
+            granted_us: unit.granted_us,
+            used_permille: unit.used_permille,
+            call: unit.call,
+        };
+        metrics::counter!("turnstile_permit_block_units_total").increment(1);
+        observe(self.limiter.algorithm, &decision, true);
+        Ok(Some(decision))
+    }
+
+    /// Acquires for a message, asking for a block with the grant when blocks apply, and keeps
+    /// the block this replica was given.
+    async fn acquire_blocking(
+        &self,
+        seller: &SellerId,
+        message: Option<&MessageId>,
+        cost: Cost,
+    ) -> Result<Decision, PermitError> {
+        let want = match &self.blocks {
+            Some(blocks) if cost == Cost::ONE => blocks.wanted(seller),
+            _ => 0,
+        };
+        let asked = std::time::Instant::now();
+        let (decision, blocked) = self.acquire_with(seller, message, cost, true, want).await?;
+        if let (
+            Some(blocks),
+            Decision::Granted {
+                call,
+                granted_us,
+                used_permille,
+                ..
+            },
+        ) = (&self.blocks, &decision)
+            && blocked > 0
+        {
+            metrics::counter!("turnstile_permit_blocks_total").increment(1);
+            let old = blocks.keep(seller, call, blocked, *granted_us, asked, *used_permille);
+            self.settle_blocks(old.into_iter().collect());
+        }
         Ok(decision)
+    }
+
+    /// Writes what blocks that are over leave (see [`block`], `lua/block_end.lua`), in the
+    /// background, riding along with other calls: until then, or if that fails, their units
+    /// hold their place until their bound.
+    fn settle_blocks(&self, settled: Vec<Settled>) {
+        if settled.is_empty() {
+            return;
+        }
+        let store = self.clone();
+        tokio::spawn(async move { store.settle_blocks_now(settled).await });
+    }
+
+    async fn settle_blocks_now(&self, settled: Vec<Settled>) {
+        let sends = settled.into_iter().filter_map(|settled| {
+            let seller = settled.seller.as_ref()?;
+            let accepted = settled.answers.iter().any(|(_, _, accepted)| *accepted);
+            let adaptive = self.limiter.adaptive && accepted;
+            let mut operation = Operation::new("block-end");
+            operation
+                .key(self.keys.state(seller, Algorithm::SlidingWindow))
+                .key(self.keys.calls(seller));
+            if adaptive {
+                operation
+                    .key(self.keys.accepted(seller))
+                    .key(self.keys.limit(seller));
+            }
+            operation
+                .arg(&settled.token)
+                .arg(settled.unused.len())
+                .arg(settled.answers.len());
+            for unit in &settled.unused {
+                operation.arg(*unit);
+            }
+            for (unit, answered_us, accepted) in &settled.answers {
+                operation
+                    .arg(*unit)
+                    .arg(*answered_us)
+                    .arg(u8::from(*accepted));
+            }
+            if adaptive {
+                operation
+                    .arg(1)
+                    .arg(self.limiter.limit.counts_arg())
+                    .arg(self.limiter.limit.windows_arg())
+                    .arg(self.guard_arg());
+            }
+            Some(self.run::<i64>(operation, When::Within(BLOCK_SETTLE_DELAY)))
+        });
+        for result in futures::future::join_all(sends).await {
+            if let Err(error) = result {
+                tracing::debug!(%error, "a permit block was not written: its units hold their place until their bound");
+            }
+        }
+    }
+
+    /// Notes the answer of `call` in its block's ledger if it is a unit of one of this
+    /// replica's blocks (see [`block`]); whether it was.
+    fn answered_in_block(&self, call: &str, answered_us: Option<i64>, accepted: bool) -> bool {
+        let Some(blocks) = &self.blocks else {
+            return false;
+        };
+        match blocks.answered(call, answered_us, accepted) {
+            None => false,
+            Some(settled) => {
+                self.settle_blocks(settled.into_iter().collect());
+                true
+            }
+        }
+    }
+
+    /// Gives back every block this replica holds (at shutdown), waiting for Redis's answer.
+    pub async fn give_back_blocks(&self) {
+        if let Some(blocks) = &self.blocks {
+            self.settle_blocks_now(blocks.drain()).await;
+        }
+    }
+
+    /// Takes the seller's block away from this replica (its limit changed or it was paused:
+    /// the rest of its calls go through acquire again) and gives its unused units back.
+    pub fn drop_block(&self, seller: &SellerId) {
+        if let Some(blocks) = &self.blocks {
+            self.settle_blocks(blocks.drop_seller(seller).into_iter().collect());
+        }
     }
 
     /// Comes back for a reserved slot: `Ok(Ok(decision))` is granted or still early (wait again
@@ -925,7 +1140,11 @@ impl PermitStore {
                     Some(forfeit),
                 ),
             },
-            None => (self.acquire_for(seller, message, cost, true).await?, None),
+            None => match self.from_block(seller, message, cost).await? {
+                // Blocks are only held without a global limit or seller concurrency.
+                Some(decision) => return Ok((decision, None)),
+                None => (self.acquire_blocking(seller, message, cost).await?, None),
+            },
         };
         Ok((self.beyond_seller(seller, cost, decision).await?, forfeit))
     }
@@ -1264,8 +1483,13 @@ impl PermitStore {
         answer: Option<CallAnswer<'_>>,
         ttl: Duration,
     ) -> Result<Recorded, PermitError> {
-        let (call, cost, answered_us) =
+        let (mut call, cost, answered_us) =
             answer.map_or(("", 0, None), |a| (a.call, a.cost.units(), a.answered_us));
+        // A block's unit: its answer goes into the block's ledger, the record alone is written.
+        let in_block = !call.is_empty() && self.answered_in_block(call, answered_us, true);
+        if in_block {
+            call = "";
+        }
         let mut invocation = Operation::new("complete");
         invocation
             .key(self.keys.done(seller, message))
@@ -1298,7 +1522,7 @@ impl PermitStore {
                 .arg(self.limiter.limit.windows_arg())
                 .arg(self.guard_arg());
         }
-        let when = if call.is_empty() {
+        let when = if call.is_empty() && !in_block {
             When::Now
         } else {
             When::Within(self.record_delay)
@@ -1842,6 +2066,11 @@ pub async fn watch_reschedules(
                 for entry in entries {
                     cursor = cursor.max(Some(entry.at_us));
                     if sent.insert((entry.seller.clone(), entry.at_us)) {
+                        // The seller's terms changed: its block (granted under the old ones)
+                        // is not used further.
+                        if let Ok(seller) = SellerId::parse(&entry.seller) {
+                            store.drop_block(&seller);
+                        }
                         let _ = notices.send(entry);
                     }
                 }

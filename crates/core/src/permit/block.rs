@@ -1,0 +1,577 @@
+//! Permit blocks: the units a replica took from Redis at once for its next calls of a seller
+//! (see `take_block` in `lua/prelude.lua` and README, "Permit blocks"), handed out here one by
+//! one without a script, and settled in one step when the block is over (`lua/block_end.lua`).
+//!
+//! A block is only granted while the seller is far from its limits, so a replica busy with many
+//! sellers far from theirs asks Redis for one acquire per block instead of one per call. Each
+//! unit is counted in flight in the seller's calls from the grant until grant + hold + the
+//! call's bound, so the calls gate sees it wherever in that time it is used: a unit is handed
+//! out only within the hold, measured on this replica's monotonic clock from *before* the
+//! grant was asked (so never later, in Redis time, than grant + hold).
+//!
+//! What a block's calls answered is kept here (its [`Ledger`]) and written when the block is
+//! over and every call it handed out has answered (or could no longer answer): the ends of its
+//! calls, its accepted calls for adaptive limits, and its units not handed out, given back. Until
+//! then, and if the replica dies first, each unit keeps its place until its bound: later than
+//! needed, never too early.
+
+use std::collections::HashMap;
+use std::sync::Mutex;
+use std::time::{Duration, Instant};
+
+use crate::domain::SellerId;
+
+/// Most sellers with a block held at once by one replica: beyond it, no new block is asked for
+/// until one is over (memory stays bounded however many sellers a replica sees).
+pub const MOST_BLOCKS: usize = 4096;
+
+/// Most units a block takes besides the call that asks for it (`MAX_BLOCK` in the prelude).
+pub const MOST_UNITS: u32 = 64;
+
+/// Units asked for the first time a replica sees a seller (or after it forgot it).
+pub const FIRST_SIZE: u32 = 2;
+
+/// How often the blocks are looked through for ones that are over.
+const SWEEP_EVERY: Duration = Duration::from_millis(100);
+
+/// One seller's block while its units are handed out.
+#[derive(Debug)]
+struct Block {
+    token: String,
+    /// Unit numbers not handed out yet (2 to units + 1), the next one last.
+    free: Vec<u32>,
+    /// How many units it took.
+    units: usize,
+    /// Redis time of the grant (µs).
+    granted_us: i64,
+    /// This replica's clock before the grant was asked.
+    asked: Instant,
+    used_permille: u32,
+}
+
+/// What a block's calls answered, until it is written (see the module's doc).
+#[derive(Debug)]
+struct Ledger {
+    seller: SellerId,
+    asked: Instant,
+    /// Units handed out whose answer is not known yet.
+    pending: usize,
+    /// No more units are handed out.
+    closed: bool,
+    done: Settled,
+}
+
+/// A block over, to write to Redis in one step (`lua/block_end.lua`).
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct Settled {
+    pub seller: Option<SellerId>,
+    pub token: String,
+    /// Units never handed out: given back.
+    pub unused: Vec<u32>,
+    /// (unit, when its answer came: Redis µs, an upper bound; -1 = when written, accepted).
+    pub answers: Vec<(u32, i64, bool)>,
+}
+
+/// A unit handed out: the call it names and an upper bound of Redis time now.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Unit {
+    pub call: String,
+    pub granted_us: i64,
+    pub used_permille: u32,
+}
+
+/// The blocks one replica holds, by seller, and the ledgers of those not written yet.
+#[derive(Debug)]
+pub struct Blocks {
+    held: Mutex<HashMap<SellerId, Block>>,
+    /// By the token of the call that took the block.
+    ledgers: Mutex<HashMap<String, Ledger>>,
+    /// How many units to ask for next, by seller (see [`Blocks::wanted`]); at most
+    /// [`MOST_BLOCKS`] sellers (forgotten all at once beyond).
+    sizes: Mutex<HashMap<SellerId, u32>>,
+    /// Most units asked for with a grant.
+    want: u32,
+    /// How long after it was asked a block's units are handed out.
+    hold: Duration,
+    /// How long after it was asked a block's calls may still answer: the hold plus a call's
+    /// bound. A ledger is written by then whatever it still waits for.
+    settle_by: Duration,
+    /// When the blocks were last looked through.
+    swept: Mutex<Instant>,
+}
+
+impl Blocks {
+    /// Blocks of up to `want` units (at most [`MOST_UNITS`]), handed out within `hold`, whose
+    /// calls answer within `bound` of being handed out.
+    pub fn new(want: u32, hold: Duration, bound: Duration) -> Self {
+        Self {
+            held: Mutex::default(),
+            ledgers: Mutex::default(),
+            sizes: Mutex::default(),
+            want: want.min(MOST_UNITS),
+            hold,
+            settle_by: hold + bound,
+            swept: Mutex::new(Instant::now()),
+        }
+    }
+
+    /// The hold in µs, as the script takes it.
+    pub fn hold_us(&self) -> u64 {
+        self.hold.as_micros() as u64
+    }
+
+    /// How many units to ask for with a grant of `seller`: as many as this replica handed out
+    /// of the seller's last block within its hold, twice as many when it handed out all of
+    /// them, [`FIRST_SIZE`] for a seller not seen lately, at most the configured most. After a
+    /// block of which nothing was handed out, one grant asks for none, the next for one unit
+    /// (a seller with a message now and then costs no block each time). None while this
+    /// replica holds as many blocks (or ledgers) as it may.
+    pub fn wanted(&self, seller: &SellerId) -> u32 {
+        if self.want == 0 {
+            return 0;
+        }
+        {
+            let held = self
+                .held
+                .lock()
+                .expect("the blocks' lock is never poisoned");
+            if held.len() >= MOST_BLOCKS && !held.contains_key(seller) {
+                return 0;
+            }
+        }
+        if self
+            .ledgers
+            .lock()
+            .expect("the ledgers' lock is never poisoned")
+            .len()
+            >= 2 * MOST_BLOCKS
+        {
+            return 0;
+        }
+        let mut sizes = self
+            .sizes
+            .lock()
+            .expect("the blocks' lock is never poisoned");
+        match sizes.get_mut(seller) {
+            Some(size) if *size == 0 => {
+                *size = 1;
+                0
+            }
+            Some(size) => (*size).min(self.want),
+            None => FIRST_SIZE.min(self.want),
+        }
+    }
+
+    /// Notes how a block of `units` ended: `used` of them handed out.
+    fn note_size(&self, seller: &SellerId, units: usize, used: usize) {
+        let next = if used >= units {
+            (2 * units).min(self.want as usize)
+        } else {
+            used
+        };
+        let mut sizes = self
+            .sizes
+            .lock()
+            .expect("the blocks' lock is never poisoned");
+        if sizes.len() >= MOST_BLOCKS && !sizes.contains_key(seller) {
+            sizes.clear();
+        }
+        sizes.insert(seller.clone(), next as u32);
+    }
+
+    /// Whether the seller's block is within its hold with a unit left.
+    pub fn holds(&self, seller: &SellerId) -> bool {
+        let held = self
+            .held
+            .lock()
+            .expect("the blocks' lock is never poisoned");
+        held.get(seller)
+            .is_some_and(|b| !b.free.is_empty() && b.asked.elapsed() < self.hold)
+    }
+
+    /// Hands out a unit of the seller's block, if it holds one still within its hold.
+    pub fn take(&self, seller: &SellerId) -> Option<Unit> {
+        let mut held = self
+            .held
+            .lock()
+            .expect("the blocks' lock is never poisoned");
+        let block = held.get_mut(seller)?;
+        let since = block.asked.elapsed();
+        if since >= self.hold {
+            return None;
+        }
+        let unit = block.free.pop()?;
+        let taken = Unit {
+            call: format!("{}-{unit}", block.token),
+            granted_us: block
+                .granted_us
+                .saturating_add(since.as_micros().min(i64::MAX as u128) as i64),
+            used_permille: block.used_permille,
+        };
+        if let Some(ledger) = self
+            .ledgers
+            .lock()
+            .expect("the ledgers' lock is never poisoned")
+            .get_mut(&block.token)
+        {
+            ledger.pending += 1;
+        }
+        if block.free.is_empty() {
+            let block = held.remove(seller).expect("the block is held");
+            drop(held);
+            // Used up: nothing to give back, its ledger waits for the answers.
+            let closed = self.close(seller, block);
+            debug_assert!(closed.is_none());
+        }
+        Some(taken)
+    }
+
+    /// Keeps a block of `units` granted with the call `token` at Redis time `granted_us`, asked
+    /// at `asked`; returns what the seller's previous block left to write, if it is over.
+    pub fn keep(
+        &self,
+        seller: &SellerId,
+        token: &str,
+        units: u32,
+        granted_us: i64,
+        asked: Instant,
+        used_permille: u32,
+    ) -> Option<Settled> {
+        if units == 0 {
+            return None;
+        }
+        let units = units.min(MOST_UNITS);
+        let block = Block {
+            token: token.to_owned(),
+            free: (2..=units + 1).rev().collect(),
+            units: units as usize,
+            granted_us,
+            asked,
+            used_permille,
+        };
+        self.ledgers
+            .lock()
+            .expect("the ledgers' lock is never poisoned")
+            .insert(
+                token.to_owned(),
+                Ledger {
+                    seller: seller.clone(),
+                    asked,
+                    pending: 0,
+                    closed: false,
+                    done: Settled {
+                        seller: Some(seller.clone()),
+                        token: token.to_owned(),
+                        ..Settled::default()
+                    },
+                },
+            );
+        let old = self
+            .held
+            .lock()
+            .expect("the blocks' lock is never poisoned")
+            .insert(seller.clone(), block);
+        old.and_then(|old| self.close(seller, old))
+    }
+
+    /// Ends the handing out of a block: its size noted (see [`Self::wanted`]), its free units
+    /// to give back; its ledger, if nothing it handed out still waits for an answer.
+    fn close(&self, seller: &SellerId, block: Block) -> Option<Settled> {
+        self.note_size(seller, block.units, block.units - block.free.len());
+        let mut ledgers = self
+            .ledgers
+            .lock()
+            .expect("the ledgers' lock is never poisoned");
+        let ledger = ledgers.get_mut(&block.token)?;
+        ledger.closed = true;
+        ledger.done.unused = block.free;
+        if ledger.pending == 0 {
+            return ledgers.remove(&block.token).map(|l| l.done);
+        }
+        None
+    }
+
+    /// Notes the answer of `call`, if it is a unit of one of this replica's blocks (else
+    /// `None`: not a block's): when it came (Redis µs, an upper bound; `None`: unknown, taken
+    /// as when the ledger is written) and whether the downstream accepted it. Answers
+    /// `Some(Some(..))` when that was the last answer its block waited for.
+    pub fn answered(
+        &self,
+        call: &str,
+        answered_us: Option<i64>,
+        accepted: bool,
+    ) -> Option<Option<Settled>> {
+        let (token, unit) = call.rsplit_once('-')?;
+        let unit: u32 = unit.parse().ok()?;
+        let mut ledgers = self
+            .ledgers
+            .lock()
+            .expect("the ledgers' lock is never poisoned");
+        let ledger = ledgers.get_mut(token)?;
+        ledger.pending = ledger.pending.saturating_sub(1);
+        ledger
+            .done
+            .answers
+            .push((unit, answered_us.unwrap_or(-1).max(-1), accepted));
+        if ledger.closed && ledger.pending == 0 {
+            return Some(ledgers.remove(token).map(|l| l.done));
+        }
+        Some(None)
+    }
+
+    /// Blocks whose hold is over, closed, and ledgers written: those closed with every answer
+    /// in, and those whose calls can no longer answer (a unit handed out but never called, a
+    /// replica that lost track) with what they have. At most once per [`SWEEP_EVERY`] (an
+    /// empty list otherwise).
+    pub fn sweep(&self) -> Vec<Settled> {
+        {
+            let mut swept = self
+                .swept
+                .lock()
+                .expect("the blocks' lock is never poisoned");
+            if swept.elapsed() < SWEEP_EVERY {
+                return Vec::new();
+            }
+            *swept = Instant::now();
+        }
+        let over: Vec<(SellerId, Block)> = {
+            let mut held = self
+                .held
+                .lock()
+                .expect("the blocks' lock is never poisoned");
+            let sellers: Vec<SellerId> = held
+                .iter()
+                .filter(|(_, b)| b.asked.elapsed() >= self.hold)
+                .map(|(seller, _)| seller.clone())
+                .collect();
+            sellers
+                .into_iter()
+                .filter_map(|seller| held.remove(&seller).map(|b| (seller, b)))
+                .collect()
+        };
+        let mut settled: Vec<Settled> = over
+            .into_iter()
+            .filter_map(|(seller, old)| self.close(&seller, old))
+            .collect();
+        settled.extend(self.overdue(self.settle_by));
+        settled
+    }
+
+    /// Takes the seller's block away (its limit changed or it was paused: no more units are
+    /// handed out); what it leaves to write, if nothing it handed out waits for an answer.
+    pub fn drop_seller(&self, seller: &SellerId) -> Option<Settled> {
+        let old = self
+            .held
+            .lock()
+            .expect("the blocks' lock is never poisoned")
+            .remove(seller);
+        old.and_then(|old| self.close(seller, old))
+    }
+
+    /// Ledgers asked for at least `age` ago, removed (with their blocks, if still held).
+    fn overdue(&self, age: Duration) -> Vec<Settled> {
+        // Locked in the order `take` locks them: held, then ledgers.
+        let mut held = self
+            .held
+            .lock()
+            .expect("the blocks' lock is never poisoned");
+        let mut ledgers = self
+            .ledgers
+            .lock()
+            .expect("the ledgers' lock is never poisoned");
+        let tokens: Vec<String> = ledgers
+            .iter()
+            .filter(|(_, l)| l.asked.elapsed() >= age)
+            .map(|(token, _)| token.clone())
+            .collect();
+        let mut ended = Vec::new();
+        let settled = tokens
+            .into_iter()
+            .filter_map(|token| {
+                let mut ledger = ledgers.remove(&token)?;
+                if held.get(&ledger.seller).is_some_and(|b| b.token == token)
+                    && let Some(block) = held.remove(&ledger.seller)
+                {
+                    ended.push((
+                        ledger.seller.clone(),
+                        block.units,
+                        block.units - block.free.len(),
+                    ));
+                    ledger.done.unused = block.free;
+                }
+                Some(ledger.done)
+            })
+            .collect();
+        drop((held, ledgers));
+        for (seller, units, used) in ended {
+            self.note_size(&seller, units, used);
+        }
+        settled
+    }
+
+    /// Every block and ledger taken away (shutdown), to write with what they have.
+    pub fn drain(&self) -> Vec<Settled> {
+        self.overdue(Duration::ZERO)
+    }
+
+    /// Sellers with a block held now.
+    pub fn len(&self) -> usize {
+        self.held
+            .lock()
+            .expect("the blocks' lock is never poisoned")
+            .len()
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn seller(id: &str) -> SellerId {
+        SellerId::parse(id).unwrap()
+    }
+
+    fn blocks(want: u32) -> Blocks {
+        Blocks::new(want, Duration::from_secs(60), Duration::from_secs(60))
+    }
+
+    #[test]
+    fn a_block_hands_out_each_unit_once_in_order_then_is_gone() {
+        let blocks = blocks(3);
+        blocks.keep(&seller("S-1"), "ab12", 3, 1_000, Instant::now(), 10);
+        let calls: Vec<String> =
+            std::iter::from_fn(|| blocks.take(&seller("S-1")).map(|u| u.call)).collect();
+        assert_eq!(calls, ["ab12-2", "ab12-3", "ab12-4"]);
+        assert!(blocks.is_empty());
+    }
+
+    #[test]
+    fn a_used_up_block_is_written_once_its_last_call_answered_with_every_answer() {
+        let blocks = blocks(2);
+        let s1 = seller("S-1");
+        blocks.keep(&s1, "ab12", 2, 0, Instant::now(), 0);
+        let first = blocks.take(&s1).unwrap();
+        let second = blocks.take(&s1).unwrap();
+        assert_eq!(blocks.answered(&first.call, Some(100), true), Some(None));
+        let settled = blocks
+            .answered(&second.call, Some(200), false)
+            .unwrap()
+            .unwrap();
+        assert_eq!(settled.token, "ab12");
+        assert_eq!(settled.unused, Vec::<u32>::new());
+        assert_eq!(settled.answers, vec![(2, 100, true), (3, 200, false)]);
+        assert_eq!(blocks.answered(&second.call, Some(300), true), None);
+    }
+
+    #[test]
+    fn a_call_that_is_no_unit_of_a_block_is_not_a_blocks() {
+        let blocks = blocks(2);
+        assert_eq!(blocks.answered("ab12", Some(1), true), None);
+        assert_eq!(blocks.answered("ab12-x", Some(1), true), None);
+        assert_eq!(blocks.answered("ab12-2", Some(1), true), None);
+    }
+
+    #[test]
+    fn a_unit_is_not_handed_out_once_the_hold_is_over_and_the_rest_is_given_back() {
+        let blocks = Blocks::new(4, Duration::from_millis(1), Duration::from_secs(60));
+        let s1 = seller("S-1");
+        blocks.keep(&s1, "ab12", 4, 1_000, Instant::now(), 10);
+        std::thread::sleep(Duration::from_millis(5));
+        assert_eq!(blocks.take(&s1), None);
+        *blocks.swept.lock().unwrap() -= SWEEP_EVERY;
+        let settled = blocks.sweep();
+        assert_eq!(settled.len(), 1);
+        let mut units = settled[0].unused.clone();
+        units.sort();
+        assert_eq!(units, [2, 3, 4, 5]);
+        assert!(blocks.is_empty());
+    }
+
+    #[test]
+    fn a_ledger_whose_calls_can_no_longer_answer_is_written_with_what_it_has() {
+        let blocks = Blocks::new(4, Duration::from_millis(1), Duration::from_millis(1));
+        let s1 = seller("S-1");
+        blocks.keep(&s1, "ab12", 4, 1_000, Instant::now(), 10);
+        let unit = blocks.take(&s1).unwrap();
+        std::thread::sleep(Duration::from_millis(5));
+        *blocks.swept.lock().unwrap() -= SWEEP_EVERY;
+        let settled = blocks.sweep();
+        assert_eq!(settled.len(), 1);
+        assert_eq!(settled[0].unused.len(), 3);
+        assert!(settled[0].answers.is_empty());
+        assert_eq!(blocks.answered(&unit.call, Some(1), true), None);
+    }
+
+    #[test]
+    fn a_unit_says_redis_time_no_earlier_than_the_grant_plus_the_time_since_it_was_asked() {
+        let blocks = blocks(2);
+        let asked = Instant::now() - Duration::from_millis(20);
+        blocks.keep(&seller("S-1"), "ab12", 2, 5_000_000, asked, 0);
+        let unit = blocks.take(&seller("S-1")).unwrap();
+        assert!(unit.granted_us >= 5_020_000, "{unit:?}");
+    }
+
+    #[test]
+    fn a_new_block_closes_the_old_one_and_a_drain_takes_the_rest() {
+        let blocks = blocks(8);
+        let s1 = seller("S-1");
+        blocks.keep(&s1, "old", 2, 0, Instant::now(), 0);
+        let unit = blocks.take(&s1).unwrap();
+        assert_eq!(blocks.keep(&s1, "new", 2, 0, Instant::now(), 0), None);
+        let old = blocks.answered(&unit.call, None, true).unwrap().unwrap();
+        assert_eq!((old.token.as_str(), old.unused.clone()), ("old", vec![3]));
+        assert_eq!(old.answers, vec![(2, -1, true)]);
+        let rest = blocks.drain();
+        assert_eq!(rest.len(), 1);
+        assert_eq!(rest[0].token, "new");
+        assert_eq!(rest[0].unused.len(), 2);
+    }
+
+    #[test]
+    fn a_block_used_up_asks_for_twice_as_many_and_one_left_unused_for_what_was_used() {
+        let blocks = blocks(16);
+        let s1 = seller("S-1");
+        assert_eq!(blocks.wanted(&s1), FIRST_SIZE);
+        blocks.keep(&s1, "a", 2, 0, Instant::now(), 0);
+        while blocks.take(&s1).is_some() {}
+        assert_eq!(blocks.wanted(&s1), 4);
+        blocks.keep(&s1, "b", 4, 0, Instant::now(), 0);
+        blocks.take(&s1);
+        blocks.drain();
+        assert_eq!(blocks.wanted(&s1), 1);
+    }
+
+    #[test]
+    fn after_a_block_left_whole_one_grant_asks_for_none_and_the_next_for_one() {
+        let blocks = blocks(16);
+        let s1 = seller("S-1");
+        blocks.keep(&s1, "a", 2, 0, Instant::now(), 0);
+        blocks.drain();
+        assert_eq!(blocks.wanted(&s1), 0);
+        assert_eq!(blocks.wanted(&s1), 1);
+        assert_eq!(blocks.wanted(&s1), 1);
+    }
+
+    #[test]
+    fn no_block_is_asked_for_a_new_seller_once_as_many_are_held_as_allowed() {
+        let blocks = blocks(2);
+        for i in 0..MOST_BLOCKS {
+            blocks.keep(
+                &seller(&format!("S-{i}")),
+                &format!("t{i}"),
+                2,
+                0,
+                Instant::now(),
+                0,
+            );
+        }
+        assert_eq!(blocks.wanted(&seller("S-new")), 0);
+        assert_eq!(blocks.wanted(&seller("S-0")), FIRST_SIZE);
+        assert_eq!(blocks.drain().len(), MOST_BLOCKS);
+        assert_eq!(blocks.wanted(&seller("S-new")), FIRST_SIZE);
+    }
+}
