@@ -1,5 +1,6 @@
 -- block_end: writes what a permit block's calls answered once the block is over (see
--- take_block in the prelude and src/permit/block.rs), in one step instead of one per call:
+-- take_block in the prelude and src/permit/block.rs), in one step instead of one per call (the
+-- call that took the block, TOKEN, is its unit 1):
 --   * each answered unit's END in the seller's calls comes forward to when its answer came
 --     (never back; see end_call), so it stops holding its place in the window beyond then;
 --   * with ADAPTIVE, the accepted ones go into the seller's accepted log (see note_accepted);
@@ -12,9 +13,10 @@
 -- KEYS[4]  with ADAPTIVE: the seller's limit override, may be absent
 -- ARGV[1]  TOKEN of the call that took the block (letters, digits, dashes; at most 64)
 -- ARGV[2]  N: how many units are given back (0 to MAX_BLOCK)
--- ARGV[3]  M: how many answers follow (0 to MAX_BLOCK)
+-- ARGV[3]  M: how many answers follow (0 to MAX_BLOCK + 1)
 -- then N unit numbers I (integers 2 to MAX_BLOCK + 1; unit I is block_unit(TOKEN, I))
--- then M triples: I, ANSWERED_US (when its answer came, see answered_arg: -1 = now), ACCEPTED
+-- then M triples: I (1 to MAX_BLOCK + 1; unit 1 is the call TOKEN itself), ANSWERED_US (when
+--          its answer came, see answered_arg: -1 = now), ACCEPTED
 --          (1 = the downstream accepted it, else 0)
 -- then, only with ADAPTIVE: 1, default COUNTS, default WINDOWS in µs, GUARD in µs (-1 =
 --          window/20 within [25 ms, 2 s])
@@ -22,23 +24,23 @@
 
 local token = token_arg(1)
 local n, m = int_arg(2, 0), int_arg(3, 0)
-if n > MAX_BLOCK or m > MAX_BLOCK then
-  error({err = 'ERR turnstile: N and M must be at most ' .. MAX_BLOCK})
+if n > MAX_BLOCK or m > MAX_BLOCK + 1 then
+  error({err = 'ERR turnstile: N and M must be at most ' .. MAX_BLOCK .. ' and ' .. (MAX_BLOCK + 1)})
 end
 local now = now_us()
-local function unit_arg(i)
-  local u = int_arg(i, 2)
+local function unit_arg(i, min)
+  local u = int_arg(i, min)
   if u > MAX_BLOCK + 1 then
     error({err = 'ERR turnstile: a unit number is at most ' .. (MAX_BLOCK + 1)})
   end
   return block_unit(token, u)
 end
 local unused = {}
-for i = 4, 3 + n do unused[#unused + 1] = unit_arg(i) end
+for i = 4, 3 + n do unused[#unused + 1] = unit_arg(i, 2) end
 local ends, accepted = {}, {}
 for j = 0, m - 1 do
   local at = 4 + n + 3 * j
-  local unit = unit_arg(at)
+  local unit = unit_arg(at, 1)
   local answered = string.format('%.0f', answered_arg(at + 1, now))
   ends[#ends + 1] = answered
   ends[#ends + 1] = unit

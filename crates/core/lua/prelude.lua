@@ -650,9 +650,10 @@ end
 -- Most units of a permit block (see take_block) besides the call that asks for it.
 local MAX_BLOCK = 64
 
--- The name of unit I (2, 3, ...) of the permit block of the call TOKEN: a call of its own, of
--- one unit, in the seller's log and calls (see take_block).
+-- The name of unit I of the permit block of the call TOKEN: a call of its own, of one unit, in
+-- the seller's log and calls (see take_block); unit 1 is the call TOKEN itself.
 local function block_unit(token, i)
+  if i == 1 then return token end
   return token .. '-' .. i
 end
 

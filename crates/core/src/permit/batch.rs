@@ -1,7 +1,8 @@
 //! Group commit for the limiter's hot operations: what a replica's workers ask of Redis at the
 //! same moment goes in one `lua/batch.lua` call instead of one call each.
 //!
-//! An [`Operation`] (acquire, redeem, complete, ended, learn) is sent either at once
+//! An [`Operation`] (acquire, redeem, complete, ended, learn, ..., or a plain command) is sent
+//! either at once
 //! ([`When::Now`]) or [`When::Within`] a delay, riding along with the next call that goes to
 //! the same place anyway. Operations go together only where one script may touch all their
 //! keys: on standalone Redis that is any operations; on Redis Cluster, one seller's (its hash
@@ -37,12 +38,14 @@ pub const MOST_PER_CALL: usize = 64;
 /// sent at once, as if it had to go now.
 pub const MOST_RIDERS_WAITING: usize = 32;
 
-/// One operation of `lua/batch.lua`: a script's name, its keys and its arguments.
+/// One operation of `lua/batch.lua` (a script's name, its keys and its arguments), or a plain
+/// command sent in the same round (a pipeline beside the script call).
 #[derive(Debug)]
 pub struct Operation {
     name: &'static str,
     keys: Vec<String>,
     args: Vec<Vec<u8>>,
+    plain: Option<redis::Cmd>,
 }
 
 impl Operation {
@@ -52,6 +55,18 @@ impl Operation {
             name,
             keys: Vec::with_capacity(11),
             args: Vec::with_capacity(12),
+            plain: None,
+        }
+    }
+
+    /// A plain command on `key` (and only on keys of the same hash tag): what needs no script
+    /// costs Redis far less as a command of its own.
+    pub fn command(command: redis::Cmd, key: String) -> Self {
+        Self {
+            name: "command",
+            keys: vec![key],
+            args: Vec::new(),
+            plain: Some(command),
         }
     }
 
@@ -287,17 +302,60 @@ async fn sleep_until(at: Option<Instant>) {
     }
 }
 
-/// Sends one call and hands each operation its answer; returns the place it went to.
-async fn send(conn: RedisConn, place: String, mut call: Vec<Request>) -> String {
-    if call.len() == 1
-        && let Some(script) = scripts::operation(call[0].operation.name)
-    {
-        let r = call.pop().expect("one");
-        let _ = r.reply.send(send_alone(conn, script, &r.operation).await);
-        return place;
-    }
-    send_batch(conn, call).await;
+/// Sends one call (the script operations in one script call, the plain commands in one
+/// pipeline beside it) and hands each operation its answer; returns the place it went to.
+async fn send(conn: RedisConn, place: String, call: Vec<Request>) -> String {
+    let (plain, mut scripted): (Vec<Request>, Vec<Request>) =
+        call.into_iter().partition(|r| r.operation.plain.is_some());
+    let scripts = async {
+        if scripted.len() == 1
+            && let Some(script) = scripts::operation(scripted[0].operation.name)
+        {
+            let r = scripted.pop().expect("one");
+            let _ = r
+                .reply
+                .send(send_alone(conn.clone(), script, &r.operation).await);
+        } else if !scripted.is_empty() {
+            send_batch(conn.clone(), scripted).await;
+        }
+    };
+    futures::join!(scripts, send_plain(conn.clone(), plain));
     place
+}
+
+/// Plain commands in one pipeline; each gets its own answer (or its own error).
+async fn send_plain(mut conn: RedisConn, call: Vec<Request>) {
+    if call.is_empty() {
+        return;
+    }
+    let mut pipe = redis::pipe();
+    pipe.ignore_errors();
+    let mut replies = Vec::with_capacity(call.len());
+    for r in call {
+        if let Some(command) = r.operation.plain {
+            pipe.add_command(command);
+            replies.push(r.reply);
+        }
+    }
+    let answered: Result<Vec<redis::RedisResult<Value>>, redis::RedisError> =
+        pipe.query_async(&mut conn).await;
+    match answered {
+        Ok(answers) if answers.len() == replies.len() => {
+            for (reply, answer) in replies.into_iter().zip(answers) {
+                let _ = reply.send(answer.map_err(PermitError::Redis));
+            }
+        }
+        Ok(_) => {
+            for reply in replies {
+                let _ = reply.send(Err(PermitError::Answer("pipeline")));
+            }
+        }
+        Err(error) => {
+            for reply in replies {
+                let _ = reply.send(Err(PermitError::Redis(error.clone())));
+            }
+        }
+    }
 }
 
 /// One operation alone, by its own script.

@@ -9,7 +9,8 @@
 //! out only within the hold, measured on this replica's monotonic clock from *before* the
 //! grant was asked (so never later, in Redis time, than grant + hold).
 //!
-//! What a block's calls answered is kept here (its [`Ledger`]) and written when the block is
+//! What a block's calls answered (the call that took it, its unit 1, included) is kept here (its
+//! [`Ledger`]) and written when the block is
 //! over and every call it handed out has answered (or could no longer answer): the ends of its
 //! calls, its accepted calls for adaptive limits, and its units not handed out, given back. Until
 //! then, and if the replica dies first, each unit keeps its place until its bound: later than
@@ -29,7 +30,7 @@ pub const MOST_BLOCKS: usize = 4096;
 pub const MOST_UNITS: u32 = 64;
 
 /// Units asked for the first time a replica sees a seller (or after it forgot it).
-pub const FIRST_SIZE: u32 = 2;
+pub const FIRST_SIZE: u32 = 8;
 
 /// How often the blocks are looked through for ones that are over.
 const SWEEP_EVERY: Duration = Duration::from_millis(100);
@@ -257,7 +258,8 @@ impl Blocks {
                 Ledger {
                     seller: seller.clone(),
                     asked,
-                    pending: 0,
+                    // The call that took the block is its unit 1, handed out with the grant.
+                    pending: 1,
                     closed: false,
                     done: Settled {
                         seller: Some(seller.clone()),
@@ -301,8 +303,11 @@ impl Blocks {
         answered_us: Option<i64>,
         accepted: bool,
     ) -> Option<Option<Settled>> {
-        let (token, unit) = call.rsplit_once('-')?;
-        let unit: u32 = unit.parse().ok()?;
+        // Unit 1 is the call that took the block, named by the token itself.
+        let (token, unit) = match call.rsplit_once('-') {
+            Some((token, unit)) => (token, unit.parse().ok()?),
+            None => (call, 1),
+        };
         let mut ledgers = self
             .ledgers
             .lock()
@@ -457,20 +462,21 @@ mod tests {
         let first = blocks.take(&s1).unwrap();
         let second = blocks.take(&s1).unwrap();
         assert_eq!(blocks.answered(&first.call, Some(100), true), Some(None));
-        let settled = blocks
-            .answered(&second.call, Some(200), false)
-            .unwrap()
-            .unwrap();
+        assert_eq!(blocks.answered(&second.call, Some(200), false), Some(None));
+        let settled = blocks.answered("ab12", Some(50), true).unwrap().unwrap();
         assert_eq!(settled.token, "ab12");
         assert_eq!(settled.unused, Vec::<u32>::new());
-        assert_eq!(settled.answers, vec![(2, 100, true), (3, 200, false)]);
+        assert_eq!(
+            settled.answers,
+            vec![(2, 100, true), (3, 200, false), (1, 50, true)]
+        );
         assert_eq!(blocks.answered(&second.call, Some(300), true), None);
     }
 
     #[test]
     fn a_call_that_is_no_unit_of_a_block_is_not_a_blocks() {
         let blocks = blocks(2);
-        assert_eq!(blocks.answered("ab12", Some(1), true), None);
+        assert_eq!(blocks.answered("cd34", Some(1), true), None);
         assert_eq!(blocks.answered("ab12-x", Some(1), true), None);
         assert_eq!(blocks.answered("ab12-2", Some(1), true), None);
     }
@@ -483,12 +489,17 @@ mod tests {
         std::thread::sleep(Duration::from_millis(5));
         assert_eq!(blocks.take(&s1), None);
         *blocks.swept.lock().unwrap() -= SWEEP_EVERY;
-        let settled = blocks.sweep();
-        assert_eq!(settled.len(), 1);
-        let mut units = settled[0].unused.clone();
+        assert_eq!(
+            blocks.sweep(),
+            vec![],
+            "the call that took it has not answered"
+        );
+        assert!(blocks.is_empty());
+        let settled = blocks.answered("ab12", Some(9), true).unwrap().unwrap();
+        let mut units = settled.unused.clone();
         units.sort();
         assert_eq!(units, [2, 3, 4, 5]);
-        assert!(blocks.is_empty());
+        assert_eq!(settled.answers, vec![(1, 9, true)]);
     }
 
     #[test]
@@ -522,9 +533,10 @@ mod tests {
         blocks.keep(&s1, "old", 2, 0, Instant::now(), 0);
         let unit = blocks.take(&s1).unwrap();
         assert_eq!(blocks.keep(&s1, "new", 2, 0, Instant::now(), 0), None);
+        assert_eq!(blocks.answered("old", Some(7), true), Some(None));
         let old = blocks.answered(&unit.call, None, true).unwrap().unwrap();
         assert_eq!((old.token.as_str(), old.unused.clone()), ("old", vec![3]));
-        assert_eq!(old.answers, vec![(2, -1, true)]);
+        assert_eq!(old.answers, vec![(1, 7, true), (2, -1, true)]);
         let rest = blocks.drain();
         assert_eq!(rest.len(), 1);
         assert_eq!(rest[0].token, "new");
@@ -558,7 +570,7 @@ mod tests {
 
     #[test]
     fn no_block_is_asked_for_a_new_seller_once_as_many_are_held_as_allowed() {
-        let blocks = blocks(2);
+        let blocks = blocks(16);
         for i in 0..MOST_BLOCKS {
             blocks.keep(
                 &seller(&format!("S-{i}")),

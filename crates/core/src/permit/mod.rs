@@ -550,7 +550,7 @@ pub struct PermitStore {
 const BLOCK_SETTLE_DELAY: Duration = Duration::from_millis(100);
 
 /// How long a block's units are handed out after it was asked for.
-pub const BLOCK_HOLD: Duration = Duration::from_secs(1);
+pub const BLOCK_HOLD: Duration = Duration::from_secs(2);
 
 /// How long after its hold a block's ledger waits for its calls' answers before it is written
 /// with what it has (a unit's call not answered by then keeps its place until its bound).
@@ -898,19 +898,32 @@ impl PermitStore {
         if cost != Cost::ONE || !blocks.holds(seller) {
             return Ok(None);
         }
-        // Asked before a unit is taken: a unit is handed out only when the call follows.
-        let mut ask = Operation::new("handout");
-        ask.key(self.keys.pause(seller));
+        // Asked before a unit is taken: a unit is handed out only when the call follows. A unit,
+        // unlike an acquire, reads neither the message's completion record nor the seller's
+        // pause by itself: both in one plain read.
+        let mut read = redis::cmd("MGET");
+        read.arg(self.keys.pause(seller));
         if let Some(message) = message {
-            ask.key(self.keys.done(seller, message));
+            read.arg(self.keys.done(seller, message));
         }
-        match self.run::<u8>(ask, When::Now).await? {
-            0 => {}
-            1 => return Ok(Some(Decision::AlreadyDone)),
-            _ => {
-                self.drop_block(seller);
-                return Ok(None);
-            }
+        let read: Vec<Option<String>> = self
+            .run(Operation::command(read, self.keys.pause(seller)), When::Now)
+            .await?;
+        if read
+            .get(1)
+            .is_some_and(|state| matches!(state.as_deref(), Some("registered" | "1")))
+        {
+            return Ok(Some(Decision::AlreadyDone));
+        }
+        // Paused, or perhaps (this replica's estimate of Redis's time is never ahead of it):
+        // the block is dropped and the message acquires, which says when to come back.
+        let paused_until = read
+            .first()
+            .and_then(|until| until.as_deref()?.parse::<i64>().ok())
+            .unwrap_or(0);
+        if self.redis_now_us().is_none_or(|now| paused_until > now) {
+            self.drop_block(seller);
+            return Ok(None);
         }
         let Some(unit) = blocks.take(seller) else {
             return Ok(None);
@@ -1527,7 +1540,26 @@ impl PermitStore {
         } else {
             When::Within(self.record_delay)
         };
-        let (changed, was_dead_for, raise): (u8, String, u8) = self.run(invocation, when).await?;
+        let (changed, was_dead_for, raise): (u8, String, u8) =
+            if in_block && batch.is_none() && matches!(completion, Completion::Registered) {
+                // No call to record and no upload to count: the state moves to `registered`
+                // by a plain SET ... GET, the transitions of complete.lua read from what it was.
+                let mut set = redis::cmd("SET");
+                set.arg(self.keys.done(seller, message))
+                    .arg("registered")
+                    .arg("PX")
+                    .arg(ttl.as_millis().max(1) as u64)
+                    .arg("GET");
+                let was: Option<String> = self
+                    .run(
+                        Operation::command(set, self.keys.done(seller, message)),
+                        when,
+                    )
+                    .await?;
+                registered_from(was.as_deref())
+            } else {
+                self.run(invocation, when).await?
+            };
         // The tally is a shared key (another Cluster slot): a second step, only when a message
         // becomes or stops being dead. Its failure costs the count, not the transition.
         let tallied = match (changed, completion) {
@@ -2179,6 +2211,17 @@ impl Answer<'_> {
 }
 
 /// `token` names the call (granted) or the reservation (told to wait with a slot held).
+/// What `complete.lua` answers for a message moved to `registered` from the state `was` (its
+/// completion record before): changed unless it was registered already, and the reason it was
+/// dead for, if it was (see `Recorded`); nothing is learned (no raise).
+fn registered_from(was: Option<&str>) -> (u8, String, u8) {
+    match was {
+        Some("registered" | "1") => (0, String::new(), 0),
+        Some(state) => (1, state.strip_prefix("dead:").unwrap_or("").to_owned(), 0),
+        None => (1, String::new(), 0),
+    }
+}
+
 fn acquired(
     algorithm: Algorithm,
     answer: &[redis::Value],
@@ -2235,7 +2278,18 @@ fn acquired(
 
 #[cfg(test)]
 mod tests {
-    use super::learned_ratio;
+    use super::{learned_ratio, registered_from};
+
+    #[test]
+    fn a_plain_registration_moves_the_state_as_complete_lua_does() {
+        assert_eq!(registered_from(None), (1, String::new(), 0));
+        assert_eq!(registered_from(Some("registered")), (0, String::new(), 0));
+        assert_eq!(registered_from(Some("1")), (0, String::new(), 0));
+        assert_eq!(
+            registered_from(Some("dead:rejected")),
+            (1, "rejected".to_owned(), 0)
+        );
+    }
 
     #[test]
     fn the_learned_ratio_is_the_lowest_of_the_stack() {
