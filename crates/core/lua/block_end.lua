@@ -4,13 +4,15 @@
 --   * each answered unit's END in the seller's calls comes forward to when its answer came
 --     (never back; see end_call), so it stops holding its place in the window beyond then;
 --   * with ADAPTIVE, the accepted ones go into the seller's accepted log (see note_accepted);
---   * the units never handed out leave the log and the calls: the next call may take them.
+--   * the units never called (not handed out, or given back unused) leave the log, the calls and
+--     the unclaimed units: the next call may take them.
 -- A unit not named here keeps its place until its END (the latest its call could answer).
 --
 -- KEYS[1]  the seller's log (sliding-window)
 -- KEYS[2]  the seller's calls
--- KEYS[3]  with ADAPTIVE: the seller's accepted log
--- KEYS[4]  with ADAPTIVE: the seller's limit override, may be absent
+-- KEYS[3]  the seller's unclaimed block units (see take_block)
+-- KEYS[4]  with ADAPTIVE: the seller's accepted log
+-- KEYS[5]  with ADAPTIVE: the seller's limit override, may be absent
 -- ARGV[1]  TOKEN of the call that took the block (letters, digits, dashes; at most 64)
 -- ARGV[2]  N: how many units are given back (0 to MAX_BLOCK)
 -- ARGV[3]  M: how many answers follow (0 to MAX_BLOCK + 1)
@@ -54,20 +56,21 @@ local adaptive = ARGV[rest] == '1'
 local configured = nil
 if adaptive then
   if #ARGV ~= rest + 3 then error({err = 'ERR turnstile: the arguments do not match N and M'}) end
-  configured = with_spans(effective_limits(KEYS[4], limits_arg(rest + 1)), int_arg(rest + 3, -1))
+  configured = with_spans(effective_limits(KEYS[5], limits_arg(rest + 1)), int_arg(rest + 3, -1))
 elseif #ARGV ~= rest - 1 then
   error({err = 'ERR turnstile: the arguments do not match N and M'})
 end
 
 if #unused > 0 then
+  redis.call('ZREM', KEYS[3], unpack(unused))
   redis.call('ZREM', KEYS[2], unpack(unused))
   redis.call('ZREM', KEYS[1], unpack(unused))
 end
 if #ends > 0 then redis.call('ZADD', KEYS[2], 'XX', 'LT', unpack(ends)) end
 if adaptive and #accepted > 0 then
-  redis.call('ZREMRANGEBYSCORE', KEYS[3], '-inf', now - configured.max_span)
-  redis.call('ZADD', KEYS[3], unpack(accepted))
-  redis.call('ZREMRANGEBYRANK', KEYS[3], 0, -(2 * configured.max_count + #accepted / 2 + 1))
-  redis.call('PEXPIRE', KEYS[3], math.floor(configured.max_span / 1000) + 1)
+  redis.call('ZREMRANGEBYSCORE', KEYS[4], '-inf', now - configured.max_span)
+  redis.call('ZADD', KEYS[4], unpack(accepted))
+  redis.call('ZREMRANGEBYRANK', KEYS[4], 0, -(2 * configured.max_count + #accepted / 2 + 1))
+  redis.call('PEXPIRE', KEYS[4], math.floor(configured.max_span / 1000) + 1)
 end
 return #unused

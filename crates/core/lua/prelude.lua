@@ -591,6 +591,7 @@ local function calls_gate(calls_key, now, limits, cost)
   local open_at = nil
   for _, l in ipairs(limits) do
     local n = redis.call('ZCOUNT', calls_key, string.format('(%.0f', now - l.window), '+inf')
+    l.in_flight = n
     local room = l.count - cost
     if n > room then
       local kth = tonumber(redis.call('ZREVRANGE', calls_key, room, room, 'WITHSCORES')[2])
@@ -664,34 +665,56 @@ end
 -- shadow limit, no learned limit or quota applying (see with_learned), and, for every limit of
 -- the stack, the units in the log within its span and the calls of the calls gate within its
 -- window (see calls_gate), block included, at most half its COUNT; the second half is granted
--- call by call, with reservations, as before. Each unit (block_unit(TOKEN, I)) is in the log at
--- NOW and in flight in the calls until NOW + HOLD + BOUND, the latest a call made with it can
--- answer: the calls gate counts it, wherever in that time it is used, exactly as a call of that
--- latency (README, "Permit blocks"); a unit the replica does not use is given back
--- (unblock.lua) or leaves at that END. Returns how many units were taken (0: none).
-local function take_block(a, limits, log_key, reserved_key, calls_key, now, want, hold)
+-- call by call, with reservations, as before. A block is at most a quarter of every COUNT (a
+-- limit below 8 takes none). Each unit (block_unit(TOKEN, I)) is in the log at NOW and in
+-- flight in the calls until NOW + HOLD + BOUND, the latest a call made with it can answer: the
+-- calls gate counts it, wherever in that time it is used, exactly as a call of that latency
+-- (README, "Permit blocks"). Until the replica claims it (removes it from BLOCKED_KEY, a plain
+-- ZREM, just before its call), an acquire short of room may reclaim it (reclaim_idle): units a
+-- replica holds but does not use never keep another replica's call waiting. Returns how many
+-- units were taken (0: none).
+local function take_block(a, limits, log_key, reserved_key, calls_key, blocked_key, now, want, hold)
   if want < 1 or a.cost ~= 1 or limits.configured ~= nil or limits.quota_until ~= nil then return 0 end
   if redis.call('EXISTS', reserved_key) == 1 then return 0 end
   if a.shadow ~= nil and redis.call('EXISTS', a.shadow) == 1 then return 0 end
   local n = math.min(want, MAX_BLOCK)
   for _, l in ipairs(limits) do
-    local logged = redis.call('ZCOUNT', log_key, string.format('(%.0f', now - l.span), '+inf')
-    local calls = redis.call('ZCOUNT', calls_key, string.format('(%.0f', now - l.window), '+inf')
-    n = math.min(n, math.floor(l.count / 2) - math.max(logged, calls))
+    -- As the grant counted them (l.logged, l.in_flight: see fit and calls_gate), with it.
+    local logged = l.logged or redis.call('ZCOUNT', log_key, string.format('(%.0f', now - l.span), '+inf')
+    local calls = l.in_flight or redis.call('ZCOUNT', calls_key, string.format('(%.0f', now - l.window), '+inf')
+    n = math.min(n, math.floor(l.count / 4), math.floor(l.count / 2) - math.max(logged, calls) - 1)
   end
   if n < 1 then return 0 end
-  local logged, in_flight, ends = {}, {}, string.format('%.0f', now + hold + a.bound)
+  local logged, in_flight, idle = {}, {}, {}
+  local ends, held_until = string.format('%.0f', now + hold + a.bound), string.format('%.0f', now + hold)
   for i = 2, n + 1 do
     local unit = block_unit(a.token, i)
     logged[#logged + 1] = now
     logged[#logged + 1] = unit
     in_flight[#in_flight + 1] = ends
     in_flight[#in_flight + 1] = unit
+    idle[#idle + 1] = held_until
+    idle[#idle + 1] = unit
   end
   redis.call('ZADD', log_key, unpack(logged))
   redis.call('ZADD', calls_key, unpack(in_flight))
   redis.call('PEXPIRE', calls_key, math.floor((hold + a.bound + limits.max_window) / 1000) + 1)
+  redis.call('ZADD', blocked_key, unpack(idle))
+  redis.call('PEXPIRE', blocked_key, math.floor(hold / 1000) + 1)
   return n
+end
+
+-- Takes back every permit-block unit of the seller not claimed yet (BLOCKED_KEY, see
+-- take_block): they leave the log and the calls, and a replica's claim of one now fails (it
+-- asks again instead). Returns how many were taken back.
+local function reclaim_idle(blocked_key, log_key, calls_key)
+  if blocked_key == nil then return 0 end
+  local idle = redis.call('ZRANGE', blocked_key, 0, -1)
+  if #idle == 0 then return 0 end
+  redis.call('DEL', blocked_key)
+  redis.call('ZREM', log_key, unpack(idle))
+  redis.call('ZREM', calls_key, unpack(idle))
+  return #idle
 end
 
 -- Gives back every slot reserved by the seller (RESERVED_KEY, emptied) to its state of ALGORITHM

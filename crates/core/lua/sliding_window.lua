@@ -13,7 +13,9 @@
 -- KEYS[8]  the seller's learned state (see with_learned in the prelude; used with FLAGS +4)
 -- KEYS[9]  the seller's shadow limit (see judge_shadow in the prelude), may be absent
 -- KEYS[10] the seller's shadow log (see judge_shadow)
--- KEYS[11] optional: the message's completion record; if it exists nothing is written
+-- KEYS[11] the seller's unclaimed permit-block units (see take_block and reclaim_idle in the
+--          prelude): reclaimed when the call would otherwise wait
+-- KEYS[12] optional: the message's completion record; if it exists nothing is written
 -- ARGV[1]  default COUNTS: the stack's counts, comma-separated (integers >= 1; 1 to 8 limits)
 -- ARGV[2]  default WINDOWS in µs, comma-separated, one per count (integers >= 1)
 -- ARGV[3]  GUARD in µs added to each window (-1 = window/20 within [25 ms, 2 s])
@@ -31,7 +33,7 @@
 -- Returns {STATUS, SLOT_US, NOW_US, COUNTS, WINDOWS_US, USED_PERMILLE, VERDICT, BLOCKED}
 --   STATUS 1 = granted (call now), 2 = reserved (call at SLOT), 0 = denied (come back at SLOT;
 --   with reserving on, when the seller's reserved set is full: see far_ticket),
---   3 = the message already registered (KEYS[11] says so),
+--   3 = the message already registered (KEYS[12] says so),
 --   4 = COST exceeds the smallest COUNT of the stack: never granted (SLOT_US is that COUNT);
 --   USED_PERMILLE (with STATUS 1) is how much of the limit is taken after this grant, in
 --   thousandths (units in the window / COUNT, the most taken limit of the stack): the
@@ -41,6 +43,9 @@
 --   BLOCKED (STATUS 1): how many block units were taken, named TOKEN-2 ... TOKEN-(BLOCKED+1).
 
 local a = acquire_args()
+-- This script takes the seller's permit-block units before the completion record.
+local blocked_key
+blocked_key, a.done = KEYS[11], KEYS[12]
 local block, hold = 0, 0
 if ARGV[9] ~= nil then
   block = int_arg(9, 0)
@@ -53,28 +58,40 @@ if already_done(a.done) then return {3, now, now, limits.counts, limits.windows}
 if a.cost > limits.min_count then return never(limits.min_count, now, limits) end
 check_server(KEYS[5], KEYS[1], KEYS[3], limits.max_span, now, a.durable)
 
-local slot = math.max(now, not_before(KEYS[3], limits, a.cost, now))
+local earliest = math.max(now, not_before(KEYS[3], limits, a.cost, now))
 redis.call('ZREMRANGEBYSCORE', KEYS[1], '-inf', now - limits.max_span)
 local last = nil
-local used = 0
-for _, l in ipairs(limits) do
-  -- Units counted by this limit from now on: those slotted within its span back from now.
-  local n = redis.call('ZCOUNT', KEYS[1], string.format('(%.0f', now - l.span), '+inf')
-  local room = l.count - a.cost
-  if n > room then
-    -- After the last slot and at least SPAN after the most recent unit that must leave for COST
-    -- more to fit: then no window of SPAN containing the new slot holds more than COUNT units.
-    last = last or tonumber(redis.call('ZRANGE', KEYS[1], -1, -1, 'WITHSCORES')[2])
-    local kth = tonumber(redis.call('ZREVRANGE', KEYS[1], room, room, 'WITHSCORES')[2])
-    slot = math.max(slot, last, kth + l.span)
+-- The slot the log allows for COST more units, and how much of the limit it leaves taken.
+local function fit()
+  local slot, used = earliest, 0
+  for _, l in ipairs(limits) do
+    -- Units counted by this limit from now on: those slotted within its span back from now.
+    local n = redis.call('ZCOUNT', KEYS[1], string.format('(%.0f', now - l.span), '+inf')
+    local room = l.count - a.cost
+    if n > room then
+      -- After the last slot and at least SPAN after the most recent unit that must leave for
+      -- COST more to fit: then no window of SPAN containing the new slot holds more than COUNT.
+      last = last or tonumber(redis.call('ZRANGE', KEYS[1], -1, -1, 'WITHSCORES')[2])
+      local kth = tonumber(redis.call('ZREVRANGE', KEYS[1], room, room, 'WITHSCORES')[2])
+      slot = math.max(slot, last, kth + l.span)
+    end
+    used = math.max(used, math.floor(math.min(n + a.cost, l.count) * 1000 / l.count))
+    l.logged = n
   end
-  used = math.max(used, math.floor(math.min(n + a.cost, l.count) * 1000 / l.count))
+  return slot, used
 end
-
+local slot, used = fit()
 local status = due(slot, now, limits.min_guard, a)
-local late = lateness('sliding-window', limits)
 -- Due, but calls of the last window may still be in flight: wait for their answers.
 slot, status = after_gate(status, slot, KEYS[6], now, limits, a)
+-- Not due while other replicas hold units of the seller they have not used: taken back.
+if status ~= 1 and reclaim_idle(blocked_key, KEYS[1], KEYS[6]) > 0 then
+  last = nil
+  slot, used = fit()
+  status = due(slot, now, limits.min_guard, a)
+  slot, status = after_gate(status, slot, KEYS[6], now, limits, a)
+end
+local late = lateness('sliding-window', limits)
 status, slot = slot_or_far_ticket(status, slot, KEYS[4], KEYS[7], now, late, limits, a,
   log_crowded(KEYS[1], limits, a.cost))
 if status == 0 then return told_to_wait(0, slot, now, limits, a) end
@@ -86,5 +103,7 @@ local waiting = keep_and_hold(status, ttl, KEYS[5], KEYS[4], slot, now, late, a,
 if waiting then return waiting end
 start_call(KEYS[6], a.token, a.cost, now, a.bound, limits)
 local blocked = 0
-if status == 1 then blocked = take_block(a, limits, KEYS[1], KEYS[4], KEYS[6], now, block, hold) end
+if status == 1 then
+  blocked = take_block(a, limits, KEYS[1], KEYS[4], KEYS[6], blocked_key, now, block, hold)
+end
 return {status, slot, now, limits.counts, limits.windows, used, a.verdict or '', blocked}

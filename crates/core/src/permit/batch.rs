@@ -45,7 +45,8 @@ pub struct Operation {
     name: &'static str,
     keys: Vec<String>,
     args: Vec<Vec<u8>>,
-    plain: Option<redis::Cmd>,
+    /// Plain commands instead of a script operation (answered as one array, one answer each).
+    plain: Option<Vec<redis::Cmd>>,
 }
 
 impl Operation {
@@ -59,14 +60,15 @@ impl Operation {
         }
     }
 
-    /// A plain command on `key` (and only on keys of the same hash tag): what needs no script
-    /// costs Redis far less as a command of its own.
-    pub fn command(command: redis::Cmd, key: String) -> Self {
+    /// Plain commands on keys of one hash tag (`key` is one of them): what needs no script
+    /// costs Redis far less as commands of its own. Answered as an array, one answer per
+    /// command, or the first command's error.
+    pub fn commands(commands: Vec<redis::Cmd>, key: String) -> Self {
         Self {
-            name: "command",
+            name: "commands",
             keys: vec![key],
             args: Vec::new(),
-            plain: Some(command),
+            plain: Some(commands),
         }
     }
 
@@ -323,7 +325,7 @@ async fn send(conn: RedisConn, place: String, call: Vec<Request>) -> String {
     place
 }
 
-/// Plain commands in one pipeline; each gets its own answer (or its own error).
+/// Plain commands in one pipeline; each operation gets its own answers (or its own error).
 async fn send_plain(mut conn: RedisConn, call: Vec<Request>) {
     if call.is_empty() {
         return;
@@ -332,26 +334,31 @@ async fn send_plain(mut conn: RedisConn, call: Vec<Request>) {
     pipe.ignore_errors();
     let mut replies = Vec::with_capacity(call.len());
     for r in call {
-        if let Some(command) = r.operation.plain {
-            pipe.add_command(command);
-            replies.push(r.reply);
+        if let Some(commands) = r.operation.plain {
+            replies.push((r.reply, commands.len()));
+            for command in commands {
+                pipe.add_command(command);
+            }
         }
     }
+    let expected: usize = replies.iter().map(|(_, n)| n).sum();
     let answered: Result<Vec<redis::RedisResult<Value>>, redis::RedisError> =
         pipe.query_async(&mut conn).await;
     match answered {
-        Ok(answers) if answers.len() == replies.len() => {
-            for (reply, answer) in replies.into_iter().zip(answers) {
-                let _ = reply.send(answer.map_err(PermitError::Redis));
+        Ok(answers) if answers.len() == expected => {
+            let mut answers = answers.into_iter();
+            for (reply, n) in replies {
+                let own: Result<Vec<Value>, redis::RedisError> = answers.by_ref().take(n).collect();
+                let _ = reply.send(own.map(Value::Array).map_err(PermitError::Redis));
             }
         }
         Ok(_) => {
-            for reply in replies {
+            for (reply, _) in replies {
                 let _ = reply.send(Err(PermitError::Answer("pipeline")));
             }
         }
         Err(error) => {
-            for reply in replies {
+            for (reply, _) in replies {
                 let _ = reply.send(Err(PermitError::Redis(error.clone())));
             }
         }

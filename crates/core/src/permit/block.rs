@@ -286,7 +286,7 @@ impl Blocks {
             .expect("the ledgers' lock is never poisoned");
         let ledger = ledgers.get_mut(&block.token)?;
         ledger.closed = true;
-        ledger.done.unused = block.free;
+        ledger.done.unused.extend(block.free);
         if ledger.pending == 0 {
             return ledgers.remove(&block.token).map(|l| l.done);
         }
@@ -322,6 +322,25 @@ impl Blocks {
             return Some(ledgers.remove(token).map(|l| l.done));
         }
         Some(None)
+    }
+
+    /// A unit handed out whose call will not be made (its message registered already, the
+    /// seller is paused, or its claim failed: reclaimed): given back with its block. Answers
+    /// what the block leaves to write if that was the last unit it waited for.
+    pub fn release(&self, call: &str) -> Option<Settled> {
+        let (token, unit) = call.rsplit_once('-')?;
+        let unit: u32 = unit.parse().ok()?;
+        let mut ledgers = self
+            .ledgers
+            .lock()
+            .expect("the ledgers' lock is never poisoned");
+        let ledger = ledgers.get_mut(token)?;
+        ledger.pending = ledger.pending.saturating_sub(1);
+        ledger.done.unused.push(unit);
+        if ledger.closed && ledger.pending == 0 {
+            return ledgers.remove(token).map(|l| l.done);
+        }
+        None
     }
 
     /// Blocks whose hold is over, closed, and ledgers written: those closed with every answer
@@ -402,7 +421,7 @@ impl Blocks {
                         block.units,
                         block.units - block.free.len(),
                     ));
-                    ledger.done.unused = block.free;
+                    ledger.done.unused.extend(block.free);
                 }
                 Some(ledger.done)
             })
@@ -471,6 +490,25 @@ mod tests {
             vec![(2, 100, true), (3, 200, false), (1, 50, true)]
         );
         assert_eq!(blocks.answered(&second.call, Some(300), true), None);
+    }
+
+    #[test]
+    fn a_unit_released_is_given_back_with_the_units_never_handed_out() {
+        let blocks = blocks(3);
+        let s1 = seller("S-1");
+        blocks.keep(&s1, "ab12", 3, 0, Instant::now(), 0);
+        let unit = blocks.take(&s1).unwrap();
+        assert_eq!(blocks.release(&unit.call), None);
+        assert_eq!(
+            blocks.drop_seller(&s1),
+            None,
+            "the call that took it is pending"
+        );
+        let settled = blocks.answered("ab12", Some(5), true).unwrap().unwrap();
+        let mut unused = settled.unused.clone();
+        unused.sort();
+        assert_eq!(unused, [2, 3, 4]);
+        assert_eq!(settled.answers, vec![(1, 5, true)]);
     }
 
     #[test]

@@ -105,6 +105,13 @@ impl Keyspace {
         self.seller(seller, "calls")
     }
 
+    /// The seller's permit-block units not handed out yet (sorted set: unit -> the end of its
+    /// block's hold, µs; see `take_block` in `lua/prelude.lua`): a replica claims a unit by
+    /// removing it, an acquire short of room reclaims the rest.
+    pub fn blocked(&self, seller: &SellerId) -> String {
+        self.seller(seller, "blocked")
+    }
+
     /// The seller's leases of calls in flight (sorted set: call token -> expiry µs; see
     /// `lua/lease.lua`).
     pub fn leases(&self, seller: &SellerId) -> String {

@@ -832,6 +832,9 @@ impl PermitStore {
             .key(self.keys.learned(seller))
             .key(self.keys.shadow(seller))
             .key(self.keys.shadow_log(seller));
+        if algorithm == Algorithm::SlidingWindow {
+            invocation.key(self.keys.blocked(seller));
+        }
         if let Some(message) = message {
             invocation.key(self.keys.done(seller, message));
         }
@@ -898,21 +901,48 @@ impl PermitStore {
         if cost != Cost::ONE || !blocks.holds(seller) {
             return Ok(None);
         }
-        // Asked before a unit is taken: a unit is handed out only when the call follows. A unit,
-        // unlike an acquire, reads neither the message's completion record nor the seller's
-        // pause by itself: both in one plain read.
+        let Some(unit) = blocks.take(seller) else {
+            return Ok(None);
+        };
+        // A unit, unlike an acquire, reads neither the message's completion record nor the
+        // seller's pause by itself: both in one plain read, beside the claim of the unit (an
+        // acquire short of room may have reclaimed it: see `reclaim_idle` in lua/prelude.lua).
         let mut read = redis::cmd("MGET");
         read.arg(self.keys.pause(seller));
         if let Some(message) = message {
             read.arg(self.keys.done(seller, message));
         }
-        let read: Vec<Option<String>> = self
-            .run(Operation::command(read, self.keys.pause(seller)), When::Now)
-            .await?;
+        let mut claim = redis::cmd("ZREM");
+        claim.arg(self.keys.blocked(seller)).arg(&unit.call);
+        let answer = self
+            .run::<(Vec<Option<String>>, u8)>(
+                Operation::commands(vec![read, claim], self.keys.pause(seller)),
+                When::Now,
+            )
+            .await;
+        let release = |drop_block: bool| {
+            self.settle_blocks(blocks.release(&unit.call).into_iter().collect());
+            if drop_block {
+                self.drop_block(seller);
+            }
+        };
+        let (read, claim) = match answer {
+            Ok(answer) => answer,
+            Err(error) => {
+                release(false);
+                return Err(error);
+            }
+        };
+        if claim != 1 {
+            // Reclaimed: the seller is near its limit now; the message acquires.
+            release(true);
+            return Ok(None);
+        }
         if read
             .get(1)
             .is_some_and(|state| matches!(state.as_deref(), Some("registered" | "1")))
         {
+            release(false);
             return Ok(Some(Decision::AlreadyDone));
         }
         // Paused, or perhaps (this replica's estimate of Redis's time is never ahead of it):
@@ -922,12 +952,9 @@ impl PermitStore {
             .and_then(|until| until.as_deref()?.parse::<i64>().ok())
             .unwrap_or(0);
         if self.redis_now_us().is_none_or(|now| paused_until > now) {
-            self.drop_block(seller);
+            release(true);
             return Ok(None);
         }
-        let Some(unit) = blocks.take(seller) else {
-            return Ok(None);
-        };
         let decision = Decision::Granted {
             slot_us: unit.granted_us,
             granted_us: unit.granted_us,
@@ -990,7 +1017,8 @@ impl PermitStore {
             let mut operation = Operation::new("block-end");
             operation
                 .key(self.keys.state(seller, Algorithm::SlidingWindow))
-                .key(self.keys.calls(seller));
+                .key(self.keys.calls(seller))
+                .key(self.keys.blocked(seller));
             if adaptive {
                 operation
                     .key(self.keys.accepted(seller))
@@ -1550,9 +1578,9 @@ impl PermitStore {
                     .arg("PX")
                     .arg(ttl.as_millis().max(1) as u64)
                     .arg("GET");
-                let was: Option<String> = self
+                let (was,): (Option<String>,) = self
                     .run(
-                        Operation::command(set, self.keys.done(seller, message)),
+                        Operation::commands(vec![set], self.keys.done(seller, message)),
                         when,
                     )
                     .await?;
