@@ -1067,6 +1067,21 @@ macro_rules! permit_tests {
             cases::an_operation_refused_in_a_batch_fails_alone($backend).await;
         }
         #[tokio::test]
+        async fn a_seller_far_from_its_limit_gets_a_block_whose_unused_units_are_given_back() {
+            cases::a_seller_far_from_its_limit_gets_a_block_whose_unused_units_are_given_back(
+                $backend,
+            )
+            .await;
+        }
+        #[tokio::test]
+        async fn units_a_replica_does_not_use_go_to_another_replicas_calls() {
+            cases::units_a_replica_does_not_use_go_to_another_replicas_calls($backend).await;
+        }
+        #[tokio::test]
+        async fn replicas_taking_blocks_together_keep_the_limit_exact() {
+            cases::replicas_taking_blocks_together_keep_the_limit_exact($backend).await;
+        }
+        #[tokio::test]
         async fn a_record_waiting_to_ride_goes_with_the_next_call() {
             cases::a_record_waiting_to_ride_goes_with_the_next_call($backend).await;
         }
@@ -1362,5 +1377,200 @@ pub async fn a_record_waiting_to_ride_goes_with_the_next_call(backend: Backend) 
         Decision::AlreadyDone,
         "and it was written"
     );
+    keys.cleanup().await;
+}
+
+/// How many members the sorted set `key` holds.
+async fn members(keys: &Keys, key: &str) -> usize {
+    redis::cmd("ZCARD")
+        .arg(key)
+        .query_async(&mut keys.conn.clone())
+        .await
+        .unwrap()
+}
+
+fn message(id: &str) -> turnstile_core::domain::MessageId {
+    turnstile_core::domain::MessageId::parse(id).unwrap()
+}
+
+/// A grant of a seller far from its limit brings a block: the next calls are units of it
+/// (`<token>-2`, ...), a message already registered takes none, and what the replica did not
+/// use leaves the seller's log when it gives its blocks back.
+pub async fn a_seller_far_from_its_limit_gets_a_block_whose_unused_units_are_given_back(
+    backend: Backend,
+) {
+    let keys = Keys::new(backend, "block").await;
+    let store = keys.store(limiter("100/1m", Algorithm::SlidingWindow));
+    let (space, s) = (Keyspace::new(&keys.prefix), seller("S-block"));
+    let log = space.state(&s, Algorithm::SlidingWindow);
+    let grant = |id: &'static str| {
+        let store = &store;
+        let s = &s;
+        async move {
+            match store
+                .acquire_or_redeem(s, Some(&message(id)), Cost::ONE, None)
+                .await
+                .unwrap()
+                .0
+            {
+                Decision::Granted { call, .. } => call,
+                other => panic!("{id}: {other:?}"),
+            }
+        }
+    };
+    let first = grant("m-1").await;
+    assert!(
+        !first.contains('-'),
+        "the first call is the acquire's own: {first}"
+    );
+    let block = members(&keys, &space.blocked(&s)).await;
+    assert_eq!(block, 16, "a new seller's first block");
+    assert_eq!(members(&keys, &log).await, 1 + block);
+    for (i, id) in ["m-2", "m-3", "m-4"].into_iter().enumerate() {
+        assert_eq!(grant(id).await, format!("{first}-{}", i + 2));
+    }
+    assert_eq!(members(&keys, &space.blocked(&s)).await, block - 3);
+
+    let answer = turnstile_core::permit::CallAnswer {
+        call: &format!("{first}-2"),
+        cost: Cost::ONE,
+        answered_us: None,
+    };
+    store
+        .complete_call(&s, &message("m-2"), None, answer, Duration::from_secs(60))
+        .await
+        .unwrap();
+    assert_eq!(
+        store
+            .acquire_or_redeem(&s, Some(&message("m-2")), Cost::ONE, None)
+            .await
+            .unwrap()
+            .0,
+        Decision::AlreadyDone,
+        "a registered message is not called again from a block"
+    );
+
+    store.give_back_blocks().await;
+    assert_eq!(members(&keys, &space.blocked(&s)).await, 0);
+    assert_eq!(
+        members(&keys, &log).await,
+        4,
+        "the four calls made stay in the log; the units not called left it"
+    );
+    assert_eq!(members(&keys, &space.calls(&s)).await, 4);
+    keys.cleanup().await;
+}
+
+/// Units one replica holds and does not use never keep another replica's call waiting: an
+/// acquire short of room takes them back, and the replica holding them asks again.
+pub async fn units_a_replica_does_not_use_go_to_another_replicas_calls(backend: Backend) {
+    let keys = Keys::new(backend, "reclaim").await;
+    let holder = keys.store(limiter("16/1h", Algorithm::SlidingWindow));
+    let other = keys.store(turnstile_core::config::LimiterArgs {
+        permit_block: 0,
+        ..limiter("16/1h", Algorithm::SlidingWindow)
+    });
+    let (space, s) = (Keyspace::new(&keys.prefix), seller("S-reclaim"));
+    let (decision, _) = holder
+        .acquire_or_redeem(&s, None, Cost::ONE, None)
+        .await
+        .unwrap();
+    assert!(matches!(decision, Decision::Granted { .. }));
+    assert_eq!(
+        members(&keys, &space.blocked(&s)).await,
+        4,
+        "a block is at most a quarter of the count"
+    );
+    let mut granted = 0;
+    while let Decision::Granted { .. } = other.acquire(&s, false).await.unwrap() {
+        granted += 1;
+        assert!(granted <= 15, "more than the limit");
+    }
+    assert_eq!(granted, 15, "the whole limit but the holder's one call");
+    let (decision, _) = holder
+        .acquire_or_redeem(&s, None, Cost::ONE, None)
+        .await
+        .unwrap();
+    assert!(
+        matches!(decision, Decision::Wait { .. }),
+        "the holder's unit was taken back: it asks and waits ({decision:?})"
+    );
+    assert_eq!(
+        members(&keys, &space.state(&s, Algorithm::SlidingWindow)).await,
+        16
+    );
+    holder.give_back_blocks().await;
+    keys.cleanup().await;
+}
+
+/// Two replicas whose callers take blocks (while the seller is far from its limit) and
+/// contend for it (after), answering each call at once: no window of the limit holds more than
+/// COUNT calls, counted at the time each was granted or handed out.
+pub async fn replicas_taking_blocks_together_keep_the_limit_exact(backend: Backend) {
+    let keys = Keys::new(backend, "blocks-exact").await;
+    let stores = [
+        Arc::new(keys.store(limiter("40/1s", Algorithm::SlidingWindow))),
+        Arc::new(keys.store(limiter("40/1s", Algorithm::SlidingWindow))),
+    ];
+    let s = seller("S-blocks");
+    let granted = Arc::new(Mutex::new(Vec::new()));
+    let mut tasks = Vec::new();
+    for store in &stores {
+        for _ in 0..8 {
+            let (store, s, granted) = (store.clone(), s.clone(), granted.clone());
+            tasks.push(tokio::spawn(async move {
+                for _ in 0..10 {
+                    let mut held = None;
+                    loop {
+                        match store
+                            .acquire_or_redeem(&s, None, Cost::ONE, held.as_ref())
+                            .await
+                            .unwrap()
+                            .0
+                        {
+                            Decision::Granted {
+                                slot_us,
+                                call,
+                                granted_us,
+                                ..
+                            } => {
+                                granted.lock().await.push((slot_us, call.contains('-')));
+                                store
+                                    .call_ended(&s, &call, Cost::ONE, Some(granted_us))
+                                    .await
+                                    .unwrap();
+                                break;
+                            }
+                            Decision::Wait {
+                                retry_after,
+                                reservation,
+                            } => {
+                                held = reservation;
+                                tokio::time::sleep(retry_after).await;
+                            }
+                            other => panic!("{other:?}"),
+                        }
+                    }
+                }
+            }));
+        }
+    }
+    for t in tasks {
+        t.await.unwrap();
+    }
+    let granted = granted.lock().await.clone();
+    assert_eq!(granted.len(), 2 * 8 * 10);
+    assert!(
+        granted.iter().any(|(_, from_block)| *from_block),
+        "some calls came from blocks"
+    );
+    let slots: Vec<i64> = granted.iter().map(|(slot, _)| *slot).collect();
+    assert!(
+        max_in_any_window(&slots, 1_000_000) <= 40,
+        "more than COUNT in a window"
+    );
+    for store in &stores {
+        store.give_back_blocks().await;
+    }
     keys.cleanup().await;
 }

@@ -552,7 +552,7 @@ pub struct LimiterArgs {
     /// (every limit at most half used); they are handed out within a second and counted in
     /// flight until then plus the call's bound, so the limit stays exact (README, "Permit
     /// blocks"). `0` turns blocks off: one acquire per call. At most 64.
-    #[arg(long = "permit-block", env = "TURNSTILE_PERMIT_BLOCK", default_value_t = 16, value_parser = clap::value_parser!(u32).range(0..=64))]
+    #[arg(long = "permit-block", env = "TURNSTILE_PERMIT_BLOCK", default_value_t = 32, value_parser = clap::value_parser!(u32).range(0..=64))]
     pub permit_block: u32,
 }
 
@@ -642,7 +642,7 @@ impl LimiterArgs {
             adaptive: true,
             adaptive_min: std::num::NonZeroU32::MIN,
             record_delay: Duration::ZERO,
-            permit_block: 16,
+            permit_block: 32,
         }
     }
 

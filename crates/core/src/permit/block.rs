@@ -29,8 +29,9 @@ pub const MOST_BLOCKS: usize = 4096;
 /// Most units a block takes besides the call that asks for it (`MAX_BLOCK` in the prelude).
 pub const MOST_UNITS: u32 = 64;
 
-/// Units asked for the first time a replica sees a seller (or after it forgot it).
-pub const FIRST_SIZE: u32 = 8;
+/// Units a replica asks for the first time it sees a seller (or after it forgot it), before it
+/// has seen how many its blocks get used (see [`Blocks::wanted`]).
+pub const FIRST_SIZE: u32 = 16;
 
 /// How often the blocks are looked through for ones that are over.
 const SWEEP_EVERY: Duration = Duration::from_millis(100);
@@ -90,6 +91,9 @@ pub struct Blocks {
     /// How many units to ask for next, by seller (see [`Blocks::wanted`]); at most
     /// [`MOST_BLOCKS`] sellers (forgotten all at once beyond).
     sizes: Mutex<HashMap<SellerId, u32>>,
+    /// Units a block of this replica's got used, on average (exponentially weighted over the
+    /// last blocks of every seller): a new seller's first block is sized by it.
+    typical: Mutex<f64>,
     /// Most units asked for with a grant.
     want: u32,
     /// How long after it was asked a block's units are handed out.
@@ -109,6 +113,7 @@ impl Blocks {
             held: Mutex::default(),
             ledgers: Mutex::default(),
             sizes: Mutex::default(),
+            typical: Mutex::new(f64::from(FIRST_SIZE) / 1.5),
             want: want.min(MOST_UNITS),
             hold,
             settle_by: hold + bound,
@@ -123,7 +128,8 @@ impl Blocks {
 
     /// How many units to ask for with a grant of `seller`: as many as this replica handed out
     /// of the seller's last block within its hold, twice as many when it handed out all of
-    /// them, [`FIRST_SIZE`] for a seller not seen lately, at most the configured most. After a
+    /// them, for a seller not seen lately half again what this replica's blocks get used on
+    /// average, at most the configured most. After a
     /// block of which nothing was handed out, one grant asks for none, the next for one unit
     /// (a seller with a message now and then costs no block each time). None while this
     /// replica holds as many blocks (or ledgers) as it may.
@@ -159,12 +165,31 @@ impl Blocks {
                 0
             }
             Some(size) => (*size).min(self.want),
-            None => FIRST_SIZE.min(self.want),
+            None => self.first_size(),
         }
+    }
+
+    /// A new seller's first block: half again what this replica's blocks get used on average,
+    /// at least 2 (see [`FIRST_SIZE`] for the start).
+    fn first_size(&self) -> u32 {
+        let typical = *self
+            .typical
+            .lock()
+            .expect("the blocks' lock is never poisoned");
+        ((typical * 1.5).ceil() as u32)
+            .clamp(2, self.want.max(2))
+            .min(self.want)
     }
 
     /// Notes how a block of `units` ended: `used` of them handed out.
     fn note_size(&self, seller: &SellerId, units: usize, used: usize) {
+        {
+            let mut typical = self
+                .typical
+                .lock()
+                .expect("the blocks' lock is never poisoned");
+            *typical = 0.9 * *typical + 0.1 * used as f64;
+        }
         let next = if used >= units {
             (2 * units).min(self.want as usize)
         } else {
@@ -596,6 +621,22 @@ mod tests {
     }
 
     #[test]
+    fn a_new_sellers_first_block_follows_how_many_units_blocks_get_used() {
+        let blocks = blocks(64);
+        assert_eq!(blocks.wanted(&seller("S-first")), FIRST_SIZE);
+        for i in 0..40 {
+            let s = seller(&format!("S-{i}"));
+            blocks.keep(&s, &format!("t{i}"), 8, 0, Instant::now(), 0);
+            for _ in 0..4 {
+                blocks.take(&s);
+            }
+            blocks.drop_seller(&s);
+        }
+        let first = blocks.wanted(&seller("S-new"));
+        assert!((5..=8).contains(&first), "4 of 8 used each time: {first}");
+    }
+
+    #[test]
     fn after_a_block_left_whole_one_grant_asks_for_none_and_the_next_for_one() {
         let blocks = blocks(16);
         let s1 = seller("S-1");
@@ -622,6 +663,10 @@ mod tests {
         assert_eq!(blocks.wanted(&seller("S-new")), 0);
         assert_eq!(blocks.wanted(&seller("S-0")), FIRST_SIZE);
         assert_eq!(blocks.drain().len(), MOST_BLOCKS);
-        assert_eq!(blocks.wanted(&seller("S-new")), FIRST_SIZE);
+        assert_eq!(
+            blocks.wanted(&seller("S-new")),
+            2,
+            "room again, and blocks that went unused make a new seller's first block small"
+        );
     }
 }
