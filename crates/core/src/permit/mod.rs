@@ -888,7 +888,7 @@ impl PermitStore {
     /// A grant from the seller's block, if this replica holds one with a unit left (see
     /// [`block`]): the message's completion record is read first (a unit does not read it the
     /// way an acquire does), and a message that already registered takes no unit.
-    async fn from_block(
+    async fn grant_from_block(
         &self,
         seller: &SellerId,
         message: Option<&MessageId>,
@@ -1181,7 +1181,7 @@ impl PermitStore {
                     Some(forfeit),
                 ),
             },
-            None => match self.from_block(seller, message, cost).await? {
+            None => match self.grant_from_block(seller, message, cost).await? {
                 // Blocks are only held without a global limit or seller concurrency.
                 Some(decision) => return Ok((decision, None)),
                 None => (self.acquire_blocking(seller, message, cost).await?, None),
