@@ -103,6 +103,10 @@ pub struct Blocks {
     settle_by: Duration,
     /// When the blocks were last looked through.
     swept: Mutex<Instant>,
+    /// Messages that asked for a grant since the last sweep, and this replica's rate of them
+    /// (per second, exponentially weighted; 0 until measured).
+    asking: std::sync::atomic::AtomicU64,
+    rate: Mutex<f64>,
 }
 
 impl Blocks {
@@ -118,7 +122,15 @@ impl Blocks {
             hold,
             settle_by: hold + bound,
             swept: Mutex::new(Instant::now()),
+            asking: std::sync::atomic::AtomicU64::new(0),
+            rate: Mutex::new(0.0),
         }
+    }
+
+    /// A message asks for a grant (for the replica's rate, see [`Self::wanted`]).
+    pub fn asking(&self) {
+        self.asking
+            .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
     }
 
     /// The hold in µs, as the script takes it.
@@ -169,14 +181,25 @@ impl Blocks {
         }
     }
 
-    /// A new seller's first block: half again what this replica's blocks get used on average,
-    /// at least 2 (see [`FIRST_SIZE`] for the start).
+    /// A new seller's first block: half again what this replica's blocks get used on average
+    /// (see [`FIRST_SIZE`] for the start), and, once this replica's rate of messages is known,
+    /// no more than 1.5 × the messages it can expect of one seller within a hold: its rate ×
+    /// the hold, shared by the sellers it holds blocks of. At least 2.
     fn first_size(&self) -> u32 {
         let typical = *self
             .typical
             .lock()
             .expect("the blocks' lock is never poisoned");
-        ((typical * 1.5).ceil() as u32)
+        let mut size = typical * 1.5;
+        let rate = *self
+            .rate
+            .lock()
+            .expect("the blocks' lock is never poisoned");
+        if rate > 0.0 {
+            let sellers = self.len().max(1) as f64;
+            size = size.min(rate * self.hold.as_secs_f64() / sellers * 1.5);
+        }
+        (size.ceil() as u32)
             .clamp(2, self.want.max(2))
             .min(self.want)
     }
@@ -378,10 +401,22 @@ impl Blocks {
                 .swept
                 .lock()
                 .expect("the blocks' lock is never poisoned");
-            if swept.elapsed() < SWEEP_EVERY {
+            let since = swept.elapsed();
+            if since < SWEEP_EVERY {
                 return Vec::new();
             }
             *swept = Instant::now();
+            let asked = self.asking.swap(0, std::sync::atomic::Ordering::Relaxed) as f64;
+            let now = asked / since.as_secs_f64();
+            let mut rate = self
+                .rate
+                .lock()
+                .expect("the blocks' lock is never poisoned");
+            *rate = if *rate == 0.0 {
+                now
+            } else {
+                0.7 * *rate + 0.3 * now
+            };
         }
         let over: Vec<(SellerId, Block)> = {
             let mut held = self
@@ -634,6 +669,20 @@ mod tests {
         }
         let first = blocks.wanted(&seller("S-new"));
         assert!((5..=8).contains(&first), "4 of 8 used each time: {first}");
+    }
+
+    #[test]
+    fn a_new_sellers_first_block_is_what_one_seller_of_this_replicas_rate_can_use() {
+        let blocks = Blocks::new(64, Duration::from_secs(2), Duration::from_secs(60));
+        for i in 0..100 {
+            let s = seller(&format!("S-{i}"));
+            blocks.keep(&s, &format!("t{i}"), 8, 0, Instant::now(), 0);
+        }
+        // 100 messages a second over the 100 sellers it holds blocks of: 2 per hold each.
+        *blocks.rate.lock().unwrap() = 100.0;
+        assert_eq!(blocks.wanted(&seller("S-new")), 3);
+        *blocks.rate.lock().unwrap() = 10_000.0;
+        assert_eq!(blocks.wanted(&seller("S-new")), FIRST_SIZE);
     }
 
     #[test]

@@ -898,6 +898,7 @@ impl PermitStore {
             return Ok(None);
         };
         self.settle_blocks(blocks.sweep());
+        blocks.asking();
         if cost != Cost::ONE || !blocks.holds(seller) {
             return Ok(None);
         }
