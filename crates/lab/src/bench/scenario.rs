@@ -76,6 +76,9 @@ pub struct ScenarioArgs {
     /// The replicas' TURNSTILE_RECORD_DELAY (default: its default, 0).
     #[arg(long, value_parser = turnstile_core::config::delay_arg)]
     pub record_delay: Option<Duration>,
+    /// The replicas' TURNSTILE_PERMIT_BLOCK (default: its default; 0 = no permit blocks).
+    #[arg(long)]
+    pub permit_block: Option<u32>,
     /// `adaptive`: the API's own per-seller limit, while turnstile is told `--limit`.
     #[arg(long = "api-limit", value_parser = turnstile_core::config::limits_arg)]
     pub api_limit: Option<Limits>,
@@ -219,6 +222,9 @@ pub async fn run(args: ScenarioArgs) -> anyhow::Result<bool> {
         record_delay: args
             .record_delay
             .unwrap_or(LimiterArgs::new(limit.clone(), args.algorithm).record_delay),
+        permit_block: args
+            .permit_block
+            .unwrap_or(LimiterArgs::new(limit.clone(), args.algorithm).permit_block),
         ..LimiterArgs::new(limit.clone(), args.algorithm)
     };
     let mut settings = args.rig.replica_settings(

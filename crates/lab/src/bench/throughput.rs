@@ -61,6 +61,9 @@ pub struct ThroughputArgs {
     /// Print the results as one JSON object on the last line.
     #[arg(long)]
     pub json: bool,
+    /// The replicas' TURNSTILE_PERMIT_BLOCK (default: its default; 0 = no permit blocks).
+    #[arg(long)]
+    pub permit_block: Option<u32>,
 }
 
 /// CPU time used so far by the broker, the Redis servers and this process, from /proc (Linux).
@@ -190,10 +193,12 @@ pub async fn run(args: ThroughputArgs) -> anyhow::Result<bool> {
         token: None,
         timeout: Duration::from_secs(10),
     };
+    let defaults = LimiterArgs::new(args.limit, args.algorithm);
     let limiter = LimiterArgs {
         // A private Redis has just started: no cold-start wait, as with a durable Redis.
         redis_durable: true,
-        ..LimiterArgs::new(args.limit, args.algorithm)
+        permit_block: args.permit_block.unwrap_or(defaults.permit_block),
+        ..defaults
     };
     let tag = format!("{:08x}", rand::random::<u32>());
     let mut settings =
