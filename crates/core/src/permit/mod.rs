@@ -14,7 +14,9 @@
 //! refuses, the grant is given back (`lua/release.lua`) and the call deferred.
 //!
 //! The hot operations (acquire, redeem, the completion record, a call's end, a lesson) go to
-//! Redis in batches, several in one call when they can (`batch`, `lua/batch.lua`).
+//! Redis in batches, several in one call when they can (`batch`, `lua/batch.lua`). A grant of a
+//! seller far from its limits brings more units for this replica's next calls of that seller
+//! ([`block`]: permit blocks), handed out without a script.
 //!
 //! This module owns the Redis keyspace: [`keys`] builds every key, and nothing outside it talks
 //! to Redis about turnstile's keys but through [`PermitStore`] (the limiter here, the uploads'
