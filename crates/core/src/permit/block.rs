@@ -356,16 +356,22 @@ impl Blocks {
             Some((token, unit)) => (token, unit.parse().ok()?),
             None => (call, 1),
         };
+        self.unit_done(token, |done| {
+            done.answers
+                .push((unit, answered_us.unwrap_or(-1).max(-1), accepted))
+        })
+    }
+
+    /// One unit the ledger of `token` waited for is done, `note`d in what it will write (`None`:
+    /// no ledger of this replica's); answers what it leaves to write if that was the last.
+    fn unit_done(&self, token: &str, note: impl FnOnce(&mut Settled)) -> Option<Option<Settled>> {
         let mut ledgers = self
             .ledgers
             .lock()
             .expect("the ledgers' lock is never poisoned");
         let ledger = ledgers.get_mut(token)?;
         ledger.pending = ledger.pending.saturating_sub(1);
-        ledger
-            .done
-            .answers
-            .push((unit, answered_us.unwrap_or(-1).max(-1), accepted));
+        note(&mut ledger.done);
         if ledger.closed && ledger.pending == 0 {
             return Some(ledgers.remove(token).map(|l| l.done));
         }
@@ -378,17 +384,8 @@ impl Blocks {
     pub fn release(&self, call: &str) -> Option<Settled> {
         let (token, unit) = call.rsplit_once('-')?;
         let unit: u32 = unit.parse().ok()?;
-        let mut ledgers = self
-            .ledgers
-            .lock()
-            .expect("the ledgers' lock is never poisoned");
-        let ledger = ledgers.get_mut(token)?;
-        ledger.pending = ledger.pending.saturating_sub(1);
-        ledger.done.unused.push(unit);
-        if ledger.closed && ledger.pending == 0 {
-            return ledgers.remove(token).map(|l| l.done);
-        }
-        None
+        self.unit_done(token, |done| done.unused.push(unit))
+            .flatten()
     }
 
     /// Blocks whose hold is over, closed, and ledgers written: those closed with every answer
