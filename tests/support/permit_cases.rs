@@ -1078,6 +1078,10 @@ macro_rules! permit_tests {
             cases::units_a_replica_does_not_use_go_to_another_replicas_calls($backend).await;
         }
         #[tokio::test]
+        async fn a_later_grant_never_shortens_the_life_of_a_blocks_units() {
+            cases::a_later_grant_never_shortens_the_life_of_a_blocks_units($backend).await;
+        }
+        #[tokio::test]
         async fn replicas_taking_blocks_together_keep_the_limit_exact() {
             cases::replicas_taking_blocks_together_keep_the_limit_exact($backend).await;
         }
@@ -1573,5 +1577,51 @@ pub async fn replicas_taking_blocks_together_keep_the_limit_exact(backend: Backe
     for store in &stores {
         store.give_back_blocks().await;
     }
+    keys.cleanup().await;
+}
+
+/// A block's units are in flight until the end of its hold plus their bound; a plain grant
+/// made afterwards (shorter bound) must not let the seller's calls expire before them.
+pub async fn a_later_grant_never_shortens_the_life_of_a_blocks_units(backend: Backend) {
+    let keys = Keys::new(backend, "block-ttl").await;
+    let holder = keys.store(limiter("100/1s", Algorithm::SlidingWindow));
+    let other = keys.store(turnstile_core::config::LimiterArgs {
+        permit_block: 0,
+        ..limiter("100/1s", Algorithm::SlidingWindow)
+    });
+    let (space, s) = (Keyspace::new(&keys.prefix), seller("S-ttl"));
+    holder
+        .acquire_or_redeem(&s, None, Cost::ONE, None)
+        .await
+        .unwrap();
+    assert!(
+        members(&keys, &space.blocked(&s)).await > 0,
+        "a block was taken"
+    );
+    assert!(matches!(
+        other.acquire(&s, false).await.unwrap(),
+        Decision::Granted { .. }
+    ));
+    let calls = space.calls(&s);
+    let (time, ttl_ms, last): (Vec<i64>, i64, Vec<(String, f64)>) = redis::pipe()
+        .cmd("TIME")
+        .cmd("PTTL")
+        .arg(&calls)
+        .cmd("ZRANGE")
+        .arg(&calls)
+        .arg(-1)
+        .arg(-1)
+        .arg("WITHSCORES")
+        .query_async(&mut keys.conn.clone())
+        .await
+        .unwrap();
+    let now_us = time[0] * 1_000_000 + time[1];
+    let last_end_us = last[0].1 as i64;
+    assert!(
+        now_us + ttl_ms * 1000 >= last_end_us,
+        "the calls expire {} ms before the block's last unit ends",
+        (last_end_us - now_us) / 1000 - ttl_ms
+    );
+    holder.give_back_blocks().await;
     keys.cleanup().await;
 }

@@ -54,6 +54,9 @@ end
 local rest = 4 + n + 3 * m
 local adaptive = ARGV[rest] == '1'
 local configured = nil
+if #KEYS < 3 or (adaptive and #KEYS < 5) then
+  error({err = 'ERR turnstile: block_end needs KEYS[1..3], and KEYS[4..5] with ADAPTIVE'})
+end
 if adaptive then
   if #ARGV ~= rest + 3 then error({err = 'ERR turnstile: the arguments do not match N and M'}) end
   configured = with_spans(effective_limits(KEYS[5], limits_arg(rest + 1)), int_arg(rest + 3, -1))

@@ -611,10 +611,17 @@ local function after_gate(status, slot, calls_key, now, limits, a)
   return math.max(open_at, slot), (a.reserve == 1 and 2 or 0)
 end
 
+-- Keeps the seller's calls (CALLS_KEY) at least LAST µs from now, never shortening what it
+-- had: a permit block's units end later than a call granted now (see take_block).
+local function keep_calls(calls_key, last)
+  local ttl = math.floor(last / 1000) + 1
+  if redis.call('PTTL', calls_key) < ttl then redis.call('PEXPIRE', calls_key, ttl) end
+end
+
 -- Records a call of COST units granted now with TOKEN: in flight until now + BOUND at the latest.
 local function start_call(calls_key, token, cost, now, bound, limits)
   add_units(calls_key, now + bound, token, cost)
-  redis.call('PEXPIRE', calls_key, math.floor((bound + limits.max_window) / 1000) + 1)
+  keep_calls(calls_key, bound + limits.max_window)
 end
 
 -- Records that the call TOKEN was answered at AT (see answered_arg): the END of each of its
@@ -666,8 +673,9 @@ end
 -- the stack, the units in the log within its span and the calls of the calls gate within its
 -- window (see calls_gate), block included, at most half its COUNT; the second half is granted
 -- call by call, with reservations, as before. A block is at most a quarter of every COUNT (a
--- limit below 8 takes none). Each unit (block_unit(TOKEN, I)) is in the log at NOW and in
--- flight in the calls until NOW + HOLD + BOUND, the latest a call made with it can answer: the
+-- stack with a COUNT below 8 takes none). Each unit (block_unit(TOKEN, I)) is in the log at NOW
+-- and in flight in the calls until NOW + HOLD + BOUND, the latest a call made with it can
+-- answer (keep_calls: the calls set lives at least as long): the
 -- calls gate counts it, wherever in that time it is used, exactly as a call of that latency
 -- (README, "Permit blocks"). Until the replica claims it (removes it from BLOCKED_KEY, a plain
 -- ZREM, just before its call), an acquire short of room may reclaim it (reclaim_idle): units a
@@ -678,6 +686,7 @@ local function take_block(a, limits, log_key, reserved_key, calls_key, blocked_k
   if redis.call('EXISTS', reserved_key) == 1 then return 0 end
   if a.shadow ~= nil and redis.call('EXISTS', a.shadow) == 1 then return 0 end
   local n = math.min(want, MAX_BLOCK)
+  if limits.min_count < 8 then return 0 end
   for _, l in ipairs(limits) do
     -- As the grant counted them (l.logged, l.in_flight: see fit and calls_gate), with it.
     local logged = l.logged or redis.call('ZCOUNT', log_key, string.format('(%.0f', now - l.span), '+inf')
@@ -698,7 +707,7 @@ local function take_block(a, limits, log_key, reserved_key, calls_key, blocked_k
   end
   redis.call('ZADD', log_key, unpack(logged))
   redis.call('ZADD', calls_key, unpack(in_flight))
-  redis.call('PEXPIRE', calls_key, math.floor((hold + a.bound + limits.max_window) / 1000) + 1)
+  keep_calls(calls_key, hold + a.bound + limits.max_window)
   redis.call('ZADD', blocked_key, unpack(idle))
   redis.call('PEXPIRE', blocked_key, math.floor(hold / 1000) + 1)
   return n
@@ -712,8 +721,11 @@ local function reclaim_idle(blocked_key, log_key, calls_key)
   local idle = redis.call('ZRANGE', blocked_key, 0, -1)
   if #idle == 0 then return 0 end
   redis.call('DEL', blocked_key)
-  redis.call('ZREM', log_key, unpack(idle))
-  redis.call('ZREM', calls_key, unpack(idle))
+  for first = 1, #idle, 1000 do
+    local last = math.min(first + 999, #idle)
+    redis.call('ZREM', log_key, unpack(idle, first, last))
+    redis.call('ZREM', calls_key, unpack(idle, first, last))
+  end
   return #idle
 end
 

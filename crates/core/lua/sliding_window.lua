@@ -50,7 +50,11 @@ local block, hold = 0, 0
 if ARGV[9] ~= nil then
   block = int_arg(9, 0)
   if block > MAX_BLOCK then error({err = 'ERR turnstile: BLOCK must be at most ' .. MAX_BLOCK}) end
-  if block > 0 then hold = int_arg(10, 0) end
+  if block > 0 then
+    hold = int_arg(10, 0)
+    if hold > 60000000 then error({err = 'ERR turnstile: HOLD must be at most 60 s'}) end
+    if blocked_key == nil then error({err = 'ERR turnstile: BLOCK needs KEYS[11]'}) end
+  end
 end
 local limits = with_spans(effective_limits(KEYS[2], a.limits, a.learned, a.cost), a.guard)
 local now = now_us()

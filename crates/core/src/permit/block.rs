@@ -356,20 +356,31 @@ impl Blocks {
             Some((token, unit)) => (token, unit.parse().ok()?),
             None => (call, 1),
         };
-        self.unit_done(token, |done| {
+        self.unit_done(token, unit, |done| {
             done.answers
                 .push((unit, answered_us.unwrap_or(-1).max(-1), accepted))
         })
     }
 
-    /// One unit the ledger of `token` waited for is done, `note`d in what it will write (`None`:
-    /// no ledger of this replica's); answers what it leaves to write if that was the last.
-    fn unit_done(&self, token: &str, note: impl FnOnce(&mut Settled)) -> Option<Option<Settled>> {
+    /// Unit `unit` the ledger of `token` waited for is done, `note`d in what it will write
+    /// (`None`: no ledger of this replica's); answers what it leaves to write if that was the
+    /// last. A unit noted already (a record retried) changes nothing.
+    fn unit_done(
+        &self,
+        token: &str,
+        unit: u32,
+        note: impl FnOnce(&mut Settled),
+    ) -> Option<Option<Settled>> {
         let mut ledgers = self
             .ledgers
             .lock()
             .expect("the ledgers' lock is never poisoned");
         let ledger = ledgers.get_mut(token)?;
+        if ledger.done.answers.iter().any(|(u, _, _)| *u == unit)
+            || ledger.done.unused.contains(&unit)
+        {
+            return Some(None);
+        }
         ledger.pending = ledger.pending.saturating_sub(1);
         note(&mut ledger.done);
         if ledger.closed && ledger.pending == 0 {
@@ -384,7 +395,7 @@ impl Blocks {
     pub fn release(&self, call: &str) -> Option<Settled> {
         let (token, unit) = call.rsplit_once('-')?;
         let unit: u32 = unit.parse().ok()?;
-        self.unit_done(token, |done| done.unused.push(unit))
+        self.unit_done(token, unit, |done| done.unused.push(unit))
             .flatten()
     }
 
@@ -441,11 +452,26 @@ impl Blocks {
     /// Takes the seller's block away (its limit changed or it was paused: no more units are
     /// handed out); what it leaves to write, if nothing it handed out waits for an answer.
     pub fn drop_seller(&self, seller: &SellerId) -> Option<Settled> {
-        let old = self
-            .held
-            .lock()
-            .expect("the blocks' lock is never poisoned")
-            .remove(seller);
+        self.drop_if(seller, |_| true)
+    }
+
+    /// Takes the seller's block away if it is the one that handed out `call` (not a newer one).
+    pub fn drop_block_of(&self, seller: &SellerId, call: &str) -> Option<Settled> {
+        let token = call.rsplit_once('-').map_or(call, |(token, _)| token);
+        self.drop_if(seller, |block| block.token == token)
+    }
+
+    fn drop_if(&self, seller: &SellerId, which: impl Fn(&Block) -> bool) -> Option<Settled> {
+        let old = {
+            let mut held = self
+                .held
+                .lock()
+                .expect("the blocks' lock is never poisoned");
+            if !held.get(seller).is_some_and(which) {
+                return None;
+            }
+            held.remove(seller)
+        };
         old.and_then(|old| self.close(seller, old))
     }
 
@@ -566,6 +592,33 @@ mod tests {
         unused.sort();
         assert_eq!(unused, [2, 3, 4]);
         assert_eq!(settled.answers, vec![(1, 5, true)]);
+    }
+
+    #[test]
+    fn an_answer_noted_twice_counts_once() {
+        let blocks = blocks(2);
+        let s1 = seller("S-1");
+        blocks.keep(&s1, "ab12", 2, 0, Instant::now(), 0);
+        let first = blocks.take(&s1).unwrap();
+        blocks.take(&s1).unwrap();
+        assert_eq!(blocks.answered(&first.call, Some(1), true), Some(None));
+        assert_eq!(blocks.answered(&first.call, Some(1), true), Some(None));
+        assert_eq!(
+            blocks.answered("ab12", Some(2), true),
+            Some(None),
+            "unit 3 is still pending"
+        );
+    }
+
+    #[test]
+    fn a_failed_claim_drops_only_the_block_it_came_from() {
+        let blocks = blocks(4);
+        let s1 = seller("S-1");
+        blocks.keep(&s1, "old", 2, 0, Instant::now(), 0);
+        let unit = blocks.take(&s1).unwrap();
+        blocks.keep(&s1, "new", 2, 0, Instant::now(), 0);
+        assert_eq!(blocks.drop_block_of(&s1, &unit.call), None);
+        assert!(blocks.holds(&s1), "the newer block stays");
     }
 
     #[test]

@@ -330,6 +330,7 @@ mod tests {
             keys.reserved(s),
             keys.server(s),
             keys.calls(s),
+            keys.blocked(s),
             keys.far(s),
             keys.leases(s),
             keys.lease_ticket(s),
@@ -385,6 +386,7 @@ mod tests {
         assert_eq!(keys.reserved(&s), "turnstile:{S-1}:reserved");
         assert_eq!(keys.server(&s), "turnstile:{S-1}:server");
         assert_eq!(keys.calls(&s), "turnstile:{S-1}:calls");
+        assert_eq!(keys.blocked(&s), "turnstile:{S-1}:blocked");
         assert_eq!(keys.far(&s), "turnstile:{S-1}:far");
         assert_eq!(
             keys.done(&s, &MessageId::parse("m 1").unwrap()),

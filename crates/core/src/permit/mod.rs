@@ -545,7 +545,13 @@ pub struct PermitStore {
     /// Permit blocks, when they apply (see [`block`]): sliding-window, neither a global limit
     /// nor a seller concurrency, `TURNSTILE_PERMIT_BLOCK` > 0.
     blocks: Option<Arc<Blocks>>,
+    /// Whether the task that looks through the blocks was started (see `start_sweeping`).
+    sweeping: Arc<OnceLock<()>>,
 }
+
+/// How often a replica's blocks are looked through when no message asks (see
+/// `PermitStore::start_sweeping`).
+const BLOCK_SWEEP: Duration = Duration::from_millis(250);
 
 /// How long what a block leaves may wait to ride along with another call to Redis before it is
 /// written by itself.
@@ -654,6 +660,7 @@ impl PermitStore {
             keys: Keyspace::new(prefix),
             record_delay: record_delay(&limiter),
             blocks,
+            sweeping: Arc::default(),
             limiter,
             call_bound: Duration::ZERO,
             batcher: Arc::default(),
@@ -926,7 +933,12 @@ impl PermitStore {
         let release = |drop_block: bool| {
             self.settle_blocks(blocks.release(&unit.call).into_iter().collect());
             if drop_block {
-                self.drop_block(seller);
+                self.settle_blocks(
+                    blocks
+                        .drop_block_of(seller, &unit.call)
+                        .into_iter()
+                        .collect(),
+                );
             }
         };
         let (read, claim) = match answer {
@@ -995,10 +1007,36 @@ impl PermitStore {
             && blocked > 0
         {
             metrics::counter!("turnstile_permit_blocks_total").increment(1);
+            self.start_sweeping(blocks);
             let old = blocks.keep(seller, call, blocked, *granted_us, asked, *used_permille);
             self.settle_blocks(old.into_iter().collect());
         }
         Ok(decision)
+    }
+
+    /// Looks through this replica's blocks every [`BLOCK_SWEEP`] (see [`Blocks::sweep`]) so
+    /// that a replica that stops getting messages still closes its blocks and writes their
+    /// ledgers; started with the first block, it ends once only it holds the blocks (every
+    /// clone of this store dropped).
+    fn start_sweeping(&self, blocks: &Arc<Blocks>) {
+        if self.sweeping.set(()).is_err() {
+            return;
+        }
+        let store = self.clone();
+        let blocks = blocks.clone();
+        tokio::spawn(async move {
+            let mut ticker = tokio::time::interval(BLOCK_SWEEP);
+            ticker.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+            loop {
+                ticker.tick().await;
+                // This task's two handles (`store`'s and `blocks`) are the last ones left.
+                if Arc::strong_count(&blocks) <= 2 {
+                    store.settle_blocks_now(blocks.drain()).await;
+                    return;
+                }
+                store.settle_blocks(blocks.sweep());
+            }
+        });
     }
 
     /// Writes what blocks that are over leave (see [`block`], `lua/block_end.lua`), in the
@@ -1062,6 +1100,7 @@ impl PermitStore {
         let Some(blocks) = &self.blocks else {
             return false;
         };
+        self.settle_blocks(blocks.sweep());
         match blocks.answered(call, answered_us, accepted) {
             None => false,
             Some(settled) => {
