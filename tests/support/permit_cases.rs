@@ -1465,15 +1465,21 @@ pub async fn a_seller_far_from_its_limit_gets_a_block_whose_unused_units_are_giv
     keys.cleanup().await;
 }
 
+/// Two replicas' stores under `limit` (sliding-window): one taking permit blocks, one not.
+fn with_and_without_blocks(keys: &Keys, limit: &str) -> (PermitStore, PermitStore) {
+    let with = keys.store(limiter(limit, Algorithm::SlidingWindow));
+    let without = keys.store(turnstile_core::config::LimiterArgs {
+        permit_block: 0,
+        ..limiter(limit, Algorithm::SlidingWindow)
+    });
+    (with, without)
+}
+
 /// Units one replica holds and does not use never keep another replica's call waiting: an
 /// acquire short of room takes them back, and the replica holding them asks again.
 pub async fn units_a_replica_does_not_use_go_to_another_replicas_calls(backend: Backend) {
     let keys = Keys::new(backend, "reclaim").await;
-    let holder = keys.store(limiter("16/1h", Algorithm::SlidingWindow));
-    let other = keys.store(turnstile_core::config::LimiterArgs {
-        permit_block: 0,
-        ..limiter("16/1h", Algorithm::SlidingWindow)
-    });
+    let (holder, other) = with_and_without_blocks(&keys, "16/1h");
     let (space, s) = (Keyspace::new(&keys.prefix), seller("S-reclaim"));
     let (decision, _) = holder
         .acquire_or_redeem(&s, None, Cost::ONE, None)
@@ -1584,11 +1590,7 @@ pub async fn replicas_taking_blocks_together_keep_the_limit_exact(backend: Backe
 /// made afterwards (shorter bound) must not let the seller's calls expire before them.
 pub async fn a_later_grant_never_shortens_the_life_of_a_blocks_units(backend: Backend) {
     let keys = Keys::new(backend, "block-ttl").await;
-    let holder = keys.store(limiter("100/1s", Algorithm::SlidingWindow));
-    let other = keys.store(turnstile_core::config::LimiterArgs {
-        permit_block: 0,
-        ..limiter("100/1s", Algorithm::SlidingWindow)
-    });
+    let (holder, other) = with_and_without_blocks(&keys, "100/1s");
     let (space, s) = (Keyspace::new(&keys.prefix), seller("S-ttl"));
     holder
         .acquire_or_redeem(&s, None, Cost::ONE, None)
