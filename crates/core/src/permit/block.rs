@@ -17,7 +17,7 @@
 //! needed, never too early.
 
 use std::collections::HashMap;
-use std::sync::Mutex;
+use std::sync::{Mutex, MutexGuard};
 use std::time::{Duration, Instant};
 
 use crate::domain::SellerId;
@@ -33,8 +33,12 @@ pub const MOST_UNITS: u32 = 64;
 /// has seen how many its blocks get used (see [`Blocks::wanted`]).
 pub const FIRST_SIZE: u32 = 16;
 
-/// How often the blocks are looked through for ones that are over.
-const SWEEP_EVERY: Duration = Duration::from_millis(100);
+/// `mutex` locked (none of this module's locks is held across anything that can panic).
+fn locked<T>(mutex: &Mutex<T>) -> MutexGuard<'_, T> {
+    mutex
+        .lock()
+        .expect("a permit block's lock is never poisoned")
+}
 
 /// One seller's block while its units are handed out.
 #[derive(Debug)]
@@ -64,9 +68,9 @@ struct Ledger {
 }
 
 /// A block over, to write to Redis in one step (`lua/block_end.lua`).
-#[derive(Debug, Clone, Default, PartialEq, Eq)]
+#[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Settled {
-    pub seller: Option<SellerId>,
+    pub seller: SellerId,
     pub token: String,
     /// Units never handed out: given back.
     pub unused: Vec<u32>,
@@ -150,27 +154,15 @@ impl Blocks {
             return 0;
         }
         {
-            let held = self
-                .held
-                .lock()
-                .expect("the blocks' lock is never poisoned");
+            let held = locked(&self.held);
             if held.len() >= MOST_BLOCKS && !held.contains_key(seller) {
                 return 0;
             }
         }
-        if self
-            .ledgers
-            .lock()
-            .expect("the ledgers' lock is never poisoned")
-            .len()
-            >= 2 * MOST_BLOCKS
-        {
+        if locked(&self.ledgers).len() >= 2 * MOST_BLOCKS {
             return 0;
         }
-        let mut sizes = self
-            .sizes
-            .lock()
-            .expect("the blocks' lock is never poisoned");
+        let mut sizes = locked(&self.sizes);
         match sizes.get_mut(seller) {
             Some(size) if *size == 0 => {
                 *size = 1;
@@ -186,15 +178,9 @@ impl Blocks {
     /// no more than 1.5 × the messages it can expect of one seller within a hold: its rate ×
     /// the hold, shared by the sellers it holds blocks of. At least 2.
     fn first_size(&self) -> u32 {
-        let typical = *self
-            .typical
-            .lock()
-            .expect("the blocks' lock is never poisoned");
+        let typical = *locked(&self.typical);
         let mut size = typical * 1.5;
-        let rate = *self
-            .rate
-            .lock()
-            .expect("the blocks' lock is never poisoned");
+        let rate = *locked(&self.rate);
         if rate > 0.0 {
             let sellers = self.len().max(1) as f64;
             size = size.min(rate * self.hold.as_secs_f64() / sellers * 1.5);
@@ -207,10 +193,7 @@ impl Blocks {
     /// Notes how a block of `units` ended: `used` of them handed out.
     fn note_size(&self, seller: &SellerId, units: usize, used: usize) {
         {
-            let mut typical = self
-                .typical
-                .lock()
-                .expect("the blocks' lock is never poisoned");
+            let mut typical = locked(&self.typical);
             *typical = 0.9 * *typical + 0.1 * used as f64;
         }
         let next = if used >= units {
@@ -218,10 +201,7 @@ impl Blocks {
         } else {
             used
         };
-        let mut sizes = self
-            .sizes
-            .lock()
-            .expect("the blocks' lock is never poisoned");
+        let mut sizes = locked(&self.sizes);
         if sizes.len() >= MOST_BLOCKS && !sizes.contains_key(seller) {
             sizes.clear();
         }
@@ -230,20 +210,14 @@ impl Blocks {
 
     /// Whether the seller's block is within its hold with a unit left.
     pub fn holds(&self, seller: &SellerId) -> bool {
-        let held = self
-            .held
-            .lock()
-            .expect("the blocks' lock is never poisoned");
+        let held = locked(&self.held);
         held.get(seller)
             .is_some_and(|b| !b.free.is_empty() && b.asked.elapsed() < self.hold)
     }
 
     /// Hands out a unit of the seller's block, if it holds one still within its hold.
     pub fn take(&self, seller: &SellerId) -> Option<Unit> {
-        let mut held = self
-            .held
-            .lock()
-            .expect("the blocks' lock is never poisoned");
+        let mut held = locked(&self.held);
         let block = held.get_mut(seller)?;
         let since = block.asked.elapsed();
         if since >= self.hold {
@@ -257,12 +231,7 @@ impl Blocks {
                 .saturating_add(since.as_micros().min(i64::MAX as u128) as i64),
             used_permille: block.used_permille,
         };
-        if let Some(ledger) = self
-            .ledgers
-            .lock()
-            .expect("the ledgers' lock is never poisoned")
-            .get_mut(&block.token)
-        {
+        if let Some(ledger) = locked(&self.ledgers).get_mut(&block.token) {
             ledger.pending += 1;
         }
         if block.free.is_empty() {
@@ -298,29 +267,23 @@ impl Blocks {
             asked,
             used_permille,
         };
-        self.ledgers
-            .lock()
-            .expect("the ledgers' lock is never poisoned")
-            .insert(
-                token.to_owned(),
-                Ledger {
+        locked(&self.ledgers).insert(
+            token.to_owned(),
+            Ledger {
+                seller: seller.clone(),
+                asked,
+                // The call that took the block is its unit 1, handed out with the grant.
+                pending: 1,
+                closed: false,
+                done: Settled {
                     seller: seller.clone(),
-                    asked,
-                    // The call that took the block is its unit 1, handed out with the grant.
-                    pending: 1,
-                    closed: false,
-                    done: Settled {
-                        seller: Some(seller.clone()),
-                        token: token.to_owned(),
-                        ..Settled::default()
-                    },
+                    token: token.to_owned(),
+                    unused: Vec::new(),
+                    answers: Vec::new(),
                 },
-            );
-        let old = self
-            .held
-            .lock()
-            .expect("the blocks' lock is never poisoned")
-            .insert(seller.clone(), block);
+            },
+        );
+        let old = locked(&self.held).insert(seller.clone(), block);
         old.and_then(|old| self.close(seller, old))
     }
 
@@ -328,10 +291,7 @@ impl Blocks {
     /// to give back; its ledger, if nothing it handed out still waits for an answer.
     fn close(&self, seller: &SellerId, block: Block) -> Option<Settled> {
         self.note_size(seller, block.units, block.units - block.free.len());
-        let mut ledgers = self
-            .ledgers
-            .lock()
-            .expect("the ledgers' lock is never poisoned");
+        let mut ledgers = locked(&self.ledgers);
         let ledger = ledgers.get_mut(&block.token)?;
         ledger.closed = true;
         ledger.done.unused.extend(block.free);
@@ -371,10 +331,7 @@ impl Blocks {
         unit: u32,
         note: impl FnOnce(&mut Settled),
     ) -> Option<Option<Settled>> {
-        let mut ledgers = self
-            .ledgers
-            .lock()
-            .expect("the ledgers' lock is never poisoned");
+        let mut ledgers = locked(&self.ledgers);
         let ledger = ledgers.get_mut(token)?;
         if ledger.done.answers.iter().any(|(u, _, _)| *u == unit)
             || ledger.done.unused.contains(&unit)
@@ -401,25 +358,17 @@ impl Blocks {
 
     /// Blocks whose hold is over, closed, and ledgers written: those closed with every answer
     /// in, and those whose calls can no longer answer (a unit handed out but never called, a
-    /// replica that lost track) with what they have. At most once per [`SWEEP_EVERY`] (an
-    /// empty list otherwise).
+    /// replica that lost track) with what they have. Also measures this replica's rate of
+    /// messages since the last sweep (see [`Self::first_size`]). Called by the store's sweeper
+    /// every 250 ms.
     pub fn sweep(&self) -> Vec<Settled> {
         {
-            let mut swept = self
-                .swept
-                .lock()
-                .expect("the blocks' lock is never poisoned");
+            let mut swept = locked(&self.swept);
             let since = swept.elapsed();
-            if since < SWEEP_EVERY {
-                return Vec::new();
-            }
             *swept = Instant::now();
             let asked = self.asking.swap(0, std::sync::atomic::Ordering::Relaxed) as f64;
-            let now = asked / since.as_secs_f64();
-            let mut rate = self
-                .rate
-                .lock()
-                .expect("the blocks' lock is never poisoned");
+            let now = asked / since.as_secs_f64().max(0.001);
+            let mut rate = locked(&self.rate);
             *rate = if *rate == 0.0 {
                 now
             } else {
@@ -427,10 +376,7 @@ impl Blocks {
             };
         }
         let over: Vec<(SellerId, Block)> = {
-            let mut held = self
-                .held
-                .lock()
-                .expect("the blocks' lock is never poisoned");
+            let mut held = locked(&self.held);
             let sellers: Vec<SellerId> = held
                 .iter()
                 .filter(|(_, b)| b.asked.elapsed() >= self.hold)
@@ -463,10 +409,7 @@ impl Blocks {
 
     fn drop_if(&self, seller: &SellerId, which: impl Fn(&Block) -> bool) -> Option<Settled> {
         let old = {
-            let mut held = self
-                .held
-                .lock()
-                .expect("the blocks' lock is never poisoned");
+            let mut held = locked(&self.held);
             if !held.get(seller).is_some_and(which) {
                 return None;
             }
@@ -478,14 +421,8 @@ impl Blocks {
     /// Ledgers asked for at least `age` ago, removed (with their blocks, if still held).
     fn overdue(&self, age: Duration) -> Vec<Settled> {
         // Locked in the order `take` locks them: held, then ledgers.
-        let mut held = self
-            .held
-            .lock()
-            .expect("the blocks' lock is never poisoned");
-        let mut ledgers = self
-            .ledgers
-            .lock()
-            .expect("the ledgers' lock is never poisoned");
+        let mut held = locked(&self.held);
+        let mut ledgers = locked(&self.ledgers);
         let tokens: Vec<String> = ledgers
             .iter()
             .filter(|(_, l)| l.asked.elapsed() >= age)
@@ -523,10 +460,7 @@ impl Blocks {
 
     /// Sellers with a block held now.
     pub fn len(&self) -> usize {
-        self.held
-            .lock()
-            .expect("the blocks' lock is never poisoned")
-            .len()
+        locked(&self.held).len()
     }
 
     pub fn is_empty(&self) -> bool {
@@ -636,7 +570,6 @@ mod tests {
         blocks.keep(&s1, "ab12", 4, 1_000, Instant::now(), 10);
         std::thread::sleep(Duration::from_millis(5));
         assert_eq!(blocks.take(&s1), None);
-        *blocks.swept.lock().unwrap() -= SWEEP_EVERY;
         assert_eq!(
             blocks.sweep(),
             vec![],
@@ -657,7 +590,6 @@ mod tests {
         blocks.keep(&s1, "ab12", 4, 1_000, Instant::now(), 10);
         let unit = blocks.take(&s1).unwrap();
         std::thread::sleep(Duration::from_millis(5));
-        *blocks.swept.lock().unwrap() -= SWEEP_EVERY;
         let settled = blocks.sweep();
         assert_eq!(settled.len(), 1);
         assert_eq!(settled[0].unused.len(), 3);

@@ -906,7 +906,6 @@ impl PermitStore {
         let Some(blocks) = &self.blocks else {
             return Ok(None);
         };
-        self.settle_blocks(blocks.sweep());
         blocks.asking();
         if cost != Cost::ONE || !blocks.holds(seller) {
             return Ok(None);
@@ -1014,10 +1013,10 @@ impl PermitStore {
         Ok(decision)
     }
 
-    /// Looks through this replica's blocks every [`BLOCK_SWEEP`] (see [`Blocks::sweep`]) so
-    /// that a replica that stops getting messages still closes its blocks and writes their
-    /// ledgers; started with the first block, it ends once only it holds the blocks (every
-    /// clone of this store dropped).
+    /// Looks through this replica's blocks every [`BLOCK_SWEEP`] (see [`Blocks::sweep`]), the
+    /// one place that closes blocks whose hold is over and writes their ledgers, whether or not
+    /// messages come; started with the first block, it ends once only it holds the blocks
+    /// (every clone of this store dropped).
     fn start_sweeping(&self, blocks: &Arc<Blocks>) {
         if self.sweeping.set(()).is_err() {
             return;
@@ -1051,8 +1050,8 @@ impl PermitStore {
     }
 
     async fn settle_blocks_now(&self, settled: Vec<Settled>) {
-        let sends = settled.into_iter().filter_map(|settled| {
-            let seller = settled.seller.as_ref()?;
+        let sends = settled.into_iter().map(|settled| {
+            let seller = &settled.seller;
             let accepted = settled.answers.iter().any(|(_, _, accepted)| *accepted);
             let adaptive = self.limiter.adaptive && accepted;
             let mut operation = Operation::new("block-end");
@@ -1085,7 +1084,7 @@ impl PermitStore {
                     .arg(self.limiter.limit.windows_arg())
                     .arg(self.guard_arg());
             }
-            Some(self.run::<i64>(operation, When::Within(BLOCK_SETTLE_DELAY)))
+            self.run::<i64>(operation, When::Within(BLOCK_SETTLE_DELAY))
         });
         for result in futures::future::join_all(sends).await {
             if let Err(error) = result {
@@ -1100,7 +1099,6 @@ impl PermitStore {
         let Some(blocks) = &self.blocks else {
             return false;
         };
-        self.settle_blocks(blocks.sweep());
         match blocks.answered(call, answered_us, accepted) {
             None => false,
             Some(settled) => {
@@ -1573,38 +1571,6 @@ impl PermitStore {
         if in_block {
             call = "";
         }
-        let mut invocation = Operation::new("complete");
-        invocation
-            .key(self.keys.done(seller, message))
-            .key(self.keys.calls(seller));
-        let adaptive = self.limiter.adaptive && !call.is_empty();
-        if adaptive {
-            invocation
-                .key(self.keys.learned(seller))
-                .key(self.keys.accepted(seller))
-                .key(self.keys.limit(seller));
-        }
-        if let Some(batch) = batch {
-            invocation.key(self.keys.batch(seller, batch));
-        }
-        let reason = match completion {
-            Completion::Dead(reason) => reason,
-            _ => "",
-        };
-        invocation
-            .arg(ttl.as_millis().max(1) as u64)
-            .arg(completion.outcome())
-            .arg(reason)
-            .arg(call)
-            .arg(answered_us.unwrap_or(-1).max(-1))
-            .arg(cost);
-        if adaptive {
-            invocation
-                .arg(1)
-                .arg(self.limiter.limit.counts_arg())
-                .arg(self.limiter.limit.windows_arg())
-                .arg(self.guard_arg());
-        }
         let when = if call.is_empty() && !in_block {
             When::Now
         } else {
@@ -1628,6 +1594,38 @@ impl PermitStore {
                     .await?;
                 registered_from(was.as_deref())
             } else {
+                let mut invocation = Operation::new("complete");
+                invocation
+                    .key(self.keys.done(seller, message))
+                    .key(self.keys.calls(seller));
+                let adaptive = self.limiter.adaptive && !call.is_empty();
+                if adaptive {
+                    invocation
+                        .key(self.keys.learned(seller))
+                        .key(self.keys.accepted(seller))
+                        .key(self.keys.limit(seller));
+                }
+                if let Some(batch) = batch {
+                    invocation.key(self.keys.batch(seller, batch));
+                }
+                let reason = match completion {
+                    Completion::Dead(reason) => reason,
+                    _ => "",
+                };
+                invocation
+                    .arg(ttl.as_millis().max(1) as u64)
+                    .arg(completion.outcome())
+                    .arg(reason)
+                    .arg(call)
+                    .arg(answered_us.unwrap_or(-1).max(-1))
+                    .arg(cost);
+                if adaptive {
+                    invocation
+                        .arg(1)
+                        .arg(self.limiter.limit.counts_arg())
+                        .arg(self.limiter.limit.windows_arg())
+                        .arg(self.guard_arg());
+                }
                 self.run(invocation, when).await?
             };
         // The tally is a shared key (another Cluster slot): a second step, only when a message
@@ -2280,7 +2278,6 @@ impl Answer<'_> {
     }
 }
 
-/// `token` names the call (granted) or the reservation (told to wait with a slot held).
 /// What `complete.lua` answers for a message moved to `registered` from the state `was` (its
 /// completion record before): changed unless it was registered already, and the reason it was
 /// dead for, if it was (see `Recorded`); nothing is learned (no raise).
@@ -2292,6 +2289,7 @@ fn registered_from(was: Option<&str>) -> (u8, String, u8) {
     }
 }
 
+/// `token` names the call (granted) or the reservation (told to wait with a slot held).
 fn acquired(
     algorithm: Algorithm,
     answer: &[redis::Value],
