@@ -33,6 +33,9 @@ pub const MOST_UNITS: u32 = 64;
 /// has seen how many its blocks get used (see [`Blocks::wanted`]).
 pub const FIRST_SIZE: u32 = 16;
 
+/// How often the blocks are looked through for ones that are over.
+const SWEEP_EVERY: Duration = Duration::from_millis(100);
+
 /// `mutex` locked (none of this module's locks is held across anything that can panic).
 fn locked<T>(mutex: &Mutex<T>) -> MutexGuard<'_, T> {
     mutex
@@ -359,15 +362,18 @@ impl Blocks {
     /// Blocks whose hold is over, closed, and ledgers written: those closed with every answer
     /// in, and those whose calls can no longer answer (a unit handed out but never called, a
     /// replica that lost track) with what they have. Also measures this replica's rate of
-    /// messages since the last sweep (see [`Self::first_size`]). Called by the store's sweeper
-    /// every 250 ms.
+    /// messages since the last sweep (see [`Self::first_size`]). At most once per
+    /// [`SWEEP_EVERY`] (an empty list otherwise).
     pub fn sweep(&self) -> Vec<Settled> {
         {
             let mut swept = locked(&self.swept);
             let since = swept.elapsed();
+            if since < SWEEP_EVERY {
+                return Vec::new();
+            }
             *swept = Instant::now();
             let asked = self.asking.swap(0, std::sync::atomic::Ordering::Relaxed) as f64;
-            let now = asked / since.as_secs_f64().max(0.001);
+            let now = asked / since.as_secs_f64();
             let mut rate = locked(&self.rate);
             *rate = if *rate == 0.0 {
                 now
@@ -570,6 +576,7 @@ mod tests {
         blocks.keep(&s1, "ab12", 4, 1_000, Instant::now(), 10);
         std::thread::sleep(Duration::from_millis(5));
         assert_eq!(blocks.take(&s1), None);
+        *blocks.swept.lock().unwrap() -= SWEEP_EVERY;
         assert_eq!(
             blocks.sweep(),
             vec![],
@@ -590,6 +597,7 @@ mod tests {
         blocks.keep(&s1, "ab12", 4, 1_000, Instant::now(), 10);
         let unit = blocks.take(&s1).unwrap();
         std::thread::sleep(Duration::from_millis(5));
+        *blocks.swept.lock().unwrap() -= SWEEP_EVERY;
         let settled = blocks.sweep();
         assert_eq!(settled.len(), 1);
         assert_eq!(settled[0].unused.len(), 3);

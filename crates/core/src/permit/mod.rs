@@ -906,6 +906,7 @@ impl PermitStore {
         let Some(blocks) = &self.blocks else {
             return Ok(None);
         };
+        self.settle_blocks(blocks.sweep());
         blocks.asking();
         if cost != Cost::ONE || !blocks.holds(seller) {
             return Ok(None);
@@ -1013,10 +1014,10 @@ impl PermitStore {
         Ok(decision)
     }
 
-    /// Looks through this replica's blocks every [`BLOCK_SWEEP`] (see [`Blocks::sweep`]), the
-    /// one place that closes blocks whose hold is over and writes their ledgers, whether or not
-    /// messages come; started with the first block, it ends once only it holds the blocks
-    /// (every clone of this store dropped).
+    /// Looks through this replica's blocks every [`BLOCK_SWEEP`] (see [`Blocks::sweep`]), as
+    /// each message and each answer does too, so that a replica that stops getting messages
+    /// still closes its blocks and writes their ledgers; started with the first block, it ends
+    /// once only it holds the blocks (every clone of this store dropped).
     fn start_sweeping(&self, blocks: &Arc<Blocks>) {
         if self.sweeping.set(()).is_err() {
             return;
@@ -1099,6 +1100,7 @@ impl PermitStore {
         let Some(blocks) = &self.blocks else {
             return false;
         };
+        self.settle_blocks(blocks.sweep());
         match blocks.answered(call, answered_us, accepted) {
             None => false,
             Some(settled) => {
