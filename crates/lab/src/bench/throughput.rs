@@ -150,6 +150,10 @@ pub struct Run {
     pub vs_bare_loop: f64,
     /// Versus the same loop with acks batched as turnstile batches them.
     pub vs_bare_batched: f64,
+    /// Turnstile with N replicas versus N bare parse-POST-ack loops side by side in the same
+    /// round (each its own connection and as many calls at once as a replica): the same shape
+    /// of work without permits. For one replica it is `vs_bare_loop`.
+    pub vs_bare_side_by_side: Option<f64>,
     /// Requests replicas sent to Redis (a script call or a pipeline counts once).
     pub redis_round_trips_per_message: Option<f64>,
     /// Scripts Redis ran (EVALSHA/EVAL).
@@ -272,7 +276,23 @@ pub async fn run(args: ThroughputArgs) -> anyhow::Result<bool> {
         row.push(bare);
         row.push(batched);
         for &replicas in &args.replicas {
-            row.push(bench.turnstile(replicas).await?);
+            let side_by_side_rate = if replicas > 1 {
+                let copies = bench
+                    .bare_copies(
+                        &format!("bare loop x{replicas}, side by side"),
+                        &bare_downstream,
+                        replicas,
+                    )
+                    .await?;
+                let rate = copies.per_second;
+                row.push(copies);
+                rate
+            } else {
+                bare_rate
+            };
+            let mut run = bench.turnstile(replicas).await?;
+            run.vs_bare_side_by_side = Some(run.per_second / side_by_side_rate);
+            row.push(run);
         }
         for run in &mut row {
             run.vs_bare_loop = run.per_second / bare_rate;
@@ -293,10 +313,16 @@ pub async fn run(args: ThroughputArgs) -> anyhow::Result<bool> {
         let mut of_row: Vec<Run> = rounds.iter_mut().map(|r| r.remove(0)).collect();
         let ratio = median(of_row.iter().map(|r| r.vs_bare_loop).collect());
         let ratio_batched = median(of_row.iter().map(|r| r.vs_bare_batched).collect());
+        let side_by_side: Vec<f64> = of_row
+            .iter()
+            .filter_map(|r| r.vs_bare_side_by_side)
+            .collect();
+        let ratio_side_by_side = (!side_by_side.is_empty()).then(|| median(side_by_side));
         of_row.sort_by(|a, b| a.per_second.total_cmp(&b.per_second));
         let mut typical = of_row.swap_remove(of_row.len() / 2);
         typical.vs_bare_loop = ratio;
         typical.vs_bare_batched = ratio_batched;
+        typical.vs_bare_side_by_side = ratio_side_by_side;
         runs.push(typical);
     }
     stop_mock.cancel();
@@ -304,13 +330,14 @@ pub async fn run(args: ThroughputArgs) -> anyhow::Result<bool> {
 
     println!();
     println!(
-        "{:<30} {:>7} {:>6} {:>8} {:>8} {:>10} {:>9} {:>11} {:>12} {:>10} {:>9} {:>5} {:>5}   CPU µs/msg: broker + Redis + this process",
+        "{:<34} {:>7} {:>6} {:>8} {:>8} {:>10} {:>8} {:>9} {:>11} {:>12} {:>10} {:>9} {:>5} {:>5}   CPU µs/msg: broker + Redis + this process",
         "run",
         "msgs",
         "secs",
         "msg/s",
         "vs bare",
         "vs batched",
+        "vs bare xN",
         "trips/msg",
         "scripts/msg",
         "commands/msg",
@@ -323,13 +350,15 @@ pub async fn run(args: ThroughputArgs) -> anyhow::Result<bool> {
     let opt_n = |v: Option<u64>| v.map_or("-".to_owned(), |v| v.to_string());
     for r in &runs {
         println!(
-            "{:<30} {:>7} {:>6.2} {:>8.0} {:>7.2}x {:>9.2}x {:>9} {:>11} {:>12} {:>8}µs {:>7}µs {:>5} {:>5}   {:>5.0} + {:>5.0} + {:>5.0}",
+            "{:<34} {:>7} {:>6.2} {:>8.0} {:>7.2}x {:>9.2}x {:>10} {:>9} {:>11} {:>12} {:>8}µs {:>7}µs {:>5} {:>5}   {:>5.0} + {:>5.0} + {:>5.0}",
             r.name,
             r.messages,
             r.seconds,
             r.per_second,
             r.vs_bare_loop,
             r.vs_bare_batched,
+            r.vs_bare_side_by_side
+                .map_or("-".to_owned(), |v| format!("{v:.2}x")),
             opt(r.redis_round_trips_per_message, 2),
             opt(r.redis_scripts_per_message, 2),
             opt(r.redis_commands_per_message, 1),
@@ -387,6 +416,7 @@ impl Run {
             per_second: messages as f64 / took.as_secs_f64(),
             vs_bare_loop: 0.0,
             vs_bare_batched: 0.0,
+            vs_bare_side_by_side: None,
             redis_round_trips_per_message: None,
             redis_scripts_per_message: None,
             redis_commands_per_message: None,
@@ -427,6 +457,36 @@ impl Bench<'_> {
         let topology = self.backlog().await?;
         let cpu = cpu_now(&self.redis_ports);
         let took = bare_loop(&self.settings, &topology, self.args.messages, kind).await?;
+        let used = cpu_now(&self.redis_ports) - cpu;
+        self.done_with(&topology).await?;
+        Ok(Run::bare(name, self.args.messages, took).with_cpu(used))
+    }
+
+    /// `copies` bare parse-POST-ack loops, each with its own connection, drain one fresh
+    /// backlog together (the bare counterpart of `copies` replicas).
+    async fn bare_copies(
+        &mut self,
+        name: &str,
+        downstream: &Downstream,
+        copies: usize,
+    ) -> anyhow::Result<Run> {
+        let topology = self.backlog().await?;
+        let cpu = cpu_now(&self.redis_ports);
+        let started = Instant::now();
+        let drained = CancellationToken::new();
+        let done = Arc::new(AtomicU64::new(0));
+        futures::future::try_join_all((0..copies).map(|_| {
+            bare_copy(
+                &self.settings,
+                &topology,
+                self.args.messages as u64,
+                downstream,
+                &done,
+                &drained,
+            )
+        }))
+        .await?;
+        let took = started.elapsed();
         let used = cpu_now(&self.redis_ports) - cpu;
         self.done_with(&topology).await?;
         Ok(Run::bare(name, self.args.messages, took).with_cpu(used))
@@ -532,6 +592,7 @@ impl Bench<'_> {
             per_second: registered as f64 / took.as_secs_f64(),
             vs_bare_loop: 0.0,
             vs_bare_batched: 0.0,
+            vs_bare_side_by_side: None,
             redis_round_trips_per_message: per_message(trips),
             redis_scripts_per_message: Some(scripts),
             redis_commands_per_message: Some(commands),
@@ -560,6 +621,58 @@ enum Loop<'a> {
     Register(&'a Downstream),
     /// The same, with acks batched as turnstile batches them ([`Settler`]).
     RegisterBatched(&'a Downstream),
+}
+
+/// One of several bare parse-POST-ack loops on one backlog of `messages`: it consumes until
+/// they have registered `messages` together (`done`), then cancels `drained` for the others.
+async fn bare_copy(
+    settings: &ConsumeArgs,
+    topology: &Topology,
+    messages: u64,
+    downstream: &Downstream,
+    done: &Arc<AtomicU64>,
+    drained: &CancellationToken,
+) -> anyhow::Result<()> {
+    let connection =
+        broker::connect(&settings.broker.amqp_url, "turnstile bench bare loop").await?;
+    let channel = connection.create_channel().await?;
+    channel
+        .basic_qos(settings.prefetch(), BasicQosOptions::default())
+        .await?;
+    let mut consumer = channel
+        .basic_consume(
+            topology.work().into(),
+            "bare".into(),
+            BasicConsumeOptions::default(),
+            FieldTable::default(),
+        )
+        .await?;
+    let workers = Arc::new(Semaphore::new(settings.workers as usize));
+    let tasks = tokio_util::task::TaskTracker::new();
+    loop {
+        let delivery = tokio::select! {
+            _ = drained.cancelled() => break,
+            delivery = consumer.next() => delivery.context("a bare loop's consumer ended")??,
+        };
+        let worker = workers.clone().acquire_owned().await?;
+        let (downstream, done, drained) = (downstream.clone(), done.clone(), drained.clone());
+        tasks.spawn(async move {
+            let registration = Registration::parse(&delivery.data, None)
+                .expect("the bench publishes valid registrations");
+            let reply = downstream.register(&registration).await;
+            drop(worker);
+            if matches!(reply, Reply::Registered) {
+                let _ = delivery.acker.ack(BasicAckOptions::default()).await;
+                if done.fetch_add(1, Ordering::Relaxed) + 1 >= messages {
+                    drained.cancel();
+                }
+            }
+        });
+    }
+    tasks.close();
+    tasks.wait().await;
+    let _ = connection.close(200, "done".into()).await;
+    Ok(())
 }
 
 /// A bare consumer of a backlog of `messages`; returns the time to drain it.
