@@ -6,7 +6,6 @@
 --   sliding-window, gcra, token-bucket, fixed-window   acquire (see sliding_window.lua)
 --   redeem, complete, ended, learn                     see redeem.lua, complete.lua, ended.lua,
 --                                                      learn.lua
---   block-end                                          see block_end.lua
 -- On Redis Cluster every key of a batch must hash to one slot: a replica batches only the
 -- operations of one seller there.
 --
@@ -27,7 +26,6 @@ local OPERATIONS = {
   ['complete'] = op_complete,
   ['ended'] = op_ended,
   ['learn'] = op_learn,
-  ['block-end'] = op_block_end,
 }
 
 local all_keys, all_args = KEYS, ARGV

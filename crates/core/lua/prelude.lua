@@ -666,8 +666,10 @@ local function block_unit(token, i)
 end
 
 -- Permit blocks (sliding-window): a call of one unit granted now (TOKEN, already in the log and
--- in flight) may take up to WANT more units at once for the same replica's next calls of the
--- seller, handed out within HOLD µs of NOW, each then sent within its own BOUND (a.bound).
+-- in flight) may take up to WANT more units at once into the seller's pool of unclaimed units
+-- (BLOCKED_KEY, score = NOW + HOLD), for the next calls of the seller by any replica: each is
+-- claimed (taken out of the pool) by an acquire (claim_idle) or by a replica's plain ZPOPMIN
+-- no later than NOW + HOLD in Redis time, and its call is then sent within its own BOUND (a.bound).
 -- Only while the seller is far from its limits: no reservation waiting (RESERVED_KEY empty), no
 -- shadow limit, no learned limit or quota applying (see with_learned), and, for every limit of
 -- the stack, the units in the log within its span and the calls of the calls gate within its
@@ -677,10 +679,9 @@ end
 -- and in flight in the calls until NOW + HOLD + BOUND, the latest a call made with it can
 -- answer (keep_calls: the calls set lives at least as long): the
 -- calls gate counts it, wherever in that time it is used, exactly as a call of that latency
--- (README, "Permit blocks"). Until the replica claims it (removes it from BLOCKED_KEY, a plain
--- ZREM, just before its call), an acquire short of room may reclaim it (reclaim_idle): units a
--- replica holds but does not use never keep another replica's call waiting. Returns how many
--- units were taken (0: none).
+-- (README, "Permit blocks"). Until it is claimed, an acquire short of room may reclaim it
+-- (reclaim_idle): units no one uses never keep a call waiting. Returns how many units were
+-- taken (0: none).
 local function take_block(a, limits, log_key, reserved_key, calls_key, blocked_key, now, want, hold)
   if want < 1 or a.cost ~= 1 or limits.configured ~= nil or limits.quota_until ~= nil then return 0 end
   if redis.call('EXISTS', reserved_key) == 1 then return 0 end
@@ -711,6 +712,24 @@ local function take_block(a, limits, log_key, reserved_key, calls_key, blocked_k
   redis.call('ZADD', blocked_key, unpack(idle))
   redis.call('PEXPIRE', blocked_key, math.floor(hold / 1000) + 1)
   return n
+end
+
+-- Claims a unit of the seller's pool (BLOCKED_KEY, see take_block) for a call asked for now:
+-- first every unit whose hold is over (score < NOW: a call asked for now could end after its
+-- END) is given back (it leaves the pool, the log and the calls), then the unit of the earliest
+-- hold is taken out of the pool. Its call, asked for before NOW, answers by its END. Returns the
+-- unit (nil: none) with its hold's end, and how many stale units were given back.
+local function claim_idle(blocked_key, log_key, calls_key, now)
+  local stale = redis.call('ZRANGEBYSCORE', blocked_key, '-inf', string.format('(%.0f', now))
+  for first = 1, #stale, 1000 do
+    local last = math.min(first + 999, #stale)
+    redis.call('ZREM', blocked_key, unpack(stale, first, last))
+    redis.call('ZREM', log_key, unpack(stale, first, last))
+    redis.call('ZREM', calls_key, unpack(stale, first, last))
+  end
+  local next = redis.call('ZPOPMIN', blocked_key)
+  if #next == 0 then return nil, 0, #stale end
+  return next[1], tonumber(next[2]), #stale
 end
 
 -- Takes back every permit-block unit of the seller not claimed yet (BLOCKED_KEY, see

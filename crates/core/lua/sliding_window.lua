@@ -13,8 +13,9 @@
 -- KEYS[8]  the seller's learned state (see with_learned in the prelude; used with FLAGS +4)
 -- KEYS[9]  the seller's shadow limit (see judge_shadow in the prelude), may be absent
 -- KEYS[10] the seller's shadow log (see judge_shadow)
--- KEYS[11] the seller's unclaimed permit-block units (see take_block and reclaim_idle in the
---          prelude): reclaimed when the call would otherwise wait
+-- KEYS[11] the seller's pool of unclaimed permit-block units (see take_block, claim_idle and
+--          reclaim_idle in the prelude): with BLOCK given, a unit of it is claimed before
+--          anything else is decided; reclaimed when the call would otherwise wait
 -- KEYS[12] optional: the message's completion record; if it exists nothing is written
 -- ARGV[1]  default COUNTS: the stack's counts, comma-separated (integers >= 1; 1 to 8 limits)
 -- ARGV[2]  default WINDOWS in µs, comma-separated, one per count (integers >= 1)
@@ -27,10 +28,13 @@
 -- ARGV[7]  BOUND in µs: the latest a granted call's answer (or timeout) comes back after its
 --          grant (integer >= 0)
 -- ARGV[8]  COST: units of every limit the call takes (integer from 1 to 10000)
--- ARGV[9]  optional BLOCK: with a grant, take up to BLOCK more units for this replica's next
---          calls of the seller (integer 0 to 64; 0 or absent = none; see take_block)
--- ARGV[10] with BLOCK: HOLD in µs, how long after the grant the replica hands out those units
--- Returns {STATUS, SLOT_US, NOW_US, COUNTS, WINDOWS_US, USED_PERMILLE, VERDICT, BLOCKED}
+-- ARGV[9]  optional BLOCK: the caller takes part in permit blocks. A call of one unit, not
+--          paused, under no learned limit or quota, is first granted a unit of the seller's pool
+--          if it holds one (claim_idle); else, with a grant, up to BLOCK more units go into the
+--          pool for the seller's next calls (integer 0 to 64; 0 = none; see take_block)
+-- ARGV[10] with BLOCK: HOLD in µs, how long after the grant those units may be claimed
+-- Returns {STATUS, SLOT_US, NOW_US, COUNTS, WINDOWS_US, USED_PERMILLE, VERDICT, BLOCKED, CALL,
+--          HELD_UNTIL_US, STALE}
 --   STATUS 1 = granted (call now), 2 = reserved (call at SLOT), 0 = denied (come back at SLOT;
 --   with reserving on, when the seller's reserved set is full: see far_ticket),
 --   3 = the message already registered (KEYS[12] says so),
@@ -41,20 +45,22 @@
 --   VERDICT (STATUS 0, 1, 2) is the shadow limit's: agree, stricter, looser or '' (see judge_shadow);
 --   COUNTS and WINDOWS_US are the learned ones when adaptive limits lowered them.
 --   BLOCKED (STATUS 1): how many block units were taken, named TOKEN-2 ... TOKEN-(BLOCKED+1).
+--   CALL (STATUS 1, with BLOCK): '' when the call is TOKEN, else the pool's unit that was
+--   claimed for it (its HELD_UNTIL_US, when its hold ends; USED_PERMILLE is then 0: a block is
+--   only granted with at most half of every limit used). STALE: units of the pool whose hold was
+--   over, given back.
 
 local a = acquire_args()
 -- This script takes the seller's permit-block units before the completion record.
 local blocked_key
 blocked_key, a.done = KEYS[11], KEYS[12]
-local block, hold = 0, 0
-if ARGV[9] ~= nil then
+local block, hold, pooled = 0, 0, ARGV[9] ~= nil
+if pooled then
   block = int_arg(9, 0)
   if block > MAX_BLOCK then error({err = 'ERR turnstile: BLOCK must be at most ' .. MAX_BLOCK}) end
-  if block > 0 then
-    hold = int_arg(10, 0)
-    if hold > 60000000 then error({err = 'ERR turnstile: HOLD must be at most 60 s'}) end
-    if blocked_key == nil then error({err = 'ERR turnstile: BLOCK needs KEYS[11]'}) end
-  end
+  hold = int_arg(10, 0)
+  if hold > 60000000 then error({err = 'ERR turnstile: HOLD must be at most 60 s'}) end
+  if blocked_key == nil then error({err = 'ERR turnstile: BLOCK needs KEYS[11]'}) end
 end
 local limits = with_spans(effective_limits(KEYS[2], a.limits, a.learned, a.cost), a.guard)
 local now = now_us()
@@ -63,6 +69,16 @@ if a.cost > limits.min_count then return never(limits.min_count, now, limits) en
 check_server(KEYS[5], KEYS[1], KEYS[3], limits.max_span, now, a.durable)
 
 local earliest = math.max(now, not_before(KEYS[3], limits, a.cost, now))
+local stale = 0
+if pooled and a.cost == 1 and earliest == now and limits.configured == nil
+  and limits.quota_until == nil then
+  local unit, held_until
+  unit, held_until, stale = claim_idle(blocked_key, KEYS[1], KEYS[6], now)
+  if unit ~= nil then
+    return {1, now, now, limits.counts, limits.windows, 0, '', 0, unit,
+      string.format('%.0f', held_until), stale}
+  end
+end
 redis.call('ZREMRANGEBYSCORE', KEYS[1], '-inf', now - limits.max_span)
 local last = nil
 -- The slot the log allows for COST more units, and how much of the limit it leaves taken.
@@ -110,4 +126,4 @@ local blocked = 0
 if status == 1 then
   blocked = take_block(a, limits, KEYS[1], KEYS[4], KEYS[6], blocked_key, now, block, hold)
 end
-return {status, slot, now, limits.counts, limits.windows, used, a.verdict or '', blocked}
+return {status, slot, now, limits.counts, limits.windows, used, a.verdict or '', blocked, '', 0, stale}

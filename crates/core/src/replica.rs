@@ -225,8 +225,8 @@ impl Connecting {
         let permits = worker.permits.clone();
         let done = tokio::spawn(async move {
             let ran = run(args, worker, nodes, session, ready_for_run, shutdown).await;
-            // What this replica's permit blocks did not use is free for the others at once.
-            let _ = tokio::time::timeout(Duration::from_secs(1), permits.give_back_blocks()).await;
+            // What calls made with permit-block units answered, written before the end.
+            let _ = tokio::time::timeout(Duration::from_secs(1), permits.write_pool_answers()).await;
             watcher_stop.cancel();
             let _ = watcher.await;
             ran

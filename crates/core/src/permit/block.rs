@@ -1,29 +1,32 @@
-//! Permit blocks: the units a replica took from Redis at once for its next calls of a seller
-//! (see `take_block` in `lua/prelude.lua` and README, "Permit blocks"), handed out here one by
-//! one without a script, and settled in one step when the block is over (`lua/block_end.lua`).
+//! Permit blocks: units a grant takes at once into the seller's pool in Redis (see `take_block`
+//! and `claim_idle` in `lua/prelude.lua` and README, "Permit blocks"), for the seller's next
+//! calls by every replica. What a replica keeps of them here is small and only a hint:
 //!
-//! A block is only granted while the seller is far from its limits, so a replica busy with many
-//! sellers far from theirs asks Redis for one acquire per block instead of one per call. Each
-//! unit is counted in flight in the seller's calls from the grant until grant + hold + the
-//! call's bound, so the calls gate sees it wherever in that time it is used: a unit is handed
-//! out only within the hold, measured on this replica's monotonic clock from *before* the
-//! grant was asked (so never later, in Redis time, than grant + hold).
+//! - the sellers whose pool it saw units in lately ([`Blocks::tries_pool`]): their next message
+//!   claims a unit with one plain `ZPOPMIN` beside its completion-record read, no script; an
+//!   empty pool sends it to an acquire, which claims from the pool first too;
+//! - the units it claimed whose call is not recorded yet ([`Blocks::recorded`]): their
+//!   registration is recorded with plain commands (the calls are counted in Redis already);
+//! - how many units to ask for, by seller ([`Blocks::wanted`]).
 //!
-//! What a block's calls answered (the call that took it, its unit 1, included) is kept here (its
-//! [`Ledger`]) and written when the block is
-//! over and every call it handed out has answered (or could no longer answer): the ends of its
-//! calls, its accepted calls for adaptive limits, and its units not handed out, given back. Until
-//! then, and if the replica dies first, each unit keeps its place until its bound: later than
-//! needed, never too early.
+//! A block is only granted while the seller is far from its limits. Each unit is counted in
+//! flight in the seller's calls from the grant until the end of its hold plus a call's bound,
+//! and claimed no later than the end of its hold in Redis time (an acquire checks on Redis's
+//! clock; a plain claim checks its unit's hold against an upper bound of Redis's clock, see
+//! `RedisClock` in `permit`), so the calls gate sees it wherever in that time it is used.
+//! Nothing here has to be written back: a unit no one claims leaves the pool, the log and the
+//! calls at the next acquire of the seller after its hold (or when one is short of room), or
+//! expires with them.
 
 use std::collections::HashMap;
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Mutex, MutexGuard};
 use std::time::{Duration, Instant};
 
 use crate::domain::SellerId;
 
-/// Most sellers with a block held at once by one replica: beyond it, no new block is asked for
-/// until one is over (memory stays bounded however many sellers a replica sees).
+/// Most sellers one replica keeps a pool hint or a size for: beyond it, no new block is asked
+/// for and the sizes start over (memory stays bounded however many sellers a replica sees).
 pub const MOST_BLOCKS: usize = 4096;
 
 /// Most units a block takes besides the call that asks for it (`MAX_BLOCK` in the prelude).
@@ -33,8 +36,12 @@ pub const MOST_UNITS: u32 = 64;
 /// has seen how many its blocks get used (see [`Blocks::wanted`]).
 pub const FIRST_SIZE: u32 = 16;
 
-/// How often the blocks are looked through for ones that are over.
-const SWEEP_EVERY: Duration = Duration::from_millis(100);
+/// Most claimed units whose record is awaited: beyond it they are forgotten (their records
+/// then go through `complete.lua`, which is right for any call).
+const MOST_CLAIMED: usize = 65_536;
+
+/// How often this replica's rate of messages is measured.
+const MEASURE_EVERY: Duration = Duration::from_millis(100);
 
 /// `mutex` locked (none of this module's locks is held across anything that can panic).
 fn locked<T>(mutex: &Mutex<T>) -> MutexGuard<'_, T> {
@@ -43,101 +50,81 @@ fn locked<T>(mutex: &Mutex<T>) -> MutexGuard<'_, T> {
         .expect("a permit block's lock is never poisoned")
 }
 
-/// One seller's block while its units are handed out.
-#[derive(Debug)]
-struct Block {
-    token: String,
-    /// Unit numbers not handed out yet (2 to units + 1), the next one last.
-    free: Vec<u32>,
-    /// How many units it took.
-    units: usize,
-    /// Redis time of the grant (µs).
-    granted_us: i64,
-    /// This replica's clock before the grant was asked.
-    asked: Instant,
-    used_permille: u32,
+/// The seller's accepted log's bounds under the stack that applies to it (its longest window +
+/// guard, its largest COUNT): a registration made with a pool unit is noted in it with plain
+/// commands, kept as `note_accepted` (`lua/prelude.lua`) keeps it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct LogBounds {
+    pub span_us: u64,
+    pub most: u64,
 }
 
-/// What a block's calls answered, until it is written (see the module's doc).
-#[derive(Debug)]
-struct Ledger {
-    seller: SellerId,
-    asked: Instant,
-    /// Units handed out whose answer is not known yet.
-    pending: usize,
-    /// No more units are handed out.
-    closed: bool,
-    done: Settled,
-}
-
-/// A block over, to write to Redis in one step (`lua/block_end.lua`).
+/// What calls of a seller made with pool units answered, to write together (see
+/// [`Blocks::answered`]): (when the answer came, Redis µs, an upper bound; the call), and the
+/// seller's accepted log's bounds.
 #[derive(Debug, Clone, PartialEq, Eq)]
-pub struct Settled {
-    pub seller: SellerId,
-    pub token: String,
-    /// Units never handed out: given back.
-    pub unused: Vec<u32>,
-    /// (unit, when its answer came: Redis µs, an upper bound; -1 = when written, accepted).
-    pub answers: Vec<(u32, i64, bool)>,
+pub struct Answers {
+    pub calls: Vec<(i64, String)>,
+    pub bounds: LogBounds,
 }
 
-/// A unit handed out: the call it names and an upper bound of Redis time now.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct Unit {
-    pub call: String,
-    pub granted_us: i64,
-    pub used_permille: u32,
+/// Most answers kept for one seller before they are written at once.
+const MOST_ANSWERS: usize = 64;
+
+/// What this replica asked for and saw of a seller's blocks.
+#[derive(Debug, Clone, Copy, Default)]
+struct Size {
+    /// Units to ask for next (0 once: a block went unused, see [`Blocks::wanted`]).
+    next: u32,
+    /// Units of the last block this replica took, not yet judged (see [`Blocks::acquired`]).
+    last: u32,
 }
 
-/// The blocks one replica holds, by seller, and the ledgers of those not written yet.
+/// One replica's hints about the seller pools (see the module's doc).
 #[derive(Debug)]
 pub struct Blocks {
-    held: Mutex<HashMap<SellerId, Block>>,
-    /// By the token of the call that took the block.
-    ledgers: Mutex<HashMap<String, Ledger>>,
-    /// How many units to ask for next, by seller (see [`Blocks::wanted`]); at most
-    /// [`MOST_BLOCKS`] sellers (forgotten all at once beyond).
-    sizes: Mutex<HashMap<SellerId, u32>>,
-    /// Units a block of this replica's got used, on average (exponentially weighted over the
-    /// last blocks of every seller): a new seller's first block is sized by it.
+    /// Until when a message of the seller tries a plain claim first.
+    pools: Mutex<HashMap<SellerId, Instant>>,
+    /// How often a seller this replica saw no pool of lately had one anyway (another replica's),
+    /// exponentially weighted: above one half, such a seller's message tries a plain claim
+    /// first too (see [`Self::guesses_pool`]).
+    found_unseen: Mutex<f64>,
+    /// Units claimed whose registration is not recorded yet.
+    claimed: Mutex<HashMap<String, LogBounds>>,
+    /// Answers of calls made with pool units, by seller, not written yet.
+    answers: Mutex<HashMap<SellerId, Answers>>,
+    sizes: Mutex<HashMap<SellerId, Size>>,
+    /// Units a block got used, on average (exponentially weighted over the last blocks this
+    /// replica judged): a new seller's first block is sized by it.
     typical: Mutex<f64>,
     /// Most units asked for with a grant.
     want: u32,
-    /// How long after it was asked a block's units are handed out.
+    /// How long after its grant a block's units may be claimed.
     hold: Duration,
-    /// How long after it was asked a block's calls may still answer: the hold plus a call's
-    /// bound. A ledger is written by then whatever it still waits for.
-    settle_by: Duration,
-    /// When the blocks were last looked through.
-    swept: Mutex<Instant>,
-    /// Messages that asked for a grant since the last sweep, and this replica's rate of them
-    /// (per second, exponentially weighted; 0 until measured).
-    asking: std::sync::atomic::AtomicU64,
+    /// When the rate was last measured, messages that asked since, and the rate (per second,
+    /// exponentially weighted; 0 until measured).
+    measured: Mutex<Instant>,
+    asking: AtomicU64,
     rate: Mutex<f64>,
 }
 
 impl Blocks {
-    /// Blocks of up to `want` units (at most [`MOST_UNITS`]), handed out within `hold`, whose
-    /// calls answer within `bound` of being handed out.
-    pub fn new(want: u32, hold: Duration, bound: Duration) -> Self {
+    /// Blocks of up to `want` units (at most [`MOST_UNITS`]) whose units may be claimed within
+    /// `hold` of their grant.
+    pub fn new(want: u32, hold: Duration) -> Self {
         Self {
-            held: Mutex::default(),
-            ledgers: Mutex::default(),
+            pools: Mutex::default(),
+            found_unseen: Mutex::new(0.0),
+            claimed: Mutex::default(),
+            answers: Mutex::default(),
             sizes: Mutex::default(),
             typical: Mutex::new(f64::from(FIRST_SIZE) / 1.5),
             want: want.min(MOST_UNITS),
             hold,
-            settle_by: hold + bound,
-            swept: Mutex::new(Instant::now()),
-            asking: std::sync::atomic::AtomicU64::new(0),
+            measured: Mutex::new(Instant::now()),
+            asking: AtomicU64::new(0),
             rate: Mutex::new(0.0),
         }
-    }
-
-    /// A message asks for a grant (for the replica's rate, see [`Self::wanted`]).
-    pub fn asking(&self) {
-        self.asking
-            .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
     }
 
     /// The hold in µs, as the script takes it.
@@ -145,47 +132,156 @@ impl Blocks {
         self.hold.as_micros() as u64
     }
 
-    /// How many units to ask for with a grant of `seller`: as many as this replica handed out
-    /// of the seller's last block within its hold, twice as many when it handed out all of
-    /// them, for a seller not seen lately half again what this replica's blocks get used on
-    /// average, at most the configured most. After a
-    /// block of which nothing was handed out, one grant asks for none, the next for one unit
-    /// (a seller with a message now and then costs no block each time). None while this
-    /// replica holds as many blocks (or ledgers) as it may.
+    /// A message asks for a grant (for the replica's rate, see [`Self::wanted`]).
+    pub fn asking(&self) {
+        self.asking.fetch_add(1, Ordering::Relaxed);
+        let mut measured = locked(&self.measured);
+        let since = measured.elapsed();
+        if since < MEASURE_EVERY {
+            return;
+        }
+        *measured = Instant::now();
+        let now = self.asking.swap(0, Ordering::Relaxed) as f64 / since.as_secs_f64();
+        let mut rate = locked(&self.rate);
+        *rate = if *rate == 0.0 {
+            now
+        } else {
+            0.7 * *rate + 0.3 * now
+        };
+    }
+
+    /// Whether this replica saw units in the seller's pool within the last hold: its next
+    /// message tries a plain claim first.
+    pub fn tries_pool(&self, seller: &SellerId) -> bool {
+        let mut pools = locked(&self.pools);
+        match pools.get(seller) {
+            Some(until) if Instant::now() < *until => true,
+            Some(_) => {
+                pools.remove(seller);
+                false
+            }
+            None => false,
+        }
+    }
+
+    /// Whether a message of a seller whose pool this replica has not seen lately should try a
+    /// plain claim first all the same: most such sellers had one lately (other replicas took
+    /// blocks for them), so a claim that finds none costs less than the acquires that would find
+    /// one.
+    pub fn guesses_pool(&self) -> bool {
+        *locked(&self.found_unseen) > 0.5
+    }
+
+    /// A seller whose pool this replica had not seen lately had units in it (`found`) or not.
+    pub fn unseen_pool(&self, found: bool) {
+        let mut rate = locked(&self.found_unseen);
+        *rate = 0.95 * *rate + if found { 0.05 } else { 0.0 };
+    }
+
+    /// The seller's pool had units when this replica asked at `asked` (it took a block into it,
+    /// or claimed from it).
+    pub fn saw_pool(&self, seller: &SellerId, asked: Instant) {
+        let mut pools = locked(&self.pools);
+        if pools.len() >= MOST_BLOCKS && !pools.contains_key(seller) {
+            pools.retain(|_, until| Instant::now() < *until);
+            if pools.len() >= MOST_BLOCKS {
+                return;
+            }
+        }
+        pools.insert(seller.clone(), asked + self.hold);
+    }
+
+    /// The seller's pool was found empty (or is no longer to be used: its terms changed).
+    pub fn pool_gone(&self, seller: &SellerId) {
+        locked(&self.pools).remove(seller);
+    }
+
+    /// Notes the unit `call` claimed by this replica (or the call that took a block), under a
+    /// stack of `bounds`.
+    pub fn claimed(&self, call: &str, bounds: LogBounds) {
+        let mut claimed = locked(&self.claimed);
+        if claimed.len() >= MOST_CLAIMED {
+            claimed.clear();
+        }
+        claimed.insert(call.to_owned(), bounds);
+    }
+
+    /// Forgets the claimed unit `call` (its call was answered); the bounds it was noted with,
+    /// if it was one this replica claimed.
+    pub fn recorded(&self, call: &str) -> Option<LogBounds> {
+        locked(&self.claimed).remove(call)
+    }
+
+    /// The call `call` of the seller, made with a pool unit (or one that took a block),
+    /// registered; its answer came at `at` (Redis µs, an upper bound). Its end in the seller's
+    /// calls and its place in the accepted log are written later with others of the seller's
+    /// ([`Self::take_answers`]): the seller's answers, if they are now as many as are kept (or
+    /// this replica keeps as many sellers as it may: this one alone), to write at once.
+    pub fn answered(
+        &self,
+        seller: &SellerId,
+        call: &str,
+        at: i64,
+        bounds: LogBounds,
+    ) -> Option<(SellerId, Answers)> {
+        let mut answers = locked(&self.answers);
+        if answers.len() >= MOST_BLOCKS && !answers.contains_key(seller) {
+            let calls = vec![(at, call.to_owned())];
+            return Some((seller.clone(), Answers { calls, bounds }));
+        }
+        let kept = answers.entry(seller.clone()).or_insert_with(|| Answers {
+            calls: Vec::new(),
+            bounds,
+        });
+        kept.calls.push((at, call.to_owned()));
+        kept.bounds = bounds;
+        if kept.calls.len() >= MOST_ANSWERS {
+            return answers.remove_entry(seller);
+        }
+        None
+    }
+
+    /// Every answer kept, by seller, to write now.
+    pub fn take_answers(&self) -> Vec<(SellerId, Answers)> {
+        locked(&self.answers).drain().collect()
+    }
+
+    /// How many units to ask for with a grant of `seller`: as many as the seller's last block
+    /// taken here got used, twice as many when it was used up, for a seller not seen lately half
+    /// again what blocks get used on average, at most the configured most. After a block of
+    /// which nothing was used, one grant asks for none, the next for one unit (a seller with a
+    /// message now and then costs no block each time). None while this replica keeps as many
+    /// sellers as it may.
     pub fn wanted(&self, seller: &SellerId) -> u32 {
         if self.want == 0 {
             return 0;
         }
-        {
-            let held = locked(&self.held);
-            if held.len() >= MOST_BLOCKS && !held.contains_key(seller) {
-                return 0;
-            }
-        }
-        if locked(&self.ledgers).len() >= 2 * MOST_BLOCKS {
-            return 0;
-        }
         let mut sizes = locked(&self.sizes);
+        let full = sizes.len() >= MOST_BLOCKS;
         match sizes.get_mut(seller) {
-            Some(size) if *size == 0 => {
-                *size = 1;
+            Some(size) if size.next == 0 => {
+                size.next = 1;
                 0
             }
-            Some(size) => (*size).min(self.want),
-            None => self.first_size(),
+            Some(size) => size.next.min(self.want),
+            None if full => 0,
+            None => {
+                drop(sizes);
+                self.first_size()
+            }
         }
     }
 
-    /// A new seller's first block: half again what this replica's blocks get used on average
-    /// (see [`FIRST_SIZE`] for the start), and, once this replica's rate of messages is known,
-    /// no more than 1.5 × the messages it can expect of one seller within a hold: its rate ×
-    /// the hold, shared by the sellers it holds blocks of. At least 2.
+    /// A new seller's first block: half again what blocks get used on average (see
+    /// [`FIRST_SIZE`] for the start), and, once this replica's rate of messages is known, no
+    /// more than 1.5 × the messages it can expect of one seller within a hold: its rate × the
+    /// hold, shared by the sellers it sees pools of. At least 2.
     fn first_size(&self) -> u32 {
         let typical = *locked(&self.typical);
         let mut size = typical * 1.5;
         let rate = *locked(&self.rate);
         if rate > 0.0 {
-            let sellers = self.len().max(1) as f64;
+            let sellers = locked(&self.pools).len().max(1) as f64;
             size = size.min(rate * self.hold.as_secs_f64() / sellers * 1.5);
         }
         (size.ceil() as u32)
@@ -193,280 +289,42 @@ impl Blocks {
             .min(self.want)
     }
 
-    /// Notes how a block of `units` ended: `used` of them handed out.
-    fn note_size(&self, seller: &SellerId, units: usize, used: usize) {
-        {
-            let mut typical = locked(&self.typical);
-            *typical = 0.9 * *typical + 0.1 * used as f64;
-        }
-        let next = if used >= units {
-            (2 * units).min(self.want as usize)
-        } else {
-            used
-        };
+    /// An acquire of the seller answered: it took `taken` units into the pool, and found
+    /// `stale` units left there unused after their hold (given back). The last block this
+    /// replica took is judged by what the pool says: a pool that ran dry (nothing stale) used it
+    /// up, so the next asks for twice as many; units left stale were not needed.
+    pub fn acquired(&self, seller: &SellerId, taken: u32, stale: u32) {
         let mut sizes = locked(&self.sizes);
         if sizes.len() >= MOST_BLOCKS && !sizes.contains_key(seller) {
             sizes.clear();
         }
-        sizes.insert(seller.clone(), next as u32);
-    }
-
-    /// Whether the seller's block is within its hold with a unit left.
-    pub fn holds(&self, seller: &SellerId) -> bool {
-        let held = locked(&self.held);
-        held.get(seller)
-            .is_some_and(|b| !b.free.is_empty() && b.asked.elapsed() < self.hold)
-    }
-
-    /// Hands out a unit of the seller's block, if it holds one still within its hold.
-    pub fn take(&self, seller: &SellerId) -> Option<Unit> {
-        let mut held = locked(&self.held);
-        let block = held.get_mut(seller)?;
-        let since = block.asked.elapsed();
-        if since >= self.hold {
-            return None;
-        }
-        let unit = block.free.pop()?;
-        let taken = Unit {
-            call: format!("{}-{unit}", block.token),
-            granted_us: block
-                .granted_us
-                .saturating_add(since.as_micros().min(i64::MAX as u128) as i64),
-            used_permille: block.used_permille,
-        };
-        if let Some(ledger) = locked(&self.ledgers).get_mut(&block.token) {
-            ledger.pending += 1;
-        }
-        if block.free.is_empty() {
-            let block = held.remove(seller).expect("the block is held");
-            drop(held);
-            // Used up: nothing to give back, its ledger waits for the answers.
-            let closed = self.close(seller, block);
-            debug_assert!(closed.is_none());
-        }
-        Some(taken)
-    }
-
-    /// Keeps a block of `units` granted with the call `token` at Redis time `granted_us`, asked
-    /// at `asked`; returns what the seller's previous block left to write, if it is over.
-    pub fn keep(
-        &self,
-        seller: &SellerId,
-        token: &str,
-        units: u32,
-        granted_us: i64,
-        asked: Instant,
-        used_permille: u32,
-    ) -> Option<Settled> {
-        if units == 0 {
-            return None;
-        }
-        let units = units.min(MOST_UNITS);
-        let block = Block {
-            token: token.to_owned(),
-            free: (2..=units + 1).rev().collect(),
-            units: units as usize,
-            granted_us,
-            asked,
-            used_permille,
-        };
-        locked(&self.ledgers).insert(
-            token.to_owned(),
-            Ledger {
-                seller: seller.clone(),
-                asked,
-                // The call that took the block is its unit 1, handed out with the grant.
-                pending: 1,
-                closed: false,
-                done: Settled {
-                    seller: seller.clone(),
-                    token: token.to_owned(),
-                    unused: Vec::new(),
-                    answers: Vec::new(),
-                },
-            },
-        );
-        let old = locked(&self.held).insert(seller.clone(), block);
-        old.and_then(|old| self.close(seller, old))
-    }
-
-    /// Ends the handing out of a block: its size noted (see [`Self::wanted`]), its free units
-    /// to give back; its ledger, if nothing it handed out still waits for an answer.
-    fn close(&self, seller: &SellerId, block: Block) -> Option<Settled> {
-        self.note_size(seller, block.units, block.units - block.free.len());
-        let mut ledgers = locked(&self.ledgers);
-        let ledger = ledgers.get_mut(&block.token)?;
-        ledger.closed = true;
-        ledger.done.unused.extend(block.free);
-        if ledger.pending == 0 {
-            return ledgers.remove(&block.token).map(|l| l.done);
-        }
-        None
-    }
-
-    /// Notes the answer of `call`, if it is a unit of one of this replica's blocks (else
-    /// `None`: not a block's): when it came (Redis µs, an upper bound; `None`: unknown, taken
-    /// as when the ledger is written) and whether the downstream accepted it. Answers
-    /// `Some(Some(..))` when that was the last answer its block waited for.
-    pub fn answered(
-        &self,
-        call: &str,
-        answered_us: Option<i64>,
-        accepted: bool,
-    ) -> Option<Option<Settled>> {
-        // Unit 1 is the call that took the block, named by the token itself.
-        let (token, unit) = match call.rsplit_once('-') {
-            Some((token, unit)) => (token, unit.parse().ok()?),
-            None => (call, 1),
-        };
-        self.unit_done(token, unit, |done| {
-            done.answers
-                .push((unit, answered_us.unwrap_or(-1).max(-1), accepted))
-        })
-    }
-
-    /// Unit `unit` the ledger of `token` waited for is done, `note`d in what it will write
-    /// (`None`: no ledger of this replica's); answers what it leaves to write if that was the
-    /// last. A unit noted already (a record retried) changes nothing.
-    fn unit_done(
-        &self,
-        token: &str,
-        unit: u32,
-        note: impl FnOnce(&mut Settled),
-    ) -> Option<Option<Settled>> {
-        let mut ledgers = locked(&self.ledgers);
-        let ledger = ledgers.get_mut(token)?;
-        if ledger.done.answers.iter().any(|(u, _, _)| *u == unit)
-            || ledger.done.unused.contains(&unit)
-        {
-            return Some(None);
-        }
-        ledger.pending = ledger.pending.saturating_sub(1);
-        note(&mut ledger.done);
-        if ledger.closed && ledger.pending == 0 {
-            return Some(ledgers.remove(token).map(|l| l.done));
-        }
-        Some(None)
-    }
-
-    /// A unit handed out whose call will not be made (its message registered already, the
-    /// seller is paused, or its claim failed: reclaimed): given back with its block. Answers
-    /// what the block leaves to write if that was the last unit it waited for.
-    pub fn release(&self, call: &str) -> Option<Settled> {
-        let (token, unit) = call.rsplit_once('-')?;
-        let unit: u32 = unit.parse().ok()?;
-        self.unit_done(token, unit, |done| done.unused.push(unit))
-            .flatten()
-    }
-
-    /// Blocks whose hold is over, closed, and ledgers written: those closed with every answer
-    /// in, and those whose calls can no longer answer (a unit handed out but never called, a
-    /// replica that lost track) with what they have. Also measures this replica's rate of
-    /// messages since the last sweep (see [`Self::first_size`]). At most once per
-    /// [`SWEEP_EVERY`] (an empty list otherwise).
-    pub fn sweep(&self) -> Vec<Settled> {
-        {
-            let mut swept = locked(&self.swept);
-            let since = swept.elapsed();
-            if since < SWEEP_EVERY {
-                return Vec::new();
-            }
-            *swept = Instant::now();
-            let asked = self.asking.swap(0, std::sync::atomic::Ordering::Relaxed) as f64;
-            let now = asked / since.as_secs_f64();
-            let mut rate = locked(&self.rate);
-            *rate = if *rate == 0.0 {
-                now
+        let size = sizes.entry(seller.clone()).or_insert(Size {
+            next: FIRST_SIZE.min(self.want),
+            last: 0,
+        });
+        if size.last > 0 && (taken > 0 || stale > 0) {
+            let used = size.last.saturating_sub(stale);
+            size.next = if used >= size.last {
+                (2 * size.last).min(self.want)
             } else {
-                0.7 * *rate + 0.3 * now
+                used
             };
+            let mut typical = locked(&self.typical);
+            *typical = 0.9 * *typical + 0.1 * f64::from(used);
         }
-        let over: Vec<(SellerId, Block)> = {
-            let mut held = locked(&self.held);
-            let sellers: Vec<SellerId> = held
-                .iter()
-                .filter(|(_, b)| b.asked.elapsed() >= self.hold)
-                .map(|(seller, _)| seller.clone())
-                .collect();
-            sellers
-                .into_iter()
-                .filter_map(|seller| held.remove(&seller).map(|b| (seller, b)))
-                .collect()
-        };
-        let mut settled: Vec<Settled> = over
-            .into_iter()
-            .filter_map(|(seller, old)| self.close(&seller, old))
-            .collect();
-        settled.extend(self.overdue(self.settle_by));
-        settled
-    }
-
-    /// Takes the seller's block away (its limit changed or it was paused: no more units are
-    /// handed out); what it leaves to write, if nothing it handed out waits for an answer.
-    pub fn drop_seller(&self, seller: &SellerId) -> Option<Settled> {
-        self.drop_if(seller, |_| true)
-    }
-
-    /// Takes the seller's block away if it is the one that handed out `call` (not a newer one).
-    pub fn drop_block_of(&self, seller: &SellerId, call: &str) -> Option<Settled> {
-        let token = call.rsplit_once('-').map_or(call, |(token, _)| token);
-        self.drop_if(seller, |block| block.token == token)
-    }
-
-    fn drop_if(&self, seller: &SellerId, which: impl Fn(&Block) -> bool) -> Option<Settled> {
-        let old = {
-            let mut held = locked(&self.held);
-            if !held.get(seller).is_some_and(which) {
-                return None;
+        if taken > 0 {
+            size.last = taken;
+            if size.next == 0 {
+                size.next = 1;
             }
-            held.remove(seller)
-        };
-        old.and_then(|old| self.close(seller, old))
-    }
-
-    /// Ledgers asked for at least `age` ago, removed (with their blocks, if still held).
-    fn overdue(&self, age: Duration) -> Vec<Settled> {
-        // Locked in the order `take` locks them: held, then ledgers.
-        let mut held = locked(&self.held);
-        let mut ledgers = locked(&self.ledgers);
-        let tokens: Vec<String> = ledgers
-            .iter()
-            .filter(|(_, l)| l.asked.elapsed() >= age)
-            .map(|(token, _)| token.clone())
-            .collect();
-        let mut ended = Vec::new();
-        let settled = tokens
-            .into_iter()
-            .filter_map(|token| {
-                let mut ledger = ledgers.remove(&token)?;
-                if held.get(&ledger.seller).is_some_and(|b| b.token == token)
-                    && let Some(block) = held.remove(&ledger.seller)
-                {
-                    ended.push((
-                        ledger.seller.clone(),
-                        block.units,
-                        block.units - block.free.len(),
-                    ));
-                    ledger.done.unused.extend(block.free);
-                }
-                Some(ledger.done)
-            })
-            .collect();
-        drop((held, ledgers));
-        for (seller, units, used) in ended {
-            self.note_size(&seller, units, used);
+        } else if stale > 0 {
+            size.last = 0;
         }
-        settled
     }
 
-    /// Every block and ledger taken away (shutdown), to write with what they have.
-    pub fn drain(&self) -> Vec<Settled> {
-        self.overdue(Duration::ZERO)
-    }
-
-    /// Sellers with a block held now.
+    /// Sellers whose pool this replica tries now.
     pub fn len(&self) -> usize {
-        locked(&self.held).len()
+        locked(&self.pools).len()
     }
 
     pub fn is_empty(&self) -> bool {
@@ -483,165 +341,102 @@ mod tests {
     }
 
     fn blocks(want: u32) -> Blocks {
-        Blocks::new(want, Duration::from_secs(60), Duration::from_secs(60))
+        Blocks::new(want, Duration::from_secs(60))
     }
 
+    const BOUNDS: LogBounds = LogBounds {
+        span_us: 63_000_000,
+        most: 100,
+    };
+
     #[test]
-    fn a_block_hands_out_each_unit_once_in_order_then_is_gone() {
-        let blocks = blocks(3);
-        blocks.keep(&seller("S-1"), "ab12", 3, 1_000, Instant::now(), 10);
-        let calls: Vec<String> =
-            std::iter::from_fn(|| blocks.take(&seller("S-1")).map(|u| u.call)).collect();
-        assert_eq!(calls, ["ab12-2", "ab12-3", "ab12-4"]);
+    fn a_seller_is_tried_from_its_pool_only_within_the_hold_after_its_units_were_seen() {
+        let blocks = Blocks::new(16, Duration::from_millis(50));
+        let s1 = seller("S-1");
+        assert!(!blocks.tries_pool(&s1));
+        blocks.saw_pool(&s1, Instant::now());
+        assert!(blocks.tries_pool(&s1));
+        blocks.saw_pool(&s1, Instant::now() - Duration::from_millis(60));
+        assert!(!blocks.tries_pool(&s1), "asked more than a hold ago");
         assert!(blocks.is_empty());
     }
 
     #[test]
-    fn a_used_up_block_is_written_once_its_last_call_answered_with_every_answer() {
-        let blocks = blocks(2);
+    fn an_empty_pool_is_not_tried_again() {
+        let blocks = blocks(16);
         let s1 = seller("S-1");
-        blocks.keep(&s1, "ab12", 2, 0, Instant::now(), 0);
-        let first = blocks.take(&s1).unwrap();
-        let second = blocks.take(&s1).unwrap();
-        assert_eq!(blocks.answered(&first.call, Some(100), true), Some(None));
-        assert_eq!(blocks.answered(&second.call, Some(200), false), Some(None));
-        let settled = blocks.answered("ab12", Some(50), true).unwrap().unwrap();
-        assert_eq!(settled.token, "ab12");
-        assert_eq!(settled.unused, Vec::<u32>::new());
+        blocks.saw_pool(&s1, Instant::now());
+        blocks.pool_gone(&s1);
+        assert!(!blocks.tries_pool(&s1));
+    }
+
+    #[test]
+    fn sellers_not_seen_are_tried_from_their_pool_once_most_such_had_one() {
+        let blocks = blocks(16);
+        assert!(!blocks.guesses_pool());
+        for _ in 0..40 {
+            blocks.unseen_pool(true);
+        }
+        assert!(blocks.guesses_pool());
+        for _ in 0..40 {
+            blocks.unseen_pool(false);
+        }
+        assert!(!blocks.guesses_pool());
+    }
+
+    #[test]
+    fn answers_are_kept_by_seller_until_taken_or_as_many_as_are_kept() {
+        let blocks = blocks(16);
+        let (s1, s2) = (seller("S-1"), seller("S-2"));
+        assert_eq!(blocks.answered(&s1, "a-2", 10, BOUNDS), None);
+        assert_eq!(blocks.answered(&s2, "b-2", 11, BOUNDS), None);
+        assert_eq!(blocks.answered(&s1, "a-3", 12, BOUNDS), None);
+        let mut taken = blocks.take_answers();
+        taken.sort_by(|a, b| a.0.as_str().cmp(b.0.as_str()));
+        assert_eq!(taken.len(), 2);
         assert_eq!(
-            settled.answers,
-            vec![(2, 100, true), (3, 200, false), (1, 50, true)]
+            taken[0].1.calls,
+            vec![(10, "a-2".to_owned()), (12, "a-3".to_owned())]
         );
-        assert_eq!(blocks.answered(&second.call, Some(300), true), None);
+        assert!(blocks.take_answers().is_empty());
+        for i in 1..MOST_ANSWERS {
+            assert_eq!(blocks.answered(&s1, &format!("c-{i}"), 1, BOUNDS), None);
+        }
+        let full = blocks.answered(&s1, "c-last", 1, BOUNDS).unwrap();
+        assert_eq!(full.1.calls.len(), MOST_ANSWERS);
+        assert!(blocks.take_answers().is_empty());
     }
 
     #[test]
-    fn a_unit_released_is_given_back_with_the_units_never_handed_out() {
-        let blocks = blocks(3);
-        let s1 = seller("S-1");
-        blocks.keep(&s1, "ab12", 3, 0, Instant::now(), 0);
-        let unit = blocks.take(&s1).unwrap();
-        assert_eq!(blocks.release(&unit.call), None);
-        assert_eq!(
-            blocks.drop_seller(&s1),
-            None,
-            "the call that took it is pending"
-        );
-        let settled = blocks.answered("ab12", Some(5), true).unwrap().unwrap();
-        let mut unused = settled.unused.clone();
-        unused.sort();
-        assert_eq!(unused, [2, 3, 4]);
-        assert_eq!(settled.answers, vec![(1, 5, true)]);
+    fn a_claimed_unit_is_recorded_once_with_its_span() {
+        let blocks = blocks(16);
+        blocks.claimed("ab12-3", BOUNDS);
+        assert_eq!(blocks.recorded("ab12-3"), Some(BOUNDS));
+        assert_eq!(blocks.recorded("ab12-3"), None, "a record retried is no unit");
+        assert_eq!(blocks.recorded("cd34"), None, "a call this replica did not claim");
     }
 
     #[test]
-    fn an_answer_noted_twice_counts_once() {
-        let blocks = blocks(2);
-        let s1 = seller("S-1");
-        blocks.keep(&s1, "ab12", 2, 0, Instant::now(), 0);
-        let first = blocks.take(&s1).unwrap();
-        blocks.take(&s1).unwrap();
-        assert_eq!(blocks.answered(&first.call, Some(1), true), Some(None));
-        assert_eq!(blocks.answered(&first.call, Some(1), true), Some(None));
-        assert_eq!(
-            blocks.answered("ab12", Some(2), true),
-            Some(None),
-            "unit 3 is still pending"
-        );
-    }
-
-    #[test]
-    fn a_failed_claim_drops_only_the_block_it_came_from() {
-        let blocks = blocks(4);
-        let s1 = seller("S-1");
-        blocks.keep(&s1, "old", 2, 0, Instant::now(), 0);
-        let unit = blocks.take(&s1).unwrap();
-        blocks.keep(&s1, "new", 2, 0, Instant::now(), 0);
-        assert_eq!(blocks.drop_block_of(&s1, &unit.call), None);
-        assert!(blocks.holds(&s1), "the newer block stays");
-    }
-
-    #[test]
-    fn a_call_that_is_no_unit_of_a_block_is_not_a_blocks() {
-        let blocks = blocks(2);
-        assert_eq!(blocks.answered("cd34", Some(1), true), None);
-        assert_eq!(blocks.answered("ab12-x", Some(1), true), None);
-        assert_eq!(blocks.answered("ab12-2", Some(1), true), None);
-    }
-
-    #[test]
-    fn a_unit_is_not_handed_out_once_the_hold_is_over_and_the_rest_is_given_back() {
-        let blocks = Blocks::new(4, Duration::from_millis(1), Duration::from_secs(60));
-        let s1 = seller("S-1");
-        blocks.keep(&s1, "ab12", 4, 1_000, Instant::now(), 10);
-        std::thread::sleep(Duration::from_millis(5));
-        assert_eq!(blocks.take(&s1), None);
-        *blocks.swept.lock().unwrap() -= SWEEP_EVERY;
-        assert_eq!(
-            blocks.sweep(),
-            vec![],
-            "the call that took it has not answered"
-        );
-        assert!(blocks.is_empty());
-        let settled = blocks.answered("ab12", Some(9), true).unwrap().unwrap();
-        let mut units = settled.unused.clone();
-        units.sort();
-        assert_eq!(units, [2, 3, 4, 5]);
-        assert_eq!(settled.answers, vec![(1, 9, true)]);
-    }
-
-    #[test]
-    fn a_ledger_whose_calls_can_no_longer_answer_is_written_with_what_it_has() {
-        let blocks = Blocks::new(4, Duration::from_millis(1), Duration::from_millis(1));
-        let s1 = seller("S-1");
-        blocks.keep(&s1, "ab12", 4, 1_000, Instant::now(), 10);
-        let unit = blocks.take(&s1).unwrap();
-        std::thread::sleep(Duration::from_millis(5));
-        *blocks.swept.lock().unwrap() -= SWEEP_EVERY;
-        let settled = blocks.sweep();
-        assert_eq!(settled.len(), 1);
-        assert_eq!(settled[0].unused.len(), 3);
-        assert!(settled[0].answers.is_empty());
-        assert_eq!(blocks.answered(&unit.call, Some(1), true), None);
-    }
-
-    #[test]
-    fn a_unit_says_redis_time_no_earlier_than_the_grant_plus_the_time_since_it_was_asked() {
-        let blocks = blocks(2);
-        let asked = Instant::now() - Duration::from_millis(20);
-        blocks.keep(&seller("S-1"), "ab12", 2, 5_000_000, asked, 0);
-        let unit = blocks.take(&seller("S-1")).unwrap();
-        assert!(unit.granted_us >= 5_020_000, "{unit:?}");
-    }
-
-    #[test]
-    fn a_new_block_closes_the_old_one_and_a_drain_takes_the_rest() {
-        let blocks = blocks(8);
-        let s1 = seller("S-1");
-        blocks.keep(&s1, "old", 2, 0, Instant::now(), 0);
-        let unit = blocks.take(&s1).unwrap();
-        assert_eq!(blocks.keep(&s1, "new", 2, 0, Instant::now(), 0), None);
-        assert_eq!(blocks.answered("old", Some(7), true), Some(None));
-        let old = blocks.answered(&unit.call, None, true).unwrap().unwrap();
-        assert_eq!((old.token.as_str(), old.unused.clone()), ("old", vec![3]));
-        assert_eq!(old.answers, vec![(1, 7, true), (2, -1, true)]);
-        let rest = blocks.drain();
-        assert_eq!(rest.len(), 1);
-        assert_eq!(rest[0].token, "new");
-        assert_eq!(rest[0].unused.len(), 2);
-    }
-
-    #[test]
-    fn a_block_used_up_asks_for_twice_as_many_and_one_left_unused_for_what_was_used() {
+    fn a_block_used_up_asks_for_twice_as_many_and_one_left_stale_for_what_was_used() {
         let blocks = blocks(16);
         let s1 = seller("S-1");
         assert_eq!(blocks.wanted(&s1), FIRST_SIZE);
-        blocks.keep(&s1, "a", 2, 0, Instant::now(), 0);
-        while blocks.take(&s1).is_some() {}
-        assert_eq!(blocks.wanted(&s1), 4);
-        blocks.keep(&s1, "b", 4, 0, Instant::now(), 0);
-        blocks.take(&s1);
-        blocks.drain();
+        blocks.acquired(&s1, 2, 0);
+        // The pool ran dry: the next acquire finds nothing stale.
+        blocks.acquired(&s1, 4, 0);
+        assert_eq!(blocks.wanted(&s1), 4, "the block of 2 was used up");
+        blocks.acquired(&s1, 0, 3);
+        assert_eq!(blocks.wanted(&s1), 1, "1 of 4 used");
+    }
+
+    #[test]
+    fn after_a_block_left_whole_one_grant_asks_for_none_and_the_next_for_one() {
+        let blocks = blocks(16);
+        let s1 = seller("S-1");
+        blocks.acquired(&s1, 2, 0);
+        blocks.acquired(&s1, 0, 2);
+        assert_eq!(blocks.wanted(&s1), 0);
+        assert_eq!(blocks.wanted(&s1), 1);
         assert_eq!(blocks.wanted(&s1), 1);
     }
 
@@ -651,11 +446,8 @@ mod tests {
         assert_eq!(blocks.wanted(&seller("S-first")), FIRST_SIZE);
         for i in 0..40 {
             let s = seller(&format!("S-{i}"));
-            blocks.keep(&s, &format!("t{i}"), 8, 0, Instant::now(), 0);
-            for _ in 0..4 {
-                blocks.take(&s);
-            }
-            blocks.drop_seller(&s);
+            blocks.acquired(&s, 8, 0);
+            blocks.acquired(&s, 0, 4);
         }
         let first = blocks.wanted(&seller("S-new"));
         assert!((5..=8).contains(&first), "4 of 8 used each time: {first}");
@@ -663,12 +455,11 @@ mod tests {
 
     #[test]
     fn a_new_sellers_first_block_is_what_one_seller_of_this_replicas_rate_can_use() {
-        let blocks = Blocks::new(64, Duration::from_secs(2), Duration::from_secs(60));
+        let blocks = Blocks::new(64, Duration::from_secs(2));
         for i in 0..100 {
-            let s = seller(&format!("S-{i}"));
-            blocks.keep(&s, &format!("t{i}"), 8, 0, Instant::now(), 0);
+            blocks.saw_pool(&seller(&format!("S-{i}")), Instant::now());
         }
-        // 100 messages a second over the 100 sellers it holds blocks of: 2 per hold each.
+        // 100 messages a second over the 100 sellers it sees pools of: 2 per hold each.
         *blocks.rate.lock().unwrap() = 100.0;
         assert_eq!(blocks.wanted(&seller("S-new")), 3);
         *blocks.rate.lock().unwrap() = 10_000.0;
@@ -676,36 +467,29 @@ mod tests {
     }
 
     #[test]
-    fn after_a_block_left_whole_one_grant_asks_for_none_and_the_next_for_one() {
+    fn no_block_is_asked_for_a_new_seller_once_as_many_are_kept_as_allowed() {
         let blocks = blocks(16);
-        let s1 = seller("S-1");
-        blocks.keep(&s1, "a", 2, 0, Instant::now(), 0);
-        blocks.drain();
-        assert_eq!(blocks.wanted(&s1), 0);
-        assert_eq!(blocks.wanted(&s1), 1);
-        assert_eq!(blocks.wanted(&s1), 1);
+        for i in 0..MOST_BLOCKS {
+            blocks.acquired(&seller(&format!("S-{i}")), 2, 0);
+        }
+        assert_eq!(blocks.wanted(&seller("S-new")), 0);
+        assert_eq!(blocks.wanted(&seller("S-0")), FIRST_SIZE.min(16));
+        blocks.acquired(&seller("S-new"), 2, 0);
+        assert_eq!(
+            blocks.wanted(&seller("S-1")),
+            FIRST_SIZE,
+            "the sizes started over: S-1 is new again"
+        );
     }
 
     #[test]
-    fn no_block_is_asked_for_a_new_seller_once_as_many_are_held_as_allowed() {
+    fn the_rate_of_messages_is_measured_as_they_ask() {
         let blocks = blocks(16);
-        for i in 0..MOST_BLOCKS {
-            blocks.keep(
-                &seller(&format!("S-{i}")),
-                &format!("t{i}"),
-                2,
-                0,
-                Instant::now(),
-                0,
-            );
+        *blocks.measured.lock().unwrap() -= Duration::from_secs(1);
+        for _ in 0..50 {
+            blocks.asking();
         }
-        assert_eq!(blocks.wanted(&seller("S-new")), 0);
-        assert_eq!(blocks.wanted(&seller("S-0")), FIRST_SIZE);
-        assert_eq!(blocks.drain().len(), MOST_BLOCKS);
-        assert_eq!(
-            blocks.wanted(&seller("S-new")),
-            2,
-            "room again, and blocks that went unused make a new seller's first block small"
-        );
+        let rate = *blocks.rate.lock().unwrap();
+        assert!(rate > 0.0 && rate <= 1.0 + 1e-9, "1 message over 1 s: {rate}");
     }
 }

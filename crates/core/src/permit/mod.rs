@@ -15,8 +15,8 @@
 //!
 //! The hot operations (acquire, redeem, the completion record, a call's end, a lesson) go to
 //! Redis in batches, several in one call when they can (`batch`, `lua/batch.lua`). A grant of a
-//! seller far from its limits brings more units for this replica's next calls of that seller
-//! ([`block`]: permit blocks), handed out without a script.
+//! seller far from its limits brings more units into the seller's pool for its next calls by
+//! any replica ([`block`]: permit blocks), claimed without a script.
 //!
 //! This module owns the Redis keyspace: [`keys`] builds every key, and nothing outside it talks
 //! to Redis about turnstile's keys but through [`PermitStore`] (the limiter here, the uploads'
@@ -33,7 +33,7 @@ use std::sync::{Arc, OnceLock};
 use std::time::Duration;
 
 use batch::{Batcher, Operation, When};
-use block::{Blocks, Settled};
+use block::Blocks;
 pub use conn::{RedisClient, RedisConn, round_trips};
 pub use keys::Keyspace;
 pub use records::UploadProgress;
@@ -545,24 +545,22 @@ pub struct PermitStore {
     /// Permit blocks, when they apply (see [`block`]): sliding-window, neither a global limit
     /// nor a seller concurrency, `TURNSTILE_PERMIT_BLOCK` > 0.
     blocks: Option<Arc<Blocks>>,
-    /// Whether the task that looks through the blocks was started (see `start_sweeping`).
-    sweeping: Arc<OnceLock<()>>,
+    /// Whether the task that writes what calls made with pool units answered was started (see
+    /// `start_writing_answers`).
+    writing_answers: Arc<OnceLock<()>>,
 }
 
-/// How often a replica's blocks are looked through when no message asks (see
-/// `PermitStore::start_sweeping`).
-const BLOCK_SWEEP: Duration = Duration::from_millis(250);
-
-/// How long what a block leaves may wait to ride along with another call to Redis before it is
-/// written by itself.
-const BLOCK_SETTLE_DELAY: Duration = Duration::from_millis(100);
-
-/// How long a block's units are handed out after it was asked for.
+/// How long after its grant a block's units may be claimed.
 pub const BLOCK_HOLD: Duration = Duration::from_secs(2);
 
-/// How long after its hold a block's ledger waits for its calls' answers before it is written
-/// with what it has (a unit's call not answered by then keeps its place until its bound).
-const BLOCK_SETTLE_BY: Duration = Duration::from_secs(120);
+/// How much earlier than its hold's end a replica's plain claim of a pool unit must be sent,
+/// by its upper bound of Redis's clock (see `RedisClock::upper_at_us`): room for the two
+/// clocks' rates to differ over the bound's age.
+const CLAIM_MARGIN_US: i64 = 20_000;
+
+/// How often what calls made with pool units answered is written (see
+/// [`block::Blocks::answered`]).
+const WRITE_ANSWERS_EVERY: Duration = Duration::from_millis(500);
 
 /// How long a completion record (or a call's end, or a lesson from a 2xx) may wait to ride
 /// along with another call to the same place before it is sent by itself:
@@ -579,10 +577,17 @@ pub fn record_delay(limiter: &LimiterArgs) -> Duration {
 /// the largest sample of the last [`RedisClock::FRESH`] is used, so an estimate is not ahead of
 /// the clock of the Redis that answered it (on Redis Cluster, of the node with the fastest
 /// clock). It only decides how long a message waits before it asks: Redis decides the rest.
+///
+/// It also keeps an upper bound (`upper_at_us`): `redis_now - local` with the local side taken
+/// *before* the request was sent is at least the true offset; the smallest such sample of the
+/// last [`RedisClock::FRESH`] is used. A plain claim of a pool unit relies on it (see
+/// [`block`]).
 struct RedisClock {
     base: std::time::Instant,
     /// (offset µs, local µs when observed), once observed.
     sample: std::sync::Mutex<Option<(i64, i64)>>,
+    /// The upper-bound offset: (offset µs, local µs when observed), once observed.
+    upper: std::sync::Mutex<Option<(i64, i64)>>,
 }
 
 impl Default for RedisClock {
@@ -590,6 +595,7 @@ impl Default for RedisClock {
         Self {
             base: std::time::Instant::now(),
             sample: std::sync::Mutex::new(None),
+            upper: std::sync::Mutex::new(None),
         }
     }
 }
@@ -624,6 +630,43 @@ impl RedisClock {
             .expect("the clock's lock is never poisoned");
         sample.map(|(offset, _)| self.local_us() + offset)
     }
+
+    /// This replica's clock at `at`, in µs since `base`.
+    fn local_at(&self, at: std::time::Instant) -> i64 {
+        at.saturating_duration_since(self.base)
+            .as_micros()
+            .min(i64::MAX as u128) as i64
+    }
+
+    /// Redis read its clock (`redis_now_us`) answering a request sent after `asked`.
+    fn observe_asked(&self, redis_now_us: i64, asked: std::time::Instant) {
+        let local = self.local_at(asked);
+        let offset = redis_now_us - local;
+        let mut upper = self
+            .upper
+            .lock()
+            .expect("the clock's lock is never poisoned");
+        let newer = match *upper {
+            None => true,
+            Some((kept, at)) => offset < kept || local - at > Self::FRESH,
+        };
+        if newer {
+            *upper = Some((offset, local));
+        }
+    }
+
+    /// A Redis time no earlier than Redis's clock at `at` (this replica's clock), from a fresh
+    /// upper-bound sample; `None` without one.
+    fn upper_at_us(&self, at: std::time::Instant) -> Option<i64> {
+        let local = self.local_at(at);
+        let upper = *self
+            .upper
+            .lock()
+            .expect("the clock's lock is never poisoned");
+        upper
+            .filter(|(_, observed)| local - observed <= Self::FRESH)
+            .map(|(offset, _)| local + offset)
+    }
 }
 
 /// How long after its grant a call may still start: a worker that could not send it sooner
@@ -649,18 +692,14 @@ impl PermitStore {
             && limiter.seller_concurrency.0.is_none()
             && limiter.permit_block > 0)
             .then(|| {
-                Arc::new(Blocks::new(
-                    limiter.permit_block,
-                    BLOCK_HOLD,
-                    BLOCK_SETTLE_BY,
-                ))
+                Arc::new(Blocks::new(limiter.permit_block, BLOCK_HOLD))
             });
         Self {
             conn,
             keys: Keyspace::new(prefix),
             record_delay: record_delay(&limiter),
             blocks,
-            sweeping: Arc::default(),
+            writing_answers: Arc::default(),
             limiter,
             call_bound: Duration::ZERO,
             batcher: Arc::default(),
@@ -717,8 +756,8 @@ impl PermitStore {
         cost: Cost,
         answered_us: Option<i64>,
     ) -> Result<(), PermitError> {
-        if self.answered_in_block(call, answered_us, false) {
-            return Ok(());
+        if let Some(blocks) = &self.blocks {
+            blocks.recorded(call);
         }
         let mut operation = Operation::new("ended");
         operation
@@ -811,13 +850,13 @@ impl PermitStore {
         cost: Cost,
         reserve: bool,
     ) -> Result<Decision, PermitError> {
-        self.acquire_with(seller, message, cost, reserve, 0)
-            .await
-            .map(|(decision, _)| decision)
+        self.acquire_with(seller, message, cost, reserve, 0).await
     }
 
-    /// As [`Self::acquire_for`], asking with a grant for a block of up to `block` more units
-    /// (sliding-window; see `take_block` in `lua/prelude.lua`); also answers how many were taken.
+    /// As [`Self::acquire_for`]. With permit blocks on (sliding-window), a call of one unit is
+    /// first granted a unit of the seller's pool if it holds one, and a grant takes up to
+    /// `block` more units into the pool (see [`block`], `take_block` and `claim_idle` in
+    /// `lua/prelude.lua`).
     async fn acquire_with(
         &self,
         seller: &SellerId,
@@ -825,7 +864,8 @@ impl PermitStore {
         cost: Cost,
         reserve: bool,
         block: u32,
-    ) -> Result<(Decision, u32), PermitError> {
+    ) -> Result<Decision, PermitError> {
+        let asked = std::time::Instant::now();
         let algorithm = self.limiter.algorithm;
         let limit = &self.limiter.limit;
         let token = format!("{:x}", rand::random::<u64>());
@@ -856,26 +896,22 @@ impl PermitStore {
             .arg(&token)
             .arg(self.call_bound_us())
             .arg(cost.units());
-        match algorithm {
+        let pooled = match algorithm {
             Algorithm::Gcra => {
                 invocation.arg(self.limiter.gcra_burst.max(1));
+                None
             }
             Algorithm::TokenBucket => {
                 invocation.arg(self.limiter.bucket_capacity);
+                None
             }
-            Algorithm::SlidingWindow if block > 0 => {
-                let hold = self.blocks.as_ref().map_or(0, |b| b.hold_us());
-                invocation.arg(block).arg(hold);
-            }
-            _ => {}
-        }
+            Algorithm::SlidingWindow => self.blocks.as_ref().inspect(|blocks| {
+                invocation.arg(block.min(block::MOST_UNITS)).arg(blocks.hold_us());
+            }),
+            Algorithm::FixedWindow => None,
+        };
         let answer: Vec<redis::Value> = self.run(invocation, When::Now).await?;
-        let blocked = answer
-            .get(7)
-            .and_then(|v| redis::from_redis_value_ref::<u32>(v).ok())
-            .unwrap_or(0)
-            .min(block);
-        let decision = acquired(algorithm, &answer, token, cost)?;
+        let mut decision = acquired(algorithm, &answer, token, cost)?;
         if let Decision::Granted {
             granted_us: now, ..
         }
@@ -889,15 +925,58 @@ impl PermitStore {
         } = &decision
         {
             self.clock.observe(*now);
+            self.clock.observe_asked(*now, asked);
         }
-        observe(algorithm, &decision, true);
-        Ok((decision, blocked))
+        if let Some(blocks) = pooled
+            && cost == Cost::ONE
+        {
+            let pool = PoolAnswer::read(&answer, block);
+            blocks.acquired(seller, pool.taken, pool.stale);
+            if !blocks.tries_pool(seller) {
+                blocks.unseen_pool(pool.unit.is_some());
+            }
+            if let Decision::Granted { call, .. } = &mut decision
+                && (pool.unit.is_some() || pool.taken > 0)
+            {
+                if let Some(unit) = pool.unit {
+                    metrics::counter!("turnstile_permit_block_units_total").increment(1);
+                    *call = unit;
+                } else {
+                    metrics::counter!("turnstile_permit_blocks_total").increment(1);
+                }
+                let stack = Answer {
+                    values: &answer,
+                    script: "sliding-window",
+                }
+                .limits(3)
+                .unwrap_or_else(|_| self.limiter.limit.clone());
+                blocks.saw_pool(seller, asked);
+                blocks.claimed(call, self.log_bounds(&stack));
+            }
+        }
+        Ok(decision)
     }
 
-    /// A grant from the seller's block, if this replica holds one with a unit left (see
-    /// [`block`]): the message's completion record is read first (a unit does not read it the
-    /// way an acquire does), and a message that already registered takes no unit.
-    async fn grant_from_block(
+    /// The accepted log's bounds under `stack` (see [`block::LogBounds`]).
+    fn log_bounds(&self, stack: &Limits) -> block::LogBounds {
+        block::LogBounds {
+            span_us: stack
+                .iter()
+                .map(|l| (l.window() + self.limiter.guard_for(l.window())).as_micros() as u64)
+                .max()
+                .unwrap_or(0),
+            most: stack.iter().map(|l| u64::from(l.count())).max().unwrap_or(0),
+        }
+    }
+
+    /// A grant from the seller's pool (see [`block`]) in one plain round trip, if this replica
+    /// saw units in it lately (or guesses it has some, see [`Blocks::guesses_pool`]): the
+    /// seller's pause, limit override and the message's completion record read (a plain claim
+    /// does not read them the way an acquire does) beside the claim of a unit (`ZPOPMIN`). The unit is used only if its hold ends after this replica's upper bound of
+    /// Redis's clock when the claim was sent (less [`CLAIM_MARGIN_US`]): its call then answers
+    /// by the end it is counted until. A unit that is not used (late, its message registered,
+    /// its seller paused) is given back; an empty pool sends the message to an acquire.
+    async fn grant_from_pool(
         &self,
         seller: &SellerId,
         message: Option<&MessageId>,
@@ -906,83 +985,108 @@ impl PermitStore {
         let Some(blocks) = &self.blocks else {
             return Ok(None);
         };
-        self.settle_blocks(blocks.sweep());
         blocks.asking();
-        if cost != Cost::ONE || !blocks.holds(seller) {
+        if cost != Cost::ONE {
             return Ok(None);
         }
-        let Some(unit) = blocks.take(seller) else {
+        let seen = blocks.tries_pool(seller);
+        if !seen && !blocks.guesses_pool() {
             return Ok(None);
-        };
-        // A unit, unlike an acquire, reads neither the message's completion record nor the
-        // seller's pause by itself: both in one plain read, beside the claim of the unit (an
-        // acquire short of room may have reclaimed it: see `reclaim_idle` in lua/prelude.lua).
+        }
+        let asked = std::time::Instant::now();
         let mut read = redis::cmd("MGET");
-        read.arg(self.keys.pause(seller));
+        read.arg(self.keys.pause(seller)).arg(self.keys.limit(seller));
         if let Some(message) = message {
             read.arg(self.keys.done(seller, message));
         }
-        let mut claim = redis::cmd("ZREM");
-        claim.arg(self.keys.blocked(seller)).arg(&unit.call);
-        let answer = self
-            .run::<(Vec<Option<String>>, u8)>(
+        let mut claim = redis::cmd("ZPOPMIN");
+        claim.arg(self.keys.blocked(seller));
+        let (read, popped): (Vec<Option<String>>, Vec<String>) = self
+            .run(
                 Operation::commands(vec![read, claim], self.keys.pause(seller)),
                 When::Now,
             )
-            .await;
-        let release = |drop_block: bool| {
-            self.settle_blocks(blocks.release(&unit.call).into_iter().collect());
-            if drop_block {
-                self.settle_blocks(
-                    blocks
-                        .drop_block_of(seller, &unit.call)
-                        .into_iter()
-                        .collect(),
-                );
+            .await?;
+        let (Some(unit), Some(held_until)) = (
+            popped.first(),
+            popped.get(1).and_then(|s| s.parse::<f64>().ok()),
+        ) else {
+            if seen {
+                blocks.pool_gone(seller);
+            } else {
+                blocks.unseen_pool(false);
             }
-        };
-        let (read, claim) = match answer {
-            Ok(answer) => answer,
-            Err(error) => {
-                release(false);
-                return Err(error);
-            }
-        };
-        if claim != 1 {
-            // Reclaimed: the seller is near its limit now; the message acquires.
-            release(true);
             return Ok(None);
+        };
+        if !seen {
+            blocks.unseen_pool(true);
         }
         if read
-            .get(1)
+            .get(2)
             .is_some_and(|state| matches!(state.as_deref(), Some("registered" | "1")))
         {
-            release(false);
+            self.give_back_unit(seller, unit);
             return Ok(Some(Decision::AlreadyDone));
         }
-        // Paused, or perhaps (this replica's estimate of Redis's time is never ahead of it):
-        // the block is dropped and the message acquires, which says when to come back.
         let paused_until = read
             .first()
             .and_then(|until| until.as_deref()?.parse::<i64>().ok())
             .unwrap_or(0);
-        if self.redis_now_us().is_none_or(|now| paused_until > now) {
-            release(true);
+        // This replica's estimate of Redis's time is never ahead of it: perhaps paused.
+        let paused = self.redis_now_us().is_none_or(|now| paused_until > now);
+        let claimed_at = self.clock.upper_at_us(asked);
+        let in_hold = claimed_at.is_some_and(|at| at + CLAIM_MARGIN_US <= held_until as i64);
+        let Some(granted_us) = claimed_at.filter(|_| in_hold && !paused) else {
+            // The message acquires, which says when to come back.
+            self.give_back_unit(seller, unit);
+            blocks.pool_gone(seller);
             return Ok(None);
-        }
+        };
+        // A pool is only made under no learned limit: the override's stack, or the default.
+        let stack = read
+            .get(1)
+            .and_then(|override_| {
+                let (counts, windows) = override_.as_deref()?.split_once(' ')?;
+                Limits::from_args(counts, windows)
+            })
+            .unwrap_or_else(|| self.limiter.limit.clone());
+        blocks.saw_pool(seller, asked);
+        blocks.claimed(unit, self.log_bounds(&stack));
         let decision = Decision::Granted {
-            slot_us: unit.granted_us,
-            granted_us: unit.granted_us,
-            used_permille: unit.used_permille,
-            call: unit.call,
+            slot_us: granted_us,
+            granted_us,
+            // A block is only granted with at most half of every limit used.
+            used_permille: 0,
+            call: unit.clone(),
         };
         metrics::counter!("turnstile_permit_block_units_total").increment(1);
         observe(self.limiter.algorithm, &decision, true);
         Ok(Some(decision))
     }
 
-    /// Acquires for a message, asking for a block with the grant when blocks apply, and keeps
-    /// the block this replica was given.
+    /// Gives back a pool unit this replica claimed but will not call (in the background): it
+    /// leaves the seller's log and calls. Until then, or if that fails, it holds its place until
+    /// its end.
+    fn give_back_unit(&self, seller: &SellerId, unit: &str) {
+        let mut from_log = redis::cmd("ZREM");
+        from_log
+            .arg(self.keys.state(seller, Algorithm::SlidingWindow))
+            .arg(unit);
+        let mut from_calls = redis::cmd("ZREM");
+        from_calls.arg(self.keys.calls(seller)).arg(unit);
+        let operation = Operation::commands(vec![from_log, from_calls], self.keys.calls(seller));
+        let store = self.clone();
+        tokio::spawn(async move {
+            if let Err(error) = store
+                .run::<redis::Value>(operation, When::Within(store.record_delay))
+                .await
+            {
+                tracing::debug!(%error, "a permit-block unit was not given back: it holds its place until its end");
+            }
+        });
+    }
+
+    /// Acquires for a message, asking for a block with the grant when blocks apply.
     async fn acquire_blocking(
         &self,
         seller: &SellerId,
@@ -993,135 +1097,14 @@ impl PermitStore {
             Some(blocks) if cost == Cost::ONE => blocks.wanted(seller),
             _ => 0,
         };
-        let asked = std::time::Instant::now();
-        let (decision, blocked) = self.acquire_with(seller, message, cost, true, want).await?;
-        if let (
-            Some(blocks),
-            Decision::Granted {
-                call,
-                granted_us,
-                used_permille,
-                ..
-            },
-        ) = (&self.blocks, &decision)
-            && blocked > 0
-        {
-            metrics::counter!("turnstile_permit_blocks_total").increment(1);
-            self.start_sweeping(blocks);
-            let old = blocks.keep(seller, call, blocked, *granted_us, asked, *used_permille);
-            self.settle_blocks(old.into_iter().collect());
-        }
-        Ok(decision)
+        self.acquire_with(seller, message, cost, true, want).await
     }
 
-    /// Looks through this replica's blocks every [`BLOCK_SWEEP`] (see [`Blocks::sweep`]), as
-    /// each message and each answer does too, so that a replica that stops getting messages
-    /// still closes its blocks and writes their ledgers; started with the first block, it ends
-    /// once only it holds the blocks (every clone of this store dropped).
-    fn start_sweeping(&self, blocks: &Arc<Blocks>) {
-        if self.sweeping.set(()).is_err() {
-            return;
-        }
-        let store = self.clone();
-        let blocks = blocks.clone();
-        tokio::spawn(async move {
-            let mut ticker = tokio::time::interval(BLOCK_SWEEP);
-            ticker.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
-            loop {
-                ticker.tick().await;
-                // This task's two handles (`store`'s and `blocks`) are the last ones left.
-                if Arc::strong_count(&blocks) <= 2 {
-                    store.settle_blocks_now(blocks.drain()).await;
-                    return;
-                }
-                store.settle_blocks(blocks.sweep());
-            }
-        });
-    }
-
-    /// Writes what blocks that are over leave (see [`block`], `lua/block_end.lua`), in the
-    /// background, riding along with other calls: until then, or if that fails, their units
-    /// hold their place until their bound.
-    fn settle_blocks(&self, settled: Vec<Settled>) {
-        if settled.is_empty() {
-            return;
-        }
-        let store = self.clone();
-        tokio::spawn(async move { store.settle_blocks_now(settled).await });
-    }
-
-    async fn settle_blocks_now(&self, settled: Vec<Settled>) {
-        let sends = settled.into_iter().map(|settled| {
-            let seller = &settled.seller;
-            let accepted = settled.answers.iter().any(|(_, _, accepted)| *accepted);
-            let adaptive = self.limiter.adaptive && accepted;
-            let mut operation = Operation::new("block-end");
-            operation
-                .key(self.keys.state(seller, Algorithm::SlidingWindow))
-                .key(self.keys.calls(seller))
-                .key(self.keys.blocked(seller));
-            if adaptive {
-                operation
-                    .key(self.keys.accepted(seller))
-                    .key(self.keys.limit(seller));
-            }
-            operation
-                .arg(&settled.token)
-                .arg(settled.unused.len())
-                .arg(settled.answers.len());
-            for unit in &settled.unused {
-                operation.arg(*unit);
-            }
-            for (unit, answered_us, accepted) in &settled.answers {
-                operation
-                    .arg(*unit)
-                    .arg(*answered_us)
-                    .arg(u8::from(*accepted));
-            }
-            if adaptive {
-                operation
-                    .arg(1)
-                    .arg(self.limiter.limit.counts_arg())
-                    .arg(self.limiter.limit.windows_arg())
-                    .arg(self.guard_arg());
-            }
-            self.run::<i64>(operation, When::Within(BLOCK_SETTLE_DELAY))
-        });
-        for result in futures::future::join_all(sends).await {
-            if let Err(error) = result {
-                tracing::debug!(%error, "a permit block was not written: its units hold their place until their bound");
-            }
-        }
-    }
-
-    /// Notes the answer of `call` in its block's ledger if it is a unit of one of this
-    /// replica's blocks (see [`block`]); whether it was.
-    fn answered_in_block(&self, call: &str, answered_us: Option<i64>, accepted: bool) -> bool {
-        let Some(blocks) = &self.blocks else {
-            return false;
-        };
-        self.settle_blocks(blocks.sweep());
-        match blocks.answered(call, answered_us, accepted) {
-            None => false,
-            Some(settled) => {
-                self.settle_blocks(settled.into_iter().collect());
-                true
-            }
-        }
-    }
-
-    /// Gives back every block this replica holds (at shutdown), waiting for Redis's answer.
-    pub async fn give_back_blocks(&self) {
-        if let Some(blocks) = &self.blocks {
-            self.settle_blocks_now(blocks.drain()).await;
-        }
-    }
-
-    /// Takes the seller's block away from this replica (its limit changed or it was paused:
-    /// the rest of its calls go through acquire again) and gives its unused units back.
+    /// The seller's terms changed (or it was paused): this replica stops claiming from its pool
+    /// without an acquire.
     pub fn drop_block(&self, seller: &SellerId) {
         if let Some(blocks) = &self.blocks {
-            self.settle_blocks(blocks.drop_seller(seller).into_iter().collect());
+            blocks.pool_gone(seller);
         }
     }
 
@@ -1223,8 +1206,8 @@ impl PermitStore {
                     Some(forfeit),
                 ),
             },
-            None => match self.grant_from_block(seller, message, cost).await? {
-                // Blocks are only held without a global limit or seller concurrency.
+            None => match self.grant_from_pool(seller, message, cost).await? {
+                // Blocks are only taken without a global limit or seller concurrency.
                 Some(decision) => return Ok((decision, None)),
                 None => (self.acquire_blocking(seller, message, cost).await?, None),
             },
@@ -1566,22 +1549,27 @@ impl PermitStore {
         answer: Option<CallAnswer<'_>>,
         ttl: Duration,
     ) -> Result<Recorded, PermitError> {
-        let (mut call, cost, answered_us) =
+        let (call, cost, answered_us) =
             answer.map_or(("", 0, None), |a| (a.call, a.cost.units(), a.answered_us));
-        // A block's unit: its answer goes into the block's ledger, the record alone is written.
-        let in_block = !call.is_empty() && self.answered_in_block(call, answered_us, true);
-        if in_block {
-            call = "";
-        }
-        let when = if call.is_empty() && !in_block {
+        // A call made with a pool unit (or one that took a block).
+        let pooled = self
+            .blocks
+            .as_ref()
+            .filter(|_| !call.is_empty())
+            .and_then(|blocks| Some((blocks, blocks.recorded(call)?)));
+        let when = if call.is_empty() {
             When::Now
         } else {
             When::Within(self.record_delay)
         };
-        let (changed, was_dead_for, raise): (u8, String, u8) =
-            if in_block && batch.is_none() && matches!(completion, Completion::Registered) {
-                // No call to record and no upload to count: the state moves to `registered`
-                // by a plain SET ... GET, the transitions of complete.lua read from what it was.
+        let (changed, was_dead_for, raise): (u8, String, u8) = match pooled {
+            Some((blocks, bounds))
+                if batch.is_none() && cost == 1 && matches!(completion, Completion::Registered) =>
+            {
+                // No upload to count, and no learned limit applied when its pool was made (so
+                // no raise to look for): the state moves to `registered` by a plain
+                // SET ... GET (complete.lua's transitions read from what it was); the call's
+                // answer is written with others of the seller's (see `Blocks::answered`).
                 let mut set = redis::cmd("SET");
                 set.arg(self.keys.done(seller, message))
                     .arg("registered")
@@ -1594,8 +1582,17 @@ impl PermitStore {
                         when,
                     )
                     .await?;
+                if let Some(at) = answered_us {
+                    let full = blocks.answered(seller, call, at, bounds);
+                    self.start_writing_answers(blocks);
+                    if let Some(full) = full {
+                        let store = self.clone();
+                        tokio::spawn(async move { store.write_answers(vec![full]).await });
+                    }
+                }
                 registered_from(was.as_deref())
-            } else {
+            }
+            _ => {
                 let mut invocation = Operation::new("complete");
                 invocation
                     .key(self.keys.done(seller, message))
@@ -1629,7 +1626,8 @@ impl PermitStore {
                         .arg(self.guard_arg());
                 }
                 self.run(invocation, when).await?
-            };
+            }
+        };
         // The tally is a shared key (another Cluster slot): a second step, only when a message
         // becomes or stops being dead. Its failure costs the count, not the transition.
         let tallied = match (changed, completion) {
@@ -1645,6 +1643,79 @@ impl PermitStore {
             changed: changed == 1,
             raise_due: raise == 1,
         })
+    }
+
+    /// Writes what calls made with pool units answered every [`WRITE_ANSWERS_EVERY`] (see
+    /// [`Blocks::answered`]); started with the first such answer, it writes what is left and
+    /// ends once only it holds the blocks (every clone of this store dropped).
+    fn start_writing_answers(&self, blocks: &Arc<Blocks>) {
+        if self.writing_answers.set(()).is_err() {
+            return;
+        }
+        let store = self.clone();
+        let blocks = blocks.clone();
+        tokio::spawn(async move {
+            let mut ticker = tokio::time::interval(WRITE_ANSWERS_EVERY);
+            ticker.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+            loop {
+                ticker.tick().await;
+                // This task's two handles (`store`'s and `blocks`) are the last ones left.
+                let last = Arc::strong_count(&blocks) <= 2;
+                store.write_answers(blocks.take_answers()).await;
+                if last {
+                    return;
+                }
+            }
+        });
+    }
+
+    /// Writes what calls made with pool units answered, one plain step per seller: each call's
+    /// end in the seller's calls comes forward to its answer (`ZADD XX LT`), and with adaptive
+    /// limits the calls go into the accepted log, kept to as many entries and as long a life as
+    /// `note_accepted` keeps it (entries older than its span are dropped by the next note
+    /// through a script; `learn.lua` counts the log by time, so they are never counted). Until
+    /// then, or if that fails, a call holds its place until its end.
+    async fn write_answers(&self, answers: Vec<(SellerId, block::Answers)>) {
+        let writes = answers.into_iter().map(|(seller, answers)| {
+            let mut end = redis::cmd("ZADD");
+            end.arg(self.keys.calls(&seller)).arg("XX").arg("LT");
+            for (at, call) in &answers.calls {
+                end.arg(*at).arg(call);
+            }
+            let mut commands = vec![end];
+            if self.limiter.adaptive {
+                let accepted = self.keys.accepted(&seller);
+                let mut note = redis::cmd("ZADD");
+                note.arg(&accepted);
+                for (at, call) in &answers.calls {
+                    note.arg(*at).arg(call);
+                }
+                let mut by_number = redis::cmd("ZREMRANGEBYRANK");
+                by_number
+                    .arg(&accepted)
+                    .arg(0)
+                    .arg(-(2 * answers.bounds.most as i64 + answers.calls.len() as i64 + 1));
+                let mut expire = redis::cmd("PEXPIRE");
+                expire
+                    .arg(&accepted)
+                    .arg(answers.bounds.span_us / 1000 + 1);
+                commands.extend([note, by_number, expire]);
+            }
+            let operation = Operation::commands(commands, self.keys.calls(&seller));
+            self.run::<redis::Value>(operation, When::Within(self.record_delay))
+        });
+        for result in futures::future::join_all(writes).await {
+            if let Err(error) = result {
+                tracing::debug!(%error, "answers of calls made with pool units were not written: each holds its place until its end");
+            }
+        }
+    }
+
+    /// Writes at once what calls made with pool units answered (at shutdown).
+    pub async fn write_pool_answers(&self) {
+        if let Some(blocks) = &self.blocks {
+            self.write_answers(blocks.take_answers()).await;
+        }
     }
 
     /// Learns from what the downstream answered for the seller (see `lua/learn.lua`): a 429, a
@@ -2249,6 +2320,34 @@ pub async fn delete_prefix(conn: &RedisConn, prefix: &str) -> anyhow::Result<()>
 /// An acquire script's answer `{status, slot, now, count, window, used‰}` as a decision;
 /// A script's answer (a list), read by position; anything missing or of another type is the
 /// script's bad answer.
+/// What a sliding-window acquire answered about the seller's pool (see `sliding_window.lua`):
+/// units it took into it, the unit it claimed from it for this call, stale units given back.
+struct PoolAnswer {
+    taken: u32,
+    unit: Option<String>,
+    stale: u32,
+}
+
+impl PoolAnswer {
+    fn read(answer: &[redis::Value], block: u32) -> Self {
+        let int = |i: usize| {
+            answer
+                .get(i)
+                .and_then(|v| redis::from_redis_value_ref::<u32>(v).ok())
+                .unwrap_or(0)
+        };
+        let unit = answer
+            .get(8)
+            .and_then(|v| redis::from_redis_value_ref::<String>(v).ok())
+            .filter(|unit| !unit.is_empty());
+        Self {
+            taken: int(7).min(block),
+            unit,
+            stale: int(10),
+        }
+    }
+}
+
 struct Answer<'a> {
     values: &'a [redis::Value],
     script: &'static str,

@@ -35,7 +35,6 @@ static RELEASE: LazyLock<Script> = script!("release.lua");
 static LEASE: LazyLock<Script> = script!("lease.lua");
 static LEARN: LazyLock<Script> = script!("learn.lua");
 static GLOBAL_USAGE: LazyLock<Script> = script!("global_usage.lua");
-static BLOCK_END: LazyLock<Script> = script!("block_end.lua");
 
 /// `lua/batch.lua` after the prelude and, wrapped each in a function of its own, the scripts it
 /// runs as operations.
@@ -62,7 +61,6 @@ static BATCH: LazyLock<Script> = LazyLock::new(|| {
         operation!("complete", "complete.lua"),
         operation!("ended", "ended.lua"),
         operation!("learn", "learn.lua"),
-        operation!("block_end", "block_end.lua"),
         include_str!("../../lua/batch.lua")
     ))
 });
@@ -117,7 +115,7 @@ pub fn global_usage() -> &'static Script {
     &GLOBAL_USAGE
 }
 
-/// Several operations (acquire, redeem, complete, ended, learn, block-end) in one call (see
+/// Several operations (acquire, redeem, complete, ended, learn) in one call (see
 /// `lua/batch.lua` and `permit::batch`).
 pub fn batch() -> &'static Script {
     &BATCH
@@ -135,7 +133,6 @@ pub fn operation(name: &str) -> Option<&'static Script> {
         "complete" => &COMPLETE,
         "ended" => &ENDED,
         "learn" => &LEARN,
-        "block-end" => &BLOCK_END,
         _ => return None,
     })
 }
