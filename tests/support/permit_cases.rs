@@ -1078,6 +1078,10 @@ macro_rules! permit_tests {
             cases::units_a_replica_does_not_use_go_to_another_replicas_calls($backend).await;
         }
         #[tokio::test]
+        async fn a_pool_made_by_one_replica_serves_another_replicas_calls() {
+            cases::a_pool_made_by_one_replica_serves_another_replicas_calls($backend).await;
+        }
+        #[tokio::test]
         async fn a_later_grant_never_shortens_the_life_of_a_blocks_units() {
             cases::a_later_grant_never_shortens_the_life_of_a_blocks_units($backend).await;
         }
@@ -1397,9 +1401,9 @@ fn message(id: &str) -> turnstile_core::domain::MessageId {
     turnstile_core::domain::MessageId::parse(id).unwrap()
 }
 
-/// A grant of a seller far from its limit brings a block: the next calls are units of it
-/// (`<token>-2`, ...), a message already registered takes none, and what the replica did not
-/// use leaves the seller's log when it gives its blocks back.
+/// A grant of a seller far from its limit brings a block into the seller's pool: the next
+/// calls are units of it (`<token>-2`, ...), a message already registered takes none, and the
+/// units no call used leave the seller's log at the first acquire after their hold.
 pub async fn a_seller_far_from_its_limit_gets_a_block_whose_unused_units_are_given_back(
     backend: Backend,
 ) {
@@ -1430,13 +1434,19 @@ pub async fn a_seller_far_from_its_limit_gets_a_block_whose_unused_units_are_giv
     let block = members(&keys, &space.blocked(&s)).await;
     assert_eq!(block, 16, "a new seller's first block");
     assert_eq!(members(&keys, &log).await, 1 + block);
-    for (i, id) in ["m-2", "m-3", "m-4"].into_iter().enumerate() {
-        assert_eq!(grant(id).await, format!("{first}-{}", i + 2));
+    let mut units = Vec::new();
+    for id in ["m-2", "m-3", "m-4"] {
+        let unit = grant(id).await;
+        assert!(
+            unit.starts_with(&format!("{first}-")) && !units.contains(&unit),
+            "a unit of the block, each once: {unit}"
+        );
+        units.push(unit);
     }
     assert_eq!(members(&keys, &space.blocked(&s)).await, block - 3);
 
     let answer = turnstile_core::permit::CallAnswer {
-        call: &format!("{first}-2"),
+        call: &units[0],
         cost: Cost::ONE,
         answered_us: None,
     };
@@ -1454,14 +1464,87 @@ pub async fn a_seller_far_from_its_limit_gets_a_block_whose_unused_units_are_giv
         "a registered message is not called again from a block"
     );
 
-    store.give_back_blocks().await;
-    assert_eq!(members(&keys, &space.blocked(&s)).await, 0);
+    // After the hold, the next acquire gives the units no call used back before it decides.
+    tokio::time::sleep(turnstile_core::permit::BLOCK_HOLD + Duration::from_millis(200)).await;
+    let last = grant("m-5").await;
+    let pool = members(&keys, &space.blocked(&s)).await;
+    assert!(!last.contains('-'), "an acquire's own call: {last}");
     assert_eq!(
         members(&keys, &log).await,
-        4,
-        "the four calls made stay in the log; the units not called left it"
+        4 + 1 + pool,
+        "the four calls made and the last stay in the log with a new block; the units not \
+         called left it"
     );
-    assert_eq!(members(&keys, &space.calls(&s)).await, 4);
+    assert_eq!(members(&keys, &space.calls(&s)).await, 4 + 1 + pool);
+    store.write_pool_answers().await;
+    keys.cleanup().await;
+}
+
+/// One replica's grant fills the seller's pool, and another replica's calls of the seller are
+/// units of it: the first claimed by its acquire, the next by plain claims; a registration
+/// made with a unit brings the unit's end forward to its answer.
+pub async fn a_pool_made_by_one_replica_serves_another_replicas_calls(backend: Backend) {
+    let keys = Keys::new(backend, "pool-shared").await;
+    let maker = keys.store(limiter("100/1m", Algorithm::SlidingWindow));
+    let user = keys.store(limiter("100/1m", Algorithm::SlidingWindow));
+    let (space, s) = (Keyspace::new(&keys.prefix), seller("S-shared"));
+    let Decision::Granted { call: first, .. } = maker
+        .acquire_or_redeem(&s, None, Cost::ONE, None)
+        .await
+        .unwrap()
+        .0
+    else {
+        panic!("the first call is granted");
+    };
+    let pool = members(&keys, &space.blocked(&s)).await;
+    assert!(pool > 2, "a block was taken: {pool}");
+    let mut calls = Vec::new();
+    for i in 0..2 {
+        let Decision::Granted {
+            call, granted_us, ..
+        } = user
+            .acquire_or_redeem(&s, Some(&message(&format!("u-{i}"))), Cost::ONE, None)
+            .await
+            .unwrap()
+            .0
+        else {
+            panic!("a unit of the pool is granted");
+        };
+        assert!(call.starts_with(&format!("{first}-")), "{call}");
+        calls.push((call, granted_us));
+    }
+    assert_eq!(members(&keys, &space.blocked(&s)).await, pool - 2);
+    let (call, granted_us) = &calls[1];
+    let answer = turnstile_core::permit::CallAnswer {
+        call,
+        cost: Cost::ONE,
+        answered_us: Some(*granted_us),
+    };
+    user.complete_call(&s, &message("u-1"), None, answer, Duration::from_secs(60))
+        .await
+        .unwrap();
+    user.write_pool_answers().await;
+    let end: f64 = redis::cmd("ZSCORE")
+        .arg(space.calls(&s))
+        .arg(call)
+        .query_async(&mut keys.conn.clone())
+        .await
+        .unwrap();
+    assert_eq!(
+        end as i64, *granted_us,
+        "the unit's end came forward to its answer"
+    );
+    let accepted: Option<f64> = redis::cmd("ZSCORE")
+        .arg(space.accepted(&s))
+        .arg(call)
+        .query_async(&mut keys.conn.clone())
+        .await
+        .unwrap();
+    assert_eq!(
+        accepted.map(|a| a as i64),
+        Some(*granted_us),
+        "noted accepted"
+    );
     keys.cleanup().await;
 }
 
@@ -1475,8 +1558,8 @@ fn with_and_without_blocks(keys: &Keys, limit: &str) -> (PermitStore, PermitStor
     (with, without)
 }
 
-/// Units one replica holds and does not use never keep another replica's call waiting: an
-/// acquire short of room takes them back, and the replica holding them asks again.
+/// Units in a seller's pool no one uses never keep a call waiting: an acquire short of room
+/// takes them back, and the replica that made the pool finds it empty and asks again.
 pub async fn units_a_replica_does_not_use_go_to_another_replicas_calls(backend: Backend) {
     let keys = Keys::new(backend, "reclaim").await;
     let (holder, other) = with_and_without_blocks(&keys, "16/1h");
@@ -1510,7 +1593,6 @@ pub async fn units_a_replica_does_not_use_go_to_another_replicas_calls(backend: 
         16,
         "the calls made: the holder's one and the other's 15; no unit left over"
     );
-    holder.give_back_blocks().await;
     keys.cleanup().await;
 }
 
@@ -1581,7 +1663,7 @@ pub async fn replicas_taking_blocks_together_keep_the_limit_exact(backend: Backe
         "more than COUNT in a window"
     );
     for store in &stores {
-        store.give_back_blocks().await;
+        store.write_pool_answers().await;
     }
     keys.cleanup().await;
 }
@@ -1624,6 +1706,5 @@ pub async fn a_later_grant_never_shortens_the_life_of_a_blocks_units(backend: Ba
         "the calls expire {} ms before the block's last unit ends",
         (last_end_us - now_us) / 1000 - ttl_ms
     );
-    holder.give_back_blocks().await;
     keys.cleanup().await;
 }

@@ -710,7 +710,10 @@ local function take_block(a, limits, log_key, reserved_key, calls_key, blocked_k
   redis.call('ZADD', calls_key, unpack(in_flight))
   keep_calls(calls_key, hold + a.bound + limits.max_window)
   redis.call('ZADD', blocked_key, unpack(idle))
-  redis.call('PEXPIRE', blocked_key, math.floor(hold / 1000) + 1)
+  -- The pool outlives the hold, until its units would leave the log and the calls by
+  -- themselves: a later acquire gives back the ones no call used (claim_idle).
+  local pool_ttl = math.floor((hold + math.max(limits.max_span, a.bound)) / 1000) + 1
+  if redis.call('PTTL', blocked_key) < pool_ttl then redis.call('PEXPIRE', blocked_key, pool_ttl) end
   return n
 end
 

@@ -226,7 +226,8 @@ impl Connecting {
         let done = tokio::spawn(async move {
             let ran = run(args, worker, nodes, session, ready_for_run, shutdown).await;
             // What calls made with permit-block units answered, written before the end.
-            let _ = tokio::time::timeout(Duration::from_secs(1), permits.write_pool_answers()).await;
+            let _ =
+                tokio::time::timeout(Duration::from_secs(1), permits.write_pool_answers()).await;
             watcher_stop.cancel();
             let _ = watcher.await;
             ran

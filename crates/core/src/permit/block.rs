@@ -412,8 +412,16 @@ mod tests {
         let blocks = blocks(16);
         blocks.claimed("ab12-3", BOUNDS);
         assert_eq!(blocks.recorded("ab12-3"), Some(BOUNDS));
-        assert_eq!(blocks.recorded("ab12-3"), None, "a record retried is no unit");
-        assert_eq!(blocks.recorded("cd34"), None, "a call this replica did not claim");
+        assert_eq!(
+            blocks.recorded("ab12-3"),
+            None,
+            "a record retried is no unit"
+        );
+        assert_eq!(
+            blocks.recorded("cd34"),
+            None,
+            "a call this replica did not claim"
+        );
     }
 
     #[test]
@@ -490,6 +498,9 @@ mod tests {
             blocks.asking();
         }
         let rate = *blocks.rate.lock().unwrap();
-        assert!(rate > 0.0 && rate <= 1.0 + 1e-9, "1 message over 1 s: {rate}");
+        assert!(
+            rate > 0.0 && rate <= 1.0 + 1e-9,
+            "1 message over 1 s: {rate}"
+        );
     }
 }

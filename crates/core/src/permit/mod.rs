@@ -691,9 +691,7 @@ impl PermitStore {
             && limiter.global_limit.0.is_none()
             && limiter.seller_concurrency.0.is_none()
             && limiter.permit_block > 0)
-            .then(|| {
-                Arc::new(Blocks::new(limiter.permit_block, BLOCK_HOLD))
-            });
+            .then(|| Arc::new(Blocks::new(limiter.permit_block, BLOCK_HOLD)));
         Self {
             conn,
             keys: Keyspace::new(prefix),
@@ -906,7 +904,9 @@ impl PermitStore {
                 None
             }
             Algorithm::SlidingWindow => self.blocks.as_ref().inspect(|blocks| {
-                invocation.arg(block.min(block::MOST_UNITS)).arg(blocks.hold_us());
+                invocation
+                    .arg(block.min(block::MOST_UNITS))
+                    .arg(blocks.hold_us());
             }),
             Algorithm::FixedWindow => None,
         };
@@ -965,7 +965,11 @@ impl PermitStore {
                 .map(|l| (l.window() + self.limiter.guard_for(l.window())).as_micros() as u64)
                 .max()
                 .unwrap_or(0),
-            most: stack.iter().map(|l| u64::from(l.count())).max().unwrap_or(0),
+            most: stack
+                .iter()
+                .map(|l| u64::from(l.count()))
+                .max()
+                .unwrap_or(0),
         }
     }
 
@@ -995,7 +999,8 @@ impl PermitStore {
         }
         let asked = std::time::Instant::now();
         let mut read = redis::cmd("MGET");
-        read.arg(self.keys.pause(seller)).arg(self.keys.limit(seller));
+        read.arg(self.keys.pause(seller))
+            .arg(self.keys.limit(seller));
         if let Some(message) = message {
             read.arg(self.keys.done(seller, message));
         }
@@ -1696,9 +1701,7 @@ impl PermitStore {
                     .arg(0)
                     .arg(-(2 * answers.bounds.most as i64 + answers.calls.len() as i64 + 1));
                 let mut expire = redis::cmd("PEXPIRE");
-                expire
-                    .arg(&accepted)
-                    .arg(answers.bounds.span_us / 1000 + 1);
+                expire.arg(&accepted).arg(answers.bounds.span_us / 1000 + 1);
                 commands.extend([note, by_number, expire]);
             }
             let operation = Operation::commands(commands, self.keys.calls(&seller));
