@@ -1082,6 +1082,10 @@ macro_rules! permit_tests {
             cases::a_pool_made_by_one_replica_serves_another_replicas_calls($backend).await;
         }
         #[tokio::test]
+        async fn a_change_of_terms_takes_back_the_pools_unclaimed_units() {
+            cases::a_change_of_terms_takes_back_the_pools_unclaimed_units($backend).await;
+        }
+        #[tokio::test]
         async fn a_later_grant_never_shortens_the_life_of_a_blocks_units() {
             cases::a_later_grant_never_shortens_the_life_of_a_blocks_units($backend).await;
         }
@@ -1545,6 +1549,40 @@ pub async fn a_pool_made_by_one_replica_serves_another_replicas_calls(backend: B
         Some(*granted_us),
         "noted accepted"
     );
+    keys.cleanup().await;
+}
+
+/// A change of the seller's terms takes back the units of its pool no call claimed yet, in
+/// the same step: none granted under the old terms is claimed under the new ones.
+pub async fn a_change_of_terms_takes_back_the_pools_unclaimed_units(backend: Backend) {
+    let keys = Keys::new(backend, "pool-terms").await;
+    let store = keys.store(limiter("100/1m", Algorithm::SlidingWindow));
+    let (space, s) = (Keyspace::new(&keys.prefix), seller("S-terms"));
+    store
+        .acquire_or_redeem(&s, None, Cost::ONE, None)
+        .await
+        .unwrap();
+    assert!(members(&keys, &space.blocked(&s)).await > 0, "a block was taken");
+    store
+        .set_limit(&s, "50/1m".parse::<Limits>().unwrap())
+        .await
+        .unwrap();
+    assert_eq!(members(&keys, &space.blocked(&s)).await, 0);
+    assert_eq!(
+        members(&keys, &space.state(&s, Algorithm::SlidingWindow)).await,
+        1,
+        "only the call made stays in the log"
+    );
+    assert_eq!(members(&keys, &space.calls(&s)).await, 1);
+    let Decision::Granted { call, .. } = store
+        .acquire_or_redeem(&s, None, Cost::ONE, None)
+        .await
+        .unwrap()
+        .0
+    else {
+        panic!("granted under the new terms");
+    };
+    assert!(!call.contains('-'), "an acquire's own call, no old unit: {call}");
     keys.cleanup().await;
 }
 

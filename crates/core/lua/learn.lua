@@ -37,6 +37,9 @@
 -- KEYS[4]  the seller's limiter state for ALGORITHM
 -- KEYS[5]  the seller's reserved slots (sorted set: member = held_name(TOKEN, COST), score = slot)
 -- KEYS[6]  the seller's calls (see calls_gate in the prelude)
+-- KEYS[7]  sliding-window, optional: the seller's pool of unclaimed permit-block units (see
+--          take_block): whenever the state is written, they are taken back (reclaim_idle), so
+--          no unit granted before the lesson is claimed after it
 -- ARGV[1]  ALGORITHM: sliding-window, gcra, token-bucket or fixed-window
 -- ARGV[2]  default COUNTS, comma-separated (integers >= 1; 1 to 8 limits)
 -- ARGV[3]  default WINDOWS in µs, comma-separated, one per count (integers >= 1)
@@ -195,6 +198,7 @@ if write then
   -- Kept at least until the quota's reset, which no accepted answer renews while it holds.
   local quota_until = tonumber(redis.call('HGET', KEYS[1], 'until') or '') or 0
   redis.call('PEXPIRE', KEYS[1], math.max(learned_ttl(configured), math.floor((quota_until - now) / 1000) + 1))
+  if algorithm == 'sliding-window' then reclaim_idle(KEYS[7], KEYS[4], KEYS[6]) end
   local after = with_spans(effective_limits(KEYS[3], default, KEYS[1], 1), guard)
   if after.counts ~= before.counts then
     changed = 1

@@ -3,12 +3,17 @@
 -- that the new terms apply at once to the seller's whole backlog: the holders of those
 -- reservations find them gone when they come back (redeem answers 8) and reserve anew, and
 -- slots are computed afresh from what was really granted (see give_back_reserved in the prelude).
+-- With sliding-window, the units of the seller's pool no call claimed yet (permit blocks, taken
+-- under the old terms) are taken back in the same step (see reclaim_idle).
 --
 -- KEYS[1]  the seller's limiter state for ALGORITHM
 -- KEYS[2]  the seller's limit override ("COUNTS WINDOWS_US"), may be absent
 -- KEYS[3]  the seller's pause ("UNTIL_US"), may be absent
 -- KEYS[4]  the seller's reserved slots (sorted set: member = held_name(TOKEN, COST), score = slot)
--- KEYS[5]  optional (adaptive limits on): the seller's learned state (see with_learned)
+-- KEYS[5]  sliding-window: the seller's pool of unclaimed permit-block units (see take_block)
+-- KEYS[6]  sliding-window: the seller's calls (see calls_gate)
+-- KEYS[5]  (KEYS[7] with sliding-window) optional (adaptive limits on): the seller's learned
+--          state (see with_learned)
 -- ARGV[1]  ALGORITHM: sliding-window, gcra, token-bucket or fixed-window
 -- ARGV[2]  default COUNTS, comma-separated (integers >= 1; 1 to 8 limits)
 -- ARGV[3]  default WINDOWS in µs, comma-separated, one per count (integers >= 1)
@@ -22,10 +27,17 @@
 -- pause to lift (always 1 for set and release); RELEASED is how many reservations were given back.
 
 local algorithm = algorithm_arg(1)
+local pool_key, calls_key, learned_key = nil, nil, KEYS[5]
+if algorithm == 'sliding-window' then
+  pool_key, calls_key, learned_key = KEYS[5], KEYS[6], KEYS[7]
+  if pool_key == nil or calls_key == nil then
+    error({err = 'ERR turnstile: sliding-window needs KEYS[5] and KEYS[6]'})
+  end
+end
 local guard = int_arg(4, -1)
 local burst = int_arg(5, 1)
 local capacity = int_arg(6, 0)
-local limits = with_capacities(with_spans(effective_limits(KEYS[2], limits_arg(2), KEYS[5]), guard), capacity)
+local limits = with_capacities(with_spans(effective_limits(KEYS[2], limits_arg(2), learned_key), guard), capacity)
 local change = ARGV[7]
 -- The stack that applies after the change.
 local new_limits = limits
@@ -42,12 +54,13 @@ elseif change ~= 'resume' and change ~= 'release' then
 end
 if new_limits ~= limits then
   -- What was learned under the new terms, if anything, applies to them.
-  if KEYS[5] then new_limits = with_learned(KEYS[5], new_limits, 1) end
+  if learned_key then new_limits = with_learned(learned_key, new_limits, 1) end
   with_spans(new_limits, guard)
 end
 local now = now_us()
 
 local released = give_back_reserved(algorithm, KEYS[1], KEYS[4], limits, new_limits, now, burst)
+reclaim_idle(pool_key, KEYS[1], calls_key)
 
 local changed = 1
 if change == 'set' then

@@ -1764,6 +1764,9 @@ impl PermitStore {
             .key(self.state_key(seller))
             .key(self.keys.reserved(seller))
             .key(self.keys.calls(seller));
+        if self.limiter.algorithm == Algorithm::SlidingWindow {
+            invocation.key(self.keys.blocked(seller));
+        }
         self.terms_args(&mut invocation);
         invocation
             .arg(self.limiter.adaptive_min.get())
@@ -2108,6 +2111,11 @@ impl PermitStore {
             .key(self.keys.limit(seller))
             .key(self.keys.pause(seller))
             .key(self.keys.reserved(seller));
+        if self.limiter.algorithm == Algorithm::SlidingWindow {
+            invocation
+                .key(self.keys.blocked(seller))
+                .key(self.keys.calls(seller));
+        }
         if let Some(learned) = self.learned_key(seller) {
             invocation.key(learned);
         }
