@@ -1562,7 +1562,10 @@ pub async fn a_change_of_terms_takes_back_the_pools_unclaimed_units(backend: Bac
         .acquire_or_redeem(&s, None, Cost::ONE, None)
         .await
         .unwrap();
-    assert!(members(&keys, &space.blocked(&s)).await > 0, "a block was taken");
+    assert!(
+        members(&keys, &space.blocked(&s)).await > 0,
+        "a block was taken"
+    );
     store
         .set_limit(&s, "50/1m".parse::<Limits>().unwrap())
         .await
@@ -1582,7 +1585,10 @@ pub async fn a_change_of_terms_takes_back_the_pools_unclaimed_units(backend: Bac
     else {
         panic!("granted under the new terms");
     };
-    assert!(!call.contains('-'), "an acquire's own call, no old unit: {call}");
+    assert!(
+        !call.contains('-'),
+        "an acquire's own call, no old unit: {call}"
+    );
     keys.cleanup().await;
 }
 

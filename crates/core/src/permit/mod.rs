@@ -954,6 +954,7 @@ impl PermitStore {
                 blocks.claimed(call, self.log_bounds(&stack));
             }
         }
+        observe(algorithm, &decision, true);
         Ok(decision)
     }
 
