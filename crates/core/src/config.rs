@@ -547,11 +547,12 @@ pub struct LimiterArgs {
     /// strict as a record written at once. At most 1 s.
     #[arg(long = "record-delay", env = "TURNSTILE_RECORD_DELAY", default_value = "0", value_parser = delay_arg)]
     pub record_delay: Duration,
-    /// Permit blocks (sliding-window): with a grant, a replica takes up to this many more units
-    /// at once for its next calls of the same seller, while the seller is far from its limits
-    /// (every limit at most half used); they are handed out within a second and counted in
-    /// flight until then plus the call's bound, so the limit stays exact (README, "Permit
-    /// blocks"). `0` turns blocks off: one acquire per call. At most 64.
+    /// Permit blocks (sliding-window): with a grant, up to this many more units go at once into
+    /// the seller's pool for its next calls by any replica, while the seller is far from its
+    /// limits (every limit at most half used); they are claimed within 2 s of the grant and
+    /// counted in flight until then plus the call's bound, so the limit stays exact (README,
+    /// "Permit blocks"). `0` turns blocks off for this replica: one acquire per call, no claim
+    /// from a pool. At most 64.
     #[arg(long = "permit-block", env = "TURNSTILE_PERMIT_BLOCK", default_value_t = 32, value_parser = clap::value_parser!(u32).range(0..=64))]
     pub permit_block: u32,
 }

@@ -123,12 +123,12 @@ pub const METRICS: &[Metric] = &[
     plain(
         "turnstile_permit_blocks_total",
         Counter,
-        "Permit blocks taken: units for this replica's next calls of a seller far from its limits.",
+        "Permit blocks taken: units put in the pool of a seller far from its limits, for its next calls by any replica.",
     ),
     plain(
         "turnstile_permit_block_units_total",
         Counter,
-        "Grants handed out from a permit block (no Redis script of their own).",
+        "Grants that were units claimed from a seller's pool (permit blocks).",
     ),
     labelled(
         "turnstile_permits_denied_total",
