@@ -1082,6 +1082,10 @@ macro_rules! permit_tests {
             cases::a_pool_made_by_one_replica_serves_another_replicas_calls($backend).await;
         }
         #[tokio::test]
+        async fn a_pool_unit_a_call_could_outlive_is_not_used() {
+            cases::a_pool_unit_a_call_could_outlive_is_not_used($backend).await;
+        }
+        #[tokio::test]
         async fn a_change_of_terms_takes_back_the_pools_unclaimed_units() {
             cases::a_change_of_terms_takes_back_the_pools_unclaimed_units($backend).await;
         }
@@ -1435,7 +1439,7 @@ pub async fn a_seller_far_from_its_limit_gets_a_block_whose_unused_units_are_giv
         !first.contains('-'),
         "the first call is the acquire's own: {first}"
     );
-    let block = members(&keys, &space.blocked(&s)).await;
+    let block = members(&keys, &space.pool(&s)).await;
     assert_eq!(block, 16, "a new seller's first block");
     assert_eq!(members(&keys, &log).await, 1 + block);
     let mut units = Vec::new();
@@ -1447,7 +1451,7 @@ pub async fn a_seller_far_from_its_limit_gets_a_block_whose_unused_units_are_giv
         );
         units.push(unit);
     }
-    assert_eq!(members(&keys, &space.blocked(&s)).await, block - 3);
+    assert_eq!(members(&keys, &space.pool(&s)).await, block - 3);
 
     let answer = turnstile_core::permit::CallAnswer {
         call: &units[0],
@@ -1471,7 +1475,7 @@ pub async fn a_seller_far_from_its_limit_gets_a_block_whose_unused_units_are_giv
     // After the hold, the next acquire gives the units no call used back before it decides.
     tokio::time::sleep(turnstile_core::permit::BLOCK_HOLD + Duration::from_millis(200)).await;
     let last = grant("m-5").await;
-    let pool = members(&keys, &space.blocked(&s)).await;
+    let pool = members(&keys, &space.pool(&s)).await;
     assert!(!last.contains('-'), "an acquire's own call: {last}");
     assert_eq!(
         members(&keys, &log).await,
@@ -1500,7 +1504,7 @@ pub async fn a_pool_made_by_one_replica_serves_another_replicas_calls(backend: B
     else {
         panic!("the first call is granted");
     };
-    let pool = members(&keys, &space.blocked(&s)).await;
+    let pool = members(&keys, &space.pool(&s)).await;
     assert!(pool > 2, "a block was taken: {pool}");
     let mut calls = Vec::new();
     for i in 0..2 {
@@ -1517,7 +1521,7 @@ pub async fn a_pool_made_by_one_replica_serves_another_replicas_calls(backend: B
         assert!(call.starts_with(&format!("{first}-")), "{call}");
         calls.push((call, granted_us));
     }
-    assert_eq!(members(&keys, &space.blocked(&s)).await, pool - 2);
+    assert_eq!(members(&keys, &space.pool(&s)).await, pool - 2);
     let (call, granted_us) = &calls[1];
     let answer = turnstile_core::permit::CallAnswer {
         call,
@@ -1552,6 +1556,76 @@ pub async fn a_pool_made_by_one_replica_serves_another_replicas_calls(backend: B
     keys.cleanup().await;
 }
 
+/// A unit whose end in the seller's calls comes before a call claimed now could answer (its
+/// hold is over) is never used: neither a plain claim nor an acquire takes it, and the acquire
+/// gives the pool's stale units back before it decides.
+pub async fn a_pool_unit_a_call_could_outlive_is_not_used(backend: Backend) {
+    let keys = Keys::new(backend, "pool-late").await;
+    let store = keys
+        .store(limiter("100/1m", Algorithm::SlidingWindow))
+        .with_call_timeout(Duration::from_secs(10));
+    let (space, s) = (Keyspace::new(&keys.prefix), seller("S-late"));
+    store
+        .acquire_or_redeem(&s, None, Cost::ONE, None)
+        .await
+        .unwrap();
+    let pool = space.pool(&s);
+    let units: Vec<String> = redis::cmd("ZRANGE")
+        .arg(&pool)
+        .arg(0)
+        .arg(-1)
+        .query_async(&mut keys.conn.clone())
+        .await
+        .unwrap();
+    assert!(!units.is_empty(), "a block was taken");
+    // Every unit now ends one second from now: before a call claimed now could answer (its
+    // bound is 1 s + the 10 s timeout).
+    let (secs, micros): (i64, i64) = redis::cmd("TIME")
+        .query_async(&mut keys.conn.clone())
+        .await
+        .unwrap();
+    let soon = secs * 1_000_000 + micros + 1_000_000;
+    for unit in &units {
+        let _: () = redis::pipe()
+            .cmd("ZADD")
+            .arg(&pool)
+            .arg("XX")
+            .arg(soon)
+            .arg(unit)
+            .ignore()
+            .cmd("ZADD")
+            .arg(space.calls(&s))
+            .arg("XX")
+            .arg(soon)
+            .arg(unit)
+            .ignore()
+            .query_async(&mut keys.conn.clone())
+            .await
+            .unwrap();
+    }
+    let Decision::Granted { call, .. } = store
+        .acquire_or_redeem(&s, None, Cost::ONE, None)
+        .await
+        .unwrap()
+        .0
+    else {
+        panic!("granted by an acquire");
+    };
+    assert!(!call.contains('-'), "no late unit was used: {call}");
+    let left: Vec<String> = redis::cmd("ZRANGE")
+        .arg(&pool)
+        .arg(0)
+        .arg(-1)
+        .query_async(&mut keys.conn.clone())
+        .await
+        .unwrap();
+    assert!(
+        left.iter().all(|u| !units.contains(u)),
+        "the late units left the pool: {left:?}"
+    );
+    keys.cleanup().await;
+}
+
 /// A change of the seller's terms takes back the units of its pool no call claimed yet, in
 /// the same step: none granted under the old terms is claimed under the new ones.
 pub async fn a_change_of_terms_takes_back_the_pools_unclaimed_units(backend: Backend) {
@@ -1563,14 +1637,14 @@ pub async fn a_change_of_terms_takes_back_the_pools_unclaimed_units(backend: Bac
         .await
         .unwrap();
     assert!(
-        members(&keys, &space.blocked(&s)).await > 0,
+        members(&keys, &space.pool(&s)).await > 0,
         "a block was taken"
     );
     store
         .set_limit(&s, "50/1m".parse::<Limits>().unwrap())
         .await
         .unwrap();
-    assert_eq!(members(&keys, &space.blocked(&s)).await, 0);
+    assert_eq!(members(&keys, &space.pool(&s)).await, 0);
     assert_eq!(
         members(&keys, &space.state(&s, Algorithm::SlidingWindow)).await,
         1,
@@ -1614,7 +1688,7 @@ pub async fn units_a_replica_does_not_use_go_to_another_replicas_calls(backend: 
         .unwrap();
     assert!(matches!(decision, Decision::Granted { .. }));
     assert_eq!(
-        members(&keys, &space.blocked(&s)).await,
+        members(&keys, &space.pool(&s)).await,
         4,
         "a block is at most a quarter of the count"
     );
@@ -1723,7 +1797,7 @@ pub async fn a_later_grant_never_shortens_the_life_of_a_blocks_units(backend: Ba
         .await
         .unwrap();
     assert!(
-        members(&keys, &space.blocked(&s)).await > 0,
+        members(&keys, &space.pool(&s)).await > 0,
         "a block was taken"
     );
     assert!(matches!(

@@ -667,9 +667,11 @@ end
 
 -- Permit blocks (sliding-window): a call of one unit granted now (TOKEN, already in the log and
 -- in flight) may take up to WANT more units at once into the seller's pool of unclaimed units
--- (BLOCKED_KEY, score = NOW + HOLD), for the next calls of the seller by any replica: each is
--- claimed (taken out of the pool) by an acquire (claim_idle) or by a replica's plain ZPOPMIN
--- no later than NOW + HOLD in Redis time, and its call is then sent within its own BOUND (a.bound).
+-- (BLOCKED_KEY, score = the unit's END, NOW + HOLD + BOUND), for the next calls of the seller by
+-- any replica: each is claimed (taken out of the pool) by an acquire (claim_idle) or by a
+-- replica's plain ZPOPMIN, and used only if the claimer's call, bounded from before its claim
+-- by its own BOUND, answers by END (the acquire checks on Redis's clock; a plain claim on
+-- Redis's TIME read in the same pipeline, after the call was asked for).
 -- Only while the seller is far from its limits: no reservation waiting (RESERVED_KEY empty), no
 -- shadow limit, no learned limit or quota applying (see with_learned), and, for every limit of
 -- the stack, the units in the log within its span and the calls of the calls gate within its
@@ -696,34 +698,34 @@ local function take_block(a, limits, log_key, reserved_key, calls_key, blocked_k
   end
   if n < 1 then return 0 end
   local logged, in_flight, idle = {}, {}, {}
-  local ends, held_until = string.format('%.0f', now + hold + a.bound), string.format('%.0f', now + hold)
+  local ends = string.format('%.0f', now + hold + a.bound)
   for i = 2, n + 1 do
     local unit = block_unit(a.token, i)
     logged[#logged + 1] = now
     logged[#logged + 1] = unit
     in_flight[#in_flight + 1] = ends
     in_flight[#in_flight + 1] = unit
-    idle[#idle + 1] = held_until
+    idle[#idle + 1] = ends
     idle[#idle + 1] = unit
   end
   redis.call('ZADD', log_key, unpack(logged))
   redis.call('ZADD', calls_key, unpack(in_flight))
   keep_calls(calls_key, hold + a.bound + limits.max_window)
   redis.call('ZADD', blocked_key, unpack(idle))
-  -- The pool outlives the hold, until its units would leave the log and the calls by
-  -- themselves: a later acquire gives back the ones no call used (claim_idle).
+  -- The pool outlives the hold (by the longest span or the bound, if longer): a later acquire
+  -- gives back the units no call used (claim_idle); the last ones leave the log by themselves.
   local pool_ttl = math.floor((hold + math.max(limits.max_span, a.bound)) / 1000) + 1
   if redis.call('PTTL', blocked_key) < pool_ttl then redis.call('PEXPIRE', blocked_key, pool_ttl) end
   return n
 end
 
--- Claims a unit of the seller's pool (BLOCKED_KEY, see take_block) for a call asked for now:
--- first every unit whose hold is over (score < NOW: a call asked for now could end after its
--- END) is given back (it leaves the pool, the log and the calls), then the unit of the earliest
--- hold is taken out of the pool. Its call, asked for before NOW, answers by its END. Returns the
--- unit (nil: none) with its hold's end, and how many stale units were given back.
-local function claim_idle(blocked_key, log_key, calls_key, now)
-  local stale = redis.call('ZRANGEBYSCORE', blocked_key, '-inf', string.format('(%.0f', now))
+-- Claims a unit of the seller's pool (BLOCKED_KEY, see take_block) for a call asked for before
+-- NOW that answers within BOUND of being asked for: first every unit that such a call could
+-- outlive (END < NOW + BOUND: its hold is over) is given back (it leaves the pool, the log and
+-- the calls), then the unit that ends first is taken out of the pool; the call answers by its
+-- END. Returns the unit (nil: none) with its END, and how many stale units were given back.
+local function claim_idle(blocked_key, log_key, calls_key, now, bound)
+  local stale = redis.call('ZRANGEBYSCORE', blocked_key, '-inf', string.format('(%.0f', now + bound))
   for first = 1, #stale, 1000 do
     local last = math.min(first + 999, #stale)
     redis.call('ZREM', blocked_key, unpack(stale, first, last))

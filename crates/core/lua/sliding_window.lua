@@ -34,7 +34,7 @@
 --          pool for the seller's next calls (integer 0 to 64; 0 = none; see take_block)
 -- ARGV[10] with BLOCK: HOLD in µs, how long after the grant those units may be claimed
 -- Returns {STATUS, SLOT_US, NOW_US, COUNTS, WINDOWS_US, USED_PERMILLE, VERDICT, BLOCKED, CALL,
---          HELD_UNTIL_US, STALE}
+--          ENDS_US, STALE}
 --   STATUS 1 = granted (call now), 2 = reserved (call at SLOT), 0 = denied (come back at SLOT;
 --   with reserving on, when the seller's reserved set is full: see far_ticket),
 --   3 = the message already registered (KEYS[12] says so),
@@ -46,8 +46,8 @@
 --   COUNTS and WINDOWS_US are the learned ones when adaptive limits lowered them.
 --   BLOCKED (STATUS 1): how many block units were taken, named TOKEN-2 ... TOKEN-(BLOCKED+1).
 --   CALL (STATUS 1, with BLOCK): '' when the call is TOKEN, else the pool's unit that was
---   claimed for it (its HELD_UNTIL_US, when its hold ends; USED_PERMILLE is then 0: a block is
---   only granted with at most half of every limit used). STALE: units of the pool whose hold was
+--   claimed for it (ENDS_US: its END in the calls; USED_PERMILLE is then 0: a block is only
+--   granted with at most half of every limit used). STALE: units of the pool whose hold was
 --   over, given back.
 
 local a = acquire_args()
@@ -72,11 +72,11 @@ local earliest = math.max(now, not_before(KEYS[3], limits, a.cost, now))
 local stale = 0
 if pooled and a.cost == 1 and earliest == now and limits.configured == nil
   and limits.quota_until == nil then
-  local unit, held_until
-  unit, held_until, stale = claim_idle(blocked_key, KEYS[1], KEYS[6], now)
+  local unit, ends
+  unit, ends, stale = claim_idle(blocked_key, KEYS[1], KEYS[6], now, a.bound)
   if unit ~= nil then
     return {1, now, now, limits.counts, limits.windows, 0, '', 0, unit,
-      string.format('%.0f', held_until), stale}
+      string.format('%.0f', ends), stale}
   end
 end
 redis.call('ZREMRANGEBYSCORE', KEYS[1], '-inf', now - limits.max_span)

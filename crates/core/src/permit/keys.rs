@@ -105,11 +105,14 @@ impl Keyspace {
         self.seller(seller, "calls")
     }
 
-    /// The seller's permit-block units not handed out yet (sorted set: unit -> the end of its
-    /// block's hold, µs; see `take_block` in `lua/prelude.lua`): a replica claims a unit by
-    /// removing it, an acquire short of room reclaims the rest.
-    pub fn blocked(&self, seller: &SellerId) -> String {
-        self.seller(seller, "blocked")
+    /// The seller's pool of permit-block units no call claimed yet (sorted set: unit -> its end
+    /// in the seller's calls, µs; see `take_block` and `claim_idle` in `lua/prelude.lua`): an
+    /// acquire or a replica's plain `ZPOPMIN` claims a unit by removing it, an acquire short of
+    /// room and a change of terms take back the rest. (`pool`, not the previous version's
+    /// `blocked`, whose units belonged to one replica: the two can run side by side during a
+    /// rolling upgrade.)
+    pub fn pool(&self, seller: &SellerId) -> String {
+        self.seller(seller, "pool")
     }
 
     /// The seller's leases of calls in flight (sorted set: call token -> expiry µs; see
@@ -330,7 +333,7 @@ mod tests {
             keys.reserved(s),
             keys.server(s),
             keys.calls(s),
-            keys.blocked(s),
+            keys.pool(s),
             keys.far(s),
             keys.leases(s),
             keys.lease_ticket(s),
@@ -386,7 +389,7 @@ mod tests {
         assert_eq!(keys.reserved(&s), "turnstile:{S-1}:reserved");
         assert_eq!(keys.server(&s), "turnstile:{S-1}:server");
         assert_eq!(keys.calls(&s), "turnstile:{S-1}:calls");
-        assert_eq!(keys.blocked(&s), "turnstile:{S-1}:blocked");
+        assert_eq!(keys.pool(&s), "turnstile:{S-1}:pool");
         assert_eq!(keys.far(&s), "turnstile:{S-1}:far");
         assert_eq!(
             keys.done(&s, &MessageId::parse("m 1").unwrap()),

@@ -553,9 +553,9 @@ pub struct PermitStore {
 /// How long after its grant a block's units may be claimed.
 pub const BLOCK_HOLD: Duration = Duration::from_secs(2);
 
-/// How much earlier than its hold's end a replica's plain claim of a pool unit must be sent,
-/// by its upper bound of Redis's clock (see `RedisClock::upper_at_us`): room for the two
-/// clocks' rates to differ over the bound's age.
+/// How much room a plain claim of a pool unit leaves between its call's bound and the unit's
+/// end (see `PermitStore::grant_from_pool`): for the replica's clock, which measures the bound,
+/// to run a little slower than Redis's.
 const CLAIM_MARGIN_US: i64 = 20_000;
 
 /// How often what calls made with pool units answered is written (see
@@ -577,17 +577,10 @@ pub fn record_delay(limiter: &LimiterArgs) -> Duration {
 /// the largest sample of the last [`RedisClock::FRESH`] is used, so an estimate is not ahead of
 /// the clock of the Redis that answered it (on Redis Cluster, of the node with the fastest
 /// clock). It only decides how long a message waits before it asks: Redis decides the rest.
-///
-/// It also keeps an upper bound (`upper_at_us`): `redis_now - local` with the local side taken
-/// *before* the request was sent is at least the true offset; the smallest such sample of the
-/// last [`RedisClock::FRESH`] is used. A plain claim of a pool unit relies on it (see
-/// [`block`]).
 struct RedisClock {
     base: std::time::Instant,
     /// (offset µs, local µs when observed), once observed.
     sample: std::sync::Mutex<Option<(i64, i64)>>,
-    /// The upper-bound offset: (offset µs, local µs when observed), once observed.
-    upper: std::sync::Mutex<Option<(i64, i64)>>,
 }
 
 impl Default for RedisClock {
@@ -595,7 +588,6 @@ impl Default for RedisClock {
         Self {
             base: std::time::Instant::now(),
             sample: std::sync::Mutex::new(None),
-            upper: std::sync::Mutex::new(None),
         }
     }
 }
@@ -629,43 +621,6 @@ impl RedisClock {
             .lock()
             .expect("the clock's lock is never poisoned");
         sample.map(|(offset, _)| self.local_us() + offset)
-    }
-
-    /// This replica's clock at `at`, in µs since `base`.
-    fn local_at(&self, at: std::time::Instant) -> i64 {
-        at.saturating_duration_since(self.base)
-            .as_micros()
-            .min(i64::MAX as u128) as i64
-    }
-
-    /// Redis read its clock (`redis_now_us`) answering a request sent after `asked`.
-    fn observe_asked(&self, redis_now_us: i64, asked: std::time::Instant) {
-        let local = self.local_at(asked);
-        let offset = redis_now_us - local;
-        let mut upper = self
-            .upper
-            .lock()
-            .expect("the clock's lock is never poisoned");
-        let newer = match *upper {
-            None => true,
-            Some((kept, at)) => offset < kept || local - at > Self::FRESH,
-        };
-        if newer {
-            *upper = Some((offset, local));
-        }
-    }
-
-    /// A Redis time no earlier than Redis's clock at `at` (this replica's clock), from a fresh
-    /// upper-bound sample; `None` without one.
-    fn upper_at_us(&self, at: std::time::Instant) -> Option<i64> {
-        let local = self.local_at(at);
-        let upper = *self
-            .upper
-            .lock()
-            .expect("the clock's lock is never poisoned");
-        upper
-            .filter(|(_, observed)| local - observed <= Self::FRESH)
-            .map(|(offset, _)| local + offset)
     }
 }
 
@@ -880,7 +835,7 @@ impl PermitStore {
             .key(self.keys.shadow(seller))
             .key(self.keys.shadow_log(seller));
         if algorithm == Algorithm::SlidingWindow {
-            invocation.key(self.keys.blocked(seller));
+            invocation.key(self.keys.pool(seller));
         }
         if let Some(message) = message {
             invocation.key(self.keys.done(seller, message));
@@ -925,7 +880,6 @@ impl PermitStore {
         } = &decision
         {
             self.clock.observe(*now);
-            self.clock.observe_asked(*now, asked);
         }
         if let Some(blocks) = pooled
             && cost == Cost::ONE
@@ -977,10 +931,12 @@ impl PermitStore {
     /// A grant from the seller's pool (see [`block`]) in one plain round trip, if this replica
     /// saw units in it lately (or guesses it has some, see [`Blocks::guesses_pool`]): the
     /// seller's pause, limit override and the message's completion record read (a plain claim
-    /// does not read them the way an acquire does) beside the claim of a unit (`ZPOPMIN`). The unit is used only if its hold ends after this replica's upper bound of
-    /// Redis's clock when the claim was sent (less [`CLAIM_MARGIN_US`]): its call then answers
-    /// by the end it is counted until. A unit that is not used (late, its message registered,
-    /// its seller paused) is given back; an empty pool sends the message to an acquire.
+    /// does not read them the way an acquire does), Redis's `TIME` and the claim of a unit
+    /// (`ZPOPMIN`). `TIME` runs after the message asked, so a call bounded from then answers by
+    /// `TIME` + its bound at the latest: the unit is used only if that (and
+    /// [`CLAIM_MARGIN_US`]) is within its end in the seller's calls. A unit that is not used
+    /// (late, its message registered, its seller paused) is given back; an empty pool sends the
+    /// message to an acquire.
     async fn grant_from_pool(
         &self,
         seller: &SellerId,
@@ -1006,14 +962,18 @@ impl PermitStore {
             read.arg(self.keys.done(seller, message));
         }
         let mut claim = redis::cmd("ZPOPMIN");
-        claim.arg(self.keys.blocked(seller));
-        let (read, popped): (Vec<Option<String>>, Vec<String>) = self
-            .run(
-                Operation::commands(vec![read, claim], self.keys.pause(seller)),
+        claim.arg(self.keys.pool(seller));
+        let (read, (seconds, micros), popped): (Vec<Option<String>>, (i64, i64), Vec<String>) =
+            self.run(
+                Operation::commands(
+                    vec![read, redis::cmd("TIME"), claim],
+                    self.keys.pause(seller),
+                ),
                 When::Now,
             )
             .await?;
-        let (Some(unit), Some(held_until)) = (
+        let now_us = seconds.saturating_mul(1_000_000).saturating_add(micros);
+        let (Some(unit), Some(ends)) = (
             popped.first(),
             popped.get(1).and_then(|s| s.parse::<f64>().ok()),
         ) else {
@@ -1038,16 +998,15 @@ impl PermitStore {
             .first()
             .and_then(|until| until.as_deref()?.parse::<i64>().ok())
             .unwrap_or(0);
-        // This replica's estimate of Redis's time is never ahead of it: perhaps paused.
-        let paused = self.redis_now_us().is_none_or(|now| paused_until > now);
-        let claimed_at = self.clock.upper_at_us(asked);
-        let in_hold = claimed_at.is_some_and(|at| at + CLAIM_MARGIN_US <= held_until as i64);
-        let Some(granted_us) = claimed_at.filter(|_| in_hold && !paused) else {
+        let in_hold = now_us + self.call_bound_us() as i64 + CLAIM_MARGIN_US <= ends as i64;
+        if paused_until > now_us || !in_hold {
             // The message acquires, which says when to come back.
             self.give_back_unit(seller, unit);
             blocks.pool_gone(seller);
             return Ok(None);
-        };
+        }
+        self.clock.observe(now_us);
+        let granted_us = now_us;
         // A pool is only made under no learned limit: the override's stack, or the default.
         let stack = read
             .get(1)
@@ -1766,7 +1725,7 @@ impl PermitStore {
             .key(self.keys.reserved(seller))
             .key(self.keys.calls(seller));
         if self.limiter.algorithm == Algorithm::SlidingWindow {
-            invocation.key(self.keys.blocked(seller));
+            invocation.key(self.keys.pool(seller));
         }
         self.terms_args(&mut invocation);
         invocation
@@ -2114,7 +2073,7 @@ impl PermitStore {
             .key(self.keys.reserved(seller));
         if self.limiter.algorithm == Algorithm::SlidingWindow {
             invocation
-                .key(self.keys.blocked(seller))
+                .key(self.keys.pool(seller))
                 .key(self.keys.calls(seller));
         }
         if let Some(learned) = self.learned_key(seller) {
@@ -2329,9 +2288,7 @@ pub async fn delete_prefix(conn: &RedisConn, prefix: &str) -> anyhow::Result<()>
     }
     Ok(())
 }
-/// An acquire script's answer `{status, slot, now, count, window, used‰}` as a decision;
-/// A script's answer (a list), read by position; anything missing or of another type is the
-/// script's bad answer.
+
 /// What a sliding-window acquire answered about the seller's pool (see `sliding_window.lua`):
 /// units it took into it, the unit it claimed from it for this call, stale units given back.
 struct PoolAnswer {
@@ -2360,6 +2317,9 @@ impl PoolAnswer {
     }
 }
 
+/// An acquire script's answer `{status, slot, now, count, window, used‰}` as a decision;
+/// A script's answer (a list), read by position; anything missing or of another type is the
+/// script's bad answer.
 struct Answer<'a> {
     values: &'a [redis::Value],
     script: &'static str,
