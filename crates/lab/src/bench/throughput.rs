@@ -623,6 +623,29 @@ enum Loop<'a> {
     RegisterBatched(&'a Downstream),
 }
 
+/// A bare loop's own connection, with a channel consuming the work queue at a replica's
+/// prefetch.
+async fn bare_consumer(
+    settings: &ConsumeArgs,
+    topology: &Topology,
+) -> anyhow::Result<(lapin::Connection, lapin::Channel, lapin::Consumer)> {
+    let connection =
+        broker::connect(&settings.broker.amqp_url, "turnstile bench bare loop").await?;
+    let channel = connection.create_channel().await?;
+    channel
+        .basic_qos(settings.prefetch(), BasicQosOptions::default())
+        .await?;
+    let consumer = channel
+        .basic_consume(
+            topology.work().into(),
+            "bare".into(),
+            BasicConsumeOptions::default(),
+            FieldTable::default(),
+        )
+        .await?;
+    Ok((connection, channel, consumer))
+}
+
 /// One of several bare parse-POST-ack loops on one backlog of `messages`: it consumes until
 /// they have registered `messages` together (`done`), then cancels `drained` for the others.
 async fn bare_copy(
@@ -633,20 +656,7 @@ async fn bare_copy(
     done: &Arc<AtomicU64>,
     drained: &CancellationToken,
 ) -> anyhow::Result<()> {
-    let connection =
-        broker::connect(&settings.broker.amqp_url, "turnstile bench bare loop").await?;
-    let channel = connection.create_channel().await?;
-    channel
-        .basic_qos(settings.prefetch(), BasicQosOptions::default())
-        .await?;
-    let mut consumer = channel
-        .basic_consume(
-            topology.work().into(),
-            "bare".into(),
-            BasicConsumeOptions::default(),
-            FieldTable::default(),
-        )
-        .await?;
+    let (connection, _channel, mut consumer) = bare_consumer(settings, topology).await?;
     let workers = Arc::new(Semaphore::new(settings.workers as usize));
     let tasks = tokio_util::task::TaskTracker::new();
     loop {
@@ -683,20 +693,7 @@ async fn bare_loop(
     kind: Loop<'_>,
 ) -> anyhow::Result<Duration> {
     let started = Instant::now();
-    let connection =
-        broker::connect(&settings.broker.amqp_url, "turnstile bench bare loop").await?;
-    let channel = connection.create_channel().await?;
-    channel
-        .basic_qos(settings.prefetch(), BasicQosOptions::default())
-        .await?;
-    let mut consumer = channel
-        .basic_consume(
-            topology.work().into(),
-            "bare".into(),
-            BasicConsumeOptions::default(),
-            FieldTable::default(),
-        )
-        .await?;
+    let (connection, channel, mut consumer) = bare_consumer(settings, topology).await?;
     let done = Arc::new(AtomicU64::new(0));
     let workers = Arc::new(Semaphore::new(settings.workers as usize));
     let settler = matches!(kind, Loop::RegisterBatched(_)).then(|| Settler::new(channel.clone()));
