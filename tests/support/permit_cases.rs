@@ -1086,6 +1086,10 @@ macro_rules! permit_tests {
             cases::a_pool_unit_a_call_could_outlive_is_not_used($backend).await;
         }
         #[tokio::test]
+        async fn a_pool_on_a_server_that_did_not_write_it_is_dropped() {
+            cases::a_pool_on_a_server_that_did_not_write_it_is_dropped($backend).await;
+        }
+        #[tokio::test]
         async fn a_change_of_terms_takes_back_the_pools_unclaimed_units() {
             cases::a_change_of_terms_takes_back_the_pools_unclaimed_units($backend).await;
         }
@@ -1622,6 +1626,53 @@ pub async fn a_pool_unit_a_call_could_outlive_is_not_used(backend: Backend) {
     assert!(
         left.iter().all(|u| !units.contains(u)),
         "the late units left the pool: {left:?}"
+    );
+    keys.cleanup().await;
+}
+
+/// A seller asked about on a Redis server that did not write its state (restarted with writes
+/// lost, failed over) loses its pool with the first acquire: a pool restored with units claimed
+/// since is never claimed from; its units stay counted until they end.
+pub async fn a_pool_on_a_server_that_did_not_write_it_is_dropped(backend: Backend) {
+    let keys = Keys::new(backend, "pool-server").await;
+    let store = keys.store(turnstile_core::config::LimiterArgs {
+        redis_durable: false,
+        ..limiter("100/1m", Algorithm::SlidingWindow)
+    });
+    let (space, s) = (Keyspace::new(&keys.prefix), seller("S-server"));
+    store
+        .acquire_or_redeem(&s, None, Cost::ONE, None)
+        .await
+        .unwrap();
+    let units = members(&keys, &space.pool(&s)).await;
+    assert!(units > 0, "a block was taken");
+    // As after a restore: the state carries another server's stamp.
+    let _: () = redis::cmd("SET")
+        .arg(space.server(&s))
+        .arg("another-server")
+        .query_async(&mut keys.conn.clone())
+        .await
+        .unwrap();
+    let other = keys.store(turnstile_core::config::LimiterArgs {
+        redis_durable: false,
+        ..limiter("100/1m", Algorithm::SlidingWindow)
+    });
+    let (decision, _) = other
+        .acquire_or_redeem(&s, None, Cost::ONE, None)
+        .await
+        .unwrap();
+    let Decision::Wait { reservation, .. } = decision else {
+        panic!("the seller is paused first: {decision:?}");
+    };
+    assert_eq!(
+        members(&keys, &space.pool(&s)).await,
+        0,
+        "the pool was dropped"
+    );
+    assert_eq!(
+        members(&keys, &space.state(&s, Algorithm::SlidingWindow)).await,
+        1 + units + usize::from(reservation.is_some()),
+        "its units stay in the log (beside the slot reserved after the pause)"
     );
     keys.cleanup().await;
 }

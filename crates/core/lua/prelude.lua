@@ -375,11 +375,12 @@ end
 --   * without a stamp on a server up for longer than SPAN: a new or long-idle seller (or one
 --     whose very first writes were lost with a lagging replica: see README, Faults).
 -- (uptime is whole seconds: the start is taken as late as it can have been.)
+-- Returns true when the seller's state was not written by this server (the cases above).
 local function check_server(stamp_key, state_key, pause_key, span, now, durable)
-  if durable then return end
+  if durable then return false end
   local s = server()
   local stamp = redis.call('GET', stamp_key)
-  if stamp == s.run_id then return end
+  if stamp == s.run_id then return false end
   local until_us = nil
   if s.uptime ~= nil and s.uptime * 1000000 < span then
     until_us = now - s.uptime * 1000000 + span
@@ -391,6 +392,7 @@ local function check_server(stamp_key, state_key, pause_key, span, now, durable)
   end
   local ttl = math.max(redis.call('PTTL', state_key), math.floor(span / 1000)) + 1
   redis.call('SET', stamp_key, s.run_id, 'PX', ttl)
+  return true
 end
 
 -- Keeps the server stamp as long as the state it vouches for (TTL in ms).

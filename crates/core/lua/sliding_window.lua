@@ -66,7 +66,11 @@ local limits = with_spans(effective_limits(KEYS[2], a.limits, a.learned, a.cost)
 local now = now_us()
 if already_done(a.done) then return {3, now, now, limits.counts, limits.windows} end
 if a.cost > limits.min_count then return never(limits.min_count, now, limits) end
-check_server(KEYS[5], KEYS[1], KEYS[3], limits.max_span, now, a.durable)
+-- On a server that did not write the seller's state, a pool it holds may have been restored
+-- with units claimed since (lost writes): it is dropped, its units stay counted until they end.
+if check_server(KEYS[5], KEYS[1], KEYS[3], limits.max_span, now, a.durable) and blocked_key then
+  redis.call('DEL', blocked_key)
+end
 
 local earliest = math.max(now, not_before(KEYS[3], limits, a.cost, now))
 local stale = 0

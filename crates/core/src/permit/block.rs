@@ -191,6 +191,15 @@ impl Blocks {
         pools.insert(seller.clone(), asked + self.hold);
     }
 
+    /// Redis failed an answer (it may have restarted, perhaps with writes lost, or failed
+    /// over): no pool is claimed from without an acquire until one is seen again, and sellers
+    /// not seen are not guessed to have one. (The first acquire of a seller on a server that did
+    /// not write its state drops its pool: see `sliding_window.lua`.)
+    pub fn forget_pools(&self) {
+        locked(&self.pools).clear();
+        *locked(&self.found_unseen) = 0.0;
+    }
+
     /// The seller's pool was found empty (or is no longer to be used: its terms changed).
     pub fn pool_gone(&self, seller: &SellerId) {
         locked(&self.pools).remove(seller);
@@ -359,6 +368,19 @@ mod tests {
         blocks.saw_pool(&s1, Instant::now() - Duration::from_millis(60));
         assert!(!blocks.tries_pool(&s1), "asked more than a hold ago");
         assert!(blocks.is_empty());
+    }
+
+    #[test]
+    fn after_redis_failed_no_pool_is_tried_or_guessed() {
+        let blocks = blocks(16);
+        let s1 = seller("S-1");
+        blocks.saw_pool(&s1, Instant::now());
+        for _ in 0..40 {
+            blocks.unseen_pool(true);
+        }
+        blocks.forget_pools();
+        assert!(!blocks.tries_pool(&s1));
+        assert!(!blocks.guesses_pool());
     }
 
     #[test]

@@ -669,8 +669,11 @@ impl PermitStore {
         let batcher = self
             .batcher
             .get_or_init(|| Batcher::start(self.conn.clone()));
-        let answer = batcher.run(operation, when).await?;
-        redis::from_redis_value(answer).map_err(|e| PermitError::Redis(e.into()))
+        let answer = batcher.run(operation, when).await;
+        if let (Err(PermitError::Redis(_)), Some(blocks)) = (&answer, &self.blocks) {
+            blocks.forget_pools();
+        }
+        redis::from_redis_value(answer?).map_err(|e| PermitError::Redis(e.into()))
     }
 
     /// Calls to Redis this store (and its clones) sent for the limiter's hot operations so
