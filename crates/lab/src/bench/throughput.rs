@@ -623,6 +623,13 @@ enum Loop<'a> {
     RegisterBatched(&'a Downstream),
 }
 
+/// What a bare loop does with a delivery's body: parse it and POST it; whether it registered.
+async fn register_bare(downstream: &Downstream, body: &[u8]) -> bool {
+    let registration =
+        Registration::parse(body, None).expect("the bench publishes valid registrations");
+    matches!(downstream.register(&registration).await, Reply::Registered)
+}
+
 /// A bare loop's own connection, with a channel consuming the work queue at a replica's
 /// prefetch.
 async fn bare_consumer(
@@ -667,11 +674,9 @@ async fn bare_copy(
         let worker = workers.clone().acquire_owned().await?;
         let (downstream, done, drained) = (downstream.clone(), done.clone(), drained.clone());
         tasks.spawn(async move {
-            let registration = Registration::parse(&delivery.data, None)
-                .expect("the bench publishes valid registrations");
-            let reply = downstream.register(&registration).await;
+            let registered = register_bare(&downstream, &delivery.data).await;
             drop(worker);
-            if matches!(reply, Reply::Registered) {
+            if registered {
                 let _ = delivery.acker.ack(BasicAckOptions::default()).await;
                 if done.fetch_add(1, Ordering::Relaxed) + 1 >= messages {
                     drained.cancel();
@@ -727,11 +732,9 @@ async fn bare_loop(
                     settler.received(delivery.delivery_tag);
                 }
                 tasks.spawn(async move {
-                    let registration = Registration::parse(&delivery.data, None)
-                        .expect("the bench publishes valid registrations");
-                    let reply = downstream.register(&registration).await;
+                    let registered = register_bare(&downstream, &delivery.data).await;
                     drop(worker);
-                    if matches!(reply, Reply::Registered) {
+                    if registered {
                         match settler {
                             Some(settler) => settler.ack(delivery.delivery_tag),
                             None => {
