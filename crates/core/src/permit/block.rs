@@ -290,7 +290,7 @@ impl Blocks {
         let mut size = typical * 1.5;
         let rate = *locked(&self.rate);
         if rate > 0.0 {
-            let sellers = locked(&self.pools).len().max(1) as f64;
+            let sellers = self.len().max(1) as f64;
             size = size.min(rate * self.hold.as_secs_f64() / sellers * 1.5);
         }
         (size.ceil() as u32)

@@ -1013,10 +1013,7 @@ impl PermitStore {
         // A pool is only made under no learned limit: the override's stack, or the default.
         let stack = read
             .get(1)
-            .and_then(|override_| {
-                let (counts, windows) = override_.as_deref()?.split_once(' ')?;
-                Limits::from_args(counts, windows)
-            })
+            .and_then(|raw| parse_override(raw.as_deref()?))
             .unwrap_or_else(|| self.limiter.limit.clone());
         blocks.saw_pool(seller, asked);
         blocks.claimed(unit, self.log_bounds(&stack));
@@ -2027,10 +2024,7 @@ impl PermitStore {
     /// The seller's override, if one is set (and well-formed: the scripts ignore any other).
     pub async fn limit_override(&self, seller: &SellerId) -> Result<Option<Limits>, PermitError> {
         let raw: Option<String> = self.conn.clone().get(self.keys.limit(seller)).await?;
-        Ok(raw.and_then(|raw| {
-            let (counts, windows) = raw.split_once(' ')?;
-            Limits::from_args(counts, windows)
-        }))
+        Ok(raw.as_deref().and_then(parse_override))
     }
 
     /// The stack that applies to the seller: its override or the default.
@@ -2352,6 +2346,13 @@ impl Answer<'_> {
     fn limits(&self, i: usize) -> Result<Limits, PermitError> {
         Limits::from_args(&self.text(i)?, &self.text(i + 1)?).ok_or_else(|| self.bad())
     }
+}
+
+/// A seller's limit override as the scripts write it (`"COUNTS WINDOWS_US"`); `None` if it is
+/// not well-formed (the scripts ignore it then).
+fn parse_override(raw: &str) -> Option<Limits> {
+    let (counts, windows) = raw.split_once(' ')?;
+    Limits::from_args(counts, windows)
 }
 
 /// What `complete.lua` answers for a message moved to `registered` from the state `was` (its
