@@ -4,6 +4,12 @@ mod cli;
 
 use clap::Parser;
 
+/// mimalloc instead of the system allocator: a replica allocates per message in many tasks
+/// across threads, where glibc's malloc spent about a fifth of the process's time (see
+/// BENCHMARKS.md, "Allocator").
+#[global_allocator]
+static ALLOCATOR: mimalloc::MiMalloc = mimalloc::MiMalloc;
+
 #[tokio::main]
 async fn main() -> std::process::ExitCode {
     let cli = cli::Cli::parse();
