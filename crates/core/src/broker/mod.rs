@@ -25,6 +25,7 @@ pub use topology::{
     Declared, Protection, QueueType, Topology, UNREACHED_DELIVERY_LIMIT, WORK_DELIVERY_LIMIT,
 };
 
+use std::sync::Arc;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::Duration;
 
@@ -241,10 +242,11 @@ pub async fn connect(urls: &str, name: &str) -> anyhow::Result<Connection> {
     Nodes::parse(urls)?.connect(name).await
 }
 
-/// A channel in confirm mode: every publish waits for the broker's confirm.
+/// A channel in confirm mode: every publish waits for the broker's confirm. Cheap to clone
+/// (one per delivery): the channel is shared.
 #[derive(Clone)]
 pub struct Publisher {
-    channel: Channel,
+    channel: Arc<Channel>,
 }
 
 /// A publish the broker did not take (nack, unroutable, or the channel failed).
@@ -268,7 +270,9 @@ impl Publisher {
             .confirm_select(ConfirmSelectOptions::default())
             .await
             .context("enabling publisher confirms")?;
-        Ok(Self { channel })
+        Ok(Self {
+            channel: Arc::new(channel),
+        })
     }
 
     pub fn channel(&self) -> &Channel {

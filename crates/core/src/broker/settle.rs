@@ -29,7 +29,8 @@ const STRAGGLER: Duration = Duration::from_millis(25);
 /// flush) when every clone is dropped.
 #[derive(Clone)]
 pub struct Settler {
-    channel: Channel,
+    /// Shared: a settler is cloned for every delivery, and a lapin `Channel` is a dozen `Arc`s.
+    channel: Arc<Channel>,
     state: Arc<Mutex<State>>,
     sending: Arc<tokio::sync::Mutex<()>>,
     wake: mpsc::Sender<()>,
@@ -56,7 +57,7 @@ impl Settler {
             woken,
         ));
         Self {
-            channel,
+            channel: Arc::new(channel),
             state,
             sending,
             wake,
