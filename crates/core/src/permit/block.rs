@@ -1,22 +1,24 @@
 //! Permit blocks: units a grant takes at once into the seller's pool in Redis (see `take_block`
 //! and `claim_idle` in `lua/prelude.lua` and README, "Permit blocks"), for the seller's next
-//! calls by every replica. What a replica keeps of them here is small and only a hint:
+//! calls by every replica. What a replica keeps of them here is small:
 //!
 //! - the sellers whose pool it saw units in lately ([`Blocks::tries_pool`]): their next message
 //!   claims a unit with one plain `ZPOPMIN` beside its completion-record read, no script; an
 //!   empty pool sends it to an acquire, which claims from the pool first too;
 //! - the units it claimed whose call is not recorded yet ([`Blocks::recorded`]): their
-//!   registration is recorded with plain commands (the calls are counted in Redis already);
+//!   registration is recorded with a plain `SET … GET` (the calls are counted in Redis already);
+//! - what those calls answered, by seller ([`Blocks::answered`]), written every 500 ms and at
+//!   shutdown: each call's end brought forward to its answer, and with adaptive limits its entry
+//!   in the accepted log; until then, or if that is lost, a call holds its place until its end;
 //! - how many units to ask for, by seller ([`Blocks::wanted`]).
 //!
 //! A block is only granted while the seller is far from its limits. Each unit is counted in
-//! flight in the seller's calls from the grant until the end of its hold plus a call's bound,
-//! and claimed no later than the end of its hold in Redis time (an acquire checks on Redis's
-//! clock; a plain claim checks its unit's hold against an upper bound of Redis's clock, see
-//! `RedisClock` in `permit`), so the calls gate sees it wherever in that time it is used.
-//! Nothing here has to be written back: a unit no one claims leaves the pool, the log and the
-//! calls at the next acquire of the seller after its hold (or when one is short of room), or
-//! expires with them.
+//! flight in the seller's calls until its END (the end of its hold plus the taker's bound), and
+//! used only by a call that answers by then: an acquire checks on Redis's clock, a plain claim on
+//! Redis's `TIME` read in the same pipeline, after the call was asked for (its own bound plus a
+//! margin), so the calls gate sees the call wherever in that time it is made. A unit no one
+//! claims leaves the pool, the log and the calls at the next acquire of the seller after its
+//! hold (or when one is short of room), or expires with them.
 
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicU64, Ordering};
