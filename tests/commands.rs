@@ -331,6 +331,24 @@ fn no_secret_is_shown_by_help_or_a_startup_error() {
     }
 }
 
+#[test]
+fn a_blank_dashboard_token_stops_startup_with_a_clear_error() {
+    for blank in ["", "   "] {
+        let mut cmd = turnstile();
+        cmd.env("TURNSTILE_HTTP_TOKEN", blank)
+            .env("TURNSTILE_DOWNSTREAM_URL", "http://127.0.0.1:1/r")
+            .env("TURNSTILE_HTTP_ADDR", "127.0.0.1:0")
+            .arg("consume");
+        let (code, _, err) = run(cmd.stdin(Stdio::null()));
+        assert_eq!(code, 2, "a blank token {blank:?} is refused: {err}");
+        assert!(
+            err.contains("TURNSTILE_HTTP_TOKEN") || err.contains("--http-token"),
+            "{err}"
+        );
+        assert!(err.contains("the token is empty"), "{err}");
+    }
+}
+
 /// `turnstile status --json` for a seller.
 fn status_of(rig: &Rig, seller: &str) -> serde_json::Value {
     let mut cmd = turnstile();

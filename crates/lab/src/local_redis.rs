@@ -43,6 +43,11 @@ impl LocalRedis {
         self.port
     }
 
+    /// The folder the server keeps its files in (its working directory).
+    pub fn dir(&self) -> std::path::PathBuf {
+        self.snapshots.clone().unwrap_or_else(|| self.scratch_dir())
+    }
+
     /// The folder of a server without snapshots (removed when it is dropped).
     fn scratch_dir(&self) -> std::path::PathBuf {
         std::env::temp_dir().join(format!("turnstile-redis-{}", self.port))

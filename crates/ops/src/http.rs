@@ -54,6 +54,25 @@ pub fn parse_addr(s: &str) -> Result<Listen, String> {
         .map_err(|_| format!("{s:?} is not an address such as 0.0.0.0:9464 (or `off`)"))
 }
 
+/// Parses `TURNSTILE_HTTP_TOKEN`: an empty or blank token would look like protection and let
+/// anyone in (an empty `?token=` or cookie matches it), so only a token of visible ASCII
+/// characters other than `;` and `,` (it travels in a cookie) is accepted.
+pub fn parse_token(s: &str) -> Result<SecretString, String> {
+    if s.trim().is_empty() {
+        return Err("the token is empty: set a real token, or unset TURNSTILE_HTTP_TOKEN to leave the dashboard open".into());
+    }
+    if !s
+        .bytes()
+        .all(|b| b.is_ascii_graphic() && b != b';' && b != b',')
+    {
+        return Err(
+            "the token must be visible ASCII characters without spaces, `;` or `,` (it travels in a cookie)"
+                .into(),
+        );
+    }
+    Ok(SecretString::from(s.to_owned()))
+}
+
 /// What the endpoints read: readiness, the replica's counters, and its dashboard once the
 /// replica has connected to Redis (until then `/api/dashboard` answers 503).
 #[derive(Clone)]
@@ -200,4 +219,24 @@ pub async fn serve(
         }
     });
     Ok(bound)
+}
+
+#[cfg(test)]
+mod token_tests {
+    use super::*;
+
+    #[test]
+    fn a_blank_token_is_refused_and_a_real_one_kept() {
+        for blank in ["", " ", "\t\n "] {
+            let said = parse_token(blank).expect_err("refused");
+            assert!(said.contains("empty"), "{said}");
+        }
+        for bad in ["a b", "tok;en", "a,b", "t\u{e9}"] {
+            assert!(parse_token(bad).is_err(), "{bad:?}");
+        }
+        assert_eq!(
+            parse_token("s3cr3t-T0ken").unwrap().expose_secret(),
+            "s3cr3t-T0ken"
+        );
+    }
 }

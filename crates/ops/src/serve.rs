@@ -41,7 +41,8 @@ pub struct HttpArgs {
     #[arg(
         long = "http-token",
         env = "TURNSTILE_HTTP_TOKEN",
-        hide_env_values = true
+        hide_env_values = true,
+        value_parser = http::parse_token
     )]
     pub http_token: Option<SecretString>,
 }

@@ -73,16 +73,35 @@ pub enum PermitError {
 }
 
 impl PermitError {
-    /// Whether asking again later can succeed: Redis unreachable, restarting, busy or moving
-    /// slots. A script's refusal (an input it rejects) or an unexpected answer is not.
+    /// Whether asking again later can succeed. Only a script's own refusal (an error it raises
+    /// with `ERR turnstile: …`, for inputs it rejects) and an answer of the wrong shape are
+    /// final: every other error (Redis unreachable or timing out, and every server error such
+    /// as OOM, MISCONF, READONLY, BUSY, LOADING, NOREPLICAS, CLUSTERDOWN, TRYAGAIN, even inside a
+    /// batch) says nothing about the request, so the caller waits and asks again.
     pub fn is_transient(&self) -> bool {
         match self {
-            PermitError::Redis(error) => {
-                !matches!(error.retry_method(), redis::RetryMethod::NoRetry)
-            }
-            PermitError::Answer(_) | PermitError::Refused(_) => false,
+            PermitError::Redis(error) => !is_final(error),
+            PermitError::Refused(why) => !is_own_refusal(why),
+            PermitError::Answer(_) => false,
         }
     }
+}
+
+/// The prefix of every error a script raises itself (see `lua/prelude.lua`).
+const OWN_REFUSAL: &str = "ERR turnstile:";
+
+/// Whether an error a batch operation raised is a script's own refusal (not a server error).
+fn is_own_refusal(why: &str) -> bool {
+    why.starts_with(OWN_REFUSAL)
+}
+
+/// Whether a Redis error is final: a script's own refusal, or an answer that does not convert.
+fn is_final(error: &redis::RedisError) -> bool {
+    let own = error.code() == Some("ERR")
+        && error
+            .detail()
+            .is_some_and(|d| d.starts_with(&OWN_REFUSAL["ERR ".len()..]));
+    own || error.kind() == redis::ErrorKind::UnexpectedReturnType
 }
 
 /// A slot held for a seller: call at `slot_us` (Redis time). It is bound to its `token` (and
@@ -2423,7 +2442,41 @@ fn acquired(
 
 #[cfg(test)]
 mod tests {
-    use super::{learned_ratio, registered_from};
+    use super::{PermitError, learned_ratio, registered_from};
+
+    /// The error Redis answers with `line` (a RESP error line, without `-` and CRLF).
+    fn server_error(line: &str) -> PermitError {
+        let value = redis::parse_redis_value(format!("-{line}\r\n").as_bytes()).unwrap();
+        PermitError::Redis(value.extract_error().unwrap_err())
+    }
+
+    #[test]
+    fn only_a_scripts_own_refusal_is_final_every_server_error_is_waited_out() {
+        let refusal = "ERR turnstile: COST must be at most 10000 script: 1f2e, on @user_script:9.";
+        assert!(!server_error(refusal).is_transient());
+        assert!(
+            !PermitError::Refused("ERR turnstile: TOKEN must be 1 to 64".into()).is_transient()
+        );
+        assert!(!PermitError::Answer("redeem").is_transient());
+        for line in [
+            "OOM command not allowed when used memory > 'maxmemory'.",
+            "MISCONF Redis is configured to save RDB snapshots, but it's currently unable to persist to disk.",
+            "READONLY You can't write against a read only replica.",
+            "BUSY Redis is busy running a script.",
+            "LOADING Redis is loading the dataset in memory",
+            "NOREPLICAS Not enough good replicas to write.",
+            "CLUSTERDOWN The cluster is down",
+            "TRYAGAIN Multiple keys request during rehashing of slot",
+            "MASTERDOWN Link with MASTER is down",
+            "ERR Error running script (call to f_1): @user_script:1: Unknown Redis command",
+        ] {
+            assert!(server_error(line).is_transient(), "{line}");
+            // The same error caught inside a batch (see lua/batch.lua).
+            assert!(PermitError::Refused(line.into()).is_transient(), "{line}");
+        }
+        let io = std::io::Error::from(std::io::ErrorKind::ConnectionReset);
+        assert!(PermitError::Redis(io.into()).is_transient());
+    }
 
     #[test]
     fn a_plain_registration_moves_the_state_as_complete_lua_does() {

@@ -17,7 +17,6 @@ use std::sync::Arc;
 use std::sync::atomic::Ordering;
 use std::time::Duration;
 
-use backon::{ExponentialBuilder, Retryable};
 use lapin::message::Delivery;
 use tokio::sync::{Notify, OwnedSemaphorePermit, Semaphore};
 use tokio_util::sync::CancellationToken;
@@ -54,6 +53,13 @@ impl Grant<'_> {
         let since = self.asked.elapsed().as_micros().min(i64::MAX as u128) as i64;
         self.granted_us.saturating_add(since)
     }
+}
+
+/// What may end a wait early: the replica shutting down, or the delivery's connection lost.
+#[derive(Clone, Copy)]
+struct Interruptions<'a> {
+    shutdown: &'a CancellationToken,
+    connection_lost: &'a CancellationToken,
 }
 
 /// Everything a delivery needs; shared by all of a replica's tasks.
@@ -368,7 +374,12 @@ impl Worker {
                     granted_us,
                     asked,
                 };
-                self.call(registration, trace, grant, worker, carried).await
+                let interruptions = Interruptions {
+                    shutdown,
+                    connection_lost,
+                };
+                self.call(registration, trace, grant, worker, carried, interruptions)
+                    .await
             }
             plan => {
                 drop(worker);
@@ -408,6 +419,7 @@ impl Worker {
         grant: Grant<'_>,
         worker: OwnedSemaphorePermit,
         carried: &mut Carried,
+        interruptions: Interruptions<'_>,
     ) -> Plan {
         let span = trace.child();
         tracing::Span::current().record("span_id", tracing::field::display(span.span_id()));
@@ -446,14 +458,21 @@ impl Worker {
                     answered_us: Some(answered_us),
                 };
                 // Both go in the same batch when they can (see `permit::batch`).
-                let (raise_due, _) =
-                    tokio::join!(self.record_completion(registration, answer), async {
+                let (recorded, _) = tokio::join!(
+                    self.record_completion(registration, answer, interruptions),
+                    async {
                         if let Some(told) = rate_limit {
                             let lesson = Lesson::Told(told);
                             self.learn(registration, lesson, answered_us).await;
                         }
-                    });
+                    }
+                );
                 drop(writing);
+                let Some(raise_due) = recorded else {
+                    // Not acked without its record: the broker redelivers it, and the
+                    // downstream sees the same Idempotency-Key again.
+                    return Plan::Settle(Outcome::Requeue);
+                };
                 if raise_due && rate_limit.is_none() {
                     self.learn(registration, Lesson::Recovery, answered_us)
                         .await;
@@ -634,10 +653,19 @@ impl Worker {
     }
 
     /// Records the registration (and its call's `answer`) in one step; whether a learned limit
-    /// of the seller is due to go up.
-    async fn record_completion(&self, registration: &Registration, answer: CallAnswer<'_>) -> bool {
-        let record = || async {
-            self.permits
+    /// of the seller is due to go up. A Redis that fails or refuses the write (down, OOM,
+    /// MISCONF, READONLY, …) is waited out with the Redis backoff, the message unacked; `None`
+    /// only when shutdown or a lost connection interrupts the wait, the record unwritten.
+    async fn record_completion(
+        &self,
+        registration: &Registration,
+        answer: CallAnswer<'_>,
+        interruptions: Interruptions<'_>,
+    ) -> Option<bool> {
+        let mut backoff = plan::redis_backoff();
+        loop {
+            let recorded = self
+                .permits
                 .complete_call(
                     &registration.seller_id,
                     &registration.message_id,
@@ -645,15 +673,24 @@ impl Worker {
                     answer,
                     self.settings.done_ttl,
                 )
-                .await
-        };
-        let retry = ExponentialBuilder::default()
-            .with_min_delay(Duration::from_millis(50))
-            .with_max_times(6);
-        record.retry(retry).await.unwrap_or_else(|error| {
-            warn!(%error, "registered, but the completion record was not written: a redelivery could call again");
-            false
-        })
+                .await;
+            let error = match recorded {
+                Ok(raise_due) => return Some(raise_due),
+                Err(error) => error,
+            };
+            metrics::counter!("turnstile_redis_errors_total").increment(1);
+            let wait = backoff.next().unwrap_or(Duration::from_secs(5));
+            warn!(%error, retry_in_ms = wait.as_millis() as u64, "registered, but the completion record is not written yet; the message stays unacked until it is");
+            tokio::select! {
+                _ = tokio::time::sleep(wait) => {}
+                _ = interruptions.shutdown.cancelled() => break,
+                _ = interruptions.connection_lost.cancelled() => break,
+            }
+        }
+        warn!(
+            "registered, but the completion record was not written before shutdown: a redelivery calls again with the same Idempotency-Key"
+        );
+        None
     }
 
     /// Records that the call `call` was answered at `answered_us` (not a registration): it
