@@ -178,3 +178,184 @@ async fn a_redis_that_cannot_persist_for_a_while_dead_letters_nothing_and_breaks
         refused_writes_are_waited_out(Refusal::FailingDisk, refuse_for).await;
     }
 }
+
+/// Ways a live Redis loses a seller's limiter state, and the operator's safe way to drop it.
+#[derive(Clone, Copy, Debug)]
+enum Loss {
+    /// `FLUSHALL`.
+    Flush,
+    /// Eviction under `maxmemory` with this policy, until the seller's log is gone.
+    Eviction(&'static str),
+    /// `turnstile limits reset --seller …` (what to do instead of deleting keys by hand).
+    Reset,
+}
+
+/// The INFO field `name` of `section`, as text.
+async fn info_field(
+    conn: &mut redis::aio::MultiplexedConnection,
+    section: &str,
+    name: &str,
+) -> String {
+    let info: String = redis::cmd("INFO")
+        .arg(section)
+        .query_async(conn)
+        .await
+        .unwrap();
+    info.lines()
+        .find_map(|l| l.strip_prefix(&format!("{name}:")))
+        .unwrap_or_default()
+        .trim()
+        .to_owned()
+}
+
+impl Loss {
+    /// Makes the state of `seller` (keys under `prefix`) go.
+    async fn strike(self, redis: &LocalRedis, rig: &Rig, seller: &str) {
+        let client = redis::Client::open(redis.url()).unwrap();
+        let mut conn = client.get_multiplexed_async_connection().await.unwrap();
+        let seller_id = turnstile_core::domain::SellerId::parse(seller).unwrap();
+        let log = rig
+            .store()
+            .keys()
+            .state(&seller_id, turnstile_core::config::Algorithm::SlidingWindow);
+        let exists = |conn: &mut redis::aio::MultiplexedConnection| {
+            let mut conn = conn.clone();
+            let log = log.clone();
+            async move { conn.exists::<_, bool>(&log).await.unwrap() }
+        };
+        assert!(exists(&mut conn).await, "the seller has a log to lose");
+        match self {
+            Loss::Flush => {
+                let () = redis::cmd("FLUSHALL").query_async(&mut conn).await.unwrap();
+            }
+            Loss::Eviction(policy) => {
+                let used: u64 = info_field(&mut conn, "memory", "used_memory")
+                    .await
+                    .parse()
+                    .unwrap();
+                config_set(redis, "maxmemory-policy", policy).await;
+                config_set(redis, "maxmemory", &(used + (4 << 20)).to_string()).await;
+                let junk = vec![b'x'; 100_000];
+                let mut n = 0;
+                while exists(&mut conn).await {
+                    assert!(n < 20_000, "{policy}: the seller's log was never evicted");
+                    let mut set = redis::cmd("SET");
+                    set.arg(format!("junk-{n}")).arg(&junk);
+                    if policy.starts_with("volatile") {
+                        set.arg("EX").arg(3600);
+                    }
+                    let _: Result<(), _> = set.query_async(&mut conn).await;
+                    n += 1;
+                }
+                let evicted = info_field(&mut conn, "stats", "evicted_keys").await;
+                println!(
+                    "{policy}: the seller's log evicted after {n} junk keys ({evicted} keys evicted)"
+                );
+                config_set(redis, "maxmemory", "0").await;
+            }
+            Loss::Reset => {
+                let paused = rig.store().reset(&seller_id).await.unwrap();
+                assert!(!exists(&mut conn).await, "reset forgets the log");
+                println!("reset: paused for {paused:?}");
+            }
+        }
+    }
+}
+
+/// A seller took its whole limit, its state goes, and as many messages again arrive at once:
+/// the downstream, enforcing the limit on its own clock, sees no window with more than the
+/// limit.
+async fn lost_state_lets_no_burst_through(loss: Loss) {
+    let redis = LocalRedis::start().unwrap();
+    let mut rig = support::rig("lost-state", "5/3s")
+        .on_redis(&redis.url())
+        .prepare()
+        .await
+        .unwrap();
+    let mut settings = rig.settings(4);
+    settings.limiter.redis_durable = false;
+    rig.start_replica(settings).await.unwrap();
+    // Past the cold start of a Redis that has just started.
+    let client = redis::Client::open(redis.url()).unwrap();
+    let mut conn = client.get_multiplexed_async_connection().await.unwrap();
+    while info_field(&mut conn, "server", "uptime_in_seconds")
+        .await
+        .parse::<u64>()
+        .unwrap()
+        < 4
+    {
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    rig.publish("S-lost", 5).await.unwrap();
+    rig.wait_settled_registered(5).await.unwrap();
+    loss.strike(&redis, &rig, "S-lost").await;
+    for i in 0..5 {
+        let id = format!("S-lost-after-{i}");
+        rig.publish_product("S-lost", &id, serde_json::json!({ "sku": id }))
+            .await
+            .unwrap();
+    }
+    let stats = rig.wait_registered(10).await.unwrap();
+    rig.wait_settled_registered(10).await.unwrap();
+    let seller = &stats.sellers["S-lost"];
+    println!(
+        "{loss:?}: registered {}, violations {}, most in a window {} of 5",
+        stats.registered, stats.violations, seller.max_in_window
+    );
+    assert_eq!(
+        (stats.registered, stats.violations, stats.duplicates),
+        (10, 0, 0),
+        "{loss:?}: a burst went through"
+    );
+    rig.stop_replicas().await.unwrap();
+    rig.cleanup().await.unwrap();
+}
+
+#[tokio::test]
+async fn a_flushed_redis_lets_no_burst_through() {
+    for _ in 0..2 {
+        lost_state_lets_no_burst_through(Loss::Flush).await;
+    }
+}
+
+#[tokio::test]
+async fn state_evicted_under_any_policy_lets_no_burst_through() {
+    for policy in ["volatile-lru", "allkeys-lru", "volatile-ttl"] {
+        lost_state_lets_no_burst_through(Loss::Eviction(policy)).await;
+    }
+}
+
+#[tokio::test]
+async fn a_seller_reset_by_the_operator_lets_no_burst_through() {
+    lost_state_lets_no_burst_through(Loss::Reset).await;
+}
+
+#[tokio::test]
+async fn a_replica_refuses_a_redis_that_may_evict_unless_allowed() {
+    let redis = LocalRedis::start().unwrap();
+    config_set(&redis, "maxmemory", "100000000").await;
+    config_set(&redis, "maxmemory-policy", "volatile-lru").await;
+    let mut rig = support::rig("evicting", "5/1s")
+        .on_redis(&redis.url())
+        .prepare()
+        .await
+        .unwrap();
+    let refused = rig
+        .start_replica(rig.settings(1))
+        .await
+        .err()
+        .expect("refused");
+    let said = format!("{refused:#}");
+    println!("{said}");
+    assert!(
+        said.contains("maxmemory-policy volatile-lru") && said.contains("TURNSTILE_ALLOW_EVICTION"),
+        "{said}"
+    );
+    let mut allowed = rig.settings(1);
+    allowed.allow_eviction = true;
+    rig.start_replica(allowed).await.unwrap();
+    rig.publish("S-1", 3).await.unwrap();
+    rig.wait_settled_registered(3).await.unwrap();
+    rig.stop_replicas().await.unwrap();
+    rig.cleanup().await.unwrap();
+}

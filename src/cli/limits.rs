@@ -63,6 +63,14 @@ pub enum LimitsAction {
         #[arg(long)]
         seller: String,
     },
+    /// Forget a seller's limiter state (its grants, reserved slots, learned limit) safely: the
+    /// seller is paused for one window first, so that no call of the forgotten state shares a
+    /// window with a new one. Its override, weight and completion records are kept. (Deleting
+    /// its keys by hand instead lets a second window of calls through.)
+    Reset {
+        #[arg(long)]
+        seller: String,
+    },
 }
 
 /// Runs `turnstile limits`.
@@ -117,6 +125,17 @@ pub async fn run(
             format!("{seller}: {}", said.join(", "))
         }
         LimitsAction::Get { seller } => get(&store, &seller_arg(&seller)?).await?,
+        LimitsAction::Reset { seller } => {
+            let seller = seller_arg(&seller)?;
+            let paused = store
+                .reset(&seller)
+                .await
+                .context("resetting the seller's limiter state")?;
+            format!(
+                "{seller}: limiter state forgotten; paused for {:.1}s so that no call of the forgotten state shares a window with a new one",
+                paused.as_secs_f64()
+            )
+        }
         LimitsAction::Resume { seller } => {
             let seller = seller_arg(&seller)?;
             let was = store.resume(&seller).await.context("lifting the pause")?;

@@ -15,7 +15,8 @@
 -- KEYS[8]  the seller's learned state (see with_learned in the prelude; used with FLAGS +4)
 -- KEYS[9]  the seller's shadow limit (see judge_shadow in the prelude), may be absent
 -- KEYS[10] the seller's shadow log (see judge_shadow)
--- KEYS[11] optional: the message's completion record; if it exists nothing is written
+-- KEYS[11] the loss marker of the seller's hash slot (no TTL; see losses_since in the prelude)
+-- KEYS[12] optional: the message's completion record; if it exists nothing is written
 -- ARGV[1]  default COUNTS: the stack's counts, comma-separated (integers >= 1; 1 to 8 limits)
 -- ARGV[2]  default WINDOWS in µs, comma-separated, one per count (integers >= 1)
 -- ARGV[3]  GUARD in µs (-1 = window/20 within [25 ms, 2 s])
@@ -29,7 +30,7 @@
 -- Returns {STATUS, SLOT_US, NOW_US, COUNTS, WINDOWS_US, USED_PERMILLE, VERDICT}
 --   STATUS 1 = granted (call now), 2 = reserved (call at SLOT), 0 = denied (come back at SLOT;
 --   with reserving on, when the seller's reserved set is full: see far_ticket),
---   3 = the message already registered (KEYS[11] says so),
+--   3 = the message already registered (KEYS[12] says so),
 --   4 = COST exceeds the smallest COUNT of the stack: never granted (SLOT_US is that COUNT);
 --   USED_PERMILLE (with STATUS 1) is how much of the limit is taken after this grant, in
 --   thousandths (units of the slot's window / COUNT, the fullest limit): the near-limit metric.
@@ -41,7 +42,7 @@ local limits = with_spans(effective_limits(KEYS[2], a.limits, a.learned, a.cost)
 local now = now_us()
 if already_done(a.done) then return {3, now, now, limits.counts, limits.windows} end
 if a.cost > limits.min_count then return never(limits.min_count, now, limits) end
-check_server(KEYS[5], KEYS[1], KEYS[3], limits.max_window, now, a.durable)
+check_server(KEYS[5], KEYS[1], KEYS[3], a.losses, limits.max_window, now, a.durable)
 
 local function taken(i, l, index)
   return tonumber(redis.call('HGET', KEYS[1], fw_field(i, l, index)) or '0')

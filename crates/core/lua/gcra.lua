@@ -17,7 +17,8 @@
 -- KEYS[8]  the seller's learned state (see with_learned in the prelude; used with FLAGS +4)
 -- KEYS[9]  the seller's shadow limit (see judge_shadow in the prelude), may be absent
 -- KEYS[10] the seller's shadow log (see judge_shadow)
--- KEYS[11] optional: the message's completion record; if it exists nothing is written
+-- KEYS[11] the loss marker of the seller's hash slot (no TTL; see losses_since in the prelude)
+-- KEYS[12] optional: the message's completion record; if it exists nothing is written
 -- ARGV[1]  default COUNTS: the stack's counts, comma-separated (integers >= 1; 1 to 8 limits)
 -- ARGV[2]  default WINDOWS in µs, comma-separated, one per count (integers >= 1)
 -- ARGV[3]  GUARD in µs added to each window (-1 = window/20 within [25 ms, 2 s])
@@ -33,7 +34,7 @@
 -- Returns {STATUS, SLOT_US, NOW_US, COUNTS, WINDOWS_US, USED_PERMILLE, VERDICT}
 --   STATUS 1 = granted (call now), 2 = reserved (call at SLOT), 0 = denied (come back at SLOT;
 --   with reserving on, when the seller's reserved set is full: see far_ticket),
---   3 = the message already registered (KEYS[11] says so),
+--   3 = the message already registered (KEYS[12] says so),
 --   4 = COST exceeds the smallest burst of the stack: never granted (SLOT_US is that burst);
 --   USED_PERMILLE (with STATUS 1) is how much of the limit is taken after this grant, in
 --   thousandths (TAT ahead of now / B intervals, the most taken limit of the stack): the
@@ -53,7 +54,7 @@ end
 local now = now_us()
 if already_done(a.done) then return {3, now, now, limits.counts, limits.windows} end
 if a.cost > max_cost then return never(max_cost, now, limits) end
-check_server(KEYS[5], KEYS[1], KEYS[3], limits.max_span, now, a.durable)
+check_server(KEYS[5], KEYS[1], KEYS[3], a.losses, limits.max_span, now, a.durable)
 
 -- The stored TATs, one per limit; a limit without one (the stack grew) takes the latest stored.
 local stored, latest = {}, 0

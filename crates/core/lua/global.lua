@@ -36,6 +36,7 @@
 --          `w|<seller>` -> the weight it started competing with)
 -- KEYS[7]  the global state's server stamp (see check_server in the prelude)
 -- KEYS[8]  the global pause (string: its end in µs), set by check_server
+-- KEYS[9]  the loss marker of the global keys' hash slot (no TTL; see losses_since in the prelude)
 -- ARGV[1]  COUNTS of the global stack, comma-separated (integers >= 1; 1 to 8 limits)
 -- ARGV[2]  WINDOWS in µs, comma-separated, one per count
 -- ARGV[3]  GUARD in µs added to each window (-1 = window/20 within [25 ms, 2 s])
@@ -61,7 +62,7 @@ local idle = int_arg(7, 1)
 local durable = int_arg(8, 0) >= 2
 local now = now_us()
 if cost > limits.min_count then return {4, limits.min_count, now, 0} end
-check_server(KEYS[7], KEYS[1], KEYS[8], limits.max_span, now, durable)
+check_server(KEYS[7], KEYS[1], KEYS[8], KEYS[9], limits.max_span, now, durable)
 
 -- The global rate (units per µs) of the stack's slowest limit: the pace of a seller's tickets.
 local rate = limits.slowest.count / limits.slowest.span

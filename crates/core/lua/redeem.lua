@@ -16,7 +16,8 @@
 -- KEYS[7]  the seller's learned state (see with_learned in the prelude; used with FLAGS +4)
 -- KEYS[8]  the seller's shadow limit (see judge_shadow in the prelude), may be absent
 -- KEYS[9]  the seller's shadow log (see judge_shadow)
--- KEYS[10] optional: the message's completion record
+-- KEYS[10] the loss marker of the seller's hash slot (no TTL; see losses_since in the prelude)
+-- KEYS[11] optional: the message's completion record
 -- ARGV[1]  default COUNTS, comma-separated (integers >= 1; 1 to 8 limits)
 -- ARGV[2]  default WINDOWS in µs, comma-separated, one per count (integers >= 1)
 -- ARGV[3]  GUARD in µs (-1 = window/20 within [25 ms, 2 s])
@@ -34,7 +35,7 @@
 -- Returns {STATUS, AT_US, NOW_US, VERDICT}
 --   1 granted; 2 early (or calls of the last window still in flight): come back at AT (the
 --   reservation is kept); 3 paused until AT; 4 the limits changed; 5 too late; 6 the message
---   already registered (KEYS[10] says so); 8 no such reservation (never made, already redeemed,
+--   already registered (KEYS[11] says so); 8 no such reservation (never made, already redeemed,
 --   made for another cost, given back by a limit change or resume, or lost with Redis).
 --   3 to 8 leave no reservation: the caller acquires a new one. VERDICT (with 1) is the shadow
 --   limit's (see judge_shadow), else ''.
@@ -73,11 +74,11 @@ local function release(status, at)
   return {status, at, now, verdict}
 end
 
-if already_done(KEYS[10]) then return release(6, now) end
+if already_done(KEYS[11]) then return release(6, now) end
 if reserved == nil or reserved ~= slot then return {8, now, now, ''} end
 local span = limits.max_span
 if algorithm == 'fixed-window' then span = limits.max_window end
-check_server(KEYS[5], KEYS[3], KEYS[2], span, now, durable)
+check_server(KEYS[5], KEYS[3], KEYS[2], KEYS[10], span, now, durable)
 local pause = paused_until(KEYS[2])
 if pause > slot then return release(3, pause) end
 if not within(held, limits) then return release(4, now) end

@@ -13,10 +13,11 @@
 -- KEYS[8]  the seller's learned state (see with_learned in the prelude; used with FLAGS +4)
 -- KEYS[9]  the seller's shadow limit (see judge_shadow in the prelude), may be absent
 -- KEYS[10] the seller's shadow log (see judge_shadow)
--- KEYS[11] the seller's pool of unclaimed permit-block units (see take_block, claim_idle and
+-- KEYS[11] the loss marker of the seller's hash slot (no TTL; see losses_since in the prelude)
+-- KEYS[12] the seller's pool of unclaimed permit-block units (see take_block, claim_idle and
 --          reclaim_idle in the prelude): with BLOCK given, a unit of it is claimed before
 --          anything else is decided; reclaimed when the call would otherwise wait
--- KEYS[12] optional: the message's completion record; if it exists nothing is written
+-- KEYS[13] optional: the message's completion record; if it exists nothing is written
 -- ARGV[1]  default COUNTS: the stack's counts, comma-separated (integers >= 1; 1 to 8 limits)
 -- ARGV[2]  default WINDOWS in µs, comma-separated, one per count (integers >= 1)
 -- ARGV[3]  GUARD in µs added to each window (-1 = window/20 within [25 ms, 2 s])
@@ -37,7 +38,7 @@
 --          ENDS_US, STALE}
 --   STATUS 1 = granted (call now), 2 = reserved (call at SLOT), 0 = denied (come back at SLOT;
 --   with reserving on, when the seller's reserved set is full: see far_ticket),
---   3 = the message already registered (KEYS[12] says so),
+--   3 = the message already registered (KEYS[13] says so),
 --   4 = COST exceeds the smallest COUNT of the stack: never granted (SLOT_US is that COUNT);
 --   USED_PERMILLE (with STATUS 1) is how much of the limit is taken after this grant, in
 --   thousandths (units in the window / COUNT, the most taken limit of the stack): the
@@ -53,14 +54,14 @@
 local a = acquire_args()
 -- This script takes the seller's permit-block units before the completion record.
 local blocked_key
-blocked_key, a.done = KEYS[11], KEYS[12]
+blocked_key, a.done = KEYS[12], KEYS[13]
 local block, hold, pooled = 0, 0, ARGV[9] ~= nil
 if pooled then
   block = int_arg(9, 0)
   if block > MAX_BLOCK then error({err = 'ERR turnstile: BLOCK must be at most ' .. MAX_BLOCK}) end
   hold = int_arg(10, 0)
   if hold > 60000000 then error({err = 'ERR turnstile: HOLD must be at most 60 s'}) end
-  if blocked_key == nil then error({err = 'ERR turnstile: BLOCK needs KEYS[11]'}) end
+  if blocked_key == nil then error({err = 'ERR turnstile: BLOCK needs KEYS[12]'}) end
 end
 local limits = with_spans(effective_limits(KEYS[2], a.limits, a.learned, a.cost), a.guard)
 local now = now_us()
@@ -68,7 +69,7 @@ if already_done(a.done) then return {3, now, now, limits.counts, limits.windows}
 if a.cost > limits.min_count then return never(limits.min_count, now, limits) end
 -- On a server that did not write the seller's state, a pool it holds may have been restored
 -- with units claimed since (lost writes): it is dropped, its units stay counted until they end.
-if check_server(KEYS[5], KEYS[1], KEYS[3], limits.max_span, now, a.durable) and blocked_key then
+if check_server(KEYS[5], KEYS[1], KEYS[3], a.losses, limits.max_span, now, a.durable) and blocked_key then
   redis.call('DEL', blocked_key)
 end
 

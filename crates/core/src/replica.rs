@@ -66,6 +66,10 @@ pub struct ConsumeArgs {
     /// connection anyway and the broker redelivers what was still unsettled.
     #[arg(long = "shutdown-grace", env = "TURNSTILE_SHUTDOWN_GRACE", default_value = "8s", value_parser = duration_arg)]
     pub shutdown_grace: Duration,
+    /// Start even when Redis may evict keys (`maxmemory` with a `maxmemory-policy` other than
+    /// `noeviction`). A seller whose state is evicted is then paused for one window.
+    #[arg(long = "allow-eviction", env = "TURNSTILE_ALLOW_EVICTION", default_value_t = false, action = clap::ArgAction::Set, num_args = 0..=1, default_missing_value = "true")]
+    pub allow_eviction: bool,
     #[command(flatten)]
     pub downstream: DownstreamArgs,
     #[command(flatten)]
@@ -164,6 +168,7 @@ impl Starting {
         else {
             return Ok(None);
         };
+        check_memory_policy(&conn, self.args.allow_eviction).await?;
         let permits =
             PermitStore::new(conn, &self.args.redis.key_prefix, self.args.limiter.clone())
                 .with_call_timeout(self.args.downstream.timeout);
@@ -171,6 +176,29 @@ impl Starting {
             permits,
             starting: self,
         }))
+    }
+}
+
+/// Refuses a Redis that may evict keys unless `allowed`: a limiter state evicted would be taken
+/// for a new seller's (see `permit::server`). A server that does not say (INFO refused) is let
+/// through with a warning.
+async fn check_memory_policy(conn: &permit::RedisConn, allowed: bool) -> anyhow::Result<()> {
+    let policies = match permit::server::memory_policies(conn).await {
+        Ok(policies) => policies,
+        Err(error) => {
+            warn!(%error, "could not read Redis's maxmemory-policy (INFO memory); make sure it is noeviction");
+            return Ok(());
+        }
+    };
+    match permit::server::evicting(&policies) {
+        Some(policy) if !allowed => anyhow::bail!(
+            "Redis may evict turnstile's keys ({policy}), and an evicted limiter state would let a second window of calls through: set maxmemory-policy noeviction, or TURNSTILE_ALLOW_EVICTION=true to start anyway (a seller whose state is evicted is then paused for one window)"
+        ),
+        Some(policy) => {
+            warn!(%policy, "Redis may evict turnstile's keys (TURNSTILE_ALLOW_EVICTION): a seller whose state is evicted is paused for one window");
+            Ok(())
+        }
+        None => Ok(()),
     }
 }
 
@@ -221,6 +249,10 @@ impl Connecting {
             worker.reschedules.clone(),
             watcher_stop.clone(),
         ));
+        let memory_watch = tokio::spawn(permit::server::watch_memory_policy(
+            worker.permits.conn().clone(),
+            watcher_stop.clone(),
+        ));
         let ready_for_run = ready.clone();
         let permits = worker.permits.clone();
         let done = tokio::spawn(async move {
@@ -229,7 +261,7 @@ impl Connecting {
             let _ =
                 tokio::time::timeout(Duration::from_secs(1), permits.write_pool_answers()).await;
             watcher_stop.cancel();
-            let _ = watcher.await;
+            let _ = tokio::join!(watcher, memory_watch);
             ran
         });
         Ok(Some(Replica { stats, ready, done }))

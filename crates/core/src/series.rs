@@ -230,6 +230,11 @@ pub const METRICS: &[Metric] = &[
     ),
     plain("turnstile_ready", Gauge, "1 while /readyz says ready."),
     plain(
+        "turnstile_redis_may_evict",
+        Gauge,
+        "1 while a Redis server may evict keys (maxmemory with a policy other than noeviction): a seller whose state is evicted is paused for one window.",
+    ),
+    plain(
         "turnstile_in_flight",
         Gauge,
         "Downstream calls under way in this replica.",

@@ -67,6 +67,7 @@ impl RigArgs {
             retry_max: Duration::from_secs(60),
             done_ttl: Duration::from_secs(3600),
             shutdown_grace: Duration::from_secs(8),
+            allow_eviction: false,
             downstream: DownstreamArgs {
                 url: "http://127.0.0.1:1/{seller_id}".into(),
                 token: None,

@@ -24,6 +24,12 @@
 //! - **global keys**: `<prefix>:{<prefix>~global}:<name>`, the global limit's state in one
 //!   slot of its own (`lua/global.lua` takes them all): `log`, `fair`, `finish`, `active`,
 //!   `weights`, `sellers`, `server`, `pause`.
+//! - **loss markers**: `turnstile~losses:{~<n>}`, one per Redis Cluster hash slot (at most
+//!   16384), shared by every key prefix on the server, without TTL: what the server lost
+//!   (evicted or flushed keys) and since when, as first seen from that slot (`losses_since` in
+//!   `lua/prelude.lua`). `n` is chosen so that a seller's marker shares the seller's slot
+//!   ([`Keyspace::losses`]). They describe the server, not a deployment, so they carry no
+//!   prefix: a deployment under a new prefix must not take the server's past losses for new ones.
 //! - **lab keys**: baselines the benchmarks write beside a seller's keys (`incr`, `baseline`).
 //!
 //! README.md, "Redis keys", lists every key with its type, TTL, writers and readers.
@@ -97,6 +103,11 @@ impl Keyspace {
     /// `check_server` in `lua/prelude.lua`).
     pub fn server(&self, seller: &SellerId) -> String {
         self.seller(seller, "server")
+    }
+
+    /// The loss marker of the seller's hash slot (see the module's doc).
+    pub fn losses(&self, seller: &SellerId) -> String {
+        losses_for(&self.server(seller))
     }
 
     /// The seller's calls in flight or answered within a window (sorted set: member = token,
@@ -250,7 +261,7 @@ impl Keyspace {
     /// Every key of the global limit, in the order `lua/global.lua` takes them: then the
     /// stamp of the Redis that wrote the global state (`server`) and the global pause (`pause`;
     /// see `check_server` in `lua/prelude.lua`).
-    pub fn global_keys(&self) -> [String; 8] {
+    pub fn global_keys(&self) -> [String; 9] {
         [
             self.global_log(),
             self.global_fair(),
@@ -260,6 +271,7 @@ impl Keyspace {
             self.global_sellers(),
             self.global("server"),
             self.global("pause"),
+            losses_for(&self.global("server")),
         ]
     }
 
@@ -288,6 +300,39 @@ pub(crate) fn hash_tag(key: &str) -> &str {
     key
 }
 
+/// The loss marker in the hash slot of `key` (see the module's doc).
+pub fn losses_for(key: &str) -> String {
+    format!(
+        "turnstile~losses:{{~{}}}",
+        marker_tags()[usize::from(slot(key))]
+    )
+}
+
+/// The Redis Cluster hash slot of `key`: CRC16 (XMODEM) of its hash tag (the text between the
+/// first `{` and the next `}`, if not empty; else the whole key), mod 16384.
+pub fn slot(key: &str) -> u16 {
+    crc16::State::<crc16::XMODEM>::calculate(hash_tag(key).as_bytes()) % 16384
+}
+
+/// For each hash slot, the least `n` whose tag `~<n>` lies in it (found once, in a few ms).
+fn marker_tags() -> &'static [u32] {
+    static TAGS: std::sync::OnceLock<Vec<u32>> = std::sync::OnceLock::new();
+    TAGS.get_or_init(|| {
+        let mut tags = vec![u32::MAX; 16384];
+        let mut missing = tags.len();
+        let mut n = 0u32;
+        while missing > 0 {
+            let at = usize::from(slot(&format!("{{~{n}}}")));
+            if tags[at] == u32::MAX {
+                tags[at] = n;
+                missing -= 1;
+            }
+            n += 1;
+        }
+        tags
+    })
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -299,22 +344,6 @@ mod tests {
         assert_eq!(hash_tag("p:log"), "p:log");
         assert_eq!(hash_tag("p:{a}{b}"), "a");
         assert_eq!(hash_tag("p:{open"), "p:{open");
-    }
-
-    /// The Redis Cluster slot of `key`: CRC16 (XMODEM) of its hash tag, mod 16384.
-    fn slot(key: &str) -> u16 {
-        let mut crc: u16 = 0;
-        for byte in hash_tag(key).bytes() {
-            crc ^= u16::from(byte) << 8;
-            for _ in 0..8 {
-                crc = if crc & 0x8000 != 0 {
-                    (crc << 1) ^ 0x1021
-                } else {
-                    crc << 1
-                };
-            }
-        }
-        crc % 16384
     }
 
     fn seller(s: &str) -> SellerId {
@@ -453,11 +482,29 @@ mod tests {
     }
 
     #[test]
+    fn a_loss_marker_shares_the_slot_of_its_key_and_no_sellers_tag() {
+        let keys = Keyspace::new("turnstile");
+        for s in ["S-1", "S-2", "{x}", "Händler:7", "~"] {
+            let s = seller(s);
+            let marker = keys.losses(&s);
+            assert_eq!(slot(&marker), slot(&keys.server(&s)), "{marker}");
+            assert!(hash_tag(&marker).starts_with('~'), "{marker}");
+        }
+        // One marker per slot, whatever the prefix.
+        assert_eq!(
+            keys.losses(&seller("S-1")),
+            Keyspace::new("other").losses(&seller("S-1"))
+        );
+        let global = keys.global_keys();
+        assert_eq!(slot(&global[8]), slot(&global[0]));
+    }
+
+    #[test]
     fn global_keys_share_one_slot_of_their_own() {
         for prefix in ["turnstile", "t~x"] {
             let keys = Keyspace::new(prefix);
             let tag = format!("{prefix}~global");
-            for key in keys.global_keys() {
+            for key in &keys.global_keys()[..8] {
                 assert!(key.starts_with(&format!("{prefix}:")), "{key}");
                 assert_eq!(hash_tag(&key), tag, "{key}");
                 assert!(!shared_keys(&keys).contains(&key), "{key}");

@@ -28,6 +28,7 @@ mod conn;
 pub mod keys;
 mod records;
 pub mod scripts;
+pub mod server;
 
 use std::sync::{Arc, OnceLock};
 use std::time::Duration;
@@ -754,6 +755,11 @@ impl PermitStore {
         self.keys.prefix()
     }
 
+    /// The connection to Redis this store uses.
+    pub fn conn(&self) -> &RedisConn {
+        &self.conn
+    }
+
     /// The keys this store uses (see [`keys`]).
     pub fn keys(&self) -> &Keyspace {
         &self.keys
@@ -855,7 +861,8 @@ impl PermitStore {
             .key(self.keys.far(seller))
             .key(self.keys.learned(seller))
             .key(self.keys.shadow(seller))
-            .key(self.keys.shadow_log(seller));
+            .key(self.keys.shadow_log(seller))
+            .key(self.keys.losses(seller));
         if algorithm == Algorithm::SlidingWindow {
             invocation.key(self.keys.pool(seller));
         }
@@ -1122,7 +1129,8 @@ impl PermitStore {
             .key(self.keys.calls(seller))
             .key(self.keys.learned(seller))
             .key(self.keys.shadow(seller))
-            .key(self.keys.shadow_log(seller));
+            .key(self.keys.shadow_log(seller))
+            .key(self.keys.losses(seller));
         if let Some(message) = message {
             invocation.key(self.keys.done(seller, message));
         }
@@ -2057,6 +2065,34 @@ impl PermitStore {
     /// Lifts the seller's pause on every replica at once; whether it was paused.
     pub async fn resume(&self, seller: &SellerId) -> Result<bool, PermitError> {
         self.reschedule(seller, Change::Resume).await
+    }
+
+    /// Forgets the seller's limiter state (see `lua/reset.lua`) behind a pause of one window
+    /// and its guard, so that no call granted under the forgotten state shares a window with a
+    /// new one, and wakes the messages held for its reserved slots on every replica. Returns
+    /// how long the seller is paused.
+    pub async fn reset(&self, seller: &SellerId) -> Result<Duration, PermitError> {
+        let mut invocation = scripts::reset().prepare_invoke();
+        invocation
+            .key(self.keys.pause(seller))
+            .key(self.keys.limit(seller));
+        for algorithm in Algorithm::ALL {
+            invocation.key(self.keys.state(seller, algorithm));
+        }
+        invocation
+            .key(self.keys.reserved(seller))
+            .key(self.keys.far(seller))
+            .key(self.keys.pool(seller))
+            .key(self.keys.learned(seller))
+            .key(self.keys.accepted(seller))
+            .key(self.keys.server(seller))
+            .arg(self.limiter.limit.counts_arg())
+            .arg(self.limiter.limit.windows_arg())
+            .arg(self.guard_arg());
+        let (until, now, _forgotten): (i64, i64, u64) =
+            invocation.invoke_async(&mut self.conn.clone()).await?;
+        self.announce(seller, 0, now).await?;
+        Ok(wait_for(until, now))
     }
 
     /// Sets a per-seller override (one limit or a stack), effective at once on every replica.

@@ -35,6 +35,7 @@ static RELEASE: LazyLock<Script> = script!("release.lua");
 static LEASE: LazyLock<Script> = script!("lease.lua");
 static LEARN: LazyLock<Script> = script!("learn.lua");
 static GLOBAL_USAGE: LazyLock<Script> = script!("global_usage.lua");
+static RESET: LazyLock<Script> = script!("reset.lua");
 
 /// `lua/batch.lua` after the prelude and, wrapped each in a function of its own, the scripts it
 /// runs as operations.
@@ -135,4 +136,9 @@ pub fn operation(name: &str) -> Option<&'static Script> {
         "learn" => &LEARN,
         _ => return None,
     })
+}
+
+/// Forgets a seller's limiter state behind a pause of one window (see `lua/reset.lua`).
+pub fn reset() -> &'static Script {
+    &RESET
 }
