@@ -506,8 +506,8 @@ mod tests {
             let tag = format!("{prefix}~global");
             for key in &keys.global_keys()[..8] {
                 assert!(key.starts_with(&format!("{prefix}:")), "{key}");
-                assert_eq!(hash_tag(&key), tag, "{key}");
-                assert!(!shared_keys(&keys).contains(&key), "{key}");
+                assert_eq!(hash_tag(key), tag, "{key}");
+                assert!(!shared_keys(&keys).contains(key), "{key}");
             }
             for key in seller_keys(&keys, &seller(&tag)) {
                 assert_ne!(hash_tag(&key), tag, "{key}");
