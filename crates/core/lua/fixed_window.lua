@@ -37,7 +37,7 @@
 --   VERDICT (STATUS 0, 1, 2) is the shadow limit's: agree, stricter, looser or '' (see judge_shadow);
 --   COUNTS and WINDOWS_US are the learned ones when adaptive limits lowered them.
 
-local a = acquire_args()
+local a = acquire_args('fixed-window')
 local limits = with_spans(effective_limits(KEYS[2], a.limits, a.learned, a.cost), a.guard)
 local now = now_us()
 if already_done(a.done) then return {3, now, now, limits.counts, limits.windows} end

@@ -42,7 +42,7 @@
 --   VERDICT (STATUS 0, 1, 2) is the shadow limit's: agree, stricter, looser or '' (see judge_shadow);
 --   COUNTS and WINDOWS_US are the learned ones when adaptive limits lowered them.
 
-local a = acquire_args()
+local a = acquire_args('gcra')
 local burst = int_arg(9, 1)
 local limits = with_spans(effective_limits(KEYS[2], a.limits, a.learned, a.cost), a.guard)
 local max_cost = nil

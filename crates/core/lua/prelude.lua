@@ -260,8 +260,9 @@ end
 local MAX_COST = 10000
 
 -- The common arguments of the acquire scripts (see each script's header).
-local function acquire_args()
+local function acquire_args(algorithm)
   local a = {
+    algorithm = algorithm, state = KEYS[1],
     limits = limits_arg(1), guard = int_arg(3, -1),
     flags = int_arg(4, 0), horizon = int_arg(5, 0),
   }
@@ -308,12 +309,6 @@ local function lateness(algorithm, limits)
   return math.floor(limits.min_guard / 2)
 end
 
--- Whether the seller's reserved set is full (see MAX_RESERVED), once entries that can no longer
--- be redeemed (more than LATE past their slot, see lateness) are pruned.
-local function reserved_full(reserved_key, now, late)
-  redis.call('ZREMRANGEBYSCORE', reserved_key, '-inf', now - late)
-  return redis.call('ZCARD', reserved_key) >= MAX_RESERVED
-end
 
 -- When a caller turned away by a full reserved set should come back (Redis µs): its place in
 -- the seller's far queue (FAR_KEY, hash: `at` = when the next callers come back, `n` = how many
@@ -450,19 +445,6 @@ local function hold_reservation(key, token, cost, slot, now, late)
   redis.call('ZADD', key, slot, held_name(token, cost))
   local last = tonumber(redis.call('ZRANGE', key, -1, -1, 'WITHSCORES')[2])
   redis.call('PEXPIRE', key, math.floor((last - now + late) / 1000) + 1)
-end
-
--- The reserving step of every acquire script. A wait (STATUS 2) takes a slot in the seller's
--- reserved set RESERVED_KEY, unless the set is full, or CROWDED (optional: the seller's state
--- holds as many units as reservations may add, see log_crowded): then it gets a ticket of the
--- far queue FAR_KEY instead (status 0: come back at the ticket's time, holding nothing; see
--- far_ticket), paced by the stack's slowest limit at the caller's cost. Returns STATUS, SLOT.
-local function slot_or_far_ticket(status, slot, reserved_key, far_key, now, late, limits, a, crowded)
-  if status == 2 and (reserved_full(reserved_key, now, late) or crowded) then
-    local per_span = math.max(math.floor(limits.slowest.count / a.cost), 1)
-    return 0, far_ticket(far_key, reserved_key, now, limits.slowest.span, per_span)
-  end
-  return status, slot
 end
 
 -- sliding-window: whether a reservation of COST more units would take the seller's log (KEY,
@@ -603,6 +585,34 @@ local function give_back(algorithm, state_key, token, cost, slot, limits)
       end
     end
   end
+end
+
+-- Whether the seller's reserved set is full (see MAX_RESERVED), once entries that can no longer
+-- be redeemed (more than LATE past their slot, see lateness) are pruned. No call was made with
+-- a pruned entry (redeeming removes it first), so its units go back to ALGORITHM's state
+-- STATE_KEY (see give_back): a message that never came back for its slot (lost with a replica,
+-- a refused publish) costs the seller no capacity beyond its slot.
+local function reserved_full(reserved_key, now, late, state_key, algorithm, limits)
+  local stale = redis.call('ZRANGEBYSCORE', reserved_key, '-inf', string.format('%.0f', now - late), 'WITHSCORES')
+  for i = 1, #stale, 2 do
+    local token, cost = held_parts(stale[i])
+    give_back(algorithm, state_key, token, cost, tonumber(stale[i + 1]), limits)
+  end
+  redis.call('ZREMRANGEBYSCORE', reserved_key, '-inf', string.format('%.0f', now - late))
+  return redis.call('ZCARD', reserved_key) >= MAX_RESERVED
+end
+
+-- The reserving step of every acquire script. A wait (STATUS 2) takes a slot in the seller's
+-- reserved set RESERVED_KEY, unless the set is full, or CROWDED (optional: the seller's state
+-- holds as many units as reservations may add, see log_crowded): then it gets a ticket of the
+-- far queue FAR_KEY instead (status 0: come back at the ticket's time, holding nothing; see
+-- far_ticket), paced by the stack's slowest limit at the caller's cost. Returns STATUS, SLOT.
+local function slot_or_far_ticket(status, slot, reserved_key, far_key, now, late, limits, a, crowded)
+  if status == 2 and (reserved_full(reserved_key, now, late, a.state, a.algorithm, limits) or crowded) then
+    local per_span = math.max(math.floor(limits.slowest.count / a.cost), 1)
+    return 0, far_ticket(far_key, reserved_key, now, limits.slowest.span, per_span)
+  end
+  return status, slot
 end
 
 -- ARGV[i] as one of the algorithms, or the script fails before anything is written.

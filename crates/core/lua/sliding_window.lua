@@ -51,7 +51,7 @@
 --   granted with at most half of every limit used). STALE: units of the pool whose hold was
 --   over, given back.
 
-local a = acquire_args()
+local a = acquire_args('sliding-window')
 -- This script takes the seller's permit-block units before the completion record.
 local blocked_key
 blocked_key, a.done = KEYS[12], KEYS[13]

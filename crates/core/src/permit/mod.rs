@@ -1462,6 +1462,34 @@ impl PermitStore {
         Ok(())
     }
 
+    /// Gives back `reservation` (of `cost` units), whose message will not come back for it: its
+    /// delayed copy was not published, or it went back to the broker without it. Whether it was
+    /// still live (a redeemed, forfeited or given-back reservation is left as it is).
+    pub async fn unreserve(
+        &self,
+        seller: &SellerId,
+        reservation: &Reservation,
+        cost: Cost,
+    ) -> Result<bool, PermitError> {
+        let given_back: u8 = scripts::unreserve()
+            .key(self.state_key(seller))
+            .key(self.keys.reserved(seller))
+            .arg(self.limiter.algorithm.name())
+            .arg(&reservation.token)
+            .arg(cost.units())
+            .arg(reservation.slot_us)
+            .arg(reservation.limits.counts_arg())
+            .arg(reservation.limits.windows_arg())
+            .arg(self.guard_arg())
+            .arg(self.limiter.bucket_capacity)
+            .invoke_async(&mut self.conn.clone())
+            .await?;
+        if given_back == 1 {
+            metrics::counter!("turnstile_reservations_released_total").increment(1);
+        }
+        Ok(given_back == 1)
+    }
+
     /// Sets a seller's weight under the global limit (1 = the default share; 1 to
     /// [`MAX_WEIGHT`]), effective at its next activation on every replica.
     pub async fn set_weight(&self, seller: &SellerId, weight: u32) -> Result<(), PermitError> {

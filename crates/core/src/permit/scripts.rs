@@ -36,6 +36,7 @@ static LEASE: LazyLock<Script> = script!("lease.lua");
 static LEARN: LazyLock<Script> = script!("learn.lua");
 static GLOBAL_USAGE: LazyLock<Script> = script!("global_usage.lua");
 static RESET: LazyLock<Script> = script!("reset.lua");
+static UNRESERVE: LazyLock<Script> = script!("unreserve.lua");
 
 /// `lua/batch.lua` after the prelude and, wrapped each in a function of its own, the scripts it
 /// runs as operations.
@@ -141,4 +142,10 @@ pub fn operation(name: &str) -> Option<&'static Script> {
 /// Forgets a seller's limiter state behind a pause of one window (see `lua/reset.lua`).
 pub fn reset() -> &'static Script {
     &RESET
+}
+
+/// Gives back a reserved slot whose message will not come back for it (see
+/// `lua/unreserve.lua`).
+pub fn unreserve() -> &'static Script {
+    &UNRESERVE
 }

@@ -30,7 +30,7 @@ mod plan;
 mod stats;
 
 pub use plan::{Carried, DEAD_LETTER_REASONS, OUTCOME_LABELS, Outcome, WorkerSettings};
-use plan::{Interrupted, PermitErrors, Plan, returned};
+use plan::{Interrupted, PermitErrors, Plan, returned, stranded};
 pub use stats::{LatencySummary, Stats};
 
 use crate::permit::{
@@ -358,11 +358,14 @@ impl Worker {
         };
         let waited = asked.elapsed();
         let holding = self.stats.held.load(Ordering::Relaxed);
-        let (granted_call, granted_us) = match &decision {
+        let (granted_call, granted_us, granted_slot) = match &decision {
             Decision::Granted {
-                call, granted_us, ..
-            } => (Some(call.clone()), *granted_us),
-            _ => (None, 0),
+                call,
+                granted_us,
+                slot_us,
+                ..
+            } => (Some(call.clone()), *granted_us, *slot_us),
+            _ => (None, 0, 0),
         };
         match self
             .settings
@@ -384,9 +387,10 @@ impl Worker {
             plan => {
                 drop(worker);
                 if plan == Plan::AskAgain {
-                    // The grant is dropped unsent: its lease too.
+                    // The grant is dropped unsent: its lease and its units too.
                     if let Some(call) = &granted_call {
                         self.end_lease(registration, call).await;
+                        self.release_unsent(registration, call, granted_slot).await;
                     }
                     warn!(
                         waited_ms = waited.as_millis() as u64,
@@ -471,7 +475,7 @@ impl Worker {
                 let Some(raise_due) = recorded else {
                     // Not acked without its record: the broker redelivers it, and the
                     // downstream sees the same Idempotency-Key again.
-                    return Plan::Settle(Outcome::Requeue);
+                    return Plan::Settle(Outcome::Requeue { holding: None });
                 };
                 if raise_due && rate_limit.is_none() {
                     self.learn(registration, Lesson::Recovery, answered_us)
@@ -644,6 +648,19 @@ impl Worker {
         Ok(decision)
     }
 
+    /// Gives back the grant `call` (counted at `slot_us`), dropped unsent, so that the seller's
+    /// next call may take its units; if that fails, they count until they leave the window.
+    async fn release_unsent(&self, registration: &Registration, call: &str, slot_us: i64) {
+        let seller = &registration.seller_id;
+        let released = self
+            .permits
+            .release(seller, call, registration.cost, slot_us)
+            .await;
+        if let Err(error) = released {
+            debug!(%error, "a grant dropped unsent was not given back; its units count until they leave the window");
+        }
+    }
+
     /// Ends the lease of the call `call` (under `TURNSTILE_SELLER_CONCURRENCY`); if that fails,
     /// the lease ends at its expiry (the call's bound).
     async fn end_lease(&self, registration: &Registration, call: &str) {
@@ -723,10 +740,14 @@ impl Worker {
         connection_lost: &CancellationToken,
     ) {
         let tag = delivery.delivery_tag;
-        let result = match self
+        let published = self
             .republish(&delivery, &outcome, started_trace, publisher)
-            .await
-        {
+            .await;
+        let delivered = Carried::reservation_of(&delivery);
+        if let Some(left) = stranded(delivered.as_ref(), &outcome, published.is_ok()) {
+            self.give_back(&delivery, left);
+        }
+        let result = match published {
             Ok(()) => {
                 self.count(&delivery, &outcome);
                 match outcome {
@@ -734,7 +755,7 @@ impl Worker {
                         settler.ack(tag);
                         Ok(())
                     }
-                    Outcome::Requeue => settler.requeue(tag).await,
+                    Outcome::Requeue { .. } => settler.requeue(tag).await,
                     // Republished: an ack lost with the connection would leave two copies.
                     Outcome::Delay { .. } | Outcome::DeadLetter { .. } => {
                         settler.ack_now(tag).await
@@ -751,6 +772,29 @@ impl Worker {
         }
     }
 
+    /// Gives back `reservation`, which the message's copy at the broker does not carry (see
+    /// [`stranded`]), in the background: a failure only leaves it until it is pruned as stale,
+    /// which gives it back too.
+    fn give_back(&self, delivery: &Delivery, reservation: Reservation) {
+        let Ok(registration) = crate::broker::registration_of(delivery) else {
+            return;
+        };
+        let permits = self.permits.clone();
+        let give_back = async move {
+            let seller = &registration.seller_id;
+            match permits
+                .unreserve(seller, &reservation, registration.cost)
+                .await
+            {
+                Ok(given_back) => debug!(given_back, "a reserved slot the message left behind"),
+                Err(error) => {
+                    debug!(%error, "a reserved slot the message left behind was not given back; it is when pruned as stale")
+                }
+            }
+        };
+        tokio::spawn(give_back.in_current_span());
+    }
+
     /// Publishes what an outcome sends on: the delayed copy, or the dead letter.
     async fn republish(
         &self,
@@ -760,7 +804,7 @@ impl Worker {
         publisher: &Publisher,
     ) -> Result<(), PublishError> {
         match outcome {
-            Outcome::Registered | Outcome::AlreadyDone | Outcome::Requeue => Ok(()),
+            Outcome::Registered | Outcome::AlreadyDone | Outcome::Requeue { .. } => Ok(()),
             Outcome::Delay { after, carried } => {
                 publisher
                     .delay(&self.topology, delivery, *after, &carried.headers())
@@ -789,7 +833,7 @@ impl Worker {
             Outcome::AlreadyDone => &self.stats.already_done,
             Outcome::Delay { .. } => &self.stats.delayed,
             Outcome::DeadLetter { .. } => &self.stats.dead_lettered,
-            Outcome::Requeue => &self.stats.requeued,
+            Outcome::Requeue { .. } => &self.stats.requeued,
         };
         counter.fetch_add(1, Ordering::Relaxed);
         let label = outcome.label(Carried::attempt_of(delivery));

@@ -30,8 +30,10 @@ pub enum Outcome {
         reason: &'static str,
         detail: String,
     },
-    /// Give the message back to the broker as it is (nack + requeue).
-    Requeue,
+    /// Give the message back to the broker as it is (nack + requeue). The copy the broker
+    /// gives back carries what the delivery carried; a reservation taken since (`holding`) is
+    /// given back.
+    Requeue { holding: Option<Reservation> },
 }
 
 /// The `outcome` label values of `turnstile_outcomes_total` (see [`Outcome::label`]).
@@ -63,7 +65,7 @@ impl Outcome {
             Outcome::Delay { carried, .. } if carried.attempt > delivered_attempt => "retried",
             Outcome::Delay { .. } => "delayed",
             Outcome::DeadLetter { .. } => "dead_lettered",
-            Outcome::Requeue => "requeued",
+            Outcome::Requeue { .. } => "requeued",
         }
     }
 }
@@ -501,15 +503,33 @@ impl PermitErrors {
 
 /// What a message interrupted while waiting becomes: at shutdown it goes back through the return
 /// queue keeping what it carries (its reservation); with its connection lost, the broker has
-/// requeued it already.
+/// requeued it already, and the reservation it holds is given back.
 pub(super) fn returned(carried: Carried, why: Interrupted) -> Outcome {
     match why {
         Interrupted::Shutdown => Outcome::Delay {
             after: Duration::ZERO,
             carried,
         },
-        Interrupted::ConnectionLost => Outcome::Requeue,
+        Interrupted::ConnectionLost => Outcome::Requeue {
+            holding: carried.reservation,
+        },
     }
+}
+
+/// The reservation a settled message leaves behind, to give back: one the message holds but the
+/// broker's copy does not carry (taken since it was `delivered` with its own), when the message
+/// goes back as it came: requeued, or its delayed copy not `republished`.
+pub(super) fn stranded(
+    delivered: Option<&Reservation>,
+    outcome: &Outcome,
+    republished: bool,
+) -> Option<Reservation> {
+    let holding = match outcome {
+        Outcome::Requeue { holding } => holding.as_ref(),
+        Outcome::Delay { carried, .. } if !republished => carried.reservation.as_ref(),
+        _ => None,
+    }?;
+    (Some(holding) != delivered).then(|| holding.clone())
 }
 
 /// How a handler's wait ended early.
@@ -941,9 +961,40 @@ mod tests {
     }
 
     #[test]
-    fn a_wait_interrupted_by_a_lost_connection_is_left_to_the_broker() {
+    fn a_wait_interrupted_by_a_lost_connection_is_left_to_the_broker_its_reservation_given_back() {
         let outcome = returned(reserved(), Interrupted::ConnectionLost);
-        assert_eq!(outcome, Outcome::Requeue);
+        let holding = reserved().reservation;
+        assert!(holding.is_some());
+        assert_eq!(outcome, Outcome::Requeue { holding });
+    }
+
+    #[test]
+    fn a_reservation_the_brokers_copy_does_not_carry_is_given_back() {
+        let taken = reserved().reservation;
+        let delivered = Reservation {
+            token: "delivered".into(),
+            ..taken.clone().unwrap()
+        };
+        let delay = Outcome::Delay {
+            after: SECOND,
+            carried: reserved(),
+        };
+        // A delayed copy published carries it on; one not published leaves it behind.
+        assert_eq!(stranded(Some(&delivered), &delay, true), None);
+        assert_eq!(stranded(Some(&delivered), &delay, false), taken);
+        assert_eq!(stranded(None, &delay, false), taken);
+        // The broker's copy still carries the reservation it was delivered with.
+        assert_eq!(stranded(taken.as_ref(), &delay, false), None);
+        let requeue = Outcome::Requeue {
+            holding: taken.clone(),
+        };
+        assert_eq!(stranded(Some(&delivered), &requeue, true), taken);
+        assert_eq!(stranded(taken.as_ref(), &requeue, true), None);
+        assert_eq!(
+            stranded(None, &Outcome::Requeue { holding: None }, true),
+            None
+        );
+        assert_eq!(stranded(None, &Outcome::Registered, false), None);
     }
 
     #[test]
@@ -957,7 +1008,7 @@ mod tests {
         };
         assert_eq!(delayed.label(1), "retried");
         assert_eq!(delayed.label(2), "delayed");
-        assert_eq!(Outcome::Requeue.label(0), "requeued");
+        assert_eq!(Outcome::Requeue { holding: None }.label(0), "requeued");
     }
 
     #[test]
@@ -980,7 +1031,7 @@ mod tests {
                 reason: "rejected",
                 detail: String::new(),
             },
-            Outcome::Requeue,
+            Outcome::Requeue { holding: None },
         ];
         let labels: std::collections::BTreeSet<_> = outcomes.iter().map(|o| o.label(0)).collect();
         let fixed: std::collections::BTreeSet<_> = OUTCOME_LABELS.into_iter().collect();
