@@ -5,10 +5,13 @@
 //! a reservation or a copy in the delay ladder, and `dead-letters list` reads it back.
 mod support;
 
+use lapin::BasicProperties;
 use lapin::message::Delivery;
-use lapin::types::AMQPValue;
+use lapin::options::{QueueDeclareOptions, QueueDeleteOptions};
+use lapin::types::{AMQPValue, FieldTable};
 use serde_json::json;
-use turnstile_core::broker::{dead_letters, header_str, headers, long_string};
+use support::broker::TestBroker;
+use turnstile_core::broker::{self, QueueType, dead_letters, header_str, headers, long_string};
 use turnstile_core::domain::SellerId;
 use turnstile_core::trace::{TRACEPARENT, TraceContext};
 
@@ -130,12 +133,6 @@ async fn dead_letters_list_returns_a_message_dead_lettered_for_its_headers() -> 
     rig.wait(std::time::Duration::from_secs(300), |_| {})
         .await?;
     rig.stop_replicas().await?;
-    println!(
-        "{:?}, {} dead letters, {} reconnects",
-        rig.mock.stats(),
-        rig.dead_lettered().await?,
-        rig.total(|s| &s.reconnects)
-    );
     let channel = rig.connection().create_channel().await?;
     let listed = tokio::time::timeout(
         std::time::Duration::from_secs(120),
@@ -153,4 +150,57 @@ async fn dead_letters_list_returns_a_message_dead_lettered_for_its_headers() -> 
     );
     assert_eq!(rig.dead_lettered().await?, 1, "listing leaves it there");
     rig.cleanup().await
+}
+
+/// A dead letter the broker made itself from a message published at the limit (an operator's
+/// TTL, here 0, moved it with `x-death` added), larger than the frame: no AMQP client can receive
+/// it. The listing fails at once, saying why, instead of hanging, and the dead letter stays.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_dead_letter_larger_than_the_frame_fails_the_listing_with_the_reason()
+-> anyhow::Result<()> {
+    let broker = TestBroker::new("big-expired", QueueType::Quorum).await;
+    let expiring = format!("{}.expiring", broker.queue());
+    let channel = broker.connection.create_channel().await?;
+    let mut args = FieldTable::default();
+    args.insert("x-message-ttl".into(), AMQPValue::LongInt(0));
+    args.insert("x-dead-letter-exchange".into(), long_string(""));
+    args.insert(
+        "x-dead-letter-routing-key".into(),
+        long_string(broker.topology.dead()),
+    );
+    channel
+        .queue_declare(
+            expiring.as_str().into(),
+            QueueDeclareOptions::default(),
+            args,
+        )
+        .await?;
+    let mut headers = FieldTable::default();
+    headers.insert(BLOB_HEADER.into(), long_string(&"b".repeat(BLOB)));
+    let properties = BasicProperties::default().with_headers(headers);
+    broker
+        .publisher
+        .publish("", &expiring, &body("S-expired", "big"), properties)
+        .await?;
+    support::eventually_async("the broker dead-letters it", async || {
+        broker.depth(broker.topology.dead()).await == 1
+    })
+    .await;
+    let reader = broker::connect(&support::broker::amqp_url(), "turnstile test list").await?;
+    let reading = reader.create_channel().await?;
+    let listed = tokio::time::timeout(
+        std::time::Duration::from_secs(120),
+        dead_letters::list(&reading, &broker.topology, None),
+    )
+    .await
+    .map_err(|_| anyhow::anyhow!("dead-letters list hung"))?;
+    let error = format!("{:#}", listed.expect_err("no client can receive it"));
+    println!("listing a dead letter larger than the frame: {error}");
+    assert!(error.contains("frame_max"), "{error}");
+    assert_eq!(broker.depth(broker.topology.dead()).await, 1, "it stays");
+    channel
+        .queue_delete(expiring.as_str().into(), QueueDeleteOptions::default())
+        .await?;
+    broker.cleanup().await;
+    Ok(())
 }
