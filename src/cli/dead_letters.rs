@@ -55,8 +55,20 @@ pub async fn run(
         limiter,
     }: DeadLettersArgs,
 ) -> anyhow::Result<ExitCode> {
-    let (connection, publisher, topology) = broker.open("turnstile dead-letters").await?;
-    let channel = connection.create_channel().await?;
+    let opening = async {
+        let (connection, publisher, topology) = broker.open("turnstile dead-letters").await?;
+        let channel = connection.create_channel().await?;
+        anyhow::Ok((connection, publisher, topology, channel))
+    };
+    let (connection, publisher, topology, channel) =
+        tokio::time::timeout(dead_letters::STEP_TIMEOUT, opening)
+            .await
+            .map_err(|_| {
+                anyhow::anyhow!(
+                    "the broker did not open a session within {:?}",
+                    dead_letters::STEP_TIMEOUT
+                )
+            })??;
     match action {
         DeadLettersAction::List { reason, json } => {
             let letters = dead_letters::list(&channel, &topology, reason.as_deref()).await?;
@@ -95,6 +107,7 @@ pub async fn run(
             );
         }
     }
-    let _ = connection.close(200, "done".into()).await;
+    let closing = connection.close(200, "done".into());
+    let _ = tokio::time::timeout(dead_letters::STEP_TIMEOUT, closing).await;
     Ok(ExitCode::SUCCESS)
 }

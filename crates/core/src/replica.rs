@@ -562,6 +562,10 @@ impl Consuming<'_> {
         .expect("always_retry never gives up")?;
         info!("reconnected to the broker; consuming again");
         metrics::counter!("turnstile_reconnects_total").increment(1);
+        self.worker
+            .stats
+            .reconnects
+            .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
         Some(reopened)
     }
 

@@ -6,6 +6,10 @@
 //! (RabbitMQ 3.10 and later) is listed as `delivery-limit`; any other broker reason `R` (an
 //! operator's TTL or length limit: `expired`, `maxlen`; a reject by another client:
 //! `rejected`) as `broker-R`.
+//!
+//! Every broker step is bounded ([`STEP_TIMEOUT`]) and fails at once when its channel fails,
+//! which lapin never reports to the step itself: a dead letter whose headers exceed the
+//! connection's frame_max makes the client close the connection in the middle of a read.
 
 use std::time::Duration;
 
@@ -22,6 +26,45 @@ use super::{Publisher, Topology, depth, header_str, headers, is_death_history};
 
 /// The reason listed for a message the broker dead-lettered after too many returns.
 pub const DELIVERY_LIMIT_REASON: &str = "delivery-limit";
+
+/// Longest one broker step of a listing or a replay may take (a read, an ack, a confirm): a
+/// broker that stops answering fails the command instead of hanging it.
+pub const STEP_TIMEOUT: Duration = Duration::from_secs(30);
+
+/// How often a step looks whether its channel failed.
+const CHANNEL_CHECK: Duration = Duration::from_millis(50);
+
+/// What a read that lost its connection most likely met.
+const UNREADABLE: &str = "most likely the dead letter's headers are larger than the broker's \
+    frame_max, which no AMQP client can receive (turnstile's own dead letters always fit; the \
+    broker's x-death can push a message published at the limit over it): raise frame_max in \
+    rabbitmq.conf to read it, or take it off with the management UI";
+
+/// Runs one broker `step` on `channel` (`what` names it in the error): within
+/// [`STEP_TIMEOUT`], and failing as soon as the channel fails.
+async fn step<T, E>(
+    channel: &Channel,
+    what: &str,
+    step: impl std::future::Future<Output = Result<T, E>>,
+) -> anyhow::Result<T>
+where
+    E: Into<anyhow::Error>,
+{
+    tokio::select! {
+        done = tokio::time::timeout(STEP_TIMEOUT, step) => match done {
+            Ok(done) => done.map_err(Into::into).with_context(|| what.to_owned()),
+            Err(_) => anyhow::bail!("{what}: no answer from the broker within {STEP_TIMEOUT:?}"),
+        },
+        () = failed(channel) => anyhow::bail!("{what}: the broker connection failed"),
+    }
+}
+
+/// Completes when `channel` is no longer open.
+async fn failed(channel: &Channel) {
+    while channel.status().connected() {
+        tokio::time::sleep(CHANNEL_CHECK).await;
+    }
+}
 
 /// One dead letter as listed.
 #[derive(Debug, serde::Serialize)]
@@ -138,31 +181,49 @@ where
     F: FnMut(Delivery) -> Fut,
     Fut: std::future::Future<Output = anyhow::Result<(bool, Delivery)>>,
 {
-    let present = depth(channel, topology.dead()).await?;
+    let present = step(
+        channel,
+        "reading the dead-letter queue's depth",
+        depth(channel, topology.dead()),
+    )
+    .await?;
     let mut keep = Vec::new();
     for _ in 0..present {
-        let Some(message) = channel
-            .basic_get(topology.dead().into(), BasicGetOptions::default())
-            .await?
-        else {
+        let Some(message) = next(channel, topology).await? else {
             break;
         };
         let (take, delivery) = visit(message.delivery).await?;
         if take {
-            delivery.acker.ack(BasicAckOptions::default()).await?;
+            let ack = delivery.acker.ack(BasicAckOptions::default());
+            step(channel, "removing a replayed dead letter", ack).await?;
         } else {
             keep.push(delivery.acker);
         }
     }
+    let requeue = BasicNackOptions {
+        requeue: true,
+        ..Default::default()
+    };
     for acker in keep {
-        acker
-            .nack(BasicNackOptions {
-                requeue: true,
-                ..Default::default()
-            })
-            .await?;
+        step(channel, "leaving a dead letter", acker.nack(requeue)).await?;
     }
     Ok(())
+}
+
+/// The next dead letter, held unacked; a connection lost while reading it is explained.
+async fn next(
+    channel: &Channel,
+    topology: &Topology,
+) -> anyhow::Result<Option<lapin::message::BasicGetMessage>> {
+    let what = format!("reading a dead letter from {:?}", topology.dead());
+    let get = channel.basic_get(topology.dead().into(), BasicGetOptions::default());
+    step(channel, &what, get).await.map_err(|error| {
+        if channel.status().connected() {
+            error
+        } else {
+            anyhow::anyhow!("{error:#}; {UNREADABLE}")
+        }
+    })
 }
 
 /// Lists the dead letters (optionally only those whose reason is `reason`); leaves them all.
@@ -222,12 +283,11 @@ pub async fn replay(
                 let revived = revive(permits, &delivery, ttl)
                     .await
                     .context("counting a replayed message as waiting again")?;
-                if let Err(error) = publisher
-                    .publish("", &work, &delivery.data, properties)
-                    .await
-                {
+                let publish = publisher.publish("", &work, &delivery.data, properties);
+                let republished = step(publisher.channel(), "republishing a dead letter", publish);
+                if let Err(error) = republished.await {
                     revived.undo(permits, ttl).await;
-                    return Err(error.into());
+                    return Err(error);
                 }
             }
             Ok((take, delivery))

@@ -13,13 +13,17 @@
 //! - the delay ladder ([`ladder`]): queues `<q>.wait.<k>` for k = 0..LEVELS, in which a
 //!   message waits 2^k x UNIT; the replicas consume them and move each message on, confirmed,
 //!   when its wait is over. No broker TTL or dead-lettering is involved.
+//!
+//! Every message's headers fit a budget of the connection's frame_max ([`budget`]).
 
+pub mod budget;
 pub mod dead_letters;
 mod settle;
 pub use settle::Settler;
 pub mod ladder;
 mod topology;
 
+pub use budget::TooLarge;
 pub use ladder::{Hop, LEVELS, UNIT};
 pub use topology::{
     Declared, Protection, QueueType, Topology, UNREACHED_DELIVERY_LIMIT, WORK_DELIVERY_LIMIT,
@@ -243,10 +247,12 @@ pub async fn connect(urls: &str, name: &str) -> anyhow::Result<Connection> {
 }
 
 /// A channel in confirm mode: every publish waits for the broker's confirm. Cheap to clone
-/// (one per delivery): the channel is shared.
+/// (one per delivery): the channel is shared. Never sends a frame larger than its connection's
+/// frame_max, and its copies of a message keep the budget of [`budget`].
 #[derive(Clone)]
 pub struct Publisher {
     channel: Arc<Channel>,
+    frame_max: u32,
 }
 
 /// A publish the broker did not take (nack, unroutable, or the channel failed).
@@ -258,9 +264,12 @@ pub enum PublishError {
     Nacked,
     #[error("the message could not be routed to {0}")]
     Unroutable(String),
+    #[error("not sent: {0}")]
+    TooLarge(#[from] TooLarge),
 }
 
 impl Publisher {
+    /// Opens a confirming channel on `connection` (connected: its frame_max is negotiated).
     pub async fn open(connection: &Connection) -> anyhow::Result<Self> {
         let channel = connection
             .create_channel()
@@ -272,6 +281,7 @@ impl Publisher {
             .context("enabling publisher confirms")?;
         Ok(Self {
             channel: Arc::new(channel),
+            frame_max: connection.configuration().frame_max(),
         })
     }
 
@@ -279,7 +289,23 @@ impl Publisher {
         &self.channel
     }
 
-    /// Publishes persistently and mandatorily and waits for the broker's confirm.
+    /// The connection's negotiated frame_max: the largest frame, in bytes.
+    pub fn frame_max(&self) -> u32 {
+        self.frame_max
+    }
+
+    /// Whether `delivery` can be handled: every copy of it fits the frame (see
+    /// [`budget::admit`]).
+    pub fn admit(&self, delivery: &Delivery) -> Result<(), TooLarge> {
+        budget::admit(
+            budget::header_frame_size(&delivery.properties),
+            self.frame_max,
+        )
+    }
+
+    /// Publishes persistently and mandatorily and waits for the broker's confirm; refuses
+    /// (without sending) properties whose frame would exceed the frame_max, which would make the
+    /// broker close the connection.
     pub async fn publish(
         &self,
         exchange: &str,
@@ -287,6 +313,15 @@ impl Publisher {
         body: &[u8],
         properties: BasicProperties,
     ) -> Result<(), PublishError> {
+        let properties = properties.with_delivery_mode(2);
+        let frame = budget::header_frame_size(&properties);
+        if !budget::fits_frame(frame, self.frame_max) {
+            return Err(TooLarge {
+                bytes: frame,
+                frame_max: self.frame_max,
+            }
+            .into());
+        }
         let confirm = self
             .channel
             .basic_publish(
@@ -297,7 +332,7 @@ impl Publisher {
                     ..Default::default()
                 },
                 body,
-                properties.with_delivery_mode(2),
+                properties,
             )
             .await?
             .await?;
@@ -341,7 +376,7 @@ impl Publisher {
     ) -> Result<(), PublishError> {
         let mut all = extra.to_vec();
         all.extend(ladder::hop_headers(hop));
-        let properties = copy_properties(delivery, &all);
+        let properties = self.copy(delivery, &all);
         self.publish("", &topology.hop_queue(hop), &delivery.data, properties)
             .await
     }
@@ -359,14 +394,30 @@ impl Publisher {
         let now_ms = unix_ms() as i64;
         let mut set = vec![
             (headers::REASON, long_string(reason)),
-            (headers::DETAIL, long_string(detail)),
+            (headers::DETAIL, long_string(budget::clip_detail(detail))),
             (headers::DEAD_AT, AMQPValue::LongLongInt(now_ms)),
             (headers::QUEUE, long_string(topology.work())),
         ];
         set.extend(extra.iter().cloned());
-        let properties = copy_properties(delivery, &set);
+        let properties = self.copy(delivery, &set);
         self.publish("", topology.dead(), &delivery.data, properties)
             .await
+    }
+
+    /// The properties of a copy of `delivery` with `extra` headers (see [`copy_properties`]),
+    /// keeping as many of its foreign headers as fit the budget ([`budget::fitting_copy`]).
+    fn copy(&self, delivery: &Delivery, extra: &[(&str, AMQPValue)]) -> BasicProperties {
+        let (properties, kept) = budget::fitting_copy(self.frame_max, |keep| {
+            copy_properties(delivery, extra, keep)
+        });
+        if kept != budget::Keep::All {
+            tracing::warn!(
+                ?kept,
+                frame_max = self.frame_max,
+                "the message's headers do not fit a copy: its foreign headers are dropped"
+            );
+        }
+        properties
     }
 }
 
@@ -384,18 +435,21 @@ pub fn long_string(s: &str) -> AMQPValue {
 }
 
 /// The delivery's properties with `extra` headers set (replacing those of the same name in any
-/// case: a `TraceParent` beside the `traceparent` set would make both invalid) and the
-/// broker's dead-letter history removed. The history must go: a message that goes through the
-/// ladder a second time with `x-death` naming a ladder queue is taken for a dead-letter cycle,
-/// which a quorum queue then holds forever and a classic queue drops.
-fn copy_properties(delivery: &Delivery, extra: &[(&str, AMQPValue)]) -> BasicProperties {
+/// case: a `TraceParent` beside the `traceparent` set would make both invalid), the others
+/// kept as `keep` says, and the broker's dead-letter history removed. The history must go: a message that goes through the ladder a second time with
+/// `x-death` naming a ladder queue is taken for a dead-letter cycle, which a quorum queue then
+/// holds forever and a classic queue drops.
+fn copy_properties(
+    delivery: &Delivery,
+    extra: &[(&str, AMQPValue)],
+    keep: budget::Keep,
+) -> BasicProperties {
     let mut table = FieldTable::default();
     if let Some(headers) = delivery.properties.headers() {
         for (name, value) in headers.inner() {
-            let replaced = extra
-                .iter()
-                .any(|(set, _)| set.eq_ignore_ascii_case(name.as_str()));
-            if !is_death_history(name.as_str()) && !replaced {
+            let text = name.as_str();
+            let replaced = extra.iter().any(|(set, _)| set.eq_ignore_ascii_case(text));
+            if !is_death_history(text) && !replaced && keep.keeps(text) {
                 table.insert(name.clone(), value.clone());
             }
         }

@@ -244,8 +244,14 @@ impl Worker {
                 info_span!("registration", seller = "?", message = ?message_id, attempt, trace_id = %trace_id, span_id = tracing::field::Empty)
             }
         };
+        // Before any permit: a message no copy of which fits the broker's frame goes no further.
+        let admitted = publisher.admit(&delivery);
         let outcome = async {
             let outcome = match registration {
+                _ if let Err(too_large) = admitted => Outcome::DeadLetter {
+                    reason: "invalid-message",
+                    detail: too_large.to_string(),
+                },
                 Ok(registration) => {
                     self.handle(&registration, &trace, carried, shutdown, connection_lost)
                         .await

@@ -25,6 +25,8 @@ pub struct Stats {
     pub requeued: AtomicU64,
     pub throttled: AtomicU64,
     pub forfeited: AtomicU64,
+    /// Broker sessions opened again after the previous one was lost.
+    pub reconnects: AtomicU64,
     pub held: AtomicUsize,
     pub in_flight: AtomicUsize,
     /// What the delay ladder's consumers did in this replica.
