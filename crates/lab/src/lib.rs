@@ -6,8 +6,10 @@
 //! - [`demo`]: `turnstile demo`
 //! - [`mock_api`]: a strict stand-in for the registration API that counts every violation
 //! - [`local_redis`]: a private `redis-server` for fault tests
+//! - [`slow_link`]: a TCP proxy adding latency each way (a slow Redis link)
 pub mod bench;
 pub mod demo;
 pub mod local_redis;
 pub mod mock_api;
 pub mod rig;
+pub mod slow_link;

@@ -108,8 +108,12 @@ struct Request {
     operation: Operation,
     /// `None`: now.
     deadline: Option<Instant>,
-    reply: oneshot::Sender<Result<Value, PermitError>>,
+    reply: oneshot::Sender<Answered>,
 }
+
+/// An operation's answer, and when the call that carried it left this replica: whatever Redis
+/// did for it (a grant) happened after that moment.
+pub type Answered = (Result<Value, PermitError>, Instant);
 
 /// Sends operations in batches; cheap to share. Its task ends once every handle is dropped,
 /// after sending what still waits.
@@ -135,8 +139,9 @@ impl Batcher {
         self.calls.load(Ordering::Relaxed)
     }
 
-    /// Runs `operation` (in a batch, see the module) and returns its own answer.
-    pub async fn run(&self, operation: Operation, when: When) -> Result<Value, PermitError> {
+    /// Runs `operation` (in a batch, see the module) and returns its own answer, with when the
+    /// call that carried it was sent (now, if it never was).
+    pub async fn run_sent(&self, operation: Operation, when: When) -> Answered {
         let (reply, answer) = oneshot::channel();
         let deadline = match when {
             When::Now => None,
@@ -148,9 +153,11 @@ impl Batcher {
             reply,
         };
         if self.requests.send(request).is_err() {
-            return Err(stopped());
+            return (Err(stopped()), Instant::now());
         }
-        answer.await.unwrap_or_else(|_| Err(stopped()))
+        answer
+            .await
+            .unwrap_or_else(|_| (Err(stopped()), Instant::now()))
     }
 }
 
@@ -307,6 +314,7 @@ async fn sleep_until(at: Option<Instant>) {
 /// Sends one call (the script operations in one script call, the plain commands in one
 /// pipeline beside it) and hands each operation its answer; returns the place it went to.
 async fn send(conn: RedisConn, place: String, call: Vec<Request>) -> String {
+    let sent = Instant::now();
     let (plain, mut scripted): (Vec<Request>, Vec<Request>) =
         call.into_iter().partition(|r| r.operation.plain.is_some());
     let scripts = async {
@@ -314,19 +322,18 @@ async fn send(conn: RedisConn, place: String, call: Vec<Request>) -> String {
             && let Some(script) = scripts::operation(scripted[0].operation.name)
         {
             let r = scripted.pop().expect("one");
-            let _ = r
-                .reply
-                .send(send_alone(conn.clone(), script, &r.operation).await);
+            let answer = send_alone(conn.clone(), script, &r.operation).await;
+            let _ = r.reply.send((answer, sent));
         } else if !scripted.is_empty() {
-            send_batch(conn.clone(), scripted).await;
+            send_batch(conn.clone(), scripted, sent).await;
         }
     };
-    futures::join!(scripts, send_plain(conn.clone(), plain));
+    futures::join!(scripts, send_plain(conn.clone(), plain, sent));
     place
 }
 
 /// Plain commands in one pipeline; each operation gets its own answers (or its own error).
-async fn send_plain(mut conn: RedisConn, call: Vec<Request>) {
+async fn send_plain(mut conn: RedisConn, call: Vec<Request>, sent: Instant) {
     if call.is_empty() {
         return;
     }
@@ -349,17 +356,17 @@ async fn send_plain(mut conn: RedisConn, call: Vec<Request>) {
             let mut answers = answers.into_iter();
             for (reply, n) in replies {
                 let own: Result<Vec<Value>, redis::RedisError> = answers.by_ref().take(n).collect();
-                let _ = reply.send(own.map(Value::Array).map_err(PermitError::Redis));
+                let _ = reply.send((own.map(Value::Array).map_err(PermitError::Redis), sent));
             }
         }
         Ok(_) => {
             for (reply, _) in replies {
-                let _ = reply.send(Err(PermitError::Answer("pipeline")));
+                let _ = reply.send((Err(PermitError::Answer("pipeline")), sent));
             }
         }
         Err(error) => {
             for (reply, _) in replies {
-                let _ = reply.send(Err(PermitError::Redis(error.clone())));
+                let _ = reply.send((Err(PermitError::Redis(error.clone())), sent));
             }
         }
     }
@@ -382,7 +389,7 @@ async fn send_alone(
     Ok(answer)
 }
 
-async fn send_batch(mut conn: RedisConn, call: Vec<Request>) {
+async fn send_batch(mut conn: RedisConn, call: Vec<Request>, sent: Instant) {
     let mut invocation = scripts::batch().prepare_invoke();
     invocation.arg(call.len());
     for r in &call {
@@ -402,17 +409,17 @@ async fn send_batch(mut conn: RedisConn, call: Vec<Request>) {
     match answered.map(|v| answers(v, call.len())) {
         Ok(Some(answers)) => {
             for (r, answer) in call.into_iter().zip(answers) {
-                let _ = r.reply.send(answer);
+                let _ = r.reply.send((answer, sent));
             }
         }
         Ok(None) => {
             for r in call {
-                let _ = r.reply.send(Err(PermitError::Answer("batch")));
+                let _ = r.reply.send((Err(PermitError::Answer("batch")), sent));
             }
         }
         Err(error) => {
             for r in call {
-                let _ = r.reply.send(Err(PermitError::Redis(error.clone())));
+                let _ = r.reply.send((Err(PermitError::Redis(error.clone())), sent));
             }
         }
     }

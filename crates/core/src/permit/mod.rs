@@ -172,6 +172,9 @@ pub enum Decision {
         granted_us: i64,
         used_permille: u32,
         call: String,
+        /// When the request that made the grant left this replica (the grant is younger):
+        /// the worker sends the call within [`CALL_ALLOWANCE`] of it, or drops the grant.
+        sent: std::time::Instant,
     },
     /// Not yet: come back after `retry_after`. With a reservation, come back with it and the
     /// slot is yours; without (reserving off, beyond the horizon), acquire again then.
@@ -686,14 +689,24 @@ impl PermitStore {
         operation: Operation,
         when: When,
     ) -> Result<T, PermitError> {
+        Ok(self.run_sent(operation, when).await?.0)
+    }
+
+    /// As [`Self::run`], with when the call that carried the operation left this replica.
+    async fn run_sent<T: redis::FromRedisValue>(
+        &self,
+        operation: Operation,
+        when: When,
+    ) -> Result<(T, std::time::Instant), PermitError> {
         let batcher = self
             .batcher
             .get_or_init(|| Batcher::start(self.conn.clone()));
-        let answer = batcher.run(operation, when).await;
+        let (answer, sent) = batcher.run_sent(operation, when).await;
         if let (Err(PermitError::Redis(_)), Some(blocks)) = (&answer, &self.blocks) {
             blocks.forget_pools();
         }
-        redis::from_redis_value(answer?).map_err(|e| PermitError::Redis(e.into()))
+        let value = redis::from_redis_value(answer?).map_err(|e| PermitError::Redis(e.into()))?;
+        Ok((value, sent.into_std()))
     }
 
     /// Calls to Redis this store (and its clones) sent for the limiter's hot operations so
@@ -894,8 +907,8 @@ impl PermitStore {
             }),
             Algorithm::FixedWindow => None,
         };
-        let answer: Vec<redis::Value> = self.run(invocation, When::Now).await?;
-        let mut decision = acquired(algorithm, &answer, token, cost)?;
+        let (answer, sent): (Vec<redis::Value>, _) = self.run_sent(invocation, When::Now).await?;
+        let mut decision = acquired(algorithm, &answer, token, cost, sent)?;
         if let Decision::Granted {
             granted_us: now, ..
         }
@@ -992,8 +1005,11 @@ impl PermitStore {
         }
         let mut claim = redis::cmd("ZPOPMIN");
         claim.arg(self.keys.pool(seller));
-        let (read, (seconds, micros), popped): (Vec<Option<String>>, (i64, i64), Vec<String>) =
-            self.run(
+        let ((read, (seconds, micros), popped), sent): (
+            (Vec<Option<String>>, (i64, i64), Vec<String>),
+            _,
+        ) = self
+            .run_sent(
                 Operation::commands(
                     vec![read, redis::cmd("TIME"), claim],
                     self.keys.pause(seller),
@@ -1049,6 +1065,7 @@ impl PermitStore {
             // A block is only granted with at most half of every limit used.
             used_permille: 0,
             call: unit.clone(),
+            sent,
         };
         metrics::counter!("turnstile_permit_block_units_total").increment(1);
         observe(self.limiter.algorithm, &decision, true);
@@ -1147,8 +1164,8 @@ impl PermitStore {
             .arg(self.limiter.bucket_capacity)
             .arg(self.call_bound_us())
             .arg(cost.units());
-        let (status, at, now, verdict): (u8, i64, i64, String) =
-            self.run(invocation, When::Now).await?;
+        let ((status, at, now, verdict), sent): ((u8, i64, i64, String), _) =
+            self.run_sent(invocation, When::Now).await?;
         self.clock.observe(now);
         count_verdict(&verdict);
         let redeemed = match status {
@@ -1157,6 +1174,7 @@ impl PermitStore {
                 granted_us: now,
                 used_permille: 1000,
                 call: held.token.clone(),
+                sent,
             }),
             2 => Ok(Decision::Wait {
                 retry_after: wait_for(at, now),
@@ -2455,6 +2473,7 @@ fn acquired(
     answer: &[redis::Value],
     token: String,
     cost: Cost,
+    sent: std::time::Instant,
 ) -> Result<Decision, PermitError> {
     let answer = Answer {
         values: answer,
@@ -2472,6 +2491,7 @@ fn acquired(
                 .int(5)
                 .map_or(0, |p| p.clamp(0, i64::from(u32::MAX)) as u32),
             call: token,
+            sent,
         }),
         2 => Ok(Decision::Wait {
             retry_after: wait_for(slot, now),

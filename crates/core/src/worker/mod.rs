@@ -37,20 +37,20 @@ use crate::permit::{
     CallAnswer, Decision, Lesson, PermitError, PermitStore, Rescheduled, Reservation,
 };
 
-/// A grant being called: the call's name, the Redis time of the grant, and when this worker
-/// asked for it.
+/// A grant being called: the call's name, the Redis time of the grant, and when the request
+/// that made it left this replica.
 struct Grant<'a> {
     call: &'a str,
     granted_us: i64,
-    asked: std::time::Instant,
+    sent: std::time::Instant,
 }
 
 impl Grant<'_> {
     /// An upper bound, in Redis time, for when the call's answer came (now): Redis granted at
-    /// `granted_us`, which was after the worker asked, so no more than the time since the ask
-    /// has passed on Redis's clock since then.
+    /// `granted_us`, which was after the request was sent, so no more than the time since then
+    /// has passed on Redis's clock since the grant.
     fn answered_us(&self) -> i64 {
-        let since = self.asked.elapsed().as_micros().min(i64::MAX as u128) as i64;
+        let since = self.sent.elapsed().as_micros().min(i64::MAX as u128) as i64;
         self.granted_us.saturating_add(since)
     }
 }
@@ -362,17 +362,20 @@ impl Worker {
                 return permit_errors.plan(error, carried);
             }
         };
-        let waited = asked.elapsed();
         let holding = self.stats.held.load(Ordering::Relaxed);
-        let (granted_call, granted_us, granted_slot) = match &decision {
+        // A grant's age is bounded by the time since its request left, not since the ask: a
+        // request may wait for the batcher, and a redeem or a pool claim may go first.
+        let (granted_call, granted_us, granted_slot, sent) = match &decision {
             Decision::Granted {
                 call,
                 granted_us,
                 slot_us,
+                sent,
                 ..
-            } => (Some(call.clone()), *granted_us, *slot_us),
-            _ => (None, 0, 0),
+            } => (Some(call.clone()), *granted_us, *slot_us, *sent),
+            _ => (None, 0, 0, asked),
         };
+        let waited = sent.elapsed();
         match self
             .settings
             .plan_decision(decision, waited, holding, carried)
@@ -381,7 +384,7 @@ impl Worker {
                 let grant = Grant {
                     call: &call,
                     granted_us,
-                    asked,
+                    sent,
                 };
                 let interruptions = Interruptions {
                     shutdown,
@@ -399,8 +402,9 @@ impl Worker {
                         self.release_unsent(registration, call, granted_slot).await;
                     }
                     warn!(
-                        waited_ms = waited.as_millis() as u64,
-                        "a permit came back too late to send the call with it; asking again"
+                        since_sent_ms = waited.as_millis() as u64,
+                        asked_ms = asked.elapsed().as_millis() as u64,
+                        "a permit came back too late to send the call with it (Redis is slow); given back, asking again"
                     );
                 }
                 plan

@@ -200,10 +200,11 @@ pub(super) enum Plan {
 }
 
 impl WorkerSettings {
-    /// What a permit decision leads to, given how long it took to come (`waited`) and how many
-    /// messages are held in the replica (`holding`). A grant is called only if it came within
-    /// [`CALL_ALLOWANCE`]: its place in the window was only promised for a call starting
-    /// within it; a later one is asked for again, without the reservation.
+    /// What a permit decision leads to, given how old a grant may be (`waited`: the time since
+    /// the request that made it left) and how many messages are held in the replica
+    /// (`holding`). A grant is called only within [`CALL_ALLOWANCE`] of it: its place in the
+    /// window was only promised for a call starting within it; a later one is asked for again,
+    /// without the reservation.
     pub(super) fn plan_decision(
         &self,
         decision: Decision,
@@ -724,6 +725,7 @@ mod tests {
             granted_us: 0,
             used_permille: 1_000,
             call: "call-1".into(),
+            sent: std::time::Instant::now(),
         };
         let plan = settings().plan_decision(granted, CALL_ALLOWANCE, 0, &mut carried);
         assert_eq!(
@@ -742,6 +744,7 @@ mod tests {
             granted_us: 0,
             used_permille: 1_000,
             call: "call-1".into(),
+            sent: std::time::Instant::now(),
         };
         let late = CALL_ALLOWANCE + MS;
         let plan = settings().plan_decision(granted, late, 0, &mut carried);

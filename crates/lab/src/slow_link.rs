@@ -1,0 +1,120 @@
+//! A TCP proxy on loopback that adds a fixed latency each way: a slow link between a replica
+//! and Redis (another region, a congested network, a busy proxy), for fault tests and benches.
+//! Bytes keep their order and are delayed, not throttled: a pipeline of requests costs one round
+//! trip, as on a real link.
+
+use std::collections::VecDeque;
+use std::net::SocketAddr;
+use std::time::Duration;
+
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio::net::{TcpListener, TcpStream};
+use tokio::sync::mpsc;
+use tokio::time::Instant;
+use tokio_util::sync::CancellationToken;
+
+/// A running slow link; it stops (closing every connection) when dropped.
+pub struct SlowLink {
+    addr: SocketAddr,
+    stop: CancellationToken,
+}
+
+impl SlowLink {
+    /// Listens on a free loopback port and forwards each connection to `target`, delaying the
+    /// bytes by `one_way` in each direction (a round trip of twice that).
+    pub async fn start(target: SocketAddr, one_way: Duration) -> anyhow::Result<Self> {
+        let listener = TcpListener::bind("127.0.0.1:0").await?;
+        let addr = listener.local_addr()?;
+        let stop = CancellationToken::new();
+        let accepting = stop.clone();
+        tokio::spawn(async move {
+            loop {
+                let client = tokio::select! {
+                    accepted = listener.accept() => match accepted {
+                        Ok((client, _)) => client,
+                        Err(_) => continue,
+                    },
+                    _ = accepting.cancelled() => return,
+                };
+                let stop = accepting.clone();
+                tokio::spawn(async move {
+                    if let Ok(server) = TcpStream::connect(target).await {
+                        link(client, server, one_way, stop).await;
+                    }
+                });
+            }
+        });
+        Ok(Self { addr, stop })
+    }
+
+    /// Where to connect instead of the target.
+    pub fn addr(&self) -> SocketAddr {
+        self.addr
+    }
+
+    /// A `redis://` URL through the link.
+    pub fn redis_url(&self) -> String {
+        format!("redis://{}/", self.addr)
+    }
+}
+
+impl Drop for SlowLink {
+    fn drop(&mut self) {
+        self.stop.cancel();
+    }
+}
+
+/// Forwards both ways until either side closes or `stop`.
+async fn link(client: TcpStream, server: TcpStream, one_way: Duration, stop: CancellationToken) {
+    let (client_read, client_write) = client.into_split();
+    let (server_read, server_write) = server.into_split();
+    tokio::select! {
+        _ = delayed(client_read, server_write, one_way) => {}
+        _ = delayed(server_read, client_write, one_way) => {}
+        _ = stop.cancelled() => {}
+    }
+}
+
+/// Copies `from` to `to`, each chunk written `delay` after it was read, in order.
+async fn delayed(
+    mut from: tokio::net::tcp::OwnedReadHalf,
+    mut to: tokio::net::tcp::OwnedWriteHalf,
+    delay: Duration,
+) {
+    let (chunks, mut due) = mpsc::unbounded_channel::<(Instant, Vec<u8>)>();
+    let writer = async move {
+        let mut pending = VecDeque::new();
+        loop {
+            let Some((at, bytes)) = (match pending.pop_front() {
+                Some(next) => Some(next),
+                None => due.recv().await,
+            }) else {
+                return;
+            };
+            tokio::time::sleep_until(at).await;
+            if to.write_all(&bytes).await.is_err() {
+                return;
+            }
+            while let Ok(next) = due.try_recv() {
+                pending.push_back(next);
+            }
+        }
+    };
+    let reader = async move {
+        let mut buffer = vec![0u8; 64 * 1024];
+        loop {
+            match from.read(&mut buffer).await {
+                Ok(0) | Err(_) => return,
+                Ok(n) => {
+                    if chunks
+                        .send((Instant::now() + delay, buffer[..n].to_vec()))
+                        .is_err()
+                    {
+                        return;
+                    }
+                }
+            }
+        }
+    };
+    tokio::join!(reader, writer);
+}
