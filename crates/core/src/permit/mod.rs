@@ -1005,10 +1005,7 @@ impl PermitStore {
         }
         let mut claim = redis::cmd("ZPOPMIN");
         claim.arg(self.keys.pool(seller));
-        let ((read, (seconds, micros), popped), sent): (
-            (Vec<Option<String>>, (i64, i64), Vec<String>),
-            _,
-        ) = self
+        let ((read, (seconds, micros), popped), sent): (PoolClaim, _) = self
             .run_sent(
                 Operation::commands(
                     vec![read, redis::cmd("TIME"), claim],
@@ -2466,6 +2463,10 @@ fn registered_from(was: Option<&str>) -> (u8, String, u8) {
         None => (1, String::new(), 0),
     }
 }
+
+/// What a pool claim reads: the seller's pause, override and the message's completion record,
+/// Redis's TIME, and the unit popped from the pool with its end.
+type PoolClaim = (Vec<Option<String>>, (i64, i64), Vec<String>);
 
 /// `token` names the call (granted) or the reservation (told to wait with a slot held).
 fn acquired(
