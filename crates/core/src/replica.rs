@@ -296,6 +296,7 @@ fn new_worker(
         stats,
         reschedules,
         records_in_writing: Default::default(),
+        seller_waits: Default::default(),
     }
 }
 

@@ -28,13 +28,16 @@ use crate::downstream::{Downstream, Reply};
 use crate::trace::TraceContext;
 mod plan;
 mod stats;
+mod waits;
 
 pub use plan::{Carried, DEAD_LETTER_REASONS, OUTCOME_LABELS, Outcome, WorkerSettings};
 use plan::{Interrupted, PermitErrors, Plan, returned, stranded};
 pub use stats::{LatencySummary, Stats};
+pub use waits::SellerWaits;
 
 use crate::permit::{
-    CallAnswer, Decision, Lesson, PermitError, PermitStore, Rescheduled, Reservation,
+    CALL_ALLOWANCE, CallAnswer, Decision, Lesson, PermitError, PermitStore, Rescheduled,
+    Reservation,
 };
 
 /// A grant being called: the call's name, the Redis time of the grant, and when the request
@@ -79,6 +82,8 @@ pub struct Worker {
     pub reschedules: tokio::sync::broadcast::Sender<Rescheduled>,
     /// Registrations whose completion record is being written here.
     pub records_in_writing: RecordsInWriting,
+    /// Sellers lately told to wait: their new messages ask without taking a worker.
+    pub seller_waits: SellerWaits,
 }
 
 /// Registrations whose completion record this replica is writing: a record may ride along with
@@ -338,11 +343,26 @@ impl Worker {
             _ = shutdown.cancelled() => return interrupted(Interrupted::Shutdown),
             _ = connection_lost.cancelled() => return interrupted(Interrupted::ConnectionLost),
         }
-        let worker = tokio::select! {
-            permit = self.workers.clone().acquire_owned() => permit.expect("the worker semaphore is never closed"),
-            permit = self.due_lane.clone().acquire_owned(), if carried.reservation.is_some() => permit.expect("the due lane is never closed"),
-            _ = shutdown.cancelled() => return interrupted(Interrupted::Shutdown),
-            _ = connection_lost.cancelled() => return interrupted(Interrupted::ConnectionLost),
+        // Workers bound the downstream calls, not the questions to Redis: a new message asks
+        // without one, and takes one once granted, while workers are free or when its seller
+        // was lately told to wait (its answer will almost surely be a wait too, see `waits`).
+        // With every worker busy calling, it queues for one first, so that grants are not
+        // made only to wait for a worker.
+        let seller = &registration.seller_id;
+        let without_worker = carried.reservation.is_none()
+            && (self.workers.available_permits() > 0
+                || self
+                    .seller_waits
+                    .expects_wait(seller, std::time::Instant::now()));
+        let worker = if without_worker {
+            None
+        } else {
+            Some(tokio::select! {
+                permit = self.workers.clone().acquire_owned() => permit.expect("the worker semaphore is never closed"),
+                permit = self.due_lane.clone().acquire_owned(), if carried.reservation.is_some() => permit.expect("the due lane is never closed"),
+                _ = shutdown.cancelled() => return interrupted(Interrupted::Shutdown),
+                _ = connection_lost.cancelled() => return interrupted(Interrupted::ConnectionLost),
+            })
         };
         if self.records_in_writing.is_writing(registration) {
             // Registered by another worker while this one waited for a worker.
@@ -362,6 +382,14 @@ impl Worker {
                 return permit_errors.plan(error, carried);
             }
         };
+        match &decision {
+            Decision::Wait { retry_after, .. } | Decision::Deferred { retry_after, .. } => {
+                let now = std::time::Instant::now();
+                self.seller_waits.told_to_wait(seller, *retry_after, now);
+            }
+            Decision::Granted { .. } => self.seller_waits.granted(seller),
+            _ => {}
+        }
         let holding = self.stats.held.load(Ordering::Relaxed);
         // A grant's age is bounded by the time since its request left, not since the ask: a
         // request may wait for the batcher, and a redeem or a pool claim may go first.
@@ -381,6 +409,24 @@ impl Worker {
             .plan_decision(decision, waited, holding, carried)
         {
             Plan::Call { call } => {
+                let worker = match worker {
+                    Some(worker) => worker,
+                    None => {
+                        let interruptions = Interruptions {
+                            shutdown,
+                            connection_lost,
+                        };
+                        match self.worker_for_grant(sent, interruptions).await {
+                            Some(worker) => worker,
+                            None => {
+                                self.end_lease(registration, &call).await;
+                                self.release_unsent(registration, &call, granted_slot).await;
+                                carried.reservation = None;
+                                return Plan::AskAgain;
+                            }
+                        }
+                    }
+                };
                 let grant = Grant {
                     call: &call,
                     granted_us,
@@ -409,6 +455,23 @@ impl Worker {
                 }
                 plan
             }
+        }
+    }
+
+    /// A worker for a grant that came to a message asking without one, if one is free before
+    /// the grant is [`CALL_ALLOWANCE`] old (counted from `sent`) and nothing interrupts.
+    async fn worker_for_grant(
+        &self,
+        sent: std::time::Instant,
+        interruptions: Interruptions<'_>,
+    ) -> Option<OwnedSemaphorePermit> {
+        let left = CALL_ALLOWANCE.saturating_sub(sent.elapsed());
+        tokio::select! {
+            permit = tokio::time::timeout(left, self.workers.clone().acquire_owned()) => {
+                permit.ok().map(|p| p.expect("the worker semaphore is never closed"))
+            }
+            _ = interruptions.shutdown.cancelled() => None,
+            _ = interruptions.connection_lost.cancelled() => None,
         }
     }
 
