@@ -18,6 +18,9 @@
 //! seller far from its limits brings more units into the seller's pool for its next calls by
 //! any replica ([`block`]: permit blocks), claimed without a script.
 //!
+//! [`server`] reads whether the Redis servers may evict keys (a replica refuses such a Redis
+//! unless told it may); the scripts themselves detect state lost to an eviction or a flush.
+//!
 //! This module owns the Redis keyspace: [`keys`] builds every key, and nothing outside it talks
 //! to Redis about turnstile's keys but through [`PermitStore`] (the limiter here, the uploads'
 //! progress and the dashboard's shared state in `records`).

@@ -11,6 +11,8 @@
 //!   [`WorkerSettings`]' `plan_*` methods, backoff and lead), with unit tests that need no
 //!   services
 //! - [`stats`]: [`Stats`], what a replica reports to whoever watches it
+//! - [`waits`]: [`SellerWaits`], the sellers lately told to wait, whose new messages ask for
+//!   their permit without taking a worker
 
 use std::collections::HashMap;
 use std::sync::Arc;
@@ -416,9 +418,13 @@ impl Worker {
                             shutdown,
                             connection_lost,
                         };
+                        // A copy of the message registered here while this one waited for
+                        // a worker: the grant goes back, and asking again finds it done.
                         match self.worker_for_grant(sent, interruptions).await {
-                            Some(worker) => worker,
-                            None => {
+                            Some(worker) if !self.records_in_writing.is_writing(registration) => {
+                                worker
+                            }
+                            _ => {
                                 self.end_lease(registration, &call).await;
                                 self.release_unsent(registration, &call, granted_slot).await;
                                 carried.reservation = None;
