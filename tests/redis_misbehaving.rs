@@ -11,6 +11,17 @@ use turnstile_core::permit::{RedisConn, keys_matching};
 use turnstile_lab::local_redis::LocalRedis;
 use turnstile_lab::rig::Rig;
 
+/// A `redis-server` of the test's own, and a rig (enforcing `limit`) on it.
+async fn rig_on_own_redis(what: &str, limit: &str) -> (LocalRedis, Rig) {
+    let redis = LocalRedis::start().unwrap();
+    let rig = support::rig(what, limit)
+        .on_redis(&redis.url())
+        .prepare()
+        .await
+        .unwrap();
+    (redis, rig)
+}
+
 /// Runs `CONFIG SET name value` on `redis`.
 async fn config_set(redis: &LocalRedis, name: &str, value: &str) {
     let client = redis::Client::open(redis.url()).unwrap();
@@ -103,12 +114,7 @@ async fn eventually_async_ok(redis: &LocalRedis) {
 /// send their first messages), then accepting them again: nothing is dead-lettered, everything
 /// registers within the limit, once.
 async fn refused_writes_are_waited_out(refusal: Refusal, refuse_for: Duration) {
-    let redis = LocalRedis::start().unwrap();
-    let mut rig = support::rig("refused", "10/1s")
-        .on_redis(&redis.url())
-        .prepare()
-        .await
-        .unwrap();
+    let (redis, mut rig) = rig_on_own_redis("refused", "10/1s").await;
     let settings = rig.settings(4);
     rig.start_replica(settings).await.unwrap();
     rig.publish("S-backlog", 40).await.unwrap();
@@ -266,12 +272,7 @@ impl Loss {
 /// the downstream, enforcing the limit on its own clock, sees no window with more than the
 /// limit.
 async fn lost_state_lets_no_burst_through(loss: Loss) {
-    let redis = LocalRedis::start().unwrap();
-    let mut rig = support::rig("lost-state", "5/3s")
-        .on_redis(&redis.url())
-        .prepare()
-        .await
-        .unwrap();
+    let (redis, mut rig) = rig_on_own_redis("lost-state", "5/3s").await;
     let mut settings = rig.settings(4);
     settings.limiter.redis_durable = false;
     rig.start_replica(settings).await.unwrap();
@@ -332,14 +333,9 @@ async fn a_seller_reset_by_the_operator_lets_no_burst_through() {
 
 #[tokio::test]
 async fn a_replica_refuses_a_redis_that_may_evict_unless_allowed() {
-    let redis = LocalRedis::start().unwrap();
+    let (redis, mut rig) = rig_on_own_redis("evicting", "5/1s").await;
     config_set(&redis, "maxmemory", "100000000").await;
     config_set(&redis, "maxmemory-policy", "volatile-lru").await;
-    let mut rig = support::rig("evicting", "5/1s")
-        .on_redis(&redis.url())
-        .prepare()
-        .await
-        .unwrap();
     let refused = rig
         .start_replica(rig.settings(1))
         .await

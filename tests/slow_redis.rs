@@ -55,6 +55,7 @@ async fn drains_through_a_slow_link(round_trip: Duration) {
         (130, 0, 0),
         "{stats:?}"
     );
+    link.set_one_way(Duration::ZERO);
     rig.stop_replicas().await.unwrap();
     rig.cleanup().await.unwrap();
 }

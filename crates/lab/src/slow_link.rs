@@ -5,6 +5,8 @@
 
 use std::collections::VecDeque;
 use std::net::SocketAddr;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Duration;
 
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
@@ -17,6 +19,8 @@ use tokio_util::sync::CancellationToken;
 pub struct SlowLink {
     addr: SocketAddr,
     stop: CancellationToken,
+    /// The latency each way, in µs (changed with [`SlowLink::set_one_way`]).
+    one_way_us: Arc<AtomicU64>,
 }
 
 impl SlowLink {
@@ -27,6 +31,8 @@ impl SlowLink {
         let addr = listener.local_addr()?;
         let stop = CancellationToken::new();
         let accepting = stop.clone();
+        let one_way_us = Arc::new(AtomicU64::new(one_way.as_micros() as u64));
+        let delay = one_way_us.clone();
         tokio::spawn(async move {
             loop {
                 let client = tokio::select! {
@@ -36,15 +42,26 @@ impl SlowLink {
                     },
                     _ = accepting.cancelled() => return,
                 };
-                let stop = accepting.clone();
+                let (stop, delay) = (accepting.clone(), delay.clone());
                 tokio::spawn(async move {
                     if let Ok(server) = TcpStream::connect(target).await {
-                        link(client, server, one_way, stop).await;
+                        link(client, server, delay, stop).await;
                     }
                 });
             }
         });
-        Ok(Self { addr, stop })
+        Ok(Self {
+            addr,
+            stop,
+            one_way_us,
+        })
+    }
+
+    /// Changes the latency each way, for the bytes read from now on (e.g. none, to tear a
+    /// test down quickly).
+    pub fn set_one_way(&self, one_way: Duration) {
+        self.one_way_us
+            .store(one_way.as_micros() as u64, Ordering::Relaxed);
     }
 
     /// Where to connect instead of the target.
@@ -65,11 +82,16 @@ impl Drop for SlowLink {
 }
 
 /// Forwards both ways until either side closes or `stop`.
-async fn link(client: TcpStream, server: TcpStream, one_way: Duration, stop: CancellationToken) {
+async fn link(
+    client: TcpStream,
+    server: TcpStream,
+    one_way: Arc<AtomicU64>,
+    stop: CancellationToken,
+) {
     let (client_read, client_write) = client.into_split();
     let (server_read, server_write) = server.into_split();
     tokio::select! {
-        _ = delayed(client_read, server_write, one_way) => {}
+        _ = delayed(client_read, server_write, one_way.clone()) => {}
         _ = delayed(server_read, client_write, one_way) => {}
         _ = stop.cancelled() => {}
     }
@@ -79,7 +101,7 @@ async fn link(client: TcpStream, server: TcpStream, one_way: Duration, stop: Can
 async fn delayed(
     mut from: tokio::net::tcp::OwnedReadHalf,
     mut to: tokio::net::tcp::OwnedWriteHalf,
-    delay: Duration,
+    delay: Arc<AtomicU64>,
 ) {
     let (chunks, mut due) = mpsc::unbounded_channel::<(Instant, Vec<u8>)>();
     let writer = async move {
@@ -106,6 +128,7 @@ async fn delayed(
             match from.read(&mut buffer).await {
                 Ok(0) | Err(_) => return,
                 Ok(n) => {
+                    let delay = Duration::from_micros(delay.load(Ordering::Relaxed));
                     if chunks
                         .send((Instant::now() + delay, buffer[..n].to_vec()))
                         .is_err()

@@ -345,26 +345,39 @@ impl Worker {
             _ = shutdown.cancelled() => return interrupted(Interrupted::Shutdown),
             _ = connection_lost.cancelled() => return interrupted(Interrupted::ConnectionLost),
         }
-        // Workers bound the downstream calls, not the questions to Redis: a new message asks
-        // without one, and takes one once granted, while workers are free or when its seller
-        // was lately told to wait (its answer will almost surely be a wait too, see `waits`).
-        // With every worker busy calling, it queues for one first, so that grants are not
-        // made only to wait for a worker.
+        // Workers bound the downstream calls, not the questions to Redis (see `waits`): a new
+        // message asks without one while workers are free, or when its seller was lately told
+        // to wait, and takes one once granted. With every worker busy calling, it queues for
+        // one, and leaves the queue if its seller is told to wait meanwhile.
         let seller = &registration.seller_id;
-        let without_worker = carried.reservation.is_none()
-            && (self.workers.available_permits() > 0
-                || self
-                    .seller_waits
-                    .expects_wait(seller, std::time::Instant::now()));
-        let worker = if without_worker {
-            None
-        } else {
+        let worker = if carried.reservation.is_some() {
             Some(tokio::select! {
                 permit = self.workers.clone().acquire_owned() => permit.expect("the worker semaphore is never closed"),
-                permit = self.due_lane.clone().acquire_owned(), if carried.reservation.is_some() => permit.expect("the due lane is never closed"),
+                permit = self.due_lane.clone().acquire_owned() => permit.expect("the due lane is never closed"),
                 _ = shutdown.cancelled() => return interrupted(Interrupted::Shutdown),
                 _ = connection_lost.cancelled() => return interrupted(Interrupted::ConnectionLost),
             })
+        } else {
+            let queued = self.workers.clone().acquire_owned();
+            tokio::pin!(queued);
+            loop {
+                let told = self.seller_waits.told();
+                tokio::pin!(told);
+                told.as_mut().enable();
+                if self.workers.available_permits() > 0
+                    || self
+                        .seller_waits
+                        .expects_wait(seller, std::time::Instant::now())
+                {
+                    break None;
+                }
+                tokio::select! {
+                    permit = &mut queued => break Some(permit.expect("the worker semaphore is never closed")),
+                    _ = told => {}
+                    _ = shutdown.cancelled() => return interrupted(Interrupted::Shutdown),
+                    _ = connection_lost.cancelled() => return interrupted(Interrupted::ConnectionLost),
+                }
+            }
         };
         if self.records_in_writing.is_writing(registration) {
             // Registered by another worker while this one waited for a worker.

@@ -9,6 +9,8 @@ use std::collections::HashMap;
 use std::sync::Mutex;
 use std::time::{Duration, Instant};
 
+use tokio::sync::Notify;
+
 use crate::domain::SellerId;
 
 /// Most sellers remembered; beyond them a seller is simply not guessed.
@@ -18,6 +20,9 @@ pub const MOST_SELLERS: usize = 10_000;
 #[derive(Default)]
 pub struct SellerWaits {
     until: Mutex<HashMap<SellerId, Instant>>,
+    /// Woken whenever a seller is told to wait: a message queued for a worker looks again
+    /// whether it may ask without one.
+    told: Notify,
 }
 
 impl SellerWaits {
@@ -37,6 +42,14 @@ impl SellerWaits {
             }
         }
         until.insert(seller.clone(), now + wait);
+        drop(until);
+        self.told.notify_waiters();
+    }
+
+    /// Completes when a seller is next told to wait (see [`Notify::notified`] for how not to
+    /// miss one between a look and the wait).
+    pub fn told(&self) -> tokio::sync::futures::Notified<'_> {
+        self.told.notified()
     }
 
     /// Notes that `seller` was granted: its next message may be too.
