@@ -6,8 +6,5 @@
 -- Returns the pause's end in µs (Redis time)
 
 local duration = int_arg(1, 1)
-local until_us = now_us() + duration
-local current = paused_until(KEYS[1])
-if current >= until_us then return current end
-redis.call('SET', KEYS[1], string.format('%.0f', until_us), 'PX', math.floor(duration / 1000) + 1)
-return until_us
+local now = now_us()
+return extend_pause(KEYS[1], now + duration, now)

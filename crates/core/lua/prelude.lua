@@ -228,6 +228,15 @@ local function paused_until(pause_key)
   return tonumber(redis.call('GET', pause_key) or '0')
 end
 
+-- Pauses the seller (PAUSE_KEY) until UNTIL_US, unless it is paused longer already: a pause only
+-- extends. Returns the pause's end.
+local function extend_pause(pause_key, until_us, now)
+  local current = paused_until(pause_key)
+  if current >= until_us then return current end
+  redis.call('SET', pause_key, string.format('%.0f', until_us), 'PX', math.floor((until_us - now) / 1000) + 1)
+  return until_us
+end
+
 -- Whether the stack HELD is as strict as LIMITS or stricter: the same windows, and no count
 -- above LIMITS' (a slot reserved under HELD is good under LIMITS: every window it was reserved
 -- to keep within HELD's count is within LIMITS' too).
@@ -421,9 +430,7 @@ local function check_server(stamp_key, state_key, pause_key, loss_key, span, now
   end
   local lost = losses_since(loss_key, now)
   if lost ~= nil then until_us = math.max(until_us, lost + span) end
-  if until_us > now and until_us > paused_until(pause_key) then
-    redis.call('SET', pause_key, string.format('%.0f', until_us), 'PX', math.floor((until_us - now) / 1000) + 1)
-  end
+  if until_us > now then extend_pause(pause_key, until_us, now) end
   local ttl = math.max(redis.call('PTTL', state_key), math.floor(span / 1000)) + 1
   redis.call('SET', stamp_key, current, 'PX', ttl)
   return true

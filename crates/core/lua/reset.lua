@@ -18,8 +18,7 @@
 local limits = with_spans(effective_limits(KEYS[2], limits_arg(1), nil, 1), int_arg(3, -1))
 if #KEYS < 2 then error({err = 'ERR turnstile: reset needs KEYS[1] and KEYS[2]'}) end
 local now = now_us()
-local until_us = math.max(now + limits.max_span, paused_until(KEYS[1]))
-redis.call('SET', KEYS[1], string.format('%.0f', until_us), 'PX', math.floor((until_us - now) / 1000) + 1)
+local until_us = extend_pause(KEYS[1], now + limits.max_span, now)
 local forgotten = 0
 for i = 3, #KEYS do
   forgotten = forgotten + redis.call('DEL', KEYS[i])

@@ -69,9 +69,12 @@ pub async fn memory_policies(conn: &RedisConn) -> Result<Vec<MemoryPolicy>, Perm
     Ok(policies)
 }
 
-/// The first server of `policies` that may evict keys, if any.
+/// The first server of `policies` that may evict keys, if any; the gauge
+/// `turnstile_redis_may_evict` says whether there is one.
 pub fn evicting(policies: &[MemoryPolicy]) -> Option<&MemoryPolicy> {
-    policies.iter().find(|p| p.may_evict())
+    let evicting = policies.iter().find(|p| p.may_evict());
+    metrics::gauge!("turnstile_redis_may_evict").set(f64::from(u8::from(evicting.is_some())));
+    evicting
 }
 
 /// The texts in an answer of INFO: one string, or one per node (a cluster's map).
@@ -88,22 +91,19 @@ fn collect_texts(answer: Value, into: &mut Vec<String>) {
 /// How often a running replica looks at the servers' memory settings again.
 pub const WATCH_EVERY: Duration = Duration::from_secs(30);
 
-/// Looks at the servers' memory settings every [`WATCH_EVERY`] until `stop`: while one may
-/// evict keys, says so loudly (an ERROR line each time) and sets the gauge
-/// `turnstile_redis_may_evict` to 1.
+/// Looks at the servers' memory settings again every [`WATCH_EVERY`] until `stop` (a replica
+/// looked once at start): while one may evict keys, says so loudly (an ERROR line each time;
+/// the gauge, see [`evicting`]).
 pub async fn watch_memory_policy(conn: RedisConn, stop: CancellationToken) {
     loop {
-        if let Ok(policies) = memory_policies(&conn).await {
-            let may_evict = evicting(&policies);
-            metrics::gauge!("turnstile_redis_may_evict")
-                .set(f64::from(u8::from(may_evict.is_some())));
-            if let Some(policy) = may_evict {
-                error!(%policy, "Redis may evict turnstile's keys: a seller whose state is evicted is paused for one window; set maxmemory-policy noeviction");
-            }
-        }
         tokio::select! {
             _ = tokio::time::sleep(WATCH_EVERY) => {}
             _ = stop.cancelled() => return,
+        }
+        if let Ok(policies) = memory_policies(&conn).await
+            && let Some(policy) = evicting(&policies)
+        {
+            error!(%policy, "Redis may evict turnstile's keys: a seller whose state is evicted is paused for one window; set maxmemory-policy noeviction");
         }
     }
 }

@@ -424,13 +424,13 @@ impl Worker {
             .plan_decision(decision, waited, holding, carried)
         {
             Plan::Call { call } => {
+                let interruptions = Interruptions {
+                    shutdown,
+                    connection_lost,
+                };
                 let worker = match worker {
                     Some(worker) => worker,
                     None => {
-                        let interruptions = Interruptions {
-                            shutdown,
-                            connection_lost,
-                        };
                         // A copy of the message registered here while this one waited for
                         // a worker: the grant goes back, and asking again finds it done.
                         match self.worker_for_grant(sent, interruptions).await {
@@ -438,8 +438,7 @@ impl Worker {
                                 worker
                             }
                             _ => {
-                                self.end_lease(registration, &call).await;
-                                self.release_unsent(registration, &call, granted_slot).await;
+                                self.drop_unsent(registration, &call, granted_slot).await;
                                 carried.reservation = None;
                                 return Plan::AskAgain;
                             }
@@ -451,20 +450,14 @@ impl Worker {
                     granted_us,
                     sent,
                 };
-                let interruptions = Interruptions {
-                    shutdown,
-                    connection_lost,
-                };
                 self.call(registration, trace, grant, worker, carried, interruptions)
                     .await
             }
             plan => {
                 drop(worker);
                 if plan == Plan::AskAgain {
-                    // The grant is dropped unsent: its lease and its units too.
                     if let Some(call) = &granted_call {
-                        self.end_lease(registration, call).await;
-                        self.release_unsent(registration, call, granted_slot).await;
+                        self.drop_unsent(registration, call, granted_slot).await;
                     }
                     warn!(
                         since_sent_ms = waited.as_millis() as u64,
@@ -740,9 +733,11 @@ impl Worker {
         Ok(decision)
     }
 
-    /// Gives back the grant `call` (counted at `slot_us`), dropped unsent, so that the seller's
-    /// next call may take its units; if that fails, they count until they leave the window.
-    async fn release_unsent(&self, registration: &Registration, call: &str, slot_us: i64) {
+    /// Drops the grant `call` (counted at `slot_us`) unsent: ends its lease and gives its units
+    /// back, so that the seller's next call may take them; if that fails, they count until
+    /// they leave the window.
+    async fn drop_unsent(&self, registration: &Registration, call: &str, slot_us: i64) {
+        self.end_lease(registration, call).await;
         let seller = &registration.seller_id;
         let released = self
             .permits
@@ -835,8 +830,8 @@ impl Worker {
         let published = self
             .republish(&delivery, &outcome, started_trace, publisher)
             .await;
-        let delivered = Carried::reservation_of(&delivery);
-        if let Some(left) = stranded(delivered.as_ref(), &outcome, published.is_ok()) {
+        let delivered = || Carried::reservation_of(&delivery);
+        if let Some(left) = stranded(delivered, &outcome, published.is_ok()) {
             self.give_back(&delivery, left);
         }
         let result = match published {

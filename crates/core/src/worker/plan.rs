@@ -518,10 +518,11 @@ pub(super) fn returned(carried: Carried, why: Interrupted) -> Outcome {
 }
 
 /// The reservation a settled message leaves behind, to give back: one the message holds but the
-/// broker's copy does not carry (taken since it was `delivered` with its own), when the message
-/// goes back as it came: requeued, or its delayed copy not `republished`.
+/// broker's copy does not carry (taken since it was `delivered` with its own, read only when
+/// needed), when the message goes back as it came: requeued, or its delayed copy not
+/// `republished`.
 pub(super) fn stranded(
-    delivered: Option<&Reservation>,
+    delivered: impl FnOnce() -> Option<Reservation>,
     outcome: &Outcome,
     republished: bool,
 ) -> Option<Reservation> {
@@ -530,7 +531,7 @@ pub(super) fn stranded(
         Outcome::Delay { carried, .. } if !republished => carried.reservation.as_ref(),
         _ => None,
     }?;
-    (Some(holding) != delivered).then(|| holding.clone())
+    (Some(holding) != delivered().as_ref()).then(|| holding.clone())
 }
 
 /// How a handler's wait ended early.
@@ -983,21 +984,21 @@ mod tests {
             carried: reserved(),
         };
         // A delayed copy published carries it on; one not published leaves it behind.
-        assert_eq!(stranded(Some(&delivered), &delay, true), None);
-        assert_eq!(stranded(Some(&delivered), &delay, false), taken);
-        assert_eq!(stranded(None, &delay, false), taken);
+        assert_eq!(stranded(|| Some(delivered.clone()), &delay, true), None);
+        assert_eq!(stranded(|| Some(delivered.clone()), &delay, false), taken);
+        assert_eq!(stranded(|| None, &delay, false), taken);
         // The broker's copy still carries the reservation it was delivered with.
-        assert_eq!(stranded(taken.as_ref(), &delay, false), None);
+        assert_eq!(stranded(|| taken.clone(), &delay, false), None);
         let requeue = Outcome::Requeue {
             holding: taken.clone(),
         };
-        assert_eq!(stranded(Some(&delivered), &requeue, true), taken);
-        assert_eq!(stranded(taken.as_ref(), &requeue, true), None);
+        assert_eq!(stranded(|| Some(delivered.clone()), &requeue, true), taken);
+        assert_eq!(stranded(|| taken.clone(), &requeue, true), None);
         assert_eq!(
-            stranded(None, &Outcome::Requeue { holding: None }, true),
+            stranded(|| None, &Outcome::Requeue { holding: None }, true),
             None
         );
-        assert_eq!(stranded(None, &Outcome::Registered, false), None);
+        assert_eq!(stranded(|| None, &Outcome::Registered, false), None);
     }
 
     #[test]
