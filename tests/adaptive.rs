@@ -164,7 +164,8 @@ async fn raises_up_to_the_configured_limit(backend: Backend, algorithm: Algorith
                 Duration::from_secs(60),
             )
             .await
-            .unwrap();
+            .unwrap()
+            .raise_due;
         if due {
             let change = store
                 .learn_at(&s, Lesson::Recovery, Some(granted_us))

@@ -12,7 +12,6 @@ use tokio_util::sync::CancellationToken;
 use turnstile_core::broker::long_string;
 use turnstile_core::config::Limits;
 use turnstile_core::domain::{BatchId, SellerId};
-use turnstile_core::permit::PermitStore;
 use turnstile_core::trace::{TRACEPARENT, TraceContext};
 use turnstile_lab::rig::Rig;
 use turnstile_ops::http::Listen;
@@ -49,19 +48,19 @@ async fn the_dashboard_shows_each_seller_and_its_upload_progress_while_a_workloa
     store
         .set_limit(&seller("S-small"), "3/1s,8/1m".parse::<Limits>().unwrap())
         .await?;
-    upload(&mut rig, &store, "S-big", "spring", 30, 0).await?;
-    upload(&mut rig, &store, "S-small", "summer", 6, 0).await?;
-    upload(&mut rig, &store, "S-bad", "autumn", 1, 1).await?;
-    turnstile_upload::progress::record_published(
-        &store,
-        &seller("S-paused"),
-        &batch("winter"),
-        3,
-        3,
-        Duration::from_secs(600),
-    )
-    .await
-    .unwrap();
+    upload(&mut rig, "S-big", "spring", 30, 0).await?;
+    upload(&mut rig, "S-small", "summer", 6, 0).await?;
+    upload(&mut rig, "S-bad", "autumn", 1, 1).await?;
+    // As a replica notes a batch when it first sees one of its messages.
+    store
+        .batch_seen(
+            &seller("S-paused"),
+            &batch("winter"),
+            turnstile_core::domain::BatchSize::new(3),
+            Duration::from_secs(600),
+        )
+        .await
+        .unwrap();
     store
         .pause(&seller("S-paused"), Duration::from_secs(600))
         .await
@@ -343,11 +342,10 @@ fn batch(b: &str) -> BatchId {
     BatchId::parse(b).unwrap()
 }
 
-/// Publishes an upload of `ok` products and `rejected` ones (answered 400) and records it the
-/// way `turnstile publish` does.
+/// Publishes an upload of `ok` products and `rejected` ones (answered 400), each message
+/// carrying the batch's size as `turnstile publish` does.
 async fn upload(
     rig: &mut Rig,
-    store: &PermitStore,
     seller_id: &str,
     batch_id: &str,
     ok: usize,
@@ -360,19 +358,9 @@ async fn upload(
             json!({"sku": i, "mock": {"statuses": [400]}})
         };
         let body = json!({"message_id": format!("{seller_id}-{batch_id}-{i}"), "seller_id": seller_id,
-            "batch_id": batch_id, "product": product});
+            "batch_id": batch_id, "batch_size": ok + rejected, "product": product});
         rig.publish_body(body.to_string().as_bytes()).await?;
     }
-    turnstile_upload::progress::record_published(
-        store,
-        &seller(seller_id),
-        &batch(batch_id),
-        (ok + rejected) as u64,
-        (ok + rejected) as u64,
-        Duration::from_secs(600),
-    )
-    .await
-    .unwrap();
     Ok(())
 }
 

@@ -1,11 +1,11 @@
 //! `turnstile publish`: one registration message per product of a seller's upload, published
-//! confirmed, and the upload's progress recorded. An upload is one trace: every message
-//! carries a `traceparent` of the same trace id (printed when publishing starts), each with a
-//! span id of its own.
+//! confirmed, each carrying the upload's `batch_size` (so the consume side tracks the upload as
+//! it does any producer's batch). An upload is one trace: every message carries a
+//! `traceparent` of the same trace id (printed when publishing starts), each with a span id of
+//! its own.
 
 use std::path::PathBuf;
 use std::process::ExitCode;
-use std::time::Duration;
 
 use anyhow::Context;
 use futures::StreamExt;
@@ -13,7 +13,6 @@ use turnstile_core::broker::{BrokerArgs, Publisher};
 use turnstile_core::config::{LimiterArgs, RedisArgs};
 use turnstile_core::permit::PermitStore;
 use turnstile_core::trace::TraceContext;
-use turnstile_upload::progress;
 use turnstile_upload::upload::{UploadRow, read_weighed_upload};
 
 use super::{batch_arg, seller_arg};
@@ -43,9 +42,6 @@ pub struct PublishArgs {
     #[command(flatten)]
     pub limiter: LimiterArgs,
 }
-
-/// How long upload progress is kept in Redis.
-const PROGRESS_TTL: Duration = Duration::from_secs(7 * 86400);
 
 /// Runs `turnstile publish`.
 pub async fn run(args: PublishArgs) -> anyhow::Result<ExitCode> {
@@ -83,16 +79,6 @@ pub async fn run(args: PublishArgs) -> anyhow::Result<ExitCode> {
         .collect();
     let failed: Vec<_> = published.into_iter().filter_map(Result::err).collect();
     let sent = upload.rows.len() - failed.len();
-    progress::record_published(
-        &store,
-        &seller,
-        &upload.batch_id,
-        upload.rows.len() as u64,
-        upload.units(),
-        PROGRESS_TTL,
-    )
-    .await
-    .context("recording the upload's progress")?;
     let _ = connection.close(200, "done".into()).await;
     let limit = store.effective_limit(&seller).await?;
     let sent_rows = upload.rows.iter().filter(|r| !failed_rows.contains(&r.row));

@@ -3,12 +3,11 @@
 //! and each seller's share of it, when there is one.
 
 use std::process::ExitCode;
-use std::time::Duration;
 
 use turnstile_core::config::{LimiterArgs, RedisArgs};
 use turnstile_core::domain::SellerId;
 use turnstile_core::permit::{GlobalUsage, PermitStore, Usage};
-use turnstile_upload::progress::{self, Progress};
+use turnstile_upload::progress::{self, BatchReport};
 
 use super::{batch_arg, seller_arg};
 
@@ -32,31 +31,43 @@ pub async fn run(args: StatusArgs) -> anyhow::Result<ExitCode> {
     let store = PermitStore::connect(&args.redis, &args.limiter).await?;
     let seller = args.seller.as_deref().map(seller_arg).transpose()?;
     let batch = args.batch.as_deref().map(batch_arg).transpose()?;
-    anyhow::ensure!(
-        batch.is_none() || seller.is_some(),
-        "--batch needs --seller"
-    );
     let uploads = progress::list(&store, seller.as_ref(), batch.as_ref()).await?;
-    let backlog = progress::backlog_by_seller(&uploads);
-    let mut rows = Vec::new();
+    // One report per seller, as `GET /api/sellers/{id}` gives it; its batches' ETAs count the
+    // work seen before each.
+    let mut sellers: Vec<SellerId> = Vec::new();
     for p in &uploads {
-        let seller = SellerId::parse(&p.seller).map_err(|e| anyhow::anyhow!("{e}"))?;
-        let usage = store.usage(&seller).await?;
-        let eta = usage.limit.optimum_drain(backlog[p.seller.as_str()]) + usage.paused_for;
-        rows.push((p, usage, eta));
+        let id = SellerId::parse(&p.seller).map_err(|e| anyhow::anyhow!("{e}"))?;
+        if !sellers.contains(&id) {
+            sellers.push(id);
+        }
+    }
+    let mut rows = Vec::new();
+    for id in &sellers {
+        let report = progress::read_seller(&store, id).await?;
+        let usage = store.usage(id).await?;
+        for b in report.batches {
+            if batch
+                .as_ref()
+                .is_none_or(|wanted| wanted.as_str() == b.batch_id)
+            {
+                rows.push((b, usage.clone()));
+            }
+        }
     }
     if args.json {
         let value: Vec<_> = rows
             .iter()
-            .map(|(p, usage, eta)| {
+            .map(|(b, usage)| {
                 let limits: Vec<_> = usage
                     .per_limit
                     .iter()
                     .map(|l| serde_json::json!({"limit": l.limit.to_string(), "used": l.used, "capacity": l.capacity, "ahead": l.ahead}))
                     .collect();
-                serde_json::json!({"seller": p.seller, "batch": p.batch, "total": p.total, "registered": p.registered,
-                    "waiting": p.waiting(), "waiting_units": p.waiting_units(), "dead_lettered": p.dead, "done": p.waiting() == 0,
-                    "limit": usage.limit.to_string(), "limits": limits, "binding": binding(usage), "eta_s": eta.as_secs_f64()})
+                let mut value = serde_json::json!(b);
+                value["limit"] = usage.limit.to_string().into();
+                value["limits"] = limits.into();
+                value["binding"] = binding(usage).into();
+                value
             })
             .collect();
         println!("{}", serde_json::to_string_pretty(&value)?);
@@ -65,7 +76,7 @@ pub async fn run(args: StatusArgs) -> anyhow::Result<ExitCode> {
     let global = store.global_usage().await?;
     if rows.is_empty() {
         println!(
-            "no uploads recorded under key prefix {:?}",
+            "no batches recorded under key prefix {:?}",
             store.key_prefix()
         );
     } else {
@@ -109,27 +120,28 @@ fn binding(usage: &Usage) -> String {
     usage.per_limit[usage.binding].limit.to_string()
 }
 
-/// Prints one line per upload: its counts, its seller's limits, the one that binds now and when
+/// Prints one line per batch: its counts, its seller's limits, the one that binds now and when
 /// it will be done.
-fn print_table(rows: &[(&Progress, Usage, Duration)]) {
+fn print_table(rows: &[(BatchReport, Usage)]) {
     println!(
         "{:<16} {:<28} {:>6} {:>10} {:>8} {:>6} {:>14} {:>8} {:>10}",
         "seller", "batch", "total", "registered", "waiting", "dead", "limit", "binds", "done in"
     );
-    for (p, usage, eta) in rows {
-        let done = if p.waiting() == 0 {
-            "done".to_owned()
-        } else {
-            format!("~{:.0}s", eta.as_secs_f64().max(1.0))
+    let or_unknown = |n: Option<u64>| n.map_or("?".to_owned(), |n| n.to_string());
+    for (b, usage) in rows {
+        let done = match b.eta_s {
+            _ if b.done => "done".to_owned(),
+            Some(eta) => format!("~{:.0}s", eta.max(1.0)),
+            None => "?".to_owned(),
         };
         println!(
             "{:<16} {:<28} {:>6} {:>10} {:>8} {:>6} {:>14} {:>8} {:>10}",
-            p.seller,
-            p.batch,
-            p.total,
-            p.registered,
-            p.waiting(),
-            p.dead,
+            b.seller_id,
+            b.batch_id,
+            or_unknown(b.total),
+            b.registered,
+            or_unknown(b.waiting),
+            b.dead.values().sum::<u64>(),
             usage.limit.to_string(),
             binding(usage),
             done

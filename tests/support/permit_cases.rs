@@ -707,16 +707,17 @@ pub async fn usage_shows_grants_reservations_pauses_and_overrides(
 /// and the dead letters by reason count it in the one state it is in: repeats change nothing,
 /// a dead letter's record does not suppress a call, and counts never go below zero.
 pub async fn completion_records_count_each_message_once(backend: Backend) {
-    use turnstile_core::domain::{BatchId, MessageId};
+    use turnstile_core::domain::{BatchId, BatchSize, MessageId};
     use turnstile_core::permit::Completion::{Dead, Registered, Replayed};
+    use turnstile_core::permit::InBatch;
     let keys = Keys::new(backend, "once").await;
     let store = keys.store(limiter("1000/1s", Algorithm::SlidingWindow));
     let (s, batch) = (seller("S-once"), BatchId::parse("b").unwrap());
     let m = MessageId::parse("m-1").unwrap();
     let ttl = Duration::from_secs(60);
-    turnstile_upload::progress::record_published(&store, &s, &batch, 1, 1, ttl)
-        .await
-        .unwrap();
+    let size = BatchSize::new(1);
+    let in_batch = |id| Some(InBatch { id, size });
+    store.batch_seen(&s, &batch, size, ttl).await.unwrap();
     let counts = async || {
         let p = turnstile_upload::progress::list(&store, Some(&s), Some(&batch))
             .await
@@ -726,7 +727,7 @@ pub async fn completion_records_count_each_message_once(backend: Backend) {
         (
             p[0].registered,
             p[0].dead,
-            p[0].waiting(),
+            p[0].waiting().unwrap(),
             tally("rejected"),
             tally("throttled"),
         )
@@ -756,9 +757,10 @@ pub async fn completion_records_count_each_message_once(backend: Backend) {
     .enumerate()
     {
         let was = store
-            .complete(&s, &m, Some(&batch), completion, ttl)
+            .complete(&s, &m, in_batch(&batch), completion, ttl)
             .await
-            .unwrap();
+            .unwrap()
+            .changed;
         assert_eq!(
             (was, counts().await),
             (changed, then),
@@ -792,16 +794,17 @@ pub async fn completion_records_count_each_message_once(backend: Backend) {
     );
     assert!(
         !store
-            .complete(&s, &old, Some(&batch), Dead("rejected"), ttl)
+            .complete(&s, &old, in_batch(&batch), Dead("rejected"), ttl)
             .await
             .unwrap()
+            .changed
     );
 
     // A decrement never recreates an upload that is gone, nor takes a count below zero.
     let gone = BatchId::parse("gone").unwrap();
     let m2 = MessageId::parse("m-2").unwrap();
     store
-        .complete(&s, &m2, Some(&gone), Dead("rejected"), ttl)
+        .complete(&s, &m2, in_batch(&gone), Dead("rejected"), ttl)
         .await
         .unwrap();
     let _: () = redis::cmd("DEL")
@@ -812,9 +815,10 @@ pub async fn completion_records_count_each_message_once(backend: Backend) {
     store.tally_dead("rejected", -5).await.unwrap();
     assert!(
         store
-            .complete(&s, &m2, Some(&gone), Replayed, ttl)
+            .complete(&s, &m2, in_batch(&gone), Replayed, ttl)
             .await
             .unwrap()
+            .changed
     );
     let exists: bool = redis::cmd("EXISTS")
         .arg(store.keys().batch(&s, &gone))
@@ -826,7 +830,7 @@ pub async fn completion_records_count_each_message_once(backend: Backend) {
 
     // A reason that is not a plain word is refused before anything is written.
     let err = store
-        .complete(&s, &m2, Some(&batch), Dead("bad reason"), ttl)
+        .complete(&s, &m2, in_batch(&batch), Dead("bad reason"), ttl)
         .await
         .unwrap_err();
     assert!(err.to_string().contains("REASON"), "{err}");

@@ -3,8 +3,8 @@
 --   (none)          waiting: published, neither registered nor dead-lettered (or replayed since)
 --   registered      registered; a redelivery is acked without a second call (see already_done)
 --   dead:<REASON>   dead-lettered for REASON and not replayed since
--- (`1`, written by earlier versions, means registered.) Its upload's progress counts each
--- message in at most one of `registered` and `dead`, so waiting = total - registered - dead.
+-- Its batch's progress counts each message in at most one of `registered` and `dead` (and
+-- `dead:<REASON>`), so waiting = total - registered - dead.
 --
 -- Transitions (any other changes nothing and counts nothing):
 --   registered  waiting -> registered: registered + 1
@@ -15,30 +15,40 @@
 -- A count is never taken below zero, and a batch that no longer exists is not recreated by a
 -- decrement.
 --
+-- A batch with a known total (the first BATCH_SIZE given, see batch_seen.lua) is complete when
+-- registered + dead reaches it: `completed_ms` and `event` (its completion event, to publish)
+-- are set once. A replay that takes it below its total opens it again (both removed); it then
+-- completes again. The caller publishes the event and removes `event` (batch_event_sent.lua).
+--
 -- KEYS[1]  the message's completion record (string)
 -- KEYS[2]  the seller's calls (see calls_gate in the prelude): with `registered` and a CALL, the
 --          call's answer is recorded now (see end_call)
 -- KEYS[3]  with ADAPTIVE: the seller's learned state (see learn.lua)
 -- KEYS[4]  with ADAPTIVE: the seller's accepted log (see note_accepted in the prelude)
 -- KEYS[5]  with ADAPTIVE: the seller's limit override, may be absent
--- KEYS[6] (KEYS[3] without ADAPTIVE)  optional: the batch's progress (hash: registered, dead,
---          first_ms, last_ms)
+-- KEYS[6] (KEYS[3] without ADAPTIVE)  optional: the batch's progress (hash: seller, batch,
+--          total, registered, dead, dead:<REASON>, done_units, first_ms, last_ms,
+--          completed_ms, event)
 -- ARGV[1]  TTL of both, in ms (integer >= 1)
 -- ARGV[2]  OUTCOME: `registered`, `dead` or `replayed`
 -- ARGV[3]  with `dead`: REASON (1 to 64 letters, digits or dashes); else ignored
 -- ARGV[4]  CALL: the token of the call that registered it ('' when none)
--- ARGV[5]  ANSWERED_US: when the CALL's answer came (see answered_arg in the prelude; -1 or
---          absent = now): its end in the seller's calls and its time in the accepted log
--- ARGV[6]  COST of the CALL (integer from 1 to MAX_COST; 0 or absent = not known, see end_call;
---          ADAPTIVE needs it)
+-- ARGV[5]  ANSWERED_US: when the CALL's answer came (see answered_arg in the prelude; -1 = now):
+--          its end in the seller's calls and its time in the accepted log
+-- ARGV[6]  COST of the message (integer from 0 to MAX_COST; 0 = not known, see end_call;
+--          ADAPTIVE needs it): its units in the batch's `done_units`
 -- ARGV[7]  ADAPTIVE: 1 = adaptive limits on: a CALL's acceptance is noted in the accepted log
---          (note_accepted); else 0 or absent
--- ARGV[8]  with ADAPTIVE: default COUNTS, comma-separated
--- ARGV[9]  with ADAPTIVE: default WINDOWS in µs, comma-separated
--- ARGV[10] with ADAPTIVE: GUARD in µs (-1 = window/20 within [25 ms, 2 s])
--- Returns {CHANGED, WAS_DEAD_FOR, RAISE}: CHANGED 1 when the state changed (and was counted),
---   else 0; WAS_DEAD_FOR the REASON the message was dead for when it left `dead`, else '';
---   RAISE 1 when a learned count is due to go up (learn.lua, `recovery`), else 0
+--          (note_accepted); else 0
+-- ARGV[8]  with ADAPTIVE: default COUNTS, comma-separated; else ignored
+-- ARGV[9]  with ADAPTIVE: default WINDOWS in µs, comma-separated; else ignored
+-- ARGV[10] with ADAPTIVE: GUARD in µs (-1 = window/20 within [25 ms, 2 s]); else ignored
+-- ARGV[11] with a batch: SELLER, the seller's id as text (1 to 512 bytes)
+-- ARGV[12] with a batch: BATCH, the batch's id as text (1 to 1024 bytes)
+-- ARGV[13] with a batch: BATCH_SIZE, the message's batch_size (integer 0 to 1000000; 0 = none)
+-- Returns {CHANGED, WAS_DEAD_FOR, RAISE, EVENT}: CHANGED 1 when the state changed (and was
+--   counted), else 0; WAS_DEAD_FOR the REASON the message was dead for when it left `dead`,
+--   else ''; RAISE 1 when a learned count is due to go up (learn.lua, `recovery`), else 0;
+--   EVENT the batch's pending completion event (its `completed_ms`) or '' when none
 
 local ttl = int_arg(1, 1)
 local outcome = ARGV[2]
@@ -52,8 +62,7 @@ end
 
 local adaptive = ARGV[7] == '1'
 local batch_key = KEYS[3]
-local cost = 0
-if ARGV[6] ~= nil then cost = int_arg(6, 0) end
+local cost = int_arg(6, 0)
 if cost > MAX_COST then error({err = 'ERR turnstile: COST must be at most ' .. MAX_COST}) end
 local default, guard = nil, nil
 if adaptive then
@@ -61,19 +70,27 @@ if adaptive then
   default, guard = limits_arg(8), int_arg(10, -1)
   if cost < 1 then error({err = 'ERR turnstile: COST must be >= 1 with ADAPTIVE'}) end
 end
+local batch = nil
+if batch_key ~= nil then batch = batch_args(11) end
 
 local state = redis.call('GET', KEYS[1])
 local registered = state == 'registered' or state == '1'
 local dead_for = state and string.match(state, '^dead:(.+)$')
 
-local ms = nil
-local function count(field, by)
+-- Counts the message `by` (+1 or -1) in the batch's FIELDS; a decrement only where each field
+-- holds the message, and never into a batch that no longer exists.
+local function count(fields, by)
   if batch_key == nil then return end
-  if by < 0 and tonumber(redis.call('HGET', batch_key, field) or '0') < -by then return end
-  ms = ms or math.floor(now_us() / 1000)
-  redis.call('HINCRBY', batch_key, field, by)
-  redis.call('HSETNX', batch_key, 'first_ms', ms)
-  redis.call('HSET', batch_key, 'last_ms', ms)
+  if by < 0 then
+    for _, field in ipairs(fields) do
+      if tonumber(redis.call('HGET', batch_key, field) or '0') < -by then return end
+    end
+  else
+    describe_batch(batch_key, batch)
+  end
+  for _, field in ipairs(fields) do redis.call('HINCRBY', batch_key, field, by) end
+  redis.call('HINCRBY', batch_key, 'done_units', by * math.max(cost, 1))
+  redis.call('HSET', batch_key, 'last_ms', math.floor(now_us() / 1000))
   redis.call('PEXPIRE', batch_key, ttl)
 end
 
@@ -89,19 +106,19 @@ if outcome == 'registered' then
       raise = note_accepted(KEYS[3], KEYS[4], configured, call, cost, answered)
     end
   end
-  if registered then return {0, '', raise} end
+  if registered then return {0, '', raise, batch_event(batch_key)} end
   redis.call('SET', KEYS[1], 'registered', 'PX', ttl)
-  if dead_for then count('dead', -1) end
-  count('registered', 1)
-  return {1, dead_for or '', raise}
+  if dead_for then count({'dead', 'dead:' .. dead_for}, -1) end
+  count({'registered'}, 1)
+  return {1, dead_for or '', raise, batch_event(batch_key)}
 elseif outcome == 'dead' then
   if dead_for then redis.call('PEXPIRE', KEYS[1], ttl) end
-  if registered or dead_for then return {0, '', 0} end
+  if registered or dead_for then return {0, '', 0, batch_event(batch_key)} end
   redis.call('SET', KEYS[1], 'dead:' .. reason, 'PX', ttl)
-  count('dead', 1)
-  return {1, '', 0}
+  count({'dead', 'dead:' .. reason}, 1)
+  return {1, '', 0, batch_event(batch_key)}
 end
-if not dead_for then return {0, '', 0} end
+if not dead_for then return {0, '', 0, ''} end
 redis.call('DEL', KEYS[1])
-count('dead', -1)
-return {1, dead_for, 0}
+count({'dead', 'dead:' .. dead_for}, -1)
+return {1, dead_for, 0, batch_event(batch_key)}

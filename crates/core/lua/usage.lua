@@ -27,7 +27,7 @@
 -- is 1 when it is the seller's own (a well-formed override is set); with learned counts, COUNTS
 -- are the learned ones; then CONFIGURED_COUNTS (the configured stack's counts), WHY (why the
 -- learned counts last changed, or ''), and the shadow limit: its COUNTS and WINDOWS_US ('' when
--- none), AGREE, STRICTER and LOOSER.
+-- none), AGREE, STRICTER and LOOSER; then per limit of the stack, OLDEST_AGE_US (see the end).
 
 local algorithm = algorithm_arg(1)
 local default = limits_arg(2)
@@ -94,4 +94,18 @@ answer[#answer + 1] = ''
 if limits.configured then answer[#answer] = redis.call('HGET', KEYS[4], 'why') or '' end
 local shadow = redis.call('HMGET', KEYS[5], 'counts', 'windows', 'agree', 'stricter', 'looser')
 for i = 1, 5 do answer[#answer + 1] = shadow[i] or '' end
+-- Per limit, how long ago the oldest unit it counts now was taken (µs): its window frees from
+-- then on (sliding-window: the oldest entry in the trailing window; fixed-window: the current
+-- window's start; others: 0).
+for _, l in ipairs(limits) do
+  local age = 0
+  if algorithm == 'sliding-window' then
+    local oldest = redis.call('ZRANGEBYSCORE', KEYS[1], string.format('(%.0f', now - l.span),
+      string.format('%.0f', now), 'WITHSCORES', 'LIMIT', 0, 1)
+    if oldest[2] then age = now - tonumber(oldest[2]) end
+  elseif algorithm == 'fixed-window' then
+    age = now - math.floor(now / l.window) * l.window
+  end
+  answer[#answer + 1] = math.floor(math.max(age, 0))
+end
 return answer

@@ -186,6 +186,41 @@ impl Cost {
     }
 }
 
+/// How many messages a batch has in all (the envelope's optional `batch_size`): 1 to
+/// [`BatchSize::MAX`]. The first one the consume side sees for a batch is its total.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub struct BatchSize(u32);
+
+impl BatchSize {
+    /// Most messages one batch may have.
+    pub const MAX: u32 = 1_000_000;
+
+    /// A size of `n`, if it is 1 to [`BatchSize::MAX`].
+    pub fn new(n: u32) -> Option<Self> {
+        (1..=Self::MAX).contains(&n).then_some(Self(n))
+    }
+    pub fn get(self) -> u32 {
+        self.0
+    }
+
+    /// The `batch_size` of an envelope: a JSON integer from 1 to [`BatchSize::MAX`] (`0`,
+    /// `"5"` and `5.0` are refused).
+    fn parse(raw: &RawValue) -> Result<Self, InvalidMessage> {
+        let why = "must be an integer from 1 to 1000000";
+        let n: u64 = serde_json::from_str(raw.get()).map_err(|_| InvalidMessage::Field {
+            field: "batch_size",
+            why,
+        })?;
+        u32::try_from(n)
+            .ok()
+            .and_then(BatchSize::new)
+            .ok_or(InvalidMessage::Field {
+                field: "batch_size",
+                why,
+            })
+    }
+}
+
 impl Default for Cost {
     fn default() -> Self {
         Cost::ONE
@@ -218,6 +253,8 @@ pub struct Registration {
     pub message_id: MessageId,
     pub seller_id: SellerId,
     pub batch_id: Option<BatchId>,
+    /// How many messages its batch has in all, when the producer says so.
+    pub batch_size: Option<BatchSize>,
     /// Units of every limit its call takes.
     pub cost: Cost,
     /// The `product` object exactly as it arrived (forwarded verbatim).
@@ -232,6 +269,8 @@ struct Wire<'a> {
     seller_id: Option<&'a RawValue>,
     #[serde(default, borrow)]
     batch_id: Option<&'a RawValue>,
+    #[serde(default, borrow)]
+    batch_size: Option<&'a RawValue>,
     #[serde(default, borrow)]
     cost: Option<&'a RawValue>,
     #[serde(borrow)]
@@ -286,6 +325,10 @@ impl Registration {
             Some(raw) => Some(BatchId::parse(&string_field(raw, "batch_id")?)?),
             None => None,
         };
+        let batch_size = match wire.batch_size.filter(|raw| raw.get() != "null") {
+            Some(raw) => Some(BatchSize::parse(raw)?),
+            None => None,
+        };
         let cost = match wire.cost.filter(|raw| raw.get() != "null") {
             Some(raw) => Cost::parse(raw)?,
             None => Cost::ONE,
@@ -294,15 +337,107 @@ impl Registration {
             message_id,
             seller_id,
             batch_id,
+            batch_size,
             cost,
             product: product.to_owned(),
         })
     }
 }
 
+/// Who a message is, as far as its body says, even when it is not a valid registration: the
+/// identity its result and its batch's counts use. Each part is read on its own and only if it
+/// parses (`message_id` falls back as [`Registration::parse`]'s does).
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct Identity {
+    pub message_id: Option<MessageId>,
+    pub seller_id: Option<SellerId>,
+    pub batch_id: Option<BatchId>,
+}
+
+impl Identity {
+    /// The identity of a body that may not parse as a registration.
+    pub fn of(body: &[u8], amqp_message_id: Option<&str>) -> Self {
+        if let Ok(r) = Registration::parse(body, amqp_message_id) {
+            return Self::from(&r);
+        }
+        let wire = std::str::from_utf8(body)
+            .ok()
+            .filter(|text| body.len() <= MAX_BODY_BYTES && text.trim_start().starts_with('{'))
+            .and_then(|text| serde_json::from_str::<Wire>(text).ok());
+        let text = |raw: Option<&RawValue>| {
+            raw.and_then(|raw| serde_json::from_str::<String>(raw.get()).ok())
+        };
+        let fallback = || match amqp_message_id.filter(|id| !id.is_empty()) {
+            Some(id) => MessageId::parse(id).ok(),
+            None if !body.is_empty() => Some(MessageId::digest_of(body)),
+            None => None,
+        };
+        let Some(wire) = wire else {
+            return Self {
+                message_id: fallback(),
+                ..Self::default()
+            };
+        };
+        Self {
+            message_id: text(wire.message_id)
+                .and_then(|id| MessageId::parse(&id).ok())
+                .or_else(fallback),
+            seller_id: text(wire.seller_id).and_then(|s| SellerId::parse(&s).ok()),
+            batch_id: text(wire.batch_id).and_then(|b| BatchId::parse(&b).ok()),
+        }
+    }
+}
+
+impl From<&Registration> for Identity {
+    fn from(r: &Registration) -> Self {
+        Self {
+            message_id: Some(r.message_id.clone()),
+            seller_id: Some(r.seller_id.clone()),
+            batch_id: r.batch_id.clone(),
+        }
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_batch_size_is_a_whole_number_from_one() {
+        let parse = |size: &str| {
+            let body =
+                format!(r#"{{"seller_id":"S","batch_id":"b","batch_size":{size},"product":{{}}}}"#);
+            Registration::parse(body.as_bytes(), None).map(|r| r.batch_size.map(BatchSize::get))
+        };
+        assert_eq!(parse("500"), Ok(Some(500)));
+        assert_eq!(parse("null"), Ok(None));
+        for bad in ["0", "-1", "\"5\"", "5.5", "1000001", "true"] {
+            assert!(
+                matches!(
+                    parse(bad),
+                    Err(InvalidMessage::Field {
+                        field: "batch_size",
+                        ..
+                    })
+                ),
+                "{bad}"
+            );
+        }
+    }
+
+    #[test]
+    fn an_invalid_message_keeps_whatever_identity_parses() {
+        let body = br#"{"message_id":"m-1","seller_id":"S-1","batch_id":"b-1","batch_size":"5","product":{}}"#;
+        assert!(Registration::parse(body, None).is_err());
+        let identity = Identity::of(body, None);
+        assert_eq!(identity.message_id.unwrap().as_str(), "m-1");
+        assert_eq!(identity.seller_id.unwrap().as_str(), "S-1");
+        assert_eq!(identity.batch_id.unwrap().as_str(), "b-1");
+        let garbage = Identity::of(b"\xff\xfe", Some("amqp-7"));
+        assert_eq!(garbage.message_id.unwrap().as_str(), "amqp-7");
+        assert_eq!(garbage.seller_id, None);
+        assert_eq!(Identity::of(b"", None), Identity::default());
+    }
 
     #[test]
     fn a_full_message_parses_and_keeps_the_product_verbatim() {

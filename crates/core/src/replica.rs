@@ -297,13 +297,16 @@ fn new_worker(
         reschedules,
         records_in_writing: Default::default(),
         seller_waits: Default::default(),
+        seen_batches: Default::default(),
     }
 }
 
 /// One broker connection with its channels and consumers.
 struct Session {
-    connection: lapin::Connection,
+    connection: Arc<lapin::Connection>,
     publisher: Publisher,
+    /// The results' own channel (see `broker::results`).
+    results: broker::Results,
     /// New messages, from producers (and from older replicas' returns).
     work: Intake,
     /// Messages coming back after a delay (`<q>.ready`).
@@ -317,9 +320,10 @@ impl Session {
         nodes: &broker::Nodes,
     ) -> anyhow::Result<Self> {
         let name = format!("turnstile {} pid {}", args.broker.queue, std::process::id());
-        let connection = nodes.connect(&name).await?;
+        let connection = Arc::new(nodes.connect(&name).await?);
         let publisher = Publisher::open(&connection).await?;
         worker.topology.declare(&connection).await?;
+        let results = broker::Results::open(connection.clone(), &worker.topology.results()).await?;
         let tag = format!(
             "turnstile-{}-{:x}",
             std::process::id(),
@@ -337,6 +341,7 @@ impl Session {
         Ok(Self {
             connection,
             publisher,
+            results,
             work,
             returns,
         })
@@ -600,11 +605,11 @@ impl Consuming<'_> {
         // Both queues feed the same workers (and the same worker semaphore).
         let dispatch = |delivery: lapin::message::Delivery, settler: &Settler| {
             let (worker, publisher) = (self.worker.clone(), current.publisher.clone());
-            let settler = settler.clone();
+            let (results, settler) = (current.results.clone(), settler.clone());
             let (shutdown, lost) = (self.shutdown.clone(), connection_lost.clone());
             self.tracker.spawn(async move {
                 worker
-                    .process(delivery, &publisher, &settler, &shutdown, &lost)
+                    .process(delivery, &publisher, &results, &settler, &shutdown, &lost)
                     .await
             });
         };

@@ -106,6 +106,28 @@ pub const METRICS: &[Metric] = &[
         "reason",
         Values::Fixed(&worker::DEAD_LETTER_REASONS),
     ),
+    plain(
+        "turnstile_results_published_total",
+        Counter,
+        "Results of messages that reached a final state, published (confirmed) to the results exchange.",
+    ),
+    plain(
+        "turnstile_results_unrouted_total",
+        Counter,
+        "Results whose message's reply_to queue did not exist (they went to the results exchange only).",
+    ),
+    plain(
+        "turnstile_batches_completed_total",
+        Counter,
+        "Batch completion events published (confirmed).",
+    ),
+    labelled(
+        "turnstile_batch_anomalies_total",
+        Counter,
+        "Batches reported as malformed by kind: mixed_sellers (one batch id used by several sellers).",
+        "kind",
+        Values::Fixed(&["mixed_sellers"]),
+    ),
     labelled(
         "turnstile_permits_granted_total",
         Counter,

@@ -112,9 +112,6 @@ pub async fn run(args: DemoArgs) -> anyhow::Result<ExitCode> {
         eprintln!("live dashboard while the demo runs: http://{addr}/");
     }
     let total = messages.len() as u64;
-    for (seller, batch, n) in &uploads {
-        rig.record_upload(seller, batch, *n, *n).await?;
-    }
     rig.publish_all(messages).await?;
     eprintln!("published {total} registrations (confirmed); registering within the limit:");
 

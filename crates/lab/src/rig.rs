@@ -496,27 +496,6 @@ impl Rig {
         Ok(())
     }
 
-    /// Records an upload of `total` messages of `units` units together, as `turnstile publish`
-    /// does (for the dashboard and `turnstile status`).
-    pub async fn record_upload(
-        &self,
-        seller: &turnstile_core::domain::SellerId,
-        batch: &turnstile_core::domain::BatchId,
-        total: u64,
-        units: u64,
-    ) -> anyhow::Result<()> {
-        turnstile_upload::progress::record_published(
-            &self.store,
-            seller,
-            batch,
-            total,
-            units,
-            Duration::from_secs(3600),
-        )
-        .await
-        .context("recording the upload")
-    }
-
     /// Messages published so far.
     pub fn published(&self) -> u64 {
         self.published

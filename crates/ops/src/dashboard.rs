@@ -13,7 +13,8 @@
 //! - `dead-now`: messages dead-lettered and not replayed since, by reason (hash, kept by
 //!   [`PermitStore::complete`]): a message counts once however often it was dead-lettered, and
 //!   no longer once replayed or registered by a copy;
-//! - `uploads`: the upload index written by [`progress::record_published`].
+//! - `uploads`: the batches by when a replica first saw them (written by
+//!   [`PermitStore::batch_seen`]).
 //!
 //! The cost is bounded whatever the number of sellers: a snapshot reads the 200 sellers asked
 //! about most recently and the 50 most recent uploads (one read-only script per seller), shows
@@ -216,20 +217,22 @@ impl From<&turnstile_core::permit::LimitUsage> for LimitRow {
     }
 }
 
-/// One upload's progress.
+/// One upload's (batch's) progress.
 #[derive(Debug, Serialize)]
 pub struct UploadRow {
     pub seller: String,
     pub batch: String,
-    pub total: u64,
+    /// Null until a message gave its `batch_size`.
+    pub total: Option<u64>,
     pub registered: u64,
     pub dead: u64,
-    pub waiting: u64,
-    /// Seconds until the rest is registered at the seller's limits (its waiting units at the
-    /// upload's mean cost, through the greedy schedule of the stack, plus any pause); 0 when
-    /// done.
-    pub eta_s: f64,
-    pub published_ms: Option<u64>,
+    pub dead_by_reason: BTreeMap<String, u64>,
+    /// Null while the total is unknown.
+    pub waiting: Option<u64>,
+    /// Seconds until its last message is expected to be registered, as `/api/batches/{id}`
+    /// gives it (see [`progress::eta`]); 0 when done, null while the total is unknown.
+    pub eta_s: Option<f64>,
+    pub first_seen_ms: Option<u64>,
     pub last_ms: Option<u64>,
 }
 
@@ -253,6 +256,11 @@ pub struct Dashboard {
 }
 
 impl Dashboard {
+    /// The store the dashboard reads (the HTTP API's batches and sellers read it too).
+    pub fn permits(&self) -> &PermitStore {
+        &self.permits
+    }
+
     pub fn new(
         permits: PermitStore,
         stats: Arc<Stats>,
@@ -318,7 +326,7 @@ impl Dashboard {
             .zip(usages.iter())
             .collect();
 
-        let uploads = upload_rows(&uploads, &usage, self.permits.default_limit());
+        let uploads = upload_rows(&uploads, &usage);
         let (rows, paused) = seller_rows(&usage);
         let global = self
             .permits
@@ -414,34 +422,41 @@ impl Dashboard {
     }
 }
 
-/// One row per upload, with its ETA from its seller's backlog, limit and pause (the default
-/// limit for a seller whose usage was not read).
-fn upload_rows(
-    uploads: &[progress::Progress],
-    usage: &HashMap<&str, &Usage>,
-    default: &turnstile_core::config::Limits,
-) -> Vec<UploadRow> {
-    let backlog = progress::backlog_by_seller(uploads);
+/// One row per upload, newest first, with its ETA as `/api/batches/{id}` computes it from its
+/// seller's uploads shown here (none for a seller whose usage was not read).
+fn upload_rows(uploads: &[progress::Progress], usage: &HashMap<&str, &Usage>) -> Vec<UploadRow> {
+    let mut eta: HashMap<(String, String), Option<f64>> = HashMap::new();
+    let mut by_seller: BTreeMap<&str, Vec<progress::Progress>> = BTreeMap::new();
+    for p in uploads {
+        by_seller
+            .entry(p.seller.as_str())
+            .or_default()
+            .push(p.clone());
+    }
+    for (seller, batches) in by_seller {
+        let (Some(usage), Ok(id)) = (usage.get(seller), SellerId::parse(seller)) else {
+            continue;
+        };
+        for b in progress::seller_report(&id, batches, usage, None).batches {
+            eta.insert((b.seller_id, b.batch_id), b.eta_s);
+        }
+    }
     uploads
         .iter()
-        .map(|p| {
-            let waiting = backlog.get(p.seller.as_str()).copied().unwrap_or(0);
-            let eta = match usage.get(p.seller.as_str()) {
-                _ if p.waiting() == 0 => Duration::ZERO,
-                Some(u) => u.limit.optimum_drain(waiting) + u.paused_for,
-                None => default.optimum_drain(waiting),
-            };
-            UploadRow {
-                seller: p.seller.clone(),
-                batch: p.batch.clone(),
-                total: p.total,
-                registered: p.registered,
-                dead: p.dead,
-                waiting: p.waiting(),
-                eta_s: eta.as_secs_f64(),
-                published_ms: p.published_ms,
-                last_ms: p.last_ms,
-            }
+        .map(|p| UploadRow {
+            seller: p.seller.clone(),
+            batch: p.batch.clone(),
+            total: p.total,
+            registered: p.registered,
+            dead: p.dead,
+            dead_by_reason: p.dead_by_reason.clone(),
+            waiting: p.waiting(),
+            eta_s: eta
+                .get(&(p.seller.clone(), p.batch.clone()))
+                .copied()
+                .flatten(),
+            first_seen_ms: p.first_ms,
+            last_ms: p.last_ms,
         })
         .collect()
 }

@@ -1,5 +1,7 @@
-//! The replica's HTTP endpoints: `/metrics` (Prometheus), `/healthz`, `/readyz`, and the
-//! dashboard: its page at `/` and its data at `/api/dashboard` (see [`crate::dashboard`]).
+//! The replica's HTTP endpoints: `/metrics` (Prometheus), `/healthz`, `/readyz`, the
+//! dashboard (its page at `/` and its data at `/api/dashboard`, see [`crate::dashboard`]), and
+//! what the upload service reads: `/api/batches/{batch_id}` and `/api/sellers/{seller_id}`
+//! (progress and ETA, see `turnstile_upload::progress`).
 
 use std::net::SocketAddr;
 use std::sync::atomic::Ordering;
@@ -7,7 +9,7 @@ use std::sync::{Arc, OnceLock};
 
 use anyhow::Context;
 use axum::Router;
-use axum::extract::State;
+use axum::extract::{Path, State};
 use axum::http::{StatusCode, header};
 use axum::response::{Html, IntoResponse, Response};
 use axum::routing::get;
@@ -127,6 +129,75 @@ async fn dashboard_data(State(endpoints): State<Endpoints>) -> Response {
     }
 }
 
+/// A JSON answer.
+fn json_answer(status: StatusCode, body: serde_json::Value) -> Response {
+    (
+        status,
+        [
+            (header::CONTENT_TYPE, "application/json"),
+            (header::CACHE_CONTROL, "no-store"),
+        ],
+        body.to_string(),
+    )
+        .into_response()
+}
+
+/// `GET /api/batches/{batch_id}`: a batch's counts, whether it is done and its ETA.
+async fn batch_api(State(endpoints): State<Endpoints>, Path(batch): Path<String>) -> Response {
+    let Some(dashboard) = endpoints.dashboard.get() else {
+        return json_answer(
+            StatusCode::SERVICE_UNAVAILABLE,
+            serde_json::json!({"error": "not connected to Redis yet"}),
+        );
+    };
+    let batch = match turnstile_core::domain::BatchId::parse(&batch) {
+        Ok(batch) => batch,
+        Err(why) => {
+            return json_answer(
+                StatusCode::BAD_REQUEST,
+                serde_json::json!({"error": why.to_string()}),
+            );
+        }
+    };
+    match turnstile_upload::progress::read_batch(dashboard.permits(), &batch).await {
+        Ok(Some(report)) => json_answer(StatusCode::OK, serde_json::json!(report)),
+        Ok(None) => json_answer(
+            StatusCode::NOT_FOUND,
+            serde_json::json!({"error": "no message of this batch has been seen (or its record expired)", "batch_id": batch.as_str()}),
+        ),
+        Err(error) => json_answer(
+            StatusCode::SERVICE_UNAVAILABLE,
+            serde_json::json!({"error": error.to_string()}),
+        ),
+    }
+}
+
+/// `GET /api/sellers/{seller_id}`: a seller's backlog, limits, pause and ETA, and its batches.
+async fn seller_api(State(endpoints): State<Endpoints>, Path(seller): Path<String>) -> Response {
+    let Some(dashboard) = endpoints.dashboard.get() else {
+        return json_answer(
+            StatusCode::SERVICE_UNAVAILABLE,
+            serde_json::json!({"error": "not connected to Redis yet"}),
+        );
+    };
+    let seller = match turnstile_core::domain::SellerId::parse(&seller) {
+        Ok(seller) => seller,
+        Err(why) => {
+            return json_answer(
+                StatusCode::BAD_REQUEST,
+                serde_json::json!({"error": why.to_string()}),
+            );
+        }
+    };
+    match turnstile_upload::progress::read_seller(dashboard.permits(), &seller).await {
+        Ok(report) => json_answer(StatusCode::OK, serde_json::json!(report)),
+        Err(error) => json_answer(
+            StatusCode::SERVICE_UNAVAILABLE,
+            serde_json::json!({"error": error.to_string()}),
+        ),
+    }
+}
+
 /// The cookie that carries the dashboard token after `/?token=…`.
 const TOKEN_COOKIE: &str = "turnstile_token";
 
@@ -196,6 +267,8 @@ pub async fn serve(
     let dashboard = Router::new()
         .route("/", get(|| async { Html(dashboard::PAGE) }))
         .route("/api/dashboard", get(dashboard_data))
+        .route("/api/batches/{batch_id}", get(batch_api))
+        .route("/api/sellers/{seller_id}", get(seller_api))
         .route_layer(axum::middleware::from_fn_with_state(
             endpoints.clone(),
             require_token,

@@ -1,59 +1,226 @@
-//! Upload progress in Redis: the producer records what it published, consumers record what
-//! registered or was dead-lettered and the replay what it took back (`lua/complete.lua`);
-//! `turnstile status` reads both. Each message is counted once, in the state its completion
-//! record says it is in now, so `registered` and `dead` never overlap. Each
-//! recorded upload is also indexed by publish time (`uploads`, a shared key), so the dashboard
-//! finds the recent ones without scanning the keyspace. The keys are read and written by
-//! [`PermitStore`] (`turnstile_core::permit::keys` names them).
+//! Batch progress and when a batch will be done, as `turnstile status`, the dashboard and the
+//! HTTP API (`/api/batches/{id}`, `/api/sellers/{id}`) all give it.
+//!
+//! The consume side counts each batch in Redis (`lua/batch_seen.lua` when a replica first sees
+//! one of its messages, `lua/complete.lua` as each is registered or dead-lettered, once per
+//! message through retries, replays and redeliveries); this module reads those counts and the
+//! seller's limits and computes the ETA ([`eta`]). Keys: `turnstile_core::permit::keys`.
 
 use std::time::Duration;
 
+use serde::Serialize;
 use turnstile_core::domain::{BatchId, SellerId};
-use turnstile_core::permit::{PermitError, PermitStore};
+use turnstile_core::permit::{GlobalUsage, PermitError, PermitStore, Usage};
 
-/// How far one upload (batch) is.
+/// How far one batch is.
 pub use turnstile_core::permit::UploadProgress as Progress;
 
-/// Units waiting per seller over `uploads` (each upload's waiting messages at its mean cost). A
-/// seller's uploads share its limits and their messages interleave in the queue, so each upload
-/// is done, at the latest, when its seller's whole backlog is: `limits.optimum_drain(backlog)`
-/// (with a backlog, registrations run at the binding limit, so that is also about when it
-/// finishes).
-pub fn backlog_by_seller(uploads: &[Progress]) -> std::collections::HashMap<&str, u64> {
-    let mut backlog = std::collections::HashMap::new();
-    for p in uploads {
-        *backlog.entry(p.seller.as_str()).or_default() += p.waiting_units();
+/// How long until `units` more units of a seller are registered: for each limit of its
+/// effective stack (override or configured, with learned counts), the greedy schedule of what
+/// its window holds now plus `units` (`(ceil((used + units) / COUNT) - 1)` windows), counted from
+/// when the oldest unit in its window was taken; not before its pause ends and the stack
+/// drains `units` from there; and not faster than its weighted share of the global limit
+/// (`global_rate`, units per second), when there is one.
+pub fn eta(usage: &Usage, global_rate: Option<f64>, units: u64) -> Duration {
+    if units == 0 {
+        return Duration::ZERO;
     }
-    backlog
+    let mut eta = Duration::ZERO;
+    for limit in &usage.per_limit {
+        let through = limit
+            .limit
+            .optimum_drain(limit.used + units)
+            .saturating_sub(limit.oldest_age);
+        eta = eta.max(through);
+    }
+    if !usage.paused_for.is_zero() {
+        eta = eta.max(usage.paused_for + usage.limit.optimum_drain(units));
+    }
+    if let Some(rate) = global_rate.filter(|r| *r > 0.0) {
+        eta = eta.max(Duration::from_secs_f64((units - 1) as f64 / rate));
+    }
+    eta
 }
 
-/// Records that `total` messages of a batch, of `units` units together, were published
-/// (re-publishing the same batch keeps its counts: its messages are not registered twice).
-pub async fn record_published(
+/// A seller's share of the global limit, in units per second: the global stack's slowest
+/// long-run rate, shared by weight among the sellers competing now (all of it when none
+/// competes).
+pub fn global_rate(global: &GlobalUsage, seller: &SellerId) -> f64 {
+    let rate = global
+        .limit
+        .iter()
+        .map(|l| f64::from(l.count()) / l.window().as_secs_f64())
+        .fold(f64::INFINITY, f64::min);
+    if global.present <= 1 || global.weights <= 0.0 {
+        return rate;
+    }
+    let tag = seller.key_tag();
+    let weight = global
+        .shares
+        .iter()
+        .find(|s| s.seller == tag)
+        .map_or(1.0, |s| f64::from(s.weight.max(1)));
+    rate * (weight / global.weights.max(weight)).min(1.0)
+}
+
+/// A batch as the API and the tools report it.
+#[derive(Clone, Debug, Serialize)]
+pub struct BatchReport {
+    pub batch_id: String,
+    pub seller_id: String,
+    /// How many messages it has in all (null until a message gave `batch_size`).
+    pub total: Option<u64>,
+    pub registered: u64,
+    /// Dead-lettered and not replayed, by reason.
+    pub dead: std::collections::BTreeMap<String, u64>,
+    /// Neither registered nor dead (null while the total is unknown).
+    pub waiting: Option<u64>,
+    pub done: bool,
+    /// Seconds until its last message is expected to be registered (0 when done; null while
+    /// its total is unknown).
+    pub eta_s: Option<f64>,
+    /// Messages beyond its total (its messages outnumber its `batch_size`).
+    pub extra: u64,
+    /// Another `batch_size` a message of it gave than its total, if any did.
+    pub other_size: Option<u64>,
+    /// Every seller whose messages named this batch id, when more than this one did.
+    #[serde(skip_serializing_if = "Vec::is_empty")]
+    pub also_sellers: Vec<String>,
+    pub first_seen_ms: Option<u64>,
+    pub last_ms: Option<u64>,
+    pub completed_ms: Option<u64>,
+}
+
+/// A seller's backlog and limits as the API and the tools report them.
+#[derive(Clone, Debug, Serialize)]
+pub struct SellerReport {
+    pub seller_id: String,
+    /// Waiting messages, and their units, over its batches with a known total.
+    pub backlog: u64,
+    pub backlog_units: u64,
+    /// The limits: the stack in force, the configured one (the override or the default), the
+    /// learned one when adaptive limits hold it lower, and the override if set.
+    pub effective: String,
+    pub configured: String,
+    pub learned: Option<String>,
+    pub overridden: bool,
+    /// Seconds the seller stays paused (0 when not paused).
+    pub paused_for_s: f64,
+    /// Its share of the global limit, units per second, when there is one.
+    pub global_share_per_s: Option<f64>,
+    /// Seconds until its whole backlog is expected to be registered.
+    pub eta_s: f64,
+    pub batches: Vec<BatchReport>,
+}
+
+/// Reports a seller's batches (`batches`, as the store holds them) with an ETA each: a batch is
+/// done, at the latest, when the seller's waiting work first seen before it and its own are
+/// (a seller's messages are served in arrival order, its batches' interleaved).
+pub fn seller_report(
+    seller: &SellerId,
+    mut batches: Vec<Progress>,
+    usage: &Usage,
+    global_rate: Option<f64>,
+) -> SellerReport {
+    batches.sort_by_key(|b| (b.first_ms, b.batch.clone()));
+    let mut ahead = 0;
+    let mut reports = Vec::new();
+    for b in &batches {
+        ahead += b.waiting_units();
+        let eta_s = match b.waiting() {
+            None => None,
+            Some(0) => Some(0.0),
+            Some(_) => Some(eta(usage, global_rate, ahead).as_secs_f64()),
+        };
+        reports.push(batch_report(b, eta_s));
+    }
+    let backlog = batches.iter().filter_map(Progress::waiting).sum();
+    SellerReport {
+        seller_id: seller.as_str().to_owned(),
+        backlog,
+        backlog_units: ahead,
+        effective: usage.limit.to_string(),
+        configured: usage.configured.to_string(),
+        learned: usage.learned_why.map(|_| usage.limit.to_string()),
+        overridden: usage.overridden,
+        paused_for_s: usage.paused_for.as_secs_f64(),
+        global_share_per_s: global_rate,
+        eta_s: eta(usage, global_rate, ahead).as_secs_f64(),
+        batches: reports,
+    }
+}
+
+fn batch_report(b: &Progress, eta_s: Option<f64>) -> BatchReport {
+    BatchReport {
+        batch_id: b.batch.clone(),
+        seller_id: b.seller.clone(),
+        total: b.total,
+        registered: b.registered,
+        dead: b.dead_by_reason.clone(),
+        waiting: b.waiting(),
+        done: b.done(),
+        eta_s,
+        extra: b.extra(),
+        other_size: b.other_size,
+        also_sellers: Vec::new(),
+        first_seen_ms: b.first_ms,
+        last_ms: b.last_ms,
+        completed_ms: b.completed_ms,
+    }
+}
+
+/// A seller's report, read now: its batches, usage and share of the global limit.
+pub async fn read_seller(
     store: &PermitStore,
     seller: &SellerId,
-    batch: &BatchId,
-    total: u64,
-    units: u64,
-    ttl: Duration,
-) -> Result<(), PermitError> {
-    store
-        .record_published(seller, batch, total, units, ttl)
-        .await
+) -> Result<SellerReport, PermitError> {
+    let batches = store.seller_batches(seller).await?;
+    let usage = store.usage(seller).await?;
+    let global = store.global_usage().await?;
+    let rate = global.as_ref().map(|g| global_rate(g, seller));
+    Ok(seller_report(seller, batches, &usage, rate))
 }
 
-/// The `n` most recently published uploads that are still recorded, newest first.
+/// A batch's report, read now (`None` if no seller's messages named it, or it expired). A batch
+/// id used by several sellers is reported as the first seen of them, naming the others in
+/// `also_sellers`.
+pub async fn read_batch(
+    store: &PermitStore,
+    batch: &BatchId,
+) -> Result<Option<BatchReport>, PermitError> {
+    let named = store.batches_named(batch).await?;
+    let Some(first) = named.first() else {
+        return Ok(None);
+    };
+    let Ok(seller) = SellerId::parse(&first.seller) else {
+        return Ok(None);
+    };
+    let report = read_seller(store, &seller).await?;
+    let mut found = report
+        .batches
+        .into_iter()
+        .find(|b| b.batch_id == batch.as_str())
+        .unwrap_or_else(|| batch_report(first, None));
+    found.also_sellers = named.iter().skip(1).map(|p| p.seller.clone()).collect();
+    Ok(Some(found))
+}
+
+/// The `n` most recently first seen batches that are still recorded, newest first.
 pub async fn recent(store: &PermitStore, n: usize) -> Result<Vec<Progress>, PermitError> {
     store.recent_uploads(n).await
 }
 
-/// Progress of every upload recorded under the key prefix, or a seller's, or one batch.
+/// Progress of every batch recorded under the key prefix, or a seller's, or one batch.
 pub async fn list(
     store: &PermitStore,
     seller: Option<&SellerId>,
     batch: Option<&BatchId>,
 ) -> anyhow::Result<Vec<Progress>> {
-    let mut out = store.uploads(seller, batch).await?;
+    let mut out = match (seller, batch) {
+        (Some(seller), None) => store.seller_batches(seller).await?,
+        (None, Some(batch)) => store.batches_named(batch).await?,
+        _ => store.uploads(seller, batch).await?,
+    };
     out.sort_by(|a, b| {
         (a.seller.as_str(), a.batch.as_str()).cmp(&(b.seller.as_str(), b.batch.as_str()))
     });
@@ -63,31 +230,102 @@ pub async fn list(
 #[cfg(test)]
 mod tests {
     use super::*;
+    use turnstile_core::config::Limits;
+    use turnstile_core::permit::LimitUsage;
 
-    fn upload(seller: &str, total: u64, registered: u64) -> Progress {
+    fn usage(limit: &str, used: u64, oldest_age: Duration) -> Usage {
+        let limits: Limits = limit.parse().unwrap();
+        let per_limit: Vec<LimitUsage> = limits
+            .iter()
+            .map(|l| LimitUsage {
+                limit: *l,
+                used,
+                capacity: u64::from(l.count()),
+                ahead: 0,
+                oldest_age,
+            })
+            .collect();
+        Usage {
+            used,
+            capacity: per_limit[0].capacity,
+            ahead: 0,
+            limit: limits.clone(),
+            per_limit,
+            binding: 0,
+            overridden: false,
+            paused_for: Duration::ZERO,
+            configured: limits,
+            learned_why: None,
+            shadow: None,
+        }
+    }
+
+    fn batch(name: &str, first_ms: u64, total: u64, registered: u64) -> Progress {
         Progress {
-            seller: seller.into(),
-            batch: format!("b{total}"),
-            total,
-            units: total,
+            seller: "S-1".into(),
+            batch: name.into(),
+            total: Some(total),
             registered,
-            dead: 0,
-            published_ms: None,
-            last_ms: None,
+            first_ms: Some(first_ms),
+            ..Progress::default()
         }
     }
 
     #[test]
-    fn a_sellers_uploads_share_one_backlog() {
-        let uploads = [
-            upload("S-1", 40, 30),
-            upload("S-1", 40, 4),
-            upload("S-2", 5, 5),
+    fn an_upload_of_500_at_100_a_minute_is_due_four_windows_after_its_first_grants() {
+        let idle = usage("100/1m", 0, Duration::ZERO);
+        assert_eq!(eta(&idle, None, 500), Duration::from_secs(240));
+        // Two seconds in: 100 granted, 400 waiting.
+        let started = usage("100/1m", 100, Duration::from_secs(2));
+        assert_eq!(eta(&started, None, 400), Duration::from_secs(238));
+        // 150 s in: grants at 0, 60 and 120 s; 200 waiting.
+        let later = usage("100/1m", 100, Duration::from_secs(30));
+        assert_eq!(eta(&later, None, 200), Duration::from_secs(90));
+        assert_eq!(eta(&later, None, 0), Duration::ZERO);
+    }
+
+    #[test]
+    fn a_pause_and_a_global_share_push_the_eta_out() {
+        let mut paused = usage("100/1m", 0, Duration::ZERO);
+        paused.paused_for = Duration::from_secs(30);
+        assert_eq!(eta(&paused, None, 150), Duration::from_secs(90));
+        let idle = usage("100/1m", 0, Duration::ZERO);
+        assert_eq!(eta(&idle, Some(1.0), 101), Duration::from_secs(100));
+    }
+
+    #[test]
+    fn a_batch_waits_for_the_sellers_work_seen_before_it() {
+        let idle = usage("10/1s", 0, Duration::ZERO);
+        let seller = SellerId::parse("S-1").unwrap();
+        let batches = vec![
+            batch("later", 2, 20, 0),
+            batch("first", 1, 30, 0),
+            batch("done", 0, 5, 5),
         ];
-        let backlog = backlog_by_seller(&uploads);
-        assert_eq!(backlog["S-1"], 46);
-        assert_eq!(backlog["S-2"], 0);
-        let limit: turnstile_core::config::Limit = "5/1s".parse().unwrap();
-        assert_eq!(limit.optimum_drain(backlog["S-1"]), Duration::from_secs(9));
+        let report = seller_report(&seller, batches, &idle, None);
+        let names: Vec<_> = report.batches.iter().map(|b| b.batch_id.as_str()).collect();
+        assert_eq!(names, ["done", "first", "later"]);
+        assert_eq!(report.batches[0].eta_s, Some(0.0));
+        assert_eq!(report.batches[1].eta_s, Some(2.0));
+        assert_eq!(report.batches[2].eta_s, Some(4.0));
+        assert_eq!((report.backlog, report.eta_s), (50, 4.0));
+    }
+
+    #[test]
+    fn a_batch_without_a_total_has_no_eta_and_is_never_done() {
+        let unknown = Progress {
+            total: None,
+            registered: 3,
+            ..batch("b", 0, 0, 3)
+        };
+        assert_eq!(unknown.waiting(), None);
+        assert!(!unknown.done());
+        let report = seller_report(
+            &SellerId::parse("S-1").unwrap(),
+            vec![unknown],
+            &usage("10/1s", 0, Duration::ZERO),
+            None,
+        );
+        assert_eq!(report.batches[0].eta_s, None);
     }
 }

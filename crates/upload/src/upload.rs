@@ -67,7 +67,7 @@ use calamine::{Data, ExcelDateTime, Reader, SheetType, Xlsx};
 use serde_json::value::RawValue;
 use sha2::{Digest, Sha256};
 
-use turnstile_core::domain::{BatchId, Cost, MAX_BODY_BYTES, MessageId, SellerId};
+use turnstile_core::domain::{BatchId, BatchSize, Cost, MAX_BODY_BYTES, MessageId, SellerId};
 
 /// Most product rows (non-empty rows below the header, or non-blank JSONL lines) in one file.
 pub const MAX_ROWS: usize = 100_000;
@@ -117,8 +117,9 @@ pub struct UploadRow {
     /// The message's stable identity, also in the body; see the module docs.
     pub message_id: MessageId,
     /// The full message body, UTF-8 JSON:
-    /// `{"message_id":…,"seller_id":…,"batch_id":…,"product":{…}}`, with `"cost":N` after
-    /// the batch id when the upload is weighed by a cost column.
+    /// `{"message_id":…,"seller_id":…,"batch_id":…,"batch_size":N,"product":{…}}` (N: the
+    /// upload's good rows), with `"cost":N` before the product when the upload is weighed by a
+    /// cost column.
     pub body: Vec<u8>,
     /// Units of every limit its registration takes (1 without a cost column).
     pub cost: Cost,
@@ -299,7 +300,7 @@ pub fn read_weighed_upload(
     }
     .map_err(|e| e.at(path))?;
 
-    let mut rows = Vec::with_capacity(parsed.products.len());
+    let mut kept = Vec::with_capacity(parsed.products.len());
     let mut bad_rows = parsed.bad;
     for (row, product) in parsed.products {
         let cost = match cost_column.map(|column| cost_of(&product, column)) {
@@ -311,24 +312,39 @@ pub fn read_weighed_upload(
             }
         };
         let message_id = message_id(seller, &batch_id, row, &product);
-        let body = body(&message_id, seller, &batch_id, cost, &product);
-        if body.len() > MAX_BODY_BYTES {
+        // Measured with the largest batch_size it may carry.
+        let longest = body(
+            &message_id,
+            seller,
+            &batch_id,
+            BatchSize::new(BatchSize::MAX),
+            cost,
+            &product,
+        );
+        if longest.len() > MAX_BODY_BYTES {
             bad_rows.push(BadRow {
                 row,
                 reason: format!(
                     "the message would be {} bytes, over the {MAX_BODY_BYTES}-byte limit",
-                    body.len()
+                    longest.len()
                 ),
             });
         } else {
-            rows.push(UploadRow {
-                row,
-                message_id,
-                body,
-                cost: cost.unwrap_or(Cost::ONE),
-            });
+            kept.push((row, message_id, cost, product));
         }
     }
+    // Every message says how many the batch has (`batch_size`), so that the consume side knows
+    // its total from the first message it sees.
+    let size = u32::try_from(kept.len()).ok().and_then(BatchSize::new);
+    let rows = kept
+        .into_iter()
+        .map(|(row, message_id, cost, product)| UploadRow {
+            row,
+            body: body(&message_id, seller, &batch_id, size, cost, &product),
+            message_id,
+            cost: cost.unwrap_or(Cost::ONE),
+        })
+        .collect();
     bad_rows.sort_by_key(|b| b.row);
     if strict && !bad_rows.is_empty() {
         return Err(UploadError::Strict {
@@ -385,12 +401,16 @@ fn body(
     message_id: &MessageId,
     seller: &SellerId,
     batch: &BatchId,
+    size: Option<BatchSize>,
     cost: Option<Cost>,
     product: &str,
 ) -> Vec<u8> {
+    let size = size
+        .map(|n| format!(r#","batch_size":{}"#, n.get()))
+        .unwrap_or_default();
     let cost = cost.map(|c| format!(r#","cost":{c}"#)).unwrap_or_default();
     format!(
-        r#"{{"message_id":{},"seller_id":{},"batch_id":{}{cost},"product":{product}}}"#,
+        r#"{{"message_id":{},"seller_id":{},"batch_id":{}{size}{cost},"product":{product}}}"#,
         json_string(message_id.as_str()),
         json_string(seller.as_str()),
         json_string(batch.as_str()),

@@ -19,8 +19,8 @@ use lapin::options::{BasicAckOptions, BasicGetOptions, BasicNackOptions};
 use lapin::types::{AMQPValue, FieldTable};
 use lapin::{BasicProperties, Channel};
 
-use crate::domain::Registration;
-use crate::permit::{Completion, PermitError, PermitStore};
+use crate::domain::{BatchSize, Identity};
+use crate::permit::{Completion, InBatch, PermitError, PermitStore};
 
 use super::{Publisher, Topology, depth, header_str, headers, is_death_history};
 
@@ -303,7 +303,7 @@ enum Revived {
     /// copy whose message was revived already).
     Nothing,
     /// Its completion record went from dead (for this reason) back to waiting.
-    Message(Registration, String),
+    Message(Identity, Option<BatchSize>, String),
     /// A body without an identity left the dead letters by reason.
     Unidentified(&'static str),
 }
@@ -319,28 +319,35 @@ async fn revive(
     ttl: Duration,
 ) -> Result<Revived, PermitError> {
     let was_dead_for = header_str(delivery, headers::REASON).unwrap_or_default();
-    match super::registration_of(delivery) {
-        Ok(r) => {
+    let amqp_id = delivery
+        .properties
+        .message_id()
+        .as_ref()
+        .map(|m| m.as_str());
+    let identity = Identity::of(&delivery.data, amqp_id);
+    let batch_size = super::registration_of(delivery)
+        .ok()
+        .and_then(|r| r.batch_size);
+    match (&identity.seller_id, &identity.message_id) {
+        (Some(seller), Some(message)) => {
+            let batch = identity.batch_id.as_ref().map(|id| InBatch {
+                id,
+                size: batch_size,
+            });
             let revived = permits
-                .complete(
-                    &r.seller_id,
-                    &r.message_id,
-                    r.batch_id.as_ref(),
-                    Completion::Replayed,
-                    ttl,
-                )
+                .complete(seller, message, batch, Completion::Replayed, ttl)
                 .await?;
-            Ok(if revived {
-                Revived::Message(r, was_dead_for)
+            Ok(if revived.changed {
+                Revived::Message(identity, batch_size, was_dead_for)
             } else {
                 Revived::Nothing
             })
         }
-        Err(_) if was_dead_for == INVALID => {
+        _ if was_dead_for == INVALID => {
             permits.tally_dead(INVALID, -1).await?;
             Ok(Revived::Unidentified(INVALID))
         }
-        Err(_) => Ok(Revived::Nothing),
+        _ => Ok(Revived::Nothing),
     }
 }
 
@@ -353,8 +360,11 @@ impl Revived {
     async fn undo(self, permits: &PermitStore, ttl: Duration) {
         let undone = match &self {
             Revived::Nothing => Ok(()),
-            Revived::Message(r, reason) => permits.count_dead(Some(r), reason, ttl).await,
-            Revived::Unidentified(reason) => permits.count_dead(None, reason, ttl).await,
+            Revived::Message(identity, size, reason) => permits
+                .count_dead(identity, *size, reason, ttl)
+                .await
+                .map(drop),
+            Revived::Unidentified(reason) => permits.tally_dead(reason, 1).await,
         };
         if let Err(error) = undone {
             tracing::warn!(%error, "not republished, and still counted as waiting");

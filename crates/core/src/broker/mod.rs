@@ -21,10 +21,12 @@ pub mod dead_letters;
 mod settle;
 pub use settle::Settler;
 pub mod ladder;
+pub mod results;
 mod topology;
 
 pub use budget::TooLarge;
 pub use ladder::{Hop, LEVELS, UNIT};
+pub use results::Results;
 pub use topology::{
     Declared, Protection, QueueType, Topology, UNREACHED_DELIVERY_LIMIT, WORK_DELIVERY_LIMIT,
 };
@@ -64,6 +66,8 @@ pub mod headers {
     pub const DEAD_AT: &str = "x-turnstile-dead-at-ms";
     /// The queue the dead letter was consumed from.
     pub const QUEUE: &str = "x-turnstile-queue";
+    /// When turnstile first saw the message (Unix ms), for its result.
+    pub const FIRST_SEEN: &str = "x-turnstile-first-seen-ms";
 }
 
 /// `TURNSTILE_AMQP_URL`'s default: the local broker.
@@ -255,6 +259,15 @@ pub struct Publisher {
     frame_max: u32,
 }
 
+/// Whether a published message must reach a queue.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Routing {
+    /// A message no queue takes is returned: [`PublishError::Unroutable`].
+    Mandatory,
+    /// A message no queue takes is dropped by the broker (a fan-out no one listens to).
+    Optional,
+}
+
 /// A publish the broker did not take (nack, unroutable, or the channel failed).
 #[derive(Debug, thiserror::Error)]
 pub enum PublishError {
@@ -279,10 +292,21 @@ impl Publisher {
             .confirm_select(ConfirmSelectOptions::default())
             .await
             .context("enabling publisher confirms")?;
-        Ok(Self {
+        Ok(Self::on(channel, connection.configuration().frame_max()))
+    }
+
+    /// A publisher on `channel` (in confirm mode already) of a connection whose frame_max is
+    /// `frame_max`.
+    pub fn on(channel: Channel, frame_max: u32) -> Self {
+        Self {
             channel: Arc::new(channel),
-            frame_max: connection.configuration().frame_max(),
-        })
+            frame_max,
+        }
+    }
+
+    /// Whether both publish on the same channel (not only one with the same id).
+    pub fn is_on_channel_of(&self, other: &Publisher) -> bool {
+        Arc::ptr_eq(&self.channel, &other.channel)
     }
 
     pub fn channel(&self) -> &Channel {
@@ -313,6 +337,19 @@ impl Publisher {
         body: &[u8],
         properties: BasicProperties,
     ) -> Result<(), PublishError> {
+        self.publish_to(exchange, routing_key, body, properties, Routing::Mandatory)
+            .await
+    }
+
+    /// As [`Self::publish`], `routing` saying whether a message no queue takes is an error.
+    pub async fn publish_to(
+        &self,
+        exchange: &str,
+        routing_key: &str,
+        body: &[u8],
+        properties: BasicProperties,
+        routing: Routing,
+    ) -> Result<(), PublishError> {
         let properties = properties.with_delivery_mode(2);
         let frame = budget::header_frame_size(&properties);
         if !budget::fits_frame(frame, self.frame_max) {
@@ -328,7 +365,7 @@ impl Publisher {
                 exchange.into(),
                 routing_key.into(),
                 BasicPublishOptions {
-                    mandatory: true,
+                    mandatory: routing == Routing::Mandatory,
                     ..Default::default()
                 },
                 body,

@@ -149,6 +149,10 @@ impl Topology {
     pub fn dead(&self) -> &str {
         &self.dead
     }
+    /// The results exchange's name (`<q>.results`, a topic exchange: see [`super::results`]).
+    pub fn results(&self) -> String {
+        format!("{}.results", self.work)
+    }
     /// The queue of delay level `k` (messages wait 2^k x UNIT in it).
     pub(super) fn level(&self, k: u32) -> String {
         format!("{}.wait.{k}", self.work)
@@ -326,6 +330,7 @@ impl Topology {
             self.declare_queue(&channel, &self.level(k), table(&args))
                 .await?;
         }
+        super::results::declare_exchange(&channel, &self.results()).await?;
         let _ = channel.close(200, "declared".into()).await;
         Ok(Declared { work, dead })
     }
@@ -344,6 +349,12 @@ impl Topology {
                 .queue_delete(ShortString::from(q), QueueDeleteOptions::default())
                 .await?;
         }
+        channel
+            .exchange_delete(
+                ShortString::from(self.results()),
+                lapin::options::ExchangeDeleteOptions::default(),
+            )
+            .await?;
         Ok(())
     }
 }

@@ -47,18 +47,100 @@ impl std::fmt::Debug for DownstreamArgs {
     }
 }
 
-/// What the downstream answered, classified by DESIGN.md's response table.
+/// What the downstream answered, classified by the contract's response table.
 #[derive(Debug, PartialEq, Eq)]
 pub enum Reply {
-    /// 2xx: registered.
-    Registered,
+    /// 2xx: registered, with what the API said (for a registration API, the new product's id).
+    Registered(ApiResponse),
     /// 429: the seller is over the downstream's limit; pause it for `retry_after` (or a window).
     Throttled { retry_after: Option<Duration> },
-    /// 408, 425, 500, 502, 503, 504, a timeout or a connection error: retry later.
-    Transient(String),
+    /// 408, 425, 500, 502, 503, 504, a timeout or a connection error: retry later. `response`
+    /// is the answer, when one came (a message whose attempts run out carries the last).
+    Transient {
+        why: String,
+        response: Option<ApiResponse>,
+    },
     /// Any other 4xx, a 3xx (never followed; `body` then names the Location) and other
-    /// unexpected statuses: dead-letter at once.
-    Rejected { status: u16, body: String },
+    /// unexpected statuses: dead-letter at once. `body` is the excerpt for the dead letter's
+    /// detail, `response` the answer as the message's result carries it (none when no request
+    /// was sent).
+    Rejected {
+        status: u16,
+        body: String,
+        response: Option<ApiResponse>,
+    },
+}
+
+impl Reply {
+    /// A call that got no answer (a timeout, a connection error): retried.
+    pub fn unanswered(why: String) -> Self {
+        Reply::Transient {
+            why,
+            response: None,
+        }
+    }
+}
+
+/// Most bytes of a downstream answer's body a result carries ([`ApiResponse`]); a longer body
+/// is cut there and marked truncated. No more than this (and one byte) is ever read.
+pub const RESPONSE_CAP: usize = 16 * 1024;
+
+/// What the downstream answered, as a message's result carries it: the status and the body,
+/// read up to [`RESPONSE_CAP`] bytes. A JSON body is kept as JSON; any other (text, HTML,
+/// binary, JSON cut by the cap) as text, invalid UTF-8 replaced by U+FFFD.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct ApiResponse {
+    pub status: u16,
+    pub body: ResponseBody,
+    /// Whether the body was longer than [`RESPONSE_CAP`] (or could not be read to its end).
+    pub truncated: bool,
+}
+
+/// A downstream answer's body (see [`ApiResponse`]).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum ResponseBody {
+    /// No body.
+    Empty,
+    /// A whole JSON document, as its text (valid JSON, checked when read).
+    Json(String),
+    /// Anything else, as text.
+    Text(String),
+}
+
+impl ApiResponse {
+    /// The answer with status `status` and body `bytes` (already capped), `truncated` if more
+    /// was sent.
+    pub fn new(status: u16, bytes: &[u8], truncated: bool) -> Self {
+        let body = if bytes.iter().all(u8::is_ascii_whitespace) {
+            ResponseBody::Empty
+        } else {
+            match std::str::from_utf8(bytes) {
+                Ok(text)
+                    if !truncated
+                        && serde_json::from_str::<serde::de::IgnoredAny>(text).is_ok() =>
+                {
+                    ResponseBody::Json(text.trim().to_owned())
+                }
+                _ => ResponseBody::Text(String::from_utf8_lossy(bytes).into_owned()),
+            }
+        };
+        Self {
+            status,
+            body,
+            truncated,
+        }
+    }
+
+    /// The body as a JSON value: the document itself, a string, or null when empty.
+    pub fn body_json(&self) -> serde_json::Value {
+        match &self.body {
+            ResponseBody::Empty => serde_json::Value::Null,
+            ResponseBody::Json(text) => {
+                serde_json::from_str(text).unwrap_or_else(|_| text.clone().into())
+            }
+            ResponseBody::Text(text) => text.clone().into(),
+        }
+    }
 }
 
 /// Longest body excerpt kept for a dead letter's reason (characters); at most four times as
@@ -155,6 +237,7 @@ impl Downstream {
                     reply: Reply::Rejected {
                         status: 0,
                         body: why,
+                        response: None,
                     },
                     rate_limit: None,
                 };
@@ -185,12 +268,12 @@ impl Downstream {
                 }
                 (classify(response).await, class)
             }
-            Err(error) if error.is_timeout() => (Reply::Transient("timeout".into()), "timeout"),
+            Err(error) if error.is_timeout() => (Reply::unanswered("timeout".into()), "timeout"),
             Err(error) if error.is_connect() => {
-                (Reply::Transient("connection error".into()), "error")
+                (Reply::unanswered("connection error".into()), "error")
             }
             Err(error) => (
-                Reply::Transient(format!("request failed: {}", error.without_url())),
+                Reply::unanswered(format!("request failed: {}", error.without_url())),
                 "error",
             ),
         };
@@ -245,7 +328,8 @@ pub fn status_class(status: StatusCode) -> &'static str {
 async fn classify(response: reqwest::Response) -> Reply {
     let status = response.status();
     if status.is_success() {
-        return Reply::Registered;
+        // A body that fails midway is kept as far as it came: the registration happened.
+        return Reply::Registered(read_capped(response).await);
     }
     if status == StatusCode::TOO_MANY_REQUESTS {
         let retry_after = response
@@ -256,7 +340,10 @@ async fn classify(response: reqwest::Response) -> Reply {
         return Reply::Throttled { retry_after };
     }
     if matches!(status.as_u16(), 408 | 425 | 500 | 502 | 503 | 504) {
-        return Reply::Transient(format!("HTTP {}", status.as_u16()));
+        return Reply::Transient {
+            why: format!("HTTP {}", status.as_u16()),
+            response: Some(read_capped(response).await),
+        };
     }
     let location = status.is_redirection().then(|| {
         response
@@ -270,7 +357,11 @@ async fn classify(response: reqwest::Response) -> Reply {
             })
             .unwrap_or_default()
     });
-    let excerpt = excerpt(response).await;
+    let answer = read_capped(response).await;
+    let excerpt: String = match &answer.body {
+        ResponseBody::Empty => String::new(),
+        ResponseBody::Json(text) | ResponseBody::Text(text) => text.chars().take(EXCERPT).collect(),
+    };
     let body = match location {
         Some(location) => format!("redirect not followed, Location: {location:?}; {excerpt}"),
         None => excerpt,
@@ -278,25 +369,35 @@ async fn classify(response: reqwest::Response) -> Reply {
     Reply::Rejected {
         status: status.as_u16(),
         body,
+        response: Some(answer),
     }
 }
 
-/// The first [`EXCERPT`] characters of a body, reading at most 4 x EXCERPT bytes of it
-/// (a downstream may answer with gigabytes).
-async fn excerpt(mut response: reqwest::Response) -> String {
+/// The answer's status and body, reading at most [`RESPONSE_CAP`] + 1 bytes of it (a
+/// downstream may answer with gigabytes); a body that fails midway is kept as far as it came.
+async fn read_capped(mut response: reqwest::Response) -> ApiResponse {
+    let status = response.status().as_u16();
     let mut bytes = Vec::new();
-    while bytes.len() < EXCERPT * 4 {
+    let mut truncated = false;
+    loop {
         match response.chunk().await {
             Ok(Some(chunk)) => {
-                bytes.extend_from_slice(&chunk[..chunk.len().min(EXCERPT * 4 - bytes.len())])
+                let room = RESPONSE_CAP - bytes.len();
+                if chunk.len() > room {
+                    bytes.extend_from_slice(&chunk[..room]);
+                    truncated = true;
+                    break;
+                }
+                bytes.extend_from_slice(&chunk);
             }
-            _ => break,
+            Ok(None) => break,
+            Err(_) => {
+                truncated = true;
+                break;
+            }
         }
     }
-    String::from_utf8_lossy(&bytes)
-        .chars()
-        .take(EXCERPT)
-        .collect()
+    ApiResponse::new(status, &bytes, truncated)
 }
 
 /// `Retry-After`: whole seconds, or an HTTP date.
@@ -364,6 +465,22 @@ mod tests {
                 "/products".into(),
                 vec![("seller".into(), "a&b=c#d".into())]
             )
+        );
+    }
+
+    #[test]
+    fn an_answer_keeps_json_as_json_and_anything_else_as_text() {
+        let json = ApiResponse::new(201, br#" {"product_id": 12345} "#, false);
+        assert_eq!(json.body_json(), serde_json::json!({"product_id": 12345}));
+        let text = ApiResponse::new(400, b"invalid category", false);
+        assert_eq!(text.body_json(), serde_json::json!("invalid category"));
+        let cut = ApiResponse::new(200, br#"{"product_id": 1"#, true);
+        assert_eq!(cut.body, ResponseBody::Text(r#"{"product_id": 1"#.into()));
+        let binary = ApiResponse::new(200, &[0xff, 0x00, 0x41], false);
+        assert_eq!(binary.body_json(), serde_json::json!("\u{fffd}\u{0}A"));
+        assert_eq!(
+            ApiResponse::new(204, b"", false).body_json(),
+            serde_json::Value::Null
         );
     }
 

@@ -21,6 +21,9 @@
 //!   pipeline over several is one node's work). Their tag holds a `~`, which no seller's tag
 //!   does, so they never land on a seller's tag: `sellers`, `uploads`, `dead-now`,
 //!   `reschedules` and `throughput:<minute>`.
+//! - **batch index keys**: `<prefix>:{<prefix>~batch~<batch>}:sellers`, the sellers whose
+//!   messages named a batch, so that a batch is found by its id alone
+//!   ([`Keyspace::batch_sellers`]); one slot per batch id.
 //! - **global keys**: `<prefix>:{<prefix>~global}:<name>`, the global limit's state in one
 //!   slot of its own (`lua/global.lua` takes them all): `log`, `fair`, `finish`, `active`,
 //!   `weights`, `sellers`, `server`, `pause`.
@@ -175,6 +178,11 @@ impl Keyspace {
         self.seller(seller, &format!("batch:{}", key_part(batch.as_str())))
     }
 
+    /// The seller's batches by when each was first seen (sorted set: batch id -> unix ms).
+    pub fn seller_batches(&self, seller: &SellerId) -> String {
+        self.seller(seller, "batches")
+    }
+
     /// A glob pattern matching every upload's progress of the seller.
     pub fn batches_of(&self, seller: &SellerId) -> String {
         self.seller(seller, "batch:*")
@@ -200,7 +208,19 @@ impl Keyspace {
         self.shared("sellers")
     }
 
-    /// The index of uploads by publish time (sorted set: batch key -> published unix ms).
+    /// The sellers whose messages named a batch (set of seller ids), so that a batch is found
+    /// by its id alone: `<prefix>:{<prefix>~batch~<batch>}:sellers`, in a slot of its own (its
+    /// tag holds a `~`, which no seller's tag does).
+    pub fn batch_sellers(&self, batch: &BatchId) -> String {
+        format!(
+            "{}:{{{}~batch~{}}}:sellers",
+            self.prefix,
+            self.prefix,
+            key_part(batch.as_str())
+        )
+    }
+
+    /// The index of batches by when they were first seen (sorted set: batch key -> unix ms).
     pub fn uploads(&self) -> String {
         self.shared("uploads")
     }
@@ -372,6 +392,7 @@ mod tests {
             keys.shadow_log(s),
             keys.done(s, &MessageId::parse("m:{1}").unwrap()),
             keys.batch(s, &BatchId::parse("b 1").unwrap()),
+            keys.seller_batches(s),
             keys.lab_incr(s),
             keys.lab_baseline(s),
         ]);
@@ -434,6 +455,10 @@ mod tests {
         assert_eq!(keys.everything(), "turnstile:*");
         assert_eq!(keys.sellers_seen(), "turnstile:{turnstile~shared}:sellers");
         assert_eq!(keys.uploads(), "turnstile:{turnstile~shared}:uploads");
+        assert_eq!(
+            keys.batch_sellers(&BatchId::parse("b:1").unwrap()),
+            "turnstile:{turnstile~batch~b%3A1}:sellers"
+        );
         assert_eq!(keys.dead_now(), "turnstile:{turnstile~shared}:dead-now");
         assert_eq!(
             keys.reschedules(),

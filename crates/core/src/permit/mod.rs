@@ -40,11 +40,11 @@ use batch::{Batcher, Operation, When};
 use block::Blocks;
 pub use conn::{RedisClient, RedisConn, round_trips};
 pub use keys::Keyspace;
-pub use records::UploadProgress;
+pub use records::{BatchSeen, UploadProgress};
 use redis::AsyncCommands;
 
 use crate::config::{Algorithm, Limit, LimiterArgs, Limits, RedisArgs};
-use crate::domain::{BatchId, Cost, MessageId, RateLimitHeaders, SellerId};
+use crate::domain::{BatchId, BatchSize, Cost, MessageId, RateLimitHeaders, SellerId};
 
 /// Something script arguments are added to: a script invocation, or an operation of a batch.
 trait Args {
@@ -342,11 +342,50 @@ pub struct CallAnswer<'a> {
     pub answered_us: Option<i64>,
 }
 
-/// What [`PermitStore::record`] did: whether the message's state changed, and whether a
-/// learned limit of its seller is due to go up.
-struct Recorded {
-    changed: bool,
-    raise_due: bool,
+/// What recording a message's state did ([`PermitStore::complete`],
+/// [`PermitStore::complete_call`]).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct Recorded {
+    /// Whether the message's state changed (and was counted).
+    pub changed: bool,
+    /// Whether a learned limit of its seller is due to go up ([`Lesson::Recovery`]).
+    pub raise_due: bool,
+    /// The completion event of its batch, pending publication (see [`BatchEvent`]).
+    pub event: Option<BatchEvent>,
+}
+
+/// A batch's completion event waiting to be published: the batch completed at `completed_ms`
+/// (Unix ms, Redis time). Whoever publishes it says so with [`PermitStore::batch_event_sent`];
+/// until then every message of the batch recorded, and every redelivery acked as registered
+/// before, finds it pending.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct BatchEvent {
+    pub completed_ms: u64,
+}
+
+impl BatchEvent {
+    /// The event a script's EVENT answer names ('' when none is pending).
+    fn parse(event: &str) -> Option<Self> {
+        event.parse().ok().map(|completed_ms| Self { completed_ms })
+    }
+}
+
+/// A message's batch as its completion is counted: the batch's id and the `batch_size` the
+/// message gave.
+#[derive(Clone, Copy, Debug)]
+pub struct InBatch<'a> {
+    pub id: &'a BatchId,
+    pub size: Option<BatchSize>,
+}
+
+impl<'a> InBatch<'a> {
+    /// The batch of a registration, if it names one.
+    pub fn of(registration: &'a crate::domain::Registration) -> Option<Self> {
+        Some(Self {
+            id: registration.batch_id.as_ref()?,
+            size: registration.batch_size,
+        })
+    }
 }
 
 /// What the downstream's answers taught about a seller's real limit (see `lua/learn.lua`).
@@ -455,6 +494,9 @@ pub struct LimitUsage {
     pub used: u64,
     pub capacity: u64,
     pub ahead: u64,
+    /// How long ago the oldest unit `used` counts was taken: the window frees from then on
+    /// (sliding-window and fixed-window; zero for the others).
+    pub oldest_age: Duration,
 }
 
 impl LimitUsage {
@@ -1342,6 +1384,7 @@ impl PermitStore {
                     used: answer.count(3 + 2 * i)?,
                     capacity: answer.count(4 + 2 * i)?,
                     ahead: 0,
+                    oldest_age: Duration::ZERO,
                 })
             })
             .collect::<Result<Vec<_>, PermitError>>()?;
@@ -1535,18 +1578,17 @@ impl PermitStore {
 
     /// Moves a message to the state it is in now (see `lua/complete.lua`) and counts it there
     /// once: in its batch's progress and, when it becomes or stops being dead, in the dead
-    /// letters by reason ([`Self::dead_now`]). Returns whether its state changed.
+    /// letters by reason ([`Self::dead_now`]).
     pub async fn complete(
         &self,
         seller: &SellerId,
         message: &MessageId,
-        batch: Option<&BatchId>,
+        batch: Option<InBatch<'_>>,
         completion: Completion<'_>,
         ttl: Duration,
-    ) -> Result<bool, PermitError> {
+    ) -> Result<Recorded, PermitError> {
         self.record(seller, message, batch, completion, None, ttl)
             .await
-            .map(|recorded| recorded.changed)
     }
 
     /// As [`Self::complete`] with [`Completion::Registered`], for the message registered by the
@@ -1554,35 +1596,31 @@ impl PermitStore {
     /// and, with adaptive limits, its acceptance by the downstream (see `note_accepted` in
     /// `lua/prelude.lua`). The record rides along with other calls for up to [`record_delay`]:
     /// it must be written before the message is acked, and a replica that dies before writing
-    /// it leaves the message to be called again (README, "Redis calls per message"). Returns
-    /// whether a learned limit of the seller is due to go up ([`Self::learn`] with
-    /// [`Lesson::Recovery`]).
+    /// it leaves the message to be called again (README, "Redis calls per message").
     pub async fn complete_call(
         &self,
         seller: &SellerId,
         message: &MessageId,
-        batch: Option<&BatchId>,
+        batch: Option<InBatch<'_>>,
         answer: CallAnswer<'_>,
         ttl: Duration,
-    ) -> Result<bool, PermitError> {
-        let recorded = self
-            .record(
-                seller,
-                message,
-                batch,
-                Completion::Registered,
-                Some(answer),
-                ttl,
-            )
-            .await?;
-        Ok(recorded.raise_due)
+    ) -> Result<Recorded, PermitError> {
+        self.record(
+            seller,
+            message,
+            batch,
+            Completion::Registered,
+            Some(answer),
+            ttl,
+        )
+        .await
     }
 
     async fn record(
         &self,
         seller: &SellerId,
         message: &MessageId,
-        batch: Option<&BatchId>,
+        batch: Option<InBatch<'_>>,
         completion: Completion<'_>,
         answer: Option<CallAnswer<'_>>,
         ttl: Duration,
@@ -1600,7 +1638,7 @@ impl PermitStore {
         } else {
             When::Within(self.record_delay)
         };
-        let (changed, was_dead_for, raise): (u8, String, u8) = match pooled {
+        let (changed, was_dead_for, raise, event): (u8, String, u8, String) = match pooled {
             Some((blocks, bounds))
                 if batch.is_none() && cost == 1 && matches!(completion, Completion::Registered) =>
             {
@@ -1643,7 +1681,7 @@ impl PermitStore {
                         .key(self.keys.limit(seller));
                 }
                 if let Some(batch) = batch {
-                    invocation.key(self.keys.batch(seller, batch));
+                    invocation.key(self.keys.batch(seller, batch.id));
                 }
                 let reason = match completion {
                     Completion::Dead(reason) => reason,
@@ -1662,6 +1700,14 @@ impl PermitStore {
                         .arg(self.limiter.limit.counts_arg())
                         .arg(self.limiter.limit.windows_arg())
                         .arg(self.guard_arg());
+                } else {
+                    invocation.arg(0).arg("").arg("").arg(-1);
+                }
+                if let Some(batch) = batch {
+                    invocation
+                        .arg(seller.as_str())
+                        .arg(batch.id.as_str())
+                        .arg(batch.size.map_or(0, BatchSize::get));
                 }
                 self.run(invocation, when).await?
             }
@@ -1680,6 +1726,7 @@ impl PermitStore {
         Ok(Recorded {
             changed: changed == 1,
             raise_due: raise == 1,
+            event: BatchEvent::parse(&event),
         })
     }
 
@@ -1946,26 +1993,29 @@ impl PermitStore {
         }))
     }
 
-    /// Counts a message as dead-lettered for `reason`: its completion record when it has an
-    /// identity (once, however many copies), else one more dead letter by reason.
+    /// Counts a message as dead-lettered for `reason`: its completion record (and its batch's
+    /// progress) when it has a seller and an id (once, however many copies), else one more dead
+    /// letter by reason.
     pub async fn count_dead(
         &self,
-        registration: Option<&crate::domain::Registration>,
+        identity: &crate::domain::Identity,
+        batch_size: Option<BatchSize>,
         reason: &str,
         ttl: Duration,
-    ) -> Result<(), PermitError> {
-        match registration {
-            Some(r) => self
-                .complete(
-                    &r.seller_id,
-                    &r.message_id,
-                    r.batch_id.as_ref(),
-                    Completion::Dead(reason),
-                    ttl,
-                )
+    ) -> Result<Recorded, PermitError> {
+        let batch = identity.batch_id.as_ref().map(|id| InBatch {
+            id,
+            size: batch_size,
+        });
+        match (&identity.seller_id, &identity.message_id) {
+            (Some(seller), Some(message)) => {
+                self.complete(seller, message, batch, Completion::Dead(reason), ttl)
+                    .await
+            }
+            _ => self
+                .tally_dead(reason, 1)
                 .await
-                .map(drop),
-            None => self.tally_dead(reason, 1).await,
+                .map(|()| Recorded::default()),
         }
     }
 
@@ -2040,7 +2090,7 @@ impl PermitStore {
         let (paused_until, now, overridden) = (answer.int(0)?, answer.int(1)?, answer.int(2)?);
         let limit = answer.limits(3)?;
         let tail = 5 + 3 * limit.len();
-        if answer.values.len() != tail + 7 {
+        if answer.values.len() != tail + 7 + limit.len() {
             return Err(answer.bad());
         }
         let configured = Limits::from_args(&answer.text(tail)?, &limit.windows_arg())
@@ -2065,6 +2115,7 @@ impl PermitStore {
                     used: answer.count(5 + 3 * i)?,
                     capacity: answer.count(6 + 3 * i)?,
                     ahead: answer.count(7 + 3 * i)?,
+                    oldest_age: Duration::from_micros(answer.count(tail + 7 + i)?),
                 })
             })
             .collect::<Result<Vec<_>, PermitError>>()?;
@@ -2459,11 +2510,16 @@ fn parse_override(raw: &str) -> Option<Limits> {
 /// What `complete.lua` answers for a message moved to `registered` from the state `was` (its
 /// completion record before): changed unless it was registered already, and the reason it was
 /// dead for, if it was (see `Recorded`); nothing is learned (no raise).
-fn registered_from(was: Option<&str>) -> (u8, String, u8) {
+fn registered_from(was: Option<&str>) -> (u8, String, u8, String) {
     match was {
-        Some("registered" | "1") => (0, String::new(), 0),
-        Some(state) => (1, state.strip_prefix("dead:").unwrap_or("").to_owned(), 0),
-        None => (1, String::new(), 0),
+        Some("registered" | "1") => (0, String::new(), 0, String::new()),
+        Some(state) => (
+            1,
+            state.strip_prefix("dead:").unwrap_or("").to_owned(),
+            0,
+            String::new(),
+        ),
+        None => (1, String::new(), 0, String::new()),
     }
 }
 
@@ -2568,12 +2624,13 @@ mod tests {
 
     #[test]
     fn a_plain_registration_moves_the_state_as_complete_lua_does() {
-        assert_eq!(registered_from(None), (1, String::new(), 0));
-        assert_eq!(registered_from(Some("registered")), (0, String::new(), 0));
-        assert_eq!(registered_from(Some("1")), (0, String::new(), 0));
+        let none = String::new;
+        assert_eq!(registered_from(None), (1, none(), 0, none()));
+        assert_eq!(registered_from(Some("registered")), (0, none(), 0, none()));
+        assert_eq!(registered_from(Some("1")), (0, none(), 0, none()));
         assert_eq!(
             registered_from(Some("dead:rejected")),
-            (1, "rejected".to_owned(), 0)
+            (1, "rejected".to_owned(), 0, none())
         );
     }
 

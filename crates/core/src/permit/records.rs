@@ -1,112 +1,253 @@
 //! What turnstile keeps in Redis beside the limiter, read and written only through these
-//! functions: the uploads' progress (published here, counted by `lua/complete.lua`) and the
-//! shared state of the dashboard (sellers seen, throughput). Key names: [`super::keys`].
+//! functions: the batches' progress (described when a replica first sees one,
+//! `lua/batch_seen.lua`; counted by `lua/complete.lua`) and the shared state of the dashboard
+//! (sellers seen, throughput). Key names: [`super::keys`].
 
 use std::collections::{HashMap, HashSet};
 use std::time::Duration;
 
 use redis::AsyncCommands;
 
-use super::{PermitError, PermitStore};
-use crate::domain::{BatchId, SellerId};
+use super::{PermitError, PermitStore, scripts};
+use crate::domain::{BatchId, BatchSize, SellerId};
 
-/// How far one upload (batch) is, as its progress hash holds it.
-#[derive(Debug, Clone, serde::Serialize)]
+/// How far one batch (an upload) is, as its progress hash holds it (see `lua/complete.lua`).
+#[derive(Debug, Clone, Default, PartialEq, Eq, serde::Serialize)]
 pub struct UploadProgress {
     pub seller: String,
     pub batch: String,
-    pub total: u64,
-    /// Units of every limit the upload's messages take together (their costs; `total` when
-    /// the upload did not weigh them).
-    pub units: u64,
+    /// How many messages the batch has in all (the first `batch_size` its messages gave), if
+    /// any did.
+    pub total: Option<u64>,
     pub registered: u64,
+    /// Messages dead-lettered and not replayed since, in all and by reason.
     pub dead: u64,
-    pub published_ms: Option<u64>,
+    pub dead_by_reason: std::collections::BTreeMap<String, u64>,
+    /// Units (costs) of the registered and dead messages together.
+    pub done_units: u64,
+    /// When the batch was first seen, its last message counted, and it completed (Unix ms,
+    /// Redis time).
+    pub first_ms: Option<u64>,
     pub last_ms: Option<u64>,
+    pub completed_ms: Option<u64>,
+    /// Another `batch_size` than the total that a message of the batch gave, if one did.
+    pub other_size: Option<u64>,
 }
 
 impl UploadProgress {
-    /// Messages neither registered nor dead (never dead-lettered, or replayed since): the
-    /// upload is done when none is left.
-    pub fn waiting(&self) -> u64 {
-        self.total.saturating_sub(self.registered + self.dead)
+    /// Messages neither registered nor dead (never dead-lettered, or replayed since), when
+    /// the total is known: the batch is done when none is left.
+    pub fn waiting(&self) -> Option<u64> {
+        Some(self.total?.saturating_sub(self.registered + self.dead))
     }
 
-    /// The units of the waiting messages, at the upload's mean cost per message.
+    /// Whether every message of a batch with a known total is registered or dead.
+    pub fn done(&self) -> bool {
+        self.waiting() == Some(0)
+    }
+
+    /// Messages counted beyond the total (a batch whose messages outnumber its `batch_size`).
+    pub fn extra(&self) -> u64 {
+        self.total.map_or(0, |total| {
+            (self.registered + self.dead).saturating_sub(total)
+        })
+    }
+
+    /// The units of the waiting messages, at the mean cost of those done so far (one unit
+    /// each before any is done); 0 when the total is unknown.
     pub fn waiting_units(&self) -> u64 {
-        let waiting = self.waiting();
-        if self.total == 0 || self.units <= self.total {
+        let waiting = self.waiting().unwrap_or(0);
+        let done = self.registered + self.dead;
+        if done == 0 || self.done_units <= done {
             return waiting;
         }
-        (u128::from(waiting) * u128::from(self.units)).div_ceil(u128::from(self.total)) as u64
+        (u128::from(waiting) * u128::from(self.done_units)).div_ceil(u128::from(done)) as u64
     }
 
-    /// An upload's progress from its hash (`None` when it holds no upload).
+    /// A batch's progress from its hash (`None` when it holds no batch).
     fn parse(fields: &HashMap<String, String>) -> Option<Self> {
         let num = |f: &str| fields.get(f).and_then(|v| v.parse::<u64>().ok());
+        let dead_by_reason = fields
+            .iter()
+            .filter_map(|(field, n)| {
+                Some((field.strip_prefix("dead:")?.to_owned(), n.parse().ok()?))
+            })
+            .filter(|(_, n)| *n > 0)
+            .collect();
         Some(Self {
             seller: fields.get("seller")?.clone(),
             batch: fields.get("batch").cloned().unwrap_or_default(),
-            total: num("total").unwrap_or(0),
-            units: num("units").or(num("total")).unwrap_or(0),
+            total: num("total"),
             registered: num("registered").unwrap_or(0),
             dead: num("dead").unwrap_or(0),
-            published_ms: num("published_ms"),
+            dead_by_reason,
+            done_units: num("done_units").unwrap_or(0),
+            first_ms: num("first_ms"),
             last_ms: num("last_ms"),
+            completed_ms: num("completed_ms"),
+            other_size: num("other_size"),
         })
     }
 }
 
-/// Most uploads kept in the upload index (the oldest go first).
+/// What noting a batch as seen found ([`PermitStore::batch_seen`]).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct BatchSeen {
+    /// Its pending completion event, if any.
+    pub event: Option<super::BatchEvent>,
+    /// How many sellers' messages named its id (more than one: a batch that mixes sellers).
+    pub sellers: u64,
+}
+
+/// Most batches kept in the batch index (the oldest go first).
 const INDEXED_UPLOADS: usize = 1000;
 /// How long a minute of throughput is kept.
 const THROUGHPUT_KEPT: Duration = Duration::from_secs(11 * 60);
 
 impl PermitStore {
-    /// Records that `total` messages of a batch, of `units` units together, were published,
-    /// kept `ttl` (re-publishing the same batch keeps its counts: its messages are not
-    /// registered twice), and indexes the upload by publish time (the 1,000 newest younger than
-    /// `ttl`).
-    pub async fn record_published(
+    /// Notes a batch as this replica first sees one of its messages (see `lua/batch_seen.lua`):
+    /// its progress describes it from now on, kept `ttl` after its last change, and it is
+    /// indexed by when it was first seen (the 1,000 newest younger than `ttl`) and by its id
+    /// ([`Self::batches_named`]).
+    pub async fn batch_seen(
         &self,
         seller: &SellerId,
         batch: &BatchId,
-        total: u64,
-        units: u64,
+        size: Option<BatchSize>,
         ttl: Duration,
-    ) -> Result<(), PermitError> {
+    ) -> Result<BatchSeen, PermitError> {
         let key = self.keys.batch(seller, batch);
-        let now_ms = (self.redis_time_us().await? / 1000) as u64;
-        let mut conn = self.conn.clone();
-        let _: () = redis::pipe()
-            .atomic()
-            .hset(&key, "seller", seller.as_str())
-            .hset(&key, "batch", batch.as_str())
-            .hset(&key, "total", total)
-            .hset(&key, "units", units)
-            .hset(&key, "published_ms", now_ms)
-            .pexpire(&key, ttl.as_millis() as i64)
-            .query_async(&mut conn)
+        let ttl_ms = ttl.as_millis().max(1) as u64;
+        let (first_ms, event): (u64, String) = scripts::batch_seen()
+            .key(&key)
+            .key(self.keys.seller_batches(seller))
+            .arg(ttl_ms)
+            .arg(seller.as_str())
+            .arg(batch.as_str())
+            .arg(size.map_or(0, BatchSize::get))
+            .invoke_async(&mut self.conn.clone())
             .await?;
         let index = self.keys.uploads();
+        let named = self.keys.batch_sellers(batch);
+        let mut conn = self.conn.clone();
+        // Two other slots than the seller's (two steps on Redis Cluster).
         let _: () = redis::pipe()
-            .zadd(&index, &key, now_ms)
-            .zrembyscore(
-                &index,
-                "-inf",
-                now_ms.saturating_sub(ttl.as_millis() as u64) as f64,
-            )
+            .zadd(&index, &key, first_ms)
+            .zrembyscore(&index, "-inf", first_ms.saturating_sub(ttl_ms) as f64)
             .cmd("ZREMRANGEBYRANK")
             .arg(&index)
             .arg(0)
             .arg(-(INDEXED_UPLOADS as i64) - 1)
-            .pexpire(&index, ttl.as_millis() as i64)
+            .pexpire(&index, ttl_ms as i64)
             .query_async(&mut conn)
+            .await?;
+        let (sellers,): (u64,) = redis::pipe()
+            .sadd(&named, seller.as_str())
+            .ignore()
+            .pexpire(&named, ttl_ms as i64)
+            .ignore()
+            .scard(&named)
+            .query_async(&mut conn)
+            .await?;
+        Ok(BatchSeen {
+            event: super::BatchEvent::parse(&event),
+            sellers,
+        })
+    }
+
+    /// The progress of every batch named `batch` (one per seller whose messages named it; a
+    /// batch that mixes sellers has several), as the batch index by id knows them.
+    pub async fn batches_named(&self, batch: &BatchId) -> Result<Vec<UploadProgress>, PermitError> {
+        let sellers: Vec<String> = self
+            .conn
+            .clone()
+            .smembers(self.keys.batch_sellers(batch))
+            .await?;
+        let mut out = Vec::new();
+        for seller in sellers {
+            let Ok(seller) = SellerId::parse(&seller) else {
+                continue;
+            };
+            if let Some(p) = self.batch_progress(&seller, batch).await? {
+                out.push(p);
+            }
+        }
+        out.sort_by_key(|p| p.first_ms);
+        Ok(out)
+    }
+
+    /// The progress of the seller's batches still recorded, oldest first (by when each was
+    /// first seen; at most the 1,000 newest).
+    pub async fn seller_batches(
+        &self,
+        seller: &SellerId,
+    ) -> Result<Vec<UploadProgress>, PermitError> {
+        let ids: Vec<String> = self
+            .conn
+            .clone()
+            .zrange(self.keys.seller_batches(seller), 0, -1)
+            .await?;
+        let mut pipe = redis::pipe();
+        let ids: Vec<BatchId> = ids
+            .iter()
+            .filter_map(|id| BatchId::parse(id).ok())
+            .collect();
+        if ids.is_empty() {
+            return Ok(Vec::new());
+        }
+        for id in &ids {
+            pipe.hgetall(self.keys.batch(seller, id));
+        }
+        let all: Vec<HashMap<String, String>> = pipe.query_async(&mut self.conn.clone()).await?;
+        Ok(all.iter().filter_map(UploadProgress::parse).collect())
+    }
+
+    /// One batch's progress, if it is still recorded.
+    pub async fn batch_progress(
+        &self,
+        seller: &SellerId,
+        batch: &BatchId,
+    ) -> Result<Option<UploadProgress>, PermitError> {
+        let fields: HashMap<String, String> = self
+            .conn
+            .clone()
+            .hgetall(self.keys.batch(seller, batch))
+            .await?;
+        Ok(UploadProgress::parse(&fields))
+    }
+
+    /// The pending completion event of a batch, if any (for a redelivery acked as registered
+    /// before: the replica that recorded it may have died before publishing the event).
+    pub async fn pending_event(
+        &self,
+        seller: &SellerId,
+        batch: &BatchId,
+    ) -> Result<Option<super::BatchEvent>, PermitError> {
+        let event: Option<String> = self
+            .conn
+            .clone()
+            .hget(self.keys.batch(seller, batch), "event")
+            .await?;
+        Ok(event.as_deref().and_then(super::BatchEvent::parse))
+    }
+
+    /// Says that a batch's completion `event` was published (confirmed): it is no longer
+    /// pending (see `lua/batch_event_sent.lua`).
+    pub async fn batch_event_sent(
+        &self,
+        seller: &SellerId,
+        batch: &BatchId,
+        event: super::BatchEvent,
+    ) -> Result<(), PermitError> {
+        let _: i64 = scripts::batch_event_sent()
+            .key(self.keys.batch(seller, batch))
+            .arg(event.completed_ms)
+            .invoke_async(&mut self.conn.clone())
             .await?;
         Ok(())
     }
 
-    /// The `n` most recently published uploads that are still recorded, newest first (an
+    /// The `n` most recently first seen batches that are still recorded, newest first (an
     /// expired one is dropped from the index).
     pub async fn recent_uploads(&self, n: usize) -> Result<Vec<UploadProgress>, PermitError> {
         let index = self.keys.uploads();

@@ -37,6 +37,8 @@ static LEARN: LazyLock<Script> = script!("learn.lua");
 static GLOBAL_USAGE: LazyLock<Script> = script!("global_usage.lua");
 static RESET: LazyLock<Script> = script!("reset.lua");
 static UNRESERVE: LazyLock<Script> = script!("unreserve.lua");
+static BATCH_SEEN: LazyLock<Script> = script!("batch_seen.lua");
+static BATCH_EVENT_SENT: LazyLock<Script> = script!("batch_event_sent.lua");
 
 /// `lua/batch.lua` after the prelude and, wrapped each in a function of its own, the scripts it
 /// runs as operations.
@@ -148,4 +150,14 @@ pub fn reset() -> &'static Script {
 /// `lua/unreserve.lua`).
 pub fn unreserve() -> &'static Script {
     &UNRESERVE
+}
+
+/// Notes a batch as a replica first sees one of its messages (see `lua/batch_seen.lua`).
+pub fn batch_seen() -> &'static Script {
+    &BATCH_SEEN
+}
+
+/// Says that a batch's completion event was published (see `lua/batch_event_sent.lua`).
+pub fn batch_event_sent() -> &'static Script {
+    &BATCH_EVENT_SENT
 }

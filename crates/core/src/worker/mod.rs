@@ -13,6 +13,9 @@
 //! - [`stats`]: [`Stats`], what a replica reports to whoever watches it
 //! - [`waits`]: [`SellerWaits`], the sellers lately told to wait, whose new messages ask for
 //!   their permit without taking a worker
+//! - [`report`]: a message's result and a batch's completion event, as the upload service
+//!   reads them
+//! - [`batches`]: [`SeenBatches`], the batches this replica has noted as seen
 
 use std::collections::HashMap;
 use std::sync::Arc;
@@ -24,22 +27,26 @@ use tokio::sync::{Notify, OwnedSemaphorePermit, Semaphore};
 use tokio_util::sync::CancellationToken;
 use tracing::{Instrument, debug, info, info_span, warn};
 
-use crate::broker::{PublishError, Publisher, Settler, Topology};
-use crate::domain::{MessageId, RateLimitHeaders, Registration, SellerId};
+use crate::broker::results::ReplyTo;
+use crate::broker::{PublishError, Publisher, Results, Settler, Topology};
+use crate::domain::{BatchId, Identity, MessageId, RateLimitHeaders, Registration, SellerId};
 use crate::downstream::{Downstream, Reply};
 use crate::trace::TraceContext;
+mod batches;
 mod plan;
+pub mod report;
 mod stats;
 mod waits;
 
-pub use plan::{Carried, DEAD_LETTER_REASONS, OUTCOME_LABELS, Outcome, WorkerSettings};
+pub use batches::SeenBatches;
+pub use plan::{Carried, DEAD_LETTER_REASONS, OUTCOME_LABELS, Outcome, Report, WorkerSettings};
 use plan::{Interrupted, PermitErrors, Plan, returned, stranded};
 pub use stats::{LatencySummary, Stats};
 pub use waits::SellerWaits;
 
 use crate::permit::{
-    CALL_ALLOWANCE, CallAnswer, Decision, Lesson, PermitError, PermitStore, Rescheduled,
-    Reservation,
+    BatchEvent, CALL_ALLOWANCE, CallAnswer, Decision, InBatch, Lesson, PermitError, PermitStore,
+    Recorded, Rescheduled, Reservation,
 };
 
 /// A grant being called: the call's name, the Redis time of the grant, and when the request
@@ -67,6 +74,55 @@ struct Interruptions<'a> {
     connection_lost: &'a CancellationToken,
 }
 
+/// Where a delivery's result goes, and what it says of the message besides its outcome.
+struct Reporting<'a> {
+    results: &'a Results,
+    reply: ReplyTo,
+    /// Who the message is, as far as its body says (all of it for a valid registration).
+    identity: Identity,
+    /// The batch size the message gave, if it is a valid registration that gave one.
+    batch_size: Option<crate::domain::BatchSize>,
+    first_seen_ms: u64,
+}
+
+impl Reporting<'_> {
+    /// The message's batch, if its body names one (and a seller and an id to count it by).
+    fn batch(&self) -> Option<(&SellerId, &MessageId, InBatch<'_>)> {
+        let identity = &self.identity;
+        Some((
+            identity.seller_id.as_ref()?,
+            identity.message_id.as_ref()?,
+            InBatch {
+                id: identity.batch_id.as_ref()?,
+                size: self.batch_size,
+            },
+        ))
+    }
+}
+
+/// Runs `attempt` until it succeeds, waiting out failures with the Redis backoff (each logged
+/// as `what`); `None` when shutdown or a lost connection interrupts the wait.
+async fn until_done<T, E: std::fmt::Display, F: Future<Output = Result<T, E>>>(
+    what: &'static str,
+    interruptions: Interruptions<'_>,
+    mut attempt: impl FnMut() -> F,
+) -> Option<T> {
+    let mut backoff = plan::redis_backoff();
+    loop {
+        let error = match attempt().await {
+            Ok(done) => return Some(done),
+            Err(error) => error,
+        };
+        let wait = backoff.next().unwrap_or(Duration::from_secs(5));
+        warn!(%error, retry_in_ms = wait.as_millis() as u64, "{what}; retrying, the message unacked");
+        tokio::select! {
+            _ = tokio::time::sleep(wait) => {}
+            _ = interruptions.shutdown.cancelled() => return None,
+            _ = interruptions.connection_lost.cancelled() => return None,
+        }
+    }
+}
+
 /// Everything a delivery needs; shared by all of a replica's tasks.
 pub struct Worker {
     pub permits: PermitStore,
@@ -86,6 +142,8 @@ pub struct Worker {
     pub records_in_writing: RecordsInWriting,
     /// Sellers lately told to wait: their new messages ask without taking a worker.
     pub seller_waits: SellerWaits,
+    /// Batches this replica noted as seen (once per batch, not per message).
+    pub seen_batches: Arc<SeenBatches>,
 }
 
 /// Registrations whose completion record this replica is writing: a record may ride along with
@@ -188,22 +246,20 @@ pub fn released_by(notice: &Rescheduled, delivery: &Delivery) -> bool {
         .is_ok_and(|r| notice.concerns(r.seller_id.as_str(), &reservation))
 }
 
-/// Counts a dead letter (confirmed by the broker) in the metrics, and its message as dead in
-/// its upload's progress and in the dead letters by reason, once per message
-/// ([`PermitStore::count_dead`]; a body without an identity is counted per dead letter). The
-/// Redis part runs in the background: it never delays the ack, and a failure only costs the
+/// Counts a dead-lettered message that names no batch as dead in the dead letters by reason,
+/// once per message ([`PermitStore::count_dead`]; a body without an identity is counted per
+/// dead letter), in the background: it never delays the ack, and a failure only costs the
 /// count.
 fn count_dead_letter(
     permits: &PermitStore,
-    delivery: &Delivery,
+    identity: &Identity,
     reason: &'static str,
     ttl: Duration,
 ) {
-    metrics::counter!("turnstile_dead_letters_total", "reason" => reason).increment(1);
-    let registration = crate::broker::registration_of(delivery).ok();
+    let identity = identity.clone();
     let permits = permits.clone();
     let record = async move {
-        let counted = permits.count_dead(registration.as_ref(), reason, ttl).await;
+        let counted = permits.count_dead(&identity, None, reason, ttl).await;
         if let Err(error) = counted {
             metrics::counter!("turnstile_redis_errors_total").increment(1);
             warn!(%error, "dead-lettered, but not counted in the dashboard and upload progress");
@@ -212,12 +268,47 @@ fn count_dead_letter(
     tokio::spawn(record.in_current_span());
 }
 
+/// Publishes a batch's completion `event` (its counts read now) and says so in Redis, retrying
+/// until both are done; `false` when interrupted first (the event stays pending: the next
+/// message of the batch recorded, or a redelivery, publishes it).
+async fn publish_event(
+    permits: &PermitStore,
+    results: &Results,
+    seller: &SellerId,
+    batch: &BatchId,
+    event: BatchEvent,
+    interruptions: Interruptions<'_>,
+) -> bool {
+    let what = "the batch's completion event was not published";
+    let published = until_done(what, interruptions, || async move {
+        let Some(progress) = permits.batch_progress(seller, batch).await? else {
+            // Expired meanwhile: nothing left to say.
+            return anyhow::Ok(());
+        };
+        let body = report::completed_body(&progress, event.completed_ms);
+        results.publish_event(batch.as_str(), &body).await?;
+        permits.batch_event_sent(seller, batch, event).await?;
+        metrics::counter!("turnstile_batches_completed_total").increment(1);
+        info!(
+            batch = batch.as_str(),
+            registered = progress.registered,
+            dead = progress.dead,
+            "batch completed"
+        );
+        anyhow::Ok(())
+    })
+    .await;
+    published.is_some()
+}
+
 impl Worker {
-    /// Handles a delivery and settles it; never fails (errors are logged with context).
+    /// Handles a delivery and settles it (a final outcome's result published to `results`
+    /// first); never fails (errors are logged with context).
     pub async fn process(
         &self,
         delivery: Delivery,
         publisher: &Publisher,
+        results: &Results,
         settler: &Settler,
         shutdown: &CancellationToken,
         connection_lost: &CancellationToken,
@@ -231,6 +322,16 @@ impl Worker {
             .map(|m| m.to_string());
         let registration = Registration::parse(&delivery.data, message_id.as_deref());
         let mut carried = Carried::from_delivery(&delivery, crate::broker::unix_ms());
+        let reporting = Reporting {
+            results,
+            reply: ReplyTo::of(&delivery.properties),
+            identity: match &registration {
+                Ok(r) => Identity::from(r),
+                Err(_) => Identity::of(&delivery.data, message_id.as_deref()),
+            },
+            batch_size: registration.as_ref().ok().and_then(|r| r.batch_size),
+            first_seen_ms: carried.first_seen_ms,
+        };
         let attempt = carried.attempt;
         // A missing or invalid traceparent starts a new trace (never a reason to refuse), which
         // the message's delayed copies and dead letter then carry.
@@ -253,20 +354,23 @@ impl Worker {
         };
         // Before any permit: a message no copy of which fits the broker's frame goes no further.
         let admitted = publisher.admit(&delivery);
+        let interruptions = Interruptions {
+            shutdown,
+            connection_lost,
+        };
         let outcome = async {
+            if let Ok(registration) = &registration {
+                self.note_batch(registration, &reporting);
+            }
             let outcome = match registration {
-                _ if let Err(too_large) = admitted => Outcome::DeadLetter {
-                    reason: "invalid-message",
-                    detail: too_large.to_string(),
-                },
+                _ if let Err(too_large) = admitted => {
+                    Outcome::dead("invalid-message", too_large.to_string(), attempt)
+                }
                 Ok(registration) => {
-                    self.handle(&registration, &trace, carried, shutdown, connection_lost)
+                    self.handle(&registration, &trace, carried, &reporting, interruptions)
                         .await
                 }
-                Err(invalid) => Outcome::DeadLetter {
-                    reason: "invalid-message",
-                    detail: invalid.to_string(),
-                },
+                Err(invalid) => Outcome::dead("invalid-message", invalid.to_string(), attempt),
             };
             debug!(?outcome, "handled");
             outcome
@@ -278,29 +382,86 @@ impl Worker {
             outcome,
             started_trace.as_ref(),
             publisher,
+            &reporting,
             settler,
-            connection_lost,
+            interruptions,
         )
         .instrument(span)
         .await;
     }
 
+    /// Notes the registration's batch as seen, the first time this replica sees one of its
+    /// messages, in the background (see [`PermitStore::batch_seen`]); a failure is retried by
+    /// its next message. A completion event found pending is published.
+    fn note_batch(&self, registration: &Registration, reporting: &Reporting<'_>) {
+        let Some(batch) = &registration.batch_id else {
+            return;
+        };
+        let seller = &registration.seller_id;
+        if !self.seen_batches.first_sight(seller, batch) {
+            return;
+        }
+        let (permits, ttl) = (self.permits.clone(), self.settings.done_ttl);
+        let (seller, batch, size) = (seller.clone(), batch.clone(), registration.batch_size);
+        let results = reporting.results.clone();
+        let seen_batches = self.seen_batches.clone();
+        let note = async move {
+            match permits.batch_seen(&seller, &batch, size, ttl).await {
+                Ok(seen) => {
+                    if seen.sellers > 1 {
+                        metrics::counter!("turnstile_batch_anomalies_total", "kind" => "mixed_sellers")
+                            .increment(1);
+                        warn!(
+                            batch = batch.as_str(),
+                            sellers = seen.sellers,
+                            "a batch id is used by several sellers: each seller's messages are counted as a batch of their own"
+                        );
+                    }
+                    // A batch found complete with its event unpublished (its last message's
+                    // replica died before publishing it, and this message is one more).
+                    if let Some(event) = seen.event {
+                        let never = CancellationToken::new();
+                        let interruptions = Interruptions {
+                            shutdown: &never,
+                            connection_lost: &never,
+                        };
+                        let sent = publish_event(
+                            &permits,
+                            &results,
+                            &seller,
+                            &batch,
+                            event,
+                            interruptions,
+                        );
+                        let _ = tokio::time::timeout(Duration::from_secs(30), sent).await;
+                    }
+                }
+                Err(error) => {
+                    seen_batches.forget(&seller, &batch);
+                    debug!(%error, "could not note the batch as seen; its next message tries again");
+                }
+            }
+        };
+        tokio::spawn(note.in_current_span());
+    }
+
     /// Decides what happens to one registration (of the trace `trace`: each call is a span of
     /// it). Holds a worker permit only while asking for a permit and calling the downstream, so
     /// held messages never starve the workers.
-    pub async fn handle(
+    async fn handle(
         &self,
         registration: &Registration,
         trace: &TraceContext,
         mut carried: Carried,
-        shutdown: &CancellationToken,
-        connection_lost: &CancellationToken,
+        reporting: &Reporting<'_>,
+        interruptions: Interruptions<'_>,
     ) -> Outcome {
+        let Interruptions {
+            shutdown,
+            connection_lost,
+        } = interruptions;
         if let Err(why) = self.downstream.check_seller(&registration.seller_id) {
-            return Outcome::DeadLetter {
-                reason: "invalid-message",
-                detail: why,
-            };
+            return Outcome::dead("invalid-message", why, carried.attempt);
         }
         let mut permit_errors = PermitErrors::default();
         loop {
@@ -310,8 +471,8 @@ impl Worker {
                     trace,
                     &mut carried,
                     &mut permit_errors,
-                    shutdown,
-                    connection_lost,
+                    reporting,
+                    interruptions,
                 )
                 .await;
             let carried_out = self
@@ -332,9 +493,13 @@ impl Worker {
         trace: &TraceContext,
         carried: &mut Carried,
         permit_errors: &mut PermitErrors,
-        shutdown: &CancellationToken,
-        connection_lost: &CancellationToken,
+        reporting: &Reporting<'_>,
+        interruptions: Interruptions<'_>,
     ) -> Plan {
+        let Interruptions {
+            shutdown,
+            connection_lost,
+        } = interruptions;
         let interrupted = |why| Plan::Settle(returned(carried.clone(), why));
         if let Some(plan) = self.early_return(carried) {
             return plan;
@@ -424,10 +589,6 @@ impl Worker {
             .plan_decision(decision, waited, holding, carried)
         {
             Plan::Call { call } => {
-                let interruptions = Interruptions {
-                    shutdown,
-                    connection_lost,
-                };
                 let worker = match worker {
                     Some(worker) => worker,
                     None => {
@@ -450,8 +611,16 @@ impl Worker {
                     granted_us,
                     sent,
                 };
-                self.call(registration, trace, grant, worker, carried, interruptions)
-                    .await
+                self.call(
+                    registration,
+                    trace,
+                    grant,
+                    worker,
+                    carried,
+                    reporting,
+                    interruptions,
+                )
+                .await
             }
             plan => {
                 drop(worker);
@@ -501,6 +670,7 @@ impl Worker {
     /// Calls the downstream under a grant, as a new span of the message's trace, lets go of the
     /// worker once the answer came, records the answer (with the registration, for a 2xx) and
     /// learns from it (see [`Self::learn`]), and plans what the reply leads to.
+    #[allow(clippy::too_many_arguments)]
     async fn call(
         &self,
         registration: &Registration,
@@ -508,6 +678,7 @@ impl Worker {
         grant: Grant<'_>,
         worker: OwnedSemaphorePermit,
         carried: &mut Carried,
+        reporting: &Reporting<'_>,
         interruptions: Interruptions<'_>,
     ) -> Plan {
         let span = trace.child();
@@ -517,7 +688,7 @@ impl Worker {
         let answered_us = grant.answered_us();
         self.stats.in_flight.fetch_sub(1, Ordering::Relaxed);
         // Noted before the worker is free for a copy of the same message (see `ask`).
-        let writing = matches!(answered.reply, Reply::Registered)
+        let writing = matches!(answered.reply, Reply::Registered(_))
             .then(|| self.records_in_writing.begin(registration));
         self.end_lease(registration, grant.call).await;
         // The records below may wait to ride along with other calls to Redis: the worker is
@@ -526,7 +697,7 @@ impl Worker {
         let reply = answered.reply;
         // Only the exact algorithms hold calls until their answer; a registration's answer is
         // recorded with its completion.
-        let registered = matches!(reply, Reply::Registered);
+        let registered = matches!(reply, Reply::Registered(_));
         let call_end = async {
             if self.permits.algorithm().is_exact() && !registered {
                 self.record_call_end(registration, grant.call, answered_us)
@@ -539,8 +710,22 @@ impl Worker {
             reset: told.reset.map(|reset| reset.min(self.settings.max_pause)),
             ..told
         });
-        let lowered = match reply {
-            Reply::Registered => {
+        let lowered = match &reply {
+            Reply::Registered(response) => {
+                // The result goes out before the record: a replica that dies between the two
+                // leaves the message to be called again (the same Idempotency-Key) and its
+                // result published twice, never a registration without a result.
+                let report = Report {
+                    response: Some(response.clone()),
+                    attempts: carried.attempt.saturating_add(1),
+                };
+                let reported = self
+                    .publish_result(reporting, "registered", None, &report, interruptions)
+                    .await;
+                if !reported {
+                    drop(writing);
+                    return Plan::Settle(Outcome::Requeue { holding: None });
+                }
                 let answer = CallAnswer {
                     call: grant.call,
                     cost: registration.cost,
@@ -557,14 +742,18 @@ impl Worker {
                     }
                 );
                 drop(writing);
-                let Some(raise_due) = recorded else {
+                let Some(recorded) = recorded else {
                     // Not acked without its record: the broker redelivers it, and the
                     // downstream sees the same Idempotency-Key again.
                     return Plan::Settle(Outcome::Requeue { holding: None });
                 };
-                if raise_due && rate_limit.is_none() {
+                if recorded.raise_due && rate_limit.is_none() {
                     self.learn(registration, Lesson::Recovery, answered_us)
                         .await;
+                }
+                if !self.finish_batch(reporting, recorded, interruptions).await {
+                    // Recorded: a redelivery is acked as registered and publishes the event.
+                    return Plan::Settle(Outcome::Requeue { holding: None });
                 }
                 false
             }
@@ -580,7 +769,7 @@ impl Worker {
                     tokio::join!(call_end, self.learn(registration, lesson, answered_us));
                 lowered
             }
-            Reply::Transient(_) | Reply::Rejected { .. } => {
+            Reply::Transient { .. } | Reply::Rejected { .. } => {
                 call_end.await;
                 false
             }
@@ -756,45 +945,185 @@ impl Worker {
         }
     }
 
-    /// Records the registration (and its call's `answer`) in one step; whether a learned limit
-    /// of the seller is due to go up. A Redis that fails or refuses the write (down, OOM,
-    /// MISCONF, READONLY, …) is waited out with the Redis backoff, the message unacked; `None`
-    /// only when shutdown or a lost connection interrupts the wait, the record unwritten.
+    /// Records the registration (and its call's `answer`) in one step. A Redis that fails or
+    /// refuses the write (down, OOM, MISCONF, READONLY, …) is waited out with the Redis backoff,
+    /// the message unacked; `None` only when shutdown or a lost connection interrupts the wait,
+    /// the record unwritten.
     async fn record_completion(
         &self,
         registration: &Registration,
         answer: CallAnswer<'_>,
         interruptions: Interruptions<'_>,
-    ) -> Option<bool> {
-        let mut backoff = plan::redis_backoff();
-        loop {
+    ) -> Option<Recorded> {
+        let what = "registered, but the completion record is not written yet";
+        let recorded = until_done(what, interruptions, || async move {
             let recorded = self
                 .permits
                 .complete_call(
                     &registration.seller_id,
                     &registration.message_id,
-                    registration.batch_id.as_ref(),
+                    InBatch::of(registration),
                     answer,
                     self.settings.done_ttl,
                 )
                 .await;
-            let error = match recorded {
-                Ok(raise_due) => return Some(raise_due),
-                Err(error) => error,
-            };
-            metrics::counter!("turnstile_redis_errors_total").increment(1);
-            let wait = backoff.next().unwrap_or(Duration::from_secs(5));
-            warn!(%error, retry_in_ms = wait.as_millis() as u64, "registered, but the completion record is not written yet; the message stays unacked until it is");
-            tokio::select! {
-                _ = tokio::time::sleep(wait) => {}
-                _ = interruptions.shutdown.cancelled() => break,
-                _ = interruptions.connection_lost.cancelled() => break,
+            if recorded.is_err() {
+                metrics::counter!("turnstile_redis_errors_total").increment(1);
             }
+            recorded
+        })
+        .await;
+        if recorded.is_none() {
+            warn!(
+                "registered, but the completion record was not written before shutdown: a redelivery calls again with the same Idempotency-Key"
+            );
         }
-        warn!(
-            "registered, but the completion record was not written before shutdown: a redelivery calls again with the same Idempotency-Key"
-        );
-        None
+        recorded
+    }
+
+    /// Publishes a message's result (see [`report::Final`]) to the results exchange and its
+    /// `reply_to`, retrying until the broker confirms; `false` when interrupted first.
+    async fn publish_result(
+        &self,
+        reporting: &Reporting<'_>,
+        outcome: &str,
+        detail: Option<&str>,
+        report: &Report,
+        interruptions: Interruptions<'_>,
+    ) -> bool {
+        let result = report::Final {
+            identity: &reporting.identity,
+            outcome,
+            detail,
+            report,
+            first_seen_ms: reporting.first_seen_ms,
+            finished_ms: crate::broker::unix_ms(),
+        };
+        let body = &result.body();
+        let message_id = reporting.identity.message_id.as_ref().map(|m| m.as_str());
+        let what = "the message's result was not published";
+        let sent = until_done(what, interruptions, || async move {
+            let sent = reporting
+                .results
+                .publish_result(outcome, message_id, body, &reporting.reply)
+                .await;
+            if sent.is_err() {
+                metrics::counter!("turnstile_broker_errors_total").increment(1);
+            }
+            sent
+        })
+        .await;
+        if sent.is_some() {
+            metrics::counter!("turnstile_results_published_total").increment(1);
+        }
+        sent.is_some()
+    }
+
+    /// Publishes the completion event of the message's batch if `recorded` found one pending;
+    /// `false` when interrupted first.
+    async fn finish_batch(
+        &self,
+        reporting: &Reporting<'_>,
+        recorded: Recorded,
+        interruptions: Interruptions<'_>,
+    ) -> bool {
+        let (Some(event), Some((seller, _, batch))) = (recorded.event, reporting.batch()) else {
+            return true;
+        };
+        publish_event(
+            &self.permits,
+            reporting.results,
+            seller,
+            batch.id,
+            event,
+            interruptions,
+        )
+        .await
+    }
+
+    /// Before a dead letter is acked: its result, then (for a message of a batch) its record,
+    /// which counts it in its batch, and the batch's completion event if that completed it;
+    /// `false` when interrupted first (the message is returned: its dead letter may then be
+    /// published twice, never lost). A message without a batch is counted in the background
+    /// (see [`count_dead_letter`]).
+    async fn report_dead(
+        &self,
+        reason: &'static str,
+        detail: &str,
+        report: &Report,
+        reporting: &Reporting<'_>,
+        interruptions: Interruptions<'_>,
+    ) -> bool {
+        if !self
+            .publish_result(reporting, reason, Some(detail), report, interruptions)
+            .await
+        {
+            return false;
+        }
+        let Some((seller, message, batch)) = reporting.batch() else {
+            count_dead_letter(
+                &self.permits,
+                &reporting.identity,
+                reason,
+                self.settings.done_ttl,
+            );
+            return true;
+        };
+        let what = "dead-lettered, but not counted in its batch yet";
+        let recorded = until_done(what, interruptions, || async move {
+            let recorded = self
+                .permits
+                .complete(
+                    seller,
+                    message,
+                    Some(batch),
+                    crate::permit::Completion::Dead(reason),
+                    self.settings.done_ttl,
+                )
+                .await;
+            if recorded.is_err() {
+                metrics::counter!("turnstile_redis_errors_total").increment(1);
+            }
+            recorded
+        })
+        .await;
+        match recorded {
+            Some(recorded) => self.finish_batch(reporting, recorded, interruptions).await,
+            None => false,
+        }
+    }
+
+    /// Before a message registered before is acked: the completion event of its batch, if one
+    /// is pending (the replica that recorded it may have died before publishing it); `false`
+    /// when interrupted first.
+    async fn report_already_done(
+        &self,
+        reporting: &Reporting<'_>,
+        interruptions: Interruptions<'_>,
+    ) -> bool {
+        let Some((seller, _, batch)) = reporting.batch() else {
+            return true;
+        };
+        let what = "could not read whether the batch's completion event is pending";
+        let pending = until_done(what, interruptions, || {
+            self.permits.pending_event(seller, batch.id)
+        })
+        .await;
+        match pending {
+            Some(Some(event)) => {
+                publish_event(
+                    &self.permits,
+                    reporting.results,
+                    seller,
+                    batch.id,
+                    event,
+                    interruptions,
+                )
+                .await
+            }
+            Some(None) => true,
+            None => false,
+        }
     }
 
     /// Records that the call `call` was answered at `answered_us` (not a registration): it
@@ -816,29 +1145,57 @@ impl Worker {
     }
 
     /// Applies an outcome: the one place that acks, nacks, delays or dead-letters (a dead
-    /// letter carries `started_trace`, see [`Carried::started_trace`]).
-    pub async fn settle(
+    /// letter carries `started_trace`, see [`Carried::started_trace`]). A dead letter's result
+    /// is published before the ack (a registration's was, before its record).
+    #[allow(clippy::too_many_arguments)]
+    async fn settle(
         &self,
         delivery: Delivery,
         outcome: Outcome,
         started_trace: Option<&TraceContext>,
         publisher: &Publisher,
+        reporting: &Reporting<'_>,
         settler: &Settler,
-        connection_lost: &CancellationToken,
+        interruptions: Interruptions<'_>,
     ) {
+        let connection_lost = interruptions.connection_lost;
         let tag = delivery.delivery_tag;
         let published = self
-            .republish(&delivery, &outcome, started_trace, publisher)
+            .republish(&delivery, &outcome, started_trace, reporting, publisher)
             .await;
         let delivered = || Carried::reservation_of(&delivery);
         if let Some(left) = stranded(delivered, &outcome, published.is_ok()) {
             self.give_back(&delivery, left);
         }
+        let reported = match (&published, &outcome) {
+            (
+                Ok(()),
+                Outcome::DeadLetter {
+                    reason,
+                    detail,
+                    report,
+                },
+            ) => {
+                self.report_dead(reason, detail, report, reporting, interruptions)
+                    .await
+            }
+            (Ok(()), Outcome::AlreadyDone) => {
+                self.report_already_done(reporting, interruptions).await
+            }
+            _ => true,
+        };
+        if !reported {
+            self.stats.requeued.fetch_add(1, Ordering::Relaxed);
+            if let Err(error) = settler.requeue(tag).await {
+                debug!(%error, "could not return the delivery (its channel is gone; the broker redelivers it)");
+            }
+            return;
+        }
         let result = match published {
             Ok(()) => {
                 self.count(&delivery, &outcome);
                 match outcome {
-                    Outcome::Registered | Outcome::AlreadyDone => {
+                    Outcome::Registered(_) | Outcome::AlreadyDone => {
                         settler.ack(tag);
                         Ok(())
                     }
@@ -888,35 +1245,34 @@ impl Worker {
         delivery: &Delivery,
         outcome: &Outcome,
         started_trace: Option<&TraceContext>,
+        reporting: &Reporting<'_>,
         publisher: &Publisher,
     ) -> Result<(), PublishError> {
         match outcome {
-            Outcome::Registered | Outcome::AlreadyDone | Outcome::Requeue { .. } => Ok(()),
+            Outcome::Registered(_) | Outcome::AlreadyDone | Outcome::Requeue { .. } => Ok(()),
             Outcome::Delay { after, carried } => {
                 publisher
                     .delay(&self.topology, delivery, *after, &carried.headers())
                     .await
             }
-            Outcome::DeadLetter { reason, detail } => {
+            Outcome::DeadLetter { reason, detail, .. } => {
                 warn!(reason, detail, "dead-lettering");
+                let mut extra = plan::started_trace_headers(started_trace);
+                extra.push((
+                    crate::broker::headers::FIRST_SEEN,
+                    lapin::types::AMQPValue::LongLongInt(reporting.first_seen_ms as i64),
+                ));
                 publisher
-                    .dead_letter(
-                        &self.topology,
-                        delivery,
-                        reason,
-                        detail,
-                        &plan::started_trace_headers(started_trace),
-                    )
+                    .dead_letter(&self.topology, delivery, reason, detail, &extra)
                     .await
             }
         }
     }
 
-    /// Counts a settled outcome in the stats and the metrics (a dead letter also in the
-    /// dashboard and its upload's progress, see [`count_dead_letter`]).
+    /// Counts a settled outcome in the stats and the metrics.
     fn count(&self, delivery: &Delivery, outcome: &Outcome) {
         let counter = match outcome {
-            Outcome::Registered => &self.stats.registered,
+            Outcome::Registered(_) => &self.stats.registered,
             Outcome::AlreadyDone => &self.stats.already_done,
             Outcome::Delay { .. } => &self.stats.delayed,
             Outcome::DeadLetter { .. } => &self.stats.dead_lettered,
@@ -926,7 +1282,7 @@ impl Worker {
         let label = outcome.label(Carried::attempt_of(delivery));
         metrics::counter!("turnstile_outcomes_total", "outcome" => label).increment(1);
         if let Outcome::DeadLetter { reason, .. } = outcome {
-            count_dead_letter(&self.permits, delivery, reason, self.settings.done_ttl);
+            metrics::counter!("turnstile_dead_letters_total", "reason" => *reason).increment(1);
         }
     }
 

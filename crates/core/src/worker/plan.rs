@@ -9,7 +9,7 @@ use lapin::message::Delivery;
 use lapin::types::AMQPValue;
 
 use crate::broker::{header_str, header_u64, headers, long_string};
-use crate::downstream::Reply;
+use crate::downstream::{ApiResponse, Reply};
 use tracing::warn;
 
 use crate::permit::{CALL_ALLOWANCE, Decision, PermitError, Reservation};
@@ -18,22 +18,54 @@ use crate::trace::TraceContext;
 /// What to do with a delivery; decided by [`Worker::handle`], applied by [`Worker::settle`].
 #[derive(Debug, PartialEq)]
 pub enum Outcome {
-    /// Registered now: ack.
-    Registered,
+    /// Registered now: ack (after its result).
+    Registered(Report),
     /// Registered before (completion record): ack without calling.
     AlreadyDone,
     /// Come back later through the delay ladder, with what the message carries (its
     /// reservation, if any).
     Delay { after: Duration, carried: Carried },
-    /// Give up: publish to `<queue>.dead` with the reason, then ack.
+    /// Give up: publish to `<queue>.dead` with the reason, then its result, then ack.
     DeadLetter {
         reason: &'static str,
         detail: String,
+        report: Report,
     },
     /// Give the message back to the broker as it is (nack + requeue). The copy the broker
     /// gives back carries what the delivery carried; a reservation taken since (`holding`) is
     /// given back.
     Requeue { holding: Option<Reservation> },
+}
+
+/// What a message's result says beside its outcome: the downstream's answer to its last call
+/// (none when no call was answered) and its attempts: the calls that counted as attempts, the
+/// last one included (a 429 is not an attempt).
+#[derive(Clone, Debug, Default, PartialEq)]
+pub struct Report {
+    pub response: Option<ApiResponse>,
+    pub attempts: u32,
+}
+
+impl Report {
+    /// A message that ends after `attempts` attempts, with no answer to carry.
+    pub fn after(attempts: u32) -> Self {
+        Self {
+            response: None,
+            attempts,
+        }
+    }
+}
+
+impl Outcome {
+    /// Dead-lettered for `reason` with `detail`, after `attempts` attempts, with no answer to
+    /// carry.
+    pub fn dead(reason: &'static str, detail: impl Into<String>, attempts: u32) -> Self {
+        Outcome::DeadLetter {
+            reason,
+            detail: detail.into(),
+            report: Report::after(attempts),
+        }
+    }
 }
 
 /// The `outcome` label values of `turnstile_outcomes_total` (see [`Outcome::label`]).
@@ -60,7 +92,7 @@ impl Outcome {
     /// `delivered_attempt` failed attempts: a delay after one more failed attempt is `retried`.
     pub(super) fn label(&self, delivered_attempt: u32) -> &'static str {
         match self {
-            Outcome::Registered => "registered",
+            Outcome::Registered(_) => "registered",
             Outcome::AlreadyDone => "already_done",
             Outcome::Delay { carried, .. } if carried.attempt > delivered_attempt => "retried",
             Outcome::Delay { .. } => "delayed",
@@ -85,6 +117,8 @@ pub struct Carried {
     /// its delayed copies and its dead letter carry it (as `traceparent`), so that all its
     /// attempts, and a replay of its dead letter, are one trace.
     pub started_trace: Option<TraceContext>,
+    /// When turnstile first saw the message (Unix ms, never after now), for its result.
+    pub first_seen_ms: u64,
 }
 
 impl Carried {
@@ -97,6 +131,8 @@ impl Carried {
             throttled_since_ms: header_u64(delivery, headers::THROTTLED_SINCE)
                 .map(|t| t.min(now_ms)),
             started_trace: None,
+            first_seen_ms: header_u64(delivery, headers::FIRST_SEEN)
+                .map_or(now_ms, |t| t.min(now_ms)),
         }
     }
 
@@ -128,6 +164,12 @@ impl Carried {
                 ),
             ),
         ];
+        if self.first_seen_ms > 0 {
+            headers.push((
+                headers::FIRST_SEEN,
+                AMQPValue::LongLongInt(self.first_seen_ms.min(i64::MAX as u64) as i64),
+            ));
+        }
         if let Some(since) = self.throttled_since_ms {
             headers.push((
                 headers::THROTTLED_SINCE,
@@ -235,13 +277,14 @@ impl WorkerSettings {
                 most,
                 limits,
                 bound_by,
-            } => Plan::Settle(Outcome::DeadLetter {
-                reason: "invalid-message",
-                detail: format!(
+            } => Plan::Settle(Outcome::dead(
+                "invalid-message",
+                format!(
                     "cost {cost} exceeds what the seller's limit {limits} can ever grant to one \
                      call: at most {most}, {bound_by}"
                 ),
-            }),
+                carried.attempt,
+            )),
         }
     }
 
@@ -329,7 +372,10 @@ impl WorkerSettings {
     ) -> Plan {
         carried.reservation = None;
         match reply {
-            Reply::Registered => Plan::Settle(Outcome::Registered),
+            Reply::Registered(response) => Plan::Settle(Outcome::Registered(Report {
+                response: Some(response),
+                attempts: carried.attempt.saturating_add(1),
+            })),
             // The learned limit went down: it spaces the seller's next calls, no pause needed.
             Reply::Throttled { retry_after: None } if lowered => self
                 .throttled_too_long(carried, now_ms)
@@ -337,10 +383,18 @@ impl WorkerSettings {
             Reply::Throttled { retry_after } => {
                 self.plan_throttled(retry_after.unwrap_or(window), carried, now_ms)
             }
-            Reply::Transient(why) => self.plan_failure(why, carried),
-            Reply::Rejected { status, body } => Plan::Settle(Outcome::DeadLetter {
+            Reply::Transient { why, response } => self.plan_failure(why, response, carried),
+            Reply::Rejected {
+                status,
+                body,
+                response,
+            } => Plan::Settle(Outcome::DeadLetter {
                 reason: "rejected",
                 detail: format!("HTTP {status}: {body}"),
+                report: Report {
+                    response,
+                    attempts: carried.attempt.saturating_add(1),
+                },
             }),
         }
     }
@@ -369,27 +423,37 @@ impl WorkerSettings {
         let since = *carried.throttled_since_ms.get_or_insert(now_ms);
         let throttled_for = Duration::from_millis(now_ms.saturating_sub(since));
         (throttled_for >= self.throttle_deadline).then(|| {
-            Plan::Settle(Outcome::DeadLetter {
-                reason: "throttled",
-                detail: format!(
+            Plan::Settle(Outcome::dead(
+                "throttled",
+                format!(
                     "the downstream answered 429 for {} s (TURNSTILE_THROTTLE_DEADLINE {} s)",
                     throttled_for.as_secs(),
                     self.throttle_deadline.as_secs()
                 ),
-            })
+                carried.attempt,
+            ))
         })
     }
 
     /// A failed attempt (5xx, timeout, connection error), counted in `carried`: the
     /// `max_attempts`-th is dead-lettered as `attempts-exhausted`, earlier ones are retried
     /// after [`WorkerSettings::backoff`].
-    pub(super) fn plan_failure(&self, why: String, carried: &mut Carried) -> Plan {
+    pub(super) fn plan_failure(
+        &self,
+        why: String,
+        response: Option<ApiResponse>,
+        carried: &mut Carried,
+    ) -> Plan {
         carried.attempt = carried.attempt.saturating_add(1);
         let attempt = carried.attempt;
         if attempt >= self.max_attempts {
             return Plan::Settle(Outcome::DeadLetter {
                 reason: "attempts-exhausted",
                 detail: format!("{attempt} attempts failed; last: {why}"),
+                report: Report {
+                    response,
+                    attempts: attempt,
+                },
             });
         }
         Plan::Retry {
@@ -494,10 +558,11 @@ impl PermitErrors {
                 carried.reservation = None;
                 Plan::AskAgain
             }
-            PermitFailure::GiveUp => Plan::Settle(Outcome::DeadLetter {
-                reason: "invalid-message",
-                detail: format!("the limiter refused it {} times: {error}", self.refused),
-            }),
+            PermitFailure::GiveUp => Plan::Settle(Outcome::dead(
+                "invalid-message",
+                format!("the limiter refused it {} times: {error}", self.refused),
+                carried.attempt,
+            )),
         }
     }
 }
@@ -592,10 +657,7 @@ mod tests {
     }
 
     fn dead_letter(reason: &'static str, detail: &str) -> Plan {
-        Plan::Settle(Outcome::DeadLetter {
-            reason,
-            detail: detail.into(),
-        })
+        Plan::Settle(Outcome::dead(reason, detail, 0))
     }
 
     #[test]
@@ -763,8 +825,14 @@ mod tests {
     #[test]
     fn a_registration_spends_the_reservation() {
         let mut carried = reserved();
-        let plan = settings().plan_reply(Reply::Registered, &mut carried, 0, SECOND, false);
-        assert_eq!(plan, Plan::Settle(Outcome::Registered));
+        let answer = ApiResponse::new(201, br#"{"product_id":7}"#, false);
+        let reply = Reply::Registered(answer.clone());
+        let plan = settings().plan_reply(reply, &mut carried, 0, SECOND, false);
+        let report = Report {
+            response: Some(answer),
+            attempts: 1,
+        };
+        assert_eq!(plan, Plan::Settle(Outcome::Registered(report)));
         assert_eq!(carried.reservation, None);
     }
 
@@ -774,11 +842,22 @@ mod tests {
             attempt: 4,
             ..reserved()
         };
-        let reply = Reply::Transient("HTTP 503".into());
+        let last = ApiResponse::new(503, b"down for maintenance", false);
+        let reply = Reply::Transient {
+            why: "HTTP 503".into(),
+            response: Some(last.clone()),
+        };
         let plan = settings().plan_reply(reply, &mut carried, 0, SECOND, false);
         assert_eq!(
             plan,
-            dead_letter("attempts-exhausted", "5 attempts failed; last: HTTP 503")
+            Plan::Settle(Outcome::DeadLetter {
+                reason: "attempts-exhausted",
+                detail: "5 attempts failed; last: HTTP 503".into(),
+                report: Report {
+                    response: Some(last),
+                    attempts: 5
+                },
+            })
         );
         assert_eq!(carried.attempt, 5);
     }
@@ -789,7 +868,7 @@ mod tests {
             attempt: 3,
             ..reserved()
         };
-        let reply = Reply::Transient("timeout".into());
+        let reply = Reply::unanswered("timeout".into());
         let plan = settings().plan_reply(reply, &mut carried, 0, SECOND, false);
         let Plan::Retry { after, why } = plan else {
             panic!("{plan:?}");
@@ -819,12 +898,29 @@ mod tests {
 
     #[test]
     fn a_rejection_is_dead_lettered_with_its_status_and_body() {
+        let answer = ApiResponse::new(422, b"unknown seller", false);
         let reply = Reply::Rejected {
             status: 422,
             body: "unknown seller".into(),
+            response: Some(answer.clone()),
         };
-        let plan = settings().plan_reply(reply, &mut Carried::default(), 0, SECOND, false);
-        assert_eq!(plan, dead_letter("rejected", "HTTP 422: unknown seller"));
+        let mut carried = Carried {
+            attempt: 2,
+            ..Carried::default()
+        };
+        let plan = settings().plan_reply(reply, &mut carried, 0, SECOND, false);
+        let report = Report {
+            response: Some(answer),
+            attempts: 3,
+        };
+        assert_eq!(
+            plan,
+            Plan::Settle(Outcome::DeadLetter {
+                reason: "rejected",
+                detail: "HTTP 422: unknown seller".into(),
+                report
+            })
+        );
     }
 
     #[test]
@@ -998,7 +1094,8 @@ mod tests {
             stranded(|| None, &Outcome::Requeue { holding: None }, true),
             None
         );
-        assert_eq!(stranded(|| None, &Outcome::Registered, false), None);
+        let registered = Outcome::Registered(Report::after(1));
+        assert_eq!(stranded(|| None, &registered, false), None);
     }
 
     #[test]
@@ -1018,7 +1115,7 @@ mod tests {
     #[test]
     fn every_outcome_label_and_dead_letter_reason_is_in_the_fixed_sets_exported_at_zero() {
         let outcomes = [
-            Outcome::Registered,
+            Outcome::Registered(Report::default()),
             Outcome::AlreadyDone,
             Outcome::Delay {
                 after: SECOND,
@@ -1031,10 +1128,7 @@ mod tests {
                     ..Carried::default()
                 },
             },
-            Outcome::DeadLetter {
-                reason: "rejected",
-                detail: String::new(),
-            },
+            Outcome::dead("rejected", "", 0),
             Outcome::Requeue { holding: None },
         ];
         let labels: std::collections::BTreeSet<_> = outcomes.iter().map(|o| o.label(0)).collect();
@@ -1043,7 +1137,15 @@ mod tests {
 
         // Every dead-letter reason written in the worker's source is one of the fixed set.
         for source in [include_str!("plan.rs"), include_str!("mod.rs")] {
-            for literal in source.split("reason: \"").skip(1) {
+            let literals = source
+                .split("reason: \"")
+                .skip(1)
+                .chain(source.split("Outcome::dead(\"").skip(1))
+                .chain(source.split("dead(\n").skip(1).filter_map(|s| {
+                    let s = s.trim_start();
+                    s.strip_prefix('"')
+                }));
+            for literal in literals {
                 let reason = &literal[..literal.find('"').expect("a closed literal")];
                 assert!(
                     DEAD_LETTER_REASONS.contains(&reason),

@@ -37,7 +37,7 @@ use turnstile_core::config::{
 };
 use turnstile_core::domain::{BatchId, MessageId, SellerId};
 use turnstile_core::permit::{
-    Completion, Keyspace, PermitStore, RedisConn, delete_prefix, keys_matching,
+    Completion, InBatch, Keyspace, PermitStore, RedisConn, delete_prefix, keys_matching,
 };
 use turnstile_ops::serve::Served;
 
@@ -315,7 +315,10 @@ async fn completion_records(
                 .complete(
                     &seller(s),
                     &message(s, m),
-                    Some(&batch),
+                    Some(InBatch {
+                        id: &batch,
+                        size: None,
+                    }),
                     Completion::Registered,
                     args.done_ttl,
                 )

@@ -627,7 +627,10 @@ enum Loop<'a> {
 async fn register_bare(downstream: &Downstream, body: &[u8]) -> bool {
     let registration =
         Registration::parse(body, None).expect("the bench publishes valid registrations");
-    matches!(downstream.register(&registration).await, Reply::Registered)
+    matches!(
+        downstream.register(&registration).await,
+        Reply::Registered(_)
+    )
 }
 
 /// A bare loop's own connection, with a channel consuming the work queue at a replica's

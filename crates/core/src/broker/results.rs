@@ -1,0 +1,218 @@
+//! What flows back to the upload service: each message's result, and each batch's completion
+//! event, published with confirms on a channel of their own.
+//!
+//! - a result goes to the topic exchange `<q>.results` with routing key `result.<outcome>`
+//!   (dropped by the broker when no queue is bound: a fan-out for whoever listens), and, when
+//!   the message has a `reply_to`, to that queue through the default exchange with the
+//!   message's `correlation_id` (RabbitMQ's RPC convention). A reply no queue takes (the queue
+//!   is gone) is counted and logged, never retried: the exchange's copy still goes out.
+//! - a batch's completion event goes to `<q>.results` with routing key `batch.completed`.
+//!
+//! The channel is this module's own: a results exchange deleted at runtime makes the broker
+//! close the channel that published to it (404), which must not be the channel that moves
+//! messages through the ladder. A failed publish reopens the channel and declares the exchange
+//! again before it reports the error; the caller retries.
+
+use std::sync::Arc;
+
+use anyhow::Context;
+use lapin::options::{ConfirmSelectOptions, ExchangeDeclareOptions};
+use lapin::types::{FieldTable, ShortString};
+use lapin::{BasicProperties, Connection, ExchangeKind};
+
+use super::{PublishError, Publisher, Routing};
+
+/// The routing key of a batch's completion event.
+pub const BATCH_COMPLETED: &str = "batch.completed";
+
+/// Where a message asked its result to go besides the results exchange.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct ReplyTo {
+    /// The queue (`reply_to`), if any.
+    pub queue: Option<ShortString>,
+    pub correlation_id: Option<ShortString>,
+}
+
+impl ReplyTo {
+    /// A delivery's `reply_to` (an empty one is none) and `correlation_id`.
+    pub fn of(properties: &BasicProperties) -> Self {
+        Self {
+            queue: properties
+                .reply_to()
+                .clone()
+                .filter(|q| !q.as_str().is_empty()),
+            correlation_id: properties.correlation_id().clone(),
+        }
+    }
+}
+
+/// The results exchange and the confirming channel results go out on; one per broker
+/// connection. Cheap to clone (shared).
+#[derive(Clone)]
+pub struct Results {
+    connection: Arc<Connection>,
+    exchange: Arc<str>,
+    channel: Arc<tokio::sync::Mutex<Publisher>>,
+}
+
+impl Results {
+    /// Opens the results' channel on `connection` and declares `exchange` (a durable topic
+    /// exchange).
+    pub async fn open(connection: Arc<Connection>, exchange: &str) -> anyhow::Result<Self> {
+        let channel = open_channel(&connection, exchange).await?;
+        Ok(Self {
+            connection,
+            exchange: exchange.into(),
+            channel: Arc::new(tokio::sync::Mutex::new(channel)),
+        })
+    }
+
+    /// The results exchange's name.
+    pub fn exchange(&self) -> &str {
+        &self.exchange
+    }
+
+    /// Publishes a message's result (JSON `body`) to the results exchange with routing key
+    /// `result.<outcome>`, and to `reply`'s queue when there is one, both confirmed. `Ok(false)`
+    /// when the reply found no queue (counted and logged; the exchange's copy went out).
+    pub async fn publish_result(
+        &self,
+        outcome: &str,
+        message_id: Option<&str>,
+        body: &[u8],
+        reply: &ReplyTo,
+    ) -> Result<bool, PublishError> {
+        let mut properties = properties(message_id, "turnstile.result");
+        if let Some(correlation) = &reply.correlation_id {
+            properties = properties.with_correlation_id(correlation.clone());
+        }
+        let channel = self.channel.lock().await.clone();
+        let key = format!("result.{outcome}");
+        let to_exchange = channel.publish_to(
+            &self.exchange,
+            &key,
+            body,
+            properties.clone(),
+            Routing::Optional,
+        );
+        let to_reply = async {
+            match &reply.queue {
+                Some(queue) => {
+                    channel
+                        .publish_to(
+                            "",
+                            queue.as_str(),
+                            body,
+                            properties.clone(),
+                            Routing::Mandatory,
+                        )
+                        .await
+                }
+                None => Ok(()),
+            }
+        };
+        let (exchange, replied) = tokio::join!(to_exchange, to_reply);
+        let replied = match replied {
+            Ok(()) => true,
+            Err(PublishError::Unroutable(_)) => {
+                metrics::counter!("turnstile_results_unrouted_total").increment(1);
+                tracing::warn!(
+                    reply_to = reply.queue.as_ref().map(|q| q.as_str()).unwrap_or_default(),
+                    "the message's reply_to queue does not exist: its result went only to the results exchange"
+                );
+                false
+            }
+            Err(error) => return Err(self.failed(channel, error).await),
+        };
+        match exchange {
+            Ok(()) => Ok(replied),
+            Err(error) => Err(self.failed(channel, error).await),
+        }
+    }
+
+    /// Publishes a batch's completion event (JSON `body`), confirmed.
+    pub async fn publish_event(&self, batch_id: &str, body: &[u8]) -> Result<(), PublishError> {
+        let channel = self.channel.lock().await.clone();
+        let properties = properties(Some(batch_id), "turnstile.batch.completed");
+        let sent = channel
+            .publish_to(
+                &self.exchange,
+                BATCH_COMPLETED,
+                body,
+                properties,
+                Routing::Optional,
+            )
+            .await;
+        match sent {
+            Ok(()) => Ok(()),
+            Err(error) => Err(self.failed(channel, error).await),
+        }
+    }
+
+    /// After a failed publish on `used`: a closed channel (the exchange deleted, say) is
+    /// replaced by a new one, with the exchange declared again, so that a retry can succeed.
+    async fn failed(&self, used: Publisher, error: PublishError) -> PublishError {
+        if used.channel().status().connected() || !self.connection.status().connected() {
+            return error;
+        }
+        let mut current = self.channel.lock().await;
+        if !current.is_on_channel_of(&used) || current.channel().status().connected() {
+            return error;
+        }
+        match open_channel(&self.connection, &self.exchange).await {
+            Ok(reopened) => {
+                tracing::warn!(%error, exchange = %self.exchange, "the results channel was closed; reopened it and declared the results exchange again");
+                *current = reopened;
+            }
+            Err(reopen) => {
+                tracing::warn!(%error, reopen = format!("{reopen:#}"), "the results channel was closed and could not be reopened");
+            }
+        }
+        error
+    }
+}
+
+/// A result's or an event's properties: JSON, persistent, named by `message_id`, typed.
+fn properties(message_id: Option<&str>, kind: &str) -> BasicProperties {
+    let mut properties = BasicProperties::default()
+        .with_content_type("application/json".into())
+        .with_type(kind.into())
+        .with_timestamp(super::unix_ms() / 1000);
+    if let Some(id) = message_id.filter(|id| id.len() <= 255) {
+        properties = properties.with_message_id(id.into());
+    }
+    properties
+}
+
+/// A confirming channel with `exchange` declared on it.
+async fn open_channel(connection: &Connection, exchange: &str) -> anyhow::Result<Publisher> {
+    let channel = connection
+        .create_channel()
+        .await
+        .context("opening the results channel")?;
+    channel
+        .confirm_select(ConfirmSelectOptions::default())
+        .await
+        .context("enabling publisher confirms on the results channel")?;
+    declare_exchange(&channel, exchange).await?;
+    Ok(Publisher::on(
+        channel,
+        connection.configuration().frame_max(),
+    ))
+}
+
+/// Declares the results exchange (durable topic; idempotent).
+pub async fn declare_exchange(channel: &lapin::Channel, exchange: &str) -> anyhow::Result<()> {
+    channel
+        .exchange_declare(
+            exchange.into(),
+            ExchangeKind::Topic,
+            ExchangeDeclareOptions {
+                durable: true,
+                ..Default::default()
+            },
+            FieldTable::default(),
+        )
+        .await
+        .with_context(|| format!("declaring the results exchange {exchange:?}"))
+}
