@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # README's test command: what the tests need that a fresh machine lacks (headless Chromium,
-# docker-compose, promtool, Node and the manifest validator's npm packages; installed once),
-# formatting, lints, then every test against the local RabbitMQ and Redis (the tests start the
-# local Redis Cluster and the mock downstream they need themselves).
+# docker-compose, promtool, Node and the manifest validator's npm packages, Python 3 with
+# pika; installed once), formatting, lints, then every test against the local RabbitMQ and
+# Redis (the tests start the local Redis Cluster and the mock downstream they need themselves).
 #
 # Everything missing is found first. As root with apt-get, it is then installed at once (one
 # `apt-get update`, one `apt-get install`); otherwise one message names all of it, with the
@@ -40,6 +40,17 @@ fi
 if ! command -v npm >/dev/null 2>&1; then
   packages+=(npm)
   why+=("npm: installs deploy/validate's packages for tests/deploy.rs")
+fi
+# Python 3 with pika for the upload-service example (tests/python_example.rs, which tries
+# $PYTHON, else python3 on the PATH, then Debian's /usr/bin/python3, where python3-pika goes).
+if [ -n "${PYTHON:-}" ]; then pythons=("$PYTHON"); else pythons=(python3 /usr/bin/python3); fi
+has_pika=
+for python in "${pythons[@]}"; do
+  if "$python" -c 'import pika' >/dev/null 2>&1; then has_pika=1 && break; fi
+done
+if [ -z "$has_pika" ]; then
+  packages+=(python3-pika)
+  why+=("python3-pika: Python 3 and pika for the Python example, tests/python_example.rs (or set PYTHON=/path/to/python3 with pika)")
 fi
 
 # Unpacks promtool into target/tools; its scratch directory goes on every exit.
