@@ -64,6 +64,7 @@ pub async fn run(args: StatusArgs) -> anyhow::Result<ExitCode> {
                     .map(|l| serde_json::json!({"limit": l.limit.to_string(), "used": l.used, "capacity": l.capacity, "ahead": l.ahead}))
                     .collect();
                 let mut value = serde_json::json!(b);
+                value["dead_lettered"] = b.dead.values().sum::<u64>().into();
                 value["limit"] = usage.limit.to_string().into();
                 value["limits"] = limits.into();
                 value["binding"] = binding(usage).into();

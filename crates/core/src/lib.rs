@@ -8,7 +8,7 @@
 //!   drain
 //! - [`worker`]: one delivery → one `Outcome`, settled in one place; the decisions apart as
 //!   pure functions
-//! - [`broker`]: RabbitMQ (lapin): topology, the delay ladder, settling, dead letters
+//! - [`broker`]: RabbitMQ (lapin): topology, the delay ladder, settling, dead letters, results
 //! - [`permit`]: the Redis/Lua limiter shared by every replica (per seller, its calls in
 //!   flight, the global limit), and the Redis keyspace
 //! - [`downstream`]: the registration call and what its answer means

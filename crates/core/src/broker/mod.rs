@@ -13,6 +13,8 @@
 //! - the delay ladder ([`ladder`]): queues `<q>.wait.<k>` for k = 0..LEVELS, in which a
 //!   message waits 2^k x UNIT; the replicas consume them and move each message on, confirmed,
 //!   when its wait is over. No broker TTL or dead-lettering is involved.
+//! - `<q>.results`: a topic exchange for what flows back to the upload service, each message's
+//!   result and each batch's completion event ([`results`]).
 //!
 //! Every message's headers fit a budget of the connection's frame_max ([`budget`]).
 
