@@ -142,6 +142,7 @@ mod tests {
             &["turnstile", "limits", "get", "--seller", "S"],
             &["turnstile", "bench", "scenario"],
             &["turnstile", "bench", "permits"],
+            &["turnstile", "bench", "eta"],
         ] {
             if let Err(error) = super::Cli::try_parse_from(args) {
                 panic!("{args:?}: {error}");

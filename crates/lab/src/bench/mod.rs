@@ -3,6 +3,7 @@
 
 mod adaptive;
 mod depth;
+pub mod eta;
 pub mod faults;
 mod permits;
 pub mod scenario;
@@ -48,6 +49,9 @@ pub enum BenchCommand {
     /// Ten thousand active sellers: Redis memory per seller for each algorithm, keys gone after
     /// idleness, and a replica's memory as it serves them.
     Sellers(Box<sellers::SellersArgs>),
+    /// One seller's batch against a strict downstream: the ETA `GET /api/batches/{id}` gives at
+    /// moments of its upload, beside when its last message really registered.
+    Eta(Box<eta::EtaArgs>),
     /// One seller's Redis memory against the depth of its backlog (each queued message asks
     /// for a permit, reserving), beside the smallest depth.
     Depth {
@@ -109,6 +113,11 @@ pub async fn run(which: BenchCommand) -> anyhow::Result<ExitCode> {
         }
         BenchCommand::Sellers(args) => {
             if !sellers::run(*args).await? {
+                return Ok(ExitCode::FAILURE);
+            }
+        }
+        BenchCommand::Eta(args) => {
+            if !eta::run(*args).await? {
                 return Ok(ExitCode::FAILURE);
             }
         }
