@@ -19,6 +19,9 @@
 -- registered + dead reaches it: `completed_ms` and `event` (its completion event, to publish)
 -- are set once. A replay that takes it below its total opens it again (both removed); it then
 -- completes again. The caller publishes the event and removes `event` (batch_event_sent.lua).
+-- EVENT goes to the message whose count completed the batch, and to a repeat of a message
+-- already counted (its redelivery, when it could not publish the event), never to a message
+-- counted after the batch completed (one more than its total): see event_on_count.
 --
 -- KEYS[1]  the message's completion record (string)
 -- KEYS[2]  the seller's calls (see calls_gate in the prelude): with `registered` and a CALL, the
@@ -48,7 +51,8 @@
 -- Returns {CHANGED, WAS_DEAD_FOR, RAISE, EVENT}: CHANGED 1 when the state changed (and was
 --   counted), else 0; WAS_DEAD_FOR the REASON the message was dead for when it left `dead`,
 --   else ''; RAISE 1 when a learned count is due to go up (learn.lua, `recovery`), else 0;
---   EVENT the batch's pending completion event (its `completed_ms`) or '' when none
+--   EVENT the batch's completion event to publish (its `completed_ms`, see above) or ''
+--   when none
 
 local ttl = int_arg(1, 1)
 local outcome = ARGV[2]
@@ -110,13 +114,13 @@ if outcome == 'registered' then
   redis.call('SET', KEYS[1], 'registered', 'PX', ttl)
   if dead_for then count({'dead', 'dead:' .. dead_for}, -1) end
   count({'registered'}, 1)
-  return {1, dead_for or '', raise, batch_event(batch_key)}
+  return {1, dead_for or '', raise, event_on_count(batch_key)}
 elseif outcome == 'dead' then
   if dead_for then redis.call('PEXPIRE', KEYS[1], ttl) end
   if registered or dead_for then return {0, '', 0, batch_event(batch_key)} end
   redis.call('SET', KEYS[1], 'dead:' .. reason, 'PX', ttl)
   count({'dead', 'dead:' .. reason}, 1)
-  return {1, '', 0, batch_event(batch_key)}
+  return {1, '', 0, event_on_count(batch_key)}
 end
 if not dead_for then return {0, '', 0, ''} end
 redis.call('DEL', KEYS[1])

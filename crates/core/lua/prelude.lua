@@ -401,6 +401,19 @@ local function batch_event(key)
   return f[5] or ''
 end
 
+-- The completion event for a message counted now in the batch whose progress is KEY: the
+-- event if counting it completed the batch (see batch_event), else ''. A message counted after
+-- its batch completed (one more than its total) leaves the event to the message that completed
+-- it, which is not acked before the event is published (its redelivery publishes it if it
+-- could not): two messages never race to publish it.
+local function event_on_count(key)
+  if key == nil then return '' end
+  local completed_before = redis.call('HEXISTS', key, 'completed_ms') == 1
+  local event = batch_event(key)
+  if completed_before then return '' end
+  return event
+end
+
 -- What a section of INFO says a counter is (0 when it does not say).
 local function info_count(info, pattern)
   return tonumber(string.match(info, pattern)) or 0

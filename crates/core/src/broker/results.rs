@@ -12,8 +12,15 @@
 //! close the channel that published to it (404), which must not be the channel that moves
 //! messages through the ladder. A failed publish reopens the channel and declares the exchange
 //! again before it reports the error; the caller retries.
+//!
+//! Replies go out on channels of their own ([`REPLY_CHANNELS`]), one reply in flight on each:
+//! lapin hands a returned (unroutable) message to whichever confirm of its channel completes
+//! next, so a reply sharing a channel with other publishes in flight could have its return
+//! taken by another publish (which would then fail and be sent again) and pass as delivered
+//! itself, uncounted. The results channel carries no mandatory publish, so no return.
 
 use std::sync::Arc;
+use std::sync::atomic::{AtomicUsize, Ordering};
 
 use anyhow::Context;
 use lapin::options::{ConfirmSelectOptions, ExchangeDeclareOptions};
@@ -46,13 +53,20 @@ impl ReplyTo {
     }
 }
 
-/// The results exchange and the confirming channel results go out on; one per broker
-/// connection. Cheap to clone (shared).
+/// How many replies one broker connection's results publish at once, each alone on a channel
+/// of its own (opened at its first reply).
+pub const REPLY_CHANNELS: usize = 8;
+
+/// The results exchange and the confirming channel results go out on, and the channels replies
+/// go out on; one per broker connection. Cheap to clone (shared).
 #[derive(Clone)]
 pub struct Results {
     connection: Arc<Connection>,
     exchange: Arc<str>,
     channel: Arc<tokio::sync::Mutex<Publisher>>,
+    /// The reply channels, each held for the whole of one reply (publish and confirm).
+    replies: Arc<[tokio::sync::Mutex<Option<Publisher>>]>,
+    next_reply: Arc<AtomicUsize>,
 }
 
 impl Results {
@@ -64,6 +78,10 @@ impl Results {
             connection,
             exchange: exchange.into(),
             channel: Arc::new(tokio::sync::Mutex::new(channel)),
+            replies: (0..REPLY_CHANNELS)
+                .map(|_| tokio::sync::Mutex::new(None))
+                .collect(),
+            next_reply: Arc::new(AtomicUsize::new(0)),
         })
     }
 
@@ -97,37 +115,55 @@ impl Results {
         );
         let to_reply = async {
             match &reply.queue {
-                Some(queue) => {
-                    channel
-                        .publish_to(
-                            "",
-                            queue.as_str(),
-                            body,
-                            properties.clone(),
-                            Routing::Mandatory,
-                        )
-                        .await
-                }
+                Some(queue) => self.reply(queue.as_str(), body, properties.clone()).await,
                 None => Ok(()),
             }
         };
         let (exchange, replied) = tokio::join!(to_exchange, to_reply);
-        let replied = match replied {
-            Ok(()) => true,
+        if let Err(error) = exchange {
+            return Err(self.failed(channel, error).await);
+        }
+        match replied {
+            Ok(()) => Ok(true),
             Err(PublishError::Unroutable(_)) => {
                 metrics::counter!("turnstile_results_unrouted_total").increment(1);
                 tracing::warn!(
                     reply_to = reply.queue.as_ref().map(|q| q.as_str()).unwrap_or_default(),
                     "the message's reply_to queue does not exist: its result went only to the results exchange"
                 );
-                false
+                Ok(false)
             }
-            Err(error) => return Err(self.failed(channel, error).await),
-        };
-        match exchange {
-            Ok(()) => Ok(replied),
-            Err(error) => Err(self.failed(channel, error).await),
+            // A closed reply channel is opened again at its next reply.
+            Err(error) => Err(error),
         }
+    }
+
+    /// Publishes a reply to `queue` through the default exchange, mandatory and confirmed,
+    /// alone on the next reply channel (opened, or opened again if closed, first): its return,
+    /// if the queue does not exist, is its own.
+    async fn reply(
+        &self,
+        queue: &str,
+        body: &[u8],
+        properties: BasicProperties,
+    ) -> Result<(), PublishError> {
+        let slot = self.next_reply.fetch_add(1, Ordering::Relaxed) % self.replies.len();
+        let mut held = self.replies[slot].lock().await;
+        let publisher = match held.as_ref() {
+            Some(open) if open.channel().status().connected() => open.clone(),
+            _ => {
+                let channel = self.connection.create_channel().await?;
+                channel
+                    .confirm_select(ConfirmSelectOptions::default())
+                    .await?;
+                let opened = Publisher::on(channel, self.connection.configuration().frame_max());
+                *held = Some(opened.clone());
+                opened
+            }
+        };
+        publisher
+            .publish_to("", queue, body, properties, Routing::Mandatory)
+            .await
     }
 
     /// Publishes a batch's completion event (JSON `body`), confirmed.

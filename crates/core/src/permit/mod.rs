@@ -356,8 +356,10 @@ pub struct Recorded {
 
 /// A batch's completion event waiting to be published: the batch completed at `completed_ms`
 /// (Unix ms, Redis time). Whoever publishes it says so with [`PermitStore::batch_event_sent`];
-/// until then every message of the batch recorded, and every redelivery acked as registered
-/// before, finds it pending.
+/// until then the message that completed the batch, its redeliveries (recorded again, or acked
+/// as registered before) and a replica first seeing the batch find it pending; a message
+/// counted after the batch completed (one more than its total) does not, so that it is not
+/// published twice at once.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct BatchEvent {
     pub completed_ms: u64,
