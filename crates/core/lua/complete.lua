@@ -38,10 +38,10 @@
 -- ARGV[4]  CALL: the token of the call that registered it ('' when none)
 -- ARGV[5]  ANSWERED_US: when the CALL's answer came (see answered_arg in the prelude; -1 = now):
 --          its end in the seller's calls and its time in the accepted log
--- ARGV[6]  COST of the message (integer from 0 to MAX_COST; 0 = not known, see end_call;
---          ADAPTIVE needs it): its units in the batch's `done_units`
+-- ARGV[6]  COST of the message (integer from 0 to MAX_COST; 0 or absent = not known, see
+--          end_call; ADAPTIVE needs it): its units in the batch's `done_units`
 -- ARGV[7]  ADAPTIVE: 1 = adaptive limits on: a CALL's acceptance is noted in the accepted log
---          (note_accepted); else 0
+--          (note_accepted); else 0 or absent (ARGV[8] to ARGV[10] may then be absent too)
 -- ARGV[8]  with ADAPTIVE: default COUNTS, comma-separated; else ignored
 -- ARGV[9]  with ADAPTIVE: default WINDOWS in µs, comma-separated; else ignored
 -- ARGV[10] with ADAPTIVE: GUARD in µs (-1 = window/20 within [25 ms, 2 s]); else ignored
@@ -66,7 +66,8 @@ end
 
 local adaptive = ARGV[7] == '1'
 local batch_key = KEYS[3]
-local cost = int_arg(6, 0)
+local cost = 0
+if ARGV[6] ~= nil then cost = int_arg(6, 0) end
 if cost > MAX_COST then error({err = 'ERR turnstile: COST must be at most ' .. MAX_COST}) end
 local default, guard = nil, nil
 if adaptive then

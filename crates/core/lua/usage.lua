@@ -15,6 +15,8 @@
 -- KEYS[3]  the seller's pause ("UNTIL_US"), may be absent
 -- KEYS[4]  the seller's learned state (see with_learned; applied with ARGV[7])
 -- KEYS[5]  the seller's shadow limit (see judge_shadow in the prelude), may be absent
+-- KEYS[6]  optional: the seller's calls (see calls_gate in the prelude)
+-- KEYS[7]  optional: the seller's reserved set (see hold_reservation in the prelude)
 -- ARGV[1]  ALGORITHM: sliding-window, gcra, token-bucket or fixed-window
 -- ARGV[2]  default COUNTS, comma-separated (integers >= 1; 1 to 8 limits)
 -- ARGV[3]  default WINDOWS in µs, comma-separated, one per count (integers >= 1)
@@ -27,7 +29,10 @@
 -- is 1 when it is the seller's own (a well-formed override is set); with learned counts, COUNTS
 -- are the learned ones; then CONFIGURED_COUNTS (the configured stack's counts), WHY (why the
 -- learned counts last changed, or ''), and the shadow limit: its COUNTS and WINDOWS_US ('' when
--- none), AGREE, STRICTER and LOOSER; then per limit of the stack, OLDEST_AGE_US (see the end).
+-- none), AGREE, STRICTER and LOOSER; then per limit of the stack, OLDEST_AGE_US (see the end);
+-- then IN_FLIGHT: units of calls granted and not answered yet (0 without KEYS[6]); then per
+-- limit, DUE: reservations whose slot is in its window now and that are not redeemed yet (0
+-- without KEYS[7]).
 
 local algorithm = algorithm_arg(1)
 local default = limits_arg(2)
@@ -107,5 +112,15 @@ for _, l in ipairs(limits) do
     age = now - math.floor(now / l.window) * l.window
   end
   answer[#answer + 1] = math.floor(math.max(age, 0))
+end
+local in_flight = 0
+if KEYS[6] then in_flight = redis.call('ZCOUNT', KEYS[6], string.format('(%.0f', now), '+inf') end
+answer[#answer + 1] = in_flight
+for _, l in ipairs(limits) do
+  local due = 0
+  if KEYS[7] then
+    due = redis.call('ZCOUNT', KEYS[7], string.format('(%.0f', now - l.span), string.format('%.0f', now))
+  end
+  answer[#answer + 1] = due
 end
 return answer

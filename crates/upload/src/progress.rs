@@ -15,31 +15,48 @@ use turnstile_core::permit::{GlobalUsage, PermitError, PermitStore, Usage};
 /// How far one batch is.
 pub use turnstile_core::permit::UploadProgress as Progress;
 
-/// How long until `units` more units of a seller are registered: for each limit of its
-/// effective stack (override or configured, with learned counts), the greedy schedule of what
-/// its window holds now plus `units` (`(ceil((used + units) / COUNT) - 1)` windows), counted from
-/// when the oldest unit in its window was taken; not before its pause ends and the stack
-/// drains `units` from there; and not faster than its weighted share of the global limit
-/// (`global_rate`, units per second), when there is one.
+/// How long until `units` more units of a seller are registered (its waiting units, granted
+/// ones among them): for each limit of its effective stack (override or configured, with
+/// learned counts), the greedy schedule of the units its window holds for calls already
+/// answered (`used`, less the calls in flight and the reserved slots due and not redeemed
+/// yet), then `units`: `(ceil((answered + units) / COUNT) - 1)` periods of window + guard
+/// (the limiter frees a unit that long after it was taken), counted from when the oldest unit
+/// in its window was taken; not before its pause ends and the stack drains `units` from there;
+/// and not faster than its weighted share of the global limit (`global_rate`, units per
+/// second), when there is one. A unit granted and not answered yet is in the window and still
+/// waiting: it is counted once.
 pub fn eta(usage: &Usage, global_rate: Option<f64>, units: u64) -> Duration {
     if units == 0 {
         return Duration::ZERO;
     }
     let mut eta = Duration::ZERO;
     for limit in &usage.per_limit {
-        let through = limit
-            .limit
-            .optimum_drain(limit.used + units)
-            .saturating_sub(limit.oldest_age);
+        let done = limit
+            .used
+            .saturating_sub(usage.in_flight + limit.due_reserved);
+        let through = drain(limit, done + units).saturating_sub(limit.oldest_age);
         eta = eta.max(through);
     }
     if !usage.paused_for.is_zero() {
-        eta = eta.max(usage.paused_for + usage.limit.optimum_drain(units));
+        let fresh = usage
+            .per_limit
+            .iter()
+            .map(|limit| drain(limit, units))
+            .max()
+            .unwrap_or_default();
+        eta = eta.max(usage.paused_for + fresh);
     }
     if let Some(rate) = global_rate.filter(|r| *r > 0.0) {
         eta = eta.max(Duration::from_secs_f64((units - 1) as f64 / rate));
     }
     eta
+}
+
+/// The greedy schedule of `n` units through one limit from an idle start: `(ceil(n / COUNT) -
+/// 1)` periods of window + guard.
+fn drain(limit: &turnstile_core::permit::LimitUsage, n: u64) -> Duration {
+    let periods = n.div_ceil(u64::from(limit.limit.count())).saturating_sub(1);
+    (limit.limit.window() + limit.guard) * u32::try_from(periods).unwrap_or(u32::MAX)
 }
 
 /// A seller's share of the global limit, in units per second: the global stack's slowest
@@ -233,6 +250,7 @@ mod tests {
     use turnstile_core::config::Limits;
     use turnstile_core::permit::LimitUsage;
 
+    /// A seller's usage, without guard (the tests' windows are exact), nothing in flight.
     fn usage(limit: &str, used: u64, oldest_age: Duration) -> Usage {
         let limits: Limits = limit.parse().unwrap();
         let per_limit: Vec<LimitUsage> = limits
@@ -243,6 +261,8 @@ mod tests {
                 capacity: u64::from(l.count()),
                 ahead: 0,
                 oldest_age,
+                guard: Duration::ZERO,
+                due_reserved: 0,
             })
             .collect();
         Usage {
@@ -254,6 +274,7 @@ mod tests {
             binding: 0,
             overridden: false,
             paused_for: Duration::ZERO,
+            in_flight: 0,
             configured: limits,
             learned_why: None,
             shadow: None,
@@ -282,6 +303,27 @@ mod tests {
         let later = usage("100/1m", 100, Duration::from_secs(30));
         assert_eq!(eta(&later, None, 200), Duration::from_secs(90));
         assert_eq!(eta(&later, None, 0), Duration::ZERO);
+    }
+
+    #[test]
+    fn each_window_ahead_takes_its_guard_too() {
+        let mut guarded = usage("100/1m", 100, Duration::from_secs(2));
+        guarded.per_limit[0].guard = Duration::from_secs(2);
+        // Grants at 0, 62, 124, 186 and 248 s.
+        assert_eq!(eta(&guarded, None, 400), Duration::from_secs(246));
+    }
+
+    #[test]
+    fn a_unit_granted_and_not_answered_is_counted_once() {
+        // A window's 100 units just granted, 70 answered, 10 in flight and 20 reserved slots
+        // due: the 330 waiting include those 30, so 300 more grants, three windows.
+        let mut burst = usage("100/1m", 100, Duration::ZERO);
+        burst.in_flight = 10;
+        burst.per_limit[0].due_reserved = 20;
+        assert_eq!(eta(&burst, None, 330), Duration::from_secs(180));
+        let mut answered = usage("100/1m", 100, Duration::ZERO);
+        answered.in_flight = 0;
+        assert_eq!(eta(&answered, None, 300), Duration::from_secs(180));
     }
 
     #[test]

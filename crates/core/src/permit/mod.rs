@@ -499,6 +499,12 @@ pub struct LimitUsage {
     /// How long ago the oldest unit `used` counts was taken: the window frees from then on
     /// (sliding-window and fixed-window; zero for the others).
     pub oldest_age: Duration,
+    /// The guard added to the window (TURNSTILE_LIMIT_GUARD): a window's units free up
+    /// `window + guard` after they were taken.
+    pub guard: Duration,
+    /// Reservations whose slot is in the window now (counted in `used`) and that are not
+    /// redeemed yet: granted, and still waiting for their call.
+    pub due_reserved: u64,
 }
 
 impl LimitUsage {
@@ -525,6 +531,9 @@ pub struct Usage {
     pub overridden: bool,
     /// How long the seller stays paused (zero when not paused).
     pub paused_for: Duration,
+    /// Units of the seller's calls granted and not answered yet (counted in `used`, and still
+    /// waiting to be registered).
+    pub in_flight: u64,
     /// The stack configured for the seller; `limit` is it with the learned counts (adaptive
     /// limits), lowered for `learned_why` (`None` when nothing is learned below it).
     pub configured: Limits,
@@ -1387,6 +1396,8 @@ impl PermitStore {
                     capacity: answer.count(4 + 2 * i)?,
                     ahead: 0,
                     oldest_age: Duration::ZERO,
+                    guard: self.limiter.guard_for(l.window()),
+                    due_reserved: 0,
                 })
             })
             .collect::<Result<Vec<_>, PermitError>>()?;
@@ -2079,7 +2090,9 @@ impl PermitStore {
             .key(self.keys.limit(seller))
             .key(self.keys.pause(seller))
             .key(self.keys.learned(seller))
-            .key(self.keys.shadow(seller));
+            .key(self.keys.shadow(seller))
+            .key(self.keys.calls(seller))
+            .key(self.keys.reserved(seller));
         self.terms_args(&mut invocation);
         let answer: Vec<redis::Value> = invocation
             .arg(u8::from(self.limiter.adaptive))
@@ -2092,7 +2105,7 @@ impl PermitStore {
         let (paused_until, now, overridden) = (answer.int(0)?, answer.int(1)?, answer.int(2)?);
         let limit = answer.limits(3)?;
         let tail = 5 + 3 * limit.len();
-        if answer.values.len() != tail + 7 + limit.len() {
+        if answer.values.len() != tail + 8 + 2 * limit.len() {
             return Err(answer.bad());
         }
         let configured = Limits::from_args(&answer.text(tail)?, &limit.windows_arg())
@@ -2118,12 +2131,15 @@ impl PermitStore {
                     capacity: answer.count(6 + 3 * i)?,
                     ahead: answer.count(7 + 3 * i)?,
                     oldest_age: Duration::from_micros(answer.count(tail + 7 + i)?),
+                    guard: self.limiter.guard_for(l.window()),
+                    due_reserved: answer.count(tail + 8 + limit.len() + i)?,
                 })
             })
             .collect::<Result<Vec<_>, PermitError>>()?;
         let binding = binding_of(&per_limit);
         let bound = &per_limit[binding];
         let learned_why = Why::parse(&answer.text(tail + 1)?).filter(|_| configured != limit);
+        let in_flight = answer.count(tail + 7 + limit.len())?;
         Ok(Usage {
             used: bound.used,
             capacity: bound.capacity,
@@ -2133,6 +2149,7 @@ impl PermitStore {
             binding,
             overridden: overridden == 1,
             paused_for: wait_for(paused_until, now),
+            in_flight,
             learned_why,
             configured,
             shadow,
