@@ -142,59 +142,59 @@ fn json_answer(status: StatusCode, body: serde_json::Value) -> Response {
         .into_response()
 }
 
+/// An error as the API answers it: `{"error": …}` with `status`.
+fn api_error(status: StatusCode, error: impl std::fmt::Display) -> Response {
+    json_answer(status, serde_json::json!({"error": error.to_string()}))
+}
+
+/// The store the API reads, and `id` parsed by `parse`; or the answer to give instead (503
+/// before the replica reached Redis, 400 for an id that does not parse).
+fn api_input<'a, T, E: std::fmt::Display>(
+    endpoints: &'a Endpoints,
+    id: &str,
+    parse: impl FnOnce(&str) -> Result<T, E>,
+) -> Result<(&'a turnstile_core::permit::PermitStore, T), Box<Response>> {
+    let unavailable = || {
+        api_error(
+            StatusCode::SERVICE_UNAVAILABLE,
+            "not connected to Redis yet",
+        )
+    };
+    let dashboard = endpoints
+        .dashboard
+        .get()
+        .ok_or_else(|| Box::new(unavailable()))?;
+    let id = parse(id).map_err(|why| Box::new(api_error(StatusCode::BAD_REQUEST, why)))?;
+    Ok((dashboard.permits(), id))
+}
+
 /// `GET /api/batches/{batch_id}`: a batch's counts, whether it is done and its ETA.
 async fn batch_api(State(endpoints): State<Endpoints>, Path(batch): Path<String>) -> Response {
-    let Some(dashboard) = endpoints.dashboard.get() else {
-        return json_answer(
-            StatusCode::SERVICE_UNAVAILABLE,
-            serde_json::json!({"error": "not connected to Redis yet"}),
-        );
+    let (store, batch) = match api_input(&endpoints, &batch, turnstile_core::domain::BatchId::parse)
+    {
+        Ok(input) => input,
+        Err(answer) => return *answer,
     };
-    let batch = match turnstile_core::domain::BatchId::parse(&batch) {
-        Ok(batch) => batch,
-        Err(why) => {
-            return json_answer(
-                StatusCode::BAD_REQUEST,
-                serde_json::json!({"error": why.to_string()}),
-            );
-        }
-    };
-    match turnstile_upload::progress::read_batch(dashboard.permits(), &batch).await {
+    match turnstile_upload::progress::read_batch(store, &batch).await {
         Ok(Some(report)) => json_answer(StatusCode::OK, serde_json::json!(report)),
         Ok(None) => json_answer(
             StatusCode::NOT_FOUND,
             serde_json::json!({"error": "no message of this batch has been seen (or its record expired)", "batch_id": batch.as_str()}),
         ),
-        Err(error) => json_answer(
-            StatusCode::SERVICE_UNAVAILABLE,
-            serde_json::json!({"error": error.to_string()}),
-        ),
+        Err(error) => api_error(StatusCode::SERVICE_UNAVAILABLE, error),
     }
 }
 
 /// `GET /api/sellers/{seller_id}`: a seller's backlog, limits, pause and ETA, and its batches.
 async fn seller_api(State(endpoints): State<Endpoints>, Path(seller): Path<String>) -> Response {
-    let Some(dashboard) = endpoints.dashboard.get() else {
-        return json_answer(
-            StatusCode::SERVICE_UNAVAILABLE,
-            serde_json::json!({"error": "not connected to Redis yet"}),
-        );
-    };
-    let seller = match turnstile_core::domain::SellerId::parse(&seller) {
-        Ok(seller) => seller,
-        Err(why) => {
-            return json_answer(
-                StatusCode::BAD_REQUEST,
-                serde_json::json!({"error": why.to_string()}),
-            );
-        }
-    };
-    match turnstile_upload::progress::read_seller(dashboard.permits(), &seller).await {
+    let (store, seller) =
+        match api_input(&endpoints, &seller, turnstile_core::domain::SellerId::parse) {
+            Ok(input) => input,
+            Err(answer) => return *answer,
+        };
+    match turnstile_upload::progress::read_seller(store, &seller).await {
         Ok(report) => json_answer(StatusCode::OK, serde_json::json!(report)),
-        Err(error) => json_answer(
-            StatusCode::SERVICE_UNAVAILABLE,
-            serde_json::json!({"error": error.to_string()}),
-        ),
+        Err(error) => api_error(StatusCode::SERVICE_UNAVAILABLE, error),
     }
 }
 

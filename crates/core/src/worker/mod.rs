@@ -1027,7 +1027,19 @@ impl Worker {
         recorded: Recorded,
         interruptions: Interruptions<'_>,
     ) -> bool {
-        let (Some(event), Some((seller, _, batch))) = (recorded.event, reporting.batch()) else {
+        self.publish_pending(reporting, recorded.event, interruptions)
+            .await
+    }
+
+    /// Publishes the completion `event` of the message's batch, if there is one; `false` when
+    /// interrupted first.
+    async fn publish_pending(
+        &self,
+        reporting: &Reporting<'_>,
+        event: Option<BatchEvent>,
+        interruptions: Interruptions<'_>,
+    ) -> bool {
+        let (Some(event), Some((seller, _, batch))) = (event, reporting.batch()) else {
             return true;
         };
         publish_event(
@@ -1110,18 +1122,7 @@ impl Worker {
         })
         .await;
         match pending {
-            Some(Some(event)) => {
-                publish_event(
-                    &self.permits,
-                    reporting.results,
-                    seller,
-                    batch.id,
-                    event,
-                    interruptions,
-                )
-                .await
-            }
-            Some(None) => true,
+            Some(event) => self.publish_pending(reporting, event, interruptions).await,
             None => false,
         }
     }
