@@ -321,7 +321,9 @@ impl Session {
     ) -> anyhow::Result<Self> {
         let name = format!("turnstile {} pid {}", args.broker.queue, std::process::id());
         let connection = Arc::new(nodes.connect(&name).await?);
-        let publisher = Publisher::open(&connection).await?;
+        let publisher = Publisher::open(&connection)
+            .await?
+            .rescuing_to(worker.topology.ready());
         worker.topology.declare(&connection).await?;
         let results = broker::Results::open(connection.clone(), &worker.topology.results()).await?;
         let tag = format!(

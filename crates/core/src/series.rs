@@ -117,6 +117,11 @@ pub const METRICS: &[Metric] = &[
         "Results whose message's reply_to queue did not exist (they went to the results exchange only).",
     ),
     plain(
+        "turnstile_returns_rescued_total",
+        Counter,
+        "Copies the broker returned as unroutable to another publish of the channel, republished to the return queue.",
+    ),
+    plain(
         "turnstile_batches_completed_total",
         Counter,
         "Batch completion events published (confirmed).",

@@ -259,6 +259,9 @@ pub async fn connect(urls: &str, name: &str) -> anyhow::Result<Connection> {
 pub struct Publisher {
     channel: Arc<Channel>,
     frame_max: u32,
+    /// Where a message returned to another publish of the channel goes (see
+    /// [`Publisher::rescuing_to`]).
+    rescue: Option<Arc<str>>,
 }
 
 /// Whether a published message must reach a queue.
@@ -303,7 +306,19 @@ impl Publisher {
         Self {
             channel: Arc::new(channel),
             frame_max,
+            rescue: None,
         }
+    }
+
+    /// Publishes the messages the broker returns to other publishes of this channel to
+    /// `queue`. lapin hands a returned (unroutable) message to whichever publish of the channel
+    /// is confirmed next: the publish that went nowhere may then be confirmed as delivered, and
+    /// its original acked. The publish that receives another's return publishes it to `queue`
+    /// (the return queue: a copy that comes back early costs a delivery, one lost costs the
+    /// message), and its own publish counts as delivered.
+    pub fn rescuing_to(mut self, queue: &str) -> Self {
+        self.rescue = Some(queue.into());
+        self
     }
 
     /// Whether both publish on the same channel (not only one with the same id).
@@ -375,12 +390,55 @@ impl Publisher {
             )
             .await?
             .await?;
-        match confirm {
-            Confirmation::Ack(None) | Confirmation::NotRequested => Ok(()),
-            Confirmation::Ack(Some(_)) => Err(PublishError::Unroutable(format!(
-                "exchange {exchange:?}, key {routing_key:?}"
-            ))),
-            Confirmation::Nack(_) => Err(PublishError::Nacked),
+        let (returned, answer) = match confirm {
+            Confirmation::Ack(None) | Confirmation::NotRequested => (None, Ok(())),
+            Confirmation::Ack(Some(returned)) => {
+                let unroutable =
+                    PublishError::Unroutable(format!("exchange {exchange:?}, key {routing_key:?}"));
+                (Some(returned), Err(unroutable))
+            }
+            Confirmation::Nack(returned) => (returned, Err(PublishError::Nacked)),
+        };
+        let Some(returned) = returned else {
+            return answer;
+        };
+        let ours = returned.delivery.routing_key.as_str() == routing_key
+            && returned.delivery.exchange.as_str() == exchange
+            && returned.delivery.data == body;
+        if ours {
+            return answer;
+        }
+        self.rescue_returned(returned).await;
+        match answer {
+            Err(PublishError::Unroutable(_)) => Ok(()),
+            other => other,
+        }
+    }
+
+    /// Publishes a message the broker returned to another publish of this channel to the
+    /// rescue queue (see [`Self::rescuing_to`]); logged when there is none or it fails.
+    async fn rescue_returned(&self, returned: lapin::message::BasicReturnMessage) {
+        let delivery = returned.delivery;
+        let Some(queue) = &self.rescue else {
+            tracing::error!(exchange = %delivery.exchange, routing_key = %delivery.routing_key, "a message the broker returned as unroutable was confirmed as delivered: it may be lost");
+            return;
+        };
+        metrics::counter!("turnstile_returns_rescued_total").increment(1);
+        tracing::warn!(exchange = %delivery.exchange, routing_key = %delivery.routing_key, rescued_to = %queue, "the broker returned a copy as unroutable (its queue is gone?): republished to the return queue");
+        let once = Self {
+            rescue: None,
+            ..self.clone()
+        };
+        let rescued = Box::pin(once.publish_to(
+            "",
+            queue,
+            &delivery.data,
+            delivery.properties,
+            Routing::Mandatory,
+        ))
+        .await;
+        if let Err(error) = rescued {
+            tracing::error!(%error, "a copy the broker returned could not be republished to the return queue: it may be lost");
         }
     }
 
