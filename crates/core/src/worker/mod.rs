@@ -100,6 +100,14 @@ impl Reporting<'_> {
     }
 }
 
+/// `result`, a Redis failure counted in `turnstile_redis_errors_total`.
+fn counting_redis_errors<T>(result: Result<T, PermitError>) -> Result<T, PermitError> {
+    if result.is_err() {
+        metrics::counter!("turnstile_redis_errors_total").increment(1);
+    }
+    result
+}
+
 /// Runs `attempt` until it succeeds, waiting out failures with the Redis backoff (each logged
 /// as `what`); `None` when shutdown or a lost connection interrupts the wait.
 async fn until_done<T, E: std::fmt::Display, F: Future<Output = Result<T, E>>>(
@@ -967,10 +975,7 @@ impl Worker {
                     self.settings.done_ttl,
                 )
                 .await;
-            if recorded.is_err() {
-                metrics::counter!("turnstile_redis_errors_total").increment(1);
-            }
-            recorded
+            counting_redis_errors(recorded)
         })
         .await;
         if recorded.is_none() {
@@ -1093,10 +1098,7 @@ impl Worker {
                     self.settings.done_ttl,
                 )
                 .await;
-            if recorded.is_err() {
-                metrics::counter!("turnstile_redis_errors_total").increment(1);
-            }
-            recorded
+            counting_redis_errors(recorded)
         })
         .await;
         match recorded {
