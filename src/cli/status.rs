@@ -44,13 +44,12 @@ pub async fn run(args: StatusArgs) -> anyhow::Result<ExitCode> {
     let mut rows = Vec::new();
     for id in &sellers {
         let report = progress::read_seller(&store, id).await?;
-        let usage = store.usage(id).await?;
         for b in report.batches {
             if batch
                 .as_ref()
                 .is_none_or(|wanted| wanted.as_str() == b.batch_id)
             {
-                rows.push((b, usage.clone()));
+                rows.push((b, report.usage.clone()));
             }
         }
     }

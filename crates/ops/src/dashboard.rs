@@ -437,7 +437,7 @@ fn upload_rows(uploads: &[progress::Progress], usage: &HashMap<&str, &Usage>) ->
         let (Some(usage), Ok(id)) = (usage.get(seller), SellerId::parse(seller)) else {
             continue;
         };
-        for b in progress::seller_report(&id, batches, usage, None).batches {
+        for b in progress::seller_report(&id, batches, (*usage).clone(), None).batches {
             eta.insert((b.seller_id, b.batch_id), b.eta_s);
         }
     }

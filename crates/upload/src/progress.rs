@@ -128,6 +128,9 @@ pub struct SellerReport {
     /// Seconds until its whole backlog is expected to be registered.
     pub eta_s: f64,
     pub batches: Vec<BatchReport>,
+    /// How much of each of its limits is taken now, as read for the ETA.
+    #[serde(skip)]
+    pub usage: Usage,
 }
 
 /// Reports a seller's batches (`batches`, as the store holds them) with an ETA each: a batch is
@@ -136,7 +139,7 @@ pub struct SellerReport {
 pub fn seller_report(
     seller: &SellerId,
     mut batches: Vec<Progress>,
-    usage: &Usage,
+    usage: Usage,
     global_rate: Option<f64>,
 ) -> SellerReport {
     batches.sort_by_key(|b| (b.first_ms, b.batch.clone()));
@@ -147,7 +150,7 @@ pub fn seller_report(
         let eta_s = match b.waiting() {
             None => None,
             Some(0) => Some(0.0),
-            Some(_) => Some(eta(usage, global_rate, ahead).as_secs_f64()),
+            Some(_) => Some(eta(&usage, global_rate, ahead).as_secs_f64()),
         };
         reports.push(batch_report(b, eta_s));
     }
@@ -162,8 +165,9 @@ pub fn seller_report(
         overridden: usage.overridden,
         paused_for_s: usage.paused_for.as_secs_f64(),
         global_share_per_s: global_rate,
-        eta_s: eta(usage, global_rate, ahead).as_secs_f64(),
+        eta_s: eta(&usage, global_rate, ahead).as_secs_f64(),
         batches: reports,
+        usage,
     }
 }
 
@@ -191,11 +195,13 @@ pub async fn read_seller(
     store: &PermitStore,
     seller: &SellerId,
 ) -> Result<SellerReport, PermitError> {
-    let batches = store.seller_batches(seller).await?;
+    // The window first: a message registered between the two reads is then missing from both
+    // (at most an early ETA by a part of a window), never counted in both (a whole window late).
     let usage = store.usage(seller).await?;
+    let batches = store.seller_batches(seller).await?;
     let global = store.global_usage().await?;
     let rate = global.as_ref().map(|g| global_rate(g, seller));
-    Ok(seller_report(seller, batches, &usage, rate))
+    Ok(seller_report(seller, batches, usage, rate))
 }
 
 /// A batch's report, read now (`None` if no seller's messages named it, or it expired). A batch
@@ -344,7 +350,7 @@ mod tests {
             batch("first", 1, 30, 0),
             batch("done", 0, 5, 5),
         ];
-        let report = seller_report(&seller, batches, &idle, None);
+        let report = seller_report(&seller, batches, idle, None);
         let names: Vec<_> = report.batches.iter().map(|b| b.batch_id.as_str()).collect();
         assert_eq!(names, ["done", "first", "later"]);
         assert_eq!(report.batches[0].eta_s, Some(0.0));
@@ -365,7 +371,7 @@ mod tests {
         let report = seller_report(
             &SellerId::parse("S-1").unwrap(),
             vec![unknown],
-            &usage("10/1s", 0, Duration::ZERO),
+            usage("10/1s", 0, Duration::ZERO),
             None,
         );
         assert_eq!(report.batches[0].eta_s, None);
