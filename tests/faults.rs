@@ -527,15 +527,6 @@ fn secrets_never_appear_in_errors_and_config_errors_name_the_setting() {
     );
 }
 
-/// A TCP port with nothing listening on it (yet).
-fn free_port() -> u16 {
-    std::net::TcpListener::bind("127.0.0.1:0")
-        .unwrap()
-        .local_addr()
-        .unwrap()
-        .port()
-}
-
 /// From now on, forwards connections on `port` to the test broker (a broker "coming up" there).
 async fn broker_comes_up_on(port: u16) -> tokio::task::JoinHandle<()> {
     let listener = tokio::net::TcpListener::bind(("127.0.0.1", port))
@@ -573,7 +564,7 @@ async fn a_replica_started_before_redis_and_the_broker_waits_not_ready_then_cons
         .prepare()
         .await?;
     redis.stop();
-    let (broker_port, http_port) = (free_port(), free_port());
+    let (broker_port, http_port) = (support::free_port(), support::free_port());
     let mut settings = rig.settings(4);
     settings.broker.amqp_url = format!("amqp://guest:guest@127.0.0.1:{broker_port}/%2f");
     let settings = turnstile_ops::serve::ServeArgs {

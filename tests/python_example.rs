@@ -99,14 +99,6 @@ impl Drop for Replica {
     }
 }
 
-fn free_port() -> u16 {
-    std::net::TcpListener::bind("127.0.0.1:0")
-        .unwrap()
-        .local_addr()
-        .unwrap()
-        .port()
-}
-
 /// Starts one replica for `rig` serving HTTP (behind [`TOKEN`]) on `port`, failing fast on 503s
 /// (up to 2 attempts, 100 ms apart), and waits until it is ready.
 async fn start_replica(rig: &Rig, port: u16) -> Replica {
@@ -146,22 +138,12 @@ async fn start_replica(rig: &Rig, port: u16) -> Replica {
     replica
 }
 
-/// The counts of `dead` (reason -> count), without zeros.
-fn dead_counts(dead: &Value) -> BTreeMap<String, u64> {
-    dead.as_object()
-        .unwrap_or_else(|| panic!("dead is an object of counts: {dead}"))
-        .iter()
-        .map(|(reason, n)| (reason.clone(), n.as_u64().unwrap()))
-        .filter(|(_, n)| *n > 0)
-        .collect()
-}
-
 #[tokio::test]
 async fn the_python_upload_service_gets_every_rows_result_and_the_batch_completion()
 -> anyhow::Result<()> {
     let python = python_with_pika();
     let rig = support::rig("python", "5/1s").prepare().await?;
-    let port = free_port();
+    let port = support::free_port();
     let replica = start_replica(&rig, port).await;
     let products = products_file();
     let batch = support::unique("batch");
@@ -258,7 +240,11 @@ async fn the_python_upload_service_gets_every_rows_result_and_the_batch_completi
     assert_eq!(completed["seller_id"], SELLER, "{completed}");
     assert_eq!(completed["total"], ROWS, "{completed}");
     assert_eq!(completed["registered"], registered, "{completed}");
-    assert_eq!(dead_counts(&completed["dead"]), dead, "{completed}");
+    assert_eq!(
+        support::dead_counts(&completed["dead"]),
+        dead,
+        "{completed}"
+    );
     assert!(completed["started"].is_string(), "{completed}");
     assert!(completed["finished"].is_string(), "{completed}");
     let api = &summary["api"];
@@ -266,7 +252,7 @@ async fn the_python_upload_service_gets_every_rows_result_and_the_batch_completi
     assert_eq!(api["seller_id"], SELLER, "{api}");
     assert_eq!(api["total"], ROWS, "{api}");
     assert_eq!(api["registered"], registered, "{api}");
-    assert_eq!(dead_counts(&api["dead"]), dead, "{api}");
+    assert_eq!(support::dead_counts(&api["dead"]), dead, "{api}");
     assert_eq!(api["waiting"], 0, "{api}");
     assert_eq!(api["done"], true, "{api}");
 

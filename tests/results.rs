@@ -303,16 +303,6 @@ async fn metric(rig: &Rig, name: &str) -> f64 {
         .sum()
 }
 
-/// The counts of `dead` (reason -> count), without zeros.
-fn dead_counts(dead: &Value) -> BTreeMap<String, u64> {
-    dead.as_object()
-        .unwrap_or_else(|| panic!("dead is an object of counts: {dead}"))
-        .iter()
-        .map(|(reason, n)| (reason.clone(), n.as_u64().unwrap()))
-        .filter(|(_, n)| *n > 0)
-        .collect()
-}
-
 /// Waits (bounded) until the rig's replicas settled `registered` messages as registered and
 /// `dead` as dead-lettered (each acked after its result and record).
 async fn settled(rig: &Rig, registered: u64, dead: u64) {
@@ -735,14 +725,19 @@ async fn a_bad_batch_size_is_dead_lettered_and_counted_in_its_batch() -> anyhow:
     assert_eq!(event.body["total"], 3, "{}", event.body);
     assert_eq!(event.body["registered"], 1, "{}", event.body);
     let want = BTreeMap::from([("invalid-message".to_owned(), 2)]);
-    assert_eq!(dead_counts(&event.body["dead"]), want, "{}", event.body);
+    assert_eq!(
+        support::dead_counts(&event.body["dead"]),
+        want,
+        "{}",
+        event.body
+    );
     settled(&rig, 1, 2).await;
     let (status, report) = api(&rig, &format!("/api/batches/{batch}")).await;
     assert_eq!(status, 200, "{report}");
     assert_eq!(report["seller_id"], seller, "{report}");
     assert_eq!(report["total"], 3, "{report}");
     assert_eq!(report["registered"], 1, "{report}");
-    assert_eq!(dead_counts(&report["dead"]), want, "{report}");
+    assert_eq!(support::dead_counts(&report["dead"]), want, "{report}");
     assert_eq!(
         (&report["waiting"], &report["done"]),
         (&json!(0), &json!(true)),
@@ -801,7 +796,7 @@ async fn a_batch_completes_once_with_counts_per_outcome_and_reports_extra_messag
     assert_eq!(event["total"], 3, "{event}");
     assert_eq!(event["registered"], 2, "{event}");
     assert_eq!(
-        dead_counts(&event["dead"]),
+        support::dead_counts(&event["dead"]),
         BTreeMap::from([("rejected".to_owned(), 1)]),
         "{event}"
     );

@@ -209,3 +209,22 @@ pub async fn eventually_async(what: &str, mut done: impl AsyncFnMut() -> bool) {
         tokio::time::sleep(std::time::Duration::from_millis(100)).await;
     }
 }
+
+/// A TCP port with nothing listening on it (yet).
+pub fn free_port() -> u16 {
+    std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port()
+}
+
+/// The counts of a result's or a batch report's `dead` (reason -> count), without zeros.
+pub fn dead_counts(dead: &serde_json::Value) -> std::collections::BTreeMap<String, u64> {
+    dead.as_object()
+        .unwrap_or_else(|| panic!("dead is an object of counts: {dead}"))
+        .iter()
+        .map(|(reason, n)| (reason.clone(), n.as_u64().unwrap()))
+        .filter(|(_, n)| *n > 0)
+        .collect()
+}

@@ -355,11 +355,9 @@ pub struct Identity {
 }
 
 impl Identity {
-    /// The identity of a body that may not parse as a registration.
+    /// The identity of a body that may not parse as a registration (of one that does, the
+    /// same ids as [`Registration::parse`] gives).
     pub fn of(body: &[u8], amqp_message_id: Option<&str>) -> Self {
-        if let Ok(r) = Registration::parse(body, amqp_message_id) {
-            return Self::from(&r);
-        }
         let wire = std::str::from_utf8(body)
             .ok()
             .filter(|text| body.len() <= MAX_BODY_BYTES && text.trim_start().starts_with('{'))
@@ -437,6 +435,21 @@ mod tests {
         assert_eq!(garbage.message_id.unwrap().as_str(), "amqp-7");
         assert_eq!(garbage.seller_id, None);
         assert_eq!(Identity::of(b"", None), Identity::default());
+        // Of a valid registration, the ids its parse gives, fallbacks included.
+        for (valid, amqp) in [
+            (
+                &br#"{"message_id":"m-2","seller_id":"S","batch_id":"b","product":{}}"#[..],
+                None,
+            ),
+            (
+                br#"{"message_id":null,"seller_id":"S","product":{}}"#,
+                Some("amqp-9"),
+            ),
+            (br#"{"seller_id":"S","product":{}}"#, None),
+        ] {
+            let parsed = Registration::parse(valid, amqp).unwrap();
+            assert_eq!(Identity::of(valid, amqp), Identity::from(&parsed));
+        }
     }
 
     #[test]

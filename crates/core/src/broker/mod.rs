@@ -289,25 +289,23 @@ pub enum PublishError {
 impl Publisher {
     /// Opens a confirming channel on `connection` (connected: its frame_max is negotiated).
     pub async fn open(connection: &Connection) -> anyhow::Result<Self> {
-        let channel = connection
-            .create_channel()
+        Self::confirming(connection)
             .await
-            .context("opening the publish channel")?;
-        channel
-            .confirm_select(ConfirmSelectOptions::default())
-            .await
-            .context("enabling publisher confirms")?;
-        Ok(Self::on(channel, connection.configuration().frame_max()))
+            .context("opening a publish channel with publisher confirms")
     }
 
-    /// A publisher on `channel` (in confirm mode already) of a connection whose frame_max is
-    /// `frame_max`.
-    pub fn on(channel: Channel, frame_max: u32) -> Self {
-        Self {
+    /// As [`Self::open`], failing with the client's error (for a caller that retries a
+    /// publish on a channel it opens again).
+    pub async fn confirming(connection: &Connection) -> Result<Self, lapin::Error> {
+        let channel = connection.create_channel().await?;
+        channel
+            .confirm_select(ConfirmSelectOptions::default())
+            .await?;
+        Ok(Self {
             channel: Arc::new(channel),
-            frame_max,
+            frame_max: connection.configuration().frame_max(),
             rescue: None,
-        }
+        })
     }
 
     /// Publishes the messages the broker returns to other publishes of this channel to

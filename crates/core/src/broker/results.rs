@@ -23,7 +23,7 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicUsize, Ordering};
 
 use anyhow::Context;
-use lapin::options::{ConfirmSelectOptions, ExchangeDeclareOptions};
+use lapin::options::ExchangeDeclareOptions;
 use lapin::types::{FieldTable, ShortString};
 use lapin::{BasicProperties, Connection, ExchangeKind};
 
@@ -152,11 +152,7 @@ impl Results {
         let publisher = match held.as_ref() {
             Some(open) if open.channel().status().connected() => open.clone(),
             _ => {
-                let channel = self.connection.create_channel().await?;
-                channel
-                    .confirm_select(ConfirmSelectOptions::default())
-                    .await?;
-                let opened = Publisher::on(channel, self.connection.configuration().frame_max());
+                let opened = Publisher::confirming(&self.connection).await?;
                 *held = Some(opened.clone());
                 opened
             }
@@ -222,19 +218,11 @@ fn properties(message_id: Option<&str>, kind: &str) -> BasicProperties {
 
 /// A confirming channel with `exchange` declared on it.
 async fn open_channel(connection: &Connection, exchange: &str) -> anyhow::Result<Publisher> {
-    let channel = connection
-        .create_channel()
+    let publisher = Publisher::confirming(connection)
         .await
         .context("opening the results channel")?;
-    channel
-        .confirm_select(ConfirmSelectOptions::default())
-        .await
-        .context("enabling publisher confirms on the results channel")?;
-    declare_exchange(&channel, exchange).await?;
-    Ok(Publisher::on(
-        channel,
-        connection.configuration().frame_max(),
-    ))
+    declare_exchange(publisher.channel(), exchange).await?;
+    Ok(publisher)
 }
 
 /// Declares the results exchange (durable topic; idempotent).

@@ -759,7 +759,10 @@ impl Worker {
                     self.learn(registration, Lesson::Recovery, answered_us)
                         .await;
                 }
-                if !self.finish_batch(reporting, recorded, interruptions).await {
+                if !self
+                    .publish_pending(reporting, recorded.event, interruptions)
+                    .await
+                {
                     // Recorded: a redelivery is acked as registered and publishes the event.
                     return Plan::Settle(Outcome::Requeue { holding: None });
                 }
@@ -1024,18 +1027,6 @@ impl Worker {
         sent.is_some()
     }
 
-    /// Publishes the completion event of the message's batch if `recorded` found one pending;
-    /// `false` when interrupted first.
-    async fn finish_batch(
-        &self,
-        reporting: &Reporting<'_>,
-        recorded: Recorded,
-        interruptions: Interruptions<'_>,
-    ) -> bool {
-        self.publish_pending(reporting, recorded.event, interruptions)
-            .await
-    }
-
     /// Publishes the completion `event` of the message's batch, if there is one; `false` when
     /// interrupted first.
     async fn publish_pending(
@@ -1102,7 +1093,10 @@ impl Worker {
         })
         .await;
         match recorded {
-            Some(recorded) => self.finish_batch(reporting, recorded, interruptions).await,
+            Some(recorded) => {
+                self.publish_pending(reporting, recorded.event, interruptions)
+                    .await
+            }
             None => false,
         }
     }
@@ -1261,10 +1255,7 @@ impl Worker {
             Outcome::DeadLetter { reason, detail, .. } => {
                 warn!(reason, detail, "dead-lettering");
                 let mut extra = plan::started_trace_headers(started_trace);
-                extra.push((
-                    crate::broker::headers::FIRST_SEEN,
-                    lapin::types::AMQPValue::LongLongInt(reporting.first_seen_ms as i64),
-                ));
+                extra.push(plan::first_seen_header(reporting.first_seen_ms));
                 publisher
                     .dead_letter(&self.topology, delivery, reason, detail, &extra)
                     .await

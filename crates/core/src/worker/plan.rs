@@ -165,10 +165,7 @@ impl Carried {
             ),
         ];
         if self.first_seen_ms > 0 {
-            headers.push((
-                headers::FIRST_SEEN,
-                AMQPValue::LongLongInt(self.first_seen_ms.min(i64::MAX as u64) as i64),
-            ));
+            headers.push(first_seen_header(self.first_seen_ms));
         }
         if let Some(since) = self.throttled_since_ms {
             headers.push((
@@ -179,6 +176,14 @@ impl Carried {
         headers.extend(started_trace_headers(self.started_trace.as_ref()));
         headers
     }
+}
+
+/// The header that carries when turnstile first saw a message (Unix ms) on its copies.
+pub(super) fn first_seen_header(first_seen_ms: u64) -> (&'static str, AMQPValue) {
+    (
+        headers::FIRST_SEEN,
+        AMQPValue::LongLongInt(first_seen_ms.min(i64::MAX as u64) as i64),
+    )
 }
 
 /// The headers that carry the trace a replica started for a message (see
