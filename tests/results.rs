@@ -126,11 +126,11 @@ struct Upload {
 
 impl Upload {
     async fn new(rig: &Rig) -> Self {
-        let connection =
-            turnstile_core::broker::connect(&support::broker::amqp_url(), "turnstile results test")
-                .await
-                .expect("RabbitMQ is reachable");
-        let publisher = Publisher::open(&connection).await.unwrap();
+        let support::broker::TestBroker {
+            connection,
+            publisher,
+            ..
+        } = support::broker::TestBroker::undeclared(rig.topology.clone()).await;
         Self {
             connection,
             publisher,
