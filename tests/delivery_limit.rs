@@ -1,8 +1,8 @@
-//! The work queue's delivery limit and dead-letter target (issue 12): a message returned more
-//! often than the limit is dead-lettered to `<q>.dead` (neither lost nor looping forever), then
-//! listed and replayed; `<q>.dead` declares a delivery limit that listing it never reaches; a
-//! work queue or dead-letter queue declared by an older turnstile is kept with a warning;
-//! another difference (the queue type) still fails the start.
+//! The work queue's delivery limit and dead-letter target: a message returned more often than
+//! the limit is dead-lettered to `<q>.dead` (neither lost nor looping forever), then listed and
+//! replayed; `<q>.dead` declares a delivery limit that listing it never reaches; a work queue or
+//! dead-letter queue that an operator or a producer declared without them before turnstile
+//! started is kept with a warning; another difference (the queue type) fails the start.
 mod support;
 
 use std::io::Write;
@@ -23,8 +23,8 @@ use turnstile_core::broker::{
 };
 use turnstile_core::replica::Replica;
 
-/// Declares a durable queue on a channel of its own, as another client (or an older
-/// turnstile) would.
+/// Declares a durable queue on a channel of its own, as another client (an operator, a
+/// producer) would.
 async fn declare_as_is(
     connection: &Connection,
     name: &str,
@@ -211,22 +211,22 @@ async fn listings_that_saw_it(broker: &TestBroker, times: u32) -> u32 {
 #[tokio::test]
 async fn a_dead_letter_listed_more_often_than_rabbitmq_4s_default_limit_is_still_there() {
     const LISTINGS: u32 = 25;
-    // What RabbitMQ 4.x does to the `<q>.dead` of older turnstiles (declared without a limit):
-    // its default limit of 20, declared here so that this broker (3.10.8, no default) shows it.
+    // What RabbitMQ 4.x does to a quorum `<q>.dead` declared without a delivery limit: its
+    // default limit of 20, declared here so that this broker (3.10.8, no default) shows it.
     // Each listing returns the dead letter with a nack, and the broker counts it.
     let topology = Topology::new(&unique("dead-20"), QueueType::Quorum);
-    let old = TestBroker::undeclared(topology).await;
+    let limited = TestBroker::undeclared(topology).await;
     declare_as_is(
-        &old.connection,
-        old.topology.dead(),
+        &limited.connection,
+        limited.topology.dead(),
         &[quorum(), ("x-delivery-limit", AMQPValue::LongLongInt(20))],
     )
     .await
     .unwrap();
-    put_dead_letter(&old, "m-dead").await;
-    let seen_at_20 = listings_that_saw_it(&old, LISTINGS).await;
-    let left_at_20 = old.depth(old.topology.dead()).await;
-    old.cleanup().await;
+    put_dead_letter(&limited, "m-dead").await;
+    let seen_at_20 = listings_that_saw_it(&limited, LISTINGS).await;
+    let left_at_20 = limited.depth(limited.topology.dead()).await;
+    limited.cleanup().await;
 
     // The dead-letter queue as declared now.
     let broker = TestBroker::new("dead-listed", QueueType::Quorum).await;
@@ -407,9 +407,9 @@ async fn declare_logged(topology: &Topology, connection: &Connection) -> (Declar
 }
 
 #[tokio::test]
-async fn a_work_queue_declared_by_an_older_turnstile_is_kept_with_a_warning_and_messages_flow()
+async fn a_work_queue_declared_by_a_producer_without_its_protection_is_kept_with_a_warning_and_messages_flow()
 -> anyhow::Result<()> {
-    let topology = Topology::new(&unique("legacy"), QueueType::Quorum);
+    let topology = Topology::new(&unique("by-producer"), QueueType::Quorum);
     let broker = TestBroker::undeclared(topology.clone()).await;
     declare_as_is(&broker.connection, topology.work(), &[quorum()])
         .await
@@ -417,19 +417,22 @@ async fn a_work_queue_declared_by_an_older_turnstile_is_kept_with_a_warning_and_
 
     let (found, logged) = declare_logged(&topology, &broker.connection).await;
     let Declared {
-        work: Protection::Legacy { policy },
+        work: Protection::Unprotected { policy },
         dead: Protection::Protected,
     } = found
     else {
-        panic!("the old work queue was taken for a new one: {found:?}")
+        panic!("the producer's work queue was taken for a protected one: {found:?}")
     };
     println!("logged: {logged}");
     assert_eq!(logged.lines().count(), 1, "one warning: {logged}");
+    let q = topology.work();
     assert!(
-        logged.contains("WARN") && logged.contains(&policy),
+        logged.contains("WARN")
+            && logged.contains(&format!("the work queue {q:?} already exists"))
+            && logged.contains("missing: x-dead-letter-exchange, x-dead-letter-routing-key")
+            && logged.contains(&policy),
         "{logged}"
     );
-    let q = topology.work();
     assert_eq!(
         policy,
         format!(
@@ -443,18 +446,22 @@ async fn a_work_queue_declared_by_an_older_turnstile_is_kept_with_a_warning_and_
     assert!(exists(&broker.connection, &format!("{q}.wait.11")).await);
     // Declared again (as at every reconnect): no second warning.
     let (again, logged) = declare_logged(&topology, &broker.connection).await;
-    assert!(matches!(again.work, Protection::Legacy { .. }), "{again:?}");
+    assert!(
+        matches!(again.work, Protection::Unprotected { .. }),
+        "{again:?}"
+    );
     assert!(logged.is_empty(), "warned again: {logged}");
 
     // A replica starts on it (declaring it again) and registers.
-    let mut rig = support::rig("legacy", "100/1s")
+    let mut rig = support::rig("by-producer", "100/1s")
         .on_queue(topology.work())
         .prepare()
         .await?;
     rig.start_replicas(1, 2).await?;
-    rig.publish_product("S-1", "m-legacy", json!({})).await?;
+    rig.publish_product("S-1", "m-by-producer", json!({}))
+        .await?;
     let stats = rig.wait_registered(1).await?;
-    println!("registered through the old work queue: {stats:?}");
+    println!("registered through the producer's work queue: {stats:?}");
     rig.stop_replicas().await?;
 
     // The command in the warning is accepted by this broker and applies to the queue.
@@ -469,30 +476,31 @@ async fn a_work_queue_declared_by_an_older_turnstile_is_kept_with_a_warning_and_
 }
 
 #[tokio::test]
-async fn a_dead_letter_queue_declared_by_an_older_turnstile_is_kept_with_a_warning_and_the_replica_runs()
+async fn a_dead_letter_queue_declared_by_an_operator_without_its_limit_is_kept_with_a_warning_and_the_replica_runs()
 -> anyhow::Result<()> {
-    let topology = Topology::new(&unique("legacy-dead"), QueueType::Quorum);
+    let topology = Topology::new(&unique("by-operator"), QueueType::Quorum);
     let broker = TestBroker::undeclared(topology.clone()).await;
-    // What an older turnstile declared: both queues quorum and nothing else; one dead letter.
+    // What an operator declared before turnstile started: both queues quorum and nothing else;
+    // one dead letter.
     for queue in [topology.work(), topology.dead()] {
         declare_as_is(&broker.connection, queue, &[quorum()])
             .await
             .unwrap();
     }
-    put_dead_letter(&broker, "m-old-dead").await;
+    put_dead_letter(&broker, "m-dead-before").await;
 
     let (found, logged) = declare_logged(&topology, &broker.connection).await;
     println!("logged: {logged}");
     let Declared {
-        work: Protection::Legacy {
+        work: Protection::Unprotected {
             policy: work_policy,
         },
-        dead: Protection::Legacy {
+        dead: Protection::Unprotected {
             policy: dead_policy,
         },
     } = found
     else {
-        panic!("an old queue was taken for a new one: {found:?}")
+        panic!("the operator's queues were taken for protected ones: {found:?}")
     };
     let q = topology.work();
     assert_eq!(
@@ -513,22 +521,26 @@ async fn a_dead_letter_queue_declared_by_an_older_turnstile_is_kept_with_a_warni
     );
     assert!(
         warnings[1].contains("WARN")
-            && warnings[1].contains("the dead-letter queue was declared by an older turnstile")
+            && warnings[1].contains(&format!(
+                "the dead-letter queue {:?} already exists",
+                topology.dead()
+            ))
+            && warnings[1].contains("missing: x-delivery-limit")
             && warnings[1].contains(&dead_policy),
         "{logged}"
     );
     assert!(exists(&broker.connection, &format!("{q}.wait.11")).await);
 
     // A replica starts on them (declaring them again) and registers; the dead letter stays.
-    let mut rig = support::rig("legacy-dead", "100/1s")
+    let mut rig = support::rig("by-operator", "100/1s")
         .on_queue(topology.work())
         .prepare()
         .await?;
     rig.start_replicas(1, 2).await?;
-    rig.publish_product("S-1", "m-legacy-dead", json!({}))
+    rig.publish_product("S-1", "m-by-operator", json!({}))
         .await?;
     let stats = rig.wait_registered(1).await?;
-    println!("registered next to the old dead-letter queue: {stats:?}");
+    println!("registered next to the operator's dead-letter queue: {stats:?}");
     rig.stop_replicas().await?;
     assert_eq!(rig.depth(topology.dead()).await?, 1);
 

@@ -30,7 +30,8 @@ impl TestBroker {
     }
 
     /// Connects for `topology` without declaring anything (the test declares it, maybe after
-    /// setting up what an older turnstile left); `cleanup` still deletes the whole topology.
+    /// declaring queues as an operator or a producer would); `cleanup` still deletes the whole
+    /// topology.
     pub async fn undeclared(topology: Topology) -> Self {
         super::init_tracing();
         let connection = broker::connect(&amqp_url(), "turnstile test")

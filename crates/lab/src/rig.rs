@@ -196,7 +196,8 @@ impl RigBuilder {
     }
 
     /// The rig works on the queue `work` and the topology around it, named as given (a topology
-    /// its caller declared, maybe as an older turnstile did); it is still deleted at cleanup.
+    /// its caller declared, maybe as an operator or a producer would); it is still deleted at
+    /// cleanup.
     pub fn on_queue(mut self, work: &str) -> Self {
         self.settings.broker.queue = work.to_owned();
         self.exact_queue = true;

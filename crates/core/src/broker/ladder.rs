@@ -10,16 +10,15 @@
 //! work queue's backlog. Since all messages of a level wait the same time, a level's queue is
 //! ordered by hop end: no short delay waits behind a long one.
 //!
-//! Why not the broker's own TTL + dead-lettering (the design before): a quorum queue's
-//! at-least-once dead-letter worker that starts before its target exchange, queue or bindings
-//! are recovered after a broker restart parks the expired messages and only retries every
-//! `dead_letter_worker_publisher_confirm_timeout` (180 s by default, RabbitMQ 3.10 to 4.x),
-//! or never when its supervisor gave up (rabbitmq-server #12625, #16652); classic queues
-//! dead-letter at most once and drop them. Here nothing moves a message but a replica's
-//! confirmed publish followed by its ack: a broker restart or a lost connection returns the
-//! unacked messages to their level, and the next consumer moves them on at once if their hop
-//! is over. The cost: one consumer delivery per hop (the popcount of the delay in UNITs,
-//! LEVELS at most per pass of 17 minutes).
+//! Why not the broker's own TTL + dead-lettering: a quorum queue's at-least-once dead-letter worker
+//! that starts before its target exchange, queue or bindings are recovered after a broker restart
+//! parks the expired messages and only retries every `dead_letter_worker_publisher_confirm_timeout`
+//! (180 s by default, RabbitMQ 3.10 to 4.x), or never when its supervisor gave up
+//! (rabbitmq/rabbitmq-server#12625 and #16652); classic queues dead-letter at most once and drop
+//! them. Here nothing moves a message but a replica's confirmed publish followed by its ack: a
+//! broker restart or a lost connection returns the unacked messages to their level, and the next
+//! consumer moves them on at once if their hop is over. The cost: one consumer delivery per hop
+//! (the popcount of the delay in UNITs, LEVELS at most per pass of 17 minutes).
 //!
 //! Every header is untrusted: a hop end that does not parse, or lies further ahead than the
 //! level's own wait, is bounded by that wait counted from receipt; a due time further than
@@ -52,9 +51,6 @@ pub const LEVELS: u32 = 12;
 pub const MAX_DELAY: Duration = Duration::from_secs(36 * 3600);
 /// A hop that ends this much later than it should counts as overdue.
 pub const OVERDUE: Duration = Duration::from_secs(1);
-/// Levels of the ladder before this design (TTL queues dead-lettering into each other),
-/// drained into the return queue when a broker still has them.
-const LEGACY_LEVELS: u32 = 19;
 
 /// Where a delayed message goes next.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -144,9 +140,8 @@ impl LadderStats {
     }
 }
 
-/// Moves the ladder on: one consumer per level (and per legacy level, if the broker still has
-/// the old ladder) on a channel of its own. Each level's loop runs on `tracker` until
-/// `shutdown`; if the broker ends a consumer (a lost connection, a channel error), `failed`
+/// Moves the ladder on: one consumer per level, on a channel of its own. Each level's loop runs
+/// on `tracker` until `shutdown`; if the broker ends a consumer (a lost connection, a channel error), `failed`
 /// is cancelled so that the replica reconnects.
 pub struct Ladder {
     pub topology: Topology,
@@ -180,18 +175,8 @@ impl Ladder {
             .basic_qos(self.prefetch, BasicQosOptions::default())
             .await
             .context("setting the delay ladder's prefetch")?;
-        let mut levels: Vec<(String, Duration)> = (0..LEVELS)
-            .map(|k| (self.topology.level(k), level_wait(k)))
-            .collect();
-        if legacy_ladder_exists(connection, &self.topology).await {
-            warn!(
-                "the broker still has the delay ladder of an older turnstile (<queue>.delay.<k>): moving its messages to the return queue"
-            );
-            levels.extend(
-                (0..LEGACY_LEVELS).map(|k| (self.topology.legacy_level(k), Duration::ZERO)),
-            );
-        }
-        for (queue, wait) in levels {
+        for k in 0..LEVELS {
+            let (queue, wait) = (self.topology.level(k), level_wait(k));
             let consumer = channel
                 .basic_consume(
                     queue.as_str().into(),
@@ -332,21 +317,6 @@ impl Ladder {
             }
         }
     }
-}
-
-/// Whether the broker still has the ladder of turnstile before 0.2 (a passive declare of its
-/// first level, on a channel of its own since a failed one closes the channel).
-async fn legacy_ladder_exists(connection: &Connection, topology: &Topology) -> bool {
-    let Ok(channel) = connection.create_channel().await else {
-        return false;
-    };
-    let exists = super::depth(&channel, &topology.legacy_level(0))
-        .await
-        .is_ok();
-    if exists {
-        let _ = channel.close(200, "checked".into()).await;
-    }
-    exists
 }
 
 /// The headers of a message entering `hop` (its due time is kept from the delivery).

@@ -25,16 +25,16 @@ pub const UNREACHED_DELIVERY_LIMIT: u32 = 1_000_000;
 /// returned at each kill and stops here (README, "Faults").
 pub const WORK_DELIVERY_LIMIT: u32 = 500;
 
-/// How `declare` found a queue that turnstile declares with arguments older turnstiles did not
-/// (its protection: the work queue's delivery limit and dead-letter target, the dead-letter
-/// queue's delivery limit).
+/// How `declare` found a queue that turnstile declares with protective arguments (the work
+/// queue's delivery limit and dead-letter target, the dead-letter queue's delivery limit).
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub enum Protection {
-    /// Declared with them.
+    /// Declared with them (new, or already with them).
     Protected,
-    /// Declared by an older turnstile without them, and used as it is: `policy` is the
-    /// `rabbitmqctl` command that gives it the same protection (logged as a warning).
-    Legacy { policy: String },
+    /// Already there without them (declared before turnstile started, by an operator or a
+    /// producer: a producer may publish once the queue exists), and used as it is: `policy` is
+    /// the `rabbitmqctl` command that gives it the same protection (logged as a warning).
+    Unprotected { policy: String },
 }
 
 /// What `declare` found.
@@ -46,13 +46,13 @@ pub struct Declared {
     pub dead: Protection,
 }
 
-/// A queue declared with arguments that older turnstiles did not declare.
+/// A queue declared with protective arguments, which a queue declared by someone else may lack.
 struct Guarded<'a> {
     /// What the queue is, for the warning.
     role: &'static str,
     name: &'a str,
-    /// The arguments older turnstiles did not declare (on top of the queue type); a broker that
-    /// has the queue without them refuses a declaration naming them (PRECONDITION_FAILED).
+    /// The protective arguments (on top of the queue type); a broker that has the queue without
+    /// them refuses a declaration naming them (PRECONDITION_FAILED).
     protection: Vec<(&'static str, AMQPValue)>,
     /// What the queue risks without them, for the warning.
     risk: &'static str,
@@ -157,11 +157,6 @@ impl Topology {
     pub(super) fn level(&self, k: u32) -> String {
         format!("{}.wait.{k}", self.work)
     }
-    /// Level `k` of the ladder of turnstile before 0.2 (TTL queues and exchanges
-    /// `<q>.delay.<k>`), drained if the broker still has it.
-    pub(super) fn legacy_level(&self, k: u32) -> String {
-        format!("{}.delay.{k}", self.work)
-    }
 
     /// The queue a message enters for `hop` (published through the default exchange).
     pub fn hop_queue(&self, hop: Hop) -> String {
@@ -189,8 +184,7 @@ impl Topology {
         self.protected_like_work("work queue", &self.work)
     }
 
-    /// The return queue: protected as the work queue is. It is new (issue 13): no older
-    /// turnstile declared it without its protection.
+    /// The return queue: protected as the work queue is.
     fn ready_queue(&self) -> Guarded<'_> {
         self.protected_like_work("return queue", &self.ready)
     }
@@ -265,10 +259,12 @@ impl Topology {
         Ok(())
     }
 
-    /// Declares `queue` with its protection on `channel`; a queue that an older turnstile
-    /// declared without it is declared as before (on a new channel: the refusal closed this
-    /// one) and used as it is, with a warning naming the policy that gives it the same
-    /// protection. Any other difference (e.g. the queue type) fails.
+    /// Declares `queue` with its protection on `channel`; a queue that already exists without
+    /// it (declared by an operator or a producer) is declared again without it (on a new
+    /// channel: the refusal closed this one) and used as it is, with a warning naming the queue,
+    /// the missing arguments and the policy that gives it the same protection. Any other
+    /// difference (e.g. the queue type) fails with the broker's refusal, which names the queue
+    /// and the argument.
     async fn declare_guarded(
         &self,
         connection: &Connection,
@@ -289,23 +285,27 @@ impl Topology {
             .await?;
         let policy = queue.policy_command(&refusal.vhost);
         if first_warning(queue.name) {
+            let missing: Vec<&str> = queue.protection.iter().map(|(arg, _)| *arg).collect();
             warn!(
                 queue = %queue.name,
                 broker = %refusal.message,
-                "the {} was declared by an older turnstile {}; it is used as it is. Give it the \
-                 same protection with: {policy}",
+                "the {} {:?} already exists, declared by an operator or a producer {}; it is \
+                 used as it is (missing: {}). Give it the same protection with: {policy}",
                 queue.role,
+                queue.name,
                 queue.risk,
+                missing.join(", "),
             );
         }
-        Ok(Protection::Legacy { policy })
+        Ok(Protection::Unprotected { policy })
     }
 
     /// Declares everything on a channel of its own (idempotent: safe for every replica at every
-    /// start). A work queue or dead-letter queue that an older turnstile declared without its
-    /// protection (delivery limit, dead-letter target) is kept as it is, with a warning that
-    /// names the policy giving it the same protection; any other difference (e.g. the queue
-    /// type) fails.
+    /// start). A work queue, return queue or dead-letter queue that already exists without its
+    /// protection (delivery limit, dead-letter target), as an operator or a producer may have
+    /// declared it, is kept as it is, with a warning that names the policy giving it the same
+    /// protection; any other difference (e.g. the queue type) fails, naming the queue and the
+    /// argument.
     pub async fn declare(&self, connection: &Connection) -> anyhow::Result<Declared> {
         let mut channel = open_channel(connection).await?;
         let work = self
@@ -387,7 +387,8 @@ struct Refusal {
 
 /// The refusal in `error` if it is PRECONDITION_FAILED for an argument of `protection` that the
 /// existing queue does not have (the broker names only the first argument that differs:
-/// another difference, e.g. the queue type, shows when the queue is declared as before).
+/// another difference, e.g. the queue type, shows when the queue is declared again without
+/// its protection).
 fn missing_protection(error: &anyhow::Error, protection: &[(&str, AMQPValue)]) -> Option<Refusal> {
     use lapin::protocol::{AMQPErrorKind, AMQPSoftError};
     error
