@@ -64,11 +64,6 @@ impl SlowLink {
             .store(one_way.as_micros() as u64, Ordering::Relaxed);
     }
 
-    /// Where to connect instead of the target.
-    pub fn addr(&self) -> SocketAddr {
-        self.addr
-    }
-
     /// A `redis://` URL through the link.
     pub fn redis_url(&self) -> String {
         format!("redis://{}/", self.addr)

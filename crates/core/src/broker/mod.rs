@@ -129,11 +129,6 @@ pub fn redact_amqp_url(url: &str) -> String {
     crate::config::redact_url(url)
 }
 
-/// Checks `TURNSTILE_AMQP_URL` without connecting (a malformed URL is not worth retrying).
-pub fn check_url(url: &str) -> anyhow::Result<()> {
-    Nodes::parse(url).map(drop)
-}
-
 /// How long one node may take to accept a connection before the next is tried.
 const NODE_CONNECT_TIMEOUT: Duration = Duration::from_secs(5);
 
@@ -326,11 +321,6 @@ impl Publisher {
 
     pub fn channel(&self) -> &Channel {
         &self.channel
-    }
-
-    /// The connection's negotiated frame_max: the largest frame, in bytes.
-    pub fn frame_max(&self) -> u32 {
-        self.frame_max
     }
 
     /// Whether `delivery` can be handled: every copy of it fits the frame (see

@@ -85,11 +85,6 @@ impl Results {
         })
     }
 
-    /// The results exchange's name.
-    pub fn exchange(&self) -> &str {
-        &self.exchange
-    }
-
     /// Publishes a message's result (JSON `body`) to the results exchange with routing key
     /// `result.<outcome>`, and to `reply`'s queue when there is one, both confirmed. `Ok(false)`
     /// when the reply found no queue (counted and logged; the exchange's copy went out).
