@@ -1,5 +1,5 @@
-//! Issue 13: a message coming back from the delay ladder for its slot is not queued behind the
-//! work queue's backlog. Its own test binary: it keeps the (shared, 2-core) machine busy with
+//! A message coming back from the delay ladder for its slot is not queued behind the work
+//! queue's backlog. Its own test binary: it keeps the (shared, 2-core) machine busy with
 //! a backlog of thousands of messages.
 mod support;
 

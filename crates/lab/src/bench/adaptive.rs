@@ -7,7 +7,7 @@
 
 use std::time::Duration;
 
-use crate::bench::scenario::{ScenarioArgs, limits_or, print_outcome, small_sellers_done};
+use super::workload::{ScenarioArgs, limits_or, print_outcome, small_sellers_done};
 use crate::mock_api::{MockArgs, SellerStats};
 use crate::rig::{Message, Rig};
 use turnstile_core::config::LimiterArgs;

@@ -12,11 +12,12 @@ use std::time::Duration;
 use anyhow::Context;
 use clap::Args;
 
-use crate::bench::scenario::print_outcome;
 use crate::rig::{Message, Rig, RigArgs};
 use turnstile_core::config::{Algorithm, LimiterArgs, Limits};
 use turnstile_ops::http::Listen;
 use turnstile_ops::serve::HttpArgs;
+
+use super::workload::print_outcome;
 
 /// Flags of `turnstile bench eta`.
 #[derive(Args, Debug, Clone)]

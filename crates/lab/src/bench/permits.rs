@@ -6,7 +6,6 @@ use std::time::{Duration, Instant};
 use anyhow::Context;
 use redis::AsyncCommands;
 
-use super::percentile;
 use turnstile_core::config::{Algorithm, GlobalLimit, Limit, LimiterArgs, Limits, RedisArgs};
 use turnstile_core::domain::{Cost, SellerId};
 use turnstile_core::permit::{Decision, Keyspace, PermitStore, RedisConn};
@@ -185,4 +184,13 @@ pub async fn run(
 /// Deletes every key under `prefix` (SCAN + UNLINK on each node).
 pub async fn cleanup(conn: &RedisConn, prefix: &str) -> anyhow::Result<()> {
     turnstile_core::permit::delete_prefix(conn, prefix).await
+}
+
+/// Latency percentiles of a sample, in microseconds.
+fn percentile(sorted: &[Duration], p: f64) -> f64 {
+    if sorted.is_empty() {
+        return 0.0;
+    }
+    let i = ((sorted.len() - 1) as f64 * p).round() as usize;
+    sorted[i].as_secs_f64() * 1e6
 }

@@ -4,7 +4,7 @@
 
 use std::time::Duration;
 
-use crate::bench::scenario::{ScenarioArgs, limits_or};
+use super::workload::{ScenarioArgs, limits_or, print_outcome};
 use crate::rig::{Message, Rig};
 use turnstile_core::config::{GlobalLimit, LimiterArgs};
 use turnstile_core::domain::SellerId;
@@ -55,7 +55,7 @@ pub async fn run(args: &ScenarioArgs) -> anyhow::Result<bool> {
         .filter(|(h, l)| *h > 0 && *l > 0 && *h < units && *l < units)
         .collect();
     let (first, last) = (both.first(), both.last());
-    super::scenario::print_outcome(&report);
+    print_outcome(&report);
     println!(
         "{:<44} {:>10.2}",
         "broker deliveries per message", report.deliveries_per_message

@@ -171,7 +171,7 @@ pub struct Run {
     pub cpu_redis_us: f64,
     pub cpu_process_us: f64,
     /// Where Redis's time went (turnstile runs): per command, most time first.
-    pub redis_time: Vec<super::CommandTime>,
+    pub redis_time: Vec<super::commandstats::CommandTime>,
 }
 
 pub async fn run(args: ThroughputArgs) -> anyhow::Result<bool> {
@@ -538,7 +538,7 @@ impl Bench<'_> {
     async fn turnstile(&mut self, replicas: usize) -> anyhow::Result<Run> {
         let topology = self.backlog().await?;
         let before_mock = self.mock.stats();
-        let commands_before = super::command_calls(self.redis).await?;
+        let commands_before = super::commandstats::command_calls(self.redis).await?;
         let trips_before = round_trips();
         let cpu = cpu_now(&self.redis_ports);
         let mut settings = self.settings.clone();
@@ -576,7 +576,7 @@ impl Bench<'_> {
         }
         let trips = round_trips() - trips_before;
         let used = cpu_now(&self.redis_ports) - cpu;
-        let commands_after = super::command_calls(self.redis).await?;
+        let commands_after = super::commandstats::command_calls(self.redis).await?;
         let after_mock = self.mock.stats();
         self.done_with(&topology).await?;
         let registered = after_mock.registered - before_mock.registered;
