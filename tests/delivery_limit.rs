@@ -513,7 +513,7 @@ async fn a_dead_letter_queue_declared_by_an_older_turnstile_is_kept_with_a_warni
     );
     assert!(
         warnings[1].contains("WARN")
-            && warnings[1].contains("the dead-letter queue was declared by an older turnstile")
+            && warnings[1].contains("the dead-letter queue exists without a delivery limit")
             && warnings[1].contains(&dead_policy),
         "{logged}"
     );

@@ -185,7 +185,7 @@ impl Ladder {
             .collect();
         if legacy_ladder_exists(connection, &self.topology).await {
             warn!(
-                "the broker still has the delay ladder of an older turnstile (<queue>.delay.<k>): moving its messages to the return queue"
+                "the broker has the queues of a delay ladder this replica does not use (<queue>.delay.<k>): moving their messages to the return queue"
             );
             levels.extend(
                 (0..LEGACY_LEVELS).map(|k| (self.topology.legacy_level(k), Duration::ZERO)),

@@ -292,8 +292,8 @@ impl Topology {
             warn!(
                 queue = %queue.name,
                 broker = %refusal.message,
-                "the {} was declared by an older turnstile {}; it is used as it is. Give it the \
-                 same protection with: {policy}",
+                "the {} exists {}; it is used as it is. Give it the \
+                 protection turnstile declares with: {policy}",
                 queue.role,
                 queue.risk,
             );
