@@ -9,8 +9,10 @@ use turnstile_core::broker::{BrokerArgs, dead_letters};
 use turnstile_core::config::{LimiterArgs, RedisArgs};
 use turnstile_core::permit::PermitStore;
 
-/// `turnstile dead-letters`: its action, the broker and Redis.
+/// `turnstile dead-letters`: its action, the broker and Redis (`replay` counts the messages
+/// it moves back as waiting again). No limiter setting is read.
 #[derive(clap::Args, Debug)]
+#[command(subcommand_precedence_over_arg = true)]
 pub struct DeadLettersArgs {
     #[command(subcommand)]
     pub action: DeadLettersAction,
@@ -18,8 +20,6 @@ pub struct DeadLettersArgs {
     pub broker: BrokerArgs,
     #[command(flatten)]
     pub redis: RedisArgs,
-    #[command(flatten)]
-    pub limiter: LimiterArgs,
 }
 
 #[derive(Subcommand, Debug)]
@@ -30,6 +30,7 @@ pub enum DeadLettersAction {
         /// delivery-limit).
         #[arg(long)]
         reason: Option<String>,
+        /// Print JSON instead of a table.
         #[arg(long)]
         json: bool,
     },
@@ -52,7 +53,6 @@ pub async fn run(
         action,
         broker,
         redis,
-        limiter,
     }: DeadLettersArgs,
 ) -> anyhow::Result<ExitCode> {
     let opening = async {
@@ -88,7 +88,7 @@ pub async fn run(
             }
         }
         DeadLettersAction::Replay { reason, done_ttl } => {
-            let store = PermitStore::connect(&redis, &limiter).await?;
+            let store = PermitStore::connect(&redis, &LimiterArgs::default()).await?;
             let done = dead_letters::replay(
                 &channel,
                 &publisher,
