@@ -182,6 +182,12 @@ async fn dead_letters_are_listed_and_replayed_after_the_cause_is_fixed() -> anyh
         .collect();
     reasons.sort();
     assert_eq!(reasons, ["invalid-message", "rejected"]);
+    // Listing leaves them in place: returned (requeued) as the command ends, which the broker
+    // may count a moment later.
+    let returned = tokio::time::Instant::now() + Duration::from_secs(5);
+    while rig.depth(rig.topology.dead()).await? < 2 && tokio::time::Instant::now() < returned {
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
     assert_eq!(
         rig.depth(rig.topology.dead()).await?,
         2,

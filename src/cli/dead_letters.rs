@@ -9,8 +9,8 @@ use turnstile_core::broker::{BrokerArgs, dead_letters};
 use turnstile_core::config::{LimiterArgs, RedisArgs};
 use turnstile_core::permit::PermitStore;
 
-/// `turnstile dead-letters`: its action, the broker and Redis (`replay` counts the messages
-/// it moves back as waiting again). No limiter setting is read.
+/// `turnstile dead-letters`: its action and the broker; `replay` also reads Redis (it counts
+/// the messages it moves back as waiting again). No limiter setting is read.
 #[derive(clap::Args, Debug)]
 #[command(subcommand_precedence_over_arg = true)]
 pub struct DeadLettersArgs {
@@ -18,8 +18,6 @@ pub struct DeadLettersArgs {
     pub action: DeadLettersAction,
     #[command(flatten)]
     pub broker: BrokerArgs,
-    #[command(flatten)]
-    pub redis: RedisArgs,
 }
 
 #[derive(Subcommand, Debug)]
@@ -44,17 +42,13 @@ pub enum DeadLettersAction {
         /// whose republish fails is recorded as dead again for that long.
         #[arg(long = "done-ttl", env = "TURNSTILE_DONE_TTL", default_value = "7d", value_parser = turnstile_core::config::duration_arg)]
         done_ttl: Duration,
+        #[command(flatten)]
+        redis: RedisArgs,
     },
 }
 
 /// Runs `turnstile dead-letters`.
-pub async fn run(
-    DeadLettersArgs {
-        action,
-        broker,
-        redis,
-    }: DeadLettersArgs,
-) -> anyhow::Result<ExitCode> {
+pub async fn run(DeadLettersArgs { action, broker }: DeadLettersArgs) -> anyhow::Result<ExitCode> {
     let opening = async {
         let (connection, publisher, topology) = broker.open("turnstile dead-letters").await?;
         let channel = connection.create_channel().await?;
@@ -87,7 +81,11 @@ pub async fn run(
                 }
             }
         }
-        DeadLettersAction::Replay { reason, done_ttl } => {
+        DeadLettersAction::Replay {
+            reason,
+            done_ttl,
+            redis,
+        } => {
             let store = PermitStore::connect(&redis, &LimiterArgs::default()).await?;
             let done = dead_letters::replay(
                 &channel,
