@@ -2,8 +2,6 @@
 
 mod cli;
 
-use clap::Parser;
-
 /// mimalloc instead of the system allocator: a replica allocates per message in many tasks
 /// across threads, where glibc's malloc spent about a fifth of the process's time (see
 /// BENCHMARKS.md, "Allocator").
@@ -12,7 +10,7 @@ static ALLOCATOR: mimalloc::MiMalloc = mimalloc::MiMalloc;
 
 #[tokio::main]
 async fn main() -> std::process::ExitCode {
-    let cli = cli::Cli::parse();
+    let cli = cli::parse();
     turnstile_core::telemetry::init();
     match cli::run(cli).await {
         Ok(code) => code,

@@ -182,6 +182,12 @@ async fn dead_letters_are_listed_and_replayed_after_the_cause_is_fixed() -> anyh
         .collect();
     reasons.sort();
     assert_eq!(reasons, ["invalid-message", "rejected"]);
+    // Listing leaves them in place: returned (requeued) as the command ends, which the broker
+    // may count a moment later.
+    let returned = tokio::time::Instant::now() + Duration::from_secs(5);
+    while rig.depth(rig.topology.dead()).await? < 2 && tokio::time::Instant::now() < returned {
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
     assert_eq!(
         rig.depth(rig.topology.dead()).await?,
         2,
@@ -570,4 +576,188 @@ async fn a_message_dead_lettered_twice_counts_once() -> anyhow::Result<()> {
     let stats = rig.mock.stats();
     assert_eq!((stats.registered, stats.duplicates), (2, 0), "{stats:?}");
     rig.cleanup().await
+}
+
+#[test]
+fn the_connection_flags_go_before_or_after_the_command() {
+    let prefix = support::unique("global");
+    let cli = |args: &[&str]| {
+        let mut cmd = turnstile();
+        cmd.env_remove("TURNSTILE_KEY_PREFIX")
+            .env("TURNSTILE_REDIS_URL", "redis://127.0.0.1:1/")
+            .env("TURNSTILE_LIMIT", "100/1m")
+            .env("RUST_LOG", "warn")
+            .stdin(Stdio::null());
+        run(cmd.args(args))
+    };
+    let redis = redis_url();
+    // Set with the flags before the command, read with them after it, and between `limits` and
+    // its action: the same seller under the same prefix.
+    let (code, out, err) = cli(&[
+        "--key-prefix",
+        &prefix,
+        "--redis-url",
+        &redis,
+        "limits",
+        "set",
+        "--seller",
+        "S-g",
+        "--limit",
+        "7/1s",
+    ]);
+    assert_eq!((code, out.trim()), (0, "S-g: 7/1s (override)"), "{err}");
+    for args in [
+        &[
+            "limits",
+            "get",
+            "--seller",
+            "S-g",
+            "--key-prefix",
+            &prefix,
+            "--redis-url",
+            &redis,
+        ][..],
+        &[
+            "limits",
+            "--key-prefix",
+            &prefix,
+            "get",
+            "--seller",
+            "S-g",
+            "--redis-url",
+            &redis,
+        ],
+        &[
+            "--redis-url",
+            &redis,
+            "limits",
+            "get",
+            "--seller",
+            "S-g",
+            "--key-prefix",
+            &prefix,
+        ],
+    ] {
+        let (code, out, err) = cli(args);
+        assert_eq!(code, 0, "{args:?}: {err}");
+        assert!(out.starts_with("S-g: 7/1s (override)"), "{args:?}: {out}");
+    }
+    // Another prefix is another set of sellers.
+    let (code, out, err) = cli(&[
+        "limits",
+        "get",
+        "--seller",
+        "S-g",
+        "--redis-url",
+        &redis,
+        "--key-prefix",
+        "t-other",
+    ]);
+    assert_eq!(code, 0, "{err}");
+    assert!(out.starts_with("S-g: 100/1m (default)"), "{out}");
+    // A flag a command does not use is refused, before it as after it.
+    for args in [
+        &["--queue", "q", "limits", "get", "--seller", "S-g"][..],
+        &["limits", "get", "--seller", "S-g", "--queue", "q"],
+        &["--amqp-url", "amqp://h/", "status"],
+    ] {
+        let (code, _, err) = cli(args);
+        assert_eq!(code, 2, "{args:?} is refused: {err}");
+        assert!(
+            err.contains("--queue") || err.contains("--amqp-url"),
+            "{err}"
+        );
+    }
+    let (code, _, _) = cli(&[
+        "limits",
+        "clear",
+        "--seller",
+        "S-g",
+        "--redis-url",
+        &redis,
+        "--key-prefix",
+        &prefix,
+    ]);
+    assert_eq!(code, 0);
+}
+
+#[test]
+fn each_command_shows_only_its_own_options() {
+    let help = |args: &[&str]| {
+        let (code, out, err) = run(turnstile().args(args).arg("--help"));
+        assert_eq!(code, 0, "{err}");
+        out
+    };
+    let consume = help(&["consume"]);
+    for flag in [
+        "--amqp-url",
+        "--queue",
+        "--key-prefix",
+        "--limit-guard",
+        "--reserve-horizon",
+        "--permit-block",
+        "--adaptive",
+    ] {
+        assert!(consume.contains(flag), "consume --help: {flag}");
+    }
+    let publish = help(&["publish"]);
+    assert!(publish.contains("--limit <LIMIT>") && publish.contains("--queue"));
+    for tuning in [
+        "--algorithm",
+        "--permit-block",
+        "--record-delay",
+        "--gcra-burst",
+        "--workers",
+    ] {
+        assert!(!publish.contains(tuning), "publish --help shows {tuning}");
+    }
+    let status = help(&["status"]);
+    for term in [
+        "--limit",
+        "--algorithm",
+        "--limit-guard",
+        "--adaptive",
+        "--global-limit",
+    ] {
+        assert!(status.contains(term), "status --help: {term}");
+    }
+    for other in [
+        "--permit-block",
+        "--record-delay",
+        "--reserve-horizon",
+        "--amqp-url",
+        "--queue ",
+    ] {
+        assert!(!status.contains(other), "status --help shows {other}");
+    }
+    let dead_letters = help(&["dead-letters", "replay"]);
+    for other in ["--limit", "--algorithm", "--adaptive"] {
+        assert!(
+            !dead_letters.contains(other),
+            "dead-letters --help shows {other}"
+        );
+    }
+    let mock = help(&["mock-api"]);
+    assert!(
+        !mock.contains("--amqp-url") && !mock.contains("--key-prefix"),
+        "{mock}"
+    );
+}
+
+#[test]
+fn completions_are_printed_for_each_shell() {
+    for shell in ["bash", "zsh", "fish", "elvish", "powershell"] {
+        let (code, out, err) = run(turnstile().args(["completions", shell]));
+        assert_eq!(code, 0, "{shell}: {err}");
+        assert!(
+            out.contains("limits") && out.contains("dead-letters"),
+            "{shell}"
+        );
+    }
+    let (code, out, _) = run(turnstile().args(["completions", "bash"]));
+    assert_eq!(code, 0);
+    assert!(
+        out.contains("complete") && out.contains("--key-prefix"),
+        "{out}"
+    );
 }

@@ -9,17 +9,15 @@ use turnstile_core::broker::{BrokerArgs, dead_letters};
 use turnstile_core::config::{LimiterArgs, RedisArgs};
 use turnstile_core::permit::PermitStore;
 
-/// `turnstile dead-letters`: its action, the broker and Redis.
+/// `turnstile dead-letters`: its action and the broker; `replay` also reads Redis (it counts
+/// the messages it moves back as waiting again). No limiter setting is read.
 #[derive(clap::Args, Debug)]
+#[command(subcommand_precedence_over_arg = true)]
 pub struct DeadLettersArgs {
     #[command(subcommand)]
     pub action: DeadLettersAction,
     #[command(flatten)]
     pub broker: BrokerArgs,
-    #[command(flatten)]
-    pub redis: RedisArgs,
-    #[command(flatten)]
-    pub limiter: LimiterArgs,
 }
 
 #[derive(Subcommand, Debug)]
@@ -30,6 +28,7 @@ pub enum DeadLettersAction {
         /// delivery-limit).
         #[arg(long)]
         reason: Option<String>,
+        /// Print JSON instead of a table.
         #[arg(long)]
         json: bool,
     },
@@ -43,18 +42,13 @@ pub enum DeadLettersAction {
         /// whose republish fails is recorded as dead again for that long.
         #[arg(long = "done-ttl", env = "TURNSTILE_DONE_TTL", default_value = "7d", value_parser = turnstile_core::config::duration_arg)]
         done_ttl: Duration,
+        #[command(flatten)]
+        redis: RedisArgs,
     },
 }
 
 /// Runs `turnstile dead-letters`.
-pub async fn run(
-    DeadLettersArgs {
-        action,
-        broker,
-        redis,
-        limiter,
-    }: DeadLettersArgs,
-) -> anyhow::Result<ExitCode> {
+pub async fn run(DeadLettersArgs { action, broker }: DeadLettersArgs) -> anyhow::Result<ExitCode> {
     let opening = async {
         let (connection, publisher, topology) = broker.open("turnstile dead-letters").await?;
         let channel = connection.create_channel().await?;
@@ -87,8 +81,12 @@ pub async fn run(
                 }
             }
         }
-        DeadLettersAction::Replay { reason, done_ttl } => {
-            let store = PermitStore::connect(&redis, &limiter).await?;
+        DeadLettersAction::Replay {
+            reason,
+            done_ttl,
+            redis,
+        } => {
+            let store = PermitStore::connect(&redis, &LimiterArgs::default()).await?;
             let done = dead_letters::replay(
                 &channel,
                 &publisher,

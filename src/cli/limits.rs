@@ -5,21 +5,27 @@ use std::process::ExitCode;
 
 use anyhow::Context;
 use clap::Subcommand;
-use turnstile_core::config::{LimiterArgs, Limits, RedisArgs};
+use turnstile_core::config::{LimiterArgs, Limits, RedisArgs, TermsArgs};
 use turnstile_core::domain::SellerId;
 use turnstile_core::permit::{MAX_SHADOW_COUNT, MAX_WEIGHT, PermitStore};
 
 use super::seller_arg;
 
-/// `turnstile limits`: its action and where the limits live.
+/// `turnstile limits`: its action, where the limits live and the replicas' terms they are read
+/// and changed under. The terms go before the action (`turnstile limits --algorithm gcra get
+/// --seller S`): after it, `limits set`'s `--limit` is the seller's new limit.
 #[derive(clap::Args, Debug)]
+#[command(
+    subcommand_precedence_over_arg = true,
+    after_help = "The replicas' terms (--limit, --algorithm, ...) are read from their TURNSTILE_* variables, or given before the action: `turnstile limits --limit 100/1m get --seller S`."
+)]
 pub struct LimitsArgs {
     #[command(subcommand)]
     pub action: LimitsAction,
     #[command(flatten)]
     pub redis: RedisArgs,
     #[command(flatten)]
-    pub limiter: LimiterArgs,
+    pub terms: TermsArgs,
 }
 
 #[derive(Subcommand, Debug)]
@@ -31,8 +37,11 @@ pub enum LimitsAction {
     /// have done.
     #[command(group(clap::ArgGroup::new("what").required(true).multiple(true).args(["new_limit", "weight"])))]
     Set {
+        /// The seller.
         #[arg(long)]
         seller: String,
+        /// The seller's new limit (an override of the default), COUNT/DURATION, or a
+        /// comma-separated stack that must all hold.
         #[arg(long = "limit", value_parser = turnstile_core::config::limits_arg)]
         new_limit: Option<Limits>,
         /// Set `--limit` as the seller's shadow limit (its verdicts start from zero).
@@ -47,19 +56,23 @@ pub enum LimitsAction {
     /// limits learned of it), how much of it is taken, which one binds now, any pause, and the
     /// shadow limit's verdicts.
     Get {
+        /// The seller.
         #[arg(long)]
         seller: String,
     },
     /// Remove a seller's override (the default applies again), or with `--shadow` its shadow
     /// limit.
     Clear {
+        /// The seller.
         #[arg(long)]
         seller: String,
+        /// Remove the seller's shadow limit instead.
         #[arg(long)]
         shadow: bool,
     },
     /// Lift a seller's pause (taken from a 429's Retry-After) on every replica at once.
     Resume {
+        /// The seller.
         #[arg(long)]
         seller: String,
     },
@@ -68,6 +81,7 @@ pub enum LimitsAction {
     /// window with a new one. Its override, weight and completion records are kept. (Deleting
     /// its keys by hand instead lets a second window of calls through.)
     Reset {
+        /// The seller.
         #[arg(long)]
         seller: String,
     },
@@ -78,9 +92,10 @@ pub async fn run(
     LimitsArgs {
         action,
         redis,
-        limiter,
+        terms,
     }: LimitsArgs,
 ) -> anyhow::Result<ExitCode> {
+    let limiter = LimiterArgs::with_terms(terms);
     let store = PermitStore::connect(&redis, &limiter).await?;
     let line = match action {
         LimitsAction::Set {

@@ -5,6 +5,7 @@
 //! - [`publish`], [`status`]: the producer side (`turnstile_upload`)
 //! - [`limits`], [`dead_letters`]: operator commands on Redis and the broker
 
+mod completions;
 mod consume;
 mod dead_letters;
 mod limits;
@@ -14,8 +15,11 @@ mod status;
 
 use std::process::ExitCode;
 
-use clap::{Parser, Subcommand};
+use clap::parser::ValueSource;
+use clap::{ArgMatches, CommandFactory, FromArgMatches, Parser, Subcommand};
 use tokio_util::sync::CancellationToken;
+use turnstile_core::broker::DEFAULT_AMQP_URL;
+use turnstile_core::config::RedisArgs;
 use turnstile_core::domain::{BatchId, SellerId};
 use turnstile_lab::{bench, demo};
 use turnstile_ops::serve::ServeArgs;
@@ -24,12 +28,54 @@ use turnstile_ops::serve::ServeArgs;
 #[command(
     name = "turnstile",
     version,
-    about = "Per-seller rate-limited registration consumer"
+    about = "Per-seller rate-limited registration consumer",
+    subcommand_precedence_over_arg = true,
+    after_help = "The connection flags go before or after the command, e.g. `turnstile --key-prefix p limits get --seller S` or `turnstile limits get --seller S --key-prefix p`; each command lists those it uses. Every setting is also read from its TURNSTILE_* environment variable (docs/configuration.md)."
 )]
 pub struct Cli {
+    #[command(flatten)]
+    pub connection: Connection,
     #[command(subcommand)]
     pub command: Command,
 }
+
+/// The connection flags as the top level takes them, before the subcommand. Each command that
+/// uses one defines it too, `global` (as [`RedisArgs`] and `BrokerArgs` do), and clap hands it
+/// the value given here; these are not `global` themselves (see [`command`]), so a command
+/// that uses none of them does not list them.
+#[derive(clap::Args, Debug)]
+#[command(next_help_heading = "Connection")]
+pub struct Connection {
+    /// Broker URL, or a comma-separated list of the URLs of a cluster's nodes: a replica
+    /// connects to one that answers and, when its connection is lost, tries the next first.
+    #[arg(
+        long = "amqp-url",
+        env = "TURNSTILE_AMQP_URL",
+        default_value = DEFAULT_AMQP_URL,
+        hide_env_values = true,
+        value_name = "URL"
+    )]
+    pub amqp_url: String,
+    /// Work queue; every other queue/exchange name derives from it.
+    #[arg(
+        long,
+        env = "TURNSTILE_QUEUE",
+        default_value = "registrations",
+        value_name = "NAME"
+    )]
+    pub queue: String,
+    #[command(flatten)]
+    pub redis: RedisArgs,
+}
+
+/// The ids of the connection flags (see [`Connection`]).
+const CONNECTION: [&str; 5] = [
+    "amqp_url",
+    "queue",
+    "redis_url",
+    "redis_cluster",
+    "key_prefix",
+];
 
 #[derive(Subcommand, Debug)]
 pub enum Command {
@@ -51,10 +97,65 @@ pub enum Command {
     /// Show or change per-seller limit overrides (stored in Redis, effective on every replica).
     Limits(Box<limits::LimitsArgs>),
     /// Measurements that print figures next to a baseline measured in the same run.
+    #[command(subcommand_precedence_over_arg = true)]
     Bench {
         #[command(subcommand)]
         which: bench::BenchCommand,
     },
+    /// Print a shell completion script to stdout, e.g. `turnstile completions bash >
+    /// /etc/bash_completion.d/turnstile`.
+    Completions(completions::CompletionsArgs),
+}
+
+/// The command line's definition: [`Cli`]'s, with the connection flags of the top level not
+/// `global` (each command that uses one has its own, `global`, which takes the value given
+/// before the subcommand).
+pub fn command() -> clap::Command {
+    CONNECTION.iter().fold(Cli::command(), |cmd, id| {
+        cmd.mut_arg(*id, |a| a.global(false))
+    })
+}
+
+/// Parses the process's command line (exits with the usage error on a bad one).
+pub fn parse() -> Cli {
+    let mut cmd = command();
+    let matches = cmd.get_matches_mut();
+    if let Err(error) = check_connection_flags(&mut cmd, &matches) {
+        error.exit();
+    }
+    Cli::from_arg_matches(&matches).unwrap_or_else(|e| e.format(&mut cmd).exit())
+}
+
+/// Refuses a connection flag given before a command that does not use it (it would be
+/// ignored).
+fn check_connection_flags(
+    cmd: &mut clap::Command,
+    matches: &ArgMatches,
+) -> Result<(), clap::Error> {
+    cmd.build();
+    let (mut leaf, mut at, mut path) = (&*cmd, matches, vec!["turnstile".to_owned()]);
+    while let Some((name, sub)) = at.subcommand() {
+        let Some(next) = leaf.find_subcommand(name) else {
+            break;
+        };
+        (leaf, at) = (next, sub);
+        path.push(name.to_owned());
+    }
+    for id in CONNECTION {
+        let given = matches.value_source(id) == Some(ValueSource::CommandLine);
+        if given && !leaf.get_arguments().any(|a| a.get_id() == id) {
+            let flag = cmd
+                .get_arguments()
+                .find(|a| a.get_id() == id)
+                .and_then(|a| a.get_long())
+                .unwrap_or(id);
+            return Err(cmd.error(
+                clap::error::ErrorKind::UnknownArgument,
+                format!("`{}` does not use --{flag}", path.join(" ")),
+            ));
+        }
+    }
+    Ok(())
 }
 
 /// Runs a parsed command line.
@@ -68,6 +169,7 @@ pub async fn run(cli: Cli) -> anyhow::Result<ExitCode> {
         Command::DeadLetters(args) => dead_letters::run(*args).await,
         Command::Limits(args) => limits::run(*args).await,
         Command::Bench { which } => bench::run(which).await,
+        Command::Completions(args) => completions::run(args, &mut command()),
     }
 }
 
@@ -107,46 +209,4 @@ pub fn shutdown_on_signal() -> CancellationToken {
 }
 
 #[cfg(test)]
-mod tests {
-    use clap::CommandFactory;
-
-    #[test]
-    fn the_command_line_is_well_formed() {
-        super::Cli::command().debug_assert();
-    }
-
-    #[test]
-    fn every_subcommand_parses_with_its_defaults() {
-        use clap::Parser;
-        for args in [
-            &[
-                "turnstile",
-                "consume",
-                "--downstream-url",
-                "http://127.0.0.1:1/{seller_id}",
-            ][..],
-            &[
-                "turnstile",
-                "consume",
-                "--downstream-url",
-                "http://h/{seller_id}",
-                "--http-addr",
-                "off",
-            ],
-            &["turnstile", "mock-api"],
-            &["turnstile", "publish", "f.csv", "--seller", "S"],
-            &["turnstile", "status"],
-            &["turnstile", "demo"],
-            &["turnstile", "dead-letters", "list"],
-            &["turnstile", "dead-letters", "replay"],
-            &["turnstile", "limits", "get", "--seller", "S"],
-            &["turnstile", "bench", "scenario"],
-            &["turnstile", "bench", "permits"],
-            &["turnstile", "bench", "eta"],
-        ] {
-            if let Err(error) = super::Cli::try_parse_from(args) {
-                panic!("{args:?}: {error}");
-            }
-        }
-    }
-}
+mod tests;

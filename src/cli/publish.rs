@@ -10,7 +10,7 @@ use std::process::ExitCode;
 use anyhow::Context;
 use futures::StreamExt;
 use turnstile_core::broker::{BrokerArgs, Publisher};
-use turnstile_core::config::{LimiterArgs, RedisArgs};
+use turnstile_core::config::{DefaultLimitArgs, LimiterArgs, RedisArgs};
 use turnstile_core::permit::PermitStore;
 use turnstile_core::trace::TraceContext;
 use turnstile_upload::upload::{UploadRow, read_weighed_upload};
@@ -22,6 +22,7 @@ pub struct PublishArgs {
     /// The upload: .xlsx (first sheet), .csv or .jsonl; the first row (or each object's keys)
     /// names the product fields.
     pub file: PathBuf,
+    /// The seller whose products these are (1 to 128 characters, no control characters).
     #[arg(long)]
     pub seller: String,
     /// The upload's batch id [default: file name + digest of its content].
@@ -39,8 +40,10 @@ pub struct PublishArgs {
     pub broker: BrokerArgs,
     #[command(flatten)]
     pub redis: RedisArgs,
+    /// Read for the estimate printed at the end only (how long the upload takes at least at
+    /// the seller's limit: its override, else this default).
     #[command(flatten)]
-    pub limiter: LimiterArgs,
+    pub limit: DefaultLimitArgs,
 }
 
 /// Runs `turnstile publish`.
@@ -57,7 +60,7 @@ pub async fn run(args: PublishArgs) -> anyhow::Result<ExitCode> {
     for bad in &upload.bad_rows {
         eprintln!("skipped {bad}");
     }
-    let store = PermitStore::connect(&args.redis, &args.limiter).await?;
+    let store = PermitStore::connect(&args.redis, &LimiterArgs::from(args.limit.clone())).await?;
     let (connection, publisher, topology) = args.broker.open("turnstile publish").await?;
     let queue = topology.work().to_owned();
     let label = format!("publishing {} of {seller}", upload.batch_id.as_str());

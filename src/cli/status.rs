@@ -4,7 +4,7 @@
 
 use std::process::ExitCode;
 
-use turnstile_core::config::{LimiterArgs, RedisArgs};
+use turnstile_core::config::{GlobalLimitArgs, LimiterArgs, RedisArgs, TermsArgs};
 use turnstile_core::domain::SellerId;
 use turnstile_core::permit::{GlobalUsage, PermitStore, Usage};
 use turnstile_upload::progress::{self, BatchReport};
@@ -13,8 +13,10 @@ use super::{batch_arg, seller_arg};
 
 #[derive(clap::Args, Debug)]
 pub struct StatusArgs {
+    /// Only this seller's uploads.
     #[arg(long)]
     pub seller: Option<String>,
+    /// Only the uploads with this batch id.
     #[arg(long)]
     pub batch: Option<String>,
     /// Print JSON instead of a table.
@@ -22,13 +24,20 @@ pub struct StatusArgs {
     pub json: bool,
     #[command(flatten)]
     pub redis: RedisArgs,
+    /// Each seller's limits are read under the replicas' terms (their usage, what adaptive
+    /// limits learned, the ETA).
     #[command(flatten)]
-    pub limiter: LimiterArgs,
+    pub terms: TermsArgs,
+    /// The global limit's use and each seller's share of it.
+    #[command(flatten)]
+    pub global: GlobalLimitArgs,
 }
 
 /// Runs `turnstile status`.
 pub async fn run(args: StatusArgs) -> anyhow::Result<ExitCode> {
-    let store = PermitStore::connect(&args.redis, &args.limiter).await?;
+    let limiter =
+        LimiterArgs::with_terms(args.terms.clone()).with_global_limit(args.global.clone());
+    let store = PermitStore::connect(&args.redis, &limiter).await?;
     let seller = args.seller.as_deref().map(seller_arg).transpose()?;
     let batch = args.batch.as_deref().map(batch_arg).transpose()?;
     let uploads = progress::list(&store, seller.as_ref(), batch.as_ref()).await?;

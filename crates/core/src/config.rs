@@ -450,6 +450,9 @@ pub fn limits_arg(s: &str) -> Result<Limits, String> {
     s.parse().map_err(|e: LimitsError| e.to_string())
 }
 
+/// `TURNSTILE_LIMIT`'s default.
+pub const DEFAULT_LIMIT: &str = "100/60s";
+
 fn parse_limits(s: &str) -> Result<Limits, String> {
     limits_arg(s).map_err(|e| format!("{e} (TURNSTILE_LIMIT)"))
 }
@@ -465,21 +468,29 @@ fn parse_key_prefix(s: &str) -> Result<String, String> {
 }
 
 /// Where Redis is and how to reach it. Its `Debug` hides the URL's password.
+///
+/// Connection flags are global: the command line takes them before or after the subcommand of
+/// any command that uses them (`turnstile --key-prefix p limits get ...` as well as
+/// `turnstile limits get ... --key-prefix p`), so every definition of them is `global`.
 #[derive(Args, Clone)]
+#[command(next_help_heading = "Connection")]
 pub struct RedisArgs {
     /// Redis URL; a comma-separated list of node URLs means Redis Cluster.
     #[arg(
+        id = "redis_url",
         long = "redis-url",
         env = "TURNSTILE_REDIS_URL",
         default_value = "redis://127.0.0.1:6379/",
-        hide_env_values = true
+        hide_env_values = true,
+        value_name = "URL",
+        global = true
     )]
     pub url: String,
     /// Force Redis Cluster mode with a single seed URL.
-    #[arg(id = "redis_cluster", long = "redis-cluster", env = "TURNSTILE_REDIS_CLUSTER", default_value_t = false, action = clap::ArgAction::Set, num_args = 0..=1, default_missing_value = "true")]
+    #[arg(id = "redis_cluster", long = "redis-cluster", env = "TURNSTILE_REDIS_CLUSTER", default_value = "off", value_name = "ON|OFF", num_args = 0..=1, default_missing_value = "on", action = clap::ArgAction::Set, value_parser = Switch, global = true)]
     pub cluster: bool,
-    /// Prefix of every Redis key.
-    #[arg(long = "key-prefix", env = "TURNSTILE_KEY_PREFIX", default_value = "turnstile", value_parser = parse_key_prefix)]
+    /// Prefix of every Redis key (1 to 64 characters, no braces).
+    #[arg(id = "key_prefix", long = "key-prefix", env = "TURNSTILE_KEY_PREFIX", default_value = "turnstile", value_parser = parse_key_prefix, value_name = "PREFIX", global = true)]
     pub key_prefix: String,
 }
 
@@ -493,18 +504,22 @@ impl std::fmt::Debug for RedisArgs {
     }
 }
 
-/// How permits are decided: the default limit, the algorithm and its tuning.
+/// How permits are decided: the default limit, the algorithm and its tuning (everything
+/// `turnstile consume` runs with). The operator commands read a part of it only (see
+/// [`TermsArgs`], [`DefaultLimitArgs`], [`GlobalLimitArgs`]), whose flags are defined as here.
 #[derive(Args, Clone, Debug)]
+#[command(next_help_heading = "Limits")]
 pub struct LimiterArgs {
     /// Default per-seller limit, COUNT/DURATION (e.g. 20/1s, 100/1m, 5000/1h); a
     /// comma-separated stack must all hold (e.g. 100/1m,2000/1d).
-    #[arg(long, env = "TURNSTILE_LIMIT", default_value = "100/60s", value_parser = parse_limits)]
+    #[arg(long, env = "TURNSTILE_LIMIT", default_value = DEFAULT_LIMIT, value_parser = parse_limits)]
     pub limit: Limits,
+    /// The limiter algorithm.
     #[arg(long, env = "TURNSTILE_ALGORITHM", value_enum, default_value_t = Algorithm::SlidingWindow)]
     pub algorithm: Algorithm,
     /// Time added to every window to absorb jitter between the permit and the downstream's
     /// clock [default: window/20, between 25ms and 2s].
-    #[arg(long, env = "TURNSTILE_LIMIT_GUARD", value_parser = parse_duration_arg)]
+    #[arg(long = "limit-guard", env = "TURNSTILE_LIMIT_GUARD", value_parser = parse_duration_arg, value_name = "DURATION")]
     pub guard: Option<Duration>,
     /// gcra: grants allowed at once after idleness (1 = pure pacing at COUNT per window).
     #[arg(long, env = "TURNSTILE_GCRA_BURST", default_value_t = 1)]
@@ -513,11 +528,11 @@ pub struct LimiterArgs {
     #[arg(long, env = "TURNSTILE_BUCKET_CAPACITY", default_value_t = 0)]
     pub bucket_capacity: u32,
     /// Farthest ahead a waiting caller may reserve a slot.
-    #[arg(long, env = "TURNSTILE_RESERVE_HORIZON", default_value = "24h", value_parser = parse_duration_arg)]
+    #[arg(long = "reserve-horizon", env = "TURNSTILE_RESERVE_HORIZON", default_value = "24h", value_parser = parse_duration_arg, value_name = "DURATION")]
     pub horizon: Duration,
     /// Redis keeps its data across restarts (AOF, replicas): skip the wait of one window that
     /// otherwise follows a Redis start, when grants made before it may have been lost.
-    #[arg(long = "redis-durable", env = "TURNSTILE_REDIS_DURABLE", default_value_t = false, action = clap::ArgAction::Set, num_args = 0..=1, default_missing_value = "true")]
+    #[arg(long = "redis-durable", env = "TURNSTILE_REDIS_DURABLE", default_value = "off", value_name = "ON|OFF", num_args = 0..=1, default_missing_value = "on", action = clap::ArgAction::Set, value_parser = Switch)]
     pub redis_durable: bool,
     /// One limit (or a comma-separated stack) for all sellers together, in cost units, shared
     /// fairly among the sellers with work by their weights; `off` disables it.
@@ -530,7 +545,7 @@ pub struct LimiterArgs {
     /// Adaptive limits: a 429 lowers the seller's limit to what the downstream accepted,
     /// sustained success raises it again up to the configured one, and rate-limit headers set
     /// it (shared by every replica through Redis); `off` keeps the configured limits only.
-    #[arg(long = "adaptive", env = "TURNSTILE_ADAPTIVE", default_value = "on", value_parser = parse_switch)]
+    #[arg(long = "adaptive", env = "TURNSTILE_ADAPTIVE", default_value = "on", value_name = "ON|OFF", num_args = 0..=1, default_missing_value = "on", action = clap::ArgAction::Set, value_parser = Switch)]
     pub adaptive: bool,
     /// Lowest count a learned limit goes to, per window of each limit (a configured COUNT below
     /// it is kept).
@@ -557,12 +572,70 @@ pub struct LimiterArgs {
     pub permit_block: u32,
 }
 
-/// `on`/`off` (also `true`/`false`, `1`/`0`, `yes`/`no`).
-fn parse_switch(s: &str) -> Result<bool, String> {
+/// `on`/`off` (also `true`/`false`, `1`/`0`, `yes`/`no`, in any case).
+pub fn parse_switch(s: &str) -> Result<bool, String> {
     match s.trim().to_ascii_lowercase().as_str() {
         "on" | "true" | "1" | "yes" => Ok(true),
         "off" | "false" | "0" | "no" => Ok(false),
-        _ => Err(format!("{s:?} is not on or off")),
+        _ => Err(format!(
+            "{s:?} is not on or off (also true/false, 1/0, yes/no)"
+        )),
+    }
+}
+
+/// The value parser of every on/off setting, for its flag and its environment variable alike:
+/// `on`/`off`, also `true`/`false`, `1`/`0`, `yes`/`no`, in any case (see [`parse_switch`]).
+/// Such a flag takes its value as `--flag off` or `--flag=off`, and alone means `on`
+/// (`num_args = 0..=1, default_missing_value = "on"`).
+#[derive(Clone, Copy, Debug, Default)]
+pub struct Switch;
+
+impl clap::builder::TypedValueParser for Switch {
+    type Value = bool;
+
+    fn parse_ref(
+        &self,
+        cmd: &clap::Command,
+        arg: Option<&clap::Arg>,
+        value: &std::ffi::OsStr,
+    ) -> Result<bool, clap::Error> {
+        use clap::error::{ContextKind, ContextValue, ErrorKind};
+        let text = value.to_string_lossy();
+        parse_switch(&text).map_err(|_| {
+            let mut error = clap::Error::new(ErrorKind::InvalidValue).with_cmd(cmd);
+            if let Some(arg) = arg {
+                error.insert(
+                    ContextKind::InvalidArg,
+                    ContextValue::String(arg.to_string()),
+                );
+            }
+            error.insert(
+                ContextKind::InvalidValue,
+                ContextValue::String(text.into_owned()),
+            );
+            error.insert(
+                ContextKind::ValidValue,
+                ContextValue::Strings(
+                    ["on", "off", "true", "false", "1", "0", "yes", "no"]
+                        .map(String::from)
+                        .to_vec(),
+                ),
+            );
+            error
+        })
+    }
+
+    fn possible_values(
+        &self,
+    ) -> Option<Box<dyn Iterator<Item = clap::builder::PossibleValue> + '_>> {
+        use clap::builder::PossibleValue;
+        Some(Box::new(
+            [
+                PossibleValue::new("on").aliases(["true", "1", "yes"]),
+                PossibleValue::new("off").aliases(["false", "0", "no"]),
+            ]
+            .into_iter(),
+        ))
     }
 }
 
@@ -674,6 +747,105 @@ impl LimiterArgs {
         self.guard.unwrap_or_else(|| {
             (window / 20).clamp(Duration::from_millis(25), Duration::from_secs(2))
         })
+    }
+}
+
+/// The terms under which a seller's limits are read and changed from outside a replica
+/// (`turnstile status`, `turnstile limits`): the default limit, the algorithm with the settings
+/// its state is read by, the guard and adaptive limits. They must be the replicas' own
+/// (`TURNSTILE_LIMIT`, ...): the same variables and flags as [`LimiterArgs`]'s. A full
+/// [`LimiterArgs`] is built from them with the defaults of every other setting
+/// ([`LimiterArgs::with_terms`]).
+#[derive(Args, Clone, Debug)]
+#[command(next_help_heading = "Terms (as the replicas run with them)")]
+pub struct TermsArgs {
+    /// The replicas' default per-seller limit, COUNT/DURATION (e.g. 20/1s, 100/1m, 5000/1h); a
+    /// comma-separated stack must all hold (e.g. 100/1m,2000/1d).
+    #[arg(long, env = "TURNSTILE_LIMIT", default_value = DEFAULT_LIMIT, value_parser = parse_limits)]
+    pub limit: Limits,
+    /// The replicas' limiter algorithm.
+    #[arg(long, env = "TURNSTILE_ALGORITHM", value_enum, default_value_t = Algorithm::SlidingWindow)]
+    pub algorithm: Algorithm,
+    /// The replicas' guard: time added to every window to absorb jitter between the permit and
+    /// the downstream's clock [default: window/20, between 25ms and 2s].
+    #[arg(long = "limit-guard", env = "TURNSTILE_LIMIT_GUARD", value_parser = parse_duration_arg, value_name = "DURATION")]
+    pub limit_guard: Option<Duration>,
+    /// gcra: grants allowed at once after idleness (1 = pure pacing at COUNT per window).
+    #[arg(long, env = "TURNSTILE_GCRA_BURST", default_value_t = 1)]
+    pub gcra_burst: u32,
+    /// token-bucket: bucket capacity (0 = COUNT).
+    #[arg(long, env = "TURNSTILE_BUCKET_CAPACITY", default_value_t = 0)]
+    pub bucket_capacity: u32,
+    /// Whether the replicas run with adaptive limits (what they learned of a seller applies
+    /// only then).
+    #[arg(long = "adaptive", env = "TURNSTILE_ADAPTIVE", default_value = "on", value_name = "ON|OFF", num_args = 0..=1, default_missing_value = "on", action = clap::ArgAction::Set, value_parser = Switch)]
+    pub adaptive: bool,
+}
+
+/// The replicas' global limit, for the commands that read its use (`turnstile status`).
+#[derive(Args, Clone, Debug)]
+#[command(next_help_heading = "Terms (as the replicas run with them)")]
+pub struct GlobalLimitArgs {
+    /// The replicas' limit (or comma-separated stack) for all sellers together, in cost units;
+    /// `off` when they run without one.
+    #[arg(long = "global-limit", env = "TURNSTILE_GLOBAL_LIMIT", default_value = "off", value_parser = parse_global_limit)]
+    pub global_limit: GlobalLimit,
+}
+
+/// The replicas' default limit alone, for a command that only estimates with it (`turnstile
+/// publish`: how long an upload takes at the seller's limit).
+#[derive(Args, Clone, Debug)]
+#[command(next_help_heading = "Terms (as the replicas run with them)")]
+pub struct DefaultLimitArgs {
+    /// The replicas' default per-seller limit, COUNT/DURATION (e.g. 20/1s, 100/1m, 5000/1h); a
+    /// comma-separated stack must all hold (e.g. 100/1m,2000/1d).
+    #[arg(long, env = "TURNSTILE_LIMIT", default_value = DEFAULT_LIMIT, value_parser = parse_limits)]
+    pub limit: Limits,
+}
+
+impl LimiterArgs {
+    /// The replicas' terms, with the defaults of every other setting.
+    pub fn with_terms(terms: TermsArgs) -> Self {
+        Self {
+            guard: terms.limit_guard,
+            gcra_burst: terms.gcra_burst,
+            bucket_capacity: terms.bucket_capacity,
+            adaptive: terms.adaptive,
+            ..Self::new(terms.limit, terms.algorithm)
+        }
+    }
+
+    /// These settings under a global limit.
+    pub fn with_global_limit(self, global: GlobalLimitArgs) -> Self {
+        Self {
+            global_limit: global.global_limit,
+            ..self
+        }
+    }
+}
+
+impl From<TermsArgs> for LimiterArgs {
+    fn from(terms: TermsArgs) -> Self {
+        Self::with_terms(terms)
+    }
+}
+
+impl From<DefaultLimitArgs> for LimiterArgs {
+    /// The default limit, with the defaults of every other setting.
+    fn from(default: DefaultLimitArgs) -> Self {
+        Self::new(default.limit, Algorithm::SlidingWindow)
+    }
+}
+
+impl Default for LimiterArgs {
+    /// Every setting's default (for a command that reads none of them).
+    fn default() -> Self {
+        Self::new(
+            DEFAULT_LIMIT
+                .parse::<Limits>()
+                .expect("the default limit parses"),
+            Algorithm::SlidingWindow,
+        )
     }
 }
 
@@ -824,6 +996,125 @@ mod tests {
         assert_eq!(args.check(), Ok(()));
         args.bucket_capacity = 10;
         assert!(args.check().unwrap_err().contains("unset the capacity"));
+    }
+
+    /// Parses `argv` (after the program name) into `A` alone, as a subcommand would.
+    fn parse_as<A: clap::FromArgMatches + Args>(argv: &[&str]) -> A {
+        let matches = A::augment_args(clap::Command::new("t"))
+            .try_get_matches_from(std::iter::once("t").chain(argv.iter().copied()))
+            .unwrap_or_else(|e| panic!("{argv:?}: {e}"));
+        A::from_arg_matches(&matches).unwrap()
+    }
+
+    #[test]
+    fn the_operator_commands_define_each_term_as_the_limiter_does() {
+        fn shapes(command: clap::Command) -> std::collections::BTreeMap<String, String> {
+            let mut command = command;
+            command.build();
+            command
+                .get_arguments()
+                .filter_map(|a| {
+                    let shape = format!(
+                        "{:?} {:?} {:?} {:?} {:?} {:?}",
+                        a.get_env(),
+                        a.get_default_values(),
+                        a.get_value_names(),
+                        a.get_num_args(),
+                        a.get_action(),
+                        a.get_possible_values()
+                            .iter()
+                            .map(|v| v.get_name().to_owned())
+                            .collect::<Vec<_>>(),
+                    );
+                    Some((a.get_long()?.to_owned(), shape))
+                })
+                .collect()
+        }
+        let limiter = shapes(LimiterArgs::augment_args(clap::Command::new("t")));
+        for part in [
+            TermsArgs::augment_args(clap::Command::new("t")),
+            GlobalLimitArgs::augment_args(clap::Command::new("t")),
+            DefaultLimitArgs::augment_args(clap::Command::new("t")),
+        ] {
+            for (long, shape) in shapes(part) {
+                assert_eq!(limiter.get(&long), Some(&shape), "--{long}");
+            }
+        }
+    }
+
+    #[test]
+    fn limiter_settings_built_from_the_terms_are_those_consume_parses() {
+        for argv in [
+            &[][..],
+            &[
+                "--limit",
+                "5/1s,50/1m",
+                "--algorithm",
+                "gcra",
+                "--limit-guard",
+                "100ms",
+                "--gcra-burst",
+                "3",
+                "--adaptive",
+                "off",
+            ],
+            &["--algorithm", "token-bucket", "--bucket-capacity", "7"],
+        ] {
+            let built = LimiterArgs::with_terms(parse_as::<TermsArgs>(argv));
+            assert_eq!(
+                format!("{built:?}"),
+                format!("{:?}", parse_as::<LimiterArgs>(argv)),
+                "{argv:?}"
+            );
+        }
+        let global = parse_as::<GlobalLimitArgs>(&["--global-limit", "10/1s"]);
+        let built = LimiterArgs::default().with_global_limit(global);
+        assert_eq!(built.global_limit.to_string(), "10/1s");
+        let default = parse_as::<DefaultLimitArgs>(&["--limit", "7/1s"]);
+        assert_eq!(LimiterArgs::from(default).limit.to_string(), "7/1s");
+        assert_eq!(
+            format!("{:?}", LimiterArgs::default()),
+            format!("{:?}", parse_as::<LimiterArgs>(&[]))
+        );
+    }
+
+    #[test]
+    fn a_switch_takes_every_spelling_as_a_flag_value() {
+        for (spelling, on) in [
+            ("on", true),
+            ("off", false),
+            ("true", true),
+            ("false", false),
+            ("1", true),
+            ("0", false),
+            ("yes", true),
+            ("no", false),
+            ("OFF", false),
+            ("Yes", true),
+        ] {
+            for argv in [
+                vec!["--adaptive", spelling, "--redis-durable", spelling],
+                vec![
+                    format!("--adaptive={spelling}").leak(),
+                    format!("--redis-durable={spelling}").leak(),
+                ],
+            ] {
+                let args = parse_as::<LimiterArgs>(&argv);
+                assert_eq!((args.adaptive, args.redis_durable), (on, on), "{argv:?}");
+            }
+        }
+        let bare = parse_as::<LimiterArgs>(&["--redis-durable", "--adaptive"]);
+        assert!(bare.redis_durable && bare.adaptive);
+        let defaults = parse_as::<LimiterArgs>(&[]);
+        assert!(!defaults.redis_durable && defaults.adaptive);
+        let refused = LimiterArgs::augment_args(clap::Command::new("t"))
+            .try_get_matches_from(["t", "--adaptive", "maybe"])
+            .unwrap_err()
+            .to_string();
+        assert!(
+            refused.contains("maybe") && refused.contains("--adaptive"),
+            "{refused}"
+        );
     }
 
     #[test]

@@ -29,9 +29,8 @@ use crate::worker::{Stats, Worker, WorkerSettings};
 
 /// Everything `turnstile consume` is configured with (flags and `TURNSTILE_*` variables).
 #[derive(Args, Clone, Debug)]
+#[command(next_help_heading = "Consumer")]
 pub struct ConsumeArgs {
-    #[command(flatten)]
-    pub broker: BrokerArgs,
     /// Concurrent downstream calls per replica.
     #[arg(long, env = "TURNSTILE_WORKERS", default_value_t = 16, value_parser = clap::value_parser!(u32).range(1..=4096))]
     pub workers: u32,
@@ -57,6 +56,7 @@ pub struct ConsumeArgs {
     /// First retry delay after a failed attempt; doubles with jitter up to --retry-max.
     #[arg(long = "retry-min", env = "TURNSTILE_RETRY_MIN", default_value = "1s", value_parser = duration_arg)]
     pub retry_min: Duration,
+    /// Longest retry delay after failed attempts.
     #[arg(long = "retry-max", env = "TURNSTILE_RETRY_MAX", default_value = "5m", value_parser = duration_arg)]
     pub retry_max: Duration,
     /// How long a registered message is remembered (a redelivery within it is not called again).
@@ -68,10 +68,12 @@ pub struct ConsumeArgs {
     pub shutdown_grace: Duration,
     /// Start even when Redis may evict keys (`maxmemory` with a `maxmemory-policy` other than
     /// `noeviction`). A seller whose state is evicted is then paused for one window.
-    #[arg(long = "allow-eviction", env = "TURNSTILE_ALLOW_EVICTION", default_value_t = false, action = clap::ArgAction::Set, num_args = 0..=1, default_missing_value = "true")]
+    #[arg(long = "allow-eviction", env = "TURNSTILE_ALLOW_EVICTION", default_value = "off", value_name = "ON|OFF", num_args = 0..=1, default_missing_value = "on", action = clap::ArgAction::Set, value_parser = crate::config::Switch)]
     pub allow_eviction: bool,
     #[command(flatten)]
     pub downstream: DownstreamArgs,
+    #[command(flatten)]
+    pub broker: BrokerArgs,
     #[command(flatten)]
     pub redis: RedisArgs,
     #[command(flatten)]

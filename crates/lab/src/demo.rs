@@ -31,6 +31,7 @@ pub struct DemoArgs {
     /// The (time-compressed) per-seller limit of the mock API and the consumers.
     #[arg(long, default_value = "5/1s", value_parser = turnstile_core::config::limit_arg)]
     pub limit: Limit,
+    /// The consumers' limiter algorithm.
     #[arg(long, value_enum, default_value_t = Algorithm::SlidingWindow)]
     pub algorithm: Algorithm,
     /// Where the example uploads are [default: ./examples, else the source tree's].

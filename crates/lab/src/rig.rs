@@ -30,9 +30,12 @@ use turnstile_ops::serve::{HttpArgs, ServeArgs, Served};
 /// (`turnstile-<name>-<random>`, `<prefix>-<name>-<random>`), deleted when it finishes.
 #[derive(clap::Args, Debug, Clone)]
 pub struct RigArgs {
+    /// Queue type of the rig's queues.
     #[arg(long = "queue-type", value_enum, default_value_t = QueueType::Quorum)]
     pub queue_type: QueueType,
-    #[arg(long = "amqp-url", env = "TURNSTILE_AMQP_URL", default_value = DEFAULT_AMQP_URL, hide_env_values = true)]
+    /// Broker URL, or a comma-separated list of the URLs of a cluster's nodes: a replica
+    /// connects to one that answers and, when its connection is lost, tries the next first.
+    #[arg(long = "amqp-url", env = "TURNSTILE_AMQP_URL", default_value = DEFAULT_AMQP_URL, hide_env_values = true, value_name = "URL", global = true)]
     pub amqp_url: String,
     #[command(flatten)]
     pub redis: RedisArgs,

@@ -31,6 +31,7 @@ pub struct ServeArgs {
 
 /// Where and how the operator endpoints are served.
 #[derive(Args, Clone, Debug)]
+#[command(next_help_heading = "HTTP endpoints")]
 pub struct HttpArgs {
     /// The dashboard (/), /api/dashboard, /metrics, /healthz, /readyz; `127.0.0.1:0` picks a
     /// free port; `off` disables.

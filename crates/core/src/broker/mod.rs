@@ -76,8 +76,11 @@ pub mod headers {
 pub const DEFAULT_AMQP_URL: &str = "amqp://guest:guest@127.0.0.1:5672/%2f";
 
 /// Where the broker is and which queues turnstile uses there. Its `Debug` hides the URL's
-/// password.
+/// password. Its flags are global (see [`crate::config::RedisArgs`]): `--amqp-url` and
+/// `--queue` are taken before the subcommand too, and all of them after a command's action
+/// (`turnstile dead-letters list --queue q`).
 #[derive(clap::Args, Clone)]
+#[command(next_help_heading = "Connection")]
 pub struct BrokerArgs {
     /// Broker URL, or a comma-separated list of the URLs of a cluster's nodes: a replica
     /// connects to one that answers and, when its connection is lost, tries the next first.
@@ -85,16 +88,25 @@ pub struct BrokerArgs {
         long = "amqp-url",
         env = "TURNSTILE_AMQP_URL",
         default_value = DEFAULT_AMQP_URL,
-        hide_env_values = true
+        hide_env_values = true,
+        value_name = "URL",
+        global = true
     )]
     pub amqp_url: String,
     /// Work queue; every other queue/exchange name derives from it.
-    #[arg(long, env = "TURNSTILE_QUEUE", default_value = "registrations")]
+    #[arg(
+        long,
+        env = "TURNSTILE_QUEUE",
+        default_value = "registrations",
+        value_name = "NAME",
+        global = true
+    )]
     pub queue: String,
-    #[arg(long = "queue-type", env = "TURNSTILE_QUEUE_TYPE", value_enum, default_value_t = QueueType::Quorum)]
+    /// Queue type of the work queue and the others turnstile declares.
+    #[arg(long = "queue-type", env = "TURNSTILE_QUEUE_TYPE", value_enum, default_value_t = QueueType::Quorum, global = true)]
     pub queue_type: QueueType,
     /// Queue type of the delay ladder's levels (quorum: at-least-once dead-lettering).
-    #[arg(long = "delay-queue-type", env = "TURNSTILE_DELAY_QUEUE_TYPE", value_enum, default_value_t = QueueType::Quorum)]
+    #[arg(long = "delay-queue-type", env = "TURNSTILE_DELAY_QUEUE_TYPE", value_enum, default_value_t = QueueType::Quorum, global = true)]
     pub delay_queue_type: QueueType,
 }
 

@@ -16,6 +16,7 @@ pub use headers::RateLimitHeaders;
 
 /// Where and how to call the registration API.
 #[derive(Args, Clone)]
+#[command(next_help_heading = "Downstream")]
 pub struct DownstreamArgs {
     /// Registration endpoint; `{seller_id}` is replaced by the URL-encoded seller id.
     #[arg(

@@ -39,7 +39,7 @@ pub async fn run(args: &ScenarioArgs) -> anyhow::Result<bool> {
     let big = args.big.unwrap_or(300);
     let (small_sellers, small) = (args.small_sellers.unwrap_or(20), args.small.unwrap_or(3));
     let limiter = LimiterArgs {
-        adaptive: args.adaptive == "on",
+        adaptive: args.adaptive,
         ..LimiterArgs::new(told.clone(), args.algorithm)
     };
     let hold = args.hold.unwrap_or(Duration::from_secs(2));
@@ -53,7 +53,7 @@ pub async fn run(args: &ScenarioArgs) -> anyhow::Result<bool> {
          seller's {big} messages (in {} wave(s)) ahead of {small_sellers} sellers with {small} each",
         args.rate_limit_headers,
         if args.no_retry_after { "no" } else { "yes" },
-        args.adaptive,
+        if args.adaptive { "on" } else { "off" },
         args.waves.max(1)
     );
     let mock = MockArgs {

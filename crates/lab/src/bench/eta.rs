@@ -28,11 +28,13 @@ pub struct EtaArgs {
     /// The seller's limit (or a comma-separated stack), both turnstile's and the mock's.
     #[arg(long, default_value = "100/1m", value_parser = turnstile_core::config::limits_arg)]
     pub limit: Limits,
+    /// Consumer replicas.
     #[arg(long, default_value_t = 2)]
     pub replicas: usize,
     /// Workers of each replica.
     #[arg(long, default_value_t = 4)]
     pub workers: u32,
+    /// The consumers' limiter algorithm.
     #[arg(long, value_enum, default_value_t = Algorithm::SlidingWindow)]
     pub algorithm: Algorithm,
     #[command(flatten)]

@@ -18,10 +18,13 @@ use turnstile_core::config::Limit;
 
 #[derive(Args, Debug, Clone)]
 pub struct FaultArgs {
+    /// The per-seller limit, both turnstile's and the mock's.
     #[arg(long, default_value = "20/1s", value_parser = turnstile_core::config::limit_arg)]
     pub limit: Limit,
+    /// Consumer replicas (each its own process).
     #[arg(long, default_value_t = 3)]
     pub replicas: usize,
+    /// Workers of each replica.
     #[arg(long, default_value_t = 4)]
     pub workers: u32,
     /// Messages of the busy seller; 10 small sellers send 10 each.
@@ -31,11 +34,15 @@ pub struct FaultArgs {
     /// other user of it.
     #[arg(long)]
     pub restart_broker: bool,
+    /// Broker URL, or a comma-separated list of the URLs of a cluster's nodes: a replica
+    /// connects to one that answers and, when its connection is lost, tries the next first.
     #[arg(
         long = "amqp-url",
         env = "TURNSTILE_AMQP_URL",
         default_value = DEFAULT_AMQP_URL,
-        hide_env_values = true
+        hide_env_values = true,
+        value_name = "URL",
+        global = true
     )]
     pub amqp_url: String,
 }

@@ -74,10 +74,13 @@ pub struct SellersArgs {
     /// Redis to measure instead of a private redis-server (TURNSTILE_REDIS_URL is not read);
     /// a comma-separated list of node URLs means Redis Cluster. Other clients' writes then show
     /// up in the memory figures.
-    #[arg(long = "redis-url")]
+    #[arg(id = "bench_redis_url", long = "bench-redis-url", value_name = "URL")]
     pub redis_url: Option<String>,
-    #[arg(long = "amqp-url", env = "TURNSTILE_AMQP_URL", default_value = DEFAULT_AMQP_URL, hide_env_values = true)]
+    /// Broker URL, or a comma-separated list of the URLs of a cluster's nodes: a replica
+    /// connects to one that answers and, when its connection is lost, tries the next first.
+    #[arg(long = "amqp-url", env = "TURNSTILE_AMQP_URL", default_value = DEFAULT_AMQP_URL, hide_env_values = true, value_name = "URL", global = true)]
     pub amqp_url: String,
+    /// Queue type of the replica step's queues.
     #[arg(long = "queue-type", value_enum, default_value_t = QueueType::Quorum)]
     pub queue_type: QueueType,
     /// Redis calls in flight at once.

@@ -41,6 +41,7 @@ pub struct ThroughputArgs {
     /// The per-seller limit; the default keeps limits out of the way.
     #[arg(long, default_value = "1000000/1s", value_parser = turnstile_core::config::limit_arg)]
     pub limit: Limit,
+    /// The consumers' limiter algorithm.
     #[arg(long, value_enum, default_value_t = Algorithm::SlidingWindow)]
     pub algorithm: Algorithm,
     /// Replica counts to run turnstile with, one run each (e.g. `1,2,4`).
@@ -54,7 +55,7 @@ pub struct ThroughputArgs {
     pub repeat: u32,
     /// Redis to use; by default a private `redis-server` on a free port, so that the command
     /// counts are turnstile's alone. A comma-separated list of URLs means Redis Cluster.
-    #[arg(long = "bench-redis-url")]
+    #[arg(id = "bench_redis_url", long = "bench-redis-url", value_name = "URL")]
     pub redis_url: Option<String>,
     #[command(flatten)]
     pub rig: RigArgs,

@@ -33,18 +33,22 @@ pub struct ScenarioArgs {
     /// `cost`).
     #[arg(long = "max-cost")]
     pub max_cost: Option<u32>,
+    /// Consumer replicas [default: the preset's].
     #[arg(long)]
     pub replicas: Option<usize>,
+    /// Workers of each replica [default: the preset's].
     #[arg(long)]
     pub workers: Option<u32>,
     /// Messages of the busy seller (published first).
     #[arg(long)]
     pub big: Option<usize>,
+    /// Small sellers (published after the busy one).
     #[arg(long = "small-sellers")]
     pub small_sellers: Option<usize>,
     /// Messages of each small seller.
     #[arg(long)]
     pub small: Option<usize>,
+    /// The consumers' limiter algorithm.
     #[arg(long, value_enum, default_value_t = Algorithm::SlidingWindow)]
     pub algorithm: Algorithm,
     /// How long a replica may hold a waiting message [default: 2s; `global`: 30s].
@@ -84,8 +88,8 @@ pub struct ScenarioArgs {
     pub no_retry_after: bool,
     /// `adaptive`: `off` runs with the configured limit only (the figures before adaptive
     /// limits).
-    #[arg(long, default_value = "on", value_parser = ["on", "off"])]
-    pub adaptive: String,
+    #[arg(long, default_value = "on", value_name = "ON|OFF", num_args = 0..=1, default_missing_value = "on", action = clap::ArgAction::Set, value_parser = turnstile_core::config::Switch)]
+    pub adaptive: bool,
     /// `adaptive`: publish the busy seller's messages in this many waves, one every
     /// optimum / waves (new arrivals while it drains: a raised limit is tested by new
     /// reservations); 1 publishes them all at once.
