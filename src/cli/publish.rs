@@ -11,7 +11,7 @@ use anyhow::Context;
 use futures::StreamExt;
 use turnstile_core::broker::{BrokerArgs, Publisher};
 use turnstile_core::config::{LimiterArgs, RedisArgs};
-use turnstile_core::permit::PermitStore;
+use turnstile_core::permit::{Admin, RedisConn, Terms};
 use turnstile_core::trace::TraceContext;
 use turnstile_upload::upload::{UploadRow, read_weighed_upload};
 
@@ -57,7 +57,8 @@ pub async fn run(args: PublishArgs) -> anyhow::Result<ExitCode> {
     for bad in &upload.bad_rows {
         eprintln!("skipped {bad}");
     }
-    let store = PermitStore::connect(&args.redis, &args.limiter).await?;
+    let conn = RedisConn::connect(&args.redis).await?;
+    let store = Admin::new(conn, &args.redis.key_prefix, Terms::from(&args.limiter));
     let (connection, publisher, topology) = args.broker.open("turnstile publish").await?;
     let queue = topology.work().to_owned();
     let label = format!("publishing {} of {seller}", upload.batch_id.as_str());
