@@ -688,9 +688,6 @@ impl PermitStore {
     pub fn default_limit(&self) -> &Limits {
         &self.limiter.limit
     }
-    pub fn key_prefix(&self) -> &str {
-        self.keys.prefix()
-    }
 
     /// The connection to Redis this store uses.
     pub fn conn(&self) -> &RedisConn {
@@ -725,12 +722,6 @@ impl PermitStore {
     /// The key holding the seller's limiter state for the configured algorithm.
     fn state_key(&self, seller: &SellerId) -> String {
         self.keys.state(seller, self.limiter.algorithm)
-    }
-
-    /// Deletes every key under this store's prefix (for demos, benchmarks and tests that clean
-    /// up after themselves; never for a prefix replicas still use).
-    pub async fn delete_all_keys(&self) -> anyhow::Result<()> {
-        delete_prefix(&self.conn, self.keys.prefix()).await
     }
 
     fn durable_flag(&self) -> u8 {
@@ -1044,7 +1035,7 @@ impl PermitStore {
 
     /// The seller's terms changed (or it was paused): this replica stops claiming from its pool
     /// without an acquire.
-    pub fn drop_block(&self, seller: &SellerId) {
+    fn drop_block(&self, seller: &SellerId) {
         if let Some(blocks) = &self.blocks {
             blocks.pool_gone(seller);
         }
