@@ -719,3 +719,33 @@ impl Admin {
             .collect())
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use std::time::Duration;
+
+    use super::Terms;
+    use crate::config::{Algorithm, LimiterArgs};
+
+    #[test]
+    fn the_terms_guard_each_window_as_the_limiter_does() {
+        for guard in [None, Some(Duration::from_millis(7))] {
+            let limiter = LimiterArgs {
+                guard,
+                ..LimiterArgs::new(
+                    "5/1s,100/1h".parse::<crate::config::Limits>().unwrap(),
+                    Algorithm::Gcra,
+                )
+            };
+            let terms = Terms::from(&limiter);
+            for ms in [1, 100, 1_000, 30_000, 3_600_000] {
+                let window = Duration::from_millis(ms);
+                assert_eq!(
+                    terms.guard_for(window),
+                    limiter.guard_for(window),
+                    "{guard:?} {ms}"
+                );
+            }
+        }
+    }
+}
