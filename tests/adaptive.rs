@@ -65,7 +65,7 @@ async fn accepted_call(store: &PermitStore, s: &SellerId, n: usize) -> i64 {
 
 /// The stack that applies to `s` now, as an acquire answers it (asked without reserving).
 async fn counts_now(store: &PermitStore, s: &SellerId) -> String {
-    store.usage(s).await.unwrap().limit.counts_arg()
+    store.admin().usage(s).await.unwrap().limit.counts_arg()
 }
 
 async fn a_429_lowers_the_learned_limit_to_what_the_downstream_accepted(backend: Backend) {
@@ -83,7 +83,7 @@ async fn a_429_lowers_the_learned_limit_to_what_the_downstream_accepted(backend:
     let change = store.learn(&s, lesson).await.unwrap().expect("a change");
     assert_eq!((change.counts.as_str(), change.why), ("5", Why::Throttled));
     assert_eq!(counts_now(&store, &s).await, "5");
-    let learned = store.learned(&s).await.unwrap().expect("learned");
+    let learned = store.admin().learned(&s).await.unwrap().expect("learned");
     assert_eq!(learned.configured, limits("20/2s"));
     assert_eq!(learned.limit, limits("5/2s"));
     assert_eq!(learned.from, Some(limits("20/2s")));
@@ -110,7 +110,7 @@ async fn a_learned_limit_never_goes_below_the_minimum(backend: Backend) {
     });
     let s = seller("S-min");
     for round in 0..4 {
-        let now = store.redis_time_us().await.unwrap();
+        let now = store.admin().redis_time_us().await.unwrap();
         let lesson = Lesson::Throttled {
             granted_us: now,
             told: None,
@@ -136,7 +136,7 @@ async fn raises_up_to_the_configured_limit(backend: Backend, algorithm: Algorith
     let keys = Keys::new(backend, "adaptive-raise").await;
     let store = keys.store(support::limiter("4/300ms", algorithm));
     let s = seller("S-raise");
-    let now = store.redis_time_us().await.unwrap();
+    let now = store.admin().redis_time_us().await.unwrap();
     let lesson = Lesson::Throttled {
         granted_us: now,
         told: None,
@@ -213,7 +213,14 @@ async fn rate_limit_headers_set_the_limit_and_a_quota_every_replica_follows(back
         }
         decision => panic!("the quota was ignored: {decision:?}"),
     }
-    let quota = one.learned(&s).await.unwrap().unwrap().quota.unwrap();
+    let quota = one
+        .admin()
+        .learned(&s)
+        .await
+        .unwrap()
+        .unwrap()
+        .quota
+        .unwrap();
     assert_eq!(quota.left, 0);
     // A later answer of the same window cannot give back what is used up.
     let told_later = RateLimitHeaders {
@@ -222,7 +229,14 @@ async fn rate_limit_headers_set_the_limit_and_a_quota_every_replica_follows(back
     };
     one.learn(&s, Lesson::Told(told_later)).await.unwrap();
     assert_eq!(
-        one.learned(&s).await.unwrap().unwrap().quota.unwrap().left,
+        one.admin()
+            .learned(&s)
+            .await
+            .unwrap()
+            .unwrap()
+            .quota
+            .unwrap()
+            .left,
         0
     );
     // A window of 1 min maps onto a configured 1 s limit as itself.
@@ -252,9 +266,9 @@ async fn a_changed_limit_or_adaptive_off_drops_what_was_learned(backend: Backend
     });
     assert_eq!(counts_now(&off, &s).await, "20");
     assert_eq!(off.learn(&s, Lesson::Told(told)).await.unwrap(), None);
-    store.set_limit(&s, limits("30/1s")).await.unwrap();
+    store.admin().set_limit(&s, limits("30/1s")).await.unwrap();
     assert_eq!(counts_now(&store, &s).await, "30");
-    assert_eq!(store.learned(&s).await.unwrap(), None);
+    assert_eq!(store.admin().learned(&s).await.unwrap(), None);
     keys.cleanup().await;
 }
 
@@ -262,24 +276,28 @@ async fn a_shadow_limit_records_what_it_would_have_done_without_enforcing_it(bac
     let keys = Keys::new(backend, "adaptive-shadow").await;
     let store = keys.store(limiter("5/10s"));
     let s = seller("S-shadow");
-    store.set_shadow(&s, limits("2/10s")).await.unwrap();
+    store.admin().set_shadow(&s, limits("2/10s")).await.unwrap();
     for n in 0..5 {
         accepted_call(&store, &s, n).await;
     }
-    let shadow = store.shadow(&s).await.unwrap().expect("a shadow");
+    let shadow = store.admin().shadow(&s).await.unwrap().expect("a shadow");
     assert_eq!(shadow.limit, limits("2/10s"));
     assert_eq!((shadow.agree, shadow.stricter, shadow.looser), (2, 3, 0));
     assert!(shadow.delay > Duration::from_secs(20), "{shadow:?}");
     // A shadow looser than the enforced limit: the caller told to wait would have gone.
-    store.set_shadow(&s, limits("50/10s")).await.unwrap();
+    store
+        .admin()
+        .set_shadow(&s, limits("50/10s"))
+        .await
+        .unwrap();
     assert!(matches!(
         store.acquire(&s, false).await.unwrap(),
         Decision::Wait { .. }
     ));
-    let shadow = store.shadow(&s).await.unwrap().unwrap();
+    let shadow = store.admin().shadow(&s).await.unwrap().unwrap();
     assert_eq!((shadow.agree, shadow.stricter, shadow.looser), (0, 0, 1));
-    assert!(store.clear_shadow(&s).await.unwrap());
-    assert_eq!(store.shadow(&s).await.unwrap(), None);
+    assert!(store.admin().clear_shadow(&s).await.unwrap());
+    assert_eq!(store.admin().shadow(&s).await.unwrap(), None);
     keys.cleanup().await;
 }
 
@@ -348,7 +366,7 @@ async fn replicas_learn_the_apis_limit_from_its_headers() -> anyhow::Result<()> 
     let stats = rig.wait_registered(20).await?;
     assert_eq!(stats.duplicates, 0, "{stats:?}");
     let learned = rig
-        .store()
+        .admin()
         .learned(&seller("S-api"))
         .await?
         .expect("learned");
@@ -406,7 +424,7 @@ async fn replicas_learn_the_apis_limit_from_its_429s() -> anyhow::Result<()> {
     assert_eq!(stats.duplicates, 0, "{stats:?}");
     assert!(stats.violations > 0, "the API refused calls: {stats:?}");
     let learned = rig
-        .store()
+        .admin()
         .learned(&seller("S-429"))
         .await?
         .expect("learned");

@@ -408,9 +408,9 @@ async fn wait_rejected_now(rig: &Rig, seller: &str, want: Option<u64>) {
 
 /// The dashboard's dead letters by reason and a seller's upload row, as a replica serves them.
 async fn dashboard_of(rig: &Rig, seller: &str) -> (serde_json::Value, serde_json::Value) {
-    let store = rig.store();
     let dashboard = turnstile_ops::dashboard::Dashboard::new(
-        store,
+        rig.admin(),
+        rig.records(),
         Default::default(),
         Default::default(),
         turnstile_ops::dashboard::ReplicaInfo {

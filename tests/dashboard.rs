@@ -46,6 +46,7 @@ async fn the_dashboard_shows_each_seller_and_its_upload_progress_while_a_workloa
     // product the API rejects, and one of a seller paused for ten minutes (nothing of it is
     // published, so it only waits).
     store
+        .admin()
         .set_limit(&seller("S-small"), "3/1s,8/1m".parse::<Limits>().unwrap())
         .await?;
     upload(&mut rig, "S-big", "spring", 30, 0).await?;
@@ -53,6 +54,7 @@ async fn the_dashboard_shows_each_seller_and_its_upload_progress_while_a_workloa
     upload(&mut rig, "S-bad", "autumn", 1, 1).await?;
     // As a replica notes a batch when it first sees one of its messages.
     store
+        .records()
         .batch_seen(
             &seller("S-paused"),
             &batch("winter"),

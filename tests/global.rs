@@ -179,9 +179,9 @@ async fn weights_divide_the_global_limit(backend: Backend) {
     let keys = Keys::new(backend, "global-weights").await;
     let store = keys.store(limiter("1000/1s", "20/1s"));
     let (heavy, light) = (seller("S-heavy"), seller("S-light"));
-    store.set_weight(&heavy, 4).await.unwrap();
-    assert_eq!(store.weight(&heavy).await.unwrap(), 4);
-    assert_eq!(store.weight(&light).await.unwrap(), 1);
+    store.admin().set_weight(&heavy, 4).await.unwrap();
+    assert_eq!(store.admin().weight(&heavy).await.unwrap(), 4);
+    assert_eq!(store.admin().weight(&light).await.unwrap(), 1);
     let counted = compete(&store, &[(&heavy, 4), (&light, 4)], 100).await;
     let (h, l) = (counted[0], counted[1]);
     assert!(
@@ -190,7 +190,7 @@ async fn weights_divide_the_global_limit(backend: Backend) {
     );
     // What the dashboard and `turnstile status` show of it: the window holds 20 units, both
     // sellers are competing, with their weights.
-    let usage = store.global_usage().await.unwrap().unwrap();
+    let usage = store.admin().global_usage().await.unwrap().unwrap();
     assert_eq!(usage.limit.to_string(), "20/1s");
     assert_eq!(usage.per_limit[0].capacity, 20);
     assert!(usage.per_limit[0].used <= 20, "{usage:?}");
@@ -232,7 +232,7 @@ async fn a_refused_grant_is_given_back_to_the_seller(backend: Backend) {
             "{refused:?}"
         );
     }
-    let usage = store.usage(&s).await.unwrap();
+    let usage = store.admin().usage(&s).await.unwrap();
     assert_eq!(usage.used, 1, "only the call made counts: {usage:?}");
     // A cost the global stack never grants is refused as such, and given back too.
     let (costly, _) = store
@@ -246,7 +246,7 @@ async fn a_refused_grant_is_given_back_to_the_seller(backend: Backend) {
         }
         other => panic!("{other:?}"),
     }
-    assert_eq!(store.usage(&s).await.unwrap().used, 1);
+    assert_eq!(store.admin().usage(&s).await.unwrap().used, 1);
     keys.cleanup().await;
 }
 
@@ -365,7 +365,7 @@ async fn a_sellers_calls_in_flight_are_capped_by_leases(backend: Backend) {
         "{third:?}"
     );
     assert_eq!(
-        store.usage(&s).await.unwrap().used,
+        store.admin().usage(&s).await.unwrap().used,
         2,
         "the third grant was given back"
     );

@@ -61,7 +61,7 @@ async fn a_retry_after_of_years_pauses_the_seller_only_for_the_max_pause() -> an
         rig.total(|s| &s.throttled) >= 1
     })
     .await;
-    let paused = store.paused_for(&seller).await.unwrap();
+    let paused = store.admin().paused_for(&seller).await.unwrap();
     assert!(paused <= Duration::from_secs(2), "paused for {paused:?}");
     let stats = rig.wait_registered(1).await?;
     rig.stop_replicas().await?;

@@ -41,6 +41,7 @@ async fn raised_mid_backlog(algorithm: Algorithm) -> anyhow::Result<()> {
     let store = rig.store();
     let seller = SellerId::parse("S-raised").unwrap();
     store
+        .admin()
         .set_limit(
             &seller,
             "5/1s".parse::<turnstile_core::config::Limits>().unwrap(),
@@ -61,8 +62,9 @@ async fn raised_mid_backlog(algorithm: Algorithm) -> anyhow::Result<()> {
     let old_end = last_reserved_slot(&store, &seller)
         .await
         .expect("slots reserved under 5/1s");
-    let raised_at = store.redis_time_us().await.unwrap();
+    let raised_at = store.admin().redis_time_us().await.unwrap();
     store
+        .admin()
         .set_limit(
             &seller,
             "50/1s".parse::<turnstile_core::config::Limits>().unwrap(),
@@ -70,7 +72,7 @@ async fn raised_mid_backlog(algorithm: Algorithm) -> anyhow::Result<()> {
         .await
         .unwrap();
     let stats = rig.wait_registered(150).await?;
-    let done_at = store.redis_time_us().await.unwrap();
+    let done_at = store.admin().redis_time_us().await.unwrap();
     let released: u64 = rig
         .replicas()
         .map(|r| {
@@ -126,8 +128,14 @@ async fn a_lifted_pause_brings_the_delayed_messages_back_at_once() -> anyhow::Re
     rig.start_replicas(2, 2).await?;
     rig.publish("S-resumed", 5).await?;
     eventually("the messages wait", || rig.total(|s| &s.delayed) >= 5).await;
-    assert!(store.resume(&seller).await.unwrap(), "it was paused");
-    assert_eq!(store.paused_for(&seller).await.unwrap(), Duration::ZERO);
+    assert!(
+        store.admin().resume(&seller).await.unwrap(),
+        "it was paused"
+    );
+    assert_eq!(
+        store.admin().paused_for(&seller).await.unwrap(),
+        Duration::ZERO
+    );
     let stats = rig.wait_registered(5).await?;
     rig.stop_replicas().await?;
     assert_eq!((stats.violations, stats.duplicates), (0, 0), "{stats:?}");

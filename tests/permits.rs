@@ -141,7 +141,11 @@ fn limits_get_shows_the_learned_limit_and_a_shadow_limits_verdicts() {
         "{out}"
     );
     assert_eq!(
-        runtime.block_on(store.learned(&s)).unwrap().unwrap().limit,
+        runtime
+            .block_on(store.admin().learned(&s))
+            .unwrap()
+            .unwrap()
+            .limit,
         "8/1m".parse::<Limits>().unwrap()
     );
     let (code, out, _) = turnstile(&["limits", "clear", "--seller", "S-7", "--shadow"]);

@@ -260,7 +260,7 @@ impl Loss {
                 config_set(redis, "maxmemory", "0").await;
             }
             Loss::Reset => {
-                let paused = rig.store().reset(&seller_id).await.unwrap();
+                let paused = rig.admin().reset(&seller_id).await.unwrap();
                 assert!(!exists(&mut conn).await, "reset forgets the log");
                 println!("reset: paused for {paused:?}");
             }

@@ -76,7 +76,7 @@ async fn reserved(rig: &Rig, key: &str) -> (u64, Duration) {
         .query_async(&mut conn)
         .await
         .unwrap();
-    let now = rig.store().redis_time_us().await.unwrap();
+    let now = rig.admin().redis_time_us().await.unwrap();
     let ahead = entries.iter().map(|(_, s)| s - now).max().unwrap_or(0);
     (
         entries.len() as u64,

@@ -647,9 +647,13 @@ async fn a_huge_or_binary_answer_is_capped_and_kept_as_text() -> anyhow::Result<
     let mut expected = vec![huge.clone(), binary.clone()];
     expected.sort();
     assert_eq!(keys, expected, "each called once");
-    let report = progress::read_batch(&rig.store(), &BatchId::parse(&batch).unwrap())
-        .await?
-        .expect("the batch is recorded");
+    let report = progress::read_batch(
+        &rig.admin(),
+        &rig.records(),
+        &BatchId::parse(&batch).unwrap(),
+    )
+    .await?
+    .expect("the batch is recorded");
     assert_eq!((report.registered, report.done), (2, true), "{report:?}");
     rig.cleanup().await
 }
@@ -744,7 +748,7 @@ async fn a_bad_batch_size_is_dead_lettered_and_counted_in_its_batch() -> anyhow:
         "{report}"
     );
     let progress = rig
-        .store()
+        .records()
         .batch_progress(
             &SellerId::parse(seller).unwrap(),
             &BatchId::parse(&batch).unwrap(),
@@ -869,9 +873,13 @@ async fn a_batch_completes_once_with_counts_per_outcome_and_reports_extra_messag
         events_of(&racing)
     );
 
-    let report = progress::read_batch(&rig.store(), &BatchId::parse(&batch).unwrap())
-        .await?
-        .expect("the batch is recorded");
+    let report = progress::read_batch(
+        &rig.admin(),
+        &rig.records(),
+        &BatchId::parse(&batch).unwrap(),
+    )
+    .await?
+    .expect("the batch is recorded");
     assert_eq!(report.extra, 1, "{report:?}");
     assert_eq!(report.total, Some(3), "{report:?}");
     assert_eq!(report.registered, 3, "{report:?}");
@@ -882,9 +890,13 @@ async fn a_batch_completes_once_with_counts_per_outcome_and_reports_extra_messag
     );
     assert!(report.done, "{report:?}");
     assert_eq!(report.waiting, Some(0), "{report:?}");
-    let report = progress::read_batch(&rig.store(), &BatchId::parse(&racing).unwrap())
-        .await?
-        .expect("the racing batch is recorded");
+    let report = progress::read_batch(
+        &rig.admin(),
+        &rig.records(),
+        &BatchId::parse(&racing).unwrap(),
+    )
+    .await?
+    .expect("the racing batch is recorded");
     assert_eq!(
         (report.total, report.registered, report.extra, report.done),
         (Some(3), 4, 1, true),
@@ -1044,7 +1056,7 @@ async fn a_mixed_seller_batch_is_reported_not_crashed_on() -> anyhow::Result<()>
         })
         .await;
     support::eventually_async("the first seller's batch is recorded", async || {
-        progress::read_batch(&rig.store(), &batch_id)
+        progress::read_batch(&rig.admin(), &rig.records(), &batch_id)
             .await
             .unwrap()
             .is_some_and(|b| b.seller_id == first)
@@ -1095,13 +1107,13 @@ async fn a_mixed_seller_batch_is_reported_not_crashed_on() -> anyhow::Result<()>
 
     // The batch id is reported as the first seller's, naming the other.
     support::eventually_async("the batch names the other seller", async || {
-        progress::read_batch(&rig.store(), &batch_id)
+        progress::read_batch(&rig.admin(), &rig.records(), &batch_id)
             .await
             .unwrap()
             .is_some_and(|b| b.also_sellers == [other])
     })
     .await;
-    let report = progress::read_batch(&rig.store(), &batch_id)
+    let report = progress::read_batch(&rig.admin(), &rig.records(), &batch_id)
         .await?
         .unwrap();
     assert_eq!(report.seller_id, first, "{report:?}");
@@ -1116,7 +1128,7 @@ async fn a_mixed_seller_batch_is_reported_not_crashed_on() -> anyhow::Result<()>
     assert_eq!(api_report["seller_id"], first, "{api_report}");
     assert_eq!(api_report["also_sellers"], json!([other]), "{api_report}");
     let others_progress = rig
-        .store()
+        .records()
         .batch_progress(&SellerId::parse(other).unwrap(), &batch_id)
         .await?
         .expect("the other seller's part is recorded");

@@ -7,7 +7,7 @@ use anyhow::Context;
 use clap::Subcommand;
 use turnstile_core::config::{LimiterArgs, Limits, RedisArgs, TermsArgs};
 use turnstile_core::domain::SellerId;
-use turnstile_core::permit::{MAX_SHADOW_COUNT, MAX_WEIGHT, PermitStore};
+use turnstile_core::permit::{Admin, MAX_SHADOW_COUNT, MAX_WEIGHT, RedisConn, Terms};
 
 use super::seller_arg;
 
@@ -96,7 +96,8 @@ pub async fn run(
     }: LimitsArgs,
 ) -> anyhow::Result<ExitCode> {
     let limiter = LimiterArgs::with_terms(terms);
-    let store = PermitStore::connect(&redis, &limiter).await?;
+    let conn = RedisConn::connect(&redis).await?;
+    let store = Admin::new(conn, &redis.key_prefix, Terms::from(&limiter));
     let line = match action {
         LimitsAction::Set {
             seller,
@@ -203,7 +204,7 @@ pub async fn run(
 
 /// The stack that applies to a seller, whether it is an override, and its pause; then a line
 /// per limit: how much of it is taken now and promised ahead, and which one binds now.
-async fn get(store: &PermitStore, seller: &SellerId) -> anyhow::Result<String> {
+async fn get(store: &Admin, seller: &SellerId) -> anyhow::Result<String> {
     let usage = store.usage(seller).await.context("reading the limit")?;
     let whose = if usage.overridden {
         "override"

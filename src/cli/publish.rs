@@ -11,7 +11,7 @@ use anyhow::Context;
 use futures::StreamExt;
 use turnstile_core::broker::{BrokerArgs, Publisher};
 use turnstile_core::config::{DefaultLimitArgs, LimiterArgs, RedisArgs};
-use turnstile_core::permit::PermitStore;
+use turnstile_core::permit::{Admin, RedisConn, Terms};
 use turnstile_core::trace::TraceContext;
 use turnstile_upload::upload::{UploadRow, read_weighed_upload};
 
@@ -60,7 +60,9 @@ pub async fn run(args: PublishArgs) -> anyhow::Result<ExitCode> {
     for bad in &upload.bad_rows {
         eprintln!("skipped {bad}");
     }
-    let store = PermitStore::connect(&args.redis, &LimiterArgs::from(args.limit.clone())).await?;
+    let conn = RedisConn::connect(&args.redis).await?;
+    let terms = Terms::from(&LimiterArgs::from(args.limit.clone()));
+    let store = Admin::new(conn, &args.redis.key_prefix, terms);
     let (connection, publisher, topology) = args.broker.open("turnstile publish").await?;
     let queue = topology.work().to_owned();
     let label = format!("publishing {} of {seller}", upload.batch_id.as_str());

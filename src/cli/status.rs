@@ -6,7 +6,7 @@ use std::process::ExitCode;
 
 use turnstile_core::config::{GlobalLimitArgs, LimiterArgs, RedisArgs, TermsArgs};
 use turnstile_core::domain::SellerId;
-use turnstile_core::permit::{GlobalUsage, PermitStore, Usage};
+use turnstile_core::permit::{Admin, GlobalUsage, Records, RedisConn, Terms, Usage};
 use turnstile_upload::progress::{self, BatchReport};
 
 use super::{batch_arg, seller_arg};
@@ -37,10 +37,13 @@ pub struct StatusArgs {
 pub async fn run(args: StatusArgs) -> anyhow::Result<ExitCode> {
     let limiter =
         LimiterArgs::with_terms(args.terms.clone()).with_global_limit(args.global.clone());
-    let store = PermitStore::connect(&args.redis, &limiter).await?;
+    let conn = RedisConn::connect(&args.redis).await?;
+    let prefix = &args.redis.key_prefix;
+    let admin = Admin::new(conn.clone(), prefix, Terms::from(&limiter));
+    let records = Records::new(conn, prefix);
     let seller = args.seller.as_deref().map(seller_arg).transpose()?;
     let batch = args.batch.as_deref().map(batch_arg).transpose()?;
-    let uploads = progress::list(&store, seller.as_ref(), batch.as_ref()).await?;
+    let uploads = progress::list(&records, seller.as_ref(), batch.as_ref()).await?;
     // One report per seller, as `GET /api/sellers/{id}` gives it; its batches' ETAs count the
     // work seen before each.
     let mut sellers: Vec<SellerId> = Vec::new();
@@ -52,7 +55,7 @@ pub async fn run(args: StatusArgs) -> anyhow::Result<ExitCode> {
     }
     let mut rows = Vec::new();
     for id in &sellers {
-        let report = progress::read_seller(&store, id).await?;
+        let report = progress::read_seller(&admin, &records, id).await?;
         for b in report.batches {
             if batch
                 .as_ref()
@@ -82,11 +85,11 @@ pub async fn run(args: StatusArgs) -> anyhow::Result<ExitCode> {
         println!("{}", serde_json::to_string_pretty(&value)?);
         return Ok(ExitCode::SUCCESS);
     }
-    let global = store.global_usage().await?;
+    let global = admin.global_usage().await?;
     if rows.is_empty() {
         println!(
             "no batches recorded under key prefix {:?}",
-            store.key_prefix()
+            args.redis.key_prefix
         );
     } else {
         print_table(&rows);

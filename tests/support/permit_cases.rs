@@ -312,13 +312,23 @@ pub async fn overrides_take_effect(backend: Backend, algorithm: Algorithm) {
     settings.gcra_burst = 5; // so that gcra, too, grants a whole window's worth at once
     let store = keys.store(settings);
     let s = seller("S-vip");
-    assert_eq!(store.effective_limit(&s).await.unwrap().to_string(), "2/1h");
+    assert_eq!(
+        store.admin().effective_limit(&s).await.unwrap().to_string(),
+        "2/1h"
+    );
     store
+        .admin()
         .set_limit(&s, "5/1h".parse::<Limits>().unwrap())
         .await
         .unwrap();
     assert_eq!(
-        store.limit_override(&s).await.unwrap().unwrap().to_string(),
+        store
+            .admin()
+            .limit_override(&s)
+            .await
+            .unwrap()
+            .unwrap()
+            .to_string(),
         "5/1h"
     );
     let mut granted = 0;
@@ -334,13 +344,16 @@ pub async fn overrides_take_effect(backend: Backend, algorithm: Algorithm) {
     else {
         panic!("{algorithm}: expected a reservation");
     };
-    assert!(store.clear_limit(&s).await.unwrap());
+    assert!(store.admin().clear_limit(&s).await.unwrap());
     assert_eq!(
         store.redeem(&s, held).await.unwrap(),
         Err(Forfeit::NotReserved),
         "{algorithm}: a change of limit gives reserved slots back"
     );
-    assert_eq!(store.effective_limit(&s).await.unwrap().to_string(), "2/1h");
+    assert_eq!(
+        store.admin().effective_limit(&s).await.unwrap().to_string(),
+        "2/1h"
+    );
     keys.cleanup().await;
 }
 
@@ -411,6 +424,7 @@ pub async fn a_raised_limit_applies_at_once_to_a_reserved_backlog(
     assert!(before > Duration::from_secs(60), "{algorithm}: {before:?}");
 
     store
+        .admin()
         .set_limit(&s, "1000/10s".parse::<Limits>().unwrap())
         .await
         .unwrap();
@@ -434,7 +448,7 @@ pub async fn a_lifted_pause_reschedules_the_backlog(backend: Backend, algorithm:
     store.pause(&s, Duration::from_secs(3600)).await.unwrap();
     let held = reserve_backlog(&store, &s, 5).await;
     assert_eq!(held.len(), 5, "{algorithm}: all wait for the pause");
-    assert!(store.resume(&s).await.unwrap());
+    assert!(store.admin().resume(&s).await.unwrap());
     let after = wait_of_a_new_caller(&store, &s).await;
     println!("{algorithm}: after a 1 h pause is lifted, a new caller waits {after:?}");
     assert!(
@@ -592,7 +606,7 @@ pub async fn a_malformed_override_is_ignored_and_the_default_applies(backend: Ba
             .query_async(&mut keys.conn.clone())
             .await
             .unwrap();
-        let usage = store.usage(&s).await.unwrap();
+        let usage = store.admin().usage(&s).await.unwrap();
         assert_eq!(
             (usage.limit.to_string(), usage.overridden),
             ("6/1s,20/5s".to_owned(), false),
@@ -648,7 +662,7 @@ pub async fn usage_shows_grants_reservations_pauses_and_overrides(
     settings.gcra_burst = 5; // gcra's capacity is its burst
     let store = keys.store(settings);
     let s = seller("S-usage");
-    let fresh = store.usage(&s).await.unwrap();
+    let fresh = store.admin().usage(&s).await.unwrap();
     assert_eq!(
         (fresh.used, fresh.capacity, fresh.ahead),
         (0, 5, 0),
@@ -685,7 +699,7 @@ pub async fn usage_shows_grants_reservations_pauses_and_overrides(
             "{algorithm:?}: the next ones reserve"
         );
     }
-    let busy = store.usage(&s).await.unwrap();
+    let busy = store.admin().usage(&s).await.unwrap();
     assert_eq!(
         (busy.used, busy.capacity, busy.ahead),
         (5, 5, 2),
@@ -695,8 +709,8 @@ pub async fn usage_shows_grants_reservations_pauses_and_overrides(
 
     store.pause(&s, Duration::from_secs(60)).await.unwrap();
     let limit: turnstile_core::config::Limit = "7/1h".parse().unwrap();
-    store.set_limit(&s, limit).await.unwrap();
-    let steered = store.usage(&s).await.unwrap();
+    store.admin().set_limit(&s, limit).await.unwrap();
+    let steered = store.admin().usage(&s).await.unwrap();
     assert!(steered.paused_for > Duration::from_secs(50), "{steered:?}");
     assert!(steered.paused_for <= Duration::from_secs(60), "{steered:?}");
     assert_eq!((steered.limit, steered.overridden), (limit.into(), true));
@@ -717,12 +731,16 @@ pub async fn completion_records_count_each_message_once(backend: Backend) {
     let ttl = Duration::from_secs(60);
     let size = BatchSize::new(1);
     let in_batch = |id| Some(InBatch { id, size });
-    store.batch_seen(&s, &batch, size, ttl).await.unwrap();
+    store
+        .records()
+        .batch_seen(&s, &batch, size, ttl)
+        .await
+        .unwrap();
     let counts = async || {
-        let p = turnstile_upload::progress::list(&store, Some(&s), Some(&batch))
+        let p = turnstile_upload::progress::list(&store.records(), Some(&s), Some(&batch))
             .await
             .unwrap();
-        let tally = store.dead_now().await.unwrap();
+        let tally = store.records().dead_now().await.unwrap();
         let tally = |r: &str| tally.get(r).copied().unwrap_or(0);
         (
             p[0].registered,
@@ -812,7 +830,7 @@ pub async fn completion_records_count_each_message_once(backend: Backend) {
         .query_async(&mut keys.conn.clone())
         .await
         .unwrap();
-    store.tally_dead("rejected", -5).await.unwrap();
+    store.records().tally_dead("rejected", -5).await.unwrap();
     assert!(
         store
             .complete(&s, &m2, in_batch(&gone), Replayed, ttl)
@@ -826,7 +844,7 @@ pub async fn completion_records_count_each_message_once(backend: Backend) {
         .await
         .unwrap();
     assert!(!exists, "a replay recreated an expired upload");
-    assert!(store.dead_now().await.unwrap().is_empty());
+    assert!(store.records().dead_now().await.unwrap().is_empty());
 
     // A reason that is not a plain word is refused before anything is written.
     let err = store
@@ -914,7 +932,7 @@ pub async fn a_cost_beyond_the_stack_never_passes_and_takes_nothing(
         6,
         "6/1s,20/5s",
     );
-    let usage = store.usage(&s).await.unwrap();
+    let usage = store.admin().usage(&s).await.unwrap();
     assert!(
         usage.per_limit.iter().all(|u| u.used == 0 && u.ahead == 0),
         "{algorithm}: {usage:?}"
@@ -929,6 +947,7 @@ pub async fn a_cost_beyond_the_stack_never_passes_and_takes_nothing(
     );
     // A seller's own stack decides what can pass.
     store
+        .admin()
         .set_limit(&s, "2/1s,50/1m".parse::<Limits>().unwrap())
         .await
         .unwrap();
@@ -967,7 +986,7 @@ pub async fn token_bucket_requests_take_that_many_tokens(backend: Backend) {
             Decision::Granted { .. }
         ));
     }
-    assert_eq!(store.usage(&s).await.unwrap().used, 8);
+    assert_eq!(store.admin().usage(&s).await.unwrap().used, 8);
     match store.acquire_units(&s, units(4), false).await.unwrap() {
         Decision::Wait {
             reservation: None,
@@ -979,7 +998,7 @@ pub async fn token_bucket_requests_take_that_many_tokens(backend: Backend) {
         other => panic!("{other:?}"),
     }
     assert_eq!(
-        store.usage(&s).await.unwrap().used,
+        store.admin().usage(&s).await.unwrap().used,
         8,
         "a denial takes nothing"
     );
@@ -987,7 +1006,7 @@ pub async fn token_bucket_requests_take_that_many_tokens(backend: Backend) {
         store.acquire_units(&s, units(2), false).await.unwrap(),
         Decision::Granted { .. }
     ));
-    assert_eq!(store.usage(&s).await.unwrap().used, 10);
+    assert_eq!(store.admin().usage(&s).await.unwrap().used, 10);
     keys.cleanup().await;
 }
 
@@ -1349,7 +1368,7 @@ pub async fn a_late_record_ends_the_call_at_its_answer(backend: Backend) {
         .complete_call(&s, &message, None, answer, Duration::from_secs(60))
         .await
         .unwrap();
-    let recorded_by = store.redis_time_us().await.unwrap();
+    let recorded_by = store.admin().redis_time_us().await.unwrap();
     let end = end_of(call).await;
     assert!(
         end >= granted_us && end <= recorded_by,
@@ -1696,6 +1715,7 @@ pub async fn a_change_of_terms_takes_back_the_pools_unclaimed_units(backend: Bac
         "a block was taken"
     );
     store
+        .admin()
         .set_limit(&s, "50/1m".parse::<Limits>().unwrap())
         .await
         .unwrap();

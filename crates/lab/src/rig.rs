@@ -22,7 +22,7 @@ use turnstile_core::broker::{BrokerArgs, DEFAULT_AMQP_URL, Publisher, QueueType,
 use turnstile_core::config::{Algorithm, Limits};
 use turnstile_core::config::{LimiterArgs, RedisArgs};
 use turnstile_core::downstream::DownstreamArgs;
-use turnstile_core::permit::{PermitStore, RedisConn, delete_prefix};
+use turnstile_core::permit::{Admin, PermitStore, Records, RedisConn, delete_prefix};
 use turnstile_core::replica::ConsumeArgs;
 use turnstile_ops::serve::{HttpArgs, ServeArgs, Served};
 
@@ -384,6 +384,18 @@ impl Rig {
     /// The rig's permits: its Redis, under its key prefix, with its replicas' limiter.
     pub fn store(&self) -> PermitStore {
         self.store.clone()
+    }
+
+    /// Sellers' terms in the rig's Redis, under its key prefix, as an operator reads and sets
+    /// them.
+    pub fn admin(&self) -> Admin {
+        self.store.admin()
+    }
+
+    /// The uploads' progress, dead letters and dashboard state in the rig's Redis, under its key
+    /// prefix.
+    pub fn records(&self) -> Records {
+        self.store.records()
     }
 
     /// The rig's broker connection.

@@ -4,17 +4,17 @@
 //! queue depths and throughput.
 //!
 //! Every replica feeds the shared state (all shared keys, one Redis Cluster slot: see
-//! [`turnstile_core::permit::keys`]; read and written by [`PermitStore`]), so any replica's page shows the
-//! whole deployment:
+//! [`turnstile_core::permit::keys`]; read and written by [`Records`]), so any replica's page
+//! shows the whole deployment:
 //! - `throughput:<minute>`: registrations per second (hash: unix second -> count), added by each
 //!   replica's sampler once a second, kept 11 minutes;
 //! - `sellers`: sellers asked about in the last 10 minutes (sorted set: seller -> last ms),
 //!   at most 10,000, also written by the sampler from [`Stats::take_sellers`];
 //! - `dead-now`: messages dead-lettered and not replayed since, by reason (hash, kept by
-//!   [`PermitStore::complete`]): a message counts once however often it was dead-lettered, and
-//!   no longer once replayed or registered by a copy;
+//!   [`turnstile_core::permit::PermitStore::complete`]): a message counts once however often
+//!   it was dead-lettered, and no longer once replayed or registered by a copy;
 //! - `uploads`: the batches by when a replica first saw them (written by
-//!   [`PermitStore::batch_seen`]).
+//!   [`Records::batch_seen`]).
 //!
 //! The cost is bounded whatever the number of sellers: a snapshot reads the 200 sellers asked
 //! about most recently and the 50 most recent uploads (one read-only script per seller), shows
@@ -34,7 +34,7 @@ use tracing::debug;
 
 use turnstile_core::broker::{self, Topology, unix_ms};
 use turnstile_core::domain::SellerId;
-use turnstile_core::permit::{PermitStore, Usage};
+use turnstile_core::permit::{Admin, Records, Usage};
 use turnstile_core::telemetry::Readiness;
 use turnstile_core::worker::Stats;
 use turnstile_upload::progress;
@@ -247,7 +247,8 @@ pub struct Throughput {
 
 /// A replica's dashboard: what it needs to take a [`Snapshot`].
 pub struct Dashboard {
-    permits: PermitStore,
+    admin: Admin,
+    records: Records,
     stats: Arc<Stats>,
     ready: Readiness,
     info: ReplicaInfo,
@@ -256,19 +257,26 @@ pub struct Dashboard {
 }
 
 impl Dashboard {
-    /// The store the dashboard reads (the HTTP API's batches and sellers read it too).
-    pub fn permits(&self) -> &PermitStore {
-        &self.permits
+    /// The sellers' terms the dashboard reads (the HTTP API's batches and sellers read them too).
+    pub fn admin(&self) -> &Admin {
+        &self.admin
+    }
+
+    /// The records the dashboard reads and its sampler writes (the HTTP API reads them too).
+    pub fn records(&self) -> &Records {
+        &self.records
     }
 
     pub fn new(
-        permits: PermitStore,
+        admin: Admin,
+        records: Records,
         stats: Arc<Stats>,
         ready: Readiness,
         info: ReplicaInfo,
     ) -> Self {
         Self {
-            permits,
+            admin,
+            records,
             stats,
             ready,
             info,
@@ -298,7 +306,7 @@ impl Dashboard {
         let now_ms = unix_ms();
         let (uploads, (recent_sellers, sellers_active), dead_letters, throughput) = tokio::try_join!(
             async {
-                progress::recent(&self.permits, UPLOADS_SHOWN)
+                progress::recent(&self.records, UPLOADS_SHOWN)
                     .await
                     .context("reading uploads")
             },
@@ -315,11 +323,10 @@ impl Dashboard {
             .filter(|s| seen.insert(*s))
             .filter_map(|s| SellerId::parse(s).ok())
             .collect();
-        let usages = futures::future::try_join_all(
-            candidates.iter().map(|seller| self.permits.usage(seller)),
-        )
-        .await
-        .context("reading sellers' windows")?;
+        let usages =
+            futures::future::try_join_all(candidates.iter().map(|seller| self.admin.usage(seller)))
+                .await
+                .context("reading sellers' windows")?;
         let usage: HashMap<&str, &Usage> = candidates
             .iter()
             .map(SellerId::as_str)
@@ -329,7 +336,7 @@ impl Dashboard {
         let uploads = upload_rows(&uploads, &usage);
         let (rows, paused) = seller_rows(&usage);
         let global = self
-            .permits
+            .admin
             .global_usage()
             .await
             .context("reading the global limit")?
@@ -370,7 +377,7 @@ impl Dashboard {
 
     /// The sellers asked about most recently, and how many were in the last 10 minutes.
     async fn active_sellers(&self, now_ms: u64) -> anyhow::Result<(Vec<String>, u64)> {
-        self.permits
+        self.records
             .sellers_seen(
                 SELLER_CANDIDATES,
                 now_ms.saturating_sub(ACTIVE_FOR.as_millis() as u64),
@@ -380,7 +387,7 @@ impl Dashboard {
     }
 
     async fn dead_letters(&self) -> anyhow::Result<BTreeMap<String, u64>> {
-        self.permits
+        self.records
             .dead_now()
             .await
             .context("reading dead letters by reason")
@@ -392,7 +399,7 @@ impl Dashboard {
         let end_s = now_ms / 1000;
         let start_s = end_s + 1 - THROUGHPUT_SECONDS;
         let per_second = self
-            .permits
+            .records
             .throughput(start_s, end_s)
             .await
             .context("reading throughput")?;
@@ -410,7 +417,7 @@ impl Dashboard {
         registered: u64,
         sellers: &HashSet<String>,
     ) -> Result<(), turnstile_core::permit::PermitError> {
-        self.permits
+        self.records
             .record_activity(
                 unix_ms(),
                 registered,

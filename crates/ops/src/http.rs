@@ -147,13 +147,14 @@ fn api_error(status: StatusCode, error: impl std::fmt::Display) -> Response {
     json_answer(status, serde_json::json!({"error": error.to_string()}))
 }
 
-/// The store the API reads, and `id` parsed by `parse`; or the answer to give instead (503
-/// before the replica reached Redis, 400 for an id that does not parse).
+/// The dashboard whose records and sellers' terms the API reads, and `id` parsed by `parse`; or
+/// the answer to give instead (503 before the replica reached Redis, 400 for an id that does not
+/// parse).
 fn api_input<'a, T, E: std::fmt::Display>(
     endpoints: &'a Endpoints,
     id: &str,
     parse: impl FnOnce(&str) -> Result<T, E>,
-) -> Result<(&'a turnstile_core::permit::PermitStore, T), Box<Response>> {
+) -> Result<(&'a Dashboard, T), Box<Response>> {
     let unavailable = || {
         api_error(
             StatusCode::SERVICE_UNAVAILABLE,
@@ -165,17 +166,18 @@ fn api_input<'a, T, E: std::fmt::Display>(
         .get()
         .ok_or_else(|| Box::new(unavailable()))?;
     let id = parse(id).map_err(|why| Box::new(api_error(StatusCode::BAD_REQUEST, why)))?;
-    Ok((dashboard.permits(), id))
+    Ok((dashboard, id))
 }
 
 /// `GET /api/batches/{batch_id}`: a batch's counts, whether it is done and its ETA.
 async fn batch_api(State(endpoints): State<Endpoints>, Path(batch): Path<String>) -> Response {
-    let (store, batch) = match api_input(&endpoints, &batch, turnstile_core::domain::BatchId::parse)
-    {
-        Ok(input) => input,
-        Err(answer) => return *answer,
-    };
-    match turnstile_upload::progress::read_batch(store, &batch).await {
+    let (dashboard, batch) =
+        match api_input(&endpoints, &batch, turnstile_core::domain::BatchId::parse) {
+            Ok(input) => input,
+            Err(answer) => return *answer,
+        };
+    let (admin, records) = (dashboard.admin(), dashboard.records());
+    match turnstile_upload::progress::read_batch(admin, records, &batch).await {
         Ok(Some(report)) => json_answer(StatusCode::OK, serde_json::json!(report)),
         Ok(None) => json_answer(
             StatusCode::NOT_FOUND,
@@ -187,12 +189,13 @@ async fn batch_api(State(endpoints): State<Endpoints>, Path(batch): Path<String>
 
 /// `GET /api/sellers/{seller_id}`: a seller's backlog, limits, pause and ETA, and its batches.
 async fn seller_api(State(endpoints): State<Endpoints>, Path(seller): Path<String>) -> Response {
-    let (store, seller) =
+    let (dashboard, seller) =
         match api_input(&endpoints, &seller, turnstile_core::domain::SellerId::parse) {
             Ok(input) => input,
             Err(answer) => return *answer,
         };
-    match turnstile_upload::progress::read_seller(store, &seller).await {
+    let (admin, records) = (dashboard.admin(), dashboard.records());
+    match turnstile_upload::progress::read_seller(admin, records, &seller).await {
         Ok(report) => json_answer(StatusCode::OK, serde_json::json!(report)),
         Err(error) => api_error(StatusCode::SERVICE_UNAVAILABLE, error),
     }

@@ -166,7 +166,8 @@ impl Served {
 fn dashboard_of(connecting: &Connecting, stats: &Arc<Stats>, ready: &Readiness) -> Dashboard {
     let args = connecting.args();
     Dashboard::new(
-        connecting.permits.clone(),
+        connecting.permits.admin(),
+        connecting.permits.records(),
         stats.clone(),
         ready.clone(),
         ReplicaInfo {

@@ -10,7 +10,7 @@ use std::time::Duration;
 
 use serde::Serialize;
 use turnstile_core::domain::{BatchId, SellerId};
-use turnstile_core::permit::{GlobalUsage, PermitError, PermitStore, Usage};
+use turnstile_core::permit::{Admin, GlobalUsage, PermitError, Records, Usage};
 
 /// How far one batch is.
 pub use turnstile_core::permit::UploadProgress as Progress;
@@ -190,16 +190,18 @@ fn batch_report(b: &Progress, eta_s: Option<f64>) -> BatchReport {
     }
 }
 
-/// A seller's report, read now: its batches, usage and share of the global limit.
+/// A seller's report, read now: its batches (from `records`), usage and share of the global
+/// limit (from `admin`).
 pub async fn read_seller(
-    store: &PermitStore,
+    admin: &Admin,
+    records: &Records,
     seller: &SellerId,
 ) -> Result<SellerReport, PermitError> {
     // The window first: a message registered between the two reads is then missing from both
     // (at most an early ETA by a part of a window), never counted in both (a whole window late).
-    let usage = store.usage(seller).await?;
-    let batches = store.seller_batches(seller).await?;
-    let global = store.global_usage().await?;
+    let usage = admin.usage(seller).await?;
+    let batches = records.seller_batches(seller).await?;
+    let global = admin.global_usage().await?;
     let rate = global.as_ref().map(|g| global_rate(g, seller));
     Ok(seller_report(seller, batches, usage, rate))
 }
@@ -208,17 +210,18 @@ pub async fn read_seller(
 /// id used by several sellers is reported as the first seen of them, naming the others in
 /// `also_sellers`.
 pub async fn read_batch(
-    store: &PermitStore,
+    admin: &Admin,
+    records: &Records,
     batch: &BatchId,
 ) -> Result<Option<BatchReport>, PermitError> {
-    let named = store.batches_named(batch).await?;
+    let named = records.batches_named(batch).await?;
     let Some(first) = named.first() else {
         return Ok(None);
     };
     let Ok(seller) = SellerId::parse(&first.seller) else {
         return Ok(None);
     };
-    let report = read_seller(store, &seller).await?;
+    let report = read_seller(admin, records, &seller).await?;
     let mut found = report
         .batches
         .into_iter()
@@ -229,20 +232,20 @@ pub async fn read_batch(
 }
 
 /// The `n` most recently first seen batches that are still recorded, newest first.
-pub async fn recent(store: &PermitStore, n: usize) -> Result<Vec<Progress>, PermitError> {
-    store.recent_uploads(n).await
+pub async fn recent(records: &Records, n: usize) -> Result<Vec<Progress>, PermitError> {
+    records.recent_uploads(n).await
 }
 
 /// Progress of every batch recorded under the key prefix, or a seller's, or one batch.
 pub async fn list(
-    store: &PermitStore,
+    records: &Records,
     seller: Option<&SellerId>,
     batch: Option<&BatchId>,
 ) -> anyhow::Result<Vec<Progress>> {
     let mut out = match (seller, batch) {
-        (Some(seller), None) => store.seller_batches(seller).await?,
-        (None, Some(batch)) => store.batches_named(batch).await?,
-        _ => store.uploads(seller, batch).await?,
+        (Some(seller), None) => records.seller_batches(seller).await?,
+        (None, Some(batch)) => records.batches_named(batch).await?,
+        _ => records.uploads(seller, batch).await?,
     };
     out.sort_by(|a, b| {
         (a.seller.as_str(), a.batch.as_str()).cmp(&(b.seller.as_str(), b.batch.as_str()))

@@ -344,7 +344,7 @@ async fn revive(
             })
         }
         _ if was_dead_for == INVALID => {
-            permits.tally_dead(INVALID, -1).await?;
+            permits.records().tally_dead(INVALID, -1).await?;
             Ok(Revived::Unidentified(INVALID))
         }
         _ => Ok(Revived::Nothing),
@@ -364,7 +364,7 @@ impl Revived {
                 .count_dead(identity, *size, reason, ttl)
                 .await
                 .map(drop),
-            Revived::Unidentified(reason) => permits.tally_dead(reason, 1).await,
+            Revived::Unidentified(reason) => permits.records().tally_dead(reason, 1).await,
         };
         if let Err(error) = undone {
             tracing::warn!(%error, "not republished, and still counted as waiting");

@@ -22,9 +22,11 @@
 //! unless told it may); the scripts themselves detect state lost to an eviction or a flush.
 //!
 //! This module owns the Redis keyspace: [`keys`] builds every key, and nothing outside it talks
-//! to Redis about turnstile's keys but through [`PermitStore`] (the limiter here, the uploads'
-//! progress and the dashboard's shared state in `records`).
+//! to Redis about turnstile's keys but through [`PermitStore`] (the limiter's hot path, here),
+//! [`Admin`] (sellers' terms as operators set and read them, `admin`) and [`Records`] (the
+//! uploads' progress, the dead letters by reason and the dashboard's shared state, `records`).
 
+mod admin;
 mod batch;
 pub mod block;
 mod conn;
@@ -36,14 +38,18 @@ pub mod server;
 use std::sync::{Arc, OnceLock};
 use std::time::Duration;
 
+pub use admin::{
+    Admin, Change, GlobalShare, GlobalUsage, Learned, LimitUsage, MAX_SHADOW_COUNT, MAX_WEIGHT,
+    Quota, Rescheduled, Shadow, Terms, Usage, binding_of,
+};
 use batch::{Batcher, Operation, When};
 use block::Blocks;
 pub use conn::{RedisClient, RedisConn, round_trips};
 pub use keys::Keyspace;
-pub use records::{BatchSeen, UploadProgress};
+pub use records::{BatchSeen, Records, UploadProgress};
 use redis::AsyncCommands;
 
-use crate::config::{Algorithm, Limit, LimiterArgs, Limits, RedisArgs};
+use crate::config::{Algorithm, LimiterArgs, Limits, RedisArgs};
 use crate::domain::{BatchId, BatchSize, Cost, MessageId, RateLimitHeaders, SellerId};
 
 /// Something script arguments are added to: a script invocation, or an operation of a batch.
@@ -111,7 +117,7 @@ fn is_final(error: &redis::RedisError) -> bool {
 /// A slot held for a seller: call at `slot_us` (Redis time). It is bound to its `token` (and
 /// the cost it was reserved for) in the seller's reserved set and is redeemed at most once (see
 /// `lua/redeem.lua`); it stays valid only under the stack of limits it was reserved with, and only until the seller's terms change (a
-/// limit set or cleared, a pause lifted: see [`PermitStore::reschedule`]), which gives it back.
+/// limit set or cleared, a pause lifted: see [`Admin::reschedule`]), which gives it back.
 /// `reserved_at_us` (Redis time) tells a holder whether a [`Rescheduled`] notice concerns it.
 ///
 /// A reservation travels in a message header, which anyone can write: [`Reservation::decode`]
@@ -203,30 +209,6 @@ pub enum Decision {
     },
 }
 
-/// How much of the global limit is taken now, and by whom (see [`PermitStore::global_usage`]).
-#[derive(Clone, Debug, PartialEq)]
-pub struct GlobalUsage {
-    /// The global stack.
-    pub limit: Limits,
-    /// Each limit of the stack: units granted in its window now (`used`), of `capacity`.
-    pub per_limit: Vec<LimitUsage>,
-    /// Sellers competing for global units now (refused recently; see `lua/global.lua`), and
-    /// their weights together.
-    pub present: u64,
-    pub weights: f64,
-    /// Each seller with units in the shortest window, most first: its units and weight.
-    pub shares: Vec<GlobalShare>,
-}
-
-/// One seller's part of the global limit's shortest window.
-#[derive(Clone, Debug, PartialEq, Eq)]
-pub struct GlobalShare {
-    /// The seller's key tag (its id percent-encoded; see `SellerId::key_tag`).
-    pub seller: String,
-    pub units: u64,
-    pub weight: u32,
-}
-
 /// What deferred a call the seller's own limit granted (see [`Decision::Deferred`]).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Deferral {
@@ -253,10 +235,6 @@ pub enum GlobalDecision {
     TooCostly { most: u32 },
 }
 
-/// Largest COUNT of a shadow limit: its log keeps at most this many units per seller (see
-/// `judge_shadow` in `lua/prelude.lua`).
-pub const MAX_SHADOW_COUNT: u32 = 10_000;
-
 /// The `outcome` label values of `turnstile_seller_leases_total`.
 pub const LEASE_OUTCOMES: [&str; 2] = ["leased", "refused"];
 
@@ -267,9 +245,6 @@ pub const GLOBAL_OUTCOMES: [&str; 4] = ["granted", "ahead", "full", "too-costly"
 
 /// The `verdict` label values of `turnstile_shadow_verdicts_total`.
 pub const SHADOW_VERDICTS: [&str; 3] = ["agree", "stricter", "looser"];
-
-/// Most a seller's weight under the global limit may be.
-pub const MAX_WEIGHT: u32 = 1000;
 
 /// How long a seller stays active for the global limit's fair shares after its last grant (or
 /// after the time its last denial told it to come back): a tenth of the global stack's
@@ -355,7 +330,7 @@ pub struct Recorded {
 }
 
 /// A batch's completion event waiting to be published: the batch completed at `completed_ms`
-/// (Unix ms, Redis time). Whoever publishes it says so with [`PermitStore::batch_event_sent`];
+/// (Unix ms, Redis time). Whoever publishes it says so with [`Records::batch_event_sent`];
 /// until then the message that completed the batch, its redeliveries (recorded again, or acked
 /// as registered before) and a replica first seeing the batch find it pending; a message
 /// counted after the batch completed (one more than its total) does not, so that it is not
@@ -447,119 +422,9 @@ pub struct LearnedChange {
     pub lowered: bool,
 }
 
-/// What adaptive limits learned of a seller (see [`PermitStore::learned`]).
-#[derive(Clone, Debug, PartialEq, Eq)]
-pub struct Learned {
-    /// The stack configured for the seller (its override or the default).
-    pub configured: Limits,
-    /// The stack that applies: `configured` with the learned counts.
-    pub limit: Limits,
-    /// The stack before the last change, if there was one.
-    pub from: Option<Limits>,
-    pub why: Option<Why>,
-    pub changed_ago: Option<Duration>,
-    /// Windows of full use the next raise waits for.
-    pub patience: u32,
-    /// The downstream's quota from rate-limit headers, while it lasts.
-    pub quota: Option<Quota>,
-}
-
-/// What rate-limit headers said is left of a seller's quota at the downstream.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub struct Quota {
-    pub left: u64,
-    pub resets_in: Duration,
-}
-
-/// A seller's shadow limit and its verdicts so far (see `judge_shadow` in `lua/prelude.lua`).
-#[derive(Clone, Debug, PartialEq, Eq)]
-pub struct Shadow {
-    pub limit: Limits,
-    /// Decisions it agreed with.
-    pub agree: u64,
-    /// Calls granted that it would have held back, and by how long in all (to the ms).
-    pub stricter: u64,
-    pub delay: Duration,
-    /// Callers told to wait that it would have let go at once.
-    pub looser: u64,
-}
-
 /// A grant that leaves at least this much of the limit taken (thousandths) is near the limit
 /// (as envoy's ratelimit counts `near_limit`: 80%).
 pub const NEAR_LIMIT_PERMILLE: u32 = 800;
-
-/// How much of one limit of a seller's stack is taken now, in units: `used` of `capacity`
-/// counts against the limit now, `ahead` is promised beyond it (reserved units, debt).
-#[derive(Clone, Debug, PartialEq, Eq)]
-pub struct LimitUsage {
-    pub limit: Limit,
-    pub used: u64,
-    pub capacity: u64,
-    pub ahead: u64,
-    /// How long ago the oldest unit `used` counts was taken: the window frees from then on
-    /// (sliding-window and fixed-window; zero for the others).
-    pub oldest_age: Duration,
-    /// The guard added to the window (TURNSTILE_LIMIT_GUARD): a window's units free up
-    /// `window + guard` after they were taken.
-    pub guard: Duration,
-    /// Reservations whose slot is in the window now (counted in `used`) and that are not
-    /// redeemed yet: granted, and still waiting for their call.
-    pub due_reserved: u64,
-}
-
-impl LimitUsage {
-    /// `used / capacity` as thousandths.
-    pub fn permille(&self) -> u64 {
-        self.used * 1000 / self.capacity.max(1)
-    }
-}
-
-/// How much of a seller's limits is taken now (see `lua/usage.lua`): `used`, `capacity` and
-/// `ahead` are those of the limit that binds now (`per_limit[binding]`, see [`binding_of`]).
-#[derive(Clone, Debug, PartialEq, Eq)]
-pub struct Usage {
-    pub used: u64,
-    pub capacity: u64,
-    pub ahead: u64,
-    /// The stack that applies (the seller's override or the default).
-    pub limit: Limits,
-    /// Each limit of the stack, in its order.
-    pub per_limit: Vec<LimitUsage>,
-    /// Which of `per_limit` binds now.
-    pub binding: usize,
-    /// Whether `limit` is the seller's own override.
-    pub overridden: bool,
-    /// How long the seller stays paused (zero when not paused).
-    pub paused_for: Duration,
-    /// Units of the seller's calls granted and not answered yet (counted in `used`, and still
-    /// waiting to be registered).
-    pub in_flight: u64,
-    /// The stack configured for the seller; `limit` is it with the learned counts (adaptive
-    /// limits), lowered for `learned_why` (`None` when nothing is learned below it).
-    pub configured: Limits,
-    pub learned_why: Option<Why>,
-    /// The seller's shadow limit and its verdicts (`delay` not read), if one is set.
-    pub shadow: Option<Shadow>,
-}
-
-/// The limit of a stack that binds now: the most taken (`used / capacity`); among equally taken
-/// ones (all idle, say), the one with the lowest long-run rate, which binds a long backlog.
-pub fn binding_of(per_limit: &[LimitUsage]) -> usize {
-    let rate_below = |a: &Limit, b: &Limit| {
-        u128::from(a.count()) * b.window().as_nanos()
-            < u128::from(b.count()) * a.window().as_nanos()
-    };
-    let mut best = 0;
-    for (i, u) in per_limit.iter().enumerate().skip(1) {
-        let b = &per_limit[best];
-        if u.permille() > b.permille()
-            || (u.permille() == b.permille() && rate_below(&u.limit, &b.limit))
-        {
-            best = i;
-        }
-    }
-    best
-}
 
 /// Counts a decision in the permit metrics (label: the algorithm; never the seller). A grant
 /// that leaves the limit at least [`NEAR_LIMIT_PERMILLE`] taken is `near_limit`; a wait told by
@@ -614,6 +479,8 @@ pub struct PermitStore {
     conn: RedisConn,
     keys: Keyspace,
     limiter: LimiterArgs,
+    /// What [`Admin`] reads a seller's state under (from `limiter`).
+    terms: Terms,
     call_bound: Duration,
     /// Sends the hot operations in batches (see [`batch`]); started at first use.
     batcher: Arc<OnceLock<Batcher>>,
@@ -730,6 +597,7 @@ impl PermitStore {
             conn,
             keys: Keyspace::new(prefix),
             record_delay: record_delay(&limiter),
+            terms: Terms::from(&limiter),
             blocks,
             writing_answers: Arc::default(),
             limiter,
@@ -820,9 +688,6 @@ impl PermitStore {
     pub fn default_limit(&self) -> &Limits {
         &self.limiter.limit
     }
-    pub fn key_prefix(&self) -> &str {
-        self.keys.prefix()
-    }
 
     /// The connection to Redis this store uses.
     pub fn conn(&self) -> &RedisConn {
@@ -834,31 +699,38 @@ impl PermitStore {
         &self.keys
     }
 
+    /// Sellers' terms under this store's connection, prefix and limiter (see [`Admin`]).
+    pub fn admin(&self) -> Admin {
+        Admin::new(self.conn.clone(), self.keys.prefix(), self.terms.clone())
+    }
+
+    /// The uploads' progress, the dead letters by reason and the dashboard's shared state under
+    /// this store's connection and prefix (see [`Records`]).
+    pub fn records(&self) -> Records {
+        Records::new(self.conn.clone(), self.keys.prefix())
+    }
+
+    /// Pauses the seller on every replica for `duration` (as a 429 asks): see [`Admin::pause`].
+    pub async fn pause(
+        &self,
+        seller: &SellerId,
+        duration: Duration,
+    ) -> Result<Duration, PermitError> {
+        self.admin().pause(seller, duration).await
+    }
+
     /// The key holding the seller's limiter state for the configured algorithm.
     fn state_key(&self, seller: &SellerId) -> String {
         self.keys.state(seller, self.limiter.algorithm)
-    }
-
-    /// Deletes every key under this store's prefix (for demos, benchmarks and tests that clean
-    /// up after themselves; never for a prefix replicas still use).
-    pub async fn delete_all_keys(&self) -> anyhow::Result<()> {
-        delete_prefix(&self.conn, self.keys.prefix()).await
     }
 
     fn durable_flag(&self) -> u8 {
         if self.limiter.redis_durable { 2 } else { 0 }
     }
 
-    /// The arguments that open `lua/usage.lua`, `lua/reschedule.lua` and `lua/learn.lua`: the
-    /// algorithm, the default stack, the guard, gcra's burst and token-bucket's capacity.
+    /// The arguments that open `lua/learn.lua` (see [`Terms`]).
     fn terms_args(&self, invocation: &mut impl Args) {
-        invocation
-            .push(self.limiter.algorithm.name())
-            .push(self.limiter.limit.counts_arg())
-            .push(self.limiter.limit.windows_arg())
-            .push(self.guard_arg())
-            .push(self.limiter.gcra_burst.max(1))
-            .push(self.limiter.bucket_capacity);
+        self.terms.args(invocation);
     }
 
     /// The scripts' FLAGS bit for adaptive limits (`TURNSTILE_ADAPTIVE`).
@@ -873,7 +745,7 @@ impl PermitStore {
     }
 
     fn guard_arg(&self) -> i64 {
-        self.limiter.guard.map_or(-1, |g| g.as_micros() as i64)
+        self.terms.guard_arg()
     }
 
     /// Asks for a permit of one unit now. With `reserve`, a caller who must wait holds a slot.
@@ -1163,7 +1035,7 @@ impl PermitStore {
 
     /// The seller's terms changed (or it was paused): this replica stops claiming from its pool
     /// without an acquire.
-    pub fn drop_block(&self, seller: &SellerId) {
+    fn drop_block(&self, seller: &SellerId) {
         if let Some(blocks) = &self.blocks {
             blocks.pool_gone(seller);
         }
@@ -1366,60 +1238,6 @@ impl PermitStore {
         })
     }
 
-    /// How much of the global limit is taken now and by whom, in one read-only round trip;
-    /// `None` without a global limit.
-    pub async fn global_usage(&self) -> Result<Option<GlobalUsage>, PermitError> {
-        let Some(global) = &self.limiter.global_limit.0 else {
-            return Ok(None);
-        };
-        let mut invocation = scripts::global_usage().prepare_invoke();
-        for key in self.keys.global_keys() {
-            invocation.key(key);
-        }
-        let answer: Vec<redis::Value> = invocation
-            .arg(global.counts_arg())
-            .arg(global.windows_arg())
-            .arg(self.guard_arg())
-            .invoke_async(&mut self.conn.clone())
-            .await?;
-        let answer = Answer {
-            values: &answer,
-            script: "global usage",
-        };
-        let per_limit = global
-            .iter()
-            .enumerate()
-            .map(|(i, l)| {
-                Ok(LimitUsage {
-                    limit: *l,
-                    used: answer.count(3 + 2 * i)?,
-                    capacity: answer.count(4 + 2 * i)?,
-                    ahead: 0,
-                    oldest_age: Duration::ZERO,
-                    guard: self.limiter.guard_for(l.window()),
-                    due_reserved: 0,
-                })
-            })
-            .collect::<Result<Vec<_>, PermitError>>()?;
-        let first_share = 3 + 2 * global.len();
-        let mut shares = Vec::new();
-        for i in (first_share..answer.values.len()).step_by(3) {
-            shares.push(GlobalShare {
-                seller: answer.text(i)?,
-                units: answer.count(i + 1)?,
-                weight: u32::try_from(answer.int(i + 2)?).unwrap_or(1).max(1),
-            });
-        }
-        shares.sort_by(|a, b| b.units.cmp(&a.units).then(a.seller.cmp(&b.seller)));
-        Ok(Some(GlobalUsage {
-            limit: global.clone(),
-            per_limit,
-            present: answer.count(1)?,
-            weights: answer.text(2)?.parse().unwrap_or(0.0),
-            shares,
-        }))
-    }
-
     /// Takes a lease of the seller's calls in flight for `call` (see `lua/lease.lua`): `None`
     /// when leased (or without `TURNSTILE_SELLER_CONCURRENCY`), else when to ask again.
     pub async fn take_lease(
@@ -1564,34 +1382,9 @@ impl PermitStore {
         Ok(given_back == 1)
     }
 
-    /// Sets a seller's weight under the global limit (1 = the default share; 1 to
-    /// [`MAX_WEIGHT`]), effective at its next activation on every replica.
-    pub async fn set_weight(&self, seller: &SellerId, weight: u32) -> Result<(), PermitError> {
-        let mut conn = self.conn.clone();
-        let key = self.keys.global_weights();
-        if weight <= 1 {
-            let _: i64 = conn.hdel(key, seller.key_tag()).await?;
-        } else {
-            let _: i64 = conn
-                .hset(key, seller.key_tag(), weight.min(MAX_WEIGHT))
-                .await?;
-        }
-        Ok(())
-    }
-
-    /// A seller's weight under the global limit (1 unless set).
-    pub async fn weight(&self, seller: &SellerId) -> Result<u32, PermitError> {
-        let weight: Option<u32> = self
-            .conn
-            .clone()
-            .hget(self.keys.global_weights(), seller.key_tag())
-            .await?;
-        Ok(weight.unwrap_or(1).max(1))
-    }
-
     /// Moves a message to the state it is in now (see `lua/complete.lua`) and counts it there
     /// once: in its batch's progress and, when it becomes or stops being dead, in the dead
-    /// letters by reason ([`Self::dead_now`]).
+    /// letters by reason ([`Records::dead_now`]).
     pub async fn complete(
         &self,
         seller: &SellerId,
@@ -1728,8 +1521,10 @@ impl PermitStore {
         // The tally is a shared key (another Cluster slot): a second step, only when a message
         // becomes or stops being dead. Its failure costs the count, not the transition.
         let tallied = match (changed, completion) {
-            (1, Completion::Dead(reason)) => self.tally_dead(reason, 1).await,
-            (1, _) if !was_dead_for.is_empty() => self.tally_dead(&was_dead_for, -1).await,
+            (1, Completion::Dead(reason)) => self.records().tally_dead(reason, 1).await,
+            (1, _) if !was_dead_for.is_empty() => {
+                self.records().tally_dead(&was_dead_for, -1).await
+            }
             _ => Ok(()),
         };
         if let Err(error) = tallied {
@@ -1893,7 +1688,7 @@ impl PermitStore {
         metrics::histogram!("turnstile_adaptive_learned_ratio")
             .record(learned_ratio(&counts, &configured));
         if wake == 1 {
-            self.announce(seller, released, now).await?;
+            self.admin().announce(seller, released, now).await?;
         } else {
             metrics::counter!("turnstile_reservations_released_total").increment(released);
         }
@@ -1901,108 +1696,6 @@ impl PermitStore {
             counts,
             why,
             lowered: lowered == 1,
-        }))
-    }
-
-    /// What adaptive limits learned of the seller under its configured stack now, if anything
-    /// (see `lua/learn.lua`): read by operator commands and the dashboard; `None` with adaptive
-    /// limits off (nothing learned applies then).
-    pub async fn learned(&self, seller: &SellerId) -> Result<Option<Learned>, PermitError> {
-        if !self.limiter.adaptive {
-            return Ok(None);
-        }
-        let fields: std::collections::HashMap<String, String> =
-            self.conn.clone().hgetall(self.keys.learned(seller)).await?;
-        let configured = self.effective_limit(seller).await?;
-        let terms = format!("{} {}", configured.counts_arg(), configured.windows_arg());
-        if fields.get("terms") != Some(&terms) {
-            return Ok(None);
-        }
-        let windows = configured.windows_arg();
-        let stack = |field: &str| {
-            fields
-                .get(field)
-                .and_then(|counts| Limits::from_args(counts, &windows))
-        };
-        let number = |field: &str| fields.get(field).and_then(|v| v.parse::<i64>().ok());
-        let now = self.redis_time_us().await?;
-        let quota = match (number("left"), number("until")) {
-            (Some(left), Some(until)) if until > now => Some(Quota {
-                left: left.max(0) as u64,
-                resets_in: wait_for(until, now),
-            }),
-            _ => None,
-        };
-        Ok(Some(Learned {
-            limit: stack("counts").unwrap_or_else(|| configured.clone()),
-            from: stack("from"),
-            why: fields.get("why").and_then(|w| Why::parse(w)),
-            changed_ago: number("at")
-                .filter(|&at| at > 0)
-                .map(|at| wait_for(now, at)),
-            patience: number("patience").unwrap_or(1).clamp(1, 64) as u32,
-            quota,
-            configured,
-        }))
-    }
-
-    /// Sets the seller's shadow limit (one limit or a stack), judged beside the enforced one
-    /// from now on and never enforced (see `judge_shadow` in `lua/prelude.lua`); its verdicts
-    /// start from zero.
-    pub async fn set_shadow(&self, seller: &SellerId, limit: Limits) -> Result<(), PermitError> {
-        let key = self.keys.shadow(seller);
-        redis::pipe()
-            .atomic()
-            .del(&key)
-            .ignore()
-            .del(self.keys.shadow_log(seller))
-            .ignore()
-            .hset_multiple(
-                &key,
-                &[
-                    ("counts", limit.counts_arg()),
-                    ("windows", limit.windows_arg()),
-                ],
-            )
-            .ignore()
-            .query_async::<()>(&mut self.conn.clone())
-            .await?;
-        Ok(())
-    }
-
-    /// Removes the seller's shadow limit; whether there was one.
-    pub async fn clear_shadow(&self, seller: &SellerId) -> Result<bool, PermitError> {
-        let (removed, _): (u8, u8) = redis::pipe()
-            .atomic()
-            .del(self.keys.shadow(seller))
-            .del(self.keys.shadow_log(seller))
-            .query_async(&mut self.conn.clone())
-            .await?;
-        Ok(removed == 1)
-    }
-
-    /// The seller's shadow limit and what it would have done so far, if one is set.
-    pub async fn shadow(&self, seller: &SellerId) -> Result<Option<Shadow>, PermitError> {
-        let fields: std::collections::HashMap<String, String> =
-            self.conn.clone().hgetall(self.keys.shadow(seller)).await?;
-        let (Some(counts), Some(windows)) = (fields.get("counts"), fields.get("windows")) else {
-            return Ok(None);
-        };
-        let Some(limit) = Limits::from_args(counts, windows) else {
-            return Ok(None);
-        };
-        let number = |field: &str| {
-            fields
-                .get(field)
-                .and_then(|v| v.parse::<u64>().ok())
-                .unwrap_or(0)
-        };
-        Ok(Some(Shadow {
-            limit,
-            agree: number("agree"),
-            stricter: number("stricter"),
-            looser: number("looser"),
-            delay: Duration::from_millis(number("delay_ms")),
         }))
     }
 
@@ -2026,319 +1719,11 @@ impl PermitStore {
                     .await
             }
             _ => self
+                .records()
                 .tally_dead(reason, 1)
                 .await
                 .map(|()| Recorded::default()),
         }
-    }
-
-    /// Adds `by` to the dead letters now with `reason` (never below zero). [`Self::complete`]
-    /// keeps it for messages with an identity; this is for those without (a body that does not
-    /// parse), counted per dead letter.
-    pub async fn tally_dead(&self, reason: &str, by: i64) -> Result<(), PermitError> {
-        let _: i64 = scripts::tally()
-            .key(self.keys.dead_now())
-            .arg(reason)
-            .arg(by)
-            .invoke_async(&mut self.conn.clone())
-            .await?;
-        Ok(())
-    }
-
-    /// The messages dead-lettered and not replayed (nor registered by a copy) since, by reason:
-    /// each message with an identity counted once, each dead letter without one once.
-    pub async fn dead_now(&self) -> Result<std::collections::BTreeMap<String, u64>, PermitError> {
-        let counts: std::collections::BTreeMap<String, i64> =
-            self.conn.clone().hgetall(self.keys.dead_now()).await?;
-        Ok(counts
-            .into_iter()
-            .filter(|(_, n)| *n > 0)
-            .map(|(reason, n)| (reason, n as u64))
-            .collect())
-    }
-
-    /// Pauses the seller on every replica for `duration`; returns how long the pause now lasts
-    /// (an existing longer pause is kept).
-    pub async fn pause(
-        &self,
-        seller: &SellerId,
-        duration: Duration,
-    ) -> Result<Duration, PermitError> {
-        let duration_us = duration.as_micros().clamp(1, i64::MAX as u128) as i64;
-        let until: i64 = scripts::pause()
-            .key(self.keys.pause(seller))
-            .arg(duration_us)
-            .invoke_async(&mut self.conn.clone())
-            .await?;
-        let now = self.redis_time_us().await?;
-        Ok(wait_for(until, now))
-    }
-
-    /// How long the seller stays paused (zero when not paused).
-    pub async fn paused_for(&self, seller: &SellerId) -> Result<Duration, PermitError> {
-        let until: Option<i64> = self.conn.clone().get(self.keys.pause(seller)).await?;
-        let now = self.redis_time_us().await?;
-        Ok(wait_for(until.unwrap_or(0), now))
-    }
-
-    /// How much of each of the seller's limits is taken now, the stack that applies and any
-    /// pause, in one read-only round trip (for the dashboard; the limiter never needs it).
-    pub async fn usage(&self, seller: &SellerId) -> Result<Usage, PermitError> {
-        let mut invocation = scripts::usage().prepare_invoke();
-        invocation
-            .key(self.state_key(seller))
-            .key(self.keys.limit(seller))
-            .key(self.keys.pause(seller))
-            .key(self.keys.learned(seller))
-            .key(self.keys.shadow(seller))
-            .key(self.keys.calls(seller))
-            .key(self.keys.reserved(seller));
-        self.terms_args(&mut invocation);
-        let answer: Vec<redis::Value> = invocation
-            .arg(u8::from(self.limiter.adaptive))
-            .invoke_async(&mut self.conn.clone())
-            .await?;
-        let answer = Answer {
-            values: &answer,
-            script: "usage",
-        };
-        let (paused_until, now, overridden) = (answer.int(0)?, answer.int(1)?, answer.int(2)?);
-        let limit = answer.limits(3)?;
-        let tail = 5 + 3 * limit.len();
-        if answer.values.len() != tail + 8 + 2 * limit.len() {
-            return Err(answer.bad());
-        }
-        let configured = Limits::from_args(&answer.text(tail)?, &limit.windows_arg())
-            .ok_or_else(|| answer.bad())?;
-        let verdicts = |i| answer.text(i).ok().and_then(|n| n.parse::<u64>().ok());
-        let shadow =
-            Limits::from_args(&answer.text(tail + 2)?, &answer.text(tail + 3)?).map(|limit| {
-                Shadow {
-                    limit,
-                    agree: verdicts(tail + 4).unwrap_or(0),
-                    stricter: verdicts(tail + 5).unwrap_or(0),
-                    looser: verdicts(tail + 6).unwrap_or(0),
-                    delay: Duration::ZERO,
-                }
-            });
-        let per_limit = limit
-            .iter()
-            .enumerate()
-            .map(|(i, l)| {
-                Ok(LimitUsage {
-                    limit: *l,
-                    used: answer.count(5 + 3 * i)?,
-                    capacity: answer.count(6 + 3 * i)?,
-                    ahead: answer.count(7 + 3 * i)?,
-                    oldest_age: Duration::from_micros(answer.count(tail + 7 + i)?),
-                    guard: self.limiter.guard_for(l.window()),
-                    due_reserved: answer.count(tail + 8 + limit.len() + i)?,
-                })
-            })
-            .collect::<Result<Vec<_>, PermitError>>()?;
-        let binding = binding_of(&per_limit);
-        let bound = &per_limit[binding];
-        let learned_why = Why::parse(&answer.text(tail + 1)?).filter(|_| configured != limit);
-        let in_flight = answer.count(tail + 7 + limit.len())?;
-        Ok(Usage {
-            used: bound.used,
-            capacity: bound.capacity,
-            ahead: bound.ahead,
-            limit,
-            per_limit,
-            binding,
-            overridden: overridden == 1,
-            paused_for: wait_for(paused_until, now),
-            in_flight,
-            learned_why,
-            configured,
-            shadow,
-        })
-    }
-
-    /// Redis server time in µs.
-    pub async fn redis_time_us(&self) -> Result<i64, PermitError> {
-        let (secs, micros): (i64, i64) = redis::cmd("TIME")
-            .query_async(&mut self.conn.clone())
-            .await?;
-        Ok(secs * 1_000_000 + micros)
-    }
-
-    /// The seller's override, if one is set (and well-formed: the scripts ignore any other).
-    pub async fn limit_override(&self, seller: &SellerId) -> Result<Option<Limits>, PermitError> {
-        let raw: Option<String> = self.conn.clone().get(self.keys.limit(seller)).await?;
-        Ok(raw.as_deref().and_then(parse_override))
-    }
-
-    /// The stack that applies to the seller: its override or the default.
-    pub async fn effective_limit(&self, seller: &SellerId) -> Result<Limits, PermitError> {
-        Ok(self
-            .limit_override(seller)
-            .await?
-            .unwrap_or_else(|| self.limiter.limit.clone()))
-    }
-
-    /// Lifts the seller's pause on every replica at once; whether it was paused.
-    pub async fn resume(&self, seller: &SellerId) -> Result<bool, PermitError> {
-        self.reschedule(seller, Change::Resume).await
-    }
-
-    /// Forgets the seller's limiter state (see `lua/reset.lua`) behind a pause of one window
-    /// and its guard, so that no call granted under the forgotten state shares a window with a
-    /// new one, and wakes the messages held for its reserved slots on every replica. Returns
-    /// how long the seller is paused.
-    pub async fn reset(&self, seller: &SellerId) -> Result<Duration, PermitError> {
-        let mut invocation = scripts::reset().prepare_invoke();
-        invocation
-            .key(self.keys.pause(seller))
-            .key(self.keys.limit(seller));
-        for algorithm in Algorithm::ALL {
-            invocation.key(self.keys.state(seller, algorithm));
-        }
-        invocation
-            .key(self.keys.reserved(seller))
-            .key(self.keys.far(seller))
-            .key(self.keys.pool(seller))
-            .key(self.keys.learned(seller))
-            .key(self.keys.accepted(seller))
-            .key(self.keys.server(seller))
-            .arg(self.limiter.limit.counts_arg())
-            .arg(self.limiter.limit.windows_arg())
-            .arg(self.guard_arg());
-        let (until, now, _forgotten): (i64, i64, u64) =
-            invocation.invoke_async(&mut self.conn.clone()).await?;
-        self.announce(seller, 0, now).await?;
-        Ok(wait_for(until, now))
-    }
-
-    /// Sets a per-seller override (one limit or a stack), effective at once on every replica.
-    pub async fn set_limit(
-        &self,
-        seller: &SellerId,
-        limit: impl Into<Limits>,
-    ) -> Result<(), PermitError> {
-        let limit = limit.into();
-        self.reschedule(seller, Change::Set(limit)).await?;
-        Ok(())
-    }
-
-    /// Removes a per-seller override; returns whether there was one.
-    pub async fn clear_limit(&self, seller: &SellerId) -> Result<bool, PermitError> {
-        self.reschedule(seller, Change::Clear).await
-    }
-
-    /// Applies `change` to the seller's terms and gives back every slot reserved under the old
-    /// ones in the same atomic step (see `lua/reschedule.lua`), then announces it in the
-    /// shared reschedule log, from which every replica's [`watch_reschedules`] wakes the
-    /// messages it holds for the seller: the new terms apply at once to the whole backlog.
-    /// Returns whether there was something to change (an override to clear, a pause to lift).
-    pub async fn reschedule(&self, seller: &SellerId, change: Change) -> Result<bool, PermitError> {
-        let mut invocation = scripts::reschedule().prepare_invoke();
-        invocation
-            .key(self.state_key(seller))
-            .key(self.keys.limit(seller))
-            .key(self.keys.pause(seller))
-            .key(self.keys.reserved(seller));
-        if self.limiter.algorithm == Algorithm::SlidingWindow {
-            invocation
-                .key(self.keys.pool(seller))
-                .key(self.keys.calls(seller));
-        }
-        if let Some(learned) = self.learned_key(seller) {
-            invocation.key(learned);
-        }
-        self.terms_args(&mut invocation);
-        match change {
-            Change::Set(limit) => {
-                invocation
-                    .arg("set")
-                    .arg(format!("{} {}", limit.counts_arg(), limit.windows_arg()))
-            }
-            Change::Clear => invocation.arg("clear"),
-            Change::Resume => invocation.arg("resume"),
-            Change::Release => invocation.arg("release"),
-        };
-        let (changed, released, now): (u8, u64, i64) =
-            invocation.invoke_async(&mut self.conn.clone()).await?;
-        self.announce(seller, released, now).await?;
-        Ok(changed == 1)
-    }
-
-    /// Announces that the seller's terms changed at `now` (Redis µs) and `released` reserved
-    /// slots were given back, in the shared reschedule log, from which every replica's
-    /// [`watch_reschedules`] wakes the messages it holds for the seller.
-    async fn announce(
-        &self,
-        seller: &SellerId,
-        released: u64,
-        now: i64,
-    ) -> Result<(), PermitError> {
-        metrics::counter!("turnstile_reservations_released_total").increment(released);
-        let log = self.keys.reschedules();
-        redis::pipe()
-            .zadd(&log, seller.as_str(), now)
-            .ignore()
-            .zrembyscore(&log, "-inf", now - RESCHEDULE_LOG_SPAN.as_micros() as i64)
-            .ignore()
-            .pexpire(&log, RESCHEDULE_LOG_SPAN.as_millis() as i64)
-            .ignore()
-            .query_async::<()>(&mut self.conn.clone())
-            .await?;
-        Ok(())
-    }
-
-    /// Sellers whose terms changed after `since_us` (Redis time), oldest first, with when: read
-    /// from the shared reschedule log (at most 1,000 at a time).
-    pub async fn rescheduled_since(&self, since_us: i64) -> Result<Vec<Rescheduled>, PermitError> {
-        let entries: Vec<(String, f64)> = redis::cmd("ZRANGEBYSCORE")
-            .arg(self.keys.reschedules())
-            .arg(format!("({since_us}"))
-            .arg("+inf")
-            .arg("WITHSCORES")
-            .arg("LIMIT")
-            .arg(0)
-            .arg(1000)
-            .query_async(&mut self.conn.clone())
-            .await?;
-        Ok(entries
-            .into_iter()
-            .map(|(seller, at)| Rescheduled {
-                seller,
-                at_us: at as i64,
-            })
-            .collect())
-    }
-}
-
-/// A change of a seller's terms (see [`PermitStore::reschedule`]).
-#[derive(Clone, Debug, PartialEq, Eq)]
-pub enum Change {
-    /// The seller's limit becomes this override (one limit or a stack).
-    Set(Limits),
-    /// The seller's override is removed (the default applies).
-    Clear,
-    /// The seller's pause is lifted.
-    Resume,
-    /// Nothing changes but every reserved slot is given back.
-    Release,
-}
-
-/// How long a reschedule stays in the shared log (a replica that polls less often than this
-/// misses it: its held messages then come back at their old slots, as before the change).
-const RESCHEDULE_LOG_SPAN: Duration = Duration::from_secs(3600);
-
-/// A seller whose terms changed at `at_us` (Redis time): every reservation of the seller made
-/// before then was given back, and whoever holds one should come back now.
-#[derive(Clone, Debug, PartialEq, Eq)]
-pub struct Rescheduled {
-    pub seller: String,
-    pub at_us: i64,
-}
-
-impl Rescheduled {
-    /// Whether this notice concerns a message of `seller` holding `reservation`.
-    pub fn concerns(&self, seller: &str, reservation: &Reservation) -> bool {
-        self.seller == seller && reservation.reserved_at_us <= self.at_us
     }
 }
 
@@ -2356,6 +1741,7 @@ pub async fn watch_reschedules(
     notices: tokio::sync::broadcast::Sender<Rescheduled>,
     shutdown: tokio_util::sync::CancellationToken,
 ) {
+    let admin = store.admin();
     let lookback = RESCHEDULE_LOOKBACK.as_micros() as i64;
     let mut cursor: Option<i64> = None;
     let mut sent: std::collections::HashSet<(String, i64)> = Default::default();
@@ -2367,13 +1753,13 @@ pub async fn watch_reschedules(
             _ = shutdown.cancelled() => return,
         }
         let Some(since) = cursor else {
-            match store.redis_time_us().await {
+            match admin.redis_time_us().await {
                 Ok(now) => cursor = Some(now),
                 Err(error) => tracing::debug!(%error, "reading the reschedule log: no Redis time"),
             }
             continue;
         };
-        match store.rescheduled_since(since - lookback).await {
+        match admin.rescheduled_since(since - lookback).await {
             Ok(entries) => {
                 for entry in entries {
                     cursor = cursor.max(Some(entry.at_us));

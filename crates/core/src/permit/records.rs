@@ -1,14 +1,14 @@
-//! What turnstile keeps in Redis beside the limiter, read and written only through these
-//! functions: the batches' progress (described when a replica first sees one,
-//! `lua/batch_seen.lua`; counted by `lua/complete.lua`) and the shared state of the dashboard
-//! (sellers seen, throughput). Key names: [`super::keys`].
+//! What turnstile keeps in Redis beside the limiter, read and written only through
+//! [`Records`]: the batches' progress (described when a replica first sees one,
+//! `lua/batch_seen.lua`; counted by `lua/complete.lua`), the dead letters by reason, and the
+//! shared state of the dashboard (sellers seen, throughput). Key names: [`super::keys`].
 
 use std::collections::{HashMap, HashSet};
 use std::time::Duration;
 
 use redis::AsyncCommands;
 
-use super::{PermitError, PermitStore, scripts};
+use super::{Keyspace, PermitError, RedisConn, scripts};
 use crate::domain::{BatchId, BatchSize, SellerId};
 
 /// How far one batch (an upload) is, as its progress hash holds it (see `lua/complete.lua`).
@@ -90,7 +90,7 @@ impl UploadProgress {
     }
 }
 
-/// What noting a batch as seen found ([`PermitStore::batch_seen`]).
+/// What noting a batch as seen found ([`Records::batch_seen`]).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct BatchSeen {
     /// Its pending completion event, if any.
@@ -104,7 +104,24 @@ const INDEXED_UPLOADS: usize = 1000;
 /// How long a minute of throughput is kept.
 const THROUGHPUT_KEPT: Duration = Duration::from_secs(11 * 60);
 
-impl PermitStore {
+/// The uploads' progress, the dead letters by reason and the dashboard's shared state, under
+/// one key prefix: written by the replicas (a replica takes its own from
+/// [`PermitStore::records`](super::PermitStore::records)), read by the operator commands, the
+/// dashboard and the HTTP API.
+#[derive(Clone)]
+pub struct Records {
+    conn: RedisConn,
+    keys: Keyspace,
+}
+
+impl Records {
+    pub fn new(conn: RedisConn, prefix: &str) -> Self {
+        Self {
+            conn,
+            keys: Keyspace::new(prefix),
+        }
+    }
+
     /// Notes a batch as this replica first sees one of its messages (see `lua/batch_seen.lua`):
     /// its progress describes it from now on, kept `ttl` after its last change, and it is
     /// indexed by when it was first seen (the 1,000 newest younger than `ttl`) and by its id
@@ -377,5 +394,31 @@ impl PermitStore {
         }
         pipe.query_async::<()>(&mut self.conn.clone()).await?;
         Ok(())
+    }
+
+    /// Adds `by` to the dead letters now with `reason` (never below zero).
+    /// [`PermitStore::complete`](super::PermitStore::complete) keeps it for messages with an
+    /// identity; this is for those without (a body that does not parse), counted per dead
+    /// letter.
+    pub async fn tally_dead(&self, reason: &str, by: i64) -> Result<(), PermitError> {
+        let _: i64 = scripts::tally()
+            .key(self.keys.dead_now())
+            .arg(reason)
+            .arg(by)
+            .invoke_async(&mut self.conn.clone())
+            .await?;
+        Ok(())
+    }
+
+    /// The messages dead-lettered and not replayed (nor registered by a copy) since, by reason:
+    /// each message with an identity counted once, each dead letter without one once.
+    pub async fn dead_now(&self) -> Result<std::collections::BTreeMap<String, u64>, PermitError> {
+        let counts: std::collections::BTreeMap<String, i64> =
+            self.conn.clone().hgetall(self.keys.dead_now()).await?;
+        Ok(counts
+            .into_iter()
+            .filter(|(_, n)| *n > 0)
+            .map(|(reason, n)| (reason, n as u64))
+            .collect())
     }
 }

@@ -289,13 +289,16 @@ async fn publish_event(
 ) -> bool {
     let what = "the batch's completion event was not published";
     let published = until_done(what, interruptions, || async move {
-        let Some(progress) = permits.batch_progress(seller, batch).await? else {
+        let Some(progress) = permits.records().batch_progress(seller, batch).await? else {
             // Expired meanwhile: nothing left to say.
             return anyhow::Ok(());
         };
         let body = report::completed_body(&progress, event.completed_ms);
         results.publish_event(batch.as_str(), &body).await?;
-        permits.batch_event_sent(seller, batch, event).await?;
+        permits
+            .records()
+            .batch_event_sent(seller, batch, event)
+            .await?;
         metrics::counter!("turnstile_batches_completed_total").increment(1);
         info!(
             batch = batch.as_str(),
@@ -414,7 +417,11 @@ impl Worker {
         let results = reporting.results.clone();
         let seen_batches = self.seen_batches.clone();
         let note = async move {
-            match permits.batch_seen(&seller, &batch, size, ttl).await {
+            match permits
+                .records()
+                .batch_seen(&seller, &batch, size, ttl)
+                .await
+            {
                 Ok(seen) => {
                     if seen.sellers > 1 {
                         metrics::counter!("turnstile_batch_anomalies_total", "kind" => "mixed_sellers")
@@ -1113,8 +1120,8 @@ impl Worker {
             return true;
         };
         let what = "could not read whether the batch's completion event is pending";
-        let pending = until_done(what, interruptions, || {
-            self.permits.pending_event(seller, batch.id)
+        let pending = until_done(what, interruptions, || async move {
+            self.permits.records().pending_event(seller, batch.id).await
         })
         .await;
         match pending {

@@ -94,7 +94,7 @@ pub async fn run(args: &ScenarioArgs) -> anyhow::Result<bool> {
     .await?;
     let stats = rig.mock.stats();
     let learned = rig
-        .store()
+        .admin()
         .learned(&turnstile_core::domain::SellerId::parse("big")?)
         .await?;
     let report = rig.finish().await?;

@@ -842,7 +842,7 @@ async fn fresh_window(store: &PermitStore, algorithm: Algorithm) -> anyhow::Resu
         return Ok(());
     }
     let window = store.default_limit().shortest_window().as_micros() as i64;
-    let now = store.redis_time_us().await.context("Redis TIME")?;
+    let now = store.admin().redis_time_us().await.context("Redis TIME")?;
     let left = window - now.rem_euclid(window);
     if left < (window / 2).min(15_000_000) {
         eprintln!(

@@ -30,7 +30,10 @@ pub async fn run(args: &ScenarioArgs) -> anyhow::Result<bool> {
     );
     let mut rig = Rig::build(settings).prepare().await?;
     let store = rig.store();
-    store.set_weight(&SellerId::parse("heavy")?, 4).await?;
+    store
+        .admin()
+        .set_weight(&SellerId::parse("heavy")?, 4)
+        .await?;
     let mut messages = Vec::new();
     for i in 0..per_seller {
         for seller in ["heavy", "light"] {
