@@ -230,7 +230,8 @@ impl Connecting {
             nodes,
             ..
         } = self.starting;
-        let worker = Arc::new(new_worker(&args, self.permits, downstream, stats.clone()));
+        let permits = self.permits;
+        let worker = Arc::new(new_worker(&args, &permits, downstream, stats.clone()));
         let opened = until_connected(
             "RabbitMQ",
             &shutdown,
@@ -247,16 +248,15 @@ impl Connecting {
         // The reschedule watcher outlives `shutdown` until the replica has drained.
         let watcher_stop = CancellationToken::new();
         let watcher = tokio::spawn(permit::watch_reschedules(
-            worker.permits.clone(),
+            permits.clone(),
             worker.reschedules.clone(),
             watcher_stop.clone(),
         ));
         let memory_watch = tokio::spawn(permit::server::watch_memory_policy(
-            worker.permits.conn().clone(),
+            permits.conn().clone(),
             watcher_stop.clone(),
         ));
         let ready_for_run = ready.clone();
-        let permits = worker.permits.clone();
         let done = tokio::spawn(async move {
             let ran = run(args, worker, nodes, session, ready_for_run, shutdown).await;
             // What calls made with permit-block units answered, written before the end.
@@ -273,15 +273,16 @@ impl Connecting {
 /// The replica's one worker (shared by every delivery task).
 fn new_worker(
     args: &ConsumeArgs,
-    permits: PermitStore,
+    permits: &PermitStore,
     downstream: Downstream,
     stats: Arc<Stats>,
 ) -> Worker {
     let prefetch = args.prefetch();
     let (reschedules, _) = tokio::sync::broadcast::channel(1024);
     Worker {
-        permits,
-        downstream,
+        limiter: Arc::new(permits.clone()),
+        progress: Arc::new(permits.clone()),
+        downstream: Arc::new(downstream),
         topology: args.topology(),
         settings: WorkerSettings {
             max_attempts: args.max_attempts,
@@ -308,7 +309,7 @@ struct Session {
     connection: Arc<lapin::Connection>,
     publisher: Publisher,
     /// The results' own channel (see `broker::results`).
-    results: broker::Results,
+    results: Arc<dyn broker::results::ResultSink>,
     /// New messages, from producers (and from older replicas' returns).
     work: Intake,
     /// Messages coming back after a delay (`<q>.ready`).
@@ -327,7 +328,8 @@ impl Session {
             .await?
             .rescuing_to(worker.topology.ready());
         worker.topology.declare(&connection).await?;
-        let results = broker::Results::open(connection.clone(), &worker.topology.results()).await?;
+        let results: Arc<dyn broker::results::ResultSink> =
+            Arc::new(broker::Results::open(connection.clone(), &worker.topology.results()).await?);
         let tag = format!(
             "turnstile-{}-{:x}",
             std::process::id(),

@@ -53,6 +53,47 @@ impl ReplyTo {
     }
 }
 
+/// Where a worker's results go (a test can fake it): [`Results`] publishes them to the broker.
+pub trait ResultSink: Send + Sync {
+    /// Publishes a message's result (see [`Results::publish_result`]).
+    fn publish_result<'a>(
+        &'a self,
+        outcome: &'a str,
+        message_id: Option<&'a str>,
+        body: &'a [u8],
+        reply: &'a ReplyTo,
+    ) -> futures::future::BoxFuture<'a, Result<bool, PublishError>>;
+
+    /// Publishes a batch's completion event (see [`Results::publish_event`]).
+    fn publish_event<'a>(
+        &'a self,
+        batch_id: &'a str,
+        body: &'a [u8],
+    ) -> futures::future::BoxFuture<'a, Result<(), PublishError>>;
+}
+
+impl ResultSink for Results {
+    fn publish_result<'a>(
+        &'a self,
+        outcome: &'a str,
+        message_id: Option<&'a str>,
+        body: &'a [u8],
+        reply: &'a ReplyTo,
+    ) -> futures::future::BoxFuture<'a, Result<bool, PublishError>> {
+        futures::FutureExt::boxed(Results::publish_result(
+            self, outcome, message_id, body, reply,
+        ))
+    }
+
+    fn publish_event<'a>(
+        &'a self,
+        batch_id: &'a str,
+        body: &'a [u8],
+    ) -> futures::future::BoxFuture<'a, Result<(), PublishError>> {
+        futures::FutureExt::boxed(Results::publish_event(self, batch_id, body))
+    }
+}
+
 /// How many replies one broker connection's results publish at once, each alone on a channel
 /// of its own (opened at its first reply).
 pub const REPLY_CHANNELS: usize = 8;

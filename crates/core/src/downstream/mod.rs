@@ -292,6 +292,33 @@ fn with_trace(
     request
 }
 
+/// The registration API as a worker calls it (a test can fake it).
+pub trait Api: Send + Sync {
+    /// Whether the seller can be named in the call (see [`Downstream::check_seller`]).
+    fn check_seller(&self, seller: &crate::domain::SellerId) -> Result<(), String>;
+
+    /// Calls the API for `registration` as the span `trace` (see [`Downstream::call`]).
+    fn call<'a>(
+        &'a self,
+        registration: &'a Registration,
+        trace: &'a TraceContext,
+    ) -> futures::future::BoxFuture<'a, Answered>;
+}
+
+impl Api for Downstream {
+    fn check_seller(&self, seller: &crate::domain::SellerId) -> Result<(), String> {
+        Downstream::check_seller(self, seller)
+    }
+
+    fn call<'a>(
+        &'a self,
+        registration: &'a Registration,
+        trace: &'a TraceContext,
+    ) -> futures::future::BoxFuture<'a, Answered> {
+        futures::FutureExt::boxed(Downstream::call(self, registration, trace))
+    }
+}
+
 /// A call's classified answer, and what its rate-limit headers said (2xx and 429 only).
 #[derive(Debug)]
 pub struct Answered {

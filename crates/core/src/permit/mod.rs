@@ -31,6 +31,7 @@ mod batch;
 pub mod block;
 mod conn;
 pub mod keys;
+mod limiter;
 mod records;
 pub mod scripts;
 pub mod server;
@@ -46,6 +47,7 @@ use batch::{Batcher, Operation, When};
 use block::Blocks;
 pub use conn::{RedisClient, RedisConn, round_trips};
 pub use keys::Keyspace;
+pub use limiter::{Ask, Asked, Ended, Finished, Grant, Limiter, Progress};
 pub use records::{BatchSeen, Records, UploadProgress};
 use redis::AsyncCommands;
 

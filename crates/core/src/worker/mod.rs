@@ -27,10 +27,10 @@ use tokio::sync::{Notify, OwnedSemaphorePermit, Semaphore};
 use tokio_util::sync::CancellationToken;
 use tracing::{Instrument, debug, info, info_span, warn};
 
-use crate::broker::results::ReplyTo;
-use crate::broker::{PublishError, Publisher, Results, Settler, Topology};
+use crate::broker::results::{ReplyTo, ResultSink};
+use crate::broker::{PublishError, Publisher, Settler, Topology};
 use crate::domain::{BatchId, Identity, MessageId, RateLimitHeaders, Registration, SellerId};
-use crate::downstream::{Downstream, Reply};
+use crate::downstream::{Api, Reply};
 use crate::trace::TraceContext;
 mod batches;
 mod plan;
@@ -45,27 +45,9 @@ pub use stats::{LatencySummary, Stats};
 pub use waits::SellerWaits;
 
 use crate::permit::{
-    BatchEvent, CALL_ALLOWANCE, CallAnswer, Decision, InBatch, Lesson, PermitError, PermitStore,
-    Recorded, Rescheduled, Reservation,
+    Ask, Asked, BatchEvent, CALL_ALLOWANCE, Decision, Ended, Grant, InBatch, Limiter, PermitError,
+    Progress, Recorded, Rescheduled, Reservation,
 };
-
-/// A grant being called: the call's name, the Redis time of the grant, and when the request
-/// that made it left this replica.
-struct Grant<'a> {
-    call: &'a str,
-    granted_us: i64,
-    sent: std::time::Instant,
-}
-
-impl Grant<'_> {
-    /// An upper bound, in Redis time, for when the call's answer came (now): Redis granted at
-    /// `granted_us`, which was after the request was sent, so no more than the time since then
-    /// has passed on Redis's clock since the grant.
-    fn answered_us(&self) -> i64 {
-        let since = self.sent.elapsed().as_micros().min(i64::MAX as u128) as i64;
-        self.granted_us.saturating_add(since)
-    }
-}
 
 /// What may end a wait early: the replica shutting down, or the delivery's connection lost.
 #[derive(Clone, Copy)]
@@ -75,8 +57,8 @@ struct Interruptions<'a> {
 }
 
 /// Where a delivery's result goes, and what it says of the message besides its outcome.
-struct Reporting<'a> {
-    results: &'a Results,
+struct Reporting {
+    results: Arc<dyn ResultSink>,
     reply: ReplyTo,
     /// Who the message is, as far as its body says (all of it for a valid registration).
     identity: Identity,
@@ -85,7 +67,7 @@ struct Reporting<'a> {
     first_seen_ms: u64,
 }
 
-impl Reporting<'_> {
+impl Reporting {
     /// The message's batch, if its body names one (and a seller and an id to count it by).
     fn batch(&self) -> Option<(&SellerId, &MessageId, InBatch<'_>)> {
         let identity = &self.identity;
@@ -133,8 +115,12 @@ async fn until_done<T, E: std::fmt::Display, F: Future<Output = Result<T, E>>>(
 
 /// Everything a delivery needs; shared by all of a replica's tasks.
 pub struct Worker {
-    pub permits: PermitStore,
-    pub downstream: Downstream,
+    /// The per-seller limiter (in production a [`crate::permit::PermitStore`]).
+    pub limiter: Arc<dyn Limiter>,
+    /// The uploads' records (in production the same store).
+    pub progress: Arc<dyn Progress>,
+    /// The registration API (in production a [`crate::downstream::Downstream`]).
+    pub downstream: Arc<dyn Api>,
     pub topology: Topology,
     pub settings: WorkerSettings,
     pub workers: Arc<Semaphore>,
@@ -259,15 +245,15 @@ pub fn released_by(notice: &Rescheduled, delivery: &Delivery) -> bool {
 /// dead letter), in the background: it never delays the ack, and a failure only costs the
 /// count.
 fn count_dead_letter(
-    permits: &PermitStore,
+    progress: &Arc<dyn Progress>,
     identity: &Identity,
     reason: &'static str,
     ttl: Duration,
 ) {
     let identity = identity.clone();
-    let permits = permits.clone();
+    let progress = progress.clone();
     let record = async move {
-        let counted = permits.count_dead(&identity, None, reason, ttl).await;
+        let counted = progress.dead(&identity, reason, ttl).await;
         if let Err(error) = counted {
             metrics::counter!("turnstile_redis_errors_total").increment(1);
             warn!(%error, "dead-lettered, but not counted in the dashboard and upload progress");
@@ -280,8 +266,8 @@ fn count_dead_letter(
 /// until both are done; `false` when interrupted first (the event stays pending: the next
 /// message of the batch recorded, or a redelivery, publishes it).
 async fn publish_event(
-    permits: &PermitStore,
-    results: &Results,
+    progress: &dyn Progress,
+    results: &dyn ResultSink,
     seller: &SellerId,
     batch: &BatchId,
     event: BatchEvent,
@@ -289,21 +275,18 @@ async fn publish_event(
 ) -> bool {
     let what = "the batch's completion event was not published";
     let published = until_done(what, interruptions, || async move {
-        let Some(progress) = permits.records().batch_progress(seller, batch).await? else {
+        let Some(counts) = progress.batch_progress(seller, batch).await? else {
             // Expired meanwhile: nothing left to say.
             return anyhow::Ok(());
         };
-        let body = report::completed_body(&progress, event.completed_ms);
+        let body = report::completed_body(&counts, event.completed_ms);
         results.publish_event(batch.as_str(), &body).await?;
-        permits
-            .records()
-            .batch_event_sent(seller, batch, event)
-            .await?;
+        progress.event_sent(seller, batch, event).await?;
         metrics::counter!("turnstile_batches_completed_total").increment(1);
         info!(
             batch = batch.as_str(),
-            registered = progress.registered,
-            dead = progress.dead,
+            registered = counts.registered,
+            dead = counts.dead,
             "batch completed"
         );
         anyhow::Ok(())
@@ -319,7 +302,7 @@ impl Worker {
         &self,
         delivery: Delivery,
         publisher: &Publisher,
-        results: &Results,
+        results: &Arc<dyn ResultSink>,
         settler: &Settler,
         shutdown: &CancellationToken,
         connection_lost: &CancellationToken,
@@ -334,7 +317,7 @@ impl Worker {
         let registration = Registration::parse(&delivery.data, message_id.as_deref());
         let mut carried = Carried::from_delivery(&delivery, crate::broker::unix_ms());
         let reporting = Reporting {
-            results,
+            results: results.clone(),
             reply: ReplyTo::of(&delivery.properties),
             identity: match &registration {
                 Ok(r) => Identity::from(r),
@@ -402,9 +385,9 @@ impl Worker {
     }
 
     /// Notes the registration's batch as seen, the first time this replica sees one of its
-    /// messages, in the background (see [`PermitStore::batch_seen`]); a failure is retried by
+    /// messages, in the background (see [`Progress::batch_seen`]); a failure is retried by
     /// its next message. A completion event found pending is published.
-    fn note_batch(&self, registration: &Registration, reporting: &Reporting<'_>) {
+    fn note_batch(&self, registration: &Registration, reporting: &Reporting) {
         let Some(batch) = &registration.batch_id else {
             return;
         };
@@ -412,16 +395,12 @@ impl Worker {
         if !self.seen_batches.first_sight(seller, batch) {
             return;
         }
-        let (permits, ttl) = (self.permits.clone(), self.settings.done_ttl);
+        let (progress, ttl) = (self.progress.clone(), self.settings.done_ttl);
         let (seller, batch, size) = (seller.clone(), batch.clone(), registration.batch_size);
         let results = reporting.results.clone();
         let seen_batches = self.seen_batches.clone();
         let note = async move {
-            match permits
-                .records()
-                .batch_seen(&seller, &batch, size, ttl)
-                .await
-            {
+            match progress.batch_seen(&seller, &batch, size, ttl).await {
                 Ok(seen) => {
                     if seen.sellers > 1 {
                         metrics::counter!("turnstile_batch_anomalies_total", "kind" => "mixed_sellers")
@@ -441,8 +420,8 @@ impl Worker {
                             connection_lost: &never,
                         };
                         let sent = publish_event(
-                            &permits,
-                            &results,
+                            &*progress,
+                            &*results,
                             &seller,
                             &batch,
                             event,
@@ -468,7 +447,7 @@ impl Worker {
         registration: &Registration,
         trace: &TraceContext,
         mut carried: Carried,
-        reporting: &Reporting<'_>,
+        reporting: &Reporting,
         interruptions: Interruptions<'_>,
     ) -> Outcome {
         let Interruptions {
@@ -508,7 +487,7 @@ impl Worker {
         trace: &TraceContext,
         carried: &mut Carried,
         permit_errors: &mut PermitErrors,
-        reporting: &Reporting<'_>,
+        reporting: &Reporting,
         interruptions: Interruptions<'_>,
     ) -> Plan {
         let Interruptions {
@@ -564,8 +543,14 @@ impl Worker {
             return Plan::AskAgain;
         }
         let asked = std::time::Instant::now();
+        let question = Ask {
+            seller,
+            message: &registration.message_id,
+            cost: registration.cost,
+            held: carried.reservation.as_ref(),
+        };
         let decided = tokio::select! {
-            d = self.decide(registration, carried.reservation.as_ref()) => d,
+            d = self.decide(question) => d,
             _ = shutdown.cancelled() => return interrupted(Interrupted::Shutdown),
             _ = connection_lost.cancelled() => return interrupted(Interrupted::ConnectionLost),
         };
@@ -588,22 +573,14 @@ impl Worker {
         let holding = self.stats.held.load(Ordering::Relaxed);
         // A grant's age is bounded by the time since its request left, not since the ask: a
         // request may wait for the batcher, and a redeem or a pool claim may go first.
-        let (granted_call, granted_us, granted_slot, sent) = match &decision {
-            Decision::Granted {
-                call,
-                granted_us,
-                slot_us,
-                sent,
-                ..
-            } => (Some(call.clone()), *granted_us, *slot_us, *sent),
-            _ => (None, 0, 0, asked),
-        };
+        let grant = Grant::of(question, &decision);
+        let sent = grant.as_ref().map_or(asked, Grant::sent);
         let waited = sent.elapsed();
-        match self
+        let plan = self
             .settings
-            .plan_decision(decision, waited, holding, carried)
-        {
-            Plan::Call { call } => {
+            .plan_decision(decision, waited, holding, carried);
+        match (plan, grant) {
+            (Plan::Call { .. }, Some(grant)) => {
                 let worker = match worker {
                     Some(worker) => worker,
                     None => {
@@ -614,17 +591,12 @@ impl Worker {
                                 worker
                             }
                             _ => {
-                                self.drop_unsent(registration, &call, granted_slot).await;
+                                self.limiter.unsent(grant).await;
                                 carried.reservation = None;
                                 return Plan::AskAgain;
                             }
                         }
                     }
-                };
-                let grant = Grant {
-                    call: &call,
-                    granted_us,
-                    sent,
                 };
                 self.call(
                     registration,
@@ -637,12 +609,12 @@ impl Worker {
                 )
                 .await
             }
-            plan => {
+            (plan, grant) => {
                 drop(worker);
-                if plan == Plan::AskAgain {
-                    if let Some(call) = &granted_call {
-                        self.drop_unsent(registration, call, granted_slot).await;
-                    }
+                if plan == Plan::AskAgain
+                    && let Some(grant) = grant
+                {
+                    self.limiter.unsent(grant).await;
                     warn!(
                         since_sent_ms = waited.as_millis() as u64,
                         asked_ms = asked.elapsed().as_millis() as u64,
@@ -675,7 +647,7 @@ impl Worker {
     /// [`WorkerSettings::plan_early_return`]), if it is.
     fn early_return(&self, carried: &Carried) -> Option<Plan> {
         let slot_us = carried.reservation.as_ref()?.slot_us;
-        let until_slot = slot_us.checked_sub(self.permits.redis_now_us()?)?;
+        let until_slot = slot_us.checked_sub(self.limiter.now_us()?)?;
         let until_slot = Duration::from_micros(u64::try_from(until_slot).ok()?);
         let holding = self.stats.held.load(Ordering::Relaxed);
         self.settings
@@ -683,17 +655,17 @@ impl Worker {
     }
 
     /// Calls the downstream under a grant, as a new span of the message's trace, lets go of the
-    /// worker once the answer came, records the answer (with the registration, for a 2xx) and
-    /// learns from it (see [`Self::learn`]), and plans what the reply leads to.
+    /// worker once the answer came, hands the answer back to the limiter (for a 2xx, once its
+    /// result is published: see [`Self::record_completion`]), and plans what the reply leads to.
     #[allow(clippy::too_many_arguments)]
     async fn call(
         &self,
         registration: &Registration,
         trace: &TraceContext,
-        grant: Grant<'_>,
+        grant: Grant,
         worker: OwnedSemaphorePermit,
         carried: &mut Carried,
-        reporting: &Reporting<'_>,
+        reporting: &Reporting,
         interruptions: Interruptions<'_>,
     ) -> Plan {
         let span = trace.child();
@@ -705,23 +677,14 @@ impl Worker {
         // Noted before the worker is free for a copy of the same message (see `ask`).
         let writing = matches!(answered.reply, Reply::Registered(_))
             .then(|| self.records_in_writing.begin(registration));
-        self.end_lease(registration, grant.call).await;
+        self.limiter.answered(&grant).await;
         // The records below may wait to ride along with other calls to Redis: the worker is
         // free for the next call meanwhile (the message stays unacked until they are written).
         drop(worker);
         let reply = answered.reply;
-        // Only the exact algorithms hold calls until their answer; a registration's answer is
-        // recorded with its completion.
-        let registered = matches!(reply, Reply::Registered(_));
-        let call_end = async {
-            if self.permits.algorithm().is_exact() && !registered {
-                self.record_call_end(registration, grant.call, answered_us)
-                    .await;
-            }
-        };
         // A quota's reset is capped as a Retry-After is: a downstream cannot stall a seller
         // longer than TURNSTILE_MAX_PAUSE by saying so in its headers.
-        let rate_limit = answered.rate_limit.map(|told| RateLimitHeaders {
+        let told = answered.rate_limit.map(|told| RateLimitHeaders {
             reset: told.reset.map(|reset| reset.min(self.settings.max_pause)),
             ..told
         });
@@ -741,31 +704,20 @@ impl Worker {
                     drop(writing);
                     return Plan::Settle(Outcome::Requeue { holding: None });
                 }
-                let answer = CallAnswer {
-                    call: grant.call,
-                    cost: registration.cost,
-                    answered_us: Some(answered_us),
+                let answer = Ended::Registered {
+                    told,
+                    batch: InBatch::of(registration),
+                    ttl: self.settings.done_ttl,
                 };
-                // Both go in the same batch when they can (see `permit::batch`).
-                let (recorded, _) = tokio::join!(
-                    self.record_completion(registration, answer, interruptions),
-                    async {
-                        if let Some(told) = rate_limit {
-                            let lesson = Lesson::Told(told);
-                            self.learn(registration, lesson, answered_us).await;
-                        }
-                    }
-                );
+                let recorded = self
+                    .record_completion(&grant, answered_us, answer, interruptions)
+                    .await;
                 drop(writing);
                 let Some(recorded) = recorded else {
                     // Not acked without its record: the broker redelivers it, and the
                     // downstream sees the same Idempotency-Key again.
                     return Plan::Settle(Outcome::Requeue { holding: None });
                 };
-                if recorded.raise_due && rate_limit.is_none() {
-                    self.learn(registration, Lesson::Recovery, answered_us)
-                        .await;
-                }
                 if !self
                     .publish_pending(reporting, recorded.event, interruptions)
                     .await
@@ -778,45 +730,24 @@ impl Worker {
             Reply::Throttled { .. } => {
                 self.stats.throttled.fetch_add(1, Ordering::Relaxed);
                 metrics::counter!("turnstile_downstream_throttled_total").increment(1);
-                let lesson = Lesson::Throttled {
-                    granted_us: grant.granted_us,
-                    told: rate_limit,
-                };
-                // The call's end rides in the lesson's call, which goes at once.
-                let (_, lowered) =
-                    tokio::join!(call_end, self.learn(registration, lesson, answered_us));
-                lowered
+                let answer = Ended::Throttled { told };
+                let finished = self.limiter.finish(&grant, answered_us, answer).await;
+                finished.is_ok_and(|f| f.lowered)
             }
             Reply::Transient { .. } | Reply::Rejected { .. } => {
-                call_end.await;
+                // Only a registration's record can fail: a call's end that is not written
+                // keeps its place until its bound.
+                let _ = self
+                    .limiter
+                    .finish(&grant, answered_us, Ended::Failed)
+                    .await;
                 false
             }
         };
         let now_ms = crate::broker::unix_ms();
-        let window = self.permits.default_limit().shortest_window();
+        let window = self.limiter.shortest_window();
         self.settings
             .plan_reply(reply, carried, now_ms, window, lowered)
-    }
-
-    /// Learns from an answer that came back at `answered_us` (adaptive limits, see
-    /// [`PermitStore::learn_at`]); whether a 429 lowered the seller's learned limit. A failure
-    /// only costs the lesson.
-    async fn learn(&self, registration: &Registration, lesson: Lesson, answered_us: i64) -> bool {
-        let learned = self
-            .permits
-            .learn_at(&registration.seller_id, lesson, Some(answered_us))
-            .await;
-        match learned {
-            Ok(Some(change)) => {
-                info!(counts = %change.counts, why = change.why.label(), "the seller's learned limit changed");
-                matches!(lesson, Lesson::Throttled { .. }) && change.lowered
-            }
-            Ok(None) => false,
-            Err(error) => {
-                debug!(%error, "could not learn from the downstream's answer");
-                false
-            }
-        }
     }
 
     /// Carries out a plan other than a call: `Some` outcome to settle the message with, or
@@ -907,7 +838,7 @@ impl Worker {
             pause_ms = pause.as_millis() as u64,
             "downstream answered 429: pausing the seller on every replica"
         );
-        if let Err(error) = self.permits.pause(&registration.seller_id, pause).await {
+        if let Err(error) = self.limiter.pause(&registration.seller_id, pause).await {
             warn!(%error, "could not record the pause; delaying the message instead");
             return false;
         }
@@ -916,91 +847,48 @@ impl Worker {
 
     /// Asks for (or redeems) a permit: one attempt (see [`permit_failure`] for what an error
     /// leads to).
-    async fn decide(
-        &self,
-        registration: &Registration,
-        held: Option<&Reservation>,
-    ) -> Result<Decision, PermitError> {
+    async fn decide(&self, question: Ask<'_>) -> Result<Decision, PermitError> {
         let started = std::time::Instant::now();
-        let (decision, forfeit) = self
-            .permits
-            .acquire_or_redeem(
-                &registration.seller_id,
-                Some(&registration.message_id),
-                registration.cost,
-                held,
-            )
-            .await?;
+        let Asked { decision, forfeit } = self.limiter.ask(question).await?;
         self.stats.permit_latency.record(started.elapsed());
         if let Some(forfeit) = forfeit {
             self.stats.forfeited.fetch_add(1, Ordering::Relaxed);
             debug!(?forfeit, "reserved slot given up; reserved anew");
         }
-        self.stats.touch(&registration.seller_id);
+        self.stats.touch(question.seller);
         Ok(decision)
     }
 
-    /// Drops the grant `call` (counted at `slot_us`) unsent: ends its lease and gives its units
-    /// back, so that the seller's next call may take them; if that fails, they count until
-    /// they leave the window.
-    async fn drop_unsent(&self, registration: &Registration, call: &str, slot_us: i64) {
-        self.end_lease(registration, call).await;
-        let seller = &registration.seller_id;
-        let released = self
-            .permits
-            .release(seller, call, registration.cost, slot_us)
-            .await;
-        if let Err(error) = released {
-            debug!(%error, "a grant dropped unsent was not given back; its units count until they leave the window");
-        }
-    }
-
-    /// Ends the lease of the call `call` (under `TURNSTILE_SELLER_CONCURRENCY`); if that fails,
-    /// the lease ends at its expiry (the call's bound).
-    async fn end_lease(&self, registration: &Registration, call: &str) {
-        if let Err(error) = self.permits.end_lease(&registration.seller_id, call).await {
-            warn!(%error, "could not end the call's lease: it ends at its expiry");
-        }
-    }
-
-    /// Records the registration (and its call's `answer`) in one step. A Redis that fails or
-    /// refuses the write (down, OOM, MISCONF, READONLY, …) is waited out with the Redis backoff,
-    /// the message unacked; `None` only when shutdown or a lost connection interrupts the wait,
-    /// the record unwritten.
+    /// Hands a registration's `answer` back to the limiter: its completion record, in one step
+    /// with its call's end. A Redis that fails or refuses the write (down, OOM, MISCONF,
+    /// READONLY, …) is waited out with the Redis backoff, the message unacked; `None` only when
+    /// shutdown or a lost connection interrupts the wait, the record unwritten.
     async fn record_completion(
         &self,
-        registration: &Registration,
-        answer: CallAnswer<'_>,
+        grant: &Grant,
+        answered_us: i64,
+        answer: Ended<'_>,
         interruptions: Interruptions<'_>,
     ) -> Option<Recorded> {
         let what = "registered, but the completion record is not written yet";
-        let recorded = until_done(what, interruptions, || async move {
-            let recorded = self
-                .permits
-                .complete_call(
-                    &registration.seller_id,
-                    &registration.message_id,
-                    InBatch::of(registration),
-                    answer,
-                    self.settings.done_ttl,
-                )
-                .await;
-            counting_redis_errors(recorded)
+        let finished = until_done(what, interruptions, || async move {
+            let finished = self.limiter.finish(grant, answered_us, answer).await;
+            counting_redis_errors(finished)
         })
         .await;
-        if recorded.is_none() {
+        if finished.is_none() {
             warn!(
                 "registered, but the completion record was not written before shutdown: a redelivery calls again with the same Idempotency-Key"
             );
         }
-        recorded
+        finished.map(|f| f.recorded.unwrap_or_default())
     }
 
     /// Publishes a message's result (see [`report::Final`]) to the results exchange and its
     /// `reply_to`, retrying until the broker confirms; `false` when interrupted first.
     async fn publish_result(
         &self,
-        reporting: &Reporting<'_>,
+        reporting: &Reporting,
         outcome: &str,
         detail: Option<&str>,
         report: &Report,
@@ -1038,7 +926,7 @@ impl Worker {
     /// interrupted first.
     async fn publish_pending(
         &self,
-        reporting: &Reporting<'_>,
+        reporting: &Reporting,
         event: Option<BatchEvent>,
         interruptions: Interruptions<'_>,
     ) -> bool {
@@ -1046,8 +934,8 @@ impl Worker {
             return true;
         };
         publish_event(
-            &self.permits,
-            reporting.results,
+            &*self.progress,
+            &*reporting.results,
             seller,
             batch.id,
             event,
@@ -1066,7 +954,7 @@ impl Worker {
         reason: &'static str,
         detail: &str,
         report: &Report,
-        reporting: &Reporting<'_>,
+        reporting: &Reporting,
         interruptions: Interruptions<'_>,
     ) -> bool {
         if !self
@@ -1077,7 +965,7 @@ impl Worker {
         }
         let Some((seller, message, batch)) = reporting.batch() else {
             count_dead_letter(
-                &self.permits,
+                &self.progress,
                 &reporting.identity,
                 reason,
                 self.settings.done_ttl,
@@ -1087,14 +975,8 @@ impl Worker {
         let what = "dead-lettered, but not counted in its batch yet";
         let recorded = until_done(what, interruptions, || async move {
             let recorded = self
-                .permits
-                .complete(
-                    seller,
-                    message,
-                    Some(batch),
-                    crate::permit::Completion::Dead(reason),
-                    self.settings.done_ttl,
-                )
+                .progress
+                .dead_in_batch(seller, message, batch, reason, self.settings.done_ttl)
                 .await;
             counting_redis_errors(recorded)
         })
@@ -1113,38 +995,20 @@ impl Worker {
     /// when interrupted first.
     async fn report_already_done(
         &self,
-        reporting: &Reporting<'_>,
+        reporting: &Reporting,
         interruptions: Interruptions<'_>,
     ) -> bool {
         let Some((seller, _, batch)) = reporting.batch() else {
             return true;
         };
         let what = "could not read whether the batch's completion event is pending";
-        let pending = until_done(what, interruptions, || async move {
-            self.permits.records().pending_event(seller, batch.id).await
+        let pending = until_done(what, interruptions, || {
+            self.progress.pending_event(seller, batch.id)
         })
         .await;
         match pending {
             Some(event) => self.publish_pending(reporting, event, interruptions).await,
             None => false,
-        }
-    }
-
-    /// Records that the call `call` was answered at `answered_us` (not a registration): it
-    /// stops holding its place in the seller's window beyond then. On failure it holds it until
-    /// its bound.
-    async fn record_call_end(&self, registration: &Registration, call: &str, answered_us: i64) {
-        let ended = self
-            .permits
-            .call_ended(
-                &registration.seller_id,
-                call,
-                registration.cost,
-                Some(answered_us),
-            )
-            .await;
-        if let Err(error) = ended {
-            debug!(%error, "the call's answer was not recorded; its place is kept until its bound");
         }
     }
 
@@ -1158,7 +1022,7 @@ impl Worker {
         outcome: Outcome,
         started_trace: Option<&TraceContext>,
         publisher: &Publisher,
-        reporting: &Reporting<'_>,
+        reporting: &Reporting,
         settler: &Settler,
         interruptions: Interruptions<'_>,
     ) {
@@ -1227,10 +1091,10 @@ impl Worker {
         let Ok(registration) = crate::broker::registration_of(delivery) else {
             return;
         };
-        let permits = self.permits.clone();
+        let limiter = self.limiter.clone();
         let give_back = async move {
             let seller = &registration.seller_id;
-            match permits
+            match limiter
                 .unreserve(seller, &reservation, registration.cost)
                 .await
             {
@@ -1249,7 +1113,7 @@ impl Worker {
         delivery: &Delivery,
         outcome: &Outcome,
         started_trace: Option<&TraceContext>,
-        reporting: &Reporting<'_>,
+        reporting: &Reporting,
         publisher: &Publisher,
     ) -> Result<(), PublishError> {
         match outcome {

@@ -1,0 +1,448 @@
+//! The consume path's seam to Redis: what a worker asks of the limiter ([`Limiter`]) and of the
+//! uploads' records ([`Progress`]), as two traits that [`PermitStore`] implements and a test
+//! can fake.
+//!
+//! A message asks once before its call ([`Limiter::ask`]) and, when granted, hands the answer
+//! back once after it ([`Limiter::finish`], after [`Limiter::answered`] ends the call's lease the
+//! moment the answer came). Everything after the call is the limiter's: the call's end in the
+//! seller's calls or its completion record, what adaptive limits learn from the answer, the
+//! permit pools' bookkeeping and the batching of these writes with other Redis calls.
+
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::time::{Duration, Instant};
+
+use futures::FutureExt;
+use futures::future::BoxFuture;
+use tracing::{debug, info, warn};
+
+use super::{
+    BatchEvent, BatchSeen, CallAnswer, Completion, Decision, Forfeit, InBatch, Lesson, PermitError,
+    PermitStore, Recorded, Reservation, UploadProgress,
+};
+use crate::domain::{BatchId, BatchSize, Cost, Identity, MessageId, RateLimitHeaders, SellerId};
+
+/// A message asking for a permit for its call.
+#[derive(Clone, Copy, Debug)]
+pub struct Ask<'a> {
+    pub seller: &'a SellerId,
+    pub message: &'a MessageId,
+    /// Units of every limit the call takes.
+    pub cost: Cost,
+    /// The slot the message reserved when it last asked, if it holds one.
+    pub held: Option<&'a Reservation>,
+}
+
+/// The limiter's answer to an [`Ask`]: the decision, and whether a reserved slot the message
+/// came back with was forfeited (and a new one reserved in the same step).
+#[derive(Debug)]
+pub struct Asked {
+    pub decision: Decision,
+    pub forfeit: Option<Forfeit>,
+}
+
+/// A granted call, from its grant until the limiter is told how it ended ([`Limiter::finish`]
+/// or [`Limiter::unsent`]).
+#[derive(Debug)]
+pub struct Grant {
+    seller: SellerId,
+    message: MessageId,
+    cost: Cost,
+    call: String,
+    granted_us: i64,
+    slot_us: i64,
+    sent: Instant,
+    /// Whether what the answer's headers told was learned already (a completion record that
+    /// failed is written again, its lesson not taught twice).
+    taught: AtomicBool,
+}
+
+impl Grant {
+    /// The grant `decision` gives the message that asked with `ask`, if it is one.
+    pub fn of(ask: Ask<'_>, decision: &Decision) -> Option<Self> {
+        let Decision::Granted {
+            slot_us,
+            granted_us,
+            call,
+            sent,
+            ..
+        } = decision
+        else {
+            return None;
+        };
+        Some(Self {
+            seller: ask.seller.clone(),
+            message: ask.message.clone(),
+            cost: ask.cost,
+            call: call.clone(),
+            granted_us: *granted_us,
+            slot_us: *slot_us,
+            sent: *sent,
+            taught: AtomicBool::new(false),
+        })
+    }
+
+    /// The call's name in the seller's calls.
+    pub fn call(&self) -> &str {
+        &self.call
+    }
+
+    /// When the request that made the grant left this replica: the call is sent within
+    /// [`super::CALL_ALLOWANCE`] of it, or dropped ([`Limiter::unsent`]).
+    pub fn sent(&self) -> Instant {
+        self.sent
+    }
+
+    /// An upper bound, in Redis time, for now (when the call's answer came): Redis granted at
+    /// `granted_us`, after the request was sent, so no more than the time since then has passed
+    /// on Redis's clock since the grant.
+    pub fn answered_us(&self) -> i64 {
+        let since = self.sent.elapsed().as_micros().min(i64::MAX as u128) as i64;
+        self.granted_us.saturating_add(since)
+    }
+}
+
+/// How a granted call ended, as the limiter needs to know it.
+#[derive(Clone, Copy, Debug)]
+pub enum Ended<'a> {
+    /// A 2xx: the message is registered (counted in `batch`, if it is in one; its record kept
+    /// `ttl`), and the answer's rate-limit headers said `told`.
+    Registered {
+        told: Option<RateLimitHeaders>,
+        batch: Option<InBatch<'a>>,
+        ttl: Duration,
+    },
+    /// A 429, with what its rate-limit headers said.
+    Throttled { told: Option<RateLimitHeaders> },
+    /// Any other answer, a timeout or a connection error.
+    Failed,
+}
+
+/// What the limiter did with a call's answer.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct Finished {
+    /// The registration's record, for [`Ended::Registered`].
+    pub recorded: Option<Recorded>,
+    /// Whether a 429 lowered the seller's learned limit.
+    pub lowered: bool,
+}
+
+/// The per-seller limiter as a worker uses it: once before a call, once after it.
+pub trait Limiter: Send + Sync {
+    /// Asks for a permit (or redeems the slot the message holds), and beyond the seller for a
+    /// lease of its calls in flight and the global limit's units: one attempt.
+    fn ask<'a>(&'a self, ask: Ask<'a>) -> BoxFuture<'a, Result<Asked, PermitError>>;
+
+    /// The call's answer came (or it timed out): its lease of the seller's calls in flight ends
+    /// now. A failure leaves the lease to its expiry (the call's bound).
+    fn answered<'a>(&'a self, grant: &'a Grant) -> BoxFuture<'a, ()>;
+
+    /// Hands the call's answer (which came at `answered_us`, see [`Grant::answered_us`]) back:
+    /// a registration's completion record with the call's end (an error only if that record is
+    /// not written: call again until it is), any other answer's end (a failure only keeps the
+    /// call's place until its bound), and what adaptive limits learn from it.
+    fn finish<'a>(
+        &'a self,
+        grant: &'a Grant,
+        answered_us: i64,
+        answer: Ended<'a>,
+    ) -> BoxFuture<'a, Result<Finished, PermitError>>;
+
+    /// Drops a grant unsent: its lease ends and its units are given back, so that the seller's
+    /// next call may take them; a failure leaves them counted until they leave the window.
+    fn unsent(&self, grant: Grant) -> BoxFuture<'_, ()>;
+
+    /// Pauses the seller on every replica for `pause` (a 429).
+    fn pause<'a>(
+        &'a self,
+        seller: &'a SellerId,
+        pause: Duration,
+    ) -> BoxFuture<'a, Result<(), PermitError>>;
+
+    /// Gives back a slot reserved for a message of `cost` units that will not come back for
+    /// it; whether it was still reserved.
+    fn unreserve<'a>(
+        &'a self,
+        seller: &'a SellerId,
+        reservation: &'a Reservation,
+        cost: Cost,
+    ) -> BoxFuture<'a, Result<bool, PermitError>>;
+
+    /// Redis's time now as estimated from the limiter's answers; `None` before the first.
+    fn now_us(&self) -> Option<i64>;
+
+    /// The default limit's shortest window.
+    fn shortest_window(&self) -> Duration;
+}
+
+/// The records of the uploads a worker keeps: batches seen, messages dead-lettered, and
+/// batches' completion events.
+pub trait Progress: Send + Sync {
+    /// Notes a batch as seen by this replica (see `lua/batch_seen.lua`).
+    fn batch_seen<'a>(
+        &'a self,
+        seller: &'a SellerId,
+        batch: &'a BatchId,
+        size: Option<BatchSize>,
+        ttl: Duration,
+    ) -> BoxFuture<'a, Result<BatchSeen, PermitError>>;
+
+    /// Records a message of a batch as dead-lettered for `reason`, counted in its batch once.
+    fn dead_in_batch<'a>(
+        &'a self,
+        seller: &'a SellerId,
+        message: &'a MessageId,
+        batch: InBatch<'a>,
+        reason: &'static str,
+        ttl: Duration,
+    ) -> BoxFuture<'a, Result<Recorded, PermitError>>;
+
+    /// Counts a dead-lettered message that names no batch, once per message (per dead letter
+    /// for a body without an identity).
+    fn dead<'a>(
+        &'a self,
+        identity: &'a Identity,
+        reason: &'static str,
+        ttl: Duration,
+    ) -> BoxFuture<'a, Result<(), PermitError>>;
+
+    /// The completion event of a batch, if one is pending publication.
+    fn pending_event<'a>(
+        &'a self,
+        seller: &'a SellerId,
+        batch: &'a BatchId,
+    ) -> BoxFuture<'a, Result<Option<BatchEvent>, PermitError>>;
+
+    /// A batch's progress now (`None`: expired).
+    fn batch_progress<'a>(
+        &'a self,
+        seller: &'a SellerId,
+        batch: &'a BatchId,
+    ) -> BoxFuture<'a, Result<Option<UploadProgress>, PermitError>>;
+
+    /// Says that a batch's completion `event` was published.
+    fn event_sent<'a>(
+        &'a self,
+        seller: &'a SellerId,
+        batch: &'a BatchId,
+        event: BatchEvent,
+    ) -> BoxFuture<'a, Result<(), PermitError>>;
+}
+
+impl PermitStore {
+    /// Learns `lesson` (see [`PermitStore::learn_at`]); whether a 429 lowered the learned
+    /// limit. A failure only costs the lesson.
+    async fn teach(&self, seller: &SellerId, lesson: Lesson, answered_us: i64) -> bool {
+        match self.learn_at(seller, lesson, Some(answered_us)).await {
+            Ok(Some(change)) => {
+                info!(counts = %change.counts, why = change.why.label(), "the seller's learned limit changed");
+                matches!(lesson, Lesson::Throttled { .. }) && change.lowered
+            }
+            Ok(None) => false,
+            Err(error) => {
+                debug!(%error, "could not learn from the downstream's answer");
+                false
+            }
+        }
+    }
+
+    /// Records that `grant`'s call, not a registration, was answered at `answered_us`, for the
+    /// exact algorithms (the others do not hold calls until their answer).
+    async fn end_call(&self, grant: &Grant, answered_us: i64) {
+        if !self.algorithm().is_exact() {
+            return;
+        }
+        let ended = self
+            .call_ended(&grant.seller, &grant.call, grant.cost, Some(answered_us))
+            .await;
+        if let Err(error) = ended {
+            debug!(%error, "the call's answer was not recorded; its place is kept until its bound");
+        }
+    }
+
+    /// Ends `grant`'s lease; a failure leaves it to its expiry.
+    async fn end_grant_lease(&self, grant: &Grant) {
+        if let Err(error) = self.end_lease(&grant.seller, &grant.call).await {
+            warn!(%error, "could not end the call's lease: it ends at its expiry");
+        }
+    }
+
+    async fn finish_call(
+        &self,
+        grant: &Grant,
+        answered_us: i64,
+        answer: Ended<'_>,
+    ) -> Result<Finished, PermitError> {
+        let seller = &grant.seller;
+        match answer {
+            Ended::Registered { told, batch, ttl } => {
+                let call = CallAnswer {
+                    call: &grant.call,
+                    cost: grant.cost,
+                    answered_us: Some(answered_us),
+                };
+                let lesson = told.filter(|_| !grant.taught.swap(true, Ordering::Relaxed));
+                // Both go in the same batch when they can (see `batch`).
+                let (recorded, _) = tokio::join!(
+                    self.complete_call(seller, &grant.message, batch, call, ttl),
+                    async {
+                        if let Some(told) = lesson {
+                            self.teach(seller, Lesson::Told(told), answered_us).await;
+                        }
+                    }
+                );
+                let recorded = recorded?;
+                if recorded.raise_due && told.is_none() {
+                    self.teach(seller, Lesson::Recovery, answered_us).await;
+                }
+                Ok(Finished {
+                    recorded: Some(recorded),
+                    lowered: false,
+                })
+            }
+            Ended::Throttled { told } => {
+                let lesson = Lesson::Throttled {
+                    granted_us: grant.granted_us,
+                    told,
+                };
+                // The call's end rides in the lesson's call, which goes at once.
+                let (_, lowered) = tokio::join!(
+                    self.end_call(grant, answered_us),
+                    self.teach(seller, lesson, answered_us)
+                );
+                Ok(Finished {
+                    recorded: None,
+                    lowered,
+                })
+            }
+            Ended::Failed => {
+                self.end_call(grant, answered_us).await;
+                Ok(Finished::default())
+            }
+        }
+    }
+}
+
+impl Limiter for PermitStore {
+    fn ask<'a>(&'a self, ask: Ask<'a>) -> BoxFuture<'a, Result<Asked, PermitError>> {
+        async move {
+            let (decision, forfeit) = self
+                .acquire_or_redeem(ask.seller, Some(ask.message), ask.cost, ask.held)
+                .await?;
+            Ok(Asked { decision, forfeit })
+        }
+        .boxed()
+    }
+
+    fn answered<'a>(&'a self, grant: &'a Grant) -> BoxFuture<'a, ()> {
+        self.end_grant_lease(grant).boxed()
+    }
+
+    fn finish<'a>(
+        &'a self,
+        grant: &'a Grant,
+        answered_us: i64,
+        answer: Ended<'a>,
+    ) -> BoxFuture<'a, Result<Finished, PermitError>> {
+        self.finish_call(grant, answered_us, answer).boxed()
+    }
+
+    fn unsent(&self, grant: Grant) -> BoxFuture<'_, ()> {
+        async move {
+            self.end_grant_lease(&grant).await;
+            let released = self
+                .release(&grant.seller, &grant.call, grant.cost, grant.slot_us)
+                .await;
+            if let Err(error) = released {
+                debug!(%error, "a grant dropped unsent was not given back; its units count until they leave the window");
+            }
+        }
+        .boxed()
+    }
+
+    fn pause<'a>(
+        &'a self,
+        seller: &'a SellerId,
+        pause: Duration,
+    ) -> BoxFuture<'a, Result<(), PermitError>> {
+        async move { PermitStore::pause(self, seller, pause).await.map(|_| ()) }.boxed()
+    }
+
+    fn unreserve<'a>(
+        &'a self,
+        seller: &'a SellerId,
+        reservation: &'a Reservation,
+        cost: Cost,
+    ) -> BoxFuture<'a, Result<bool, PermitError>> {
+        PermitStore::unreserve(self, seller, reservation, cost).boxed()
+    }
+
+    fn now_us(&self) -> Option<i64> {
+        self.redis_now_us()
+    }
+
+    fn shortest_window(&self) -> Duration {
+        self.default_limit().shortest_window()
+    }
+}
+
+impl Progress for PermitStore {
+    fn batch_seen<'a>(
+        &'a self,
+        seller: &'a SellerId,
+        batch: &'a BatchId,
+        size: Option<BatchSize>,
+        ttl: Duration,
+    ) -> BoxFuture<'a, Result<BatchSeen, PermitError>> {
+        async move { self.records().batch_seen(seller, batch, size, ttl).await }.boxed()
+    }
+
+    fn dead_in_batch<'a>(
+        &'a self,
+        seller: &'a SellerId,
+        message: &'a MessageId,
+        batch: InBatch<'a>,
+        reason: &'static str,
+        ttl: Duration,
+    ) -> BoxFuture<'a, Result<Recorded, PermitError>> {
+        self.complete(seller, message, Some(batch), Completion::Dead(reason), ttl)
+            .boxed()
+    }
+
+    fn dead<'a>(
+        &'a self,
+        identity: &'a Identity,
+        reason: &'static str,
+        ttl: Duration,
+    ) -> BoxFuture<'a, Result<(), PermitError>> {
+        async move {
+            self.count_dead(identity, None, reason, ttl).await?;
+            Ok(())
+        }
+        .boxed()
+    }
+
+    fn pending_event<'a>(
+        &'a self,
+        seller: &'a SellerId,
+        batch: &'a BatchId,
+    ) -> BoxFuture<'a, Result<Option<BatchEvent>, PermitError>> {
+        async move { self.records().pending_event(seller, batch).await }.boxed()
+    }
+
+    fn batch_progress<'a>(
+        &'a self,
+        seller: &'a SellerId,
+        batch: &'a BatchId,
+    ) -> BoxFuture<'a, Result<Option<UploadProgress>, PermitError>> {
+        async move { self.records().batch_progress(seller, batch).await }.boxed()
+    }
+
+    fn event_sent<'a>(
+        &'a self,
+        seller: &'a SellerId,
+        batch: &'a BatchId,
+        event: BatchEvent,
+    ) -> BoxFuture<'a, Result<(), PermitError>> {
+        async move { self.records().batch_event_sent(seller, batch, event).await }.boxed()
+    }
+}
