@@ -206,3 +206,27 @@ fn malformed_limits_are_refused_with_a_clear_error() {
         "{err}"
     );
 }
+
+/// Every Lua script loads (SCRIPT LOAD), and its pieces run on their own: they define helpers
+/// and touch nothing (see `permit::scripts`).
+#[test]
+fn every_lua_script_loads() {
+    let mut conn = redis::Client::open(support::redis_url())
+        .unwrap()
+        .get_connection()
+        .unwrap();
+    for source in turnstile_core::permit::scripts::sources() {
+        let sha: String = redis::cmd("SCRIPT")
+            .arg("LOAD")
+            .arg(source.text())
+            .query(&mut conn)
+            .unwrap_or_else(|e| panic!("{}.lua: {e}", source.name));
+        assert_eq!(sha.len(), 40, "{}", source.name);
+        let one: i64 = redis::cmd("EVAL")
+            .arg(format!("{}\nreturn 1", source.setup))
+            .arg(0)
+            .query(&mut conn)
+            .unwrap_or_else(|e| panic!("{}.lua's pieces: {e}", source.name));
+        assert_eq!(one, 1, "{}", source.name);
+    }
+}

@@ -795,29 +795,6 @@ pub async fn completion_records_count_each_message_once(backend: Backend) {
         }
     }
 
-    // A record written by an earlier version (`1`) means registered.
-    let old = MessageId::parse("m-old").unwrap();
-    let _: () = redis::cmd("SET")
-        .arg(store.keys().done(&s, &old))
-        .arg("1")
-        .query_async(&mut keys.conn.clone())
-        .await
-        .unwrap();
-    assert_eq!(
-        store
-            .acquire_for(&s, Some(&old), Cost::ONE, false)
-            .await
-            .unwrap(),
-        Decision::AlreadyDone
-    );
-    assert!(
-        !store
-            .complete(&s, &old, in_batch(&batch), Dead("rejected"), ttl)
-            .await
-            .unwrap()
-            .changed
-    );
-
     // A decrement never recreates an upload that is gone, nor takes a count below zero.
     let gone = BatchId::parse("gone").unwrap();
     let m2 = MessageId::parse("m-2").unwrap();

@@ -1,5 +1,6 @@
+-- @include args
 -- batch: several operations in one call, run one after another, each exactly as its own script
--- would run it alone (with its own KEYS and ARGV; see `local KEYS, ARGV` in the prelude). A
+-- would run it alone (with its own KEYS and ARGV; see `local KEYS, ARGV` in include/args.lua). A
 -- replica sends what its workers ask for at the same moment, and the completion records that
 -- wait to ride along, in one call instead of one each (see src/permit/batch.rs).
 -- The operations, by NAME (each is its own file, wrapped in a function by src/permit/scripts.rs):

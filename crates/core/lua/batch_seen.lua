@@ -1,3 +1,5 @@
+-- @include args
+-- @include batches
 -- batch_seen: notes a batch as a replica first sees one of its messages, before any of them is
 -- registered or dead-lettered, so that its total and start are known from its first seconds
 -- (complete.lua writes the same on each count: whichever runs first describes it).
@@ -6,9 +8,9 @@
 -- KEYS[2]  the seller's batches (sorted set: batch id -> first seen, Unix ms; the 1,000 newest
 --          younger than TTL)
 -- ARGV[1]  TTL in ms (integer >= 1): kept this long after its last change
--- ARGV[2]  SELLER, ARGV[3] BATCH, ARGV[4] BATCH_SIZE: see batch_args in the prelude
+-- ARGV[2]  SELLER, ARGV[3] BATCH, ARGV[4] BATCH_SIZE: see batch_args in include/batches.lua
 -- Returns {FIRST_MS, EVENT}: when the batch was first seen (Unix ms, Redis time), and its
---   pending completion event (see batch_event in the prelude) or ''
+--   pending completion event (see batch_event in include/batches.lua) or ''
 
 local ttl = int_arg(1, 1)
 local batch = batch_args(2)

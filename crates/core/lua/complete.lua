@@ -1,3 +1,10 @@
+-- @include args
+-- @include batches
+-- @include calls
+-- @include learned
+-- @include limits
+-- @include terms
+-- @include time
 -- complete: moves a message to the state it is in now, and counts it there once. The message's
 -- completion record holds its state:
 --   (none)          waiting: published, neither registered nor dead-lettered (or replayed since)
@@ -24,10 +31,10 @@
 -- counted after the batch completed (one more than its total): see event_on_count.
 --
 -- KEYS[1]  the message's completion record (string)
--- KEYS[2]  the seller's calls (see calls_gate in the prelude): with `registered` and a CALL, the
---          call's answer is recorded now (see end_call)
+-- KEYS[2]  the seller's calls (see calls_gate in include/calls.lua): with `registered` and a
+--          CALL, the call's answer is recorded now (see end_call)
 -- KEYS[3]  with ADAPTIVE: the seller's learned state (see learn.lua)
--- KEYS[4]  with ADAPTIVE: the seller's accepted log (see note_accepted in the prelude)
+-- KEYS[4]  with ADAPTIVE: the seller's accepted log (see note_accepted in include/learned.lua)
 -- KEYS[5]  with ADAPTIVE: the seller's limit override, may be absent
 -- KEYS[6] (KEYS[3] without ADAPTIVE)  optional: the batch's progress (hash: seller, batch,
 --          total, registered, dead, dead:<REASON>, done_units, first_ms, last_ms,
@@ -36,8 +43,8 @@
 -- ARGV[2]  OUTCOME: `registered`, `dead` or `replayed`
 -- ARGV[3]  with `dead`: REASON (1 to 64 letters, digits or dashes); else ignored
 -- ARGV[4]  CALL: the token of the call that registered it ('' when none)
--- ARGV[5]  ANSWERED_US: when the CALL's answer came (see answered_arg in the prelude; -1 = now):
---          its end in the seller's calls and its time in the accepted log
+-- ARGV[5]  ANSWERED_US: when the CALL's answer came (see answered_arg in include/args.lua;
+--          -1 = now): its end in the seller's calls and its time in the accepted log
 -- ARGV[6]  COST of the message (integer from 0 to MAX_COST; 0 or absent = not known, see
 --          end_call; ADAPTIVE needs it): its units in the batch's `done_units`
 -- ARGV[7]  ADAPTIVE: 1 = adaptive limits on: a CALL's acceptance is noted in the accepted log
@@ -79,7 +86,7 @@ local batch = nil
 if batch_key ~= nil then batch = batch_args(11) end
 
 local state = redis.call('GET', KEYS[1])
-local registered = state == 'registered' or state == '1'
+local registered = state == 'registered'
 local dead_for = state and string.match(state, '^dead:(.+)$')
 
 -- Counts the message `by` (+1 or -1) in the batch's FIELDS; a decrement only where each field

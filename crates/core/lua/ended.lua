@@ -1,10 +1,13 @@
+-- @include args
+-- @include calls
+-- @include time
 -- ended: records that a granted call was answered (or timed out, or failed), so that it no
--- longer holds its place in the seller's window beyond its answer (see calls_gate in the
--- prelude). A registration records its answer in complete.lua instead.
+-- longer holds its place in the seller's window beyond its answer (see calls_gate in
+-- include/calls.lua). A registration records its answer in complete.lua instead.
 --
 -- KEYS[1]  the seller's calls (sorted set: member = TOKEN, score = END)
 -- ARGV[1]  TOKEN of the call (letters, digits, dashes; at most 64)
--- ARGV[2]  ANSWERED_US: when its answer came (see answered_arg in the prelude; -1 or absent =
+-- ARGV[2]  ANSWERED_US: when its answer came (see answered_arg in include/args.lua; -1 or absent =
 --          now)
 -- ARGV[3]  COST of the call (integer from 1 to MAX_COST; 0 or absent = not known)
 -- Returns 1

@@ -1,27 +1,40 @@
+-- @include acquire
+-- @include far
+-- @include limits
+-- @include losses
+-- @include records
+-- @include reservations
+-- @include states
+-- @include terms
+-- @include time
 -- fixed_window: the classic counter per window of WINDOW µs aligned to Redis time, one per limit
 -- of the seller's stack, with reservations in later windows. A call of COST units takes the
 -- first moment at which the window of every limit has room for COST more. Not exact over a
 -- sliding window: up to 2*COUNT units can fall within one WINDOW across a window edge. GUARD is
 -- not added (windows stay aligned); it only sets how early a due slot may be granted.
 --
--- KEYS[1]  the seller's counters (hash, per limit: window index -> units taken in it, `next` =
---          the first window that may still have room; see fw_field in the prelude)
+-- KEYS[1]  the seller's counters (hash, per limit: WINDOW_US:INDEX -> units taken in window
+--          INDEX, WINDOW_US:next = the first window that may still have room; see fw_field in
+--          include/states.lua)
 -- KEYS[2]  the seller's limit override ("COUNTS WINDOWS_US"), may be absent
 -- KEYS[3]  the seller's pause ("UNTIL_US"), may be absent
 -- KEYS[4]  the seller's reserved slots (sorted set: member = held_name(TOKEN, COST), score = slot)
--- KEYS[5]  the seller's server stamp (run id of the Redis that wrote its state; see the prelude)
+-- KEYS[5]  the seller's server stamp (run id of the Redis that wrote its state; see check_server in
+--          include/losses.lua)
 -- KEYS[6]  the seller's calls (unused: this algorithm is not exact, see README)
--- KEYS[7]  the seller's far queue (hash: at, n; see far_ticket in the prelude)
--- KEYS[8]  the seller's learned state (see with_learned in the prelude; used with FLAGS +4)
--- KEYS[9]  the seller's shadow limit (see judge_shadow in the prelude), may be absent
+-- KEYS[7]  the seller's far queue (hash: at, n; see far_ticket in include/far.lua)
+-- KEYS[8]  the seller's learned state (see with_learned in include/terms.lua; used with FLAGS +4)
+-- KEYS[9]  the seller's shadow limit (see judge_shadow in include/shadow.lua), may be absent
 -- KEYS[10] the seller's shadow log (see judge_shadow)
--- KEYS[11] the loss marker of the seller's hash slot (no TTL; see losses_since in the prelude)
+-- KEYS[11] the loss marker of the seller's hash slot (no TTL; see losses_since in
+--          include/losses.lua)
 -- KEYS[12] optional: the message's completion record; if it exists nothing is written
 -- ARGV[1]  default COUNTS: the stack's counts, comma-separated (integers >= 1; 1 to 8 limits)
 -- ARGV[2]  default WINDOWS in µs, comma-separated, one per count (integers >= 1)
 -- ARGV[3]  GUARD in µs (-1 = window/20 within [25 ms, 2 s])
 -- ARGV[4]  FLAGS: +1 = reserve a future slot for a caller who must wait (else only answer);
---          +2 = Redis keeps its data across restarts (no cold-start wait, see the prelude);
+--          +2 = Redis keeps its data across restarts (no cold-start wait, see
+--          check_server in include/losses.lua);
 --          +4 = adaptive limits: the learned counts and the downstream's quota apply (KEYS[8])
 -- ARGV[5]  HORIZON in µs: a slot further away than this is never reserved
 -- ARGV[6]  TOKEN: a string unique to this attempt (letters, digits, dashes; at most 64)
@@ -44,22 +57,22 @@ if already_done(a.done) then return {3, now, now, limits.counts, limits.windows}
 if a.cost > limits.min_count then return never(limits.min_count, now, limits) end
 check_server(KEYS[5], KEYS[1], KEYS[3], a.losses, limits.max_window, now, a.durable)
 
-local function taken(i, l, index)
-  return tonumber(redis.call('HGET', KEYS[1], fw_field(i, l, index)) or '0')
+local function taken(l, index)
+  return tonumber(redis.call('HGET', KEYS[1], fw_field(l, index)) or '0')
 end
 -- The first moment from `at` on when every limit's window has room for COST more. Each limit's
 -- windows from its `next` on fill in order, so this walks only over windows filled meanwhile;
 -- a limit that moves the slot to a later window makes the others look again from there.
 local slot = math.max(now, not_before(KEYS[3], limits, a.cost, now))
-for i, l in ipairs(limits) do
-  l.next = tonumber(redis.call('HGET', KEYS[1], fw_next(i, l)) or '0')
+for _, l in ipairs(limits) do
+  l.next = tonumber(redis.call('HGET', KEYS[1], fw_next(l)) or '0')
 end
 local moved = true
 while moved do
   moved = false
-  for i, l in ipairs(limits) do
+  for _, l in ipairs(limits) do
     local index = math.max(math.floor(slot / l.window), l.next)
-    while taken(i, l, index) + a.cost > l.count do index = index + 1 end
+    while taken(l, index) + a.cost > l.count do index = index + 1 end
     if index * l.window > slot then
       slot = index * l.window
       moved = true
@@ -73,19 +86,18 @@ local late = lateness('fixed-window', limits)
 status, slot = slot_or_far_ticket(status, slot, KEYS[4], KEYS[7], now, late, limits, a)
 if status == 0 then return told_to_wait(0, slot, now, limits, a) end
 local last_end, used = 0, 0
-for i, l in ipairs(limits) do
-  local units = redis.call('HINCRBY', KEYS[1], fw_field(i, l, l.index), a.cost)
+for _, l in ipairs(limits) do
+  local units = redis.call('HINCRBY', KEYS[1], fw_field(l, l.index), a.cost)
   used = math.max(used, math.floor(units * 1000 / l.count))
   -- `next` moves past the windows that are full now.
   local next_index = math.max(l.next, math.floor(now / l.window))
-  while taken(i, l, next_index) >= l.count do next_index = next_index + 1 end
-  redis.call('HSET', KEYS[1], fw_next(i, l), string.format('%.0f', next_index))
+  while taken(l, next_index) >= l.count do next_index = next_index + 1 end
+  redis.call('HSET', KEYS[1], fw_next(l), string.format('%.0f', next_index))
   last_end = math.max(last_end, math.max(next_index, l.index + 1) * l.window)
 end
 -- Windows already over are forgotten (of every limit the fields name, in the stack or not).
 for _, field in ipairs(redis.call('HKEYS', KEYS[1])) do
   local w, index = string.match(field, '^(%d+):(%d+)$')
-  if w == nil then w, index = limits[1].window, string.match(field, '^(%d+)$') end
   if index and tonumber(index) < math.floor(now / tonumber(w)) then redis.call('HDEL', KEYS[1], field) end
 end
 local ttl = math.floor((last_end - now) / 1000) + 1

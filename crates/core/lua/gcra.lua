@@ -1,3 +1,13 @@
+-- @include acquire
+-- @include args
+-- @include calls
+-- @include far
+-- @include limits
+-- @include losses
+-- @include records
+-- @include reservations
+-- @include terms
+-- @include time
 -- gcra: generic cell rate algorithm with O(1) state per limit of a seller's stack (its
 -- theoretical arrival time). Per limit: emission interval T = (WINDOW+GUARD) / (COUNT - B + 1)
 -- with B = min(BURST, COUNT), tolerance (B-1)*T; a call of COST units is COST cells at once
@@ -11,19 +21,22 @@
 -- KEYS[2]  the seller's limit override ("COUNTS WINDOWS_US"), may be absent
 -- KEYS[3]  the seller's pause ("UNTIL_US"), may be absent
 -- KEYS[4]  the seller's reserved slots (sorted set: member = held_name(TOKEN, COST), score = slot)
--- KEYS[5]  the seller's server stamp (run id of the Redis that wrote its state; see the prelude)
+-- KEYS[5]  the seller's server stamp (run id of the Redis that wrote its state; see check_server in
+--          include/losses.lua)
 -- KEYS[6]  the seller's calls (sorted set: the units of each TOKEN, score = END; see calls_gate)
--- KEYS[7]  the seller's far queue (hash: at, n; see far_ticket in the prelude)
--- KEYS[8]  the seller's learned state (see with_learned in the prelude; used with FLAGS +4)
--- KEYS[9]  the seller's shadow limit (see judge_shadow in the prelude), may be absent
+-- KEYS[7]  the seller's far queue (hash: at, n; see far_ticket in include/far.lua)
+-- KEYS[8]  the seller's learned state (see with_learned in include/terms.lua; used with FLAGS +4)
+-- KEYS[9]  the seller's shadow limit (see judge_shadow in include/shadow.lua), may be absent
 -- KEYS[10] the seller's shadow log (see judge_shadow)
--- KEYS[11] the loss marker of the seller's hash slot (no TTL; see losses_since in the prelude)
+-- KEYS[11] the loss marker of the seller's hash slot (no TTL; see losses_since in
+--          include/losses.lua)
 -- KEYS[12] optional: the message's completion record; if it exists nothing is written
 -- ARGV[1]  default COUNTS: the stack's counts, comma-separated (integers >= 1; 1 to 8 limits)
 -- ARGV[2]  default WINDOWS in µs, comma-separated, one per count (integers >= 1)
 -- ARGV[3]  GUARD in µs added to each window (-1 = window/20 within [25 ms, 2 s])
 -- ARGV[4]  FLAGS: +1 = reserve a future slot for a caller who must wait (else only answer);
---          +2 = Redis keeps its data across restarts (no cold-start wait, see the prelude);
+--          +2 = Redis keeps its data across restarts (no cold-start wait, see
+--          check_server in include/losses.lua);
 --          +4 = adaptive limits: the learned counts and the downstream's quota apply (KEYS[8])
 -- ARGV[5]  HORIZON in µs: a slot further away than this is never reserved
 -- ARGV[6]  TOKEN: a string unique to this attempt (letters, digits, dashes; at most 64)

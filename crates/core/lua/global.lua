@@ -1,3 +1,9 @@
+-- @include args
+-- @include limits
+-- @include losses
+-- @include pauses
+-- @include time
+-- @include units
 -- global: the global limit (TURNSTILE_GLOBAL_LIMIT), one stack for all sellers together, shared
 -- fairly among the sellers with work. Asked once a seller's own permit granted a call now; the
 -- call is made only if this grants too (else the seller's grant is given back: release.lua).
@@ -34,9 +40,10 @@
 --          --weight`)
 -- KEYS[6]  the competing sellers' tickets and weights (hash: `t|<seller>` -> next ticket µs,
 --          `w|<seller>` -> the weight it started competing with)
--- KEYS[7]  the global state's server stamp (see check_server in the prelude)
+-- KEYS[7]  the global state's server stamp (see check_server in include/losses.lua)
 -- KEYS[8]  the global pause (string: its end in µs), set by check_server
--- KEYS[9]  the loss marker of the global keys' hash slot (no TTL; see losses_since in the prelude)
+-- KEYS[9]  the loss marker of the global keys' hash slot (no TTL; see losses_since in
+--          include/losses.lua)
 -- ARGV[1]  COUNTS of the global stack, comma-separated (integers >= 1; 1 to 8 limits)
 -- ARGV[2]  WINDOWS in µs, comma-separated, one per count
 -- ARGV[3]  GUARD in µs added to each window (-1 = window/20 within [25 ms, 2 s])

@@ -1,3 +1,6 @@
+-- @include args
+-- @include limits
+-- @include time
 -- global_usage: how much of the global limit is taken now and by whom (for the dashboard and
 -- `turnstile status`; the limiter never needs it). Reads only.
 --

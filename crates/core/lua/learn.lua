@@ -1,7 +1,17 @@
+-- @include args
+-- @include blocks
+-- @include learned
+-- @include limits
+-- @include reservations
+-- @include states
+-- @include terms
+-- @include terms_change
+-- @include time
+-- @include units
 -- learn: adaptive limits. What the downstream's answers say about its real limit for a seller
 -- lowers (or raises again) the counts of the seller's configured stack, within
 -- [min(MIN, COUNT), COUNT] for each limit, in the seller's learned state, which every replica's
--- acquire applies at once (see with_learned in the prelude). EVENT is one of:
+-- acquire applies at once (see with_learned in include/terms.lua). EVENT is one of:
 --   throttled  a 429 for a call granted at GRANTED: the limit the downstream most likely counted
 --              (the one whose window holds the most accepted units for its learned count) goes
 --              down to what the downstream accepted in that window (multiplicative decrease; to
@@ -16,7 +26,8 @@
 --              checks for a raise the same way.
 --   header     rate-limit headers of any answer (a 429 too): LIMIT per WINDOW sets each limit's
 --              count (see below) as the truth, up or down; REMAINING units until RESET become
---              the downstream's quota (see not_before in the prelude), shared by every replica.
+--              the downstream's quota (see not_before in include/acquire.lua), shared by every
+--              replica.
 --              A throttled event whose headers carry a LIMIT learns from the headers only.
 -- LIMIT maps onto a configured limit of window W as: LIMIT if W equals WINDOW or is shorter;
 -- LIMIT * W / WINDOW (rounded down) if W is longer; without WINDOW, WINDOW is the stack's
@@ -25,18 +36,18 @@
 -- reserved before the reset; an
 -- answer for the same reset (within 1 s) can only lower what is left.
 -- A change that lowers any count gives back every reserved slot at once and wakes their holders
--- (as an operator's change does, see give_back_reserved in the prelude), except after a failed
--- probe (see give_back_since_raise); a raise keeps them: a slot reserved under stricter counts
--- stays good (redeem takes it, see within). The state lives for learned_ttl after its last
--- change or accepted answer (see complete.lua).
+-- (as an operator's change does, see give_back_reserved in include/terms_change.lua), except
+-- after a failed probe (see give_back_since_raise); a raise keeps them: a slot reserved under
+-- stricter counts stays good (redeem takes it, see within). The state lives for learned_ttl
+-- after its last change or accepted answer (see complete.lua).
 --
 -- KEYS[1]  the seller's learned state (hash: terms, counts, from, at, why, patience, mark, left,
 --          until)
--- KEYS[2]  the seller's accepted log (see note_accepted in the prelude)
+-- KEYS[2]  the seller's accepted log (see note_accepted in include/learned.lua)
 -- KEYS[3]  the seller's limit override ("COUNTS WINDOWS_US"), may be absent
 -- KEYS[4]  the seller's limiter state for ALGORITHM
 -- KEYS[5]  the seller's reserved slots (sorted set: member = held_name(TOKEN, COST), score = slot)
--- KEYS[6]  the seller's calls (see calls_gate in the prelude)
+-- KEYS[6]  the seller's calls (see calls_gate in include/calls.lua)
 -- KEYS[7]  sliding-window, optional: the seller's pool of unclaimed permit-block units (see
 --          take_block): whenever the state is written, they are taken back (reclaim_idle), so
 --          no unit granted before the lesson is claimed after it
@@ -49,7 +60,7 @@
 -- ARGV[7]  MIN: the lowest a learned count goes (integer >= 1; a COUNT below it is kept)
 -- ARGV[8]  EVENT: throttled, recovery or header
 -- ARGV[9]  GRANTED in µs (Redis time): throttled: when the throttled call was granted; recovery
---          and header: when the answer came back (0 = now; see answered_arg in the prelude): a
+--          and header: when the answer came back (0 = now; see answered_arg in include/args.lua): a
 --          raise is judged, and a quota's RESET counted, from then (integer >= 0)
 -- ARGV[10] LIMIT from headers (integer >= 1; -1 = none)
 -- ARGV[11] WINDOW in µs from headers (integer >= 1; -1 = none)

@@ -1,3 +1,5 @@
+-- @include args
+-- @include time
 -- lease: at most LIMIT calls of one seller in flight across every replica
 -- (TURNSTILE_SELLER_CONCURRENCY). Asked once the seller's own permit granted a call now; the
 -- call is made only while holding a lease. A lease ends when its call is answered (the worker

@@ -1,3 +1,6 @@
+-- @include args
+-- @include pauses
+-- @include time
 -- pause: no permit is granted for the seller until now + FOR (Redis time), on every replica.
 -- A pause only extends: a shorter one never cuts a longer one short.
 --

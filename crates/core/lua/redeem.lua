@@ -1,22 +1,34 @@
+-- @include args
+-- @include calls
+-- @include limits
+-- @include losses
+-- @include pauses
+-- @include records
+-- @include reservations
+-- @include shadow
+-- @include states
+-- @include terms
+-- @include time
 -- redeem: a caller comes back for the slot it reserved. The reservation is bound to its TOKEN
 -- and COST and is good once: it must still be in the seller's reserved set at its SLOT, and any
 -- answer but "early" consumes it. Granted if the slot is due (at most GUARD/10 ahead, and not
--- later than the algorithm's lateness allows, see the prelude), the seller is not paused past
--- it, and the stack of limits it was reserved under still applies or is stricter than the one
--- that applies (a learned limit raised since, see within in the prelude).
--- A forfeited slot is given back to the seller's state in the same step (see give_back in the
--- prelude), so the next caller may take it.
+-- later than the algorithm's lateness allows, see include/reservations.lua), the seller is not
+-- paused past it, and the stack of limits it was reserved under still applies or is stricter
+-- than the one that applies (a learned limit raised since, see within in include/limits.lua).
+-- A forfeited slot is given back to the seller's state in the same step (see give_back in
+-- include/states.lua), so the next caller may take it.
 --
 -- KEYS[1]  the seller's limit override ("COUNTS WINDOWS_US"), may be absent
 -- KEYS[2]  the seller's pause ("UNTIL_US"), may be absent
 -- KEYS[3]  the seller's limiter state for ALGORITHM
 -- KEYS[4]  the seller's reserved slots (sorted set: member = held_name(TOKEN, COST), score = slot)
--- KEYS[5]  the seller's server stamp (see check_server in the prelude)
+-- KEYS[5]  the seller's server stamp (see check_server in include/losses.lua)
 -- KEYS[6]  the seller's calls (sorted set: the units of each TOKEN, score = END; see calls_gate)
--- KEYS[7]  the seller's learned state (see with_learned in the prelude; used with FLAGS +4)
--- KEYS[8]  the seller's shadow limit (see judge_shadow in the prelude), may be absent
+-- KEYS[7]  the seller's learned state (see with_learned in include/terms.lua; used with FLAGS +4)
+-- KEYS[8]  the seller's shadow limit (see judge_shadow in include/shadow.lua), may be absent
 -- KEYS[9]  the seller's shadow log (see judge_shadow)
--- KEYS[10] the loss marker of the seller's hash slot (no TTL; see losses_since in the prelude)
+-- KEYS[10] the loss marker of the seller's hash slot (no TTL; see losses_since in
+--          include/losses.lua)
 -- KEYS[11] optional: the message's completion record
 -- ARGV[1]  default COUNTS, comma-separated (integers >= 1; 1 to 8 limits)
 -- ARGV[2]  default WINDOWS in µs, comma-separated, one per count (integers >= 1)

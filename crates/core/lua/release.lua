@@ -1,3 +1,8 @@
+-- @include args
+-- @include limits
+-- @include states
+-- @include terms
+-- @include units
 -- release: gives back a grant that will not be called (the global limit refused it, see
 -- global.lua), so that the seller's next call may take its units at once:
 --   sliding-window, fixed-window  its units leave the log or the window counters: exact;

@@ -1,8 +1,16 @@
+-- @include args
+-- @include blocks
+-- @include limits
+-- @include states
+-- @include terms
+-- @include terms_change
+-- @include time
 -- reschedule: changes the terms of a seller (sets or clears its limit override, lifts its
 -- pause) and, in the same atomic step, gives back every slot reserved under the old terms, so
 -- that the new terms apply at once to the seller's whole backlog: the holders of those
 -- reservations find them gone when they come back (redeem answers 8) and reserve anew, and
--- slots are computed afresh from what was really granted (see give_back_reserved in the prelude).
+-- slots are computed afresh from what was really granted (see give_back_reserved in
+-- include/terms_change.lua).
 -- With sliding-window, the units of the seller's pool no call claimed yet (permit blocks, taken
 -- under the old terms) are taken back in the same step (see reclaim_idle).
 --

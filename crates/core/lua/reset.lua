@@ -1,3 +1,8 @@
+-- @include args
+-- @include limits
+-- @include pauses
+-- @include terms
+-- @include time
 -- reset: forgets a seller's limiter state (`turnstile limits reset`) without letting a burst
 -- through. In one atomic step the seller is paused until SPAN from now (the longest window of
 -- its limits plus its guard; a longer pause is kept), so that no call granted under the

@@ -1,3 +1,7 @@
+-- @include args
+-- @include limits
+-- @include reservations
+-- @include states
 -- unreserve: gives back a reserved slot whose message will not come back for it (its delayed
 -- copy could not be published, it was returned to the broker, or the replica shut down before
 -- it was published), so that the seller's next caller may take it. Only a live reservation

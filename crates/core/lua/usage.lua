@@ -1,3 +1,9 @@
+-- @include args
+-- @include limits
+-- @include pauses
+-- @include states
+-- @include terms
+-- @include time
 -- usage: how much of each limit of a seller's stack is taken now, for the dashboard. Reads only;
 -- never writes. Per limit, USED of CAPACITY is what the limit counts now (the share that makes
 -- the next caller wait); AHEAD is what is already promised beyond it (reserved units, debt): the
@@ -14,9 +20,9 @@
 -- KEYS[2]  the seller's limit override ("COUNTS WINDOWS_US"), may be absent
 -- KEYS[3]  the seller's pause ("UNTIL_US"), may be absent
 -- KEYS[4]  the seller's learned state (see with_learned; applied with ARGV[7])
--- KEYS[5]  the seller's shadow limit (see judge_shadow in the prelude), may be absent
--- KEYS[6]  optional: the seller's calls (see calls_gate in the prelude)
--- KEYS[7]  optional: the seller's reserved set (see hold_reservation in the prelude)
+-- KEYS[5]  the seller's shadow limit (see judge_shadow in include/shadow.lua), may be absent
+-- KEYS[6]  optional: the seller's calls (see calls_gate in include/calls.lua)
+-- KEYS[7]  optional: the seller's reserved set (see hold_reservation in include/reservations.lua)
 -- ARGV[1]  ALGORITHM: sliding-window, gcra, token-bucket or fixed-window
 -- ARGV[2]  default COUNTS, comma-separated (integers >= 1; 1 to 8 limits)
 -- ARGV[3]  default WINDOWS in µs, comma-separated, one per count (integers >= 1)
@@ -79,14 +85,13 @@ elseif algorithm == 'token-bucket' then
     row(math.ceil(l.capacity - math.max(tokens_now, 0)), l.capacity, math.ceil(math.max(-tokens_now, 0)))
   end
 else
-  for i, l in ipairs(limits) do
+  for _, l in ipairs(limits) do
     local current = math.floor(now / l.window)
-    local used = tonumber(redis.call('HGET', KEYS[1], fw_field(i, l, current)) or '0')
+    local used = tonumber(redis.call('HGET', KEYS[1], fw_field(l, current)) or '0')
     local ahead = 0
     for _, field in ipairs(redis.call('HKEYS', KEYS[1])) do
       local w, index = string.match(field, '^(%d+):(%d+)$')
-      if w == nil then w, index = limits[1].window, string.match(field, '^(%d+)$') end
-      if index and tonumber(w) == l.window and tonumber(index) > current and (i == 1) == (string.find(field, ':') == nil) then
+      if index and tonumber(w) == l.window and tonumber(index) > current then
         ahead = ahead + tonumber(redis.call('HGET', KEYS[1], field))
       end
     end

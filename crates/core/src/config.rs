@@ -93,7 +93,7 @@ pub enum LimitsError {
 }
 
 impl Limits {
-    /// Most limits in a stack (as `lua/prelude.lua`'s MAX_STACK).
+    /// Most limits in a stack (as MAX_STACK in `lua/include/limits.lua`).
     pub const MAX: usize = 8;
 
     /// A stack of one limit.

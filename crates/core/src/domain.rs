@@ -160,7 +160,7 @@ impl BatchId {
 pub struct Cost(u32);
 
 impl Cost {
-    /// Most units one registration may take (as `lua/prelude.lua`'s MAX_COST).
+    /// Most units one registration may take (as MAX_COST in `lua/include/args.lua`).
     pub const MAX: u32 = 10_000;
     /// One unit: a registration without a `cost`.
     pub const ONE: Cost = Cost(1);

@@ -1,6 +1,6 @@
 //! Permit blocks: units a grant takes at once into the seller's pool in Redis (see `take_block`
-//! and `claim_idle` in `lua/prelude.lua` and README, "Permit blocks"), for the seller's next
-//! calls by every replica. What a replica keeps of them here is small:
+//! and `claim_idle` in `lua/include/blocks.lua` and README, "Permit blocks"), for the seller's
+//! next calls by every replica. What a replica keeps of them here is small:
 //!
 //! - the sellers whose pool it saw units in lately ([`Blocks::tries_pool`]): their next message
 //!   claims a unit with one plain `ZPOPMIN` beside its completion-record read, no script; an
@@ -31,7 +31,8 @@ use crate::domain::SellerId;
 /// for and the sizes start over (memory stays bounded however many sellers a replica sees).
 pub const MOST_BLOCKS: usize = 4096;
 
-/// Most units a block takes besides the call that asks for it (`MAX_BLOCK` in the prelude).
+/// Most units a block takes besides the call that asks for it (`MAX_BLOCK` in
+/// `lua/include/blocks.lua`).
 pub const MOST_UNITS: u32 = 64;
 
 /// Units a replica asks for the first time it sees a seller (or after it forgot it), before it
@@ -54,7 +55,7 @@ fn locked<T>(mutex: &Mutex<T>) -> MutexGuard<'_, T> {
 
 /// The seller's accepted log's bounds under the stack that applies to it (its longest window +
 /// guard, its largest COUNT): a registration made with a pool unit is noted in it with plain
-/// commands, kept as `note_accepted` (`lua/prelude.lua`) keeps it.
+/// commands, kept as `note_accepted` (`lua/include/learned.lua`) keeps it.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct LogBounds {
     pub span_us: u64,

@@ -30,7 +30,7 @@
 //! - **loss markers**: `turnstile~losses:{~<n>}`, one per Redis Cluster hash slot (at most
 //!   16384), shared by every key prefix on the server, without TTL: what the server lost
 //!   (evicted or flushed keys) and since when, as first seen from that slot (`losses_since` in
-//!   `lua/prelude.lua`). `n` is chosen so that a seller's marker shares the seller's slot
+//!   `lua/include/losses.lua`). `n` is chosen so that a seller's marker shares the seller's slot
 //!   ([`Keyspace::losses`]). They describe the server, not a deployment, so they carry no
 //!   prefix: a deployment under a new prefix must not take the server's past losses for new ones.
 //! - **lab keys**: baselines the benchmarks write beside a seller's keys (`incr`, `baseline`).
@@ -97,13 +97,14 @@ impl Keyspace {
         self.seller(seller, "pause")
     }
 
-    /// The seller's reserved slots (sorted set: member = token, score = slot).
+    /// The seller's reserved slots (sorted set: member = `TOKEN+COST`, score = slot; see
+    /// `held_name` in `lua/include/reservations.lua`).
     pub fn reserved(&self, seller: &SellerId) -> String {
         self.seller(seller, "reserved")
     }
 
     /// The seller's server stamp: run id of the Redis that wrote its state (see
-    /// `check_server` in `lua/prelude.lua`).
+    /// `check_server` in `lua/include/losses.lua`).
     pub fn server(&self, seller: &SellerId) -> String {
         self.seller(seller, "server")
     }
@@ -114,15 +115,15 @@ impl Keyspace {
     }
 
     /// The seller's calls in flight or answered within a window (sorted set: member = token,
-    /// score = end; see `calls_gate` in `lua/prelude.lua`).
+    /// score = end; see `calls_gate` in `lua/include/calls.lua`).
     pub fn calls(&self, seller: &SellerId) -> String {
         self.seller(seller, "calls")
     }
 
     /// The seller's pool of permit-block units no call claimed yet (sorted set: unit -> its end
-    /// in the seller's calls, µs; see `take_block` and `claim_idle` in `lua/prelude.lua`): an
-    /// acquire or a replica's plain `ZPOPMIN` claims a unit by removing it, an acquire short of
-    /// room and a change of terms take back the rest. (`pool`, not the previous version's
+    /// in the seller's calls, µs; see `take_block` and `claim_idle` in
+    /// `lua/include/blocks.lua`): an acquire or a replica's plain `ZPOPMIN` claims a unit by
+    /// removing it, an acquire short of room and a change of terms take back the rest. (`pool`, not the previous version's
     /// `blocked`, whose units belonged to one replica: the two can run side by side during a
     /// rolling upgrade.)
     pub fn pool(&self, seller: &SellerId) -> String {
@@ -140,7 +141,7 @@ impl Keyspace {
         self.seller(seller, "lease-ticket")
     }
 
-    /// The seller's far queue (hash: `at`, `n`; see `far_ticket` in `lua/prelude.lua`).
+    /// The seller's far queue (hash: `at`, `n`; see `far_ticket` in `lua/include/far.lua`).
     pub fn far(&self, seller: &SellerId) -> String {
         self.seller(seller, "far")
     }
@@ -151,13 +152,13 @@ impl Keyspace {
     }
 
     /// The units the downstream accepted of the seller within its longest window (sorted set;
-    /// see `note_accepted` in `lua/prelude.lua`).
+    /// see `note_accepted` in `lua/include/learned.lua`).
     pub fn accepted(&self, seller: &SellerId) -> String {
         self.seller(seller, "accepted")
     }
 
     /// The seller's shadow limit and its verdicts (hash; see `judge_shadow` in
-    /// `lua/prelude.lua`).
+    /// `lua/include/shadow.lua`).
     pub fn shadow(&self, seller: &SellerId) -> String {
         self.seller(seller, "shadow")
     }
@@ -280,7 +281,7 @@ impl Keyspace {
 
     /// Every key of the global limit, in the order `lua/global.lua` takes them: then the
     /// stamp of the Redis that wrote the global state (`server`) and the global pause (`pause`;
-    /// see `check_server` in `lua/prelude.lua`).
+    /// see `check_server` in `lua/include/losses.lua`).
     pub fn global_keys(&self) -> [String; 9] {
         [
             self.global_log(),

@@ -135,8 +135,7 @@ pub struct Reservation {
 
 impl Reservation {
     /// `SLOT_US/COUNTS/WINDOWS_US/RESERVED_AT_US/TOKEN` (COUNTS and WINDOWS_US comma-separated,
-    /// one per limit of the stack; a single limit reads as earlier versions wrote it): how a
-    /// reservation travels in a message header.
+    /// one per limit of the stack): how a reservation travels in a message header.
     pub fn encode(&self) -> String {
         format!(
             "{}/{}/{}/{}/{}",
@@ -961,7 +960,7 @@ impl PermitStore {
         }
         if read
             .get(2)
-            .is_some_and(|state| matches!(state.as_deref(), Some("registered" | "1")))
+            .is_some_and(|state| matches!(state.as_deref(), Some("registered")))
         {
             self.give_back_unit(seller, unit);
             return Ok(Some(Decision::AlreadyDone));
@@ -1919,7 +1918,7 @@ fn parse_override(raw: &str) -> Option<Limits> {
 /// dead for, if it was (see `Recorded`); nothing is learned (no raise).
 fn registered_from(was: Option<&str>) -> (u8, String, u8, String) {
     match was {
-        Some("registered" | "1") => (0, String::new(), 0, String::new()),
+        Some("registered") => (0, String::new(), 0, String::new()),
         Some(state) => (
             1,
             state.strip_prefix("dead:").unwrap_or("").to_owned(),
@@ -2034,7 +2033,6 @@ mod tests {
         let none = String::new;
         assert_eq!(registered_from(None), (1, none(), 0, none()));
         assert_eq!(registered_from(Some("registered")), (0, none(), 0, none()));
-        assert_eq!(registered_from(Some("1")), (0, none(), 0, none()));
         assert_eq!(
             registered_from(Some("dead:rejected")),
             (1, "rejected".to_owned(), 0, none())

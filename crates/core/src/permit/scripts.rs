@@ -1,5 +1,12 @@
-//! The Lua scripts, loaded once. Each is `lua/prelude.lua` followed by the script's own file;
-//! `redis::Script` runs them by EVALSHA and reloads them after NOSCRIPT (e.g. a Redis restart).
+//! The Lua scripts, loaded once; `redis::Script` runs them by EVALSHA and reloads them after
+//! NOSCRIPT (e.g. a Redis restart).
+//!
+//! A script's file starts with `-- @include PIECE` lines naming the pieces of `lua/include/`
+//! whose helpers it uses; a piece starts the same way with the pieces it needs. Loading a script
+//! puts every piece it names, directly or through another piece, before it: each once, each
+//! after the pieces it needs. Redis runs all of it on every call (defining the helpers is part
+//! of each call's cost: `turnstile bench lua-setup`), so a script includes only what it uses.
+//! `lua/batch.lua` runs several scripts as functions of one script (see [`batch`]).
 
 use std::sync::LazyLock;
 
@@ -7,67 +14,230 @@ use redis::Script;
 
 use crate::config::Algorithm;
 
+/// The pieces of `lua/include/`, by name.
+static PIECES: &[(&str, &str)] = &[
+    ("acquire", include_str!("../../lua/include/acquire.lua")),
+    ("args", include_str!("../../lua/include/args.lua")),
+    ("batches", include_str!("../../lua/include/batches.lua")),
+    ("blocks", include_str!("../../lua/include/blocks.lua")),
+    ("calls", include_str!("../../lua/include/calls.lua")),
+    ("far", include_str!("../../lua/include/far.lua")),
+    ("learned", include_str!("../../lua/include/learned.lua")),
+    ("limits", include_str!("../../lua/include/limits.lua")),
+    ("losses", include_str!("../../lua/include/losses.lua")),
+    ("pauses", include_str!("../../lua/include/pauses.lua")),
+    ("records", include_str!("../../lua/include/records.lua")),
+    (
+        "reservations",
+        include_str!("../../lua/include/reservations.lua"),
+    ),
+    ("shadow", include_str!("../../lua/include/shadow.lua")),
+    ("states", include_str!("../../lua/include/states.lua")),
+    ("terms", include_str!("../../lua/include/terms.lua")),
+    (
+        "terms_change",
+        include_str!("../../lua/include/terms_change.lua"),
+    ),
+    ("time", include_str!("../../lua/include/time.lua")),
+    ("units", include_str!("../../lua/include/units.lua")),
+];
+
+/// The scripts of `lua/`, by file name without `.lua` (`batch` is put together with the
+/// operations it runs, see [`BATCH_OPERATIONS`]).
+static SCRIPTS: &[(&str, &str)] = &[
+    (
+        "sliding_window",
+        include_str!("../../lua/sliding_window.lua"),
+    ),
+    ("gcra", include_str!("../../lua/gcra.lua")),
+    ("token_bucket", include_str!("../../lua/token_bucket.lua")),
+    ("fixed_window", include_str!("../../lua/fixed_window.lua")),
+    ("redeem", include_str!("../../lua/redeem.lua")),
+    ("pause", include_str!("../../lua/pause.lua")),
+    ("complete", include_str!("../../lua/complete.lua")),
+    ("usage", include_str!("../../lua/usage.lua")),
+    ("reschedule", include_str!("../../lua/reschedule.lua")),
+    ("tally", include_str!("../../lua/tally.lua")),
+    ("ended", include_str!("../../lua/ended.lua")),
+    ("global", include_str!("../../lua/global.lua")),
+    ("release", include_str!("../../lua/release.lua")),
+    ("lease", include_str!("../../lua/lease.lua")),
+    ("learn", include_str!("../../lua/learn.lua")),
+    ("global_usage", include_str!("../../lua/global_usage.lua")),
+    ("reset", include_str!("../../lua/reset.lua")),
+    ("unreserve", include_str!("../../lua/unreserve.lua")),
+    ("batch_seen", include_str!("../../lua/batch_seen.lua")),
+    (
+        "batch_event_sent",
+        include_str!("../../lua/batch_event_sent.lua"),
+    ),
+    ("batch", include_str!("../../lua/batch.lua")),
+];
+
+/// The operations `lua/batch.lua` runs: each is the script of that file, wrapped in a function
+/// `op_<file>` of the batch.
+const BATCH_OPERATIONS: &[&str] = &[
+    "sliding_window",
+    "gcra",
+    "token_bucket",
+    "fixed_window",
+    "redeem",
+    "complete",
+    "ended",
+    "learn",
+];
+
+/// The names a Lua file's leading `-- @include NAME` lines give.
+fn includes(text: &str) -> impl Iterator<Item = &str> {
+    text.lines()
+        .map_while(|line| line.strip_prefix("-- @include "))
+        .map(str::trim)
+}
+
+/// The text of `name` in `table`; panics when there is none.
+fn lookup(table: &[(&'static str, &'static str)], name: &str) -> (&'static str, &'static str) {
+    *table
+        .iter()
+        .find(|(n, _)| *n == name)
+        .unwrap_or_else(|| panic!("no Lua piece `{name}` in lua/include/"))
+}
+
+/// The pieces of `table` that `roots` name, directly or through the pieces they need: each once,
+/// each after the pieces it needs. Panics on an unknown piece or pieces that need each other.
+fn resolve<'a>(
+    table: &[(&'static str, &'static str)],
+    roots: impl IntoIterator<Item = &'a str>,
+) -> Vec<&'static str> {
+    fn visit(
+        table: &[(&'static str, &'static str)],
+        name: &str,
+        order: &mut Vec<&'static str>,
+        path: &mut Vec<&'static str>,
+    ) {
+        let (name, text) = lookup(table, name);
+        if order.contains(&name) {
+            return;
+        }
+        if path.contains(&name) {
+            panic!(
+                "Lua pieces include each other: {} -> {name}",
+                path.join(" -> ")
+            );
+        }
+        path.push(name);
+        for needed in includes(text) {
+            visit(table, needed, order, path);
+        }
+        path.pop();
+        order.push(name);
+    }
+    let mut order = Vec::new();
+    for root in roots {
+        visit(table, root, &mut order, &mut Vec::new());
+    }
+    order
+}
+
+/// A script as Redis runs it.
+pub struct Source {
+    /// Its file in `lua/`, without `.lua`.
+    pub name: &'static str,
+    /// The pieces it includes, in the order they are put before it.
+    pub pieces: Vec<&'static str>,
+    /// What runs before the script's own file: its pieces (and for `batch`, its operations,
+    /// each a function).
+    pub setup: String,
+    /// The script's own file.
+    pub body: &'static str,
+}
+
+impl Source {
+    /// The whole script.
+    pub fn text(&self) -> String {
+        format!("{}\n{}", self.setup, self.body)
+    }
+}
+
+/// The pieces' texts, one after another.
+fn joined(pieces: &[&str]) -> String {
+    pieces
+        .iter()
+        .map(|name| lookup(PIECES, name).1)
+        .collect::<Vec<_>>()
+        .join("\n")
+}
+
+/// The script `name` of `lua/` with everything it includes. Panics on an unknown script or
+/// piece, or pieces that need each other.
+pub fn source(name: &str) -> Source {
+    let (name, body) = lookup(SCRIPTS, name);
+    if name != "batch" {
+        let pieces = resolve(PIECES, includes(body));
+        return Source {
+            name,
+            setup: joined(&pieces),
+            pieces,
+            body,
+        };
+    }
+    let operations: Vec<(&str, &str)> = BATCH_OPERATIONS
+        .iter()
+        .map(|op| lookup(SCRIPTS, op))
+        .collect();
+    let pieces = resolve(
+        PIECES,
+        includes(body).chain(operations.iter().flat_map(|(_, text)| includes(text))),
+    );
+    let mut setup = joined(&pieces);
+    for (op, text) in operations {
+        setup.push_str(&format!("\nlocal function op_{op}()\n{text}\nend\n"));
+    }
+    Source {
+        name,
+        pieces,
+        setup,
+        body,
+    }
+}
+
+/// Every script of `lua/`, as Redis runs it.
+pub fn sources() -> Vec<Source> {
+    SCRIPTS.iter().map(|(name, _)| source(name)).collect()
+}
+
+/// Every piece of `lua/include/`, each after the pieces it needs: what every script ran before
+/// the pieces were split (`lua/prelude.lua`).
+pub fn all_pieces() -> String {
+    joined(&resolve(PIECES, PIECES.iter().map(|(name, _)| *name)))
+}
+
 macro_rules! script {
-    ($file:literal) => {
-        LazyLock::new(|| {
-            Script::new(concat!(
-                include_str!("../../lua/prelude.lua"),
-                "\n",
-                include_str!(concat!("../../lua/", $file))
-            ))
-        })
+    ($name:literal) => {
+        LazyLock::new(|| Script::new(&source($name).text()))
     };
 }
 
-static SLIDING_WINDOW: LazyLock<Script> = script!("sliding_window.lua");
-static GCRA: LazyLock<Script> = script!("gcra.lua");
-static TOKEN_BUCKET: LazyLock<Script> = script!("token_bucket.lua");
-static FIXED_WINDOW: LazyLock<Script> = script!("fixed_window.lua");
-static REDEEM: LazyLock<Script> = script!("redeem.lua");
-static PAUSE: LazyLock<Script> = script!("pause.lua");
-static COMPLETE: LazyLock<Script> = script!("complete.lua");
-static USAGE: LazyLock<Script> = script!("usage.lua");
-static RESCHEDULE: LazyLock<Script> = script!("reschedule.lua");
-static TALLY: LazyLock<Script> = script!("tally.lua");
-static ENDED: LazyLock<Script> = script!("ended.lua");
-static GLOBAL: LazyLock<Script> = script!("global.lua");
-static RELEASE: LazyLock<Script> = script!("release.lua");
-static LEASE: LazyLock<Script> = script!("lease.lua");
-static LEARN: LazyLock<Script> = script!("learn.lua");
-static GLOBAL_USAGE: LazyLock<Script> = script!("global_usage.lua");
-static RESET: LazyLock<Script> = script!("reset.lua");
-static UNRESERVE: LazyLock<Script> = script!("unreserve.lua");
-static BATCH_SEEN: LazyLock<Script> = script!("batch_seen.lua");
-static BATCH_EVENT_SENT: LazyLock<Script> = script!("batch_event_sent.lua");
-
-/// `lua/batch.lua` after the prelude and, wrapped each in a function of its own, the scripts it
-/// runs as operations.
-macro_rules! operation {
-    ($name:literal, $file:literal) => {
-        concat!(
-            "\nlocal function op_",
-            $name,
-            "()\n",
-            include_str!(concat!("../../lua/", $file)),
-            "\nend\n"
-        )
-    };
-}
-
-static BATCH: LazyLock<Script> = LazyLock::new(|| {
-    Script::new(concat!(
-        include_str!("../../lua/prelude.lua"),
-        operation!("sliding_window", "sliding_window.lua"),
-        operation!("gcra", "gcra.lua"),
-        operation!("token_bucket", "token_bucket.lua"),
-        operation!("fixed_window", "fixed_window.lua"),
-        operation!("redeem", "redeem.lua"),
-        operation!("complete", "complete.lua"),
-        operation!("ended", "ended.lua"),
-        operation!("learn", "learn.lua"),
-        include_str!("../../lua/batch.lua")
-    ))
-});
+static SLIDING_WINDOW: LazyLock<Script> = script!("sliding_window");
+static GCRA: LazyLock<Script> = script!("gcra");
+static TOKEN_BUCKET: LazyLock<Script> = script!("token_bucket");
+static FIXED_WINDOW: LazyLock<Script> = script!("fixed_window");
+static REDEEM: LazyLock<Script> = script!("redeem");
+static PAUSE: LazyLock<Script> = script!("pause");
+static COMPLETE: LazyLock<Script> = script!("complete");
+static USAGE: LazyLock<Script> = script!("usage");
+static RESCHEDULE: LazyLock<Script> = script!("reschedule");
+static TALLY: LazyLock<Script> = script!("tally");
+static ENDED: LazyLock<Script> = script!("ended");
+static GLOBAL: LazyLock<Script> = script!("global");
+static RELEASE: LazyLock<Script> = script!("release");
+static LEASE: LazyLock<Script> = script!("lease");
+static LEARN: LazyLock<Script> = script!("learn");
+static GLOBAL_USAGE: LazyLock<Script> = script!("global_usage");
+static RESET: LazyLock<Script> = script!("reset");
+static UNRESERVE: LazyLock<Script> = script!("unreserve");
+static BATCH_SEEN: LazyLock<Script> = script!("batch_seen");
+static BATCH_EVENT_SENT: LazyLock<Script> = script!("batch_event_sent");
+static BATCH: LazyLock<Script> = script!("batch");
 
 /// The acquire script of an algorithm.
 pub fn acquire(algorithm: Algorithm) -> &'static Script {
@@ -160,4 +330,265 @@ pub fn batch_seen() -> &'static Script {
 /// Says that a batch's completion event was published (see `lua/batch_event_sent.lua`).
 pub fn batch_event_sent() -> &'static Script {
     &BATCH_EVENT_SENT
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::collections::{BTreeMap, BTreeSet};
+
+    /// Lua text without comments and string literals (so that neither counts as a use).
+    fn code(text: &str) -> String {
+        let mut out = String::with_capacity(text.len());
+        let mut chars = text.chars().peekable();
+        while let Some(c) = chars.next() {
+            match c {
+                '-' if chars.peek() == Some(&'-') => {
+                    for c in chars.by_ref() {
+                        if c == '\n' {
+                            out.push('\n');
+                            break;
+                        }
+                    }
+                }
+                '\'' | '"' => {
+                    while let Some(d) = chars.next() {
+                        if d == '\\' {
+                            chars.next();
+                        } else if d == c {
+                            break;
+                        }
+                    }
+                    out.push_str("''");
+                }
+                c => out.push(c),
+            }
+        }
+        out
+    }
+
+    fn is_word(c: char) -> bool {
+        c.is_ascii_alphanumeric() || c == '_'
+    }
+
+    /// The words of Lua code, each with the character before it and the text after it.
+    fn words(code: &str) -> Vec<(Option<char>, &str, &str)> {
+        let mut found = Vec::new();
+        let mut start = None;
+        for (i, c) in code.char_indices().chain([(code.len(), ' ')]) {
+            match (start, is_word(c)) {
+                (None, true) => start = Some(i),
+                (Some(s), false) => {
+                    found.push((code[..s].chars().next_back(), &code[s..i], &code[i..]));
+                    start = None;
+                }
+                _ => {}
+            }
+        }
+        found
+    }
+
+    /// What a piece defines for others: its top-level `local function NAME` and `local NAME`.
+    fn top_level(text: &str) -> BTreeSet<String> {
+        code(text)
+            .lines()
+            .filter_map(|line| line.strip_prefix("local "))
+            .flat_map(|rest| {
+                let rest = rest.strip_prefix("function ").unwrap_or(rest);
+                let names = rest.split(['=', '(']).next().unwrap_or("");
+                names
+                    .split(',')
+                    .map(|n| n.trim().to_owned())
+                    .collect::<Vec<_>>()
+            })
+            .collect()
+    }
+
+    /// The names a piece's header says it defines (`-- Defines: a, b,` and its continuation
+    /// lines, `--   c`).
+    fn declared(text: &str) -> BTreeSet<String> {
+        let mut names = BTreeSet::new();
+        let mut lines = text.lines().skip_while(|l| !l.starts_with("-- Defines: "));
+        let Some(first) = lines.next() else {
+            return names;
+        };
+        let continued = lines.take_while(|l| l.starts_with("--   "));
+        for line in std::iter::once(&first["-- Defines: ".len()..]).chain(continued) {
+            let line = line.trim_start_matches("--").trim();
+            names.extend(
+                line.split(',')
+                    .map(str::trim)
+                    .filter(|n| !n.is_empty())
+                    .map(str::to_owned),
+            );
+        }
+        names
+    }
+
+    /// Every name some piece defines, with the piece.
+    fn definitions() -> BTreeMap<String, &'static str> {
+        let mut defined = BTreeMap::new();
+        for (piece, text) in PIECES {
+            for name in top_level(text) {
+                if let Some(other) = defined.insert(name.clone(), *piece) {
+                    panic!("`{name}` is defined by both {other} and {piece}");
+                }
+            }
+        }
+        defined
+    }
+
+    /// The pieces' names that `text` uses: functions it calls (`name(`, not `x.name(`) and
+    /// constants (capitalized) it reads; not the names it defines itself.
+    fn uses(text: &str, defined: &BTreeMap<String, &'static str>) -> BTreeSet<String> {
+        let code = code(text);
+        // Every `local NAME, ...` and `local function NAME`, at any depth.
+        let own: BTreeSet<&str> = words(&code)
+            .into_iter()
+            .filter(|(_, word, _)| *word == "local")
+            .flat_map(|(_, _, after)| {
+                let statement = after.lines().next().unwrap_or("").trim_start();
+                let statement = statement.strip_prefix("function ").unwrap_or(statement);
+                let names = statement.split(['=', '(']).next().unwrap_or("");
+                names.split(',').map(str::trim)
+            })
+            .collect();
+        words(&code)
+            .into_iter()
+            .filter(|(before, word, after)| {
+                let called = after.trim_start().starts_with('(');
+                let constant = word.chars().all(|c| c.is_ascii_uppercase() || c == '_');
+                !matches!(before, Some('.' | ':'))
+                    && (called || constant)
+                    && defined.contains_key(*word)
+                    && !own.contains(word)
+                    && !matches!(*word, "KEYS" | "ARGV")
+            })
+            .map(|(_, word, _)| word.to_owned())
+            .collect()
+    }
+
+    /// What is wrong with the includes of the Lua file `name` (a piece or a script): a name it
+    /// uses that no piece it includes (directly or through another) defines, and for a piece,
+    /// reading KEYS or ARGV without including `args` (in a batch they must be its locals).
+    fn missing(name: &str, text: &str, own_piece: Option<&str>) -> Vec<String> {
+        let defined = definitions();
+        let included = resolve(PIECES, includes(text).chain(own_piece));
+        let mut problems: Vec<String> = uses(text, &defined)
+            .into_iter()
+            .filter(|used| !included.contains(&defined[used]))
+            .map(|used| {
+                let piece = defined[&used];
+                format!("{name} uses `{used}` of {piece} without including it")
+            })
+            .collect();
+        let reads_call = words(&code(text))
+            .iter()
+            .any(|(_, w, _)| matches!(*w, "KEYS" | "ARGV"));
+        if own_piece.is_some_and(|p| p != "args") && reads_call && !included.contains(&"args") {
+            problems.push(format!("{name} reads KEYS or ARGV without including args"));
+        }
+        problems
+    }
+
+    #[test]
+    fn every_script_loads_its_pieces_each_once_after_what_they_need() {
+        for source in sources() {
+            let mut seen = BTreeSet::new();
+            for piece in &source.pieces {
+                assert!(seen.insert(piece), "{}: {piece} twice", source.name);
+                for needed in includes(lookup(PIECES, piece).1) {
+                    assert!(
+                        seen.contains(&needed),
+                        "{}: {piece} comes before {needed}, which it needs",
+                        source.name
+                    );
+                }
+            }
+            assert!(source.text().ends_with(source.body));
+        }
+        // Every piece is used by some script.
+        let used: BTreeSet<&str> = sources().iter().flat_map(|s| s.pieces.clone()).collect();
+        for (piece, _) in PIECES {
+            assert!(used.contains(piece), "no script includes {piece}");
+        }
+    }
+
+    #[test]
+    fn every_name_a_script_or_piece_uses_is_defined_by_a_piece_it_includes() {
+        let mut problems = Vec::new();
+        for (piece, text) in PIECES {
+            problems.extend(missing(&format!("include/{piece}.lua"), text, Some(piece)));
+            let (defines, declares) = (top_level(text), declared(text));
+            if defines != declares {
+                problems.push(format!(
+                    "include/{piece}.lua defines {defines:?} but its header says {declares:?}"
+                ));
+            }
+        }
+        for (script, text) in SCRIPTS {
+            problems.extend(missing(&format!("{script}.lua"), text, None));
+        }
+        // The batch reassigns KEYS and ARGV for each operation: they must be its locals.
+        assert!(source("batch").pieces.contains(&"args"));
+        assert!(problems.is_empty(), "{}", problems.join("\n"));
+    }
+
+    #[test]
+    fn a_missing_include_is_found() {
+        let script = "-- @include time\nlocal now = now_us()\nreturn int_arg(1, 0) + now\n";
+        assert_eq!(
+            missing("test.lua", script, None),
+            ["test.lua uses `int_arg` of args without including it"]
+        );
+        // Through a piece: `terms` needs `limits`, which needs `args`.
+        let script = "-- @include terms\nreturn with_spans(limits_arg(1), int_arg(3, -1))\n";
+        assert!(missing("test.lua", script, None).is_empty());
+        // A method or a field of the same name is not a use.
+        assert!(missing("test.lua", "return string.now_us(x.int_arg)\n", None).is_empty());
+        // Nor a name the file defines itself.
+        assert!(
+            missing(
+                "test.lua",
+                "local function int_arg() end\nint_arg()\n",
+                None
+            )
+            .is_empty()
+        );
+        // A piece that reads ARGV without `args`.
+        assert_eq!(
+            missing(
+                "include/x.lua",
+                "local function f() return ARGV[1] end\n",
+                Some("time")
+            ),
+            ["include/x.lua reads KEYS or ARGV without including args"]
+        );
+    }
+
+    #[test]
+    #[should_panic(expected = "no Lua piece `nowhere`")]
+    fn an_unknown_piece_panics() {
+        resolve(PIECES, ["args", "nowhere"]);
+    }
+
+    #[test]
+    #[should_panic(expected = "Lua pieces include each other: a -> b -> a")]
+    fn pieces_that_need_each_other_panic() {
+        let table = [
+            ("a", "-- @include b\nlocal x = 1\n"),
+            ("b", "-- @include a\nlocal y = 2\n"),
+        ];
+        resolve(&table, ["a"]);
+    }
+
+    #[test]
+    fn a_piece_comes_after_what_it_needs_and_once() {
+        let table = [
+            ("a", "-- @include b\n-- @include c\n"),
+            ("b", "-- @include c\n"),
+            ("c", "-- c\n"),
+        ];
+        assert_eq!(resolve(&table, ["a", "c", "b"]), ["c", "b", "a"]);
+    }
 }

@@ -2,7 +2,8 @@
 //! while it runs: whether it may evict keys (`maxmemory` with a policy other than
 //! `noeviction`). A replica refuses to start on such a server unless told it may
 //! (`TURNSTILE_ALLOW_EVICTION`), and keeps watching it. Whatever the policy, state lost to an
-//! eviction or a flush pauses the sellers it may concern (`losses_since` in `lua/prelude.lua`).
+//! eviction or a flush pauses the sellers it may concern (`losses_since` in
+//! `lua/include/losses.lua`).
 
 use std::time::Duration;
 

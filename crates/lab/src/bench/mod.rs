@@ -6,6 +6,7 @@ mod commandstats;
 mod depth;
 pub mod eta;
 pub mod faults;
+mod lua_setup;
 mod permits;
 pub mod scenario;
 pub mod sellers;
@@ -39,6 +40,8 @@ pub enum BenchCommand {
         #[arg(long = "global-limit", default_value = "10000/1s", value_parser = turnstile_core::config::limits_arg)]
         global_limit: turnstile_core::config::Limits,
     },
+    /// What the Lua pieces each script includes cost Redis per call, beside a bare script.
+    LuaSetup(Box<lua_setup::LuaSetupArgs>),
     /// A busy seller's backlog ahead of many small sellers, against a strict downstream.
     Scenario(Box<scenario::ScenarioArgs>),
     /// Drain rate with limits out of the way, beside a bare ack loop and a bare parse-POST-ack
@@ -96,6 +99,7 @@ pub async fn run(which: BenchCommand) -> anyhow::Result<ExitCode> {
         } => {
             depth::run(&redis, limit, &depths, concurrency, json).await?;
         }
+        BenchCommand::LuaSetup(args) => lua_setup::run(*args).await?,
         BenchCommand::Faults(args) => {
             if !faults::run(*args).await? {
                 return Ok(ExitCode::FAILURE);

@@ -1,0 +1,94 @@
+-- @include pauses
+-- losses: detecting state a Redis may have lost (a restart, a promoted replica, evictions, a
+-- flush), and pausing the sellers it concerns (check_server). The server stamp of a seller's
+-- state and the loss marker of its hash slot are written here.
+-- Defines: info_count, server_info, server, losses_since, check_server, keep_stamp
+
+-- What a section of INFO says a counter is (0 when it does not say).
+local function info_count(info, pattern)
+  return tonumber(string.match(info, pattern)) or 0
+end
+
+-- This Redis server's run id (new at every start, different on every server), uptime in
+-- seconds, and LOSSES: how often it may have lost keys since it started: keys evicted under
+-- `maxmemory`, and FLUSHALL and FLUSHDB calls (INFO's counters, which CONFIG RESETSTAT resets).
+-- Read once per call.
+local server_info = nil
+local function server()
+  if server_info == nil then
+    local ok, info = pcall(redis.call, 'INFO', 'server', 'stats', 'commandstats')
+    if not ok then -- Redis before 7.0 takes one section at a time
+      info = redis.call('INFO', 'server') .. redis.call('INFO', 'stats') ..
+        redis.call('INFO', 'commandstats')
+    end
+    server_info = {
+      run_id = string.match(info, 'run_id:(%x+)') or '',
+      uptime = tonumber(string.match(info, 'uptime_in_seconds:(%d+)')),
+      losses = info_count(info, '\nevicted_keys:(%d+)')
+        + info_count(info, 'cmdstat_flushall:calls=(%d+)')
+        + info_count(info, 'cmdstat_flushdb:calls=(%d+)'),
+    }
+  end
+  return server_info
+end
+
+-- Since when (µs, Redis time) this server has had its current LOSSES, as first seen from this
+-- hash slot: LOSS_KEY is the slot's loss marker ("RUN_ID LOSSES SINCE_US", no TTL, so that an
+-- eviction under a volatile policy spares it; see Keyspace::losses). Every key lost went before
+-- that moment. nil when the server has lost nothing since it started.
+local function losses_since(loss_key, now)
+  local s = server()
+  if s.losses == 0 then return nil end
+  if loss_key == nil then error({err = 'ERR turnstile: the loss marker key is missing'}) end
+  local marker = redis.call('GET', loss_key)
+  if marker then
+    local run_id, losses, since = string.match(marker, '^(%x+) (%d+) (%d+)$')
+    if run_id == s.run_id and tonumber(losses) == s.losses then return tonumber(since) end
+  end
+  redis.call('SET', loss_key, s.run_id .. ' ' .. s.losses .. ' ' .. string.format('%.0f', now))
+  return now
+end
+
+-- A Redis that lost writes may have forgotten grants the downstream still counts: a restart
+-- without persistence (everything lost), a restart from an older RDB snapshot or AOF with
+-- `everysec` (the last writes lost), a replica promoted while it lagged, and, on a live server,
+-- keys evicted under `maxmemory` or flushed. So, unless DURABLE (the operator says Redis loses
+-- no acknowledged write), each seller's state is stamped with the server that wrote it and its
+-- LOSSES then ("RUN_ID:LOSSES", STAMP_KEY, living as long as the state), and a seller asked
+-- about when the stamp is not the current one is paused first:
+--   * on a server that started less than SPAN ago, until SPAN after the start: every grant the
+--     lost writes held was made before the start, so none of them is in any window by then;
+--   * on a server up for longer whose stamp names another server (a replica promoted, data
+--     moved), until SPAN from now: the former server's last grants were made before now;
+--   * on a server that lost keys (evictions, a flush), until SPAN after the moment its current
+--     LOSSES were first seen (losses_since): every grant lost was made before then. This holds
+--     whether the seller's stamp went too or not;
+--   * without a stamp on a server up for longer than SPAN that lost nothing: a new or long-idle
+--     seller (or one whose very first writes were lost with a lagging replica: see README,
+--     Faults).
+-- (uptime is whole seconds: the start is taken as late as it can have been.)
+-- Returns true when the seller's state was not vouched for by the current stamp.
+local function check_server(stamp_key, state_key, pause_key, loss_key, span, now, durable)
+  if durable then return false end
+  local s = server()
+  local current = s.run_id .. ':' .. s.losses
+  local stamp = redis.call('GET', stamp_key)
+  if stamp == current then return false end
+  local until_us = 0
+  if s.uptime ~= nil and s.uptime * 1000000 < span then
+    until_us = now - s.uptime * 1000000 + span
+  elseif stamp and string.match(stamp, '^[^:]*') ~= s.run_id then
+    until_us = now + span
+  end
+  local lost = losses_since(loss_key, now)
+  if lost ~= nil then until_us = math.max(until_us, lost + span) end
+  if until_us > now then extend_pause(pause_key, until_us, now) end
+  local ttl = math.max(redis.call('PTTL', state_key), math.floor(span / 1000)) + 1
+  redis.call('SET', stamp_key, current, 'PX', ttl)
+  return true
+end
+
+-- Keeps the server stamp as long as the state it vouches for (TTL in ms).
+local function keep_stamp(stamp_key, ttl, durable)
+  if not durable then redis.call('PEXPIRE', stamp_key, ttl) end
+end
