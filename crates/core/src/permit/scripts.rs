@@ -94,12 +94,17 @@ fn includes(text: &str) -> impl Iterator<Item = &str> {
         .map(str::trim)
 }
 
-/// The text of `name` in `table`; panics when there is none.
-fn lookup(table: &[(&'static str, &'static str)], name: &str) -> (&'static str, &'static str) {
+/// `name` and its text in `table`, a table of KIND (`piece` or `script`); panics when there is
+/// none.
+fn lookup(
+    table: &[(&'static str, &'static str)],
+    kind: &str,
+    name: &str,
+) -> (&'static str, &'static str) {
     *table
         .iter()
         .find(|(n, _)| *n == name)
-        .unwrap_or_else(|| panic!("no Lua piece `{name}` in lua/include/"))
+        .unwrap_or_else(|| panic!("no Lua {kind} `{name}`"))
 }
 
 /// The pieces of `table` that `roots` name, directly or through the pieces they need: each once,
@@ -114,7 +119,7 @@ fn resolve<'a>(
         order: &mut Vec<&'static str>,
         path: &mut Vec<&'static str>,
     ) {
-        let (name, text) = lookup(table, name);
+        let (name, text) = lookup(table, "piece", name);
         if order.contains(&name) {
             return;
         }
@@ -162,7 +167,7 @@ impl Source {
 fn joined(pieces: &[&str]) -> String {
     pieces
         .iter()
-        .map(|name| lookup(PIECES, name).1)
+        .map(|name| lookup(PIECES, "piece", name).1)
         .collect::<Vec<_>>()
         .join("\n")
 }
@@ -170,7 +175,7 @@ fn joined(pieces: &[&str]) -> String {
 /// The script `name` of `lua/` with everything it includes. Panics on an unknown script or
 /// piece, or pieces that need each other.
 pub fn source(name: &str) -> Source {
-    let (name, body) = lookup(SCRIPTS, name);
+    let (name, body) = lookup(SCRIPTS, "script", name);
     if name != "batch" {
         let pieces = resolve(PIECES, includes(body));
         return Source {
@@ -182,7 +187,7 @@ pub fn source(name: &str) -> Source {
     }
     let operations: Vec<(&str, &str)> = BATCH_OPERATIONS
         .iter()
-        .map(|op| lookup(SCRIPTS, op))
+        .map(|op| lookup(SCRIPTS, "script", op))
         .collect();
     let pieces = resolve(
         PIECES,
@@ -497,7 +502,7 @@ mod tests {
             let mut seen = BTreeSet::new();
             for piece in &source.pieces {
                 assert!(seen.insert(piece), "{}: {piece} twice", source.name);
-                for needed in includes(lookup(PIECES, piece).1) {
+                for needed in includes(lookup(PIECES, "piece", piece).1) {
                     assert!(
                         seen.contains(&needed),
                         "{}: {piece} comes before {needed}, which it needs",
