@@ -48,6 +48,13 @@ pub(super) fn registration(id: &str) -> Registration {
     Registration::parse(body.as_bytes(), None).expect("a registration")
 }
 
+/// A transient permit error: Redis refused the connection.
+pub(super) fn unreachable_redis() -> PermitError {
+    PermitError::Redis(redis::RedisError::from(std::io::Error::from(
+        std::io::ErrorKind::ConnectionRefused,
+    )))
+}
+
 /// What one of the fakes was asked, in the worker's order.
 #[derive(Clone, Debug, PartialEq)]
 pub(super) enum Event {
@@ -171,16 +178,20 @@ struct LimiterState {
     failing_records: u32,
     /// What a 429's finish says: whether it lowered the learned limit.
     lowers: bool,
+    /// Whether pauses fail (Redis out of reach).
+    pauses_fail: bool,
 }
 
-/// A per-seller limiter that answers asks from a script, in order (a seller paused through
-/// [`Limiter::pause`] is told to wait for the pause's end instead, with a slot reserved there,
-/// as the real limiter's scripts do), keeps Redis time as the paused clock, and notes every
-/// call in the journal. An ask the script has no answer for fails the test.
+/// A per-seller limiter that answers asks from a script, in order, keeps Redis time as the
+/// paused clock, and notes every call in the journal. As the real limiter's scripts do, and
+/// without taking an answer from the script, it tells a seller paused through
+/// [`Limiter::pause`] to wait for the pause's end (with a slot reserved there), and a message
+/// redeeming its reservation before the slot to wait for it. An ask the script has no answer
+/// for fails the test.
 pub(super) struct FakeLimiter {
     journal: Journal,
     state: Mutex<LimiterState>,
-    /// Redis time 0 (µs) is this instant minus [`Self::EPOCH_US`].
+    /// The instant of Redis time [`Self::EPOCH_US`] (when the fake was made).
     epoch: Instant,
 }
 
@@ -199,7 +210,8 @@ impl FakeLimiter {
         }
     }
 
-    /// The first `n` registrations' records fail (transiently) before one is written.
+    /// The first `n` finishes of a registration fail (transiently): its record is written at
+    /// the `n + 1`-th.
     pub(super) fn failing_records(self, n: u32) -> Self {
         self.lock().failing_records = n;
         self
@@ -208,6 +220,12 @@ impl FakeLimiter {
     /// Every 429's finish says it lowered the seller's learned limit.
     pub(super) fn lowering(self) -> Self {
         self.lock().lowers = true;
+        self
+    }
+
+    /// Every pause fails (Redis out of reach), recording nothing.
+    pub(super) fn failing_pauses(self) -> Self {
+        self.lock().pauses_fail = true;
         self
     }
 
@@ -285,6 +303,19 @@ impl Limiter for FakeLimiter {
                     forfeit: None,
                 });
             }
+            // A redeem before its slot is told to wait for it (the real redeem answers
+            // "early"), keeping its reservation.
+            if let Some(held) = ask.held.filter(|r| r.slot_us > self.us_at(began)) {
+                let left = Duration::from_micros((held.slot_us - self.us_at(began)) as u64);
+                let decision = Decision::Wait {
+                    retry_after: left,
+                    reservation: Some(held.clone()),
+                };
+                return Ok(Asked {
+                    decision,
+                    forfeit: None,
+                });
+            }
             let script = self.lock().script.pop_front();
             let script = script.unwrap_or_else(|| {
                 panic!("the limiter was asked more often than scripted: {ask:?}")
@@ -293,8 +324,9 @@ impl Limiter for FakeLimiter {
                 Script::Grant => self.grant(ask.held, std::time::Instant::now()),
                 Script::SlowGrant(took) => {
                     tokio::time::sleep(took).await;
-                    // The worker ages a grant by the standard clock, which paused time does
-                    // not move: the request left `took` ago by the paused clock.
+                    // The worker ages a grant by the standard clock, which pausing tokio's
+                    // does not touch: the request left `took` ago by the paused clock, so
+                    // `sent` is dated back that far on the standard one.
                     let sent = std::time::Instant::now() - began.elapsed();
                     self.grant(ask.held, sent)
                 }
@@ -342,9 +374,7 @@ impl Limiter for FakeLimiter {
             match ended {
                 Finish::Registered { .. } if state.failing_records > 0 => {
                     state.failing_records -= 1;
-                    Err(PermitError::Redis(redis::RedisError::from(
-                        std::io::Error::from(std::io::ErrorKind::ConnectionReset),
-                    )))
+                    Err(unreachable_redis())
                 }
                 Finish::Registered { .. } => Ok(Finished {
                     recorded: Some(Recorded {
@@ -384,6 +414,9 @@ impl Limiter for FakeLimiter {
             });
             let until = Instant::now() + pause;
             let mut state = self.lock();
+            if state.pauses_fail {
+                return Err(unreachable_redis());
+            }
             let paused = state
                 .paused
                 .entry(seller.as_str().to_owned())

@@ -7,7 +7,9 @@ use std::time::Duration;
 
 use tokio::time::Instant;
 
-use super::fakes::{Answer, Event, FakeApi, FakeLimiter, Finish, Harness, Script, registration};
+use super::fakes::{
+    Answer, Event, FakeApi, FakeLimiter, Finish, Harness, Script, registration, unreachable_redis,
+};
 use super::{Carried, Outcome, Report};
 use crate::domain::RateLimitHeaders;
 use crate::permit::{CALL_ALLOWANCE, PermitError};
@@ -40,12 +42,6 @@ fn asked_with(held: Option<crate::permit::Reservation>) -> Event {
 
 fn call(n: u32) -> String {
     format!("call-{n}")
-}
-
-fn transient() -> PermitError {
-    PermitError::Redis(redis::RedisError::from(std::io::Error::from(
-        std::io::ErrorKind::ConnectionRefused,
-    )))
 }
 
 /// What a quota's rate-limit headers said: 100 per minute, 41 left, reset in 20 s.
@@ -308,6 +304,34 @@ async fn a_short_429_pause_is_held_and_the_message_called_again_when_it_ends() {
 }
 
 #[tokio::test(start_paused = true)]
+async fn a_429_whose_pause_cannot_be_recorded_delays_the_message_for_the_pause() {
+    let h = Harness::with(|journal| {
+        (
+            FakeLimiter::new(journal, [Script::Grant]).failing_pauses(),
+            FakeApi::new(
+                journal,
+                [Answer::TooMany {
+                    retry_after: Some(5 * SECOND),
+                    told: None,
+                }],
+            ),
+        )
+    });
+
+    let outcome = h.handle(&registration("m-1"), Carried::default()).await;
+
+    let Outcome::Delay { after, carried } = outcome else {
+        panic!("{outcome:?}");
+    };
+    assert_eq!(after, 5 * SECOND);
+    assert_eq!(carried.reservation, None, "the call spent it");
+    assert_eq!(carried.attempt, 0);
+    assert!(carried.throttled_since_ms.is_some());
+    assert_eq!(h.journal.count(|e| matches!(e, Event::Paused { .. })), 1);
+    assert_eq!(h.journal.count(asked), 1, "not asked again");
+}
+
+#[tokio::test(start_paused = true)]
 async fn a_429_that_lowered_the_learned_limit_asks_again_without_pausing_the_seller() {
     let h = Harness::with(|journal| {
         (
@@ -514,8 +538,8 @@ async fn redis_out_of_reach_is_waited_out_and_asked_again_keeping_the_reservatio
  {
     let h = Harness::new(
         [
-            Script::Fail(transient()),
-            Script::Fail(transient()),
+            Script::Fail(unreachable_redis()),
+            Script::Fail(unreachable_redis()),
             Script::Grant,
         ],
         [Answer::Created { told: None }],
@@ -701,4 +725,56 @@ async fn a_held_message_whose_connection_is_lost_is_requeued_holding_its_reserva
         "the reservation it was told to wait with"
     );
     assert_eq!(h.journal.count(called), 0);
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_grant_that_finds_every_worker_busy_waits_for_one_only_while_it_is_young_then_is_given_back()
+ {
+    // Asked while a worker was free (so without one); every worker is taken while the grant
+    // comes, half a second late, and given back only at 2 s.
+    let h = Harness::new(
+        [Script::SlowGrant(500 * MS), Script::Grant],
+        [Answer::Created { told: None }],
+    );
+    let start = Instant::now();
+    let workers = h.worker.workers.clone();
+    let busy = async {
+        tokio::time::sleep(100 * MS).await;
+        let all = workers.available_permits() as u32;
+        let taken = workers.acquire_many(all).await.expect("open");
+        tokio::time::sleep(1_900 * MS).await;
+        drop(taken);
+    };
+    let message = registration("m-1");
+
+    let (outcome, ()) = tokio::join!(h.handle(&message, Carried::default()), busy);
+
+    assert_eq!(outcome, registered(1));
+    let events = h.journal.events();
+    assert_eq!(
+        events[..4],
+        [
+            asked_with(None),
+            Event::Unsent { call: call(1) },
+            asked_with(None),
+            Event::Called {
+                message: "m-1".into()
+            },
+        ],
+        "given back unsent, asked again, then called"
+    );
+    // Given back when the grant is CALL_ALLOWANCE old. Its age is read on the standard clock,
+    // which the paused one does not stop: the real time the test took may end the wait that
+    // much (under a millisecond) early.
+    let unsent = h.journal.times(|e| matches!(e, Event::Unsent { .. }))[0];
+    let allowance = start + CALL_ALLOWANCE;
+    assert!(
+        allowance - 20 * MS <= unsent && unsent <= allowance,
+        "{:?}",
+        unsent - start
+    );
+    // Asked again, and called, once a worker is free.
+    assert_eq!(h.journal.times(asked)[1], start + 2 * SECOND);
+    assert_eq!(h.journal.times(called), [start + 2 * SECOND]);
+    assert_eq!(h.journal.count(called), 1);
 }
