@@ -33,6 +33,10 @@ use crate::domain::{BatchId, Identity, MessageId, RateLimitHeaders, Registration
 use crate::downstream::{Api, Reply};
 use crate::trace::TraceContext;
 mod batches;
+#[cfg(test)]
+mod fakes;
+#[cfg(test)]
+mod handle_tests;
 mod plan;
 pub mod report;
 mod stats;
