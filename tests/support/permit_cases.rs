@@ -461,7 +461,7 @@ pub async fn a_lifted_pause_reschedules_the_backlog(backend: Backend, algorithm:
 
 /// A reservation forfeited at redemption (here: a pause covers its slot) gives its slot back in
 /// the same step, so the next caller gets it instead of a slot behind it. Not gcra: one TAT
-/// cannot free a slot inside its schedule (README, Algorithms).
+/// cannot free a slot inside its schedule (docs/algorithms.md, "Reservations").
 pub async fn a_forfeited_slot_goes_back_to_the_next_caller(backend: Backend, algorithm: Algorithm) {
     let keys = Keys::new(backend, "giveback").await;
     let mut settings = limiter("1/2s", algorithm);

@@ -21,7 +21,7 @@
 -- KEYS[4]  the seller's reserved slots (sorted set: member = held_name(TOKEN, COST), score = slot)
 -- KEYS[5]  the seller's server stamp (run id of the Redis that wrote its state; see check_server in
 --          include/losses.lua)
--- KEYS[6]  the seller's calls (unused: this algorithm is not exact, see README)
+-- KEYS[6]  the seller's calls (unused: this algorithm is not exact, see docs/algorithms.md)
 -- KEYS[7]  the seller's far queue (hash: at, n; see far_ticket in include/far.lua)
 -- KEYS[8]  the seller's learned state (see with_learned in include/terms.lua; used with FLAGS +4)
 -- KEYS[9]  the seller's shadow limit (see judge_shadow in include/shadow.lua), may be absent

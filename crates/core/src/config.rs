@@ -557,7 +557,7 @@ pub struct LimiterArgs {
     pub adaptive_min: std::num::NonZeroU32,
     /// Longest a completion record (or a call's end, or what a 2xx's headers teach) waits to
     /// ride along with another call to Redis; also at most a quarter of the shortest window. A
-    /// replica killed in that time leaves the message to be called again (README, "Redis calls
+    /// replica killed in that time leaves the message to be called again (docs/performance.md, "Redis calls
     /// per message"); `0` (the default) sends each as soon as the calls in flight allow, as
     /// strict as a record written at once. At most 1 s.
     #[arg(long = "record-delay", env = "TURNSTILE_RECORD_DELAY", default_value = "0", value_parser = delay_arg)]
@@ -565,7 +565,7 @@ pub struct LimiterArgs {
     /// Permit blocks (sliding-window): with a grant, up to this many more units go at once into
     /// the seller's pool for its next calls by any replica, while the seller is far from its
     /// limits (every limit at most half used); they are claimed within 2 s of the grant and
-    /// counted in flight until then plus the call's bound, so the limit stays exact (README,
+    /// counted in flight until then plus the call's bound, so the limit stays exact (docs/performance.md,
     /// "Permit blocks"). `0` turns blocks off for this replica: one acquire per call, no claim
     /// from a pool. At most 64.
     #[arg(long = "permit-block", env = "TURNSTILE_PERMIT_BLOCK", default_value_t = 32, value_parser = clap::value_parser!(u32).range(0..=64))]

@@ -84,7 +84,7 @@ const WHYS: [&str; 3] = [
 
 use Kind::{Counter, Gauge, Histogram};
 
-/// Every metric the consume path and the replica's endpoints export (README's "Metrics" table
+/// Every metric the consume path and the replica's endpoints export (docs/operations.md's "Metrics" table
 /// says the same in words; a test keeps the two in step).
 pub const METRICS: &[Metric] = &[
     plain(

@@ -30,7 +30,7 @@ end
 -- and in flight in the calls until NOW + HOLD + BOUND, the latest a call made with it can
 -- answer (keep_calls: the calls set lives at least as long): the
 -- calls gate counts it, wherever in that time it is used, exactly as a call of that latency
--- (README, "Permit blocks"). Until it is claimed, an acquire short of room may reclaim it
+-- (docs/performance.md, "Permit blocks"). Until it is claimed, an acquire short of room may reclaim it
 -- (reclaim_idle): units no one uses never keep a call waiting. Returns how many units were
 -- taken (0: none).
 local function take_block(a, limits, log_key, reserved_key, calls_key, blocked_key, now, want, hold)

@@ -11,7 +11,7 @@
 -- the stack's longest window: a call that ended earlier cannot share a window with one starting
 -- now. A new call of COST units may start only while, for every limit, the units whose END lies
 -- within its WINDOW leave room for COST more; then, whatever each call's latency, no window of
--- the downstream holds more than COUNT units of any limit (README, "Exact whatever the
+-- the downstream holds more than COUNT units of any limit (docs/guarantees.md, "Exact whatever the
 -- latency").
 -- Returns nil when a call may start now, else when to ask again: when enough ENDs leave every
 -- window if every call in flight takes its whole BOUND, but no later than GUARD from now (an

@@ -64,7 +64,7 @@ end
 --     LOSSES were first seen (losses_since): every grant lost was made before then. This holds
 --     whether the seller's stamp went too or not;
 --   * without a stamp on a server up for longer than SPAN that lost nothing: a new or long-idle
---     seller (or one whose very first writes were lost with a lagging replica: see README,
+--     seller (or one whose very first writes were lost with a lagging replica: see docs/faults.md,
 --     Faults).
 -- (uptime is whole seconds: the start is taken as late as it can have been.)
 -- Returns true when the seller's state was not vouched for by the current stamp.

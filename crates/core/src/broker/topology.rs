@@ -22,7 +22,7 @@ pub const UNREACHED_DELIVERY_LIMIT: u32 = 1_000_000;
 /// Returns of one message to a quorum work queue (nacks with requeue, lost connections, killed
 /// replicas) after which the broker dead-letters it to `<q>.dead`. A healthy system returns a
 /// message a handful of times at most; a poison message that kills every replica it reaches is
-/// returned at each kill and stops here (README, "Faults").
+/// returned at each kill and stops here (docs/faults.md, "Returned messages").
 pub const WORK_DELIVERY_LIMIT: u32 = 500;
 
 /// How `declare` found a queue that turnstile declares with protective arguments (the work

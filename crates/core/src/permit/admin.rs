@@ -45,7 +45,7 @@ pub struct GlobalShare {
 }
 
 /// Largest COUNT of a shadow limit: its log keeps at most this many units per seller (see
-/// `judge_shadow` in `lua/prelude.lua`).
+/// `judge_shadow` in `lua/include/shadow.lua`).
 pub const MAX_SHADOW_COUNT: u32 = 10_000;
 
 /// Most a seller's weight under the global limit may be.
@@ -75,7 +75,7 @@ pub struct Quota {
     pub resets_in: Duration,
 }
 
-/// A seller's shadow limit and its verdicts so far (see `judge_shadow` in `lua/prelude.lua`).
+/// A seller's shadow limit and its verdicts so far (see `judge_shadow` in `lua/include/shadow.lua`).
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct Shadow {
     pub limit: Limits,
@@ -407,7 +407,7 @@ impl Admin {
     }
 
     /// Sets the seller's shadow limit (one limit or a stack), judged beside the enforced one
-    /// from now on and never enforced (see `judge_shadow` in `lua/prelude.lua`); its verdicts
+    /// from now on and never enforced (see `judge_shadow` in `lua/include/shadow.lua`); its verdicts
     /// start from zero.
     pub async fn set_shadow(&self, seller: &SellerId, limit: Limits) -> Result<(), PermitError> {
         let key = self.keys.shadow(seller);

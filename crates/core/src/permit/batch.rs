@@ -10,7 +10,7 @@
 //! meanwhile waits for the next one, so a lone operation is sent at once and a busy replica
 //! sends fewer, fuller calls. A rider waits at most its delay, and only while fewer than
 //! [`MOST_RIDERS_WAITING`] wait: the completion records, which must only be written before the
-//! message is acked, cost nearly nothing while the replica is busy (see README, "Redis calls
+//! message is acked, cost nearly nothing while the replica is busy (see docs/performance.md, "Redis calls
 //! per message").
 //!
 //! A call that fails (connection, timeout) fails every operation in it with the same error; an

@@ -1,6 +1,6 @@
 //! Permit blocks: units a grant takes at once into the seller's pool in Redis (see `take_block`
-//! and `claim_idle` in `lua/include/blocks.lua` and README, "Permit blocks"), for the seller's
-//! next calls by every replica. What a replica keeps of them here is small:
+//! and `claim_idle` in `lua/include/blocks.lua` and docs/performance.md, "Permit blocks"), for
+//! the seller's next calls by every replica. What a replica keeps of them here is small:
 //!
 //! - the sellers whose pool it saw units in lately ([`Blocks::tries_pool`]): their next message
 //!   claims a unit with one plain `ZPOPMIN` beside its completion-record read, no script; an

@@ -35,7 +35,7 @@
 //!   prefix: a deployment under a new prefix must not take the server's past losses for new ones.
 //! - **lab keys**: baselines the benchmarks write beside a seller's keys (`incr`, `baseline`).
 //!
-//! README.md, "Redis keys", lists every key with its type, TTL, writers and readers.
+//! docs/redis-keys.md lists every key with its type, TTL, writers and readers.
 
 use crate::config::Algorithm;
 use crate::domain::{BatchId, MessageId, SellerId, key_part};

@@ -99,7 +99,7 @@ impl PermitError {
     }
 }
 
-/// The prefix of every error a script raises itself (see `lua/prelude.lua`).
+/// The prefix of every error a script raises itself (see `lua/include/args.lua`).
 const OWN_REFUSAL: &str = "ERR turnstile:";
 
 /// Whether an error a batch operation raised is a script's own refusal (not a server error).
@@ -465,7 +465,7 @@ fn learned_ratio(learned: &str, configured: &str) -> f64 {
         .fold(1.0, f64::min)
 }
 
-/// Counts a shadow limit's verdict on a decision (see `judge_shadow` in `lua/prelude.lua`):
+/// Counts a shadow limit's verdict on a decision (see `judge_shadow` in `lua/include/shadow.lua`):
 /// `agree`, `stricter` or `looser`; nothing without a shadow limit.
 fn count_verdict(verdict: &str) {
     let Some(&verdict) = SHADOW_VERDICTS.iter().find(|&&v| v == verdict) else {
@@ -649,7 +649,7 @@ impl PermitStore {
     /// Calls granted by this store are sent within [`CALL_ALLOWANCE`] of their grant and
     /// answered (or timed out) within `timeout` of being sent: each holds its place in the
     /// seller's window until its answer is recorded, and at most until grant + allowance +
-    /// timeout (see `calls_gate` in `lua/prelude.lua`). Without it (zero), a call counts at its
+    /// timeout (see `calls_gate` in `lua/include/calls.lua`). Without it (zero), a call counts at its
     /// grant only, as a point.
     pub fn with_call_timeout(mut self, timeout: Duration) -> Self {
         self.call_bound = CALL_ALLOWANCE + timeout;
@@ -779,7 +779,7 @@ impl PermitStore {
     /// As [`Self::acquire_for`]. With permit blocks on (sliding-window), a call of one unit is
     /// first granted a unit of the seller's pool if it holds one, and a grant takes up to
     /// `block` more units into the pool (see [`block`], `take_block` and `claim_idle` in
-    /// `lua/prelude.lua`).
+    /// `lua/include/blocks.lua`).
     async fn acquire_with(
         &self,
         seller: &SellerId,
@@ -1401,9 +1401,9 @@ impl PermitStore {
     /// As [`Self::complete`] with [`Completion::Registered`], for the message registered by the
     /// call `answer` names: its answer is recorded in the same step (see [`Decision::Granted`])
     /// and, with adaptive limits, its acceptance by the downstream (see `note_accepted` in
-    /// `lua/prelude.lua`). The record rides along with other calls for up to [`record_delay`]:
+    /// `lua/include/learned.lua`). The record rides along with other calls for up to [`record_delay`]:
     /// it must be written before the message is acked, and a replica that dies before writing
-    /// it leaves the message to be called again (README, "Redis calls per message").
+    /// it leaves the message to be called again (docs/performance.md, "Redis calls per message").
     pub async fn complete_call(
         &self,
         seller: &SellerId,
