@@ -508,39 +508,10 @@ impl Worker {
             _ = shutdown.cancelled() => return interrupted(Interrupted::Shutdown),
             _ = connection_lost.cancelled() => return interrupted(Interrupted::ConnectionLost),
         }
-        // Workers bound the downstream calls, not the questions to Redis (see `waits`): a new
-        // message asks without one while workers are free, or when its seller was lately told
-        // to wait, and takes one once granted. With every worker busy calling, it queues for
-        // one, and leaves the queue if its seller is told to wait meanwhile.
         let seller = &registration.seller_id;
-        let worker = if carried.reservation.is_some() {
-            Some(tokio::select! {
-                permit = self.workers.clone().acquire_owned() => permit.expect("the worker semaphore is never closed"),
-                permit = self.due_lane.clone().acquire_owned() => permit.expect("the due lane is never closed"),
-                _ = shutdown.cancelled() => return interrupted(Interrupted::Shutdown),
-                _ = connection_lost.cancelled() => return interrupted(Interrupted::ConnectionLost),
-            })
-        } else {
-            let queued = self.workers.clone().acquire_owned();
-            tokio::pin!(queued);
-            loop {
-                let told = self.seller_waits.told();
-                tokio::pin!(told);
-                told.as_mut().enable();
-                if self.workers.available_permits() > 0
-                    || self
-                        .seller_waits
-                        .expects_wait(seller, std::time::Instant::now())
-                {
-                    break None;
-                }
-                tokio::select! {
-                    permit = &mut queued => break Some(permit.expect("the worker semaphore is never closed")),
-                    _ = told => {}
-                    _ = shutdown.cancelled() => return interrupted(Interrupted::Shutdown),
-                    _ = connection_lost.cancelled() => return interrupted(Interrupted::ConnectionLost),
-                }
-            }
+        let worker = match self.worker_to_ask(seller, carried, interruptions).await {
+            Ok(worker) => worker,
+            Err(why) => return interrupted(why),
         };
         if self.records_in_writing.is_writing(registration) {
             // Registered by another worker while this one waited for a worker.
@@ -585,24 +556,7 @@ impl Worker {
             .plan_decision(decision, waited, holding, carried);
         match (plan, grant) {
             (Plan::Call { .. }, Some(grant)) => {
-                let worker = match worker {
-                    Some(worker) => worker,
-                    None => {
-                        // A copy of the message registered here while this one waited for
-                        // a worker: the grant goes back, and asking again finds it done.
-                        match self.worker_for_grant(sent, interruptions).await {
-                            Some(worker) if !self.records_in_writing.is_writing(registration) => {
-                                worker
-                            }
-                            _ => {
-                                self.limiter.unsent(grant).await;
-                                carried.reservation = None;
-                                return Plan::AskAgain;
-                            }
-                        }
-                    }
-                };
-                self.call(
+                self.call_granted(
                     registration,
                     trace,
                     grant,
@@ -628,6 +582,89 @@ impl Worker {
                 plan
             }
         }
+    }
+
+    /// The worker a message asks with, if it takes one before asking. Workers bound the
+    /// downstream calls, not the questions to Redis (see `waits`): a message coming back for
+    /// its reserved slot takes one (or one of the due lane); a new message asks without one
+    /// while workers are free, or when its seller was lately told to wait, and takes one once
+    /// granted. With every worker busy calling, it queues for one, and leaves the queue if its
+    /// seller is told to wait meanwhile.
+    async fn worker_to_ask(
+        &self,
+        seller: &SellerId,
+        carried: &Carried,
+        interruptions: Interruptions<'_>,
+    ) -> Result<Option<OwnedSemaphorePermit>, Interrupted> {
+        let Interruptions {
+            shutdown,
+            connection_lost,
+        } = interruptions;
+        if carried.reservation.is_some() {
+            return tokio::select! {
+                permit = self.workers.clone().acquire_owned() => Ok(Some(permit.expect("the worker semaphore is never closed"))),
+                permit = self.due_lane.clone().acquire_owned() => Ok(Some(permit.expect("the due lane is never closed"))),
+                _ = shutdown.cancelled() => Err(Interrupted::Shutdown),
+                _ = connection_lost.cancelled() => Err(Interrupted::ConnectionLost),
+            };
+        }
+        let queued = self.workers.clone().acquire_owned();
+        tokio::pin!(queued);
+        loop {
+            let told = self.seller_waits.told();
+            tokio::pin!(told);
+            told.as_mut().enable();
+            if self.workers.available_permits() > 0
+                || self
+                    .seller_waits
+                    .expects_wait(seller, std::time::Instant::now())
+            {
+                return Ok(None);
+            }
+            tokio::select! {
+                permit = &mut queued => return Ok(Some(permit.expect("the worker semaphore is never closed"))),
+                _ = told => {}
+                _ = shutdown.cancelled() => return Err(Interrupted::Shutdown),
+                _ = connection_lost.cancelled() => return Err(Interrupted::ConnectionLost),
+            }
+        }
+    }
+
+    /// Calls a grant under `worker`, or under one taken now for a message that asked without
+    /// one (see [`Self::worker_for_grant`]): if none is free in time, or a copy of the message
+    /// registered here meanwhile, the grant goes back and the message asks again.
+    #[allow(clippy::too_many_arguments)]
+    async fn call_granted(
+        &self,
+        registration: &Registration,
+        trace: &TraceContext,
+        grant: Grant,
+        worker: Option<OwnedSemaphorePermit>,
+        carried: &mut Carried,
+        reporting: &Reporting,
+        interruptions: Interruptions<'_>,
+    ) -> Plan {
+        let worker = match worker {
+            Some(worker) => worker,
+            None => match self.worker_for_grant(grant.sent(), interruptions).await {
+                Some(worker) if !self.records_in_writing.is_writing(registration) => worker,
+                _ => {
+                    self.limiter.unsent(grant).await;
+                    carried.reservation = None;
+                    return Plan::AskAgain;
+                }
+            },
+        };
+        self.call(
+            registration,
+            trace,
+            grant,
+            worker,
+            carried,
+            reporting,
+            interruptions,
+        )
+        .await
     }
 
     /// A worker for a grant that came to a message asking without one, if one is free before
