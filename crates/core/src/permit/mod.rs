@@ -50,8 +50,9 @@ pub use admin::{
 use batch::{Batcher, Operation, When};
 use block::Blocks;
 use calls::{
-    Acquire, AcquireTail, CallEnded, Complete, CompleteAnswer, CompleteBatch, Global, GlobalAnswer,
-    Learn, LearnAnswer, Lease, LeaseAnswer, Redeem, RedeemAnswer, Release, Unreserve,
+    Acquire, AcquireAnswer, AcquireTail, CallEnded, Complete, CompleteAnswer, CompleteBatch,
+    Global, GlobalAnswer, Learn, LearnAnswer, Lease, LeaseAnswer, Redeem, RedeemAnswer, Release,
+    Unreserve,
 };
 pub use conn::{RedisClient, RedisConn, round_trips};
 pub use keys::Keyspace;
@@ -787,9 +788,9 @@ impl PermitStore {
             .filter(|_| algorithm == Algorithm::SlidingWindow);
         let block_hold = pooled.map(|blocks| (block.min(block::MOST_UNITS), blocks.hold_us()));
         let acquire = self.acquire_call(seller, message, cost, reserve, block_hold, &token);
-        let (answer, sent): (Vec<redis::Value>, _) =
-            self.run_sent(acquire.operation(), When::Now).await?;
-        let mut decision = acquired(algorithm, &answer, token, cost, sent)?;
+        let (values, sent) = self.run_sent(acquire.operation(), When::Now).await?;
+        let answer = AcquireAnswer { values, algorithm };
+        let mut decision = answer.decision(token, cost, sent)?;
         if let Decision::Granted {
             granted_us: now, ..
         }
@@ -865,18 +866,18 @@ impl PermitStore {
     }
 
     /// What a sliding-window grant of one unit (asked at `asked`) did with the seller's pool
-    /// of permit blocks (see [`PoolAnswer`]): units taken into it or claimed from it (then the
+    /// of permit blocks (see `calls::PoolAnswer`): units taken into it or claimed from it (then the
     /// call is that unit), stale units given back.
     fn took_from_pool(
         &self,
         blocks: &Arc<Blocks>,
         seller: &SellerId,
-        answer: &[redis::Value],
+        answer: &AcquireAnswer,
         block: u32,
         asked: std::time::Instant,
         decision: &mut Decision,
     ) {
-        let pool = PoolAnswer::read(answer, block);
+        let pool = answer.pool(block);
         blocks.acquired(seller, pool.taken, pool.stale);
         if !blocks.tries_pool(seller) {
             blocks.unseen_pool(pool.unit.is_some());
@@ -890,12 +891,9 @@ impl PermitStore {
             } else {
                 metrics::counter!("turnstile_permit_blocks_total").increment(1);
             }
-            let stack = Answer {
-                values: answer,
-                script: "sliding-window",
-            }
-            .limits(3)
-            .unwrap_or_else(|_| self.limiter.limit.clone());
+            let stack = answer
+                .stack()
+                .unwrap_or_else(|_| self.limiter.limit.clone());
             blocks.saw_pool(seller, asked);
             blocks.claimed(call, self.log_bounds(&stack));
         }
@@ -1926,35 +1924,6 @@ pub async fn delete_prefix(conn: &RedisConn, prefix: &str) -> anyhow::Result<()>
     Ok(())
 }
 
-/// What a sliding-window acquire answered about the seller's pool (see `sliding_window.lua`):
-/// units it took into it, the unit it claimed from it for this call, stale units given back.
-struct PoolAnswer {
-    taken: u32,
-    unit: Option<String>,
-    stale: u32,
-}
-
-impl PoolAnswer {
-    fn read(answer: &[redis::Value], block: u32) -> Self {
-        let int = |i: usize| {
-            answer
-                .get(i)
-                .and_then(|v| redis::from_redis_value_ref::<u32>(v).ok())
-                .unwrap_or(0)
-        };
-        let unit = answer
-            .get(8)
-            .and_then(|v| redis::from_redis_value_ref::<String>(v).ok())
-            .filter(|unit| !unit.is_empty());
-        Self {
-            taken: int(7).min(block),
-            unit,
-            stale: int(10),
-        }
-    }
-}
-
-/// An acquire script's answer `{status, slot, now, count, window, used‰}` as a decision;
 /// A script's answer (a list), read by position; anything missing or of another type is the
 /// script's bad answer.
 struct Answer<'a> {
@@ -1998,63 +1967,6 @@ fn parse_override(raw: &str) -> Option<Limits> {
 /// What a pool claim reads: the seller's pause, override and the message's completion record,
 /// Redis's TIME, and the unit popped from the pool with its end.
 type PoolClaim = (Vec<Option<String>>, (i64, i64), Vec<String>);
-
-/// `token` names the call (granted) or the reservation (told to wait with a slot held).
-fn acquired(
-    algorithm: Algorithm,
-    answer: &[redis::Value],
-    token: String,
-    cost: Cost,
-    sent: std::time::Instant,
-) -> Result<Decision, PermitError> {
-    let answer = Answer {
-        values: answer,
-        script: algorithm.name(),
-    };
-    let (status, slot, now) = (answer.int(0)?, answer.int(1)?, answer.int(2)?);
-    if let Ok(verdict) = answer.text(6) {
-        count_verdict(&verdict);
-    }
-    match status {
-        1 => Ok(Decision::Granted {
-            slot_us: slot,
-            granted_us: now,
-            used_permille: answer
-                .int(5)
-                .map_or(0, |p| p.clamp(0, i64::from(u32::MAX)) as u32),
-            call: token,
-            sent,
-        }),
-        2 => Ok(Decision::Wait {
-            retry_after: wait_for(slot, now),
-            reservation: Some(Reservation {
-                slot_us: slot,
-                limits: answer.limits(3)?,
-                reserved_at_us: now,
-                token,
-            }),
-        }),
-        0 => Ok(Decision::Wait {
-            retry_after: wait_for(slot, now),
-            reservation: None,
-        }),
-        3 => Ok(Decision::AlreadyDone),
-        4 => Ok(Decision::TooCostly {
-            cost,
-            most: u32::try_from(slot).map_err(|_| answer.bad())?,
-            limits: answer.limits(3)?,
-            bound_by: match algorithm {
-                Algorithm::SlidingWindow | Algorithm::FixedWindow => "the smallest COUNT",
-                Algorithm::Gcra => {
-                    "the smallest of COUNT and TURNSTILE_GCRA_BURST (raise the burst to the \
-                     largest cost)"
-                }
-                Algorithm::TokenBucket => "the smallest bucket capacity",
-            },
-        }),
-        _ => Err(answer.bad()),
-    }
-}
 
 #[cfg(test)]
 mod tests {

@@ -2,8 +2,10 @@
 //! `lua/fixed_window.lua`, which share their keys and arguments but for a tail of their own.
 
 use super::Call;
-use crate::config::Algorithm;
+use crate::config::{Algorithm, Limits};
+use crate::domain::Cost;
 use crate::permit::batch::Operation;
+use crate::permit::{Answer, Decision, PermitError, Reservation, count_verdict, wait_for};
 
 /// An acquire script (one per algorithm, see [`AcquireTail`]): grants the seller's permit
 /// now, reserves a future slot (FLAGS +1) or answers when to come back. See the scripts'
@@ -126,6 +128,113 @@ impl Acquire<'_> {
     }
 }
 
+/// An acquire script's answer `{STATUS, SLOT_US, NOW_US, COUNTS, WINDOWS_US, USED_PERMILLE,
+/// VERDICT}` (sliding-window's goes on with `BLOCKED, CALL, ENDS_US, STALE`), read by position
+/// (see the scripts' headers).
+pub(in crate::permit) struct AcquireAnswer {
+    pub values: Vec<redis::Value>,
+    pub algorithm: Algorithm,
+}
+
+impl AcquireAnswer {
+    fn answer(&self) -> Answer<'_> {
+        Answer {
+            values: &self.values,
+            script: self.algorithm.name(),
+        }
+    }
+
+    /// The decision: `token` names the call (granted) or the reservation (told to wait with a
+    /// slot held); `sent`, when the call that carried it left this replica. Counts the shadow
+    /// limit's VERDICT.
+    pub fn decision(
+        &self,
+        token: String,
+        cost: Cost,
+        sent: std::time::Instant,
+    ) -> Result<Decision, PermitError> {
+        let answer = self.answer();
+        let (status, slot, now) = (answer.int(0)?, answer.int(1)?, answer.int(2)?);
+        if let Ok(verdict) = answer.text(6) {
+            count_verdict(&verdict);
+        }
+        match status {
+            1 => Ok(Decision::Granted {
+                slot_us: slot,
+                granted_us: now,
+                used_permille: answer
+                    .int(5)
+                    .map_or(0, |p| p.clamp(0, i64::from(u32::MAX)) as u32),
+                call: token,
+                sent,
+            }),
+            2 => Ok(Decision::Wait {
+                retry_after: wait_for(slot, now),
+                reservation: Some(Reservation {
+                    slot_us: slot,
+                    limits: answer.limits(3)?,
+                    reserved_at_us: now,
+                    token,
+                }),
+            }),
+            0 => Ok(Decision::Wait {
+                retry_after: wait_for(slot, now),
+                reservation: None,
+            }),
+            3 => Ok(Decision::AlreadyDone),
+            4 => Ok(Decision::TooCostly {
+                cost,
+                most: u32::try_from(slot).map_err(|_| answer.bad())?,
+                limits: answer.limits(3)?,
+                bound_by: match self.algorithm {
+                    Algorithm::SlidingWindow | Algorithm::FixedWindow => "the smallest COUNT",
+                    Algorithm::Gcra => {
+                        "the smallest of COUNT and TURNSTILE_GCRA_BURST (raise the burst to the \
+                         largest cost)"
+                    }
+                    Algorithm::TokenBucket => "the smallest bucket capacity",
+                },
+            }),
+            _ => Err(answer.bad()),
+        }
+    }
+
+    /// The stack that applied (COUNTS and WINDOWS_US).
+    pub fn stack(&self) -> Result<Limits, PermitError> {
+        self.answer().limits(3)
+    }
+
+    /// What sliding-window's answer says of the seller's pool, for a caller that takes up to
+    /// `block` units into it.
+    pub fn pool(&self, block: u32) -> PoolAnswer {
+        let int = |i: usize| {
+            self.values
+                .get(i)
+                .and_then(|v| redis::from_redis_value_ref::<u32>(v).ok())
+                .unwrap_or(0)
+        };
+        let unit = self
+            .values
+            .get(8)
+            .and_then(|v| redis::from_redis_value_ref::<String>(v).ok())
+            .filter(|unit| !unit.is_empty());
+        PoolAnswer {
+            taken: int(7).min(block),
+            unit,
+            stale: int(10),
+        }
+    }
+}
+
+/// What a sliding-window acquire answered about the seller's pool (see `sliding_window.lua`):
+/// units it took into it (BLOCKED), the unit it claimed from it for this call (CALL), stale
+/// units given back (STALE).
+pub(in crate::permit) struct PoolAnswer {
+    pub taken: u32,
+    pub unit: Option<String>,
+    pub stale: u32,
+}
+
 #[cfg(test)]
 mod tests {
     use super::super::header::{Written, check};
@@ -243,5 +352,54 @@ mod tests {
             let lines = super::super::header::lines(source, "ARGV");
             assert_eq!(written.args.len(), lines.len());
         }
+    }
+
+    #[test]
+    fn an_answer_reads_by_the_header() {
+        use redis::Value::{BulkString, Int};
+        let text = |s: &str| BulkString(s.as_bytes().to_vec());
+        let answer = |status| AcquireAnswer {
+            values: vec![
+                Int(status),     // STATUS
+                Int(2_000_000),  // SLOT_US
+                Int(1_000_000),  // NOW_US
+                text("10"),      // COUNTS
+                text("1000000"), // WINDOWS_US
+                Int(300),        // USED_PERMILLE
+                text(""),        // VERDICT
+                Int(9),          // BLOCKED
+                text("unit-1"),  // CALL
+                Int(0),          // ENDS_US
+                Int(2),          // STALE
+            ],
+            algorithm: Algorithm::SlidingWindow,
+        };
+        let sent = std::time::Instant::now();
+        let granted = answer(1).decision("t1".into(), Cost::ONE, sent).unwrap();
+        assert!(matches!(
+            granted,
+            Decision::Granted {
+                slot_us: 2_000_000,
+                granted_us: 1_000_000,
+                used_permille: 300,
+                ..
+            }
+        ));
+        let Decision::Wait {
+            retry_after,
+            reservation: Some(held),
+        } = answer(2).decision("t1".into(), Cost::ONE, sent).unwrap()
+        else {
+            panic!("a reservation")
+        };
+        assert_eq!(retry_after, std::time::Duration::from_secs(1));
+        assert_eq!((held.slot_us, held.reserved_at_us), (2_000_000, 1_000_000));
+        assert_eq!(held.limits, answer(2).stack().unwrap());
+        assert!(answer(7).decision("t1".into(), Cost::ONE, sent).is_err());
+        let pool = answer(1).pool(4);
+        assert_eq!(
+            (pool.taken, pool.unit.as_deref(), pool.stale),
+            (4, Some("unit-1"), 2)
+        );
     }
 }

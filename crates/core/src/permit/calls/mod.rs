@@ -18,7 +18,7 @@ mod redeem;
 mod release;
 mod unreserve;
 
-pub(super) use acquire::{Acquire, AcquireTail};
+pub(super) use acquire::{Acquire, AcquireAnswer, AcquireTail};
 pub(super) use admin::{
     GlobalUsageCall, Pause, Reschedule, RescheduleAnswer, Reset, ResetAnswer, UsageCall,
 };
