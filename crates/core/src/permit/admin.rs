@@ -16,9 +16,7 @@ use redis::AsyncCommands;
 use super::calls::{
     GlobalUsageCall, Pause, Reschedule, RescheduleAnswer, Reset, ResetAnswer, UsageCall,
 };
-use super::{
-    Answer, Args, Keyspace, PermitError, RedisConn, Reservation, Why, parse_override, wait_for,
-};
+use super::{Args, Keyspace, PermitError, RedisConn, Reservation, Why, parse_override, wait_for};
 use crate::config::{Algorithm, Limit, LimiterArgs, Limits};
 use crate::domain::SellerId;
 
@@ -297,42 +295,7 @@ impl Admin {
             .invocation()
             .invoke_async(&mut self.conn.clone())
             .await?;
-        let answer = Answer {
-            values: &answer,
-            script: "global usage",
-        };
-        let per_limit = global
-            .iter()
-            .enumerate()
-            .map(|(i, l)| {
-                Ok(LimitUsage {
-                    limit: *l,
-                    used: answer.count(3 + 2 * i)?,
-                    capacity: answer.count(4 + 2 * i)?,
-                    ahead: 0,
-                    oldest_age: Duration::ZERO,
-                    guard: self.terms.guard_for(l.window()),
-                    due_reserved: 0,
-                })
-            })
-            .collect::<Result<Vec<_>, PermitError>>()?;
-        let first_share = 3 + 2 * global.len();
-        let mut shares = Vec::new();
-        for i in (first_share..answer.values.len()).step_by(3) {
-            shares.push(GlobalShare {
-                seller: answer.text(i)?,
-                units: answer.count(i + 1)?,
-                weight: u32::try_from(answer.int(i + 2)?).unwrap_or(1).max(1),
-            });
-        }
-        shares.sort_by(|a, b| b.units.cmp(&a.units).then(a.seller.cmp(&b.seller)));
-        Ok(Some(GlobalUsage {
-            limit: global.clone(),
-            per_limit,
-            present: answer.count(1)?,
-            weights: answer.text(2)?.parse().unwrap_or(0.0),
-            shares,
-        }))
+        call.read(&answer, global, &self.terms).map(Some)
     }
 
     /// Sets a seller's weight under the global limit (1 = the default share; 1 to

@@ -6,7 +6,8 @@ use std::time::Duration;
 use super::Call;
 use crate::config::{Algorithm, Limits};
 use crate::permit::{
-    Answer, LimitUsage, PermitError, Shadow, Terms, Usage, Why, binding_of, scripts, wait_for,
+    Answer, GlobalShare, GlobalUsage, LimitUsage, PermitError, Shadow, Terms, Usage, Why,
+    binding_of, scripts, wait_for,
 };
 
 /// `lua/usage.lua`: how much of each of the seller's limits is taken now, the stack that
@@ -216,6 +217,55 @@ impl GlobalUsageCall {
             to.key(key.clone());
         }
         to.arg(&self.counts).arg(&self.windows).arg(self.guard_us);
+    }
+}
+
+impl GlobalUsageCall {
+    /// The global limit's use from the script's answer `{NOW_US, COMPETING, WEIGHTS, then per
+    /// limit of the stack USED, COUNT, then per seller with units in the shortest window SELLER,
+    /// UNITS, WEIGHT}` (see the script's header), the largest share first.
+    pub fn read(
+        &self,
+        values: &[redis::Value],
+        global: &Limits,
+        terms: &Terms,
+    ) -> Result<GlobalUsage, PermitError> {
+        let answer = Answer {
+            values,
+            script: "global usage",
+        };
+        let per_limit = global
+            .iter()
+            .enumerate()
+            .map(|(i, l)| {
+                Ok(LimitUsage {
+                    limit: *l,
+                    used: answer.count(3 + 2 * i)?,
+                    capacity: answer.count(4 + 2 * i)?,
+                    ahead: 0,
+                    oldest_age: Duration::ZERO,
+                    guard: terms.guard_for(l.window()),
+                    due_reserved: 0,
+                })
+            })
+            .collect::<Result<Vec<_>, PermitError>>()?;
+        let first_share = 3 + 2 * global.len();
+        let mut shares = Vec::new();
+        for i in (first_share..answer.values.len()).step_by(3) {
+            shares.push(GlobalShare {
+                seller: answer.text(i)?,
+                units: answer.count(i + 1)?,
+                weight: u32::try_from(answer.int(i + 2)?).unwrap_or(1).max(1),
+            });
+        }
+        shares.sort_by(|a, b| b.units.cmp(&a.units).then(a.seller.cmp(&b.seller)));
+        Ok(GlobalUsage {
+            limit: global.clone(),
+            per_limit,
+            present: answer.count(1)?,
+            weights: answer.text(2)?.parse().unwrap_or(0.0),
+            shares,
+        })
     }
 }
 
@@ -459,7 +509,7 @@ mod tests {
     }
 
     #[test]
-    fn global_usage_pause_and_reset_follow_their_headers() {
+    fn global_usage_follows_its_header() {
         let mut written = Written::default();
         let keys = Keyspace::new("t").global_keys();
         GlobalUsageCall {
@@ -481,7 +531,10 @@ mod tests {
             &written.args,
             &[("10", "COUNTS"), ("1000000", "WINDOWS"), ("-1", "GUARD")],
         );
+    }
 
+    #[test]
+    fn pause_follows_its_header() {
         const PAUSE: &str = include_str!("../../../lua/pause.lua");
         let mut written = Written::default();
         Pause {
@@ -491,7 +544,10 @@ mod tests {
         .write(&mut written);
         check(PAUSE, "KEYS", &written.keys, &[("pause", "pause")]);
         check(PAUSE, "ARGV", &written.args, &[("9", "FOR")]);
+    }
 
+    #[test]
+    fn reset_follows_its_header() {
         const RESET: &str = include_str!("../../../lua/reset.lua");
         let mut written = Written::default();
         Reset {
