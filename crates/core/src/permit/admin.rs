@@ -13,10 +13,11 @@ use std::time::Duration;
 
 use redis::AsyncCommands;
 
+use super::calls::Call;
 use super::calls::{
     GlobalUsageCall, Pause, Reschedule, RescheduleAnswer, Reset, ResetAnswer, UsageCall,
 };
-use super::{Args, Keyspace, PermitError, RedisConn, Reservation, Why, parse_override, wait_for};
+use super::{Keyspace, PermitError, RedisConn, Reservation, Why, parse_override, wait_for};
 use crate::config::{Algorithm, Limit, LimiterArgs, Limits};
 use crate::domain::SellerId;
 
@@ -240,14 +241,14 @@ impl Terms {
 
     /// The arguments that open `lua/usage.lua`, `lua/reschedule.lua` and `lua/learn.lua`: the
     /// algorithm, the default stack, the guard, gcra's burst and token-bucket's capacity.
-    pub(super) fn args(&self, invocation: &mut impl Args) {
+    pub(super) fn args(&self, invocation: &mut impl Call) {
         invocation
-            .push(self.algorithm.name())
-            .push(self.limit.counts_arg())
-            .push(self.limit.windows_arg())
-            .push(self.guard_arg())
-            .push(self.gcra_burst.max(1))
-            .push(self.bucket_capacity);
+            .arg(self.algorithm.name())
+            .arg(self.limit.counts_arg())
+            .arg(self.limit.windows_arg())
+            .arg(self.guard_arg())
+            .arg(self.gcra_burst.max(1))
+            .arg(self.bucket_capacity);
     }
 }
 

@@ -63,17 +63,6 @@ use redis::AsyncCommands;
 use crate::config::{Algorithm, LimiterArgs, Limits, RedisArgs};
 use crate::domain::{BatchId, BatchSize, Cost, MessageId, RateLimitHeaders, SellerId};
 
-/// Something script arguments are added to: a script invocation, or an operation of a batch.
-trait Args {
-    fn push<T: redis::ToRedisArgs>(&mut self, arg: T) -> &mut Self;
-}
-
-impl<C: calls::Call> Args for C {
-    fn push<T: redis::ToRedisArgs>(&mut self, arg: T) -> &mut Self {
-        self.arg(arg)
-    }
-}
-
 /// A failed permit decision: the caller cannot know whether it may call, so it must not.
 #[derive(Debug, thiserror::Error)]
 pub enum PermitError {
