@@ -13,10 +13,11 @@ use std::time::Duration;
 
 use redis::AsyncCommands;
 
-use super::{
-    Answer, Args, Keyspace, PermitError, RedisConn, Reservation, Why, parse_override, scripts,
-    wait_for,
+use super::calls::Call;
+use super::calls::{
+    GlobalUsageCall, Pause, Reschedule, RescheduleAnswer, Reset, ResetAnswer, UsageCall,
 };
+use super::{Keyspace, PermitError, RedisConn, Reservation, Why, parse_override, wait_for};
 use crate::config::{Algorithm, Limit, LimiterArgs, Limits};
 use crate::domain::SellerId;
 
@@ -240,14 +241,14 @@ impl Terms {
 
     /// The arguments that open `lua/usage.lua`, `lua/reschedule.lua` and `lua/learn.lua`: the
     /// algorithm, the default stack, the guard, gcra's burst and token-bucket's capacity.
-    pub(super) fn args(&self, invocation: &mut impl Args) {
+    pub(super) fn args(&self, invocation: &mut impl Call) {
         invocation
-            .push(self.algorithm.name())
-            .push(self.limit.counts_arg())
-            .push(self.limit.windows_arg())
-            .push(self.guard_arg())
-            .push(self.gcra_burst.max(1))
-            .push(self.bucket_capacity);
+            .arg(self.algorithm.name())
+            .arg(self.limit.counts_arg())
+            .arg(self.limit.windows_arg())
+            .arg(self.guard_arg())
+            .arg(self.gcra_burst.max(1))
+            .arg(self.bucket_capacity);
     }
 }
 
@@ -279,64 +280,23 @@ impl Admin {
         self.keys.state(seller, self.terms.algorithm)
     }
 
-    /// The seller's learned state, passed to the scripts that apply it only with adaptive
-    /// limits on.
-    fn learned_key(&self, seller: &SellerId) -> Option<String> {
-        self.terms.adaptive.then(|| self.keys.learned(seller))
-    }
-
     /// How much of the global limit is taken now and by whom, in one read-only round trip;
     /// `None` without a global limit.
     pub async fn global_usage(&self) -> Result<Option<GlobalUsage>, PermitError> {
         let Some(global) = &self.terms.global_limit else {
             return Ok(None);
         };
-        let mut invocation = scripts::global_usage().prepare_invoke();
-        for key in self.keys.global_keys() {
-            invocation.key(key);
-        }
-        let answer: Vec<redis::Value> = invocation
-            .arg(global.counts_arg())
-            .arg(global.windows_arg())
-            .arg(self.terms.guard_arg())
+        let call = GlobalUsageCall {
+            keys: self.keys.global_keys(),
+            counts: global.counts_arg(),
+            windows: global.windows_arg(),
+            guard_us: self.terms.guard_arg(),
+        };
+        let answer: Vec<redis::Value> = call
+            .invocation()
             .invoke_async(&mut self.conn.clone())
             .await?;
-        let answer = Answer {
-            values: &answer,
-            script: "global usage",
-        };
-        let per_limit = global
-            .iter()
-            .enumerate()
-            .map(|(i, l)| {
-                Ok(LimitUsage {
-                    limit: *l,
-                    used: answer.count(3 + 2 * i)?,
-                    capacity: answer.count(4 + 2 * i)?,
-                    ahead: 0,
-                    oldest_age: Duration::ZERO,
-                    guard: self.terms.guard_for(l.window()),
-                    due_reserved: 0,
-                })
-            })
-            .collect::<Result<Vec<_>, PermitError>>()?;
-        let first_share = 3 + 2 * global.len();
-        let mut shares = Vec::new();
-        for i in (first_share..answer.values.len()).step_by(3) {
-            shares.push(GlobalShare {
-                seller: answer.text(i)?,
-                units: answer.count(i + 1)?,
-                weight: u32::try_from(answer.int(i + 2)?).unwrap_or(1).max(1),
-            });
-        }
-        shares.sort_by(|a, b| b.units.cmp(&a.units).then(a.seller.cmp(&b.seller)));
-        Ok(Some(GlobalUsage {
-            limit: global.clone(),
-            per_limit,
-            present: answer.count(1)?,
-            weights: answer.text(2)?.parse().unwrap_or(0.0),
-            shares,
-        }))
+        call.read(&answer, global, &self.terms).map(Some)
     }
 
     /// Sets a seller's weight under the global limit (1 = the default share; 1 to
@@ -474,9 +434,12 @@ impl Admin {
         duration: Duration,
     ) -> Result<Duration, PermitError> {
         let duration_us = duration.as_micros().clamp(1, i64::MAX as u128) as i64;
-        let until: i64 = scripts::pause()
-            .key(self.keys.pause(seller))
-            .arg(duration_us)
+        let pause = Pause {
+            pause: self.keys.pause(seller),
+            for_us: duration_us,
+        };
+        let until: i64 = pause
+            .invocation()
             .invoke_async(&mut self.conn.clone())
             .await?;
         let now = self.redis_time_us().await?;
@@ -493,76 +456,21 @@ impl Admin {
     /// How much of each of the seller's limits is taken now, the stack that applies and any
     /// pause, in one read-only round trip (for the dashboard; the limiter never needs it).
     pub async fn usage(&self, seller: &SellerId) -> Result<Usage, PermitError> {
-        let mut invocation = scripts::usage().prepare_invoke();
-        invocation
-            .key(self.state_key(seller))
-            .key(self.keys.limit(seller))
-            .key(self.keys.pause(seller))
-            .key(self.keys.learned(seller))
-            .key(self.keys.shadow(seller))
-            .key(self.keys.calls(seller))
-            .key(self.keys.reserved(seller));
-        self.terms.args(&mut invocation);
-        let answer: Vec<redis::Value> = invocation
-            .arg(u8::from(self.terms.adaptive))
+        let call = UsageCall {
+            state: self.state_key(seller),
+            limit: self.keys.limit(seller),
+            pause: self.keys.pause(seller),
+            learned: self.keys.learned(seller),
+            shadow: self.keys.shadow(seller),
+            calls: self.keys.calls(seller),
+            reserved: self.keys.reserved(seller),
+            terms: &self.terms,
+        };
+        let answer: Vec<redis::Value> = call
+            .invocation()
             .invoke_async(&mut self.conn.clone())
             .await?;
-        let answer = Answer {
-            values: &answer,
-            script: "usage",
-        };
-        let (paused_until, now, overridden) = (answer.int(0)?, answer.int(1)?, answer.int(2)?);
-        let limit = answer.limits(3)?;
-        let tail = 5 + 3 * limit.len();
-        if answer.values.len() != tail + 8 + 2 * limit.len() {
-            return Err(answer.bad());
-        }
-        let configured = Limits::from_args(&answer.text(tail)?, &limit.windows_arg())
-            .ok_or_else(|| answer.bad())?;
-        let verdicts = |i| answer.text(i).ok().and_then(|n| n.parse::<u64>().ok());
-        let shadow =
-            Limits::from_args(&answer.text(tail + 2)?, &answer.text(tail + 3)?).map(|limit| {
-                Shadow {
-                    limit,
-                    agree: verdicts(tail + 4).unwrap_or(0),
-                    stricter: verdicts(tail + 5).unwrap_or(0),
-                    looser: verdicts(tail + 6).unwrap_or(0),
-                    delay: Duration::ZERO,
-                }
-            });
-        let per_limit = limit
-            .iter()
-            .enumerate()
-            .map(|(i, l)| {
-                Ok(LimitUsage {
-                    limit: *l,
-                    used: answer.count(5 + 3 * i)?,
-                    capacity: answer.count(6 + 3 * i)?,
-                    ahead: answer.count(7 + 3 * i)?,
-                    oldest_age: Duration::from_micros(answer.count(tail + 7 + i)?),
-                    guard: self.terms.guard_for(l.window()),
-                    due_reserved: answer.count(tail + 8 + limit.len() + i)?,
-                })
-            })
-            .collect::<Result<Vec<_>, PermitError>>()?;
-        let binding = binding_of(&per_limit);
-        let bound = &per_limit[binding];
-        let learned_why = Why::parse(&answer.text(tail + 1)?).filter(|_| configured != limit);
-        let in_flight = answer.count(tail + 7 + limit.len())?;
-        Ok(Usage {
-            used: bound.used,
-            capacity: bound.capacity,
-            ahead: bound.ahead,
-            limit,
-            per_limit,
-            binding,
-            overridden: overridden == 1,
-            paused_for: wait_for(paused_until, now),
-            in_flight,
-            learned_why,
-            configured,
-            shadow,
-        })
+        call.read(&answer)
     }
 
     /// Redis server time in µs.
@@ -597,25 +505,34 @@ impl Admin {
     /// new one, and wakes the messages held for its reserved slots on every replica. Returns
     /// how long the seller is paused.
     pub async fn reset(&self, seller: &SellerId) -> Result<Duration, PermitError> {
-        let mut invocation = scripts::reset().prepare_invoke();
-        invocation
-            .key(self.keys.pause(seller))
-            .key(self.keys.limit(seller));
-        for algorithm in Algorithm::ALL {
-            invocation.key(self.keys.state(seller, algorithm));
-        }
-        invocation
-            .key(self.keys.reserved(seller))
-            .key(self.keys.far(seller))
-            .key(self.keys.pool(seller))
-            .key(self.keys.learned(seller))
-            .key(self.keys.accepted(seller))
-            .key(self.keys.server(seller))
-            .arg(self.terms.limit.counts_arg())
-            .arg(self.terms.limit.windows_arg())
-            .arg(self.terms.guard_arg());
-        let (until, now, _forgotten): (i64, i64, u64) =
-            invocation.invoke_async(&mut self.conn.clone()).await?;
+        let mut forget: Vec<String> = Algorithm::ALL
+            .into_iter()
+            .map(|algorithm| self.keys.state(seller, algorithm))
+            .collect();
+        forget.extend([
+            self.keys.reserved(seller),
+            self.keys.far(seller),
+            self.keys.pool(seller),
+            self.keys.learned(seller),
+            self.keys.accepted(seller),
+            self.keys.server(seller),
+        ]);
+        let reset = Reset {
+            pause: self.keys.pause(seller),
+            limit: self.keys.limit(seller),
+            forget,
+            counts: self.terms.limit.counts_arg(),
+            windows: self.terms.limit.windows_arg(),
+            guard_us: self.terms.guard_arg(),
+        };
+        let ResetAnswer {
+            paused_until_us: until,
+            now_us: now,
+            ..
+        } = reset
+            .invocation()
+            .invoke_async(&mut self.conn.clone())
+            .await?;
         self.announce(seller, 0, now).await?;
         Ok(wait_for(until, now))
     }
@@ -643,35 +560,37 @@ impl Admin {
     /// seller: the new terms apply at once to the whole backlog.
     /// Returns whether there was something to change (an override to clear, a pause to lift).
     pub async fn reschedule(&self, seller: &SellerId, change: Change) -> Result<bool, PermitError> {
-        let mut invocation = scripts::reschedule().prepare_invoke();
-        invocation
-            .key(self.state_key(seller))
-            .key(self.keys.limit(seller))
-            .key(self.keys.pause(seller))
-            .key(self.keys.reserved(seller));
-        if self.terms.algorithm == Algorithm::SlidingWindow {
-            invocation
-                .key(self.keys.pool(seller))
-                .key(self.keys.calls(seller));
-        }
-        if let Some(learned) = self.learned_key(seller) {
-            invocation.key(learned);
-        }
-        self.terms.args(&mut invocation);
-        match change {
-            Change::Set(limit) => {
-                invocation
-                    .arg("set")
-                    .arg(format!("{} {}", limit.counts_arg(), limit.windows_arg()))
-            }
-            Change::Clear => invocation.arg("clear"),
-            Change::Resume => invocation.arg("resume"),
-            Change::Release => invocation.arg("release"),
+        let (change, set) = match change {
+            Change::Set(limit) => (
+                "set",
+                Some(format!("{} {}", limit.counts_arg(), limit.windows_arg())),
+            ),
+            Change::Clear => ("clear", None),
+            Change::Resume => ("resume", None),
+            Change::Release => ("release", None),
         };
-        let (changed, released, now): (u8, u64, i64) =
-            invocation.invoke_async(&mut self.conn.clone()).await?;
-        self.announce(seller, released, now).await?;
-        Ok(changed == 1)
+        let reschedule = Reschedule {
+            state: self.state_key(seller),
+            limit: self.keys.limit(seller),
+            pause: self.keys.pause(seller),
+            reserved: self.keys.reserved(seller),
+            pool: self.keys.pool(seller),
+            calls: self.keys.calls(seller),
+            learned: self.keys.learned(seller),
+            terms: &self.terms,
+            change,
+            set,
+        };
+        let RescheduleAnswer {
+            changed,
+            released,
+            now_us,
+        } = reschedule
+            .invocation()
+            .invoke_async(&mut self.conn.clone())
+            .await?;
+        self.announce(seller, released, now_us).await?;
+        Ok(changed)
     }
 
     /// Announces that the seller's terms changed at `now` (Redis µs) and `released` reserved

@@ -21,6 +21,9 @@
 //! [`server`] reads whether the Redis servers may evict keys (a replica refuses such a Redis
 //! unless told it may); the scripts themselves detect state lost to an eviction or a flush.
 //!
+//! Each script's KEYS and ARGV are laid out in one place, by name, in the order its header
+//! lists them, and its answer is read there too: one type per script in `calls`.
+//!
 //! This module owns the Redis keyspace: [`keys`] builds every key, and nothing outside it talks
 //! to Redis about turnstile's keys but through [`PermitStore`] (the limiter's hot path, here),
 //! [`Admin`] (sellers' terms as operators set and read them, `admin`) and [`Records`] (the
@@ -29,6 +32,7 @@
 mod admin;
 mod batch;
 pub mod block;
+mod calls;
 mod conn;
 pub mod keys;
 mod limiter;
@@ -45,6 +49,11 @@ pub use admin::{
 };
 use batch::{Batcher, Operation, When};
 use block::Blocks;
+use calls::{
+    Acquire, AcquireAnswer, AcquireTail, CallEnded, Complete, CompleteAnswer, CompleteBatch,
+    Global, GlobalAnswer, Learn, LearnAnswer, Lease, LeaseAnswer, Redeem, RedeemAnswer, Release,
+    Unreserve,
+};
 pub use conn::{RedisClient, RedisConn, round_trips};
 pub use keys::Keyspace;
 pub use limiter::{Ask, Asked, Ended, Finished, Grant, Limiter, Progress};
@@ -53,23 +62,6 @@ use redis::AsyncCommands;
 
 use crate::config::{Algorithm, LimiterArgs, Limits, RedisArgs};
 use crate::domain::{BatchId, BatchSize, Cost, MessageId, RateLimitHeaders, SellerId};
-
-/// Something script arguments are added to: a script invocation, or an operation of a batch.
-trait Args {
-    fn push<T: redis::ToRedisArgs>(&mut self, arg: T) -> &mut Self;
-}
-
-impl Args for redis::ScriptInvocation<'_> {
-    fn push<T: redis::ToRedisArgs>(&mut self, arg: T) -> &mut Self {
-        self.arg(arg)
-    }
-}
-
-impl Args for Operation {
-    fn push<T: redis::ToRedisArgs>(&mut self, arg: T) -> &mut Self {
-        self.arg(arg)
-    }
-}
 
 /// A failed permit decision: the caller cannot know whether it may call, so it must not.
 #[derive(Debug, thiserror::Error)]
@@ -673,13 +665,15 @@ impl PermitStore {
         if let Some(blocks) = &self.blocks {
             blocks.recorded(call);
         }
-        let mut operation = Operation::new("ended");
-        operation
-            .key(self.keys.calls(seller))
-            .arg(call)
-            .arg(answered_us.unwrap_or(-1).max(-1))
-            .arg(cost.units());
-        let _: i64 = self.run(operation, When::Within(self.record_delay)).await?;
+        let ended = CallEnded {
+            calls: self.keys.calls(seller),
+            call,
+            answered_us: answered_us.unwrap_or(-1).max(-1),
+            cost: cost.units(),
+        };
+        let _: i64 = self
+            .run(ended.operation(), When::Within(self.record_delay))
+            .await?;
         Ok(())
     }
 
@@ -723,20 +717,6 @@ impl PermitStore {
     /// The key holding the seller's limiter state for the configured algorithm.
     fn state_key(&self, seller: &SellerId) -> String {
         self.keys.state(seller, self.limiter.algorithm)
-    }
-
-    fn durable_flag(&self) -> u8 {
-        if self.limiter.redis_durable { 2 } else { 0 }
-    }
-
-    /// The arguments that open `lua/learn.lua` (see [`Terms`]).
-    fn terms_args(&self, invocation: &mut impl Args) {
-        self.terms.args(invocation);
-    }
-
-    /// The scripts' FLAGS bit for adaptive limits (`TURNSTILE_ADAPTIVE`).
-    fn adaptive_flag(&self) -> u8 {
-        if self.limiter.adaptive { 4 } else { 0 }
     }
 
     /// The seller's learned state, passed to the scripts that apply it only with adaptive
@@ -790,54 +770,16 @@ impl PermitStore {
     ) -> Result<Decision, PermitError> {
         let asked = std::time::Instant::now();
         let algorithm = self.limiter.algorithm;
-        let limit = &self.limiter.limit;
         let token = format!("{:x}", rand::random::<u64>());
-        let mut invocation = Operation::new(algorithm.name());
-        invocation
-            .key(self.state_key(seller))
-            .key(self.keys.limit(seller))
-            .key(self.keys.pause(seller))
-            .key(self.keys.reserved(seller))
-            .key(self.keys.server(seller))
-            .key(self.keys.calls(seller))
-            .key(self.keys.far(seller))
-            .key(self.keys.learned(seller))
-            .key(self.keys.shadow(seller))
-            .key(self.keys.shadow_log(seller))
-            .key(self.keys.losses(seller));
-        if algorithm == Algorithm::SlidingWindow {
-            invocation.key(self.keys.pool(seller));
-        }
-        if let Some(message) = message {
-            invocation.key(self.keys.done(seller, message));
-        }
-        invocation
-            .arg(limit.counts_arg())
-            .arg(limit.windows_arg())
-            .arg(self.guard_arg())
-            .arg(u8::from(reserve) | self.durable_flag() | self.adaptive_flag())
-            .arg(self.limiter.horizon.as_micros() as u64)
-            .arg(&token)
-            .arg(self.call_bound_us())
-            .arg(cost.units());
-        let pooled = match algorithm {
-            Algorithm::Gcra => {
-                invocation.arg(self.limiter.gcra_burst.max(1));
-                None
-            }
-            Algorithm::TokenBucket => {
-                invocation.arg(self.limiter.bucket_capacity);
-                None
-            }
-            Algorithm::SlidingWindow => self.blocks.as_ref().inspect(|blocks| {
-                invocation
-                    .arg(block.min(block::MOST_UNITS))
-                    .arg(blocks.hold_us());
-            }),
-            Algorithm::FixedWindow => None,
-        };
-        let (answer, sent): (Vec<redis::Value>, _) = self.run_sent(invocation, When::Now).await?;
-        let mut decision = acquired(algorithm, &answer, token, cost, sent)?;
+        let pooled = self
+            .blocks
+            .as_ref()
+            .filter(|_| algorithm == Algorithm::SlidingWindow);
+        let block_hold = pooled.map(|blocks| (block.min(block::MOST_UNITS), blocks.hold_us()));
+        let acquire = self.acquire_call(seller, message, cost, reserve, block_hold, &token);
+        let (values, sent) = self.run_sent(acquire.operation(), When::Now).await?;
+        let answer = AcquireAnswer { values, algorithm };
+        let mut decision = answer.decision(token, cost, sent)?;
         if let Decision::Granted {
             granted_us: now, ..
         }
@@ -855,32 +797,95 @@ impl PermitStore {
         if let Some(blocks) = pooled
             && cost == Cost::ONE
         {
-            let pool = PoolAnswer::read(&answer, block);
-            blocks.acquired(seller, pool.taken, pool.stale);
-            if !blocks.tries_pool(seller) {
-                blocks.unseen_pool(pool.unit.is_some());
-            }
-            if let Decision::Granted { call, .. } = &mut decision
-                && (pool.unit.is_some() || pool.taken > 0)
-            {
-                if let Some(unit) = pool.unit {
-                    metrics::counter!("turnstile_permit_block_units_total").increment(1);
-                    *call = unit;
-                } else {
-                    metrics::counter!("turnstile_permit_blocks_total").increment(1);
-                }
-                let stack = Answer {
-                    values: &answer,
-                    script: "sliding-window",
-                }
-                .limits(3)
-                .unwrap_or_else(|_| self.limiter.limit.clone());
-                blocks.saw_pool(seller, asked);
-                blocks.claimed(call, self.log_bounds(&stack));
-            }
+            self.took_from_pool(blocks, seller, &answer, block, asked, &mut decision);
         }
         observe(algorithm, &decision, true);
         Ok(decision)
+    }
+
+    /// `lua/<algorithm>.lua`'s call for the seller (see [`Acquire`]); `block`: with permit
+    /// blocks on (sliding-window), the units a grant may take into the pool and their hold.
+    fn acquire_call<'a>(
+        &self,
+        seller: &SellerId,
+        message: Option<&MessageId>,
+        cost: Cost,
+        reserve: bool,
+        block: Option<(u32, u64)>,
+        token: &'a str,
+    ) -> Acquire<'a> {
+        let limit = &self.limiter.limit;
+        Acquire {
+            state: self.state_key(seller),
+            limit: self.keys.limit(seller),
+            pause: self.keys.pause(seller),
+            reserved: self.keys.reserved(seller),
+            server: self.keys.server(seller),
+            calls: self.keys.calls(seller),
+            far: self.keys.far(seller),
+            learned: self.keys.learned(seller),
+            shadow: self.keys.shadow(seller),
+            shadow_log: self.keys.shadow_log(seller),
+            losses: self.keys.losses(seller),
+            done: message.map(|message| self.keys.done(seller, message)),
+            counts: limit.counts_arg(),
+            windows: limit.windows_arg(),
+            guard_us: self.guard_arg(),
+            reserve,
+            durable: self.limiter.redis_durable,
+            adaptive: self.limiter.adaptive,
+            horizon_us: self.limiter.horizon.as_micros() as u64,
+            token,
+            bound_us: self.call_bound_us(),
+            cost: cost.units(),
+            tail: match self.limiter.algorithm {
+                Algorithm::SlidingWindow => AcquireTail::SlidingWindow {
+                    pool: self.keys.pool(seller),
+                    block,
+                },
+                Algorithm::Gcra => AcquireTail::Gcra {
+                    burst: self.limiter.gcra_burst.max(1),
+                },
+                Algorithm::TokenBucket => AcquireTail::TokenBucket {
+                    capacity: self.limiter.bucket_capacity,
+                },
+                Algorithm::FixedWindow => AcquireTail::FixedWindow,
+            },
+        }
+    }
+
+    /// What a sliding-window grant of one unit (asked at `asked`) did with the seller's pool
+    /// of permit blocks (see `calls::PoolAnswer`): units taken into it or claimed from it (then the
+    /// call is that unit), stale units given back.
+    fn took_from_pool(
+        &self,
+        blocks: &Arc<Blocks>,
+        seller: &SellerId,
+        answer: &AcquireAnswer,
+        block: u32,
+        asked: std::time::Instant,
+        decision: &mut Decision,
+    ) {
+        let pool = answer.pool(block);
+        blocks.acquired(seller, pool.taken, pool.stale);
+        if !blocks.tries_pool(seller) {
+            blocks.unseen_pool(pool.unit.is_some());
+        }
+        if let Decision::Granted { call, .. } = decision
+            && (pool.unit.is_some() || pool.taken > 0)
+        {
+            if let Some(unit) = pool.unit {
+                metrics::counter!("turnstile_permit_block_units_total").increment(1);
+                *call = unit;
+            } else {
+                metrics::counter!("turnstile_permit_blocks_total").increment(1);
+            }
+            let stack = answer
+                .stack()
+                .unwrap_or_else(|_| self.limiter.limit.clone());
+            blocks.saw_pool(seller, asked);
+            blocks.claimed(call, self.log_bounds(&stack));
+        }
     }
 
     /// The accepted log's bounds under `stack` (see [`block::LogBounds`]).
@@ -1061,37 +1066,16 @@ impl PermitStore {
         cost: Cost,
         held: Reservation,
     ) -> Result<Result<Decision, Forfeit>, PermitError> {
-        let limit = &self.limiter.limit;
-        let mut invocation = Operation::new("redeem");
-        invocation
-            .key(self.keys.limit(seller))
-            .key(self.keys.pause(seller))
-            .key(self.state_key(seller))
-            .key(self.keys.reserved(seller))
-            .key(self.keys.server(seller))
-            .key(self.keys.calls(seller))
-            .key(self.keys.learned(seller))
-            .key(self.keys.shadow(seller))
-            .key(self.keys.shadow_log(seller))
-            .key(self.keys.losses(seller));
-        if let Some(message) = message {
-            invocation.key(self.keys.done(seller, message));
-        }
-        invocation
-            .arg(limit.counts_arg())
-            .arg(limit.windows_arg())
-            .arg(self.guard_arg())
-            .arg(held.slot_us)
-            .arg(held.limits.counts_arg())
-            .arg(held.limits.windows_arg())
-            .arg(self.durable_flag() | self.adaptive_flag())
-            .arg(self.limiter.algorithm.name())
-            .arg(&held.token)
-            .arg(self.limiter.bucket_capacity)
-            .arg(self.call_bound_us())
-            .arg(cost.units());
-        let ((status, at, now, verdict), sent): ((u8, i64, i64, String), _) =
-            self.run_sent(invocation, When::Now).await?;
+        let redeem = self.redeem_call(seller, message, cost, &held);
+        let (
+            RedeemAnswer {
+                status,
+                at_us: at,
+                now_us: now,
+                verdict,
+            },
+            sent,
+        ) = self.run_sent(redeem.operation(), When::Now).await?;
         self.clock.observe(now);
         count_verdict(&verdict);
         let redeemed = match status {
@@ -1122,6 +1106,43 @@ impl PermitStore {
             .increment(1),
         }
         Ok(redeemed)
+    }
+
+    /// `lua/redeem.lua`'s call for the seller's reservation `held` (see [`Redeem`]).
+    fn redeem_call<'a>(
+        &self,
+        seller: &SellerId,
+        message: Option<&MessageId>,
+        cost: Cost,
+        held: &'a Reservation,
+    ) -> Redeem<'a> {
+        let limit = &self.limiter.limit;
+        Redeem {
+            limit: self.keys.limit(seller),
+            pause: self.keys.pause(seller),
+            state: self.state_key(seller),
+            reserved: self.keys.reserved(seller),
+            server: self.keys.server(seller),
+            calls: self.keys.calls(seller),
+            learned: self.keys.learned(seller),
+            shadow: self.keys.shadow(seller),
+            shadow_log: self.keys.shadow_log(seller),
+            losses: self.keys.losses(seller),
+            done: message.map(|message| self.keys.done(seller, message)),
+            counts: limit.counts_arg(),
+            windows: limit.windows_arg(),
+            guard_us: self.guard_arg(),
+            slot_us: held.slot_us,
+            held_counts: held.limits.counts_arg(),
+            held_windows: held.limits.windows_arg(),
+            durable: self.limiter.redis_durable,
+            adaptive: self.limiter.adaptive,
+            algorithm: self.limiter.algorithm,
+            token: &held.token,
+            capacity: self.limiter.bucket_capacity,
+            bound_us: self.call_bound_us(),
+            cost: cost.units(),
+        }
     }
 
     /// Redeems `held` if there is one, and reserves anew if it was forfeited; a grant is then
@@ -1249,18 +1270,25 @@ impl PermitStore {
         let Some(limit) = self.limiter.seller_concurrency.0 else {
             return Ok(None);
         };
-        let (status, at, now): (u8, i64, i64) = scripts::lease()
-            .key(self.keys.leases(seller))
-            .key(self.keys.lease_ticket(seller))
-            .arg(limit.get())
-            .arg(call)
-            .arg(self.call_bound_us().max(1))
-            .arg(LEASE_POLL.as_micros() as u64)
+        let lease = Lease {
+            leases: self.keys.leases(seller),
+            ticket: self.keys.lease_ticket(seller),
+            limit: limit.get(),
+            call,
+            bound_us: self.call_bound_us().max(1),
+            poll_us: LEASE_POLL.as_micros() as u64,
+        };
+        let LeaseAnswer {
+            leased,
+            at_us,
+            now_us,
+        } = lease
+            .invocation()
             .invoke_async(&mut self.conn.clone())
             .await?;
-        let outcome = LEASE_OUTCOMES[usize::from(status != 1)];
+        let outcome = LEASE_OUTCOMES[usize::from(!leased)];
         metrics::counter!("turnstile_seller_leases_total", "outcome" => outcome).increment(1);
-        Ok((status != 1).then(|| wait_for(at, now)))
+        Ok((!leased).then(|| wait_for(at_us, now_us)))
     }
 
     /// Ends the lease of `call` (its answer came back, or it will not be sent); without
@@ -1288,19 +1316,24 @@ impl PermitStore {
         let Some(global) = &self.limiter.global_limit.0 else {
             return Ok(GlobalDecision::Granted { at_us: 0 });
         };
-        let mut invocation = scripts::global().prepare_invoke();
-        for key in self.keys.global_keys() {
-            invocation.key(key);
-        }
-        let (status, at, now, why): (u8, i64, i64, u8) = invocation
-            .arg(global.counts_arg())
-            .arg(global.windows_arg())
-            .arg(self.guard_arg())
-            .arg(call)
-            .arg(cost.units())
-            .arg(seller.key_tag())
-            .arg(global_idle(global).as_micros() as u64)
-            .arg(self.durable_flag())
+        let admit = Global {
+            keys: self.keys.global_keys(),
+            counts: global.counts_arg(),
+            windows: global.windows_arg(),
+            guard_us: self.guard_arg(),
+            call,
+            cost: cost.units(),
+            seller: &seller.key_tag(),
+            idle_us: global_idle(global).as_micros() as u64,
+            durable: self.limiter.redis_durable,
+        };
+        let GlobalAnswer {
+            status,
+            at_us: at,
+            now_us: now,
+            why,
+        } = admit
+            .invocation()
             .invoke_async(&mut self.conn.clone())
             .await?;
         let decision = match (status, why) {
@@ -1333,23 +1366,22 @@ impl PermitStore {
         cost: Cost,
         slot_us: i64,
     ) -> Result<(), PermitError> {
-        let mut invocation = scripts::release().prepare_invoke();
-        invocation
-            .key(self.state_key(seller))
-            .key(self.keys.limit(seller))
-            .key(self.keys.calls(seller));
-        if let Some(learned) = self.learned_key(seller) {
-            invocation.key(learned);
-        }
-        let _: i64 = invocation
-            .arg(self.limiter.limit.counts_arg())
-            .arg(self.limiter.limit.windows_arg())
-            .arg(self.guard_arg())
-            .arg(self.limiter.algorithm.name())
-            .arg(call)
-            .arg(cost.units())
-            .arg(slot_us.max(0))
-            .arg(self.limiter.bucket_capacity)
+        let release = Release {
+            state: self.state_key(seller),
+            limit: self.keys.limit(seller),
+            calls: self.keys.calls(seller),
+            learned: self.learned_key(seller),
+            counts: self.limiter.limit.counts_arg(),
+            windows: self.limiter.limit.windows_arg(),
+            guard_us: self.guard_arg(),
+            algorithm: self.limiter.algorithm,
+            call,
+            cost: cost.units(),
+            slot_us: slot_us.max(0),
+            capacity: self.limiter.bucket_capacity,
+        };
+        let _: i64 = release
+            .invocation()
             .invoke_async(&mut self.conn.clone())
             .await?;
         Ok(())
@@ -1364,17 +1396,20 @@ impl PermitStore {
         reservation: &Reservation,
         cost: Cost,
     ) -> Result<bool, PermitError> {
-        let given_back: u8 = scripts::unreserve()
-            .key(self.state_key(seller))
-            .key(self.keys.reserved(seller))
-            .arg(self.limiter.algorithm.name())
-            .arg(&reservation.token)
-            .arg(cost.units())
-            .arg(reservation.slot_us)
-            .arg(reservation.limits.counts_arg())
-            .arg(reservation.limits.windows_arg())
-            .arg(self.guard_arg())
-            .arg(self.limiter.bucket_capacity)
+        let unreserve = Unreserve {
+            state: self.state_key(seller),
+            reserved: self.keys.reserved(seller),
+            algorithm: self.limiter.algorithm,
+            token: &reservation.token,
+            cost: cost.units(),
+            slot_us: reservation.slot_us,
+            held_counts: reservation.limits.counts_arg(),
+            held_windows: reservation.limits.windows_arg(),
+            guard_us: self.guard_arg(),
+            capacity: self.limiter.bucket_capacity,
+        };
+        let given_back: u8 = unreserve
+            .invocation()
             .invoke_async(&mut self.conn.clone())
             .await?;
         if given_back == 1 {
@@ -1432,99 +1467,33 @@ impl PermitStore {
         answer: Option<CallAnswer<'_>>,
         ttl: Duration,
     ) -> Result<Recorded, PermitError> {
-        let (call, cost, answered_us) =
-            answer.map_or(("", 0, None), |a| (a.call, a.cost.units(), a.answered_us));
+        let call = answer.map_or("", |a| a.call);
         // A call made with a pool unit (or one that took a block).
         let pooled = self
             .blocks
             .as_ref()
             .filter(|_| !call.is_empty())
             .and_then(|blocks| Some((blocks, blocks.recorded(call)?)));
-        let when = if call.is_empty() {
-            When::Now
-        } else {
-            When::Within(self.record_delay)
-        };
-        let (changed, was_dead_for, raise, event): (u8, String, u8, String) = match pooled {
-            Some((blocks, bounds))
-                if batch.is_none() && cost == 1 && matches!(completion, Completion::Registered) =>
+        let answered = match (pooled, answer) {
+            (Some((blocks, bounds)), Some(answer))
+                if batch.is_none()
+                    && answer.cost.units() == 1
+                    && matches!(completion, Completion::Registered) =>
             {
-                // No upload to count, and no learned limit applied when its pool was made (so
-                // no raise to look for): the state moves to `registered` by a plain
-                // SET ... GET (complete.lua's transitions read from what it was); the call's
-                // answer is written with others of the seller's (see `Blocks::answered`).
-                let mut set = redis::cmd("SET");
-                set.arg(self.keys.done(seller, message))
-                    .arg("registered")
-                    .arg("PX")
-                    .arg(ttl.as_millis().max(1) as u64)
-                    .arg("GET");
-                let (was,): (Option<String>,) = self
-                    .run(
-                        Operation::commands(vec![set], self.keys.done(seller, message)),
-                        when,
-                    )
-                    .await?;
-                if let Some(at) = answered_us {
-                    let full = blocks.answered(seller, call, at, bounds);
-                    self.start_writing_answers(blocks);
-                    if let Some(full) = full {
-                        let store = self.clone();
-                        tokio::spawn(async move { store.write_answers(vec![full]).await });
-                    }
-                }
-                registered_from(was.as_deref())
+                self.record_pooled(seller, message, answer, ttl, blocks, bounds)
+                    .await?
             }
             _ => {
-                let mut invocation = Operation::new("complete");
-                invocation
-                    .key(self.keys.done(seller, message))
-                    .key(self.keys.calls(seller));
-                let adaptive = self.limiter.adaptive && !call.is_empty();
-                if adaptive {
-                    invocation
-                        .key(self.keys.learned(seller))
-                        .key(self.keys.accepted(seller))
-                        .key(self.keys.limit(seller));
-                }
-                if let Some(batch) = batch {
-                    invocation.key(self.keys.batch(seller, batch.id));
-                }
-                let reason = match completion {
-                    Completion::Dead(reason) => reason,
-                    _ => "",
-                };
-                invocation
-                    .arg(ttl.as_millis().max(1) as u64)
-                    .arg(completion.outcome())
-                    .arg(reason)
-                    .arg(call)
-                    .arg(answered_us.unwrap_or(-1).max(-1))
-                    .arg(cost);
-                if adaptive {
-                    invocation
-                        .arg(1)
-                        .arg(self.limiter.limit.counts_arg())
-                        .arg(self.limiter.limit.windows_arg())
-                        .arg(self.guard_arg());
-                } else {
-                    invocation.arg(0).arg("").arg("").arg(-1);
-                }
-                if let Some(batch) = batch {
-                    invocation
-                        .arg(seller.as_str())
-                        .arg(batch.id.as_str())
-                        .arg(batch.size.map_or(0, BatchSize::get));
-                }
-                self.run(invocation, when).await?
+                self.record_by_script(seller, message, batch, completion, answer, ttl)
+                    .await?
             }
         };
         // The tally is a shared key (another Cluster slot): a second step, only when a message
         // becomes or stops being dead. Its failure costs the count, not the transition.
-        let tallied = match (changed, completion) {
-            (1, Completion::Dead(reason)) => self.records().tally_dead(reason, 1).await,
-            (1, _) if !was_dead_for.is_empty() => {
-                self.records().tally_dead(&was_dead_for, -1).await
+        let tallied = match (answered.changed, completion) {
+            (true, Completion::Dead(reason)) => self.records().tally_dead(reason, 1).await,
+            (true, _) if !answered.was_dead_for.is_empty() => {
+                self.records().tally_dead(&answered.was_dead_for, -1).await
             }
             _ => Ok(()),
         };
@@ -1533,10 +1502,107 @@ impl PermitStore {
             tracing::warn!(%error, "the dead letters by reason were not updated");
         }
         Ok(Recorded {
-            changed: changed == 1,
-            raise_due: raise == 1,
-            event: BatchEvent::parse(&event),
+            changed: answered.changed,
+            raise_due: answered.raise_due,
+            event: BatchEvent::parse(&answered.event),
         })
+    }
+
+    /// A message registered by a call of one unit made with a pool unit, in no upload: no
+    /// upload to count, and no learned limit applied when its pool was made (so no raise to
+    /// look for), so the state moves to `registered` by a plain SET ... GET (complete.lua's
+    /// transitions read from what it was); the call's answer is written with others of the
+    /// seller's (see `Blocks::answered`).
+    async fn record_pooled(
+        &self,
+        seller: &SellerId,
+        message: &MessageId,
+        answer: CallAnswer<'_>,
+        ttl: Duration,
+        blocks: &Arc<Blocks>,
+        bounds: block::LogBounds,
+    ) -> Result<CompleteAnswer, PermitError> {
+        let mut set = redis::cmd("SET");
+        set.arg(self.keys.done(seller, message))
+            .arg("registered")
+            .arg("PX")
+            .arg(ttl.as_millis().max(1) as u64)
+            .arg("GET");
+        let (was,): (Option<String>,) = self
+            .run(
+                Operation::commands(vec![set], self.keys.done(seller, message)),
+                When::Within(self.record_delay),
+            )
+            .await?;
+        if let Some(at) = answer.answered_us {
+            let full = blocks.answered(seller, answer.call, at, bounds);
+            self.start_writing_answers(blocks);
+            if let Some(full) = full {
+                let store = self.clone();
+                tokio::spawn(async move { store.write_answers(vec![full]).await });
+            }
+        }
+        Ok(CompleteAnswer::registered_from(was.as_deref()))
+    }
+
+    /// A message's state moved by `lua/complete.lua`, with the answer of the call that
+    /// registered it, if any (sent with others within [`record_delay`] then, else at once).
+    async fn record_by_script(
+        &self,
+        seller: &SellerId,
+        message: &MessageId,
+        batch: Option<InBatch<'_>>,
+        completion: Completion<'_>,
+        answer: Option<CallAnswer<'_>>,
+        ttl: Duration,
+    ) -> Result<CompleteAnswer, PermitError> {
+        let (call, cost, answered_us) =
+            answer.map_or(("", 0, None), |a| (a.call, a.cost.units(), a.answered_us));
+        let adaptive = (self.limiter.adaptive && !call.is_empty()).then(|| {
+            (
+                self.adaptive_keys(seller),
+                calls::AdaptiveArgs {
+                    counts: self.limiter.limit.counts_arg(),
+                    windows: self.limiter.limit.windows_arg(),
+                    guard_us: self.guard_arg(),
+                },
+            )
+        });
+        let complete = Complete {
+            done: self.keys.done(seller, message),
+            calls: self.keys.calls(seller),
+            adaptive,
+            batch: batch.map(|batch| CompleteBatch {
+                progress: self.keys.batch(seller, batch.id),
+                seller: seller.as_str(),
+                batch: batch.id.as_str(),
+                size: batch.size.map_or(0, BatchSize::get),
+            }),
+            ttl_ms: ttl.as_millis().max(1) as u64,
+            outcome: completion.outcome(),
+            reason: match completion {
+                Completion::Dead(reason) => reason,
+                _ => "",
+            },
+            call,
+            answered_us: answered_us.unwrap_or(-1).max(-1),
+            cost,
+        };
+        let when = if call.is_empty() {
+            When::Now
+        } else {
+            When::Within(self.record_delay)
+        };
+        self.run(complete.operation(), when).await
+    }
+
+    /// The seller's keys of adaptive limits (see [`calls::AdaptiveKeys`]).
+    fn adaptive_keys(&self, seller: &SellerId) -> calls::AdaptiveKeys {
+        calls::AdaptiveKeys {
+            learned: self.keys.learned(seller),
+            accepted: self.keys.accepted(seller),
+            limit: self.keys.limit(seller),
+        }
     }
 
     /// Writes what calls made with pool units answered every [`WRITE_ANSWERS_EVERY`] (see
@@ -1636,6 +1702,45 @@ impl PermitStore {
         if !self.limiter.adaptive {
             return Ok(None);
         }
+        let learn = self.learn_call(seller, lesson, answered_us);
+        // A 429's lesson decides what the message does next, and a raise comes after its
+        // record already rode along: both go at once. A 2xx's headers may ride along.
+        let when = match lesson {
+            Lesson::Throttled { .. } | Lesson::Recovery => When::Now,
+            Lesson::Told(_) => When::Within(self.record_delay),
+        };
+        let LearnAnswer {
+            changed,
+            released,
+            now_us: now,
+            counts,
+            why,
+            configured,
+            wake,
+            lowered,
+        } = self.run(learn.operation(), when).await?;
+        if !changed {
+            return Ok(None);
+        }
+        let why = Why::parse(&why).unwrap_or(Why::Header);
+        metrics::counter!("turnstile_adaptive_changes_total", "why" => why.label()).increment(1);
+        metrics::histogram!("turnstile_adaptive_learned_ratio")
+            .record(learned_ratio(&counts, &configured));
+        if wake {
+            self.admin().announce(seller, released, now).await?;
+        } else {
+            metrics::counter!("turnstile_reservations_released_total").increment(released);
+        }
+        Ok(Some(LearnedChange {
+            counts,
+            why,
+            lowered,
+        }))
+    }
+
+    /// `lua/learn.lua`'s call for what `lesson` (its answer at `answered_us`) teaches about
+    /// the seller's limit (see [`Learn`]).
+    fn learn_call(&self, seller: &SellerId, lesson: Lesson, answered_us: Option<i64>) -> Learn<'_> {
         let (event, granted_us, told) = match lesson {
             Lesson::Throttled { granted_us, told } => ("throttled", granted_us, told),
             Lesson::Recovery => ("recovery", answered_us.unwrap_or(0), None),
@@ -1645,59 +1750,23 @@ impl PermitStore {
         let micros =
             |d: Option<Duration>| d.map_or(-1, |d| d.as_micros().min(i64::MAX as u128) as i64);
         let count = |n: Option<u64>| n.map_or(-1, |n| n.min(i64::MAX as u64) as i64);
-        let mut invocation = Operation::new("learn");
-        invocation
-            .key(self.keys.learned(seller))
-            .key(self.keys.accepted(seller))
-            .key(self.keys.limit(seller))
-            .key(self.state_key(seller))
-            .key(self.keys.reserved(seller))
-            .key(self.keys.calls(seller));
-        if self.limiter.algorithm == Algorithm::SlidingWindow {
-            invocation.key(self.keys.pool(seller));
+        Learn {
+            learned: self.keys.learned(seller),
+            accepted: self.keys.accepted(seller),
+            limit: self.keys.limit(seller),
+            state: self.state_key(seller),
+            reserved: self.keys.reserved(seller),
+            calls: self.keys.calls(seller),
+            pool: self.keys.pool(seller),
+            terms: &self.terms,
+            min: self.limiter.adaptive_min.get(),
+            event,
+            granted_us: granted_us.max(0),
+            told_limit: count(told.limit.filter(|&n| n >= 1)),
+            told_window_us: micros(told.window.filter(|w| !w.is_zero())),
+            told_remaining: count(told.remaining),
+            told_reset_us: micros(told.reset),
         }
-        self.terms_args(&mut invocation);
-        invocation
-            .arg(self.limiter.adaptive_min.get())
-            .arg(event)
-            .arg(granted_us.max(0))
-            .arg(count(told.limit.filter(|&n| n >= 1)))
-            .arg(micros(told.window.filter(|w| !w.is_zero())))
-            .arg(count(told.remaining))
-            .arg(micros(told.reset));
-        // A 429's lesson decides what the message does next, and a raise comes after its
-        // record already rode along: both go at once. A 2xx's headers may ride along.
-        let when = match lesson {
-            Lesson::Throttled { .. } | Lesson::Recovery => When::Now,
-            Lesson::Told(_) => When::Within(self.record_delay),
-        };
-        let (changed, released, now, counts, why, configured, wake, lowered): (
-            u8,
-            u64,
-            i64,
-            String,
-            String,
-            String,
-            u8,
-            u8,
-        ) = self.run(invocation, when).await?;
-        if changed == 0 {
-            return Ok(None);
-        }
-        let why = Why::parse(&why).unwrap_or(Why::Header);
-        metrics::counter!("turnstile_adaptive_changes_total", "why" => why.label()).increment(1);
-        metrics::histogram!("turnstile_adaptive_learned_ratio")
-            .record(learned_ratio(&counts, &configured));
-        if wake == 1 {
-            self.admin().announce(seller, released, now).await?;
-        } else {
-            metrics::counter!("turnstile_reservations_released_total").increment(released);
-        }
-        Ok(Some(LearnedChange {
-            counts,
-            why,
-            lowered: lowered == 1,
-        }))
     }
 
     /// Counts a message as dead-lettered for `reason`: its completion record (and its batch's
@@ -1844,35 +1913,6 @@ pub async fn delete_prefix(conn: &RedisConn, prefix: &str) -> anyhow::Result<()>
     Ok(())
 }
 
-/// What a sliding-window acquire answered about the seller's pool (see `sliding_window.lua`):
-/// units it took into it, the unit it claimed from it for this call, stale units given back.
-struct PoolAnswer {
-    taken: u32,
-    unit: Option<String>,
-    stale: u32,
-}
-
-impl PoolAnswer {
-    fn read(answer: &[redis::Value], block: u32) -> Self {
-        let int = |i: usize| {
-            answer
-                .get(i)
-                .and_then(|v| redis::from_redis_value_ref::<u32>(v).ok())
-                .unwrap_or(0)
-        };
-        let unit = answer
-            .get(8)
-            .and_then(|v| redis::from_redis_value_ref::<String>(v).ok())
-            .filter(|unit| !unit.is_empty());
-        Self {
-            taken: int(7).min(block),
-            unit,
-            stale: int(10),
-        }
-    }
-}
-
-/// An acquire script's answer `{status, slot, now, count, window, used‰}` as a decision;
 /// A script's answer (a list), read by position; anything missing or of another type is the
 /// script's bad answer.
 struct Answer<'a> {
@@ -1913,86 +1953,13 @@ fn parse_override(raw: &str) -> Option<Limits> {
     Limits::from_args(counts, windows)
 }
 
-/// What `complete.lua` answers for a message moved to `registered` from the state `was` (its
-/// completion record before): changed unless it was registered already, and the reason it was
-/// dead for, if it was (see `Recorded`); nothing is learned (no raise).
-fn registered_from(was: Option<&str>) -> (u8, String, u8, String) {
-    match was {
-        Some("registered") => (0, String::new(), 0, String::new()),
-        Some(state) => (
-            1,
-            state.strip_prefix("dead:").unwrap_or("").to_owned(),
-            0,
-            String::new(),
-        ),
-        None => (1, String::new(), 0, String::new()),
-    }
-}
-
 /// What a pool claim reads: the seller's pause, override and the message's completion record,
 /// Redis's TIME, and the unit popped from the pool with its end.
 type PoolClaim = (Vec<Option<String>>, (i64, i64), Vec<String>);
 
-/// `token` names the call (granted) or the reservation (told to wait with a slot held).
-fn acquired(
-    algorithm: Algorithm,
-    answer: &[redis::Value],
-    token: String,
-    cost: Cost,
-    sent: std::time::Instant,
-) -> Result<Decision, PermitError> {
-    let answer = Answer {
-        values: answer,
-        script: algorithm.name(),
-    };
-    let (status, slot, now) = (answer.int(0)?, answer.int(1)?, answer.int(2)?);
-    if let Ok(verdict) = answer.text(6) {
-        count_verdict(&verdict);
-    }
-    match status {
-        1 => Ok(Decision::Granted {
-            slot_us: slot,
-            granted_us: now,
-            used_permille: answer
-                .int(5)
-                .map_or(0, |p| p.clamp(0, i64::from(u32::MAX)) as u32),
-            call: token,
-            sent,
-        }),
-        2 => Ok(Decision::Wait {
-            retry_after: wait_for(slot, now),
-            reservation: Some(Reservation {
-                slot_us: slot,
-                limits: answer.limits(3)?,
-                reserved_at_us: now,
-                token,
-            }),
-        }),
-        0 => Ok(Decision::Wait {
-            retry_after: wait_for(slot, now),
-            reservation: None,
-        }),
-        3 => Ok(Decision::AlreadyDone),
-        4 => Ok(Decision::TooCostly {
-            cost,
-            most: u32::try_from(slot).map_err(|_| answer.bad())?,
-            limits: answer.limits(3)?,
-            bound_by: match algorithm {
-                Algorithm::SlidingWindow | Algorithm::FixedWindow => "the smallest COUNT",
-                Algorithm::Gcra => {
-                    "the smallest of COUNT and TURNSTILE_GCRA_BURST (raise the burst to the \
-                     largest cost)"
-                }
-                Algorithm::TokenBucket => "the smallest bucket capacity",
-            },
-        }),
-        _ => Err(answer.bad()),
-    }
-}
-
 #[cfg(test)]
 mod tests {
-    use super::{PermitError, learned_ratio, registered_from};
+    use super::{PermitError, learned_ratio};
 
     /// The error Redis answers with `line` (a RESP error line, without `-` and CRLF).
     fn server_error(line: &str) -> PermitError {
@@ -2026,17 +1993,6 @@ mod tests {
         }
         let io = std::io::Error::from(std::io::ErrorKind::ConnectionReset);
         assert!(PermitError::Redis(io.into()).is_transient());
-    }
-
-    #[test]
-    fn a_plain_registration_moves_the_state_as_complete_lua_does() {
-        let none = String::new;
-        assert_eq!(registered_from(None), (1, none(), 0, none()));
-        assert_eq!(registered_from(Some("registered")), (0, none(), 0, none()));
-        assert_eq!(
-            registered_from(Some("dead:rejected")),
-            (1, "rejected".to_owned(), 0, none())
-        );
     }
 
     #[test]

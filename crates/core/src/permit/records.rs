@@ -8,7 +8,8 @@ use std::time::Duration;
 
 use redis::AsyncCommands;
 
-use super::{Keyspace, PermitError, RedisConn, scripts};
+use super::calls::{BatchEventSent, BatchSeenCall, Tally};
+use super::{Keyspace, PermitError, RedisConn};
 use crate::domain::{BatchId, BatchSize, SellerId};
 
 /// How far one batch (an upload) is, as its progress hash holds it (see `lua/complete.lua`).
@@ -135,13 +136,16 @@ impl Records {
     ) -> Result<BatchSeen, PermitError> {
         let key = self.keys.batch(seller, batch);
         let ttl_ms = ttl.as_millis().max(1) as u64;
-        let (first_ms, event): (u64, String) = scripts::batch_seen()
-            .key(&key)
-            .key(self.keys.seller_batches(seller))
-            .arg(ttl_ms)
-            .arg(seller.as_str())
-            .arg(batch.as_str())
-            .arg(size.map_or(0, BatchSize::get))
+        let seen = BatchSeenCall {
+            progress: key.clone(),
+            seller_batches: self.keys.seller_batches(seller),
+            ttl_ms,
+            seller: seller.as_str(),
+            batch: batch.as_str(),
+            size: size.map_or(0, BatchSize::get),
+        };
+        let (first_ms, event): (u64, String) = seen
+            .invocation()
             .invoke_async(&mut self.conn.clone())
             .await?;
         let index = self.keys.uploads();
@@ -256,9 +260,12 @@ impl Records {
         batch: &BatchId,
         event: super::BatchEvent,
     ) -> Result<(), PermitError> {
-        let _: i64 = scripts::batch_event_sent()
-            .key(self.keys.batch(seller, batch))
-            .arg(event.completed_ms)
+        let sent = BatchEventSent {
+            progress: self.keys.batch(seller, batch),
+            completed_ms: event.completed_ms,
+        };
+        let _: i64 = sent
+            .invocation()
             .invoke_async(&mut self.conn.clone())
             .await?;
         Ok(())
@@ -401,10 +408,13 @@ impl Records {
     /// identity; this is for those without (a body that does not parse), counted per dead
     /// letter.
     pub async fn tally_dead(&self, reason: &str, by: i64) -> Result<(), PermitError> {
-        let _: i64 = scripts::tally()
-            .key(self.keys.dead_now())
-            .arg(reason)
-            .arg(by)
+        let tally = Tally {
+            counts: self.keys.dead_now(),
+            field: reason,
+            by,
+        };
+        let _: i64 = tally
+            .invocation()
             .invoke_async(&mut self.conn.clone())
             .await?;
         Ok(())

@@ -1,0 +1,151 @@
+//! Typed scripts: one type per Lua script, which lays out its KEYS and ARGV by name in the
+//! order the script's header lists them (flags that shift positions, such as ADAPTIVE, are
+//! decided here, not by callers), and one per answer, which reads the script's reply.
+//!
+//! A call is written into anything that takes keys and arguments ([`Call`]): an operation of a
+//! batch ([`Operation`]) or a plain script invocation. Each type's tests compare what it writes
+//! with the KEYS and ARGV lines of its script's header.
+
+mod acquire;
+mod admin;
+mod complete;
+mod ended;
+mod global;
+mod learn;
+mod lease;
+mod records;
+mod redeem;
+mod release;
+mod unreserve;
+
+pub(super) use acquire::{Acquire, AcquireAnswer, AcquireTail};
+pub(super) use admin::{
+    GlobalUsageCall, Pause, Reschedule, RescheduleAnswer, Reset, ResetAnswer, UsageCall,
+};
+pub(super) use complete::{AdaptiveArgs, Complete, CompleteAnswer, CompleteBatch};
+pub(super) use ended::CallEnded;
+pub(super) use global::{Global, GlobalAnswer};
+pub(super) use learn::{Learn, LearnAnswer};
+pub(super) use lease::{Lease, LeaseAnswer};
+pub(super) use records::{BatchEventSent, BatchSeenCall, Tally};
+pub(super) use redeem::{Redeem, RedeemAnswer};
+pub(super) use release::Release;
+pub(super) use unreserve::Unreserve;
+
+use super::batch::Operation;
+
+/// Something a script's keys and arguments are written into, in order.
+pub(super) trait Call {
+    fn key(&mut self, key: String) -> &mut Self;
+    fn arg<T: redis::ToRedisArgs>(&mut self, arg: T) -> &mut Self;
+}
+
+impl Call for Operation {
+    fn key(&mut self, key: String) -> &mut Self {
+        Operation::key(self, key)
+    }
+    fn arg<T: redis::ToRedisArgs>(&mut self, arg: T) -> &mut Self {
+        Operation::arg(self, arg)
+    }
+}
+
+impl Call for redis::ScriptInvocation<'_> {
+    fn key(&mut self, key: String) -> &mut Self {
+        redis::ScriptInvocation::key(self, key)
+    }
+    fn arg<T: redis::ToRedisArgs>(&mut self, arg: T) -> &mut Self {
+        redis::ScriptInvocation::arg(self, arg)
+    }
+}
+
+/// The seller's keys of adaptive limits a call reads (`lua/learn.lua`'s state, the accepted
+/// log and the limit override), where a script takes them together.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub(super) struct AdaptiveKeys {
+    pub learned: String,
+    pub accepted: String,
+    pub limit: String,
+}
+
+#[cfg(test)]
+pub(super) mod header {
+    //! Reading a script's header (`-- KEYS[n] ...`, `-- ARGV[n] ...`) to check a typed call
+    //! against it.
+
+    use super::Call;
+
+    /// What a call wrote: its keys and its arguments (as text).
+    #[derive(Default, Debug)]
+    pub struct Written {
+        pub keys: Vec<String>,
+        pub args: Vec<String>,
+    }
+
+    impl Call for Written {
+        fn key(&mut self, key: String) -> &mut Self {
+            self.keys.push(key);
+            self
+        }
+        fn arg<T: redis::ToRedisArgs>(&mut self, arg: T) -> &mut Self {
+            self.args.extend(
+                arg.to_redis_args()
+                    .into_iter()
+                    .map(|a| String::from_utf8(a).unwrap()),
+            );
+            self
+        }
+    }
+
+    /// The header's lines for `what` (`KEYS` or `ARGV`), by index (1-based, as in Lua): the
+    /// text after `-- KEYS[n]`. Every index from 1 to the last must be listed once; a line
+    /// whose position moves with an option (`KEYS[6] (KEYS[3] without ADAPTIVE)`) is listed
+    /// at its position with every option given (the larger). Ranges (`KEYS[3…]`) are not read.
+    pub fn lines(source: &str, what: &str) -> Vec<String> {
+        let prefix = format!("-- {what}[");
+        let mut found: Vec<(usize, String)> = source
+            .lines()
+            .filter_map(|line| {
+                let rest = line.strip_prefix(&prefix)?;
+                let (n, text) = rest.split_once(']')?;
+                let n: usize = n.parse().ok()?;
+                let text = text.trim();
+                // `KEYS[6] (KEYS[3] without ADAPTIVE)`: its index with every option given.
+                let other = text
+                    .strip_prefix(&format!("({what}["))
+                    .and_then(|t| t.split_once(']'))
+                    .and_then(|(m, _)| m.parse::<usize>().ok())
+                    .unwrap_or(0);
+                Some((n.max(other), text.to_owned()))
+            })
+            .collect();
+        found.sort_by_key(|(n, _)| *n);
+        for (i, (n, _)) in found.iter().enumerate() {
+            assert_eq!(*n, i + 1, "{what}[{n}] listed out of order or twice");
+        }
+        found.into_iter().map(|(_, text)| text).collect()
+    }
+
+    /// Checks what a call wrote (`written`, its keys or its arguments) against the header's
+    /// `what` lines: position by position, the value written and a phrase of the line that
+    /// names it. `expected` lists every position the call writes, in order.
+    pub fn check(source: &str, what: &str, written: &[String], expected: &[(&str, &str)]) {
+        let lines = lines(source, what);
+        let got: Vec<&str> = written.iter().map(String::as_str).collect();
+        let want: Vec<&str> = expected.iter().map(|(value, _)| *value).collect();
+        assert_eq!(got, want, "{what} written");
+        assert!(
+            written.len() <= lines.len(),
+            "{what}: {} written, the header lists {}",
+            written.len(),
+            lines.len()
+        );
+        for (i, (_, phrase)) in expected.iter().enumerate() {
+            assert!(
+                lines[i].contains(phrase),
+                "{what}[{}] is `{}`, expected it to name `{phrase}`",
+                i + 1,
+                lines[i]
+            );
+        }
+    }
+}

@@ -1,0 +1,165 @@
+//! The records' scripts (see `permit/records.rs`): `lua/batch_seen.lua`,
+//! `lua/batch_event_sent.lua` and `lua/tally.lua`.
+
+use super::Call;
+use crate::permit::scripts;
+
+/// `lua/batch_seen.lua`: a batch seen by a replica (its progress created if new, its size
+/// taken if first given). Answers `{FIRST_MS, EVENT}`. See the script's header.
+pub(in crate::permit) struct BatchSeenCall<'a> {
+    /// KEYS[1]: the batch's progress.
+    pub progress: String,
+    /// KEYS[2]: the seller's batches.
+    pub seller_batches: String,
+    /// ARGV[1]: TTL in ms (at least 1).
+    pub ttl_ms: u64,
+    /// ARGV[2] SELLER, ARGV[3] BATCH, ARGV[4] BATCH_SIZE (0 = none).
+    pub seller: &'a str,
+    pub batch: &'a str,
+    pub size: u32,
+}
+
+impl BatchSeenCall<'_> {
+    /// The script's invocation.
+    pub fn invocation(&self) -> redis::ScriptInvocation<'static> {
+        let mut invocation = scripts::batch_seen().prepare_invoke();
+        self.write(&mut invocation);
+        invocation
+    }
+
+    /// KEYS and ARGV in the script's order.
+    pub fn write<C: Call>(&self, to: &mut C) {
+        to.key(self.progress.clone())
+            .key(self.seller_batches.clone())
+            .arg(self.ttl_ms)
+            .arg(self.seller)
+            .arg(self.batch)
+            .arg(self.size);
+    }
+}
+
+/// `lua/batch_event_sent.lua`: the batch's completion event EVENT was published. Answers 1
+/// when it was pending and is no longer, else 0.
+pub(in crate::permit) struct BatchEventSent {
+    /// KEYS[1]: the batch's progress.
+    pub progress: String,
+    /// ARGV[1]: EVENT, the event's `completed_ms`.
+    pub completed_ms: u64,
+}
+
+impl BatchEventSent {
+    /// The script's invocation.
+    pub fn invocation(&self) -> redis::ScriptInvocation<'static> {
+        let mut invocation = scripts::batch_event_sent().prepare_invoke();
+        self.write(&mut invocation);
+        invocation
+    }
+
+    /// KEYS and ARGV in the script's order.
+    pub fn write<C: Call>(&self, to: &mut C) {
+        to.key(self.progress.clone()).arg(self.completed_ms);
+    }
+}
+
+/// `lua/tally.lua`: adds BY to FIELD of a hash of counts. Answers the count now.
+pub(in crate::permit) struct Tally<'a> {
+    /// KEYS[1]: the hash of counts.
+    pub counts: String,
+    /// ARGV[1]: FIELD.
+    pub field: &'a str,
+    /// ARGV[2]: BY (may be negative).
+    pub by: i64,
+}
+
+impl Tally<'_> {
+    /// The script's invocation.
+    pub fn invocation(&self) -> redis::ScriptInvocation<'static> {
+        let mut invocation = scripts::tally().prepare_invoke();
+        self.write(&mut invocation);
+        invocation
+    }
+
+    /// KEYS and ARGV in the script's order.
+    pub fn write<C: Call>(&self, to: &mut C) {
+        to.key(self.counts.clone()).arg(self.field).arg(self.by);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::super::header::{Written, check, lines};
+    use super::*;
+
+    #[test]
+    fn batch_seen_follows_its_header() {
+        const SOURCE: &str = include_str!("../../../lua/batch_seen.lua");
+        let mut written = Written::default();
+        BatchSeenCall {
+            progress: "progress".into(),
+            seller_batches: "batches".into(),
+            ttl_ms: 9,
+            seller: "s1",
+            batch: "b1",
+            size: 7,
+        }
+        .write(&mut written);
+        check(
+            SOURCE,
+            "KEYS",
+            &written.keys,
+            &[
+                ("progress", "batch's progress"),
+                ("batches", "seller's batches"),
+            ],
+        );
+        // ARGV[2] to ARGV[4] share one line of the header.
+        check(
+            SOURCE,
+            "ARGV",
+            &written.args[..2],
+            &[("9", "TTL"), ("s1", "SELLER")],
+        );
+        let line = &lines(SOURCE, "ARGV")[1];
+        assert!(line.contains("ARGV[3] BATCH, ARGV[4] BATCH_SIZE"), "{line}");
+        assert_eq!(written.args[2..], ["b1", "7"]);
+    }
+
+    #[test]
+    fn batch_event_sent_and_tally_follow_their_headers() {
+        const SENT: &str = include_str!("../../../lua/batch_event_sent.lua");
+        let mut written = Written::default();
+        BatchEventSent {
+            progress: "progress".into(),
+            completed_ms: 5,
+        }
+        .write(&mut written);
+        check(
+            SENT,
+            "KEYS",
+            &written.keys,
+            &[("progress", "batch's progress")],
+        );
+        check(SENT, "ARGV", &written.args, &[("5", "EVENT")]);
+
+        const TALLY: &str = include_str!("../../../lua/tally.lua");
+        let mut written = Written::default();
+        Tally {
+            counts: "counts".into(),
+            field: "rejected",
+            by: -1,
+        }
+        .write(&mut written);
+        check(
+            TALLY,
+            "KEYS",
+            &written.keys,
+            &[("counts", "hash of counts")],
+        );
+        check(
+            TALLY,
+            "ARGV",
+            &written.args,
+            &[("rejected", "FIELD"), ("-1", "BY")],
+        );
+    }
+}
