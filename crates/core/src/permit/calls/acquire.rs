@@ -2,6 +2,7 @@
 //! `lua/fixed_window.lua`, which share their keys and arguments but for a tail of their own.
 
 use super::Call;
+use super::operate;
 use crate::config::{Algorithm, Limits};
 use crate::domain::Cost;
 use crate::permit::batch::Operation;
@@ -76,9 +77,7 @@ impl AcquireTail {
 impl Acquire<'_> {
     /// The batch's operation (named after the algorithm).
     pub fn operation(&self) -> Operation {
-        let mut operation = Operation::new(self.tail.algorithm().name());
-        self.write(&mut operation);
-        operation
+        operate(self.tail.algorithm().name(), |to| self.write(to))
     }
 
     /// KEYS and ARGV in the script's order.

@@ -4,6 +4,7 @@
 use std::time::Duration;
 
 use super::Call;
+use super::invoke;
 use crate::config::{Algorithm, Limits};
 use crate::permit::{
     Answer, GlobalShare, GlobalUsage, LimitUsage, PermitError, Shadow, Terms, Usage, Why,
@@ -30,9 +31,7 @@ pub(in crate::permit) struct UsageCall<'a> {
 impl UsageCall<'_> {
     /// The script's invocation.
     pub fn invocation(&self) -> redis::ScriptInvocation<'static> {
-        let mut invocation = scripts::usage().prepare_invoke();
-        self.write(&mut invocation);
-        invocation
+        invoke(scripts::usage(), |to| self.write(to))
     }
 
     /// KEYS and ARGV in the script's order.
@@ -146,9 +145,7 @@ pub(in crate::permit) struct Reschedule<'a> {
 impl Reschedule<'_> {
     /// The script's invocation.
     pub fn invocation(&self) -> redis::ScriptInvocation<'static> {
-        let mut invocation = scripts::reschedule().prepare_invoke();
-        self.write(&mut invocation);
-        invocation
+        invoke(scripts::reschedule(), |to| self.write(to))
     }
 
     /// KEYS and ARGV in the script's order.
@@ -206,9 +203,7 @@ pub(in crate::permit) struct GlobalUsageCall {
 impl GlobalUsageCall {
     /// The script's invocation.
     pub fn invocation(&self) -> redis::ScriptInvocation<'static> {
-        let mut invocation = scripts::global_usage().prepare_invoke();
-        self.write(&mut invocation);
-        invocation
+        invoke(scripts::global_usage(), |to| self.write(to))
     }
 
     /// KEYS and ARGV in the script's order.
@@ -281,9 +276,7 @@ pub(in crate::permit) struct Pause {
 impl Pause {
     /// The script's invocation.
     pub fn invocation(&self) -> redis::ScriptInvocation<'static> {
-        let mut invocation = scripts::pause().prepare_invoke();
-        self.write(&mut invocation);
-        invocation
+        invoke(scripts::pause(), |to| self.write(to))
     }
 
     /// KEYS and ARGV in the script's order.
@@ -310,9 +303,7 @@ pub(in crate::permit) struct Reset {
 impl Reset {
     /// The script's invocation.
     pub fn invocation(&self) -> redis::ScriptInvocation<'static> {
-        let mut invocation = scripts::reset().prepare_invoke();
-        self.write(&mut invocation);
-        invocation
+        invoke(scripts::reset(), |to| self.write(to))
     }
 
     /// KEYS and ARGV in the script's order.

@@ -1,5 +1,6 @@
 //! `lua/complete.lua`.
 
+use super::operate;
 use super::{AdaptiveKeys, Call};
 use crate::permit::batch::Operation;
 
@@ -52,9 +53,7 @@ pub(in crate::permit) struct CompleteBatch<'a> {
 impl Complete<'_> {
     /// The batch's operation (`complete`).
     pub fn operation(&self) -> Operation {
-        let mut operation = Operation::new("complete");
-        self.write(&mut operation);
-        operation
+        operate("complete", |to| self.write(to))
     }
 
     /// KEYS and ARGV in the script's order.

@@ -1,6 +1,7 @@
 //! `lua/ended.lua`.
 
 use super::Call;
+use super::operate;
 use crate::permit::batch::Operation;
 
 /// `lua/ended.lua`: a call's answer came (or it will not be sent): its END in the seller's
@@ -19,9 +20,7 @@ pub(in crate::permit) struct CallEnded<'a> {
 impl CallEnded<'_> {
     /// The batch's operation (`ended`).
     pub fn operation(&self) -> Operation {
-        let mut operation = Operation::new("ended");
-        self.write(&mut operation);
-        operation
+        operate("ended", |to| self.write(to))
     }
 
     /// KEYS and ARGV in the script's order.

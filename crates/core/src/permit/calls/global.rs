@@ -1,6 +1,7 @@
 //! `lua/global.lua`.
 
 use super::Call;
+use super::invoke;
 use crate::permit::scripts;
 
 /// `lua/global.lua`: admits a seller's call under the global limit, shared fairly by the
@@ -28,9 +29,7 @@ pub(in crate::permit) struct Global<'a> {
 impl Global<'_> {
     /// The script's invocation.
     pub fn invocation(&self) -> redis::ScriptInvocation<'static> {
-        let mut invocation = scripts::global().prepare_invoke();
-        self.write(&mut invocation);
-        invocation
+        invoke(scripts::global(), |to| self.write(to))
     }
 
     /// KEYS and ARGV in the script's order.

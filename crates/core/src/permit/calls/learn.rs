@@ -1,6 +1,7 @@
 //! `lua/learn.lua`.
 
 use super::Call;
+use super::operate;
 use crate::config::Algorithm;
 use crate::permit::Terms;
 use crate::permit::batch::Operation;
@@ -38,9 +39,7 @@ pub(in crate::permit) struct Learn<'a> {
 impl Learn<'_> {
     /// The batch's operation (`learn`).
     pub fn operation(&self) -> Operation {
-        let mut operation = Operation::new("learn");
-        self.write(&mut operation);
-        operation
+        operate("learn", |to| self.write(to))
     }
 
     /// KEYS and ARGV in the script's order.

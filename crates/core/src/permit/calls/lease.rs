@@ -1,6 +1,7 @@
 //! `lua/lease.lua`.
 
 use super::Call;
+use super::invoke;
 use crate::permit::scripts;
 
 /// `lua/lease.lua`: a lease of one of the seller's calls in flight, under its LIMIT of calls
@@ -23,9 +24,7 @@ pub(in crate::permit) struct Lease<'a> {
 impl Lease<'_> {
     /// The script's invocation.
     pub fn invocation(&self) -> redis::ScriptInvocation<'static> {
-        let mut invocation = scripts::lease().prepare_invoke();
-        self.write(&mut invocation);
-        invocation
+        invoke(scripts::lease(), |to| self.write(to))
     }
 
     /// KEYS and ARGV in the script's order.

@@ -58,6 +58,23 @@ impl Call for redis::ScriptInvocation<'_> {
     }
 }
 
+/// `script`'s invocation, its keys and arguments laid out by `write` (a typed call's).
+pub(super) fn invoke(
+    script: &'static redis::Script,
+    write: impl FnOnce(&mut redis::ScriptInvocation<'static>),
+) -> redis::ScriptInvocation<'static> {
+    let mut invocation = script.prepare_invoke();
+    write(&mut invocation);
+    invocation
+}
+
+/// The batch's operation `name`, its keys and arguments laid out by `write` (a typed call's).
+pub(super) fn operate(name: &'static str, write: impl FnOnce(&mut Operation)) -> Operation {
+    let mut operation = Operation::new(name);
+    write(&mut operation);
+    operation
+}
+
 /// The seller's keys of adaptive limits a call reads (`lua/learn.lua`'s state, the accepted
 /// log and the limit override), where a script takes them together.
 #[derive(Clone, Debug, PartialEq, Eq)]

@@ -2,6 +2,7 @@
 //! `lua/batch_event_sent.lua` and `lua/tally.lua`.
 
 use super::Call;
+use super::invoke;
 use crate::permit::scripts;
 
 /// `lua/batch_seen.lua`: a batch seen by a replica (its progress created if new, its size
@@ -22,9 +23,7 @@ pub(in crate::permit) struct BatchSeenCall<'a> {
 impl BatchSeenCall<'_> {
     /// The script's invocation.
     pub fn invocation(&self) -> redis::ScriptInvocation<'static> {
-        let mut invocation = scripts::batch_seen().prepare_invoke();
-        self.write(&mut invocation);
-        invocation
+        invoke(scripts::batch_seen(), |to| self.write(to))
     }
 
     /// KEYS and ARGV in the script's order.
@@ -50,9 +49,7 @@ pub(in crate::permit) struct BatchEventSent {
 impl BatchEventSent {
     /// The script's invocation.
     pub fn invocation(&self) -> redis::ScriptInvocation<'static> {
-        let mut invocation = scripts::batch_event_sent().prepare_invoke();
-        self.write(&mut invocation);
-        invocation
+        invoke(scripts::batch_event_sent(), |to| self.write(to))
     }
 
     /// KEYS and ARGV in the script's order.
@@ -74,9 +71,7 @@ pub(in crate::permit) struct Tally<'a> {
 impl Tally<'_> {
     /// The script's invocation.
     pub fn invocation(&self) -> redis::ScriptInvocation<'static> {
-        let mut invocation = scripts::tally().prepare_invoke();
-        self.write(&mut invocation);
-        invocation
+        invoke(scripts::tally(), |to| self.write(to))
     }
 
     /// KEYS and ARGV in the script's order.

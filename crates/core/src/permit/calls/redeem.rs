@@ -1,6 +1,7 @@
 //! `lua/redeem.lua`.
 
 use super::Call;
+use super::operate;
 use crate::config::Algorithm;
 use crate::permit::batch::Operation;
 
@@ -47,9 +48,7 @@ pub(in crate::permit) struct Redeem<'a> {
 impl Redeem<'_> {
     /// The batch's operation (`redeem`).
     pub fn operation(&self) -> Operation {
-        let mut operation = Operation::new("redeem");
-        self.write(&mut operation);
-        operation
+        operate("redeem", |to| self.write(to))
     }
 
     /// KEYS and ARGV in the script's order.

@@ -1,6 +1,7 @@
 //! `lua/release.lua`.
 
 use super::Call;
+use super::invoke;
 use crate::config::Algorithm;
 use crate::permit::scripts;
 
@@ -34,9 +35,7 @@ pub(in crate::permit) struct Release<'a> {
 impl Release<'_> {
     /// The script's invocation.
     pub fn invocation(&self) -> redis::ScriptInvocation<'static> {
-        let mut invocation = scripts::release().prepare_invoke();
-        self.write(&mut invocation);
-        invocation
+        invoke(scripts::release(), |to| self.write(to))
     }
 
     /// KEYS and ARGV in the script's order.

@@ -1,6 +1,7 @@
 //! `lua/unreserve.lua`.
 
 use super::Call;
+use super::invoke;
 use crate::config::Algorithm;
 use crate::permit::scripts;
 
@@ -30,9 +31,7 @@ pub(in crate::permit) struct Unreserve<'a> {
 impl Unreserve<'_> {
     /// The script's invocation.
     pub fn invocation(&self) -> redis::ScriptInvocation<'static> {
-        let mut invocation = scripts::unreserve().prepare_invoke();
-        self.write(&mut invocation);
-        invocation
+        invoke(scripts::unreserve(), |to| self.write(to))
     }
 
     /// KEYS and ARGV in the script's order.
