@@ -742,12 +742,17 @@ impl LimiterArgs {
         Ok(())
     }
 
-    /// The guard in effect for a window: the configured one, or window/20 within [25ms, 2s].
+    /// The guard in effect for a window (see [`guard_for`]).
     pub fn guard_for(&self, window: Duration) -> Duration {
-        self.guard.unwrap_or_else(|| {
-            (window / 20).clamp(Duration::from_millis(25), Duration::from_secs(2))
-        })
+        guard_for(self.guard, window)
     }
+}
+
+/// The guard in effect for a window: the configured one (`TURNSTILE_LIMIT_GUARD`), or
+/// window/20 within [25ms, 2s] (as `guard_for` in `lua/include/limits.lua` computes it).
+pub fn guard_for(configured: Option<Duration>, window: Duration) -> Duration {
+    configured
+        .unwrap_or_else(|| (window / 20).clamp(Duration::from_millis(25), Duration::from_secs(2)))
 }
 
 /// The terms under which a seller's limits are read and changed from outside a replica
@@ -876,6 +881,15 @@ fn redact_one_url(url: &str) -> String {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn the_guard_is_a_twentieth_of_the_window_within_25_ms_and_2_s_unless_one_is_configured() {
+        let ms = Duration::from_millis;
+        for (window, guard) in [(100, 25), (1_000, 50), (30_000, 1_500), (3_600_000, 2_000)] {
+            assert_eq!(guard_for(None, ms(window)), ms(guard), "{window} ms");
+            assert_eq!(guard_for(Some(ms(7)), ms(window)), ms(7), "{window} ms");
+        }
+    }
 
     #[test]
     fn a_record_delay_may_be_zero_but_not_garbage() {

@@ -229,9 +229,7 @@ impl Terms {
     /// The guard in effect for a window, as [`LimiterArgs::guard_for`] gives it: the configured
     /// one, or window/20 within [25ms, 2s].
     pub fn guard_for(&self, window: Duration) -> Duration {
-        self.guard.unwrap_or_else(|| {
-            (window / 20).clamp(Duration::from_millis(25), Duration::from_secs(2))
-        })
+        crate::config::guard_for(self.guard, window)
     }
 
     /// The scripts' GUARD argument (-1: each window's default guard).
@@ -636,35 +634,5 @@ impl Admin {
                 at_us: at as i64,
             })
             .collect())
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    use std::time::Duration;
-
-    use super::Terms;
-    use crate::config::{Algorithm, LimiterArgs};
-
-    #[test]
-    fn the_terms_guard_each_window_as_the_limiter_does() {
-        for guard in [None, Some(Duration::from_millis(7))] {
-            let limiter = LimiterArgs {
-                guard,
-                ..LimiterArgs::new(
-                    "5/1s,100/1h".parse::<crate::config::Limits>().unwrap(),
-                    Algorithm::Gcra,
-                )
-            };
-            let terms = Terms::from(&limiter);
-            for ms in [1, 100, 1_000, 30_000, 3_600_000] {
-                let window = Duration::from_millis(ms);
-                assert_eq!(
-                    terms.guard_for(window),
-                    limiter.guard_for(window),
-                    "{guard:?} {ms}"
-                );
-            }
-        }
     }
 }
