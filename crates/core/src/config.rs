@@ -829,12 +829,6 @@ impl LimiterArgs {
     }
 }
 
-impl From<TermsArgs> for LimiterArgs {
-    fn from(terms: TermsArgs) -> Self {
-        Self::with_terms(terms)
-    }
-}
-
 impl From<DefaultLimitArgs> for LimiterArgs {
     /// The default limit, with the defaults of every other setting.
     fn from(default: DefaultLimitArgs) -> Self {
