@@ -18,7 +18,7 @@ async fn last_reserved_slot(store: &PermitStore, seller: &SellerId) -> Option<i6
         .await
         .unwrap();
     let last: Vec<(String, f64)> = redis::cmd("ZRANGE")
-        .arg(store.keys().reserved(seller))
+        .arg(store.keys().reserved(seller, store.algorithm()))
         .arg(-1)
         .arg(-1)
         .arg("WITHSCORES")

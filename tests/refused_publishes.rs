@@ -97,7 +97,10 @@ async fn a_refused_delay_publish_gives_back_its_reserved_slot() {
     let prefetch = u64::from(settings.prefetch());
     rig.start_replica(settings).await.unwrap();
     let seller = SellerId::parse("S-refused").unwrap();
-    let reserved_key = rig.store().keys().reserved(&seller);
+    let reserved_key = rig
+        .store()
+        .keys()
+        .reserved(&seller, rig.store().algorithm());
     ladder_policy(
         &work,
         Some(r#"{"max-length":0,"overflow":"reject-publish"}"#),

@@ -7,6 +7,7 @@ use anyhow::Context;
 use clap::Subcommand;
 use turnstile_core::config::{LimiterArgs, Limits, RedisArgs, TermsArgs};
 use turnstile_core::domain::SellerId;
+use turnstile_core::fleet;
 use turnstile_core::permit::{Admin, MAX_SHADOW_COUNT, MAX_WEIGHT, RedisConn, Terms};
 
 use super::seller_arg;
@@ -17,7 +18,7 @@ use super::seller_arg;
 #[derive(clap::Args, Debug)]
 #[command(
     subcommand_precedence_over_arg = true,
-    after_help = "The replicas' terms (--limit, --algorithm, ...) are read from their TURNSTILE_* variables, or given before the action: `turnstile limits --limit 100/1m get --seller S`."
+    after_help = "Sellers are read and changed under the fleet's terms (the strictest of the live replicas'). With no replica alive, under the terms given here (--limit, --algorithm, ...: the TURNSTILE_* variables, or flags before the action: `turnstile limits --limit 100/1m get --seller S`)."
 )]
 pub struct LimitsArgs {
     #[command(subcommand)]
@@ -95,8 +96,12 @@ pub async fn run(
         terms,
     }: LimitsArgs,
 ) -> anyhow::Result<ExitCode> {
-    let limiter = LimiterArgs::with_terms(terms);
     let conn = RedisConn::connect(&redis).await?;
+    let terms = fleet::tool_terms(&conn, &redis.key_prefix, LimiterArgs::with_terms(terms)).await?;
+    if let Some(note) = terms.note(&redis.key_prefix) {
+        eprintln!("{note}");
+    }
+    let limiter = terms.limiter;
     let store = Admin::new(conn, &redis.key_prefix, Terms::from(&limiter));
     let line = match action {
         LimitsAction::Set {

@@ -11,6 +11,7 @@ use anyhow::Context;
 use futures::StreamExt;
 use turnstile_core::broker::{BrokerArgs, Publisher};
 use turnstile_core::config::{DefaultLimitArgs, LimiterArgs, RedisArgs};
+use turnstile_core::fleet;
 use turnstile_core::permit::{Admin, RedisConn, Terms};
 use turnstile_core::trace::TraceContext;
 use turnstile_upload::upload::{UploadRow, read_weighed_upload};
@@ -41,7 +42,8 @@ pub struct PublishArgs {
     #[command(flatten)]
     pub redis: RedisArgs,
     /// Read for the estimate printed at the end only (how long the upload takes at least at
-    /// the seller's limit: its override, else this default).
+    /// the seller's limit: its override, else the fleet's default; this one only when no
+    /// replica is alive).
     #[command(flatten)]
     pub limit: DefaultLimitArgs,
 }
@@ -61,8 +63,12 @@ pub async fn run(args: PublishArgs) -> anyhow::Result<ExitCode> {
         eprintln!("skipped {bad}");
     }
     let conn = RedisConn::connect(&args.redis).await?;
-    let terms = Terms::from(&LimiterArgs::from(args.limit.clone()));
-    let store = Admin::new(conn, &args.redis.key_prefix, terms);
+    let prefix = &args.redis.key_prefix;
+    let terms = fleet::tool_terms(&conn, prefix, LimiterArgs::from(args.limit.clone())).await?;
+    if let Some(note) = terms.note(prefix) {
+        eprintln!("{note}");
+    }
+    let store = Admin::new(conn, prefix, Terms::from(&terms.limiter));
     let (connection, publisher, topology) = args.broker.open("turnstile publish").await?;
     let queue = topology.work().to_owned();
     let label = format!("publishing {} of {seller}", upload.batch_id.as_str());

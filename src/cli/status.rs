@@ -6,6 +6,7 @@ use std::process::ExitCode;
 
 use turnstile_core::config::{GlobalLimitArgs, LimiterArgs, RedisArgs, TermsArgs};
 use turnstile_core::domain::SellerId;
+use turnstile_core::fleet;
 use turnstile_core::permit::{Admin, GlobalUsage, Records, RedisConn, Terms, Usage};
 use turnstile_upload::progress::{self, BatchReport};
 
@@ -24,8 +25,8 @@ pub struct StatusArgs {
     pub json: bool,
     #[command(flatten)]
     pub redis: RedisArgs,
-    /// Each seller's limits are read under the replicas' terms (their usage, what adaptive
-    /// limits learned, the ETA).
+    /// Each seller's limits are read under the fleet's terms (their usage, what adaptive limits
+    /// learned, the ETA); these apply only when no replica is alive.
     #[command(flatten)]
     pub terms: TermsArgs,
     /// The global limit's use and each seller's share of it.
@@ -39,7 +40,11 @@ pub async fn run(args: StatusArgs) -> anyhow::Result<ExitCode> {
         LimiterArgs::with_terms(args.terms.clone()).with_global_limit(args.global.clone());
     let conn = RedisConn::connect(&args.redis).await?;
     let prefix = &args.redis.key_prefix;
-    let admin = Admin::new(conn.clone(), prefix, Terms::from(&limiter));
+    let terms = fleet::tool_terms(&conn, prefix, limiter).await?;
+    if let Some(note) = terms.note(prefix) {
+        eprintln!("{note}");
+    }
+    let admin = Admin::new(conn.clone(), prefix, Terms::from(&terms.limiter));
     let records = Records::new(conn, prefix);
     let seller = args.seller.as_deref().map(seller_arg).transpose()?;
     let batch = args.batch.as_deref().map(batch_arg).transpose()?;

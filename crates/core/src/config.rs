@@ -426,6 +426,11 @@ impl Algorithm {
         }
     }
 
+    /// The algorithm of that name (as [`Algorithm::name`] writes it).
+    pub fn named(name: &str) -> Option<Self> {
+        Self::ALL.into_iter().find(|a| a.name() == name)
+    }
+
     /// Whether no trailing window ever holds more than COUNT grants (sliding-window, gcra);
     /// token-bucket and fixed-window allow up to twice that across a refill or a window edge.
     pub fn is_exact(&self) -> bool {

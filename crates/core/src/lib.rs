@@ -9,6 +9,8 @@
 //! - [`worker`]: one delivery → one `Outcome`, settled in one place; the decisions apart as
 //!   pure functions
 //! - [`broker`]: RabbitMQ (lapin): topology, the delay ladder, settling, dead letters, results
+//! - [`fleet`]: the replicas' registry in Redis and the strictest live terms every grant
+//!   follows
 //! - [`permit`]: the Redis/Lua limiter shared by every replica (per seller, its calls in
 //!   flight, the global limit), and the Redis keyspace
 //! - [`downstream`]: the registration call and what its answer means
@@ -22,6 +24,7 @@ pub mod broker;
 pub mod config;
 pub mod domain;
 pub mod downstream;
+pub mod fleet;
 pub mod permit;
 pub mod replica;
 pub mod series;

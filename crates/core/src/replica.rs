@@ -23,6 +23,7 @@ use crate::broker::ladder::Ladder;
 use crate::broker::{self, BrokerArgs, Publisher, Settler, Topology};
 use crate::config::{LimiterArgs, RedisArgs, duration_arg};
 use crate::downstream::{Downstream, DownstreamArgs};
+use crate::fleet;
 use crate::permit::{self, PermitStore, RedisClient};
 use crate::telemetry::Readiness;
 use crate::worker::{Stats, Worker, WorkerSettings};
@@ -174,8 +175,18 @@ impl Starting {
         let permits =
             PermitStore::new(conn, &self.args.redis.key_prefix, self.args.limiter.clone())
                 .with_call_timeout(self.args.downstream.timeout);
+        let fleet = Arc::new(fleet::Member::new(
+            permits.conn().clone(),
+            &self.args.redis.key_prefix,
+            self.args.limiter.clone(),
+            permits.applied().clone(),
+            self.stats.clone(),
+            self.ready.clone(),
+            &self.args.broker.queue,
+        ));
         Ok(Some(Connecting {
             permits,
+            fleet,
             starting: self,
         }))
     }
@@ -208,6 +219,8 @@ async fn check_memory_policy(conn: &permit::RedisConn, allowed: bool) -> anyhow:
 pub struct Connecting {
     /// The replica's permit store (the operator side reads its views through it).
     pub permits: PermitStore,
+    /// The replica as a member of the fleet (the operator side reads the fleet through it).
+    pub fleet: Arc<fleet::Member>,
     starting: Starting,
 }
 
@@ -230,7 +243,15 @@ impl Connecting {
             nodes,
             ..
         } = self.starting;
-        let permits = self.permits;
+        let (permits, fleet) = (self.permits, self.fleet);
+        // Consumes only once every live replica grants under the fleet's terms, this one's
+        // included (see `fleet`).
+        if !fleet.join(&shutdown).await {
+            return Ok(None);
+        }
+        // The heartbeats go on until the replica has drained (it grants until then).
+        let watcher_stop = CancellationToken::new();
+        let heartbeats = tokio::spawn(fleet.clone().run(watcher_stop.clone()));
         let worker = Arc::new(new_worker(&args, &permits, downstream, stats.clone()));
         let opened = until_connected(
             "RabbitMQ",
@@ -241,12 +262,14 @@ impl Connecting {
         .await
         .context("TURNSTILE_AMQP_URL / TURNSTILE_QUEUE_TYPE: the broker refused the replica")?;
         let Some(session) = opened else {
+            watcher_stop.cancel();
+            let _ = heartbeats.await;
             return Ok(None);
         };
         ready.set(true);
-        info!(queue = %args.broker.queue, workers = args.workers, prefetch = args.prefetch(), algorithm = %args.limiter.algorithm, limit = %args.limiter.limit, "consuming");
+        let terms = permits.limiter();
+        info!(queue = %args.broker.queue, workers = args.workers, prefetch = args.prefetch(), algorithm = %terms.algorithm, limit = %terms.limit, "consuming");
         // The reschedule watcher outlives `shutdown` until the replica has drained.
-        let watcher_stop = CancellationToken::new();
         let watcher = tokio::spawn(permit::watch_reschedules(
             permits.clone(),
             worker.reschedules.clone(),
@@ -263,7 +286,7 @@ impl Connecting {
             let _ =
                 tokio::time::timeout(Duration::from_secs(1), permits.write_pool_answers()).await;
             watcher_stop.cancel();
-            let _ = tokio::join!(watcher, memory_watch);
+            let _ = tokio::join!(watcher, memory_watch, heartbeats);
             ran
         });
         Ok(Some(Replica { stats, ready, done }))

@@ -267,6 +267,16 @@ pub const METRICS: &[Metric] = &[
         "Downstream calls under way in this replica.",
     ),
     plain(
+        "turnstile_fleet_replicas",
+        Gauge,
+        "Live replicas in the fleet's registry, as this replica's last heartbeat saw them.",
+    ),
+    plain(
+        "turnstile_fleet_disagreement",
+        Gauge,
+        "1 while the live replicas were started with different terms (every grant follows the strictest), else 0.",
+    ),
+    plain(
         "turnstile_held_messages",
         Gauge,
         "Throttled messages held in this replica waiting for their slot.",

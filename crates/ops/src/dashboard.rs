@@ -34,6 +34,7 @@ use tracing::debug;
 
 use turnstile_core::broker::{self, Topology, unix_ms};
 use turnstile_core::domain::SellerId;
+use turnstile_core::fleet;
 use turnstile_core::permit::{Admin, Records, Usage};
 use turnstile_core::telemetry::Readiness;
 use turnstile_core::worker::Stats;
@@ -107,6 +108,17 @@ pub struct Snapshot {
     pub throughput: Throughput,
     /// The global limit's budget, its use and each seller's share (`None` without one).
     pub global: Option<GlobalView>,
+    /// The fleet as this replica's last heartbeat saw it (`None` before it).
+    pub fleet: Option<FleetView>,
+}
+
+/// The fleet (see `turnstile_core::fleet`) with the serving replica's id.
+#[derive(Debug, Serialize)]
+pub struct FleetView {
+    #[serde(flatten)]
+    pub view: fleet::View,
+    /// The serving replica's id.
+    pub me: String,
 }
 
 /// The global limit (`TURNSTILE_GLOBAL_LIMIT`) now: each limit's units taken of its COUNT,
@@ -252,6 +264,8 @@ pub struct Dashboard {
     stats: Arc<Stats>,
     ready: Readiness,
     info: ReplicaInfo,
+    /// The serving replica as a member of the fleet, if it is one.
+    fleet: Option<Arc<fleet::Member>>,
     depths: Arc<Mutex<Option<QueueDepths>>>,
     cache: tokio::sync::Mutex<Option<(Instant, Arc<String>)>>,
 }
@@ -280,9 +294,25 @@ impl Dashboard {
             stats,
             ready,
             info,
+            fleet: None,
             depths: Arc::default(),
             cache: tokio::sync::Mutex::default(),
         }
+    }
+
+    /// The dashboard of a replica that is a member of a fleet: the page lists the fleet.
+    pub fn with_fleet(mut self, member: Arc<fleet::Member>) -> Self {
+        self.fleet = Some(member);
+        self
+    }
+
+    /// The fleet as the serving replica's last heartbeat saw it, with its id.
+    pub fn fleet(&self) -> Option<FleetView> {
+        let member = self.fleet.as_ref()?;
+        Some(FleetView {
+            view: member.view(),
+            me: member.id().to_owned(),
+        })
     }
 
     /// The snapshot as JSON, computed at most once a second.
@@ -353,14 +383,21 @@ impl Dashboard {
             dead_letters,
             throughput,
             global,
+            fleet: self.fleet(),
         })
     }
 
     /// This replica's own figures.
     fn replica_view(&self) -> ReplicaView {
         let stats = &self.stats;
+        // The terms it grants under now (the fleet's), not the ones it was started with.
+        let terms = self.admin.terms();
         ReplicaView {
-            info: self.info.clone(),
+            info: ReplicaInfo {
+                algorithm: terms.algorithm.name(),
+                limit: terms.limit.to_string(),
+                ..self.info.clone()
+            },
             ready: self.ready.get(),
             in_flight: stats.in_flight.load(Ordering::Relaxed),
             held: stats.held.load(Ordering::Relaxed),

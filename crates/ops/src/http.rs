@@ -1,7 +1,8 @@
 //! The replica's HTTP endpoints: `/metrics` (Prometheus), `/healthz`, `/readyz`, the
 //! dashboard (its page at `/` and its data at `/api/dashboard`, see [`crate::dashboard`]), and
 //! what the upload service reads: `/api/batches/{batch_id}` and `/api/sellers/{seller_id}`
-//! (progress and ETA, see `turnstile_upload::progress`).
+//! (progress and ETA, see `turnstile_upload::progress`), and `/api/fleet` (the replicas and
+//! the terms in force, see `turnstile_core::fleet`).
 
 use std::net::SocketAddr;
 use std::sync::atomic::Ordering;
@@ -169,6 +170,18 @@ fn api_input<'a, T, E: std::fmt::Display>(
     Ok((dashboard, id))
 }
 
+/// `GET /api/fleet`: the live replicas, whether they agree, and the terms in force (see
+/// `turnstile_core::fleet`), as the serving replica's last heartbeat saw them.
+async fn fleet_api(State(endpoints): State<Endpoints>) -> Response {
+    match endpoints.dashboard.get().and_then(|d| d.fleet()) {
+        Some(fleet) => json_answer(StatusCode::OK, serde_json::json!(fleet)),
+        None => api_error(
+            StatusCode::SERVICE_UNAVAILABLE,
+            "not connected to Redis yet",
+        ),
+    }
+}
+
 /// `GET /api/batches/{batch_id}`: a batch's counts, whether it is done and its ETA.
 async fn batch_api(State(endpoints): State<Endpoints>, Path(batch): Path<String>) -> Response {
     let (dashboard, batch) =
@@ -270,6 +283,7 @@ pub async fn serve(
     let dashboard = Router::new()
         .route("/", get(|| async { Html(dashboard::PAGE) }))
         .route("/api/dashboard", get(dashboard_data))
+        .route("/api/fleet", get(fleet_api))
         .route("/api/batches/{batch_id}", get(batch_api))
         .route("/api/sellers/{seller_id}", get(seller_api))
         .route_layer(axum::middleware::from_fn_with_state(

@@ -179,4 +179,5 @@ fn dashboard_of(connecting: &Connecting, stats: &Arc<Stats>, ready: &Readiness) 
             pid: std::process::id(),
         },
     )
+    .with_fleet(connecting.fleet.clone())
 }

@@ -9,6 +9,7 @@
 //! announced in the shared reschedule log, from which every replica's
 //! [`watch_reschedules`](super::watch_reschedules) wakes the messages it holds for the seller.
 
+use std::sync::Arc;
 use std::time::Duration;
 
 use redis::AsyncCommands;
@@ -17,7 +18,9 @@ use super::calls::Call;
 use super::calls::{
     GlobalUsageCall, Pause, Reschedule, RescheduleAnswer, Reset, ResetAnswer, UsageCall,
 };
-use super::{Keyspace, PermitError, RedisConn, Reservation, Why, parse_override, wait_for};
+use super::{
+    Applied, Keyspace, PermitError, RedisConn, Reservation, Why, parse_override, wait_for,
+};
 use crate::config::{Algorithm, Limit, LimiterArgs, Limits};
 use crate::domain::SellerId;
 
@@ -234,7 +237,12 @@ impl Terms {
 
     /// The scripts' GUARD argument (-1: each window's default guard).
     pub(super) fn guard_arg(&self) -> i64 {
-        self.guard.map_or(-1, |g| g.as_micros() as i64)
+        Self::guard_arg_of(self.guard)
+    }
+
+    /// The scripts' GUARD argument for a configured guard (-1: each window's default).
+    pub(super) fn guard_arg_of(guard: Option<Duration>) -> i64 {
+        guard.map_or(-1, |g| g.as_micros() as i64)
     }
 
     /// The arguments that open `lua/usage.lua`, `lua/reschedule.lua` and `lua/learn.lua`: the
@@ -256,7 +264,10 @@ impl Terms {
 pub struct Admin {
     conn: RedisConn,
     keys: Keyspace,
-    terms: Terms,
+    /// The terms it reads under, unless it follows a replica's (`follows`).
+    fixed: Terms,
+    /// The terms a replica grants under, as the fleet replaces them (see [`Applied`]).
+    follows: Option<Arc<Applied>>,
 }
 
 impl Admin {
@@ -264,37 +275,50 @@ impl Admin {
         Self {
             conn,
             keys: Keyspace::new(prefix),
-            terms,
+            fixed: terms,
+            follows: None,
+        }
+    }
+
+    /// An `Admin` that reads under the terms a replica grants under, whatever they become.
+    pub fn following(conn: RedisConn, prefix: &str, applied: Arc<Applied>) -> Self {
+        Self {
+            follows: Some(applied.clone()),
+            ..Self::new(conn, prefix, Terms::from(&*applied.current()))
+        }
+    }
+
+    /// The terms it reads and changes sellers' state under now.
+    pub fn terms(&self) -> Terms {
+        match &self.follows {
+            Some(applied) => Terms::from(&*applied.current()),
+            None => self.fixed.clone(),
         }
     }
 
     /// The default stack (a seller without an override is held to it).
-    pub fn default_limit(&self) -> &Limits {
-        &self.terms.limit
-    }
-
-    /// The key holding the seller's limiter state for the configured algorithm.
-    fn state_key(&self, seller: &SellerId) -> String {
-        self.keys.state(seller, self.terms.algorithm)
+    pub fn default_limit(&self) -> Limits {
+        self.terms().limit
     }
 
     /// How much of the global limit is taken now and by whom, in one read-only round trip;
     /// `None` without a global limit.
     pub async fn global_usage(&self) -> Result<Option<GlobalUsage>, PermitError> {
-        let Some(global) = &self.terms.global_limit else {
+        let terms = self.terms();
+        let Some(global) = &terms.global_limit else {
             return Ok(None);
         };
         let call = GlobalUsageCall {
             keys: self.keys.global_keys(),
             counts: global.counts_arg(),
             windows: global.windows_arg(),
-            guard_us: self.terms.guard_arg(),
+            guard_us: terms.guard_arg(),
         };
         let answer: Vec<redis::Value> = call
             .invocation()
             .invoke_async(&mut self.conn.clone())
             .await?;
-        call.read(&answer, global, &self.terms).map(Some)
+        call.read(&answer, global, &terms).map(Some)
     }
 
     /// Sets a seller's weight under the global limit (1 = the default share; 1 to
@@ -326,7 +350,8 @@ impl Admin {
     /// (see `lua/learn.lua`): read by operator commands and the dashboard; `None` with adaptive
     /// limits off (nothing learned applies then).
     pub async fn learned(&self, seller: &SellerId) -> Result<Option<Learned>, PermitError> {
-        if !self.terms.adaptive {
+        let terms = self.terms();
+        if !terms.adaptive {
             return Ok(None);
         }
         let fields: std::collections::HashMap<String, String> =
@@ -454,15 +479,16 @@ impl Admin {
     /// How much of each of the seller's limits is taken now, the stack that applies and any
     /// pause, in one read-only round trip (for the dashboard; the limiter never needs it).
     pub async fn usage(&self, seller: &SellerId) -> Result<Usage, PermitError> {
+        let terms = self.terms();
         let call = UsageCall {
-            state: self.state_key(seller),
+            state: self.keys.state(seller, terms.algorithm),
             limit: self.keys.limit(seller),
             pause: self.keys.pause(seller),
             learned: self.keys.learned(seller),
             shadow: self.keys.shadow(seller),
             calls: self.keys.calls(seller),
-            reserved: self.keys.reserved(seller),
-            terms: &self.terms,
+            reserved: self.keys.reserved(seller, terms.algorithm),
+            terms: &terms,
         };
         let answer: Vec<redis::Value> = call
             .invocation()
@@ -487,10 +513,11 @@ impl Admin {
 
     /// The stack that applies to the seller: its override or the default.
     pub async fn effective_limit(&self, seller: &SellerId) -> Result<Limits, PermitError> {
+        let terms = self.terms();
         Ok(self
             .limit_override(seller)
             .await?
-            .unwrap_or_else(|| self.terms.limit.clone()))
+            .unwrap_or_else(|| terms.limit.clone()))
     }
 
     /// Lifts the seller's pause on every replica at once; whether it was paused.
@@ -503,12 +530,13 @@ impl Admin {
     /// new one, and wakes the messages held for its reserved slots on every replica. Returns
     /// how long the seller is paused.
     pub async fn reset(&self, seller: &SellerId) -> Result<Duration, PermitError> {
+        let terms = self.terms();
         let mut forget: Vec<String> = Algorithm::ALL
             .into_iter()
             .map(|algorithm| self.keys.state(seller, algorithm))
             .collect();
         forget.extend([
-            self.keys.reserved(seller),
+            self.keys.reserved(seller, terms.algorithm),
             self.keys.far(seller),
             self.keys.pool(seller),
             self.keys.learned(seller),
@@ -519,9 +547,9 @@ impl Admin {
             pause: self.keys.pause(seller),
             limit: self.keys.limit(seller),
             forget,
-            counts: self.terms.limit.counts_arg(),
-            windows: self.terms.limit.windows_arg(),
-            guard_us: self.terms.guard_arg(),
+            counts: terms.limit.counts_arg(),
+            windows: terms.limit.windows_arg(),
+            guard_us: terms.guard_arg(),
         };
         let ResetAnswer {
             paused_until_us: until,
@@ -558,6 +586,7 @@ impl Admin {
     /// seller: the new terms apply at once to the whole backlog.
     /// Returns whether there was something to change (an override to clear, a pause to lift).
     pub async fn reschedule(&self, seller: &SellerId, change: Change) -> Result<bool, PermitError> {
+        let terms = self.terms();
         let (change, set) = match change {
             Change::Set(limit) => (
                 "set",
@@ -568,14 +597,14 @@ impl Admin {
             Change::Release => ("release", None),
         };
         let reschedule = Reschedule {
-            state: self.state_key(seller),
+            state: self.keys.state(seller, terms.algorithm),
             limit: self.keys.limit(seller),
             pause: self.keys.pause(seller),
-            reserved: self.keys.reserved(seller),
+            reserved: self.keys.reserved(seller, terms.algorithm),
             pool: self.keys.pool(seller),
             calls: self.keys.calls(seller),
             learned: self.keys.learned(seller),
-            terms: &self.terms,
+            terms: &terms,
             change,
             set,
         };

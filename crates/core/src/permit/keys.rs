@@ -11,7 +11,7 @@
 //!   `KEYS` (none builds a key name itself).
 //!   - the limiter state of the configured algorithm ([`Keyspace::state`]): `log`
 //!     (sliding-window), `tat` (gcra), `bucket` (token-bucket) or `windows` (fixed-window);
-//!   - `limit` (the seller's override), `pause`, `reserved` (reserved slots), `server` (the
+//!   - `limit` (the seller's override), `pause`, `reserved:<algorithm>` (reserved slots), `server` (the
 //!     stamp of the Redis that wrote the state), `calls` (calls in flight or recently
 //!     answered), `far` (the far queue), `learned` and `accepted` (adaptive limits),
 //!     `shadow` and `shadow-log` (a shadow limit);
@@ -20,7 +20,8 @@
 //! - **shared keys**: `<prefix>:{<prefix>~shared}:<name>`, one slot for all of them (a
 //!   pipeline over several is one node's work). Their tag holds a `~`, which no seller's tag
 //!   does, so they never land on a seller's tag: `sellers`, `uploads`, `dead-now`,
-//!   `reschedules` and `throughput:<minute>`.
+//!   `reschedules`, `throughput:<minute>`, `fleet` (the replicas' registry) and
+//!   `fleet-algorithms`.
 //! - **batch index keys**: `<prefix>:{<prefix>~batch~<batch>}:sellers`, the sellers whose
 //!   messages named a batch, so that a batch is found by its id alone
 //!   ([`Keyspace::batch_sellers`]); one slot per batch id.
@@ -97,10 +98,11 @@ impl Keyspace {
         self.seller(seller, "pause")
     }
 
-    /// The seller's reserved slots (sorted set: member = `TOKEN+COST`, score = slot; see
-    /// `held_name` in `lua/include/reservations.lua`).
-    pub fn reserved(&self, seller: &SellerId) -> String {
-        self.seller(seller, "reserved")
+    /// The seller's slots reserved under `algorithm` (sorted set: member = `TOKEN+COST`, score
+    /// = slot; see `held_name` in `lua/include/reservations.lua`), one set per algorithm: a slot
+    /// reserved under one algorithm is counted only in its state, so another never grants it.
+    pub fn reserved(&self, seller: &SellerId, algorithm: Algorithm) -> String {
+        self.seller(seller, &format!("reserved:{algorithm}"))
     }
 
     /// The seller's server stamp: run id of the Redis that wrote its state (see
@@ -230,6 +232,17 @@ impl Keyspace {
     /// predecessor, counted every dead letter and was never lowered.
     pub fn dead_now(&self) -> String {
         self.shared("dead-now")
+    }
+
+    /// The fleet's registry (hash: replica id -> its entry; see `lua/fleet.lua`).
+    pub fn fleet(&self) -> String {
+        self.shared("fleet")
+    }
+
+    /// The algorithms the fleet granted under, with when each was last used (hash; see
+    /// `lua/fleet.lua`).
+    pub fn fleet_algorithms(&self) -> String {
+        self.shared("fleet-algorithms")
     }
 
     /// The log of reschedules (sorted set: seller id -> when its terms changed, Redis µs).
@@ -375,12 +388,11 @@ mod tests {
     fn seller_keys(keys: &Keyspace, s: &SellerId) -> Vec<String> {
         let mut all: Vec<String> = Algorithm::ALL
             .into_iter()
-            .map(|a| keys.state(s, a))
+            .flat_map(|a| [keys.state(s, a), keys.reserved(s, a)])
             .collect();
         all.extend([
             keys.limit(s),
             keys.pause(s),
-            keys.reserved(s),
             keys.server(s),
             keys.calls(s),
             keys.pool(s),
@@ -406,6 +418,8 @@ mod tests {
             keys.uploads(),
             keys.dead_now(),
             keys.reschedules(),
+            keys.fleet(),
+            keys.fleet_algorithms(),
             keys.throughput(29_000_000),
         ]
     }
@@ -437,7 +451,10 @@ mod tests {
         );
         assert_eq!(keys.limit(&s), "turnstile:{S-1}:limit");
         assert_eq!(keys.pause(&s), "turnstile:{S-1}:pause");
-        assert_eq!(keys.reserved(&s), "turnstile:{S-1}:reserved");
+        assert_eq!(
+            keys.reserved(&s, Algorithm::Gcra),
+            "turnstile:{S-1}:reserved:gcra"
+        );
         assert_eq!(keys.server(&s), "turnstile:{S-1}:server");
         assert_eq!(keys.calls(&s), "turnstile:{S-1}:calls");
         assert_eq!(keys.pool(&s), "turnstile:{S-1}:pool");

@@ -325,6 +325,16 @@ impl PermitStore {
 impl Limiter for PermitStore {
     fn ask<'a>(&'a self, ask: Ask<'a>) -> BoxFuture<'a, Result<Asked, PermitError>> {
         async move {
+            // The fleet's terms unconfirmed, or a new algorithm's fence (see `applied`).
+            if let Some(retry_after) = self.applied().check(self.redis_now_us())? {
+                return Ok(Asked {
+                    decision: Decision::Wait {
+                        retry_after,
+                        reservation: ask.held.cloned(),
+                    },
+                    forfeit: None,
+                });
+            }
             let (decision, forfeit) = self
                 .acquire_or_redeem(ask.seller, Some(ask.message), ask.cost, ask.held)
                 .await?;

@@ -30,6 +30,7 @@
 //! uploads' progress, the dead letters by reason and the dashboard's shared state, `records`).
 
 mod admin;
+pub mod applied;
 mod batch;
 pub mod block;
 mod calls;
@@ -37,6 +38,7 @@ mod conn;
 pub mod keys;
 mod limiter;
 mod records;
+mod registry;
 pub mod scripts;
 pub mod server;
 
@@ -47,6 +49,7 @@ pub use admin::{
     Admin, Change, GlobalShare, GlobalUsage, Learned, LimitUsage, MAX_SHADOW_COUNT, MAX_WEIGHT,
     Quota, Rescheduled, Shadow, Terms, Usage, binding_of,
 };
+pub use applied::Applied;
 use batch::{Batcher, Operation, When};
 use block::Blocks;
 use calls::{
@@ -59,6 +62,7 @@ pub use keys::Keyspace;
 pub use limiter::{Ask, Asked, Ended, Finished, Grant, Limiter, Progress};
 pub use records::{BatchSeen, Records, UploadProgress};
 use redis::AsyncCommands;
+pub use registry::{Registered, Registry, Roll};
 
 use crate::config::{Algorithm, LimiterArgs, Limits, RedisArgs};
 use crate::domain::{BatchId, BatchSize, Cost, MessageId, RateLimitHeaders, SellerId};
@@ -74,6 +78,9 @@ pub enum PermitError {
     /// command inside it failed.
     #[error("Redis refused: {0}")]
     Refused(String),
+    /// The fleet's terms could not be confirmed (see [`applied`]): waited out.
+    #[error("{0}")]
+    Fleet(&'static str),
 }
 
 impl PermitError {
@@ -87,6 +94,7 @@ impl PermitError {
             PermitError::Redis(error) => !is_final(error),
             PermitError::Refused(why) => !is_own_refusal(why),
             PermitError::Answer(_) => false,
+            PermitError::Fleet(_) => true,
         }
     }
 }
@@ -471,9 +479,8 @@ fn count_verdict(verdict: &str) {
 pub struct PermitStore {
     conn: RedisConn,
     keys: Keyspace,
-    limiter: LimiterArgs,
-    /// What [`Admin`] reads a seller's state under (from `limiter`).
-    terms: Terms,
+    /// The terms it grants under now (see [`applied`]): read once per operation.
+    applied: Arc<Applied>,
     call_bound: Duration,
     /// Sends the hot operations in batches (see [`batch`]); started at first use.
     batcher: Arc<OnceLock<Batcher>>,
@@ -481,8 +488,8 @@ pub struct PermitStore {
     /// [`record_delay`]).
     record_delay: Duration,
     clock: Arc<RedisClock>,
-    /// Permit blocks, when they apply (see [`block`]): sliding-window, neither a global limit
-    /// nor a seller concurrency, `TURNSTILE_PERMIT_BLOCK` > 0.
+    /// Permit blocks, with `TURNSTILE_PERMIT_BLOCK` > 0 (see [`block`]); they apply under
+    /// terms that allow them (see [`PermitStore::pooled`]).
     blocks: Option<Arc<Blocks>>,
     /// Whether the task that writes what calls made with pool units answered was started (see
     /// `start_writing_answers`).
@@ -581,19 +588,15 @@ impl PermitStore {
     }
 
     pub fn new(conn: RedisConn, prefix: &str, limiter: LimiterArgs) -> Self {
-        let blocks = (limiter.algorithm == Algorithm::SlidingWindow
-            && limiter.global_limit.0.is_none()
-            && limiter.seller_concurrency.0.is_none()
-            && limiter.permit_block > 0)
+        let blocks = (limiter.permit_block > 0)
             .then(|| Arc::new(Blocks::new(limiter.permit_block, BLOCK_HOLD)));
         Self {
             conn,
             keys: Keyspace::new(prefix),
             record_delay: record_delay(&limiter),
-            terms: Terms::from(&limiter),
             blocks,
             writing_answers: Arc::default(),
-            limiter,
+            applied: Arc::new(Applied::new(limiter)),
             call_bound: Duration::ZERO,
             batcher: Arc::default(),
             clock: Arc::default(),
@@ -677,11 +680,34 @@ impl PermitStore {
         Ok(())
     }
 
+    /// The algorithm it grants under now.
     pub fn algorithm(&self) -> Algorithm {
-        self.limiter.algorithm
+        self.limiter().algorithm
     }
-    pub fn default_limit(&self) -> &Limits {
-        &self.limiter.limit
+
+    /// The default stack it grants under now (the fleet's, see [`applied`]).
+    pub fn default_limit(&self) -> Limits {
+        self.limiter().limit.clone()
+    }
+
+    /// The terms it grants under now, for one operation (see [`Applied::current`]).
+    pub fn limiter(&self) -> Arc<LimiterArgs> {
+        self.applied.current()
+    }
+
+    /// The terms it grants under, as the fleet replaces them (see [`applied`]).
+    pub fn applied(&self) -> &Arc<Applied> {
+        &self.applied
+    }
+
+    /// The permit blocks, when the terms `limiter` allow them: sliding-window, neither a
+    /// global limit nor a seller concurrency.
+    fn pooled(&self, limiter: &LimiterArgs) -> Option<&Arc<Blocks>> {
+        self.blocks.as_ref().filter(|_| {
+            limiter.algorithm == Algorithm::SlidingWindow
+                && limiter.global_limit.0.is_none()
+                && limiter.seller_concurrency.0.is_none()
+        })
     }
 
     /// The connection to Redis this store uses.
@@ -694,9 +720,10 @@ impl PermitStore {
         &self.keys
     }
 
-    /// Sellers' terms under this store's connection, prefix and limiter (see [`Admin`]).
+    /// Sellers' terms under this store's connection and prefix, read under the terms it grants
+    /// under, as the fleet replaces them (see [`Admin`]).
     pub fn admin(&self) -> Admin {
-        Admin::new(self.conn.clone(), self.keys.prefix(), self.terms.clone())
+        Admin::following(self.conn.clone(), self.keys.prefix(), self.applied.clone())
     }
 
     /// The uploads' progress, the dead letters by reason and the dashboard's shared state under
@@ -715,18 +742,14 @@ impl PermitStore {
     }
 
     /// The key holding the seller's limiter state for the configured algorithm.
-    fn state_key(&self, seller: &SellerId) -> String {
-        self.keys.state(seller, self.limiter.algorithm)
+    fn state_key(&self, limiter: &LimiterArgs, seller: &SellerId) -> String {
+        self.keys.state(seller, limiter.algorithm)
     }
 
     /// The seller's learned state, passed to the scripts that apply it only with adaptive
     /// limits on.
-    fn learned_key(&self, seller: &SellerId) -> Option<String> {
-        self.limiter.adaptive.then(|| self.keys.learned(seller))
-    }
-
-    fn guard_arg(&self) -> i64 {
-        self.terms.guard_arg()
+    fn learned_key(&self, limiter: &LimiterArgs, seller: &SellerId) -> Option<String> {
+        limiter.adaptive.then(|| self.keys.learned(seller))
     }
 
     /// Asks for a permit of one unit now. With `reserve`, a caller who must wait holds a slot.
@@ -769,14 +792,13 @@ impl PermitStore {
         block: u32,
     ) -> Result<Decision, PermitError> {
         let asked = std::time::Instant::now();
-        let algorithm = self.limiter.algorithm;
+        let limiter = self.limiter();
+        let algorithm = limiter.algorithm;
         let token = format!("{:x}", rand::random::<u64>());
-        let pooled = self
-            .blocks
-            .as_ref()
-            .filter(|_| algorithm == Algorithm::SlidingWindow);
+        let pooled = self.pooled(&limiter);
         let block_hold = pooled.map(|blocks| (block.min(block::MOST_UNITS), blocks.hold_us()));
-        let acquire = self.acquire_call(seller, message, cost, reserve, block_hold, &token);
+        let acquire =
+            self.acquire_call(&limiter, seller, message, cost, reserve, block_hold, &token);
         let (values, sent) = self.run_sent(acquire.operation(), When::Now).await?;
         let answer = AcquireAnswer { values, algorithm };
         let mut decision = answer.decision(token, cost, sent)?;
@@ -797,7 +819,15 @@ impl PermitStore {
         if let Some(blocks) = pooled
             && cost == Cost::ONE
         {
-            self.took_from_pool(blocks, seller, &answer, block, asked, &mut decision);
+            self.took_from_pool(
+                &limiter,
+                blocks,
+                seller,
+                &answer,
+                block,
+                asked,
+                &mut decision,
+            );
         }
         observe(algorithm, &decision, true);
         Ok(decision)
@@ -805,8 +835,10 @@ impl PermitStore {
 
     /// `lua/<algorithm>.lua`'s call for the seller (see [`Acquire`]); `block`: with permit
     /// blocks on (sliding-window), the units a grant may take into the pool and their hold.
+    #[allow(clippy::too_many_arguments)]
     fn acquire_call<'a>(
         &self,
+        limiter: &LimiterArgs,
         seller: &SellerId,
         message: Option<&MessageId>,
         cost: Cost,
@@ -814,12 +846,12 @@ impl PermitStore {
         block: Option<(u32, u64)>,
         token: &'a str,
     ) -> Acquire<'a> {
-        let limit = &self.limiter.limit;
+        let limit = &limiter.limit;
         Acquire {
-            state: self.state_key(seller),
+            state: self.state_key(limiter, seller),
             limit: self.keys.limit(seller),
             pause: self.keys.pause(seller),
-            reserved: self.keys.reserved(seller),
+            reserved: self.keys.reserved(seller, limiter.algorithm),
             server: self.keys.server(seller),
             calls: self.keys.calls(seller),
             far: self.keys.far(seller),
@@ -830,24 +862,24 @@ impl PermitStore {
             done: message.map(|message| self.keys.done(seller, message)),
             counts: limit.counts_arg(),
             windows: limit.windows_arg(),
-            guard_us: self.guard_arg(),
+            guard_us: Terms::guard_arg_of(limiter.guard),
             reserve,
-            durable: self.limiter.redis_durable,
-            adaptive: self.limiter.adaptive,
-            horizon_us: self.limiter.horizon.as_micros() as u64,
+            durable: limiter.redis_durable,
+            adaptive: limiter.adaptive,
+            horizon_us: limiter.horizon.as_micros() as u64,
             token,
             bound_us: self.call_bound_us(),
             cost: cost.units(),
-            tail: match self.limiter.algorithm {
+            tail: match limiter.algorithm {
                 Algorithm::SlidingWindow => AcquireTail::SlidingWindow {
                     pool: self.keys.pool(seller),
                     block,
                 },
                 Algorithm::Gcra => AcquireTail::Gcra {
-                    burst: self.limiter.gcra_burst.max(1),
+                    burst: limiter.gcra_burst.max(1),
                 },
                 Algorithm::TokenBucket => AcquireTail::TokenBucket {
-                    capacity: self.limiter.bucket_capacity,
+                    capacity: limiter.bucket_capacity,
                 },
                 Algorithm::FixedWindow => AcquireTail::FixedWindow,
             },
@@ -857,8 +889,10 @@ impl PermitStore {
     /// What a sliding-window grant of one unit (asked at `asked`) did with the seller's pool
     /// of permit blocks (see `calls::PoolAnswer`): units taken into it or claimed from it (then the
     /// call is that unit), stale units given back.
+    #[allow(clippy::too_many_arguments)]
     fn took_from_pool(
         &self,
+        limiter: &LimiterArgs,
         blocks: &Arc<Blocks>,
         seller: &SellerId,
         answer: &AcquireAnswer,
@@ -880,20 +914,18 @@ impl PermitStore {
             } else {
                 metrics::counter!("turnstile_permit_blocks_total").increment(1);
             }
-            let stack = answer
-                .stack()
-                .unwrap_or_else(|_| self.limiter.limit.clone());
+            let stack = answer.stack().unwrap_or_else(|_| limiter.limit.clone());
             blocks.saw_pool(seller, asked);
-            blocks.claimed(call, self.log_bounds(&stack));
+            blocks.claimed(call, Self::log_bounds(limiter, &stack));
         }
     }
 
     /// The accepted log's bounds under `stack` (see [`block::LogBounds`]).
-    fn log_bounds(&self, stack: &Limits) -> block::LogBounds {
+    fn log_bounds(limiter: &LimiterArgs, stack: &Limits) -> block::LogBounds {
         block::LogBounds {
             span_us: stack
                 .iter()
-                .map(|l| (l.window() + self.limiter.guard_for(l.window())).as_micros() as u64)
+                .map(|l| (l.window() + limiter.guard_for(l.window())).as_micros() as u64)
                 .max()
                 .unwrap_or(0),
             most: stack
@@ -919,7 +951,8 @@ impl PermitStore {
         message: Option<&MessageId>,
         cost: Cost,
     ) -> Result<Option<Decision>, PermitError> {
-        let Some(blocks) = &self.blocks else {
+        let limiter = self.limiter();
+        let Some(blocks) = self.pooled(&limiter) else {
             return Ok(None);
         };
         blocks.asking();
@@ -987,9 +1020,9 @@ impl PermitStore {
         let stack = read
             .get(1)
             .and_then(|raw| parse_override(raw.as_deref()?))
-            .unwrap_or_else(|| self.limiter.limit.clone());
+            .unwrap_or_else(|| limiter.limit.clone());
         blocks.saw_pool(seller, asked);
-        blocks.claimed(unit, self.log_bounds(&stack));
+        blocks.claimed(unit, Self::log_bounds(&limiter, &stack));
         let decision = Decision::Granted {
             slot_us: granted_us,
             granted_us,
@@ -999,7 +1032,7 @@ impl PermitStore {
             sent,
         };
         metrics::counter!("turnstile_permit_block_units_total").increment(1);
-        observe(self.limiter.algorithm, &decision, true);
+        observe(limiter.algorithm, &decision, true);
         Ok(Some(decision))
     }
 
@@ -1066,7 +1099,8 @@ impl PermitStore {
         cost: Cost,
         held: Reservation,
     ) -> Result<Result<Decision, Forfeit>, PermitError> {
-        let redeem = self.redeem_call(seller, message, cost, &held);
+        let limiter = self.limiter();
+        let redeem = self.redeem_call(&limiter, seller, message, cost, &held);
         let (
             RedeemAnswer {
                 status,
@@ -1098,7 +1132,7 @@ impl PermitStore {
             _ => return Err(PermitError::Answer("redeem")),
         };
         match &redeemed {
-            Ok(decision) => observe(self.limiter.algorithm, decision, false),
+            Ok(decision) => observe(limiter.algorithm, decision, false),
             Err(forfeit) => metrics::counter!(
                 "turnstile_reservations_forfeited_total",
                 "reason" => forfeit.label()
@@ -1111,17 +1145,18 @@ impl PermitStore {
     /// `lua/redeem.lua`'s call for the seller's reservation `held` (see [`Redeem`]).
     fn redeem_call<'a>(
         &self,
+        limiter: &LimiterArgs,
         seller: &SellerId,
         message: Option<&MessageId>,
         cost: Cost,
         held: &'a Reservation,
     ) -> Redeem<'a> {
-        let limit = &self.limiter.limit;
+        let limit = &limiter.limit;
         Redeem {
             limit: self.keys.limit(seller),
             pause: self.keys.pause(seller),
-            state: self.state_key(seller),
-            reserved: self.keys.reserved(seller),
+            state: self.state_key(limiter, seller),
+            reserved: self.keys.reserved(seller, limiter.algorithm),
             server: self.keys.server(seller),
             calls: self.keys.calls(seller),
             learned: self.keys.learned(seller),
@@ -1131,15 +1166,15 @@ impl PermitStore {
             done: message.map(|message| self.keys.done(seller, message)),
             counts: limit.counts_arg(),
             windows: limit.windows_arg(),
-            guard_us: self.guard_arg(),
+            guard_us: Terms::guard_arg_of(limiter.guard),
             slot_us: held.slot_us,
             held_counts: held.limits.counts_arg(),
             held_windows: held.limits.windows_arg(),
-            durable: self.limiter.redis_durable,
-            adaptive: self.limiter.adaptive,
-            algorithm: self.limiter.algorithm,
+            durable: limiter.redis_durable,
+            adaptive: limiter.adaptive,
+            algorithm: limiter.algorithm,
             token: &held.token,
-            capacity: self.limiter.bucket_capacity,
+            capacity: limiter.bucket_capacity,
             bound_us: self.call_bound_us(),
             cost: cost.units(),
         }
@@ -1184,10 +1219,11 @@ impl PermitStore {
         cost: Cost,
         decision: Decision,
     ) -> Result<Decision, PermitError> {
+        let limiter = self.limiter();
         let Decision::Granted { slot_us, call, .. } = &decision else {
             return Ok(decision);
         };
-        let leased = self.limiter.seller_concurrency.0.is_some();
+        let leased = limiter.seller_concurrency.0.is_some();
         let refused = match self.take_lease(seller, call).await {
             Ok(None) => self.global_refusal(seller, cost, call).await,
             Ok(Some(retry_after)) => {
@@ -1238,7 +1274,8 @@ impl PermitStore {
         cost: Cost,
         call: &str,
     ) -> Result<Option<Decision>, PermitError> {
-        let Some(global) = &self.limiter.global_limit.0 else {
+        let limiter = self.limiter();
+        let Some(global) = &limiter.global_limit.0 else {
             return Ok(None);
         };
         Ok(match self.admit_globally(seller, cost, call).await? {
@@ -1267,7 +1304,8 @@ impl PermitStore {
         seller: &SellerId,
         call: &str,
     ) -> Result<Option<Duration>, PermitError> {
-        let Some(limit) = self.limiter.seller_concurrency.0 else {
+        let limiter = self.limiter();
+        let Some(limit) = limiter.seller_concurrency.0 else {
             return Ok(None);
         };
         let lease = Lease {
@@ -1294,7 +1332,8 @@ impl PermitStore {
     /// Ends the lease of `call` (its answer came back, or it will not be sent); without
     /// `TURNSTILE_SELLER_CONCURRENCY`, nothing.
     pub async fn end_lease(&self, seller: &SellerId, call: &str) -> Result<(), PermitError> {
-        if self.limiter.seller_concurrency.0.is_none() {
+        let limiter = self.limiter();
+        if limiter.seller_concurrency.0.is_none() {
             return Ok(());
         }
         let _: i64 = self
@@ -1313,19 +1352,20 @@ impl PermitStore {
         cost: Cost,
         call: &str,
     ) -> Result<GlobalDecision, PermitError> {
-        let Some(global) = &self.limiter.global_limit.0 else {
+        let limiter = self.limiter();
+        let Some(global) = &limiter.global_limit.0 else {
             return Ok(GlobalDecision::Granted { at_us: 0 });
         };
         let admit = Global {
             keys: self.keys.global_keys(),
             counts: global.counts_arg(),
             windows: global.windows_arg(),
-            guard_us: self.guard_arg(),
+            guard_us: Terms::guard_arg_of(limiter.guard),
             call,
             cost: cost.units(),
             seller: &seller.key_tag(),
             idle_us: global_idle(global).as_micros() as u64,
-            durable: self.limiter.redis_durable,
+            durable: limiter.redis_durable,
         };
         let GlobalAnswer {
             status,
@@ -1366,19 +1406,20 @@ impl PermitStore {
         cost: Cost,
         slot_us: i64,
     ) -> Result<(), PermitError> {
+        let limiter = self.limiter();
         let release = Release {
-            state: self.state_key(seller),
+            state: self.state_key(&limiter, seller),
             limit: self.keys.limit(seller),
             calls: self.keys.calls(seller),
-            learned: self.learned_key(seller),
-            counts: self.limiter.limit.counts_arg(),
-            windows: self.limiter.limit.windows_arg(),
-            guard_us: self.guard_arg(),
-            algorithm: self.limiter.algorithm,
+            learned: self.learned_key(&limiter, seller),
+            counts: limiter.limit.counts_arg(),
+            windows: limiter.limit.windows_arg(),
+            guard_us: Terms::guard_arg_of(limiter.guard),
+            algorithm: limiter.algorithm,
             call,
             cost: cost.units(),
             slot_us: slot_us.max(0),
-            capacity: self.limiter.bucket_capacity,
+            capacity: limiter.bucket_capacity,
         };
         let _: i64 = release
             .invocation()
@@ -1396,17 +1437,18 @@ impl PermitStore {
         reservation: &Reservation,
         cost: Cost,
     ) -> Result<bool, PermitError> {
+        let limiter = self.limiter();
         let unreserve = Unreserve {
-            state: self.state_key(seller),
-            reserved: self.keys.reserved(seller),
-            algorithm: self.limiter.algorithm,
+            state: self.state_key(&limiter, seller),
+            reserved: self.keys.reserved(seller, limiter.algorithm),
+            algorithm: limiter.algorithm,
             token: &reservation.token,
             cost: cost.units(),
             slot_us: reservation.slot_us,
             held_counts: reservation.limits.counts_arg(),
             held_windows: reservation.limits.windows_arg(),
-            guard_us: self.guard_arg(),
-            capacity: self.limiter.bucket_capacity,
+            guard_us: Terms::guard_arg_of(limiter.guard),
+            capacity: limiter.bucket_capacity,
         };
         let given_back: u8 = unreserve
             .invocation()
@@ -1556,15 +1598,16 @@ impl PermitStore {
         answer: Option<CallAnswer<'_>>,
         ttl: Duration,
     ) -> Result<CompleteAnswer, PermitError> {
+        let limiter = self.limiter();
         let (call, cost, answered_us) =
             answer.map_or(("", 0, None), |a| (a.call, a.cost.units(), a.answered_us));
-        let adaptive = (self.limiter.adaptive && !call.is_empty()).then(|| {
+        let adaptive = (limiter.adaptive && !call.is_empty()).then(|| {
             (
                 self.adaptive_keys(seller),
                 calls::AdaptiveArgs {
-                    counts: self.limiter.limit.counts_arg(),
-                    windows: self.limiter.limit.windows_arg(),
-                    guard_us: self.guard_arg(),
+                    counts: limiter.limit.counts_arg(),
+                    windows: limiter.limit.windows_arg(),
+                    guard_us: Terms::guard_arg_of(limiter.guard),
                 },
             )
         });
@@ -1636,6 +1679,7 @@ impl PermitStore {
     /// through a script; `learn.lua` counts the log by time, so they are never counted). Until
     /// then, or if that fails, a call holds its place until its end.
     async fn write_answers(&self, answers: Vec<(SellerId, block::Answers)>) {
+        let limiter = self.limiter();
         let writes = answers.into_iter().map(|(seller, answers)| {
             let mut end = redis::cmd("ZADD");
             end.arg(self.keys.calls(&seller)).arg("XX").arg("LT");
@@ -1643,7 +1687,7 @@ impl PermitStore {
                 end.arg(*at).arg(call);
             }
             let mut commands = vec![end];
-            if self.limiter.adaptive {
+            if limiter.adaptive {
                 let accepted = self.keys.accepted(&seller);
                 let mut note = redis::cmd("ZADD");
                 note.arg(&accepted);
@@ -1699,7 +1743,8 @@ impl PermitStore {
         lesson: Lesson,
         answered_us: Option<i64>,
     ) -> Result<Option<LearnedChange>, PermitError> {
-        if !self.limiter.adaptive {
+        let limiter = self.limiter();
+        if !limiter.adaptive {
             return Ok(None);
         }
         let learn = self.learn_call(seller, lesson, answered_us);
@@ -1740,7 +1785,8 @@ impl PermitStore {
 
     /// `lua/learn.lua`'s call for what `lesson` (its answer at `answered_us`) teaches about
     /// the seller's limit (see [`Learn`]).
-    fn learn_call(&self, seller: &SellerId, lesson: Lesson, answered_us: Option<i64>) -> Learn<'_> {
+    fn learn_call(&self, seller: &SellerId, lesson: Lesson, answered_us: Option<i64>) -> Learn {
+        let limiter = self.limiter();
         let (event, granted_us, told) = match lesson {
             Lesson::Throttled { granted_us, told } => ("throttled", granted_us, told),
             Lesson::Recovery => ("recovery", answered_us.unwrap_or(0), None),
@@ -1754,12 +1800,12 @@ impl PermitStore {
             learned: self.keys.learned(seller),
             accepted: self.keys.accepted(seller),
             limit: self.keys.limit(seller),
-            state: self.state_key(seller),
-            reserved: self.keys.reserved(seller),
+            state: self.state_key(&limiter, seller),
+            reserved: self.keys.reserved(seller, limiter.algorithm),
             calls: self.keys.calls(seller),
             pool: self.keys.pool(seller),
-            terms: &self.terms,
-            min: self.limiter.adaptive_min.get(),
+            terms: Terms::from(&*limiter),
+            min: limiter.adaptive_min.get(),
             event,
             granted_us: granted_us.max(0),
             told_limit: count(told.limit.filter(|&n| n >= 1)),

@@ -72,6 +72,7 @@ static SCRIPTS: &[(&str, &str)] = &[
         include_str!("../../lua/batch_event_sent.lua"),
     ),
     ("batch", include_str!("../../lua/batch.lua")),
+    ("fleet", include_str!("../../lua/fleet.lua")),
 ];
 
 /// The operations `lua/batch.lua` runs: each is the script of that file, wrapped in a function
@@ -243,6 +244,7 @@ static UNRESERVE: LazyLock<Script> = script!("unreserve");
 static BATCH_SEEN: LazyLock<Script> = script!("batch_seen");
 static BATCH_EVENT_SENT: LazyLock<Script> = script!("batch_event_sent");
 static BATCH: LazyLock<Script> = script!("batch");
+static FLEET: LazyLock<Script> = script!("fleet");
 
 /// The acquire script of an algorithm.
 pub fn acquire(algorithm: Algorithm) -> &'static Script {
@@ -325,6 +327,11 @@ pub fn reset() -> &'static Script {
 /// `lua/unreserve.lua`).
 pub fn unreserve() -> &'static Script {
     &UNRESERVE
+}
+
+/// The replicas' registry (see `lua/fleet.lua`).
+pub fn fleet() -> &'static Script {
+    &FLEET
 }
 
 /// Notes a batch as a replica first sees one of its messages (see `lua/batch_seen.lua`).

@@ -9,7 +9,7 @@ use crate::permit::batch::Operation;
 /// `lua/learn.lua`: what the downstream's answer (a 429, a recovery, its rate-limit headers)
 /// teaches about the seller's real limit, applied to its learned state. See the script's
 /// header.
-pub(in crate::permit) struct Learn<'a> {
+pub(in crate::permit) struct Learn {
     /// KEYS[1] to KEYS[6], the seller's.
     pub learned: String,
     pub accepted: String,
@@ -21,7 +21,7 @@ pub(in crate::permit) struct Learn<'a> {
     /// KEYS[7]: the seller's pool of permit-block units, passed with sliding-window only.
     pub pool: String,
     /// ARGV[1] to ARGV[6]: ALGORITHM, the default stack, GUARD, BURST and CAPACITY.
-    pub terms: &'a Terms,
+    pub terms: Terms,
     /// ARGV[7]: MIN, the lowest a learned count goes.
     pub min: u32,
     /// ARGV[8]: EVENT: `throttled`, `recovery` or `header`.
@@ -36,7 +36,7 @@ pub(in crate::permit) struct Learn<'a> {
     pub told_reset_us: i64,
 }
 
-impl Learn<'_> {
+impl Learn {
     /// The batch's operation (`learn`).
     pub fn operation(&self) -> Operation {
         operate("learn", |to| self.write(to))
@@ -134,7 +134,7 @@ mod tests {
             reserved: "reserved".into(),
             calls: "calls".into(),
             pool: "pool".into(),
-            terms: &terms,
+            terms,
             min: 2,
             event: "header",
             granted_us: 99,

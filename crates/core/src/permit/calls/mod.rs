@@ -10,6 +10,7 @@ mod acquire;
 mod admin;
 mod complete;
 mod ended;
+mod fleet;
 mod global;
 mod learn;
 mod lease;
@@ -24,6 +25,7 @@ pub(super) use admin::{
 };
 pub(super) use complete::{AdaptiveArgs, Complete, CompleteAnswer, CompleteBatch};
 pub(super) use ended::CallEnded;
+pub(super) use fleet::{FleetAction, FleetAnswer, FleetCall};
 pub(super) use global::{Global, GlobalAnswer};
 pub(super) use learn::{Learn, LearnAnswer};
 pub(super) use lease::{Lease, LeaseAnswer};

@@ -1,0 +1,848 @@
+//! The fleet: the replicas that share a key prefix, and the one set of terms they grant under.
+//!
+//! Each replica announces itself in Redis every [`HEARTBEAT`] (`permit::Registry`,
+//! `lua/fleet.lua`): its id, host, version, the terms it was started with ([`FleetTerms`]:
+//! limit stack, algorithm, global limit, seller concurrency, adaptive limits), the terms it
+//! grants under now (`applies`), its calls in flight and its rate. An entry not renewed within
+//! [`EXPIRY`] is dropped, so a replica killed with SIGKILL leaves within a few heartbeats.
+//!
+//! **The strictest live terms apply** ([`strictest`]): every replica grants under the strictest
+//! terms of any live replica, its own included, so a rolling deploy that lowers a limit takes
+//! effect when the first new replica registers, and one that raises it when the last old one
+//! is gone. The rules:
+//! - limit stacks (and global limits): every limit of every stack holds (a union), the lowest
+//!   count kept for one window, a limit implied by another dropped (at most `b` calls in a
+//!   window `w` already bounds every shorter window to `b`), then at most eight limits (two
+//!   neighbours merged into the lower count over the longer window, stricter than both);
+//! - seller concurrency: the lowest; adaptive limits: on if any replica has them on, with the
+//!   lowest floor;
+//! - the algorithm: the one of the longest-running replica (each algorithm counts only its own
+//!   grants, so a fleet grants under one at a time); when it changes, grants under the new one
+//!   wait until every grant under the old one has left the longest window of the stack
+//!   ([`fence_until_ms`], enforced by `permit::Applied`).
+//!
+//! **A replica consumes only once the fleet applies its terms** ([`Member::join`]): it waits
+//! until every live replica reports that it grants under the strictest terms, the new ones
+//! included. A replica that cannot renew its entry for most of [`EXPIRY`] stops granting
+//! (`permit::Applied`), so a replica the others no longer see never grants under terms the
+//! others no longer follow. Runtime overrides (`turnstile limits set`) apply on top, as before.
+
+use std::num::NonZeroU32;
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use serde::{Deserialize, Serialize};
+use tokio_util::sync::CancellationToken;
+use tracing::{info, warn};
+
+use crate::config::{Algorithm, GlobalLimit, Limit, LimiterArgs, Limits, SellerConcurrency};
+use crate::permit::{Applied, PermitError, RedisConn, Registered, Registry, Roll};
+use crate::telemetry::Readiness;
+use crate::worker::Stats;
+
+/// How often a replica renews its entry.
+pub const HEARTBEAT: Duration = Duration::from_secs(1);
+
+/// How long an entry lives without being renewed.
+pub const EXPIRY: Duration = Duration::from_secs(5);
+
+/// How long a replica trusts the terms it last confirmed, from when it sent that heartbeat:
+/// less than [`EXPIRY`], so it stops granting before the others can have dropped its entry
+/// (with room for its clock to run a little slower than Redis's).
+const TRUST: Duration = Duration::from_secs(4);
+
+/// The terms a replica grants under that the fleet shares.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct FleetTerms {
+    /// `TURNSTILE_LIMIT`: the default stack.
+    pub limit: Limits,
+    /// `TURNSTILE_ALGORITHM`.
+    pub algorithm: Algorithm,
+    /// `TURNSTILE_GLOBAL_LIMIT`.
+    pub global_limit: GlobalLimit,
+    /// `TURNSTILE_SELLER_CONCURRENCY`.
+    pub seller_concurrency: SellerConcurrency,
+    /// `TURNSTILE_ADAPTIVE`.
+    pub adaptive: bool,
+    /// `TURNSTILE_ADAPTIVE_MIN`.
+    pub adaptive_min: NonZeroU32,
+}
+
+impl FleetTerms {
+    /// The fleet's share of a replica's limiter settings.
+    pub fn of(limiter: &LimiterArgs) -> Self {
+        Self {
+            limit: limiter.limit.clone(),
+            algorithm: limiter.algorithm,
+            global_limit: limiter.global_limit.clone(),
+            seller_concurrency: limiter.seller_concurrency,
+            adaptive: limiter.adaptive,
+            adaptive_min: limiter.adaptive_min,
+        }
+    }
+
+    /// `limiter` with these terms in place of its own (its other settings kept). A token
+    /// bucket's capacity applies to one limit only: under a stack it is dropped.
+    pub fn apply_to(&self, limiter: &LimiterArgs) -> LimiterArgs {
+        let mut applied = limiter.clone();
+        applied.limit = self.limit.clone();
+        applied.algorithm = self.algorithm;
+        applied.global_limit = self.global_limit.clone();
+        applied.seller_concurrency = self.seller_concurrency;
+        applied.adaptive = self.adaptive;
+        applied.adaptive_min = self.adaptive_min;
+        if applied.limit.is_stack() {
+            applied.bucket_capacity = 0;
+        }
+        applied
+    }
+
+    /// One line that names the terms, equal for equal terms (what a replica reports it
+    /// applies).
+    pub fn digest(&self) -> String {
+        let wire = Wire::from(self);
+        format!(
+            "{} {} global={} concurrency={} adaptive={}",
+            wire.algorithm,
+            wire.limit,
+            wire.global_limit,
+            wire.seller_concurrency
+                .map_or_else(|| "off".to_owned(), |n| n.to_string()),
+            if wire.adaptive {
+                format!("on/{}", wire.adaptive_min)
+            } else {
+                "off".to_owned()
+            }
+        )
+    }
+}
+
+/// [`FleetTerms`] as JSON writes them: stacks as `TURNSTILE_LIMIT` is written.
+#[derive(Serialize, Deserialize)]
+struct Wire {
+    limit: String,
+    algorithm: String,
+    global_limit: String,
+    seller_concurrency: Option<u32>,
+    adaptive: bool,
+    adaptive_min: u32,
+}
+
+impl From<&FleetTerms> for Wire {
+    fn from(terms: &FleetTerms) -> Self {
+        Self {
+            limit: terms.limit.to_string(),
+            algorithm: terms.algorithm.name().to_owned(),
+            global_limit: terms.global_limit.to_string(),
+            seller_concurrency: terms.seller_concurrency.0.map(NonZeroU32::get),
+            adaptive: terms.adaptive,
+            adaptive_min: terms.adaptive_min.get(),
+        }
+    }
+}
+
+impl TryFrom<Wire> for FleetTerms {
+    type Error = String;
+
+    fn try_from(wire: Wire) -> Result<Self, String> {
+        let global_limit = if wire.global_limit == "off" {
+            GlobalLimit(None)
+        } else {
+            GlobalLimit(Some(wire.global_limit.parse().map_err(|e| {
+                format!("global_limit {:?}: {e}", wire.global_limit)
+            })?))
+        };
+        Ok(Self {
+            limit: wire
+                .limit
+                .parse()
+                .map_err(|e| format!("limit {:?}: {e}", wire.limit))?,
+            algorithm: Algorithm::named(&wire.algorithm)
+                .ok_or_else(|| format!("algorithm {:?} is not one", wire.algorithm))?,
+            global_limit,
+            seller_concurrency: SellerConcurrency(
+                wire.seller_concurrency.and_then(NonZeroU32::new),
+            ),
+            adaptive: wire.adaptive,
+            adaptive_min: NonZeroU32::new(wire.adaptive_min).ok_or("adaptive_min is 0")?,
+        })
+    }
+}
+
+impl Serialize for FleetTerms {
+    fn serialize<S: serde::Serializer>(&self, serializer: S) -> Result<S::Ok, S::Error> {
+        Wire::from(self).serialize(serializer)
+    }
+}
+
+impl<'de> Deserialize<'de> for FleetTerms {
+    fn deserialize<D: serde::Deserializer<'de>>(deserializer: D) -> Result<Self, D::Error> {
+        Wire::deserialize(deserializer)?
+            .try_into()
+            .map_err(serde::de::Error::custom)
+    }
+}
+
+/// What a replica announces in its entry.
+#[derive(Clone, Debug, Serialize, Deserialize)]
+pub struct Entry {
+    pub host: String,
+    pub pid: u32,
+    pub version: String,
+    /// The work queue it consumes.
+    pub queue: String,
+    /// The terms it was started with.
+    pub terms: FleetTerms,
+    /// The digest ([`FleetTerms::digest`]) of the terms it grants under now, once it applies
+    /// the fleet's.
+    pub applies: Option<String>,
+    /// Whether it consumes.
+    pub ready: bool,
+    pub in_flight: u64,
+    /// Messages it registered per second since its previous heartbeat.
+    pub registered_per_s: f64,
+}
+
+/// A live replica, as the registry shows it.
+#[derive(Clone, Debug, Serialize)]
+pub struct Replica {
+    pub id: String,
+    /// Its first heartbeat (RFC 3339, Redis's clock).
+    pub started: String,
+    /// Its last heartbeat (RFC 3339, Redis's clock).
+    pub last_seen: String,
+    #[serde(flatten)]
+    pub entry: Entry,
+    #[serde(skip)]
+    since_ms: i64,
+}
+
+/// The fleet as one read of the registry shows it.
+#[derive(Clone, Debug, Default, Serialize)]
+pub struct View {
+    /// The live replicas, longest-running first.
+    pub replicas: Vec<Replica>,
+    /// Whether every live replica was started with the same terms.
+    pub agree: bool,
+    /// The terms in force: the strictest of the live replicas' (none without a live replica).
+    pub effective: Option<FleetTerms>,
+    /// Whether every live replica grants under them already.
+    pub applied: bool,
+    /// Entries that could not be read (skipped; each is logged).
+    pub unreadable: usize,
+    /// When the algorithms' record says the current algorithm's grants may start (Redis ms;
+    /// 0: at once; see [`fence_until_ms`]).
+    #[serde(skip)]
+    pub fence_until_ms: i64,
+    /// Redis's time of the read, ms.
+    #[serde(skip)]
+    pub now_ms: i64,
+}
+
+/// The strictest of several stacks: every limit of every stack, the lowest count per window,
+/// a limit implied by another dropped (see the module's doc), at most [`Limits::MAX`].
+pub fn strictest_stack<'a>(stacks: impl IntoIterator<Item = &'a Limits>) -> Option<Limits> {
+    let mut all: Vec<Limit> = stacks
+        .into_iter()
+        .flat_map(|stack| stack.iter().copied())
+        .collect();
+    if all.is_empty() {
+        return None;
+    }
+    loop {
+        all.sort_by_key(|l| (l.window(), l.count()));
+        // Implied: another limit allows no more calls over a window at least as long.
+        let kept: Vec<Limit> = all
+            .iter()
+            .enumerate()
+            .filter(|(i, l)| {
+                !all.iter().enumerate().any(|(j, o)| {
+                    j != *i
+                        && o.count() <= l.count()
+                        && o.window() >= l.window()
+                        && (o.count() < l.count() || o.window() > l.window() || j < *i)
+                })
+            })
+            .map(|(_, l)| *l)
+            .collect();
+        all = kept;
+        if all.len() <= Limits::MAX {
+            break;
+        }
+        // Shortest window first, counts rising: merge the two neighbours whose windows are
+        // closest (by ratio) into the lower count over the longer window.
+        let at = (0..all.len() - 1)
+            .min_by(|&a, &b| {
+                let ratio = |i: usize| all[i + 1].window_us() as f64 / all[i].window_us() as f64;
+                ratio(a).total_cmp(&ratio(b))
+            })
+            .expect("more than eight limits");
+        let merged = Limit::new(all[at].count(), all[at + 1].window())
+            .expect("a count and a window of valid limits");
+        all.splice(at..=at + 1, [merged]);
+    }
+    Limits::new(&all).ok()
+}
+
+/// The strictest terms of `members` (each with its first heartbeat, Redis ms, and id):
+/// see the module's doc. `None` without a member.
+pub fn strictest(members: &[(i64, &str, &FleetTerms)]) -> Option<FleetTerms> {
+    let incumbent = members.iter().min_by_key(|(since, id, _)| (*since, *id))?.2;
+    let limit = strictest_stack(members.iter().map(|(_, _, t)| &t.limit))?;
+    let globals: Vec<&Limits> = members
+        .iter()
+        .filter_map(|(_, _, t)| t.global_limit.0.as_ref())
+        .collect();
+    Some(FleetTerms {
+        limit,
+        algorithm: incumbent.algorithm,
+        global_limit: GlobalLimit(strictest_stack(globals)),
+        seller_concurrency: SellerConcurrency(
+            members
+                .iter()
+                .filter_map(|(_, _, t)| t.seller_concurrency.0)
+                .min(),
+        ),
+        adaptive: members.iter().any(|(_, _, t)| t.adaptive),
+        adaptive_min: members
+            .iter()
+            .filter(|(_, _, t)| t.adaptive)
+            .map(|(_, _, t)| t.adaptive_min)
+            .min()
+            .unwrap_or(NonZeroU32::MIN),
+    })
+}
+
+/// When grants under `algorithm` may start, Redis ms (0: at once): once every grant under
+/// another algorithm (each last made at most [`EXPIRY`] after the record's time: a replica
+/// grants only while its heartbeats are renewed) has left `window` (the stack's longest window
+/// and its guard).
+pub fn fence_until_ms(
+    algorithms: &[(Algorithm, i64)],
+    algorithm: Algorithm,
+    window: Duration,
+) -> i64 {
+    algorithms
+        .iter()
+        .filter(|(other, _)| *other != algorithm)
+        .map(|(_, last_ms)| last_ms + (EXPIRY + window).as_millis() as i64)
+        .max()
+        .unwrap_or(0)
+}
+
+/// The longest window of `terms`' stack with its guard (`guard`: `TURNSTILE_LIMIT_GUARD`).
+fn longest_window(terms: &FleetTerms, guard: Option<Duration>) -> Duration {
+    terms
+        .limit
+        .iter()
+        .chain(terms.global_limit.0.iter().flat_map(Limits::iter))
+        .map(|l| l.window() + crate::config::guard_for(guard, l.window()))
+        .max()
+        .unwrap_or_default()
+}
+
+/// The fleet as `roll` shows it (entries that cannot be read are skipped and logged).
+pub fn view(roll: &Roll, guard: Option<Duration>) -> View {
+    let mut unreadable = 0;
+    let mut replicas: Vec<Replica> = roll
+        .members
+        .iter()
+        .filter_map(|member| match replica(member) {
+            Ok(replica) => Some(replica),
+            Err(error) => {
+                unreadable += 1;
+                warn!(id = %member.id, %error, "a fleet entry could not be read: skipped");
+                None
+            }
+        })
+        .collect();
+    replicas.sort_by(|a, b| (a.since_ms, &a.id).cmp(&(b.since_ms, &b.id)));
+    let members: Vec<(i64, &str, &FleetTerms)> = replicas
+        .iter()
+        .map(|r| (r.since_ms, r.id.as_str(), &r.entry.terms))
+        .collect();
+    let effective = strictest(&members);
+    let digest = effective.as_ref().map(FleetTerms::digest);
+    let fence_until_ms = effective.as_ref().map_or(0, |terms| {
+        fence_until_ms(
+            &roll.algorithms,
+            terms.algorithm,
+            longest_window(terms, guard),
+        )
+    });
+    View {
+        agree: replicas
+            .windows(2)
+            .all(|pair| pair[0].entry.terms == pair[1].entry.terms),
+        applied: digest.is_some()
+            && replicas
+                .iter()
+                .all(|r| r.entry.applies.as_deref() == digest.as_deref()),
+        replicas,
+        effective,
+        unreadable,
+        fence_until_ms,
+        now_ms: roll.now_ms,
+    }
+}
+
+fn replica(member: &Registered) -> Result<Replica, serde_json::Error> {
+    let entry: Entry = serde_json::from_str(&member.entry)?;
+    let stamp = |ms: i64| crate::worker::report::rfc3339(ms.max(0) as u64);
+    Ok(Replica {
+        id: member.id.clone(),
+        started: stamp(member.since_ms),
+        last_seen: stamp(member.last_ms),
+        entry,
+        since_ms: member.since_ms,
+    })
+}
+
+/// The fleet under `prefix`, read only (operator tools).
+pub async fn read(conn: &RedisConn, prefix: &str) -> Result<View, PermitError> {
+    let roll = Registry::new(conn.clone(), prefix).read().await?;
+    Ok(view(&roll, None))
+}
+
+/// The terms an operator tool reads and changes sellers' state under.
+#[derive(Clone, Debug)]
+pub struct ToolTerms {
+    /// The fleet's terms over the tool's own other settings, or the tool's own settings when
+    /// no replica is alive.
+    pub limiter: LimiterArgs,
+    /// The fleet, when a replica is alive.
+    pub fleet: Option<View>,
+}
+
+impl ToolTerms {
+    /// What a tool says about the terms it used: nothing while they are the fleet's; with no
+    /// replica alive, that the figures assume the tool's own settings.
+    pub fn note(&self, prefix: &str) -> Option<String> {
+        match &self.fleet {
+            Some(_) => None,
+            None => Some(format!(
+                "no turnstile replica is alive under key prefix {prefix:?}: the fleet's terms are unknown; figures assume this shell's (TURNSTILE_ALGORITHM={}, TURNSTILE_LIMIT={}, TURNSTILE_GLOBAL_LIMIT={})",
+                self.limiter.algorithm, self.limiter.limit, self.limiter.global_limit
+            )),
+        }
+    }
+}
+
+/// The terms operator tools use under `prefix`: the fleet's strictest while a replica is alive
+/// (whatever the tool's own environment says), else `own`.
+pub async fn tool_terms(
+    conn: &RedisConn,
+    prefix: &str,
+    own: LimiterArgs,
+) -> Result<ToolTerms, PermitError> {
+    let fleet = read(conn, prefix).await?;
+    Ok(match &fleet.effective {
+        Some(effective) => ToolTerms {
+            limiter: effective.apply_to(&own),
+            fleet: Some(fleet),
+        },
+        None => ToolTerms {
+            limiter: own,
+            fleet: None,
+        },
+    })
+}
+
+/// This replica as a member of the fleet: its entry, its heartbeats, and the terms it applies.
+pub struct Member {
+    registry: Registry,
+    id: String,
+    /// Its own settings (the fleet's terms replace their share, see [`FleetTerms::apply_to`]).
+    own: LimiterArgs,
+    applied: Arc<Applied>,
+    stats: Arc<Stats>,
+    ready: Readiness,
+    queue: String,
+    state: Mutex<State>,
+}
+
+/// What a member keeps between heartbeats.
+#[derive(Default)]
+struct State {
+    view: View,
+    /// The terms applied and their digest, once applied.
+    applied: Option<FleetTerms>,
+    /// The terms replaced last, until every operation under them is done: only then is the
+    /// digest of the new ones reported.
+    replaced: Option<Arc<LimiterArgs>>,
+    /// Registered count and when, at the previous heartbeat (for the rate).
+    registered: Option<(u64, Instant)>,
+    /// Whether the fleet agreed at the last heartbeat (for the log line when that changes).
+    agreed: Option<bool>,
+}
+
+impl Member {
+    /// A member for a replica with these settings (`applied`: its limiter's terms; `stats`
+    /// and `ready`: what it announces of its work).
+    pub fn new(
+        conn: RedisConn,
+        prefix: &str,
+        own: LimiterArgs,
+        applied: Arc<Applied>,
+        stats: Arc<Stats>,
+        ready: Readiness,
+        queue: &str,
+    ) -> Self {
+        let host = host_name();
+        let id = format!(
+            "{host}-{}-{:04x}",
+            std::process::id(),
+            rand::random::<u16>()
+        );
+        Self {
+            registry: Registry::new(conn, prefix),
+            id,
+            own,
+            applied,
+            stats,
+            ready,
+            queue: queue.to_owned(),
+            state: Mutex::default(),
+        }
+    }
+
+    /// Its id in the registry.
+    pub fn id(&self) -> &str {
+        &self.id
+    }
+
+    /// The fleet as its last heartbeat saw it.
+    pub fn view(&self) -> View {
+        self.lock().view.clone()
+    }
+
+    fn lock(&self) -> std::sync::MutexGuard<'_, State> {
+        self.state
+            .lock()
+            .expect("the fleet member's lock is never poisoned")
+    }
+
+    /// The entry to announce now.
+    fn entry(&self, state: &mut State) -> Entry {
+        let registered = self
+            .stats
+            .registered
+            .load(std::sync::atomic::Ordering::Relaxed);
+        let now = Instant::now();
+        let registered_per_s = state.registered.map_or(0.0, |(before, at)| {
+            let secs = now.duration_since(at).as_secs_f64();
+            if secs > 0.0 {
+                registered.saturating_sub(before) as f64 / secs
+            } else {
+                0.0
+            }
+        });
+        state.registered = Some((registered, now));
+        // The new terms are reported applied once no operation runs under the replaced ones.
+        if state
+            .replaced
+            .as_ref()
+            .is_some_and(|old| Arc::strong_count(old) == 1)
+        {
+            state.replaced = None;
+        }
+        Entry {
+            host: host_name(),
+            pid: std::process::id(),
+            version: env!("CARGO_PKG_VERSION").to_owned(),
+            queue: self.queue.clone(),
+            terms: FleetTerms::of(&self.own),
+            applies: state
+                .applied
+                .as_ref()
+                .filter(|_| state.replaced.is_none())
+                .map(FleetTerms::digest),
+            ready: self.ready.get(),
+            in_flight: self
+                .stats
+                .in_flight
+                .load(std::sync::atomic::Ordering::Relaxed) as u64,
+            registered_per_s: (registered_per_s * 10.0).round() / 10.0,
+        }
+    }
+
+    /// One heartbeat: renews the entry, reads the fleet, applies its strictest terms (and the
+    /// algorithm's fence), and trusts them until [`TRUST`] after the heartbeat was sent.
+    pub async fn beat(&self) -> Result<View, PermitError> {
+        let sent = Instant::now();
+        let (entry, algorithm) = {
+            let mut state = self.lock();
+            let entry = self.entry(&mut state);
+            (entry, state.applied.as_ref().map(|t| t.algorithm))
+        };
+        let entry = serde_json::to_string(&entry).expect("an entry is always JSON");
+        let retain = longest_window(&FleetTerms::of(&self.own), self.own.guard) + EXPIRY * 2;
+        let roll = self
+            .registry
+            .beat(&self.id, &entry, EXPIRY, algorithm, retain)
+            .await?;
+        let view = view(&roll, self.own.guard);
+        let mut state = self.lock();
+        if let Some(effective) = &view.effective
+            && state.applied.as_ref() != Some(effective)
+        {
+            let old = self.applied.replace(effective.apply_to(&self.own));
+            match &state.applied {
+                Some(before) => {
+                    info!(from = %before.digest(), to = %effective.digest(), "the fleet's terms changed: granting under the new ones")
+                }
+                None => info!(terms = %effective.digest(), "granting under the fleet's terms"),
+            }
+            state.replaced = Some(old);
+            state.applied = Some(effective.clone());
+        }
+        let fence = view.fence_until_ms.saturating_sub(view.now_ms).max(0);
+        self.applied.fence_until(if fence > 0 {
+            view.fence_until_ms.saturating_mul(1000)
+        } else {
+            0
+        });
+        self.applied.trust_until(sent + TRUST);
+        let agrees = view.agree;
+        if state.agreed != Some(agrees) {
+            if agrees {
+                info!(
+                    replicas = view.replicas.len(),
+                    "the fleet agrees on its terms"
+                );
+            } else {
+                warn!(replicas = view.replicas.len(), effective = ?view.effective.as_ref().map(FleetTerms::digest), "the fleet's replicas run with different terms: every grant follows the strictest");
+            }
+            state.agreed = Some(agrees);
+        }
+        metrics::gauge!("turnstile_fleet_replicas").set(view.replicas.len() as f64);
+        metrics::gauge!("turnstile_fleet_disagreement").set(if agrees { 0.0 } else { 1.0 });
+        state.view = view.clone();
+        Ok(view)
+    }
+
+    /// Beats until every live replica grants under the fleet's terms (this one's included), so
+    /// that the replica may consume; `false` if `shutdown` came first. Redis errors are
+    /// retried (logged).
+    pub async fn join(&self, shutdown: &CancellationToken) -> bool {
+        let started = Instant::now();
+        let mut said = Instant::now();
+        loop {
+            match self.beat().await {
+                Ok(view) if view.applied && self.lock().replaced.is_none() => {
+                    info!(replicas = view.replicas.len(), terms = ?view.effective.as_ref().map(FleetTerms::digest), waited_ms = started.elapsed().as_millis() as u64, "joined the fleet");
+                    return true;
+                }
+                Ok(view) => {
+                    if said.elapsed() >= Duration::from_secs(5) {
+                        let waiting: Vec<&str> = view
+                            .replicas
+                            .iter()
+                            .filter(|r| {
+                                r.entry.applies != view.effective.as_ref().map(FleetTerms::digest)
+                            })
+                            .map(|r| r.id.as_str())
+                            .collect();
+                        warn!(
+                            ?waiting,
+                            "waiting for the fleet's replicas to apply its terms before consuming"
+                        );
+                        said = Instant::now();
+                    }
+                }
+                Err(error) => {
+                    if said.elapsed() >= Duration::from_secs(5) {
+                        warn!(%error, "could not join the fleet's registry; retrying");
+                        said = Instant::now();
+                    }
+                }
+            }
+            tokio::select! {
+                () = shutdown.cancelled() => return false,
+                () = tokio::time::sleep(HEARTBEAT / 5) => {}
+            }
+        }
+    }
+
+    /// Beats every [`HEARTBEAT`] until `stop`, then takes the entry out of the registry.
+    pub async fn run(self: Arc<Self>, stop: CancellationToken) {
+        let mut failing = false;
+        loop {
+            tokio::select! {
+                () = stop.cancelled() => break,
+                () = tokio::time::sleep(HEARTBEAT) => {}
+            }
+            match self.beat().await {
+                Ok(_) if failing => {
+                    info!("the fleet's registry answers again");
+                    failing = false;
+                }
+                Ok(_) => {}
+                Err(error) if !failing => {
+                    warn!(%error, "could not renew this replica's fleet entry; it stops granting if this lasts");
+                    failing = true;
+                }
+                Err(_) => {}
+            }
+        }
+        let algorithm = self.lock().applied.as_ref().map(|t| t.algorithm);
+        if let Err(error) = self.registry.leave(&self.id, algorithm).await {
+            warn!(%error, "could not take this replica out of the fleet's registry; it expires");
+        }
+    }
+}
+
+/// This machine's host name (`/proc/sys/kernel/hostname`, else `HOSTNAME`, else "unknown").
+fn host_name() -> String {
+    std::fs::read_to_string("/proc/sys/kernel/hostname")
+        .ok()
+        .or_else(|| std::env::var("HOSTNAME").ok())
+        .map(|h| h.trim().to_owned())
+        .filter(|h| !h.is_empty())
+        .unwrap_or_else(|| "unknown".to_owned())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn stack(s: &str) -> Limits {
+        s.parse().unwrap()
+    }
+
+    fn terms(limit: &str, algorithm: Algorithm) -> FleetTerms {
+        FleetTerms::of(&LimiterArgs::new(stack(limit), algorithm))
+    }
+
+    #[test]
+    fn the_strictest_stack_keeps_every_limit_at_its_lowest_count() {
+        let s = |stacks: &[&str]| {
+            let stacks: Vec<Limits> = stacks.iter().map(|s| stack(s)).collect();
+            strictest_stack(&stacks).unwrap().to_string()
+        };
+        assert_eq!(s(&["20/1s", "10/1s"]), "10/1s");
+        assert_eq!(s(&["100/1m", "10/1s"]), "10/1s,100/1m");
+        assert_eq!(s(&["100/1m,2000/1d", "50/1m"]), "50/1m,2000/1d");
+        // 10 in a minute already allows at most 10 in any second.
+        assert_eq!(s(&["20/1s", "10/1m"]), "10/1m");
+        assert_eq!(s(&["10/1s", "10/1s"]), "10/1s");
+    }
+
+    #[test]
+    fn more_than_eight_limits_merge_into_stricter_ones() {
+        let stacks: Vec<Limits> = (1..=12)
+            .map(|i| Limits::single(Limit::new(i * 10, Duration::from_secs(u64::from(i))).unwrap()))
+            .collect();
+        let merged = strictest_stack(&stacks).unwrap();
+        assert!(merged.len() <= Limits::MAX);
+        // Every original limit is implied by one of the merged ones.
+        for original in stacks.iter().flat_map(|s| s.iter()) {
+            assert!(
+                merged
+                    .iter()
+                    .any(|m| m.count() <= original.count() && m.window() >= original.window()),
+                "{original} not implied by {merged}"
+            );
+        }
+    }
+
+    #[test]
+    fn the_strictest_terms_follow_every_replica_and_the_oldest_ones_algorithm() {
+        let mut old = terms("20/1s", Algorithm::Gcra);
+        old.global_limit = GlobalLimit(Some(stack("100/1s")));
+        let mut new = terms("10/1s", Algorithm::SlidingWindow);
+        new.seller_concurrency = SellerConcurrency(NonZeroU32::new(4));
+        new.adaptive = false;
+        let effective = strictest(&[(2, "b", &new), (1, "a", &old)]).unwrap();
+        assert_eq!(effective.limit.to_string(), "10/1s");
+        assert_eq!(effective.algorithm, Algorithm::Gcra, "the longest-running");
+        assert_eq!(effective.global_limit.to_string(), "100/1s");
+        assert_eq!(effective.seller_concurrency.0, NonZeroU32::new(4));
+        assert!(effective.adaptive);
+        assert_eq!(strictest(&[]), None);
+    }
+
+    #[test]
+    fn terms_read_back_as_written_and_bad_ones_are_refused() {
+        let mut t = terms("100/1m,2000/1d", Algorithm::TokenBucket);
+        t.global_limit = GlobalLimit(Some(stack("500/1s")));
+        let json = serde_json::to_string(&t).unwrap();
+        assert!(json.contains(r#""limit":"100/1m,2000/1d""#), "{json}");
+        assert_eq!(serde_json::from_str::<FleetTerms>(&json).unwrap(), t);
+        for bad in [
+            r#"{"limit":"0/1s","algorithm":"gcra","global_limit":"off","seller_concurrency":null,"adaptive":true,"adaptive_min":1}"#,
+            r#"{"limit":"1/1s","algorithm":"magic","global_limit":"off","seller_concurrency":null,"adaptive":true,"adaptive_min":1}"#,
+            r#"{"limit":"1/1s","algorithm":"gcra","global_limit":"off","seller_concurrency":null,"adaptive":true,"adaptive_min":0}"#,
+        ] {
+            assert!(serde_json::from_str::<FleetTerms>(bad).is_err(), "{bad}");
+        }
+    }
+
+    #[test]
+    fn another_algorithms_grants_keep_the_new_one_waiting_until_they_left_the_window() {
+        let window = Duration::from_secs(60);
+        let record = [(Algorithm::Gcra, 1_000), (Algorithm::SlidingWindow, 9_000)];
+        let until = fence_until_ms(&record, Algorithm::SlidingWindow, window);
+        assert_eq!(until, 1_000 + 5_000 + 60_000);
+        assert_eq!(
+            fence_until_ms(&record[1..], Algorithm::SlidingWindow, window),
+            0
+        );
+    }
+
+    fn member(
+        id: &str,
+        since: i64,
+        terms: &FleetTerms,
+        applies: Option<&FleetTerms>,
+    ) -> Registered {
+        let entry = Entry {
+            host: "h".into(),
+            pid: 1,
+            version: "0".into(),
+            queue: "q".into(),
+            terms: terms.clone(),
+            applies: applies.map(FleetTerms::digest),
+            ready: true,
+            in_flight: 0,
+            registered_per_s: 0.0,
+        };
+        Registered {
+            id: id.into(),
+            since_ms: since,
+            last_ms: since,
+            entry: serde_json::to_string(&entry).unwrap(),
+        }
+    }
+
+    #[test]
+    fn a_view_says_whether_the_fleet_agrees_and_applies_its_terms() {
+        let a = terms("20/1s", Algorithm::SlidingWindow);
+        let b = terms("10/1s", Algorithm::SlidingWindow);
+        let both = strictest(&[(1, "a", &a), (2, "b", &b)]).unwrap();
+        let roll = |applies_a: &FleetTerms| Roll {
+            now_ms: 5,
+            members: vec![
+                member("b", 2, &b, Some(&both)),
+                member("a", 1, &a, Some(applies_a)),
+                Registered {
+                    id: "junk".into(),
+                    since_ms: 0,
+                    last_ms: 0,
+                    entry: "{not json".into(),
+                },
+            ],
+            algorithms: vec![],
+        };
+        let waiting = view(&roll(&a), None);
+        assert!(!waiting.agree);
+        assert!(!waiting.applied, "a still grants under its own");
+        assert_eq!(waiting.unreadable, 1);
+        assert_eq!(waiting.replicas[0].id, "a", "longest-running first");
+        assert_eq!(
+            waiting.effective.as_ref().unwrap().limit.to_string(),
+            "10/1s"
+        );
+        assert!(view(&roll(&both), None).applied);
+    }
+}

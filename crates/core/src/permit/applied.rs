@@ -1,0 +1,160 @@
+//! The terms a replica's limiter grants under now ([`Applied`]): its own settings until the
+//! fleet is heard from, then the strictest terms of every live replica (see `crate::fleet`),
+//! replaced whole while calls run. Every operation reads them once ([`Applied::current`]), so
+//! no call mixes two stacks.
+//!
+//! Two things stop grants without a word from Redis's limiter:
+//! - **stale terms**: a replica that has not heard from the fleet's registry for most of an
+//!   entry's lifetime may no longer know the strictest terms (a replica with stricter ones may
+//!   have started meanwhile): it grants nothing until it hears again ([`PermitError::Fleet`],
+//!   which the worker waits out like a Redis outage);
+//! - **an algorithm change**: each algorithm keeps its own state, blind to the others' grants,
+//!   so grants under a new algorithm wait until every grant under the old one has left its
+//!   longest window ([`Applied::fence_until`]).
+
+use std::sync::atomic::{AtomicI64, Ordering};
+use std::sync::{Arc, Mutex, RwLock};
+use std::time::{Duration, Instant};
+
+use super::PermitError;
+use crate::config::LimiterArgs;
+
+/// The terms a replica grants under now, and when they stop being trusted.
+#[derive(Debug)]
+pub struct Applied {
+    current: RwLock<Arc<LimiterArgs>>,
+    /// Past this instant the terms may be stale: grants stop. `None`: the terms never go stale
+    /// (a store that does not follow a fleet, as tools and tests use).
+    trusted_until: Mutex<Option<Instant>>,
+    /// No grant before this Redis time (µs; 0: none): see [`Applied::fence_until`].
+    fence_us: AtomicI64,
+}
+
+impl Applied {
+    /// Terms that apply as given, until replaced.
+    pub fn new(limiter: LimiterArgs) -> Self {
+        Self {
+            current: RwLock::new(Arc::new(limiter)),
+            trusted_until: Mutex::new(None),
+            fence_us: AtomicI64::new(0),
+        }
+    }
+
+    /// The terms that apply now. Hold the answer for one operation only: while it is held,
+    /// the replica does not report the terms that replaced it as applied (see
+    /// [`Applied::replace`]).
+    pub fn current(&self) -> Arc<LimiterArgs> {
+        self.current
+            .read()
+            .expect("the applied terms' lock is never poisoned")
+            .clone()
+    }
+
+    /// Replaces the terms; returns the ones replaced. Operations already running finish under
+    /// the old terms: they are done once the returned `Arc` is the last one
+    /// (`Arc::strong_count` is 1).
+    pub fn replace(&self, limiter: LimiterArgs) -> Arc<LimiterArgs> {
+        let mut current = self
+            .current
+            .write()
+            .expect("the applied terms' lock is never poisoned");
+        std::mem::replace(&mut *current, Arc::new(limiter))
+    }
+
+    /// The terms are trusted until `until` (the fleet's registry was heard from).
+    pub fn trust_until(&self, until: Instant) {
+        *self
+            .trusted_until
+            .lock()
+            .expect("the applied terms' lock is never poisoned") = Some(until);
+    }
+
+    /// Grants under the current algorithm wait until Redis time `until_us` (0: no fence).
+    pub fn fence_until(&self, until_us: i64) {
+        self.fence_us.store(until_us.max(0), Ordering::Relaxed);
+    }
+
+    /// The fence's end, Redis µs (0: none).
+    pub fn fence_us(&self) -> i64 {
+        self.fence_us.load(Ordering::Relaxed)
+    }
+
+    /// Whether a grant may be asked for now (`now_us`: Redis time as the replica estimates
+    /// it): an error while the terms are stale, `Some(wait)` while the algorithm's fence
+    /// stands, `None` when it may.
+    pub fn check(&self, now_us: Option<i64>) -> Result<Option<Duration>, PermitError> {
+        let trusted = *self
+            .trusted_until
+            .lock()
+            .expect("the applied terms' lock is never poisoned");
+        if trusted.is_some_and(|until| Instant::now() >= until) {
+            return Err(PermitError::Fleet(
+                "this replica has not heard from the fleet's registry lately: a replica with stricter terms may have started, so it grants nothing until it hears again",
+            ));
+        }
+        let fence = self.fence_us();
+        if fence == 0 {
+            return Ok(None);
+        }
+        // Without an estimate of Redis's time yet, the whole fence is waited for.
+        let now = now_us.unwrap_or(i64::MIN);
+        Ok((fence > now).then(|| {
+            Duration::from_micros(fence.saturating_sub(now.max(0)).max(1_000) as u64)
+                .min(Duration::from_secs(5))
+        }))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::config::{Algorithm, Limit};
+
+    fn terms(count: u32) -> LimiterArgs {
+        LimiterArgs::new(
+            Limit::new(count, Duration::from_secs(1)).unwrap(),
+            Algorithm::SlidingWindow,
+        )
+    }
+
+    #[test]
+    fn replaced_terms_apply_to_the_next_operation_and_the_old_ones_are_released_when_done() {
+        let applied = Applied::new(terms(20));
+        let running = applied.current();
+        let old = applied.replace(terms(10));
+        assert_eq!(applied.current().limit.min_count(), 10);
+        assert_eq!(
+            Arc::strong_count(&old),
+            2,
+            "the running operation still holds them"
+        );
+        drop(running);
+        assert_eq!(Arc::strong_count(&old), 1);
+    }
+
+    #[test]
+    fn terms_not_heard_of_in_time_stop_every_grant() {
+        let applied = Applied::new(terms(10));
+        assert!(
+            applied.check(Some(1)).unwrap().is_none(),
+            "never stale untrusted"
+        );
+        applied.trust_until(Instant::now() + Duration::from_secs(60));
+        assert!(applied.check(Some(1)).unwrap().is_none());
+        applied.trust_until(Instant::now());
+        let refused = applied.check(Some(1)).unwrap_err();
+        assert!(refused.is_transient(), "waited out like an outage");
+    }
+
+    #[test]
+    fn an_algorithm_fence_says_when_to_come_back_and_lifts_at_its_end() {
+        let applied = Applied::new(terms(10));
+        applied.fence_until(3_000_000);
+        assert_eq!(
+            applied.check(Some(2_000_000)).unwrap(),
+            Some(Duration::from_secs(1))
+        );
+        assert_eq!(applied.check(Some(3_000_000)).unwrap(), None);
+        assert!(applied.check(None).unwrap().is_some(), "no clock yet: wait");
+    }
+}
