@@ -1,0 +1,229 @@
+//! The fleet: replicas announce themselves in Redis, every grant follows the strictest terms of
+//! any live replica, and operator tools read the fleet's terms, against the real RabbitMQ and
+//! Redis (replicas in this process, and one as a process of its own to be SIGKILLed).
+
+mod support;
+
+use std::process::{Command, Stdio};
+use std::sync::Arc;
+use std::sync::atomic::Ordering;
+use std::time::Duration;
+
+use tokio_util::sync::CancellationToken;
+use turnstile_core::config::Limits;
+use turnstile_core::fleet::{self, EXPIRY, HEARTBEAT};
+use turnstile_core::permit::RedisConn;
+use turnstile_core::worker::Stats;
+use turnstile_lab::rig::{Message, Rig};
+use turnstile_ops::serve::{ServeArgs, Served};
+
+/// A replica of `rig` with its own stop, granting under `limit`, adaptive limits off (so that
+/// only the fleet's terms move the limit), 8 workers.
+async fn replica(rig: &Rig, limit: &str, stop: &CancellationToken) -> Served {
+    let mut settings = rig.settings(8);
+    settings.limiter.limit = limit.parse::<Limits>().unwrap();
+    settings.limiter.adaptive = false;
+    Served::start(ServeArgs::from(settings), stop.clone())
+        .await
+        .expect("a replica starts")
+}
+
+/// The mock forgets what it saw (and restarts its windows): it counts from now.
+async fn reset_mock(rig: &Rig) {
+    let base = format!("http://{}", rig.mock.addr());
+    let answer = reqwest::Client::new()
+        .post(format!("{base}/reset"))
+        .send()
+        .await
+        .expect("the mock answers");
+    assert!(answer.status().is_success());
+}
+
+async fn fleet_view(rig: &Rig) -> fleet::View {
+    let prefix = rig.settings(1).redis.key_prefix;
+    fleet::read(rig.store().conn(), &prefix).await.unwrap()
+}
+
+/// Messages the replicas settled as registered.
+fn registered(replicas: &[&Arc<Stats>]) -> u64 {
+    replicas
+        .iter()
+        .map(|stats| stats.registered.load(Ordering::Relaxed))
+        .sum()
+}
+
+/// Every message published is settled as registered, none dead-lettered, none left in a queue.
+async fn nothing_lost(rig: &Rig, replicas: &[&Arc<Stats>], n: u64) {
+    support::eventually("every message registered", || registered(replicas) >= n).await;
+    assert_eq!(rig.dead_lettered().await.unwrap(), 0);
+    support::eventually_async("every queue empty", async || {
+        rig.depth_everywhere().await.unwrap() == 0
+    })
+    .await;
+}
+
+/// A rolling deploy lowering 20/1s to 10/1s, mid-backlog: from the moment the new replica is
+/// ready, the downstream (enforcing 10/1s) never sees more than 10 calls in a second, though
+/// the old replica keeps running for 4 s; nothing is lost.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_rolling_deploy_that_lowers_the_limit_holds_the_new_one_from_the_first_new_replica_ready()
+{
+    let mut rig = support::rig("fleet-lower", "20/1s")
+        .with_api_limit("10/1s".parse().unwrap())
+        .prepare()
+        .await
+        .unwrap();
+    let n = 160;
+    rig.publish("S-1", n).await.unwrap();
+    let (stop_old, stop_new) = (CancellationToken::new(), CancellationToken::new());
+    let old = replica(&rig, "20/1s", &stop_old).await;
+    let old_stats = old.stats.clone();
+    support::eventually("the old replica drains", || registered(&[&old_stats]) >= 20).await;
+
+    let new = replica(&rig, "10/1s", &stop_new).await;
+    // Ready: the new replica consumes, and every live replica grants under 10/1s.
+    reset_mock(&rig).await;
+    let fleet = fleet_view(&rig).await;
+    assert_eq!(fleet.replicas.len(), 2);
+    assert!(!fleet.agree);
+    assert_eq!(fleet.effective.unwrap().limit.to_string(), "10/1s");
+    assert!(fleet.applied, "every replica applies the strictest terms");
+
+    tokio::time::sleep(Duration::from_secs(4)).await;
+    stop_old.cancel();
+    old.wait().await.unwrap();
+    nothing_lost(&rig, &[&old_stats, &new.stats], n as u64).await;
+    let seen = rig.mock.stats();
+    assert_eq!(
+        seen.violations, 0,
+        "calls over 10/1s after the new replica was ready: {seen:?}"
+    );
+    stop_new.cancel();
+    new.wait().await.unwrap();
+    rig.cleanup().await.unwrap();
+}
+
+/// A rolling deploy raising 10/1s to 20/1s: while the old replica lives, every grant follows
+/// 10/1s (the downstream enforcing it sees no call over it); once it is gone, 20/1s applies.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_rolling_deploy_that_raises_the_limit_takes_effect_when_the_last_old_replica_is_gone() {
+    let mut rig = support::rig("fleet-raise", "10/1s")
+        .with_api_limit("10/1s".parse().unwrap())
+        .prepare()
+        .await
+        .unwrap();
+    rig.publish("S-1", 60).await.unwrap();
+    let (stop_old, stop_new) = (CancellationToken::new(), CancellationToken::new());
+    let old = replica(&rig, "10/1s", &stop_old).await;
+    let old_stats = old.stats.clone();
+    support::eventually("the old replica drains", || registered(&[&old_stats]) >= 20).await;
+
+    let new = replica(&rig, "20/1s", &stop_new).await;
+    reset_mock(&rig).await;
+    // Work for both replicas (the old one holds what it fetched already).
+    rig.publish_all((60..160).map(|i| Message::numbered("S-1", i)).collect())
+        .await
+        .unwrap();
+    let n = 160;
+    assert_eq!(
+        fleet_view(&rig).await.effective.unwrap().limit.to_string(),
+        "10/1s",
+        "the old replica's stricter terms stay in force"
+    );
+    tokio::time::sleep(Duration::from_secs(4)).await;
+    let while_old_lived = rig.mock.stats();
+    stop_old.cancel();
+    old.wait().await.unwrap();
+    assert_eq!(
+        while_old_lived.violations, 0,
+        "calls over 10/1s while the old replica lived: {while_old_lived:?}"
+    );
+    support::eventually_async("20/1s applies once the old replica is gone", async || {
+        let fleet = fleet_view(&rig).await;
+        fleet.replicas.len() == 1
+            && fleet.applied
+            && fleet
+                .effective
+                .is_some_and(|t| t.limit.to_string() == "20/1s")
+    })
+    .await;
+    nothing_lost(&rig, &[&old_stats, &new.stats], n as u64).await;
+    stop_new.cancel();
+    new.wait().await.unwrap();
+    rig.cleanup().await.unwrap();
+}
+
+/// A replica killed with SIGKILL leaves the registry once its entry expires: a read right after
+/// that finds it gone.
+#[tokio::test]
+async fn a_replica_killed_with_sigkill_leaves_the_registry() {
+    let rig = support::rig("fleet-kill", "10/1s").prepare().await.unwrap();
+    let settings = rig.settings(2);
+    let prefix = settings.redis.key_prefix.clone();
+    let conn: RedisConn = rig.store().conn().clone();
+    let mut child = Command::new(env!("CARGO_BIN_EXE_turnstile"))
+        .arg("consume")
+        .env("TURNSTILE_AMQP_URL", &settings.broker.amqp_url)
+        .env("TURNSTILE_REDIS_URL", &settings.redis.url)
+        .env("TURNSTILE_KEY_PREFIX", &prefix)
+        .env("TURNSTILE_QUEUE", &settings.broker.queue)
+        .env("TURNSTILE_DOWNSTREAM_URL", rig.mock.url())
+        .env("TURNSTILE_LIMIT", "10/1s")
+        .env("TURNSTILE_HTTP_ADDR", "off")
+        .env("RUST_LOG", "warn")
+        .stdout(Stdio::null())
+        .stderr(Stdio::null())
+        .spawn()
+        .unwrap();
+    let pid = child.id();
+    support::eventually_async("the replica registers", async || {
+        let fleet = fleet::read(&conn, &prefix).await.unwrap();
+        fleet
+            .replicas
+            .iter()
+            .any(|r| r.entry.pid == pid && r.entry.ready)
+    })
+    .await;
+    child.kill().unwrap();
+    child.wait().unwrap();
+    tokio::time::sleep(EXPIRY + HEARTBEAT).await;
+    let fleet = fleet::read(&conn, &prefix).await.unwrap();
+    assert!(
+        fleet.replicas.is_empty(),
+        "a killed replica is still listed: {fleet:?}"
+    );
+    assert!(fleet.effective.is_none());
+    rig.cleanup().await.unwrap();
+}
+
+/// `turnstile limits get` and `turnstile status` run in a shell whose TURNSTILE_LIMIT is not the
+/// replicas' show the fleet's limit; with no replica alive they say so.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn operator_commands_show_the_fleets_terms_not_their_shells() {
+    let rig = support::rig("fleet-tools", "5/1s").prepare().await.unwrap();
+    let prefix = rig.settings(1).redis.key_prefix;
+    let redis_url = rig.settings(1).redis.url;
+    let stop = CancellationToken::new();
+    let running = replica(&rig, "5/1s", &stop).await;
+    let limits_get = || {
+        support::run(
+            Command::new(env!("CARGO_BIN_EXE_turnstile"))
+                .args(["limits", "get", "--seller", "S-1"])
+                .env("TURNSTILE_REDIS_URL", &redis_url)
+                .env("TURNSTILE_KEY_PREFIX", &prefix)
+                .env("TURNSTILE_LIMIT", "100/1m"),
+        )
+    };
+    let (code, out, err) = limits_get();
+    assert_eq!(code, 0, "{err}");
+    assert!(out.contains("S-1: 5/1s (default)"), "{out}");
+    assert!(!err.contains("no turnstile replica"), "{err}");
+
+    stop.cancel();
+    running.wait().await.unwrap();
+    let (code, out, err) = limits_get();
+    assert_eq!(code, 0, "{err}");
+    assert!(err.contains("no turnstile replica is alive"), "{err}");
+    assert!(out.contains("S-1: 100/1m (default)"), "{out}");
+    rig.cleanup().await.unwrap();
+}
