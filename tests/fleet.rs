@@ -10,7 +10,7 @@ use std::sync::atomic::Ordering;
 use std::time::Duration;
 
 use tokio_util::sync::CancellationToken;
-use turnstile_core::config::Limits;
+use turnstile_core::config::{Algorithm, Limits};
 use turnstile_core::fleet::{self, EXPIRY, HEARTBEAT};
 use turnstile_core::permit::RedisConn;
 use turnstile_core::worker::Stats;
@@ -225,5 +225,82 @@ async fn operator_commands_show_the_fleets_terms_not_their_shells() {
     assert_eq!(code, 0, "{err}");
     assert!(err.contains("no turnstile replica is alive"), "{err}");
     assert!(out.contains("S-1: 100/1m (default)"), "{out}");
+    rig.cleanup().await.unwrap();
+}
+
+/// A deploy that changes the algorithm: while the old replica lives, the new one grants under
+/// the old algorithm (the longest-running replica's); once it is gone, grants under the new one
+/// wait until every grant under the old one has left the window, so the limit holds across the
+/// switch; nothing is lost.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_new_algorithm_waits_until_the_old_ones_grants_left_the_window() {
+    let mut rig = support::rig("fleet-algorithm", "10/1s")
+        .prepare()
+        .await
+        .unwrap();
+    rig.publish("S-1", 80).await.unwrap();
+    let (stop_old, stop_new) = (CancellationToken::new(), CancellationToken::new());
+    let mut old_settings = rig.settings(4);
+    old_settings.limiter.algorithm = Algorithm::Gcra;
+    old_settings.limiter.adaptive = false;
+    let old = Served::start(ServeArgs::from(old_settings), stop_old.clone())
+        .await
+        .unwrap();
+    let old_stats = old.stats.clone();
+    support::eventually("the old replica drains", || registered(&[&old_stats]) >= 10).await;
+    let new = replica(&rig, "10/1s", &stop_new).await;
+    let fleet = fleet_view(&rig).await;
+    assert_eq!(
+        fleet.effective.unwrap().algorithm,
+        Algorithm::Gcra,
+        "the longest-running replica's algorithm"
+    );
+
+    stop_old.cancel();
+    old.wait().await.unwrap();
+    let mut switched = None;
+    support::eventually_async("the fleet moves to sliding-window", async || {
+        let fleet = fleet_view(&rig).await;
+        let moved = fleet.applied
+            && fleet
+                .effective
+                .as_ref()
+                .is_some_and(|t| t.algorithm == Algorithm::SlidingWindow);
+        if moved {
+            switched = Some(fleet);
+        }
+        moved
+    })
+    .await;
+    let switched = switched.unwrap();
+    assert!(
+        switched.algorithm_fence_until.is_some(),
+        "grants under sliding-window wait for gcra's to leave the window: {switched:?}"
+    );
+    // Nothing is granted while the fence stands (read on Redis's clock, to its end).
+    let before = rig.mock.stats().registered;
+    let redis_now_ms = || async {
+        let (s, us): (i64, i64) = redis::cmd("TIME")
+            .query_async(&mut rig.store().conn().clone())
+            .await
+            .unwrap();
+        s * 1000 + us / 1000
+    };
+    let fence_ms = switched.fence_until_ms;
+    let left = fence_ms - redis_now_ms().await - 300;
+    if left > 0 {
+        tokio::time::sleep(Duration::from_millis(left as u64)).await;
+        assert!(redis_now_ms().await < fence_ms);
+        assert_eq!(
+            rig.mock.stats().registered,
+            before,
+            "a call was granted under the new algorithm before the old one's left the window"
+        );
+    }
+    nothing_lost(&rig, &[&old_stats, &new.stats], 80).await;
+    let seen = rig.mock.stats();
+    assert_eq!(seen.violations, 0, "{seen:?}");
+    stop_new.cancel();
+    new.wait().await.unwrap();
     rig.cleanup().await.unwrap();
 }

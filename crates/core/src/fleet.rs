@@ -230,6 +230,10 @@ pub struct View {
     pub applied: bool,
     /// Entries that could not be read (skipped; each is logged).
     pub unreadable: usize,
+    /// Until when grants under the algorithm in force wait for those under another to leave
+    /// their window (RFC 3339, Redis's clock; `None`: they do not wait; see
+    /// [`fence_until_ms`]).
+    pub algorithm_fence_until: Option<String>,
     /// When the algorithms' record says the current algorithm's grants may start (Redis ms;
     /// 0: at once; see [`fence_until_ms`]).
     #[serde(skip)]
@@ -381,6 +385,8 @@ pub fn view(roll: &Roll, guard: Option<Duration>) -> View {
         replicas,
         effective,
         unreadable,
+        algorithm_fence_until: (fence_until_ms > roll.now_ms)
+            .then(|| crate::worker::report::rfc3339(fence_until_ms as u64)),
         fence_until_ms,
         now_ms: roll.now_ms,
     }

@@ -13,7 +13,7 @@
 //!   longest window ([`Applied::fence_until`]).
 
 use std::sync::atomic::{AtomicI64, Ordering};
-use std::sync::{Arc, Mutex, RwLock};
+use std::sync::{Arc, RwLock};
 use std::time::{Duration, Instant};
 
 use super::PermitError;
@@ -23,9 +23,11 @@ use crate::config::LimiterArgs;
 #[derive(Debug)]
 pub struct Applied {
     current: RwLock<Arc<LimiterArgs>>,
-    /// Past this instant the terms may be stale: grants stop. `None`: the terms never go stale
-    /// (a store that does not follow a fleet, as tools and tests use).
-    trusted_until: Mutex<Option<Instant>>,
+    /// What `trusted_until_ns` counts from.
+    base: Instant,
+    /// Past this instant (ns after `base`) the terms may be stale: grants stop. `i64::MAX`:
+    /// they never go stale (a store that does not follow a fleet, as tools and tests use).
+    trusted_until_ns: AtomicI64,
     /// No grant before this Redis time (µs; 0: none): see [`Applied::fence_until`].
     fence_us: AtomicI64,
 }
@@ -35,7 +37,8 @@ impl Applied {
     pub fn new(limiter: LimiterArgs) -> Self {
         Self {
             current: RwLock::new(Arc::new(limiter)),
-            trusted_until: Mutex::new(None),
+            base: Instant::now(),
+            trusted_until_ns: AtomicI64::new(i64::MAX),
             fence_us: AtomicI64::new(0),
         }
     }
@@ -63,10 +66,15 @@ impl Applied {
 
     /// The terms are trusted until `until` (the fleet's registry was heard from).
     pub fn trust_until(&self, until: Instant) {
-        *self
-            .trusted_until
-            .lock()
-            .expect("the applied terms' lock is never poisoned") = Some(until);
+        self.trusted_until_ns
+            .store(self.since_base(until), Ordering::Relaxed);
+    }
+
+    /// `at` in ns after `base` (0 before it).
+    fn since_base(&self, at: Instant) -> i64 {
+        at.saturating_duration_since(self.base)
+            .as_nanos()
+            .min(i64::MAX as u128 - 1) as i64
     }
 
     /// Grants under the current algorithm wait until Redis time `until_us` (0: no fence).
@@ -83,11 +91,7 @@ impl Applied {
     /// it): an error while the terms are stale, `Some(wait)` while the algorithm's fence
     /// stands, `None` when it may.
     pub fn check(&self, now_us: Option<i64>) -> Result<Option<Duration>, PermitError> {
-        let trusted = *self
-            .trusted_until
-            .lock()
-            .expect("the applied terms' lock is never poisoned");
-        if trusted.is_some_and(|until| Instant::now() >= until) {
+        if self.since_base(Instant::now()) >= self.trusted_until_ns.load(Ordering::Relaxed) {
             return Err(PermitError::Fleet(
                 "this replica has not heard from the fleet's registry lately: a replica with stricter terms may have started, so it grants nothing until it hears again",
             ));
