@@ -2,7 +2,8 @@
 //! Redis: each final message's result on its `reply_to` queue and on `<queue>.results`, the
 //! downstream's answer capped and kept as text when it is not JSON, invalid messages counted
 //! in their batch, one `batch.completed` event per batch, a results exchange deleted at
-//! runtime declared again without losing a result, and a batch id shared by two sellers.
+//! runtime declared again without losing a result, a batch id shared by two sellers, and the
+//! ETA of a seller whose message waits out a retry's backoff.
 //!
 //! The test listens with queues of its own (exclusive, on a connection of its own, gone when
 //! it ends) bound to the rig's results exchange with `#`, and declares its own `reply_to`
@@ -27,7 +28,7 @@ use turnstile_core::domain::{BatchId, SellerId};
 use turnstile_core::downstream::RESPONSE_CAP;
 use turnstile_lab::rig::Rig;
 use turnstile_ops::http::Listen;
-use turnstile_ops::serve::HttpArgs;
+use turnstile_ops::serve::{HttpArgs, ServeArgs};
 use turnstile_upload::progress;
 
 /// A guard against hanging, not a speed check: generous on purpose.
@@ -1141,5 +1142,113 @@ async fn a_mixed_seller_batch_is_reported_not_crashed_on() -> anyhow::Result<()>
     assert_eq!(stats.sellers[first].registered, 2, "{stats:?}");
     assert_eq!(stats.sellers[other].registered, 1, "{stats:?}");
     assert_eq!(stats.duplicates, 0, "{stats:?}");
+    rig.cleanup().await
+}
+
+/// Polls `GET /api/sellers/{seller}` until its ETA is above zero, bounded: that report, with
+/// the moment its answer came (at or after the ETA was computed).
+async fn eta_above_zero(rig: &Rig, seller: &str, what: &str) -> (Value, Instant) {
+    let deadline = Instant::now() + PATIENCE;
+    loop {
+        let (status, report) = api(rig, &format!("/api/sellers/{seller}")).await;
+        let read = Instant::now();
+        assert_eq!(status, 200, "{report}");
+        if report["eta_s"].as_f64().is_some_and(|eta| eta > 0.0) {
+            return (report, read);
+        }
+        assert!(
+            Instant::now() < deadline,
+            "never happened: {what}; last: {report}"
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+}
+
+/// The operator's report: a downstream answering 503 for a while, its messages retried with
+/// backoff, and an ETA of "~1s" throughout. A message waiting out its backoff holds its
+/// seller's and its batch's ETA until its retry is due, at least: every retry is due one
+/// backoff (at least TURNSTILE_RETRY_MIN) after a 503 that came after the message was
+/// published, so an ETA read at `t` is at least `published + n x backoff - t` for the n-th
+/// retry. Once the message is registered the batch is done and nothing is waiting.
+#[tokio::test]
+async fn the_eta_is_not_before_a_retry_waiting_out_its_backoff_is_due() -> anyhow::Result<()> {
+    let mut rig = support::rig("results-retry-eta", "100/1s")
+        .prepare()
+        .await?;
+    let backoff = Duration::from_secs(3);
+    let mut consume = rig.settings(2);
+    (consume.retry_min, consume.retry_max) = (backoff, backoff);
+    rig.start_replica(ServeArgs {
+        consume,
+        http: http(),
+    })
+    .await?;
+    let upload = Upload::new(&rig).await;
+    let (seller, batch) = ("S-retry-eta", support::unique("batch"));
+    let published = Instant::now();
+    let scripts = [json!([201]), json!([503, 503, 201])];
+    for (i, statuses) in scripts.into_iter().enumerate() {
+        let product = json!({"sku": i, "mock": {"statuses": statuses}});
+        let body = registration(
+            &format!("{batch}-{i}"),
+            seller,
+            Some((&batch, json!(2))),
+            product,
+        );
+        upload.send(&body, None).await;
+    }
+    // The first is registered: the other is all the batch has waiting.
+    settled(&rig, 1, 0).await;
+
+    for n in 1..=2u32 {
+        support::eventually(&format!("retry {n} of the 503ing message"), || {
+            rig.total(|s| &s.retried) >= u64::from(n)
+        })
+        .await;
+        // Read once the retry is noted (in the background, after its delayed copy is
+        // confirmed): before, nothing but the limit holds the one message waiting.
+        let (report, read) = eta_above_zero(&rig, seller, &format!("an ETA for retry {n}")).await;
+        let eta = report["eta_s"].as_f64().unwrap();
+        let due_after_read = (published + backoff * n).saturating_duration_since(read);
+        // 10 ms: the whole milliseconds the due time is kept and read in.
+        assert!(
+            eta + 0.01 >= due_after_read.as_secs_f64(),
+            "retry {n}: an ETA of {eta} s, the retry due in at least {due_after_read:?}: {report}"
+        );
+        assert_eq!(report["retrying"], 1, "{report}");
+        let listed = report["batches"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .find(|b| b["batch_id"] == batch.as_str())
+            .cloned()
+            .unwrap_or_else(|| panic!("the batch is listed: {report}"));
+        assert_eq!(
+            (&listed["waiting"], &listed["retrying"]),
+            (&json!(1), &json!(1)),
+            "{listed}"
+        );
+        // Its only batch: the batch's ETA is the seller's.
+        assert!(
+            listed["eta_s"].as_f64().unwrap() + 0.01 >= due_after_read.as_secs_f64(),
+            "{listed}"
+        );
+    }
+
+    settled(&rig, 2, 0).await;
+    let (status, report) = api(&rig, &format!("/api/batches/{batch}")).await;
+    assert_eq!(status, 200, "{report}");
+    assert_eq!(
+        (&report["done"], &report["eta_s"], &report["retrying"]),
+        (&json!(true), &json!(0.0), &json!(0)),
+        "{report}"
+    );
+    let (_, report) = api(&rig, &format!("/api/sellers/{seller}")).await;
+    assert_eq!(
+        (&report["backlog"], &report["eta_s"], &report["retrying"]),
+        (&json!(0), &json!(0.0), &json!(0)),
+        "{report}"
+    );
+    assert_eq!(rig.mock.stats().violations, 0);
     rig.cleanup().await
 }

@@ -717,6 +717,83 @@ pub async fn usage_shows_grants_reservations_pauses_and_overrides(
     keys.cleanup().await;
 }
 
+/// A seller's retries waiting (the ETA's bookkeeping): a message once, at its latest retry;
+/// only those not due yet are read; at most `RetryDue::KEPT`, the latest due; the key expires
+/// when its latest retry is due.
+pub async fn retries_keep_the_latest_due_once_per_message_and_expire(backend: Backend) {
+    use turnstile_core::domain::{BatchId, MessageId};
+    use turnstile_core::permit::RetryDue;
+    let keys = Keys::new(backend, "retries").await;
+    let store = keys.store(limiter("10/1s", Algorithm::SlidingWindow));
+    let records = store.records();
+    let (s, batch) = (seller("S-retries"), BatchId::parse("b:1 größe").unwrap());
+    let message = |i: usize| MessageId::parse(&format!("m:{i}")).unwrap();
+    let secs = Duration::from_secs;
+    let note = async |s: &SellerId, i: usize, units: u32, delay: Duration| {
+        let cost = Cost::new(units).unwrap();
+        records
+            .retry_due(s, &message(i), &batch, cost, delay)
+            .await
+            .unwrap();
+    };
+    note(&s, 1, 2, secs(30)).await;
+    note(&s, 2, 1, secs(10)).await;
+    // Its next retry replaces a message's entry.
+    note(&s, 1, 2, secs(20)).await;
+    // Due now: the message is back, not waiting.
+    note(&s, 3, 1, Duration::ZERO).await;
+    let due = records.retries_due(&s).await.unwrap();
+    let got: Vec<(&str, u64)> = due.iter().map(|r| (r.batch.as_str(), r.units)).collect();
+    assert_eq!(got, [(batch.as_str(), 1), (batch.as_str(), 2)], "{due:?}");
+    assert!(
+        due[0].due_in <= secs(10) && due[0].due_in > secs(9),
+        "{due:?}"
+    );
+    assert!(
+        due[1].due_in <= secs(20) && due[1].due_in > secs(19),
+        "{due:?}"
+    );
+    let key = store.keys().retries(&s);
+    let pttl = |key: String| {
+        let mut conn = keys.conn.clone();
+        async move {
+            redis::cmd("PTTL")
+                .arg(&key)
+                .query_async::<i64>(&mut conn)
+                .await
+                .unwrap()
+        }
+    };
+    let ttl = pttl(key.clone()).await;
+    assert!(
+        ttl > 19_000 && ttl <= 20_000,
+        "expires with its latest retry: {ttl}"
+    );
+
+    // Many retries: the latest due are kept.
+    for i in 0..RetryDue::KEPT + 10 {
+        note(&s, 100 + i, 1, secs(100 + i as u64)).await;
+    }
+    let due = records.retries_due(&s).await.unwrap();
+    assert_eq!(due.len(), RetryDue::KEPT);
+    assert!(
+        due[0].due_in > secs(109),
+        "the soonest were dropped: {:?}",
+        due[0]
+    );
+
+    // A short one expires with its retry.
+    let other = seller("S-retries-2");
+    note(&other, 1, 1, Duration::from_millis(100)).await;
+    let key = store.keys().retries(&other);
+    let ttl = pttl(key.clone()).await;
+    assert!(ttl > 0 && ttl <= 100, "{ttl}");
+    tokio::time::sleep(Duration::from_millis(ttl as u64 + 20)).await;
+    assert!(records.retries_due(&other).await.unwrap().is_empty());
+    assert_eq!(pttl(key).await, -2, "the key is gone");
+    keys.cleanup().await;
+}
+
 /// A message's completion record moves it between waiting, registered and dead, and its upload
 /// and the dead letters by reason count it in the one state it is in: repeats change nothing,
 /// a dead letter's record does not suppress a call, and counts never go below zero.
@@ -1202,6 +1279,10 @@ macro_rules! permit_tests {
         #[tokio::test]
         async fn scripts_check_inputs_before_writing() {
             cases::scripts_check_inputs_before_writing($backend).await;
+        }
+        #[tokio::test]
+        async fn retries_keep_the_latest_due_once_per_message_and_expire() {
+            cases::retries_keep_the_latest_due_once_per_message_and_expire($backend).await;
         }
     };
 }

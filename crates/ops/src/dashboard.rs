@@ -35,7 +35,7 @@ use tracing::debug;
 use turnstile_core::broker::{self, Topology, unix_ms};
 use turnstile_core::domain::SellerId;
 use turnstile_core::fleet;
-use turnstile_core::permit::{Admin, Records, Usage};
+use turnstile_core::permit::{Admin, Records, RetryDue, Usage};
 use turnstile_core::telemetry::Readiness;
 use turnstile_core::worker::Stats;
 use turnstile_upload::progress;
@@ -362,8 +362,21 @@ impl Dashboard {
             .map(SellerId::as_str)
             .zip(usages.iter())
             .collect();
+        let uploading: Vec<&SellerId> = candidates
+            .iter()
+            .filter(|s| uploads.iter().any(|u| u.seller == s.as_str()))
+            .collect();
+        let retries = futures::future::try_join_all(
+            uploading
+                .iter()
+                .map(|seller| self.records.retries_due(seller)),
+        )
+        .await
+        .context("reading sellers' retries")?;
+        let retries: HashMap<&str, Vec<RetryDue>> =
+            uploading.iter().map(|s| s.as_str()).zip(retries).collect();
 
-        let uploads = upload_rows(&uploads, &usage);
+        let uploads = upload_rows(&uploads, &usage, &retries);
         let (rows, paused) = seller_rows(&usage);
         let global = self
             .admin
@@ -467,8 +480,13 @@ impl Dashboard {
 }
 
 /// One row per upload, newest first, with its ETA as `/api/batches/{id}` computes it from its
-/// seller's uploads shown here (none for a seller whose usage was not read).
-fn upload_rows(uploads: &[progress::Progress], usage: &HashMap<&str, &Usage>) -> Vec<UploadRow> {
+/// seller's uploads shown here and its `retries` waiting (none for a seller whose usage was not
+/// read).
+fn upload_rows(
+    uploads: &[progress::Progress],
+    usage: &HashMap<&str, &Usage>,
+    retries: &HashMap<&str, Vec<RetryDue>>,
+) -> Vec<UploadRow> {
     let mut eta: HashMap<(String, String), Option<f64>> = HashMap::new();
     let mut by_seller: BTreeMap<&str, Vec<progress::Progress>> = BTreeMap::new();
     for p in uploads {
@@ -481,7 +499,8 @@ fn upload_rows(uploads: &[progress::Progress], usage: &HashMap<&str, &Usage>) ->
         let (Some(usage), Ok(id)) = (usage.get(seller), SellerId::parse(seller)) else {
             continue;
         };
-        for b in progress::seller_report(&id, batches, (*usage).clone(), None).batches {
+        let retries = retries.get(seller).map_or(&[][..], Vec::as_slice);
+        for b in progress::seller_report(&id, batches, (*usage).clone(), None, retries).batches {
             eta.insert((b.seller_id, b.batch_id), b.eta_s);
         }
     }

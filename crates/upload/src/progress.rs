@@ -3,14 +3,16 @@
 //!
 //! The consume side counts each batch in Redis (`lua/batch_seen.lua` when a replica first sees
 //! one of its messages, `lua/complete.lua` as each is registered or dead-lettered, once per
-//! message through retries, replays and redeliveries); this module reads those counts and the
-//! seller's limits and computes the ETA ([`eta`]). Keys: `turnstile_core::permit::keys`.
+//! message through retries, replays and redeliveries) and notes its messages waiting out a
+//! retry's backoff (`lua/retry.lua`); this module reads those, and the seller's limits, and
+//! computes the ETA ([`eta`]). Keys: `turnstile_core::permit::keys`.
 
+use std::cmp::Reverse;
 use std::time::Duration;
 
 use serde::Serialize;
 use turnstile_core::domain::{BatchId, SellerId};
-use turnstile_core::permit::{Admin, GlobalUsage, PermitError, Records, Usage};
+use turnstile_core::permit::{Admin, GlobalUsage, PermitError, Records, RetryDue, Usage};
 
 /// How far one batch is.
 pub use turnstile_core::permit::UploadProgress as Progress;
@@ -24,11 +26,26 @@ pub use turnstile_core::permit::UploadProgress as Progress;
 /// in its window was taken; not before its pause ends and the stack drains `units` from there;
 /// and not faster than its weighted share of the global limit (`global_rate`, units per
 /// second), when there is one. A unit granted and not answered yet is in the window and still
-/// waiting: it is counted once.
-pub fn eta(usage: &Usage, global_rate: Option<f64>, units: u64) -> Duration {
+/// waiting: it is counted once. Messages among `units` that wait out a retry's backoff
+/// (`retries`, not due yet) are called no earlier than their retry: not before each retry is
+/// due and the units of the retries due then or later have drained from there, as from a
+/// pause's end (at most `units` of them).
+pub fn eta(usage: &Usage, global_rate: Option<f64>, units: u64, retries: &[RetryDue]) -> Duration {
     if units == 0 {
         return Duration::ZERO;
     }
+    let idle = |n: u64| {
+        usage
+            .per_limit
+            .iter()
+            .map(|limit| drain(limit, n))
+            .max()
+            .unwrap_or_default()
+    };
+    let shared = |n: u64| match global_rate.filter(|r| *r > 0.0) {
+        Some(rate) => Duration::from_secs_f64(n.saturating_sub(1) as f64 / rate),
+        None => Duration::ZERO,
+    };
     let mut eta = Duration::ZERO;
     for limit in &usage.per_limit {
         let done = limit
@@ -38,16 +55,15 @@ pub fn eta(usage: &Usage, global_rate: Option<f64>, units: u64) -> Duration {
         eta = eta.max(through);
     }
     if !usage.paused_for.is_zero() {
-        let fresh = usage
-            .per_limit
-            .iter()
-            .map(|limit| drain(limit, units))
-            .max()
-            .unwrap_or_default();
-        eta = eta.max(usage.paused_for + fresh);
+        eta = eta.max(usage.paused_for + idle(units));
     }
-    if let Some(rate) = global_rate.filter(|r| *r > 0.0) {
-        eta = eta.max(Duration::from_secs_f64((units - 1) as f64 / rate));
+    eta = eta.max(shared(units));
+    let mut latest_first: Vec<&RetryDue> = retries.iter().collect();
+    latest_first.sort_by_key(|r| Reverse(r.due_in));
+    let mut from_then = 0;
+    for retry in latest_first {
+        from_then = (from_then + retry.units.max(1)).min(units);
+        eta = eta.max(retry.due_in + idle(from_then).max(shared(from_then)));
     }
     eta
 }
@@ -96,6 +112,9 @@ pub struct BatchReport {
     /// Seconds until its last message is expected to be registered (0 when done; null while
     /// its total is unknown).
     pub eta_s: Option<f64>,
+    /// Its waiting messages whose retry is not due yet (as its seller's retries keep them:
+    /// the 256 due last).
+    pub retrying: u64,
     /// Messages beyond its total (its messages outnumber its `batch_size`).
     pub extra: u64,
     /// Another `batch_size` a message of it gave than its total, if any did.
@@ -127,6 +146,8 @@ pub struct SellerReport {
     pub global_share_per_s: Option<f64>,
     /// Seconds until its whole backlog is expected to be registered.
     pub eta_s: f64,
+    /// Messages of its backlog whose retry is not due yet (at most the 256 due last).
+    pub retrying: u64,
     pub batches: Vec<BatchReport>,
     /// How much of each of its limits is taken now, as read for the ETA.
     #[serde(skip)]
@@ -135,24 +156,43 @@ pub struct SellerReport {
 
 /// Reports a seller's batches (`batches`, as the store holds them) with an ETA each: a batch is
 /// done, at the latest, when the seller's waiting work first seen before it and its own are
-/// (a seller's messages are served in arrival order, its batches' interleaved).
+/// (a seller's messages are served in arrival order, its batches' interleaved), and not before
+/// its own messages waiting out a retry's backoff (`retries`, the seller's) are due and drained:
+/// a message coming back from a retry asks behind the seller's work already reserved, so
+/// another batch's retries do not hold it up. The seller's ETA counts the retries of all its
+/// batches still waiting.
 pub fn seller_report(
     seller: &SellerId,
     mut batches: Vec<Progress>,
     usage: Usage,
     global_rate: Option<f64>,
+    retries: &[RetryDue],
 ) -> SellerReport {
     batches.sort_by_key(|b| (b.first_ms, b.batch.clone()));
     let mut ahead = 0;
     let mut reports = Vec::new();
+    let mut backlog_retries = Vec::new();
+    let mut retrying = 0;
     for b in &batches {
         ahead += b.waiting_units();
-        let eta_s = match b.waiting() {
+        let waiting = b.waiting();
+        let own: Vec<RetryDue> = match waiting {
+            Some(1..) => retries
+                .iter()
+                .filter(|r| r.batch == b.batch)
+                .cloned()
+                .collect(),
+            _ => Vec::new(),
+        };
+        let eta_s = match waiting {
             None => None,
             Some(0) => Some(0.0),
-            Some(_) => Some(eta(&usage, global_rate, ahead).as_secs_f64()),
+            Some(_) => Some(eta(&usage, global_rate, ahead, &own).as_secs_f64()),
         };
-        reports.push(batch_report(b, eta_s));
+        let own_retrying = (own.len() as u64).min(waiting.unwrap_or(0));
+        retrying += own_retrying;
+        reports.push(batch_report(b, eta_s, own_retrying));
+        backlog_retries.extend(own);
     }
     let backlog = batches.iter().filter_map(Progress::waiting).sum();
     SellerReport {
@@ -165,13 +205,14 @@ pub fn seller_report(
         overridden: usage.overridden,
         paused_for_s: usage.paused_for.as_secs_f64(),
         global_share_per_s: global_rate,
-        eta_s: eta(&usage, global_rate, ahead).as_secs_f64(),
+        eta_s: eta(&usage, global_rate, ahead, &backlog_retries).as_secs_f64(),
+        retrying,
         batches: reports,
         usage,
     }
 }
 
-fn batch_report(b: &Progress, eta_s: Option<f64>) -> BatchReport {
+fn batch_report(b: &Progress, eta_s: Option<f64>, retrying: u64) -> BatchReport {
     BatchReport {
         batch_id: b.batch.clone(),
         seller_id: b.seller.clone(),
@@ -181,6 +222,7 @@ fn batch_report(b: &Progress, eta_s: Option<f64>) -> BatchReport {
         waiting: b.waiting(),
         done: b.done(),
         eta_s,
+        retrying,
         extra: b.extra(),
         other_size: b.other_size,
         also_sellers: Vec::new(),
@@ -190,8 +232,8 @@ fn batch_report(b: &Progress, eta_s: Option<f64>) -> BatchReport {
     }
 }
 
-/// A seller's report, read now: its batches (from `records`), usage and share of the global
-/// limit (from `admin`).
+/// A seller's report, read now: its batches and retries waiting (from `records`), usage and
+/// share of the global limit (from `admin`).
 pub async fn read_seller(
     admin: &Admin,
     records: &Records,
@@ -201,9 +243,10 @@ pub async fn read_seller(
     // (at most an early ETA by a part of a window), never counted in both (a whole window late).
     let usage = admin.usage(seller).await?;
     let batches = records.seller_batches(seller).await?;
+    let retries = records.retries_due(seller).await?;
     let global = admin.global_usage().await?;
     let rate = global.as_ref().map(|g| global_rate(g, seller));
-    Ok(seller_report(seller, batches, usage, rate))
+    Ok(seller_report(seller, batches, usage, rate, &retries))
 }
 
 /// A batch's report, read now (`None` if no seller's messages named it, or it expired). A batch
@@ -226,7 +269,7 @@ pub async fn read_batch(
         .batches
         .into_iter()
         .find(|b| b.batch_id == batch.as_str())
-        .unwrap_or_else(|| batch_report(first, None));
+        .unwrap_or_else(|| batch_report(first, None, 0));
     found.also_sellers = named.iter().skip(1).map(|p| p.seller.clone()).collect();
     Ok(Some(found))
 }
@@ -304,14 +347,14 @@ mod tests {
     #[test]
     fn an_upload_of_500_at_100_a_minute_is_due_four_windows_after_its_first_grants() {
         let idle = usage("100/1m", 0, Duration::ZERO);
-        assert_eq!(eta(&idle, None, 500), Duration::from_secs(240));
+        assert_eq!(eta(&idle, None, 500, &[]), Duration::from_secs(240));
         // Two seconds in: 100 granted, 400 waiting.
         let started = usage("100/1m", 100, Duration::from_secs(2));
-        assert_eq!(eta(&started, None, 400), Duration::from_secs(238));
+        assert_eq!(eta(&started, None, 400, &[]), Duration::from_secs(238));
         // 150 s in: grants at 0, 60 and 120 s; 200 waiting.
         let later = usage("100/1m", 100, Duration::from_secs(30));
-        assert_eq!(eta(&later, None, 200), Duration::from_secs(90));
-        assert_eq!(eta(&later, None, 0), Duration::ZERO);
+        assert_eq!(eta(&later, None, 200, &[]), Duration::from_secs(90));
+        assert_eq!(eta(&later, None, 0, &[]), Duration::ZERO);
     }
 
     #[test]
@@ -319,7 +362,7 @@ mod tests {
         let mut guarded = usage("100/1m", 100, Duration::from_secs(2));
         guarded.per_limit[0].guard = Duration::from_secs(2);
         // Grants at 0, 62, 124, 186 and 248 s.
-        assert_eq!(eta(&guarded, None, 400), Duration::from_secs(246));
+        assert_eq!(eta(&guarded, None, 400, &[]), Duration::from_secs(246));
     }
 
     #[test]
@@ -329,19 +372,19 @@ mod tests {
         let mut burst = usage("100/1m", 100, Duration::ZERO);
         burst.in_flight = 10;
         burst.per_limit[0].due_reserved = 20;
-        assert_eq!(eta(&burst, None, 330), Duration::from_secs(180));
+        assert_eq!(eta(&burst, None, 330, &[]), Duration::from_secs(180));
         let mut answered = usage("100/1m", 100, Duration::ZERO);
         answered.in_flight = 0;
-        assert_eq!(eta(&answered, None, 300), Duration::from_secs(180));
+        assert_eq!(eta(&answered, None, 300, &[]), Duration::from_secs(180));
     }
 
     #[test]
     fn a_pause_and_a_global_share_push_the_eta_out() {
         let mut paused = usage("100/1m", 0, Duration::ZERO);
         paused.paused_for = Duration::from_secs(30);
-        assert_eq!(eta(&paused, None, 150), Duration::from_secs(90));
+        assert_eq!(eta(&paused, None, 150, &[]), Duration::from_secs(90));
         let idle = usage("100/1m", 0, Duration::ZERO);
-        assert_eq!(eta(&idle, Some(1.0), 101), Duration::from_secs(100));
+        assert_eq!(eta(&idle, Some(1.0), 101, &[]), Duration::from_secs(100));
     }
 
     #[test]
@@ -353,7 +396,7 @@ mod tests {
             batch("first", 1, 30, 0),
             batch("done", 0, 5, 5),
         ];
-        let report = seller_report(&seller, batches, idle, None);
+        let report = seller_report(&seller, batches, idle, None, &[]);
         let names: Vec<_> = report.batches.iter().map(|b| b.batch_id.as_str()).collect();
         assert_eq!(names, ["done", "first", "later"]);
         assert_eq!(report.batches[0].eta_s, Some(0.0));
@@ -376,7 +419,96 @@ mod tests {
             vec![unknown],
             usage("10/1s", 0, Duration::ZERO),
             None,
+            &[],
         );
         assert_eq!(report.batches[0].eta_s, None);
+    }
+
+    /// `units` of batch `batch` whose retry is due in `due_in_s` seconds.
+    fn retry(batch: &str, units: u64, due_in_s: u64) -> RetryDue {
+        RetryDue {
+            batch: batch.into(),
+            units,
+            due_in: Duration::from_secs(due_in_s),
+        }
+    }
+
+    #[test]
+    fn a_message_waiting_for_its_retry_is_not_done_before_the_retry_is_due() {
+        let idle = usage("100/1m", 0, Duration::ZERO);
+        // The operator's case: one message left, retried in 30 s (was 0: "~1s").
+        assert_eq!(eta(&idle, None, 1, &[]), Duration::ZERO);
+        assert_eq!(
+            eta(&idle, None, 1, &[retry("b", 1, 30)]),
+            Duration::from_secs(30)
+        );
+        // 150 retried messages due in 70 s, the window long free by then: 100 at 70 s, the
+        // other 50 a window later.
+        assert_eq!(
+            eta(&idle, None, 150, &[retry("b", 150, 70)]),
+            Duration::from_secs(130)
+        );
+        // 100 of 250 due in 30 s: the limit binds (grants at 0, 60 and 120 s) whatever they do.
+        assert_eq!(
+            eta(&idle, None, 250, &[retry("b", 100, 30)]),
+            Duration::from_secs(120)
+        );
+    }
+
+    #[test]
+    fn the_retries_due_at_or_after_each_one_drain_from_its_due_time() {
+        let idle = usage("100/1m", 0, Duration::ZERO);
+        // 50 due in 10 s and 60 in 20 s: 50 granted at 10 s, 50 at 20 s, the last 10 once the
+        // first expire, at 70 s.
+        let retries = [retry("b", 60, 20), retry("b", 50, 10)];
+        assert_eq!(eta(&idle, None, 110, &retries), Duration::from_secs(70));
+        // Never more of them than the units waiting (an entry of a message registered since).
+        assert_eq!(
+            eta(&idle, None, 1, &[retry("b", 5, 5), retry("b", 300, 5)]),
+            Duration::from_secs(5)
+        );
+        // A global share of 1 unit/s drains them no faster from their due time.
+        assert_eq!(
+            eta(&idle, Some(1.0), 11, &[retry("b", 11, 10)]),
+            Duration::from_secs(20)
+        );
+        // Nothing waiting: no retry holds it.
+        assert_eq!(eta(&idle, None, 0, &[retry("b", 1, 30)]), Duration::ZERO);
+    }
+
+    #[test]
+    fn a_batch_waits_for_its_own_retries_not_another_batchs() {
+        let idle = usage("10/1s", 0, Duration::ZERO);
+        let seller = SellerId::parse("S-1").unwrap();
+        let batches = vec![
+            batch("first", 1, 30, 0),
+            batch("later", 2, 20, 0),
+            batch("done", 0, 5, 5),
+        ];
+        let retries = [
+            retry("first", 1, 50),
+            retry("done", 1, 90),
+            retry("elsewhere", 1, 99),
+        ];
+        let report = seller_report(&seller, batches, idle, None, &retries);
+        let got: Vec<_> = report
+            .batches
+            .iter()
+            .map(|b| (b.batch_id.as_str(), b.eta_s, b.retrying))
+            .collect();
+        // `later` is not held up by `first`'s retry: the retried message asks behind it. A
+        // done batch's entry and an unknown batch's count for nothing.
+        assert_eq!(
+            got,
+            [
+                ("done", Some(0.0), 0),
+                ("first", Some(50.0), 1),
+                ("later", Some(4.0), 0)
+            ]
+        );
+        assert_eq!(
+            (report.backlog, report.eta_s, report.retrying),
+            (50, 50.0, 1)
+        );
     }
 }

@@ -16,7 +16,8 @@
 //!     answered), `far` (the far queue), `learned` and `accepted` (adaptive limits),
 //!     `shadow` and `shadow-log` (a shadow limit);
 //!   - `done:<message>`: a message's completion record; `batch:<batch>`: an upload's progress
-//!     (message and batch ids percent-encoded as the seller's tag is).
+//!     (message and batch ids percent-encoded as the seller's tag is); `retries`: its messages
+//!     waiting out a retry's backoff (the ETA's only).
 //! - **shared keys**: `<prefix>:{<prefix>~shared}:<name>`, one slot for all of them (a
 //!   pipeline over several is one node's work). Their tag holds a `~`, which no seller's tag
 //!   does, so they never land on a seller's tag: `sellers`, `uploads`, `dead-now`,
@@ -184,6 +185,13 @@ impl Keyspace {
     /// The seller's batches by when each was first seen (sorted set: batch id -> unix ms).
     pub fn seller_batches(&self, seller: &SellerId) -> String {
         self.seller(seller, "batches")
+    }
+
+    /// The seller's messages of a batch waiting out a retry's backoff, for the ETA only (sorted
+    /// set: `COST:BATCH:MESSAGE` -> when the retry is due, Unix ms, Redis time; see
+    /// `lua/retry.lua`).
+    pub fn retries(&self, seller: &SellerId) -> String {
+        self.seller(seller, "retries")
     }
 
     /// A glob pattern matching every upload's progress of the seller.
@@ -406,6 +414,7 @@ mod tests {
             keys.done(s, &MessageId::parse("m:{1}").unwrap()),
             keys.batch(s, &BatchId::parse("b 1").unwrap()),
             keys.seller_batches(s),
+            keys.retries(s),
             keys.lab_incr(s),
             keys.lab_baseline(s),
         ]);
@@ -467,6 +476,7 @@ mod tests {
             keys.batch(&s, &BatchId::parse("b:1").unwrap()),
             "turnstile:{S-1}:batch:b%3A1"
         );
+        assert_eq!(keys.retries(&s), "turnstile:{S-1}:retries");
         assert_eq!(keys.batches_of(&s), "turnstile:{S-1}:batch:*");
         assert_eq!(keys.batches(), "turnstile:*:batch:*");
         assert_eq!(keys.completion_records(), "turnstile:*:done:*");

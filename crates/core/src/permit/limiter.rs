@@ -226,6 +226,17 @@ pub trait Progress: Send + Sync {
         batch: &'a BatchId,
         event: BatchEvent,
     ) -> BoxFuture<'a, Result<(), PermitError>>;
+
+    /// Notes that a message of a batch waits out a retry's backoff, due `delay` from now: for
+    /// the batch's ETA only, never read by a grant (see [`super::Records::retry_due`]).
+    fn retry_due<'a>(
+        &'a self,
+        seller: &'a SellerId,
+        message: &'a MessageId,
+        batch: &'a BatchId,
+        cost: Cost,
+        delay: Duration,
+    ) -> BoxFuture<'a, Result<(), PermitError>>;
 }
 
 impl PermitStore {
@@ -454,5 +465,21 @@ impl Progress for PermitStore {
         event: BatchEvent,
     ) -> BoxFuture<'a, Result<(), PermitError>> {
         async move { self.records().batch_event_sent(seller, batch, event).await }.boxed()
+    }
+
+    fn retry_due<'a>(
+        &'a self,
+        seller: &'a SellerId,
+        message: &'a MessageId,
+        batch: &'a BatchId,
+        cost: Cost,
+        delay: Duration,
+    ) -> BoxFuture<'a, Result<(), PermitError>> {
+        async move {
+            self.records()
+                .retry_due(seller, message, batch, cost, delay)
+                .await
+        }
+        .boxed()
     }
 }

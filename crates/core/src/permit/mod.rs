@@ -60,7 +60,7 @@ use calls::{
 pub use conn::{RedisClient, RedisConn, round_trips};
 pub use keys::Keyspace;
 pub use limiter::{Ask, Asked, Ended, Finished, Grant, Limiter, Progress};
-pub use records::{BatchSeen, Records, UploadProgress};
+pub use records::{BatchSeen, Records, RetryDue, UploadProgress};
 use redis::AsyncCommands;
 pub use registry::{Registered, Registry, Roll};
 

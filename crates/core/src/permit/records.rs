@@ -1,16 +1,17 @@
 //! What turnstile keeps in Redis beside the limiter, read and written only through
 //! [`Records`]: the batches' progress (described when a replica first sees one,
-//! `lua/batch_seen.lua`; counted by `lua/complete.lua`), the dead letters by reason, and the
-//! shared state of the dashboard (sellers seen, throughput). Key names: [`super::keys`].
+//! `lua/batch_seen.lua`; counted by `lua/complete.lua`), the messages of batches waiting out a
+//! retry's backoff (`lua/retry.lua`, for the ETA), the dead letters by reason, and the shared
+//! state of the dashboard (sellers seen, throughput). Key names: [`super::keys`].
 
 use std::collections::{HashMap, HashSet};
 use std::time::Duration;
 
 use redis::AsyncCommands;
 
-use super::calls::{BatchEventSent, BatchSeenCall, Tally};
+use super::calls::{BatchEventSent, BatchSeenCall, RetriesCall, RetryCall, Tally};
 use super::{Keyspace, PermitError, RedisConn};
-use crate::domain::{BatchId, BatchSize, SellerId};
+use crate::domain::{BatchId, BatchSize, Cost, MessageId, SellerId, key_part};
 
 /// How far one batch (an upload) is, as its progress hash holds it (see `lua/complete.lua`).
 #[derive(Debug, Clone, Default, PartialEq, Eq, serde::Serialize)]
@@ -100,6 +101,50 @@ pub struct BatchSeen {
     pub sellers: u64,
 }
 
+/// A message of a batch waiting out a retry's backoff, as its seller's retries hold it (see
+/// [`Records::retry_due`]).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct RetryDue {
+    /// The id of the message's batch.
+    pub batch: String,
+    /// The message's units (its cost).
+    pub units: u64,
+    /// How long until the retry is due (Redis time).
+    pub due_in: Duration,
+}
+
+impl RetryDue {
+    /// Most entries a seller's retries keep: the latest due (see `lua/retry.lua`).
+    pub const KEPT: usize = 256;
+
+    /// The entry of the seller's retries for a message: `COST:BATCH:MESSAGE`, the ids
+    /// percent-encoded as in keys (never a `:`).
+    fn member(batch: &BatchId, message: &MessageId, cost: Cost) -> String {
+        format!(
+            "{}:{}:{}",
+            cost.units(),
+            key_part(batch.as_str()),
+            key_part(message.as_str())
+        )
+    }
+
+    /// An entry of the seller's retries due in `due_in_ms` (`None` if it does not parse).
+    fn parse(member: &str, due_in_ms: u64) -> Option<Self> {
+        let mut parts = member.splitn(3, ':');
+        let units = parts.next()?.parse().ok()?;
+        let batch = percent_encoding::percent_decode_str(parts.next()?)
+            .decode_utf8()
+            .ok()?
+            .into_owned();
+        parts.next()?;
+        Some(Self {
+            batch,
+            units,
+            due_in: Duration::from_millis(due_in_ms),
+        })
+    }
+}
+
 /// Most batches kept in the batch index (the oldest go first).
 const INDEXED_UPLOADS: usize = 1000;
 /// How long a minute of throughput is kept.
@@ -174,6 +219,48 @@ impl Records {
             event: super::BatchEvent::parse(&event),
             sellers,
         })
+    }
+
+    /// Notes that `message` of `batch`, of `cost` units, waits out a retry's backoff, due
+    /// `delay` from now (Redis time): bookkeeping for the ETA only, which no grant reads (see
+    /// `lua/retry.lua`). The seller's retries keep the [`RetryDue::KEPT`] latest due, a message
+    /// once, and expire when the latest is due.
+    pub async fn retry_due(
+        &self,
+        seller: &SellerId,
+        message: &MessageId,
+        batch: &BatchId,
+        cost: Cost,
+        delay: Duration,
+    ) -> Result<(), PermitError> {
+        let member = RetryDue::member(batch, message, cost);
+        let call = RetryCall {
+            retries: self.keys.retries(seller),
+            delay_ms: u64::try_from(delay.as_millis()).unwrap_or(u64::MAX),
+            member: &member,
+            keep: RetryDue::KEPT,
+        };
+        let _: u64 = call
+            .invocation()
+            .invoke_async(&mut self.conn.clone())
+            .await?;
+        Ok(())
+    }
+
+    /// The seller's messages waiting out a retry's backoff whose retry is not due yet, soonest
+    /// first (see [`Self::retry_due`]).
+    pub async fn retries_due(&self, seller: &SellerId) -> Result<Vec<RetryDue>, PermitError> {
+        let call = RetriesCall {
+            retries: self.keys.retries(seller),
+        };
+        let found: Vec<(String, u64)> = call
+            .invocation()
+            .invoke_async(&mut self.conn.clone())
+            .await?;
+        Ok(found
+            .iter()
+            .filter_map(|(member, due_in_ms)| RetryDue::parse(member, *due_in_ms))
+            .collect())
     }
 
     /// The progress of every batch named `batch` (one per seller whose messages named it; a
@@ -430,5 +517,29 @@ impl Records {
             .filter(|(_, n)| *n > 0)
             .map(|(reason, n)| (reason, n as u64))
             .collect())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_retry_entry_keeps_its_batch_and_units_whatever_the_ids_hold() {
+        let batch = BatchId::parse("spring: größe {1}").unwrap();
+        let message = MessageId::parse("m:1:2").unwrap();
+        let cost = Cost::new(3).unwrap();
+        let member = RetryDue::member(&batch, &message, cost);
+        assert_eq!(member.matches(':').count(), 2, "{member}");
+        assert_eq!(
+            RetryDue::parse(&member, 1500),
+            Some(RetryDue {
+                batch: batch.as_str().to_owned(),
+                units: 3,
+                due_in: Duration::from_millis(1500),
+            })
+        );
+        assert_eq!(RetryDue::parse("x:b:m", 1), None);
+        assert_eq!(RetryDue::parse("1:b", 1), None);
     }
 }

@@ -71,6 +71,8 @@ static SCRIPTS: &[(&str, &str)] = &[
         "batch_event_sent",
         include_str!("../../lua/batch_event_sent.lua"),
     ),
+    ("retry", include_str!("../../lua/retry.lua")),
+    ("retries", include_str!("../../lua/retries.lua")),
     ("batch", include_str!("../../lua/batch.lua")),
     ("fleet", include_str!("../../lua/fleet.lua")),
 ];
@@ -243,6 +245,8 @@ static RESET: LazyLock<Script> = script!("reset");
 static UNRESERVE: LazyLock<Script> = script!("unreserve");
 static BATCH_SEEN: LazyLock<Script> = script!("batch_seen");
 static BATCH_EVENT_SENT: LazyLock<Script> = script!("batch_event_sent");
+static RETRY: LazyLock<Script> = script!("retry");
+static RETRIES: LazyLock<Script> = script!("retries");
 static BATCH: LazyLock<Script> = script!("batch");
 static FLEET: LazyLock<Script> = script!("fleet");
 
@@ -342,6 +346,16 @@ pub fn batch_seen() -> &'static Script {
 /// Says that a batch's completion event was published (see `lua/batch_event_sent.lua`).
 pub fn batch_event_sent() -> &'static Script {
     &BATCH_EVENT_SENT
+}
+
+/// Notes a message of a batch waiting out a retry's backoff, for the ETA (see `lua/retry.lua`).
+pub fn retry() -> &'static Script {
+    &RETRY
+}
+
+/// Reads a seller's retries not due yet (see `lua/retries.lua`); writes nothing.
+pub fn retries() -> &'static Script {
+    &RETRIES
 }
 
 #[cfg(test)]

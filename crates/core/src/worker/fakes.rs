@@ -714,6 +714,18 @@ impl Progress for FakeProgress {
         self.journal.note(Event::Progress("event_sent"));
         futures::future::ready(Ok(())).boxed()
     }
+
+    fn retry_due<'a>(
+        &'a self,
+        _seller: &'a SellerId,
+        _message: &'a MessageId,
+        _batch: &'a BatchId,
+        _cost: Cost,
+        _delay: Duration,
+    ) -> BoxFuture<'a, Result<(), PermitError>> {
+        self.journal.note(Event::Progress("retry_due"));
+        futures::future::ready(Ok(())).boxed()
+    }
 }
 
 impl Worker {
@@ -752,6 +764,7 @@ impl Reporting {
             reply: ReplyTo::default(),
             identity: Identity::from(registration),
             batch_size: registration.batch_size,
+            cost: registration.cost,
             first_seen_ms: crate::broker::unix_ms(),
         }
     }

@@ -68,6 +68,8 @@ struct Reporting {
     identity: Identity,
     /// The batch size the message gave, if it is a valid registration that gave one.
     batch_size: Option<crate::domain::BatchSize>,
+    /// The message's units (one for a message that is not a valid registration).
+    cost: crate::domain::Cost,
     first_seen_ms: u64,
 }
 
@@ -328,6 +330,9 @@ impl Worker {
                 Err(_) => Identity::of(&delivery.data, message_id.as_deref()),
             },
             batch_size: registration.as_ref().ok().and_then(|r| r.batch_size),
+            cost: registration
+                .as_ref()
+                .map_or(crate::domain::Cost::ONE, |r| r.cost),
             first_seen_ms: carried.first_seen_ms,
         };
         let attempt = carried.attempt;
@@ -1069,6 +1074,7 @@ impl Worker {
     ) {
         let connection_lost = interruptions.connection_lost;
         let tag = delivery.delivery_tag;
+        let delayed_at = std::time::Instant::now();
         let published = self
             .republish(&delivery, &outcome, started_trace, reporting, publisher)
             .await;
@@ -1103,6 +1109,9 @@ impl Worker {
         let result = match published {
             Ok(()) => {
                 self.count(&delivery, &outcome);
+                if let Some(backoff) = outcome.retry_backoff(Carried::attempt_of(&delivery)) {
+                    self.note_retry(reporting, backoff, delayed_at);
+                }
                 match outcome {
                     Outcome::Registered(_) | Outcome::AlreadyDone => {
                         settler.ack(tag);
@@ -1123,6 +1132,30 @@ impl Worker {
         if let Err(error) = result {
             debug!(%error, "could not settle the delivery (its channel is gone; the broker redelivers it)");
         }
+    }
+
+    /// Notes a message of a batch delayed for a retry as waiting out its `backoff`, counted from
+    /// `delayed_at` (when its delayed copy was published), for its batch's ETA (see
+    /// [`Progress::retry_due`]), in the background: it never delays the ack, and a failure only
+    /// costs the ETA this retry. A message without a batch is not noted: no ETA counts it.
+    fn note_retry(&self, reporting: &Reporting, backoff: Duration, delayed_at: std::time::Instant) {
+        let Some((seller, message, batch)) = reporting.batch() else {
+            return;
+        };
+        let progress = self.progress.clone();
+        let (seller, message, batch) = (seller.clone(), message.clone(), batch.id.clone());
+        let cost = reporting.cost;
+        let note = async move {
+            let left = backoff.saturating_sub(delayed_at.elapsed());
+            let noted = progress
+                .retry_due(&seller, &message, &batch, cost, left)
+                .await;
+            if let Err(error) = noted {
+                metrics::counter!("turnstile_redis_errors_total").increment(1);
+                debug!(%error, "the retry was not noted for its batch's ETA");
+            }
+        };
+        tokio::spawn(note.in_current_span());
     }
 
     /// Gives back `reservation`, which the message's copy at the broker does not carry (see

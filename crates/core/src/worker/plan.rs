@@ -100,6 +100,18 @@ impl Outcome {
             Outcome::Requeue { .. } => "requeued",
         }
     }
+
+    /// The backoff of a delay after one more failed attempt than the delivery carried
+    /// (`delivered_attempt`): a retry (`retried` in [`Outcome::label`]); `None` for any other
+    /// outcome.
+    pub(super) fn retry_backoff(&self, delivered_attempt: u32) -> Option<Duration> {
+        match self {
+            Outcome::Delay { after, carried } if carried.attempt > delivered_attempt => {
+                Some(*after)
+            }
+            _ => None,
+        }
+    }
 }
 
 /// What a message carries from one delivery to the next, in `x-turnstile-*` headers. Read once
@@ -1115,6 +1127,10 @@ mod tests {
         assert_eq!(delayed.label(1), "retried");
         assert_eq!(delayed.label(2), "delayed");
         assert_eq!(Outcome::Requeue { holding: None }.label(0), "requeued");
+        // Only a retry's backoff is noted for the ETA.
+        assert_eq!(delayed.retry_backoff(1), Some(SECOND));
+        assert_eq!(delayed.retry_backoff(2), None);
+        assert_eq!(Outcome::AlreadyDone.retry_backoff(0), None);
     }
 
     #[test]

@@ -29,7 +29,7 @@ pub(super) use fleet::{FleetAction, FleetAnswer, FleetCall};
 pub(super) use global::{Global, GlobalAnswer};
 pub(super) use learn::{Learn, LearnAnswer};
 pub(super) use lease::{Lease, LeaseAnswer};
-pub(super) use records::{BatchEventSent, BatchSeenCall, Tally};
+pub(super) use records::{BatchEventSent, BatchSeenCall, RetriesCall, RetryCall, Tally};
 pub(super) use redeem::{Redeem, RedeemAnswer};
 pub(super) use release::Release;
 pub(super) use unreserve::Unreserve;

@@ -1,5 +1,5 @@
 //! The records' scripts (see `permit/records.rs`): `lua/batch_seen.lua`,
-//! `lua/batch_event_sent.lua` and `lua/tally.lua`.
+//! `lua/batch_event_sent.lua`, `lua/tally.lua`, `lua/retry.lua` and `lua/retries.lua`.
 
 use super::Call;
 use super::invoke;
@@ -80,6 +80,52 @@ impl Tally<'_> {
     }
 }
 
+/// `lua/retry.lua`: a message of a batch waits out a retry's backoff, due DELAY_MS from now.
+/// Answers the seller's retries not due yet.
+pub(in crate::permit) struct RetryCall<'a> {
+    /// KEYS[1]: the seller's retries.
+    pub retries: String,
+    /// ARGV[1]: DELAY_MS.
+    pub delay_ms: u64,
+    /// ARGV[2]: MEMBER, `COST:BATCH:MESSAGE`.
+    pub member: &'a str,
+    /// ARGV[3]: KEEP, most entries kept.
+    pub keep: usize,
+}
+
+impl RetryCall<'_> {
+    /// The script's invocation.
+    pub fn invocation(&self) -> redis::ScriptInvocation<'static> {
+        invoke(scripts::retry(), |to| self.write(to))
+    }
+
+    /// KEYS and ARGV in the script's order.
+    pub fn write<C: Call>(&self, to: &mut C) {
+        to.key(self.retries.clone())
+            .arg(self.delay_ms)
+            .arg(self.member)
+            .arg(self.keep);
+    }
+}
+
+/// `lua/retries.lua`: a seller's retries not due yet. Answers `{MEMBER, DUE_IN_MS, ...}`.
+pub(in crate::permit) struct RetriesCall {
+    /// KEYS[1]: the seller's retries.
+    pub retries: String,
+}
+
+impl RetriesCall {
+    /// The script's invocation.
+    pub fn invocation(&self) -> redis::ScriptInvocation<'static> {
+        invoke(scripts::retries(), |to| self.write(to))
+    }
+
+    /// KEYS and ARGV in the script's order.
+    pub fn write<C: Call>(&self, to: &mut C) {
+        to.key(self.retries.clone());
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::super::header::{Written, check, lines};
@@ -156,5 +202,44 @@ mod tests {
             &written.args,
             &[("rejected", "FIELD"), ("-1", "BY")],
         );
+    }
+
+    #[test]
+    fn retry_and_retries_follow_their_headers() {
+        const RETRY: &str = include_str!("../../../lua/retry.lua");
+        let mut written = Written::default();
+        RetryCall {
+            retries: "retries".into(),
+            delay_ms: 1500,
+            member: "2:b1:m1",
+            keep: 256,
+        }
+        .write(&mut written);
+        check(
+            RETRY,
+            "KEYS",
+            &written.keys,
+            &[("retries", "seller's retries")],
+        );
+        check(
+            RETRY,
+            "ARGV",
+            &written.args,
+            &[("1500", "DELAY_MS"), ("2:b1:m1", "MEMBER"), ("256", "KEEP")],
+        );
+
+        const RETRIES: &str = include_str!("../../../lua/retries.lua");
+        let mut written = Written::default();
+        RetriesCall {
+            retries: "retries".into(),
+        }
+        .write(&mut written);
+        check(
+            RETRIES,
+            "KEYS",
+            &written.keys,
+            &[("retries", "seller's retries")],
+        );
+        assert!(written.args.is_empty());
     }
 }
