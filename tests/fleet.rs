@@ -125,10 +125,19 @@ async fn a_rolling_deploy_that_raises_the_limit_takes_effect_when_the_last_old_r
         .await
         .unwrap();
     let n = 160;
+    let fleet = fleet_view(&rig).await;
     assert_eq!(
-        fleet_view(&rig).await.effective.unwrap().limit.to_string(),
+        fleet.effective.as_ref().unwrap().limit.to_string(),
         "10/1s",
         "the old replica's stricter terms stay in force"
+    );
+    assert!(
+        fleet.replicas.iter().all(|r| r
+            .entry
+            .applies
+            .as_deref()
+            .is_some_and(|t| t.contains(" 10/1s "))),
+        "every replica grants under 10/1s: {fleet:?}"
     );
     tokio::time::sleep(Duration::from_secs(4)).await;
     let while_old_lived = rig.mock.stats();
