@@ -91,6 +91,9 @@ pub async fn run(args: StatusArgs) -> anyhow::Result<ExitCode> {
         return Ok(ExitCode::SUCCESS);
     }
     let global = admin.global_usage().await?;
+    if let Some(fleet) = &terms.fleet {
+        println!("{}", fleet_line(fleet));
+    }
     if rows.is_empty() {
         println!(
             "no batches recorded under key prefix {:?}",
@@ -164,4 +167,22 @@ fn print_table(rows: &[(BatchReport, Usage)]) {
             done
         );
     }
+}
+
+/// The fleet in one line: its replicas, the terms in force, whether they agree.
+fn fleet_line(fleet: &fleet::View) -> String {
+    let effective = fleet
+        .effective
+        .as_ref()
+        .map_or_else(|| "none".to_owned(), fleet::FleetTerms::digest);
+    let agree = if fleet.agree {
+        "they agree"
+    } else {
+        "they run with different terms: every grant follows the strictest"
+    };
+    format!(
+        "fleet: {} live replica{} ({agree}); terms in force: {effective}",
+        fleet.replicas.len(),
+        if fleet.replicas.len() == 1 { "" } else { "s" }
+    )
 }
