@@ -227,6 +227,18 @@ async fn operator_commands_show_the_fleets_terms_not_their_shells() {
     assert_eq!(code, 0, "{err}");
     assert!(out.contains("S-1: 5/1s (default)"), "{out}");
     assert!(!err.contains("no turnstile replica"), "{err}");
+    let (code, out, err) = support::run(
+        Command::new(env!("CARGO_BIN_EXE_turnstile"))
+            .arg("status")
+            .env("TURNSTILE_REDIS_URL", &redis_url)
+            .env("TURNSTILE_KEY_PREFIX", &prefix)
+            .env("TURNSTILE_LIMIT", "100/1m"),
+    );
+    assert_eq!(code, 0, "{err}");
+    assert!(
+        out.contains("fleet: 1 live replica (they agree); terms in force: sliding-window 5/1s"),
+        "{out}"
+    );
 
     stop.cancel();
     running.wait().await.unwrap();
