@@ -19,8 +19,9 @@
 //! - `lower`: the new limit from R, and from A gone (after the overlap: B alone);
 //! - `raise`: the new limit from R (must be 0), and the old limit from R until A is gone (0
 //!   with a fleet that follows the strictest terms of its live replicas);
-//! - both: messages lost (published, never registered), duplicate calls, dead letters, and
-//!   the drain rate after A is gone (registrations after it / time to the last one).
+//! - both: messages lost (published, never registered), duplicate calls, dead letters, the
+//!   drain rate after A is gone (registrations after it / time to the last one) and the longest
+//!   time without a registration from R.
 //!
 //! `--old-binary` and `--new-binary` run A and B from other builds (say, one built from an
 //! earlier commit); the bench only needs `consume`, its TURNSTILE_* variables, `/readyz` and
@@ -209,6 +210,8 @@ struct Round {
     old_until_gone: Over,
     /// First-time registrations after A was gone, per second until the last one.
     drain_after_gone: Option<f64>,
+    /// The longest time without a registration from R until the last one.
+    longest_gap: Duration,
 }
 
 impl Round {
@@ -293,9 +296,11 @@ async fn deploy(
     let mut b = Replica::spawn("B", new, b_limit, args, rig, &recorder.url)?;
     let ready = b.ready().await?;
     eprintln!(
-        "  t={:.2}s B started, t={:.2}s B ready (R)",
+        "  t={:.2}s B started, t={:.2}s B ready (R); {} registered, {} still in the work queue",
         since(b.started),
-        since(ready)
+        since(ready),
+        recorder.registered(),
+        rig.depth(rig.topology.work()).await?
     );
     tokio::time::sleep_until((ready + args.overlap).into()).await;
     let term = a.terminate()?;
@@ -336,7 +341,8 @@ fn figures(
     b_limit: Limit,
 ) -> Round {
     let since = |at: Instant| at.saturating_duration_since(moments.first_call);
-    let times: Vec<Duration> = calls.iter().map(|c| since(c.at)).collect();
+    let mut times: Vec<Duration> = calls.iter().map(|c| since(c.at)).collect();
+    times.sort();
     let (ready, term, gone) = (
         since(moments.ready),
         since(moments.term),
@@ -362,10 +368,11 @@ fn figures(
         new_from_gone: over_limit(&times, gone, None, b_limit),
         old_until_gone: over_limit(&times, ready, Some(gone), a_limit),
         drain_after_gone: drain_rate(&firsts, gone),
+        longest_gap: longest_gap(&firsts, ready),
     }
 }
 
-/// The calls among `times` (sorted) in `from..=until` over `limit`, counting only those calls
+/// The calls among `times` (in ascending order) in `from..=until` over `limit`, counting only those calls
 /// (see [`Over`]): a trailing window ending at a call holds the calls of the span in
 /// `(t - window, t]`.
 fn over_limit(times: &[Duration], from: Duration, until: Option<Duration>, limit: Limit) -> Over {
@@ -401,6 +408,22 @@ fn drain_rate(registrations: &[Duration], from: Duration) -> Option<f64> {
     let last = after.iter().copied().max()?;
     let span = (last - from).as_secs_f64();
     (span > 0.0).then(|| after.len() as f64 / span)
+}
+
+/// The longest time from `from` without a registration, until the last one.
+fn longest_gap(registrations: &[Duration], from: Duration) -> Duration {
+    let mut after: Vec<Duration> = registrations
+        .iter()
+        .copied()
+        .filter(|&t| t >= from)
+        .collect();
+    after.sort();
+    std::iter::once(from)
+        .chain(after.iter().copied())
+        .zip(after.iter().copied())
+        .map(|(a, b)| b - a)
+        .max()
+        .unwrap_or_default()
 }
 
 /// One printed column: its header, its value in a round, its decimals.
@@ -451,6 +474,7 @@ fn columns(scenario: Scenario, a_limit: Limit, b_limit: Limit) -> Vec<Column> {
         column("drain/s after gone", 1, |r| {
             r.drain_after_gone.unwrap_or(f64::NAN)
         }),
+        column("gap s", 2, |r| r.longest_gap.as_secs_f64()),
     ]);
     columns
 }
@@ -483,7 +507,7 @@ fn width(c: &Column) -> usize {
 
 fn print_legend(scenario: Scenario, a_limit: Limit, b_limit: Limit) {
     println!(
-        "  seconds after A's first call: R = B's /readyz answered 200, TERM = SIGTERM to A, gone = A exited, done = last registration"
+        "  seconds after A's first call: R = B's /readyz answered 200, TERM = SIGTERM to A, gone = A exited, done = last registration; gap = the longest time without a registration from R"
     );
     println!(
         "  >L from X: calls at or after X whose trailing window of L holds more than L's count of calls at or after X; worst: the most such calls in one window"
@@ -655,6 +679,8 @@ struct Call {
     first: bool,
 }
 
+/// What the recorder received; each call is stamped under the lock, so `calls` is in arrival
+/// order.
 #[derive(Default)]
 struct Calls {
     calls: Vec<Call>,
@@ -723,12 +749,12 @@ async fn record(
     State(calls): State<Arc<Mutex<Calls>>>,
     headers: HeaderMap,
 ) -> axum::Json<serde_json::Value> {
-    let at = Instant::now();
     let key = headers
         .get("idempotency-key")
         .map(|v| String::from_utf8_lossy(v.as_bytes()).into_owned())
         .unwrap_or_default();
     let mut calls = calls.lock().unwrap_or_else(PoisonError::into_inner);
+    let at = Instant::now();
     let first = calls.keys.insert(key.clone());
     calls.calls.push(Call { at, first });
     axum::Json(serde_json::json!({"registered": true, "id": key}))
@@ -782,6 +808,20 @@ mod tests {
         let times = ms(&[0, 500, 1_000, 1_500, 2_000]);
         assert_eq!(drain_rate(&times, Duration::from_millis(1_000)), Some(2.0));
         assert_eq!(drain_rate(&times, Duration::from_millis(2_000)), None);
+    }
+
+    #[test]
+    fn the_longest_gap_starts_at_its_moment() {
+        let times = ms(&[0, 500, 2_500, 3_000, 3_100]);
+        assert_eq!(
+            longest_gap(&times, Duration::from_millis(100)),
+            Duration::from_secs(2)
+        );
+        assert_eq!(
+            longest_gap(&times, Duration::from_millis(2_600)),
+            Duration::from_millis(400)
+        );
+        assert_eq!(longest_gap(&times, Duration::from_secs(4)), Duration::ZERO);
     }
 
     #[test]
