@@ -70,6 +70,7 @@ const LEAVES: &[(usize, &[&str])] = &[
     (2, &["bench", "faults"]),
     (2, &["bench", "sellers"]),
     (2, &["bench", "eta"]),
+    (2, &["bench", "rolling"]),
     (2, &["bench", "lua-setup"]),
     (2, &["bench", "depth"]),
     (1, &["completions", "bash"]),
@@ -339,6 +340,7 @@ fn a_connection_flag_goes_before_or_after_the_command_that_uses_it() {
         ("bench faults", &all[..1]),
         ("bench sellers", &all[..1]),
         ("bench eta", &amqp_redis),
+        ("bench rolling", &amqp_redis),
         ("bench depth", redis),
         ("bench lua-setup", redis),
     ]

@@ -8,6 +8,7 @@ pub mod eta;
 pub mod faults;
 mod lua_setup;
 mod permits;
+pub mod rolling;
 pub mod scenario;
 pub mod sellers;
 mod shares;
@@ -55,6 +56,10 @@ pub enum BenchCommand {
     /// One seller's batch against a strict downstream: the ETA `GET /api/batches/{id}` gives at
     /// moments of its upload, beside when its last message really registered.
     Eta(Box<eta::EtaArgs>),
+    /// A rolling deploy that changes the limit: replica A at the old limit drains a backlog,
+    /// B starts at the new one, A is stopped; the windows over either limit from B's readiness,
+    /// counted on the downstream's clock.
+    Rolling(Box<rolling::RollingArgs>),
     /// One seller's Redis memory against the depth of its backlog (each queued message asks
     /// for a permit, reserving), beside the smallest depth.
     Depth {
@@ -117,6 +122,11 @@ pub async fn run(which: BenchCommand) -> anyhow::Result<ExitCode> {
         }
         BenchCommand::Sellers(args) => {
             if !sellers::run(*args).await? {
+                return Ok(ExitCode::FAILURE);
+            }
+        }
+        BenchCommand::Rolling(args) => {
+            if !rolling::run(*args).await? {
                 return Ok(ExitCode::FAILURE);
             }
         }
