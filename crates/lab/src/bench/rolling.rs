@@ -4,7 +4,9 @@
 //!
 //! 1. replica A starts with the old limit and drains the backlog;
 //! 2. `--start-b-after` (3 s) after A's first call reached the downstream, replica B starts with
-//!    the new limit; the moment B's `/readyz` first answers 200 is R;
+//!    the new limit; the moment B's `/readyz` first answers 200 is R, and `--more-at-ready`
+//!    (100) more messages are published then: fresh work either replica may take (A holds or
+//!    has reserved most of the backlog by then);
 //! 3. `--overlap` (4 s) after R, A gets SIGTERM and drains; it is gone when its process exits;
 //! 4. the round ends when every message is registered (or after `--timeout`).
 //!
@@ -70,6 +72,10 @@ pub struct RollingArgs {
     /// The higher limit: A's in `lower`, B's in `raise`.
     #[arg(long = "high-limit", default_value = "20/1s", value_parser = limit_arg)]
     pub high_limit: Limit,
+    /// Messages published at R, after the backlog: fresh work that either replica may take
+    /// (the backlog itself is mostly held or reserved by A by then).
+    #[arg(long = "more-at-ready", default_value_t = 100)]
+    pub more_at_ready: usize,
     /// Workers of each replica.
     #[arg(long, default_value_t = 4)]
     pub workers: u32,
@@ -249,8 +255,8 @@ async fn round(
         .map(|i| Message::numbered(SELLER, i))
         .collect();
     rig.publish_all(messages).await?;
+    let measured = deploy(args, &mut rig, &recorder, (old, a_limit), (new, b_limit)).await;
     let published = rig.published();
-    let measured = deploy(args, &rig, &recorder, (old, a_limit), (new, b_limit)).await;
     let dead = rig.dead_lettered().await;
     rig.cleanup().await?;
     let moments = measured?;
@@ -270,12 +276,11 @@ struct Moments {
 /// Starts A, then B, stops A, waits for the backlog to drain and stops B.
 async fn deploy(
     args: &RollingArgs,
-    rig: &Rig,
+    rig: &mut Rig,
     recorder: &Recorder,
     (old, a_limit): (&Path, Limit),
     (new, b_limit): (&Path, Limit),
 ) -> anyhow::Result<Moments> {
-    let published = rig.published();
     let mut a = Replica::spawn("A", old, a_limit, args, rig, &recorder.url)?;
     a.ready().await?;
     let first_call = loop {
@@ -295,6 +300,11 @@ async fn deploy(
     tokio::time::sleep_until((first_call + args.start_b_after).into()).await;
     let mut b = Replica::spawn("B", new, b_limit, args, rig, &recorder.url)?;
     let ready = b.ready().await?;
+    let more = (args.messages..args.messages + args.more_at_ready)
+        .map(|i| Message::numbered(SELLER, i))
+        .collect();
+    rig.publish_all(more).await?;
+    let published = rig.published();
     eprintln!(
         "  t={:.2}s B started, t={:.2}s B ready (R); {} registered, {} still in the work queue",
         since(b.started),
