@@ -325,3 +325,76 @@ async fn a_new_algorithm_waits_until_the_old_ones_grants_left_the_window() {
     new.wait().await.unwrap();
     rig.cleanup().await.unwrap();
 }
+
+/// `GET /api/fleet` lists the live replicas with their terms, says whether they agree and which
+/// terms are in force; `/metrics` counts them and flags the disagreement.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_fleet_api_lists_the_replicas_and_the_terms_in_force() {
+    let rig = support::rig("fleet-api", "8/1s").prepare().await.unwrap();
+    let stop = CancellationToken::new();
+    let quiet = replica(&rig, "8/1s", &stop).await;
+    let mut settings = rig.settings(2);
+    settings.limiter.limit = "5/1s".parse().unwrap();
+    let serving = Served::start(
+        ServeArgs {
+            consume: settings,
+            http: turnstile_ops::serve::HttpArgs {
+                http_addr: turnstile_ops::http::Listen::At("127.0.0.1:0".parse().unwrap()),
+                http_token: None,
+            },
+        },
+        stop.clone(),
+    )
+    .await
+    .unwrap();
+    let base = format!("http://{}", serving.http_addr.unwrap());
+    let client = reqwest::Client::new();
+    let mut fleet = serde_json::Value::Null;
+    support::eventually_async("the serving replica's heartbeat sees both", async || {
+        fleet = client
+            .get(format!("{base}/api/fleet"))
+            .send()
+            .await
+            .unwrap()
+            .json()
+            .await
+            .unwrap();
+        fleet["replicas"].as_array().is_some_and(|r| r.len() == 2) && fleet["applied"] == true
+    })
+    .await;
+    assert_eq!(fleet["agree"], false, "{fleet}");
+    assert_eq!(fleet["effective"]["limit"], "5/1s", "{fleet}");
+    assert_eq!(fleet["effective"]["algorithm"], "sliding-window", "{fleet}");
+    let replicas = fleet["replicas"].as_array().unwrap();
+    let limits: Vec<&str> = replicas
+        .iter()
+        .map(|r| r["terms"]["limit"].as_str().unwrap())
+        .collect();
+    assert_eq!(limits, ["8/1s", "5/1s"], "longest-running first: {fleet}");
+    for r in replicas {
+        for field in ["id", "host", "version", "started", "last_seen"] {
+            assert!(r[field].is_string(), "{field} in {r}");
+        }
+    }
+    assert!(
+        replicas.iter().any(|r| r["id"] == fleet["me"]),
+        "the serving replica names itself: {fleet}"
+    );
+    let metrics = client
+        .get(format!("{base}/metrics"))
+        .send()
+        .await
+        .unwrap()
+        .text()
+        .await
+        .unwrap();
+    assert!(metrics.contains("turnstile_fleet_replicas 2"), "{metrics}");
+    assert!(
+        metrics.contains("turnstile_fleet_disagreement 1"),
+        "{metrics}"
+    );
+    stop.cancel();
+    quiet.wait().await.unwrap();
+    serving.wait().await.unwrap();
+    rig.cleanup().await.unwrap();
+}
