@@ -135,8 +135,9 @@ pub async fn run(args: RollingArgs) -> anyhow::Result<bool> {
     let old = args.old_binary.clone().unwrap_or_else(|| this.clone());
     let new = args.new_binary.clone().unwrap_or(this);
     println!(
-        "rolling: {} messages of one seller; B starts {} s after A's first call, A gets SIGTERM {} s after B is ready; {} workers each",
+        "rolling: {} messages of one seller, {} more when B is ready; B starts {} s after A's first call, A gets SIGTERM {} s after B is ready; {} workers each",
         args.messages,
+        args.more_at_ready,
         args.start_b_after.as_secs_f64(),
         args.overlap.as_secs_f64(),
         args.workers
