@@ -36,7 +36,7 @@ use tokio_util::sync::CancellationToken;
 use tracing::{info, warn};
 
 use crate::config::{Algorithm, GlobalLimit, Limit, LimiterArgs, Limits, SellerConcurrency};
-use crate::permit::{Applied, PermitError, RedisConn, Registered, Registry, Roll};
+use crate::permit::{Applied, PermitError, PermitStore, RedisConn, Registered, Registry, Roll};
 use crate::telemetry::Readiness;
 use crate::worker::Stats;
 
@@ -45,6 +45,9 @@ pub const HEARTBEAT: Duration = Duration::from_secs(1);
 
 /// How long an entry lives without being renewed.
 pub const EXPIRY: Duration = Duration::from_secs(5);
+
+/// How soon a replica beats again after its terms were replaced (see [`Member::run`]).
+const REPORT_SOON: Duration = Duration::from_millis(50);
 
 /// How long a replica trusts the terms it last confirmed, from when it sent that heartbeat:
 /// less than [`EXPIRY`], so it stops granting before the others can have dropped its entry
@@ -460,6 +463,8 @@ pub struct Member {
     id: String,
     /// Its own settings (the fleet's terms replace their share, see [`FleetTerms::apply_to`]).
     own: LimiterArgs,
+    /// Its limiter, whose terms it replaces and whose sellers' backlogs it re-plans.
+    permits: PermitStore,
     applied: Arc<Applied>,
     stats: Arc<Stats>,
     ready: Readiness,
@@ -483,13 +488,12 @@ struct State {
 }
 
 impl Member {
-    /// A member for a replica with these settings (`applied`: its limiter's terms; `stats`
-    /// and `ready`: what it announces of its work).
+    /// A member for a replica with these settings and this limiter (`stats` and `ready`: what
+    /// it announces of its work).
     pub fn new(
-        conn: RedisConn,
+        permits: &PermitStore,
         prefix: &str,
         own: LimiterArgs,
-        applied: Arc<Applied>,
         stats: Arc<Stats>,
         ready: Readiness,
         queue: &str,
@@ -501,10 +505,11 @@ impl Member {
             rand::random::<u16>()
         );
         Self {
-            registry: Registry::new(conn, prefix),
+            registry: Registry::new(permits.conn().clone(), prefix),
             id,
             own,
-            applied,
+            applied: permits.applied().clone(),
+            permits: permits.clone(),
             stats,
             ready,
             queue: queue.to_owned(),
@@ -595,7 +600,8 @@ impl Member {
             let old = self.applied.replace(effective.apply_to(&self.own));
             match &state.applied {
                 Some(before) => {
-                    info!(from = %before.digest(), to = %effective.digest(), "the fleet's terms changed: granting under the new ones")
+                    info!(from = %before.digest(), to = %effective.digest(), "the fleet's terms changed: granting under the new ones");
+                    self.replan(LimiterArgs::clone(&old));
                 }
                 None => info!(terms = %effective.digest(), "granting under the fleet's terms"),
             }
@@ -625,6 +631,30 @@ impl Member {
         metrics::gauge!("turnstile_fleet_disagreement").set(if agrees { 0.0 } else { 1.0 });
         state.view = view.clone();
         Ok(view)
+    }
+
+    /// Re-plans, in the background, the backlogs of the sellers this replica reserved slots for
+    /// under the terms `before`: their reserved slots are given back, so that the new terms
+    /// apply at once to the waiting messages, not only to new ones (each replica re-plans the
+    /// sellers it reserved for). The limit never depends on it: a slot reserved under looser
+    /// terms is not granted under stricter ones anyway (see `lua/redeem.lua`).
+    fn replan(&self, before: LimiterArgs) {
+        let permits = self.permits.clone();
+        tokio::spawn(async move {
+            let sellers = permits.reserving();
+            match permits.release_reserved(&before, &sellers).await {
+                Ok(n) if n > 0 => {
+                    info!(
+                        sellers = n,
+                        "re-planned the reserved backlogs under the fleet's new terms"
+                    )
+                }
+                Ok(_) => {}
+                Err(error) => {
+                    warn!(%error, "could not re-plan every reserved backlog under the fleet's new terms; their messages keep their slots where the new terms allow them")
+                }
+            }
+        });
     }
 
     /// Beats until every live replica grants under the fleet's terms (this one's included), so
@@ -674,9 +704,16 @@ impl Member {
     pub async fn run(self: Arc<Self>, stop: CancellationToken) {
         let mut failing = false;
         loop {
+            // Terms just replaced are reported applied as soon as no operation runs under the
+            // old ones, not a heartbeat later: a replica waiting to join waits that much less.
+            let next = if self.lock().replaced.is_some() {
+                REPORT_SOON
+            } else {
+                HEARTBEAT
+            };
             tokio::select! {
                 () = stop.cancelled() => break,
-                () = tokio::time::sleep(HEARTBEAT) => {}
+                () = tokio::time::sleep(next) => {}
             }
             match self.beat().await {
                 Ok(_) if failing => {

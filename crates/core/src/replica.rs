@@ -176,10 +176,9 @@ impl Starting {
             PermitStore::new(conn, &self.args.redis.key_prefix, self.args.limiter.clone())
                 .with_call_timeout(self.args.downstream.timeout);
         let fleet = Arc::new(fleet::Member::new(
-            permits.conn().clone(),
+            &permits,
             &self.args.redis.key_prefix,
             self.args.limiter.clone(),
-            permits.applied().clone(),
             self.stats.clone(),
             self.ready.clone(),
             &self.args.broker.queue,

@@ -42,6 +42,7 @@ mod registry;
 pub mod scripts;
 pub mod server;
 
+use std::collections::HashMap;
 use std::sync::{Arc, OnceLock};
 use std::time::Duration;
 
@@ -494,7 +495,17 @@ pub struct PermitStore {
     /// Whether the task that writes what calls made with pool units answered was started (see
     /// `start_writing_answers`).
     writing_answers: Arc<OnceLock<()>>,
+    /// The sellers this store reserved slots for lately (see [`PermitStore::reserving`]).
+    reserving: Arc<std::sync::Mutex<HashMap<SellerId, std::time::Instant>>>,
 }
+
+/// Most sellers [`PermitStore::reserving`] keeps (beyond it, the ones not seen for
+/// [`RESERVING_FOR`] are forgotten, then new ones are not noted).
+const MOST_RESERVING: usize = 10_000;
+
+/// How long a seller stays in [`PermitStore::reserving`] after its last reservation: longer than
+/// any slot is reserved ahead but for the deepest backlogs.
+const RESERVING_FOR: Duration = Duration::from_secs(3600);
 
 /// How long after its grant a block's units may be claimed.
 pub const BLOCK_HOLD: Duration = Duration::from_secs(2);
@@ -596,6 +607,7 @@ impl PermitStore {
             record_delay: record_delay(&limiter),
             blocks,
             writing_answers: Arc::default(),
+            reserving: Arc::default(),
             applied: Arc::new(Applied::new(limiter)),
             call_bound: Duration::ZERO,
             batcher: Arc::default(),
@@ -829,8 +841,62 @@ impl PermitStore {
                 &mut decision,
             );
         }
+        if let Decision::Wait {
+            reservation: Some(_),
+            ..
+        } = &decision
+        {
+            self.noted_reserving(seller);
+        }
         observe(algorithm, &decision, true);
         Ok(decision)
+    }
+
+    /// Notes that the seller holds a slot this store reserved (bounded, see
+    /// [`MOST_RESERVING`]).
+    fn noted_reserving(&self, seller: &SellerId) {
+        let mut reserving = self
+            .reserving
+            .lock()
+            .expect("the reserving sellers' lock is never poisoned");
+        let now = std::time::Instant::now();
+        if reserving.len() >= MOST_RESERVING && !reserving.contains_key(seller) {
+            reserving.retain(|_, at| now.duration_since(*at) < RESERVING_FOR);
+            if reserving.len() >= MOST_RESERVING {
+                return;
+            }
+        }
+        reserving.insert(seller.clone(), now);
+    }
+
+    /// The sellers this store reserved slots for in the last hour (at most
+    /// [`MOST_RESERVING`]): those whose backlog a change of the default terms re-plans (see
+    /// [`PermitStore::release_reserved`]).
+    pub fn reserving(&self) -> Vec<SellerId> {
+        let now = std::time::Instant::now();
+        self.reserving
+            .lock()
+            .expect("the reserving sellers' lock is never poisoned")
+            .iter()
+            .filter(|(_, at)| now.duration_since(**at) < RESERVING_FOR)
+            .map(|(seller, _)| seller.clone())
+            .collect()
+    }
+
+    /// Gives back every slot reserved for each of `sellers`, made under the terms `before`
+    /// (as `turnstile limits set` does for one seller, and announced the same way), so that
+    /// the terms now in force apply at once to their whole backlogs: their messages reserve
+    /// anew. Returns how many sellers were re-planned; stops at the first Redis error.
+    pub async fn release_reserved(
+        &self,
+        before: &LimiterArgs,
+        sellers: &[SellerId],
+    ) -> Result<usize, PermitError> {
+        let admin = Admin::new(self.conn.clone(), self.keys.prefix(), Terms::from(before));
+        for seller in sellers {
+            admin.reschedule(seller, admin::Change::Release).await?;
+        }
+        Ok(sellers.len())
     }
 
     /// `lua/<algorithm>.lua`'s call for the seller (see [`Acquire`]); `block`: with permit
