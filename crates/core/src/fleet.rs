@@ -291,6 +291,12 @@ pub fn strictest_stack<'a>(stacks: impl IntoIterator<Item = &'a Limits>) -> Opti
     Limits::new(&all).ok()
 }
 
+/// Whether the stack `after` is stricter than `before`: different, and implying it (the
+/// strictest of the two is `after`).
+pub fn lowers(before: &Limits, after: &Limits) -> bool {
+    before != after && strictest_stack([before, after]).as_ref() == Some(after)
+}
+
 /// The strictest terms of `members` (each with its first heartbeat, Redis ms, and id):
 /// see the module's doc. `None` without a member.
 pub fn strictest(members: &[(i64, &str, &FleetTerms)]) -> Option<FleetTerms> {
@@ -601,7 +607,9 @@ impl Member {
             match &state.applied {
                 Some(before) => {
                     info!(from = %before.digest(), to = %effective.digest(), "the fleet's terms changed: granting under the new ones");
-                    self.replan(LimiterArgs::clone(&old));
+                    if lowers(&before.limit, &effective.limit) {
+                        self.replan(LimiterArgs::clone(&old));
+                    }
                 }
                 None => info!(terms = %effective.digest(), "granting under the fleet's terms"),
             }
@@ -634,9 +642,11 @@ impl Member {
     }
 
     /// Re-plans, in the background, the backlogs of the sellers this replica reserved slots for
-    /// under the terms `before`: their reserved slots are given back, so that the new terms
-    /// apply at once to the waiting messages, not only to new ones (each replica re-plans the
-    /// sellers it reserved for). The limit never depends on it: a slot reserved under looser
+    /// under the terms `before`, when the fleet's stack was lowered: their reserved slots are
+    /// given back, so that the new limit applies at once to the waiting messages, not only to
+    /// new ones (each replica re-plans the sellers it reserved for). Without it, the slots
+    /// reserved under the looser stack would hold back every new slot until they passed. A
+    /// raise leaves the slots where they are (they come back at their time and are granted). The limit never depends on it: a slot reserved under looser
     /// terms is not granted under stricter ones anyway (see `lua/redeem.lua`).
     fn replan(&self, before: LimiterArgs) {
         let permits = self.permits.clone();
@@ -657,6 +667,27 @@ impl Member {
         });
     }
 
+    /// Whether this replica may consume under `view`: every other live replica grants under
+    /// the fleet's terms already, and this one does (no operation runs under the terms it
+    /// replaced). A replica alone joins at its first heartbeat.
+    fn may_consume(&self, view: &View) -> bool {
+        let Some(digest) = view.effective.as_ref().map(FleetTerms::digest) else {
+            return false;
+        };
+        let others_apply = view
+            .replicas
+            .iter()
+            .filter(|r| r.id != self.id)
+            .all(|r| r.entry.applies.as_deref() == Some(digest.as_str()));
+        let state = self.lock();
+        let applies_own = state.applied.as_ref().map(FleetTerms::digest) == Some(digest)
+            && state
+                .replaced
+                .as_ref()
+                .is_none_or(|old| Arc::strong_count(old) == 1);
+        others_apply && applies_own
+    }
+
     /// Beats until every live replica grants under the fleet's terms (this one's included), so
     /// that the replica may consume; `false` if `shutdown` came first. Redis errors are
     /// retried (logged).
@@ -665,7 +696,7 @@ impl Member {
         let mut said = Instant::now();
         loop {
             match self.beat().await {
-                Ok(view) if view.applied && self.lock().replaced.is_none() => {
+                Ok(view) if self.may_consume(&view) => {
                     info!(replicas = view.replicas.len(), terms = ?view.effective.as_ref().map(FleetTerms::digest), waited_ms = started.elapsed().as_millis() as u64, "joined the fleet");
                     return true;
                 }
@@ -769,6 +800,16 @@ mod tests {
         // 10 in a minute already allows at most 10 in any second.
         assert_eq!(s(&["20/1s", "10/1m"]), "10/1m");
         assert_eq!(s(&["10/1s", "10/1s"]), "10/1s");
+    }
+
+    #[test]
+    fn only_a_stricter_stack_lowers_the_terms() {
+        assert!(lowers(&stack("20/1s"), &stack("10/1s")));
+        assert!(lowers(&stack("100/1m"), &stack("10/1s,100/1m")));
+        assert!(!lowers(&stack("10/1s"), &stack("20/1s")));
+        assert!(!lowers(&stack("10/1s"), &stack("10/1s")));
+        // Neither implies the other: not a lowering of every window.
+        assert!(!lowers(&stack("10/1s"), &stack("100/1m")));
     }
 
     #[test]
