@@ -759,6 +759,12 @@ impl Member {
                 Err(_) => {}
             }
         }
+        self.leave().await;
+    }
+
+    /// Takes this replica out of the registry (noting its algorithm's last use); a failure
+    /// leaves the entry to expire.
+    pub async fn leave(&self) {
         let algorithm = self.lock().applied.as_ref().map(|t| t.algorithm);
         if let Err(error) = self.registry.leave(&self.id, algorithm).await {
             warn!(%error, "could not take this replica out of the fleet's registry; it expires");

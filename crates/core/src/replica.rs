@@ -246,6 +246,7 @@ impl Connecting {
         // Consumes only once every live replica grants under the fleet's terms, this one's
         // included (see `fleet`).
         if !fleet.join(&shutdown).await {
+            fleet.leave().await;
             return Ok(None);
         }
         // The heartbeats go on until the replica has drained (it grants until then).
