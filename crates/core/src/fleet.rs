@@ -475,6 +475,10 @@ pub struct Member {
     stats: Arc<Stats>,
     ready: Readiness,
     queue: String,
+    /// Its host name, read once.
+    host: String,
+    /// The fleet's share of its own settings, as it announces them.
+    own_terms: FleetTerms,
     state: Mutex<State>,
 }
 
@@ -505,6 +509,7 @@ impl Member {
         queue: &str,
     ) -> Self {
         let host = host_name();
+        let own_terms = FleetTerms::of(&own);
         let id = format!(
             "{host}-{}-{:04x}",
             std::process::id(),
@@ -519,6 +524,8 @@ impl Member {
             stats,
             ready,
             queue: queue.to_owned(),
+            own_terms,
+            host,
             state: Mutex::default(),
         }
     }
@@ -564,11 +571,11 @@ impl Member {
             state.replaced = None;
         }
         Entry {
-            host: host_name(),
+            host: self.host.clone(),
             pid: std::process::id(),
             version: env!("CARGO_PKG_VERSION").to_owned(),
             queue: self.queue.clone(),
-            terms: FleetTerms::of(&self.own),
+            terms: self.own_terms.clone(),
             applies: state
                 .applied
                 .as_ref()
@@ -593,7 +600,7 @@ impl Member {
             (entry, state.applied.as_ref().map(|t| t.algorithm))
         };
         let entry = serde_json::to_string(&entry).expect("an entry is always JSON");
-        let retain = longest_window(&FleetTerms::of(&self.own), self.own.guard) + EXPIRY * 2;
+        let retain = longest_window(&self.own_terms, self.own.guard) + EXPIRY * 2;
         let roll = self
             .registry
             .beat(&self.id, &entry, EXPIRY, algorithm, retain)
@@ -616,9 +623,9 @@ impl Member {
             state.replaced = Some(old);
             state.applied = Some(effective.clone());
         }
-        let fence = view.fence_until_ms.saturating_sub(view.now_ms).max(0);
-        self.applied.fence_until(if fence > 0 {
-            view.fence_until_ms.saturating_mul(1000)
+        let fence_ahead = view.fence_until_ms > view.now_ms;
+        self.applied.fence_until(if fence_ahead {
+            view.fence_until_ms * 1000
         } else {
             0
         });
