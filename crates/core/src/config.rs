@@ -522,8 +522,9 @@ pub struct LimiterArgs {
     /// The limiter algorithm.
     #[arg(long, env = "TURNSTILE_ALGORITHM", value_enum, default_value_t = Algorithm::SlidingWindow)]
     pub algorithm: Algorithm,
-    /// Time added to every window to absorb jitter between the permit and the downstream's
-    /// clock [default: window/20, between 25ms and 2s].
+    /// Time added to every window against a downstream counting with a coarser or drifting
+    /// clock [default: none for a seller's sliding-window limits, whose calls hold their place
+    /// until their answer; window/20, between 25ms and 2s, otherwise and for the global limit].
     #[arg(long = "limit-guard", env = "TURNSTILE_LIMIT_GUARD", value_parser = parse_duration_arg, value_name = "DURATION")]
     pub guard: Option<Duration>,
     /// gcra: grants allowed at once after idleness (1 = pure pacing at COUNT per window).
@@ -747,9 +748,28 @@ impl LimiterArgs {
         Ok(())
     }
 
-    /// The guard in effect for a window (see [`guard_for`]).
+    /// The guard in effect for a window of the seller's own stack (see [`seller_guard`]).
     pub fn guard_for(&self, window: Duration) -> Duration {
-        guard_for(self.guard, window)
+        guard_for(self.seller_guard(), window)
+    }
+
+    /// The guard of the seller's own windows: see [`seller_guard`].
+    pub fn seller_guard(&self) -> Option<Duration> {
+        seller_guard(self.algorithm, self.guard)
+    }
+}
+
+/// The guard of a seller's own windows under `algorithm`: the configured one
+/// (`TURNSTILE_LIMIT_GUARD`), else none with sliding-window, whose calls hold their place in
+/// the seller's windows from their grant until their answer, so that no window of the
+/// downstream can hold more than COUNT whatever each call's latency, and a guard would only slow
+/// the drain (docs/guarantees.md, "Exact whatever the latency"); else (`None`) the default of
+/// [`guard_for`]. The global limit counts a call at its grant and keeps the default guard.
+pub fn seller_guard(algorithm: Algorithm, configured: Option<Duration>) -> Option<Duration> {
+    match (configured, algorithm) {
+        (Some(guard), _) => Some(guard),
+        (None, Algorithm::SlidingWindow) => Some(Duration::ZERO),
+        (None, _) => None,
     }
 }
 
@@ -880,6 +900,20 @@ fn redact_one_url(url: &str) -> String {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_sellers_sliding_window_has_no_guard_unless_one_is_configured_and_the_others_keep_theirs() {
+        let ms = Duration::from_millis;
+        assert_eq!(seller_guard(Algorithm::SlidingWindow, None), Some(Duration::ZERO));
+        assert_eq!(seller_guard(Algorithm::SlidingWindow, Some(ms(7))), Some(ms(7)));
+        for algorithm in [Algorithm::Gcra, Algorithm::TokenBucket, Algorithm::FixedWindow] {
+            assert_eq!(seller_guard(algorithm, None), None, "{algorithm:?}");
+        }
+        let sliding = LimiterArgs::new(limit_arg("10/1s").unwrap(), Algorithm::SlidingWindow);
+        assert_eq!(sliding.guard_for(ms(1_000)), Duration::ZERO);
+        let gcra = LimiterArgs::new(limit_arg("10/1s").unwrap(), Algorithm::Gcra);
+        assert_eq!(gcra.guard_for(ms(1_000)), ms(50));
+    }
 
     #[test]
     fn the_guard_is_a_twentieth_of_the_window_within_25_ms_and_2_s_unless_one_is_configured() {

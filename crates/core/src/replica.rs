@@ -319,6 +319,7 @@ fn new_worker(
         },
         workers: Arc::new(Semaphore::new(args.workers as usize)),
         due_lane: Arc::new(Semaphore::new((args.workers as usize / 4).max(1))),
+        ask_ahead: crate::worker::AskAhead::new(args.workers as usize),
         stats,
         reschedules,
         records_in_writing: Default::default(),

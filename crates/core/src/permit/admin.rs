@@ -229,15 +229,20 @@ impl From<&LimiterArgs> for Terms {
 }
 
 impl Terms {
-    /// The guard in effect for a window, as [`LimiterArgs::guard_for`] gives it: the configured
-    /// one, or window/20 within [25ms, 2s].
+    /// The guard in effect for a window of the seller's own stack, as
+    /// [`LimiterArgs::guard_for`] gives it.
     pub fn guard_for(&self, window: Duration) -> Duration {
-        crate::config::guard_for(self.guard, window)
+        crate::config::guard_for(self.seller_guard(), window)
     }
 
-    /// The scripts' GUARD argument (-1: each window's default guard).
+    /// The guard of the seller's own windows (see [`crate::config::seller_guard`]).
+    pub fn seller_guard(&self) -> Option<Duration> {
+        crate::config::seller_guard(self.algorithm, self.guard)
+    }
+
+    /// The scripts' GUARD argument for the seller's own windows (-1: each window's default).
     pub(super) fn guard_arg(&self) -> i64 {
-        Self::guard_arg_of(self.guard)
+        Self::guard_arg_of(self.seller_guard())
     }
 
     /// The scripts' GUARD argument for a configured guard (-1: each window's default).
@@ -312,7 +317,7 @@ impl Admin {
             keys: self.keys.global_keys(),
             counts: global.counts_arg(),
             windows: global.windows_arg(),
-            guard_us: terms.guard_arg(),
+            guard_us: Terms::guard_arg_of(terms.guard),
         };
         let answer: Vec<redis::Value> = call
             .invocation()

@@ -928,7 +928,7 @@ impl PermitStore {
             done: message.map(|message| self.keys.done(seller, message)),
             counts: limit.counts_arg(),
             windows: limit.windows_arg(),
-            guard_us: Terms::guard_arg_of(limiter.guard),
+            guard_us: Terms::guard_arg_of(limiter.seller_guard()),
             reserve,
             durable: limiter.redis_durable,
             adaptive: limiter.adaptive,
@@ -1232,7 +1232,7 @@ impl PermitStore {
             done: message.map(|message| self.keys.done(seller, message)),
             counts: limit.counts_arg(),
             windows: limit.windows_arg(),
-            guard_us: Terms::guard_arg_of(limiter.guard),
+            guard_us: Terms::guard_arg_of(limiter.seller_guard()),
             slot_us: held.slot_us,
             held_counts: held.limits.counts_arg(),
             held_windows: held.limits.windows_arg(),
@@ -1480,7 +1480,7 @@ impl PermitStore {
             learned: self.learned_key(&limiter, seller),
             counts: limiter.limit.counts_arg(),
             windows: limiter.limit.windows_arg(),
-            guard_us: Terms::guard_arg_of(limiter.guard),
+            guard_us: Terms::guard_arg_of(limiter.seller_guard()),
             algorithm: limiter.algorithm,
             call,
             cost: cost.units(),
@@ -1513,7 +1513,7 @@ impl PermitStore {
             slot_us: reservation.slot_us,
             held_counts: reservation.limits.counts_arg(),
             held_windows: reservation.limits.windows_arg(),
-            guard_us: Terms::guard_arg_of(limiter.guard),
+            guard_us: Terms::guard_arg_of(limiter.seller_guard()),
             capacity: limiter.bucket_capacity,
         };
         let given_back: u8 = unreserve
@@ -1673,7 +1673,7 @@ impl PermitStore {
                 calls::AdaptiveArgs {
                     counts: limiter.limit.counts_arg(),
                     windows: limiter.limit.windows_arg(),
-                    guard_us: Terms::guard_arg_of(limiter.guard),
+                    guard_us: Terms::guard_arg_of(limiter.seller_guard()),
                 },
             )
         });

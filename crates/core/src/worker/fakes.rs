@@ -747,6 +747,7 @@ impl Worker {
             settings: settings(),
             workers: Arc::new(Semaphore::new(workers)),
             due_lane: Arc::new(Semaphore::new((workers / 4).max(1))),
+            ask_ahead: super::ahead::AskAhead::new(workers),
             stats: Arc::default(),
             reschedules,
             records_in_writing: Default::default(),

@@ -32,6 +32,7 @@ use crate::broker::{PublishError, Publisher, Settler, Topology};
 use crate::domain::{BatchId, Identity, MessageId, RateLimitHeaders, Registration, SellerId};
 use crate::downstream::{Api, Reply};
 use crate::trace::TraceContext;
+mod ahead;
 mod batches;
 #[cfg(test)]
 mod fakes;
@@ -42,6 +43,7 @@ pub mod report;
 mod stats;
 mod waits;
 
+pub use ahead::AskAhead;
 pub use batches::SeenBatches;
 pub use plan::{Carried, DEAD_LETTER_REASONS, OUTCOME_LABELS, Outcome, Report, WorkerSettings};
 use plan::{Interrupted, PermitErrors, Plan, returned, stranded};
@@ -134,6 +136,9 @@ pub struct Worker {
     /// `workers`, at least one): a due slot never waits for a worker behind new messages, and a
     /// slot lost to that wait would cost the message another round through the ladder.
     pub due_lane: Arc<Semaphore>,
+    /// Places for new messages to ask for their permit while every worker is busy (see
+    /// [`ahead`]).
+    pub ask_ahead: ahead::AskAhead,
     pub stats: Arc<Stats>,
     /// Notices of sellers whose terms changed (see `permit::watch_reschedules`): a message held
     /// for a slot given back by the change comes back at once.
@@ -144,6 +149,24 @@ pub struct Worker {
     pub seller_waits: SellerWaits,
     /// Batches this replica noted as seen (once per batch, not per message).
     pub seen_batches: Arc<SeenBatches>,
+}
+
+/// What a message asks for its permit with: the worker it calls under, if it took one first,
+/// and its place to ask ahead, if it took one (see [`ahead`]); neither when it asks while
+/// workers are free or its seller is expected to wait.
+#[derive(Default)]
+struct Asking {
+    worker: Option<OwnedSemaphorePermit>,
+    ahead: Option<OwnedSemaphorePermit>,
+}
+
+impl Asking {
+    fn with_worker(worker: OwnedSemaphorePermit) -> Self {
+        Self {
+            worker: Some(worker),
+            ahead: None,
+        }
+    }
 }
 
 /// Registrations whose completion record this replica is writing: a record may ride along with
@@ -514,10 +537,11 @@ impl Worker {
             _ = connection_lost.cancelled() => return interrupted(Interrupted::ConnectionLost),
         }
         let seller = &registration.seller_id;
-        let worker = match self.worker_to_ask(seller, carried, interruptions).await {
-            Ok(worker) => worker,
-            Err(why) => return interrupted(why),
-        };
+        let Asking { worker, ahead } =
+            match self.worker_to_ask(seller, carried, interruptions).await {
+                Ok(asking) => asking,
+                Err(why) => return interrupted(why),
+            };
         if self.records_in_writing.is_writing(registration) {
             // Registered by another worker while this one waited for a worker.
             return Plan::AskAgain;
@@ -565,7 +589,7 @@ impl Worker {
                     registration,
                     trace,
                     grant,
-                    worker,
+                    Asking { worker, ahead },
                     carried,
                     reporting,
                     interruptions,
@@ -573,7 +597,7 @@ impl Worker {
                 .await
             }
             (plan, grant) => {
-                drop(worker);
+                drop((worker, ahead));
                 if plan == Plan::AskAgain
                     && let Some(grant) = grant
                 {
@@ -590,30 +614,38 @@ impl Worker {
     }
 
     /// The worker a message asks with, if it takes one before asking. Workers bound the
-    /// downstream calls, not the questions to Redis (see `waits`): a message coming back for
-    /// its reserved slot takes one (or one of the due lane); a new message asks without one
-    /// while workers are free, or when its seller was lately told to wait, and takes one once
-    /// granted. With every worker busy calling, it queues for one, and leaves the queue if its
-    /// seller is told to wait meanwhile.
+    /// downstream calls, not the questions to Redis (see `waits` and `ahead`): a message coming
+    /// back for its reserved slot takes one (or one of the due lane); a new message asks without
+    /// one while workers are free, or when its seller was lately told to wait, and takes one once
+    /// granted. With every worker busy calling, it takes a place to ask ahead (while calls are
+    /// fast), or else queues for a worker; it leaves either queue if its seller is told to wait
+    /// meanwhile.
     async fn worker_to_ask(
         &self,
         seller: &SellerId,
         carried: &Carried,
         interruptions: Interruptions<'_>,
-    ) -> Result<Option<OwnedSemaphorePermit>, Interrupted> {
+    ) -> Result<Asking, Interrupted> {
         let Interruptions {
             shutdown,
             connection_lost,
         } = interruptions;
         if carried.reservation.is_some() {
-            return tokio::select! {
-                permit = self.workers.clone().acquire_owned() => Ok(Some(permit.expect("the worker semaphore is never closed"))),
-                permit = self.due_lane.clone().acquire_owned() => Ok(Some(permit.expect("the due lane is never closed"))),
-                _ = shutdown.cancelled() => Err(Interrupted::Shutdown),
-                _ = connection_lost.cancelled() => Err(Interrupted::ConnectionLost),
+            let worker = tokio::select! {
+                permit = self.workers.clone().acquire_owned() => permit.expect("the worker semaphore is never closed"),
+                permit = self.due_lane.clone().acquire_owned() => permit.expect("the due lane is never closed"),
+                _ = shutdown.cancelled() => return Err(Interrupted::Shutdown),
+                _ = connection_lost.cancelled() => return Err(Interrupted::ConnectionLost),
             };
+            return Ok(Asking::with_worker(worker));
         }
-        let queued = self.workers.clone().acquire_owned();
+        let ahead = self.ask_ahead.allowed();
+        let queue = if ahead {
+            self.ask_ahead.places.clone()
+        } else {
+            self.workers.clone()
+        };
+        let queued = queue.acquire_owned();
         tokio::pin!(queued);
         loop {
             let told = self.seller_waits.told();
@@ -624,10 +656,17 @@ impl Worker {
                     .seller_waits
                     .expects_wait(seller, std::time::Instant::now())
             {
-                return Ok(None);
+                return Ok(Asking::default());
             }
             tokio::select! {
-                permit = &mut queued => return Ok(Some(permit.expect("the worker semaphore is never closed"))),
+                permit = &mut queued => {
+                    let permit = permit.expect("the worker and ask-ahead semaphores are never closed");
+                    return Ok(if ahead {
+                        Asking { worker: None, ahead: Some(permit) }
+                    } else {
+                        Asking::with_worker(permit)
+                    });
+                }
                 _ = told => {}
                 _ = shutdown.cancelled() => return Err(Interrupted::Shutdown),
                 _ = connection_lost.cancelled() => return Err(Interrupted::ConnectionLost),
@@ -644,7 +683,7 @@ impl Worker {
         registration: &Registration,
         trace: &TraceContext,
         grant: Grant,
-        worker: Option<OwnedSemaphorePermit>,
+        Asking { worker, ahead }: Asking,
         carried: &mut Carried,
         reporting: &Reporting,
         interruptions: Interruptions<'_>,
@@ -660,6 +699,7 @@ impl Worker {
                 }
             },
         };
+        drop(ahead);
         self.call(
             registration,
             trace,
@@ -717,7 +757,9 @@ impl Worker {
         let span = trace.child();
         tracing::Span::current().record("span_id", tracing::field::display(span.span_id()));
         self.stats.in_flight.fetch_add(1, Ordering::Relaxed);
+        let calling = std::time::Instant::now();
         let answered = self.downstream.call(registration, &span).await;
+        self.ask_ahead.called(calling.elapsed());
         let answered_us = grant.answered_us();
         self.stats.in_flight.fetch_sub(1, Ordering::Relaxed);
         // Noted before the worker is free for a copy of the same message (see `ask`).

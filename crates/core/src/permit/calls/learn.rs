@@ -161,12 +161,13 @@ mod tests {
             ("pool", "pool of unclaimed permit-block units"),
         ];
         check(SOURCE, "KEYS", &sliding.keys, &keys);
-        let args = |algorithm| {
+        // No guard by default with sliding-window, each window's own (-1) with the others.
+        let args = |algorithm, guard| {
             [
                 (algorithm, "ALGORITHM"),
                 ("10", "default COUNTS"),
                 ("1000000", "default WINDOWS"),
-                (sliding.args[3].as_str(), "GUARD"),
+                (guard, "GUARD"),
                 ("3", "BURST"),
                 ("4", "CAPACITY"),
                 ("2", "MIN"),
@@ -178,9 +179,9 @@ mod tests {
                 ("-1", "RESET"),
             ]
         };
-        check(SOURCE, "ARGV", &sliding.args, &args("sliding-window"));
+        check(SOURCE, "ARGV", &sliding.args, &args("sliding-window", "0"));
         let gcra = written(Algorithm::Gcra);
         check(SOURCE, "KEYS", &gcra.keys, &keys[..6]);
-        check(SOURCE, "ARGV", &gcra.args, &args("gcra"));
+        check(SOURCE, "ARGV", &gcra.args, &args("gcra", "-1"));
     }
 }
