@@ -14,11 +14,13 @@
 -- the downstream holds more than COUNT units of any limit (docs/guarantees.md, "Exact whatever the
 -- latency").
 -- Returns nil when a call may start now, else when to ask again: when enough ENDs leave every
--- window if every call in flight takes its whole BOUND, but no later than GUARD from now (an
--- answer usually comes much sooner).
+-- window. An END already past is when that call's answer came (or its bound), so the window
+-- opens exactly then; while one that decides is still in flight (its END is its BOUND), no later
+-- than GUARD (at least 25 ms) from now: an answer usually comes much sooner.
 local function calls_gate(calls_key, now, limits, cost)
   redis.call('ZREMRANGEBYSCORE', calls_key, '-inf', now - limits.max_window)
   local open_at = nil
+  local in_flight = false
   for _, l in ipairs(limits) do
     local n = redis.call('ZCOUNT', calls_key, string.format('(%.0f', now - l.window), '+inf')
     l.in_flight = n
@@ -26,10 +28,11 @@ local function calls_gate(calls_key, now, limits, cost)
     if n > room then
       local kth = tonumber(redis.call('ZREVRANGE', calls_key, room, room, 'WITHSCORES')[2])
       open_at = math.max(open_at or 0, kth + l.window)
+      if kth > now then in_flight = true end
     end
   end
-  if open_at == nil then return nil end
-  return math.min(open_at, now + math.max(limits.min_guard, 1000))
+  if open_at == nil or not in_flight then return open_at end
+  return math.min(open_at, now + math.max(limits.min_guard, 25000))
 end
 
 -- A due STATUS (1) held back by calls_gate becomes a reservation at the time the gate may open

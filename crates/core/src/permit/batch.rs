@@ -22,6 +22,8 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Duration;
 
+use futures::StreamExt;
+use futures::stream::FuturesUnordered;
 use redis::{ToRedisArgs, Value};
 use tokio::sync::{mpsc, oneshot};
 use tokio::time::Instant;
@@ -230,13 +232,13 @@ async fn serve(
 ) {
     let mut places: HashMap<String, Place> = HashMap::new();
     let mut deadlines: BinaryHeap<Reverse<(Instant, String)>> = BinaryHeap::new();
-    // Each call runs in a task of its own (the Redis client's work for it is spread over the
-    // runtime like any caller's), and reports back here when it is answered.
-    let (landed, mut landings) = mpsc::unbounded_channel::<String>();
+    // The calls in flight run here, polled with the rest (a task each would cost a wake-up and
+    // a hop back for every call); each yields its place when it is answered.
+    let mut in_flight = FuturesUnordered::new();
     let mut riders_waiting = 0;
     let mut open = true;
     loop {
-        if !open && places.is_empty() {
+        if !open && places.is_empty() && in_flight.is_empty() {
             break;
         }
         let next_deadline = deadlines.peek().map(|Reverse((at, _))| *at);
@@ -265,7 +267,7 @@ async fn serve(
                     touched.extend(places.keys().cloned());
                 }
             },
-            Some(place) = landings.recv() => {
+            Some(place) = in_flight.next(), if !in_flight.is_empty() => {
                 if let Some(p) = places.get_mut(&place) {
                     p.in_flight -= 1;
                 }
@@ -291,11 +293,7 @@ async fn serve(
             while let Some(call) = p.next_call(now, !open) {
                 riders_waiting -= call.iter().filter(|r| r.deadline.is_some()).count();
                 calls.fetch_add(1, Ordering::Relaxed);
-                let (conn, landed) = (conn.clone(), landed.clone());
-                let place = place.clone();
-                tokio::spawn(async move {
-                    let _ = landed.send(send(conn, place, call).await);
-                });
+                in_flight.push(send(conn.clone(), place.clone(), call));
             }
             if p.idle() {
                 places.remove(&place);
