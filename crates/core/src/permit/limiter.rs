@@ -172,6 +172,14 @@ pub trait Limiter: Send + Sync {
 
     /// The default limit's shortest window.
     fn shortest_window(&self) -> Duration;
+
+    /// Whether a reserved slot also waits for the calls that fill its windows to be answered
+    /// (sliding-window and gcra: a call holds its place until its answer), so that a message
+    /// coming back for it one typical call late finds the window open; with the others a slot
+    /// must be redeemed on time.
+    fn slots_wait_for_answers(&self) -> bool {
+        false
+    }
 }
 
 /// The records of the uploads a worker keeps: batches seen, messages dead-lettered, and
@@ -403,6 +411,13 @@ impl Limiter for PermitStore {
 
     fn shortest_window(&self) -> Duration {
         self.default_limit().shortest_window()
+    }
+
+    fn slots_wait_for_answers(&self) -> bool {
+        matches!(
+            self.limiter().algorithm,
+            crate::config::Algorithm::SlidingWindow | crate::config::Algorithm::Gcra
+        )
     }
 }
 

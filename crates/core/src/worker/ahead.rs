@@ -49,6 +49,11 @@ impl AskAhead {
                 });
     }
 
+    /// The calls' typical duration, from send to answer.
+    pub fn typical_call(&self) -> Duration {
+        Duration::from_micros(self.typical_call_us.load(Ordering::Relaxed))
+    }
+
     /// Whether messages may ask ahead now: while the typical call is within
     /// [`MOST_TYPICAL_CALL`].
     pub fn allowed(&self) -> bool {

@@ -180,6 +180,8 @@ struct LimiterState {
     lowers: bool,
     /// Whether pauses fail (Redis out of reach).
     pauses_fail: bool,
+    /// What [`Limiter::slots_wait_for_answers`] says.
+    slots_wait_for_answers: bool,
 }
 
 /// A per-seller limiter that answers asks from a script, in order, keeps Redis time as the
@@ -208,6 +210,13 @@ impl FakeLimiter {
             }),
             epoch: Instant::now(),
         }
+    }
+
+    /// Its slots wait for the answers of the calls that fill their windows (as
+    /// sliding-window's do).
+    pub(super) fn waiting_for_answers(self) -> Self {
+        self.lock().slots_wait_for_answers = true;
+        self
     }
 
     /// The first `n` finishes of a registration fail (transiently): its record is written at
@@ -450,6 +459,10 @@ impl Limiter for FakeLimiter {
 
     fn shortest_window(&self) -> Duration {
         Duration::from_secs(1)
+    }
+
+    fn slots_wait_for_answers(&self) -> bool {
+        self.lock().slots_wait_for_answers
     }
 }
 

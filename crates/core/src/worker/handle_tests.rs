@@ -823,3 +823,35 @@ async fn with_every_worker_busy_and_a_slow_downstream_a_new_message_waits_for_a_
     assert_eq!(h.journal.times(asked), [start + 300 * MS], "asked with a worker");
     assert_eq!(h.journal.times(called), [start + 300 * MS]);
 }
+
+#[tokio::test(start_paused = true)]
+async fn where_slots_wait_for_answers_a_message_asks_for_its_slot_one_typical_call_late() {
+    let h = Harness::with(|journal| {
+        (
+            FakeLimiter::new(journal, [Script::Wait(300 * MS), Script::Grant])
+                .waiting_for_answers(),
+            FakeApi::new(journal, [Answer::Created { told: None }]),
+        )
+    });
+    for _ in 0..40 {
+        h.worker.ask_ahead.called(20 * MS);
+    }
+    let typical = h.worker.ask_ahead.typical_call();
+    let start = Instant::now();
+    let message = registration("m-1");
+
+    let outcome = h.handle(&message, Carried::default()).await;
+
+    assert_eq!(outcome, registered(1));
+    let asks = h.journal.times(asked);
+    assert!(typical > 15 * MS, "{typical:?}");
+    assert_eq!(asks.len(), 2);
+    assert_eq!(asks[0], start);
+    // Tokio's timer counts whole milliseconds, rounding up.
+    let expected = start + 300 * MS + typical + 2 * MS;
+    assert!(
+        expected <= asks[1] && asks[1] <= expected + MS,
+        "the slot, one typical call and the margin later: {:?}",
+        asks[1] - start
+    );
+}

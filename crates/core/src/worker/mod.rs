@@ -151,6 +151,12 @@ pub struct Worker {
     pub seen_batches: Arc<SeenBatches>,
 }
 
+/// Added to a typical call's duration in [`Worker::answers_allowance`]: a call's end is recorded
+/// from when its permit was asked for, a little before the call was sent.
+const ANSWER_MARGIN: Duration = Duration::from_millis(2);
+/// The most [`Worker::answers_allowance`] adds to a wait.
+const MOST_ANSWERS_ALLOWANCE: Duration = Duration::from_secs(1);
+
 /// What a message asks for its permit with: the worker it calls under, if it took one first,
 /// and its place to ask ahead, if it took one (see [`ahead`]); neither when it asks while
 /// workers are free or its seller is expected to wait.
@@ -566,6 +572,14 @@ impl Worker {
                 return permit_errors.plan(error, carried);
             }
         };
+        let mut decision = decision;
+        if let Decision::Wait {
+            retry_after,
+            reservation: Some(_),
+        } = &mut decision
+        {
+            *retry_after += self.answers_allowance();
+        }
         match &decision {
             Decision::Wait { retry_after, .. } | Decision::Deferred { retry_after, .. } => {
                 let now = std::time::Instant::now();
@@ -729,11 +743,31 @@ impl Worker {
         }
     }
 
+    /// How late after its reserved slot a message asks for it: with the algorithms whose slots
+    /// also wait for the answers of the calls that fill the window (see
+    /// [`Limiter::slots_wait_for_answers`]), one typical call (and [`ANSWER_MARGIN`]), at most
+    /// [`MOST_ANSWERS_ALLOWANCE`] and a quarter of the shortest window (a slot is served up to
+    /// a window late): the window opens only once the call it waits for has been
+    /// answered, so asking at the slot itself would only be told to come back then, one more
+    /// round trip to Redis per message. Never with the others, whose slots must be redeemed
+    /// on time.
+    fn answers_allowance(&self) -> Duration {
+        if !self.limiter.slots_wait_for_answers() {
+            return Duration::ZERO;
+        }
+        (self.ask_ahead.typical_call() + ANSWER_MARGIN)
+            .min(MOST_ANSWERS_ALLOWANCE)
+            .min(self.limiter.shortest_window() / 4)
+    }
+
     /// The plan for a message back before its reserved slot (see
     /// [`WorkerSettings::plan_early_return`]), if it is.
     fn early_return(&self, carried: &Carried) -> Option<Plan> {
         let slot_us = carried.reservation.as_ref()?.slot_us;
-        let until_slot = slot_us.checked_sub(self.limiter.now_us()?)?;
+        let allowance_us = self.answers_allowance().as_micros() as i64;
+        let until_slot = slot_us
+            .saturating_add(allowance_us)
+            .checked_sub(self.limiter.now_us()?)?;
         let until_slot = Duration::from_micros(u64::try_from(until_slot).ok()?);
         let holding = self.stats.held.load(Ordering::Relaxed);
         self.settings
