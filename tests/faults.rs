@@ -87,7 +87,8 @@ async fn wait_uptime(conn: &RedisConn, span: Duration) {
 /// A Redis restarted from an RDB snapshot taken after the first of 50 grants (limit 50 per
 /// 3 s) has forgotten the other 49, which the downstream still counts. The seller's state was
 /// written by the server before the restart (its stamp names the old run id), so it is paused
-/// until one window + guard after the restart: no grant falls within a window of the old ones.
+/// until one window after the restart (sliding-window adds no guard): no grant falls within a
+/// window of the old ones.
 #[tokio::test]
 async fn a_redis_restored_from_an_older_snapshot_lets_no_burst_through() {
     let dir = std::env::temp_dir().join(support::unique("snapshot"));
@@ -98,7 +99,7 @@ async fn a_redis_restored_from_an_older_snapshot_lets_no_burst_through() {
         .unwrap();
     let mut settings = limiter("50/3s", Algorithm::SlidingWindow);
     settings.redis_durable = false;
-    let span_us: i64 = 3_150_000; // window + guard (window/20)
+    let span_us: i64 = 3_000_000; // the window (sliding-window adds no guard)
     let store = PermitStore::new(conn.clone(), "snapshot", settings);
     let seller = SellerId::parse("S-restored").unwrap();
     wait_uptime(&conn, Duration::from_micros(span_us as u64)).await;
@@ -132,7 +133,8 @@ async fn a_redis_restored_from_an_older_snapshot_lets_no_burst_through() {
 
 /// A replica promoted while it lagged has missed the primary's last grants. The seller's stamp
 /// (replicated from the primary) names the primary's run id, so on the promoted replica the
-/// seller is paused for one window + guard: the missed grants cannot let a burst through.
+/// seller is paused for one window (sliding-window adds no guard): the missed grants cannot let
+/// a burst through.
 #[tokio::test]
 async fn a_promoted_replica_that_missed_grants_lets_no_burst_through() {
     let primary = LocalRedis::start().unwrap();
@@ -145,7 +147,7 @@ async fn a_promoted_replica_that_missed_grants_lets_no_burst_through() {
         .unwrap();
     let mut settings = limiter("50/3s", Algorithm::SlidingWindow);
     settings.redis_durable = false;
-    let span_us: i64 = 3_150_000;
+    let span_us: i64 = 3_000_000;
     let seller = SellerId::parse("S-failover").unwrap();
     let store = PermitStore::new(on_primary.clone(), "failover", settings.clone());
     let promoted = PermitStore::new(on_replica.clone(), "failover", settings);

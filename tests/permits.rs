@@ -63,11 +63,12 @@ fn limits_set_get_clear_from_the_command_line() {
     );
     let (code, out, _) = turnstile(&["limits", "get", "--seller", "S-9"]);
     assert_eq!((code, first_line(&out)), (0, "S-9: 100/1m (default)"));
-    // A reset forgets the limiter state behind a pause of one window + guard (60 s + 2 s).
+    // A reset forgets the limiter state behind a pause of one window (60 s; sliding-window
+    // adds no guard).
     let (code, out, err) = turnstile(&["limits", "reset", "--seller", "S-9"]);
     assert_eq!(code, 0, "{err}");
     assert!(
-        out.starts_with("S-9: limiter state forgotten; paused for 62.0s"),
+        out.starts_with("S-9: limiter state forgotten; paused for 60.0s"),
         "{out}"
     );
     let (code, out, _) = turnstile(&["limits", "get", "--seller", "S-9"]);

@@ -904,9 +904,19 @@ mod tests {
     #[test]
     fn a_sellers_sliding_window_has_no_guard_unless_one_is_configured_and_the_others_keep_theirs() {
         let ms = Duration::from_millis;
-        assert_eq!(seller_guard(Algorithm::SlidingWindow, None), Some(Duration::ZERO));
-        assert_eq!(seller_guard(Algorithm::SlidingWindow, Some(ms(7))), Some(ms(7)));
-        for algorithm in [Algorithm::Gcra, Algorithm::TokenBucket, Algorithm::FixedWindow] {
+        assert_eq!(
+            seller_guard(Algorithm::SlidingWindow, None),
+            Some(Duration::ZERO)
+        );
+        assert_eq!(
+            seller_guard(Algorithm::SlidingWindow, Some(ms(7))),
+            Some(ms(7))
+        );
+        for algorithm in [
+            Algorithm::Gcra,
+            Algorithm::TokenBucket,
+            Algorithm::FixedWindow,
+        ] {
             assert_eq!(seller_guard(algorithm, None), None, "{algorithm:?}");
         }
         let sliding = LimiterArgs::new(limit_arg("10/1s").unwrap(), Algorithm::SlidingWindow);

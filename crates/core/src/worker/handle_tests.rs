@@ -820,7 +820,11 @@ async fn with_every_worker_busy_and_a_slow_downstream_a_new_message_waits_for_a_
     let (outcome, ()) = tokio::join!(h.handle(&message, Carried::default()), busy);
 
     assert_eq!(outcome, registered(1));
-    assert_eq!(h.journal.times(asked), [start + 300 * MS], "asked with a worker");
+    assert_eq!(
+        h.journal.times(asked),
+        [start + 300 * MS],
+        "asked with a worker"
+    );
     assert_eq!(h.journal.times(called), [start + 300 * MS]);
 }
 
