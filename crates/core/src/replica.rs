@@ -349,7 +349,8 @@ impl Session {
         let connection = Arc::new(nodes.connect(&name).await?);
         let publisher = Publisher::open(&connection)
             .await?
-            .rescuing_to(worker.topology.ready());
+            .rescuing_to(worker.topology.ready())
+            .counting(worker.stats.broker.clone());
         worker.topology.declare(&connection).await?;
         let results: Arc<dyn broker::results::ResultSink> =
             Arc::new(broker::Results::open(connection.clone(), &worker.topology.results()).await?);
@@ -359,12 +360,21 @@ impl Session {
             rand::random::<u32>()
         );
         let prefetch = args.prefetch();
-        let work = Intake::open(&connection, worker.topology.work(), prefetch, tag.clone()).await?;
+        let cost = &worker.stats.broker;
+        let work = Intake::open(
+            &connection,
+            worker.topology.work(),
+            prefetch,
+            tag.clone(),
+            cost,
+        )
+        .await?;
         let returns = Intake::open(
             &connection,
             worker.topology.ready(),
             prefetch,
             format!("{tag}-ready"),
+            cost,
         )
         .await?;
         Ok(Self {
@@ -405,6 +415,7 @@ impl Intake {
         queue: &str,
         prefetch: u16,
         tag: String,
+        cost: &Arc<broker::BrokerCost>,
     ) -> anyhow::Result<Self> {
         let channel = connection
             .create_channel()
@@ -425,7 +436,7 @@ impl Intake {
             .with_context(|| format!("consuming from {queue:?}"))?;
         Ok(Self {
             queue: queue.to_owned(),
-            settler: Settler::new(channel.clone()),
+            settler: Settler::new(channel.clone()).counting(cost.clone()),
             channel,
             consumer,
             tag,
@@ -613,6 +624,7 @@ impl Consuming<'_> {
             topology: self.worker.topology.clone(),
             publisher: current.publisher.clone(),
             stats: self.worker.stats.ladder.clone(),
+            cost: self.worker.stats.broker.clone(),
             prefetch: self.args.delay_prefetch,
             releases: self.releases.clone(),
         });

@@ -106,6 +106,11 @@ pub fn due_after(now_ms: u64, delay: Duration) -> u64 {
 pub struct LadderStats {
     /// Ladder messages this replica holds now (received, not yet moved on).
     pub held: AtomicUsize,
+    /// Deliveries this replica's ladder consumers received.
+    pub deliveries: AtomicU64,
+    /// Of those, the deliveries handed straight to the workers when due (also counted in the
+    /// worker's deliveries).
+    pub handed: AtomicU64,
     /// Hops moved on (to the next level or the return queue).
     pub hops: AtomicU64,
     /// Hops that ended more than [`OVERDUE`] after their time (the message sat in the broker,
@@ -147,6 +152,8 @@ pub struct Ladder {
     pub topology: Topology,
     pub publisher: Publisher,
     pub stats: Arc<LadderStats>,
+    /// Where its acks and requeues are counted.
+    pub cost: Arc<super::BrokerCost>,
     /// Messages each level's consumer holds at most.
     pub prefetch: u16,
     /// Release notices: each names, by a test over a delivery, messages that must not wait for
@@ -218,6 +225,7 @@ impl Ladder {
                 next = consumer.next() => match next {
                     Some(Ok(delivery)) => {
                         self.stats.held.fetch_add(1, Ordering::Relaxed);
+                        self.stats.deliveries.fetch_add(1, Ordering::Relaxed);
                         let hop_until = header_u64(&delivery, headers::HOP);
                         held.push_back((delivery, hop_until));
                     }
@@ -302,7 +310,11 @@ impl Ladder {
                     metrics::histogram!("turnstile_delay_late_seconds")
                         .record(late as f64 / 1000.0);
                 }
-                if let Err(error) = delivery.acker.ack(BasicAckOptions::default()).await {
+                let acked = delivery.acker.ack(BasicAckOptions::default()).await;
+                if acked.is_ok() {
+                    super::BrokerCost::count(&self.cost.acks);
+                }
+                if let Err(error) = acked {
                     debug!(%error, "could not ack a moved ladder message (the broker redelivers it; the copy ahead is deduplicated by its completion record)");
                 }
             }
@@ -313,7 +325,9 @@ impl Ladder {
                     requeue: true,
                     ..Default::default()
                 };
-                let _ = delivery.acker.nack(requeue).await;
+                if delivery.acker.nack(requeue).await.is_ok() {
+                    super::BrokerCost::count(&self.cost.requeues);
+                }
             }
         }
     }

@@ -34,6 +34,8 @@ pub struct Settler {
     state: Arc<Mutex<State>>,
     sending: Arc<tokio::sync::Mutex<()>>,
     wake: mpsc::Sender<()>,
+    /// Where its acks and requeues are counted, if anywhere.
+    cost: Option<Arc<super::BrokerCost>>,
 }
 
 #[derive(Default)]
@@ -61,6 +63,19 @@ impl Settler {
             state,
             sending,
             wake,
+            cost: None,
+        }
+    }
+
+    /// Counts every delivery it acks or requeues in `cost`.
+    pub fn counting(mut self, cost: Arc<super::BrokerCost>) -> Self {
+        self.cost = Some(cost);
+        self
+    }
+
+    fn count(&self, counter: fn(&super::BrokerCost) -> &std::sync::atomic::AtomicU64) {
+        if let Some(cost) = &self.cost {
+            super::BrokerCost::count(counter(cost));
         }
     }
 
@@ -74,9 +89,14 @@ impl Settler {
     pub async fn ack_now(&self, tag: u64) -> Result<(), lapin::Error> {
         let _sending = self.sending.lock().await;
         self.lock().unsettled.remove(&tag);
-        self.channel
+        let sent = self
+            .channel
             .basic_ack(tag, BasicAckOptions::default())
-            .await
+            .await;
+        if sent.is_ok() {
+            self.count(|c| &c.acks);
+        }
+        sent
     }
 
     /// Acks a delivery: sent with the next batch.
@@ -86,6 +106,7 @@ impl Settler {
             state.unsettled.remove(&tag);
             state.acked.insert(tag, Instant::now());
         }
+        self.count(|c| &c.acks);
         let _ = self.wake.try_send(());
     }
 
@@ -104,6 +125,7 @@ impl Settler {
         // Only now may a multiple ack pass this tag (see the module docs). If the nack failed
         // the channel is gone: the tag stays unsettled and nothing passes it any more.
         if sent.is_ok() {
+            self.count(|c| &c.requeues);
             self.lock().unsettled.remove(&tag);
             let _ = self.wake.try_send(());
         }
