@@ -91,8 +91,10 @@ impl TestBroker {
             topology: self.topology.clone(),
             publisher: self.publisher.clone(),
             stats: Default::default(),
+            cost: Default::default(),
             prefetch: 64,
             releases: tokio::sync::broadcast::channel(1).0,
+            handoff: None,
         });
         let tracker = tokio_util::task::TaskTracker::new();
         ladder

@@ -61,7 +61,7 @@ impl RigArgs {
             },
             workers,
             prefetch: None,
-            delay_prefetch: 64,
+            delay_prefetch: turnstile_core::broker::ladder::DEFAULT_PREFETCH,
             max_attempts: 8,
             hold,
             max_pause: Duration::from_secs(3600),
