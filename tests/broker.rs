@@ -134,10 +134,11 @@ async fn a_message_delayed_again_through_the_same_level_still_comes_back() {
 
 /// A ladder that hands its due messages to the workers: each delayed message is delivered once
 /// from its level, whatever its wait, in the order of its due time, never early, and settled
-/// by whoever it was handed to; a message that comes back to its level (requeued, as at a lost
-/// connection) goes through the return queue instead.
+/// by whoever it was handed to; a message that keeps coming back to its level (requeued, as at
+/// a lost connection or a crash) goes through the return queue after `HANDED_RETURNS` returns.
 #[tokio::test]
 async fn the_ladder_hands_due_messages_to_the_workers_once_each() {
+    use turnstile_core::broker::ladder::HANDED_RETURNS;
     let broker = TestBroker::new("handoff", QueueType::Quorum).await;
     let (handed_tx, mut handed) = tokio::sync::mpsc::unbounded_channel();
     let handoff: turnstile_core::broker::ladder::Handoff =
@@ -170,7 +171,6 @@ async fn the_ladder_hands_due_messages_to_the_workers_once_each() {
             .unwrap();
     }
     let mut order = Vec::new();
-    let mut last = None;
     for _ in delays {
         let (delivery, settler) = handed.recv().await.unwrap();
         let at = started.elapsed();
@@ -191,32 +191,36 @@ async fn the_ladder_hands_due_messages_to_the_workers_once_each() {
         // The last one goes back to its level, as at a lost connection; the others are done.
         if n == 0 {
             settler.requeue(delivery.delivery_tag).await.unwrap();
-            last = Some(());
         } else {
             settler.ack(delivery.delivery_tag);
         }
     }
     assert_eq!(order, [2, 1, 0], "in the order of their due times");
-    assert!(last.is_some());
-    // Redelivered to its level, it is due: it goes through the return queue.
+    // Due and back in its level: handed on at once, until it came back too often.
+    for _ in 1..HANDED_RETURNS {
+        let (delivery, settler) = handed.recv().await.unwrap();
+        assert!(delivery.redelivered);
+        settler.requeue(delivery.delivery_tag).await.unwrap();
+    }
     let mut returns = broker.consume(broker.topology.ready()).await;
     let back = tokio::time::timeout(Duration::from_secs(30), returns.next())
         .await
-        .expect("the requeued message comes back through the return queue")
+        .expect("the message returned too often comes back through the return queue")
         .unwrap()
         .unwrap();
     back.acker.ack(BasicAckOptions::default()).await.unwrap();
     let counted = |n: &std::sync::atomic::AtomicU64| n.load(std::sync::atomic::Ordering::Relaxed);
+    let returned = HANDED_RETURNS;
     assert_eq!(
         counted(&stats.deliveries),
-        4,
-        "one delivery from a level each, and the requeued one again"
+        3 + returned,
+        "one delivery from a level each, and one for each return"
     );
-    assert_eq!(counted(&stats.handed), 3);
+    assert_eq!(counted(&stats.handed), 2 + returned);
     assert_eq!(
         counted(&stats.hops),
         1,
-        "only the redelivered one was republished"
+        "only the one returned too often was republished"
     );
     assert!(handed.try_recv().is_err(), "nothing was handed twice");
     stop.cancel();

@@ -25,9 +25,9 @@
 //! them. Here nothing moves a message but a replica: a broker restart or a lost connection
 //! returns the unacked messages to their level (those handed to the workers too), and the next
 //! consumer holds them for the rest of their wait, or hands them on at once. A message that
-//! comes back to its level that way (redelivered) is not handed to the workers but republished
-//! to the return queue `<q>.ready`, whose delivery limit dead-letters a message that keeps
-//! crashing replicas, as the work queue's does.
+//! came back to its level that way [`HANDED_RETURNS`] times (or once, on a classic level) is
+//! not handed to the workers but republished to the return queue `<q>.ready`, whose delivery
+//! limit dead-letters a message that keeps crashing replicas, as the work queue's does.
 //!
 //! Every header is untrusted: a hop end that does not parse, or lies further ahead than the
 //! level's own hold, is bounded by that hold counted from receipt; a due time further than
@@ -312,7 +312,7 @@ impl Ladder {
     }
 
     /// Moves a message on when its hold is over, or when `released`: a due one to the workers
-    /// (or, redelivered or without workers, to the return queue), any other to the level of
+    /// (or, returned to its level too often or without workers, to the return queue), any other to the level of
     /// the time it has left; a publish is confirmed before the ack, and a failed one returns
     /// the message to its level.
     async fn move_on(&self, delivery: Delivery, settler: Settler, released: bool) {
@@ -378,11 +378,28 @@ struct Level {
     settler: Settler,
 }
 
-/// Whether a due ladder delivery goes to the workers straight from its level: not if it came
-/// back to the level after a lost connection or a crash (redelivered), which sends it through
-/// the return queue, where a message that keeps crashing replicas meets a delivery limit.
+/// How often a ladder message may have come back to its level (lost connections, crashes,
+/// shutdowns: see [`hand_on`]) and still be handed straight to the workers.
+pub const HANDED_RETURNS: u64 = 3;
+
+/// Whether a due ladder delivery goes to the workers straight from its level (see [`hand_on`]).
 pub fn handed_on(delivery: &Delivery) -> bool {
-    !delivery.redelivered
+    hand_on(
+        delivery.redelivered,
+        header_u64(delivery, "x-delivery-count"),
+    )
+}
+
+/// Whether a due ladder delivery goes to the workers straight from its level, from its
+/// `redelivered` flag and the count of its returns a quorum queue gives it (`x-delivery-count`):
+/// while it came back fewer than [`HANDED_RETURNS`] times; a classic queue counts nothing, and
+/// a redelivered message there is not handed on. Otherwise it goes through the return queue,
+/// whose delivery limit ends a message that keeps crashing replicas in the dead letters.
+pub fn hand_on(redelivered: bool, returns: Option<u64>) -> bool {
+    match returns {
+        Some(returns) => returns < HANDED_RETURNS,
+        None => !redelivered,
+    }
 }
 
 /// The headers of a message entering `hop` (its due time is kept from the delivery).
@@ -483,6 +500,19 @@ mod tests {
         );
         assert_eq!(remaining_wait(9_000, Some(500), wait), Duration::ZERO);
         assert_eq!(remaining_wait(0, None, wait), Duration::ZERO);
+    }
+
+    #[test]
+    fn a_message_that_keeps_coming_back_to_its_level_goes_through_the_return_queue() {
+        assert!(hand_on(false, None));
+        assert!(!hand_on(true, None), "a classic level counts nothing");
+        assert!(hand_on(true, Some(1)), "returned once by a lost connection");
+        assert!(hand_on(true, Some(HANDED_RETURNS - 1)));
+        assert!(!hand_on(true, Some(HANDED_RETURNS)));
+        assert!(
+            !hand_on(false, Some(u64::MAX)),
+            "a forged count only costs a hop"
+        );
     }
 
     #[test]
