@@ -322,6 +322,48 @@ async fn batched_acks_settle_exactly_what_was_acked_in_any_order() {
     broker.cleanup().await;
 }
 
+/// A settler that acks singly never covers a delivery it was not told of: the ladder's channel
+/// has a consumer per level, each recording its own deliveries, not in the channel's tag order.
+#[tokio::test]
+async fn a_single_acking_settler_never_acks_a_delivery_not_yet_recorded() {
+    let broker = TestBroker::new("singly", QueueType::Quorum).await;
+    for i in 1..=3 {
+        broker.publish(format!(r#"{{"n":{i}}}"#).as_bytes()).await;
+    }
+    let connection =
+        turnstile_core::broker::connect(&support::broker::amqp_url(), "turnstile test singly")
+            .await
+            .unwrap();
+    let channel = connection.create_channel().await.unwrap();
+    let mut consumer = channel
+        .basic_consume(
+            broker.queue().into(),
+            "singly".into(),
+            Default::default(),
+            Default::default(),
+        )
+        .await
+        .unwrap();
+    let settler = turnstile_core::broker::Settler::new(channel.clone()).singly();
+    let mut tags = Vec::new();
+    for _ in 0..3 {
+        tags.push(consumer.next().await.unwrap().unwrap().delivery_tag);
+    }
+    // The first is not recorded yet (its consumer's task has not run), the second is acked.
+    settler.received(tags[1]);
+    settler.received(tags[2]);
+    settler.ack(tags[1]);
+    settler.flush().await.unwrap();
+    channel.close(200, "done".into()).await.unwrap();
+    connection.close(200, "done".into()).await.unwrap();
+    assert_eq!(
+        broker.depth(broker.queue()).await,
+        2,
+        "the unrecorded first and the unsettled third are left"
+    );
+    broker.cleanup().await;
+}
+
 /// Replicas given a list of broker nodes whose first never answers (`TURNSTILE_AMQP_URL`
 /// comma-separated, as for a cluster) connect to one that answers and register everything; a
 /// list with a malformed URL is refused before anything connects, naming the node.

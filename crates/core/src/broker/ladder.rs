@@ -204,7 +204,10 @@ impl Ladder {
             .basic_qos(self.prefetch, BasicQosOptions::default())
             .await
             .context("setting the delay ladder's prefetch")?;
-        let settler = Settler::new(channel.clone()).counting(self.cost.clone());
+        // Each level's consumer records its own deliveries: not in the channel's tag order.
+        let settler = Settler::new(channel.clone())
+            .singly()
+            .counting(self.cost.clone());
         for k in 0..LEVELS {
             let queue = self.topology.level(k);
             let consumer = channel

@@ -40,6 +40,8 @@ pub struct Settler {
 
 #[derive(Default)]
 struct State {
+    /// Never ack with `multiple` (see [`Settler::singly`]).
+    singly: bool,
     /// Delivered and neither acked nor nacked yet.
     unsettled: BTreeSet<u64>,
     /// Acked by the replica, not yet sent to the broker, with when.
@@ -65,6 +67,14 @@ impl Settler {
             wake,
             cost: None,
         }
+    }
+
+    /// Acks every delivery alone, never with `multiple`: for a channel whose deliveries are
+    /// recorded as received by several tasks (several consumers), so not in delivery-tag order,
+    /// where a multiple ack could cover a delivery received but not yet recorded.
+    pub fn singly(self) -> Self {
+        self.lock().singly = true;
+        self
     }
 
     /// Counts every delivery it acks or requeues in `cost`.
@@ -182,7 +192,11 @@ async fn flush(
     let _sending = sending.lock().await;
     let (run_end, singles) = {
         let mut state = lock(state);
-        let lowest_unsettled = state.unsettled.first().copied().unwrap_or(u64::MAX);
+        let singly = state.singly;
+        let lowest_unsettled = match singly {
+            true => 0,
+            false => state.unsettled.first().copied().unwrap_or(u64::MAX),
+        };
         let run_end = state
             .acked
             .range(..lowest_unsettled)
@@ -193,7 +207,7 @@ async fn flush(
         let singles: Vec<u64> = state
             .acked
             .iter()
-            .filter(|(_, at)| everything || now.duration_since(**at) >= STRAGGLER)
+            .filter(|(_, at)| everything || singly || now.duration_since(**at) >= STRAGGLER)
             .map(|(tag, _)| *tag)
             .collect();
         for tag in &singles {
