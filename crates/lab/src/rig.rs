@@ -117,8 +117,8 @@ pub struct Report {
     /// Of the deliveries, those taken from the return queue `<queue>.ready` (messages back
     /// from a delay); the rest came from the work queue.
     pub returns: u64,
-    /// The latest a delay ladder message was moved into the return queue after its due time,
-    /// in ms (the ladder's own lateness).
+    /// The latest a delay ladder message was handed to the workers (or moved into the return
+    /// queue) after its due time, in ms (the ladder's own lateness).
     pub ladder_max_late_ms: u64,
     /// The latest a message was taken from the return queue after its due time, and the mean,
     /// in ms (the ladder's lateness plus the wait in the return queue).

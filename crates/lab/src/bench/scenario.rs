@@ -359,7 +359,7 @@ pub async fn run(args: ScenarioArgs) -> anyhow::Result<bool> {
     );
     println!(
         "{:<44} {:>8}ms",
-        "ladder: latest move to the return queue", report.ladder_max_late_ms
+        "ladder: latest handed on after due", report.ladder_max_late_ms
     );
     println!(
         "{:<44} {:>8.0}ms",
