@@ -126,15 +126,15 @@ pub struct LadderStats {
     /// Of those, the deliveries handed straight to the workers when due (also counted in the
     /// worker's deliveries).
     pub handed: AtomicU64,
-    /// Hops moved on (to the next level or the return queue).
+    /// Messages republished (to another level, or due to the return queue) and acked.
     pub hops: AtomicU64,
     /// Hops that ended more than [`OVERDUE`] after their time (the message sat in the broker,
     /// e.g. during a broker restart or with no replica running).
     pub overdue: AtomicU64,
     /// The latest any message came back after its due time, in ms.
     pub max_late_ms: AtomicU64,
-    /// Messages sent to the return queue before their due time because their reserved slot was
-    /// given back (a release notice).
+    /// Messages moved on before their due time because their reserved slot was given back (a
+    /// release notice).
     pub released: AtomicU64,
     /// Deliveries taken from the return queue `<q>.ready` by this replica's workers (also
     /// counted in the worker's deliveries).
