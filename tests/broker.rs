@@ -132,6 +132,144 @@ async fn a_message_delayed_again_through_the_same_level_still_comes_back() {
     broker.cleanup().await;
 }
 
+/// A ladder that hands its due messages to the workers: each delayed message is delivered once
+/// from its level, whatever its wait, in the order of its due time, never early, and settled
+/// by whoever it was handed to; a message that keeps coming back to its level (requeued, as at
+/// a lost connection or a crash) goes through the return queue after `HANDED_RETURNS` returns.
+#[tokio::test]
+async fn the_ladder_hands_due_messages_to_the_workers_once_each() {
+    use turnstile_core::broker::ladder::HANDED_RETURNS;
+    let broker = TestBroker::new("handoff", QueueType::Quorum).await;
+    let (handed_tx, mut handed) = tokio::sync::mpsc::unbounded_channel();
+    let handoff: turnstile_core::broker::ladder::Handoff =
+        std::sync::Arc::new(move |delivery, settler| {
+            let _ = handed_tx.send((delivery, settler));
+        });
+    let (stop, stats) = broker.run_ladder_handing(Some(handoff)).await;
+    let mut consumer = broker.consume(broker.queue()).await;
+    let delays = [5_000u64, 3_100, 700];
+    for (i, _) in delays.iter().enumerate() {
+        broker.publish(format!(r#"{{"n":{i}}}"#).as_bytes()).await;
+    }
+    let started = Instant::now();
+    for delay in delays {
+        let delivery = consumer.next().await.unwrap().unwrap();
+        broker
+            .publisher
+            .delay(
+                &broker.topology,
+                &delivery,
+                Duration::from_millis(delay),
+                &[],
+            )
+            .await
+            .unwrap();
+        delivery
+            .acker
+            .ack(BasicAckOptions::default())
+            .await
+            .unwrap();
+    }
+    let mut order = Vec::new();
+    for _ in delays {
+        let (delivery, settler) = handed.recv().await.unwrap();
+        let at = started.elapsed();
+        let n = serde_json::from_slice::<serde_json::Value>(&delivery.data).unwrap()["n"]
+            .as_u64()
+            .unwrap() as usize;
+        assert!(
+            at >= Duration::from_millis(delays[n]),
+            "message {n} came back early: {at:?}"
+        );
+        assert!(!delivery.redelivered);
+        println!(
+            "delay {} ms handed on after {} ms",
+            delays[n],
+            at.as_millis()
+        );
+        order.push(n);
+        // The last one goes back to its level, as at a lost connection; the others are done.
+        if n == 0 {
+            settler.requeue(delivery.delivery_tag).await.unwrap();
+        } else {
+            settler.ack(delivery.delivery_tag);
+        }
+    }
+    assert_eq!(order, [2, 1, 0], "in the order of their due times");
+    // Due and back in its level: handed on at once, until it came back too often.
+    for _ in 1..HANDED_RETURNS {
+        let (delivery, settler) = handed.recv().await.unwrap();
+        assert!(delivery.redelivered);
+        settler.requeue(delivery.delivery_tag).await.unwrap();
+    }
+    let mut returns = broker.consume(broker.topology.ready()).await;
+    let back = tokio::time::timeout(Duration::from_secs(30), returns.next())
+        .await
+        .expect("the message returned too often comes back through the return queue")
+        .unwrap()
+        .unwrap();
+    back.acker.ack(BasicAckOptions::default()).await.unwrap();
+    let counted = |n: &std::sync::atomic::AtomicU64| n.load(std::sync::atomic::Ordering::Relaxed);
+    let returned = HANDED_RETURNS;
+    assert_eq!(
+        counted(&stats.deliveries),
+        3 + returned,
+        "one delivery from a level each, and one for each return"
+    );
+    assert_eq!(counted(&stats.handed), 2 + returned);
+    assert_eq!(
+        counted(&stats.hops),
+        1,
+        "only the one returned too often was republished"
+    );
+    assert!(handed.try_recv().is_err(), "nothing was handed twice");
+    stop.cancel();
+    tokio::time::sleep(Duration::from_millis(200)).await;
+    for queue in broker.topology.queues() {
+        assert_eq!(broker.depth(&queue).await, 0, "{queue} is empty");
+    }
+    broker.cleanup().await;
+}
+
+/// A message with forged hop end and due time far ahead, published straight to the shortest
+/// level, is held no longer than that level's hold: it moves on to the top level (its due time
+/// cut to the longest delay), and is not handed to the workers.
+#[tokio::test]
+async fn a_forged_hop_end_is_held_no_longer_than_its_level() {
+    let broker = TestBroker::new("forged", QueueType::Quorum).await;
+    let handed = std::sync::Arc::new(std::sync::atomic::AtomicU64::new(0));
+    let handoff: turnstile_core::broker::ladder::Handoff = {
+        let handed = handed.clone();
+        std::sync::Arc::new(move |delivery, settler| {
+            handed.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+            settler.ack(delivery.delivery_tag);
+        })
+    };
+    let (stop, stats) = broker.run_ladder_handing(Some(handoff)).await;
+    let mut table = lapin::types::FieldTable::default();
+    table.insert(headers::HOP.into(), AMQPValue::LongLongInt(i64::MAX));
+    table.insert(headers::DUE.into(), AMQPValue::LongLongInt(i64::MAX));
+    let properties = lapin::BasicProperties::default().with_headers(table);
+    let shortest = format!("{}.wait.0", broker.queue());
+    broker
+        .publisher
+        .publish("", &shortest, br#"{"n":1}"#, properties)
+        .await
+        .unwrap();
+    let load = |n: &std::sync::atomic::AtomicU64| n.load(std::sync::atomic::Ordering::Relaxed);
+    support::eventually("moved on from the shortest level", || {
+        load(&stats.hops) == 1
+    })
+    .await;
+    support::eventually("held by the top level's consumer", || {
+        load(&stats.deliveries) == 2
+    })
+    .await;
+    assert_eq!(load(&handed), 0, "not due: not handed to the workers");
+    stop.cancel();
+    broker.cleanup().await;
+}
+
 #[tokio::test]
 async fn batched_acks_settle_exactly_what_was_acked_in_any_order() {
     let broker = TestBroker::new("settle", QueueType::Quorum).await;
@@ -180,6 +318,48 @@ async fn batched_acks_settle_exactly_what_was_acked_in_any_order() {
         broker.depth(broker.queue()).await,
         2,
         "exactly the requeued and the never-settled message are left"
+    );
+    broker.cleanup().await;
+}
+
+/// A settler that acks singly never covers a delivery it was not told of: the ladder's channel
+/// has a consumer per level, each recording its own deliveries, not in the channel's tag order.
+#[tokio::test]
+async fn a_single_acking_settler_never_acks_a_delivery_not_yet_recorded() {
+    let broker = TestBroker::new("singly", QueueType::Quorum).await;
+    for i in 1..=3 {
+        broker.publish(format!(r#"{{"n":{i}}}"#).as_bytes()).await;
+    }
+    let connection =
+        turnstile_core::broker::connect(&support::broker::amqp_url(), "turnstile test singly")
+            .await
+            .unwrap();
+    let channel = connection.create_channel().await.unwrap();
+    let mut consumer = channel
+        .basic_consume(
+            broker.queue().into(),
+            "singly".into(),
+            Default::default(),
+            Default::default(),
+        )
+        .await
+        .unwrap();
+    let settler = turnstile_core::broker::Settler::new(channel.clone()).singly();
+    let mut tags = Vec::new();
+    for _ in 0..3 {
+        tags.push(consumer.next().await.unwrap().unwrap().delivery_tag);
+    }
+    // The first is not recorded yet (its consumer's task has not run), the second is acked.
+    settler.received(tags[1]);
+    settler.received(tags[2]);
+    settler.ack(tags[1]);
+    settler.flush().await.unwrap();
+    channel.close(200, "done".into()).await.unwrap();
+    connection.close(200, "done".into()).await.unwrap();
+    assert_eq!(
+        broker.depth(broker.queue()).await,
+        2,
+        "the unrecorded first and the unsettled third are left"
     );
     broker.cleanup().await;
 }

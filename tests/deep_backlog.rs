@@ -70,15 +70,15 @@ async fn delayed_messages_come_back_in_time_while_the_work_queue_is_deep() -> an
     };
     let waiting = rig.depth(rig.topology.work()).await?;
     let others = finished.registered - RETURNING as u64;
-    let hops: u64 = rig
+    let parked: u64 = rig
         .replicas()
-        .map(|r| r.stats.ladder.hops.load(Ordering::Relaxed))
+        .map(|r| r.stats.ladder.deliveries.load(Ordering::Relaxed))
         .sum();
     let forfeited = rig.total(|s| &s.forfeited);
     println!(
         "the returning seller's {RETURNING} messages registered {:.1} s after its first, with \
          {waiting} of {backlog} other messages still in the work queue ({others} registered); \
-         {} violations, {hops} ladder hops, {forfeited} reserved slots forfeited",
+         {} violations, {parked} ladder deliveries, {forfeited} reserved slots forfeited",
         finished.sellers["S-returning"]
             .last_ms
             .zip(finished.sellers["S-returning"].first_ms)
@@ -87,7 +87,7 @@ async fn delayed_messages_come_back_in_time_while_the_work_queue_is_deep() -> an
     );
     assert_eq!(finished.violations, 0, "{finished:?}");
     assert!(
-        hops > 0,
+        parked > 0,
         "the returning seller's messages went through the ladder"
     );
     assert!(

@@ -84,22 +84,37 @@ impl TestBroker {
         depth
     }
 
-    /// Moves the delay ladder on (as every replica does) until the returned token is cancelled.
+    /// Moves the delay ladder on (as every replica does) until the returned token is cancelled,
+    /// due messages going to the return queue.
     pub async fn run_ladder(&self) -> tokio_util::sync::CancellationToken {
+        self.run_ladder_handing(None).await.0
+    }
+
+    /// As [`Self::run_ladder`], due messages going to `handoff` (as a replica's go to its
+    /// workers) when given; also returns the ladder's stats.
+    pub async fn run_ladder_handing(
+        &self,
+        handoff: Option<broker::ladder::Handoff>,
+    ) -> (
+        tokio_util::sync::CancellationToken,
+        std::sync::Arc<broker::ladder::LadderStats>,
+    ) {
         let stop = tokio_util::sync::CancellationToken::new();
         let ladder = std::sync::Arc::new(broker::ladder::Ladder {
             topology: self.topology.clone(),
             publisher: self.publisher.clone(),
             stats: Default::default(),
+            cost: Default::default(),
             prefetch: 64,
             releases: tokio::sync::broadcast::channel(1).0,
+            handoff,
         });
         let tracker = tokio_util::task::TaskTracker::new();
         ladder
             .start(&self.connection, &tracker, &stop, &stop.child_token())
             .await
             .expect("the ladder starts");
-        stop
+        (stop, ladder.stats.clone())
     }
 
     pub async fn purge(&self, queue: &str) {

@@ -39,8 +39,9 @@ pub struct ConsumeArgs {
     /// held ones included.
     #[arg(long, env = "TURNSTILE_PREFETCH", value_parser = clap::value_parser!(u16).range(1..))]
     pub prefetch: Option<u16>,
-    /// Messages each delay ladder level's consumer holds at most (12 levels).
-    #[arg(long = "delay-prefetch", env = "TURNSTILE_DELAY_PREFETCH", default_value_t = 64, value_parser = clap::value_parser!(u16).range(1..))]
+    /// Messages each delay ladder level's consumer holds at most (12 levels): a replica holds at
+    /// most 12 times as many delayed messages, bodies included.
+    #[arg(long = "delay-prefetch", env = "TURNSTILE_DELAY_PREFETCH", default_value_t = crate::broker::ladder::DEFAULT_PREFETCH, value_parser = clap::value_parser!(u16).range(1..))]
     pub delay_prefetch: u16,
     /// Failed attempts (5xx, timeouts, connection errors) before a message is dead-lettered.
     #[arg(long = "max-attempts", env = "TURNSTILE_MAX_ATTEMPTS", default_value_t = 8, value_parser = clap::value_parser!(u32).range(1..))]
@@ -338,6 +339,9 @@ struct Session {
     work: Intake,
     /// Messages coming back after a delay (`<q>.ready`).
     returns: Intake,
+    /// The settler of the delay ladder's channel, once the ladder consumes: the workers settle
+    /// the due messages the ladder hands them there.
+    ladder: Option<Settler>,
 }
 
 impl Session {
@@ -350,7 +354,8 @@ impl Session {
         let connection = Arc::new(nodes.connect(&name).await?);
         let publisher = Publisher::open(&connection)
             .await?
-            .rescuing_to(worker.topology.ready());
+            .rescuing_to(worker.topology.ready())
+            .counting(worker.stats.broker.clone());
         worker.topology.declare(&connection).await?;
         let results: Arc<dyn broker::results::ResultSink> =
             Arc::new(broker::Results::open(connection.clone(), &worker.topology.results()).await?);
@@ -360,12 +365,21 @@ impl Session {
             rand::random::<u32>()
         );
         let prefetch = args.prefetch();
-        let work = Intake::open(&connection, worker.topology.work(), prefetch, tag.clone()).await?;
+        let cost = &worker.stats.broker;
+        let work = Intake::open(
+            &connection,
+            worker.topology.work(),
+            prefetch,
+            tag.clone(),
+            cost,
+        )
+        .await?;
         let returns = Intake::open(
             &connection,
             worker.topology.ready(),
             prefetch,
             format!("{tag}-ready"),
+            cost,
         )
         .await?;
         Ok(Self {
@@ -374,6 +388,7 @@ impl Session {
             results,
             work,
             returns,
+            ladder: None,
         })
     }
 
@@ -382,10 +397,20 @@ impl Session {
         tokio::join!(self.work.cancel(), self.returns.cancel());
     }
 
-    /// Sends the acks both settlers collected so far.
+    /// Sends the acks every settler collected so far.
     async fn flush(&self) -> Result<(), lapin::Error> {
-        let (work, returns) = tokio::join!(self.work.settler.flush(), self.returns.settler.flush());
-        work.and(returns)
+        let ladder = async {
+            match &self.ladder {
+                Some(settler) => settler.flush().await,
+                None => Ok(()),
+            }
+        };
+        let (work, returns, ladder) = tokio::join!(
+            self.work.settler.flush(),
+            self.returns.settler.flush(),
+            ladder
+        );
+        work.and(returns).and(ladder)
     }
 }
 
@@ -406,6 +431,7 @@ impl Intake {
         queue: &str,
         prefetch: u16,
         tag: String,
+        cost: &Arc<broker::BrokerCost>,
     ) -> anyhow::Result<Self> {
         let channel = connection
             .create_channel()
@@ -426,7 +452,7 @@ impl Intake {
             .with_context(|| format!("consuming from {queue:?}"))?;
         Ok(Self {
             queue: queue.to_owned(),
-            settler: Settler::new(channel.clone()),
+            settler: Settler::new(channel.clone()).counting(cost.clone()),
             channel,
             consumer,
             tag,
@@ -610,14 +636,32 @@ impl Consuming<'_> {
     /// channel failed).
     async fn consume(&self, current: &mut Session) -> bool {
         let connection_lost = CancellationToken::new();
+        // Every queue feeds the same workers (and the same worker semaphore).
+        let dispatch = {
+            let (worker, publisher) = (self.worker.clone(), current.publisher.clone());
+            let (results, tracker) = (current.results.clone(), self.tracker.clone());
+            let (shutdown, lost) = (self.shutdown.clone(), connection_lost.clone());
+            move |delivery: lapin::message::Delivery, settler: Settler| {
+                let (worker, publisher) = (worker.clone(), publisher.clone());
+                let results = results.clone();
+                let (shutdown, lost) = (shutdown.clone(), lost.clone());
+                tracker.spawn(async move {
+                    worker
+                        .process(delivery, &publisher, &results, &settler, &shutdown, &lost)
+                        .await
+                });
+            }
+        };
         let ladder = Arc::new(Ladder {
             topology: self.worker.topology.clone(),
             publisher: current.publisher.clone(),
             stats: self.worker.stats.ladder.clone(),
+            cost: self.worker.stats.broker.clone(),
             prefetch: self.args.delay_prefetch,
             releases: self.releases.clone(),
+            handoff: Some(Arc::new(dispatch.clone())),
         });
-        if let Err(error) = ladder
+        match ladder
             .start(
                 &current.connection,
                 self.tracker,
@@ -626,23 +670,15 @@ impl Consuming<'_> {
             )
             .await
         {
-            warn!(
-                error = format!("{error:#}"),
-                "could not consume the delay ladder"
-            );
-            connection_lost.cancel();
+            Ok(settler) => current.ladder = Some(settler),
+            Err(error) => {
+                warn!(
+                    error = format!("{error:#}"),
+                    "could not consume the delay ladder"
+                );
+                connection_lost.cancel();
+            }
         }
-        // Both queues feed the same workers (and the same worker semaphore).
-        let dispatch = |delivery: lapin::message::Delivery, settler: &Settler| {
-            let (worker, publisher) = (self.worker.clone(), current.publisher.clone());
-            let (results, settler) = (current.results.clone(), settler.clone());
-            let (shutdown, lost) = (self.shutdown.clone(), connection_lost.clone());
-            self.tracker.spawn(async move {
-                worker
-                    .process(delivery, &publisher, &results, &settler, &shutdown, &lost)
-                    .await
-            });
-        };
         let stopped_by_shutdown = loop {
             tokio::select! {
                 _ = self.shutdown.cancelled() => break true,
@@ -651,13 +687,13 @@ impl Consuming<'_> {
                     break false;
                 }
                 next = current.work.consumer.next() => match current.work.received(next) {
-                    Some(delivery) => dispatch(delivery, &current.work.settler),
+                    Some(delivery) => dispatch(delivery, current.work.settler.clone()),
                     None => break false,
                 },
                 next = current.returns.consumer.next() => match current.returns.received(next) {
                     Some(delivery) => {
                         self.worker.stats.ladder.returned(&delivery);
-                        dispatch(delivery, &current.returns.settler);
+                        dispatch(delivery, current.returns.settler.clone());
                     }
                     None => break false,
                 },

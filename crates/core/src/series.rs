@@ -287,9 +287,14 @@ pub const METRICS: &[Metric] = &[
         "Delay ladder messages this replica holds.",
     ),
     plain(
+        "turnstile_delay_handed_total",
+        Counter,
+        "Due delay ladder messages handed straight to this replica's workers.",
+    ),
+    plain(
         "turnstile_delay_hops_total",
         Counter,
-        "Delay ladder hops moved on by this replica.",
+        "Delay ladder messages republished by this replica (to another level or the return queue).",
     ),
     plain(
         "turnstile_delay_overdue_total",
@@ -299,7 +304,7 @@ pub const METRICS: &[Metric] = &[
     plain(
         "turnstile_delay_late_seconds",
         Histogram,
-        "How long after its due time a delayed message was moved into the return queue.",
+        "How long after its due time a delayed message was handed to the workers or moved into the return queue.",
     ),
     plain(
         "turnstile_delay_returns_total",

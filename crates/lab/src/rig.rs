@@ -61,7 +61,7 @@ impl RigArgs {
             },
             workers,
             prefetch: None,
-            delay_prefetch: 64,
+            delay_prefetch: turnstile_core::broker::ladder::DEFAULT_PREFETCH,
             max_attempts: 8,
             hold,
             max_pause: Duration::from_secs(3600),
@@ -117,8 +117,8 @@ pub struct Report {
     /// Of the deliveries, those taken from the return queue `<queue>.ready` (messages back
     /// from a delay); the rest came from the work queue.
     pub returns: u64,
-    /// The latest a delay ladder message was moved into the return queue after its due time,
-    /// in ms (the ladder's own lateness).
+    /// The latest a delay ladder message was handed to the workers (or moved into the return
+    /// queue) after its due time, in ms (the ladder's own lateness).
     pub ladder_max_late_ms: u64,
     /// The latest a message was taken from the return queue after its due time, and the mean,
     /// in ms (the ladder's lateness plus the wait in the return queue).
@@ -129,9 +129,33 @@ pub struct Report {
     pub forfeited: u64,
     /// Delay ladder hops (each a delivery to a ladder consumer), per published message.
     pub ladder_hops_per_message: f64,
+    /// The broker's cost, every turnstile queue counted: deliveries (work queue, return queue
+    /// and each delay ladder delivery, a delivery handed from the ladder to a worker once),
+    /// copies of messages published (delays, hops, dead letters), results published, deliveries
+    /// acked and requeued.
+    pub broker: BrokerWork,
     pub elapsed_s: f64,
     /// Per seller: registered, first and last registration (s after publishing started).
     pub sellers: BTreeMap<String, SellerReport>,
+}
+
+/// What the replicas asked of the broker, in all and per published message (see
+/// [`Report::broker`]).
+#[derive(Debug, Serialize, Clone, Default)]
+pub struct BrokerWork {
+    /// Deliveries from every queue: `work` + `returns` + `ladder`.
+    pub deliveries: u64,
+    /// Deliveries from the work queue, the return queue and the delay ladder's queues.
+    pub work: u64,
+    pub returns: u64,
+    pub ladder: u64,
+    pub publishes: u64,
+    pub results: u64,
+    pub acks: u64,
+    pub requeues: u64,
+    pub deliveries_per_message: f64,
+    pub publishes_per_message: f64,
+    pub acks_per_message: f64,
 }
 
 #[derive(Debug, Serialize, Clone)]
@@ -646,9 +670,27 @@ impl Rig {
                 .unwrap_or(0)
         };
         let deliveries = sum(|s| &s.deliveries);
+        let per = |n: u64| n as f64 / self.published.max(1) as f64;
+        let ladder = sum(|s| &s.ladder.deliveries);
+        let returns = sum(|s| &s.ladder.returns);
+        let work = deliveries.saturating_sub(returns + sum(|s| &s.ladder.handed));
+        let broker_deliveries = work + returns + ladder;
+        let (publishes, acks) = (sum(|s| &s.broker.publishes), sum(|s| &s.broker.acks));
+        let broker = BrokerWork {
+            deliveries: broker_deliveries,
+            work,
+            returns,
+            ladder,
+            publishes,
+            results: sum(|s| &s.broker.results),
+            acks,
+            requeues: sum(|s| &s.broker.requeues),
+            deliveries_per_message: per(broker_deliveries),
+            publishes_per_message: per(publishes),
+            acks_per_message: per(acks),
+        };
         let forfeited = sum(|s| &s.forfeited);
         let hops = sum(|s| &s.ladder.hops);
-        let returns = sum(|s| &s.ladder.returns);
         let return_late_ms = sum(|s| &s.ladder.return_late_ms);
         let ladder_max_late_ms = max(|s| &s.ladder.max_late_ms);
         let return_max_late_ms = max(|s| &s.ladder.max_return_late_ms);
@@ -701,6 +743,7 @@ impl Rig {
             return_mean_late_ms: return_late_ms as f64 / returns.max(1) as f64,
             forfeited,
             ladder_hops_per_message: hops as f64 / published.max(1) as f64,
+            broker,
             elapsed_s: (stats.now_ms.saturating_sub(published_at_ms)) as f64 / 1000.0,
             sellers,
         })

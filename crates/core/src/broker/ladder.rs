@@ -1,30 +1,40 @@
-//! The delay ladder, moved on by the replicas themselves.
+//! The delay ladder: where a throttled message waits at the broker, held by the replicas.
 //!
-//! Level k is a plain durable queue `<q>.wait.<k>` in which every message waits exactly
-//! 2^k x [`UNIT`]. A delayed message carries its due time ([`headers::DUE`]) and the end of its
-//! current hop ([`headers::HOP`]). Every replica consumes every level; a level's consumer takes
-//! its messages in order, waits until the head's hop has ended, republishes it (confirmed) to the
-//! next level — the highest whose wait still fits before the due time — or, with less than one
-//! UNIT left, to the return queue `<q>.ready`, and only then acks it. The replicas consume the
-//! return queue beside the work queue, so a message whose slot is due never waits behind the
-//! work queue's backlog. Since all messages of a level wait the same time, a level's queue is
-//! ordered by hop end: no short delay waits behind a long one.
+//! Level k is a plain durable queue `<q>.wait.<k>` for messages with 2^k to 2^(k+1) x [`UNIT`]
+//! left to wait. A delayed message carries its due time ([`headers::DUE`]) and the end of its
+//! wait in its level ([`headers::HOP`]): its due time, or for the top level at most
+//! [`level_hold`] later. Every replica consumes every level with a generous prefetch and holds
+//! each message, unacked, until its own hold ends: then a message that is due is handed straight
+//! to the replica's workers, the level's delivery being the one they settle (no republish, no
+//! other queue), and one that is not (a wait longer than the top level holds) is republished,
+//! confirmed, to the level of what is left, and only then acked. So a delayed message costs one
+//! delivery from its level, however long its wait, up to [`level_hold`] of the top level (about
+//! 17 minutes); each further 17 minutes one more.
+//!
+//! The levels only bound disorder: a level's consumer holds at most its prefetch, so when a
+//! level holds more messages than its consumers take, the others wait in the queue, in the
+//! order they came. Those of one level have due times within a factor of two of each other:
+//! one seller's messages come in the order of their slots, and no short wait sits behind a long
+//! one of another level.
 //!
 //! Why not the broker's own TTL + dead-lettering: a quorum queue's at-least-once dead-letter worker
 //! that starts before its target exchange, queue or bindings are recovered after a broker restart
 //! parks the expired messages and only retries every `dead_letter_worker_publisher_confirm_timeout`
 //! (180 s by default, RabbitMQ 3.10 to 4.x), or never when its supervisor gave up
 //! (rabbitmq/rabbitmq-server#12625 and #16652); classic queues dead-letter at most once and drop
-//! them. Here nothing moves a message but a replica's confirmed publish followed by its ack: a
-//! broker restart or a lost connection returns the unacked messages to their level, and the next
-//! consumer moves them on at once if their hop is over. The cost: one consumer delivery per hop
-//! (the popcount of the delay in UNITs, LEVELS at most per pass of 17 minutes).
+//! them. Here nothing moves a message but a replica: a broker restart or a lost connection
+//! returns the unacked messages to their level (those handed to the workers too), and the next
+//! consumer holds them for the rest of their wait, or hands them on at once. A message that
+//! came back to its level that way [`HANDED_RETURNS`] times (or once, on a classic level) is
+//! not handed to the workers but republished to the return queue `<q>.ready`, whose delivery
+//! limit dead-letters a message that keeps crashing replicas, as the work queue's does.
 //!
 //! Every header is untrusted: a hop end that does not parse, or lies further ahead than the
-//! level's own wait, is bounded by that wait counted from receipt; a due time further than
-//! [`MAX_DELAY`] is cut to it; a message without a due time goes to the return queue at once.
+//! level's own hold, is bounded by that hold counted from receipt; a due time further than
+//! [`MAX_DELAY`] is cut to it; a message without a due time is due at once. The slot a handed
+//! message comes back for is checked on Redis by the worker, as every other.
 
-use std::collections::VecDeque;
+use std::collections::BTreeMap;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::time::Duration;
@@ -33,20 +43,23 @@ use anyhow::Context;
 use futures::StreamExt;
 use lapin::Connection;
 use lapin::message::Delivery;
-use lapin::options::{BasicAckOptions, BasicConsumeOptions, BasicNackOptions, BasicQosOptions};
+use lapin::options::{BasicConsumeOptions, BasicQosOptions};
 use lapin::types::{AMQPValue, FieldTable};
 use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
 use tracing::{debug, warn};
 
-use super::{Publisher, Topology, header_u64, headers, unix_ms};
+use super::{Publisher, Settler, Topology, header_u64, headers, unix_ms};
 
 /// The smallest delay step of the ladder.
 pub const UNIT: Duration = Duration::from_millis(250);
-/// Levels of the ladder: one pass waits up to (2^LEVELS - 1) x UNIT (about 17 minutes); a
-/// longer delay goes round the top level again. The top level holds a message for 2^11 x UNIT
-/// = 512 s, well inside RabbitMQ's default consumer timeout (30 minutes).
+/// Levels of the ladder: level k takes waits of 2^k to 2^(k+1) x UNIT; the top level takes
+/// every longer one and holds a message at most 2^LEVELS x UNIT = 1,024 s (about 17 minutes),
+/// well inside RabbitMQ's default consumer timeout (30 minutes).
 pub const LEVELS: u32 = 12;
+/// Messages each level's consumer holds at most, by default (TURNSTILE_DELAY_PREFETCH): a
+/// replica holds at most LEVELS times as many delayed messages, bodies included.
+pub const DEFAULT_PREFETCH: u16 = 256;
 /// The longest delay a message may carry (longer ones are cut to it).
 pub const MAX_DELAY: Duration = Duration::from_secs(36 * 3600);
 /// A hop that ends this much later than it should counts as overdue.
@@ -57,8 +70,8 @@ pub const OVERDUE: Duration = Duration::from_secs(1);
 pub enum Hop {
     /// Wait in level `level` until `until_ms` (Unix ms).
     Level { level: u32, until_ms: u64 },
-    /// Due (less than one UNIT left): back to the consume path through the return queue
-    /// `<q>.ready`.
+    /// Due (less than one UNIT left): back to the consume path, handed to the workers by the
+    /// level's consumer, or published to the return queue `<q>.ready`.
     Ready,
 }
 
@@ -66,8 +79,9 @@ pub enum Hop {
 /// message on, so that a delay of whole UNITs is not cut short by them.
 pub const SLACK: Duration = Duration::from_millis(25);
 
-/// The next hop of a message due at `due_ms`, at `now_ms`: the highest level whose wait ends
-/// no later than the due time plus [`SLACK`] (greedy binary decomposition), or the return queue.
+/// The next hop of a message due at `due_ms`, at `now_ms`: the level of the time left (the
+/// highest level k with 2^k UNITs left, counting [`SLACK`]), held until the due time or for at
+/// most that level's [`level_hold`]; with less than one UNIT left, the consume path.
 pub fn next_hop(now_ms: u64, due_ms: u64) -> Hop {
     let unit = UNIT.as_millis() as u64;
     let units = (due_ms + SLACK.as_millis() as u64).saturating_sub(now_ms) / unit;
@@ -77,18 +91,19 @@ pub fn next_hop(now_ms: u64, due_ms: u64) -> Hop {
     let level = (63 - units.leading_zeros()).min(LEVELS - 1);
     Hop::Level {
         level,
-        until_ms: now_ms + (unit << level),
+        until_ms: due_ms.min(now_ms + level_hold(level).as_millis() as u64),
     }
 }
 
-/// The wait of level `level`.
-pub fn level_wait(level: u32) -> Duration {
-    UNIT * (1u32 << level)
+/// The longest a message waits in level `level` from its receipt: 2^(level+1) x UNIT, the
+/// upper end of the level's waits (1,024 s for the top level).
+pub fn level_hold(level: u32) -> Duration {
+    UNIT * (2u32 << level)
 }
 
-/// How long a message received at `now_ms` from a level that waits `wait` still has to wait:
-/// until its hop's end, but never longer than the level's wait counted from now (a forged or
-/// skewed hop end cannot hold the level), and not at all without a hop end.
+/// How long a message received at `now_ms` from a level that holds at most `wait` still has
+/// to wait: until its hop's end, but never longer than the level's hold counted from now (a
+/// forged or skewed hop end cannot hold the level), and not at all without a hop end.
 pub fn remaining_wait(now_ms: u64, hop_until_ms: Option<u64>, wait: Duration) -> Duration {
     match hop_until_ms {
         Some(until) => Duration::from_millis(until.saturating_sub(now_ms)).min(wait),
@@ -106,15 +121,20 @@ pub fn due_after(now_ms: u64, delay: Duration) -> u64 {
 pub struct LadderStats {
     /// Ladder messages this replica holds now (received, not yet moved on).
     pub held: AtomicUsize,
-    /// Hops moved on (to the next level or the return queue).
+    /// Deliveries this replica's ladder consumers received.
+    pub deliveries: AtomicU64,
+    /// Of those, the deliveries handed straight to the workers when due (also counted in the
+    /// worker's deliveries).
+    pub handed: AtomicU64,
+    /// Messages republished (to another level, or due to the return queue) and acked.
     pub hops: AtomicU64,
     /// Hops that ended more than [`OVERDUE`] after their time (the message sat in the broker,
     /// e.g. during a broker restart or with no replica running).
     pub overdue: AtomicU64,
     /// The latest any message came back after its due time, in ms.
     pub max_late_ms: AtomicU64,
-    /// Messages sent to the return queue before their due time because their reserved slot was
-    /// given back (a release notice).
+    /// Messages moved on before their due time because their reserved slot was given back (a
+    /// release notice).
     pub released: AtomicU64,
     /// Deliveries taken from the return queue `<q>.ready` by this replica's workers (also
     /// counted in the worker's deliveries).
@@ -140,33 +160,42 @@ impl LadderStats {
     }
 }
 
-/// Moves the ladder on: one consumer per level, on a channel of its own. Each level's loop runs
-/// on `tracker` until `shutdown`; if the broker ends a consumer (a lost connection, a channel error), `failed`
-/// is cancelled so that the replica reconnects.
+/// Hands a due ladder delivery to the workers, with the settler of its channel (the workers
+/// settle it as any other delivery).
+pub type Handoff = Arc<dyn Fn(Delivery, Settler) + Send + Sync>;
+
+/// Holds the ladder's messages: one consumer per level, all on a channel of their own. Each
+/// level's loop runs on `tracker` until `shutdown`; if the broker ends a consumer (a lost
+/// connection, a channel error), `failed` is cancelled so that the replica reconnects.
 pub struct Ladder {
     pub topology: Topology,
     pub publisher: Publisher,
     pub stats: Arc<LadderStats>,
+    /// Where its acks and requeues are counted.
+    pub cost: Arc<super::BrokerCost>,
     /// Messages each level's consumer holds at most.
     pub prefetch: u16,
     /// Release notices: each names, by a test over a delivery, messages that must not wait for
-    /// the end of their delay any more (their reserved slot was given back) and go to the return
-    /// queue at once.
+    /// the end of their delay any more (their reserved slot was given back) and go back to the
+    /// consume path at once.
     pub releases: tokio::sync::broadcast::Sender<Release>,
+    /// Where due messages go: the replica's workers; without one, the return queue.
+    pub handoff: Option<Handoff>,
 }
 
 /// A test over a held delivery: whether it is released (see [`Ladder::releases`]).
 pub type Release = Arc<dyn Fn(&Delivery) -> bool + Send + Sync>;
 
 impl Ladder {
-    /// Starts consuming every level on `connection`.
+    /// Starts consuming every level on `connection`; returns the settler of the ladder's
+    /// channel (whose batched acks must be flushed before the connection is closed).
     pub async fn start(
         self: &Arc<Self>,
         connection: &Connection,
         tracker: &TaskTracker,
         shutdown: &CancellationToken,
         failed: &CancellationToken,
-    ) -> anyhow::Result<()> {
+    ) -> anyhow::Result<Settler> {
         let channel = connection
             .create_channel()
             .await
@@ -175,8 +204,12 @@ impl Ladder {
             .basic_qos(self.prefetch, BasicQosOptions::default())
             .await
             .context("setting the delay ladder's prefetch")?;
+        // Each level's consumer records its own deliveries: not in the channel's tag order.
+        let settler = Settler::new(channel.clone())
+            .singly()
+            .counting(self.cost.clone());
         for k in 0..LEVELS {
-            let (queue, wait) = (self.topology.level(k), level_wait(k));
+            let queue = self.topology.level(k);
             let consumer = channel
                 .basic_consume(
                     queue.as_str().into(),
@@ -188,38 +221,49 @@ impl Ladder {
                 .with_context(|| format!("consuming the delay level {queue:?}"))?;
             let ladder = self.clone();
             let (inner, shutdown, failed) = (tracker.clone(), shutdown.clone(), failed.clone());
+            let settler = settler.clone();
             tracker.spawn(async move {
+                let level = Level {
+                    hold: level_hold(k),
+                    settler,
+                };
                 ladder
-                    .run_level(consumer, wait, &inner, &shutdown, &failed)
+                    .run_level(consumer, level, &inner, &shutdown, &failed)
                     .await
             });
         }
-        Ok(())
+        Ok(settler)
     }
 
-    /// Holds the level's messages in order of their hop's end (at most the prefetch) and moves
-    /// each on when its hop is over; a release notice moves the messages it names on to the
-    /// return queue at once.
+    /// Holds the level's messages (at most the prefetch), each until its hold ends, and then
+    /// moves it on; a release notice moves the messages it names on at once.
     async fn run_level(
         self: Arc<Self>,
         mut consumer: lapin::Consumer,
-        wait: Duration,
+        level: Level,
         tracker: &TaskTracker,
         shutdown: &CancellationToken,
         failed: &CancellationToken,
     ) {
         let mut releases = self.releases.subscribe();
-        let mut held: VecDeque<(Delivery, Option<u64>)> = VecDeque::new();
+        // By the end of their hold (Unix ms), then in order of receipt.
+        let mut held: BTreeMap<(u64, u64), Delivery> = BTreeMap::new();
+        let mut received = 0u64;
         loop {
             let head_wait = held
-                .front()
-                .map(|(_, hop_until)| remaining_wait(unix_ms(), *hop_until, wait));
+                .first_key_value()
+                .map(|((end, _), _)| Duration::from_millis(end.saturating_sub(unix_ms())));
             tokio::select! {
                 next = consumer.next() => match next {
                     Some(Ok(delivery)) => {
+                        level.settler.received(delivery.delivery_tag);
                         self.stats.held.fetch_add(1, Ordering::Relaxed);
+                        self.stats.deliveries.fetch_add(1, Ordering::Relaxed);
+                        let now = unix_ms();
                         let hop_until = header_u64(&delivery, headers::HOP);
-                        held.push_back((delivery, hop_until));
+                        let end = now + remaining_wait(now, hop_until, level.hold).as_millis() as u64;
+                        held.insert((end, received), delivery);
+                        received += 1;
                     }
                     Some(Err(error)) => {
                         debug!(%error, "delay ladder consumer ended");
@@ -233,16 +277,19 @@ impl Ladder {
                     }
                 },
                 _ = tokio::time::sleep(head_wait.unwrap_or_default()), if head_wait.is_some() => {
-                    let (delivery, hop_until) = held.pop_front().expect("a head to wait for");
-                    self.spawn_move_on(tracker, delivery, hop_until, false);
+                    let (_, delivery) = held.pop_first().expect("a head to wait for");
+                    self.spawn_move_on(tracker, delivery, &level.settler, false);
                 }
                 release = releases.recv() => {
                     let Ok(release) = release else { continue };
-                    let (released, kept): (Vec<_>, Vec<_>) =
-                        held.drain(..).partition(|(delivery, _)| release(delivery));
-                    held = kept.into();
-                    for (delivery, hop_until) in released {
-                        self.spawn_move_on(tracker, delivery, hop_until, true);
+                    let released: Vec<(u64, u64)> = held
+                        .iter()
+                        .filter(|(_, delivery)| release(delivery))
+                        .map(|(key, _)| *key)
+                        .collect();
+                    for key in released {
+                        let delivery = held.remove(&key).expect("a held delivery");
+                        self.spawn_move_on(tracker, delivery, &level.settler, true);
                     }
                 }
                 _ = shutdown.cancelled() => break,
@@ -257,20 +304,23 @@ impl Ladder {
         self: &Arc<Self>,
         tracker: &TaskTracker,
         delivery: Delivery,
-        hop_until: Option<u64>,
+        settler: &Settler,
         released: bool,
     ) {
-        let ladder = self.clone();
+        let (ladder, settler) = (self.clone(), settler.clone());
         tracker.spawn(async move {
-            ladder.move_on(delivery, hop_until, released).await;
+            ladder.move_on(delivery, settler, released).await;
             ladder.stats.held.fetch_sub(1, Ordering::Relaxed);
         });
     }
 
-    /// Publishes the message to its next hop (confirmed) — the return queue when `released` —,
-    /// then acks it; a failed publish returns it to its level.
-    async fn move_on(&self, delivery: Delivery, hop_until: Option<u64>, released: bool) {
+    /// Moves a message on when its hold is over, or when `released`: a due one to the workers
+    /// (or, returned to its level too often or without workers, to the return queue), any other to the level of
+    /// the time it has left; a publish is confirmed before the ack, and a failed one returns
+    /// the message to its level.
+    async fn move_on(&self, delivery: Delivery, settler: Settler, released: bool) {
         let now = unix_ms();
+        let hop_until = header_u64(&delivery, headers::HOP);
         if released {
             self.stats.released.fetch_add(1, Ordering::Relaxed);
             metrics::counter!("turnstile_delay_released_total").increment(1);
@@ -288,6 +338,20 @@ impl Ladder {
         } else {
             next_hop(now, due)
         };
+        if hop == Hop::Ready && !released {
+            let late = now.saturating_sub(due);
+            self.stats.max_late_ms.fetch_max(late, Ordering::Relaxed);
+            metrics::histogram!("turnstile_delay_late_seconds").record(late as f64 / 1000.0);
+        }
+        if let (Hop::Ready, Some(handoff)) = (hop, &self.handoff)
+            && handed_on(&delivery)
+        {
+            self.stats.handed.fetch_add(1, Ordering::Relaxed);
+            metrics::counter!("turnstile_delay_handed_total").increment(1);
+            handoff(delivery, settler);
+            return;
+        }
+        let tag = delivery.delivery_tag;
         let published = self
             .publisher
             .hop(&self.topology, &delivery, hop, &[])
@@ -296,26 +360,48 @@ impl Ladder {
             Ok(()) => {
                 self.stats.hops.fetch_add(1, Ordering::Relaxed);
                 metrics::counter!("turnstile_delay_hops_total").increment(1);
-                if hop == Hop::Ready && !released {
-                    let late = now.saturating_sub(due);
-                    self.stats.max_late_ms.fetch_max(late, Ordering::Relaxed);
-                    metrics::histogram!("turnstile_delay_late_seconds")
-                        .record(late as f64 / 1000.0);
-                }
-                if let Err(error) = delivery.acker.ack(BasicAckOptions::default()).await {
+                if let Err(error) = settler.ack_now(tag).await {
                     debug!(%error, "could not ack a moved ladder message (the broker redelivers it; the copy ahead is deduplicated by its completion record)");
                 }
             }
             Err(error) => {
                 warn!(%error, "could not move a delayed message on; returning it to its level");
                 metrics::counter!("turnstile_broker_errors_total").increment(1);
-                let requeue = BasicNackOptions {
-                    requeue: true,
-                    ..Default::default()
-                };
-                let _ = delivery.acker.nack(requeue).await;
+                let _ = settler.requeue(tag).await;
             }
         }
+    }
+}
+
+/// A level's settings for its consumer.
+struct Level {
+    /// The longest a message is held from its receipt ([`level_hold`]).
+    hold: Duration,
+    /// The settler of the ladder's channel.
+    settler: Settler,
+}
+
+/// How often a ladder message may have come back to its level (lost connections, crashes,
+/// shutdowns: see [`hand_on`]) and still be handed straight to the workers.
+pub const HANDED_RETURNS: u64 = 3;
+
+/// Whether a due ladder delivery goes to the workers straight from its level (see [`hand_on`]).
+pub fn handed_on(delivery: &Delivery) -> bool {
+    hand_on(
+        delivery.redelivered,
+        header_u64(delivery, "x-delivery-count"),
+    )
+}
+
+/// Whether a due ladder delivery goes to the workers straight from its level, from its
+/// `redelivered` flag and the count of its returns a quorum queue gives it (`x-delivery-count`):
+/// while it came back fewer than [`HANDED_RETURNS`] times; a classic queue counts nothing, and
+/// a redelivered message there is not handed on. Otherwise it goes through the return queue,
+/// whose delivery limit ends a message that keeps crashing replicas in the dead letters.
+pub fn hand_on(redelivered: bool, returns: Option<u64>) -> bool {
+    match returns {
+        Some(returns) => returns < HANDED_RETURNS,
+        None => !redelivered,
     }
 }
 
@@ -335,40 +421,58 @@ mod tests {
 
     const U: u64 = 250;
 
-    #[test]
-    fn a_delay_takes_one_hop_per_set_bit_highest_first() {
-        // 1,300 ms = 5 units (+50 ms): level 2 (1,000 ms), then level 0 (250 ms), then the return queue.
-        let mut now = 10_000;
-        let due = now + 1_300;
+    /// The hops of a message due at `due`, delayed at `now`, with the level of each.
+    fn hops(mut now: u64, due: u64) -> (Vec<u32>, u64) {
         let mut levels = Vec::new();
         while let Hop::Level { level, until_ms } = next_hop(now, due) {
-            assert_eq!(until_ms, now + (U << level));
+            assert!(until_ms > now, "a hop waits");
             assert!(
                 until_ms <= due + SLACK.as_millis() as u64,
                 "a hop never ends after the due time"
             );
+            assert!(until_ms - now <= level_hold(level).as_millis() as u64);
             levels.push(level);
             now = until_ms;
         }
-        assert_eq!(levels, [2, 0]);
-        assert!(due + 25 - now < U, "back less than one unit early");
+        (levels, now)
+    }
+
+    #[test]
+    fn a_delay_waits_in_one_level_until_its_due_time() {
+        // 1,300 ms = 5 units (+50 ms): level 2 (4 to 8 units), held until the due time.
+        let (levels, back) = hops(10_000, 11_300);
+        assert_eq!(levels, [2]);
+        assert_eq!(back, 11_300);
+        for delay in [250, 499, 500, 1_000, 7_999, 60_000, 600_000, 1_024_000] {
+            let (levels, back) = hops(0, delay);
+            assert_eq!(levels.len(), 1, "a delay of {delay} ms takes one hop");
+            assert_eq!(back, delay);
+        }
+    }
+
+    #[test]
+    fn each_level_takes_waits_from_its_wait_to_twice_it() {
+        for k in 0..LEVELS - 1 {
+            let from = (U << k) - SLACK.as_millis() as u64;
+            assert!(matches!(next_hop(0, from), Hop::Level { level, .. } if level == k));
+            let to = (U << (k + 1)) - SLACK.as_millis() as u64 - 1;
+            assert!(matches!(next_hop(0, to), Hop::Level { level, .. } if level == k));
+        }
     }
 
     #[test]
     fn long_delays_go_round_the_top_level() {
         let top = LEVELS - 1;
         let due = 3_600_000; // one hour
-        let mut now = 0;
-        let mut hops = 0;
-        while let Hop::Level { level, until_ms } = next_hop(now, due) {
-            if due - now >= U << LEVELS {
-                assert_eq!(level, top);
-            }
-            now = until_ms;
-            hops += 1;
-        }
-        assert!(due + 25 - now < U);
-        assert!(hops <= 3600 / 512 + LEVELS as usize, "{hops} hops");
+        let (levels, back) = hops(0, due);
+        assert!(levels[..3].iter().all(|&level| level == top), "{levels:?}");
+        assert_eq!(back, due);
+        let per_pass = level_hold(top).as_millis() as u64;
+        assert_eq!(levels.len() as u64, due.div_ceil(per_pass), "{levels:?}");
+        assert!(
+            level_hold(top) < Duration::from_secs(30 * 60) * 2 / 3,
+            "well inside the broker's consumer timeout"
+        );
     }
 
     #[test]
@@ -391,7 +495,7 @@ mod tests {
 
     #[test]
     fn a_forged_hop_end_cannot_hold_a_level_longer_than_its_wait() {
-        let wait = level_wait(3);
+        let wait = level_hold(3);
         assert_eq!(remaining_wait(0, Some(u64::MAX), wait), wait);
         assert_eq!(
             remaining_wait(0, Some(500), wait),
@@ -399,6 +503,19 @@ mod tests {
         );
         assert_eq!(remaining_wait(9_000, Some(500), wait), Duration::ZERO);
         assert_eq!(remaining_wait(0, None, wait), Duration::ZERO);
+    }
+
+    #[test]
+    fn a_message_that_keeps_coming_back_to_its_level_goes_through_the_return_queue() {
+        assert!(hand_on(false, None));
+        assert!(!hand_on(true, None), "a classic level counts nothing");
+        assert!(hand_on(true, Some(1)), "returned once by a lost connection");
+        assert!(hand_on(true, Some(HANDED_RETURNS - 1)));
+        assert!(!hand_on(true, Some(HANDED_RETURNS)));
+        assert!(
+            !hand_on(false, Some(u64::MAX)),
+            "a forged count only costs a hop"
+        );
     }
 
     #[test]

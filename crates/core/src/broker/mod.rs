@@ -34,7 +34,7 @@ pub use topology::{
 };
 
 use std::sync::Arc;
-use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::time::Duration;
 
 use anyhow::Context;
@@ -259,6 +259,27 @@ pub async fn connect(urls: &str, name: &str) -> anyhow::Result<Connection> {
     Nodes::parse(urls)?.connect(name).await
 }
 
+/// What a replica asked of the broker for the messages it handled, counted message by message:
+/// with the deliveries (the worker's and the delay ladder's) the broker's cost per message.
+#[derive(Debug, Default)]
+pub struct BrokerCost {
+    /// Copies of messages published and confirmed: delays, ladder hops, dead letters, rescues.
+    pub publishes: AtomicU64,
+    /// Results and batch completion events published and confirmed.
+    pub results: AtomicU64,
+    /// Deliveries acked (each one, whether its ack went alone or in a `multiple` run).
+    pub acks: AtomicU64,
+    /// Deliveries returned to their queue (nack with requeue).
+    pub requeues: AtomicU64,
+}
+
+impl BrokerCost {
+    /// Adds one to `counter`.
+    pub fn count(counter: &AtomicU64) {
+        counter.fetch_add(1, Ordering::Relaxed);
+    }
+}
+
 /// A channel in confirm mode: every publish waits for the broker's confirm. Cheap to clone
 /// (one per delivery): the channel is shared. Never sends a frame larger than its connection's
 /// frame_max, and its copies of a message keep the budget of [`budget`].
@@ -269,6 +290,8 @@ pub struct Publisher {
     /// Where a message returned to another publish of the channel goes (see
     /// [`Publisher::rescuing_to`]).
     rescue: Option<Arc<str>>,
+    /// Where its confirmed publishes are counted, if anywhere.
+    cost: Option<Arc<BrokerCost>>,
 }
 
 /// Whether a published message must reach a queue.
@@ -312,7 +335,14 @@ impl Publisher {
             channel: Arc::new(channel),
             frame_max: connection.configuration().frame_max(),
             rescue: None,
+            cost: None,
         })
+    }
+
+    /// Counts every publish the broker confirms in `cost`'s publishes.
+    pub fn counting(mut self, cost: Arc<BrokerCost>) -> Self {
+        self.cost = Some(cost);
+        self
     }
 
     /// Publishes the messages the broker returns to other publishes of this channel to
@@ -399,6 +429,9 @@ impl Publisher {
             }
             Confirmation::Nack(returned) => (returned, Err(PublishError::Nacked)),
         };
+        if let (Ok(()), Some(cost)) = (&answer, &self.cost) {
+            BrokerCost::count(&cost.publishes);
+        }
         let Some(returned) = returned else {
             return answer;
         };

@@ -34,10 +34,14 @@ pub struct Settler {
     state: Arc<Mutex<State>>,
     sending: Arc<tokio::sync::Mutex<()>>,
     wake: mpsc::Sender<()>,
+    /// Where its acks and requeues are counted, if anywhere.
+    cost: Option<Arc<super::BrokerCost>>,
 }
 
 #[derive(Default)]
 struct State {
+    /// Never ack with `multiple` (see [`Settler::singly`]).
+    singly: bool,
     /// Delivered and neither acked nor nacked yet.
     unsettled: BTreeSet<u64>,
     /// Acked by the replica, not yet sent to the broker, with when.
@@ -61,6 +65,27 @@ impl Settler {
             state,
             sending,
             wake,
+            cost: None,
+        }
+    }
+
+    /// Acks every delivery alone, never with `multiple`: for a channel whose deliveries are
+    /// recorded as received by several tasks (several consumers), so not in delivery-tag order,
+    /// where a multiple ack could cover a delivery received but not yet recorded.
+    pub fn singly(self) -> Self {
+        self.lock().singly = true;
+        self
+    }
+
+    /// Counts every delivery it acks or requeues in `cost`.
+    pub fn counting(mut self, cost: Arc<super::BrokerCost>) -> Self {
+        self.cost = Some(cost);
+        self
+    }
+
+    fn count(&self, counter: fn(&super::BrokerCost) -> &std::sync::atomic::AtomicU64) {
+        if let Some(cost) = &self.cost {
+            super::BrokerCost::count(counter(cost));
         }
     }
 
@@ -74,9 +99,14 @@ impl Settler {
     pub async fn ack_now(&self, tag: u64) -> Result<(), lapin::Error> {
         let _sending = self.sending.lock().await;
         self.lock().unsettled.remove(&tag);
-        self.channel
+        let sent = self
+            .channel
             .basic_ack(tag, BasicAckOptions::default())
-            .await
+            .await;
+        if sent.is_ok() {
+            self.count(|c| &c.acks);
+        }
+        sent
     }
 
     /// Acks a delivery: sent with the next batch.
@@ -86,6 +116,7 @@ impl Settler {
             state.unsettled.remove(&tag);
             state.acked.insert(tag, Instant::now());
         }
+        self.count(|c| &c.acks);
         let _ = self.wake.try_send(());
     }
 
@@ -104,6 +135,7 @@ impl Settler {
         // Only now may a multiple ack pass this tag (see the module docs). If the nack failed
         // the channel is gone: the tag stays unsettled and nothing passes it any more.
         if sent.is_ok() {
+            self.count(|c| &c.requeues);
             self.lock().unsettled.remove(&tag);
             let _ = self.wake.try_send(());
         }
@@ -160,7 +192,11 @@ async fn flush(
     let _sending = sending.lock().await;
     let (run_end, singles) = {
         let mut state = lock(state);
-        let lowest_unsettled = state.unsettled.first().copied().unwrap_or(u64::MAX);
+        let singly = state.singly;
+        let lowest_unsettled = match singly {
+            true => 0,
+            false => state.unsettled.first().copied().unwrap_or(u64::MAX),
+        };
         let run_end = state
             .acked
             .range(..lowest_unsettled)
@@ -171,7 +207,7 @@ async fn flush(
         let singles: Vec<u64> = state
             .acked
             .iter()
-            .filter(|(_, at)| everything || now.duration_since(**at) >= STRAGGLER)
+            .filter(|(_, at)| everything || singly || now.duration_since(**at) >= STRAGGLER)
             .map(|(tag, _)| *tag)
             .collect();
         for tag in &singles {

@@ -1040,6 +1040,7 @@ impl Worker {
         .await;
         if sent.is_some() {
             metrics::counter!("turnstile_results_published_total").increment(1);
+            crate::broker::BrokerCost::count(&self.stats.broker.results);
         }
         sent.is_some()
     }

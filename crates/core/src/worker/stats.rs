@@ -31,6 +31,8 @@ pub struct Stats {
     pub in_flight: AtomicUsize,
     /// What the delay ladder's consumers did in this replica.
     pub ladder: Arc<crate::broker::ladder::LadderStats>,
+    /// What the replica's publishes and settlements cost the broker.
+    pub broker: Arc<crate::broker::BrokerCost>,
     /// How long each permit decision took (one Redis round trip, or more after errors).
     pub permit_latency: LatencySummary,
     /// Sellers asked about since the dashboard sampler last took them (at most

@@ -22,6 +22,10 @@ struct Preset {
     replicas: usize,
     workers: u32,
     big: usize,
+    /// Sellers with a backlog of their own, published between the big seller's and the small
+    /// sellers', and how many messages each.
+    mid_sellers: usize,
+    mid: usize,
     small_sellers: usize,
     small: usize,
     /// Publish everything before starting the replicas (a deep work queue from the start).
@@ -48,6 +52,8 @@ pub async fn run(args: ScenarioArgs) -> anyhow::Result<bool> {
             replicas: 4,
             workers: 8,
             big: 400,
+            mid_sellers: 0,
+            mid: 0,
             small_sellers: 20,
             small: 20,
             prefill: false,
@@ -61,6 +67,8 @@ pub async fn run(args: ScenarioArgs) -> anyhow::Result<bool> {
             replicas: 4,
             workers: 8,
             big: 300,
+            mid_sellers: 0,
+            mid: 0,
             small_sellers: 30,
             small: 10,
             prefill: false,
@@ -74,6 +82,8 @@ pub async fn run(args: ScenarioArgs) -> anyhow::Result<bool> {
             replicas: 4,
             workers: 8,
             big: 3_000,
+            mid_sellers: 0,
+            mid: 0,
             small_sellers: 5_000,
             small: 10,
             prefill: true,
@@ -87,6 +97,8 @@ pub async fn run(args: ScenarioArgs) -> anyhow::Result<bool> {
             replicas: 4,
             workers: 8,
             big: 150,
+            mid_sellers: 0,
+            mid: 0,
             small_sellers: 30,
             small: 5,
             prefill: false,
@@ -100,6 +112,8 @@ pub async fn run(args: ScenarioArgs) -> anyhow::Result<bool> {
             replicas: 3,
             workers: 16,
             big: 1_500,
+            mid_sellers: 0,
+            mid: 0,
             small_sellers: 100,
             small: 3,
             prefill: false,
@@ -110,8 +124,23 @@ pub async fn run(args: ScenarioArgs) -> anyhow::Result<bool> {
             hold: Duration::from_secs(30),
             prefetch: Some(700),
         },
+        "seed" => Preset {
+            limit: "100/1m",
+            replicas: 4,
+            workers: 16,
+            big: 500,
+            mid_sellers: 2,
+            mid: 150,
+            small_sellers: 10,
+            small: 50,
+            prefill: false,
+            max_cost: 1,
+            global: None,
+            hold: Duration::from_secs(2),
+            prefetch: None,
+        },
         other => anyhow::bail!(
-            "--preset {other:?}: choose bar, deep, backlog, stacked, global, weighted or adaptive"
+            "--preset {other:?}: choose bar, deep, backlog, stacked, global, seed, weighted or adaptive"
         ),
     };
     let limit = args
@@ -153,12 +182,20 @@ pub async fn run(args: ScenarioArgs) -> anyhow::Result<bool> {
     );
     settings.prefetch = args.prefetch.or(preset.prefetch);
     eprintln!(
-        "scenario: limit {limit}{}, {replicas} replicas x {workers} workers, {}: one seller's {big} messages published ahead of {small_sellers} sellers with {small} each{}{}",
+        "scenario: limit {limit}{}, {replicas} replicas x {workers} workers, {}: one seller's {big} messages published ahead of {}{small_sellers} sellers with {small} each{}{}",
         global
             .as_ref()
             .map(|g| format!(", global limit {g}"))
             .unwrap_or_default(),
         args.algorithm,
+        if preset.mid_sellers > 0 {
+            format!(
+                "{} sellers with {} each and ",
+                preset.mid_sellers, preset.mid
+            )
+        } else {
+            String::new()
+        },
         if max_cost > 1 {
             format!(", costing 1 to {max_cost} units in turn")
         } else {
@@ -200,6 +237,12 @@ pub async fn run(args: ScenarioArgs) -> anyhow::Result<bool> {
     for i in 0..big {
         messages.push(message("big", i));
     }
+    for s in 0..preset.mid_sellers {
+        let seller = format!("mid-{s}");
+        for i in 0..preset.mid {
+            messages.push(message(&seller, i));
+        }
+    }
     for s in 0..small_sellers {
         let seller = format!("small-{s}");
         for i in 0..small {
@@ -240,33 +283,60 @@ pub async fn run(args: ScenarioArgs) -> anyhow::Result<bool> {
     let small_latency = small_sellers_done(&report);
     print_outcome(&report);
     println!("{:<44} {:>10}", "dead-lettered", report.dead_lettered);
+    let broker = &report.broker;
+    let per = |n: u64| n as f64 / report.published.max(1) as f64;
     println!(
         "{:<44} {:>10.2}",
-        "broker deliveries per message", report.deliveries_per_message
+        "broker deliveries per message (every queue)", broker.deliveries_per_message
     );
-    println!(
-        "{:<44} {:>10.2}",
-        "  from the work queue",
-        (report.deliveries - report.returns) as f64 / report.published.max(1) as f64
-    );
+    println!("{:<44} {:>10.2}", "  from the work queue", per(broker.work));
     println!(
         "{:<44} {:>10.2}",
         "  from the return queue",
-        report.returns as f64 / report.published.max(1) as f64
+        per(broker.returns)
+    );
+    println!(
+        "{:<44} {:>10.2}",
+        "  from the delay ladder",
+        per(broker.ladder)
+    );
+    println!(
+        "{:<44} {:>10.2}",
+        "broker publishes per message (copies)", broker.publishes_per_message
+    );
+    println!(
+        "{:<44} {:>10.2}",
+        "broker acks per message", broker.acks_per_message
+    );
+    println!(
+        "{:<44} {:>10.2}",
+        "  requeues per message",
+        per(broker.requeues)
+    );
+    println!(
+        "{:<44} {:>10.2}",
+        "results published per message",
+        per(broker.results)
     );
     println!(
         "{:<44} {:>10.2}",
         "delay ladder hops per message", report.ladder_hops_per_message
     );
-    // Only the big seller waits (every small seller's messages fit in one window), so every
-    // return is one of its messages, and the work queue delivered the small sellers' once each.
-    let small_published = report.published.saturating_sub(big as u64);
-    let big_work = (report.deliveries - report.returns).saturating_sub(small_published);
-    let per_big = |n: u64| n as f64 / (big as f64).max(1.0);
+    // Only the big (and mid) sellers wait (every small seller's messages fit in one window),
+    // so every return and every ladder delivery is one of theirs, and the work queue delivered
+    // the small sellers' once each.
+    let waiting = big + preset.mid_sellers * preset.mid;
+    let small_published = report.published.saturating_sub(waiting as u64);
+    let big_work = broker.work.saturating_sub(small_published);
+    let per_big = |n: u64| n as f64 / (waiting as f64).max(1.0);
     println!(
         "{:<44} {:>10.2}",
-        "big seller: deliveries per message",
-        per_big(big_work + report.returns)
+        if preset.mid_sellers > 0 {
+            "big and mid sellers: deliveries per message"
+        } else {
+            "big seller: deliveries per message"
+        },
+        per_big(big_work + broker.returns + broker.ladder)
     );
     println!(
         "{:<44} {:>10.2}",
@@ -276,7 +346,12 @@ pub async fn run(args: ScenarioArgs) -> anyhow::Result<bool> {
     println!(
         "{:<44} {:>10.2}",
         "  from the return queue",
-        per_big(report.returns)
+        per_big(broker.returns)
+    );
+    println!(
+        "{:<44} {:>10.2}",
+        "  from the delay ladder",
+        per_big(broker.ladder)
     );
     println!(
         "{:<44} {:>10}",
@@ -284,7 +359,7 @@ pub async fn run(args: ScenarioArgs) -> anyhow::Result<bool> {
     );
     println!(
         "{:<44} {:>8}ms",
-        "ladder: latest move to the return queue", report.ladder_max_late_ms
+        "ladder: latest handed on after due", report.ladder_max_late_ms
     );
     println!(
         "{:<44} {:>8.0}ms",
@@ -306,6 +381,17 @@ pub async fn run(args: ScenarioArgs) -> anyhow::Result<bool> {
             optimum.as_secs_f64()
         );
         println!("{:<44} {:>9.3}x", "drain / optimum", ratio);
+        if preset.mid_sellers > 0 {
+            let mid_optimum = limit.optimum_drain_of((0..preset.mid).map(cost_of));
+            let worst = (0..preset.mid_sellers)
+                .filter_map(|s| report.sellers.get(&format!("mid-{s}"))?.drain_s)
+                .fold(0.0f64, f64::max);
+            println!(
+                "{:<44} {:>9.3}x",
+                "mid sellers: slowest drain / optimum",
+                worst / mid_optimum.as_secs_f64().max(f64::EPSILON)
+            );
+        }
     }
     if max_cost > 1 {
         println!(

@@ -18,6 +18,7 @@ pub struct ScenarioArgs {
     /// messages are the big seller's). `global`: a global limit of 100/1s over sellers of
     /// 1000/1s each, 3 replicas, 1,500 + 100x3. `weighted`: the same global limit, two sellers
     /// of weights 4 and 1 with 1,000 messages each (`--big`), their shares while both have work.
+    /// `seed`: 100/1m, 500 + 2x150 + 10x50, 4 replicas x 16 workers (the motivating case's scale).
     /// `adaptive`: turnstile told 20/1s, the API allowing 5/1s (`--api-limit`), 300 + 20x3:
     /// the 429s in the second half of the big seller's drain and the drain against the API's
     /// own optimum. Flags given explicitly override the preset.
