@@ -180,6 +180,14 @@ pub trait Limiter: Send + Sync {
     fn slots_wait_for_answers(&self) -> bool {
         false
     }
+
+    /// Whether a grant may wait a moment for a worker before its call is sent: only where
+    /// every limit holds a call's place until its answer (sliding-window and gcra, without a
+    /// global limit, which counts a call at its grant and assumes it reaches the downstream
+    /// within the guard).
+    fn grants_may_wait(&self) -> bool {
+        false
+    }
 }
 
 /// The records of the uploads a worker keeps: batches seen, messages dead-lettered, and
@@ -418,6 +426,10 @@ impl Limiter for PermitStore {
             self.limiter().algorithm,
             crate::config::Algorithm::SlidingWindow | crate::config::Algorithm::Gcra
         )
+    }
+
+    fn grants_may_wait(&self) -> bool {
+        self.slots_wait_for_answers() && self.limiter().global_limit.0.is_none()
     }
 }
 

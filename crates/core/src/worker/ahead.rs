@@ -1,7 +1,9 @@
 //! Asking ahead: while every worker is busy calling, a few new messages ask for their permit
 //! before a worker is free, so that a worker freed by an answer starts the next call at once
 //! instead of first waiting for Redis. Workers bound the downstream calls; a permit's round
-//! trip (a millisecond or more on a busy machine) need not hold one.
+//! trip (a millisecond or more on a busy machine) need not hold one. Only where a grant may
+//! wait a moment before its call is sent (see `Limiter::grants_may_wait`): not under a global
+//! limit, which counts a call at its grant.
 //!
 //! What bounds it: at most as many messages ask ahead as there are workers, and only while the
 //! calls are answered fast enough that a grant waiting for a worker is called well within

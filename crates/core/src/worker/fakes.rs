@@ -182,6 +182,8 @@ struct LimiterState {
     pauses_fail: bool,
     /// What [`Limiter::slots_wait_for_answers`] says.
     slots_wait_for_answers: bool,
+    /// Whether a grant is counted at its grant only (a global limit): no asking ahead.
+    grants_counted_at_grant: bool,
 }
 
 /// A per-seller limiter that answers asks from a script, in order, keeps Redis time as the
@@ -216,6 +218,12 @@ impl FakeLimiter {
     /// sliding-window's do).
     pub(super) fn waiting_for_answers(self) -> Self {
         self.lock().slots_wait_for_answers = true;
+        self
+    }
+
+    /// Its grants are counted at the grant only (as a global limit's are).
+    pub(super) fn counting_at_grants(self) -> Self {
+        self.lock().grants_counted_at_grant = true;
         self
     }
 
@@ -463,6 +471,10 @@ impl Limiter for FakeLimiter {
 
     fn slots_wait_for_answers(&self) -> bool {
         self.lock().slots_wait_for_answers
+    }
+
+    fn grants_may_wait(&self) -> bool {
+        !self.lock().grants_counted_at_grant
     }
 }
 

@@ -859,3 +859,31 @@ async fn where_slots_wait_for_answers_a_message_asks_for_its_slot_one_typical_ca
         asks[1] - start
     );
 }
+
+#[tokio::test(start_paused = true)]
+async fn under_a_limit_that_counts_calls_at_their_grant_a_new_message_waits_for_a_worker_to_ask() {
+    let h = Harness::with(|journal| {
+        (
+            FakeLimiter::new(journal, [Script::Grant]).counting_at_grants(),
+            FakeApi::new(journal, [Answer::Created { told: None }]),
+        )
+    });
+    let start = Instant::now();
+    let workers = h.worker.workers.clone();
+    let all = workers.available_permits() as u32;
+    let taken = workers.acquire_many_owned(all).await.expect("open");
+    let busy = async {
+        tokio::time::sleep(300 * MS).await;
+        drop(taken);
+    };
+    let message = registration("m-1");
+
+    let (outcome, ()) = tokio::join!(h.handle(&message, Carried::default()), busy);
+
+    assert_eq!(outcome, registered(1));
+    assert_eq!(
+        h.journal.times(asked),
+        [start + 300 * MS],
+        "asked with a worker"
+    );
+}

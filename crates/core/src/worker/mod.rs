@@ -653,7 +653,7 @@ impl Worker {
             };
             return Ok(Asking::with_worker(worker));
         }
-        let ahead = self.ask_ahead.allowed();
+        let ahead = self.limiter.grants_may_wait() && self.ask_ahead.allowed();
         let queue = if ahead {
             self.ask_ahead.places.clone()
         } else {
