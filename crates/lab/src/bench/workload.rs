@@ -20,7 +20,9 @@ pub struct ScenarioArgs {
     /// of weights 4 and 1 with 1,000 messages each (`--big`), their shares while both have work.
     /// `adaptive`: turnstile told 20/1s, the API allowing 5/1s (`--api-limit`), 300 + 20x3:
     /// the 429s in the second half of the big seller's drain and the drain against the API's
-    /// own optimum. Flags given explicitly override the preset.
+    /// own optimum. `adaptive-drain`: the same limits, one seller's 150 messages alone on
+    /// 1 replica x 8 workers; adds the 429s after the first window. Flags given explicitly
+    /// override the preset.
     #[arg(long, default_value = "bar")]
     pub preset: String,
     /// The limit, or a comma-separated stack, both turnstile's and the mock's.
