@@ -325,7 +325,8 @@ pub struct CallAnswer<'a> {
 pub struct Recorded {
     /// Whether the message's state changed (and was counted).
     pub changed: bool,
-    /// Whether a learned limit of its seller is due to go up ([`Lesson::Recovery`]).
+    /// Whether a learned limit of its seller is due to change: a raise, or a correction of the
+    /// last decrease ([`Lesson::Recovery`]).
     pub raise_due: bool,
     /// The completion event of its batch, pending publication (see [`BatchEvent`]).
     pub event: Option<BatchEvent>,
@@ -376,7 +377,8 @@ pub enum Lesson {
         granted_us: i64,
         told: Option<RateLimitHeaders>,
     },
-    /// [`PermitStore::complete_call`] said a learned limit is due to go up.
+    /// [`PermitStore::complete_call`] said a learned limit is due to change: a raise, or a
+    /// correction of the last decrease.
     Recovery,
     /// A 2xx answer's rate-limit headers.
     Told(RateLimitHeaders),
