@@ -4,8 +4,8 @@
 -- (hash LEARNED_KEY, see learn.lua) and its accepted log (sorted set ACCEPTED_KEY), what a 429
 -- lowers a count to and how later evidence corrects it, and when a learned count is due to
 -- change. (How the learned counts apply: with_learned, in terms.)
--- Defines: learned_ttl, learned_state, accepted_in, lowered_count, corrected_count,
--- evidence_of, correction_due, raise_due, note_accepted
+-- Defines: learned_ttl, learned_state, accepted_in, lowered_count, corrected_count, evidence_of,
+--   correction_due, raise_due, note_accepted
 
 -- Adaptive limits: how long a seller's learned state outlives the last answer it was kept alive
 -- by (ms): 10 minutes, or 10 of the configured stack's longest windows if longer.
