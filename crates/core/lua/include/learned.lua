@@ -67,9 +67,11 @@ end
 
 -- The units the downstream accepted (ACCEPTED_KEY) in the window of the limit L that ends at the
 -- last 429 that lowered it (AT, in the state): answers that came back within L's window before
--- it, whenever they were recorded (never a call of the lowered limit, answered after it).
+-- it, or within L's guard after it (an answer of the same burst can come back after the 429's
+-- lesson; the lowered limit grants nothing that soon after a full window), whenever recorded.
 local function evidence_of(accepted_key, l, at)
-  return redis.call('ZCOUNT', accepted_key, string.format('(%.0f', at - l.window), string.format('%.0f', at))
+  return redis.call('ZCOUNT', accepted_key, string.format('(%.0f', at - l.window),
+    string.format('%.0f', at + l.guard))
 end
 
 -- Whether a count the last 429 lowered (the state ST, for the stack CONFIGURED) is due to be
