@@ -102,6 +102,99 @@ async fn a_429_lowers_the_learned_limit_to_what_the_downstream_accepted(backend:
     keys.cleanup().await;
 }
 
+async fn later_answers_correct_a_decrease_and_a_raise_gives_back_the_reserved_slots(
+    backend: Backend,
+) {
+    let keys = Keys::new(backend, "adaptive-correct").await;
+    let store = keys.store(limiter("20/2s"));
+    let s = seller("S-correct");
+    // A burst of eight calls: the downstream accepts the first five and refuses the others.
+    let mut burst = Vec::new();
+    for n in 0..8 {
+        let Decision::Granted {
+            call, granted_us, ..
+        } = store.acquire(&s, false).await.unwrap()
+        else {
+            panic!("call {n} of the burst was not granted at once");
+        };
+        burst.push((call, granted_us));
+    }
+    let record = |n: usize| {
+        let (call, granted_us) = &burst[n];
+        let message = MessageId::parse(&format!("c-{n}")).unwrap();
+        let store = &store;
+        let s = &s;
+        async move {
+            store
+                .complete_call(
+                    s,
+                    &message,
+                    None,
+                    answer(call, *granted_us),
+                    Duration::from_secs(60),
+                )
+                .await
+                .unwrap()
+                .raise_due
+        }
+    };
+    // Two of the accepted calls are recorded before the first 429 is learned from.
+    for n in 0..2 {
+        record(n).await;
+    }
+    let first_429 = Lesson::Throttled {
+        granted_us: burst[7].1,
+        told: None,
+    };
+    let change = store
+        .learn(&s, first_429)
+        .await
+        .unwrap()
+        .expect("a decrease");
+    assert_eq!((change.counts.as_str(), change.why), ("2", Why::Throttled));
+    // The backlog reserves under the lowered limit.
+    for n in 0..4 {
+        let decision = store.acquire(&s, true).await.unwrap();
+        assert!(
+            matches!(
+                decision,
+                Decision::Wait {
+                    reservation: Some(_),
+                    ..
+                }
+            ),
+            "backlog message {n}: {decision:?}"
+        );
+    }
+    assert_eq!(store.admin().usage(&s).await.unwrap().ahead, 4);
+    // The other three accepted calls of the burst are recorded after it: the decrease is
+    // corrected up to what the downstream accepted in that window, never to the 429'd calls.
+    let mut due = false;
+    for n in 2..5 {
+        due |= record(n).await;
+    }
+    assert!(due, "a correction is due");
+    let change = store
+        .learn(&s, Lesson::Recovery)
+        .await
+        .unwrap()
+        .expect("a correction");
+    assert_eq!((change.counts.as_str(), change.why), ("5", Why::Throttled));
+    // A raise re-slots the backlog: the slots reserved under the lower limit are given back.
+    assert_eq!(store.admin().usage(&s).await.unwrap().ahead, 0);
+    let learned = store.admin().learned(&s).await.unwrap().expect("learned");
+    assert_eq!(learned.from, Some(limits("20/2s")), "{learned:?}");
+    // A 429 of the same burst learned later, and a recovery with nothing new, change nothing.
+    let late_429 = Lesson::Throttled {
+        granted_us: burst[6].1,
+        told: None,
+    };
+    assert_eq!(store.learn(&s, late_429).await.unwrap(), None);
+    assert_eq!(store.learn(&s, Lesson::Recovery).await.unwrap(), None);
+    assert_eq!(counts_now(&store, &s).await, "5");
+    keys.cleanup().await;
+}
+
 async fn a_learned_limit_never_goes_below_the_minimum(backend: Backend) {
     let keys = Keys::new(backend, "adaptive-min").await;
     let store = keys.store(LimiterArgs {
@@ -308,6 +401,13 @@ macro_rules! adaptive_tests {
             super::a_429_lowers_the_learned_limit_to_what_the_downstream_accepted($backend).await;
         }
         #[tokio::test]
+        async fn later_answers_correct_a_decrease_and_a_raise_gives_back_the_reserved_slots() {
+            super::later_answers_correct_a_decrease_and_a_raise_gives_back_the_reserved_slots(
+                $backend,
+            )
+            .await;
+        }
+        #[tokio::test]
         async fn a_learned_limit_never_goes_below_the_minimum() {
             super::a_learned_limit_never_goes_below_the_minimum($backend).await;
         }
@@ -339,6 +439,57 @@ mod standalone {
 
 mod cluster {
     adaptive_tests!(super::Backend::Cluster);
+}
+
+/// The pure decisions of `lua/include/learned.lua`, run by the real Redis: what a 429 lowers a
+/// learned count to, and what a later answer of the same window corrects it to.
+#[test]
+fn a_decrease_follows_what_the_downstream_accepted_and_a_correction_only_raises() {
+    let mut conn = redis::Client::open(support::redis_url())
+        .unwrap()
+        .get_connection()
+        .unwrap();
+    let learn = turnstile_core::permit::scripts::sources()
+        .into_iter()
+        .find(|source| source.name == "learn")
+        .expect("learn.lua");
+    let mut eval = |expression: &str| -> i64 {
+        redis::cmd("EVAL")
+            .arg(format!("{}\nreturn ({expression}) or -1", learn.setup))
+            .arg(0)
+            .query(&mut conn)
+            .unwrap_or_else(|e| panic!("{expression}: {e}"))
+    };
+    // lowered_count(COUNT, ACCEPTED, FLOOR)
+    let lowered = [
+        ((20, 5, 1), 5),
+        ((20, 1, 1), 1),
+        ((20, 0, 1), 10),
+        ((6, 6, 1), 3),
+        ((6, 9, 1), 3),
+        ((8, 0, 3), 4),
+        ((4, 0, 3), 3),
+        ((20, 2, 3), 3),
+    ];
+    for ((count, accepted, floor), want) in lowered {
+        let expression = format!("lowered_count({count}, {accepted}, {floor})");
+        assert_eq!(eval(&expression), want, "{expression}");
+    }
+    // corrected_count(COUNT, FROM, ACCEPTED); -1 = stays
+    let corrected = [
+        ((1, 20, 5), 5),
+        ((2, 20, 3), 3),
+        ((5, 20, 5), -1),
+        ((2, 6, 9), 5),
+        ((3, 6, 6), 5),
+        ((5, 6, 6), -1),
+        ((10, 20, 5), -1),
+        ((4, 5, 5), -1),
+    ];
+    for ((count, from, accepted), want) in corrected {
+        let expression = format!("corrected_count({count}, {from}, {accepted})");
+        assert_eq!(eval(&expression), want, "{expression}");
+    }
 }
 
 /// Replicas told 20/1s against an API that allows 5/1s and says so in `X-RateLimit-*`: the

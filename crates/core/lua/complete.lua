@@ -57,7 +57,7 @@
 -- ARGV[13] with a batch: BATCH_SIZE, the message's batch_size (integer 0 to 1000000; 0 = none)
 -- Returns {CHANGED, WAS_DEAD_FOR, RAISE, EVENT}: CHANGED 1 when the state changed (and was
 --   counted), else 0; WAS_DEAD_FOR the REASON the message was dead for when it left `dead`,
---   else ''; RAISE 1 when a learned count is due to go up (learn.lua, `recovery`), else 0;
+--   else ''; RAISE 1 when a learned count is due to change (learn.lua, `recovery`), else 0;
 --   EVENT the batch's completion event to publish (its `completed_ms`, see above) or ''
 --   when none
 

@@ -12,18 +12,21 @@
 -- lowers (or raises again) the counts of the seller's configured stack, within
 -- [min(MIN, COUNT), COUNT] for each limit, in the seller's learned state, which every replica's
 -- acquire applies at once (see with_learned in include/terms.lua). EVENT is one of:
---   throttled  a 429 for a call granted at GRANTED: the limit the downstream most likely counted
---              (the one whose window holds the most accepted units for its learned count) goes
---              down to what the downstream accepted in that window (multiplicative decrease; to
---              half when it accepted that count in full, or nothing yet: no evidence), once per
---              change: a 429 for a call
---              granted before the last change only corrects a decrease that went below what was
---              accepted since (answers of one burst come back in any order). A 429 after a raise
---              doubles the patience of the next raise (at most 64 windows).
---   recovery   the downstream accepted a learned count in full over PATIENCE windows (see
---              raise_due): each such limit goes up by a twentieth of its configured count (at
---              least 1; additive increase), never above it. A header event without a LIMIT
---              checks for a raise the same way.
+--   throttled  a 429 for a call granted at GRANTED, at or after the last change: the limit the
+--              downstream most likely counted (the one whose window holds the most accepted
+--              units for its learned count) goes down to what the downstream accepted in that
+--              window (multiplicative decrease, see lowered_count; to half when it accepted
+--              that count in full, or nothing yet: no evidence); after a raise (a failed probe)
+--              the patience of the next raise doubles (at most 64 windows). A 429 for a call
+--              granted before the last change (one of the same burst) only corrects the
+--              decrease, as below.
+--   recovery   first, a count the last 429 lowered is corrected to what the downstream is now
+--              seen to have accepted in the window of that 429 (see corrected_count and
+--              evidence_of: its answers come back in any order, and a 2xx is recorded after
+--              its result is published); else the downstream accepted a learned count in full
+--              over PATIENCE windows (see raise_due): each such limit goes up by a twentieth of
+--              its configured count (at least 1; additive increase), never above it. A header
+--              event without a LIMIT does the same.
 --   header     rate-limit headers of any answer (a 429 too): LIMIT per WINDOW sets each limit's
 --              count (see below) as the truth, up or down; REMAINING units until RESET become
 --              the downstream's quota (see not_before in include/acquire.lua), shared by every
@@ -35,11 +38,12 @@
 -- granted since (calls whose end lies after it: the exact algorithms track them) and its units
 -- reserved before the reset; an
 -- answer for the same reset (within 1 s) can only lower what is left.
--- A change that lowers any count gives back every reserved slot at once and wakes their holders
--- (as an operator's change does, see give_back_reserved in include/terms_change.lua), except
--- after a failed probe (see give_back_since_raise); a raise keeps them: a slot reserved under
--- stricter counts stays good (redeem takes it, see within). The state lives for learned_ttl
--- after its last change or accepted answer (see complete.lua).
+-- A change of the counts that apply gives back every reserved slot at once and wakes their
+-- holders (as an operator's change does, see give_back_reserved in include/terms_change.lua), so
+-- the whole backlog follows the new counts: a lowered one at once, a raised one too (a backlog
+-- reserved under the lower counts would otherwise drain at their pace); except after a failed
+-- probe (see give_back_since_raise). The state lives for learned_ttl after its last change or
+-- accepted answer (see complete.lua).
 --
 -- KEYS[1]  the seller's learned state (hash: terms, counts, from, at, why, patience, mark, left,
 --          until)
@@ -115,30 +119,34 @@ if limit >= 1 then
       why = 'header'
     end
   end
-elseif event == 'throttled' then
+elseif event == 'throttled' and granted >= st.at then
   local b, most, accepted = 1, -1, {}
   for i, l in ipairs(configured) do
     accepted[i] = accepted_in(KEYS[2], l.window, now)
     if accepted[i] / counts[i] > most then b, most = i, accepted[i] / counts[i] end
   end
-  if granted < st.at then
-    local corrected = math.min(accepted[b], st.from[b] - 1)
-    if st.why == '429' and corrected > counts[b] then
-      counts[b] = corrected
-      why = '429'
-    end
-  else
-    local lowered = accepted[b]
-    if lowered >= counts[b] or lowered == 0 then lowered = math.floor(counts[b] / 2) end
-    lowered = math.max(floor_of(b), lowered)
-    if lowered < counts[b] then
-      if st.why == 'recovery' then st.patience = math.min(st.patience * 2, 64) end
-      counts[b] = lowered
-      why = '429'
+  local lowered = lowered_count(counts[b], accepted[b], floor_of(b))
+  if lowered < counts[b] then
+    if st.why == 'recovery' then st.patience = math.min(st.patience * 2, 64) end
+    counts[b] = lowered
+    why = '429'
+  end
+end
+-- A 429 for a call granted before the last change (one of the same burst), a recovery and a
+-- header without a LIMIT first correct the last decrease to what the downstream is now seen to
+-- have accepted in its window (see corrected_count); the decrease's reason and time stay.
+local corrected = false
+if why == nil and limit < 1 and st.why == '429' then
+  for i, l in ipairs(configured) do
+    local n = st.counts[i] < st.from[i] and corrected_count(counts[i], st.from[i], evidence_of(KEYS[2], l, st.at))
+    if n then
+      counts[i] = n
+      corrected = true
     end
   end
-elseif event == 'recovery' or event == 'header' then
-  -- (A header without a LIMIT says nothing about the counts: sustained success still raises.)
+end
+-- (A header without a LIMIT says nothing about the counts: sustained success still raises.)
+if why == nil and not corrected and limit < 1 and event ~= 'throttled' then
   for _, i in ipairs(raise_due(st, configured, KEYS[2], as_of)) do
     local c = configured[i].count
     counts[i] = math.min(c, counts[i] + math.max(1, math.floor(c / 20)))
@@ -150,6 +158,8 @@ local write = nil
 if why then
   write = {'counts', csv(counts), 'from', csv(st.counts), 'at', string.format('%.0f', now),
     'why', why, 'patience', st.patience}
+elseif corrected then
+  write = {'counts', csv(counts)}
 end
 if remaining >= 0 and reset >= 0 then
   local until_us = as_of + reset
@@ -198,11 +208,6 @@ end
 
 local changed, released, wake, lowered = 0, 0, 0, 0
 if write then
-  -- The raise's mark (see give_back_since_raise), read before anything is written.
-  local mark = now
-  if algorithm == 'sliding-window' then
-    mark = math.max(tonumber(redis.call('ZRANGE', KEYS[4], -1, -1, 'WITHSCORES')[2] or '') or now, now)
-  end
   -- A state learned under other terms is dropped whole, not carried over field by field.
   if st.fresh then redis.call('DEL', KEYS[1]) end
   redis.call('HSET', KEYS[1], 'terms', configured.counts .. ' ' .. configured.windows, unpack(write))
@@ -214,6 +219,14 @@ if write then
   if after.counts ~= before.counts then
     changed = 1
     if within(before, after) then
+      released = give_back_reserved(algorithm, KEYS[4], KEYS[5], before, after, now, burst)
+      wake = 1
+      -- The raise's mark (see give_back_since_raise): every slot reserved from now on is the
+      -- raised stack's.
+      local mark = now
+      if algorithm == 'sliding-window' then
+        mark = math.max(tonumber(redis.call('ZRANGE', KEYS[4], -1, -1, 'WITHSCORES')[2] or '') or now, now)
+      end
       redis.call('HSET', KEYS[1], 'mark', string.format('%.0f', mark))
     else
       lowered = 1

@@ -1,9 +1,11 @@
 -- @include limits
 -- @include units
 -- learned: adaptive limits, as learn.lua and complete.lua keep them: the seller's learned state
--- (hash LEARNED_KEY, see learn.lua) and its accepted log (sorted set ACCEPTED_KEY), and when a
--- learned count is due to go up. (How the learned counts apply: with_learned, in terms.)
--- Defines: learned_ttl, learned_state, accepted_in, raise_due, note_accepted
+-- (hash LEARNED_KEY, see learn.lua) and its accepted log (sorted set ACCEPTED_KEY), what a 429
+-- lowers a count to and how later evidence corrects it, and when a learned count is due to
+-- change. (How the learned counts apply: with_learned, in terms.)
+-- Defines: learned_ttl, learned_state, accepted_in, lowered_count, corrected_count, evidence_of,
+--   correction_due, raise_due, note_accepted
 
 -- Adaptive limits: how long a seller's learned state outlives the last answer it was kept alive
 -- by (ms): 10 minutes, or 10 of the configured stack's longest windows if longer.
@@ -43,6 +45,48 @@ local function accepted_in(accepted_key, length, now)
   return redis.call('ZCOUNT', accepted_key, string.format('(%.0f', now - length), '+inf')
 end
 
+-- What a 429 lowers a learned COUNT to, when the downstream ACCEPTED that many units in the
+-- limit's window up to the 429: what it accepted (multiplicative decrease); half of COUNT when it
+-- accepted COUNT or more (it counts differently) or nothing (no evidence); never below FLOOR.
+local function lowered_count(count, accepted, floor)
+  local n = accepted
+  if n >= count or n == 0 then n = math.floor(count / 2) end
+  return math.max(floor, n)
+end
+
+-- What a learned COUNT that a 429 lowered from FROM is corrected to now that the downstream is
+-- seen to have ACCEPTED more in the window of that 429 (answers of one burst come back in any
+-- order, and a 2xx is recorded only after its result is published): what it accepted, below
+-- FROM (which it refused). Only ever up: what was accepted so far is a lower bound of the real
+-- limit. Returns nil when it stays.
+local function corrected_count(count, from, accepted)
+  local n = math.min(accepted, from - 1)
+  if n > count then return n end
+  return nil
+end
+
+-- The units the downstream accepted (ACCEPTED_KEY) in the window of the limit L that ends at the
+-- last 429 that lowered it (AT, in the state): answers that came back within L's window before
+-- it, or within L's guard after it (an answer of the same burst can come back after the 429's
+-- lesson; the lowered limit grants nothing that soon after a full window), whenever recorded.
+local function evidence_of(accepted_key, l, at)
+  return redis.call('ZCOUNT', accepted_key, string.format('(%.0f', at - l.window),
+    string.format('%.0f', at + l.guard))
+end
+
+-- Whether a count the last 429 lowered (the state ST, for the stack CONFIGURED) is due to be
+-- corrected (see corrected_count): the downstream was since seen to accept more in that window.
+local function correction_due(st, configured, accepted_key)
+  if st.why ~= '429' then return false end
+  for i, l in ipairs(configured) do
+    if st.counts[i] < st.from[i]
+        and corrected_count(st.counts[i], st.from[i], evidence_of(accepted_key, l, st.at)) then
+      return true
+    end
+  end
+  return false
+end
+
 -- The limits of CONFIGURED whose learned count (in the state ST) is due to go up: it is below the
 -- configured count, the downstream accepted in the limit's last window at least what the learned
 -- count lets through one window at full use, however paced (COUNT per WINDOW + guard: at most
@@ -64,7 +108,8 @@ end
 -- the downstream accepted, score = when the answer came back; within the configured stack's
 -- longest window + guard, and at most twice its largest COUNT + COST of them) that the call TOKEN of COST
 -- units was accepted NOW, keeps the learned state (LEARNED_KEY) alive while the seller is
--- answered, and returns 1 when a learned count is due to go up (raise_due), else 0.
+-- answered, and returns 1 when a learned count is due to change (raise_due, correction_due),
+-- else 0.
 local function note_accepted(learned_key, accepted_key, configured, token, cost, now)
   redis.call('ZREMRANGEBYSCORE', accepted_key, '-inf', now - configured.max_span)
   add_units(accepted_key, now, token, cost)
@@ -74,7 +119,9 @@ local function note_accepted(learned_key, accepted_key, configured, token, cost,
   if redis.call('PTTL', learned_key) < learned_ttl(configured) then
     redis.call('PEXPIRE', learned_key, learned_ttl(configured))
   end
-  if #raise_due(learned_state(learned_key, configured), configured, accepted_key, now) > 0 then
+  local st = learned_state(learned_key, configured)
+  if correction_due(st, configured, accepted_key)
+      or #raise_due(st, configured, accepted_key, now) > 0 then
     return 1
   end
   return 0

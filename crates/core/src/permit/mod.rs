@@ -325,7 +325,8 @@ pub struct CallAnswer<'a> {
 pub struct Recorded {
     /// Whether the message's state changed (and was counted).
     pub changed: bool,
-    /// Whether a learned limit of its seller is due to go up ([`Lesson::Recovery`]).
+    /// Whether a learned limit of its seller is due to change: a raise, or a correction of the
+    /// last decrease ([`Lesson::Recovery`]).
     pub raise_due: bool,
     /// The completion event of its batch, pending publication (see [`BatchEvent`]).
     pub event: Option<BatchEvent>,
@@ -376,7 +377,8 @@ pub enum Lesson {
         granted_us: i64,
         told: Option<RateLimitHeaders>,
     },
-    /// [`PermitStore::complete_call`] said a learned limit is due to go up.
+    /// [`PermitStore::complete_call`] said a learned limit is due to change: a raise, or a
+    /// correction of the last decrease.
     Recovery,
     /// A 2xx answer's rate-limit headers.
     Told(RateLimitHeaders),
@@ -497,6 +499,9 @@ pub struct PermitStore {
     writing_answers: Arc<OnceLock<()>>,
     /// The sellers this store reserved slots for lately (see [`PermitStore::reserving`]).
     reserving: Arc<std::sync::Mutex<HashMap<SellerId, std::time::Instant>>>,
+    /// The sellers this store learned a 429 of lately: what their calls made with pool units
+    /// answered may correct the decrease once written (see `write_answers`).
+    throttled: Arc<std::sync::Mutex<HashMap<SellerId, std::time::Instant>>>,
 }
 
 /// Most sellers [`PermitStore::reserving`] keeps (beyond it, the ones not seen for
@@ -506,6 +511,14 @@ const MOST_RESERVING: usize = 10_000;
 /// How long a seller stays in [`PermitStore::reserving`] after its last reservation: longer than
 /// any slot is reserved ahead but for the deepest backlogs.
 const RESERVING_FOR: Duration = Duration::from_secs(3600);
+
+/// Most sellers [`PermitStore::throttled`] keeps (beyond it, it starts over).
+const MOST_THROTTLED: usize = 4096;
+
+/// How long after a 429 of a seller learned here what its calls made with pool units answered
+/// is looked at for a correction of the decrease (see `write_answers`): longer than the pool's
+/// answers wait to be written, shorter than the accepted log is kept at the shortest window.
+const THROTTLED_FOR: Duration = Duration::from_secs(2);
 
 /// How long after its grant a block's units may be claimed.
 pub const BLOCK_HOLD: Duration = Duration::from_secs(2);
@@ -607,6 +620,7 @@ impl PermitStore {
             record_delay: record_delay(&limiter),
             blocks,
             writing_answers: Arc::default(),
+            throttled: Arc::default(),
             reserving: Arc::default(),
             applied: Arc::new(Applied::new(limiter)),
             call_bound: Duration::ZERO,
@@ -1746,6 +1760,23 @@ impl PermitStore {
     /// then, or if that fails, a call holds its place until its end.
     async fn write_answers(&self, answers: Vec<(SellerId, block::Answers)>) {
         let limiter = self.limiter();
+        let throttled: Vec<SellerId> = if limiter.adaptive {
+            let lately = self
+                .throttled
+                .lock()
+                .expect("the throttled sellers' lock is never poisoned");
+            answers
+                .iter()
+                .filter(|(seller, _)| {
+                    lately
+                        .get(seller)
+                        .is_some_and(|at| at.elapsed() < THROTTLED_FOR)
+                })
+                .map(|(seller, _)| seller.clone())
+                .collect()
+        } else {
+            Vec::new()
+        };
         let writes = answers.into_iter().map(|(seller, answers)| {
             let mut end = redis::cmd("ZADD");
             end.arg(self.keys.calls(&seller)).arg("XX").arg("LT");
@@ -1775,6 +1806,17 @@ impl PermitStore {
         for result in futures::future::join_all(writes).await {
             if let Err(error) = result {
                 tracing::debug!(%error, "answers of calls made with pool units were not written: each holds its place until its end");
+            }
+        }
+        // A 429 learned before these answers were written may have lowered the seller's limit
+        // below what the downstream accepted: they may correct it now.
+        for seller in throttled {
+            match self.learn(&seller, Lesson::Recovery).await {
+                Ok(Some(change)) => {
+                    tracing::info!(counts = %change.counts, why = change.why.label(), "the seller's learned limit changed");
+                }
+                Ok(None) => {}
+                Err(error) => tracing::debug!(%error, "could not learn from the pool's answers"),
             }
         }
     }
@@ -1812,6 +1854,16 @@ impl PermitStore {
         let limiter = self.limiter();
         if !limiter.adaptive {
             return Ok(None);
+        }
+        if matches!(lesson, Lesson::Throttled { .. }) && self.blocks.is_some() {
+            let mut lately = self
+                .throttled
+                .lock()
+                .expect("the throttled sellers' lock is never poisoned");
+            if lately.len() >= MOST_THROTTLED {
+                lately.clear();
+            }
+            lately.insert(seller.clone(), std::time::Instant::now());
         }
         let learn = self.learn_call(seller, lesson, answered_us);
         // A 429's lesson decides what the message does next, and a raise comes after its

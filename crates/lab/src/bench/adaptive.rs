@@ -1,9 +1,11 @@
 //! `turnstile bench scenario --preset adaptive`: turnstile is told a limit (20/1s) above what
 //! the API really allows (5/1s, `--api-limit`); one busy seller's backlog (300) ahead of small
-//! sellers (20 x 3). Prints the share of the busy seller's calls answered 429 in each half of
-//! its drain, and the drain against the API's own optimum (its greedy schedule at the API's
-//! limit). `--adaptive off` gives the figures without adaptive limits; `--rate-limit-headers`
-//! makes the API say its limit.
+//! sellers (20 x 3), 4 replicas x 8 workers. `--preset adaptive-drain`: the same limits, one
+//! seller's 150 messages alone, 1 replica x 8 workers (the first burst is a few workers' calls
+//! answered at once, not a whole fleet's). Prints the share of the busy seller's calls answered
+//! 429 in each half of its drain and after its first window, and the drain against the API's
+//! own optimum (its greedy schedule at the API's limit). `--adaptive off` gives the figures
+//! without adaptive limits; `--rate-limit-headers` makes the API say its limit.
 
 use std::time::Duration;
 
@@ -31,13 +33,43 @@ impl Sample {
     }
 }
 
-/// Runs the preset; `Ok(false)` when anything was lost or registered twice.
-pub async fn run(args: &ScenarioArgs) -> anyhow::Result<bool> {
+/// The defaults of a preset, each overridden by its flag.
+#[derive(Clone, Copy, Debug)]
+pub struct Shape {
+    pub replicas: usize,
+    pub workers: u32,
+    pub big: usize,
+    pub small_sellers: usize,
+    pub small: usize,
+}
+
+/// `--preset adaptive`: 4 replicas x 8 workers, 300 + 20 x 3.
+pub const FLEET: Shape = Shape {
+    replicas: 4,
+    workers: 8,
+    big: 300,
+    small_sellers: 20,
+    small: 3,
+};
+
+/// `--preset adaptive-drain`: 1 replica x 8 workers, one seller's 150 messages alone.
+pub const DRAIN: Shape = Shape {
+    replicas: 1,
+    workers: 8,
+    big: 150,
+    small_sellers: 0,
+    small: 0,
+};
+
+/// Runs the preset of `shape`; `Ok(false)` when anything was lost or registered twice.
+pub async fn run(args: &ScenarioArgs, shape: Shape) -> anyhow::Result<bool> {
     let told = limits_or(&args.limit, "20/1s");
     let api = limits_or(&args.api_limit, "5/1s");
-    let (replicas, workers) = (args.replicas.unwrap_or(4), args.workers.unwrap_or(8));
-    let big = args.big.unwrap_or(300);
-    let (small_sellers, small) = (args.small_sellers.unwrap_or(20), args.small.unwrap_or(3));
+    let replicas = args.replicas.unwrap_or(shape.replicas);
+    let workers = args.workers.unwrap_or(shape.workers);
+    let big = args.big.unwrap_or(shape.big);
+    let small_sellers = args.small_sellers.unwrap_or(shape.small_sellers);
+    let small = args.small.unwrap_or(shape.small);
     let limiter = LimiterArgs {
         adaptive: args.adaptive,
         ..LimiterArgs::new(told.clone(), args.algorithm)
@@ -110,10 +142,18 @@ pub async fn run(args: &ScenarioArgs) -> anyhow::Result<bool> {
         .copied()
         .unwrap_or(start);
     let end = Sample::of(stats.now_ms, Some(&seller));
+    let first_window_end = first + api.shortest_window().as_millis() as u64;
+    let after_first_window = samples
+        .iter()
+        .find(|s| s.at_ms >= first_window_end)
+        .copied()
+        .unwrap_or(end);
     let share = |from: Sample, to: Sample| {
         100.0 * (to.throttled - from.throttled) as f64 / (to.calls - from.calls).max(1) as f64
     };
     let drain = (last - first) as f64 / 1000.0;
+    let ratio = drain / optimum.as_secs_f64().max(f64::EPSILON);
+    let after_share = share(after_first_window, end);
     print_outcome(&report);
     println!(
         "{:<44} {:>10}",
@@ -128,6 +168,10 @@ pub async fn run(args: &ScenarioArgs) -> anyhow::Result<bool> {
         "{:<44} {:>9.1}%",
         "429s: share of its calls, second half",
         share(at_middle, end)
+    );
+    println!(
+        "{:<44} {:>9.1}%",
+        "429s: share of its calls, after the first window", after_share
     );
     println!(
         "{:<44} {:>10.2}",
@@ -147,22 +191,32 @@ pub async fn run(args: &ScenarioArgs) -> anyhow::Result<bool> {
         format!("API optimum ({big} at {api})"),
         optimum.as_secs_f64()
     );
-    println!(
-        "{:<44} {:>9.3}x",
-        "drain / API optimum",
-        drain / optimum.as_secs_f64().max(f64::EPSILON)
-    );
-    println!(
-        "{:<44} {:>9.2}s",
-        "small sellers: last registered after publish",
-        small_sellers_done(&report)
-    );
-    if let Some(learned) = learned {
+    println!("{:<44} {:>9.3}x", "drain / API optimum", ratio);
+    if small_sellers > 0 {
         println!(
-            "{:<44} {:>10}",
-            "big seller: learned limit at the end",
-            learned.limit.to_string()
+            "{:<44} {:>9.2}s",
+            "small sellers: last registered after publish",
+            small_sellers_done(&report)
         );
     }
+    let learned = learned.map(|learned| learned.limit.to_string());
+    if let Some(learned) = &learned {
+        println!(
+            "{:<44} {:>10}",
+            "big seller: learned limit at the end", learned
+        );
+    }
+    println!(
+        "summary: {replicas}x{workers} headers={:?} drain={drain:.2}s optimum={:.2}s \
+         ratio={ratio:.3}x 429s_after_first_window={after_share:.1}% 429s={} violations={} \
+         lost={} duplicates={} learned={}",
+        args.rate_limit_headers,
+        optimum.as_secs_f64(),
+        end.throttled,
+        report.violations,
+        report.lost,
+        report.duplicates,
+        learned.as_deref().unwrap_or("-")
+    );
     Ok(report.lost == 0 && report.duplicates == 0)
 }

@@ -3,8 +3,8 @@
 //! the whole workload (53,000 messages) is in the work queue before the replicas start, so the
 //! busy seller's messages come back from the delay ladder while tens of thousands wait in the
 //! work queue. `--preset stacked`: a stack of two limits (6/1s,20/5s) enforced by the mock in
-//! cost units, every message costing 1 to 3 units. `--preset weighted` and `--preset adaptive`
-//! run in modules of their own (`shares`, `adaptive`).
+//! cost units, every message costing 1 to 3 units. `--preset weighted`, `--preset adaptive` and
+//! `--preset adaptive-drain` run in modules of their own (`shares`, `adaptive`).
 
 use std::time::Duration;
 
@@ -44,7 +44,10 @@ pub async fn run(args: ScenarioArgs) -> anyhow::Result<bool> {
         return super::shares::run(&args).await;
     }
     if args.preset == "adaptive" {
-        return super::adaptive::run(&args).await;
+        return super::adaptive::run(&args, super::adaptive::FLEET).await;
+    }
+    if args.preset == "adaptive-drain" {
+        return super::adaptive::run(&args, super::adaptive::DRAIN).await;
     }
     let preset = match args.preset.as_str() {
         "bar" => Preset {
@@ -140,7 +143,7 @@ pub async fn run(args: ScenarioArgs) -> anyhow::Result<bool> {
             prefetch: None,
         },
         other => anyhow::bail!(
-            "--preset {other:?}: choose bar, deep, backlog, stacked, global, seed, weighted or adaptive"
+            "--preset {other:?}: choose bar, deep, backlog, stacked, global, seed, weighted, adaptive or adaptive-drain"
         ),
     };
     let limit = args

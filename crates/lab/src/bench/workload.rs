@@ -21,7 +21,9 @@ pub struct ScenarioArgs {
     /// `seed`: 100/1m, 500 + 2x150 + 10x50, 4 replicas x 16 workers (the motivating case's scale).
     /// `adaptive`: turnstile told 20/1s, the API allowing 5/1s (`--api-limit`), 300 + 20x3:
     /// the 429s in the second half of the big seller's drain and the drain against the API's
-    /// own optimum. Flags given explicitly override the preset.
+    /// own optimum. `adaptive-drain`: the same limits, one seller's 150 messages alone on
+    /// 1 replica x 8 workers; adds the 429s after the first window. Flags given explicitly
+    /// override the preset.
     #[arg(long, default_value = "bar")]
     pub preset: String,
     /// The limit, or a comma-separated stack, both turnstile's and the mock's.

@@ -94,7 +94,7 @@ pub(in crate::permit) struct CompleteAnswer {
     pub changed: bool,
     /// The REASON the message was dead for when it left `dead`, else ''.
     pub was_dead_for: String,
-    /// A learned count is due to go up.
+    /// A learned count is due to change (a raise, or a correction of the last decrease).
     pub raise_due: bool,
     /// The batch's completion event to publish, or ''.
     pub event: String,
