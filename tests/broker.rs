@@ -270,26 +270,37 @@ async fn a_forged_hop_end_is_held_no_longer_than_its_level() {
     broker.cleanup().await;
 }
 
+/// A connection of its own consuming the test's work queue as `tag`, on one channel.
+async fn consume(
+    broker: &TestBroker,
+    tag: &str,
+) -> (lapin::Connection, lapin::Channel, lapin::Consumer) {
+    let connection = turnstile_core::broker::connect(
+        &support::broker::amqp_url(),
+        &format!("turnstile test {tag}"),
+    )
+    .await
+    .unwrap();
+    let channel = connection.create_channel().await.unwrap();
+    let consumer = channel
+        .basic_consume(
+            broker.queue().into(),
+            tag.into(),
+            Default::default(),
+            Default::default(),
+        )
+        .await
+        .unwrap();
+    (connection, channel, consumer)
+}
+
 #[tokio::test]
 async fn batched_acks_settle_exactly_what_was_acked_in_any_order() {
     let broker = TestBroker::new("settle", QueueType::Quorum).await;
     for i in 1..=10 {
         broker.publish(format!(r#"{{"n":{i}}}"#).as_bytes()).await;
     }
-    let connection =
-        turnstile_core::broker::connect(&support::broker::amqp_url(), "turnstile test settle")
-            .await
-            .unwrap();
-    let channel = connection.create_channel().await.unwrap();
-    let mut consumer = channel
-        .basic_consume(
-            broker.queue().into(),
-            "settle".into(),
-            Default::default(),
-            Default::default(),
-        )
-        .await
-        .unwrap();
+    let (connection, channel, mut consumer) = consume(&broker, "settle").await;
     let settler = turnstile_core::broker::Settler::new(channel.clone());
     let mut tags = Vec::new();
     for _ in 0..10 {
@@ -330,20 +341,7 @@ async fn a_single_acking_settler_never_acks_a_delivery_not_yet_recorded() {
     for i in 1..=3 {
         broker.publish(format!(r#"{{"n":{i}}}"#).as_bytes()).await;
     }
-    let connection =
-        turnstile_core::broker::connect(&support::broker::amqp_url(), "turnstile test singly")
-            .await
-            .unwrap();
-    let channel = connection.create_channel().await.unwrap();
-    let mut consumer = channel
-        .basic_consume(
-            broker.queue().into(),
-            "singly".into(),
-            Default::default(),
-            Default::default(),
-        )
-        .await
-        .unwrap();
+    let (connection, channel, mut consumer) = consume(&broker, "singly").await;
     let settler = turnstile_core::broker::Settler::new(channel.clone()).singly();
     let mut tags = Vec::new();
     for _ in 0..3 {

@@ -783,13 +783,7 @@ async fn a_grant_that_finds_every_worker_busy_waits_for_one_only_while_it_is_you
 async fn with_every_worker_busy_a_new_message_asks_ahead_and_is_called_the_moment_one_is_free() {
     let h = Harness::new([Script::Grant], [Answer::Created { told: None }]);
     let start = Instant::now();
-    let workers = h.worker.workers.clone();
-    let all = workers.available_permits() as u32;
-    let taken = workers.acquire_many_owned(all).await.expect("open");
-    let busy = async {
-        tokio::time::sleep(300 * MS).await;
-        drop(taken);
-    };
+    let busy = every_worker_busy_for(&h, 300 * MS).await;
 
     let message = registration("m-1");
 
@@ -807,13 +801,7 @@ async fn with_every_worker_busy_and_a_slow_downstream_a_new_message_waits_for_a_
         h.worker.ask_ahead.called(3 * SECOND);
     }
     let start = Instant::now();
-    let workers = h.worker.workers.clone();
-    let all = workers.available_permits() as u32;
-    let taken = workers.acquire_many_owned(all).await.expect("open");
-    let busy = async {
-        tokio::time::sleep(300 * MS).await;
-        drop(taken);
-    };
+    let busy = every_worker_busy_for(&h, 300 * MS).await;
 
     let message = registration("m-1");
 
@@ -869,13 +857,7 @@ async fn under_a_limit_that_counts_calls_at_their_grant_a_new_message_waits_for_
         )
     });
     let start = Instant::now();
-    let workers = h.worker.workers.clone();
-    let all = workers.available_permits() as u32;
-    let taken = workers.acquire_many_owned(all).await.expect("open");
-    let busy = async {
-        tokio::time::sleep(300 * MS).await;
-        drop(taken);
-    };
+    let busy = every_worker_busy_for(&h, 300 * MS).await;
     let message = registration("m-1");
 
     let (outcome, ()) = tokio::join!(h.handle(&message, Carried::default()), busy);
@@ -886,4 +868,15 @@ async fn under_a_limit_that_counts_calls_at_their_grant_a_new_message_waits_for_
         [start + 300 * MS],
         "asked with a worker"
     );
+}
+
+/// Takes every worker of `h` now and frees them all once `d` has passed (await the result).
+async fn every_worker_busy_for(h: &Harness, d: Duration) -> impl std::future::Future<Output = ()> {
+    let workers = h.worker.workers.clone();
+    let all = workers.available_permits() as u32;
+    let taken = workers.acquire_many_owned(all).await.expect("open");
+    async move {
+        tokio::time::sleep(d).await;
+        drop(taken);
+    }
 }
