@@ -265,7 +265,13 @@ async fn raises_up_to_the_configured_limit(backend: Backend, algorithm: Algorith
                 .await
                 .unwrap();
             if let Some(change) = change {
-                assert_eq!(change.why, Why::Recovery);
+                // A raise made while the 429's window is still open is a correction from the
+                // calls it accepted, which keeps the decrease's reason.
+                assert!(
+                    matches!(change.why, Why::Recovery | Why::Throttled),
+                    "{:?}",
+                    change.why
+                );
                 seen.push(change.counts.parse::<u32>().unwrap());
             }
         }
