@@ -782,14 +782,9 @@ async fn a_grant_that_finds_every_worker_busy_waits_for_one_only_while_it_is_you
 #[tokio::test(start_paused = true)]
 async fn with_every_worker_busy_a_new_message_asks_ahead_and_is_called_the_moment_one_is_free() {
     let h = Harness::new([Script::Grant], [Answer::Created { told: None }]);
-    let start = Instant::now();
-    let busy = every_worker_busy_for(&h, 300 * MS).await;
 
-    let message = registration("m-1");
+    let start = asked_while_every_worker_was_busy_for(&h, 300 * MS).await;
 
-    let (outcome, ()) = tokio::join!(h.handle(&message, Carried::default()), busy);
-
-    assert_eq!(outcome, registered(1));
     assert_eq!(h.journal.times(asked), [start], "asked at once");
     assert_eq!(h.journal.times(called), [start + 300 * MS]);
 }
@@ -800,14 +795,8 @@ async fn with_every_worker_busy_and_a_slow_downstream_a_new_message_waits_for_a_
     for _ in 0..20 {
         h.worker.ask_ahead.called(3 * SECOND);
     }
-    let start = Instant::now();
-    let busy = every_worker_busy_for(&h, 300 * MS).await;
+    let start = asked_while_every_worker_was_busy_for(&h, 300 * MS).await;
 
-    let message = registration("m-1");
-
-    let (outcome, ()) = tokio::join!(h.handle(&message, Carried::default()), busy);
-
-    assert_eq!(outcome, registered(1));
     assert_eq!(
         h.journal.times(asked),
         [start + 300 * MS],
@@ -856,13 +845,8 @@ async fn under_a_limit_that_counts_calls_at_their_grant_a_new_message_waits_for_
             FakeApi::new(journal, [Answer::Created { told: None }]),
         )
     });
-    let start = Instant::now();
-    let busy = every_worker_busy_for(&h, 300 * MS).await;
-    let message = registration("m-1");
+    let start = asked_while_every_worker_was_busy_for(&h, 300 * MS).await;
 
-    let (outcome, ()) = tokio::join!(h.handle(&message, Carried::default()), busy);
-
-    assert_eq!(outcome, registered(1));
     assert_eq!(
         h.journal.times(asked),
         [start + 300 * MS],
@@ -879,4 +863,15 @@ async fn every_worker_busy_for(h: &Harness, d: Duration) -> impl std::future::Fu
         tokio::time::sleep(d).await;
         drop(taken);
     }
+}
+
+/// Handles one message, registered, while every worker of `h` is busy for `d` from the start;
+/// returns the start.
+async fn asked_while_every_worker_was_busy_for(h: &Harness, d: Duration) -> Instant {
+    let start = Instant::now();
+    let busy = every_worker_busy_for(h, d).await;
+    let message = registration("m-1");
+    let (outcome, ()) = tokio::join!(h.handle(&message, Carried::default()), busy);
+    assert_eq!(outcome, registered(1));
+    start
 }
