@@ -134,15 +134,13 @@ elseif event == 'throttled' and granted >= st.at then
 end
 -- A 429 for a call granted before the last change (one of the same burst), a recovery and a
 -- header without a LIMIT first correct the last decrease to what the downstream is now seen to
--- have accepted in its window (see corrected_count); the decrease's reason and time stay.
+-- have accepted in its window (see corrections); the decrease's reason and time stay.
+-- (Nothing changed the counts before this: they are still the state's.)
 local corrected = false
-if why == nil and limit < 1 and st.why == '429' then
-  for i, l in ipairs(configured) do
-    local n = st.counts[i] < st.from[i] and corrected_count(counts[i], st.from[i], evidence_of(KEYS[2], l, st.at))
-    if n then
-      counts[i] = n
-      corrected = true
-    end
+if why == nil and limit < 1 then
+  for i, n in pairs(corrections(st, configured, KEYS[2])) do
+    counts[i] = n
+    corrected = true
   end
 end
 -- (A header without a LIMIT says nothing about the counts: sustained success still raises.)

@@ -5,7 +5,7 @@
 -- lowers a count to and how later evidence corrects it, and when a learned count is due to
 -- change. (How the learned counts apply: with_learned, in terms.)
 -- Defines: learned_ttl, learned_state, accepted_in, lowered_count, corrected_count, evidence_of,
---   correction_due, raise_due, note_accepted
+--   corrections, raise_due, note_accepted
 
 -- Adaptive limits: how long a seller's learned state outlives the last answer it was kept alive
 -- by (ms): 10 minutes, or 10 of the configured stack's longest windows if longer.
@@ -74,17 +74,18 @@ local function evidence_of(accepted_key, l, at)
     string.format('%.0f', at + l.guard))
 end
 
--- Whether a count the last 429 lowered (the state ST, for the stack CONFIGURED) is due to be
--- corrected (see corrected_count): the downstream was since seen to accept more in that window.
-local function correction_due(st, configured, accepted_key)
-  if st.why ~= '429' then return false end
+-- The counts the last 429 lowered (the state ST, for the stack CONFIGURED) that are due to be
+-- corrected (see corrected_count), by limit index: what each goes up to, the downstream having
+-- since been seen to accept more in that window. Empty unless the last change was a 429.
+local function corrections(st, configured, accepted_key)
+  local due = {}
+  if st.why ~= '429' then return due end
   for i, l in ipairs(configured) do
-    if st.counts[i] < st.from[i]
-        and corrected_count(st.counts[i], st.from[i], evidence_of(accepted_key, l, st.at)) then
-      return true
+    if st.counts[i] < st.from[i] then
+      due[i] = corrected_count(st.counts[i], st.from[i], evidence_of(accepted_key, l, st.at))
     end
   end
-  return false
+  return due
 end
 
 -- The limits of CONFIGURED whose learned count (in the state ST) is due to go up: it is below the
@@ -108,7 +109,7 @@ end
 -- the downstream accepted, score = when the answer came back; within the configured stack's
 -- longest window + guard, and at most twice its largest COUNT + COST of them) that the call TOKEN of COST
 -- units was accepted NOW, keeps the learned state (LEARNED_KEY) alive while the seller is
--- answered, and returns 1 when a learned count is due to change (raise_due, correction_due),
+-- answered, and returns 1 when a learned count is due to change (raise_due, corrections),
 -- else 0.
 local function note_accepted(learned_key, accepted_key, configured, token, cost, now)
   redis.call('ZREMRANGEBYSCORE', accepted_key, '-inf', now - configured.max_span)
@@ -120,7 +121,7 @@ local function note_accepted(learned_key, accepted_key, configured, token, cost,
     redis.call('PEXPIRE', learned_key, learned_ttl(configured))
   end
   local st = learned_state(learned_key, configured)
-  if correction_due(st, configured, accepted_key)
+  if next(corrections(st, configured, accepted_key)) ~= nil
       or #raise_due(st, configured, accepted_key, now) > 0 then
     return 1
   end

@@ -193,9 +193,10 @@ async fn flush(
     let (run_end, singles) = {
         let mut state = lock(state);
         let singly = state.singly;
-        let lowest_unsettled = match singly {
-            true => 0,
-            false => state.unsettled.first().copied().unwrap_or(u64::MAX),
+        let lowest_unsettled = if singly {
+            0
+        } else {
+            state.unsettled.first().copied().unwrap_or(u64::MAX)
         };
         let run_end = state
             .acked

@@ -422,14 +422,12 @@ impl Limiter for PermitStore {
     }
 
     fn slots_wait_for_answers(&self) -> bool {
-        matches!(
-            self.limiter().algorithm,
-            crate::config::Algorithm::SlidingWindow | crate::config::Algorithm::Gcra
-        )
+        self.limiter().algorithm.is_exact()
     }
 
     fn grants_may_wait(&self) -> bool {
-        self.slots_wait_for_answers() && self.limiter().global_limit.0.is_none()
+        let terms = self.limiter();
+        terms.algorithm.is_exact() && terms.global_limit.0.is_none()
     }
 }
 

@@ -59,7 +59,7 @@ impl AskAhead {
     /// Whether messages may ask ahead now: while the typical call is within
     /// [`MOST_TYPICAL_CALL`].
     pub fn allowed(&self) -> bool {
-        Duration::from_micros(self.typical_call_us.load(Ordering::Relaxed)) <= MOST_TYPICAL_CALL
+        self.typical_call() <= MOST_TYPICAL_CALL
     }
 }
 

@@ -564,7 +564,7 @@ impl Worker {
             _ = shutdown.cancelled() => return interrupted(Interrupted::Shutdown),
             _ = connection_lost.cancelled() => return interrupted(Interrupted::ConnectionLost),
         };
-        let decision = match decided {
+        let mut decision = match decided {
             Ok(decision) => decision,
             Err(error) => {
                 // No worker is held while the message waits for Redis.
@@ -572,7 +572,6 @@ impl Worker {
                 return permit_errors.plan(error, carried);
             }
         };
-        let mut decision = decision;
         if let Decision::Wait {
             retry_after,
             reservation: Some(_),
