@@ -210,6 +210,14 @@ async fn the_ladder_hands_due_messages_to_the_workers_once_each() {
         .unwrap();
     back.acker.ack(BasicAckOptions::default()).await.unwrap();
     let counted = |n: &std::sync::atomic::AtomicU64| n.load(std::sync::atomic::Ordering::Relaxed);
+    // The ladder counts its republish once the broker confirmed it, which may be after the
+    // copy reached the return queue's consumer.
+    for _ in 0..100 {
+        if counted(&stats.hops) > 0 {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
     let returned = HANDED_RETURNS;
     assert_eq!(
         counted(&stats.deliveries),
