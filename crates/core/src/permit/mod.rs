@@ -8,7 +8,7 @@
 //! changed meanwhile, or it came back too late (then it simply reserves again).
 //!
 //! A seller's grant is then checked against what lies beyond the seller
-//! ([`PermitStore::beyond_seller`]): a lease of its calls in flight
+//! (`PermitStore::beyond_seller`): a lease of its calls in flight
 //! (`TURNSTILE_SELLER_CONCURRENCY`, `lua/lease.lua`) and the global limit shared fairly by all
 //! sellers (`TURNSTILE_GLOBAL_LIMIT`, `lua/global.lua`, in a Redis slot of its own); if either
 //! refuses, the grant is given back (`lua/release.lua`) and the call deferred.
@@ -1293,7 +1293,7 @@ impl PermitStore {
     /// the seller's grant, [`Self::release`]) and the grant becomes [`Decision::Deferred`] or,
     /// for a cost the global limit can never grant, [`Decision::TooCostly`]. Any other
     /// decision, and every decision when neither is set, is returned as it is.
-    pub async fn beyond_seller(
+    async fn beyond_seller(
         &self,
         seller: &SellerId,
         cost: Cost,
@@ -1379,7 +1379,7 @@ impl PermitStore {
 
     /// Takes a lease of the seller's calls in flight for `call` (see `lua/lease.lua`): `None`
     /// when leased (or without `TURNSTILE_SELLER_CONCURRENCY`), else when to ask again.
-    pub async fn take_lease(
+    async fn take_lease(
         &self,
         seller: &SellerId,
         call: &str,
@@ -1479,7 +1479,7 @@ impl PermitStore {
 
     /// Gives back the seller's grant `call` of `cost` units counted at `slot_us`, which will not
     /// be called (see `lua/release.lua`).
-    pub async fn release(
+    async fn release(
         &self,
         seller: &SellerId,
         call: &str,
