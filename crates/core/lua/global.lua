@@ -8,9 +8,15 @@
 -- fairly among the sellers with work. Asked once a seller's own permit granted a call now; the
 -- call is made only if this grants too (else the seller's grant is given back: release.lua).
 --
--- The limit: an exact sliding log of the units granted (one member per unit, score = grant
--- time), every limit of the stack checked at once: at most COUNT units in any window of
--- WINDOW+GUARD. Nothing is reserved ahead, so no seller holds global slots ahead of another.
+-- The limit: an exact sliding log of the units granted, every limit of the stack checked at
+-- once. As a seller's calls do (calls_gate in include/calls.lua), each call holds its place in
+-- the log from its grant until its answer, because the downstream may count it at any moment in
+-- between: a unit's score is the call's END, its grant + BOUND while it is in flight, when its
+-- answer came once global_end.lua records it. A call of COST units is granted only while, for
+-- every limit, the units whose END lies within its WINDOW (+ GUARD) leave room for COST more;
+-- so no window of the downstream holds more than COUNT units, whatever each call's latency
+-- (docs/guarantees.md, "Exact whatever the latency"). Nothing is reserved ahead, so no seller
+-- holds global slots ahead of another.
 --
 -- Fairness (start-time fair queuing over virtual time): a seller competes while it is being
 -- refused: from a refusal until IDLE after the time its last refusal told it to come back (a
@@ -31,7 +37,8 @@
 -- share turns out smaller is denied again and comes back later; one that is left alone finds
 -- its calls coming back as fast as the budget allows.
 --
--- KEYS[1]  the global log (sorted set: member = `<unit>|<seller>`, see unit; score = grant µs)
+-- KEYS[1]  the global log (sorted set: member = `<unit>|<seller>`, see unit; score = the
+--          call's END in µs)
 -- KEYS[2]  the fair state (hash: `v` = virtual time, `w` = the competing sellers' weights)
 -- KEYS[3]  the competing sellers' finish tags (sorted set: seller -> F)
 -- KEYS[4]  the competing sellers (sorted set: seller -> competing until, µs: IDLE after its
@@ -52,6 +59,8 @@
 -- ARGV[6]  SELLER: the seller's key tag (1 to 2048 characters, no `|`)
 -- ARGV[7]  IDLE in µs (integer >= 1)
 -- ARGV[8]  FLAGS: +2 = Redis keeps its data across restarts (no server check)
+-- ARGV[9]  BOUND in µs: the latest a call granted now is answered (or times out); 0 = at its
+--          grant
 -- Returns {STATUS, AT_US, NOW_US, WHY}
 --   STATUS 1 = granted (call now), 0 = denied (come back at AT), 4 = COST exceeds the smallest
 --   COUNT of the stack: never granted (AT_US is that COUNT);
@@ -67,6 +76,7 @@ if seller == nil or #seller < 1 or #seller > 2048 or string.find(seller, '|', 1,
 end
 local idle = int_arg(7, 1)
 local durable = int_arg(8, 0) >= 2
+local bound = int_arg(9, 0)
 local now = now_us()
 if cost > limits.min_count then return {4, limits.min_count, now, 0} end
 check_server(KEYS[7], KEYS[1], KEYS[8], KEYS[9], limits.max_span, now, durable)
@@ -108,18 +118,24 @@ local function keep_fair()
   for _, key in ipairs({KEYS[2], KEYS[3], KEYS[4], KEYS[6]}) do redis.call('PEXPIRE', key, ttl) end
 end
 
--- Room now: for every limit, the units granted in its span leave room for COST more; and no
--- pause (a Redis that may have lost grants, see check_server).
+-- Room now: for every limit, the units whose END lies in its span leave room for COST more;
+-- and no pause (a Redis that may have lost grants, see check_server). Without room, the log
+-- opens when enough ENDs leave every span: exactly then when the END that decides is an answer
+-- already recorded; while that call is still in flight, no later than GUARD (at least 25 ms)
+-- from now, as its answer usually comes much sooner than its BOUND.
 redis.call('ZREMRANGEBYSCORE', KEYS[1], '-inf', now - limits.max_span)
 local room_at = nil
+local in_flight = false
 for _, l in ipairs(limits) do
   local n = redis.call('ZCOUNT', KEYS[1], string.format('(%.0f', now - l.span), '+inf')
   local room = l.count - cost
   if n > room then
     local kth = tonumber(redis.call('ZREVRANGE', KEYS[1], room, room, 'WITHSCORES')[2])
     room_at = math.max(room_at or 0, kth + l.span)
+    if kth > now then in_flight = true end
   end
 end
+if in_flight then room_at = math.min(room_at, now + math.max(limits.min_guard, 25000)) end
 local pause = paused_until(KEYS[8])
 if pause > now then room_at = math.max(room_at or 0, pause) end
 
@@ -127,14 +143,15 @@ local ahead = start - v > quantum
 if not ahead and room_at == nil then
   local args = {}
   for i = 1, cost do
-    args[#args + 1] = now
+    args[#args + 1] = now + bound
     args[#args + 1] = unit(token, i) .. '|' .. seller
     if #args >= 1000 or i == cost then
       redis.call('ZADD', KEYS[1], unpack(args))
       args = {}
     end
   end
-  local ttl = math.floor(limits.max_span / 1000) + 1
+  local ttl = math.floor((bound + limits.max_span) / 1000) + 1
+  if redis.call('PTTL', KEYS[1]) > ttl then ttl = redis.call('PTTL', KEYS[1]) end
   redis.call('PEXPIRE', KEYS[1], ttl)
   keep_stamp(KEYS[7], ttl, durable)
   if competing then

@@ -757,6 +757,19 @@ impl LimiterArgs {
     pub fn seller_guard(&self) -> Option<Duration> {
         seller_guard(self.algorithm, self.guard)
     }
+
+    /// The guard of the global limit's windows: see [`global_guard`].
+    pub fn global_guard(&self) -> Duration {
+        global_guard(self.guard)
+    }
+}
+
+/// The guard of the global limit's windows: the configured one (`TURNSTILE_LIMIT_GUARD`), else
+/// none: each call holds its place in the global log from its grant until its answer, so that
+/// no window of the downstream can hold more than COUNT whatever each call's latency
+/// (`lua/global.lua`), and a guard would only leave budget unused.
+pub fn global_guard(configured: Option<Duration>) -> Duration {
+    configured.unwrap_or(Duration::ZERO)
 }
 
 /// The guard of a seller's own windows under `algorithm`: the configured one
@@ -764,7 +777,7 @@ impl LimiterArgs {
 /// the seller's windows from their grant until their answer, so that no window of the
 /// downstream can hold more than COUNT whatever each call's latency, and a guard would only slow
 /// the drain (docs/guarantees.md, "Exact whatever the latency"); else (`None`) the default of
-/// [`guard_for`]. The global limit counts a call at its grant and keeps the default guard.
+/// [`guard_for`]. The global limit has its own, [`global_guard`].
 pub fn seller_guard(algorithm: Algorithm, configured: Option<Duration>) -> Option<Duration> {
     match (configured, algorithm) {
         (Some(guard), _) => Some(guard),

@@ -317,7 +317,7 @@ impl Admin {
             keys: self.keys.global_keys(),
             counts: global.counts_arg(),
             windows: global.windows_arg(),
-            guard_us: Terms::guard_arg_of(terms.guard),
+            guard_us: Terms::guard_arg_of(Some(crate::config::global_guard(terms.guard))),
         };
         let answer: Vec<redis::Value> = call
             .invocation()

@@ -133,7 +133,8 @@ pub trait Limiter: Send + Sync {
     fn ask<'a>(&'a self, ask: Ask<'a>) -> BoxFuture<'a, Result<Asked, PermitError>>;
 
     /// The call's answer came (or it timed out): its lease of the seller's calls in flight ends
-    /// now. A failure leaves the lease to its expiry (the call's bound).
+    /// now, and its units in the global limit hold their place only until now. A failure leaves
+    /// either to the call's bound.
     fn answered<'a>(&'a self, grant: &'a Grant) -> BoxFuture<'a, ()>;
 
     /// Hands the call's answer (which came at `answered_us`, see [`Grant::answered_us`]) back:
@@ -293,6 +294,18 @@ impl PermitStore {
         }
     }
 
+    /// Ends `grant`'s units in the global limit: answered at `answered_us`, or never sent
+    /// (`None`). A failure leaves them in their place until the call's bound: budget unused for
+    /// a while, never a window over the limit.
+    async fn end_grant_globally(&self, grant: &Grant, answered_us: Option<i64>) {
+        let ended = self
+            .end_globally(&grant.seller, &grant.call, grant.cost, answered_us)
+            .await;
+        if let Err(error) = ended {
+            warn!(%error, "could not end the call in the global limit: its units hold their place until its bound");
+        }
+    }
+
     async fn finish_call(
         &self,
         grant: &Grant,
@@ -371,7 +384,14 @@ impl Limiter for PermitStore {
     }
 
     fn answered<'a>(&'a self, grant: &'a Grant) -> BoxFuture<'a, ()> {
-        self.end_grant_lease(grant).boxed()
+        async move {
+            let answered_us = grant.answered_us();
+            tokio::join!(
+                self.end_grant_lease(grant),
+                self.end_grant_globally(grant, Some(answered_us))
+            );
+        }
+        .boxed()
     }
 
     fn finish<'a>(
@@ -385,7 +405,10 @@ impl Limiter for PermitStore {
 
     fn unsent(&self, grant: Grant) -> BoxFuture<'_, ()> {
         async move {
-            self.end_grant_lease(&grant).await;
+            tokio::join!(
+                self.end_grant_lease(&grant),
+                self.end_grant_globally(&grant, None)
+            );
             let released = self
                 .release(&grant.seller, &grant.call, grant.cost, grant.slot_us)
                 .await;

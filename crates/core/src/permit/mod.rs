@@ -55,7 +55,7 @@ use batch::{Batcher, Operation, When};
 use block::Blocks;
 use calls::{
     Acquire, AcquireAnswer, AcquireTail, CallEnded, Complete, CompleteAnswer, CompleteBatch,
-    Global, GlobalAnswer, Learn, LearnAnswer, Lease, LeaseAnswer, Redeem, RedeemAnswer, Release,
+    Global, GlobalAnswer, GlobalEnd, Learn, LearnAnswer, Lease, LeaseAnswer, Redeem, RedeemAnswer, Release,
     Unreserve,
 };
 pub use conn::{RedisClient, RedisConn, round_trips};
@@ -1440,12 +1440,13 @@ impl PermitStore {
             keys: self.keys.global_keys(),
             counts: global.counts_arg(),
             windows: global.windows_arg(),
-            guard_us: Terms::guard_arg_of(limiter.guard),
+            guard_us: Terms::guard_arg_of(Some(limiter.global_guard())),
             call,
             cost: cost.units(),
             seller: &seller.key_tag(),
             idle_us: global_idle(global).as_micros() as u64,
             durable: limiter.redis_durable,
+            bound_us: self.call_bound_us(),
         };
         let GlobalAnswer {
             status,
@@ -1475,6 +1476,34 @@ impl PermitStore {
         }];
         metrics::counter!("turnstile_global_permits_total", "outcome" => outcome).increment(1);
         Ok(decision)
+    }
+
+    /// Ends the call `call` of `cost` units that the global limit granted: answered at
+    /// `answered_us` (Redis time, an upper bound), its units hold their place in the global log
+    /// only until then; never sent (`None`), they leave it (see `lua/global_end.lua`). Without a
+    /// global limit, nothing.
+    pub(crate) async fn end_globally(
+        &self,
+        seller: &SellerId,
+        call: &str,
+        cost: Cost,
+        answered_us: Option<i64>,
+    ) -> Result<(), PermitError> {
+        if self.limiter().global_limit.0.is_none() {
+            return Ok(());
+        }
+        let end = GlobalEnd {
+            log: self.keys.global_log(),
+            call,
+            cost: cost.units(),
+            seller: &seller.key_tag(),
+            answered_us: answered_us.unwrap_or(GlobalEnd::UNSENT),
+        };
+        let _: i64 = end
+            .invocation()
+            .invoke_async(&mut self.conn.clone())
+            .await?;
+        Ok(())
     }
 
     /// Gives back the seller's grant `call` of `cost` units counted at `slot_us`, which will not

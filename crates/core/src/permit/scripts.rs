@@ -60,6 +60,7 @@ static SCRIPTS: &[(&str, &str)] = &[
     ("tally", include_str!("../../lua/tally.lua")),
     ("ended", include_str!("../../lua/ended.lua")),
     ("global", include_str!("../../lua/global.lua")),
+    ("global_end", include_str!("../../lua/global_end.lua")),
     ("release", include_str!("../../lua/release.lua")),
     ("lease", include_str!("../../lua/lease.lua")),
     ("learn", include_str!("../../lua/learn.lua")),
@@ -237,6 +238,7 @@ static RESCHEDULE: LazyLock<Script> = script!("reschedule");
 static TALLY: LazyLock<Script> = script!("tally");
 static ENDED: LazyLock<Script> = script!("ended");
 static GLOBAL: LazyLock<Script> = script!("global");
+static GLOBAL_END: LazyLock<Script> = script!("global_end");
 static RELEASE: LazyLock<Script> = script!("release");
 static LEASE: LazyLock<Script> = script!("lease");
 static LEARN: LazyLock<Script> = script!("learn");
@@ -283,6 +285,11 @@ pub fn tally() -> &'static Script {
 /// Takes units of the global limit, fairly among sellers (see `lua/global.lua`).
 pub fn global() -> &'static Script {
     &GLOBAL
+}
+
+/// Ends a call the global limit granted: answered, or never sent (see `lua/global_end.lua`).
+pub fn global_end() -> &'static Script {
+    &GLOBAL_END
 }
 
 /// Gives back a seller's grant that will not be called (see `lua/release.lua`).

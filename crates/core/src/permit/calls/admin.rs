@@ -239,7 +239,7 @@ impl GlobalUsageCall {
                     capacity: answer.count(4 + 2 * i)?,
                     ahead: 0,
                     oldest_age: Duration::ZERO,
-                    guard: terms.guard_for(l.window()),
+                    guard: crate::config::global_guard(terms.guard),
                     due_reserved: 0,
                 })
             })

@@ -24,6 +24,8 @@ pub(in crate::permit) struct Global<'a> {
     pub idle_us: u64,
     /// ARGV[8] FLAGS: +2 durable Redis.
     pub durable: bool,
+    /// ARGV[9]: BOUND in µs, the latest the call's answer comes.
+    pub bound_us: u64,
 }
 
 impl Global<'_> {
@@ -44,7 +46,42 @@ impl Global<'_> {
             .arg(self.cost)
             .arg(self.seller)
             .arg(self.idle_us)
-            .arg(2 * u8::from(self.durable));
+            .arg(2 * u8::from(self.durable))
+            .arg(self.bound_us);
+    }
+}
+
+/// `lua/global_end.lua`: a call the global limit granted was answered at `answered_us` (-1:
+/// now), or never sent ([`GlobalEnd::UNSENT`]). Answers how many units changed.
+pub(in crate::permit) struct GlobalEnd<'a> {
+    /// KEYS[1]: the global log.
+    pub log: String,
+    /// ARGV[1]: TOKEN of the call.
+    pub call: &'a str,
+    /// ARGV[2]: COST.
+    pub cost: u32,
+    /// ARGV[3]: SELLER, the seller's key tag.
+    pub seller: &'a str,
+    /// ARGV[4]: ANSWERED_US (-1 = now, [`GlobalEnd::UNSENT`] = never sent).
+    pub answered_us: i64,
+}
+
+impl GlobalEnd<'_> {
+    /// ANSWERED_US of a call that was never sent: its units leave the log.
+    pub const UNSENT: i64 = -2;
+
+    /// The script's invocation.
+    pub fn invocation(&self) -> redis::ScriptInvocation<'static> {
+        invoke(scripts::global_end(), |to| self.write(to))
+    }
+
+    /// KEYS and ARGV in the script's order.
+    pub fn write<C: Call>(&self, to: &mut C) {
+        to.key(self.log.clone())
+            .arg(self.call)
+            .arg(self.cost)
+            .arg(self.seller)
+            .arg(self.answered_us);
     }
 }
 
@@ -92,6 +129,7 @@ mod tests {
             seller: "{s1}",
             idle_us: 9,
             durable: true,
+            bound_us: 7,
         }
         .write(&mut written);
         let phrases = [
@@ -120,6 +158,33 @@ mod tests {
                 ("{s1}", "SELLER"),
                 ("9", "IDLE"),
                 ("2", "FLAGS"),
+                ("7", "BOUND"),
+            ],
+        );
+    }
+
+    #[test]
+    fn the_end_of_a_call_follows_its_header() {
+        const SOURCE: &str = include_str!("../../../lua/global_end.lua");
+        let mut written = Written::default();
+        GlobalEnd {
+            log: "log".into(),
+            call: "c1",
+            cost: 2,
+            seller: "{s1}",
+            answered_us: GlobalEnd::UNSENT,
+        }
+        .write(&mut written);
+        check(SOURCE, "KEYS", &written.keys, &[("log", "global log")]);
+        check(
+            SOURCE,
+            "ARGV",
+            &written.args,
+            &[
+                ("c1", "TOKEN"),
+                ("2", "COST"),
+                ("{s1}", "SELLER"),
+                ("-2", "ANSWERED_US"),
             ],
         );
     }

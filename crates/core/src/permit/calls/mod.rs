@@ -26,7 +26,7 @@ pub(super) use admin::{
 pub(super) use complete::{AdaptiveArgs, Complete, CompleteAnswer, CompleteBatch};
 pub(super) use ended::CallEnded;
 pub(super) use fleet::{FleetAction, FleetAnswer, FleetCall};
-pub(super) use global::{Global, GlobalAnswer};
+pub(super) use global::{Global, GlobalAnswer, GlobalEnd};
 pub(super) use learn::{Learn, LearnAnswer};
 pub(super) use lease::{Lease, LeaseAnswer};
 pub(super) use records::{BatchEventSent, BatchSeenCall, RetriesCall, RetryCall, Tally};
