@@ -65,7 +65,8 @@ pub async fn run(DeadLettersArgs { action, broker }: DeadLettersArgs) -> anyhow:
             })??;
     match action {
         DeadLettersAction::List { reason, json } => {
-            let letters = dead_letters::list(&channel, &topology, reason.as_deref()).await?;
+            let selection = selection_of(reason.as_deref())?;
+            let letters = dead_letters::list(&channel, &topology, &selection).await?;
             if json {
                 println!("{}", serde_json::to_string_pretty(&letters)?);
             } else {
@@ -86,14 +87,10 @@ pub async fn run(DeadLettersArgs { action, broker }: DeadLettersArgs) -> anyhow:
             done_ttl,
             redis,
         } => {
+            let selection = selection_of(reason.as_deref())?;
             let store = PermitStore::connect(&redis, &LimiterArgs::default()).await?;
             let done = dead_letters::replay(
-                &channel,
-                &publisher,
-                &topology,
-                reason.as_deref(),
-                &store,
-                done_ttl,
+                &channel, &publisher, &topology, &selection, &store, done_ttl, false,
             )
             .await?;
             println!(
@@ -108,4 +105,13 @@ pub async fn run(DeadLettersArgs { action, broker }: DeadLettersArgs) -> anyhow:
     let closing = connection.close(200, "done".into());
     let _ = tokio::time::timeout(dead_letters::STEP_TIMEOUT, closing).await;
     Ok(ExitCode::SUCCESS)
+}
+
+/// The dead letters `--reason` selects.
+fn selection_of(reason: Option<&str>) -> anyhow::Result<dead_letters::Selection> {
+    let mut selection = dead_letters::Selection::all();
+    if let Some(reason) = reason {
+        selection = selection.with_reason(reason.parse()?);
+    }
+    Ok(selection)
 }
