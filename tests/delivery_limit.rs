@@ -17,6 +17,7 @@ use lapin::{BasicProperties, Connection};
 use serde_json::json;
 use support::broker::TestBroker;
 use support::{run, unique};
+use turnstile_core::broker::dead_letters::{Reason, Selection};
 use turnstile_core::broker::{
     self, Declared, Protection, QueueType, Topology, UNREACHED_DELIVERY_LIMIT, WORK_DELIVERY_LIMIT,
     dead_letters, long_string,
@@ -108,13 +109,18 @@ async fn a_message_returned_more_often_than_the_delivery_limit_is_dead_lettered_
     assert_eq!(broker.depth(broker.queue()).await, 0);
 
     let channel = broker.connection.create_channel().await.unwrap();
-    let listed = dead_letters::list(&channel, &broker.topology, Some("delivery-limit"))
-        .await
-        .unwrap();
+    let listed = dead_letters::list(
+        &channel,
+        &broker.topology,
+        &Selection::all().with_reason(Reason::DeliveryLimit),
+    )
+    .await
+    .unwrap();
     println!("listed: {listed:?}");
     assert_eq!(listed.len(), 1, "{listed:?}");
     let letter = &listed[0];
     assert_eq!(letter.reason, dead_letters::DELIVERY_LIMIT_REASON);
+    assert_eq!(letter.attempts, None, "the broker does not count attempts");
     assert_eq!(letter.message_id.as_deref(), Some("m-poison"));
     assert_eq!(letter.seller_id.as_deref(), Some("S-1"));
     assert!(
@@ -142,13 +148,17 @@ async fn a_message_returned_more_often_than_the_delivery_limit_is_dead_lettered_
         &channel,
         &broker.publisher,
         &broker.topology,
-        Some("delivery-limit"),
+        &Selection::message("m-poison"),
         &permits,
         Duration::from_secs(60),
+        false,
     )
     .await
     .unwrap();
-    assert_eq!((replayed.replayed, replayed.kept), (1, 0));
+    assert_eq!(
+        (replayed.matched, replayed.replayed, replayed.kept),
+        (1, 1, 0)
+    );
     let back = tokio::time::timeout(Duration::from_secs(10), consumer.next())
         .await
         .expect("the replayed message is back on the work queue")
@@ -196,7 +206,7 @@ async fn listings_that_saw_it(broker: &TestBroker, times: u32) -> u32 {
         while broker::depth(&channel, dead).await.unwrap() < 1 && Instant::now() < deadline {
             tokio::time::sleep(Duration::from_millis(20)).await;
         }
-        let listed = dead_letters::list(&channel, &broker.topology, None)
+        let listed = dead_letters::list(&channel, &broker.topology, &Selection::all())
             .await
             .unwrap();
         match listed.len() {
@@ -597,4 +607,54 @@ async fn a_classic_work_queue_still_fails_a_quorum_replica_start() -> anyhow::Re
         .await
         .unwrap();
     rig.cleanup().await
+}
+
+#[tokio::test]
+async fn a_replay_that_fails_half_way_returns_every_dead_letter_it_read_to_the_queue() {
+    let broker = TestBroker::new("replay-fails", QueueType::Quorum).await;
+    for id in ["m-1", "m-2", "m-3"] {
+        put_dead_letter(&broker, id).await;
+    }
+    // Redis answers nothing: the first replayed message cannot be counted as waiting again.
+    let mut redis = turnstile_lab::local_redis::LocalRedis::start().unwrap();
+    let conn = turnstile_core::permit::RedisConn::connect(&support::redis_args(&redis.url(), "x"))
+        .await
+        .unwrap();
+    let permits = turnstile_core::permit::PermitStore::new(
+        conn,
+        "replay-fails",
+        support::limiter("10/1s", turnstile_core::config::Algorithm::SlidingWindow),
+    );
+    redis.stop();
+    // On a channel that lives on, as a replica's (the dashboard's) would.
+    let channel = broker.connection.create_channel().await.unwrap();
+    let failed = dead_letters::replay(
+        &channel,
+        &broker.publisher,
+        &broker.topology,
+        &Selection::all(),
+        &permits,
+        Duration::from_secs(60),
+        false,
+    )
+    .await
+    .expect_err("no Redis, no replay");
+    let said = format!("{failed:#}");
+    assert!(said.contains("0 dead letters were replayed"), "{said}");
+    // Every dead letter it read is back, while the channel stays open.
+    support::eventually_async("the dead letters are back", async || {
+        broker.depth(broker.topology.dead()).await == 3
+    })
+    .await;
+    assert!(channel.status().connected());
+    assert_eq!(
+        broker.depth(broker.queue()).await,
+        0,
+        "nothing was replayed"
+    );
+    let listed = dead_letters::list(&channel, &broker.topology, &Selection::all())
+        .await
+        .unwrap();
+    assert_eq!(listed.len(), 3, "{listed:?}");
+    broker.cleanup().await;
 }
