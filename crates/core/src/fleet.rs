@@ -638,7 +638,7 @@ impl Member {
                     "the fleet agrees on its terms"
                 );
             } else {
-                warn!(replicas = view.replicas.len(), effective = ?view.effective.as_ref().map(FleetTerms::digest), "the fleet's replicas run with different terms: every grant follows the strictest");
+                warn!(replicas = view.replicas.len(), effective = %view.effective.as_ref().map_or_else(|| "none".to_owned(), FleetTerms::digest), "the fleet's replicas run with different terms: every grant follows the strictest");
             }
             state.agreed = Some(agrees);
         }
@@ -704,7 +704,7 @@ impl Member {
         loop {
             match self.beat().await {
                 Ok(view) if self.may_consume(&view) => {
-                    info!(replicas = view.replicas.len(), terms = ?view.effective.as_ref().map(FleetTerms::digest), waited_ms = started.elapsed().as_millis() as u64, "joined the fleet");
+                    info!(replicas = view.replicas.len(), terms = %view.effective.as_ref().map_or_else(|| "none".to_owned(), FleetTerms::digest), waited_ms = started.elapsed().as_millis() as u64, "joined the fleet");
                     return true;
                 }
                 Ok(view) => {
@@ -753,7 +753,9 @@ impl Member {
                 () = stop.cancelled() => break,
                 () = tokio::time::sleep(next) => {}
             }
-            match self.beat().await {
+            let beat = self.beat().await;
+            metrics::gauge!("turnstile_redis_connected").set(if beat.is_ok() { 1.0 } else { 0.0 });
+            match beat {
                 Ok(_) if failing => {
                     info!("the fleet's registry answers again");
                     failing = false;
