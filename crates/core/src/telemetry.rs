@@ -29,6 +29,7 @@ use tracing_subscriber::EnvFilter;
 use tracing_subscriber::fmt::format::{JsonFields, Writer};
 use tracing_subscriber::fmt::time::{FormatTime, SystemTime};
 use tracing_subscriber::fmt::{FmtContext, FormatEvent, FormattedFields, MakeWriter};
+use tracing_subscriber::layer::{Layer, SubscriberExt};
 use tracing_subscriber::registry::LookupSpan;
 use tracing_subscriber::util::SubscriberInitExt;
 
@@ -116,18 +117,28 @@ pub fn subscriber<W>(
 where
     W: for<'w> MakeWriter<'w> + Send + Sync + 'static,
 {
-    let builder = tracing_subscriber::fmt()
-        .with_env_filter(filter)
-        .with_writer(writer);
+    Box::new(
+        tracing_subscriber::registry()
+            .with(filter)
+            .with(layer(format, writer)),
+    )
+}
+
+/// The layer that writes lines in `format` to `writer`, without a filter (for a subscriber of
+/// one's own, as [`subscriber`] builds).
+pub fn layer<S, W>(format: Format, writer: W) -> Box<dyn Layer<S> + Send + Sync>
+where
+    S: Subscriber + for<'a> LookupSpan<'a>,
+    W: for<'w> MakeWriter<'w> + Send + Sync + 'static,
+{
+    let lines = tracing_subscriber::fmt::layer().with_writer(writer);
     match format {
-        Format::Text { ansi } => Box::new(builder.with_ansi(ansi).finish()),
-        Format::Json => Box::new(
-            builder
-                .with_ansi(false)
-                .fmt_fields(JsonFields::new())
-                .event_format(FlatJson)
-                .finish(),
-        ),
+        Format::Text { ansi } => lines.with_ansi(ansi).boxed(),
+        Format::Json => lines
+            .with_ansi(false)
+            .fmt_fields(JsonFields::new())
+            .event_format(FlatJson)
+            .boxed(),
     }
 }
 
