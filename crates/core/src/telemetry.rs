@@ -13,10 +13,11 @@
 //! failed attempts it was delivered with), `trace_id` and, once its downstream call is made,
 //! that call's `span_id` (see `crate::trace`), e.g.
 //! `{"timestamp":"…","level":"WARN","message":"downstream failed; retrying later","target":
-//! "turnstile_core::worker","seller_id":"S-1","message_id":"m-7","attempt":0,"trace_id":"<32
-//! hex>","span_id":"<16 hex>","failed_attempts":1,"why":"HTTP 503"}`. A field named like an
-//! outer one replaces it (the event's own fields come last); `timestamp`, `level`, `message`
-//! and `target` are always the line's own.
+//! "turnstile_core::worker","attempt":0,"batch_id":"b-1","message_id":"m-7","seller_id":"S-1",
+//! "span_id":"<16 hex>","trace_id":"<32 hex>","failed_attempts":1,"why":"HTTP 503"}` (a span's
+//! fields in the order of their names). A field named like an outer one replaces it (the
+//! event's own fields come last); `timestamp`, `level`, `message` and `target` are always the
+//! line's own.
 
 use std::io::IsTerminal;
 use std::sync::Arc;
