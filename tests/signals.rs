@@ -119,6 +119,8 @@ async fn a_lost_broker_connection_is_one_line_when_lost_and_one_when_back() -> a
     support::eventually_async("the replica consumes again", async || ready.get()).await;
     let ours = captured.replica.take();
     let everything = captured.everything.take();
+    rig.publish("S-after-outage", 2).await?;
+    rig.wait_registered(2).await?;
     rig.stop_replicas().await?;
     rig.cleanup().await?;
 

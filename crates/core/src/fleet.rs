@@ -591,7 +591,8 @@ impl Member {
     }
 
     /// One heartbeat: renews the entry, reads the fleet, applies its strictest terms (and the
-    /// algorithm's fence), and trusts them until [`TRUST`] after the heartbeat was sent.
+    /// algorithm's fence), and trusts them until [`TRUST`] after the heartbeat was sent. Whether
+    /// Redis answered it is the gauge `turnstile_redis_connected`.
     pub async fn beat(&self) -> Result<View, PermitError> {
         let sent = Instant::now();
         let (entry, algorithm) = {
@@ -604,7 +605,9 @@ impl Member {
         let roll = self
             .registry
             .beat(&self.id, &entry, EXPIRY, algorithm, retain)
-            .await?;
+            .await;
+        metrics::gauge!("turnstile_redis_connected").set(if roll.is_ok() { 1.0 } else { 0.0 });
+        let roll = roll?;
         let view = view(&roll, self.own.guard);
         let mut state = self.lock();
         if let Some(effective) = &view.effective
@@ -753,9 +756,7 @@ impl Member {
                 () = stop.cancelled() => break,
                 () = tokio::time::sleep(next) => {}
             }
-            let beat = self.beat().await;
-            metrics::gauge!("turnstile_redis_connected").set(if beat.is_ok() { 1.0 } else { 0.0 });
-            match beat {
+            match self.beat().await {
                 Ok(_) if failing => {
                     info!("the fleet's registry answers again");
                     failing = false;
