@@ -35,6 +35,8 @@ RUN mkdir -p src \
 #    include_str!'d); tests/ and examples/ are not part of `cargo build` of the binary.
 COPY src ./src
 COPY crates ./crates
+# The commit, for the turnstile_build_info metric (`--build-arg TURNSTILE_GIT_SHA=…`).
+ARG TURNSTILE_GIT_SHA=unknown
 RUN cargo build --release --locked --bin turnstile \
  && install -m 0755 target/release/turnstile /usr/local/bin/turnstile \
  && /usr/local/bin/turnstile --version

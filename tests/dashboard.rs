@@ -273,7 +273,7 @@ async fn a_json_log_line_of_a_message_carries_its_seller_message_id_attempt_and_
     let lines = Lines::default();
     let _logging = tracing::subscriber::set_default(turnstile_core::telemetry::subscriber(
         tracing_subscriber::EnvFilter::new("turnstile=debug"),
-        true,
+        turnstile_core::telemetry::Format::Json,
         lines.clone(),
     ));
     let mut rig = support::rig("logs", "100/1s").prepare().await?;
@@ -282,6 +282,7 @@ async fn a_json_log_line_of_a_message_carries_its_seller_message_id_attempt_and_
     let body = json!({
         "message_id": "m-log",
         "seller_id": "S-log",
+        "batch_id": "b-log",
         "product": {"mock": {"statuses": [503, 200]}},
     });
     let traceparent = format!("00-{trace}-00f067aa0ba902b7-01");
@@ -310,25 +311,30 @@ async fn a_json_log_line_of_a_message_carries_its_seller_message_id_attempt_and_
     let of_message: Vec<Value> = text
         .lines()
         .map(|l| serde_json::from_str::<Value>(l).expect("every line is JSON"))
-        .filter(|l| l["span"]["message"] == "m-log")
+        .filter(|l| l["message_id"] == "m-log")
         .collect();
     let retried = of_message
         .iter()
         .find(|l| l["message"] == "downstream failed; retrying later")
         .unwrap_or_else(|| panic!("the retry is logged in the message's span:\n{text}"));
-    assert_eq!(retried["span"]["seller"], "S-log");
-    assert_eq!(retried["span"]["attempt"], 0, "the first delivery");
+    // Flat, as log pipelines index them: the span's fields beside the event's own.
+    assert_eq!(retried["seller_id"], "S-log");
+    assert_eq!(retried["batch_id"], "b-log");
+    assert_eq!(retried["attempt"], 0, "the first delivery");
+    assert_eq!(retried["failed_attempts"], 1, "{retried}");
+    assert!(retried.get("span").is_none(), "{retried}");
     assert!(
-        of_message.iter().any(|l| l["span"]["attempt"] == 1),
+        of_message.iter().any(|l| l["attempt"] == 1),
         "the redelivery's lines carry attempt 1:\n{text}"
     );
     // Every line carries the message's trace, and the lines name each call's span.
     for line in &of_message {
-        assert_eq!(line["span"]["trace_id"], trace, "{line}");
+        assert_eq!(line["trace_id"], trace, "{line}");
+        assert_eq!(line["seller_id"], "S-log", "{line}");
     }
     let logged: BTreeSet<String> = of_message
         .iter()
-        .filter_map(|l| l["span"]["span_id"].as_str().map(str::to_owned))
+        .filter_map(|l| l["span_id"].as_str().map(str::to_owned))
         .collect();
     assert_eq!(logged, called, "the logs name each call's span:\n{text}");
     rig.cleanup().await

@@ -1,16 +1,18 @@
 //! `/metrics` from the first scrape: every counter and histogram series a replica can export is
-//! there at 0 before any message, and no series appears later that the first scrape lacked.
-//! (Its own test binary: the Prometheus recorder is one per process, so no other test's events
-//! can show in these counts.)
+//! there at 0 before any message (before the replica reached Redis, even), with the gauges the
+//! alert rules need, the build's and the process's; no series appears later that the first
+//! scrape lacked. (Its own test binary: the Prometheus recorder is one per process, so no other
+//! test's events can show in these counts.)
 mod support;
 
 use std::collections::BTreeSet;
 
 use serde_json::json;
+use tokio_util::sync::CancellationToken;
 use turnstile_core::config::Algorithm;
-use turnstile_core::series::{Kind, METRICS};
+use turnstile_core::series::{self, Kind, METRICS};
 use turnstile_ops::http::Listen;
-use turnstile_ops::serve::{HttpArgs, ServeArgs};
+use turnstile_ops::serve::{HttpArgs, ServeArgs, Served};
 
 /// The series of a scrape: `name{labels}` (without a histogram bucket's `le`) → value.
 fn series(page: &str) -> Vec<(String, f64)> {
@@ -47,10 +49,106 @@ fn identity(id: &str) -> String {
     }
 }
 
+/// The value of the series `id` (`name{labels}`) in a scrape, if it is there.
+fn value(scrape: &[(String, f64)], id: &str) -> Option<f64> {
+    scrape.iter().find(|(s, _)| s == id).map(|(_, v)| *v)
+}
+
+/// The metrics an alert rule names that a replica exports only once it has read them from
+/// Redis or the broker (moments after it reached them): an unknown value is absent rather than
+/// a false 0.
+const READ_FIRST: [&str; 2] = ["turnstile_redis_may_evict", "turnstile_queue_messages"];
+
+/// The first scrape of a replica that has not reached Redis yet (so nothing else either).
+async fn scrape_before_redis(rig: &turnstile_lab::rig::Rig) -> anyhow::Result<String> {
+    let mut consume = rig.settings(2);
+    consume.redis.url = format!("redis://127.0.0.1:{}/", support::free_port());
+    let port = support::free_port();
+    let http = HttpArgs {
+        http_addr: Listen::At(format!("127.0.0.1:{port}").parse()?),
+        http_token: None,
+    };
+    let stop = CancellationToken::new();
+    let starting = tokio::spawn(Served::start(ServeArgs { consume, http }, stop.clone()));
+    let url = format!("http://127.0.0.1:{port}/metrics");
+    let mut page = String::new();
+    support::eventually_async(
+        "the endpoints of a replica without Redis answer",
+        async || match reqwest::get(&url).await {
+            Ok(answer) => {
+                page = answer.text().await.unwrap();
+                true
+            }
+            Err(_) => false,
+        },
+    )
+    .await;
+    stop.cancel();
+    starting.await??.wait().await?;
+    Ok(page)
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_fresh_replica_exports_every_series_at_zero_and_no_series_appears_later()
 -> anyhow::Result<()> {
     let mut rig = support::rig("metrics-zero", "3/1s").prepare().await?;
+
+    // Before it reached Redis or the broker: not ready, not connected, nothing overdue; the
+    // build and the process; every series an alert rule needs but those read from Redis or
+    // the broker.
+    let before = scrape_before_redis(&rig).await?;
+    let scrape = series(&before);
+    for gauge in [
+        "turnstile_ready",
+        "turnstile_broker_connected",
+        "turnstile_redis_connected",
+        "turnstile_batches_overdue",
+    ] {
+        assert_eq!(value(&scrape, gauge), Some(0.0), "{gauge}:\n{before}");
+    }
+    let build = format!(
+        "turnstile_build_info{{version=\"{}\",git_sha=\"{}\"}}",
+        series::VERSION,
+        series::GIT_SHA
+    );
+    let build_info = scrape.iter().find(|(s, _)| {
+        s.starts_with("turnstile_build_info{")
+            && s.contains(&format!("version=\"{}\"", series::VERSION))
+            && s.contains(&format!("git_sha=\"{}\"", series::GIT_SHA))
+    });
+    assert_eq!(build_info.map(|(_, v)| *v), Some(1.0), "{build}:\n{before}");
+    for metric in METRICS.iter().filter(|m| m.is_process()) {
+        let found = value(&scrape, metric.name);
+        assert!(found.is_some(), "{} is missing:\n{before}", metric.name);
+        assert!(
+            before.contains(&format!("# HELP {} ", metric.name)),
+            "{} has no help text",
+            metric.name
+        );
+    }
+    for positive in [
+        "process_resident_memory_bytes",
+        "process_open_fds",
+        "process_start_time_seconds",
+        "process_threads",
+    ] {
+        assert!(
+            value(&scrape, positive).unwrap() > 0.0,
+            "{positive}:\n{before}"
+        );
+    }
+    let named: BTreeSet<String> = rule_metrics(include_str!("../deploy/prometheus/alerts.yml"));
+    assert!(named.len() >= 12, "{named:?}");
+    for name in &named {
+        let present = scrape
+            .iter()
+            .any(|(s, _)| identity(s).split('{').next() == Some(name.as_str()));
+        assert!(
+            present || READ_FIRST.contains(&name.as_str()),
+            "{name}, named by an alert rule, is missing from the first scrape:\n{before}"
+        );
+    }
+
     let consume = rig.settings(2);
     let algorithm = consume.limiter.algorithm;
     let http = HttpArgs {
@@ -66,7 +164,10 @@ async fn a_fresh_replica_exports_every_series_at_zero_and_no_series_appears_late
     // Before any message: each counter and histogram with each label value, at 0.
     let first_page = reqwest::get(&url).await?.text().await?;
     let first = series(&first_page);
-    for metric in METRICS.iter().filter(|m| m.kind != Kind::Gauge) {
+    for metric in METRICS
+        .iter()
+        .filter(|m| m.kind != Kind::Gauge && !m.is_process())
+    {
         for value in metric.label_values(algorithm) {
             let labels = match metric.label {
                 Some(label) => format!("{{{}=\"{value}\"}}", label.key),
@@ -94,6 +195,27 @@ async fn a_fresh_replica_exports_every_series_at_zero_and_no_series_appears_late
         ready.is_some_and(|(_, v)| *v == 0.0 || *v == 1.0),
         "readiness is exported:\n{first_page}"
     );
+    // Consuming: connected to both; Redis's memory policy read.
+    for gauge in [
+        "turnstile_broker_connected",
+        "turnstile_redis_connected",
+        "turnstile_ready",
+    ] {
+        assert_eq!(value(&first, gauge), Some(1.0), "{gauge}:\n{first_page}");
+    }
+    assert_eq!(
+        value(&first, "turnstile_redis_may_evict"),
+        Some(0.0),
+        "{first_page}"
+    );
+    // The queue depths come with their first reading, moments later.
+    support::eventually_async("the queue depths are read", async || {
+        let page = reqwest::get(&url).await.unwrap().text().await.unwrap();
+        ["work", "ready", "delay", "dead"]
+            .iter()
+            .all(|queue| page.contains(&format!("turnstile_queue_messages{{queue=\"{queue}\"}} ")))
+    })
+    .await;
 
     // Then a workload with grants, waits, a registration refused, and 2xx/4xx answers.
     rig.publish("S-zero-busy", 8).await?;
@@ -124,6 +246,17 @@ async fn a_fresh_replica_exports_every_series_at_zero_and_no_series_appears_late
         .filter(|s| !s.starts_with("turnstile_queue_messages{"))
         .filter(|s| !first_ids.contains(&identity(s)))
         .collect();
+    let before_ids: BTreeSet<String> = scrape.iter().map(|(s, _)| identity(s)).collect();
+    let after_redis: BTreeSet<String> = first_ids.difference(&before_ids).cloned().collect();
+    assert_eq!(
+        after_redis,
+        BTreeSet::from([
+            "turnstile_fleet_disagreement".to_owned(),
+            "turnstile_fleet_replicas".to_owned(),
+            "turnstile_redis_may_evict".to_owned(),
+        ]),
+        "the series that come with a replica's first reading of Redis"
+    );
     assert!(
         new.is_empty(),
         "series missing from the first scrape: {new:?}"
@@ -165,6 +298,24 @@ fn unexported(query: &str) -> (Vec<String>, bool) {
         }
     }
     (missing, named)
+}
+
+/// The metric names a rules file (or a query) uses: `turnstile_*` and `process_*`, a
+/// histogram's `_bucket` as the histogram.
+fn rule_metrics(rules: &str) -> BTreeSet<String> {
+    let mut names = BTreeSet::new();
+    for prefix in ["turnstile_", "process_"] {
+        for (at, _) in rules.match_indices(prefix) {
+            if at > 0 && rules.as_bytes()[at - 1].is_ascii_alphanumeric() {
+                continue;
+            }
+            let end = rules[at..]
+                .find(|c: char| !(c.is_ascii_alphanumeric() || c == '_'))
+                .map_or(rules.len(), |n| at + n);
+            names.insert(identity(&rules[at..end]));
+        }
+    }
+    names
 }
 
 /// Every `expr` of every panel (rows' nested panels too) and every variable's query.
@@ -279,7 +430,7 @@ fn unknown_label_values(query: &str) -> Vec<String> {
             .rfind(|c: char| !(c.is_ascii_alphanumeric() || c == '_'))
             .map_or(0, |i| i + 1);
         let key = &before[key_start..];
-        if key.is_empty() || key == "instance" || key == "le" {
+        if key.is_empty() || key == "instance" || key == "job" || key == "le" {
             continue;
         }
         let value = &query[at + 1..];
@@ -325,12 +476,10 @@ fn the_operations_doc_documents_every_metric_and_no_other() {
     let doc = include_str!("../docs/operations.md");
     let table: BTreeSet<&str> = doc
         .lines()
-        .filter_map(|l| l.strip_prefix("| `turnstile_")?.split('`').next())
+        .filter_map(|l| l.strip_prefix("| `")?.split('`').next())
+        .filter(|name| name.starts_with("turnstile_") || name.starts_with("process_"))
         .collect();
-    let exported: BTreeSet<&str> = METRICS
-        .iter()
-        .map(|m| m.name.strip_prefix("turnstile_").unwrap())
-        .collect();
+    let exported: BTreeSet<&str> = METRICS.iter().map(|m| m.name).collect();
     assert_eq!(
         table, exported,
         "docs/operations.md's metrics table vs series::METRICS"

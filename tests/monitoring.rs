@@ -207,3 +207,99 @@ fn every_query_of_the_grafana_dashboard_is_promql_promtool_accepts() {
         "{said}"
     );
 }
+
+/// Each alert of alerts.yml with its rule's text.
+fn alert_rules() -> Vec<(String, String)> {
+    let rules = include_str!("../deploy/prometheus/alerts.yml");
+    rules
+        .split("- alert: ")
+        .skip(1)
+        .map(|rule| {
+            let (name, body) = rule.split_once('\n').expect("a rule after its name");
+            (name.trim().to_owned(), body.to_owned())
+        })
+        .collect()
+}
+
+/// The value of `key: value` in a rule's text, if the rule has it.
+fn rule_value<'a>(rule: &'a str, key: &str) -> Option<&'a str> {
+    rule.lines()
+        .find_map(|l| l.trim().strip_prefix(&format!("{key}: ")))
+        .map(|v| v.trim().trim_matches('"'))
+}
+
+#[test]
+fn every_alert_waits_has_a_severity_and_a_runbook_section_of_its_own() {
+    let alerts = alert_rules();
+    assert!(alerts.len() >= 12, "{} alerts", alerts.len());
+    let runbooks = include_str!("../docs/runbooks.md");
+    let sections: Vec<&str> = runbooks
+        .lines()
+        .filter_map(|l| l.strip_prefix("## "))
+        .collect();
+    for (name, rule) in &alerts {
+        let wait = rule_value(rule, "for").unwrap_or_else(|| panic!("{name} has no for:"));
+        assert!(
+            wait.ends_with('m') && wait != "0m",
+            "{name} fires at once (for: {wait})"
+        );
+        let severity = rule_value(rule, "severity");
+        assert!(
+            matches!(severity, Some("critical" | "warning" | "info")),
+            "{name}: severity {severity:?}"
+        );
+        let url = rule_value(rule, "runbook_url");
+        assert_eq!(
+            url,
+            Some(format!("docs/runbooks.md#{}", name.to_lowercase()).as_str()),
+            "{name}'s runbook_url"
+        );
+        assert!(
+            sections.contains(&name.as_str()),
+            "docs/runbooks.md has no section `## {name}`"
+        );
+        let section = runbooks
+            .split(&format!("## {name}\n"))
+            .nth(1)
+            .and_then(|s| s.split("\n## ").next())
+            .unwrap();
+        for part in ["**What it means.**", "**Confirm.**", "**Fix.**"] {
+            assert!(section.contains(part), "{name}'s runbook has no {part}");
+        }
+    }
+    for section in sections.iter().filter(|s| s.starts_with("Turnstile")) {
+        assert!(
+            alerts.iter().any(|(name, _)| name == section),
+            "docs/runbooks.md's `## {section}` is no alert of alerts.yml"
+        );
+    }
+}
+
+#[test]
+fn every_alert_has_a_unit_test_where_it_fires_and_one_where_it_stays_quiet() {
+    let tests = include_str!("../deploy/prometheus/alerts.test.yml");
+    let lines: Vec<&str> = tests.lines().map(str::trim).collect();
+    let mut fires = std::collections::BTreeSet::new();
+    let mut quiet = std::collections::BTreeSet::new();
+    for (i, line) in lines.iter().enumerate() {
+        let Some(name) = line.strip_prefix("alertname: ") else {
+            continue;
+        };
+        let expected = lines[i + 1..].iter().find(|l| !l.is_empty()).unwrap();
+        match *expected {
+            "exp_alerts: []" => quiet.insert(name),
+            "exp_alerts:" => fires.insert(name),
+            other => panic!("{name}: {other}"),
+        };
+    }
+    for (name, _) in alert_rules() {
+        assert!(
+            fires.contains(name.as_str()),
+            "alerts.test.yml never sees {name} fire"
+        );
+        assert!(
+            quiet.contains(name.as_str()),
+            "alerts.test.yml never sees {name} stay quiet"
+        );
+    }
+}

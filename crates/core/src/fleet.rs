@@ -591,7 +591,8 @@ impl Member {
     }
 
     /// One heartbeat: renews the entry, reads the fleet, applies its strictest terms (and the
-    /// algorithm's fence), and trusts them until [`TRUST`] after the heartbeat was sent.
+    /// algorithm's fence), and trusts them until [`TRUST`] after the heartbeat was sent. Whether
+    /// Redis answered it is the gauge `turnstile_redis_connected`.
     pub async fn beat(&self) -> Result<View, PermitError> {
         let sent = Instant::now();
         let (entry, algorithm) = {
@@ -604,7 +605,9 @@ impl Member {
         let roll = self
             .registry
             .beat(&self.id, &entry, EXPIRY, algorithm, retain)
-            .await?;
+            .await;
+        metrics::gauge!("turnstile_redis_connected").set(if roll.is_ok() { 1.0 } else { 0.0 });
+        let roll = roll?;
         let view = view(&roll, self.own.guard);
         let mut state = self.lock();
         if let Some(effective) = &view.effective
@@ -638,7 +641,7 @@ impl Member {
                     "the fleet agrees on its terms"
                 );
             } else {
-                warn!(replicas = view.replicas.len(), effective = ?view.effective.as_ref().map(FleetTerms::digest), "the fleet's replicas run with different terms: every grant follows the strictest");
+                warn!(replicas = view.replicas.len(), effective = %view.effective.as_ref().map_or_else(|| "none".to_owned(), FleetTerms::digest), "the fleet's replicas run with different terms: every grant follows the strictest");
             }
             state.agreed = Some(agrees);
         }
@@ -704,7 +707,7 @@ impl Member {
         loop {
             match self.beat().await {
                 Ok(view) if self.may_consume(&view) => {
-                    info!(replicas = view.replicas.len(), terms = ?view.effective.as_ref().map(FleetTerms::digest), waited_ms = started.elapsed().as_millis() as u64, "joined the fleet");
+                    info!(replicas = view.replicas.len(), terms = %view.effective.as_ref().map_or_else(|| "none".to_owned(), FleetTerms::digest), waited_ms = started.elapsed().as_millis() as u64, "joined the fleet");
                     return true;
                 }
                 Ok(view) => {

@@ -17,7 +17,7 @@ use lapin::types::FieldTable;
 use tokio::sync::Semaphore;
 use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
-use tracing::{info, warn};
+use tracing::{debug, info, warn};
 
 use crate::broker::ladder::Ladder;
 use crate::broker::{self, BrokerArgs, Publisher, Settler, Topology};
@@ -25,7 +25,7 @@ use crate::config::{LimiterArgs, RedisArgs, duration_arg};
 use crate::downstream::{Downstream, DownstreamArgs};
 use crate::fleet;
 use crate::permit::{self, PermitStore, RedisClient};
-use crate::telemetry::Readiness;
+use crate::telemetry::{self, Readiness};
 use crate::worker::{Stats, Worker, WorkerSettings};
 
 /// Everything `turnstile consume` is configured with (flags and `TURNSTILE_*` variables).
@@ -168,10 +168,15 @@ impl Starting {
         shutdown: &CancellationToken,
     ) -> anyhow::Result<Option<Connecting>> {
         let Some(conn) =
-            until_connected("Redis", shutdown, always_retry, || self.redis.connect()).await?
+            until_connected("Redis", shutdown, always_retry, Outage::Unreported, || {
+                self.redis.connect()
+            })
+            .await?
+            .map(|(conn, _)| conn)
         else {
             return Ok(None);
         };
+        metrics::gauge!("turnstile_redis_connected").set(1.0);
         check_memory_policy(&conn, self.args.allow_eviction).await?;
         let permits =
             PermitStore::new(conn, &self.args.redis.key_prefix, self.args.limiter.clone())
@@ -258,18 +263,20 @@ impl Connecting {
             "RabbitMQ",
             &shutdown,
             broker::is_configuration_error,
+            Outage::Unreported,
             || Session::open(&args, &worker, &nodes),
         )
         .await
         .context("TURNSTILE_AMQP_URL / TURNSTILE_QUEUE_TYPE: the broker refused the replica")?;
-        let Some(session) = opened else {
+        let Some((session, _)) = opened else {
             watcher_stop.cancel();
             let _ = heartbeats.await;
             return Ok(None);
         };
         ready.set(true);
+        metrics::gauge!("turnstile_broker_connected").set(1.0);
         let terms = permits.limiter();
-        info!(queue = %args.broker.queue, workers = args.workers, prefetch = args.prefetch(), algorithm = %terms.algorithm, limit = %terms.limit, "consuming");
+        info!(queue = %args.broker.queue, workers = args.workers, prefetch = args.prefetch(), algorithm = %terms.algorithm, limit = %terms.limit, broker = %session.node, "consuming");
         // The reschedule watcher outlives `shutdown` until the replica has drained.
         let watcher = tokio::spawn(permit::watch_reschedules(
             permits.clone(),
@@ -332,6 +339,11 @@ fn new_worker(
 /// One broker connection with its channels and consumers.
 struct Session {
     connection: Arc<lapin::Connection>,
+    /// The node it is connected to, its URL's password hidden.
+    node: String,
+    /// The connection's own events: its error, the broker blocking its publishes (in a mutex
+    /// only to be `Sync`: read through `get_mut`).
+    events: std::sync::Mutex<futures::stream::BoxStream<'static, lapin::Event>>,
     publisher: Publisher,
     /// The results' own channel (see `broker::results`).
     results: Arc<dyn broker::results::ResultSink>,
@@ -352,6 +364,8 @@ impl Session {
     ) -> anyhow::Result<Self> {
         let name = format!("turnstile {} pid {}", args.broker.queue, std::process::id());
         let connection = Arc::new(nodes.connect(&name).await?);
+        let node = nodes.connected_node();
+        let events = std::sync::Mutex::new(connection.events_listener().boxed());
         let publisher = Publisher::open(&connection)
             .await?
             .rescuing_to(worker.topology.ready())
@@ -384,6 +398,8 @@ impl Session {
         .await?;
         Ok(Self {
             connection,
+            node,
+            events,
             publisher,
             results,
             work,
@@ -459,25 +475,22 @@ impl Intake {
         })
     }
 
-    /// The next delivery, recorded as received; `None` (logged) when the consumer ended: the
-    /// connection was lost or the broker cancelled the consumer.
+    /// The next delivery, recorded as received; or why the consumer ended (the connection was
+    /// lost, or the broker cancelled the consumer).
     fn received(
         &self,
         next: Option<Result<lapin::message::Delivery, lapin::Error>>,
-    ) -> Option<lapin::message::Delivery> {
+    ) -> Result<lapin::message::Delivery, String> {
         match next {
             Some(Ok(delivery)) => {
                 self.settler.received(delivery.delivery_tag);
-                Some(delivery)
+                Ok(delivery)
             }
-            Some(Err(error)) => {
-                warn!(%error, queue = %self.queue, "broker connection lost");
-                None
-            }
-            None => {
-                warn!(queue = %self.queue, "the broker cancelled the consumer");
-                None
-            }
+            Some(Err(error)) => Err(error.to_string()),
+            None => Err(format!(
+                "the broker cancelled the consumer of {:?}",
+                self.queue
+            )),
         }
     }
 
@@ -490,19 +503,40 @@ impl Intake {
     }
 }
 
-/// Calls `connect` until it succeeds, with exponential backoff and jitter (200 ms to 10 s),
-/// logging each failure; `Ok(None)` if `shutdown` comes first, `Err` at once for an error that
-/// `hopeless` says retrying cannot fix.
+/// Whether the outage `until_connected` waits out was logged already.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Outage {
+    /// Not yet (a first connection): its first failure is logged as a warning.
+    Unreported,
+    /// The caller logged the lost connection: every failure is logged at debug level.
+    Reported,
+}
+
+/// How long `until_connected` waited: its failed attempts, and for how long.
+#[derive(Clone, Copy, Debug)]
+struct Waited {
+    failures: u32,
+    for_ms: u64,
+}
+
+/// Calls `connect` until it succeeds, with exponential backoff and jitter (200 ms to 10 s);
+/// `Ok(None)` if `shutdown` comes first, `Err` at once for an error that `hopeless` says
+/// retrying cannot fix. It logs the outage once, not each attempt: its first failure as a
+/// warning (unless [`Outage::Reported`]), each failure at debug level, and the connection
+/// made after failures of an unreported outage.
 async fn until_connected<T, F, Fut>(
     what: &str,
     shutdown: &CancellationToken,
     hopeless: fn(&anyhow::Error) -> bool,
+    outage: Outage,
     connect: F,
-) -> anyhow::Result<Option<T>>
+) -> anyhow::Result<Option<(T, Waited)>>
 where
     F: FnMut() -> Fut,
     Fut: Future<Output = anyhow::Result<T>>,
 {
+    let started = tokio::time::Instant::now();
+    let failures = std::sync::atomic::AtomicU32::new(0);
     let attempts = connect
         .retry(
             ExponentialBuilder::default()
@@ -513,16 +547,30 @@ where
         )
         .when(|error| !hopeless(error))
         .notify(|error: &anyhow::Error, after| {
-            warn!(
-                error = format!("{error:#}"),
-                retry_in_ms = after.as_millis() as u64,
-                "{what} is unavailable; retrying"
-            );
+            let failed = failures.fetch_add(1, std::sync::atomic::Ordering::Relaxed) + 1;
+            let error = telemetry::error_chain(error);
+            if failed == 1 && outage == Outage::Unreported {
+                warn!(%error, "{what} is unavailable; retrying until it answers");
+            } else {
+                debug!(%error, failures = failed, retry_in_ms = after.as_millis() as u64, "{what} is still unavailable");
+            }
         });
-    tokio::select! {
-        connected = attempts => connected.map(Some),
-        _ = shutdown.cancelled() => Ok(None),
+    let connected = tokio::select! {
+        connected = attempts => connected?,
+        _ = shutdown.cancelled() => return Ok(None),
+    };
+    let waited = Waited {
+        failures: failures.into_inner(),
+        for_ms: started.elapsed().as_millis() as u64,
+    };
+    if waited.failures > 0 && outage == Outage::Unreported {
+        info!(
+            failures = waited.failures,
+            waited_ms = waited.for_ms,
+            "{what} answers; connected"
+        );
     }
+    Ok(Some((connected, waited)))
 }
 
 /// Never hopeless: keep trying.
@@ -585,22 +633,34 @@ async fn run(
             None => match consuming.reconnect().await {
                 Some(s) => {
                     ready.set(true);
+                    metrics::gauge!("turnstile_broker_connected").set(1.0);
                     s
                 }
                 None => break,
             },
         };
-        let stopped_by_shutdown = consuming.consume(&mut current).await;
+        let ended = consuming.consume(&mut current).await;
         ready.set(false);
-        if stopped_by_shutdown {
+        let Ended::Lost(why) = ended else {
             consuming.close(current).await;
             return Ok(());
-        }
+        };
+        metrics::gauge!("turnstile_broker_connected").set(0.0);
         metrics::counter!("turnstile_broker_errors_total").increment(1);
+        warn!(error = %why, broker = %current.node, "broker connection lost; reconnecting");
         let _ = current.connection.close(320, "reconnecting".into()).await;
     }
     drain(&tracker, tokio::time::Instant::now() + args.shutdown_grace).await;
     Ok(())
+}
+
+/// How a broker session ended.
+#[derive(Debug)]
+enum Ended {
+    /// Shutdown: the replica drains and stops.
+    Shutdown,
+    /// The session failed (why): the replica reconnects.
+    Lost(String),
 }
 
 /// What one broker session after another consumes with.
@@ -614,15 +674,25 @@ struct Consuming<'a> {
 }
 
 impl Consuming<'_> {
-    /// Opens a new session, retrying whatever the broker says (a permission or policy may be
-    /// fixed while the replica waits, not ready); `None` if shutdown comes first.
+    /// Opens a new session after a lost one (logged), retrying whatever the broker says (a
+    /// permission or policy may be fixed while the replica waits, not ready); `None` if
+    /// shutdown comes first.
     async fn reconnect(&self) -> Option<Session> {
-        let reopened = until_connected("RabbitMQ", self.shutdown, always_retry, || {
-            Session::open(self.args, self.worker, self.nodes)
-        })
+        let (reopened, waited) = until_connected(
+            "RabbitMQ",
+            self.shutdown,
+            always_retry,
+            Outage::Reported,
+            || Session::open(self.args, self.worker, self.nodes),
+        )
         .await
         .expect("always_retry never gives up")?;
-        info!("reconnected to the broker; consuming again");
+        info!(
+            broker = %reopened.node,
+            failures = waited.failures,
+            waited_ms = waited.for_ms,
+            "reconnected to the broker; consuming again"
+        );
         metrics::counter!("turnstile_reconnects_total").increment(1);
         self.worker
             .stats
@@ -631,10 +701,10 @@ impl Consuming<'_> {
         Some(reopened)
     }
 
-    /// Consumes the session's work queue, return queue and delay ladder until shutdown (true)
-    /// or until the session fails (false: its connection is lost, or a consumer or the publish
-    /// channel failed).
-    async fn consume(&self, current: &mut Session) -> bool {
+    /// Consumes the session's work queue, return queue and delay ladder until shutdown, or
+    /// until the session fails: its connection is lost, or a consumer or the publish channel
+    /// failed.
+    async fn consume(&self, current: &mut Session) -> Ended {
         let connection_lost = CancellationToken::new();
         // Every queue feeds the same workers (and the same worker semaphore).
         let dispatch = {
@@ -661,7 +731,7 @@ impl Consuming<'_> {
             releases: self.releases.clone(),
             handoff: Some(Arc::new(dispatch.clone())),
         });
-        match ladder
+        let ladder_failed = match ladder
             .start(
                 &current.connection,
                 self.tracker,
@@ -670,39 +740,57 @@ impl Consuming<'_> {
             )
             .await
         {
-            Ok(settler) => current.ladder = Some(settler),
-            Err(error) => {
-                warn!(
-                    error = format!("{error:#}"),
-                    "could not consume the delay ladder"
-                );
-                connection_lost.cancel();
+            Ok(settler) => {
+                current.ladder = Some(settler);
+                None
             }
-        }
-        let stopped_by_shutdown = loop {
-            tokio::select! {
-                _ = self.shutdown.cancelled() => break true,
-                _ = connection_lost.cancelled() => {
-                    warn!("the broker session failed (a delay ladder consumer or the publish channel); reconnecting");
-                    break false;
-                }
-                next = current.work.consumer.next() => match current.work.received(next) {
-                    Some(delivery) => dispatch(delivery, current.work.settler.clone()),
-                    None => break false,
-                },
-                next = current.returns.consumer.next() => match current.returns.received(next) {
-                    Some(delivery) => {
-                        self.worker.stats.ladder.returned(&delivery);
-                        dispatch(delivery, current.returns.settler.clone());
-                    }
-                    None => break false,
-                },
-            }
+            Err(error) => Some(format!(
+                "could not consume the delay ladder: {}",
+                telemetry::error_chain(&error)
+            )),
         };
-        if !stopped_by_shutdown {
+        let events = current.events.get_mut().unwrap_or_else(|e| e.into_inner());
+        let ended = match ladder_failed {
+            Some(why) => Ended::Lost(why),
+            None => loop {
+                tokio::select! {
+                    _ = self.shutdown.cancelled() => break Ended::Shutdown,
+                    _ = connection_lost.cancelled() => {
+                        break Ended::Lost("a delay ladder consumer or the publish channel failed".into());
+                    }
+                    Some(event) = events.next() => match event {
+                        // A channel's error is the operation's (logged there, if unexpected);
+                        // the connection's own ends the session.
+                        lapin::Event::Error(error) if current.connection.status().errored() => {
+                            break Ended::Lost(error.to_string());
+                        }
+                        lapin::Event::ConnectionBlocked(reason) => warn!(
+                            %reason,
+                            "the broker blocks this replica's publishes (a resource alarm): delays, retries, dead letters and results wait until it lifts the block"
+                        ),
+                        lapin::Event::ConnectionUnblocked => {
+                            info!("the broker lifted its block on this replica's publishes");
+                        }
+                        _ => {}
+                    },
+                    next = current.work.consumer.next() => match current.work.received(next) {
+                        Ok(delivery) => dispatch(delivery, current.work.settler.clone()),
+                        Err(why) => break Ended::Lost(why),
+                    },
+                    next = current.returns.consumer.next() => match current.returns.received(next) {
+                        Ok(delivery) => {
+                            self.worker.stats.ladder.returned(&delivery);
+                            dispatch(delivery, current.returns.settler.clone());
+                        }
+                        Err(why) => break Ended::Lost(why),
+                    },
+                }
+            },
+        };
+        if let Ended::Lost(_) = ended {
             connection_lost.cancel();
         }
-        stopped_by_shutdown
+        ended
     }
 
     /// Shuts the session down: no new deliveries, in-flight work finished (held messages

@@ -4,10 +4,11 @@
 //! and `rate()` or an alert rule sees 0 rather than "no data" (Prometheus' "avoid missing
 //! metrics").
 //!
-//! Gauges are set by what they report: `turnstile_ready` at startup (0 until ready), the
-//! replica's own gauges at each scrape, and `turnstile_queue_messages` once the broker has been
-//! asked (within moments of startup, then every 5 s): a depth not yet read is absent rather
-//! than a false 0.
+//! Gauges are set by what they report: `turnstile_ready`, `turnstile_build_info` and those
+//! marked [`Metric::from_start`] at startup (0 until ready, connected, computed), the
+//! replica's own gauges and the process's ([`Metric::is_process`]) at each scrape, and
+//! `turnstile_queue_messages` once the broker has been asked (within moments of startup, then
+//! every 5 s): a depth not yet read is absent rather than a false 0.
 
 use crate::config::Algorithm;
 use crate::downstream;
@@ -29,6 +30,9 @@ pub struct Metric {
     pub kind: Kind,
     pub help: &'static str,
     pub label: Option<Label>,
+    /// A gauge exported at 0 from startup (each label value), where 0 is true until the
+    /// replica knows better (not connected yet, nothing computed yet).
+    pub from_start: bool,
 }
 
 /// A label and every value it takes.
@@ -52,6 +56,7 @@ const fn plain(name: &'static str, kind: Kind, help: &'static str) -> Metric {
         kind,
         help,
         label: None,
+        from_start: false,
     }
 }
 
@@ -67,6 +72,17 @@ const fn labelled(
         kind,
         help,
         label: Some(Label { key, values }),
+        from_start: false,
+    }
+}
+
+impl Metric {
+    /// This gauge, exported at 0 from startup.
+    const fn zero_from_start(self) -> Self {
+        Metric {
+            from_start: true,
+            ..self
+        }
     }
 }
 
@@ -257,6 +273,29 @@ pub const METRICS: &[Metric] = &[
     ),
     plain("turnstile_ready", Gauge, "1 while /readyz says ready."),
     plain(
+        "turnstile_broker_connected",
+        Gauge,
+        "1 while this replica's broker session is open (consuming), 0 before it first connected and while it reconnects.",
+    )
+    .zero_from_start(),
+    plain(
+        "turnstile_redis_connected",
+        Gauge,
+        "1 while Redis answers this replica (its connection at start, then its fleet heartbeat, a write, every second), 0 before and while it does not.",
+    )
+    .zero_from_start(),
+    plain(
+        "turnstile_batches_overdue",
+        Gauge,
+        "Batches of the 200 newest uploads still waiting past the ETA this replica first gave them, by more than 10 minutes or a quarter of the time they were given (whichever is longer); computed every 30 s by replicas serving /metrics.",
+    )
+    .zero_from_start(),
+    plain(
+        "turnstile_build_info",
+        Gauge,
+        "1, with the build's version and git_sha (unknown unless TURNSTILE_GIT_SHA was set at build time) as labels.",
+    ),
+    plain(
         "turnstile_redis_may_evict",
         Gauge,
         "1 while a Redis server may evict keys (maxmemory with a policy other than noeviction): a seller whose state is evicted is paused for one window.",
@@ -323,9 +362,64 @@ pub const METRICS: &[Metric] = &[
         "queue",
         Values::Fixed(&["work", "ready", "delay", "dead"]),
     ),
+    // The process metrics, under the names Prometheus' client libraries give them (see
+    // `Metric::is_process`).
+    plain(
+        "process_cpu_seconds_total",
+        Counter,
+        "Total user and system CPU time spent in seconds (whole seconds).",
+    ),
+    plain(
+        "process_resident_memory_bytes",
+        Gauge,
+        "Resident memory size in bytes.",
+    ),
+    plain(
+        "process_virtual_memory_bytes",
+        Gauge,
+        "Virtual memory size in bytes.",
+    ),
+    plain(
+        "process_virtual_memory_max_bytes",
+        Gauge,
+        "Maximum amount of virtual memory available in bytes (0: unlimited).",
+    ),
+    plain(
+        "process_open_fds",
+        Gauge,
+        "Number of open file descriptors.",
+    ),
+    plain(
+        "process_max_fds",
+        Gauge,
+        "Maximum number of open file descriptors (0: unlimited).",
+    ),
+    plain(
+        "process_start_time_seconds",
+        Gauge,
+        "Start time of the process since unix epoch in seconds.",
+    ),
+    plain("process_threads", Gauge, "Number of OS threads in the process."),
 ];
 
+/// The version of this build (`turnstile_build_info`'s `version`).
+pub const VERSION: &str = env!("CARGO_PKG_VERSION");
+
+/// The commit of this build (`turnstile_build_info`'s `git_sha`): `TURNSTILE_GIT_SHA` at build
+/// time (the Dockerfile takes it as a build argument), else `unknown`.
+pub const GIT_SHA: &str = match option_env!("TURNSTILE_GIT_SHA") {
+    Some(sha) if !sha.is_empty() => sha,
+    _ => "unknown",
+};
+
 impl Metric {
+    /// Whether it is one of the process metrics (`process_*`: CPU, memory, file descriptors,
+    /// start time, threads), read from `/proc` by the operator side at each scrape and at
+    /// startup, rather than counted by the consume path.
+    pub fn is_process(&self) -> bool {
+        self.name.starts_with("process_")
+    }
+
     /// Each label value this metric is exported under by a replica running `algorithm` (one
     /// empty entry for a metric without a label).
     pub fn label_values(&self, algorithm: Algorithm) -> Vec<&'static str> {
@@ -337,9 +431,10 @@ impl Metric {
     }
 }
 
-/// Describes every metric to the installed recorder and registers each counter and histogram
-/// series at 0 (each label value of each), for a replica running `algorithm`. Call once, after
-/// the recorder is installed and before serving `/metrics`.
+/// Describes every metric to the installed recorder, registers each counter and histogram
+/// series at 0 (each label value of each) and the gauges marked [`Metric::from_start`], and
+/// sets `turnstile_build_info`, for a replica running `algorithm`. Call once, after the
+/// recorder is installed and before serving `/metrics`.
 pub fn export_at_zero(algorithm: Algorithm) {
     for metric in METRICS {
         let (name, help) = (metric.name, metric.help);
@@ -357,10 +452,12 @@ pub fn export_at_zero(algorithm: Algorithm) {
                 Counter => metrics::counter!(name, labels).increment(0),
                 // A histogram's series appear once registered; no observation is recorded.
                 Histogram => drop(metrics::histogram!(name, labels)),
+                Gauge if metric.from_start => metrics::gauge!(name, labels).set(0.0),
                 Gauge => {}
             }
         }
     }
+    metrics::gauge!("turnstile_build_info", "version" => VERSION, "git_sha" => GIT_SHA).set(1.0);
 }
 
 #[cfg(test)]
@@ -375,7 +472,16 @@ mod tests {
         names.dedup();
         assert_eq!(names.len(), count, "a metric is listed twice");
         for metric in METRICS {
-            assert!(metric.name.starts_with("turnstile_"), "{}", metric.name);
+            assert!(
+                metric.name.starts_with("turnstile_") || metric.is_process(),
+                "{}",
+                metric.name
+            );
+            assert!(
+                !metric.from_start || metric.kind == Gauge,
+                "{}: counters and histograms are all exported at 0",
+                metric.name
+            );
             assert_eq!(
                 metric.kind == Counter,
                 metric.name.ends_with("_total"),

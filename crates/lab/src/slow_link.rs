@@ -1,12 +1,14 @@
 //! A TCP proxy on loopback that adds a fixed latency each way: a slow link between a replica
 //! and Redis (another region, a congested network, a busy proxy), for fault tests and benches.
 //! Bytes keep their order and are delayed, not throttled: a pipeline of requests costs one round
-//! trip, as on a real link.
+//! trip, as on a real link. It can also be cut (every connection closed, every new one closed
+//! at once) and restored: a lost link to a broker or Redis shared with other tests, which the
+//! tests must not stop.
 
 use std::collections::VecDeque;
 use std::net::SocketAddr;
-use std::sync::Arc;
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
@@ -21,6 +23,12 @@ pub struct SlowLink {
     stop: CancellationToken,
     /// The latency each way, in µs (changed with [`SlowLink::set_one_way`]).
     one_way_us: Arc<AtomicU64>,
+    /// While set, every connection accepted is closed at once.
+    cut: Arc<AtomicBool>,
+    /// Cancelled by [`SlowLink::cut`]: closes the connections forwarded until then.
+    links: Arc<Mutex<CancellationToken>>,
+    /// Connections accepted so far (forwarded, or closed while cut).
+    accepted: Arc<AtomicU64>,
 }
 
 impl SlowLink {
@@ -33,6 +41,10 @@ impl SlowLink {
         let accepting = stop.clone();
         let one_way_us = Arc::new(AtomicU64::new(one_way.as_micros() as u64));
         let delay = one_way_us.clone();
+        let cut = Arc::new(AtomicBool::new(false));
+        let links = Arc::new(Mutex::new(stop.child_token()));
+        let accepted = Arc::new(AtomicU64::new(0));
+        let (refusing, current, counted) = (cut.clone(), links.clone(), accepted.clone());
         tokio::spawn(async move {
             loop {
                 let client = tokio::select! {
@@ -42,7 +54,13 @@ impl SlowLink {
                     },
                     _ = accepting.cancelled() => return,
                 };
-                let (stop, delay) = (accepting.clone(), delay.clone());
+                counted.fetch_add(1, Ordering::Relaxed);
+                if refusing.load(Ordering::Relaxed) {
+                    drop(client);
+                    continue;
+                }
+                let stop = current.lock().expect("never poisoned").clone();
+                let delay = delay.clone();
                 tokio::spawn(async move {
                     if let Ok(server) = TcpStream::connect(target).await {
                         link(client, server, delay, stop).await;
@@ -54,7 +72,33 @@ impl SlowLink {
             addr,
             stop,
             one_way_us,
+            cut,
+            links,
+            accepted,
         })
+    }
+
+    /// Where it listens.
+    pub fn addr(&self) -> SocketAddr {
+        self.addr
+    }
+
+    /// Cuts the link: closes every connection, and every new one as soon as it is accepted,
+    /// until [`SlowLink::restore`].
+    pub fn cut(&self) {
+        self.cut.store(true, Ordering::Relaxed);
+        let fresh = self.stop.child_token();
+        std::mem::replace(&mut *self.links.lock().expect("never poisoned"), fresh).cancel();
+    }
+
+    /// Forwards new connections again after [`SlowLink::cut`].
+    pub fn restore(&self) {
+        self.cut.store(false, Ordering::Relaxed);
+    }
+
+    /// How many connections it accepted so far (those closed while cut included).
+    pub fn accepted(&self) -> u64 {
+        self.accepted.load(Ordering::Relaxed)
     }
 
     /// Changes the latency each way, for the bytes read from now on (e.g. none, to tear a

@@ -93,6 +93,7 @@ async fn metrics_page(State(endpoints): State<Endpoints>) -> String {
     metrics::gauge!("turnstile_held_messages").set(stats.held.load(Ordering::Relaxed) as f64);
     metrics::gauge!("turnstile_delay_held_messages")
         .set(stats.ladder.held.load(Ordering::Relaxed) as f64);
+    crate::process::collect();
     prometheus().render()
 }
 

@@ -18,6 +18,7 @@ use turnstile_core::worker::Stats;
 
 use crate::dashboard::{self, Dashboard, ReplicaInfo};
 use crate::http::{self, Endpoints, Listen};
+use crate::overdue;
 
 /// Everything `turnstile consume` is configured with: the consume path's settings and the
 /// operator endpoints'.
@@ -95,9 +96,11 @@ impl Served {
         };
         let http_addr = match args.http.http_addr {
             Listen::At(addr) => {
-                // Every series from the first scrape: counters at 0, not ready yet.
+                // Every series from the first scrape: counters at 0, not ready yet, not
+                // connected yet, the build and the process.
                 http::prometheus();
                 turnstile_core::series::export_at_zero(algorithm);
+                crate::process::collect();
                 starting.ready.set(false);
                 Some(http::serve(addr, endpoints, shutdown.clone()).await?)
             }
@@ -116,6 +119,7 @@ impl Served {
             return Ok(stopped());
         };
         let dashboard = Arc::new(dashboard_of(&connecting, &stats, &ready));
+        let (admin, records) = (connecting.permits.admin(), connecting.permits.records());
         let _ = views.set(dashboard.clone());
         let (amqp_url, topology) = (
             connecting.args().broker.amqp_url.clone(),
@@ -139,6 +143,7 @@ impl Served {
                 topology,
                 stop.clone(),
             )));
+            samplers.push(tokio::spawn(overdue::watch(admin, records, stop.clone())));
         }
         let done = tokio::spawn(async move {
             let ran = replica.wait().await;

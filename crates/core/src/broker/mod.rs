@@ -203,7 +203,7 @@ impl Nodes {
                 Err(_) => anyhow::anyhow!("no answer within {NODE_CONNECT_TIMEOUT:?}"),
             };
             if self.urls.len() > 1 {
-                tracing::warn!(node = %redact_amqp_url(url), error = format!("{error:#}"), "a broker node did not answer; trying the next");
+                tracing::debug!(node = %redact_amqp_url(url), error = %crate::telemetry::error_chain(&error), "a broker node did not answer; trying the next");
             }
             last_error = Some(error.context(format!(
                 "cannot connect to RabbitMQ at {}",
@@ -213,6 +213,13 @@ impl Nodes {
         Err(last_error
             .expect("a list of nodes is never empty")
             .context(format!("no broker node of {} answered", self.urls.len())))
+    }
+
+    /// The node of the last connection made, its URL's password hidden.
+    pub fn connected_node(&self) -> String {
+        let n = self.urls.len();
+        let last = (self.next.load(Ordering::Relaxed) + n - 1) % n;
+        redact_amqp_url(&self.urls[last])
     }
 }
 

@@ -376,15 +376,18 @@ impl Worker {
             });
         let trace_id = trace.trace_id();
         let started_trace = carried.started_trace.clone();
-        // `span_id`: the current downstream call's span, recorded when it is made.
-        let span = match &registration {
-            Ok(r) => {
-                info_span!("registration", seller = %r.seller_id, message = %r.message_id, attempt, trace_id = %trace_id, span_id = tracing::field::Empty)
-            }
-            Err(_) => {
-                info_span!("registration", seller = "?", message = ?message_id, attempt, trace_id = %trace_id, span_id = tracing::field::Empty)
-            }
-        };
+        // `span_id`: the current downstream call's span, recorded when it is made. An invalid
+        // message carries what could be read of its ids.
+        let ids = &reporting.identity;
+        let span = info_span!(
+            "registration",
+            seller_id = ids.seller_id.as_ref().map(|s| s.as_str()),
+            message_id = ids.message_id.as_ref().map(|m| m.as_str()),
+            batch_id = ids.batch_id.as_ref().map(|b| b.as_str()),
+            attempt,
+            trace_id = %trace_id,
+            span_id = tracing::field::Empty
+        );
         // Before any permit: a message no copy of which fits the broker's frame goes no further.
         let admitted = publisher.admit(&delivery);
         let interruptions = Interruptions {
@@ -910,7 +913,7 @@ impl Worker {
                 return delay(pause);
             }
             Plan::Retry { after, why } => {
-                warn!(attempt = carried.attempt, %why, "downstream failed; retrying later");
+                warn!(failed_attempts = carried.attempt, %why, "downstream failed; retrying later");
                 self.stats.retried.fetch_add(1, Ordering::Relaxed);
                 return delay(after);
             }
