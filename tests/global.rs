@@ -9,6 +9,7 @@ mod support;
 use std::sync::Arc;
 
 use serde_json::json;
+use std::net::SocketAddr;
 use std::num::NonZeroU32;
 use std::time::Duration;
 use tokio::sync::Mutex;
@@ -16,6 +17,7 @@ use tokio::sync::Mutex;
 use turnstile_core::config::{Algorithm, GlobalLimit, LimiterArgs, SellerConcurrency};
 use turnstile_core::domain::{Cost, SellerId};
 use turnstile_core::permit::{Decision, Deferral, GlobalDecision};
+use turnstile_lab::slow_link::SlowLink;
 
 use support::{Backend, Keys};
 
@@ -462,6 +464,42 @@ async fn replicas_keep_the_global_limit_at_the_downstream() -> anyhow::Result<()
         d["global"]["limit"] == "4/1s" && d["global"]["limits"][0]["capacity"] == 4
     })
     .await;
+    rig.cleanup().await
+}
+
+/// Calls that reach the downstream late never put a window over the global limit: the first
+/// calls cross a link that holds every request and answer 400 ms, the later ones cross it at
+/// once. Each call holds its place in the global log until its answer, so the fast calls wait
+/// for the slow ones' answers instead of landing in the same window of the downstream.
+#[tokio::test]
+async fn calls_that_reach_the_downstream_late_never_put_a_window_over_the_global_limit()
+-> anyhow::Result<()> {
+    let settings = LimiterArgs {
+        global_limit: GlobalLimit(Some("4/1s".parse().unwrap())),
+        ..support::limiter("100/1s", Algorithm::SlidingWindow)
+    };
+    let mut rig = support::rig_with("global-late", settings).prepare().await?;
+    for s in ["S-a", "S-b", "S-c"] {
+        for i in 0..4 {
+            rig.publish_product(s, &format!("{s}-{i}"), json!({ "sku": i }))
+                .await?;
+        }
+    }
+    let mut replica = rig.settings(8);
+    let api = reqwest::Url::parse(&replica.downstream.url)?;
+    let api = SocketAddr::new(
+        api.host_str().unwrap_or("127.0.0.1").parse()?,
+        api.port().unwrap_or(80),
+    );
+    let link = SlowLink::start(api, Duration::from_millis(400)).await?;
+    replica.downstream.url = format!("http://{}/register/{{seller_id}}", link.addr());
+    rig.start_replica(replica).await?;
+    rig.wait_registered(4).await?;
+    link.set_one_way(Duration::ZERO);
+    let stats = rig.wait_registered(12).await?;
+    assert_eq!(stats.global_violations, 0, "{stats:?}");
+    assert!(stats.max_global_in_window <= 4, "{stats:?}");
+    assert_eq!(stats.duplicates, 0, "{stats:?}");
     rig.cleanup().await
 }
 

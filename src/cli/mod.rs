@@ -81,7 +81,7 @@ const CONNECTION: [&str; 5] = [
 pub enum Command {
     /// Run one consumer replica (many may share the queue).
     #[command(
-        after_help = "Also read from the environment: TURNSTILE_LOG_FORMAT (`json` for one JSON object per line; default text) and RUST_LOG (the log filter; default `info,lapin::channel=off`, and `lapin::channel=off` is added to a RUST_LOG that names no lapin target)."
+        after_help = "Also read from the environment: TURNSTILE_LOG_FORMAT (`json` for one JSON object per line; default text) and RUST_LOG (the log filter; default `info,lapin=off`, and `lapin=off` is added to a RUST_LOG that names no lapin target); colours only on a terminal, and never with NO_COLOR set."
     )]
     Consume(Box<ServeArgs>),
     /// A strict stand-in for the registration API (for demos, tests and benchmarks).
