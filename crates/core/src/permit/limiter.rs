@@ -183,9 +183,8 @@ pub trait Limiter: Send + Sync {
     }
 
     /// Whether a grant may wait a moment for a worker before its call is sent: only where
-    /// every limit holds a call's place until its answer (sliding-window and gcra, without a
-    /// global limit, which counts a call at its grant and assumes it reaches the downstream
-    /// within the guard).
+    /// every limit holds a call's place until its answer (sliding-window and gcra; the global
+    /// limit always does).
     fn grants_may_wait(&self) -> bool {
         false
     }
@@ -449,8 +448,7 @@ impl Limiter for PermitStore {
     }
 
     fn grants_may_wait(&self) -> bool {
-        let terms = self.limiter();
-        terms.algorithm.is_exact() && terms.global_limit.0.is_none()
+        self.limiter().algorithm.is_exact()
     }
 }
 

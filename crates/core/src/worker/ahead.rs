@@ -2,8 +2,8 @@
 //! before a worker is free, so that a worker freed by an answer starts the next call at once
 //! instead of first waiting for Redis. Workers bound the downstream calls; a permit's round
 //! trip (a millisecond or more on a busy machine) need not hold one. Only where a grant may
-//! wait a moment before its call is sent (see `Limiter::grants_may_wait`): not under a global
-//! limit, which counts a call at its grant.
+//! wait a moment before its call is sent (see `Limiter::grants_may_wait`): under the exact
+//! algorithms, whose limits (the global one too) hold a call's place until its answer.
 //!
 //! What bounds it: at most as many messages ask ahead as there are workers, and only while the
 //! calls are answered fast enough that a grant waiting for a worker is called well within
