@@ -192,7 +192,7 @@ impl Recent {
                     *sum += u64::from(n);
                 }
                 max_us = max_us.max(slot.max_us);
-                let count = &mut slices[(slot.slice - oldest) as usize];
+                let count = &mut slices[SLICES - 1 - (now - slot.slice) as usize];
                 count.calls = slot.classes.iter().sum();
                 count.errors = error_classes.iter().map(|&i| slot.classes[i]).sum();
             }
