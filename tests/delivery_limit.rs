@@ -17,6 +17,7 @@ use lapin::{BasicProperties, Connection};
 use serde_json::json;
 use support::broker::TestBroker;
 use support::{run, unique};
+use turnstile_core::broker::dead_letters::{Reason, Selection};
 use turnstile_core::broker::{
     self, Declared, Protection, QueueType, Topology, UNREACHED_DELIVERY_LIMIT, WORK_DELIVERY_LIMIT,
     dead_letters, long_string,
@@ -108,13 +109,18 @@ async fn a_message_returned_more_often_than_the_delivery_limit_is_dead_lettered_
     assert_eq!(broker.depth(broker.queue()).await, 0);
 
     let channel = broker.connection.create_channel().await.unwrap();
-    let listed = dead_letters::list(&channel, &broker.topology, Some("delivery-limit"))
-        .await
-        .unwrap();
+    let listed = dead_letters::list(
+        &channel,
+        &broker.topology,
+        &Selection::all().with_reason(Reason::DeliveryLimit),
+    )
+    .await
+    .unwrap();
     println!("listed: {listed:?}");
     assert_eq!(listed.len(), 1, "{listed:?}");
     let letter = &listed[0];
     assert_eq!(letter.reason, dead_letters::DELIVERY_LIMIT_REASON);
+    assert_eq!(letter.attempts, None, "the broker does not count attempts");
     assert_eq!(letter.message_id.as_deref(), Some("m-poison"));
     assert_eq!(letter.seller_id.as_deref(), Some("S-1"));
     assert!(
@@ -142,13 +148,17 @@ async fn a_message_returned_more_often_than_the_delivery_limit_is_dead_lettered_
         &channel,
         &broker.publisher,
         &broker.topology,
-        Some("delivery-limit"),
+        &Selection::message("m-poison"),
         &permits,
         Duration::from_secs(60),
+        false,
     )
     .await
     .unwrap();
-    assert_eq!((replayed.replayed, replayed.kept), (1, 0));
+    assert_eq!(
+        (replayed.matched, replayed.replayed, replayed.kept),
+        (1, 1, 0)
+    );
     let back = tokio::time::timeout(Duration::from_secs(10), consumer.next())
         .await
         .expect("the replayed message is back on the work queue")
@@ -196,7 +206,7 @@ async fn listings_that_saw_it(broker: &TestBroker, times: u32) -> u32 {
         while broker::depth(&channel, dead).await.unwrap() < 1 && Instant::now() < deadline {
             tokio::time::sleep(Duration::from_millis(20)).await;
         }
-        let listed = dead_letters::list(&channel, &broker.topology, None)
+        let listed = dead_letters::list(&channel, &broker.topology, &Selection::all())
             .await
             .unwrap();
         match listed.len() {

@@ -136,7 +136,7 @@ async fn dead_letters_list_returns_a_message_dead_lettered_for_its_headers() -> 
     let channel = rig.connection().create_channel().await?;
     let listed = tokio::time::timeout(
         std::time::Duration::from_secs(120),
-        dead_letters::list(&channel, &rig.topology, None),
+        dead_letters::list(&channel, &rig.topology, &dead_letters::Selection::all()),
     )
     .await
     .map_err(|_| anyhow::anyhow!("dead-letters list hung"))??;
@@ -200,7 +200,7 @@ async fn a_dead_letter_larger_than_the_frame_fails_the_listing_with_the_reason()
     let reading = reader.create_channel().await?;
     let listed = tokio::time::timeout(
         std::time::Duration::from_secs(120),
-        dead_letters::list(&reading, &broker.topology, None),
+        dead_letters::list(&reading, &broker.topology, &dead_letters::Selection::all()),
     )
     .await
     .map_err(|_| anyhow::anyhow!("dead-letters list hung"))?;

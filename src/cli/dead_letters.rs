@@ -1,13 +1,19 @@
 //! `turnstile dead-letters`: list dead letters with their reasons, or move chosen ones back to
-//! the work queue.
+//! the work queue (or see, with a dry run, exactly which would move).
 
+use std::borrow::Cow;
 use std::process::ExitCode;
 use std::time::Duration;
 
 use clap::Subcommand;
-use turnstile_core::broker::{BrokerArgs, dead_letters};
+use clap::builder::{PossibleValuesParser, TypedValueParser};
+use turnstile_core::broker::dead_letters::{self, DeadLetter, Reason, Replayed, Selection};
+use turnstile_core::broker::{BrokerArgs, Topology};
 use turnstile_core::config::{LimiterArgs, RedisArgs};
+use turnstile_core::domain::{BatchId, MessageId, SellerId};
 use turnstile_core::permit::PermitStore;
+
+use super::{Json, batch_value, seller_value};
 
 /// `turnstile dead-letters`: its action and the broker; `replay` also reads Redis (it counts
 /// the messages it moves back as waiting again). No limiter setting is read.
@@ -22,29 +28,71 @@ pub struct DeadLettersArgs {
 
 #[derive(Subcommand, Debug)]
 pub enum DeadLettersAction {
-    /// List dead letters with their reasons (they stay where they are).
+    /// List dead letters (all, or those the flags select) with their reasons, ids, attempts
+    /// and the start of their bodies; they stay where they are.
     List {
-        /// Only those with this reason (invalid-message, rejected, attempts-exhausted, throttled,
-        /// delivery-limit).
-        #[arg(long)]
-        reason: Option<String>,
-        /// Print JSON instead of a table.
-        #[arg(long)]
-        json: bool,
+        #[command(flatten)]
+        select: Select,
+        #[command(flatten)]
+        json: Json,
     },
-    /// Move dead letters (all, or those with --reason) back to the work queue, attempts reset;
-    /// their messages count as waiting again in their uploads' progress.
+    /// Move dead letters (all, or those the flags select) back to the work queue, attempts
+    /// reset; their messages count as waiting again in their uploads' progress. `--dry-run`
+    /// shows exactly which would move, and moves nothing.
     Replay {
-        /// Only those with this reason (as listed).
-        #[arg(long)]
-        reason: Option<String>,
+        #[command(flatten)]
+        select: Select,
+        /// Show the dead letters that would be replayed, and move nothing.
+        #[arg(long = "dry-run")]
+        dry_run: bool,
         /// How long completion records are kept (the replicas' TURNSTILE_DONE_TTL): a message
         /// whose republish fails is recorded as dead again for that long.
         #[arg(long = "done-ttl", env = "TURNSTILE_DONE_TTL", default_value = "7d", value_parser = turnstile_core::config::duration_arg)]
         done_ttl: Duration,
         #[command(flatten)]
+        json: Json,
+        #[command(flatten)]
         redis: RedisArgs,
     },
+}
+
+/// Which dead letters an action takes: those matching every flag given.
+#[derive(clap::Args, Clone, Debug)]
+pub struct Select {
+    /// Only the dead letters of this message id, as listed (every copy of it).
+    #[arg(long, value_name = "MESSAGE_ID", value_parser = message_value)]
+    pub id: Option<MessageId>,
+    /// Only this seller's.
+    #[arg(long, value_parser = seller_value)]
+    pub seller: Option<SellerId>,
+    /// Only this batch's (upload's).
+    #[arg(long, value_parser = batch_value)]
+    pub batch: Option<BatchId>,
+    /// Only those dead for this reason.
+    #[arg(long, value_parser = reason_value())]
+    pub reason: Option<Reason>,
+}
+
+impl Select {
+    /// The selection the flags make.
+    pub fn selection(&self) -> Selection {
+        Selection {
+            message_id: self.id.as_ref().map(|m| m.as_str().to_owned()),
+            seller_id: self.seller.as_ref().map(|s| s.as_str().to_owned()),
+            batch_id: self.batch.as_ref().map(|b| b.as_str().to_owned()),
+            reason: self.reason,
+        }
+    }
+}
+
+/// `--id`, parsed by clap.
+fn message_value(s: &str) -> Result<MessageId, String> {
+    MessageId::parse(s).map_err(|e| e.to_string())
+}
+
+/// `--reason`: one of [`Reason::ALL`], which `--help`, the completions and the error list.
+fn reason_value() -> impl TypedValueParser<Value = Reason> {
+    PossibleValuesParser::new(Reason::ALL.map(Reason::as_str)).try_map(|s| s.parse::<Reason>())
 }
 
 /// Runs `turnstile dead-letters`.
@@ -64,48 +112,166 @@ pub async fn run(DeadLettersArgs { action, broker }: DeadLettersArgs) -> anyhow:
                 )
             })??;
     match action {
-        DeadLettersAction::List { reason, json } => {
-            let letters = dead_letters::list(&channel, &topology, reason.as_deref()).await?;
-            if json {
+        DeadLettersAction::List { select, json } => {
+            let selection = select.selection();
+            let letters = dead_letters::list(&channel, &topology, &selection).await?;
+            if json.json {
                 println!("{}", serde_json::to_string_pretty(&letters)?);
             } else {
-                println!("{} dead letters in {}", letters.len(), topology.dead());
-                for d in &letters {
-                    println!(
-                        "{:<24} {:<16} {:<20} {}",
-                        d.message_id.as_deref().unwrap_or("-"),
-                        d.seller_id.as_deref().unwrap_or("-"),
-                        d.reason,
-                        d.detail
-                    );
-                }
+                println!(
+                    "{} dead letters in {}{}",
+                    letters.len(),
+                    topology.dead(),
+                    of(&selection)
+                );
+                print_letters(&letters);
+                nothing_matched(letters.len() as u64, &selection);
             }
         }
         DeadLettersAction::Replay {
-            reason,
+            select,
+            dry_run,
             done_ttl,
+            json,
             redis,
         } => {
+            let selection = select.selection();
             let store = PermitStore::connect(&redis, &LimiterArgs::default()).await?;
             let done = dead_letters::replay(
-                &channel,
-                &publisher,
-                &topology,
-                reason.as_deref(),
-                &store,
-                done_ttl,
+                &channel, &publisher, &topology, &selection, &store, done_ttl, dry_run,
             )
             .await?;
-            println!(
-                "replayed {} to {}; {} left in {}",
-                done.replayed,
-                topology.work(),
-                done.kept,
-                topology.dead()
-            );
+            if json.json {
+                println!(
+                    "{}",
+                    serde_json::to_string_pretty(&replayed_json(&done, &topology))?
+                );
+            } else {
+                print_replayed(&done, &topology, &selection);
+            }
         }
     }
     let closing = connection.close(200, "done".into());
     let _ = tokio::time::timeout(dead_letters::STEP_TIMEOUT, closing).await;
     Ok(ExitCode::SUCCESS)
+}
+
+/// ` (seller "S-1", reason rejected)`, or nothing for every dead letter.
+fn of(selection: &Selection) -> String {
+    if selection.is_all() {
+        String::new()
+    } else {
+        format!(" ({})", printable(&selection.to_string()))
+    }
+}
+
+/// Says on stderr that nothing matched (still a success: exit code 0).
+fn nothing_matched(matched: u64, selection: &Selection) {
+    if matched == 0 && !selection.is_all() {
+        eprintln!(
+            "no dead letter matches {}",
+            printable(&selection.to_string())
+        );
+    }
+}
+
+/// `replay --json`: what it did (or on a dry run would do), the queues, and the letters.
+fn replayed_json(done: &Replayed, topology: &Topology) -> serde_json::Value {
+    let mut value = serde_json::json!(done);
+    value["work_queue"] = topology.work().into();
+    value["dead_queue"] = topology.dead().into();
+    value
+}
+
+fn print_replayed(done: &Replayed, topology: &Topology, selection: &Selection) {
+    if done.dry_run {
+        println!(
+            "would replay {} to {}{} (dry run: nothing moved); {} others stay in {}",
+            done.matched,
+            topology.work(),
+            of(selection),
+            done.kept,
+            topology.dead()
+        );
+    } else {
+        println!(
+            "replayed {} to {}{}; {} left in {}",
+            done.replayed,
+            topology.work(),
+            of(selection),
+            done.kept,
+            topology.dead()
+        );
+    }
+    print_letters(&done.letters);
+    nothing_matched(done.matched, selection);
+}
+
+/// One line per dead letter, then its detail and the start of its body, indented.
+fn print_letters(letters: &[DeadLetter]) {
+    if letters.is_empty() {
+        return;
+    }
+    println!(
+        "{:<28} {:<16} {:<16} {:<18} {:>8}  {:<24}",
+        "MESSAGE", "SELLER", "BATCH", "REASON", "ATTEMPTS", "DEAD AT"
+    );
+    for d in letters {
+        let shown = |v: &Option<String>| printable(v.as_deref().unwrap_or("-")).into_owned();
+        println!(
+            "{:<28} {:<16} {:<16} {:<18} {:>8}  {:<24}",
+            shown(&d.message_id),
+            shown(&d.seller_id),
+            shown(&d.batch_id),
+            d.reason.as_str(),
+            d.attempts.map_or("-".to_owned(), |a| a.to_string()),
+            d.dead_at.as_deref().unwrap_or("-"),
+        );
+        if !d.detail.is_empty() {
+            println!("    {}", printable(&d.detail));
+        }
+        println!(
+            "    body ({} bytes): {}{}",
+            d.bytes,
+            printable(&d.body_excerpt),
+            if d.body_truncated { "…" } else { "" }
+        );
+    }
+}
+
+/// Untrusted text made safe for a terminal: control characters and the invisible characters
+/// that reorder or hide text (bidirectional overrides, zero-width) are shown escaped.
+fn printable(text: &str) -> Cow<'_, str> {
+    let unsafe_char = |c: char| {
+        c.is_control()
+            || matches!(c, '\u{200B}'..='\u{200F}' | '\u{202A}'..='\u{202E}' | '\u{2066}'..='\u{2069}' | '\u{FEFF}')
+    };
+    if !text.chars().any(unsafe_char) {
+        return Cow::Borrowed(text);
+    }
+    Cow::Owned(
+        text.chars()
+            .map(|c| {
+                if unsafe_char(c) {
+                    c.escape_unicode().to_string()
+                } else {
+                    c.to_string()
+                }
+            })
+            .collect(),
+    )
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn untrusted_text_cannot_drive_the_terminal() {
+        assert_eq!(printable("plain S-1 größe"), "plain S-1 größe");
+        assert!(matches!(printable("plain"), Cow::Borrowed(_)));
+        assert_eq!(printable("a\u{1b}[31mb"), "a\\u{1b}[31mb");
+        assert_eq!(printable("x\ny\r"), "x\\u{a}y\\u{d}");
+        assert_eq!(printable("evil\u{202E}txt"), "evil\\u{202e}txt");
+    }
 }

@@ -2,15 +2,19 @@
 //! (stored in Redis, effective on every replica at once), and show what adaptive limits learned.
 
 use std::process::ExitCode;
+use std::time::Duration;
 
 use anyhow::Context;
 use clap::Subcommand;
+use serde_json::json;
 use turnstile_core::config::{LimiterArgs, Limits, RedisArgs, TermsArgs};
 use turnstile_core::domain::SellerId;
 use turnstile_core::fleet;
-use turnstile_core::permit::{Admin, MAX_SHADOW_COUNT, MAX_WEIGHT, RedisConn, Terms};
+use turnstile_core::permit::{
+    Admin, Learned, MAX_SHADOW_COUNT, MAX_WEIGHT, RedisConn, Terms, Usage, pause_span,
+};
 
-use super::seller_arg;
+use super::{Json, seller_value};
 
 /// `turnstile limits`: its action, where the limits live and the replicas' terms they are read
 /// and changed under. The terms go before the action (`turnstile limits --algorithm gcra get
@@ -39,8 +43,8 @@ pub enum LimitsAction {
     #[command(group(clap::ArgGroup::new("what").required(true).multiple(true).args(["new_limit", "weight"])))]
     Set {
         /// The seller.
-        #[arg(long)]
-        seller: String,
+        #[arg(long, value_parser = seller_value)]
+        seller: SellerId,
         /// The seller's new limit (an override of the default), COUNT/DURATION, or a
         /// comma-separated stack that must all hold.
         #[arg(long = "limit", value_parser = turnstile_core::config::limits_arg)]
@@ -52,30 +56,55 @@ pub enum LimitsAction {
         /// (default 1; 1 to 1000).
         #[arg(long, value_parser = clap::value_parser!(u32).range(1..=i64::from(MAX_WEIGHT)))]
         weight: Option<u32>,
+        #[command(flatten)]
+        json: Json,
     },
     /// Show each limit that applies to a seller (an override or the default, and what adaptive
     /// limits learned of it), how much of it is taken, which one binds now, any pause, and the
     /// shadow limit's verdicts.
     Get {
         /// The seller.
-        #[arg(long)]
-        seller: String,
+        #[arg(long, value_parser = seller_value)]
+        seller: SellerId,
+        #[command(flatten)]
+        json: Json,
     },
     /// Remove a seller's override (the default applies again), or with `--shadow` its shadow
     /// limit.
     Clear {
         /// The seller.
-        #[arg(long)]
-        seller: String,
+        #[arg(long, value_parser = seller_value)]
+        seller: SellerId,
         /// Remove the seller's shadow limit instead.
         #[arg(long)]
         shadow: bool,
+        #[command(flatten)]
+        json: Json,
     },
-    /// Lift a seller's pause (taken from a 429's Retry-After) on every replica at once.
+    /// Pause a seller on every replica at once: no call of it starts until the pause ends or
+    /// `limits resume` lifts it; its messages wait in the delay ladder, holding no worker, and
+    /// other sellers are not slowed. Without `--for`, until `limits resume` (at most 24h). A
+    /// longer pause in force (a 429's, an earlier one) is kept.
+    Pause {
+        /// The seller.
+        #[arg(long, value_parser = seller_value)]
+        seller: SellerId,
+        /// How long, e.g. `10m`, `2h` (more than 0, at most 24h: the replicas reserve a waiting
+        /// message's slot at most 24h ahead by default, and `limits resume` reaches only
+        /// those) [default: until `limits resume`, at most 24h].
+        #[arg(long = "for", value_name = "DURATION", value_parser = pause_arg)]
+        for_: Option<Duration>,
+        #[command(flatten)]
+        json: Json,
+    },
+    /// Lift a seller's pause (a 429's, or `limits pause`) on every replica at once: its waiting
+    /// messages come back at once.
     Resume {
         /// The seller.
-        #[arg(long)]
-        seller: String,
+        #[arg(long, value_parser = seller_value)]
+        seller: SellerId,
+        #[command(flatten)]
+        json: Json,
     },
     /// Forget a seller's limiter state (its grants, reserved slots, learned limit) safely: the
     /// seller is paused for one window first, so that no call of the forgotten state shares a
@@ -83,8 +112,10 @@ pub enum LimitsAction {
     /// its keys by hand instead lets a second window of calls through.)
     Reset {
         /// The seller.
-        #[arg(long)]
-        seller: String,
+        #[arg(long, value_parser = seller_value)]
+        seller: SellerId,
+        #[command(flatten)]
+        json: Json,
     },
 }
 
@@ -103,14 +134,14 @@ pub async fn run(
     }
     let limiter = terms.limiter;
     let store = Admin::new(conn, &redis.key_prefix, Terms::from(&limiter));
-    let line = match action {
+    let (json, said) = match action {
         LimitsAction::Set {
             seller,
             new_limit,
             weight,
             shadow,
+            json,
         } => {
-            let seller = seller_arg(&seller)?;
             let mut said = Vec::new();
             if let Some(new_limit) = new_limit.clone().filter(|_| shadow) {
                 anyhow::ensure!(
@@ -122,7 +153,7 @@ pub async fn run(
                     .await
                     .context("setting the shadow limit")?;
                 said.push(format!("{new_limit} (shadow: judged, not enforced)"));
-            } else if let Some(new_limit) = new_limit {
+            } else if let Some(new_limit) = new_limit.clone() {
                 LimiterArgs {
                     limit: new_limit.clone(),
                     ..limiter.clone()
@@ -143,35 +174,86 @@ pub async fn run(
                     .context("setting the weight")?;
                 said.push(format!("weight {weight}"));
             }
-            format!("{seller}: {}", said.join(", "))
+            let document = json!({
+                "seller": seller.as_str(),
+                "limit": new_limit.map(|l| l.to_string()),
+                "shadow": shadow,
+                "weight": weight,
+            });
+            (
+                json.then(document),
+                format!("{seller}: {}", said.join(", ")),
+            )
         }
-        LimitsAction::Get { seller } => get(&store, &seller_arg(&seller)?).await?,
-        LimitsAction::Reset { seller } => {
-            let seller = seller_arg(&seller)?;
+        LimitsAction::Get { seller, json } => {
+            let got = get(&store, &seller).await?;
+            (json.then(got.json()), got.text())
+        }
+        LimitsAction::Pause { seller, for_, json } => {
+            let span = pause_span(for_).map_err(anyhow::Error::msg)?;
+            let paused = store
+                .pause_now(&seller, span)
+                .await
+                .context("pausing the seller")?;
+            let until = turnstile_core::worker::report::rfc3339(
+                turnstile_core::broker::unix_ms() + paused.as_millis() as u64,
+            );
+            let kept = paused > span + Duration::from_secs(1);
+            let mut line = format!(
+                "{seller}: paused on every replica for {} (until {until}{})",
+                shown(paused),
+                if for_.is_none() {
+                    ", or until `limits resume`"
+                } else {
+                    ""
+                }
+            );
+            if kept {
+                line += &format!(
+                    "; a longer pause was in force and is kept (asked {}; `limits resume` lifts it)",
+                    shown(span)
+                );
+            }
+            let document = json!({
+                "seller": seller.as_str(),
+                "requested_s": for_.map(|d| d.as_secs_f64()),
+                "until_resumed": for_.is_none(),
+                "longer_kept": kept,
+                "paused_for_s": millis(paused),
+                "paused_until": until,
+            });
+            (json.then(document), line)
+        }
+        LimitsAction::Reset { seller, json } => {
             let paused = store
                 .reset(&seller)
                 .await
                 .context("resetting the seller's limiter state")?;
-            format!(
+            let document = json!({
+                "seller": seller.as_str(),
+                "paused_for_s": millis(paused),
+            });
+            let line = format!(
                 "{seller}: limiter state forgotten; paused for {:.1}s so that no call of the forgotten state shares a window with a new one",
                 paused.as_secs_f64()
-            )
+            );
+            (json.then(document), line)
         }
-        LimitsAction::Resume { seller } => {
-            let seller = seller_arg(&seller)?;
+        LimitsAction::Resume { seller, json } => {
             let was = store.resume(&seller).await.context("lifting the pause")?;
             let what = if was {
                 "pause lifted"
             } else {
                 "was not paused"
             };
-            format!("{seller}: {what}")
+            let document = json!({"seller": seller.as_str(), "resumed": was});
+            (json.then(document), format!("{seller}: {what}"))
         }
         LimitsAction::Clear {
             seller,
             shadow: true,
+            json,
         } => {
-            let seller = seller_arg(&seller)?;
             let had = store
                 .clear_shadow(&seller)
                 .await
@@ -181,13 +263,19 @@ pub async fn run(
             } else {
                 "had no shadow limit"
             };
-            format!("{seller}: {what}")
+            let document = json!({
+                "seller": seller.as_str(),
+                "shadow": true,
+                "cleared": had,
+                "default_limit": store.default_limit().to_string(),
+            });
+            (json.then(document), format!("{seller}: {what}"))
         }
         LimitsAction::Clear {
             seller,
             shadow: false,
+            json,
         } => {
-            let seller = seller_arg(&seller)?;
             let had = store
                 .clear_limit(&seller)
                 .await
@@ -197,68 +285,191 @@ pub async fn run(
             } else {
                 "had no override"
             };
-            format!(
+            let document = json!({
+                "seller": seller.as_str(),
+                "shadow": false,
+                "cleared": had,
+                "default_limit": store.default_limit().to_string(),
+            });
+            let line = format!(
                 "{seller}: {what}; {} (default) applies",
                 store.default_limit()
-            )
+            );
+            (json.then(document), line)
         }
     };
-    println!("{line}");
+    match json {
+        Some(document) => println!("{}", serde_json::to_string_pretty(&document)?),
+        None => println!("{said}"),
+    }
     Ok(ExitCode::SUCCESS)
 }
 
-/// The stack that applies to a seller, whether it is an override, and its pause; then a line
-/// per limit: how much of it is taken now and promised ahead, and which one binds now.
-async fn get(store: &Admin, seller: &SellerId) -> anyhow::Result<String> {
+/// `--for`: a duration from 1µs to 24h (see `permit::pause_span`).
+fn pause_arg(s: &str) -> Result<Duration, String> {
+    let given = turnstile_core::config::delay_arg(s)?;
+    pause_span(Some(given))
+        .map_err(|e| e.to_string())
+        .map(|_| given)
+}
+
+/// A duration as shown: `10m`, `1d`, `1h30m`-like spellings to the second (`599.9996s` is
+/// `10m`); under a minute, to the tenth of a second.
+fn shown(d: Duration) -> String {
+    if d < Duration::from_secs(60) {
+        return format!("{:.1}s", d.as_secs_f64());
+    }
+    let secs = d.as_secs() + u64::from(d.subsec_millis() >= 500);
+    turnstile_core::config::format_duration(Duration::from_secs(secs))
+}
+
+/// Seconds with ms precision, as the JSON fields `*_s` carry them.
+fn millis(d: Duration) -> f64 {
+    d.as_millis() as f64 / 1000.0
+}
+
+/// What `limits get` shows of a seller.
+struct Got {
+    seller: SellerId,
+    usage: Usage,
+    learned: Option<Learned>,
+    weight: u32,
+    shadow: Option<turnstile_core::permit::Shadow>,
+}
+
+/// Reads what `limits get` shows of a seller.
+async fn get(store: &Admin, seller: &SellerId) -> anyhow::Result<Got> {
     let usage = store.usage(seller).await.context("reading the limit")?;
-    let whose = if usage.overridden {
-        "override"
-    } else {
-        "default"
-    };
     let learned = store
         .learned(seller)
         .await
         .context("reading the learned limit")?;
-    let configured = learned
-        .as_ref()
-        .map_or(&usage.limit, |learned| &learned.configured);
-    let mut line = format!("{seller}: {configured} ({whose})");
-    if let Some(learned) = &learned {
-        line += &learned_line(learned);
-    }
     let weight = store.weight(seller).await.context("reading the weight")?;
-    if weight != 1 {
-        line += &format!(", weight {weight}");
+    let shadow = store.shadow(seller).await.context("reading the shadow")?;
+    Ok(Got {
+        seller: seller.clone(),
+        usage,
+        learned,
+        weight,
+        shadow,
+    })
+}
+
+impl Got {
+    /// The stack configured for the seller (its override or the default).
+    fn configured(&self) -> &Limits {
+        self.learned
+            .as_ref()
+            .map_or(&self.usage.limit, |learned| &learned.configured)
     }
-    if !usage.paused_for.is_zero() {
-        line += &format!(", paused for {:.1}s", usage.paused_for.as_secs_f64());
+
+    /// The stack that applies to a seller, whether it is an override, and its pause; then a
+    /// line per limit: how much of it is taken now and promised ahead, and which one binds now.
+    fn text(&self) -> String {
+        let Got {
+            seller,
+            usage,
+            learned,
+            weight,
+            shadow,
+        } = self;
+        let whose = if usage.overridden {
+            "override"
+        } else {
+            "default"
+        };
+        let mut line = format!("{seller}: {} ({whose})", self.configured());
+        if let Some(learned) = learned {
+            line += &learned_line(learned);
+        }
+        if *weight != 1 {
+            line += &format!(", weight {weight}");
+        }
+        if !usage.paused_for.is_zero() {
+            line += &format!(", paused for {:.1}s", usage.paused_for.as_secs_f64());
+        }
+        for (i, u) in usage.per_limit.iter().enumerate() {
+            line += &format!(
+                "\n  {:<10} {} of {} units taken now, {} ahead{}",
+                u.limit.to_string(),
+                u.used,
+                u.capacity,
+                u.ahead,
+                if i == usage.binding && usage.per_limit.len() > 1 {
+                    "  <- binds now"
+                } else {
+                    ""
+                }
+            );
+        }
+        if let Some(shadow) = shadow {
+            line += &format!(
+                "\n  shadow {}: agreed {}, would have held back {} (by {:.1}s in all), would have let {} go at once",
+                shadow.limit,
+                shadow.agree,
+                shadow.stricter,
+                shadow.delay.as_secs_f64(),
+                shadow.looser
+            );
+        }
+        line
     }
-    for (i, u) in usage.per_limit.iter().enumerate() {
-        line += &format!(
-            "\n  {:<10} {} of {} units taken now, {} ahead{}",
-            u.limit.to_string(),
-            u.used,
-            u.capacity,
-            u.ahead,
-            if i == usage.binding && usage.per_limit.len() > 1 {
-                "  <- binds now"
-            } else {
-                ""
-            }
-        );
+
+    /// The same as one JSON document.
+    fn json(&self) -> serde_json::Value {
+        let Got {
+            seller,
+            usage,
+            learned,
+            weight,
+            shadow,
+        } = self;
+        let limits: Vec<_> = usage
+            .per_limit
+            .iter()
+            .enumerate()
+            .map(|(i, u)| {
+                json!({
+                    "limit": u.limit.to_string(),
+                    "used": u.used,
+                    "capacity": u.capacity,
+                    "ahead": u.ahead,
+                    "binds": i == usage.binding,
+                })
+            })
+            .collect();
+        let learned = learned.as_ref().map(|l| {
+            json!({
+                "limit": l.limit.to_string(),
+                "from": l.from.as_ref().map(ToString::to_string),
+                "why": l.why.map(|w| w.label()),
+                "changed_ago_s": l.changed_ago.map(millis),
+                "patience": l.patience,
+                "quota": l.quota.map(|q| json!({"left": q.left, "resets_in_s": millis(q.resets_in)})),
+            })
+        });
+        let shadow = shadow.as_ref().map(|s| {
+            json!({
+                "limit": s.limit.to_string(),
+                "agree": s.agree,
+                "stricter": s.stricter,
+                "stricter_delay_s": millis(s.delay),
+                "looser": s.looser,
+            })
+        });
+        json!({
+            "seller": seller.as_str(),
+            "limit": self.configured().to_string(),
+            "override": usage.overridden,
+            "applies": usage.limit.to_string(),
+            "learned": learned,
+            "weight": weight,
+            "paused_for_s": millis(usage.paused_for),
+            "in_flight": usage.in_flight,
+            "limits": limits,
+            "shadow": shadow,
+        })
     }
-    if let Some(shadow) = store.shadow(seller).await.context("reading the shadow")? {
-        line += &format!(
-            "\n  shadow {}: agreed {}, would have held back {} (by {:.1}s in all), would have let {} go at once",
-            shadow.limit,
-            shadow.agree,
-            shadow.stricter,
-            shadow.delay.as_secs_f64(),
-            shadow.looser
-        );
-    }
-    Ok(line)
 }
 
 /// What adaptive limits learned of a seller: the limit that applies, why and when it last

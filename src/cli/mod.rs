@@ -173,14 +173,29 @@ pub async fn run(cli: Cli) -> anyhow::Result<ExitCode> {
     }
 }
 
-/// `--seller`, parsed.
-fn seller_arg(s: &str) -> anyhow::Result<SellerId> {
-    SellerId::parse(s).map_err(|e| anyhow::anyhow!("--seller {s:?}: {e}"))
+/// `--seller`, parsed by clap (a bad one is a usage error).
+fn seller_value(s: &str) -> Result<SellerId, String> {
+    SellerId::parse(s).map_err(|e| e.to_string())
 }
 
-/// `--batch`, parsed.
-fn batch_arg(s: &str) -> anyhow::Result<BatchId> {
-    BatchId::parse(s).map_err(|e| anyhow::anyhow!("--batch {s:?}: {e}"))
+/// `--batch`, parsed by clap (a bad one is a usage error).
+fn batch_value(s: &str) -> Result<BatchId, String> {
+    BatchId::parse(s).map_err(|e| e.to_string())
+}
+
+/// `--json`, on every command a script calls: one JSON document on stdout instead of text.
+#[derive(clap::Args, Clone, Copy, Debug, Default)]
+pub struct Json {
+    /// Print one JSON document on stdout instead of text.
+    #[arg(long)]
+    pub json: bool,
+}
+
+impl Json {
+    /// `document` when `--json` is given.
+    pub fn then<T>(self, document: T) -> Option<T> {
+        self.json.then_some(document)
+    }
 }
 
 /// A token cancelled on SIGTERM or SIGINT (Ctrl-C); the only place signals are read.

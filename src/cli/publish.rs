@@ -16,7 +16,9 @@ use turnstile_core::permit::{Admin, RedisConn, Terms};
 use turnstile_core::trace::TraceContext;
 use turnstile_upload::upload::{UploadRow, read_weighed_upload};
 
-use super::{batch_arg, seller_arg};
+use turnstile_core::domain::{BatchId, SellerId};
+
+use super::{Json, batch_value, seller_value};
 
 #[derive(clap::Args, Debug)]
 pub struct PublishArgs {
@@ -24,11 +26,11 @@ pub struct PublishArgs {
     /// names the product fields.
     pub file: PathBuf,
     /// The seller whose products these are (1 to 128 characters, no control characters).
-    #[arg(long)]
-    pub seller: String,
+    #[arg(long, value_parser = seller_value)]
+    pub seller: SellerId,
     /// The upload's batch id [default: file name + digest of its content].
-    #[arg(long)]
-    pub batch: Option<String>,
+    #[arg(long, value_parser = batch_value)]
+    pub batch: Option<BatchId>,
     /// Refuse the whole file if any row is bad (default: report bad rows and skip them).
     #[arg(long)]
     pub strict: bool,
@@ -37,6 +39,8 @@ pub struct PublishArgs {
     /// costs 1].
     #[arg(long = "cost-column", value_name = "NAME")]
     pub cost_column: Option<String>,
+    #[command(flatten)]
+    pub json: Json,
     #[command(flatten)]
     pub broker: BrokerArgs,
     #[command(flatten)]
@@ -50,8 +54,7 @@ pub struct PublishArgs {
 
 /// Runs `turnstile publish`.
 pub async fn run(args: PublishArgs) -> anyhow::Result<ExitCode> {
-    let seller = seller_arg(&args.seller)?;
-    let batch = args.batch.as_deref().map(batch_arg).transpose()?;
+    let (seller, batch) = (args.seller.clone(), args.batch.clone());
     let upload = read_weighed_upload(
         &args.file,
         &seller,
@@ -73,13 +76,15 @@ pub async fn run(args: PublishArgs) -> anyhow::Result<ExitCode> {
     let queue = topology.work().to_owned();
     let label = format!("publishing {} of {seller}", upload.batch_id.as_str());
     let trace = TraceContext::start();
-    println!(
-        "{}: publishing {} products of {seller} (batch {}) as trace-id {}",
-        args.file.display(),
-        upload.rows.len(),
-        upload.batch_id.as_str(),
-        trace.trace_id()
-    );
+    if !args.json.json {
+        println!(
+            "{}: publishing {} products of {seller} (batch {}) as trace-id {}",
+            args.file.display(),
+            upload.rows.len(),
+            upload.batch_id.as_str(),
+            trace.trace_id()
+        );
+    }
     let published = publish_rows(&publisher, &queue, &upload.rows, &trace, label).await;
     let failed_rows: std::collections::HashSet<usize> = upload
         .rows
@@ -98,14 +103,31 @@ pub async fn run(args: PublishArgs) -> anyhow::Result<ExitCode> {
         Some(column) => format!(" of {} units ({column})", upload.units()),
         None => String::new(),
     };
-    println!(
-        "{}: published {sent} of {} products{weighed} of {seller} (batch {}) to {queue}; {} bad rows skipped; at {limit} they take at least {:.0}s",
-        args.file.display(),
-        upload.rows.len(),
-        upload.batch_id.as_str(),
-        upload.bad_rows.len(),
-        optimum.as_secs_f64()
-    );
+    let document = serde_json::json!({
+        "file": args.file.display().to_string(),
+        "seller": seller.as_str(),
+        "batch_id": upload.batch_id.as_str(),
+        "trace_id": trace.trace_id().to_string(),
+        "queue": queue,
+        "products": upload.rows.len(),
+        "published": sent,
+        "failed": failed.len(),
+        "bad_rows": upload.bad_rows.iter().map(ToString::to_string).collect::<Vec<_>>(),
+        "units": upload.units(),
+        "limit": limit.to_string(),
+        "optimum_s": optimum.as_millis() as f64 / 1000.0,
+    });
+    match args.json.then(document) {
+        Some(document) => println!("{}", serde_json::to_string_pretty(&document)?),
+        None => println!(
+            "{}: published {sent} of {} products{weighed} of {seller} (batch {}) to {queue}; {} bad rows skipped; at {limit} they take at least {:.0}s",
+            args.file.display(),
+            upload.rows.len(),
+            upload.batch_id.as_str(),
+            upload.bad_rows.len(),
+            optimum.as_secs_f64()
+        ),
+    }
     if let Some(error) = failed.first() {
         anyhow::bail!(
             "{} products were not published (confirmed): {error:#}",

@@ -10,16 +10,18 @@ use turnstile_core::fleet;
 use turnstile_core::permit::{Admin, GlobalUsage, Records, RedisConn, Terms, Usage};
 use turnstile_upload::progress::{self, BatchReport};
 
-use super::{batch_arg, seller_arg};
+use turnstile_core::domain::BatchId;
+
+use super::{batch_value, seller_value};
 
 #[derive(clap::Args, Debug)]
 pub struct StatusArgs {
     /// Only this seller's uploads.
-    #[arg(long)]
-    pub seller: Option<String>,
+    #[arg(long, value_parser = seller_value)]
+    pub seller: Option<SellerId>,
     /// Only the uploads with this batch id.
-    #[arg(long)]
-    pub batch: Option<String>,
+    #[arg(long, value_parser = batch_value)]
+    pub batch: Option<BatchId>,
     /// Print JSON instead of a table.
     #[arg(long)]
     pub json: bool,
@@ -46,8 +48,7 @@ pub async fn run(args: StatusArgs) -> anyhow::Result<ExitCode> {
     }
     let admin = Admin::new(conn.clone(), prefix, Terms::from(&terms.limiter));
     let records = Records::new(conn, prefix);
-    let seller = args.seller.as_deref().map(seller_arg).transpose()?;
-    let batch = args.batch.as_deref().map(batch_arg).transpose()?;
+    let (seller, batch) = (args.seller.clone(), args.batch.clone());
     let uploads = progress::list(&records, seller.as_ref(), batch.as_ref()).await?;
     // One report per seller, as `GET /api/sellers/{id}` gives it; its batches' ETAs count the
     // work seen before each.

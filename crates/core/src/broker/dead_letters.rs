@@ -1,11 +1,17 @@
-//! Inspecting dead letters and replaying chosen ones onto the work queue.
+//! Inspecting dead letters and replaying chosen ones onto the work queue: [`list`] and
+//! [`replay`] take the dead letters a [`Selection`] names (by message, seller, batch, reason),
+//! and a replay may be a dry run.
 //!
 //! Most dead letters were published by a replica with the reason in [`headers::REASON`]. The
 //! broker dead-letters too: a quorum work queue moves a message returned more than its
 //! delivery limit to `<q>.dead` with only its `x-death` history, whose reason `delivery_limit`
-//! (RabbitMQ 3.10 and later) is listed as `delivery-limit`; any other broker reason `R` (an
+//! (RabbitMQ 3.10 and later) is listed as `delivery-limit`; the other broker reasons (an
 //! operator's TTL or length limit: `expired`, `maxlen`; a reject by another client:
-//! `rejected`) as `broker-R`.
+//! `rejected`) as `broker-expired`, `broker-maxlen`, `broker-rejected` (see [`Reason`]).
+//!
+//! Listing reads the queue with `basic.get`, one message at a time, and returns every message
+//! it read when it ends (the dead-letter queue's delivery limit is far beyond what listings
+//! reach); of each letter only its [`DeadLetter`] (bounded) and its acker are kept.
 //!
 //! Every broker step is bounded ([`STEP_TIMEOUT`]) and fails at once when its channel fails,
 //! which lapin never reports to the step itself: a dead letter whose headers exceed the
@@ -66,15 +72,297 @@ async fn failed(channel: &Channel) {
     }
 }
 
-/// One dead letter as listed.
-#[derive(Debug, serde::Serialize)]
-pub struct DeadLetter {
+/// Why a message is dead: the reasons turnstile dead-letters with (`x-turnstile-reason`), and
+/// those listed for a message the broker dead-lettered itself (from its `x-death` history).
+/// Written and parsed as [`Reason::as_str`] gives it (`invalid-message`, `delivery-limit`, ...).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
+#[non_exhaustive]
+pub enum Reason {
+    /// The body is not a valid registration (or its headers leave no room for a copy, or the
+    /// limiter refused it repeatedly, or its cost exceeds what the seller's limit can grant).
+    InvalidMessage,
+    /// The downstream refused it (a 4xx other than 408, 425 and 429, or a 3xx).
+    Rejected,
+    /// Every attempt failed (5xx, timeouts, connection errors): TURNSTILE_MAX_ATTEMPTS.
+    AttemptsExhausted,
+    /// The downstream answered 429 for longer than TURNSTILE_THROTTLE_DEADLINE.
+    Throttled,
+    /// The broker dead-lettered it after too many returns (a quorum queue's delivery limit):
+    /// a message that kept crashing or disconnecting replicas.
+    DeliveryLimit,
+    /// The broker dead-lettered it because a client rejected it without requeueing (x-death
+    /// reason `rejected`: not turnstile, which dead-letters by publishing).
+    BrokerRejected,
+    /// The broker dead-lettered it when a TTL (an operator's policy) ran out.
+    BrokerExpired,
+    /// The broker dead-lettered it for a queue length limit (an operator's policy).
+    BrokerMaxlen,
+    /// Neither turnstile's reason nor a broker history it knows: published to the dead-letter
+    /// queue by something else, or a reason of a newer turnstile (named in the detail).
+    Unknown,
+}
+
+impl Reason {
+    /// Every reason, in the order they are listed.
+    pub const ALL: [Reason; 9] = [
+        Reason::InvalidMessage,
+        Reason::Rejected,
+        Reason::AttemptsExhausted,
+        Reason::Throttled,
+        Reason::DeliveryLimit,
+        Reason::BrokerRejected,
+        Reason::BrokerExpired,
+        Reason::BrokerMaxlen,
+        Reason::Unknown,
+    ];
+
+    /// The reason as it is written: in listings, `--reason`, results and metrics.
+    pub const fn as_str(self) -> &'static str {
+        match self {
+            Reason::InvalidMessage => "invalid-message",
+            Reason::Rejected => "rejected",
+            Reason::AttemptsExhausted => "attempts-exhausted",
+            Reason::Throttled => "throttled",
+            Reason::DeliveryLimit => DELIVERY_LIMIT_REASON,
+            Reason::BrokerRejected => "broker-rejected",
+            Reason::BrokerExpired => "broker-expired",
+            Reason::BrokerMaxlen => "broker-maxlen",
+            Reason::Unknown => "unknown",
+        }
+    }
+
+    /// Whether the broker dead-lettered the message itself (no replica saw it die).
+    pub const fn is_brokers(self) -> bool {
+        matches!(
+            self,
+            Reason::DeliveryLimit
+                | Reason::BrokerRejected
+                | Reason::BrokerExpired
+                | Reason::BrokerMaxlen
+        )
+    }
+
+    /// The reason a replica wrote in `x-turnstile-reason`, if it is one turnstile writes.
+    fn of_turnstile(written: &str) -> Option<Self> {
+        Self::ALL
+            .into_iter()
+            .find(|r| !r.is_brokers() && *r != Reason::Unknown && r.as_str() == written)
+    }
+
+    /// The reason of an `x-death` entry (`delivery_limit`, `rejected`, `expired`, `maxlen`).
+    fn of_broker(x_death: &str) -> Option<Self> {
+        match x_death {
+            "delivery_limit" => Some(Reason::DeliveryLimit),
+            "rejected" => Some(Reason::BrokerRejected),
+            "expired" => Some(Reason::BrokerExpired),
+            "maxlen" => Some(Reason::BrokerMaxlen),
+            _ => None,
+        }
+    }
+}
+
+impl std::fmt::Display for Reason {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(self.as_str())
+    }
+}
+
+/// A reason that is none of [`Reason::ALL`]; says which are.
+#[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
+#[error("unknown dead-letter reason {given:?}; the reasons are: {}", Reason::ALL.map(Reason::as_str).join(", "))]
+pub struct UnknownReason {
+    /// What was given.
+    pub given: String,
+}
+
+impl std::str::FromStr for Reason {
+    type Err = UnknownReason;
+
+    /// Exactly as [`Reason::as_str`] writes it.
+    fn from_str(s: &str) -> Result<Self, Self::Err> {
+        Self::ALL
+            .into_iter()
+            .find(|r| r.as_str() == s)
+            .ok_or_else(|| UnknownReason {
+                given: s.to_owned(),
+            })
+    }
+}
+
+impl serde::Serialize for Reason {
+    fn serialize<S: serde::Serializer>(&self, serializer: S) -> Result<S::Ok, S::Error> {
+        serializer.serialize_str(self.as_str())
+    }
+}
+
+impl<'de> serde::Deserialize<'de> for Reason {
+    fn deserialize<D: serde::Deserializer<'de>>(deserializer: D) -> Result<Self, D::Error> {
+        let text = <std::borrow::Cow<'de, str>>::deserialize(deserializer)?;
+        text.parse().map_err(serde::de::Error::custom)
+    }
+}
+
+impl PartialEq<str> for Reason {
+    fn eq(&self, other: &str) -> bool {
+        self.as_str() == other
+    }
+}
+
+impl PartialEq<&str> for Reason {
+    fn eq(&self, other: &&str) -> bool {
+        self.as_str() == *other
+    }
+}
+
+/// Which dead letters a listing or a replay takes: those matching every part given (AND);
+/// [`Selection::all`] (nothing given) takes every one. Ids are compared exactly, as
+/// [`DeadLetter`] lists them.
+#[derive(Clone, Debug, Default, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+pub struct Selection {
+    /// Only the dead letters of this message (every copy of it).
     pub message_id: Option<String>,
+    /// Only this seller's.
     pub seller_id: Option<String>,
-    pub reason: String,
+    /// Only this batch's (upload's).
+    pub batch_id: Option<String>,
+    /// Only those dead for this reason.
+    pub reason: Option<Reason>,
+}
+
+impl Selection {
+    /// Every dead letter.
+    pub fn all() -> Self {
+        Self::default()
+    }
+
+    /// The dead letters of one message (by its id as listed; every copy of it).
+    pub fn message(message_id: impl Into<String>) -> Self {
+        Self::all().with_message_id(message_id)
+    }
+
+    /// Also only the dead letters of this message.
+    pub fn with_message_id(mut self, message_id: impl Into<String>) -> Self {
+        self.message_id = Some(message_id.into());
+        self
+    }
+
+    /// Also only this seller's.
+    pub fn with_seller(mut self, seller_id: impl Into<String>) -> Self {
+        self.seller_id = Some(seller_id.into());
+        self
+    }
+
+    /// Also only this batch's.
+    pub fn with_batch(mut self, batch_id: impl Into<String>) -> Self {
+        self.batch_id = Some(batch_id.into());
+        self
+    }
+
+    /// Also only those dead for `reason`.
+    pub fn with_reason(mut self, reason: Reason) -> Self {
+        self.reason = Some(reason);
+        self
+    }
+
+    /// Whether it takes every dead letter.
+    pub fn is_all(&self) -> bool {
+        *self == Self::all()
+    }
+
+    /// Whether `letter` is selected: it matches every part given.
+    pub fn matches(&self, letter: &DeadLetter) -> bool {
+        let same = |wanted: &Option<String>, has: &Option<String>| {
+            wanted.is_none() || wanted.as_deref() == has.as_deref()
+        };
+        same(&self.message_id, &letter.message_id)
+            && same(&self.seller_id, &letter.seller_id)
+            && same(&self.batch_id, &letter.batch_id)
+            && self.reason.is_none_or(|r| r == letter.reason)
+    }
+}
+
+impl std::fmt::Display for Selection {
+    /// `every dead letter`, or the parts given: `message m-1, seller S-1, reason rejected`.
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let mut parts = Vec::new();
+        for (what, value) in [
+            ("message", &self.message_id),
+            ("seller", &self.seller_id),
+            ("batch", &self.batch_id),
+        ] {
+            if let Some(value) = value {
+                parts.push(format!("{what} {value:?}"));
+            }
+        }
+        if let Some(reason) = self.reason {
+            parts.push(format!("reason {reason}"));
+        }
+        if parts.is_empty() {
+            f.write_str("every dead letter")
+        } else {
+            f.write_str(&parts.join(", "))
+        }
+    }
+}
+
+/// Most bytes of a dead letter's body its listing shows ([`DeadLetter::body_excerpt`]).
+pub const EXCERPT_BYTES: usize = 200;
+
+/// One dead letter as listed. Every text in it comes from the message (its body, its headers)
+/// and is untrusted: escape it before showing it (a terminal, a page). Its size is bounded
+/// whatever the message's: ids as the domain bounds them, the detail to
+/// [`budget::DETAIL_MAX`](super::budget::DETAIL_MAX), the body to [`EXCERPT_BYTES`].
+#[derive(Clone, Debug, PartialEq, Eq, serde::Serialize)]
+pub struct DeadLetter {
+    /// The message's id (its body's `message_id`, else the AMQP message-id property, else a
+    /// digest of the body: the identity every result and count uses).
+    pub message_id: Option<String>,
+    /// Its body's `seller_id`, if the body has a valid one.
+    pub seller_id: Option<String>,
+    /// Its body's `batch_id`, if the body has a valid one.
+    pub batch_id: Option<String>,
+    pub reason: Reason,
+    /// What the reason was about: the parse error, the status and a body excerpt of the
+    /// downstream's answer, the broker's history.
     pub detail: String,
+    /// When it died (RFC 3339, ms; the broker's second for the broker's own dead letters).
+    pub dead_at: Option<String>,
+    /// The same as Unix ms.
     pub dead_at_ms: Option<u64>,
+    /// The calls that counted as attempts, the last one included (a 429 is not an attempt), as
+    /// the replica that dead-lettered it counted them; `None` when unknown (the broker's own
+    /// dead letters).
+    pub attempts: Option<u32>,
+    /// The body's size in bytes.
     pub bytes: usize,
+    /// The body's first [`EXCERPT_BYTES`] bytes at most, as UTF-8 (an invalid sequence is
+    /// replaced by U+FFFD; a character cut at the end is left out).
+    pub body_excerpt: String,
+    /// Whether `body_excerpt` is only the start of the body.
+    pub body_truncated: bool,
+}
+
+/// The start of a body as text, and whether it is cut (see [`DeadLetter::body_excerpt`]).
+fn excerpt(body: &[u8]) -> (String, bool) {
+    let truncated = body.len() > EXCERPT_BYTES;
+    let head = &body[..body.len().min(EXCERPT_BYTES)];
+    let mut text = String::with_capacity(head.len());
+    let mut chunks = head.utf8_chunks().peekable();
+    while let Some(chunk) = chunks.next() {
+        text.push_str(chunk.valid());
+        // At the cut, invalid bytes are most likely a character cut in two: left out.
+        let cut_there = truncated && chunks.peek().is_none();
+        if !chunk.invalid().is_empty() && !cut_there {
+            text.push(char::REPLACEMENT_CHARACTER);
+        }
+    }
+    (text, truncated)
+}
+
+/// Unix ms as RFC 3339 with ms; `None` beyond the year 9999 (a forged header, say).
+fn rfc3339(ms: u64) -> Option<String> {
+    const YEAR_10000_MS: u64 = 253_402_300_800_000;
+    (ms < YEAR_10000_MS).then(|| crate::worker::report::rfc3339(ms))
 }
 
 /// The broker's latest dead-lettering of a message: the first entry of its `x-death` header.
@@ -94,7 +382,7 @@ fn latest_death(delivery: &Delivery) -> Option<Death> {
         return None;
     };
     let text = |name: &str| match entry.inner().get(name) {
-        Some(AMQPValue::LongString(s)) => Some(s.to_string()),
+        Some(AMQPValue::LongString(s)) => Some(String::from_utf8_lossy(s.as_bytes()).into_owned()),
         Some(AMQPValue::ShortString(s)) => Some(s.to_string()),
         _ => None,
     };
@@ -113,62 +401,84 @@ fn latest_death(delivery: &Delivery) -> Option<Death> {
     })
 }
 
-/// Why a dead letter is dead, the detail, and when it died (Unix ms): turnstile's headers, or
-/// else the broker's `x-death`.
-fn reason_of(delivery: &Delivery) -> (String, String, Option<u64>) {
-    if let Some(reason) = header_str(delivery, headers::REASON) {
-        return (
-            reason,
-            header_str(delivery, headers::DETAIL).unwrap_or_default(),
-            super::header_u64(delivery, headers::DEAD_AT),
+/// Why a dead letter is dead, the detail, and when it died (Unix ms). A broker's dead letter
+/// carries its `x-death` history, which turnstile's never do (its copies drop the history):
+/// that is read first, so that a producer's forged `x-turnstile-reason` cannot relabel it;
+/// else turnstile's headers.
+fn reason_of(delivery: &Delivery) -> (Reason, String, Option<u64>) {
+    if let Some(death) = latest_death(delivery) {
+        let detail = format!(
+            "dead-lettered by the broker from {:?} ({}, {} time(s))",
+            death.queue, death.reason, death.count
         );
+        let reason = Reason::of_broker(&death.reason).unwrap_or(Reason::Unknown);
+        return (reason, clip(detail), death.at_ms);
     }
-    match latest_death(delivery) {
-        Some(death) => {
-            let reason = match death.reason.as_str() {
-                "delivery_limit" => DELIVERY_LIMIT_REASON.to_owned(),
-                other => format!("broker-{other}"),
-            };
-            let detail = format!(
-                "dead-lettered by the broker from {:?} ({}, {} time(s))",
-                death.queue, death.reason, death.count
-            );
-            (reason, detail, death.at_ms)
-        }
-        None => ("unknown".into(), String::new(), None),
+    let Some(written) = header_str(delivery, headers::REASON) else {
+        return (Reason::Unknown, String::new(), None);
+    };
+    let detail = header_str(delivery, headers::DETAIL).unwrap_or_default();
+    let dead_at = super::header_u64(delivery, headers::DEAD_AT);
+    match Reason::of_turnstile(&written) {
+        Some(reason) => (reason, clip(detail), dead_at),
+        None => (
+            Reason::Unknown,
+            clip(format!("reason {written:?}: {detail}")),
+            dead_at,
+        ),
     }
 }
 
-fn describe(delivery: &Delivery) -> DeadLetter {
-    let body: Option<serde_json::Value> = serde_json::from_slice(&delivery.data).ok();
-    let field = |name: &str| {
-        body.as_ref()
-            .and_then(|b| b.get(name))
-            .and_then(|v| v.as_str())
-            .map(str::to_owned)
-    };
+/// A detail cut to [`budget::DETAIL_MAX`](super::budget::DETAIL_MAX) bytes.
+fn clip(detail: String) -> String {
+    match super::budget::clip_detail(&detail) {
+        clipped if clipped.len() == detail.len() => detail,
+        clipped => clipped.to_owned(),
+    }
+}
+
+/// A dead letter as listed; never fails, whatever its body and headers.
+pub fn describe(delivery: &Delivery) -> DeadLetter {
+    let amqp_id = delivery
+        .properties
+        .message_id()
+        .as_ref()
+        .map(|m| m.as_str());
+    let identity = Identity::of(&delivery.data, amqp_id);
     let (reason, detail, dead_at_ms) = reason_of(delivery);
+    let attempts = (!reason.is_brokers())
+        .then(|| super::header_u64(delivery, headers::ATTEMPTS))
+        .flatten()
+        .map(|a| u32::try_from(a).unwrap_or(u32::MAX));
+    let (body_excerpt, body_truncated) = excerpt(&delivery.data);
     DeadLetter {
-        message_id: field("message_id").or_else(|| {
-            delivery
-                .properties
-                .message_id()
-                .as_ref()
-                .map(|m| m.to_string())
-        }),
-        seller_id: field("seller_id"),
+        message_id: identity.message_id.map(|m| m.as_str().to_owned()),
+        seller_id: identity.seller_id.map(|s| s.as_str().to_owned()),
+        batch_id: identity.batch_id.map(|b| b.as_str().to_owned()),
         reason,
         detail,
+        dead_at: dead_at_ms.and_then(rfc3339),
         dead_at_ms,
+        attempts,
         bytes: delivery.data.len(),
+        body_excerpt,
+        body_truncated,
     }
 }
 
-/// What `replay` did.
+/// What a replay did, or on a dry run would do.
 #[derive(Debug, Default, serde::Serialize)]
 pub struct Replayed {
+    /// A dry run: nothing was moved.
+    pub dry_run: bool,
+    /// Dead letters selected: moved back to the work queue, or on a dry run that would be.
+    pub matched: u64,
+    /// Dead letters moved back to the work queue (0 on a dry run).
     pub replayed: u64,
+    /// Dead letters not selected: they stay in the dead-letter queue.
     pub kept: u64,
+    /// The selected dead letters, as listed, in the queue's order.
+    pub letters: Vec<DeadLetter>,
 }
 
 /// Visits each dead letter present now exactly once: `visit` returns true to take it off the
@@ -226,17 +536,18 @@ async fn next(
     })
 }
 
-/// Lists the dead letters (optionally only those whose reason is `reason`); leaves them all.
+/// Lists the dead letters `selection` takes, in the queue's order; leaves them all where they
+/// are.
 pub async fn list(
     channel: &Channel,
     topology: &Topology,
-    reason: Option<&str>,
+    selection: &Selection,
 ) -> anyhow::Result<Vec<DeadLetter>> {
     let mut out = Vec::new();
     visit(channel, topology, |delivery| {
-        let d = describe(&delivery);
-        if reason.is_none_or(|r| r == d.reason) {
-            out.push(d);
+        let letter = describe(&delivery);
+        if selection.matches(&letter) {
+            out.push(letter);
         }
         async move { Ok((false, delivery)) }
     })
@@ -244,30 +555,42 @@ pub async fn list(
     Ok(out)
 }
 
-/// Moves the dead letters with `reason` (all when `None`) back to the work queue: the body as
-/// it was, turnstile's own headers and the broker's dead-letter history removed (a fresh start:
+/// Moves the dead letters `selection` takes back to the work queue: the body as it was,
+/// turnstile's own headers and the broker's dead-letter history removed (a fresh start:
 /// attempts at zero), confirmed before the dead letter is removed. Each message is counted as
 /// waiting again before it is republished (`revive`), so no replica can register or
 /// dead-letter it while it still counts as dead; if the republish fails, it is counted dead
-/// again (with `ttl`, the completion records' TTL).
+/// again (with `ttl`, the completion records' TTL), and the replay stops with the error.
+///
+/// A `dry_run` reads the same dead letters and reports exactly those it would move, and moves
+/// nothing, writing nothing to Redis.
 pub async fn replay(
     channel: &Channel,
     publisher: &Publisher,
     topology: &Topology,
-    reason: Option<&str>,
+    selection: &Selection,
     permits: &PermitStore,
     ttl: Duration,
+    dry_run: bool,
 ) -> anyhow::Result<Replayed> {
-    let mut done = Replayed::default();
-    visit(channel, topology, |delivery| {
-        let take = reason.is_none_or(|r| reason_of(&delivery).0 == r);
+    let mut done = Replayed {
+        dry_run,
+        ..Replayed::default()
+    };
+    let moved = std::cell::Cell::new(0u64);
+    let visited = visit(channel, topology, |delivery| {
+        let letter = describe(&delivery);
+        let selected = selection.matches(&letter);
+        if selected {
+            done.matched += 1;
+            done.letters.push(letter);
+        } else {
+            done.kept += 1;
+        }
+        let take = selected && !dry_run;
         let work = topology.work().to_owned();
         let publisher = publisher.clone();
-        if take {
-            done.replayed += 1
-        } else {
-            done.kept += 1
-        }
+        let moved = &moved;
         async move {
             if take {
                 let mut kept = FieldTable::default();
@@ -289,11 +612,20 @@ pub async fn replay(
                     revived.undo(permits, ttl).await;
                     return Err(error);
                 }
+                moved.set(moved.get() + 1);
             }
             Ok((take, delivery))
         }
     })
-    .await?;
+    .await;
+    done.replayed = moved.get();
+    visited.with_context(|| {
+        format!(
+            "{} dead letters were replayed to {:?} before this",
+            done.replayed,
+            topology.work()
+        )
+    })?;
     Ok(done)
 }
 
@@ -352,7 +684,7 @@ async fn revive(
 }
 
 /// The reason of a dead letter whose body does not parse.
-const INVALID: &str = "invalid-message";
+const INVALID: &str = Reason::InvalidMessage.as_str();
 
 impl Revived {
     /// Counts the message as dead again (its republish failed: it stays a dead letter). A
@@ -369,5 +701,255 @@ impl Revived {
         if let Err(error) = undone {
             tracing::warn!(%error, "not republished, and still counted as waiting");
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use lapin::types::{FieldArray, FieldTable, LongString, ShortString};
+
+    use super::*;
+
+    fn delivery(body: &[u8], headers: &[(&str, AMQPValue)]) -> Delivery {
+        let mut delivery = Delivery::mock(1, "".into(), "q.dead".into(), false, body.to_vec());
+        let mut table = FieldTable::default();
+        for (name, value) in headers {
+            table.insert(ShortString::from(*name), value.clone());
+        }
+        delivery.properties = BasicProperties::default().with_headers(table);
+        delivery
+    }
+
+    fn text(s: &str) -> AMQPValue {
+        AMQPValue::LongString(LongString::from(s.as_bytes().to_vec()))
+    }
+
+    fn letter(message: &str, seller: &str, batch: Option<&str>, reason: Reason) -> DeadLetter {
+        DeadLetter {
+            message_id: Some(message.into()),
+            seller_id: Some(seller.into()),
+            batch_id: batch.map(Into::into),
+            reason,
+            detail: String::new(),
+            dead_at: None,
+            dead_at_ms: None,
+            attempts: None,
+            bytes: 0,
+            body_excerpt: String::new(),
+            body_truncated: false,
+        }
+    }
+
+    #[test]
+    fn every_reason_parses_back_from_how_it_is_written() {
+        for reason in Reason::ALL {
+            assert_eq!(reason.as_str().parse::<Reason>(), Ok(reason));
+            assert_eq!(reason.to_string(), reason.as_str());
+            assert_eq!(
+                serde_json::to_string(&reason).unwrap(),
+                format!("\"{reason}\"")
+            );
+            let back: Reason = serde_json::from_str(&format!("\"{reason}\"")).unwrap();
+            assert_eq!(back, reason);
+        }
+    }
+
+    #[test]
+    fn every_reason_a_replica_writes_is_one_of_turnstiles() {
+        for written in crate::worker::DEAD_LETTER_REASONS {
+            let reason = Reason::of_turnstile(written).expect(written);
+            assert!(!reason.is_brokers(), "{reason}");
+            assert_eq!(reason.as_str(), written);
+        }
+        // And no reason of turnstile's is missing from what replicas write.
+        let turnstiles = Reason::ALL
+            .into_iter()
+            .filter(|r| !r.is_brokers() && *r != Reason::Unknown)
+            .count();
+        assert_eq!(turnstiles, crate::worker::DEAD_LETTER_REASONS.len());
+    }
+
+    #[test]
+    fn an_unknown_reason_is_refused_with_the_list_of_reasons() {
+        for given in [
+            "bogus",
+            "rejectd",
+            "",
+            "Rejected",
+            " rejected",
+            "delivery_limit",
+        ] {
+            let error = given.parse::<Reason>().unwrap_err();
+            assert_eq!(error.given, given);
+            let said = error.to_string();
+            assert!(said.contains(&format!("{given:?}")), "{said}");
+            for reason in Reason::ALL {
+                assert!(said.contains(reason.as_str()), "{said} lacks {reason}");
+            }
+        }
+        assert!(serde_json::from_str::<Reason>("\"bogus\"").is_err());
+    }
+
+    #[test]
+    fn a_selection_takes_the_letters_matching_every_part_given() {
+        let a = letter("m-1", "S-1", Some("b-1"), Reason::Rejected);
+        let b = letter("m-2", "S-1", None, Reason::InvalidMessage);
+        let c = letter("m-3", "S-2", Some("b-1"), Reason::Rejected);
+        let all = [&a, &b, &c];
+        let taken = |s: &Selection| -> Vec<&str> {
+            all.iter()
+                .filter(|l| s.matches(l))
+                .map(|l| l.message_id.as_deref().unwrap())
+                .collect()
+        };
+        assert!(Selection::all().is_all());
+        assert_eq!(taken(&Selection::all()), ["m-1", "m-2", "m-3"]);
+        assert_eq!(taken(&Selection::message("m-2")), ["m-2"]);
+        assert_eq!(taken(&Selection::message("m-")), Vec::<&str>::new());
+        assert_eq!(taken(&Selection::all().with_seller("S-1")), ["m-1", "m-2"]);
+        assert_eq!(taken(&Selection::all().with_batch("b-1")), ["m-1", "m-3"]);
+        let rejected = Selection::all().with_reason(Reason::Rejected);
+        assert_eq!(taken(&rejected), ["m-1", "m-3"]);
+        assert_eq!(taken(&rejected.clone().with_seller("S-2")), ["m-3"]);
+        assert_eq!(
+            taken(
+                &rejected
+                    .with_seller("S-1")
+                    .with_batch("b-1")
+                    .with_message_id("m-1")
+            ),
+            ["m-1"]
+        );
+        assert_eq!(
+            taken(&Selection::all().with_reason(Reason::DeliveryLimit)),
+            Vec::<&str>::new()
+        );
+        // A letter without a seller is never one seller's.
+        let mut anonymous = letter("m-4", "S-1", None, Reason::InvalidMessage);
+        anonymous.seller_id = None;
+        assert!(!Selection::all().with_seller("S-1").matches(&anonymous));
+        assert!(Selection::all().matches(&anonymous));
+        assert_eq!(Selection::all().to_string(), "every dead letter");
+        assert_eq!(
+            Selection::message("m-1")
+                .with_reason(Reason::Throttled)
+                .to_string(),
+            "message \"m-1\", reason throttled"
+        );
+    }
+
+    #[test]
+    fn a_body_excerpt_is_bounded_and_never_cuts_a_character() {
+        assert_eq!(excerpt(b"{\"a\":1}"), ("{\"a\":1}".into(), false));
+        assert_eq!(excerpt(b""), (String::new(), false));
+        let long = "é".repeat(EXCERPT_BYTES);
+        let (text, cut) = excerpt(long.as_bytes());
+        assert!(cut);
+        assert_eq!(text, "é".repeat(EXCERPT_BYTES / 2));
+        // Shifted by one byte, the cut falls inside a character: it is left out.
+        let shifted = format!("x{long}");
+        let (text, cut) = excerpt(shifted.as_bytes());
+        assert!(cut && text.len() < EXCERPT_BYTES, "{text}");
+        assert_eq!(text, format!("x{}", "é".repeat(EXCERPT_BYTES / 2 - 1)));
+        // Invalid bytes are replaced, not trusted; a body of them all is bounded too.
+        assert_eq!(excerpt(b"a\xffb"), ("a\u{FFFD}b".into(), false));
+        let (text, cut) = excerpt(&[0xff; 10_000]);
+        assert!(cut);
+        assert_eq!(text.chars().count(), EXCERPT_BYTES - 1);
+        assert!(text.chars().all(|c| c == char::REPLACEMENT_CHARACTER));
+    }
+
+    #[test]
+    fn a_replicas_dead_letter_is_described_from_its_headers() {
+        let body = br#"{"message_id":"m-1","seller_id":"S-1","batch_id":"b-1","product":{}}"#;
+        let d = describe(&delivery(
+            body,
+            &[
+                (headers::REASON, text("rejected")),
+                (headers::DETAIL, text("HTTP 400: no")),
+                (headers::DEAD_AT, AMQPValue::LongLongInt(1_777_636_800_123)),
+                (headers::ATTEMPTS, AMQPValue::LongLongInt(3)),
+            ],
+        ));
+        assert_eq!(
+            (
+                d.message_id.as_deref(),
+                d.seller_id.as_deref(),
+                d.batch_id.as_deref()
+            ),
+            (Some("m-1"), Some("S-1"), Some("b-1"))
+        );
+        assert_eq!(d.reason, Reason::Rejected);
+        assert_eq!(d.detail, "HTTP 400: no");
+        assert_eq!(d.dead_at_ms, Some(1_777_636_800_123));
+        assert_eq!(d.dead_at.as_deref(), Some("2026-05-01T12:00:00.123Z"));
+        assert_eq!(d.attempts, Some(3));
+        assert_eq!(
+            (d.bytes, d.body_excerpt.as_bytes(), d.body_truncated),
+            (body.len(), &body[..], false)
+        );
+    }
+
+    #[test]
+    fn a_brokers_dead_letter_is_described_from_its_history_whatever_its_own_headers_say() {
+        let mut death = FieldTable::default();
+        death.insert("reason".into(), text("delivery_limit"));
+        death.insert("queue".into(), text("q"));
+        death.insert("count".into(), AMQPValue::LongLongInt(1));
+        death.insert("time".into(), AMQPValue::Timestamp(1_777_636_800));
+        let history = AMQPValue::FieldArray(FieldArray::from(vec![AMQPValue::FieldTable(death)]));
+        let body = br#"{"message_id":"m-p","seller_id":"S-1","product":{}}"#;
+        // A producer's forged reason and attempts do not relabel it.
+        let d = describe(&delivery(
+            body,
+            &[
+                ("x-death", history),
+                (headers::REASON, text("rejected")),
+                (headers::ATTEMPTS, AMQPValue::LongLongInt(7)),
+            ],
+        ));
+        assert_eq!(d.reason, Reason::DeliveryLimit);
+        assert!(d.detail.contains("delivery_limit"), "{}", d.detail);
+        assert_eq!(d.dead_at.as_deref(), Some("2026-05-01T12:00:00.000Z"));
+        assert_eq!(d.attempts, None);
+    }
+
+    #[test]
+    fn any_body_and_headers_are_described_without_failing() {
+        // Garbage: the id is the body's digest, as everywhere else.
+        let d = describe(&delivery(b"\xff\xfegarbage\x1b[31m", &[]));
+        assert_eq!(d.reason, Reason::Unknown);
+        assert!(d.message_id.is_some() && d.seller_id.is_none());
+        assert_eq!(d.body_excerpt, "\u{FFFD}\u{FFFD}garbage\u{1b}[31m");
+        // A reason turnstile does not write, a huge detail and an impossible time.
+        let d = describe(&delivery(
+            br#"{"seller_id":"S-1"}"#,
+            &[
+                (headers::REASON, text("expired-someday")),
+                (headers::DETAIL, text(&"d".repeat(100_000))),
+                (headers::DEAD_AT, AMQPValue::LongLongInt(i64::MAX)),
+                (headers::ATTEMPTS, text("not a number")),
+            ],
+        ));
+        assert_eq!(d.reason, Reason::Unknown);
+        assert!(d.detail.starts_with("reason \"expired-someday\""));
+        assert!(d.detail.len() <= super::super::budget::DETAIL_MAX);
+        assert_eq!((d.dead_at, d.attempts), (None, None));
+        assert_eq!(d.seller_id.as_deref(), Some("S-1"));
+        // An x-death of another shape, and one of an unknown reason.
+        let d = describe(&delivery(b"{}", &[("x-death", text("not an array"))]));
+        assert_eq!(d.reason, Reason::Unknown);
+        let mut death = FieldTable::default();
+        death.insert("reason".into(), text("something-new"));
+        let history = AMQPValue::FieldArray(FieldArray::from(vec![AMQPValue::FieldTable(death)]));
+        let d = describe(&delivery(b"{}", &[("x-death", history)]));
+        assert_eq!(d.reason, Reason::Unknown);
+        assert!(d.detail.contains("something-new"), "{}", d.detail);
+        let mut death = FieldTable::default();
+        death.insert("reason".into(), text("expired"));
+        death.insert("time".into(), AMQPValue::Timestamp(u64::MAX));
+        let history = AMQPValue::FieldArray(FieldArray::from(vec![AMQPValue::FieldTable(death)]));
+        let d = describe(&delivery(b"{}", &[("x-death", history)]));
+        assert_eq!((d.reason, d.dead_at_ms), (Reason::BrokerExpired, None));
     }
 }

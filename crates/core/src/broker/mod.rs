@@ -60,12 +60,15 @@ pub mod headers {
     pub const THROTTLED_SINCE: &str = "x-turnstile-throttled-since-ms";
     /// Why turnstile dead-lettered a message: `invalid-message`, `rejected`,
     /// `attempts-exhausted` or `throttled` (a message the broker dead-lettered has none, see
-    /// [`super::dead_letters`]).
+    /// [`super::dead_letters::Reason`]).
     pub const REASON: &str = "x-turnstile-reason";
     /// The detail of the reason: the parse error, or the status and a body excerpt.
     pub const DETAIL: &str = "x-turnstile-detail";
     /// Unix time in ms when the message was dead-lettered.
     pub const DEAD_AT: &str = "x-turnstile-dead-at-ms";
+    /// On a dead letter: the calls that counted as attempts, the last one included (as its
+    /// result's `attempts`).
+    pub const ATTEMPTS: &str = "x-turnstile-attempts";
     /// The queue the dead letter was consumed from.
     pub const QUEUE: &str = "x-turnstile-queue";
     /// When turnstile first saw the message (Unix ms), for its result.

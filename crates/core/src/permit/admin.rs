@@ -55,6 +55,40 @@ pub const MAX_SHADOW_COUNT: u32 = 10_000;
 /// Most a seller's weight under the global limit may be.
 pub const MAX_WEIGHT: u32 = 1000;
 
+/// The longest pause an operator may set (`limits pause`), and what a pause given no duration
+/// lasts: until `limits resume`, at most this long. A paused seller's waiting messages reserve
+/// their slot at the pause's end, which a resume gives back at once so that they come back
+/// then; replicas reserve at most TURNSTILE_RESERVE_HORIZON ahead (24 hours by default), and a
+/// message told to wait longer than that waits without a reservation, for the pause's original
+/// end, whatever a resume does. So a pause stays within the default horizon.
+pub const LONGEST_PAUSE: Duration = Duration::from_secs(24 * 3600);
+
+/// A pause an operator may not set (see [`pause_span`]).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, thiserror::Error)]
+pub enum PauseSpanError {
+    /// A pause that lasts no time.
+    #[error("a pause must last more than 0s (at most 24h); to lift a pause: `limits resume`")]
+    Zero,
+    /// A pause beyond [`LONGEST_PAUSE`].
+    #[error(
+        "a pause lasts at most 24h: the replicas reserve waiting messages' slots at most 24h ahead \
+         (TURNSTILE_RESERVE_HORIZON's default), and a longer wait is not reached by `limits \
+         resume`; pause again to extend one"
+    )]
+    TooLong(Duration),
+}
+
+/// How long an operator's pause lasts: `requested`, or without one [`LONGEST_PAUSE`] (until
+/// resumed); refused when it is zero or longer than [`LONGEST_PAUSE`].
+pub fn pause_span(requested: Option<Duration>) -> Result<Duration, PauseSpanError> {
+    match requested {
+        None => Ok(LONGEST_PAUSE),
+        Some(d) if d.is_zero() => Err(PauseSpanError::Zero),
+        Some(d) if d > LONGEST_PAUSE => Err(PauseSpanError::TooLong(d)),
+        Some(d) => Ok(d),
+    }
+}
+
 /// What adaptive limits learned of a seller (see [`Admin::learned`]).
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct Learned {
@@ -474,6 +508,23 @@ impl Admin {
         Ok(wait_for(until, now))
     }
 
+    /// An operator's pause: pauses the seller on every replica for `duration` (as
+    /// [`Admin::pause`]: a longer pause in force is kept), then gives back every slot reserved
+    /// for its waiting messages and the unclaimed units of its permit block (see
+    /// `lua/reschedule.lua`), announced to every replica: the messages held for a slot come
+    /// back at once, find the seller paused and reserve anew after the pause, and no call
+    /// starts after the pause but the ones granted before it. Returns how long the pause lasts
+    /// (see [`pause_span`] for what an operator may ask).
+    pub async fn pause_now(
+        &self,
+        seller: &SellerId,
+        duration: Duration,
+    ) -> Result<Duration, PermitError> {
+        let paused = self.pause(seller, duration).await?;
+        self.reschedule(seller, Change::Release).await?;
+        Ok(paused)
+    }
+
     /// How long the seller stays paused (zero when not paused).
     pub async fn paused_for(&self, seller: &SellerId) -> Result<Duration, PermitError> {
         let until: Option<i64> = self.conn.clone().get(self.keys.pause(seller)).await?;
@@ -668,5 +719,31 @@ impl Admin {
                 at_us: at as i64,
             })
             .collect())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn an_operators_pause_lasts_what_was_asked_or_until_resumed_within_the_longest() {
+        assert_eq!(pause_span(None), Ok(LONGEST_PAUSE));
+        for asked in [
+            Duration::from_micros(1),
+            Duration::from_secs(600),
+            LONGEST_PAUSE,
+        ] {
+            assert_eq!(pause_span(Some(asked)), Ok(asked));
+        }
+        assert_eq!(pause_span(Some(Duration::ZERO)), Err(PauseSpanError::Zero));
+        let long = LONGEST_PAUSE + Duration::from_millis(1);
+        assert_eq!(pause_span(Some(long)), Err(PauseSpanError::TooLong(long)));
+        // The longest pause is what replicas reserve ahead by default: a resume reaches every
+        // waiting message.
+        assert_eq!(LONGEST_PAUSE, crate::config::LimiterArgs::default().horizon);
+        for error in [PauseSpanError::Zero, PauseSpanError::TooLong(long)] {
+            assert!(error.to_string().contains("24h"), "{error}");
+        }
     }
 }

@@ -47,8 +47,8 @@ use std::sync::{Arc, OnceLock};
 use std::time::Duration;
 
 pub use admin::{
-    Admin, Change, GlobalShare, GlobalUsage, Learned, LimitUsage, MAX_SHADOW_COUNT, MAX_WEIGHT,
-    Quota, Rescheduled, Shadow, Terms, Usage, binding_of,
+    Admin, Change, GlobalShare, GlobalUsage, LONGEST_PAUSE, Learned, LimitUsage, MAX_SHADOW_COUNT,
+    MAX_WEIGHT, PauseSpanError, Quota, Rescheduled, Shadow, Terms, Usage, binding_of, pause_span,
 };
 pub use applied::Applied;
 use batch::{Batcher, Operation, When};

@@ -23,6 +23,7 @@ use std::sync::atomic::Ordering;
 use std::time::Duration;
 
 use lapin::message::Delivery;
+use lapin::types::AMQPValue;
 use tokio::sync::{Notify, OwnedSemaphorePermit, Semaphore};
 use tokio_util::sync::CancellationToken;
 use tracing::{Instrument, debug, info, info_span, warn};
@@ -1273,10 +1274,18 @@ impl Worker {
                     .delay(&self.topology, delivery, *after, &carried.headers())
                     .await
             }
-            Outcome::DeadLetter { reason, detail, .. } => {
+            Outcome::DeadLetter {
+                reason,
+                detail,
+                report,
+            } => {
                 warn!(reason, detail, "dead-lettering");
                 let mut extra = plan::started_trace_headers(started_trace);
                 extra.push(plan::first_seen_header(reporting.first_seen_ms));
+                extra.push((
+                    crate::broker::headers::ATTEMPTS,
+                    AMQPValue::LongLongInt(i64::from(report.attempts)),
+                ));
                 publisher
                     .dead_letter(&self.topology, delivery, reason, detail, &extra)
                     .await
