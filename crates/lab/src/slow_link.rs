@@ -1,7 +1,8 @@
 //! A TCP proxy on loopback that adds a fixed latency each way: a slow link between a replica
-//! and Redis (another region, a congested network, a busy proxy), for fault tests and benches.
-//! Bytes keep their order and are delayed, not throttled: a pipeline of requests costs one round
-//! trip, as on a real link.
+//! and Redis or the broker (another region, a congested network, a busy proxy), for fault tests
+//! and benches. Bytes keep their order and are delayed, not throttled: a pipeline of requests
+//! costs one round trip, as on a real link. [`SlowLink::cut`] takes the link down (a network
+//! partition, a server gone) without touching the server behind it.
 
 use std::collections::VecDeque;
 use std::net::SocketAddr;
@@ -67,6 +68,17 @@ impl SlowLink {
     /// A `redis://` URL through the link.
     pub fn redis_url(&self) -> String {
         format!("redis://{}/", self.addr)
+    }
+
+    /// Where the link listens (e.g. for an `amqp://` URL through it).
+    pub fn addr(&self) -> SocketAddr {
+        self.addr
+    }
+
+    /// Cuts the link for good: every connection through it is closed and new ones are refused
+    /// (nothing listens on its port any more). The server behind it is left as it is.
+    pub fn cut(&self) {
+        self.stop.cancel();
     }
 }
 
