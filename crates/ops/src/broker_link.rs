@@ -58,6 +58,15 @@ impl QueueDepths {
     }
 }
 
+/// Whether `error` is the broker's answer to a request (a queue not found, say): the broker
+/// is there.
+fn refused_by_broker(error: &anyhow::Error) -> bool {
+    error
+        .chain()
+        .filter_map(|e| e.downcast_ref::<lapin::Error>())
+        .any(|e| matches!(e.kind(), lapin::ErrorKind::ProtocolError(_)))
+}
+
 /// The operator side's connection to the broker (see the module's doc).
 pub struct BrokerLink {
     nodes: broker::Nodes,
@@ -187,7 +196,14 @@ impl BrokerLink {
                     .unwrap_or_else(|_| Err(anyhow::anyhow!("reading the queue depths took longer than {QUEUES_EVERY:?}"))),
                 _ = stop.cancelled() => break,
             };
-            self.note(&read).await;
+            // A queue not declared yet (the replica declares its topology once it reaches the
+            // broker) fails its read, not the broker: the broker answered.
+            match &read {
+                Err(error) if refused_by_broker(error) && self.connection_ok().await => {
+                    self.health.ok();
+                }
+                _ => self.note(&read).await,
+            }
             match read {
                 Ok(depths) => {
                     depths.export();
