@@ -1434,3 +1434,75 @@ fn element(dom: &str, id: &str) -> String {
     let end = start + dom[start..].find(&close).unwrap();
     dom[start..end].to_owned()
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn during_a_redis_outage_the_page_keeps_the_last_figures_read_marked_stale()
+-> anyhow::Result<()> {
+    let chromium = Chromium::find();
+    let mut rig = support::rig("redis-outage", "10/1s").prepare().await?;
+    // The replica reaches Redis through a link of its own, which the test cuts.
+    let redis: std::net::SocketAddr = "127.0.0.1:6379".parse().unwrap();
+    let link = turnstile_lab::slow_link::SlowLink::start(redis, Duration::ZERO).await?;
+    let mut consume = rig.settings(1);
+    consume.redis.url = link.redis_url();
+    rig.start_replica(ServeArgs {
+        consume,
+        http: serving_at("127.0.0.1:0"),
+    })
+    .await?;
+    upload(&mut rig, "S-before", "before-outage", 4, 0).await?;
+    rig.wait_registered(4).await?;
+    let api = Console::of(rig.dashboard().unwrap(), None);
+    api.wait_for("the upload counted", |d| {
+        upload_of(d, "S-before")["registered"] == 4 && d["health"]["redis"]["state"] == "up"
+    })
+    .await;
+
+    link.cut();
+    let during = api
+        .wait_for("Redis down, its figures stale", |d| {
+            d["health"]["redis"]["state"] == "down" && d["shared_stale"] == true
+        })
+        .await;
+    let redis_health = &during["health"]["redis"];
+    assert!(
+        redis_health["last_error"]
+            .as_str()
+            .is_some_and(|e| !e.is_empty()),
+        "{redis_health}"
+    );
+    assert!(
+        during["shared_read_ms"].as_u64().unwrap()
+            < redis_health["since_ms"].as_u64().unwrap() + 5_000,
+        "the figures are those read before the outage"
+    );
+    assert_eq!(
+        upload_of(&during, "S-before")["registered"],
+        4,
+        "the last figures are kept"
+    );
+    assert_eq!(during["health"]["broker"]["state"], "up");
+
+    let page = api.page("");
+    chromium
+        .screenshot_sized(&page, &screens().join("redis-outage.png"), "1400,2000")
+        .await;
+    let dom = chromium.dump_dom(&page).await;
+    std::fs::write(screens().join("redis-outage.html"), &dom).unwrap();
+    assert_eq!(text_of(&dom, "redis-state"), "down");
+    assert!(text_of(&dom, "redis-since").starts_with("down since "));
+    assert!(
+        tag(&dom, "uploads-section").contains("stale"),
+        "the uploads are marked stale"
+    );
+    assert!(
+        element(&dom, "uploads-section").contains("stale · read "),
+        "with the time they were read"
+    );
+    assert!(element(&dom, "alert-list").contains("Redis down since"));
+    assert_eq!(
+        cell(&row(&dom, "upload", "S-before"), "registered"),
+        "4 / 4"
+    );
+    rig.cleanup().await
+}

@@ -103,6 +103,35 @@ pub struct Recently {
     pub slices: Vec<SliceCount>,
 }
 
+/// The recent answers in brief, as a replica announces them to the fleet (see
+/// [`Recently::brief`]).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Serialize, serde::Deserialize)]
+pub struct Brief {
+    /// Seconds the figures cover.
+    pub window_s: u64,
+    pub calls: u64,
+    /// Calls that failed (4xx, 5xx, timeouts, connection errors), and 429s.
+    pub errors: u64,
+    pub throttled: u64,
+    /// Latency quantiles, ms (`None` without calls).
+    pub p50_ms: Option<f64>,
+    pub p99_ms: Option<f64>,
+}
+
+impl Recently {
+    /// The figures in brief.
+    pub fn brief(&self) -> Brief {
+        Brief {
+            window_s: self.window_s,
+            calls: self.calls,
+            errors: self.errors,
+            throttled: self.classes.get("429").copied().unwrap_or(0),
+            p50_ms: self.p50_ms,
+            p99_ms: self.p99_ms,
+        }
+    }
+}
+
 /// Calls and errors of one slice.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize)]
 pub struct SliceCount {
@@ -325,6 +354,9 @@ mod tests {
                 errors: 3
             }
         );
+        let brief = s.brief();
+        assert_eq!((brief.calls, brief.errors, brief.throttled), (11, 3, 2));
+        assert_eq!(brief.p99_ms, s.p99_ms);
     }
 
     #[test]
