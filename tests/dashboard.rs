@@ -78,6 +78,9 @@ async fn the_dashboard_shows_each_seller_and_its_upload_progress_while_a_workloa
     chromium
         .screenshot(&page, &artifacts.join("dashboard.png"))
         .await;
+    chromium
+        .screenshot_sized(&page, &screens().join("dashboard-running.png"), "1400,2000")
+        .await;
     let dom = chromium.dump_dom(&page).await;
     std::fs::write(artifacts.join("dashboard-running.html"), &dom).unwrap();
     assert!(

@@ -45,6 +45,7 @@ use turnstile_core::permit::pause_span;
 use crate::audit::{Entry, Who};
 use crate::broker_link::DeadLetterQuery;
 use crate::dashboard::Dashboard;
+use crate::health::one_line;
 use crate::http::{Endpoints, api_error, carries_token, json_answer};
 
 /// The header every action must carry (see the module's doc).
@@ -583,7 +584,11 @@ async fn replay(State(endpoints): State<Endpoints>, request: Request) -> Respons
                 .done(result, serde_json::to_value(&replayed).unwrap_or_default())
                 .await
         }
-        Err(error) => action.failed(format!("replaying: {error:#}")).await,
+        Err(error) => {
+            action
+                .failed(format!("replaying: {}", one_line(&error)))
+                .await
+        }
     }
 }
 

@@ -25,6 +25,7 @@ use turnstile_upload::progress;
 use crate::actions::{batch_id, message_id, seller_id};
 use crate::broker_link::{DeadLetterQuery, DeadLetters};
 use crate::dashboard::{Dashboard, LimitRow, RetryMessage};
+use crate::health::one_line;
 use crate::http::{Endpoints, api_error, json_answer};
 
 /// Dead letters a listing shows by default, and at most.
@@ -242,7 +243,8 @@ async fn message_view(
                 Ok(listed) => listed.letters,
                 Err(error) => {
                     said.push(format!(
-                        "the dead letters could not be read ({error:#}): message {id:?} may be among them"
+                        "the dead letters could not be read ({}): message {id:?} may be among them",
+                        one_line(&error)
                     ));
                     Vec::new()
                 }
@@ -361,7 +363,7 @@ pub async fn dead_letters(
         ),
         Err(error) => api_error(
             StatusCode::SERVICE_UNAVAILABLE,
-            format!("reading the dead letters: {error:#}"),
+            format!("reading the dead letters: {}", one_line(&error)),
         ),
     }
 }
