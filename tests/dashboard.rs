@@ -1316,6 +1316,26 @@ async fn dead_letters_are_browsable_found_and_replayed_exactly_as_selected_after
         [false, true, false, true],
         "{replays:?}"
     );
+    // The page after the replays: one dead letter left, the actions listed.
+    let page = api.page("");
+    chromium
+        .screenshot_sized(&page, &screens().join("after-replays.png"), "1400,2000")
+        .await;
+    let dom = chromium.dump_dom(&page).await;
+    let listed = element(&dom, "dead-list");
+    assert_eq!(
+        listed.matches(r#"<tr class="letter""#).count(),
+        1,
+        "{listed}"
+    );
+    let actions = element(&dom, "recent-actions");
+    assert_eq!(
+        actions.matches(r#"data-action="replay""#).count(),
+        4,
+        "{actions}"
+    );
+    assert!(actions.contains("replay (dry run) done"), "{actions}");
+    assert!(actions.contains("ana from 127.0.0.1:"), "{actions}");
     rig.cleanup().await
 }
 
