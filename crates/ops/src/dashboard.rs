@@ -557,9 +557,7 @@ impl Dashboard {
             fleet: self.fleet(),
             actions: ActionsView {
                 enabled: self.actions_enabled,
-                why_not: (!self.actions_enabled).then(|| {
-                    "actions are off: they need TURNSTILE_HTTP_TOKEN set on the replica (then open the page with ?token=…)".to_owned()
-                }),
+                why_not: (!self.actions_enabled).then(|| crate::actions::ACTIONS_OFF.to_owned()),
             },
         })
     }
