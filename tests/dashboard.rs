@@ -1214,8 +1214,10 @@ async fn dead_letters_are_browsable_found_and_replayed_exactly_as_selected_after
     ] {
         assert!(said.contains(says), "{says}: {said}");
     }
-    let (status, _) = api.get("/api/search?q=%07&kind=seller").await;
-    assert_eq!(status, 400);
+    for bad in ["?q=%07&kind=seller", "?q=%07", "?q=", "?q=x&kind=planet"] {
+        let (status, said) = api.get(&format!("/api/search{bad}")).await;
+        assert_eq!(status, 400, "{bad}: {said}");
+    }
 
     // The page, with its dead letters and a message found.
     let page = api.page("#find=b-batch-1");

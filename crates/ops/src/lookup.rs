@@ -112,21 +112,25 @@ pub async fn search(
     }
     let wants = |kind: Kind| query.kind == Kind::Any || query.kind == kind;
     let mut said: Vec<String> = Vec::new();
-    // An id that cannot be one of the kinds asked for explicitly is a 400.
-    let explicit = |parsed: Result<(), String>| match parsed {
-        Err(why) if query.kind != Kind::Any => Err(why),
-        _ => Ok(()),
-    };
-    for (kind, parsed) in [
+    // An id that cannot be what is asked for (any of them, for `any`) is a 400.
+    let parsed = [
         (Kind::Seller, seller_id(&q).map(drop)),
         (Kind::Batch, batch_id(&q).map(drop)),
         (Kind::Message, message_id(&q).map(drop)),
-    ] {
-        if query.kind == kind
-            && let Err(why) = explicit(parsed)
-        {
-            return api_error(StatusCode::BAD_REQUEST, why);
-        }
+    ];
+    if let Some((_, Err(why))) = parsed.iter().find(|(kind, _)| *kind == query.kind) {
+        return api_error(StatusCode::BAD_REQUEST, why);
+    }
+    if query.kind == Kind::Any
+        && let Some(why) = parsed
+            .iter()
+            .map(|(_, p)| p.clone().err())
+            .collect::<Option<Vec<String>>>()
+    {
+        return api_error(
+            StatusCode::BAD_REQUEST,
+            format!("{q:?} cannot be an id: {}", why.join("; ")),
+        );
     }
     let also_seller = match query
         .seller
