@@ -761,3 +761,447 @@ fn completions_are_printed_for_each_shell() {
         "{out}"
     );
 }
+
+/// Runs `turnstile` with the rig's environment; (exit code, stdout, stderr).
+fn cli(rig: &Rig, args: &[&str]) -> (i32, String, String) {
+    let mut cmd = turnstile();
+    env_of(rig, &mut cmd);
+    run(cmd.args(args).stdin(Stdio::null()))
+}
+
+/// Runs a `--json` command that must succeed and returns its one JSON document.
+fn cli_json(rig: &Rig, args: &[&str]) -> serde_json::Value {
+    let (code, out, err) = cli(rig, args);
+    assert_eq!(code, 0, "{args:?}: {err}");
+    serde_json::from_str(&out).unwrap_or_else(|e| panic!("{args:?}: {e}: {out}"))
+}
+
+/// The message ids of listed dead letters, sorted.
+fn ids_of(letters: &serde_json::Value) -> Vec<String> {
+    let mut ids: Vec<String> = letters
+        .as_array()
+        .unwrap_or_else(|| panic!("a list of dead letters: {letters}"))
+        .iter()
+        .map(|d| d["message_id"].as_str().unwrap().to_owned())
+        .collect();
+    ids.sort();
+    ids
+}
+
+/// Waits until `<queue>.dead` holds `n` ready messages (a listing or a dry run returns what it
+/// read, which the broker counts a moment later).
+async fn wait_dead(rig: &Rig, n: u32) {
+    let what = format!("{}'s depth", rig.topology.dead());
+    wait_for(&what, n, async || {
+        rig.depth(rig.topology.dead()).await.unwrap()
+    })
+    .await;
+}
+
+/// `dead-letters list --json` with the selecting flags `select`: the ids listed, once every
+/// one of the `present` dead letters is back in the queue.
+async fn listed(rig: &Rig, present: u32, select: &[&str]) -> Vec<String> {
+    wait_dead(rig, present).await;
+    let args: Vec<&str> = ["dead-letters", "list", "--json"]
+        .into_iter()
+        .chain(select.iter().copied())
+        .collect();
+    ids_of(&cli_json(rig, &args))
+}
+
+#[tokio::test]
+async fn dead_letters_are_listed_and_replayed_by_id_seller_batch_and_reason() -> anyhow::Result<()>
+{
+    let mut rig = support::rig("select", "100/1s").prepare().await?;
+    rig.start_replicas(1, 2).await?;
+    // Rejected once (400), accepted when replayed.
+    let fixed = json!({"mock": {"statuses": [400, 200]}});
+    for (id, seller, batch) in [
+        ("m-a1", "S-a", "b1"),
+        ("m-a2", "S-a", "b1"),
+        ("m-b1", "S-b", "b2"),
+    ] {
+        let body = turnstile_lab::rig::registration_body(id, seller, Some(batch), fixed.clone());
+        rig.publish_body(&body).await?;
+    }
+    // Invalid: a cost of 0 (its seller and batch are still read), and a body that is no JSON.
+    let invalid = json!({"message_id": "m-a3", "seller_id": "S-a", "batch_id": "b1", "cost": 0,
+        "product": {}});
+    rig.publish_body(invalid.to_string().as_bytes()).await?;
+    rig.publish_body(b"\x1b[31mgarbage\xff").await?;
+    wait_dead(&rig, 5).await;
+
+    // Every dead letter, with what an operator needs.
+    let all = cli_json(&rig, &["dead-letters", "list", "--json"]);
+    let letters = all.as_array().unwrap();
+    assert_eq!(letters.len(), 5, "{all}");
+    let a1 = letters.iter().find(|d| d["message_id"] == "m-a1").unwrap();
+    assert_eq!(
+        (
+            &a1["seller_id"],
+            &a1["batch_id"],
+            &a1["reason"],
+            &a1["attempts"]
+        ),
+        (&json!("S-a"), &json!("b1"), &json!("rejected"), &json!(1)),
+        "{a1}"
+    );
+    assert!(a1["detail"].as_str().unwrap().contains("400"), "{a1}");
+    assert!(a1["dead_at"].as_str().unwrap().ends_with('Z'), "{a1}");
+    assert!(a1["dead_at_ms"].as_u64().is_some(), "{a1}");
+    assert!(
+        a1["body_excerpt"].as_str().unwrap().contains("\"m-a1\""),
+        "{a1}"
+    );
+    assert_eq!(a1["body_truncated"], false, "{a1}");
+    let garbage = letters.iter().find(|d| d["seller_id"].is_null()).unwrap();
+    assert_eq!(garbage["reason"], "invalid-message", "{garbage}");
+    let garbage_id = garbage["message_id"].as_str().unwrap().to_owned();
+    assert!(garbage_id.starts_with("sha256:"), "{garbage}");
+    // The table shows the garbage without handing its escape sequence to the terminal.
+    let (code, table, err) = cli(&rig, &["dead-letters", "list"]);
+    assert_eq!(code, 0, "{err}");
+    assert!(table.starts_with("5 dead letters in"), "{table}");
+    assert!(
+        !table.contains('\u{1b}') && table.contains("\\u{1b}[31mgarbage"),
+        "{table}"
+    );
+
+    // Selected by seller, batch, reason, id, and by several at once (all must hold).
+    assert_eq!(
+        listed(&rig, 5, &["--seller", "S-a"]).await,
+        ["m-a1", "m-a2", "m-a3"]
+    );
+    assert_eq!(listed(&rig, 5, &["--batch", "b2"]).await, ["m-b1"]);
+    let mut invalid = vec!["m-a3".to_owned(), garbage_id.clone()];
+    invalid.sort();
+    assert_eq!(
+        listed(&rig, 5, &["--reason", "invalid-message"]).await,
+        invalid
+    );
+    assert_eq!(listed(&rig, 5, &["--id", "m-b1"]).await, ["m-b1"]);
+    assert_eq!(
+        listed(
+            &rig,
+            5,
+            &["--seller", "S-a", "--batch", "b1", "--reason", "rejected"]
+        )
+        .await,
+        ["m-a1", "m-a2"]
+    );
+    assert!(
+        listed(&rig, 5, &["--seller", "S-b", "--reason", "invalid-message"])
+            .await
+            .is_empty()
+    );
+
+    // A dry run shows exactly what would move, and moves nothing.
+    wait_dead(&rig, 5).await;
+    let dry = cli_json(
+        &rig,
+        &[
+            "dead-letters",
+            "replay",
+            "--dry-run",
+            "--seller",
+            "S-a",
+            "--reason",
+            "rejected",
+            "--json",
+        ],
+    );
+    assert_eq!(
+        (
+            &dry["dry_run"],
+            &dry["matched"],
+            &dry["replayed"],
+            &dry["kept"]
+        ),
+        (&json!(true), &json!(2), &json!(0), &json!(3)),
+        "{dry}"
+    );
+    assert_eq!(ids_of(&dry["letters"]), ["m-a1", "m-a2"]);
+    assert_eq!(dry["work_queue"], rig.topology.work());
+    wait_dead(&rig, 5).await;
+    let (code, out, err) = cli(
+        &rig,
+        &["dead-letters", "replay", "--dry-run", "--batch", "b2"],
+    );
+    assert_eq!(code, 0, "{err}");
+    assert!(out.starts_with("would replay 1 to"), "{out}");
+    wait_dead(&rig, 5).await;
+    assert_eq!(rig.mock.stats().registered, 0, "a dry run moves nothing");
+
+    // Replayed one message by its id: it alone registers.
+    let one = cli_json(&rig, &["dead-letters", "replay", "--id", "m-a1", "--json"]);
+    assert_eq!(
+        (
+            &one["dry_run"],
+            &one["matched"],
+            &one["replayed"],
+            &one["kept"]
+        ),
+        (&json!(false), &json!(1), &json!(1), &json!(4)),
+        "{one}"
+    );
+    assert_eq!(ids_of(&one["letters"]), ["m-a1"]);
+    let stats = rig.wait_registered(1).await?;
+    assert_eq!(stats.sellers["S-a"].registered, 1, "{stats:?}");
+    // By seller, then by batch and reason.
+    wait_dead(&rig, 4).await;
+    let (code, out, err) = cli(&rig, &["dead-letters", "replay", "--seller", "S-b"]);
+    assert_eq!(code, 0, "{err}");
+    assert!(out.starts_with("replayed 1 to"), "{out}");
+    rig.wait_registered(2).await?;
+    wait_dead(&rig, 3).await;
+    let (code, out, err) = cli(
+        &rig,
+        &[
+            "dead-letters",
+            "replay",
+            "--batch",
+            "b1",
+            "--reason",
+            "rejected",
+        ],
+    );
+    assert_eq!(code, 0, "{err}");
+    assert!(out.starts_with("replayed 1 to"), "{out}");
+    let stats = rig.wait_registered(3).await?;
+    assert_eq!(
+        (stats.registered, stats.duplicates, stats.violations),
+        (3, 0, 0),
+        "{stats:?}"
+    );
+    // What is left: the two invalid ones. Nothing matched is no failure.
+    assert_eq!(listed(&rig, 2, &[]).await, invalid);
+    wait_dead(&rig, 2).await;
+    let none = cli_json(
+        &rig,
+        &["dead-letters", "replay", "--id", "m-none", "--json"],
+    );
+    assert_eq!((&none["matched"], &none["kept"]), (&json!(0), &json!(2)));
+    wait_dead(&rig, 2).await;
+    let (code, _, err) = cli(&rig, &["dead-letters", "replay", "--id", "m-none"]);
+    assert_eq!(code, 0, "{err}");
+    assert!(err.contains("no dead letter matches"), "{err}");
+    rig.cleanup().await
+}
+
+#[test]
+fn an_unknown_reason_is_a_usage_error_that_lists_the_reasons() {
+    for args in [
+        &["dead-letters", "list", "--reason", "bogus"][..],
+        &["dead-letters", "replay", "--reason", "rejectd"],
+        &[
+            "dead-letters",
+            "replay",
+            "--dry-run",
+            "--reason",
+            "Rejected",
+        ],
+    ] {
+        // Refused before anything connects: nowhere to connect to is needed.
+        let (code, out, err) = run(turnstile()
+            .args(args)
+            .env("TURNSTILE_AMQP_URL", "amqp://guest:guest@127.0.0.1:1/%2f")
+            .env("TURNSTILE_REDIS_URL", "redis://127.0.0.1:1/"));
+        assert_eq!(code, 2, "{args:?}: {err}");
+        assert!(out.is_empty(), "{out}");
+        for reason in [
+            "invalid-message",
+            "rejected",
+            "attempts-exhausted",
+            "throttled",
+            "delivery-limit",
+            "broker-expired",
+            "unknown",
+        ] {
+            assert!(
+                err.contains(reason),
+                "{args:?} does not list {reason}: {err}"
+            );
+        }
+    }
+}
+
+#[test]
+fn usage_errors_exit_2_and_failures_to_connect_exit_1() {
+    let nowhere = |cmd: &mut Command| {
+        cmd.env("TURNSTILE_AMQP_URL", "amqp://guest:guest@127.0.0.1:1/%2f")
+            .env("TURNSTILE_REDIS_URL", "redis://127.0.0.1:1/")
+            .env("RUST_LOG", "off")
+            .stdin(Stdio::null());
+    };
+    for args in [
+        &["limits", "pause", "--seller", "S", "--for", "0s"][..],
+        &["limits", "pause", "--seller", "S", "--for", "0"],
+        &["limits", "pause", "--seller", "S", "--for", "25h"],
+        &["limits", "pause", "--seller", "S", "--for", "soon"],
+        &["limits", "pause", "--for", "10m"],
+        &["limits", "get", "--seller", ""],
+        &["dead-letters", "list", "--seller", "a\u{1}b"],
+        &["dead-letters", "replay", "--id", ""],
+        &["limits", "frobnicate"],
+    ] {
+        let mut cmd = turnstile();
+        nowhere(&mut cmd);
+        let (code, out, err) = run(cmd.args(args));
+        assert_eq!(code, 2, "{args:?}: {err}");
+        assert!(out.is_empty(), "{args:?}: {out}");
+    }
+    for args in [
+        &["limits", "get", "--seller", "S", "--json"][..],
+        &["limits", "pause", "--seller", "S", "--for", "10m", "--json"],
+        &["dead-letters", "list", "--json"],
+        &["status", "--json"],
+    ] {
+        let mut cmd = turnstile();
+        nowhere(&mut cmd);
+        let (code, out, err) = run(cmd.args(args));
+        assert_eq!(code, 1, "{args:?}: {err}");
+        assert!(out.is_empty(), "{args:?}: nothing on stdout, got {out}");
+        assert!(err.contains("127.0.0.1:1"), "{args:?}: {err}");
+    }
+}
+
+#[tokio::test]
+async fn a_paused_seller_waits_uncalled_until_resumed_and_then_keeps_its_limit()
+-> anyhow::Result<()> {
+    let mut rig = support::rig("pause", "4/1s").prepare().await?;
+    rig.start_replicas(1, 4).await?;
+    let paused = cli_json(
+        &rig,
+        &[
+            "limits", "pause", "--seller", "S-p", "--for", "10m", "--json",
+        ],
+    );
+    assert_eq!(
+        (
+            &paused["seller"],
+            &paused["until_resumed"],
+            &paused["requested_s"]
+        ),
+        (&json!("S-p"), &json!(false), &json!(600.0)),
+        "{paused}"
+    );
+    let left = paused["paused_for_s"].as_f64().unwrap();
+    assert!(left > 0.0 && left <= 600.0, "{paused}");
+    let got = cli_json(&rig, &["limits", "get", "--seller", "S-p", "--json"]);
+    assert!(got["paused_for_s"].as_f64().unwrap() > 0.0, "{got}");
+
+    rig.publish("S-p", 12).await?;
+    rig.publish("S-other", 4).await?;
+    // The other seller is not held up; the paused one's messages are all delayed, none called.
+    let stats = rig.wait_registered(4).await?;
+    assert_eq!(stats.sellers["S-other"].registered, 4, "{stats:?}");
+    support::eventually("the paused seller's messages are delayed", || {
+        rig.total(|s| &s.delayed) >= 12
+    })
+    .await;
+    let stats = rig.mock.stats();
+    assert!(
+        !stats.sellers.contains_key("S-p"),
+        "called while paused: {stats:?}"
+    );
+
+    // Resumed: they come back at once (not after the 10 minutes), within the seller's limit.
+    let resumed = cli_json(&rig, &["limits", "resume", "--seller", "S-p", "--json"]);
+    assert_eq!(resumed, json!({"seller": "S-p", "resumed": true}));
+    let stats = rig.wait_registered(16).await?;
+    assert_eq!(
+        (stats.registered, stats.violations, stats.duplicates),
+        (16, 0, 0),
+        "{stats:?}"
+    );
+    assert!(stats.sellers["S-p"].max_in_window <= 4, "{stats:?}");
+
+    // Without --for: until resumed, at most a day.
+    let held = cli_json(&rig, &["limits", "pause", "--seller", "S-q", "--json"]);
+    assert_eq!(held["until_resumed"], true, "{held}");
+    assert!(held["paused_for_s"].as_f64().unwrap() <= 86_400.0, "{held}");
+    let (code, out, err) = cli(&rig, &["limits", "resume", "--seller", "S-q"]);
+    assert_eq!((code, out.trim()), (0, "S-q: pause lifted"), "{err}");
+    let got = cli_json(&rig, &["limits", "get", "--seller", "S-q", "--json"]);
+    assert_eq!(got["paused_for_s"], 0.0, "{got}");
+    let again = cli_json(&rig, &["limits", "resume", "--seller", "S-q", "--json"]);
+    assert_eq!(again["resumed"], false, "{again}");
+    rig.cleanup().await
+}
+
+#[tokio::test]
+async fn every_scripted_command_prints_one_json_document() -> anyhow::Result<()> {
+    let rig = support::rig("json", "100/1s").prepare().await?;
+    let set = cli_json(
+        &rig,
+        &[
+            "limits", "set", "--seller", "S-j", "--limit", "7/1s", "--weight", "3", "--json",
+        ],
+    );
+    assert_eq!(
+        set,
+        json!({"seller": "S-j", "limit": "7/1s", "shadow": false, "weight": 3})
+    );
+    let got = cli_json(&rig, &["limits", "get", "--seller", "S-j", "--json"]);
+    assert_eq!(
+        (
+            &got["limit"],
+            &got["override"],
+            &got["weight"],
+            &got["paused_for_s"]
+        ),
+        (&json!("7/1s"), &json!(true), &json!(3), &json!(0.0)),
+        "{got}"
+    );
+    assert_eq!(got["limits"][0]["limit"], "7/1s", "{got}");
+    assert_eq!(got["limits"][0]["binds"], true, "{got}");
+    let cleared = cli_json(&rig, &["limits", "clear", "--seller", "S-j", "--json"]);
+    assert_eq!(
+        (&cleared["cleared"], &cleared["default_limit"]),
+        (&json!(true), &json!("100/1s")),
+        "{cleared}"
+    );
+    let reset = cli_json(&rig, &["limits", "reset", "--seller", "S-j", "--json"]);
+    assert!(reset["paused_for_s"].as_f64().unwrap() > 0.0, "{reset}");
+    let resumed = cli_json(&rig, &["limits", "resume", "--seller", "S-j", "--json"]);
+    assert_eq!(resumed["resumed"], true, "{resumed}");
+
+    let published = cli_json(
+        &rig,
+        &[
+            "publish",
+            &examples("products.csv"),
+            "--seller",
+            "S-j",
+            "--batch",
+            "bj",
+            "--json",
+        ],
+    );
+    assert_eq!(
+        (
+            &published["published"],
+            &published["products"],
+            &published["failed"],
+            &published["batch_id"],
+            &published["queue"]
+        ),
+        (
+            &json!(40),
+            &json!(40),
+            &json!(0),
+            &json!("bj"),
+            &json!(rig.topology.work())
+        ),
+        "{published}"
+    );
+    assert_eq!(rig.depth(rig.topology.work()).await?, 40);
+    assert_eq!(cli_json(&rig, &["status", "--json"]), json!([]));
+    assert_eq!(
+        cli_json(&rig, &["dead-letters", "list", "--json"]),
+        json!([])
+    );
+    let replayed = cli_json(&rig, &["dead-letters", "replay", "--dry-run", "--json"]);
+    assert_eq!(replayed["matched"], 0, "{replayed}");
+    rig.cleanup().await
+}

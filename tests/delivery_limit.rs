@@ -608,3 +608,53 @@ async fn a_classic_work_queue_still_fails_a_quorum_replica_start() -> anyhow::Re
         .unwrap();
     rig.cleanup().await
 }
+
+#[tokio::test]
+async fn a_replay_that_fails_half_way_returns_every_dead_letter_it_read_to_the_queue() {
+    let broker = TestBroker::new("replay-fails", QueueType::Quorum).await;
+    for id in ["m-1", "m-2", "m-3"] {
+        put_dead_letter(&broker, id).await;
+    }
+    // Redis answers nothing: the first replayed message cannot be counted as waiting again.
+    let mut redis = turnstile_lab::local_redis::LocalRedis::start().unwrap();
+    let conn = turnstile_core::permit::RedisConn::connect(&support::redis_args(&redis.url(), "x"))
+        .await
+        .unwrap();
+    let permits = turnstile_core::permit::PermitStore::new(
+        conn,
+        "replay-fails",
+        support::limiter("10/1s", turnstile_core::config::Algorithm::SlidingWindow),
+    );
+    redis.stop();
+    // On a channel that lives on, as a replica's (the dashboard's) would.
+    let channel = broker.connection.create_channel().await.unwrap();
+    let failed = dead_letters::replay(
+        &channel,
+        &broker.publisher,
+        &broker.topology,
+        &Selection::all(),
+        &permits,
+        Duration::from_secs(60),
+        false,
+    )
+    .await
+    .expect_err("no Redis, no replay");
+    let said = format!("{failed:#}");
+    assert!(said.contains("0 dead letters were replayed"), "{said}");
+    // Every dead letter it read is back, while the channel stays open.
+    support::eventually_async("the dead letters are back", async || {
+        broker.depth(broker.topology.dead()).await == 3
+    })
+    .await;
+    assert!(channel.status().connected());
+    assert_eq!(
+        broker.depth(broker.queue()).await,
+        0,
+        "nothing was replayed"
+    );
+    let listed = dead_letters::list(&channel, &broker.topology, &Selection::all())
+        .await
+        .unwrap();
+    assert_eq!(listed.len(), 3, "{listed:?}");
+    broker.cleanup().await;
+}

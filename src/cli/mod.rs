@@ -94,7 +94,8 @@ pub enum Command {
     Demo(Box<demo::DemoArgs>),
     /// Inspect dead letters, or move chosen ones back to the work queue.
     DeadLetters(Box<dead_letters::DeadLettersArgs>),
-    /// Show or change per-seller limit overrides (stored in Redis, effective on every replica).
+    /// Show or change sellers' limits, weights and pauses (stored in Redis, effective on every
+    /// replica at once).
     Limits(Box<limits::LimitsArgs>),
     /// Measurements that print figures next to a baseline measured in the same run.
     #[command(subcommand_precedence_over_arg = true)]

@@ -481,43 +481,61 @@ pub struct Replayed {
     pub letters: Vec<DeadLetter>,
 }
 
-/// Visits each dead letter present now exactly once: `visit` returns true to take it off the
-/// dead-letter queue (after it was handled), false to leave it there. Messages are held unacked
-/// while visiting and the ones left are returned at the end, so none is seen twice or lost;
-/// of a message left, only its acker is kept meanwhile (not its body), so visiting a large
-/// dead-letter queue holds a few dozen bytes per message, not the messages.
+/// Visits each dead letter present now exactly once: `visit` answers true to take it off the
+/// dead-letter queue (after it was handled), false to leave it there, and hands the delivery
+/// back either way. Messages are held unacked while visiting and the ones left are returned at
+/// the end, so none is seen twice or lost; of a message left, only its acker is kept meanwhile
+/// (not its body), so visiting a large dead-letter queue holds a few dozen bytes per message,
+/// not the messages. A failure (of `visit` or of the broker) stops the visit and returns every
+/// message read and not taken at once, so that a channel that lives on (a replica's) holds none
+/// of them; a failed channel's are returned by the broker when it closes.
 async fn visit<F, Fut>(channel: &Channel, topology: &Topology, mut visit: F) -> anyhow::Result<()>
 where
     F: FnMut(Delivery) -> Fut,
-    Fut: std::future::Future<Output = anyhow::Result<(bool, Delivery)>>,
+    Fut: std::future::Future<Output = (anyhow::Result<bool>, Delivery)>,
 {
-    let present = step(
-        channel,
-        "reading the dead-letter queue's depth",
-        depth(channel, topology.dead()),
-    )
-    .await?;
     let mut keep = Vec::new();
-    for _ in 0..present {
-        let Some(message) = next(channel, topology).await? else {
-            break;
-        };
-        let (take, delivery) = visit(message.delivery).await?;
-        if take {
-            let ack = delivery.acker.ack(BasicAckOptions::default());
-            step(channel, "removing a replayed dead letter", ack).await?;
-        } else {
-            keep.push(delivery.acker);
+    let visited = async {
+        let present = step(
+            channel,
+            "reading the dead-letter queue's depth",
+            depth(channel, topology.dead()),
+        )
+        .await?;
+        for _ in 0..present {
+            let Some(message) = next(channel, topology).await? else {
+                break;
+            };
+            let (take, delivery) = visit(message.delivery).await;
+            match take {
+                Ok(true) => {
+                    let ack = delivery.acker.ack(BasicAckOptions::default());
+                    step(channel, "removing a replayed dead letter", ack).await?;
+                }
+                Ok(false) => keep.push(delivery.acker),
+                Err(error) => {
+                    keep.push(delivery.acker);
+                    return Err(error);
+                }
+            }
         }
+        anyhow::Ok(())
     }
+    .await;
     let requeue = BasicNackOptions {
         requeue: true,
         ..Default::default()
     };
+    let mut returned = Ok(());
     for acker in keep {
-        step(channel, "leaving a dead letter", acker.nack(requeue)).await?;
+        returned = step(channel, "leaving a dead letter", acker.nack(requeue))
+            .await
+            .map(drop);
+        if returned.is_err() {
+            break;
+        }
     }
-    Ok(())
+    visited.and(returned)
 }
 
 /// The next dead letter, held unacked; a connection lost while reading it is explained.
@@ -549,7 +567,7 @@ pub async fn list(
         if selection.matches(&letter) {
             out.push(letter);
         }
-        async move { Ok((false, delivery)) }
+        async move { (Ok(false), delivery) }
     })
     .await?;
     Ok(out)
@@ -592,29 +610,34 @@ pub async fn replay(
         let publisher = publisher.clone();
         let moved = &moved;
         async move {
-            if take {
-                let mut kept = FieldTable::default();
-                if let Some(table) = delivery.properties.headers() {
-                    for (k, v) in table.inner() {
-                        if !k.as_str().starts_with("x-turnstile-") && !is_death_history(k.as_str())
-                        {
-                            kept.insert(k.clone(), v.clone());
-                        }
+            if !take {
+                return (Ok(false), delivery);
+            }
+            let mut kept = FieldTable::default();
+            if let Some(table) = delivery.properties.headers() {
+                for (k, v) in table.inner() {
+                    if !k.as_str().starts_with("x-turnstile-") && !is_death_history(k.as_str()) {
+                        kept.insert(k.clone(), v.clone());
                     }
                 }
-                let properties: BasicProperties = delivery.properties.clone().with_headers(kept);
-                let revived = revive(permits, &delivery, ttl)
-                    .await
-                    .context("counting a replayed message as waiting again")?;
-                let publish = publisher.publish("", &work, &delivery.data, properties);
-                let republished = step(publisher.channel(), "republishing a dead letter", publish);
-                if let Err(error) = republished.await {
-                    revived.undo(permits, ttl).await;
-                    return Err(error);
-                }
-                moved.set(moved.get() + 1);
             }
-            Ok((take, delivery))
+            let properties: BasicProperties = delivery.properties.clone().with_headers(kept);
+            let revived = match revive(permits, &delivery, ttl).await {
+                Ok(revived) => revived,
+                Err(error) => {
+                    let error = anyhow::Error::from(error)
+                        .context("counting a replayed message as waiting again");
+                    return (Err(error), delivery);
+                }
+            };
+            let publish = publisher.publish("", &work, &delivery.data, properties);
+            let republished = step(publisher.channel(), "republishing a dead letter", publish);
+            if let Err(error) = republished.await {
+                revived.undo(permits, ttl).await;
+                return (Err(error), delivery);
+            }
+            moved.set(moved.get() + 1);
+            (Ok(true), delivery)
         }
     })
     .await;
