@@ -78,6 +78,9 @@ async fn the_dashboard_shows_each_seller_and_its_upload_progress_while_a_workloa
     chromium
         .screenshot(&page, &artifacts.join("dashboard.png"))
         .await;
+    chromium
+        .screenshot_sized(&page, &screens().join("dashboard-running.png"), "1400,2000")
+        .await;
     let dom = chromium.dump_dom(&page).await;
     std::fs::write(artifacts.join("dashboard-running.html"), &dom).unwrap();
     assert!(
@@ -466,8 +469,9 @@ impl Chromium {
     }
 
     /// Runs Chromium on `url` with a fresh profile until the page's timers have run for 5 s of
-    /// virtual time (so its first refreshes happened); returns stdout.
-    async fn run(&self, url: &str, action: &[String]) -> String {
+    /// virtual time (so its first refreshes happened), in a window of `window` (`W,H`); returns
+    /// stdout.
+    async fn run(&self, url: &str, window: &str, action: &[String]) -> String {
         let profile = std::env::temp_dir().join(support::unique("chromium"));
         let mut command = tokio::process::Command::new(&self.binary);
         command
@@ -481,9 +485,9 @@ impl Chromium {
                 "--no-first-run",
                 "--no-default-browser-check",
                 "--hide-scrollbars",
-                "--window-size=1280,1000",
                 "--virtual-time-budget=5000",
             ])
+            .arg(format!("--window-size={window}"))
             .arg(format!("--user-data-dir={}", profile.display()))
             .args(action)
             .arg(url)
@@ -503,13 +507,19 @@ impl Chromium {
 
     /// The DOM after the page's scripts ran.
     async fn dump_dom(&self, url: &str) -> String {
-        self.run(url, &["--dump-dom".into()]).await
+        self.run(url, "1280,1000", &["--dump-dom".into()]).await
     }
 
     /// A PNG of the page as rendered.
     async fn screenshot(&self, url: &str, path: &Path) {
+        self.screenshot_sized(url, path, "1280,1000").await;
+    }
+
+    /// A PNG of the page as rendered in a window of `window` (`W,H`, e.g. `1400,2000` for the
+    /// whole page).
+    async fn screenshot_sized(&self, url: &str, path: &Path, window: &str) {
         let _ = std::fs::remove_file(path);
-        self.run(url, &[format!("--screenshot={}", path.display())])
+        self.run(url, window, &[format!("--screenshot={}", path.display())])
             .await;
         assert!(path.is_file(), "chromium wrote no screenshot at {path:?}");
     }
@@ -583,5 +593,947 @@ async fn with_an_http_token_the_dashboard_needs_it_and_probes_stay_open() -> any
     }
     let metrics = status("/metrics", None).await.text().await.unwrap();
     assert!(!metrics.contains("dash-secret"));
+    rig.cleanup().await
+}
+
+// --- the operator's console: actions, dead letters, outages -------------------------------------
+
+/// Where the screenshots go: `/work/scratch/screens` when it exists (for a person to look at),
+/// else the test artifacts.
+fn screens() -> PathBuf {
+    let scratch = Path::new("/work/scratch/screens");
+    let dir = if scratch.is_dir() {
+        scratch.to_path_buf()
+    } else {
+        Path::new(env!("CARGO_MANIFEST_DIR")).join("target/artifacts")
+    };
+    std::fs::create_dir_all(&dir).unwrap();
+    dir
+}
+
+/// Endpoints served at a free port with `token`.
+fn serving_with_token(token: &str) -> HttpArgs {
+    HttpArgs {
+        http_token: Some(turnstile_ops::http::parse_token(token).unwrap()),
+        ..serving_at("127.0.0.1:0")
+    }
+}
+
+/// A client of one replica's API, as the page or a script uses it: the token as a bearer
+/// token, actions as JSON with the action header.
+struct Console {
+    base: String,
+    token: Option<String>,
+    client: reqwest::Client,
+}
+
+impl Console {
+    fn of(addr: std::net::SocketAddr, token: Option<&str>) -> Self {
+        Self {
+            base: format!("http://{addr}"),
+            token: token.map(str::to_owned),
+            client: reqwest::Client::builder()
+                .user_agent("turnstile-dashboard-test")
+                .build()
+                .unwrap(),
+        }
+    }
+
+    /// A POST of `action` with nothing but `body` (the test adds what it tries).
+    fn post(&self, action: &str) -> reqwest::RequestBuilder {
+        self.client
+            .post(format!("{}/api/actions/{action}", self.base))
+    }
+
+    /// An action as the page sends it; its status and answer.
+    async fn act(&self, action: &str, body: Value) -> (u16, Value) {
+        let mut request = self
+            .post(action)
+            .header(turnstile_ops::actions::ACTION_HEADER, "1")
+            .json(&body);
+        if let Some(token) = &self.token {
+            request = request.bearer_auth(token);
+        }
+        answer(request.send().await.unwrap()).await
+    }
+
+    /// A GET of the API; its status and answer.
+    async fn get(&self, path: &str) -> (u16, Value) {
+        let mut request = self.client.get(format!("{}{path}", self.base));
+        if let Some(token) = &self.token {
+            request = request.bearer_auth(token);
+        }
+        answer(request.send().await.unwrap()).await
+    }
+
+    /// Polls `/api/dashboard` until `done` holds for its answer.
+    async fn wait_for(&self, what: &str, done: impl Fn(&Value) -> bool) -> Value {
+        let mut last = Value::Null;
+        support::eventually_async(what, async || {
+            let (status, data) = self.get("/api/dashboard").await;
+            let ok = status == 200 && done(&data);
+            last = data;
+            ok
+        })
+        .await;
+        last
+    }
+
+    /// The page's URL, opened with the token (the page then carries it in its cookie).
+    fn page(&self, fragment: &str) -> String {
+        match &self.token {
+            Some(token) => format!("{}/?token={token}{fragment}", self.base),
+            None => format!("{}/{fragment}", self.base),
+        }
+    }
+}
+
+async fn answer(response: reqwest::Response) -> (u16, Value) {
+    let status = response.status().as_u16();
+    let text = response.text().await.unwrap();
+    (
+        status,
+        serde_json::from_str(&text).unwrap_or(Value::String(text)),
+    )
+}
+
+/// The text of `"error"` in an answer.
+fn error_of(answer: &Value) -> String {
+    answer["error"].as_str().unwrap_or_default().to_owned()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn actions_are_off_without_a_token_and_refused_cross_site_without_it_or_with_bad_input()
+-> anyhow::Result<()> {
+    let chromium = Chromium::find();
+    let mut rig = support::rig("act-guard", "10/1s").prepare().await?;
+    let consume = rig.settings(1);
+    rig.start_replica(ServeArgs {
+        consume,
+        http: serving_at("127.0.0.1:0"),
+    })
+    .await?;
+    let consume = rig.settings(1);
+    rig.start_replica(ServeArgs {
+        consume,
+        http: serving_with_token("guard-secret"),
+    })
+    .await?;
+    let addrs: Vec<_> = rig.replicas().map(|r| r.http_addr.unwrap()).collect();
+    let (open, guarded) = (
+        Console::of(addrs[0], None),
+        Console::of(addrs[1], Some("guard-secret")),
+    );
+    let seller = seller("S-guarded");
+    let pause = json!({"seller": seller.as_str(), "for": "10m"});
+
+    // Without TURNSTILE_HTTP_TOKEN: actions are off, and the page says why.
+    let (status, said) = open.act("pause", pause.clone()).await;
+    assert_eq!(status, 403, "{said}");
+    assert!(error_of(&said).contains("TURNSTILE_HTTP_TOKEN"), "{said}");
+    let data = open.wait_for("the open replica's data", |_| true).await;
+    assert_eq!(data["actions"]["enabled"], false);
+    assert!(
+        data["actions"]["why_not"]
+            .as_str()
+            .unwrap()
+            .contains("TURNSTILE_HTTP_TOKEN")
+    );
+    let dom = chromium.dump_dom(&open.page("")).await;
+    let note = element(&dom, "actions-note");
+    assert!(
+        !note.contains(" hidden") && note.contains("TURNSTILE_HTTP_TOKEN"),
+        "the page says why it cannot act: {note}"
+    );
+    let button = tag(&dom, "act-pause");
+    assert!(
+        button.contains("disabled"),
+        "the page's actions are disabled: {button}"
+    );
+
+    // With the token: refused without it, from another site, as a form, or without the header.
+    let cookie = "turnstile_token=guard-secret";
+    let json_body = pause.to_string();
+    let tries: Vec<(&str, reqwest::RequestBuilder, u16)> = vec![
+        (
+            "no token",
+            guarded
+                .post("pause")
+                .header("x-turnstile-action", "1")
+                .json(&pause),
+            401,
+        ),
+        (
+            "the token in the query only",
+            guarded
+                .client
+                .post(format!(
+                    "{}/api/actions/pause?token=guard-secret",
+                    guarded.base
+                ))
+                .header("x-turnstile-action", "1")
+                .json(&pause),
+            401,
+        ),
+        (
+            "a cross-site request carrying the cookie",
+            guarded
+                .post("pause")
+                .header("cookie", cookie)
+                .header("origin", "http://evil.example")
+                .header("sec-fetch-site", "cross-site")
+                .header("x-turnstile-action", "1")
+                .json(&pause),
+            403,
+        ),
+        (
+            "a cross-site request with the bearer token",
+            guarded
+                .post("pause")
+                .bearer_auth("guard-secret")
+                .header("sec-fetch-site", "cross-site")
+                .header("x-turnstile-action", "1")
+                .json(&pause),
+            403,
+        ),
+        (
+            "another origin",
+            guarded
+                .post("pause")
+                .header("cookie", cookie)
+                .header("origin", "http://evil.example")
+                .header("x-turnstile-action", "1")
+                .json(&pause),
+            403,
+        ),
+        (
+            "a form, as a cross-site form posts it",
+            guarded
+                .post("pause")
+                .header("cookie", cookie)
+                .header("x-turnstile-action", "1")
+                .header("content-type", "application/x-www-form-urlencoded")
+                .body("seller=S-guarded&for=10m"),
+            415,
+        ),
+        (
+            "text/plain, as a cross-site form posts it",
+            guarded
+                .post("pause")
+                .header("cookie", cookie)
+                .header("x-turnstile-action", "1")
+                .header("content-type", "text/plain")
+                .body(json_body.clone()),
+            415,
+        ),
+        (
+            "without the action header",
+            guarded
+                .post("pause")
+                .header("cookie", cookie)
+                .header("content-type", "application/json")
+                .body(json_body.clone()),
+            403,
+        ),
+    ];
+    for (what, request, want) in tries {
+        let (status, said) = answer(request.send().await.unwrap()).await;
+        assert_eq!(status, want, "{what}: {said}");
+    }
+    let get = guarded
+        .client
+        .get(format!("{}/api/actions/pause", guarded.base))
+        .bearer_auth("guard-secret")
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(get.status(), 405, "an action is a POST");
+
+    // Inputs are checked: a clear 400 each, and nothing done.
+    let operator = "ana";
+    for (action, body, says) in [
+        ("pause", json!({"seller": "", "for": "10m"}), "seller"),
+        (
+            "pause",
+            json!({"seller": "x".repeat(129), "for": "10m"}),
+            "too long",
+        ),
+        (
+            "pause",
+            json!({"seller": "S-guarded", "for": "2d"}),
+            "at most 24h",
+        ),
+        (
+            "pause",
+            json!({"seller": "S-guarded", "for": "0s"}),
+            "is not a duration",
+        ),
+        (
+            "pause",
+            json!({"seller": "S-guarded", "for": "soon"}),
+            "for",
+        ),
+        (
+            "set-limit",
+            json!({"seller": "S-guarded", "limit": "ten a second"}),
+            "limit",
+        ),
+        (
+            "set-limit",
+            json!({"seller": "S-guarded", "limit": "0/1s"}),
+            "limit",
+        ),
+        (
+            "resume",
+            json!({"seller": "S-guarded", "sneaky": 1}),
+            "unknown field",
+        ),
+        ("replay", json!({"seller": "S-guarded"}), "dry_run"),
+        ("replay", json!({"dry_run": true}), "choose what to replay"),
+        (
+            "replay",
+            json!({"reason": "rejected", "dry_run": true}),
+            "choose what to replay",
+        ),
+        (
+            "replay",
+            json!({"seller": "S-guarded", "reason": "bogus", "dry_run": true}),
+            "reason",
+        ),
+        (
+            "pause",
+            json!({"seller": "S-guarded", "for": "1m", "operator": "a\u{7}b"}),
+            "operator",
+        ),
+    ] {
+        let mut body = body;
+        if body.get("operator").is_none() {
+            body["operator"] = json!(operator);
+        }
+        let (status, said) = guarded.act(action, body.clone()).await;
+        assert_eq!(status, 400, "{action} {body}: {said}");
+        assert!(error_of(&said).contains(says), "{action} {body}: {said}");
+    }
+    let admin = rig.admin();
+    assert_eq!(
+        admin.paused_for(&seller).await?,
+        Duration::ZERO,
+        "nothing paused"
+    );
+    assert_eq!(admin.limit_override(&seller).await?, None, "no limit set");
+
+    // The refusals for bad input are in the recent actions (every replica shows them); those
+    // refused before their input was read are logged only.
+    let data = guarded
+        .wait_for("the refused actions listed", |d| {
+            d["recent_actions"]
+                .as_array()
+                .is_some_and(|a| a.len() >= 11)
+        })
+        .await;
+    let actions = data["recent_actions"].as_array().unwrap();
+    assert!(
+        actions.iter().all(|a| a["outcome"] == "refused"),
+        "{actions:?}"
+    );
+    assert!(
+        actions
+            .iter()
+            .filter(|a| a["result"].as_str().unwrap().contains("at most 24h"))
+            .all(|a| a["operator"] == operator
+                && a["remote"].as_str().unwrap().starts_with("127.0.0.1")),
+        "{actions:?}"
+    );
+    assert_eq!(
+        open.wait_for("the other replica lists them too", |d| {
+            d["recent_actions"]
+                .as_array()
+                .is_some_and(|a| a.len() == actions.len())
+        })
+        .await["actions"]["enabled"],
+        false
+    );
+    rig.cleanup().await
+}
+
+#[tokio::test]
+async fn pause_resume_and_a_seller_limit_through_the_api_are_done_on_every_replica_and_audited()
+-> anyhow::Result<()> {
+    // This runtime runs every task on this thread, so a thread-local subscriber sees them all.
+    let lines = Lines::default();
+    let _logging = tracing::subscriber::set_default(turnstile_core::telemetry::subscriber(
+        tracing_subscriber::EnvFilter::new("turnstile::audit=info"),
+        turnstile_core::telemetry::Format::Json,
+        lines.clone(),
+    ));
+    let mut rig = support::rig("act", "10/1s").prepare().await?;
+    let consume = rig.settings(1);
+    rig.start_replica(ServeArgs {
+        consume,
+        http: serving_with_token("act-secret"),
+    })
+    .await?;
+    let api = Console::of(rig.dashboard().unwrap(), Some("act-secret"));
+    let seller = seller("S-act {1}");
+    let admin = rig.admin();
+    let who = |body: Value| {
+        let mut body = body;
+        body["operator"] = json!("night shift");
+        body
+    };
+
+    let (status, paused) = api
+        .act(
+            "pause",
+            who(json!({"seller": seller.as_str(), "for": "10m"})),
+        )
+        .await;
+    assert_eq!(status, 200, "{paused}");
+    assert!(
+        paused["result"]
+            .as_str()
+            .unwrap()
+            .contains("paused for 10m"),
+        "{paused}"
+    );
+    let left = admin.paused_for(&seller).await?;
+    assert!(
+        left > Duration::from_secs(9 * 60) && left <= Duration::from_secs(600),
+        "{left:?}"
+    );
+    api.wait_for("the paused seller listed", |d| {
+        d["paused"]
+            .as_array()
+            .is_some_and(|p| p.iter().any(|s| s["seller"] == seller.as_str()))
+    })
+    .await;
+
+    let (status, resumed) = api
+        .act("resume", who(json!({"seller": seller.as_str()})))
+        .await;
+    assert_eq!(status, 200, "{resumed}");
+    assert_eq!(resumed["was_paused"], true);
+    assert_eq!(admin.paused_for(&seller).await?, Duration::ZERO);
+
+    let (status, set) = api
+        .act(
+            "set-limit",
+            who(json!({"seller": seller.as_str(), "limit": " 5/1s,100/1m "})),
+        )
+        .await;
+    assert_eq!(status, 200, "{set}");
+    assert_eq!(set["limit"], "5/1s,100/1m");
+    assert_eq!(
+        admin.limit_override(&seller).await?,
+        Some("5/1s,100/1m".parse::<Limits>().unwrap())
+    );
+    let usage = admin.usage(&seller).await?;
+    assert!(
+        usage.overridden && usage.limit.to_string() == "5/1s,100/1m",
+        "{usage:?}"
+    );
+
+    let (status, cleared) = api
+        .act("clear-limit", who(json!({"seller": seller.as_str()})))
+        .await;
+    assert_eq!(status, 200, "{cleared}");
+    assert_eq!(cleared["had_override"], true);
+    assert_eq!(admin.limit_override(&seller).await?, None);
+
+    // Every replica's page lists them, newest first, with who asked.
+    let data = api
+        .wait_for("the four actions listed", |d| {
+            d["recent_actions"].as_array().is_some_and(|a| a.len() == 4)
+        })
+        .await;
+    let listed: Vec<&str> = data["recent_actions"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|a| {
+            assert_eq!(a["outcome"], "done", "{a}");
+            assert_eq!(a["seller"], seller.as_str(), "{a}");
+            assert_eq!(a["operator"], "night shift", "{a}");
+            assert_eq!(a["user_agent"], "turnstile-dashboard-test", "{a}");
+            assert!(
+                a["remote"].as_str().unwrap().starts_with("127.0.0.1:"),
+                "{a}"
+            );
+            a["action"].as_str().unwrap()
+        })
+        .collect();
+    assert_eq!(listed, ["clear-limit", "set-limit", "resume", "pause"]);
+
+    // And the audit log has each: who, what, the outcome, when.
+    let text = String::from_utf8(lines.0.lock().unwrap().clone()).unwrap();
+    let audited: Vec<Value> = text
+        .lines()
+        .map(|l| serde_json::from_str::<Value>(l).expect("every line is JSON"))
+        .filter(|l| l["target"] == "turnstile::audit")
+        .collect();
+    assert_eq!(audited.len(), 4, "{text}");
+    for (line, action) in audited
+        .iter()
+        .zip(["pause", "resume", "set-limit", "clear-limit"])
+    {
+        // The fields, flattened into the line or under `fields`.
+        let fields = if line["fields"].is_object() {
+            &line["fields"]
+        } else {
+            line
+        };
+        assert_eq!(fields["action"], action, "{line}");
+        assert_eq!(fields["seller"], seller.as_str(), "{line}");
+        assert_eq!(fields["outcome"], "done", "{line}");
+        assert_eq!(fields["operator"], "night shift", "{line}");
+        assert_eq!(fields["dry_run"], false, "{line}");
+        assert!(
+            fields["remote"].as_str().unwrap().starts_with("127.0.0.1:"),
+            "{line}"
+        );
+        assert!(fields["at"].as_str().unwrap().ends_with('Z'), "{line}");
+    }
+    assert!(text.contains(r#""argument":"5/1s,100/1m""#), "{text}");
+    rig.cleanup().await
+}
+
+/// Publishes `n` messages of `seller`'s batch `batch` that the API rejects once (400) and
+/// registers when called again: `<batch>-<i>`.
+async fn publish_rejected_once(
+    rig: &mut Rig,
+    seller: &str,
+    batch: &str,
+    n: usize,
+) -> anyhow::Result<()> {
+    for i in 0..n {
+        let body = json!({"message_id": format!("{batch}-{i}"), "seller_id": seller,
+            "batch_id": batch, "batch_size": n,
+            "product": {"sku": format!("sku-{batch}-{i}"), "mock": {"statuses": [400, 200]}}});
+        rig.publish_body(body.to_string().as_bytes()).await?;
+    }
+    Ok(())
+}
+
+/// The message ids of a listing's letters.
+fn ids(letters: &Value) -> BTreeSet<String> {
+    letters
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|l| l["message_id"].as_str().unwrap().to_owned())
+        .collect()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn dead_letters_are_browsable_found_and_replayed_exactly_as_selected_after_a_dry_run()
+-> anyhow::Result<()> {
+    let chromium = Chromium::find();
+    let mut rig = support::rig("replay", "50/1s").prepare().await?;
+    let consume = rig.settings(2);
+    rig.start_replica(ServeArgs {
+        consume,
+        http: serving_with_token("replay-secret"),
+    })
+    .await?;
+    let api = Console::of(rig.dashboard().unwrap(), Some("replay-secret"));
+    publish_rejected_once(&mut rig, "S-dl-a", "a-batch", 3).await?;
+    publish_rejected_once(&mut rig, "S-dl-b", "b-batch", 2).await?;
+    rig.publish("S-dl-ok", 1).await?;
+    rig.wait_registered(1).await?;
+    support::eventually_async("five dead letters", async || {
+        rig.dead_lettered().await.unwrap() == 5
+    })
+    .await;
+
+    // Browsable: reason, detail, seller, batch, when, the body's start.
+    let (status, all) = api.get("/api/dead-letters").await;
+    assert_eq!(status, 200, "{all}");
+    assert_eq!(all["matched"], 5, "{all}");
+    for letter in all["letters"].as_array().unwrap() {
+        assert_eq!(letter["reason"], "rejected", "{letter}");
+        assert!(
+            letter["detail"].as_str().unwrap().contains("400"),
+            "{letter}"
+        );
+        assert!(letter["dead_at_ms"].as_u64().is_some(), "{letter}");
+        let batch = letter["batch_id"].as_str().unwrap();
+        assert!(
+            letter["body_excerpt"]
+                .as_str()
+                .unwrap()
+                .contains(&format!("sku-{batch}")),
+            "{letter}"
+        );
+    }
+    for (query, want) in [
+        ("?seller=S-dl-a", 3),
+        ("?batch=b-batch", 2),
+        ("?message_id=b-batch-1", 1),
+        ("?seller=S-dl-a&batch=b-batch", 0),
+        ("?reason=throttled", 0),
+        ("?reason=rejected&limit=2", 5),
+    ] {
+        let (status, listed) = api.get(&format!("/api/dead-letters{query}")).await;
+        assert_eq!(status, 200, "{query}: {listed}");
+        assert_eq!(listed["matched"], want, "{query}: {listed}");
+    }
+    let (_, two) = api.get("/api/dead-letters?limit=2").await;
+    assert_eq!(two["letters"].as_array().unwrap().len(), 2);
+    for bad in ["?reason=bogus", "?limit=0", "?colour=red", "?seller=%07"] {
+        let (status, said) = api.get(&format!("/api/dead-letters{bad}")).await;
+        assert_eq!(status, 400, "{bad}: {said}");
+    }
+
+    // Found by seller, batch or message id; what is not found is said.
+    let (_, found) = api.get("/api/search?q=S-dl-a").await;
+    assert_eq!(found["seller"]["seller_id"], "S-dl-a", "{found}");
+    assert_eq!(
+        found["seller"]["batches"][0]["batch_id"], "a-batch",
+        "{found}"
+    );
+    let (_, found) = api.get("/api/search?q=b-batch").await;
+    assert_eq!(found["batch"]["seller_id"], "S-dl-b", "{found}");
+    assert_eq!(found["batch"]["dead"]["rejected"], 2, "{found}");
+    let (_, found) = api.get("/api/search?q=b-batch-1").await;
+    let message = &found["message"];
+    assert_eq!(
+        ids(&message["dead_letters"]),
+        BTreeSet::from(["b-batch-1".to_owned()])
+    );
+    assert_eq!(message["records"][0]["seller"], "S-dl-b", "{found}");
+    assert_eq!(message["records"][0]["state"], "dead:rejected", "{found}");
+    let (_, found) = api.get("/api/search?q=S-dl-ok-0&seller=S-dl-ok").await;
+    assert_eq!(
+        found["message"]["records"][0]["state"], "registered",
+        "{found}"
+    );
+    let (_, nothing) = api.get("/api/search?q=no-such-thing").await;
+    assert!(
+        nothing["seller"].is_null() && nothing["batch"].is_null() && nothing["message"].is_null()
+    );
+    let said = nothing["said"].to_string();
+    for says in [
+        "no seller",
+        "no batch",
+        "not among the dead letters",
+        "give the seller too",
+    ] {
+        assert!(said.contains(says), "{says}: {said}");
+    }
+    for bad in ["?q=%07&kind=seller", "?q=%07", "?q=", "?q=x&kind=planet"] {
+        let (status, said) = api.get(&format!("/api/search{bad}")).await;
+        assert_eq!(status, 400, "{bad}: {said}");
+    }
+
+    // The page, with its dead letters and a message found.
+    let page = api.page("#find=b-batch-1");
+    let shot = screens().join("dead-letters.png");
+    chromium.screenshot_sized(&page, &shot, "1400,2000").await;
+    let dom = chromium.dump_dom(&page).await;
+    std::fs::write(screens().join("dead-letters.html"), &dom).unwrap();
+    let listed = element(&dom, "dead-list");
+    assert_eq!(
+        listed.matches(r#"<tr class="letter""#).count(),
+        5,
+        "{listed}"
+    );
+    assert!(
+        listed.contains("sku-a-batch-0") && listed.contains(">rejected<"),
+        "{listed}"
+    );
+    assert!(element(&dom, "dl-status").contains("5 match"));
+    let found = element(&dom, "search-results");
+    assert!(
+        found.contains(r#"class="found message-found" data-message="b-batch-1""#),
+        "{found}"
+    );
+    assert!(found.contains("dead:rejected"), "{found}");
+
+    // A dry run of a seller's moves nothing and says what would move.
+    let replay_a = json!({"seller": "S-dl-a", "dry_run": true, "operator": "ana"});
+    let (status, would) = api.act("replay", replay_a.clone()).await;
+    assert_eq!(status, 200, "{would}");
+    assert_eq!(would["moved"], 3, "{would}");
+    assert_eq!(
+        ids(&would["letters"]),
+        BTreeSet::from(["a-batch-0", "a-batch-1", "a-batch-2"].map(String::from))
+    );
+    assert!(would["result"].as_str().unwrap().contains("nothing moved"));
+    assert_eq!(rig.dead_lettered().await?, 5, "a dry run moves nothing");
+    assert_eq!(rig.mock.stats().registered, 1);
+
+    // The real one moves exactly those: they register, the others stay dead.
+    let (status, moved) = api
+        .act(
+            "replay",
+            json!({"seller": "S-dl-a", "dry_run": false, "operator": "ana"}),
+        )
+        .await;
+    assert_eq!(status, 200, "{moved}");
+    assert_eq!(moved["moved"], 3, "{moved}");
+    rig.wait_registered(1 + 3).await?;
+    let (_, left) = api.get("/api/dead-letters").await;
+    assert_eq!(
+        ids(&left["letters"]),
+        BTreeSet::from(["b-batch-0", "b-batch-1"].map(String::from))
+    );
+
+    // One message, a dry run first.
+    let one = json!({"message_id": "b-batch-1", "dry_run": true});
+    let (_, would) = api.act("replay", one).await;
+    assert_eq!(would["moved"], 1, "{would}");
+    assert_eq!(rig.dead_lettered().await?, 2);
+    let (_, moved) = api
+        .act(
+            "replay",
+            json!({"message_id": "b-batch-1", "dry_run": false}),
+        )
+        .await;
+    assert_eq!(moved["moved"], 1, "{moved}");
+    rig.wait_registered(1 + 3 + 1).await?;
+    let (_, left) = api.get("/api/dead-letters").await;
+    assert_eq!(
+        ids(&left["letters"]),
+        BTreeSet::from(["b-batch-0".to_owned()])
+    );
+    let stats = rig.mock.stats();
+    assert_eq!((stats.registered, stats.duplicates), (5, 0), "{stats:?}");
+
+    // The batches count the replayed messages as registered, and the replays are audited.
+    let data = api
+        .wait_for("the replays counted and listed", |d| {
+            upload_of(d, "S-dl-a")["registered"] == 3
+                && upload_of(d, "S-dl-b")["registered"] == 1
+                && upload_of(d, "S-dl-b")["dead"] == 1
+                && d["recent_actions"].as_array().is_some_and(|a| a.len() == 4)
+        })
+        .await;
+    let replays: Vec<(bool, String)> = data["recent_actions"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|a| {
+            (
+                a["dry_run"].as_bool().unwrap(),
+                a["result"].as_str().unwrap().to_owned(),
+            )
+        })
+        .collect();
+    assert_eq!(
+        replays.iter().map(|(dry, _)| *dry).collect::<Vec<_>>(),
+        [false, true, false, true],
+        "{replays:?}"
+    );
+    // The page after the replays: one dead letter left, the actions listed.
+    let page = api.page("");
+    chromium
+        .screenshot_sized(&page, &screens().join("after-replays.png"), "1400,2000")
+        .await;
+    let dom = chromium.dump_dom(&page).await;
+    let listed = element(&dom, "dead-list");
+    assert_eq!(
+        listed.matches(r#"<tr class="letter""#).count(),
+        1,
+        "{listed}"
+    );
+    let actions = element(&dom, "recent-actions");
+    assert_eq!(
+        actions.matches(r#"data-action="replay""#).count(),
+        4,
+        "{actions}"
+    );
+    assert!(actions.contains("replay (dry run) done"), "{actions}");
+    assert!(actions.contains("ana from 127.0.0.1:"), "{actions}");
+    rig.cleanup().await
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn during_a_broker_outage_the_page_says_the_broker_is_down_since_when_and_marks_stale_figures()
+-> anyhow::Result<()> {
+    let chromium = Chromium::find();
+    let mut rig = support::rig("outage", "10/1s").prepare().await?;
+    rig.publish("S-outage", 3).await?;
+    // The replica reaches the broker through a link of its own, which the test cuts: the
+    // shared broker keeps running.
+    let broker: std::net::SocketAddr = "127.0.0.1:5672".parse().unwrap();
+    let link = turnstile_lab::slow_link::SlowLink::start(broker, Duration::ZERO).await?;
+    let mut consume = rig.settings(1);
+    consume.broker.amqp_url = format!("amqp://guest:guest@{}/%2f", link.addr());
+    rig.start_replica(ServeArgs {
+        consume,
+        http: serving_with_token("outage-secret"),
+    })
+    .await?;
+    rig.wait_registered(3).await?;
+    let api = Console::of(rig.dashboard().unwrap(), Some("outage-secret"));
+    let before = api
+        .wait_for("the broker up and the queues read", |d| {
+            d["health"]["broker"]["state"] == "up"
+                && d["queues"]["stale"] == false
+                && d["replica"]["ready"] == true
+        })
+        .await;
+    let read_before = before["queues"]["read_ms"].as_u64().unwrap();
+
+    link.cut();
+    let during = api
+        .wait_for(
+            "the broker down, the queues stale, the replica not consuming",
+            |d| {
+                d["health"]["broker"]["state"] == "down"
+                    && d["queues"]["stale"] == true
+                    && d["replica"]["ready"] == false
+            },
+        )
+        .await;
+    let broker_health = &during["health"]["broker"];
+    assert!(
+        broker_health["since_ms"].as_u64().unwrap() > read_before,
+        "{broker_health}"
+    );
+    assert!(!error_of(&json!({"error": broker_health["last_error"]})).is_empty());
+    assert_eq!(
+        during["queues"]["read_ms"], read_before,
+        "the last depths read, not new ones"
+    );
+    assert_eq!(during["health"]["redis"]["state"], "up");
+    assert!(
+        during["replica"]["not_ready_why"]
+            .as_str()
+            .unwrap()
+            .contains("broker"),
+        "{}",
+        during["replica"]
+    );
+
+    let page = api.page("");
+    let shot = screens().join("broker-outage.png");
+    chromium.screenshot_sized(&page, &shot, "1400,2000").await;
+    let dom = chromium.dump_dom(&page).await;
+    std::fs::write(screens().join("broker-outage.html"), &dom).unwrap();
+    assert_eq!(text_of(&dom, "broker-state"), "down");
+    assert!(
+        text_of(&dom, "broker-since").starts_with("down since "),
+        "{}",
+        text_of(&dom, "broker-since")
+    );
+    let error = text_of(&dom, "broker-error");
+    assert!(
+        error.starts_with("last error (") && error.len() > "last error ()".len() + 10,
+        "{error}"
+    );
+    assert!(
+        tag(&dom, "queues").contains("stale"),
+        "the queue depths are marked stale: {}",
+        tag(&dom, "queues")
+    );
+    assert!(
+        text_of(&dom, "queue-read").starts_with("STALE: last read "),
+        "{}",
+        text_of(&dom, "queue-read")
+    );
+    let alerts = element(&dom, "alert-list");
+    assert!(alerts.contains("Broker down since"), "{alerts}");
+    assert!(
+        text_of(&dom, "ready").starts_with("not consuming: the broker"),
+        "{}",
+        text_of(&dom, "ready")
+    );
+    assert_eq!(text_of(&dom, "redis-state"), "up");
+    rig.cleanup().await
+}
+
+/// The opening tag of the element with id `id`.
+fn tag(dom: &str, id: &str) -> String {
+    let marker = format!(r#"id="{id}""#);
+    let at = dom.find(&marker).unwrap_or_else(|| panic!("no #{id}"));
+    let start = dom[..at].rfind('<').unwrap();
+    let end = at + dom[at..].find('>').unwrap();
+    dom[start..=end].to_owned()
+}
+
+/// The element with id `id`, up to the next closing tag of its kind (no nested element of the
+/// same kind inside).
+fn element(dom: &str, id: &str) -> String {
+    let open = tag(dom, id);
+    let name: String = open[1..]
+        .chars()
+        .take_while(|c| c.is_ascii_alphanumeric())
+        .collect();
+    let start = dom.find(&open).unwrap();
+    let close = format!("</{name}>");
+    let end = start + dom[start..].find(&close).unwrap();
+    dom[start..end].to_owned()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn during_a_redis_outage_the_page_keeps_the_last_figures_read_marked_stale()
+-> anyhow::Result<()> {
+    let chromium = Chromium::find();
+    let mut rig = support::rig("redis-outage", "10/1s").prepare().await?;
+    // The replica reaches Redis through a link of its own, which the test cuts.
+    let redis: std::net::SocketAddr = "127.0.0.1:6379".parse().unwrap();
+    let link = turnstile_lab::slow_link::SlowLink::start(redis, Duration::ZERO).await?;
+    let mut consume = rig.settings(1);
+    consume.redis.url = link.redis_url();
+    rig.start_replica(ServeArgs {
+        consume,
+        http: serving_at("127.0.0.1:0"),
+    })
+    .await?;
+    upload(&mut rig, "S-before", "before-outage", 4, 0).await?;
+    rig.wait_registered(4).await?;
+    let api = Console::of(rig.dashboard().unwrap(), None);
+    api.wait_for("the upload counted", |d| {
+        upload_of(d, "S-before")["registered"] == 4 && d["health"]["redis"]["state"] == "up"
+    })
+    .await;
+
+    link.cut();
+    let during = api
+        .wait_for("Redis down, its figures stale", |d| {
+            d["health"]["redis"]["state"] == "down" && d["shared_stale"] == true
+        })
+        .await;
+    let redis_health = &during["health"]["redis"];
+    assert!(
+        redis_health["last_error"]
+            .as_str()
+            .is_some_and(|e| !e.is_empty()),
+        "{redis_health}"
+    );
+    assert!(
+        during["shared_read_ms"].as_u64().unwrap()
+            < redis_health["since_ms"].as_u64().unwrap() + 5_000,
+        "the figures are those read before the outage"
+    );
+    assert_eq!(
+        upload_of(&during, "S-before")["registered"],
+        4,
+        "the last figures are kept"
+    );
+    assert_eq!(during["health"]["broker"]["state"], "up");
+
+    let page = api.page("");
+    chromium
+        .screenshot_sized(&page, &screens().join("redis-outage.png"), "1400,2000")
+        .await;
+    let dom = chromium.dump_dom(&page).await;
+    std::fs::write(screens().join("redis-outage.html"), &dom).unwrap();
+    assert_eq!(text_of(&dom, "redis-state"), "down");
+    assert!(text_of(&dom, "redis-since").starts_with("down since "));
+    assert!(
+        tag(&dom, "uploads-section").contains("stale"),
+        "the uploads are marked stale"
+    );
+    assert!(
+        element(&dom, "uploads-section").contains("stale · read "),
+        "with the time they were read"
+    );
+    assert!(element(&dom, "alert-list").contains("Redis down since"));
+    assert_eq!(
+        cell(&row(&dom, "upload", "S-before"), "registered"),
+        "4 / 4"
+    );
     rig.cleanup().await
 }

@@ -3,7 +3,8 @@
 //! Each replica announces itself in Redis every [`HEARTBEAT`] (`permit::Registry`,
 //! `lua/fleet.lua`): its id, host, version, the terms it was started with ([`FleetTerms`]:
 //! limit stack, algorithm, global limit, seller concurrency, adaptive limits), the terms it
-//! grants under now (`applies`), its calls in flight and its rate. An entry not renewed within
+//! grants under now (`applies`), its calls in flight, its rate and, in brief, what the
+//! downstream answered it lately. An entry not renewed within
 //! [`EXPIRY`] is dropped, so a replica killed with SIGKILL leaves within a few heartbeats.
 //!
 //! **The strictest live terms apply** ([`strictest`]): every replica grants under the strictest
@@ -204,6 +205,10 @@ pub struct Entry {
     pub in_flight: u64,
     /// Messages it registered per second since its previous heartbeat.
     pub registered_per_s: f64,
+    /// What the downstream answered it over the last minutes, in brief (absent from a replica
+    /// of an older version).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub downstream: Option<crate::downstream::recent::Brief>,
 }
 
 /// A live replica, as the registry shows it.
@@ -587,6 +592,7 @@ impl Member {
                 .in_flight
                 .load(std::sync::atomic::Ordering::Relaxed) as u64,
             registered_per_s: (registered_per_s * 10.0).round() / 10.0,
+            downstream: Some(self.stats.downstream.summary().brief()),
         }
     }
 
@@ -906,6 +912,7 @@ mod tests {
             ready: true,
             in_flight: 0,
             registered_per_s: 0.0,
+            downstream: None,
         };
         Registered {
             id: id.into(),

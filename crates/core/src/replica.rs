@@ -152,11 +152,12 @@ impl Starting {
         );
         let nodes = Arc::new(broker::Nodes::parse(&args.broker.amqp_url)?);
         args.limiter.check().map_err(anyhow::Error::msg)?;
+        let stats = Arc::new(Stats::default());
         Ok(Self {
             nodes,
             redis: RedisClient::new(&args.redis)?,
-            downstream: Downstream::new(&args.downstream)?,
-            stats: Arc::new(Stats::default()),
+            downstream: Downstream::new(&args.downstream)?.recording(stats.downstream.clone()),
+            stats,
             ready: Readiness::default(),
             args,
         })

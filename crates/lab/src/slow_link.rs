@@ -1,9 +1,9 @@
 //! A TCP proxy on loopback that adds a fixed latency each way: a slow link between a replica
-//! and Redis (another region, a congested network, a busy proxy), for fault tests and benches.
-//! Bytes keep their order and are delayed, not throttled: a pipeline of requests costs one round
-//! trip, as on a real link. It can also be cut (every connection closed, every new one closed
-//! at once) and restored: a lost link to a broker or Redis shared with other tests, which the
-//! tests must not stop.
+//! and Redis or the broker (another region, a congested network, a busy proxy), for fault tests
+//! and benches. Bytes keep their order and are delayed, not throttled: a pipeline of requests
+//! costs one round trip, as on a real link. [`SlowLink::cut`] takes the link down (a network
+//! partition, a server gone: every connection closed, every new one closed at once) without
+//! touching the server behind it, which other tests share, until [`SlowLink::restore`].
 
 use std::collections::VecDeque;
 use std::net::SocketAddr;

@@ -17,10 +17,19 @@
 //!   [`Records::batch_seen`]).
 //!
 //! The cost is bounded whatever the number of sellers: a snapshot reads the 200 sellers asked
-//! about most recently and the 50 most recent uploads (one read-only script per seller), shows
-//! the 50 busiest, and is computed at most once a second however many pages poll it. Queue
-//! depths come from the broker every 5 s (passive declares on a connection of the dashboard's
-//! own) and are also exported as gauges.
+//! about most recently, those of the 50 most recent uploads and of the 30 most recent
+//! operators' actions (one read-only script per seller, and one for its retries waiting), shows the 50 busiest, and is computed at most once a second
+//! however many pages poll it. Queue depths come from the broker every 5 s (passive declares on
+//! the operator side's own connection, [`BrokerLink`]) and are also exported as gauges.
+//!
+//! **Nothing stale is shown as current.** The broker's and Redis's health (up or down, since
+//! when, the last error) come with every snapshot. While Redis does not answer, the snapshot
+//! keeps the last figures read from it, marked stale with the time they were read
+//! (`shared_stale`, `shared_read_ms`); queue depths carry the time they were read and are
+//! marked stale once older than two reads or while the broker is down; the fleet is as the
+//! replica's last heartbeat saw it, marked stale once that is older than an entry's lifetime.
+//! The downstream's answers (classes, error ratio, latency quantiles) are this replica's own,
+//! over the last 5 minutes (`turnstile_core::downstream::recent`).
 
 use std::collections::{BTreeMap, HashMap, HashSet};
 use std::sync::atomic::Ordering;
@@ -32,13 +41,19 @@ use serde::Serialize;
 use tokio_util::sync::CancellationToken;
 use tracing::debug;
 
-use turnstile_core::broker::{self, Topology, unix_ms};
+use turnstile_core::broker::unix_ms;
 use turnstile_core::domain::SellerId;
+use turnstile_core::downstream::recent::Recently;
 use turnstile_core::fleet;
-use turnstile_core::permit::{Admin, Records, RetryDue, Usage};
+use turnstile_core::permit::{Admin, PermitStore, Records, RetryDue, Usage};
 use turnstile_core::telemetry::Readiness;
 use turnstile_core::worker::Stats;
 use turnstile_upload::progress;
+
+use crate::audit;
+pub use crate::broker_link::QueueDepths;
+use crate::broker_link::{BrokerLink, DEPTHS_STALE_AFTER};
+use crate::health::{self, Health};
 
 /// The page served at `/`.
 pub const PAGE: &str = include_str!("dashboard.html");
@@ -54,10 +69,19 @@ const ACTIVE_FOR: Duration = Duration::from_secs(600);
 const THROUGHPUT_SECONDS: u64 = 300;
 /// How long a computed snapshot is served to every page that asks.
 const CACHE_FOR: Duration = Duration::from_secs(1);
-/// Longest time a snapshot may take (then `/api/dashboard` answers 503).
+/// Longest time reading the shared state from Redis may take (then the last one read is
+/// served, marked stale).
 const GATHER_TIMEOUT: Duration = Duration::from_secs(5);
-/// How often the replica reads its queue depths from the broker.
-const QUEUES_EVERY: Duration = Duration::from_secs(5);
+/// Longest time a sampler's write (or probe) may take before Redis counts as down.
+const SAMPLE_TIMEOUT: Duration = Duration::from_secs(2);
+/// The fleet as the last heartbeat saw it is stale once that heartbeat is older than this (an
+/// entry's lifetime in the registry).
+const FLEET_STALE_AFTER: Duration = fleet::EXPIRY;
+/// Sellers listed with retries waiting, and messages shown of each.
+const RETRY_SELLERS_SHOWN: usize = 50;
+const RETRY_MESSAGES_SHOWN: usize = 5;
+/// Recent operators' actions in a snapshot.
+const ACTIONS_SHOWN: usize = 30;
 
 /// What the page shows about the replica that serves it.
 #[derive(Clone, Debug, Serialize)]
@@ -71,30 +95,35 @@ pub struct ReplicaInfo {
     pub pid: u32,
 }
 
-/// Messages in the replica's queues, as last read from the broker.
-#[derive(Clone, Copy, Debug, Default, Serialize)]
-pub struct QueueDepths {
-    /// Ready in the work queue.
-    pub work: u64,
-    /// Back from a delay and ready in the return queue `<queue>.ready` (taken beside the work
-    /// queue, not behind it).
-    pub returning: u64,
-    /// In the delay ladder (throttled or retried, coming back later).
-    pub delayed: u64,
-    /// In `<queue>.dead`.
-    pub dead: u64,
-    /// When they were read (unix ms).
-    pub read_ms: u64,
-}
-
 /// Everything the page shows, at one moment.
 #[derive(Debug, Serialize)]
 pub struct Snapshot {
     /// Unix ms when it was taken.
     pub now_ms: u64,
     pub replica: ReplicaView,
+    /// The broker's and Redis's health as this replica's operator side last found them.
+    pub health: HealthView,
     /// `None` until the broker was read once.
-    pub queues: Option<QueueDepths>,
+    pub queues: Option<QueuesView>,
+    /// What the downstream answered this replica over the last 5 minutes.
+    pub downstream: Recently,
+    /// What is read from Redis (every replica's shared state), as last read.
+    #[serde(flatten)]
+    pub shared: Shared,
+    /// Whether `shared` is older than this snapshot: Redis did not answer, and these are the
+    /// figures read at `shared_read_ms` (0: never read).
+    pub shared_stale: bool,
+    /// The fleet as this replica's last heartbeat saw it (`None` before it).
+    pub fleet: Option<FleetView>,
+    /// Whether the page may act (pause, resume, limits, replays), and why not.
+    pub actions: ActionsView,
+}
+
+/// The figures read from Redis for a snapshot (see [`Snapshot::shared`]).
+#[derive(Clone, Debug, Default, Serialize)]
+pub struct Shared {
+    /// When they were read (Unix ms; 0: never).
+    pub shared_read_ms: u64,
     /// The busiest sellers (by share of their limit taken, then promised ahead).
     pub sellers: Vec<SellerRow>,
     /// Sellers any replica asked about in the last 10 minutes (the table shows at most 50).
@@ -108,8 +137,79 @@ pub struct Snapshot {
     pub throughput: Throughput,
     /// The global limit's budget, its use and each seller's share (`None` without one).
     pub global: Option<GlobalView>,
-    /// The fleet as this replica's last heartbeat saw it (`None` before it).
-    pub fleet: Option<FleetView>,
+    /// Messages of batches waiting out a retry's backoff, among the sellers looked at.
+    pub retries: RetriesView,
+    /// The operators' recent actions from any replica's page, newest first.
+    pub recent_actions: Vec<audit::Entry>,
+}
+
+/// The broker's and Redis's health (see [`crate::health`]).
+#[derive(Debug, Serialize)]
+pub struct HealthView {
+    pub broker: BrokerHealth,
+    pub redis: health::Status,
+}
+
+/// The broker's health as the operator side's connection found it, and what the consume path
+/// says of its own connection.
+#[derive(Debug, Serialize)]
+pub struct BrokerHealth {
+    #[serde(flatten)]
+    pub status: health::Status,
+    /// Whether this replica checks the broker at all (only a replica serving HTTP does).
+    pub checked: bool,
+    /// Broker sessions the replica opened again after losing one.
+    pub reconnects: u64,
+}
+
+/// Queue depths with how old they are.
+#[derive(Debug, Serialize)]
+pub struct QueuesView {
+    #[serde(flatten)]
+    pub depths: QueueDepths,
+    /// How long ago they were read, ms.
+    pub age_ms: u64,
+    /// Whether they are no longer current: the broker is down, or they are older than two
+    /// reads.
+    pub stale: bool,
+}
+
+/// Whether the page may act, and why not.
+#[derive(Clone, Debug, Serialize)]
+pub struct ActionsView {
+    pub enabled: bool,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub why_not: Option<String>,
+}
+
+/// Messages of batches waiting out a retry's backoff (see `Records::retries_due`).
+#[derive(Clone, Debug, Default, Serialize)]
+pub struct RetriesView {
+    /// Messages waiting for a retry, over the sellers looked at.
+    pub messages: u64,
+    /// Sellers with retries waiting, the soonest due first (at most 50).
+    pub sellers: Vec<RetryRow>,
+}
+
+/// One seller's messages waiting for a retry.
+#[derive(Clone, Debug, Serialize)]
+pub struct RetryRow {
+    pub seller: String,
+    pub messages: u64,
+    pub units: u64,
+    /// How long until the first and the last of them is due, ms.
+    pub next_due_ms: u64,
+    pub last_due_ms: u64,
+    /// The soonest due (at most 5): message id, batch, due in ms.
+    pub soonest: Vec<RetryMessage>,
+}
+
+/// One message waiting for a retry.
+#[derive(Clone, Debug, Serialize)]
+pub struct RetryMessage {
+    pub message: String,
+    pub batch: String,
+    pub due_in_ms: u64,
 }
 
 /// The fleet (see `turnstile_core::fleet`) with the serving replica's id.
@@ -119,11 +219,16 @@ pub struct FleetView {
     pub view: fleet::View,
     /// The serving replica's id.
     pub me: String,
+    /// When the heartbeat that read it was answered (Unix ms, Redis's clock; 0: none yet).
+    pub read_ms: i64,
+    /// Whether that heartbeat is older than an entry's lifetime in the registry (Redis down,
+    /// or heartbeats failing): the list may no longer be the fleet.
+    pub stale: bool,
 }
 
 /// The global limit (`TURNSTILE_GLOBAL_LIMIT`) now: each limit's units taken of its COUNT,
 /// the sellers competing for it (refused recently), and the sellers' shares of its shortest window.
-#[derive(Debug, Serialize)]
+#[derive(Clone, Debug, Serialize)]
 pub struct GlobalView {
     pub limit: String,
     pub limits: Vec<LimitRow>,
@@ -135,7 +240,7 @@ pub struct GlobalView {
 }
 
 /// One seller's share of the global limit's shortest window.
-#[derive(Debug, Serialize)]
+#[derive(Clone, Debug, Serialize)]
 pub struct ShareRow {
     pub seller: String,
     pub units: u64,
@@ -149,7 +254,12 @@ pub struct ShareRow {
 pub struct ReplicaView {
     #[serde(flatten)]
     pub info: ReplicaInfo,
+    /// Its id in the fleet's registry, if it is a member.
+    pub id: Option<String>,
     pub ready: bool,
+    /// Why it does not consume, as far as this replica can tell (absent while ready).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub not_ready_why: Option<String>,
     pub in_flight: usize,
     pub held: usize,
     pub deliveries: u64,
@@ -169,7 +279,7 @@ pub struct LadderView {
 }
 
 /// One seller's window.
-#[derive(Debug, Serialize)]
+#[derive(Clone, Debug, Serialize)]
 pub struct SellerRow {
     pub seller: String,
     /// The limit that applies, e.g. `100/1m`, or the stack, e.g. `6/1s,20/5s`.
@@ -201,7 +311,7 @@ pub struct SellerRow {
 
 /// A seller's shadow limit: how many decisions it agreed with, would have held back
 /// (`stricter`) or let go at once (`looser`).
-#[derive(Debug, Serialize)]
+#[derive(Clone, Debug, Serialize)]
 pub struct ShadowRow {
     pub limit: String,
     pub agree: u64,
@@ -210,7 +320,7 @@ pub struct ShadowRow {
 }
 
 /// One limit of a seller's stack: `used` of `capacity` units taken now, `ahead` promised.
-#[derive(Debug, Serialize)]
+#[derive(Clone, Debug, Serialize)]
 pub struct LimitRow {
     pub limit: String,
     pub used: u64,
@@ -230,7 +340,7 @@ impl From<&turnstile_core::permit::LimitUsage> for LimitRow {
 }
 
 /// One upload's (batch's) progress.
-#[derive(Debug, Serialize)]
+#[derive(Clone, Debug, Serialize)]
 pub struct UploadRow {
     pub seller: String,
     pub batch: String,
@@ -249,7 +359,7 @@ pub struct UploadRow {
 }
 
 /// Registrations per second by every replica, oldest first, ending at `end_s` (unix seconds).
-#[derive(Debug, Serialize)]
+#[derive(Clone, Debug, Default, Serialize)]
 pub struct Throughput {
     pub end_s: u64,
     pub per_second: Vec<u64>,
@@ -257,7 +367,8 @@ pub struct Throughput {
     pub total: u64,
 }
 
-/// A replica's dashboard: what it needs to take a [`Snapshot`].
+/// A replica's dashboard: what it needs to take a [`Snapshot`], and what the operator's
+/// endpoints act with.
 pub struct Dashboard {
     admin: Admin,
     records: Records,
@@ -266,8 +377,25 @@ pub struct Dashboard {
     info: ReplicaInfo,
     /// The serving replica as a member of the fleet, if it is one.
     fleet: Option<Arc<fleet::Member>>,
-    depths: Arc<Mutex<Option<QueueDepths>>>,
+    /// The operator side's link to the broker, if this replica serves HTTP.
+    broker: Option<Arc<BrokerLink>>,
+    /// What the operator's actions need beyond the views (see [`Dashboard::with_controls`]).
+    controls: Option<Controls>,
+    /// Whether the page may act (`TURNSTILE_HTTP_TOKEN` is set).
+    actions_enabled: bool,
+    redis: Health,
+    /// The last figures read from Redis, served (marked stale) while Redis does not answer.
+    last_shared: Mutex<Option<Shared>>,
     cache: tokio::sync::Mutex<Option<(Instant, Arc<String>)>>,
+}
+
+/// What the operator's actions need beyond the dashboard's views: the replica's permit store
+/// (the terms a new limit is checked against; a replayed message counts as waiting again in
+/// it) and how long completion records are kept (`TURNSTILE_DONE_TTL`).
+#[derive(Clone)]
+pub struct Controls {
+    pub permits: PermitStore,
+    pub done_ttl: Duration,
 }
 
 impl Dashboard {
@@ -279,6 +407,28 @@ impl Dashboard {
     /// The records the dashboard reads and its sampler writes (the HTTP API reads them too).
     pub fn records(&self) -> &Records {
         &self.records
+    }
+
+    /// The operator side's link to the broker, if this replica has one.
+    pub fn broker(&self) -> Option<&Arc<BrokerLink>> {
+        self.broker.as_ref()
+    }
+
+    /// What the operator's actions need, if this replica can act.
+    pub fn controls(&self) -> Option<&Controls> {
+        self.controls.as_ref()
+    }
+
+    /// Redis's health as the dashboard last found it.
+    pub fn redis_health(&self) -> &Health {
+        &self.redis
+    }
+
+    /// The serving replica's id in the fleet, or its pid.
+    pub fn replica_name(&self) -> String {
+        self.fleet
+            .as_ref()
+            .map_or_else(|| format!("pid {}", self.info.pid), |m| m.id().to_owned())
     }
 
     pub fn new(
@@ -295,7 +445,11 @@ impl Dashboard {
             ready,
             info,
             fleet: None,
-            depths: Arc::default(),
+            broker: None,
+            controls: None,
+            actions_enabled: false,
+            redis: Health::new("Redis"),
+            last_shared: Mutex::default(),
             cache: tokio::sync::Mutex::default(),
         }
     }
@@ -306,13 +460,43 @@ impl Dashboard {
         self
     }
 
+    /// The dashboard reads queue depths and dead letters through `link`.
+    pub fn with_broker(mut self, link: Arc<BrokerLink>) -> Self {
+        self.broker = Some(link);
+        self
+    }
+
+    /// The operator's actions run with `controls`.
+    pub fn with_controls(mut self, controls: Controls) -> Self {
+        self.controls = Some(controls);
+        self
+    }
+
+    /// The page may act (the endpoints check the token: see `crate::actions`).
+    pub fn with_actions(mut self, enabled: bool) -> Self {
+        self.actions_enabled = enabled;
+        self
+    }
+
     /// The fleet as the serving replica's last heartbeat saw it, with its id.
     pub fn fleet(&self) -> Option<FleetView> {
         let member = self.fleet.as_ref()?;
+        let view = member.view();
+        let read_ms = view.now_ms;
+        let age = (unix_ms() as i64).saturating_sub(read_ms);
         Some(FleetView {
-            view: member.view(),
+            stale: read_ms == 0
+                || age > FLEET_STALE_AFTER.as_millis() as i64
+                || self.redis.is_down(),
+            read_ms,
+            view,
             me: member.id().to_owned(),
         })
+    }
+
+    /// Forgets the snapshot computed last: the next page sees an action's effect at once.
+    pub async fn invalidate(&self) {
+        *self.cache.lock().await = None;
     }
 
     /// The snapshot as JSON, computed at most once a second.
@@ -323,58 +507,119 @@ impl Dashboard {
         {
             return Ok(json.clone());
         }
-        let snapshot = tokio::time::timeout(GATHER_TIMEOUT, self.snapshot())
-            .await
-            .context("the snapshot took too long")??;
+        let snapshot = self.snapshot().await?;
         let json = Arc::new(serde_json::to_string(&snapshot)?);
         *cache = Some((Instant::now(), json.clone()));
         Ok(json)
     }
 
-    /// Reads the shared state from Redis (and the last queue depths) into a snapshot.
+    /// A snapshot: this replica's own figures, the broker's and Redis's health, and the shared
+    /// state read from Redis, or, while Redis does not answer, the last read (marked stale;
+    /// empty if it was never read), so that the page always shows what is down and since when.
     pub async fn snapshot(&self) -> anyhow::Result<Snapshot> {
         let now_ms = unix_ms();
-        let (uploads, (recent_sellers, sellers_active), dead_letters, throughput) = tokio::try_join!(
-            async {
-                progress::recent(&self.records, UPLOADS_SHOWN)
+        let last = self.last_shared.lock().expect("never poisoned").clone();
+        // While the sampler finds Redis down, do not make every page wait for a timeout.
+        let read = if self.redis.is_down() && last.is_some() {
+            None
+        } else {
+            Some(
+                tokio::time::timeout(GATHER_TIMEOUT, self.shared(now_ms))
                     .await
-                    .context("reading uploads")
+                    .unwrap_or_else(|_| {
+                        Err(anyhow::anyhow!(
+                            "Redis did not answer within {GATHER_TIMEOUT:?}"
+                        ))
+                    }),
+            )
+        };
+        let (shared, shared_stale) = match read {
+            Some(Ok(shared)) => {
+                self.redis.ok();
+                *self.last_shared.lock().expect("never poisoned") = Some(shared.clone());
+                (shared, false)
+            }
+            Some(Err(error)) => {
+                metrics::counter!("turnstile_redis_errors_total").increment(1);
+                self.redis.failed(&crate::health::one_line(&error));
+                (last.unwrap_or_default(), true)
+            }
+            None => (last.unwrap_or_default(), true),
+        };
+        Ok(Snapshot {
+            now_ms,
+            replica: self.replica_view(),
+            health: self.health_view(),
+            queues: self.queues_view(now_ms),
+            downstream: self.stats.downstream.summary(),
+            shared,
+            shared_stale,
+            fleet: self.fleet(),
+            actions: ActionsView {
+                enabled: self.actions_enabled,
+                why_not: (!self.actions_enabled).then(|| crate::actions::ACTIONS_OFF.to_owned()),
             },
-            self.active_sellers(now_ms),
-            self.dead_letters(),
-            self.throughput(now_ms),
-        )?;
+        })
+    }
 
+    /// Reads the shared state from Redis.
+    async fn shared(&self, now_ms: u64) -> anyhow::Result<Shared> {
+        let (uploads, (recent_sellers, sellers_active), dead_letters, throughput, recent_actions) =
+            tokio::try_join!(
+                async {
+                    progress::recent(&self.records, UPLOADS_SHOWN)
+                        .await
+                        .context("reading uploads")
+                },
+                self.active_sellers(now_ms),
+                self.dead_letters(),
+                self.throughput(now_ms),
+                async {
+                    audit::recent(&self.records, ACTIONS_SHOWN)
+                        .await
+                        .context("reading the recent actions")
+                },
+            )?;
+
+        // The sellers of the recent uploads, those asked about recently, and those an operator
+        // acted on lately (a seller paused from the page is listed as paused even when idle).
         let mut seen = HashSet::new();
         let candidates: Vec<SellerId> = uploads
             .iter()
             .map(|u| u.seller.as_str())
             .chain(recent_sellers.iter().map(String::as_str))
+            .chain(recent_actions.iter().filter_map(|a| a.seller.as_deref()))
             .filter(|s| seen.insert(*s))
             .filter_map(|s| SellerId::parse(s).ok())
             .collect();
-        let usages =
-            futures::future::try_join_all(candidates.iter().map(|seller| self.admin.usage(seller)))
+        let (usages, retries) = tokio::try_join!(
+            async {
+                futures::future::try_join_all(
+                    candidates.iter().map(|seller| self.admin.usage(seller)),
+                )
                 .await
-                .context("reading sellers' windows")?;
+                .context("reading sellers' windows")
+            },
+            async {
+                futures::future::try_join_all(
+                    candidates
+                        .iter()
+                        .map(|seller| self.records.retries_due(seller)),
+                )
+                .await
+                .context("reading sellers' retries")
+            },
+        )?;
         let usage: HashMap<&str, &Usage> = candidates
             .iter()
             .map(SellerId::as_str)
             .zip(usages.iter())
             .collect();
-        let uploading: Vec<&SellerId> = candidates
+        let retries: HashMap<&str, Vec<RetryDue>> = candidates
             .iter()
-            .filter(|s| uploads.iter().any(|u| u.seller == s.as_str()))
+            .map(SellerId::as_str)
+            .zip(retries)
             .collect();
-        let retries = futures::future::try_join_all(
-            uploading
-                .iter()
-                .map(|seller| self.records.retries_due(seller)),
-        )
-        .await
-        .context("reading sellers' retries")?;
-        let retries: HashMap<&str, Vec<RetryDue>> =
-            uploading.iter().map(|s| s.as_str()).zip(retries).collect();
 
         let uploads = upload_rows(&uploads, &usage, &retries);
         let (rows, paused) = seller_rows(&usage);
@@ -385,10 +630,8 @@ impl Dashboard {
             .context("reading the global limit")?
             .map(global_view);
 
-        Ok(Snapshot {
-            now_ms,
-            replica: self.replica_view(),
-            queues: *self.depths.lock().expect("never poisoned"),
+        Ok(Shared {
+            shared_read_ms: now_ms,
             sellers: rows,
             sellers_active,
             paused,
@@ -396,7 +639,36 @@ impl Dashboard {
             dead_letters,
             throughput,
             global,
-            fleet: self.fleet(),
+            retries: retries_view(&retries),
+            recent_actions,
+        })
+    }
+
+    /// The broker's and Redis's health.
+    fn health_view(&self) -> HealthView {
+        HealthView {
+            broker: BrokerHealth {
+                status: self
+                    .broker
+                    .as_ref()
+                    .map(|b| b.health().status())
+                    .unwrap_or_default(),
+                checked: self.broker.is_some(),
+                reconnects: self.stats.reconnects.load(Ordering::Relaxed),
+            },
+            redis: self.redis.status(),
+        }
+    }
+
+    /// The queue depths last read, with their age.
+    fn queues_view(&self, now_ms: u64) -> Option<QueuesView> {
+        let broker = self.broker.as_ref()?;
+        let depths = broker.depths()?;
+        let age_ms = now_ms.saturating_sub(depths.read_ms);
+        Some(QueuesView {
+            depths,
+            age_ms,
+            stale: broker.health().is_down() || age_ms > DEPTHS_STALE_AFTER.as_millis() as u64,
         })
     }
 
@@ -405,13 +677,26 @@ impl Dashboard {
         let stats = &self.stats;
         // The terms it grants under now (the fleet's), not the ones it was started with.
         let terms = self.admin.terms();
+        let ready = self.ready.get();
+        let not_ready_why = (!ready).then(|| {
+            if self.broker.as_ref().is_some_and(|b| b.health().is_down()) {
+                "the broker does not answer: reconnecting"
+            } else if self.redis.is_down() {
+                "Redis does not answer"
+            } else {
+                "starting, waiting for the fleet to apply its terms, reconnecting, or draining"
+            }
+            .to_owned()
+        });
         ReplicaView {
             info: ReplicaInfo {
                 algorithm: terms.algorithm.name(),
                 limit: terms.limit.to_string(),
                 ..self.info.clone()
             },
-            ready: self.ready.get(),
+            id: self.fleet.as_ref().map(|m| m.id().to_owned()),
+            ready,
+            not_ready_why,
             in_flight: stats.in_flight.load(Ordering::Relaxed),
             held: stats.held.load(Ordering::Relaxed),
             deliveries: stats.deliveries.load(Ordering::Relaxed),
@@ -461,12 +746,16 @@ impl Dashboard {
     }
 
     /// Records what this replica did since the last call: `registered` in the current second's
-    /// throughput and the sellers it asked about. One round trip; nothing when idle.
+    /// throughput and the sellers it asked about. One round trip; when idle, a probe (Redis's
+    /// clock) instead, so that Redis's health is known every second.
     async fn record(
         &self,
         registered: u64,
         sellers: &HashSet<String>,
     ) -> Result<(), turnstile_core::permit::PermitError> {
+        if registered == 0 && sellers.is_empty() {
+            return self.admin.redis_time_us().await.map(drop);
+        }
         self.records
             .record_activity(
                 unix_ms(),
@@ -477,6 +766,41 @@ impl Dashboard {
             )
             .await
     }
+}
+
+/// The sellers with retries waiting, soonest due first (see [`RetriesView`]).
+fn retries_view(retries: &HashMap<&str, Vec<RetryDue>>) -> RetriesView {
+    let mut sellers: Vec<RetryRow> = retries
+        .iter()
+        .filter(|(_, due)| !due.is_empty())
+        .map(|(seller, due)| {
+            let ms = |r: &RetryDue| r.due_in.as_millis() as u64;
+            RetryRow {
+                seller: (*seller).to_owned(),
+                messages: due.len() as u64,
+                units: due.iter().map(|r| r.units).sum(),
+                next_due_ms: due.iter().map(ms).min().unwrap_or(0),
+                last_due_ms: due.iter().map(ms).max().unwrap_or(0),
+                soonest: due
+                    .iter()
+                    .take(RETRY_MESSAGES_SHOWN)
+                    .map(|r| RetryMessage {
+                        message: r.message.clone(),
+                        batch: r.batch.clone(),
+                        due_in_ms: ms(r),
+                    })
+                    .collect(),
+            }
+        })
+        .collect();
+    let messages = sellers.iter().map(|s| s.messages).sum();
+    sellers.sort_by(|a, b| {
+        a.next_due_ms
+            .cmp(&b.next_due_ms)
+            .then(a.seller.cmp(&b.seller))
+    });
+    sellers.truncate(RETRY_SELLERS_SHOWN);
+    RetriesView { messages, sellers }
 }
 
 /// One row per upload, newest first, with its ETA as `/api/batches/{id}` computes it from its
@@ -600,102 +924,26 @@ pub async fn sample(dashboard: Arc<Dashboard>, stop: CancellationToken) {
         };
         let registered = dashboard.stats.registered.load(Ordering::Relaxed);
         let sellers = dashboard.stats.take_sellers();
-        match dashboard.record(registered - recorded, &sellers).await {
-            Ok(()) => recorded = registered,
-            Err(error) => {
+        let recording = dashboard.record(registered - recorded, &sellers);
+        match tokio::time::timeout(SAMPLE_TIMEOUT, recording).await {
+            Ok(Ok(())) => {
+                recorded = registered;
+                dashboard.redis.ok();
+            }
+            Ok(Err(error)) => {
                 metrics::counter!("turnstile_redis_errors_total").increment(1);
+                dashboard.redis.failed(&error.to_string());
                 debug!(%error, "could not record dashboard samples; retrying next second");
+            }
+            Err(_) => {
+                metrics::counter!("turnstile_redis_errors_total").increment(1);
+                dashboard
+                    .redis
+                    .failed(&format!("no answer within {SAMPLE_TIMEOUT:?}"));
             }
         }
         if stopping {
             return;
         }
-    }
-}
-
-/// The depth of each of the topology's queues, the delay ladder's summed.
-async fn read_depths(channel: &lapin::Channel, topology: &Topology) -> anyhow::Result<QueueDepths> {
-    let mut depths = QueueDepths {
-        read_ms: unix_ms(),
-        ..Default::default()
-    };
-    for queue in topology.queues() {
-        let n = u64::from(broker::depth(channel, &queue).await?);
-        if queue == topology.work() {
-            depths.work = n;
-        } else if queue == topology.ready() {
-            depths.returning = n;
-        } else if queue == topology.dead() {
-            depths.dead = n;
-        } else {
-            depths.delayed += n;
-        }
-    }
-    Ok(depths)
-}
-
-impl QueueDepths {
-    /// Sets the `turnstile_queue_messages` gauges.
-    fn export(&self) {
-        for (queue, n) in [
-            ("work", self.work),
-            ("ready", self.returning),
-            ("delay", self.delayed),
-            ("dead", self.dead),
-        ] {
-            metrics::gauge!("turnstile_queue_messages", "queue" => queue).set(n as f64);
-        }
-    }
-}
-
-/// Reads the queue depths from the broker every 5 s until `stop` (on a connection of its own,
-/// reopened after errors), for the page and the `turnstile_queue_messages` gauges.
-pub async fn watch_queues(
-    dashboard: Arc<Dashboard>,
-    amqp_url: String,
-    topology: Topology,
-    stop: CancellationToken,
-) {
-    let name = format!(
-        "turnstile {} dashboard pid {}",
-        topology.work(),
-        std::process::id()
-    );
-    let mut open: Option<(lapin::Connection, lapin::Channel)> = None;
-    let mut tick = tokio::time::interval(QUEUES_EVERY);
-    tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
-    loop {
-        tokio::select! {
-            _ = tick.tick() => {}
-            _ = stop.cancelled() => break,
-        }
-        let read = async {
-            if open.is_none() {
-                let connection = broker::connect(&amqp_url, &name).await?;
-                let channel = connection.create_channel().await?;
-                open = Some((connection, channel));
-            }
-            let (_, channel) = open.as_ref().expect("opened above");
-            read_depths(channel, &topology).await
-        };
-        let read = tokio::select! {
-            read = tokio::time::timeout(QUEUES_EVERY, read) => read,
-            _ = stop.cancelled() => break,
-        };
-        match read {
-            Ok(Ok(depths)) => {
-                depths.export();
-                *dashboard.depths.lock().expect("never poisoned") = Some(depths);
-            }
-            Ok(Err(error)) => {
-                metrics::counter!("turnstile_broker_errors_total").increment(1);
-                debug!(error = format!("{error:#}"), "could not read queue depths");
-                open = None;
-            }
-            Err(_) => open = None,
-        }
-    }
-    if let Some((connection, _)) = open {
-        let _ = connection.close(200, "stopping".into()).await;
     }
 }

@@ -2,7 +2,8 @@
 //! dashboard (its page at `/` and its data at `/api/dashboard`, see [`crate::dashboard`]), and
 //! what the upload service reads: `/api/batches/{batch_id}` and `/api/sellers/{seller_id}`
 //! (progress and ETA, see `turnstile_upload::progress`), and `/api/fleet` (the replicas and
-//! the terms in force, see `turnstile_core::fleet`).
+//! the terms in force, see `turnstile_core::fleet`); the operator's search and dead letters
+//! ([`crate::lookup`]) and actions ([`crate::actions`]).
 
 use std::net::SocketAddr;
 use std::sync::atomic::Ordering;
@@ -80,7 +81,8 @@ pub fn parse_token(s: &str) -> Result<SecretString, String> {
 /// replica has connected to Redis (until then `/api/dashboard` answers 503).
 #[derive(Clone)]
 pub struct Endpoints {
-    /// When set, `/` and `/api/dashboard` need it (see [`require_token`]).
+    /// When set, `/` and `/api/dashboard` need it (see [`require_token`]), and the page may
+    /// act (see [`crate::actions`]).
     pub token: Option<SecretString>,
     pub ready: Readiness,
     pub stats: Arc<Stats>,
@@ -132,7 +134,7 @@ async fn dashboard_data(State(endpoints): State<Endpoints>) -> Response {
 }
 
 /// A JSON answer.
-fn json_answer(status: StatusCode, body: serde_json::Value) -> Response {
+pub(crate) fn json_answer(status: StatusCode, body: serde_json::Value) -> Response {
     (
         status,
         [
@@ -145,7 +147,7 @@ fn json_answer(status: StatusCode, body: serde_json::Value) -> Response {
 }
 
 /// An error as the API answers it: `{"error": …}` with `status`.
-fn api_error(status: StatusCode, error: impl std::fmt::Display) -> Response {
+pub(crate) fn api_error(status: StatusCode, error: impl std::fmt::Display) -> Response {
     json_answer(status, serde_json::json!({"error": error.to_string()}))
 }
 
@@ -218,20 +220,11 @@ async fn seller_api(State(endpoints): State<Endpoints>, Path(seller): Path<Strin
 /// The cookie that carries the dashboard token after `/?token=…`.
 const TOKEN_COOKIE: &str = "turnstile_token";
 
-/// With `TURNSTILE_HTTP_TOKEN` set, the dashboard and its data need the token: as
-/// `Authorization: Bearer <token>`, as the cookie set by opening `/?token=<token>` once, or in
-/// that query. Compared in constant time. /metrics, /healthz and /readyz stay open.
-async fn require_token(
-    State(endpoints): State<Endpoints>,
-    request: axum::extract::Request,
-    next: axum::middleware::Next,
-) -> Response {
-    let Some(token) = &endpoints.token else {
-        return next.run(request).await;
-    };
+/// Whether `headers` carry `token`: as `Authorization: Bearer <token>` or as the cookie set by
+/// opening `/?token=<token>`. Compared in constant time.
+pub(crate) fn carries_token(token: &SecretString, headers: &header::HeaderMap) -> bool {
     let expected = token.expose_secret().as_bytes();
     let matches = |given: &str| bool::from(given.as_bytes().ct_eq(expected));
-    let headers = request.headers();
     let bearer = headers
         .get(header::AUTHORIZATION)
         .and_then(|v| v.to_str().ok())
@@ -244,7 +237,25 @@ async fn require_token(
         .flat_map(|v| v.split(';'))
         .filter_map(|pair| pair.trim().split_once('='))
         .any(|(name, value)| name == TOKEN_COOKIE && matches(value));
-    if bearer || cookie {
+    bearer || cookie
+}
+
+/// With `TURNSTILE_HTTP_TOKEN` set, the dashboard and its data need the token: as
+/// `Authorization: Bearer <token>`, as the cookie set by opening `/?token=<token>` once, or in
+/// that query. Compared in constant time. /metrics, /healthz and /readyz stay open. (The
+/// actions check the token themselves, and never take it from the query: see
+/// [`crate::actions`].)
+async fn require_token(
+    State(endpoints): State<Endpoints>,
+    request: axum::extract::Request,
+    next: axum::middleware::Next,
+) -> Response {
+    let Some(token) = &endpoints.token else {
+        return next.run(request).await;
+    };
+    let expected = token.expose_secret().as_bytes();
+    let matches = |given: &str| bool::from(given.as_bytes().ct_eq(expected));
+    if carries_token(token, request.headers()) {
         return next.run(request).await;
     }
     let in_query = request
@@ -287,12 +298,15 @@ pub async fn serve(
         .route("/api/fleet", get(fleet_api))
         .route("/api/batches/{batch_id}", get(batch_api))
         .route("/api/sellers/{seller_id}", get(seller_api))
+        .route("/api/search", get(crate::lookup::search))
+        .route("/api/dead-letters", get(crate::lookup::dead_letters))
         .route_layer(axum::middleware::from_fn_with_state(
             endpoints.clone(),
             require_token,
         ));
     let app = Router::new()
         .merge(dashboard)
+        .merge(crate::actions::routes(&endpoints))
         .route("/metrics", get(metrics_page))
         .route("/healthz", get(|| async { "ok\n" }))
         .route("/readyz", get(readyz))
@@ -302,9 +316,12 @@ pub async fn serve(
         .with_context(|| format!("TURNSTILE_HTTP_ADDR: cannot listen on {addr}"))?;
     let bound = listener.local_addr()?;
     tokio::spawn(async move {
-        let served = axum::serve(listener, app)
-            .with_graceful_shutdown(async move { shutdown.cancelled().await })
-            .await;
+        let served = axum::serve(
+            listener,
+            app.into_make_service_with_connect_info::<SocketAddr>(),
+        )
+        .with_graceful_shutdown(async move { shutdown.cancelled().await })
+        .await;
         if let Err(error) = served {
             tracing::warn!(%error, "the HTTP endpoint stopped");
         }

@@ -16,7 +16,8 @@ use turnstile_core::replica::{Connecting, ConsumeArgs, Starting};
 use turnstile_core::telemetry::Readiness;
 use turnstile_core::worker::Stats;
 
-use crate::dashboard::{self, Dashboard, ReplicaInfo};
+use crate::broker_link::BrokerLink;
+use crate::dashboard::{self, Controls, Dashboard, ReplicaInfo};
 use crate::http::{self, Endpoints, Listen};
 use crate::overdue;
 
@@ -38,8 +39,9 @@ pub struct HttpArgs {
     /// free port; `off` disables.
     #[arg(long = "http-addr", env = "TURNSTILE_HTTP_ADDR", default_value = "0.0.0.0:9464", value_parser = http::parse_addr)]
     pub http_addr: Listen,
-    /// When set, the dashboard (/) and /api/dashboard need this token (bearer, or the cookie
-    /// set by opening /?token=…); /metrics, /healthz and /readyz stay open.
+    /// When set, the dashboard (/) and its API need this token (bearer, or the cookie set by
+    /// opening /?token=…), and the dashboard's actions (pause, resume, limits, replays) are on;
+    /// /metrics, /healthz and /readyz stay open. Unset, the actions are off.
     #[arg(
         long = "http-token",
         env = "TURNSTILE_HTTP_TOKEN",
@@ -88,6 +90,7 @@ impl Served {
         let algorithm = args.consume.limiter.algorithm;
         let starting = Starting::new(args.consume)?;
         let views = Arc::new(OnceLock::new());
+        let actions = args.http.http_token.is_some();
         let endpoints = Endpoints {
             token: args.http.http_token,
             ready: starting.ready.clone(),
@@ -118,31 +121,39 @@ impl Served {
         let Some(connecting) = starting.connect_redis(&shutdown).await? else {
             return Ok(stopped());
         };
-        let dashboard = Arc::new(dashboard_of(&connecting, &stats, &ready));
+        // The operator side's own broker connection (never the replica's): queue depths, the
+        // broker's health, dead letters. Only a replica serving HTTP has one.
+        let link = match http_addr {
+            Some(_) => Some(Arc::new(BrokerLink::new(
+                &connecting.args().broker.amqp_url,
+                connecting.args().topology(),
+            )?)),
+            None => None,
+        };
+        let mut dashboard = dashboard_of(&connecting, &stats, &ready).with_actions(actions);
+        if let Some(link) = &link {
+            dashboard = dashboard.with_broker(link.clone());
+        }
+        let dashboard = Arc::new(dashboard);
         let (admin, records) = (connecting.permits.admin(), connecting.permits.records());
         let _ = views.set(dashboard.clone());
-        let (amqp_url, topology) = (
-            connecting.args().broker.amqp_url.clone(),
-            connecting.args().topology(),
-        );
+        // The link reads the broker from the start: while the replica waits for it, the page
+        // says why.
+        let stop = CancellationToken::new();
+        let watching = link.map(|link| tokio::spawn(link.watch(stop.clone())));
         let Some(replica) = connecting.consume(shutdown).await? else {
+            stop.cancel();
+            if let Some(watching) = watching {
+                let _ = watching.await;
+            }
             return Ok(stopped());
         };
         if let Some(addr) = http_addr {
             info!(%addr, "serving the dashboard, /metrics, /healthz and /readyz");
         }
-        let stop = CancellationToken::new();
-        let mut samplers = vec![tokio::spawn(dashboard::sample(
-            dashboard.clone(),
-            stop.clone(),
-        ))];
+        let mut samplers = vec![tokio::spawn(dashboard::sample(dashboard, stop.clone()))];
+        samplers.extend(watching);
         if http_addr.is_some() {
-            samplers.push(tokio::spawn(dashboard::watch_queues(
-                dashboard,
-                amqp_url,
-                topology,
-                stop.clone(),
-            )));
             samplers.push(tokio::spawn(overdue::watch(admin, records, stop.clone())));
         }
         let done = tokio::spawn(async move {
@@ -185,4 +196,8 @@ fn dashboard_of(connecting: &Connecting, stats: &Arc<Stats>, ready: &Readiness) 
         },
     )
     .with_fleet(connecting.fleet.clone())
+    .with_controls(Controls {
+        permits: connecting.permits.clone(),
+        done_ttl: args.done_ttl,
+    })
 }

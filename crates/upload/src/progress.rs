@@ -428,6 +428,7 @@ mod tests {
     fn retry(batch: &str, units: u64, due_in_s: u64) -> RetryDue {
         RetryDue {
             batch: batch.into(),
+            message: format!("{batch}-retried"),
             units,
             due_in: Duration::from_secs(due_in_s),
         }

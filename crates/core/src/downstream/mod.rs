@@ -12,7 +12,9 @@ use crate::domain::Registration;
 use crate::trace::TraceContext;
 
 pub mod headers;
+pub mod recent;
 pub use headers::RateLimitHeaders;
+pub use recent::Recent;
 
 /// Where and how to call the registration API.
 #[derive(Args, Clone)]
@@ -145,9 +147,18 @@ pub struct Downstream {
     /// Whether `{seller_id}` stands in the URL's path (else in its query or nowhere).
     seller_in_path: bool,
     authorization: Option<HeaderValue>,
+    /// Where each call's class and latency are noted for the dashboard, if anywhere.
+    recent: Option<std::sync::Arc<Recent>>,
 }
 
 impl Downstream {
+    /// Notes each call's answer class and latency in `recent` (the replica's, which the
+    /// dashboard reads).
+    pub fn recording(mut self, recent: std::sync::Arc<Recent>) -> Self {
+        self.recent = Some(recent);
+        self
+    }
+
     pub fn new(args: &DownstreamArgs) -> anyhow::Result<Self> {
         let probe = args.url.replace("{seller_id}", "probe");
         let parsed = reqwest::Url::parse(&probe).with_context(|| {
@@ -184,6 +195,7 @@ impl Downstream {
             url: args.url.clone(),
             seller_in_path: template_path.contains("{seller_id}"),
             authorization,
+            recent: None,
         })
     }
 
@@ -268,8 +280,12 @@ impl Downstream {
             ),
         };
         metrics::counter!("turnstile_downstream_requests_total", "class" => class).increment(1);
+        let took = started.elapsed();
         metrics::histogram!("turnstile_downstream_request_duration_seconds", "class" => class)
-            .record(started.elapsed().as_secs_f64());
+            .record(took.as_secs_f64());
+        if let Some(recent) = &self.recent {
+            recent.record(class, took);
+        }
         Answered { reply, rate_limit }
     }
 }

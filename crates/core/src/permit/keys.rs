@@ -258,6 +258,12 @@ impl Keyspace {
         self.shared("reschedules")
     }
 
+    /// The operators' recent actions from the dashboard (list of JSON entries, newest first;
+    /// see [`super::Records::note_action`]).
+    pub fn actions(&self) -> String {
+        self.shared("actions")
+    }
+
     /// Registrations in the unix minute `minute` (hash: unix second -> count).
     pub fn throughput(&self, minute: u64) -> String {
         self.shared(&format!("throughput:{minute}"))
@@ -427,6 +433,7 @@ mod tests {
             keys.uploads(),
             keys.dead_now(),
             keys.reschedules(),
+            keys.actions(),
             keys.fleet(),
             keys.fleet_algorithms(),
             keys.throughput(29_000_000),

@@ -55,8 +55,8 @@ use batch::{Batcher, Operation, When};
 use block::Blocks;
 use calls::{
     Acquire, AcquireAnswer, AcquireTail, CallEnded, Complete, CompleteAnswer, CompleteBatch,
-    Global, GlobalAnswer, GlobalEnd, Learn, LearnAnswer, Lease, LeaseAnswer, Redeem, RedeemAnswer, Release,
-    Unreserve,
+    Global, GlobalAnswer, GlobalEnd, Learn, LearnAnswer, Lease, LeaseAnswer, Redeem, RedeemAnswer,
+    Release, Unreserve,
 };
 pub use conn::{RedisClient, RedisConn, round_trips};
 pub use keys::Keyspace;

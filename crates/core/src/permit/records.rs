@@ -107,6 +107,8 @@ pub struct BatchSeen {
 pub struct RetryDue {
     /// The id of the message's batch.
     pub batch: String,
+    /// The message's id.
+    pub message: String,
     /// The message's units (its cost).
     pub units: u64,
     /// How long until the retry is due (Redis time).
@@ -132,13 +134,17 @@ impl RetryDue {
     fn parse(member: &str, due_in_ms: u64) -> Option<Self> {
         let mut parts = member.splitn(3, ':');
         let units = parts.next()?.parse().ok()?;
-        let batch = percent_encoding::percent_decode_str(parts.next()?)
-            .decode_utf8()
-            .ok()?
-            .into_owned();
-        parts.next()?;
+        let decode = |part: &str| {
+            percent_encoding::percent_decode_str(part)
+                .decode_utf8()
+                .ok()
+                .map(|s| s.into_owned())
+        };
+        let batch = decode(parts.next()?)?;
+        let message = decode(parts.next()?)?;
         Some(Self {
             batch,
+            message,
             units,
             due_in: Duration::from_millis(due_in_ms),
         })
@@ -507,6 +513,57 @@ impl Records {
         Ok(())
     }
 
+    /// What a message's completion record says of it (see `lua/complete.lua`): `registered`,
+    /// `dead:<REASON>`, or `None`: waiting (never finished, or replayed since), never seen, or
+    /// its record expired (`TURNSTILE_DONE_TTL`). With how long the record is kept yet.
+    pub async fn message_state(
+        &self,
+        seller: &SellerId,
+        message: &MessageId,
+    ) -> Result<Option<(String, Option<Duration>)>, PermitError> {
+        let key = self.keys.done(seller, message);
+        let (state, ttl_ms): (Option<String>, i64) = redis::pipe()
+            .get(&key)
+            .pttl(&key)
+            .query_async(&mut self.conn.clone())
+            .await?;
+        let ttl = u64::try_from(ttl_ms).ok().map(Duration::from_millis);
+        Ok(state.map(|state| (state, ttl)))
+    }
+
+    /// Notes an operator's action (a JSON entry) in the shared list every replica's dashboard
+    /// shows: newest first, at most `keep` entries, the list kept `kept_for` after the last.
+    pub async fn note_action(
+        &self,
+        entry: &str,
+        keep: usize,
+        kept_for: Duration,
+    ) -> Result<(), PermitError> {
+        let key = self.keys.actions();
+        redis::pipe()
+            .lpush(&key, entry)
+            .ignore()
+            .ltrim(&key, 0, keep.max(1) as isize - 1)
+            .ignore()
+            .pexpire(&key, kept_for.as_millis().max(1) as i64)
+            .ignore()
+            .query_async::<()>(&mut self.conn.clone())
+            .await?;
+        Ok(())
+    }
+
+    /// The `n` most recent operators' actions (JSON entries), newest first.
+    pub async fn recent_actions(&self, n: usize) -> Result<Vec<String>, PermitError> {
+        if n == 0 {
+            return Ok(Vec::new());
+        }
+        Ok(self
+            .conn
+            .clone()
+            .lrange(self.keys.actions(), 0, n as isize - 1)
+            .await?)
+    }
+
     /// The messages dead-lettered and not replayed (nor registered by a copy) since, by reason:
     /// each message with an identity counted once, each dead letter without one once.
     pub async fn dead_now(&self) -> Result<std::collections::BTreeMap<String, u64>, PermitError> {
@@ -535,6 +592,7 @@ mod tests {
             RetryDue::parse(&member, 1500),
             Some(RetryDue {
                 batch: batch.as_str().to_owned(),
+                message: message.as_str().to_owned(),
                 units: 3,
                 due_in: Duration::from_millis(1500),
             })

@@ -35,6 +35,9 @@ pub struct Stats {
     pub broker: Arc<crate::broker::BrokerCost>,
     /// How long each permit decision took (one Redis round trip, or more after errors).
     pub permit_latency: LatencySummary,
+    /// The downstream's answers over the last minutes: classes and latencies (bounded; see
+    /// [`crate::downstream::recent`]).
+    pub downstream: Arc<crate::downstream::Recent>,
     /// Sellers asked about since the dashboard sampler last took them (at most
     /// [`Stats::MAX_SELLERS`]; the sampler records them in Redis every second).
     pub sellers: Mutex<HashSet<String>>,
