@@ -414,26 +414,18 @@ impl BrokerLink {
                 let publisher = broker::Publisher::open(&connection)
                     .await
                     .context("opening a publishing channel")?;
-                // The core's replay is not `Send` (it counts on one thread): it runs on a
-                // blocking thread of its own, driven by this runtime.
-                let runtime = tokio::runtime::Handle::current();
-                let replaying = tokio::task::spawn_blocking(move || {
-                    runtime.block_on(async move {
-                        let replayed = dead_letters::replay(
-                            &channel,
-                            &publisher,
-                            &topology,
-                            &selection,
-                            &controls.permits,
-                            controls.done_ttl,
-                            dry_run,
-                        )
-                        .await;
-                        let _ = publisher.channel().close(200, "done".into()).await;
-                        replayed
-                    })
-                });
-                let replayed = replaying.await.context("the replay panicked")??;
+                let replayed = dead_letters::replay(
+                    &channel,
+                    &publisher,
+                    &topology,
+                    &selection,
+                    &controls.permits,
+                    controls.done_ttl,
+                    dry_run,
+                )
+                .await;
+                let _ = publisher.channel().close(200, "done".into()).await;
+                let replayed = replayed?;
                 let taken = replayed.replayed;
                 Ok((replayed, taken))
             })

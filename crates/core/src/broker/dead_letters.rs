@@ -595,7 +595,7 @@ pub async fn replay(
         dry_run,
         ..Replayed::default()
     };
-    let moved = std::cell::Cell::new(0u64);
+    let moved = std::sync::atomic::AtomicU64::new(0);
     let visited = visit(channel, topology, |delivery| {
         let letter = describe(&delivery);
         let selected = selection.matches(&letter);
@@ -636,12 +636,12 @@ pub async fn replay(
                 revived.undo(permits, ttl).await;
                 return (Err(error), delivery);
             }
-            moved.set(moved.get() + 1);
+            moved.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
             (Ok(true), delivery)
         }
     })
     .await;
-    done.replayed = moved.get();
+    done.replayed = moved.into_inner();
     visited.with_context(|| {
         format!(
             "{} dead letters were replayed to {:?} before this",
