@@ -247,7 +247,12 @@ async fn a_fresh_replica_exports_every_series_at_zero_and_no_series_appears_late
         .filter(|s| !first_ids.contains(&identity(s)))
         .collect();
     let before_ids: BTreeSet<String> = scrape.iter().map(|(s, _)| identity(s)).collect();
-    let after_redis: BTreeSet<String> = first_ids.difference(&before_ids).cloned().collect();
+    // The queue depths come with the console's first reading of the broker, whenever that is.
+    let after_redis: BTreeSet<String> = first_ids
+        .difference(&before_ids)
+        .filter(|s| !s.starts_with("turnstile_queue_messages{"))
+        .cloned()
+        .collect();
     assert_eq!(
         after_redis,
         BTreeSet::from([
