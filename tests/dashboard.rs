@@ -598,15 +598,13 @@ async fn with_an_http_token_the_dashboard_needs_it_and_probes_stay_open() -> any
 
 // --- the operator's console: actions, dead letters, outages -------------------------------------
 
-/// Where the screenshots go: `/work/scratch/screens` when it exists (for a person to look at),
-/// else the test artifacts.
+/// Where the screenshots go: the folder `TURNSTILE_SCREENSHOTS` names (for a person to look
+/// at), else the test artifacts.
 fn screens() -> PathBuf {
-    let scratch = Path::new("/work/scratch/screens");
-    let dir = if scratch.is_dir() {
-        scratch.to_path_buf()
-    } else {
-        Path::new(env!("CARGO_MANIFEST_DIR")).join("target/artifacts")
-    };
+    let dir = std::env::var_os("TURNSTILE_SCREENSHOTS")
+        .filter(|d| !d.is_empty())
+        .map(PathBuf::from)
+        .unwrap_or_else(|| Path::new(env!("CARGO_MANIFEST_DIR")).join("target/artifacts"));
     std::fs::create_dir_all(&dir).unwrap();
     dir
 }
