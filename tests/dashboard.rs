@@ -4,7 +4,6 @@ mod support;
 
 use std::collections::BTreeSet;
 use std::path::{Path, PathBuf};
-use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use serde_json::{Value, json};
@@ -273,7 +272,7 @@ async fn before_redis_answers_the_dashboard_data_is_503_and_the_replica_is_not_r
 async fn a_json_log_line_of_a_message_carries_its_seller_message_id_attempt_and_trace()
 -> anyhow::Result<()> {
     // This runtime runs every task on this thread, so a thread-local subscriber sees them all.
-    let lines = Lines::default();
+    let lines = support::Lines::default();
     let _logging = tracing::subscriber::set_default(turnstile_core::telemetry::subscriber(
         tracing_subscriber::EnvFilter::new("turnstile=debug"),
         turnstile_core::telemetry::Format::Json,
@@ -310,7 +309,7 @@ async fn a_json_log_line_of_a_message_carries_its_seller_message_id_attempt_and_
         })
         .collect();
     assert_eq!(called.len(), 2, "a 503, then a 2xx");
-    let text = String::from_utf8(lines.0.lock().unwrap().clone()).unwrap();
+    let text = lines.text();
     let of_message: Vec<Value> = text
         .lines()
         .map(|l| serde_json::from_str::<Value>(l).expect("every line is JSON"))
@@ -522,27 +521,6 @@ impl Chromium {
         self.run(url, window, &[format!("--screenshot={}", path.display())])
             .await;
         assert!(path.is_file(), "chromium wrote no screenshot at {path:?}");
-    }
-}
-
-/// A log writer into a shared buffer.
-#[derive(Clone, Default)]
-struct Lines(Arc<Mutex<Vec<u8>>>);
-
-impl std::io::Write for Lines {
-    fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
-        self.0.lock().unwrap().extend_from_slice(buf);
-        Ok(buf.len())
-    }
-    fn flush(&mut self) -> std::io::Result<()> {
-        Ok(())
-    }
-}
-
-impl<'w> tracing_subscriber::fmt::MakeWriter<'w> for Lines {
-    type Writer = Lines;
-    fn make_writer(&'w self) -> Self::Writer {
-        self.clone()
     }
 }
 
@@ -958,7 +936,7 @@ async fn actions_are_off_without_a_token_and_refused_cross_site_without_it_or_wi
 async fn pause_resume_and_a_seller_limit_through_the_api_are_done_on_every_replica_and_audited()
 -> anyhow::Result<()> {
     // This runtime runs every task on this thread, so a thread-local subscriber sees them all.
-    let lines = Lines::default();
+    let lines = support::Lines::default();
     let _logging = tracing::subscriber::set_default(turnstile_core::telemetry::subscriber(
         tracing_subscriber::EnvFilter::new("turnstile::audit=info"),
         turnstile_core::telemetry::Format::Json,
@@ -1063,7 +1041,7 @@ async fn pause_resume_and_a_seller_limit_through_the_api_are_done_on_every_repli
     assert_eq!(listed, ["clear-limit", "set-limit", "resume", "pause"]);
 
     // And the audit log has each: who, what, the outcome, when.
-    let text = String::from_utf8(lines.0.lock().unwrap().clone()).unwrap();
+    let text = lines.text();
     let audited: Vec<Value> = text
         .lines()
         .map(|l| serde_json::from_str::<Value>(l).expect("every line is JSON"))

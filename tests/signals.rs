@@ -9,59 +9,30 @@ mod support;
 
 use std::io::{BufRead, BufReader};
 use std::process::{Command, Stdio};
-use std::sync::{Arc, Mutex, OnceLock};
+use std::sync::OnceLock;
 use std::time::Duration;
 
 use serde_json::{Value, json};
 use tracing_subscriber::Layer;
-use tracing_subscriber::fmt::MakeWriter;
 use tracing_subscriber::layer::SubscriberExt;
 use tracing_subscriber::util::SubscriberInitExt;
 use turnstile_core::telemetry::{self, Format};
 use turnstile_lab::slow_link::SlowLink;
 use turnstile_ops::overdue::Promises;
 
-/// Lines written into a shared buffer.
-#[derive(Clone, Default)]
-struct Lines(Arc<Mutex<Vec<u8>>>);
-
-impl Lines {
-    /// What was written since the last call.
-    fn take(&self) -> String {
-        String::from_utf8(std::mem::take(&mut *self.0.lock().unwrap())).unwrap()
-    }
-}
-
-impl std::io::Write for Lines {
-    fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
-        self.0.lock().unwrap().extend_from_slice(buf);
-        Ok(buf.len())
-    }
-    fn flush(&mut self) -> std::io::Result<()> {
-        Ok(())
-    }
-}
-
-impl<'w> MakeWriter<'w> for Lines {
-    type Writer = Lines;
-    fn make_writer(&'w self) -> Self::Writer {
-        self.clone()
-    }
-}
-
 /// The lines of this process: as a replica writes them in JSON (its default filter), and
 /// everything at `info` (what lapin says on its own).
 struct Captured {
-    replica: Lines,
-    everything: Lines,
+    replica: support::Lines,
+    everything: support::Lines,
 }
 
 fn captured() -> &'static Captured {
     static CAPTURED: OnceLock<Captured> = OnceLock::new();
     CAPTURED.get_or_init(|| {
         let captured = Captured {
-            replica: Lines::default(),
-            everything: Lines::default(),
+            replica: support::Lines::default(),
+            everything: support::Lines::default(),
         };
         tracing_subscriber::registry()
             .with(

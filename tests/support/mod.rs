@@ -228,3 +228,38 @@ pub fn dead_counts(dead: &serde_json::Value) -> std::collections::BTreeMap<Strin
         .filter(|(_, n)| *n > 0)
         .collect()
 }
+
+/// Log lines written into a shared buffer: the writer of a test's tracing subscriber.
+#[derive(Clone, Default)]
+pub struct Lines(std::sync::Arc<std::sync::Mutex<Vec<u8>>>);
+
+impl Lines {
+    /// What was written so far (kept).
+    #[allow(dead_code)]
+    pub fn text(&self) -> String {
+        String::from_utf8(self.0.lock().unwrap().clone()).unwrap()
+    }
+
+    /// What was written since the last call (taken).
+    #[allow(dead_code)]
+    pub fn take(&self) -> String {
+        String::from_utf8(std::mem::take(&mut *self.0.lock().unwrap())).unwrap()
+    }
+}
+
+impl std::io::Write for Lines {
+    fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
+        self.0.lock().unwrap().extend_from_slice(buf);
+        Ok(buf.len())
+    }
+    fn flush(&mut self) -> std::io::Result<()> {
+        Ok(())
+    }
+}
+
+impl<'w> tracing_subscriber::fmt::MakeWriter<'w> for Lines {
+    type Writer = Lines;
+    fn make_writer(&'w self) -> Self::Writer {
+        self.clone()
+    }
+}

@@ -213,7 +213,24 @@ impl Action {
             Ok(name) => action.entry.who.operator = name,
             Err(why) => return Err(action.refuse(why).await),
         }
+        action.entry.argument = asked.argument();
         Ok((action, asked))
+    }
+
+    /// Reads an action on one seller ([`Action::read`]) and its seller's id; or the answer to
+    /// give (400 for an id that cannot be a seller's, recorded).
+    async fn read_for_seller<T: DeserializeOwned + Operated>(
+        endpoints: &Endpoints,
+        request: Request,
+        name: &str,
+    ) -> Result<(Self, T, SellerId), Response> {
+        let (mut action, asked) = Self::read::<T>(endpoints, request, name).await?;
+        let given = asked.seller().unwrap_or_default().to_owned();
+        action.entry.seller = Some(given.clone());
+        match seller_id(&given) {
+            Ok(seller) => Ok((action, asked, seller)),
+            Err(why) => Err(action.refuse(why).await),
+        }
     }
 
     /// Refuses it for its input (400), recorded.
@@ -253,6 +270,14 @@ impl Action {
 /// A request body that may name its operator.
 trait Operated {
     fn operator(&self) -> Option<&str>;
+    /// The seller the action is on, for one on a seller.
+    fn seller(&self) -> Option<&str> {
+        None
+    }
+    /// What the audit entry records beside the seller (a duration, a limit).
+    fn argument(&self) -> Option<String> {
+        None
+    }
 }
 
 /// The operator's name as given: trimmed, `None` when blank; 1 to 64 characters without
@@ -327,15 +352,30 @@ impl Operated for PauseBody {
     fn operator(&self) -> Option<&str> {
         self.operator.as_deref()
     }
+    fn seller(&self) -> Option<&str> {
+        Some(&self.seller)
+    }
+    fn argument(&self) -> Option<String> {
+        self.duration.clone()
+    }
 }
 impl Operated for SellerBody {
     fn operator(&self) -> Option<&str> {
         self.operator.as_deref()
     }
+    fn seller(&self) -> Option<&str> {
+        Some(&self.seller)
+    }
 }
 impl Operated for LimitBody {
     fn operator(&self) -> Option<&str> {
         self.operator.as_deref()
+    }
+    fn seller(&self) -> Option<&str> {
+        Some(&self.seller)
+    }
+    fn argument(&self) -> Option<String> {
+        Some(self.limit.clone())
     }
 }
 impl Operated for ReplayBody {
@@ -349,16 +389,11 @@ impl Operated for ReplayBody {
 /// already in place is kept, and the slots reserved for its waiting messages are given back
 /// (they reserve anew after the pause).
 async fn pause(State(endpoints): State<Endpoints>, request: Request) -> Response {
-    let (mut action, asked) = match Action::read::<PauseBody>(&endpoints, request, "pause").await {
-        Ok(read) => read,
-        Err(answer) => return answer,
-    };
-    action.entry.seller = Some(asked.seller.clone());
-    action.entry.argument = asked.duration.clone();
-    let seller = match seller_id(&asked.seller) {
-        Ok(seller) => seller,
-        Err(why) => return action.refuse(why).await,
-    };
+    let (mut action, asked, seller) =
+        match Action::read_for_seller::<PauseBody>(&endpoints, request, "pause").await {
+            Ok(read) => read,
+            Err(answer) => return answer,
+        };
     // As `turnstile limits pause`: at most 24h, and without a duration until resumed.
     let asked_for = match asked.duration.as_deref().map(str::trim) {
         None | Some("") => None,
@@ -401,16 +436,11 @@ async fn pause(State(endpoints): State<Endpoints>, request: Request) -> Response
 
 /// `POST /api/actions/resume`: lifts a seller's pause on every replica.
 async fn resume(State(endpoints): State<Endpoints>, request: Request) -> Response {
-    let (mut action, asked) = match Action::read::<SellerBody>(&endpoints, request, "resume").await
-    {
-        Ok(read) => read,
-        Err(answer) => return answer,
-    };
-    action.entry.seller = Some(asked.seller.clone());
-    let seller = match seller_id(&asked.seller) {
-        Ok(seller) => seller,
-        Err(why) => return action.refuse(why).await,
-    };
+    let (action, _, seller) =
+        match Action::read_for_seller::<SellerBody>(&endpoints, request, "resume").await {
+            Ok(read) => read,
+            Err(answer) => return answer,
+        };
     match action.dashboard.admin().resume(&seller).await {
         Ok(was) => {
             let result = if was {
@@ -432,17 +462,11 @@ async fn resume(State(endpoints): State<Endpoints>, request: Request) -> Respons
 /// `POST /api/actions/set-limit`: a seller's limit override (one limit or a stack), on every
 /// replica at once, its reserved slots re-planned (as `turnstile limits set`).
 async fn set_limit(State(endpoints): State<Endpoints>, request: Request) -> Response {
-    let (mut action, asked) =
-        match Action::read::<LimitBody>(&endpoints, request, "set-limit").await {
+    let (mut action, asked, seller) =
+        match Action::read_for_seller::<LimitBody>(&endpoints, request, "set-limit").await {
             Ok(read) => read,
             Err(answer) => return answer,
         };
-    action.entry.seller = Some(asked.seller.clone());
-    action.entry.argument = Some(asked.limit.clone());
-    let seller = match seller_id(&asked.seller) {
-        Ok(seller) => seller,
-        Err(why) => return action.refuse(why).await,
-    };
     let limit: Limits = match turnstile_core::config::limits_arg(asked.limit.trim()) {
         Ok(limit) => limit,
         Err(why) => {
@@ -490,16 +514,11 @@ async fn set_limit(State(endpoints): State<Endpoints>, request: Request) -> Resp
 
 /// `POST /api/actions/clear-limit`: removes a seller's override (the default applies again).
 async fn clear_limit(State(endpoints): State<Endpoints>, request: Request) -> Response {
-    let (mut action, asked) =
-        match Action::read::<SellerBody>(&endpoints, request, "clear-limit").await {
+    let (action, _, seller) =
+        match Action::read_for_seller::<SellerBody>(&endpoints, request, "clear-limit").await {
             Ok(read) => read,
             Err(answer) => return answer,
         };
-    action.entry.seller = Some(asked.seller.clone());
-    let seller = match seller_id(&asked.seller) {
-        Ok(seller) => seller,
-        Err(why) => return action.refuse(why).await,
-    };
     let admin = action.dashboard.admin().clone();
     match admin.clear_limit(&seller).await {
         Ok(had) => {

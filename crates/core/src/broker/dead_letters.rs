@@ -437,14 +437,19 @@ fn clip(detail: String) -> String {
     }
 }
 
-/// A dead letter as listed; never fails, whatever its body and headers.
-pub fn describe(delivery: &Delivery) -> DeadLetter {
+/// The message a delivery carries, as replays and completion records know it.
+fn identity_of(delivery: &Delivery) -> Identity {
     let amqp_id = delivery
         .properties
         .message_id()
         .as_ref()
         .map(|m| m.as_str());
-    let identity = Identity::of(&delivery.data, amqp_id);
+    Identity::of(&delivery.data, amqp_id)
+}
+
+/// A dead letter as listed; never fails, whatever its body and headers.
+pub fn describe(delivery: &Delivery) -> DeadLetter {
+    let identity = identity_of(delivery);
     let (reason, detail, dead_at_ms) = reason_of(delivery);
     let attempts = (!reason.is_brokers())
         .then(|| super::header_u64(delivery, headers::ATTEMPTS))
@@ -674,12 +679,7 @@ async fn revive(
     ttl: Duration,
 ) -> Result<Revived, PermitError> {
     let was_dead_for = header_str(delivery, headers::REASON).unwrap_or_default();
-    let amqp_id = delivery
-        .properties
-        .message_id()
-        .as_ref()
-        .map(|m| m.as_str());
-    let identity = Identity::of(&delivery.data, amqp_id);
+    let identity = identity_of(delivery);
     let batch_size = super::registration_of(delivery)
         .ok()
         .and_then(|r| r.batch_size);
