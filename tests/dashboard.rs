@@ -1513,3 +1513,79 @@ async fn during_a_redis_outage_the_page_keeps_the_last_figures_read_marked_stale
     );
     rig.cleanup().await
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_action_whose_client_goes_away_is_still_carried_out_and_audited() -> anyhow::Result<()> {
+    use tokio::io::AsyncWriteExt;
+    let mut rig = support::rig("gone", "50/1s").prepare().await?;
+    let consume = rig.settings(1);
+    rig.start_replica(ServeArgs {
+        consume,
+        http: serving_with_token("gone-secret"),
+    })
+    .await?;
+    let addr = rig.dashboard().unwrap();
+    // Dead letters of one seller, straight in the dead-letter queue: replaying them takes a
+    // round trip to Redis and to the broker each, far longer than the client stays.
+    const LETTERS: usize = 1000;
+    let channel = rig.connection().create_channel().await?;
+    channel
+        .confirm_select(lapin::options::ConfirmSelectOptions::default())
+        .await?;
+    for i in 0..LETTERS {
+        let body = json!({"message_id": format!("gone-{i}"), "seller_id": "S-gone",
+            "product": {"sku": format!("gone-{i}")}});
+        channel
+            .basic_publish(
+                "".into(),
+                rig.topology.dead().into(),
+                lapin::options::BasicPublishOptions::default(),
+                body.to_string().as_bytes(),
+                lapin::BasicProperties::default(),
+            )
+            .await?
+            .await?;
+    }
+
+    // The whole request, then, once the replay is under way, the connection closed before
+    // its answer (a browser tab closed, a proxy that gave up).
+    let body = json!({"seller": "S-gone", "dry_run": false, "operator": "gone"}).to_string();
+    let request = format!(
+        "POST /api/actions/replay HTTP/1.1\r\nHost: {addr}\r\nAuthorization: Bearer gone-secret\r\n\
+         X-Turnstile-Action: 1\r\nContent-Type: application/json\r\nContent-Length: {}\r\n\r\n{body}",
+        body.len()
+    );
+    let mut stream = tokio::net::TcpStream::connect(addr).await?;
+    stream.write_all(request.as_bytes()).await?;
+    let dead = rig.topology.dead().to_owned();
+    support::eventually_async("the replay under way", async || {
+        turnstile_core::broker::depth(&channel, &dead)
+            .await
+            .unwrap()
+            < LETTERS as u32
+    })
+    .await;
+    drop(stream);
+
+    // The replay runs to its end all the same, and its audit entry says what it did.
+    let records = rig.records();
+    let mut entry = None;
+    support::eventually_async("the replay done and audited", async || {
+        entry = turnstile_ops::audit::recent(&records, 10)
+            .await
+            .unwrap()
+            .into_iter()
+            .find(|e| e.action == "replay" && e.outcome != "refused");
+        entry.is_some()
+    })
+    .await;
+    let entry = entry.unwrap();
+    assert_eq!(entry.outcome, "done", "{entry:?}");
+    assert!(
+        entry
+            .result
+            .starts_with(&format!("{LETTERS} dead letter(s)")),
+        "{entry:?}"
+    );
+    rig.cleanup().await
+}

@@ -153,7 +153,17 @@ async fn guard(
         }
     };
     let Some((status, why)) = refusal else {
-        return next.run(request).await;
+        // On a task of its own: a client that goes away (or times out) drops its request's
+        // future, which would cut an action between its steps (a replay between a letter's
+        // republish and its removal) and lose its audit entry. The action runs to its end and
+        // is audited whatever the client does.
+        return match tokio::spawn(next.run(request)).await {
+            Ok(response) => response,
+            Err(error) => api_error(
+                StatusCode::INTERNAL_SERVER_ERROR,
+                format!("the action did not finish: {error}"),
+            ),
+        };
     };
     let action = request
         .uri()
