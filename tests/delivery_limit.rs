@@ -658,3 +658,47 @@ async fn a_replay_that_fails_half_way_returns_every_dead_letter_it_read_to_the_q
     assert_eq!(listed.len(), 3, "{listed:?}");
     broker.cleanup().await;
 }
+
+#[tokio::test]
+async fn a_listing_counts_every_dead_letter_selected_and_holds_only_those_it_shows() {
+    let broker = TestBroker::new("dead-first", QueueType::Quorum).await;
+    for i in 0..7 {
+        let seller = if i % 2 == 0 { "S-even" } else { "S-odd" };
+        let body = json!({"message_id": format!("m-{i}"), "seller_id": seller, "product": {}});
+        broker
+            .publisher
+            .publish(
+                "",
+                broker.topology.dead(),
+                body.to_string().as_bytes(),
+                BasicProperties::default().with_content_type("application/json".into()),
+            )
+            .await
+            .unwrap();
+    }
+    let channel = broker.connection.create_channel().await.unwrap();
+    let (matched, shown) = dead_letters::list_first(
+        &channel,
+        &broker.topology,
+        &Selection::all().with_seller("S-even"),
+        2,
+    )
+    .await
+    .unwrap();
+    assert_eq!(matched, 4, "every dead letter of the seller counted");
+    let ids: Vec<_> = shown
+        .iter()
+        .map(|l| l.message_id.clone().unwrap())
+        .collect();
+    assert_eq!(ids, ["m-0", "m-2"], "the first ones, in the queue's order");
+    // Those it left come back asynchronously.
+    support::eventually_async("the dead letters back", async || {
+        broker.depth(broker.topology.dead()).await == 7
+    })
+    .await;
+    let all = dead_letters::list(&channel, &broker.topology, &Selection::all())
+        .await
+        .unwrap();
+    assert_eq!(all.len(), 7, "a listing leaves them all: {all:?}");
+    broker.cleanup().await;
+}

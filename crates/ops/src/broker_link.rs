@@ -384,14 +384,13 @@ impl BrokerLink {
         limit: usize,
     ) -> anyhow::Result<DeadLetters> {
         let topology = self.topology.clone();
-        let mut letters = self
+        let (matched, letters) = self
             .on_dead_letters(|_, channel| async move {
-                let letters = dead_letters::list(&channel, &topology, query.selection()).await?;
-                Ok((letters, 0))
+                let listed =
+                    dead_letters::list_first(&channel, &topology, query.selection(), limit).await?;
+                Ok((listed, 0))
             })
             .await?;
-        let matched = letters.len() as u64;
-        letters.truncate(limit);
         Ok(DeadLetters { matched, letters })
     }
 
@@ -414,7 +413,8 @@ impl BrokerLink {
                 let publisher = broker::Publisher::open(&connection)
                     .await
                     .context("opening a publishing channel")?;
-                let replayed = dead_letters::replay(
+                // One more than shown: whether the list is cut.
+                let replayed = dead_letters::replay_showing(
                     &channel,
                     &publisher,
                     &topology,
@@ -422,6 +422,7 @@ impl BrokerLink {
                     &controls.permits,
                     controls.done_ttl,
                     dry_run,
+                    shown.saturating_add(1),
                 )
                 .await;
                 let _ = publisher.channel().close(200, "done".into()).await;

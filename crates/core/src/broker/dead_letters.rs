@@ -566,16 +566,34 @@ pub async fn list(
     topology: &Topology,
     selection: &Selection,
 ) -> anyhow::Result<Vec<DeadLetter>> {
+    Ok(list_first(channel, topology, selection, usize::MAX)
+        .await?
+        .1)
+}
+
+/// Counts the dead letters `selection` takes and lists the first `keep` of them, in the
+/// queue's order; leaves them all where they are. Only those `keep` are held, however many
+/// the queue has (a listing for a page reads every dead letter but shows a few).
+pub async fn list_first(
+    channel: &Channel,
+    topology: &Topology,
+    selection: &Selection,
+    keep: usize,
+) -> anyhow::Result<(u64, Vec<DeadLetter>)> {
+    let mut matched = 0u64;
     let mut out = Vec::new();
     visit(channel, topology, |delivery| {
         let letter = describe(&delivery);
         if selection.matches(&letter) {
-            out.push(letter);
+            matched += 1;
+            if out.len() < keep {
+                out.push(letter);
+            }
         }
         async move { (Ok(false), delivery) }
     })
     .await?;
-    Ok(out)
+    Ok((matched, out))
 }
 
 /// Moves the dead letters `selection` takes back to the work queue: the body as it was,
@@ -596,6 +614,32 @@ pub async fn replay(
     ttl: Duration,
     dry_run: bool,
 ) -> anyhow::Result<Replayed> {
+    replay_showing(
+        channel,
+        publisher,
+        topology,
+        selection,
+        permits,
+        ttl,
+        dry_run,
+        usize::MAX,
+    )
+    .await
+}
+
+/// As [`replay`], listing in [`Replayed::letters`] only the first `shown` dead letters taken
+/// (all are counted in [`Replayed::matched`]): a replay of a large queue holds no more.
+#[allow(clippy::too_many_arguments)]
+pub async fn replay_showing(
+    channel: &Channel,
+    publisher: &Publisher,
+    topology: &Topology,
+    selection: &Selection,
+    permits: &PermitStore,
+    ttl: Duration,
+    dry_run: bool,
+    shown: usize,
+) -> anyhow::Result<Replayed> {
     let mut done = Replayed {
         dry_run,
         ..Replayed::default()
@@ -606,7 +650,9 @@ pub async fn replay(
         let selected = selection.matches(&letter);
         if selected {
             done.matched += 1;
-            done.letters.push(letter);
+            if done.letters.len() < shown {
+                done.letters.push(letter);
+            }
         } else {
             done.kept += 1;
         }
