@@ -67,6 +67,12 @@ async fn the_dashboard_shows_each_seller_and_its_upload_progress_while_a_workloa
         .await
         .unwrap();
 
+    // Without a token, dead letters are not read (a listing counts toward their delivery
+    // limit and shows their bodies).
+    let dead = reqwest::get(format!("http://{http}/api/dead-letters")).await?;
+    assert_eq!(dead.status(), reqwest::StatusCode::FORBIDDEN);
+    assert!(dead.text().await?.contains("TURNSTILE_HTTP_TOKEN"));
+
     // While it runs: the page lists every seller and upload.
     wait_for_api(&api, "the big upload under way", |d| {
         upload_of(d, "S-big")["registered"].as_u64() > Some(0)

@@ -174,7 +174,15 @@ pub async fn search(
         None => None,
     };
     let message = match message_id(&q).ok().filter(|_| wants(Kind::Message)) {
-        Some(_) => match message_view(&dashboard, &q, also_seller.as_ref(), &mut said).await {
+        Some(_) => match message_view(
+            &dashboard,
+            &q,
+            also_seller.as_ref(),
+            endpoints.token.is_some(),
+            &mut said,
+        )
+        .await
+        {
             Ok(view) => view,
             Err(error) => return api_error(StatusCode::SERVICE_UNAVAILABLE, error),
         },
@@ -236,10 +244,16 @@ async fn message_view(
     dashboard: &Dashboard,
     id: &str,
     seller: Option<&SellerId>,
+    may_read_dead: bool,
     said: &mut Vec<String>,
 ) -> anyhow::Result<Option<MessageView>> {
     let message = message_id(id).map_err(anyhow::Error::msg)?;
-    let dead_letters = match dashboard.broker() {
+    if !may_read_dead {
+        said.push(format!(
+            "{DEAD_LETTERS_NEED_TOKEN}: message {id:?} may be among them"
+        ));
+    }
+    let dead_letters = match dashboard.broker().filter(|_| may_read_dead) {
         Some(link) => {
             let query =
                 DeadLetterQuery::parse(Some(id), None, None, None).map_err(anyhow::Error::msg)?;
@@ -305,11 +319,18 @@ async fn message_view(
     }))
 }
 
-/// `GET /api/dead-letters`: the dead letters the query selects (see the module's doc).
+/// Why dead letters are not read without TURNSTILE_HTTP_TOKEN.
+const DEAD_LETTERS_NEED_TOKEN: &str = "reading dead letters needs TURNSTILE_HTTP_TOKEN (a listing takes them off their queue and puts them back, which counts toward the broker's delivery limit, and shows their bodies)";
+
+/// `GET /api/dead-letters`: the dead letters the query selects (see the module's doc); only
+/// with TURNSTILE_HTTP_TOKEN set.
 pub async fn dead_letters(
     State(endpoints): State<Endpoints>,
     Query(query): Query<HashMap<String, String>>,
 ) -> Response {
+    if endpoints.token.is_none() {
+        return api_error(StatusCode::FORBIDDEN, DEAD_LETTERS_NEED_TOKEN);
+    }
     let Some(dashboard) = endpoints.dashboard.get().cloned() else {
         return api_error(
             StatusCode::SERVICE_UNAVAILABLE,

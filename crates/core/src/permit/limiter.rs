@@ -448,7 +448,8 @@ impl Limiter for PermitStore {
     }
 
     fn grants_may_wait(&self) -> bool {
-        self.limiter().algorithm.is_exact()
+        // Without a call bound (a store of the operator's tools), a call holds no place.
+        self.limiter().algorithm.is_exact() && self.call_bound_us() > 0
     }
 }
 
