@@ -138,7 +138,21 @@ impl Entry {
     /// logged: the action stands, and the log line has it).
     pub async fn record(&self, records: &Records) {
         self.log();
-        let json = serde_json::to_string(self).expect("an entry is always JSON");
+        // What a refused request gave is kept only in part: a stored entry stays small.
+        let mut kept = self.clone();
+        for given in [
+            &mut kept.seller,
+            &mut kept.batch,
+            &mut kept.message,
+            &mut kept.argument,
+        ]
+        .into_iter()
+        .flatten()
+        {
+            clip(given, GIVEN_KEPT);
+        }
+        clip(&mut kept.result, RESULT_KEPT);
+        let json = serde_json::to_string(&kept).expect("an entry is always JSON");
         if let Err(error) = records.note_action(&json, KEPT, KEPT_FOR).await {
             metrics::counter!("turnstile_redis_errors_total").increment(1);
             warn!(target: "turnstile::audit", %error, action = %self.action, "the action was not kept in Redis: only this log line records it");
@@ -182,5 +196,38 @@ mod tests {
         assert!(json.get("batch").is_none(), "absent fields are left out");
         let back: Entry = serde_json::from_value(json).unwrap();
         assert_eq!(back, entry);
+    }
+}
+
+/// Bytes of an id or argument a stored entry keeps.
+const GIVEN_KEPT: usize = 256;
+/// Bytes of a result a stored entry keeps.
+const RESULT_KEPT: usize = 1024;
+
+/// Cuts `text` to at most `most` bytes on a character boundary, marking the cut with `…`.
+fn clip(text: &mut String, most: usize) {
+    if text.len() <= most {
+        return;
+    }
+    let mut end = most;
+    while !text.is_char_boundary(end) {
+        end -= 1;
+    }
+    text.truncate(end);
+    text.push('…');
+}
+
+#[cfg(test)]
+mod clip_tests {
+    use super::clip;
+
+    #[test]
+    fn a_long_text_is_cut_on_a_character_boundary_and_marked() {
+        let mut long = "é".repeat(200);
+        clip(&mut long, 255);
+        assert_eq!(long, format!("{}…", "é".repeat(127)));
+        let mut short = String::from("S-1");
+        clip(&mut short, 255);
+        assert_eq!(short, "S-1");
     }
 }
