@@ -1,4 +1,5 @@
 -- @include args
+-- @include calls
 -- @include limits
 -- @include losses
 -- @include pauses
@@ -123,19 +124,7 @@ end
 -- opens when enough ENDs leave every span: exactly then when the END that decides is an answer
 -- already recorded; while that call is still in flight, no later than GUARD (at least 25 ms)
 -- from now, as its answer usually comes much sooner than its BOUND.
-redis.call('ZREMRANGEBYSCORE', KEYS[1], '-inf', now - limits.max_span)
-local room_at = nil
-local in_flight = false
-for _, l in ipairs(limits) do
-  local n = redis.call('ZCOUNT', KEYS[1], string.format('(%.0f', now - l.span), '+inf')
-  local room = l.count - cost
-  if n > room then
-    local kth = tonumber(redis.call('ZREVRANGE', KEYS[1], room, room, 'WITHSCORES')[2])
-    room_at = math.max(room_at or 0, kth + l.span)
-    if kth > now then in_flight = true end
-  end
-end
-if in_flight then room_at = math.min(room_at, now + math.max(limits.min_guard, 25000)) end
+local room_at = calls_gate(KEYS[1], now, limits, cost, 'span')
 local pause = paused_until(KEYS[8])
 if pause > now then room_at = math.max(room_at or 0, pause) end
 
@@ -150,10 +139,8 @@ if not ahead and room_at == nil then
       args = {}
     end
   end
-  local ttl = math.floor((bound + limits.max_span) / 1000) + 1
-  if redis.call('PTTL', KEYS[1]) > ttl then ttl = redis.call('PTTL', KEYS[1]) end
-  redis.call('PEXPIRE', KEYS[1], ttl)
-  keep_stamp(KEYS[7], ttl, durable)
+  keep_calls(KEYS[1], bound + limits.max_span)
+  keep_stamp(KEYS[7], redis.call('PTTL', KEYS[1]), durable)
   if competing then
     redis.call('ZADD', KEYS[3], string.format('%.17g', start + cost / weight), seller)
     keep_fair()

@@ -17,17 +17,20 @@
 -- window. An END already past is when that call's answer came (or its bound), so the window
 -- opens exactly then; while one that decides is still in flight (its END is its BOUND), no later
 -- than GUARD (at least 25 ms) from now: an answer usually comes much sooner.
-local function calls_gate(calls_key, now, limits, cost)
-  redis.call('ZREMRANGEBYSCORE', calls_key, '-inf', now - limits.max_window)
+-- WIDTH is 'window' (a seller's calls: its windows' guard is kept in its log) or 'span' (the
+-- global log, whose units are its calls: each window + its guard); 'window' when absent.
+local function calls_gate(calls_key, now, limits, cost, width)
+  width = width or 'window'
+  redis.call('ZREMRANGEBYSCORE', calls_key, '-inf', now - limits['max_' .. width])
   local open_at = nil
   local in_flight = false
   for _, l in ipairs(limits) do
-    local n = redis.call('ZCOUNT', calls_key, string.format('(%.0f', now - l.window), '+inf')
+    local n = redis.call('ZCOUNT', calls_key, string.format('(%.0f', now - l[width]), '+inf')
     l.in_flight = n
     local room = l.count - cost
     if n > room then
       local kth = tonumber(redis.call('ZREVRANGE', calls_key, room, room, 'WITHSCORES')[2])
-      open_at = math.max(open_at or 0, kth + l.window)
+      open_at = math.max(open_at or 0, kth + l[width])
       if kth > now then in_flight = true end
     end
   end
