@@ -71,10 +71,7 @@ local limits = with_spans(limits_arg(1), int_arg(3, -1))
 local token = token_arg(4)
 local cost = int_arg(5, 1)
 if cost > MAX_COST then error({err = 'ERR turnstile: COST must be at most ' .. MAX_COST}) end
-local seller = ARGV[6]
-if seller == nil or #seller < 1 or #seller > 2048 or string.find(seller, '|', 1, true) then
-  error({err = 'ERR turnstile: SELLER must be 1 to 2048 characters without |'})
-end
+local seller = seller_arg(6)
 local idle = int_arg(7, 1)
 local durable = int_arg(8, 0) >= 2
 local bound = int_arg(9, 0)

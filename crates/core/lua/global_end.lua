@@ -18,10 +18,7 @@
 local token = token_arg(1)
 local cost = int_arg(2, 1)
 if cost > MAX_COST then error({err = 'ERR turnstile: COST must be at most ' .. MAX_COST}) end
-local seller = ARGV[3]
-if seller == nil or #seller < 1 or #seller > 2048 or string.find(seller, '|', 1, true) then
-  error({err = 'ERR turnstile: SELLER must be 1 to 2048 characters without |'})
-end
+local seller = seller_arg(3)
 local unsent = ARGV[4] == '-2'
 local at = 0
 if not unsent then at = answered_arg(4, now_us()) end

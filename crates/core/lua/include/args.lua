@@ -1,5 +1,5 @@
 -- args: the call's KEYS and ARGV, and the checks of its arguments. Reads and writes nothing.
--- Defines: KEYS, ARGV, int_arg, token_arg, algorithm_arg, answered_arg, MAX_COST
+-- Defines: KEYS, ARGV, int_arg, token_arg, seller_arg, algorithm_arg, answered_arg, MAX_COST
 -- Needs no other piece. Every piece whose helpers read KEYS or ARGV includes it, so that they
 -- read these locals.
 
@@ -24,6 +24,16 @@ local function token_arg(i)
     error({err = 'ERR turnstile: TOKEN must be 1 to 64 letters, digits or dashes'})
   end
   return token
+end
+
+-- ARGV[i] as a seller's key tag in the global log's members (`<unit>|<seller>`: 1 to 2048
+-- characters without `|`), or the script fails before anything is written.
+local function seller_arg(i)
+  local seller = ARGV[i]
+  if seller == nil or #seller < 1 or #seller > 2048 or string.find(seller, '|', 1, true) then
+    error({err = 'ERR turnstile: SELLER must be 1 to 2048 characters without |'})
+  end
+  return seller
 end
 
 -- ARGV[i] as one of the algorithms, or the script fails before anything is written.
