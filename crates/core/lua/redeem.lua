@@ -47,7 +47,8 @@
 -- Returns {STATUS, AT_US, NOW_US, VERDICT}
 --   1 granted; 2 early (or calls of the last window still in flight): come back at AT (the
 --   reservation is kept); 3 paused until AT; 4 the limits changed; 5 too late; 6 the message
---   already registered (KEYS[11] says so); 8 no such reservation (never made, already redeemed,
+--   already registered (KEYS[11] says so); 9 moved back to AT by a message ranked ahead of it
+--   (the reservation is kept at AT); 8 no such reservation (never made, already redeemed,
 --   made for another cost, given back by a limit change or resume, or lost with Redis).
 --   3 to 8 leave no reservation: the caller acquires a new one. VERDICT (with 1) is the shadow
 --   limit's (see judge_shadow), else ''.
@@ -87,7 +88,10 @@ local function release(status, at)
 end
 
 if already_done(KEYS[11]) then return release(6, now) end
-if reserved == nil or reserved ~= slot then return {8, now, now, ''} end
+if reserved == nil or reserved < slot then return {8, now, now, ''} end
+-- Moved later by a message ranked ahead of it (see give_way in include/ranks.lua): the
+-- reservation is kept at its new slot, which the caller now holds.
+if reserved > slot then return {9, reserved, now, ''} end
 local span = limits.max_span
 if algorithm == 'fixed-window' then span = limits.max_window end
 check_server(KEYS[5], KEYS[3], KEYS[2], KEYS[10], span, now, durable)

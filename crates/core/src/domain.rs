@@ -257,6 +257,11 @@ pub struct Registration {
     pub batch_size: Option<BatchSize>,
     /// Units of every limit its call takes.
     pub cost: Cost,
+    /// When its call must have been made by, if the producer said (`deadline`).
+    pub deadline: Option<Deadline>,
+    /// Its place among its seller's waiting messages (the AMQP `priority` property; set by the
+    /// consumer from the delivery, [`Priority::DEFAULT`] from [`Registration::parse`]).
+    pub priority: Priority,
     /// The `product` object exactly as it arrived (forwarded verbatim).
     pub product: Box<RawValue>,
 }
@@ -273,6 +278,8 @@ struct Wire<'a> {
     batch_size: Option<&'a RawValue>,
     #[serde(default, borrow)]
     cost: Option<&'a RawValue>,
+    #[serde(default, borrow)]
+    deadline: Option<&'a RawValue>,
     #[serde(borrow)]
     product: Option<&'a RawValue>,
 }
@@ -333,14 +340,72 @@ impl Registration {
             Some(raw) => Cost::parse(raw)?,
             None => Cost::ONE,
         };
+        let deadline = match wire.deadline.filter(|raw| raw.get() != "null") {
+            Some(raw) => Some(Deadline::parse(&string_field(raw, "deadline")?)?),
+            None => None,
+        };
         Ok(Self {
             message_id,
             seller_id,
             batch_id,
             batch_size,
             cost,
+            deadline,
+            priority: Priority::DEFAULT,
             product: product.to_owned(),
         })
+    }
+}
+
+/// When a message's call must have been made by: its body's optional `deadline`, an RFC 3339
+/// date-time with any offset (`2026-11-26T10:00:00+09:00`), kept as Unix ms. A message that
+/// cannot be called by then is dead-lettered as `expired`, never called late.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash)]
+pub struct Deadline(u64);
+
+impl Deadline {
+    /// Parses an RFC 3339 date-time; one before 1970 or after 9999 is refused.
+    pub fn parse(text: &str) -> Result<Self, InvalidMessage> {
+        let invalid = InvalidMessage::Field {
+            field: "deadline",
+            why: "must be an RFC 3339 date-time such as 2026-11-26T10:00:00+09:00",
+        };
+        let at = time::OffsetDateTime::parse(text, &time::format_description::well_known::Rfc3339)
+            .map_err(|_| invalid.clone())?;
+        let ms = at.unix_timestamp_nanos() / 1_000_000;
+        u64::try_from(ms).map(Self).map_err(|_| invalid)
+    }
+
+    /// The deadline at `ms` (Unix ms).
+    pub fn from_unix_ms(ms: u64) -> Self {
+        Self(ms)
+    }
+
+    /// Unix ms.
+    pub fn unix_ms(self) -> u64 {
+        self.0
+    }
+}
+
+/// A message's priority within its seller: the AMQP `priority` property, 0 (the default, also
+/// when absent) to 9, higher first; a larger value counts as 9.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, PartialOrd, Ord, Hash)]
+pub struct Priority(u8);
+
+impl Priority {
+    /// No priority property.
+    pub const DEFAULT: Priority = Priority(0);
+    /// The highest priority.
+    pub const MAX: u8 = 9;
+
+    /// From the AMQP property.
+    pub fn from_amqp(priority: Option<u8>) -> Self {
+        Self(priority.unwrap_or(0).min(Self::MAX))
+    }
+
+    /// 0 to 9.
+    pub fn get(self) -> u8 {
+        self.0
     }
 }
 

@@ -1,6 +1,7 @@
 -- @include args
 -- @include limits
 -- @include pauses
+-- @include ranks
 -- @include losses
 -- @include reservations
 -- @include shadow
@@ -80,5 +81,9 @@ local function keep_and_hold(status, ttl, stamp_key, reserved_key, slot, now, la
     return nil
   end
   hold_reservation(reserved_key, a.token, a.cost, slot, now, late)
+  -- A message with a priority or a deadline goes ahead of those ranked behind it (ranks.lua).
+  local log_key = nil
+  if a.algorithm == 'sliding-window' then log_key = a.state end
+  slot = give_way(reserved_key, log_key, a.token, a.cost, slot, now)
   return told_to_wait(2, slot, now, limits, a)
 end

@@ -87,6 +87,8 @@ pub enum Reason {
     AttemptsExhausted,
     /// The downstream answered 429 for longer than TURNSTILE_THROTTLE_DEADLINE.
     Throttled,
+    /// Its `deadline` came before the earliest time it could be called (never called late).
+    Expired,
     /// The broker dead-lettered it after too many returns (a quorum queue's delivery limit):
     /// a message that kept crashing or disconnecting replicas.
     DeliveryLimit,
@@ -104,11 +106,12 @@ pub enum Reason {
 
 impl Reason {
     /// Every reason, in the order they are listed.
-    pub const ALL: [Reason; 9] = [
+    pub const ALL: [Reason; 10] = [
         Reason::InvalidMessage,
         Reason::Rejected,
         Reason::AttemptsExhausted,
         Reason::Throttled,
+        Reason::Expired,
         Reason::DeliveryLimit,
         Reason::BrokerRejected,
         Reason::BrokerExpired,
@@ -123,6 +126,7 @@ impl Reason {
             Reason::Rejected => "rejected",
             Reason::AttemptsExhausted => "attempts-exhausted",
             Reason::Throttled => "throttled",
+            Reason::Expired => "expired",
             Reason::DeliveryLimit => DELIVERY_LIMIT_REASON,
             Reason::BrokerRejected => "broker-rejected",
             Reason::BrokerExpired => "broker-expired",

@@ -17,7 +17,7 @@ use tracing::{debug, info, warn};
 
 use super::{
     BatchEvent, BatchSeen, CallAnswer, Completion, Decision, Forfeit, InBatch, Lesson, PermitError,
-    PermitStore, Recorded, Reservation, UploadProgress,
+    PermitStore, Rank, Recorded, Reservation, UploadProgress,
 };
 use crate::domain::{BatchId, BatchSize, Cost, Identity, MessageId, RateLimitHeaders, SellerId};
 
@@ -30,6 +30,8 @@ pub struct Ask<'a> {
     pub cost: Cost,
     /// The slot the message reserved when it last asked, if it holds one.
     pub held: Option<&'a Reservation>,
+    /// Its place among its seller's waiting messages.
+    pub rank: Rank,
 }
 
 /// The limiter's answer to an [`Ask`]: the decision, and whether a reserved slot the message
@@ -375,7 +377,13 @@ impl Limiter for PermitStore {
                 });
             }
             let (decision, forfeit) = self
-                .acquire_or_redeem(ask.seller, Some(ask.message), ask.cost, ask.held)
+                .acquire_or_redeem_ranked(
+                    ask.seller,
+                    Some(ask.message),
+                    ask.cost,
+                    ask.held,
+                    Some(&ask.rank),
+                )
                 .await?;
             Ok(Asked { decision, forfeit })
         }

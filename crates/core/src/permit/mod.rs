@@ -117,6 +117,42 @@ fn is_final(error: &redis::RedisError) -> bool {
     own || error.kind() == redis::ErrorKind::UnexpectedReturnType
 }
 
+/// A message's place among its seller's waiting messages: its priority (0 to 9, higher first),
+/// its deadline and when turnstile first saw it. It travels in the token a reservation is made
+/// with (`<random>-r<P>-<DEADLINE_MS or 0>-<ARRIVAL_MS>`), so that `lua/include/ranks.lua` can
+/// order a seller's reservations without another key. A message with a priority or a deadline
+/// takes the first slot reserved for a message of the same cost ranked behind it, and the
+/// reservations from there move back one place each: the same slots, held in another order, so
+/// no window holds more than before. Ranked behind means a lower effective priority (a message
+/// rises one level for every [`AGING`] it has waited since it arrived), then a later deadline
+/// (none is latest), then a later arrival.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct Rank {
+    pub priority: u8,
+    pub deadline_ms: Option<u64>,
+    pub arrival_ms: u64,
+}
+
+/// How long a waiting message waits for each level it rises (see [`Rank`] and `AGING_US` in
+/// `lua/include/ranks.lua`): after nine of these, no message that came later passes it.
+pub const AGING: Duration = Duration::from_secs(60);
+
+impl Rank {
+    /// A fresh reservation token, carrying `rank` if given.
+    fn token(rank: Option<&Rank>) -> String {
+        let random = rand::random::<u64>();
+        match rank {
+            Some(rank) => format!(
+                "{random:x}-r{}-{}-{}",
+                rank.priority.min(9),
+                rank.deadline_ms.unwrap_or(0),
+                rank.arrival_ms
+            ),
+            None => format!("{random:x}"),
+        }
+    }
+}
+
 /// A slot held for a seller: call at `slot_us` (Redis time). It is bound to its `token` (and
 /// the cost it was reserved for) in the seller's reserved set and is redeemed at most once (see
 /// `lua/redeem.lua`); it stays valid only under the stack of limits it was reserved with, and only until the seller's terms change (a
@@ -802,7 +838,8 @@ impl PermitStore {
         cost: Cost,
         reserve: bool,
     ) -> Result<Decision, PermitError> {
-        self.acquire_with(seller, message, cost, reserve, 0).await
+        self.acquire_with(seller, message, cost, reserve, 0, None)
+            .await
     }
 
     /// As [`Self::acquire_for`]. With permit blocks on (sliding-window), a call of one unit is
@@ -816,11 +853,12 @@ impl PermitStore {
         cost: Cost,
         reserve: bool,
         block: u32,
+        rank: Option<&Rank>,
     ) -> Result<Decision, PermitError> {
         let asked = std::time::Instant::now();
         let limiter = self.limiter();
         let algorithm = limiter.algorithm;
-        let token = format!("{:x}", rand::random::<u64>());
+        let token = Rank::token(rank);
         let pooled = self.pooled(&limiter);
         let block_hold = pooled.map(|blocks| (block.min(block::MOST_UNITS), blocks.hold_us()));
         let acquire =
@@ -1144,12 +1182,14 @@ impl PermitStore {
         seller: &SellerId,
         message: Option<&MessageId>,
         cost: Cost,
+        rank: Option<&Rank>,
     ) -> Result<Decision, PermitError> {
         let want = match &self.blocks {
             Some(blocks) if cost == Cost::ONE => blocks.wanted(seller),
             _ => 0,
         };
-        self.acquire_with(seller, message, cost, true, want).await
+        self.acquire_with(seller, message, cost, true, want, rank)
+            .await
     }
 
     /// The seller's terms changed (or it was paused): this replica stops claiming from its pool
@@ -1203,6 +1243,15 @@ impl PermitStore {
             2 => Ok(Decision::Wait {
                 retry_after: wait_for(at, now),
                 reservation: Some(held),
+            }),
+            // Moved later by a message ranked ahead of it (see `lua/include/ranks.lua`): the
+            // same reservation, at its new slot.
+            9 => Ok(Decision::Wait {
+                retry_after: wait_for(at, now),
+                reservation: Some(Reservation {
+                    slot_us: at,
+                    ..held
+                }),
             }),
             3 => Err(Forfeit::Paused),
             4 => Err(Forfeit::LimitChanged),
@@ -1270,18 +1319,37 @@ impl PermitStore {
         cost: Cost,
         held: Option<&Reservation>,
     ) -> Result<(Decision, Option<Forfeit>), PermitError> {
+        self.acquire_or_redeem_ranked(seller, message, cost, held, None)
+            .await
+    }
+
+    /// As [`Self::acquire_or_redeem`], for a message of `rank` among its seller's waiting
+    /// messages: a slot it reserves is taken from the first reservations ranked behind it, which
+    /// move back (see [`Rank`]).
+    pub async fn acquire_or_redeem_ranked(
+        &self,
+        seller: &SellerId,
+        message: Option<&MessageId>,
+        cost: Cost,
+        held: Option<&Reservation>,
+        rank: Option<&Rank>,
+    ) -> Result<(Decision, Option<Forfeit>), PermitError> {
         let (decision, forfeit) = match held {
             Some(held) => match self.redeem_for(seller, message, cost, held.clone()).await? {
                 Ok(decision) => (decision, None),
                 Err(forfeit) => (
-                    self.acquire_for(seller, message, cost, true).await?,
+                    self.acquire_with(seller, message, cost, true, 0, rank)
+                        .await?,
                     Some(forfeit),
                 ),
             },
             None => match self.grant_from_pool(seller, message, cost).await? {
                 // Blocks are only taken without a global limit or seller concurrency.
                 Some(decision) => return Ok((decision, None)),
-                None => (self.acquire_blocking(seller, message, cost).await?, None),
+                None => (
+                    self.acquire_blocking(seller, message, cost, rank).await?,
+                    None,
+                ),
             },
         };
         Ok((self.beyond_seller(seller, cost, decision).await?, forfeit))

@@ -26,6 +26,7 @@ static PIECES: &[(&str, &str)] = &[
     ("limits", include_str!("../../lua/include/limits.lua")),
     ("losses", include_str!("../../lua/include/losses.lua")),
     ("pauses", include_str!("../../lua/include/pauses.lua")),
+    ("ranks", include_str!("../../lua/include/ranks.lua")),
     ("records", include_str!("../../lua/include/records.lua")),
     (
         "reservations",

@@ -29,8 +29,11 @@ use tokio_util::sync::CancellationToken;
 use tracing::{Instrument, debug, info, info_span, warn};
 
 use crate::broker::results::{ReplyTo, ResultSink};
+use crate::broker::unix_ms;
 use crate::broker::{PublishError, Publisher, Settler, Topology};
-use crate::domain::{BatchId, Identity, MessageId, RateLimitHeaders, Registration, SellerId};
+use crate::domain::{
+    BatchId, Identity, MessageId, Priority, RateLimitHeaders, Registration, SellerId,
+};
 use crate::downstream::{Api, Reply};
 use crate::trace::TraceContext;
 mod ahead;
@@ -53,7 +56,7 @@ pub use waits::SellerWaits;
 
 use crate::permit::{
     Ask, Asked, BatchEvent, CALL_ALLOWANCE, Decision, Ended, Grant, InBatch, Limiter, PermitError,
-    Progress, Recorded, Rescheduled, Reservation,
+    Progress, Rank, Recorded, Rescheduled, Reservation,
 };
 
 /// What may end a wait early: the replica shutting down, or the delivery's connection lost.
@@ -350,7 +353,11 @@ impl Worker {
             .message_id()
             .as_ref()
             .map(|m| m.to_string());
-        let registration = Registration::parse(&delivery.data, message_id.as_deref());
+        let registration =
+            Registration::parse(&delivery.data, message_id.as_deref()).map(|mut registration| {
+                registration.priority = Priority::from_amqp(*delivery.properties.priority());
+                registration
+            });
         let mut carried = Carried::from_delivery(&delivery, crate::broker::unix_ms());
         let reporting = Reporting {
             results: results.clone(),
@@ -501,6 +508,9 @@ impl Worker {
         }
         let mut permit_errors = PermitErrors::default();
         loop {
+            if let Some(detail) = plan::expired(registration.deadline, unix_ms(), None) {
+                return self.expire(registration, &mut carried, detail);
+            }
             let plan = self
                 .ask(
                     registration,
@@ -511,6 +521,7 @@ impl Worker {
                     interruptions,
                 )
                 .await;
+            let plan = self.within_deadline(plan, registration, &mut carried);
             let carried_out = self
                 .carry_out(plan, registration, &carried, shutdown, connection_lost)
                 .await;
@@ -562,6 +573,11 @@ impl Worker {
             message: &registration.message_id,
             cost: registration.cost,
             held: carried.reservation.as_ref(),
+            rank: Rank {
+                priority: registration.priority.get(),
+                deadline_ms: registration.deadline.map(|d| d.unix_ms()),
+                arrival_ms: carried.first_seen_ms,
+            },
         };
         let decided = tokio::select! {
             d = self.decide(question) => d,
@@ -717,6 +733,10 @@ impl Worker {
             },
         };
         drop(ahead);
+        if let Some(detail) = plan::expired(registration.deadline, unix_ms(), None) {
+            self.limiter.unsent(grant).await;
+            return Plan::Settle(self.expire(registration, carried, detail));
+        }
         self.call(
             registration,
             trace,
@@ -763,15 +783,61 @@ impl Worker {
             .min(self.limiter.shortest_window() / 4)
     }
 
+    /// How long until the reserved slot the message holds (plus `allowance`), on Redis's clock
+    /// as the limiter last saw it; `None` without a reservation, before the limiter's first
+    /// answer, or once the slot has come.
+    fn until_slot(&self, carried: &Carried, allowance: Duration) -> Option<Duration> {
+        let slot_us = carried.reservation.as_ref()?.slot_us;
+        let until = slot_us
+            .saturating_add(allowance.as_micros() as i64)
+            .checked_sub(self.limiter.now_us()?)?;
+        Some(Duration::from_micros(u64::try_from(until).ok()?))
+    }
+
+    /// `plan`, or the message's expiry if the plan makes it wait past its deadline (its
+    /// reserved slot, or the end of its wait, is after it): see [`plan::expired`].
+    fn within_deadline(
+        &self,
+        plan: Plan,
+        registration: &Registration,
+        carried: &mut Carried,
+    ) -> Plan {
+        if registration.deadline.is_none() {
+            return plan;
+        }
+        let until_slot = self.until_slot(carried, Duration::ZERO);
+        let Some(next_call) = self.settings.next_call_after(&plan, until_slot) else {
+            return plan;
+        };
+        match plan::expired(registration.deadline, unix_ms(), Some(next_call)) {
+            Some(detail) => Plan::Settle(self.expire(registration, carried, detail)),
+            None => plan,
+        }
+    }
+
+    /// Dead-letters a message as `expired` (`detail` says why), giving back the slot it
+    /// reserved, so that the seller's next message may take it.
+    fn expire(
+        &self,
+        registration: &Registration,
+        carried: &mut Carried,
+        detail: String,
+    ) -> Outcome {
+        if let Some(reservation) = carried.reservation.take() {
+            self.unreserve_later(
+                registration.seller_id.clone(),
+                reservation,
+                registration.cost,
+            );
+        }
+        debug!(%detail, "expired");
+        Outcome::dead("expired", detail, carried.attempt)
+    }
+
     /// The plan for a message back before its reserved slot (see
     /// [`WorkerSettings::plan_early_return`]), if it is.
     fn early_return(&self, carried: &Carried) -> Option<Plan> {
-        let slot_us = carried.reservation.as_ref()?.slot_us;
-        let allowance_us = self.answers_allowance().as_micros() as i64;
-        let until_slot = slot_us
-            .saturating_add(allowance_us)
-            .checked_sub(self.limiter.now_us()?)?;
-        let until_slot = Duration::from_micros(u64::try_from(until_slot).ok()?);
+        let until_slot = self.until_slot(carried, self.answers_allowance())?;
         let holding = self.stats.held.load(Ordering::Relaxed);
         self.settings
             .plan_early_return(until_slot, holding, carried)
@@ -1245,13 +1311,20 @@ impl Worker {
         let Ok(registration) = crate::broker::registration_of(delivery) else {
             return;
         };
+        self.unreserve_later(registration.seller_id, reservation, registration.cost);
+    }
+
+    /// Gives back a slot reserved for a message of `cost` units in the background: a failure
+    /// only leaves it until it is pruned as stale, which gives it back too.
+    fn unreserve_later(
+        &self,
+        seller: SellerId,
+        reservation: Reservation,
+        cost: crate::domain::Cost,
+    ) {
         let limiter = self.limiter.clone();
         let give_back = async move {
-            let seller = &registration.seller_id;
-            match limiter
-                .unreserve(seller, &reservation, registration.cost)
-                .await
-            {
+            match limiter.unreserve(&seller, &reservation, cost).await {
                 Ok(given_back) => debug!(given_back, "a reserved slot the message left behind"),
                 Err(error) => {
                     debug!(%error, "a reserved slot the message left behind was not given back; it is when pruned as stale")

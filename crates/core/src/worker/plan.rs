@@ -12,6 +12,7 @@ use crate::broker::{header_str, header_u64, headers, long_string};
 use crate::downstream::{ApiResponse, Reply};
 use tracing::warn;
 
+use crate::domain::Deadline;
 use crate::permit::{CALL_ALLOWANCE, Decision, PermitError, Reservation};
 use crate::trace::TraceContext;
 
@@ -80,11 +81,12 @@ pub const OUTCOME_LABELS: [&str; 6] = [
 
 /// Every reason a replica dead-letters with (`x-turnstile-reason`, the `reason` label of
 /// `turnstile_dead_letters_total`).
-pub const DEAD_LETTER_REASONS: [&str; 4] = [
+pub const DEAD_LETTER_REASONS: [&str; 5] = [
     "invalid-message",
     "rejected",
     "attempts-exhausted",
     "throttled",
+    "expired",
 ];
 
 impl Outcome {
@@ -112,6 +114,25 @@ impl Outcome {
             _ => None,
         }
     }
+}
+
+/// Whether a message with `deadline` that can next be called `next_call` from `now_ms` (Unix ms;
+/// `None`: now) has expired: its call could only be made after its deadline. The dead letter's
+/// detail names the deadline and the earliest time the message could have been called.
+pub fn expired(
+    deadline: Option<Deadline>,
+    now_ms: u64,
+    next_call: Option<Duration>,
+) -> Option<String> {
+    let deadline = deadline?.unix_ms();
+    let earliest = now_ms.saturating_add(next_call.map_or(0, |d| d.as_millis() as u64));
+    (earliest > deadline).then(|| {
+        format!(
+            "deadline {} is before the earliest time it could be called, {}",
+            super::report::rfc3339(deadline),
+            super::report::rfc3339(earliest)
+        )
+    })
 }
 
 /// What a message carries from one delivery to the next, in `x-turnstile-*` headers. Read once
@@ -483,6 +504,33 @@ impl WorkerSettings {
     /// hold, at least two ladder steps.
     pub(super) fn lead(&self) -> Duration {
         (self.hold / 2).max(crate::broker::UNIT * 2)
+    }
+
+    /// How long from now until a message that planned `plan` can next be called, if the plan
+    /// makes it wait: its reserved slot (`until_slot`, when it holds one and the plan waits for
+    /// it), or else the end of the wait (a delay, a hold, a pause, a retry's backoff, a wait for
+    /// Redis). `None` for a plan that settles the message or asks again at once.
+    pub(super) fn next_call_after(
+        &self,
+        plan: &Plan,
+        until_slot: Option<Duration>,
+    ) -> Option<Duration> {
+        let wait = match plan {
+            Plan::Hold(wait) | Plan::AskAfter(wait) => *wait,
+            Plan::PauseSeller { pause, .. } => *pause,
+            Plan::Retry { after, .. } => *after,
+            Plan::Settle(Outcome::Delay { after, carried }) if carried.reservation.is_some() => {
+                *after + self.lead()
+            }
+            Plan::Settle(Outcome::Delay { after, .. }) => *after,
+            Plan::Settle(_) | Plan::AskAgain | Plan::Call { .. } => return None,
+        };
+        // A message waiting for its reserved slot is called at the slot, not at the end of a
+        // wait that also covers the answers it waits for.
+        Some(match (plan, until_slot) {
+            (Plan::Hold(_) | Plan::Settle(Outcome::Delay { .. }), Some(slot)) => slot.min(wait),
+            _ => wait,
+        })
     }
 
     /// The n-th retry delay: exponential from `retry_min` (doubling), capped at `retry_max`,

@@ -1,0 +1,76 @@
+-- @include reservations
+-- @include units
+-- ranks: a waiting message's place among its seller's reservations (priority, deadline,
+-- arrival), read from the token its reservation was made with, and giving way to a message
+-- ranked ahead (give_way).
+-- Defines: AGING_US, rank_of, effective, ranked_behind, give_way
+
+-- How long a waiting message waits for each priority level it rises (µs): after nine of these,
+-- no message that came later passes it (permit::AGING in Rust says the same).
+local AGING_US = 60000000
+
+-- The rank a token carries: `<random>-r<P>-<DEADLINE_MS>-<ARRIVAL_MS>` (DEADLINE_MS 0 = none),
+-- as {priority, deadline (µs or nil), arrival (µs or nil)}; a token without one (made by an
+-- older replica, or by a caller that gave none) ranks as priority 0, no deadline, arrived last.
+local function rank_of(token)
+  local p, d, a = string.match(token, '%-r(%d)%-(%d+)%-(%d+)$')
+  if p == nil then return {priority = 0} end
+  local deadline = tonumber(d)
+  if deadline == 0 then deadline = nil else deadline = deadline * 1000 end
+  return {priority = tonumber(p), deadline = deadline, arrival = tonumber(a) * 1000}
+end
+
+-- The priority R has at NOW: one level more for every AGING_US it has waited, at most 9.
+local function effective(r, now)
+  if r.arrival == nil then return r.priority end
+  local aged = math.floor(math.max(0, now - r.arrival) / AGING_US)
+  return math.min(9, r.priority + aged)
+end
+
+-- Whether a message of rank B is ranked behind one of rank A at NOW: a lower effective
+-- priority, then a later deadline (none is latest), then a later arrival (unknown is latest).
+local function ranked_behind(b, a, now)
+  local pa, pb = effective(a, now), effective(b, now)
+  if pb ~= pa then return pb < pa end
+  local da, db = a.deadline or math.huge, b.deadline or math.huge
+  if db ~= da then return db > da end
+  return (b.arrival or math.huge) > (a.arrival or math.huge)
+end
+
+-- A message (TOKEN, COST) with a priority (its own, or risen by waiting) or a deadline has
+-- just reserved SLOT in the seller's
+-- reserved set RESERVED_KEY at the end of its schedule: it takes the first slot after NOW held
+-- by a reservation of the same COST ranked behind it, and each such reservation from there
+-- takes the next one's slot, the last taking SLOT. The reserved set holds the same slots as
+-- before, in another order, and so does the sliding-window log LOG_KEY (given for
+-- sliding-window: the units of each token move with it); the other algorithms keep no slot
+-- per token. So no window holds more units than it did. Nothing moves when that first slot is
+-- after the message's deadline (it expires anyway). Returns the message's slot. A moved
+-- message learns its new slot when it comes back for the old one (see redeem.lua, status 9).
+local function give_way(reserved_key, log_key, token, cost, slot, now)
+  local me = rank_of(token)
+  if effective(me, now) == 0 and me.deadline == nil then return slot end
+  local held = redis.call('ZRANGEBYSCORE', reserved_key, '(' .. string.format('%.0f', now),
+    '(' .. string.format('%.0f', slot), 'WITHSCORES')
+  local behind = {}
+  for i = 1, #held, 2 do
+    local other, other_cost = held_parts(held[i])
+    if other ~= nil and other_cost == cost and ranked_behind(rank_of(other), me, now) then
+      behind[#behind + 1] = {token = other, slot = tonumber(held[i + 1])}
+    end
+  end
+  if #behind == 0 then return slot end
+  if me.deadline ~= nil and behind[1].slot > me.deadline then return slot end
+  local function move(t, to)
+    redis.call('ZADD', reserved_key, 'XX', string.format('%.0f', to), held_name(t, cost))
+    if log_key ~= nil then for_units('ZADD', log_key, t, cost, string.format('%.0f', to)) end
+  end
+  local mine = behind[1].slot
+  for i = 1, #behind do
+    local to = slot
+    if i < #behind then to = behind[i + 1].slot end
+    move(behind[i].token, to)
+  end
+  move(token, mine)
+  return mine
+end

@@ -1,0 +1,386 @@
+//! Priorities and deadlines within a seller, against the real RabbitMQ and Redis and a strict
+//! downstream: a priority row takes its seller's next free slot ahead of the backlog, a row that
+//! cannot be called by its deadline is dead-lettered as `expired` at once and never called, the
+//! earliest deadline goes first, and a row that has waited long enough is no longer passed. No
+//! window is ever over the limit.
+mod support;
+
+use std::collections::HashSet;
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, SystemTime, UNIX_EPOCH};
+
+use futures::StreamExt;
+use lapin::BasicProperties;
+use lapin::options::{
+    BasicConsumeOptions, BasicPublishOptions, ConfirmSelectOptions, QueueBindOptions,
+    QueueDeclareOptions,
+};
+use lapin::types::{AMQPValue, FieldTable};
+use serde_json::Value;
+use turnstile_lab::rig::Rig;
+
+fn now_ms() -> u64 {
+    SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .unwrap()
+        .as_millis() as u64
+}
+
+fn rfc3339(ms: u64) -> String {
+    humantime::format_rfc3339_millis(UNIX_EPOCH + Duration::from_millis(ms)).to_string()
+}
+
+/// Every result the replicas publish, in the order they came.
+#[derive(Clone, Default)]
+struct Results(Arc<Mutex<Vec<Value>>>);
+
+impl Results {
+    /// Listens to the rig's results exchange (bound before anything is published).
+    async fn listen(rig: &Rig) -> Self {
+        let results = Self::default();
+        let channel = rig.connection().create_channel().await.unwrap();
+        let queue = channel
+            .queue_declare(
+                "".into(),
+                QueueDeclareOptions {
+                    exclusive: true,
+                    ..Default::default()
+                },
+                FieldTable::default(),
+            )
+            .await
+            .unwrap()
+            .name()
+            .to_string();
+        channel
+            .queue_bind(
+                queue.as_str().into(),
+                rig.topology.results().as_str().into(),
+                "result.*".into(),
+                QueueBindOptions::default(),
+                FieldTable::default(),
+            )
+            .await
+            .unwrap();
+        let mut consumer = channel
+            .basic_consume(
+                queue.as_str().into(),
+                "".into(),
+                BasicConsumeOptions {
+                    no_ack: true,
+                    ..Default::default()
+                },
+                FieldTable::default(),
+            )
+            .await
+            .unwrap();
+        let inbox = results.0.clone();
+        tokio::spawn(async move {
+            let _channel = channel;
+            while let Some(Ok(delivery)) = consumer.next().await {
+                if let Ok(result) = serde_json::from_slice::<Value>(&delivery.data) {
+                    inbox.lock().unwrap().push(result);
+                }
+            }
+        });
+        results
+    }
+
+    fn all(&self) -> Vec<Value> {
+        self.0.lock().unwrap().clone()
+    }
+
+    /// Each result as `<message_id>:<outcome>`, in order (for a failure's message).
+    fn brief(&self) -> Vec<String> {
+        self.all()
+            .iter()
+            .map(|r| {
+                format!(
+                    "{}:{}",
+                    r["message_id"].as_str().unwrap_or("?"),
+                    r["outcome"].as_str().unwrap_or("?")
+                )
+            })
+            .collect()
+    }
+
+    /// The message ids of the results with `outcome`, in the order they came.
+    fn with_outcome(&self, outcome: &str) -> Vec<String> {
+        self.all()
+            .iter()
+            .filter(|r| r["outcome"] == outcome)
+            .map(|r| r["message_id"].as_str().unwrap().to_owned())
+            .collect()
+    }
+
+    async fn until(&self, n: usize) {
+        support::eventually(&format!("{n} results"), || {
+            self.0.lock().unwrap().len() >= n
+        })
+        .await;
+    }
+}
+
+/// Publishes rows of `seller` with ids `<prefix>-<i>`, each with `priority` and `deadline`
+/// (Unix ms), and `headers`, confirmed.
+async fn publish(
+    rig: &Rig,
+    seller: &str,
+    prefix: &str,
+    n: usize,
+    priority: Option<u8>,
+    deadline: Option<u64>,
+    headers: &[(&str, AMQPValue)],
+) {
+    let channel = rig.connection().create_channel().await.unwrap();
+    channel
+        .confirm_select(ConfirmSelectOptions::default())
+        .await
+        .unwrap();
+    for i in 0..n {
+        let mut body = serde_json::json!({
+            "message_id": format!("{prefix}-{i}"),
+            "seller_id": seller,
+            "product": {"sku": i},
+        });
+        if let Some(deadline) = deadline {
+            body["deadline"] = rfc3339(deadline).into();
+        }
+        let mut table = FieldTable::default();
+        for (name, value) in headers {
+            table.insert((*name).into(), value.clone());
+        }
+        let mut properties = BasicProperties::default()
+            .with_delivery_mode(2)
+            .with_content_type("application/json".into())
+            .with_headers(table);
+        if let Some(priority) = priority {
+            properties = properties.with_priority(priority);
+        }
+        channel
+            .basic_publish(
+                "".into(),
+                rig.topology.work().into(),
+                BasicPublishOptions::default(),
+                &serde_json::to_vec(&body).unwrap(),
+                properties,
+            )
+            .await
+            .unwrap()
+            .await
+            .unwrap();
+    }
+    let _ = channel.close(200, "published".into()).await;
+}
+
+/// The message ids the downstream was called with.
+fn called(rig: &Rig) -> HashSet<String> {
+    rig.mock
+        .recent_requests()
+        .iter()
+        .filter_map(|r| r.header("idempotency-key").map(str::to_owned))
+        .collect()
+}
+
+#[tokio::test]
+async fn priority_rows_take_their_sellers_next_free_slots_ahead_of_its_backlog()
+-> anyhow::Result<()> {
+    let mut rig = support::rig("priority", "10/1s").prepare().await?;
+    let results = Results::listen(&rig).await;
+    rig.start_replica(rig.settings(4)).await?;
+    publish(&rig, "S-prio", "plain", 200, None, None, &[]).await;
+    results.until(20).await;
+    publish(&rig, "S-prio", "urgent", 5, Some(9), None, &[]).await;
+    results.until(205).await;
+    rig.stop_replicas().await?;
+    let registered = results.with_outcome("registered");
+    assert_eq!(registered.len(), 205, "{:?}", results.brief());
+    let last_urgent = registered
+        .iter()
+        .rposition(|id| id.starts_with("urgent-"))
+        .unwrap();
+    // Plain rows registered after the first 20 and before the last urgent one: those whose
+    // slots were due when the urgent rows came, and those sharing the urgent rows' window.
+    let passed_by = registered[20..last_urgent]
+        .iter()
+        .filter(|id| id.starts_with("plain-"))
+        .count();
+    let stats = rig.mock.stats();
+    println!(
+        "200 rows at 10/1s, then 5 of priority 9: {passed_by} plain rows registered between them \
+         and the last priority row (without priorities: about 180); {} windows over the limit",
+        stats.violations
+    );
+    assert!(
+        passed_by <= 20,
+        "priority rows waited behind {passed_by} plain rows: more than two windows of 10"
+    );
+    assert_eq!(stats.violations, 0, "{stats:?}");
+    assert_eq!(stats.duplicates, 0, "{stats:?}");
+    rig.cleanup().await
+}
+
+#[tokio::test]
+async fn hopeless_rows_expire_at_once_and_the_earliest_deadline_goes_first() -> anyhow::Result<()> {
+    let mut rig = support::rig("deadline", "10/10s").prepare().await?;
+    let results = Results::listen(&rig).await;
+    rig.start_replica(rig.settings(4)).await?;
+    // The window full, then 20 rows waiting for the next two windows.
+    publish(&rig, "S-dl", "first", 10, None, None, &[]).await;
+    results.until(10).await;
+    publish(&rig, "S-dl", "waiting", 20, None, None, &[]).await;
+    // 20 rows due in 3 s: no order can meet that (the next window opens in about 10 s).
+    let soon = now_ms() + 3_000;
+    publish(&rig, "S-dl", "due-3s", 20, None, Some(soon), &[]).await;
+    results.until(30).await;
+    // 5 rows due in 14 s: ahead of the 20 without a deadline, they make the next window.
+    let later = now_ms() + 14_000;
+    publish(&rig, "S-dl", "due-14s", 5, None, Some(later), &[]).await;
+    results.until(55).await;
+    rig.stop_replicas().await?;
+
+    let expired = results.with_outcome("expired");
+    let registered = results.with_outcome("registered");
+    let all = results.all();
+    println!(
+        "10/10s, window full, 20 waiting: {} expired ({:?}...), {} registered",
+        expired.len(),
+        all.iter()
+            .find(|r| r["outcome"] == "expired")
+            .map(|r| r["response"].clone()),
+        registered.len()
+    );
+    assert_eq!(expired.len(), 20, "{:?}", results.brief());
+    assert!(
+        expired.iter().all(|id| id.starts_with("due-3s-")),
+        "{expired:?}"
+    );
+    assert_eq!(registered.len(), 35, "{:?}", results.brief());
+    let called = called(&rig);
+    assert!(
+        called.iter().all(|id| !id.starts_with("due-3s-")),
+        "an expired row was called"
+    );
+    // Every expired row was told before any row of the next window registered.
+    let first_after_window = all
+        .iter()
+        .position(|r| {
+            r["outcome"] == "registered" && !r["message_id"].as_str().unwrap().starts_with("first-")
+        })
+        .unwrap();
+    let last_expired = all.iter().rposition(|r| r["outcome"] == "expired").unwrap();
+    assert!(last_expired < first_after_window, "{:?}", results.brief());
+    // The rows due in 14 s registered in the next window, before it, ahead of the rows without.
+    for r in all.iter().filter(|r| {
+        r["message_id"]
+            .as_str()
+            .is_some_and(|id| id.starts_with("due-14s-"))
+    }) {
+        assert_eq!(r["outcome"], "registered", "{r}");
+        let finished = time_of(&r["finished"]);
+        assert!(finished <= later, "{r} registered after its deadline");
+    }
+    let position = |prefix: &str| {
+        registered
+            .iter()
+            .rposition(|id| id.starts_with(prefix))
+            .unwrap()
+    };
+    let last_due = position("due-14s-");
+    let waiting_before = registered[..last_due]
+        .iter()
+        .filter(|id| id.starts_with("waiting-"))
+        .count();
+    assert!(waiting_before <= 5, "{registered:?}");
+    let stats = rig.mock.stats();
+    assert_eq!(stats.violations, 0, "{stats:?}");
+    assert_eq!(stats.duplicates, 0, "{stats:?}");
+    rig.cleanup().await
+}
+
+#[tokio::test]
+async fn a_row_that_has_waited_nine_minutes_is_passed_by_no_later_priority_row()
+-> anyhow::Result<()> {
+    let mut rig = support::rig("aging", "10/1s").prepare().await?;
+    let results = Results::listen(&rig).await;
+    rig.start_replica(rig.settings(4)).await?;
+    publish(&rig, "S-age", "first", 10, None, None, &[]).await;
+    results.until(10).await;
+    // Rows first seen ten minutes ago (as a delayed copy says), without a priority.
+    let long_ago = now_ms() - 10 * 60 * 1_000;
+    let seen = [(
+        "x-turnstile-first-seen-ms",
+        AMQPValue::LongLongInt(long_ago as i64),
+    )];
+    publish(&rig, "S-age", "old", 10, None, None, &seen).await;
+    publish(&rig, "S-age", "young", 10, None, None, &[]).await;
+    publish(&rig, "S-age", "urgent", 5, Some(9), None, &[]).await;
+    results.until(35).await;
+    rig.stop_replicas().await?;
+    let registered = results.with_outcome("registered");
+    let last_old = registered
+        .iter()
+        .rposition(|id| id.starts_with("old-"))
+        .unwrap();
+    let first_urgent = registered
+        .iter()
+        .position(|id| id.starts_with("urgent-"))
+        .unwrap();
+    let last_urgent = registered
+        .iter()
+        .rposition(|id| id.starts_with("urgent-"))
+        .unwrap();
+    let first_young = registered
+        .iter()
+        .position(|id| id.starts_with("young-"))
+        .unwrap();
+    println!("order: {registered:?}");
+    assert!(
+        last_old < first_urgent,
+        "an aged row was passed: {registered:?}"
+    );
+    assert!(
+        last_urgent < first_young,
+        "young rows went first: {registered:?}"
+    );
+    assert_eq!(rig.mock.stats().violations, 0);
+    rig.cleanup().await
+}
+
+#[tokio::test]
+async fn a_bad_deadline_is_an_invalid_message() -> anyhow::Result<()> {
+    let mut rig = support::rig("bad-deadline", "10/1s").prepare().await?;
+    let results = Results::listen(&rig).await;
+    rig.start_replica(rig.settings(2)).await?;
+    for (i, bad) in ["tomorrow", "2026-13-01T00:00:00Z", "2026-11-26 10:00"]
+        .iter()
+        .enumerate()
+    {
+        let body = serde_json::json!({
+            "message_id": format!("bad-{i}"), "seller_id": "S-bad", "deadline": bad, "product": {},
+        });
+        rig.publish_body(&serde_json::to_vec(&body)?).await?;
+    }
+    let body = serde_json::json!({"message_id": "bad-3", "seller_id": "S-bad", "deadline": 5, "product": {}});
+    rig.publish_body(&serde_json::to_vec(&body)?).await?;
+    results.until(4).await;
+    rig.stop_replicas().await?;
+    assert_eq!(
+        results.with_outcome("invalid-message").len(),
+        4,
+        "{:?}",
+        results.brief()
+    );
+    assert!(called(&rig).is_empty());
+    rig.cleanup().await
+}
+
+/// Unix ms of an RFC 3339 date-time.
+fn time_of(value: &Value) -> u64 {
+    let text = value.as_str().unwrap();
+    humantime::parse_rfc3339(text)
+        .unwrap()
+        .duration_since(UNIX_EPOCH)
+        .unwrap()
+        .as_millis() as u64
+}
