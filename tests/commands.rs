@@ -1043,6 +1043,11 @@ fn usage_errors_exit_2_and_failures_to_connect_exit_1() {
         &["dead-letters", "list", "--seller", "a\u{1}b"],
         &["dead-letters", "replay", "--id", ""],
         &["limits", "frobnicate"],
+        &["status", "--rows", "5"],
+        &["status", "--deadline", "2026-11-26T10:00:00+09:00"],
+        &["status", "--seller", "S", "--rows", "0"],
+        &["status", "--seller", "S", "--rows", "1000001"],
+        &["status", "--seller", "S", "--deadline", "tomorrow"],
     ] {
         let mut cmd = turnstile();
         nowhere(&mut cmd);
@@ -1197,6 +1202,56 @@ async fn every_scripted_command_prints_one_json_document() -> anyhow::Result<()>
     );
     assert_eq!(rig.depth(rig.topology.work()).await?, 40);
     assert_eq!(cli_json(&rig, &["status", "--json"]), json!([]));
+    // Asking before publishing: an idle seller's 250 rows at 100/1s, granted at 0, 1 and 2 s.
+    let asked = cli_json(
+        &rig,
+        &[
+            "status",
+            "--seller",
+            "S-ask",
+            "--rows",
+            "250",
+            "--deadline",
+            "2030-01-01T09:00:00+09:00",
+            "--json",
+        ],
+    );
+    let admission = &asked["admission"];
+    assert_eq!(
+        (
+            &asked["seller_id"],
+            &asked["backlog"],
+            &admission["rows"],
+            &admission["finish_in_s"],
+            &admission["deadline"],
+            &admission["meets_deadline"]
+        ),
+        (
+            &json!("S-ask"),
+            &json!(0),
+            &json!(250),
+            &json!(2.0),
+            &json!("2030-01-01T00:00:00Z"),
+            &json!(true)
+        ),
+        "{asked}"
+    );
+    let (code, out, err) = cli(
+        &rig,
+        &[
+            "status",
+            "--seller",
+            "S-ask",
+            "--deadline",
+            "2020-01-01T00:00:00Z",
+        ],
+    );
+    assert_eq!(code, 0, "{err}");
+    assert!(
+        out.contains("1 more row of S-ask published now")
+            && out.contains("deadline 2020-01-01T00:00:00Z: NOT met"),
+        "{out}"
+    );
     assert_eq!(
         cli_json(&rig, &["dead-letters", "list", "--json"]),
         json!([])

@@ -2,8 +2,9 @@
 //! Redis: each final message's result on its `reply_to` queue and on `<queue>.results`, the
 //! downstream's answer capped and kept as text when it is not JSON, invalid messages counted
 //! in their batch, one `batch.completed` event per batch, a results exchange deleted at
-//! runtime declared again without losing a result, a batch id shared by two sellers, and the
-//! ETA of a seller whose message waits out a retry's backoff.
+//! runtime declared again without losing a result, a batch id shared by two sellers, the ETA
+//! of a seller whose message waits out a retry's backoff, and admission: whether more rows
+//! published now would be registered by a deadline.
 //!
 //! The test listens with queues of its own (exclusive, on a connection of its own, gone when
 //! it ends) bound to the rig's results exchange with `#`, and declares its own `reply_to`
@@ -22,6 +23,8 @@ use lapin::options::{
 use lapin::types::FieldTable;
 use lapin::{BasicProperties, Connection, ExchangeKind};
 use serde_json::{Value, json};
+use time::format_description::well_known::Rfc3339;
+use time::{OffsetDateTime, UtcOffset};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use turnstile_core::broker::{Publisher, header_str, headers};
 use turnstile_core::domain::{BatchId, SellerId};
@@ -1250,5 +1253,150 @@ async fn the_eta_is_not_before_a_retry_waiting_out_its_backoff_is_due() -> anyho
         "{report}"
     );
     assert_eq!(rig.mock.stats().violations, 0);
+    rig.cleanup().await
+}
+
+/// `t` as RFC 3339 at +09:00, for a query (its `+` escaped).
+fn at_plus_nine(t: OffsetDateTime) -> String {
+    let tokyo = UtcOffset::from_hms(9, 0, 0).unwrap();
+    t.to_offset(tokyo)
+        .format(&Rfc3339)
+        .unwrap()
+        .replace('+', "%2B")
+}
+
+fn rfc3339(text: &Value) -> OffsetDateTime {
+    OffsetDateTime::parse(text.as_str().expect("a string"), &Rfc3339)
+        .unwrap_or_else(|e| panic!("{text} is RFC 3339: {e}"))
+}
+
+/// An upload service asks before publishing. A seller at 10/10s whose window holds its first 10
+/// registrations has 20 rows waiting: 5 more rows published now finish a window after its
+/// backlog, about 30 s out, so not by a deadline 5 s away and by one 60 s away; its batch the
+/// same way. A bad deadline, rows=0 and rows over a million are 400s naming the parameter.
+#[tokio::test]
+async fn an_upload_service_learns_whether_more_rows_would_be_registered_by_a_deadline()
+-> anyhow::Result<()> {
+    let mut rig = support::rig("results-admission", "10/10s")
+        .serving(http())
+        .prepare()
+        .await?;
+    let upload = Upload::new(&rig).await;
+    rig.start_replicas(1, 2).await?;
+    let (seller, batch) = ("S-admission", support::unique("batch"));
+    for i in 0..30 {
+        let body = registration(
+            &format!("{batch}-{i}"),
+            seller,
+            Some((&batch, json!(30))),
+            json!({"sku": i}),
+        );
+        upload.send(&body, None).await;
+    }
+    settled(&rig, 10, 0).await;
+
+    let asked = OffsetDateTime::now_utc();
+    let (in_5s, in_60s) = (
+        at_plus_nine(asked + Duration::from_secs(5)),
+        at_plus_nine(asked + Duration::from_secs(60)),
+    );
+    let (status, soon) = api(
+        &rig,
+        &format!("/api/sellers/{seller}?rows=5&deadline={in_5s}"),
+    )
+    .await;
+    let answered = OffsetDateTime::now_utc();
+    assert_eq!(status, 200, "{soon}");
+    let admission = &soon["admission"];
+    assert_eq!(admission["rows"], 5, "{soon}");
+    // The window holds 10 answered units taken less than a window ago and `backlog_units` wait
+    // (20 while the first window lasts): the 5 rows are granted in the window after the
+    // backlog's last, 10 x (ceil((10 + backlog + 5) / 10) - 1) s after the window's first.
+    let backlog = soon["backlog_units"].as_u64().unwrap();
+    let window_after = 10.0 * ((10 + backlog + 5).div_ceil(10) - 1) as f64;
+    let finish_in = admission["finish_in_s"].as_f64().unwrap();
+    assert!(
+        window_after - 10.0 < finish_in && finish_in <= window_after,
+        "{backlog} units waiting: {soon}"
+    );
+    let eta = soon["eta_s"].as_f64().unwrap();
+    assert!(
+        (finish_in - eta - 10.0).abs() < 1e-6,
+        "one window after the backlog: {soon}"
+    );
+    // `finish_at` is the replica's now (between asking and the answer) + `finish_in_s`, to the
+    // millisecond, in UTC.
+    let finish_at = rfc3339(&admission["finish_at"]);
+    let finish_in = Duration::from_secs_f64(finish_in);
+    assert!(
+        asked + finish_in - Duration::from_millis(1) <= finish_at
+            && finish_at <= answered + finish_in,
+        "asked at {asked}, answered at {answered}: {soon}"
+    );
+    assert!(admission["finish_at"].as_str().unwrap().ends_with('Z'));
+    assert_eq!(admission["meets_deadline"], false, "{soon}");
+    let echoed = &admission["deadline"];
+    assert_eq!(rfc3339(echoed), asked + Duration::from_secs(5), "{soon}");
+    assert!(echoed.as_str().unwrap().ends_with('Z'), "{echoed}");
+
+    let (status, later) = api(
+        &rig,
+        &format!("/api/sellers/{seller}?rows=5&deadline={in_60s}"),
+    )
+    .await;
+    assert_eq!(status, 200, "{later}");
+    assert_eq!(later["admission"]["meets_deadline"], true, "{later}");
+
+    // Its batch: due with the backlog, 20 s at most, so after 5 s and before 60 s.
+    for (deadline, meets) in [(&in_5s, false), (&in_60s, true)] {
+        let (status, report) =
+            api(&rig, &format!("/api/batches/{batch}?deadline={deadline}")).await;
+        assert_eq!(status, 200, "{report}");
+        assert_eq!(report["meets_deadline"], meets, "{report}");
+        assert!(
+            report["deadline"].as_str().unwrap().ends_with('Z'),
+            "{report}"
+        );
+    }
+
+    // Only rows: no deadline to meet. Neither: no admission.
+    let (_, rows_only) = api(&rig, &format!("/api/sellers/{seller}?rows=5")).await;
+    let keys: Vec<_> = rows_only["admission"]
+        .as_object()
+        .unwrap_or_else(|| panic!("an admission: {rows_only}"))
+        .keys()
+        .cloned()
+        .collect();
+    assert_eq!(keys, ["finish_at", "finish_in_s", "rows"], "{rows_only}");
+    let (_, plain) = api(&rig, &format!("/api/sellers/{seller}")).await;
+    assert!(plain.get("admission").is_none(), "{plain}");
+
+    for (query, error) in [
+        (
+            "deadline=tomorrow",
+            "deadline: expected an RFC 3339 date-time such as 2026-11-26T10:00:00+09:00",
+        ),
+        (
+            "rows=0",
+            "rows: expected a whole number of rows from 1 to 1000000",
+        ),
+        (
+            "rows=1000001",
+            "rows: expected a whole number of rows from 1 to 1000000",
+        ),
+    ] {
+        let (status, answer) = api(&rig, &format!("/api/sellers/{seller}?{query}")).await;
+        assert_eq!(
+            (status, &answer),
+            (400, &json!({"error": error})),
+            "{query}"
+        );
+    }
+    let (status, answer) = api(&rig, &format!("/api/batches/{batch}?deadline=2026-11-26")).await;
+    assert_eq!(status, 400, "{answer}");
+    assert!(
+        answer["error"].as_str().unwrap().starts_with("deadline: "),
+        "{answer}"
+    );
     rig.cleanup().await
 }

@@ -1,14 +1,17 @@
 //! `turnstile status`: how far each upload is (registered, waiting, dead-lettered), its
 //! seller's limits (which one binds now) and when it will be done; and the global limit's use
-//! and each seller's share of it, when there is one.
+//! and each seller's share of it, when there is one. With `--seller S --rows N --deadline T`,
+//! the admission answer too: when N more rows of S published now would all be registered, and
+//! whether by T (as `GET /api/sellers/{id}?rows=N&deadline=T` gives it).
 
 use std::process::ExitCode;
 
+use time::OffsetDateTime;
 use turnstile_core::config::{GlobalLimitArgs, LimiterArgs, RedisArgs, TermsArgs};
 use turnstile_core::domain::SellerId;
 use turnstile_core::fleet;
 use turnstile_core::permit::{Admin, GlobalUsage, Records, RedisConn, Terms, Usage};
-use turnstile_upload::progress::{self, BatchReport};
+use turnstile_upload::progress::{self, Admission, BatchReport, Question, SellerReport};
 
 use turnstile_core::domain::BatchId;
 
@@ -22,7 +25,18 @@ pub struct StatusArgs {
     /// Only the uploads with this batch id.
     #[arg(long, value_parser = batch_value)]
     pub batch: Option<BatchId>,
-    /// Print JSON instead of a table.
+    /// With --seller: when this many more rows of it (1 to 1000000, one unit each), published
+    /// now behind its backlog, are expected to be registered (an estimate from the current
+    /// state).
+    #[arg(long, requires = "seller", value_name = "N", value_parser = rows_value)]
+    pub rows: Option<u64>,
+    /// With --seller: whether those rows (1 without --rows) are expected to be registered by
+    /// this RFC 3339 date-time, e.g. 2026-11-26T10:00:00+09:00. An estimate: what binds is each
+    /// message's own deadline (dead-lettered as `expired` past it).
+    #[arg(long, requires = "seller", value_name = "TIME", value_parser = deadline_value)]
+    pub deadline: Option<OffsetDateTime>,
+    /// Print JSON instead of a table (with --rows or --deadline: the seller's report with its
+    /// `admission`, as `GET /api/sellers/{id}` gives it).
     #[arg(long)]
     pub json: bool,
     #[command(flatten)]
@@ -48,6 +62,10 @@ pub async fn run(args: StatusArgs) -> anyhow::Result<ExitCode> {
     }
     let admin = Admin::new(conn.clone(), prefix, Terms::from(&terms.limiter));
     let records = Records::new(conn, prefix);
+    let question = (args.rows.is_some() || args.deadline.is_some()).then(|| Question {
+        rows: args.rows.unwrap_or(1),
+        deadline: args.deadline,
+    });
     let (seller, batch) = (args.seller.clone(), args.batch.clone());
     let uploads = progress::list(&records, seller.as_ref(), batch.as_ref()).await?;
     // One report per seller, as `GET /api/sellers/{id}` gives it; its batches' ETAs count the
@@ -71,7 +89,22 @@ pub async fn run(args: StatusArgs) -> anyhow::Result<ExitCode> {
             }
         }
     }
+    // Read for its own sake: a seller with no batch recorded has no row above.
+    let admission = match (&question, &seller) {
+        (Some(question), Some(seller)) => {
+            let report = progress::read_seller(&admin, &records, seller).await?;
+            let admission = report.admission(question, OffsetDateTime::now_utc());
+            Some((report, admission))
+        }
+        _ => None,
+    };
     if args.json {
+        if let Some((report, admission)) = &admission {
+            let mut value = serde_json::json!(report);
+            value["admission"] = serde_json::json!(admission);
+            println!("{}", serde_json::to_string_pretty(&value)?);
+            return Ok(ExitCode::SUCCESS);
+        }
         let value: Vec<_> = rows
             .iter()
             .map(|(b, usage)| {
@@ -106,7 +139,47 @@ pub async fn run(args: StatusArgs) -> anyhow::Result<ExitCode> {
     if let Some(global) = &global {
         print_global(global);
     }
+    if let Some((report, admission)) = &admission {
+        println!("\n{}", admission_text(report, admission));
+    }
     Ok(ExitCode::SUCCESS)
+}
+
+/// `--rows`, parsed by clap (a bad one is a usage error).
+fn rows_value(s: &str) -> Result<u64, String> {
+    progress::parse_rows(s)
+}
+
+/// `--deadline`, parsed by clap (a bad one is a usage error).
+fn deadline_value(s: &str) -> Result<OffsetDateTime, String> {
+    progress::parse_deadline(s)
+}
+
+/// The admission answer in words: when the rows would be registered, behind what, and the
+/// deadline's verdict.
+fn admission_text(report: &SellerReport, admission: &Admission) -> String {
+    let rows = match admission.rows {
+        1 => "1 more row".to_owned(),
+        n => format!("{n} more rows"),
+    };
+    let mut text = format!(
+        "{rows} of {} published now: all registered by about {} (in ~{:.0}s), behind {} units \
+         waiting at {}",
+        report.seller_id,
+        admission.finish_at,
+        admission.finish_in_s.ceil(),
+        report.backlog_units,
+        report.effective
+    );
+    if let (Some(deadline), Some(meets)) = (&admission.deadline, admission.meets_deadline) {
+        let verdict = if meets { "met" } else { "NOT met" };
+        text.push_str(&format!(
+            "\ndeadline {deadline}: {verdict} (an estimate from the current state; what binds \
+             is each message's own deadline: a message that cannot be called by it is \
+             dead-lettered as `expired`)"
+        ));
+    }
+    text
 }
 
 /// The global limit: each limit's units taken now, the sellers competing, and each seller's

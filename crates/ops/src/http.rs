@@ -11,14 +11,16 @@ use std::sync::{Arc, OnceLock};
 
 use anyhow::Context;
 use axum::Router;
-use axum::extract::{Path, State};
+use axum::extract::{Path, RawQuery, State};
 use axum::http::{StatusCode, header};
 use axum::response::{Html, IntoResponse, Response};
 use axum::routing::get;
 use metrics_exporter_prometheus::{PrometheusBuilder, PrometheusHandle};
 use secrecy::{ExposeSecret, SecretString};
 use subtle::ConstantTimeEq;
+use time::OffsetDateTime;
 use tokio_util::sync::CancellationToken;
+use turnstile_upload::progress;
 
 use crate::dashboard::{self, Dashboard};
 pub use turnstile_core::telemetry::Readiness;
@@ -185,16 +187,60 @@ async fn fleet_api(State(endpoints): State<Endpoints>) -> Response {
     }
 }
 
-/// `GET /api/batches/{batch_id}`: a batch's counts, whether it is done and its ETA.
-async fn batch_api(State(endpoints): State<Endpoints>, Path(batch): Path<String>) -> Response {
+/// The values of the query parameters `names` in a request's `query` (`None` for one not
+/// given), in order; a parameter given twice is refused, naming it. Other parameters (the
+/// dashboard's `token`) are left alone.
+fn query_params<const N: usize>(
+    query: Option<&str>,
+    names: [&str; N],
+) -> Result<[Option<String>; N], String> {
+    let mut values: [Option<String>; N] = std::array::from_fn(|_| None);
+    let Some(url) = query.and_then(|q| reqwest::Url::parse(&format!("http://api/?{q}")).ok())
+    else {
+        return Ok(values);
+    };
+    for (name, value) in url.query_pairs() {
+        if let Some(i) = names.iter().position(|n| *n == name) {
+            if values[i].is_some() {
+                return Err(format!("{name}: given more than once"));
+            }
+            values[i] = Some(value.into_owned());
+        }
+    }
+    Ok(values)
+}
+
+/// `GET /api/batches/{batch_id}`: a batch's counts, whether it is done and its ETA; with
+/// `?deadline=` (RFC 3339), whether it is expected to be done by then (`meets_deadline`, null
+/// while its total is unknown) and the deadline in UTC.
+async fn batch_api(
+    State(endpoints): State<Endpoints>,
+    Path(batch): Path<String>,
+    RawQuery(query): RawQuery,
+) -> Response {
     let (dashboard, batch) =
         match api_input(&endpoints, &batch, turnstile_core::domain::BatchId::parse) {
             Ok(input) => input,
             Err(answer) => return *answer,
         };
+    let deadline = match query_params(query.as_deref(), ["deadline"]).and_then(|[deadline]| {
+        deadline
+            .map(|d| progress::parse_deadline(&d).map_err(|why| format!("deadline: {why}")))
+            .transpose()
+    }) {
+        Ok(deadline) => deadline,
+        Err(why) => return api_error(StatusCode::BAD_REQUEST, why),
+    };
     let (admin, records) = (dashboard.admin(), dashboard.records());
-    match turnstile_upload::progress::read_batch(admin, records, &batch).await {
-        Ok(Some(report)) => json_answer(StatusCode::OK, serde_json::json!(report)),
+    match progress::read_batch(admin, records, &batch).await {
+        Ok(Some(report)) => {
+            let mut answer = serde_json::json!(report);
+            if let Some(deadline) = deadline {
+                answer["deadline"] = progress::rfc3339(deadline).into();
+                answer["meets_deadline"] = report.meets(deadline, OffsetDateTime::now_utc()).into();
+            }
+            json_answer(StatusCode::OK, answer)
+        }
         Ok(None) => json_answer(
             StatusCode::NOT_FOUND,
             serde_json::json!({"error": "no message of this batch has been seen (or its record expired)", "batch_id": batch.as_str()}),
@@ -203,16 +249,37 @@ async fn batch_api(State(endpoints): State<Endpoints>, Path(batch): Path<String>
     }
 }
 
-/// `GET /api/sellers/{seller_id}`: a seller's backlog, limits, pause and ETA, and its batches.
-async fn seller_api(State(endpoints): State<Endpoints>, Path(seller): Path<String>) -> Response {
+/// `GET /api/sellers/{seller_id}`: a seller's backlog, limits, pause and ETA, and its batches;
+/// with `?rows=N` and/or `?deadline=` (RFC 3339), its `admission`: when N more rows published
+/// now would all be registered behind its backlog, and whether by the deadline (see
+/// `progress::Admission`).
+async fn seller_api(
+    State(endpoints): State<Endpoints>,
+    Path(seller): Path<String>,
+    RawQuery(query): RawQuery,
+) -> Response {
     let (dashboard, seller) =
         match api_input(&endpoints, &seller, turnstile_core::domain::SellerId::parse) {
             Ok(input) => input,
             Err(answer) => return *answer,
         };
+    let question =
+        match query_params(query.as_deref(), ["rows", "deadline"]).and_then(|[rows, deadline]| {
+            progress::Question::from_params(rows.as_deref(), deadline.as_deref())
+        }) {
+            Ok(question) => question,
+            Err(why) => return api_error(StatusCode::BAD_REQUEST, why),
+        };
     let (admin, records) = (dashboard.admin(), dashboard.records());
-    match turnstile_upload::progress::read_seller(admin, records, &seller).await {
-        Ok(report) => json_answer(StatusCode::OK, serde_json::json!(report)),
+    match progress::read_seller(admin, records, &seller).await {
+        Ok(report) => {
+            let mut answer = serde_json::json!(report);
+            if let Some(question) = question {
+                let admission = report.admission(&question, OffsetDateTime::now_utc());
+                answer["admission"] = serde_json::json!(admission);
+            }
+            json_answer(StatusCode::OK, answer)
+        }
         Err(error) => api_error(StatusCode::SERVICE_UNAVAILABLE, error),
     }
 }
@@ -332,6 +399,24 @@ pub async fn serve(
 #[cfg(test)]
 mod token_tests {
     use super::*;
+
+    #[test]
+    fn the_query_gives_the_parameters_asked_for_once_each_and_leaves_the_others() {
+        let rows_and_deadline = |q: Option<&str>| query_params(q, ["rows", "deadline"]);
+        assert_eq!(rows_and_deadline(None), Ok([None, None]));
+        assert_eq!(
+            rows_and_deadline(Some("token=t&deadline=2026-11-26T10:00:00%2B09:00")),
+            Ok([None, Some("2026-11-26T10:00:00+09:00".to_owned())])
+        );
+        assert_eq!(
+            rows_and_deadline(Some("rows=5&deadline=")),
+            Ok([Some("5".to_owned()), Some(String::new())])
+        );
+        assert_eq!(
+            rows_and_deadline(Some("rows=5&rows=6")),
+            Err("rows: given more than once".to_owned())
+        );
+    }
 
     #[test]
     fn a_blank_token_is_refused_and_a_real_one_kept() {

@@ -6,11 +6,17 @@
 //! message through retries, replays and redeliveries) and notes its messages waiting out a
 //! retry's backoff (`lua/retry.lua`); this module reads those, and the seller's limits, and
 //! computes the ETA ([`eta`]). Keys: `turnstile_core::permit::keys`.
+//!
+//! Admission ([`Admission`]): before publishing, an upload service asks when N more rows of a
+//! seller published now would all be registered, behind the seller's backlog, and whether that
+//! is before a deadline: the same ETA, over the backlog and those rows.
 
 use std::cmp::Reverse;
 use std::time::Duration;
 
 use serde::Serialize;
+use time::format_description::well_known::Rfc3339;
+use time::{OffsetDateTime, UtcOffset};
 use turnstile_core::domain::{BatchId, SellerId};
 use turnstile_core::permit::{Admin, GlobalUsage, PermitError, Records, RetryDue, Usage};
 
@@ -152,6 +158,143 @@ pub struct SellerReport {
     /// How much of each of its limits is taken now, as read for the ETA.
     #[serde(skip)]
     pub usage: Usage,
+    /// Its backlog's messages waiting out a retry's backoff, as read for the ETA.
+    #[serde(skip)]
+    pub backlog_retries: Vec<RetryDue>,
+}
+
+impl SellerReport {
+    /// How long until `units` more units published now are registered, behind its whole
+    /// backlog: [`eta`] over its backlog's units and those, with its limits, pause, share of
+    /// the global limit and retries waiting as read for `eta_s` (which is `eta_with(0)`).
+    pub fn eta_with(&self, units: u64) -> Duration {
+        eta(
+            &self.usage,
+            self.global_share_per_s,
+            self.backlog_units.saturating_add(units),
+            &self.backlog_retries,
+        )
+    }
+
+    /// The answer to `question` about this seller at `now`: when `question.rows` more rows (of
+    /// one unit each, the default cost) published now are expected to be registered, and
+    /// whether that is by its deadline.
+    pub fn admission(&self, question: &Question, now: OffsetDateTime) -> Admission {
+        let finish_in = self.eta_with(question.rows);
+        let finish_at = later(now, finish_in);
+        Admission {
+            rows: question.rows,
+            finish_at: rfc3339_millis(finish_at),
+            finish_in_s: finish_in.as_secs_f64(),
+            deadline: question.deadline.map(rfc3339),
+            meets_deadline: question.deadline.map(|deadline| finish_at <= deadline),
+        }
+    }
+}
+
+/// The most rows one admission question may ask about.
+pub const MAX_ROWS: u64 = 1_000_000;
+
+/// What an upload service asks before publishing: can `rows` more rows of a seller, published
+/// now, all be registered by `deadline`?
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Question {
+    /// How many rows (1 to [`MAX_ROWS`]; 1 when not given).
+    pub rows: u64,
+    pub deadline: Option<OffsetDateTime>,
+}
+
+impl Question {
+    /// The question a request's `rows` and `deadline` parameters ask, `None` when it gives
+    /// neither; a bad one is refused naming the parameter and what it expects.
+    pub fn from_params(rows: Option<&str>, deadline: Option<&str>) -> Result<Option<Self>, String> {
+        if rows.is_none() && deadline.is_none() {
+            return Ok(None);
+        }
+        let rows = match rows {
+            Some(rows) => parse_rows(rows).map_err(|why| format!("rows: {why}"))?,
+            None => 1,
+        };
+        let deadline = match deadline {
+            Some(deadline) => {
+                Some(parse_deadline(deadline).map_err(|why| format!("deadline: {why}"))?)
+            }
+            None => None,
+        };
+        Ok(Some(Self { rows, deadline }))
+    }
+}
+
+/// Parses a number of rows: a whole number from 1 to [`MAX_ROWS`].
+pub fn parse_rows(text: &str) -> Result<u64, String> {
+    match text.trim().parse::<u64>() {
+        Ok(rows) if (1..=MAX_ROWS).contains(&rows) => Ok(rows),
+        _ => Err(format!(
+            "expected a whole number of rows from 1 to {MAX_ROWS}"
+        )),
+    }
+}
+
+/// Parses a deadline: an RFC 3339 date-time with any offset.
+pub fn parse_deadline(text: &str) -> Result<OffsetDateTime, String> {
+    OffsetDateTime::parse(text.trim(), &Rfc3339)
+        .map_err(|_| "expected an RFC 3339 date-time such as 2026-11-26T10:00:00+09:00".to_owned())
+}
+
+/// `at` as RFC 3339 in UTC (`…Z`), its fraction of a second kept.
+pub fn rfc3339(at: OffsetDateTime) -> String {
+    at.to_offset(UtcOffset::UTC)
+        .format(&Rfc3339)
+        .unwrap_or_else(|_| at.unix_timestamp().to_string())
+}
+
+/// `at` as RFC 3339 in UTC, to the millisecond.
+fn rfc3339_millis(at: OffsetDateTime) -> String {
+    rfc3339(at.replace_millisecond(at.millisecond()).unwrap_or(at))
+}
+
+/// The answer to a [`Question`] about a seller: an estimate from the state read now (its
+/// backlog, limits, pause, learned limit and retries), not a promise; what binds is each
+/// message's own `deadline`, past which it is dead-lettered as `expired`.
+#[derive(Clone, Debug, PartialEq, Serialize)]
+pub struct Admission {
+    pub rows: u64,
+    /// When the last of the rows, published now behind the seller's backlog, is expected to
+    /// be registered (RFC 3339, UTC).
+    pub finish_at: String,
+    /// The same, in seconds from now.
+    pub finish_in_s: f64,
+    /// The deadline asked about, in UTC (absent when none was).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub deadline: Option<String>,
+    /// Whether `finish_at` is at or before the deadline (absent without one).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub meets_deadline: Option<bool>,
+}
+
+impl BatchReport {
+    /// Whether the batch is expected to be done by `deadline`, asked at `now`: a done batch
+    /// if it completed by then (its last message counted, when its completion is not known);
+    /// a waiting one if its ETA ends by then; unknown (`None`) while its total is.
+    pub fn meets(&self, deadline: OffsetDateTime, now: OffsetDateTime) -> Option<bool> {
+        if self.done {
+            let finished = self.completed_ms.or(self.last_ms).map_or(now, |ms| {
+                OffsetDateTime::from_unix_timestamp_nanos(i128::from(ms) * 1_000_000).unwrap_or(now)
+            });
+            return Some(finished <= deadline);
+        }
+        let eta = Duration::try_from_secs_f64(self.eta_s?).unwrap_or(Duration::MAX);
+        Some(later(now, eta) <= deadline)
+    }
+}
+
+/// `wait` after `now`; the last moment RFC 3339 can write (9999-12-31) when that is later.
+fn later(now: OffsetDateTime, wait: Duration) -> OffsetDateTime {
+    time::Duration::try_from(wait)
+        .ok()
+        .and_then(|wait| now.checked_add(wait))
+        .filter(|at| at.year() <= 9999)
+        .unwrap_or_else(|| OffsetDateTime::new_utc(time::Date::MAX, time::Time::MAX))
 }
 
 /// Reports a seller's batches (`batches`, as the store holds them) with an ETA each: a batch is
@@ -209,6 +352,7 @@ pub fn seller_report(
         retrying,
         batches: reports,
         usage,
+        backlog_retries,
     }
 }
 
@@ -511,5 +655,187 @@ mod tests {
             (report.backlog, report.eta_s, report.retrying),
             (50, 50.0, 1)
         );
+    }
+
+    /// The instant an RFC 3339 text names.
+    fn at(text: &str) -> OffsetDateTime {
+        parse_deadline(text).unwrap()
+    }
+
+    /// A seller at 10/10s whose window holds the 10 units just registered, with 20 waiting.
+    fn busy_seller() -> SellerReport {
+        seller_report(
+            &SellerId::parse("S-1").unwrap(),
+            vec![batch("b", 1, 30, 10)],
+            usage("10/10s", 10, Duration::ZERO),
+            None,
+            &[],
+        )
+    }
+
+    #[test]
+    fn rows_are_a_whole_number_from_1_to_a_million() {
+        assert_eq!(parse_rows("1"), Ok(1));
+        assert_eq!(parse_rows("1000000"), Ok(MAX_ROWS));
+        for bad in ["0", "1000001", "-1", "2.5", "", "five"] {
+            let said = parse_rows(bad).expect_err(bad);
+            assert!(said.contains("from 1 to 1000000"), "{bad:?}: {said}");
+        }
+    }
+
+    #[test]
+    fn a_deadline_is_an_rfc_3339_date_time_echoed_in_utc() {
+        let deadline = at("2026-11-26T10:00:00+09:00");
+        assert_eq!(rfc3339(deadline), "2026-11-26T01:00:00Z");
+        assert_eq!(
+            rfc3339(at("2026-11-26T01:00:00.250Z")),
+            "2026-11-26T01:00:00.25Z"
+        );
+        for bad in [
+            "2026-11-26",
+            "2026-11-26T10:00:00",
+            "tomorrow",
+            "",
+            "1764118800",
+        ] {
+            let said = parse_deadline(bad).expect_err(bad);
+            assert!(said.contains("RFC 3339"), "{bad:?}: {said}");
+        }
+    }
+
+    #[test]
+    fn a_question_is_asked_only_with_rows_or_a_deadline_and_a_bad_one_names_its_parameter() {
+        assert_eq!(Question::from_params(None, None), Ok(None));
+        assert_eq!(
+            Question::from_params(None, Some("2026-11-26T01:00:00Z")),
+            Ok(Some(Question {
+                rows: 1,
+                deadline: Some(at("2026-11-26T01:00:00Z"))
+            }))
+        );
+        assert_eq!(
+            Question::from_params(Some("5"), None),
+            Ok(Some(Question {
+                rows: 5,
+                deadline: None
+            }))
+        );
+        let rows = Question::from_params(Some("0"), None).unwrap_err();
+        assert!(rows.starts_with("rows: expected"), "{rows}");
+        let deadline = Question::from_params(Some("5"), Some("soon")).unwrap_err();
+        assert_eq!(
+            deadline,
+            "deadline: expected an RFC 3339 date-time such as 2026-11-26T10:00:00+09:00"
+        );
+    }
+
+    #[test]
+    fn five_more_rows_behind_twenty_waiting_at_10_per_10s_finish_a_window_after_the_backlog() {
+        let seller = busy_seller();
+        assert_eq!((seller.backlog_units, seller.eta_s), (20, 20.0));
+        assert_eq!(seller.eta_with(0), Duration::from_secs(20));
+        let now = at("2026-11-26T01:00:00Z");
+        let soon = Question {
+            rows: 5,
+            deadline: Some(at("2026-11-26T10:00:05+09:00")),
+        };
+        assert_eq!(
+            seller.admission(&soon, now),
+            Admission {
+                rows: 5,
+                finish_at: "2026-11-26T01:00:30Z".into(),
+                finish_in_s: 30.0,
+                deadline: Some("2026-11-26T01:00:05Z".into()),
+                meets_deadline: Some(false),
+            }
+        );
+        let later_on = Question {
+            deadline: Some(at("2026-11-26T01:01:00Z")),
+            ..soon
+        };
+        assert_eq!(seller.admission(&later_on, now).meets_deadline, Some(true));
+        // Exactly at the deadline meets it; no deadline, no verdict.
+        let exactly = Question {
+            deadline: Some(at("2026-11-26T01:00:30Z")),
+            ..soon
+        };
+        assert_eq!(seller.admission(&exactly, now).meets_deadline, Some(true));
+        let open = seller.admission(
+            &Question {
+                rows: 5,
+                deadline: None,
+            },
+            now,
+        );
+        assert_eq!((open.deadline, open.meets_deadline), (None, None));
+        let json = serde_json::to_value(seller.admission(
+            &Question {
+                rows: 5,
+                deadline: None,
+            },
+            now,
+        ))
+        .unwrap();
+        assert_eq!(
+            json,
+            serde_json::json!({"rows": 5, "finish_at": "2026-11-26T01:00:30Z", "finish_in_s": 30.0})
+        );
+    }
+
+    #[test]
+    fn an_admission_counts_a_pause_and_is_written_to_the_millisecond() {
+        let mut seller = busy_seller();
+        seller.usage.paused_for = Duration::from_millis(45_250);
+        // Paused 45.25 s: then the 25 units drain in two more windows.
+        let now = at("2026-11-26T01:00:00.000400Z");
+        let answer = seller.admission(
+            &Question {
+                rows: 5,
+                deadline: None,
+            },
+            now,
+        );
+        assert_eq!(answer.finish_in_s, 65.25);
+        assert_eq!(answer.finish_at, "2026-11-26T01:01:05.25Z");
+    }
+
+    #[test]
+    fn a_finish_beyond_year_9999_is_written_as_its_last_moment() {
+        let mut slow = busy_seller();
+        slow.usage = usage("1/1d", 0, Duration::ZERO);
+        slow.backlog_units = u64::MAX / 2;
+        let answer = slow.admission(
+            &Question {
+                rows: MAX_ROWS,
+                deadline: Some(at("9999-12-31T23:59:59Z")),
+            },
+            at("2026-11-26T01:00:00Z"),
+        );
+        assert_eq!(answer.finish_at, "9999-12-31T23:59:59.999Z");
+        assert_eq!(answer.meets_deadline, Some(false));
+    }
+
+    #[test]
+    fn a_batch_meets_a_deadline_if_its_eta_ends_by_it_or_it_completed_by_it() {
+        let seller = busy_seller();
+        let waiting = &seller.batches[0];
+        assert_eq!(waiting.eta_s, Some(20.0));
+        let now = at("2026-11-26T01:00:00Z");
+        assert_eq!(waiting.meets(at("2026-11-26T01:00:05Z"), now), Some(false));
+        assert_eq!(waiting.meets(at("2026-11-26T01:00:20Z"), now), Some(true));
+        let completed_ms = u64::try_from(now.unix_timestamp()).unwrap() * 1000 - 60_000;
+        let done = BatchReport {
+            done: true,
+            eta_s: Some(0.0),
+            completed_ms: Some(completed_ms),
+            ..waiting.clone()
+        };
+        assert_eq!(done.meets(at("2026-11-26T00:59:30Z"), now), Some(true));
+        assert_eq!(done.meets(at("2026-11-26T00:58:30Z"), now), Some(false));
+        let unknown = BatchReport {
+            eta_s: None,
+            ..waiting.clone()
+        };
+        assert_eq!(unknown.meets(at("2026-11-26T01:00:20Z"), now), None);
     }
 }
