@@ -466,6 +466,44 @@ mod tests {
     use super::*;
 
     #[test]
+    fn a_deadline_is_an_rfc_3339_date_time_with_any_offset() {
+        let parse = |deadline: &str| {
+            let body = format!(r#"{{"seller_id":"S","deadline":{deadline},"product":{{}}}}"#);
+            Registration::parse(body.as_bytes(), None).map(|r| r.deadline.map(Deadline::unix_ms))
+        };
+        assert_eq!(parse(r#""1970-01-01T00:00:01Z""#), Ok(Some(1_000)));
+        assert_eq!(parse(r#""1970-01-01T09:00:01.5+09:00""#), Ok(Some(1_500)));
+        assert_eq!(parse("null"), Ok(None));
+        for bad in [
+            r#""tomorrow""#,
+            r#""2026-11-26 10:00""#,
+            r#""2026-13-01T00:00:00Z""#,
+            r#""1969-12-31T23:59:59Z""#,
+            "5",
+            "true",
+        ] {
+            assert!(
+                matches!(
+                    parse(bad),
+                    Err(InvalidMessage::Field {
+                        field: "deadline",
+                        ..
+                    })
+                ),
+                "{bad}: {:?}",
+                parse(bad)
+            );
+        }
+    }
+
+    #[test]
+    fn a_priority_is_zero_to_nine() {
+        assert_eq!(Priority::from_amqp(None).get(), 0);
+        assert_eq!(Priority::from_amqp(Some(7)).get(), 7);
+        assert_eq!(Priority::from_amqp(Some(200)).get(), 9);
+    }
+
+    #[test]
     fn a_batch_size_is_a_whole_number_from_one() {
         let parse = |size: &str| {
             let body =

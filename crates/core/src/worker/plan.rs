@@ -694,6 +694,72 @@ mod tests {
         }
     }
 
+    #[test]
+    fn a_message_expires_when_its_next_call_could_only_come_after_its_deadline() {
+        let deadline = Some(Deadline::from_unix_ms(10_000));
+        assert_eq!(
+            expired(None, 99_000, Some(SECOND)),
+            None,
+            "no deadline, never"
+        );
+        assert_eq!(expired(deadline, 9_000, Some(SECOND)), None, "called at it");
+        assert_eq!(expired(deadline, 10_000, None), None, "asking at it");
+        let late = expired(deadline, 9_000, Some(SECOND + MS)).unwrap();
+        assert!(late.contains("1970-01-01T00:00:10.000Z"), "{late}");
+        assert!(late.contains("1970-01-01T00:00:10.001Z"), "{late}");
+        assert!(expired(deadline, 10_001, None).is_some(), "past it");
+    }
+
+    #[test]
+    fn a_waiting_message_is_next_called_at_its_slot_or_at_the_end_of_its_wait() {
+        let s = settings();
+        let mut carried = Carried::default();
+        assert_eq!(s.next_call_after(&Plan::AskAgain, None), None);
+        assert_eq!(
+            s.next_call_after(&Plan::Settle(Outcome::AlreadyDone), None),
+            None
+        );
+        assert_eq!(
+            s.next_call_after(
+                &Plan::PauseSeller {
+                    pause: 7 * SECOND,
+                    asked: 7 * SECOND
+                },
+                None
+            ),
+            Some(7 * SECOND)
+        );
+        let retry = Plan::Retry {
+            after: 3 * SECOND,
+            why: "HTTP 503".into(),
+        };
+        assert_eq!(s.next_call_after(&retry, None), Some(3 * SECOND));
+        let unreserved = Plan::Settle(Outcome::Delay {
+            after: 9 * SECOND,
+            carried: carried.clone(),
+        });
+        assert_eq!(s.next_call_after(&unreserved, None), Some(9 * SECOND));
+        // With a reservation: back `lead` before the slot, called at the slot.
+        carried.reservation = Some(reservation());
+        let reserved = Plan::Settle(Outcome::Delay {
+            after: 9 * SECOND,
+            carried,
+        });
+        assert_eq!(
+            s.next_call_after(&reserved, None),
+            Some(9 * SECOND + s.lead())
+        );
+        assert_eq!(
+            s.next_call_after(&reserved, Some(8 * SECOND)),
+            Some(8 * SECOND)
+        );
+        assert_eq!(
+            s.next_call_after(&Plan::Hold(1_500 * MS), Some(1_200 * MS)),
+            Some(1_200 * MS),
+            "a hold that also waits for answers: the slot decides"
+        );
+    }
+
     fn reservation() -> Reservation {
         Reservation {
             slot_us: 1_000_000,
