@@ -247,7 +247,7 @@ async fn hopeless_rows_expire_at_once_and_the_earliest_deadline_goes_first() -> 
         expired.len(),
         all.iter()
             .find(|r| r["outcome"] == "expired")
-            .map(|r| r["response"].clone()),
+            .map(|r| r["detail"].clone()),
         registered.len()
     );
     assert_eq!(expired.len(), 20, "{:?}", results.brief());
