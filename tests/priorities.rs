@@ -330,19 +330,18 @@ async fn a_row_that_has_waited_nine_minutes_is_passed_by_no_later_priority_row()
         .iter()
         .rposition(|id| id.starts_with("urgent-"))
         .unwrap();
-    let first_young = registered
+    // The aged rows take the next window; the priority rows the one after, whose other five
+    // slots go to the first young rows (in which order those ten register is a race).
+    let young_before = registered[..last_urgent]
         .iter()
-        .position(|id| id.starts_with("young-"))
-        .unwrap();
+        .filter(|id| id.starts_with("young-"))
+        .count();
     println!("order: {registered:?}");
     assert!(
         last_old < first_urgent,
         "an aged row was passed: {registered:?}"
     );
-    assert!(
-        last_urgent < first_young,
-        "young rows went first: {registered:?}"
-    );
+    assert!(young_before <= 5, "young rows went first: {registered:?}");
     assert_eq!(rig.mock.stats().violations, 0);
     rig.cleanup().await
 }
