@@ -7,12 +7,10 @@ mod support;
 use std::time::Duration;
 
 use futures::StreamExt;
-use lapin::BasicProperties;
-use lapin::options::{BasicConsumeOptions, BasicPublishOptions, ConfirmSelectOptions};
-use lapin::types::{AMQPValue, FieldTable};
-use turnstile_core::broker::ladder::{LEVELS, calendar_slot, open_calendar_slot};
-use turnstile_core::broker::{self, QueueType, headers, unix_ms};
-use turnstile_lab::rig::Rig;
+use lapin::options::BasicConsumeOptions;
+use lapin::types::FieldTable;
+use turnstile_core::broker::ladder::{LEVELS, calendar_slot};
+use turnstile_core::broker::{self, QueueType, unix_ms};
 
 #[tokio::test]
 async fn a_wait_of_hours_is_published_once_to_the_calendar_queue_of_its_due_time() {
@@ -60,49 +58,11 @@ async fn a_wait_of_hours_is_published_once_to_the_calendar_queue_of_its_due_time
     broker.cleanup().await;
 }
 
-/// Publishes `n` registrations of `seller` straight into the calendar queue of the open slot,
-/// due `in_ms` from now, as a replica's delay would have put them there earlier.
-async fn park_in_open_slot(rig: &Rig, seller: &str, n: usize, in_ms: u64) -> String {
-    let slot = open_calendar_slot(unix_ms());
-    let queue = rig.topology.calendar(slot);
-    let channel = rig.connection().create_channel().await.unwrap();
-    rig.topology.declare_calendar(&channel, slot).await.unwrap();
-    channel
-        .confirm_select(ConfirmSelectOptions::default())
-        .await
-        .unwrap();
-    let due = unix_ms() + in_ms;
-    for i in 0..n {
-        let body = serde_json::json!({
-            "message_id": format!("{seller}-{i}"), "seller_id": seller, "product": {"sku": i},
-        });
-        let mut table = FieldTable::default();
-        table.insert(headers::DUE.into(), AMQPValue::LongLongInt(due as i64));
-        table.insert(headers::HOP.into(), AMQPValue::LongLongInt(due as i64));
-        channel
-            .basic_publish(
-                "".into(),
-                queue.as_str().into(),
-                BasicPublishOptions::default(),
-                &serde_json::to_vec(&body).unwrap(),
-                BasicProperties::default()
-                    .with_delivery_mode(2)
-                    .with_headers(table),
-            )
-            .await
-            .unwrap()
-            .await
-            .unwrap();
-    }
-    let _ = channel.close(200, "".into()).await;
-    queue
-}
-
 #[tokio::test]
 async fn an_open_slots_messages_are_handed_on_when_due_also_after_their_replica_stopped()
 -> anyhow::Result<()> {
     let mut rig = support::rig("calendar-open", "100/1s").prepare().await?;
-    let queue = park_in_open_slot(&rig, "S-cal", 3, 4_000).await;
+    let queue = support::park_in_open_calendar_slot(&rig, "S-cal", 3, 4_000).await;
     rig.start_replica(rig.settings(2)).await?;
     support::eventually_async("the replica holds the slot's messages", async || {
         rig.total(|s| &s.ladder.deliveries) >= 3

@@ -263,3 +263,48 @@ impl<'w> tracing_subscriber::fmt::MakeWriter<'w> for Lines {
         self.clone()
     }
 }
+
+/// Publishes `n` registrations of `seller` straight into the calendar queue of the open slot,
+/// due `in_ms` from now, as a replica's delay would have put them there earlier.
+pub async fn park_in_open_calendar_slot(rig: &Rig, seller: &str, n: usize, in_ms: u64) -> String {
+    let slot =
+        turnstile_core::broker::ladder::open_calendar_slot(turnstile_core::broker::unix_ms());
+    let queue = rig.topology.calendar(slot);
+    let channel = rig.connection().create_channel().await.unwrap();
+    rig.topology.declare_calendar(&channel, slot).await.unwrap();
+    channel
+        .confirm_select(lapin::options::ConfirmSelectOptions::default())
+        .await
+        .unwrap();
+    let due = turnstile_core::broker::unix_ms() + in_ms;
+    for i in 0..n {
+        let body = serde_json::json!({
+            "message_id": format!("{seller}-{i}"), "seller_id": seller, "product": {"sku": i},
+        });
+        let mut table = lapin::types::FieldTable::default();
+        table.insert(
+            turnstile_core::broker::headers::DUE.into(),
+            lapin::types::AMQPValue::LongLongInt(due as i64),
+        );
+        table.insert(
+            turnstile_core::broker::headers::HOP.into(),
+            lapin::types::AMQPValue::LongLongInt(due as i64),
+        );
+        channel
+            .basic_publish(
+                "".into(),
+                queue.as_str().into(),
+                lapin::options::BasicPublishOptions::default(),
+                &serde_json::to_vec(&body).unwrap(),
+                lapin::BasicProperties::default()
+                    .with_delivery_mode(2)
+                    .with_headers(table),
+            )
+            .await
+            .unwrap()
+            .await
+            .unwrap();
+    }
+    let _ = channel.close(200, "".into()).await;
+    queue
+}
