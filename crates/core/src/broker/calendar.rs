@@ -17,12 +17,14 @@
 //! A replica stops consuming a slot's queue a minute after the slot ends, once it holds nothing
 //! from it, and deletes the queue if it is unused and empty (the last replica to stop deletes
 //! it). Slots whose queues may still hold messages — a replica that crashed holding some, the
-//! whole fleet down through a slot — are found by probing (a passive declare): every minute the
-//! slots of the last two hours, and once, from half a minute after a replica starts, every slot
-//! of the last [`super::ladder::MAX_DELAY`] and an hour; a past slot with messages ready is
-//! consumed again, and its messages, all due, are handed on at once.
+//! whole fleet down through a slot — are found by probing (a passive declare): when a replica
+//! starts, the slots of the last two hours; every minute, the open slots and those this replica
+//! stopped consuming in the last two hours without deleting their queue; and once, from half a
+//! minute after it starts, every slot of the last [`super::ladder::MAX_DELAY`] and an hour. A
+//! past slot with messages ready is consumed again, and its messages, all due, are handed on at
+//! once. A probe of a queue that does not exist is a channel error the broker logs.
 
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, BTreeSet};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
@@ -43,9 +45,9 @@ use super::{Settler, unix_ms};
 /// How long after its slot ends a replica keeps consuming a calendar queue: a copy published
 /// by a replica whose clock is behind, or returned by a lost connection, still finds a consumer.
 const GRACE: Duration = Duration::from_secs(60);
-/// How often the queues of the recent past slots are probed for messages left in them.
+/// How often the open slots and the recent undeleted ones are probed.
 const SWEEP: Duration = Duration::from_secs(60);
-/// The recent past the sweep probes: two hours of slots.
+/// The recent past probed at start and kept in the sweep: two hours of slots.
 const RECENT: Duration = Duration::from_secs(2 * 3600);
 /// How long after its start a replica probes every slot of the last [`MAX_DELAY`] and an hour
 /// (a replica that lives less does not; the sweeps of the others do), and the pause between
@@ -87,7 +89,11 @@ impl Calendar {
         failed: &CancellationToken,
     ) {
         let started = unix_ms();
+        // The slots consumed here, each with what retires its consumer (cancelled once over).
         let mut consuming: BTreeMap<u64, CancellationToken> = BTreeMap::new();
+        // Slots this replica stopped consuming whose queue it could not delete (still used by
+        // others, or not empty): swept every minute for two hours, for what may be left.
+        let mut undeleted: BTreeSet<u64> = BTreeSet::new();
         let finished: Arc<Mutex<Vec<u64>>> = Arc::default();
         let woken = Arc::new(Notify::new());
         let mut probe: Option<Channel> = None;
@@ -112,6 +118,7 @@ impl Calendar {
                     continue;
                 }
                 let Some(ready) = self.probe(&connection, &mut probe, slot).await else {
+                    undeleted.remove(&slot);
                     continue;
                 };
                 if worth_consuming(slot, ready, now) {
@@ -134,13 +141,17 @@ impl Calendar {
             let done: Vec<u64> = std::mem::take(&mut *finished.lock().expect("never poisoned"));
             for slot in done {
                 consuming.remove(&slot);
-                self.delete_if_unused(&connection, &mut probe, slot).await;
+                if !self.delete_if_unused(&connection, &mut probe, slot).await {
+                    undeleted.insert(slot);
+                }
             }
             let next_open = calendar_opens_ms(open + 1);
             let mut wake_at = next_open.min(next_sweep);
+            // The next slot to retire (one retired already waits for its consumer to end).
             if let Some(over_at) = consuming
-                .keys()
-                .map(|slot| calendar_ends_ms(*slot) + GRACE.as_millis() as u64 + 1)
+                .iter()
+                .filter(|(_, retire)| !retire.is_cancelled())
+                .map(|(slot, _)| calendar_ends_ms(*slot) + GRACE.as_millis() as u64 + 1)
                 .min()
             {
                 wake_at = wake_at.min(over_at);
@@ -165,7 +176,9 @@ impl Calendar {
                 open = newly;
             }
             if now >= next_sweep {
-                due.extend(open.saturating_sub(recent)..=open);
+                undeleted.retain(|slot| *slot + recent >= open);
+                due.extend(undeleted.iter().copied());
+                due.extend(open.saturating_sub(1)..=open);
                 next_sweep = now + SWEEP.as_millis() as u64;
             }
         }
@@ -267,20 +280,20 @@ impl Calendar {
         Some(retire)
     }
 
-    /// Deletes the queue of `slot` if no replica consumes it and nothing is ready in it (the
-    /// broker refuses otherwise, closing the probe's channel: another replica deletes it, or a
-    /// sweep finds what is left).
+    /// Deletes the queue of `slot` if no replica consumes it and nothing is ready in it; whether
+    /// it is gone. The broker refuses otherwise, closing the probe's channel: another replica
+    /// deletes it, or a sweep finds what is left.
     async fn delete_if_unused(
         &self,
         connection: &Connection,
         probe: &mut Option<Channel>,
         slot: u64,
-    ) {
+    ) -> bool {
         let Some(channel) = (match probe {
             Some(channel) if channel.status().connected() => Some(channel.clone()),
             _ => connection.create_channel().await.ok(),
         }) else {
-            return;
+            return false;
         };
         *probe = Some(channel.clone());
         let queue = self.ladder.topology.calendar(slot);
@@ -297,6 +310,7 @@ impl Calendar {
         if deleted.is_err() {
             *probe = None;
         }
+        deleted.is_ok()
     }
 }
 
