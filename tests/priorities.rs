@@ -301,20 +301,27 @@ async fn hopeless_rows_expire_at_once_and_the_earliest_deadline_goes_first() -> 
 #[tokio::test]
 async fn a_row_that_has_waited_nine_minutes_is_passed_by_no_later_priority_row()
 -> anyhow::Result<()> {
-    let mut rig = support::rig("aging", "10/1s").prepare().await?;
+    let mut rig = support::rig("aging", "10/5s").prepare().await?;
     let results = Results::listen(&rig).await;
     rig.start_replica(rig.settings(4)).await?;
     publish(&rig, "S-age", "first", 10, None, None, &[]).await;
     results.until(10).await;
-    // Rows first seen ten minutes ago (as a delayed copy says), without a priority.
+    // Rows first seen ten minutes ago (as a delayed copy says), without a priority, then new
+    // ones, each reserved in turn; then rows of priority 9 with a deadline an hour away.
     let long_ago = now_ms() - 10 * 60 * 1_000;
     let seen = [(
         "x-turnstile-first-seen-ms",
         AMQPValue::LongLongInt(long_ago as i64),
     )];
     publish(&rig, "S-age", "old", 10, None, None, &seen).await;
+    support::eventually("the old rows reserved", || rig.total(|s| &s.delayed) >= 10).await;
     publish(&rig, "S-age", "young", 10, None, None, &[]).await;
-    publish(&rig, "S-age", "urgent", 5, Some(9), None, &[]).await;
+    support::eventually("the young rows reserved", || {
+        rig.total(|s| &s.delayed) >= 20
+    })
+    .await;
+    let in_an_hour = now_ms() + 3_600_000;
+    publish(&rig, "S-age", "urgent", 5, Some(9), Some(in_an_hour), &[]).await;
     results.until(35).await;
     rig.stop_replicas().await?;
     let registered = results.with_outcome("registered");
@@ -330,8 +337,8 @@ async fn a_row_that_has_waited_nine_minutes_is_passed_by_no_later_priority_row()
         .iter()
         .rposition(|id| id.starts_with("urgent-"))
         .unwrap();
-    // The aged rows take the next window; the priority rows the one after, whose other five
-    // slots go to the first young rows (in which order those ten register is a race).
+    // The aged rows keep the next window; the priority rows take the one after, whose other
+    // five slots go to the first young rows (in which order those ten register is a race).
     let young_before = registered[..last_urgent]
         .iter()
         .filter(|id| id.starts_with("young-"))
@@ -382,4 +389,65 @@ fn time_of(value: &Value) -> u64 {
         .duration_since(UNIX_EPOCH)
         .unwrap()
         .as_millis() as u64
+}
+
+#[tokio::test]
+async fn a_moved_reservation_is_redeemed_at_its_new_slot_and_given_back_from_its_old_one() {
+    use turnstile_core::config::Algorithm;
+    use turnstile_core::domain::{Cost, SellerId};
+    use turnstile_core::permit::{Decision, Rank, Reservation};
+    for algorithm in [Algorithm::SlidingWindow, Algorithm::Gcra] {
+        let keys = support::Keys::new(support::Backend::Standalone, "moved").await;
+        let store = keys.store(support::limiter("1/1s", algorithm));
+        let seller = SellerId::parse("S-move").unwrap();
+        let rank = |priority| Rank {
+            priority,
+            deadline_ms: None,
+            arrival_ms: now_ms(),
+        };
+        let ask = async |priority| {
+            store
+                .acquire_or_redeem_ranked(&seller, None, Cost::ONE, None, Some(&rank(priority)))
+                .await
+                .unwrap()
+                .0
+        };
+        let reserved = |decision: Decision| match decision {
+            Decision::Wait {
+                reservation: Some(reservation),
+                ..
+            } => reservation,
+            other => panic!("{algorithm}: not reserved: {other:?}"),
+        };
+        assert!(matches!(ask(0).await, Decision::Granted { .. }));
+        let a: Reservation = reserved(ask(0).await);
+        let b = reserved(ask(0).await);
+        let p = reserved(ask(9).await);
+        assert_eq!(
+            p.slot_us, a.slot_us,
+            "{algorithm}: the priority call takes the first slot"
+        );
+        // A comes back for its old slot: told its new one, B's old slot, and keeps it.
+        let moved = store
+            .redeem_for(&seller, None, Cost::ONE, a.clone())
+            .await
+            .unwrap()
+            .expect("still reserved");
+        let Decision::Wait {
+            reservation: Some(now_a),
+            ..
+        } = moved
+        else {
+            panic!("{algorithm}: {moved:?}");
+        };
+        assert_eq!(now_a.slot_us, b.slot_us, "{algorithm}");
+        assert_eq!(now_a.token, a.token);
+        // B, moved to the priority call's first slot, is given back from its old one.
+        assert!(
+            store.unreserve(&seller, &b, Cost::ONE).await.unwrap(),
+            "{algorithm}: a moved reservation is given back"
+        );
+        assert!(!store.unreserve(&seller, &b, Cost::ONE).await.unwrap());
+        keys.cleanup().await;
+    }
 }

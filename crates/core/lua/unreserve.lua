@@ -5,8 +5,9 @@
 -- unreserve: gives back a reserved slot whose message will not come back for it (its delayed
 -- copy could not be published, it was returned to the broker, or the replica shut down before
 -- it was published), so that the seller's next caller may take it. Only a live reservation
--- (its entry in the reserved set, for this slot) is given back; a redeemed, forfeited or
--- already given back one is left as it is.
+-- (its entry in the reserved set, at this slot or, moved back by a message ranked ahead of it
+-- (give_way in include/ranks.lua), later) is given back, at the slot it holds now; a redeemed,
+-- forfeited or already given back one is left as it is.
 --
 -- KEYS[1]  the seller's limiter state for ALGORITHM
 -- KEYS[2]  the seller's reserved slots (sorted set: member = held_name(TOKEN, COST), score = slot)
@@ -27,7 +28,8 @@ if cost > MAX_COST then error({err = 'ERR turnstile: COST must be at most ' .. M
 local slot = int_arg(4, 0)
 local held = with_capacities(with_spans(limits_arg(5), int_arg(7, -1)), int_arg(8, 0))
 local name = held_name(token, cost)
-if tonumber(redis.call('ZSCORE', KEYS[2], name)) ~= slot then return 0 end
+local holds = tonumber(redis.call('ZSCORE', KEYS[2], name))
+if holds == nil or holds < slot then return 0 end
 redis.call('ZREM', KEYS[2], name)
-give_back(algorithm, KEYS[1], token, cost, slot, held)
+give_back(algorithm, KEYS[1], token, cost, holds, held)
 return 1

@@ -84,6 +84,7 @@ local function keep_and_hold(status, ttl, stamp_key, reserved_key, slot, now, la
   -- A message with a priority or a deadline goes ahead of those ranked behind it (ranks.lua).
   local log_key = nil
   if a.algorithm == 'sliding-window' then log_key = a.state end
-  slot = give_way(reserved_key, log_key, a.token, a.cost, slot, now)
+  local from = math.max(now, not_before(KEYS[3], limits, a.cost, now))
+  slot = give_way(reserved_key, log_key, a.token, a.cost, slot, now, from)
   return told_to_wait(2, slot, now, limits, a)
 end

@@ -3,7 +3,7 @@
 -- ranks: a waiting message's place among its seller's reservations (priority, deadline,
 -- arrival), read from the token its reservation was made with, and giving way to a message
 -- ranked ahead (give_way).
--- Defines: AGING_US, rank_of, effective, ranked_behind, give_way
+-- Defines: AGING_US, rank_of, effective, matured, ranked_behind, give_way
 
 -- How long a waiting message waits for each priority level it rises (µs): after nine of these,
 -- no message that came later passes it (permit::AGING in Rust says the same).
@@ -27,9 +27,22 @@ local function effective(r, now)
   return math.min(9, r.priority + aged)
 end
 
--- Whether a message of rank B is ranked behind one of rank A at NOW: a lower effective
--- priority, then a later deadline (none is latest), then a later arrival (unknown is latest).
+-- Whether R has waited long enough that no message arriving after it is ranked ahead of it:
+-- nine levels of aging (AGING_US each).
+local function matured(r, now)
+  return r.arrival ~= nil and now - r.arrival >= 9 * AGING_US
+end
+
+-- Whether a message of rank B is ranked behind one of rank A at NOW. A matured message (see
+-- matured) is behind no message that arrived after it, and ahead of every one; the matured are
+-- the earliest arrivals, so among the others: a lower effective priority, then a later deadline
+-- (none is latest), then a later arrival (unknown is latest).
 local function ranked_behind(b, a, now)
+  local ma, mb = matured(a, now), matured(b, now)
+  if ma or mb then
+    if ma and mb then return b.arrival > a.arrival end
+    return ma
+  end
   local pa, pb = effective(a, now), effective(b, now)
   if pb ~= pa then return pb < pa end
   local da, db = a.deadline or math.huge, b.deadline or math.huge
@@ -37,20 +50,21 @@ local function ranked_behind(b, a, now)
   return (b.arrival or math.huge) > (a.arrival or math.huge)
 end
 
--- A message (TOKEN, COST) with a priority (its own, or risen by waiting) or a deadline has
--- just reserved SLOT in the seller's
--- reserved set RESERVED_KEY at the end of its schedule: it takes the first slot after NOW held
--- by a reservation of the same COST ranked behind it, and each such reservation from there
--- takes the next one's slot, the last taking SLOT. The reserved set holds the same slots as
--- before, in another order, and so does the sliding-window log LOG_KEY (given for
--- sliding-window: the units of each token move with it); the other algorithms keep no slot
--- per token. So no window holds more units than it did. Nothing moves when that first slot is
--- after the message's deadline (it expires anyway). Returns the message's slot. A moved
--- message learns its new slot when it comes back for the old one (see redeem.lua, status 9).
-local function give_way(reserved_key, log_key, token, cost, slot, now)
+-- A message (TOKEN, COST) with a priority or a deadline has just reserved SLOT in the seller's
+-- reserved set RESERVED_KEY at the end of its schedule: it takes the first slot after FROM (NOW,
+-- or the end of a pause: the earliest a call may be made) held by a reservation of the same
+-- COST ranked behind it at NOW, and each such reservation from there takes the next one's slot, the
+-- last taking SLOT. The reserved set holds the same slots as before, in another order, and so
+-- does the sliding-window log LOG_KEY (given for sliding-window: the units of each token move
+-- with it); the other algorithms keep no slot per token. So no window holds more units than it
+-- did. Nothing moves when that first slot is after the message's deadline (it expires anyway).
+-- A message without a priority or a deadline never moves others (a backlog re-reserving after
+-- its slots were given back costs no scan). Returns the message's slot. A moved message learns
+-- its new slot when it comes back for the old one (see redeem.lua, status 9).
+local function give_way(reserved_key, log_key, token, cost, slot, now, from)
   local me = rank_of(token)
-  if effective(me, now) == 0 and me.deadline == nil then return slot end
-  local held = redis.call('ZRANGEBYSCORE', reserved_key, '(' .. string.format('%.0f', now),
+  if me.priority == 0 and me.deadline == nil then return slot end
+  local held = redis.call('ZRANGEBYSCORE', reserved_key, '(' .. string.format('%.0f', from),
     '(' .. string.format('%.0f', slot), 'WITHSCORES')
   local behind = {}
   for i = 1, #held, 2 do
@@ -61,16 +75,30 @@ local function give_way(reserved_key, log_key, token, cost, slot, now)
   end
   if #behind == 0 then return slot end
   if me.deadline ~= nil and behind[1].slot > me.deadline then return slot end
+  -- One variadic ZADD per key: each reservation ranked behind at the next one's slot.
+  local moves, units = {}, {}
   local function move(t, to)
-    redis.call('ZADD', reserved_key, 'XX', string.format('%.0f', to), held_name(t, cost))
-    if log_key ~= nil then for_units('ZADD', log_key, t, cost, string.format('%.0f', to)) end
+    local score = string.format('%.0f', to)
+    moves[#moves + 1] = score
+    moves[#moves + 1] = held_name(t, cost)
+    if log_key ~= nil then
+      for i = 1, cost do
+        units[#units + 1] = score
+        units[#units + 1] = unit(t, i)
+      end
+    end
   end
-  local mine = behind[1].slot
   for i = 1, #behind do
     local to = slot
     if i < #behind then to = behind[i + 1].slot end
     move(behind[i].token, to)
   end
-  move(token, mine)
-  return mine
+  move(token, behind[1].slot)
+  for at = 1, #moves, 1000 do
+    redis.call('ZADD', reserved_key, 'XX', unpack(moves, at, math.min(at + 999, #moves)))
+  end
+  for at = 1, #units, 1000 do
+    redis.call('ZADD', log_key, 'XX', unpack(units, at, math.min(at + 999, #units)))
+  end
+  return behind[1].slot
 end
