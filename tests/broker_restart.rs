@@ -117,34 +117,3 @@ async fn ten_broker_restarts_strand_nothing_in_quorum_or_classic_ladders() -> an
     repeated_restarts_strand_nothing(QueueType::Quorum, 10).await?;
     repeated_restarts_strand_nothing(QueueType::Classic, 10).await
 }
-
-#[tokio::test]
-async fn messages_held_from_a_calendar_slot_survive_broker_restarts() -> anyhow::Result<()> {
-    let mut rig = support::rig("restart-calendar", "100/1s").prepare().await?;
-    let queue = support::park_in_open_calendar_slot(&rig, "S-cal", 5, 12_000).await;
-    rig.start_replicas(2, 2).await?;
-    eventually("the slot's messages held", || {
-        rig.total(|s| &s.ladder.deliveries) >= 5
-    })
-    .await;
-    for _ in 0..2 {
-        restart_broker(&mut rig, Duration::from_secs(2)).await?;
-    }
-    eventually("5 registered", || rig.mock.stats().registered >= 5).await;
-    rig.stop_replicas().await?;
-    let left: u64 = rabbitmqctl(&["-q", "list_queues", "name", "messages"])
-        .lines()
-        .filter_map(|line| line.split_once('\t'))
-        .filter(|(name, _)| *name == queue)
-        .filter_map(|(_, n)| n.trim().parse::<u64>().ok())
-        .sum();
-    let stats = rig.mock.stats();
-    println!(
-        "5 messages held from a calendar slot, 2 broker restarts: {} registered, {} duplicates, \
-         {left} left in the slot",
-        stats.registered, stats.duplicates
-    );
-    assert_eq!(stats.registered, 5);
-    assert_eq!(left, 0);
-    rig.cleanup().await
-}

@@ -121,7 +121,7 @@ impl Inbox {
 /// The test's side of the broker: a connection of its own (its queues are exclusive to it and
 /// go with it), a confirming publisher to the rig's work queue, and what came back.
 struct Upload {
-    connection: std::sync::Arc<Connection>,
+    connection: Connection,
     publisher: Publisher,
     work: String,
     exchange: String,

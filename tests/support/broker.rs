@@ -11,7 +11,7 @@ pub fn amqp_url() -> String {
 }
 
 pub struct TestBroker {
-    pub connection: std::sync::Arc<Connection>,
+    pub connection: Connection,
     pub publisher: Publisher,
     pub topology: Topology,
 }
@@ -38,7 +38,6 @@ impl TestBroker {
             .await
             .expect("RabbitMQ is reachable");
         let publisher = Publisher::open(&connection).await.unwrap();
-        let connection = std::sync::Arc::new(connection);
         Self {
             connection,
             publisher,

@@ -65,18 +65,11 @@ pub const MAX_DELAY: Duration = Duration::from_secs(36 * 3600);
 /// A hop that ends this much later than it should counts as overdue.
 pub const OVERDUE: Duration = Duration::from_secs(1);
 
-/// How much of the time line one calendar queue takes: `<q>.at.<slot>` holds the messages due
-/// from `slot` x CALENDAR_SLOT to the next slot (Unix time), half the top level's hold.
-pub const CALENDAR_SLOT: Duration = Duration::from_secs(512);
-
 /// Where a delayed message goes next.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Hop {
     /// Wait in level `level` until `until_ms` (Unix ms).
     Level { level: u32, until_ms: u64 },
-    /// A wait longer than the top level holds: wait in the calendar queue of the slot of its
-    /// due time `until_ms`, consumed only from [`calendar_opens_ms`] (see [`calendar`]).
-    Calendar { slot: u64, until_ms: u64 },
     /// Due (less than one UNIT left): back to the consume path, handed to the workers by the
     /// level's consumer, or published to the return queue `<q>.ready`.
     Ready,
@@ -95,12 +88,6 @@ pub fn next_hop(now_ms: u64, due_ms: u64) -> Hop {
     if units == 0 {
         return Hop::Ready;
     }
-    if due_ms.saturating_sub(now_ms) > top_hold_ms() {
-        return Hop::Calendar {
-            slot: calendar_slot(due_ms),
-            until_ms: due_ms,
-        };
-    }
     let level = (63 - units.leading_zeros()).min(LEVELS - 1);
     Hop::Level {
         level,
@@ -112,35 +99,6 @@ pub fn next_hop(now_ms: u64, due_ms: u64) -> Hop {
 /// upper end of the level's waits (1,024 s for the top level).
 pub fn level_hold(level: u32) -> Duration {
     UNIT * (2u32 << level)
-}
-
-/// The top level's hold in ms: the longest a replica holds any delayed delivery, calendar
-/// ones included.
-fn top_hold_ms() -> u64 {
-    level_hold(LEVELS - 1).as_millis() as u64
-}
-
-/// The calendar slot of a message due at `due_ms` (see [`CALENDAR_SLOT`]).
-pub fn calendar_slot(due_ms: u64) -> u64 {
-    due_ms / CALENDAR_SLOT.as_millis() as u64
-}
-
-/// When the replicas start consuming the calendar queue of `slot` (Unix ms): the top level's
-/// hold before the end of the slot, so that none of its messages is held longer than that. A
-/// message goes to the calendar only with more than that hold left to wait, so its slot's
-/// queue is never consumed yet when it is published (on the publisher's clock).
-pub fn calendar_opens_ms(slot: u64) -> u64 {
-    calendar_ends_ms(slot).saturating_sub(top_hold_ms())
-}
-
-/// The end of `slot` (Unix ms): every message in its queue is due by then.
-pub fn calendar_ends_ms(slot: u64) -> u64 {
-    (slot + 1) * CALENDAR_SLOT.as_millis() as u64
-}
-
-/// The newest calendar slot whose queue is consumed at `now_ms`.
-pub fn open_calendar_slot(now_ms: u64) -> u64 {
-    calendar_slot(now_ms + top_hold_ms()).saturating_sub(1)
 }
 
 /// How long a message received at `now_ms` from a level that holds at most `wait` still has
@@ -233,7 +191,7 @@ impl Ladder {
     /// channel (whose batched acks must be flushed before the connection is closed).
     pub async fn start(
         self: &Arc<Self>,
-        connection: &Arc<Connection>,
+        connection: &Connection,
         tracker: &TaskTracker,
         shutdown: &CancellationToken,
         failed: &CancellationToken,
@@ -250,18 +208,6 @@ impl Ladder {
         let settler = Settler::new(channel.clone())
             .singly()
             .counting(self.cost.clone());
-        let calendar = super::calendar::Calendar {
-            ladder: self.clone(),
-            channel: channel.clone(),
-            settler: settler.clone(),
-        };
-        let (inner, stop, lost) = (tracker.clone(), shutdown.clone(), failed.clone());
-        let connection_of_calendar = connection.clone();
-        tracker.spawn(async move {
-            calendar
-                .run(connection_of_calendar, &inner, &stop, &lost)
-                .await
-        });
         for k in 0..LEVELS {
             let queue = self.topology.level(k);
             let consumer = channel
@@ -282,7 +228,7 @@ impl Ladder {
                     settler,
                 };
                 ladder
-                    .run_level(consumer, level, &inner, &shutdown, &failed, None)
+                    .run_level(consumer, level, &inner, &shutdown, &failed)
                     .await
             });
         }
@@ -290,51 +236,25 @@ impl Ladder {
     }
 
     /// Holds the level's messages (at most the prefetch), each until its hold ends, and then
-    /// moves it on; a release notice moves the messages it names on at once. With `retire` (a
-    /// calendar queue's consumer), once it is cancelled and nothing is held, the consumer is
-    /// cancelled, what the broker still delivers is held and moved on as the rest, and the
-    /// loop ends when nothing is left: the broker ending that consumer is no failure.
-    pub(super) async fn run_level(
+    /// moves it on; a release notice moves the messages it names on at once.
+    async fn run_level(
         self: Arc<Self>,
         mut consumer: lapin::Consumer,
         level: Level,
         tracker: &TaskTracker,
         shutdown: &CancellationToken,
         failed: &CancellationToken,
-        retire: Option<(CancellationToken, lapin::Channel)>,
     ) {
         let mut releases = self.releases.subscribe();
         // By the end of their hold (Unix ms), then in order of receipt.
         let mut held: BTreeMap<(u64, u64), Delivery> = BTreeMap::new();
         let mut received = 0u64;
-        let (retiring, retire_channel) = match retire {
-            Some((token, channel)) => (token, Some(channel)),
-            None => (CancellationToken::new(), None),
-        };
-        let mut cancelled = false;
-        let mut ended = false;
         loop {
-            if ended && held.is_empty() {
-                break;
-            }
             let head_wait = held
                 .first_key_value()
                 .map(|((end, _), _)| Duration::from_millis(end.saturating_sub(unix_ms())));
-            let may_retire = retire_channel.is_some() && !cancelled && held.is_empty();
             tokio::select! {
-                _ = retiring.cancelled(), if may_retire => {
-                    cancelled = true;
-                    let channel = retire_channel.as_ref().expect("a calendar consumer's channel");
-                    if let Err(error) = channel
-                        .basic_cancel(consumer.tag(), lapin::options::BasicCancelOptions::default())
-                        .await
-                    {
-                        debug!(%error, "could not cancel a calendar consumer");
-                        failed.cancel();
-                        break;
-                    }
-                }
-                next = consumer.next(), if !ended => match next {
+                next = consumer.next() => match next {
                     Some(Ok(delivery)) => {
                         level.settler.received(delivery.delivery_tag);
                         self.stats.held.fetch_add(1, Ordering::Relaxed);
@@ -350,7 +270,6 @@ impl Ladder {
                         failed.cancel();
                         break;
                     }
-                    None if cancelled => ended = true,
                     None => {
                         warn!("the broker cancelled a delay ladder consumer");
                         failed.cancel();
@@ -455,11 +374,11 @@ impl Ladder {
 }
 
 /// A level's settings for its consumer.
-pub(super) struct Level {
+struct Level {
     /// The longest a message is held from its receipt ([`level_hold`]).
-    pub(super) hold: Duration,
+    hold: Duration,
     /// The settler of the ladder's channel.
-    pub(super) settler: Settler,
+    settler: Settler,
 }
 
 /// How often a ladder message may have come back to its level (lost connections, crashes,
@@ -489,7 +408,7 @@ pub fn hand_on(redelivered: bool, returns: Option<u64>) -> bool {
 /// The headers of a message entering `hop` (its due time is kept from the delivery).
 pub(super) fn hop_headers(hop: Hop) -> Vec<(&'static str, AMQPValue)> {
     match hop {
-        Hop::Level { until_ms, .. } | Hop::Calendar { until_ms, .. } => {
+        Hop::Level { until_ms, .. } => {
             vec![(headers::HOP, AMQPValue::LongLongInt(until_ms as i64))]
         }
         Hop::Ready => Vec::new(),
@@ -542,18 +461,17 @@ mod tests {
     }
 
     #[test]
-    fn a_wait_longer_than_the_top_level_holds_goes_to_the_calendar_in_one_hop() {
+    fn long_delays_go_round_the_top_level() {
+        let top = LEVELS - 1;
         let due = 3_600_000; // one hour
-        assert_eq!(
-            next_hop(0, due),
-            Hop::Calendar {
-                slot: calendar_slot(due),
-                until_ms: due
-            }
-        );
+        let (levels, back) = hops(0, due);
+        assert!(levels[..3].iter().all(|&level| level == top), "{levels:?}");
+        assert_eq!(back, due);
+        let per_pass = level_hold(top).as_millis() as u64;
+        assert_eq!(levels.len() as u64, due.div_ceil(per_pass), "{levels:?}");
         assert!(
-            level_hold(LEVELS - 1) < Duration::from_secs(30 * 60) * 2 / 3,
-            "every hold well inside the broker's consumer timeout"
+            level_hold(top) < Duration::from_secs(30 * 60) * 2 / 3,
+            "well inside the broker's consumer timeout"
         );
     }
 

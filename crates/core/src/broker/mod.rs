@@ -19,7 +19,6 @@
 //! Every message's headers fit a budget of the connection's frame_max ([`budget`]).
 
 pub mod budget;
-mod calendar;
 pub mod dead_letters;
 mod settle;
 pub use settle::Settler;
@@ -303,13 +302,7 @@ pub struct Publisher {
     rescue: Option<Arc<str>>,
     /// Where its confirmed publishes are counted, if anywhere.
     cost: Option<Arc<BrokerCost>>,
-    /// The calendar queues this channel declared (see [`Publisher::hop`]).
-    calendar: Arc<std::sync::Mutex<std::collections::BTreeSet<String>>>,
 }
-
-/// Calendar queues a publisher remembers having declared, at most (beyond, one is forgotten:
-/// declaring it again is harmless).
-const CALENDAR_REMEMBERED: usize = 512;
 
 /// Whether a published message must reach a queue.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -353,7 +346,6 @@ impl Publisher {
             frame_max: connection.configuration().frame_max(),
             rescue: None,
             cost: None,
-            calendar: Default::default(),
         })
     }
 
@@ -525,43 +517,8 @@ impl Publisher {
         let mut all = extra.to_vec();
         all.extend(ladder::hop_headers(hop));
         let properties = self.copy(delivery, &all);
-        let queue = topology.hop_queue(hop);
-        if let Hop::Calendar { slot, .. } = hop {
-            self.declared_calendar(topology, slot, &queue).await?;
-        }
-        self.publish("", &queue, &delivery.data, properties).await
-    }
-
-    /// Declares the calendar queue of `slot` (named `queue`) before the first publish to it
-    /// from this channel: the calendar's queues are made as they are needed. A publish to a
-    /// queue that is gone (an operator deleted it) is returned and rescued to the return queue.
-    async fn declared_calendar(
-        &self,
-        topology: &Topology,
-        slot: u64,
-        queue: &str,
-    ) -> Result<(), PublishError> {
-        if self
-            .calendar
-            .lock()
-            .expect("never poisoned")
-            .contains(queue)
-        {
-            return Ok(());
-        }
-        topology
-            .declare_calendar(&self.channel, slot)
+        self.publish("", &topology.hop_queue(hop), &delivery.data, properties)
             .await
-            .map_err(|error| match error.downcast::<lapin::Error>() {
-                Ok(error) => PublishError::Amqp(error),
-                Err(error) => PublishError::Unroutable(format!("{queue}: {error:#}")),
-            })?;
-        let mut declared = self.calendar.lock().expect("never poisoned");
-        if declared.len() >= CALENDAR_REMEMBERED {
-            declared.pop_first();
-        }
-        declared.insert(queue.to_owned());
-        Ok(())
     }
 
     /// Publishes a copy of `delivery` to the dead-letter queue with the reason in headers (and

@@ -158,39 +158,12 @@ impl Topology {
         format!("{}.wait.{k}", self.work)
     }
 
-    /// The calendar queue of `slot` (messages due in that slot, see [`super::ladder`]).
-    pub fn calendar(&self, slot: u64) -> String {
-        format!("{}.at.{slot}", self.work)
-    }
-
     /// The queue a message enters for `hop` (published through the default exchange).
     pub fn hop_queue(&self, hop: Hop) -> String {
         match hop {
             Hop::Level { level, .. } => self.level(level),
-            Hop::Calendar { slot, .. } => self.calendar(slot),
             Hop::Ready => self.ready.clone(),
         }
-    }
-
-    /// The arguments of the ladder's queues, levels and calendar: of the ladder's queue type,
-    /// and as a quorum queue with a delivery limit that is never reached (a held message is
-    /// returned at every lost connection, and must never be dropped for it).
-    fn delay_arguments(&self) -> FieldTable {
-        let mut args = Vec::new();
-        if self.delay_type == QueueType::Quorum {
-            args.push(("x-queue-type", long_string("quorum")));
-            args.push((
-                "x-delivery-limit",
-                AMQPValue::LongLongInt(i64::from(UNREACHED_DELIVERY_LIMIT)),
-            ));
-        }
-        table(&args)
-    }
-
-    /// Declares the calendar queue of `slot` on `channel` (idempotent).
-    pub async fn declare_calendar(&self, channel: &Channel, slot: u64) -> anyhow::Result<()> {
-        self.declare_queue(channel, &self.calendar(slot), self.delay_arguments())
-            .await
     }
 
     fn queue_arguments(&self, extra: &[(&str, AMQPValue)]) -> FieldTable {
@@ -344,7 +317,17 @@ impl Topology {
         self.declare_guarded(connection, &mut channel, &self.ready_queue())
             .await?;
         for k in 0..LEVELS {
-            self.declare_queue(&channel, &self.level(k), self.delay_arguments())
+            let mut args = Vec::new();
+            if self.delay_type == QueueType::Quorum {
+                args.push(("x-queue-type", long_string("quorum")));
+                // A held ladder message is returned at every lost connection, and must never be
+                // dropped for it.
+                args.push((
+                    "x-delivery-limit",
+                    AMQPValue::LongLongInt(i64::from(UNREACHED_DELIVERY_LIMIT)),
+                ));
+            }
+            self.declare_queue(&channel, &self.level(k), table(&args))
                 .await?;
         }
         super::results::declare_exchange(&channel, &self.results()).await?;
@@ -359,21 +342,12 @@ impl Topology {
         queues
     }
 
-    /// Deletes everything `declare` made, and the calendar queues of the slots from an hour ago
-    /// to [`super::ladder::MAX_DELAY`] ahead (tests, demos and benchmarks clean up with it;
-    /// deleting a queue that does not exist is no error).
+    /// Deletes everything `declare` made (tests, demos and benchmarks clean up with it).
     pub async fn delete(&self, channel: &Channel) -> anyhow::Result<()> {
-        let now = super::unix_ms();
-        let first = super::ladder::calendar_slot(now.saturating_sub(3_600_000));
-        let last = super::ladder::calendar_slot(now + super::ladder::MAX_DELAY.as_millis() as u64);
-        let calendar = (first..=last).map(|slot| self.calendar(slot));
-        let deletes = self
-            .queues()
-            .into_iter()
-            .chain(calendar)
-            .map(|q| channel.queue_delete(ShortString::from(q), QueueDeleteOptions::default()));
-        for deleted in futures::future::join_all(deletes).await {
-            deleted?;
+        for q in self.queues() {
+            channel
+                .queue_delete(ShortString::from(q), QueueDeleteOptions::default())
+                .await?;
         }
         channel
             .exchange_delete(
