@@ -9,12 +9,8 @@ use std::collections::HashSet;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
-use futures::StreamExt;
 use lapin::BasicProperties;
-use lapin::options::{
-    BasicConsumeOptions, BasicPublishOptions, ConfirmSelectOptions, QueueBindOptions,
-    QueueDeclareOptions,
-};
+use lapin::options::{BasicPublishOptions, ConfirmSelectOptions, QueueBindOptions};
 use lapin::types::{AMQPValue, FieldTable};
 use serde_json::Value;
 use turnstile_lab::rig::Rig;
@@ -38,20 +34,14 @@ impl Results {
     /// Listens to the rig's results exchange (bound before anything is published).
     async fn listen(rig: &Rig) -> Self {
         let results = Self::default();
+        let inbox = results.0.clone();
+        let queue = support::listen(rig.connection(), move |_, delivery| {
+            if let Ok(result) = serde_json::from_slice::<Value>(&delivery.data) {
+                inbox.lock().unwrap().push(result);
+            }
+        })
+        .await;
         let channel = rig.connection().create_channel().await.unwrap();
-        let queue = channel
-            .queue_declare(
-                "".into(),
-                QueueDeclareOptions {
-                    exclusive: true,
-                    ..Default::default()
-                },
-                FieldTable::default(),
-            )
-            .await
-            .unwrap()
-            .name()
-            .to_string();
         channel
             .queue_bind(
                 queue.as_str().into(),
@@ -62,27 +52,7 @@ impl Results {
             )
             .await
             .unwrap();
-        let mut consumer = channel
-            .basic_consume(
-                queue.as_str().into(),
-                "".into(),
-                BasicConsumeOptions {
-                    no_ack: true,
-                    ..Default::default()
-                },
-                FieldTable::default(),
-            )
-            .await
-            .unwrap();
-        let inbox = results.0.clone();
-        tokio::spawn(async move {
-            let _channel = channel;
-            while let Some(Ok(delivery)) = consumer.next().await {
-                if let Ok(result) = serde_json::from_slice::<Value>(&delivery.data) {
-                    inbox.lock().unwrap().push(result);
-                }
-            }
-        });
+        let _ = channel.close(200, "bound".into()).await;
         results
     }
 

@@ -15,11 +15,7 @@ use std::collections::BTreeMap;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
-use futures::StreamExt;
-use lapin::options::{
-    BasicConsumeOptions, ExchangeDeclareOptions, ExchangeDeleteOptions, QueueBindOptions,
-    QueueDeclareOptions,
-};
+use lapin::options::{ExchangeDeclareOptions, ExchangeDeleteOptions, QueueBindOptions};
 use lapin::types::FieldTable;
 use lapin::{BasicProperties, Connection, ExchangeKind};
 use serde_json::{Value, json};
@@ -146,41 +142,11 @@ impl Upload {
 
     /// A new exclusive queue (named by the broker), listened to.
     async fn queue(&self) -> String {
-        let channel = self.connection.create_channel().await.unwrap();
-        let queue = channel
-            .queue_declare(
-                "".into(),
-                QueueDeclareOptions {
-                    exclusive: true,
-                    ..Default::default()
-                },
-                FieldTable::default(),
-            )
-            .await
-            .unwrap()
-            .name()
-            .to_string();
-        let mut consumer = channel
-            .basic_consume(
-                queue.as_str().into(),
-                support::unique("listener").as_str().into(),
-                BasicConsumeOptions {
-                    no_ack: true,
-                    ..Default::default()
-                },
-                FieldTable::default(),
-            )
-            .await
-            .unwrap();
-        let (inbox, name) = (self.inbox.clone(), queue.clone());
-        tokio::spawn(async move {
-            // The channel lives as long as its consumer.
-            let _channel = channel;
-            while let Some(Ok(delivery)) = consumer.next().await {
-                inbox.0.lock().unwrap().push(Got::of(&name, &delivery));
-            }
-        });
-        queue
+        let inbox = self.inbox.clone();
+        support::listen(&self.connection, move |queue, delivery| {
+            inbox.0.lock().unwrap().push(Got::of(queue, delivery));
+        })
+        .await
     }
 
     /// Binds `queue` to the results exchange with `#`: every result and event. `Err` when the

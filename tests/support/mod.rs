@@ -263,3 +263,50 @@ impl<'w> tracing_subscriber::fmt::MakeWriter<'w> for Lines {
         self.clone()
     }
 }
+
+/// A new exclusive queue on `connection` (named by the broker, gone with the connection), its
+/// deliveries handed to `each` with the queue's name as they come (no ack needed); returns the
+/// name.
+pub async fn listen(
+    connection: &lapin::Connection,
+    mut each: impl FnMut(&str, &lapin::message::Delivery) + Send + 'static,
+) -> String {
+    use futures::StreamExt;
+    use lapin::options::{BasicConsumeOptions, QueueDeclareOptions};
+    use lapin::types::FieldTable;
+    let channel = connection.create_channel().await.unwrap();
+    let queue = channel
+        .queue_declare(
+            "".into(),
+            QueueDeclareOptions {
+                exclusive: true,
+                ..Default::default()
+            },
+            FieldTable::default(),
+        )
+        .await
+        .unwrap()
+        .name()
+        .to_string();
+    let mut consumer = channel
+        .basic_consume(
+            queue.as_str().into(),
+            unique("listener").as_str().into(),
+            BasicConsumeOptions {
+                no_ack: true,
+                ..Default::default()
+            },
+            FieldTable::default(),
+        )
+        .await
+        .unwrap();
+    let name = queue.clone();
+    tokio::spawn(async move {
+        // The channel lives as long as its consumer.
+        let _channel = channel;
+        while let Some(Ok(delivery)) = consumer.next().await {
+            each(&name, &delivery);
+        }
+    });
+    queue
+}
