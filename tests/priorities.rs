@@ -364,14 +364,14 @@ fn time_of(value: &Value) -> u64 {
 #[tokio::test]
 async fn a_moved_reservation_is_redeemed_at_its_new_slot_and_given_back_from_its_old_one() {
     use turnstile_core::config::Algorithm;
-    use turnstile_core::domain::{Cost, SellerId};
+    use turnstile_core::domain::{Cost, Priority, SellerId};
     use turnstile_core::permit::{Decision, Rank, Reservation};
     for algorithm in [Algorithm::SlidingWindow, Algorithm::Gcra] {
         let keys = support::Keys::new(support::Backend::Standalone, "moved").await;
         let store = keys.store(support::limiter("1/1s", algorithm));
         let seller = SellerId::parse("S-move").unwrap();
         let rank = |priority| Rank {
-            priority,
+            priority: Priority::from_amqp(Some(priority)),
             deadline_ms: None,
             arrival_ms: now_ms(),
         };

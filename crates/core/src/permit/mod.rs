@@ -66,7 +66,7 @@ use redis::AsyncCommands;
 pub use registry::{Registered, Registry, Roll};
 
 use crate::config::{Algorithm, LimiterArgs, Limits, RedisArgs};
-use crate::domain::{BatchId, BatchSize, Cost, MessageId, RateLimitHeaders, SellerId};
+use crate::domain::{BatchId, BatchSize, Cost, MessageId, Priority, RateLimitHeaders, SellerId};
 
 /// A failed permit decision: the caller cannot know whether it may call, so it must not.
 #[derive(Debug, thiserror::Error)]
@@ -123,12 +123,13 @@ fn is_final(error: &redis::RedisError) -> bool {
 /// order a seller's reservations without another key. A message with a priority or a deadline
 /// takes the first slot reserved for a message of the same cost ranked behind it, and the
 /// reservations from there move back one place each: the same slots, held in another order, so
-/// no window holds more than before. Ranked behind means a lower effective priority (a message
-/// rises one level for every [`AGING`] it has waited since it arrived), then a later deadline
-/// (none is latest), then a later arrival.
+/// no window holds more than before. A message that has waited nine [`AGING`]s is ranked ahead of
+/// every message that arrived after it; among the others, ranked behind means a lower effective
+/// priority (a message rises one level for every [`AGING`] it has waited since it arrived), then
+/// a later deadline (none is latest), then a later arrival.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub struct Rank {
-    pub priority: u8,
+    pub priority: Priority,
     pub deadline_ms: Option<u64>,
     pub arrival_ms: u64,
 }
@@ -144,7 +145,7 @@ impl Rank {
         match rank {
             Some(rank) => format!(
                 "{random:x}-r{}-{}-{}",
-                rank.priority.min(9),
+                rank.priority.get(),
                 rank.deadline_ms.unwrap_or(0),
                 rank.arrival_ms
             ),

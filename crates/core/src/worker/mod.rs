@@ -574,7 +574,7 @@ impl Worker {
             cost: registration.cost,
             held: carried.reservation.as_ref(),
             rank: Rank {
-                priority: registration.priority.get(),
+                priority: registration.priority,
                 deadline_ms: registration.deadline.map(|d| d.unix_ms()),
                 arrival_ms: carried.first_seen_ms,
             },
