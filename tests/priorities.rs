@@ -399,7 +399,7 @@ async fn a_moved_reservation_is_redeemed_at_its_new_slot_and_given_back_from_its
         );
         // A comes back for its old slot: told its new one, B's old slot, and keeps it.
         let moved = store
-            .redeem_for(&seller, None, Cost::ONE, a.clone())
+            .redeem_for(&seller, None, Cost::ONE, a.clone(), None)
             .await
             .unwrap()
             .expect("still reserved");

@@ -77,6 +77,7 @@ proptest! {
             url: "https://api.test/sellers/{seller_id}/products?x=1".into(),
             token: None,
             timeout: Duration::from_secs(1),
+            cost_header: None,
         }).unwrap();
         let seller = SellerId::parse(&id).unwrap();
         match downstream.url_for(&seller) {

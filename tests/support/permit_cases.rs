@@ -1093,7 +1093,7 @@ pub async fn a_reservation_is_good_only_for_its_cost(backend: Backend, algorithm
     };
     assert_eq!(
         store
-            .redeem_for(&s, None, Cost::ONE, held.clone())
+            .redeem_for(&s, None, Cost::ONE, held.clone(), None)
             .await
             .unwrap(),
         Err(Forfeit::NotReserved),
@@ -1101,7 +1101,7 @@ pub async fn a_reservation_is_good_only_for_its_cost(backend: Backend, algorithm
     );
     tokio::time::sleep(wait).await;
     let redeemed = loop {
-        match store.redeem_for(&s, None, two, held.clone()).await.unwrap() {
+        match store.redeem_for(&s, None, two, held.clone(), None).await.unwrap() {
             Ok(Decision::Wait { retry_after, .. }) => tokio::time::sleep(retry_after).await,
             other => break other,
         }

@@ -5,6 +5,7 @@
 -- @include pauses
 -- @include records
 -- @include reservations
+-- @include routes
 -- @include shadow
 -- @include states
 -- @include terms
@@ -30,6 +31,8 @@
 -- KEYS[10] the loss marker of the seller's hash slot (no TTL; see losses_since in
 --          include/losses.lua)
 -- KEYS[11] optional: the message's completion record
+-- KEYS[-2], KEYS[-1]  with ROUTE: the route's log for the seller and the seller's override of
+--          the route's stack (see include/routes.lua); the last two keys
 -- ARGV[1]  default COUNTS, comma-separated (integers >= 1; 1 to 8 limits)
 -- ARGV[2]  default WINDOWS in µs, comma-separated, one per count (integers >= 1)
 -- ARGV[3]  GUARD in µs (-1 = window/20 within [25 ms, 2 s])
@@ -44,6 +47,9 @@
 -- ARGV[11] BOUND in µs: the latest a granted call's answer (or timeout) comes back after its
 --          grant (integer >= 0; sliding-window and gcra track their calls)
 -- ARGV[12] COST the slot was reserved for (integer from 1 to 10000)
+-- ARGV[13] optional ROUTE: the route's COUNTS (see include/routes.lua): the call waits for the
+--          route's calls too, and a forfeited slot's units leave the route's log as well
+-- ARGV[14] with ROUTE: the route's WINDOWS in µs
 -- Returns {STATUS, AT_US, NOW_US, VERDICT}
 --   1 granted; 2 early (or calls of the last window still in flight): come back at AT (the
 --   reservation is kept); 3 paused until AT; 4 the limits changed; 5 too late; 6 the message
@@ -68,6 +74,13 @@ local bound = int_arg(11, 0)
 local cost = int_arg(12, 1)
 local limits = with_spans(effective_limits(KEYS[1], default, learned_key, cost), guard)
 with_capacities(with_spans(held, guard), capacity)
+local done_key = KEYS[11]
+local route = nil
+if ARGV[13] ~= nil then
+  if #KEYS < 12 then error({err = 'ERR turnstile: ROUTE needs its two keys last'}) end
+  if #KEYS == 12 then done_key = nil end
+  route = route_arg(13, KEYS[#KEYS - 1], KEYS[#KEYS], guard, cost)
+end
 local now = now_us()
 
 local name = held_name(token, cost)
@@ -76,7 +89,10 @@ local function release(status, at)
   if reserved ~= nil then
     redis.call('ZREM', KEYS[4], name)
     -- The slot's units were taken under the stack it was reserved under.
-    if status ~= 1 then give_back(algorithm, KEYS[3], token, cost, reserved, held) end
+    if status ~= 1 then
+      give_back(algorithm, KEYS[3], token, cost, reserved, held)
+      if route then route_remove(route, token, cost) end
+    end
   end
   local verdict = ''
   if status == 1 then
@@ -87,7 +103,7 @@ local function release(status, at)
   return {status, at, now, verdict}
 end
 
-if already_done(KEYS[11]) then return release(6, now) end
+if already_done(done_key) then return release(6, now) end
 if reserved == nil or reserved < slot then return {8, now, now, ''} end
 -- Moved later by a message ranked ahead of it (see give_way in include/ranks.lua): the
 -- reservation is kept at its new slot, which the caller now holds.
@@ -103,6 +119,11 @@ if now > slot + lateness(algorithm, limits) then return release(5, now) end
 if algorithm == 'sliding-window' or algorithm == 'gcra' then
   local open_at = calls_gate(KEYS[6], now, limits, cost)
   if open_at then return {2, open_at, now, ''} end
+  if route then
+    open_at = route_gate(route, KEYS[6], token, cost, now, math.floor(limits.min_guard / 10),
+      bound, lateness(algorithm, limits), limits.max_window)
+    if open_at then return {2, open_at, now, ''} end
+  end
   start_call(KEYS[6], token, cost, now, bound, limits)
 end
 return release(1, slot)

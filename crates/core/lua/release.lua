@@ -1,4 +1,5 @@
 -- @include args
+-- @include routes
 -- @include limits
 -- @include states
 -- @include terms
@@ -15,6 +16,8 @@
 -- KEYS[2]  the seller's limit override ("COUNTS WINDOWS_US"), may be absent
 -- KEYS[3]  the seller's calls (sorted set: the units of each TOKEN, score = END)
 -- KEYS[4]  optional (adaptive limits on): the seller's learned state (see with_learned)
+-- KEYS[-2], KEYS[-1]  with ROUTE: the route's log for the seller and the seller's override of
+--          the route's stack (see include/routes.lua); the last two keys
 -- ARGV[1]  default COUNTS, comma-separated (integers >= 1; 1 to 8 limits)
 -- ARGV[2]  default WINDOWS in µs, comma-separated, one per count (integers >= 1)
 -- ARGV[3]  GUARD in µs (-1 = window/20 within [25 ms, 2 s])
@@ -23,6 +26,8 @@
 -- ARGV[6]  COST: the units it took (integer from 1 to 10000)
 -- ARGV[7]  SLOT in µs: when it was counted (the grant's slot)
 -- ARGV[8]  token-bucket: CAPACITY (integer >= 0; see with_capacities); others: ignored
+-- ARGV[9]  optional ROUTE: the route's COUNTS: the grant's units leave the route's log too
+-- ARGV[10] with ROUTE: the route's WINDOWS in µs
 -- Returns 1
 
 local default = limits_arg(1)
@@ -33,7 +38,15 @@ local cost = int_arg(6, 1)
 if cost > MAX_COST then error({err = 'ERR turnstile: COST must be at most ' .. MAX_COST}) end
 local slot = int_arg(7, 0)
 local capacity = int_arg(8, 0)
-local limits = with_capacities(with_spans(effective_limits(KEYS[2], default, KEYS[4], cost), guard), capacity)
+local learned_key = KEYS[4]
+local route = nil
+if ARGV[9] ~= nil then
+  if #KEYS < 5 then error({err = 'ERR turnstile: ROUTE needs its two keys last'}) end
+  if #KEYS == 5 then learned_key = nil end
+  route = route_arg(9, KEYS[#KEYS - 1], KEYS[#KEYS], guard, cost)
+end
+local limits = with_capacities(with_spans(effective_limits(KEYS[2], default, learned_key, cost), guard), capacity)
+if route then route_remove(route, token, cost) end
 give_back(algorithm, KEYS[1], token, cost, slot, limits)
 if algorithm == 'sliding-window' or algorithm == 'gcra' then remove_units(KEYS[3], token, cost) end
 return 1

@@ -7,6 +7,7 @@
 -- @include losses
 -- @include records
 -- @include reservations
+-- @include routes
 -- @include terms
 -- @include time
 -- @include units
@@ -32,6 +33,8 @@
 --          reclaim_idle in include/blocks.lua): with BLOCK given, a unit of it is claimed before
 --          anything else is decided; reclaimed when the call would otherwise wait
 -- KEYS[13] optional: the message's completion record; if it exists nothing is written
+-- KEYS[-2], KEYS[-1]  with ROUTE: the route's log for the seller and the seller's override of
+--          the route's stack (see include/routes.lua); the last two keys
 -- ARGV[1]  default COUNTS: the stack's counts, comma-separated (integers >= 1; 1 to 8 limits)
 -- ARGV[2]  default WINDOWS in µs, comma-separated, one per count (integers >= 1)
 -- ARGV[3]  GUARD in µs added to each window (-1 = window/20 within [25 ms, 2 s])
@@ -49,12 +52,17 @@
 --          if it holds one (claim_idle); else, with a grant, up to BLOCK more units go into the
 --          pool for the seller's next calls (integer 0 to 64; 0 = none; see take_block)
 -- ARGV[10] with BLOCK: HOLD in µs, how long after the grant those units may be claimed
+-- ARGV[11] optional ROUTE: the route's COUNTS (with BLOCK given; see include/routes.lua): the
+--          call also takes COST units of the route's stack, in the same step, at the same slot;
+--          it never claims or takes permit-block units, and its TOKEN ends with `-q`
+-- ARGV[12] with ROUTE: the route's WINDOWS in µs
 -- Returns {STATUS, SLOT_US, NOW_US, COUNTS, WINDOWS_US, USED_PERMILLE, VERDICT, BLOCKED, CALL,
 --          ENDS_US, STALE}
 --   STATUS 1 = granted (call now), 2 = reserved (call at SLOT), 0 = denied (come back at SLOT;
 --   with reserving on, when the seller's reserved set is full: see far_ticket),
 --   3 = the message already registered (KEYS[13] says so),
---   4 = COST exceeds the smallest COUNT of the stack: never granted (SLOT_US is that COUNT);
+--   4 = COST exceeds the smallest COUNT of the stack (or of the route's): never granted
+--   (SLOT_US is that COUNT);
 --   USED_PERMILLE (with STATUS 1) is how much of the limit is taken after this grant, in
 --   thousandths (units in the window / COUNT, the most taken limit of the stack): the
 --   near-limit metric; COUNTS and WINDOWS_US are the stack that applied (override or default).
@@ -67,9 +75,17 @@
 --   over, given back.
 
 local a = acquire_args('sliding-window')
--- This script takes the seller's permit-block units before the completion record.
+-- This script takes the seller's permit-block units before the completion record, and a
+-- route's two keys last.
 local blocked_key
 blocked_key, a.done = KEYS[12], KEYS[13]
+local route_keys = 0
+if ARGV[11] ~= nil then
+  route_keys = 2
+  if #KEYS < 14 then error({err = 'ERR turnstile: ROUTE needs its two keys last'}) end
+  if #KEYS == 14 then a.done = nil end
+  if not routed(a.token) then error({err = 'ERR turnstile: a route\'s TOKEN ends with -q'}) end
+end
 local block, hold, pooled = 0, 0, ARGV[9] ~= nil
 if pooled then
   block = int_arg(9, 0)
@@ -79,9 +95,15 @@ if pooled then
   if blocked_key == nil then error({err = 'ERR turnstile: BLOCK needs KEYS[12]'}) end
 end
 local limits = with_spans(effective_limits(KEYS[2], a.limits, a.learned, a.cost), a.guard)
+local route = nil
+if route_keys > 0 then
+  route = route_arg(11, KEYS[#KEYS - 1], KEYS[#KEYS], a.guard, a.cost)
+  pooled, block = false, 0
+end
 local now = now_us()
 if already_done(a.done) then return {3, now, now, limits.counts, limits.windows} end
 if a.cost > limits.min_count then return never(limits.min_count, now, limits) end
+if route and a.cost > route.limits.min_count then return never(route.limits.min_count, now, limits) end
 -- On a server that did not write the seller's state, a pool it holds may have been restored
 -- with units claimed since (lost writes): it is dropped, its units stay counted until they end.
 if check_server(KEYS[5], KEYS[1], KEYS[3], a.losses, limits.max_span, now, a.durable) and blocked_key then
@@ -100,6 +122,8 @@ if pooled and a.cost == 1 and earliest == now and limits.configured == nil
   end
 end
 redis.call('ZREMRANGEBYSCORE', KEYS[1], '-inf', now - limits.max_span)
+local late = lateness('sliding-window', limits)
+if route then route_trim(route, now, a.bound, late) end
 local last = nil
 -- The slot the log allows for COST more units, and how much of the limit it leaves taken.
 local function fit()
@@ -118,20 +142,30 @@ local function fit()
     used = math.max(used, math.floor(math.min(n + a.cost, l.count) * 1000 / l.count))
     l.logged = n
   end
+  if route then slot = route_fit(route, slot, now, a.cost) end
   return slot, used
+end
+-- The route's calls too (see route_gate): a call due now waits for their answers as for the
+-- seller's.
+local function after_gates(status, slot)
+  slot, status = after_gate(status, slot, KEYS[6], now, limits, a)
+  if route == nil or status ~= 1 then return slot, status end
+  local open_at = route_gate(route, KEYS[6], a.token, a.cost, now, math.floor(limits.min_guard / 10),
+    a.bound, late, limits.max_window)
+  if not open_at then return slot, status end
+  return math.max(open_at, slot), (a.reserve == 1 and 2 or 0)
 end
 local slot, used = fit()
 local status = due(slot, now, limits.min_guard, a)
 -- Due, but calls of the last window may still be in flight: wait for their answers.
-slot, status = after_gate(status, slot, KEYS[6], now, limits, a)
+slot, status = after_gates(status, slot)
 -- Not due while other replicas hold units of the seller they have not used: taken back.
 if status ~= 1 and reclaim_idle(blocked_key, KEYS[1], KEYS[6]) > 0 then
   last = nil
   slot, used = fit()
   status = due(slot, now, limits.min_guard, a)
-  slot, status = after_gate(status, slot, KEYS[6], now, limits, a)
+  slot, status = after_gates(status, slot)
 end
-local late = lateness('sliding-window', limits)
 status, slot = slot_or_far_ticket(status, slot, KEYS[4], KEYS[7], now, late, limits, a,
   log_crowded(KEYS[1], limits, a.cost))
 if status == 0 then return told_to_wait(0, slot, now, limits, a) end
@@ -139,6 +173,7 @@ add_units(KEYS[1], slot, a.token, a.cost)
 last = tonumber(redis.call('ZRANGE', KEYS[1], -1, -1, 'WITHSCORES')[2])
 local ttl = math.floor((last - now + limits.max_span) / 1000) + 1
 redis.call('PEXPIRE', KEYS[1], ttl)
+if route then route_add(route, slot, a.token, a.cost, now, a.bound, late) end
 local waiting = keep_and_hold(status, ttl, KEYS[5], KEYS[4], slot, now, late, a, limits)
 if waiting then return waiting end
 start_call(KEYS[6], a.token, a.cost, now, a.bound, limits)

@@ -29,6 +29,39 @@ pub struct MessageId(String);
 #[derive(Clone, Debug, PartialEq, Eq, Hash)]
 pub struct BatchId(String);
 
+/// A route of the routes file (`TURNSTILE_ROUTES_FILE`): 1 to 64 ASCII letters, digits, `_` or
+/// `-`, so that it stands in Redis keys and metric labels as it is.
+#[derive(Clone, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct RouteName(String);
+
+impl RouteName {
+    /// Most characters in a route's name.
+    pub const MAX_LEN: usize = 64;
+
+    /// A route's name, if it is 1 to [`RouteName::MAX_LEN`] ASCII letters, digits, `_` or `-`.
+    pub fn parse(s: &str) -> Result<Self, &'static str> {
+        if s.is_empty() || s.len() > Self::MAX_LEN {
+            return Err("must be 1 to 64 characters");
+        }
+        if !s
+            .bytes()
+            .all(|b| b.is_ascii_alphanumeric() || b == b'_' || b == b'-')
+        {
+            return Err("must be ASCII letters, digits, _ or -");
+        }
+        Ok(Self(s.to_owned()))
+    }
+    pub fn as_str(&self) -> &str {
+        &self.0
+    }
+}
+
+impl fmt::Display for RouteName {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(&self.0)
+    }
+}
+
 /// Why a message cannot be registered; the text goes into the dead letter's reason header.
 #[derive(Clone, Debug, thiserror::Error, PartialEq, Eq)]
 pub enum InvalidMessage {
@@ -257,6 +290,11 @@ pub struct Registration {
     pub batch_size: Option<BatchSize>,
     /// Units of every limit its call takes.
     pub cost: Cost,
+    /// Whether the body gave `cost` (else a route's default cost applies, see
+    /// `crate::routes::Routes::resolve`).
+    pub cost_given: bool,
+    /// The route its call takes (the body's optional `route`), when the body names one.
+    pub route: Option<RouteName>,
     /// When its call must have been made by, if the producer said (`deadline`).
     pub deadline: Option<Deadline>,
     /// Its place among its seller's waiting messages (the AMQP `priority` property; set by the
@@ -280,6 +318,8 @@ struct Wire<'a> {
     cost: Option<&'a RawValue>,
     #[serde(default, borrow)]
     deadline: Option<&'a RawValue>,
+    #[serde(default, borrow)]
+    route: Option<&'a RawValue>,
     #[serde(borrow)]
     product: Option<&'a RawValue>,
 }
@@ -340,6 +380,14 @@ impl Registration {
             Some(raw) => Cost::parse(raw)?,
             None => Cost::ONE,
         };
+        let cost_given = wire.cost.is_some_and(|raw| raw.get() != "null");
+        let route = match wire.route.filter(|raw| raw.get() != "null") {
+            Some(raw) => Some(
+                RouteName::parse(&string_field(raw, "route")?)
+                    .map_err(|why| InvalidMessage::Field { field: "route", why })?,
+            ),
+            None => None,
+        };
         let deadline = match wire.deadline.filter(|raw| raw.get() != "null") {
             Some(raw) => Some(Deadline::parse(&string_field(raw, "deadline")?)?),
             None => None,
@@ -350,6 +398,8 @@ impl Registration {
             batch_id,
             batch_size,
             cost,
+            cost_given,
+            route,
             deadline,
             priority: Priority::DEFAULT,
             product: product.to_owned(),

@@ -16,6 +16,8 @@
 //! - [`downstream`]: the registration call and what its answer means
 //! - [`domain`]: sellers, message ids, registrations (parse, don't validate)
 //! - [`config`]: limits and stacks, algorithms, the global limit, Redis settings
+//! - [`routes`]: the routes file: several endpoints of one provider, each with its own
+//!   per-seller stack under the seller's budget
 //! - [`telemetry`]: tracing and the replica's readiness flag
 //! - [`trace`]: W3C trace context: a message's `traceparent` / `tracestate`, parsed once, and
 //!   each downstream call a span of its own in that trace
@@ -27,6 +29,7 @@ pub mod downstream;
 pub mod fleet;
 pub mod permit;
 pub mod replica;
+pub mod routes;
 pub mod series;
 pub mod telemetry;
 pub mod trace;

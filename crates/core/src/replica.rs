@@ -24,6 +24,7 @@ use crate::broker::{self, BrokerArgs, Publisher, Settler, Topology};
 use crate::config::{LimiterArgs, RedisArgs, duration_arg};
 use crate::downstream::{Downstream, DownstreamArgs};
 use crate::fleet;
+use crate::routes::{Routes, RoutesArgs};
 use crate::permit::{self, PermitStore, RedisClient};
 use crate::telemetry::{self, Readiness};
 use crate::worker::{Stats, Worker, WorkerSettings};
@@ -74,6 +75,8 @@ pub struct ConsumeArgs {
     pub allow_eviction: bool,
     #[command(flatten)]
     pub downstream: DownstreamArgs,
+    #[command(flatten)]
+    pub routes: RoutesArgs,
     #[command(flatten)]
     pub broker: BrokerArgs,
     #[command(flatten)]
@@ -139,6 +142,8 @@ pub struct Starting {
     args: ConsumeArgs,
     redis: RedisClient,
     downstream: Downstream,
+    /// The routes of the routes file (none without one).
+    routes: Arc<Routes>,
     /// The broker's nodes, and which to try first (see [`broker::Nodes`]).
     nodes: Arc<broker::Nodes>,
 }
@@ -152,11 +157,24 @@ impl Starting {
         );
         let nodes = Arc::new(broker::Nodes::parse(&args.broker.amqp_url)?);
         args.limiter.check().map_err(anyhow::Error::msg)?;
+        let routes = Arc::new(Routes::load(&args.routes)?);
+        let exact_log = args.limiter.algorithm == crate::config::Algorithm::SlidingWindow;
+        anyhow::ensure!(
+            exact_log || routes.is_empty(),
+            "TURNSTILE_ROUTES_FILE needs TURNSTILE_ALGORITHM=sliding-window (a route's units are kept per call in a log)"
+        );
+        anyhow::ensure!(
+            exact_log || args.downstream.cost_header.is_none(),
+            "TURNSTILE_COST_HEADER needs TURNSTILE_ALGORITHM=sliding-window (a call's units are corrected in the log)"
+        );
         let stats = Arc::new(Stats::default());
         Ok(Self {
             nodes,
             redis: RedisClient::new(&args.redis)?,
-            downstream: Downstream::new(&args.downstream)?.recording(stats.downstream.clone()),
+            downstream: Downstream::new(&args.downstream)?
+                .recording(stats.downstream.clone())
+                .with_routes(routes.clone()),
+            routes,
             stats,
             ready: Readiness::default(),
             args,
@@ -246,6 +264,7 @@ impl Connecting {
             ready,
             args,
             downstream,
+            routes,
             nodes,
             ..
         } = self.starting;
@@ -259,7 +278,7 @@ impl Connecting {
         // The heartbeats go on until the replica has drained (it grants until then).
         let watcher_stop = CancellationToken::new();
         let heartbeats = tokio::spawn(fleet.clone().run(watcher_stop.clone()));
-        let worker = Arc::new(new_worker(&args, &permits, downstream, stats.clone()));
+        let worker = Arc::new(new_worker(&args, &permits, downstream, routes, stats.clone()));
         let opened = until_connected(
             "RabbitMQ",
             &shutdown,
@@ -307,6 +326,7 @@ fn new_worker(
     args: &ConsumeArgs,
     permits: &PermitStore,
     downstream: Downstream,
+    routes: Arc<Routes>,
     stats: Arc<Stats>,
 ) -> Worker {
     let prefetch = args.prefetch();
@@ -315,6 +335,7 @@ fn new_worker(
         limiter: Arc::new(permits.clone()),
         progress: Arc::new(permits.clone()),
         downstream: Arc::new(downstream),
+        routes,
         topology: args.topology(),
         settings: WorkerSettings {
             max_attempts: args.max_attempts,

@@ -75,7 +75,9 @@ impl RigArgs {
                 url: "http://127.0.0.1:1/{seller_id}".into(),
                 token: None,
                 timeout: Duration::from_secs(10),
+                cost_header: None,
             },
+            routes: Default::default(),
             redis,
             limiter,
         }

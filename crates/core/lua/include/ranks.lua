@@ -1,4 +1,5 @@
 -- @include reservations
+-- @include routes
 -- @include units
 -- ranks: a waiting message's place among its seller's reservations (priority, deadline,
 -- arrival), read from the token its reservation was made with, and giving way to a message
@@ -58,7 +59,8 @@ end
 -- does the sliding-window log LOG_KEY (given for sliding-window: the units of each token move
 -- with it); the other algorithms keep no slot per token. So no window holds more units than it
 -- did. Nothing moves when that first slot is after the message's deadline (it expires anyway).
--- A message without a priority or a deadline never moves others (a backlog re-reserving after
+-- A reservation on a route (see routed) is never moved: its units in the route's log keep their
+-- slot. A message without a priority or a deadline never moves others (a backlog re-reserving after
 -- its slots were given back costs no scan). Returns the message's slot. A moved message learns
 -- its new slot when it comes back for the old one (see redeem.lua, status 9).
 local function give_way(reserved_key, log_key, token, cost, slot, now, from)
@@ -69,7 +71,8 @@ local function give_way(reserved_key, log_key, token, cost, slot, now, from)
   local behind = {}
   for i = 1, #held, 2 do
     local other, other_cost = held_parts(held[i])
-    if other ~= nil and other_cost == cost and ranked_behind(rank_of(other), me, now) then
+    if other ~= nil and other_cost == cost and not routed(other)
+      and ranked_behind(rank_of(other), me, now) then
       behind[#behind + 1] = {token = other, slot = tonumber(held[i + 1])}
     end
   end

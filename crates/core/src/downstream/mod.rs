@@ -9,6 +9,7 @@ use reqwest::header::{CONTENT_TYPE, HeaderValue, RETRY_AFTER};
 use secrecy::{ExposeSecret, SecretString};
 
 use crate::domain::Registration;
+use crate::routes::Routes;
 use crate::trace::TraceContext;
 
 pub mod headers;
@@ -38,6 +39,16 @@ pub struct DownstreamArgs {
     /// How long one call may take before it counts as a timeout (retried).
     #[arg(id = "downstream_timeout", long = "downstream-timeout", env = "TURNSTILE_DOWNSTREAM_TIMEOUT", default_value = "10s", value_parser = crate::config::duration_arg)]
     pub timeout: Duration,
+    /// A response header whose value (an integer from 0 to 10000) is what the call really
+    /// cost: it replaces the call's requested cost in the seller's windows (sliding-window).
+    #[arg(long = "cost-header", env = "TURNSTILE_COST_HEADER", value_parser = cost_header_arg)]
+    pub cost_header: Option<reqwest::header::HeaderName>,
+}
+
+/// `TURNSTILE_COST_HEADER`: a valid HTTP header name.
+fn cost_header_arg(s: &str) -> Result<reqwest::header::HeaderName, String> {
+    reqwest::header::HeaderName::from_bytes(s.trim().as_bytes())
+        .map_err(|_| format!("{s:?} is not an HTTP header name"))
 }
 
 impl std::fmt::Debug for DownstreamArgs {
@@ -46,6 +57,7 @@ impl std::fmt::Debug for DownstreamArgs {
             .field("url", &crate::config::redact_url(&self.url))
             .field("token", &self.token.as_ref().map(|_| "***"))
             .field("timeout", &self.timeout)
+            .field("cost_header", &self.cost_header)
             .finish()
     }
 }
@@ -149,6 +161,10 @@ pub struct Downstream {
     authorization: Option<HeaderValue>,
     /// Where each call's class and latency are noted for the dashboard, if anywhere.
     recent: Option<std::sync::Arc<Recent>>,
+    /// The routes a message may name, each with its method and URL.
+    routes: std::sync::Arc<Routes>,
+    /// The header that says what a call really cost (`TURNSTILE_COST_HEADER`).
+    cost_header: Option<reqwest::header::HeaderName>,
 }
 
 impl Downstream {
@@ -156,6 +172,12 @@ impl Downstream {
     /// dashboard reads).
     pub fn recording(mut self, recent: std::sync::Arc<Recent>) -> Self {
         self.recent = Some(recent);
+        self
+    }
+
+    /// Calls a message's route (method and URL) when it names one.
+    pub fn with_routes(mut self, routes: std::sync::Arc<Routes>) -> Self {
+        self.routes = routes;
         self
     }
 
@@ -196,6 +218,8 @@ impl Downstream {
             seller_in_path: template_path.contains("{seller_id}"),
             authorization,
             recent: None,
+            routes: Default::default(),
+            cost_header: args.cost_header.clone(),
         })
     }
 
@@ -208,6 +232,29 @@ impl Downstream {
         Ok(self
             .url
             .replace("{seller_id}", &urlencoding::encode(seller.as_str())))
+    }
+
+    /// The method and URL of `registration`'s call: its route's, or the registration endpoint
+    /// (POST) when it names none.
+    fn target(&self, registration: &Registration) -> Result<(reqwest::Method, String), String> {
+        let seller = &registration.seller_id;
+        let Some(name) = &registration.route else {
+            return Ok((reqwest::Method::POST, self.url_for(seller)?));
+        };
+        let route = self
+            .routes
+            .get(name)
+            .ok_or_else(|| format!("route {name:?} is not in the routes file"))?;
+        let id = seller.as_str();
+        if route.seller_in_path && (id == "." || id == "..") {
+            return Err(format!(
+                "seller id {id:?} cannot be a path segment of route {name:?}'s URL"
+            ));
+        }
+        let url = route
+            .url
+            .replace("{seller_id}", &urlencoding::encode(seller.as_str()));
+        Ok((route.method.clone(), url))
     }
 
     /// Whether the seller's id can stand where `{seller_id}` does (see [`Self::url_for`]),
@@ -232,8 +279,8 @@ impl Downstream {
     /// [`TraceContext::child`]), with what a 2xx or 429 answer's rate-limit headers said (see
     /// [`headers`]).
     pub async fn call(&self, registration: &Registration, trace: &TraceContext) -> Answered {
-        let url = match self.url_for(&registration.seller_id) {
-            Ok(url) => url,
+        let (method, url) = match self.target(registration) {
+            Ok(target) => target,
             Err(why) => {
                 return Answered {
                     reply: Reply::Rejected {
@@ -242,12 +289,13 @@ impl Downstream {
                         response: None,
                     },
                     rate_limit: None,
+                    cost: None,
                 };
             }
         };
         let mut request = self
             .client
-            .post(url)
+            .request(method, url)
             .header(CONTENT_TYPE, "application/json")
             .header("Idempotency-Key", registration.message_id.header_value())
             .header("X-Seller-Id", registration.seller_id.header_value())
@@ -261,9 +309,13 @@ impl Downstream {
         request = with_trace(request, trace);
         let started = std::time::Instant::now();
         let mut rate_limit = None;
+        let mut cost = None;
         let (reply, class) = match request.send().await {
             Ok(response) => {
                 let class = status_class(response.status());
+                if let Some(header) = &self.cost_header {
+                    cost = reported_cost(response.headers(), header);
+                }
                 if matches!(class, "2xx" | "429") {
                     rate_limit =
                         RateLimitHeaders::read(response.headers(), std::time::SystemTime::now());
@@ -286,8 +338,33 @@ impl Downstream {
         if let Some(recent) = &self.recent {
             recent.record(class, took);
         }
-        Answered { reply, rate_limit }
+        Answered {
+            reply,
+            rate_limit,
+            cost,
+        }
     }
+}
+
+/// What the answer's `header` says the call cost: one integer from 0 to [`Cost::MAX`]
+/// (`crate::domain::Cost`); anything else (absent, repeated, not a number, out of range) says
+/// nothing, and the requested cost stays counted.
+fn reported_cost(
+    headers: &reqwest::header::HeaderMap,
+    header: &reqwest::header::HeaderName,
+) -> Option<u32> {
+    let mut values = headers.get_all(header).iter();
+    let value = values.next()?;
+    if values.next().is_some() {
+        return None;
+    }
+    let text = value.to_str().ok()?.trim();
+    if text.is_empty() || text.len() > 5 || !text.bytes().all(|b| b.is_ascii_digit()) {
+        return None;
+    }
+    text.parse::<u32>()
+        .ok()
+        .filter(|units| *units <= crate::domain::Cost::MAX)
 }
 
 /// `traceparent`, and `tracestate` when there is one. Both are ASCII by construction; a value
@@ -340,6 +417,8 @@ impl Api for Downstream {
 pub struct Answered {
     pub reply: Reply,
     pub rate_limit: Option<RateLimitHeaders>,
+    /// What the answer said the call really cost (`TURNSTILE_COST_HEADER`), if it did.
+    pub cost: Option<u32>,
 }
 
 /// Every value of the `class` label of `turnstile_downstream_requests_total` and
@@ -455,6 +534,7 @@ mod tests {
             url: url.into(),
             token: None,
             timeout: Duration::from_secs(1),
+            cost_header: None,
         })
         .unwrap()
     }

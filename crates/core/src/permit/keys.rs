@@ -15,6 +15,8 @@
 //!     stamp of the Redis that wrote the state), `calls` (calls in flight or recently
 //!     answered), `far` (the far queue), `learned` and `accepted` (adaptive limits),
 //!     `shadow` and `shadow-log` (a shadow limit);
+//!   - `route:<route>:log` and `route:<route>:limit`: a route's log and the seller's override of
+//!     the route's stack (routes file; route names are letters, digits, `_` and `-` only);
 //!   - `done:<message>`: a message's completion record; `batch:<batch>`: an upload's progress
 //!     (message and batch ids percent-encoded as the seller's tag is); `retries`: its messages
 //!     waiting out a retry's backoff (the ETA's only).
@@ -40,7 +42,7 @@
 //! docs/redis-keys.md lists every key with its type, TTL, writers and readers.
 
 use crate::config::Algorithm;
-use crate::domain::{BatchId, MessageId, SellerId, key_part};
+use crate::domain::{BatchId, MessageId, RouteName, SellerId, key_part};
 
 /// The keys under one key prefix.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -92,6 +94,18 @@ impl Keyspace {
     /// The seller's limit override (string `COUNT WINDOW_US`).
     pub fn limit(&self, seller: &SellerId) -> String {
         self.seller(seller, "limit")
+    }
+
+    /// The seller's log of a route's units (sorted set: the units of each call or reservation
+    /// on the route, score = slot in µs; see `lua/include/routes.lua`).
+    pub fn route_log(&self, seller: &SellerId, route: &RouteName) -> String {
+        self.seller(seller, &format!("route:{route}:log"))
+    }
+
+    /// The seller's override of a route's stack (string "COUNTS WINDOWS_US", as the seller's
+    /// own override; `turnstile limits set --seller S --route R`).
+    pub fn route_limit(&self, seller: &SellerId, route: &RouteName) -> String {
+        self.seller(seller, &format!("route:{route}:limit"))
     }
 
     /// The seller's pause (string: its end in µs, Redis time).
@@ -423,6 +437,8 @@ mod tests {
             keys.retries(s),
             keys.lab_incr(s),
             keys.lab_baseline(s),
+            keys.route_log(s, &RouteName::parse("price-2_x").unwrap()),
+            keys.route_limit(s, &RouteName::parse("price-2_x").unwrap()),
         ]);
         all
     }

@@ -8,6 +8,7 @@
 //! seller's calls or its completion record, what adaptive limits learn from the answer, the
 //! permit pools' bookkeeping and the batching of these writes with other Redis calls.
 
+use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::{Duration, Instant};
 
@@ -20,6 +21,7 @@ use super::{
     PermitStore, Rank, Recorded, Reservation, UploadProgress,
 };
 use crate::domain::{BatchId, BatchSize, Cost, Identity, MessageId, RateLimitHeaders, SellerId};
+use crate::routes::Route;
 
 /// A message asking for a permit for its call.
 #[derive(Clone, Copy, Debug)]
@@ -32,6 +34,8 @@ pub struct Ask<'a> {
     pub held: Option<&'a Reservation>,
     /// Its place among its seller's waiting messages.
     pub rank: Rank,
+    /// The route its call takes, if any: its units are taken of the route's stack too.
+    pub route: Option<&'a Arc<Route>>,
 }
 
 /// The limiter's answer to an [`Ask`]: the decision, and whether a reserved slot the message
@@ -53,6 +57,8 @@ pub struct Grant {
     granted_us: i64,
     slot_us: i64,
     sent: Instant,
+    /// The route the call takes, if any.
+    route: Option<Arc<Route>>,
     /// Whether what the answer's headers told was learned already (a completion record that
     /// failed is written again, its lesson not taught twice).
     taught: AtomicBool,
@@ -79,8 +85,19 @@ impl Grant {
             granted_us: *granted_us,
             slot_us: *slot_us,
             sent: *sent,
+            route: ask.route.cloned(),
             taught: AtomicBool::new(false),
         })
+    }
+
+    /// The units the call was granted for.
+    pub fn cost(&self) -> Cost {
+        self.cost
+    }
+
+    /// The route the call takes, if any.
+    pub fn route(&self) -> Option<&Arc<Route>> {
+        self.route.as_ref()
     }
 
     /// The call's name in the seller's calls.
@@ -161,14 +178,20 @@ pub trait Limiter: Send + Sync {
         pause: Duration,
     ) -> BoxFuture<'a, Result<(), PermitError>>;
 
-    /// Gives back a slot reserved for a message of `cost` units that will not come back for
-    /// it; whether it was still reserved.
+    /// Gives back a slot reserved for a message of `cost` units (on `route`, if any) that will
+    /// not come back for it; whether it was still reserved.
     fn unreserve<'a>(
         &'a self,
         seller: &'a SellerId,
         reservation: &'a Reservation,
         cost: Cost,
+        route: Option<&'a Arc<Route>>,
     ) -> BoxFuture<'a, Result<bool, PermitError>>;
+
+    /// The downstream reported that `grant`'s call cost `actual` units (`TURNSTILE_COST_HEADER`):
+    /// the seller's windows (and its route's) count `actual` instead of what it was granted
+    /// for, for every replica. A failure leaves the granted cost counted.
+    fn recost<'a>(&'a self, grant: &'a Grant, actual: u32) -> BoxFuture<'a, ()>;
 
     /// Redis's time now as estimated from the limiter's answers; `None` before the first.
     fn now_us(&self) -> Option<i64>;
@@ -377,12 +400,13 @@ impl Limiter for PermitStore {
                 });
             }
             let (decision, forfeit) = self
-                .acquire_or_redeem_ranked(
+                .acquire_or_redeem_on(
                     ask.seller,
                     Some(ask.message),
                     ask.cost,
                     ask.held,
                     Some(&ask.rank),
+                    ask.route.map(|route| &**route),
                 )
                 .await?;
             Ok(Asked { decision, forfeit })
@@ -417,7 +441,13 @@ impl Limiter for PermitStore {
                 self.end_grant_globally(&grant, None)
             );
             let released = self
-                .release(&grant.seller, &grant.call, grant.cost, grant.slot_us)
+                .release(
+                    &grant.seller,
+                    &grant.call,
+                    grant.cost,
+                    grant.slot_us,
+                    grant.route.as_deref(),
+                )
                 .await;
             if let Err(error) = released {
                 debug!(%error, "a grant dropped unsent was not given back; its units count until they leave the window");
@@ -439,8 +469,28 @@ impl Limiter for PermitStore {
         seller: &'a SellerId,
         reservation: &'a Reservation,
         cost: Cost,
+        route: Option<&'a Arc<Route>>,
     ) -> BoxFuture<'a, Result<bool, PermitError>> {
-        PermitStore::unreserve(self, seller, reservation, cost).boxed()
+        PermitStore::unreserve_on(self, seller, reservation, cost, route.map(|r| &**r)).boxed()
+    }
+
+    fn recost<'a>(&'a self, grant: &'a Grant, actual: u32) -> BoxFuture<'a, ()> {
+        async move {
+            let recosted = PermitStore::recost(
+                self,
+                &grant.seller,
+                &grant.call,
+                grant.cost,
+                actual,
+                grant.slot_us,
+                grant.route.as_deref(),
+            )
+            .await;
+            if let Err(error) = recosted {
+                warn!(%error, "the call's reported cost was not recorded: its granted cost stays counted");
+            }
+        }
+        .boxed()
     }
 
     fn now_us(&self) -> Option<i64> {

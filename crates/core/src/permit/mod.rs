@@ -55,8 +55,8 @@ use batch::{Batcher, Operation, When};
 use block::Blocks;
 use calls::{
     Acquire, AcquireAnswer, AcquireTail, CallEnded, Complete, CompleteAnswer, CompleteBatch,
-    Global, GlobalAnswer, GlobalEnd, Learn, LearnAnswer, Lease, LeaseAnswer, Redeem, RedeemAnswer,
-    Release, Unreserve,
+    Global, GlobalAnswer, GlobalEnd, Learn, LearnAnswer, Lease, LeaseAnswer, OnRoute, Recost,
+    Redeem, RedeemAnswer, Release, Unreserve,
 };
 pub use conn::{RedisClient, RedisConn, round_trips};
 pub use keys::Keyspace;
@@ -67,6 +67,7 @@ pub use registry::{Registered, Registry, Roll};
 
 use crate::config::{Algorithm, LimiterArgs, Limits, RedisArgs};
 use crate::domain::{BatchId, BatchSize, Cost, MessageId, Priority, RateLimitHeaders, SellerId};
+use crate::routes::Route;
 
 /// A failed permit decision: the caller cannot know whether it may call, so it must not.
 #[derive(Debug, thiserror::Error)]
@@ -139,9 +140,13 @@ pub struct Rank {
 pub const AGING: Duration = Duration::from_secs(60);
 
 impl Rank {
-    /// A fresh reservation token, carrying `rank` if given.
-    fn token(rank: Option<&Rank>) -> String {
+    /// A fresh reservation token, carrying `rank` if given; a call on a route carries none and
+    /// ends with `-q` (see `routed` in `lua/include/routes.lua`: it keeps its slot).
+    fn token(rank: Option<&Rank>, routed: bool) -> String {
         let random = rand::random::<u64>();
+        if routed {
+            return format!("{random:x}-q");
+        }
         match rank {
             Some(rank) => format!(
                 "{random:x}-r{}-{}-{}",
@@ -804,6 +809,16 @@ impl PermitStore {
         self.admin().pause(seller, duration).await
     }
 
+    /// A call's route as the scripts take it (see [`OnRoute`]).
+    fn on_route(&self, seller: &SellerId, route: Option<&Route>) -> Option<OnRoute> {
+        route.map(|route| OnRoute {
+            log: self.keys.route_log(seller, &route.name),
+            limit: self.keys.route_limit(seller, &route.name),
+            counts: route.limits.counts_arg(),
+            windows: route.limits.windows_arg(),
+        })
+    }
+
     /// The key holding the seller's limiter state for the configured algorithm.
     fn state_key(&self, limiter: &LimiterArgs, seller: &SellerId) -> String {
         self.keys.state(seller, limiter.algorithm)
@@ -839,7 +854,7 @@ impl PermitStore {
         cost: Cost,
         reserve: bool,
     ) -> Result<Decision, PermitError> {
-        self.acquire_with(seller, message, cost, reserve, 0, None)
+        self.acquire_with(seller, message, cost, reserve, 0, None, None)
             .await
     }
 
@@ -855,15 +870,18 @@ impl PermitStore {
         reserve: bool,
         block: u32,
         rank: Option<&Rank>,
+        route: Option<&Route>,
     ) -> Result<Decision, PermitError> {
         let asked = std::time::Instant::now();
         let limiter = self.limiter();
         let algorithm = limiter.algorithm;
-        let token = Rank::token(rank);
-        let pooled = self.pooled(&limiter);
+        let token = Rank::token(rank, route.is_some());
+        // A call on a route never takes part in permit blocks.
+        let pooled = self.pooled(&limiter).filter(|_| route.is_none());
         let block_hold = pooled.map(|blocks| (block.min(block::MOST_UNITS), blocks.hold_us()));
-        let acquire =
+        let mut acquire =
             self.acquire_call(&limiter, seller, message, cost, reserve, block_hold, &token);
+        acquire.route = self.on_route(seller, route);
         let (values, sent) = self.run_sent(acquire.operation(), When::Now).await?;
         let answer = AcquireAnswer { values, algorithm };
         let mut decision = answer.decision(token, cost, sent)?;
@@ -1002,6 +1020,7 @@ impl PermitStore {
                 },
                 Algorithm::FixedWindow => AcquireTail::FixedWindow,
             },
+            route: None,
         }
     }
 
@@ -1189,7 +1208,7 @@ impl PermitStore {
             Some(blocks) if cost == Cost::ONE => blocks.wanted(seller),
             _ => 0,
         };
-        self.acquire_with(seller, message, cost, true, want, rank)
+        self.acquire_with(seller, message, cost, true, want, rank, None)
             .await
     }
 
@@ -1208,7 +1227,7 @@ impl PermitStore {
         seller: &SellerId,
         held: Reservation,
     ) -> Result<Result<Decision, Forfeit>, PermitError> {
-        self.redeem_for(seller, None, Cost::ONE, held).await
+        self.redeem_for(seller, None, Cost::ONE, held, None).await
     }
 
     /// As [`Self::redeem`], for a message of `cost` units (answers `AlreadyDone` if it already
@@ -1219,9 +1238,11 @@ impl PermitStore {
         message: Option<&MessageId>,
         cost: Cost,
         held: Reservation,
+        route: Option<&Route>,
     ) -> Result<Result<Decision, Forfeit>, PermitError> {
         let limiter = self.limiter();
-        let redeem = self.redeem_call(&limiter, seller, message, cost, &held);
+        let mut redeem = self.redeem_call(&limiter, seller, message, cost, &held);
+        redeem.route = self.on_route(seller, route);
         let (
             RedeemAnswer {
                 status,
@@ -1307,6 +1328,7 @@ impl PermitStore {
             capacity: limiter.bucket_capacity,
             bound_us: self.call_bound_us(),
             cost: cost.units(),
+            route: None,
         }
     }
 
@@ -1335,15 +1357,39 @@ impl PermitStore {
         held: Option<&Reservation>,
         rank: Option<&Rank>,
     ) -> Result<(Decision, Option<Forfeit>), PermitError> {
+        self.acquire_or_redeem_on(seller, message, cost, held, rank, None)
+            .await
+    }
+
+    /// As [`Self::acquire_or_redeem_ranked`], for a call on `route` (see [`crate::routes`]):
+    /// it takes units of the route's stack and of the seller's budget in the same step, never
+    /// from permit blocks, and its slot keeps its place (no message ranked ahead moves it).
+    pub async fn acquire_or_redeem_on(
+        &self,
+        seller: &SellerId,
+        message: Option<&MessageId>,
+        cost: Cost,
+        held: Option<&Reservation>,
+        rank: Option<&Rank>,
+        route: Option<&Route>,
+    ) -> Result<(Decision, Option<Forfeit>), PermitError> {
         let (decision, forfeit) = match held {
-            Some(held) => match self.redeem_for(seller, message, cost, held.clone()).await? {
+            Some(held) => match self
+                .redeem_for(seller, message, cost, held.clone(), route)
+                .await?
+            {
                 Ok(decision) => (decision, None),
                 Err(forfeit) => (
-                    self.acquire_with(seller, message, cost, true, 0, rank)
+                    self.acquire_with(seller, message, cost, true, 0, rank, route)
                         .await?,
                     Some(forfeit),
                 ),
             },
+            None if route.is_some() => (
+                self.acquire_with(seller, message, cost, true, 0, rank, route)
+                    .await?,
+                None,
+            ),
             None => match self.grant_from_pool(seller, message, cost).await? {
                 // Blocks are only taken without a global limit or seller concurrency.
                 Some(decision) => return Ok((decision, None)),
@@ -1353,7 +1399,10 @@ impl PermitStore {
                 ),
             },
         };
-        Ok((self.beyond_seller(seller, cost, decision).await?, forfeit))
+        Ok((
+            self.beyond_seller(seller, cost, decision, route).await?,
+            forfeit,
+        ))
     }
 
     /// A seller's grant is called only with a lease of its calls in flight
@@ -1367,6 +1416,7 @@ impl PermitStore {
         seller: &SellerId,
         cost: Cost,
         decision: Decision,
+        route: Option<&Route>,
     ) -> Result<Decision, PermitError> {
         let limiter = self.limiter();
         let Decision::Granted { slot_us, call, .. } = &decision else {
@@ -1377,7 +1427,7 @@ impl PermitStore {
             Ok(None) => self.global_refusal(seller, cost, call).await,
             Ok(Some(retry_after)) => {
                 return self
-                    .give_back(seller, call, cost, *slot_us, false)
+                    .give_back(seller, call, cost, *slot_us, false, route)
                     .await
                     .map(|()| Decision::Deferred {
                         retry_after,
@@ -1389,12 +1439,12 @@ impl PermitStore {
         match refused {
             Ok(None) => Ok(decision),
             Ok(Some(refused)) => {
-                self.give_back(seller, call, cost, *slot_us, leased).await?;
+                self.give_back(seller, call, cost, *slot_us, leased, route).await?;
                 Ok(refused)
             }
             Err(error) => {
                 // Not called either way: give back what was taken if Redis lets us.
-                let _ = self.give_back(seller, call, cost, *slot_us, leased).await;
+                let _ = self.give_back(seller, call, cost, *slot_us, leased, route).await;
                 Err(error)
             }
         }
@@ -1408,8 +1458,9 @@ impl PermitStore {
         cost: Cost,
         slot_us: i64,
         leased: bool,
+        route: Option<&Route>,
     ) -> Result<(), PermitError> {
-        let released = self.release(seller, call, cost, slot_us).await;
+        let released = self.release(seller, call, cost, slot_us, route).await;
         if leased {
             self.end_lease(seller, call).await?;
         }
@@ -1583,6 +1634,7 @@ impl PermitStore {
         call: &str,
         cost: Cost,
         slot_us: i64,
+        route: Option<&Route>,
     ) -> Result<(), PermitError> {
         let limiter = self.limiter();
         let release = Release {
@@ -1598,6 +1650,7 @@ impl PermitStore {
             cost: cost.units(),
             slot_us: slot_us.max(0),
             capacity: limiter.bucket_capacity,
+            route: self.on_route(seller, route),
         };
         let _: i64 = release
             .invocation()
@@ -1615,6 +1668,17 @@ impl PermitStore {
         reservation: &Reservation,
         cost: Cost,
     ) -> Result<bool, PermitError> {
+        self.unreserve_on(seller, reservation, cost, None).await
+    }
+
+    /// As [`Self::unreserve`], for a message on `route`: its units leave the route's log too.
+    pub async fn unreserve_on(
+        &self,
+        seller: &SellerId,
+        reservation: &Reservation,
+        cost: Cost,
+        route: Option<&Route>,
+    ) -> Result<bool, PermitError> {
         let limiter = self.limiter();
         let unreserve = Unreserve {
             state: self.state_key(&limiter, seller),
@@ -1627,6 +1691,7 @@ impl PermitStore {
             held_windows: reservation.limits.windows_arg(),
             guard_us: Terms::guard_arg_of(limiter.seller_guard()),
             capacity: limiter.bucket_capacity,
+            route: self.on_route(seller, route),
         };
         let given_back: u8 = unreserve
             .invocation()
@@ -1636,6 +1701,43 @@ impl PermitStore {
             metrics::counter!("turnstile_reservations_released_total").increment(1);
         }
         Ok(given_back == 1)
+    }
+
+    /// The downstream reported that the call `call` (granted `cost` units at `slot_us`, on
+    /// `route` if any) cost `actual`: its units in the seller's windows (and the route's)
+    /// become `actual`, for every replica (see `lua/recost.lua`). sliding-window only (the
+    /// others keep no units per call): elsewhere nothing changes. Returns the units added
+    /// (> 0) or given back (< 0).
+    pub async fn recost(
+        &self,
+        seller: &SellerId,
+        call: &str,
+        cost: Cost,
+        actual: u32,
+        slot_us: i64,
+        route: Option<&Route>,
+    ) -> Result<i64, PermitError> {
+        let limiter = self.limiter();
+        if limiter.algorithm != Algorithm::SlidingWindow || actual == cost.units() {
+            return Ok(0);
+        }
+        let recost = Recost {
+            log: self.state_key(&limiter, seller),
+            calls: self.keys.calls(seller),
+            route_log: route.map(|route| self.keys.route_log(seller, &route.name)),
+            call,
+            cost: cost.units(),
+            actual: actual.min(Cost::MAX),
+            slot_us: slot_us.max(0),
+        };
+        let changed: i64 = recost
+            .invocation()
+            .invoke_async(&mut self.conn.clone())
+            .await?;
+        let direction = if changed > 0 { "charged" } else { "refunded" };
+        metrics::counter!("turnstile_cost_corrections_total", "direction" => direction)
+            .increment(changed.unsigned_abs());
+        Ok(changed)
     }
 
     /// Moves a message to the state it is in now (see `lua/complete.lua`) and counts it there

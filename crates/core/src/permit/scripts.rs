@@ -27,6 +27,7 @@ static PIECES: &[(&str, &str)] = &[
     ("losses", include_str!("../../lua/include/losses.lua")),
     ("pauses", include_str!("../../lua/include/pauses.lua")),
     ("ranks", include_str!("../../lua/include/ranks.lua")),
+    ("routes", include_str!("../../lua/include/routes.lua")),
     ("records", include_str!("../../lua/include/records.lua")),
     (
         "reservations",
@@ -68,6 +69,7 @@ static SCRIPTS: &[(&str, &str)] = &[
     ("global_usage", include_str!("../../lua/global_usage.lua")),
     ("reset", include_str!("../../lua/reset.lua")),
     ("unreserve", include_str!("../../lua/unreserve.lua")),
+    ("recost", include_str!("../../lua/recost.lua")),
     ("batch_seen", include_str!("../../lua/batch_seen.lua")),
     (
         "batch_event_sent",
@@ -246,6 +248,7 @@ static LEARN: LazyLock<Script> = script!("learn");
 static GLOBAL_USAGE: LazyLock<Script> = script!("global_usage");
 static RESET: LazyLock<Script> = script!("reset");
 static UNRESERVE: LazyLock<Script> = script!("unreserve");
+static RECOST: LazyLock<Script> = script!("recost");
 static BATCH_SEEN: LazyLock<Script> = script!("batch_seen");
 static BATCH_EVENT_SENT: LazyLock<Script> = script!("batch_event_sent");
 static RETRY: LazyLock<Script> = script!("retry");
@@ -339,6 +342,11 @@ pub fn reset() -> &'static Script {
 /// `lua/unreserve.lua`).
 pub fn unreserve() -> &'static Script {
     &UNRESERVE
+}
+
+/// Makes a granted call's units what the downstream reported it cost (see `lua/recost.lua`).
+pub fn recost() -> &'static Script {
+    &RECOST
 }
 
 /// The replicas' registry (see `lua/fleet.lua`).

@@ -73,6 +73,8 @@ pub(super) enum Event {
     Paused { seller: String, pause: Duration },
     /// [`Limiter::unreserve`].
     Unreserved { seller: String, token: String },
+    /// [`Limiter::recost`]: the downstream said the call cost `actual`.
+    Recosted { call: String, actual: u32 },
     /// [`Api::call`].
     Called { message: String },
     /// [`ResultSink::publish_result`].
@@ -450,6 +452,7 @@ impl Limiter for FakeLimiter {
         seller: &'a SellerId,
         reservation: &'a Reservation,
         _cost: Cost,
+        _route: Option<&'a Arc<crate::routes::Route>>,
     ) -> BoxFuture<'a, Result<bool, PermitError>> {
         async move {
             self.journal.note(Event::Unreserved {
@@ -457,6 +460,16 @@ impl Limiter for FakeLimiter {
                 token: reservation.token.clone(),
             });
             Ok(true)
+        }
+        .boxed()
+    }
+
+    fn recost<'a>(&'a self, grant: &'a Grant, actual: u32) -> BoxFuture<'a, ()> {
+        async move {
+            self.journal.note(Event::Recosted {
+                call: grant.call().to_owned(),
+                actual,
+            });
         }
         .boxed()
     }
@@ -483,6 +496,8 @@ impl Limiter for FakeLimiter {
 pub(super) enum Answer {
     /// 201 `{"product_id":7}`, with the rate-limit headers `told`.
     Created { told: Option<RateLimitHeaders> },
+    /// 201 `{"product_id":7}`, whose cost header says the call cost `actual`.
+    CreatedCosting { actual: u32 },
     /// 429, with its Retry-After and rate-limit headers.
     TooMany {
         retry_after: Option<Duration>,
@@ -516,10 +531,17 @@ impl Answer {
             Answer::Created { told } => Answered {
                 reply: Reply::Registered(Self::created_response()),
                 rate_limit: told,
+                cost: None,
+            },
+            Answer::CreatedCosting { actual } => Answered {
+                reply: Reply::Registered(Self::created_response()),
+                rate_limit: None,
+                cost: Some(actual),
             },
             Answer::TooMany { retry_after, told } => Answered {
                 reply: Reply::Throttled { retry_after },
                 rate_limit: told,
+                cost: None,
             },
             Answer::Unavailable => Answered {
                 reply: Reply::Transient {
@@ -527,6 +549,7 @@ impl Answer {
                     response: Some(Self::unavailable_response()),
                 },
                 rate_limit: None,
+                cost: None,
             },
             Answer::BadRequest => Answered {
                 reply: Reply::Rejected {
@@ -535,6 +558,7 @@ impl Answer {
                     response: Some(Self::bad_request_response()),
                 },
                 rate_limit: None,
+                cost: None,
             },
         }
     }
@@ -768,6 +792,7 @@ impl Worker {
             limiter,
             progress,
             downstream,
+            routes: Arc::default(),
             topology: Topology::new("orders", QueueType::Quorum),
             settings: settings(),
             workers: Arc::new(Semaphore::new(workers)),

@@ -118,6 +118,24 @@ async fn a_granted_registration_is_called_once_its_result_published_before_the_l
 }
 
 #[tokio::test(start_paused = true)]
+async fn a_call_whose_answer_reports_its_cost_has_its_units_corrected_before_it_is_recorded() {
+    let h = Harness::new([Script::Grant], [Answer::CreatedCosting { actual: 3 }]);
+
+    let outcome = h.handle(&registration("m-1"), Carried::default()).await;
+
+    assert_eq!(outcome, registered(1));
+    let events = h.journal.events();
+    let recosted = Event::Recosted {
+        call: call(1),
+        actual: 3,
+    };
+    let at = |wanted: &Event| events.iter().position(|e| e == wanted);
+    let recost = at(&recosted).expect("the reported cost reaches the limiter");
+    assert!(recost > at(&Event::Answered { call: call(1) }).unwrap());
+    assert!(recost < events.iter().position(finished).unwrap());
+}
+
+#[tokio::test(start_paused = true)]
 async fn a_message_told_to_wait_300_ms_with_a_reservation_is_held_and_called_no_earlier_than_its_slot()
  {
     let h = Harness::new(

@@ -35,6 +35,7 @@ use crate::domain::{
     BatchId, Identity, MessageId, Priority, RateLimitHeaders, Registration, SellerId,
 };
 use crate::downstream::{Api, Reply};
+use crate::routes::{Route, Routes};
 use crate::trace::TraceContext;
 mod ahead;
 mod batches;
@@ -133,6 +134,8 @@ pub struct Worker {
     pub progress: Arc<dyn Progress>,
     /// The registration API (in production a [`crate::downstream::Downstream`]).
     pub downstream: Arc<dyn Api>,
+    /// The routes a message may name (none without a routes file).
+    pub routes: Arc<Routes>,
     pub topology: Topology,
     pub settings: WorkerSettings,
     pub workers: Arc<Semaphore>,
@@ -353,11 +356,13 @@ impl Worker {
             .message_id()
             .as_ref()
             .map(|m| m.to_string());
-        let registration =
-            Registration::parse(&delivery.data, message_id.as_deref()).map(|mut registration| {
+        let registration = Registration::parse(&delivery.data, message_id.as_deref()).and_then(
+            |mut registration| {
                 registration.priority = Priority::from_amqp(*delivery.properties.priority());
-                registration
-            });
+                self.routes.resolve(&mut registration)?;
+                Ok(registration)
+            },
+        );
         let mut carried = Carried::from_delivery(&delivery, crate::broker::unix_ms());
         let reporting = Reporting {
             results: results.clone(),
@@ -578,6 +583,7 @@ impl Worker {
                 deadline_ms: registration.deadline.map(|d| d.unix_ms()),
                 arrival_ms: carried.first_seen_ms,
             },
+            route: self.route_of(registration),
         };
         let decided = tokio::select! {
             d = self.decide(question) => d,
@@ -828,6 +834,7 @@ impl Worker {
                 registration.seller_id.clone(),
                 reservation,
                 registration.cost,
+                self.route_of(registration).cloned(),
             );
         }
         debug!(%detail, "expired");
@@ -869,6 +876,9 @@ impl Worker {
         let writing = matches!(answered.reply, Reply::Registered(_))
             .then(|| self.records_in_writing.begin(registration));
         self.limiter.answered(&grant).await;
+        if let Some(actual) = answered.cost {
+            self.limiter.recost(&grant, actual).await;
+        }
         // The records below may wait to ride along with other calls to Redis: the worker is
         // free for the next call meanwhile (the message stays unacked until they are written).
         drop(worker);
@@ -1308,10 +1318,23 @@ impl Worker {
     /// [`stranded`]), in the background: a failure only leaves it until it is pruned as stale,
     /// which gives it back too.
     fn give_back(&self, delivery: &Delivery, reservation: Reservation) {
-        let Ok(registration) = crate::broker::registration_of(delivery) else {
+        let Ok(mut registration) = crate::broker::registration_of(delivery) else {
             return;
         };
-        self.unreserve_later(registration.seller_id, reservation, registration.cost);
+        if self.routes.resolve(&mut registration).is_err() {
+            return;
+        }
+        let route = self.route_of(&registration).cloned();
+        self.unreserve_later(registration.seller_id, reservation, registration.cost, route);
+    }
+
+    /// The route `registration`'s call takes (resolved when it was parsed, see
+    /// [`Routes::resolve`]).
+    fn route_of(&self, registration: &Registration) -> Option<&Arc<Route>> {
+        registration
+            .route
+            .as_ref()
+            .and_then(|name| self.routes.get(name))
     }
 
     /// Gives back a slot reserved for a message of `cost` units in the background: a failure
@@ -1321,10 +1344,14 @@ impl Worker {
         seller: SellerId,
         reservation: Reservation,
         cost: crate::domain::Cost,
+        route: Option<Arc<Route>>,
     ) {
         let limiter = self.limiter.clone();
         let give_back = async move {
-            match limiter.unreserve(&seller, &reservation, cost).await {
+            match limiter
+                .unreserve(&seller, &reservation, cost, route.as_ref())
+                .await
+            {
                 Ok(given_back) => debug!(given_back, "a reserved slot the message left behind"),
                 Err(error) => {
                     debug!(%error, "a reserved slot the message left behind was not given back; it is when pruned as stale")

@@ -197,6 +197,7 @@ pub async fn run(args: ThroughputArgs) -> anyhow::Result<bool> {
         url: mock.url(),
         token: None,
         timeout: Duration::from_secs(10),
+        cost_header: None,
     };
     let defaults = LimiterArgs::new(args.limit, args.algorithm);
     let limiter = LimiterArgs {

@@ -1,8 +1,8 @@
 //! The acquire scripts: `lua/sliding_window.lua`, `lua/gcra.lua`, `lua/token_bucket.lua` and
 //! `lua/fixed_window.lua`, which share their keys and arguments but for a tail of their own.
 
-use super::Call;
 use super::operate;
+use super::{Call, OnRoute};
 use crate::config::{Algorithm, Limits};
 use crate::domain::Cost;
 use crate::permit::batch::Operation;
@@ -45,6 +45,9 @@ pub(in crate::permit) struct Acquire<'a> {
     pub cost: u32,
     /// The algorithm, its own key and its arguments from ARGV[9].
     pub tail: AcquireTail,
+    /// sliding-window: the route the call takes, if any (its keys last, its stack from
+    /// ARGV[11]; BLOCK and HOLD are then written as 0 when permit blocks are off).
+    pub route: Option<OnRoute>,
 }
 
 /// What an acquire script takes of its own.
@@ -99,6 +102,11 @@ impl Acquire<'_> {
         if let Some(done) = &self.done {
             to.key(done.clone());
         }
+        let route = match self.tail {
+            AcquireTail::SlidingWindow { .. } => self.route.as_ref(),
+            _ => None,
+        };
+        OnRoute::keys(route, to);
         let flags =
             u8::from(self.reserve) | (2 * u8::from(self.durable)) | (4 * u8::from(self.adaptive));
         to.arg(&self.counts)
@@ -122,8 +130,12 @@ impl Acquire<'_> {
             } => {
                 to.arg(*units).arg(*hold_us);
             }
+            AcquireTail::SlidingWindow { block: None, .. } if route.is_some() => {
+                to.arg(0).arg(0);
+            }
             AcquireTail::SlidingWindow { block: None, .. } | AcquireTail::FixedWindow => {}
         }
+        OnRoute::args(route, to);
     }
 }
 
@@ -264,6 +276,7 @@ mod tests {
             bound_us: 5,
             cost: 2,
             tail,
+            route: None,
         };
         let mut written = Written::default();
         acquire.write(&mut written);

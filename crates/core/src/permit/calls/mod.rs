@@ -14,6 +14,7 @@ mod fleet;
 mod global;
 mod learn;
 mod lease;
+mod recost;
 mod records;
 mod redeem;
 mod release;
@@ -29,6 +30,7 @@ pub(super) use fleet::{FleetAction, FleetAnswer, FleetCall};
 pub(super) use global::{Global, GlobalAnswer, GlobalEnd};
 pub(super) use learn::{Learn, LearnAnswer};
 pub(super) use lease::{Lease, LeaseAnswer};
+pub(super) use recost::Recost;
 pub(super) use records::{BatchEventSent, BatchSeenCall, RetriesCall, RetryCall, Tally};
 pub(super) use redeem::{Redeem, RedeemAnswer};
 pub(super) use release::Release;
@@ -75,6 +77,36 @@ pub(super) fn operate(name: &'static str, write: impl FnOnce(&mut Operation)) ->
     let mut operation = Operation::new(name);
     write(&mut operation);
     operation
+}
+
+/// A call on a route (see `lua/include/routes.lua`): the route's two keys for the seller,
+/// written after a script's own keys, and the route's stack from the routes file, written after
+/// its own arguments.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub(in crate::permit) struct OnRoute {
+    /// The seller's log of the route's units.
+    pub log: String,
+    /// The seller's override of the route's stack.
+    pub limit: String,
+    /// The route's stack: COUNTS and WINDOWS in µs.
+    pub counts: String,
+    pub windows: String,
+}
+
+impl OnRoute {
+    /// The route's keys, last of a script's keys.
+    pub fn keys<C: Call>(route: Option<&Self>, to: &mut C) {
+        if let Some(route) = route {
+            to.key(route.log.clone()).key(route.limit.clone());
+        }
+    }
+
+    /// The route's stack, last of a script's arguments.
+    pub fn args<C: Call>(route: Option<&Self>, to: &mut C) {
+        if let Some(route) = route {
+            to.arg(&route.counts).arg(&route.windows);
+        }
+    }
 }
 
 /// The seller's keys of adaptive limits a call reads (`lua/learn.lua`'s state, the accepted

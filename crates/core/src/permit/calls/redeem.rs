@@ -1,7 +1,7 @@
 //! `lua/redeem.lua`.
 
-use super::Call;
 use super::operate;
+use super::{Call, OnRoute};
 use crate::config::Algorithm;
 use crate::permit::batch::Operation;
 
@@ -43,6 +43,8 @@ pub(in crate::permit) struct Redeem<'a> {
     pub bound_us: u64,
     /// ARGV[12]: COST the slot was reserved for.
     pub cost: u32,
+    /// The route the call takes, if any (its keys last, its stack from ARGV[13]).
+    pub route: Option<OnRoute>,
 }
 
 impl Redeem<'_> {
@@ -66,6 +68,7 @@ impl Redeem<'_> {
         if let Some(done) = &self.done {
             to.key(done.clone());
         }
+        OnRoute::keys(self.route.as_ref(), to);
         let flags = (2 * u8::from(self.durable)) | (4 * u8::from(self.adaptive));
         to.arg(&self.counts)
             .arg(&self.windows)
@@ -79,6 +82,7 @@ impl Redeem<'_> {
             .arg(self.capacity)
             .arg(self.bound_us)
             .arg(self.cost);
+        OnRoute::args(self.route.as_ref(), to);
     }
 }
 
@@ -140,6 +144,7 @@ mod tests {
             capacity: 4,
             bound_us: 5,
             cost: 2,
+            route: None,
         };
         let mut written = Written::default();
         redeem.write(&mut written);

@@ -1,7 +1,7 @@
 //! `lua/release.lua`.
 
-use super::Call;
 use super::invoke;
+use super::{Call, OnRoute};
 use crate::config::Algorithm;
 use crate::permit::scripts;
 
@@ -30,6 +30,8 @@ pub(in crate::permit) struct Release<'a> {
     pub slot_us: i64,
     /// ARGV[8]: token-bucket's CAPACITY (ignored by the others).
     pub capacity: u32,
+    /// The route the call took, if any (its keys last, its stack from ARGV[9]).
+    pub route: Option<OnRoute>,
 }
 
 impl Release<'_> {
@@ -46,6 +48,7 @@ impl Release<'_> {
         if let Some(learned) = &self.learned {
             to.key(learned.clone());
         }
+        OnRoute::keys(self.route.as_ref(), to);
         to.arg(&self.counts)
             .arg(&self.windows)
             .arg(self.guard_us)
@@ -54,6 +57,7 @@ impl Release<'_> {
             .arg(self.cost)
             .arg(self.slot_us)
             .arg(self.capacity);
+        OnRoute::args(self.route.as_ref(), to);
     }
 }
 
@@ -79,6 +83,7 @@ mod tests {
             cost: 2,
             slot_us: 77,
             capacity: 4,
+            route: None,
         }
         .write(&mut written);
         check(

@@ -1,7 +1,7 @@
 //! `lua/unreserve.lua`.
 
-use super::Call;
 use super::invoke;
+use super::{Call, OnRoute};
 use crate::config::Algorithm;
 use crate::permit::scripts;
 
@@ -26,6 +26,8 @@ pub(in crate::permit) struct Unreserve<'a> {
     pub guard_us: i64,
     /// ARGV[8]: token-bucket's CAPACITY (ignored by the others).
     pub capacity: u32,
+    /// The route the message takes, if any (KEYS[3] and KEYS[4], its stack from ARGV[9]).
+    pub route: Option<OnRoute>,
 }
 
 impl Unreserve<'_> {
@@ -37,8 +39,9 @@ impl Unreserve<'_> {
     /// KEYS and ARGV in the script's order.
     pub fn write<C: Call>(&self, to: &mut C) {
         to.key(self.state.clone())
-            .key(self.reserved.clone())
-            .arg(self.algorithm.name())
+            .key(self.reserved.clone());
+        OnRoute::keys(self.route.as_ref(), to);
+        to.arg(self.algorithm.name())
             .arg(self.token)
             .arg(self.cost)
             .arg(self.slot_us)
@@ -46,6 +49,7 @@ impl Unreserve<'_> {
             .arg(&self.held_windows)
             .arg(self.guard_us)
             .arg(self.capacity);
+        OnRoute::args(self.route.as_ref(), to);
     }
 }
 
@@ -69,6 +73,7 @@ mod tests {
             held_windows: "1000000".into(),
             guard_us: -1,
             capacity: 4,
+            route: None,
         }
         .write(&mut written);
         check(

@@ -1,0 +1,288 @@
+//! Routes: several endpoints of one provider under one budget per seller.
+//!
+//! A routes file (`TURNSTILE_ROUTES_FILE`, TOML) names each route's method, URL template, its
+//! own per-seller limit stack and default cost. A message's optional `route` picks one; its call
+//! then takes units of the route's stack and of the seller's budget (`TURNSTILE_LIMIT` or the
+//! seller's override) in one atomic step (`lua/include/routes.lua`). Without the file, every
+//! message calls `TURNSTILE_DOWNSTREAM_URL` as before, and a message naming a route is
+//! dead-lettered as `invalid-message`, as is one naming a route the file does not have.
+
+use std::collections::BTreeMap;
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+
+use clap::Args;
+
+use crate::config::Limits;
+use crate::domain::{Cost, InvalidMessage, Registration, RouteName};
+
+/// Where the routes file is, if there is one.
+#[derive(Args, Clone, Debug, Default)]
+#[command(next_help_heading = "Routes")]
+pub struct RoutesArgs {
+    /// A TOML file of routes (method, URL template, per-seller limit, default cost); a message's
+    /// `route` picks one, and TURNSTILE_LIMIT stays the seller's budget over all of them.
+    #[arg(long = "routes-file", env = "TURNSTILE_ROUTES_FILE")]
+    pub file: Option<PathBuf>,
+}
+
+/// Most routes one file may name.
+pub const MOST_ROUTES: usize = 64;
+
+/// The HTTP methods a route may use.
+const METHODS: [&str; 5] = ["GET", "POST", "PUT", "PATCH", "DELETE"];
+
+/// One route: how its calls are made and what each seller may make of them.
+#[derive(Clone, Debug)]
+pub struct Route {
+    pub name: RouteName,
+    pub method: reqwest::Method,
+    /// The URL template; `{seller_id}` is replaced as in `TURNSTILE_DOWNSTREAM_URL`.
+    pub url: String,
+    /// Whether `{seller_id}` stands in the URL's path (else in its query or nowhere).
+    pub seller_in_path: bool,
+    /// The route's per-seller stack (`limits set --seller S --route R` overrides it).
+    pub limits: Limits,
+    /// The cost of a call whose message gives none.
+    pub cost: Option<Cost>,
+}
+
+/// The routes of the routes file, by name (none without one).
+#[derive(Clone, Debug, Default)]
+pub struct Routes {
+    routes: BTreeMap<RouteName, Arc<Route>>,
+}
+
+/// Why a routes file was refused: one line naming the route and the field.
+#[derive(Debug, thiserror::Error, PartialEq, Eq)]
+#[error("{0}")]
+pub struct RoutesError(String);
+
+#[derive(serde::Deserialize)]
+#[serde(deny_unknown_fields)]
+struct RouteEntry {
+    method: String,
+    url: String,
+    limit: String,
+    #[serde(default)]
+    cost: Option<i64>,
+}
+
+impl Routes {
+    /// The routes of `args`' file, or none without one.
+    pub fn load(args: &RoutesArgs) -> anyhow::Result<Self> {
+        match &args.file {
+            None => Ok(Self::default()),
+            Some(path) => Self::read(path),
+        }
+    }
+
+    /// The routes of the file at `path`.
+    pub fn read(path: &Path) -> anyhow::Result<Self> {
+        let text = std::fs::read_to_string(path).map_err(|e| {
+            anyhow::anyhow!("TURNSTILE_ROUTES_FILE {}: cannot read it: {e}", path.display())
+        })?;
+        Self::parse(&text)
+            .map_err(|e| anyhow::anyhow!("TURNSTILE_ROUTES_FILE {}: {e}", path.display()))
+    }
+
+    /// The routes a file's text names (a `[routes.NAME]` table each).
+    pub fn parse(text: &str) -> Result<Self, RoutesError> {
+        let bad = |s: String| RoutesError(s);
+        let table: toml::Table = toml::from_str(text)
+            .map_err(|e| bad(format!("not valid TOML: {}", one_line(e.message()))))?;
+        if let Some(other) = table.keys().find(|k| *k != "routes") {
+            return Err(bad(format!(
+                "unknown table or key {other:?}: only [routes.NAME] tables"
+            )));
+        }
+        let Some(toml::Value::Table(routes)) = table.get("routes") else {
+            return Err(bad("no [routes.NAME] table".into()));
+        };
+        if routes.is_empty() {
+            return Err(bad("no [routes.NAME] table".into()));
+        }
+        if routes.len() > MOST_ROUTES {
+            return Err(bad(format!("{} routes; at most {MOST_ROUTES}", routes.len())));
+        }
+        let mut parsed = BTreeMap::new();
+        for (name, value) in routes {
+            let route = Self::route(name, value.clone())
+                .map_err(|why| bad(format!("route {name:?}: {why}")))?;
+            parsed.insert(route.name.clone(), Arc::new(route));
+        }
+        Ok(Self { routes: parsed })
+    }
+
+    fn route(name: &str, value: toml::Value) -> Result<Route, String> {
+        let name = RouteName::parse(name).map_err(|why| format!("its name {why}"))?;
+        let entry: RouteEntry = value
+            .try_into()
+            .map_err(|e: toml::de::Error| one_line(e.message()))?;
+        let method = entry.method.to_ascii_uppercase();
+        if !METHODS.contains(&method.as_str()) {
+            return Err(format!(
+                "field `method`: {:?} is not one of {}",
+                entry.method,
+                METHODS.join(", ")
+            ));
+        }
+        let method = reqwest::Method::from_bytes(method.as_bytes())
+            .map_err(|_| format!("field `method`: {:?} is not a method", entry.method))?;
+        let probe = entry.url.replace("{seller_id}", "probe");
+        match reqwest::Url::parse(&probe) {
+            Ok(url) if matches!(url.scheme(), "http" | "https") => {}
+            Ok(_) => return Err("field `url`: must be an http or https URL".into()),
+            Err(e) => return Err(format!("field `url`: not a valid URL ({e})")),
+        }
+        let limits: Limits = entry
+            .limit
+            .parse()
+            .map_err(|e| format!("field `limit`: {e}"))?;
+        let cost = match entry.cost {
+            None => None,
+            Some(units) => Some(
+                u32::try_from(units)
+                    .ok()
+                    .and_then(Cost::new)
+                    .ok_or_else(|| format!("field `cost`: {units} is not an integer from 1 to {}", Cost::MAX))?,
+            ),
+        };
+        if let Some(cost) = cost
+            && cost.units() > limits.min_count()
+        {
+            return Err(format!(
+                "field `cost`: {cost} is more than the route's limit {limits} ever grants at once"
+            ));
+        }
+        let template_path = entry.url.split(['?', '#']).next().unwrap_or_default();
+        Ok(Route {
+            name,
+            method,
+            seller_in_path: template_path.contains("{seller_id}"),
+            url: entry.url,
+            limits,
+            cost,
+        })
+    }
+
+    /// Whether there are no routes (no routes file).
+    pub fn is_empty(&self) -> bool {
+        self.routes.is_empty()
+    }
+
+    /// The route named `name`.
+    pub fn get(&self, name: &RouteName) -> Option<&Arc<Route>> {
+        self.routes.get(name)
+    }
+
+    /// Every route, by name.
+    pub fn iter(&self) -> impl Iterator<Item = &Arc<Route>> + '_ {
+        self.routes.values()
+    }
+
+    /// The route `registration` takes, checked against the file: a route the file does not
+    /// name (or any route, without a file) makes the message invalid. A message without a
+    /// `cost` takes its route's default cost.
+    pub fn resolve(&self, registration: &mut Registration) -> Result<(), InvalidMessage> {
+        let Some(name) = &registration.route else {
+            return Ok(());
+        };
+        let route = self.get(name).ok_or(InvalidMessage::Field {
+            field: "route",
+            why: "names no route of the routes file",
+        })?;
+        if !registration.cost_given
+            && let Some(cost) = route.cost
+        {
+            registration.cost = cost;
+        }
+        Ok(())
+    }
+}
+
+/// An error message on one line (TOML's may span several).
+fn one_line(message: &str) -> String {
+    message.split_whitespace().collect::<Vec<_>>().join(" ")
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const FILE: &str = r#"
+[routes.register]
+method = "POST"
+url = "https://api.example.com/sellers/{seller_id}/products"
+limit = "100/1m"
+cost = 1
+
+[routes.price]
+method = "put"
+url = "https://api.example.com/price?seller={seller_id}"
+limit = "600/1m,10000/1d"
+"#;
+
+    #[test]
+    fn a_routes_file_names_each_route_with_its_method_url_limit_and_cost() {
+        let routes = Routes::parse(FILE).unwrap();
+        let register = routes.get(&RouteName::parse("register").unwrap()).unwrap();
+        assert_eq!(register.method, reqwest::Method::POST);
+        assert!(register.seller_in_path);
+        assert_eq!(register.limits.to_string(), "100/1m");
+        assert_eq!(register.cost, Cost::new(1));
+        let price = routes.get(&RouteName::parse("price").unwrap()).unwrap();
+        assert_eq!(price.method, reqwest::Method::PUT);
+        assert!(!price.seller_in_path);
+        assert_eq!(price.cost, None);
+        assert_eq!(routes.iter().count(), 2);
+    }
+
+    #[test]
+    fn a_bad_file_is_refused_in_one_line_naming_the_route_and_the_field() {
+        let cases = [
+            (FILE.replace("100/1m", "100 per minute"), "route \"register\": field `limit`"),
+            (FILE.replace("\"put\"", "\"TRACE\""), "route \"price\": field `method`"),
+            (FILE.replace("https://api.example.com/price", "ftp://x"), "route \"price\": field `url`"),
+            (FILE.replace("cost = 1", "cost = 0"), "route \"register\": field `cost`"),
+            (FILE.replace("cost = 1", "cost = 101"), "route \"register\": field `cost`"),
+            (FILE.replace("cost = 1", "coast = 1"), "route \"register\": unknown field `coast`"),
+            (FILE.replace("[routes.price]", "[routes.\"pri ce\"]"), "route \"pri ce\": its name"),
+            (FILE.replace("[routes.price]", "[rotes.price]"), "unknown table or key \"rotes\""),
+            ("".to_owned(), "no [routes.NAME] table"),
+            ("[routes".to_owned(), "not valid TOML"),
+        ];
+        for (text, expected) in cases {
+            let error = Routes::parse(&text).unwrap_err().to_string();
+            assert!(error.contains(expected), "{error:?} should say {expected:?}");
+            assert!(!error.contains('\n'), "{error:?} is one line");
+        }
+    }
+
+    #[test]
+    fn a_message_takes_its_routes_default_cost_unless_it_gives_one() {
+        let routes = Routes::parse(&FILE.replace("cost = 1", "cost = 3")).unwrap();
+        let body = br#"{"seller_id":"S","route":"register","product":{}}"#;
+        let mut r = Registration::parse(body, None).unwrap();
+        routes.resolve(&mut r).unwrap();
+        assert_eq!(r.cost.units(), 3);
+        let body = br#"{"seller_id":"S","route":"register","cost":2,"product":{}}"#;
+        let mut r = Registration::parse(body, None).unwrap();
+        routes.resolve(&mut r).unwrap();
+        assert_eq!(r.cost.units(), 2);
+    }
+
+    #[test]
+    fn a_route_the_file_does_not_name_makes_the_message_invalid() {
+        let body = br#"{"seller_id":"S","route":"stock","product":{}}"#;
+        let mut r = Registration::parse(body, None).unwrap();
+        let error = Routes::parse(FILE).unwrap().resolve(&mut r).unwrap_err();
+        assert!(error.to_string().contains("route"));
+        let mut r = Registration::parse(body, None).unwrap();
+        assert!(Routes::default().resolve(&mut r).is_err());
+        let body = br#"{"seller_id":"S","route":"a b","product":{}}"#;
+        assert!(Registration::parse(body, None).is_err());
+        let body = br#"{"seller_id":"S","route":7,"product":{}}"#;
+        assert!(Registration::parse(body, None).is_err());
+    }
+}
