@@ -55,6 +55,9 @@
 -- KEYS[7]  sliding-window, optional: the seller's pool of unclaimed permit-block units (see
 --          take_block): whenever the state is written, they are taken back (reclaim_idle), so
 --          no unit granted before the lesson is claimed after it
+-- KEYS[-n] with ROUTES = n (sliding-window, after KEYS[7]): the seller's logs of the routes, the
+--          last n keys (see include/routes.lua): a reservation on a route given back leaves its
+--          route's log too
 -- ARGV[1]  ALGORITHM: sliding-window, gcra, token-bucket or fixed-window
 -- ARGV[2]  default COUNTS, comma-separated (integers >= 1; 1 to 8 limits)
 -- ARGV[3]  default WINDOWS in µs, comma-separated, one per count (integers >= 1)
@@ -70,6 +73,8 @@
 -- ARGV[11] WINDOW in µs from headers (integer >= 1; -1 = none)
 -- ARGV[12] REMAINING from headers (integer >= 0; -1 = none)
 -- ARGV[13] RESET in µs from now, from headers (integer >= 0; -1 = none)
+-- ARGV[14] optional ROUTES: how many of the last keys are the seller's logs of the routes
+--          (integer >= 0; absent = 0)
 -- Returns {CHANGED, RELEASED, NOW_US, COUNTS, WHY, CONFIGURED, WAKE, LOWERED}: CHANGED 1 when the counts
 -- that apply changed; RELEASED how many reservations were given back; COUNTS the learned counts
 -- now; WHY the last change's reason (429, recovery, header) or ''; CONFIGURED the configured
@@ -89,6 +94,14 @@ end
 local granted = int_arg(9, 0)
 local limit, window = int_arg(10, -1), int_arg(11, -1)
 local remaining, reset = int_arg(12, -1), int_arg(13, -1)
+local route_logs = {}
+if ARGV[14] ~= nil then
+  local routes = int_arg(14, 0)
+  if routes > 0 and #KEYS - routes < 7 then
+    error({err = 'ERR turnstile: ROUTES follow the seven keys of sliding-window'})
+  end
+  for i = #KEYS - routes + 1, #KEYS do route_logs[#route_logs + 1] = KEYS[i] end
+end
 if limit == 0 or window == 0 then
   error({err = 'ERR turnstile: LIMIT and WINDOW must be >= 1 or -1'})
 end
@@ -198,7 +211,7 @@ local function give_back_since_raise(after)
   local members = redis.call('ZRANGEBYSCORE', KEYS[5], string.format('(%.0f', mark), '+inf')
   for _, member in ipairs(members) do
     local token, cost = held_parts(member)
-    remove_units(KEYS[4], token, cost)
+    give_back(algorithm, KEYS[4], token, cost, 0, after, route_logs)
     redis.call('ZREM', KEYS[5], member)
   end
   return #members
@@ -217,7 +230,8 @@ if write then
   if after.counts ~= before.counts then
     changed = 1
     if within(before, after) then
-      released = give_back_reserved(algorithm, KEYS[4], KEYS[5], before, after, now, burst)
+      released = give_back_reserved(algorithm, KEYS[4], KEYS[5], before, after, now, burst,
+        route_logs)
       wake = 1
       -- The raise's mark (see give_back_since_raise): every slot reserved from now on is the
       -- raised stack's.
@@ -230,7 +244,8 @@ if write then
       lowered = 1
       released = give_back_since_raise(after)
       if released == nil then
-        released = give_back_reserved(algorithm, KEYS[4], KEYS[5], before, after, now, burst)
+        released = give_back_reserved(algorithm, KEYS[4], KEYS[5], before, after, now, burst,
+          route_logs)
         wake = 1
       end
     end

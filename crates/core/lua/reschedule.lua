@@ -20,6 +20,8 @@
 -- KEYS[4]  the seller's reserved slots (sorted set: member = held_name(TOKEN, COST), score = slot)
 -- KEYS[5]  sliding-window: the seller's pool of unclaimed permit-block units (see take_block)
 -- KEYS[6]  sliding-window: the seller's calls (see calls_gate)
+-- KEYS[-n] with ROUTES = n: the seller's logs of the routes, the last n keys (see
+--          include/routes.lua): a reservation on a route leaves its route's log too
 -- KEYS[5]  (KEYS[7] with sliding-window) optional (adaptive limits on): the seller's learned
 --          state (see with_learned)
 -- ARGV[1]  ALGORITHM: sliding-window, gcra, token-bucket or fixed-window
@@ -30,14 +32,27 @@
 -- ARGV[6]  token-bucket: CAPACITY (integer >= 0; see with_capacities); others: ignored
 -- ARGV[7]  CHANGE: `set` (the override becomes ARGV[8]), `clear` (the override is removed),
 --          `resume` (the pause is lifted) or `release` (nothing but the give-back)
--- ARGV[8]  with `set`: the new override "COUNTS WINDOWS_US" (as parse_limits takes them)
+-- ARGV[8]  with `set`: the new override "COUNTS WINDOWS_US" (as parse_limits takes them); else
+--          ignored ('' when ARGV[9] follows)
+-- ARGV[9]  optional ROUTES: how many of the last keys are the seller's logs of the routes
+--          (integer >= 0; absent = 0)
 -- Returns {CHANGED, RELEASED, NOW_US}: CHANGED is 1 when there was an override to clear or a
 -- pause to lift (always 1 for set and release); RELEASED is how many reservations were given back.
 
 local algorithm = algorithm_arg(1)
-local pool_key, calls_key, learned_key = nil, nil, KEYS[5]
+local routes = 0
+if ARGV[9] ~= nil then routes = int_arg(9, 0) end
+local route_logs = {}
+for i = #KEYS - routes + 1, #KEYS do route_logs[#route_logs + 1] = KEYS[i] end
+-- The script's own keys come first; the routes' logs, if any, last.
+local own = #KEYS - routes
+local function own_key(i)
+  if i <= own then return KEYS[i] end
+  return nil
+end
+local pool_key, calls_key, learned_key = nil, nil, own_key(5)
 if algorithm == 'sliding-window' then
-  pool_key, calls_key, learned_key = KEYS[5], KEYS[6], KEYS[7]
+  pool_key, calls_key, learned_key = KEYS[5], KEYS[6], own_key(7)
   if pool_key == nil or calls_key == nil then
     error({err = 'ERR turnstile: sliding-window needs KEYS[5] and KEYS[6]'})
   end
@@ -67,7 +82,8 @@ if new_limits ~= limits then
 end
 local now = now_us()
 
-local released = give_back_reserved(algorithm, KEYS[1], KEYS[4], limits, new_limits, now, burst)
+local released = give_back_reserved(algorithm, KEYS[1], KEYS[4], limits, new_limits, now, burst,
+  route_logs)
 reclaim_idle(pool_key, KEYS[1], calls_key)
 
 local changed = 1

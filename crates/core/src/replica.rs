@@ -199,7 +199,8 @@ impl Starting {
         check_memory_policy(&conn, self.args.allow_eviction).await?;
         let permits =
             PermitStore::new(conn, &self.args.redis.key_prefix, self.args.limiter.clone())
-                .with_call_timeout(self.args.downstream.timeout);
+                .with_call_timeout(self.args.downstream.timeout)
+                .with_routes(self.routes.clone());
         let fleet = Arc::new(fleet::Member::new(
             &permits,
             &self.args.redis.key_prefix,

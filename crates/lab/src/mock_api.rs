@@ -15,6 +15,15 @@
 //!   strictly (a request over it is a `429` and a violation, counted in `global_violations`).
 //!   Each seller's most requests in flight at once is recorded (`max_in_flight`), and the
 //!   headers of the last [`RECENT_REQUESTS`] requests ([`MockServer::recent_requests`]).
+//! - `POST|PUT|PATCH|DELETE /routes/{route}/{seller}` (with `--route NAME=LIMIT`): the same
+//!   request to one of several endpoints of one provider. Each route holds each seller to its
+//!   own stack (`LIMIT`), and every request of a seller, on any route or on `/register`, is also
+//!   held to `--limit` (the seller's budget over all of them), as strictly: a request over
+//!   either is a `429` and a violation (a route's are counted in its [`RouteStats`] too).
+//! - With `--cost-header NAME`, a product's integer `"charge"` (0 or more) is what the request
+//!   really costs: its units are counted at that charge instead of its `cost` (checked at the
+//!   `cost` on arrival, as a provider that charges a query's requested cost and refunds down to
+//!   its actual cost), and the answer says so in header NAME.
 //! - `GET /stats`: [`Stats`] as JSON. `POST /reset`: forgets everything and restarts the clock.
 //!
 //! A product object with a `"mock"` object scripts its answers by attempt, for tests:
@@ -82,6 +91,22 @@ pub struct MockArgs {
     /// Answer a 429 without `Retry-After`.
     #[arg(long = "no-retry-after")]
     pub no_retry_after: bool,
+    /// A route `NAME=LIMIT` (repeatable): `/routes/NAME/{seller}` holds each seller to LIMIT (a
+    /// stack, in units) as well as to `--limit`.
+    #[arg(long = "route", value_parser = route_limit_arg)]
+    pub routes: Vec<(String, Limits)>,
+    /// Report a request's real cost (its product's `"charge"`) in this response header.
+    #[arg(long = "cost-header")]
+    pub cost_header: Option<String>,
+}
+
+/// `--route NAME=LIMIT`.
+fn route_limit_arg(s: &str) -> Result<(String, Limits), String> {
+    let (name, limit) = s
+        .split_once('=')
+        .ok_or_else(|| format!("{s:?} is not NAME=LIMIT"))?;
+    let limit = turnstile_core::config::limits_arg(limit)?;
+    Ok((name.to_owned(), limit))
 }
 
 /// Which rate-limit headers the mock sends (see [`MockArgs::rate_limit_headers`]).
@@ -171,6 +196,8 @@ impl MockArgs {
             global_limit: None,
             rate_limit_headers: RateLimitForm::None,
             no_retry_after: false,
+            routes: Vec::new(),
+            cost_header: None,
         }
     }
 }
@@ -212,6 +239,26 @@ pub struct Stats {
     pub now_ms: u64,
     /// Per-seller counters, keyed by the seller as counted (see the module docs).
     pub sellers: BTreeMap<String, SellerStats>,
+    /// Per-route counters (`--route`), keyed by the route's name.
+    #[serde(default)]
+    pub routes: BTreeMap<String, RouteStats>,
+}
+
+/// Counters of one route (`--route`), every seller's together.
+#[derive(Clone, Debug, Default, Serialize, Deserialize, PartialEq)]
+pub struct RouteStats {
+    /// Requests the route received, whatever their answer.
+    pub requests: u64,
+    /// Registrations accepted for the first time on the route.
+    pub registered: u64,
+    /// Requests refused with 429 because the seller's window of the route was full (also
+    /// counted in [`Stats::violations`]).
+    pub violations: u64,
+    /// The most units of one seller's accepted requests seen in any trailing window of the
+    /// route's first limit (never above its COUNT).
+    pub max_in_window: u64,
+    /// Units of the requests accepted, as charged.
+    pub units: u64,
 }
 
 /// Counters of one seller.
@@ -300,10 +347,16 @@ impl MockServer {
             slow_rate: args.slow_rate,
             slow: Duration::from_millis(args.slow_ms),
             shutdown: shutdown.clone(),
+            routes: args.routes.iter().cloned().collect(),
+            cost_header: args.cost_header.clone(),
             state: Mutex::new(Ledger::new()),
         });
         let router = Router::new()
             .route("/register/{seller}", post(register))
+            .route(
+                "/routes/{route}/{seller}",
+                post(on_route).put(on_route).patch(on_route).delete(on_route),
+            )
             .route("/stats", get(stats))
             .route("/login", get(login).post(login))
             .route("/reset", post(reset))
@@ -334,6 +387,13 @@ impl MockServer {
             });
         }
         format!("http://{addr}/register/{{seller_id}}")
+    }
+
+    /// A route's URL template (`--route`), `http://ADDR/routes/NAME/{seller_id}`, for a routes
+    /// file.
+    pub fn route_url(&self, route: &str) -> String {
+        self.url()
+            .replace("/register/", &format!("/routes/{route}/"))
     }
 
     /// A snapshot of the counters.
@@ -432,6 +492,9 @@ struct App {
     slow_rate: f64,
     slow: Duration,
     shutdown: CancellationToken,
+    /// Each route's per-seller stack (`--route`).
+    routes: HashMap<String, Limits>,
+    cost_header: Option<String>,
     state: Mutex<Ledger>,
 }
 
@@ -447,6 +510,8 @@ struct Ledger {
     windows: HashMap<String, VecDeque<(Instant, u32)>>,
     /// Every seller's accepted registrations of the global limit's longest window.
     global_times: VecDeque<(Instant, u32)>,
+    /// Per route and seller, the accepted requests of the route's longest window.
+    route_windows: HashMap<(String, String), VecDeque<(Instant, u32)>>,
     /// Per seller, requests arrived and not yet answered.
     in_flight: HashMap<String, u64>,
     accepted: HashSet<String>,
@@ -469,6 +534,7 @@ impl Ledger {
             epoch: Instant::now(),
             windows: HashMap::new(),
             global_times: VecDeque::new(),
+            route_windows: HashMap::new(),
             in_flight: HashMap::new(),
             accepted: HashSet::new(),
             attempts: HashMap::new(),
@@ -500,6 +566,10 @@ struct Request {
     key: String,
     /// The product's `cost` (a positive integer), else 1.
     units: u32,
+    /// With `--cost-header`, the product's `charge` (an integer >= 0): the units counted.
+    charge: Option<u32>,
+    /// The route requested (`/routes/{route}/…`), if any.
+    route: Option<String>,
     script: Option<ValidScript>,
 }
 
@@ -508,6 +578,8 @@ enum Answer {
         status: StatusCode,
         id: String,
         quota: Option<QuotaView>,
+        /// The units charged, reported in `--cost-header`.
+        charged: Option<(String, u32)>,
     },
     Limited {
         retry_after_secs: Option<u64>,
@@ -570,10 +642,16 @@ fn parse_request(path_seller: &str, headers: &HeaderMap, body: &[u8]) -> Result<
         .and_then(|c| u32::try_from(c).ok())
         .filter(|c| *c >= 1)
         .unwrap_or(1);
+    let charge = product
+        .get("charge")
+        .and_then(Value::as_u64)
+        .and_then(|c| u32::try_from(c).ok());
     Ok(Request {
         seller,
         key: key.to_owned(),
         units,
+        charge,
+        route: None,
         script,
     })
 }
@@ -620,6 +698,7 @@ impl App {
             epoch,
             windows,
             global_times,
+            route_windows,
             accepted,
             attempts,
             stats,
@@ -642,10 +721,15 @@ impl App {
             stats.injected_failures += 1;
             return Answer::Injected;
         }
+        let charged = self
+            .cost_header
+            .as_ref()
+            .map(|header| (header.clone(), req.charge.unwrap_or(req.units)));
         let answer = Answer::Registered {
             status,
             id: req.key.clone(),
             quota: None,
+            charged: charged.clone(),
         };
         if accepted.contains(&req.key) {
             stats.duplicates += 1;
@@ -656,9 +740,25 @@ impl App {
                 .duplicates += 1;
             return answer;
         }
+        // A route's own limit, for the seller.
+        let mut route_wait = None;
+        let mut route_units = 0;
+        if let Some(route) = &req.route {
+            let limits = &self.routes[route];
+            let times = route_windows
+                .entry((route.clone(), req.seller.clone()))
+                .or_default();
+            (route_wait, route_units) = room_for(times, limits, now, req.units);
+            let counters = stats.routes.entry(route.clone()).or_default();
+            counters.requests += 1;
+            if route_wait.is_some() {
+                counters.violations += 1;
+            }
+        }
         let times = windows.entry(req.seller.clone()).or_default();
         let seller = stats.sellers.entry(req.seller.clone()).or_default();
         let (wait, first_window_units) = room_for(times, &self.limit, now, req.units);
+        let wait = wait.max(route_wait);
         // The global limit, over every seller's registrations together.
         let (global_wait, global_units) = match &self.global_limit {
             Some(global) => room_for(global_times, global, now, req.units),
@@ -678,15 +778,31 @@ impl App {
                 quota: self.quota(times, now),
             };
         }
+        // What the request is counted at: its charge, when the mock reports one.
+        let counted = charged.as_ref().map_or(req.units, |(_, units)| *units);
+        let first_window_units = first_window_units + u64::from(counted) - u64::from(req.units);
         if self.global_limit.is_some() {
-            global_times.push_back((now, req.units));
+            global_times.push_back((now, counted));
             stats.max_global_in_window = stats.max_global_in_window.max(global_units);
         }
-        times.push_back((now, req.units));
+        if let Some(route) = &req.route {
+            route_windows
+                .entry((route.clone(), req.seller.clone()))
+                .or_default()
+                .push_back((now, counted));
+            let counters = stats.routes.entry(route.clone()).or_default();
+            counters.registered += 1;
+            counters.units += u64::from(counted);
+            let in_window = route_units + u64::from(counted) - u64::from(req.units);
+            counters.max_in_window = counters.max_in_window.max(in_window);
+        }
+        let times = windows.entry(req.seller.clone()).or_default();
+        let seller = stats.sellers.entry(req.seller.clone()).or_default();
+        times.push_back((now, counted));
         accepted.insert(req.key.clone());
         stats.registered += 1;
         seller.registered += 1;
-        seller.units += u64::from(req.units);
+        seller.units += u64::from(counted);
         let at = millis(now - *epoch);
         seller.first_ms.get_or_insert(at);
         seller.last_ms = Some(at);
@@ -695,6 +811,7 @@ impl App {
             status,
             id: req.key.clone(),
             quota: self.quota(times, now),
+            charged,
         }
     }
 
@@ -734,11 +851,21 @@ impl App {
 impl IntoResponse for Answer {
     fn into_response(self) -> Response {
         match self {
-            Answer::Registered { status, id, quota } => {
+            Answer::Registered {
+                status,
+                id,
+                quota,
+                charged,
+            } => {
                 let mut response =
                     (status, axum::Json(json!({ "registered": true, "id": id }))).into_response();
                 if let Some(quota) = quota {
                     quota.write(response.headers_mut());
+                }
+                if let Some((header, units)) = charged
+                    && let Ok(name) = axum::http::HeaderName::from_bytes(header.as_bytes())
+                {
+                    response.headers_mut().insert(name, HeaderValue::from(units));
                 }
                 response
             }
@@ -786,6 +913,28 @@ async fn register(
     headers: HeaderMap,
     body: Bytes,
 ) -> Response {
+    request(app, None, seller, headers, body).await
+}
+
+async fn on_route(
+    State(app): State<Arc<App>>,
+    Path((route, seller)): Path<(String, String)>,
+    headers: HeaderMap,
+    body: Bytes,
+) -> Response {
+    if !app.routes.contains_key(&route) {
+        return error(StatusCode::NOT_FOUND, format!("no route {route:?}"));
+    }
+    request(app, Some(route), seller, headers, body).await
+}
+
+async fn request(
+    app: Arc<App>,
+    route: Option<String>,
+    seller: String,
+    headers: HeaderMap,
+    body: Bytes,
+) -> Response {
     let seen = SeenRequest::of(&headers);
     {
         let mut ledger = app.lock();
@@ -795,7 +944,7 @@ async fn register(
         ledger.recent.push_back(seen);
     }
     let req = match parse_request(&seller, &headers, &body) {
-        Ok(req) => req,
+        Ok(req) => Request { route, ..req },
         Err(why) => {
             app.lock().stats.requests += 1;
             return error(StatusCode::BAD_REQUEST, why);

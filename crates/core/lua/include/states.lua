@@ -1,3 +1,4 @@
+-- @include routes
 -- @include units
 -- states: how the algorithms keep a seller's state (fixed-window's counters, token-bucket's
 -- buckets), and giving a slot's units back to it (give_back).
@@ -33,7 +34,10 @@ end
 -- Gives the COST units reserved with TOKEN at SLOT (under the stack LIMITS) back to the seller's
 -- state of ALGORITHM, so that the next caller may take them (the reservation itself is removed
 -- from the reserved set by the caller):
---   sliding-window  its log entries (the units of TOKEN) are removed: exact;
+--   sliding-window  its log entries (the units of TOKEN) are removed: exact; for a reservation
+--                   on a route (see routed), from each of ROUTE_LOGS too (the seller's logs of
+--                   the routes, when the caller knows them; else the route's units stay counted
+--                   until they leave its windows: capacity unused, never an excess);
 --   fixed-window    each limit's counter of the slot's window goes down by COST, and the window
 --                   is open again: exact;
 --   token-bucket    COST tokens go back into each bucket (capped at its capacity; see
@@ -41,9 +45,12 @@ end
 --   gcra            nothing: a TAT cannot free a slot inside its schedule; the slot stays unused
 --                   (a capacity loss, never an excess). See reschedule.lua for giving back a
 --                   whole schedule's reservations at once.
-local function give_back(algorithm, state_key, token, cost, slot, limits)
+local function give_back(algorithm, state_key, token, cost, slot, limits, route_logs)
   if algorithm == 'sliding-window' then
     remove_units(state_key, token, cost)
+    if route_logs ~= nil and routed(token) then
+      for _, key in ipairs(route_logs) do remove_units(key, token, cost) end
+    end
   elseif algorithm == 'fixed-window' then
     for _, l in ipairs(limits) do
       local index = math.floor(slot / l.window)

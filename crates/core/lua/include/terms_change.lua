@@ -7,7 +7,8 @@
 -- Gives back every slot reserved by the seller (RESERVED_KEY, emptied) to its state of ALGORITHM
 -- (STATE_KEY), made under the stack LIMITS, and brings that state to the stack NEW_LIMITS that
 -- applies from now on (BURST: gcra's). Returns how many reservations were given back.
---   sliding-window  every reserved unit leaves the log: exact;
+--   sliding-window  every reserved unit leaves the log: exact; a reservation on a route leaves
+--                   each of ROUTE_LOGS too (see give_back);
 --   fixed-window    every reserved slot's units leave its windows' counters: exact;
 --   token-bucket    the buckets are brought to now, every reserved unit goes back into each
 --                   (between 0 and its capacity: only reservations run into debt);
@@ -20,7 +21,8 @@
 --                   most one new window ahead (by then every earlier call has left any window).
 --   fixed-window counters are kept per window index: a new WINDOW length starts new indexes
 --   (the old counts no longer apply; fixed-window is not exact across its edges anyway).
-local function give_back_reserved(algorithm, state_key, reserved_key, limits, new_limits, now, burst)
+local function give_back_reserved(algorithm, state_key, reserved_key, limits, new_limits, now, burst,
+  route_logs)
   local reserved = redis.call('ZRANGE', reserved_key, 0, -1, 'WITHSCORES')
   local released = #reserved / 2
   local function units_of(members)
@@ -90,7 +92,7 @@ local function give_back_reserved(algorithm, state_key, reserved_key, limits, ne
   else
     for i = 1, #reserved, 2 do
       local token, cost = held_parts(reserved[i])
-      give_back(algorithm, state_key, token, cost, tonumber(reserved[i + 1]), limits)
+      give_back(algorithm, state_key, token, cost, tonumber(reserved[i + 1]), limits, route_logs)
     end
     -- The windows are looked at again from now: a new COUNT may leave room in a full one.
     if algorithm == 'fixed-window' then

@@ -307,6 +307,9 @@ pub struct Admin {
     fixed: Terms,
     /// The terms a replica grants under, as the fleet replaces them (see [`Applied`]).
     follows: Option<Arc<Applied>>,
+    /// The routes of the routes file (see [`crate::routes`]): a change gives back their
+    /// reservations in their logs too.
+    routes: Vec<crate::domain::RouteName>,
 }
 
 impl Admin {
@@ -316,7 +319,14 @@ impl Admin {
             keys: Keyspace::new(prefix),
             fixed: terms,
             follows: None,
+            routes: Vec::new(),
         }
+    }
+
+    /// Gives back reservations on `routes` in their logs too when the seller's terms change.
+    pub fn with_routes(mut self, routes: &crate::routes::Routes) -> Self {
+        self.routes = routes.iter().map(|route| route.name.clone()).collect();
+        self
     }
 
     /// An `Admin` that reads under the terms a replica grants under, whatever they become.
@@ -663,6 +673,11 @@ impl Admin {
             terms: &terms,
             change,
             set,
+            route_logs: self
+                .routes
+                .iter()
+                .map(|route| self.keys.route_log(seller, route))
+                .collect(),
         };
         let RescheduleAnswer {
             changed,

@@ -535,6 +535,9 @@ pub struct PermitStore {
     clock: Arc<RedisClock>,
     /// Permit blocks, with `TURNSTILE_PERMIT_BLOCK` > 0 (see [`block`]); they apply under
     /// terms that allow them (see [`PermitStore::pooled`]).
+    /// The routes of the routes file (see [`crate::routes`]): a change of a seller's terms
+    /// gives back their reservations in their logs too.
+    routes: Arc<crate::routes::Routes>,
     blocks: Option<Arc<Blocks>>,
     /// Whether the task that writes what calls made with pool units answered was started (see
     /// `start_writing_answers`).
@@ -665,6 +668,7 @@ impl PermitStore {
             throttled: Arc::default(),
             reserving: Arc::default(),
             applied: Arc::new(Applied::new(limiter)),
+            routes: Arc::default(),
             call_bound: Duration::ZERO,
             batcher: Arc::default(),
             clock: Arc::default(),
@@ -792,6 +796,22 @@ impl PermitStore {
     /// under, as the fleet replaces them (see [`Admin`]).
     pub fn admin(&self) -> Admin {
         Admin::following(self.conn.clone(), self.keys.prefix(), self.applied.clone())
+            .with_routes(&self.routes)
+    }
+
+    /// Knows the routes of the routes file: a change of a seller's terms (a lesson of adaptive
+    /// limits, a pause, a limit set) gives back reservations on them in their logs too.
+    pub fn with_routes(mut self, routes: Arc<crate::routes::Routes>) -> Self {
+        self.routes = routes;
+        self
+    }
+
+    /// The seller's logs of every route (see [`Self::with_routes`]).
+    fn route_logs(&self, seller: &SellerId) -> Vec<String> {
+        self.routes
+            .iter()
+            .map(|route| self.keys.route_log(seller, &route.name))
+            .collect()
     }
 
     /// The uploads' progress, the dead letters by reason and the dashboard's shared state under
@@ -963,7 +983,8 @@ impl PermitStore {
         before: &LimiterArgs,
         sellers: &[SellerId],
     ) -> Result<usize, PermitError> {
-        let admin = Admin::new(self.conn.clone(), self.keys.prefix(), Terms::from(before));
+        let admin = Admin::new(self.conn.clone(), self.keys.prefix(), Terms::from(before))
+            .with_routes(&self.routes);
         for seller in sellers {
             admin.reschedule(seller, admin::Change::Release).await?;
         }
@@ -1705,9 +1726,9 @@ impl PermitStore {
 
     /// The downstream reported that the call `call` (granted `cost` units at `slot_us`, on
     /// `route` if any) cost `actual`: its units in the seller's windows (and the route's)
-    /// become `actual`, for every replica (see `lua/recost.lua`). sliding-window only (the
-    /// others keep no units per call): elsewhere nothing changes. Returns the units added
-    /// (> 0) or given back (< 0).
+    /// become `actual`, for every replica (see `lua/recost.lua`). Slots already reserved keep
+    /// their place (they were placed at their requested cost). sliding-window only (the others keep no units per call): elsewhere nothing changes.
+    /// Returns the units added (> 0) or given back (< 0).
     pub async fn recost(
         &self,
         seller: &SellerId,
@@ -2130,6 +2151,7 @@ impl PermitStore {
             told_window_us: micros(told.window.filter(|w| !w.is_zero())),
             told_remaining: count(told.remaining),
             told_reset_us: micros(told.reset),
+            route_logs: self.route_logs(seller),
         }
     }
 

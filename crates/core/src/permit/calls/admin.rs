@@ -140,6 +140,9 @@ pub(in crate::permit) struct Reschedule<'a> {
     pub change: &'static str,
     /// ARGV[8], with `set`: the new override "COUNTS WINDOWS_US".
     pub set: Option<String>,
+    /// The seller's logs of the routes, the last keys; ARGV[9] says how many (see
+    /// `lua/include/routes.lua`).
+    pub route_logs: Vec<String>,
 }
 
 impl Reschedule<'_> {
@@ -160,10 +163,18 @@ impl Reschedule<'_> {
         if self.terms.adaptive {
             to.key(self.learned.clone());
         }
+        for log in &self.route_logs {
+            to.key(log.clone());
+        }
         self.terms.args(to);
         to.arg(self.change);
         if let Some(set) = &self.set {
             to.arg(set);
+        } else if !self.route_logs.is_empty() {
+            to.arg("");
+        }
+        if !self.route_logs.is_empty() {
+            to.arg(self.route_logs.len());
         }
     }
 }
@@ -461,6 +472,7 @@ mod tests {
             terms,
             change: if set { "set" } else { "clear" },
             set: set.then(|| "5 1000000".into()),
+            route_logs: Vec::new(),
         }
         .write(&mut written);
         written

@@ -34,6 +34,8 @@ pub(in crate::permit) struct Learn {
     pub told_window_us: i64,
     pub told_remaining: i64,
     pub told_reset_us: i64,
+    /// sliding-window: the seller's logs of the routes, the last keys; ARGV[14] says how many.
+    pub route_logs: Vec<String>,
 }
 
 impl Learn {
@@ -50,8 +52,15 @@ impl Learn {
             .key(self.state.clone())
             .key(self.reserved.clone())
             .key(self.calls.clone());
+        let route_logs: &[String] = match self.terms.algorithm {
+            Algorithm::SlidingWindow => &self.route_logs,
+            _ => &[],
+        };
         if self.terms.algorithm == Algorithm::SlidingWindow {
             to.key(self.pool.clone());
+        }
+        for log in route_logs {
+            to.key(log.clone());
         }
         self.terms.args(to);
         to.arg(self.min)
@@ -61,6 +70,9 @@ impl Learn {
             .arg(self.told_window_us)
             .arg(self.told_remaining)
             .arg(self.told_reset_us);
+        if !route_logs.is_empty() {
+            to.arg(route_logs.len());
+        }
     }
 }
 
@@ -142,6 +154,7 @@ mod tests {
             told_window_us: 60,
             told_remaining: 7,
             told_reset_us: -1,
+            route_logs: Vec::new(),
         };
         let mut written = Written::default();
         learn.write(&mut written);

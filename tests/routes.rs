@@ -1,0 +1,311 @@
+//! Routes: several endpoints of one provider, each with its own per-seller limit, under one
+//! budget per seller (TURNSTILE_LIMIT), against a strict mock that enforces every one of them;
+//! and the cost a call's answer reports replacing its requested cost.
+mod support;
+
+use std::path::PathBuf;
+
+use turnstile_core::broker::{header_str, headers};
+use turnstile_core::config::Limits;
+use turnstile_core::replica::Starting;
+use turnstile_lab::mock_api::MockArgs;
+use turnstile_lab::rig::Rig;
+
+fn limits(s: &str) -> Limits {
+    s.parse().unwrap()
+}
+
+/// A routes file of `routes` (name, method, URL, limit) written for the test, removed on drop.
+struct RoutesFile(PathBuf);
+
+impl RoutesFile {
+    fn write(test: &str, routes: &[(&str, &str, String, &str)]) -> Self {
+        let mut text = String::new();
+        for (name, method, url, limit) in routes {
+            text.push_str(&format!(
+                "[routes.{name}]\nmethod = \"{method}\"\nurl = \"{url}\"\nlimit = \"{limit}\"\n\n"
+            ));
+        }
+        let path = std::env::temp_dir().join(format!(
+            "turnstile-routes-{test}-{:08x}.toml",
+            rand::random::<u32>()
+        ));
+        std::fs::write(&path, text).unwrap();
+        Self(path)
+    }
+}
+
+impl Drop for RoutesFile {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_file(&self.0);
+    }
+}
+
+/// A message of `seller` on `route` (none: the default endpoint) costing `cost` units, whose
+/// product tells the mock what it really costs (`charge`), if given.
+fn body(id: &str, seller: &str, route: Option<&str>, cost: u32, charge: Option<u32>) -> Vec<u8> {
+    let mut product = serde_json::json!({ "sku": id, "cost": cost });
+    if let Some(charge) = charge {
+        product["charge"] = charge.into();
+    }
+    let mut body = serde_json::json!({
+        "message_id": id, "seller_id": seller, "cost": cost, "product": product,
+    });
+    if let Some(route) = route {
+        body["route"] = route.into();
+    }
+    body.to_string().into_bytes()
+}
+
+async fn publish(rig: &mut Rig, bodies: impl IntoIterator<Item = Vec<u8>>) -> anyhow::Result<()> {
+    for body in bodies {
+        rig.publish_body(&body).await?;
+    }
+    Ok(())
+}
+
+/// Budget 10/1s per seller; `register` (POST) 6/1s and `price` (PUT) 4/1s per seller. Seller A
+/// sends 30 on each route and 10 to the default endpoint, seller B 20 on `price`; 2 replicas of
+/// 4 workers; one request in ten reaches the API 300 ms late. The mock holds every seller to
+/// the budget over all its requests and to each route's limit: it never answers 429.
+#[tokio::test]
+async fn calls_on_several_routes_stay_within_each_routes_limit_and_the_sellers_budget()
+-> anyhow::Result<()> {
+    let mock = MockArgs {
+        routes: vec![
+            ("register".into(), limits("6/1s")),
+            ("price".into(), limits("4/1s")),
+        ],
+        slow_rate: 0.1,
+        slow_ms: 300,
+        ..MockArgs::local(limits("10/1s"))
+    };
+    let mut rig = support::rig("routes", "10/1s")
+        .with_mock(mock)
+        .prepare()
+        .await?;
+    let file = RoutesFile::write(
+        "routes",
+        &[
+            ("register", "POST", rig.mock.route_url("register"), "6/1s"),
+            ("price", "PUT", rig.mock.route_url("price"), "4/1s"),
+        ],
+    );
+    let mut settings = rig.settings(4);
+    settings.routes.file = Some(file.0.clone());
+    rig.start_replica(settings.clone()).await?;
+    rig.start_replica(settings).await?;
+    let mut bodies = Vec::new();
+    for i in 0..30 {
+        bodies.push(body(&format!("A-r{i}"), "S-A", Some("register"), 1, None));
+        bodies.push(body(&format!("A-p{i}"), "S-A", Some("price"), 1, None));
+        if i < 10 {
+            bodies.push(body(&format!("A-d{i}"), "S-A", None, 1, None));
+        }
+        if i < 20 {
+            bodies.push(body(&format!("B-p{i}"), "S-B", Some("price"), 1, None));
+        }
+    }
+    publish(&mut rig, bodies).await?;
+    let stats = rig.wait_registered(90).await?;
+    rig.stop_replicas().await?;
+    let (register, price) = (&stats.routes["register"], &stats.routes["price"]);
+    let a = &stats.sellers["S-A"];
+    println!(
+        "budget 10/1s, register 6/1s, price 4/1s: {} violations; most in a window: seller A {} \
+         (budget), register {}, price {}; seller A drained in {} ms (price alone needs 7.25 s)",
+        stats.violations,
+        a.max_in_window,
+        register.max_in_window,
+        price.max_in_window,
+        a.last_ms.unwrap_or(0) - a.first_ms.unwrap_or(0)
+    );
+    assert_eq!(stats.violations, 0, "{stats:?}");
+    assert_eq!(stats.duplicates, 0, "{stats:?}");
+    assert_eq!((register.registered, price.registered), (30, 50));
+    assert_eq!(stats.sellers["S-A"].registered, 70);
+    assert_eq!(stats.sellers["S-B"].registered, 20);
+    assert!(a.max_in_window <= 10 && register.max_in_window <= 6 && price.max_in_window <= 4);
+    assert_eq!(rig.dead_lettered().await?, 0);
+    rig.cleanup().await
+}
+
+/// A message naming a route the file does not have is dead-lettered as `invalid-message`, never
+/// called; one naming a route is called on that route's method and URL.
+#[tokio::test]
+async fn a_message_naming_an_unknown_route_is_dead_lettered_as_invalid() -> anyhow::Result<()> {
+    let mock = MockArgs {
+        routes: vec![("stock".into(), limits("5/1s"))],
+        ..MockArgs::local(limits("10/1s"))
+    };
+    let mut rig = support::rig("routes-unknown", "10/1s")
+        .with_mock(mock)
+        .prepare()
+        .await?;
+    let file = RoutesFile::write(
+        "unknown",
+        &[("stock", "PATCH", rig.mock.route_url("stock"), "5/1s")],
+    );
+    let mut settings = rig.settings(2);
+    settings.routes.file = Some(file.0.clone());
+    rig.start_replica(settings).await?;
+    publish(
+        &mut rig,
+        [
+            body("u-1", "S-U", Some("images"), 1, None),
+            body("u-2", "S-U", Some("stock"), 1, None),
+        ],
+    )
+    .await?;
+    let dead = rig.dead_letters(1).await?;
+    let stats = rig.wait_registered(1).await?;
+    rig.stop_replicas().await?;
+    let reason = header_str(&dead[0], headers::REASON);
+    let detail = header_str(&dead[0], headers::DETAIL);
+    println!("dead letter: {reason:?} {detail:?}");
+    assert_eq!(reason.as_deref(), Some("invalid-message"));
+    assert!(detail.unwrap_or_default().contains("route"));
+    assert_eq!(stats.routes["stock"].registered, 1);
+    assert_eq!(stats.requests, 1, "the unknown route was never called: {stats:?}");
+    let seen = rig.mock.recent_requests();
+    assert_eq!(seen.len(), 1);
+    rig.cleanup().await
+}
+
+/// A bad routes file stops the replica before it connects anywhere, in one line naming the
+/// route and the field.
+#[tokio::test]
+async fn a_bad_routes_file_stops_startup_with_one_line_naming_the_route_and_the_field()
+-> anyhow::Result<()> {
+    let rig = support::rig("routes-bad", "10/1s").prepare().await?;
+    let file = RoutesFile::write(
+        "bad",
+        &[("price", "PUT", rig.mock.route_url("price"), "ten/1s")],
+    );
+    let mut settings = rig.settings(1);
+    settings.routes.file = Some(file.0.clone());
+    let error = Starting::new(settings).err().expect("refused").to_string();
+    println!("{error}");
+    assert!(error.contains("route \"price\": field `limit`"), "{error}");
+    assert!(!error.contains('\n'));
+    let mut settings = rig.settings(1);
+    settings.routes.file = Some(file.0.with_extension("missing"));
+    let error = Starting::new(settings).err().expect("refused").to_string();
+    assert!(error.contains("TURNSTILE_ROUTES_FILE"), "{error}");
+    rig.cleanup().await
+}
+
+/// The mock reports each call's real cost in `X-Request-Cost`: messages ask for 5 units of a
+/// 10/1s budget and really cost 1. The reported cost replaces the requested one in the seller's
+/// windows, for every replica: the units refunded are free at once for the next calls, so more
+/// than two calls (what 5 units each allow) go through in one window, and none over the API's
+/// limit.
+#[tokio::test]
+async fn a_refund_reported_by_the_api_frees_its_units_for_the_next_calls()
+-> anyhow::Result<()> {
+    let mock = MockArgs {
+        cost_header: Some("X-Request-Cost".into()),
+        ..MockArgs::local(limits("10/1s"))
+    };
+    let mut rig = support::rig("routes-cost", "10/1s")
+        .with_mock(mock)
+        .prepare()
+        .await?;
+    let mut settings = rig.settings(4);
+    settings.downstream.cost_header = Some("x-request-cost".parse()?);
+    rig.start_replica(settings).await?;
+    publish(
+        &mut rig,
+        (0..40).map(|i| body(&format!("c-{i}"), "S-C", None, 5, Some(1))),
+    )
+    .await?;
+    let stats = rig.wait_registered(40).await?;
+    rig.stop_replicas().await?;
+    let seller = &stats.sellers["S-C"];
+    println!(
+        "40 asking 5 units of 10/1s, charged 1: {} violations, most units in a window {}, \
+         drained in {} ms (20 s at the requested cost)",
+        stats.violations,
+        seller.max_in_window,
+        seller.last_ms.unwrap_or(0) - seller.first_ms.unwrap_or(0)
+    );
+    assert_eq!(stats.violations, 0, "{stats:?}");
+    assert!(
+        seller.max_in_window > 2,
+        "refunds let more than two calls into a window: {stats:?}"
+    );
+    assert_eq!(seller.units, 40);
+    rig.cleanup().await
+}
+
+/// The scripts alone: a call on a route takes units of the route's log and of the seller's
+/// log in one step; when the seller's terms change (a limit set), the route's reservations
+/// leave the route's log with the seller's, so the backlog is slotted afresh on both; a
+/// reservation given back by its message leaves both too.
+#[tokio::test]
+async fn a_routes_reservations_leave_its_log_with_the_sellers_when_they_are_given_back() {
+    use support::{Backend, Keys, limiter};
+    use turnstile_core::config::Algorithm;
+    use turnstile_core::domain::{Cost, RouteName, SellerId};
+    use turnstile_core::permit::{Decision, keys_matching};
+    use turnstile_core::routes::Routes;
+
+    let keys = Keys::new(Backend::Standalone, "route-logs").await;
+    let routes = std::sync::Arc::new(
+        Routes::parse(
+            "[routes.price]\nmethod = \"PUT\"\nurl = \"http://127.0.0.1:1/{seller_id}\"\nlimit = \"2/10s\"\n",
+        )
+        .unwrap(),
+    );
+    let route = routes.get(&RouteName::parse("price").unwrap()).unwrap().clone();
+    let store = keys
+        .store(limiter("5/10s", Algorithm::SlidingWindow))
+        .with_routes(routes.clone());
+    let s = SellerId::parse("S-logs").unwrap();
+    let mut held = Vec::new();
+    let mut granted = 0;
+    for _ in 0..6 {
+        let (decision, _) = store
+            .acquire_or_redeem_on(&s, None, Cost::ONE, None, None, Some(&route))
+            .await
+            .unwrap();
+        match decision {
+            Decision::Granted { .. } => granted += 1,
+            Decision::Wait {
+                reservation: Some(r),
+                ..
+            } => held.push(r),
+            other => panic!("{other:?}"),
+        }
+    }
+    // The route's 2/10s binds, not the seller's 5/10s: two calls now, the rest reserved at
+    // the route's pace, each slot also held in the seller's log.
+    assert_eq!((granted, held.len()), (2, 4));
+    let gap = held[2].slot_us - held[0].slot_us;
+    assert!(gap >= 10_000_000, "route slots 10 s apart: {gap} µs");
+    let conn = keys.conn.clone();
+    let card = |key: String| {
+        let mut conn = conn.clone();
+        async move { redis::AsyncCommands::zcard::<_, u64>(&mut conn, key).await.unwrap() }
+    };
+    let found = keys_matching(&keys.conn, &format!("{}:*route:price:log", keys.prefix))
+        .await
+        .unwrap();
+    assert_eq!(found.len(), 1);
+    let route_log = found[0].clone();
+    let seller_log = route_log.replace("route:price:log", "log");
+    assert_eq!((card(route_log.clone()).await, card(seller_log.clone()).await), (6, 6));
+
+    // Given back by its message: both logs.
+    assert!(store.unreserve_on(&s, &held[3], Cost::ONE, Some(&route)).await.unwrap());
+    assert_eq!((card(route_log.clone()).await, card(seller_log.clone()).await), (5, 5));
+
+    // A change of the seller's terms gives every reservation back, in the route's log too.
+    store
+        .admin()
+        .set_limit(&s, limits("6/10s"))
+        .await
+        .unwrap();
+    assert_eq!((card(route_log.clone()).await, card(seller_log.clone()).await), (2, 2));
+    keys.cleanup().await;
+}
