@@ -309,3 +309,74 @@ async fn a_routes_reservations_leave_its_log_with_the_sellers_when_they_are_give
     assert_eq!((card(route_log.clone()).await, card(seller_log.clone()).await), (2, 2));
     keys.cleanup().await;
 }
+
+/// The wall clock's time of day `ahead` from now, as `HH:MM:SS` (UTC).
+fn time_of_day_in(ahead: std::time::Duration) -> String {
+    let secs = (std::time::SystemTime::now() + ahead)
+        .duration_since(std::time::UNIX_EPOCH)
+        .unwrap()
+        .as_secs()
+        % 86_400;
+    format!("{:02}:{:02}:{:02}", secs / 3600, secs / 60 % 60, secs % 60)
+}
+
+/// A daily quota on the provider's clock, crossing its reset: the budget 100/1s,8/1d and the
+/// route `stock` 5/1d both reset at the same time of day, a few seconds from now. Seller Q
+/// sends 7 on `stock` and 5 to the default endpoint: 8 go before the reset (5 on `stock`), the
+/// other 4 wait for it, reserved, and go after it; the strict mock, holding each day to its
+/// count on its own wall clock, never answers 429.
+#[tokio::test]
+async fn a_daily_quota_waits_for_its_reset_and_never_goes_over_either_day() -> anyhow::Result<()> {
+    let reset_in = std::time::Duration::from_secs(20);
+    let at = time_of_day_in(reset_in);
+    let reset_at = std::time::Instant::now() + reset_in;
+    let budget = format!("100/1s,8/1d@{at}Z");
+    let stock = format!("5/1d@{at}Z");
+    let mock = MockArgs {
+        routes: vec![("stock".into(), limits(&stock))],
+        ..MockArgs::local(limits(&budget))
+    };
+    let mut rig = support::rig("calendar", &budget)
+        .with_mock(mock)
+        .prepare()
+        .await?;
+    let file = RoutesFile::write(
+        "calendar",
+        &[("stock", "POST", rig.mock.route_url("stock"), stock.as_str())],
+    );
+    let mut settings = rig.settings(4);
+    settings.routes.file = Some(file.0.clone());
+    // A call may be answered up to its timeout after its grant: only calls granted that close
+    // to the reset count in both days.
+    settings.downstream.timeout = std::time::Duration::from_secs(1);
+    rig.start_replica(settings).await?;
+    let mut bodies: Vec<Vec<u8>> = (0..7)
+        .map(|i| body(&format!("q-s{i}"), "S-Q", Some("stock"), 1, None))
+        .collect();
+    bodies.extend((0..5).map(|i| body(&format!("q-d{i}"), "S-Q", None, 1, None)));
+    publish(&mut rig, bodies).await?;
+    let before = rig.wait_registered(8).await?;
+    let mut held_until_reset = None;
+    if std::time::Instant::now() + std::time::Duration::from_secs(3) < reset_at {
+        // Nothing more goes until the reset.
+        while std::time::Instant::now() + std::time::Duration::from_millis(1500) < reset_at {
+            tokio::time::sleep(std::time::Duration::from_millis(100)).await;
+        }
+        held_until_reset = Some(rig.mock.stats().registered);
+    }
+    let after = rig.wait_registered(12).await?;
+    let deliveries = rig.total(|s| &s.deliveries);
+    rig.stop_replicas().await?;
+    println!(
+        "8/1d and stock 5/1d resetting at {at}Z: {} registered before the reset ({:?} just \
+         before it), 12 after; {} violations; {deliveries} deliveries for 12 messages",
+        before.registered, held_until_reset, after.violations
+    );
+    assert_eq!(after.violations, 0, "{after:?}");
+    assert_eq!(after.duplicates, 0);
+    assert_eq!(after.routes["stock"].registered, 7);
+    if let Some(held) = held_until_reset {
+        assert_eq!(held, 8, "the day's quota held until its reset");
+    }
+    rig.cleanup().await
+}

@@ -1,4 +1,5 @@
 -- @include args
+-- @include calendar
 -- @include calls
 -- @include limits
 -- @include losses
@@ -116,6 +117,18 @@ if pause > slot then return release(3, pause) end
 if not within(held, limits) then return release(4, now) end
 if now < slot - math.floor(limits.min_guard / 10) then return {2, slot, now, ''} end
 if now > slot + lateness(algorithm, limits) then return release(5, now) end
+-- A calendar limit counts the unit in its slot's window (see calendar_late): a call that could
+-- reach the API in another is too late.
+local early = math.floor(limits.min_guard / 10)
+local function calendar_too_late(stack)
+  for _, l in ipairs(stack) do
+    if l.phase ~= nil and calendar_late(l, slot, now, bound + early + l.guard) then return true end
+  end
+  return false
+end
+if calendar_too_late(limits) or (route and calendar_too_late(route.limits)) then
+  return release(5, now)
+end
 if algorithm == 'sliding-window' or algorithm == 'gcra' then
   local open_at = calls_gate(KEYS[6], now, limits, cost)
   if open_at then return {2, open_at, now, ''} end

@@ -65,10 +65,15 @@ local change = ARGV[7]
 -- The stack that applies after the change.
 local new_limits = limits
 if change == 'set' then
-  new_limits = parse_limits(string.match(ARGV[8] or '', '^([%d,]+) ([%d,]+)$'))
+  new_limits = parse_limits(string.match(ARGV[8] or '', '^([%d,]+) ([%d,@]+)$'))
   if new_limits == nil then
     error({err = 'ERR turnstile: the new limit must be "COUNTS WINDOWS_US": 1 to ' .. MAX_STACK ..
       ' integers >= 1 each, comma-separated'})
+  end
+  for _, l in ipairs(new_limits) do
+    if l.phase ~= nil and algorithm ~= 'sliding-window' then
+      error({err = 'ERR turnstile: a calendar limit (COUNT/1d@...) needs sliding-window'})
+    end
   end
 elseif change == 'clear' then
   new_limits = limits_arg(2)

@@ -1,6 +1,7 @@
 -- @include acquire
 -- @include args
 -- @include blocks
+-- @include calendar
 -- @include calls
 -- @include far
 -- @include limits
@@ -121,28 +122,51 @@ if pooled and a.cost == 1 and earliest == now and limits.configured == nil
       string.format('%.0f', ends), stale}
   end
 end
-redis.call('ZREMRANGEBYSCORE', KEYS[1], '-inf', now - limits.max_span)
+-- A calendar limit counts units slotted up to ZONE (+ its guard) before its window's start: a
+-- call granted then may reach the API after it (see include/calendar.lua).
+local early = math.floor(limits.min_guard / 10)
+local zone = a.bound + early
+local calendars = limits.has_calendar or (route ~= nil and route.limits.has_calendar)
+local kept = limits.max_span
+if limits.has_calendar then kept = kept + zone end
+redis.call('ZREMRANGEBYSCORE', KEYS[1], '-inf', now - kept)
 local late = lateness('sliding-window', limits)
 if route then route_trim(route, now, a.bound, late) end
 local last = nil
 -- The slot the log allows for COST more units, and how much of the limit it leaves taken.
-local function fit()
-  local slot, used = earliest, 0
-  for _, l in ipairs(limits) do
-    -- Units counted by this limit from now on: those slotted within its span back from now.
-    local n = redis.call('ZCOUNT', KEYS[1], string.format('(%.0f', now - l.span), '+inf')
-    local room = l.count - a.cost
-    if n > room then
-      -- After the last slot and at least SPAN after the most recent unit that must leave for
-      -- COST more to fit: then no window of SPAN containing the new slot holds more than COUNT.
-      last = last or tonumber(redis.call('ZRANGE', KEYS[1], -1, -1, 'WITHSCORES')[2])
-      local kth = tonumber(redis.call('ZREVRANGE', KEYS[1], room, room, 'WITHSCORES')[2])
-      slot = math.max(slot, last, kth + l.span)
+-- From FROM: each limit's earliest slot from the latest so far, until they all agree (a
+-- sliding limit's slots are a threshold, any later one fits too; a calendar limit's may move a
+-- slot to a later window, which the others then check again).
+local function fit(from)
+  local slot, used = from, 0
+  for _ = 1, 16 do
+    local before = slot
+    for _, l in ipairs(limits) do
+      if l.phase ~= nil then
+        slot = calendar_fit(KEYS[1], l, slot, a.cost, zone + l.guard, early + l.guard)
+        local start = calendar_start(l, math.max(slot, now))
+        local n = calendar_units(KEYS[1], l, start, zone + l.guard)
+        used = math.max(used, math.floor(math.min(n + a.cost, l.count) * 1000 / l.count))
+        l.logged = n
+      else
+        -- Units counted by this limit from now on: those slotted within its span back from now.
+        local n = redis.call('ZCOUNT', KEYS[1], string.format('(%.0f', now - l.span), '+inf')
+        local room = l.count - a.cost
+        if n > room then
+          -- After the last slot and at least SPAN after the most recent unit that must leave for
+          -- COST more to fit: then no window of SPAN containing the new slot holds more than
+          -- COUNT.
+          last = last or tonumber(redis.call('ZRANGE', KEYS[1], -1, -1, 'WITHSCORES')[2])
+          local kth = tonumber(redis.call('ZREVRANGE', KEYS[1], room, room, 'WITHSCORES')[2])
+          slot = math.max(slot, last, kth + l.span)
+        end
+        used = math.max(used, math.floor(math.min(n + a.cost, l.count) * 1000 / l.count))
+        l.logged = n
+      end
     end
-    used = math.max(used, math.floor(math.min(n + a.cost, l.count) * 1000 / l.count))
-    l.logged = n
+    if route then slot = route_fit(route, slot, now, a.cost, zone, early) end
+    if slot == before then break end
   end
-  if route then slot = route_fit(route, slot, now, a.cost) end
   return slot, used
 end
 -- The route's calls too (see route_gate): a call due now waits for their answers as for the
@@ -155,23 +179,31 @@ local function after_gates(status, slot)
   if not open_at then return slot, status end
   return math.max(open_at, slot), (a.reserve == 1 and 2 or 0)
 end
-local slot, used = fit()
-local status = due(slot, now, limits.min_guard, a)
--- Due, but calls of the last window may still be in flight: wait for their answers.
-slot, status = after_gates(status, slot)
+-- Fits, then waits for the calls in flight; a slot the calls moved later is fitted again (a
+-- calendar limit may not take it there).
+local function decide()
+  local slot, used = fit(earliest)
+  local status = due(slot, now, limits.min_guard, a)
+  -- Due, but calls of the last window may still be in flight: wait for their answers.
+  slot, status = after_gates(status, slot)
+  if calendars and status ~= 1 then
+    local refit = fit(slot)
+    if refit ~= slot then slot, status = refit, due(refit, now, limits.min_guard, a) end
+  end
+  return slot, used, status
+end
+local slot, used, status = decide()
 -- Not due while other replicas hold units of the seller they have not used: taken back.
 if status ~= 1 and reclaim_idle(blocked_key, KEYS[1], KEYS[6]) > 0 then
   last = nil
-  slot, used = fit()
-  status = due(slot, now, limits.min_guard, a)
-  slot, status = after_gates(status, slot)
+  slot, used, status = decide()
 end
 status, slot = slot_or_far_ticket(status, slot, KEYS[4], KEYS[7], now, late, limits, a,
   log_crowded(KEYS[1], limits, a.cost))
 if status == 0 then return told_to_wait(0, slot, now, limits, a) end
 add_units(KEYS[1], slot, a.token, a.cost)
 last = tonumber(redis.call('ZRANGE', KEYS[1], -1, -1, 'WITHSCORES')[2])
-local ttl = math.floor((last - now + limits.max_span) / 1000) + 1
+local ttl = math.floor((last - now + kept) / 1000) + 1
 redis.call('PEXPIRE', KEYS[1], ttl)
 if route then route_add(route, slot, a.token, a.cost, now, a.bound, late) end
 local waiting = keep_and_hold(status, ttl, KEYS[5], KEYS[4], slot, now, late, a, limits)

@@ -7,11 +7,100 @@ use std::time::Duration;
 
 use clap::{Args, ValueEnum};
 
-/// A per-seller limit: at most `count` registrations in any trailing `window`.
+/// A per-seller limit: at most `count` registrations in any trailing `window`, or, for a
+/// calendar limit (`reset`), in each day that starts at the reset's time of day.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct Limit {
     count: u32,
     window: Duration,
+    reset: Option<Reset>,
+}
+
+/// When a calendar limit's day starts: a time of day in a fixed UTC offset, as a provider
+/// states its quota's reset (`@00:00+09:00`). Two resets are the same when they fall at the
+/// same instant (`@15:00Z` is `@00:00+09:00`).
+#[derive(Clone, Copy, Debug)]
+pub struct Reset {
+    /// Seconds after midnight, in `offset_minutes`.
+    second_of_day: u32,
+    /// The offset from UTC it is written in, in minutes (-23:59 to +23:59).
+    offset_minutes: i16,
+}
+
+/// Seconds in a day: a calendar limit's window.
+const DAY_SECS: i64 = 86_400;
+
+impl Reset {
+    /// When the day starts, in seconds after midnight UTC.
+    fn utc_second(&self) -> i64 {
+        (i64::from(self.second_of_day) - i64::from(self.offset_minutes) * 60).rem_euclid(DAY_SECS)
+    }
+
+    /// When the day starts, in µs after midnight UTC (the scripts' PHASE).
+    pub fn phase_us(&self) -> u64 {
+        self.utc_second() as u64 * 1_000_000
+    }
+
+    /// `HH:MM[:SS]` then `Z` or `±HH:MM`.
+    fn parse(s: &str) -> Option<Self> {
+        let split = s.find(['+', '-', 'Z', 'z'])?;
+        let (time, offset) = s.split_at(split);
+        let parts: Vec<&str> = time.split(':').collect();
+        let number = |p: &str, max: u32| {
+            (p.len() == 2 && p.bytes().all(|b| b.is_ascii_digit()))
+                .then(|| p.parse::<u32>().ok())
+                .flatten()
+                .filter(|n| *n <= max)
+        };
+        let (h, m, sec) = match parts.as_slice() {
+            [h, m] => (number(h, 23)?, number(m, 59)?, 0),
+            [h, m, sec] => (number(h, 23)?, number(m, 59)?, number(sec, 59)?),
+            _ => return None,
+        };
+        let offset_minutes = match offset {
+            "Z" | "z" => 0,
+            _ => {
+                let sign: i16 = if offset.starts_with('-') { -1 } else { 1 };
+                let (oh, om) = offset[1..].split_once(':')?;
+                let minutes = number(oh, 23)? * 60 + number(om, 59)?;
+                sign * minutes as i16
+            }
+        };
+        Some(Self {
+            second_of_day: h * 3600 + m * 60 + sec,
+            offset_minutes,
+        })
+    }
+
+    /// The reset at `phase_us` after midnight UTC (as the scripts' PHASE), written in UTC.
+    fn of_phase_us(phase_us: u64) -> Option<Self> {
+        let secs = phase_us / 1_000_000;
+        (phase_us % 1_000_000 == 0 && secs < DAY_SECS as u64).then_some(Self {
+            second_of_day: secs as u32,
+            offset_minutes: 0,
+        })
+    }
+}
+
+impl PartialEq for Reset {
+    fn eq(&self, other: &Self) -> bool {
+        self.utc_second() == other.utc_second()
+    }
+}
+
+impl Eq for Reset {}
+
+impl fmt::Display for Reset {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        let s = self.second_of_day;
+        write!(f, "{:02}:{:02}", s / 3600, s / 60 % 60)?;
+        if s % 60 != 0 {
+            write!(f, ":{:02}", s % 60)?;
+        }
+        let o = self.offset_minutes;
+        let sign = if o < 0 { '-' } else { '+' };
+        write!(f, "{sign}{:02}:{:02}", o.unsigned_abs() / 60, o.unsigned_abs() % 60)
+    }
 }
 
 /// Why a limit such as `100/60s` was refused.
@@ -23,13 +112,41 @@ pub enum LimitError {
     Count(String),
     #[error("the duration in {0:?} must be a positive number with a unit: ms, s, m, h or d")]
     Window(String),
+    #[error("a calendar limit is COUNT/1d@HH:MM±HH:MM (a day starting at that time in that offset, e.g. 1000/1d@00:00+09:00 or 500/1d@06:30Z); got {0:?}")]
+    Calendar(String),
 }
 
 impl Limit {
     /// Builds a limit; `count` and `window` must be positive.
     pub fn new(count: u32, window: Duration) -> Option<Self> {
-        (count > 0 && !window.is_zero() && window.as_micros() <= u64::MAX as u128)
-            .then_some(Self { count, window })
+        (count > 0 && !window.is_zero() && window.as_micros() <= u64::MAX as u128).then_some(
+            Self {
+                count,
+                window,
+                reset: None,
+            },
+        )
+    }
+
+    /// A calendar limit: at most `count` in each day starting at `reset`.
+    pub fn calendar(count: u32, reset: Reset) -> Option<Self> {
+        Some(Self {
+            reset: Some(reset),
+            ..Self::new(count, Duration::from_secs(DAY_SECS as u64))?
+        })
+    }
+
+    /// When a calendar limit's day starts (`None`: a sliding window).
+    pub fn reset(&self) -> Option<Reset> {
+        self.reset
+    }
+
+    /// The window as the scripts take it: µs, and `@PHASE_US` for a calendar limit.
+    fn window_arg(&self) -> String {
+        match self.reset {
+            None => self.window_us().to_string(),
+            Some(reset) => format!("{}@{}", self.window_us(), reset.phase_us()),
+        }
     }
     pub fn count(&self) -> u32 {
         self.count
@@ -61,6 +178,14 @@ impl FromStr for Limit {
             .ok()
             .filter(|c| (1..=1_000_000_000).contains(c))
             .ok_or_else(|| LimitError::Count(s.to_owned()))?;
+        if let Some((window, reset)) = window.split_once('@') {
+            let calendar = || LimitError::Calendar(s.trim().to_owned());
+            if parse_duration(window) != Some(Duration::from_secs(DAY_SECS as u64)) {
+                return Err(calendar());
+            }
+            let reset = Reset::parse(reset.trim()).ok_or_else(calendar)?;
+            return Limit::calendar(count, reset).ok_or_else(calendar);
+        }
         let window = parse_duration(window).ok_or_else(|| LimitError::Window(s.to_owned()))?;
         Limit::new(count, window).ok_or_else(|| LimitError::Window(s.to_owned()))
     }
@@ -68,7 +193,11 @@ impl FromStr for Limit {
 
 impl fmt::Display for Limit {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        write!(f, "{}/{}", self.count, format_duration(self.window))
+        write!(f, "{}/{}", self.count, format_duration(self.window))?;
+        if let Some(reset) = self.reset {
+            write!(f, "@{reset}")?;
+        }
+        Ok(())
     }
 }
 
@@ -179,12 +308,18 @@ impl Limits {
             .join(",")
     }
 
-    /// The windows in µs as the scripts take them: `1000000,5000000`.
+    /// The windows in µs as the scripts take them: `1000000,5000000`; a calendar limit's as
+    /// `WINDOW_US@PHASE_US` (its day's start in µs after midnight UTC).
     pub fn windows_arg(&self) -> String {
         self.iter()
-            .map(|l| l.window_us().to_string())
+            .map(Limit::window_arg)
             .collect::<Vec<_>>()
             .join(",")
+    }
+
+    /// Whether a limit of the stack is a calendar limit (sliding-window only).
+    pub fn has_calendar(&self) -> bool {
+        self.iter().any(|l| l.reset.is_some())
     }
 
     /// The stack the scripts answer (`counts_arg`, `windows_arg`), or `None` if malformed.
@@ -193,9 +328,12 @@ impl Limits {
             .split(',')
             .map(|c| c.parse().ok())
             .collect::<Option<_>>()?;
-        let windows: Vec<u64> = windows
+        let windows: Vec<(u64, Option<u64>)> = windows
             .split(',')
-            .map(|w| w.parse().ok())
+            .map(|w| match w.split_once('@') {
+                Some((w, phase)) => Some((w.parse().ok()?, Some(phase.parse().ok()?))),
+                None => Some((w.parse().ok()?, None)),
+            })
             .collect::<Option<_>>()?;
         if counts.len() != windows.len() {
             return None;
@@ -203,7 +341,12 @@ impl Limits {
         let limits: Vec<Limit> = counts
             .into_iter()
             .zip(windows)
-            .map(|(c, w)| Limit::new(c, Duration::from_micros(w)))
+            .map(|(c, (w, phase))| match phase {
+                None => Limit::new(c, Duration::from_micros(w)),
+                Some(phase) => (w == DAY_SECS as u64 * 1_000_000)
+                    .then(|| Limit::calendar(c, Reset::of_phase_us(phase)?))
+                    .flatten(),
+            })
             .collect::<Option<_>>()?;
         Self::new(&limits).ok()
     }
@@ -735,6 +878,21 @@ impl LimiterArgs {
                 format_duration(self.record_delay)
             ));
         }
+        if self.limit.has_calendar() && self.algorithm != Algorithm::SlidingWindow {
+            return Err(format!(
+                "TURNSTILE_LIMIT={} has a calendar limit, which needs TURNSTILE_ALGORITHM=sliding-window \
+                 (the calls of the day are kept in its log)",
+                self.limit
+            ));
+        }
+        if self
+            .global_limit
+            .0
+            .as_ref()
+            .is_some_and(Limits::has_calendar)
+        {
+            return Err("TURNSTILE_GLOBAL_LIMIT cannot hold a calendar limit (COUNT/1d@...): use a sliding 1d".into());
+        }
         if self.limit.is_stack()
             && self.algorithm == Algorithm::TokenBucket
             && self.bucket_capacity > 0
@@ -956,6 +1114,38 @@ mod tests {
         for bad in ["", "ms", "-1ms", "soon", "0x"] {
             assert!(delay_arg(bad).is_err(), "{bad}");
         }
+    }
+
+    #[test]
+    fn a_calendar_limit_resets_at_its_time_of_day_in_its_offset() {
+        let tokyo: Limits = "100/1m,1000/1d@00:00+09:00".parse().unwrap();
+        assert_eq!(tokyo.to_string(), "100/1m,1000/1d@00:00+09:00");
+        assert!(tokyo.has_calendar());
+        // Midnight in Tokyo is 15:00 UTC: the day starts 54,000 s after midnight UTC.
+        assert_eq!(tokyo.windows_arg(), "60000000,86400000000@54000000000");
+        let back = Limits::from_args(&tokyo.counts_arg(), &tokyo.windows_arg()).unwrap();
+        assert_eq!(back, tokyo, "the same instant, written in UTC");
+        assert_eq!(back.to_string(), "100/1m,1000/1d@15:00+00:00");
+        let utc: Limit = "500/1d@06:30:15Z".parse().unwrap();
+        assert_eq!(utc.reset().unwrap().phase_us(), (6 * 3600 + 30 * 60 + 15) * 1_000_000);
+        let west: Limit = "5/1d@20:00-05:00".parse().unwrap();
+        assert_eq!(west.reset().unwrap().phase_us(), 3600 * 1_000_000);
+        for bad in [
+            "5/1h@00:00Z",
+            "5/1d@24:00Z",
+            "5/1d@9:00Z",
+            "5/1d@09:00",
+            "5/1d@09:00+9",
+            "5/1d@",
+            "0/1d@00:00Z",
+        ] {
+            assert!(bad.parse::<Limit>().is_err(), "{bad}");
+        }
+        assert!("5/1d,9/1d@00:00Z".parse::<Limits>().is_err(), "one limit per window");
+        let sliding = LimiterArgs::new(tokyo.clone(), Algorithm::SlidingWindow);
+        assert!(sliding.check().is_ok());
+        let gcra = LimiterArgs::new(tokyo, Algorithm::Gcra);
+        assert!(gcra.check().unwrap_err().contains("sliding-window"));
     }
 
     #[test]

@@ -458,14 +458,36 @@ fn room_for(
     let mut first_window_units = 0;
     for (i, limit) in limits.iter().enumerate() {
         let window = limit.window();
-        let in_window: Vec<&(Instant, u32)> =
-            times.iter().filter(|(t, _)| now - *t < window).collect();
+        // A calendar limit's window started at its last reset (on the wall clock) and ends at
+        // the next; a sliding one is the trailing window.
+        let (starts, ends_in) = match limit.reset() {
+            Some(reset) => {
+                let wall_us = std::time::SystemTime::now()
+                    .duration_since(std::time::UNIX_EPOCH)
+                    .unwrap_or_default()
+                    .as_micros() as u64;
+                let window_us = limit.window_us();
+                let since = (wall_us + window_us - reset.phase_us() % window_us) % window_us;
+                let since = Duration::from_micros(since);
+                (Some(now.checked_sub(since).unwrap_or(now)), Some(window - since))
+            }
+            None => (None, None),
+        };
+        let in_window: Vec<&(Instant, u32)> = times
+            .iter()
+            .filter(|(t, _)| match starts {
+                Some(start) => *t >= start,
+                None => now - *t < window,
+            })
+            .collect();
         let held: u64 = in_window.iter().map(|(_, u)| u64::from(*u)).sum();
         if i == 0 {
             first_window_units = held + u64::from(units);
         }
         let excess = (held + u64::from(units)).saturating_sub(u64::from(limit.count()));
-        if excess > 0 {
+        if let Some(ends_in) = ends_in.filter(|_| excess > 0) {
+            wait = Some(wait.map_or(ends_in, |x: Duration| x.max(ends_in)));
+        } else if excess > 0 {
             let mut left = excess;
             let mut leaves = now;
             for (t, u) in &in_window {

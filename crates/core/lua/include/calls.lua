@@ -25,13 +25,16 @@ local function calls_gate(calls_key, now, limits, cost, width)
   local open_at = nil
   local in_flight = false
   for _, l in ipairs(limits) do
-    local n = redis.call('ZCOUNT', calls_key, string.format('(%.0f', now - l[width]), '+inf')
-    l.in_flight = n
-    local room = l.count - cost
-    if n > room then
-      local kth = tonumber(redis.call('ZREVRANGE', calls_key, room, room, 'WITHSCORES')[2])
-      open_at = math.max(open_at or 0, kth + l[width])
-      if kth > now then in_flight = true end
+    -- A calendar limit counts each call in every window its answer may fall in (calendar.lua).
+    if l.phase == nil then
+      local n = redis.call('ZCOUNT', calls_key, string.format('(%.0f', now - l[width]), '+inf')
+      l.in_flight = n
+      local room = l.count - cost
+      if n > room then
+        local kth = tonumber(redis.call('ZREVRANGE', calls_key, room, room, 'WITHSCORES')[2])
+        open_at = math.max(open_at or 0, kth + l[width])
+        if kth > now then in_flight = true end
+      end
     end
   end
   if open_at == nil or not in_flight then return open_at end

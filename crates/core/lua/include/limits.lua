@@ -17,9 +17,12 @@ local MAX_STACK = 8
 
 -- A stack of limits, all of which must hold, from COUNTS ("C1,C2,...") and WINDOWS
 -- ("W1,W2,..." in µs): as many of each, 1 to MAX_STACK, integers >= 1 without leading zeros,
--- windows strictly increasing (as `Limits` in config.rs writes them). Returns a list of
--- {count, window}, with `counts` and `windows` the terms as given (how they are answered and
--- compared), or nil when malformed.
+-- windows strictly increasing (as `Limits` in config.rs writes them). A window written
+-- `W@PHASE` is a calendar limit (sliding-window only, see include/calendar.lua): at most COUNT
+-- in each window of W µs starting PHASE µs (0 <= PHASE < W) after a multiple of W since the
+-- epoch, e.g. a day starting at 15:00 UTC. Returns a list of {count, window, phase (calendar
+-- only)}, with `counts` and `windows` the terms as given (how they are answered and compared),
+-- or nil when malformed.
 local function parse_limits_once(counts, windows)
   local limits = {counts = counts, windows = windows}
   for c in string.gmatch(counts, '[^,]+') do
@@ -29,8 +32,14 @@ local function parse_limits_once(counts, windows)
   local i = 0
   for w in string.gmatch(windows, '[^,]+') do
     i = i + 1
-    if not string.match(w, '^%d+$') or tonumber(w) < 1 or limits[i] == nil then return nil end
-    limits[i].window = tonumber(w)
+    local window, phase = string.match(w, '^(%d+)@(%d+)$')
+    if window == nil then window = string.match(w, '^(%d+)$') end
+    if window == nil or tonumber(window) < 1 or limits[i] == nil then return nil end
+    limits[i].window = tonumber(window)
+    if phase ~= nil then
+      limits[i].phase = tonumber(phase)
+      if limits[i].phase >= limits[i].window then return nil end
+    end
   end
   if i == 0 or i ~= #limits then return nil end
   -- Only the form turnstile writes: plain integers, windows strictly increasing (a stack sorted
@@ -38,9 +47,11 @@ local function parse_limits_once(counts, windows)
   local listed_counts, listed_windows = {}, {}
   for j, l in ipairs(limits) do
     if j > 1 and l.window <= limits[j - 1].window then return nil end
-    listed_counts[j], listed_windows[j] = l.count, l.window
+    listed_counts[j] = l.count
+    listed_windows[j] = string.format('%.0f', l.window)
+    if l.phase ~= nil then listed_windows[j] = listed_windows[j] .. '@' .. string.format('%.0f', l.phase) end
   end
-  if csv(listed_counts) ~= counts or csv(listed_windows) ~= windows then return nil end
+  if csv(listed_counts) ~= counts or table.concat(listed_windows, ',') ~= windows then return nil end
   return limits
 end
 
@@ -60,7 +71,7 @@ local function parse_limits(counts, windows)
   end
   if not parsed then return nil end
   local limits = {counts = counts, windows = windows}
-  for i, l in ipairs(parsed) do limits[i] = {count = l.count, window = l.window} end
+  for i, l in ipairs(parsed) do limits[i] = {count = l.count, window = l.window, phase = l.phase} end
   return limits
 end
 
@@ -83,7 +94,8 @@ end
 
 -- Completes a stack with what every script derives from it: each limit's guard (GUARD as in
 -- guard_for) and span (window + guard), and over the stack: min_count, max_count, min_guard,
--- min_span, max_span and max_window, and `slowest`, the limit with the lowest long-run rate (count/span).
+-- min_span, max_span and max_window, `slowest`, the limit with the lowest long-run rate
+-- (count/span), and `has_calendar` when a limit is a calendar limit.
 local function with_spans(limits, guard)
   for _, l in ipairs(limits) do
     l.guard = guard_for(l.window, guard)
@@ -97,6 +109,7 @@ local function with_spans(limits, guard)
     if limits.slowest == nil or l.count * limits.slowest.span < limits.slowest.count * l.span then
       limits.slowest = l
     end
+    if l.phase ~= nil then limits.has_calendar = true end
   end
   return limits
 end

@@ -1,4 +1,5 @@
 -- @include args
+-- @include calendar
 -- @include limits
 -- @include terms
 -- @include units
@@ -47,17 +48,22 @@ end
 
 -- The earliest slot from SLOT at which the route's log leaves room for COST more units under
 -- every limit of the route's stack (as sliding_window.lua's fit for the seller's log: after the
--- route's last slot and SPAN after the unit that must leave). Any later slot is as good, so the
--- latest of this and the seller's slot suits both.
-local function route_fit(route, slot, now, cost)
+-- route's last slot and SPAN after the unit that must leave; a calendar limit's as calendar_fit,
+-- with ZONE and AFTER). The caller takes the latest of this and the seller's slot, until both
+-- agree.
+local function route_fit(route, slot, now, cost, zone, after)
   local last = nil
   for _, l in ipairs(route.limits) do
-    local n = redis.call('ZCOUNT', route.log, string.format('(%.0f', now - l.span), '+inf')
-    local room = l.count - cost
-    if n > room then
-      last = last or tonumber(redis.call('ZRANGE', route.log, -1, -1, 'WITHSCORES')[2])
-      local kth = tonumber(redis.call('ZREVRANGE', route.log, room, room, 'WITHSCORES')[2])
-      slot = math.max(slot, last, kth + l.span)
+    if l.phase ~= nil then
+      slot = calendar_fit(route.log, l, slot, cost, zone + l.guard, after + l.guard)
+    else
+      local n = redis.call('ZCOUNT', route.log, string.format('(%.0f', now - l.span), '+inf')
+      local room = l.count - cost
+      if n > room then
+        last = last or tonumber(redis.call('ZRANGE', route.log, -1, -1, 'WITHSCORES')[2])
+        local kth = tonumber(redis.call('ZREVRANGE', route.log, room, room, 'WITHSCORES')[2])
+        slot = math.max(slot, last, kth + l.span)
+      end
     end
   end
   return slot
@@ -92,7 +98,7 @@ local function route_gate(route, calls_key, token, cost, now, early, bound, late
   for _, l in ipairs(limits) do
     local room = l.count - cost
     local kth = ends[room + 1]
-    if kth ~= nil and kth > now - l.window then
+    if l.phase == nil and kth ~= nil and kth > now - l.window then
       open_at = math.max(open_at or 0, kth + l.window)
       if kth > now then in_flight = true end
     end

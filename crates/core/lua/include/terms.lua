@@ -36,7 +36,7 @@ local function effective_limits(override_key, default, learned_key, cost)
   local configured = default
   local override = redis.call('GET', override_key)
   if override then
-    local limits = parse_limits(string.match(override, '^([%d,]+) ([%d,]+)$'))
+    local limits = parse_limits(string.match(override, '^([%d,]+) ([%d,@]+)$'))
     if limits then configured = limits end
   end
   if learned_key == nil then return configured end

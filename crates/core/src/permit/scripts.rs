@@ -20,6 +20,7 @@ static PIECES: &[(&str, &str)] = &[
     ("args", include_str!("../../lua/include/args.lua")),
     ("batches", include_str!("../../lua/include/batches.lua")),
     ("blocks", include_str!("../../lua/include/blocks.lua")),
+    ("calendar", include_str!("../../lua/include/calendar.lua")),
     ("calls", include_str!("../../lua/include/calls.lua")),
     ("far", include_str!("../../lua/include/far.lua")),
     ("learned", include_str!("../../lua/include/learned.lua")),
