@@ -380,3 +380,51 @@ async fn a_daily_quota_waits_for_its_reset_and_never_goes_over_either_day() -> a
     }
     rig.cleanup().await
 }
+
+/// `limits set --seller S --route R --limit L`: the seller's override of a route's stack
+/// applies on its next call; `limits clear --route R` brings back the routes file's.
+#[tokio::test]
+async fn a_sellers_override_of_a_routes_limit_applies_and_clears() {
+    use support::{Backend, Keys, limiter};
+    use turnstile_core::config::Algorithm;
+    use turnstile_core::domain::{Cost, RouteName, SellerId};
+    use turnstile_core::permit::Decision;
+    use turnstile_core::routes::Routes;
+
+    let keys = Keys::new(Backend::Standalone, "route-override").await;
+    let routes = std::sync::Arc::new(
+        Routes::parse(
+            "[routes.stock]\nmethod = \"PATCH\"\nurl = \"http://127.0.0.1:1/{seller_id}\"\nlimit = \"2/10s\"\n",
+        )
+        .unwrap(),
+    );
+    let name = RouteName::parse("stock").unwrap();
+    let route = routes.get(&name).unwrap().clone();
+    let store = keys
+        .store(limiter("100/10s", Algorithm::SlidingWindow))
+        .with_routes(routes.clone());
+    let granted_now = |seller: &'static str| {
+        let (store, route) = (store.clone(), route.clone());
+        async move {
+            let s = SellerId::parse(seller).unwrap();
+            let mut granted = 0;
+            for _ in 0..6 {
+                let (decision, _) = store
+                    .acquire_or_redeem_on(&s, None, Cost::ONE, None, None, Some(&route))
+                    .await
+                    .unwrap();
+                granted += u32::from(matches!(decision, Decision::Granted { .. }));
+            }
+            granted
+        }
+    };
+    let admin = store.admin();
+    let s = SellerId::parse("S-over").unwrap();
+    admin.set_route_limit(&s, &name, &limits("4/10s")).await.unwrap();
+    assert_eq!(admin.route_limit(&s, &name).await.unwrap(), Some(limits("4/10s")));
+    assert_eq!(granted_now("S-over").await, 4, "the override's 4, not the file's 2");
+    assert_eq!(granted_now("S-other").await, 2, "another seller keeps the file's");
+    assert!(admin.clear_route_limit(&s, &name).await.unwrap());
+    assert_eq!(admin.route_limit(&s, &name).await.unwrap(), None);
+    keys.cleanup().await;
+}

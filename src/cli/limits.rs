@@ -8,7 +8,8 @@ use anyhow::Context;
 use clap::Subcommand;
 use serde_json::json;
 use turnstile_core::config::{LimiterArgs, Limits, RedisArgs, TermsArgs};
-use turnstile_core::domain::SellerId;
+use turnstile_core::domain::{RouteName, SellerId};
+use turnstile_core::routes::{Routes, RoutesArgs};
 use turnstile_core::fleet;
 use turnstile_core::permit::{
     Admin, Learned, MAX_SHADOW_COUNT, MAX_WEIGHT, RedisConn, Terms, Usage, pause_span,
@@ -31,6 +32,8 @@ pub struct LimitsArgs {
     pub redis: RedisArgs,
     #[command(flatten)]
     pub terms: TermsArgs,
+    #[command(flatten)]
+    pub routes: RoutesArgs,
 }
 
 #[derive(Subcommand, Debug)]
@@ -56,6 +59,10 @@ pub enum LimitsAction {
         /// (default 1; 1 to 1000).
         #[arg(long, value_parser = clap::value_parser!(u32).range(1..=i64::from(MAX_WEIGHT)))]
         weight: Option<u32>,
+        /// Set `--limit` as the seller's override of this route's stack (routes file) instead
+        /// of its budget.
+        #[arg(long, value_parser = route_value, requires = "new_limit", conflicts_with_all = ["shadow", "weight"])]
+        route: Option<RouteName>,
         #[command(flatten)]
         json: Json,
     },
@@ -78,6 +85,10 @@ pub enum LimitsAction {
         /// Remove the seller's shadow limit instead.
         #[arg(long)]
         shadow: bool,
+        /// Remove the seller's override of this route's stack instead (the routes file's
+        /// applies again).
+        #[arg(long, value_parser = route_value, conflicts_with = "shadow")]
+        route: Option<RouteName>,
         #[command(flatten)]
         json: Json,
     },
@@ -125,22 +136,70 @@ pub async fn run(
         action,
         redis,
         terms,
+        routes,
     }: LimitsArgs,
 ) -> anyhow::Result<ExitCode> {
+    let routes = Routes::load(&routes)?;
     let conn = RedisConn::connect(&redis).await?;
     let terms = fleet::tool_terms(&conn, &redis.key_prefix, LimiterArgs::with_terms(terms)).await?;
     if let Some(note) = terms.note(&redis.key_prefix) {
         eprintln!("{note}");
     }
     let limiter = terms.limiter;
-    let store = Admin::new(conn, &redis.key_prefix, Terms::from(&limiter));
+    let store = Admin::new(conn, &redis.key_prefix, Terms::from(&limiter)).with_routes(&routes);
     let (json, said) = match action {
+        LimitsAction::Set {
+            seller,
+            new_limit: Some(new_limit),
+            route: Some(route),
+            json,
+            ..
+        } => {
+            known_route(&routes, &route)?;
+            store
+                .set_route_limit(&seller, &route, &new_limit)
+                .await
+                .context("setting the route's limit")?;
+            let document = json!({
+                "seller": seller.as_str(),
+                "route": route.as_str(),
+                "limit": new_limit.to_string(),
+            });
+            (
+                json.then(document),
+                format!("{seller}: {new_limit} on route {route} (override)"),
+            )
+        }
+        LimitsAction::Clear {
+            seller,
+            route: Some(route),
+            json,
+            ..
+        } => {
+            known_route(&routes, &route)?;
+            let had = store
+                .clear_route_limit(&seller, &route)
+                .await
+                .context("clearing the route's limit")?;
+            let what = if had {
+                format!("override of route {route} cleared")
+            } else {
+                format!("had no override of route {route}")
+            };
+            let document = json!({
+                "seller": seller.as_str(),
+                "route": route.as_str(),
+                "cleared": had,
+            });
+            (json.then(document), format!("{seller}: {what}"))
+        }
         LimitsAction::Set {
             seller,
             new_limit,
             weight,
             shadow,
             json,
+            ..
         } => {
             let mut said = Vec::new();
             if let Some(new_limit) = new_limit.clone().filter(|_| shadow) {
@@ -253,6 +312,7 @@ pub async fn run(
             seller,
             shadow: true,
             json,
+            ..
         } => {
             let had = store
                 .clear_shadow(&seller)
@@ -275,6 +335,7 @@ pub async fn run(
             seller,
             shadow: false,
             json,
+            ..
         } => {
             let had = store
                 .clear_limit(&seller)
@@ -499,4 +560,19 @@ fn learned_line(learned: &turnstile_core::permit::Learned) -> String {
         );
     }
     line
+}
+
+/// `--route`: a route's name (1 to 64 ASCII letters, digits, `_` or `-`).
+fn route_value(s: &str) -> Result<RouteName, String> {
+    RouteName::parse(s).map_err(|why| format!("a route's name {why}"))
+}
+
+/// With TURNSTILE_ROUTES_FILE given, a route it names; without, any (the replicas' file
+/// decides which routes exist).
+fn known_route(routes: &Routes, route: &RouteName) -> anyhow::Result<()> {
+    anyhow::ensure!(
+        routes.is_empty() || routes.get(route).is_some(),
+        "TURNSTILE_ROUTES_FILE names no route {route:?}"
+    );
+    Ok(())
 }

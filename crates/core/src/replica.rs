@@ -181,6 +181,14 @@ impl Starting {
         })
     }
 
+    /// The names of the routes of the routes file (none without one).
+    pub fn route_names(&self) -> Vec<String> {
+        self.routes
+            .iter()
+            .map(|route| route.name.as_str().to_owned())
+            .collect()
+    }
+
     /// Connects to Redis, retrying with backoff; `None` if `shutdown` comes first.
     pub async fn connect_redis(
         self,

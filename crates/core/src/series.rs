@@ -48,6 +48,8 @@ pub enum Values {
     Fixed(&'static [&'static str]),
     /// The replica's algorithm (`TURNSTILE_ALGORITHM`): the only value it ever counts under.
     Algorithm,
+    /// The routes of the replica's routes file (`TURNSTILE_ROUTES_FILE`; none without one).
+    Routes,
 }
 
 const fn plain(name: &'static str, kind: Kind, help: &'static str) -> Metric {
@@ -245,6 +247,20 @@ pub const METRICS: &[Metric] = &[
         Values::Fixed(&downstream::CLASSES),
     ),
     labelled(
+        "turnstile_route_calls_total",
+        Counter,
+        "Downstream calls made on each route of the routes file, whatever their answer.",
+        "route",
+        Values::Routes,
+    ),
+    labelled(
+        "turnstile_cost_corrections_total",
+        Counter,
+        "Units that calls' reported costs (TURNSTILE_COST_HEADER) added to (charged) or removed from (refunded) their sellers' windows.",
+        "direction",
+        Values::Fixed(&["charged", "refunded"]),
+    ),
+    labelled(
         "turnstile_downstream_request_duration_seconds",
         Histogram,
         "Time of one downstream call, by answer class.",
@@ -422,20 +438,22 @@ impl Metric {
 
     /// Each label value this metric is exported under by a replica running `algorithm` (one
     /// empty entry for a metric without a label).
-    pub fn label_values(&self, algorithm: Algorithm) -> Vec<&'static str> {
+    pub fn label_values(&self, algorithm: Algorithm, routes: &[String]) -> Vec<String> {
         match self.label.map(|label| label.values) {
-            None => vec![""],
-            Some(Values::Fixed(values)) => values.to_vec(),
-            Some(Values::Algorithm) => vec![algorithm.name()],
+            None => vec![String::new()],
+            Some(Values::Fixed(values)) => values.iter().map(|v| (*v).to_owned()).collect(),
+            Some(Values::Algorithm) => vec![algorithm.name().to_owned()],
+            Some(Values::Routes) => routes.to_vec(),
         }
     }
 }
 
 /// Describes every metric to the installed recorder, registers each counter and histogram
 /// series at 0 (each label value of each) and the gauges marked [`Metric::from_start`], and
-/// sets `turnstile_build_info`, for a replica running `algorithm`. Call once, after the
-/// recorder is installed and before serving `/metrics`.
-pub fn export_at_zero(algorithm: Algorithm) {
+/// sets `turnstile_build_info`, for a replica running `algorithm` with `routes` (the names of
+/// its routes file's routes). Call once, after the recorder is installed and before serving
+/// `/metrics`.
+pub fn export_at_zero(algorithm: Algorithm, routes: &[String]) {
     for metric in METRICS {
         let (name, help) = (metric.name, metric.help);
         match metric.kind {
@@ -443,7 +461,7 @@ pub fn export_at_zero(algorithm: Algorithm) {
             Gauge => metrics::describe_gauge!(name, help),
             Histogram => metrics::describe_histogram!(name, help),
         }
-        for value in metric.label_values(algorithm) {
+        for value in metric.label_values(algorithm, routes) {
             let labels: Vec<metrics::Label> = match metric.label {
                 Some(label) => vec![metrics::Label::new(label.key, value)],
                 None => Vec::new(),
@@ -490,7 +508,7 @@ mod tests {
             );
             if let Some(label) = metric.label {
                 assert!(!label.key.is_empty());
-                assert!(!metric.label_values(Algorithm::Gcra).contains(&""));
+                assert!(!metric.label_values(Algorithm::Gcra, &[]).contains(&String::new()));
             }
         }
     }

@@ -102,7 +102,7 @@ impl Served {
                 // Every series from the first scrape: counters at 0, not ready yet, not
                 // connected yet, the build and the process.
                 http::prometheus();
-                turnstile_core::series::export_at_zero(algorithm);
+                turnstile_core::series::export_at_zero(algorithm, &starting.route_names());
                 crate::process::collect();
                 starting.ready.set(false);
                 Some(http::serve(addr, endpoints, shutdown.clone()).await?)

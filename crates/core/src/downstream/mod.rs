@@ -332,6 +332,10 @@ impl Downstream {
             ),
         };
         metrics::counter!("turnstile_downstream_requests_total", "class" => class).increment(1);
+        if let Some(route) = &registration.route {
+            metrics::counter!("turnstile_route_calls_total", "route" => route.as_str().to_owned())
+                .increment(1);
+        }
         let took = started.elapsed();
         metrics::histogram!("turnstile_downstream_request_duration_seconds", "class" => class)
             .record(took.as_secs_f64());

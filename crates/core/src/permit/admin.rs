@@ -640,6 +640,76 @@ impl Admin {
         Ok(())
     }
 
+    /// Sets the seller's override of a route's stack (`limits set --seller S --route R`), then
+    /// gives back the seller's reservations (in every route's log this `Admin` knows, see
+    /// [`Admin::with_routes`]) so that its backlog is slotted again under it. A call granted
+    /// between the two steps (a few milliseconds) was slotted under the route's old stack.
+    pub async fn set_route_limit(
+        &self,
+        seller: &SellerId,
+        route: &crate::domain::RouteName,
+        limit: &Limits,
+    ) -> Result<(), PermitError> {
+        if limit.has_calendar() && self.terms().algorithm != crate::config::Algorithm::SlidingWindow
+        {
+            return Err(PermitError::Refused(
+                "ERR turnstile: a calendar limit (COUNT/1d@...) needs sliding-window".into(),
+            ));
+        }
+        let value = format!("{} {}", limit.counts_arg(), limit.windows_arg());
+        let _: () = self
+            .conn
+            .clone()
+            .set(self.keys.route_limit(seller, route), value)
+            .await?;
+        self.release_on(seller, route).await
+    }
+
+    /// Gives back the seller's reservations, in `route`'s log too whether or not this `Admin`
+    /// knows the routes file.
+    async fn release_on(
+        &self,
+        seller: &SellerId,
+        route: &crate::domain::RouteName,
+    ) -> Result<(), PermitError> {
+        let mut admin = self.clone();
+        if !admin.routes.contains(route) {
+            admin.routes.push(route.clone());
+        }
+        admin.reschedule(seller, Change::Release).await?;
+        Ok(())
+    }
+
+    /// Removes the seller's override of a route's stack (the routes file's applies again) and
+    /// slots its backlog again; returns whether there was one.
+    pub async fn clear_route_limit(
+        &self,
+        seller: &SellerId,
+        route: &crate::domain::RouteName,
+    ) -> Result<bool, PermitError> {
+        let removed: u64 = self
+            .conn
+            .clone()
+            .del(self.keys.route_limit(seller, route))
+            .await?;
+        self.release_on(seller, route).await?;
+        Ok(removed > 0)
+    }
+
+    /// The seller's override of a route's stack, if one is set.
+    pub async fn route_limit(
+        &self,
+        seller: &SellerId,
+        route: &crate::domain::RouteName,
+    ) -> Result<Option<Limits>, PermitError> {
+        let raw: Option<String> = self
+            .conn
+            .clone()
+            .get(self.keys.route_limit(seller, route))
+            .await?;
+        Ok(raw.as_deref().and_then(super::parse_override))
+    }
+
     /// Removes a per-seller override; returns whether there was one.
     pub async fn clear_limit(&self, seller: &SellerId) -> Result<bool, PermitError> {
         self.reschedule(seller, Change::Clear).await
