@@ -9,6 +9,7 @@ pub mod faults;
 mod lua_setup;
 mod permits;
 pub mod rolling;
+pub mod routes;
 pub mod scenario;
 pub mod sellers;
 mod shares;
@@ -60,6 +61,9 @@ pub enum BenchCommand {
     /// B starts at the new one, A is stopped; the windows over either limit from B's readiness,
     /// counted on the downstream's clock.
     Rolling(Box<rolling::RollingArgs>),
+    /// A mixed backlog on several routes under one budget per seller, against a strict mock
+    /// enforcing every limit: each seller's drain beside the longest any one limit allows.
+    Routes(Box<routes::RoutesBenchArgs>),
     /// One seller's Redis memory against the depth of its backlog (each queued message asks
     /// for a permit, reserving), beside the smallest depth.
     Depth {
@@ -127,6 +131,11 @@ pub async fn run(which: BenchCommand) -> anyhow::Result<ExitCode> {
         }
         BenchCommand::Rolling(args) => {
             if !rolling::run(*args).await? {
+                return Ok(ExitCode::FAILURE);
+            }
+        }
+        BenchCommand::Routes(args) => {
+            if !routes::run(*args).await? {
                 return Ok(ExitCode::FAILURE);
             }
         }
