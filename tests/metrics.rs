@@ -445,7 +445,11 @@ fn unknown_label_values(query: &str) -> Vec<String> {
         let known: BTreeSet<String> = METRICS
             .iter()
             .filter(|m| m.label.is_some_and(|l| l.key == key))
-            .flat_map(|m| Algorithm::ALL.iter().flat_map(move |&a| m.label_values(a, &[])))
+            .flat_map(|m| {
+                Algorithm::ALL
+                    .iter()
+                    .flat_map(move |&a| m.label_values(a, &[]))
+            })
             .collect();
         for alternative in value.split('|') {
             if !known.contains(alternative) {

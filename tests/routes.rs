@@ -166,7 +166,10 @@ async fn a_message_naming_an_unknown_route_is_dead_lettered_as_invalid() -> anyh
     assert_eq!(reason.as_deref(), Some("invalid-message"));
     assert!(detail.unwrap_or_default().contains("route"));
     assert_eq!(stats.routes["stock"].registered, 1);
-    assert_eq!(stats.requests, 1, "the unknown route was never called: {stats:?}");
+    assert_eq!(
+        stats.requests, 1,
+        "the unknown route was never called: {stats:?}"
+    );
     let seen = rig.mock.recent_requests();
     assert_eq!(seen.len(), 1);
     rig.cleanup().await
@@ -201,8 +204,7 @@ async fn a_bad_routes_file_stops_startup_with_one_line_naming_the_route_and_the_
 /// than two calls (what 5 units each allow) go through in one window, and none over the API's
 /// limit.
 #[tokio::test]
-async fn a_refund_reported_by_the_api_frees_its_units_for_the_next_calls()
--> anyhow::Result<()> {
+async fn a_refund_reported_by_the_api_frees_its_units_for_the_next_calls() -> anyhow::Result<()> {
     let mock = MockArgs {
         cost_header: Some("X-Request-Cost".into()),
         ..MockArgs::local(limits("10/1s"))
@@ -257,7 +259,10 @@ async fn a_routes_reservations_leave_its_log_with_the_sellers_when_they_are_give
         )
         .unwrap(),
     );
-    let route = routes.get(&RouteName::parse("price").unwrap()).unwrap().clone();
+    let route = routes
+        .get(&RouteName::parse("price").unwrap())
+        .unwrap()
+        .clone();
     let store = keys
         .store(limiter("5/10s", Algorithm::SlidingWindow))
         .with_routes(routes.clone());
@@ -286,7 +291,11 @@ async fn a_routes_reservations_leave_its_log_with_the_sellers_when_they_are_give
     let conn = keys.conn.clone();
     let card = |key: String| {
         let mut conn = conn.clone();
-        async move { redis::AsyncCommands::zcard::<_, u64>(&mut conn, key).await.unwrap() }
+        async move {
+            redis::AsyncCommands::zcard::<_, u64>(&mut conn, key)
+                .await
+                .unwrap()
+        }
     };
     let found = keys_matching(&keys.conn, &format!("{}:*route:price:log", keys.prefix))
         .await
@@ -294,19 +303,38 @@ async fn a_routes_reservations_leave_its_log_with_the_sellers_when_they_are_give
     assert_eq!(found.len(), 1);
     let route_log = found[0].clone();
     let seller_log = route_log.replace("route:price:log", "log");
-    assert_eq!((card(route_log.clone()).await, card(seller_log.clone()).await), (6, 6));
+    assert_eq!(
+        (
+            card(route_log.clone()).await,
+            card(seller_log.clone()).await
+        ),
+        (6, 6)
+    );
 
     // Given back by its message: both logs.
-    assert!(store.unreserve_on(&s, &held[3], Cost::ONE, Some(&route)).await.unwrap());
-    assert_eq!((card(route_log.clone()).await, card(seller_log.clone()).await), (5, 5));
+    assert!(
+        store
+            .unreserve_on(&s, &held[3], Cost::ONE, Some(&route))
+            .await
+            .unwrap()
+    );
+    assert_eq!(
+        (
+            card(route_log.clone()).await,
+            card(seller_log.clone()).await
+        ),
+        (5, 5)
+    );
 
     // A change of the seller's terms gives every reservation back, in the route's log too.
-    store
-        .admin()
-        .set_limit(&s, limits("6/10s"))
-        .await
-        .unwrap();
-    assert_eq!((card(route_log.clone()).await, card(seller_log.clone()).await), (2, 2));
+    store.admin().set_limit(&s, limits("6/10s")).await.unwrap();
+    assert_eq!(
+        (
+            card(route_log.clone()).await,
+            card(seller_log.clone()).await
+        ),
+        (2, 2)
+    );
     keys.cleanup().await;
 }
 
@@ -420,10 +448,24 @@ async fn a_sellers_override_of_a_routes_limit_applies_and_clears() {
     };
     let admin = store.admin();
     let s = SellerId::parse("S-over").unwrap();
-    admin.set_route_limit(&s, &name, &limits("4/10s")).await.unwrap();
-    assert_eq!(admin.route_limit(&s, &name).await.unwrap(), Some(limits("4/10s")));
-    assert_eq!(granted_now("S-over").await, 4, "the override's 4, not the file's 2");
-    assert_eq!(granted_now("S-other").await, 2, "another seller keeps the file's");
+    admin
+        .set_route_limit(&s, &name, &limits("4/10s"))
+        .await
+        .unwrap();
+    assert_eq!(
+        admin.route_limit(&s, &name).await.unwrap(),
+        Some(limits("4/10s"))
+    );
+    assert_eq!(
+        granted_now("S-over").await,
+        4,
+        "the override's 4, not the file's 2"
+    );
+    assert_eq!(
+        granted_now("S-other").await,
+        2,
+        "another seller keeps the file's"
+    );
     assert!(admin.clear_route_limit(&s, &name).await.unwrap());
     assert_eq!(admin.route_limit(&s, &name).await.unwrap(), None);
     keys.cleanup().await;

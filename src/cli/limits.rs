@@ -9,11 +9,11 @@ use clap::Subcommand;
 use serde_json::json;
 use turnstile_core::config::{LimiterArgs, Limits, RedisArgs, TermsArgs};
 use turnstile_core::domain::{RouteName, SellerId};
-use turnstile_core::routes::{Routes, RoutesArgs};
 use turnstile_core::fleet;
 use turnstile_core::permit::{
     Admin, Learned, MAX_SHADOW_COUNT, MAX_WEIGHT, RedisConn, Terms, Usage, pause_span,
 };
+use turnstile_core::routes::{Routes, RoutesArgs};
 
 use super::{Json, seller_value};
 

@@ -1101,7 +1101,11 @@ pub async fn a_reservation_is_good_only_for_its_cost(backend: Backend, algorithm
     );
     tokio::time::sleep(wait).await;
     let redeemed = loop {
-        match store.redeem_for(&s, None, two, held.clone(), None).await.unwrap() {
+        match store
+            .redeem_for(&s, None, two, held.clone(), None)
+            .await
+            .unwrap()
+        {
             Ok(Decision::Wait { retry_after, .. }) => tokio::time::sleep(retry_after).await,
             other => break other,
         }

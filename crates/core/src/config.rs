@@ -75,7 +75,7 @@ impl Reset {
     /// The reset at `phase_us` after midnight UTC (as the scripts' PHASE), written in UTC.
     fn of_phase_us(phase_us: u64) -> Option<Self> {
         let secs = phase_us / 1_000_000;
-        (phase_us % 1_000_000 == 0 && secs < DAY_SECS as u64).then_some(Self {
+        (phase_us.is_multiple_of(1_000_000) && secs < DAY_SECS as u64).then_some(Self {
             second_of_day: secs as u32,
             offset_minutes: 0,
         })
@@ -94,12 +94,17 @@ impl fmt::Display for Reset {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         let s = self.second_of_day;
         write!(f, "{:02}:{:02}", s / 3600, s / 60 % 60)?;
-        if s % 60 != 0 {
+        if !s.is_multiple_of(60) {
             write!(f, ":{:02}", s % 60)?;
         }
         let o = self.offset_minutes;
         let sign = if o < 0 { '-' } else { '+' };
-        write!(f, "{sign}{:02}:{:02}", o.unsigned_abs() / 60, o.unsigned_abs() % 60)
+        write!(
+            f,
+            "{sign}{:02}:{:02}",
+            o.unsigned_abs() / 60,
+            o.unsigned_abs() % 60
+        )
     }
 }
 
@@ -112,20 +117,20 @@ pub enum LimitError {
     Count(String),
     #[error("the duration in {0:?} must be a positive number with a unit: ms, s, m, h or d")]
     Window(String),
-    #[error("a calendar limit is COUNT/1d@HH:MM±HH:MM (a day starting at that time in that offset, e.g. 1000/1d@00:00+09:00 or 500/1d@06:30Z); got {0:?}")]
+    #[error(
+        "a calendar limit is COUNT/1d@HH:MM±HH:MM (a day starting at that time in that offset, e.g. 1000/1d@00:00+09:00 or 500/1d@06:30Z); got {0:?}"
+    )]
     Calendar(String),
 }
 
 impl Limit {
     /// Builds a limit; `count` and `window` must be positive.
     pub fn new(count: u32, window: Duration) -> Option<Self> {
-        (count > 0 && !window.is_zero() && window.as_micros() <= u64::MAX as u128).then_some(
-            Self {
-                count,
-                window,
-                reset: None,
-            },
-        )
+        (count > 0 && !window.is_zero() && window.as_micros() <= u64::MAX as u128).then_some(Self {
+            count,
+            window,
+            reset: None,
+        })
     }
 
     /// A calendar limit: at most `count` in each day starting at `reset`.
@@ -1127,7 +1132,10 @@ mod tests {
         assert_eq!(back, tokyo, "the same instant, written in UTC");
         assert_eq!(back.to_string(), "100/1m,1000/1d@15:00+00:00");
         let utc: Limit = "500/1d@06:30:15Z".parse().unwrap();
-        assert_eq!(utc.reset().unwrap().phase_us(), (6 * 3600 + 30 * 60 + 15) * 1_000_000);
+        assert_eq!(
+            utc.reset().unwrap().phase_us(),
+            (6 * 3600 + 30 * 60 + 15) * 1_000_000
+        );
         let west: Limit = "5/1d@20:00-05:00".parse().unwrap();
         assert_eq!(west.reset().unwrap().phase_us(), 3600 * 1_000_000);
         for bad in [
@@ -1141,7 +1149,10 @@ mod tests {
         ] {
             assert!(bad.parse::<Limit>().is_err(), "{bad}");
         }
-        assert!("5/1d,9/1d@00:00Z".parse::<Limits>().is_err(), "one limit per window");
+        assert!(
+            "5/1d,9/1d@00:00Z".parse::<Limits>().is_err(),
+            "one limit per window"
+        );
         let sliding = LimiterArgs::new(tokyo.clone(), Algorithm::SlidingWindow);
         assert!(sliding.check().is_ok());
         let gcra = LimiterArgs::new(tokyo, Algorithm::Gcra);

@@ -381,13 +381,16 @@ impl Registration {
             None => Cost::ONE,
         };
         let cost_given = wire.cost.is_some_and(|raw| raw.get() != "null");
-        let route = match wire.route.filter(|raw| raw.get() != "null") {
-            Some(raw) => Some(
-                RouteName::parse(&string_field(raw, "route")?)
-                    .map_err(|why| InvalidMessage::Field { field: "route", why })?,
-            ),
-            None => None,
-        };
+        let route =
+            match wire.route.filter(|raw| raw.get() != "null") {
+                Some(raw) => Some(RouteName::parse(&string_field(raw, "route")?).map_err(
+                    |why| InvalidMessage::Field {
+                        field: "route",
+                        why,
+                    },
+                )?),
+                None => None,
+            };
         let deadline = match wire.deadline.filter(|raw| raw.get() != "null") {
             Some(raw) => Some(Deadline::parse(&string_field(raw, "deadline")?)?),
             None => None,

@@ -24,8 +24,8 @@ use crate::broker::{self, BrokerArgs, Publisher, Settler, Topology};
 use crate::config::{LimiterArgs, RedisArgs, duration_arg};
 use crate::downstream::{Downstream, DownstreamArgs};
 use crate::fleet;
-use crate::routes::{Routes, RoutesArgs};
 use crate::permit::{self, PermitStore, RedisClient};
+use crate::routes::{Routes, RoutesArgs};
 use crate::telemetry::{self, Readiness};
 use crate::worker::{Stats, Worker, WorkerSettings};
 
@@ -287,7 +287,13 @@ impl Connecting {
         // The heartbeats go on until the replica has drained (it grants until then).
         let watcher_stop = CancellationToken::new();
         let heartbeats = tokio::spawn(fleet.clone().run(watcher_stop.clone()));
-        let worker = Arc::new(new_worker(&args, &permits, downstream, routes, stats.clone()));
+        let worker = Arc::new(new_worker(
+            &args,
+            &permits,
+            downstream,
+            routes,
+            stats.clone(),
+        ));
         let opened = until_connected(
             "RabbitMQ",
             &shutdown,

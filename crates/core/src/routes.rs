@@ -80,7 +80,10 @@ impl Routes {
     /// The routes of the file at `path`.
     pub fn read(path: &Path) -> anyhow::Result<Self> {
         let text = std::fs::read_to_string(path).map_err(|e| {
-            anyhow::anyhow!("TURNSTILE_ROUTES_FILE {}: cannot read it: {e}", path.display())
+            anyhow::anyhow!(
+                "TURNSTILE_ROUTES_FILE {}: cannot read it: {e}",
+                path.display()
+            )
         })?;
         Self::parse(&text)
             .map_err(|e| anyhow::anyhow!("TURNSTILE_ROUTES_FILE {}: {e}", path.display()))
@@ -103,7 +106,10 @@ impl Routes {
             return Err(bad("no [routes.NAME] table".into()));
         }
         if routes.len() > MOST_ROUTES {
-            return Err(bad(format!("{} routes; at most {MOST_ROUTES}", routes.len())));
+            return Err(bad(format!(
+                "{} routes; at most {MOST_ROUTES}",
+                routes.len()
+            )));
         }
         let mut parsed = BTreeMap::new();
         for (name, value) in routes {
@@ -141,12 +147,14 @@ impl Routes {
             .map_err(|e| format!("field `limit`: {e}"))?;
         let cost = match entry.cost {
             None => None,
-            Some(units) => Some(
-                u32::try_from(units)
-                    .ok()
-                    .and_then(Cost::new)
-                    .ok_or_else(|| format!("field `cost`: {units} is not an integer from 1 to {}", Cost::MAX))?,
-            ),
+            Some(units) => Some(u32::try_from(units).ok().and_then(Cost::new).ok_or_else(
+                || {
+                    format!(
+                        "field `cost`: {units} is not an integer from 1 to {}",
+                        Cost::MAX
+                    )
+                },
+            )?),
         };
         if let Some(cost) = cost
             && cost.units() > limits.min_count()
@@ -239,22 +247,69 @@ limit = "600/1m,10000/1d"
     }
 
     #[test]
+    fn the_contracts_example_is_a_routes_file() {
+        let example = r#"
+[routes.register]
+method = "POST"
+url = "https://api.example.com/sellers/{seller_id}/products"
+limit = "100/1m"        # this route's per-seller stack; TURNSTILE_LIMIT is the budget over all
+cost = 1                # default cost of a call on this route (a message's `cost` overrides)
+
+[routes.price]
+method = "PUT"
+url = "https://api.example.com/sellers/{seller_id}/price"
+limit = "600/1m,10000/1d@00:00+09:00"
+"#;
+        let routes = Routes::parse(example).unwrap();
+        let price = routes.get(&RouteName::parse("price").unwrap()).unwrap();
+        assert!(price.limits.has_calendar());
+        assert_eq!(price.limits.to_string(), "600/1m,10000/1d@00:00+09:00");
+    }
+
+    #[test]
     fn a_bad_file_is_refused_in_one_line_naming_the_route_and_the_field() {
         let cases = [
-            (FILE.replace("100/1m", "100 per minute"), "route \"register\": field `limit`"),
-            (FILE.replace("\"put\"", "\"TRACE\""), "route \"price\": field `method`"),
-            (FILE.replace("https://api.example.com/price", "ftp://x"), "route \"price\": field `url`"),
-            (FILE.replace("cost = 1", "cost = 0"), "route \"register\": field `cost`"),
-            (FILE.replace("cost = 1", "cost = 101"), "route \"register\": field `cost`"),
-            (FILE.replace("cost = 1", "coast = 1"), "route \"register\": unknown field `coast`"),
-            (FILE.replace("[routes.price]", "[routes.\"pri ce\"]"), "route \"pri ce\": its name"),
-            (FILE.replace("[routes.price]", "[rotes.price]"), "unknown table or key \"rotes\""),
+            (
+                FILE.replace("100/1m", "100 per minute"),
+                "route \"register\": field `limit`",
+            ),
+            (
+                FILE.replace("\"put\"", "\"TRACE\""),
+                "route \"price\": field `method`",
+            ),
+            (
+                FILE.replace("https://api.example.com/price", "ftp://x"),
+                "route \"price\": field `url`",
+            ),
+            (
+                FILE.replace("cost = 1", "cost = 0"),
+                "route \"register\": field `cost`",
+            ),
+            (
+                FILE.replace("cost = 1", "cost = 101"),
+                "route \"register\": field `cost`",
+            ),
+            (
+                FILE.replace("cost = 1", "coast = 1"),
+                "route \"register\": unknown field `coast`",
+            ),
+            (
+                FILE.replace("[routes.price]", "[routes.\"pri ce\"]"),
+                "route \"pri ce\": its name",
+            ),
+            (
+                FILE.replace("[routes.price]", "[rotes.price]"),
+                "unknown table or key \"rotes\"",
+            ),
             ("".to_owned(), "no [routes.NAME] table"),
             ("[routes".to_owned(), "not valid TOML"),
         ];
         for (text, expected) in cases {
             let error = Routes::parse(&text).unwrap_err().to_string();
-            assert!(error.contains(expected), "{error:?} should say {expected:?}");
+            assert!(
+                error.contains(expected),
+                "{error:?} should say {expected:?}"
+            );
             assert!(!error.contains('\n'), "{error:?} is one line");
         }
     }

@@ -508,7 +508,11 @@ mod tests {
             );
             if let Some(label) = metric.label {
                 assert!(!label.key.is_empty());
-                assert!(!metric.label_values(Algorithm::Gcra, &[]).contains(&String::new()));
+                assert!(
+                    !metric
+                        .label_values(Algorithm::Gcra, &[])
+                        .contains(&String::new())
+                );
             }
         }
     }

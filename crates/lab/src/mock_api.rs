@@ -355,7 +355,10 @@ impl MockServer {
             .route("/register/{seller}", post(register))
             .route(
                 "/routes/{route}/{seller}",
-                post(on_route).put(on_route).patch(on_route).delete(on_route),
+                post(on_route)
+                    .put(on_route)
+                    .patch(on_route)
+                    .delete(on_route),
             )
             .route("/stats", get(stats))
             .route("/login", get(login).post(login))
@@ -469,7 +472,10 @@ fn room_for(
                 let window_us = limit.window_us();
                 let since = (wall_us + window_us - reset.phase_us() % window_us) % window_us;
                 let since = Duration::from_micros(since);
-                (Some(now.checked_sub(since).unwrap_or(now)), Some(window - since))
+                (
+                    Some(now.checked_sub(since).unwrap_or(now)),
+                    Some(window - since),
+                )
             }
             None => (None, None),
         };
@@ -887,7 +893,9 @@ impl IntoResponse for Answer {
                 if let Some((header, units)) = charged
                     && let Ok(name) = axum::http::HeaderName::from_bytes(header.as_bytes())
                 {
-                    response.headers_mut().insert(name, HeaderValue::from(units));
+                    response
+                        .headers_mut()
+                        .insert(name, HeaderValue::from(units));
                 }
                 response
             }

@@ -882,6 +882,7 @@ impl PermitStore {
     /// first granted a unit of the seller's pool if it holds one, and a grant takes up to
     /// `block` more units into the pool (see [`block`], `take_block` and `claim_idle` in
     /// `lua/include/blocks.lua`).
+    #[allow(clippy::too_many_arguments)]
     async fn acquire_with(
         &self,
         seller: &SellerId,
@@ -1460,12 +1461,15 @@ impl PermitStore {
         match refused {
             Ok(None) => Ok(decision),
             Ok(Some(refused)) => {
-                self.give_back(seller, call, cost, *slot_us, leased, route).await?;
+                self.give_back(seller, call, cost, *slot_us, leased, route)
+                    .await?;
                 Ok(refused)
             }
             Err(error) => {
                 // Not called either way: give back what was taken if Redis lets us.
-                let _ = self.give_back(seller, call, cost, *slot_us, leased, route).await;
+                let _ = self
+                    .give_back(seller, call, cost, *slot_us, leased, route)
+                    .await;
                 Err(error)
             }
         }

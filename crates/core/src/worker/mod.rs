@@ -1325,7 +1325,12 @@ impl Worker {
             return;
         }
         let route = self.route_of(&registration).cloned();
-        self.unreserve_later(registration.seller_id, reservation, registration.cost, route);
+        self.unreserve_later(
+            registration.seller_id,
+            reservation,
+            registration.cost,
+            route,
+        );
     }
 
     /// The route `registration`'s call takes (resolved when it was parsed, see

@@ -48,10 +48,7 @@ fn route_arg(s: &str) -> Result<(String, Limits), String> {
     let (name, limit) = s
         .split_once('=')
         .ok_or_else(|| format!("{s:?} is not NAME=LIMIT"))?;
-    Ok((
-        name.to_owned(),
-        turnstile_core::config::limits_arg(limit)?,
-    ))
+    Ok((name.to_owned(), turnstile_core::config::limits_arg(limit)?))
 }
 
 /// Runs the backlog and prints its figures; `Ok(false)` when anything was lost, duplicated or
@@ -152,7 +149,8 @@ pub async fn run(args: RoutesBenchArgs) -> anyhow::Result<bool> {
         args.workers
     );
     rig.publish_all(messages).await?;
-    rig.wait(optimum * 4 + Duration::from_secs(60), |_| {}).await?;
+    rig.wait(optimum * 4 + Duration::from_secs(60), |_| {})
+        .await?;
     println!(
         "greedy optimum of the same backlog {:.2} s; the longest any one limit allows alone {:.2} s",
         optimum.as_secs_f64(),
@@ -217,14 +215,14 @@ impl Schedule {
             // Every window [x, x + window) holding t starts in (t - window, t]: the fullest
             // starts just after t - window or at a unit.
             let from = t.saturating_sub(window - 1);
-            let starts = std::iter::once(from).chain(
-                self.at
-                    .iter()
-                    .copied()
-                    .filter(|&u| u > from && u <= t),
-            );
+            let starts = std::iter::once(from)
+                .chain(self.at.iter().copied().filter(|&u| u > from && u <= t));
             starts.into_iter().all(|x| {
-                let held = self.at.iter().filter(|&&u| u >= x && u < x + window).count() as u64;
+                let held = self
+                    .at
+                    .iter()
+                    .filter(|&&u| u >= x && u < x + window)
+                    .count() as u64;
                 held < count
             })
         })
@@ -250,9 +248,12 @@ pub fn greedy_drain(
     for route in order {
         // The earliest moment is 0, a moment a unit is at, or one a unit leaves a window at.
         let mut candidates: Vec<u64> = std::iter::once(0)
-            .chain(seller.at.iter().flat_map(|&u| {
-                seller.limits.iter().map(move |&(_, w)| u + w).chain([u])
-            }))
+            .chain(
+                seller
+                    .at
+                    .iter()
+                    .flat_map(|&u| seller.limits.iter().map(move |&(_, w)| u + w).chain([u])),
+            )
             .chain(route.iter().flat_map(|&r| {
                 let s = &by_route[r];
                 s.at.iter()

@@ -38,8 +38,7 @@ impl Unreserve<'_> {
 
     /// KEYS and ARGV in the script's order.
     pub fn write<C: Call>(&self, to: &mut C) {
-        to.key(self.state.clone())
-            .key(self.reserved.clone());
+        to.key(self.state.clone()).key(self.reserved.clone());
         OnRoute::keys(self.route.as_ref(), to);
         to.arg(self.algorithm.name())
             .arg(self.token)
