@@ -470,3 +470,82 @@ async fn a_sellers_override_of_a_routes_limit_applies_and_clears() {
     assert_eq!(admin.route_limit(&s, &name).await.unwrap(), None);
     keys.cleanup().await;
 }
+
+/// A call on a route takes room the seller's log left before its latest slot: 10 messages on a
+/// slow route (2/10s) reserve the budget (10/10s) sparsely far ahead; 8 messages on a fast route
+/// asked after them take the budget's room of the first window, not slots after the slow
+/// route's last, and every window of both logs stays within its count.
+#[tokio::test]
+async fn a_call_on_a_route_takes_the_room_left_before_the_sellers_last_slot() {
+    use support::{Backend, Keys, limiter};
+    use turnstile_core::config::Algorithm;
+    use turnstile_core::domain::{Cost, RouteName, SellerId};
+    use turnstile_core::permit::Decision;
+    use turnstile_core::routes::Routes;
+
+    let keys = Keys::new(Backend::Standalone, "route-gaps").await;
+    let routes = std::sync::Arc::new(
+        Routes::parse(
+            "[routes.slow]\nmethod = \"POST\"\nurl = \"http://127.0.0.1:1/{seller_id}\"\nlimit = \"2/10s\"\n\
+             [routes.fast]\nmethod = \"POST\"\nurl = \"http://127.0.0.1:1/{seller_id}\"\nlimit = \"10/10s\"\n",
+        )
+        .unwrap(),
+    );
+    let route = |name: &str| {
+        routes
+            .get(&RouteName::parse(name).unwrap())
+            .unwrap()
+            .clone()
+    };
+    let store = keys
+        .store(limiter("10/10s", Algorithm::SlidingWindow))
+        .with_routes(routes.clone());
+    let s = SellerId::parse("S-gaps").unwrap();
+    let mut slots = Vec::new();
+    for name in std::iter::repeat_n("slow", 10).chain(std::iter::repeat_n("fast", 8)) {
+        let (decision, _) = store
+            .acquire_or_redeem_on(&s, None, Cost::ONE, None, None, Some(&route(name)))
+            .await
+            .unwrap();
+        let slot = match decision {
+            Decision::Granted { slot_us, .. } => slot_us,
+            Decision::Wait {
+                reservation: Some(r),
+                ..
+            } => r.slot_us,
+            other => panic!("{other:?}"),
+        };
+        slots.push((name, slot));
+    }
+    let first = slots[0].1;
+    let at = |name: &str| -> Vec<i64> {
+        slots
+            .iter()
+            .filter(|(n, _)| *n == name)
+            .map(|(_, s)| (s - first) / 1_000_000)
+            .collect()
+    };
+    println!("slow at {:?} s, fast at {:?} s", at("slow"), at("fast"));
+    assert!(
+        at("slow").last().unwrap() >= &40,
+        "the slow route's pace: 2 per 10 s"
+    );
+    assert!(
+        at("fast").iter().all(|s| *s < 10),
+        "the fast route's messages fill the budget's first window"
+    );
+    // Every window of 10 s holds at most 10 of the budget, 2 of slow and 10 of fast.
+    for (name, count) in [("slow", 2), ("fast", 10), ("", 10)] {
+        let mut times: Vec<i64> = slots
+            .iter()
+            .filter(|(n, _)| name.is_empty() || *n == name)
+            .map(|(_, s)| *s)
+            .collect();
+        times.sort();
+        for (i, t) in times.iter().enumerate() {
+            let within = times[i..].iter().filter(|u| **u < t + 10_000_000).count();
+            assert!(within <= count, "{name:?}: {within} in 10 s from {t}");
+        }
+    }
+    keys.cleanup().await;
+}

@@ -72,6 +72,7 @@ const LEAVES: &[(usize, &[&str])] = &[
     (2, &["bench", "sellers"]),
     (2, &["bench", "eta"]),
     (2, &["bench", "rolling"]),
+    (2, &["bench", "routes"]),
     (2, &["bench", "lua-setup"]),
     (2, &["bench", "depth"]),
     (1, &["completions", "bash"]),

@@ -164,6 +164,10 @@ local function fit(from)
         l.logged = n
       end
     end
+    -- A call on a route takes room the seller's log left before its last slot (gap_fit).
+    if route and not limits.has_calendar then
+      slot = gap_fit(KEYS[1], limits, before, slot, a.cost)
+    end
     if route then slot = route_fit(route, slot, now, a.cost, zone, early) end
     if slot == before then break end
   end

@@ -259,6 +259,12 @@ pub struct RouteStats {
     pub max_in_window: u64,
     /// Units of the requests accepted, as charged.
     pub units: u64,
+    /// Milliseconds from the server's start (or last reset) to the route's first and last
+    /// accepted request.
+    #[serde(default)]
+    pub first_ms: Option<u64>,
+    #[serde(default)]
+    pub last_ms: Option<u64>,
 }
 
 /// Counters of one seller.
@@ -818,9 +824,12 @@ impl App {
                 .entry((route.clone(), req.seller.clone()))
                 .or_default()
                 .push_back((now, counted));
+            let at = millis(now - *epoch);
             let counters = stats.routes.entry(route.clone()).or_default();
             counters.registered += 1;
             counters.units += u64::from(counted);
+            counters.first_ms.get_or_insert(at);
+            counters.last_ms = Some(at);
             let in_window = route_units + u64::from(counted) - u64::from(req.units);
             counters.max_in_window = counters.max_in_window.max(in_window);
         }

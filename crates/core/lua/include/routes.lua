@@ -13,8 +13,8 @@
 -- calls_gate): the route keeps no calls of its own, and a call's answer ends it for both.
 -- A route's token ends with `-q` (see routed): it neither gives way nor is moved by a message
 -- ranked ahead (include/ranks.lua), since its units in the route's log keep their slot.
--- Defines: routed, route_arg, route_reach, route_trim, route_fit, route_gate, route_add,
---   route_remove
+-- Defines: routed, route_arg, route_reach, route_trim, GAPS, fits_at, gap_fit, route_fit,
+--   route_gate, route_add, route_remove
 
 -- Whether TOKEN was made for a call on a route.
 local function routed(token)
@@ -46,12 +46,72 @@ local function route_trim(route, now, bound, late)
   redis.call('ZREMRANGEBYSCORE', route.log, '-inf', now - route_reach(route, bound, late))
 end
 
+-- Most moments a call on a route tries before the end of a log (see gap_fit).
+local GAPS = 64
+
+-- Whether one more unit of COST at T leaves every window of every sliding limit of STACK that
+-- holds T within its COUNT, among the units of LOG_KEY (windows of SPAN, half-open, as the
+-- append rule counts them: a unit SPAN before T is out).
+local function fits_at(log_key, stack, t, cost)
+  for _, l in ipairs(stack) do
+    if l.phase == nil then
+      local found = redis.call('ZRANGEBYSCORE', log_key, string.format('(%.0f', t - l.span),
+        string.format('(%.0f', t + l.span), 'WITHSCORES')
+      local scores = {}
+      for i = 2, #found, 2 do scores[#scores + 1] = tonumber(found[i]) end
+      -- The windows holding T start in (T - SPAN, T]: the fullest starts just after T - SPAN
+      -- or at one of those units.
+      local starts = {t - l.span + 1}
+      for _, u in ipairs(scores) do
+        if u <= t then starts[#starts + 1] = u end
+      end
+      local lo, hi, n = 1, 1, #scores
+      for _, x in ipairs(starts) do
+        while lo <= n and scores[lo] < x do lo = lo + 1 end
+        if hi < lo then hi = lo end
+        while hi <= n and scores[hi] < x + l.span do hi = hi + 1 end
+        if hi - lo + cost > l.count then return false end
+      end
+    end
+  end
+  return true
+end
+
+-- The earliest moment from FROM, before UPTO (a slot after the log's last, which always fits),
+-- at which a unit of COST fits every sliding window of STACK in LOG_KEY (fits_at): FROM, or a
+-- moment a unit leaves a window; UPTO when none of the first GAPS does. A call on a route
+-- slotted after every reservation of the seller's log would leave room unused where its own
+-- route is free and the faster routes' reservations left the budget room: it takes that room.
+local function gap_fit(log_key, stack, from, upto, cost)
+  if upto <= from then return upto end
+  local moments = {from}
+  for _, l in ipairs(stack) do
+    if l.phase == nil then
+      local leaving = redis.call('ZRANGEBYSCORE', log_key, string.format('(%.0f', from - l.span),
+        string.format('(%.0f', upto - l.span), 'WITHSCORES', 'LIMIT', 0, GAPS)
+      for i = 2, #leaving, 2 do moments[#moments + 1] = tonumber(leaving[i]) + l.span end
+    end
+  end
+  table.sort(moments)
+  local tried, previous = 0, nil
+  for _, t in ipairs(moments) do
+    if t >= upto or tried >= GAPS then break end
+    if t ~= previous then
+      tried = tried + 1
+      if fits_at(log_key, stack, t, cost) then return t end
+    end
+    previous = t
+  end
+  return upto
+end
+
 -- The earliest slot from SLOT at which the route's log leaves room for COST more units under
 -- every limit of the route's stack (as sliding_window.lua's fit for the seller's log: after the
 -- route's last slot and SPAN after the unit that must leave; a calendar limit's as calendar_fit,
 -- with ZONE and AFTER). The caller takes the latest of this and the seller's slot, until both
 -- agree.
 local function route_fit(route, slot, now, cost, zone, after)
+  local from = slot
   local last = nil
   for _, l in ipairs(route.limits) do
     if l.phase ~= nil then
@@ -66,7 +126,8 @@ local function route_fit(route, slot, now, cost, zone, after)
       end
     end
   end
-  return slot
+  if route.limits.has_calendar then return slot end
+  return gap_fit(route.log, route.limits, from, slot, cost)
 end
 
 -- calls_gate for the route's stack: a call of COST units (TOKEN) may start now only while, for

@@ -5,8 +5,9 @@
 //! drain of each seller (its first to its last registration at the mock) is set beside the
 //! greedy optimum of the same backlog in the same order: each message at the earliest moment
 //! its route's stack and the budget both have room for it in every window, given the messages
-//! before it ([`greedy_drain`]); and beside the longest any one limit allows alone (the budget
-//! over every unit, each route over its own), which no schedule beats.
+//! before it ([`greedy_drain`]). The baseline, run next on the same machine: the same backlog
+//! with every message sent to the default endpoint, under the budget alone, against its own
+//! greedy optimum.
 
 use std::time::Duration;
 
@@ -40,6 +41,9 @@ pub struct RoutesBenchArgs {
     /// Workers of each replica.
     #[arg(long, default_value_t = 8)]
     pub workers: u32,
+    /// TURNSTILE_PERMIT_BLOCK of the replicas.
+    #[arg(long = "permit-block", default_value_t = 32)]
+    pub permit_block: u32,
     #[command(flatten)]
     pub rig: RigArgs,
 }
@@ -51,34 +55,71 @@ fn route_arg(s: &str) -> Result<(String, Limits), String> {
     Ok((name.to_owned(), turnstile_core::config::limits_arg(limit)?))
 }
 
-/// Runs the backlog and prints its figures; `Ok(false)` when anything was lost, duplicated or
-/// over a limit.
-pub async fn run(args: RoutesBenchArgs) -> anyhow::Result<bool> {
-    let settings = args.rig.replica_settings(
-        "routes",
+/// One seller's backlog in publish order: each message's route (its index in `routes`), or
+/// `None` for the default endpoint, interleaved round by round.
+fn backlog(args: &RoutesBenchArgs) -> Vec<Option<usize>> {
+    let mut order = Vec::new();
+    for n in 0..args.per_route.max(args.default) {
+        if n < args.per_route {
+            order.extend((0..args.routes.len()).map(Some));
+        }
+        if n < args.default {
+            order.push(None);
+        }
+    }
+    order
+}
+
+/// What one run measured: each seller's drain (first to last registration at the mock), and
+/// the run's report and the mock's counters.
+struct Run {
+    drains: Vec<(String, Duration)>,
+    report: crate::rig::Report,
+    stats: crate::mock_api::Stats,
+}
+
+/// Runs every seller's backlog `order` on the routes of `args` (`routed`), or with every
+/// message sent to the default endpoint under the budget alone (the baseline).
+async fn run_once(
+    args: &RoutesBenchArgs,
+    order: &[Option<usize>],
+    routed: bool,
+) -> anyhow::Result<Run> {
+    let mut settings = args.rig.replica_settings(
+        if routed { "routes" } else { "routes-baseline" },
         LimiterArgs::new(args.budget.clone(), Algorithm::SlidingWindow),
         args.workers,
         Duration::from_secs(2),
     );
+    settings.limiter.permit_block = args.permit_block;
+    let routes = if routed {
+        args.routes.clone()
+    } else {
+        Vec::new()
+    };
     let mock = MockArgs {
-        routes: args.routes.clone(),
+        routes: routes.clone(),
         ..MockArgs::local(args.budget.clone())
     };
     let mut rig = Rig::build(settings).with_mock(mock).prepare().await?;
-    let mut file = String::new();
-    for (name, limit) in &args.routes {
-        file.push_str(&format!(
-            "[routes.{name}]\nmethod = \"POST\"\nurl = \"{}\"\nlimit = \"{limit}\"\n\n",
-            rig.mock.route_url(name)
-        ));
-    }
-    let path = std::env::temp_dir().join(format!(
-        "turnstile-bench-routes-{:08x}.toml",
-        rand::random::<u32>()
-    ));
-    std::fs::write(&path, file)?;
     let mut consume = rig.settings(args.workers);
-    consume.routes.file = Some(path.clone());
+    let mut path = None;
+    if routed {
+        let mut file = String::new();
+        for (name, limit) in &routes {
+            file.push_str(&format!(
+                "[routes.{name}]\nmethod = \"POST\"\nurl = \"{}\"\nlimit = \"{limit}\"\n\n",
+                rig.mock.route_url(name)
+            ));
+        }
+        let file_path = std::env::temp_dir().join(format!(
+            "turnstile-bench-routes-{:08x}.toml",
+            rand::random::<u32>()
+        ));
+        std::fs::write(&file_path, file)?;
+        consume.routes.file = Some(file_path.clone());
+        path = Some(file_path);
+    }
     let started = async {
         for _ in 0..args.replicas {
             rig.start_replica(consume.clone()).await?;
@@ -86,60 +127,64 @@ pub async fn run(args: RoutesBenchArgs) -> anyhow::Result<bool> {
         anyhow::Ok(())
     }
     .await;
-    let _ = std::fs::remove_file(&path);
+    if let Some(path) = path {
+        let _ = std::fs::remove_file(path);
+    }
     started?;
-
     let mut messages = Vec::new();
     for s in 0..args.sellers {
         let seller = format!("mixed-{s}");
-        let mut i = 0;
-        for n in 0..args.per_route.max(args.default) {
-            let targets = args
-                .routes
-                .iter()
-                .map(|(name, _)| Some(name.as_str()))
-                .filter(|_| n < args.per_route)
-                .chain((n < args.default).then_some(None));
-            for route in targets {
-                let mut body = serde_json::json!({
-                    "message_id": format!("{seller}-{i}"), "seller_id": seller,
-                    "product": {"sku": i},
-                });
-                if let Some(route) = route {
-                    body["route"] = route.into();
-                }
-                messages.push(Message {
-                    seller: seller.clone(),
-                    body: body.to_string().into_bytes(),
-                });
-                i += 1;
+        for (i, route) in order.iter().enumerate() {
+            let mut body = serde_json::json!({
+                "message_id": format!("{seller}-{i}"), "seller_id": seller,
+                "product": {"sku": i},
+            });
+            if let Some(r) = route.filter(|_| routed) {
+                body["route"] = routes[r].0.clone().into();
             }
+            messages.push(Message {
+                seller: seller.clone(),
+                body: body.to_string().into_bytes(),
+            });
         }
     }
-    let total = messages.len() as u64;
-    let per_seller = total / args.sellers as u64;
+    rig.publish_all(messages).await?;
+    rig.wait(Duration::from_secs(600), |_| {}).await?;
+    let stats = rig.mock.stats();
+    let report = rig.finish().await?;
+    let drains = stats
+        .sellers
+        .iter()
+        .map(|(seller, s)| {
+            let ms = s.last_ms.unwrap_or(0) - s.first_ms.unwrap_or(0);
+            (seller.clone(), Duration::from_millis(ms))
+        })
+        .collect();
+    Ok(Run {
+        drains,
+        report,
+        stats,
+    })
+}
+
+/// Runs the backlog on the routes, then the same backlog on the budget alone, and prints both
+/// against their optimums; `Ok(false)` when anything was lost, duplicated or over a limit.
+pub async fn run(args: RoutesBenchArgs) -> anyhow::Result<bool> {
+    let order = backlog(&args);
+    let optimum = greedy_drain(&args.budget, &args.routes, &order);
+    let baseline_optimum = greedy_drain(&args.budget, &[], &vec![None; order.len()]);
     let bound = args
         .routes
         .iter()
         .map(|(_, limit)| limit.optimum_drain(args.per_route as u64))
-        .chain(std::iter::once(args.budget.optimum_drain(per_seller)))
+        .chain(std::iter::once(
+            args.budget.optimum_drain(order.len() as u64),
+        ))
         .max()
         .unwrap_or_default();
-    // One seller's messages in publish order, by route (every seller's are alike).
-    let order: Vec<Option<usize>> = messages
-        .iter()
-        .take(per_seller as usize)
-        .map(|m| {
-            let body: serde_json::Value = serde_json::from_slice(&m.body).unwrap_or_default();
-            body["route"]
-                .as_str()
-                .and_then(|r| args.routes.iter().position(|(name, _)| name == r))
-        })
-        .collect();
-    let optimum = greedy_drain(&args.budget, &args.routes, &order);
     eprintln!(
         "routes: {} sellers x ({} on each of {} routes + {} to the default endpoint) under {}, \
-         {} replicas x {} workers",
+         {} replicas x {} workers; then the same backlog on the budget alone",
         args.sellers,
         args.per_route,
         args.routes.len(),
@@ -148,48 +193,67 @@ pub async fn run(args: RoutesBenchArgs) -> anyhow::Result<bool> {
         args.replicas,
         args.workers
     );
-    rig.publish_all(messages).await?;
-    rig.wait(optimum * 4 + Duration::from_secs(60), |_| {})
-        .await?;
+    let routed = run_once(&args, &order, true).await?;
+    let baseline = run_once(&args, &order, false).await?;
     println!(
-        "greedy optimum of the same backlog {:.2} s; the longest any one limit allows alone {:.2} s",
+        "greedy optimum on the routes {:.2} s (the longest any one limit allows alone {:.2} s); \
+         on the budget alone {:.2} s",
         optimum.as_secs_f64(),
-        bound.as_secs_f64()
+        bound.as_secs_f64(),
+        baseline_optimum.as_secs_f64()
     );
-    let stats = rig.mock.stats();
-    let report = rig.finish().await?;
-    println!("| seller | drain | greedy optimum | drain / optimum |");
-    println!("|---|---|---|---|");
+    println!("| seller | on the routes: drain / optimum | on the budget alone: drain / optimum |");
+    println!("|---|---|---|");
+    let ratio = |d: Duration, o: Duration| d.as_secs_f64() / o.as_secs_f64().max(1e-9);
     let mut worst: f64 = 0.0;
-    for (seller, s) in stats.sellers.iter() {
-        let drain = Duration::from_millis(s.last_ms.unwrap_or(0) - s.first_ms.unwrap_or(0));
-        let ratio = drain.as_secs_f64() / optimum.as_secs_f64().max(1e-9);
-        worst = worst.max(ratio);
+    for ((seller, drain), (_, base)) in routed.drains.iter().zip(&baseline.drains) {
+        let r = ratio(*drain, optimum);
+        worst = worst.max(r);
         println!(
-            "| {seller} | {:.2} s | {:.2} s | {ratio:.3}x |",
+            "| {seller} | {:.2} s, {r:.3}x | {:.2} s, {:.3}x |",
             drain.as_secs_f64(),
-            optimum.as_secs_f64()
+            base.as_secs_f64(),
+            ratio(*base, baseline_optimum)
         );
     }
-    for (name, route) in &stats.routes {
+    let first = routed
+        .stats
+        .sellers
+        .values()
+        .filter_map(|s| s.first_ms)
+        .min()
+        .unwrap_or(0);
+    for (name, route) in &routed.stats.routes {
         println!(
-            "route {name}: {} registered, {} over its limit, at most {} of one seller in a window",
-            route.registered, route.violations, route.max_in_window
+            "route {name}: {} registered, {} over its limit, at most {} of one seller in a \
+             window; first and last {:.2} s and {:.2} s after the first registration",
+            route.registered,
+            route.violations,
+            route.max_in_window,
+            route.first_ms.unwrap_or(0).saturating_sub(first) as f64 / 1000.0,
+            route.last_ms.unwrap_or(0).saturating_sub(first) as f64 / 1000.0
         );
     }
-    println!(
-        "worst drain / optimum {worst:.3}x; {} of {total} registered, {} lost, {} duplicates, \
-         {} violations (budget or route); {:.2} broker deliveries per message, {} reserved \
-         slots forfeited, latest return {} ms after its slot",
-        report.registered,
-        report.lost,
-        report.duplicates,
-        report.violations,
-        report.deliveries_per_message,
-        report.forfeited,
-        report.return_max_late_ms
-    );
-    Ok(report.lost == 0 && report.duplicates == 0 && report.violations == 0)
+    for (what, r) in [
+        ("routes", &routed.report),
+        ("budget alone", &baseline.report),
+    ] {
+        println!(
+            "{what}: {} of {} registered, {} lost, {} duplicates, {} violations; {:.2} broker \
+             deliveries per message, {} reserved slots forfeited",
+            r.registered,
+            r.published,
+            r.lost,
+            r.duplicates,
+            r.violations,
+            r.deliveries_per_message,
+            r.forfeited
+        );
+    }
+    println!("worst drain / optimum on the routes {worst:.3}x");
+    Ok([&routed.report, &baseline.report]
+        .iter()
+        .all(|r| r.lost == 0 && r.duplicates == 0 && r.violations == 0))
 }
 
 /// Units at moments (µs), kept sorted, under a stack of sliding windows.
