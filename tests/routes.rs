@@ -57,6 +57,57 @@ fn body(id: &str, seller: &str, route: Option<&str>, cost: u32, charge: Option<u
     body.to_string().into_bytes()
 }
 
+/// Routes of `(name, limit)`, as a routes file gives them (the URLs are never called).
+fn routes_of(routes: &[(&str, &str)]) -> std::sync::Arc<turnstile_core::routes::Routes> {
+    let text: String = routes
+        .iter()
+        .map(|(name, limit)| {
+            format!(
+                "[routes.{name}]\nmethod = \"POST\"\nurl = \"http://127.0.0.1:1/{{seller_id}}\"\nlimit = \"{limit}\"\n"
+            )
+        })
+        .collect();
+    std::sync::Arc::new(turnstile_core::routes::Routes::parse(&text).unwrap())
+}
+
+/// The route `name` of `routes`.
+fn route_in(
+    routes: &turnstile_core::routes::Routes,
+    name: &str,
+) -> std::sync::Arc<turnstile_core::routes::Route> {
+    let name = turnstile_core::domain::RouteName::parse(name).unwrap();
+    routes.get(&name).unwrap().clone()
+}
+
+/// One unit asked for on `route` for `seller`: its slot (µs, Redis time), and whether it was
+/// granted now (else reserved).
+async fn ask_on(
+    store: &turnstile_core::permit::PermitStore,
+    seller: &turnstile_core::domain::SellerId,
+    route: &turnstile_core::routes::Route,
+) -> (i64, bool) {
+    use turnstile_core::permit::Decision;
+    let (decision, _) = store
+        .acquire_or_redeem_on(
+            seller,
+            None,
+            turnstile_core::domain::Cost::ONE,
+            None,
+            None,
+            Some(route),
+        )
+        .await
+        .unwrap();
+    match decision {
+        Decision::Granted { slot_us, .. } => (slot_us, true),
+        Decision::Wait {
+            reservation: Some(r),
+            ..
+        } => (r.slot_us, false),
+        other => panic!("{other:?}"),
+    }
+}
+
 async fn publish(rig: &mut Rig, bodies: impl IntoIterator<Item = Vec<u8>>) -> anyhow::Result<()> {
     for body in bodies {
         rig.publish_body(&body).await?;
@@ -248,21 +299,12 @@ async fn a_refund_reported_by_the_api_frees_its_units_for_the_next_calls() -> an
 async fn a_routes_reservations_leave_its_log_with_the_sellers_when_they_are_given_back() {
     use support::{Backend, Keys, limiter};
     use turnstile_core::config::Algorithm;
-    use turnstile_core::domain::{Cost, RouteName, SellerId};
-    use turnstile_core::permit::{Decision, keys_matching};
-    use turnstile_core::routes::Routes;
+    use turnstile_core::domain::{Cost, SellerId};
+    use turnstile_core::permit::keys_matching;
 
     let keys = Keys::new(Backend::Standalone, "route-logs").await;
-    let routes = std::sync::Arc::new(
-        Routes::parse(
-            "[routes.price]\nmethod = \"PUT\"\nurl = \"http://127.0.0.1:1/{seller_id}\"\nlimit = \"2/10s\"\n",
-        )
-        .unwrap(),
-    );
-    let route = routes
-        .get(&RouteName::parse("price").unwrap())
-        .unwrap()
-        .clone();
+    let routes = routes_of(&[("price", "2/10s")]);
+    let route = route_in(&routes, "price");
     let store = keys
         .store(limiter("5/10s", Algorithm::SlidingWindow))
         .with_routes(routes.clone());
@@ -275,8 +317,8 @@ async fn a_routes_reservations_leave_its_log_with_the_sellers_when_they_are_give
             .await
             .unwrap();
         match decision {
-            Decision::Granted { .. } => granted += 1,
-            Decision::Wait {
+            turnstile_core::permit::Decision::Granted { .. } => granted += 1,
+            turnstile_core::permit::Decision::Wait {
                 reservation: Some(r),
                 ..
             } => held.push(r),
@@ -415,19 +457,12 @@ async fn a_daily_quota_waits_for_its_reset_and_never_goes_over_either_day() -> a
 async fn a_sellers_override_of_a_routes_limit_applies_and_clears() {
     use support::{Backend, Keys, limiter};
     use turnstile_core::config::Algorithm;
-    use turnstile_core::domain::{Cost, RouteName, SellerId};
-    use turnstile_core::permit::Decision;
-    use turnstile_core::routes::Routes;
+    use turnstile_core::domain::{RouteName, SellerId};
 
     let keys = Keys::new(Backend::Standalone, "route-override").await;
-    let routes = std::sync::Arc::new(
-        Routes::parse(
-            "[routes.stock]\nmethod = \"PATCH\"\nurl = \"http://127.0.0.1:1/{seller_id}\"\nlimit = \"2/10s\"\n",
-        )
-        .unwrap(),
-    );
+    let routes = routes_of(&[("stock", "2/10s")]);
     let name = RouteName::parse("stock").unwrap();
-    let route = routes.get(&name).unwrap().clone();
+    let route = route_in(&routes, "stock");
     let store = keys
         .store(limiter("100/10s", Algorithm::SlidingWindow))
         .with_routes(routes.clone());
@@ -437,11 +472,7 @@ async fn a_sellers_override_of_a_routes_limit_applies_and_clears() {
             let s = SellerId::parse(seller).unwrap();
             let mut granted = 0;
             for _ in 0..6 {
-                let (decision, _) = store
-                    .acquire_or_redeem_on(&s, None, Cost::ONE, None, None, Some(&route))
-                    .await
-                    .unwrap();
-                granted += u32::from(matches!(decision, Decision::Granted { .. }));
+                granted += u32::from(ask_on(&store, &s, &route).await.1);
             }
             granted
         }
@@ -479,43 +510,17 @@ async fn a_sellers_override_of_a_routes_limit_applies_and_clears() {
 async fn a_call_on_a_route_takes_the_room_left_before_the_sellers_last_slot() {
     use support::{Backend, Keys, limiter};
     use turnstile_core::config::Algorithm;
-    use turnstile_core::domain::{Cost, RouteName, SellerId};
-    use turnstile_core::permit::Decision;
-    use turnstile_core::routes::Routes;
+    use turnstile_core::domain::SellerId;
 
     let keys = Keys::new(Backend::Standalone, "route-gaps").await;
-    let routes = std::sync::Arc::new(
-        Routes::parse(
-            "[routes.slow]\nmethod = \"POST\"\nurl = \"http://127.0.0.1:1/{seller_id}\"\nlimit = \"2/10s\"\n\
-             [routes.fast]\nmethod = \"POST\"\nurl = \"http://127.0.0.1:1/{seller_id}\"\nlimit = \"10/10s\"\n",
-        )
-        .unwrap(),
-    );
-    let route = |name: &str| {
-        routes
-            .get(&RouteName::parse(name).unwrap())
-            .unwrap()
-            .clone()
-    };
+    let routes = routes_of(&[("slow", "2/10s"), ("fast", "10/10s")]);
     let store = keys
         .store(limiter("10/10s", Algorithm::SlidingWindow))
         .with_routes(routes.clone());
     let s = SellerId::parse("S-gaps").unwrap();
     let mut slots = Vec::new();
     for name in std::iter::repeat_n("slow", 10).chain(std::iter::repeat_n("fast", 8)) {
-        let (decision, _) = store
-            .acquire_or_redeem_on(&s, None, Cost::ONE, None, None, Some(&route(name)))
-            .await
-            .unwrap();
-        let slot = match decision {
-            Decision::Granted { slot_us, .. } => slot_us,
-            Decision::Wait {
-                reservation: Some(r),
-                ..
-            } => r.slot_us,
-            other => panic!("{other:?}"),
-        };
-        slots.push((name, slot));
+        slots.push((name, ask_on(&store, &s, &route_in(&routes, name)).await.0));
     }
     let first = slots[0].1;
     let at = |name: &str| -> Vec<i64> {

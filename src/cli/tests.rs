@@ -344,6 +344,7 @@ fn a_connection_flag_goes_before_or_after_the_command_that_uses_it() {
         ("bench sellers", &all[..1]),
         ("bench eta", &amqp_redis),
         ("bench rolling", &amqp_redis),
+        ("bench routes", &amqp_redis),
         ("bench depth", redis),
         ("bench lua-setup", redis),
     ]

@@ -29,34 +29,19 @@ if actual == cost then return 0 end
 local logs = {KEYS[1]}
 if KEYS[3] ~= nil then logs[2] = KEYS[3] end
 
--- The units from FIRST to LAST of TOKEN, in variadic batches of at most 500, each as COMMAND
--- (ZREM, or ZADD at SCORE) on KEY.
-local function units_between(command, key, first, last, score)
-  local args = {}
-  for i = first, last do
-    if score ~= nil then args[#args + 1] = score end
-    args[#args + 1] = unit(token, i)
-    if #args >= 1000 then
-      redis.call(command, key, unpack(args))
-      args = {}
-    end
-  end
-  if #args > 0 then redis.call(command, key, unpack(args)) end
-end
-
 if actual < cost then
-  for _, key in ipairs(logs) do units_between('ZREM', key, actual + 1, cost) end
-  units_between('ZREM', KEYS[2], actual + 1, cost)
+  for _, key in ipairs(logs) do for_units('ZREM', key, token, cost, nil, actual + 1) end
+  for_units('ZREM', KEYS[2], token, cost, nil, actual + 1)
   return actual - cost
 end
 -- Only where the call's units still are (a key that expired holds nothing to correct).
 if redis.call('ZSCORE', KEYS[1], token) == false then return 0 end
 for _, key in ipairs(logs) do
   if redis.call('EXISTS', key) == 1 then
-    units_between('ZADD', key, cost + 1, actual, string.format('%.0f', slot))
+    for_units('ZADD', key, token, actual, string.format('%.0f', slot), cost + 1)
   end
 end
 local ends = redis.call('ZSCORE', KEYS[2], token)
 if ends == false then ends = string.format('%.0f', now_us()) end
-units_between('ZADD', KEYS[2], cost + 1, actual, ends)
+for_units('ZADD', KEYS[2], token, actual, ends, cost + 1)
 return actual - cost

@@ -10,11 +10,12 @@ local function unit(token, i)
   return token .. '*' .. i
 end
 
--- Runs COMMAND on the sorted set KEY with the COST units of TOKEN (each after SCORE, if given),
--- in variadic calls of at most 500 units: ZADD adds them, ZREM removes them.
-local function for_units(command, key, token, cost, score)
+-- Runs COMMAND on the sorted set KEY with the COST units of TOKEN (each after SCORE, if given;
+-- from its FIRST unit, 1 if not given), in variadic calls of at most 500 units: ZADD adds them,
+-- ZREM removes them.
+local function for_units(command, key, token, cost, score, first)
   local args = {}
-  for i = 1, cost do
+  for i = first or 1, cost do
     if score ~= nil then args[#args + 1] = score end
     args[#args + 1] = unit(token, i)
     if #args >= 1000 then
