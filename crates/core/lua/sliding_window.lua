@@ -169,7 +169,8 @@ local function fit(from)
       slot = gap_fit(KEYS[1], limits, before, slot, a.cost)
     end
     if route then slot = route_fit(route, slot, now, a.cost, zone, early) end
-    if slot == before then break end
+    -- Sliding limits alone agree after one pass (each slot is a threshold).
+    if slot == before or not (calendars or route) then break end
   end
   return slot, used
 end
