@@ -82,6 +82,7 @@ if ARGV[13] ~= nil then
   if #KEYS == 12 then done_key = nil end
   route = route_arg(13, KEYS[#KEYS - 1], KEYS[#KEYS], guard, cost)
 end
+local route_logs = route and {route.log}
 local now = now_us()
 
 local name = held_name(token, cost)
@@ -90,10 +91,7 @@ local function release(status, at)
   if reserved ~= nil then
     redis.call('ZREM', KEYS[4], name)
     -- The slot's units were taken under the stack it was reserved under.
-    if status ~= 1 then
-      give_back(algorithm, KEYS[3], token, cost, reserved, held)
-      if route then route_remove(route, token, cost) end
-    end
+    if status ~= 1 then give_back(algorithm, KEYS[3], token, cost, reserved, held, route_logs) end
   end
   local verdict = ''
   if status == 1 then
@@ -133,8 +131,8 @@ if algorithm == 'sliding-window' or algorithm == 'gcra' then
   local open_at = calls_gate(KEYS[6], now, limits, cost)
   if open_at then return {2, open_at, now, ''} end
   if route then
-    open_at = route_gate(route, KEYS[6], token, cost, now, math.floor(limits.min_guard / 10),
-      bound, lateness(algorithm, limits), limits.max_window)
+    open_at = route_gate(route, KEYS[6], token, cost, now, early, bound,
+      lateness(algorithm, limits), limits.max_window)
     if open_at then return {2, open_at, now, ''} end
   end
   start_call(KEYS[6], token, cost, now, bound, limits)

@@ -46,7 +46,6 @@ if ARGV[9] ~= nil then
   route = route_arg(9, KEYS[#KEYS - 1], KEYS[#KEYS], guard, cost)
 end
 local limits = with_capacities(with_spans(effective_limits(KEYS[2], default, learned_key, cost), guard), capacity)
-if route then route_remove(route, token, cost) end
-give_back(algorithm, KEYS[1], token, cost, slot, limits)
+give_back(algorithm, KEYS[1], token, cost, slot, limits, route and {route.log})
 if algorithm == 'sliding-window' or algorithm == 'gcra' then remove_units(KEYS[3], token, cost) end
 return 1

@@ -1,9 +1,9 @@
 -- @include acquire
 -- @include args
 -- @include blocks
--- @include calendar
 -- @include calls
 -- @include far
+-- @include fit
 -- @include limits
 -- @include losses
 -- @include records
@@ -132,7 +132,6 @@ if limits.has_calendar then kept = kept + zone end
 redis.call('ZREMRANGEBYSCORE', KEYS[1], '-inf', now - kept)
 local late = lateness('sliding-window', limits)
 if route then route_trim(route, now, a.bound, late) end
-local last = nil
 -- The slot the log allows for COST more units, and how much of the limit it leaves taken.
 -- From FROM: each limit's earliest slot from the latest so far, until they all agree (a
 -- sliding limit's slots are a threshold, any later one fits too; a calendar limit's may move a
@@ -141,29 +140,7 @@ local function fit(from)
   local slot, used = from, 0
   for _ = 1, 16 do
     local before = slot
-    for _, l in ipairs(limits) do
-      if l.phase ~= nil then
-        slot = calendar_fit(KEYS[1], l, slot, a.cost, zone + l.guard, early + l.guard)
-        local start = calendar_start(l, math.max(slot, now))
-        local n = calendar_units(KEYS[1], l, start, zone + l.guard)
-        used = math.max(used, math.floor(math.min(n + a.cost, l.count) * 1000 / l.count))
-        l.logged = n
-      else
-        -- Units counted by this limit from now on: those slotted within its span back from now.
-        local n = redis.call('ZCOUNT', KEYS[1], string.format('(%.0f', now - l.span), '+inf')
-        local room = l.count - a.cost
-        if n > room then
-          -- After the last slot and at least SPAN after the most recent unit that must leave for
-          -- COST more to fit: then no window of SPAN containing the new slot holds more than
-          -- COUNT.
-          last = last or tonumber(redis.call('ZRANGE', KEYS[1], -1, -1, 'WITHSCORES')[2])
-          local kth = tonumber(redis.call('ZREVRANGE', KEYS[1], room, room, 'WITHSCORES')[2])
-          slot = math.max(slot, last, kth + l.span)
-        end
-        used = math.max(used, math.floor(math.min(n + a.cost, l.count) * 1000 / l.count))
-        l.logged = n
-      end
-    end
+    slot, used = stack_fit(KEYS[1], limits, slot, now, a.cost, zone, early)
     -- A call on a route takes room the seller's log left before its last slot (gap_fit).
     if route and not limits.has_calendar then
       slot = gap_fit(KEYS[1], limits, before, slot, a.cost)
@@ -179,8 +156,8 @@ end
 local function after_gates(status, slot)
   slot, status = after_gate(status, slot, KEYS[6], now, limits, a)
   if route == nil or status ~= 1 then return slot, status end
-  local open_at = route_gate(route, KEYS[6], a.token, a.cost, now, math.floor(limits.min_guard / 10),
-    a.bound, late, limits.max_window)
+  local open_at = route_gate(route, KEYS[6], a.token, a.cost, now, early, a.bound, late,
+    limits.max_window)
   if not open_at then return slot, status end
   return math.max(open_at, slot), (a.reserve == 1 and 2 or 0)
 end
@@ -200,14 +177,13 @@ end
 local slot, used, status = decide()
 -- Not due while other replicas hold units of the seller they have not used: taken back.
 if status ~= 1 and reclaim_idle(blocked_key, KEYS[1], KEYS[6]) > 0 then
-  last = nil
   slot, used, status = decide()
 end
 status, slot = slot_or_far_ticket(status, slot, KEYS[4], KEYS[7], now, late, limits, a,
   log_crowded(KEYS[1], limits, a.cost))
 if status == 0 then return told_to_wait(0, slot, now, limits, a) end
 add_units(KEYS[1], slot, a.token, a.cost)
-last = tonumber(redis.call('ZRANGE', KEYS[1], -1, -1, 'WITHSCORES')[2])
+local last = tonumber(redis.call('ZRANGE', KEYS[1], -1, -1, 'WITHSCORES')[2])
 local ttl = math.floor((last - now + kept) / 1000) + 1
 redis.call('PEXPIRE', KEYS[1], ttl)
 if route then route_add(route, slot, a.token, a.cost, now, a.bound, late) end

@@ -37,7 +37,6 @@ local name = held_name(token, cost)
 local holds = tonumber(redis.call('ZSCORE', KEYS[2], name))
 if holds == nil or holds < slot then return 0 end
 redis.call('ZREM', KEYS[2], name)
-give_back(algorithm, KEYS[1], token, cost, holds, held)
 local route = route_arg(9, KEYS[3], KEYS[4], int_arg(7, -1), cost)
-if route then route_remove(route, token, cost) end
+give_back(algorithm, KEYS[1], token, cost, holds, held, route and {route.log})
 return 1

@@ -1,5 +1,5 @@
 -- @include args
--- @include calendar
+-- @include fit
 -- @include limits
 -- @include terms
 -- @include units
@@ -8,13 +8,12 @@
 -- log (sorted set: the units of each TOKEN, score = slot, as the seller's sliding-window log)
 -- holds the units of the route's calls and reservations; a slot is granted or reserved only
 -- where both stacks allow it, and written to both logs, so neither ever holds a slot the other
--- refused. A route's stack is a stack of sliding windows.
+-- refused. A route's stack holds sliding windows and calendar limits, as the seller's does.
 -- A route's calls are the seller's calls (the same members in the seller's calls, see
 -- calls_gate): the route keeps no calls of its own, and a call's answer ends it for both.
 -- A route's token ends with `-q` (see routed): it neither gives way nor is moved by a message
 -- ranked ahead (include/ranks.lua), since its units in the route's log keep their slot.
--- Defines: routed, route_arg, route_reach, route_trim, GAPS, fits_at, gap_fit, route_fit,
---   route_gate, route_add, route_remove
+-- Defines: routed, route_arg, route_reach, route_trim, route_fit, route_gate, route_add
 
 -- Whether TOKEN was made for a call on a route.
 local function routed(token)
@@ -46,86 +45,12 @@ local function route_trim(route, now, bound, late)
   redis.call('ZREMRANGEBYSCORE', route.log, '-inf', now - route_reach(route, bound, late))
 end
 
--- Most moments a call on a route tries before the end of a log (see gap_fit).
-local GAPS = 64
-
--- Whether one more unit of COST at T leaves every window of every sliding limit of STACK that
--- holds T within its COUNT, among the units of LOG_KEY (windows of SPAN, half-open, as the
--- append rule counts them: a unit SPAN before T is out).
-local function fits_at(log_key, stack, t, cost)
-  for _, l in ipairs(stack) do
-    if l.phase == nil then
-      local found = redis.call('ZRANGEBYSCORE', log_key, string.format('(%.0f', t - l.span),
-        string.format('(%.0f', t + l.span), 'WITHSCORES')
-      local scores = {}
-      for i = 2, #found, 2 do scores[#scores + 1] = tonumber(found[i]) end
-      -- The windows holding T start in (T - SPAN, T]: the fullest starts just after T - SPAN
-      -- or at one of those units.
-      local starts = {t - l.span + 1}
-      for _, u in ipairs(scores) do
-        if u <= t then starts[#starts + 1] = u end
-      end
-      local lo, hi, n = 1, 1, #scores
-      for _, x in ipairs(starts) do
-        while lo <= n and scores[lo] < x do lo = lo + 1 end
-        if hi < lo then hi = lo end
-        while hi <= n and scores[hi] < x + l.span do hi = hi + 1 end
-        if hi - lo + cost > l.count then return false end
-      end
-    end
-  end
-  return true
-end
-
--- The earliest moment from FROM, before UPTO (a slot after the log's last, which always fits),
--- at which a unit of COST fits every sliding window of STACK in LOG_KEY (fits_at): FROM, or a
--- moment a unit leaves a window; UPTO when none of the first GAPS does. A call on a route
--- slotted after every reservation of the seller's log would leave room unused where its own
--- route is free and the faster routes' reservations left the budget room: it takes that room.
-local function gap_fit(log_key, stack, from, upto, cost)
-  if upto <= from then return upto end
-  local moments = {from}
-  for _, l in ipairs(stack) do
-    if l.phase == nil then
-      local leaving = redis.call('ZRANGEBYSCORE', log_key, string.format('(%.0f', from - l.span),
-        string.format('(%.0f', upto - l.span), 'WITHSCORES', 'LIMIT', 0, GAPS)
-      for i = 2, #leaving, 2 do moments[#moments + 1] = tonumber(leaving[i]) + l.span end
-    end
-  end
-  table.sort(moments)
-  local tried, previous = 0, nil
-  for _, t in ipairs(moments) do
-    if t >= upto or tried >= GAPS then break end
-    if t ~= previous then
-      tried = tried + 1
-      if fits_at(log_key, stack, t, cost) then return t end
-    end
-    previous = t
-  end
-  return upto
-end
-
 -- The earliest slot from SLOT at which the route's log leaves room for COST more units under
--- every limit of the route's stack (as sliding_window.lua's fit for the seller's log: after the
--- route's last slot and SPAN after the unit that must leave; a calendar limit's as calendar_fit,
--- with ZONE and AFTER). The caller takes the latest of this and the seller's slot, until both
--- agree.
+-- every limit of the route's stack (see stack_fit and, without a calendar limit, gap_fit). The
+-- caller takes the latest of this and the seller's slot, until both agree.
 local function route_fit(route, slot, now, cost, zone, after)
   local from = slot
-  local last = nil
-  for _, l in ipairs(route.limits) do
-    if l.phase ~= nil then
-      slot = calendar_fit(route.log, l, slot, cost, zone + l.guard, after + l.guard)
-    else
-      local n = redis.call('ZCOUNT', route.log, string.format('(%.0f', now - l.span), '+inf')
-      local room = l.count - cost
-      if n > room then
-        last = last or tonumber(redis.call('ZRANGE', route.log, -1, -1, 'WITHSCORES')[2])
-        local kth = tonumber(redis.call('ZREVRANGE', route.log, room, room, 'WITHSCORES')[2])
-        slot = math.max(slot, last, kth + l.span)
-      end
-    end
-  end
+  slot = stack_fit(route.log, route.limits, slot, now, cost, zone, after)
   if route.limits.has_calendar then return slot end
   return gap_fit(route.log, route.limits, from, slot, cost)
 end
@@ -174,10 +99,4 @@ local function route_add(route, slot, token, cost, now, bound, late)
   add_units(route.log, slot, token, cost)
   local last = tonumber(redis.call('ZRANGE', route.log, -1, -1, 'WITHSCORES')[2])
   redis.call('PEXPIRE', route.log, math.floor((last - now + route_reach(route, bound, late)) / 1000) + 1)
-end
-
--- Gives the COST units of TOKEN back to the route's log (a grant not called, a reservation
--- given back or forfeited): exact, as give_back for the seller's log.
-local function route_remove(route, token, cost)
-  remove_units(route.log, token, cost)
 end

@@ -23,6 +23,7 @@ static PIECES: &[(&str, &str)] = &[
     ("calendar", include_str!("../../lua/include/calendar.lua")),
     ("calls", include_str!("../../lua/include/calls.lua")),
     ("far", include_str!("../../lua/include/far.lua")),
+    ("fit", include_str!("../../lua/include/fit.lua")),
     ("learned", include_str!("../../lua/include/learned.lua")),
     ("limits", include_str!("../../lua/include/limits.lua")),
     ("losses", include_str!("../../lua/include/losses.lua")),
