@@ -7,6 +7,79 @@ use std::time::Duration;
 
 use clap::{Args, ValueEnum};
 
+/// A downstream URL with `{seller_id}` where a seller's id goes (TURNSTILE_DOWNSTREAM_URL, a
+/// route's `url`): an http or https URL, checked once.
+#[derive(Clone, Debug)]
+pub struct UrlTemplate {
+    text: String,
+    /// Whether `{seller_id}` stands in the URL's path (else in its query or nowhere).
+    seller_in_path: bool,
+}
+
+/// Why a URL template was refused.
+#[derive(Debug, thiserror::Error)]
+pub enum UrlTemplateError {
+    /// Not a URL, even with a seller's id in place (the parser's reason).
+    #[error("{0}")]
+    Invalid(String),
+    #[error("must be an http or https URL")]
+    Scheme,
+}
+
+impl UrlTemplate {
+    /// The template `text`, if it is an http or https URL with an id in place of `{seller_id}`.
+    pub fn parse(text: &str) -> Result<Self, UrlTemplateError> {
+        let probe = text.replace("{seller_id}", "probe");
+        let parsed =
+            reqwest::Url::parse(&probe).map_err(|e| UrlTemplateError::Invalid(e.to_string()))?;
+        if !matches!(parsed.scheme(), "http" | "https") {
+            return Err(UrlTemplateError::Scheme);
+        }
+        let path = text.split(['?', '#']).next().unwrap_or_default();
+        Ok(Self {
+            text: text.to_owned(),
+            seller_in_path: path.contains("{seller_id}"),
+        })
+    }
+
+    /// The template as written.
+    pub fn as_str(&self) -> &str {
+        &self.text
+    }
+
+    /// Whether `{seller_id}` stands in the URL's path.
+    pub fn seller_in_path(&self) -> bool {
+        self.seller_in_path
+    }
+
+    /// Whether the seller's id can stand where `{seller_id}` does: an id of `.` or `..` cannot
+    /// be one path segment (URL parsers remove such segments, encoded or not). `whose` names the
+    /// template in the refusal.
+    pub fn check_seller(
+        &self,
+        seller: &crate::domain::SellerId,
+        whose: &str,
+    ) -> Result<(), String> {
+        let id = seller.as_str();
+        if self.seller_in_path && (id == "." || id == "..") {
+            return Err(format!(
+                "seller id {id:?} cannot be a path segment of {whose}"
+            ));
+        }
+        Ok(())
+    }
+
+    /// The URL for a seller: `{seller_id}` replaced by the percent-encoded id, so that `/`,
+    /// `?`, `#`, `%` and spaces stay inside one path segment or query value (see
+    /// [`Self::check_seller`]).
+    pub fn fill(&self, seller: &crate::domain::SellerId, whose: &str) -> Result<String, String> {
+        self.check_seller(seller, whose)?;
+        Ok(self
+            .text
+            .replace("{seller_id}", &urlencoding::encode(seller.as_str())))
+    }
+}
+
 /// A per-seller limit: at most `count` registrations in any trailing `window`, or, for a
 /// calendar limit (`reset`), in each day that starts at the reset's time of day.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]

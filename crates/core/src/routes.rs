@@ -13,7 +13,7 @@ use std::sync::Arc;
 
 use clap::Args;
 
-use crate::config::Limits;
+use crate::config::{Limits, UrlTemplate, UrlTemplateError};
 use crate::domain::{Cost, InvalidMessage, Registration, RouteName};
 
 /// Where the routes file is, if there is one.
@@ -38,9 +38,7 @@ pub struct Route {
     pub name: RouteName,
     pub method: reqwest::Method,
     /// The URL template; `{seller_id}` is replaced as in `TURNSTILE_DOWNSTREAM_URL`.
-    pub url: String,
-    /// Whether `{seller_id}` stands in the URL's path (else in its query or nowhere).
-    pub seller_in_path: bool,
+    pub url: UrlTemplate,
     /// The route's per-seller stack (`limits set --seller S --route R` overrides it).
     pub limits: Limits,
     /// The cost of a call whose message gives none.
@@ -135,12 +133,10 @@ impl Routes {
         }
         let method = reqwest::Method::from_bytes(method.as_bytes())
             .map_err(|_| format!("field `method`: {:?} is not a method", entry.method))?;
-        let probe = entry.url.replace("{seller_id}", "probe");
-        match reqwest::Url::parse(&probe) {
-            Ok(url) if matches!(url.scheme(), "http" | "https") => {}
-            Ok(_) => return Err("field `url`: must be an http or https URL".into()),
-            Err(e) => return Err(format!("field `url`: not a valid URL ({e})")),
-        }
+        let url = UrlTemplate::parse(&entry.url).map_err(|e| match e {
+            UrlTemplateError::Invalid(why) => format!("field `url`: not a valid URL ({why})"),
+            UrlTemplateError::Scheme => format!("field `url`: {e}"),
+        })?;
         let limits: Limits = entry
             .limit
             .parse()
@@ -163,12 +159,10 @@ impl Routes {
                 "field `cost`: {cost} is more than the route's limit {limits} ever grants at once"
             ));
         }
-        let template_path = entry.url.split(['?', '#']).next().unwrap_or_default();
         Ok(Route {
             name,
             method,
-            seller_in_path: template_path.contains("{seller_id}"),
-            url: entry.url,
+            url,
             limits,
             cost,
         })
@@ -236,12 +230,12 @@ limit = "600/1m,10000/1d"
         let routes = Routes::parse(FILE).unwrap();
         let register = routes.get(&RouteName::parse("register").unwrap()).unwrap();
         assert_eq!(register.method, reqwest::Method::POST);
-        assert!(register.seller_in_path);
+        assert!(register.url.seller_in_path());
         assert_eq!(register.limits.to_string(), "100/1m");
         assert_eq!(register.cost, Cost::new(1));
         let price = routes.get(&RouteName::parse("price").unwrap()).unwrap();
         assert_eq!(price.method, reqwest::Method::PUT);
-        assert!(!price.seller_in_path);
+        assert!(!price.url.seller_in_path());
         assert_eq!(price.cost, None);
         assert_eq!(routes.iter().count(), 2);
     }

@@ -8,7 +8,11 @@ use reqwest::StatusCode;
 use reqwest::header::{CONTENT_TYPE, HeaderValue, RETRY_AFTER};
 use secrecy::{ExposeSecret, SecretString};
 
+use crate::config::{UrlTemplate, UrlTemplateError};
 use crate::domain::Registration;
+
+/// How a refusal names the registration endpoint's URL template.
+const DOWNSTREAM_URL: &str = "TURNSTILE_DOWNSTREAM_URL";
 use crate::routes::Routes;
 use crate::trace::TraceContext;
 
@@ -155,9 +159,7 @@ const EXCERPT: usize = 300;
 #[derive(Clone)]
 pub struct Downstream {
     client: reqwest::Client,
-    url: String,
-    /// Whether `{seller_id}` stands in the URL's path (else in its query or nowhere).
-    seller_in_path: bool,
+    url: UrlTemplate,
     authorization: Option<HeaderValue>,
     /// Where each call's class and latency are noted for the dashboard, if anywhere.
     recent: Option<std::sync::Arc<Recent>>,
@@ -182,17 +184,15 @@ impl Downstream {
     }
 
     pub fn new(args: &DownstreamArgs) -> anyhow::Result<Self> {
-        let probe = args.url.replace("{seller_id}", "probe");
-        let parsed = reqwest::Url::parse(&probe).with_context(|| {
-            format!(
+        let url = UrlTemplate::parse(&args.url).map_err(|e| match e {
+            UrlTemplateError::Invalid(why) => anyhow::anyhow!(why).context(format!(
                 "TURNSTILE_DOWNSTREAM_URL {:?} is not a valid URL",
                 crate::config::redact_url(&args.url)
-            )
+            )),
+            UrlTemplateError::Scheme => {
+                anyhow::anyhow!("TURNSTILE_DOWNSTREAM_URL must be an http or https URL")
+            }
         })?;
-        anyhow::ensure!(
-            matches!(parsed.scheme(), "http" | "https"),
-            "TURNSTILE_DOWNSTREAM_URL must be an http or https URL"
-        );
         let authorization = match &args.token {
             Some(token) => {
                 let mut value = HeaderValue::from_str(&format!("Bearer {}", token.expose_secret()))
@@ -211,11 +211,9 @@ impl Downstream {
             .pool_max_idle_per_host(256)
             .build()
             .context("building the HTTP client")?;
-        let template_path = args.url.split(['?', '#']).next().unwrap_or_default();
         Ok(Self {
             client,
-            url: args.url.clone(),
-            seller_in_path: template_path.contains("{seller_id}"),
+            url,
             authorization,
             recent: None,
             routes: Default::default(),
@@ -228,10 +226,7 @@ impl Downstream {
     /// `..` cannot be one path segment (URL parsers remove such segments, encoded or not), so
     /// it is refused when `{seller_id}` stands in the path.
     pub fn url_for(&self, seller: &crate::domain::SellerId) -> Result<String, String> {
-        self.check_seller(seller)?;
-        Ok(self
-            .url
-            .replace("{seller_id}", &urlencoding::encode(seller.as_str())))
+        self.url.fill(seller, DOWNSTREAM_URL)
     }
 
     /// The method and URL of `registration`'s call: its route's, or the registration endpoint
@@ -245,28 +240,14 @@ impl Downstream {
             .routes
             .get(name)
             .ok_or_else(|| format!("route {name:?} is not in the routes file"))?;
-        let id = seller.as_str();
-        if route.seller_in_path && (id == "." || id == "..") {
-            return Err(format!(
-                "seller id {id:?} cannot be a path segment of route {name:?}'s URL"
-            ));
-        }
-        let url = route
-            .url
-            .replace("{seller_id}", &urlencoding::encode(seller.as_str()));
+        let url = route.url.fill(seller, &format!("route {name:?}'s URL"))?;
         Ok((route.method.clone(), url))
     }
 
     /// Whether the seller's id can stand where `{seller_id}` does (see [`Self::url_for`]),
     /// without building the URL.
     pub fn check_seller(&self, seller: &crate::domain::SellerId) -> Result<(), String> {
-        let id = seller.as_str();
-        if self.seller_in_path && (id == "." || id == "..") {
-            return Err(format!(
-                "seller id {id:?} cannot be a path segment of TURNSTILE_DOWNSTREAM_URL"
-            ));
-        }
-        Ok(())
+        self.url.check_seller(seller, DOWNSTREAM_URL)
     }
 
     /// POSTs the product verbatim with the contract's headers, as the first span of a new
