@@ -35,6 +35,7 @@ fn answer(call: &str, granted_us: i64) -> CallAnswer<'_> {
         call,
         cost: Cost::ONE,
         answered_us: Some(granted_us),
+        result: None,
     }
 }
 

@@ -1425,6 +1425,7 @@ pub async fn a_late_record_ends_the_call_at_its_answer(backend: Backend) {
         call: &call,
         cost: Cost::ONE,
         answered_us: Some(granted_us + 3_600_000_000),
+        result: None,
     };
     store
         .complete_call(&s, &message, None, answer, Duration::from_secs(60))
@@ -1459,6 +1460,7 @@ pub async fn a_record_waiting_to_ride_goes_with_the_next_call(backend: Backend) 
         call: &call,
         cost: Cost::ONE,
         answered_us: Some(granted_us),
+        result: None,
     };
     let record = store.complete_call(&s, &message, None, answer, Duration::from_secs(60));
     let next = store.acquire_for(&s, Some(&message), Cost::ONE, false);
@@ -1546,6 +1548,7 @@ pub async fn a_seller_far_from_its_limit_gets_a_block_whose_unused_units_are_giv
         call: &units[0],
         cost: Cost::ONE,
         answered_us: None,
+        result: None,
     };
     store
         .complete_call(&s, &message("m-2"), None, answer, Duration::from_secs(60))
@@ -1616,6 +1619,7 @@ pub async fn a_pool_made_by_one_replica_serves_another_replicas_calls(backend: B
         call,
         cost: Cost::ONE,
         answered_us: Some(*granted_us),
+        result: None,
     };
     user.complete_call(&s, &message("u-1"), None, answer, Duration::from_secs(60))
         .await

@@ -3,12 +3,14 @@
 -- @include calls
 -- @include learned
 -- @include limits
+-- @include records
 -- @include terms
 -- @include time
 -- complete: moves a message to the state it is in now, and counts it there once. The message's
 -- completion record holds its state:
 --   (none)          waiting: published, neither registered nor dead-lettered (or replayed since)
---   registered      registered; a redelivery is acked without a second call (see already_done)
+--   registered      registered; a redelivery is acked without a second call (see already_done);
+--                   `registered <RESULT>` while its result is not yet published (see RESULT)
 --   dead:<REASON>   dead-lettered for REASON and not replayed since
 -- Its batch's progress counts each message in at most one of `registered` and `dead` (and
 -- `dead:<REASON>`), so waiting = total - registered - dead.
@@ -55,6 +57,9 @@
 -- ARGV[11] with a batch: SELLER, the seller's id as text (1 to 512 bytes)
 -- ARGV[12] with a batch: BATCH, the batch's id as text (1 to 1024 bytes)
 -- ARGV[13] with a batch: BATCH_SIZE, the message's batch_size (integer 0 to 1000000; 0 = none)
+-- ARGV[14] with `registered`, optional: RESULT, the message's result (JSON, at most 1 MiB) kept
+--          in the record until it is published (the record reads `registered <RESULT>`); ''
+--          or absent: none. ARGV[11] to ARGV[13] are then given even without a batch (ignored).
 -- Returns {CHANGED, WAS_DEAD_FOR, RAISE, EVENT}: CHANGED 1 when the state changed (and was
 --   counted), else 0; WAS_DEAD_FOR the REASON the message was dead for when it left `dead`,
 --   else ''; RAISE 1 when a learned count is due to change (learn.lua, `recovery`), else 0;
@@ -84,9 +89,11 @@ if adaptive then
 end
 local batch = nil
 if batch_key ~= nil then batch = batch_args(11) end
+local result = ARGV[14] or ''
+if #result > 1048576 then error({err = 'ERR turnstile: RESULT must be at most 1 MiB'}) end
 
 local state = redis.call('GET', KEYS[1])
-local registered = state == 'registered'
+local registered = is_registered(state)
 local dead_for = state and string.match(state, '^dead:(.+)$')
 
 -- Counts the message `by` (+1 or -1) in the batch's FIELDS; a decrement only where each field
@@ -119,7 +126,11 @@ if outcome == 'registered' then
     end
   end
   if registered then return {0, '', raise, batch_event(batch_key)} end
-  redis.call('SET', KEYS[1], 'registered', 'PX', ttl)
+  if result == '' then
+    redis.call('SET', KEYS[1], 'registered', 'PX', ttl)
+  else
+    redis.call('SET', KEYS[1], 'registered ' .. result, 'PX', ttl)
+  end
   if dead_for then count({'dead', 'dead:' .. dead_for}, -1) end
   count({'registered'}, 1)
   return {1, dead_for or '', raise, event_on_count(batch_key)}

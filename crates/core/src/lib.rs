@@ -11,6 +11,7 @@
 //! - [`broker`]: RabbitMQ (lapin): topology, the delay ladder, settling, dead letters, results
 //! - [`fleet`]: the replicas' registry in Redis and the strictest live terms every grant
 //!   follows
+//! - [`links`]: the links to the broker and Redis: when a hung or partitioned one is cut off
 //! - [`permit`]: the Redis/Lua limiter shared by every replica (per seller, its calls in
 //!   flight, the global limit), and the Redis keyspace
 //! - [`downstream`]: the registration call and what its answer means
@@ -27,6 +28,7 @@ pub mod config;
 pub mod domain;
 pub mod downstream;
 pub mod fleet;
+pub mod links;
 pub mod permit;
 pub mod replica;
 pub mod routes;

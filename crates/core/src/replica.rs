@@ -24,6 +24,7 @@ use crate::broker::{self, BrokerArgs, Publisher, Settler, Topology};
 use crate::config::{LimiterArgs, RedisArgs, duration_arg};
 use crate::downstream::{Downstream, DownstreamArgs};
 use crate::fleet;
+use crate::links::{self, Links};
 use crate::permit::{self, PermitStore, RedisClient};
 use crate::routes::{Routes, RoutesArgs};
 use crate::telemetry::{self, Readiness};
@@ -83,6 +84,8 @@ pub struct ConsumeArgs {
     pub redis: RedisArgs,
     #[command(flatten)]
     pub limiter: LimiterArgs,
+    #[command(flatten)]
+    pub links: crate::links::LinkArgs,
 }
 
 impl ConsumeArgs {
@@ -146,6 +149,8 @@ pub struct Starting {
     routes: Arc<Routes>,
     /// The broker's nodes, and which to try first (see [`broker::Nodes`]).
     nodes: Arc<broker::Nodes>,
+    /// The replica's links to the broker and Redis (see [`crate::links`]).
+    links: Links,
 }
 
 impl Starting {
@@ -155,7 +160,12 @@ impl Starting {
             !args.broker.queue.is_empty() && args.broker.queue.len() <= 200,
             "TURNSTILE_QUEUE must be 1 to 200 characters"
         );
-        let nodes = Arc::new(broker::Nodes::parse(&args.broker.amqp_url)?);
+        let heartbeat = args.links.heartbeat(args.downstream.timeout);
+        if let Some(warning) = args.links.heartbeat_warning(args.downstream.timeout) {
+            warn!("{warning}");
+        }
+        let nodes =
+            Arc::new(broker::Nodes::parse(&args.broker.amqp_url)?.with_heartbeat(heartbeat));
         args.limiter.check().map_err(anyhow::Error::msg)?;
         let routes = Arc::new(Routes::load(&args.routes)?);
         let exact_log = args.limiter.algorithm == crate::config::Algorithm::SlidingWindow;
@@ -170,6 +180,7 @@ impl Starting {
         let stats = Arc::new(Stats::default());
         Ok(Self {
             nodes,
+            links: Links::new(args.links.link_timeout),
             redis: RedisClient::new(&args.redis)?,
             downstream: Downstream::new(&args.downstream)?
                 .recording(stats.downstream.clone())
@@ -275,6 +286,7 @@ impl Connecting {
             downstream,
             routes,
             nodes,
+            links,
             ..
         } = self.starting;
         let (permits, fleet) = (self.permits, self.fleet);
@@ -293,6 +305,13 @@ impl Connecting {
             downstream,
             routes,
             stats.clone(),
+            &links,
+        ));
+        let redis_watch = tokio::spawn(watch_redis(
+            permits.conn().clone(),
+            links.clone(),
+            ready.clone(),
+            watcher_stop.clone(),
         ));
         let opened = until_connected(
             "RabbitMQ",
@@ -305,7 +324,7 @@ impl Connecting {
         .context("TURNSTILE_AMQP_URL / TURNSTILE_QUEUE_TYPE: the broker refused the replica")?;
         let Some((session, _)) = opened else {
             watcher_stop.cancel();
-            let _ = heartbeats.await;
+            let _ = tokio::join!(heartbeats, redis_watch);
             return Ok(None);
         };
         ready.set(true);
@@ -329,7 +348,7 @@ impl Connecting {
             let _ =
                 tokio::time::timeout(Duration::from_secs(1), permits.write_pool_answers()).await;
             watcher_stop.cancel();
-            let _ = tokio::join!(watcher, memory_watch, heartbeats);
+            let _ = tokio::join!(watcher, memory_watch, heartbeats, redis_watch);
             ran
         });
         Ok(Some(Replica { stats, ready, done }))
@@ -343,6 +362,7 @@ fn new_worker(
     downstream: Downstream,
     routes: Arc<Routes>,
     stats: Arc<Stats>,
+    links: &Links,
 ) -> Worker {
     let prefetch = args.prefetch();
     let (reschedules, _) = tokio::sync::broadcast::channel(1024);
@@ -370,6 +390,7 @@ fn new_worker(
         records_in_writing: Default::default(),
         seller_waits: Default::default(),
         seen_batches: Default::default(),
+        links: links.clone(),
     }
 }
 
@@ -663,29 +684,51 @@ async fn run(
         releases: &releases,
         shutdown: &shutdown,
     };
+    let links = &worker.links;
     let mut session = Some(first);
     loop {
         let mut current = match session.take() {
             Some(s) => s,
-            None => match consuming.reconnect().await {
-                Some(s) => {
-                    ready.set(true);
-                    metrics::gauge!("turnstile_broker_connected").set(1.0);
-                    s
+            None => {
+                // A replica cut off from Redis consumes again only once Redis answers.
+                if links.redis_cut() {
+                    tokio::select! {
+                        () = links.redis_back() => {}
+                        () = shutdown.cancelled() => break,
+                    }
                 }
-                None => break,
-            },
+                match consuming.reconnect().await {
+                    Some(s) => {
+                        ready.set(true);
+                        metrics::gauge!("turnstile_broker_connected").set(1.0);
+                        s
+                    }
+                    None => break,
+                }
+            }
         };
         let ended = consuming.consume(&mut current).await;
-        ready.set(false);
-        let Ended::Lost(why) = ended else {
-            consuming.close(current).await;
-            return Ok(());
+        let (why, broker_lost) = match ended {
+            Ended::Shutdown => {
+                ready.not_ready("shutting down: draining");
+                consuming.close(current).await;
+                return Ok(());
+            }
+            Ended::Lost(why) => (why, true),
+            Ended::HandedBack(why) => (why, false),
         };
-        metrics::gauge!("turnstile_broker_connected").set(0.0);
-        metrics::counter!("turnstile_broker_errors_total").increment(1);
-        warn!(error = %why, broker = %current.node, "broker connection lost; reconnecting");
-        let _ = current.connection.close(320, "reconnecting".into()).await;
+        ready.not_ready(why.clone());
+        if broker_lost {
+            metrics::gauge!("turnstile_broker_connected").set(0.0);
+            metrics::counter!("turnstile_broker_errors_total").increment(1);
+            warn!(error = %why, broker = %current.node, "broker connection lost; reconnecting");
+        } else {
+            warn!(%why, broker = %current.node, "handed the held and delayed messages back to the other replicas; consuming again once Redis answers");
+        }
+        // A hung link never answers the close: the broker drops the connection itself once
+        // its heartbeats stop (see `crate::links`).
+        let closing = current.connection.close(320, "reconnecting".into());
+        let _ = tokio::time::timeout(Duration::from_secs(1), closing).await;
     }
     drain(&tracker, tokio::time::Instant::now() + args.shutdown_grace).await;
     Ok(())
@@ -698,6 +741,85 @@ enum Ended {
     Shutdown,
     /// The session failed (why): the replica reconnects.
     Lost(String),
+    /// Redis was cut off (why): the session handed its messages back; the replica consumes
+    /// again once Redis answers.
+    HandedBack(String),
+}
+
+/// What a link silent for the link timeout is told apart by.
+fn silent_for(what: &str, timeout: Duration) -> String {
+    format!(
+        "{what} did not answer within {} (TURNSTILE_LINK_TIMEOUT)",
+        humantime::format_duration(timeout)
+    )
+}
+
+/// Probes the broker every [`links::PROBE_EVERY`] with a round trip on a channel of its own
+/// (a passive declare of the work queue), noting each answer in `links`; returns why the
+/// session must end once one is not answered within the link timeout (a hung link) or fails.
+async fn probe_broker(connection: Arc<lapin::Connection>, queue: String, links: Links) -> String {
+    let timeout = links.timeout();
+    let channel = match tokio::time::timeout(timeout, connection.create_channel()).await {
+        Ok(Ok(channel)) => channel,
+        Ok(Err(error)) => return format!("could not open the broker probe's channel: {error}"),
+        Err(_) => return silent_for("the broker", timeout),
+    };
+    loop {
+        let asked = broker::depth(&channel, &queue);
+        match tokio::time::timeout(timeout, asked).await {
+            Ok(Ok(_)) => links.broker_answered(),
+            Ok(Err(error)) => {
+                return format!(
+                    "the broker refused a probe: {}",
+                    telemetry::error_chain(&error)
+                );
+            }
+            Err(_) => return silent_for("the broker", timeout),
+        }
+        tokio::time::sleep(links::PROBE_EVERY).await;
+    }
+}
+
+/// Pings Redis every [`links::PROBE_EVERY`] (each within the link timeout), noting each answer
+/// in `links`, and says when Redis becomes cut off or answers again (its readiness, a log line,
+/// `turnstile_redis_connected`), until `stop`.
+async fn watch_redis(
+    conn: permit::RedisConn,
+    links: Links,
+    ready: Readiness,
+    stop: CancellationToken,
+) {
+    let timeout = links.timeout();
+    loop {
+        let ping = permit::server::ping(&conn);
+        let pinged = tokio::select! {
+            pinged = tokio::time::timeout(timeout, ping) => pinged,
+            () = stop.cancelled() => return,
+        };
+        if let Ok(Ok(())) = pinged {
+            links.redis_answered();
+        }
+        match links.check_redis() {
+            Some(true) => {
+                let why = format!(
+                    "{}: handing the held and delayed messages back",
+                    silent_for("Redis", timeout)
+                );
+                warn!(
+                    silent_ms = links.redis_silent_for().as_millis() as u64,
+                    "{why}"
+                );
+                metrics::gauge!("turnstile_redis_connected").set(0.0);
+                ready.not_ready(why);
+            }
+            Some(false) => info!("Redis answers again; consuming again"),
+            None => {}
+        }
+        tokio::select! {
+            () = tokio::time::sleep(links::PROBE_EVERY) => {}
+            () = stop.cancelled() => return,
+        }
+    }
 }
 
 /// What one broker session after another consumes with.
@@ -786,12 +908,21 @@ impl Consuming<'_> {
                 telemetry::error_chain(&error)
             )),
         };
+        let mut probe = tokio::spawn(probe_broker(
+            current.connection.clone(),
+            self.worker.topology.work().to_owned(),
+            self.worker.links.clone(),
+        ));
         let events = current.events.get_mut().unwrap_or_else(|e| e.into_inner());
         let ended = match ladder_failed {
             Some(why) => Ended::Lost(why),
             None => loop {
                 tokio::select! {
                     _ = self.shutdown.cancelled() => break Ended::Shutdown,
+                    probed = &mut probe => {
+                        break Ended::Lost(probed.unwrap_or_else(|e| format!("the broker probe failed: {e}")));
+                    }
+                    () = self.worker.links.redis_cut_off() => break Ended::HandedBack(String::new()),
                     _ = connection_lost.cancelled() => {
                         break Ended::Lost("a delay ladder consumer or the publish channel failed".into());
                     }
@@ -824,10 +955,45 @@ impl Consuming<'_> {
                 }
             },
         };
-        if let Ended::Lost(_) = ended {
+        probe.abort();
+        let ended = match ended {
+            Ended::HandedBack(_) => Ended::HandedBack(self.hand_back(current).await),
+            ended => ended,
+        };
+        if !matches!(ended, Ended::Shutdown) {
             connection_lost.cancel();
         }
         ended
+    }
+
+    /// Hands the session's work back while Redis is cut off: no new deliveries; the calls in
+    /// flight end and their registrations settle (results published and acked, their records
+    /// written once Redis answers: see `Worker::record_later`), within the downstream timeout;
+    /// their acks are sent. The caller then closes the connection, and every other message the
+    /// replica held (waiting for a permit, or in the delay ladder) goes back to its queue, for
+    /// the other replicas. Returns why, for the logs and readiness.
+    async fn hand_back(&self, current: &Session) -> String {
+        let _ = tokio::time::timeout(Duration::from_secs(1), current.cancel()).await;
+        let stats = &self.worker.stats;
+        let settled = async {
+            while stats.in_flight.load(std::sync::atomic::Ordering::Relaxed) > 0
+                || stats.registering.load(std::sync::atomic::Ordering::Relaxed) > 0
+            {
+                tokio::time::sleep(Duration::from_millis(20)).await;
+            }
+        };
+        let bound = self.args.downstream.timeout + Duration::from_secs(2);
+        if tokio::time::timeout(bound, settled).await.is_err() {
+            warn!(
+                in_flight = stats.in_flight.load(std::sync::atomic::Ordering::Relaxed),
+                "calls still unsettled while handing the work back: their messages go back to the broker"
+            );
+        }
+        let _ = tokio::time::timeout(Duration::from_secs(2), current.flush()).await;
+        format!(
+            "{}: held and delayed messages handed back",
+            silent_for("Redis", self.worker.links.timeout())
+        )
     }
 
     /// Shuts the session down: no new deliveries, in-flight work finished (held messages

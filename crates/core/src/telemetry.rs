@@ -164,19 +164,63 @@ pub fn error_chain(error: &anyhow::Error) -> String {
 }
 
 /// What `/readyz` reports and the `turnstile_ready` gauge shows: connected to the broker and
-/// Redis, and consuming. Set by the replica, read by the operator side.
+/// Redis, and consuming; when not, why and since when (the fleet entry, `/readyz` and the
+/// console say it). Set by the replica, read by the operator side.
 #[derive(Clone, Default)]
-pub struct Readiness(Arc<AtomicBool>);
+pub struct Readiness(Arc<ReadyState>);
+
+#[derive(Default)]
+struct ReadyState {
+    ready: AtomicBool,
+    /// Why not ready, and since when (Unix ms); `None` while ready or before a reason was given.
+    why: std::sync::Mutex<Option<NotReady>>,
+}
+
+/// Why a replica is not ready, and since when.
+#[derive(Clone, Debug, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+pub struct NotReady {
+    /// What is wrong, in a few words (e.g. "the broker did not answer within 5s").
+    pub why: String,
+    /// Since when (Unix ms).
+    pub since_ms: u64,
+}
 
 impl Readiness {
-    /// Says whether the replica is ready (and sets the gauge).
+    /// Says whether the replica is ready (and sets the gauge); not ready without a reason
+    /// keeps the reason given last, if any.
     pub fn set(&self, ready: bool) {
-        self.0.store(ready, Ordering::Relaxed);
+        self.0.ready.store(ready, Ordering::Relaxed);
+        if ready {
+            *self.lock() = None;
+        }
         metrics::gauge!("turnstile_ready").set(if ready { 1.0 } else { 0.0 });
+    }
+    /// Says the replica is not ready, and why: the first reason of an outage is kept with its
+    /// time, a later one replaces only its text.
+    pub fn not_ready(&self, why: impl Into<String>) {
+        self.0.ready.store(false, Ordering::Relaxed);
+        let why = why.into();
+        let mut held = self.lock();
+        let since_ms = held
+            .as_ref()
+            .map_or_else(|| crate::broker::unix_ms(), |n| n.since_ms);
+        *held = Some(NotReady { why, since_ms });
+        drop(held);
+        metrics::gauge!("turnstile_ready").set(0.0);
     }
     /// Whether the replica is ready.
     pub fn get(&self) -> bool {
-        self.0.load(Ordering::Relaxed)
+        self.0.ready.load(Ordering::Relaxed)
+    }
+    /// Why it is not ready and since when, when a reason was given (`None` while ready).
+    pub fn why(&self) -> Option<NotReady> {
+        if self.get() {
+            return None;
+        }
+        self.lock().clone()
+    }
+    fn lock(&self) -> std::sync::MutexGuard<'_, Option<NotReady>> {
+        self.0.why.lock().unwrap_or_else(|e| e.into_inner())
     }
 }
 

@@ -80,6 +80,7 @@ impl RigArgs {
             routes: Default::default(),
             redis,
             limiter,
+            links: Default::default(),
         }
     }
 }

@@ -154,6 +154,8 @@ const NODE_CONNECT_TIMEOUT: Duration = Duration::from_secs(5);
 pub struct Nodes {
     urls: Vec<String>,
     next: AtomicUsize,
+    /// The AMQP heartbeat to ask for (seconds) where a URL does not say (`?heartbeat=`).
+    heartbeat: Option<u16>,
 }
 
 impl Nodes {
@@ -179,7 +181,16 @@ impl Nodes {
         Ok(Self {
             urls,
             next: AtomicUsize::new(0),
+            heartbeat: None,
         })
+    }
+
+    /// Asks the broker for this heartbeat (seconds) on every connection whose URL does not
+    /// set one: the broker takes the lower of its own and this one, and drops a connection
+    /// silent for two to three of them (see `crate::links`).
+    pub fn with_heartbeat(mut self, heartbeat: u16) -> Self {
+        self.heartbeat = Some(heartbeat);
+        self
     }
 
     /// Connects to the first node that answers, trying each once in turn from the one after
@@ -191,8 +202,16 @@ impl Nodes {
         for i in try_order(first, self.urls.len()) {
             let url = &self.urls[i];
             let properties = ConnectionProperties::default().with_connection_name(name.into());
-            let attempt =
-                tokio::time::timeout(NODE_CONNECT_TIMEOUT, Connection::connect(url, properties));
+            let mut uri: lapin::uri::AMQPUri = url
+                .parse()
+                .map_err(|why| anyhow::anyhow!("{}: {why}", redact_amqp_url(url)))?;
+            if uri.query.heartbeat.is_none() {
+                uri.query.heartbeat = self.heartbeat;
+            }
+            let attempt = tokio::time::timeout(
+                NODE_CONNECT_TIMEOUT,
+                Connection::connect_uri(uri, properties),
+            );
             let error = match attempt.await {
                 Ok(Ok(connection)) => {
                     self.next

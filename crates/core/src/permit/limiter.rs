@@ -124,11 +124,14 @@ impl Grant {
 #[derive(Clone, Copy, Debug)]
 pub enum Ended<'a> {
     /// A 2xx: the message is registered (counted in `batch`, if it is in one; its record kept
-    /// `ttl`), and the answer's rate-limit headers said `told`.
+    /// `ttl`), and the answer's rate-limit headers said `told`. Its `result` (JSON), when
+    /// given, is kept in the record until [`Progress::result_published`]: whichever replica
+    /// gets the message next (a redelivery) publishes it if it is still there.
     Registered {
         told: Option<RateLimitHeaders>,
         batch: Option<InBatch<'a>>,
         ttl: Duration,
+        result: Option<&'a str>,
     },
     /// A 429, with what its rate-limit headers said.
     Throttled { told: Option<RateLimitHeaders> },
@@ -253,6 +256,21 @@ pub trait Progress: Send + Sync {
         batch: &'a BatchId,
     ) -> BoxFuture<'a, Result<Option<BatchEvent>, PermitError>>;
 
+    /// The result of a registered message, if its record still keeps it unpublished (see
+    /// [`Ended::Registered`]).
+    fn pending_result<'a>(
+        &'a self,
+        seller: &'a SellerId,
+        message: &'a MessageId,
+    ) -> BoxFuture<'a, Result<Option<String>, PermitError>>;
+
+    /// Says that a registered message's result was published: its record no longer keeps it.
+    fn result_published<'a>(
+        &'a self,
+        seller: &'a SellerId,
+        message: &'a MessageId,
+    ) -> BoxFuture<'a, Result<(), PermitError>>;
+
     /// A batch's progress now (`None`: expired).
     fn batch_progress<'a>(
         &'a self,
@@ -338,11 +356,17 @@ impl PermitStore {
     ) -> Result<Finished, PermitError> {
         let seller = &grant.seller;
         match answer {
-            Ended::Registered { told, batch, ttl } => {
+            Ended::Registered {
+                told,
+                batch,
+                ttl,
+                result,
+            } => {
                 let call = CallAnswer {
                     call: &grant.call,
                     cost: grant.cost,
                     answered_us: Some(answered_us),
+                    result,
                 };
                 let lesson = told.filter(|_| !grant.taught.swap(true, Ordering::Relaxed));
                 // Both go in the same batch when they can (see `batch`).
@@ -553,6 +577,22 @@ impl Progress for PermitStore {
         batch: &'a BatchId,
     ) -> BoxFuture<'a, Result<Option<BatchEvent>, PermitError>> {
         async move { self.records().pending_event(seller, batch).await }.boxed()
+    }
+
+    fn pending_result<'a>(
+        &'a self,
+        seller: &'a SellerId,
+        message: &'a MessageId,
+    ) -> BoxFuture<'a, Result<Option<String>, PermitError>> {
+        async move { self.records().pending_result(seller, message).await }.boxed()
+    }
+
+    fn result_published<'a>(
+        &'a self,
+        seller: &'a SellerId,
+        message: &'a MessageId,
+    ) -> BoxFuture<'a, Result<(), PermitError>> {
+        async move { self.records().result_published(seller, message).await }.boxed()
     }
 
     fn batch_progress<'a>(

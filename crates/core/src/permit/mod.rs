@@ -359,6 +359,9 @@ pub struct CallAnswer<'a> {
     pub call: &'a str,
     pub cost: Cost,
     pub answered_us: Option<i64>,
+    /// The message's result (JSON), kept in its record until published (see
+    /// [`Records::result_published`]); `None`: nothing to keep.
+    pub result: Option<&'a str>,
 }
 
 /// What recording a message's state did ([`PermitStore::complete`],
@@ -1158,7 +1161,7 @@ impl PermitStore {
         }
         if read
             .get(2)
-            .is_some_and(|state| matches!(state.as_deref(), Some("registered")))
+            .is_some_and(|state| state.as_deref().is_some_and(records::is_registered))
         {
             self.give_back_unit(seller, unit);
             return Ok(Some(Decision::AlreadyDone));
@@ -1870,8 +1873,12 @@ impl PermitStore {
         bounds: block::LogBounds,
     ) -> Result<CompleteAnswer, PermitError> {
         let mut set = redis::cmd("SET");
+        let state = match answer.result {
+            Some(result) => format!("registered {result}"),
+            None => "registered".to_owned(),
+        };
         set.arg(self.keys.done(seller, message))
-            .arg("registered")
+            .arg(state)
             .arg("PX")
             .arg(ttl.as_millis().max(1) as u64)
             .arg("GET");
@@ -1906,6 +1913,7 @@ impl PermitStore {
         let limiter = self.limiter();
         let (call, cost, answered_us) =
             answer.map_or(("", 0, None), |a| (a.call, a.cost.units(), a.answered_us));
+        let result = answer.and_then(|a| a.result).unwrap_or("");
         let adaptive = (limiter.adaptive && !call.is_empty()).then(|| {
             (
                 self.adaptive_keys(seller),
@@ -1935,6 +1943,7 @@ impl PermitStore {
             call,
             answered_us: answered_us.unwrap_or(-1).max(-1),
             cost,
+            result,
         };
         let when = if call.is_empty() {
             When::Now

@@ -151,6 +151,17 @@ impl RetryDue {
     }
 }
 
+/// Whether a completion record's state says registered: `registered`, or `registered <RESULT>`
+/// while its result is not yet published (see `lua/include/records.lua`).
+pub fn is_registered(state: &str) -> bool {
+    state == "registered" || state.starts_with("registered ")
+}
+
+/// The result a registered message's record keeps until it is published, if it does.
+pub fn pending_result(state: &str) -> Option<&str> {
+    state.strip_prefix("registered ").filter(|r| !r.is_empty())
+}
+
 /// Most batches kept in the batch index (the oldest go first).
 const INDEXED_UPLOADS: usize = 1000;
 /// How long a minute of throughput is kept.
@@ -513,9 +524,42 @@ impl Records {
         Ok(())
     }
 
-    /// What a message's completion record says of it (see `lua/complete.lua`): `registered`,
-    /// `dead:<REASON>`, or `None`: waiting (never finished, or replayed since), never seen, or
-    /// its record expired (`TURNSTILE_DONE_TTL`). With how long the record is kept yet.
+    /// The result a registered message's record keeps until it is published (see
+    /// [`pending_result`]); `None` once published, or when the message is not registered.
+    pub async fn pending_result(
+        &self,
+        seller: &SellerId,
+        message: &MessageId,
+    ) -> Result<Option<String>, PermitError> {
+        let state: Option<String> = self
+            .conn
+            .clone()
+            .get(self.keys.done(seller, message))
+            .await?;
+        Ok(state.as_deref().and_then(pending_result).map(str::to_owned))
+    }
+
+    /// Says that a registered message's result was published (confirmed): its record keeps
+    /// `registered` alone, with the TTL it had; a record gone meanwhile is not recreated.
+    pub async fn result_published(
+        &self,
+        seller: &SellerId,
+        message: &MessageId,
+    ) -> Result<(), PermitError> {
+        let _: Option<String> = redis::cmd("SET")
+            .arg(self.keys.done(seller, message))
+            .arg("registered")
+            .arg("XX")
+            .arg("KEEPTTL")
+            .query_async(&mut self.conn.clone())
+            .await?;
+        Ok(())
+    }
+
+    /// What a message's completion record says of it (see `lua/complete.lua`): `registered`
+    /// (its result published or not), `dead:<REASON>`, or `None`: waiting (never finished, or
+    /// replayed since), never seen, or its record expired (`TURNSTILE_DONE_TTL`). With how long
+    /// the record is kept yet.
     pub async fn message_state(
         &self,
         seller: &SellerId,
@@ -528,6 +572,10 @@ impl Records {
             .query_async(&mut self.conn.clone())
             .await?;
         let ttl = u64::try_from(ttl_ms).ok().map(Duration::from_millis);
+        let state = state.map(|state| match is_registered(&state) {
+            true => "registered".to_owned(),
+            false => state,
+        });
         Ok(state.map(|state| (state, ttl)))
     }
 

@@ -52,6 +52,13 @@ impl std::fmt::Display for MemoryPolicy {
     }
 }
 
+/// One round trip to Redis (PING): whether the link answers, not whether the server accepts
+/// writes.
+pub async fn ping(conn: &RedisConn) -> Result<(), PermitError> {
+    let _: String = redis::cmd("PING").query_async(&mut conn.clone()).await?;
+    Ok(())
+}
+
 /// The memory settings of every server behind `conn` (each primary of a cluster).
 pub async fn memory_policies(conn: &RedisConn) -> Result<Vec<MemoryPolicy>, PermitError> {
     let answer: Value = redis::cmd("INFO")

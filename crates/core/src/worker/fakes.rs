@@ -102,7 +102,9 @@ pub(super) enum Finish {
 impl From<Ended<'_>> for Finish {
     fn from(ended: Ended<'_>) -> Self {
         match ended {
-            Ended::Registered { told, batch, ttl } => Finish::Registered {
+            Ended::Registered {
+                told, batch, ttl, ..
+            } => Finish::Registered {
                 told,
                 batch: batch.map(|b| b.id.as_str().to_owned()),
                 ttl,
@@ -231,6 +233,11 @@ impl FakeLimiter {
 
     /// The first `n` finishes of a registration fail (transiently): its record is written at
     /// the `n + 1`-th.
+    /// Records written from now on succeed (after [`Self::failing_records`]).
+    pub(super) fn records_succeed(&self) {
+        self.lock().failing_records = 0;
+    }
+
     pub(super) fn failing_records(self, n: u32) -> Self {
         self.lock().failing_records = n;
         self
@@ -685,16 +692,34 @@ impl ResultSink for FakeResults {
     }
 }
 
-/// The uploads' records: notes every call and keeps nothing (no batch is ever complete).
+/// The uploads' records: notes every call and keeps nothing (no batch is ever complete) but
+/// the results given to [`FakeProgress::keep_result`].
 pub(super) struct FakeProgress {
     journal: Journal,
+    /// Results kept in registered messages' records, by message id.
+    kept: Mutex<std::collections::HashMap<String, String>>,
 }
 
 impl FakeProgress {
     pub(super) fn new(journal: &Journal) -> Self {
         Self {
             journal: journal.clone(),
+            kept: Mutex::default(),
         }
+    }
+
+    /// A registered message whose record keeps its result, unpublished.
+    pub(super) fn keep_result(&self, message: &str, result: &str) {
+        let mut kept = self.kept.lock().expect("never poisoned");
+        kept.insert(message.to_owned(), result.to_owned());
+    }
+
+    /// Whether the record of `message` still keeps its result.
+    pub(super) fn keeps_result(&self, message: &str) -> bool {
+        self.kept
+            .lock()
+            .expect("never poisoned")
+            .contains_key(message)
     }
 }
 
@@ -743,6 +768,29 @@ impl Progress for FakeProgress {
     ) -> BoxFuture<'a, Result<Option<BatchEvent>, PermitError>> {
         self.journal.note(Event::Progress("pending_event"));
         futures::future::ready(Ok(None)).boxed()
+    }
+
+    fn pending_result<'a>(
+        &'a self,
+        _seller: &'a SellerId,
+        message: &'a MessageId,
+    ) -> BoxFuture<'a, Result<Option<String>, PermitError>> {
+        self.journal.note(Event::Progress("pending_result"));
+        let kept = self.kept.lock().expect("never poisoned");
+        futures::future::ready(Ok(kept.get(message.as_str()).cloned())).boxed()
+    }
+
+    fn result_published<'a>(
+        &'a self,
+        _seller: &'a SellerId,
+        message: &'a MessageId,
+    ) -> BoxFuture<'a, Result<(), PermitError>> {
+        self.journal.note(Event::Progress("result_published"));
+        self.kept
+            .lock()
+            .expect("never poisoned")
+            .remove(message.as_str());
+        futures::future::ready(Ok(())).boxed()
     }
 
     fn batch_progress<'a>(
@@ -803,6 +851,7 @@ impl Worker {
             records_in_writing: Default::default(),
             seller_waits: Default::default(),
             seen_batches: Default::default(),
+            links: Default::default(),
         }
     }
 }
@@ -817,6 +866,7 @@ impl Reporting {
             batch_size: registration.batch_size,
             cost: registration.cost,
             first_seen_ms: crate::broker::unix_ms(),
+            registering: Default::default(),
         }
     }
 }
@@ -827,6 +877,7 @@ pub(super) struct Harness {
     pub(super) limiter: Arc<FakeLimiter>,
     pub(super) api: Arc<FakeApi>,
     pub(super) results: Arc<FakeResults>,
+    pub(super) progress: Arc<FakeProgress>,
     pub(super) worker: Worker,
     pub(super) shutdown: CancellationToken,
     pub(super) connection_lost: CancellationToken,
@@ -853,12 +904,13 @@ impl Harness {
         let (limiter, api) = (Arc::new(limiter), Arc::new(api));
         let results = Arc::new(FakeResults::new(&journal));
         let progress = Arc::new(FakeProgress::new(&journal));
-        let worker = Worker::for_test(limiter.clone(), progress, api.clone());
+        let worker = Worker::for_test(limiter.clone(), progress.clone(), api.clone());
         Self {
             journal,
             limiter,
             api,
             results,
+            progress,
             worker,
             shutdown: CancellationToken::new(),
             connection_lost: CancellationToken::new(),
@@ -876,6 +928,19 @@ impl Harness {
         let trace = TraceContext::start();
         self.worker
             .handle(registration, &trace, carried, &reporting, interruptions)
+            .await
+    }
+
+    /// What [`Worker::settle`] does before it acks a copy of a message registered before:
+    /// `false` if the copy must go back unacked.
+    pub(super) async fn report_already_done(&self, registration: &Registration) -> bool {
+        let reporting = Reporting::for_test(self.results.clone(), registration);
+        let interruptions = Interruptions {
+            shutdown: &self.shutdown,
+            connection_lost: &self.connection_lost,
+        };
+        self.worker
+            .report_already_done(&reporting, interruptions)
             .await
     }
 }

@@ -62,7 +62,7 @@ fn registered(attempts: u32) -> Outcome {
 }
 
 #[tokio::test(start_paused = true)]
-async fn a_granted_registration_is_called_once_its_result_published_before_the_limiter_records_it()
+async fn a_granted_registration_is_called_once_and_recorded_with_its_result_before_it_is_published()
 {
     let h = Harness::new(
         [Script::Grant],
@@ -73,6 +73,7 @@ async fn a_granted_registration_is_called_once_its_result_published_before_the_l
     let start = Instant::now();
 
     let outcome = h.handle(&registration("m-1"), Carried::default()).await;
+    tokio::task::yield_now().await;
 
     assert_eq!(outcome, registered(1));
     let registered = Finish::Registered {
@@ -88,15 +89,17 @@ async fn a_granted_registration_is_called_once_its_result_published_before_the_l
                 message: "m-1".into()
             },
             Event::Answered { call: call(1) },
-            Event::Published {
-                outcome: "registered".into()
-            },
             Event::Finished {
                 call: call(1),
                 ended: registered
             },
+            Event::Published {
+                outcome: "registered".into()
+            },
+            Event::Progress("result_published"),
         ],
-        "the result goes out before the limiter records the registration"
+        "the record (keeping the result) is written before anything waits on the broker, and \
+         trimmed once the result is out"
     );
     // The limiter's calls per message: one before the call, two after it.
     assert_eq!(h.journal.count(asked), 1);
@@ -521,12 +524,6 @@ async fn a_grant_older_than_the_call_allowance_is_given_back_unsent_and_asked_fo
             ),
             (
                 start + slow + h.api.latency(),
-                Event::Published {
-                    outcome: "registered".into()
-                }
-            ),
-            (
-                start + slow + h.api.latency(),
                 Event::Finished {
                     call: call(2),
                     ended: Finish::Registered {
@@ -534,6 +531,12 @@ async fn a_grant_older_than_the_call_allowance_is_given_back_unsent_and_asked_fo
                         batch: None,
                         ttl: super::fakes::settings().done_ttl
                     }
+                }
+            ),
+            (
+                start + slow + h.api.latency(),
+                Event::Published {
+                    outcome: "registered".into()
                 }
             ),
         ],
@@ -695,6 +698,63 @@ async fn a_registration_whose_record_fails_is_recorded_again_after_a_backoff_its
     let finishes = h.journal.times(finished);
     assert!(finishes[1] - finishes[0] >= 50 * MS);
     assert!(finishes[2] - finishes[1] >= 100 * MS);
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_copy_of_a_registered_message_publishes_the_result_its_record_kept() {
+    let h = Harness::new([], []);
+    let kept = r#"{"message_id":"m-1","outcome":"registered","status":201}"#;
+    h.progress.keep_result("m-1", kept);
+
+    let reported = h.report_already_done(&registration("m-1")).await;
+    tokio::task::yield_now().await;
+
+    assert!(reported);
+    assert_eq!(
+        h.results.bodies(),
+        [serde_json::from_str::<serde_json::Value>(kept).unwrap()]
+    );
+    assert!(!h.progress.keeps_result("m-1"), "trimmed once published");
+    assert!(h.report_already_done(&registration("m-1")).await);
+    assert_eq!(
+        h.results.bodies().len(),
+        1,
+        "published once it is no longer kept"
+    );
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_registration_whose_record_waits_for_redis_cut_off_is_published_acked_and_recorded_later()
+{
+    let h = Harness::with(|journal| {
+        (
+            FakeLimiter::new(journal, [Script::Grant]).failing_records(u32::MAX),
+            FakeApi::new(journal, [Answer::Created { told: None }]),
+        )
+    });
+    let links = h.worker.links.clone();
+    let watching = tokio::spawn(async move {
+        loop {
+            tokio::time::sleep(250 * MS).await;
+            links.check_redis();
+        }
+    });
+
+    let outcome = h.handle(&registration("m-1"), Carried::default()).await;
+
+    assert_eq!(outcome, registered(1), "acked");
+    assert_eq!(h.results.bodies().len(), 1, "its result out before the ack");
+    assert!(h.worker.links.redis_cut());
+    let failed = h.journal.count(finished);
+    h.limiter.records_succeed();
+    tokio::time::sleep(10 * SECOND).await;
+    assert_eq!(
+        h.journal.count(finished),
+        failed + 1,
+        "its record written in the background once Redis answers"
+    );
+    assert_eq!(h.journal.count(called), 1);
+    watching.abort();
 }
 
 #[tokio::test(start_paused = true)]

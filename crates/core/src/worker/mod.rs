@@ -78,6 +78,9 @@ struct Reporting {
     /// The message's units (one for a message that is not a valid registration).
     cost: crate::domain::Cost,
     first_seen_ms: u64,
+    /// Set once the downstream registered the message's call: counted in
+    /// [`Stats::registering`] until the delivery is settled.
+    registering: std::sync::atomic::AtomicBool,
 }
 
 impl Reporting {
@@ -156,6 +159,9 @@ pub struct Worker {
     pub seller_waits: SellerWaits,
     /// Batches this replica noted as seen (once per batch, not per message).
     pub seen_batches: Arc<SeenBatches>,
+    /// The replica's links: while Redis is cut off, a registration's record waits in the
+    /// background (see [`Self::record_later`]).
+    pub links: crate::links::Links,
 }
 
 /// Added to a typical call's duration in [`Worker::answers_allowance`]: a call's end is recorded
@@ -376,6 +382,7 @@ impl Worker {
                 .as_ref()
                 .map_or(crate::domain::Cost::ONE, |r| r.cost),
             first_seen_ms: carried.first_seen_ms,
+            registering: Default::default(),
         };
         let attempt = carried.attempt;
         // A missing or invalid traceparent starts a new trace (never a reason to refuse), which
@@ -436,6 +443,9 @@ impl Worker {
         )
         .instrument(span)
         .await;
+        if reporting.registering.load(Ordering::Relaxed) {
+            self.stats.registering.fetch_sub(1, Ordering::Relaxed);
+        }
     }
 
     /// Notes the registration's batch as seen, the first time this replica sees one of its
@@ -739,6 +749,12 @@ impl Worker {
             },
         };
         drop(ahead);
+        // A replica that lost its broker connection starts no call: the broker hands the
+        // message to another replica, which must be the only one to call it.
+        if interruptions.connection_lost.is_cancelled() {
+            self.limiter.unsent(grant).await;
+            return Plan::Settle(Outcome::Requeue { holding: None });
+        }
         if let Some(detail) = plan::expired(registration.deadline, unix_ms(), None) {
             self.limiter.unsent(grant).await;
             return Plan::Settle(self.expire(registration, carried, detail));
@@ -890,35 +906,48 @@ impl Worker {
             ..told
         });
         let lowered = match &reply {
-            Reply::Registered(response) => {
-                // The result goes out before the record: a replica that dies between the two
-                // leaves the message to be called again (the same Idempotency-Key) and its
-                // result published twice, never a registration without a result.
+            Reply::Registered(response) => 'registered: {
+                // The record, with the result it keeps, goes in before anything waits on the
+                // broker: from then on a copy redelivered to any replica is acked as registered
+                // (never called again) and publishes the result if it is still kept.
                 let report = Report {
                     response: Some(response.clone()),
                     attempts: carried.attempt.saturating_add(1),
                 };
-                let reported = self
-                    .publish_result(reporting, "registered", None, &report, interruptions)
-                    .await;
-                if !reported {
-                    drop(writing);
-                    return Plan::Settle(Outcome::Requeue { holding: None });
+                if !reporting.registering.swap(true, Ordering::Relaxed) {
+                    self.stats.registering.fetch_add(1, Ordering::Relaxed);
                 }
+                let result = self.result_body(reporting, "registered", None, &report);
+                let kept = String::from_utf8_lossy(&result);
                 let answer = Ended::Registered {
                     told,
                     batch: InBatch::of(registration),
                     ttl: self.settings.done_ttl,
+                    result: Some(&kept),
                 };
-                let recorded = self
-                    .record_completion(&grant, answered_us, answer, interruptions)
-                    .await;
+                let recorded = self.record_completion(&grant, answered_us, answer).await;
                 drop(writing);
                 let Some(recorded) = recorded else {
-                    // Not acked without its record: the broker redelivers it, and the
-                    // downstream sees the same Idempotency-Key again.
-                    return Plan::Settle(Outcome::Requeue { holding: None });
+                    // Redis cut off: the result goes out now and the message is acked; its
+                    // record is written once Redis answers.
+                    if !self
+                        .publish_body(reporting, "registered", &result, interruptions)
+                        .await
+                    {
+                        return Plan::Settle(Outcome::Requeue { holding: None });
+                    }
+                    self.record_later(grant, answered_us, registration, told, reporting);
+                    break 'registered false;
                 };
+                if !self
+                    .publish_body(reporting, "registered", &result, interruptions)
+                    .await
+                {
+                    // Recorded with its result: a redelivery is acked as registered and
+                    // publishes it.
+                    return Plan::Settle(Outcome::Requeue { holding: None });
+                }
+                self.result_sent(&registration.seller_id, &registration.message_id);
                 if !self
                     .publish_pending(reporting, recorded.event, interruptions)
                     .await
@@ -1062,27 +1091,115 @@ impl Worker {
 
     /// Hands a registration's `answer` back to the limiter: its completion record, in one step
     /// with its call's end. A Redis that fails or refuses the write (down, OOM, MISCONF,
-    /// READONLY, …) is waited out with the Redis backoff, the message unacked; `None` only when
-    /// shutdown or a lost connection interrupts the wait, the record unwritten.
+    /// READONLY, …) is waited out with the Redis backoff, the message unacked, whatever
+    /// happens to the broker or a shutdown (the drain's grace bounds it); `None` only once
+    /// Redis is cut off (see [`crate::links`]), the record unwritten.
     async fn record_completion(
         &self,
         grant: &Grant,
         answered_us: i64,
         answer: Ended<'_>,
-        interruptions: Interruptions<'_>,
     ) -> Option<Recorded> {
         let what = "registered, but the completion record is not written yet";
-        let finished = until_done(what, interruptions, || async move {
+        let never = CancellationToken::new();
+        let uninterrupted = Interruptions {
+            shutdown: &never,
+            connection_lost: &never,
+        };
+        let finished = until_done(what, uninterrupted, || async move {
             let finished = self.limiter.finish(grant, answered_us, answer).await;
             counting_redis_errors(finished)
-        })
-        .await;
+        });
+        let finished = tokio::select! {
+            finished = finished => finished,
+            _ = self.links.redis_cut_off() => None,
+        };
         if finished.is_none() {
             warn!(
-                "registered, but the completion record was not written before shutdown: a redelivery calls again with the same Idempotency-Key"
+                "registered, but Redis is cut off: the result goes out now, the message is acked, and its completion record is written once Redis answers"
             );
         }
         finished.map(|f| f.recorded.unwrap_or_default())
+    }
+
+    /// Writes, in the background, the completion record of a registration whose result was
+    /// published while Redis was cut off (its message acked meanwhile), retrying until Redis
+    /// answers; then publishes its batch's completion event if that completed it. A replica
+    /// stopped before leaves it unwritten: a copy of the message published again by its
+    /// producer would then be called again (the same Idempotency-Key).
+    fn record_later(
+        &self,
+        grant: Grant,
+        answered_us: i64,
+        registration: &Registration,
+        told: Option<RateLimitHeaders>,
+        reporting: &Reporting,
+    ) {
+        let (limiter, progress) = (self.limiter.clone(), self.progress.clone());
+        let results = reporting.results.clone();
+        let seller = registration.seller_id.clone();
+        let batch = registration.batch_id.clone();
+        let size = registration.batch_size;
+        let ttl = self.settings.done_ttl;
+        let later = async move {
+            let never = CancellationToken::new();
+            let uninterrupted = Interruptions {
+                shutdown: &never,
+                connection_lost: &never,
+            };
+            let in_batch = batch.as_ref().map(|id| InBatch { id, size });
+            let answer = Ended::Registered {
+                told,
+                batch: in_batch,
+                ttl,
+                result: None,
+            };
+            let what = "a completion record kept while Redis was cut off is not written yet";
+            let (grant, limiter) = (&grant, &limiter);
+            let finished = until_done(what, uninterrupted, || async move {
+                counting_redis_errors(limiter.finish(grant, answered_us, answer).await)
+            })
+            .await;
+            let event = finished.and_then(|f| f.recorded).and_then(|r| r.event);
+            if let (Some(event), Some(batch)) = (event, &batch) {
+                let sent =
+                    publish_event(&*progress, &*results, &seller, batch, event, uninterrupted);
+                let _ = tokio::time::timeout(Duration::from_secs(30), sent).await;
+            }
+            info!("the completion record kept while Redis was cut off is written");
+        };
+        tokio::spawn(later.in_current_span());
+    }
+
+    /// Says, in the background, that a registration's result was published: its record no
+    /// longer keeps it. A failure only leaves it kept: a redelivery would publish it again.
+    fn result_sent(&self, seller: &SellerId, message: &MessageId) {
+        let progress = self.progress.clone();
+        let (seller, message) = (seller.clone(), message.clone());
+        tokio::spawn(async move {
+            if let Err(error) = progress.result_published(&seller, &message).await {
+                debug!(%error, "could not trim a published result from its record; a redelivery would publish it again");
+            }
+        });
+    }
+
+    /// A message's result (see [`report::Final`]), as published.
+    fn result_body(
+        &self,
+        reporting: &Reporting,
+        outcome: &str,
+        detail: Option<&str>,
+        report: &Report,
+    ) -> Vec<u8> {
+        report::Final {
+            identity: &reporting.identity,
+            outcome,
+            detail,
+            report,
+            first_seen_ms: reporting.first_seen_ms,
+            finished_ms: crate::broker::unix_ms(),
+        }
+        .body()
     }
 
     /// Publishes a message's result (see [`report::Final`]) to the results exchange and its
@@ -1095,15 +1212,20 @@ impl Worker {
         report: &Report,
         interruptions: Interruptions<'_>,
     ) -> bool {
-        let result = report::Final {
-            identity: &reporting.identity,
-            outcome,
-            detail,
-            report,
-            first_seen_ms: reporting.first_seen_ms,
-            finished_ms: crate::broker::unix_ms(),
-        };
-        let body = &result.body();
+        let body = self.result_body(reporting, outcome, detail, report);
+        self.publish_body(reporting, outcome, &body, interruptions)
+            .await
+    }
+
+    /// Publishes a result's `body` (see [`Self::publish_result`]); `false` when interrupted
+    /// first.
+    async fn publish_body(
+        &self,
+        reporting: &Reporting,
+        outcome: &str,
+        body: &[u8],
+        interruptions: Interruptions<'_>,
+    ) -> bool {
         let message_id = reporting.identity.message_id.as_ref().map(|m| m.as_str());
         let what = "the message's result was not published";
         let sent = until_done(what, interruptions, || async move {
@@ -1192,14 +1314,35 @@ impl Worker {
         }
     }
 
-    /// Before a message registered before is acked: the completion event of its batch, if one
-    /// is pending (the replica that recorded it may have died before publishing it); `false`
-    /// when interrupted first.
+    /// Before a message registered before is acked: its result, if its record still keeps it
+    /// (the replica that registered it lost the broker, or died, before publishing it), then
+    /// the completion event of its batch, if one is pending; `false` when interrupted first.
     async fn report_already_done(
         &self,
         reporting: &Reporting,
         interruptions: Interruptions<'_>,
     ) -> bool {
+        let ids = &reporting.identity;
+        if let (Some(seller), Some(message)) = (&ids.seller_id, &ids.message_id) {
+            let what = "could not read whether the message's result is still to publish";
+            let pending = until_done(what, interruptions, || {
+                self.progress.pending_result(seller, message)
+            })
+            .await;
+            let Some(pending) = pending else {
+                return false;
+            };
+            if let Some(result) = pending {
+                if !self
+                    .publish_body(reporting, "registered", result.as_bytes(), interruptions)
+                    .await
+                {
+                    return false;
+                }
+                info!("a copy of a registered message published the result its record kept");
+                self.result_sent(seller, message);
+            }
+        }
         let Some((seller, _, batch)) = reporting.batch() else {
             return true;
         };

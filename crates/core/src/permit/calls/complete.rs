@@ -31,6 +31,9 @@ pub(in crate::permit) struct Complete<'a> {
     pub answered_us: i64,
     /// ARGV[6]: the message's cost (0 = not known).
     pub cost: u32,
+    /// ARGV[14]: with `registered`, the message's result kept in the record until it is
+    /// published ('' = none; ARGV[11] to ARGV[13] are then written even without a batch).
+    pub result: &'a str,
 }
 
 /// ARGV[8] to ARGV[10] of `complete.lua` with ADAPTIVE: the default stack and the guard.
@@ -81,8 +84,13 @@ impl Complete<'_> {
                 .arg(args.guard_us),
             None => to.arg(0).arg("").arg("").arg(-1),
         };
-        if let Some(batch) = &self.batch {
-            to.arg(batch.seller).arg(batch.batch).arg(batch.size);
+        match &self.batch {
+            Some(batch) => to.arg(batch.seller).arg(batch.batch).arg(batch.size),
+            None if !self.result.is_empty() => to.arg("").arg("").arg(0),
+            None => return,
+        };
+        if !self.result.is_empty() {
+            to.arg(self.result);
         }
     }
 }
@@ -106,7 +114,7 @@ impl CompleteAnswer {
     /// reason it was dead for, if it was; nothing is learned (no raise), no event.
     pub fn registered_from(was: Option<&str>) -> Self {
         match was {
-            Some("registered") => Self::default(),
+            Some(state) if crate::permit::records::is_registered(state) => Self::default(),
             Some(state) => Self {
                 changed: true,
                 was_dead_for: state.strip_prefix("dead:").unwrap_or("").to_owned(),
@@ -141,7 +149,13 @@ mod tests {
     const SOURCE: &str = include_str!("../../../lua/complete.lua");
 
     fn sample(adaptive: bool, batch: bool) -> Written {
-        let complete = Complete {
+        let mut written = Written::default();
+        sample_complete(adaptive, batch).write(&mut written);
+        written
+    }
+
+    fn sample_complete(adaptive: bool, batch: bool) -> Complete<'static> {
+        Complete {
             done: "done".into(),
             calls: "calls".into(),
             adaptive: adaptive.then(|| {
@@ -170,10 +184,12 @@ mod tests {
             call: "c1",
             answered_us: 42,
             cost: 3,
-        };
-        let mut written = Written::default();
-        complete.write(&mut written);
-        written
+            result: if batch {
+                r#"{"outcome":"registered"}"#
+            } else {
+                ""
+            },
+        }
     }
 
     #[test]
@@ -210,6 +226,7 @@ mod tests {
                 ("s1", "SELLER"),
                 ("b1", "BATCH"),
                 ("7", "BATCH_SIZE"),
+                (r#"{"outcome":"registered"}"#, "RESULT"),
             ],
         );
     }
@@ -219,16 +236,30 @@ mod tests {
         let plain = sample(false, true);
         assert_eq!(plain.keys, ["done", "calls", "progress"]);
         assert_eq!(&plain.args[6..10], ["0", "", "", "-1"]);
-        assert_eq!(&plain.args[10..], ["s1", "b1", "7"]);
+        assert_eq!(&plain.args[10..13], ["s1", "b1", "7"]);
         let alone = sample(false, false);
         assert_eq!(alone.keys, ["done", "calls"]);
         assert_eq!(alone.args.len(), 10);
     }
 
     #[test]
+    fn a_result_without_a_batch_comes_after_blank_batch_args() {
+        let alone = {
+            let mut written = Written::default();
+            let mut c = sample_complete(false, false);
+            c.result = "{}";
+            c.write(&mut written);
+            written
+        };
+        assert_eq!(&alone.args[10..], ["", "", "0", "{}"]);
+    }
+
+    #[test]
     fn a_plain_registration_moves_the_state_as_complete_lua_does() {
         assert!(CompleteAnswer::registered_from(None).changed);
         assert!(!CompleteAnswer::registered_from(Some("registered")).changed);
+        let unpublished = CompleteAnswer::registered_from(Some(r#"registered {"a":1}"#));
+        assert!(!unpublished.changed);
         let from_dead = CompleteAnswer::registered_from(Some("dead:rejected"));
         assert!(from_dead.changed);
         assert_eq!(from_dead.was_dead_for, "rejected");
