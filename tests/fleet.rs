@@ -13,8 +13,10 @@ use tokio_util::sync::CancellationToken;
 use turnstile_core::config::{Algorithm, Limits};
 use turnstile_core::fleet::{self, EXPIRY, HEARTBEAT};
 use turnstile_core::permit::RedisConn;
+use turnstile_core::telemetry::Readiness;
 use turnstile_core::worker::Stats;
 use turnstile_lab::rig::{Message, Rig};
+use turnstile_lab::slow_link::SlowLink;
 use turnstile_ops::serve::{ServeArgs, Served};
 
 /// A replica of `rig` with its own stop, granting under `limit`, adaptive limits off (so that
@@ -176,7 +178,7 @@ async fn a_rolling_deploy_that_raises_the_limit_takes_effect_when_the_last_old_r
 }
 
 /// A replica killed with SIGKILL leaves the registry once its entry expires: a read right after
-/// that finds it gone.
+/// that finds it gone, and lost.
 #[tokio::test]
 async fn a_replica_killed_with_sigkill_leaves_the_registry() {
     let rig = support::rig("fleet-kill", "10/1s").prepare().await.unwrap();
@@ -215,6 +217,28 @@ async fn a_replica_killed_with_sigkill_leaves_the_registry() {
         "a killed replica is still listed: {fleet:?}"
     );
     assert!(fleet.effective.is_none());
+    // No replica was left to see it go: the read finds it lost, and `turnstile status` says so.
+    assert!(
+        fleet.lost.len() == 1 && fleet.lost[0].pid == pid && fleet.lost[0].ready,
+        "the killed replica is listed as lost, consuming when last heard of: {fleet:?}"
+    );
+    let (code, out, err) = support::run(
+        Command::new(env!("CARGO_BIN_EXE_turnstile"))
+            .arg("status")
+            .env("TURNSTILE_REDIS_URL", &settings.redis.url)
+            .env("TURNSTILE_KEY_PREFIX", &prefix),
+    );
+    assert_eq!(code, 0, "{err}");
+    assert!(err.contains("no turnstile replica is alive"), "{err}");
+    assert!(
+        out.contains("fleet: 0 live replicas (none alive); terms in force: none; 1 lost"),
+        "{out}"
+    );
+    assert!(
+        out.contains(&format!("LOST: {} ", fleet.lost[0].id))
+            && out.contains("last known: consuming"),
+        "{out}"
+    );
     rig.cleanup().await.unwrap();
 }
 
@@ -408,6 +432,238 @@ async fn the_fleet_api_lists_the_replicas_and_the_terms_in_force() {
     );
     stop.cancel();
     quiet.wait().await.unwrap();
+    serving.wait().await.unwrap();
+    rig.cleanup().await.unwrap();
+}
+
+/// An RFC 3339 stamp of the fleet's view, as a time.
+fn stamp(rfc3339: &str) -> std::time::SystemTime {
+    humantime::parse_rfc3339(rfc3339).unwrap_or_else(|e| panic!("{rfc3339}: {e}"))
+}
+
+/// A replica that stops renewing its entry (stuck, or cut off from Redis) is listed as lost by
+/// the others and by the operator's read: since when, its last heartbeat, and what it last said
+/// (not ready, and why); its stricter terms no longer count. Once it beats again it is live and
+/// no longer lost; one that leaves is never listed as lost.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_replica_that_stops_heartbeating_is_listed_as_lost_until_it_beats_again() {
+    let keys = support::Keys::new(support::Backend::Standalone, "fleet-lost").await;
+    let member = |limit: &str, ready: &Readiness| {
+        let own = support::limiter(limit, Algorithm::SlidingWindow);
+        fleet::Member::new(
+            &keys.store(own.clone()),
+            &keys.prefix,
+            own,
+            Arc::new(Stats::default()),
+            ready.clone(),
+            "q",
+        )
+    };
+    let (steady_ready, silent_ready) = (Readiness::default(), Readiness::default());
+    steady_ready.set(true);
+    let steady = member("20/1s", &steady_ready);
+    let silent = member("5/1s", &silent_ready);
+    silent_ready.not_ready("the broker did not answer within 5s");
+    silent.beat().await.unwrap();
+    let both = steady.beat().await.unwrap();
+    assert_eq!(both.replicas.len(), 2, "{both:?}");
+    assert!(both.lost.is_empty(), "{both:?}");
+    assert_eq!(both.effective.unwrap().limit.to_string(), "5/1s");
+    let said = both.replicas.iter().find(|r| r.id == silent.id()).unwrap();
+    assert!(!said.entry.ready);
+    assert_eq!(
+        said.entry.not_ready.as_ref().map(|n| n.why.as_str()),
+        Some("the broker did not answer within 5s"),
+        "a live replica says why it is not ready"
+    );
+
+    // `silent` beats no more; `steady` beats on.
+    let mut seen = None;
+    support::eventually_async("the silent replica is listed as lost", async || {
+        let view = steady.beat().await.unwrap();
+        let lost = !view.lost.is_empty();
+        seen = Some(view);
+        lost
+    })
+    .await;
+    let view = seen.unwrap();
+    let ids: Vec<&str> = view.replicas.iter().map(|r| r.id.as_str()).collect();
+    assert_eq!(ids, [steady.id()], "{view:?}");
+    assert_eq!(
+        view.effective.as_ref().unwrap().limit.to_string(),
+        "20/1s",
+        "a lost replica's terms no longer count: {view:?}"
+    );
+    assert!(view.agree, "{view:?}");
+    assert_eq!(view.lost.len(), 1, "{view:?}");
+    let lost = &view.lost[0];
+    assert_eq!(lost.id, silent.id());
+    assert_eq!(lost.pid, std::process::id());
+    assert_eq!(
+        stamp(&lost.lost_since),
+        stamp(&lost.last_seen) + EXPIRY,
+        "lost when its entry expired: {lost:?}"
+    );
+    assert!(stamp(&lost.started) <= stamp(&lost.last_seen), "{lost:?}");
+    assert!(!lost.ready, "its last state: {lost:?}");
+    assert_eq!(
+        lost.not_ready.as_ref().map(|n| n.why.as_str()),
+        Some("the broker did not answer within 5s"),
+        "and why: {lost:?}"
+    );
+    let json = serde_json::to_value(&view).unwrap();
+    for field in [
+        "id",
+        "host",
+        "version",
+        "started",
+        "last_seen",
+        "lost_since",
+    ] {
+        assert!(json["lost"][0][field].is_string(), "{field} in {json}");
+    }
+    let read = fleet::read(&keys.conn, &keys.prefix).await.unwrap();
+    assert_eq!(
+        read.lost.iter().map(|r| r.id.as_str()).collect::<Vec<_>>(),
+        [silent.id()],
+        "the operator's read lists it too: {read:?}"
+    );
+
+    // It beats again: live, no longer lost, its terms count again.
+    silent_ready.set(true);
+    let back = silent.beat().await.unwrap();
+    assert!(back.lost.is_empty(), "{back:?}");
+    let view = steady.beat().await.unwrap();
+    assert_eq!(view.replicas.len(), 2, "{view:?}");
+    assert!(view.lost.is_empty(), "{view:?}");
+    assert_eq!(view.effective.unwrap().limit.to_string(), "5/1s");
+
+    // It leaves: gone, and never listed as lost, however long the others beat on.
+    silent.leave().await;
+    let until = tokio::time::Instant::now() + EXPIRY + HEARTBEAT;
+    while tokio::time::Instant::now() < until {
+        let view = steady.beat().await.unwrap();
+        assert_eq!(view.replicas.len(), 1, "{view:?}");
+        assert!(
+            view.lost.is_empty(),
+            "a replica that left is not lost: {view:?}"
+        );
+        tokio::time::sleep(HEARTBEAT).await;
+    }
+    keys.cleanup().await;
+}
+
+/// A replica cut off from Redis (its link reset) is listed as lost by `GET /api/fleet` on
+/// another replica, with its last state, and counted by `turnstile_fleet_replicas_lost`; once
+/// the link is back it beats again and is live.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn the_fleet_api_lists_a_replica_cut_off_from_redis_as_lost() {
+    let rig = support::rig("fleet-cut", "8/1s").prepare().await.unwrap();
+    let stop = CancellationToken::new();
+    // The first replica reaches Redis through a link of its own, which the test cuts.
+    let redis_url = rig.settings(1).redis.url;
+    let authority = redis_url
+        .split_once("://")
+        .map_or(redis_url.as_str(), |(_, rest)| rest)
+        .split(['/', '?'])
+        .next()
+        .unwrap();
+    let redis = tokio::net::lookup_host(authority.rsplit('@').next().unwrap())
+        .await
+        .unwrap()
+        .next()
+        .unwrap();
+    let link = SlowLink::start(redis, Duration::ZERO).await.unwrap();
+    let mut settings = rig.settings(2);
+    settings.limiter.limit = "5/1s".parse().unwrap();
+    settings.redis.url = link.redis_url();
+    let cut_off = Served::start(ServeArgs::from(settings), stop.clone())
+        .await
+        .unwrap();
+    let serving = Served::start(
+        ServeArgs {
+            consume: rig.settings(2),
+            http: turnstile_ops::serve::HttpArgs {
+                http_addr: turnstile_ops::http::Listen::At("127.0.0.1:0".parse().unwrap()),
+                http_token: None,
+            },
+        },
+        stop.clone(),
+    )
+    .await
+    .unwrap();
+    let base = format!("http://{}", serving.http_addr.unwrap());
+    let client = reqwest::Client::new();
+    let fleet_api = async || -> serde_json::Value {
+        client
+            .get(format!("{base}/api/fleet"))
+            .send()
+            .await
+            .unwrap()
+            .json()
+            .await
+            .unwrap()
+    };
+    let mut fleet = serde_json::Value::Null;
+    support::eventually_async("both replicas live and ready", async || {
+        fleet = fleet_api().await;
+        fleet["replicas"]
+            .as_array()
+            .is_some_and(|r| r.len() == 2 && r.iter().all(|r| r["ready"] == true))
+    })
+    .await;
+    assert_eq!(fleet["effective"]["limit"], "5/1s", "{fleet}");
+    assert_eq!(fleet["lost"], serde_json::json!([]), "{fleet}");
+    let lost_id = fleet["replicas"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|r| r["id"] != fleet["me"])
+        .unwrap()["id"]
+        .clone();
+
+    link.cut();
+    support::eventually_async("the cut-off replica is listed as lost", async || {
+        fleet = fleet_api().await;
+        fleet["lost"].as_array().is_some_and(|l| l.len() == 1)
+    })
+    .await;
+    let lost = &fleet["lost"][0];
+    assert_eq!(lost["id"], lost_id, "{fleet}");
+    assert_eq!(
+        lost["ready"], true,
+        "consuming at its last heartbeat: {fleet}"
+    );
+    for field in ["host", "version", "started", "last_seen", "lost_since"] {
+        assert!(lost[field].is_string(), "{field} in {lost}");
+    }
+    assert_eq!(fleet["replicas"].as_array().unwrap().len(), 1, "{fleet}");
+    assert_eq!(
+        fleet["effective"]["limit"], "8/1s",
+        "its terms no longer count: {fleet}"
+    );
+    let metrics = client
+        .get(format!("{base}/metrics"))
+        .send()
+        .await
+        .unwrap()
+        .text()
+        .await
+        .unwrap();
+    assert!(
+        metrics.contains("turnstile_fleet_replicas_lost 1"),
+        "{metrics}"
+    );
+
+    link.restore();
+    support::eventually_async("the replica beats again: live, not lost", async || {
+        fleet = fleet_api().await;
+        fleet["lost"].as_array().is_some_and(Vec::is_empty)
+            && fleet["replicas"].as_array().is_some_and(|r| r.len() == 2)
+    })
+    .await;
+    stop.cancel();
+    cut_off.wait().await.unwrap();
     serving.wait().await.unwrap();
     rig.cleanup().await.unwrap();
 }

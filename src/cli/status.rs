@@ -126,7 +126,9 @@ pub async fn run(args: StatusArgs) -> anyhow::Result<ExitCode> {
     }
     let global = admin.global_usage().await?;
     if let Some(fleet) = &terms.fleet {
-        println!("{}", fleet_line(fleet));
+        for line in fleet_lines(fleet) {
+            println!("{line}");
+        }
     }
     if rows.is_empty() {
         println!(
@@ -243,19 +245,73 @@ fn print_table(rows: &[(BatchReport, Usage)]) {
     }
 }
 
-/// The fleet in one line: its replicas, the terms in force, whether they agree.
+/// The fleet: one line (its live replicas, the terms in force, whether they agree), then one
+/// per live replica that does not consume and one per replica lost lately.
+fn fleet_lines(fleet: &fleet::View) -> Vec<String> {
+    let mut lines = vec![fleet_line(fleet)];
+    let why = |n: &Option<turnstile_core::telemetry::NotReady>| {
+        n.as_ref().map_or_else(
+            || "no reason given".to_owned(),
+            |n| {
+                format!(
+                    "{}, since {}",
+                    n.why,
+                    turnstile_core::worker::report::rfc3339(n.since_ms)
+                )
+            },
+        )
+    };
+    for r in fleet.replicas.iter().filter(|r| !r.entry.ready) {
+        lines.push(format!(
+            "  not ready: {} on {} (pid {}): {}",
+            r.id,
+            r.entry.host,
+            r.entry.pid,
+            why(&r.entry.not_ready)
+        ));
+    }
+    for r in &fleet.lost {
+        let last_known = if r.ready {
+            "consuming".to_owned()
+        } else {
+            format!("not consuming: {}", why(&r.not_ready))
+        };
+        lines.push(format!(
+            "  LOST: {} on {} (pid {}) since {}, last heartbeat {}; last known: {last_known}, {} in flight; its terms no longer count",
+            r.id, r.host, r.pid, r.lost_since, r.last_seen, r.in_flight
+        ));
+    }
+    lines
+}
+
+/// The fleet in one line: its replicas, the terms in force, whether they agree, and how many
+/// do not consume or were lost lately.
 fn fleet_line(fleet: &fleet::View) -> String {
     let effective = fleet
         .effective
         .as_ref()
         .map_or_else(|| "none".to_owned(), fleet::FleetTerms::digest);
-    let agree = if fleet.agree {
+    let agree = if fleet.replicas.is_empty() {
+        "none alive"
+    } else if fleet.agree {
         "they agree"
     } else {
         "they run with different terms: every grant follows the strictest"
     };
+    let not_ready = fleet.replicas.iter().filter(|r| !r.entry.ready).count();
+    let mut trouble = String::new();
+    if not_ready > 0 {
+        trouble += &format!("; {not_ready} not ready");
+    }
+    if !fleet.lost.is_empty() {
+        trouble += &format!(
+            "; {} lost in the last {} min",
+            fleet.lost.len(),
+            fleet::LOST_RETENTION.as_secs() / 60
+        );
+    }
     format!(
-        "fleet: {} live replica{} ({agree}); terms in force: {effective}",
+        "fleet: {} live replica{} ({agree}); terms in force: {effective}{trouble}",
         fleet.replicas.len(),
         if fleet.replicas.len() == 1 { "" } else { "s" }
     )

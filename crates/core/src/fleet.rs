@@ -4,8 +4,10 @@
 //! `lua/fleet.lua`): its id, host, version, the terms it was started with ([`FleetTerms`]:
 //! limit stack, algorithm, global limit, seller concurrency, adaptive limits), the terms it
 //! grants under now (`applies`), its calls in flight, its rate and, in brief, what the
-//! downstream answered it lately. An entry not renewed within
-//! [`EXPIRY`] is dropped, so a replica killed with SIGKILL leaves within a few heartbeats.
+//! downstream answered it lately, and whether it is ready (and why not). An entry not renewed
+//! within [`EXPIRY`] is no longer live, so a replica killed with SIGKILL or cut off from Redis
+//! stops counting within a few heartbeats; it is listed as lost ([`LostReplica`]) for
+//! [`LOST_RETENTION`], unless it beats again (live again) or leaves.
 //!
 //! **The strictest live terms apply** ([`strictest`]): every replica grants under the strictest
 //! terms of any live replica, its own included, so a rolling deploy that lowers a limit takes
@@ -38,7 +40,7 @@ use tracing::{info, warn};
 
 use crate::config::{Algorithm, GlobalLimit, Limit, LimiterArgs, Limits, SellerConcurrency};
 use crate::permit::{Applied, PermitError, PermitStore, RedisConn, Registered, Registry, Roll};
-use crate::telemetry::Readiness;
+use crate::telemetry::{NotReady, Readiness};
 use crate::worker::Stats;
 
 /// How often a replica renews its entry.
@@ -46,6 +48,12 @@ pub const HEARTBEAT: Duration = Duration::from_secs(1);
 
 /// How long an entry lives without being renewed.
 pub const EXPIRY: Duration = Duration::from_secs(5);
+
+/// How long a lost replica (its entry expired unrenewed) stays listed: long enough for an
+/// operator to see it and what it last said after an alert, short enough that crash-looping
+/// replicas (a new id at each start) do not fill the list (at most 1,000 kept, see
+/// `lua/fleet.lua`).
+pub const LOST_RETENTION: Duration = Duration::from_secs(15 * 60);
 
 /// How soon a replica beats again after its terms were replaced (see [`Member::run`]).
 const REPORT_SOON: Duration = Duration::from_millis(50);
@@ -202,6 +210,11 @@ pub struct Entry {
     pub applies: Option<String>,
     /// Whether it consumes.
     pub ready: bool,
+    /// Why it does not consume, and since when (Unix ms, its own clock): absent while it does,
+    /// when no reason was given (starting, joining the fleet, draining), and from a replica of
+    /// an older version.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub not_ready: Option<NotReady>,
     pub in_flight: u64,
     /// Messages it registered per second since its previous heartbeat.
     pub registered_per_s: f64,
@@ -225,11 +238,53 @@ pub struct Replica {
     since_ms: i64,
 }
 
+/// A replica lost from the registry: its entry expired unrenewed (killed, stuck, or cut off
+/// from Redis: it may still hold messages), as its last entry showed it. Its terms no longer
+/// count. Listed for [`LOST_RETENTION`], unless it beats again or leaves.
+#[derive(Clone, Debug, Serialize)]
+pub struct LostReplica {
+    pub id: String,
+    pub host: String,
+    pub pid: u32,
+    pub version: String,
+    /// Its first heartbeat (RFC 3339, Redis's clock).
+    pub started: String,
+    /// Its last heartbeat (RFC 3339, Redis's clock).
+    pub last_seen: String,
+    /// When its entry expired: its last heartbeat + [`EXPIRY`] (RFC 3339, Redis's clock).
+    pub lost_since: String,
+    /// Whether it consumed, as of its last heartbeat.
+    pub ready: bool,
+    /// Why it did not, and since when, as of its last heartbeat.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub not_ready: Option<NotReady>,
+    /// Its calls in flight, as of its last heartbeat.
+    pub in_flight: u64,
+    #[serde(skip)]
+    lost_ms: i64,
+}
+
+/// What a lost replica's last entry says, read leniently: whatever it holds, the replica is
+/// listed.
+#[derive(Default, Deserialize)]
+#[serde(default)]
+struct LastKnown {
+    host: String,
+    pid: u32,
+    version: String,
+    ready: bool,
+    not_ready: Option<NotReady>,
+    in_flight: u64,
+}
+
 /// The fleet as one read of the registry shows it.
 #[derive(Clone, Debug, Default, Serialize)]
 pub struct View {
     /// The live replicas, longest-running first.
     pub replicas: Vec<Replica>,
+    /// The replicas lost lately (their entries expired unrenewed; not those that left), the
+    /// latest lost first. Their terms do not count.
+    pub lost: Vec<LostReplica>,
     /// Whether every live replica was started with the same terms.
     pub agree: bool,
     /// The terms in force: the strictest of the live replicas' (none without a live replica).
@@ -388,7 +443,10 @@ pub fn view(roll: &Roll, guard: Option<Duration>) -> View {
             longest_window(terms, guard),
         )
     });
+    let mut lost: Vec<LostReplica> = roll.lost.iter().map(lost_replica).collect();
+    lost.sort_by(|a, b| (b.lost_ms, &a.id).cmp(&(a.lost_ms, &b.id)));
     View {
+        lost,
         agree: replicas
             .windows(2)
             .all(|pair| pair[0].entry.terms == pair[1].entry.terms),
@@ -418,9 +476,31 @@ fn replica(member: &Registered) -> Result<Replica, serde_json::Error> {
     })
 }
 
-/// The fleet under `prefix`, read only (operator tools).
+fn lost_replica(member: &Registered) -> LostReplica {
+    let last: LastKnown = serde_json::from_str(&member.entry).unwrap_or_default();
+    let stamp = |ms: i64| crate::worker::report::rfc3339(ms.max(0) as u64);
+    let lost_ms = member.lost_ms.unwrap_or(member.last_ms);
+    LostReplica {
+        id: member.id.clone(),
+        host: last.host,
+        pid: last.pid,
+        version: last.version,
+        started: stamp(member.since_ms),
+        last_seen: stamp(member.last_ms),
+        lost_since: stamp(lost_ms),
+        ready: last.ready,
+        not_ready: last.not_ready,
+        in_flight: last.in_flight,
+        lost_ms,
+    }
+}
+
+/// The fleet under `prefix` (operator tools; an expired entry is moved to the lost ones by
+/// the read, as by any heartbeat).
 pub async fn read(conn: &RedisConn, prefix: &str) -> Result<View, PermitError> {
-    let roll = Registry::new(conn.clone(), prefix).read().await?;
+    let roll = Registry::new(conn.clone(), prefix)
+        .read(LOST_RETENTION)
+        .await?;
     Ok(view(&roll, None))
 }
 
@@ -430,7 +510,7 @@ pub struct ToolTerms {
     /// The fleet's terms over the tool's own other settings, or the tool's own settings when
     /// no replica is alive.
     pub limiter: LimiterArgs,
-    /// The fleet, when a replica is alive.
+    /// The fleet, when a replica is alive or was lost lately.
     pub fleet: Option<View>,
 }
 
@@ -438,7 +518,7 @@ impl ToolTerms {
     /// What a tool says about the terms it used: nothing while they are the fleet's; with no
     /// replica alive, that the figures assume the tool's own settings.
     pub fn note(&self, prefix: &str) -> Option<String> {
-        match &self.fleet {
+        match self.fleet.as_ref().and_then(|f| f.effective.as_ref()) {
             Some(_) => None,
             None => Some(format!(
                 "no turnstile replica is alive under key prefix {prefix:?}: the fleet's terms are unknown; figures assume this shell's (TURNSTILE_ALGORITHM={}, TURNSTILE_LIMIT={}, TURNSTILE_GLOBAL_LIMIT={})",
@@ -463,7 +543,7 @@ pub async fn tool_terms(
         },
         None => ToolTerms {
             limiter: own,
-            fleet: None,
+            fleet: (!fleet.lost.is_empty()).then_some(fleet),
         },
     })
 }
@@ -500,6 +580,9 @@ struct State {
     registered: Option<(u64, Instant)>,
     /// Whether the fleet agreed at the last heartbeat (for the log line when that changes).
     agreed: Option<bool>,
+    /// The lost replicas listed at the last heartbeat (for the log line when one is lost;
+    /// `None` before the first).
+    lost: Option<Vec<String>>,
 }
 
 impl Member {
@@ -587,6 +670,7 @@ impl Member {
                 .filter(|_| state.replaced.is_none())
                 .map(FleetTerms::digest),
             ready: self.ready.get(),
+            not_ready: self.ready.why(),
             in_flight: self
                 .stats
                 .in_flight
@@ -610,7 +694,7 @@ impl Member {
         let retain = longest_window(&self.own_terms, self.own.guard) + EXPIRY * 2;
         let roll = self
             .registry
-            .beat(&self.id, &entry, EXPIRY, algorithm, retain)
+            .beat(&self.id, &entry, EXPIRY, algorithm, retain, LOST_RETENTION)
             .await;
         metrics::gauge!("turnstile_redis_connected").set(if roll.is_ok() { 1.0 } else { 0.0 });
         let roll = roll?;
@@ -651,8 +735,18 @@ impl Member {
             }
             state.agreed = Some(agrees);
         }
+        let lost: Vec<String> = view.lost.iter().map(|r| r.id.clone()).collect();
+        if let Some(before) = &state.lost {
+            for replica in view.lost.iter().filter(|r| !before.contains(&r.id)) {
+                warn!(id = %replica.id, host = %replica.host, last_seen = %replica.last_seen, in_flight = replica.in_flight, "a replica of the fleet stopped renewing its entry (killed, stuck, or cut off from Redis): listed as lost, its terms no longer count");
+            }
+        }
+        state.lost = Some(lost);
         metrics::gauge!("turnstile_fleet_replicas").set(view.replicas.len() as f64);
         metrics::gauge!("turnstile_fleet_disagreement").set(if agrees { 0.0 } else { 1.0 });
+        metrics::gauge!("turnstile_fleet_replicas_lost").set(view.lost.len() as f64);
+        metrics::gauge!("turnstile_fleet_replicas_not_ready")
+            .set(view.replicas.iter().filter(|r| !r.entry.ready).count() as f64);
         state.view = view.clone();
         Ok(view)
     }
@@ -782,7 +876,11 @@ impl Member {
     /// leaves the entry to expire.
     pub async fn leave(&self) {
         let algorithm = self.lock().applied.as_ref().map(|t| t.algorithm);
-        if let Err(error) = self.registry.leave(&self.id, algorithm).await {
+        if let Err(error) = self
+            .registry
+            .leave(&self.id, algorithm, LOST_RETENTION)
+            .await
+        {
             warn!(%error, "could not take this replica out of the fleet's registry; it expires");
         }
     }
@@ -910,6 +1008,7 @@ mod tests {
             terms: terms.clone(),
             applies: applies.map(FleetTerms::digest),
             ready: true,
+            not_ready: None,
             in_flight: 0,
             registered_per_s: 0.0,
             downstream: None,
@@ -919,6 +1018,7 @@ mod tests {
             since_ms: since,
             last_ms: since,
             entry: serde_json::to_string(&entry).unwrap(),
+            lost_ms: None,
         }
     }
 
@@ -937,8 +1037,10 @@ mod tests {
                     since_ms: 0,
                     last_ms: 0,
                     entry: "{not json".into(),
+                    lost_ms: None,
                 },
             ],
+            lost: vec![],
             algorithms: vec![],
         };
         let waiting = view(&roll(&a), None);
@@ -951,5 +1053,125 @@ mod tests {
             "10/1s"
         );
         assert!(view(&roll(&both), None).applied);
+    }
+
+    /// `member`, lost: its entry expired at `lost_ms`, not ready at its last heartbeat.
+    fn lost(id: &str, since: i64, terms: &FleetTerms, lost_ms: i64) -> Registered {
+        let mut lost = member(id, since, terms, Some(terms));
+        let mut entry: Entry = serde_json::from_str(&lost.entry).unwrap();
+        entry.ready = false;
+        entry.not_ready = Some(NotReady {
+            why: "the broker did not answer within 5s".into(),
+            since_ms: 1_700_000_000_000,
+        });
+        lost.entry = serde_json::to_string(&entry).unwrap();
+        lost.last_ms = lost_ms - EXPIRY.as_millis() as i64;
+        lost.lost_ms = Some(lost_ms);
+        lost
+    }
+
+    #[test]
+    fn a_lost_replica_is_listed_with_its_last_state_and_its_terms_no_longer_count() {
+        let live = terms("20/1s", Algorithm::SlidingWindow);
+        let stricter = terms("5/1s", Algorithm::Gcra);
+        let roll = Roll {
+            now_ms: 1_700_000_100_000,
+            members: vec![member("live", 1_700_000_050_000, &live, Some(&live))],
+            lost: vec![
+                lost("cut-off", 1_700_000_000_000, &stricter, 1_700_000_090_000),
+                lost("earlier", 1_700_000_000_000, &stricter, 1_700_000_080_000),
+                Registered {
+                    id: "junk".into(),
+                    since_ms: 1_700_000_000_000,
+                    last_ms: 1_700_000_060_000,
+                    entry: "{not json".into(),
+                    lost_ms: Some(1_700_000_065_000),
+                },
+            ],
+            algorithms: vec![],
+        };
+        let fleet = view(&roll, None);
+        assert_eq!(fleet.replicas.len(), 1);
+        assert!(fleet.agree, "a lost replica's terms are not compared");
+        assert!(fleet.applied);
+        let effective = fleet.effective.as_ref().unwrap();
+        assert_eq!(
+            effective.limit.to_string(),
+            "20/1s",
+            "a lost replica's terms do not apply"
+        );
+        assert_eq!(effective.algorithm, Algorithm::SlidingWindow);
+        let ids: Vec<&str> = fleet.lost.iter().map(|r| r.id.as_str()).collect();
+        assert_eq!(ids, ["cut-off", "earlier", "junk"], "the latest lost first");
+        let cut_off = &fleet.lost[0];
+        assert_eq!(cut_off.host, "h");
+        assert_eq!(
+            cut_off.lost_since,
+            crate::worker::report::rfc3339(1_700_000_090_000)
+        );
+        assert_eq!(
+            cut_off.last_seen,
+            crate::worker::report::rfc3339(1_700_000_085_000)
+        );
+        assert_eq!(
+            cut_off.started,
+            crate::worker::report::rfc3339(1_700_000_000_000)
+        );
+        assert!(!cut_off.ready);
+        assert_eq!(
+            cut_off.not_ready.as_ref().map(|n| n.why.as_str()),
+            Some("the broker did not answer within 5s")
+        );
+        assert_eq!(
+            fleet.unreadable, 0,
+            "a lost entry is listed whatever it holds"
+        );
+        let json = serde_json::to_value(&fleet).unwrap();
+        assert_eq!(json["lost"][0]["id"], "cut-off");
+        assert_eq!(
+            json["lost"][0]["not_ready"]["why"],
+            "the broker did not answer within 5s"
+        );
+        assert!(json["lost"][0].get("lost_ms").is_none());
+        assert!(
+            json["replicas"][0].get("not_ready").is_none(),
+            "absent while ready"
+        );
+
+        // Lost alone: no terms in force.
+        let alone = view(
+            &Roll {
+                members: vec![],
+                ..roll
+            },
+            None,
+        );
+        assert!(alone.effective.is_none());
+        assert_eq!(alone.lost.len(), 3);
+    }
+
+    #[test]
+    fn an_entry_of_an_older_replica_without_readiness_reasons_is_read() {
+        let mut json = serde_json::to_value(Entry {
+            host: "h".into(),
+            pid: 1,
+            version: "0".into(),
+            queue: "q".into(),
+            terms: terms("10/1s", Algorithm::Gcra),
+            applies: None,
+            ready: false,
+            not_ready: None,
+            in_flight: 0,
+            registered_per_s: 0.0,
+            downstream: None,
+        })
+        .unwrap();
+        assert!(json.get("not_ready").is_none());
+        json.as_object_mut().unwrap().remove("downstream");
+        let entry: Entry = serde_json::from_value(json.clone()).unwrap();
+        assert!(entry.not_ready.is_none());
+        json["not_ready"] = serde_json::json!({"why": "Redis did not answer", "since_ms": 7});
+        let entry: Entry = serde_json::from_value(json).unwrap();
+        assert_eq!(entry.not_ready.unwrap().since_ms, 7);
     }
 }

@@ -332,6 +332,18 @@ pub const METRICS: &[Metric] = &[
         "1 while the live replicas were started with different terms (every grant follows the strictest), else 0.",
     ),
     plain(
+        "turnstile_fleet_replicas_lost",
+        Gauge,
+        "Replicas lost from the fleet's registry in the last 15 minutes (their entries expired unrenewed: killed, stuck, or cut off from Redis; not those that left), as this replica's last heartbeat saw them.",
+    )
+    .zero_from_start(),
+    plain(
+        "turnstile_fleet_replicas_not_ready",
+        Gauge,
+        "Live replicas whose fleet entry says they do not consume, as this replica's last heartbeat saw them.",
+    )
+    .zero_from_start(),
+    plain(
         "turnstile_held_messages",
         Gauge,
         "Throttled messages held in this replica waiting for their slot.",

@@ -678,15 +678,15 @@ impl Dashboard {
         // The terms it grants under now (the fleet's), not the ones it was started with.
         let terms = self.admin.terms();
         let ready = self.ready.get();
-        let not_ready_why = (!ready).then(|| {
-            if self.broker.as_ref().is_some_and(|b| b.health().is_down()) {
-                "the broker does not answer: reconnecting"
-            } else if self.redis.is_down() {
-                "Redis does not answer"
-            } else {
-                "starting, waiting for the fleet to apply its terms, reconnecting, or draining"
+        // The reason the replica gave, else what this side can tell.
+        let not_ready_why = (!ready).then(|| match self.ready.why() {
+            Some(said) => said.why,
+            None if self.broker.as_ref().is_some_and(|b| b.health().is_down()) => {
+                "the broker does not answer: reconnecting".to_owned()
             }
-            .to_owned()
+            None if self.redis.is_down() => "Redis does not answer".to_owned(),
+            None => "starting, waiting for the fleet to apply its terms, reconnecting, or draining"
+                .to_owned(),
         });
         ReplicaView {
             info: ReplicaInfo {

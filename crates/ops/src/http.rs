@@ -175,8 +175,9 @@ fn api_input<'a, T, E: std::fmt::Display>(
     Ok((dashboard, id))
 }
 
-/// `GET /api/fleet`: the live replicas, whether they agree, and the terms in force (see
-/// `turnstile_core::fleet`), as the serving replica's last heartbeat saw them.
+/// `GET /api/fleet`: the live replicas (each ready or not, and why), those lost lately, whether
+/// they agree, and the terms in force (see `turnstile_core::fleet`), as the serving replica's
+/// last heartbeat saw them.
 async fn fleet_api(State(endpoints): State<Endpoints>) -> Response {
     match endpoints.dashboard.get().and_then(|d| d.fleet()) {
         Some(fleet) => json_answer(StatusCode::OK, serde_json::json!(fleet)),

@@ -23,8 +23,8 @@
 //! - **shared keys**: `<prefix>:{<prefix>~shared}:<name>`, one slot for all of them (a
 //!   pipeline over several is one node's work). Their tag holds a `~`, which no seller's tag
 //!   does, so they never land on a seller's tag: `sellers`, `uploads`, `dead-now`,
-//!   `reschedules`, `throughput:<minute>`, `fleet` (the replicas' registry) and
-//!   `fleet-algorithms`.
+//!   `reschedules`, `throughput:<minute>`, `fleet` (the replicas' registry), `fleet-lost`
+//!   (the replicas lost from it lately) and `fleet-algorithms`.
 //! - **batch index keys**: `<prefix>:{<prefix>~batch~<batch>}:sellers`, the sellers whose
 //!   messages named a batch, so that a batch is found by its id alone
 //!   ([`Keyspace::batch_sellers`]); one slot per batch id.
@@ -261,6 +261,12 @@ impl Keyspace {
         self.shared("fleet")
     }
 
+    /// The replicas lost from the fleet's registry lately: their entries expired unrenewed
+    /// (hash: replica id -> when, and its last entry; see `lua/fleet.lua`).
+    pub fn fleet_lost(&self) -> String {
+        self.shared("fleet-lost")
+    }
+
     /// The algorithms the fleet granted under, with when each was last used (hash; see
     /// `lua/fleet.lua`).
     pub fn fleet_algorithms(&self) -> String {
@@ -451,6 +457,7 @@ mod tests {
             keys.reschedules(),
             keys.actions(),
             keys.fleet(),
+            keys.fleet_lost(),
             keys.fleet_algorithms(),
             keys.throughput(29_000_000),
         ]
@@ -519,6 +526,8 @@ mod tests {
             keys.throughput(12),
             "turnstile:{turnstile~shared}:throughput:12"
         );
+        assert_eq!(keys.fleet(), "turnstile:{turnstile~shared}:fleet");
+        assert_eq!(keys.fleet_lost(), "turnstile:{turnstile~shared}:fleet-lost");
         assert_eq!(keys.lab_incr(&s), "turnstile:{S-1}:incr");
         assert_eq!(keys.lab_baseline(&s), "turnstile:{S-1}:baseline");
     }

@@ -1,5 +1,6 @@
 //! The fleet's registry in Redis (`lua/fleet.lua`): each replica's entry, renewed every
-//! heartbeat and dropped when it stops, and the algorithms the fleet granted under. What the
+//! heartbeat and taken out when it stops, the replicas lost lately (their entries expired
+//! unrenewed), and the algorithms the fleet granted under. What the
 //! entries say and what follows from them is `crate::fleet`'s; this is only their storage.
 
 use std::time::Duration;
@@ -15,16 +16,19 @@ pub struct Registry {
     keys: Keyspace,
 }
 
-/// One live replica's entry.
+/// One replica's entry: a live one's, or a lost one's last.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct Registered {
     pub id: String,
-    /// Its first heartbeat, Redis ms.
+    /// Its first heartbeat (since it was last live), Redis ms.
     pub since_ms: i64,
     /// Its last heartbeat, Redis ms.
     pub last_ms: i64,
     /// What it announced (JSON, as it wrote it: read it as untrusted).
     pub entry: String,
+    /// When its entry expired unrenewed (its last heartbeat + its expiry), Redis ms: `Some`
+    /// for a lost replica only.
+    pub lost_ms: Option<i64>,
 }
 
 /// The registry as one call saw it.
@@ -34,6 +38,9 @@ pub struct Roll {
     pub now_ms: i64,
     /// The live replicas, in no order.
     pub members: Vec<Registered>,
+    /// The replicas lost within the retention asked for (their entries expired unrenewed;
+    /// not those that left), in no order.
+    pub lost: Vec<Registered>,
     /// When each algorithm was last granted under (Redis ms).
     pub algorithms: Vec<(Algorithm, i64)>,
 }
@@ -46,16 +53,18 @@ impl Registry {
         }
     }
 
-    fn call<'a>(&self, action: FleetAction<'a>) -> FleetCall<'a> {
+    fn call<'a>(&self, action: FleetAction<'a>, lost_for: Duration) -> FleetCall<'a> {
         FleetCall {
             fleet: self.keys.fleet(),
             algorithms: self.keys.fleet_algorithms(),
+            lost: self.keys.fleet_lost(),
             action,
+            lost_retain_ms: lost_for.as_millis().max(1) as u64,
         }
     }
 
     async fn run(&self, call: FleetCall<'_>) -> Result<Roll, PermitError> {
-        let (now_ms, members, algorithms): FleetAnswer = call
+        let (now_ms, members, algorithms, lost): FleetAnswer = call
             .invocation()
             .invoke_async(&mut self.conn.clone())
             .await?;
@@ -68,6 +77,17 @@ impl Registry {
                     since_ms,
                     last_ms,
                     entry,
+                    lost_ms: None,
+                })
+                .collect(),
+            lost: lost
+                .into_iter()
+                .map(|(id, lost_ms, last_ms, since_ms, entry)| Registered {
+                    id,
+                    since_ms,
+                    last_ms,
+                    entry,
+                    lost_ms: Some(lost_ms),
                 })
                 .collect(),
             algorithms: algorithms
@@ -80,9 +100,9 @@ impl Registry {
         })
     }
 
-    /// Renews replica `id`'s entry (dropped if not renewed within `expiry`) and notes that it
-    /// grants under `algorithm`; the algorithms' record is kept at least `retain`. Answers the
-    /// registry with the entry.
+    /// Renews replica `id`'s entry (lost if not renewed within `expiry`; no longer lost if it
+    /// was) and notes that it grants under `algorithm`; the algorithms' record is kept at least
+    /// `retain`, a lost replica listed `lost_for`. Answers the registry with the entry.
     pub async fn beat(
         &self,
         id: &str,
@@ -90,29 +110,36 @@ impl Registry {
         expiry: Duration,
         algorithm: Option<Algorithm>,
         retain: Duration,
+        lost_for: Duration,
     ) -> Result<Roll, PermitError> {
-        self.run(self.call(FleetAction::Beat {
+        let action = FleetAction::Beat {
             id,
             entry,
             expiry_ms: expiry.as_millis().max(1) as u64,
             algorithm: algorithm.map_or("", |a| a.name()),
             retain_ms: retain.as_millis().max(1) as u64,
-        }))
-        .await
+        };
+        self.run(self.call(action, lost_for)).await
     }
 
-    /// Takes replica `id`'s entry out; it granted under `algorithm` until now.
-    pub async fn leave(&self, id: &str, algorithm: Option<Algorithm>) -> Result<(), PermitError> {
-        self.run(self.call(FleetAction::Leave {
+    /// Takes replica `id`'s entry out (it is not lost: it left); it granted under `algorithm`
+    /// until now. A lost replica is listed `lost_for`.
+    pub async fn leave(
+        &self,
+        id: &str,
+        algorithm: Option<Algorithm>,
+        lost_for: Duration,
+    ) -> Result<(), PermitError> {
+        let action = FleetAction::Leave {
             id,
             algorithm: algorithm.map_or("", |a| a.name()),
-        }))
-        .await
-        .map(|_| ())
+        };
+        self.run(self.call(action, lost_for)).await.map(|_| ())
     }
 
-    /// The live replicas, read only.
-    pub async fn read(&self) -> Result<Roll, PermitError> {
-        self.run(self.call(FleetAction::Read)).await
+    /// The live replicas and those lost within `lost_for` (an expired entry is moved to the
+    /// lost ones by this read as by any call).
+    pub async fn read(&self, lost_for: Duration) -> Result<Roll, PermitError> {
+        self.run(self.call(FleetAction::Read, lost_for)).await
     }
 }

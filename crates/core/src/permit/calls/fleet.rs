@@ -16,17 +16,21 @@ pub(in crate::permit) enum FleetAction<'a> {
     },
     /// Takes the replica's entry out, noting its ALGORITHM's last use.
     Leave { id: &'a str, algorithm: &'a str },
-    /// Reads the live entries only.
+    /// Reads the registry (moving the expired entries to the lost ones, as every action does).
     Read,
 }
 
-/// `lua/fleet.lua`: the replicas' registry. Answers `{NOW_MS, MEMBERS, ALGORITHMS}`.
+/// `lua/fleet.lua`: the replicas' registry. Answers `{NOW_MS, MEMBERS, ALGORITHMS, LOST}`.
 pub(in crate::permit) struct FleetCall<'a> {
     /// KEYS[1]: the fleet.
     pub fleet: String,
     /// KEYS[2]: the fleet's algorithms.
     pub algorithms: String,
+    /// KEYS[3]: the fleet's lost replicas.
+    pub lost: String,
     pub action: FleetAction<'a>,
+    /// ARGV[7] (LOST_RETAIN): how long a lost replica stays listed, ms.
+    pub lost_retain_ms: u64,
 }
 
 impl FleetCall<'_> {
@@ -37,7 +41,9 @@ impl FleetCall<'_> {
 
     /// KEYS and ARGV in the script's order.
     pub fn write<C: Call>(&self, to: &mut C) {
-        to.key(self.fleet.clone()).key(self.algorithms.clone());
+        to.key(self.fleet.clone())
+            .key(self.algorithms.clone())
+            .key(self.lost.clone());
         match self.action {
             FleetAction::Beat {
                 id,
@@ -54,12 +60,13 @@ impl FleetCall<'_> {
                     .arg(retain_ms);
             }
             FleetAction::Leave { id, algorithm } => {
-                to.arg("leave").arg(id).arg("").arg(0).arg(algorithm);
+                to.arg("leave").arg(id).arg("").arg(0).arg(algorithm).arg(0);
             }
             FleetAction::Read => {
-                to.arg("read");
+                to.arg("read").arg("").arg("").arg(0).arg("").arg(0);
             }
         }
+        to.arg(self.lost_retain_ms);
     }
 }
 
@@ -67,8 +74,12 @@ impl FleetCall<'_> {
 /// ENTRY).
 pub(in crate::permit) type FleetMember = (String, i64, i64, String);
 
-/// `lua/fleet.lua`'s answer: (NOW_MS, MEMBERS, ALGORITHMS as a flat list of name, last ms).
-pub(in crate::permit) type FleetAnswer = (i64, Vec<FleetMember>, Vec<String>);
+/// One lost replica, as `lua/fleet.lua` answers it: (ID, LOST_MS, LAST_MS, SINCE_MS, ENTRY).
+pub(in crate::permit) type FleetLost = (String, i64, i64, i64, String);
+
+/// `lua/fleet.lua`'s answer: (NOW_MS, MEMBERS, ALGORITHMS as a flat list of name, last ms,
+/// LOST).
+pub(in crate::permit) type FleetAnswer = (i64, Vec<FleetMember>, Vec<String>, Vec<FleetLost>);
 
 #[cfg(test)]
 mod tests {
@@ -82,7 +93,9 @@ mod tests {
         FleetCall {
             fleet: "fleet".into(),
             algorithms: "algorithms".into(),
+            lost: "lost".into(),
             action,
+            lost_retain_ms: 900_000,
         }
         .write(&mut written);
         written
@@ -104,6 +117,7 @@ mod tests {
             &[
                 ("fleet", "the fleet "),
                 ("algorithms", "fleet's algorithms"),
+                ("lost", "lost replicas"),
             ],
         );
         check(
@@ -117,6 +131,7 @@ mod tests {
                 ("5000", "EXPIRY"),
                 ("gcra", "ALGORITHM"),
                 ("9000", "RETAIN"),
+                ("900000", "LOST_RETAIN"),
             ],
         );
     }
@@ -127,7 +142,7 @@ mod tests {
             id: "r1",
             algorithm: "gcra",
         });
-        assert_eq!(leave.args, ["leave", "r1", "", "0", "gcra"]);
+        assert_eq!(leave.args, ["leave", "r1", "", "0", "gcra", "0", "900000"]);
         check(
             SOURCE,
             "ARGV",
@@ -138,8 +153,24 @@ mod tests {
                 ("", "ENTRY"),
                 ("0", "EXPIRY"),
                 ("gcra", "ALGORITHM"),
+                ("0", "RETAIN"),
+                ("900000", "LOST_RETAIN"),
             ],
         );
-        assert_eq!(written(FleetAction::Read).args, ["read"]);
+        let read = written(FleetAction::Read);
+        check(
+            SOURCE,
+            "ARGV",
+            &read.args,
+            &[
+                ("read", "ACTION"),
+                ("", "ID"),
+                ("", "ENTRY"),
+                ("0", "EXPIRY"),
+                ("", "ALGORITHM"),
+                ("0", "RETAIN"),
+                ("900000", "LOST_RETAIN"),
+            ],
+        );
     }
 }
