@@ -865,20 +865,26 @@ impl Consuming<'_> {
     /// failed.
     async fn consume(&self, current: &mut Session) -> Ended {
         let connection_lost = CancellationToken::new();
+        // The session's deliveries end as at shutdown when it hands its work back (see
+        // `hand_back`): each waiting message goes back through the return queue keeping its
+        // reserved slot, for another replica to take.
+        let handing_back = self.shutdown.child_token();
+        let deliveries = TaskTracker::new();
         // Every queue feeds the same workers (and the same worker semaphore).
         let dispatch = {
             let (worker, publisher) = (self.worker.clone(), current.publisher.clone());
             let (results, tracker) = (current.results.clone(), self.tracker.clone());
-            let (shutdown, lost) = (self.shutdown.clone(), connection_lost.clone());
+            let (shutdown, lost) = (handing_back.clone(), connection_lost.clone());
+            let deliveries = deliveries.clone();
             move |delivery: lapin::message::Delivery, settler: Settler| {
                 let (worker, publisher) = (worker.clone(), publisher.clone());
                 let results = results.clone();
                 let (shutdown, lost) = (shutdown.clone(), lost.clone());
-                tracker.spawn(async move {
+                tracker.spawn(deliveries.track_future(async move {
                     worker
                         .process(delivery, &publisher, &results, &settler, &shutdown, &lost)
                         .await
-                });
+                }));
             }
         };
         let ladder = Arc::new(Ladder {
@@ -957,7 +963,9 @@ impl Consuming<'_> {
         };
         probe.abort();
         let ended = match ended {
-            Ended::HandedBack(_) => Ended::HandedBack(self.hand_back(current).await),
+            Ended::HandedBack(_) => {
+                Ended::HandedBack(self.hand_back(current, &handing_back, &deliveries).await)
+            }
             ended => ended,
         };
         if !matches!(ended, Ended::Shutdown) {
@@ -966,27 +974,30 @@ impl Consuming<'_> {
         ended
     }
 
-    /// Hands the session's work back while Redis is cut off: no new deliveries; the calls in
-    /// flight end and their registrations settle (results published and acked, their records
-    /// written once Redis answers: see `Worker::record_later`), within the downstream timeout;
-    /// their acks are sent. The caller then closes the connection, and every other message the
-    /// replica held (waiting for a permit, or in the delay ladder) goes back to its queue, for
+    /// Hands the session's work back while Redis is cut off: no new deliveries; every message
+    /// waiting here for a permit goes back through the return queue keeping its reserved slot
+    /// (as at shutdown: `handing_back`), and the calls in flight end and their registrations
+    /// settle (results published and acked, their records written once Redis answers: see
+    /// `Worker::record_later`), within the downstream timeout; the acks are sent. The caller
+    /// then closes the connection, and the delay ladder's messages go back to their levels for
     /// the other replicas. Returns why, for the logs and readiness.
-    async fn hand_back(&self, current: &Session) -> String {
+    async fn hand_back(
+        &self,
+        current: &Session,
+        handing_back: &CancellationToken,
+        deliveries: &TaskTracker,
+    ) -> String {
         let _ = tokio::time::timeout(Duration::from_secs(1), current.cancel()).await;
-        let stats = &self.worker.stats;
-        let settled = async {
-            while stats.in_flight.load(std::sync::atomic::Ordering::Relaxed) > 0
-                || stats.registering.load(std::sync::atomic::Ordering::Relaxed) > 0
-            {
-                tokio::time::sleep(Duration::from_millis(20)).await;
-            }
-        };
+        handing_back.cancel();
+        deliveries.close();
         let bound = self.args.downstream.timeout + Duration::from_secs(2);
-        if tokio::time::timeout(bound, settled).await.is_err() {
+        if tokio::time::timeout(bound, deliveries.wait())
+            .await
+            .is_err()
+        {
             warn!(
-                in_flight = stats.in_flight.load(std::sync::atomic::Ordering::Relaxed),
-                "calls still unsettled while handing the work back: their messages go back to the broker"
+                unsettled = deliveries.len(),
+                "deliveries still unsettled while handing the work back: the broker takes them back with the connection"
             );
         }
         let _ = tokio::time::timeout(Duration::from_secs(2), current.flush()).await;

@@ -6,7 +6,8 @@
 //! - [`demo`]: `turnstile demo`
 //! - [`mock_api`]: a strict stand-in for the registration API that counts every violation
 //! - [`local_redis`]: a private `redis-server` for fault tests
-//! - [`slow_link`]: a TCP proxy adding latency each way (a slow Redis link)
+//! - [`slow_link`]: a TCP proxy adding latency each way, which can also reset (cut) or hang: a
+//!   slow, partitioned or hung link to Redis or the broker
 pub mod bench;
 pub mod demo;
 pub mod local_redis;

@@ -101,12 +101,17 @@ async fn metrics_page(State(endpoints): State<Endpoints>) -> String {
     prometheus().render()
 }
 
-async fn readyz(State(endpoints): State<Endpoints>) -> (StatusCode, &'static str) {
+/// `GET /readyz`: 200 `ready`, or 503 `not ready`, followed by why and since when (Unix ms)
+/// when the replica said.
+async fn readyz(State(endpoints): State<Endpoints>) -> (StatusCode, String) {
     if endpoints.ready.get() {
-        (StatusCode::OK, "ready\n")
-    } else {
-        (StatusCode::SERVICE_UNAVAILABLE, "not ready\n")
+        return (StatusCode::OK, "ready\n".to_owned());
     }
+    let body = match endpoints.ready.why() {
+        Some(said) => format!("not ready: {} (since {} ms)\n", said.why, said.since_ms),
+        None => "not ready\n".to_owned(),
+    };
+    (StatusCode::SERVICE_UNAVAILABLE, body)
 }
 
 async fn dashboard_data(State(endpoints): State<Endpoints>) -> Response {

@@ -866,7 +866,6 @@ impl Reporting {
             batch_size: registration.batch_size,
             cost: registration.cost,
             first_seen_ms: crate::broker::unix_ms(),
-            registering: Default::default(),
         }
     }
 }

@@ -78,9 +78,6 @@ struct Reporting {
     /// The message's units (one for a message that is not a valid registration).
     cost: crate::domain::Cost,
     first_seen_ms: u64,
-    /// Set once the downstream registered the message's call: counted in
-    /// [`Stats::registering`] until the delivery is settled.
-    registering: std::sync::atomic::AtomicBool,
 }
 
 impl Reporting {
@@ -382,7 +379,6 @@ impl Worker {
                 .as_ref()
                 .map_or(crate::domain::Cost::ONE, |r| r.cost),
             first_seen_ms: carried.first_seen_ms,
-            registering: Default::default(),
         };
         let attempt = carried.attempt;
         // A missing or invalid traceparent starts a new trace (never a reason to refuse), which
@@ -443,9 +439,6 @@ impl Worker {
         )
         .instrument(span)
         .await;
-        if reporting.registering.load(Ordering::Relaxed) {
-            self.stats.registering.fetch_sub(1, Ordering::Relaxed);
-        }
     }
 
     /// Notes the registration's batch as seen, the first time this replica sees one of its
@@ -914,9 +907,6 @@ impl Worker {
                     response: Some(response.clone()),
                     attempts: carried.attempt.saturating_add(1),
                 };
-                if !reporting.registering.swap(true, Ordering::Relaxed) {
-                    self.stats.registering.fetch_add(1, Ordering::Relaxed);
-                }
                 let result = self.result_body(reporting, "registered", None, &report);
                 let kept = String::from_utf8_lossy(&result);
                 let answer = Ended::Registered {
@@ -1142,11 +1132,6 @@ impl Worker {
         let size = registration.batch_size;
         let ttl = self.settings.done_ttl;
         let later = async move {
-            let never = CancellationToken::new();
-            let uninterrupted = Interruptions {
-                shutdown: &never,
-                connection_lost: &never,
-            };
             let in_batch = batch.as_ref().map(|id| InBatch { id, size });
             let answer = Ended::Registered {
                 told,
@@ -1154,14 +1139,23 @@ impl Worker {
                 ttl,
                 result: None,
             };
-            let what = "a completion record kept while Redis was cut off is not written yet";
-            let (grant, limiter) = (&grant, &limiter);
-            let finished = until_done(what, uninterrupted, || async move {
-                counting_redis_errors(limiter.finish(grant, answered_us, answer).await)
-            })
-            .await;
-            let event = finished.and_then(|f| f.recorded).and_then(|r| r.event);
-            if let (Some(event), Some(batch)) = (event, &batch) {
+            // Logged once: Redis is known to be cut off, its return is logged by the replica.
+            let mut backoff = plan::redis_backoff();
+            let recorded = loop {
+                match counting_redis_errors(limiter.finish(&grant, answered_us, answer).await) {
+                    Ok(finished) => break finished.recorded,
+                    Err(error) => {
+                        debug!(%error, "a completion record kept while Redis was cut off is not written yet")
+                    }
+                }
+                tokio::time::sleep(backoff.next().unwrap_or(Duration::from_secs(5))).await;
+            };
+            if let (Some(event), Some(batch)) = (recorded.and_then(|r| r.event), &batch) {
+                let never = CancellationToken::new();
+                let uninterrupted = Interruptions {
+                    shutdown: &never,
+                    connection_lost: &never,
+                };
                 let sent =
                     publish_event(&*progress, &*results, &seller, batch, event, uninterrupted);
                 let _ = tokio::time::timeout(Duration::from_secs(30), sent).await;

@@ -29,9 +29,6 @@ pub struct Stats {
     pub reconnects: AtomicU64,
     pub held: AtomicUsize,
     pub in_flight: AtomicUsize,
-    /// Deliveries whose call the downstream registered and that are not settled yet (their
-    /// record, result and ack): a replica handing its work back waits for them.
-    pub registering: AtomicUsize,
     /// What the delay ladder's consumers did in this replica.
     pub ladder: Arc<crate::broker::ladder::LadderStats>,
     /// What the replica's publishes and settlements cost the broker.

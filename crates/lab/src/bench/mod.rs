@@ -7,6 +7,7 @@ mod depth;
 pub mod eta;
 pub mod faults;
 mod lua_setup;
+pub mod partition;
 mod permits;
 pub mod rolling;
 pub mod routes;

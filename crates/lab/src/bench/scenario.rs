@@ -4,7 +4,8 @@
 //! busy seller's messages come back from the delay ladder while tens of thousands wait in the
 //! work queue. `--preset stacked`: a stack of two limits (6/1s,20/5s) enforced by the mock in
 //! cost units, every message costing 1 to 3 units. `--preset weighted`, `--preset adaptive` and
-//! `--preset adaptive-drain` run in modules of their own (`shares`, `adaptive`).
+//! `--preset adaptive-drain` run in modules of their own (`shares`, `adaptive`), and so does
+//! `--preset partition` (`partition`).
 
 use std::time::Duration;
 
@@ -48,6 +49,9 @@ pub async fn run(args: ScenarioArgs) -> anyhow::Result<bool> {
     }
     if args.preset == "adaptive-drain" {
         return super::adaptive::run(&args, super::adaptive::DRAIN).await;
+    }
+    if args.preset == "partition" {
+        return super::partition::run(&args).await;
     }
     let preset = match args.preset.as_str() {
         "bar" => Preset {
@@ -143,7 +147,7 @@ pub async fn run(args: ScenarioArgs) -> anyhow::Result<bool> {
             prefetch: None,
         },
         other => anyhow::bail!(
-            "--preset {other:?}: choose bar, deep, backlog, stacked, global, seed, weighted, adaptive or adaptive-drain"
+            "--preset {other:?}: choose bar, deep, backlog, stacked, global, seed, weighted, adaptive, adaptive-drain or partition"
         ),
     };
     let limit = args

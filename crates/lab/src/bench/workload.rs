@@ -22,8 +22,11 @@ pub struct ScenarioArgs {
     /// `adaptive`: turnstile told 20/1s, the API allowing 5/1s (`--api-limit`), 300 + 20x3:
     /// the 429s in the second half of the big seller's drain and the drain against the API's
     /// own optimum. `adaptive-drain`: the same limits, one seller's 150 messages alone on
-    /// 1 replica x 8 workers; adds the 429s after the first window. Flags given explicitly
-    /// override the preset.
+    /// 1 replica x 8 workers; adds the 429s after the first window. `partition`: 10/1s, 60 +
+    /// 40 + 20, 2 replicas x 4 workers, one of which loses its link to the broker or Redis, by a
+    /// reset or a hang, for 20 s and more: per case, when it said not ready, duplicates,
+    /// violations and each seller's drain (`--limit`, `--workers`, `--hold`, `--algorithm`).
+    /// Flags given explicitly override the preset.
     #[arg(long, default_value = "bar")]
     pub preset: String,
     /// The limit, or a comma-separated stack, both turnstile's and the mock's.

@@ -1,0 +1,100 @@
+//! One replica of two loses one of its links, to the broker or to Redis, in the middle of three
+//! sellers' backlogs (`turnstile_lab::bench::partition`, also `turnstile bench scenario --preset
+//! partition`): the link resets (`SlowLink::cut`) or hangs (`SlowLink::hang`: the sockets stay
+//! open, nothing comes back) for 20 s and until every message registered, then heals. The
+//! replica cut off reports not ready while cut (a hang is seen within its
+//! TURNSTILE_LINK_TIMEOUT, 2 s here), hands its held and delayed messages back, and consumes
+//! again once the link heals; the other replica keeps serving. What is asserted: no message
+//! called twice, no call over the limit, nothing lost, the cut replica not ready while cut and
+//! ready again after. The figures (how soon the replica saw the break, duplicates, each seller's
+//! drain beside the optimum its limit allows) are printed, one line per case, not asserted.
+mod support;
+
+use turnstile_lab::bench::partition::{self, LIMIT, Link, Mode, Outcome, WORKERS};
+
+/// Runs the case on a rig of the tests' own and prints its figures.
+async fn one_replica_loses(link: Link, mode: Mode) -> Outcome {
+    let rig = support::rig(
+        &format!("partition-{link:?}-{mode:?}").to_lowercase(),
+        LIMIT,
+    );
+    let outcome = partition::one_replica_loses(rig, WORKERS, link, mode)
+        .await
+        .unwrap();
+    println!("{}", outcome.line());
+    outcome
+}
+
+/// What every case must show.
+fn assert_nothing_twice_nothing_over_nothing_lost(outcome: &Outcome) {
+    let case = format!("{:?} link, {:?}", outcome.link, outcome.mode);
+    let report = &outcome.report;
+    assert_eq!(
+        report.duplicates, 0,
+        "{case}: no message is called twice (the API saw {} repeated Idempotency-Keys)",
+        report.duplicates
+    );
+    assert_eq!(
+        report.violations, 0,
+        "{case}: no call goes over the limit (the API refused {})",
+        report.violations
+    );
+    assert_eq!(
+        (report.registered, report.dead_lettered, report.lost),
+        (report.published, 0, 0),
+        "{case}: every message registers once, none is dead-lettered or lost"
+    );
+    assert!(
+        outcome.queues_empty,
+        "{case}: nothing is left in the queues once everything registered"
+    );
+    assert!(
+        outcome.not_ready_after_s.is_some(),
+        "{case}: the replica cut off reports not ready while its link is broken"
+    );
+    assert!(outcome.why.is_some(), "{case}: it says why it is not ready");
+    assert!(
+        outcome.not_ready_at_heal,
+        "{case}: it is still not ready when the link heals"
+    );
+    assert!(
+        outcome.ready_after_s.is_some(),
+        "{case}: it is ready again once the link heals"
+    );
+}
+
+/// What a replica cut off from Redis must show besides: the other one kept registering while
+/// the cut one was not ready.
+fn assert_the_other_replica_kept_serving(outcome: &Outcome) {
+    assert!(
+        outcome.other_while_not_ready > 0,
+        "Redis link, {:?}: the other replica keeps registering while the cut one is not ready",
+        outcome.mode
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_broker_link_that_resets_makes_no_duplicate_call_and_loses_nothing() {
+    let outcome = one_replica_loses(Link::Broker, Mode::Reset).await;
+    assert_nothing_twice_nothing_over_nothing_lost(&outcome);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_hung_broker_link_makes_no_duplicate_call() {
+    let outcome = one_replica_loses(Link::Broker, Mode::Hang).await;
+    assert_nothing_twice_nothing_over_nothing_lost(&outcome);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_replica_whose_redis_link_resets_hands_its_messages_to_the_other() {
+    let outcome = one_replica_loses(Link::Redis, Mode::Reset).await;
+    assert_nothing_twice_nothing_over_nothing_lost(&outcome);
+    assert_the_other_replica_kept_serving(&outcome);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_replica_whose_redis_link_hangs_hands_its_messages_to_the_other() {
+    let outcome = one_replica_loses(Link::Redis, Mode::Hang).await;
+    assert_nothing_twice_nothing_over_nothing_lost(&outcome);
+    assert_the_other_replica_kept_serving(&outcome);
+}
