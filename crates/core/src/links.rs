@@ -64,18 +64,29 @@ impl LinkArgs {
         heartbeat.as_secs_f64().ceil().clamp(1.0, 600.0) as u16
     }
 
-    /// A warning when the heartbeat set lets the broker redeliver a hung replica's messages
-    /// while that replica may still be calling (see the module).
-    pub fn heartbeat_warning(&self, downstream_timeout: Duration) -> Option<String> {
-        let heartbeat = Duration::from_secs(self.heartbeat(downstream_timeout) as u64);
-        let needed = self.link_timeout + downstream_timeout;
-        (heartbeat * 2 < needed).then(|| {
+    /// A warning when `heartbeat` (seconds, as asked or as the broker negotiated it; 0 = off)
+    /// lets the broker redeliver a hung replica's messages while that replica may still be
+    /// calling: two heartbeats must outlast the link timeout, a probe's period on each side of
+    /// it, and a call (see the module).
+    pub fn heartbeat_warning(
+        &self,
+        heartbeat: u16,
+        downstream_timeout: Duration,
+    ) -> Option<String> {
+        let needed = self.link_timeout + downstream_timeout + PROBE_EVERY * 2;
+        let at_least = needed.as_secs_f64() / 2.0;
+        if heartbeat == 0 {
+            return Some(format!(
+                "the broker connection has no heartbeat: a hung link is never dropped by the broker, and its messages stay with this replica until the connection fails; ask for one of at least {}s (TURNSTILE_BROKER_HEARTBEAT, and the broker's heartbeat setting)",
+                at_least.ceil()
+            ));
+        }
+        (f64::from(heartbeat) < at_least).then(|| {
             format!(
-                "TURNSTILE_BROKER_HEARTBEAT={}s: the broker may redeliver a hung replica's messages after {}s, before that replica has seen the hang and its last call has ended ({}s, TURNSTILE_LINK_TIMEOUT + TURNSTILE_DOWNSTREAM_TIMEOUT): a call may then be made twice; use at least {}s",
-                heartbeat.as_secs(),
-                heartbeat.as_secs() * 2,
+                "AMQP heartbeat {heartbeat}s: the broker may redeliver a hung replica's messages after {}s, before that replica has seen the hang and its last call has ended ({}s: TURNSTILE_LINK_TIMEOUT + TURNSTILE_DOWNSTREAM_TIMEOUT + 2 probes): a call may then be made twice; use at least {}s (TURNSTILE_BROKER_HEARTBEAT, and the broker's heartbeat setting, whichever is lower applies)",
+                u32::from(heartbeat) * 2,
                 needed.as_secs(),
-                needed.as_secs().div_ceil(2)
+                at_least.ceil()
             )
         })
     }
@@ -210,7 +221,11 @@ mod tests {
         let links = LinkArgs::default();
         let heartbeat = links.heartbeat(Duration::from_secs(10));
         assert_eq!(heartbeat, 10);
-        assert!(links.heartbeat_warning(Duration::from_secs(10)).is_none());
+        assert!(
+            links
+                .heartbeat_warning(heartbeat, Duration::from_secs(10))
+                .is_none()
+        );
     }
 
     #[test]
@@ -219,9 +234,14 @@ mod tests {
             broker_heartbeat: Some(Duration::from_secs(3)),
             ..LinkArgs::default()
         };
-        assert_eq!(links.heartbeat(Duration::from_secs(10)), 3);
-        let warning = links.heartbeat_warning(Duration::from_secs(10)).unwrap();
-        assert!(warning.contains("use at least 8s"), "{warning}");
+        let heartbeat = links.heartbeat(Duration::from_secs(10));
+        assert_eq!(heartbeat, 3);
+        let warning = links
+            .heartbeat_warning(heartbeat, Duration::from_secs(10))
+            .unwrap();
+        assert!(warning.contains("use at least 9s"), "{warning}");
+        let off = links.heartbeat_warning(0, Duration::from_secs(10)).unwrap();
+        assert!(off.contains("no heartbeat"), "{off}");
     }
 
     #[tokio::test(start_paused = true)]

@@ -161,7 +161,10 @@ impl Starting {
             "TURNSTILE_QUEUE must be 1 to 200 characters"
         );
         let heartbeat = args.links.heartbeat(args.downstream.timeout);
-        if let Some(warning) = args.links.heartbeat_warning(args.downstream.timeout) {
+        if let Some(warning) = args
+            .links
+            .heartbeat_warning(heartbeat, args.downstream.timeout)
+        {
             warn!("{warning}");
         }
         let nodes =
@@ -391,6 +394,7 @@ fn new_worker(
         seller_waits: Default::default(),
         seen_batches: Default::default(),
         links: links.clone(),
+        records_later: Default::default(),
     }
 }
 
@@ -423,6 +427,15 @@ impl Session {
         let name = format!("turnstile {} pid {}", args.broker.queue, std::process::id());
         let connection = Arc::new(nodes.connect(&name).await?);
         let node = nodes.connected_node();
+        // What the broker agreed to (the lower of its own and the one asked), not only what
+        // was asked.
+        let negotiated = connection.configuration().heartbeat();
+        if let Some(warning) = args
+            .links
+            .heartbeat_warning(negotiated, args.downstream.timeout)
+        {
+            warn!(broker = %node, "{warning}");
+        }
         let events = std::sync::Mutex::new(connection.events_listener().boxed());
         let publisher = Publisher::open(&connection)
             .await?
@@ -712,6 +725,7 @@ async fn run(
             Ended::Shutdown => {
                 ready.not_ready("shutting down: draining");
                 consuming.close(current).await;
+                records_written(&worker, args.shutdown_grace).await;
                 return Ok(());
             }
             Ended::Lost(why) => (why, true),
@@ -731,7 +745,21 @@ async fn run(
         let _ = tokio::time::timeout(Duration::from_secs(1), closing).await;
     }
     drain(&tracker, tokio::time::Instant::now() + args.shutdown_grace).await;
+    records_written(&worker, args.shutdown_grace).await;
     Ok(())
+}
+
+/// Waits, within `grace`, for the completion records kept while Redis was cut off to be
+/// written (see `Worker::record_later`); those left are lost with the replica (logged).
+async fn records_written(worker: &Worker, grace: Duration) {
+    let later = &worker.records_later;
+    later.close();
+    if tokio::time::timeout(grace, later.wait()).await.is_err() {
+        warn!(
+            unwritten = later.len(),
+            "stopping with completion records kept while Redis was cut off still unwritten: a copy of those messages published again would be called again"
+        );
+    }
 }
 
 /// How a broker session ended.
@@ -962,16 +990,41 @@ impl Consuming<'_> {
             },
         };
         probe.abort();
-        let ended = match ended {
+        match ended {
             Ended::HandedBack(_) => {
-                Ended::HandedBack(self.hand_back(current, &handing_back, &deliveries).await)
+                let why = self.hand_back(current, &handing_back, &deliveries).await;
+                connection_lost.cancel();
+                Ended::HandedBack(why)
             }
-            ended => ended,
-        };
-        if !matches!(ended, Ended::Shutdown) {
-            connection_lost.cancel();
+            Ended::Lost(why) => {
+                connection_lost.cancel();
+                // A connection that still works (a probe unanswered in time, a channel of its
+                // own failed) is closed only once the calls in flight ended and are recorded:
+                // the broker hands their messages to others as soon as it is closed.
+                let status = current.connection.status();
+                if status.connected() && !status.errored() {
+                    self.settle_in_flight(&deliveries).await;
+                }
+                Ended::Lost(why)
+            }
+            Ended::Shutdown => Ended::Shutdown,
         }
-        ended
+    }
+
+    /// Waits, within the downstream timeout (and 2 s), for the session's deliveries to settle,
+    /// once nothing new starts: the calls in flight end and are recorded.
+    async fn settle_in_flight(&self, deliveries: &TaskTracker) {
+        deliveries.close();
+        let bound = self.args.downstream.timeout + Duration::from_secs(2);
+        if tokio::time::timeout(bound, deliveries.wait())
+            .await
+            .is_err()
+        {
+            warn!(
+                unsettled = deliveries.len(),
+                "deliveries still unsettled as the session ends: the broker takes them back with the connection"
+            );
+        }
     }
 
     /// Hands the session's work back while Redis is cut off: no new deliveries; every message
@@ -987,19 +1040,9 @@ impl Consuming<'_> {
         handing_back: &CancellationToken,
         deliveries: &TaskTracker,
     ) -> String {
-        let _ = tokio::time::timeout(Duration::from_secs(1), current.cancel()).await;
         handing_back.cancel();
-        deliveries.close();
-        let bound = self.args.downstream.timeout + Duration::from_secs(2);
-        if tokio::time::timeout(bound, deliveries.wait())
-            .await
-            .is_err()
-        {
-            warn!(
-                unsettled = deliveries.len(),
-                "deliveries still unsettled while handing the work back: the broker takes them back with the connection"
-            );
-        }
+        let _ = tokio::time::timeout(Duration::from_secs(1), current.cancel()).await;
+        self.settle_in_flight(deliveries).await;
         let _ = tokio::time::timeout(Duration::from_secs(2), current.flush()).await;
         format!(
             "{}: held and delayed messages handed back",

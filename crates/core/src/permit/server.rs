@@ -53,9 +53,22 @@ impl std::fmt::Display for MemoryPolicy {
 }
 
 /// One round trip to Redis (PING): whether the link answers, not whether the server accepts
-/// writes.
+/// writes. On Redis Cluster, to one primary at random (a PING of the whole cluster fails while
+/// any one shard fails over): one shard down is not the replica cut off.
 pub async fn ping(conn: &RedisConn) -> Result<(), PermitError> {
-    let _: String = redis::cmd("PING").query_async(&mut conn.clone()).await?;
+    match conn {
+        RedisConn::Single(manager) => {
+            let _: String = redis::cmd("PING").query_async(&mut manager.clone()).await?;
+        }
+        RedisConn::Cluster(cluster) => {
+            use redis::cluster_routing::{RoutingInfo, SingleNodeRoutingInfo};
+            let anyone = RoutingInfo::SingleNode(SingleNodeRoutingInfo::RandomPrimary);
+            cluster
+                .clone()
+                .route_command(redis::cmd("PING"), anyone)
+                .await?;
+        }
+    }
     Ok(())
 }
 

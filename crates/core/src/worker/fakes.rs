@@ -852,6 +852,7 @@ impl Worker {
             seller_waits: Default::default(),
             seen_batches: Default::default(),
             links: Default::default(),
+            records_later: Default::default(),
         }
     }
 }

@@ -750,8 +750,21 @@ async fn a_registration_whose_record_waits_for_redis_cut_off_is_published_acked_
     tokio::time::sleep(10 * SECOND).await;
     assert_eq!(
         h.journal.count(finished),
+        failed,
+        "not tried again while Redis is cut off"
+    );
+    h.worker.links.redis_answered();
+    tokio::time::sleep(SECOND).await;
+    assert_eq!(
+        h.journal.count(finished),
         failed + 1,
         "its record written in the background once Redis answers"
+    );
+    assert_eq!(
+        h.journal
+            .count(|e| matches!(e, Event::Progress("result_published"))),
+        1,
+        "and kept without its result, already published"
     );
     assert_eq!(h.journal.count(called), 1);
     watching.abort();

@@ -159,6 +159,9 @@ pub struct Worker {
     /// The replica's links: while Redis is cut off, a registration's record waits in the
     /// background (see [`Self::record_later`]).
     pub links: crate::links::Links,
+    /// The records written in the background once Redis answers (see [`Self::record_later`]):
+    /// the replica's drain waits for them.
+    pub records_later: tokio_util::task::TaskTracker,
 }
 
 /// Added to a typical call's duration in [`Worker::answers_allowance`]: a call's end is recorded
@@ -742,9 +745,10 @@ impl Worker {
             },
         };
         drop(ahead);
-        // A replica that lost its broker connection starts no call: the broker hands the
-        // message to another replica, which must be the only one to call it.
-        if interruptions.connection_lost.is_cancelled() {
+        // A replica that lost its broker connection, or hands its work back, or stops, starts
+        // no call: the message goes back to the broker for another replica, which must be the
+        // only one to call it.
+        if interruptions.connection_lost.is_cancelled() || interruptions.shutdown.is_cancelled() {
             self.limiter.unsent(grant).await;
             return Plan::Settle(Outcome::Requeue { holding: None });
         }
@@ -919,14 +923,22 @@ impl Worker {
                 drop(writing);
                 let Some(recorded) = recorded else {
                     // Redis cut off: the result goes out now and the message is acked; its
-                    // record is written once Redis answers.
-                    if !self
-                        .publish_body(reporting, "registered", &result, interruptions)
-                        .await
-                    {
+                    // record is written once Redis answers. Only a lost connection stops the
+                    // publish (not a shutdown or a hand-back): the record then keeps the
+                    // result, for the copy the broker hands to another replica.
+                    let never = CancellationToken::new();
+                    let only_lost = Interruptions {
+                        shutdown: &never,
+                        ..interruptions
+                    };
+                    let published = self
+                        .publish_body(reporting, "registered", &result, only_lost)
+                        .await;
+                    let kept = (!published).then(|| kept.into_owned());
+                    self.record_later(grant, answered_us, registration, told, reporting, kept);
+                    if !published {
                         return Plan::Settle(Outcome::Requeue { holding: None });
                     }
-                    self.record_later(grant, answered_us, registration, told, reporting);
                     break 'registered false;
                 };
                 if !self
@@ -1112,11 +1124,15 @@ impl Worker {
         finished.map(|f| f.recorded.unwrap_or_default())
     }
 
-    /// Writes, in the background, the completion record of a registration whose result was
-    /// published while Redis was cut off (its message acked meanwhile), retrying until Redis
-    /// answers; then publishes its batch's completion event if that completed it. A replica
-    /// stopped before leaves it unwritten: a copy of the message published again by its
-    /// producer would then be called again (the same Idempotency-Key).
+    /// Writes, in the background, the completion record of a registration answered while
+    /// Redis was cut off, once Redis answers (retrying); then publishes its batch's completion
+    /// event if that completed it. `unpublished`: its result, when it could not be published
+    /// (the message went back to the broker): the record keeps it for the copy's replica to
+    /// publish; else the record is trimmed to `registered` (a write abandoned at the cut may
+    /// have kept the result). Tracked in [`Self::records_later`]: the replica's drain waits for
+    /// it within its grace; a replica stopped before leaves it unwritten, and a copy of the
+    /// message published again by its producer would be called again (the same
+    /// Idempotency-Key).
     fn record_later(
         &self,
         grant: Grant,
@@ -1124,10 +1140,13 @@ impl Worker {
         registration: &Registration,
         told: Option<RateLimitHeaders>,
         reporting: &Reporting,
+        unpublished: Option<String>,
     ) {
         let (limiter, progress) = (self.limiter.clone(), self.progress.clone());
         let results = reporting.results.clone();
+        let links = self.links.clone();
         let seller = registration.seller_id.clone();
+        let message = registration.message_id.clone();
         let batch = registration.batch_id.clone();
         let size = registration.batch_size;
         let ttl = self.settings.done_ttl;
@@ -1137,11 +1156,12 @@ impl Worker {
                 told,
                 batch: in_batch,
                 ttl,
-                result: None,
+                result: unpublished.as_deref(),
             };
             // Logged once: Redis is known to be cut off, its return is logged by the replica.
             let mut backoff = plan::redis_backoff();
             let recorded = loop {
+                links.redis_back().await;
                 match counting_redis_errors(limiter.finish(&grant, answered_us, answer).await) {
                     Ok(finished) => break finished.recorded,
                     Err(error) => {
@@ -1150,6 +1170,11 @@ impl Worker {
                 }
                 tokio::time::sleep(backoff.next().unwrap_or(Duration::from_secs(5))).await;
             };
+            if unpublished.is_none()
+                && let Err(error) = progress.result_published(&seller, &message).await
+            {
+                debug!(%error, "could not trim a published result from its record; a redelivery would publish it again");
+            }
             if let (Some(event), Some(batch)) = (recorded.and_then(|r| r.event), &batch) {
                 let never = CancellationToken::new();
                 let uninterrupted = Interruptions {
@@ -1162,7 +1187,7 @@ impl Worker {
             }
             info!("the completion record kept while Redis was cut off is written");
         };
-        tokio::spawn(later.in_current_span());
+        self.records_later.spawn(later.in_current_span());
     }
 
     /// Says, in the background, that a registration's result was published: its record no
