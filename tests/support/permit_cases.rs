@@ -1187,6 +1187,11 @@ macro_rules! permit_tests {
             cases::a_record_waiting_to_ride_goes_with_the_next_call($backend).await;
         }
         #[tokio::test]
+        async fn a_record_keeping_its_result_is_done_before_and_after_it_is_trimmed() {
+            cases::a_record_keeping_its_result_is_done_before_and_after_it_is_trimmed($backend)
+                .await;
+        }
+        #[tokio::test]
         async fn a_late_record_ends_the_call_at_its_answer() {
             cases::a_late_record_ends_the_call_at_its_answer($backend).await;
         }
@@ -1485,6 +1490,74 @@ pub async fn a_record_waiting_to_ride_goes_with_the_next_call(backend: Backend) 
         "and it was written"
     );
     keys.cleanup().await;
+}
+
+/// A registration's record keeps its result until the result is published: with every
+/// algorithm, a copy of the message is done (never granted a second call) while the result is
+/// kept and after it is trimmed; the kept result reads back as written, and the trim keeps the
+/// record and its TTL.
+pub async fn a_record_keeping_its_result_is_done_before_and_after_it_is_trimmed(backend: Backend) {
+    for algorithm in Algorithm::ALL {
+        let keys = Keys::new(backend, "kept").await;
+        let store = keys.store(limiter("10/1m", algorithm));
+        let s = seller("S-kept");
+        let message = turnstile_core::domain::MessageId::parse("m-kept").unwrap();
+        let Decision::Granted {
+            call, granted_us, ..
+        } = store
+            .acquire_for(&s, Some(&message), Cost::ONE, false)
+            .await
+            .unwrap()
+        else {
+            panic!("{algorithm}: the first call is granted");
+        };
+        let result = r#"{"message_id":"m-kept","outcome":"registered","status":201}"#;
+        let answer = turnstile_core::permit::CallAnswer {
+            call: &call,
+            cost: Cost::ONE,
+            answered_us: Some(granted_us),
+            result: Some(result),
+        };
+        store
+            .complete_call(&s, &message, None, answer, Duration::from_secs(60))
+            .await
+            .unwrap();
+        let copy = || store.acquire_for(&s, Some(&message), Cost::ONE, false);
+        assert_eq!(
+            copy().await.unwrap(),
+            Decision::AlreadyDone,
+            "{algorithm}: a copy is not called while its result is kept"
+        );
+        let records = store.records();
+        assert_eq!(
+            records
+                .pending_result(&s, &message)
+                .await
+                .unwrap()
+                .as_deref(),
+            Some(result),
+            "{algorithm}: the kept result reads back as written"
+        );
+        let state = records.message_state(&s, &message).await.unwrap();
+        assert_eq!(state.map(|(state, _)| state).as_deref(), Some("registered"));
+        store.result_published(&s, &message).await.unwrap();
+        assert_eq!(records.pending_result(&s, &message).await.unwrap(), None);
+        let (state, ttl) = records.message_state(&s, &message).await.unwrap().unwrap();
+        assert_eq!(
+            state, "registered",
+            "{algorithm}: trimmed, still registered"
+        );
+        assert!(
+            ttl.is_some_and(|t| t > Duration::from_secs(50)),
+            "{algorithm}: its TTL kept"
+        );
+        assert_eq!(
+            copy().await.unwrap(),
+            Decision::AlreadyDone,
+            "{algorithm}: and a copy is still not called"
+        );
+        keys.cleanup().await;
+    }
 }
 
 /// How many members the sorted set `key` holds.

@@ -592,7 +592,7 @@ impl Progress for PermitStore {
         seller: &'a SellerId,
         message: &'a MessageId,
     ) -> BoxFuture<'a, Result<(), PermitError>> {
-        async move { self.records().result_published(seller, message).await }.boxed()
+        async move { PermitStore::result_published(self, seller, message).await }.boxed()
     }
 
     fn batch_progress<'a>(

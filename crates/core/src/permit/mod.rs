@@ -1953,6 +1953,27 @@ impl PermitStore {
         self.run(complete.operation(), when).await
     }
 
+    /// Says that a registered message's result was published: its record keeps `registered`
+    /// alone, with its TTL (a record gone meanwhile is not recreated). Rides along with the next
+    /// call to Redis (within [`record_delay`]), as the records do: a plain SET, no round trip
+    /// of its own while the replica is busy.
+    pub async fn result_published(
+        &self,
+        seller: &SellerId,
+        message: &MessageId,
+    ) -> Result<(), PermitError> {
+        let key = self.keys.done(seller, message);
+        let mut set = redis::cmd("SET");
+        set.arg(&key).arg("registered").arg("XX").arg("KEEPTTL");
+        let _: (Option<String>,) = self
+            .run(
+                Operation::commands(vec![set], key),
+                When::Within(self.record_delay),
+            )
+            .await?;
+        Ok(())
+    }
+
     /// The seller's keys of adaptive limits (see [`calls::AdaptiveKeys`]).
     fn adaptive_keys(&self, seller: &SellerId) -> calls::AdaptiveKeys {
         calls::AdaptiveKeys {

@@ -539,23 +539,6 @@ impl Records {
         Ok(state.as_deref().and_then(pending_result).map(str::to_owned))
     }
 
-    /// Says that a registered message's result was published (confirmed): its record keeps
-    /// `registered` alone, with the TTL it had; a record gone meanwhile is not recreated.
-    pub async fn result_published(
-        &self,
-        seller: &SellerId,
-        message: &MessageId,
-    ) -> Result<(), PermitError> {
-        let _: Option<String> = redis::cmd("SET")
-            .arg(self.keys.done(seller, message))
-            .arg("registered")
-            .arg("XX")
-            .arg("KEEPTTL")
-            .query_async(&mut self.conn.clone())
-            .await?;
-        Ok(())
-    }
-
     /// What a message's completion record says of it (see `lua/complete.lua`): `registered`
     /// (its result published or not), `dead:<REASON>`, or `None`: waiting (never finished, or
     /// replayed since), never seen, or its record expired (`TURNSTILE_DONE_TTL`). With how long
