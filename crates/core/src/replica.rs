@@ -731,7 +731,13 @@ async fn run(
             Ended::Lost(why) => (why, true),
             Ended::HandedBack(why) => (why, false),
         };
-        ready.not_ready(why.clone());
+        if broker_lost {
+            ready.not_ready(format!(
+                "the broker connection was lost ({why}): reconnecting"
+            ));
+        } else {
+            ready.not_ready(why.clone());
+        }
         if broker_lost {
             metrics::gauge!("turnstile_broker_connected").set(0.0);
             metrics::counter!("turnstile_broker_errors_total").increment(1);

@@ -766,6 +766,7 @@ impl App {
             charged: charged.clone(),
         };
         if accepted.contains(&req.key) {
+            tracing::debug!(key = %req.key, seller = %req.seller, "mock API: a repeated Idempotency-Key");
             stats.duplicates += 1;
             stats
                 .sellers

@@ -626,8 +626,9 @@ impl Api for FakeApi {
             let answer = self.script.lock().expect("never poisoned").pop_front();
             let answer = answer.unwrap_or_else(|| {
                 panic!(
-                    "the API was called more often than scripted: {}",
-                    registration.message_id.as_str()
+                    "the API was called more often than scripted: {} {:?}",
+                    registration.message_id.as_str(),
+                    self.journal.events()
                 )
             });
             tokio::time::sleep(self.latency).await;

@@ -701,6 +701,38 @@ async fn a_registration_whose_record_fails_is_recorded_again_after_a_backoff_its
 }
 
 #[tokio::test(start_paused = true)]
+async fn two_copies_of_one_message_granted_at_once_make_one_call_the_second_done_after_it() {
+    // The first copy's grant comes late: the second is granted and calls meanwhile.
+    let h = Harness::new(
+        [
+            Script::SlowGrant(100 * MS),
+            Script::Grant,
+            Script::AlreadyDone,
+        ],
+        [Answer::Created { told: None }],
+    );
+    let (first, second) = (registration("m-1"), registration("m-1"));
+
+    let (a, b) = tokio::join!(h.handle(&first, Carried::default()), async {
+        tokio::time::sleep(10 * MS).await;
+        h.handle(&second, Carried::default()).await
+    });
+
+    assert_eq!(h.journal.count(called), 1, "one call for the two copies");
+    assert_eq!(
+        h.journal.count(|e| matches!(e, Event::Unsent { .. })),
+        1,
+        "the late grant given back unused"
+    );
+    assert_eq!(
+        a,
+        Outcome::AlreadyDone,
+        "the first asks again after the call"
+    );
+    assert_eq!(b, registered(1));
+}
+
+#[tokio::test(start_paused = true)]
 async fn a_copy_of_a_registered_message_publishes_the_result_its_record_kept() {
     let h = Harness::new([], []);
     let kept = r#"{"message_id":"m-1","outcome":"registered","status":201}"#;

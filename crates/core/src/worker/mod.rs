@@ -188,20 +188,44 @@ impl Asking {
     }
 }
 
-/// Registrations whose completion record this replica is writing: a record may ride along with
-/// other calls to Redis for a while (see `permit::batch`), and another copy of the same message
-/// delivered to this replica meanwhile waits for it, then finds the message registered, as it
-/// would if the record had been written at once. Holds only records in writing (at most one
-/// per message in flight).
+/// Registrations this replica is calling, then writing the completion record of: a record may
+/// ride along with other calls to Redis for a while (see `permit::batch`), and another copy of
+/// the same message delivered to this replica meanwhile waits for it, then finds the message
+/// registered, as it would if the record had been written at once; a copy granted while one is
+/// called asks again after it. Holds at most one entry per call in flight or record in
+/// writing.
 #[derive(Default)]
 pub struct RecordsInWriting {
     by_message: std::sync::Mutex<HashMap<(SellerId, MessageId), Arc<Notify>>>,
+    /// Registrations recorded here lately, and when: a grant asked for before that moment (by
+    /// a copy, while the record did not exist) is not called (see [`RecordsInWriting::claim`]).
+    /// Kept [`CALL_ALLOWANCE`] and a little more: an older grant is never called anyway.
+    recorded: std::sync::Mutex<HashMap<(SellerId, MessageId), std::time::Instant>>,
 }
+
+/// Registrations recorded lately that [`RecordsInWriting`] keeps before it forgets the old ones.
+const RECENTLY_RECORDED: usize = 1024;
 
 /// Ends a record's writing when dropped (written, failed, or the task gone): its waiters go on.
 struct Writing<'a> {
     records: &'a RecordsInWriting,
     key: (SellerId, MessageId),
+}
+
+impl Writing<'_> {
+    /// The registration is recorded: a grant a copy asked for before now is not called.
+    fn recorded(self) {
+        let now = std::time::Instant::now();
+        let mut recorded = self
+            .records
+            .recorded
+            .lock()
+            .unwrap_or_else(|e| e.into_inner());
+        if recorded.len() >= RECENTLY_RECORDED {
+            recorded.retain(|_, at| now.duration_since(*at) <= CALL_ALLOWANCE * 2);
+        }
+        recorded.insert(self.key.clone(), now);
+    }
 }
 
 impl Drop for Writing<'_> {
@@ -227,11 +251,22 @@ impl RecordsInWriting {
         )
     }
 
-    /// Notes that `registration`'s record is being written until the guard is dropped.
-    fn begin(&self, registration: &Registration) -> Writing<'_> {
+    /// Notes that `registration` is being called here, and then its record written, until the
+    /// guard is dropped; `None` if another copy of it is (it goes first), or if a copy was
+    /// recorded here since the grant's request was `sent` (the grant did not see the record).
+    fn claim(&self, registration: &Registration, sent: std::time::Instant) -> Option<Writing<'_>> {
         let key = Self::key(registration);
-        self.lock().entry(key.clone()).or_default();
-        Writing { records: self, key }
+        let recorded = self.recorded.lock().unwrap_or_else(|e| e.into_inner());
+        if recorded.get(&key).is_some_and(|at| *at >= sent) {
+            return None;
+        }
+        drop(recorded);
+        let mut calling = self.lock();
+        if calling.contains_key(&key) {
+            return None;
+        }
+        calling.insert(key.clone(), Arc::default());
+        Some(Writing { records: self, key })
     }
 
     /// Whether `registration`'s record is being written here.
@@ -756,11 +791,18 @@ impl Worker {
             self.limiter.unsent(grant).await;
             return Plan::Settle(self.expire(registration, carried, detail));
         }
+        // Two copies of one message here (a redelivery beside a delayed copy, a producer's
+        // duplicate) never call at once: the second asks again once the first is recorded.
+        let Some(calling) = self.records_in_writing.claim(registration, grant.sent()) else {
+            self.limiter.unsent(grant).await;
+            carried.reservation = None;
+            return Plan::AskAgain;
+        };
         self.call(
             registration,
             trace,
             grant,
-            worker,
+            (worker, calling),
             carried,
             reporting,
             interruptions,
@@ -872,7 +914,7 @@ impl Worker {
         registration: &Registration,
         trace: &TraceContext,
         grant: Grant,
-        worker: OwnedSemaphorePermit,
+        (worker, calling): (OwnedSemaphorePermit, Writing<'_>),
         carried: &mut Carried,
         reporting: &Reporting,
         interruptions: Interruptions<'_>,
@@ -880,14 +922,13 @@ impl Worker {
         let span = trace.child();
         tracing::Span::current().record("span_id", tracing::field::display(span.span_id()));
         self.stats.in_flight.fetch_add(1, Ordering::Relaxed);
-        let calling = std::time::Instant::now();
+        let started = std::time::Instant::now();
         let answered = self.downstream.call(registration, &span).await;
-        self.ask_ahead.called(calling.elapsed());
+        self.ask_ahead.called(started.elapsed());
         let answered_us = grant.answered_us();
         self.stats.in_flight.fetch_sub(1, Ordering::Relaxed);
-        // Noted before the worker is free for a copy of the same message (see `ask`).
-        let writing = matches!(answered.reply, Reply::Registered(_))
-            .then(|| self.records_in_writing.begin(registration));
+        // Kept, for a registration, until its record is written (see `ask`).
+        let writing = matches!(answered.reply, Reply::Registered(_)).then_some(calling);
         self.limiter.answered(&grant).await;
         if let Some(actual) = answered.cost {
             self.limiter.recost(&grant, actual).await;
@@ -920,7 +961,9 @@ impl Worker {
                     result: Some(&kept),
                 };
                 let recorded = self.record_completion(&grant, answered_us, answer).await;
-                drop(writing);
+                if let Some(writing) = writing {
+                    writing.recorded();
+                }
                 let Some(recorded) = recorded else {
                     // Redis cut off: the result goes out now and the message is acked; its
                     // record is written once Redis answers. Only a lost connection stops the
@@ -1627,7 +1670,9 @@ mod tests {
     async fn a_copy_waits_while_its_message_record_is_written_here_and_no_longer() {
         let records = Arc::new(RecordsInWriting::default());
         let first = registration("m-1");
-        let writing = records.begin(&first);
+        let writing = records
+            .claim(&first, std::time::Instant::now())
+            .expect("nothing claimed it yet");
         // Another message does not wait.
         records.wait_for(&registration("m-2")).await;
         let done = Arc::new(AtomicBool::new(false));
@@ -1645,9 +1690,24 @@ mod tests {
             !done.load(Ordering::SeqCst),
             "the copy waits for the record"
         );
-        drop(writing);
+        let asked = std::time::Instant::now();
+        assert!(
+            records.claim(&registration("m-1"), asked).is_none(),
+            "a copy cannot be called while the first is"
+        );
+        writing.recorded();
         copy.await.unwrap();
         assert!(done.load(Ordering::SeqCst));
         assert!(records.lock().is_empty(), "nothing is kept once written");
+        assert!(
+            records.claim(&registration("m-1"), asked).is_none(),
+            "a grant asked for before the record is not called"
+        );
+        assert!(
+            records
+                .claim(&registration("m-1"), std::time::Instant::now())
+                .is_some(),
+            "one asked for after it is (the limiter saw the record)"
+        );
     }
 }
