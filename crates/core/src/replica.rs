@@ -696,6 +696,7 @@ async fn run(
         tracker: &tracker,
         releases: &releases,
         shutdown: &shutdown,
+        ready: &ready,
     };
     let links = &worker.links;
     let mut session = Some(first);
@@ -864,6 +865,8 @@ struct Consuming<'a> {
     tracker: &'a TaskTracker,
     releases: &'a tokio::sync::broadcast::Sender<broker::ladder::Release>,
     shutdown: &'a CancellationToken,
+    /// Said not ready as soon as a session ends, before its calls in flight settle.
+    ready: &'a Readiness,
 }
 
 impl Consuming<'_> {
@@ -998,11 +1001,19 @@ impl Consuming<'_> {
         probe.abort();
         match ended {
             Ended::HandedBack(_) => {
+                self.ready.not_ready(format!(
+                    "{}: handing the held and delayed messages back",
+                    silent_for("Redis", self.worker.links.timeout())
+                ));
                 let why = self.hand_back(current, &handing_back, &deliveries).await;
                 connection_lost.cancel();
                 Ended::HandedBack(why)
             }
             Ended::Lost(why) => {
+                self.ready.not_ready(format!(
+                    "the broker connection was lost ({why}): reconnecting"
+                ));
+                metrics::gauge!("turnstile_broker_connected").set(0.0);
                 connection_lost.cancel();
                 // A connection that still works (a probe unanswered in time, a channel of its
                 // own failed) is closed only once the calls in flight ended and are recorded:
