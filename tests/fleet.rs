@@ -372,30 +372,10 @@ async fn the_fleet_api_lists_the_replicas_and_the_terms_in_force() {
     let quiet = replica(&rig, "8/1s", &stop).await;
     let mut settings = rig.settings(2);
     settings.limiter.limit = "5/1s".parse().unwrap();
-    let serving = Served::start(
-        ServeArgs {
-            consume: settings,
-            http: turnstile_ops::serve::HttpArgs {
-                http_addr: turnstile_ops::http::Listen::At("127.0.0.1:0".parse().unwrap()),
-                http_token: None,
-            },
-        },
-        stop.clone(),
-    )
-    .await
-    .unwrap();
-    let base = format!("http://{}", serving.http_addr.unwrap());
-    let client = reqwest::Client::new();
+    let (serving, endpoints) = serving_http(settings, &stop).await;
     let mut fleet = serde_json::Value::Null;
     support::eventually_async("the serving replica's heartbeat sees both", async || {
-        fleet = client
-            .get(format!("{base}/api/fleet"))
-            .send()
-            .await
-            .unwrap()
-            .json()
-            .await
-            .unwrap();
+        fleet = endpoints.fleet().await;
         fleet["replicas"].as_array().is_some_and(|r| r.len() == 2) && fleet["applied"] == true
     })
     .await;
@@ -417,14 +397,7 @@ async fn the_fleet_api_lists_the_replicas_and_the_terms_in_force() {
         replicas.iter().any(|r| r["id"] == fleet["me"]),
         "the serving replica names itself: {fleet}"
     );
-    let metrics = client
-        .get(format!("{base}/metrics"))
-        .send()
-        .await
-        .unwrap()
-        .text()
-        .await
-        .unwrap();
+    let metrics = endpoints.metrics().await;
     assert!(metrics.contains("turnstile_fleet_replicas 2"), "{metrics}");
     assert!(
         metrics.contains("turnstile_fleet_disagreement 1"),
@@ -437,6 +410,55 @@ async fn the_fleet_api_lists_the_replicas_and_the_terms_in_force() {
 }
 
 /// An RFC 3339 stamp of the fleet's view, as a time.
+/// A replica with `settings` serving its endpoints on a free port, and a reader of them.
+async fn serving_http(
+    settings: turnstile_core::replica::ConsumeArgs,
+    stop: &CancellationToken,
+) -> (Served, Endpoints) {
+    let serving = Served::start(
+        ServeArgs {
+            consume: settings,
+            http: turnstile_ops::serve::HttpArgs {
+                http_addr: turnstile_ops::http::Listen::At("127.0.0.1:0".parse().unwrap()),
+                http_token: None,
+            },
+        },
+        stop.clone(),
+    )
+    .await
+    .unwrap();
+    let base = format!("http://{}", serving.http_addr.unwrap());
+    let endpoints = Endpoints {
+        base,
+        client: reqwest::Client::new(),
+    };
+    (serving, endpoints)
+}
+
+/// A serving replica's endpoints, read as a client would.
+struct Endpoints {
+    base: String,
+    client: reqwest::Client,
+}
+
+impl Endpoints {
+    /// `GET /api/fleet`.
+    async fn fleet(&self) -> serde_json::Value {
+        let answer = self.get("/api/fleet").await;
+        answer.json().await.unwrap()
+    }
+
+    /// `GET /metrics`.
+    async fn metrics(&self) -> String {
+        self.get("/metrics").await.text().await.unwrap()
+    }
+
+    async fn get(&self, path: &str) -> reqwest::Response {
+        let url = format!("{}{path}", self.base);
+        self.client.get(url).send().await.unwrap()
+    }
+}
+
 fn stamp(rfc3339: &str) -> std::time::SystemTime {
     humantime::parse_rfc3339(rfc3339).unwrap_or_else(|e| panic!("{rfc3339}: {e}"))
 }
@@ -580,33 +602,10 @@ async fn the_fleet_api_lists_a_replica_cut_off_from_redis_as_lost() {
     let cut_off = Served::start(ServeArgs::from(settings), stop.clone())
         .await
         .unwrap();
-    let serving = Served::start(
-        ServeArgs {
-            consume: rig.settings(2),
-            http: turnstile_ops::serve::HttpArgs {
-                http_addr: turnstile_ops::http::Listen::At("127.0.0.1:0".parse().unwrap()),
-                http_token: None,
-            },
-        },
-        stop.clone(),
-    )
-    .await
-    .unwrap();
-    let base = format!("http://{}", serving.http_addr.unwrap());
-    let client = reqwest::Client::new();
-    let fleet_api = async || -> serde_json::Value {
-        client
-            .get(format!("{base}/api/fleet"))
-            .send()
-            .await
-            .unwrap()
-            .json()
-            .await
-            .unwrap()
-    };
+    let (serving, endpoints) = serving_http(rig.settings(2), &stop).await;
     let mut fleet = serde_json::Value::Null;
     support::eventually_async("both replicas live and ready", async || {
-        fleet = fleet_api().await;
+        fleet = endpoints.fleet().await;
         fleet["replicas"]
             .as_array()
             .is_some_and(|r| r.len() == 2 && r.iter().all(|r| r["ready"] == true))
@@ -624,7 +623,7 @@ async fn the_fleet_api_lists_a_replica_cut_off_from_redis_as_lost() {
 
     link.cut();
     support::eventually_async("the cut-off replica is listed as lost", async || {
-        fleet = fleet_api().await;
+        fleet = endpoints.fleet().await;
         fleet["lost"].as_array().is_some_and(|l| l.len() == 1)
     })
     .await;
@@ -642,14 +641,7 @@ async fn the_fleet_api_lists_a_replica_cut_off_from_redis_as_lost() {
         fleet["effective"]["limit"], "8/1s",
         "its terms no longer count: {fleet}"
     );
-    let metrics = client
-        .get(format!("{base}/metrics"))
-        .send()
-        .await
-        .unwrap()
-        .text()
-        .await
-        .unwrap();
+    let metrics = endpoints.metrics().await;
     assert!(
         metrics.contains("turnstile_fleet_replicas_lost 1"),
         "{metrics}"
@@ -657,7 +649,7 @@ async fn the_fleet_api_lists_a_replica_cut_off_from_redis_as_lost() {
 
     link.restore();
     support::eventually_async("the replica beats again: live, not lost", async || {
-        fleet = fleet_api().await;
+        fleet = endpoints.fleet().await;
         fleet["lost"].as_array().is_some_and(Vec::is_empty)
             && fleet["replicas"].as_array().is_some_and(|r| r.len() == 2)
     })

@@ -466,7 +466,6 @@ pub fn view(roll: &Roll, guard: Option<Duration>) -> View {
 
 fn replica(member: &Registered) -> Result<Replica, serde_json::Error> {
     let entry: Entry = serde_json::from_str(&member.entry)?;
-    let stamp = |ms: i64| crate::worker::report::rfc3339(ms.max(0) as u64);
     Ok(Replica {
         id: member.id.clone(),
         started: stamp(member.since_ms),
@@ -476,9 +475,13 @@ fn replica(member: &Registered) -> Result<Replica, serde_json::Error> {
     })
 }
 
+/// A registry time (Redis ms) as the view shows it (RFC 3339).
+fn stamp(ms: i64) -> String {
+    crate::worker::report::rfc3339(ms.max(0) as u64)
+}
+
 fn lost_replica(member: &Registered) -> LostReplica {
     let last: LastKnown = serde_json::from_str(&member.entry).unwrap_or_default();
-    let stamp = |ms: i64| crate::worker::report::rfc3339(ms.max(0) as u64);
     let lost_ms = member.lost_ms.unwrap_or(member.last_ms);
     LostReplica {
         id: member.id.clone(),

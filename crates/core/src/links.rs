@@ -3,9 +3,8 @@
 //!
 //! A link that resets is seen at once (the connection fails). A link that hangs (the sockets
 //! stay open, nothing comes back: a partition, a stuck proxy or load balancer) is seen only by
-//! asking: the replica probes the broker every [`PROBE_EVERY`] with a cheap round trip, and
-//! renews its fleet entry in Redis every second; a link that has not answered for
-//! [`LinkArgs::link_timeout`] is **cut off**. Then:
+//! asking: the replica probes the broker and pings Redis every [`PROBE_EVERY`]; a link that has
+//! not answered for [`LinkArgs::link_timeout`] is **cut off**. Then:
 //! - broker cut off: the replica stops starting calls, ends its broker session and reconnects
 //!   (not ready meanwhile); what it held goes back to the other replicas once the broker notices
 //!   the connection gone (a reset at once, a hang after two missed heartbeats, see
@@ -16,7 +15,7 @@
 //!
 //! The heartbeat is chosen so that the broker hands a hung replica's messages to another one
 //! only after that replica stopped starting calls and every call it had started has ended
-//! (`2 x heartbeat >= link timeout + downstream timeout`): its completion records are then in
+//! (`2 x heartbeat >= link timeout + downstream timeout + 2 probes`): its completion records are then in
 //! Redis, and a redelivered copy is acked as registered, never called again.
 
 use std::sync::Arc;
@@ -92,15 +91,15 @@ impl LinkArgs {
     }
 }
 
-/// The replica's links as its parts see them: when each last answered, and whether Redis is
-/// cut off now. The replica's watchers write it; its workers read it (a registration whose
+/// The replica's links as its parts see them: when Redis last answered, and whether it is cut
+/// off now (the broker's probe decides alone, see `replica`). The replica's watcher writes it;
+/// its workers read it (a registration whose
 /// record cannot be written while Redis is cut off is settled another way, see
 /// `worker::Worker::call`). Cheap to clone.
 #[derive(Clone, Debug)]
 pub struct Links {
     timeout: Duration,
     redis: LastAnswer,
-    broker: LastAnswer,
     /// True while Redis is cut off.
     redis_cut: Arc<tokio::sync::watch::Sender<bool>>,
 }
@@ -112,17 +111,13 @@ impl Default for Links {
 }
 
 impl Links {
-    /// Links cut off after `timeout` of silence, both taken as answering now.
+    /// Links cut off after `timeout` of silence, Redis taken as answering now.
     pub fn new(timeout: Duration) -> Self {
-        let links = Self {
+        Self {
             timeout,
             redis: LastAnswer::default(),
-            broker: LastAnswer::default(),
             redis_cut: Arc::new(tokio::sync::watch::Sender::new(false)),
-        };
-        links.redis.answered();
-        links.broker.answered();
-        links
+        }
     }
 
     /// How long a link may stay silent before it is cut off.
@@ -135,19 +130,9 @@ impl Links {
         self.redis.answered();
     }
 
-    /// The broker answered now.
-    pub fn broker_answered(&self) {
-        self.broker.answered();
-    }
-
     /// How long since Redis last answered.
     pub fn redis_silent_for(&self) -> Duration {
         self.redis.silent_for()
-    }
-
-    /// How long since the broker last answered.
-    pub fn broker_silent_for(&self) -> Duration {
-        self.broker.silent_for()
     }
 
     /// Looks at Redis's link now: cut off once silent for the timeout, back once it answered

@@ -721,30 +721,23 @@ async fn run(
                 }
             }
         };
-        let ended = consuming.consume(&mut current).await;
-        let (why, broker_lost) = match ended {
+        // Readiness and `turnstile_broker_connected` were said as the session ended.
+        match consuming.consume(&mut current).await {
             Ended::Shutdown => {
                 ready.not_ready("shutting down: draining");
                 consuming.close(current).await;
                 records_written(&worker, args.shutdown_grace).await;
                 return Ok(());
             }
-            Ended::Lost(why) => (why, true),
-            Ended::HandedBack(why) => (why, false),
-        };
-        if broker_lost {
-            ready.not_ready(format!(
-                "the broker connection was lost ({why}): reconnecting"
-            ));
-        } else {
-            ready.not_ready(why.clone());
-        }
-        if broker_lost {
-            metrics::gauge!("turnstile_broker_connected").set(0.0);
-            metrics::counter!("turnstile_broker_errors_total").increment(1);
-            warn!(error = %why, broker = %current.node, "broker connection lost; reconnecting");
-        } else {
-            warn!(%why, broker = %current.node, "handed the held and delayed messages back to the other replicas; consuming again once Redis answers");
+            Ended::Lost(why) => {
+                metrics::counter!("turnstile_broker_errors_total").increment(1);
+                warn!(error = %why, broker = %current.node, "broker connection lost; reconnecting");
+            }
+            Ended::HandedBack => warn!(
+                why = %silent_for("Redis", links.timeout()),
+                broker = %current.node,
+                "handed the held and delayed messages back to the other replicas; consuming again once Redis answers"
+            ),
         }
         // A hung link never answers the close: the broker drops the connection itself once
         // its heartbeats stop (see `crate::links`).
@@ -760,8 +753,7 @@ async fn run(
 /// written (see `Worker::record_later`); those left are lost with the replica (logged).
 async fn records_written(worker: &Worker, grace: Duration) {
     let later = &worker.records_later;
-    later.close();
-    if tokio::time::timeout(grace, later.wait()).await.is_err() {
+    if !all_done(later, tokio::time::Instant::now() + grace).await {
         warn!(
             unwritten = later.len(),
             "stopping with completion records kept while Redis was cut off still unwritten: a copy of those messages published again would be called again"
@@ -776,9 +768,9 @@ enum Ended {
     Shutdown,
     /// The session failed (why): the replica reconnects.
     Lost(String),
-    /// Redis was cut off (why): the session handed its messages back; the replica consumes
-    /// again once Redis answers.
-    HandedBack(String),
+    /// Redis was cut off: the session handed its messages back; the replica consumes again
+    /// once Redis answers.
+    HandedBack,
 }
 
 /// What a link silent for the link timeout is told apart by.
@@ -790,10 +782,13 @@ fn silent_for(what: &str, timeout: Duration) -> String {
 }
 
 /// Probes the broker every [`links::PROBE_EVERY`] with a round trip on a channel of its own
-/// (a passive declare of the work queue), noting each answer in `links`; returns why the
-/// session must end once one is not answered within the link timeout (a hung link) or fails.
-async fn probe_broker(connection: Arc<lapin::Connection>, queue: String, links: Links) -> String {
-    let timeout = links.timeout();
+/// (a passive declare of the work queue); returns why the session must end once one is not
+/// answered within `timeout` (a hung link) or fails.
+async fn probe_broker(
+    connection: Arc<lapin::Connection>,
+    queue: String,
+    timeout: Duration,
+) -> String {
     let channel = match tokio::time::timeout(timeout, connection.create_channel()).await {
         Ok(Ok(channel)) => channel,
         Ok(Err(error)) => return format!("could not open the broker probe's channel: {error}"),
@@ -802,7 +797,7 @@ async fn probe_broker(connection: Arc<lapin::Connection>, queue: String, links: 
     loop {
         let asked = broker::depth(&channel, &queue);
         match tokio::time::timeout(timeout, asked).await {
-            Ok(Ok(_)) => links.broker_answered(),
+            Ok(Ok(_)) => tokio::time::sleep(links::PROBE_EVERY).await,
             Ok(Err(error)) => {
                 return format!(
                     "the broker refused a probe: {}",
@@ -811,7 +806,6 @@ async fn probe_broker(connection: Arc<lapin::Connection>, queue: String, links: 
             }
             Err(_) => return silent_for("the broker", timeout),
         }
-        tokio::time::sleep(links::PROBE_EVERY).await;
     }
 }
 
@@ -954,7 +948,7 @@ impl Consuming<'_> {
         let mut probe = tokio::spawn(probe_broker(
             current.connection.clone(),
             self.worker.topology.work().to_owned(),
-            self.worker.links.clone(),
+            self.worker.links.timeout(),
         ));
         let events = current.events.get_mut().unwrap_or_else(|e| e.into_inner());
         let ended = match ladder_failed {
@@ -965,7 +959,7 @@ impl Consuming<'_> {
                     probed = &mut probe => {
                         break Ended::Lost(probed.unwrap_or_else(|e| format!("the broker probe failed: {e}")));
                     }
-                    () = self.worker.links.redis_cut_off() => break Ended::HandedBack(String::new()),
+                    () = self.worker.links.redis_cut_off() => break Ended::HandedBack,
                     _ = connection_lost.cancelled() => {
                         break Ended::Lost("a delay ladder consumer or the publish channel failed".into());
                     }
@@ -1000,14 +994,11 @@ impl Consuming<'_> {
         };
         probe.abort();
         match ended {
-            Ended::HandedBack(_) => {
-                self.ready.not_ready(format!(
-                    "{}: handing the held and delayed messages back",
-                    silent_for("Redis", self.worker.links.timeout())
-                ));
-                let why = self.hand_back(current, &handing_back, &deliveries).await;
+            Ended::HandedBack => {
+                // Not ready already: `watch_redis` said so as it cut Redis off.
+                self.hand_back(current, &handing_back, &deliveries).await;
                 connection_lost.cancel();
-                Ended::HandedBack(why)
+                Ended::HandedBack
             }
             Ended::Lost(why) => {
                 self.ready.not_ready(format!(
@@ -1031,12 +1022,8 @@ impl Consuming<'_> {
     /// Waits, within the downstream timeout (and 2 s), for the session's deliveries to settle,
     /// once nothing new starts: the calls in flight end and are recorded.
     async fn settle_in_flight(&self, deliveries: &TaskTracker) {
-        deliveries.close();
         let bound = self.args.downstream.timeout + Duration::from_secs(2);
-        if tokio::time::timeout(bound, deliveries.wait())
-            .await
-            .is_err()
-        {
+        if !all_done(deliveries, tokio::time::Instant::now() + bound).await {
             warn!(
                 unsettled = deliveries.len(),
                 "deliveries still unsettled as the session ends: the broker takes them back with the connection"
@@ -1050,21 +1037,17 @@ impl Consuming<'_> {
     /// settle (results published and acked, their records written once Redis answers: see
     /// `Worker::record_later`), within the downstream timeout; the acks are sent. The caller
     /// then closes the connection, and the delay ladder's messages go back to their levels for
-    /// the other replicas. Returns why, for the logs and readiness.
+    /// the other replicas.
     async fn hand_back(
         &self,
         current: &Session,
         handing_back: &CancellationToken,
         deliveries: &TaskTracker,
-    ) -> String {
+    ) {
         handing_back.cancel();
         let _ = tokio::time::timeout(Duration::from_secs(1), current.cancel()).await;
         self.settle_in_flight(deliveries).await;
         let _ = tokio::time::timeout(Duration::from_secs(2), current.flush()).await;
-        format!(
-            "{}: held and delayed messages handed back",
-            silent_for("Redis", self.worker.links.timeout())
-        )
     }
 
     /// Shuts the session down: no new deliveries, in-flight work finished (held messages
@@ -1097,14 +1080,19 @@ impl Consuming<'_> {
 /// Lets in-flight work finish until `deadline`; after it, what is still unsettled is left to
 /// the broker (it redelivers once the connection closes).
 async fn drain(tracker: &TaskTracker, deadline: tokio::time::Instant) {
-    tracker.close();
-    if tokio::time::timeout_at(deadline, tracker.wait())
-        .await
-        .is_err()
-    {
+    if !all_done(tracker, deadline).await {
         warn!(
             unsettled = tracker.len(),
             "shutdown grace over: closing with calls in flight; the broker redelivers their messages"
         );
     }
+}
+
+/// Closes `tracker` (no new task) and waits for its tasks until `deadline`; whether they all
+/// ended.
+async fn all_done(tracker: &TaskTracker, deadline: tokio::time::Instant) -> bool {
+    tracker.close();
+    tokio::time::timeout_at(deadline, tracker.wait())
+        .await
+        .is_ok()
 }

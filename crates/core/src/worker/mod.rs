@@ -67,6 +67,20 @@ struct Interruptions<'a> {
     connection_lost: &'a CancellationToken,
 }
 
+/// A token never cancelled: what [`Interruptions::NONE`] waits on.
+static NEVER: std::sync::LazyLock<CancellationToken> =
+    std::sync::LazyLock::new(CancellationToken::new);
+
+impl Interruptions<'static> {
+    /// Nothing ends the wait (work that outlives its delivery's session).
+    fn none() -> Self {
+        Self {
+            shutdown: &NEVER,
+            connection_lost: &NEVER,
+        }
+    }
+}
+
 /// Where a delivery's result goes, and what it says of the message besides its outcome.
 struct Reporting {
     results: Arc<dyn ResultSink>,
@@ -123,6 +137,15 @@ async fn until_done<T, E: std::fmt::Display, F: Future<Output = Result<T, E>>>(
             _ = interruptions.shutdown.cancelled() => return None,
             _ = interruptions.connection_lost.cancelled() => return None,
         }
+    }
+}
+
+/// Says that a registration's result was published: its record no longer keeps it (see
+/// [`Progress::result_published`]). A failure only leaves it kept: a redelivery would publish it
+/// again.
+async fn trim_published(progress: &dyn Progress, seller: &SellerId, message: &MessageId) {
+    if let Err(error) = progress.result_published(seller, message).await {
+        debug!(%error, "could not trim a published result from its record; a redelivery would publish it again");
     }
 }
 
@@ -509,18 +532,13 @@ impl Worker {
                     // A batch found complete with its event unpublished (its last message's
                     // replica died before publishing it, and this message is one more).
                     if let Some(event) = seen.event {
-                        let never = CancellationToken::new();
-                        let interruptions = Interruptions {
-                            shutdown: &never,
-                            connection_lost: &never,
-                        };
                         let sent = publish_event(
                             &*progress,
                             &*results,
                             &seller,
                             &batch,
                             event,
-                            interruptions,
+                            Interruptions::none(),
                         );
                         let _ = tokio::time::timeout(Duration::from_secs(30), sent).await;
                     }
@@ -969,9 +987,8 @@ impl Worker {
                     // record is written once Redis answers. Only a lost connection stops the
                     // publish (not a shutdown or a hand-back): the record then keeps the
                     // result, for the copy the broker hands to another replica.
-                    let never = CancellationToken::new();
                     let only_lost = Interruptions {
-                        shutdown: &never,
+                        shutdown: &NEVER,
                         ..interruptions
                     };
                     let published = self
@@ -1146,12 +1163,7 @@ impl Worker {
         answer: Ended<'_>,
     ) -> Option<Recorded> {
         let what = "registered, but the completion record is not written yet";
-        let never = CancellationToken::new();
-        let uninterrupted = Interruptions {
-            shutdown: &never,
-            connection_lost: &never,
-        };
-        let finished = until_done(what, uninterrupted, || async move {
+        let finished = until_done(what, Interruptions::none(), || async move {
             let finished = self.limiter.finish(grant, answered_us, answer).await;
             counting_redis_errors(finished)
         });
@@ -1213,19 +1225,12 @@ impl Worker {
                 }
                 tokio::time::sleep(backoff.next().unwrap_or(Duration::from_secs(5))).await;
             };
-            if unpublished.is_none()
-                && let Err(error) = progress.result_published(&seller, &message).await
-            {
-                debug!(%error, "could not trim a published result from its record; a redelivery would publish it again");
+            if unpublished.is_none() {
+                trim_published(&*progress, &seller, &message).await;
             }
             if let (Some(event), Some(batch)) = (recorded.and_then(|r| r.event), &batch) {
-                let never = CancellationToken::new();
-                let uninterrupted = Interruptions {
-                    shutdown: &never,
-                    connection_lost: &never,
-                };
-                let sent =
-                    publish_event(&*progress, &*results, &seller, batch, event, uninterrupted);
+                let none = Interruptions::none();
+                let sent = publish_event(&*progress, &*results, &seller, batch, event, none);
                 let _ = tokio::time::timeout(Duration::from_secs(30), sent).await;
             }
             info!("the completion record kept while Redis was cut off is written");
@@ -1238,11 +1243,7 @@ impl Worker {
     fn result_sent(&self, seller: &SellerId, message: &MessageId) {
         let progress = self.progress.clone();
         let (seller, message) = (seller.clone(), message.clone());
-        tokio::spawn(async move {
-            if let Err(error) = progress.result_published(&seller, &message).await {
-                debug!(%error, "could not trim a published result from its record; a redelivery would publish it again");
-            }
-        });
+        tokio::spawn(async move { trim_published(&*progress, &seller, &message).await });
     }
 
     /// A message's result (see [`report::Final`]), as published.
