@@ -659,3 +659,43 @@ async fn the_fleet_api_lists_a_replica_cut_off_from_redis_as_lost() {
     serving.wait().await.unwrap();
     rig.cleanup().await.unwrap();
 }
+
+/// A replica with terms far stricter than the fleet's (a shell pointed at production with
+/// `TURNSTILE_LIMIT=1/1d`) visits for 4 s with the operator's consent, and leaves: what the
+/// fleet applied under its terms is undone, and the backlog drains at the fleet's own pace.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_visiting_replica_with_a_stricter_limit_leaves_nothing_stalled_behind() {
+    let mut rig = support::rig("fleet-visitor", "20/1s")
+        .with_api_limit("20/1s".parse().unwrap())
+        .prepare()
+        .await
+        .unwrap();
+    let (stop_fleet, stop_visitor) = (CancellationToken::new(), CancellationToken::new());
+    let fleet = replica(&rig, "20/1s", &stop_fleet).await;
+    rig.publish("S-1", 200).await.unwrap();
+    support::eventually("the fleet registers", || registered(&[&fleet.stats]) >= 20).await;
+
+    let visitor = replica(&rig, "1/1d", &stop_visitor).await;
+    let visitor_stats = visitor.stats.clone();
+    support::eventually_async("the fleet applies the visitor's terms", async || {
+        let view = fleet_view(&rig).await;
+        view.applied
+            && view
+                .effective
+                .is_some_and(|t| t.limit.to_string() == "1/1d")
+    })
+    .await;
+    tokio::time::sleep(Duration::from_secs(4)).await;
+    rig.publish_all((200..205).map(|i| Message::numbered("S-2", i)).collect())
+        .await
+        .unwrap();
+    stop_visitor.cancel();
+    visitor.wait().await.unwrap();
+
+    nothing_lost(&rig, &[&fleet.stats, &visitor_stats], 205).await;
+    let seen = rig.mock.stats();
+    assert_eq!(seen.violations, 0, "{seen:?}");
+    stop_fleet.cancel();
+    fleet.wait().await.unwrap();
+    rig.cleanup().await.unwrap();
+}

@@ -706,7 +706,10 @@ impl Member {
         if let Some(effective) = &view.effective
             && state.applied.as_ref() != Some(effective)
         {
-            let old = self.applied.replace(effective.apply_to(&self.own));
+            let old = self.applied.replace_tagged(
+                effective.apply_to(&self.own),
+                crate::permit::applied::terms_tag(&effective.digest()),
+            );
             match &state.applied {
                 Some(before) => {
                     info!(from = %before.digest(), to = %effective.digest(), "the fleet's terms changed: granting under the new ones");

@@ -390,6 +390,7 @@ fn new_worker(
         ask_ahead: crate::worker::AskAhead::new(args.workers as usize),
         stats,
         reschedules,
+        terms: permits.applied().watch_terms(),
         records_in_writing: Default::default(),
         seller_waits: Default::default(),
         seen_batches: Default::default(),
@@ -925,6 +926,7 @@ impl Consuming<'_> {
             cost: self.worker.stats.broker.clone(),
             prefetch: self.args.delay_prefetch,
             releases: self.releases.clone(),
+            terms: self.worker.terms.clone(),
             handoff: Some(Arc::new(dispatch.clone())),
         });
         let ladder_failed = match ladder

@@ -179,6 +179,10 @@ pub struct Ladder {
     /// the end of their delay any more (their reserved slot was given back) and go back to the
     /// consume path at once.
     pub releases: tokio::sync::broadcast::Sender<Release>,
+    /// The tag of the fleet's terms in force (see `permit::applied`): a message delayed under
+    /// other terms goes back to the consume path at once, whether it is held when they change
+    /// or received after, to ask anew under the terms in force.
+    pub terms: tokio::sync::watch::Receiver<u64>,
     /// Where due messages go: the replica's workers; without one, the return queue.
     pub handoff: Option<Handoff>,
 }
@@ -246,6 +250,10 @@ impl Ladder {
         failed: &CancellationToken,
     ) {
         let mut releases = self.releases.subscribe();
+        let mut terms = self.terms.clone();
+        let stale = |delivery: &Delivery, now: u64| {
+            crate::permit::applied::stale_terms(header_u64(delivery, headers::TERMS), now)
+        };
         // By the end of their hold (Unix ms), then in order of receipt.
         let mut held: BTreeMap<(u64, u64), Delivery> = BTreeMap::new();
         let mut received = 0u64;
@@ -259,6 +267,10 @@ impl Ladder {
                         level.settler.received(delivery.delivery_tag);
                         self.stats.held.fetch_add(1, Ordering::Relaxed);
                         self.stats.deliveries.fetch_add(1, Ordering::Relaxed);
+                        if stale(&delivery, *terms.borrow()) {
+                            self.spawn_move_on(tracker, delivery, &level.settler, true);
+                            continue;
+                        }
                         let now = unix_ms();
                         let hop_until = header_u64(&delivery, headers::HOP);
                         let end = now + remaining_wait(now, hop_until, level.hold).as_millis() as u64;
@@ -280,17 +292,13 @@ impl Ladder {
                     let (_, delivery) = held.pop_first().expect("a head to wait for");
                     self.spawn_move_on(tracker, delivery, &level.settler, false);
                 }
+                Ok(()) = terms.changed() => {
+                    let now = *terms.borrow_and_update();
+                    self.release_held(&mut held, |d| stale(d, now), tracker, &level.settler);
+                }
                 release = releases.recv() => {
                     let Ok(release) = release else { continue };
-                    let released: Vec<(u64, u64)> = held
-                        .iter()
-                        .filter(|(_, delivery)| release(delivery))
-                        .map(|(key, _)| *key)
-                        .collect();
-                    for key in released {
-                        let delivery = held.remove(&key).expect("a held delivery");
-                        self.spawn_move_on(tracker, delivery, &level.settler, true);
-                    }
+                    self.release_held(&mut held, |d| release(d), tracker, &level.settler);
                 }
                 _ = shutdown.cancelled() => break,
                 _ = failed.cancelled() => break,
@@ -298,6 +306,25 @@ impl Ladder {
         }
         // Unacked: the broker returns them to their level when the connection closes.
         self.stats.held.fetch_sub(held.len(), Ordering::Relaxed);
+    }
+
+    /// Moves on at once every held delivery `released` names.
+    fn release_held(
+        self: &Arc<Self>,
+        held: &mut BTreeMap<(u64, u64), Delivery>,
+        released: impl Fn(&Delivery) -> bool,
+        tracker: &TaskTracker,
+        settler: &Settler,
+    ) {
+        let keys: Vec<(u64, u64)> = held
+            .iter()
+            .filter(|(_, delivery)| released(delivery))
+            .map(|(key, _)| *key)
+            .collect();
+        for key in keys {
+            let delivery = held.remove(&key).expect("a held delivery");
+            self.spawn_move_on(tracker, delivery, settler, true);
+        }
     }
 
     fn spawn_move_on(

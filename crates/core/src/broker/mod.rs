@@ -73,6 +73,9 @@ pub mod headers {
     pub const QUEUE: &str = "x-turnstile-queue";
     /// When turnstile first saw the message (Unix ms), for its result.
     pub const FIRST_SEEN: &str = "x-turnstile-first-seen-ms";
+    /// The tag of the fleet's terms the message was delayed under (decimal), see
+    /// `permit::applied::terms_tag`: under other terms it is woken and asks anew.
+    pub const TERMS: &str = "x-turnstile-terms";
 }
 
 /// `TURNSTILE_AMQP_URL`'s default: the local broker.

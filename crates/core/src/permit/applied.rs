@@ -11,6 +11,12 @@
 //! - **an algorithm change**: each algorithm keeps its own state, blind to the others' grants,
 //!   so grants under a new algorithm wait until every grant under the old one has left its
 //!   longest window ([`Applied::fence_until`]).
+//!
+//! The fleet's terms have a **tag** ([`Applied::terms_tag`], 0 before the fleet is heard from):
+//! a message delayed under them carries it (`x-turnstile-terms`), so that a message that waits
+//! for a slot or a ticket given under terms no longer in force is woken and asks anew (see
+//! `broker::ladder` and the worker): a raise, or a stricter replica's departure, never leaves a
+//! backlog waiting out slots planned under terms the fleet left.
 
 use std::sync::atomic::{AtomicI64, Ordering};
 use std::sync::{Arc, RwLock};
@@ -30,6 +36,29 @@ pub struct Applied {
     trusted_until_ns: AtomicI64,
     /// No grant before this Redis time (µs; 0: none): see [`Applied::fence_until`].
     fence_us: AtomicI64,
+    /// The tag of the fleet's terms in force (0: none yet), watched by the delay ladder.
+    tag: tokio::sync::watch::Sender<u64>,
+}
+
+/// The tag a message carries when the terms it was delayed under are unknown (they changed
+/// while it asked): it is woken and asks anew at the next change, or as soon as it is seen.
+pub const UNKNOWN_TERMS: u64 = u64::MAX;
+
+/// The tag of terms written as `digest` (FNV-1a, 64 bits: equal for equal terms on every
+/// replica; never 0 or [`UNKNOWN_TERMS`]).
+pub fn terms_tag(digest: &str) -> u64 {
+    let hash = digest
+        .bytes()
+        .fold(0xcbf2_9ce4_8422_2325_u64, |hash, byte| {
+            (hash ^ u64::from(byte)).wrapping_mul(0x0100_0000_01b3)
+        });
+    hash.clamp(1, UNKNOWN_TERMS - 1)
+}
+
+/// Whether a message that waits under terms tagged `carried` (its header; `None` without one)
+/// must ask anew under the terms tagged `now` (0: no fleet's terms yet, nothing is stale).
+pub fn stale_terms(carried: Option<u64>, now: u64) -> bool {
+    now != 0 && carried.is_some_and(|tag| tag != now)
 }
 
 impl Applied {
@@ -40,7 +69,26 @@ impl Applied {
             base: Instant::now(),
             trusted_until_ns: AtomicI64::new(i64::MAX),
             fence_us: AtomicI64::new(0),
+            tag: tokio::sync::watch::Sender::new(0),
         }
+    }
+
+    /// The tag of the fleet's terms in force (0 before the fleet is heard from).
+    pub fn terms_tag(&self) -> u64 {
+        *self.tag.borrow()
+    }
+
+    /// Follows the tag of the fleet's terms in force.
+    pub fn watch_terms(&self) -> tokio::sync::watch::Receiver<u64> {
+        self.tag.subscribe()
+    }
+
+    /// Replaces the terms with the fleet's, tagged `tag` (see [`terms_tag`]); returns the ones
+    /// replaced, as [`Applied::replace`] does.
+    pub fn replace_tagged(&self, limiter: LimiterArgs, tag: u64) -> Arc<LimiterArgs> {
+        let old = self.replace(limiter);
+        self.tag.send_replace(tag);
+        old
     }
 
     /// The terms that apply now. Hold the answer for one operation only: while it is held,
@@ -134,6 +182,36 @@ mod tests {
         );
         drop(running);
         assert_eq!(Arc::strong_count(&old), 1);
+    }
+
+    #[test]
+    fn a_message_waits_on_only_while_the_terms_it_was_delayed_under_are_in_force() {
+        let (a, b) = (
+            terms_tag("sliding-window 20/1s"),
+            terms_tag("sliding-window 1/1d"),
+        );
+        assert_ne!(a, b);
+        assert_eq!(
+            a,
+            terms_tag("sliding-window 20/1s"),
+            "the same on every replica"
+        );
+        assert!(!stale_terms(Some(a), a));
+        assert!(stale_terms(Some(b), a));
+        assert!(stale_terms(Some(UNKNOWN_TERMS), a));
+        assert!(
+            !stale_terms(None, a),
+            "a message delayed without a tag waits on"
+        );
+        assert!(
+            !stale_terms(Some(b), 0),
+            "no fleet's terms yet: nothing is stale"
+        );
+        let applied = Applied::new(terms(10));
+        let watch = applied.watch_terms();
+        assert_eq!(applied.terms_tag(), 0);
+        applied.replace_tagged(terms(20), a);
+        assert_eq!(*watch.borrow(), a);
     }
 
     #[test]

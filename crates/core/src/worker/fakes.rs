@@ -849,6 +849,7 @@ impl Worker {
             ask_ahead: super::ahead::AskAhead::new(workers),
             stats: Arc::default(),
             reschedules,
+            terms: tokio::sync::watch::channel(0).1,
             records_in_writing: Default::default(),
             seller_waits: Default::default(),
             seen_batches: Default::default(),

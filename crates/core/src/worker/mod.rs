@@ -173,6 +173,9 @@ pub struct Worker {
     /// Notices of sellers whose terms changed (see `permit::watch_reschedules`): a message held
     /// for a slot given back by the change comes back at once.
     pub reschedules: tokio::sync::broadcast::Sender<Rescheduled>,
+    /// The tag of the fleet's terms in force (see `permit::applied`): a message that waited
+    /// under others asks anew, and the delay ladder wakes such messages when it changes.
+    pub terms: tokio::sync::watch::Receiver<u64>,
     /// Registrations whose completion record is being written here.
     pub records_in_writing: RecordsInWriting,
     /// Sellers lately told to wait: their new messages ask without taking a worker.
@@ -310,6 +313,17 @@ impl RecordsInWriting {
         if self.lock().contains_key(&key) {
             notified.await;
         }
+    }
+}
+
+/// The tag a delayed message carries: the fleet's terms' it asked under (`before`), or
+/// [`UNKNOWN_TERMS`](crate::permit::applied::UNKNOWN_TERMS) when they changed while it asked
+/// (`after`); none before the fleet is heard from.
+fn waited_under(before: u64, after: u64) -> Option<u64> {
+    match (before, after) {
+        (0, _) => None,
+        (before, after) if before == after => Some(before),
+        _ => Some(crate::permit::applied::UNKNOWN_TERMS),
     }
 }
 
@@ -611,6 +625,10 @@ impl Worker {
             shutdown,
             connection_lost,
         } = interruptions;
+        let terms = *self.terms.borrow();
+        if crate::permit::applied::stale_terms(carried.terms_tag, terms) {
+            self.forget_stale_terms(registration, carried).await;
+        }
         let interrupted = |why| Plan::Settle(returned(carried.clone(), why));
         if let Some(plan) = self.early_return(carried) {
             return plan;
@@ -664,10 +682,12 @@ impl Worker {
         {
             *retry_after += self.answers_allowance();
         }
+        carried.terms_tag = None;
         match &decision {
             Decision::Wait { retry_after, .. } | Decision::Deferred { retry_after, .. } => {
                 let now = std::time::Instant::now();
                 self.seller_waits.told_to_wait(seller, *retry_after, now);
+                carried.terms_tag = waited_under(terms, *self.terms.borrow());
             }
             Decision::Granted { .. } => self.seller_waits.granted(seller),
             _ => {}
@@ -912,6 +932,30 @@ impl Worker {
         }
         debug!(%detail, "expired");
         Outcome::dead("expired", detail, carried.attempt)
+    }
+
+    /// Forgets what a message waited for under fleet's terms no longer in force (a raise, a
+    /// stricter replica gone): the slot it reserved under them is given back first, so that
+    /// the slot it asks for now is planned under the terms in force, not after the old one.
+    /// A failure to give it back leaves the old slot until it is pruned as stale.
+    async fn forget_stale_terms(&self, registration: &Registration, carried: &mut Carried) {
+        carried.terms_tag = None;
+        let Some(reservation) = carried.reservation.take() else {
+            return;
+        };
+        metrics::counter!("turnstile_reservations_replanned_total").increment(1);
+        let given_back = self
+            .limiter
+            .unreserve(
+                &registration.seller_id,
+                &reservation,
+                registration.cost,
+                self.route_of(registration),
+            )
+            .await;
+        if let Err(error) = given_back {
+            debug!(%error, "a slot reserved under terms no longer in force was not given back; it is when pruned as stale");
+        }
     }
 
     /// The plan for a message back before its reserved slot (see

@@ -152,6 +152,9 @@ pub struct Carried {
     pub started_trace: Option<TraceContext>,
     /// When turnstile first saw the message (Unix ms, never after now), for its result.
     pub first_seen_ms: u64,
+    /// The tag of the fleet's terms its wait was decided under (see
+    /// `permit::applied::terms_tag`); `None` when it never waited under a fleet's terms.
+    pub terms_tag: Option<u64>,
 }
 
 impl Carried {
@@ -166,7 +169,14 @@ impl Carried {
             started_trace: None,
             first_seen_ms: header_u64(delivery, headers::FIRST_SEEN)
                 .map_or(now_ms, |t| t.min(now_ms)),
+            terms_tag: Self::terms_tag_of(delivery),
         }
+    }
+
+    /// The tag of the terms a delivery says it waited under (any number: a forged one only
+    /// makes the message ask anew).
+    pub fn terms_tag_of(delivery: &Delivery) -> Option<u64> {
+        header_u64(delivery, headers::TERMS)
     }
 
     /// The reservation a delivery carries, if its header has the exact form.
@@ -199,6 +209,9 @@ impl Carried {
         ];
         if self.first_seen_ms > 0 {
             headers.push(first_seen_header(self.first_seen_ms));
+        }
+        if let Some(tag) = self.terms_tag {
+            headers.push((headers::TERMS, long_string(&tag.to_string())));
         }
         if let Some(since) = self.throttled_since_ms {
             headers.push((
