@@ -22,12 +22,17 @@ use turnstile_ops::serve::{ServeArgs, Served};
 /// A replica of `rig` with its own stop, granting under `limit`, adaptive limits off (so that
 /// only the fleet's terms move the limit), 8 workers.
 async fn replica(rig: &Rig, limit: &str, stop: &CancellationToken) -> Served {
+    Served::start(replica_args(rig, limit), stop.clone())
+        .await
+        .expect("a replica starts")
+}
+
+/// What [`replica`] starts with.
+fn replica_args(rig: &Rig, limit: &str) -> ServeArgs {
     let mut settings = rig.settings(8);
     settings.limiter.limit = limit.parse::<Limits>().unwrap();
     settings.limiter.adaptive = false;
-    Served::start(ServeArgs::from(settings), stop.clone())
-        .await
-        .expect("a replica starts")
+    ServeArgs::from(settings)
 }
 
 /// The mock forgets what it saw (and restarts its windows): it counts from now.
@@ -675,7 +680,9 @@ async fn a_visiting_replica_with_a_stricter_limit_leaves_nothing_stalled_behind(
     rig.publish("S-1", 200).await.unwrap();
     support::eventually("the fleet registers", || registered(&[&fleet.stats]) >= 20).await;
 
-    let visitor = replica(&rig, "1/1d", &stop_visitor).await;
+    let mut visiting = replica_args(&rig, "1/1d");
+    visiting.consume.allow_stricter_terms = true;
+    let visitor = Served::start(visiting, stop_visitor.clone()).await.unwrap();
     let visitor_stats = visitor.stats.clone();
     support::eventually_async("the fleet applies the visitor's terms", async || {
         let view = fleet_view(&rig).await;
@@ -697,5 +704,115 @@ async fn a_visiting_replica_with_a_stricter_limit_leaves_nothing_stalled_behind(
     assert_eq!(seen.violations, 0, "{seen:?}");
     stop_fleet.cancel();
     fleet.wait().await.unwrap();
+    rig.cleanup().await.unwrap();
+}
+
+/// A replica whose limit is far stricter than the fleet's (1/1d against 20/1s), started without
+/// the operator saying it is intended, is refused: listed, not ready, why given, its terms
+/// never counted, so the fleet's sellers drain at the fleet's pace.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_replica_far_stricter_than_the_fleet_is_refused_and_its_terms_never_count() {
+    let mut rig = support::rig("fleet-refused", "20/1s")
+        .with_api_limit("20/1s".parse().unwrap())
+        .prepare()
+        .await
+        .unwrap();
+    let (stop_fleet, stop_visitor) = (CancellationToken::new(), CancellationToken::new());
+    let fleet = replica(&rig, "20/1s", &stop_fleet).await;
+    rig.publish("S-1", 100).await.unwrap();
+    support::eventually("the fleet registers", || registered(&[&fleet.stats]) >= 10).await;
+
+    // A refused replica never consumes: its start only returns at its stop.
+    let visiting = tokio::spawn(Served::start(
+        replica_args(&rig, "1/1d"),
+        stop_visitor.clone(),
+    ));
+    let mut view = None;
+    support::eventually_async("the visitor is listed as refused", async || {
+        let fleet = fleet_view(&rig).await;
+        let refused = fleet.replicas.iter().any(|r| {
+            r.entry.refused.is_some() && !r.entry.ready && r.entry.terms.limit.to_string() == "1/1d"
+        });
+        view = Some(fleet);
+        refused
+    })
+    .await;
+    let view = view.unwrap();
+    let why = view
+        .replicas
+        .iter()
+        .find_map(|r| r.entry.refused.clone())
+        .unwrap();
+    assert!(why.contains("TURNSTILE_ALLOW_STRICTER_TERMS"), "{why}");
+    for _ in 0..3 {
+        let view = fleet_view(&rig).await;
+        assert_eq!(
+            view.effective.unwrap().limit.to_string(),
+            "20/1s",
+            "a refused replica's terms never count"
+        );
+        tokio::time::sleep(HEARTBEAT).await;
+    }
+    nothing_lost(&rig, &[&fleet.stats], 100).await;
+    let seen = rig.mock.stats();
+    assert_eq!(seen.violations, 0, "{seen:?}");
+    stop_visitor.cancel();
+    let _ = visiting.await.unwrap();
+    stop_fleet.cancel();
+    fleet.wait().await.unwrap();
+    rig.cleanup().await.unwrap();
+}
+
+/// The registry's key deleted again and again during a rolling deploy that lowers 20/1s to
+/// 10/1s: the old replica never grants under 20/1s again (it keeps counting the new replica's
+/// terms until they would have expired), so the downstream enforcing 10/1s sees no call over it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_deleted_registry_never_lets_a_replica_grant_under_looser_terms() {
+    let mut rig = support::rig("fleet-deleted", "20/1s")
+        .with_api_limit("10/1s".parse().unwrap())
+        .prepare()
+        .await
+        .unwrap();
+    let n = 40;
+    rig.publish("S-1", n).await.unwrap();
+    let (stop_old, stop_new) = (CancellationToken::new(), CancellationToken::new());
+    let old = replica(&rig, "20/1s", &stop_old).await;
+    let old_stats = old.stats.clone();
+    support::eventually("the old replica drains", || registered(&[&old_stats]) >= 20).await;
+    let new = replica(&rig, "10/1s", &stop_new).await;
+    reset_mock(&rig).await;
+    applied_fleet(&rig).await;
+
+    let prefix = rig.settings(1).redis.key_prefix;
+    let registry = format!("{prefix}:{{{prefix}~shared}}:fleet");
+    let mut conn = rig.store().conn().clone();
+    // Fresh work keeps both replicas asking while the registry is deleted under them.
+    let mut published = n;
+    for _ in 0..20 {
+        let _: () = redis::cmd("DEL")
+            .arg(&registry)
+            .query_async(&mut conn)
+            .await
+            .unwrap();
+        rig.publish_all(
+            (published..published + 5)
+                .map(|i| Message::numbered("S-1", i))
+                .collect(),
+        )
+        .await
+        .unwrap();
+        published += 5;
+        tokio::time::sleep(Duration::from_millis(350)).await;
+    }
+    stop_old.cancel();
+    old.wait().await.unwrap();
+    nothing_lost(&rig, &[&old_stats, &new.stats], published as u64).await;
+    let seen = rig.mock.stats();
+    assert_eq!(
+        seen.violations, 0,
+        "calls over 10/1s with the registry deleted: {seen:?}"
+    );
+    stop_new.cancel();
+    new.wait().await.unwrap();
     rig.cleanup().await.unwrap();
 }

@@ -15,6 +15,10 @@
 --          LOST_MS being when its entry expired, LAST_MS + its EXPIRY_MS; at most MAX_LOST, the
 --          longest lost dropped first; each dropped LOST_RETAIN after LOST_MS; expires
 --          LOST_RETAIN after the last entry moved in)
+-- KEYS[4]  the replicas that left lately (hash: replica id -> LEFT_MS, when it left; at most
+--          MAX_LEFT, all dropped beyond; expires LEFT_RETAIN after the last leave): a replica
+--          that remembers another's terms forgets them at once when it left, and waits out
+--          their expiry when its entry vanished otherwise (the key deleted, a failover)
 -- ARGV[1]  ACTION: `beat`, `leave` or `read`
 -- ARGV[2]  with beat and leave: the replica's ID (1 to 200 bytes)
 -- ARGV[3]  with beat: its ENTRY (JSON, at most 16 KiB; kept as given)
@@ -23,14 +27,17 @@
 -- ARGV[5]  with beat and leave: the ALGORITHM it grants under ('' for none yet)
 -- ARGV[6]  with beat: RETAIN in ms (integer >= 1): KEYS[2] is kept at least that long
 -- ARGV[7]  LOST_RETAIN in ms (integer >= 1): how long a lost replica stays listed
--- Returns {NOW_MS, MEMBERS, ALGORITHMS, LOST}: MEMBERS the live entries, each {ID, SINCE_MS,
---   LAST_MS, ENTRY} (SINCE_MS: its first beat since it was last live); ALGORITHMS a flat list
---   {ALGORITHM, LAST_MS, …}; LOST the lost replicas, each {ID, LOST_MS, LAST_MS, SINCE_MS,
---   ENTRY} (ENTRY: its last)
+-- Returns {NOW_MS, MEMBERS, ALGORITHMS, LOST, LEFT}: MEMBERS the live entries, each {ID,
+--   SINCE_MS, LAST_MS, ENTRY} (SINCE_MS: its first beat since it was last live); ALGORITHMS a
+--   flat list {ALGORITHM, LAST_MS, …}; LOST the lost replicas, each {ID, LOST_MS, LAST_MS,
+--   SINCE_MS, ENTRY} (ENTRY: its last); LEFT the ids of the replicas that left within
+--   LEFT_RETAIN
 
 local MAX_MEMBERS = 1000
 local MAX_LOST = 1000
 local MAX_ENTRY = 16384
+local MAX_LEFT = 1000
+local LEFT_RETAIN = 60000
 
 local action = ARGV[1]
 if action ~= 'beat' and action ~= 'leave' and action ~= 'read' then
@@ -91,8 +98,12 @@ if action == 'beat' then
   if redis.call('PTTL', KEYS[1]) < expiry + lost_retain then
     redis.call('PEXPIRE', KEYS[1], expiry + lost_retain)
   end
+  redis.call('HDEL', KEYS[4], id)
 elseif action == 'leave' then
   redis.call('HDEL', KEYS[1], id)
+  if redis.call('HLEN', KEYS[4]) >= MAX_LEFT then redis.call('DEL', KEYS[4]) end
+  redis.call('HSET', KEYS[4], id, now)
+  redis.call('PEXPIRE', KEYS[4], LEFT_RETAIN)
 end
 
 -- The lost replicas: the caller's own taken out (live again, or gone cleanly), those past
@@ -123,4 +134,9 @@ end
 if action == 'beat' and redis.call('PTTL', KEYS[2]) < retain then
   redis.call('PEXPIRE', KEYS[2], retain)
 end
-return {now, members, redis.call('HGETALL', KEYS[2]), lost}
+local left = {}
+raw = redis.call('HGETALL', KEYS[4])
+for i = 1, #raw, 2 do
+  if now < (tonumber(raw[i + 1]) or 0) + LEFT_RETAIN then left[#left + 1] = raw[i] end
+end
+return {now, members, redis.call('HGETALL', KEYS[2]), lost, left}

@@ -222,6 +222,10 @@ pub struct Entry {
     /// of an older version).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub downstream: Option<crate::downstream::recent::Brief>,
+    /// Why its terms were refused (far stricter than the fleet's, see [`far_stricter`]): it
+    /// does not consume and its terms do not count. Absent when they were not.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub refused: Option<String>,
 }
 
 /// A live replica, as the registry shows it.
@@ -357,6 +361,53 @@ pub fn lowers(before: &Limits, after: &Limits) -> bool {
     before != after && strictest_stack([before, after]).as_ref() == Some(after)
 }
 
+/// How many times stricter than the fleet's a replica's own limits may be (over any window)
+/// and still join without `TURNSTILE_ALLOW_STRICTER_TERMS`: a limit lowered tenfold or more in
+/// one step is far more often a mistake (a unit, a zero, a shell pointed at production) than a
+/// plan, and every seller of the fleet would wait under it.
+pub const MOST_STRICTER: f64 = 10.0;
+
+/// The calls `stack` allows at most over `window`.
+fn allowed_over(stack: &Limits, window: Duration) -> f64 {
+    stack
+        .iter()
+        .map(|l| f64::from(l.count()) * (window.as_secs_f64() / l.window().as_secs_f64()).ceil())
+        .fold(f64::INFINITY, f64::min)
+}
+
+/// How many times fewer calls `own` allows than `fleet` over the window where they differ most
+/// (at least 1: a looser stack is not stricter), and that window.
+pub fn stricter_by(own: &Limits, fleet: &Limits) -> (f64, Duration) {
+    own.iter()
+        .chain(fleet.iter())
+        .map(|l| {
+            let w = l.window();
+            (allowed_over(fleet, w) / allowed_over(own, w), w)
+        })
+        .fold((1.0, Duration::ZERO), |most, this| {
+            if this.0 > most.0 { this } else { most }
+        })
+}
+
+/// Why a replica started with `own` terms must not join a fleet granting under `fleet`: its
+/// limit stack, or its global limit, allows more than [`MOST_STRICTER`] times fewer calls over
+/// some window. `None` when it may join.
+pub fn far_stricter(own: &FleetTerms, fleet: &FleetTerms) -> Option<String> {
+    let mut stacks = vec![("TURNSTILE_LIMIT", &own.limit, &fleet.limit)];
+    if let (Some(own), Some(fleet)) = (&own.global_limit.0, &fleet.global_limit.0) {
+        stacks.push(("TURNSTILE_GLOBAL_LIMIT", own, fleet));
+    }
+    stacks.into_iter().find_map(|(name, own, fleet)| {
+        let (times, window) = stricter_by(own, fleet);
+        (times > MOST_STRICTER).then(|| {
+            format!(
+                "its {name}={own} allows {times:.0} times fewer calls per {} than the fleet's {fleet} (more than {MOST_STRICTER:.0} times): refused, its terms not counted; start it with the fleet's terms, or with TURNSTILE_ALLOW_STRICTER_TERMS=on if the fleet is meant to grant under them",
+                humantime::format_duration(window)
+            )
+        })
+    })
+}
+
 /// The strictest terms of `members` (each with its first heartbeat, Redis ms, and id):
 /// see the module's doc. `None` without a member.
 pub fn strictest(members: &[(i64, &str, &FleetTerms)]) -> Option<FleetTerms> {
@@ -416,6 +467,24 @@ fn longest_window(terms: &FleetTerms, guard: Option<Duration>) -> Duration {
 
 /// The fleet as `roll` shows it (entries that cannot be read are skipped and logged).
 pub fn view(roll: &Roll, guard: Option<Duration>) -> View {
+    view_remembering(roll, guard, &[])
+}
+
+/// A replica whose terms still count though its entry is not in the registry now: it was
+/// live lately and neither left nor was found lost (its entry vanished with the registry's key,
+/// or with a failover's last writes), so it may still grant under them (see [`Member::beat`]).
+#[derive(Clone, Debug, PartialEq)]
+pub struct Remembered {
+    pub id: String,
+    /// Its first heartbeat, as last seen (Redis ms).
+    pub since_ms: i64,
+    pub terms: FleetTerms,
+}
+
+/// The fleet as `roll` shows it, the terms of the `remembered` replicas not live in it counted
+/// with the live ones' (see [`Remembered`]; a live one remembered with an earlier start keeps
+/// it); refused replicas' terms are not counted.
+pub fn view_remembering(roll: &Roll, guard: Option<Duration>, remembered: &[Remembered]) -> View {
     let mut unreadable = 0;
     let mut replicas: Vec<Replica> = roll
         .members
@@ -429,10 +498,24 @@ pub fn view(roll: &Roll, guard: Option<Duration>) -> View {
             }
         })
         .collect();
+    for replica in &mut replicas {
+        if let Some(seen) = remembered.iter().find(|m| m.id == replica.id)
+            && seen.since_ms < replica.since_ms
+        {
+            replica.since_ms = seen.since_ms;
+            replica.started = stamp(seen.since_ms);
+        }
+    }
     replicas.sort_by(|a, b| (a.since_ms, &a.id).cmp(&(b.since_ms, &b.id)));
-    let members: Vec<(i64, &str, &FleetTerms)> = replicas
-        .iter()
+    let counted = || replicas.iter().filter(|r| r.entry.refused.is_none());
+    let members: Vec<(i64, &str, &FleetTerms)> = counted()
         .map(|r| (r.since_ms, r.id.as_str(), &r.entry.terms))
+        .chain(
+            remembered
+                .iter()
+                .filter(|m| !replicas.iter().any(|r| r.id == m.id))
+                .map(|m| (m.since_ms, m.id.as_str(), &m.terms)),
+        )
         .collect();
     let effective = strictest(&members);
     let digest = effective.as_ref().map(FleetTerms::digest);
@@ -445,13 +528,14 @@ pub fn view(roll: &Roll, guard: Option<Duration>) -> View {
     });
     let mut lost: Vec<LostReplica> = roll.lost.iter().map(lost_replica).collect();
     lost.sort_by(|a, b| (b.lost_ms, &a.id).cmp(&(a.lost_ms, &b.id)));
+    let counted: Vec<&Replica> = counted().collect();
     View {
         lost,
-        agree: replicas
+        agree: counted
             .windows(2)
             .all(|pair| pair[0].entry.terms == pair[1].entry.terms),
         applied: digest.is_some()
-            && replicas
+            && counted
                 .iter()
                 .all(|r| r.entry.applies.as_deref() == digest.as_deref()),
         replicas,
@@ -567,7 +651,18 @@ pub struct Member {
     host: String,
     /// The fleet's share of its own settings, as it announces them.
     own_terms: FleetTerms,
+    /// Whether it may join a fleet far looser than its own terms (see [`far_stricter`]).
+    allow_stricter: bool,
     state: Mutex<State>,
+}
+
+/// A live replica's terms as this member last saw them, and when (see [`Remembered`]).
+struct Seen {
+    since_ms: i64,
+    terms: FleetTerms,
+    at: Instant,
+    /// Whether its vanishing was logged.
+    vanished: bool,
 }
 
 /// What a member keeps between heartbeats.
@@ -586,6 +681,11 @@ struct State {
     /// The lost replicas listed at the last heartbeat (for the log line when one is lost;
     /// `None` before the first).
     lost: Option<Vec<String>>,
+    /// Why this replica's terms were refused, if they were: it never consumes.
+    refused: Option<String>,
+    /// The counted replicas seen live within [`EXPIRY`], by id: the terms of one whose entry
+    /// vanished without leaving or being found lost still count until then.
+    seen: std::collections::HashMap<String, Seen>,
 }
 
 impl Member {
@@ -617,8 +717,20 @@ impl Member {
             queue: queue.to_owned(),
             own_terms,
             host,
+            allow_stricter: false,
             state: Mutex::default(),
         }
+    }
+
+    /// Lets it join a fleet far looser than its own terms (`TURNSTILE_ALLOW_STRICTER_TERMS`).
+    pub fn allowing_stricter_terms(mut self, allow: bool) -> Self {
+        self.allow_stricter = allow;
+        self
+    }
+
+    /// Why its terms are refused, if they are.
+    pub fn refused(&self) -> Option<String> {
+        self.lock().refused.clone()
     }
 
     /// Its id in the registry.
@@ -680,6 +792,7 @@ impl Member {
                 .load(std::sync::atomic::Ordering::Relaxed) as u64,
             registered_per_s: (registered_per_s * 10.0).round() / 10.0,
             downstream: Some(self.stats.downstream.summary().brief()),
+            refused: state.refused.clone(),
         }
     }
 
@@ -701,8 +814,9 @@ impl Member {
             .await;
         metrics::gauge!("turnstile_redis_connected").set(if roll.is_ok() { 1.0 } else { 0.0 });
         let roll = roll?;
-        let view = view(&roll, self.own.guard);
         let mut state = self.lock();
+        let remembered = self.remember(&mut state, &roll);
+        let view = view_remembering(&roll, self.own.guard, &remembered);
         if let Some(effective) = &view.effective
             && state.applied.as_ref() != Some(effective)
         {
@@ -757,6 +871,55 @@ impl Member {
         Ok(view)
     }
 
+    /// Notes the counted live replicas of `roll`, and answers them with those whose terms
+    /// still count though their entry is gone: seen within [`EXPIRY`], neither left nor found
+    /// lost (their entries vanished otherwise: the registry's key deleted, a failover that lost
+    /// its last writes), each with the earliest start seen (a re-created entry keeps its place
+    /// as the longest-running). Without them a replica would grant under looser terms, for up to a heartbeat,
+    /// as soon as the registry forgot a stricter one; each such vanishing is logged and counted
+    /// (`turnstile_fleet_entries_vanished_total`).
+    fn remember(&self, state: &mut State, roll: &Roll) -> Vec<Remembered> {
+        let now = Instant::now();
+        for member in &roll.members {
+            if let Ok(replica) = replica(member)
+                && replica.entry.refused.is_none()
+            {
+                let seen = Seen {
+                    since_ms: state
+                        .seen
+                        .get(&member.id)
+                        .map_or(member.since_ms, |s| s.since_ms.min(member.since_ms)),
+                    terms: replica.entry.terms,
+                    at: now,
+                    vanished: false,
+                };
+                state.seen.insert(member.id.clone(), seen);
+            }
+        }
+        let gone = |id: &String| {
+            roll.left.contains(id) || roll.lost.iter().any(|r| &r.id == id) || *id == self.id
+        };
+        state
+            .seen
+            .retain(|id, seen| now.duration_since(seen.at) < EXPIRY && !gone(id));
+        state
+            .seen
+            .iter_mut()
+            .map(|(id, seen)| {
+                if seen.at != now && !seen.vanished {
+                    seen.vanished = true;
+                    metrics::counter!("turnstile_fleet_entries_vanished_total").increment(1);
+                    warn!(%id, terms = %seen.terms.digest(), "a live replica's fleet entry vanished without its leaving (the registry's key deleted, or a failover lost writes): its terms still count until it would have expired");
+                }
+                Remembered {
+                    id: id.clone(),
+                    since_ms: seen.since_ms,
+                    terms: seen.terms.clone(),
+                }
+            })
+            .collect()
+    }
+
     /// Re-plans, in the background, the backlogs of the sellers this replica reserved slots for
     /// under the terms `before`, when the fleet's stack was lowered: their reserved slots are
     /// given back, so that the new limit applies at once to the waiting messages, not only to
@@ -793,7 +956,7 @@ impl Member {
         let others_apply = view
             .replicas
             .iter()
-            .filter(|r| r.id != self.id)
+            .filter(|r| r.id != self.id && r.entry.refused.is_none())
             .all(|r| r.entry.applies.as_deref() == Some(digest.as_str()));
         let state = self.lock();
         let applies_own = state.applied.as_ref().map(FleetTerms::digest) == Some(digest)
@@ -810,7 +973,18 @@ impl Member {
     pub async fn join(&self, shutdown: &CancellationToken) -> bool {
         let started = Instant::now();
         let mut said = Instant::now();
+        if !self.allow_stricter && !self.check_own_terms(shutdown).await {
+            return false;
+        }
         loop {
+            if self.lock().refused.is_some() {
+                // Refused: it stays listed (not ready, why) and never consumes.
+                let _ = self.beat().await;
+                tokio::select! {
+                    () = shutdown.cancelled() => return false,
+                    () = tokio::time::sleep(HEARTBEAT) => continue,
+                }
+            }
             match self.beat().await {
                 Ok(view) if self.may_consume(&view) => {
                     info!(replicas = view.replicas.len(), terms = %view.effective.as_ref().map_or_else(|| "none".to_owned(), FleetTerms::digest), waited_ms = started.elapsed().as_millis() as u64, "joined the fleet");
@@ -845,6 +1019,38 @@ impl Member {
                 () = tokio::time::sleep(HEARTBEAT / 5) => {}
             }
         }
+    }
+
+    /// Before it announces its terms: refuses them if they are far stricter than those the
+    /// live replicas grant under ([`far_stricter`]), said at `/readyz`, in the log and by
+    /// `turnstile_fleet_terms_refused`. `false` if `shutdown` came before Redis answered.
+    async fn check_own_terms(&self, shutdown: &CancellationToken) -> bool {
+        let roll = loop {
+            match self.registry.read(LOST_RETENTION).await {
+                Ok(roll) => break roll,
+                Err(error) => warn!(%error, "could not read the fleet's registry; retrying"),
+            }
+            tokio::select! {
+                () = shutdown.cancelled() => return false,
+                () = tokio::time::sleep(HEARTBEAT) => {}
+            }
+        };
+        let fleet = view(&roll, self.own.guard);
+        let refused = fleet
+            .effective
+            .as_ref()
+            .and_then(|terms| far_stricter(&self.own_terms, terms));
+        metrics::gauge!("turnstile_fleet_terms_refused").set(if refused.is_some() {
+            1.0
+        } else {
+            0.0
+        });
+        if let Some(why) = refused {
+            tracing::error!(own = %self.own_terms.digest(), fleet = %fleet.effective.as_ref().map_or_else(String::new, FleetTerms::digest), "this replica's terms are refused: {why}");
+            self.ready.not_ready(format!("terms refused: {why}"));
+            self.lock().refused = Some(why);
+        }
+        true
     }
 
     /// Beats every [`HEARTBEAT`] until `stop`, then takes the entry out of the registry.
@@ -939,6 +1145,83 @@ mod tests {
     }
 
     #[test]
+    fn a_replica_far_stricter_than_the_fleet_is_refused_and_a_plain_lowering_is_not() {
+        let fleet = terms("20/1s", Algorithm::SlidingWindow);
+        let refused = |limit: &str| far_stricter(&terms(limit, Algorithm::SlidingWindow), &fleet);
+        let why = refused("1/1d").expect("a day's single call against 20 a second");
+        assert!(why.contains("1728000 times fewer calls per 1day"), "{why}");
+        assert!(why.contains("TURNSTILE_ALLOW_STRICTER_TERMS"), "{why}");
+        assert_eq!(refused("10/1s"), None, "halved: a deploy's lowering");
+        assert_eq!(refused("2/1s"), None, "ten times: still allowed");
+        assert!(refused("1/1s").is_some(), "twenty times stricter");
+        assert!(
+            refused("20/1s,100/1h").is_some(),
+            "a limit the fleet's stack allows 720 times over"
+        );
+        assert_eq!(refused("40/1s"), None, "looser is never refused");
+        assert_eq!(
+            stricter_by(&stack("100/1m"), &stack("20/1s")),
+            (12.0, Duration::from_secs(60))
+        );
+        let mut global = terms("20/1s", Algorithm::SlidingWindow);
+        global.global_limit = GlobalLimit(Some(stack("1/1m")));
+        let mut fleet_global = fleet.clone();
+        fleet_global.global_limit = GlobalLimit(Some(stack("1000/1s")));
+        assert!(
+            far_stricter(&global, &fleet_global)
+                .unwrap()
+                .contains("TURNSTILE_GLOBAL_LIMIT")
+        );
+        assert_eq!(
+            far_stricter(&global, &fleet),
+            None,
+            "a global limit the fleet has none of"
+        );
+    }
+
+    #[test]
+    fn a_remembered_replicas_terms_count_until_it_is_live_again_and_keep_its_start() {
+        let old = terms("20/1s", Algorithm::SlidingWindow);
+        let new = terms("10/1s", Algorithm::Gcra);
+        // The registry was deleted: only the old replica beat since, as if it were the first.
+        let roll = Roll {
+            now_ms: 9_000,
+            members: vec![member("old", 8_900, &old, Some(&old))],
+            ..Roll::default()
+        };
+        assert_eq!(
+            view(&roll, None).effective.unwrap().limit.to_string(),
+            "20/1s"
+        );
+        let remembered = [
+            Remembered {
+                id: "new".into(),
+                since_ms: 2_000,
+                terms: new.clone(),
+            },
+            Remembered {
+                id: "old".into(),
+                since_ms: 1_000,
+                terms: old.clone(),
+            },
+        ];
+        let fleet = view_remembering(&roll, None, &remembered);
+        let effective = fleet.effective.unwrap();
+        assert_eq!(
+            effective.limit.to_string(),
+            "10/1s",
+            "the vanished one still counts"
+        );
+        assert_eq!(
+            effective.algorithm,
+            Algorithm::SlidingWindow,
+            "the old one keeps its start, hence the algorithm"
+        );
+        assert_eq!(fleet.replicas.len(), 1, "only live replicas are listed");
+        assert_eq!(fleet.replicas[0].started, stamp(1_000));
+    }
+
+    #[test]
     fn more_than_eight_limits_merge_into_stricter_ones() {
         let stacks: Vec<Limits> = (1..=12)
             .map(|i| Limits::single(Limit::new(i * 10, Duration::from_secs(u64::from(i))).unwrap()))
@@ -1018,6 +1301,7 @@ mod tests {
             in_flight: 0,
             registered_per_s: 0.0,
             downstream: None,
+            refused: None,
         };
         Registered {
             id: id.into(),
@@ -1048,6 +1332,7 @@ mod tests {
             ],
             lost: vec![],
             algorithms: vec![],
+            left: vec![],
         };
         let waiting = view(&roll(&a), None);
         assert!(!waiting.agree);
@@ -1095,6 +1380,7 @@ mod tests {
                 },
             ],
             algorithms: vec![],
+            left: vec![],
         };
         let fleet = view(&roll, None);
         assert_eq!(fleet.replicas.len(), 1);
@@ -1170,6 +1456,7 @@ mod tests {
             in_flight: 0,
             registered_per_s: 0.0,
             downstream: None,
+            refused: None,
         })
         .unwrap();
         assert!(json.get("not_ready").is_none());

@@ -74,6 +74,11 @@ pub struct ConsumeArgs {
     /// `noeviction`). A seller whose state is evicted is then paused for one window.
     #[arg(long = "allow-eviction", env = "TURNSTILE_ALLOW_EVICTION", default_value = "off", value_name = "ON|OFF", num_args = 0..=1, default_missing_value = "on", action = clap::ArgAction::Set, value_parser = crate::config::Switch)]
     pub allow_eviction: bool,
+    /// Join a fleet whose terms are more than ten times looser than this replica's own over
+    /// some window (a limit lowered that far on purpose). Without it such a replica stays not
+    /// ready, its terms not counted, so that a mistyped limit cannot stall every seller.
+    #[arg(long = "allow-stricter-terms", env = "TURNSTILE_ALLOW_STRICTER_TERMS", default_value = "off", value_name = "ON|OFF", num_args = 0..=1, default_missing_value = "on", action = clap::ArgAction::Set, value_parser = crate::config::Switch)]
+    pub allow_stricter_terms: bool,
     #[command(flatten)]
     pub downstream: DownstreamArgs,
     #[command(flatten)]
@@ -223,14 +228,17 @@ impl Starting {
             PermitStore::new(conn, &self.args.redis.key_prefix, self.args.limiter.clone())
                 .with_call_timeout(self.args.downstream.timeout)
                 .with_routes(self.routes.clone());
-        let fleet = Arc::new(fleet::Member::new(
-            &permits,
-            &self.args.redis.key_prefix,
-            self.args.limiter.clone(),
-            self.stats.clone(),
-            self.ready.clone(),
-            &self.args.broker.queue,
-        ));
+        let fleet = Arc::new(
+            fleet::Member::new(
+                &permits,
+                &self.args.redis.key_prefix,
+                self.args.limiter.clone(),
+                self.stats.clone(),
+                self.ready.clone(),
+                &self.args.broker.queue,
+            )
+            .allowing_stricter_terms(self.args.allow_stricter_terms),
+        );
         Ok(Some(Connecting {
             permits,
             fleet,

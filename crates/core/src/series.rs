@@ -202,6 +202,11 @@ pub const METRICS: &[Metric] = &[
         "Reserved slots given back by a change of a seller's terms.",
     ),
     plain(
+        "turnstile_reservations_replanned_total",
+        Counter,
+        "Reserved slots a message gave back to ask anew because the fleet's terms it waited under are no longer in force (a raise, a stricter replica gone).",
+    ),
+    plain(
         "turnstile_delay_released_total",
         Counter,
         "Delayed messages returned early because their slot was given back.",
@@ -330,6 +335,17 @@ pub const METRICS: &[Metric] = &[
         "turnstile_fleet_disagreement",
         Gauge,
         "1 while the live replicas were started with different terms (every grant follows the strictest), else 0.",
+    ),
+    plain(
+        "turnstile_fleet_terms_refused",
+        Gauge,
+        "1 while this replica's terms are refused: far stricter than the fleet's (TURNSTILE_ALLOW_STRICTER_TERMS off); it does not consume and its terms do not count.",
+    )
+    .zero_from_start(),
+    plain(
+        "turnstile_fleet_entries_vanished_total",
+        Counter,
+        "Live replicas' fleet entries that vanished without their leaving or being found lost (the registry's key deleted, a failover that lost writes); their terms still counted until they would have expired.",
     ),
     plain(
         "turnstile_fleet_replicas_lost",

@@ -71,6 +71,7 @@ impl RigArgs {
             done_ttl: Duration::from_secs(3600),
             shutdown_grace: Duration::from_secs(8),
             allow_eviction: false,
+            allow_stricter_terms: false,
             downstream: DownstreamArgs {
                 url: "http://127.0.0.1:1/{seller_id}".into(),
                 token: None,

@@ -267,6 +267,11 @@ impl Keyspace {
         self.shared("fleet-lost")
     }
 
+    /// The replicas that left the fleet lately (hash: replica id -> when; see `lua/fleet.lua`).
+    pub fn fleet_left(&self) -> String {
+        self.shared("fleet-left")
+    }
+
     /// The algorithms the fleet granted under, with when each was last used (hash; see
     /// `lua/fleet.lua`).
     pub fn fleet_algorithms(&self) -> String {
@@ -458,6 +463,7 @@ mod tests {
             keys.actions(),
             keys.fleet(),
             keys.fleet_lost(),
+            keys.fleet_left(),
             keys.fleet_algorithms(),
             keys.throughput(29_000_000),
         ]

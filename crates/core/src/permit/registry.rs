@@ -43,6 +43,8 @@ pub struct Roll {
     pub lost: Vec<Registered>,
     /// When each algorithm was last granted under (Redis ms).
     pub algorithms: Vec<(Algorithm, i64)>,
+    /// The replicas that left lately (stopped cleanly: not lost), by id.
+    pub left: Vec<String>,
 }
 
 impl Registry {
@@ -58,13 +60,14 @@ impl Registry {
             fleet: self.keys.fleet(),
             algorithms: self.keys.fleet_algorithms(),
             lost: self.keys.fleet_lost(),
+            left: self.keys.fleet_left(),
             action,
             lost_retain_ms: lost_for.as_millis().max(1) as u64,
         }
     }
 
     async fn run(&self, call: FleetCall<'_>) -> Result<Roll, PermitError> {
-        let (now_ms, members, algorithms, lost): FleetAnswer = call
+        let (now_ms, members, algorithms, lost, left): FleetAnswer = call
             .invocation()
             .invoke_async(&mut self.conn.clone())
             .await?;
@@ -97,6 +100,7 @@ impl Registry {
                     Some((algorithm, pair.get(1)?.parse().ok()?))
                 })
                 .collect(),
+            left,
         })
     }
 

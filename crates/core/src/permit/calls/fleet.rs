@@ -20,7 +20,7 @@ pub(in crate::permit) enum FleetAction<'a> {
     Read,
 }
 
-/// `lua/fleet.lua`: the replicas' registry. Answers `{NOW_MS, MEMBERS, ALGORITHMS, LOST}`.
+/// `lua/fleet.lua`: the replicas' registry. Answers `{NOW_MS, MEMBERS, ALGORITHMS, LOST, LEFT}`.
 pub(in crate::permit) struct FleetCall<'a> {
     /// KEYS[1]: the fleet.
     pub fleet: String,
@@ -28,6 +28,8 @@ pub(in crate::permit) struct FleetCall<'a> {
     pub algorithms: String,
     /// KEYS[3]: the fleet's lost replicas.
     pub lost: String,
+    /// KEYS[4]: the replicas that left lately.
+    pub left: String,
     pub action: FleetAction<'a>,
     /// ARGV[7] (LOST_RETAIN): how long a lost replica stays listed, ms.
     pub lost_retain_ms: u64,
@@ -43,7 +45,8 @@ impl FleetCall<'_> {
     pub fn write<C: Call>(&self, to: &mut C) {
         to.key(self.fleet.clone())
             .key(self.algorithms.clone())
-            .key(self.lost.clone());
+            .key(self.lost.clone())
+            .key(self.left.clone());
         match self.action {
             FleetAction::Beat {
                 id,
@@ -78,8 +81,14 @@ pub(in crate::permit) type FleetMember = (String, i64, i64, String);
 pub(in crate::permit) type FleetLost = (String, i64, i64, i64, String);
 
 /// `lua/fleet.lua`'s answer: (NOW_MS, MEMBERS, ALGORITHMS as a flat list of name, last ms,
-/// LOST).
-pub(in crate::permit) type FleetAnswer = (i64, Vec<FleetMember>, Vec<String>, Vec<FleetLost>);
+/// LOST, LEFT).
+pub(in crate::permit) type FleetAnswer = (
+    i64,
+    Vec<FleetMember>,
+    Vec<String>,
+    Vec<FleetLost>,
+    Vec<String>,
+);
 
 #[cfg(test)]
 mod tests {
@@ -94,6 +103,7 @@ mod tests {
             fleet: "fleet".into(),
             algorithms: "algorithms".into(),
             lost: "lost".into(),
+            left: "left".into(),
             action,
             lost_retain_ms: 900_000,
         }
@@ -118,6 +128,7 @@ mod tests {
                 ("fleet", "the fleet "),
                 ("algorithms", "fleet's algorithms"),
                 ("lost", "lost replicas"),
+                ("left", "left lately"),
             ],
         );
         check(
