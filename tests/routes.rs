@@ -554,3 +554,71 @@ async fn a_call_on_a_route_takes_the_room_left_before_the_sellers_last_slot() {
     }
     keys.cleanup().await;
 }
+
+/// A rolling deploy of a routes file: the new replica adds route `stock` (2/1s) and lowers
+/// `register` from 5/1s to 3/1s while the old one runs. Route stacks are fleet terms: the old
+/// replica grants `register` under 3/1s, and a `stock` message it takes waits for a replica
+/// that knows the route instead of being dead-lettered; the API, enforcing 3/1s and 2/1s, sees
+/// no call over either, and every message is registered.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_rolling_deploy_of_a_routes_file_applies_the_strictest_routes_and_loses_no_new_route()
+-> anyhow::Result<()> {
+    let mock = MockArgs {
+        routes: vec![
+            ("register".into(), limits("3/1s")),
+            ("stock".into(), limits("2/1s")),
+        ],
+        ..MockArgs::local(limits("50/1s"))
+    };
+    let mut rig = support::rig("routes-deploy", "50/1s")
+        .with_mock(mock)
+        .prepare()
+        .await?;
+    let old_file = RoutesFile::write(
+        "deploy-old",
+        &[("register", "POST", rig.mock.route_url("register"), "5/1s")],
+    );
+    let new_file = RoutesFile::write(
+        "deploy-new",
+        &[
+            ("register", "POST", rig.mock.route_url("register"), "3/1s"),
+            ("stock", "PATCH", rig.mock.route_url("stock"), "2/1s"),
+        ],
+    );
+    let mut old = rig.settings(4);
+    old.routes.file = Some(old_file.0.clone());
+    old.limiter.adaptive = false;
+    let mut new = old.clone();
+    new.routes.file = Some(new_file.0.clone());
+    rig.start_replica(old).await?;
+    rig.start_replica(new).await?;
+    let mut bodies = Vec::new();
+    for i in 0..20 {
+        bodies.push(body(&format!("r{i}"), "S-1", Some("register"), 1, None));
+        bodies.push(body(&format!("s{i}"), "S-1", Some("stock"), 1, None));
+    }
+    publish(&mut rig, bodies).await?;
+    let stats = rig.wait_registered(40).await?;
+    rig.stop_replicas().await?;
+    println!(
+        "register 3/1s, stock 2/1s: {} violations; most in a window: register {}, stock {}; {} dead letters",
+        stats.violations,
+        stats.routes["register"].max_in_window,
+        stats.routes["stock"].max_in_window,
+        rig.dead_lettered().await?
+    );
+    assert_eq!(
+        rig.dead_lettered().await?,
+        0,
+        "no stock message dead-lettered"
+    );
+    assert_eq!(stats.violations, 0, "{stats:?}");
+    assert_eq!(
+        (
+            stats.routes["register"].registered,
+            stats.routes["stock"].registered
+        ),
+        (20, 20)
+    );
+    rig.cleanup().await
+}

@@ -107,7 +107,7 @@ impl TestBroker {
             cost: Default::default(),
             prefetch: 64,
             releases: tokio::sync::broadcast::channel(1).0,
-            terms: tokio::sync::watch::channel(0).1,
+            terms: tokio::sync::watch::channel(Default::default()).1,
             handoff,
         });
         let tracker = tokio_util::task::TaskTracker::new();

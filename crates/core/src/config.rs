@@ -797,6 +797,11 @@ pub struct LimiterArgs {
     /// from a pool. At most 64.
     #[arg(long = "permit-block", env = "TURNSTILE_PERMIT_BLOCK", default_value_t = 32, value_parser = clap::value_parser!(u32).range(0..=64))]
     pub permit_block: u32,
+    /// The fleet's stacks of the routes, by name (the strictest of every live replica's routes
+    /// file, see `crate::fleet`): a call on a route takes its stack from here when it is named,
+    /// else from the route itself. Not a flag: set when the fleet's terms apply.
+    #[arg(skip)]
+    pub route_limits: std::collections::BTreeMap<crate::domain::RouteName, Limits>,
 }
 
 /// `on`/`off` (also `true`/`false`, `1`/`0`, `yes`/`no`, in any case).
@@ -944,6 +949,7 @@ impl LimiterArgs {
             adaptive_min: std::num::NonZeroU32::MIN,
             record_delay: Duration::ZERO,
             permit_block: 32,
+            route_limits: Default::default(),
         }
     }
 

@@ -30,6 +30,7 @@
 //! (`permit::Applied`), so a replica the others no longer see never grants under terms the
 //! others no longer follow. Runtime overrides (`turnstile limits set`) apply on top, as before.
 
+use std::collections::BTreeMap;
 use std::num::NonZeroU32;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
@@ -39,6 +40,7 @@ use tokio_util::sync::CancellationToken;
 use tracing::{info, warn};
 
 use crate::config::{Algorithm, GlobalLimit, Limit, LimiterArgs, Limits, SellerConcurrency};
+use crate::domain::RouteName;
 use crate::permit::{Applied, PermitError, PermitStore, RedisConn, Registered, Registry, Roll};
 use crate::telemetry::{NotReady, Readiness};
 use crate::worker::Stats;
@@ -78,6 +80,8 @@ pub struct FleetTerms {
     pub adaptive: bool,
     /// `TURNSTILE_ADAPTIVE_MIN`.
     pub adaptive_min: NonZeroU32,
+    /// The stacks of the routes of its routes file (`TURNSTILE_ROUTES_FILE`), by name.
+    pub routes: BTreeMap<RouteName, Limits>,
 }
 
 impl FleetTerms {
@@ -90,6 +94,7 @@ impl FleetTerms {
             seller_concurrency: limiter.seller_concurrency,
             adaptive: limiter.adaptive,
             adaptive_min: limiter.adaptive_min,
+            routes: limiter.route_limits.clone(),
         }
     }
 
@@ -103,6 +108,7 @@ impl FleetTerms {
         applied.seller_concurrency = self.seller_concurrency;
         applied.adaptive = self.adaptive;
         applied.adaptive_min = self.adaptive_min;
+        applied.route_limits = self.routes.clone();
         if applied.limit.is_stack() {
             applied.bucket_capacity = 0;
         }
@@ -125,7 +131,16 @@ impl FleetTerms {
             } else {
                 "off".to_owned()
             }
-        )
+        ) + &if wire.routes.is_empty() {
+            String::new()
+        } else {
+            let routes: Vec<String> = wire
+                .routes
+                .iter()
+                .map(|(name, stack)| format!("{name}:{stack}"))
+                .collect();
+            format!(" routes={}", routes.join(";"))
+        }
     }
 }
 
@@ -138,6 +153,9 @@ struct Wire {
     seller_concurrency: Option<u32>,
     adaptive: bool,
     adaptive_min: u32,
+    /// Absent from a replica of an older version, or without a routes file.
+    #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
+    routes: BTreeMap<String, String>,
 }
 
 impl From<&FleetTerms> for Wire {
@@ -149,6 +167,11 @@ impl From<&FleetTerms> for Wire {
             seller_concurrency: terms.seller_concurrency.0.map(NonZeroU32::get),
             adaptive: terms.adaptive,
             adaptive_min: terms.adaptive_min.get(),
+            routes: terms
+                .routes
+                .iter()
+                .map(|(name, stack)| (name.to_string(), stack.to_string()))
+                .collect(),
         }
     }
 }
@@ -177,6 +200,18 @@ impl TryFrom<Wire> for FleetTerms {
             ),
             adaptive: wire.adaptive,
             adaptive_min: NonZeroU32::new(wire.adaptive_min).ok_or("adaptive_min is 0")?,
+            routes: wire
+                .routes
+                .iter()
+                .map(|(name, stack)| {
+                    let name =
+                        RouteName::parse(name).map_err(|e| format!("route name {name:?}: {e}"))?;
+                    let stack = stack
+                        .parse()
+                        .map_err(|e| format!("route {name} limit {stack:?}: {e}"))?;
+                    Ok((name, stack))
+                })
+                .collect::<Result<_, String>>()?,
         })
     }
 }
@@ -397,7 +432,21 @@ pub fn far_stricter(own: &FleetTerms, fleet: &FleetTerms) -> Option<String> {
     if let (Some(own), Some(fleet)) = (&own.global_limit.0, &fleet.global_limit.0) {
         stacks.push(("TURNSTILE_GLOBAL_LIMIT", own, fleet));
     }
-    stacks.into_iter().find_map(|(name, own, fleet)| {
+    let routes: Vec<(String, &Limits, &Limits)> = own
+        .routes
+        .iter()
+        .filter_map(|(name, stack)| {
+            Some((
+                format!("route {name} limit"),
+                stack,
+                fleet.routes.get(name)?,
+            ))
+        })
+        .collect();
+    let routes = routes
+        .iter()
+        .map(|(name, own, fleet)| (name.as_str(), *own, *fleet));
+    stacks.into_iter().chain(routes).find_map(|(name, own, fleet)| {
         let (times, window) = stricter_by(own, fleet);
         (times > MOST_STRICTER).then(|| {
             format!(
@@ -434,7 +483,22 @@ pub fn strictest(members: &[(i64, &str, &FleetTerms)]) -> Option<FleetTerms> {
             .map(|(_, _, t)| t.adaptive_min)
             .min()
             .unwrap_or(NonZeroU32::MIN),
+        routes: strictest_routes(members.iter().map(|(_, _, t)| &t.routes)),
     })
+}
+
+/// Every route any of `routes` names, each under the strictest of the stacks given for it.
+fn strictest_routes<'a>(
+    routes: impl Iterator<Item = &'a BTreeMap<RouteName, Limits>>,
+) -> BTreeMap<RouteName, Limits> {
+    let mut stacks: BTreeMap<&RouteName, Vec<&Limits>> = BTreeMap::new();
+    for (name, stack) in routes.flatten() {
+        stacks.entry(name).or_default().push(stack);
+    }
+    stacks
+        .into_iter()
+        .filter_map(|(name, stacks)| Some((name.clone(), strictest_stack(stacks)?)))
+        .collect()
 }
 
 /// When grants under `algorithm` may start, Redis ms (0: at once): once every grant under
@@ -700,6 +764,12 @@ impl Member {
         queue: &str,
     ) -> Self {
         let host = host_name();
+        let mut own = own;
+        own.route_limits = permits
+            .routes()
+            .iter()
+            .map(|route| (route.name.clone(), route.limits.clone()))
+            .collect();
         let own_terms = FleetTerms::of(&own);
         let id = format!(
             "{host}-{}-{:04x}",
@@ -820,9 +890,12 @@ impl Member {
         if let Some(effective) = &view.effective
             && state.applied.as_ref() != Some(effective)
         {
-            let old = self.applied.replace_tagged(
+            let old = self.applied.replace_in_force(
                 effective.apply_to(&self.own),
-                crate::permit::applied::terms_tag(&effective.digest()),
+                crate::permit::applied::InForce {
+                    tag: crate::permit::applied::terms_tag(&effective.digest()),
+                    routes: Arc::new(effective.routes.keys().cloned().collect()),
+                },
             );
             match &state.applied {
                 Some(before) => {

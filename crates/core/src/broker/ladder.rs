@@ -182,7 +182,7 @@ pub struct Ladder {
     /// The tag of the fleet's terms in force (see `permit::applied`): a message delayed under
     /// other terms goes back to the consume path at once, whether it is held when they change
     /// or received after, to ask anew under the terms in force.
-    pub terms: tokio::sync::watch::Receiver<u64>,
+    pub terms: tokio::sync::watch::Receiver<crate::permit::applied::InForce>,
     /// Where due messages go: the replica's workers; without one, the return queue.
     pub handoff: Option<Handoff>,
 }
@@ -267,7 +267,7 @@ impl Ladder {
                         level.settler.received(delivery.delivery_tag);
                         self.stats.held.fetch_add(1, Ordering::Relaxed);
                         self.stats.deliveries.fetch_add(1, Ordering::Relaxed);
-                        if stale(&delivery, *terms.borrow()) {
+                        if stale(&delivery, terms.borrow().tag) {
                             self.spawn_move_on(tracker, delivery, &level.settler, true);
                             continue;
                         }
@@ -293,7 +293,7 @@ impl Ladder {
                     self.spawn_move_on(tracker, delivery, &level.settler, false);
                 }
                 Ok(()) = terms.changed() => {
-                    let now = *terms.borrow_and_update();
+                    let now = terms.borrow_and_update().tag;
                     self.release_held(&mut held, |d| stale(d, now), tracker, &level.settler);
                 }
                 release = releases.recv() => {

@@ -36,8 +36,18 @@ pub struct Applied {
     trusted_until_ns: AtomicI64,
     /// No grant before this Redis time (µs; 0: none): see [`Applied::fence_until`].
     fence_us: AtomicI64,
-    /// The tag of the fleet's terms in force (0: none yet), watched by the delay ladder.
-    tag: tokio::sync::watch::Sender<u64>,
+    /// The fleet's terms in force, in brief, watched by the delay ladder and the workers.
+    in_force: tokio::sync::watch::Sender<InForce>,
+}
+
+/// What the workers and the delay ladder need of the fleet's terms in force.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct InForce {
+    /// Their tag (see [`terms_tag`]; 0 before the fleet is heard from).
+    pub tag: u64,
+    /// The routes some live replica knows (a message on one this replica does not know waits
+    /// for a replica that does, see `crate::fleet`).
+    pub routes: Arc<std::collections::BTreeSet<crate::domain::RouteName>>,
 }
 
 /// The tag a message carries when the terms it was delayed under are unknown (they changed
@@ -69,25 +79,25 @@ impl Applied {
             base: Instant::now(),
             trusted_until_ns: AtomicI64::new(i64::MAX),
             fence_us: AtomicI64::new(0),
-            tag: tokio::sync::watch::Sender::new(0),
+            in_force: tokio::sync::watch::Sender::new(InForce::default()),
         }
     }
 
     /// The tag of the fleet's terms in force (0 before the fleet is heard from).
     pub fn terms_tag(&self) -> u64 {
-        *self.tag.borrow()
+        self.in_force.borrow().tag
     }
 
-    /// Follows the tag of the fleet's terms in force.
-    pub fn watch_terms(&self) -> tokio::sync::watch::Receiver<u64> {
-        self.tag.subscribe()
+    /// Follows the fleet's terms in force.
+    pub fn watch_terms(&self) -> tokio::sync::watch::Receiver<InForce> {
+        self.in_force.subscribe()
     }
 
-    /// Replaces the terms with the fleet's, tagged `tag` (see [`terms_tag`]); returns the ones
-    /// replaced, as [`Applied::replace`] does.
-    pub fn replace_tagged(&self, limiter: LimiterArgs, tag: u64) -> Arc<LimiterArgs> {
+    /// Replaces the terms with the fleet's (`in_force` in brief); returns the ones replaced,
+    /// as [`Applied::replace`] does.
+    pub fn replace_in_force(&self, limiter: LimiterArgs, in_force: InForce) -> Arc<LimiterArgs> {
         let old = self.replace(limiter);
-        self.tag.send_replace(tag);
+        self.in_force.send_replace(in_force);
         old
     }
 
@@ -210,8 +220,14 @@ mod tests {
         let applied = Applied::new(terms(10));
         let watch = applied.watch_terms();
         assert_eq!(applied.terms_tag(), 0);
-        applied.replace_tagged(terms(20), a);
-        assert_eq!(*watch.borrow(), a);
+        applied.replace_in_force(
+            terms(20),
+            InForce {
+                tag: a,
+                ..InForce::default()
+            },
+        );
+        assert_eq!(watch.borrow().tag, a);
     }
 
     #[test]

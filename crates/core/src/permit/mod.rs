@@ -802,6 +802,11 @@ impl PermitStore {
             .with_routes(&self.routes)
     }
 
+    /// The routes it was given (see [`Self::with_routes`]).
+    pub fn routes(&self) -> &Arc<crate::routes::Routes> {
+        &self.routes
+    }
+
     /// Knows the routes of the routes file: a change of a seller's terms (a lesson of adaptive
     /// limits, a pause, a limit set) gives back reservations on them in their logs too.
     pub fn with_routes(mut self, routes: Arc<crate::routes::Routes>) -> Self {
@@ -832,13 +837,25 @@ impl PermitStore {
         self.admin().pause(seller, duration).await
     }
 
-    /// A call's route as the scripts take it (see [`OnRoute`]).
-    fn on_route(&self, seller: &SellerId, route: Option<&Route>) -> Option<OnRoute> {
-        route.map(|route| OnRoute {
-            log: self.keys.route_log(seller, &route.name),
-            limit: self.keys.route_limit(seller, &route.name),
-            counts: route.limits.counts_arg(),
-            windows: route.limits.windows_arg(),
+    /// A call's route as the scripts take it (see [`OnRoute`]), under `limiter`'s stack for it
+    /// (the fleet's, see [`LimiterArgs::route_limits`]) or else its own.
+    fn on_route(
+        &self,
+        limiter: &LimiterArgs,
+        seller: &SellerId,
+        route: Option<&Route>,
+    ) -> Option<OnRoute> {
+        route.map(|route| {
+            let limits = limiter
+                .route_limits
+                .get(&route.name)
+                .unwrap_or(&route.limits);
+            OnRoute {
+                log: self.keys.route_log(seller, &route.name),
+                limit: self.keys.route_limit(seller, &route.name),
+                counts: limits.counts_arg(),
+                windows: limits.windows_arg(),
+            }
         })
     }
 
@@ -905,7 +922,7 @@ impl PermitStore {
         let block_hold = pooled.map(|blocks| (block.min(block::MOST_UNITS), blocks.hold_us()));
         let mut acquire =
             self.acquire_call(&limiter, seller, message, cost, reserve, block_hold, &token);
-        acquire.route = self.on_route(seller, route);
+        acquire.route = self.on_route(&limiter, seller, route);
         let (values, sent) = self.run_sent(acquire.operation(), When::Now).await?;
         let answer = AcquireAnswer { values, algorithm };
         let mut decision = answer.decision(token, cost, sent)?;
@@ -1267,7 +1284,7 @@ impl PermitStore {
     ) -> Result<Result<Decision, Forfeit>, PermitError> {
         let limiter = self.limiter();
         let mut redeem = self.redeem_call(&limiter, seller, message, cost, &held);
-        redeem.route = self.on_route(seller, route);
+        redeem.route = self.on_route(&limiter, seller, route);
         let (
             RedeemAnswer {
                 status,
@@ -1678,7 +1695,7 @@ impl PermitStore {
             cost: cost.units(),
             slot_us: slot_us.max(0),
             capacity: limiter.bucket_capacity,
-            route: self.on_route(seller, route),
+            route: self.on_route(&limiter, seller, route),
         };
         let _: i64 = release
             .invocation()
@@ -1719,7 +1736,7 @@ impl PermitStore {
             held_windows: reservation.limits.windows_arg(),
             guard_us: Terms::guard_arg_of(limiter.seller_guard()),
             capacity: limiter.bucket_capacity,
-            route: self.on_route(seller, route),
+            route: self.on_route(&limiter, seller, route),
         };
         let given_back: u8 = unreserve
             .invocation()

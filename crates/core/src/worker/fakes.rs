@@ -849,7 +849,7 @@ impl Worker {
             ask_ahead: super::ahead::AskAhead::new(workers),
             stats: Arc::default(),
             reschedules,
-            terms: tokio::sync::watch::channel(0).1,
+            terms: tokio::sync::watch::channel(Default::default()).1,
             records_in_writing: Default::default(),
             seller_waits: Default::default(),
             seen_batches: Default::default(),

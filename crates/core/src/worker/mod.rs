@@ -175,7 +175,7 @@ pub struct Worker {
     pub reschedules: tokio::sync::broadcast::Sender<Rescheduled>,
     /// The tag of the fleet's terms in force (see `permit::applied`): a message that waited
     /// under others asks anew, and the delay ladder wakes such messages when it changes.
-    pub terms: tokio::sync::watch::Receiver<u64>,
+    pub terms: tokio::sync::watch::Receiver<crate::permit::applied::InForce>,
     /// Registrations whose completion record is being written here.
     pub records_in_writing: RecordsInWriting,
     /// Sellers lately told to wait: their new messages ask without taking a worker.
@@ -434,9 +434,14 @@ impl Worker {
             .message_id()
             .as_ref()
             .map(|m| m.to_string());
+        let mut known_elsewhere = false;
         let registration = Registration::parse(&delivery.data, message_id.as_deref()).and_then(
             |mut registration| {
                 registration.priority = Priority::from_amqp(*delivery.properties.priority());
+                if let Some(route) = &registration.route {
+                    known_elsewhere = self.routes.get(route).is_none()
+                        && self.terms.borrow().routes.contains(route);
+                }
                 self.routes.resolve(&mut registration)?;
                 Ok(registration)
             },
@@ -495,6 +500,15 @@ impl Worker {
                 Ok(registration) => {
                     self.handle(&registration, &trace, carried, &reporting, interruptions)
                         .await
+                }
+                Err(invalid) if known_elsewhere => {
+                    debug!(%invalid, "a route another replica knows: waiting for one to take it");
+                    plan::plan_unknown_route(
+                        true,
+                        &carried,
+                        crate::broker::unix_ms(),
+                        &invalid.to_string(),
+                    )
                 }
                 Err(invalid) => Outcome::dead("invalid-message", invalid.to_string(), attempt),
             };
@@ -625,7 +639,7 @@ impl Worker {
             shutdown,
             connection_lost,
         } = interruptions;
-        let terms = *self.terms.borrow();
+        let terms = self.terms.borrow().tag;
         if crate::permit::applied::stale_terms(carried.terms_tag, terms) {
             self.forget_stale_terms(registration, carried).await;
         }
@@ -687,7 +701,7 @@ impl Worker {
             Decision::Wait { retry_after, .. } | Decision::Deferred { retry_after, .. } => {
                 let now = std::time::Instant::now();
                 self.seller_waits.told_to_wait(seller, *retry_after, now);
-                carried.terms_tag = waited_under(terms, *self.terms.borrow());
+                carried.terms_tag = waited_under(terms, self.terms.borrow().tag);
             }
             Decision::Granted { .. } => self.seller_waits.granted(seller),
             _ => {}

@@ -135,6 +135,49 @@ pub fn expired(
     })
 }
 
+/// How long a message on a route this replica does not know waits before it is delivered
+/// again, to whichever replica takes it (see [`plan_unknown_route`]).
+pub const ROUTE_ELSEWHERE_WAIT: Duration = Duration::from_secs(1);
+
+/// How long after turnstile first saw it a message on a route this replica does not know may
+/// wait for a replica that does (a rolling deploy of a routes file takes minutes, not more).
+pub const ROUTE_ELSEWHERE_PATIENCE: Duration = Duration::from_secs(600);
+
+/// The outcome of a message naming a route this replica's routes file lacks (`invalid`: why
+/// it is invalid here). While a live replica knows the route (`known_elsewhere`: a rolling
+/// deploy adds it) and the message first came less than [`ROUTE_ELSEWHERE_PATIENCE`] ago, it
+/// waits [`ROUTE_ELSEWHERE_WAIT`] to be delivered again (another replica may take it); else it
+/// is dead-lettered as `invalid-message`, saying why.
+pub fn plan_unknown_route(
+    known_elsewhere: bool,
+    carried: &Carried,
+    now_ms: u64,
+    invalid: &str,
+) -> Outcome {
+    let waited = Duration::from_millis(now_ms.saturating_sub(carried.first_seen_ms));
+    if !known_elsewhere {
+        return Outcome::dead("invalid-message", invalid.to_owned(), carried.attempt);
+    }
+    if waited >= ROUTE_ELSEWHERE_PATIENCE {
+        return Outcome::dead(
+            "invalid-message",
+            format!(
+                "{invalid}, and no replica that knows the route took it within {}",
+                humantime::format_duration(ROUTE_ELSEWHERE_PATIENCE)
+            ),
+            carried.attempt,
+        );
+    }
+    Outcome::Delay {
+        after: ROUTE_ELSEWHERE_WAIT,
+        carried: Carried {
+            reservation: None,
+            terms_tag: None,
+            ..carried.clone()
+        },
+    }
+}
+
 /// What a message carries from one delivery to the next, in `x-turnstile-*` headers. Read once
 /// at the edge, and untrusted: anything that does not parse is ignored (a reservation must
 /// also be live in Redis to count, see `permit::Reservation`).
@@ -779,6 +822,36 @@ mod tests {
             limits: "1/1s".parse().unwrap(),
             reserved_at_us: 0,
             token: "t".into(),
+        }
+    }
+
+    #[test]
+    fn a_route_another_replica_knows_waits_for_it_within_the_patience_then_is_dead_lettered() {
+        let carried = Carried {
+            first_seen_ms: 1_000_000,
+            ..Carried::default()
+        };
+        let why = "invalid route: names no route of the routes file";
+        assert!(matches!(
+            plan_unknown_route(true, &carried, 1_000_500, why),
+            Outcome::Delay { after, .. } if after == ROUTE_ELSEWHERE_WAIT
+        ));
+        let late = 1_000_000 + ROUTE_ELSEWHERE_PATIENCE.as_millis() as u64;
+        match plan_unknown_route(true, &carried, late, why) {
+            Outcome::DeadLetter { reason, detail, .. } => {
+                assert_eq!(reason, "invalid-message");
+                assert!(
+                    detail.contains("no replica that knows the route took it within 10m"),
+                    "{detail}"
+                );
+            }
+            other => panic!("{other:?}"),
+        }
+        match plan_unknown_route(false, &carried, 1_000_500, why) {
+            Outcome::DeadLetter { detail, .. } => {
+                assert_eq!(detail, why, "no live replica knows it")
+            }
+            other => panic!("{other:?}"),
         }
     }
 
