@@ -781,6 +781,15 @@ impl Progress for FakeProgress {
         futures::future::ready(Ok(kept.get(message.as_str()).cloned())).boxed()
     }
 
+    fn is_registered<'a>(
+        &'a self,
+        _seller: &'a SellerId,
+        message: &'a MessageId,
+    ) -> BoxFuture<'a, Result<bool, PermitError>> {
+        let kept = self.kept.lock().expect("never poisoned");
+        futures::future::ready(Ok(kept.contains_key(message.as_str()))).boxed()
+    }
+
     fn result_published<'a>(
         &'a self,
         _seller: &'a SellerId,
