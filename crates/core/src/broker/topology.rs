@@ -51,6 +51,9 @@ pub enum ReplyRefusal {
 }
 
 impl ReplyRefusal {
+    /// Every refusal's label, as [`Self::label`] gives it.
+    pub const LABELS: [&'static str; 2] = ["own-queue", "turnstile-queue"];
+
     /// The refusal's label in `turnstile_replies_refused_total{reason}`.
     pub fn label(self) -> &'static str {
         match self {
@@ -485,6 +488,9 @@ mod tests {
 
     #[test]
     fn a_reply_to_naming_a_queue_of_ours_or_one_named_like_it_is_refused() {
+        for refusal in [ReplyRefusal::OwnQueue, ReplyRefusal::TurnstileQueue] {
+            assert!(ReplyRefusal::LABELS.contains(&refusal.label()));
+        }
         let topology = Topology::new("registrations", QueueType::Quorum);
         for queue in topology.queues() {
             assert_eq!(
