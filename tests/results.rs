@@ -654,6 +654,122 @@ async fn nothing_that_names_a_registered_message_gives_it_a_later_failed_result(
     rig.cleanup().await
 }
 
+/// What reusing a batch id does (docs/results.md, "A batch id used again"): the batch keeps
+/// its first total and completes once; a re-upload under it gets no completion event of its
+/// own.
+#[tokio::test]
+async fn a_batch_id_used_again_keeps_its_first_round_and_completes_once() -> anyhow::Result<()> {
+    let mut rig = support::rig("results-batch-again", "100/1s")
+        .serving(http())
+        .prepare()
+        .await?;
+    let upload = Upload::new(&rig).await;
+    let listener = upload.listener().await;
+    rig.start_replicas(1, 2).await?;
+
+    let (seller, batch) = ("S-again", support::unique("batch"));
+    let id = |i: usize| format!("{batch}-{i}");
+    // The downstream rejects row 2 at its first call and accepts it at its second.
+    let row = |i: usize| {
+        let product = match i {
+            2 => json!({"sku": i, "mock": {"statuses": [422, 200]}}),
+            _ => json!({"sku": i}),
+        };
+        registration(&id(i), seller, Some((&batch, json!(3))), product)
+    };
+    for i in 0..3 {
+        upload.send(&row(i), None).await;
+    }
+    let events = |all: &[Got]| -> Vec<Value> {
+        all.iter()
+            .filter(|g| g.is_event() && g.body["batch_id"] == batch.as_str())
+            .map(|g| g.body.clone())
+            .collect()
+    };
+    upload
+        .inbox
+        .until("the first upload's completion", |all| {
+            !events(all).is_empty()
+                && (0..3).all(|i| !Inbox::results_of(all, &listener, &id(i)).is_empty())
+        })
+        .await;
+    settled(&rig, 2, 1).await;
+    let records = rig.records();
+    let sid = SellerId::parse(seller).unwrap();
+    for i in 0..2 {
+        let message = turnstile_core::domain::MessageId::parse(&id(i)).unwrap();
+        support::eventually_async(
+            "the registered rows' results are published and trimmed",
+            async || {
+                records
+                    .pending_result(&sid, &message)
+                    .await
+                    .unwrap()
+                    .is_none()
+            },
+        )
+        .await;
+    }
+
+    // The same file again (the same ids), then one row more under the same batch id.
+    for i in 0..3 {
+        upload.send(&row(i), None).await;
+    }
+    upload.send(&row(3), None).await;
+    settled(&rig, 4, 1).await;
+    support::eventually(
+        "the copies of the registered rows are acked as registered",
+        || rig.total(|s| &s.already_done) >= 2,
+    )
+    .await;
+    let marker = support::unique("marker");
+    upload.mark(&marker).await;
+    let all = upload
+        .inbox
+        .until("the marker, after every result", |all| {
+            all.iter().any(|g| g.body["marker"] == marker.as_str())
+        })
+        .await;
+
+    let outcomes = |i: usize| -> Vec<Value> {
+        Inbox::results_of(&all, &listener, &id(i))
+            .iter()
+            .map(|g| g.body["outcome"].clone())
+            .collect()
+    };
+    assert_eq!(
+        outcomes(0),
+        vec!["registered"],
+        "a registered row's copy: no result"
+    );
+    assert_eq!(outcomes(1), vec!["registered"]);
+    assert_eq!(
+        outcomes(2),
+        vec!["rejected", "registered"],
+        "a dead row is called again"
+    );
+    assert_eq!(outcomes(3), vec!["registered"]);
+    let events = events(&all);
+    assert_eq!(events.len(), 1, "one event, the first round's: {events:?}");
+    assert_eq!(events[0]["total"], 3, "{events:?}");
+    assert_eq!(events[0]["registered"], 2, "{events:?}");
+
+    let (status, report) = api(&rig, &format!("/api/batches/{batch}")).await;
+    assert_eq!(status, 200, "{report}");
+    assert_eq!(report["total"], 3, "the first total stays: {report}");
+    assert_eq!(report["registered"], 4, "{report}");
+    assert_eq!(
+        support::dead_counts(&report["dead"]),
+        BTreeMap::new(),
+        "{report}"
+    );
+    assert_eq!(report["extra"], 1, "{report}");
+    assert_eq!(report["done"], true, "{report}");
+    let stats = rig.mock.stats();
+    assert_eq!(stats.registered, 4, "{stats:?}");
+    rig.cleanup().await
+}
+
 /// A downstream of the test's own, on a raw socket: answers `200` with a JSON document of about
 /// 1 MiB to a product `{"answer": "huge"}`, with bytes that are not UTF-8 (as
 /// `application/octet-stream`) to `{"answer": "binary"}`; notes each Idempotency-Key it answered.
