@@ -365,3 +365,39 @@ pub async fn declare_exchange(channel: &lapin::Channel, exchange: &str) -> anyho
         .await
         .with_context(|| format!("declaring the results exchange {exchange:?}"))
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::broker::QueueType;
+
+    fn reply_to(queue: &str) -> ReplyTo {
+        let properties = BasicProperties::default()
+            .with_reply_to(queue.into())
+            .with_correlation_id("c-1".into());
+        ReplyTo::of(
+            &properties,
+            &Topology::new("registrations", QueueType::Quorum),
+        )
+    }
+
+    #[test]
+    fn a_reply_goes_only_where_the_topology_allows() {
+        let allowed = reply_to("upload-replies");
+        assert_eq!(allowed.queue(), Some("upload-replies"));
+        assert_eq!(allowed.refused(), None);
+        let refused = reply_to("registrations.wait.0");
+        assert_eq!(refused.queue(), None, "no reply to a queue of ours");
+        assert_eq!(
+            refused.refused(),
+            Some(("registrations.wait.0", ReplyRefusal::OwnQueue))
+        );
+        assert_eq!(
+            refused.correlation_id.as_ref().map(|c| c.as_str()),
+            Some("c-1"),
+            "kept for the exchange"
+        );
+        let none = reply_to("");
+        assert_eq!((none.queue(), none.refused()), (None, None));
+    }
+}
