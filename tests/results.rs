@@ -470,6 +470,306 @@ async fn a_missing_reply_to_queue_loses_nothing() -> anyhow::Result<()> {
     rig.cleanup().await
 }
 
+#[tokio::test]
+async fn a_reply_to_naming_a_turnstile_queue_is_refused_and_the_result_still_goes_out()
+-> anyhow::Result<()> {
+    let mut rig = support::rig("results-reply-ours", "100/1s")
+        .serving(http())
+        .prepare()
+        .await?;
+    let upload = Upload::new(&rig).await;
+    let listener = upload.listener().await;
+    rig.start_replicas(1, 2).await?;
+    let refused = |reason: &str| format!("turnstile_replies_refused_total{{reason=\"{reason}\"}}");
+
+    // Every queue turnstile declares, a name under `<queue>.` that it does not, and queues
+    // named as another deployment names its own.
+    let work = rig.topology.work().to_owned();
+    let mut ours = rig.topology.queues();
+    ours.push(format!("{work}.results"));
+    ours.push(format!("{work}.wait.99"));
+    let others = ["orders.ready", "orders.dead", "orders.wait.3"];
+    let seller = "S-reply-ours";
+    let messages: Vec<(String, String)> = ours
+        .iter()
+        .chain(
+            others
+                .iter()
+                .map(|q| q.to_string())
+                .collect::<Vec<_>>()
+                .iter(),
+        )
+        .enumerate()
+        .map(|(i, queue)| (support::unique(&format!("m-ours-{i}")), queue.clone()))
+        .collect();
+    for (i, (message, queue)) in messages.iter().enumerate() {
+        let body = registration(message, seller, None, json!({ "sku": i }));
+        upload.send(&body, Some((queue, message))).await;
+    }
+    let n = messages.len() as u64;
+    // Each result and reply is confirmed before its message is acked and counted.
+    settled(&rig, n, 0).await;
+    let marker = support::unique("marker");
+    upload.mark(&marker).await;
+    let all = upload
+        .inbox
+        .until("the marker, after every result", |all| {
+            all.iter().any(|g| g.body["marker"] == marker.as_str())
+        })
+        .await;
+    for (message, queue) in &messages {
+        let results = Inbox::results_of(&all, &listener, message);
+        let outcomes: Vec<&Value> = results.iter().map(|g| &g.body["outcome"]).collect();
+        assert_eq!(
+            outcomes,
+            vec!["registered"],
+            "one result, registered, for the message replying to {queue}"
+        );
+        assert_eq!(results[0].correlation_id.as_deref(), Some(message.as_str()));
+    }
+    // No reply reached a queue of ours: nothing waits anywhere (a reply to `<queue>.dead`
+    // would), nothing more was delivered than was sent, nothing was dead-lettered.
+    assert_eq!(
+        rig.depth_everywhere().await?,
+        0,
+        "nothing in any queue of ours"
+    );
+    assert_eq!(
+        rig.total(|s| &s.deliveries),
+        n,
+        "only the messages sent were delivered"
+    );
+    assert_eq!(rig.total(|s| &s.dead_lettered), 0);
+    assert_eq!(
+        metric(&rig, &refused("own-queue")).await,
+        ours.len() as f64,
+        "each reply to a queue of ours refused once"
+    );
+    assert_eq!(
+        metric(&rig, &refused("turnstile-queue")).await,
+        others.len() as f64
+    );
+    let stats = rig.mock.stats();
+    assert_eq!((stats.registered, stats.duplicates), (n, 0), "{stats:?}");
+    rig.cleanup().await
+}
+
+#[tokio::test]
+async fn nothing_that_names_a_registered_message_gives_it_a_later_failed_result()
+-> anyhow::Result<()> {
+    let mut rig = support::rig("results-stay-registered", "100/1s")
+        .prepare()
+        .await?;
+    let upload = Upload::new(&rig).await;
+    let listener = upload.listener().await;
+    rig.start_replicas(1, 2).await?;
+
+    let (seller, batch) = ("S-stays", support::unique("batch"));
+    let message = support::unique("m-stays");
+    let body = registration(
+        &message,
+        seller,
+        Some((&batch, json!(1))),
+        json!({"sku": 1}),
+    );
+    upload.send(&body, None).await;
+    let all = upload
+        .inbox
+        .until("the message's result and its batch's event", |all| {
+            !Inbox::results_of(all, &listener, &message).is_empty()
+                && all
+                    .iter()
+                    .any(|g| g.is_event() && g.body["batch_id"] == batch.as_str())
+        })
+        .await;
+    let result = Inbox::results_of(&all, &listener, &message)[0].clone();
+    assert_eq!(result.body["outcome"], "registered", "{:?}", result.body);
+    settled(&rig, 1, 0).await;
+
+    // Its result, come back into the work queue and the return queue by another route (a
+    // binding, a shovel, a reply_to of an older build), as the broker would deliver it.
+    let as_result = BasicProperties::default()
+        .with_content_type("application/json".into())
+        .with_type("turnstile.result".into())
+        .with_message_id(message.as_str().into());
+    for queue in [rig.topology.work(), rig.topology.ready()] {
+        upload
+            .publisher
+            .publish(
+                "",
+                queue,
+                result.body.to_string().as_bytes(),
+                as_result.clone(),
+            )
+            .await
+            .expect("published");
+    }
+    // A copy of the message itself, now past its deadline; and one routed nowhere known.
+    let mut late = body.clone();
+    late["deadline"] = "2020-01-01T00:00:00Z".into();
+    upload.send(&late, None).await;
+    let mut unroutable = body.clone();
+    unroutable["route"] = "no-such-route".into();
+    upload.send(&unroutable, None).await;
+
+    support::eventually("the four deliveries naming it are settled", || {
+        rig.total(|s| &s.deliveries) >= 5
+            && rig.total(|s| &s.already_done) + rig.total(|s| &s.dead_lettered) >= 4
+    })
+    .await;
+    let marker = support::unique("marker");
+    upload.mark(&marker).await;
+    let all = upload
+        .inbox
+        .until("the marker, after every result", |all| {
+            all.iter().any(|g| g.body["marker"] == marker.as_str())
+        })
+        .await;
+    let outcomes: Vec<Value> = Inbox::results_of(&all, &listener, &message)
+        .iter()
+        .map(|g| g.body["outcome"].clone())
+        .collect();
+    assert!(
+        outcomes.iter().all(|o| o == "registered"),
+        "every result of a registered message says registered: {outcomes:?}"
+    );
+    let events = all
+        .iter()
+        .filter(|g| g.is_event() && g.body["batch_id"] == batch.as_str())
+        .count();
+    assert_eq!(events, 1, "its batch completed once");
+    assert_eq!(rig.total(|s| &s.dead_lettered), 0);
+    assert_eq!(rig.total(|s| &s.already_done), 4);
+    assert_eq!(rig.dead_lettered().await?, 0, "no forged dead letter");
+    let progress = rig
+        .records()
+        .batch_progress(
+            &SellerId::parse(seller).unwrap(),
+            &BatchId::parse(&batch).unwrap(),
+        )
+        .await?
+        .expect("the batch is recorded");
+    assert_eq!((progress.registered, progress.dead), (1, 0), "{progress:?}");
+    assert_eq!(rig.mock.stats().registered, 1);
+    rig.cleanup().await
+}
+
+/// What reusing a batch id does (docs/results.md, "A batch id used again"): the batch keeps
+/// its first total and completes once; a re-upload under it gets no completion event of its
+/// own.
+#[tokio::test]
+async fn a_batch_id_used_again_keeps_its_first_round_and_completes_once() -> anyhow::Result<()> {
+    let mut rig = support::rig("results-batch-again", "100/1s")
+        .serving(http())
+        .prepare()
+        .await?;
+    let upload = Upload::new(&rig).await;
+    let listener = upload.listener().await;
+    rig.start_replicas(1, 2).await?;
+
+    let (seller, batch) = ("S-again", support::unique("batch"));
+    let id = |i: usize| format!("{batch}-{i}");
+    // The downstream rejects row 2 at its first call and accepts it at its second.
+    let row = |i: usize| {
+        let product = match i {
+            2 => json!({"sku": i, "mock": {"statuses": [422, 200]}}),
+            _ => json!({"sku": i}),
+        };
+        registration(&id(i), seller, Some((&batch, json!(3))), product)
+    };
+    for i in 0..3 {
+        upload.send(&row(i), None).await;
+    }
+    let events = |all: &[Got]| -> Vec<Value> {
+        all.iter()
+            .filter(|g| g.is_event() && g.body["batch_id"] == batch.as_str())
+            .map(|g| g.body.clone())
+            .collect()
+    };
+    upload
+        .inbox
+        .until("the first upload's completion", |all| {
+            !events(all).is_empty()
+                && (0..3).all(|i| !Inbox::results_of(all, &listener, &id(i)).is_empty())
+        })
+        .await;
+    settled(&rig, 2, 1).await;
+    let records = rig.records();
+    let sid = SellerId::parse(seller).unwrap();
+    for i in 0..2 {
+        let message = turnstile_core::domain::MessageId::parse(&id(i)).unwrap();
+        support::eventually_async(
+            "the registered rows' results are published and trimmed",
+            async || {
+                records
+                    .pending_result(&sid, &message)
+                    .await
+                    .unwrap()
+                    .is_none()
+            },
+        )
+        .await;
+    }
+
+    // The same file again (the same ids), then one row more under the same batch id.
+    for i in 0..3 {
+        upload.send(&row(i), None).await;
+    }
+    upload.send(&row(3), None).await;
+    settled(&rig, 4, 1).await;
+    support::eventually(
+        "the copies of the registered rows are acked as registered",
+        || rig.total(|s| &s.already_done) >= 2,
+    )
+    .await;
+    let marker = support::unique("marker");
+    upload.mark(&marker).await;
+    let all = upload
+        .inbox
+        .until("the marker, after every result", |all| {
+            all.iter().any(|g| g.body["marker"] == marker.as_str())
+        })
+        .await;
+
+    let outcomes = |i: usize| -> Vec<Value> {
+        Inbox::results_of(&all, &listener, &id(i))
+            .iter()
+            .map(|g| g.body["outcome"].clone())
+            .collect()
+    };
+    assert_eq!(
+        outcomes(0),
+        vec!["registered"],
+        "a registered row's copy: no result"
+    );
+    assert_eq!(outcomes(1), vec!["registered"]);
+    assert_eq!(
+        outcomes(2),
+        vec!["rejected", "registered"],
+        "a dead row is called again"
+    );
+    assert_eq!(outcomes(3), vec!["registered"]);
+    let events = events(&all);
+    assert_eq!(events.len(), 1, "one event, the first round's: {events:?}");
+    assert_eq!(events[0]["total"], 3, "{events:?}");
+    assert_eq!(events[0]["registered"], 2, "{events:?}");
+
+    let (status, report) = api(&rig, &format!("/api/batches/{batch}")).await;
+    assert_eq!(status, 200, "{report}");
+    assert_eq!(report["total"], 3, "the first total stays: {report}");
+    assert_eq!(report["registered"], 4, "{report}");
+    assert_eq!(
+        support::dead_counts(&report["dead"]),
+        BTreeMap::new(),
+        "{report}"
+    );
+    assert_eq!(report["extra"], 1, "{report}");
+    assert_eq!(report["done"], true, "{report}");
+    let stats = rig.mock.stats();
+    assert_eq!(stats.registered, 4, "{stats:?}");
+    rig.cleanup().await
+}
+
 /// A downstream of the test's own, on a raw socket: answers `200` with a JSON document of about
 /// 1 MiB to a product `{"answer": "huge"}`, with bytes that are not UTF-8 (as
 /// `application/octet-stream`) to `{"answer": "binary"}`; notes each Idempotency-Key it answered.

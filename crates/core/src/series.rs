@@ -134,6 +134,13 @@ pub const METRICS: &[Metric] = &[
         Counter,
         "Results whose message's reply_to queue did not exist (they went to the results exchange only).",
     ),
+    labelled(
+        "turnstile_replies_refused_total",
+        Counter,
+        "Results not sent to their message's reply_to because it names one of turnstile's queues (own-queue) or one named like another deployment's (turnstile-queue); they went to the results exchange only.",
+        "reason",
+        Values::Fixed(&crate::broker::ReplyRefusal::LABELS),
+    ),
     plain(
         "turnstile_returns_rescued_total",
         Counter,

@@ -10,7 +10,7 @@
 //!
 //! **Cross-site requests** cannot act: every action is a POST with a JSON body
 //! (`Content-Type: application/json`, else 415), must carry the header
-//! `X-Turnstile-Action: 1` (which a cross-site form cannot send, and a cross-site script can
+//! `X-Turnstile-Action: 1`, that value once (which a cross-site form cannot send, and a cross-site script can
 //! only with a CORS preflight that turnstile never grants), and is refused (403) when the
 //! browser says it is cross-site: `Sec-Fetch-Site` other than `same-origin`, or an `Origin`
 //! other than the dashboard's own (`http(s)://<Host>`). These checks come before the token's,
@@ -103,12 +103,16 @@ fn cross_site(headers: &HeaderMap) -> Option<&'static str> {
             );
         }
     }
-    if !headers.contains_key(ACTION_HEADER) {
-        return Some(
+    let mut action = headers.get_all(ACTION_HEADER).iter();
+    match (action.next(), action.next()) {
+        (None, _) => Some(
             "refused: an action needs the header X-Turnstile-Action: 1 (the page sends it; a cross-site form cannot)",
-        );
+        ),
+        (Some(value), None) if value.as_bytes() == b"1" => None,
+        _ => Some(
+            "refused: the header X-Turnstile-Action must be exactly 1, once (the page sends it; a cross-site form cannot)",
+        ),
     }
-    None
 }
 
 /// Whether the body is declared JSON.
@@ -662,6 +666,21 @@ mod tests {
         ] {
             assert!(cross_site(&headers(&bad)).is_some(), "{bad:?}");
         }
+    }
+
+    #[test]
+    fn the_action_header_must_say_1_and_nothing_else() {
+        let host = ("host", "127.0.0.1:9464");
+        for value in ["0", "", "true", "yes", "11", " 1", "1 ", "01", "1,1"] {
+            let why = cross_site(&headers(&[host, (ACTION_HEADER, value)]));
+            assert!(
+                why.is_some_and(|w| w.contains("X-Turnstile-Action")),
+                "{value:?}: {why:?}"
+            );
+        }
+        let mut twice = headers(&[host, (ACTION_HEADER, "1")]);
+        twice.append(ACTION_HEADER, "0".parse().unwrap());
+        assert!(cross_site(&twice).is_some(), "a second value other than 1");
     }
 
     #[test]

@@ -30,7 +30,8 @@ pub use budget::TooLarge;
 pub use ladder::{Hop, LEVELS, UNIT};
 pub use results::Results;
 pub use topology::{
-    Declared, Protection, QueueType, Topology, UNREACHED_DELIVERY_LIMIT, WORK_DELIVERY_LIMIT,
+    Declared, Protection, QueueType, ReplyRefusal, Topology, UNREACHED_DELIVERY_LIMIT,
+    WORK_DELIVERY_LIMIT,
 };
 
 use std::sync::Arc;

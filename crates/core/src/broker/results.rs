@@ -5,7 +5,10 @@
 //!   (dropped by the broker when no queue is bound: a fan-out for whoever listens), and, when
 //!   the message has a `reply_to`, to that queue through the default exchange with the
 //!   message's `correlation_id` (RabbitMQ's RPC convention). A reply no queue takes (the queue
-//!   is gone) is counted and logged, never retried: the exchange's copy still goes out.
+//!   is gone) is counted and logged, never retried: the exchange's copy still goes out. A
+//!   `reply_to` naming one of turnstile's own queues (`<q>`, `<q>.…`) or one named like
+//!   another deployment's is refused (see [`Topology::refuses_reply_to`]): counted, logged at
+//!   most once a minute, and the exchange's copy still goes out.
 //! - a batch's completion event goes to `<q>.results` with routing key `batch.completed`.
 //!
 //! The channel is this module's own: a results exchange deleted at runtime makes the broker
@@ -27,29 +30,112 @@ use lapin::options::ExchangeDeclareOptions;
 use lapin::types::{FieldTable, ShortString};
 use lapin::{BasicProperties, Connection, ExchangeKind};
 
-use super::{PublishError, Publisher, Routing};
+use super::{PublishError, Publisher, ReplyRefusal, Routing, Topology};
 
 /// The routing key of a batch's completion event.
 pub const BATCH_COMPLETED: &str = "batch.completed";
 
-/// Where a message asked its result to go besides the results exchange.
+/// Where a message asked its result to go besides the results exchange: its `reply_to`, unless
+/// that names a queue a reply must not reach (see [`Topology::refuses_reply_to`]), and its
+/// `correlation_id`. Built only from a delivery and the topology ([`ReplyTo::of`]), so a reply
+/// can only go where the topology allows.
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
 pub struct ReplyTo {
-    /// The queue (`reply_to`), if any.
-    pub queue: Option<ShortString>,
+    queue: Option<ReplyQueue>,
     pub correlation_id: Option<ShortString>,
 }
 
+/// A message's `reply_to`, allowed or refused.
+#[derive(Clone, Debug, PartialEq, Eq)]
+enum ReplyQueue {
+    /// The reply goes there.
+    To(ShortString),
+    /// The reply is refused: the result goes only to the results exchange.
+    Refused(ShortString, ReplyRefusal),
+}
+
 impl ReplyTo {
-    /// A delivery's `reply_to` (an empty one is none) and `correlation_id`.
-    pub fn of(properties: &BasicProperties) -> Self {
+    /// A delivery's `reply_to` (an empty one is none), checked against `topology`, and its
+    /// `correlation_id`.
+    pub fn of(properties: &BasicProperties, topology: &Topology) -> Self {
+        let queue = properties
+            .reply_to()
+            .clone()
+            .filter(|q| !q.as_str().is_empty())
+            .map(|q| match topology.refuses_reply_to(q.as_str()) {
+                Some(refusal) => ReplyQueue::Refused(q, refusal),
+                None => ReplyQueue::To(q),
+            });
         Self {
-            queue: properties
-                .reply_to()
-                .clone()
-                .filter(|q| !q.as_str().is_empty()),
+            queue,
             correlation_id: properties.correlation_id().clone(),
         }
+    }
+
+    /// The queue the reply goes to, if any.
+    pub fn queue(&self) -> Option<&str> {
+        match &self.queue {
+            Some(ReplyQueue::To(queue)) => Some(queue.as_str()),
+            _ => None,
+        }
+    }
+
+    /// The `reply_to` refused, and why, if it was.
+    pub fn refused(&self) -> Option<(&str, ReplyRefusal)> {
+        match &self.queue {
+            Some(ReplyQueue::Refused(queue, refusal)) => Some((queue.as_str(), *refusal)),
+            _ => None,
+        }
+    }
+}
+
+/// How often a refused `reply_to` is logged, at most, for each reason (each is counted).
+const REFUSALS_LOGGED_EVERY: std::time::Duration = std::time::Duration::from_secs(60);
+
+/// Counts a refused reply in `turnstile_replies_refused_total{reason}` and logs it: the first
+/// of each reason at once, then at most one line per reason every [`REFUSALS_LOGGED_EVERY`]
+/// (with how many were refused since the last line), so a producer setting it on every message
+/// floods nothing.
+fn refused(queue: &str, refusal: ReplyRefusal) {
+    use std::collections::HashMap;
+    use std::time::Instant;
+    static LOGGED: std::sync::Mutex<Option<HashMap<ReplyRefusal, (Instant, u64)>>> =
+        std::sync::Mutex::new(None);
+    metrics::counter!("turnstile_replies_refused_total", "reason" => refusal.label()).increment(1);
+    let now = Instant::now();
+    let mut logged = LOGGED.lock().unwrap_or_else(|e| e.into_inner());
+    let last = logged.get_or_insert_default().entry(refusal);
+    let unlogged = match last {
+        std::collections::hash_map::Entry::Vacant(first) => {
+            first.insert((now, 0));
+            Some(0)
+        }
+        std::collections::hash_map::Entry::Occupied(mut seen) => {
+            let (at, since) = seen.get_mut();
+            *since += 1;
+            if now.duration_since(*at) >= REFUSALS_LOGGED_EVERY {
+                let unlogged = *since - 1;
+                *seen.get_mut() = (now, 0);
+                Some(unlogged)
+            } else {
+                None
+            }
+        }
+    };
+    drop(logged);
+    if let Some(unlogged) = unlogged {
+        let why = match refusal {
+            ReplyRefusal::OwnQueue => "it names one of this replica's own queues",
+            ReplyRefusal::TurnstileQueue => {
+                "it is named as another turnstile deployment names its queues (….ready, ….dead, ….wait.<k>)"
+            }
+        };
+        tracing::warn!(
+            reply_to = queue,
+            reason = refusal.label(),
+            refused_unlogged = unlogged,
+            "a message's reply_to was refused: {why}; its result went only to the results exchange"
+        );
     }
 }
 
@@ -150,8 +236,8 @@ impl Results {
             Routing::Optional,
         );
         let to_reply = async {
-            match &reply.queue {
-                Some(queue) => self.reply(queue.as_str(), body, properties.clone()).await,
+            match reply.queue() {
+                Some(queue) => self.reply(queue, body, properties.clone()).await,
                 None => Ok(()),
             }
         };
@@ -159,12 +245,15 @@ impl Results {
         if let Err(error) = exchange {
             return Err(self.failed(channel, error).await);
         }
+        if let Some((queue, refusal)) = reply.refused() {
+            refused(queue, refusal);
+        }
         match replied {
             Ok(()) => Ok(true),
             Err(PublishError::Unroutable(_)) => {
                 metrics::counter!("turnstile_results_unrouted_total").increment(1);
                 tracing::warn!(
-                    reply_to = reply.queue.as_ref().map(|q| q.as_str()).unwrap_or_default(),
+                    reply_to = reply.queue().unwrap_or_default(),
                     "the message's reply_to queue does not exist: its result went only to the results exchange"
                 );
                 Ok(false)
@@ -275,4 +364,40 @@ pub async fn declare_exchange(channel: &lapin::Channel, exchange: &str) -> anyho
         )
         .await
         .with_context(|| format!("declaring the results exchange {exchange:?}"))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::broker::QueueType;
+
+    fn reply_to(queue: &str) -> ReplyTo {
+        let properties = BasicProperties::default()
+            .with_reply_to(queue.into())
+            .with_correlation_id("c-1".into());
+        ReplyTo::of(
+            &properties,
+            &Topology::new("registrations", QueueType::Quorum),
+        )
+    }
+
+    #[test]
+    fn a_reply_goes_only_where_the_topology_allows() {
+        let allowed = reply_to("upload-replies");
+        assert_eq!(allowed.queue(), Some("upload-replies"));
+        assert_eq!(allowed.refused(), None);
+        let refused = reply_to("registrations.wait.0");
+        assert_eq!(refused.queue(), None, "no reply to a queue of ours");
+        assert_eq!(
+            refused.refused(),
+            Some(("registrations.wait.0", ReplyRefusal::OwnQueue))
+        );
+        assert_eq!(
+            refused.correlation_id.as_ref().map(|c| c.as_str()),
+            Some("c-1"),
+            "kept for the exchange"
+        );
+        let none = reply_to("");
+        assert_eq!((none.queue(), none.refused()), (None, None));
+    }
 }

@@ -37,6 +37,32 @@ pub enum Protection {
     Unprotected { policy: String },
 }
 
+/// Why a `reply_to` is refused (see [`Topology::refuses_reply_to`]): the result then goes
+/// only to the results exchange.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum ReplyRefusal {
+    /// The work queue `<q>`, or any queue named `<q>.…` (the return queue, the dead letters,
+    /// the ladder's levels, and whatever turnstile may name so later): a reply there would be
+    /// consumed as a registration, or sit among the dead letters, replayable.
+    OwnQueue,
+    /// A queue named as another turnstile deployment names its own (`….ready`, `….dead`,
+    /// `….wait.<k>`): the same harm, to that deployment.
+    TurnstileQueue,
+}
+
+impl ReplyRefusal {
+    /// Every refusal's label, as [`Self::label`] gives it.
+    pub const LABELS: [&'static str; 2] = ["own-queue", "turnstile-queue"];
+
+    /// The refusal's label in `turnstile_replies_refused_total{reason}`.
+    pub fn label(self) -> &'static str {
+        match self {
+            Self::OwnQueue => "own-queue",
+            Self::TurnstileQueue => "turnstile-queue",
+        }
+    }
+}
+
 /// What `declare` found.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct Declared {
@@ -335,6 +361,24 @@ impl Topology {
         Ok(Declared { work, dead })
     }
 
+    /// Why a message's `reply_to` may not receive its result, if it may not: a reply is a
+    /// publish through the default exchange to whatever queue the producer named, and one that
+    /// lands in a queue turnstile consumes or replays from comes back as a message of its own
+    /// (see [`ReplyRefusal`]).
+    pub fn refuses_reply_to(&self, queue: &str) -> Option<ReplyRefusal> {
+        let own = queue
+            .strip_prefix(self.work.as_str())
+            .is_some_and(|rest| rest.is_empty() || rest.starts_with('.'));
+        if own {
+            return Some(ReplyRefusal::OwnQueue);
+        }
+        let (rest, last) = queue.rsplit_once('.')?;
+        let ladder_level =
+            rest.ends_with(".wait") && !last.is_empty() && last.bytes().all(|b| b.is_ascii_digit());
+        let named_like_ours = matches!(last, "ready" | "dead") || ladder_level;
+        (named_like_ours && !rest.is_empty()).then_some(ReplyRefusal::TurnstileQueue)
+    }
+
     /// Every queue of the topology: work, return queue, dead letters, ladder levels.
     pub fn queues(&self) -> Vec<String> {
         let mut queues = vec![self.work.clone(), self.ready.clone(), self.dead.clone()];
@@ -441,6 +485,61 @@ fn regex_escape(s: &str) -> String {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_reply_to_naming_a_queue_of_ours_or_one_named_like_it_is_refused() {
+        for refusal in [ReplyRefusal::OwnQueue, ReplyRefusal::TurnstileQueue] {
+            assert!(ReplyRefusal::LABELS.contains(&refusal.label()));
+        }
+        let topology = Topology::new("registrations", QueueType::Quorum);
+        for queue in topology.queues() {
+            assert_eq!(
+                topology.refuses_reply_to(&queue),
+                Some(ReplyRefusal::OwnQueue),
+                "{queue}"
+            );
+        }
+        for queue in [
+            "registrations.results",
+            "registrations.",
+            "registrations.x.y",
+        ] {
+            assert_eq!(
+                topology.refuses_reply_to(queue),
+                Some(ReplyRefusal::OwnQueue),
+                "{queue}"
+            );
+        }
+        for queue in [
+            "orders.ready",
+            "orders.dead",
+            "orders.wait.0",
+            "a.b.wait.11",
+        ] {
+            assert_eq!(
+                topology.refuses_reply_to(queue),
+                Some(ReplyRefusal::TurnstileQueue),
+                "{queue}"
+            );
+        }
+        for queue in [
+            "registrations-replies",
+            "registrationsX",
+            "replies",
+            "amq.gen-JzTY20BRgKO-HjmUJj0wLg",
+            "amq.rabbitmq.reply-to.g1h2AA5yZXBseUAyNzk2NjM4OAAAC5oAAAAAWQ==",
+            "upload.replies",
+            "ready",
+            ".ready",
+            "dead",
+            "orders.wait.",
+            "orders.wait.x1",
+            "orders.waiting.1",
+            "orders.deadline",
+        ] {
+            assert_eq!(topology.refuses_reply_to(queue), None, "{queue}");
+        }
+    }
 
     #[test]
     fn the_policy_commands_match_exactly_their_queue_and_survive_the_shell() {

@@ -264,6 +264,13 @@ pub trait Progress: Send + Sync {
         message: &'a MessageId,
     ) -> BoxFuture<'a, Result<Option<String>, PermitError>>;
 
+    /// Whether a message's completion record says registered.
+    fn is_registered<'a>(
+        &'a self,
+        seller: &'a SellerId,
+        message: &'a MessageId,
+    ) -> BoxFuture<'a, Result<bool, PermitError>>;
+
     /// Says that a registered message's result was published: its record no longer keeps it.
     fn result_published<'a>(
         &'a self,
@@ -585,6 +592,14 @@ impl Progress for PermitStore {
         message: &'a MessageId,
     ) -> BoxFuture<'a, Result<Option<String>, PermitError>> {
         async move { self.records().pending_result(seller, message).await }.boxed()
+    }
+
+    fn is_registered<'a>(
+        &'a self,
+        seller: &'a SellerId,
+        message: &'a MessageId,
+    ) -> BoxFuture<'a, Result<bool, PermitError>> {
+        async move { self.records().is_registered(seller, message).await }.boxed()
     }
 
     fn result_published<'a>(

@@ -539,6 +539,25 @@ impl Records {
         Ok(state.as_deref().and_then(pending_result).map(str::to_owned))
     }
 
+    /// Whether a message's completion record says registered (its result published or not):
+    /// reads only the record's first bytes, never the result it may keep.
+    pub async fn is_registered(
+        &self,
+        seller: &SellerId,
+        message: &MessageId,
+    ) -> Result<bool, PermitError> {
+        let start: String = self
+            .conn
+            .clone()
+            .getrange(
+                self.keys.done(seller, message),
+                0,
+                "registered ".len() as isize - 1,
+            )
+            .await?;
+        Ok(is_registered(&start))
+    }
+
     /// What a message's completion record says of it (see `lua/complete.lua`): `registered`
     /// (its result published or not), `dead:<REASON>`, or `None`: waiting (never finished, or
     /// replayed since), never seen, or its record expired (`TURNSTILE_DONE_TTL`). With how long

@@ -699,6 +699,8 @@ pub(super) struct FakeProgress {
     journal: Journal,
     /// Results kept in registered messages' records, by message id.
     kept: Mutex<std::collections::HashMap<String, String>>,
+    /// The messages whose records say registered, by id.
+    registered: Mutex<std::collections::HashSet<String>>,
 }
 
 impl FakeProgress {
@@ -706,11 +708,19 @@ impl FakeProgress {
         Self {
             journal: journal.clone(),
             kept: Mutex::default(),
+            registered: Mutex::default(),
         }
+    }
+
+    /// A registered message (its result published).
+    pub(super) fn register(&self, message: &str) {
+        let mut registered = self.registered.lock().expect("never poisoned");
+        registered.insert(message.to_owned());
     }
 
     /// A registered message whose record keeps its result, unpublished.
     pub(super) fn keep_result(&self, message: &str, result: &str) {
+        self.register(message);
         let mut kept = self.kept.lock().expect("never poisoned");
         kept.insert(message.to_owned(), result.to_owned());
     }
@@ -779,6 +789,15 @@ impl Progress for FakeProgress {
         self.journal.note(Event::Progress("pending_result"));
         let kept = self.kept.lock().expect("never poisoned");
         futures::future::ready(Ok(kept.get(message.as_str()).cloned())).boxed()
+    }
+
+    fn is_registered<'a>(
+        &'a self,
+        _seller: &'a SellerId,
+        message: &'a MessageId,
+    ) -> BoxFuture<'a, Result<bool, PermitError>> {
+        let registered = self.registered.lock().expect("never poisoned");
+        futures::future::ready(Ok(registered.contains(message.as_str()))).boxed()
     }
 
     fn result_published<'a>(
@@ -930,6 +949,22 @@ impl Harness {
         let trace = TraceContext::start();
         self.worker
             .handle(registration, &trace, carried, &reporting, interruptions)
+            .await
+    }
+
+    /// What [`Worker::process`] settles `registration` with when it was decided as `outcome`.
+    pub(super) async fn unless_registered(
+        &self,
+        registration: &Registration,
+        outcome: Outcome,
+    ) -> Outcome {
+        let reporting = Reporting::for_test(self.results.clone(), registration);
+        let interruptions = Interruptions {
+            shutdown: &self.shutdown,
+            connection_lost: &self.connection_lost,
+        };
+        self.worker
+            .unless_registered(outcome, &reporting, interruptions)
             .await
     }
 

@@ -756,6 +756,57 @@ async fn a_copy_of_a_registered_message_publishes_the_result_its_record_kept() {
 }
 
 #[tokio::test(start_paused = true)]
+async fn a_dead_letter_naming_a_registered_message_is_acked_as_registered_instead() {
+    let h = Harness::new([], []);
+    let late = |id: &str| {
+        let body = format!(
+            r#"{{"message_id":"{id}","seller_id":"S-1","deadline":"2020-01-01T00:00:00Z","product":{{}}}}"#
+        );
+        crate::domain::Registration::parse(body.as_bytes(), None).expect("a registration")
+    };
+    h.progress.register("m-1");
+
+    for id in ["m-1", "m-2"] {
+        let outcome = h.handle(&late(id), Carried::default()).await;
+        assert!(
+            matches!(
+                outcome,
+                Outcome::DeadLetter {
+                    reason: "expired",
+                    ..
+                }
+            ),
+            "{outcome:?}"
+        );
+        let settled = h.unless_registered(&late(id), outcome).await;
+        if id == "m-1" {
+            assert_eq!(
+                settled,
+                Outcome::AlreadyDone,
+                "a copy of a registered message"
+            );
+        } else {
+            assert!(
+                matches!(
+                    settled,
+                    Outcome::DeadLetter {
+                        reason: "expired",
+                        ..
+                    }
+                ),
+                "a message not registered is dead-lettered: {settled:?}"
+            );
+        }
+    }
+    let requeue = || Outcome::Requeue { holding: None };
+    assert_eq!(
+        h.unless_registered(&late("m-1"), requeue()).await,
+        requeue()
+    );
+    assert!(h.results.bodies().is_empty(), "nothing published");
+}
+
+#[tokio::test(start_paused = true)]
 async fn a_registration_whose_record_waits_for_redis_cut_off_is_published_acked_and_recorded_later()
 {
     let h = Harness::with(|journal| {

@@ -449,7 +449,7 @@ impl Worker {
         let mut carried = Carried::from_delivery(&delivery, crate::broker::unix_ms());
         let reporting = Reporting {
             results: results.clone(),
-            reply: ReplyTo::of(&delivery.properties),
+            reply: ReplyTo::of(&delivery.properties, &self.topology),
             identity: match &registration {
                 Ok(r) => Identity::from(r),
                 Err(_) => Identity::of(&delivery.data, message_id.as_deref()),
@@ -517,6 +517,10 @@ impl Worker {
         }
         .instrument(span.clone())
         .await;
+        let outcome = self
+            .unless_registered(outcome, &reporting, interruptions)
+            .instrument(span.clone())
+            .await;
         self.settle(
             delivery,
             outcome,
@@ -528,6 +532,44 @@ impl Worker {
         )
         .instrument(span)
         .await;
+    }
+
+    /// `outcome`, unless it dead-letters a message whose completion record says registered: the
+    /// delivery is then a copy of a registered message, or something else naming it (its result
+    /// come back into a queue of ours by another route, an edited copy, a copy past its
+    /// deadline), acked as registered as any copy of it is (see [`Self::report_already_done`]):
+    /// a registered message never gets a later result that says otherwise. Requeued when
+    /// interrupted before Redis answered.
+    async fn unless_registered(
+        &self,
+        outcome: Outcome,
+        reporting: &Reporting,
+        interruptions: Interruptions<'_>,
+    ) -> Outcome {
+        let Outcome::DeadLetter { reason, detail, .. } = &outcome else {
+            return outcome;
+        };
+        let ids = &reporting.identity;
+        let (Some(seller), Some(message)) = (&ids.seller_id, &ids.message_id) else {
+            return outcome;
+        };
+        let what = "could not read whether the message is registered before dead-lettering it";
+        let registered = until_done(what, interruptions, || async move {
+            counting_redis_errors(self.progress.is_registered(seller, message).await)
+        })
+        .await;
+        match registered {
+            Some(false) => outcome,
+            Some(true) => {
+                warn!(
+                    reason,
+                    detail,
+                    "not dead-lettered: the message it names is registered; acked as registered"
+                );
+                Outcome::AlreadyDone
+            }
+            None => Outcome::Requeue { holding: None },
+        }
     }
 
     /// Notes the registration's batch as seen, the first time this replica sees one of its
