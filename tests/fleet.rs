@@ -698,8 +698,17 @@ async fn a_visiting_replica_with_a_stricter_limit_leaves_nothing_stalled_behind(
         .unwrap();
     stop_visitor.cancel();
     visitor.wait().await.unwrap();
+    let (left_at, waiting) = (
+        std::time::Instant::now(),
+        205 - registered(&[&fleet.stats, &visitor_stats]),
+    );
 
     nothing_lost(&rig, &[&fleet.stats, &visitor_stats], 205).await;
+    println!(
+        "after the visitor left: {waiting} messages waiting, all registered {:.1} s later (20/1s needs {:.1} s)",
+        left_at.elapsed().as_secs_f64(),
+        waiting as f64 / 20.0
+    );
     let seen = rig.mock.stats();
     assert_eq!(seen.violations, 0, "{seen:?}");
     stop_fleet.cancel();
