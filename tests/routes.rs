@@ -291,6 +291,57 @@ async fn a_refund_reported_by_the_api_frees_its_units_for_the_next_calls() -> an
     rig.cleanup().await
 }
 
+/// The mock charges 4 units for calls that ask 1 of a 10/1s budget, says so in
+/// `X-Request-Cost`, and counts the charge (it only checks the 1 unit asked on arrival, so it
+/// lets a window go over: `over_limit`). Seller A's first call teaches 2 replicas of 4 workers
+/// the charge; then 16 of its messages are published at once: every one is asked at the charge
+/// learned, so no window of the API holds more than 10 units. Seller B publishes 16 at once
+/// with nothing learned yet: only the calls granted before its first answer came back, at the
+/// cost asked, may go over; the reservations made at that cost are given back when the charge
+/// is learned and asked again at it.
+#[tokio::test]
+async fn a_charge_reported_by_the_api_is_asked_for_before_the_next_calls() -> anyhow::Result<()> {
+    let mock = MockArgs {
+        cost_header: Some("X-Request-Cost".into()),
+        ..MockArgs::local(limits("10/1s"))
+    };
+    let mut rig = support::rig("routes-charge", "10/1s")
+        .with_mock(mock)
+        .prepare()
+        .await?;
+    for _ in 0..2 {
+        let mut settings = rig.settings(4);
+        settings.downstream.cost_header = Some("x-request-cost".parse()?);
+        rig.start_replica(settings).await?;
+    }
+    publish(&mut rig, [body("a-first", "S-A", None, 1, Some(4))]).await?;
+    rig.wait_registered(1).await?;
+    publish(
+        &mut rig,
+        (0..16).map(|i| body(&format!("a-{i}"), "S-A", None, 1, Some(4))),
+    )
+    .await?;
+    rig.wait_registered(17).await?;
+    publish(
+        &mut rig,
+        (0..16).map(|i| body(&format!("b-{i}"), "S-B", None, 1, Some(4))),
+    )
+    .await?;
+    let stats = rig.wait_registered(33).await?;
+    rig.stop_replicas().await?;
+    let (a, b) = (&stats.sellers["S-A"], &stats.sellers["S-B"]);
+    println!(
+        "asking 1 unit of 10/1s, charged 4: the charge learned first: {} calls over the limit, \
+         {} refused, most units in a window {}; 16 published with nothing learned: {} over, \
+         {} refused, most units in a window {}",
+        a.over_limit, a.violations, a.max_in_window, b.over_limit, b.violations, b.max_in_window
+    );
+    assert_eq!(a.over_limit, 0, "{stats:?}");
+    assert_eq!(a.violations, 0, "{stats:?}");
+    assert_eq!((a.units, b.units), (17 * 4, 16 * 4), "{stats:?}");
+    rig.cleanup().await
+}
+
 /// The scripts alone: a call on a route takes units of the route's log and of the seller's
 /// log in one step; when the seller's terms change (a limit set), the route's reservations
 /// leave the route's log with the seller's, so the backlog is slotted afresh on both; a

@@ -281,8 +281,14 @@ pub struct SellerStats {
     /// Milliseconds from the server's start (or last reset) to the last accepted registration.
     pub last_ms: Option<u64>,
     /// The most units of accepted registrations seen in any trailing window of the stack's
-    /// first (shortest) limit (never above its COUNT).
+    /// first (shortest) limit (never above its COUNT, but with `--cost-header`: a request is
+    /// checked at its `cost` and counted at its `charge`).
     pub max_in_window: u64,
+    /// Accepted registrations whose charge (`--cost-header`) left the trailing window of the
+    /// stack's first limit, with them counted, over its COUNT: the windows over the limit that
+    /// the mock let through because it checks a request at its `cost`.
+    #[serde(default)]
+    pub over_limit: u64,
     /// Units of the registrations accepted (one per registration without a `cost`).
     #[serde(default)]
     pub units: u64,
@@ -845,6 +851,14 @@ impl App {
         seller.first_ms.get_or_insert(at);
         seller.last_ms = Some(at);
         seller.max_in_window = seller.max_in_window.max(first_window_units);
+        if self
+            .limit
+            .iter()
+            .next()
+            .is_some_and(|first| first_window_units > u64::from(first.count()))
+        {
+            seller.over_limit += 1;
+        }
         Answer::Registered {
             status,
             id: req.key.clone(),
