@@ -431,6 +431,143 @@ async fn a_routes_reservations_leave_its_log_with_the_sellers_when_they_are_give
     keys.cleanup().await;
 }
 
+/// The scripts alone: a charge reported above the requested cost is learned per seller and
+/// endpoint, and asked for by the next calls; when it is learned, the endpoint's reservations
+/// made for fewer units are given back (their messages find their slot gone and reserve again
+/// at the charge, saying so in their reservation); a call asked at the charge and charged its
+/// own cost forgets it; the key is read as untrusted; a route's charge is the route's alone.
+#[tokio::test]
+async fn a_charge_is_learned_per_endpoint_and_gives_back_the_reservations_made_for_less() {
+    use support::{Backend, Keys, limiter};
+    use turnstile_core::config::Algorithm;
+    use turnstile_core::domain::{Cost, SellerId};
+    use turnstile_core::permit::{Asking, Decision, Forfeit};
+
+    let keys = Keys::new(Backend::Standalone, "charges").await;
+    let routes = routes_of(&[("price", "10/10s")]);
+    let route = route_in(&routes, "price");
+    let store = keys
+        .store(limiter("10/10s", Algorithm::SlidingWindow))
+        .with_routes(routes.clone())
+        .with_learned_charges(true);
+    let s = SellerId::parse("S-charges").unwrap();
+    let one = Cost::ONE;
+    let cost = |units| Cost::new(units).unwrap();
+    assert_eq!(store.cost_to_ask(&s, one, None).await.unwrap(), one);
+    // 10 calls of one unit, then 2 reserved for the next window.
+    let mut calls = Vec::new();
+    let mut held = Vec::new();
+    for _ in 0..12 {
+        let (decision, _) = store
+            .acquire_or_redeem_on(&s, None, one, None, None, None)
+            .await
+            .unwrap();
+        match decision {
+            Decision::Granted { call, slot_us, .. } => calls.push((call, slot_us)),
+            Decision::Wait {
+                reservation: Some(r),
+                ..
+            } => held.push(r),
+            other => panic!("{other:?}"),
+        }
+    }
+    assert_eq!((calls.len(), held.len()), (10, 2));
+    let reserved_key = format!("{}:{{S-charges}}:reserved:sliding-window", keys.prefix);
+    let mut conn = keys.conn.clone();
+    let reserved = async |conn: &mut turnstile_core::permit::RedisConn| -> u64 {
+        redis::AsyncCommands::zcard(conn, &reserved_key)
+            .await
+            .unwrap()
+    };
+    assert_eq!(reserved(&mut conn).await, 2);
+
+    // The first call's answer: charged 4 for 1 asked. Learned; the slots reserved at 1 unit on
+    // the default endpoint are given back.
+    let (call, slot) = &calls[0];
+    assert_eq!(
+        store
+            .recost(&s, call, one, one, 4, *slot, None)
+            .await
+            .unwrap(),
+        3
+    );
+    assert_eq!(store.cost_to_ask(&s, one, None).await.unwrap(), cost(4));
+    assert_eq!(store.cost_to_ask(&s, cost(6), None).await.unwrap(), cost(6));
+    assert_eq!(reserved(&mut conn).await, 0);
+    // Not on the route: its charge is its own.
+    assert_eq!(store.cost_to_ask(&s, one, Some(&route)).await.unwrap(), one);
+
+    // A message back for its slot finds it gone and reserves again at the charge, saying so.
+    let asking = Asking {
+        requested: one,
+        cost: cost(4),
+    };
+    let (decision, forfeit, units) = store
+        .acquire_or_redeem_costed(&s, None, asking, Some(&held[0]), None, None)
+        .await
+        .unwrap();
+    assert_eq!(forfeit, Some(Forfeit::NotReserved));
+    assert_eq!(units, cost(4));
+    let Decision::Wait {
+        reservation: Some(again),
+        ..
+    } = decision
+    else {
+        panic!("{decision:?}")
+    };
+    assert_eq!(again.cost, Some(cost(4)));
+    // Given back by its message at the units it was reserved for.
+    assert!(store.unreserve(&s, &again, one).await.unwrap());
+
+    // A call granted before the charge was learned and charged less says nothing new; one
+    // asked at the charge and charged its own cost forgets it.
+    let (call, slot) = &calls[1];
+    store
+        .recost(&s, call, one, one, 2, *slot, None)
+        .await
+        .unwrap();
+    assert_eq!(store.cost_to_ask(&s, one, None).await.unwrap(), cost(4));
+    let (call, slot) = &calls[2];
+    store
+        .recost(&s, call, one, cost(4), 1, *slot, None)
+        .await
+        .unwrap();
+    assert_eq!(store.cost_to_ask(&s, one, None).await.unwrap(), one);
+
+    // On the route, and capped at the smallest COUNT of the stacks the call takes.
+    let (call, slot) = &calls[3];
+    store
+        .recost(&s, call, one, one, 40, *slot, Some(&route))
+        .await
+        .unwrap();
+    assert_eq!(
+        store.cost_to_ask(&s, one, Some(&route)).await.unwrap(),
+        cost(10)
+    );
+    assert_eq!(store.cost_to_ask(&s, one, None).await.unwrap(), one);
+
+    // Whatever else the key holds is no charge.
+    let charge_key = format!("{}:{{S-charges}}:charge", keys.prefix);
+    for junk in ["junk", "0", "-3", "4.5", "99999"] {
+        let () = redis::AsyncCommands::set(&mut conn, &charge_key, junk)
+            .await
+            .unwrap();
+        assert_eq!(
+            store.cost_to_ask(&s, one, None).await.unwrap(),
+            one,
+            "{junk}"
+        );
+    }
+    // Off (no TURNSTILE_COST_HEADER), nothing is read.
+    let () = redis::AsyncCommands::set(&mut conn, &charge_key, "4")
+        .await
+        .unwrap();
+    let off = keys.store(limiter("10/10s", Algorithm::SlidingWindow));
+    assert_eq!(off.cost_to_ask(&s, one, None).await.unwrap(), one);
+    assert_eq!(store.cost_to_ask(&s, one, None).await.unwrap(), cost(4));
+    keys.cleanup().await;
+}
+
 /// The wall clock's time of day `ahead` from now, as `HH:MM:SS` (UTC).
 fn time_of_day_in(ahead: std::time::Duration) -> String {
     let secs = (std::time::SystemTime::now() + ahead)

@@ -2543,7 +2543,64 @@ type PoolClaim = (Vec<Option<String>>, (i64, i64), Vec<String>);
 
 #[cfg(test)]
 mod tests {
-    use super::{PermitError, learned_ratio};
+    use super::{PermitError, Reservation, charged_cost, learned_ratio, parse_charge};
+    use crate::domain::Cost;
+
+    fn cost(units: u32) -> Cost {
+        Cost::new(units).unwrap()
+    }
+
+    #[test]
+    fn a_call_asks_the_charge_learned_when_higher_within_the_smallest_count() {
+        assert_eq!(charged_cost(cost(1), None, 10), cost(1));
+        assert_eq!(charged_cost(cost(1), Some(4), 10), cost(4));
+        assert_eq!(charged_cost(cost(5), Some(4), 10), cost(5));
+        // Capped at the smallest COUNT, never below the message's own cost.
+        assert_eq!(charged_cost(cost(1), Some(40), 10), cost(10));
+        assert_eq!(charged_cost(cost(12), Some(40), 10), cost(12));
+        assert_eq!(charged_cost(cost(1), Some(0), 10), cost(1));
+        assert_eq!(
+            charged_cost(cost(1), Some(u32::MAX), u32::MAX),
+            cost(10_000)
+        );
+    }
+
+    #[test]
+    fn a_learned_charge_is_read_as_untrusted() {
+        assert_eq!(parse_charge(Some(b"4")), Some(4));
+        assert_eq!(parse_charge(Some(b"10000")), Some(10_000));
+        for bad in [
+            &b""[..],
+            b"0",
+            b"10001",
+            b"04",
+            b"+4",
+            b" 4",
+            b"4.0",
+            b"-1",
+            b"\xff",
+        ] {
+            assert_eq!(parse_charge(Some(bad)), None, "{bad:?}");
+        }
+        assert_eq!(parse_charge(None), None);
+    }
+
+    #[test]
+    fn a_reservation_names_its_units_only_when_they_are_not_its_messages_cost() {
+        let plain = Reservation::decode("5/10/1000000/4/tok-1").unwrap();
+        assert_eq!(plain.cost, None);
+        assert_eq!(plain.encode(), "5/10/1000000/4/tok-1");
+        let charged = Reservation {
+            cost: Some(cost(4)),
+            ..plain
+        };
+        assert_eq!(charged.encode(), "5/10/1000000/4/tok-1/4");
+        assert_eq!(Reservation::decode(&charged.encode()), Some(charged));
+        for bad in ["0", "10001", "04", "x", "", "4/4"] {
+            let header = format!("5/10/1000000/4/tok-1/{bad}");
+            assert_eq!(Reservation::decode(&header), None, "{header}");
+        }
+    }
 
     /// The error Redis answers with `line` (a RESP error line, without `-` and CRLF).
     fn server_error(line: &str) -> PermitError {
