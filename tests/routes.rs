@@ -295,50 +295,84 @@ async fn a_refund_reported_by_the_api_frees_its_units_for_the_next_calls() -> an
 /// `X-Request-Cost`, and counts the charge (it only checks the 1 unit asked on arrival, so it
 /// lets a window go over: `over_limit`). Seller A's first call teaches 2 replicas of 4 workers
 /// the charge; then 16 of its messages are published at once: every one is asked at the charge
-/// learned, so no window of the API holds more than 10 units. Seller B publishes 16 at once
-/// with nothing learned yet: only the calls granted before its first answer came back, at the
-/// cost asked, may go over; the reservations made at that cost are given back when the charge
-/// is learned and asked again at it.
+/// learned, so no window of the API holds more than 10 units. Seller C does the same on a route
+/// (`price`, 10/1s), whose charge is learned apart. Seller B publishes 16 at once with nothing
+/// learned yet: only the calls granted before its first answer came back, at the cost asked,
+/// may go over; the reservations made at that cost are given back when the charge is learned
+/// and asked again at it.
 #[tokio::test]
 async fn a_charge_reported_by_the_api_is_asked_for_before_the_next_calls() -> anyhow::Result<()> {
     let mock = MockArgs {
         cost_header: Some("X-Request-Cost".into()),
+        routes: vec![("price".into(), limits("10/1s"))],
         ..MockArgs::local(limits("10/1s"))
     };
     let mut rig = support::rig("routes-charge", "10/1s")
         .with_mock(mock)
         .prepare()
         .await?;
+    let file = RoutesFile::write(
+        "charge",
+        &[("price", "PUT", rig.mock.route_url("price"), "10/1s")],
+    );
     for _ in 0..2 {
         let mut settings = rig.settings(4);
         settings.downstream.cost_header = Some("x-request-cost".parse()?);
+        settings.routes.file = Some(file.0.clone());
         rig.start_replica(settings).await?;
     }
-    publish(&mut rig, [body("a-first", "S-A", None, 1, Some(4))]).await?;
-    rig.wait_registered(1).await?;
     publish(
         &mut rig,
-        (0..16).map(|i| body(&format!("a-{i}"), "S-A", None, 1, Some(4))),
+        [
+            body("a-first", "S-A", None, 1, Some(4)),
+            body("c-first", "S-C", Some("price"), 1, Some(4)),
+        ],
     )
     .await?;
-    rig.wait_registered(17).await?;
-    publish(
-        &mut rig,
-        (0..16).map(|i| body(&format!("b-{i}"), "S-B", None, 1, Some(4))),
-    )
-    .await?;
-    let stats = rig.wait_registered(33).await?;
+    rig.wait_registered(2).await?;
+    let batch = |seller: &str, route: Option<&str>| {
+        (0..16)
+            .map(|i| body(&format!("{seller}-{i}"), seller, route, 1, Some(4)))
+            .collect::<Vec<_>>()
+    };
+    let mut bodies = batch("S-A", None);
+    bodies.extend(batch("S-C", Some("price")));
+    publish(&mut rig, bodies).await?;
+    rig.wait_registered(34).await?;
+    publish(&mut rig, batch("S-B", None)).await?;
+    let stats = rig.wait_registered(50).await?;
     rig.stop_replicas().await?;
-    let (a, b) = (&stats.sellers["S-A"], &stats.sellers["S-B"]);
+    let (a, b, c) = (
+        &stats.sellers["S-A"],
+        &stats.sellers["S-B"],
+        &stats.sellers["S-C"],
+    );
+    let drained =
+        |s: &turnstile_lab::mock_api::SellerStats| s.last_ms.unwrap_or(0) - s.first_ms.unwrap_or(0);
     println!(
         "asking 1 unit of 10/1s, charged 4: the charge learned first: {} calls over the limit, \
-         {} refused, most units in a window {}; 16 published with nothing learned: {} over, \
-         {} refused, most units in a window {}",
-        a.over_limit, a.violations, a.max_in_window, b.over_limit, b.violations, b.max_in_window
+         {} refused, most units in a window {}, 17 in {} ms; on a route: {} over, {} refused, \
+         17 in {} ms; 16 published with nothing learned: {} over, {} refused, most units in a \
+         window {}, in {} ms",
+        a.over_limit,
+        a.violations,
+        a.max_in_window,
+        drained(a),
+        c.over_limit,
+        c.violations,
+        drained(c),
+        b.over_limit,
+        b.violations,
+        b.max_in_window,
+        drained(b)
     );
-    assert_eq!(a.over_limit, 0, "{stats:?}");
-    assert_eq!(a.violations, 0, "{stats:?}");
-    assert_eq!((a.units, b.units), (17 * 4, 16 * 4), "{stats:?}");
+    assert_eq!((a.over_limit, a.violations), (0, 0), "{stats:?}");
+    assert_eq!((c.over_limit, c.violations), (0, 0), "{stats:?}");
+    assert_eq!(
+        (a.units, b.units, c.units),
+        (17 * 4, 16 * 4, 17 * 4),
+        "{stats:?}"
+    );
     rig.cleanup().await
 }
 

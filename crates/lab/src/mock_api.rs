@@ -23,7 +23,9 @@
 //! - With `--cost-header NAME`, a product's integer `"charge"` (0 or more) is what the request
 //!   really costs: its units are counted at that charge instead of its `cost` (checked at the
 //!   `cost` on arrival, as a provider that charges a query's requested cost and refunds down to
-//!   its actual cost), and the answer says so in header NAME.
+//!   its actual cost), and the answer says so in header NAME. A charge above the `cost` may so
+//!   take a window over the limit: each such registration is counted in
+//!   [`SellerStats::over_limit`].
 //! - `GET /stats`: [`Stats`] as JSON. `POST /reset`: forgets everything and restarts the clock.
 //!
 //! A product object with a `"mock"` object scripts its answers by attempt, for tests:
