@@ -368,6 +368,9 @@ async fn a_charge_reported_by_the_api_is_asked_for_before_the_next_calls() -> an
     );
     assert_eq!((a.over_limit, a.violations), (0, 0), "{stats:?}");
     assert_eq!((c.over_limit, c.violations), (0, 0), "{stats:?}");
+    // Granted at 1 unit before the first answer: at most 10 (10 units in flight), of which the
+    // first 2 fit at 4 units each.
+    assert!(b.over_limit <= 8, "{stats:?}");
     assert_eq!(
         (a.units, b.units, c.units),
         (17 * 4, 16 * 4, 17 * 4),
@@ -592,10 +595,43 @@ async fn a_charge_is_learned_per_endpoint_and_gives_back_the_reservations_made_f
             "{junk}"
         );
     }
-    // Off (no TURNSTILE_COST_HEADER), nothing is read.
+    // A seller whose override holds less than the charge is asked at the override's smallest
+    // COUNT, never refused as too costly for a charge.
     let () = redis::AsyncCommands::set(&mut conn, &charge_key, "4")
         .await
         .unwrap();
+    let small = SellerId::parse("S-small").unwrap();
+    let small_charge = format!("{}:{{S-small}}:charge", keys.prefix);
+    let () = redis::AsyncCommands::set(&mut conn, &small_charge, "8")
+        .await
+        .unwrap();
+    store
+        .admin()
+        .set_limit(&small, limits("3/10s"))
+        .await
+        .unwrap();
+    let message = turnstile_core::domain::MessageId::parse("m-small").unwrap();
+    let asked = turnstile_core::permit::Limiter::ask(
+        &store,
+        turnstile_core::permit::Ask {
+            seller: &small,
+            message: &message,
+            cost: one,
+            held: None,
+            rank: Default::default(),
+            route: None,
+        },
+    )
+    .await
+    .unwrap();
+    assert!(
+        matches!(asked.decision, Decision::Granted { .. }),
+        "{:?}",
+        asked.decision
+    );
+    assert_eq!(asked.cost, cost(3));
+
+    // Off (no TURNSTILE_COST_HEADER), nothing is read.
     let off = keys.store(limiter("10/10s", Algorithm::SlidingWindow));
     assert_eq!(off.cost_to_ask(&s, one, None).await.unwrap(), one);
     assert_eq!(store.cost_to_ask(&s, one, None).await.unwrap(), cost(4));

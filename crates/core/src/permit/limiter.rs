@@ -464,6 +464,10 @@ impl Limiter for PermitStore {
                 };
                 (decision, _, cost) = costed(asking, None).await?;
             }
+            // Too costly is the message's own cost's doing, and said so.
+            if let Decision::TooCostly { cost: too, .. } = &mut decision {
+                *too = asking.requested;
+            }
             Ok(Asked {
                 decision,
                 forfeit,

@@ -1902,7 +1902,9 @@ impl PermitStore {
     /// The units a call of `requested` units on `route` (the default endpoint: `None`) asks for:
     /// with learned charges on ([`Self::with_learned_charges`]), the charge learned from its
     /// endpoint's answers when higher (see [`charged_cost`]: capped at the smallest COUNT of the
-    /// default stacks it takes); else, and under any algorithm but sliding-window, `requested`
+    /// configured stacks it takes: TURNSTILE_LIMIT, its route's, the global limit; a seller's
+    /// override below it answers too costly, and the limiter asks again at the override's
+    /// smallest COUNT); else, and under any algorithm but sliding-window, `requested`
     /// without reading anything. One read of the seller's key, through the batcher; the charge
     /// may rise between this read and the grant (an answer coming back meanwhile): that call
     /// is then granted at the lower cost, as one granted before the answer came.
@@ -1922,9 +1924,16 @@ impl PermitStore {
         let (value,): (Option<Vec<u8>>,) = self
             .run(Operation::commands(vec![get], key), When::Now)
             .await?;
-        let most = route.map_or(limiter.limit.min_count(), |route| {
-            route.limits.min_count().min(limiter.limit.min_count())
-        });
+        let most = [
+            Some(&limiter.limit),
+            route.map(|route| &route.limits),
+            limiter.global_limit.0.as_ref(),
+        ]
+        .into_iter()
+        .flatten()
+        .map(Limits::min_count)
+        .min()
+        .unwrap_or(Cost::MAX);
         Ok(charged_cost(
             requested,
             parse_charge(value.as_deref()),
