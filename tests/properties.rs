@@ -61,13 +61,15 @@ proptest! {
         slot_us in 0i64..i64::MAX,
         stack in proptest::collection::btree_map(1u64.., 1u32.., 1..=8),
         reserved_at_us in 0i64..i64::MAX, token in "[A-Za-z0-9-]{1,64}",
+        cost in proptest::option::of(1u32..=10_000),
     ) {
         let stack: Vec<Limit> = stack
             .into_iter()
             .map(|(window_us, count)| Limit::new(count, Duration::from_micros(window_us)).unwrap())
             .collect();
         let limits = Limits::new(&stack).unwrap();
-        let r = Reservation { slot_us, limits, reserved_at_us, token };
+        let cost = cost.and_then(turnstile_core::domain::Cost::new);
+        let r = Reservation { slot_us, limits, reserved_at_us, token, cost };
         prop_assert_eq!(Reservation::decode(&r.encode()), Some(r));
     }
 

@@ -291,6 +291,94 @@ async fn a_refund_reported_by_the_api_frees_its_units_for_the_next_calls() -> an
     rig.cleanup().await
 }
 
+/// The mock charges 4 units for calls that ask 1 of a 10/1s budget, says so in
+/// `X-Request-Cost`, and counts the charge (it only checks the 1 unit asked on arrival, so it
+/// lets a window go over: `over_limit`). Seller A's first call teaches 2 replicas of 4 workers
+/// the charge; then 16 of its messages are published at once: every one is asked at the charge
+/// learned, so no window of the API holds more than 10 units. Seller C does the same on a route
+/// (`price`, 10/1s), whose charge is learned apart. Seller B publishes 16 at once with nothing
+/// learned yet: only the calls granted before its first answer came back, at the cost asked,
+/// may go over; the reservations made at that cost are given back when the charge is learned
+/// and asked again at it.
+#[tokio::test]
+async fn a_charge_reported_by_the_api_is_asked_for_before_the_next_calls() -> anyhow::Result<()> {
+    let mock = MockArgs {
+        cost_header: Some("X-Request-Cost".into()),
+        routes: vec![("price".into(), limits("10/1s"))],
+        ..MockArgs::local(limits("10/1s"))
+    };
+    let mut rig = support::rig("routes-charge", "10/1s")
+        .with_mock(mock)
+        .prepare()
+        .await?;
+    let file = RoutesFile::write(
+        "charge",
+        &[("price", "PUT", rig.mock.route_url("price"), "10/1s")],
+    );
+    for _ in 0..2 {
+        let mut settings = rig.settings(4);
+        settings.downstream.cost_header = Some("x-request-cost".parse()?);
+        settings.routes.file = Some(file.0.clone());
+        rig.start_replica(settings).await?;
+    }
+    publish(
+        &mut rig,
+        [
+            body("a-first", "S-A", None, 1, Some(4)),
+            body("c-first", "S-C", Some("price"), 1, Some(4)),
+        ],
+    )
+    .await?;
+    rig.wait_registered(2).await?;
+    let batch = |seller: &str, route: Option<&str>| {
+        (0..16)
+            .map(|i| body(&format!("{seller}-{i}"), seller, route, 1, Some(4)))
+            .collect::<Vec<_>>()
+    };
+    let mut bodies = batch("S-A", None);
+    bodies.extend(batch("S-C", Some("price")));
+    publish(&mut rig, bodies).await?;
+    rig.wait_registered(34).await?;
+    publish(&mut rig, batch("S-B", None)).await?;
+    let stats = rig.wait_registered(50).await?;
+    rig.stop_replicas().await?;
+    let (a, b, c) = (
+        &stats.sellers["S-A"],
+        &stats.sellers["S-B"],
+        &stats.sellers["S-C"],
+    );
+    let drained =
+        |s: &turnstile_lab::mock_api::SellerStats| s.last_ms.unwrap_or(0) - s.first_ms.unwrap_or(0);
+    println!(
+        "asking 1 unit of 10/1s, charged 4: the charge learned first: {} calls over the limit, \
+         {} refused, most units in a window {}, 17 in {} ms; on a route: {} over, {} refused, \
+         17 in {} ms; 16 published with nothing learned: {} over, {} refused, most units in a \
+         window {}, in {} ms",
+        a.over_limit,
+        a.violations,
+        a.max_in_window,
+        drained(a),
+        c.over_limit,
+        c.violations,
+        drained(c),
+        b.over_limit,
+        b.violations,
+        b.max_in_window,
+        drained(b)
+    );
+    assert_eq!((a.over_limit, a.violations), (0, 0), "{stats:?}");
+    assert_eq!((c.over_limit, c.violations), (0, 0), "{stats:?}");
+    // Granted at 1 unit before the first answer: at most 10 (10 units in flight), of which the
+    // first 2 fit at 4 units each.
+    assert!(b.over_limit <= 8, "{stats:?}");
+    assert_eq!(
+        (a.units, b.units, c.units),
+        (17 * 4, 16 * 4, 17 * 4),
+        "{stats:?}"
+    );
+    rig.cleanup().await
+}
+
 /// The scripts alone: a call on a route takes units of the route's log and of the seller's
 /// log in one step; when the seller's terms change (a limit set), the route's reservations
 /// leave the route's log with the seller's, so the backlog is slotted afresh on both; a
@@ -377,6 +465,176 @@ async fn a_routes_reservations_leave_its_log_with_the_sellers_when_they_are_give
         ),
         (2, 2)
     );
+    keys.cleanup().await;
+}
+
+/// The scripts alone: a charge reported above the requested cost is learned per seller and
+/// endpoint, and asked for by the next calls; when it is learned, the endpoint's reservations
+/// made for fewer units are given back (their messages find their slot gone and reserve again
+/// at the charge, saying so in their reservation); a call asked at the charge and charged its
+/// own cost forgets it; the key is read as untrusted; a route's charge is the route's alone.
+#[tokio::test]
+async fn a_charge_is_learned_per_endpoint_and_gives_back_the_reservations_made_for_less() {
+    use support::{Backend, Keys, limiter};
+    use turnstile_core::config::Algorithm;
+    use turnstile_core::domain::{Cost, SellerId};
+    use turnstile_core::permit::{Asking, Decision, Forfeit};
+
+    let keys = Keys::new(Backend::Standalone, "charges").await;
+    let routes = routes_of(&[("price", "10/10s")]);
+    let route = route_in(&routes, "price");
+    let store = keys
+        .store(limiter("10/10s", Algorithm::SlidingWindow))
+        .with_routes(routes.clone())
+        .with_learned_charges(true);
+    let s = SellerId::parse("S-charges").unwrap();
+    let one = Cost::ONE;
+    let cost = |units| Cost::new(units).unwrap();
+    assert_eq!(store.cost_to_ask(&s, one, None).await.unwrap(), one);
+    // 10 calls of one unit, then 2 reserved for the next window.
+    let mut calls = Vec::new();
+    let mut held = Vec::new();
+    for _ in 0..12 {
+        let (decision, _) = store
+            .acquire_or_redeem_on(&s, None, one, None, None, None)
+            .await
+            .unwrap();
+        match decision {
+            Decision::Granted { call, slot_us, .. } => calls.push((call, slot_us)),
+            Decision::Wait {
+                reservation: Some(r),
+                ..
+            } => held.push(r),
+            other => panic!("{other:?}"),
+        }
+    }
+    assert_eq!((calls.len(), held.len()), (10, 2));
+    let reserved_key = format!("{}:{{S-charges}}:reserved:sliding-window", keys.prefix);
+    let mut conn = keys.conn.clone();
+    let reserved = async |conn: &mut turnstile_core::permit::RedisConn| -> u64 {
+        redis::AsyncCommands::zcard(conn, &reserved_key)
+            .await
+            .unwrap()
+    };
+    assert_eq!(reserved(&mut conn).await, 2);
+
+    // The first call's answer: charged 4 for 1 asked. Learned; the slots reserved at 1 unit on
+    // the default endpoint are given back.
+    let (call, slot) = &calls[0];
+    assert_eq!(
+        store
+            .recost(&s, call, one, one, 4, *slot, None)
+            .await
+            .unwrap(),
+        3
+    );
+    assert_eq!(store.cost_to_ask(&s, one, None).await.unwrap(), cost(4));
+    assert_eq!(store.cost_to_ask(&s, cost(6), None).await.unwrap(), cost(6));
+    assert_eq!(reserved(&mut conn).await, 0);
+    // Not on the route: its charge is its own.
+    assert_eq!(store.cost_to_ask(&s, one, Some(&route)).await.unwrap(), one);
+
+    // A message back for its slot finds it gone and reserves again at the charge, saying so.
+    let asking = Asking {
+        requested: one,
+        cost: cost(4),
+    };
+    let (decision, forfeit, units) = store
+        .acquire_or_redeem_costed(&s, None, asking, Some(&held[0]), None, None)
+        .await
+        .unwrap();
+    assert_eq!(forfeit, Some(Forfeit::NotReserved));
+    assert_eq!(units, cost(4));
+    let Decision::Wait {
+        reservation: Some(again),
+        ..
+    } = decision
+    else {
+        panic!("{decision:?}")
+    };
+    assert_eq!(again.cost, Some(cost(4)));
+    // Given back by its message at the units it was reserved for.
+    assert!(store.unreserve(&s, &again, one).await.unwrap());
+
+    // A call granted before the charge was learned and charged less says nothing new; one
+    // asked at the charge and charged its own cost forgets it.
+    let (call, slot) = &calls[1];
+    store
+        .recost(&s, call, one, one, 2, *slot, None)
+        .await
+        .unwrap();
+    assert_eq!(store.cost_to_ask(&s, one, None).await.unwrap(), cost(4));
+    let (call, slot) = &calls[2];
+    store
+        .recost(&s, call, one, cost(4), 1, *slot, None)
+        .await
+        .unwrap();
+    assert_eq!(store.cost_to_ask(&s, one, None).await.unwrap(), one);
+
+    // On the route, and capped at the smallest COUNT of the stacks the call takes.
+    let (call, slot) = &calls[3];
+    store
+        .recost(&s, call, one, one, 40, *slot, Some(&route))
+        .await
+        .unwrap();
+    assert_eq!(
+        store.cost_to_ask(&s, one, Some(&route)).await.unwrap(),
+        cost(10)
+    );
+    assert_eq!(store.cost_to_ask(&s, one, None).await.unwrap(), one);
+
+    // Whatever else the key holds is no charge.
+    let charge_key = format!("{}:{{S-charges}}:charge", keys.prefix);
+    for junk in ["junk", "0", "-3", "4.5", "99999"] {
+        let () = redis::AsyncCommands::set(&mut conn, &charge_key, junk)
+            .await
+            .unwrap();
+        assert_eq!(
+            store.cost_to_ask(&s, one, None).await.unwrap(),
+            one,
+            "{junk}"
+        );
+    }
+    // A seller whose override holds less than the charge is asked at the override's smallest
+    // COUNT, never refused as too costly for a charge.
+    let () = redis::AsyncCommands::set(&mut conn, &charge_key, "4")
+        .await
+        .unwrap();
+    let small = SellerId::parse("S-small").unwrap();
+    let small_charge = format!("{}:{{S-small}}:charge", keys.prefix);
+    let () = redis::AsyncCommands::set(&mut conn, &small_charge, "8")
+        .await
+        .unwrap();
+    store
+        .admin()
+        .set_limit(&small, limits("3/10s"))
+        .await
+        .unwrap();
+    let message = turnstile_core::domain::MessageId::parse("m-small").unwrap();
+    let asked = turnstile_core::permit::Limiter::ask(
+        &store,
+        turnstile_core::permit::Ask {
+            seller: &small,
+            message: &message,
+            cost: one,
+            held: None,
+            rank: Default::default(),
+            route: None,
+        },
+    )
+    .await
+    .unwrap();
+    assert!(
+        matches!(asked.decision, Decision::Granted { .. }),
+        "{:?}",
+        asked.decision
+    );
+    assert_eq!(asked.cost, cost(3));
+
+    // Off (no TURNSTILE_COST_HEADER), nothing is read.
+    let off = keys.store(limiter("10/10s", Algorithm::SlidingWindow));
+    assert_eq!(off.cost_to_ask(&s, one, None).await.unwrap(), one);
+    assert_eq!(store.cost_to_ask(&s, one, None).await.unwrap(), cost(4));
     keys.cleanup().await;
 }
 

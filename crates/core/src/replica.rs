@@ -227,7 +227,8 @@ impl Starting {
         let permits =
             PermitStore::new(conn, &self.args.redis.key_prefix, self.args.limiter.clone())
                 .with_call_timeout(self.args.downstream.timeout)
-                .with_routes(self.routes.clone());
+                .with_routes(self.routes.clone())
+                .with_learned_charges(self.args.downstream.cost_header.is_some());
         let fleet = Arc::new(
             fleet::Member::new(
                 &permits,

@@ -206,7 +206,7 @@ pub const METRICS: &[Metric] = &[
     plain(
         "turnstile_reservations_released_total",
         Counter,
-        "Reserved slots given back by a change of a seller's terms.",
+        "Reserved slots given back by a change of a seller's terms, or by a charge learned from an answer (TURNSTILE_COST_HEADER).",
     ),
     plain(
         "turnstile_reservations_replanned_total",

@@ -23,7 +23,9 @@
 //! - With `--cost-header NAME`, a product's integer `"charge"` (0 or more) is what the request
 //!   really costs: its units are counted at that charge instead of its `cost` (checked at the
 //!   `cost` on arrival, as a provider that charges a query's requested cost and refunds down to
-//!   its actual cost), and the answer says so in header NAME.
+//!   its actual cost), and the answer says so in header NAME. A charge above the `cost` may so
+//!   take a window over the limit: each such registration is counted in
+//!   [`SellerStats::over_limit`].
 //! - `GET /stats`: [`Stats`] as JSON. `POST /reset`: forgets everything and restarts the clock.
 //!
 //! A product object with a `"mock"` object scripts its answers by attempt, for tests:
@@ -281,8 +283,14 @@ pub struct SellerStats {
     /// Milliseconds from the server's start (or last reset) to the last accepted registration.
     pub last_ms: Option<u64>,
     /// The most units of accepted registrations seen in any trailing window of the stack's
-    /// first (shortest) limit (never above its COUNT).
+    /// first (shortest) limit (never above its COUNT, but with `--cost-header`: a request is
+    /// checked at its `cost` and counted at its `charge`).
     pub max_in_window: u64,
+    /// Accepted registrations whose charge (`--cost-header`) left the trailing window of the
+    /// stack's first limit, with them counted, over its COUNT: the windows over the limit that
+    /// the mock let through because it checks a request at its `cost`.
+    #[serde(default)]
+    pub over_limit: u64,
     /// Units of the registrations accepted (one per registration without a `cost`).
     #[serde(default)]
     pub units: u64,
@@ -845,6 +853,14 @@ impl App {
         seller.first_ms.get_or_insert(at);
         seller.last_ms = Some(at);
         seller.max_in_window = seller.max_in_window.max(first_window_units);
+        if self
+            .limit
+            .iter()
+            .next()
+            .is_some_and(|first| first_window_units > u64::from(first.count()))
+        {
+            seller.over_limit += 1;
+        }
         Answer::Registered {
             status,
             id: req.key.clone(),

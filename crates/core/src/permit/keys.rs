@@ -17,6 +17,8 @@
 //!     `shadow` and `shadow-log` (a shadow limit);
 //!   - `route:<route>:log` and `route:<route>:limit`: a route's log and the seller's override of
 //!     the route's stack (routes file; route names are letters, digits, `_` and `-` only);
+//!   - `charge` and `route:<route>:charge`: the charge learned for the seller's calls on the
+//!     default endpoint or a route (`TURNSTILE_COST_HEADER`);
 //!   - `done:<message>`: a message's completion record; `batch:<batch>`: an upload's progress
 //!     (message and batch ids percent-encoded as the seller's tag is); `retries`: its messages
 //!     waiting out a retry's backoff (the ETA's only).
@@ -106,6 +108,17 @@ impl Keyspace {
     /// own override; `turnstile limits set --seller S --route R`).
     pub fn route_limit(&self, seller: &SellerId, route: &RouteName) -> String {
         self.seller(seller, &format!("route:{route}:limit"))
+    }
+
+    /// The charge learned for the seller's calls on `route` (the default endpoint: `None`),
+    /// from the costs their answers reported (string: an integer from 1 to 10,000, kept a while
+    /// after the last answer that set or confirmed it; see `lua/include/charges.lua`):
+    /// `charge`, `route:<route>:charge`.
+    pub fn charge(&self, seller: &SellerId, route: Option<&RouteName>) -> String {
+        match route {
+            Some(route) => self.seller(seller, &format!("route:{route}:charge")),
+            None => self.seller(seller, "charge"),
+        }
     }
 
     /// The seller's pause (string: its end in µs, Redis time).
@@ -450,6 +463,8 @@ mod tests {
             keys.lab_baseline(s),
             keys.route_log(s, &RouteName::parse("price-2_x").unwrap()),
             keys.route_limit(s, &RouteName::parse("price-2_x").unwrap()),
+            keys.charge(s, None),
+            keys.charge(s, Some(&RouteName::parse("price-2_x").unwrap())),
         ]);
         all
     }
@@ -504,6 +519,11 @@ mod tests {
         assert_eq!(keys.calls(&s), "turnstile:{S-1}:calls");
         assert_eq!(keys.pool(&s), "turnstile:{S-1}:pool");
         assert_eq!(keys.far(&s), "turnstile:{S-1}:far");
+        assert_eq!(keys.charge(&s, None), "turnstile:{S-1}:charge");
+        assert_eq!(
+            keys.charge(&s, Some(&RouteName::parse("price").unwrap())),
+            "turnstile:{S-1}:route:price:charge"
+        );
         assert_eq!(
             keys.done(&s, &MessageId::parse("m 1").unwrap()),
             "turnstile:{S-1}:done:m%201"

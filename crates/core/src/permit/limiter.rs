@@ -17,8 +17,8 @@ use futures::future::BoxFuture;
 use tracing::{debug, info, warn};
 
 use super::{
-    BatchEvent, BatchSeen, CallAnswer, Completion, Decision, Forfeit, InBatch, Lesson, PermitError,
-    PermitStore, Rank, Recorded, Reservation, UploadProgress,
+    Asking, BatchEvent, BatchSeen, CallAnswer, Completion, Decision, Forfeit, InBatch, Lesson,
+    PermitError, PermitStore, Rank, Recorded, Reservation, UploadProgress,
 };
 use crate::domain::{BatchId, BatchSize, Cost, Identity, MessageId, RateLimitHeaders, SellerId};
 use crate::routes::Route;
@@ -28,7 +28,8 @@ use crate::routes::Route;
 pub struct Ask<'a> {
     pub seller: &'a SellerId,
     pub message: &'a MessageId,
-    /// Units of every limit the call takes.
+    /// Units of every limit the call takes: its message's cost (a charge learned from the
+    /// downstream's answers may raise what it asks, see [`Asked::cost`]).
     pub cost: Cost,
     /// The slot the message reserved when it last asked, if it holds one.
     pub held: Option<&'a Reservation>,
@@ -44,6 +45,10 @@ pub struct Ask<'a> {
 pub struct Asked {
     pub decision: Decision,
     pub forfeit: Option<Forfeit>,
+    /// The units the decision is for: the message's cost, or the charge learned from its
+    /// endpoint's answers when higher (see [`PermitStore::cost_to_ask`]), or the units its held
+    /// slot was reserved for.
+    pub cost: Cost,
 }
 
 /// A granted call, from its grant until the limiter is told how it ended ([`Limiter::finish`]
@@ -52,6 +57,9 @@ pub struct Asked {
 pub struct Grant {
     seller: SellerId,
     message: MessageId,
+    /// The units its message asked for.
+    requested: Cost,
+    /// The units it was granted for (`requested`, or a charge learned since).
     cost: Cost,
     call: String,
     granted_us: i64,
@@ -65,8 +73,9 @@ pub struct Grant {
 }
 
 impl Grant {
-    /// The grant `decision` gives the message that asked with `ask`, if it is one.
-    pub fn of(ask: Ask<'_>, decision: &Decision) -> Option<Self> {
+    /// The grant `decision` gives the message that asked with `ask`, if it is one, of `cost`
+    /// units (see [`Asked::cost`]).
+    pub fn of(ask: Ask<'_>, decision: &Decision, cost: Cost) -> Option<Self> {
         let Decision::Granted {
             slot_us,
             granted_us,
@@ -80,7 +89,8 @@ impl Grant {
         Some(Self {
             seller: ask.seller.clone(),
             message: ask.message.clone(),
-            cost: ask.cost,
+            requested: ask.cost.min(cost),
+            cost,
             call: call.clone(),
             granted_us: *granted_us,
             slot_us: *slot_us,
@@ -193,7 +203,8 @@ pub trait Limiter: Send + Sync {
 
     /// The downstream reported that `grant`'s call cost `actual` units (`TURNSTILE_COST_HEADER`):
     /// the seller's windows (and its route's) count `actual` instead of what it was granted
-    /// for, for every replica. A failure leaves the granted cost counted.
+    /// for, for every replica, and the charge is learned for the next calls (see
+    /// [`PermitStore::recost`]). A failure leaves the granted cost counted.
     fn recost<'a>(&'a self, grant: &'a Grant, actual: u32) -> BoxFuture<'a, ()>;
 
     /// Redis's time now as estimated from the limiter's answers; `None` before the first.
@@ -428,19 +439,47 @@ impl Limiter for PermitStore {
                         reservation: ask.held.cloned(),
                     },
                     forfeit: None,
+                    cost: ask.held.and_then(|held| held.cost).unwrap_or(ask.cost),
                 });
             }
-            let (decision, forfeit) = self
-                .acquire_or_redeem_on(
+            let route = ask.route.map(|route| &**route);
+            let asking = Asking {
+                requested: ask.cost,
+                cost: self.cost_to_ask(ask.seller, ask.cost, route).await?,
+            };
+            let costed = |asking, held| {
+                self.acquire_or_redeem_costed(
                     ask.seller,
                     Some(ask.message),
-                    ask.cost,
-                    ask.held,
+                    asking,
+                    held,
                     Some(&ask.rank),
-                    ask.route.map(|route| &**route),
+                    route,
                 )
-                .await?;
-            Ok(Asked { decision, forfeit })
+            };
+            let (mut decision, forfeit, mut cost) = costed(asking, ask.held).await?;
+            // The seller's own stack (an override) may hold less than the charge: asked again
+            // at its smallest COUNT, never below the message's cost.
+            if let Decision::TooCostly { most, .. } = decision
+                && asking.cost != asking.requested
+                && let Some(most) = Cost::new(most).filter(|most| *most >= asking.requested)
+            {
+                // Only an acquire answers so: a slot held was redeemed or forfeited before.
+                let asking = Asking {
+                    cost: most,
+                    ..asking
+                };
+                (decision, _, cost) = costed(asking, None).await?;
+            }
+            // Too costly is the message's own cost's doing, and said so.
+            if let Decision::TooCostly { cost: too, .. } = &mut decision {
+                *too = asking.requested;
+            }
+            Ok(Asked {
+                decision,
+                forfeit,
+                cost,
+            })
         }
         .boxed()
     }
@@ -511,6 +550,7 @@ impl Limiter for PermitStore {
                 self,
                 &grant.seller,
                 &grant.call,
+                grant.requested,
                 grant.cost,
                 actual,
                 grant.slot_us,

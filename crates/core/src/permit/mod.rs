@@ -56,7 +56,7 @@ use block::Blocks;
 use calls::{
     Acquire, AcquireAnswer, AcquireTail, CallEnded, Complete, CompleteAnswer, CompleteBatch,
     Global, GlobalAnswer, GlobalEnd, Learn, LearnAnswer, Lease, LeaseAnswer, OnRoute, Recost,
-    Redeem, RedeemAnswer, Release, Unreserve,
+    Recosted, Redeem, RedeemAnswer, Release, Unreserve,
 };
 pub use conn::{RedisClient, RedisConn, round_trips};
 pub use keys::Keyspace;
@@ -174,41 +174,64 @@ pub struct Reservation {
     pub limits: Limits,
     pub reserved_at_us: i64,
     pub token: String,
+    /// The units it was reserved for when they are not its message's cost (a charge learned
+    /// from the downstream's answers raised them, see [`PermitStore::cost_to_ask`]); `None`:
+    /// its message's cost. It is redeemed and given back at these units.
+    pub cost: Option<Cost>,
 }
 
 impl Reservation {
-    /// `SLOT_US/COUNTS/WINDOWS_US/RESERVED_AT_US/TOKEN` (COUNTS and WINDOWS_US comma-separated,
-    /// one per limit of the stack): how a reservation travels in a message header.
+    /// `SLOT_US/COUNTS/WINDOWS_US/RESERVED_AT_US/TOKEN`, then `/COST` when it was reserved for
+    /// other units than its message's cost (COUNTS and WINDOWS_US comma-separated, one per limit
+    /// of the stack): how a reservation travels in a message header.
     pub fn encode(&self) -> String {
-        format!(
+        let mut encoded = format!(
             "{}/{}/{}/{}/{}",
             self.slot_us,
             self.limits.counts_arg(),
             self.limits.windows_arg(),
             self.reserved_at_us,
             self.token
-        )
+        );
+        if let Some(cost) = self.cost {
+            encoded.push_str(&format!("/{}", cost.units()));
+        }
+        encoded
     }
 
     /// The reservation in a header, or `None` for anything but the exact form (non-negative
-    /// integers, a well-formed stack, token of 1 to 64 letters, digits or dashes).
+    /// integers, a well-formed stack, token of 1 to 64 letters, digits or dashes, and a cost, if
+    /// any, from 1 to [`Cost::MAX`] written as an integer is).
     pub fn decode(s: &str) -> Option<Self> {
         let mut parts = s.split('/');
         let slot_us = parts.next()?.parse().ok().filter(|s| *s >= 0)?;
         let (counts, windows) = (parts.next()?, parts.next()?);
-        let r = Self {
+        let mut r = Self {
             slot_us,
             limits: Limits::from_args(counts, windows)
                 .filter(|l| l.counts_arg() == counts && l.windows_arg() == windows)?,
             reserved_at_us: parts.next()?.parse().ok().filter(|t| *t >= 0)?,
             token: parts.next()?.to_owned(),
+            cost: None,
         };
+        if let Some(cost) = parts.next() {
+            let units: u32 = cost.parse().ok()?;
+            r.cost = Some(Cost::new(units).filter(|_| units.to_string() == cost)?);
+        }
         let token_ok = (1..=64).contains(&r.token.len())
             && r.token
                 .bytes()
                 .all(|b| b.is_ascii_alphanumeric() || b == b'-');
         (parts.next().is_none() && token_ok).then_some(r)
     }
+}
+
+/// The units a message asks for: its own cost (`requested`) and what it asks (`cost`: the
+/// same, or a charge learned from its endpoint's answers, see [`PermitStore::cost_to_ask`]).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Asking {
+    pub requested: Cost,
+    pub cost: Cost,
 }
 
 /// What the limiter decided.
@@ -251,6 +274,21 @@ pub enum Decision {
         /// What sets `most` with this algorithm, and what to change (for the dead letter).
         bound_by: &'static str,
     },
+}
+
+impl Decision {
+    /// A decision of an acquire made for `asked`: a slot it reserved says the units it was
+    /// reserved for when they are not the message's cost ([`Reservation::cost`]).
+    fn reserved_for(mut self, asked: Asking) -> Self {
+        if let Decision::Wait {
+            reservation: Some(reservation),
+            ..
+        } = &mut self
+        {
+            reservation.cost = (asked.cost != asked.requested).then_some(asked.cost);
+        }
+        self
+    }
 }
 
 /// What deferred a call the seller's own limit granted (see [`Decision::Deferred`]).
@@ -550,6 +588,32 @@ pub struct PermitStore {
     /// The sellers this store learned a 429 of lately: what their calls made with pool units
     /// answered may correct the decrease once written (see `write_answers`).
     throttled: Arc<std::sync::Mutex<HashMap<SellerId, std::time::Instant>>>,
+    /// Whether calls ask for the charge learned from their endpoint's answers
+    /// (`TURNSTILE_COST_HEADER`, see [`PermitStore::cost_to_ask`]).
+    learns_charges: bool,
+}
+
+/// How long a charge learned from the downstream's answers (see [`PermitStore::cost_to_ask`])
+/// is kept after the last answer that set or confirmed it: a charge no call confirms for that
+/// long is forgotten, and the next calls ask their own cost again.
+pub const CHARGE_MEMORY: Duration = Duration::from_secs(600);
+
+/// The units a call asks for: its message's `requested` cost, or the charge `learned` from its
+/// endpoint's answers when higher, capped at `most` (the smallest COUNT of the stacks it takes,
+/// so that a charge never makes it too costly to be granted) but never below `requested`.
+pub fn charged_cost(requested: Cost, learned: Option<u32>, most: u32) -> Cost {
+    learned
+        .map(|charge| charge.min(most).min(Cost::MAX))
+        .and_then(Cost::new)
+        .map_or(requested, |charge| charge.max(requested))
+}
+
+/// The charge a learned-charge key holds (see [`Keyspace::charge`]): an integer from 1 to
+/// [`Cost::MAX`] written as one, else `None` (the key is read as untrusted).
+fn parse_charge(value: Option<&[u8]>) -> Option<u32> {
+    let text = std::str::from_utf8(value?).ok()?;
+    let units: u32 = text.parse().ok()?;
+    (units.to_string() == text && Cost::new(units).is_some()).then_some(units)
 }
 
 /// Most sellers [`PermitStore::reserving`] keeps (beyond it, the ones not seen for
@@ -675,7 +739,16 @@ impl PermitStore {
             call_bound: Duration::ZERO,
             batcher: Arc::default(),
             clock: Arc::default(),
+            learns_charges: false,
         }
+    }
+
+    /// With `on` (`TURNSTILE_COST_HEADER` set), calls ask for the charge learned from their
+    /// endpoint's answers (see [`Self::cost_to_ask`]); off, they ask their message's cost and
+    /// nothing is read.
+    pub fn with_learned_charges(mut self, on: bool) -> Self {
+        self.learns_charges = on;
+        self
     }
 
     /// Runs a hot operation through the batcher (see [`batch`]) and reads its answer as `T`.
@@ -1415,36 +1488,68 @@ impl PermitStore {
         rank: Option<&Rank>,
         route: Option<&Route>,
     ) -> Result<(Decision, Option<Forfeit>), PermitError> {
-        let (decision, forfeit) = match held {
-            Some(held) => match self
-                .redeem_for(seller, message, cost, held.clone(), route)
-                .await?
-            {
-                Ok(decision) => (decision, None),
-                Err(forfeit) => (
-                    self.acquire_with(seller, message, cost, true, 0, rank, route)
-                        .await?,
-                    Some(forfeit),
-                ),
-            },
+        let asked = Asking {
+            requested: cost,
+            cost,
+        };
+        let (decision, forfeit, _) = self
+            .acquire_or_redeem_costed(seller, message, asked, held, rank, route)
+            .await?;
+        Ok((decision, forfeit))
+    }
+
+    /// As [`Self::acquire_or_redeem_on`], for a message of `asked.requested` units asking for
+    /// `asked.cost` (see [`Self::cost_to_ask`]): a slot it holds is redeemed at the units it was
+    /// reserved for ([`Reservation::cost`]), a new one is reserved at `asked.cost` (and says so
+    /// when that is not the message's cost). Returns the units the decision is for too.
+    pub async fn acquire_or_redeem_costed(
+        &self,
+        seller: &SellerId,
+        message: Option<&MessageId>,
+        asked: Asking,
+        held: Option<&Reservation>,
+        rank: Option<&Rank>,
+        route: Option<&Route>,
+    ) -> Result<(Decision, Option<Forfeit>, Cost), PermitError> {
+        let cost = asked.cost;
+        let (mut decision, forfeit, units) = match held {
+            Some(held) => {
+                let reserved = held.cost.unwrap_or(asked.requested);
+                match self
+                    .redeem_for(seller, message, reserved, held.clone(), route)
+                    .await?
+                {
+                    Ok(decision) => (decision, None, reserved),
+                    Err(forfeit) => (
+                        self.acquire_with(seller, message, cost, true, 0, rank, route)
+                            .await?
+                            .reserved_for(asked),
+                        Some(forfeit),
+                        cost,
+                    ),
+                }
+            }
             None if route.is_some() => (
                 self.acquire_with(seller, message, cost, true, 0, rank, route)
-                    .await?,
+                    .await?
+                    .reserved_for(asked),
                 None,
+                cost,
             ),
             None => match self.grant_from_pool(seller, message, cost).await? {
                 // Blocks are only taken without a global limit or seller concurrency.
-                Some(decision) => return Ok((decision, None)),
+                Some(decision) => return Ok((decision, None, cost)),
                 None => (
-                    self.acquire_blocking(seller, message, cost, rank).await?,
+                    self.acquire_blocking(seller, message, cost, rank)
+                        .await?
+                        .reserved_for(asked),
                     None,
+                    cost,
                 ),
             },
         };
-        Ok((
-            self.beyond_seller(seller, cost, decision, route).await?,
-            forfeit,
-        ))
+        decision = self.beyond_seller(seller, units, decision, route).await?;
+        Ok((decision, forfeit, units))
     }
 
     /// A seller's grant is called only with a lease of its calls in flight
@@ -1704,9 +1809,11 @@ impl PermitStore {
         Ok(())
     }
 
-    /// Gives back `reservation` (of `cost` units), whose message will not come back for it: its
-    /// delayed copy was not published, or it went back to the broker without it. Whether it was
-    /// still live (a redeemed, forfeited or given-back reservation is left as it is).
+    /// Gives back `reservation` (of `cost` units, its message's cost, unless it says it was
+    /// reserved for other units: [`Reservation::cost`]), whose message will not come back for
+    /// it: its delayed copy was not published, or it went back to the broker without it.
+    /// Whether it was still live (a redeemed, forfeited or given-back reservation is left as it
+    /// is).
     pub async fn unreserve(
         &self,
         seller: &SellerId,
@@ -1730,7 +1837,7 @@ impl PermitStore {
             reserved: self.keys.reserved(seller, limiter.algorithm),
             algorithm: limiter.algorithm,
             token: &reservation.token,
-            cost: cost.units(),
+            cost: reservation.cost.unwrap_or(cost).units(),
             slot_us: reservation.slot_us,
             held_counts: reservation.limits.counts_arg(),
             held_windows: reservation.limits.windows_arg(),
@@ -1748,41 +1855,107 @@ impl PermitStore {
         Ok(given_back == 1)
     }
 
-    /// The downstream reported that the call `call` (granted `cost` units at `slot_us`, on
-    /// `route` if any) cost `actual`: its units in the seller's windows (and the route's)
-    /// become `actual`, for every replica (see `lua/recost.lua`). Slots already reserved keep
-    /// their place (they were placed at their requested cost). sliding-window only (the others keep no units per call): elsewhere nothing changes.
+    /// The downstream reported that the call `call` (whose message asked `requested` units,
+    /// granted `cost` units at `slot_us`, on `route` if any) cost `actual`: its units in the
+    /// seller's windows (and the route's) become `actual`, for every replica, and the charge of
+    /// its endpoint is learned for the next calls to ask for it ([`Self::cost_to_ask`]); when
+    /// that charge rises, the seller's reservations on the endpoint made for fewer units are
+    /// given back, so that their messages ask again at it (see `lua/recost.lua`). Other slots
+    /// already reserved keep their place. sliding-window only (the others keep no units per
+    /// call): elsewhere nothing changes. A call granted and charged its message's cost changes
+    /// nothing and costs no Redis call.
     /// Returns the units added (> 0) or given back (< 0).
+    #[allow(clippy::too_many_arguments)]
     pub async fn recost(
         &self,
         seller: &SellerId,
         call: &str,
+        requested: Cost,
         cost: Cost,
         actual: u32,
         slot_us: i64,
         route: Option<&Route>,
     ) -> Result<i64, PermitError> {
         let limiter = self.limiter();
-        if limiter.algorithm != Algorithm::SlidingWindow || actual == cost.units() {
+        if limiter.algorithm != Algorithm::SlidingWindow
+            || (actual == cost.units() && cost == requested)
+        {
             return Ok(0);
         }
         let recost = Recost {
             log: self.state_key(&limiter, seller),
             calls: self.keys.calls(seller),
+            reserved: self.keys.reserved(seller, limiter.algorithm),
+            charge: self.keys.charge(seller, route.map(|route| &route.name)),
             route_log: route.map(|route| self.keys.route_log(seller, &route.name)),
             call,
             cost: cost.units(),
             actual: actual.min(Cost::MAX),
             slot_us: slot_us.max(0),
+            requested: requested.min(cost).units(),
+            memory_ms: CHARGE_MEMORY.as_millis() as u64,
         };
-        let changed: i64 = recost
+        let (changed, charge, given_back): Recosted = recost
             .invocation()
             .invoke_async(&mut self.conn.clone())
             .await?;
-        let direction = if changed > 0 { "charged" } else { "refunded" };
-        metrics::counter!("turnstile_cost_corrections_total", "direction" => direction)
-            .increment(changed.unsigned_abs());
+        if changed != 0 {
+            let direction = if changed > 0 { "charged" } else { "refunded" };
+            metrics::counter!("turnstile_cost_corrections_total", "direction" => direction)
+                .increment(changed.unsigned_abs());
+        }
+        if given_back > 0 {
+            tracing::debug!(
+                charge,
+                given_back,
+                "a higher charge learned: reservations made for fewer units given back"
+            );
+            metrics::counter!("turnstile_reservations_released_total")
+                .increment(u64::from(given_back));
+        }
         Ok(changed)
+    }
+
+    /// The units a call of `requested` units on `route` (the default endpoint: `None`) asks for:
+    /// with learned charges on ([`Self::with_learned_charges`]), the charge learned from its
+    /// endpoint's answers when higher (see [`charged_cost`]: capped at the smallest COUNT of the
+    /// configured stacks it takes: TURNSTILE_LIMIT, its route's, the global limit; a seller's
+    /// override below it answers too costly, and the limiter asks again at the override's
+    /// smallest COUNT); else, and under any algorithm but sliding-window, `requested`
+    /// without reading anything. One read of the seller's key, through the batcher; the charge
+    /// may rise between this read and the grant (an answer coming back meanwhile): that call
+    /// is then granted at the lower cost, as one granted before the answer came.
+    pub async fn cost_to_ask(
+        &self,
+        seller: &SellerId,
+        requested: Cost,
+        route: Option<&Route>,
+    ) -> Result<Cost, PermitError> {
+        let limiter = self.limiter();
+        if !self.learns_charges || limiter.algorithm != Algorithm::SlidingWindow {
+            return Ok(requested);
+        }
+        let key = self.keys.charge(seller, route.map(|route| &route.name));
+        let mut get = redis::cmd("GET");
+        get.arg(&key);
+        let (value,): (Option<Vec<u8>>,) = self
+            .run(Operation::commands(vec![get], key), When::Now)
+            .await?;
+        let most = [
+            Some(&limiter.limit),
+            route.map(|route| &route.limits),
+            limiter.global_limit.0.as_ref(),
+        ]
+        .into_iter()
+        .flatten()
+        .map(Limits::min_count)
+        .min()
+        .unwrap_or(Cost::MAX);
+        Ok(charged_cost(
+            requested,
+            parse_charge(value.as_deref()),
+            most,
+        ))
     }
 
     /// Moves a message to the state it is in now (see `lua/complete.lua`) and counts it there
@@ -2396,7 +2569,64 @@ type PoolClaim = (Vec<Option<String>>, (i64, i64), Vec<String>);
 
 #[cfg(test)]
 mod tests {
-    use super::{PermitError, learned_ratio};
+    use super::{PermitError, Reservation, charged_cost, learned_ratio, parse_charge};
+    use crate::domain::Cost;
+
+    fn cost(units: u32) -> Cost {
+        Cost::new(units).unwrap()
+    }
+
+    #[test]
+    fn a_call_asks_the_charge_learned_when_higher_within_the_smallest_count() {
+        assert_eq!(charged_cost(cost(1), None, 10), cost(1));
+        assert_eq!(charged_cost(cost(1), Some(4), 10), cost(4));
+        assert_eq!(charged_cost(cost(5), Some(4), 10), cost(5));
+        // Capped at the smallest COUNT, never below the message's own cost.
+        assert_eq!(charged_cost(cost(1), Some(40), 10), cost(10));
+        assert_eq!(charged_cost(cost(12), Some(40), 10), cost(12));
+        assert_eq!(charged_cost(cost(1), Some(0), 10), cost(1));
+        assert_eq!(
+            charged_cost(cost(1), Some(u32::MAX), u32::MAX),
+            cost(10_000)
+        );
+    }
+
+    #[test]
+    fn a_learned_charge_is_read_as_untrusted() {
+        assert_eq!(parse_charge(Some(b"4")), Some(4));
+        assert_eq!(parse_charge(Some(b"10000")), Some(10_000));
+        for bad in [
+            &b""[..],
+            b"0",
+            b"10001",
+            b"04",
+            b"+4",
+            b" 4",
+            b"4.0",
+            b"-1",
+            b"\xff",
+        ] {
+            assert_eq!(parse_charge(Some(bad)), None, "{bad:?}");
+        }
+        assert_eq!(parse_charge(None), None);
+    }
+
+    #[test]
+    fn a_reservation_names_its_units_only_when_they_are_not_its_messages_cost() {
+        let plain = Reservation::decode("5/10/1000000/4/tok-1").unwrap();
+        assert_eq!(plain.cost, None);
+        assert_eq!(plain.encode(), "5/10/1000000/4/tok-1");
+        let charged = Reservation {
+            cost: Some(cost(4)),
+            ..plain
+        };
+        assert_eq!(charged.encode(), "5/10/1000000/4/tok-1/4");
+        assert_eq!(Reservation::decode(&charged.encode()), Some(charged));
+        for bad in ["0", "10001", "04", "x", "", "4/4"] {
+            let header = format!("5/10/1000000/4/tok-1/{bad}");
+            assert_eq!(Reservation::decode(&header), None, "{header}");
+        }
+    }
 
     /// The error Redis answers with `line` (a RESP error line, without `-` and CRLF).
     fn server_error(line: &str) -> PermitError {

@@ -22,6 +22,7 @@ static PIECES: &[(&str, &str)] = &[
     ("blocks", include_str!("../../lua/include/blocks.lua")),
     ("calendar", include_str!("../../lua/include/calendar.lua")),
     ("calls", include_str!("../../lua/include/calls.lua")),
+    ("charges", include_str!("../../lua/include/charges.lua")),
     ("far", include_str!("../../lua/include/far.lua")),
     ("fit", include_str!("../../lua/include/fit.lua")),
     ("learned", include_str!("../../lua/include/learned.lua")),

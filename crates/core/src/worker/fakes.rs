@@ -287,6 +287,7 @@ impl FakeLimiter {
             limits: "1/1s".parse().expect("a limit"),
             reserved_at_us: now,
             token: format!("r-{n}"),
+            cost: None,
         }
     }
 
@@ -327,6 +328,7 @@ impl Limiter for FakeLimiter {
                 return Ok(Asked {
                     decision,
                     forfeit: None,
+                    cost: ask.cost,
                 });
             }
             // A redeem before its slot is told to wait for it (the real redeem answers
@@ -340,6 +342,7 @@ impl Limiter for FakeLimiter {
                 return Ok(Asked {
                     decision,
                     forfeit: None,
+                    cost: ask.cost,
                 });
             }
             let script = self.lock().script.pop_front();
@@ -370,6 +373,7 @@ impl Limiter for FakeLimiter {
             Ok(Asked {
                 decision,
                 forfeit: None,
+                cost: ask.cost,
             })
         }
         .boxed()

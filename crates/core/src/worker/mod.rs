@@ -723,8 +723,8 @@ impl Worker {
             _ = shutdown.cancelled() => return interrupted(Interrupted::Shutdown),
             _ = connection_lost.cancelled() => return interrupted(Interrupted::ConnectionLost),
         };
-        let mut decision = match decided {
-            Ok(decision) => decision,
+        let (mut decision, cost) = match decided {
+            Ok(decided) => decided,
             Err(error) => {
                 // No worker is held while the message waits for Redis.
                 drop(worker);
@@ -751,7 +751,7 @@ impl Worker {
         let holding = self.stats.held.load(Ordering::Relaxed);
         // A grant's age is bounded by the time since its request left, not since the ask: a
         // request may wait for the batcher, and a redeem or a pool claim may go first.
-        let grant = Grant::of(question, &decision);
+        let grant = Grant::of(question, &decision, cost);
         let sent = grant.as_ref().map_or(asked, Grant::sent);
         let waited = sent.elapsed();
         let plan = self
@@ -1238,17 +1238,24 @@ impl Worker {
     }
 
     /// Asks for (or redeems) a permit: one attempt (see [`permit_failure`] for what an error
-    /// leads to).
-    async fn decide(&self, question: Ask<'_>) -> Result<Decision, PermitError> {
+    /// leads to). Answers the decision and the units it is for (see [`Asked::cost`]).
+    async fn decide(
+        &self,
+        question: Ask<'_>,
+    ) -> Result<(Decision, crate::domain::Cost), PermitError> {
         let started = std::time::Instant::now();
-        let Asked { decision, forfeit } = self.limiter.ask(question).await?;
+        let Asked {
+            decision,
+            forfeit,
+            cost,
+        } = self.limiter.ask(question).await?;
         self.stats.permit_latency.record(started.elapsed());
         if let Some(forfeit) = forfeit {
             self.stats.forfeited.fetch_add(1, Ordering::Relaxed);
             debug!(?forfeit, "reserved slot given up; reserved anew");
         }
         self.stats.touch(question.seller);
-        Ok(decision)
+        Ok((decision, cost))
     }
 
     /// Hands a registration's `answer` back to the limiter: its completion record, in one step

@@ -822,6 +822,7 @@ mod tests {
             limits: "1/1s".parse().unwrap(),
             reserved_at_us: 0,
             token: "t".into(),
+            cost: None,
         }
     }
 

@@ -186,6 +186,7 @@ impl AcquireAnswer {
                     limits: answer.limits(3)?,
                     reserved_at_us: now,
                     token,
+                    cost: None,
                 }),
             }),
             0 => Ok(Decision::Wait {

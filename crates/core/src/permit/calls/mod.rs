@@ -31,7 +31,7 @@ pub(super) use global::{Global, GlobalAnswer, GlobalEnd};
 pub(super) use learn::{Learn, LearnAnswer};
 pub(super) use lease::{Lease, LeaseAnswer};
 pub(super) use records::{BatchEventSent, BatchSeenCall, RetriesCall, RetryCall, Tally};
-pub(super) use recost::Recost;
+pub(super) use recost::{Recost, Recosted};
 pub(super) use redeem::{Redeem, RedeemAnswer};
 pub(super) use release::Release;
 pub(super) use unreserve::Unreserve;

@@ -4,14 +4,19 @@ use super::Call;
 use super::invoke;
 use crate::permit::scripts;
 
-/// `lua/recost.lua`: a granted call's units become what the downstream reported it cost.
-/// Answers the units added (> 0) or removed (< 0). See the script's header.
+/// `lua/recost.lua`: a granted call's units become what the downstream reported it cost, and
+/// the charge of its endpoint is learned. Answers `{CHANGED, CHARGE, GIVEN_BACK}` (see
+/// [`Recosted`]). See the script's header.
 pub(in crate::permit) struct Recost<'a> {
     /// KEYS[1]: the seller's log.
     pub log: String,
     /// KEYS[2]: the seller's calls.
     pub calls: String,
-    /// KEYS[3], for a call on a route: the route's log for the seller.
+    /// KEYS[3]: the seller's reserved slots.
+    pub reserved: String,
+    /// KEYS[4]: the charge learned for the call's endpoint.
+    pub charge: String,
+    /// KEYS[5], for a call on a route: the route's log for the seller.
     pub route_log: Option<String>,
     /// ARGV[1]: TOKEN, the grant's call.
     pub call: &'a str,
@@ -21,7 +26,16 @@ pub(in crate::permit) struct Recost<'a> {
     pub actual: u32,
     /// ARGV[4]: SLOT in µs, the grant's slot.
     pub slot_us: i64,
+    /// ARGV[5]: REQUESTED, the units its message asked for.
+    pub requested: u32,
+    /// ARGV[6]: MEMORY in ms, how long a charge learned is kept after the last answer that set
+    /// or confirmed it.
+    pub memory_ms: u64,
 }
+
+/// What `lua/recost.lua` answered: the units added (> 0) or removed (< 0), the charge learned
+/// now (0 = none) and how many reservations made for fewer units were given back.
+pub(in crate::permit) type Recosted = (i64, u32, u32);
 
 impl Recost<'_> {
     /// The script's invocation.
@@ -31,14 +45,19 @@ impl Recost<'_> {
 
     /// KEYS and ARGV in the script's order.
     pub fn write<C: Call>(&self, to: &mut C) {
-        to.key(self.log.clone()).key(self.calls.clone());
+        to.key(self.log.clone())
+            .key(self.calls.clone())
+            .key(self.reserved.clone())
+            .key(self.charge.clone());
         if let Some(route_log) = &self.route_log {
             to.key(route_log.clone());
         }
         to.arg(self.call)
             .arg(self.cost)
             .arg(self.actual)
-            .arg(self.slot_us);
+            .arg(self.slot_us)
+            .arg(self.requested)
+            .arg(self.memory_ms);
     }
 }
 
@@ -54,11 +73,15 @@ mod tests {
         Recost {
             log: "log".into(),
             calls: "calls".into(),
+            reserved: "reserved".into(),
+            charge: "charge".into(),
             route_log: Some("route".into()),
             call: "c1",
             cost: 2,
             actual: 5,
             slot_us: 77,
+            requested: 1,
+            memory_ms: 600_000,
         }
         .write(&mut written);
         check(
@@ -68,6 +91,8 @@ mod tests {
             &[
                 ("log", "seller's log"),
                 ("calls", "seller's calls"),
+                ("reserved", "reserved slots"),
+                ("charge", "charge learned"),
                 ("route", "route's log"),
             ],
         );
@@ -80,6 +105,8 @@ mod tests {
                 ("2", "COST"),
                 ("5", "ACTUAL"),
                 ("77", "SLOT"),
+                ("1", "REQUESTED"),
+                ("600000", "MEMORY"),
             ],
         );
     }
