@@ -139,6 +139,19 @@ pub struct Rank {
 /// `lua/include/ranks.lua`): after nine of these, no message that came later passes it.
 pub const AGING: Duration = Duration::from_secs(60);
 
+/// Most reservations a message giving way reads, those right before its slot, and most units
+/// it moves back (`GIVE_WAY_REACH` in `lua/include/ranks.lua`): a priority message passes at
+/// most this many reservations when it reserves, so one acquire's work stays a fraction of a
+/// millisecond however deep its seller's backlog.
+pub const GIVE_WAY_REACH: u32 = 256;
+
+/// A seller's give-way budget (`GIVE_WAY_STEPS_PER_S` in `lua/include/ranks.lua`): steps a
+/// second, a reservation read or a unit moved being one, at most one second's worth saved. A
+/// message giving way reaches at most half of what is left (each reservation it moves it read
+/// first); with nothing left it keeps its slot at the end of the schedule. So one seller's
+/// priority flood costs Redis about a millisecond a second, whatever its depth.
+pub const GIVE_WAY_STEPS_PER_SECOND: u32 = 2048;
+
 impl Rank {
     /// A fresh reservation token, carrying `rank` if given; a call on a route carries none and
     /// ends with `-q` (see `routed` in `lua/include/routes.lua`: it keeps its slot).
@@ -1021,6 +1034,7 @@ impl PermitStore {
             shadow: self.keys.shadow(seller),
             shadow_log: self.keys.shadow_log(seller),
             losses: self.keys.losses(seller),
+            give_way: self.keys.give_way(seller),
             done: message.map(|message| self.keys.done(seller, message)),
             counts: limit.counts_arg(),
             windows: limit.windows_arg(),
@@ -2380,6 +2394,21 @@ type PoolClaim = (Vec<Option<String>>, (i64, i64), Vec<String>);
 #[cfg(test)]
 mod tests {
     use super::{PermitError, learned_ratio};
+
+    #[test]
+    fn the_give_way_bounds_are_the_scripts() {
+        let ranks = include_str!("../../lua/include/ranks.lua");
+        for line in [
+            format!("local GIVE_WAY_REACH = {}\n", super::GIVE_WAY_REACH),
+            format!(
+                "local GIVE_WAY_STEPS_PER_S = {}\n",
+                super::GIVE_WAY_STEPS_PER_SECOND
+            ),
+            format!("local AGING_US = {}\n", super::AGING.as_micros()),
+        ] {
+            assert!(ranks.contains(&line), "ranks.lua says {line}");
+        }
+    }
 
     /// The error Redis answers with `line` (a RESP error line, without `-` and CRLF).
     fn server_error(line: &str) -> PermitError {

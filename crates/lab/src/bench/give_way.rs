@@ -4,8 +4,8 @@
 //! it acquires (reserving, with its rank), waits for its slot, comes back for it (told a later
 //! one when it was moved), and ends its call at once.
 
-use std::sync::{Arc, Mutex};
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
 use anyhow::Context;
