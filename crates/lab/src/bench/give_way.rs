@@ -2,9 +2,11 @@
 //! without the flood: what the other sellers' permits and a bare PING wait meanwhile, and what
 //! the acquire scripts cost Redis (`INFO commandstats`). Every message acts as a replica's does:
 //! it acquires (reserving, with its rank), waits for its slot, comes back for it (told a later
-//! one when it was moved), and ends its call at once.
+//! one when it was moved), and ends its call at once. The commands of 10 ms or more are counted
+//! from the slow log (set `slowlog-log-slower-than` to 10000 or less, and `slowlog-max-len`
+//! large enough, on a Redis of the bench's own).
 
-use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
@@ -27,9 +29,12 @@ pub struct GiveWayArgs {
     /// Plain messages of the flooding seller waiting before the flood.
     #[arg(long, default_value_t = 3000)]
     backlog: u64,
-    /// Messages of priority 9 with a deadline an hour away, published at once on top.
+    /// Messages published at once on top, with a deadline an hour away.
     #[arg(long, default_value_t = 1500)]
     flood: u64,
+    /// The flood's priority (0 to 9; 0 and no deadline: a plain flood, to compare with).
+    #[arg(long, default_value_t = 9, value_parser = clap::value_parser!(u8).range(0..=9))]
+    flood_priority: u8,
     /// How long the other sellers' permits and PING are measured without the flood, and then
     /// with it.
     #[arg(long, default_value = "10s", value_parser = turnstile_core::config::duration_arg)]
@@ -72,54 +77,101 @@ impl Latencies {
     }
 }
 
-/// The other sellers' acquires and PINGs, measured until `stop`.
+/// Latencies measured by tasks that may still wait for an answer when the measure ends: each
+/// finished one is a sample, and so is the wait so far of each unanswered one (a lower bound).
+#[derive(Clone, Default)]
+struct Samples {
+    done: Arc<Mutex<Vec<Duration>>>,
+    waiting: Arc<Mutex<Vec<Option<Instant>>>>,
+}
+
+impl Samples {
+    /// Runs `ask` again and again from a task of its own (`worker`), timing each.
+    fn run<F, Fut>(&self, worker: usize, ask: F) -> tokio::task::JoinHandle<anyhow::Result<()>>
+    where
+        F: Fn(usize) -> Fut + Send + 'static,
+        Fut: std::future::Future<Output = anyhow::Result<()>> + Send,
+    {
+        self.waiting.lock().expect("not poisoned").push(None);
+        let samples = self.clone();
+        tokio::spawn(async move {
+            for i in 0.. {
+                let t = Instant::now();
+                samples.waiting.lock().expect("not poisoned")[worker] = Some(t);
+                ask(i).await?;
+                samples.waiting.lock().expect("not poisoned")[worker] = None;
+                samples.done.lock().expect("not poisoned").push(t.elapsed());
+            }
+            Ok(())
+        })
+    }
+
+    /// The samples so far, the unanswered ones' waits included.
+    fn take(&self) -> Latencies {
+        let mut all = self.done.lock().expect("not poisoned").clone();
+        all.extend(
+            self.waiting
+                .lock()
+                .expect("not poisoned")
+                .iter()
+                .flatten()
+                .map(|t| t.elapsed()),
+        );
+        all.sort_unstable();
+        Latencies(all)
+    }
+}
+
+/// Ends `tasks`, and says the first error one of them met.
+async fn end(tasks: Vec<tokio::task::JoinHandle<anyhow::Result<()>>>) -> anyhow::Result<()> {
+    for task in &tasks {
+        task.abort();
+    }
+    for task in tasks {
+        match task.await {
+            Ok(done) => done?,
+            Err(e) if e.is_cancelled() => {}
+            Err(e) => return Err(e.into()),
+        }
+    }
+    Ok(())
+}
+
+/// The other sellers' acquires (each granted call ended at once) and PINGs, for `duration`.
 async fn watch(
     store: Arc<PermitStore>,
     conn: RedisConn,
     others: usize,
-    stop: Arc<AtomicBool>,
+    duration: Duration,
 ) -> anyhow::Result<(Latencies, Latencies)> {
+    let (acquires, pings) = (Samples::default(), Samples::default());
     let mut tasks = Vec::new();
     for worker in 0..others {
-        let (store, stop) = (store.clone(), stop.clone());
-        tasks.push(tokio::spawn(async move {
-            let mut samples = Vec::new();
-            let mut i = worker;
-            while !stop.load(Ordering::Relaxed) {
-                let seller = SellerId::parse(&format!("S-other-{}", i % 500)).expect("valid");
-                let t = Instant::now();
-                let decision = store.acquire(&seller, false).await?;
-                samples.push(t.elapsed());
-                if let Decision::Granted { call, .. } = decision {
+        let store = store.clone();
+        tasks.push(acquires.run(worker, move |i| {
+            let store = store.clone();
+            let seller = SellerId::parse(&format!("S-other-{}", (worker + i * others) % 500));
+            async move {
+                let seller = seller.expect("valid");
+                if let Decision::Granted { call, .. } = store.acquire(&seller, false).await? {
                     store.call_ended(&seller, &call, Cost::ONE, None).await?;
                 }
-                i += others;
+                Ok(())
             }
-            anyhow::Ok(samples)
         }));
     }
-    let pings = {
-        let stop = stop.clone();
-        tokio::spawn(async move {
-            let mut conn = conn;
-            let mut samples = Vec::new();
-            while !stop.load(Ordering::Relaxed) {
-                let t = Instant::now();
-                let _: String = redis::cmd("PING").query_async(&mut conn).await?;
-                samples.push(t.elapsed());
-                tokio::time::sleep(Duration::from_millis(2)).await;
-            }
-            anyhow::Ok(samples)
-        })
-    };
-    let mut acquires = Vec::new();
-    for task in tasks {
-        acquires.extend(task.await??);
-    }
-    let mut pings = pings.await??;
-    acquires.sort_unstable();
-    pings.sort_unstable();
-    Ok((Latencies(acquires), Latencies(pings)))
+    tasks.push(pings.run(0, move |_| {
+        let mut conn = conn.clone();
+        async move {
+            let _: String = redis::cmd("PING").query_async(&mut conn).await?;
+            tokio::time::sleep(Duration::from_millis(2)).await;
+            Ok(())
+        }
+    }));
+    tokio::time::sleep(duration).await;
+    let measured = (acquires.take(), pings.take());
+    end(tasks).await?;
+    Ok(measured)
 }
 
 /// One message of the flooding seller, as a replica serves it: acquires with `rank`, waits for
@@ -140,7 +192,7 @@ async fn serve(
         match decision {
             Decision::Granted { call, .. } => {
                 let place = grants.fetch_add(1, Ordering::Relaxed);
-                if rank.priority.get() > 0 {
+                if rank.priority.get() > 0 || rank.deadline_ms.is_some() {
                     places.lock().expect("not poisoned").push(place);
                 }
                 store.call_ended(&seller, &call, Cost::ONE, None).await?;
@@ -158,6 +210,53 @@ async fn serve(
     }
 }
 
+/// The id of the latest entry of Redis's slow log (-1 if none).
+async fn slowlog_mark(conn: &RedisConn) -> anyhow::Result<i64> {
+    let mut conn = conn.clone();
+    let latest: Vec<Vec<redis::Value>> = redis::cmd("SLOWLOG")
+        .arg("GET")
+        .arg(1)
+        .query_async(&mut conn)
+        .await?;
+    Ok(latest
+        .first()
+        .and_then(|e| e.first())
+        .and_then(|id| redis::from_redis_value_ref::<i64>(id).ok())
+        .unwrap_or(-1))
+}
+
+/// The slow log's entries after `mark` that took at least 10 ms (but the bench's own SLOWLOG): how many, and the longest (ms).
+async fn slow_since(conn: &RedisConn, mark: i64) -> anyhow::Result<(usize, f64)> {
+    let mut conn = conn.clone();
+    let entries: Vec<Vec<redis::Value>> = redis::cmd("SLOWLOG")
+        .arg("GET")
+        .arg(100_000)
+        .query_async(&mut conn)
+        .await?;
+    let (mut n, mut longest) = (0, 0.0_f64);
+    for entry in entries {
+        let int = |i: usize| {
+            entry
+                .get(i)
+                .and_then(|v| redis::from_redis_value_ref::<i64>(v).ok())
+        };
+        let command = entry
+            .get(3)
+            .and_then(|args| redis::from_redis_value_ref::<Vec<String>>(args).ok())
+            .and_then(|args| args.into_iter().next())
+            .unwrap_or_default();
+        if let (Some(id), Some(us)) = (int(0), int(2))
+            && id > mark
+            && us >= 10_000
+            && !command.eq_ignore_ascii_case("slowlog")
+        {
+            n += 1;
+            longest = longest.max(us as f64 / 1000.0);
+        }
+    }
+    Ok((n, longest))
+}
+
 /// Script calls and their µs in Redis (EVALSHA and EVAL), so far.
 async fn script_time(conn: &RedisConn) -> anyhow::Result<(u64, u64)> {
     let calls = command_calls(conn).await?;
@@ -165,6 +264,17 @@ async fn script_time(conn: &RedisConn) -> anyhow::Result<(u64, u64)> {
         .iter()
         .filter_map(|c| calls.by_command.get(*c))
         .fold((0, 0), |(n, us), (c, u)| (n + c, us + u)))
+}
+
+/// What one phase measured.
+struct Phase {
+    acquires: Latencies,
+    pings: Latencies,
+    /// Script calls and their µs in Redis.
+    scripts: u64,
+    script_us: u64,
+    /// Commands of at least 10 ms in the slow log: how many, and the longest (ms).
+    slow: (usize, f64),
 }
 
 /// One phase on a seller of its own: its backlog, then `flood` priority messages on top, while
@@ -175,11 +285,12 @@ async fn phase(
     store: &Arc<PermitStore>,
     seller: &str,
     flood: u64,
-) -> anyhow::Result<(Latencies, Latencies, u64, u64)> {
+) -> anyhow::Result<Phase> {
     let seller = SellerId::parse(seller).expect("valid");
     let grants = Arc::new(AtomicU64::new(0));
     let places = Arc::new(Mutex::new(Vec::new()));
     let spawn = |priority: u8| {
+        // A plain message has no deadline either.
         let deadline_ms = (priority > 0).then(|| now_ms() + 3_600_000);
         tokio::spawn(serve(
             store.clone(),
@@ -201,33 +312,23 @@ async fn phase(
         }
     }
     tokio::time::sleep(Duration::from_secs(1)).await;
-    let stop = Arc::new(AtomicBool::new(false));
     let (calls0, us0) = script_time(conn).await?;
+    let mark = slowlog_mark(conn).await?;
     let watcher = tokio::spawn(watch(
         store.clone(),
         conn.clone(),
         args.others,
-        stop.clone(),
+        args.duration,
     ));
     let first = grants.load(Ordering::Relaxed);
     for _ in 0..flood {
-        tasks.push(spawn(9));
+        tasks.push(spawn(args.flood_priority));
     }
-    tokio::time::sleep(args.duration).await;
-    stop.store(true, Ordering::Relaxed);
     let (acquires, pings) = watcher.await??;
     let (calls1, us1) = script_time(conn).await?;
-    for task in &tasks {
-        task.abort();
-    }
-    for task in tasks {
-        match task.await {
-            Ok(served) => served?,
-            Err(e) if e.is_cancelled() => {}
-            Err(e) => return Err(e.into()),
-        }
-    }
-    if flood > 0 {
+    let slow = slow_since(conn, mark).await?;
+    end(tasks).await?;
+    if flood > 0 && args.flood_priority > 0 {
         let mut places: Vec<u64> = places
             .lock()
             .expect("not poisoned")
@@ -246,7 +347,13 @@ async fn phase(
             places.last()
         );
     }
-    Ok((acquires, pings, calls1 - calls0, us1 - us0))
+    Ok(Phase {
+        acquires,
+        pings,
+        scripts: calls1 - calls0,
+        script_us: us1 - us0,
+        slow,
+    })
 }
 
 /// Measures one algorithm: a backlog alone, then a backlog with the flood.
@@ -264,23 +371,39 @@ async fn measure(args: &GiveWayArgs, conn: &RedisConn, algorithm: Algorithm) -> 
     };
     let store = Arc::new(PermitStore::new(conn.clone(), &prefix, limiter));
     println!(
-        "{}: {} plain messages of one seller waiting at {}; {} others' callers; {:?} each phase",
+        "{}: {} plain messages of one seller waiting at {}, then {} of priority {}; {} others' \
+         callers; {:?} each phase",
         algorithm.name(),
         args.backlog,
         args.limit,
+        args.flood,
+        args.flood_priority,
         args.others,
         args.duration
     );
+    let mut config = conn.clone();
+    let slower_than: Vec<String> = redis::cmd("CONFIG")
+        .arg("GET")
+        .arg("slowlog-log-slower-than")
+        .query_async(&mut config)
+        .await?;
+    if slower_than.get(1).and_then(|v| v.parse::<i64>().ok()) > Some(10_000) {
+        println!("  (the slow log keeps only commands over {slower_than:?} µs)");
+    }
     println!(
         "  {:<34} {:>8} {:>9} {:>9} {:>9}",
         "", "n", "p50 ms", "p99 ms", "max ms"
     );
-    let report = |name: &str, (acquires, pings, calls, us): (Latencies, Latencies, u64, u64)| {
-        acquires.row(&format!("others' acquire, {name}"));
-        pings.row(&format!("PING, {name}"));
+    let report = |name: &str, phase: Phase| {
+        phase.acquires.row(&format!("others' acquire, {name}"));
+        phase.pings.row(&format!("PING, {name}"));
         println!(
-            "  scripts, {name}: {calls} calls, {:.1} µs each on average",
-            us as f64 / calls.max(1) as f64
+            "  scripts, {name}: {} calls, {:.1} µs each on average; {} commands of 10 ms or more \
+             in the slow log (longest {:.1} ms)",
+            phase.scripts,
+            phase.script_us as f64 / phase.scripts.max(1) as f64,
+            phase.slow.0,
+            phase.slow.1
         );
     };
     report(
