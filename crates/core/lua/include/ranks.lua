@@ -55,7 +55,7 @@ end
 -- Most reservations one give-way reads, and most units it moves (permit::GIVE_WAY_REACH in Rust
 -- says the same): those right before the new message's slot. Each move is a write (one member
 -- of the reserved set, COST members of a sliding-window log), so this bounds one call's work to
--- a fraction of a millisecond however deep the seller's backlog (up to MAX_RESERVED); a priority
+-- about half a millisecond however deep the seller's backlog (up to MAX_RESERVED); a priority
 -- message passes at most this many reservations when it reserves.
 local GIVE_WAY_REACH = 256
 
@@ -63,8 +63,9 @@ local GIVE_WAY_REACH = 256
 -- at most one second's worth saved (permit::GIVE_WAY_STEPS_PER_SECOND in Rust says the same).
 -- Redis runs one script at a time, and a replica sends its workers' acquires in one batch
 -- script: without it, a seller's flood of priority messages would make every other seller
--- wait for its moves. About a millisecond of Redis time a second per seller at most.
-local GIVE_WAY_STEPS_PER_S = 2048
+-- wait for its moves. A step costs Redis about a microsecond: about a millisecond a second per
+-- seller at most, and as much in one batch.
+local GIVE_WAY_STEPS_PER_S = 1024
 local STEP_US = 1000000 / GIVE_WAY_STEPS_PER_S
 
 -- When the seller's give-way budget (BUDGET_KEY, a string: the Redis time in µs until which its

@@ -141,7 +141,7 @@ pub const AGING: Duration = Duration::from_secs(60);
 
 /// Most reservations a message giving way reads, those right before its slot, and most units
 /// it moves back (`GIVE_WAY_REACH` in `lua/include/ranks.lua`): a priority message passes at
-/// most this many reservations when it reserves, so one acquire's work stays a fraction of a
+/// most this many reservations when it reserves, so one acquire's work stays about half a
 /// millisecond however deep its seller's backlog.
 pub const GIVE_WAY_REACH: u32 = 256;
 
@@ -150,7 +150,7 @@ pub const GIVE_WAY_REACH: u32 = 256;
 /// message giving way reaches at most half of what is left (each reservation it moves it read
 /// first); with nothing left it keeps its slot at the end of the schedule. So one seller's
 /// priority flood costs Redis about a millisecond a second, whatever its depth.
-pub const GIVE_WAY_STEPS_PER_SECOND: u32 = 2048;
+pub const GIVE_WAY_STEPS_PER_SECOND: u32 = 1024;
 
 impl Rank {
     /// A fresh reservation token, carrying `rank` if given; a call on a route carries none and
