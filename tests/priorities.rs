@@ -611,7 +611,9 @@ async fn a_sellers_give_way_budget_bounds_the_moves_of_its_priority_flood() {
     use std::time::Instant;
     use turnstile_core::config::Algorithm;
     use turnstile_core::domain::SellerId;
-    use turnstile_core::permit::{GIVE_WAY_REACH, GIVE_WAY_STEPS_PER_SECOND, Keyspace};
+    use turnstile_core::permit::{
+        GIVE_WAY_REACH, GIVE_WAY_STEPS_PER_SECOND, GIVE_WAY_STEPS_SAVED, Keyspace,
+    };
     let algorithm = Algorithm::SlidingWindow;
     let keys = support::Keys::new(support::Backend::Standalone, "budget").await;
     let store = keys.store(support::limiter("1/100ms", algorithm));
@@ -619,7 +621,7 @@ async fn a_sellers_give_way_budget_bounds_the_moves_of_its_priority_flood() {
     let seller = SellerId::parse("S-budget").unwrap();
     backlog(&store, &seller, 2 * GIVE_WAY_REACH as usize + 100).await;
     // Each full give-way reads and moves GIVE_WAY_REACH reservations: twice that many steps.
-    let flood = 2 * GIVE_WAY_STEPS_PER_SECOND / (2 * GIVE_WAY_REACH) + 4;
+    let flood = GIVE_WAY_STEPS_SAVED / (2 * GIVE_WAY_REACH) + 8;
     let mut moves = Vec::new();
     let started = Instant::now();
     for _ in 0..flood {
@@ -630,9 +632,10 @@ async fn a_sellers_give_way_budget_bounds_the_moves_of_its_priority_flood() {
     }
     let secs = started.elapsed().as_secs_f64();
     let total: usize = moves.iter().sum();
-    // The budget holds one second's steps and refills at that rate; each moved reservation
-    // was read, then moved: two steps.
-    let most = (GIVE_WAY_STEPS_PER_SECOND as f64 * (1.0 + secs) / 2.0).ceil() as usize;
+    // The budget holds GIVE_WAY_STEPS_SAVED steps and refills at GIVE_WAY_STEPS_PER_SECOND;
+    // each moved reservation was read, then moved: two steps.
+    let most = ((GIVE_WAY_STEPS_SAVED as f64 + GIVE_WAY_STEPS_PER_SECOND as f64 * secs) / 2.0)
+        .ceil() as usize;
     println!("{flood} priority messages in {secs:.2}s moved {moves:?} ({total}; at most {most})");
     assert!(moves[0] > 0, "the first gives way: {moves:?}");
     assert!(total <= most, "{moves:?}: {total} moves, more than {most}");

@@ -5,7 +5,7 @@
 -- arrival), read from the token its reservation was made with, and giving way to a message
 -- ranked ahead (give_way), within the seller's give-way budget.
 -- Defines: AGING_US, rank_of, effective, matured, ranked_behind, GIVE_WAY_REACH,
---   GIVE_WAY_STEPS_PER_S, give_way
+--   GIVE_WAY_STEPS_PER_S, GIVE_WAY_STEPS_SAVED, give_way
 
 -- How long a waiting message waits for each priority level it rises (µs): after nine of these,
 -- no message that came later passes it (permit::AGING in Rust says the same).
@@ -60,12 +60,14 @@ end
 local GIVE_WAY_REACH = 256
 
 -- A seller's give-way budget: steps a second (a reservation read or a unit moved is one step),
--- at most one second's worth saved (permit::GIVE_WAY_STEPS_PER_SECOND in Rust says the same).
--- Redis runs one script at a time, and a replica sends its workers' acquires in one batch
--- script: without it, a seller's flood of priority messages would make every other seller
+-- and most steps saved (permit::GIVE_WAY_STEPS_PER_SECOND and GIVE_WAY_STEPS_SAVED in Rust say
+-- the same). Redis runs one script at a time, and a replica sends its workers' acquires in one
+-- batch script: without it, a seller's flood of priority messages would make every other seller
 -- wait for its moves. A step costs Redis about a microsecond: about a millisecond a second per
--- seller at most, and as much in one batch.
+-- seller at most, and two in one batch (enough for a few priority messages at once behind a
+-- backlog of a few hundred).
 local GIVE_WAY_STEPS_PER_S = 1024
+local GIVE_WAY_STEPS_SAVED = 2048
 local STEP_US = 1000000 / GIVE_WAY_STEPS_PER_S
 
 -- When the seller's give-way budget (BUDGET_KEY, a string: the Redis time in µs until which its
@@ -104,7 +106,8 @@ local function give_way(reserved_key, log_key, budget_key, token, cost, slot, no
   local me = rank_of(token)
   if me.priority == 0 and me.deadline == nil then return slot end
   local spent = spent_until(budget_key, now)
-  local reach = math.min(GIVE_WAY_REACH, math.floor((now + 1000000 - spent) / STEP_US / 2))
+  local left = GIVE_WAY_STEPS_SAVED - (spent - now) / STEP_US
+  local reach = math.min(GIVE_WAY_REACH, math.floor(left / 2))
   if reach < 1 then return slot end
   local held = redis.call('ZREVRANGEBYSCORE', reserved_key, '(' .. string.format('%.0f', slot),
     '(' .. string.format('%.0f', from), 'WITHSCORES', 'LIMIT', 0, reach)

@@ -146,11 +146,15 @@ pub const AGING: Duration = Duration::from_secs(60);
 pub const GIVE_WAY_REACH: u32 = 256;
 
 /// A seller's give-way budget (`GIVE_WAY_STEPS_PER_S` in `lua/include/ranks.lua`): steps a
-/// second, a reservation read or a unit moved being one, at most one second's worth saved. A
-/// message giving way reaches at most half of what is left (each reservation it moves it read
-/// first); with nothing left it keeps its slot at the end of the schedule. So one seller's
-/// priority flood costs Redis about a millisecond a second, whatever its depth.
+/// second, a reservation read or a unit moved being one, at most [`GIVE_WAY_STEPS_SAVED`]
+/// saved. A message giving way reaches at most half of what is left (each reservation it moves
+/// it read first); with nothing left it keeps its slot at the end of the schedule. So one
+/// seller's priority flood costs Redis about a millisecond a second, whatever its depth.
 pub const GIVE_WAY_STEPS_PER_SECOND: u32 = 1024;
+
+/// Most steps of a seller's give-way budget saved (`GIVE_WAY_STEPS_SAVED` in
+/// `lua/include/ranks.lua`): what its priority messages may spend at once, in one batch script.
+pub const GIVE_WAY_STEPS_SAVED: u32 = 2048;
 
 impl Rank {
     /// A fresh reservation token, carrying `rank` if given; a call on a route carries none and
@@ -2403,6 +2407,10 @@ mod tests {
             format!(
                 "local GIVE_WAY_STEPS_PER_S = {}\n",
                 super::GIVE_WAY_STEPS_PER_SECOND
+            ),
+            format!(
+                "local GIVE_WAY_STEPS_SAVED = {}\n",
+                super::GIVE_WAY_STEPS_SAVED
             ),
             format!("local AGING_US = {}\n", super::AGING.as_micros()),
         ] {
