@@ -5,7 +5,7 @@
 -- arrival), read from the token its reservation was made with, and giving way to a message
 -- ranked ahead (give_way), within the seller's give-way budget.
 -- Defines: AGING_US, rank_of, effective, matured, ranked_behind, GIVE_WAY_REACH,
---   GIVE_WAY_STEPS_PER_S, GIVE_WAY_STEPS_SAVED, give_way
+--   GIVE_WAY_STEPS_PER_S, GIVE_WAY_STEPS_SAVED, STEP_US, spent_until, spend_steps, give_way
 
 -- How long a waiting message waits for each priority level it rises (µs): after nine of these,
 -- no message that came later passes it (permit::AGING in Rust says the same).
