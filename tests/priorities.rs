@@ -421,3 +421,223 @@ async fn a_moved_reservation_is_redeemed_at_its_new_slot_and_given_back_from_its
         keys.cleanup().await;
     }
 }
+
+/// What one seller's reserved set holds (member → slot), and for sliding-window the slot of
+/// each reservation's unit in its log.
+async fn reserved_slots(
+    conn: &turnstile_core::permit::RedisConn,
+    keys: &turnstile_core::permit::Keyspace,
+    seller: &turnstile_core::domain::SellerId,
+    algorithm: turnstile_core::config::Algorithm,
+) -> std::collections::BTreeMap<String, (i64, Option<i64>)> {
+    let mut conn = conn.clone();
+    let held: Vec<(String, i64)> = redis::cmd("ZRANGE")
+        .arg(keys.reserved(seller, algorithm))
+        .arg(0)
+        .arg(-1)
+        .arg("WITHSCORES")
+        .query_async(&mut conn)
+        .await
+        .unwrap();
+    let mut slots = std::collections::BTreeMap::new();
+    for (member, slot) in held {
+        let token = member.rsplit_once('+').unwrap().0.to_owned();
+        let unit = if algorithm == turnstile_core::config::Algorithm::SlidingWindow {
+            redis::cmd("ZSCORE")
+                .arg(keys.state(seller, algorithm))
+                .arg(&token)
+                .query_async::<Option<i64>>(&mut conn)
+                .await
+                .unwrap()
+        } else {
+            None
+        };
+        slots.insert(member, (slot, unit));
+    }
+    slots
+}
+
+/// How a give-way changed a seller's reserved set from `before` to `after` (one reservation
+/// more: the message that gave way): the reservations it moved, after checking that the seller
+/// holds the same slots plus the new message's, that each moved one took the next moved one's
+/// slot (the last the slot the new message reserved first) and its units in the log moved with
+/// it, and that the new message took the first moved one's slot.
+fn moved_by_one_give_way(
+    before: &std::collections::BTreeMap<String, (i64, Option<i64>)>,
+    after: &std::collections::BTreeMap<String, (i64, Option<i64>)>,
+) -> usize {
+    // Reservations whose slot passed long ago were pruned meanwhile.
+    let before: std::collections::BTreeMap<_, _> = before
+        .iter()
+        .filter(|(member, _)| after.contains_key(*member))
+        .map(|(member, slot)| (member.clone(), *slot))
+        .collect();
+    assert_eq!(after.len(), before.len() + 1, "one reservation more");
+    let mut slots_before: Vec<i64> = before.values().map(|s| s.0).collect();
+    let mut slots_after: Vec<i64> = after.values().map(|s| s.0).collect();
+    slots_before.sort_unstable();
+    slots_after.sort_unstable();
+    let new_slot = *slots_after.last().unwrap();
+    slots_before.push(new_slot);
+    slots_before.sort_unstable();
+    assert_eq!(
+        slots_before, slots_after,
+        "the seller holds the same slots, and the new message's at the end"
+    );
+    for (slot, unit) in after.values() {
+        if let Some(unit) = unit {
+            assert_eq!(unit, slot, "a reservation's unit in the log is at its slot");
+        }
+    }
+    let mut moved: Vec<(i64, i64)> = before
+        .iter()
+        .filter_map(|(member, (from, _))| {
+            let to = after[member].0;
+            (to != *from).then_some((*from, to))
+        })
+        .collect();
+    moved.sort_unstable();
+    let newcomer = after
+        .iter()
+        .find(|(member, _)| !before.contains_key(*member))
+        .map(|(_, (slot, _))| *slot)
+        .unwrap();
+    if let Some(first) = moved.first() {
+        assert_eq!(
+            newcomer, first.0,
+            "the new message takes the first moved slot"
+        );
+        for pair in moved.windows(2) {
+            assert_eq!(
+                pair[0].1, pair[1].0,
+                "a moved reservation moves back one place"
+            );
+        }
+        assert_eq!(moved.last().unwrap().1, new_slot);
+    }
+    moved.len()
+}
+
+/// Reserves `n` plain slots of `seller` one after another (the first calls are granted): at
+/// 1/100ms, each at a slot of its own.
+async fn backlog(
+    store: &turnstile_core::permit::PermitStore,
+    seller: &turnstile_core::domain::SellerId,
+    n: usize,
+) {
+    use turnstile_core::domain::{Cost, Priority};
+    use turnstile_core::permit::Rank;
+    for _ in 0..n {
+        let rank = Rank {
+            priority: Priority::DEFAULT,
+            deadline_ms: None,
+            arrival_ms: now_ms(),
+        };
+        store
+            .acquire_or_redeem_ranked(seller, None, Cost::ONE, None, Some(&rank))
+            .await
+            .unwrap();
+    }
+}
+
+/// A priority acquire of `seller` with `deadline_ms`, told to wait.
+async fn priority_acquire(
+    store: &turnstile_core::permit::PermitStore,
+    seller: &turnstile_core::domain::SellerId,
+    deadline_ms: Option<u64>,
+) {
+    use turnstile_core::domain::{Cost, Priority};
+    use turnstile_core::permit::{Decision, Rank};
+    let rank = Rank {
+        priority: Priority::from_amqp(Some(9)),
+        deadline_ms,
+        arrival_ms: now_ms(),
+    };
+    let (decision, _) = store
+        .acquire_or_redeem_ranked(seller, None, Cost::ONE, None, Some(&rank))
+        .await
+        .unwrap();
+    assert!(
+        matches!(
+            decision,
+            Decision::Wait {
+                reservation: Some(_),
+                ..
+            }
+        ),
+        "{decision:?}"
+    );
+}
+
+#[tokio::test]
+async fn one_give_way_moves_at_most_its_reach_and_the_seller_keeps_its_slots() {
+    use turnstile_core::config::Algorithm;
+    use turnstile_core::domain::SellerId;
+    use turnstile_core::permit::{GIVE_WAY_REACH, Keyspace};
+    for algorithm in [Algorithm::SlidingWindow, Algorithm::Gcra] {
+        let keys = support::Keys::new(support::Backend::Standalone, "reach").await;
+        let store = keys.store(support::limiter("1/100ms", algorithm));
+        let keyspace = Keyspace::new(&keys.prefix);
+        let seller = SellerId::parse("S-reach").unwrap();
+        let other = SellerId::parse("S-reach-other").unwrap();
+        let depth = 2 * GIVE_WAY_REACH as usize + 100;
+        backlog(&store, &seller, depth).await;
+        backlog(&store, &other, 20).await;
+        let before = reserved_slots(&keys.conn, &keyspace, &seller, algorithm).await;
+        let others_before = reserved_slots(&keys.conn, &keyspace, &other, algorithm).await;
+        assert!(before.len() > 2 * GIVE_WAY_REACH as usize, "{algorithm}");
+        priority_acquire(&store, &seller, None).await;
+        let after = reserved_slots(&keys.conn, &keyspace, &seller, algorithm).await;
+        let moved = moved_by_one_give_way(&before, &after);
+        println!(
+            "{algorithm}: one priority message behind {} reservations moved {moved}",
+            before.len()
+        );
+        assert_eq!(
+            moved, GIVE_WAY_REACH as usize,
+            "{algorithm}: the reservations right before its slot move, no more than the reach"
+        );
+        assert_eq!(
+            reserved_slots(&keys.conn, &keyspace, &other, algorithm).await,
+            others_before,
+            "{algorithm}: another seller's reservations never move"
+        );
+        keys.cleanup().await;
+    }
+}
+
+#[tokio::test]
+async fn a_sellers_give_way_budget_bounds_the_moves_of_its_priority_flood() {
+    use std::time::Instant;
+    use turnstile_core::config::Algorithm;
+    use turnstile_core::domain::SellerId;
+    use turnstile_core::permit::{
+        GIVE_WAY_REACH, GIVE_WAY_STEPS_PER_SECOND, GIVE_WAY_STEPS_SAVED, Keyspace,
+    };
+    let algorithm = Algorithm::SlidingWindow;
+    let keys = support::Keys::new(support::Backend::Standalone, "budget").await;
+    let store = keys.store(support::limiter("1/100ms", algorithm));
+    let keyspace = Keyspace::new(&keys.prefix);
+    let seller = SellerId::parse("S-budget").unwrap();
+    backlog(&store, &seller, 2 * GIVE_WAY_REACH as usize + 100).await;
+    // Each full give-way reads and moves GIVE_WAY_REACH reservations: twice that many steps.
+    let flood = GIVE_WAY_STEPS_SAVED / (2 * GIVE_WAY_REACH) + 8;
+    let mut moves = Vec::new();
+    let started = Instant::now();
+    for _ in 0..flood {
+        let before = reserved_slots(&keys.conn, &keyspace, &seller, algorithm).await;
+        priority_acquire(&store, &seller, Some(now_ms() + 3_600_000)).await;
+        let after = reserved_slots(&keys.conn, &keyspace, &seller, algorithm).await;
+        moves.push(moved_by_one_give_way(&before, &after));
+    }
+    let secs = started.elapsed().as_secs_f64();
+    let total: usize = moves.iter().sum();
+    // The budget holds GIVE_WAY_STEPS_SAVED steps and refills at GIVE_WAY_STEPS_PER_SECOND;
+    // each moved reservation was read, then moved: two steps.
+    let most = ((GIVE_WAY_STEPS_SAVED as f64 + GIVE_WAY_STEPS_PER_SECOND as f64 * secs) / 2.0)
+        .ceil() as usize;
+    println!("{flood} priority messages in {secs:.2}s moved {moves:?} ({total}; at most {most})");
+    assert!(moves[0] > 0, "the first gives way: {moves:?}");
+    assert!(total <= most, "{moves:?}: {total} moves, more than {most}");
+    keys.cleanup().await;
+}

@@ -30,10 +30,12 @@
 -- KEYS[10] the seller's shadow log (see judge_shadow)
 -- KEYS[11] the loss marker of the seller's hash slot (no TTL; see losses_since in
 --          include/losses.lua)
--- KEYS[12] the seller's pool of unclaimed permit-block units (see take_block, claim_idle and
+-- KEYS[12] the seller's give-way budget (string: until when its steps are spent; see give_way in
+--          include/ranks.lua)
+-- KEYS[13] the seller's pool of unclaimed permit-block units (see take_block, claim_idle and
 --          reclaim_idle in include/blocks.lua): with BLOCK given, a unit of it is claimed before
 --          anything else is decided; reclaimed when the call would otherwise wait
--- KEYS[13] optional: the message's completion record; if it exists nothing is written
+-- KEYS[14] optional: the message's completion record; if it exists nothing is written
 -- KEYS[-2], KEYS[-1]  with ROUTE: the route's log for the seller and the seller's override of
 --          the route's stack (see include/routes.lua); the last two keys
 -- ARGV[1]  default COUNTS: the stack's counts, comma-separated (integers >= 1; 1 to 8 limits)
@@ -61,7 +63,7 @@
 --          ENDS_US, STALE}
 --   STATUS 1 = granted (call now), 2 = reserved (call at SLOT), 0 = denied (come back at SLOT;
 --   with reserving on, when the seller's reserved set is full: see far_ticket),
---   3 = the message already registered (KEYS[13] says so),
+--   3 = the message already registered (KEYS[14] says so),
 --   4 = COST exceeds the smallest COUNT of the stack (or of the route's): never granted
 --   (SLOT_US is that COUNT);
 --   USED_PERMILLE (with STATUS 1) is how much of the limit is taken after this grant, in
@@ -79,12 +81,12 @@ local a = acquire_args('sliding-window')
 -- This script takes the seller's permit-block units before the completion record, and a
 -- route's two keys last.
 local blocked_key
-blocked_key, a.done = KEYS[12], KEYS[13]
+blocked_key, a.done = KEYS[13], KEYS[14]
 local route_keys = 0
 if ARGV[11] ~= nil then
   route_keys = 2
-  if #KEYS < 14 then error({err = 'ERR turnstile: ROUTE needs its two keys last'}) end
-  if #KEYS == 14 then a.done = nil end
+  if #KEYS < 15 then error({err = 'ERR turnstile: ROUTE needs its two keys last'}) end
+  if #KEYS == 15 then a.done = nil end
   if not routed(a.token) then error({err = 'ERR turnstile: a route\'s TOKEN ends with -q'}) end
 end
 local block, hold, pooled = 0, 0, ARGV[9] ~= nil
@@ -93,7 +95,7 @@ if pooled then
   if block > MAX_BLOCK then error({err = 'ERR turnstile: BLOCK must be at most ' .. MAX_BLOCK}) end
   hold = int_arg(10, 0)
   if hold > 60000000 then error({err = 'ERR turnstile: HOLD must be at most 60 s'}) end
-  if blocked_key == nil then error({err = 'ERR turnstile: BLOCK needs KEYS[12]'}) end
+  if blocked_key == nil then error({err = 'ERR turnstile: BLOCK needs KEYS[13]'}) end
 end
 local limits = with_spans(effective_limits(KEYS[2], a.limits, a.learned, a.cost), a.guard)
 local route = nil

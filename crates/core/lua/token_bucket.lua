@@ -29,7 +29,9 @@
 -- KEYS[10] the seller's shadow log (see judge_shadow)
 -- KEYS[11] the loss marker of the seller's hash slot (no TTL; see losses_since in
 --          include/losses.lua)
--- KEYS[12] optional: the message's completion record; if it exists nothing is written
+-- KEYS[12] the seller's give-way budget (string: until when its steps are spent; see give_way in
+--          include/ranks.lua)
+-- KEYS[13] optional: the message's completion record; if it exists nothing is written
 -- ARGV[1]  default COUNTS: the stack's counts, comma-separated (integers >= 1; 1 to 8 limits)
 -- ARGV[2]  default WINDOWS in µs, comma-separated, one per count (integers >= 1)
 -- ARGV[3]  GUARD in µs added to each window (-1 = window/20 within [25 ms, 2 s])
@@ -46,7 +48,7 @@
 -- Returns {STATUS, SLOT_US, NOW_US, COUNTS, WINDOWS_US, USED_PERMILLE, VERDICT}
 --   STATUS 1 = granted (call now), 2 = reserved (call at SLOT), 0 = denied (come back at SLOT;
 --   with reserving on, when the seller's reserved set is full: see far_ticket),
---   3 = the message already registered (KEYS[12] says so),
+--   3 = the message already registered (KEYS[13] says so),
 --   4 = COST exceeds the smallest capacity: never granted (SLOT_US is that capacity);
 --   USED_PERMILLE (with STATUS 1) is how much of the limit is taken after this grant, in
 --   thousandths (tokens taken / CAPACITY, the emptiest bucket): the near-limit metric.

@@ -26,7 +26,9 @@ local function acquire_args(algorithm)
   a.durable = math.floor(a.flags / 2) % 2 == 1
   -- The keys every acquire script takes after its own seven (see sliding_window.lua).
   if a.flags >= 4 then a.learned = KEYS[8] end
-  a.shadow, a.shadow_log, a.losses, a.done = KEYS[9], KEYS[10], KEYS[11], KEYS[12]
+  a.shadow, a.shadow_log, a.losses = KEYS[9], KEYS[10], KEYS[11]
+  a.give_way, a.done = KEYS[12], KEYS[13]
+  if a.give_way == nil then error({err = 'ERR turnstile: KEYS[12] must be the give-way budget'}) end
   return a
 end
 
@@ -85,6 +87,6 @@ local function keep_and_hold(status, ttl, stamp_key, reserved_key, slot, now, la
   local log_key = nil
   if a.algorithm == 'sliding-window' then log_key = a.state end
   local from = math.max(now, not_before(KEYS[3], limits, a.cost, now))
-  slot = give_way(reserved_key, log_key, a.token, a.cost, slot, now, from)
+  slot = give_way(reserved_key, log_key, a.give_way, a.token, a.cost, slot, now, from)
   return told_to_wait(2, slot, now, limits, a)
 end

@@ -604,6 +604,7 @@ impl Admin {
         forget.extend([
             self.keys.reserved(seller, terms.algorithm),
             self.keys.far(seller),
+            self.keys.give_way(seller),
             self.keys.pool(seller),
             self.keys.learned(seller),
             self.keys.accepted(seller),

@@ -13,7 +13,8 @@
 //!     (sliding-window), `tat` (gcra), `bucket` (token-bucket) or `windows` (fixed-window);
 //!   - `limit` (the seller's override), `pause`, `reserved:<algorithm>` (reserved slots), `server` (the
 //!     stamp of the Redis that wrote the state), `calls` (calls in flight or recently
-//!     answered), `far` (the far queue), `learned` and `accepted` (adaptive limits),
+//!     answered), `far` (the far queue), `give-way` (how much its priority messages may still
+//!     reorder its reservations), `learned` and `accepted` (adaptive limits),
 //!     `shadow` and `shadow-log` (a shadow limit);
 //!   - `route:<route>:log` and `route:<route>:limit`: a route's log and the seller's override of
 //!     the route's stack (routes file; route names are letters, digits, `_` and `-` only);
@@ -174,6 +175,12 @@ impl Keyspace {
     /// The seller's far queue (hash: `at`, `n`; see `far_ticket` in `lua/include/far.lua`).
     pub fn far(&self, seller: &SellerId) -> String {
         self.seller(seller, "far")
+    }
+
+    /// The seller's give-way budget (string: the Redis time in µs until which its steps are
+    /// spent; see `give_way` in `lua/include/ranks.lua`).
+    pub fn give_way(&self, seller: &SellerId) -> String {
+        self.seller(seller, "give-way")
     }
 
     /// The seller's learned limit and the downstream's quota (hash; see `lua/learn.lua`).
@@ -449,6 +456,7 @@ mod tests {
             keys.calls(s),
             keys.pool(s),
             keys.far(s),
+            keys.give_way(s),
             keys.leases(s),
             keys.lease_ticket(s),
             keys.learned(s),
@@ -516,6 +524,7 @@ mod tests {
             "turnstile:{S-1}:reserved:gcra"
         );
         assert_eq!(keys.server(&s), "turnstile:{S-1}:server");
+        assert_eq!(keys.give_way(&s), "turnstile:{S-1}:give-way");
         assert_eq!(keys.calls(&s), "turnstile:{S-1}:calls");
         assert_eq!(keys.pool(&s), "turnstile:{S-1}:pool");
         assert_eq!(keys.far(&s), "turnstile:{S-1}:far");

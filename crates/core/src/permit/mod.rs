@@ -139,6 +139,23 @@ pub struct Rank {
 /// `lua/include/ranks.lua`): after nine of these, no message that came later passes it.
 pub const AGING: Duration = Duration::from_secs(60);
 
+/// Most reservations a message giving way reads, those right before its slot, and most units
+/// it moves back (`GIVE_WAY_REACH` in `lua/include/ranks.lua`): a priority message passes at
+/// most this many reservations when it reserves, so one acquire's work stays about half a
+/// millisecond however deep its seller's backlog.
+pub const GIVE_WAY_REACH: u32 = 256;
+
+/// A seller's give-way budget (`GIVE_WAY_STEPS_PER_S` in `lua/include/ranks.lua`): steps a
+/// second, a reservation read or a unit moved being one, at most [`GIVE_WAY_STEPS_SAVED`]
+/// saved. A message giving way reaches at most half of what is left (each reservation it moves
+/// it read first); with nothing left it keeps its slot at the end of the schedule. So one
+/// seller's priority flood costs Redis about a millisecond a second, whatever its depth.
+pub const GIVE_WAY_STEPS_PER_SECOND: u32 = 1024;
+
+/// Most steps of a seller's give-way budget saved (`GIVE_WAY_STEPS_SAVED` in
+/// `lua/include/ranks.lua`): what its priority messages may spend at once, in one batch script.
+pub const GIVE_WAY_STEPS_SAVED: u32 = 2048;
+
 impl Rank {
     /// A fresh reservation token, carrying `rank` if given; a call on a route carries none and
     /// ends with `-q` (see `routed` in `lua/include/routes.lua`: it keeps its slot).
@@ -1111,6 +1128,7 @@ impl PermitStore {
             shadow: self.keys.shadow(seller),
             shadow_log: self.keys.shadow_log(seller),
             losses: self.keys.losses(seller),
+            give_way: self.keys.give_way(seller),
             done: message.map(|message| self.keys.done(seller, message)),
             counts: limit.counts_arg(),
             windows: limit.windows_arg(),
@@ -2625,6 +2643,25 @@ mod tests {
         for bad in ["0", "10001", "04", "x", "", "4/4"] {
             let header = format!("5/10/1000000/4/tok-1/{bad}");
             assert_eq!(Reservation::decode(&header), None, "{header}");
+        }
+    }
+
+    #[test]
+    fn the_give_way_bounds_are_the_scripts() {
+        let ranks = include_str!("../../lua/include/ranks.lua");
+        for line in [
+            format!("local GIVE_WAY_REACH = {}\n", super::GIVE_WAY_REACH),
+            format!(
+                "local GIVE_WAY_STEPS_PER_S = {}\n",
+                super::GIVE_WAY_STEPS_PER_SECOND
+            ),
+            format!(
+                "local GIVE_WAY_STEPS_SAVED = {}\n",
+                super::GIVE_WAY_STEPS_SAVED
+            ),
+            format!("local AGING_US = {}\n", super::AGING.as_micros()),
+        ] {
+            assert!(ranks.contains(&line), "ranks.lua says {line}");
         }
     }
 

@@ -6,6 +6,7 @@ mod commandstats;
 mod depth;
 pub mod eta;
 pub mod faults;
+mod give_way;
 mod lua_setup;
 pub mod partition;
 mod permits;
@@ -58,6 +59,9 @@ pub enum BenchCommand {
     /// One seller's batch against a strict downstream: the ETA `GET /api/batches/{id}` gives at
     /// moments of its upload, beside when its last message really registered.
     Eta(Box<eta::EtaArgs>),
+    /// One seller's flood of priority messages on top of its backlog: the other sellers'
+    /// permit latency and PING beside the same backlog without the flood.
+    GiveWay(Box<give_way::GiveWayArgs>),
     /// A rolling deploy that changes the limit: replica A at the old limit drains a backlog,
     /// B starts at the new one, A is stopped; the windows over either limit from B's readiness,
     /// counted on the downstream's clock.
@@ -110,6 +114,7 @@ pub async fn run(which: BenchCommand) -> anyhow::Result<ExitCode> {
             depth::run(&redis, limit, &depths, concurrency, json).await?;
         }
         BenchCommand::LuaSetup(args) => lua_setup::run(*args).await?,
+        BenchCommand::GiveWay(args) => give_way::run(*args).await?,
         BenchCommand::Faults(args) => {
             if !faults::run(*args).await? {
                 return Ok(ExitCode::FAILURE);

@@ -14,7 +14,7 @@ use crate::permit::{Answer, Decision, PermitError, Reservation, count_verdict, w
 pub(in crate::permit) struct Acquire<'a> {
     /// KEYS[1]: the seller's state for the algorithm (log, TATs, buckets or counters).
     pub state: String,
-    /// KEYS[2] to KEYS[11], the seller's.
+    /// KEYS[2] to KEYS[12], the seller's.
     pub limit: String,
     pub pause: String,
     pub reserved: String,
@@ -25,6 +25,7 @@ pub(in crate::permit) struct Acquire<'a> {
     pub shadow: String,
     pub shadow_log: String,
     pub losses: String,
+    pub give_way: String,
     /// The last key, optional: the message's completion record.
     pub done: Option<String>,
     /// ARGV[1] to ARGV[3]: the default stack and the guard.
@@ -95,7 +96,8 @@ impl Acquire<'_> {
             .key(self.learned.clone())
             .key(self.shadow.clone())
             .key(self.shadow_log.clone())
-            .key(self.losses.clone());
+            .key(self.losses.clone())
+            .key(self.give_way.clone());
         if let AcquireTail::SlidingWindow { pool, .. } = &self.tail {
             to.key(pool.clone());
         }
@@ -265,6 +267,7 @@ mod tests {
             shadow: "shadow".into(),
             shadow_log: "shadow_log".into(),
             losses: "losses".into(),
+            give_way: "give_way".into(),
             done: done.then(|| "done".into()),
             counts: "10".into(),
             windows: "1000000".into(),
@@ -284,7 +287,7 @@ mod tests {
         written
     }
 
-    const KEYS: [(&str, &str); 11] = [
+    const KEYS: [(&str, &str); 12] = [
         ("state", "the seller's"),
         ("limit", "limit override"),
         ("pause", "pause"),
@@ -296,6 +299,7 @@ mod tests {
         ("shadow", "shadow limit"),
         ("shadow_log", "shadow log"),
         ("losses", "loss marker"),
+        ("give_way", "give-way budget"),
     ];
 
     const ARGV: [(&str, &str); 8] = [
@@ -335,7 +339,7 @@ mod tests {
             },
             false,
         );
-        check(SOURCE, "KEYS", &plain.keys, &keys[..12]);
+        check(SOURCE, "KEYS", &plain.keys, &keys[..13]);
         check(SOURCE, "ARGV", &plain.args, &argv[..8]);
     }
 
