@@ -75,6 +75,7 @@ const LEAVES: &[(usize, &[&str])] = &[
     (2, &["bench", "routes"]),
     (2, &["bench", "lua-setup"]),
     (2, &["bench", "depth"]),
+    (2, &["bench", "give-way"]),
     (1, &["completions", "bash"]),
 ];
 
@@ -347,6 +348,7 @@ fn a_connection_flag_goes_before_or_after_the_command_that_uses_it() {
         ("bench routes", &amqp_redis),
         ("bench depth", redis),
         ("bench lua-setup", redis),
+        ("bench give-way", redis),
     ]
     .into_iter()
     .map(|(k, v)| (k.to_owned(), v.to_vec()))
@@ -473,6 +475,7 @@ fn every_switch_takes_on_off_true_false_1_0_yes_no_in_each_form() {
             ("--adaptive", args.consume.limiter.adaptive),
             ("--redis-durable", args.consume.limiter.redis_durable),
             ("--allow-eviction", args.consume.allow_eviction),
+            ("--allow-stricter-terms", args.consume.allow_stricter_terms),
             ("--redis-cluster", args.consume.redis.cluster),
         ],
         super::Command::Status(args) => vec![
@@ -494,6 +497,7 @@ fn every_switch_takes_on_off_true_false_1_0_yes_no_in_each_form() {
                 "--adaptive",
                 "--redis-durable",
                 "--allow-eviction",
+                "--allow-stricter-terms",
                 "--redis-cluster",
             ],
         ),
