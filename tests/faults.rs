@@ -44,6 +44,46 @@ async fn a_redis_that_just_started_makes_sellers_wait_out_one_window() {
     ));
 }
 
+/// A cold-start pause taken under a long window (a far stricter replica's 1/1d in force) ends
+/// with the window of the terms in force once they are shorter (the stricter replica gone): the
+/// seller does not wait a day for terms no replica holds any more.
+#[tokio::test]
+async fn a_cold_start_pause_taken_under_a_longer_window_ends_with_the_terms_in_force() {
+    let redis = LocalRedis::start().unwrap();
+    let conn = RedisConn::connect(&support::redis_args(&redis.url(), "x"))
+        .await
+        .unwrap();
+    let seller = SellerId::parse("S-1").unwrap();
+    let mut strict = limiter("1/1d", Algorithm::SlidingWindow);
+    strict.redis_durable = false;
+    let store = PermitStore::new(conn.clone(), "cold", strict);
+    match store.acquire(&seller, false).await.unwrap() {
+        Decision::Wait { retry_after, .. } => {
+            assert!(retry_after > Duration::from_secs(3600), "{retry_after:?}")
+        }
+        other => panic!("granted on a Redis that may have lost a day's grants: {other:?}"),
+    }
+    let mut plain = limiter("20/1s", Algorithm::SlidingWindow);
+    plain.redis_durable = false;
+    let store = PermitStore::new(conn, "cold", plain);
+    let mut waits = Vec::new();
+    let granted = loop {
+        match store.acquire(&seller, false).await.unwrap() {
+            Decision::Granted { .. } => break true,
+            Decision::Wait { retry_after, .. } if waits.len() < 10 => {
+                waits.push(retry_after);
+                tokio::time::sleep(retry_after.min(Duration::from_secs(5))).await;
+            }
+            _ => break false,
+        }
+    };
+    assert!(granted, "still paused under 20/1s: told to wait {waits:?}");
+    assert!(
+        waits.iter().all(|w| *w < Duration::from_secs(60)),
+        "the day's pause was kept: {waits:?}"
+    );
+}
+
 /// Grants at once (without reserving) until the limit says wait; returns the grants' slots.
 async fn grant_all(store: &PermitStore, seller: &SellerId, most: usize) -> Vec<i64> {
     let mut slots = Vec::new();

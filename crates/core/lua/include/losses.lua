@@ -67,6 +67,11 @@ end
 --     seller (or one whose very first writes were lost with a lagging replica: see docs/faults.md,
 --     Faults).
 -- (uptime is whole seconds: the start is taken as late as it can have been.)
+-- A pause taken so is sized by the SPAN of the terms in force; its stamp then also says when the
+-- SPAN counts from and when the pause ends ("RUN_ID:LOSSES:FROM_US:UNTIL_US"), so that under
+-- terms whose SPAN is shorter (a stricter replica of the fleet gone, a raise) the pause, if
+-- nothing extended it since, is shortened to FROM_US + SPAN: terms no replica holds any more
+-- never keep a seller waiting.
 -- Returns true when the seller's state was not vouched for by the current stamp.
 local function check_server(stamp_key, state_key, pause_key, loss_key, span, now, durable)
   if durable then return false end
@@ -74,6 +79,24 @@ local function check_server(stamp_key, state_key, pause_key, loss_key, span, now
   local current = s.run_id .. ':' .. s.losses
   local stamp = redis.call('GET', stamp_key)
   if stamp == current then return false end
+  local vouched, from, paused = nil, nil, nil
+  if stamp then vouched, from, paused = string.match(stamp, '^(.*):(%d+):(%d+)$') end
+  if vouched == current then
+    from, paused = tonumber(from), tonumber(paused)
+    local due = from + span
+    if paused > now and due < paused and paused_until(pause_key) == paused then
+      if due > now then
+        redis.call('SET', pause_key, string.format('%.0f', due), 'PX', math.floor((due - now) / 1000) + 1)
+      else
+        redis.call('DEL', pause_key)
+      end
+      redis.call('SET', stamp_key, current .. ':' .. string.format('%.0f', from) .. ':' ..
+        string.format('%.0f', due), 'KEEPTTL')
+    elseif paused <= now then
+      redis.call('SET', stamp_key, current, 'KEEPTTL') -- the pause is over: the plain stamp
+    end
+    return false
+  end
   local until_us = 0
   if s.uptime ~= nil and s.uptime * 1000000 < span then
     until_us = now - s.uptime * 1000000 + span
@@ -82,9 +105,13 @@ local function check_server(stamp_key, state_key, pause_key, loss_key, span, now
   end
   local lost = losses_since(loss_key, now)
   if lost ~= nil then until_us = math.max(until_us, lost + span) end
-  if until_us > now then extend_pause(pause_key, until_us, now) end
+  local stamped = current
+  if until_us > now and extend_pause(pause_key, until_us, now) == until_us then
+    stamped = current .. ':' .. string.format('%.0f', until_us - span) .. ':' ..
+      string.format('%.0f', until_us)
+  end
   local ttl = math.max(redis.call('PTTL', state_key), math.floor(span / 1000)) + 1
-  redis.call('SET', stamp_key, current, 'PX', ttl)
+  redis.call('SET', stamp_key, stamped, 'PX', ttl)
   return true
 end
 
