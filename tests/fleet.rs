@@ -797,7 +797,9 @@ async fn a_deleted_registry_never_lets_a_replica_grant_under_looser_terms() {
     let mut conn = rig.store().conn().clone();
     // Fresh work keeps both replicas asking while the registry is deleted under them.
     let mut published = n;
-    for _ in 0..20 {
+    // For 10 s: longer than an entry lives, so a replica cannot rely on seeing the others
+    // between two deletions.
+    for _ in 0..34 {
         let _: () = redis::cmd("DEL")
             .arg(&registry)
             .query_async(&mut conn)
@@ -811,7 +813,7 @@ async fn a_deleted_registry_never_lets_a_replica_grant_under_looser_terms() {
         .await
         .unwrap();
         published += 5;
-        tokio::time::sleep(Duration::from_millis(350)).await;
+        tokio::time::sleep(Duration::from_millis(300)).await;
     }
     stop_old.cancel();
     old.wait().await.unwrap();

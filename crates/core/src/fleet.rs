@@ -750,6 +750,11 @@ struct State {
     /// The counted replicas seen live within [`EXPIRY`], by id: the terms of one whose entry
     /// vanished without leaving or being found lost still count until then.
     seen: std::collections::HashMap<String, Seen>,
+    /// This replica's own first heartbeat as the registry last answered it, and when the
+    /// registry last lost it (its entry re-created: the key deleted, a failover): while the
+    /// registry loses entries, the replicas remembered do not age out.
+    own_since: Option<i64>,
+    wiped_at: Option<Instant>,
 }
 
 impl Member {
@@ -945,8 +950,9 @@ impl Member {
     }
 
     /// Notes the counted live replicas of `roll`, and answers them with those whose terms
-    /// still count though their entry is gone: seen within [`EXPIRY`], neither left nor found
-    /// lost (their entries vanished otherwise: the registry's key deleted, a failover that lost
+    /// still count though their entry is gone: seen within [`EXPIRY`] (or at any time since
+    /// the registry last lost this replica's own entry, until it has kept it for [`EXPIRY`]),
+    /// neither left nor found lost (their entries vanished otherwise: the registry's key deleted, a failover that lost
     /// its last writes), each with the earliest start seen (a re-created entry keeps its place
     /// as the longest-running). Without them a replica would grant under looser terms, for up to a heartbeat,
     /// as soon as the registry forgot a stricter one; each such vanishing is logged and counted
@@ -969,12 +975,26 @@ impl Member {
                 state.seen.insert(member.id.clone(), seen);
             }
         }
+        let own = roll
+            .members
+            .iter()
+            .find(|m| m.id == self.id)
+            .map(|m| m.since_ms);
+        if state.own_since.is_some() && own.is_some() && own != state.own_since {
+            state.wiped_at = Some(now);
+        }
+        state.own_since = own;
+        // A replica not seen for EXPIRY while the registry kept its entries would have expired
+        // anyway; while the registry loses entries (a deletion storm), nothing ages out.
+        let intact = state
+            .wiped_at
+            .is_none_or(|at| now.duration_since(at) >= EXPIRY);
         let gone = |id: &String| {
             roll.left.contains(id) || roll.lost.iter().any(|r| &r.id == id) || *id == self.id
         };
         state
             .seen
-            .retain(|id, seen| now.duration_since(seen.at) < EXPIRY && !gone(id));
+            .retain(|id, seen| (now.duration_since(seen.at) < EXPIRY || !intact) && !gone(id));
         state
             .seen
             .iter_mut()
