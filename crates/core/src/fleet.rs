@@ -324,12 +324,17 @@ pub struct View {
     /// The replicas lost lately (their entries expired unrenewed; not those that left), the
     /// latest lost first. Their terms do not count.
     pub lost: Vec<LostReplica>,
-    /// Whether every live replica was started with the same terms.
+    /// Whether every live replica (and every one remembered, see [`Remembered`]) was started
+    /// with the same terms.
     pub agree: bool,
     /// The terms in force: the strictest of the live replicas' (none without a live replica).
     pub effective: Option<FleetTerms>,
     /// Whether every live replica grants under them already.
     pub applied: bool,
+    /// The replicas whose terms still count though their entries vanished from the registry
+    /// (see [`Remembered`]), by id.
+    #[serde(skip_serializing_if = "Vec::is_empty")]
+    pub remembered: Vec<String>,
     /// Entries that could not be read (skipped; each is logged).
     pub unreadable: usize,
     /// Until when grants under the algorithm in force wait for those under another to leave
@@ -594,10 +599,14 @@ pub fn view_remembering(roll: &Roll, guard: Option<Duration>, remembered: &[Reme
     lost.sort_by(|a, b| (b.lost_ms, &a.id).cmp(&(a.lost_ms, &b.id)));
     let counted: Vec<&Replica> = counted().collect();
     View {
+        remembered: remembered
+            .iter()
+            .filter(|m| !replicas.iter().any(|r| r.id == m.id))
+            .map(|m| m.id.clone())
+            .collect(),
         lost,
-        agree: counted
-            .windows(2)
-            .all(|pair| pair[0].entry.terms == pair[1].entry.terms),
+        // The remembered replicas' terms count: they are compared too.
+        agree: members.windows(2).all(|pair| pair[0].2 == pair[1].2),
         applied: digest.is_some()
             && counted
                 .iter()
@@ -1311,6 +1320,11 @@ mod tests {
             "the old one keeps its start, hence the algorithm"
         );
         assert_eq!(fleet.replicas.len(), 1, "only live replicas are listed");
+        assert!(
+            !fleet.agree,
+            "a remembered replica's other terms are a disagreement"
+        );
+        assert_eq!(fleet.remembered, ["new"]);
         assert_eq!(fleet.replicas[0].started, stamp(1_000));
     }
 
