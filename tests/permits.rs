@@ -231,3 +231,49 @@ fn every_lua_script_loads() {
         assert_eq!(one, 1, "{}", source.name);
     }
 }
+
+/// A seller's far queue (callers a full reserved set turns away, told when to come back) paced
+/// under a slow window starts afresh under a faster one (the fleet's terms raised): a caller
+/// under the new terms is told to come back at the new pace, not behind tickets told under the
+/// old one.
+#[tokio::test]
+async fn a_far_queue_told_under_a_slower_window_starts_afresh_under_a_faster_one() {
+    use std::time::Duration;
+    use turnstile_core::config::Algorithm;
+    use turnstile_core::domain::SellerId;
+    use turnstile_core::permit::Decision;
+    let keys = support::Keys::new(Backend::Standalone, "far-pace").await;
+    let seller = SellerId::parse("S-far").unwrap();
+    let slow = keys.store(support::limiter("3072/1h", Algorithm::SlidingWindow));
+    let far_ticket = |decision: Decision| match decision {
+        Decision::Wait {
+            retry_after,
+            reservation: None,
+        } => Some(retry_after),
+        _ => None,
+    };
+    // 3,072 granted, 3,072 reserved, then more than 3,072 told far: the far queue moves one
+    // window (an hour) on.
+    let mut slow_ticket = None;
+    for _ in 0..3072 * 3 + 100 {
+        if let Some(ticket) = far_ticket(slow.acquire(&seller, true).await.unwrap()) {
+            slow_ticket = Some(ticket);
+        }
+    }
+    let slow_ticket = slow_ticket.expect("a far ticket under the slow window");
+    // The same seller under 3,072/1s: its reserved set is still full, so it is told far, at
+    // the new pace from the first slot, not behind the slow queue's tickets.
+    let fast = keys.store(support::limiter("3072/1s", Algorithm::SlidingWindow));
+    let fast_ticket = far_ticket(fast.acquire(&seller, true).await.unwrap())
+        .expect("the reserved set is still full: a far ticket");
+    println!("far tickets: under 3072/1h {slow_ticket:?}, then under 3072/1s {fast_ticket:?}");
+    assert!(
+        slow_ticket > Duration::from_secs(7000),
+        "the slow queue moved on: {slow_ticket:?}"
+    );
+    assert!(
+        fast_ticket + Duration::from_secs(1800) < slow_ticket,
+        "the far queue kept the slow pace: {fast_ticket:?} after {slow_ticket:?}"
+    );
+    keys.cleanup().await;
+}

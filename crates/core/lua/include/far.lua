@@ -1,5 +1,5 @@
 -- @include reservations
--- far: the seller's far queue (hash: `at`, `n`), for callers a full reserved set turns away:
+-- far: the seller's far queue (hash: `at`, `n`, `span`), for callers a full reserved set turns away:
 -- told when to come back, in order, holding nothing.
 -- Defines: far_ticket, slot_or_far_ticket
 
@@ -8,10 +8,15 @@
 -- were told `at`). The far queue lets COUNT callers come back per SPAN, from one emission
 -- interval (SPAN/COUNT) after the first reserved slot is due: the pace at which reserved slots
 -- are redeemed and free room, so each comes back about when there is room to reserve, and a
--- backlog however deep is told when to come back in order, never all at once. Two numbers.
+-- backlog however deep is told when to come back in order, never all at once. Three numbers:
+-- the third, `span`, is the SPAN the queue was told under: under another one (the fleet's terms
+-- changed: a far stricter replica gone, a raise) it starts afresh, so that tickets told under
+-- terms no longer in force never push new ones back (their holders ask anew, see the worker).
 local function far_ticket(far_key, reserved_key, now, span, count)
-  local f = redis.call('HMGET', far_key, 'at', 'n')
+  local f = redis.call('HMGET', far_key, 'at', 'n', 'span')
   local at, n = tonumber(f[1]) or 0, tonumber(f[2]) or 0
+  local told_under = string.format('%.0f', span)
+  if f[3] ~= told_under then at, n = 0, 0 end
   local first = tonumber(redis.call('ZRANGE', reserved_key, 0, 0, 'WITHSCORES')[2] or '') or now
   local start = math.max(now, first) + span / count
   if at < start - span then
@@ -22,7 +27,7 @@ local function far_ticket(far_key, reserved_key, now, span, count)
   local ticket = at
   n = n + 1
   if n >= count then at, n = at + span, 0 end
-  redis.call('HSET', far_key, 'at', string.format('%.0f', at), 'n', n)
+  redis.call('HSET', far_key, 'at', string.format('%.0f', at), 'n', n, 'span', told_under)
   redis.call('PEXPIRE', far_key, math.floor((at - now + span) / 1000) + 1)
   return ticket
 end
