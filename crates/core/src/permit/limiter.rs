@@ -23,20 +23,81 @@ use super::{
 use crate::domain::{BatchId, BatchSize, Cost, Identity, MessageId, RateLimitHeaders, SellerId};
 use crate::routes::Route;
 
-/// A message asking for a permit for its call.
+/// A request for a permit: the one way into the limiter (see [`Limiter::ask`]). Built with
+/// [`Ask::new`] for a seller and one unit, reserving; the rest is said where it applies.
 #[derive(Clone, Copy, Debug)]
 pub struct Ask<'a> {
     pub seller: &'a SellerId,
-    pub message: &'a MessageId,
+    /// The message asking, if any: one already registered (its completion record says so) is
+    /// answered [`Decision::AlreadyDone`] and takes nothing.
+    pub message: Option<&'a MessageId>,
     /// Units of every limit the call takes: its message's cost (a charge learned from the
     /// downstream's answers may raise what it asks, see [`Asked::cost`]).
     pub cost: Cost,
     /// The slot the message reserved when it last asked, if it holds one.
     pub held: Option<&'a Reservation>,
-    /// Its place among its seller's waiting messages.
-    pub rank: Rank,
+    /// Its place among its seller's waiting messages (see [`Rank`]); `None`: unranked, the
+    /// last of its priority.
+    pub rank: Option<Rank>,
     /// The route its call takes, if any: its units are taken of the route's stack too.
     pub route: Option<&'a Arc<Route>>,
+    /// Whether a caller that must wait holds the slot it is told to come back at (the
+    /// consumer's case, see [`Reservation`]); without, it asks anew then.
+    pub reserve: bool,
+}
+
+impl<'a> Ask<'a> {
+    /// One unit for `seller`, reserving a slot if it must wait.
+    pub fn new(seller: &'a SellerId) -> Self {
+        Self {
+            seller,
+            message: None,
+            cost: Cost::ONE,
+            held: None,
+            rank: None,
+            route: None,
+            reserve: true,
+        }
+    }
+
+    /// For `message` (see [`Ask::message`]).
+    pub fn message(self, message: &'a MessageId) -> Self {
+        Self {
+            message: Some(message),
+            ..self
+        }
+    }
+
+    /// For a call of `cost` units.
+    pub fn cost(self, cost: Cost) -> Self {
+        Self { cost, ..self }
+    }
+
+    /// Coming back with the slot `held`, if any.
+    pub fn held(self, held: Option<&'a Reservation>) -> Self {
+        Self { held, ..self }
+    }
+
+    /// Ranked `rank` among its seller's waiting messages.
+    pub fn rank(self, rank: Rank) -> Self {
+        Self {
+            rank: Some(rank),
+            ..self
+        }
+    }
+
+    /// On `route`, if any.
+    pub fn route(self, route: Option<&'a Arc<Route>>) -> Self {
+        Self { route, ..self }
+    }
+
+    /// Without holding a slot if it must wait: it asks anew when told to come back.
+    pub fn without_reserving(self) -> Self {
+        Self {
+            reserve: false,
+            ..self
+        }
+    }
 }
 
 /// The limiter's answer to an [`Ask`]: the decision, and whether a reserved slot the message
@@ -56,7 +117,8 @@ pub struct Asked {
 #[derive(Debug)]
 pub struct Grant {
     seller: SellerId,
-    message: MessageId,
+    /// The message it is for, if any (without, a registration keeps no completion record).
+    message: Option<MessageId>,
     /// The units its message asked for.
     requested: Cost,
     /// The units it was granted for (`requested`, or a charge learned since).
@@ -88,7 +150,7 @@ impl Grant {
         };
         Some(Self {
             seller: ask.seller.clone(),
-            message: ask.message.clone(),
+            message: ask.message.cloned(),
             requested: ask.cost.min(cost),
             cost,
             call: call.clone(),
@@ -387,9 +449,17 @@ impl PermitStore {
                     result,
                 };
                 let lesson = told.filter(|_| !grant.taught.swap(true, Ordering::Relaxed));
+                let Some(message) = &grant.message else {
+                    // A call for no message keeps no completion record: it ends as any other.
+                    self.end_call(grant, answered_us).await;
+                    if let Some(told) = lesson {
+                        self.teach(seller, Lesson::Told(told), answered_us).await;
+                    }
+                    return Ok(Finished::default());
+                };
                 // Both go in the same batch when they can (see `batch`).
                 let (recorded, _) = tokio::join!(
-                    self.complete_call(seller, &grant.message, batch, call, ttl),
+                    self.complete_call(seller, message, batch, call, ttl),
                     async {
                         if let Some(told) = lesson {
                             self.teach(seller, Lesson::Told(told), answered_us).await;
@@ -447,17 +517,7 @@ impl Limiter for PermitStore {
                 requested: ask.cost,
                 cost: self.cost_to_ask(ask.seller, ask.cost, route).await?,
             };
-            let costed = |asking, held| {
-                self.acquire_or_redeem_costed(
-                    ask.seller,
-                    Some(ask.message),
-                    asking,
-                    held,
-                    Some(&ask.rank),
-                    route,
-                )
-            };
-            let (mut decision, forfeit, mut cost) = costed(asking, ask.held).await?;
+            let (mut decision, forfeit, mut cost) = self.decide(&ask, asking).await?;
             // The seller's own stack (an override) may hold less than the charge: asked again
             // at its smallest COUNT, never below the message's cost.
             if let Decision::TooCostly { most, .. } = decision
@@ -469,7 +529,8 @@ impl Limiter for PermitStore {
                     cost: most,
                     ..asking
                 };
-                (decision, _, cost) = costed(asking, None).await?;
+                let again = Ask { held: None, ..ask };
+                (decision, _, cost) = self.decide(&again, asking).await?;
             }
             // Too costly is the message's own cost's doing, and said so.
             if let Decision::TooCostly { cost: too, .. } = &mut decision {

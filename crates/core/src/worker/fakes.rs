@@ -315,7 +315,10 @@ impl Limiter for FakeLimiter {
         async move {
             let began = Instant::now();
             self.journal.note(Event::Asked {
-                message: ask.message.as_str().to_owned(),
+                message: ask
+                    .message
+                    .map(|m| m.as_str().to_owned())
+                    .unwrap_or_default(),
                 held: ask.held.cloned(),
             });
             let paused = self.lock().paused.get(ask.seller.as_str()).copied();

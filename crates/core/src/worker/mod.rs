@@ -706,18 +706,16 @@ impl Worker {
             return Plan::AskAgain;
         }
         let asked = std::time::Instant::now();
-        let question = Ask {
-            seller,
-            message: &registration.message_id,
-            cost: registration.cost,
-            held: carried.reservation.as_ref(),
-            rank: Rank {
+        let question = Ask::new(seller)
+            .message(&registration.message_id)
+            .cost(registration.cost)
+            .held(carried.reservation.as_ref())
+            .rank(Rank {
                 priority: registration.priority,
                 deadline_ms: registration.deadline.map(|d| d.unix_ms()),
                 arrival_ms: carried.first_seen_ms,
-            },
-            route: self.route_of(registration),
-        };
+            })
+            .route(self.route_of(registration));
         let decided = tokio::select! {
             d = self.decide(question) => d,
             _ = shutdown.cancelled() => return interrupted(Interrupted::Shutdown),

@@ -10,7 +10,9 @@ use anyhow::Context;
 
 use turnstile_core::config::{Algorithm, Limit, LimiterArgs, RedisArgs};
 use turnstile_core::domain::SellerId;
-use turnstile_core::permit::{Decision, PermitStore, RedisConn, delete_prefix, memory_of_prefix};
+use turnstile_core::permit::{
+    Ask, Decision, Limiter, PermitStore, RedisConn, delete_prefix, memory_of_prefix,
+};
 
 /// What one depth left in Redis.
 struct Weighed {
@@ -43,7 +45,7 @@ async fn weigh(
         let (reserved, far, next) = (reserved.clone(), far.clone(), next.clone());
         tasks.push(tokio::spawn(async move {
             while next.fetch_add(1, Ordering::Relaxed) < depth {
-                match store.acquire(&seller, true).await? {
+                match store.ask(Ask::new(&seller)).await?.decision {
                     Decision::Wait {
                         reservation: Some(_),
                         ..

@@ -14,8 +14,10 @@ use anyhow::Context;
 use clap::Args;
 
 use turnstile_core::config::{Algorithm, Limit, LimiterArgs, RedisArgs};
-use turnstile_core::domain::{Cost, Priority, SellerId};
-use turnstile_core::permit::{Decision, PermitStore, Rank, RedisConn, Reservation, delete_prefix};
+use turnstile_core::domain::{Priority, SellerId};
+use turnstile_core::permit::{
+    Ask, Decision, Ended, Grant, Limiter, PermitStore, Rank, RedisConn, Reservation, delete_prefix,
+};
 
 use super::commandstats::command_calls;
 
@@ -153,8 +155,10 @@ async fn watch(
             let seller = SellerId::parse(&format!("S-other-{}", (worker + i * others) % 500));
             async move {
                 let seller = seller.expect("valid");
-                if let Decision::Granted { call, .. } = store.acquire(&seller, false).await? {
-                    store.call_ended(&seller, &call, Cost::ONE, None).await?;
+                let ask = Ask::new(&seller).without_reserving();
+                let asked = store.ask(ask).await?;
+                if let Some(grant) = Grant::of(ask, &asked.decision, asked.cost) {
+                    answer(&*store, &grant).await?;
                 }
                 Ok(())
             }
@@ -186,16 +190,17 @@ async fn serve(
 ) -> anyhow::Result<()> {
     let mut held: Option<Reservation> = None;
     loop {
-        let (decision, _) = store
-            .acquire_or_redeem_ranked(&seller, None, Cost::ONE, held.as_ref(), Some(&rank))
-            .await?;
-        match decision {
-            Decision::Granted { call, .. } => {
+        let ask = Ask::new(&seller).held(held.as_ref()).rank(rank);
+        let asked = store.ask(ask).await?;
+        match asked.decision {
+            Decision::Granted { .. } => {
                 let place = grants.fetch_add(1, Ordering::Relaxed);
                 if rank.priority.get() > 0 || rank.deadline_ms.is_some() {
                     places.lock().expect("not poisoned").push(place);
                 }
-                store.call_ended(&seller, &call, Cost::ONE, None).await?;
+                if let Some(grant) = Grant::of(ask, &asked.decision, asked.cost) {
+                    answer(&*store, &grant).await?;
+                }
                 return Ok(());
             }
             Decision::Wait {
@@ -425,5 +430,18 @@ pub async fn run(args: GiveWayArgs) -> anyhow::Result<()> {
     for &algorithm in &args.algorithms {
         measure(&args, &conn, algorithm).await?;
     }
+    Ok(())
+}
+
+/// Ends a granted call as answered now (a 2xx of no message): its place in the seller's calls
+/// ends, as a consumer's would.
+async fn answer(store: &PermitStore, grant: &Grant) -> anyhow::Result<()> {
+    let answer = Ended::Registered {
+        told: None,
+        batch: None,
+        ttl: Duration::ZERO,
+        result: None,
+    };
+    store.finish(grant, grant.answered_us(), answer).await?;
     Ok(())
 }

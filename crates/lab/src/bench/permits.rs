@@ -7,8 +7,8 @@ use anyhow::Context;
 use redis::AsyncCommands;
 
 use turnstile_core::config::{Algorithm, GlobalLimit, Limit, LimiterArgs, Limits, RedisArgs};
-use turnstile_core::domain::{Cost, SellerId};
-use turnstile_core::permit::{Decision, Keyspace, PermitStore, RedisConn};
+use turnstile_core::domain::SellerId;
+use turnstile_core::permit::{Ask, Decision, Keyspace, Limiter, PermitStore, RedisConn};
 
 struct Figures {
     ops_per_sec: f64,
@@ -122,7 +122,7 @@ pub async fn run(
             let store = store.clone();
             let seller = sellers[i % sellers.len()].clone();
             async move {
-                store.acquire(&seller, true).await.context("acquire")?;
+                store.ask(Ask::new(&seller)).await.context("acquire")?;
                 Ok(())
             }
         })
@@ -153,11 +153,8 @@ pub async fn run(
             let (store, counted) = (store.clone(), counted.clone());
             let seller = sellers[i % sellers.len()].clone();
             async move {
-                let (decision, _) = store
-                    .acquire_or_redeem(&seller, None, Cost::ONE, None)
-                    .await
-                    .context("acquire_or_redeem")?;
-                if matches!(decision, Decision::Granted { .. }) {
+                let asked = store.ask(Ask::new(&seller)).await.context("ask")?;
+                if matches!(asked.decision, Decision::Granted { .. }) {
                     counted.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
                 }
                 Ok(())

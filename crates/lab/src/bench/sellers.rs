@@ -37,7 +37,8 @@ use turnstile_core::config::{
 };
 use turnstile_core::domain::{BatchId, MessageId, SellerId};
 use turnstile_core::permit::{
-    Completion, InBatch, Keyspace, PermitStore, RedisConn, delete_prefix, keys_matching,
+    Ask, Completion, InBatch, Keyspace, Limiter, PermitStore, RedisConn, delete_prefix,
+    keys_matching,
 };
 use turnstile_ops::serve::Served;
 
@@ -858,7 +859,7 @@ async fn fresh_window(store: &PermitStore, algorithm: Algorithm) -> anyhow::Resu
 async fn take(store: &PermitStore, seller: &SellerId, permits: u32) -> anyhow::Result<()> {
     for _ in 0..permits {
         store
-            .acquire(seller, true)
+            .ask(Ask::new(seller))
             .await
             .with_context(|| format!("acquiring a permit for {seller}"))?;
     }

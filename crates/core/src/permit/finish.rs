@@ -1,0 +1,598 @@
+//! Finishing: what the limiter records after a call — its end in the seller's calls, a
+//! registration's completion record (`lua/complete.lua`), what adaptive limits learn from the
+//! answer (`lua/learn.lua`), a reported cost (`lua/recost.lua`) — and a slot given back unused
+//! (`lua/unreserve.lua`).
+
+use std::time::Duration;
+
+use super::*;
+use crate::config::Algorithm;
+use crate::domain::{BatchId, BatchSize, Cost, MessageId, RateLimitHeaders, SellerId};
+use crate::routes::Route;
+
+/// What happened to a message, as its completion record keeps it (see `lua/complete.lua`):
+/// each message is in one state, and counted in its upload's progress in that one.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Completion<'a> {
+    /// The downstream accepted it (2xx).
+    Registered,
+    /// Dead-lettered (confirmed by the broker) with this reason: counted once, however many
+    /// copies are dead-lettered, and not at all if it already registered.
+    Dead(&'a str),
+    /// Taken out of the dead letters to be republished to the work queue: waiting again.
+    Replayed,
+}
+
+impl Completion<'_> {
+    /// The script's OUTCOME argument.
+    pub(super) fn outcome(self) -> &'static str {
+        match self {
+            Completion::Registered => "registered",
+            Completion::Dead(_) => "dead",
+            Completion::Replayed => "replayed",
+        }
+    }
+}
+
+/// A call's answer, as [`PermitStore::complete_call`] records it: the call's name (see
+/// [`Decision::Granted`]), its cost, and when the answer came back (Redis µs, an upper bound: the
+/// grant's time plus the time from asking for the permit to the answer; `None`: when recorded).
+#[derive(Clone, Copy, Debug)]
+pub struct CallAnswer<'a> {
+    pub call: &'a str,
+    pub cost: Cost,
+    pub answered_us: Option<i64>,
+    /// The message's result (JSON), kept in its record until published (see
+    /// [`Records::result_published`]); `None`: nothing to keep.
+    pub result: Option<&'a str>,
+}
+
+/// What recording a message's state did ([`PermitStore::complete`],
+/// [`PermitStore::complete_call`]).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct Recorded {
+    /// Whether the message's state changed (and was counted).
+    pub changed: bool,
+    /// Whether a learned limit of its seller is due to change: a raise, or a correction of the
+    /// last decrease ([`Lesson::Recovery`]).
+    pub raise_due: bool,
+    /// The completion event of its batch, pending publication (see [`BatchEvent`]).
+    pub event: Option<BatchEvent>,
+}
+
+/// A batch's completion event waiting to be published: the batch completed at `completed_ms`
+/// (Unix ms, Redis time). Whoever publishes it says so with [`Records::batch_event_sent`];
+/// until then the message that completed the batch, its redeliveries (recorded again, or acked
+/// as registered before) and a replica first seeing the batch find it pending; a message
+/// counted after the batch completed (one more than its total) does not, so that it is not
+/// published twice at once.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct BatchEvent {
+    pub completed_ms: u64,
+}
+
+impl BatchEvent {
+    /// The event a script's EVENT answer names ('' when none is pending).
+    pub(super) fn parse(event: &str) -> Option<Self> {
+        event.parse().ok().map(|completed_ms| Self { completed_ms })
+    }
+}
+
+/// A message's batch as its completion is counted: the batch's id and the `batch_size` the
+/// message gave.
+#[derive(Clone, Copy, Debug)]
+pub struct InBatch<'a> {
+    pub id: &'a BatchId,
+    pub size: Option<BatchSize>,
+}
+
+impl<'a> InBatch<'a> {
+    /// The batch of a registration, if it names one.
+    pub fn of(registration: &'a crate::domain::Registration) -> Option<Self> {
+        Some(Self {
+            id: registration.batch_id.as_ref()?,
+            size: registration.batch_size,
+        })
+    }
+}
+
+/// What the downstream's answers taught about a seller's real limit (see `lua/learn.lua`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Lesson {
+    /// A 429 for the call granted at `granted_us` (Redis µs), with what its rate-limit headers
+    /// said, if anything.
+    Throttled {
+        granted_us: i64,
+        told: Option<RateLimitHeaders>,
+    },
+    /// [`PermitStore::complete_call`] said a learned limit is due to change: a raise, or a
+    /// correction of the last decrease.
+    Recovery,
+    /// A 2xx answer's rate-limit headers.
+    Told(RateLimitHeaders),
+}
+
+/// Why a learned limit last changed.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Why {
+    /// A 429 lowered it.
+    Throttled,
+    /// Sustained success raised it.
+    Recovery,
+    /// Rate-limit headers set it.
+    Header,
+}
+
+impl Why {
+    pub const ALL: [Why; 3] = [Why::Throttled, Why::Recovery, Why::Header];
+
+    pub(super) fn parse(s: &str) -> Option<Self> {
+        match s {
+            "429" => Some(Why::Throttled),
+            "recovery" => Some(Why::Recovery),
+            "header" => Some(Why::Header),
+            _ => None,
+        }
+    }
+
+    /// The metric label and the name shown: `429`, `recovery` or `header`.
+    pub const fn label(self) -> &'static str {
+        match self {
+            Why::Throttled => "429",
+            Why::Recovery => "recovery",
+            Why::Header => "header",
+        }
+    }
+}
+
+/// A change of a seller's learned limit (see [`PermitStore::learn`]): its counts now, and
+/// whether a count went down.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct LearnedChange {
+    pub counts: String,
+    pub why: Why,
+    pub lowered: bool,
+}
+
+/// How far a learned stack stands below its configured one: the smallest learned / configured
+/// count over its limits (1 when nothing is learned below it), from the counts as the scripts
+/// write them.
+pub(super) fn learned_ratio(learned: &str, configured: &str) -> f64 {
+    learned
+        .split(',')
+        .zip(configured.split(','))
+        .filter_map(|(l, c)| Some(l.parse::<f64>().ok()? / c.parse::<f64>().ok()?.max(1.0)))
+        .fold(1.0, f64::min)
+}
+
+impl PermitStore {
+    /// Records that the call `call` of `cost` units was answered at `answered_us` (Redis time,
+    /// an upper bound; `None`: now), for every answer but a registration, which [`Self::complete_call`] records
+    /// with its completion. The record rides along with other calls (see [`record_delay`]).
+    pub(crate) async fn call_ended(
+        &self,
+        seller: &SellerId,
+        call: &str,
+        cost: Cost,
+        answered_us: Option<i64>,
+    ) -> Result<(), PermitError> {
+        if let Some(blocks) = &self.blocks {
+            blocks.recorded(call);
+        }
+        let ended = CallEnded {
+            calls: self.keys.calls(seller),
+            call,
+            answered_us: answered_us.unwrap_or(-1).max(-1),
+            cost: cost.units(),
+        };
+        let _: i64 = self
+            .run(ended.operation(), When::Within(self.record_delay))
+            .await?;
+        Ok(())
+    }
+
+    /// As [`Self::unreserve`], for a message on `route`: its units leave the route's log too.
+    pub(crate) async fn unreserve_on(
+        &self,
+        seller: &SellerId,
+        reservation: &Reservation,
+        cost: Cost,
+        route: Option<&Route>,
+    ) -> Result<bool, PermitError> {
+        let limiter = self.limiter();
+        let unreserve = Unreserve {
+            state: self.state_key(&limiter, seller),
+            reserved: self.keys.reserved(seller, limiter.algorithm),
+            algorithm: limiter.algorithm,
+            token: &reservation.token,
+            cost: reservation.cost.unwrap_or(cost).units(),
+            slot_us: reservation.slot_us,
+            held_counts: reservation.limits.counts_arg(),
+            held_windows: reservation.limits.windows_arg(),
+            guard_us: Terms::guard_arg_of(limiter.seller_guard()),
+            capacity: limiter.bucket_capacity,
+            route: self.on_route(&limiter, seller, route),
+        };
+        let given_back: u8 = unreserve
+            .invocation()
+            .invoke_async(&mut self.conn.clone())
+            .await?;
+        if given_back == 1 {
+            metrics::counter!("turnstile_reservations_released_total").increment(1);
+        }
+        Ok(given_back == 1)
+    }
+
+    /// The downstream reported that the call `call` (whose message asked `requested` units,
+    /// granted `cost` units at `slot_us`, on `route` if any) cost `actual`: its units in the
+    /// seller's windows (and the route's) become `actual`, for every replica, and the charge of
+    /// its endpoint is learned for the next calls to ask for it ([`Self::cost_to_ask`]); when
+    /// that charge rises, the seller's reservations on the endpoint made for fewer units are
+    /// given back, so that their messages ask again at it (see `lua/recost.lua`). Other slots
+    /// already reserved keep their place. sliding-window only (the others keep no units per
+    /// call): elsewhere nothing changes. A call granted and charged its message's cost changes
+    /// nothing and costs no Redis call.
+    /// Returns the units added (> 0) or given back (< 0).
+    #[allow(clippy::too_many_arguments)]
+    pub(crate) async fn recost(
+        &self,
+        seller: &SellerId,
+        call: &str,
+        requested: Cost,
+        cost: Cost,
+        actual: u32,
+        slot_us: i64,
+        route: Option<&Route>,
+    ) -> Result<i64, PermitError> {
+        let limiter = self.limiter();
+        if limiter.algorithm != Algorithm::SlidingWindow
+            || (actual == cost.units() && cost == requested)
+        {
+            return Ok(0);
+        }
+        let recost = Recost {
+            log: self.state_key(&limiter, seller),
+            calls: self.keys.calls(seller),
+            reserved: self.keys.reserved(seller, limiter.algorithm),
+            charge: self.keys.charge(seller, route.map(|route| &route.name)),
+            route_log: route.map(|route| self.keys.route_log(seller, &route.name)),
+            call,
+            cost: cost.units(),
+            actual: actual.min(Cost::MAX),
+            slot_us: slot_us.max(0),
+            requested: requested.min(cost).units(),
+            memory_ms: CHARGE_MEMORY.as_millis() as u64,
+        };
+        let (changed, charge, given_back): Recosted = recost
+            .invocation()
+            .invoke_async(&mut self.conn.clone())
+            .await?;
+        if changed != 0 {
+            let direction = if changed > 0 { "charged" } else { "refunded" };
+            metrics::counter!("turnstile_cost_corrections_total", "direction" => direction)
+                .increment(changed.unsigned_abs());
+        }
+        if given_back > 0 {
+            tracing::debug!(
+                charge,
+                given_back,
+                "a higher charge learned: reservations made for fewer units given back"
+            );
+            metrics::counter!("turnstile_reservations_released_total")
+                .increment(u64::from(given_back));
+        }
+        Ok(changed)
+    }
+
+    /// Moves a message to the state it is in now (see `lua/complete.lua`) and counts it there
+    /// once: in its batch's progress and, when it becomes or stops being dead, in the dead
+    /// letters by reason ([`Records::dead_now`]).
+    pub async fn complete(
+        &self,
+        seller: &SellerId,
+        message: &MessageId,
+        batch: Option<InBatch<'_>>,
+        completion: Completion<'_>,
+        ttl: Duration,
+    ) -> Result<Recorded, PermitError> {
+        self.record(seller, message, batch, completion, None, ttl)
+            .await
+    }
+
+    /// As [`Self::complete`] with [`Completion::Registered`], for the message registered by the
+    /// call `answer` names: its answer is recorded in the same step (see [`Decision::Granted`])
+    /// and, with adaptive limits, its acceptance by the downstream (see `note_accepted` in
+    /// `lua/include/learned.lua`). The record rides along with other calls for up to [`record_delay`]:
+    /// it must be written before the message is acked, and a replica that dies before writing
+    /// it leaves the message to be called again (docs/performance.md, "Redis calls per message").
+    pub(crate) async fn complete_call(
+        &self,
+        seller: &SellerId,
+        message: &MessageId,
+        batch: Option<InBatch<'_>>,
+        answer: CallAnswer<'_>,
+        ttl: Duration,
+    ) -> Result<Recorded, PermitError> {
+        self.record(
+            seller,
+            message,
+            batch,
+            Completion::Registered,
+            Some(answer),
+            ttl,
+        )
+        .await
+    }
+
+    pub(super) async fn record(
+        &self,
+        seller: &SellerId,
+        message: &MessageId,
+        batch: Option<InBatch<'_>>,
+        completion: Completion<'_>,
+        answer: Option<CallAnswer<'_>>,
+        ttl: Duration,
+    ) -> Result<Recorded, PermitError> {
+        let call = answer.map_or("", |a| a.call);
+        // A call made with a pool unit (or one that took a block).
+        let pooled = self
+            .blocks
+            .as_ref()
+            .filter(|_| !call.is_empty())
+            .and_then(|blocks| Some((blocks, blocks.recorded(call)?)));
+        let answered = match (pooled, answer) {
+            (Some((blocks, bounds)), Some(answer))
+                if batch.is_none()
+                    && answer.cost.units() == 1
+                    && matches!(completion, Completion::Registered) =>
+            {
+                self.record_pooled(seller, message, answer, ttl, blocks, bounds)
+                    .await?
+            }
+            _ => {
+                self.record_by_script(seller, message, batch, completion, answer, ttl)
+                    .await?
+            }
+        };
+        // The tally is a shared key (another Cluster slot): a second step, only when a message
+        // becomes or stops being dead. Its failure costs the count, not the transition.
+        let tallied = match (answered.changed, completion) {
+            (true, Completion::Dead(reason)) => self.records().tally_dead(reason, 1).await,
+            (true, _) if !answered.was_dead_for.is_empty() => {
+                self.records().tally_dead(&answered.was_dead_for, -1).await
+            }
+            _ => Ok(()),
+        };
+        if let Err(error) = tallied {
+            metrics::counter!("turnstile_redis_errors_total").increment(1);
+            tracing::warn!(%error, "the dead letters by reason were not updated");
+        }
+        Ok(Recorded {
+            changed: answered.changed,
+            raise_due: answered.raise_due,
+            event: BatchEvent::parse(&answered.event),
+        })
+    }
+
+    /// A message's state moved by `lua/complete.lua`, with the answer of the call that
+    /// registered it, if any (sent with others within [`record_delay`] then, else at once).
+    pub(super) async fn record_by_script(
+        &self,
+        seller: &SellerId,
+        message: &MessageId,
+        batch: Option<InBatch<'_>>,
+        completion: Completion<'_>,
+        answer: Option<CallAnswer<'_>>,
+        ttl: Duration,
+    ) -> Result<CompleteAnswer, PermitError> {
+        let limiter = self.limiter();
+        let (call, cost, answered_us) =
+            answer.map_or(("", 0, None), |a| (a.call, a.cost.units(), a.answered_us));
+        let result = answer.and_then(|a| a.result).unwrap_or("");
+        let adaptive = (limiter.adaptive && !call.is_empty()).then(|| {
+            (
+                self.adaptive_keys(seller),
+                calls::AdaptiveArgs {
+                    counts: limiter.limit.counts_arg(),
+                    windows: limiter.limit.windows_arg(),
+                    guard_us: Terms::guard_arg_of(limiter.seller_guard()),
+                },
+            )
+        });
+        let complete = Complete {
+            done: self.keys.done(seller, message),
+            calls: self.keys.calls(seller),
+            adaptive,
+            batch: batch.map(|batch| CompleteBatch {
+                progress: self.keys.batch(seller, batch.id),
+                seller: seller.as_str(),
+                batch: batch.id.as_str(),
+                size: batch.size.map_or(0, BatchSize::get),
+            }),
+            ttl_ms: ttl.as_millis().max(1) as u64,
+            outcome: completion.outcome(),
+            reason: match completion {
+                Completion::Dead(reason) => reason,
+                _ => "",
+            },
+            call,
+            answered_us: answered_us.unwrap_or(-1).max(-1),
+            cost,
+            result,
+        };
+        let when = if call.is_empty() {
+            When::Now
+        } else {
+            When::Within(self.record_delay)
+        };
+        self.run(complete.operation(), when).await
+    }
+
+    /// Says that a registered message's result was published: its record keeps `registered`
+    /// alone, with its TTL (a record gone meanwhile is not recreated). Rides along with the next
+    /// call to Redis (within [`record_delay`]), as the records do: a plain SET, no round trip
+    /// of its own while the replica is busy.
+    pub async fn result_published(
+        &self,
+        seller: &SellerId,
+        message: &MessageId,
+    ) -> Result<(), PermitError> {
+        let key = self.keys.done(seller, message);
+        let mut set = redis::cmd("SET");
+        set.arg(&key).arg("registered").arg("XX").arg("KEEPTTL");
+        let _: (Option<String>,) = self
+            .run(
+                Operation::commands(vec![set], key),
+                When::Within(self.record_delay),
+            )
+            .await?;
+        Ok(())
+    }
+
+    /// The seller's keys of adaptive limits (see [`calls::AdaptiveKeys`]).
+    pub(super) fn adaptive_keys(&self, seller: &SellerId) -> calls::AdaptiveKeys {
+        calls::AdaptiveKeys {
+            learned: self.keys.learned(seller),
+            accepted: self.keys.accepted(seller),
+            limit: self.keys.limit(seller),
+        }
+    }
+
+    /// Learns from what the downstream answered for the seller (see `lua/learn.lua`): a 429, a
+    /// learned limit used in full for long enough, or rate-limit headers. When the counts that
+    /// apply change, every slot reserved under the old ones is given back and announced, as
+    /// for an operator's change, so the seller's whole backlog follows at once. Does nothing
+    /// (and answers `None`) with adaptive limits off.
+    pub(crate) async fn learn(
+        &self,
+        seller: &SellerId,
+        lesson: Lesson,
+    ) -> Result<Option<LearnedChange>, PermitError> {
+        self.learn_at(seller, lesson, None).await
+    }
+
+    /// As [`Self::learn`], for a lesson of an answer that came back at `answered_us` (Redis
+    /// time, an upper bound; see [`CallAnswer`]): a raise is judged and a quota's reset counted
+    /// from then. What a 2xx's headers teach rides along with other calls (see
+    /// [`record_delay`]); a 429's lesson and a raise are sent at once.
+    pub(crate) async fn learn_at(
+        &self,
+        seller: &SellerId,
+        lesson: Lesson,
+        answered_us: Option<i64>,
+    ) -> Result<Option<LearnedChange>, PermitError> {
+        let limiter = self.limiter();
+        if !limiter.adaptive {
+            return Ok(None);
+        }
+        if matches!(lesson, Lesson::Throttled { .. }) && self.blocks.is_some() {
+            let mut lately = self
+                .throttled
+                .lock()
+                .expect("the throttled sellers' lock is never poisoned");
+            if lately.len() >= MOST_THROTTLED {
+                lately.clear();
+            }
+            lately.insert(seller.clone(), std::time::Instant::now());
+        }
+        let learn = self.learn_call(seller, lesson, answered_us);
+        // A 429's lesson decides what the message does next, and a raise comes after its
+        // record already rode along: both go at once. A 2xx's headers may ride along.
+        let when = match lesson {
+            Lesson::Throttled { .. } | Lesson::Recovery => When::Now,
+            Lesson::Told(_) => When::Within(self.record_delay),
+        };
+        let LearnAnswer {
+            changed,
+            released,
+            now_us: now,
+            counts,
+            why,
+            configured,
+            wake,
+            lowered,
+        } = self.run(learn.operation(), when).await?;
+        if !changed {
+            return Ok(None);
+        }
+        let why = Why::parse(&why).unwrap_or(Why::Header);
+        metrics::counter!("turnstile_adaptive_changes_total", "why" => why.label()).increment(1);
+        metrics::histogram!("turnstile_adaptive_learned_ratio")
+            .record(learned_ratio(&counts, &configured));
+        if wake {
+            self.admin().announce(seller, released, now).await?;
+        } else {
+            metrics::counter!("turnstile_reservations_released_total").increment(released);
+        }
+        Ok(Some(LearnedChange {
+            counts,
+            why,
+            lowered,
+        }))
+    }
+
+    /// `lua/learn.lua`'s call for what `lesson` (its answer at `answered_us`) teaches about
+    /// the seller's limit (see [`Learn`]).
+    pub(super) fn learn_call(
+        &self,
+        seller: &SellerId,
+        lesson: Lesson,
+        answered_us: Option<i64>,
+    ) -> Learn {
+        let limiter = self.limiter();
+        let (event, granted_us, told) = match lesson {
+            Lesson::Throttled { granted_us, told } => ("throttled", granted_us, told),
+            Lesson::Recovery => ("recovery", answered_us.unwrap_or(0), None),
+            Lesson::Told(told) => ("header", answered_us.unwrap_or(0), Some(told)),
+        };
+        let told = told.unwrap_or_default();
+        let micros =
+            |d: Option<Duration>| d.map_or(-1, |d| d.as_micros().min(i64::MAX as u128) as i64);
+        let count = |n: Option<u64>| n.map_or(-1, |n| n.min(i64::MAX as u64) as i64);
+        Learn {
+            learned: self.keys.learned(seller),
+            accepted: self.keys.accepted(seller),
+            limit: self.keys.limit(seller),
+            state: self.state_key(&limiter, seller),
+            reserved: self.keys.reserved(seller, limiter.algorithm),
+            calls: self.keys.calls(seller),
+            pool: self.keys.pool(seller),
+            terms: Terms::from(&*limiter),
+            min: limiter.adaptive_min.get(),
+            event,
+            granted_us: granted_us.max(0),
+            told_limit: count(told.limit.filter(|&n| n >= 1)),
+            told_window_us: micros(told.window.filter(|w| !w.is_zero())),
+            told_remaining: count(told.remaining),
+            told_reset_us: micros(told.reset),
+            route_logs: self.route_logs(seller),
+        }
+    }
+
+    /// Counts a message as dead-lettered for `reason`: its completion record (and its batch's
+    /// progress) when it has a seller and an id (once, however many copies), else one more dead
+    /// letter by reason.
+    pub async fn count_dead(
+        &self,
+        identity: &crate::domain::Identity,
+        batch_size: Option<BatchSize>,
+        reason: &str,
+        ttl: Duration,
+    ) -> Result<Recorded, PermitError> {
+        let batch = identity.batch_id.as_ref().map(|id| InBatch {
+            id,
+            size: batch_size,
+        });
+        match (&identity.seller_id, &identity.message_id) {
+            (Some(seller), Some(message)) => {
+                self.complete(seller, message, batch, Completion::Dead(reason), ttl)
+                    .await
+            }
+            _ => self
+                .records()
+                .tally_dead(reason, 1)
+                .await
+                .map(|()| Recorded::default()),
+        }
+    }
+}
