@@ -158,7 +158,7 @@ async fn watch(
                 let ask = Ask::new(&seller).without_reserving();
                 let asked = store.ask(ask).await?;
                 if let Some(grant) = Grant::of(ask, &asked.decision, asked.cost) {
-                    answer(&*store, &grant).await?;
+                    answer(&store, &grant).await?;
                 }
                 Ok(())
             }
@@ -199,7 +199,7 @@ async fn serve(
                     places.lock().expect("not poisoned").push(place);
                 }
                 if let Some(grant) = Grant::of(ask, &asked.decision, asked.cost) {
-                    answer(&*store, &grant).await?;
+                    answer(&store, &grant).await?;
                 }
                 return Ok(());
             }
