@@ -276,7 +276,7 @@ impl PermitStore {
         }
     }
 
-    /// One attempt of `ask`, for `asked` units (see [`Self::cost_to_ask`]): a slot it holds is
+    /// One attempt of `ask`, for `asked` units (see `Self::cost_to_ask`): a slot it holds is
     /// redeemed at the units it was reserved for ([`Reservation::cost`]) and, if forfeited, one
     /// is reserved anew at `asked.cost` (saying so when that is not the message's cost); a
     /// message without one is granted a unit of its seller's permit pool if there is one (see

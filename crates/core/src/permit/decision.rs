@@ -82,7 +82,7 @@ pub struct Reservation {
     pub reserved_at_us: i64,
     pub token: String,
     /// The units it was reserved for when they are not its message's cost (a charge learned
-    /// from the downstream's answers raised them, see [`PermitStore::cost_to_ask`]); `None`:
+    /// from the downstream's answers raised them, see `PermitStore::cost_to_ask`); `None`:
     /// its message's cost. It is redeemed and given back at these units.
     pub cost: Option<Cost>,
 }
@@ -134,7 +134,7 @@ impl Reservation {
 }
 
 /// The units a message asks for: its own cost (`requested`) and what it asks (`cost`: the
-/// same, or a charge learned from its endpoint's answers, see [`PermitStore::cost_to_ask`]).
+/// same, or a charge learned from its endpoint's answers, see `PermitStore::cost_to_ask`).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct Asking {
     pub requested: Cost,
@@ -149,7 +149,7 @@ pub enum Decision {
     /// seller's limit is taken with this grant, in thousandths (a redeemed reservation counts as
     /// 1000: its slot was reserved because the limit had no room).
     /// `call` names the call in the seller's calls until its answer is recorded
-    /// ([`PermitStore::complete_call`], [`PermitStore::call_ended`]).
+    /// (`PermitStore::complete_call`, `PermitStore::call_ended`).
     Granted {
         slot_us: i64,
         granted_us: i64,
@@ -228,7 +228,7 @@ impl Forfeit {
     }
 }
 
-/// How long a charge learned from the downstream's answers (see [`PermitStore::cost_to_ask`])
+/// How long a charge learned from the downstream's answers (see `PermitStore::cost_to_ask`)
 /// is kept after the last answer that set or confirmed it: a charge no call confirms for that
 /// long is forgotten, and the next calls ask their own cost again.
 pub const CHARGE_MEMORY: Duration = Duration::from_secs(600);

@@ -34,7 +34,7 @@ impl Completion<'_> {
     }
 }
 
-/// A call's answer, as [`PermitStore::complete_call`] records it: the call's name (see
+/// A call's answer, as `PermitStore::complete_call` records it: the call's name (see
 /// [`Decision::Granted`]), its cost, and when the answer came back (Redis µs, an upper bound: the
 /// grant's time plus the time from asking for the permit to the answer; `None`: when recorded).
 #[derive(Clone, Copy, Debug)]
@@ -43,12 +43,12 @@ pub struct CallAnswer<'a> {
     pub cost: Cost,
     pub answered_us: Option<i64>,
     /// The message's result (JSON), kept in its record until published (see
-    /// [`Records::result_published`]); `None`: nothing to keep.
+    /// [`Progress::result_published`]); `None`: nothing to keep.
     pub result: Option<&'a str>,
 }
 
 /// What recording a message's state did ([`PermitStore::complete`],
-/// [`PermitStore::complete_call`]).
+/// `PermitStore::complete_call`).
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub struct Recorded {
     /// Whether the message's state changed (and was counted).
@@ -105,7 +105,7 @@ pub enum Lesson {
         granted_us: i64,
         told: Option<RateLimitHeaders>,
     },
-    /// [`PermitStore::complete_call`] said a learned limit is due to change: a raise, or a
+    /// `PermitStore::complete_call` said a learned limit is due to change: a raise, or a
     /// correction of the last decrease.
     Recovery,
     /// A 2xx answer's rate-limit headers.
@@ -145,7 +145,7 @@ impl Why {
     }
 }
 
-/// A change of a seller's learned limit (see [`PermitStore::learn`]): its counts now, and
+/// A change of a seller's learned limit (see `PermitStore::learn`): its counts now, and
 /// whether a count went down.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct LearnedChange {
@@ -226,7 +226,7 @@ impl PermitStore {
     /// The downstream reported that the call `call` (whose message asked `requested` units,
     /// granted `cost` units at `slot_us`, on `route` if any) cost `actual`: its units in the
     /// seller's windows (and the route's) become `actual`, for every replica, and the charge of
-    /// its endpoint is learned for the next calls to ask for it ([`Self::cost_to_ask`]); when
+    /// its endpoint is learned for the next calls to ask for it (`Self::cost_to_ask`); when
     /// that charge rises, the seller's reservations on the endpoint made for fewer units are
     /// given back, so that their messages ask again at it (see `lua/recost.lua`). Other slots
     /// already reserved keep their place. sliding-window only (the others keep no units per

@@ -107,7 +107,7 @@ pub struct Asked {
     pub decision: Decision,
     pub forfeit: Option<Forfeit>,
     /// The units the decision is for: the message's cost, or the charge learned from its
-    /// endpoint's answers when higher (see [`PermitStore::cost_to_ask`]), or the units its held
+    /// endpoint's answers when higher (see `PermitStore::cost_to_ask`), or the units its held
     /// slot was reserved for.
     pub cost: Cost,
 }
@@ -266,7 +266,7 @@ pub trait Limiter: Send + Sync {
     /// The downstream reported that `grant`'s call cost `actual` units (`TURNSTILE_COST_HEADER`):
     /// the seller's windows (and its route's) count `actual` instead of what it was granted
     /// for, for every replica, and the charge is learned for the next calls (see
-    /// [`PermitStore::recost`]). A failure leaves the granted cost counted.
+    /// `PermitStore::recost`). A failure leaves the granted cost counted.
     fn recost<'a>(&'a self, grant: &'a Grant, actual: u32) -> BoxFuture<'a, ()>;
 
     /// Redis's time now as estimated from the limiter's answers; `None` before the first.

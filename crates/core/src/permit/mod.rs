@@ -1,33 +1,38 @@
 //! Permits: the shared, atomic per-seller limiter in Redis (Lua), used by every replica.
 //!
-//! A caller asks for a permit for a seller. It is granted now, or the caller is told when to
-//! come back; when reserving is on (the consumer's case) the caller then also *holds* that future
-//! slot, so a deep backlog is scheduled one slot after another instead of every waiting caller
-//! coming back at the same instant and being denied again. A caller that waits the returned time
-//! and comes back with its [`Reservation`] is granted, unless the seller was paused or its limit
-//! changed meanwhile, or it came back too late (then it simply reserves again).
+//! There is one way in: a caller builds an [`Ask`] (seller, message, cost, the slot it holds,
+//! its rank, its route) and asks [`Limiter::ask`]; a grant ([`Grant`]) is handed back once
+//! after the call ([`Limiter::answered`], then [`Limiter::finish`], or [`Limiter::unsent`]).
+//! The worker, the tests and the lab all go through that seam. A permit is granted now, or the
+//! caller is told when to come back; a reserving caller (the consumer) then also *holds* that
+//! future slot ([`Reservation`]), so a deep backlog is scheduled one slot after another instead
+//! of every waiting caller coming back at once and being denied again.
 //!
-//! A seller's grant is then checked against what lies beyond the seller
-//! (`PermitStore::beyond_seller`): a lease of its calls in flight
-//! (`TURNSTILE_SELLER_CONCURRENCY`, `lua/lease.lua`) and the global limit shared fairly by all
-//! sellers (`TURNSTILE_GLOBAL_LIMIT`, `lua/global.lua`, in a Redis slot of its own); if either
-//! refuses, the grant is given back (`lua/release.lua`) and the call deferred.
+//! The modules, by stage of a permit's life:
+//! - `limiter`: the seam ([`Limiter`], [`Ask`], [`Asked`], [`Grant`], [`Ended`]) and the
+//!   uploads' side a worker needs ([`Progress`]);
+//! - `decision`: the vocabulary of a decision, pure: [`Rank`], [`Reservation`], [`Decision`],
+//!   [`Forfeit`], the units a call asks ([`charged_cost`]);
+//! - `ask`: one attempt, as `Limiter::ask` makes it: redeem the slot held (`lua/redeem.lua`) or
+//!   ask the algorithm's script (`lua/<algorithm>.lua`), reserving when it must wait;
+//! - `pool`: the permit pool in front of the seller's script (`TURNSTILE_PERMIT_BLOCK`), with
+//!   [`block`] keeping its bookkeeping;
+//! - `beyond`: what a seller's grant still needs, a lease of its calls in flight
+//!   (`lua/lease.lua`) and the global limit's units (`lua/global.lua`); a refusal gives the
+//!   grant back (`lua/release.lua`);
+//! - `finish`: after the call, its end, a registration's completion record
+//!   (`lua/complete.lua`), what adaptive limits learn (`lua/learn.lua`), a reported cost;
+//! - `store`: [`PermitStore`], the connection, the terms in force ([`applied`]) and Redis's
+//!   clock; `batch` sends the hot operations several to a call (`lua/batch.lua`), `calls`
+//!   holds one type per script (its KEYS and ARGV by name, its answer read), [`scripts`] puts
+//!   the scripts together, [`keys`] builds every key, `conn` is the connection and [`server`]
+//!   reads whether Redis may evict;
+//! - beside the store, not on the hot path: [`Admin`] (sellers' terms as operators set and
+//!   read them, `admin`), [`Records`] (uploads' progress, dead letters by reason, the
+//!   dashboard's shared state, `records`) and the fleet's [`Registry`] (`registry`).
 //!
-//! The hot operations (acquire, redeem, the completion record, a call's end, a lesson) go to
-//! Redis in batches, several in one call when they can (`batch`, `lua/batch.lua`). A grant of a
-//! seller far from its limits brings more units into the seller's pool for its next calls by
-//! any replica ([`block`]: permit blocks), claimed without a script.
-//!
-//! [`server`] reads whether the Redis servers may evict keys (a replica refuses such a Redis
-//! unless told it may); the scripts themselves detect state lost to an eviction or a flush.
-//!
-//! Each script's KEYS and ARGV are laid out in one place, by name, in the order its header
-//! lists them, and its answer is read there too: one type per script in `calls`.
-//!
-//! This module owns the Redis keyspace: [`keys`] builds every key, and nothing outside it talks
-//! to Redis about turnstile's keys but through [`PermitStore`] (the limiter's hot path, here),
-//! [`Admin`] (sellers' terms as operators set and read them, `admin`) and [`Records`] (the
-//! uploads' progress, the dead letters by reason and the dashboard's shared state, `records`).
+//! This module owns the Redis keyspace: nothing outside it talks to Redis about turnstile's
+//! keys but through these types.
 
 mod admin;
 pub mod applied;

@@ -525,7 +525,7 @@ impl Records {
     }
 
     /// The result a registered message's record keeps until it is published (see
-    /// [`pending_result`]); `None` once published, or when the message is not registered.
+    /// `pending_result`); `None` once published, or when the message is not registered.
     pub async fn pending_result(
         &self,
         seller: &SellerId,

@@ -42,7 +42,7 @@ pub struct PermitStore {
     /// answered may correct the decrease once written (see `write_answers`).
     pub(super) throttled: Arc<std::sync::Mutex<HashMap<SellerId, std::time::Instant>>>,
     /// Whether calls ask for the charge learned from their endpoint's answers
-    /// (`TURNSTILE_COST_HEADER`, see [`PermitStore::cost_to_ask`]).
+    /// (`TURNSTILE_COST_HEADER`, see `PermitStore::cost_to_ask`).
     pub(super) learns_charges: bool,
 }
 
@@ -270,7 +270,7 @@ impl PermitStore {
     }
 
     /// With `on` (`TURNSTILE_COST_HEADER` set), calls ask for the charge learned from their
-    /// endpoint's answers (see [`Self::cost_to_ask`]); off, they ask their message's cost and
+    /// endpoint's answers (see `Self::cost_to_ask`); off, they ask their message's cost and
     /// nothing is read.
     pub fn with_learned_charges(mut self, on: bool) -> Self {
         self.learns_charges = on;
@@ -304,7 +304,7 @@ impl PermitStore {
     }
 
     /// Calls to Redis this store (and its clones) sent for the limiter's hot operations so
-    /// far, each carrying one or more operations (see [`batch`]).
+    /// far, each carrying one or more operations (see `batch`).
     pub fn batched_calls(&self) -> u64 {
         self.batcher.get().map_or(0, Batcher::calls)
     }
@@ -452,7 +452,7 @@ impl PermitStore {
     }
 
     /// The sellers this store reserved slots for in the last hour (at most
-    /// [`MOST_RESERVING`]): those whose backlog a change of the default terms re-plans (see
+    /// `MOST_RESERVING`): those whose backlog a change of the default terms re-plans (see
     /// [`PermitStore::release_reserved`]).
     pub fn reserving(&self) -> Vec<SellerId> {
         let now = std::time::Instant::now();
