@@ -7,21 +7,10 @@ use std::time::Duration;
 
 use redis::AsyncCommands;
 
-use super::*;
+use super::ZZZ;
 use crate::config::Limits;
 use crate::domain::{Cost, SellerId};
 use crate::routes::Route;
-
-/// What deferred a call the seller's own limit granted (see [`Decision::Deferred`]).
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum Deferral {
-    /// `TURNSTILE_SELLER_CONCURRENCY` calls of the seller are in flight.
-    Concurrency,
-    /// The seller has taken more than its fair share of the global limit while others wait.
-    GlobalShare,
-    /// The global limit has no room now.
-    GlobalFull,
-}
 
 /// How soon the callers refused a lease come back, one after another (see `lua/lease.lua`).
 pub(super) const LEASE_POLL: Duration = Duration::from_millis(10);

@@ -529,3 +529,6 @@ mod tests {
         );
     }
 }
+
+/// How long after its grant a block's units may be claimed.
+pub const BLOCK_HOLD: Duration = Duration::from_secs(2);

@@ -4,7 +4,7 @@
 
 use std::time::Duration;
 
-use super::*;
+use super::ZZZ;
 use crate::config::Limits;
 use crate::domain::{Cost, Priority};
 
@@ -257,4 +257,22 @@ pub const CALL_ALLOWANCE: Duration = Duration::from_secs(1);
 
 pub(super) fn wait_for(at_us: i64, now_us: i64) -> Duration {
     Duration::from_micros(at_us.saturating_sub(now_us).max(0) as u64)
+}
+
+/// A seller's limit override as the scripts write it (`"COUNTS WINDOWS_US"`); `None` if it is
+/// not well-formed (the scripts ignore it then).
+pub(in crate::permit) fn parse_override(raw: &str) -> Option<Limits> {
+    let (counts, windows) = raw.split_once(' ')?;
+    Limits::from_args(counts, windows)
+}
+
+/// What deferred a call the seller's own limit granted (see [`Decision::Deferred`]).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Deferral {
+    /// `TURNSTILE_SELLER_CONCURRENCY` calls of the seller are in flight.
+    Concurrency,
+    /// The seller has taken more than its fair share of the global limit while others wait.
+    GlobalShare,
+    /// The global limit has no room now.
+    GlobalFull,
 }

@@ -6,12 +6,9 @@
 use std::sync::Arc;
 use std::time::Duration;
 
-use super::*;
+use super::ZZZ;
 use crate::config::{Algorithm, LimiterArgs, Limits};
 use crate::domain::{Cost, MessageId, SellerId};
-
-/// How long after its grant a block's units may be claimed.
-pub const BLOCK_HOLD: Duration = Duration::from_secs(2);
 
 /// How much room a plain claim of a pool unit leaves between its call's bound and the unit's
 /// end (see `PermitStore::grant_from_pool`): for the replica's clock, which measures the bound,

@@ -8,7 +8,7 @@ use std::time::Duration;
 
 use redis::AsyncCommands;
 
-use super::*;
+use super::ZZZ;
 use crate::config::{Algorithm, LimiterArgs, Limits, RedisArgs};
 use crate::domain::SellerId;
 use crate::routes::Route;
