@@ -14,15 +14,18 @@ use std::time::Duration;
 
 use redis::AsyncCommands;
 
-use super::calls::Call;
-use super::calls::{
-    GlobalUsageCall, Pause, Reschedule, RescheduleAnswer, Reset, ResetAnswer, UsageCall,
-};
-use super::{
-    Applied, Keyspace, PermitError, RedisConn, Reservation, Why, parse_override, wait_for,
-};
 use crate::config::{Algorithm, Limit, LimiterArgs, Limits};
 use crate::domain::SellerId;
+use crate::permit::applied::Applied;
+use crate::permit::calls::Call;
+use crate::permit::calls::{
+    GlobalUsageCall, Pause, Reschedule, RescheduleAnswer, Reset, ResetAnswer, UsageCall,
+};
+use crate::permit::conn::RedisConn;
+use crate::permit::decision::{Reservation, parse_override, wait_for};
+use crate::permit::error::PermitError;
+use crate::permit::keys::Keyspace;
+use crate::permit::outcome::Why;
 
 /// How much of the global limit is taken now, and by whom (see [`Admin::global_usage`]).
 #[derive(Clone, Debug, PartialEq)]
@@ -708,7 +711,7 @@ impl Admin {
             .clone()
             .get(self.keys.route_limit(seller, route))
             .await?;
-        Ok(raw.as_deref().and_then(super::parse_override))
+        Ok(raw.as_deref().and_then(parse_override))
     }
 
     /// Removes a per-seller override; returns whether there was one.

@@ -22,8 +22,8 @@ use std::sync::atomic::{AtomicI64, Ordering};
 use std::sync::{Arc, RwLock};
 use std::time::{Duration, Instant};
 
-use super::PermitError;
 use crate::config::LimiterArgs;
+use crate::permit::error::PermitError;
 
 /// The terms a replica grants under now, and when they stop being trusted.
 #[derive(Debug)]

@@ -3,10 +3,20 @@
 //! pool ([`super::pool`]) or its algorithm's script (`lua/<algorithm>.lua`), reserving a slot
 //! when it must wait; a grant is then checked beyond the seller ([`super::beyond`]).
 
-use super::limiter::Ask;
-use super::ZZZ;
 use crate::config::{Algorithm, LimiterArgs, Limits};
 use crate::domain::{Cost, MessageId, SellerId};
+use crate::permit::admin::Terms;
+use crate::permit::batch::{Operation, When};
+use crate::permit::block;
+use crate::permit::calls::{Acquire, AcquireAnswer, AcquireTail};
+use crate::permit::calls::{Redeem, RedeemAnswer};
+use crate::permit::decision::{
+    Asking, Decision, Forfeit, Rank, Reservation, charged_cost, parse_charge, wait_for,
+};
+use crate::permit::error::PermitError;
+use crate::permit::limiter::Ask;
+use crate::permit::observed::{count_verdict, observe};
+use crate::permit::store::PermitStore;
 use crate::routes::Route;
 
 impl PermitStore {

@@ -22,14 +22,15 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Duration;
 
+use crate::permit::conn::RedisConn;
+use crate::permit::error::PermitError;
+use crate::permit::keys::hash_tag;
+use crate::permit::scripts;
 use futures::StreamExt;
 use futures::stream::FuturesUnordered;
 use redis::{ToRedisArgs, Value};
 use tokio::sync::{mpsc, oneshot};
 use tokio::time::Instant;
-
-use super::keys::hash_tag;
-use super::{PermitError, RedisConn, scripts};
 
 /// Calls in flight at once per place (per Redis, or per seller on Redis Cluster).
 pub const MOST_IN_FLIGHT: usize = 2;

@@ -4,7 +4,6 @@
 
 use std::time::Duration;
 
-use super::ZZZ;
 use crate::config::Limits;
 use crate::domain::{Cost, Priority};
 

@@ -5,9 +5,21 @@
 
 use std::time::Duration;
 
-use super::ZZZ;
 use crate::config::Algorithm;
-use crate::domain::{BatchId, BatchSize, Cost, MessageId, RateLimitHeaders, SellerId};
+use crate::domain::{BatchSize, Cost, MessageId, SellerId};
+use crate::permit::admin::Terms;
+use crate::permit::batch::{Operation, When};
+use crate::permit::calls;
+use crate::permit::calls::{CallEnded, Unreserve};
+use crate::permit::calls::{Complete, CompleteAnswer, CompleteBatch};
+use crate::permit::calls::{Learn, LearnAnswer};
+use crate::permit::calls::{Recost, Recosted};
+use crate::permit::decision::{CHARGE_MEMORY, Reservation};
+use crate::permit::error::PermitError;
+use crate::permit::outcome::{
+    BatchEvent, CallAnswer, Completion, InBatch, LearnedChange, Lesson, Recorded, Why,
+};
+use crate::permit::store::{MOST_THROTTLED, PermitStore};
 use crate::routes::Route;
 
 /// How far a learned stack stands below its configured one: the smallest learned / configured

@@ -16,11 +16,12 @@ use futures::FutureExt;
 use futures::future::BoxFuture;
 use tracing::{debug, info, warn};
 
-use super::{
-    Asking, BatchEvent, BatchSeen, CallAnswer, Completion, Decision, Forfeit, InBatch, Lesson,
-    PermitError, PermitStore, Rank, Recorded, Reservation, UploadProgress,
-};
 use crate::domain::{BatchId, BatchSize, Cost, Identity, MessageId, RateLimitHeaders, SellerId};
+use crate::permit::decision::{Asking, Decision, Forfeit, Rank, Reservation};
+use crate::permit::error::PermitError;
+use crate::permit::outcome::{BatchEvent, CallAnswer, Completion, InBatch, Lesson, Recorded};
+use crate::permit::records::{BatchSeen, UploadProgress};
+use crate::permit::store::PermitStore;
 use crate::routes::Route;
 
 /// A request for a permit: the one way into the limiter (see [`Limiter::ask`]). Built with

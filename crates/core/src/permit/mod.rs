@@ -43,9 +43,12 @@ pub mod block;
 mod calls;
 mod conn;
 mod decision;
+mod error;
 mod finish;
 pub mod keys;
 mod limiter;
+mod observed;
+mod outcome;
 mod pool;
 mod records;
 mod registry;
@@ -58,31 +61,30 @@ pub use admin::{
     MAX_WEIGHT, PauseSpanError, Quota, Rescheduled, Shadow, Terms, Usage, binding_of, pause_span,
 };
 pub use applied::Applied;
-use batch::{Batcher, Operation, When};
-use block::Blocks;
-use calls::{
-    Acquire, AcquireAnswer, AcquireTail, CallEnded, Complete, CompleteAnswer, CompleteBatch,
-    Global, GlobalAnswer, GlobalEnd, Learn, LearnAnswer, Lease, LeaseAnswer, OnRoute, Recost,
-    Recosted, Redeem, RedeemAnswer, Release, Unreserve,
+pub use conn::{
+    RedisClient, RedisConn, delete_prefix, keys_matching, memory_of_prefix, memory_usage,
+    round_trips,
 };
-pub use conn::{RedisClient, RedisConn, round_trips};
 pub use keys::Keyspace;
 pub use limiter::{Ask, Asked, Ended, Finished, Grant, Limiter, Progress};
 pub use records::{BatchSeen, Records, RetryDue, UploadProgress};
 pub use registry::{Registered, Registry, Roll};
 
-pub use ask::*;
-pub use beyond::*;
-pub use decision::*;
-pub use finish::*;
-pub use pool::*;
-pub use store::*;
-
-use crate::config::Limits;
+pub use beyond::{GLOBAL_OUTCOMES, LEASE_OUTCOMES};
+pub use decision::{
+    AGING, CALL_ALLOWANCE, CHARGE_MEMORY, Decision, Deferral, Forfeit, GIVE_WAY_REACH,
+    GIVE_WAY_STEPS_PER_SECOND, GIVE_WAY_STEPS_SAVED, Rank, Reservation,
+};
+pub use error::PermitError;
+pub use observed::{NEAR_LIMIT_PERMILLE, SHADOW_VERDICTS};
+pub use outcome::{BatchEvent, Completion, InBatch, Recorded, Why};
+pub use store::{PermitStore, RESCHEDULE_POLL, record_delay, watch_reschedules};
 
 #[cfg(test)]
 mod tests {
-    use super::{PermitError, Reservation, charged_cost, learned_ratio, parse_charge};
+    use super::decision::{Reservation, charged_cost, parse_charge};
+    use super::error::PermitError;
+    use super::finish::learned_ratio;
     use crate::domain::Cost;
 
     fn cost(units: u32) -> Cost {

@@ -1,8 +1,7 @@
 //! What the permit metrics count of decisions (labels: the algorithm, never the seller).
 
 use crate::config::Algorithm;
-
-use super::decision::Decision;
+use crate::permit::decision::Decision;
 
 /// The `verdict` label values of `turnstile_shadow_verdicts_total`.
 pub const SHADOW_VERDICTS: [&str; 3] = ["agree", "stricter", "looser"];

@@ -1,6 +1,8 @@
 //! The vocabulary of a call's end: a message's completion states, a call's answer as it is
 //! recorded, a batch's completion event, the lessons adaptive limits learn.
 
+use crate::domain::{BatchId, BatchSize, Cost, RateLimitHeaders};
+
 /// What happened to a message, as its completion record keeps it (see `lua/complete.lua`):
 /// each message is in one state, and counted in its upload's progress in that one.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]

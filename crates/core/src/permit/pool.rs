@@ -3,10 +3,18 @@
 //! by any replica's next calls without a script (see [`super::block`] for the bookkeeping),
 //! and what those calls answered is written back in the background.
 
+use crate::permit::batch::{Operation, When};
+use crate::permit::block::Blocks;
+use crate::permit::calls::{AcquireAnswer, CompleteAnswer};
+use crate::permit::decision::{Decision, parse_override};
+use crate::permit::error::PermitError;
+use crate::permit::observed::observe;
+use crate::permit::outcome::{CallAnswer, Lesson};
+use crate::permit::store::{PermitStore, THROTTLED_FOR};
+use crate::permit::{block, records};
 use std::sync::Arc;
 use std::time::Duration;
 
-use super::ZZZ;
 use crate::config::{Algorithm, LimiterArgs, Limits};
 use crate::domain::{Cost, MessageId, SellerId};
 

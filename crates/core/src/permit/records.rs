@@ -9,9 +9,12 @@ use std::time::Duration;
 
 use redis::AsyncCommands;
 
-use super::calls::{BatchEventSent, BatchSeenCall, RetriesCall, RetryCall, Tally};
-use super::{Keyspace, PermitError, RedisConn};
 use crate::domain::{BatchId, BatchSize, Cost, MessageId, SellerId, key_part};
+use crate::permit::calls::{BatchEventSent, BatchSeenCall, RetriesCall, RetryCall, Tally};
+use crate::permit::conn::{RedisConn, keys_matching};
+use crate::permit::error::PermitError;
+use crate::permit::keys::Keyspace;
+use crate::permit::outcome::BatchEvent;
 
 /// How far one batch (an upload) is, as its progress hash holds it (see `lua/complete.lua`).
 #[derive(Debug, Clone, Default, PartialEq, Eq, serde::Serialize)]
@@ -96,7 +99,7 @@ impl UploadProgress {
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct BatchSeen {
     /// Its pending completion event, if any.
-    pub event: Option<super::BatchEvent>,
+    pub event: Option<BatchEvent>,
     /// How many sellers' messages named its id (more than one: a batch that mixes sellers).
     pub sellers: u64,
 }
@@ -233,7 +236,7 @@ impl Records {
             .query_async(&mut conn)
             .await?;
         Ok(BatchSeen {
-            event: super::BatchEvent::parse(&event),
+            event: BatchEvent::parse(&event),
             sellers,
         })
     }
@@ -347,13 +350,13 @@ impl Records {
         &self,
         seller: &SellerId,
         batch: &BatchId,
-    ) -> Result<Option<super::BatchEvent>, PermitError> {
+    ) -> Result<Option<BatchEvent>, PermitError> {
         let event: Option<String> = self
             .conn
             .clone()
             .hget(self.keys.batch(seller, batch), "event")
             .await?;
-        Ok(event.as_deref().and_then(super::BatchEvent::parse))
+        Ok(event.as_deref().and_then(BatchEvent::parse))
     }
 
     /// Says that a batch's completion `event` was published (confirmed): it is no longer
@@ -362,7 +365,7 @@ impl Records {
         &self,
         seller: &SellerId,
         batch: &BatchId,
-        event: super::BatchEvent,
+        event: BatchEvent,
     ) -> Result<(), PermitError> {
         let sent = BatchEventSent {
             progress: self.keys.batch(seller, batch),
@@ -409,9 +412,9 @@ impl Records {
         let keys = match (seller, batch) {
             (Some(seller), Some(batch)) => vec![self.keys.batch(seller, batch)],
             (Some(seller), None) => {
-                super::keys_matching(&self.conn, &self.keys.batches_of(seller)).await?
+                keys_matching(&self.conn, &self.keys.batches_of(seller)).await?
             }
-            (None, _) => super::keys_matching(&self.conn, &self.keys.batches()).await?,
+            (None, _) => keys_matching(&self.conn, &self.keys.batches()).await?,
         };
         let mut out = Vec::new();
         let mut conn = self.conn.clone();

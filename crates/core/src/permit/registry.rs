@@ -5,9 +5,11 @@
 
 use std::time::Duration;
 
-use super::calls::{FleetAction, FleetAnswer, FleetCall};
-use super::{Keyspace, PermitError, RedisConn};
 use crate::config::Algorithm;
+use crate::permit::calls::{FleetAction, FleetAnswer, FleetCall};
+use crate::permit::conn::RedisConn;
+use crate::permit::error::PermitError;
+use crate::permit::keys::Keyspace;
 
 /// The fleet's registry under a key prefix.
 #[derive(Clone)]

@@ -7,11 +7,11 @@
 
 use std::time::Duration;
 
+use crate::permit::conn::RedisConn;
+use crate::permit::error::PermitError;
 use redis::Value;
 use tokio_util::sync::CancellationToken;
 use tracing::error;
-
-use super::{PermitError, RedisConn};
 
 /// One Redis server's memory settings, as `INFO memory` gives them.
 #[derive(Clone, Debug, PartialEq, Eq)]

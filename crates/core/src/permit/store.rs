@@ -2,13 +2,21 @@
 //! (see [`super::applied`]), Redis's clock as the answers tell it, and the keyspace utilities
 //! the operator's tools and tests share.
 
+use crate::permit::admin;
+use crate::permit::admin::{Admin, Rescheduled, Terms};
+use crate::permit::applied::Applied;
+use crate::permit::batch::{Batcher, Operation, When};
+use crate::permit::block::{BLOCK_HOLD, Blocks};
+use crate::permit::calls::OnRoute;
+use crate::permit::conn::RedisConn;
+use crate::permit::decision::CALL_ALLOWANCE;
+use crate::permit::error::PermitError;
+use crate::permit::keys::Keyspace;
+use crate::permit::records::Records;
 use std::collections::HashMap;
 use std::sync::{Arc, OnceLock};
 use std::time::Duration;
 
-use redis::AsyncCommands;
-
-use super::ZZZ;
 use crate::config::{Algorithm, LimiterArgs, Limits, RedisArgs};
 use crate::domain::SellerId;
 use crate::routes::Route;
@@ -179,66 +187,6 @@ pub async fn watch_reschedules(
 
 /// How far behind the newest entry seen the reschedule log is read again.
 pub(super) const RESCHEDULE_LOOKBACK: Duration = Duration::from_secs(2);
-
-/// Every key matching a glob pattern: KEYS on each primary of a cluster, SCAN elsewhere. Meant
-/// for operator commands and cleanup over a prefix, not for the hot path.
-pub async fn keys_matching(conn: &RedisConn, pattern: &str) -> Result<Vec<String>, PermitError> {
-    let mut conn = conn.clone();
-    if let RedisConn::Cluster(_) = conn {
-        return Ok(redis::cmd("KEYS")
-            .arg(pattern)
-            .query_async(&mut conn)
-            .await?);
-    }
-    let mut keys = Vec::new();
-    let mut cursor: u64 = 0;
-    loop {
-        let (next, batch): (u64, Vec<String>) = redis::cmd("SCAN")
-            .arg(cursor)
-            .arg("MATCH")
-            .arg(pattern)
-            .arg("COUNT")
-            .arg(1000)
-            .query_async(&mut conn)
-            .await?;
-        keys.extend(batch);
-        if next == 0 {
-            return Ok(keys);
-        }
-        cursor = next;
-    }
-}
-
-/// Bytes Redis uses for `key` (`MEMORY USAGE key SAMPLES 0`: exact), or `None` if it does not
-/// exist. For benchmarks and tests that weigh the limiter's state.
-pub async fn memory_usage(conn: &RedisConn, key: &str) -> Result<Option<u64>, PermitError> {
-    Ok(redis::cmd("MEMORY")
-        .arg("USAGE")
-        .arg(key)
-        .arg("SAMPLES")
-        .arg(0)
-        .query_async(&mut conn.clone())
-        .await?)
-}
-
-/// Bytes Redis uses for every key that starts with `prefix:`.
-pub async fn memory_of_prefix(conn: &RedisConn, prefix: &str) -> Result<u64, PermitError> {
-    let mut total = 0;
-    for key in keys_matching(conn, &Keyspace::new(prefix).everything()).await? {
-        total += memory_usage(conn, &key).await?.unwrap_or(0);
-    }
-    Ok(total)
-}
-
-/// Deletes every key that starts with `prefix:` (for demos, benchmarks and tests that clean up
-/// after themselves).
-pub async fn delete_prefix(conn: &RedisConn, prefix: &str) -> anyhow::Result<()> {
-    let mut unlink = conn.clone();
-    for key in keys_matching(conn, &Keyspace::new(prefix).everything()).await? {
-        let _: i64 = unlink.unlink(&key).await?;
-    }
-    Ok(())
-}
 
 impl PermitStore {
     pub async fn connect(redis: &RedisArgs, limiter: &LimiterArgs) -> anyhow::Result<Self> {

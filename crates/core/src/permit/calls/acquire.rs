@@ -1,12 +1,13 @@
 //! The acquire scripts: `lua/sliding_window.lua`, `lua/gcra.lua`, `lua/token_bucket.lua` and
 //! `lua/fixed_window.lua`, which share their keys and arguments but for a tail of their own.
 
-use super::operate;
-use super::{Call, OnRoute};
 use crate::config::{Algorithm, Limits};
 use crate::domain::Cost;
 use crate::permit::batch::Operation;
-use crate::permit::{Answer, Decision, PermitError, Reservation, count_verdict, wait_for};
+use crate::permit::calls::call::{Answer, Call, OnRoute, operate};
+use crate::permit::decision::{Decision, Reservation, wait_for};
+use crate::permit::error::PermitError;
+use crate::permit::observed::count_verdict;
 
 /// An acquire script (one per algorithm, see [`AcquireTail`]): grants the seller's permit
 /// now, reserves a future slot (FLAGS +1) or answers when to come back. See the scripts'

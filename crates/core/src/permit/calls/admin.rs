@@ -3,13 +3,15 @@
 
 use std::time::Duration;
 
-use super::Call;
-use super::invoke;
 use crate::config::{Algorithm, Limits};
-use crate::permit::{
-    Answer, GlobalShare, GlobalUsage, LimitUsage, PermitError, Shadow, Terms, Usage, Why,
-    binding_of, scripts, wait_for,
+use crate::permit::admin::{
+    GlobalShare, GlobalUsage, LimitUsage, Shadow, Terms, Usage, binding_of,
 };
+use crate::permit::calls::call::{Answer, Call, invoke};
+use crate::permit::decision::wait_for;
+use crate::permit::error::PermitError;
+use crate::permit::outcome::Why;
+use crate::permit::scripts;
 
 /// `lua/usage.lua`: how much of each of the seller's limits is taken now, the stack that
 /// applies and any pause (read-only). See the script's header.

@@ -1,7 +1,9 @@
 //! What every script call shares: where its keys and arguments are written ([`Call`]), a
 //! call's route and adaptive keys, the header's constants, and how an answer is read.
 
-use super::batch::Operation;
+use crate::config::Limits;
+use crate::permit::batch::Operation;
+use crate::permit::error::PermitError;
 
 /// Something a script's keys and arguments are written into, in order.
 pub(in crate::permit) trait Call {
@@ -38,7 +40,10 @@ pub(in crate::permit) fn invoke(
 }
 
 /// The batch's operation `name`, its keys and arguments laid out by `write` (a typed call's).
-pub(in crate::permit) fn operate(name: &'static str, write: impl FnOnce(&mut Operation)) -> Operation {
+pub(in crate::permit) fn operate(
+    name: &'static str,
+    write: impl FnOnce(&mut Operation),
+) -> Operation {
     let mut operation = Operation::new(name);
     write(&mut operation);
     operation
@@ -169,32 +174,35 @@ pub(in crate::permit) mod header {
 /// A script's answer (a list), read by position; anything missing or of another type is the
 /// script's bad answer.
 pub(in crate::permit) struct Answer<'a> {
-    values: &'a [redis::Value],
-    script: &'static str,
+    pub(in crate::permit) values: &'a [redis::Value],
+    pub(in crate::permit) script: &'static str,
 }
 
 impl Answer<'_> {
-    fn bad(&self) -> PermitError {
+    pub(in crate::permit) fn bad(&self) -> PermitError {
         PermitError::Answer(self.script)
     }
-    fn get<T: redis::FromRedisValue>(&self, i: usize) -> Result<T, PermitError> {
+    pub(in crate::permit) fn get<T: redis::FromRedisValue>(
+        &self,
+        i: usize,
+    ) -> Result<T, PermitError> {
         self.values
             .get(i)
             .and_then(|v| redis::from_redis_value_ref(v).ok())
             .ok_or_else(|| self.bad())
     }
-    fn int(&self, i: usize) -> Result<i64, PermitError> {
+    pub(in crate::permit) fn int(&self, i: usize) -> Result<i64, PermitError> {
         self.get(i)
     }
-    fn text(&self, i: usize) -> Result<String, PermitError> {
+    pub(in crate::permit) fn text(&self, i: usize) -> Result<String, PermitError> {
         self.get(i)
     }
     /// A count at `i` (a negative one reads as 0).
-    fn count(&self, i: usize) -> Result<u64, PermitError> {
+    pub(in crate::permit) fn count(&self, i: usize) -> Result<u64, PermitError> {
         Ok(self.int(i)?.max(0) as u64)
     }
     /// The stack at `i` (counts) and `i + 1` (windows).
-    fn limits(&self, i: usize) -> Result<Limits, PermitError> {
+    pub(in crate::permit) fn limits(&self, i: usize) -> Result<Limits, PermitError> {
         Limits::from_args(&self.text(i)?, &self.text(i + 1)?).ok_or_else(|| self.bad())
     }
 }

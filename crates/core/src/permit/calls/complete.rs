@@ -1,8 +1,7 @@
 //! `lua/complete.lua`.
 
-use super::operate;
-use super::{AdaptiveKeys, Call};
 use crate::permit::batch::Operation;
+use crate::permit::calls::call::{AdaptiveKeys, Call, operate};
 
 /// `lua/complete.lua`: moves a message's completion record to the state it is in now
 /// (OUTCOME), counts it there once in its batch's progress, and records the answer of the CALL

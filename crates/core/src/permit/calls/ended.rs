@@ -1,8 +1,7 @@
 //! `lua/ended.lua`.
 
-use super::Call;
-use super::operate;
 use crate::permit::batch::Operation;
+use crate::permit::calls::call::{Call, operate};
 
 /// `lua/ended.lua`: a call's answer came (or it will not be sent): its END in the seller's
 /// calls. Answers 1. See the script's header.

@@ -1,7 +1,6 @@
 //! The fleet's registry script (see `permit/registry.rs`): `lua/fleet.lua`.
 
-use super::Call;
-use super::invoke;
+use crate::permit::calls::call::{Call, invoke};
 use crate::permit::scripts;
 
 /// What `lua/fleet.lua` does (ARGV[1] and what goes with it).

@@ -1,7 +1,6 @@
 //! `lua/global.lua`.
 
-use super::Call;
-use super::invoke;
+use crate::permit::calls::call::{Call, invoke};
 use crate::permit::scripts;
 
 /// `lua/global.lua`: admits a seller's call under the global limit, shared fairly by the

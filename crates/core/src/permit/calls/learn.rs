@@ -1,10 +1,9 @@
 //! `lua/learn.lua`.
 
-use super::Call;
-use super::operate;
 use crate::config::Algorithm;
-use crate::permit::Terms;
+use crate::permit::admin::Terms;
 use crate::permit::batch::Operation;
+use crate::permit::calls::call::{Call, operate};
 
 /// `lua/learn.lua`: what the downstream's answer (a 429, a recovery, its rate-limit headers)
 /// teaches about the seller's real limit, applied to its learned state. See the script's

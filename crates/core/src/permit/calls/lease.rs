@@ -1,7 +1,6 @@
 //! `lua/lease.lua`.
 
-use super::Call;
-use super::invoke;
+use crate::permit::calls::call::{Call, invoke};
 use crate::permit::scripts;
 
 /// `lua/lease.lua`: a lease of one of the seller's calls in flight, under its LIMIT of calls

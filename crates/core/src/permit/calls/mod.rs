@@ -7,8 +7,8 @@
 //! with the KEYS and ARGV lines of its script's header.
 
 mod acquire;
-mod call;
 mod admin;
+mod call;
 mod complete;
 mod ended;
 mod fleet;
@@ -25,6 +25,9 @@ pub(super) use acquire::{Acquire, AcquireAnswer, AcquireTail};
 pub(super) use admin::{
     GlobalUsageCall, Pause, Reschedule, RescheduleAnswer, Reset, ResetAnswer, UsageCall,
 };
+#[cfg(test)]
+pub(super) use call::header;
+pub(super) use call::{AdaptiveKeys, Call, OnRoute};
 pub(super) use complete::{AdaptiveArgs, Complete, CompleteAnswer, CompleteBatch};
 pub(super) use ended::CallEnded;
 pub(super) use fleet::{FleetAction, FleetAnswer, FleetCall};
@@ -36,4 +39,3 @@ pub(super) use recost::{Recost, Recosted};
 pub(super) use redeem::{Redeem, RedeemAnswer};
 pub(super) use release::Release;
 pub(super) use unreserve::Unreserve;
-pub(super) use call::{AdaptiveKeys, Answer, Call, OnRoute, header, invoke, operate};

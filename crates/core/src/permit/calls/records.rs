@@ -1,8 +1,7 @@
 //! The records' scripts (see `permit/records.rs`): `lua/batch_seen.lua`,
 //! `lua/batch_event_sent.lua`, `lua/tally.lua`, `lua/retry.lua` and `lua/retries.lua`.
 
-use super::Call;
-use super::invoke;
+use crate::permit::calls::call::{Call, invoke};
 use crate::permit::scripts;
 
 /// `lua/batch_seen.lua`: a batch seen by a replica (its progress created if new, its size

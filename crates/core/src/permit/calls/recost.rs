@@ -1,7 +1,6 @@
 //! `lua/recost.lua`.
 
-use super::Call;
-use super::invoke;
+use crate::permit::calls::call::{Call, invoke};
 use crate::permit::scripts;
 
 /// `lua/recost.lua`: a granted call's units become what the downstream reported it cost, and

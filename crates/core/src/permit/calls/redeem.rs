@@ -1,9 +1,8 @@
 //! `lua/redeem.lua`.
 
-use super::operate;
-use super::{Call, OnRoute};
 use crate::config::Algorithm;
 use crate::permit::batch::Operation;
+use crate::permit::calls::call::{Call, OnRoute, operate};
 
 /// `lua/redeem.lua`: grants a slot the seller reserved for TOKEN, if it is still held, the
 /// limits it was reserved under still apply and its time has come. See the script's header.

@@ -1,8 +1,7 @@
 //! `lua/release.lua`.
 
-use super::invoke;
-use super::{Call, OnRoute};
 use crate::config::Algorithm;
+use crate::permit::calls::call::{Call, OnRoute, invoke};
 use crate::permit::scripts;
 
 /// `lua/release.lua`: gives back a grant whose call will not be made (refused beyond the

@@ -1,8 +1,7 @@
 //! `lua/unreserve.lua`.
 
-use super::invoke;
-use super::{Call, OnRoute};
 use crate::config::Algorithm;
+use crate::permit::calls::call::{Call, OnRoute, invoke};
 use crate::permit::scripts;
 
 /// `lua/unreserve.lua`: gives back a reservation whose message will not come back for it.
