@@ -333,7 +333,7 @@ impl Admin {
     }
 
     /// An `Admin` that reads under the terms a replica grants under, whatever they become.
-    pub fn following(conn: RedisConn, prefix: &str, applied: Arc<Applied>) -> Self {
+    pub(crate) fn following(conn: RedisConn, prefix: &str, applied: Arc<Applied>) -> Self {
         Self {
             follows: Some(applied.clone()),
             ..Self::new(conn, prefix, Terms::from(&*applied.current()))
@@ -790,7 +790,10 @@ impl Admin {
 
     /// Sellers whose terms changed after `since_us` (Redis time), oldest first, with when: read
     /// from the shared reschedule log (at most 1,000 at a time).
-    pub async fn rescheduled_since(&self, since_us: i64) -> Result<Vec<Rescheduled>, PermitError> {
+    pub(crate) async fn rescheduled_since(
+        &self,
+        since_us: i64,
+    ) -> Result<Vec<Rescheduled>, PermitError> {
         let entries: Vec<(String, f64)> = redis::cmd("ZRANGEBYSCORE")
             .arg(self.keys.reschedules())
             .arg(format!("({since_us}"))

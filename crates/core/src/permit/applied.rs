@@ -141,7 +141,7 @@ impl Applied {
     }
 
     /// The fence's end, Redis µs (0: none).
-    pub fn fence_us(&self) -> i64 {
+    pub(crate) fn fence_us(&self) -> i64 {
         self.fence_us.load(Ordering::Relaxed)
     }
 

@@ -29,15 +29,15 @@ use crate::domain::SellerId;
 
 /// Most sellers one replica keeps a pool hint or a size for: beyond it, no new block is asked
 /// for and the sizes start over (memory stays bounded however many sellers a replica sees).
-pub const MOST_BLOCKS: usize = 4096;
+pub(crate) const MOST_BLOCKS: usize = 4096;
 
 /// Most units a block takes besides the call that asks for it (`MAX_BLOCK` in
 /// `lua/include/blocks.lua`).
-pub const MOST_UNITS: u32 = 64;
+pub(crate) const MOST_UNITS: u32 = 64;
 
 /// Units a replica asks for the first time it sees a seller (or after it forgot it), before it
 /// has seen how many its blocks get used (see [`Blocks::wanted`]).
-pub const FIRST_SIZE: u32 = 16;
+pub(crate) const FIRST_SIZE: u32 = 16;
 
 /// Most claimed units whose record is awaited: beyond it they are forgotten (their records
 /// then go through `complete.lua`, which is right for any call).
@@ -85,7 +85,7 @@ struct Size {
 
 /// One replica's hints about the seller pools (see the module's doc).
 #[derive(Debug)]
-pub struct Blocks {
+pub(crate) struct Blocks {
     /// Until when a message of the seller tries a plain claim first.
     pools: Mutex<HashMap<SellerId, Instant>>,
     /// How often a seller this replica saw no pool of lately had one anyway (another replica's),
@@ -131,7 +131,7 @@ impl Blocks {
     }
 
     /// The hold in µs, as the script takes it.
-    pub fn hold_us(&self) -> u64 {
+    pub(crate) fn hold_us(&self) -> u64 {
         self.hold.as_micros() as u64
     }
 
@@ -155,7 +155,7 @@ impl Blocks {
 
     /// Whether this replica saw units in the seller's pool within the last hold: its next
     /// message tries a plain claim first.
-    pub fn tries_pool(&self, seller: &SellerId) -> bool {
+    pub(crate) fn tries_pool(&self, seller: &SellerId) -> bool {
         let mut pools = locked(&self.pools);
         match pools.get(seller) {
             Some(until) if Instant::now() < *until => true,
@@ -171,19 +171,19 @@ impl Blocks {
     /// plain claim first all the same: most such sellers had one lately (other replicas took
     /// blocks for them), so a claim that finds none costs less than the acquires that would find
     /// one.
-    pub fn guesses_pool(&self) -> bool {
+    pub(crate) fn guesses_pool(&self) -> bool {
         *locked(&self.found_unseen) > 0.5
     }
 
     /// A seller whose pool this replica had not seen lately had units in it (`found`) or not.
-    pub fn unseen_pool(&self, found: bool) {
+    pub(crate) fn unseen_pool(&self, found: bool) {
         let mut rate = locked(&self.found_unseen);
         *rate = 0.95 * *rate + if found { 0.05 } else { 0.0 };
     }
 
     /// The seller's pool had units when this replica asked at `asked` (it took a block into it,
     /// or claimed from it).
-    pub fn saw_pool(&self, seller: &SellerId, asked: Instant) {
+    pub(crate) fn saw_pool(&self, seller: &SellerId, asked: Instant) {
         let mut pools = locked(&self.pools);
         if pools.len() >= MOST_BLOCKS && !pools.contains_key(seller) {
             pools.retain(|_, until| Instant::now() < *until);
@@ -198,13 +198,13 @@ impl Blocks {
     /// over): no pool is claimed from without an acquire until one is seen again, and sellers
     /// not seen are not guessed to have one. (The first acquire of a seller on a server that did
     /// not write its state drops its pool: see `sliding_window.lua`.)
-    pub fn forget_pools(&self) {
+    pub(crate) fn forget_pools(&self) {
         locked(&self.pools).clear();
         *locked(&self.found_unseen) = 0.0;
     }
 
     /// The seller's pool was found empty (or is no longer to be used: its terms changed).
-    pub fn pool_gone(&self, seller: &SellerId) {
+    pub(crate) fn pool_gone(&self, seller: &SellerId) {
         locked(&self.pools).remove(seller);
     }
 
@@ -254,7 +254,7 @@ impl Blocks {
     }
 
     /// Every answer kept, by seller, to write now.
-    pub fn take_answers(&self) -> Vec<(SellerId, Answers)> {
+    pub(crate) fn take_answers(&self) -> Vec<(SellerId, Answers)> {
         locked(&self.answers).drain().collect()
     }
 
@@ -339,6 +339,7 @@ impl Blocks {
         locked(&self.pools).len()
     }
 
+    #[cfg(test)]
     pub fn is_empty(&self) -> bool {
         self.len() == 0
     }

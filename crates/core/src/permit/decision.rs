@@ -235,7 +235,7 @@ pub const CHARGE_MEMORY: Duration = Duration::from_secs(600);
 /// The units a call asks for: its message's `requested` cost, or the charge `learned` from its
 /// endpoint's answers when higher, capped at `most` (the smallest COUNT of the stacks it takes,
 /// so that a charge never makes it too costly to be granted) but never below `requested`.
-pub fn charged_cost(requested: Cost, learned: Option<u32>, most: u32) -> Cost {
+pub(crate) fn charged_cost(requested: Cost, learned: Option<u32>, most: u32) -> Cost {
     learned
         .map(|charge| charge.min(most).min(Cost::MAX))
         .and_then(Cost::new)

@@ -141,7 +141,7 @@ impl Keyspace {
     }
 
     /// The loss marker of the seller's hash slot (see the module's doc).
-    pub fn losses(&self, seller: &SellerId) -> String {
+    pub(crate) fn losses(&self, seller: &SellerId) -> String {
         losses_for(&self.server(seller))
     }
 
@@ -168,7 +168,7 @@ impl Keyspace {
     }
 
     /// When the seller's next caller refused a lease comes back (string: µs).
-    pub fn lease_ticket(&self, seller: &SellerId) -> String {
+    pub(crate) fn lease_ticket(&self, seller: &SellerId) -> String {
         self.seller(seller, "lease-ticket")
     }
 
@@ -201,7 +201,7 @@ impl Keyspace {
     }
 
     /// The units granted to the seller, as the shadow limit judges them (sorted set).
-    pub fn shadow_log(&self, seller: &SellerId) -> String {
+    pub(crate) fn shadow_log(&self, seller: &SellerId) -> String {
         self.seller(seller, "shadow-log")
     }
 
@@ -229,7 +229,7 @@ impl Keyspace {
     }
 
     /// A glob pattern matching every upload's progress of the seller.
-    pub fn batches_of(&self, seller: &SellerId) -> String {
+    pub(crate) fn batches_of(&self, seller: &SellerId) -> String {
         self.seller(seller, "batch:*")
     }
 
@@ -256,7 +256,7 @@ impl Keyspace {
     /// The sellers whose messages named a batch (set of seller ids), so that a batch is found
     /// by its id alone: `<prefix>:{<prefix>~batch~<batch>}:sellers`, in a slot of its own (its
     /// tag holds a `~`, which no seller's tag does).
-    pub fn batch_sellers(&self, batch: &BatchId) -> String {
+    pub(crate) fn batch_sellers(&self, batch: &BatchId) -> String {
         format!(
             "{}:{{{}~batch~{}}}:sellers",
             self.prefix,
@@ -283,18 +283,18 @@ impl Keyspace {
 
     /// The replicas lost from the fleet's registry lately: their entries expired unrenewed
     /// (hash: replica id -> when, and its last entry; see `lua/fleet.lua`).
-    pub fn fleet_lost(&self) -> String {
+    pub(crate) fn fleet_lost(&self) -> String {
         self.shared("fleet-lost")
     }
 
     /// The replicas that left the fleet lately (hash: replica id -> when; see `lua/fleet.lua`).
-    pub fn fleet_left(&self) -> String {
+    pub(crate) fn fleet_left(&self) -> String {
         self.shared("fleet-left")
     }
 
     /// The algorithms the fleet granted under, with when each was last used (hash; see
     /// `lua/fleet.lua`).
-    pub fn fleet_algorithms(&self) -> String {
+    pub(crate) fn fleet_algorithms(&self) -> String {
         self.shared("fleet-algorithms")
     }
 
@@ -342,7 +342,7 @@ impl Keyspace {
     }
 
     /// The sellers' weights under the global limit (hash: seller tag -> weight; absent = 1).
-    pub fn global_weights(&self) -> String {
+    pub(crate) fn global_weights(&self) -> String {
         self.global("weights")
     }
 
@@ -394,7 +394,7 @@ pub(crate) fn hash_tag(key: &str) -> &str {
 }
 
 /// The loss marker in the hash slot of `key` (see the module's doc).
-pub fn losses_for(key: &str) -> String {
+pub(crate) fn losses_for(key: &str) -> String {
     format!(
         "turnstile~losses:{{~{}}}",
         marker_tags()[usize::from(slot(key))]

@@ -141,7 +141,7 @@ impl Why {
 /// A change of a seller's learned limit (see `PermitStore::learn`): its counts now, and
 /// whether a count went down.
 #[derive(Clone, Debug, PartialEq, Eq)]
-pub struct LearnedChange {
+pub(crate) struct LearnedChange {
     pub counts: String,
     pub why: Why,
     pub lowered: bool,

@@ -37,7 +37,7 @@ impl MemoryPolicy {
 
     /// Whether the server may evict keys when memory runs short. Every limiter key has a TTL,
     /// so a `volatile-*` policy evicts exactly those.
-    pub fn may_evict(&self) -> bool {
+    pub(crate) fn may_evict(&self) -> bool {
         self.maxmemory > 0 && self.policy != "noeviction"
     }
 }
@@ -110,7 +110,7 @@ fn collect_texts(answer: Value, into: &mut Vec<String>) {
 }
 
 /// How often a running replica looks at the servers' memory settings again.
-pub const WATCH_EVERY: Duration = Duration::from_secs(30);
+pub(crate) const WATCH_EVERY: Duration = Duration::from_secs(30);
 
 /// Looks at the servers' memory settings again every [`WATCH_EVERY`] until `stop` (a replica
 /// looked once at start): while one may evict keys, says so loudly (an ERROR line each time;
