@@ -431,8 +431,8 @@ fn the_parsed_settings_take_the_connection_flags_from_either_place() {
         };
         assert_eq!(
             (
-                args.consume.broker.queue.as_str(),
-                args.consume.broker.amqp_url.as_str()
+                args.consume.broker.queue.name.as_str(),
+                args.consume.broker.amqp.url.as_str()
             ),
             ("q", "amqp://h:1/v")
         );

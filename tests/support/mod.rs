@@ -72,7 +72,9 @@ pub fn rig_with(what: &str, limiter: LimiterArgs) -> RigBuilder {
     init_tracing();
     let place = RigArgs {
         queue_type: QueueType::Quorum,
-        amqp_url: broker::amqp_url(),
+        amqp: turnstile_core::broker::AmqpArgs {
+            url: broker::amqp_url(),
+        },
         redis: redis_args(&redis_url(), "t"),
     };
     let mut settings = place.replica_settings(what, limiter, 1, Duration::from_secs(2));

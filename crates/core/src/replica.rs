@@ -162,7 +162,7 @@ impl Starting {
     /// Checks the configuration; fails at once on an error. No I/O.
     pub fn new(args: ConsumeArgs) -> anyhow::Result<Self> {
         anyhow::ensure!(
-            !args.broker.queue.is_empty() && args.broker.queue.len() <= 200,
+            !args.broker.queue.name.is_empty() && args.broker.queue.name.len() <= 200,
             "TURNSTILE_QUEUE must be 1 to 200 characters"
         );
         let heartbeat = args.links.heartbeat(args.downstream.timeout);
@@ -173,7 +173,7 @@ impl Starting {
             warn!("{warning}");
         }
         let nodes =
-            Arc::new(broker::Nodes::parse(&args.broker.amqp_url)?.with_heartbeat(heartbeat));
+            Arc::new(broker::Nodes::parse(&args.broker.amqp.url)?.with_heartbeat(heartbeat));
         args.limiter.check().map_err(anyhow::Error::msg)?;
         let routes = Arc::new(Routes::load(&args.routes)?);
         let exact_log = args.limiter.algorithm == crate::config::Algorithm::SlidingWindow;
@@ -236,7 +236,7 @@ impl Starting {
                 self.args.limiter.clone(),
                 self.stats.clone(),
                 self.ready.clone(),
-                &self.args.broker.queue,
+                &self.args.broker.queue.name,
             )
             .allowing_stricter_terms(self.args.allow_stricter_terms),
         );
@@ -342,7 +342,7 @@ impl Connecting {
         ready.set(true);
         metrics::gauge!("turnstile_broker_connected").set(1.0);
         let terms = permits.limiter();
-        info!(queue = %args.broker.queue, workers = args.workers, prefetch = args.prefetch(), algorithm = %terms.algorithm, limit = %terms.limit, broker = %session.node, "consuming");
+        info!(queue = %args.broker.queue.name, workers = args.workers, prefetch = args.prefetch(), algorithm = %terms.algorithm, limit = %terms.limit, broker = %session.node, "consuming");
         // The reschedule watcher outlives `shutdown` until the replica has drained.
         let watcher = tokio::spawn(permit::watch_reschedules(
             permits.clone(),
@@ -434,7 +434,11 @@ impl Session {
         worker: &Worker,
         nodes: &broker::Nodes,
     ) -> anyhow::Result<Self> {
-        let name = format!("turnstile {} pid {}", args.broker.queue, std::process::id());
+        let name = format!(
+            "turnstile {} pid {}",
+            args.broker.queue.name,
+            std::process::id()
+        );
         let connection = Arc::new(nodes.connect(&name).await?);
         let node = nodes.connected_node();
         // What the broker agreed to (the lower of its own and the one asked), not only what
