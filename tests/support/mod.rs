@@ -80,7 +80,7 @@ pub fn rig_with(what: &str, limiter: LimiterArgs) -> RigBuilder {
     let mut settings = place.replica_settings(what, limiter, 1, Duration::from_secs(2));
     settings.retry_min = Duration::from_millis(100);
     settings.retry_max = Duration::from_secs(1);
-    settings.done_ttl = Duration::from_secs(600);
+    settings.done.ttl = Duration::from_secs(600);
     settings.downstream.token = Some("secret-token".into());
     settings.downstream.timeout = Duration::from_secs(5);
     Rig::build(settings)

@@ -63,9 +63,8 @@ pub struct ConsumeArgs {
     /// Longest retry delay after failed attempts.
     #[arg(long = "retry-max", env = "TURNSTILE_RETRY_MAX", default_value = "5m", value_parser = duration_arg)]
     pub retry_max: Duration,
-    /// How long a registered message is remembered (a redelivery within it is not called again).
-    #[arg(long = "done-ttl", env = "TURNSTILE_DONE_TTL", default_value = "7d", value_parser = duration_arg)]
-    pub done_ttl: Duration,
+    #[command(flatten)]
+    pub done: DoneTtlArgs,
     /// On SIGTERM, how long in-flight calls may take to finish; after it the replica closes its
     /// connection anyway and the broker redelivers what was still unsettled.
     #[arg(long = "shutdown-grace", env = "TURNSTILE_SHUTDOWN_GRACE", default_value = "8s", value_parser = duration_arg)]
@@ -91,6 +90,17 @@ pub struct ConsumeArgs {
     pub limiter: LimiterArgs,
     #[command(flatten)]
     pub links: crate::links::LinkArgs,
+}
+
+/// How long completion records are kept (`TURNSTILE_DONE_TTL`), declared once: `turnstile
+/// consume` and `turnstile dead-letters replay` flatten it.
+#[derive(Args, Clone, Copy, Debug)]
+pub struct DoneTtlArgs {
+    /// How long completion records are kept: a registered message redelivered within it is not
+    /// called again, and a dead letter whose replay fails is recorded as dead again for that
+    /// long.
+    #[arg(id = "done_ttl", long = "done-ttl", env = "TURNSTILE_DONE_TTL", default_value = "7d", value_name = "DONE_TTL", value_parser = duration_arg)]
+    pub ttl: Duration,
 }
 
 impl ConsumeArgs {
@@ -390,7 +400,7 @@ fn new_worker(
             max_pause: args.max_pause,
             throttle_deadline: args.throttle_deadline,
             hold_capacity: (prefetch as usize * 3 / 4).max(1),
-            done_ttl: args.done_ttl,
+            done_ttl: args.done.ttl,
             retry_min: args.retry_min,
             retry_max: args.retry_max,
         },

@@ -23,7 +23,7 @@ use turnstile_core::config::{Algorithm, Limits};
 use turnstile_core::config::{LimiterArgs, RedisArgs};
 use turnstile_core::downstream::DownstreamArgs;
 use turnstile_core::permit::{Admin, PermitStore, Records, RedisConn, delete_prefix};
-use turnstile_core::replica::ConsumeArgs;
+use turnstile_core::replica::{ConsumeArgs, DoneTtlArgs};
 use turnstile_ops::serve::{HttpArgs, ServeArgs, Served};
 
 /// Where a rig runs: the broker and Redis it uses. Its queue and key prefix are its own
@@ -68,7 +68,9 @@ impl RigArgs {
             throttle_deadline: Duration::from_secs(24 * 3600),
             retry_min: Duration::from_secs(1),
             retry_max: Duration::from_secs(60),
-            done_ttl: Duration::from_secs(3600),
+            done: DoneTtlArgs {
+                ttl: Duration::from_secs(3600),
+            },
             shutdown_grace: Duration::from_secs(8),
             allow_eviction: false,
             allow_stricter_terms: false,

@@ -198,6 +198,6 @@ fn dashboard_of(connecting: &Connecting, stats: &Arc<Stats>, ready: &Readiness) 
     .with_fleet(connecting.fleet.clone())
     .with_controls(Controls {
         permits: connecting.permits.clone(),
-        done_ttl: args.done_ttl,
+        done_ttl: args.done.ttl,
     })
 }
