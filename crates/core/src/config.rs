@@ -940,19 +940,22 @@ impl LimiterArgs {
         Self {
             limit: limit.into(),
             algorithm,
-            guard: None,
-            gcra_burst: 1,
-            bucket_capacity: 0,
-            horizon: Duration::from_secs(86400),
-            redis_durable: false,
-            global_limit: GlobalLimit(None),
-            seller_concurrency: SellerConcurrency(None),
-            adaptive: true,
-            adaptive_min: std::num::NonZeroU32::MIN,
-            record_delay: Duration::ZERO,
-            permit_block: 32,
-            route_limits: Default::default(),
+            ..Self::declared_defaults().clone()
         }
+    }
+
+    /// Every setting at the default its flag declares (no variable is read): the defaults are
+    /// stated once, on the flags.
+    fn declared_defaults() -> &'static Self {
+        static DEFAULTS: std::sync::OnceLock<LimiterArgs> = std::sync::OnceLock::new();
+        DEFAULTS.get_or_init(|| {
+            let matches = Self::augment_args(clap::Command::new("defaults"))
+                .mut_args(|a| a.env(None))
+                .try_get_matches_from(["defaults"])
+                .expect("every limiter setting has a default");
+            <Self as clap::FromArgMatches>::from_arg_matches(&matches)
+                .expect("every limiter setting has a default")
+        })
     }
 
     /// Refuses settings that cannot work together, with what to use instead (checked at start).
@@ -1196,12 +1199,20 @@ impl clap::FromArgMatches for DefaultLimitArgs {
 impl LimiterArgs {
     /// The replicas' terms, with the defaults of every other setting.
     pub fn with_terms(terms: TermsArgs) -> Self {
+        let TermsArgs {
+            limit,
+            algorithm,
+            guard,
+            gcra_burst,
+            bucket_capacity,
+            adaptive,
+        } = terms;
         Self {
-            guard: terms.guard,
-            gcra_burst: terms.gcra_burst,
-            bucket_capacity: terms.bucket_capacity,
-            adaptive: terms.adaptive,
-            ..Self::new(terms.limit, terms.algorithm)
+            guard,
+            gcra_burst,
+            bucket_capacity,
+            adaptive,
+            ..Self::new(limit, algorithm)
         }
     }
 
@@ -1217,19 +1228,17 @@ impl LimiterArgs {
 impl From<DefaultLimitArgs> for LimiterArgs {
     /// The default limit, with the defaults of every other setting.
     fn from(default: DefaultLimitArgs) -> Self {
-        Self::new(default.limit, Algorithm::SlidingWindow)
+        Self {
+            limit: default.limit,
+            ..Self::default()
+        }
     }
 }
 
 impl Default for LimiterArgs {
     /// Every setting's default (for a command that reads none of them).
     fn default() -> Self {
-        Self::new(
-            DEFAULT_LIMIT
-                .parse::<Limits>()
-                .expect("the default limit parses"),
-            Algorithm::SlidingWindow,
-        )
+        Self::declared_defaults().clone()
     }
 }
 
