@@ -379,10 +379,12 @@ async fn replicas_given_several_broker_nodes_use_one_that_answers() -> anyhow::R
     use turnstile_lab::rig::{Rig, RigArgs};
     let place = RigArgs {
         queue_type: QueueType::Quorum,
-        amqp_url: format!(
-            "amqp://guest:guest@127.0.0.1:1/%2f,{}",
-            support::broker::amqp_url()
-        ),
+        amqp: turnstile_core::broker::AmqpArgs {
+            url: format!(
+                "amqp://guest:guest@127.0.0.1:1/%2f,{}",
+                support::broker::amqp_url()
+            ),
+        },
         redis: support::redis_args(&support::redis_url(), "t"),
     };
     let limiter = support::limiter("50/1s", Algorithm::SlidingWindow);

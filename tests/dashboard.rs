@@ -1340,7 +1340,7 @@ async fn during_a_broker_outage_the_page_says_the_broker_is_down_since_when_and_
     let broker: std::net::SocketAddr = "127.0.0.1:5672".parse().unwrap();
     let link = turnstile_lab::slow_link::SlowLink::start(broker, Duration::ZERO).await?;
     let mut consume = rig.settings(1);
-    consume.broker.amqp_url = format!("amqp://guest:guest@{}/%2f", link.addr());
+    consume.broker.amqp.url = format!("amqp://guest:guest@{}/%2f", link.addr());
     rig.start_replica(ServeArgs {
         consume,
         http: serving_with_token("outage-secret"),

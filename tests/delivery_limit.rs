@@ -588,7 +588,7 @@ async fn a_classic_work_queue_still_fails_a_quorum_replica_start() -> anyhow::Re
         .await
         .unwrap();
     let mut settings = rig.settings(1);
-    settings.broker.queue = classic.clone();
+    settings.broker.queue.name = classic.clone();
     let started = Replica::start(settings, Default::default()).await;
     let error = match started {
         Ok(_) => panic!("a quorum replica started on the classic queue {classic:?}"),

@@ -608,7 +608,7 @@ async fn a_replica_started_before_redis_and_the_broker_waits_not_ready_then_cons
     redis.stop();
     let (broker_port, http_port) = (support::free_port(), support::free_port());
     let mut settings = rig.settings(4);
-    settings.broker.amqp_url = format!("amqp://guest:guest@127.0.0.1:{broker_port}/%2f");
+    settings.broker.amqp.url = format!("amqp://guest:guest@127.0.0.1:{broker_port}/%2f");
     let settings = turnstile_ops::serve::ServeArgs {
         consume: settings,
         http: turnstile_ops::serve::HttpArgs {

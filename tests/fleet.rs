@@ -192,10 +192,10 @@ async fn a_replica_killed_with_sigkill_leaves_the_registry() {
     let conn: RedisConn = rig.store().conn().clone();
     let mut child = Command::new(env!("CARGO_BIN_EXE_turnstile"))
         .arg("consume")
-        .env("TURNSTILE_AMQP_URL", &settings.broker.amqp_url)
+        .env("TURNSTILE_AMQP_URL", &settings.broker.amqp.url)
         .env("TURNSTILE_REDIS_URL", &settings.redis.url)
         .env("TURNSTILE_KEY_PREFIX", &prefix)
-        .env("TURNSTILE_QUEUE", &settings.broker.queue)
+        .env("TURNSTILE_QUEUE", &settings.broker.queue.name)
         .env("TURNSTILE_DOWNSTREAM_URL", rig.mock.url())
         .env("TURNSTILE_LIMIT", "10/1s")
         .env("TURNSTILE_HTTP_ADDR", "off")

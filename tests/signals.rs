@@ -68,7 +68,7 @@ async fn a_lost_broker_connection_is_one_line_when_lost_and_one_when_back() -> a
     let mut rig = support::rig("signals-outage", "100/1s").prepare().await?;
     let mut settings = rig.settings(2);
     let password = "guest";
-    settings.broker.amqp_url = format!("amqp://guest:{password}@{}/%2f", link.addr());
+    settings.broker.amqp.url = format!("amqp://guest:{password}@{}/%2f", link.addr());
     rig.start_replica(settings).await?;
     let ready = rig.replicas().next().unwrap().ready.clone();
     assert!(ready.get());

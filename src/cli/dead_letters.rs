@@ -3,7 +3,6 @@
 
 use std::borrow::Cow;
 use std::process::ExitCode;
-use std::time::Duration;
 
 use clap::Subcommand;
 use clap::builder::{PossibleValuesParser, TypedValueParser};
@@ -12,6 +11,7 @@ use turnstile_core::broker::{BrokerArgs, Topology};
 use turnstile_core::config::{LimiterArgs, RedisArgs};
 use turnstile_core::domain::{BatchId, MessageId, SellerId};
 use turnstile_core::permit::PermitStore;
+use turnstile_core::replica::DoneTtlArgs;
 
 use super::{Json, batch_value, seller_value};
 
@@ -45,10 +45,8 @@ pub enum DeadLettersAction {
         /// Show the dead letters that would be replayed, and move nothing.
         #[arg(long = "dry-run")]
         dry_run: bool,
-        /// How long completion records are kept (the replicas' TURNSTILE_DONE_TTL): a message
-        /// whose republish fails is recorded as dead again for that long.
-        #[arg(long = "done-ttl", env = "TURNSTILE_DONE_TTL", default_value = "7d", value_parser = turnstile_core::config::duration_arg)]
-        done_ttl: Duration,
+        #[command(flatten)]
+        done: DoneTtlArgs,
         #[command(flatten)]
         json: Json,
         #[command(flatten)]
@@ -131,14 +129,14 @@ pub async fn run(DeadLettersArgs { action, broker }: DeadLettersArgs) -> anyhow:
         DeadLettersAction::Replay {
             select,
             dry_run,
-            done_ttl,
+            done,
             json,
             redis,
         } => {
             let selection = select.selection();
             let store = PermitStore::connect(&redis, &LimiterArgs::default()).await?;
             let done = dead_letters::replay(
-                &channel, &publisher, &topology, &selection, &store, done_ttl, dry_run,
+                &channel, &publisher, &topology, &selection, &store, done.ttl, dry_run,
             )
             .await?;
             if json.json {

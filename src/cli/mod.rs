@@ -18,7 +18,7 @@ use std::process::ExitCode;
 use clap::parser::ValueSource;
 use clap::{ArgMatches, CommandFactory, FromArgMatches, Parser, Subcommand};
 use tokio_util::sync::CancellationToken;
-use turnstile_core::broker::DEFAULT_AMQP_URL;
+use turnstile_core::broker::{AmqpArgs, QueueArgs};
 use turnstile_core::config::RedisArgs;
 use turnstile_core::domain::{BatchId, SellerId};
 use turnstile_lab::{bench, demo};
@@ -39,31 +39,17 @@ pub struct Cli {
     pub command: Command,
 }
 
-/// The connection flags as the top level takes them, before the subcommand. Each command that
-/// uses one defines it too, `global` (as [`RedisArgs`] and `BrokerArgs` do), and clap hands it
-/// the value given here; these are not `global` themselves (see [`command`]), so a command
-/// that uses none of them does not list them.
+/// The connection flags as the top level takes them, before the subcommand: the groups that
+/// declare them ([`AmqpArgs`], [`QueueArgs`], [`RedisArgs`]), which each command that uses one
+/// flattens too. They are `global` there, and clap hands a command's the value given here;
+/// here they are not (see [`command`]), so a command that uses none of them does not list them.
 #[derive(clap::Args, Debug)]
 #[command(next_help_heading = "Connection")]
 pub struct Connection {
-    /// Broker URL, or a comma-separated list of the URLs of a cluster's nodes: a replica
-    /// connects to one that answers and, when its connection is lost, tries the next first.
-    #[arg(
-        long = "amqp-url",
-        env = "TURNSTILE_AMQP_URL",
-        default_value = DEFAULT_AMQP_URL,
-        hide_env_values = true,
-        value_name = "URL"
-    )]
-    pub amqp_url: String,
-    /// Work queue; every other queue/exchange name derives from it.
-    #[arg(
-        long,
-        env = "TURNSTILE_QUEUE",
-        default_value = "registrations",
-        value_name = "NAME"
-    )]
-    pub queue: String,
+    #[command(flatten)]
+    pub amqp: AmqpArgs,
+    #[command(flatten)]
+    pub queue: QueueArgs,
     #[command(flatten)]
     pub redis: RedisArgs,
 }

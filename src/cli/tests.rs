@@ -171,10 +171,11 @@ fn every_flag_read_from_a_variable_is_named_after_it() {
     assert!(wrong.is_empty(), "{}", wrong.join("\n"));
 }
 
-/// What must be equal wherever one variable is read: its flag, default, value and parsing.
+/// What must be equal wherever one variable is read: its flag, default, value, parsing and
+/// help (it is declared once, see tests/cli_settings.rs).
 fn shape(a: &Arg) -> String {
     format!(
-        "--{} default {:?} values {:?} {:?} {:?} possible {:?} hidden env values {}",
+        "--{} default {:?} values {:?} {:?} {:?} possible {:?} hidden env values {} help {:?} {:?}",
         a.get_long().unwrap_or(""),
         a.get_default_values(),
         a.get_value_names(),
@@ -185,6 +186,8 @@ fn shape(a: &Arg) -> String {
             .map(|v| v.get_name().to_owned())
             .collect::<Vec<_>>(),
         a.is_hide_env_values_set(),
+        a.get_help().map(ToString::to_string),
+        a.get_long_help().map(ToString::to_string),
     )
 }
 
@@ -431,8 +434,8 @@ fn the_parsed_settings_take_the_connection_flags_from_either_place() {
         };
         assert_eq!(
             (
-                args.consume.broker.queue.as_str(),
-                args.consume.broker.amqp_url.as_str()
+                args.consume.broker.queue.name.as_str(),
+                args.consume.broker.amqp.url.as_str()
             ),
             ("q", "amqp://h:1/v")
         );

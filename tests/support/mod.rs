@@ -72,13 +72,15 @@ pub fn rig_with(what: &str, limiter: LimiterArgs) -> RigBuilder {
     init_tracing();
     let place = RigArgs {
         queue_type: QueueType::Quorum,
-        amqp_url: broker::amqp_url(),
+        amqp: turnstile_core::broker::AmqpArgs {
+            url: broker::amqp_url(),
+        },
         redis: redis_args(&redis_url(), "t"),
     };
     let mut settings = place.replica_settings(what, limiter, 1, Duration::from_secs(2));
     settings.retry_min = Duration::from_millis(100);
     settings.retry_max = Duration::from_secs(1);
-    settings.done_ttl = Duration::from_secs(600);
+    settings.done.ttl = Duration::from_secs(600);
     settings.downstream.token = Some("secret-token".into());
     settings.downstream.timeout = Duration::from_secs(5);
     Rig::build(settings)

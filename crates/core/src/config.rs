@@ -731,8 +731,9 @@ impl std::fmt::Debug for RedisArgs {
 }
 
 /// How permits are decided: the default limit, the algorithm and its tuning (everything
-/// `turnstile consume` runs with). The operator commands read a part of it only (see
-/// [`TermsArgs`], [`DefaultLimitArgs`], [`GlobalLimitArgs`]), whose flags are defined as here.
+/// `turnstile consume` runs with). The one declaration of these settings: the operator
+/// commands read a part of them only ([`TermsArgs`], [`DefaultLimitArgs`], [`GlobalLimitArgs`]),
+/// whose flags they take from here (flag, variable, default, parser and help).
 #[derive(Args, Clone, Debug)]
 #[command(next_help_heading = "Limits")]
 pub struct LimiterArgs {
@@ -744,8 +745,9 @@ pub struct LimiterArgs {
     #[arg(long, env = "TURNSTILE_ALGORITHM", value_enum, default_value_t = Algorithm::SlidingWindow)]
     pub algorithm: Algorithm,
     /// Time added to every window against a downstream counting with a coarser or drifting
-    /// clock [default: none for a seller's sliding-window limits, whose calls hold their place
-    /// until their answer; window/20, between 25ms and 2s, otherwise and for the global limit].
+    /// clock [default: none with sliding-window and for the global limit, whose calls hold
+    /// their place until their answer; window/20, between 25ms and 2s, for a seller's limits
+    /// under the other algorithms].
     #[arg(long = "limit-guard", env = "TURNSTILE_LIMIT_GUARD", value_parser = parse_duration_arg, value_name = "DURATION")]
     pub guard: Option<Duration>,
     /// gcra: grants allowed at once after idleness (1 = pure pacing at COUNT per window).
@@ -938,19 +940,22 @@ impl LimiterArgs {
         Self {
             limit: limit.into(),
             algorithm,
-            guard: None,
-            gcra_burst: 1,
-            bucket_capacity: 0,
-            horizon: Duration::from_secs(86400),
-            redis_durable: false,
-            global_limit: GlobalLimit(None),
-            seller_concurrency: SellerConcurrency(None),
-            adaptive: true,
-            adaptive_min: std::num::NonZeroU32::MIN,
-            record_delay: Duration::ZERO,
-            permit_block: 32,
-            route_limits: Default::default(),
+            ..Self::declared_defaults().clone()
         }
+    }
+
+    /// Every setting at the default its flag declares (no variable is read): the defaults are
+    /// stated once, on the flags.
+    fn declared_defaults() -> &'static Self {
+        static DEFAULTS: std::sync::OnceLock<LimiterArgs> = std::sync::OnceLock::new();
+        DEFAULTS.get_or_init(|| {
+            let matches = Self::augment_args(clap::Command::new("defaults"))
+                .mut_args(|a| a.env(None))
+                .try_get_matches_from(["defaults"])
+                .expect("every limiter setting has a default");
+            <Self as clap::FromArgMatches>::from_arg_matches(&matches)
+                .expect("every limiter setting has a default")
+        })
     }
 
     /// Refuses settings that cannot work together, with what to use instead (checked at start).
@@ -1035,68 +1040,179 @@ pub fn guard_for(configured: Option<Duration>, window: Duration) -> Duration {
         .unwrap_or_else(|| (window / 20).clamp(Duration::from_millis(25), Duration::from_secs(2)))
 }
 
+/// The heading of the limiter's settings an operator command reads.
+const TERMS_HEADING: &str = "Terms (as the replicas run with them)";
+
+/// `cmd` with the arguments of [`LimiterArgs`] whose ids are `ids`, as LimiterArgs declares
+/// them (flag, variable, default, parser, help), in that order under `heading`: how a command
+/// that reads a part of the limiter's settings takes it from their one declaration.
+fn limiter_part(cmd: clap::Command, heading: &'static str, ids: &[&str]) -> clap::Command {
+    let declared = LimiterArgs::augment_args(clap::Command::new("limiter"));
+    ids.iter().fold(cmd.next_help_heading(heading), |cmd, id| {
+        let arg = declared
+            .get_arguments()
+            .find(|a| a.get_id() == *id)
+            .unwrap_or_else(|| panic!("LimiterArgs declares no argument {id:?}"))
+            .clone();
+        cmd.arg(arg.help_heading(heading).display_order(None))
+    })
+}
+
+/// The value of `id`, an argument of a part of [`LimiterArgs`] (each has a default).
+fn part_value<T: Clone + Send + Sync + 'static>(
+    matches: &clap::ArgMatches,
+    id: &str,
+) -> Result<T, clap::Error> {
+    matches.get_one::<T>(id).cloned().ok_or_else(|| {
+        clap::Error::raw(
+            clap::error::ErrorKind::MissingRequiredArgument,
+            format!("no value for {id}"),
+        )
+    })
+}
+
 /// The terms under which a seller's limits are read and changed from outside a replica
 /// (`turnstile status`, `turnstile limits`): the default limit, the algorithm with the settings
 /// its state is read by, the guard and adaptive limits. They must be the replicas' own
-/// (`TURNSTILE_LIMIT`, ...): the same variables and flags as [`LimiterArgs`]'s. A full
+/// (`TURNSTILE_LIMIT`, ...): a part of [`LimiterArgs`], whose flags it takes from there. A full
 /// [`LimiterArgs`] is built from them with the defaults of every other setting
 /// ([`LimiterArgs::with_terms`]).
-#[derive(Args, Clone, Debug)]
-#[command(next_help_heading = "Terms (as the replicas run with them)")]
+#[derive(Clone, Debug)]
 pub struct TermsArgs {
-    /// The replicas' default per-seller limit, COUNT/DURATION (e.g. 20/1s, 100/1m, 5000/1h); a
-    /// comma-separated stack must all hold (e.g. 100/1m,2000/1d).
-    #[arg(long, env = "TURNSTILE_LIMIT", default_value = DEFAULT_LIMIT, value_parser = parse_limits)]
+    /// [`LimiterArgs::limit`].
     pub limit: Limits,
-    /// The replicas' limiter algorithm.
-    #[arg(long, env = "TURNSTILE_ALGORITHM", value_enum, default_value_t = Algorithm::SlidingWindow)]
+    /// [`LimiterArgs::algorithm`].
     pub algorithm: Algorithm,
-    /// The replicas' guard: time added to every window to absorb jitter between the permit and
-    /// the downstream's clock [default: window/20, between 25ms and 2s].
-    #[arg(long = "limit-guard", env = "TURNSTILE_LIMIT_GUARD", value_parser = parse_duration_arg, value_name = "DURATION")]
-    pub limit_guard: Option<Duration>,
-    /// gcra: grants allowed at once after idleness (1 = pure pacing at COUNT per window).
-    #[arg(long, env = "TURNSTILE_GCRA_BURST", default_value_t = 1)]
+    /// [`LimiterArgs::guard`].
+    pub guard: Option<Duration>,
+    /// [`LimiterArgs::gcra_burst`].
     pub gcra_burst: u32,
-    /// token-bucket: bucket capacity (0 = COUNT).
-    #[arg(long, env = "TURNSTILE_BUCKET_CAPACITY", default_value_t = 0)]
+    /// [`LimiterArgs::bucket_capacity`].
     pub bucket_capacity: u32,
-    /// Whether the replicas run with adaptive limits (what they learned of a seller applies
-    /// only then).
-    #[arg(long = "adaptive", env = "TURNSTILE_ADAPTIVE", default_value = "on", value_name = "ON|OFF", num_args = 0..=1, default_missing_value = "on", action = clap::ArgAction::Set, value_parser = Switch)]
+    /// [`LimiterArgs::adaptive`].
     pub adaptive: bool,
 }
 
-/// The replicas' global limit, for the commands that read its use (`turnstile status`).
-#[derive(Args, Clone, Debug)]
-#[command(next_help_heading = "Terms (as the replicas run with them)")]
+impl TermsArgs {
+    /// The ids of its arguments in [`LimiterArgs`], in the order they are listed.
+    const IDS: [&str; 6] = [
+        "limit",
+        "algorithm",
+        "guard",
+        "gcra_burst",
+        "bucket_capacity",
+        "adaptive",
+    ];
+}
+
+impl Args for TermsArgs {
+    fn augment_args(cmd: clap::Command) -> clap::Command {
+        limiter_part(cmd, TERMS_HEADING, &Self::IDS)
+    }
+
+    fn augment_args_for_update(cmd: clap::Command) -> clap::Command {
+        Self::augment_args(cmd)
+    }
+}
+
+impl clap::FromArgMatches for TermsArgs {
+    fn from_arg_matches(matches: &clap::ArgMatches) -> Result<Self, clap::Error> {
+        Ok(Self {
+            limit: part_value(matches, "limit")?,
+            algorithm: part_value(matches, "algorithm")?,
+            guard: matches.get_one::<Duration>("guard").copied(),
+            gcra_burst: part_value(matches, "gcra_burst")?,
+            bucket_capacity: part_value(matches, "bucket_capacity")?,
+            adaptive: part_value(matches, "adaptive")?,
+        })
+    }
+
+    fn update_from_arg_matches(&mut self, matches: &clap::ArgMatches) -> Result<(), clap::Error> {
+        *self = Self::from_arg_matches(matches)?;
+        Ok(())
+    }
+}
+
+/// The replicas' global limit, for the commands that read its use (`turnstile status`): a part
+/// of [`LimiterArgs`], whose flag it takes from there.
+#[derive(Clone, Debug)]
 pub struct GlobalLimitArgs {
-    /// The replicas' limit (or comma-separated stack) for all sellers together, in cost units;
-    /// `off` when they run without one.
-    #[arg(long = "global-limit", env = "TURNSTILE_GLOBAL_LIMIT", default_value = "off", value_parser = parse_global_limit)]
+    /// [`LimiterArgs::global_limit`].
     pub global_limit: GlobalLimit,
 }
 
+impl Args for GlobalLimitArgs {
+    fn augment_args(cmd: clap::Command) -> clap::Command {
+        limiter_part(cmd, TERMS_HEADING, &["global_limit"])
+    }
+
+    fn augment_args_for_update(cmd: clap::Command) -> clap::Command {
+        Self::augment_args(cmd)
+    }
+}
+
+impl clap::FromArgMatches for GlobalLimitArgs {
+    fn from_arg_matches(matches: &clap::ArgMatches) -> Result<Self, clap::Error> {
+        Ok(Self {
+            global_limit: part_value(matches, "global_limit")?,
+        })
+    }
+
+    fn update_from_arg_matches(&mut self, matches: &clap::ArgMatches) -> Result<(), clap::Error> {
+        *self = Self::from_arg_matches(matches)?;
+        Ok(())
+    }
+}
+
 /// The replicas' default limit alone, for a command that only estimates with it (`turnstile
-/// publish`: how long an upload takes at the seller's limit).
-#[derive(Args, Clone, Debug)]
-#[command(next_help_heading = "Terms (as the replicas run with them)")]
+/// publish`: how long an upload takes at the seller's limit): a part of [`LimiterArgs`], whose
+/// flag it takes from there.
+#[derive(Clone, Debug)]
 pub struct DefaultLimitArgs {
-    /// The replicas' default per-seller limit, COUNT/DURATION (e.g. 20/1s, 100/1m, 5000/1h); a
-    /// comma-separated stack must all hold (e.g. 100/1m,2000/1d).
-    #[arg(long, env = "TURNSTILE_LIMIT", default_value = DEFAULT_LIMIT, value_parser = parse_limits)]
+    /// [`LimiterArgs::limit`].
     pub limit: Limits,
+}
+
+impl Args for DefaultLimitArgs {
+    fn augment_args(cmd: clap::Command) -> clap::Command {
+        limiter_part(cmd, TERMS_HEADING, &["limit"])
+    }
+
+    fn augment_args_for_update(cmd: clap::Command) -> clap::Command {
+        Self::augment_args(cmd)
+    }
+}
+
+impl clap::FromArgMatches for DefaultLimitArgs {
+    fn from_arg_matches(matches: &clap::ArgMatches) -> Result<Self, clap::Error> {
+        Ok(Self {
+            limit: part_value(matches, "limit")?,
+        })
+    }
+
+    fn update_from_arg_matches(&mut self, matches: &clap::ArgMatches) -> Result<(), clap::Error> {
+        *self = Self::from_arg_matches(matches)?;
+        Ok(())
+    }
 }
 
 impl LimiterArgs {
     /// The replicas' terms, with the defaults of every other setting.
     pub fn with_terms(terms: TermsArgs) -> Self {
+        let TermsArgs {
+            limit,
+            algorithm,
+            guard,
+            gcra_burst,
+            bucket_capacity,
+            adaptive,
+        } = terms;
         Self {
-            guard: terms.limit_guard,
-            gcra_burst: terms.gcra_burst,
-            bucket_capacity: terms.bucket_capacity,
-            adaptive: terms.adaptive,
-            ..Self::new(terms.limit, terms.algorithm)
+            guard,
+            gcra_burst,
+            bucket_capacity,
+            adaptive,
+            ..Self::new(limit, algorithm)
         }
     }
 
@@ -1112,19 +1228,17 @@ impl LimiterArgs {
 impl From<DefaultLimitArgs> for LimiterArgs {
     /// The default limit, with the defaults of every other setting.
     fn from(default: DefaultLimitArgs) -> Self {
-        Self::new(default.limit, Algorithm::SlidingWindow)
+        Self {
+            limit: default.limit,
+            ..Self::default()
+        }
     }
 }
 
 impl Default for LimiterArgs {
     /// Every setting's default (for a command that reads none of them).
     fn default() -> Self {
-        Self::new(
-            DEFAULT_LIMIT
-                .parse::<Limits>()
-                .expect("the default limit parses"),
-            Algorithm::SlidingWindow,
-        )
+        Self::declared_defaults().clone()
     }
 }
 
@@ -1357,15 +1471,17 @@ mod tests {
     }
 
     #[test]
-    fn the_operator_commands_define_each_term_as_the_limiter_does() {
+    fn the_operator_commands_take_each_term_from_the_limiter() {
         fn shapes(command: clap::Command) -> std::collections::BTreeMap<String, String> {
             let mut command = command;
             command.build();
             command
                 .get_arguments()
+                .filter(|a| a.get_id() != "help")
                 .filter_map(|a| {
                     let shape = format!(
-                        "{:?} {:?} {:?} {:?} {:?} {:?}",
+                        "{:?} {:?} {:?} {:?} {:?} {:?} {:?}",
+                        a.get_help().map(ToString::to_string),
                         a.get_env(),
                         a.get_default_values(),
                         a.get_value_names(),
@@ -1386,6 +1502,11 @@ mod tests {
             GlobalLimitArgs::augment_args(clap::Command::new("t")),
             DefaultLimitArgs::augment_args(clap::Command::new("t")),
         ] {
+            let mut part = part;
+            part.build();
+            for a in part.get_arguments().filter(|a| a.get_id() != "help") {
+                assert_eq!(a.get_help_heading(), Some(TERMS_HEADING), "{}", a.get_id());
+            }
             for (long, shape) in shapes(part) {
                 assert_eq!(limiter.get(&long), Some(&shape), "--{long}");
             }

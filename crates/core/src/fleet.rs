@@ -101,18 +101,30 @@ impl FleetTerms {
     /// `limiter` with these terms in place of its own (its other settings kept). A token
     /// bucket's capacity applies to one limit only: under a stack it is dropped.
     pub fn apply_to(&self, limiter: &LimiterArgs) -> LimiterArgs {
-        let mut applied = limiter.clone();
-        applied.limit = self.limit.clone();
-        applied.algorithm = self.algorithm;
-        applied.global_limit = self.global_limit.clone();
-        applied.seller_concurrency = self.seller_concurrency;
-        applied.adaptive = self.adaptive;
-        applied.adaptive_min = self.adaptive_min;
-        applied.route_limits = self.routes.clone();
-        if applied.limit.is_stack() {
-            applied.bucket_capacity = 0;
+        let Self {
+            limit,
+            algorithm,
+            global_limit,
+            seller_concurrency,
+            adaptive,
+            adaptive_min,
+            routes,
+        } = self.clone();
+        LimiterArgs {
+            bucket_capacity: if limit.is_stack() {
+                0
+            } else {
+                limiter.bucket_capacity
+            },
+            limit,
+            algorithm,
+            global_limit,
+            seller_concurrency,
+            adaptive,
+            adaptive_min,
+            route_limits: routes,
+            ..limiter.clone()
         }
-        applied
     }
 
     /// One line that names the terms, equal for equal terms (what a replica reports it
@@ -1220,6 +1232,41 @@ mod tests {
 
     fn terms(limit: &str, algorithm: Algorithm) -> FleetTerms {
         FleetTerms::of(&LimiterArgs::new(stack(limit), algorithm))
+    }
+
+    #[test]
+    fn applied_terms_replace_the_fleets_share_and_keep_the_rest() {
+        let fleet = FleetTerms {
+            global_limit: GlobalLimit(Some(stack("50/1s"))),
+            seller_concurrency: SellerConcurrency(NonZeroU32::new(3)),
+            adaptive: false,
+            adaptive_min: NonZeroU32::new(2).unwrap(),
+            routes: [(RouteName::parse("images").unwrap(), stack("2/1s"))].into(),
+            ..terms("5/1s", Algorithm::Gcra)
+        };
+        let own = LimiterArgs {
+            guard: Some(Duration::from_millis(7)),
+            gcra_burst: 4,
+            bucket_capacity: 9,
+            permit_block: 5,
+            ..LimiterArgs::new(stack("20/1s"), Algorithm::TokenBucket)
+        };
+        let applied = fleet.apply_to(&own);
+        assert_eq!(FleetTerms::of(&applied), fleet);
+        assert_eq!(
+            (
+                applied.guard,
+                applied.gcra_burst,
+                applied.bucket_capacity,
+                applied.permit_block
+            ),
+            (Some(Duration::from_millis(7)), 4, 9, 5)
+        );
+        let stacked = terms("5/1s,100/1m", Algorithm::TokenBucket).apply_to(&own);
+        assert_eq!(
+            stacked.bucket_capacity, 0,
+            "a capacity applies to one limit only"
+        );
     }
 
     #[test]

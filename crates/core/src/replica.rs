@@ -63,9 +63,8 @@ pub struct ConsumeArgs {
     /// Longest retry delay after failed attempts.
     #[arg(long = "retry-max", env = "TURNSTILE_RETRY_MAX", default_value = "5m", value_parser = duration_arg)]
     pub retry_max: Duration,
-    /// How long a registered message is remembered (a redelivery within it is not called again).
-    #[arg(long = "done-ttl", env = "TURNSTILE_DONE_TTL", default_value = "7d", value_parser = duration_arg)]
-    pub done_ttl: Duration,
+    #[command(flatten)]
+    pub done: DoneTtlArgs,
     /// On SIGTERM, how long in-flight calls may take to finish; after it the replica closes its
     /// connection anyway and the broker redelivers what was still unsettled.
     #[arg(long = "shutdown-grace", env = "TURNSTILE_SHUTDOWN_GRACE", default_value = "8s", value_parser = duration_arg)]
@@ -91,6 +90,17 @@ pub struct ConsumeArgs {
     pub limiter: LimiterArgs,
     #[command(flatten)]
     pub links: crate::links::LinkArgs,
+}
+
+/// How long completion records are kept (`TURNSTILE_DONE_TTL`), declared once: `turnstile
+/// consume` and `turnstile dead-letters replay` flatten it.
+#[derive(Args, Clone, Copy, Debug)]
+pub struct DoneTtlArgs {
+    /// How long completion records are kept: a registered message redelivered within it is not
+    /// called again, and a dead letter whose replay fails is recorded as dead again for that
+    /// long.
+    #[arg(id = "done_ttl", long = "done-ttl", env = "TURNSTILE_DONE_TTL", default_value = "7d", value_name = "DONE_TTL", value_parser = duration_arg)]
+    pub ttl: Duration,
 }
 
 impl ConsumeArgs {
@@ -162,7 +172,7 @@ impl Starting {
     /// Checks the configuration; fails at once on an error. No I/O.
     pub fn new(args: ConsumeArgs) -> anyhow::Result<Self> {
         anyhow::ensure!(
-            !args.broker.queue.is_empty() && args.broker.queue.len() <= 200,
+            !args.broker.queue.name.is_empty() && args.broker.queue.name.len() <= 200,
             "TURNSTILE_QUEUE must be 1 to 200 characters"
         );
         let heartbeat = args.links.heartbeat(args.downstream.timeout);
@@ -173,7 +183,7 @@ impl Starting {
             warn!("{warning}");
         }
         let nodes =
-            Arc::new(broker::Nodes::parse(&args.broker.amqp_url)?.with_heartbeat(heartbeat));
+            Arc::new(broker::Nodes::parse(&args.broker.amqp.url)?.with_heartbeat(heartbeat));
         args.limiter.check().map_err(anyhow::Error::msg)?;
         let routes = Arc::new(Routes::load(&args.routes)?);
         let exact_log = args.limiter.algorithm == crate::config::Algorithm::SlidingWindow;
@@ -236,7 +246,7 @@ impl Starting {
                 self.args.limiter.clone(),
                 self.stats.clone(),
                 self.ready.clone(),
-                &self.args.broker.queue,
+                &self.args.broker.queue.name,
             )
             .allowing_stricter_terms(self.args.allow_stricter_terms),
         );
@@ -342,7 +352,7 @@ impl Connecting {
         ready.set(true);
         metrics::gauge!("turnstile_broker_connected").set(1.0);
         let terms = permits.limiter();
-        info!(queue = %args.broker.queue, workers = args.workers, prefetch = args.prefetch(), algorithm = %terms.algorithm, limit = %terms.limit, broker = %session.node, "consuming");
+        info!(queue = %args.broker.queue.name, workers = args.workers, prefetch = args.prefetch(), algorithm = %terms.algorithm, limit = %terms.limit, broker = %session.node, "consuming");
         // The reschedule watcher outlives `shutdown` until the replica has drained.
         let watcher = tokio::spawn(permit::watch_reschedules(
             permits.clone(),
@@ -390,7 +400,7 @@ fn new_worker(
             max_pause: args.max_pause,
             throttle_deadline: args.throttle_deadline,
             hold_capacity: (prefetch as usize * 3 / 4).max(1),
-            done_ttl: args.done_ttl,
+            done_ttl: args.done.ttl,
             retry_min: args.retry_min,
             retry_max: args.retry_max,
         },
@@ -434,7 +444,11 @@ impl Session {
         worker: &Worker,
         nodes: &broker::Nodes,
     ) -> anyhow::Result<Self> {
-        let name = format!("turnstile {} pid {}", args.broker.queue, std::process::id());
+        let name = format!(
+            "turnstile {} pid {}",
+            args.broker.queue.name,
+            std::process::id()
+        );
         let connection = Arc::new(nodes.connect(&name).await?);
         let node = nodes.connected_node();
         // What the broker agreed to (the lower of its own and the one asked), not only what

@@ -18,12 +18,12 @@ use serde::Serialize;
 use tokio_util::sync::CancellationToken;
 
 use crate::mock_api::{MockArgs, MockServer, Stats};
-use turnstile_core::broker::{BrokerArgs, DEFAULT_AMQP_URL, Publisher, QueueType, Topology};
+use turnstile_core::broker::{AmqpArgs, BrokerArgs, Publisher, QueueArgs, QueueType, Topology};
 use turnstile_core::config::{Algorithm, Limits};
 use turnstile_core::config::{LimiterArgs, RedisArgs};
 use turnstile_core::downstream::DownstreamArgs;
 use turnstile_core::permit::{Admin, PermitStore, Records, RedisConn, delete_prefix};
-use turnstile_core::replica::ConsumeArgs;
+use turnstile_core::replica::{ConsumeArgs, DoneTtlArgs};
 use turnstile_ops::serve::{HttpArgs, ServeArgs, Served};
 
 /// Where a rig runs: the broker and Redis it uses. Its queue and key prefix are its own
@@ -33,10 +33,8 @@ pub struct RigArgs {
     /// Queue type of the rig's queues.
     #[arg(long = "queue-type", value_enum, default_value_t = QueueType::Quorum)]
     pub queue_type: QueueType,
-    /// Broker URL, or a comma-separated list of the URLs of a cluster's nodes: a replica
-    /// connects to one that answers and, when its connection is lost, tries the next first.
-    #[arg(long = "amqp-url", env = "TURNSTILE_AMQP_URL", default_value = DEFAULT_AMQP_URL, hide_env_values = true, value_name = "URL", global = true)]
-    pub amqp_url: String,
+    #[command(flatten)]
+    pub amqp: AmqpArgs,
     #[command(flatten)]
     pub redis: RedisArgs,
 }
@@ -54,8 +52,10 @@ impl RigArgs {
         redis.key_prefix = format!("{}-{name}", redis.key_prefix);
         ConsumeArgs {
             broker: BrokerArgs {
-                amqp_url: self.amqp_url.clone(),
-                queue: format!("turnstile-{name}"),
+                amqp: self.amqp.clone(),
+                queue: QueueArgs {
+                    name: format!("turnstile-{name}"),
+                },
                 queue_type: self.queue_type,
                 delay_queue_type: self.queue_type,
             },
@@ -68,7 +68,9 @@ impl RigArgs {
             throttle_deadline: Duration::from_secs(24 * 3600),
             retry_min: Duration::from_secs(1),
             retry_max: Duration::from_secs(60),
-            done_ttl: Duration::from_secs(3600),
+            done: DoneTtlArgs {
+                ttl: Duration::from_secs(3600),
+            },
             shutdown_grace: Duration::from_secs(8),
             allow_eviction: false,
             allow_stricter_terms: false,
@@ -230,7 +232,7 @@ impl RigBuilder {
     /// its caller declared, maybe as an operator or a producer would); it is still deleted at
     /// cleanup.
     pub fn on_queue(mut self, work: &str) -> Self {
-        self.settings.broker.queue = work.to_owned();
+        self.settings.broker.queue.name = work.to_owned();
         self.exact_queue = true;
         self
     }
@@ -248,7 +250,7 @@ impl RigBuilder {
         } = self;
         let run = format!("{:08x}", rand::random::<u32>());
         if !exact_queue {
-            base.broker.queue = format!("{}-{run}", base.broker.queue);
+            base.broker.queue.name = format!("{}-{run}", base.broker.queue.name);
         }
         base.redis.key_prefix = format!("{}-{run}", base.redis.key_prefix);
         let stop_mock = CancellationToken::new();
@@ -434,7 +436,7 @@ impl Rig {
     /// A new broker connection and publisher (after a broker restart).
     pub async fn reconnect(&mut self) -> anyhow::Result<()> {
         let connection =
-            turnstile_core::broker::connect(&self.settings.broker.amqp_url, "turnstile rig")
+            turnstile_core::broker::connect(&self.settings.broker.amqp.url, "turnstile rig")
                 .await?;
         self.publisher = Publisher::open(&connection).await?;
         self.connection = connection;
@@ -550,7 +552,7 @@ impl Rig {
     pub async fn depth(&self, queue: &str) -> anyhow::Result<u32> {
         if !self.connection.status().connected() {
             let connection =
-                turnstile_core::broker::connect(&self.settings.broker.amqp_url, "turnstile rig")
+                turnstile_core::broker::connect(&self.settings.broker.amqp.url, "turnstile rig")
                     .await?;
             let depth = queue_depth(&connection, queue).await;
             let _ = connection.close(200, "".into()).await;
@@ -816,7 +818,7 @@ async fn delete_queues_and_keys(
     key_prefix: &str,
 ) -> anyhow::Result<()> {
     let connection =
-        turnstile_core::broker::connect(&settings.broker.amqp_url, "turnstile rig cleanup").await?;
+        turnstile_core::broker::connect(&settings.broker.amqp.url, "turnstile rig cleanup").await?;
     let channel = connection.create_channel().await?;
     topology
         .delete(&channel)

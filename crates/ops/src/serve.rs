@@ -125,7 +125,7 @@ impl Served {
         // broker's health, dead letters. Only a replica serving HTTP has one.
         let link = match http_addr {
             Some(_) => Some(Arc::new(BrokerLink::new(
-                &connecting.args().broker.amqp_url,
+                &connecting.args().broker.amqp.url,
                 connecting.args().topology(),
             )?)),
             None => None,
@@ -187,7 +187,7 @@ fn dashboard_of(connecting: &Connecting, stats: &Arc<Stats>, ready: &Readiness) 
         stats.clone(),
         ready.clone(),
         ReplicaInfo {
-            queue: args.broker.queue.clone(),
+            queue: args.broker.queue.name.clone(),
             algorithm: args.limiter.algorithm.name(),
             limit: args.limiter.limit.to_string(),
             workers: args.workers,
@@ -198,6 +198,6 @@ fn dashboard_of(connecting: &Connecting, stats: &Arc<Stats>, ready: &Readiness) 
     .with_fleet(connecting.fleet.clone())
     .with_controls(Controls {
         permits: connecting.permits.clone(),
-        done_ttl: args.done_ttl,
+        done_ttl: args.done.ttl,
     })
 }

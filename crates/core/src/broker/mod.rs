@@ -82,16 +82,16 @@ pub mod headers {
 /// `TURNSTILE_AMQP_URL`'s default: the local broker.
 pub const DEFAULT_AMQP_URL: &str = "amqp://guest:guest@127.0.0.1:5672/%2f";
 
-/// Where the broker is and which queues turnstile uses there. Its `Debug` hides the URL's
-/// password. Its flags are global (see [`crate::config::RedisArgs`]): `--amqp-url` and
-/// `--queue` are taken before the subcommand too, and all of them after a command's action
-/// (`turnstile dead-letters list --queue q`).
+/// Where the broker is (`TURNSTILE_AMQP_URL`), declared once: every command that connects to
+/// the broker flattens it (with [`BrokerArgs`], or alone where it declares its own queues).
+/// Its `Debug` hides the URL's password. Its flag is global (see
+/// [`crate::config::RedisArgs`]): taken before the subcommand too.
 #[derive(clap::Args, Clone)]
-#[command(next_help_heading = "Connection")]
-pub struct BrokerArgs {
+pub struct AmqpArgs {
     /// Broker URL, or a comma-separated list of the URLs of a cluster's nodes: a replica
     /// connects to one that answers and, when its connection is lost, tries the next first.
     #[arg(
+        id = "amqp_url",
         long = "amqp-url",
         env = "TURNSTILE_AMQP_URL",
         default_value = DEFAULT_AMQP_URL,
@@ -99,16 +99,43 @@ pub struct BrokerArgs {
         value_name = "URL",
         global = true
     )]
-    pub amqp_url: String,
+    pub url: String,
+}
+
+impl std::fmt::Debug for AmqpArgs {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("AmqpArgs")
+            .field("url", &redact_amqp_url(&self.url))
+            .finish()
+    }
+}
+
+/// The work queue (`TURNSTILE_QUEUE`), declared once: every command that uses turnstile's
+/// queues flattens it (with [`BrokerArgs`]). Its flag is global, as [`AmqpArgs`]'s.
+#[derive(clap::Args, Clone, Debug)]
+pub struct QueueArgs {
     /// Work queue; every other queue/exchange name derives from it.
     #[arg(
-        long,
+        id = "queue",
+        long = "queue",
         env = "TURNSTILE_QUEUE",
         default_value = "registrations",
         value_name = "NAME",
         global = true
     )]
-    pub queue: String,
+    pub name: String,
+}
+
+/// Where the broker is and which queues turnstile uses there. Its flags are global (see
+/// [`crate::config::RedisArgs`]): `--amqp-url` and `--queue` are taken before the subcommand
+/// too, and all of them after a command's action (`turnstile dead-letters list --queue q`).
+#[derive(clap::Args, Clone, Debug)]
+#[command(next_help_heading = "Connection")]
+pub struct BrokerArgs {
+    #[command(flatten)]
+    pub amqp: AmqpArgs,
+    #[command(flatten)]
+    pub queue: QueueArgs,
     /// Queue type of the work queue and the others turnstile declares.
     #[arg(long = "queue-type", env = "TURNSTILE_QUEUE_TYPE", value_enum, default_value_t = QueueType::Quorum, global = true)]
     pub queue_type: QueueType,
@@ -117,25 +144,14 @@ pub struct BrokerArgs {
     pub delay_queue_type: QueueType,
 }
 
-impl std::fmt::Debug for BrokerArgs {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("BrokerArgs")
-            .field("amqp_url", &redact_amqp_url(&self.amqp_url))
-            .field("queue", &self.queue)
-            .field("queue_type", &self.queue_type)
-            .field("delay_queue_type", &self.delay_queue_type)
-            .finish()
-    }
-}
-
 impl BrokerArgs {
     pub fn topology(&self) -> Topology {
-        Topology::new(&self.queue, self.queue_type).with_delay_type(self.delay_queue_type)
+        Topology::new(&self.queue.name, self.queue_type).with_delay_type(self.delay_queue_type)
     }
 
     /// Connects, opens a confirming publisher and declares the topology (idempotent).
     pub async fn open(&self, name: &str) -> anyhow::Result<(Connection, Publisher, Topology)> {
-        let connection = connect(&self.amqp_url, name).await?;
+        let connection = connect(&self.amqp.url, name).await?;
         let publisher = Publisher::open(&connection).await?;
         let topology = self.topology();
         topology.declare(&connection).await?;

@@ -13,7 +13,7 @@ use tokio_util::sync::CancellationToken;
 use crate::local_redis::LocalRedis;
 use crate::mock_api::{MockArgs, MockServer};
 use crate::rig::registration_body;
-use turnstile_core::broker::{BrokerArgs, DEFAULT_AMQP_URL, QueueType};
+use turnstile_core::broker::{AmqpArgs, BrokerArgs, QueueArgs, QueueType};
 use turnstile_core::config::Limit;
 
 #[derive(Args, Debug, Clone)]
@@ -34,17 +34,8 @@ pub struct FaultArgs {
     /// other user of it.
     #[arg(long)]
     pub restart_broker: bool,
-    /// Broker URL, or a comma-separated list of the URLs of a cluster's nodes: a replica
-    /// connects to one that answers and, when its connection is lost, tries the next first.
-    #[arg(
-        long = "amqp-url",
-        env = "TURNSTILE_AMQP_URL",
-        default_value = DEFAULT_AMQP_URL,
-        hide_env_values = true,
-        value_name = "URL",
-        global = true
-    )]
-    pub amqp_url: String,
+    #[command(flatten)]
+    pub amqp: AmqpArgs,
 }
 
 fn spawn_replica(
@@ -55,7 +46,7 @@ fn spawn_replica(
 ) -> anyhow::Result<Child> {
     Ok(Command::new(std::env::current_exe()?)
         .arg("consume")
-        .env("TURNSTILE_AMQP_URL", &args.amqp_url)
+        .env("TURNSTILE_AMQP_URL", &args.amqp.url)
         .env("TURNSTILE_QUEUE", queue)
         .env("TURNSTILE_REDIS_URL", redis_url)
         .env("TURNSTILE_KEY_PREFIX", "faults")
@@ -110,8 +101,10 @@ fn still_queued(queues: &[String]) -> anyhow::Result<u64> {
 pub async fn run(args: FaultArgs) -> anyhow::Result<bool> {
     let queue = format!("turnstile-faults-{:08x}", rand::random::<u32>());
     let broker = BrokerArgs {
-        amqp_url: args.amqp_url.clone(),
-        queue: queue.clone(),
+        amqp: args.amqp.clone(),
+        queue: QueueArgs {
+            name: queue.clone(),
+        },
         queue_type: QueueType::Quorum,
         delay_queue_type: QueueType::Quorum,
     };

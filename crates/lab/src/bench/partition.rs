@@ -220,12 +220,13 @@ pub async fn one_replica_loses(
         Link::Broker => {
             let node = settings
                 .broker
-                .amqp_url
+                .amqp
+                .url
                 .split(',')
                 .next()
                 .unwrap_or_default();
             let proxy = SlowLink::start(slow_link::address_of(node).await?, Duration::ZERO).await?;
-            settings.broker.amqp_url = proxy.amqp_url(node);
+            settings.broker.amqp.url = proxy.amqp_url(node);
             settings.links.broker_heartbeat = Some(HEARTBEAT);
             proxy
         }

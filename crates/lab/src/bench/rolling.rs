@@ -583,7 +583,7 @@ impl Replica {
         }
         command
             .arg("consume")
-            .env("TURNSTILE_AMQP_URL", &args.rig.amqp_url)
+            .env("TURNSTILE_AMQP_URL", &args.rig.amqp.url)
             .env("TURNSTILE_QUEUE", rig.topology.work())
             .env("TURNSTILE_QUEUE_TYPE", queue_type.get_name())
             .env("TURNSTILE_DELAY_QUEUE_TYPE", queue_type.get_name())

@@ -30,7 +30,7 @@ use tokio_util::sync::CancellationToken;
 
 use crate::local_redis::LocalRedis;
 use crate::rig::{RigArgs, registration_body};
-use turnstile_core::broker::{DEFAULT_AMQP_URL, QueueType};
+use turnstile_core::broker::{AmqpArgs, QueueType};
 use turnstile_core::config::redact_url;
 use turnstile_core::config::{
     Algorithm, Limit, LimiterArgs, RedisArgs, duration_arg, format_duration,
@@ -77,10 +77,8 @@ pub struct SellersArgs {
     /// up in the memory figures.
     #[arg(id = "bench_redis_url", long = "bench-redis-url", value_name = "URL")]
     pub redis_url: Option<String>,
-    /// Broker URL, or a comma-separated list of the URLs of a cluster's nodes: a replica
-    /// connects to one that answers and, when its connection is lost, tries the next first.
-    #[arg(long = "amqp-url", env = "TURNSTILE_AMQP_URL", default_value = DEFAULT_AMQP_URL, hide_env_values = true, value_name = "URL", global = true)]
-    pub amqp_url: String,
+    #[command(flatten)]
+    pub amqp: AmqpArgs,
     /// Queue type of the replica step's queues.
     #[arg(long = "queue-type", value_enum, default_value_t = QueueType::Quorum)]
     pub queue_type: QueueType,
@@ -439,7 +437,7 @@ async fn replica_memory(
     let mut mock = MockChild::start(limit).await?;
     let rig = RigArgs {
         queue_type: args.queue_type,
-        amqp_url: args.amqp_url.clone(),
+        amqp: args.amqp.clone(),
         redis: RedisArgs {
             url: target.url.clone(),
             cluster: false,

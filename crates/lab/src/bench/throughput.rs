@@ -498,7 +498,7 @@ impl Bench<'_> {
     async fn backlog(&mut self) -> anyhow::Result<Topology> {
         self.round += 1;
         let mut broker_args = self.settings.broker.clone();
-        broker_args.queue = format!("turnstile-throughput-{}-{}", self.tag, self.round);
+        broker_args.queue.name = format!("turnstile-throughput-{}-{}", self.tag, self.round);
         let (connection, publisher, topology) = broker_args.open("turnstile bench").await?;
         let queue = topology.work().to_owned();
         let round = self.round;
@@ -529,7 +529,7 @@ impl Bench<'_> {
     }
 
     async fn done_with(&self, topology: &Topology) -> anyhow::Result<()> {
-        let connection = broker::connect(&self.settings.broker.amqp_url, "turnstile bench").await?;
+        let connection = broker::connect(&self.settings.broker.amqp.url, "turnstile bench").await?;
         let channel = connection.create_channel().await?;
         topology.delete(&channel).await?;
         let _ = connection.close(200, "done".into()).await;
@@ -544,7 +544,7 @@ impl Bench<'_> {
         let trips_before = round_trips();
         let cpu = cpu_now(&self.redis_ports);
         let mut settings = self.settings.clone();
-        settings.broker.queue = topology.work().to_owned();
+        settings.broker.queue.name = topology.work().to_owned();
         let stop = CancellationToken::new();
         let started = Instant::now();
         let mut running = Vec::new();
@@ -642,7 +642,7 @@ async fn bare_consumer(
     topology: &Topology,
 ) -> anyhow::Result<(lapin::Connection, lapin::Channel, lapin::Consumer)> {
     let connection =
-        broker::connect(&settings.broker.amqp_url, "turnstile bench bare loop").await?;
+        broker::connect(&settings.broker.amqp.url, "turnstile bench bare loop").await?;
     let channel = connection.create_channel().await?;
     channel
         .basic_qos(settings.prefetch(), BasicQosOptions::default())
