@@ -536,6 +536,51 @@ mod tests {
         problems
     }
 
+    /// How many locals the main chunk of Lua code declares (`local function NAME` is one,
+    /// `local A, B = ...` two): Lua allows at most 200 in one function.
+    fn top_level_locals(text: &str) -> usize {
+        let code = code(text);
+        let mut depth = 0usize;
+        let mut count = 0;
+        let all = words(&code);
+        for (i, (before, word, after)) in all.iter().enumerate() {
+            if matches!(before, Some('.' | ':')) {
+                continue;
+            }
+            match *word {
+                "function" | "do" | "if" | "repeat" => depth += 1,
+                "end" | "until" => depth -= 1,
+                "local" if depth == 0 => {
+                    if all.get(i + 1).is_some_and(|(_, w, _)| *w == "function") {
+                        count += 1;
+                    } else {
+                        let statement = after.lines().next().unwrap_or("");
+                        let names = statement.split('=').next().unwrap_or("");
+                        count += names.split(',').count();
+                    }
+                }
+                _ => {}
+            }
+        }
+        count
+    }
+
+    /// Prints, for every script, the Lua lines Redis runs on each call and the locals of its
+    /// main chunk (`cargo test -p turnstile-core --lib scripts_sizes -- --nocapture`).
+    #[test]
+    fn scripts_sizes() {
+        println!("{:<18} {:>6} {:>8}", "script", "lines", "locals");
+        for source in sources() {
+            let text = source.text();
+            println!(
+                "{:<18} {:>6} {:>8}",
+                source.name,
+                text.lines().count(),
+                top_level_locals(&text)
+            );
+        }
+    }
+
     #[test]
     fn every_script_loads_its_pieces_each_once_after_what_they_need() {
         for source in sources() {
