@@ -581,6 +581,195 @@ mod tests {
         }
     }
 
+    /// The integer a Lua file sets at its top level: its one `local NAME = INTEGER` line.
+    fn lua_integer(file: &str, text: &str, name: &str) -> u64 {
+        let prefix = format!("local {name} = ");
+        let values: Vec<&str> = text
+            .lines()
+            .filter_map(|line| line.strip_prefix(&prefix))
+            .collect();
+        let [value] = values[..] else {
+            panic!("{file} sets {name} {} times", values.len());
+        };
+        value
+            .trim()
+            .parse()
+            .unwrap_or_else(|_| panic!("{file}: {name} = {value} is not an integer"))
+    }
+
+    #[test]
+    fn the_constants_rust_shares_with_the_scripts_are_equal() {
+        use crate::permit::{admin, batch, block};
+        let piece = |name| {
+            (
+                format!("include/{name}.lua"),
+                lookup(PIECES, "piece", name).1,
+            )
+        };
+        let script = |name| (format!("{name}.lua"), lookup(SCRIPTS, "script", name).1);
+        let equal = [
+            (
+                piece("args"),
+                "MAX_COST",
+                u64::from(crate::domain::Cost::MAX),
+            ),
+            (
+                piece("limits"),
+                "MAX_STACK",
+                crate::config::Limits::MAX as u64,
+            ),
+            (
+                piece("ranks"),
+                "MAX_PRIORITY",
+                u64::from(crate::domain::Priority::MAX),
+            ),
+            (
+                piece("ranks"),
+                "AGING_US",
+                crate::permit::AGING.as_micros() as u64,
+            ),
+            (
+                piece("ranks"),
+                "GIVE_WAY_REACH",
+                u64::from(crate::permit::GIVE_WAY_REACH),
+            ),
+            (
+                piece("ranks"),
+                "GIVE_WAY_STEPS_PER_S",
+                u64::from(crate::permit::GIVE_WAY_STEPS_PER_SECOND),
+            ),
+            (
+                piece("ranks"),
+                "GIVE_WAY_STEPS_SAVED",
+                u64::from(crate::permit::GIVE_WAY_STEPS_SAVED),
+            ),
+            (piece("blocks"), "MAX_BLOCK", u64::from(block::MOST_UNITS)),
+            (
+                piece("shadow"),
+                "MAX_SHADOW_LOG",
+                u64::from(admin::MAX_SHADOW_COUNT),
+            ),
+            (script("global"), "MAX_WEIGHT", u64::from(admin::MAX_WEIGHT)),
+        ];
+        for ((file, text), name, rust) in equal {
+            assert_eq!(lua_integer(&file, text, name), rust, "{file}: {name}");
+        }
+        let (file, text) = script("batch");
+        assert!(batch::MOST_PER_CALL as u64 <= lua_integer(&file, text, "MOST_OPERATIONS"));
+        let (file, text) = piece("blocks");
+        assert!(
+            crate::permit::BLOCK_HOLD.as_micros() as u64 <= lua_integer(&file, text, "MAX_HOLD_US")
+        );
+        // A token carries its priority as one digit (see `rank_of` in include/ranks.lua).
+        assert_eq!(crate::domain::Priority::MAX.to_string().len(), 1);
+    }
+
+    /// A connection to the Redis the tests use.
+    fn redis() -> redis::Connection {
+        let url = std::env::var("TURNSTILE_TEST_REDIS_URL")
+            .unwrap_or_else(|_| "redis://127.0.0.1:6379/".into());
+        redis::Client::open(url)
+            .and_then(|client| client.get_connection())
+            .expect("the tests' Redis")
+    }
+
+    /// What Redis answers to `code` run after `pieces` (and what they need), with `args` as ARGV
+    /// and no keys.
+    fn eval<T: redis::FromRedisValue>(pieces: &[&str], code: &str, args: &[String]) -> T {
+        let text = format!(
+            "{}\n{code}",
+            joined(&resolve(PIECES, pieces.iter().copied()))
+        );
+        redis::cmd("EVAL")
+            .arg(text)
+            .arg(0)
+            .arg(args)
+            .query(&mut redis())
+            .unwrap_or_else(|e| panic!("{code}: {e}"))
+    }
+
+    #[test]
+    fn the_guard_is_the_scripts() {
+        use std::time::Duration;
+        let windows_us: [u64; 10] = [
+            1,
+            19_999,
+            499_999,
+            500_001,
+            1_000_000,
+            7_777_777,
+            39_999_999,
+            40_000_000,
+            3_600_000_000,
+            86_400_000_000,
+        ];
+        let guards = [None, Some(Duration::ZERO), Some(Duration::from_millis(7))];
+        for guard in guards {
+            let arg = crate::permit::admin::Terms::guard_arg_of(guard);
+            let args: Vec<String> = std::iter::once(arg.to_string())
+                .chain(windows_us.iter().map(u64::to_string))
+                .collect();
+            let lua: Vec<u64> = eval(
+                &["limits"],
+                "local g, out = tonumber(ARGV[1]), {}\n\
+                 for i = 2, #ARGV do out[i - 1] = guard_for(tonumber(ARGV[i]), g) end\n\
+                 return out",
+                &args,
+            );
+            let rust: Vec<u64> = windows_us
+                .iter()
+                .map(|w| {
+                    crate::config::guard_for(guard, Duration::from_micros(*w)).as_micros() as u64
+                })
+                .collect();
+            assert_eq!(lua, rust, "guard {guard:?}");
+        }
+    }
+
+    #[test]
+    fn a_tokens_rank_reads_in_the_scripts_as_rust_wrote_it() {
+        use crate::domain::Priority;
+        use crate::permit::Rank;
+        // {PRIORITY, DEADLINE_US or -1, ARRIVAL_US or -1, 1 when routed} as the scripts read
+        // TOKEN (after checking it as they check every TOKEN).
+        let read = |token: &str| -> Vec<i64> {
+            eval(
+                &["ranks"],
+                "local t = token_arg(1)\n\
+                 local r = rank_of(t)\n\
+                 return {r.priority, r.deadline or -1, r.arrival or -1, routed(t) and 1 or 0}",
+                &[token.to_owned()],
+            )
+        };
+        let ranks = [
+            Rank::default(),
+            Rank {
+                priority: Priority::from_amqp(Some(Priority::MAX)),
+                deadline_ms: Some(4_102_444_800_000),
+                arrival_ms: 4_102_444_799_999,
+            },
+            Rank {
+                priority: Priority::from_amqp(Some(3)),
+                deadline_ms: None,
+                arrival_ms: 1_700_000_000_123,
+            },
+        ];
+        for rank in ranks {
+            let token = Rank::token(Some(&rank), false);
+            let wanted = [
+                i64::from(rank.priority.get()),
+                rank.deadline_ms.map_or(-1, |d| d as i64 * 1000),
+                rank.arrival_ms as i64 * 1000,
+                0,
+            ];
+            assert_eq!(read(&token), wanted, "{token}");
+        }
+        let plain = Rank::token(None, false);
+        assert_eq!(read(&plain), [0, -1, -1, 0], "{plain}");
+        let routed = Rank::token(None, true);
+        assert_eq!(read(&routed), [0, -1, -1, 1], "{routed}");
+    }
+
     #[test]
     fn every_script_loads_its_pieces_each_once_after_what_they_need() {
         for source in sources() {
