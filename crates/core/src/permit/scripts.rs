@@ -7,6 +7,10 @@
 //! after the pieces it needs. Redis runs all of it on every call (defining the helpers is part
 //! of each call's cost: `turnstile bench lua-setup`), so a script includes only what it uses.
 //! `lua/batch.lua` runs several scripts as functions of one script (see [`batch`]).
+//!
+//! What Rust and the scripts must agree on is written once: a Lua file's `from_rust('NAME')`
+//! stands for Lua text written from Rust's own value NAME (see [`from_rust`]); the constants
+//! both keep are checked equal by this module's tests.
 
 use std::sync::LazyLock;
 
@@ -162,8 +166,8 @@ pub struct Source {
     /// What runs before the script's own file: its pieces (and for `batch`, its operations,
     /// each a function).
     pub setup: String,
-    /// The script's own file.
-    pub body: &'static str,
+    /// The script's own file (its `from_rust('NAME')` written in).
+    pub body: String,
 }
 
 impl Source {
@@ -175,11 +179,63 @@ impl Source {
 
 /// The pieces' texts, one after another.
 fn joined(pieces: &[&str]) -> String {
-    pieces
+    with_rust_values(
+        &pieces
+            .iter()
+            .map(|name| lookup(PIECES, "piece", name).1)
+            .collect::<Vec<_>>()
+            .join("\n"),
+    )
+}
+
+/// The Lua text `from_rust('NAME')` stands for in a script: Rust's value NAME. Panics on a
+/// NAME it does not know.
+fn from_rust(name: &str) -> String {
+    match name {
+        "TRANSITIONS" => transitions(),
+        _ => panic!("no Rust value `{name}` for the Lua scripts"),
+    }
+}
+
+/// The completion record's transitions ([`super::calls::TRANSITIONS`]) as a Lua table:
+/// `t[OUTCOME][FROM] = TO`, on one line.
+fn transitions() -> String {
+    let mut outcomes: Vec<&str> = Vec::new();
+    for (outcome, _, _) in super::calls::TRANSITIONS {
+        if !outcomes.contains(outcome) {
+            outcomes.push(outcome);
+        }
+    }
+    let table: Vec<String> = outcomes
         .iter()
-        .map(|name| lookup(PIECES, "piece", name).1)
-        .collect::<Vec<_>>()
-        .join("\n")
+        .map(|outcome| {
+            let moves: Vec<String> = super::calls::TRANSITIONS
+                .iter()
+                .filter(|(o, _, _)| o == outcome)
+                .map(|(_, from, to)| format!("['{}'] = '{}'", from.name(), to.name()))
+                .collect();
+            format!("['{outcome}'] = {{{}}}", moves.join(", "))
+        })
+        .collect();
+    format!("{{{}}}", table.join(", "))
+}
+
+/// `text` with every `from_rust('NAME')` replaced by what it stands for (see [`from_rust`]).
+fn with_rust_values(text: &str) -> String {
+    const CALL: &str = "from_rust('";
+    let mut out = String::with_capacity(text.len());
+    let mut rest = text;
+    while let Some(at) = rest.find(CALL) {
+        let after = &rest[at + CALL.len()..];
+        let end = after
+            .find("')")
+            .unwrap_or_else(|| panic!("an unclosed {CALL}...') in a Lua file"));
+        out.push_str(&rest[..at]);
+        out.push_str(&from_rust(&after[..end]));
+        rest = &after[end + 2..];
+    }
+    out.push_str(rest);
+    out
 }
 
 /// The script `name` of `lua/` with everything it includes. Panics on an unknown script or
@@ -192,7 +248,7 @@ pub fn source(name: &str) -> Source {
             name,
             setup: joined(&pieces),
             pieces,
-            body,
+            body: with_rust_values(body),
         };
     }
     let operations: Vec<(&str, &str)> = BATCH_OPERATIONS
@@ -205,13 +261,14 @@ pub fn source(name: &str) -> Source {
     );
     let mut setup = joined(&pieces);
     for (op, text) in operations {
+        let text = with_rust_values(text);
         setup.push_str(&format!("\nlocal function op_{op}()\n{text}\nend\n"));
     }
     Source {
         name,
         pieces,
         setup,
-        body,
+        body: with_rust_values(body),
     }
 }
 
@@ -784,7 +841,8 @@ mod tests {
                     );
                 }
             }
-            assert!(source.text().ends_with(source.body));
+            assert!(source.text().ends_with(&source.body));
+            assert!(!source.text().contains("from_rust("), "{}", source.name);
         }
         // Every piece is used by some script.
         let used: BTreeSet<&str> = sources().iter().flat_map(|s| s.pieces.clone()).collect();

@@ -24,7 +24,7 @@ pub(super) use acquire::{Acquire, AcquireAnswer, AcquireTail};
 pub(super) use admin::{
     GlobalUsageCall, Pause, Reschedule, RescheduleAnswer, Reset, ResetAnswer, UsageCall,
 };
-pub(super) use complete::{AdaptiveArgs, Complete, CompleteAnswer, CompleteBatch};
+pub(super) use complete::{AdaptiveArgs, Complete, CompleteAnswer, CompleteBatch, TRANSITIONS};
 pub(super) use ended::CallEnded;
 pub(super) use fleet::{FleetAction, FleetAnswer, FleetCall};
 pub(super) use global::{Global, GlobalAnswer, GlobalEnd};
