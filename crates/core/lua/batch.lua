@@ -18,6 +18,9 @@
 --   so a refused one wrote nothing); one operation's error does not stop the others.
 -- The layout is checked whole before any operation runs: a malformed batch runs nothing.
 
+-- Most operations in one batch (permit::batch::MOST_PER_CALL in Rust is at most this).
+local MOST_OPERATIONS = 256
+
 local OPERATIONS = {
   ['sliding-window'] = op_sliding_window,
   ['gcra'] = op_gcra,
@@ -35,7 +38,9 @@ local function malformed(why)
 end
 
 local n = tonumber(all_args[1])
-if n == nil or n ~= math.floor(n) or n < 1 or n > 256 then malformed('N must be 1 to 256') end
+if n == nil or n ~= math.floor(n) or n < 1 or n > MOST_OPERATIONS then
+  malformed('N must be 1 to ' .. MOST_OPERATIONS)
+end
 local plan = {}
 local k, a = 1, 2
 for i = 1, n do

@@ -15,14 +15,14 @@
 -- Its batch's progress counts each message in at most one of `registered` and `dead` (and
 -- `dead:<REASON>`), so waiting = total - registered - dead.
 --
--- Transitions (any other changes nothing and counts nothing):
---   registered  waiting -> registered: registered + 1
---               dead -> registered (a copy of a dead letter registered): dead - 1, registered + 1
---   dead        waiting -> dead: dead + 1 (a message already dead or registered is not counted
---               again; a repeated dead letter only renews the record's TTL)
---   replayed    dead -> waiting, before the replay republishes it: dead - 1, record deleted
--- A count is never taken below zero, and a batch that no longer exists is not recreated by a
--- decrement.
+-- Transitions: MOVES below, written in by src/permit/scripts.rs from TRANSITIONS in
+-- src/permit/calls/complete.rs (their one list): registered moves waiting or dead to
+-- registered, dead moves waiting to dead, replayed moves dead to waiting (the record deleted,
+-- before the replay republishes it); any other changes nothing and counts nothing (a repeated
+-- dead letter only renews the record's TTL). A move takes the message out of the counts of the
+-- state it leaves (dead: `dead` and `dead:<REASON>` - 1) and counts it in the state it enters
+-- (registered: `registered` + 1; dead: `dead` and `dead:<REASON>` + 1). A count is never taken
+-- below zero, and a batch that no longer exists is not recreated by a decrement.
 --
 -- A batch with a known total (the first BATCH_SIZE given, see batch_seen.lua) is complete when
 -- registered + dead reaches it: `completed_ms` and `event` (its completion event, to publish)
@@ -92,9 +92,14 @@ if batch_key ~= nil then batch = batch_args(11) end
 local result = ARGV[14] or ''
 if #result > 1048576 then error({err = 'ERR turnstile: RESULT must be at most 1 MiB'}) end
 
+-- MOVES[OUTCOME][FROM]: the state OUTCOME moves a record in state FROM (`waiting`,
+-- `registered` or `dead`) to; none: it stays.
+local MOVES = from_rust('TRANSITIONS')
+
 local state = redis.call('GET', KEYS[1])
-local registered = is_registered(state)
 local dead_for = state and string.match(state, '^dead:(.+)$')
+local from = 'waiting'
+if is_registered(state) then from = 'registered' elseif dead_for then from = 'dead' end
 
 -- Counts the message `by` (+1 or -1) in the batch's FIELDS; a decrement only where each field
 -- holds the message, and never into a batch that no longer exists.
@@ -113,35 +118,40 @@ local function count(fields, by)
   redis.call('PEXPIRE', batch_key, ttl)
 end
 
-if outcome == 'registered' then
-  local call = ARGV[4] or ''
-  local raise = 0
-  if call ~= '' then
-    local token = token_arg(4)
-    local answered = answered_arg(5, now_us())
-    end_call(KEYS[2], token, answered, cost)
-    if adaptive then
-      local configured = with_spans(effective_limits(KEYS[5], default), guard)
-      raise = note_accepted(KEYS[3], KEYS[4], configured, call, cost, answered)
-    end
+local raise = 0
+local call = ARGV[4] or ''
+if outcome == 'registered' and call ~= '' then
+  local token = token_arg(4)
+  local answered = answered_arg(5, now_us())
+  end_call(KEYS[2], token, answered, cost)
+  if adaptive then
+    local configured = with_spans(effective_limits(KEYS[5], default), guard)
+    raise = note_accepted(KEYS[3], KEYS[4], configured, call, cost, answered)
   end
-  if registered then return {0, '', raise, batch_event(batch_key)} end
-  if result == '' then
-    redis.call('SET', KEYS[1], 'registered', 'PX', ttl)
-  else
-    redis.call('SET', KEYS[1], 'registered ' .. result, 'PX', ttl)
-  end
-  if dead_for then count({'dead', 'dead:' .. dead_for}, -1) end
-  count({'registered'}, 1)
-  return {1, dead_for or '', raise, event_on_count(batch_key)}
-elseif outcome == 'dead' then
-  if dead_for then redis.call('PEXPIRE', KEYS[1], ttl) end
-  if registered or dead_for then return {0, '', 0, batch_event(batch_key)} end
-  redis.call('SET', KEYS[1], 'dead:' .. reason, 'PX', ttl)
-  count({'dead', 'dead:' .. reason}, 1)
-  return {1, '', 0, event_on_count(batch_key)}
 end
-if not dead_for then return {0, '', 0, ''} end
-redis.call('DEL', KEYS[1])
-count({'dead', 'dead:' .. dead_for}, -1)
-return {1, dead_for, 0, batch_event(batch_key)}
+
+local to = MOVES[outcome][from]
+if to == nil then
+  if outcome == 'dead' and from == 'dead' then redis.call('PEXPIRE', KEYS[1], ttl) end
+  if outcome == 'replayed' then return {0, '', 0, ''} end
+  return {0, '', raise, batch_event(batch_key)}
+end
+if to == 'waiting' then
+  redis.call('DEL', KEYS[1])
+elseif to == 'dead' then
+  redis.call('SET', KEYS[1], 'dead:' .. reason, 'PX', ttl)
+elseif result == '' then
+  redis.call('SET', KEYS[1], 'registered', 'PX', ttl)
+else
+  redis.call('SET', KEYS[1], 'registered ' .. result, 'PX', ttl)
+end
+if from == 'dead' then count({'dead', 'dead:' .. dead_for}, -1) end
+if to == 'registered' then
+  count({'registered'}, 1)
+elseif to == 'dead' then
+  count({'dead', 'dead:' .. reason}, 1)
+end
+-- A message counted may complete its batch (event_on_count); one a replay takes out of it may
+-- open it again (batch_event).
+if to == 'waiting' then return {1, dead_for, 0, batch_event(batch_key)} end
+return {1, dead_for or '', raise, event_on_count(batch_key)}

@@ -83,10 +83,14 @@ check_server(KEYS[7], KEYS[1], KEYS[8], KEYS[9], limits.max_span, now, durable)
 local rate = limits.slowest.count / limits.slowest.span
 local quantum = math.max(limits.min_count / 20, 1)
 
--- A weight as set (1 to 1000), whatever the hash holds.
+-- Most a seller's weight may be (permit::admin::MAX_WEIGHT in Rust; src/permit/scripts.rs
+-- checks that they are equal).
+local MAX_WEIGHT = 1000
+
+-- A weight as set (1 to MAX_WEIGHT), whatever the hash holds.
 local function weight_of(raw)
   local w = math.floor(tonumber(raw or '1') or 1)
-  return math.min(math.max(w, 1), 1000)
+  return math.min(math.max(w, 1), MAX_WEIGHT)
 end
 
 -- Sellers that stopped competing leave (up to 256 per call; the rest at the next calls).

@@ -94,7 +94,7 @@ if pooled then
   block = int_arg(9, 0)
   if block > MAX_BLOCK then error({err = 'ERR turnstile: BLOCK must be at most ' .. MAX_BLOCK}) end
   hold = int_arg(10, 0)
-  if hold > 60000000 then error({err = 'ERR turnstile: HOLD must be at most 60 s'}) end
+  if hold > MAX_HOLD_US then error({err = 'ERR turnstile: HOLD must be at most 60 s'}) end
   if blocked_key == nil then error({err = 'ERR turnstile: BLOCK needs KEYS[13]'}) end
 end
 local limits = with_spans(effective_limits(KEYS[2], a.limits, a.learned, a.cost), a.guard)

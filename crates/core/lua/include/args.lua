@@ -54,5 +54,6 @@ local function answered_arg(i, now)
   return math.min(int_arg(i, 0), now)
 end
 
--- Most units one call may take (COST): a larger cost is refused before anything is written.
+-- Most units one call may take (COST): a larger cost is refused before anything is written
+-- (domain::Cost::MAX in Rust; src/permit/scripts.rs checks that they are equal).
 local MAX_COST = 10000

@@ -2,10 +2,14 @@
 -- blocks: permit blocks (sliding-window): units taken at once into the seller's pool (sorted
 -- set BLOCKED_KEY: unit -> its END) for its next calls by any replica, claimed one by one, and
 -- taken back when the seller gets near its limits or its terms change.
--- Defines: MAX_BLOCK, block_unit, take_block, claim_idle, reclaim_idle
+-- Defines: MAX_BLOCK, MAX_HOLD_US, block_unit, take_block, claim_idle, reclaim_idle
 
--- Most units of a permit block (see take_block) besides the call that asks for it.
+-- Most units of a permit block (see take_block) besides the call that asks for it
+-- (permit::block::MOST_UNITS in Rust; src/permit/scripts.rs checks that they are equal).
 local MAX_BLOCK = 64
+
+-- Longest HOLD of a permit block's units (µs; permit::BLOCK_HOLD in Rust is at most this).
+local MAX_HOLD_US = 60000000
 
 -- The name of unit I of the permit block of the call TOKEN: a call of its own, of one unit, in
 -- the seller's log and calls (see take_block); unit 1 is the call TOKEN itself.

@@ -12,7 +12,7 @@ local function csv(numbers)
   return table.concat(shown, ',')
 end
 
--- Most limits in a stack (see parse_limits).
+-- Most limits in a stack (see parse_limits; config::Limits::MAX in Rust, checked equal).
 local MAX_STACK = 8
 
 -- A stack of limits, all of which must hold, from COUNTS ("C1,C2,...") and WINDOWS
@@ -86,7 +86,8 @@ local function limits_arg(i)
   return limits
 end
 
--- Guard added to a window (µs): as configured, or window/20 within [25 ms, 2 s] when < 0.
+-- Guard added to a window (µs): as configured, or window/20 within [25 ms, 2 s] when < 0
+-- (config::guard_for in Rust; src/permit/scripts.rs checks that they agree).
 local function guard_for(window, guard)
   if guard >= 0 then return guard end
   return math.min(math.max(math.floor(window / 20), 25000), 2000000)

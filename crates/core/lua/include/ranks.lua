@@ -4,11 +4,15 @@
 -- ranks: a waiting message's place among its seller's reservations (priority, deadline,
 -- arrival), read from the token its reservation was made with, and giving way to a message
 -- ranked ahead (give_way), within the seller's give-way budget.
--- Defines: AGING_US, rank_of, effective, matured, ranked_behind, GIVE_WAY_REACH,
+-- Defines: MAX_PRIORITY, AGING_US, rank_of, effective, matured, ranked_behind, GIVE_WAY_REACH,
 --   GIVE_WAY_STEPS_PER_S, GIVE_WAY_STEPS_SAVED, STEP_US, spent_until, spend_steps, give_way
 
--- How long a waiting message waits for each priority level it rises (µs): after nine of these,
--- no message that came later passes it (permit::AGING in Rust says the same).
+-- The highest priority (domain::Priority::MAX in Rust; src/permit/scripts.rs checks that they
+-- are equal): a token carries it as one digit.
+local MAX_PRIORITY = 9
+
+-- How long a waiting message waits for each priority level it rises (µs): after MAX_PRIORITY of
+-- these, no message that came later passes it (permit::AGING in Rust; checked equal).
 local AGING_US = 60000000
 
 -- The rank a token carries: `<random>-r<P>-<DEADLINE_MS>-<ARRIVAL_MS>` (DEADLINE_MS 0 = none),
@@ -22,17 +26,18 @@ local function rank_of(token)
   return {priority = tonumber(p), deadline = deadline, arrival = tonumber(a) * 1000}
 end
 
--- The priority R has at NOW: one level more for every AGING_US it has waited, at most 9.
+-- The priority R has at NOW: one level more for every AGING_US it has waited, at most
+-- MAX_PRIORITY.
 local function effective(r, now)
   if r.arrival == nil then return r.priority end
   local aged = math.floor(math.max(0, now - r.arrival) / AGING_US)
-  return math.min(9, r.priority + aged)
+  return math.min(MAX_PRIORITY, r.priority + aged)
 end
 
 -- Whether R has waited long enough that no message arriving after it is ranked ahead of it:
--- nine levels of aging (AGING_US each).
+-- MAX_PRIORITY levels of aging (AGING_US each).
 local function matured(r, now)
-  return r.arrival ~= nil and now - r.arrival >= 9 * AGING_US
+  return r.arrival ~= nil and now - r.arrival >= MAX_PRIORITY * AGING_US
 end
 
 -- Whether a message of rank B is ranked behind one of rank A at NOW. A matured message (see
@@ -52,16 +57,16 @@ local function ranked_behind(b, a, now)
   return (b.arrival or math.huge) > (a.arrival or math.huge)
 end
 
--- Most reservations one give-way reads, and most units it moves (permit::GIVE_WAY_REACH in Rust
--- says the same): those right before the new message's slot. Each move is a write (one member
+-- Most reservations one give-way reads, and most units it moves (permit::GIVE_WAY_REACH in Rust;
+-- checked equal): those right before the new message's slot. Each move is a write (one member
 -- of the reserved set, COST members of a sliding-window log), so this bounds one call's work to
 -- about half a millisecond however deep the seller's backlog (up to MAX_RESERVED); a priority
 -- message passes at most this many reservations when it reserves.
 local GIVE_WAY_REACH = 256
 
 -- A seller's give-way budget: steps a second (a reservation read or a unit moved is one step),
--- and most steps saved (permit::GIVE_WAY_STEPS_PER_SECOND and GIVE_WAY_STEPS_SAVED in Rust say
--- the same). Redis runs one script at a time, and a replica sends its workers' acquires in one
+-- and most steps saved (permit::GIVE_WAY_STEPS_PER_SECOND and GIVE_WAY_STEPS_SAVED in Rust;
+-- checked equal). Redis runs one script at a time, and a replica sends its workers' acquires in one
 -- batch script: without it, a seller's flood of priority messages would make every other seller
 -- wait for its moves. A step costs Redis about a microsecond: about a millisecond a second per
 -- seller at most, and two in one batch (enough for a few priority messages at once behind a

@@ -11,8 +11,9 @@
 -- (`looser`: the caller was told to wait, every shadow window had room). SHADOW_LOG_KEY (sorted
 -- set): the units granted, score = grant time, within the shadow's longest window and at most its
 -- largest COUNT of them (the newest: older ones cannot decide anything), and never more than
--- MAX_SHADOW_LOG (a shadow COUNT above it is refused when set). Windows are judged without a
--- guard. Sets a.verdict (the answer's last field); nothing without a shadow.
+-- MAX_SHADOW_LOG (a shadow COUNT above it is refused when set: permit::admin::MAX_SHADOW_COUNT
+-- in Rust, which src/permit/scripts.rs checks equal). Windows are judged without a guard. Sets
+-- a.verdict (the answer's last field); nothing without a shadow.
 local MAX_SHADOW_LOG = 10000
 local function judge_shadow(a, now, granted)
   if a.shadow == nil then return end

@@ -143,25 +143,6 @@ mod tests {
         }
     }
 
-    #[test]
-    fn the_give_way_bounds_are_the_scripts() {
-        let ranks = include_str!("../../lua/include/ranks.lua");
-        for line in [
-            format!("local GIVE_WAY_REACH = {}\n", super::GIVE_WAY_REACH),
-            format!(
-                "local GIVE_WAY_STEPS_PER_S = {}\n",
-                super::GIVE_WAY_STEPS_PER_SECOND
-            ),
-            format!(
-                "local GIVE_WAY_STEPS_SAVED = {}\n",
-                super::GIVE_WAY_STEPS_SAVED
-            ),
-            format!("local AGING_US = {}\n", super::AGING.as_micros()),
-        ] {
-            assert!(ranks.contains(&line), "ranks.lua says {line}");
-        }
-    }
-
     /// The error Redis answers with `line` (a RESP error line, without `-` and CRLF).
     fn server_error(line: &str) -> PermitError {
         let value = redis::parse_redis_value(format!("-{line}\r\n").as_bytes()).unwrap();

@@ -3,11 +3,19 @@
 //!
 //! A script's file starts with `-- @include PIECE` lines naming the pieces of `lua/include/`
 //! whose helpers it uses; a piece starts the same way with the pieces it needs. Loading a script
-//! puts every piece it names, directly or through another piece, before it: each once, each
-//! after the pieces it needs. Redis runs all of it on every call (defining the helpers is part
-//! of each call's cost: `turnstile bench lua-setup`), so a script includes only what it uses.
+//! puts the pieces it names, directly or through another piece, before it: each once, each
+//! after the pieces it needs, and of each only the top-level definitions (`local function NAME`,
+//! `local NAME = ...`, each with the comment above it) that the script reaches, directly or
+//! through another definition it keeps, in their order (see [`reached`]). Redis runs all of it
+//! on every call (defining the helpers is part of each call's cost: `turnstile bench
+//! lua-setup`), so a script carries only what it uses.
 //! `lua/batch.lua` runs several scripts as functions of one script (see [`batch`]).
+//!
+//! What Rust and the scripts must agree on is written once: a Lua file's `from_rust('NAME')`
+//! stands for Lua text written from Rust's own value NAME (see [`from_rust`]); the constants
+//! both keep are checked equal by this module's tests.
 
+use std::collections::{BTreeMap, BTreeSet};
 use std::sync::LazyLock;
 
 use redis::Script;
@@ -159,11 +167,11 @@ pub struct Source {
     pub name: &'static str,
     /// The pieces it includes, in the order they are put before it.
     pub pieces: Vec<&'static str>,
-    /// What runs before the script's own file: its pieces (and for `batch`, its operations,
-    /// each a function).
+    /// What runs before the script's own file: the definitions of its pieces it reaches (and
+    /// for `batch`, its operations, each a function).
     pub setup: String,
-    /// The script's own file.
-    pub body: &'static str,
+    /// The script's own file (its `from_rust('NAME')` written in).
+    pub body: String,
 }
 
 impl Source {
@@ -175,36 +183,245 @@ impl Source {
 
 /// The pieces' texts, one after another.
 fn joined(pieces: &[&str]) -> String {
-    pieces
-        .iter()
-        .map(|name| lookup(PIECES, "piece", name).1)
-        .collect::<Vec<_>>()
-        .join("\n")
+    with_rust_values(
+        &pieces
+            .iter()
+            .map(|name| lookup(PIECES, "piece", name).1)
+            .collect::<Vec<_>>()
+            .join("\n"),
+    )
 }
 
-/// The script `name` of `lua/` with everything it includes. Panics on an unknown script or
-/// piece, or pieces that need each other.
+/// The Lua text `from_rust('NAME')` stands for in a script: Rust's value NAME. Panics on a
+/// NAME it does not know.
+fn from_rust(name: &str) -> String {
+    match name {
+        "TRANSITIONS" => transitions(),
+        _ => panic!("no Rust value `{name}` for the Lua scripts"),
+    }
+}
+
+/// The completion record's transitions ([`super::calls::TRANSITIONS`]) as a Lua table:
+/// `t[OUTCOME][FROM] = TO`, on one line.
+fn transitions() -> String {
+    let mut outcomes: Vec<&str> = Vec::new();
+    for (outcome, _, _) in super::calls::TRANSITIONS {
+        if !outcomes.contains(outcome) {
+            outcomes.push(outcome);
+        }
+    }
+    let table: Vec<String> = outcomes
+        .iter()
+        .map(|outcome| {
+            let moves: Vec<String> = super::calls::TRANSITIONS
+                .iter()
+                .filter(|(o, _, _)| o == outcome)
+                .map(|(_, from, to)| format!("['{}'] = '{}'", from.name(), to.name()))
+                .collect();
+            format!("['{outcome}'] = {{{}}}", moves.join(", "))
+        })
+        .collect();
+    format!("{{{}}}", table.join(", "))
+}
+
+/// `text` with every `from_rust('NAME')` replaced by what it stands for (see [`from_rust`]).
+fn with_rust_values(text: &str) -> String {
+    const CALL: &str = "from_rust('";
+    let mut out = String::with_capacity(text.len());
+    let mut rest = text;
+    while let Some(at) = rest.find(CALL) {
+        let after = &rest[at + CALL.len()..];
+        let end = after
+            .find("')")
+            .unwrap_or_else(|| panic!("an unclosed {CALL}...') in a Lua file"));
+        out.push_str(&rest[..at]);
+        out.push_str(&from_rust(&after[..end]));
+        rest = &after[end + 2..];
+    }
+    out.push_str(rest);
+    out
+}
+
+/// Lua text without its comments and string literals (each string becomes `''`), so that
+/// neither counts as a use of a name. Long brackets (`[[...]]`, `--[[...]]`) are not read: no
+/// Lua file uses them (a test checks).
+fn code(text: &str) -> String {
+    let mut out = String::with_capacity(text.len());
+    let mut chars = text.chars().peekable();
+    while let Some(c) = chars.next() {
+        match c {
+            '-' if chars.peek() == Some(&'-') => {
+                for c in chars.by_ref() {
+                    if c == '\n' {
+                        out.push('\n');
+                        break;
+                    }
+                }
+            }
+            '\'' | '"' => {
+                while let Some(d) = chars.next() {
+                    if d == '\\' {
+                        chars.next();
+                    } else if d == c {
+                        break;
+                    }
+                }
+                out.push_str("''");
+            }
+            c => out.push(c),
+        }
+    }
+    out
+}
+
+fn is_word(c: char) -> bool {
+    c.is_ascii_alphanumeric() || c == '_'
+}
+
+/// The words of Lua code, each with the character before it and the text after it.
+fn words(code: &str) -> Vec<(Option<char>, &str, &str)> {
+    let mut found = Vec::new();
+    let mut start = None;
+    for (i, c) in code.char_indices().chain([(code.len(), ' ')]) {
+        match (start, is_word(c)) {
+            (None, true) => start = Some(i),
+            (Some(s), false) => {
+                found.push((code[..s].chars().next_back(), &code[s..i], &code[i..]));
+                start = None;
+            }
+            _ => {}
+        }
+    }
+    found
+}
+
+/// The names Lua text may refer to: its words, but for fields and methods (`x.name`,
+/// `x:name`).
+fn names(text: &str) -> BTreeSet<String> {
+    words(&code(text))
+        .into_iter()
+        .filter(|(before, _, _)| !matches!(before, Some('.' | ':')))
+        .map(|(_, word, _)| word.to_owned())
+        .collect()
+}
+
+/// A top-level definition of a piece: `local function NAME` or `local NAME, ... = ...` (a
+/// line that starts with `local `), through what follows it up to the next one, with the
+/// comment lines right above it.
+struct Definition {
+    /// The names it defines.
+    defines: Vec<String>,
+    /// The names its text refers to.
+    uses: BTreeSet<String>,
+    text: String,
+}
+
+/// A piece's top-level definitions, in order (its header, the text before the first, is
+/// left out). Every line of a piece that is not indented is a definition's start, its `end`,
+/// a comment or blank (a test checks), so nothing else runs at its top level.
+fn definitions(piece: &str) -> Vec<Definition> {
+    let lines: Vec<&str> = piece.split_inclusive('\n').collect();
+    let mut starts: Vec<usize> = Vec::new();
+    for (i, line) in lines.iter().enumerate() {
+        if line.starts_with("local ") {
+            let mut start = i;
+            while start > 0 && lines[start - 1].starts_with("--") {
+                start -= 1;
+            }
+            starts.push(start.max(starts.last().map_or(0, |s| s + 1)));
+        }
+    }
+    let ends = starts.iter().skip(1).copied().chain([lines.len()]);
+    starts
+        .iter()
+        .zip(ends)
+        .map(|(&start, end)| {
+            let mut text: String = lines[start..end].concat();
+            if !text.ends_with('\n') {
+                text.push('\n');
+            }
+            let statement = lines[start..end]
+                .iter()
+                .find_map(|line| line.strip_prefix("local "))
+                .unwrap_or_default();
+            let statement = statement.strip_prefix("function ").unwrap_or(statement);
+            let defines = statement
+                .split(['=', '('])
+                .next()
+                .unwrap_or_default()
+                .split(',')
+                .map(|name| name.trim().to_owned())
+                .collect();
+            Definition {
+                defines,
+                uses: names(&text),
+                text,
+            }
+        })
+        .collect()
+}
+
+/// The definitions of `pieces` (in their order) that `roots` reach: those defining a name a
+/// root refers to, and then those defining a name a definition kept refers to; each kept whole,
+/// in order. Keeping a definition that is not needed (a name that is only a local of the same
+/// name, or a table's key) costs a little; leaving one out that is needed would fail the
+/// script, so every word counts as a use.
+fn reached<'a>(pieces: &[&str], roots: impl IntoIterator<Item = &'a str>) -> String {
+    let definitions: Vec<Definition> = pieces
+        .iter()
+        .flat_map(|name| definitions(&with_rust_values(lookup(PIECES, "piece", name).1)))
+        .collect();
+    let mut by_name: BTreeMap<&str, usize> = BTreeMap::new();
+    for (i, definition) in definitions.iter().enumerate() {
+        for name in &definition.defines {
+            by_name.insert(name, i);
+        }
+    }
+    let mut kept = vec![false; definitions.len()];
+    let mut wanted: Vec<String> = roots.into_iter().flat_map(names).collect();
+    while let Some(name) = wanted.pop() {
+        if let Some(&i) = by_name.get(name.as_str())
+            && !kept[i]
+        {
+            kept[i] = true;
+            wanted.extend(definitions[i].uses.iter().cloned());
+        }
+    }
+    definitions
+        .into_iter()
+        .zip(kept)
+        .filter_map(|(definition, kept)| kept.then_some(definition.text))
+        .collect()
+}
+
+/// The script `name` of `lua/` with what it includes. Panics on an unknown script or piece, or
+/// pieces that need each other.
 pub fn source(name: &str) -> Source {
     let (name, body) = lookup(SCRIPTS, "script", name);
+    let body = with_rust_values(body);
     if name != "batch" {
-        let pieces = resolve(PIECES, includes(body));
+        let pieces = resolve(PIECES, includes(&body));
         return Source {
             name,
-            setup: joined(&pieces),
+            setup: reached(&pieces, [body.as_str()]),
             pieces,
             body,
         };
     }
-    let operations: Vec<(&str, &str)> = BATCH_OPERATIONS
+    let operations: Vec<(&str, String)> = BATCH_OPERATIONS
         .iter()
-        .map(|op| lookup(SCRIPTS, "script", op))
+        .map(|op| {
+            let (op, text) = lookup(SCRIPTS, "script", op);
+            (op, with_rust_values(text))
+        })
         .collect();
     let pieces = resolve(
         PIECES,
-        includes(body).chain(operations.iter().flat_map(|(_, text)| includes(text))),
+        includes(&body).chain(operations.iter().flat_map(|(_, text)| includes(text))),
     );
-    let mut setup = joined(&pieces);
-    for (op, text) in operations {
+    let roots = std::iter::once(body.as_str()).chain(operations.iter().map(|(_, t)| t.as_str()));
+    let mut setup = reached(&pieces, roots);
+    for (op, text) in &operations {
         setup.push_str(&format!("\nlocal function op_{op}()\n{text}\nend\n"));
     }
     Source {
@@ -380,58 +597,6 @@ pub fn retries() -> &'static Script {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use std::collections::{BTreeMap, BTreeSet};
-
-    /// Lua text without comments and string literals (so that neither counts as a use).
-    fn code(text: &str) -> String {
-        let mut out = String::with_capacity(text.len());
-        let mut chars = text.chars().peekable();
-        while let Some(c) = chars.next() {
-            match c {
-                '-' if chars.peek() == Some(&'-') => {
-                    for c in chars.by_ref() {
-                        if c == '\n' {
-                            out.push('\n');
-                            break;
-                        }
-                    }
-                }
-                '\'' | '"' => {
-                    while let Some(d) = chars.next() {
-                        if d == '\\' {
-                            chars.next();
-                        } else if d == c {
-                            break;
-                        }
-                    }
-                    out.push_str("''");
-                }
-                c => out.push(c),
-            }
-        }
-        out
-    }
-
-    fn is_word(c: char) -> bool {
-        c.is_ascii_alphanumeric() || c == '_'
-    }
-
-    /// The words of Lua code, each with the character before it and the text after it.
-    fn words(code: &str) -> Vec<(Option<char>, &str, &str)> {
-        let mut found = Vec::new();
-        let mut start = None;
-        for (i, c) in code.char_indices().chain([(code.len(), ' ')]) {
-            match (start, is_word(c)) {
-                (None, true) => start = Some(i),
-                (Some(s), false) => {
-                    found.push((code[..s].chars().next_back(), &code[s..i], &code[i..]));
-                    start = None;
-                }
-                _ => {}
-            }
-        }
-        found
-    }
 
     /// What a piece defines for others: its top-level `local function NAME` and `local NAME`.
     fn top_level(text: &str) -> BTreeSet<String> {
@@ -536,6 +701,342 @@ mod tests {
         problems
     }
 
+    /// The locals Lua code declares (`local function NAME` declares one, `local A, B = ...`
+    /// two), each with where its statement starts in `code` (Lua code, see [`code`]) and
+    /// whether it is one of the main chunk's. Lua allows at most 200 locals in one function.
+    fn locals(code: &str) -> Vec<(&str, usize, bool)> {
+        let mut depth = 0usize;
+        let mut found = Vec::new();
+        let all = words(code);
+        for (i, (before, word, after)) in all.iter().enumerate() {
+            if matches!(before, Some('.' | ':')) {
+                continue;
+            }
+            match *word {
+                "function" | "do" | "if" | "repeat" => depth += 1,
+                "end" | "until" => depth -= 1,
+                "local" => {
+                    let at = code.len() - after.len() - word.len();
+                    let main = depth == 0;
+                    match all.get(i + 1) {
+                        Some((_, "function", _)) => found.push((all[i + 2].1, at, main)),
+                        _ => {
+                            let statement = after.lines().next().unwrap_or("");
+                            let names = statement.split('=').next().unwrap_or("");
+                            found.extend(names.split(',').map(|name| (name.trim(), at, main)));
+                        }
+                    }
+                }
+                _ => {}
+            }
+        }
+        found
+    }
+
+    /// How many locals the main chunk of the Lua `text` declares.
+    fn top_level_locals(text: &str) -> usize {
+        let code = code(text);
+        locals(&code).iter().filter(|(_, _, main)| *main).count()
+    }
+
+    /// Prints, for every script, the Lua lines Redis runs on each call and the locals of its
+    /// main chunk (`cargo test -p turnstile-core --lib scripts_sizes -- --nocapture`).
+    #[test]
+    fn scripts_sizes() {
+        println!("{:<18} {:>6} {:>8}", "script", "lines", "locals");
+        for source in sources() {
+            let text = source.text();
+            println!(
+                "{:<18} {:>6} {:>8}",
+                source.name,
+                text.lines().count(),
+                top_level_locals(&text)
+            );
+        }
+    }
+
+    /// The integer a Lua file sets at its top level: its one `local NAME = INTEGER` line.
+    fn lua_integer(file: &str, text: &str, name: &str) -> u64 {
+        let prefix = format!("local {name} = ");
+        let values: Vec<&str> = text
+            .lines()
+            .filter_map(|line| line.strip_prefix(&prefix))
+            .collect();
+        let [value] = values[..] else {
+            panic!("{file} sets {name} {} times", values.len());
+        };
+        value
+            .trim()
+            .parse()
+            .unwrap_or_else(|_| panic!("{file}: {name} = {value} is not an integer"))
+    }
+
+    #[test]
+    fn the_constants_rust_shares_with_the_scripts_are_equal() {
+        use crate::permit::{admin, batch, block};
+        let piece = |name| {
+            (
+                format!("include/{name}.lua"),
+                lookup(PIECES, "piece", name).1,
+            )
+        };
+        let script = |name| (format!("{name}.lua"), lookup(SCRIPTS, "script", name).1);
+        let equal = [
+            (
+                piece("args"),
+                "MAX_COST",
+                u64::from(crate::domain::Cost::MAX),
+            ),
+            (
+                piece("limits"),
+                "MAX_STACK",
+                crate::config::Limits::MAX as u64,
+            ),
+            (
+                piece("ranks"),
+                "MAX_PRIORITY",
+                u64::from(crate::domain::Priority::MAX),
+            ),
+            (
+                piece("ranks"),
+                "AGING_US",
+                crate::permit::AGING.as_micros() as u64,
+            ),
+            (
+                piece("ranks"),
+                "GIVE_WAY_REACH",
+                u64::from(crate::permit::GIVE_WAY_REACH),
+            ),
+            (
+                piece("ranks"),
+                "GIVE_WAY_STEPS_PER_S",
+                u64::from(crate::permit::GIVE_WAY_STEPS_PER_SECOND),
+            ),
+            (
+                piece("ranks"),
+                "GIVE_WAY_STEPS_SAVED",
+                u64::from(crate::permit::GIVE_WAY_STEPS_SAVED),
+            ),
+            (piece("blocks"), "MAX_BLOCK", u64::from(block::MOST_UNITS)),
+            (
+                piece("shadow"),
+                "MAX_SHADOW_LOG",
+                u64::from(admin::MAX_SHADOW_COUNT),
+            ),
+            (script("global"), "MAX_WEIGHT", u64::from(admin::MAX_WEIGHT)),
+        ];
+        for ((file, text), name, rust) in equal {
+            assert_eq!(lua_integer(&file, text, name), rust, "{file}: {name}");
+        }
+        let (file, text) = script("batch");
+        assert!(batch::MOST_PER_CALL as u64 <= lua_integer(&file, text, "MOST_OPERATIONS"));
+        let (file, text) = piece("blocks");
+        assert!(
+            crate::permit::block::BLOCK_HOLD.as_micros() as u64
+                <= lua_integer(&file, text, "MAX_HOLD_US")
+        );
+        // A token carries its priority as one digit (see `rank_of` in include/ranks.lua).
+        assert_eq!(crate::domain::Priority::MAX.to_string().len(), 1);
+    }
+
+    /// A connection to the Redis the tests use.
+    fn redis() -> redis::Connection {
+        let url = std::env::var("TURNSTILE_TEST_REDIS_URL")
+            .unwrap_or_else(|_| "redis://127.0.0.1:6379/".into());
+        redis::Client::open(url)
+            .and_then(|client| client.get_connection())
+            .expect("the tests' Redis")
+    }
+
+    /// What Redis answers to `code` run after `pieces` (and what they need), with `args` as ARGV
+    /// and no keys.
+    fn eval<T: redis::FromRedisValue>(pieces: &[&str], code: &str, args: &[String]) -> T {
+        let text = format!(
+            "{}\n{code}",
+            joined(&resolve(PIECES, pieces.iter().copied()))
+        );
+        redis::cmd("EVAL")
+            .arg(text)
+            .arg(0)
+            .arg(args)
+            .query(&mut redis())
+            .unwrap_or_else(|e| panic!("{code}: {e}"))
+    }
+
+    #[test]
+    fn the_guard_is_the_scripts() {
+        use std::time::Duration;
+        let windows_us: [u64; 10] = [
+            1,
+            19_999,
+            499_999,
+            500_001,
+            1_000_000,
+            7_777_777,
+            39_999_999,
+            40_000_000,
+            3_600_000_000,
+            86_400_000_000,
+        ];
+        let guards = [None, Some(Duration::ZERO), Some(Duration::from_millis(7))];
+        for guard in guards {
+            let arg = crate::permit::admin::Terms::guard_arg_of(guard);
+            let args: Vec<String> = std::iter::once(arg.to_string())
+                .chain(windows_us.iter().map(u64::to_string))
+                .collect();
+            let lua: Vec<u64> = eval(
+                &["limits"],
+                "local g, out = tonumber(ARGV[1]), {}\n\
+                 for i = 2, #ARGV do out[i - 1] = guard_for(tonumber(ARGV[i]), g) end\n\
+                 return out",
+                &args,
+            );
+            let rust: Vec<u64> = windows_us
+                .iter()
+                .map(|w| {
+                    crate::config::guard_for(guard, Duration::from_micros(*w)).as_micros() as u64
+                })
+                .collect();
+            assert_eq!(lua, rust, "guard {guard:?}");
+        }
+    }
+
+    #[test]
+    fn a_tokens_rank_reads_in_the_scripts_as_rust_wrote_it() {
+        use crate::domain::Priority;
+        use crate::permit::Rank;
+        // {PRIORITY, DEADLINE_US or -1, ARRIVAL_US or -1, 1 when routed} as the scripts read
+        // TOKEN (after checking it as they check every TOKEN).
+        let read = |token: &str| -> Vec<i64> {
+            eval(
+                &["ranks"],
+                "local t = token_arg(1)\n\
+                 local r = rank_of(t)\n\
+                 return {r.priority, r.deadline or -1, r.arrival or -1, routed(t) and 1 or 0}",
+                &[token.to_owned()],
+            )
+        };
+        let ranks = [
+            Rank::default(),
+            Rank {
+                priority: Priority::from_amqp(Some(Priority::MAX)),
+                deadline_ms: Some(4_102_444_800_000),
+                arrival_ms: 4_102_444_799_999,
+            },
+            Rank {
+                priority: Priority::from_amqp(Some(3)),
+                deadline_ms: None,
+                arrival_ms: 1_700_000_000_123,
+            },
+        ];
+        for rank in ranks {
+            let token = Rank::token(Some(&rank), false);
+            let wanted = [
+                i64::from(rank.priority.get()),
+                rank.deadline_ms.map_or(-1, |d| d as i64 * 1000),
+                rank.arrival_ms as i64 * 1000,
+                0,
+            ];
+            assert_eq!(read(&token), wanted, "{token}");
+        }
+        let plain = Rank::token(None, false);
+        assert_eq!(read(&plain), [0, -1, -1, 0], "{plain}");
+        let routed = Rank::token(None, true);
+        assert_eq!(read(&routed), [0, -1, -1, 1], "{routed}");
+    }
+
+    #[test]
+    fn every_script_defines_each_name_of_its_pieces_it_refers_to_before_it() {
+        let defined = definitions();
+        for source in sources() {
+            let code = code(&source.text());
+            let locals = locals(&code);
+            // A name a function declares for itself (`local due = {}`) is not the piece's.
+            let own: BTreeSet<&str> = locals
+                .iter()
+                .filter(|(_, _, main)| !main)
+                .map(|(name, _, _)| *name)
+                .collect();
+            // Without `args`, KEYS and ARGV are Redis's own.
+            let globals: &[&str] = if source.pieces.contains(&"args") {
+                &[]
+            } else {
+                &["KEYS", "ARGV"]
+            };
+            for (before, word, after) in words(&code) {
+                if matches!(before, Some('.' | ':'))
+                    || !defined.contains_key(word)
+                    || own.contains(word)
+                    || globals.contains(&word)
+                {
+                    continue;
+                }
+                let at = code.len() - after.len() - word.len();
+                assert!(
+                    locals
+                        .iter()
+                        .any(|(name, from, main)| *main && *name == word && *from <= at),
+                    "{}.lua refers to `{word}` of {} before defining it (or never)",
+                    source.name,
+                    defined[word]
+                );
+            }
+        }
+    }
+
+    #[test]
+    fn a_script_carries_only_what_it_reaches() {
+        let complete = source("complete");
+        assert!(complete.pieces.contains(&"limits"));
+        assert!(complete.setup.contains("local function with_spans("));
+        // Limits' definitions complete.lua does not reach.
+        assert!(!complete.setup.contains("local function within("));
+        let pause = source("pause");
+        assert!(!pause.setup.contains("local function token_arg("));
+        // Each definition whole, with its comment, in its piece's order.
+        let args = lookup(PIECES, "piece", "args").1;
+        let kept = reached(&["args"], ["return int_arg(1, 0) + MAX_COST"]);
+        // int_arg reads ARGV, the piece's local.
+        let argv = &args[args.find("-- The call's keys and arguments").unwrap()..];
+        let int_arg = &argv[argv.find("-- ARGV[i] as an integer").unwrap()..];
+        let int_arg = &int_arg[..int_arg.find("\n\n").unwrap() + 1];
+        let argv = &argv[..argv.find("\n\n").unwrap() + 1];
+        let max_cost = &args[args.find("-- Most units one call").unwrap()..];
+        assert_eq!(kept, format!("{argv}\n{int_arg}\n{max_cost}"));
+    }
+
+    #[test]
+    fn the_batch_keeps_well_below_luas_200_locals() {
+        let locals = top_level_locals(&source("batch").text());
+        assert!(
+            locals <= 150,
+            "the batch script's main chunk has {locals} locals"
+        );
+    }
+
+    #[test]
+    fn a_piece_runs_nothing_but_its_definitions() {
+        for (piece, text) in PIECES {
+            for line in text.lines() {
+                let top_level = line.starts_with(|c: char| !c.is_whitespace());
+                assert!(
+                    !top_level || ["local ", "end", "--"].iter().any(|s| line.starts_with(s)),
+                    "include/{piece}.lua: `{line}` at its top level"
+                );
+            }
+        }
+        for (file, text) in PIECES.iter().chain(SCRIPTS) {
+            assert!(
+                !text.contains("[["),
+                "{file}.lua: a long bracket (see `code`)"
+            );
+            assert!(
+                !text.contains("[="),
+                "{file}.lua: a long bracket (see `code`)"
+            );
+        }
+    }
+
     #[test]
     fn every_script_loads_its_pieces_each_once_after_what_they_need() {
         for source in sources() {
@@ -550,7 +1051,8 @@ mod tests {
                     );
                 }
             }
-            assert!(source.text().ends_with(source.body));
+            assert!(source.text().ends_with(&source.body));
+            assert!(!source.text().contains("from_rust("), "{}", source.name);
         }
         // Every piece is used by some script.
         let used: BTreeSet<&str> = sources().iter().flat_map(|s| s.pieces.clone()).collect();

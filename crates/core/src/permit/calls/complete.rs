@@ -107,22 +107,79 @@ pub(in crate::permit) struct CompleteAnswer {
     pub event: String,
 }
 
+/// A message's state, as its completion record holds it (see `complete.lua`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(in crate::permit) enum RecordState {
+    /// No record (or one that says neither of the others): published, neither registered nor
+    /// dead-lettered, or replayed since.
+    Waiting,
+    /// `registered`, or `registered <RESULT>` while its result is not yet published.
+    Registered,
+    /// `dead:<REASON>`: dead-lettered for REASON and not replayed since.
+    Dead,
+}
+
+impl RecordState {
+    /// The state of a record that holds `state` (`None`: there is none), and the REASON it is
+    /// dead for ('' unless [`RecordState::Dead`]).
+    pub fn of(state: Option<&str>) -> (Self, &str) {
+        match state {
+            Some(state) if crate::permit::records::is_registered(state) => (Self::Registered, ""),
+            Some(state) => match state.strip_prefix("dead:") {
+                Some(reason) if !reason.is_empty() => (Self::Dead, reason),
+                _ => (Self::Waiting, ""),
+            },
+            None => (Self::Waiting, ""),
+        }
+    }
+
+    /// Its name in `complete.lua`'s MOVES.
+    pub fn name(self) -> &'static str {
+        match self {
+            Self::Waiting => "waiting",
+            Self::Registered => "registered",
+            Self::Dead => "dead",
+        }
+    }
+}
+
+/// The completion record's transitions, their one list: (OUTCOME, FROM, TO), OUTCOME moving a
+/// record in state FROM to TO. Any other OUTCOME in any other state changes nothing and counts
+/// nothing (a message already dead or registered is not counted dead again; a repeated dead
+/// letter only renews its record's TTL). `complete.lua` takes them as its MOVES (written into
+/// it by `permit::scripts`); [`CompleteAnswer::registered_from`] reads them for a record moved
+/// without the script. Leaving a state takes the message out of that state's counts in its
+/// batch's progress, entering one counts it there (see `complete.lua`).
+pub(in crate::permit) const TRANSITIONS: &[(&str, RecordState, RecordState)] = &[
+    ("registered", RecordState::Waiting, RecordState::Registered),
+    // A copy of a dead letter registered.
+    ("registered", RecordState::Dead, RecordState::Registered),
+    ("dead", RecordState::Waiting, RecordState::Dead),
+    // Before the replay republishes it.
+    ("replayed", RecordState::Dead, RecordState::Waiting),
+];
+
+/// The state OUTCOME moves a record in state `from` to, if it moves it (see [`TRANSITIONS`]).
+pub(in crate::permit) fn moved_to(outcome: &str, from: RecordState) -> Option<RecordState> {
+    TRANSITIONS
+        .iter()
+        .find(|(o, f, _)| *o == outcome && *f == from)
+        .map(|(_, _, to)| *to)
+}
+
 impl CompleteAnswer {
     /// What `complete.lua` answers for a message moved to `registered` from the state `was`
-    /// (its completion record before): changed unless it was registered already, and the
-    /// reason it was dead for, if it was; nothing is learned (no raise), no event.
+    /// (its completion record before), as [`TRANSITIONS`] say: changed when it moved, and the
+    /// reason it was dead for when it left `dead`; nothing is learned (no raise), no event.
     pub fn registered_from(was: Option<&str>) -> Self {
-        match was {
-            Some(state) if crate::permit::records::is_registered(state) => Self::default(),
-            Some(state) => Self {
-                changed: true,
-                was_dead_for: state.strip_prefix("dead:").unwrap_or("").to_owned(),
-                ..Self::default()
-            },
-            None => Self {
-                changed: true,
-                ..Self::default()
-            },
+        let (from, reason) = RecordState::of(was);
+        if moved_to("registered", from).is_none() {
+            return Self::default();
+        }
+        Self {
+            changed: true,
+            was_dead_for: reason.to_owned(),
+            ..Self::default()
         }
     }
 }
@@ -251,6 +308,85 @@ mod tests {
             written
         };
         assert_eq!(&alone.args[10..], ["", "", "0", "{}"]);
+    }
+
+    /// Runs `complete.lua` on a record holding `was` (none: no record), with no call and no
+    /// batch: its answer and the record after.
+    fn complete_on(was: Option<&str>, outcome: &str) -> (CompleteAnswer, Option<String>) {
+        let url = std::env::var("TURNSTILE_TEST_REDIS_URL")
+            .unwrap_or_else(|_| "redis://127.0.0.1:6379/".into());
+        let mut conn = redis::Client::open(url)
+            .and_then(|client| client.get_connection())
+            .expect("the tests' Redis");
+        let prefix = format!("turnstile-test:complete-moves:{}", std::process::id());
+        let (done, calls) = (format!("{prefix}:done"), format!("{prefix}:calls"));
+        let mut reset = redis::cmd("DEL");
+        reset.arg(&done).arg(&calls);
+        let () = reset.query(&mut conn).unwrap();
+        if let Some(was) = was {
+            let () = redis::cmd("SET")
+                .arg(&done)
+                .arg(was)
+                .query(&mut conn)
+                .unwrap();
+        }
+        let mut written = Written::default();
+        Complete {
+            batch: None,
+            adaptive: None,
+            outcome: match outcome {
+                "registered" => "registered",
+                "dead" => "dead",
+                _ => "replayed",
+            },
+            reason: "gone",
+            call: "",
+            result: "",
+            ..sample_complete(false, false)
+        }
+        .write(&mut written);
+        let mut eval = redis::cmd("EVAL");
+        eval.arg(crate::permit::scripts::source("complete").text())
+            .arg(2)
+            .arg(&done)
+            .arg(&calls)
+            .arg(&written.args);
+        let answer: CompleteAnswer = eval.query(&mut conn).unwrap();
+        let after: Option<String> = redis::cmd("GET").arg(&done).query(&mut conn).unwrap();
+        let () = reset.query(&mut conn).unwrap();
+        (answer, after)
+    }
+
+    #[test]
+    fn complete_lua_moves_a_record_as_the_transitions_say() {
+        let states = [
+            None,
+            Some("registered"),
+            Some(r#"registered {"a":1}"#),
+            Some("dead:rejected"),
+        ];
+        for was in states {
+            let (from, reason) = RecordState::of(was);
+            for outcome in ["registered", "dead", "replayed"] {
+                let (answer, after) = complete_on(was, outcome);
+                let to = moved_to(outcome, from);
+                assert_eq!(answer.changed, to.is_some(), "{outcome} from {was:?}");
+                let after_state = RecordState::of(after.as_deref()).0;
+                assert_eq!(after_state, to.unwrap_or(from), "{outcome} from {was:?}");
+                if to.is_none() {
+                    assert_eq!(after.as_deref(), was, "{outcome} from {was:?}");
+                }
+                let left_dead = to.is_some() && from == RecordState::Dead;
+                assert_eq!(
+                    answer.was_dead_for,
+                    if left_dead { reason } else { "" },
+                    "{outcome} from {was:?}"
+                );
+                if outcome == "registered" {
+                    assert_eq!(answer, CompleteAnswer::registered_from(was), "{was:?}");
+                }
+            }
+        }
     }
 
     #[test]
