@@ -345,6 +345,9 @@ impl Blocks {
     }
 }
 
+/// How long after its grant a block's units may be claimed.
+pub const BLOCK_HOLD: Duration = Duration::from_secs(2);
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -530,6 +533,3 @@ mod tests {
         );
     }
 }
-
-/// How long after its grant a block's units may be claimed.
-pub const BLOCK_HOLD: Duration = Duration::from_secs(2);

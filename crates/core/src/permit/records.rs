@@ -29,7 +29,7 @@ pub struct UploadProgress {
     pub dead: u64,
     pub dead_by_reason: std::collections::BTreeMap<String, u64>,
     /// Units (costs) of the registered and dead messages together.
-    pub(crate) done_units: u64,
+    pub done_units: u64,
     /// When the batch was first seen, its last message counted, and it completed (Unix ms,
     /// Redis time).
     pub first_ms: Option<u64>,

@@ -88,6 +88,42 @@ pub(in crate::permit) struct AdaptiveKeys {
     pub limit: String,
 }
 
+/// A script's answer (a list), read by position; anything missing or of another type is the
+/// script's bad answer.
+pub(in crate::permit) struct Answer<'a> {
+    pub(in crate::permit) values: &'a [redis::Value],
+    pub(in crate::permit) script: &'static str,
+}
+
+impl Answer<'_> {
+    pub(in crate::permit) fn bad(&self) -> PermitError {
+        PermitError::Answer(self.script)
+    }
+    pub(in crate::permit) fn get<T: redis::FromRedisValue>(
+        &self,
+        i: usize,
+    ) -> Result<T, PermitError> {
+        self.values
+            .get(i)
+            .and_then(|v| redis::from_redis_value_ref(v).ok())
+            .ok_or_else(|| self.bad())
+    }
+    pub(in crate::permit) fn int(&self, i: usize) -> Result<i64, PermitError> {
+        self.get(i)
+    }
+    pub(in crate::permit) fn text(&self, i: usize) -> Result<String, PermitError> {
+        self.get(i)
+    }
+    /// A count at `i` (a negative one reads as 0).
+    pub(in crate::permit) fn count(&self, i: usize) -> Result<u64, PermitError> {
+        Ok(self.int(i)?.max(0) as u64)
+    }
+    /// The stack at `i` (counts) and `i + 1` (windows).
+    pub(in crate::permit) fn limits(&self, i: usize) -> Result<Limits, PermitError> {
+        Limits::from_args(&self.text(i)?, &self.text(i + 1)?).ok_or_else(|| self.bad())
+    }
+}
+
 #[cfg(test)]
 pub(in crate::permit) mod header {
     //! Reading a script's header (`-- KEYS[n] ...`, `-- ARGV[n] ...`) to check a typed call
@@ -168,41 +204,5 @@ pub(in crate::permit) mod header {
                 lines[i]
             );
         }
-    }
-}
-
-/// A script's answer (a list), read by position; anything missing or of another type is the
-/// script's bad answer.
-pub(in crate::permit) struct Answer<'a> {
-    pub(in crate::permit) values: &'a [redis::Value],
-    pub(in crate::permit) script: &'static str,
-}
-
-impl Answer<'_> {
-    pub(in crate::permit) fn bad(&self) -> PermitError {
-        PermitError::Answer(self.script)
-    }
-    pub(in crate::permit) fn get<T: redis::FromRedisValue>(
-        &self,
-        i: usize,
-    ) -> Result<T, PermitError> {
-        self.values
-            .get(i)
-            .and_then(|v| redis::from_redis_value_ref(v).ok())
-            .ok_or_else(|| self.bad())
-    }
-    pub(in crate::permit) fn int(&self, i: usize) -> Result<i64, PermitError> {
-        self.get(i)
-    }
-    pub(in crate::permit) fn text(&self, i: usize) -> Result<String, PermitError> {
-        self.get(i)
-    }
-    /// A count at `i` (a negative one reads as 0).
-    pub(in crate::permit) fn count(&self, i: usize) -> Result<u64, PermitError> {
-        Ok(self.int(i)?.max(0) as u64)
-    }
-    /// The stack at `i` (counts) and `i + 1` (windows).
-    pub(in crate::permit) fn limits(&self, i: usize) -> Result<Limits, PermitError> {
-        Limits::from_args(&self.text(i)?, &self.text(i + 1)?).ok_or_else(|| self.bad())
     }
 }
