@@ -3,7 +3,7 @@
 
 use std::time::Duration;
 
-use turnstile_core::domain::RateLimitHeaders;
+use turnstile_core::domain::{Cost, RateLimitHeaders};
 use turnstile_core::permit::{
     Ask, Decision, Ended, Finished, Forfeit, Grant, Limiter, PermitStore, Reservation,
 };
@@ -24,11 +24,7 @@ pub struct Call {
 
 impl Call {
     /// The call `ask` is granted by `decision` of `cost` units, if it is one.
-    pub fn of(
-        ask: Ask<'_>,
-        decision: &Decision,
-        cost: turnstile_core::domain::Cost,
-    ) -> Option<Self> {
+    pub fn of(ask: Ask<'_>, decision: &Decision, cost: Cost) -> Option<Self> {
         let Decision::Granted {
             slot_us,
             granted_us,
