@@ -11,10 +11,11 @@ use std::time::Duration;
 use serde_json::json;
 
 use turnstile_core::config::{Algorithm, LimiterArgs, Limits};
-use turnstile_core::domain::{Cost, MessageId, RateLimitHeaders, SellerId};
-use turnstile_core::permit::{CallAnswer, Decision, Lesson, PermitStore, Why};
+use turnstile_core::domain::{MessageId, RateLimitHeaders, SellerId};
+use turnstile_core::permit::{Ask, Decision, PermitStore, Why};
 use turnstile_lab::mock_api::{MockArgs, RateLimitForm};
 
+use support::asks::{self, Call, call_now, decide, throttled};
 use support::{Backend, Keys};
 
 fn seller(s: &str) -> SellerId {
@@ -29,39 +30,53 @@ fn limiter(limit: &str) -> LimiterArgs {
     support::limiter(limit, Algorithm::SlidingWindow)
 }
 
-/// The answer to the call `call` of one unit granted at `granted_us`, answered at once.
-fn answer(call: &str, granted_us: i64) -> CallAnswer<'_> {
-    CallAnswer {
-        call,
-        cost: Cost::ONE,
-        answered_us: Some(granted_us),
-        result: None,
+/// A call of `s` granted now, asked without reserving (nor taking a permit block) for the
+/// message `m-<n>`.
+async fn call_for(store: &PermitStore, s: &SellerId, n: usize) -> Call {
+    let message = MessageId::parse(&format!("m-{n}")).unwrap();
+    call_now(store, Ask::new(s).message(&message).without_reserving()).await
+}
+
+/// As [`call_for`], once the seller's limit lets it through (it asks again when told).
+async fn call_in_time_for(store: &PermitStore, s: &SellerId, n: usize) -> Call {
+    let message = MessageId::parse(&format!("m-{n}")).unwrap();
+    let ask = Ask::new(s).message(&message).without_reserving();
+    loop {
+        let asked = asks::call(store, ask).await;
+        if let Some(call) = asked {
+            return call;
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
     }
 }
 
-/// Takes a permit now and has the downstream accept the call: returns when it was granted.
-async fn accepted_call(store: &PermitStore, s: &SellerId, n: usize) -> i64 {
-    let Decision::Granted {
-        slot_us,
-        call,
-        granted_us,
-        ..
-    } = store.acquire(s, false).await.unwrap()
-    else {
-        panic!("call {n} of {s} was not granted at once");
-    };
-    let message = MessageId::parse(&format!("m-{n}")).unwrap();
-    store
-        .complete_call(
-            s,
-            &message,
-            None,
-            answer(&call, granted_us),
-            Duration::from_secs(60),
-        )
-        .await
-        .unwrap();
-    slot_us
+/// Takes a permit now and has the downstream accept the call: whether its record says a
+/// learned count is due to change (the limiter then learns it, see `Ended::Registered`).
+async fn accepted_call(store: &PermitStore, s: &SellerId, n: usize) -> bool {
+    let call = call_for(store, s, n).await;
+    accepted(store, &call).await
+}
+
+/// The downstream accepted `call` at once: whether its record says a learned count is due
+/// to change.
+async fn accepted(store: &PermitStore, call: &Call) -> bool {
+    let finished = asks::answered(store, call).await;
+    finished
+        .recorded
+        .expect("a registration's record")
+        .raise_due
+}
+
+/// The downstream answered a call of `s` granted now with a 2xx whose rate-limit headers said
+/// `told`.
+async fn told(store: &PermitStore, s: &SellerId, n: usize, told: RateLimitHeaders) {
+    let call = call_for(store, s, n).await;
+    told_by(store, &call, told).await;
+}
+
+/// The downstream answered `call` with a 2xx whose rate-limit headers said `told`.
+async fn told_by(store: &PermitStore, call: &Call, told: RateLimitHeaders) {
+    asks::finish(store, call, call.granted_us, asks::registered(Some(told))).await;
 }
 
 /// The stack that applies to `s` now, as an acquire answers it (asked without reserving).
@@ -69,37 +84,42 @@ async fn counts_now(store: &PermitStore, s: &SellerId) -> String {
     store.admin().usage(s).await.unwrap().limit.counts_arg()
 }
 
+/// The counts that apply to `s` now and why they last changed.
+async fn learned_now(store: &PermitStore, s: &SellerId) -> (String, Option<Why>) {
+    let why = store.admin().learned(s).await.unwrap().and_then(|l| l.why);
+    (counts_now(store, s).await, why)
+}
+
 async fn a_429_lowers_the_learned_limit_to_what_the_downstream_accepted(backend: Backend) {
     let keys = Keys::new(backend, "adaptive-lower").await;
     let store = keys.store(limiter("20/2s"));
     let s = seller("S-lower");
-    let mut granted = 0;
     for n in 0..5 {
-        granted = accepted_call(&store, &s, n).await;
+        accepted_call(&store, &s, n).await;
     }
-    let lesson = Lesson::Throttled {
-        granted_us: granted,
-        told: None,
-    };
-    let change = store.learn(&s, lesson).await.unwrap().expect("a change");
-    assert_eq!((change.counts.as_str(), change.why), ("5", Why::Throttled));
-    assert_eq!(counts_now(&store, &s).await, "5");
+    // Two more calls of the burst, which the downstream refuses.
+    let earlier = call_for(&store, &s, 5).await;
+    let refused = call_for(&store, &s, 6).await;
+    assert!(throttled(&store, &refused, None).await, "a decrease");
+    assert_eq!(
+        learned_now(&store, &s).await,
+        ("5".into(), Some(Why::Throttled))
+    );
     let learned = store.admin().learned(&s).await.unwrap().expect("learned");
     assert_eq!(learned.configured, limits("20/2s"));
     assert_eq!(learned.limit, limits("5/2s"));
     assert_eq!(learned.from, Some(limits("20/2s")));
-    // The learned limit is what every acquire applies: five calls were made in the window.
+    // The learned limit is what every acquire applies: seven calls were made in the window.
     assert!(matches!(
-        store.acquire(&s, false).await.unwrap(),
+        decide(&store, Ask::new(&s).without_reserving()).await,
         Decision::Wait { .. }
     ));
     // A 429 for a call granted before that change says nothing new.
-    let stale = Lesson::Throttled {
-        granted_us: granted - 1,
-        told: None,
-    };
-    assert_eq!(store.learn(&s, stale).await.unwrap(), None);
-    assert_eq!(counts_now(&store, &s).await, "5");
+    assert!(!throttled(&store, &earlier, None).await);
+    assert_eq!(
+        learned_now(&store, &s).await,
+        ("5".into(), Some(Why::Throttled))
+    );
     keys.cleanup().await;
 }
 
@@ -112,50 +132,20 @@ async fn later_answers_correct_a_decrease_and_a_raise_gives_back_the_reserved_sl
     // A burst of eight calls: the downstream accepts the first five and refuses the others.
     let mut burst = Vec::new();
     for n in 0..8 {
-        let Decision::Granted {
-            call, granted_us, ..
-        } = store.acquire(&s, false).await.unwrap()
-        else {
-            panic!("call {n} of the burst was not granted at once");
-        };
-        burst.push((call, granted_us));
+        burst.push(call_for(&store, &s, n).await);
     }
-    let record = |n: usize| {
-        let (call, granted_us) = &burst[n];
-        let message = MessageId::parse(&format!("c-{n}")).unwrap();
-        let store = &store;
-        let s = &s;
-        async move {
-            store
-                .complete_call(
-                    s,
-                    &message,
-                    None,
-                    answer(call, *granted_us),
-                    Duration::from_secs(60),
-                )
-                .await
-                .unwrap()
-                .raise_due
-        }
-    };
     // Two of the accepted calls are recorded before the first 429 is learned from.
-    for n in 0..2 {
-        record(n).await;
+    for call in &burst[..2] {
+        accepted(&store, call).await;
     }
-    let first_429 = Lesson::Throttled {
-        granted_us: burst[7].1,
-        told: None,
-    };
-    let change = store
-        .learn(&s, first_429)
-        .await
-        .unwrap()
-        .expect("a decrease");
-    assert_eq!((change.counts.as_str(), change.why), ("2", Why::Throttled));
+    assert!(throttled(&store, &burst[7], None).await, "a decrease");
+    assert_eq!(
+        learned_now(&store, &s).await,
+        ("2".into(), Some(Why::Throttled))
+    );
     // The backlog reserves under the lowered limit.
     for n in 0..4 {
-        let decision = store.acquire(&s, true).await.unwrap();
+        let decision = decide(&store, Ask::new(&s)).await;
         assert!(
             matches!(
                 decision,
@@ -169,30 +159,27 @@ async fn later_answers_correct_a_decrease_and_a_raise_gives_back_the_reserved_sl
     }
     assert_eq!(store.admin().usage(&s).await.unwrap().ahead, 4);
     // The other three accepted calls of the burst are recorded after it: the decrease is
-    // corrected up to what the downstream accepted in that window, never to the 429'd calls.
+    // corrected (as their records say it is due) up to what the downstream accepted in that
+    // window, never to the 429'd calls.
     let mut due = false;
-    for n in 2..5 {
-        due |= record(n).await;
+    for call in &burst[2..5] {
+        due |= accepted(&store, call).await;
     }
     assert!(due, "a correction is due");
-    let change = store
-        .learn(&s, Lesson::Recovery)
-        .await
-        .unwrap()
-        .expect("a correction");
-    assert_eq!((change.counts.as_str(), change.why), ("5", Why::Throttled));
+    assert_eq!(
+        learned_now(&store, &s).await,
+        ("5".into(), Some(Why::Throttled))
+    );
     // A raise re-slots the backlog: the slots reserved under the lower limit are given back.
     assert_eq!(store.admin().usage(&s).await.unwrap().ahead, 0);
     let learned = store.admin().learned(&s).await.unwrap().expect("learned");
     assert_eq!(learned.from, Some(limits("20/2s")), "{learned:?}");
-    // A 429 of the same burst learned later, and a recovery with nothing new, change nothing.
-    let late_429 = Lesson::Throttled {
-        granted_us: burst[6].1,
-        told: None,
-    };
-    assert_eq!(store.learn(&s, late_429).await.unwrap(), None);
-    assert_eq!(store.learn(&s, Lesson::Recovery).await.unwrap(), None);
-    assert_eq!(counts_now(&store, &s).await, "5");
+    // A 429 of the same burst learned later changes nothing.
+    assert!(!throttled(&store, &burst[6], None).await);
+    assert_eq!(
+        learned_now(&store, &s).await,
+        ("5".into(), Some(Why::Throttled))
+    );
     keys.cleanup().await;
 }
 
@@ -204,12 +191,9 @@ async fn a_learned_limit_never_goes_below_the_minimum(backend: Backend) {
     });
     let s = seller("S-min");
     for round in 0..4 {
-        let now = store.admin().redis_time_us().await.unwrap();
-        let lesson = Lesson::Throttled {
-            granted_us: now,
-            told: None,
-        };
-        store.learn(&s, lesson).await.unwrap();
+        // Each 429 answers a call granted after the last change.
+        let call = call_in_time_for(&store, &s, round).await;
+        throttled(&store, &call, None).await;
         assert!(
             counts_now(&store, &s).await.parse::<u32>().unwrap() >= 3,
             "round {round}"
@@ -230,50 +214,30 @@ async fn raises_up_to_the_configured_limit(backend: Backend, algorithm: Algorith
     let keys = Keys::new(backend, "adaptive-raise").await;
     let store = keys.store(support::limiter("4/300ms", algorithm));
     let s = seller("S-raise");
-    let now = store.admin().redis_time_us().await.unwrap();
-    let lesson = Lesson::Throttled {
-        granted_us: now,
-        told: None,
-    };
-    store.learn(&s, lesson).await.unwrap();
+    let first = call_for(&store, &s, 0).await;
+    throttled(&store, &first, None).await;
     assert_eq!(counts_now(&store, &s).await, "2");
-    // Use the learned limit in full, window after window: each raise is due only then.
+    // Use the learned limit in full, window after window: each raise is due only then, and
+    // learned as the record that says so is written.
     let mut seen = vec![2];
     for n in 0..200 {
-        let decision = store.acquire(&s, false).await.unwrap();
-        let Decision::Granted {
-            call, granted_us, ..
-        } = decision
-        else {
+        let message = MessageId::parse(&format!("r-{n}")).unwrap();
+        let ask = Ask::new(&s).message(&message).without_reserving();
+        let Some(call) = asks::call(&store, ask).await else {
             tokio::time::sleep(Duration::from_millis(20)).await;
             continue;
         };
-        let message = MessageId::parse(&format!("r-{n}")).unwrap();
-        let due = store
-            .complete_call(
-                &s,
-                &message,
-                None,
-                answer(&call, granted_us),
-                Duration::from_secs(60),
-            )
-            .await
-            .unwrap()
-            .raise_due;
-        if due {
-            let change = store
-                .learn_at(&s, Lesson::Recovery, Some(granted_us))
-                .await
-                .unwrap();
-            if let Some(change) = change {
+        if accepted(&store, &call).await {
+            let (counts, why) = learned_now(&store, &s).await;
+            let count = counts.parse::<u32>().unwrap();
+            if seen.last() != Some(&count) {
                 // A raise made while the 429's window is still open is a correction from the
                 // calls it accepted, which keeps the decrease's reason.
                 assert!(
-                    matches!(change.why, Why::Recovery | Why::Throttled),
-                    "{:?}",
-                    change.why
+                    matches!(why, Some(Why::Recovery | Why::Throttled)),
+                    "{why:?}"
                 );
-                seen.push(change.counts.parse::<u32>().unwrap());
+                seen.push(count);
             }
         }
         if seen.last() == Some(&4) {
@@ -286,7 +250,9 @@ async fn raises_up_to_the_configured_limit(backend: Backend, algorithm: Algorith
         "{algorithm}: one step at a time, up to the configured count"
     );
     // At the configured count, nothing is due any more.
-    assert_eq!(store.learn(&s, Lesson::Recovery).await.unwrap(), None);
+    let call = call_in_time_for(&store, &s, 200).await;
+    assert!(!accepted(&store, &call).await, "{algorithm}");
+    assert_eq!(counts_now(&store, &s).await, "4");
     keys.cleanup().await;
 }
 
@@ -295,19 +261,24 @@ async fn rate_limit_headers_set_the_limit_and_a_quota_every_replica_follows(back
     let one = keys.store(limiter("20/1s"));
     let other = keys.store(limiter("20/1s"));
     let s = seller("S-headers");
+    // Three calls of one replica, answered one after another.
+    let mut calls = Vec::new();
+    for n in 0..3 {
+        calls.push(call_for(&one, &s, n).await);
+    }
     let told = RateLimitHeaders {
         limit: Some(10),
         window: Some(Duration::from_secs(1)),
         remaining: Some(0),
         reset: Some(Duration::from_secs(3)),
     };
-    let change = one.learn(&s, Lesson::Told(told)).await.unwrap();
+    told_by(&one, &calls[0], told).await;
     assert_eq!(
-        change.map(|c| (c.counts, c.why)),
-        Some(("10".into(), Why::Header))
+        learned_now(&one, &s).await,
+        ("10".into(), Some(Why::Header))
     );
-    // The other replica waits for the quota's reset, though no call was made.
-    match other.acquire(&s, false).await.unwrap() {
+    // The other replica waits for the quota's reset, though it made no call.
+    match decide(&other, Ask::new(&s).without_reserving()).await {
         Decision::Wait { retry_after, .. } => {
             assert!(retry_after > Duration::from_secs(2), "{retry_after:?}")
         }
@@ -327,7 +298,7 @@ async fn rate_limit_headers_set_the_limit_and_a_quota_every_replica_follows(back
         remaining: Some(5),
         ..told
     };
-    one.learn(&s, Lesson::Told(told_later)).await.unwrap();
+    told_by(&one, &calls[1], told_later).await;
     assert_eq!(
         one.admin()
             .learned(&s)
@@ -345,7 +316,7 @@ async fn rate_limit_headers_set_the_limit_and_a_quota_every_replica_follows(back
         window: Some(Duration::from_secs(60)),
         ..RateLimitHeaders::default()
     };
-    one.learn(&s, Lesson::Told(per_minute)).await.unwrap();
+    told_by(&one, &calls[2], per_minute).await;
     assert_eq!(counts_now(&one, &s).await, "6");
     keys.cleanup().await;
 }
@@ -354,18 +325,20 @@ async fn a_changed_limit_or_adaptive_off_drops_what_was_learned(backend: Backend
     let keys = Keys::new(backend, "adaptive-terms").await;
     let store = keys.store(limiter("20/1s"));
     let s = seller("S-terms");
-    let told = RateLimitHeaders {
-        limit: Some(7),
+    let limit = |n| RateLimitHeaders {
+        limit: Some(n),
         ..RateLimitHeaders::default()
     };
-    store.learn(&s, Lesson::Told(told)).await.unwrap();
+    told(&store, &s, 0, limit(7)).await;
     assert_eq!(counts_now(&store, &s).await, "7");
     let off = keys.store(LimiterArgs {
         adaptive: false,
         ..limiter("20/1s")
     });
     assert_eq!(counts_now(&off, &s).await, "20");
-    assert_eq!(off.learn(&s, Lesson::Told(told)).await.unwrap(), None);
+    // Adaptive off, the headers teach nothing.
+    told(&off, &s, 1, limit(5)).await;
+    assert_eq!(counts_now(&store, &s).await, "7");
     store.admin().set_limit(&s, limits("30/1s")).await.unwrap();
     assert_eq!(counts_now(&store, &s).await, "30");
     assert_eq!(store.admin().learned(&s).await.unwrap(), None);
@@ -391,7 +364,7 @@ async fn a_shadow_limit_records_what_it_would_have_done_without_enforcing_it(bac
         .await
         .unwrap();
     assert!(matches!(
-        store.acquire(&s, false).await.unwrap(),
+        decide(&store, Ask::new(&s).without_reserving()).await,
         Decision::Wait { .. }
     ));
     let shadow = store.admin().shadow(&s).await.unwrap().unwrap();

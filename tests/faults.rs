@@ -6,12 +6,13 @@ use std::process::{Child, Command, Stdio};
 use std::time::Duration;
 
 use serde_json::json;
+use support::asks::decide;
 use support::eventually;
 use support::{limiter, run};
 use turnstile_core::broker::{header_str, headers};
 use turnstile_core::config::Algorithm;
 use turnstile_core::domain::SellerId;
-use turnstile_core::permit::{Decision, PermitStore, RedisConn};
+use turnstile_core::permit::{Ask, Decision, Limiter, PermitStore, RedisConn};
 use turnstile_lab::local_redis::LocalRedis;
 use turnstile_lab::mock_api::MockArgs;
 use turnstile_lab::rig::Rig;
@@ -30,7 +31,7 @@ async fn a_redis_that_just_started_makes_sellers_wait_out_one_window() {
     let mut settings = limiter("5/20s", Algorithm::SlidingWindow);
     settings.redis_durable = false;
     let store = PermitStore::new(conn.clone(), "cold", settings.clone());
-    match store.acquire(&seller, false).await.unwrap() {
+    match decide(&store, Ask::new(&seller).without_reserving()).await {
         Decision::Wait { retry_after, .. } => {
             assert!(retry_after > Duration::from_secs(15), "{retry_after:?}")
         }
@@ -39,7 +40,7 @@ async fn a_redis_that_just_started_makes_sellers_wait_out_one_window() {
     settings.redis_durable = true;
     let durable = PermitStore::new(conn, "durable", settings);
     assert!(matches!(
-        durable.acquire(&seller, false).await.unwrap(),
+        decide(&durable, Ask::new(&seller).without_reserving()).await,
         Decision::Granted { .. }
     ));
 }
@@ -57,7 +58,7 @@ async fn a_cold_start_pause_taken_under_a_longer_window_ends_with_the_terms_in_f
     let mut strict = limiter("1/1d", Algorithm::SlidingWindow);
     strict.redis_durable = false;
     let store = PermitStore::new(conn.clone(), "cold", strict);
-    match store.acquire(&seller, false).await.unwrap() {
+    match decide(&store, Ask::new(&seller).without_reserving()).await {
         Decision::Wait { retry_after, .. } => {
             assert!(retry_after > Duration::from_secs(3600), "{retry_after:?}")
         }
@@ -68,7 +69,7 @@ async fn a_cold_start_pause_taken_under_a_longer_window_ends_with_the_terms_in_f
     let store = PermitStore::new(conn, "cold", plain);
     let mut waits = Vec::new();
     let granted = loop {
-        match store.acquire(&seller, false).await.unwrap() {
+        match decide(&store, Ask::new(&seller).without_reserving()).await {
             Decision::Granted { .. } => break true,
             Decision::Wait { retry_after, .. } if waits.len() < 10 => {
                 waits.push(retry_after);
@@ -88,7 +89,8 @@ async fn a_cold_start_pause_taken_under_a_longer_window_ends_with_the_terms_in_f
 async fn grant_all(store: &PermitStore, seller: &SellerId, most: usize) -> Vec<i64> {
     let mut slots = Vec::new();
     while slots.len() < most {
-        match store.acquire(seller, false).await {
+        let asked = store.ask(Ask::new(seller).without_reserving()).await;
+        match asked.map(|asked| asked.decision) {
             Ok(Decision::Granted { slot_us, .. }) => slots.push(slot_us),
             Ok(_) => break,
             // A Redis still loading its snapshot: ask again.

@@ -16,9 +16,10 @@ use tokio::sync::Mutex;
 
 use turnstile_core::config::{Algorithm, GlobalLimit, LimiterArgs, SellerConcurrency};
 use turnstile_core::domain::{Cost, SellerId};
-use turnstile_core::permit::{Decision, Deferral, GlobalDecision};
+use turnstile_core::permit::{Ask, Decision, Deferral, Limiter, PermitStore};
 use turnstile_lab::slow_link::SlowLink;
 
+use support::asks::{call_now, decide};
 use support::{Backend, Keys};
 
 fn seller(s: &str) -> SellerId {
@@ -31,6 +32,19 @@ fn limiter(limit: &str, global: &str) -> LimiterArgs {
         global_limit: GlobalLimit(Some(global.parse().unwrap())),
         ..support::limiter(limit, Algorithm::SlidingWindow)
     }
+}
+
+/// When the global limit counted the call `call` of `seller` (Redis µs): its first unit's
+/// place in the global log (a call not yet answered holds it at its grant, without a bound).
+async fn counted_globally(store: &PermitStore, seller: &SellerId, call: &str) -> i64 {
+    let member = format!("{call}|{}", seller.key_tag());
+    let at: Option<i64> = redis::cmd("ZSCORE")
+        .arg(store.keys().global_log())
+        .arg(&member)
+        .query_async(&mut store.conn().clone())
+        .await
+        .unwrap();
+    at.unwrap_or_else(|| panic!("{member} is in the global log"))
 }
 
 /// Eight callers over sixteen sellers, costs of 1 to 3 units, ask the global stack
@@ -50,15 +64,15 @@ async fn the_global_stack_is_exact_over_every_seller(backend: Backend) {
                 }
                 let s = seller(&format!("S-{}", (caller + call) % 16));
                 let cost = Cost::new(call % 3 + 1).unwrap();
-                let token = format!("c{caller}-{call}");
-                match store.admit_globally(&s, cost, &token).await.unwrap() {
-                    GlobalDecision::Granted { at_us } => {
+                match decide(&store, Ask::new(&s).cost(cost)).await {
+                    Decision::Granted { call, .. } => {
+                        let at_us = counted_globally(&store, &s, &call).await;
                         grants.lock().await.push((at_us, cost.units()));
                     }
-                    GlobalDecision::Wait { retry_after, .. } => {
+                    Decision::Deferred { retry_after, .. } => {
                         tokio::time::sleep(retry_after).await;
                     }
-                    GlobalDecision::TooCostly { .. } => unreachable!("3 units fit 6/1s"),
+                    other => unreachable!("3 units fit 6/1s, and the sellers' 1000/1s: {other:?}"),
                 }
             }
         }));
@@ -88,30 +102,25 @@ async fn compete(
     total: usize,
 ) -> Vec<u64> {
     let mut counted = vec![0u64; askers.len()];
-    let (mut granted, mut contended, mut call) = (0, false, 0u64);
+    let (mut granted, mut contended) = (0, false);
     while granted < total {
         let mut soonest: Option<std::time::Duration> = None;
         let mut any = false;
         for (n, (s, asks)) in askers.iter().enumerate() {
             for _ in 0..*asks {
-                call += 1;
-                match store
-                    .admit_globally(s, Cost::ONE, &format!("c{call}"))
-                    .await
-                    .unwrap()
-                {
-                    GlobalDecision::Granted { .. } => {
+                match decide(store, Ask::new(s)).await {
+                    Decision::Granted { .. } => {
                         granted += 1;
                         any = true;
                         if contended {
                             counted[n] += 1;
                         }
                     }
-                    GlobalDecision::Wait { retry_after, .. } => {
+                    Decision::Deferred { retry_after, .. } => {
                         contended = true;
                         soonest = Some(soonest.map_or(retry_after, |w| w.min(retry_after)));
                     }
-                    GlobalDecision::TooCostly { .. } => unreachable!("one unit fits"),
+                    other => unreachable!("one unit fits, and the sellers' 1000/1s: {other:?}"),
                 }
             }
         }
@@ -143,31 +152,28 @@ async fn a_seller_that_is_always_granted_holds_nobody_back(backend: Backend) {
     let keys = Keys::new(backend, "global-slow").await;
     let store = keys.store(limiter("1000/1s", "50/1s"));
     let (slow, busy) = (seller("S-slow"), seller("S-busy"));
-    let granted = |d| matches!(d, GlobalDecision::Granted { .. });
+    let granted = |d| matches!(d, Decision::Granted { .. });
     let (mut busy_granted, mut slow_granted) = (0, 0);
     for i in 0.. {
         if i % 10 == 0 {
-            let slow_ask = store
-                .admit_globally(&slow, Cost::ONE, &format!("s{i}"))
-                .await
-                .unwrap();
+            let slow_ask = decide(&store, Ask::new(&slow)).await;
             assert!(
                 granted(slow_ask),
                 "the slow seller is refused only when all is used"
             );
             slow_granted += 1;
         }
-        match store
-            .admit_globally(&busy, Cost::ONE, &format!("b{i}"))
-            .await
-            .unwrap()
-        {
-            GlobalDecision::Granted { .. } => busy_granted += 1,
-            GlobalDecision::Wait { ahead, .. } => {
-                assert!(!ahead, "refused as ahead after {busy_granted}");
+        match decide(&store, Ask::new(&busy)).await {
+            Decision::Granted { .. } => busy_granted += 1,
+            Decision::Deferred { by, .. } => {
+                assert_eq!(
+                    by,
+                    Deferral::GlobalFull,
+                    "refused as ahead after {busy_granted}"
+                );
                 break;
             }
-            GlobalDecision::TooCostly { .. } => unreachable!(),
+            other => unreachable!("{other:?}"),
         }
     }
     assert_eq!(busy_granted + slow_granted, 50, "the whole window was used");
@@ -213,16 +219,10 @@ async fn a_refused_grant_is_given_back_to_the_seller(backend: Backend) {
     let store = keys.store(limiter("3/1s", "1/1s"));
     let s = seller("S-given-back");
     let granted = |d: &Decision| matches!(d, Decision::Granted { .. });
-    let (first, _) = store
-        .acquire_or_redeem(&s, None, Cost::ONE, None)
-        .await
-        .unwrap();
+    let first = decide(&store, Ask::new(&s)).await;
     assert!(granted(&first), "{first:?}");
     for _ in 0..4 {
-        let (refused, _) = store
-            .acquire_or_redeem(&s, None, Cost::ONE, None)
-            .await
-            .unwrap();
+        let refused = decide(&store, Ask::new(&s)).await;
         assert!(
             matches!(
                 refused,
@@ -237,10 +237,7 @@ async fn a_refused_grant_is_given_back_to_the_seller(backend: Backend) {
     let usage = store.admin().usage(&s).await.unwrap();
     assert_eq!(usage.used, 1, "only the call made counts: {usage:?}");
     // A cost the global stack never grants is refused as such, and given back too.
-    let (costly, _) = store
-        .acquire_or_redeem(&s, None, Cost::new(2).unwrap(), None)
-        .await
-        .unwrap();
+    let costly = decide(&store, Ask::new(&s).cost(Cost::new(2).unwrap())).await;
     match costly {
         Decision::TooCostly { most, bound_by, .. } => {
             assert_eq!(most, 1);
@@ -263,8 +260,8 @@ async fn a_global_state_from_another_server_pauses_the_global_limit(backend: Bac
     });
     let s = seller("S-stamp");
     assert!(matches!(
-        store.admit_globally(&s, Cost::ONE, "first").await.unwrap(),
-        GlobalDecision::Granted { .. }
+        decide(&store, Ask::new(&s)).await,
+        Decision::Granted { .. }
     ));
     let stamp = store.keys().global_keys()[6].clone();
     let _: () = redis::cmd("SET")
@@ -273,10 +270,10 @@ async fn a_global_state_from_another_server_pauses_the_global_limit(backend: Bac
         .query_async(&mut keys.conn.clone())
         .await
         .unwrap();
-    match store.admit_globally(&s, Cost::ONE, "second").await.unwrap() {
-        GlobalDecision::Wait {
+    match decide(&store, Ask::new(&s)).await {
+        Decision::Deferred {
             retry_after,
-            ahead: false,
+            by: Deferral::GlobalFull,
         } => {
             // One window (1 s; the global limit keeps no guard) from the moment the stamp was
             // found foreign.
@@ -286,8 +283,8 @@ async fn a_global_state_from_another_server_pauses_the_global_limit(backend: Bac
         other => panic!("{other:?}"),
     }
     assert!(matches!(
-        store.admit_globally(&s, Cost::ONE, "third").await.unwrap(),
-        GlobalDecision::Granted { .. }
+        decide(&store, Ask::new(&s)).await,
+        Decision::Granted { .. }
     ));
     keys.cleanup().await;
 }
@@ -297,10 +294,7 @@ async fn the_global_state_expires_when_idle(backend: Backend) {
     let keys = Keys::new(backend, "global-idle").await;
     let store = keys.store(limiter("1000/1s", "5/1s"));
     for i in 0..8 {
-        let _ = store
-            .admit_globally(&seller(&format!("S-{i}")), Cost::ONE, &format!("t{i}"))
-            .await
-            .unwrap();
+        decide(&store, Ask::new(&seller(&format!("S-{i}")))).await;
     }
     let space = store.keys().clone();
     for key in [
@@ -342,19 +336,13 @@ async fn a_sellers_calls_in_flight_are_capped_by_leases(backend: Backend) {
     let (s, other) = (seller("S-leased"), seller("S-other"));
     let ask = |s: &SellerId| {
         let (store, s) = (store.clone(), s.clone());
-        async move {
-            store
-                .acquire_or_redeem(&s, None, Cost::ONE, None)
-                .await
-                .unwrap()
-                .0
-        }
+        async move { decide(&store, Ask::new(&s)).await }
     };
     let call = |d: Decision| match d {
         Decision::Granted { call, .. } => call,
         other => panic!("{other:?}"),
     };
-    let first = call(ask(&s).await);
+    let first = call_now(&store, Ask::new(&s)).await;
     let _second = call(ask(&s).await);
     let third = ask(&s).await;
     assert!(
@@ -373,7 +361,7 @@ async fn a_sellers_calls_in_flight_are_capped_by_leases(backend: Backend) {
         "the third grant was given back"
     );
     call(ask(&other).await);
-    store.end_lease(&s, &first).await.unwrap();
+    store.answered(&first.grant).await;
     let _third = call(ask(&s).await);
     assert!(matches!(ask(&s).await, Decision::Deferred { .. }));
     // Never answered: the leases end at their bound (1.1 s after their grant).

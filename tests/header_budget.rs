@@ -13,6 +13,7 @@ use serde_json::json;
 use support::broker::TestBroker;
 use turnstile_core::broker::{self, QueueType, dead_letters, header_str, headers, long_string};
 use turnstile_core::domain::SellerId;
+use turnstile_core::permit::{Ask, Limiter};
 use turnstile_core::trace::{TRACEPARENT, TraceContext};
 
 /// A foreign header this long fits the broker's frame_max (131,072 bytes) as published, and
@@ -42,7 +43,7 @@ async fn throttle(rig: &turnstile_lab::rig::Rig, seller: &str, ahead: usize) -> 
     let store = rig.store();
     let seller = SellerId::parse(seller).map_err(|e| anyhow::anyhow!("{e}"))?;
     for _ in 0..ahead {
-        store.acquire(&seller, true).await?;
+        store.ask(Ask::new(&seller)).await?;
     }
     Ok(())
 }

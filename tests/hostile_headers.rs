@@ -7,9 +7,10 @@ use std::sync::atomic::Ordering;
 
 use lapin::types::AMQPValue;
 use serde_json::json;
+use support::asks::decide;
 use turnstile_core::broker::{headers, long_string};
 use turnstile_core::domain::SellerId;
-use turnstile_core::permit::{Decision, Reservation};
+use turnstile_core::permit::{Ask, Decision, Reservation};
 
 fn body(seller: &str, id: &str) -> Vec<u8> {
     json!({"message_id": id, "seller_id": seller, "product": {"id": id}})
@@ -24,7 +25,7 @@ async fn forged_and_copied_reservations_never_let_a_call_through() -> anyhow::Re
     let seller = SellerId::parse("S-forged").unwrap();
     // Take the seller's limit (out of the downstream's sight) and reserve one genuine slot.
     let genuine = loop {
-        match store.acquire(&seller, true).await.unwrap() {
+        match decide(&store, Ask::new(&seller)).await {
             Decision::Granted { .. } => continue,
             Decision::Wait {
                 reservation: Some(r),

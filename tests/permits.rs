@@ -88,9 +88,10 @@ fn limits_set_get_clear_from_the_command_line() {
 
 #[test]
 fn limits_get_shows_the_learned_limit_and_a_shadow_limits_verdicts() {
+    use support::asks::{self, call_now};
     use turnstile_core::config::{Algorithm, Limits};
     use turnstile_core::domain::{RateLimitHeaders, SellerId};
-    use turnstile_core::permit::{Decision, Lesson};
+    use turnstile_core::permit::Ask;
     let prefix = unique("cli-adaptive");
     let turnstile = |args: &[&str]| {
         run(Command::new(env!("CARGO_BIN_EXE_turnstile"))
@@ -119,15 +120,16 @@ fn limits_get_shows_the_learned_limit_and_a_shadow_limits_verdicts() {
     );
     let s = SellerId::parse("S-7").unwrap();
     runtime.block_on(async {
+        let mut calls = Vec::new();
         for _ in 0..3 {
-            let decision = store.acquire(&s, false).await.unwrap();
-            assert!(matches!(decision, Decision::Granted { .. }), "{decision:?}");
+            calls.push(call_now(&store, Ask::new(&s).without_reserving()).await);
         }
         let told = RateLimitHeaders {
             limit: Some(8),
             ..RateLimitHeaders::default()
         };
-        store.learn(&s, Lesson::Told(told)).await.unwrap();
+        let last = calls.last().unwrap();
+        asks::finish(&store, last, last.granted_us, asks::registered(Some(told))).await;
     });
     let (code, out, _) = turnstile(&["limits", "get", "--seller", "S-7"]);
     assert_eq!(code, 0, "{out}");
@@ -239,9 +241,10 @@ fn every_lua_script_loads() {
 #[tokio::test]
 async fn a_far_queue_told_under_a_slower_window_starts_afresh_under_a_faster_one() {
     use std::time::Duration;
+    use support::asks::decide;
     use turnstile_core::config::Algorithm;
     use turnstile_core::domain::SellerId;
-    use turnstile_core::permit::Decision;
+    use turnstile_core::permit::{Ask, Decision};
     let keys = support::Keys::new(Backend::Standalone, "far-pace").await;
     let seller = SellerId::parse("S-far").unwrap();
     let slow = keys.store(support::limiter("3072/1h", Algorithm::SlidingWindow));
@@ -256,7 +259,7 @@ async fn a_far_queue_told_under_a_slower_window_starts_afresh_under_a_faster_one
     // window (an hour) on.
     let mut slow_ticket = None;
     for _ in 0..3072 * 3 + 100 {
-        if let Some(ticket) = far_ticket(slow.acquire(&seller, true).await.unwrap()) {
+        if let Some(ticket) = far_ticket(decide(&slow, Ask::new(&seller)).await) {
             slow_ticket = Some(ticket);
         }
     }
@@ -264,7 +267,7 @@ async fn a_far_queue_told_under_a_slower_window_starts_afresh_under_a_faster_one
     // The same seller under 3,072/1s: its reserved set is still full, so it is told far, at
     // the new pace from the first slot, not behind the slow queue's tickets.
     let fast = keys.store(support::limiter("3072/1s", Algorithm::SlidingWindow));
-    let fast_ticket = far_ticket(fast.acquire(&seller, true).await.unwrap())
+    let fast_ticket = far_ticket(decide(&fast, Ask::new(&seller)).await)
         .expect("the reserved set is still full: a far ticket");
     println!("far tickets: under 3072/1h {slow_ticket:?}, then under 3072/1s {fast_ticket:?}");
     assert!(

@@ -1,7 +1,9 @@
 //! The permit engine against a local 3-node Redis Cluster, with sellers on every node.
 mod support;
 
+use support::asks::decide;
 use support::{Backend, cluster};
+use turnstile_core::permit::{Ask, Decision};
 
 permit_tests!(Backend::Cluster);
 
@@ -26,14 +28,12 @@ async fn sellers_spread_over_all_three_nodes_each_get_their_own_limit() {
             .await
             .unwrap();
         nodes.insert(slot / 5462);
+        let ask = Ask::new(&seller).without_reserving();
         assert!(matches!(
-            store.acquire(&seller, false).await.unwrap(),
-            turnstile_core::permit::Decision::Granted { .. }
+            decide(&store, ask).await,
+            Decision::Granted { .. }
         ));
-        assert!(matches!(
-            store.acquire(&seller, false).await.unwrap(),
-            turnstile_core::permit::Decision::Wait { .. }
-        ));
+        assert!(matches!(decide(&store, ask).await, Decision::Wait { .. }));
     }
     assert_eq!(
         nodes.len(),

@@ -363,9 +363,10 @@ fn time_of(value: &Value) -> u64 {
 
 #[tokio::test]
 async fn a_moved_reservation_is_redeemed_at_its_new_slot_and_given_back_from_its_old_one() {
+    use support::asks::{decide, redeem};
     use turnstile_core::config::Algorithm;
     use turnstile_core::domain::{Cost, Priority, SellerId};
-    use turnstile_core::permit::{Decision, Rank, Reservation};
+    use turnstile_core::permit::{Ask, Decision, Limiter, Rank, Reservation};
     for algorithm in [Algorithm::SlidingWindow, Algorithm::Gcra] {
         let keys = support::Keys::new(support::Backend::Standalone, "moved").await;
         let store = keys.store(support::limiter("1/1s", algorithm));
@@ -375,13 +376,7 @@ async fn a_moved_reservation_is_redeemed_at_its_new_slot_and_given_back_from_its
             deadline_ms: None,
             arrival_ms: now_ms(),
         };
-        let ask = async |priority| {
-            store
-                .acquire_or_redeem_ranked(&seller, None, Cost::ONE, None, Some(&rank(priority)))
-                .await
-                .unwrap()
-                .0
-        };
+        let ask = async |priority| decide(&store, Ask::new(&seller).rank(rank(priority))).await;
         let reserved = |decision: Decision| match decision {
             Decision::Wait {
                 reservation: Some(reservation),
@@ -398,10 +393,8 @@ async fn a_moved_reservation_is_redeemed_at_its_new_slot_and_given_back_from_its
             "{algorithm}: the priority call takes the first slot"
         );
         // A comes back for its old slot: told its new one, B's old slot, and keeps it.
-        let moved = store
-            .redeem_for(&seller, None, Cost::ONE, a.clone(), None)
+        let moved = redeem(&store, Ask::new(&seller).held(Some(&a)))
             .await
-            .unwrap()
             .expect("still reserved");
         let Decision::Wait {
             reservation: Some(now_a),
@@ -414,10 +407,10 @@ async fn a_moved_reservation_is_redeemed_at_its_new_slot_and_given_back_from_its
         assert_eq!(now_a.token, a.token);
         // B, moved to the priority call's first slot, is given back from its old one.
         assert!(
-            store.unreserve(&seller, &b, Cost::ONE).await.unwrap(),
+            store.unreserve(&seller, &b, Cost::ONE, None).await.unwrap(),
             "{algorithm}: a moved reservation is given back"
         );
-        assert!(!store.unreserve(&seller, &b, Cost::ONE).await.unwrap());
+        assert!(!store.unreserve(&seller, &b, Cost::ONE, None).await.unwrap());
         keys.cleanup().await;
     }
 }
@@ -525,18 +518,15 @@ async fn backlog(
     seller: &turnstile_core::domain::SellerId,
     n: usize,
 ) {
-    use turnstile_core::domain::{Cost, Priority};
-    use turnstile_core::permit::Rank;
+    use turnstile_core::domain::Priority;
+    use turnstile_core::permit::{Ask, Rank};
     for _ in 0..n {
         let rank = Rank {
             priority: Priority::DEFAULT,
             deadline_ms: None,
             arrival_ms: now_ms(),
         };
-        store
-            .acquire_or_redeem_ranked(seller, None, Cost::ONE, None, Some(&rank))
-            .await
-            .unwrap();
+        support::asks::decide(store, Ask::new(seller).rank(rank)).await;
     }
 }
 
@@ -546,17 +536,14 @@ async fn priority_acquire(
     seller: &turnstile_core::domain::SellerId,
     deadline_ms: Option<u64>,
 ) {
-    use turnstile_core::domain::{Cost, Priority};
-    use turnstile_core::permit::{Decision, Rank};
+    use turnstile_core::domain::Priority;
+    use turnstile_core::permit::{Ask, Decision, Rank};
     let rank = Rank {
         priority: Priority::from_amqp(Some(9)),
         deadline_ms,
         arrival_ms: now_ms(),
     };
-    let (decision, _) = store
-        .acquire_or_redeem_ranked(seller, None, Cost::ONE, None, Some(&rank))
-        .await
-        .unwrap();
+    let decision = support::asks::decide(store, Ask::new(seller).rank(rank)).await;
     assert!(
         matches!(
             decision,

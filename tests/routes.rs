@@ -84,21 +84,10 @@ fn route_in(
 async fn ask_on(
     store: &turnstile_core::permit::PermitStore,
     seller: &turnstile_core::domain::SellerId,
-    route: &turnstile_core::routes::Route,
+    route: &std::sync::Arc<turnstile_core::routes::Route>,
 ) -> (i64, bool) {
-    use turnstile_core::permit::Decision;
-    let (decision, _) = store
-        .acquire_or_redeem_on(
-            seller,
-            None,
-            turnstile_core::domain::Cost::ONE,
-            None,
-            None,
-            Some(route),
-        )
-        .await
-        .unwrap();
-    match decision {
+    use turnstile_core::permit::{Ask, Decision};
+    match support::asks::decide(store, Ask::new(seller).route(Some(route))).await {
         Decision::Granted { slot_us, .. } => (slot_us, true),
         Decision::Wait {
             reservation: Some(r),
@@ -388,7 +377,7 @@ async fn a_routes_reservations_leave_its_log_with_the_sellers_when_they_are_give
     use support::{Backend, Keys, limiter};
     use turnstile_core::config::Algorithm;
     use turnstile_core::domain::{Cost, SellerId};
-    use turnstile_core::permit::keys_matching;
+    use turnstile_core::permit::{Ask, Limiter, keys_matching};
 
     let keys = Keys::new(Backend::Standalone, "route-logs").await;
     let routes = routes_of(&[("price", "2/10s")]);
@@ -400,11 +389,7 @@ async fn a_routes_reservations_leave_its_log_with_the_sellers_when_they_are_give
     let mut held = Vec::new();
     let mut granted = 0;
     for _ in 0..6 {
-        let (decision, _) = store
-            .acquire_or_redeem_on(&s, None, Cost::ONE, None, None, Some(&route))
-            .await
-            .unwrap();
-        match decision {
+        match support::asks::decide(&store, Ask::new(&s).route(Some(&route))).await {
             turnstile_core::permit::Decision::Granted { .. } => granted += 1,
             turnstile_core::permit::Decision::Wait {
                 reservation: Some(r),
@@ -444,7 +429,7 @@ async fn a_routes_reservations_leave_its_log_with_the_sellers_when_they_are_give
     // Given back by its message: both logs.
     assert!(
         store
-            .unreserve_on(&s, &held[3], Cost::ONE, Some(&route))
+            .unreserve(&s, &held[3], Cost::ONE, Some(&route))
             .await
             .unwrap()
     );
@@ -475,10 +460,13 @@ async fn a_routes_reservations_leave_its_log_with_the_sellers_when_they_are_give
 /// own cost forgets it; the key is read as untrusted; a route's charge is the route's alone.
 #[tokio::test]
 async fn a_charge_is_learned_per_endpoint_and_gives_back_the_reservations_made_for_less() {
+    use std::sync::Arc;
+    use support::asks::{Call, call_now};
     use support::{Backend, Keys, limiter};
     use turnstile_core::config::Algorithm;
     use turnstile_core::domain::{Cost, SellerId};
-    use turnstile_core::permit::{Asking, Decision, Forfeit};
+    use turnstile_core::permit::{Ask, Decision, Forfeit, Limiter, PermitStore};
+    use turnstile_core::routes::Route;
 
     let keys = Keys::new(Backend::Standalone, "charges").await;
     let routes = routes_of(&[("price", "10/10s")]);
@@ -490,21 +478,40 @@ async fn a_charge_is_learned_per_endpoint_and_gives_back_the_reservations_made_f
     let s = SellerId::parse("S-charges").unwrap();
     let one = Cost::ONE;
     let cost = |units| Cost::new(units).unwrap();
-    assert_eq!(store.cost_to_ask(&s, one, None).await.unwrap(), one);
-    // 10 calls of one unit, then 2 reserved for the next window.
+    // The units a call of `units` on `route` (none: the default endpoint) asks for, asked of a
+    // seller whose window is full: told to wait, without reserving, it takes nothing.
+    let asks_for = async |store: &PermitStore, units: Cost, route: Option<&Arc<Route>>| {
+        let ask = Ask::new(&s).cost(units).route(route).without_reserving();
+        let asked = store.ask(ask).await.unwrap();
+        assert!(
+            matches!(
+                asked.decision,
+                Decision::Wait {
+                    reservation: None,
+                    ..
+                }
+            ),
+            "{:?}",
+            asked.decision
+        );
+        asked.cost
+    };
+    // 10 calls of one unit, asking for one (no charge learned), then 2 reserved for the next
+    // window.
     let mut calls = Vec::new();
     let mut held = Vec::new();
     for _ in 0..12 {
-        let (decision, _) = store
-            .acquire_or_redeem_on(&s, None, one, None, None, None)
-            .await
-            .unwrap();
-        match decision {
-            Decision::Granted { call, slot_us, .. } => calls.push((call, slot_us)),
+        let ask = Ask::new(&s);
+        let asked = store.ask(ask).await.unwrap();
+        assert_eq!(asked.cost, one);
+        match &asked.decision {
+            Decision::Granted { .. } => {
+                calls.push(Call::of(ask, &asked.decision, asked.cost).unwrap());
+            }
             Decision::Wait {
                 reservation: Some(r),
                 ..
-            } => held.push(r),
+            } => held.push(r.clone()),
             other => panic!("{other:?}"),
         }
     }
@@ -517,71 +524,68 @@ async fn a_charge_is_learned_per_endpoint_and_gives_back_the_reservations_made_f
             .unwrap()
     };
     assert_eq!(reserved(&mut conn).await, 2);
+    let used = async || store.admin().usage(&s).await.unwrap().used;
+    assert_eq!(used().await, 10);
 
-    // The first call's answer: charged 4 for 1 asked. Learned; the slots reserved at 1 unit on
-    // the default endpoint are given back.
-    let (call, slot) = &calls[0];
-    assert_eq!(
-        store
-            .recost(&s, call, one, one, 4, *slot, None)
-            .await
-            .unwrap(),
-        3
-    );
-    assert_eq!(store.cost_to_ask(&s, one, None).await.unwrap(), cost(4));
-    assert_eq!(store.cost_to_ask(&s, cost(6), None).await.unwrap(), cost(6));
+    // The first call's answer: charged 4 for 1 asked. Its 3 units more are counted; the charge
+    // is learned; the slots reserved at 1 unit on the default endpoint are given back.
+    store.recost(&calls[0].grant, 4).await;
+    assert_eq!(used().await, 13);
+    assert_eq!(asks_for(&store, one, None).await, cost(4));
+    assert_eq!(asks_for(&store, cost(6), None).await, cost(6));
     assert_eq!(reserved(&mut conn).await, 0);
     // Not on the route: its charge is its own.
-    assert_eq!(store.cost_to_ask(&s, one, Some(&route)).await.unwrap(), one);
+    assert_eq!(asks_for(&store, one, Some(&route)).await, one);
 
     // A message back for its slot finds it gone and reserves again at the charge, saying so.
-    let asking = Asking {
-        requested: one,
-        cost: cost(4),
-    };
-    let (decision, forfeit, units) = store
-        .acquire_or_redeem_costed(&s, None, asking, Some(&held[0]), None, None)
-        .await
-        .unwrap();
-    assert_eq!(forfeit, Some(Forfeit::NotReserved));
-    assert_eq!(units, cost(4));
+    let asked = store.ask(Ask::new(&s).held(Some(&held[0]))).await.unwrap();
+    assert_eq!(asked.forfeit, Some(Forfeit::NotReserved));
+    assert_eq!(asked.cost, cost(4));
     let Decision::Wait {
         reservation: Some(again),
         ..
-    } = decision
+    } = asked.decision
     else {
-        panic!("{decision:?}")
+        panic!("{:?}", asked.decision)
     };
     assert_eq!(again.cost, Some(cost(4)));
     // Given back by its message at the units it was reserved for.
-    assert!(store.unreserve(&s, &again, one).await.unwrap());
+    assert!(store.unreserve(&s, &again, one, None).await.unwrap());
 
-    // A call granted before the charge was learned and charged less says nothing new; one
-    // asked at the charge and charged its own cost forgets it.
-    let (call, slot) = &calls[1];
-    store
-        .recost(&s, call, one, one, 2, *slot, None)
-        .await
-        .unwrap();
-    assert_eq!(store.cost_to_ask(&s, one, None).await.unwrap(), cost(4));
-    let (call, slot) = &calls[2];
-    store
-        .recost(&s, call, one, cost(4), 1, *slot, None)
-        .await
-        .unwrap();
-    assert_eq!(store.cost_to_ask(&s, one, None).await.unwrap(), one);
+    // A call granted before the charge was learned and charged less says nothing new.
+    store.recost(&calls[1].grant, 2).await;
+    assert_eq!(asks_for(&store, one, None).await, cost(4));
+
+    // One asked at the charge and charged its own cost forgets it (a seller with room for a
+    // call at the charge: one call, charged 4).
+    let roomy = SellerId::parse("S-roomy").unwrap();
+    let first = call_now(&store, Ask::new(&roomy)).await;
+    store.recost(&first.grant, 4).await;
+    let at_the_charge = call_now(&store, Ask::new(&roomy)).await;
+    assert_eq!(at_the_charge.grant.cost(), cost(4));
+    store.recost(&at_the_charge.grant, 1).await;
+    let after = call_now(&store, Ask::new(&roomy)).await;
+    assert_eq!(after.grant.cost(), one);
 
     // On the route, and capped at the smallest COUNT of the stacks the call takes.
-    let (call, slot) = &calls[3];
-    store
-        .recost(&s, call, one, one, 40, *slot, Some(&route))
-        .await
-        .unwrap();
-    assert_eq!(
-        store.cost_to_ask(&s, one, Some(&route)).await.unwrap(),
-        cost(10)
-    );
-    assert_eq!(store.cost_to_ask(&s, one, None).await.unwrap(), one);
+    let on_route = call_now(&store, Ask::new(&roomy).route(Some(&route))).await;
+    assert_eq!(on_route.grant.cost(), one);
+    store.recost(&on_route.grant, 40).await;
+    let roomy_asks_for = async |units: Cost, route: Option<&Arc<Route>>| {
+        let ask = Ask::new(&roomy)
+            .cost(units)
+            .route(route)
+            .without_reserving();
+        let asked = store.ask(ask).await.unwrap();
+        assert!(
+            !matches!(asked.decision, Decision::Granted { .. }),
+            "40 units counted: {:?}",
+            asked.decision
+        );
+        asked.cost
+    };
+    assert_eq!(roomy_asks_for(one, Some(&route)).await, cost(10));
+    assert_eq!(roomy_asks_for(one, None).await, one);
 
     // Whatever else the key holds is no charge.
     let charge_key = format!("{}:{{S-charges}}:charge", keys.prefix);
@@ -589,11 +593,7 @@ async fn a_charge_is_learned_per_endpoint_and_gives_back_the_reservations_made_f
         let () = redis::AsyncCommands::set(&mut conn, &charge_key, junk)
             .await
             .unwrap();
-        assert_eq!(
-            store.cost_to_ask(&s, one, None).await.unwrap(),
-            one,
-            "{junk}"
-        );
+        assert_eq!(asks_for(&store, one, None).await, one, "{junk}");
     }
     // A seller whose override holds less than the charge is asked at the override's smallest
     // COUNT, never refused as too costly for a charge.
@@ -611,19 +611,7 @@ async fn a_charge_is_learned_per_endpoint_and_gives_back_the_reservations_made_f
         .await
         .unwrap();
     let message = turnstile_core::domain::MessageId::parse("m-small").unwrap();
-    let asked = turnstile_core::permit::Limiter::ask(
-        &store,
-        turnstile_core::permit::Ask {
-            seller: &small,
-            message: &message,
-            cost: one,
-            held: None,
-            rank: Default::default(),
-            route: None,
-        },
-    )
-    .await
-    .unwrap();
+    let asked = store.ask(Ask::new(&small).message(&message)).await.unwrap();
     assert!(
         matches!(asked.decision, Decision::Granted { .. }),
         "{:?}",
@@ -633,8 +621,8 @@ async fn a_charge_is_learned_per_endpoint_and_gives_back_the_reservations_made_f
 
     // Off (no TURNSTILE_COST_HEADER), nothing is read.
     let off = keys.store(limiter("10/10s", Algorithm::SlidingWindow));
-    assert_eq!(off.cost_to_ask(&s, one, None).await.unwrap(), one);
-    assert_eq!(store.cost_to_ask(&s, one, None).await.unwrap(), cost(4));
+    assert_eq!(asks_for(&off, one, None).await, one);
+    assert_eq!(asks_for(&store, one, None).await, cost(4));
     keys.cleanup().await;
 }
 

@@ -13,6 +13,7 @@ use turnstile_core::config::{Algorithm, LimiterArgs, RedisArgs};
 use turnstile_core::permit::{PermitStore, RedisConn, delete_prefix};
 use turnstile_lab::rig::{Rig, RigArgs, RigBuilder};
 
+pub mod asks;
 pub mod broker;
 pub mod cluster;
 pub mod permit_cases;

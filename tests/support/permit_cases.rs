@@ -7,8 +7,9 @@ use std::time::Duration;
 use tokio::sync::Mutex;
 use turnstile_core::config::{Algorithm, Limits};
 use turnstile_core::domain::{Cost, SellerId};
-use turnstile_core::permit::{Decision, Forfeit, Keyspace, PermitStore};
+use turnstile_core::permit::{Ask, Decision, Ended, Forfeit, Keyspace, PermitStore};
 
+use super::asks::{self, call_in_time, call_now, decide, redeem};
 use super::{Backend, Keys, limiter, max_in_any_window, max_units_in_any_window};
 
 fn seller(s: &str) -> SellerId {
@@ -27,27 +28,9 @@ pub async fn acquire_units_until_granted(
     seller: &SellerId,
     cost: Cost,
 ) -> i64 {
-    let mut held = None;
-    loop {
-        let (decision, forfeit) = store
-            .acquire_or_redeem(seller, None, cost, held.as_ref())
-            .await
-            .unwrap();
-        assert_eq!(forfeit, None, "a caller coming back at its slot keeps it");
-        match decision {
-            Decision::Granted { slot_us, .. } => return slot_us,
-            Decision::Wait {
-                retry_after,
-                reservation,
-            } => {
-                held = reservation;
-                tokio::time::sleep(retry_after).await;
-            }
-            Decision::AlreadyDone => unreachable!("no completion record is passed"),
-            Decision::Deferred { .. } => unreachable!("no global limit, no leases"),
-            Decision::TooCostly { .. } => panic!("{cost} units never pass"),
-        }
-    }
+    call_in_time(store, Ask::new(seller).cost(cost))
+        .await
+        .slot_us
 }
 
 /// 64 callers on one seller for several windows: no trailing window holds more than COUNT
@@ -56,6 +39,8 @@ pub async fn exact_under_contention(backend: Backend, algorithm: Algorithm) {
     let keys = Keys::new(backend, "exact").await;
     let mut settings = limiter("10/400ms", algorithm);
     settings.guard = Some(Duration::from_millis(100));
+    // The script's own schedule: a unit of a permit block is counted at the block's grant.
+    settings.permit_block = 0;
     let store = Arc::new(keys.store(settings));
     let seller = seller("S-busy");
     let span_us = 500_000; // window + guard
@@ -65,7 +50,7 @@ pub async fn exact_under_contention(backend: Backend, algorithm: Algorithm) {
     for _ in 0..64 {
         let (store, seller) = (store.clone(), seller.clone());
         tasks.push(tokio::spawn(async move {
-            store.acquire(&seller, true).await.unwrap()
+            decide(&store, Ask::new(&seller)).await
         }));
     }
     let mut slots = Vec::new();
@@ -144,7 +129,7 @@ pub async fn waiting_caller_is_granted_and_denials_take_no_quota(
     let store = keys.store(limiter("3/1h", algorithm));
     let s = seller("S-wait");
     let mut granted = 0;
-    while let Decision::Granted { .. } = store.acquire(&s, false).await.unwrap() {
+    while let Decision::Granted { .. } = decide(&store, Ask::new(&s).without_reserving()).await {
         granted += 1;
     }
     assert!(
@@ -162,7 +147,7 @@ pub async fn waiting_caller_is_granted_and_denials_take_no_quota(
     };
     let before = dump().await;
     for _ in 0..20 {
-        match store.acquire(&s, false).await.unwrap() {
+        match decide(&store, Ask::new(&s).without_reserving()).await {
             Decision::Wait {
                 retry_after,
                 reservation: None,
@@ -185,13 +170,13 @@ pub async fn waiting_caller_is_granted_and_denials_take_no_quota(
         if let Decision::Wait {
             retry_after,
             reservation: Some(held),
-        } = store.acquire(&s, true).await.unwrap()
+        } = decide(&store, Ask::new(&s)).await
         {
             break (retry_after, held);
         }
     };
     tokio::time::sleep(retry_after).await;
-    let redeemed = store.redeem(&s, held).await.unwrap();
+    let redeemed = redeem(&store, Ask::new(&s).held(Some(&held))).await;
     assert!(
         matches!(redeemed, Ok(Decision::Granted { .. })),
         "{algorithm}: {redeemed:?}"
@@ -217,14 +202,14 @@ pub async fn unusual_seller_ids_are_isolated(backend: Backend) {
         "%7Bbrace%7D",
     ];
     for id in ids {
-        let decision = store.acquire(&seller(id), false).await.unwrap();
+        let decision = decide(&store, Ask::new(&seller(id)).without_reserving()).await;
         assert!(
             matches!(decision, Decision::Granted { .. }),
             "{id:?} was not granted: {decision:?}"
         );
     }
     for id in ids {
-        let decision = store.acquire(&seller(id), false).await.unwrap();
+        let decision = decide(&store, Ask::new(&seller(id)).without_reserving()).await;
         assert!(
             matches!(decision, Decision::Wait { .. }),
             "{id:?} got a second permit in the hour"
@@ -241,7 +226,7 @@ pub async fn keys_expire_after_idleness(backend: Backend, algorithm: Algorithm) 
     let store = keys.store(settings);
     let s = seller("S-idle");
     for _ in 0..5 {
-        store.acquire(&s, true).await.unwrap();
+        decide(&store, Ask::new(&s)).await;
     }
     let key = store.keys().state(&s, algorithm);
     let ttl: i64 = redis::cmd("PTTL")
@@ -273,20 +258,20 @@ pub async fn pause_blocks_all_callers_until_it_ends(backend: Backend, algorithm:
         if let Decision::Wait {
             reservation: Some(held),
             ..
-        } = store.acquire(&s, true).await.unwrap()
+        } = decide(&store, Ask::new(&s)).await
         {
             break held;
         }
     };
     let paused = store.pause(&s, Duration::from_millis(1500)).await.unwrap();
     assert!(paused > Duration::from_millis(1000));
-    match other_replica.acquire(&s, false).await.unwrap() {
+    match decide(&other_replica, Ask::new(&s).without_reserving()).await {
         Decision::Wait { retry_after, .. } => {
             assert!(retry_after >= paused - Duration::from_millis(100))
         }
         other => panic!("{algorithm}: granted during a pause: {other:?}"),
     }
-    match other_replica.acquire(&s, true).await.unwrap() {
+    match decide(&other_replica, Ask::new(&s)).await {
         Decision::Wait {
             retry_after,
             reservation: Some(_),
@@ -296,7 +281,7 @@ pub async fn pause_blocks_all_callers_until_it_ends(backend: Backend, algorithm:
         other => panic!("{algorithm}: expected a slot after the pause: {other:?}"),
     }
     assert_eq!(
-        store.redeem(&s, early_slot).await.unwrap(),
+        redeem(&store, Ask::new(&s).held(Some(&early_slot))).await,
         Err(Forfeit::Paused)
     );
     // A shorter pause does not cut the longer one short.
@@ -332,7 +317,7 @@ pub async fn overrides_take_effect(backend: Backend, algorithm: Algorithm) {
         "5/1h"
     );
     let mut granted = 0;
-    while let Decision::Granted { .. } = store.acquire(&s, false).await.unwrap() {
+    while let Decision::Granted { .. } = decide(&store, Ask::new(&s).without_reserving()).await {
         granted += 1;
         assert!(granted <= 5, "{algorithm}: more than the override allows");
     }
@@ -340,13 +325,13 @@ pub async fn overrides_take_effect(backend: Backend, algorithm: Algorithm) {
     let Decision::Wait {
         reservation: Some(held),
         ..
-    } = store.acquire(&s, true).await.unwrap()
+    } = decide(&store, Ask::new(&s)).await
     else {
         panic!("{algorithm}: expected a reservation");
     };
     assert!(store.admin().clear_limit(&s).await.unwrap());
     assert_eq!(
-        store.redeem(&s, held).await.unwrap(),
+        redeem(&store, Ask::new(&s).held(Some(&held))).await,
         Err(Forfeit::NotReserved),
         "{algorithm}: a change of limit gives reserved slots back"
     );
@@ -368,7 +353,7 @@ async fn reserve_backlog(
         if let Decision::Wait {
             reservation: Some(r),
             ..
-        } = store.acquire(s, true).await.unwrap()
+        } = decide(store, Ask::new(s)).await
         {
             held.push(r);
         }
@@ -385,7 +370,7 @@ async fn all_given_back(
 ) {
     for r in held {
         assert_eq!(
-            store.redeem(s, r).await.unwrap(),
+            redeem(store, Ask::new(s).held(Some(&r))).await,
             Err(Forfeit::NotReserved),
             "{algorithm}"
         );
@@ -394,7 +379,7 @@ async fn all_given_back(
 
 /// The wait a new caller is told (zero when granted at once).
 async fn wait_of_a_new_caller(store: &PermitStore, s: &SellerId) -> Duration {
-    match store.acquire(s, true).await.unwrap() {
+    match decide(store, Ask::new(s)).await {
         Decision::Granted { .. } => Duration::ZERO,
         Decision::Wait { retry_after, .. } => retry_after,
         Decision::AlreadyDone => unreachable!("no completion record is passed"),
@@ -469,7 +454,7 @@ pub async fn a_forfeited_slot_goes_back_to_the_next_caller(backend: Backend, alg
     let store = keys.store(settings);
     let s = seller("S-forfeit");
     assert!(matches!(
-        store.acquire(&s, true).await.unwrap(),
+        decide(&store, Ask::new(&s)).await,
         Decision::Granted { .. }
     ));
     let held = reserve_backlog(&store, &s, 1)
@@ -483,7 +468,7 @@ pub async fn a_forfeited_slot_goes_back_to_the_next_caller(backend: Backend, alg
         .await
         .unwrap();
     assert_eq!(
-        store.redeem(&s, held.clone()).await.unwrap(),
+        redeem(&store, Ask::new(&s).held(Some(&held))).await,
         Err(Forfeit::Paused),
         "{algorithm}"
     );
@@ -512,7 +497,7 @@ pub async fn a_deep_backlog_keeps_the_sellers_state_bounded(
     let s = seller("S-deep");
     let (mut reserved, mut far) = (0, Vec::new());
     for _ in 0..10_000 {
-        match store.acquire(&s, true).await.unwrap() {
+        match decide(&store, Ask::new(&s)).await {
             Decision::Wait {
                 reservation: Some(_),
                 ..
@@ -559,7 +544,7 @@ pub async fn a_weighed_backlog_keeps_the_sliding_log_bounded(backend: Backend) {
     let cost = Cost::new(50).unwrap();
     let (mut granted, mut reserved, mut far) = (0, 0, 0);
     for _ in 0..1_000 {
-        match store.acquire_units(&s, cost, true).await.unwrap() {
+        match decide(&store, Ask::new(&s).cost(cost)).await {
             Decision::Granted { .. } => granted += 1,
             Decision::Wait {
                 reservation: Some(_),
@@ -613,10 +598,7 @@ pub async fn a_malformed_override_is_ignored_and_the_default_applies(backend: Ba
             "{odd:?}"
         );
         assert!(
-            matches!(
-                store.acquire(&s, true).await.unwrap(),
-                Decision::Granted { .. }
-            ),
+            matches!(decide(&store, Ask::new(&s)).await, Decision::Granted { .. }),
             "{odd:?}"
         );
     }
@@ -671,7 +653,7 @@ pub async fn usage_shows_grants_reservations_pauses_and_overrides(
 
     let mut taken = Vec::new();
     for _ in 0..5 {
-        match store.acquire(&s, true).await.unwrap() {
+        match decide(&store, Ask::new(&s)).await {
             Decision::Granted { used_permille, .. } => taken.push(used_permille),
             other => panic!("{algorithm:?}: the first five are granted: {other:?}"),
         }
@@ -690,7 +672,7 @@ pub async fn usage_shows_grants_reservations_pauses_and_overrides(
     for _ in 0..2 {
         assert!(
             matches!(
-                store.acquire(&s, true).await.unwrap(),
+                decide(&store, Ask::new(&s)).await,
                 Decision::Wait {
                     reservation: Some(_),
                     ..
@@ -829,11 +811,7 @@ pub async fn completion_records_count_each_message_once(backend: Backend) {
     };
     let done = async |algorithm| {
         let store = keys.store(limiter("1000/1s", algorithm));
-        store
-            .acquire_for(&s, Some(&m), Cost::ONE, false)
-            .await
-            .unwrap()
-            == Decision::AlreadyDone
+        decide(&store, Ask::new(&s).message(&m).without_reserving()).await == Decision::AlreadyDone
     };
     // (transition, changed, then (registered, dead, waiting, rejected, throttled))
     for (step, (completion, changed, then)) in [
@@ -982,7 +960,7 @@ pub async fn a_cost_beyond_the_stack_never_passes_and_takes_nothing(
         other => panic!("{algorithm}: {other:?}"),
     };
     expect_too_costly(
-        store.acquire_units(&s, units(7), true).await.unwrap(),
+        decide(&store, Ask::new(&s).cost(units(7))).await,
         6,
         "6/1s,20/5s",
     );
@@ -994,7 +972,7 @@ pub async fn a_cost_beyond_the_stack_never_passes_and_takes_nothing(
     // The most the stack grants at once passes at once.
     assert!(
         matches!(
-            store.acquire_units(&s, units(6), true).await.unwrap(),
+            decide(&store, Ask::new(&s).cost(units(6))).await,
             Decision::Granted { .. }
         ),
         "{algorithm}"
@@ -1006,7 +984,7 @@ pub async fn a_cost_beyond_the_stack_never_passes_and_takes_nothing(
         .await
         .unwrap();
     expect_too_costly(
-        store.acquire_units(&s, units(3), true).await.unwrap(),
+        decide(&store, Ask::new(&s).cost(units(3))).await,
         2,
         "2/1s,50/1m",
     );
@@ -1016,7 +994,7 @@ pub async fn a_cost_beyond_the_stack_never_passes_and_takes_nothing(
         let store = keys.store(settings);
         let other = seller("S-paced");
         expect_too_costly(
-            store.acquire_units(&other, units(2), true).await.unwrap(),
+            decide(&store, Ask::new(&other).cost(units(2))).await,
             1,
             "6/1s,20/5s",
         );
@@ -1036,12 +1014,12 @@ pub async fn token_bucket_requests_take_that_many_tokens(backend: Backend) {
     let units = |n| Cost::new(n).unwrap();
     for _ in 0..2 {
         assert!(matches!(
-            store.acquire_units(&s, units(4), false).await.unwrap(),
+            decide(&store, Ask::new(&s).cost(units(4)).without_reserving()).await,
             Decision::Granted { .. }
         ));
     }
     assert_eq!(store.admin().usage(&s).await.unwrap().used, 8);
-    match store.acquire_units(&s, units(4), false).await.unwrap() {
+    match decide(&store, Ask::new(&s).cost(units(4)).without_reserving()).await {
         Decision::Wait {
             reservation: None,
             retry_after,
@@ -1057,7 +1035,7 @@ pub async fn token_bucket_requests_take_that_many_tokens(backend: Backend) {
         "a denial takes nothing"
     );
     assert!(matches!(
-        store.acquire_units(&s, units(2), false).await.unwrap(),
+        decide(&store, Ask::new(&s).cost(units(2)).without_reserving()).await,
         Decision::Granted { .. }
     ));
     assert_eq!(store.admin().usage(&s).await.unwrap().used, 10);
@@ -1074,7 +1052,7 @@ pub async fn a_reservation_is_good_only_for_its_cost(backend: Backend, algorithm
     let s = seller("S-bound");
     let two = Cost::new(2).unwrap();
     assert!(matches!(
-        store.acquire_units(&s, two, true).await.unwrap(),
+        decide(&store, Ask::new(&s).cost(two)).await,
         Decision::Granted { .. }
     ));
     // Asked again until the limit is full: with fixed-window the first grant may have been the
@@ -1082,7 +1060,7 @@ pub async fn a_reservation_is_good_only_for_its_cost(backend: Backend, algorithm
     let mut asked = 0;
     let (wait, held) = loop {
         asked += 1;
-        match store.acquire_units(&s, two, true).await.unwrap() {
+        match decide(&store, Ask::new(&s).cost(two)).await {
             Decision::Granted { .. } if asked < 5 => continue,
             Decision::Wait {
                 retry_after,
@@ -1092,20 +1070,13 @@ pub async fn a_reservation_is_good_only_for_its_cost(backend: Backend, algorithm
         }
     };
     assert_eq!(
-        store
-            .redeem_for(&s, None, Cost::ONE, held.clone(), None)
-            .await
-            .unwrap(),
+        redeem(&store, Ask::new(&s).held(Some(&held))).await,
         Err(Forfeit::NotReserved),
         "{algorithm}"
     );
     tokio::time::sleep(wait).await;
     let redeemed = loop {
-        match store
-            .redeem_for(&s, None, two, held.clone(), None)
-            .await
-            .unwrap()
-        {
+        match redeem(&store, Ask::new(&s).cost(two).held(Some(&held))).await {
             Ok(Decision::Wait { retry_after, .. }) => tokio::time::sleep(retry_after).await,
             other => break other,
         }
@@ -1303,15 +1274,15 @@ pub async fn callers_asking_together_share_calls_and_the_limit_holds(backend: Ba
     let keys = Keys::new(backend, "together").await;
     let store = keys.store(limiter("10/1m", Algorithm::SlidingWindow));
     let s = seller("S-together");
-    let asks = (0..40).map(|_| store.acquire(&s, false));
+    let asks = (0..40).map(|_| decide(&store, Ask::new(&s).without_reserving()));
     let decisions = futures::future::join_all(asks).await;
     let granted = decisions
         .iter()
-        .filter(|d| matches!(d, Ok(Decision::Granted { .. })))
+        .filter(|d| matches!(d, Decision::Granted { .. }))
         .count();
     let told_to_wait = decisions
         .iter()
-        .filter(|d| matches!(d, Ok(Decision::Wait { .. })))
+        .filter(|d| matches!(d, Decision::Wait { .. }))
         .count();
     assert_eq!((granted, told_to_wait), (10, 30));
     let calls = store.batched_calls();
@@ -1407,37 +1378,22 @@ pub async fn a_late_record_ends_the_call_at_its_answer(backend: Backend) {
             end.expect("the call is tracked") as i64
         }
     };
-    let grant = |d| match d {
-        Decision::Granted {
-            call, granted_us, ..
-        } => (call, granted_us),
-        other => panic!("not granted: {other:?}"),
-    };
-    let (call, granted_us) = grant(store.acquire(&s, false).await.unwrap());
+    let call = call_now(&store, Ask::new(&s).without_reserving()).await;
+    let granted_us = call.granted_us;
     assert!(
-        end_of(call.clone()).await > granted_us + 10_000_000,
+        end_of(call.name().to_owned()).await > granted_us + 10_000_000,
         "in flight: its bound"
     );
-    store
-        .call_ended(&s, &call, Cost::ONE, Some(granted_us + 1))
-        .await
-        .unwrap();
+    asks::finish(&store, &call, granted_us + 1, Ended::Failed).await;
     // (Recorded a round trip after the grant at least, so after the answer it names.)
-    assert_eq!(end_of(call).await, granted_us + 1);
-    let (call, granted_us) = grant(store.acquire(&s, false).await.unwrap());
+    assert_eq!(end_of(call.name().to_owned()).await, granted_us + 1);
     let message = turnstile_core::domain::MessageId::parse("m-late").unwrap();
-    let answer = turnstile_core::permit::CallAnswer {
-        call: &call,
-        cost: Cost::ONE,
-        answered_us: Some(granted_us + 3_600_000_000),
-        result: None,
-    };
-    store
-        .complete_call(&s, &message, None, answer, Duration::from_secs(60))
-        .await
-        .unwrap();
+    let call = call_now(&store, Ask::new(&s).message(&message).without_reserving()).await;
+    let granted_us = call.granted_us;
+    let answered_us = granted_us + 3_600_000_000;
+    asks::finish(&store, &call, answered_us, asks::registered(None)).await;
     let recorded_by = store.admin().redis_time_us().await.unwrap();
-    let end = end_of(call).await;
+    let end = end_of(call.name().to_owned()).await;
     assert!(
         end >= granted_us && end <= recorded_by,
         "an answer claimed in the future ends when recorded: {end} vs {granted_us}..{recorded_by}"
@@ -1453,27 +1409,16 @@ pub async fn a_record_waiting_to_ride_goes_with_the_next_call(backend: Backend) 
     settings.record_delay = Duration::from_secs(5);
     let store = keys.store(settings);
     let s = seller("S-ride");
-    let Decision::Granted {
-        call, granted_us, ..
-    } = store.acquire(&s, false).await.unwrap()
-    else {
-        panic!("the first call is granted");
-    };
-    let calls_before = store.batched_calls();
     let message = turnstile_core::domain::MessageId::parse("m-ride").unwrap();
-    let answer = turnstile_core::permit::CallAnswer {
-        call: &call,
-        cost: Cost::ONE,
-        answered_us: Some(granted_us),
-        result: None,
-    };
-    let record = store.complete_call(&s, &message, None, answer, Duration::from_secs(60));
-    let next = store.acquire_for(&s, Some(&message), Cost::ONE, false);
+    let ask = Ask::new(&s).message(&message).without_reserving();
+    let call = call_now(&store, ask).await;
+    let calls_before = store.batched_calls();
+    let record = asks::answered(&store, &call);
+    let next = decide(&store, ask);
     // The record is asked for first; the acquire then goes at once, and the record with it.
-    let (recorded, next) = tokio::join!(record, next);
-    recorded.unwrap();
+    let (_, next) = tokio::join!(record, next);
     assert!(matches!(
-        next.unwrap(),
+        next,
         Decision::Granted { .. } | Decision::AlreadyDone
     ));
     assert_eq!(
@@ -1482,10 +1427,7 @@ pub async fn a_record_waiting_to_ride_goes_with_the_next_call(backend: Backend) 
         "the record rode in the acquire's call"
     );
     assert_eq!(
-        store
-            .acquire_for(&s, Some(&message), Cost::ONE, false)
-            .await
-            .unwrap(),
+        decide(&store, ask).await,
         Decision::AlreadyDone,
         "and it was written"
     );
@@ -1502,29 +1444,21 @@ pub async fn a_record_keeping_its_result_is_done_before_and_after_it_is_trimmed(
         let store = keys.store(limiter("10/1m", algorithm));
         let s = seller("S-kept");
         let message = turnstile_core::domain::MessageId::parse("m-kept").unwrap();
-        let Decision::Granted {
-            call, granted_us, ..
-        } = store
-            .acquire_for(&s, Some(&message), Cost::ONE, false)
+        let ask = Ask::new(&s).message(&message).without_reserving();
+        let call = asks::call(&store, ask)
             .await
-            .unwrap()
-        else {
-            panic!("{algorithm}: the first call is granted");
-        };
+            .unwrap_or_else(|| panic!("{algorithm}: the first call is granted"));
         let result = r#"{"message_id":"m-kept","outcome":"registered","status":201}"#;
-        let answer = turnstile_core::permit::CallAnswer {
-            call: &call,
-            cost: Cost::ONE,
-            answered_us: Some(granted_us),
+        let answer = Ended::Registered {
+            told: None,
+            batch: None,
+            ttl: Duration::from_secs(60),
             result: Some(result),
         };
-        store
-            .complete_call(&s, &message, None, answer, Duration::from_secs(60))
-            .await
-            .unwrap();
-        let copy = || store.acquire_for(&s, Some(&message), Cost::ONE, false);
+        asks::finish(&store, &call, call.granted_us, answer).await;
+        let copy = || decide(&store, ask);
         assert_eq!(
-            copy().await.unwrap(),
+            copy().await,
             Decision::AlreadyDone,
             "{algorithm}: a copy is not called while its result is kept"
         );
@@ -1552,7 +1486,7 @@ pub async fn a_record_keeping_its_result_is_done_before_and_after_it_is_trimmed(
             "{algorithm}: its TTL kept"
         );
         assert_eq!(
-            copy().await.unwrap(),
+            copy().await,
             Decision::AlreadyDone,
             "{algorithm}: and a copy is still not called"
         );
@@ -1587,18 +1521,11 @@ pub async fn a_seller_far_from_its_limit_gets_a_block_whose_unused_units_are_giv
         let store = &store;
         let s = &s;
         async move {
-            match store
-                .acquire_or_redeem(s, Some(&message(id)), Cost::ONE, None)
-                .await
-                .unwrap()
-                .0
-            {
-                Decision::Granted { call, .. } => call,
-                other => panic!("{id}: {other:?}"),
-            }
+            let message = message(id);
+            call_now(store, Ask::new(s).message(&message)).await
         }
     };
-    let first = grant("m-1").await;
+    let first = grant("m-1").await.name().to_owned();
     assert!(
         !first.contains('-'),
         "the first call is the acquire's own: {first}"
@@ -1606,42 +1533,36 @@ pub async fn a_seller_far_from_its_limit_gets_a_block_whose_unused_units_are_giv
     let block = members(&keys, &space.pool(&s)).await;
     assert_eq!(block, 16, "a new seller's first block");
     assert_eq!(members(&keys, &log).await, 1 + block);
-    let mut units = Vec::new();
+    let mut units: Vec<asks::Call> = Vec::new();
     for id in ["m-2", "m-3", "m-4"] {
         let unit = grant(id).await;
         assert!(
-            unit.starts_with(&format!("{first}-")) && !units.contains(&unit),
-            "a unit of the block, each once: {unit}"
+            unit.name().starts_with(&format!("{first}-"))
+                && !units.iter().any(|u| u.name() == unit.name()),
+            "a unit of the block, each once: {}",
+            unit.name()
         );
         units.push(unit);
     }
     assert_eq!(members(&keys, &space.pool(&s)).await, block - 3);
 
-    let answer = turnstile_core::permit::CallAnswer {
-        call: &units[0],
-        cost: Cost::ONE,
-        answered_us: None,
-        result: None,
-    };
-    store
-        .complete_call(&s, &message("m-2"), None, answer, Duration::from_secs(60))
-        .await
-        .unwrap();
+    asks::answered(&store, &units[0]).await;
     assert_eq!(
-        store
-            .acquire_or_redeem(&s, Some(&message("m-2")), Cost::ONE, None)
-            .await
-            .unwrap()
-            .0,
+        decide(&store, Ask::new(&s).message(&message("m-2"))).await,
         Decision::AlreadyDone,
         "a registered message is not called again from a block"
     );
 
     // After the hold, the next acquire gives the units no call used back before it decides.
-    tokio::time::sleep(turnstile_core::permit::BLOCK_HOLD + Duration::from_millis(200)).await;
+    tokio::time::sleep(turnstile_core::permit::block::BLOCK_HOLD + Duration::from_millis(200))
+        .await;
     let last = grant("m-5").await;
     let pool = members(&keys, &space.pool(&s)).await;
-    assert!(!last.contains('-'), "an acquire's own call: {last}");
+    assert!(
+        !last.name().contains('-'),
+        "an acquire's own call: {}",
+        last.name()
+    );
     assert_eq!(
         members(&keys, &log).await,
         4 + 1 + pool,
@@ -1661,43 +1582,24 @@ pub async fn a_pool_made_by_one_replica_serves_another_replicas_calls(backend: B
     let maker = keys.store(limiter("100/1m", Algorithm::SlidingWindow));
     let user = keys.store(limiter("100/1m", Algorithm::SlidingWindow));
     let (space, s) = (Keyspace::new(&keys.prefix), seller("S-shared"));
-    let Decision::Granted { call: first, .. } = maker
-        .acquire_or_redeem(&s, None, Cost::ONE, None)
-        .await
-        .unwrap()
-        .0
-    else {
-        panic!("the first call is granted");
-    };
+    let first = call_now(&maker, Ask::new(&s)).await.name().to_owned();
     let pool = members(&keys, &space.pool(&s)).await;
     assert!(pool > 2, "a block was taken: {pool}");
     let mut calls = Vec::new();
     for i in 0..2 {
-        let Decision::Granted {
-            call, granted_us, ..
-        } = user
-            .acquire_or_redeem(&s, Some(&message(&format!("u-{i}"))), Cost::ONE, None)
-            .await
-            .unwrap()
-            .0
-        else {
-            panic!("a unit of the pool is granted");
-        };
-        assert!(call.starts_with(&format!("{first}-")), "{call}");
-        calls.push((call, granted_us));
+        let message = message(&format!("u-{i}"));
+        let call = call_now(&user, Ask::new(&s).message(&message)).await;
+        assert!(
+            call.name().starts_with(&format!("{first}-")),
+            "a unit of the pool is granted: {}",
+            call.name()
+        );
+        calls.push(call);
     }
     assert_eq!(members(&keys, &space.pool(&s)).await, pool - 2);
-    let (call, granted_us) = &calls[1];
-    let answer = turnstile_core::permit::CallAnswer {
-        call,
-        cost: Cost::ONE,
-        answered_us: Some(*granted_us),
-        result: None,
-    };
-    user.complete_call(&s, &message("u-1"), None, answer, Duration::from_secs(60))
-        .await
-        .unwrap();
+    asks::answered(&user, &calls[1]).await;
     user.write_pool_answers().await;
+    let (call, granted_us) = (calls[1].name(), &calls[1].granted_us);
     let end: f64 = redis::cmd("ZSCORE")
         .arg(space.calls(&s))
         .arg(call)
@@ -1731,10 +1633,7 @@ pub async fn a_pool_unit_a_call_could_outlive_is_not_used(backend: Backend) {
         .store(limiter("100/1m", Algorithm::SlidingWindow))
         .with_call_timeout(Duration::from_secs(10));
     let (space, s) = (Keyspace::new(&keys.prefix), seller("S-late"));
-    store
-        .acquire_or_redeem(&s, None, Cost::ONE, None)
-        .await
-        .unwrap();
+    decide(&store, Ask::new(&s)).await;
     let pool = space.pool(&s);
     let units: Vec<String> = redis::cmd("ZRANGE")
         .arg(&pool)
@@ -1769,14 +1668,8 @@ pub async fn a_pool_unit_a_call_could_outlive_is_not_used(backend: Backend) {
             .await
             .unwrap();
     }
-    let Decision::Granted { call, .. } = store
-        .acquire_or_redeem(&s, None, Cost::ONE, None)
-        .await
-        .unwrap()
-        .0
-    else {
-        panic!("granted by an acquire");
-    };
+    let call = call_now(&store, Ask::new(&s)).await;
+    let call = call.name();
     assert!(!call.contains('-'), "no late unit was used: {call}");
     let left: Vec<String> = redis::cmd("ZRANGE")
         .arg(&pool)
@@ -1802,10 +1695,7 @@ pub async fn a_pool_on_a_server_that_did_not_write_it_is_dropped(backend: Backen
         ..limiter("100/1m", Algorithm::SlidingWindow)
     });
     let (space, s) = (Keyspace::new(&keys.prefix), seller("S-server"));
-    store
-        .acquire_or_redeem(&s, None, Cost::ONE, None)
-        .await
-        .unwrap();
+    decide(&store, Ask::new(&s)).await;
     let units = members(&keys, &space.pool(&s)).await;
     assert!(units > 0, "a block was taken");
     // As after a restore: the state carries another server's stamp.
@@ -1819,10 +1709,7 @@ pub async fn a_pool_on_a_server_that_did_not_write_it_is_dropped(backend: Backen
         redis_durable: false,
         ..limiter("100/1m", Algorithm::SlidingWindow)
     });
-    let (decision, _) = other
-        .acquire_or_redeem(&s, None, Cost::ONE, None)
-        .await
-        .unwrap();
+    let decision = decide(&other, Ask::new(&s)).await;
     let Decision::Wait { reservation, .. } = decision else {
         panic!("the seller is paused first: {decision:?}");
     };
@@ -1845,10 +1732,7 @@ pub async fn a_change_of_terms_takes_back_the_pools_unclaimed_units(backend: Bac
     let keys = Keys::new(backend, "pool-terms").await;
     let store = keys.store(limiter("100/1m", Algorithm::SlidingWindow));
     let (space, s) = (Keyspace::new(&keys.prefix), seller("S-terms"));
-    store
-        .acquire_or_redeem(&s, None, Cost::ONE, None)
-        .await
-        .unwrap();
+    decide(&store, Ask::new(&s)).await;
     assert!(
         members(&keys, &space.pool(&s)).await > 0,
         "a block was taken"
@@ -1865,14 +1749,8 @@ pub async fn a_change_of_terms_takes_back_the_pools_unclaimed_units(backend: Bac
         "only the call made stays in the log"
     );
     assert_eq!(members(&keys, &space.calls(&s)).await, 1);
-    let Decision::Granted { call, .. } = store
-        .acquire_or_redeem(&s, None, Cost::ONE, None)
-        .await
-        .unwrap()
-        .0
-    else {
-        panic!("granted under the new terms");
-    };
+    let call = call_now(&store, Ask::new(&s)).await;
+    let call = call.name();
     assert!(
         !call.contains('-'),
         "an acquire's own call, no old unit: {call}"
@@ -1896,10 +1774,7 @@ pub async fn units_a_replica_does_not_use_go_to_another_replicas_calls(backend: 
     let keys = Keys::new(backend, "reclaim").await;
     let (holder, other) = with_and_without_blocks(&keys, "16/1h");
     let (space, s) = (Keyspace::new(&keys.prefix), seller("S-reclaim"));
-    let (decision, _) = holder
-        .acquire_or_redeem(&s, None, Cost::ONE, None)
-        .await
-        .unwrap();
+    let decision = decide(&holder, Ask::new(&s)).await;
     assert!(matches!(decision, Decision::Granted { .. }));
     assert_eq!(
         members(&keys, &space.pool(&s)).await,
@@ -1907,15 +1782,12 @@ pub async fn units_a_replica_does_not_use_go_to_another_replicas_calls(backend: 
         "a block is at most a quarter of the count"
     );
     let mut granted = 0;
-    while let Decision::Granted { .. } = other.acquire(&s, false).await.unwrap() {
+    while let Decision::Granted { .. } = decide(&other, Ask::new(&s).without_reserving()).await {
         granted += 1;
         assert!(granted <= 15, "more than the limit");
     }
     assert_eq!(granted, 15, "the whole limit but the holder's one call");
-    let (decision, _) = holder
-        .acquire_or_redeem(&s, None, Cost::ONE, None)
-        .await
-        .unwrap();
+    let decision = decide(&holder, Ask::new(&s)).await;
     assert!(
         matches!(decision, Decision::Wait { .. }),
         "the holder's unit was taken back: it asks and waits ({decision:?})"
@@ -1945,36 +1817,12 @@ pub async fn replicas_taking_blocks_together_keep_the_limit_exact(backend: Backe
             let (store, s, granted) = (store.clone(), s.clone(), granted.clone());
             tasks.push(tokio::spawn(async move {
                 for _ in 0..10 {
-                    let mut held = None;
-                    loop {
-                        match store
-                            .acquire_or_redeem(&s, None, Cost::ONE, held.as_ref())
-                            .await
-                            .unwrap()
-                            .0
-                        {
-                            Decision::Granted {
-                                call, granted_us, ..
-                            } => {
-                                // A call is made when it is granted (a reserved slot may be
-                                // granted after it, once the calls of its window are answered).
-                                granted.lock().await.push((granted_us, call.contains('-')));
-                                store
-                                    .call_ended(&s, &call, Cost::ONE, Some(granted_us))
-                                    .await
-                                    .unwrap();
-                                break;
-                            }
-                            Decision::Wait {
-                                retry_after,
-                                reservation,
-                            } => {
-                                held = reservation;
-                                tokio::time::sleep(retry_after).await;
-                            }
-                            other => panic!("{other:?}"),
-                        }
-                    }
+                    let call = call_in_time(&store, Ask::new(&s)).await;
+                    // A call is made when it is granted (a reserved slot may be granted after
+                    // it, once the calls of its window are answered).
+                    let from_block = call.name().contains('-');
+                    granted.lock().await.push((call.granted_us, from_block));
+                    asks::answered(&store, &call).await;
                 }
             }));
         }
@@ -2003,16 +1851,13 @@ pub async fn a_later_grant_never_shortens_the_life_of_a_blocks_units(backend: Ba
     let keys = Keys::new(backend, "block-ttl").await;
     let (holder, other) = with_and_without_blocks(&keys, "100/1s");
     let (space, s) = (Keyspace::new(&keys.prefix), seller("S-ttl"));
-    holder
-        .acquire_or_redeem(&s, None, Cost::ONE, None)
-        .await
-        .unwrap();
+    decide(&holder, Ask::new(&s)).await;
     assert!(
         members(&keys, &space.pool(&s)).await > 0,
         "a block was taken"
     );
     assert!(matches!(
-        other.acquire(&s, false).await.unwrap(),
+        decide(&other, Ask::new(&s).without_reserving()).await,
         Decision::Granted { .. }
     ));
     let calls = space.calls(&s);
