@@ -241,7 +241,7 @@ async fn an_upload_still_waiting_past_its_eta_counts_as_overdue() -> anyhow::Res
     rig.wait_registered(2).await?;
     let (admin, records) = (rig.admin(), rig.records());
     let mut promises = Promises::new(turnstile_ops::overdue::OVERDUE_AFTER);
-    let now = turnstile_core::broker::unix_ms();
+    let now = turnstile_core::domain::unix_ms();
     assert_eq!(
         promises.check(&admin, &records, now).await?,
         0,

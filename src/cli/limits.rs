@@ -254,8 +254,8 @@ pub async fn run(
                 .pause_now(&seller, span)
                 .await
                 .context("pausing the seller")?;
-            let until = turnstile_core::worker::report::rfc3339(
-                turnstile_core::broker::unix_ms() + paused.as_millis() as u64,
+            let until = turnstile_core::domain::rfc3339(
+                turnstile_core::domain::unix_ms() + paused.as_millis() as u64,
             );
             let kept = paused > span + Duration::from_secs(1);
             let mut line = format!(

@@ -256,7 +256,7 @@ fn fleet_lines(fleet: &fleet::View) -> Vec<String> {
                 format!(
                     "{}, since {}",
                     n.why,
-                    turnstile_core::worker::report::rfc3339(n.since_ms)
+                    turnstile_core::domain::rfc3339(n.since_ms)
                 )
             },
         )

@@ -514,6 +514,20 @@ impl From<&Registration> for Identity {
     }
 }
 
+/// Unix ms as RFC 3339 (UTC, to the millisecond).
+pub fn rfc3339(ms: u64) -> String {
+    humantime::format_rfc3339_millis(std::time::UNIX_EPOCH + std::time::Duration::from_millis(ms))
+        .to_string()
+}
+
+/// Unix time in ms on this replica's clock (the ladder's hops and header timestamps; never
+/// a limit, which Redis's clock measures).
+pub fn unix_ms() -> u64 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| d.as_millis() as u64)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -627,7 +627,7 @@ pub fn view_remembering(roll: &Roll, guard: Option<Duration>, remembered: &[Reme
         effective,
         unreadable,
         algorithm_fence_until: (fence_until_ms > roll.now_ms)
-            .then(|| crate::worker::report::rfc3339(fence_until_ms as u64)),
+            .then(|| crate::domain::rfc3339(fence_until_ms as u64)),
         fence_until_ms,
         now_ms: roll.now_ms,
     }
@@ -646,7 +646,7 @@ fn replica(member: &Registered) -> Result<Replica, serde_json::Error> {
 
 /// A registry time (Redis ms) as the view shows it (RFC 3339).
 fn stamp(ms: i64) -> String {
-    crate::worker::report::rfc3339(ms.max(0) as u64)
+    crate::domain::rfc3339(ms.max(0) as u64)
 }
 
 fn lost_replica(member: &Registered) -> LostReplica {
@@ -1553,16 +1553,10 @@ mod tests {
         assert_eq!(cut_off.host, "h");
         assert_eq!(
             cut_off.lost_since,
-            crate::worker::report::rfc3339(1_700_000_090_000)
+            crate::domain::rfc3339(1_700_000_090_000)
         );
-        assert_eq!(
-            cut_off.last_seen,
-            crate::worker::report::rfc3339(1_700_000_085_000)
-        );
-        assert_eq!(
-            cut_off.started,
-            crate::worker::report::rfc3339(1_700_000_000_000)
-        );
+        assert_eq!(cut_off.last_seen, crate::domain::rfc3339(1_700_000_085_000));
+        assert_eq!(cut_off.started, crate::domain::rfc3339(1_700_000_000_000));
         assert!(!cut_off.ready);
         assert_eq!(
             cut_off.not_ready.as_ref().map(|n| n.why.as_str()),

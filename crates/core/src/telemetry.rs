@@ -203,7 +203,7 @@ impl Readiness {
         let mut held = self.lock();
         let since_ms = held
             .as_ref()
-            .map_or_else(crate::broker::unix_ms, |n| n.since_ms);
+            .map_or_else(crate::domain::unix_ms, |n| n.since_ms);
         *held = Some(NotReady { why, since_ms });
         drop(held);
         metrics::gauge!("turnstile_ready").set(0.0);

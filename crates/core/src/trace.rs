@@ -311,9 +311,12 @@ impl TraceContext {
 
     /// The AMQP headers that carry it (as a producer publishes them).
     pub fn amqp_headers(&self) -> Vec<(&'static str, AMQPValue)> {
-        let mut headers = vec![(TRACEPARENT, crate::broker::long_string(&self.traceparent()))];
+        let mut headers = vec![(
+            TRACEPARENT,
+            AMQPValue::LongString(self.traceparent().into()),
+        )];
         if let Some(state) = &self.tracestate {
-            headers.push((TRACESTATE, crate::broker::long_string(state.as_str())));
+            headers.push((TRACESTATE, AMQPValue::LongString(state.as_str().into())));
         }
         headers
     }

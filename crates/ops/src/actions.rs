@@ -39,14 +39,16 @@ use serde::Deserialize;
 use serde::de::DeserializeOwned;
 use serde_json::json;
 use turnstile_core::config::{Limits, format_duration};
-use turnstile_core::domain::{BatchId, MessageId, SellerId};
+use turnstile_core::domain::SellerId;
 use turnstile_core::permit::pause_span;
 
 use crate::audit::{Entry, Who};
 use crate::broker_link::DeadLetterQuery;
+use crate::dashboard::ACTIONS_OFF;
 use crate::dashboard::Dashboard;
+use crate::endpoints::{Endpoints, api_error, carries_token, json_answer};
 use crate::health::one_line;
-use crate::http::{Endpoints, api_error, carries_token, json_answer};
+use crate::ids::seller_id;
 
 /// The header every action must carry (see the module's doc).
 pub const ACTION_HEADER: &str = "x-turnstile-action";
@@ -56,9 +58,6 @@ const BODY_LIMIT: usize = 16 * 1024;
 const OPERATOR_CHARS: usize = 64;
 /// Dead letters a dry run lists (it counts them all).
 const DRY_RUN_SHOWN: usize = 200;
-
-/// Why actions are off on a replica without a token.
-pub const ACTIONS_OFF: &str = "actions are off: they need TURNSTILE_HTTP_TOKEN set on the replica (then open the page with ?token=…)";
 
 /// The actions' routes, each behind [`guard`].
 pub fn routes(endpoints: &Endpoints) -> Router<Endpoints> {
@@ -306,21 +305,6 @@ fn operator(name: Option<&str>) -> Result<Option<String>, String> {
         ));
     }
     Ok(Some(name.to_owned()))
-}
-
-/// A seller id as the message body's is parsed.
-pub(crate) fn seller_id(s: &str) -> Result<SellerId, String> {
-    SellerId::parse(s).map_err(|e| format!("seller {s:?}: {e}"))
-}
-
-/// A batch id as the message body's is parsed.
-pub(crate) fn batch_id(s: &str) -> Result<BatchId, String> {
-    BatchId::parse(s).map_err(|e| format!("batch {s:?}: {e}"))
-}
-
-/// A message id as the message body's is parsed.
-pub(crate) fn message_id(s: &str) -> Result<MessageId, String> {
-    MessageId::parse(s).map_err(|e| format!("message {s:?}: {e}"))
 }
 
 /// `{"seller": …, "for": "15m"}` (`for` left out: until resumed).

@@ -9,7 +9,7 @@ use std::time::Duration;
 
 use serde::{Deserialize, Serialize};
 use tracing::{info, warn};
-use turnstile_core::broker::unix_ms;
+use turnstile_core::domain::unix_ms;
 use turnstile_core::permit::Records;
 
 /// Most actions kept in Redis (the newest).
@@ -115,7 +115,7 @@ impl Entry {
             who,
             replica,
         } = self;
-        let at = turnstile_core::worker::report::rfc3339(*at_ms);
+        let at = turnstile_core::domain::rfc3339(*at_ms);
         macro_rules! audit {
             ($level:ident) => {
                 $level!(

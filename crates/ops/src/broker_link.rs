@@ -14,9 +14,10 @@ use serde::Serialize;
 use tokio_util::sync::CancellationToken;
 use tracing::debug;
 use turnstile_core::broker::dead_letters::{self, DeadLetter, Reason, Selection, UnknownReason};
-use turnstile_core::broker::{self, Topology, unix_ms};
+use turnstile_core::broker::{self, Topology};
+use turnstile_core::domain::unix_ms;
+use turnstile_core::permit::PermitStore;
 
-use crate::dashboard::Controls;
 use crate::health::Health;
 
 /// How often the queue depths are read.
@@ -244,13 +245,13 @@ impl DeadLetterQuery {
         }
         let mut selection = Selection::all();
         if let Some(id) = given(message_id) {
-            selection = selection.with_message_id(crate::actions::message_id(id)?.as_str());
+            selection = selection.with_message_id(crate::ids::message_id(id)?.as_str());
         }
         if let Some(id) = given(seller) {
-            selection = selection.with_seller(crate::actions::seller_id(id)?.as_str());
+            selection = selection.with_seller(crate::ids::seller_id(id)?.as_str());
         }
         if let Some(id) = given(batch) {
-            selection = selection.with_batch(crate::actions::batch_id(id)?.as_str());
+            selection = selection.with_batch(crate::ids::batch_id(id)?.as_str());
         }
         if let Some(reason) = given(reason) {
             let reason: Reason = reason.parse().map_err(|e: UnknownReason| e.to_string())?;
@@ -446,4 +447,13 @@ impl BrokerLink {
             truncated,
         })
     }
+}
+
+/// What the operator's actions need beyond the dashboard's views: the replica's permit store
+/// (the terms a new limit is checked against; a replayed message counts as waiting again in
+/// it) and how long completion records are kept (`TURNSTILE_DONE_TTL`).
+#[derive(Clone)]
+pub struct Controls {
+    pub permits: PermitStore,
+    pub done_ttl: Duration,
 }

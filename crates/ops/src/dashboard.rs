@@ -41,18 +41,18 @@ use serde::Serialize;
 use tokio_util::sync::CancellationToken;
 use tracing::debug;
 
-use turnstile_core::broker::unix_ms;
 use turnstile_core::domain::SellerId;
+use turnstile_core::domain::unix_ms;
 use turnstile_core::downstream::recent::Recently;
 use turnstile_core::fleet;
-use turnstile_core::permit::{Admin, PermitStore, Records, RetryDue, Usage};
+use turnstile_core::permit::{Admin, Records, RetryDue, Usage};
 use turnstile_core::telemetry::Readiness;
 use turnstile_core::worker::Stats;
 use turnstile_upload::progress;
 
 use crate::audit;
 pub use crate::broker_link::QueueDepths;
-use crate::broker_link::{BrokerLink, DEPTHS_STALE_AFTER};
+use crate::broker_link::{BrokerLink, Controls, DEPTHS_STALE_AFTER};
 use crate::health::{self, Health};
 
 /// The page served at `/`.
@@ -389,15 +389,6 @@ pub struct Dashboard {
     cache: tokio::sync::Mutex<Option<(Instant, Arc<String>)>>,
 }
 
-/// What the operator's actions need beyond the dashboard's views: the replica's permit store
-/// (the terms a new limit is checked against; a replayed message counts as waiting again in
-/// it) and how long completion records are kept (`TURNSTILE_DONE_TTL`).
-#[derive(Clone)]
-pub struct Controls {
-    pub permits: PermitStore,
-    pub done_ttl: Duration,
-}
-
 impl Dashboard {
     /// The sellers' terms the dashboard reads (the HTTP API's batches and sellers read them too).
     pub fn admin(&self) -> &Admin {
@@ -557,7 +548,7 @@ impl Dashboard {
             fleet: self.fleet(),
             actions: ActionsView {
                 enabled: self.actions_enabled,
-                why_not: (!self.actions_enabled).then(|| crate::actions::ACTIONS_OFF.to_owned()),
+                why_not: (!self.actions_enabled).then(|| ACTIONS_OFF.to_owned()),
             },
         })
     }
@@ -947,3 +938,6 @@ pub async fn sample(dashboard: Arc<Dashboard>, stop: CancellationToken) {
         }
     }
 }
+
+/// Why actions are off on a replica without a token.
+pub const ACTIONS_OFF: &str = "actions are off: they need TURNSTILE_HTTP_TOKEN set on the replica (then open the page with ?token=…)";

@@ -8,7 +8,7 @@ use std::sync::Mutex;
 
 use serde::Serialize;
 use tracing::{info, warn};
-use turnstile_core::broker::unix_ms;
+use turnstile_core::domain::unix_ms;
 
 /// Longest error text kept (characters).
 const ERROR_CHARS: usize = 500;

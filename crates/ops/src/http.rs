@@ -6,8 +6,8 @@
 //! ([`crate::lookup`]) and actions ([`crate::actions`]).
 
 use std::net::SocketAddr;
+use std::sync::OnceLock;
 use std::sync::atomic::Ordering;
-use std::sync::{Arc, OnceLock};
 
 use anyhow::Context;
 use axum::Router;
@@ -23,8 +23,9 @@ use tokio_util::sync::CancellationToken;
 use turnstile_upload::progress;
 
 use crate::dashboard::{self, Dashboard};
+pub use crate::endpoints::Endpoints;
+use crate::endpoints::{TOKEN_COOKIE, api_error, carries_token, json_answer};
 pub use turnstile_core::telemetry::Readiness;
-use turnstile_core::worker::Stats;
 
 /// The process-wide Prometheus recorder (installed on first use).
 pub fn prometheus() -> &'static PrometheusHandle {
@@ -79,18 +80,6 @@ pub fn parse_token(s: &str) -> Result<SecretString, String> {
     Ok(SecretString::from(s.to_owned()))
 }
 
-/// What the endpoints read: readiness, the replica's counters, and its dashboard once the
-/// replica has connected to Redis (until then `/api/dashboard` answers 503).
-#[derive(Clone)]
-pub struct Endpoints {
-    /// When set, `/` and `/api/dashboard` need it (see [`require_token`]), and the page may
-    /// act (see [`crate::actions`]).
-    pub token: Option<SecretString>,
-    pub ready: Readiness,
-    pub stats: Arc<Stats>,
-    pub dashboard: Arc<OnceLock<Arc<Dashboard>>>,
-}
-
 async fn metrics_page(State(endpoints): State<Endpoints>) -> String {
     let stats = &endpoints.stats;
     metrics::gauge!("turnstile_in_flight").set(stats.in_flight.load(Ordering::Relaxed) as f64);
@@ -138,24 +127,6 @@ async fn dashboard_data(State(endpoints): State<Endpoints>) -> Response {
             .into_response(),
         Err(error) => unavailable(format!("{error:#}")),
     }
-}
-
-/// A JSON answer.
-pub(crate) fn json_answer(status: StatusCode, body: serde_json::Value) -> Response {
-    (
-        status,
-        [
-            (header::CONTENT_TYPE, "application/json"),
-            (header::CACHE_CONTROL, "no-store"),
-        ],
-        body.to_string(),
-    )
-        .into_response()
-}
-
-/// An error as the API answers it: `{"error": …}` with `status`.
-pub(crate) fn api_error(status: StatusCode, error: impl std::fmt::Display) -> Response {
-    json_answer(status, serde_json::json!({"error": error.to_string()}))
 }
 
 /// The dashboard whose records and sellers' terms the API reads, and `id` parsed by `parse`; or
@@ -288,29 +259,6 @@ async fn seller_api(
         }
         Err(error) => api_error(StatusCode::SERVICE_UNAVAILABLE, error),
     }
-}
-
-/// The cookie that carries the dashboard token after `/?token=…`.
-const TOKEN_COOKIE: &str = "turnstile_token";
-
-/// Whether `headers` carry `token`: as `Authorization: Bearer <token>` or as the cookie set by
-/// opening `/?token=<token>`. Compared in constant time.
-pub(crate) fn carries_token(token: &SecretString, headers: &header::HeaderMap) -> bool {
-    let expected = token.expose_secret().as_bytes();
-    let matches = |given: &str| bool::from(given.as_bytes().ct_eq(expected));
-    let bearer = headers
-        .get(header::AUTHORIZATION)
-        .and_then(|v| v.to_str().ok())
-        .and_then(|v| v.strip_prefix("Bearer "))
-        .is_some_and(|given| matches(given.trim()));
-    let cookie = headers
-        .get_all(header::COOKIE)
-        .iter()
-        .filter_map(|v| v.to_str().ok())
-        .flat_map(|v| v.split(';'))
-        .filter_map(|pair| pair.trim().split_once('='))
-        .any(|(name, value)| name == TOKEN_COOKIE && matches(value));
-    bearer || cookie
 }
 
 /// With `TURNSTILE_HTTP_TOKEN` set, the dashboard and its data need the token: as

@@ -2,6 +2,8 @@
 //! `turnstile-core`, never the other way):
 //! - [`serve`]: `turnstile consume` as run: a replica with its endpoints and dashboard (the
 //!   composition root of both sides)
+//! - [`endpoints`]: what every endpoint shares (state, JSON answers, the token check)
+//! - [`ids`]: the ids a request names, parsed as a message body's are
 //! - [`http`]: `/metrics` (Prometheus), `/healthz`, `/readyz`, the dashboard's routes
 //! - [`dashboard`]: the dashboard's page, its data and the samplers that feed it
 //! - [`actions`]: what an operator does from the page (pause, resume, limits, replays) and how
@@ -16,8 +18,10 @@ pub mod actions;
 pub mod audit;
 pub mod broker_link;
 pub mod dashboard;
+pub mod endpoints;
 pub mod health;
 pub mod http;
+pub mod ids;
 pub mod lookup;
 pub mod overdue;
 pub mod process;

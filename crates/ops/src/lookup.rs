@@ -18,15 +18,15 @@ use axum::http::StatusCode;
 use axum::response::Response;
 use serde::{Deserialize, Serialize};
 use serde_json::json;
-use turnstile_core::broker::unix_ms;
 use turnstile_core::domain::SellerId;
+use turnstile_core::domain::unix_ms;
 use turnstile_upload::progress;
 
-use crate::actions::{batch_id, message_id, seller_id};
 use crate::broker_link::{DeadLetterQuery, DeadLetters};
 use crate::dashboard::{Dashboard, LimitRow, RetryMessage};
+use crate::endpoints::{Endpoints, api_error, json_answer};
 use crate::health::one_line;
-use crate::http::{Endpoints, api_error, json_answer};
+use crate::ids::{batch_id, message_id, seller_id};
 
 /// Dead letters a listing shows by default, and at most.
 const LISTED: usize = 100;

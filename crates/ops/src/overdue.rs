@@ -141,7 +141,7 @@ pub async fn watch(admin: Admin, records: Records, stop: CancellationToken) {
             _ = tick.tick() => {}
             _ = stop.cancelled() => return,
         }
-        let now_ms = turnstile_core::broker::unix_ms();
+        let now_ms = turnstile_core::domain::unix_ms();
         match promises.check(&admin, &records, now_ms).await {
             Ok(overdue) => metrics::gauge!("turnstile_batches_overdue").set(overdue as f64),
             Err(error) => {

@@ -17,7 +17,8 @@ use turnstile_core::telemetry::Readiness;
 use turnstile_core::worker::Stats;
 
 use crate::broker_link::BrokerLink;
-use crate::dashboard::{self, Controls, Dashboard, ReplicaInfo};
+use crate::broker_link::Controls;
+use crate::dashboard::{self, Dashboard, ReplicaInfo};
 use crate::http::{self, Endpoints, Listen};
 use crate::overdue;
 

@@ -26,7 +26,7 @@ use lapin::types::{AMQPValue, FieldTable};
 use lapin::{BasicProperties, Channel};
 
 use crate::domain::{BatchSize, Identity};
-use crate::permit::{Completion, InBatch, PermitError, PermitStore};
+use crate::permit::{DeadLetterBook, InBatch, PermitError};
 
 use super::{Publisher, Topology, depth, header_str, headers, is_death_history};
 
@@ -366,7 +366,7 @@ fn excerpt(body: &[u8]) -> (String, bool) {
 /// Unix ms as RFC 3339 with ms; `None` beyond the year 9999 (a forged header, say).
 fn rfc3339(ms: u64) -> Option<String> {
     const YEAR_10000_MS: u64 = 253_402_300_800_000;
-    (ms < YEAR_10000_MS).then(|| crate::worker::report::rfc3339(ms))
+    (ms < YEAR_10000_MS).then(|| crate::domain::rfc3339(ms))
 }
 
 /// The broker's latest dead-lettering of a message: the first entry of its `x-death` header.
@@ -614,7 +614,7 @@ pub async fn replay(
     publisher: &Publisher,
     topology: &Topology,
     selection: &Selection,
-    permits: &PermitStore,
+    permits: &dyn DeadLetterBook,
     ttl: Duration,
     dry_run: bool,
 ) -> anyhow::Result<Replayed> {
@@ -639,7 +639,7 @@ pub async fn replay_showing(
     publisher: &Publisher,
     topology: &Topology,
     selection: &Selection,
-    permits: &PermitStore,
+    permits: &dyn DeadLetterBook,
     ttl: Duration,
     dry_run: bool,
     shown: usize,
@@ -724,7 +724,7 @@ enum Revived {
 /// without an identity (counted per dead letter, always as `invalid-message`) leaves the dead
 /// letters by reason.
 async fn revive(
-    permits: &PermitStore,
+    permits: &dyn DeadLetterBook,
     delivery: &Delivery,
     ttl: Duration,
 ) -> Result<Revived, PermitError> {
@@ -739,17 +739,15 @@ async fn revive(
                 id,
                 size: batch_size,
             });
-            let revived = permits
-                .complete(seller, message, batch, Completion::Replayed, ttl)
-                .await?;
-            Ok(if revived.changed {
+            let revived = permits.revive(seller, message, batch, ttl).await?;
+            Ok(if revived {
                 Revived::Message(identity, batch_size, was_dead_for)
             } else {
                 Revived::Nothing
             })
         }
         _ if was_dead_for == INVALID => {
-            permits.records().tally_dead(INVALID, -1).await?;
+            permits.tally_dead(INVALID, -1).await?;
             Ok(Revived::Unidentified(INVALID))
         }
         _ => Ok(Revived::Nothing),
@@ -762,14 +760,13 @@ const INVALID: &str = Reason::InvalidMessage.as_str();
 impl Revived {
     /// Counts the message as dead again (its republish failed: it stays a dead letter). A
     /// failure here leaves it counted as waiting, never as done.
-    async fn undo(self, permits: &PermitStore, ttl: Duration) {
+    async fn undo(self, permits: &dyn DeadLetterBook, ttl: Duration) {
         let undone = match &self {
             Revived::Nothing => Ok(()),
-            Revived::Message(identity, size, reason) => permits
-                .count_dead(identity, *size, reason, ttl)
-                .await
-                .map(drop),
-            Revived::Unidentified(reason) => permits.records().tally_dead(reason, 1).await,
+            Revived::Message(identity, size, reason) => {
+                permits.dead_again(identity, *size, reason, ttl).await
+            }
+            Revived::Unidentified(reason) => permits.tally_dead(reason, 1).await,
         };
         if let Err(error) = undone {
             tracing::warn!(%error, "not republished, and still counted as waiting");

@@ -49,7 +49,8 @@ use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
 use tracing::{debug, warn};
 
-use super::{Publisher, Settler, Topology, header_u64, headers, unix_ms};
+use super::{Publisher, Settler, Topology, header_u64, headers};
+use crate::domain::unix_ms;
 
 /// The smallest delay step of the ladder.
 pub const UNIT: Duration = Duration::from_millis(250);

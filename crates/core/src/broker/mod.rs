@@ -45,6 +45,8 @@ use lapin::options::{BasicPublishOptions, ConfirmSelectOptions};
 use lapin::types::{AMQPValue, FieldTable, LongString, ShortString};
 use lapin::{BasicProperties, Channel, Connection, ConnectionProperties};
 
+use crate::domain::unix_ms;
+
 /// Headers turnstile reads and writes on the messages it republishes.
 pub mod headers {
     /// The reserved permit slot (`SLOT_US/COUNT/WINDOW_US`, Redis time), see `permit::Reservation`.
@@ -598,14 +600,6 @@ impl Publisher {
         }
         properties
     }
-}
-
-/// Unix time in ms on this replica's clock (the ladder's hops and header timestamps; never
-/// a limit, which Redis's clock measures).
-pub fn unix_ms() -> u64 {
-    std::time::SystemTime::now()
-        .duration_since(std::time::UNIX_EPOCH)
-        .map_or(0, |d| d.as_millis() as u64)
 }
 
 /// An AMQP long-string header value.

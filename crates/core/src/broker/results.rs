@@ -334,7 +334,7 @@ fn properties(message_id: Option<&str>, kind: &str) -> BasicProperties {
     let mut properties = BasicProperties::default()
         .with_content_type("application/json".into())
         .with_type(kind.into())
-        .with_timestamp(super::unix_ms() / 1000);
+        .with_timestamp(crate::domain::unix_ms() / 1000);
     if let Some(id) = message_id.filter(|id| id.len() <= 255) {
         properties = properties.with_message_id(id.into());
     }

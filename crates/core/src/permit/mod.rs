@@ -42,6 +42,7 @@ mod beyond;
 pub mod block;
 mod calls;
 mod conn;
+mod dead;
 mod decision;
 mod error;
 mod finish;
@@ -71,6 +72,7 @@ pub use records::{BatchSeen, Records, RetryDue, UploadProgress};
 pub use registry::{Registered, Registry, Roll};
 
 pub use beyond::{GLOBAL_OUTCOMES, LEASE_OUTCOMES};
+pub use dead::DeadLetterBook;
 pub use decision::{
     AGING, CALL_ALLOWANCE, CHARGE_MEMORY, Decision, Deferral, Forfeit, GIVE_WAY_REACH,
     GIVE_WAY_STEPS_PER_SECOND, GIVE_WAY_STEPS_SAVED, Rank, Reservation,

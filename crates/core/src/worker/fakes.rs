@@ -894,7 +894,7 @@ impl Reporting {
             identity: Identity::from(registration),
             batch_size: registration.batch_size,
             cost: registration.cost,
-            first_seen_ms: crate::broker::unix_ms(),
+            first_seen_ms: crate::domain::unix_ms(),
         }
     }
 }

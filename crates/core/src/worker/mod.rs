@@ -29,8 +29,8 @@ use tokio_util::sync::CancellationToken;
 use tracing::{Instrument, debug, info, info_span, warn};
 
 use crate::broker::results::{ReplyTo, ResultSink};
-use crate::broker::unix_ms;
 use crate::broker::{PublishError, Publisher, Settler, Topology};
+use crate::domain::unix_ms;
 use crate::domain::{
     BatchId, Identity, MessageId, Priority, RateLimitHeaders, Registration, SellerId,
 };
@@ -39,6 +39,7 @@ use crate::routes::{Route, Routes};
 use crate::trace::TraceContext;
 mod ahead;
 mod batches;
+mod carried;
 #[cfg(test)]
 mod fakes;
 #[cfg(test)]
@@ -50,7 +51,8 @@ mod waits;
 
 pub use ahead::AskAhead;
 pub use batches::SeenBatches;
-pub use plan::{Carried, DEAD_LETTER_REASONS, OUTCOME_LABELS, Outcome, Report, WorkerSettings};
+pub use carried::Carried;
+pub use plan::{DEAD_LETTER_REASONS, OUTCOME_LABELS, Outcome, Report, WorkerSettings};
 use plan::{Interrupted, PermitErrors, Plan, returned, stranded};
 pub use stats::{LatencySummary, Stats};
 pub use waits::SellerWaits;
@@ -446,7 +448,7 @@ impl Worker {
                 Ok(registration)
             },
         );
-        let mut carried = Carried::from_delivery(&delivery, crate::broker::unix_ms());
+        let mut carried = Carried::from_delivery(&delivery, crate::domain::unix_ms());
         let reporting = Reporting {
             results: results.clone(),
             reply: ReplyTo::of(&delivery.properties, &self.topology),
@@ -506,7 +508,7 @@ impl Worker {
                     plan::plan_unknown_route(
                         true,
                         &carried,
-                        crate::broker::unix_ms(),
+                        crate::domain::unix_ms(),
                         &invalid.to_string(),
                     )
                 }
@@ -1134,7 +1136,7 @@ impl Worker {
                 false
             }
         };
-        let now_ms = crate::broker::unix_ms();
+        let now_ms = crate::domain::unix_ms();
         let window = self.limiter.shortest_window();
         self.settings
             .plan_reply(reply, carried, now_ms, window, lowered)
@@ -1365,7 +1367,7 @@ impl Worker {
             detail,
             report,
             first_seen_ms: reporting.first_seen_ms,
-            finished_ms: crate::broker::unix_ms(),
+            finished_ms: crate::domain::unix_ms(),
         }
         .body()
     }
@@ -1699,8 +1701,8 @@ impl Worker {
                 report,
             } => {
                 warn!(reason, detail, "dead-lettering");
-                let mut extra = plan::started_trace_headers(started_trace);
-                extra.push(plan::first_seen_header(reporting.first_seen_ms));
+                let mut extra = carried::started_trace_headers(started_trace);
+                extra.push(carried::first_seen_header(reporting.first_seen_ms));
                 extra.push((
                     crate::broker::headers::ATTEMPTS,
                     AMQPValue::LongLongInt(i64::from(report.attempts)),

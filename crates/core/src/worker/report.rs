@@ -2,13 +2,11 @@
 //! batch's completion event, as the JSON the contract names (see `broker::results` for where
 //! they go).
 
-use std::time::{Duration, UNIX_EPOCH};
-
 use serde::Serialize;
 use serde_json::value::RawValue;
 
 use super::plan::Report;
-use crate::domain::Identity;
+use crate::domain::{Identity, rfc3339};
 use crate::downstream::ResponseBody;
 use crate::permit::UploadProgress;
 
@@ -94,11 +92,6 @@ pub fn completed_body(progress: &UploadProgress, completed_ms: u64) -> Vec<u8> {
         finished: rfc3339(completed_ms),
     };
     serde_json::to_vec(&body).expect("an event always serializes")
-}
-
-/// Unix ms as RFC 3339 (UTC, to the millisecond).
-pub fn rfc3339(ms: u64) -> String {
-    humantime::format_rfc3339_millis(UNIX_EPOCH + Duration::from_millis(ms)).to_string()
 }
 
 #[cfg(test)]
