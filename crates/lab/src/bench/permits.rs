@@ -134,7 +134,7 @@ pub async fn run(
         };
         row(&name, &figures);
     }
-    // A consumer's whole permit (acquire_or_redeem), without and with the global limit: each
+    // A consumer's whole permit (`Limiter::ask`), without and with the global limit: each
     // call of the latter also asks the global limit (one slot of its own on a Redis Cluster),
     // and a refusal gives the seller's grant back.
     for with_global in [false, true] {
