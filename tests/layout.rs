@@ -1,6 +1,8 @@
 //! The layout a newcomer reads: no module of a crate reaches itself through others. Every
-//! `crate::…` and `super::…` path of a file (in `use` lines and in code, test modules left
-//! out) is a dependency on the deepest module of that path that is a file; a circle of files
+//! `crate::…` and `super::…` path of a file, and every path into one of its own child modules
+//! (`budget::Spend` in `broker/mod.rs`), in `use` lines and in code, is a dependency on the
+//! deepest module of that path that is a file. Test-only code is left out, and so is a
+//! parent's `pub use` of its children (a facade is not a dependency). A circle of files
 //! depending on each other fails the test, naming them.
 
 use std::collections::{BTreeMap, BTreeSet};
@@ -35,35 +37,94 @@ fn module_of(src: &Path, file: &Path) -> Module {
     parts
 }
 
-/// The text of a file without its comments and its `#[cfg(test)] mod tests` block.
+/// The text of a file without its comments, its `pub use` lines, the paths of its
+/// visibilities (`pub(in crate::permit)` names a scope, not a dependency) and its test-only modules
+/// (`#[cfg(test)]` on a `mod … {` block, which runs to the end of the file in this code base).
 fn code_of(text: &str) -> String {
-    let text = match text.find("#[cfg(test)]\nmod tests") {
-        Some(at) => &text[..at],
-        None => text,
-    };
-    text.lines()
-        .map(|line| line.split("//").next().unwrap_or(""))
-        .collect::<Vec<_>>()
-        .join("\n")
+    let test_block = text.match_indices("#[cfg(test)]\n").find(|(at, mark)| {
+        let next = text[at + mark.len()..].lines().next().unwrap_or("");
+        next.contains("mod ") && next.trim_end().ends_with('{')
+    });
+    let text = test_block.map_or(text, |(at, _)| &text[..at]);
+    let mut code = Vec::new();
+    let mut in_facade = false;
+    for line in text.lines() {
+        let line = line.split("//").next().unwrap_or("");
+        let trimmed = line.trim_start();
+        let re_export = trimmed.starts_with("pub use ")
+            || trimmed
+                .strip_prefix("pub(")
+                .and_then(|rest| rest.split_once(')'))
+                .is_some_and(|(_, rest)| rest.starts_with(" use "));
+        if re_export {
+            in_facade = !trimmed.trim_end().ends_with(';');
+            continue;
+        }
+        if in_facade {
+            in_facade = !trimmed.trim_end().ends_with(';');
+            continue;
+        }
+        code.push(line);
+    }
+    let mut code = code.join("\n");
+    while let Some(at) = code.find("pub(in ") {
+        let end = code[at..].find(')').map_or(code.len(), |e| at + e + 1);
+        code.replace_range(at..end, "pub");
+    }
+    code
 }
 
-/// Every `crate::…`/`super::…` path in `code`, grouped uses (`crate::a::{b, c::d}`) expanded.
-fn paths_in(code: &str) -> Vec<Vec<String>> {
+/// The child modules a file declares (`mod budget;`, `pub mod ladder;`), test-only ones left out.
+fn children_of(text: &str) -> Vec<String> {
+    let mut children = Vec::new();
+    let mut test_only = false;
+    for line in text.lines() {
+        let trimmed = line.trim();
+        if trimmed == "#[cfg(test)]" {
+            test_only = true;
+            continue;
+        }
+        let declared = trimmed
+            .strip_prefix("pub(crate) mod ")
+            .or_else(|| trimmed.strip_prefix("pub mod "))
+            .or_else(|| trimmed.strip_prefix("mod "))
+            .and_then(|rest| rest.strip_suffix(';'));
+        if let (Some(name), false) = (declared, test_only) {
+            children.push(name.to_owned());
+        }
+        if !trimmed.starts_with("#[") {
+            test_only = false;
+        }
+    }
+    children
+}
+
+/// Every path in `code` that starts with `crate::`, `super::`, `self::` or one of `children`
+/// followed by `::`, grouped uses (`crate::a::{b, c::d}`) expanded; a child's path is
+/// returned as `self::child::…`.
+fn paths_in(code: &str, children: &[String]) -> Vec<Vec<String>> {
     let is_ident = |c: u8| c.is_ascii_alphanumeric() || c == b'_';
     let bytes = code.as_bytes();
     let at = |i: usize| &bytes[i.min(bytes.len())..];
     let mut paths = Vec::new();
     let mut i = 0;
     while i < bytes.len() {
-        let start = [&b"crate::"[..], &b"super::"[..]]
+        let free = i == 0 || !(is_ident(bytes[i - 1]) || bytes[i - 1] == b':');
+        let start = ["crate", "super", "self"]
             .into_iter()
-            .find(|p| at(i).starts_with(p) && (i == 0 || !is_ident(bytes[i - 1])));
+            .chain(children.iter().map(String::as_str))
+            .find(|p| {
+                free && at(i).starts_with(p.as_bytes()) && at(i + p.len()).starts_with(b"::")
+            });
         let Some(start) = start else {
             i += 1;
             continue;
         };
-        let mut segments = vec![String::from_utf8_lossy(&start[..5]).into_owned()];
-        let mut j = i + 5;
+        let mut segments = match start {
+            "crate" | "super" | "self" => vec![start.to_owned()],
+            child => vec!["self".to_owned(), child.to_owned()],
+        };
+        let mut j = i + start.len();
         loop {
             let from = j;
             while j < bytes.len() && is_ident(bytes[j]) {
@@ -111,11 +172,16 @@ fn dependencies(src: &Path) -> BTreeMap<Module, BTreeSet<Module>> {
         .collect();
     let mut edges: BTreeMap<Module, BTreeSet<Module>> = BTreeMap::new();
     for (module, file) in &modules {
-        let code = code_of(&std::fs::read_to_string(file).unwrap());
+        let text = std::fs::read_to_string(file).unwrap();
+        let code = code_of(&text);
         let targets = edges.entry(module.clone()).or_default();
-        for path in paths_in(&code) {
+        for path in paths_in(&code, &children_of(&text)) {
             let segments: Module = if path[0] == "crate" {
                 path[1..].to_vec()
+            } else if path[0] == "self" {
+                let mut base = module.clone();
+                base.extend(path[1..].iter().cloned());
+                base
             } else {
                 let mut base = module.clone();
                 base.pop();
@@ -175,6 +241,15 @@ fn circles(edges: &BTreeMap<Module, BTreeSet<Module>>) -> Vec<Vec<Module>> {
     found
 }
 
+/// A module as its file reads to a person: `permit/ask`, `lib` for the crate's root.
+fn shown(module: &Module) -> String {
+    if module.is_empty() {
+        "lib".into()
+    } else {
+        module.join("/")
+    }
+}
+
 #[test]
 fn no_module_reaches_itself_through_others() {
     let root = Path::new(env!("CARGO_MANIFEST_DIR"));
@@ -186,17 +261,21 @@ fn no_module_reaches_itself_through_others() {
         let name = src.parent().unwrap().file_name().unwrap().to_string_lossy();
         println!("{name}: {} files, {} circles", edges.len(), found.len());
         for circle in found {
-            let files: Vec<String> = circle
+            let files: Vec<String> = circle.iter().map(shown).collect();
+            let within: Vec<String> = circle
                 .iter()
-                .map(|m| {
-                    if m.is_empty() {
-                        "lib".into()
-                    } else {
-                        m.join("/")
-                    }
+                .flat_map(|from| {
+                    edges[from]
+                        .iter()
+                        .filter(|to| circle.contains(to))
+                        .map(move |to| format!("{} -> {}", shown(from), shown(to)))
                 })
                 .collect();
-            all.push(format!("{name}: {}", files.join(" <-> ")));
+            all.push(format!(
+                "{name}: {} ({})",
+                files.join(" <-> "),
+                within.join(", ")
+            ));
         }
     }
     assert!(all.is_empty(), "modules that import each other: {all:#?}");
@@ -214,7 +293,7 @@ fn a_circle_is_found_and_a_parent_is_reached_through_super() {
         circles(&edges),
         vec![vec![vec!["a".to_string()], vec!["b".to_string()]]]
     );
-    let paths = paths_in("use super::{x, y::Z};\nlet t = crate::m::n::f();");
+    let paths = paths_in("use super::{x, y::Z};\nlet t = crate::m::n::f();", &[]);
     assert_eq!(
         paths,
         vec![
@@ -222,5 +301,19 @@ fn a_circle_is_found_and_a_parent_is_reached_through_super() {
             vec!["super".to_string(), "y".into(), "Z".into()],
             vec!["crate".to_string(), "m".into(), "n".into(), "f".into()],
         ]
+    );
+}
+
+#[test]
+fn a_parent_depends_on_the_children_it_uses_but_not_on_those_it_only_re_exports() {
+    let text = "mod budget;\npub mod ladder;\n#[cfg(test)]\nmod tests;\n\
+                pub(super) use ladder::{Rung,\n    Step};\nfn f() { budget::spend(); a::budget::x(); }\n";
+    assert_eq!(
+        children_of(text),
+        vec!["budget".to_string(), "ladder".into()]
+    );
+    assert_eq!(
+        paths_in(&code_of(text), &children_of(text)),
+        vec![vec!["self".to_string(), "budget".into(), "spend".into()]]
     );
 }

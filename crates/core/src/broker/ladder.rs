@@ -49,7 +49,7 @@ use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
 use tracing::{debug, warn};
 
-use super::{Publisher, Settler, Topology, header_u64, headers};
+use super::{PublishError, Publisher, Settler, Topology, header_u64, headers};
 use crate::domain::unix_ms;
 
 /// The smallest delay step of the ladder.
@@ -430,6 +430,44 @@ pub fn hand_on(redelivered: bool, returns: Option<u64>) -> bool {
     match returns {
         Some(returns) => returns < HANDED_RETURNS,
         None => !redelivered,
+    }
+}
+
+/// Publishing into the ladder.
+impl Publisher {
+    /// Publishes a copy of `delivery` into the delay ladder: it reappears on the return queue
+    /// after `delay` (less than one UNIT early, capped at [`MAX_DELAY`]), with `extra`
+    /// headers. A delay under one UNIT goes to the return queue at once.
+    pub async fn delay(
+        &self,
+        topology: &Topology,
+        delivery: &Delivery,
+        delay: Duration,
+        extra: &[(&str, AMQPValue)],
+    ) -> Result<(), PublishError> {
+        let now = unix_ms();
+        let due = due_after(now, delay);
+        let delays = header_u64(delivery, headers::DELAYS).unwrap_or(0) + 1;
+        let mut all: Vec<(&str, AMQPValue)> = extra.to_vec();
+        all.push((headers::DELAYS, AMQPValue::LongLongInt(delays as i64)));
+        all.push((headers::DUE, AMQPValue::LongLongInt(due as i64)));
+        self.hop(topology, delivery, next_hop(now, due), &all).await
+    }
+
+    /// Publishes a copy of `delivery` into `hop` (a ladder level or the return queue), with
+    /// `extra` headers.
+    pub async fn hop(
+        &self,
+        topology: &Topology,
+        delivery: &Delivery,
+        hop: Hop,
+        extra: &[(&str, AMQPValue)],
+    ) -> Result<(), PublishError> {
+        let mut all = extra.to_vec();
+        all.extend(hop_headers(hop));
+        let properties = self.copy(delivery, &all);
+        self.publish("", &topology.hop_queue(hop), &delivery.data, properties)
+            .await
     }
 }
 

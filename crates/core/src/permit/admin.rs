@@ -14,10 +14,9 @@ use std::time::Duration;
 
 use redis::AsyncCommands;
 
-use crate::config::{Algorithm, Limit, LimiterArgs, Limits};
+use crate::config::{Algorithm, Limits};
 use crate::domain::SellerId;
 use crate::permit::applied::Applied;
-use crate::permit::calls::Call;
 use crate::permit::calls::{
     GlobalUsageCall, Pause, Reschedule, RescheduleAnswer, Reset, ResetAnswer, UsageCall,
 };
@@ -26,30 +25,8 @@ use crate::permit::decision::{Reservation, parse_override, wait_for};
 use crate::permit::error::PermitError;
 use crate::permit::keys::Keyspace;
 use crate::permit::outcome::Why;
-
-/// How much of the global limit is taken now, and by whom (see [`Admin::global_usage`]).
-#[derive(Clone, Debug, PartialEq)]
-pub struct GlobalUsage {
-    /// The global stack.
-    pub limit: Limits,
-    /// Each limit of the stack: units granted in its window now (`used`), of `capacity`.
-    pub per_limit: Vec<LimitUsage>,
-    /// Sellers competing for global units now (refused recently; see `lua/global.lua`), and
-    /// their weights together.
-    pub present: u64,
-    pub weights: f64,
-    /// Each seller with units in the shortest window, most first: its units and weight.
-    pub shares: Vec<GlobalShare>,
-}
-
-/// One seller's part of the global limit's shortest window.
-#[derive(Clone, Debug, PartialEq, Eq)]
-pub struct GlobalShare {
-    /// The seller's key tag (its id percent-encoded; see `SellerId::key_tag`).
-    pub seller: String,
-    pub units: u64,
-    pub weight: u32,
-}
+use crate::permit::terms::Terms;
+use crate::permit::usage::{GlobalUsage, Shadow, Usage};
 
 /// Largest COUNT of a shadow limit: its log keeps at most this many units per seller (see
 /// `judge_shadow` in `lua/include/shadow.lua`).
@@ -116,92 +93,6 @@ pub struct Quota {
     pub resets_in: Duration,
 }
 
-/// A seller's shadow limit and its verdicts so far (see `judge_shadow` in `lua/include/shadow.lua`).
-#[derive(Clone, Debug, PartialEq, Eq)]
-pub struct Shadow {
-    pub limit: Limits,
-    /// Decisions it agreed with.
-    pub agree: u64,
-    /// Calls granted that it would have held back, and by how long in all (to the ms).
-    pub stricter: u64,
-    pub delay: Duration,
-    /// Callers told to wait that it would have let go at once.
-    pub looser: u64,
-}
-
-/// How much of one limit of a seller's stack is taken now, in units: `used` of `capacity`
-/// counts against the limit now, `ahead` is promised beyond it (reserved units, debt).
-#[derive(Clone, Debug, PartialEq, Eq)]
-pub struct LimitUsage {
-    pub limit: Limit,
-    pub used: u64,
-    pub capacity: u64,
-    pub ahead: u64,
-    /// How long ago the oldest unit `used` counts was taken: the window frees from then on
-    /// (sliding-window and fixed-window; zero for the others).
-    pub oldest_age: Duration,
-    /// The guard added to the window (TURNSTILE_LIMIT_GUARD): a window's units free up
-    /// `window + guard` after they were taken.
-    pub guard: Duration,
-    /// Reservations whose slot is in the window now (counted in `used`) and that are not
-    /// redeemed yet: granted, and still waiting for their call.
-    pub due_reserved: u64,
-}
-
-impl LimitUsage {
-    /// `used / capacity` as thousandths.
-    pub fn permille(&self) -> u64 {
-        self.used * 1000 / self.capacity.max(1)
-    }
-}
-
-/// How much of a seller's limits is taken now (see `lua/usage.lua`): `used`, `capacity` and
-/// `ahead` are those of the limit that binds now (`per_limit[binding]`, see [`binding_of`]).
-#[derive(Clone, Debug, PartialEq, Eq)]
-pub struct Usage {
-    pub used: u64,
-    pub capacity: u64,
-    pub ahead: u64,
-    /// The stack that applies (the seller's override or the default).
-    pub limit: Limits,
-    /// Each limit of the stack, in its order.
-    pub per_limit: Vec<LimitUsage>,
-    /// Which of `per_limit` binds now.
-    pub binding: usize,
-    /// Whether `limit` is the seller's own override.
-    pub overridden: bool,
-    /// How long the seller stays paused (zero when not paused).
-    pub paused_for: Duration,
-    /// Units of the seller's calls granted and not answered yet (counted in `used`, and still
-    /// waiting to be registered).
-    pub in_flight: u64,
-    /// The stack configured for the seller; `limit` is it with the learned counts (adaptive
-    /// limits), lowered for `learned_why` (`None` when nothing is learned below it).
-    pub configured: Limits,
-    pub learned_why: Option<Why>,
-    /// The seller's shadow limit and its verdicts (`delay` not read), if one is set.
-    pub shadow: Option<Shadow>,
-}
-
-/// The limit of a stack that binds now: the most taken (`used / capacity`); among equally taken
-/// ones (all idle, say), the one with the lowest long-run rate, which binds a long backlog.
-pub fn binding_of(per_limit: &[LimitUsage]) -> usize {
-    let rate_below = |a: &Limit, b: &Limit| {
-        u128::from(a.count()) * b.window().as_nanos()
-            < u128::from(b.count()) * a.window().as_nanos()
-    };
-    let mut best = 0;
-    for (i, u) in per_limit.iter().enumerate().skip(1) {
-        let b = &per_limit[best];
-        if u.permille() > b.permille()
-            || (u.permille() == b.permille() && rate_below(&u.limit, &b.limit))
-        {
-            best = i;
-        }
-    }
-    best
-}
-
 /// A change of a seller's terms (see [`Admin::reschedule`]).
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub enum Change {
@@ -231,72 +122,6 @@ impl Rescheduled {
     /// Whether this notice concerns a message of `seller` holding `reservation`.
     pub fn concerns(&self, seller: &str, reservation: &Reservation) -> bool {
         self.seller == seller && reservation.reserved_at_us <= self.at_us
-    }
-}
-
-/// The terms a seller's state is read and changed under, beside its own keys: what an
-/// [`Admin`] needs of the limiter's settings (see [`LimiterArgs`], whose fields these are).
-#[derive(Clone, Debug, PartialEq)]
-pub struct Terms {
-    pub algorithm: Algorithm,
-    /// The default stack (`TURNSTILE_LIMIT`): a seller without an override is held to it.
-    pub limit: Limits,
-    /// `TURNSTILE_LIMIT_GUARD`, if set (see [`Terms::guard_for`]).
-    pub guard: Option<Duration>,
-    pub gcra_burst: u32,
-    pub bucket_capacity: u32,
-    /// Whether adaptive limits apply (`TURNSTILE_ADAPTIVE`).
-    pub adaptive: bool,
-    /// The global limit (`TURNSTILE_GLOBAL_LIMIT`), if there is one.
-    pub global_limit: Option<Limits>,
-}
-
-impl From<&LimiterArgs> for Terms {
-    fn from(limiter: &LimiterArgs) -> Self {
-        Self {
-            algorithm: limiter.algorithm,
-            limit: limiter.limit.clone(),
-            guard: limiter.guard,
-            gcra_burst: limiter.gcra_burst,
-            bucket_capacity: limiter.bucket_capacity,
-            adaptive: limiter.adaptive,
-            global_limit: limiter.global_limit.0.clone(),
-        }
-    }
-}
-
-impl Terms {
-    /// The guard in effect for a window of the seller's own stack, as
-    /// [`LimiterArgs::guard_for`] gives it.
-    pub fn guard_for(&self, window: Duration) -> Duration {
-        crate::config::guard_for(self.seller_guard(), window)
-    }
-
-    /// The guard of the seller's own windows (see [`crate::config::seller_guard`]).
-    pub fn seller_guard(&self) -> Option<Duration> {
-        crate::config::seller_guard(self.algorithm, self.guard)
-    }
-
-    /// The scripts' GUARD argument for the seller's own windows (-1: each window's default).
-    pub(super) fn guard_arg(&self) -> i64 {
-        Self::guard_arg_of(self.seller_guard())
-    }
-
-    /// The scripts' GUARD argument for a configured guard (-1: each window's default).
-    pub(super) fn guard_arg_of(guard: Option<Duration>) -> i64 {
-        guard.map_or(-1, |g| g.as_micros() as i64)
-    }
-
-    /// The arguments that open `lua/usage.lua`, `lua/reschedule.lua` and `lua/learn.lua`: the
-    /// algorithm, the default stack, the guard, gcra's burst and token-bucket's capacity.
-    pub(super) fn args(&self, invocation: &mut impl Call) {
-        invocation
-            .arg(self.algorithm.name())
-            .arg(self.limit.counts_arg())
-            .arg(self.limit.windows_arg())
-            .arg(self.guard_arg())
-            .arg(self.gcra_burst.max(1))
-            .arg(self.bucket_capacity);
     }
 }
 

@@ -5,7 +5,6 @@
 
 use crate::config::{Algorithm, LimiterArgs, Limits};
 use crate::domain::{Cost, MessageId, SellerId};
-use crate::permit::admin::Terms;
 use crate::permit::batch::{Operation, When};
 use crate::permit::block;
 use crate::permit::calls::{Acquire, AcquireAnswer, AcquireTail};
@@ -17,6 +16,7 @@ use crate::permit::error::PermitError;
 use crate::permit::limiter::Ask;
 use crate::permit::observed::{count_verdict, observe};
 use crate::permit::store::PermitStore;
+use crate::permit::terms::Terms;
 use crate::routes::Route;
 
 impl PermitStore {

@@ -9,13 +9,13 @@ use redis::AsyncCommands;
 
 use crate::config::Limits;
 use crate::domain::{Cost, SellerId};
-use crate::permit::admin::Terms;
 use crate::permit::calls::Release;
 use crate::permit::calls::{Global, GlobalAnswer, GlobalEnd};
 use crate::permit::calls::{Lease, LeaseAnswer};
 use crate::permit::decision::{Decision, Deferral, wait_for};
 use crate::permit::error::PermitError;
 use crate::permit::store::PermitStore;
+use crate::permit::terms::Terms;
 use crate::routes::Route;
 
 /// How soon the callers refused a lease come back, one after another (see `lua/lease.lua`).

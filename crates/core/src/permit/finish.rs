@@ -7,7 +7,6 @@ use std::time::Duration;
 
 use crate::config::Algorithm;
 use crate::domain::{BatchSize, Cost, MessageId, SellerId};
-use crate::permit::admin::Terms;
 use crate::permit::batch::{Operation, When};
 use crate::permit::calls;
 use crate::permit::calls::{CallEnded, Unreserve};
@@ -20,6 +19,7 @@ use crate::permit::outcome::{
     BatchEvent, CallAnswer, Completion, InBatch, LearnedChange, Lesson, Recorded, Why,
 };
 use crate::permit::store::{MOST_THROTTLED, PermitStore};
+use crate::permit::terms::Terms;
 use crate::routes::Route;
 
 /// How far a learned stack stands below its configured one: the smallest learned / configured

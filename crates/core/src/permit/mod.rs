@@ -26,7 +26,10 @@
 //!   clock; `batch` sends the hot operations several to a call (`lua/batch.lua`), `calls`
 //!   holds one type per script (its KEYS and ARGV by name, its answer read), [`scripts`] puts
 //!   the scripts together, [`keys`] builds every key, `conn` is the connection and [`server`]
-//!   reads whether Redis may evict;
+//!   reads whether Redis may evict; below the scripts' types, what they read and answer:
+//!   `terms` ([`Terms`], a seller's terms as the scripts take them), `usage` ([`Usage`], how
+//!   much of a seller's limits is taken) and `completion` (a completion record's states and
+//!   the one list of their transitions, written into `lua/complete.lua`);
 //! - beside the store, not on the hot path: [`Admin`] (sellers' terms as operators set and
 //!   read them, `admin`), [`Records`] (uploads' progress, dead letters by reason, the
 //!   dashboard's shared state, `records`) and the fleet's [`Registry`] (`registry`).
@@ -41,6 +44,7 @@ mod batch;
 mod beyond;
 pub mod block;
 mod calls;
+mod completion;
 mod conn;
 mod dead;
 mod decision;
@@ -56,10 +60,12 @@ mod registry;
 pub mod scripts;
 pub mod server;
 mod store;
+mod terms;
+mod usage;
 
 pub use admin::{
-    Admin, Change, GlobalShare, GlobalUsage, LONGEST_PAUSE, Learned, LimitUsage, MAX_SHADOW_COUNT,
-    MAX_WEIGHT, PauseSpanError, Quota, Rescheduled, Shadow, Terms, Usage, binding_of, pause_span,
+    Admin, Change, LONGEST_PAUSE, Learned, MAX_SHADOW_COUNT, MAX_WEIGHT, PauseSpanError, Quota,
+    Rescheduled, pause_span,
 };
 pub use applied::Applied;
 pub use conn::{
@@ -70,6 +76,8 @@ pub use keys::Keyspace;
 pub use limiter::{Ask, Asked, Ended, Finished, Grant, Limiter, Progress};
 pub use records::{BatchSeen, Records, RetryDue, UploadProgress};
 pub use registry::{Registered, Registry, Roll};
+pub use terms::Terms;
+pub use usage::{GlobalShare, GlobalUsage, LimitUsage, Shadow, Usage, binding_of};
 
 pub use beyond::{GLOBAL_OUTCOMES, LEASE_OUTCOMES};
 pub use dead::DeadLetterBook;

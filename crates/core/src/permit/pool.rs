@@ -11,7 +11,7 @@ use crate::permit::error::PermitError;
 use crate::permit::observed::observe;
 use crate::permit::outcome::{CallAnswer, Lesson};
 use crate::permit::store::{PermitStore, THROTTLED_FOR};
-use crate::permit::{block, records};
+use crate::permit::{block, completion};
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -154,7 +154,7 @@ impl PermitStore {
         }
         if read
             .get(2)
-            .is_some_and(|state| state.as_deref().is_some_and(records::is_registered))
+            .is_some_and(|state| state.as_deref().is_some_and(completion::is_registered))
         {
             self.give_back_unit(seller, unit);
             return Ok(Some(Decision::AlreadyDone));

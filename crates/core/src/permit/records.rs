@@ -11,6 +11,7 @@ use redis::AsyncCommands;
 
 use crate::domain::{BatchId, BatchSize, Cost, MessageId, SellerId, key_part};
 use crate::permit::calls::{BatchEventSent, BatchSeenCall, RetriesCall, RetryCall, Tally};
+use crate::permit::completion::{is_registered, pending_result};
 use crate::permit::conn::{RedisConn, keys_matching};
 use crate::permit::error::PermitError;
 use crate::permit::keys::Keyspace;
@@ -152,17 +153,6 @@ impl RetryDue {
             due_in: Duration::from_millis(due_in_ms),
         })
     }
-}
-
-/// Whether a completion record's state says registered: `registered`, or `registered <RESULT>`
-/// while its result is not yet published (see `lua/include/records.lua`).
-pub fn is_registered(state: &str) -> bool {
-    state == "registered" || state.starts_with("registered ")
-}
-
-/// The result a registered message's record keeps until it is published, if it does.
-pub fn pending_result(state: &str) -> Option<&str> {
-    state.strip_prefix("registered ").filter(|r| !r.is_empty())
 }
 
 /// Most batches kept in the batch index (the oldest go first).

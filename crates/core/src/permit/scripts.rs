@@ -201,11 +201,11 @@ fn from_rust(name: &str) -> String {
     }
 }
 
-/// The completion record's transitions ([`super::calls::TRANSITIONS`]) as a Lua table:
+/// The completion record's transitions ([`super::completion::TRANSITIONS`]) as a Lua table:
 /// `t[OUTCOME][FROM] = TO`, on one line.
 fn transitions() -> String {
     let mut outcomes: Vec<&str> = Vec::new();
-    for (outcome, _, _) in super::calls::TRANSITIONS {
+    for (outcome, _, _) in super::completion::TRANSITIONS {
         if !outcomes.contains(outcome) {
             outcomes.push(outcome);
         }
@@ -213,7 +213,7 @@ fn transitions() -> String {
     let table: Vec<String> = outcomes
         .iter()
         .map(|outcome| {
-            let moves: Vec<String> = super::calls::TRANSITIONS
+            let moves: Vec<String> = super::completion::TRANSITIONS
                 .iter()
                 .filter(|(o, _, _)| o == outcome)
                 .map(|(_, from, to)| format!("['{}'] = '{}'", from.name(), to.name()))

@@ -3,7 +3,7 @@
 //! the operator's tools and tests share.
 
 use crate::permit::admin;
-use crate::permit::admin::{Admin, Rescheduled, Terms};
+use crate::permit::admin::{Admin, Rescheduled};
 use crate::permit::applied::Applied;
 use crate::permit::batch::{Batcher, Operation, When};
 use crate::permit::block::{BLOCK_HOLD, Blocks};
@@ -13,6 +13,7 @@ use crate::permit::decision::CALL_ALLOWANCE;
 use crate::permit::error::PermitError;
 use crate::permit::keys::Keyspace;
 use crate::permit::records::Records;
+use crate::permit::terms::Terms;
 use std::collections::HashMap;
 use std::sync::{Arc, OnceLock};
 use std::time::Duration;

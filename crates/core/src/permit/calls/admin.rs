@@ -4,14 +4,13 @@
 use std::time::Duration;
 
 use crate::config::{Algorithm, Limits};
-use crate::permit::admin::{
-    GlobalShare, GlobalUsage, LimitUsage, Shadow, Terms, Usage, binding_of,
-};
 use crate::permit::calls::call::{Answer, Call, invoke};
 use crate::permit::decision::wait_for;
 use crate::permit::error::PermitError;
 use crate::permit::outcome::Why;
 use crate::permit::scripts;
+use crate::permit::terms::Terms;
+use crate::permit::usage::{GlobalShare, GlobalUsage, LimitUsage, Shadow, Usage, binding_of};
 
 /// `lua/usage.lua`: how much of each of the seller's limits is taken now, the stack that
 /// applies and any pause (read-only). See the script's header.

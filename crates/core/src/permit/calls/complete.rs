@@ -2,6 +2,7 @@
 
 use crate::permit::batch::Operation;
 use crate::permit::calls::call::{AdaptiveKeys, Call, operate};
+use crate::permit::completion::{RecordState, moved_to};
 
 /// `lua/complete.lua`: moves a message's completion record to the state it is in now
 /// (OUTCOME), counts it there once in its batch's progress, and records the answer of the CALL
@@ -105,66 +106,6 @@ pub(in crate::permit) struct CompleteAnswer {
     pub raise_due: bool,
     /// The batch's completion event to publish, or ''.
     pub event: String,
-}
-
-/// A message's state, as its completion record holds it (see `complete.lua`).
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub(in crate::permit) enum RecordState {
-    /// No record (or one that says neither of the others): published, neither registered nor
-    /// dead-lettered, or replayed since.
-    Waiting,
-    /// `registered`, or `registered <RESULT>` while its result is not yet published.
-    Registered,
-    /// `dead:<REASON>`: dead-lettered for REASON and not replayed since.
-    Dead,
-}
-
-impl RecordState {
-    /// The state of a record that holds `state` (`None`: there is none), and the REASON it is
-    /// dead for ('' unless [`RecordState::Dead`]).
-    pub fn of(state: Option<&str>) -> (Self, &str) {
-        match state {
-            Some(state) if crate::permit::records::is_registered(state) => (Self::Registered, ""),
-            Some(state) => match state.strip_prefix("dead:") {
-                Some(reason) if !reason.is_empty() => (Self::Dead, reason),
-                _ => (Self::Waiting, ""),
-            },
-            None => (Self::Waiting, ""),
-        }
-    }
-
-    /// Its name in `complete.lua`'s MOVES.
-    pub fn name(self) -> &'static str {
-        match self {
-            Self::Waiting => "waiting",
-            Self::Registered => "registered",
-            Self::Dead => "dead",
-        }
-    }
-}
-
-/// The completion record's transitions, their one list: (OUTCOME, FROM, TO), OUTCOME moving a
-/// record in state FROM to TO. Any other OUTCOME in any other state changes nothing and counts
-/// nothing (a message already dead or registered is not counted dead again; a repeated dead
-/// letter only renews its record's TTL). `complete.lua` takes them as its MOVES (written into
-/// it by `permit::scripts`); [`CompleteAnswer::registered_from`] reads them for a record moved
-/// without the script. Leaving a state takes the message out of that state's counts in its
-/// batch's progress, entering one counts it there (see `complete.lua`).
-pub(in crate::permit) const TRANSITIONS: &[(&str, RecordState, RecordState)] = &[
-    ("registered", RecordState::Waiting, RecordState::Registered),
-    // A copy of a dead letter registered.
-    ("registered", RecordState::Dead, RecordState::Registered),
-    ("dead", RecordState::Waiting, RecordState::Dead),
-    // Before the replay republishes it.
-    ("replayed", RecordState::Dead, RecordState::Waiting),
-];
-
-/// The state OUTCOME moves a record in state `from` to, if it moves it (see [`TRANSITIONS`]).
-pub(in crate::permit) fn moved_to(outcome: &str, from: RecordState) -> Option<RecordState> {
-    TRANSITIONS
-        .iter()
-        .find(|(o, f, _)| *o == outcome && *f == from)
-        .map(|(_, _, to)| *to)
 }
 
 impl CompleteAnswer {

@@ -1,9 +1,9 @@
 //! `lua/learn.lua`.
 
 use crate::config::Algorithm;
-use crate::permit::admin::Terms;
 use crate::permit::batch::Operation;
 use crate::permit::calls::call::{Call, operate};
+use crate::permit::terms::Terms;
 
 /// `lua/learn.lua`: what the downstream's answer (a 429, a recovery, its rate-limit headers)
 /// teaches about the seller's real limit, applied to its learned state. See the script's

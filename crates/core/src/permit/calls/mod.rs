@@ -28,7 +28,7 @@ pub(super) use admin::{
 #[cfg(test)]
 pub(super) use call::header;
 pub(super) use call::{AdaptiveKeys, Call, OnRoute};
-pub(super) use complete::{AdaptiveArgs, Complete, CompleteAnswer, CompleteBatch, TRANSITIONS};
+pub(super) use complete::{AdaptiveArgs, Complete, CompleteAnswer, CompleteBatch};
 pub(super) use ended::CallEnded;
 pub(super) use fleet::{FleetAction, FleetAnswer, FleetCall};
 pub(super) use global::{Global, GlobalAnswer, GlobalEnd};

@@ -285,7 +285,7 @@ fn the_guard_is_the_scripts() {
     ];
     let guards = [None, Some(Duration::ZERO), Some(Duration::from_millis(7))];
     for guard in guards {
-        let arg = crate::permit::admin::Terms::guard_arg_of(guard);
+        let arg = crate::permit::terms::Terms::guard_arg_of(guard);
         let args: Vec<String> = std::iter::once(arg.to_string())
             .chain(windows_us.iter().map(u64::to_string))
             .collect();
