@@ -71,3 +71,20 @@ impl Terms {
             .arg(self.bucket_capacity);
     }
 }
+
+#[cfg(test)]
+impl Terms {
+    /// The terms the scripts' types are tested under: 10 per second, no guard, gcra's burst 3,
+    /// a bucket of 4, no global limit (what `Terms::args` writes for them is in those tests).
+    pub(in crate::permit) fn example(algorithm: Algorithm, adaptive: bool) -> Self {
+        Self {
+            algorithm,
+            limit: Limits::from_args("10", "1000000").unwrap(),
+            guard: None,
+            gcra_burst: 3,
+            bucket_capacity: 4,
+            adaptive,
+            global_limit: None,
+        }
+    }
+}

@@ -355,15 +355,7 @@ mod tests {
     use crate::permit::Keyspace;
 
     fn terms(algorithm: Algorithm, adaptive: bool) -> Terms {
-        Terms {
-            algorithm,
-            limit: Limits::from_args("10", "1000000").unwrap(),
-            guard: None,
-            gcra_burst: 3,
-            bucket_capacity: 4,
-            adaptive,
-            global_limit: None,
-        }
+        Terms::example(algorithm, adaptive)
     }
 
     /// ARGV[1] to ARGV[6] as `Terms::args` writes them for [`terms`].

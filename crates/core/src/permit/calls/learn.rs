@@ -123,20 +123,11 @@ impl redis::FromRedisValue for LearnAnswer {
 mod tests {
     use super::super::header::{Written, check};
     use super::*;
-    use crate::config::Limits;
 
     const SOURCE: &str = include_str!("../../../lua/learn.lua");
 
     fn written(algorithm: Algorithm) -> Written {
-        let terms = Terms {
-            algorithm,
-            limit: Limits::from_args("10", "1000000").unwrap(),
-            guard: None,
-            gcra_burst: 3,
-            bucket_capacity: 4,
-            adaptive: true,
-            global_limit: None,
-        };
+        let terms = Terms::example(algorithm, true);
         let learn = Learn {
             learned: "learned".into(),
             accepted: "accepted".into(),
