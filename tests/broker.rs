@@ -132,6 +132,72 @@ async fn a_message_delayed_again_through_the_same_level_still_comes_back() {
     broker.cleanup().await;
 }
 
+/// One message waits 13 s on two ladders: under a consumer timeout of 8 s (the longest hold 6
+/// s) it is republished twice on its way (at 6 s and 12 s, each publish confirmed before the
+/// ack), under the default 30 minutes it is held once; both come back after their wait.
+#[tokio::test]
+async fn a_wait_longer_than_the_consumer_timeout_allows_is_held_in_passes_and_a_raised_timeout_holds_it_once()
+ {
+    use turnstile_core::broker::Topology;
+    use turnstile_core::config::ConsumerTimeout;
+
+    async fn wait_through(timeout: ConsumerTimeout) -> (u64, u64, Duration) {
+        let topology = Topology::new(&support::unique("passes"), QueueType::Quorum)
+            .with_consumer_timeout(timeout);
+        let broker = TestBroker::undeclared(topology).await;
+        broker.topology.declare(&broker.connection).await.unwrap();
+        let (ladder, stats) = broker.run_ladder_handing(None).await;
+        let mut consumer = broker.consume(broker.queue()).await;
+        let mut returns = broker.consume(broker.topology.ready()).await;
+        broker.publish(br#"{"n":1}"#).await;
+        let delivery = consumer.next().await.unwrap().unwrap();
+        let started = Instant::now();
+        broker
+            .publisher
+            .delay(&broker.topology, &delivery, Duration::from_secs(13), &[])
+            .await
+            .unwrap();
+        delivery
+            .acker
+            .ack(BasicAckOptions::default())
+            .await
+            .unwrap();
+        let back = tokio::time::timeout(Duration::from_secs(60), returns.next())
+            .await
+            .expect("the message comes back")
+            .unwrap()
+            .unwrap();
+        let waited = started.elapsed();
+        back.acker.ack(BasicAckOptions::default()).await.unwrap();
+        let seen = (
+            stats.deliveries.load(std::sync::atomic::Ordering::Relaxed),
+            stats.hops.load(std::sync::atomic::Ordering::Relaxed),
+        );
+        ladder.cancel();
+        broker.cleanup().await;
+        (seen.0, seen.1, waited)
+    }
+
+    let short: ConsumerTimeout = "8s".parse().unwrap();
+    let ((short_deliveries, short_hops, short_wait), (long_deliveries, long_hops, long_wait)) = tokio::join!(
+        wait_through(short),
+        wait_through(ConsumerTimeout::default())
+    );
+    assert_eq!(
+        (short_deliveries, short_hops),
+        (3, 3),
+        "under 8 s: levels 5, 4 and 2, republished twice on the way and once to the return queue"
+    );
+    assert_eq!(
+        (long_deliveries, long_hops),
+        (1, 1),
+        "under 30 minutes: held once, then to the return queue"
+    );
+    for waited in [short_wait, long_wait] {
+        assert!(waited >= Duration::from_millis(13_000 - 250), "{waited:?}");
+    }
+}
+
 /// A ladder that hands its due messages to the workers: each delayed message is delivered once
 /// from its level, whatever its wait, in the order of its due time, never early, and settled
 /// by whoever it was handed to; a message that keeps coming back to its level (requeued, as at

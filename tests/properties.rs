@@ -5,7 +5,8 @@
 use std::time::Duration;
 
 use proptest::prelude::*;
-use turnstile_core::broker::ladder::{Hop, LEVELS, SLACK, UNIT, next_hop, remaining_wait};
+use turnstile_core::broker::ladder::{Holds, Hop, LEVELS, SLACK, UNIT, remaining_wait};
+use turnstile_core::config::ConsumerTimeout;
 use turnstile_core::config::{Limit, Limits};
 use turnstile_core::domain::{Registration, SellerId};
 use turnstile_core::downstream::{Downstream, DownstreamArgs};
@@ -96,21 +97,28 @@ proptest! {
     }
 
     #[test]
-    fn every_hop_ends_by_the_due_time_and_the_last_one_less_than_a_unit_early(
+    fn every_hop_ends_by_the_due_time_and_the_last_one_less_than_a_unit_early_under_any_consumer_timeout(
         now in 0u64..1 << 50, delay_ms in 0u64..200_000_000,
+        timeout_s in proptest::option::of(5u64..200_000),
     ) {
+        let holds = Holds::under(ConsumerTimeout::new(timeout_s.map(Duration::from_secs)));
+        let longest = holds.longest().as_millis() as u64;
+        if let Some(timeout_s) = timeout_s {
+            let left = timeout_s * 1000 - longest;
+            prop_assert!(left >= (timeout_s * 250).min(600_000), "a quarter of it, or ten minutes, left for the call");
+        }
         let due = now + delay_ms;
-        let (mut at, mut hops) = (now, 0u32);
-        while let Hop::Level { level, until_ms } = next_hop(at, due) {
+        let (mut at, mut hops) = (now, 0u64);
+        while let Hop::Level { level, until_ms } = holds.next_hop(at, due) {
             prop_assert!(level < LEVELS);
             prop_assert!(until_ms <= due + SLACK.as_millis() as u64);
             prop_assert!(until_ms > at);
+            prop_assert!(until_ms - at <= longest);
             at = until_ms;
             hops += 1;
         }
         prop_assert!(due + (SLACK.as_millis() as u64) < at + UNIT.as_millis() as u64);
-        let top = (UNIT.as_millis() as u64) << (LEVELS - 1);
-        prop_assert!(u64::from(hops) <= delay_ms / top + u64::from(LEVELS));
+        prop_assert!(hops <= delay_ms / longest + u64::from(LEVELS));
     }
 
     #[test]

@@ -929,6 +929,66 @@ pub fn delay_arg(s: &str) -> Result<Duration, String> {
     parse_duration_arg(s)
 }
 
+/// The broker's consumer timeout as the operator set it (`TURNSTILE_CONSUMER_TIMEOUT`): RabbitMQ
+/// closes a channel whose oldest unacked delivery is older than this (`consumer_timeout`, 30
+/// minutes by default, counted from the delivery); `None` when the broker enforces none.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct ConsumerTimeout(Option<Duration>);
+
+impl ConsumerTimeout {
+    /// RabbitMQ's default `consumer_timeout`.
+    pub const DEFAULT: Duration = Duration::from_secs(30 * 60);
+    /// The shortest accepted: below it a delivery's hold and its call would not fit.
+    pub const SHORTEST: Duration = Duration::from_secs(5);
+
+    /// `Some(timeout)`, or `None` for a broker that enforces no consumer timeout.
+    pub fn new(timeout: Option<Duration>) -> Self {
+        Self(timeout)
+    }
+
+    /// The timeout, if the broker enforces one.
+    pub fn get(self) -> Option<Duration> {
+        self.0
+    }
+}
+
+impl Default for ConsumerTimeout {
+    fn default() -> Self {
+        Self(Some(Self::DEFAULT))
+    }
+}
+
+impl std::fmt::Display for ConsumerTimeout {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self.0 {
+            Some(timeout) => write!(f, "{}ms", timeout.as_millis()),
+            None => f.write_str("off"),
+        }
+    }
+}
+
+impl std::str::FromStr for ConsumerTimeout {
+    type Err = String;
+
+    /// A duration (`30m`, `2h`, `1800000ms`) of at least [`ConsumerTimeout::SHORTEST`], or
+    /// `off` for a broker without one.
+    fn from_str(s: &str) -> Result<Self, String> {
+        if s.trim().eq_ignore_ascii_case("off") {
+            return Ok(Self(None));
+        }
+        let timeout = duration_arg(s).map_err(|e| {
+            format!("{e} (TURNSTILE_CONSUMER_TIMEOUT: the broker's consumer_timeout, or off)")
+        })?;
+        if timeout < Self::SHORTEST {
+            return Err(format!(
+                "TURNSTILE_CONSUMER_TIMEOUT {s:?} is shorter than {}s: a held delivery and its call would not fit in it",
+                Self::SHORTEST.as_secs()
+            ));
+        }
+        Ok(Self(Some(timeout)))
+    }
+}
+
 /// Parses a duration flag (`500ms`, `30s`, `5m`, `24h`) with an error that shows the value.
 pub fn duration_arg(s: &str) -> Result<Duration, String> {
     parse_duration_arg(s)

@@ -352,7 +352,7 @@ impl Connecting {
         ready.set(true);
         metrics::gauge!("turnstile_broker_connected").set(1.0);
         let terms = permits.limiter();
-        info!(queue = %args.broker.queue.name, workers = args.workers, prefetch = args.prefetch(), algorithm = %terms.algorithm, limit = %terms.limit, broker = %session.node, "consuming");
+        info!(queue = %args.broker.queue.name, workers = args.workers, prefetch = args.prefetch(), algorithm = %terms.algorithm, limit = %terms.limit, broker = %session.node, consumer_timeout = %args.broker.consumer_timeout, longest_hold_s = args.broker.topology().holds().longest().as_secs(), "consuming");
         // The reschedule watcher outlives `shutdown` until the replica has drained.
         let watcher = tokio::spawn(permit::watch_reschedules(
             permits.clone(),

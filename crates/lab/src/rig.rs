@@ -58,6 +58,7 @@ impl RigArgs {
                 },
                 queue_type: self.queue_type,
                 delay_queue_type: self.queue_type,
+                consumer_timeout: Default::default(),
             },
             workers,
             prefetch: None,

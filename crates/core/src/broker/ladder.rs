@@ -2,14 +2,21 @@
 //!
 //! Level k is a plain durable queue `<q>.wait.<k>` for messages with 2^k to 2^(k+1) x [`UNIT`]
 //! left to wait. A delayed message carries its due time ([`headers::DUE`]) and the end of its
-//! wait in its level ([`headers::HOP`]): its due time, or for the top level at most
-//! [`level_hold`] later. Every replica consumes every level with a generous prefetch and holds
+//! wait in its level ([`headers::HOP`]): its due time, or at most the level's hold
+//! ([`Holds::level`]) later. Every replica consumes every level with a generous prefetch and holds
 //! each message, unacked, until its own hold ends: then a message that is due is handed straight
 //! to the replica's workers, the level's delivery being the one they settle (no republish, no
 //! other queue), and one that is not (a wait longer than the top level holds) is republished,
 //! confirmed, to the level of what is left, and only then acked. So a delayed message costs one
-//! delivery from its level, however long its wait, up to [`level_hold`] of the top level (about
-//! 17 minutes); each further 17 minutes one more.
+//! delivery from its level, however long its wait, up to the longest hold ([`Holds`]); each
+//! further longest hold one more.
+//!
+//! The longest hold follows the broker's consumer timeout as the operator set it
+//! (`TURNSTILE_CONSUMER_TIMEOUT`, RabbitMQ's `consumer_timeout`, 30 minutes by default): a
+//! quarter of it (at most 10 minutes) is left for the worker's call after the hold, so 22.5
+//! minutes by default, and an operator who raises the timeout gets fewer hops. A broker that
+//! closes a ladder channel for an ack timeout names the value it used; the replica then holds
+//! under that value for the rest of its life ([`AckTimeout::learned`]), and says so.
 //!
 //! The levels only bound disorder: a level's consumer holds at most its prefetch, so when a
 //! level holds more messages than its consumers take, the others wait in the queue, in the
@@ -47,16 +54,17 @@ use lapin::options::{BasicConsumeOptions, BasicQosOptions};
 use lapin::types::{AMQPValue, FieldTable};
 use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
-use tracing::{debug, warn};
+use tracing::{debug, error, warn};
 
 use super::{PublishError, Publisher, Settler, Topology, header_u64, headers};
+use crate::config::ConsumerTimeout;
 use crate::domain::unix_ms;
 
 /// The smallest delay step of the ladder.
 pub const UNIT: Duration = Duration::from_millis(250);
 /// Levels of the ladder: level k takes waits of 2^k to 2^(k+1) x UNIT; the top level takes
-/// every longer one and holds a message at most 2^LEVELS x UNIT = 1,024 s (about 17 minutes),
-/// well inside RabbitMQ's default consumer timeout (30 minutes).
+/// every longer one and holds a message as long as the broker's consumer timeout allows
+/// ([`Holds::longest`]).
 pub const LEVELS: u32 = 12;
 /// Messages each level's consumer holds at most, by default (TURNSTILE_DELAY_PREFETCH): a
 /// replica holds at most LEVELS times as many delayed messages, bodies included.
@@ -80,26 +88,152 @@ pub enum Hop {
 /// message on, so that a delay of whole UNITs is not cut short by them.
 pub const SLACK: Duration = Duration::from_millis(25);
 
-/// The next hop of a message due at `due_ms`, at `now_ms`: the level of the time left (the
-/// highest level k with 2^k UNITs left, counting [`SLACK`]), held until the due time or for at
-/// most that level's [`level_hold`]; with less than one UNIT left, the consume path.
-pub fn next_hop(now_ms: u64, due_ms: u64) -> Hop {
-    let unit = UNIT.as_millis() as u64;
-    let units = (due_ms + SLACK.as_millis() as u64).saturating_sub(now_ms) / unit;
-    if units == 0 {
-        return Hop::Ready;
+/// How long the ladder may hold one delivery under a broker's consumer timeout: each level at
+/// most the upper end of its waits, and none longer than [`Holds::longest`].
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Holds {
+    longest: Duration,
+}
+
+impl Holds {
+    /// The most of a consumer timeout left for what follows a hold: the wait for a free
+    /// worker, the call and the ack.
+    pub const MOST_LEFT: Duration = Duration::from_secs(10 * 60);
+
+    /// The holds under `timeout`: the longest is the timeout less a quarter of it, and at most
+    /// [`Holds::MOST_LEFT`] less (22.5 minutes under RabbitMQ's default 30, 110 under 2 hours);
+    /// [`MAX_DELAY`] without a timeout.
+    pub fn under(timeout: ConsumerTimeout) -> Self {
+        Self::at_most(match timeout.get() {
+            Some(timeout) => timeout - (timeout / 4).min(Self::MOST_LEFT),
+            None => MAX_DELAY,
+        })
     }
-    let level = (63 - units.leading_zeros()).min(LEVELS - 1);
-    Hop::Level {
-        level,
-        until_ms: due_ms.min(now_ms + level_hold(level).as_millis() as u64),
+
+    /// Holds whose longest is `longest` (at least one UNIT, at most [`MAX_DELAY`]), whatever
+    /// the timeout: e.g. the fixed 1,024 s top hold of the ladder before the consumer timeout
+    /// was a setting, as a baseline.
+    pub fn at_most(longest: Duration) -> Self {
+        Self {
+            longest: longest.clamp(UNIT, MAX_DELAY),
+        }
+    }
+
+    /// The longest any level holds a message: the top level's hold.
+    pub fn longest(&self) -> Duration {
+        self.longest
+    }
+
+    /// The longest a message waits in level `level` from its receipt: 2^(level+1) x UNIT, the
+    /// upper end of the level's waits, and at most [`Holds::longest`]; the top level holds
+    /// [`Holds::longest`].
+    pub fn level(&self, level: u32) -> Duration {
+        if level >= LEVELS - 1 {
+            return self.longest;
+        }
+        (UNIT * (2u32 << level)).min(self.longest)
+    }
+
+    /// The next hop of a message due at `due_ms`, at `now_ms`: the level of the time left (the
+    /// highest level k with 2^k UNITs left, counting [`SLACK`]), held until the due time or for
+    /// at most that level's hold; with less than one UNIT left, the consume path.
+    pub fn next_hop(&self, now_ms: u64, due_ms: u64) -> Hop {
+        let unit = UNIT.as_millis() as u64;
+        let units = (due_ms + SLACK.as_millis() as u64).saturating_sub(now_ms) / unit;
+        if units == 0 {
+            return Hop::Ready;
+        }
+        let level = (63 - units.leading_zeros()).min(LEVELS - 1);
+        Hop::Level {
+            level,
+            until_ms: due_ms.min(now_ms + self.level(level).as_millis() as u64),
+        }
     }
 }
 
-/// The longest a message waits in level `level` from its receipt: 2^(level+1) x UNIT, the
-/// upper end of the level's waits (1,024 s for the top level).
-pub fn level_hold(level: u32) -> Duration {
-    UNIT * (2u32 << level)
+impl Default for Holds {
+    fn default() -> Self {
+        Self::under(ConsumerTimeout::default())
+    }
+}
+
+/// The consumer timeout a replica holds under: the one set, lowered for the rest of the
+/// process to the one the broker named when it closed a ladder channel for an ack timeout.
+#[derive(Debug, Default)]
+pub struct AckTimeout {
+    set: ConsumerTimeout,
+    /// The broker's own, in ms, once it named one lower than `set` (0: none).
+    learned_ms: AtomicU64,
+}
+
+impl AckTimeout {
+    /// Holding under `set` until the broker says otherwise.
+    pub fn new(set: ConsumerTimeout) -> Self {
+        Self {
+            set,
+            learned_ms: AtomicU64::new(0),
+        }
+    }
+
+    /// The timeout the operator set.
+    pub fn set(&self) -> ConsumerTimeout {
+        self.set
+    }
+
+    /// The timeout held under now: the one set, or the broker's if it named a lower one.
+    pub fn in_force(&self) -> ConsumerTimeout {
+        match self.learned_ms.load(Ordering::Relaxed) {
+            0 => self.set,
+            ms => ConsumerTimeout::new(Some(Duration::from_millis(ms))),
+        }
+    }
+
+    /// The holds under the timeout in force.
+    pub fn holds(&self) -> Holds {
+        Holds::under(self.in_force())
+    }
+
+    /// The broker closed a channel for an ack timeout of `broker`: from now on hold under it if
+    /// it is lower than the timeout in force. Returns the new holds the first time it lowers
+    /// them (so that one closing is reported once, not by every level's consumer).
+    pub fn learned(&self, broker: Duration) -> Option<Holds> {
+        let broker_ms = (broker.as_millis() as u64).max(1);
+        let mut current = self.learned_ms.load(Ordering::Relaxed);
+        loop {
+            let in_force = match current {
+                0 => self.set.get().map_or(u64::MAX, |t| t.as_millis() as u64),
+                ms => ms,
+            };
+            if broker_ms >= in_force {
+                return None;
+            }
+            match self.learned_ms.compare_exchange(
+                current,
+                broker_ms,
+                Ordering::Relaxed,
+                Ordering::Relaxed,
+            ) {
+                Ok(_) => return Some(self.holds()),
+                Err(now) => current = now,
+            }
+        }
+    }
+}
+
+/// The ack timeout a broker names when it closes a channel for one, read from the error's text
+/// (RabbitMQ: "delivery acknowledgement on channel 1 timed out. Timeout value used: 1800000
+/// ms. …", or "Consumer … has timed out waiting for delivery acknowledgement. Timeout used: …
+/// ms. …"); `None` for any other error.
+pub fn ack_timeout_named(error: &str) -> Option<Duration> {
+    if !error.contains("timed out") {
+        return None;
+    }
+    let (_, after) = error.split_once("used: ")?;
+    let digits = after.len() - after.trim_start_matches(|c: char| c.is_ascii_digit()).len();
+    if digits == 0 || digits > 15 || !after[digits..].trim_start().starts_with("ms") {
+        return None;
+    }
+    after[..digits].parse().ok().map(Duration::from_millis)
 }
 
 /// How long a message received at `now_ms` from a level that holds at most `wait` still has
@@ -209,6 +343,8 @@ impl Ladder {
             .basic_qos(self.prefetch, BasicQosOptions::default())
             .await
             .context("setting the delay ladder's prefetch")?;
+        let holds = self.topology.holds();
+        metrics::gauge!("turnstile_delay_longest_hold_seconds").set(holds.longest().as_secs_f64());
         // Each level's consumer records its own deliveries: not in the channel's tag order.
         let settler = Settler::new(channel.clone())
             .singly()
@@ -229,7 +365,7 @@ impl Ladder {
             let settler = settler.clone();
             tracker.spawn(async move {
                 let level = Level {
-                    hold: level_hold(k),
+                    hold: holds.level(k),
                     settler,
                 };
                 ladder
@@ -279,6 +415,7 @@ impl Ladder {
                         received += 1;
                     }
                     Some(Err(error)) => {
+                        self.learn_ack_timeout(&error.to_string());
                         debug!(%error, "delay ladder consumer ended");
                         failed.cancel();
                         break;
@@ -307,6 +444,30 @@ impl Ladder {
         }
         // Unacked: the broker returns them to their level when the connection closes.
         self.stats.held.fetch_sub(held.len(), Ordering::Relaxed);
+    }
+
+    /// A ladder consumer ended with `error`: if the broker closed the channel for an ack
+    /// timeout lower than the one held under, hold under the broker's from now on (the
+    /// deliveries it returned are received again and held for the rest of their wait).
+    fn learn_ack_timeout(&self, error: &str) {
+        let Some(broker) = ack_timeout_named(error) else {
+            return;
+        };
+        metrics::counter!("turnstile_delay_ack_timeouts_total").increment(1);
+        let set = self.topology.ack_timeout().set();
+        match self.topology.ack_timeout().learned(broker) {
+            Some(holds) => error!(
+                broker_consumer_timeout_ms = broker.as_millis() as u64,
+                consumer_timeout = %set,
+                longest_hold_s = holds.longest().as_secs(),
+                "the broker closed the delay ladder's channel for an ack timeout shorter than TURNSTILE_CONSUMER_TIMEOUT says: holding under the broker's from now on; set TURNSTILE_CONSUMER_TIMEOUT to the broker's consumer_timeout"
+            ),
+            None => warn!(
+                broker_consumer_timeout_ms = broker.as_millis() as u64,
+                consumer_timeout = %set,
+                "the broker closed the delay ladder's channel for an ack timeout (a worker or the host was stalled longer than the margin left after a hold)"
+            ),
+        }
     }
 
     /// Moves on at once every held delivery `released` names.
@@ -364,7 +525,7 @@ impl Ladder {
         let hop = if released {
             Hop::Ready
         } else {
-            next_hop(now, due)
+            self.topology.holds().next_hop(now, due)
         };
         if hop == Hop::Ready && !released {
             let late = now.saturating_sub(due);
@@ -403,7 +564,7 @@ impl Ladder {
 
 /// A level's settings for its consumer.
 struct Level {
-    /// The longest a message is held from its receipt ([`level_hold`]).
+    /// The longest a message is held from its receipt ([`Holds::level`]).
     hold: Duration,
     /// The settler of the ladder's channel.
     settler: Settler,
@@ -451,7 +612,13 @@ impl Publisher {
         let mut all: Vec<(&str, AMQPValue)> = extra.to_vec();
         all.push((headers::DELAYS, AMQPValue::LongLongInt(delays as i64)));
         all.push((headers::DUE, AMQPValue::LongLongInt(due as i64)));
-        self.hop(topology, delivery, next_hop(now, due), &all).await
+        self.hop(
+            topology,
+            delivery,
+            topology.holds().next_hop(now, due),
+            &all,
+        )
+        .await
     }
 
     /// Publishes a copy of `delivery` into `hop` (a ladder level or the return queue), with
@@ -490,13 +657,13 @@ mod tests {
     /// The hops of a message due at `due`, delayed at `now`, with the level of each.
     fn hops(mut now: u64, due: u64) -> (Vec<u32>, u64) {
         let mut levels = Vec::new();
-        while let Hop::Level { level, until_ms } = next_hop(now, due) {
+        while let Hop::Level { level, until_ms } = Holds::default().next_hop(now, due) {
             assert!(until_ms > now, "a hop waits");
             assert!(
                 until_ms <= due + SLACK.as_millis() as u64,
                 "a hop never ends after the due time"
             );
-            assert!(until_ms - now <= level_hold(level).as_millis() as u64);
+            assert!(until_ms - now <= Holds::default().level(level).as_millis() as u64);
             levels.push(level);
             now = until_ms;
         }
@@ -520,38 +687,139 @@ mod tests {
     fn each_level_takes_waits_from_its_wait_to_twice_it() {
         for k in 0..LEVELS - 1 {
             let from = (U << k) - SLACK.as_millis() as u64;
-            assert!(matches!(next_hop(0, from), Hop::Level { level, .. } if level == k));
+            assert!(
+                matches!(Holds::default().next_hop(0, from), Hop::Level { level, .. } if level == k)
+            );
             let to = (U << (k + 1)) - SLACK.as_millis() as u64 - 1;
-            assert!(matches!(next_hop(0, to), Hop::Level { level, .. } if level == k));
+            assert!(
+                matches!(Holds::default().next_hop(0, to), Hop::Level { level, .. } if level == k)
+            );
         }
     }
 
     #[test]
-    fn long_delays_go_round_the_top_level() {
+    fn long_delays_go_round_the_top_level_held_as_long_as_the_consumer_timeout_allows() {
         let top = LEVELS - 1;
-        let due = 3_600_000; // one hour
+        let due = 3 * 3_600_000; // three hours
         let (levels, back) = hops(0, due);
         assert!(levels[..3].iter().all(|&level| level == top), "{levels:?}");
         assert_eq!(back, due);
-        let per_pass = level_hold(top).as_millis() as u64;
-        assert_eq!(levels.len() as u64, due.div_ceil(per_pass), "{levels:?}");
-        assert!(
-            level_hold(top) < Duration::from_secs(30 * 60) * 2 / 3,
-            "well inside the broker's consumer timeout"
+        let per_pass = Holds::default().longest().as_millis() as u64;
+        assert_eq!(
+            per_pass,
+            22 * 60_000 + 30_000,
+            "22.5 minutes under the default 30"
         );
+        assert_eq!(levels.len() as u64, due.div_ceil(per_pass), "{levels:?}");
+    }
+
+    #[test]
+    fn a_raised_consumer_timeout_holds_longer_and_a_lowered_one_shorter_at_every_level() {
+        let minutes = |m: u64| ConsumerTimeout::new(Some(Duration::from_secs(m * 60)));
+        assert_eq!(
+            Holds::under(minutes(120)).longest(),
+            Duration::from_secs(110 * 60),
+            "at most ten minutes left for the call"
+        );
+        assert_eq!(
+            Holds::under(minutes(4)).longest(),
+            Duration::from_secs(180),
+            "a quarter left"
+        );
+        assert_eq!(
+            Holds::under(ConsumerTimeout::new(None)).longest(),
+            MAX_DELAY
+        );
+        let short = Holds::under(minutes(4));
+        for k in 0..LEVELS {
+            assert!(short.level(k) <= short.longest());
+            assert!(short.level(k) <= Holds::default().level(k).max(short.longest()));
+        }
+        assert_eq!(short.level(2), UNIT * 8, "a low level keeps its own hold");
+        // A wait of 100 minutes: one hold under 2 hours, five under the default 30 minutes.
+        let wait = 100 * 60_000;
+        let passes = |holds: Holds| {
+            let mut at = 0;
+            let mut n = 0;
+            while let Hop::Level { until_ms, .. } = holds.next_hop(at, wait) {
+                assert!(until_ms - at <= holds.longest().as_millis() as u64);
+                at = until_ms;
+                n += 1;
+            }
+            n
+        };
+        assert_eq!(passes(Holds::under(minutes(120))), 1);
+        assert_eq!(passes(Holds::default()), 5);
+    }
+
+    #[test]
+    fn a_consumer_timeout_is_a_duration_of_at_least_five_seconds_or_off() {
+        let parse = |s: &str| s.parse::<ConsumerTimeout>();
+        assert_eq!(parse("30m"), Ok(ConsumerTimeout::default()));
+        assert_eq!(parse("1800000ms"), Ok(ConsumerTimeout::default()));
+        assert_eq!(parse(" OFF "), Ok(ConsumerTimeout::new(None)));
+        for bad in ["", "soon", "4s", "0", "-5m"] {
+            let error = parse(bad).expect_err(bad);
+            assert!(error.contains("TURNSTILE_CONSUMER_TIMEOUT"), "{error}");
+        }
+        assert_eq!(ConsumerTimeout::default().to_string(), "1800000ms");
+        assert_eq!(ConsumerTimeout::new(None).to_string(), "off");
+    }
+
+    #[test]
+    fn the_timeout_a_broker_names_when_it_closes_a_channel_is_read_from_its_words() {
+        let rabbit_3_10 = "protocol error: AMQP soft error: PRECONDITION-FAILED: delivery acknowledgement on channel 3 timed out. Timeout value used: 60000 ms. This timeout value can be configured, see consumers doc guide to learn more";
+        assert_eq!(
+            ack_timeout_named(rabbit_3_10),
+            Some(Duration::from_secs(60))
+        );
+        let per_consumer = "Consumer amq.ctag-1 on channel 2 has timed out waiting for delivery acknowledgement. Timeout used: 900000 ms. This timeout value can be configured";
+        assert_eq!(
+            ack_timeout_named(per_consumer),
+            Some(Duration::from_secs(900))
+        );
+        for other in [
+            "connection reset by peer",
+            "PRECONDITION-FAILED: unknown delivery tag 7",
+            "timed out. Timeout value used: ms",
+            "timed out. Timeout value used: 99999999999999999999 ms",
+            "timed out. Timeout value used: 60000 s",
+        ] {
+            assert_eq!(ack_timeout_named(other), None, "{other}");
+        }
+    }
+
+    #[test]
+    fn a_broker_that_names_a_lower_timeout_is_held_under_from_then_on_and_reported_once() {
+        let timeout = AckTimeout::new(ConsumerTimeout::default());
+        assert_eq!(timeout.holds(), Holds::default());
+        assert_eq!(
+            timeout.learned(Duration::from_secs(3600)),
+            None,
+            "not lower"
+        );
+        let lowered = timeout.learned(Duration::from_secs(600)).expect("lower");
+        assert_eq!(lowered.longest(), Duration::from_secs(450));
+        assert_eq!(timeout.holds(), lowered);
+        assert_eq!(timeout.learned(Duration::from_secs(600)), None, "once");
+        assert_eq!(timeout.learned(Duration::from_secs(900)), None);
+        assert_eq!(timeout.set(), ConsumerTimeout::default());
+        let unset = AckTimeout::new(ConsumerTimeout::new(None));
+        assert!(unset.learned(Duration::from_secs(1800)).is_some());
+        assert_eq!(unset.holds(), Holds::default());
     }
 
     #[test]
     fn a_message_due_now_or_in_the_past_goes_to_the_return_queue() {
-        assert_eq!(next_hop(1_000, 1_000), Hop::Ready);
-        assert_eq!(next_hop(1_000, 1_224), Hop::Ready);
+        assert_eq!(Holds::default().next_hop(1_000, 1_000), Hop::Ready);
+        assert_eq!(Holds::default().next_hop(1_000, 1_224), Hop::Ready);
         assert!(matches!(
-            next_hop(1_000, 1_225),
+            Holds::default().next_hop(1_000, 1_225),
             Hop::Level { level: 0, .. }
         ));
-        assert_eq!(next_hop(5_000, 1_000), Hop::Ready);
+        assert_eq!(Holds::default().next_hop(5_000, 1_000), Hop::Ready);
         assert_eq!(
-            next_hop(1_000, 1_250),
+            Holds::default().next_hop(1_000, 1_250),
             Hop::Level {
                 level: 0,
                 until_ms: 1_250
@@ -561,7 +829,7 @@ mod tests {
 
     #[test]
     fn a_forged_hop_end_cannot_hold_a_level_longer_than_its_wait() {
-        let wait = level_hold(3);
+        let wait = Holds::default().level(3);
         assert_eq!(remaining_wait(0, Some(u64::MAX), wait), wait);
         assert_eq!(
             remaining_wait(0, Some(500), wait),

@@ -144,11 +144,24 @@ pub struct BrokerArgs {
     /// Queue type of the delay ladder's levels (quorum: at-least-once dead-lettering).
     #[arg(long = "delay-queue-type", env = "TURNSTILE_DELAY_QUEUE_TYPE", value_enum, default_value_t = QueueType::Quorum, global = true)]
     pub delay_queue_type: QueueType,
+    /// The broker's consumer timeout (RabbitMQ's `consumer_timeout`, 30 minutes by default), or
+    /// `off`: the delay ladder holds a delivery at most this less a quarter (at most 10
+    /// minutes less), so a raised timeout means fewer hops for long waits. A broker that closes
+    /// a channel for a shorter one is held under from then on, with an error in the log.
+    #[arg(
+        long = "consumer-timeout",
+        env = "TURNSTILE_CONSUMER_TIMEOUT",
+        default_value = "30m",
+        global = true
+    )]
+    pub consumer_timeout: crate::config::ConsumerTimeout,
 }
 
 impl BrokerArgs {
     pub fn topology(&self) -> Topology {
-        Topology::new(&self.queue.name, self.queue_type).with_delay_type(self.delay_queue_type)
+        Topology::new(&self.queue.name, self.queue_type)
+            .with_delay_type(self.delay_queue_type)
+            .with_consumer_timeout(self.consumer_timeout)
     }
 
     /// Connects, opens a confirming publisher and declares the topology (idempotent).

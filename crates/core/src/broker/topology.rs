@@ -7,8 +7,9 @@ use lapin::types::{AMQPValue, FieldTable, ShortString};
 use lapin::{Channel, Connection};
 use tracing::warn;
 
-use super::ladder::{Hop, LEVELS};
+use super::ladder::{AckTimeout, Holds, Hop, LEVELS};
 use super::{long_string, table};
+use crate::config::ConsumerTimeout;
 
 /// The delivery limit of the quorum queues where a return never means a poison message: the
 /// ladder's levels (a held message is returned at every lost connection) and `<q>.dead` (every
@@ -133,6 +134,9 @@ pub struct Topology {
     queue_type: QueueType,
     delay_type: QueueType,
     delivery_limit: u32,
+    /// The broker's consumer timeout the ladder holds under (shared by the clones, so that
+    /// one the broker names is learned by the whole replica).
+    ack_timeout: std::sync::Arc<AckTimeout>,
 }
 
 impl Topology {
@@ -145,7 +149,26 @@ impl Topology {
             queue_type,
             delay_type: queue_type,
             delivery_limit: WORK_DELIVERY_LIMIT,
+            ack_timeout: Default::default(),
         }
+    }
+
+    /// The broker's consumer timeout as the operator set it (RabbitMQ's default, 30 minutes,
+    /// unless told): how long the delay ladder may hold a delivery ([`Holds`]).
+    pub fn with_consumer_timeout(mut self, timeout: ConsumerTimeout) -> Self {
+        self.ack_timeout = std::sync::Arc::new(AckTimeout::new(timeout));
+        self
+    }
+
+    /// The consumer timeout the ladder holds under: the one set, or the broker's own once it
+    /// named a lower one.
+    pub fn ack_timeout(&self) -> &AckTimeout {
+        &self.ack_timeout
+    }
+
+    /// How long the delay ladder holds a delivery now.
+    pub fn holds(&self) -> Holds {
+        self.ack_timeout.holds()
     }
 
     /// Another delivery limit for the work queue than [`WORK_DELIVERY_LIMIT`] (tests reach a

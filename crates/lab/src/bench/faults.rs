@@ -107,6 +107,7 @@ pub async fn run(args: FaultArgs) -> anyhow::Result<bool> {
         },
         queue_type: QueueType::Quorum,
         delay_queue_type: QueueType::Quorum,
+        consumer_timeout: Default::default(),
     };
     let (connection, publisher, topology) = broker.open("turnstile bench faults").await?;
     let mut redis = LocalRedis::start()?;

@@ -9,6 +9,7 @@ pub mod faults;
 mod give_way;
 mod lua_setup;
 pub mod partition;
+pub mod passes;
 mod permits;
 pub mod rolling;
 pub mod routes;
@@ -59,6 +60,9 @@ pub enum BenchCommand {
     /// One seller's batch against a strict downstream: the ETA `GET /api/batches/{id}` gives at
     /// moments of its upload, beside when its last message really registered.
     Eta(Box<eta::EtaArgs>),
+    /// What a backlog hours deep costs the broker per message under each consumer timeout
+    /// (TURNSTILE_CONSUMER_TIMEOUT), counted by the delay ladder's own planner.
+    Passes(Box<passes::PassesArgs>),
     /// One seller's flood of priority messages on top of its backlog: the other sellers'
     /// permit latency and PING beside the same backlog without the flood.
     GiveWay(Box<give_way::GiveWayArgs>),
@@ -114,6 +118,7 @@ pub async fn run(which: BenchCommand) -> anyhow::Result<ExitCode> {
             depth::run(&redis, limit, &depths, concurrency, json).await?;
         }
         BenchCommand::LuaSetup(args) => lua_setup::run(*args).await?,
+        BenchCommand::Passes(args) => passes::run(*args),
         BenchCommand::GiveWay(args) => give_way::run(*args).await?,
         BenchCommand::Faults(args) => {
             if !faults::run(*args).await? {
