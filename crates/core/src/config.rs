@@ -961,7 +961,7 @@ impl Default for ConsumerTimeout {
 impl std::fmt::Display for ConsumerTimeout {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         match self.0 {
-            Some(timeout) => write!(f, "{}ms", timeout.as_millis()),
+            Some(timeout) => f.write_str(&format_duration(timeout)),
             None => f.write_str("off"),
         }
     }

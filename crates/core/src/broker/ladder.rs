@@ -762,7 +762,7 @@ mod tests {
             let error = parse(bad).expect_err(bad);
             assert!(error.contains("TURNSTILE_CONSUMER_TIMEOUT"), "{error}");
         }
-        assert_eq!(ConsumerTimeout::default().to_string(), "1800000ms");
+        assert_eq!(ConsumerTimeout::default().to_string(), "30m");
         assert_eq!(ConsumerTimeout::new(None).to_string(), "off");
     }
 
