@@ -1666,3 +1666,47 @@ async fn an_upload_service_learns_whether_more_rows_would_be_registered_by_a_dea
     );
     rig.cleanup().await
 }
+
+/// A registration's completion record keeps its result only until the result is out: the trims
+/// nobody waits for (they ride along with the replica's next calls to Redis) reach Redis, and
+/// every record ends as `registered` alone, with its TTL.
+#[tokio::test]
+async fn once_its_result_is_out_a_registered_message_record_no_longer_keeps_it()
+-> anyhow::Result<()> {
+    let mut rig = support::rig("results-trim", "1000/1s").prepare().await?;
+    rig.start_replicas(1, 8).await?;
+    let seller = "S-trim";
+    rig.publish(seller, 40).await?;
+    settled(&rig, 40, 0).await;
+
+    let store = rig.store();
+    let seller_id = SellerId::parse(seller)?;
+    let keys: Vec<String> = (0..40)
+        .map(|i| {
+            let message = turnstile_core::domain::MessageId::parse(&format!("{seller}-{i}"))?;
+            Ok(store.keys().done(&seller_id, &message))
+        })
+        .collect::<anyhow::Result<_>>()?;
+    let mut redis = redis::Client::open(rig.redis_url())?
+        .get_multiplexed_async_connection()
+        .await?;
+    let mut records: Vec<Option<String>> = Vec::new();
+    support::eventually_async("every record trimmed to `registered`", async || {
+        records = redis::cmd("MGET")
+            .arg(&keys)
+            .query_async(&mut redis)
+            .await
+            .expect("Redis answers");
+        records.iter().all(|r| r.as_deref() == Some("registered"))
+    })
+    .await;
+    let ttls: Vec<i64> = {
+        let mut pipe = redis::pipe();
+        for key in &keys {
+            pipe.cmd("PTTL").arg(key);
+        }
+        pipe.query_async(&mut redis).await?
+    };
+    assert!(ttls.iter().all(|&t| t > 0), "each keeps its TTL: {ttls:?}");
+    rig.cleanup().await
+}

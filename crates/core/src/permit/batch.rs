@@ -15,6 +15,11 @@
 //!
 //! A call that fails (connection, timeout) fails every operation in it with the same error; an
 //! operation that raised an error (a script's refusal) fails alone.
+//!
+//! An operation nobody waits for ([`Batcher::send_detached`], such as a result's trim from its
+//! completion record, whose failure only leaves the result kept) takes no task and no reply
+//! channel, and holds no rider's place: it goes with the next call to its place, or after its
+//! delay; at most [`MOST_DETACHED_WAITING`] wait, and one beyond them is sent at once.
 
 use std::cmp::Reverse;
 use std::collections::{BinaryHeap, HashMap, VecDeque};
@@ -40,6 +45,9 @@ pub const MOST_PER_CALL: usize = 64;
 /// rides are rare (one seller's calls on Redis Cluster, many sellers) a rider beyond these is
 /// sent at once, as if it had to go now.
 pub const MOST_RIDERS_WAITING: usize = 32;
+/// Detached operations (see [`Batcher::send_detached`]) waiting at once at most: they hold no
+/// message, so only memory bounds them.
+pub const MOST_DETACHED_WAITING: usize = 4096;
 
 /// One operation of `lua/batch.lua` (a script's name, its keys and its arguments), or a plain
 /// command sent in the same round (a pipeline beside the script call).
@@ -111,7 +119,37 @@ struct Request {
     operation: Operation,
     /// `None`: now.
     deadline: Option<Instant>,
-    reply: oneshot::Sender<Answered>,
+    /// `None`: detached, nobody waits for its answer.
+    reply: Option<oneshot::Sender<Answered>>,
+}
+
+impl Request {
+    /// Hands the operation its answer, if anybody waits for it.
+    fn answer(self, answered: Answered) {
+        answer(self.reply, answered);
+    }
+
+    /// Whoever waited for the answer gave up (a detached operation is never given up).
+    fn given_up(&self) -> bool {
+        self.reply.as_ref().is_some_and(|r| r.is_closed())
+    }
+
+    /// A rider that holds a message unacked (counted against [`MOST_RIDERS_WAITING`]).
+    fn holds_a_message(&self) -> bool {
+        self.deadline.is_some() && self.reply.is_some()
+    }
+
+    /// A detached rider (counted against [`MOST_DETACHED_WAITING`]).
+    fn detached_rider(&self) -> bool {
+        self.deadline.is_some() && self.reply.is_none()
+    }
+}
+
+/// Hands an answer to whoever waits for it, if anybody does.
+fn answer(reply: Option<oneshot::Sender<Answered>>, answered: Answered) {
+    if let Some(reply) = reply {
+        let _ = reply.send(answered);
+    }
 }
 
 /// An operation's answer, and when the call that carried it left this replica: whatever Redis
@@ -153,7 +191,7 @@ impl Batcher {
         let request = Request {
             operation,
             deadline,
-            reply,
+            reply: Some(reply),
         };
         if self.requests.send(request).is_err() {
             return (Err(stopped()), Instant::now());
@@ -161,6 +199,20 @@ impl Batcher {
         answer
             .await
             .unwrap_or_else(|_| (Err(stopped()), Instant::now()))
+    }
+}
+
+impl Batcher {
+    /// Sends `operation` with the next call to its place, within `delay`, and forgets it: its
+    /// answer, error included, is dropped. For what needs no answer and whose loss costs
+    /// nothing but what it would have saved.
+    pub fn send_detached(&self, operation: Operation, delay: Duration) {
+        let request = Request {
+            operation,
+            deadline: Some(Instant::now() + delay),
+            reply: None,
+        };
+        let _ = self.requests.send(request);
     }
 }
 
@@ -204,7 +256,7 @@ impl Place {
         {
             // A caller that gave up (shutdown, a lost connection) would never use the answer:
             // a grant or a reservation sent for it would only hold the seller's capacity.
-            if !r.reply.is_closed() {
+            if !r.given_up() {
                 call.push(r);
             }
         }
@@ -237,6 +289,7 @@ async fn serve(
     // a hop back for every call); each yields its place when it is answered.
     let mut in_flight = FuturesUnordered::new();
     let mut riders_waiting = 0;
+    let mut detached_waiting = 0;
     let mut open = true;
     loop {
         if !open && places.is_empty() && in_flight.is_empty() {
@@ -252,11 +305,17 @@ async fn serve(
                     while let Some(r) = request.take().or_else(|| receiver.try_recv().ok()) {
                         let place = r.operation.place(cluster);
                         let entry = places.entry(place.clone()).or_default();
+                        let room = if r.reply.is_none() {
+                            detached_waiting < MOST_DETACHED_WAITING
+                        } else {
+                            riders_waiting < MOST_RIDERS_WAITING
+                        };
                         match r.deadline {
-                            Some(at) if riders_waiting < MOST_RIDERS_WAITING => {
+                            Some(at) if room => {
                                 deadlines.push(Reverse((at, place.clone())));
+                                riders_waiting += usize::from(r.holds_a_message());
+                                detached_waiting += usize::from(r.detached_rider());
                                 entry.riders.push_back(r);
-                                riders_waiting += 1;
                             }
                             _ => entry.now.push_back(Request { deadline: None, ..r }),
                         }
@@ -292,7 +351,8 @@ async fn serve(
                 continue;
             };
             while let Some(call) = p.next_call(now, !open) {
-                riders_waiting -= call.iter().filter(|r| r.deadline.is_some()).count();
+                riders_waiting -= call.iter().filter(|r| r.holds_a_message()).count();
+                detached_waiting -= call.iter().filter(|r| r.detached_rider()).count();
                 calls.fetch_add(1, Ordering::Relaxed);
                 in_flight.push(send(conn.clone(), place.clone(), call));
             }
@@ -321,8 +381,8 @@ async fn send(conn: RedisConn, place: String, call: Vec<Request>) -> String {
             && let Some(script) = scripts::operation(scripted[0].operation.name)
         {
             let r = scripted.pop().expect("one");
-            let answer = send_alone(conn.clone(), script, &r.operation).await;
-            let _ = r.reply.send((answer, sent));
+            let answered = send_alone(conn.clone(), script, &r.operation).await;
+            r.answer((answered, sent));
         } else if !scripted.is_empty() {
             send_batch(conn.clone(), scripted, sent).await;
         }
@@ -355,17 +415,20 @@ async fn send_plain(mut conn: RedisConn, call: Vec<Request>, sent: Instant) {
             let mut answers = answers.into_iter();
             for (reply, n) in replies {
                 let own: Result<Vec<Value>, redis::RedisError> = answers.by_ref().take(n).collect();
-                let _ = reply.send((own.map(Value::Array).map_err(PermitError::Redis), sent));
+                answer(
+                    reply,
+                    (own.map(Value::Array).map_err(PermitError::Redis), sent),
+                );
             }
         }
         Ok(_) => {
             for (reply, _) in replies {
-                let _ = reply.send((Err(PermitError::Answer("pipeline")), sent));
+                answer(reply, (Err(PermitError::Answer("pipeline")), sent));
             }
         }
         Err(error) => {
             for (reply, _) in replies {
-                let _ = reply.send((Err(PermitError::Redis(error.clone())), sent));
+                answer(reply, (Err(PermitError::Redis(error.clone())), sent));
             }
         }
     }
@@ -407,18 +470,18 @@ async fn send_batch(mut conn: RedisConn, call: Vec<Request>, sent: Instant) {
     let answered: Result<Value, redis::RedisError> = invocation.invoke_async(&mut conn).await;
     match answered.map(|v| answers(v, call.len())) {
         Ok(Some(answers)) => {
-            for (r, answer) in call.into_iter().zip(answers) {
-                let _ = r.reply.send((answer, sent));
+            for (r, answered) in call.into_iter().zip(answers) {
+                r.answer((answered, sent));
             }
         }
         Ok(None) => {
             for r in call {
-                let _ = r.reply.send((Err(PermitError::Answer("batch")), sent));
+                r.answer((Err(PermitError::Answer("batch")), sent));
             }
         }
         Err(error) => {
             for r in call {
-                let _ = r.reply.send((Err(PermitError::Redis(error.clone())), sent));
+                r.answer((Err(PermitError::Redis(error.clone())), sent));
             }
         }
     }
@@ -488,7 +551,7 @@ mod tests {
             Request {
                 operation: Operation::new("ended"),
                 deadline,
-                reply,
+                reply: Some(reply),
             }
         };
         let now = Instant::now();
@@ -534,7 +597,7 @@ mod tests {
         place.now.push_back(Request {
             operation: Operation::new("ended"),
             deadline: None,
-            reply,
+            reply: Some(reply),
         });
         assert!(
             place.next_call(now, false).is_none(),

@@ -298,23 +298,15 @@ impl PermitStore {
 
     /// Says that a registered message's result was published: its record keeps `registered`
     /// alone, with its TTL (a record gone meanwhile is not recreated). Rides along with the next
-    /// call to Redis (within [`record_delay`]), as the records do: a plain SET, no round trip
-    /// of its own while the replica is busy.
-    pub async fn result_published(
-        &self,
-        seller: &SellerId,
-        message: &MessageId,
-    ) -> Result<(), PermitError> {
+    /// call to Redis (within [`record_delay`]), as the records do, and nobody waits for it (a
+    /// detached operation: no task, no reply): a plain SET, no round trip of its own while the
+    /// replica is busy. A trim that fails only leaves the result kept, and a redelivery of the
+    /// message would publish it again.
+    pub fn result_published(&self, seller: &SellerId, message: &MessageId) {
         let key = self.keys.done(seller, message);
         let mut set = redis::cmd("SET");
         set.arg(&key).arg("registered").arg("XX").arg("KEEPTTL");
-        let _: (Option<String>,) = self
-            .run(
-                Operation::commands(vec![set], key),
-                When::Within(self.record_delay),
-            )
-            .await?;
-        Ok(())
+        self.send_detached(Operation::commands(vec![set], key), self.record_delay);
     }
 
     /// The seller's keys of adaptive limits (see [`calls::AdaptiveKeys`]).

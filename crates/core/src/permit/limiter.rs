@@ -346,11 +346,9 @@ pub trait Progress: Send + Sync {
     ) -> BoxFuture<'a, Result<bool, PermitError>>;
 
     /// Says that a registered message's result was published: its record no longer keeps it.
-    fn result_published<'a>(
-        &'a self,
-        seller: &'a SellerId,
-        message: &'a MessageId,
-    ) -> BoxFuture<'a, Result<(), PermitError>>;
+    /// Nobody waits for it: a trim that fails only leaves the result kept, and a redelivery
+    /// of the message would publish it again.
+    fn result_published(&self, seller: &SellerId, message: &MessageId);
 
     /// A batch's progress now (`None`: expired).
     fn batch_progress<'a>(
@@ -704,12 +702,8 @@ impl Progress for PermitStore {
         async move { self.records().is_registered(seller, message).await }.boxed()
     }
 
-    fn result_published<'a>(
-        &'a self,
-        seller: &'a SellerId,
-        message: &'a MessageId,
-    ) -> BoxFuture<'a, Result<(), PermitError>> {
-        async move { PermitStore::result_published(self, seller, message).await }.boxed()
+    fn result_published(&self, seller: &SellerId, message: &MessageId) {
+        PermitStore::result_published(self, seller, message);
     }
 
     fn batch_progress<'a>(

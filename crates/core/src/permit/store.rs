@@ -235,6 +235,14 @@ impl PermitStore {
         Ok(self.run_sent(operation, when).await?.0)
     }
 
+    /// Sends a hot operation nobody waits for through the batcher, with the next call within
+    /// `delay` (see [`Batcher::send_detached`]).
+    pub(super) fn send_detached(&self, operation: Operation, delay: Duration) {
+        self.batcher
+            .get_or_init(|| Batcher::start(self.conn.clone()))
+            .send_detached(operation, delay);
+    }
+
     /// As [`Self::run`], with when the call that carried the operation left this replica.
     pub(super) async fn run_sent<T: redis::FromRedisValue>(
         &self,

@@ -807,17 +807,12 @@ impl Progress for FakeProgress {
         futures::future::ready(Ok(registered.contains(message.as_str()))).boxed()
     }
 
-    fn result_published<'a>(
-        &'a self,
-        _seller: &'a SellerId,
-        message: &'a MessageId,
-    ) -> BoxFuture<'a, Result<(), PermitError>> {
+    fn result_published(&self, _seller: &SellerId, message: &MessageId) {
         self.journal.note(Event::Progress("result_published"));
         self.kept
             .lock()
             .expect("never poisoned")
             .remove(message.as_str());
-        futures::future::ready(Ok(())).boxed()
     }
 
     fn batch_progress<'a>(

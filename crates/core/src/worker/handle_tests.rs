@@ -539,6 +539,10 @@ async fn a_grant_older_than_the_call_allowance_is_given_back_unsent_and_asked_fo
                     outcome: "registered".into()
                 }
             ),
+            (
+                start + slow + h.api.latency(),
+                Event::Progress("result_published")
+            ),
         ],
         "the late grant is never called: the one call is the second grant's"
     );

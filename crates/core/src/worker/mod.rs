@@ -142,15 +142,6 @@ async fn until_done<T, E: std::fmt::Display, F: Future<Output = Result<T, E>>>(
     }
 }
 
-/// Says that a registration's result was published: its record no longer keeps it (see
-/// [`Progress::result_published`]). A failure only leaves it kept: a redelivery would publish it
-/// again.
-async fn trim_published(progress: &dyn Progress, seller: &SellerId, message: &MessageId) {
-    if let Err(error) = progress.result_published(seller, message).await {
-        debug!(%error, "could not trim a published result from its record; a redelivery would publish it again");
-    }
-}
-
 /// Everything a delivery needs; shared by all of a replica's tasks.
 pub struct Worker {
     /// The per-seller limiter (in production a [`crate::permit::PermitStore`]).
@@ -1370,7 +1361,7 @@ impl Worker {
                 tokio::time::sleep(backoff.next().unwrap_or(Duration::from_secs(5))).await;
             };
             if unpublished.is_none() {
-                trim_published(&*progress, &seller, &message).await;
+                progress.result_published(&seller, &message);
             }
             if let (Some(event), Some(batch)) = (recorded.and_then(|r| r.event), &batch) {
                 let none = Interruptions::none();
@@ -1382,12 +1373,10 @@ impl Worker {
         self.records_later.spawn(later.in_current_span());
     }
 
-    /// Says, in the background, that a registration's result was published: its record no
-    /// longer keeps it. A failure only leaves it kept: a redelivery would publish it again.
+    /// Says that a registration's result was published: its record no longer keeps it (see
+    /// [`Progress::result_published`], which nobody waits for).
     fn result_sent(&self, seller: &SellerId, message: &MessageId) {
-        let progress = self.progress.clone();
-        let (seller, message) = (seller.clone(), message.clone());
-        tokio::spawn(async move { trim_published(&*progress, &seller, &message).await });
+        self.progress.result_published(seller, message);
     }
 
     /// A message's result (see [`report::Final`]), as published.
