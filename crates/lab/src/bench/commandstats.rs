@@ -107,3 +107,32 @@ impl CommandCalls {
         (scripts as f64 / n, commands as f64 / n)
     }
 }
+
+/// Redis's time in scripts per `unit` (µs: the scripts', the commands they ran, the rest Lua and
+/// calls), then the twelve commands that took most, as `command calls/µs`.
+pub fn print_time(name: &str, unit: &str, times: &[CommandTime]) {
+    let scripts: f64 = times
+        .iter()
+        .filter(|t| t.command.starts_with("eval"))
+        .map(|t| t.us_per_message)
+        .sum();
+    let inside: f64 = times
+        .iter()
+        .filter(|t| !t.command.starts_with("eval"))
+        .map(|t| t.us_per_message)
+        .sum();
+    println!(
+        "{name}: Redis µs per {unit} in scripts {scripts:.1} (their commands {inside:.1}, the rest Lua and calls); by command (calls, µs):"
+    );
+    let top: Vec<String> = times
+        .iter()
+        .take(12)
+        .map(|t| {
+            format!(
+                "{} {:.2}/{:.1}",
+                t.command, t.calls_per_message, t.us_per_message
+            )
+        })
+        .collect();
+    println!("  {}", top.join(", "));
+}

@@ -280,6 +280,9 @@ pub async fn run(args: ScenarioArgs) -> anyhow::Result<bool> {
         .per_message_since(&redis_before.0, report.registered);
     let requests_per_message =
         (redis_after.1 - redis_before.1) as f64 / report.registered.max(1) as f64;
+    let redis_time = redis_after
+        .0
+        .time_per_message_since(&redis_before.0, report.registered);
 
     let big_drain = report
         .sellers
@@ -428,6 +431,7 @@ pub async fn run(args: ScenarioArgs) -> anyhow::Result<bool> {
         "{:<44} {:>10.1}",
         "  commands run, inside scripts included", commands_per_message
     );
+    super::commandstats::print_time("Redis (INFO commandstats)", "registration", &redis_time);
     if let Some(global) = &global {
         print_global(&report, &rig_stats, global);
     }
@@ -440,6 +444,7 @@ pub async fn run(args: ScenarioArgs) -> anyhow::Result<bool> {
         value["redis_scripts_per_message"] = scripts_per_message.into();
         value["redis_requests_per_message"] = requests_per_message.into();
         value["redis_commands_per_message"] = commands_per_message.into();
+        value["redis_time_per_message"] = serde_json::to_value(&redis_time)?;
         value
             .as_object_mut()
             .expect("a report is an object")

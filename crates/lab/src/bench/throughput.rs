@@ -374,34 +374,7 @@ pub async fn run(args: ThroughputArgs) -> anyhow::Result<bool> {
         );
     }
     for r in runs.iter().filter(|r| !r.redis_time.is_empty()) {
-        let scripts: f64 = r
-            .redis_time
-            .iter()
-            .filter(|t| t.command.starts_with("eval"))
-            .map(|t| t.us_per_message)
-            .sum();
-        let inside: f64 = r
-            .redis_time
-            .iter()
-            .filter(|t| !t.command.starts_with("eval"))
-            .map(|t| t.us_per_message)
-            .sum();
-        println!(
-            "{}: Redis µs per message in scripts {scripts:.1} (their commands {inside:.1}, the rest Lua and calls); by command (calls, µs):",
-            r.name
-        );
-        let top: Vec<String> = r
-            .redis_time
-            .iter()
-            .take(12)
-            .map(|t| {
-                format!(
-                    "{} {:.2}/{:.1}",
-                    t.command, t.calls_per_message, t.us_per_message
-                )
-            })
-            .collect();
-        println!("  {}", top.join(", "));
+        super::commandstats::print_time(&r.name, "message", &r.redis_time);
     }
     if args.json {
         println!("{}", serde_json::to_string(&runs)?);
