@@ -3,6 +3,7 @@
 //! unrenewed), and the algorithms the fleet granted under. What the
 //! entries say and what follows from them is `crate::fleet`'s; this is only their storage.
 
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Duration;
 
 use crate::config::Algorithm;
@@ -10,6 +11,16 @@ use crate::permit::calls::{FleetAction, FleetAnswer, FleetCall};
 use crate::permit::conn::RedisConn;
 use crate::permit::error::PermitError;
 use crate::permit::keys::Keyspace;
+
+/// Calls of `lua/fleet.lua` by this process (every registry: heartbeats, joins, leaves): the
+/// fleet's fixed cost to Redis, which `turnstile bench scenario` reports apart from the
+/// registrations'.
+static FLEET_CALLS: AtomicU64 = AtomicU64::new(0);
+
+/// Calls of `lua/fleet.lua` this process has sent so far (see [`FLEET_CALLS`]).
+pub fn fleet_calls() -> u64 {
+    FLEET_CALLS.load(Ordering::Relaxed)
+}
 
 /// The fleet's registry under a key prefix.
 #[derive(Clone)]
@@ -69,6 +80,7 @@ impl Registry {
     }
 
     async fn run(&self, call: FleetCall<'_>) -> Result<Roll, PermitError> {
+        FLEET_CALLS.fetch_add(1, Ordering::Relaxed);
         let (now_ms, members, algorithms, lost, left): FleetAnswer = call
             .invocation()
             .invoke_async(&mut self.conn.clone())

@@ -12,7 +12,7 @@ use std::time::Duration;
 use crate::mock_api::MockArgs;
 use crate::rig::{Message, Rig, registration_body, weighed_body};
 use turnstile_core::config::{GlobalLimit, LimiterArgs, Limits};
-use turnstile_core::permit::{RedisConn, round_trips};
+use turnstile_core::permit::{RedisConn, fleet_calls, round_trips};
 
 use super::commandstats::command_calls;
 pub use super::workload::ScenarioArgs;
@@ -227,6 +227,7 @@ pub async fn run(args: ScenarioArgs) -> anyhow::Result<bool> {
     };
     let redis = RedisConn::connect(&args.rig.redis).await?;
     let redis_before = (command_calls(&redis).await?, round_trips());
+    let fleet_before = (fleet_calls(), std::time::Instant::now());
     let mut messages = Vec::new();
     let message = |seller: &str, i: usize| {
         let id = format!("{seller}-{i}");
@@ -273,6 +274,7 @@ pub async fn run(args: ScenarioArgs) -> anyhow::Result<bool> {
     rig.wait(optimum * 3 + Duration::from_secs(60), |_| {})
         .await?;
     let redis_after = (command_calls(&redis).await?, round_trips());
+    let fleet_run = (fleet_calls() - fleet_before.0, fleet_before.1.elapsed());
     let rig_stats = rig.mock.stats();
     let report = rig.finish().await?;
     let (scripts_per_message, commands_per_message) = redis_after
@@ -280,6 +282,10 @@ pub async fn run(args: ScenarioArgs) -> anyhow::Result<bool> {
         .per_message_since(&redis_before.0, report.registered);
     let requests_per_message =
         (redis_after.1 - redis_before.1) as f64 / report.registered.max(1) as f64;
+    // The fleet's fixed cost (heartbeats, joins, leaves: `lua/fleet.lua`), apart.
+    let fleet_per_registration = fleet_run.0 as f64 / report.registered.max(1) as f64;
+    let fleet_per_replica_second =
+        fleet_run.0 as f64 / (replicas.max(1) as f64 * fleet_run.1.as_secs_f64().max(f64::EPSILON));
     let redis_time = redis_after
         .0
         .time_per_message_since(&redis_before.0, report.registered);
@@ -425,6 +431,19 @@ pub async fn run(args: ScenarioArgs) -> anyhow::Result<bool> {
     );
     println!(
         "{:<44} {:>10.2}",
+        "  the fleet's (heartbeats, joins, leaves)", fleet_per_registration
+    );
+    println!(
+        "{:<44} {:>10.2}",
+        "  the registrations' (the fleet's left out)",
+        scripts_per_message - fleet_per_registration
+    );
+    println!(
+        "{:<44} {:>10.2}",
+        "the fleet's script calls per replica per second", fleet_per_replica_second
+    );
+    println!(
+        "{:<44} {:>10.2}",
         "  requests the replicas sent (pipeline = 1)", requests_per_message
     );
     println!(
@@ -445,6 +464,8 @@ pub async fn run(args: ScenarioArgs) -> anyhow::Result<bool> {
         value["redis_requests_per_message"] = requests_per_message.into();
         value["redis_commands_per_message"] = commands_per_message.into();
         value["redis_time_per_message"] = serde_json::to_value(&redis_time)?;
+        value["redis_fleet_scripts_per_message"] = fleet_per_registration.into();
+        value["redis_fleet_scripts_per_replica_second"] = fleet_per_replica_second.into();
         value
             .as_object_mut()
             .expect("a report is an object")
