@@ -76,6 +76,7 @@ const LEAVES: &[(usize, &[&str])] = &[
     (2, &["bench", "lua-setup"]),
     (2, &["bench", "depth"]),
     (2, &["bench", "give-way"]),
+    (2, &["bench", "passes"]),
     (1, &["completions", "bash"]),
 ];
 
