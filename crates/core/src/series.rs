@@ -387,6 +387,16 @@ pub const METRICS: &[Metric] = &[
         "Delay ladder messages republished by this replica (to another level or the return queue).",
     ),
     plain(
+        "turnstile_delay_longest_hold_seconds",
+        Gauge,
+        "How long the delay ladder's top level holds a delivery: TURNSTILE_CONSUMER_TIMEOUT less a quarter (at most 10 minutes less), or under the broker's own timeout once it closed a channel for a shorter one.",
+    ),
+    plain(
+        "turnstile_delay_ack_timeouts_total",
+        Counter,
+        "Delay ladder channels the broker closed for an ack timeout (the value it named is then held under).",
+    ),
+    plain(
         "turnstile_delay_overdue_total",
         Counter,
         "Delay ladder hops moved on more than 1 s after their end.",
