@@ -521,6 +521,63 @@ fn answers(reply: Value, n: usize) -> Option<Vec<Result<Value, PermitError>>> {
 mod tests {
     use super::*;
 
+    /// Detached operations, more than may wait at once, each sent (those beyond the bound at
+    /// once), with no one waiting for them, on the tests' Redis.
+    #[tokio::test]
+    async fn every_detached_operation_reaches_redis_even_beyond_those_that_may_wait() {
+        let url = std::env::var("TURNSTILE_TEST_REDIS_URL")
+            .unwrap_or_else(|_| "redis://127.0.0.1:6379/".into());
+        let client = redis::Client::open(url).expect("the tests' Redis URL");
+        let manager = redis::aio::ConnectionManager::new(client)
+            .await
+            .expect("the tests' Redis");
+        let conn = RedisConn::Single(manager.clone());
+        let batcher = Batcher::start(conn);
+        let prefix = format!(
+            "batch-detached-{}-{}",
+            std::process::id(),
+            std::time::SystemTime::now()
+                .duration_since(std::time::UNIX_EPOCH)
+                .unwrap()
+                .as_nanos()
+        );
+        let n = MOST_DETACHED_WAITING + 100;
+        let keys: Vec<String> = (0..n).map(|i| format!("{prefix}:{i}")).collect();
+        for key in &keys {
+            let mut set = redis::cmd("SET");
+            set.arg(key).arg("x").arg("PX").arg(60_000);
+            batcher.send_detached(
+                Operation::commands(vec![set], key.clone()),
+                Duration::from_millis(20),
+            );
+        }
+        let mut check = manager.clone();
+        let mut written = 0;
+        for _ in 0..600 {
+            written = 0;
+            for chunk in keys.chunks(1000) {
+                let found: usize = redis::cmd("EXISTS")
+                    .arg(chunk)
+                    .query_async(&mut check)
+                    .await
+                    .expect("Redis answers");
+                written += found;
+            }
+            if written == n {
+                break;
+            }
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+        for chunk in keys.chunks(1000) {
+            let _: usize = redis::cmd("DEL")
+                .arg(chunk)
+                .query_async(&mut check)
+                .await
+                .expect("Redis answers");
+        }
+        assert_eq!(written, n, "every detached operation was sent");
+    }
+
     #[test]
     fn answers_are_one_per_operation_or_none() {
         let ok = Value::Array(vec![Value::Int(1), Value::Int(7)]);
