@@ -548,6 +548,10 @@ impl App {
 
 struct Ledger {
     epoch: Instant,
+    /// The wall clock at `epoch` (see [`Ledger::now`]).
+    epoch_wall: std::time::SystemTime,
+    /// The latest [`Ledger::now`] handed out: never goes back.
+    latest: Instant,
     /// Per seller, the accepted registrations of the longest window: when, and their units.
     windows: HashMap<String, VecDeque<(Instant, u32)>>,
     /// Every seller's accepted registrations of the global limit's longest window.
@@ -566,14 +570,37 @@ struct Ledger {
 impl Ledger {
     fn snapshot(&self) -> Stats {
         Stats {
-            now_ms: self.epoch.elapsed().as_millis() as u64,
+            now_ms: self.wall_now().duration_since(self.epoch).as_millis() as u64,
             ..self.stats.clone()
         }
     }
 
+    /// Now on the wall clock, on the ledger's axis (`epoch` + the wall time since it), never
+    /// before the latest now handed out. The API counts its windows on its own wall clock, as a
+    /// real one does (NTP-disciplined, as Redis's is, whose TIME the limiter counts on): a machine
+    /// whose wall clock runs at another rate than its monotonic one (a VM's clock stepped
+    /// forward by its host, seen running 0.5% fast) would otherwise have the mock count a
+    /// window Redis measured as one second as shorter, and report calls spaced exactly by the
+    /// limit as violations.
+    fn wall_now(&self) -> Instant {
+        let elapsed = std::time::SystemTime::now()
+            .duration_since(self.epoch_wall)
+            .unwrap_or_default();
+        (self.epoch + elapsed).max(self.latest)
+    }
+
+    /// [`Self::wall_now`], noted as the latest.
+    fn now(&mut self) -> Instant {
+        self.latest = self.wall_now();
+        self.latest
+    }
+
     fn new() -> Self {
+        let epoch = Instant::now();
         Self {
-            epoch: Instant::now(),
+            epoch,
+            epoch_wall: std::time::SystemTime::now(),
+            latest: epoch,
             windows: HashMap::new(),
             global_times: VecDeque::new(),
             route_windows: HashMap::new(),
@@ -735,7 +762,7 @@ fn millis(d: Duration) -> u64 {
 impl App {
     fn decide(&self, req: &Request, roll: f64) -> Answer {
         let mut ledger = self.lock();
-        let now = Instant::now();
+        let now = ledger.now();
         let Ledger {
             epoch,
             windows,
