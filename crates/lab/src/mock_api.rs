@@ -578,10 +578,9 @@ impl Ledger {
     /// Now on the wall clock, on the ledger's axis (`epoch` + the wall time since it), never
     /// before the latest now handed out. The API counts its windows on its own wall clock, as a
     /// real one does (NTP-disciplined, as Redis's is, whose TIME the limiter counts on): a machine
-    /// whose wall clock runs at another rate than its monotonic one (a VM's clock stepped
-    /// forward by its host, seen running 0.5% fast) would otherwise have the mock count a
-    /// window Redis measured as one second as shorter, and report calls spaced exactly by the
-    /// limit as violations.
+    /// whose wall clock runs at another rate than its monotonic one (a VM's, seen running 0.5%
+    /// fast for a while) would otherwise have the mock count a window Redis measured as one
+    /// second as shorter, and report calls spaced exactly by the limit as violations.
     fn wall_now(&self) -> Instant {
         let elapsed = std::time::SystemTime::now()
             .duration_since(self.epoch_wall)

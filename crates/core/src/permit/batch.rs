@@ -200,9 +200,7 @@ impl Batcher {
             .await
             .unwrap_or_else(|_| (Err(stopped()), Instant::now()))
     }
-}
 
-impl Batcher {
     /// Sends `operation` with the next call to its place, within `delay`, and forgets it: its
     /// answer, error included, is dropped. For what needs no answer and whose loss costs
     /// nothing but what it would have saved.
@@ -551,30 +549,29 @@ mod tests {
                 Duration::from_millis(20),
             );
         }
+        // `command` (EXISTS, DEL) over every key, a thousand at a time: the keys it counted.
         let mut check = manager.clone();
-        let mut written = 0;
-        for _ in 0..600 {
-            written = 0;
+        let mut over_keys = async |command: &str| {
+            let mut counted = 0;
             for chunk in keys.chunks(1000) {
-                let found: usize = redis::cmd("EXISTS")
+                let n: usize = redis::cmd(command)
                     .arg(chunk)
                     .query_async(&mut check)
                     .await
                     .expect("Redis answers");
-                written += found;
+                counted += n;
             }
+            counted
+        };
+        let mut written = 0;
+        for _ in 0..600 {
+            written = over_keys("EXISTS").await;
             if written == n {
                 break;
             }
             tokio::time::sleep(Duration::from_millis(50)).await;
         }
-        for chunk in keys.chunks(1000) {
-            let _: usize = redis::cmd("DEL")
-                .arg(chunk)
-                .query_async(&mut check)
-                .await
-                .expect("Redis answers");
-        }
+        over_keys("DEL").await;
         assert_eq!(written, n, "every detached operation was sent");
     }
 

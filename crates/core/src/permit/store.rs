@@ -238,9 +238,13 @@ impl PermitStore {
     /// Sends a hot operation nobody waits for through the batcher, with the next call within
     /// `delay` (see [`Batcher::send_detached`]).
     pub(super) fn send_detached(&self, operation: Operation, delay: Duration) {
+        self.batcher().send_detached(operation, delay);
+    }
+
+    /// The store's batcher, started at its first use.
+    fn batcher(&self) -> &Batcher {
         self.batcher
             .get_or_init(|| Batcher::start(self.conn.clone()))
-            .send_detached(operation, delay);
     }
 
     /// As [`Self::run`], with when the call that carried the operation left this replica.
@@ -249,10 +253,7 @@ impl PermitStore {
         operation: Operation,
         when: When,
     ) -> Result<(T, std::time::Instant), PermitError> {
-        let batcher = self
-            .batcher
-            .get_or_init(|| Batcher::start(self.conn.clone()));
-        let (answer, sent) = batcher.run_sent(operation, when).await;
+        let (answer, sent) = self.batcher().run_sent(operation, when).await;
         if let (Err(PermitError::Redis(_)), Some(blocks)) = (&answer, &self.blocks) {
             blocks.forget_pools();
         }
