@@ -92,48 +92,53 @@ async fn the_global_stack_is_exact_over_every_seller(backend: Backend) {
     keys.cleanup().await;
 }
 
-/// Sellers asking for single units, `asks` times each per round, for as long as it takes the
-/// global limit to grant `total` units: a round in which every ask was refused waits for the
-/// earliest time it was told. Returns each seller's grants from the first refusal on (before
-/// it, the limit had room for everyone and nobody competed).
+/// Sellers asking for single units through `asks` workers each, every worker asking again at
+/// once after a grant and at the time it was told after a refusal (as a replica's workers do),
+/// until the global limit has granted `total` units. Returns each seller's grants from the
+/// first refusal on (before it, the limit had room for everyone and nobody competed).
 async fn compete(
     store: &turnstile_core::permit::PermitStore,
     askers: &[(&SellerId, u32)],
-    total: usize,
+    total: u64,
 ) -> Vec<u64> {
-    let mut counted = vec![0u64; askers.len()];
-    let (mut granted, mut contended) = (0, false);
-    while granted < total {
-        let mut soonest: Option<std::time::Duration> = None;
-        let mut any = false;
-        for (n, (s, asks)) in askers.iter().enumerate() {
-            for _ in 0..*asks {
-                match decide(store, Ask::new(s)).await {
-                    Decision::Granted { .. } => {
-                        granted += 1;
-                        any = true;
-                        if contended {
-                            counted[n] += 1;
+    use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+    let granted = Arc::new(AtomicU64::new(0));
+    let contended = Arc::new(AtomicBool::new(false));
+    let counted: Arc<Vec<AtomicU64>> = Arc::new(askers.iter().map(|_| AtomicU64::new(0)).collect());
+    let mut workers = Vec::new();
+    for (n, (s, asks)) in askers.iter().enumerate() {
+        for _ in 0..*asks {
+            let (store, s) = (store.clone(), (*s).clone());
+            let (granted, contended, counted) =
+                (granted.clone(), contended.clone(), counted.clone());
+            workers.push(tokio::spawn(async move {
+                while granted.load(Ordering::SeqCst) < total {
+                    match decide(&store, Ask::new(&s)).await {
+                        Decision::Granted { .. } => {
+                            granted.fetch_add(1, Ordering::SeqCst);
+                            if contended.load(Ordering::SeqCst) {
+                                counted[n].fetch_add(1, Ordering::SeqCst);
+                            }
                         }
+                        Decision::Deferred { retry_after, .. } => {
+                            contended.store(true, Ordering::SeqCst);
+                            tokio::time::sleep(retry_after).await;
+                        }
+                        other => unreachable!("one unit fits, and the sellers' 1000/1s: {other:?}"),
                     }
-                    Decision::Deferred { retry_after, .. } => {
-                        contended = true;
-                        soonest = Some(soonest.map_or(retry_after, |w| w.min(retry_after)));
-                    }
-                    other => unreachable!("one unit fits, and the sellers' 1000/1s: {other:?}"),
                 }
-            }
-        }
-        if let (false, Some(wait)) = (any, soonest) {
-            tokio::time::sleep(wait).await;
+            }));
         }
     }
-    counted
+    for worker in workers {
+        worker.await.unwrap();
+    }
+    counted.iter().map(|c| c.load(Ordering::SeqCst)).collect()
 }
 
 /// While the global limit has room, every seller is granted what it asks. Once it binds, a
-/// seller with a backlog asking three times as often as one with little work gets no more than
-/// it: the two compete from their first refusal, level, and the busy one may run at most
+/// seller with a backlog asking through three workers gets no more than one asking through
+/// one: the two compete from their first refusal, level, and the busy one may run at most
 /// QUANTUM (20/1s: 1 unit) and one call ahead.
 async fn a_busy_seller_cannot_run_ahead_of_a_small_one(backend: Backend) {
     let keys = Keys::new(backend, "global-fair").await;
