@@ -1029,6 +1029,97 @@ async fn a_bad_batch_size_is_dead_lettered_and_counted_in_its_batch() -> anyhow:
     rig.cleanup().await
 }
 
+/// A row of a batch whose body names no seller is dead-lettered `invalid-message` and still
+/// counted in its batch, whether it comes before any of the batch's other rows or after all of
+/// them: both batches complete, once each, and the row is counted once in the dead letters.
+#[tokio::test]
+async fn a_row_without_a_seller_is_counted_in_its_batch_whenever_it_comes() -> anyhow::Result<()> {
+    let mut rig = support::rig("results-orphan", "100/1s")
+        .serving(http())
+        .prepare()
+        .await?;
+    let upload = Upload::new(&rig).await;
+    let listener = upload.listener().await;
+    rig.start_replicas(1, 2).await?;
+    let seller = "S-orphans";
+    let (first, last) = (
+        support::unique("orphan-first"),
+        support::unique("orphan-last"),
+    );
+    let sellerless = |batch: &str| {
+        json!({"message_id": format!("{batch}-none"), "batch_id": batch, "batch_size": 3,
+               "product": {"sku": "no seller"}})
+    };
+    let rows = |batch: &str| {
+        (0..2)
+            .map(|n| {
+                registration(
+                    &format!("{batch}-{n}"),
+                    seller,
+                    Some((batch, json!(3))),
+                    json!({"sku": n}),
+                )
+            })
+            .collect::<Vec<_>>()
+    };
+
+    // Before any other row of its batch: kept until the batch is first seen.
+    upload.send(&sellerless(&first), None).await;
+    let dead = rig.dead_letters(1).await?;
+    assert_eq!(
+        header_str(&dead[0], headers::REASON).as_deref(),
+        Some("invalid-message")
+    );
+    for row in rows(&first) {
+        upload.send(&row, None).await;
+    }
+    // After every other row of its batch.
+    for row in rows(&last) {
+        upload.send(&row, None).await;
+    }
+    settled(&rig, 4, 1).await;
+    upload.send(&sellerless(&last), None).await;
+    rig.dead_letters(1).await?;
+
+    let all = upload
+        .inbox
+        .until("both batches' completion events", |all| {
+            [&first, &last].iter().all(|b| {
+                all.iter()
+                    .any(|g| g.is_event() && g.body["batch_id"] == b.as_str())
+            })
+        })
+        .await;
+    let want = BTreeMap::from([("invalid-message".to_owned(), 1)]);
+    for batch in [&first, &last] {
+        let events: Vec<_> = all
+            .iter()
+            .filter(|g| g.is_event() && g.body["batch_id"] == batch.as_str())
+            .collect();
+        assert_eq!(events.len(), 1, "{batch}: one completion event");
+        let event = &events[0].body;
+        assert_eq!(
+            (&event["total"], &event["registered"]),
+            (&json!(3), &json!(2)),
+            "{event}"
+        );
+        assert_eq!(support::dead_counts(&event["dead"]), want, "{event}");
+        let result = &Inbox::results_of(&all, &listener, &format!("{batch}-none"))[0].body;
+        assert_eq!(result["outcome"], "invalid-message", "{result}");
+        assert_eq!(result["batch_id"], batch.as_str(), "{result}");
+        let (status, report) = api(&rig, &format!("/api/batches/{batch}")).await;
+        assert_eq!(status, 200, "{report}");
+        assert_eq!(
+            (&report["waiting"], &report["done"]),
+            (&json!(0), &json!(true)),
+            "{report}"
+        );
+    }
+    let tally = rig.records().dead_now().await?;
+    assert_eq!(tally.get("invalid-message"), Some(&2), "{tally:?}");
+    rig.cleanup().await
+}
+
 #[tokio::test]
 async fn a_batch_completes_once_with_counts_per_outcome_and_reports_extra_messages()
 -> anyhow::Result<()> {

@@ -6,7 +6,7 @@
 use std::time::Duration;
 
 use crate::config::Algorithm;
-use crate::domain::{BatchSize, Cost, MessageId, SellerId};
+use crate::domain::{BatchId, BatchSize, Cost, MessageId, SellerId};
 use crate::permit::batch::{Operation, When};
 use crate::permit::calls;
 use crate::permit::calls::{CallEnded, Unreserve};
@@ -18,6 +18,7 @@ use crate::permit::error::PermitError;
 use crate::permit::outcome::{
     BatchEvent, CallAnswer, Completion, InBatch, LearnedChange, Lesson, Recorded, Why,
 };
+use crate::permit::records::Orphan;
 use crate::permit::store::{MOST_THROTTLED, PermitStore};
 use crate::permit::terms::Terms;
 use crate::routes::Route;
@@ -454,5 +455,82 @@ impl PermitStore {
                 .await
                 .map(|()| Recorded::default()),
         }
+    }
+
+    /// Counts `orphan`, a dead-lettered message of `batch` whose body named no seller, in the
+    /// batch of the seller whose messages first named that id, as dead for its reason (once,
+    /// like any message). While no seller's message has named the batch, it is kept under the
+    /// batch's id ([`Records::keep_orphan`](super::Records::keep_orphan)) and tallied in the
+    /// dead letters by reason; the first replica to see one of the batch's messages counts it
+    /// then ([`Self::adopt_orphans`]). Kept first and looked for the seller again after, so
+    /// that one of the two always finds the other. Returns the seller it was counted for and
+    /// what counting found (its batch's completion event, if that completed the batch), or
+    /// `None` while it is kept.
+    pub async fn count_orphan(
+        &self,
+        batch: &BatchId,
+        orphan: &Orphan,
+        ttl: Duration,
+    ) -> Result<Option<(SellerId, Recorded)>, PermitError> {
+        let records = self.records();
+        if let Some(seller) = records.first_seller_of(batch).await? {
+            let recorded = self
+                .adopt_orphan(&seller, batch, orphan, false, ttl)
+                .await?;
+            return Ok(Some((seller, recorded)));
+        }
+        records.keep_orphan(batch, orphan, ttl).await?;
+        records.tally_dead(&orphan.reason, 1).await?;
+        let Some(seller) = records.first_seller_of(batch).await? else {
+            return Ok(None);
+        };
+        let recorded = self.adopt_orphan(&seller, batch, orphan, true, ttl).await?;
+        Ok(Some((seller, recorded)))
+    }
+
+    /// Counts the `orphans` kept for `batch` (see [`Self::count_orphan`]) in `seller`'s batch,
+    /// and forgets them. Returns the batch's completion event, if counting them completed it.
+    pub async fn adopt_orphans(
+        &self,
+        seller: &SellerId,
+        batch: &BatchId,
+        orphans: &[Orphan],
+        ttl: Duration,
+    ) -> Result<Option<BatchEvent>, PermitError> {
+        let mut event = None;
+        for orphan in orphans {
+            let recorded = self.adopt_orphan(seller, batch, orphan, true, ttl).await?;
+            event = recorded.event.or(event);
+        }
+        Ok(event)
+    }
+
+    /// Counts one orphan in `seller`'s batch. One that was `kept` was tallied in the dead
+    /// letters by reason then: the count that moves it to dead (which tallies it) takes that
+    /// back, so that it is tallied once.
+    async fn adopt_orphan(
+        &self,
+        seller: &SellerId,
+        batch: &BatchId,
+        orphan: &Orphan,
+        kept: bool,
+        ttl: Duration,
+    ) -> Result<Recorded, PermitError> {
+        let in_batch = InBatch {
+            id: batch,
+            size: None,
+        };
+        let dead = Completion::Dead(&orphan.reason);
+        let recorded = self
+            .complete(seller, &orphan.message, Some(in_batch), dead, ttl)
+            .await?;
+        let records = self.records();
+        if kept {
+            if recorded.changed {
+                records.tally_dead(&orphan.reason, -1).await?;
+            }
+            records.drop_orphan(batch, orphan).await?;
+        }
+        Ok(recorded)
     }
 }

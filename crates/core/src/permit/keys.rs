@@ -30,7 +30,9 @@
 //!   (the replicas lost from it lately) and `fleet-algorithms`.
 //! - **batch index keys**: `<prefix>:{<prefix>~batch~<batch>}:sellers`, the sellers whose
 //!   messages named a batch, so that a batch is found by its id alone
-//!   ([`Keyspace::batch_sellers`]); one slot per batch id.
+//!   ([`Keyspace::batch_sellers`]), and `…:orphans`, its dead-lettered messages whose body
+//!   named no seller, until a seller's message names the batch ([`Keyspace::batch_orphans`]);
+//!   one slot per batch id.
 //! - **global keys**: `<prefix>:{<prefix>~global}:<name>`, the global limit's state in one
 //!   slot of its own (`lua/global.lua` takes them all): `log`, `fair`, `finish`, `active`,
 //!   `weights`, `sellers`, `server`, `pause`.
@@ -259,6 +261,19 @@ impl Keyspace {
     pub(crate) fn batch_sellers(&self, batch: &BatchId) -> String {
         format!(
             "{}:{{{}~batch~{}}}:sellers",
+            self.prefix,
+            self.prefix,
+            key_part(batch.as_str())
+        )
+    }
+
+    /// A batch's dead-lettered messages whose body named the batch and a message id but no
+    /// seller, kept until a seller's message names the batch, to be counted in that seller's
+    /// batch (set of `<reason> <message id>`): `<prefix>:{<prefix>~batch~<batch>}:orphans`, in
+    /// the slot of [`Self::batch_sellers`].
+    pub(crate) fn batch_orphans(&self, batch: &BatchId) -> String {
+        format!(
+            "{}:{{{}~batch~{}}}:orphans",
             self.prefix,
             self.prefix,
             key_part(batch.as_str())
@@ -551,6 +566,10 @@ mod tests {
         assert_eq!(
             keys.batch_sellers(&BatchId::parse("b:1").unwrap()),
             "turnstile:{turnstile~batch~b%3A1}:sellers"
+        );
+        assert_eq!(
+            keys.batch_orphans(&BatchId::parse("b:1").unwrap()),
+            "turnstile:{turnstile~batch~b%3A1}:orphans"
         );
         assert_eq!(keys.dead_now(), "turnstile:{turnstile~shared}:dead-now");
         assert_eq!(

@@ -20,7 +20,7 @@ use crate::domain::{BatchId, BatchSize, Cost, Identity, MessageId, RateLimitHead
 use crate::permit::decision::{Asking, Decision, Forfeit, Rank, Reservation};
 use crate::permit::error::PermitError;
 use crate::permit::outcome::{BatchEvent, CallAnswer, Completion, InBatch, Lesson, Recorded};
-use crate::permit::records::{BatchSeen, UploadProgress};
+use crate::permit::records::{BatchSeen, Orphan, UploadProgress};
 use crate::permit::store::PermitStore;
 use crate::routes::Route;
 
@@ -315,13 +315,26 @@ pub trait Progress: Send + Sync {
     ) -> BoxFuture<'a, Result<Recorded, PermitError>>;
 
     /// Counts a dead-lettered message that names no batch, once per message (per dead letter
-    /// for a body without an identity).
+    /// for a body without an identity); one whose body named a batch and a message id but no
+    /// seller is counted in that batch (see [`PermitStore::count_orphan`]). Returns the seller
+    /// and completion event of the batch that counting it completed, if it did.
     fn dead<'a>(
         &'a self,
         identity: &'a Identity,
         reason: &'static str,
         ttl: Duration,
-    ) -> BoxFuture<'a, Result<(), PermitError>>;
+    ) -> BoxFuture<'a, Result<Option<(SellerId, BatchEvent)>, PermitError>>;
+
+    /// Counts in `seller`'s batch the messages of it dead-lettered without a seller and kept
+    /// until now ([`BatchSeen::orphans`]); returns the batch's completion event if that
+    /// completed it.
+    fn adopt_orphans<'a>(
+        &'a self,
+        seller: &'a SellerId,
+        batch: &'a BatchId,
+        orphans: &'a [Orphan],
+        ttl: Duration,
+    ) -> BoxFuture<'a, Result<Option<BatchEvent>, PermitError>>;
 
     /// The completion event of a batch, if one is pending publication.
     fn pending_event<'a>(
@@ -670,12 +683,34 @@ impl Progress for PermitStore {
         identity: &'a Identity,
         reason: &'static str,
         ttl: Duration,
-    ) -> BoxFuture<'a, Result<(), PermitError>> {
+    ) -> BoxFuture<'a, Result<Option<(SellerId, BatchEvent)>, PermitError>> {
         async move {
+            if let (None, Some(batch), Some(message)) = (
+                &identity.seller_id,
+                &identity.batch_id,
+                &identity.message_id,
+            ) {
+                let orphan = Orphan {
+                    message: message.clone(),
+                    reason: reason.to_owned(),
+                };
+                let counted = self.count_orphan(batch, &orphan, ttl).await?;
+                return Ok(counted.and_then(|(seller, r)| Some((seller, r.event?))));
+            }
             self.count_dead(identity, None, reason, ttl).await?;
-            Ok(())
+            Ok(None)
         }
         .boxed()
+    }
+
+    fn adopt_orphans<'a>(
+        &'a self,
+        seller: &'a SellerId,
+        batch: &'a BatchId,
+        orphans: &'a [Orphan],
+        ttl: Duration,
+    ) -> BoxFuture<'a, Result<Option<BatchEvent>, PermitError>> {
+        self.adopt_orphans(seller, batch, orphans, ttl).boxed()
     }
 
     fn pending_event<'a>(

@@ -97,12 +97,39 @@ impl UploadProgress {
 }
 
 /// What noting a batch as seen found ([`Records::batch_seen`]).
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[derive(Clone, Debug, PartialEq, Eq)]
 pub struct BatchSeen {
     /// Its pending completion event, if any.
     pub event: Option<BatchEvent>,
     /// How many sellers' messages named its id (more than one: a batch that mixes sellers).
     pub sellers: u64,
+    /// Its dead-lettered messages whose body named no seller, kept until now (see
+    /// [`Records::keep_orphan`]): to be counted in this seller's batch.
+    pub orphans: Vec<Orphan>,
+}
+
+/// A dead-lettered message whose body named a batch and a message id but no seller that
+/// parses, kept under the batch's id until a seller's message names the batch.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Orphan {
+    pub message: MessageId,
+    /// Why it was dead-lettered (a dead-letter reason).
+    pub reason: String,
+}
+
+impl Orphan {
+    /// The set member that keeps it: `<reason> <message id>`.
+    fn member(&self) -> String {
+        format!("{} {}", self.reason, self.message.as_str())
+    }
+
+    fn parse(member: &str) -> Option<Self> {
+        let (reason, message) = member.split_once(' ')?;
+        Some(Self {
+            message: MessageId::parse(message).ok()?,
+            reason: reason.to_owned(),
+        })
+    }
 }
 
 /// A message of a batch waiting out a retry's backoff, as its seller's retries hold it (see
@@ -217,18 +244,57 @@ impl Records {
             .pexpire(&index, ttl_ms as i64)
             .query_async(&mut conn)
             .await?;
-        let (sellers,): (u64,) = redis::pipe()
+        let (sellers, orphans): (u64, Vec<String>) = redis::pipe()
             .sadd(&named, seller.as_str())
             .ignore()
             .pexpire(&named, ttl_ms as i64)
             .ignore()
             .scard(&named)
+            .smembers(self.keys.batch_orphans(batch))
             .query_async(&mut conn)
             .await?;
         Ok(BatchSeen {
             event: BatchEvent::parse(&event),
             sellers,
+            orphans: orphans.iter().filter_map(|m| Orphan::parse(m)).collect(),
         })
+    }
+
+    /// The seller whose messages first named `batch` (the one `/api/batches/{id}` reports), if
+    /// any did.
+    pub async fn first_seller_of(&self, batch: &BatchId) -> Result<Option<SellerId>, PermitError> {
+        let named = self.batches_named(batch).await?;
+        Ok(named.first().and_then(|p| SellerId::parse(&p.seller).ok()))
+    }
+
+    /// Keeps `orphan`, a dead-lettered message of `batch` whose body named no seller, under
+    /// the batch's id for `ttl`: the first replica to see a seller's message of the batch
+    /// counts it there ([`BatchSeen::orphans`]).
+    pub async fn keep_orphan(
+        &self,
+        batch: &BatchId,
+        orphan: &Orphan,
+        ttl: Duration,
+    ) -> Result<(), PermitError> {
+        let key = self.keys.batch_orphans(batch);
+        let _: () = redis::pipe()
+            .sadd(&key, orphan.member())
+            .ignore()
+            .pexpire(&key, ttl.as_millis().max(1) as i64)
+            .ignore()
+            .query_async(&mut self.conn.clone())
+            .await?;
+        Ok(())
+    }
+
+    /// Forgets `orphan` of `batch`, once counted in a seller's batch.
+    pub async fn drop_orphan(&self, batch: &BatchId, orphan: &Orphan) -> Result<(), PermitError> {
+        let _: i64 = self
+            .conn
+            .clone()
+            .srem(self.keys.batch_orphans(batch), orphan.member())
+            .await?;
+        Ok(())
     }
 
     /// Notes that `message` of `batch`, of `cost` units, waits out a retry's backoff, due

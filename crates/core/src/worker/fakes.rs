@@ -22,7 +22,7 @@ use crate::domain::{
 };
 use crate::downstream::{Answered, Api, ApiResponse, Reply};
 use crate::permit::{
-    Ask, Asked, BatchEvent, BatchSeen, Decision, Ended, Finished, Grant, InBatch, Limiter,
+    Ask, Asked, BatchEvent, BatchSeen, Decision, Ended, Finished, Grant, InBatch, Limiter, Orphan,
     PermitError, Progress, Recorded, Reservation, UploadProgress,
 };
 use crate::trace::TraceContext;
@@ -753,6 +753,7 @@ impl Progress for FakeProgress {
         futures::future::ready(Ok(BatchSeen {
             event: None,
             sellers: 1,
+            orphans: Vec::new(),
         }))
         .boxed()
     }
@@ -774,9 +775,20 @@ impl Progress for FakeProgress {
         _identity: &'a Identity,
         _reason: &'static str,
         _ttl: Duration,
-    ) -> BoxFuture<'a, Result<(), PermitError>> {
+    ) -> BoxFuture<'a, Result<Option<(SellerId, BatchEvent)>, PermitError>> {
         self.journal.note(Event::Progress("dead"));
-        futures::future::ready(Ok(())).boxed()
+        futures::future::ready(Ok(None)).boxed()
+    }
+
+    fn adopt_orphans<'a>(
+        &'a self,
+        _seller: &'a SellerId,
+        _batch: &'a BatchId,
+        _orphans: &'a [Orphan],
+        _ttl: Duration,
+    ) -> BoxFuture<'a, Result<Option<BatchEvent>, PermitError>> {
+        self.journal.note(Event::Progress("adopt_orphans"));
+        futures::future::ready(Ok(None)).boxed()
     }
 
     fn pending_event<'a>(

@@ -393,24 +393,47 @@ pub fn released_by(notice: &Rescheduled, delivery: &Delivery) -> bool {
 /// Counts a dead-lettered message that names no batch as dead in the dead letters by reason,
 /// once per message ([`PermitStore::count_dead`]; a body without an identity is counted per
 /// dead letter), in the background: it never delays the ack, and a failure only costs the
-/// count.
+/// count. A message whose body named a batch but no seller is counted in that batch (see
+/// [`PermitStore::count_orphan`]), and the batch's completion event published if that
+/// completed it.
 fn count_dead_letter(
     progress: &Arc<dyn Progress>,
+    results: &Arc<dyn ResultSink>,
     identity: &Identity,
     reason: &'static str,
     ttl: Duration,
 ) {
     let identity = identity.clone();
-    let progress = progress.clone();
+    let (progress, results) = (progress.clone(), results.clone());
     let record = async move {
-        let counted = progress.dead(&identity, reason, ttl).await;
-        if let Err(error) = counted {
-            metrics::counter!("turnstile_redis_errors_total").increment(1);
-            warn!(%error, "dead-lettered, but not counted in the dashboard and upload progress");
+        match progress.dead(&identity, reason, ttl).await {
+            Ok(Some((seller, event))) => {
+                if let Some(batch) = &identity.batch_id {
+                    let sent = publish_event(
+                        &*progress,
+                        &*results,
+                        &seller,
+                        batch,
+                        event,
+                        Interruptions::none(),
+                    );
+                    let _ = tokio::time::timeout(EVENT_PUBLISH_BOUND, sent).await;
+                }
+            }
+            Ok(None) => {}
+            Err(error) => {
+                metrics::counter!("turnstile_redis_errors_total").increment(1);
+                warn!(%error, "dead-lettered, but not counted in the dashboard and upload progress");
+            }
         }
     };
     tokio::spawn(record.in_current_span());
 }
+
+/// How long a completion event found in the background (a batch's first sight, a message
+/// without a seller counted in its batch) is retried before it is left pending for the
+/// batch's next message or redelivery.
+const EVENT_PUBLISH_BOUND: Duration = Duration::from_secs(30);
 
 /// Publishes a batch's completion `event` (its counts read now) and says so in Redis, retrying
 /// until both are done; `false` when interrupted first (the event stays pending: the next
@@ -629,9 +652,24 @@ impl Worker {
                             "a batch id is used by several sellers: each seller's messages are counted as a batch of their own"
                         );
                     }
+                    // Its messages dead-lettered without a seller, counted in it now.
+                    let mut event = seen.event;
+                    if !seen.orphans.is_empty() {
+                        match progress
+                            .adopt_orphans(&seller, &batch, &seen.orphans, ttl)
+                            .await
+                        {
+                            Ok(adopted) => event = adopted.or(event),
+                            Err(error) => {
+                                seen_batches.forget(&seller, &batch);
+                                debug!(%error, "could not count the batch's messages without a seller; its next message tries again");
+                            }
+                        }
+                    }
                     // A batch found complete with its event unpublished (its last message's
-                    // replica died before publishing it, and this message is one more).
-                    if let Some(event) = seen.event {
+                    // replica died before publishing it, and this message is one more), or
+                    // completed by its messages without a seller.
+                    if let Some(event) = event {
                         let sent = publish_event(
                             &*progress,
                             &*results,
@@ -640,7 +678,7 @@ impl Worker {
                             event,
                             Interruptions::none(),
                         );
-                        let _ = tokio::time::timeout(Duration::from_secs(30), sent).await;
+                        let _ = tokio::time::timeout(EVENT_PUBLISH_BOUND, sent).await;
                     }
                 }
                 Err(error) => {
@@ -1486,6 +1524,7 @@ impl Worker {
         let Some((seller, message, batch)) = reporting.batch() else {
             count_dead_letter(
                 &self.progress,
+                &reporting.results,
                 &reporting.identity,
                 reason,
                 self.settings.done_ttl,
