@@ -103,6 +103,7 @@ async fn a_fresh_replica_exports_every_series_at_zero_and_no_series_appears_late
         "turnstile_broker_connected",
         "turnstile_redis_connected",
         "turnstile_batches_overdue",
+        "turnstile_batches_stalled",
     ] {
         assert_eq!(value(&scrape, gauge), Some(0.0), "{gauge}:\n{before}");
     }

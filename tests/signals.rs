@@ -221,7 +221,8 @@ fn a_replica_writing_to_a_pipe_writes_no_colours_and_json_lines_are_flat() {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn an_upload_still_waiting_past_its_eta_counts_as_overdue() -> anyhow::Result<()> {
+async fn an_upload_still_waiting_past_its_eta_counts_as_overdue_and_one_whose_rows_never_come_as_stalled()
+-> anyhow::Result<()> {
     let _alone = ONE_AT_A_TIME.lock().await;
     captured();
     let mut rig = support::rig("signals-overdue", "100/1s").prepare().await?;
@@ -244,20 +245,37 @@ async fn an_upload_still_waiting_past_its_eta_counts_as_overdue() -> anyhow::Res
     let now = turnstile_core::domain::unix_ms();
     assert_eq!(
         promises.check(&admin, &records, now).await?,
-        0,
+        (0, 0),
         "promised now"
     );
     let margin = turnstile_ops::overdue::OVERDUE_AFTER.as_millis() as u64;
+    let stalled_after = turnstile_upload::progress::STALLED_AFTER.as_millis() as u64;
     assert_eq!(
-        promises.check(&admin, &records, now + margin).await?,
-        0,
-        "its ETA (a moment) is past, by less than the margin"
+        promises.check(&admin, &records, now + margin / 2).await?,
+        (0, 0),
+        "its ETA (a moment) is past, by less than the margin; still for less than the bound"
     );
     assert_eq!(
-        promises.check(&admin, &records, now + 2 * margin).await?,
-        1,
-        "b-late only: b-done is done"
+        promises
+            .check(&admin, &records, now + 2 * margin.max(stalled_after))
+            .await?,
+        (1, 1),
+        "b-late only: b-done is done; b-late's two missing rows never come"
     );
+    let report = turnstile_upload::progress::read_seller_at(
+        &admin,
+        &records,
+        &turnstile_core::domain::SellerId::parse("S-overdue").unwrap(),
+        now + 2 * stalled_after,
+    )
+    .await?;
+    let late = report
+        .batches
+        .iter()
+        .find(|b| b.batch_id == "b-late")
+        .unwrap();
+    let why = &late.stalled.as_ref().expect("b-late is stalled").why;
+    assert!(why.starts_with("2 of 3 rows not counted"), "{why}");
     rig.stop_replicas().await?;
     rig.cleanup().await
 }

@@ -227,6 +227,7 @@ fn print_table(rows: &[(BatchReport, Usage)]) {
     for (b, usage) in rows {
         let done = match b.eta_s {
             _ if b.done => "done".to_owned(),
+            _ if b.stalled.is_some() => "stalled".to_owned(),
             Some(eta) => format!("~{:.0}s", eta.max(1.0)),
             None => "?".to_owned(),
         };
@@ -242,6 +243,9 @@ fn print_table(rows: &[(BatchReport, Usage)]) {
             binding(usage),
             done
         );
+        if let Some(stalled) = &b.stalled {
+            println!("  stalled: {}", stalled.why);
+        }
     }
 }
 

@@ -319,6 +319,12 @@ pub const METRICS: &[Metric] = &[
     )
     .zero_from_start(),
     plain(
+        "turnstile_batches_stalled",
+        Gauge,
+        "Batches of the 200 newest uploads that cannot complete as things stand: rows waiting, none of them (or of the seller's earlier batches) counted for 10 minutes or two of the seller's longest windows, with the seller neither paused nor retrying; computed every 30 s by replicas serving /metrics.",
+    )
+    .zero_from_start(),
+    plain(
         "turnstile_build_info",
         Gauge,
         "1, with the build's version and git_sha (unknown unless TURNSTILE_GIT_SHA was set at build time) as labels.",

@@ -354,6 +354,9 @@ pub struct UploadRow {
     /// Seconds until its last message is expected to be registered, as `/api/batches/{id}`
     /// gives it (see [`progress::eta`]); 0 when done, null while the total is unknown.
     pub eta_s: Option<f64>,
+    /// Why it cannot complete as things stand, when it is stalled (see
+    /// [`progress::stalled`]).
+    pub stalled: Option<String>,
     pub first_seen_ms: Option<u64>,
     pub last_ms: Option<u64>,
 }
@@ -802,7 +805,8 @@ fn upload_rows(
     usage: &HashMap<&str, &Usage>,
     retries: &HashMap<&str, Vec<RetryDue>>,
 ) -> Vec<UploadRow> {
-    let mut eta: HashMap<(String, String), Option<f64>> = HashMap::new();
+    let mut eta: HashMap<(String, String), (Option<f64>, Option<String>)> = HashMap::new();
+    let now_ms = turnstile_core::domain::unix_ms();
     let mut by_seller: BTreeMap<&str, Vec<progress::Progress>> = BTreeMap::new();
     for p in uploads {
         by_seller
@@ -815,26 +819,32 @@ fn upload_rows(
             continue;
         };
         let retries = retries.get(seller).map_or(&[][..], Vec::as_slice);
-        for b in progress::seller_report(&id, batches, (*usage).clone(), None, retries).batches {
-            eta.insert((b.seller_id, b.batch_id), b.eta_s);
+        let report = progress::seller_report(&id, batches, (*usage).clone(), None, retries, now_ms);
+        for b in report.batches {
+            let stalled = b.stalled.map(|s| s.why);
+            eta.insert((b.seller_id, b.batch_id), (b.eta_s, stalled));
         }
     }
     uploads
         .iter()
-        .map(|p| UploadRow {
-            seller: p.seller.clone(),
-            batch: p.batch.clone(),
-            total: p.total,
-            registered: p.registered,
-            dead: p.dead,
-            dead_by_reason: p.dead_by_reason.clone(),
-            waiting: p.waiting(),
-            eta_s: eta
+        .map(|p| {
+            let (eta_s, stalled) = eta
                 .get(&(p.seller.clone(), p.batch.clone()))
-                .copied()
-                .flatten(),
-            first_seen_ms: p.first_ms,
-            last_ms: p.last_ms,
+                .cloned()
+                .unwrap_or_default();
+            UploadRow {
+                seller: p.seller.clone(),
+                batch: p.batch.clone(),
+                total: p.total,
+                registered: p.registered,
+                dead: p.dead,
+                dead_by_reason: p.dead_by_reason.clone(),
+                waiting: p.waiting(),
+                eta_s,
+                stalled,
+                first_seen_ms: p.first_ms,
+                last_ms: p.last_ms,
+            }
         })
         .collect()
 }

@@ -1,5 +1,7 @@
 //! Uploads past their ETA: the gauge `turnstile_batches_overdue`, one number for the whole
-//! deployment (no label per batch or seller), for the alert `TurnstileBatchesOverdue`.
+//! deployment (no label per batch or seller), for the alert `TurnstileBatchesOverdue`; and
+//! those that cannot complete as things stand, `turnstile_batches_stalled` (see
+//! [`progress::stalled`]).
 //!
 //! Every [`EVERY`], a replica serving `/metrics` reads the [`UPLOADS_READ`] newest uploads and,
 //! for each seller with a batch still waiting, that seller's report as `/api/sellers/{id}`
@@ -85,15 +87,17 @@ impl Promises {
     }
 
     /// Reads the newest uploads' waiting batches (see the module's documentation) and notes
-    /// them as read at `now_ms`; how many are overdue.
+    /// them as read at `now_ms`; how many are overdue, and how many stalled (see
+    /// [`progress::stalled`]).
     pub async fn check(
         &mut self,
         admin: &Admin,
         records: &Records,
         now_ms: u64,
-    ) -> Result<usize, PermitError> {
-        let batches = waiting_batches(admin, records).await?;
-        Ok(self.note(now_ms, &batches))
+    ) -> Result<(usize, usize), PermitError> {
+        let batches = waiting_batches(admin, records, now_ms).await?;
+        let stalled = batches.iter().filter(|b| b.stalled.is_some()).count();
+        Ok((self.note(now_ms, &batches), stalled))
     }
 }
 
@@ -102,6 +106,7 @@ impl Promises {
 async fn waiting_batches(
     admin: &Admin,
     records: &Records,
+    now_ms: u64,
 ) -> Result<Vec<BatchReport>, PermitError> {
     let recent = progress::recent(records, UPLOADS_READ).await?;
     let newest: BTreeSet<(&str, &str)> = recent
@@ -120,7 +125,7 @@ async fn waiting_batches(
     let reports = futures::future::try_join_all(
         sellers
             .iter()
-            .map(|seller| progress::read_seller(admin, records, seller)),
+            .map(|seller| progress::read_seller_at(admin, records, seller, now_ms)),
     )
     .await?;
     Ok(reports
@@ -130,7 +135,7 @@ async fn waiting_batches(
         .collect())
 }
 
-/// Sets `turnstile_batches_overdue` every [`EVERY`] until `stop` (a failed read counts in
+/// Sets `turnstile_batches_overdue` and `turnstile_batches_stalled` every [`EVERY`] until `stop` (a failed read counts in
 /// `turnstile_redis_errors_total` and leaves the gauge as it was).
 pub async fn watch(admin: Admin, records: Records, stop: CancellationToken) {
     let mut promises = Promises::new(OVERDUE_AFTER);
@@ -143,7 +148,10 @@ pub async fn watch(admin: Admin, records: Records, stop: CancellationToken) {
         }
         let now_ms = turnstile_core::domain::unix_ms();
         match promises.check(&admin, &records, now_ms).await {
-            Ok(overdue) => metrics::gauge!("turnstile_batches_overdue").set(overdue as f64),
+            Ok((overdue, stalled)) => {
+                metrics::gauge!("turnstile_batches_overdue").set(overdue as f64);
+                metrics::gauge!("turnstile_batches_stalled").set(stalled as f64);
+            }
             Err(error) => {
                 metrics::counter!("turnstile_redis_errors_total").increment(1);
                 debug!(%error, "could not read the uploads' ETAs; trying again later");
@@ -173,6 +181,7 @@ mod tests {
             first_seen_ms: None,
             last_ms: None,
             completed_ms: None,
+            stalled: None,
         }
     }
 

@@ -131,8 +131,66 @@ pub struct BatchReport {
     pub first_seen_ms: Option<u64>,
     pub last_ms: Option<u64>,
     pub completed_ms: Option<u64>,
+    /// Set when it has rows waiting that nothing explains (see [`stalled`]): it will not
+    /// complete without them.
+    pub stalled: Option<Stalled>,
 }
 
+/// A batch that cannot complete as things stand: rows waiting, none counted for long, and
+/// nothing in the seller's state (a pause, retries waiting, work ahead) that explains it.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize)]
+pub struct Stalled {
+    /// Since when neither it nor an earlier batch of its seller had a row counted (Unix ms).
+    pub since_ms: u64,
+    /// What it waits for and what may have happened to it, in words.
+    pub why: String,
+}
+
+/// The least time a batch with rows waiting sees none counted (of it or of its seller's
+/// earlier batches) before it is reported stalled; two of the seller's longest windows when
+/// that is longer (a seller limited to a few calls an hour counts rarely).
+pub const STALLED_AFTER: Duration = Duration::from_secs(10 * 60);
+
+/// Whether batch `b` is stalled at `now_ms`: rows waiting, its seller neither paused nor with
+/// any of the batch's rows waiting out a retry (`retrying`), and no row of it or of the
+/// seller's batches first seen before it counted since `moving_ms` (the latest such count, or
+/// its first sight) for [`STALLED_AFTER`] or two of the longest windows (`longest`) of the
+/// seller's limits, whichever is longer. A batch waiting behind its seller's earlier work is
+/// not stalled while that work moves.
+pub fn stalled(
+    b: &Progress,
+    moving_ms: u64,
+    now_ms: u64,
+    paused: bool,
+    retrying: u64,
+    longest: Duration,
+) -> Option<Stalled> {
+    let waiting = b.waiting().filter(|w| *w > 0)?;
+    if paused || retrying > 0 {
+        return None;
+    }
+    let still = Duration::from_millis(now_ms.saturating_sub(moving_ms));
+    if still < STALLED_AFTER.max(longest * 2) {
+        return None;
+    }
+    let total = b.total.unwrap_or(0);
+    let sizes = match b.other_size {
+        Some(other) => {
+            format!("; its messages gave different batch_size values ({total} and {other})")
+        }
+        None => String::new(),
+    };
+    Some(Stalled {
+        since_ms: moving_ms,
+        why: format!(
+            "{waiting} of {total} rows not counted, none for {} min, with the seller neither \
+             paused nor retrying: fewer rows were published than batch_size, or rows were \
+             lost before turnstile counted them (a message TTL, a purged queue), or no replica \
+             is consuming{sizes}",
+            still.as_secs() / 60
+        ),
+    })
+}
 /// A seller's backlog and limits as the API and the tools report them.
 #[derive(Clone, Debug, Serialize)]
 pub struct SellerReport {
@@ -304,19 +362,33 @@ fn later(now: OffsetDateTime, wait: Duration) -> OffsetDateTime {
 /// a message coming back from a retry asks behind the seller's work already reserved, so
 /// another batch's retries do not hold it up. The seller's ETA counts the retries of all its
 /// batches still waiting.
+///
+/// A batch is marked [`stalled`] at `now_ms` (Unix ms) when neither it nor an earlier batch of
+/// the seller had a row counted for long, with nothing to explain it.
 pub fn seller_report(
     seller: &SellerId,
     mut batches: Vec<Progress>,
     usage: Usage,
     global_rate: Option<f64>,
     retries: &[RetryDue],
+    now_ms: u64,
 ) -> SellerReport {
     batches.sort_by_key(|b| (b.first_ms, b.batch.clone()));
+    let longest = usage
+        .per_limit
+        .iter()
+        .map(|l| l.limit.window() + l.guard)
+        .max()
+        .unwrap_or_default();
+    let paused = !usage.paused_for.is_zero();
     let mut ahead = 0;
+    let mut moving_ms = 0;
     let mut reports = Vec::new();
     let mut backlog_retries = Vec::new();
     let mut retrying = 0;
     for b in &batches {
+        let counted_ms = b.last_ms.or(b.first_ms).unwrap_or(now_ms);
+        moving_ms = moving_ms.max(counted_ms);
         ahead += b.waiting_units();
         let waiting = b.waiting();
         let own: Vec<RetryDue> = match waiting {
@@ -334,7 +406,9 @@ pub fn seller_report(
         };
         let own_retrying = (own.len() as u64).min(waiting.unwrap_or(0));
         retrying += own_retrying;
-        reports.push(batch_report(b, eta_s, own_retrying));
+        let mut report = batch_report(b, eta_s, own_retrying);
+        report.stalled = stalled(b, moving_ms, now_ms, paused, own_retrying, longest);
+        reports.push(report);
         backlog_retries.extend(own);
     }
     let backlog = batches.iter().filter_map(Progress::waiting).sum();
@@ -373,6 +447,7 @@ fn batch_report(b: &Progress, eta_s: Option<f64>, retrying: u64) -> BatchReport 
         first_seen_ms: b.first_ms,
         last_ms: b.last_ms,
         completed_ms: b.completed_ms,
+        stalled: None,
     }
 }
 
@@ -383,6 +458,16 @@ pub async fn read_seller(
     records: &Records,
     seller: &SellerId,
 ) -> Result<SellerReport, PermitError> {
+    read_seller_at(admin, records, seller, turnstile_core::domain::unix_ms()).await
+}
+
+/// [`read_seller`], its batches judged [`stalled`] or not as at `now_ms` (Unix ms).
+pub async fn read_seller_at(
+    admin: &Admin,
+    records: &Records,
+    seller: &SellerId,
+    now_ms: u64,
+) -> Result<SellerReport, PermitError> {
     // The window first: a message registered between the two reads is then missing from both
     // (at most an early ETA by a part of a window), never counted in both (a whole window late).
     let usage = admin.usage(seller).await?;
@@ -390,7 +475,9 @@ pub async fn read_seller(
     let retries = records.retries_due(seller).await?;
     let global = admin.global_usage().await?;
     let rate = global.as_ref().map(|g| global_rate(g, seller));
-    Ok(seller_report(seller, batches, usage, rate, &retries))
+    Ok(seller_report(
+        seller, batches, usage, rate, &retries, now_ms,
+    ))
 }
 
 /// A batch's report, read now (`None` if no seller's messages named it, or it expired). A batch
@@ -477,6 +564,9 @@ mod tests {
         }
     }
 
+    /// A moment just after the test batches were first seen (Unix ms 0 to 2).
+    const SOON_MS: u64 = 10;
+
     fn batch(name: &str, first_ms: u64, total: u64, registered: u64) -> Progress {
         Progress {
             seller: "S-1".into(),
@@ -540,13 +630,108 @@ mod tests {
             batch("first", 1, 30, 0),
             batch("done", 0, 5, 5),
         ];
-        let report = seller_report(&seller, batches, idle, None, &[]);
+        let report = seller_report(&seller, batches, idle, None, &[], SOON_MS);
         let names: Vec<_> = report.batches.iter().map(|b| b.batch_id.as_str()).collect();
         assert_eq!(names, ["done", "first", "later"]);
         assert_eq!(report.batches[0].eta_s, Some(0.0));
         assert_eq!(report.batches[1].eta_s, Some(2.0));
         assert_eq!(report.batches[2].eta_s, Some(4.0));
         assert_eq!((report.backlog, report.eta_s), (50, 4.0));
+    }
+
+    const MINUTE_MS: u64 = 60_000;
+
+    /// `name`, first seen at 0 and last counted at `last_min` minutes, 3 of 10 rows waiting.
+    fn waiting_since(name: &str, first_ms: u64, last_min: u64) -> Progress {
+        Progress {
+            registered: 7,
+            last_ms: Some(last_min * MINUTE_MS),
+            ..batch(name, first_ms, 10, 0)
+        }
+    }
+
+    #[test]
+    fn a_batch_none_of_whose_rows_is_counted_for_ten_minutes_with_nothing_to_explain_it_is_stalled()
+    {
+        let seller = SellerId::parse("S-1").unwrap();
+        let report = |batches, usage, retries: &[RetryDue], now_min: u64| {
+            seller_report(&seller, batches, usage, None, retries, now_min * MINUTE_MS)
+        };
+        let idle = || usage("100/1m", 0, Duration::ZERO);
+        let b = || vec![waiting_since("b", 0, 5)];
+        assert_eq!(report(b(), idle(), &[], 14).batches[0].stalled, None);
+        let stalled = report(b(), idle(), &[], 15).batches[0].stalled.clone();
+        let stalled = stalled.expect("still for ten minutes");
+        assert_eq!(stalled.since_ms, 5 * MINUTE_MS);
+        assert!(
+            stalled
+                .why
+                .starts_with("3 of 10 rows not counted, none for 10 min"),
+            "{}",
+            stalled.why
+        );
+        // A pause or a row waiting out its retry explains it.
+        let mut paused = idle();
+        paused.paused_for = Duration::from_secs(60);
+        assert_eq!(report(b(), paused, &[], 60).batches[0].stalled, None);
+        let retrying = [retry("b", 1, 30)];
+        assert_eq!(report(b(), idle(), &retrying, 60).batches[0].stalled, None);
+        // A seller allowed a few calls an hour counts rarely: two of its windows, not ten
+        // minutes.
+        let hourly = || usage("2/1h", 0, Duration::ZERO);
+        assert_eq!(report(b(), hourly(), &[], 60).batches[0].stalled, None);
+        assert!(report(b(), hourly(), &[], 126).batches[0].stalled.is_some());
+        // Done, or its total unknown: never.
+        let done = Progress {
+            registered: 10,
+            ..waiting_since("b", 0, 5)
+        };
+        assert_eq!(report(vec![done], idle(), &[], 60).batches[0].stalled, None);
+        let unknown = Progress {
+            total: None,
+            ..waiting_since("b", 0, 5)
+        };
+        assert_eq!(
+            report(vec![unknown], idle(), &[], 60).batches[0].stalled,
+            None
+        );
+    }
+
+    #[test]
+    fn a_batch_waiting_behind_its_sellers_earlier_work_is_not_stalled_while_that_moves() {
+        let seller = SellerId::parse("S-1").unwrap();
+        // `behind` was first seen at 1 min and nothing of it is counted yet; `earlier` last
+        // counted a row at 29 min. At 30 min, `behind` waits for `earlier`; once `earlier` is
+        // still too, both are stalled.
+        let behind = Progress {
+            registered: 0,
+            last_ms: None,
+            ..waiting_since("behind", MINUTE_MS, 0)
+        };
+        let batches = || vec![waiting_since("earlier", 0, 29), behind.clone()];
+        let idle = || usage("100/1m", 0, Duration::ZERO);
+        let at_30 = seller_report(&seller, batches(), idle(), None, &[], 30 * MINUTE_MS);
+        assert!(
+            at_30.batches.iter().all(|b| b.stalled.is_none()),
+            "{:?}",
+            at_30.batches
+        );
+        let at_40 = seller_report(&seller, batches(), idle(), None, &[], 40 * MINUTE_MS);
+        assert!(
+            at_40.batches.iter().all(|b| b.stalled.is_some()),
+            "{:?}",
+            at_40.batches
+        );
+        // A later batch moving does not explain an earlier one's rows.
+        let later = waiting_since("later", 2 * MINUTE_MS, 39);
+        let mixed = vec![waiting_since("earlier", 0, 29), later];
+        let at_40 = seller_report(&seller, mixed, idle(), None, &[], 40 * MINUTE_MS);
+        let got: Vec<_> = at_40
+            .batches
+            .iter()
+            .map(|b| (b.batch_id.as_str(), b.stalled.is_some()))
+            .collect();
+        assert_eq!(got, [("earlier", true), ("later", false)]);
     }
 
     #[test]
@@ -564,6 +749,7 @@ mod tests {
             usage("10/1s", 0, Duration::ZERO),
             None,
             &[],
+            SOON_MS,
         );
         assert_eq!(report.batches[0].eta_s, None);
     }
@@ -635,7 +821,7 @@ mod tests {
             retry("done", 1, 90),
             retry("elsewhere", 1, 99),
         ];
-        let report = seller_report(&seller, batches, idle, None, &retries);
+        let report = seller_report(&seller, batches, idle, None, &retries, SOON_MS);
         let got: Vec<_> = report
             .batches
             .iter()
@@ -670,6 +856,7 @@ mod tests {
             usage("10/10s", 10, Duration::ZERO),
             None,
             &[],
+            SOON_MS,
         )
     }
 
