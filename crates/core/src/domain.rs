@@ -514,6 +514,13 @@ impl From<&Registration> for Identity {
     }
 }
 
+/// When this process started (Unix ms): the first time this is asked, which `main` does first
+/// (through `telemetry::init`).
+pub fn process_started_ms() -> u64 {
+    static STARTED: std::sync::OnceLock<u64> = std::sync::OnceLock::new();
+    *STARTED.get_or_init(unix_ms)
+}
+
 /// Unix ms as RFC 3339 (UTC, to the millisecond).
 pub fn rfc3339(ms: u64) -> String {
     humantime::format_rfc3339_millis(std::time::UNIX_EPOCH + std::time::Duration::from_millis(ms))

@@ -273,13 +273,19 @@ pub struct Entry {
     /// does not consume and its terms do not count. Absent when they were not.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub refused: Option<String>,
+    /// When its process started (Unix ms, its own clock; absent from a replica of an older
+    /// version): its entry's first heartbeat is when it last joined the registry, later after
+    /// a rejoin.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub process_started_ms: Option<u64>,
 }
 
 /// A live replica, as the registry shows it.
 #[derive(Clone, Debug, Serialize)]
 pub struct Replica {
     pub id: String,
-    /// Its first heartbeat (RFC 3339, Redis's clock).
+    /// When its process started (RFC 3339, its own clock), or, from a replica of an older
+    /// version, its first heartbeat (Redis's clock).
     pub started: String,
     /// Its last heartbeat (RFC 3339, Redis's clock).
     pub last_seen: String,
@@ -298,7 +304,8 @@ pub struct LostReplica {
     pub host: String,
     pub pid: u32,
     pub version: String,
-    /// Its first heartbeat (RFC 3339, Redis's clock).
+    /// When its process started (RFC 3339, its own clock), or its first heartbeat (Redis's
+    /// clock) from a replica of an older version.
     pub started: String,
     /// Its last heartbeat (RFC 3339, Redis's clock).
     pub last_seen: String,
@@ -326,6 +333,7 @@ struct LastKnown {
     ready: bool,
     not_ready: Option<NotReady>,
     in_flight: u64,
+    process_started_ms: Option<u64>,
 }
 
 /// The fleet as one read of the registry shows it.
@@ -584,7 +592,9 @@ pub fn view_remembering(roll: &Roll, guard: Option<Duration>, remembered: &[Reme
             && seen.since_ms < replica.since_ms
         {
             replica.since_ms = seen.since_ms;
-            replica.started = stamp(seen.since_ms);
+            if replica.entry.process_started_ms.is_none() {
+                replica.started = stamp(seen.since_ms);
+            }
         }
     }
     replicas.sort_by(|a, b| (a.since_ms, &a.id).cmp(&(b.since_ms, &b.id)));
@@ -637,11 +647,17 @@ fn replica(member: &Registered) -> Result<Replica, serde_json::Error> {
     let entry: Entry = serde_json::from_str(&member.entry)?;
     Ok(Replica {
         id: member.id.clone(),
-        started: stamp(member.since_ms),
+        started: started(entry.process_started_ms, member.since_ms),
         last_seen: stamp(member.last_ms),
         entry,
         since_ms: member.since_ms,
     })
+}
+
+/// When a replica started: its process's start (its clock) if its entry says, else its first
+/// heartbeat (Redis ms), as the view shows it (RFC 3339).
+fn started(process_started_ms: Option<u64>, since_ms: i64) -> String {
+    process_started_ms.map_or_else(|| stamp(since_ms), crate::domain::rfc3339)
 }
 
 /// A registry time (Redis ms) as the view shows it (RFC 3339).
@@ -657,7 +673,7 @@ fn lost_replica(member: &Registered) -> LostReplica {
         host: last.host,
         pid: last.pid,
         version: last.version,
-        started: stamp(member.since_ms),
+        started: started(last.process_started_ms, member.since_ms),
         last_seen: stamp(member.last_ms),
         lost_since: stamp(lost_ms),
         ready: last.ready,
@@ -889,6 +905,7 @@ impl Member {
             registered_per_s: (registered_per_s * 10.0).round() / 10.0,
             downstream: Some(self.stats.downstream.summary().brief()),
             refused: state.refused.clone(),
+            process_started_ms: Some(crate::domain::process_started_ms()),
         }
     }
 
@@ -1456,6 +1473,7 @@ mod tests {
             registered_per_s: 0.0,
             downstream: None,
             refused: None,
+            process_started_ms: None,
         };
         Registered {
             id: id.into(),
@@ -1513,6 +1531,33 @@ mod tests {
         lost.last_ms = lost_ms - EXPIRY.as_millis() as i64;
         lost.lost_ms = Some(lost_ms);
         lost
+    }
+
+    #[test]
+    fn a_replica_started_is_when_its_process_started_not_when_it_last_joined() {
+        let t = terms("20/1s", Algorithm::SlidingWindow);
+        let mut rejoined = member("rejoined", 1_700_000_164_000, &t, Some(&t));
+        let mut entry: Entry = serde_json::from_str(&rejoined.entry).unwrap();
+        entry.process_started_ms = Some(1_700_000_000_000);
+        rejoined.entry = serde_json::to_string(&entry).unwrap();
+        let older = member("older-version", 1_700_000_100_000, &t, Some(&t));
+        let roll = Roll {
+            now_ms: 1_700_000_200_000,
+            members: vec![rejoined, older],
+            lost: vec![],
+            algorithms: vec![],
+            left: vec![],
+        };
+        let fleet = view(&roll, None);
+        let started = |id: &str| {
+            let r = fleet.replicas.iter().find(|r| r.id == id).unwrap();
+            r.started.clone()
+        };
+        assert_eq!(
+            started("rejoined"),
+            crate::domain::rfc3339(1_700_000_000_000)
+        );
+        assert_eq!(started("older-version"), stamp(1_700_000_100_000));
     }
 
     #[test]
@@ -1605,6 +1650,7 @@ mod tests {
             registered_per_s: 0.0,
             downstream: None,
             refused: None,
+            process_started_ms: None,
         })
         .unwrap();
         assert!(json.get("not_ready").is_none());

@@ -363,6 +363,14 @@ impl Connecting {
             permits.conn().clone(),
             watcher_stop.clone(),
         ));
+        let cold_start_watch = tokio::spawn(permit::server::watch_cold_start(
+            permits.conn().clone(),
+            longest_span(&terms),
+            terms.redis_durable,
+            stats.redis_cold_start_until_ms.clone(),
+            watcher_stop.clone(),
+        ));
+        let repeats = tokio::spawn(crate::telemetry::repeats::report(watcher_stop.clone()));
         let ready_for_run = ready.clone();
         let done = tokio::spawn(async move {
             let ran = run(args, worker, nodes, session, ready_for_run, shutdown).await;
@@ -370,11 +378,36 @@ impl Connecting {
             let _ =
                 tokio::time::timeout(Duration::from_secs(1), permits.write_pool_answers()).await;
             watcher_stop.cancel();
-            let _ = tokio::join!(watcher, memory_watch, heartbeats, redis_watch);
+            let _ = tokio::join!(
+                watcher,
+                memory_watch,
+                cold_start_watch,
+                repeats,
+                heartbeats,
+                redis_watch
+            );
             ran
         });
         Ok(Some(Replica { stats, ready, done }))
     }
+}
+
+/// The longest window + guard of `terms`' limits (the default stack and the global limit): how
+/// long a Redis that just started makes sellers wait, at most.
+fn longest_span(terms: &crate::config::LimiterArgs) -> Duration {
+    terms
+        .limit
+        .iter()
+        .chain(
+            terms
+                .global_limit
+                .0
+                .iter()
+                .flat_map(crate::config::Limits::iter),
+        )
+        .map(|l| l.window() + terms.guard_for(l.window()))
+        .max()
+        .unwrap_or_default()
 }
 
 /// The replica's one worker (shared by every delivery task).

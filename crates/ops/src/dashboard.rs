@@ -265,6 +265,10 @@ pub struct ReplicaView {
     pub deliveries: u64,
     pub registered: u64,
     pub ladder: LadderView,
+    /// Until when (Unix ms) every seller waits because Redis started less than a window ago
+    /// (absent when it does not; see `TURNSTILE_REDIS_DURABLE`).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub redis_cold_start_until_ms: Option<u64>,
 }
 
 /// What this replica's delay ladder consumers did: messages held now, hops moved on, hops
@@ -701,6 +705,10 @@ impl Dashboard {
                 overdue: stats.ladder.overdue.load(Ordering::Relaxed),
                 max_late_ms: stats.ladder.max_late_ms.load(Ordering::Relaxed),
             },
+            redis_cold_start_until_ms: Some(
+                stats.redis_cold_start_until_ms.load(Ordering::Relaxed),
+            )
+            .filter(|until| *until > turnstile_core::domain::unix_ms()),
         }
     }
 

@@ -3,15 +3,18 @@
 //! `noeviction`). A replica refuses to start on such a server unless told it may
 //! (`TURNSTILE_ALLOW_EVICTION`), and keeps watching it. Whatever the policy, state lost to an
 //! eviction or a flush pauses the sellers it may concern (`losses_since` in
-//! `lua/include/losses.lua`).
+//! `lua/include/losses.lua`). And whether it started less than a window ago: its sellers then
+//! wait (`check_server` in the same file), which a replica says once ([`watch_cold_start`]).
 
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Duration;
 
 use crate::permit::conn::RedisConn;
 use crate::permit::error::PermitError;
 use redis::Value;
 use tokio_util::sync::CancellationToken;
-use tracing::error;
+use tracing::{error, info, warn};
 
 /// One Redis server's memory settings, as `INFO memory` gives them.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -129,6 +132,112 @@ pub async fn watch_memory_policy(conn: RedisConn, stop: CancellationToken) {
     }
 }
 
+/// One server's start, as `INFO server` gives it.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct ServerStart {
+    /// `run_id`: new at every start, different on every server.
+    pub run_id: String,
+    /// `uptime_in_seconds`: the start is taken as late as it can have been (whole seconds).
+    pub uptime: Duration,
+}
+
+impl ServerStart {
+    /// Reads the start from the text of `INFO server` (`None` if it does not say).
+    pub fn parse(info: &str) -> Option<Self> {
+        let field = |name: &str| {
+            info.lines()
+                .find_map(|line| line.trim_end().strip_prefix(name)?.strip_prefix(':'))
+        };
+        Some(Self {
+            run_id: field("run_id")?.to_owned(),
+            uptime: Duration::from_secs(field("uptime_in_seconds")?.parse().ok()?),
+        })
+    }
+}
+
+/// The start of every server behind `conn` (each primary of a cluster).
+pub async fn server_starts(conn: &RedisConn) -> Result<Vec<ServerStart>, PermitError> {
+    let answer: Value = redis::cmd("INFO")
+        .arg("server")
+        .query_async(&mut conn.clone())
+        .await?;
+    let mut texts = Vec::new();
+    collect_texts(answer, &mut texts);
+    let starts: Vec<ServerStart> = texts.iter().filter_map(|t| ServerStart::parse(t)).collect();
+    if starts.is_empty() {
+        return Err(PermitError::Answer("INFO server"));
+    }
+    Ok(starts)
+}
+
+/// Until when (Unix ms) the sellers on a server of `starts` that started less than `span` ago
+/// wait at `now_ms`: `span` after the latest such start (every grant its lost state held was
+/// made before it, so none is in any window by then); `None` when none did.
+pub fn cold_start_until(starts: &[ServerStart], span: Duration, now_ms: u64) -> Option<u64> {
+    starts
+        .iter()
+        .filter(|s| s.uptime < span)
+        .map(|s| now_ms.saturating_sub(s.uptime.as_millis() as u64) + span.as_millis() as u64)
+        .max()
+}
+
+/// How often a running replica looks at the servers' starts.
+pub(crate) const COLD_START_EVERY: Duration = Duration::from_secs(5);
+
+/// Looks at the servers' starts at once and then every [`COLD_START_EVERY`] until `stop`: while
+/// one started less than `span` (the longest window + guard of the replica's limits) ago, its
+/// sellers wait until `span` after its start (see `check_server` in `lua/include/losses.lua`),
+/// which is said once per start (a WARN line with the end and the setting that skips it, an
+/// INFO line when it is over), kept in `until_ms` (Unix ms, 0 when none: the console reads it)
+/// and in the gauge `turnstile_redis_cold_start_pause_seconds` (seconds left). Nothing waits,
+/// and nothing is said, with `durable` (`TURNSTILE_REDIS_DURABLE`).
+pub async fn watch_cold_start(
+    conn: RedisConn,
+    span: Duration,
+    durable: bool,
+    until_ms: Arc<AtomicU64>,
+    stop: CancellationToken,
+) {
+    metrics::gauge!("turnstile_redis_cold_start_pause_seconds").set(0.0);
+    if durable {
+        return;
+    }
+    let mut said: Option<u64> = None;
+    loop {
+        if let Ok(starts) = server_starts(&conn).await {
+            let now_ms = crate::domain::unix_ms();
+            let until = cold_start_until(&starts, span, now_ms).filter(|u| *u > now_ms);
+            match (until, said) {
+                (Some(until), Some(before)) if until.abs_diff(before) < 2_000 => {}
+                (Some(until), _) => {
+                    let uptime = starts.iter().map(|s| s.uptime).min().unwrap_or_default();
+                    warn!(
+                        uptime_s = uptime.as_secs(),
+                        until = %crate::domain::rfc3339(until),
+                        "Redis started {}s ago (a restart, a restore or a failover): every seller waits until {} (one window + guard after the start), as grants its lost state held may still count at the downstream; set TURNSTILE_REDIS_DURABLE=true if Redis keeps every acknowledged write",
+                        uptime.as_secs(),
+                        crate::domain::rfc3339(until)
+                    );
+                    said = Some(until);
+                }
+                (None, Some(_)) => {
+                    info!("Redis's cold-start pause is over: sellers are granted again");
+                    said = None;
+                }
+                (None, None) => {}
+            }
+            let left_ms = until.map_or(0, |u| u.saturating_sub(now_ms));
+            until_ms.store(until.unwrap_or(0), Ordering::Relaxed);
+            metrics::gauge!("turnstile_redis_cold_start_pause_seconds")
+                .set(left_ms as f64 / 1000.0);
+        }
+        tokio::select! {
+            _ = tokio::time::sleep(COLD_START_EVERY) => {}
+            _ = stop.cancelled() => return,
+        }
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -161,5 +270,28 @@ mod tests {
         assert!(!safe.may_evict());
         assert_eq!(evicting(&[safe, limited.clone()]), Some(&limited));
         assert!(MemoryPolicy::parse("# Memory\r\nused_memory:1\r\n").is_none());
+    }
+
+    #[test]
+    fn a_server_started_less_than_a_window_ago_makes_sellers_wait_a_window_from_its_start() {
+        let info = "# Server\r\nredis_version:7.0.15\r\nrun_id:4f1d\r\nuptime_in_seconds:20\r\n";
+        let fresh = ServerStart::parse(info).unwrap();
+        assert_eq!(fresh.uptime, Duration::from_secs(20));
+        let old = ServerStart {
+            run_id: "9a".into(),
+            uptime: Duration::from_secs(3600),
+        };
+        let minute = Duration::from_secs(60) + Duration::from_secs(2);
+        let now = 1_000_000;
+        assert_eq!(
+            cold_start_until(&[old.clone(), fresh.clone()], minute, now),
+            Some(now - 20_000 + 62_000)
+        );
+        assert_eq!(cold_start_until(&[old], minute, now), None);
+        assert_eq!(
+            cold_start_until(&[fresh], Duration::from_secs(10), now),
+            None
+        );
+        assert!(ServerStart::parse("# Server\r\nrun_id:4f1d\r\n").is_none());
     }
 }

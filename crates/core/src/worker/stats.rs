@@ -41,6 +41,9 @@ pub struct Stats {
     /// Sellers asked about since the dashboard sampler last took them (at most
     /// [`Stats::MAX_SELLERS`]; the sampler records them in Redis every second).
     pub sellers: Mutex<HashSet<String>>,
+    /// Until when (Unix ms) every seller waits because Redis started less than a window ago
+    /// (0: it does not; see `permit::server::watch_cold_start`).
+    pub redis_cold_start_until_ms: Arc<std::sync::atomic::AtomicU64>,
 }
 
 impl Stats {

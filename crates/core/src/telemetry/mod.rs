@@ -19,6 +19,8 @@
 //! event's own fields come last); `timestamp`, `level`, `message` and `target` are always the
 //! line's own.
 
+pub mod repeats;
+
 use std::io::IsTerminal;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -36,9 +38,17 @@ use tracing_subscriber::util::SubscriberInitExt;
 
 /// Installs the global subscriber (once; later calls do nothing). Logs go to stderr, in the
 /// format [`Format::from_env`] picks.
+/// Warnings that repeat are folded ([`repeats`]: once per call site and interval, with a count);
+/// [`repeats::report`] writes the counts. Notes the process's start
+/// ([`crate::domain::process_started_ms`]).
 pub fn init() {
+    crate::domain::process_started_ms();
     let filter = filter_from(std::env::var("RUST_LOG").ok().as_deref());
-    let _ = subscriber(filter, Format::from_env(), std::io::stderr).try_init();
+    let _ = tracing_subscriber::registry()
+        .with(filter)
+        .with(repeats::FoldRepeats::new(repeats::Repeats::shared()))
+        .with(layer(Format::from_env(), std::io::stderr))
+        .try_init();
 }
 
 /// How log lines are written.
@@ -416,6 +426,40 @@ mod tests {
         assert!(!lapin.contains("lapin=off"), "{lapin}");
         let bad = filter_from(Some("[[[")).to_string();
         assert_eq!(bad, EnvFilter::new(DEFAULT_FILTER).to_string());
+    }
+
+    #[test]
+    fn a_flood_of_one_warning_is_written_once_and_then_as_a_count() {
+        let lines = Lines::default();
+        let folds = Arc::new(repeats::Repeats::default());
+        let subscriber = tracing_subscriber::registry()
+            .with(filter_from(None))
+            .with(repeats::FoldRepeats::new(folds.clone()))
+            .with(layer(Format::Json, lines.clone()));
+        tracing::subscriber::with_default(subscriber, || {
+            for n in 0..1000 {
+                tracing::warn!(retry_in_ms = n, "no permit decision (Redis); not calling");
+                tracing::info!(n, "an info line is never folded");
+            }
+            tracing::warn!("another warning");
+            repeats::report_now(&folds);
+        });
+        let lines = lines.json();
+        let warnings: Vec<_> = lines.iter().filter(|l| l["level"] == "WARN").collect();
+        assert_eq!(warnings.len(), 3, "{warnings:?}");
+        assert_eq!(
+            warnings[0]["message"],
+            "no permit decision (Redis); not calling"
+        );
+        assert_eq!(warnings[1]["message"], "another warning");
+        assert_eq!(warnings[2]["message"], "a warning repeated");
+        assert_eq!(warnings[2]["repeated"], 999);
+        assert_eq!(
+            warnings[2]["warning"],
+            "no permit decision (Redis); not calling"
+        );
+        assert_eq!(warnings[2]["from"], "turnstile_core::telemetry::tests");
+        assert_eq!(lines.iter().filter(|l| l["level"] == "INFO").count(), 1000);
     }
 
     #[test]
