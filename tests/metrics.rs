@@ -262,6 +262,8 @@ async fn a_fresh_replica_exports_every_series_at_zero_and_no_series_appears_late
             "turnstile_fleet_disagreement".to_owned(),
             "turnstile_fleet_replicas".to_owned(),
             "turnstile_redis_may_evict".to_owned(),
+            // Set when the replica first reads Redis's start.
+            "turnstile_redis_cold_start_pause_seconds".to_owned(),
             // Set when the delay ladder's channel opens, from the consumer timeout.
             "turnstile_delay_longest_hold_seconds".to_owned(),
         ]),

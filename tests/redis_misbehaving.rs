@@ -355,3 +355,81 @@ async fn a_replica_refuses_a_redis_that_may_evict_unless_allowed() {
     rig.stop_replicas().await.unwrap();
     rig.cleanup().await.unwrap();
 }
+
+/// A replica on a Redis that started moments ago says why every seller waits and until when,
+/// once: the console's Redis cold start (its end one window + guard after Redis's start) and
+/// `turnstile_redis_cold_start_pause_seconds` counting down to it; nothing of it when Redis
+/// is declared durable.
+#[tokio::test]
+async fn a_redis_started_moments_ago_is_said_with_the_end_of_its_pause() {
+    use turnstile_ops::http::Listen;
+    use turnstile_ops::serve::{HttpArgs, ServeArgs};
+    let redis = LocalRedis::start().unwrap();
+    let mut rig = support::rig("cold-start", "5/30s")
+        .on_redis(&redis.url())
+        .prepare()
+        .await
+        .unwrap();
+    let client = redis::Client::open(redis.url()).unwrap();
+    let mut conn = client.get_multiplexed_async_connection().await.unwrap();
+    for durable in [false, true] {
+        let mut consume = rig.settings(2);
+        consume.limiter.redis_durable = durable;
+        let http = HttpArgs {
+            http_addr: Listen::At("127.0.0.1:0".parse().unwrap()),
+            http_token: None,
+        };
+        rig.start_replica(ServeArgs { consume, http })
+            .await
+            .unwrap();
+        let addr = rig.replicas().last().unwrap().http_addr.unwrap();
+        let get = |path: &'static str| async move {
+            reqwest::get(format!("http://{addr}{path}"))
+                .await
+                .unwrap()
+                .text()
+                .await
+                .unwrap()
+        };
+        let uptime_s: u64 = info_field(&mut conn, "server", "uptime_in_seconds")
+            .await
+            .parse()
+            .unwrap();
+        let seconds_left = || async {
+            let page = get("/metrics").await;
+            page.lines()
+                .find_map(|l| l.strip_prefix("turnstile_redis_cold_start_pause_seconds "))
+                .and_then(|v| v.trim().parse::<f64>().ok())
+        };
+        if durable {
+            assert_eq!(seconds_left().await, Some(0.0), "durable: nothing waits");
+            let snapshot: serde_json::Value =
+                serde_json::from_str(&get("/api/dashboard").await).unwrap();
+            assert!(
+                snapshot["replica"]
+                    .get("redis_cold_start_until_ms")
+                    .is_none(),
+                "{}",
+                snapshot["replica"]
+            );
+            continue;
+        }
+        support::eventually_async("the cold start is read", async || {
+            seconds_left().await.is_some_and(|s| s > 0.0)
+        })
+        .await;
+        // 30 s + a guard of 1.5 s from a start at most `uptime_s` (+ 1, whole seconds) ago.
+        let left = seconds_left().await.unwrap();
+        let most = 31.5 - uptime_s as f64;
+        assert!(left <= most, "{left} s left, uptime {uptime_s} s");
+        let snapshot: serde_json::Value =
+            serde_json::from_str(&get("/api/dashboard").await).unwrap();
+        let until = snapshot["replica"]["redis_cold_start_until_ms"]
+            .as_u64()
+            .expect("the console says until when");
+        let now = snapshot["now_ms"].as_u64().unwrap();
+        assert!(until > now && until - now <= 31_500, "{until} - {now}");
+        rig.stop_replicas().await.unwrap();
+    }
+    rig.cleanup().await.unwrap();
+}

@@ -349,6 +349,10 @@ impl Connecting {
             let _ = tokio::join!(heartbeats, redis_watch);
             return Ok(None);
         };
+        // Series that their tasks set again soon, exported from the first scrape on.
+        let longest_hold = args.broker.topology().holds().longest();
+        metrics::gauge!("turnstile_delay_longest_hold_seconds").set(longest_hold.as_secs_f64());
+        metrics::gauge!("turnstile_redis_cold_start_pause_seconds").set(0.0);
         ready.set(true);
         metrics::gauge!("turnstile_broker_connected").set(1.0);
         let terms = permits.limiter();

@@ -335,6 +335,11 @@ pub const METRICS: &[Metric] = &[
         "1 while a Redis server may evict keys (maxmemory with a policy other than noeviction): a seller whose state is evicted is paused for one window.",
     ),
     plain(
+        "turnstile_redis_cold_start_pause_seconds",
+        Gauge,
+        "Seconds until every seller's permits stop waiting for a Redis that started less than a window ago (one window + guard after its start; 0 when none did, and always with TURNSTILE_REDIS_DURABLE=true).",
+    ),
+    plain(
         "turnstile_in_flight",
         Gauge,
         "Downstream calls under way in this replica.",

@@ -198,7 +198,6 @@ pub async fn watch_cold_start(
     until_ms: Arc<AtomicU64>,
     stop: CancellationToken,
 ) {
-    metrics::gauge!("turnstile_redis_cold_start_pause_seconds").set(0.0);
     if durable {
         return;
     }
