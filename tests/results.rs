@@ -1724,7 +1724,17 @@ async fn an_upload_service_learns_whether_more_rows_would_be_registered_by_a_dea
         .keys()
         .cloned()
         .collect();
-    assert_eq!(keys, ["finish_at", "finish_in_s", "rows"], "{rows_only}");
+    assert_eq!(
+        keys,
+        [
+            "basis",
+            "finish_at",
+            "finish_in_s",
+            "observed_per_s",
+            "rows"
+        ],
+        "{rows_only}"
+    );
     let (_, plain) = api(&rig, &format!("/api/sellers/{seller}")).await;
     assert!(plain.get("admission").is_none(), "{plain}");
 

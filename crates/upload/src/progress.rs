@@ -81,6 +81,62 @@ fn drain(limit: &turnstile_core::permit::LimitUsage, n: u64) -> Duration {
     (limit.limit.window() + limit.guard) * u32::try_from(periods).unwrap_or(u32::MAX)
 }
 
+/// What an ETA rests on: the seller's limits, or the pace its work is actually getting.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum Basis {
+    /// The seller's limits (with its pause, learned limit, global share and retries): as fast
+    /// as they allow, the pace observed being no slower, or not known yet.
+    Limits,
+    /// The pace the seller's open batches were registered at so far ([`observed_pace`]),
+    /// slower than its limits allow: a slow downstream, too few free workers, an API whose
+    /// real limit is lower, a replica cut off.
+    ObservedPace,
+}
+
+/// The least a seller's open batches must have had counted before their pace is observed:
+/// this many units, and [`OBSERVED_FROM`] of their rows.
+pub const OBSERVED_AFTER_UNITS: u64 = 10;
+
+/// The least share of their rows a seller's open batches must have had counted before their
+/// pace is observed.
+pub const OBSERVED_FROM: f64 = 0.05;
+
+/// The pace (units per second) at which the seller's open batches (`batches` with rows
+/// waiting) had their units counted so far, read at `now_ms`: their counted units over the
+/// time since the first of them was first seen; `None` until they have [`OBSERVED_AFTER_UNITS`]
+/// units and [`OBSERVED_FROM`] of their rows counted, over at least a second. A batch waiting
+/// behind the seller's earlier work counts its units too (none, until its turn), so the pace
+/// is the seller's, not one batch's.
+pub fn observed_pace(batches: &[Progress], now_ms: u64) -> Option<f64> {
+    let open: Vec<&Progress> = batches
+        .iter()
+        .filter(|b| b.waiting().is_some_and(|w| w > 0))
+        .collect();
+    let since = open.iter().filter_map(|b| b.first_ms).min()?;
+    let units: u64 = open
+        .iter()
+        .map(|b| b.done_units.max(b.registered + b.dead))
+        .sum();
+    let rows: u64 = open.iter().filter_map(|b| b.total).sum();
+    let done: u64 = open.iter().map(|b| b.registered + b.dead).sum();
+    let elapsed = now_ms.saturating_sub(since) as f64 / 1000.0;
+    let enough = units >= OBSERVED_AFTER_UNITS && done as f64 >= OBSERVED_FROM * rows as f64;
+    (enough && elapsed >= 1.0).then(|| units as f64 / elapsed)
+}
+
+/// An ETA from the limits (`by_limits`) and, once observed, the seller's pace (`pace`, units
+/// per second) for `units`: the later of the two, and which it is.
+pub fn honest_eta(by_limits: Duration, pace: Option<f64>, units: u64) -> (Duration, Basis) {
+    let observed = pace
+        .filter(|p| *p > 0.0)
+        .and_then(|p| Duration::try_from_secs_f64(units as f64 / p).ok());
+    match observed {
+        Some(observed) if observed > by_limits => (observed, Basis::ObservedPace),
+        _ => (by_limits, Basis::Limits),
+    }
+}
+
 /// A seller's share of the global limit, in units per second: the global stack's slowest
 /// long-run rate, shared by weight among the sellers competing now (all of it when none
 /// competes).
@@ -116,8 +172,19 @@ pub struct BatchReport {
     pub waiting: Option<u64>,
     pub done: bool,
     /// Seconds until its last message is expected to be registered (0 when done; null while
-    /// its total is unknown).
+    /// its total is unknown): the later of what its seller's limits allow and what the pace
+    /// observed so far gives (see `eta_basis`).
     pub eta_s: Option<f64>,
+    /// The soonest its seller's limits allow (null while its total is unknown): with `eta_s`,
+    /// the range the finish is expected in.
+    pub eta_limits_s: Option<f64>,
+    /// What `eta_s` rests on: `limits` or `observed-pace` (see [`Basis`]).
+    pub eta_basis: Basis,
+    /// The pace its seller's open batches are registered at, units per second, once observed
+    /// (see [`observed_pace`]).
+    pub observed_per_s: Option<f64>,
+    /// When it was read (Unix ms): `eta_s` counts from then.
+    pub now_ms: u64,
     /// Its waiting messages whose retry is not due yet (as its seller's retries keep them:
     /// the 256 due last).
     pub retrying: u64,
@@ -208,8 +275,15 @@ pub struct SellerReport {
     pub paused_for_s: f64,
     /// Its share of the global limit, units per second, when there is one.
     pub global_share_per_s: Option<f64>,
-    /// Seconds until its whole backlog is expected to be registered.
+    /// Seconds until its whole backlog is expected to be registered: the later of what its
+    /// limits allow (`eta_limits_s`) and what its observed pace gives (see `eta_basis`).
     pub eta_s: f64,
+    pub eta_limits_s: f64,
+    pub eta_basis: Basis,
+    /// The pace its open batches are registered at, units per second, once observed.
+    pub observed_per_s: Option<f64>,
+    /// When it was read (Unix ms).
+    pub now_ms: u64,
     /// Messages of its backlog whose retry is not due yet (at most the 256 due last).
     pub retrying: u64,
     pub batches: Vec<BatchReport>,
@@ -226,24 +300,34 @@ impl SellerReport {
     /// backlog: [`eta`] over its backlog's units and those, with its limits, pause, share of
     /// the global limit and retries waiting as read for `eta_s` (which is `eta_with(0)`).
     pub fn eta_with(&self, units: u64) -> Duration {
-        eta(
+        self.eta_and_basis(units).0
+    }
+
+    /// [`Self::eta_with`], with what it rests on: the later of what the limits allow and what
+    /// the pace observed so far gives ([`honest_eta`]).
+    pub fn eta_and_basis(&self, units: u64) -> (Duration, Basis) {
+        let units = self.backlog_units.saturating_add(units);
+        let by_limits = eta(
             &self.usage,
             self.global_share_per_s,
-            self.backlog_units.saturating_add(units),
+            units,
             &self.backlog_retries,
-        )
+        );
+        honest_eta(by_limits, self.observed_per_s, units)
     }
 
     /// The answer to `question` about this seller at `now`: when `question.rows` more rows (of
     /// one unit each, the default cost) published now are expected to be registered, and
     /// whether that is by its deadline.
     pub fn admission(&self, question: &Question, now: OffsetDateTime) -> Admission {
-        let finish_in = self.eta_with(question.rows);
+        let (finish_in, basis) = self.eta_and_basis(question.rows);
         let finish_at = later(now, finish_in);
         Admission {
             rows: question.rows,
             finish_at: rfc3339_millis(finish_at),
             finish_in_s: finish_in.as_secs_f64(),
+            basis,
+            observed_per_s: self.observed_per_s,
             deadline: question.deadline.map(rfc3339),
             meets_deadline: question.deadline.map(|deadline| finish_at <= deadline),
         }
@@ -322,6 +406,11 @@ pub struct Admission {
     pub finish_at: String,
     /// The same, in seconds from now.
     pub finish_in_s: f64,
+    /// What it rests on: the seller's limits, or its observed pace when that is slower (the
+    /// seller's work is registered slower than its limits allow).
+    pub basis: Basis,
+    /// The seller's observed pace, units per second, once known.
+    pub observed_per_s: Option<f64>,
     /// The deadline asked about, in UTC (absent when none was).
     #[serde(skip_serializing_if = "Option::is_none")]
     pub deadline: Option<String>,
@@ -381,6 +470,7 @@ pub fn seller_report(
         .max()
         .unwrap_or_default();
     let paused = !usage.paused_for.is_zero();
+    let pace = observed_pace(&batches, now_ms);
     let mut ahead = 0;
     let mut moving_ms = 0;
     let mut reports = Vec::new();
@@ -399,19 +489,33 @@ pub fn seller_report(
                 .collect(),
             _ => Vec::new(),
         };
-        let eta_s = match waiting {
-            None => None,
-            Some(0) => Some(0.0),
-            Some(_) => Some(eta(&usage, global_rate, ahead, &own).as_secs_f64()),
+        let (eta_s, eta_limits_s, basis) = match waiting {
+            None => (None, None, Basis::Limits),
+            Some(0) => (Some(0.0), Some(0.0), Basis::Limits),
+            Some(_) => {
+                let by_limits = eta(&usage, global_rate, ahead, &own);
+                let (honest, basis) = honest_eta(by_limits, pace, ahead);
+                (
+                    Some(honest.as_secs_f64()),
+                    Some(by_limits.as_secs_f64()),
+                    basis,
+                )
+            }
         };
         let own_retrying = (own.len() as u64).min(waiting.unwrap_or(0));
         retrying += own_retrying;
         let mut report = batch_report(b, eta_s, own_retrying);
+        report.eta_limits_s = eta_limits_s;
+        report.eta_basis = basis;
+        report.observed_per_s = pace;
+        report.now_ms = now_ms;
         report.stalled = stalled(b, moving_ms, now_ms, paused, own_retrying, longest);
         reports.push(report);
         backlog_retries.extend(own);
     }
     let backlog = batches.iter().filter_map(Progress::waiting).sum();
+    let seller_by_limits = eta(&usage, global_rate, ahead, &backlog_retries);
+    let seller_eta = honest_eta(seller_by_limits, pace, ahead);
     SellerReport {
         seller_id: seller.as_str().to_owned(),
         backlog,
@@ -422,7 +526,11 @@ pub fn seller_report(
         overridden: usage.overridden,
         paused_for_s: usage.paused_for.as_secs_f64(),
         global_share_per_s: global_rate,
-        eta_s: eta(&usage, global_rate, ahead, &backlog_retries).as_secs_f64(),
+        eta_s: seller_eta.0.as_secs_f64(),
+        eta_limits_s: seller_by_limits.as_secs_f64(),
+        eta_basis: seller_eta.1,
+        observed_per_s: pace,
+        now_ms,
         retrying,
         batches: reports,
         usage,
@@ -440,6 +548,10 @@ fn batch_report(b: &Progress, eta_s: Option<f64>, retrying: u64) -> BatchReport 
         waiting: b.waiting(),
         done: b.done(),
         eta_s,
+        eta_limits_s: eta_s,
+        eta_basis: Basis::Limits,
+        observed_per_s: None,
+        now_ms: 0,
         retrying,
         extra: b.extra(),
         other_size: b.other_size,
@@ -735,6 +847,74 @@ mod tests {
     }
 
     #[test]
+    fn a_seller_registered_slower_than_its_limits_allow_is_given_the_eta_of_its_observed_pace() {
+        let seller = SellerId::parse("S-1").unwrap();
+        // 340 rows at 20/1s, a downstream that takes 10 a second: 100 registered in 10 s.
+        let slow = || Progress {
+            registered: 100,
+            done_units: 100,
+            ..batch("b", 0, 340, 100)
+        };
+        let limits = || usage("20/1s", 10, Duration::from_millis(500));
+        let report = seller_report(&seller, vec![slow()], limits(), None, &[], 10_000);
+        let b = &report.batches[0];
+        assert_eq!(b.observed_per_s, Some(10.0));
+        assert_eq!((b.eta_s, b.eta_basis), (Some(24.0), Basis::ObservedPace));
+        assert!(b.eta_limits_s.unwrap() < 12.5, "{b:?}");
+        assert_eq!(
+            (report.eta_s, report.eta_basis),
+            (24.0, Basis::ObservedPace)
+        );
+        // An admission question is answered at that pace too, and says so.
+        let question = Question {
+            rows: 60,
+            deadline: None,
+        };
+        let answer = report.admission(&question, at("2026-11-26T01:00:00Z"));
+        assert_eq!(
+            (answer.finish_in_s, answer.basis),
+            (30.0, Basis::ObservedPace)
+        );
+        assert_eq!(answer.observed_per_s, Some(10.0));
+    }
+
+    #[test]
+    fn a_first_windows_burst_faster_than_the_long_run_limit_leaves_the_eta_to_the_limits() {
+        let seller = SellerId::parse("S-1").unwrap();
+        // 500 at 100/1m: the first 100 granted at once, registered within 1.5 s.
+        let burst = Progress {
+            done_units: 100,
+            ..batch("b", 0, 500, 100)
+        };
+        let report = seller_report(
+            &seller,
+            vec![burst],
+            usage("100/1m", 100, Duration::from_millis(1500)),
+            None,
+            &[],
+            1_500,
+        );
+        let b = &report.batches[0];
+        assert!(b.observed_per_s.unwrap() > 60.0, "{b:?}");
+        assert_eq!(b.eta_basis, Basis::Limits);
+        assert_eq!(b.eta_s, b.eta_limits_s);
+    }
+
+    #[test]
+    fn no_pace_is_observed_before_ten_units_and_five_percent_of_the_rows_over_a_second() {
+        let open = |registered, total| Progress {
+            done_units: registered,
+            ..batch("b", 0, total, registered)
+        };
+        assert_eq!(observed_pace(&[open(9, 100)], 10_000), None);
+        assert_eq!(observed_pace(&[open(10, 1000)], 10_000), None);
+        assert_eq!(observed_pace(&[open(50, 1000)], 900), None);
+        assert_eq!(observed_pace(&[open(50, 1000)], 10_000), Some(5.0));
+        // A done batch is not the seller's pace now.
+        assert_eq!(observed_pace(&[open(100, 100)], 10_000), None);
+    }
+
+    #[test]
     fn a_batch_without_a_total_has_no_eta_and_is_never_done() {
         let unknown = Progress {
             total: None,
@@ -932,6 +1112,8 @@ mod tests {
                 rows: 5,
                 finish_at: "2026-11-26T01:00:30Z".into(),
                 finish_in_s: 30.0,
+                basis: Basis::Limits,
+                observed_per_s: None,
                 deadline: Some("2026-11-26T01:00:05Z".into()),
                 meets_deadline: Some(false),
             }
@@ -965,7 +1147,8 @@ mod tests {
         .unwrap();
         assert_eq!(
             json,
-            serde_json::json!({"rows": 5, "finish_at": "2026-11-26T01:00:30Z", "finish_in_s": 30.0})
+            serde_json::json!({"rows": 5, "finish_at": "2026-11-26T01:00:30Z", "finish_in_s": 30.0,
+                "basis": "limits", "observed_per_s": null})
         );
     }
 
