@@ -102,13 +102,48 @@ pub const OBSERVED_AFTER_UNITS: u64 = 10;
 /// pace is observed.
 pub const OBSERVED_FROM: f64 = 0.05;
 
+/// The pace (units per second) the seller's open batches are getting, read at `now_ms`: the
+/// faster of their pace so far ([`pace_so_far`]) and the seller's calls in its longest window
+/// now ([`recent_pace`]), so that a slow start (pauses while a lower real limit was learned)
+/// does not weigh on the pace once it picked up. `None` until the pace so far is known.
+///
+/// While the seller's limit is learned below its configured one, its pace so far is not the
+/// pace: it includes the time the API refused calls until the lower limit was learned, and the
+/// learned limit already is what the API allows.
+pub fn observed_pace(batches: &[Progress], usage: &Usage, now_ms: u64) -> Option<f64> {
+    let so_far = pace_so_far(batches, now_ms)?;
+    let recent = recent_pace(usage);
+    if usage.learned_why.is_some() {
+        return recent;
+    }
+    Some(recent.map_or(so_far, |recent| recent.max(so_far)))
+}
+
+/// The least calls in a seller's window for [`recent_pace`] to say anything.
+const RECENT_AFTER_CALLS: u64 = 5;
+
+/// The seller's calls per second over its longest window now: the answered calls its window
+/// holds (not those in flight or reserved) over the time since the oldest of them, one call
+/// fewer than counted (the gaps between them); `None` with fewer than [`RECENT_AFTER_CALLS`],
+/// when they span less than half the window (a burst after a pause says little of the pace),
+/// or for an algorithm that keeps no such log (GCRA, token bucket).
+pub fn recent_pace(usage: &Usage) -> Option<f64> {
+    let longest = usage.per_limit.iter().max_by_key(|l| l.limit.window())?;
+    let span = longest.oldest_age.as_secs_f64();
+    let answered = longest
+        .used
+        .saturating_sub(usage.in_flight + longest.due_reserved);
+    let covers = span >= longest.limit.window().as_secs_f64() / 2.0;
+    (answered >= RECENT_AFTER_CALLS && covers).then(|| (answered - 1) as f64 / span)
+}
+
 /// The pace (units per second) at which the seller's open batches (`batches` with rows
 /// waiting) had their units counted so far, read at `now_ms`: their counted units over the
 /// time since the first of them was first seen; `None` until they have [`OBSERVED_AFTER_UNITS`]
 /// units and [`OBSERVED_FROM`] of their rows counted, over at least a second. A batch waiting
 /// behind the seller's earlier work counts its units too (none, until its turn), so the pace
 /// is the seller's, not one batch's.
-pub fn observed_pace(batches: &[Progress], now_ms: u64) -> Option<f64> {
+pub fn pace_so_far(batches: &[Progress], now_ms: u64) -> Option<f64> {
     let open: Vec<&Progress> = batches
         .iter()
         .filter(|b| b.waiting().is_some_and(|w| w > 0))
@@ -470,7 +505,7 @@ pub fn seller_report(
         .max()
         .unwrap_or_default();
     let paused = !usage.paused_for.is_zero();
-    let pace = observed_pace(&batches, now_ms);
+    let pace = observed_pace(&batches, &usage, now_ms);
     let mut ahead = 0;
     let mut moving_ms = 0;
     let mut reports = Vec::new();
@@ -855,7 +890,7 @@ mod tests {
             done_units: 100,
             ..batch("b", 0, 340, 100)
         };
-        let limits = || usage("20/1s", 10, Duration::from_millis(500));
+        let limits = || usage("20/1s", 10, Duration::from_millis(900));
         let report = seller_report(&seller, vec![slow()], limits(), None, &[], 10_000);
         let b = &report.batches[0];
         assert_eq!(b.observed_per_s, Some(10.0));
@@ -906,12 +941,28 @@ mod tests {
             done_units: registered,
             ..batch("b", 0, total, registered)
         };
-        assert_eq!(observed_pace(&[open(9, 100)], 10_000), None);
-        assert_eq!(observed_pace(&[open(10, 1000)], 10_000), None);
-        assert_eq!(observed_pace(&[open(50, 1000)], 900), None);
-        assert_eq!(observed_pace(&[open(50, 1000)], 10_000), Some(5.0));
+        assert_eq!(pace_so_far(&[open(9, 100)], 10_000), None);
+        assert_eq!(pace_so_far(&[open(10, 1000)], 10_000), None);
+        assert_eq!(pace_so_far(&[open(50, 1000)], 900), None);
+        assert_eq!(pace_so_far(&[open(50, 1000)], 10_000), Some(5.0));
         // A done batch is not the seller's pace now.
-        assert_eq!(observed_pace(&[open(100, 100)], 10_000), None);
+        assert_eq!(pace_so_far(&[open(100, 100)], 10_000), None);
+    }
+
+    #[test]
+    fn a_pace_that_picked_up_after_a_slow_start_is_read_from_the_sellers_window_now() {
+        // 60 registered in 10 s (6 a second), but the window of the last 0.9 s holds 10 calls.
+        let batches = [Progress {
+            done_units: 60,
+            ..batch("b", 0, 300, 60)
+        }];
+        let mut now = usage("20/1s", 10, Duration::from_millis(900));
+        assert_eq!(recent_pace(&now), Some(10.0));
+        assert_eq!(observed_pace(&batches, &now, 10_000), Some(10.0));
+        // Calls in flight are not answered yet; fewer than five answered say nothing.
+        now.in_flight = 6;
+        assert_eq!(recent_pace(&now), None);
+        assert_eq!(observed_pace(&batches, &now, 10_000), Some(6.0));
     }
 
     #[test]

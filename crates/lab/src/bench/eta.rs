@@ -8,7 +8,7 @@
 //! reading at 2 s or later, and the worst error from 10% registered on. Three ways the pace
 //! falls below the limit: `--latency-ms` (a downstream slower than the limit), `--api-limit`
 //! (an API whose real limit is lower than the replicas are told) and `--cut-off-after-s` (the
-//! first replica cut off from Redis).
+//! last replica cut off from Redis).
 
 use std::time::Duration;
 
@@ -49,8 +49,9 @@ pub struct EtaArgs {
     /// told): an API whose real limit is below the configured one.
     #[arg(long, value_parser = turnstile_core::config::limits_arg)]
     pub api_limit: Option<Limits>,
-    /// Cut the first replica off from Redis this many seconds after the first publish (its
-    /// Redis link through a proxy that then hangs), for the rest of the run.
+    /// Cut the last replica (not the first, which serves the API read) off from Redis this many
+    /// seconds after the first publish (its Redis link through a proxy that then hangs), for
+    /// the rest of the run; needs two replicas or more.
     #[arg(long)]
     pub cut_off_after_s: Option<f64>,
     #[command(flatten)]
@@ -70,6 +71,8 @@ struct Reading {
     at_s: f64,
     registered: u64,
     eta_s: Option<f64>,
+    /// The soonest the limits allow (the ETA from the limits alone).
+    eta_limits_s: Option<f64>,
     /// What the ETA rests on, and the seller's observed pace (units per second).
     basis: String,
     pace: Option<f64>,
@@ -80,6 +83,10 @@ struct Reading {
 /// over the limit.
 pub async fn run(args: EtaArgs) -> anyhow::Result<bool> {
     anyhow::ensure!(args.rows > 0, "--rows must be at least 1");
+    anyhow::ensure!(
+        args.cut_off_after_s.is_none() || args.replicas >= 2,
+        "--cut-off-after-s needs --replicas 2 or more (the first serves the API read)"
+    );
     let (rows, limit) = (args.rows, args.limit.clone());
     let settings = args.rig.replica_settings(
         "eta",
@@ -93,26 +100,35 @@ pub async fn run(args: EtaArgs) -> anyhow::Result<bool> {
     );
     let mut mock = MockArgs::local(limit.clone());
     mock.latency_ms = args.latency_ms;
-    let mut builder = Rig::build(settings).with_mock(mock).serving(HttpArgs {
-        http_addr: Listen::At("127.0.0.1:0".parse()?),
-        http_token: None,
-    });
+    let mut builder = Rig::build(settings).with_mock(mock);
     if let Some(api) = &args.api_limit {
         builder = builder.with_api_limit(api.clone());
     }
     let mut rig = builder.prepare().await?;
-    // The first replica serves the API; with a cut planned, its Redis link goes through a
-    // proxy of its own.
+    // The first replica serves the API; with a cut planned, the last one's Redis link goes
+    // through a proxy of its own.
     let mut proxy = None;
     for n in 0..args.replicas {
         let mut settings = rig.settings(args.workers);
-        if n == 0 && args.cut_off_after_s.is_some() {
+        if n + 1 == args.replicas && n > 0 && args.cut_off_after_s.is_some() {
             let redis = slow_link::address_of(rig.redis_url()).await?;
             let link = SlowLink::start(redis, Duration::ZERO).await?;
             settings.redis.url = link.redis_url();
             proxy = Some(link);
         }
-        rig.start_replica(settings).await?;
+        if n == 0 {
+            let http = HttpArgs {
+                http_addr: Listen::At("127.0.0.1:0".parse()?),
+                http_token: None,
+            };
+            rig.start_replica(turnstile_ops::serve::ServeArgs {
+                consume: settings,
+                http,
+            })
+            .await?;
+        } else {
+            rig.start_replica(settings).await?;
+        }
     }
     let url = format!(
         "http://{}/api/batches/{BATCH}",
@@ -150,7 +166,7 @@ pub async fn run(args: EtaArgs) -> anyhow::Result<bool> {
             && at_s >= after
         {
             link.hang();
-            eprintln!("eta: the first replica cut off from Redis at {at_s:.1} s");
+            eprintln!("eta: the last replica cut off from Redis at {at_s:.1} s");
             cut = None;
         }
         if registered >= rows as u64 || at_s > deadline {
@@ -202,7 +218,7 @@ pub async fn run(args: EtaArgs) -> anyhow::Result<bool> {
     }
     println!();
     println!(
-        "{:>8} {:>10} {:>8} {:>10} {:>10} {:>9} {:>9} {:>9} {:>14} {:>9}",
+        "{:>8} {:>10} {:>8} {:>10} {:>10} {:>9} {:>9} {:>9} {:>14} {:>9} {:>11}",
         "at_s",
         "registered",
         "eta_s",
@@ -212,20 +228,25 @@ pub async fn run(args: EtaArgs) -> anyhow::Result<bool> {
         "%_of_run",
         "%_of_left",
         "basis",
-        "pace_/s"
+        "pace_/s",
+        "limits_err%"
     );
-    let mut worst_from_tenth: f64 = 0.0;
+    let (mut worst_from_tenth, mut worst_by_limits): (f64, f64) = (0.0, 0.0);
     for r in &readings {
         let Some(eta) = r.eta_s else {
             println!("{:>8.1} {:>10} {:>8}", r.at_s, r.registered, "-");
             continue;
         };
         let error = r.at_s + eta - finish;
+        let by_limits = r
+            .eta_limits_s
+            .map(|l| 100.0 * (r.at_s + l - finish) / finish);
         if r.registered * 10 >= rows as u64 {
             worst_from_tenth = worst_from_tenth.max((100.0 * error / finish).abs());
+            worst_by_limits = worst_by_limits.max(by_limits.unwrap_or(0.0).abs());
         }
         println!(
-            "{:>8.1} {:>10} {:>8.1} {:>10.1} {:>10.1} {:>+9.1} {:>+8.1}% {:>+8.1}% {:>14} {:>9}",
+            "{:>8.1} {:>10} {:>8.1} {:>10.1} {:>10.1} {:>+9.1} {:>+8.1}% {:>+8.1}% {:>14} {:>9} {:>11}",
             r.at_s,
             r.registered,
             eta,
@@ -235,10 +256,13 @@ pub async fn run(args: EtaArgs) -> anyhow::Result<bool> {
             100.0 * error / finish,
             100.0 * error / (finish - r.at_s),
             r.basis,
-            r.pace.map_or("-".to_owned(), |p| format!("{p:.1}"))
+            r.pace.map_or("-".to_owned(), |p| format!("{p:.1}")),
+            by_limits.map_or("-".to_owned(), |e| format!("{e:+.1}%"))
         );
     }
-    println!("worst error from 10% registered on: {worst_from_tenth:.1}% of the run");
+    println!(
+        "worst error from 10% registered on: {worst_from_tenth:.1}% of the run (from the limits alone: {worst_by_limits:.1}%)"
+    );
     // Calls over the mock's limit are what a lower real limit answers with 429s, not ours.
     let violations_ok = args.api_limit.is_some() || report.violations == 0;
     Ok(report.lost == 0 && violations_ok && report.duplicates == 0)
@@ -252,6 +276,7 @@ async fn read(client: &reqwest::Client, url: &str, at_s: f64) -> anyhow::Result<
             at_s,
             registered: 0,
             eta_s: None,
+            eta_limits_s: None,
             basis: "-".into(),
             pace: None,
             done: false,
@@ -262,6 +287,7 @@ async fn read(client: &reqwest::Client, url: &str, at_s: f64) -> anyhow::Result<
         at_s,
         registered: report["registered"].as_u64().unwrap_or(0),
         eta_s: report["eta_s"].as_f64(),
+        eta_limits_s: report["eta_limits_s"].as_f64(),
         basis: report["eta_basis"].as_str().unwrap_or("-").to_owned(),
         pace: report["observed_per_s"].as_f64(),
         done: report["done"].as_bool().unwrap_or(false),
