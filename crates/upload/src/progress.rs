@@ -160,16 +160,39 @@ pub fn pace_so_far(batches: &[Progress], now_ms: u64) -> Option<f64> {
     (enough && elapsed >= 1.0).then(|| units as f64 / elapsed)
 }
 
+/// How much later than the limits' ETA the observed pace's must be to be taken (and at least
+/// one window + guard later): a seller that keeps up with its limits reads a little slower
+/// between two windows' grants, and the limits' schedule is then the better estimate.
+pub const OBSERVED_MARGIN: f64 = 1.1;
+
 /// An ETA from the limits (`by_limits`) and, once observed, the seller's pace (`pace`, units
-/// per second) for `units`: the later of the two, and which it is.
-pub fn honest_eta(by_limits: Duration, pace: Option<f64>, units: u64) -> (Duration, Basis) {
+/// per second) for `units`: the observed pace's when it is later than the limits' by more than
+/// [`OBSERVED_MARGIN`] and by more than `window` (the seller's longest window + guard), else
+/// the limits'; and which it is.
+pub fn honest_eta(
+    by_limits: Duration,
+    pace: Option<f64>,
+    units: u64,
+    window: Duration,
+) -> (Duration, Basis) {
     let observed = pace
         .filter(|p| *p > 0.0)
         .and_then(|p| Duration::try_from_secs_f64(units as f64 / p).ok());
+    let later_than = by_limits.mul_f64(OBSERVED_MARGIN).max(by_limits + window);
     match observed {
-        Some(observed) if observed > by_limits => (observed, Basis::ObservedPace),
+        Some(observed) if observed > later_than => (observed, Basis::ObservedPace),
         _ => (by_limits, Basis::Limits),
     }
+}
+
+/// The longest window + guard of the seller's stack now.
+fn longest_window(usage: &Usage) -> Duration {
+    usage
+        .per_limit
+        .iter()
+        .map(|l| l.limit.window() + l.guard)
+        .max()
+        .unwrap_or_default()
 }
 
 /// A seller's share of the global limit, in units per second: the global stack's slowest
@@ -348,7 +371,12 @@ impl SellerReport {
             units,
             &self.backlog_retries,
         );
-        honest_eta(by_limits, self.observed_per_s, units)
+        honest_eta(
+            by_limits,
+            self.observed_per_s,
+            units,
+            longest_window(&self.usage),
+        )
     }
 
     /// The answer to `question` about this seller at `now`: when `question.rows` more rows (of
@@ -498,12 +526,7 @@ pub fn seller_report(
     now_ms: u64,
 ) -> SellerReport {
     batches.sort_by_key(|b| (b.first_ms, b.batch.clone()));
-    let longest = usage
-        .per_limit
-        .iter()
-        .map(|l| l.limit.window() + l.guard)
-        .max()
-        .unwrap_or_default();
+    let longest = longest_window(&usage);
     let paused = !usage.paused_for.is_zero();
     let pace = observed_pace(&batches, &usage, now_ms);
     let mut ahead = 0;
@@ -529,7 +552,7 @@ pub fn seller_report(
             Some(0) => (Some(0.0), Some(0.0), Basis::Limits),
             Some(_) => {
                 let by_limits = eta(&usage, global_rate, ahead, &own);
-                let (honest, basis) = honest_eta(by_limits, pace, ahead);
+                let (honest, basis) = honest_eta(by_limits, pace, ahead, longest);
                 (
                     Some(honest.as_secs_f64()),
                     Some(by_limits.as_secs_f64()),
@@ -550,7 +573,7 @@ pub fn seller_report(
     }
     let backlog = batches.iter().filter_map(Progress::waiting).sum();
     let seller_by_limits = eta(&usage, global_rate, ahead, &backlog_retries);
-    let seller_eta = honest_eta(seller_by_limits, pace, ahead);
+    let seller_eta = honest_eta(seller_by_limits, pace, ahead, longest);
     SellerReport {
         seller_id: seller.as_str().to_owned(),
         backlog,
