@@ -352,6 +352,40 @@ fn a_blank_dashboard_token_stops_startup_with_a_clear_error() {
     }
 }
 
+#[test]
+fn a_placeholder_other_than_seller_id_in_the_downstream_url_stops_startup_naming_both() {
+    let mut cmd = turnstile();
+    // A broker that refuses the login ends a replica that would start with the template.
+    cmd.env("TURNSTILE_AMQP_URL", wrong_password_url())
+        .env("TURNSTILE_REDIS_URL", redis_url())
+        .env("TURNSTILE_KEY_PREFIX", support::unique("placeholder"))
+        .env("TURNSTILE_QUEUE", support::unique("placeholder"))
+        .env(
+            "TURNSTILE_DOWNSTREAM_URL",
+            "http://127.0.0.1:1/register/{seller}",
+        )
+        .env("TURNSTILE_HTTP_ADDR", "off")
+        .env("RUST_LOG", "off")
+        .arg("consume");
+    let (code, _, err) = run(cmd.stdin(Stdio::null()));
+    assert_eq!(code, 1, "{err}");
+    assert!(
+        err.contains("TURNSTILE_DOWNSTREAM_URL")
+            && err.contains("unknown placeholder {seller}: the only placeholder is {seller_id}"),
+        "{err}"
+    );
+}
+
+/// The test broker's URL with a password it refuses.
+fn wrong_password_url() -> String {
+    let uri: lapin::uri::AMQPUri = support::broker::amqp_url().parse().expect("an AMQP URL");
+    let vhost = uri.vhost.replace('%', "%25").replace('/', "%2f");
+    format!(
+        "amqp://{}:not-the-password@{}:{}/{vhost}",
+        uri.authority.userinfo.username, uri.authority.host, uri.authority.port
+    )
+}
+
 /// `turnstile status --json` for a seller.
 fn status_of(rig: &Rig, seller: &str) -> serde_json::Value {
     let mut cmd = turnstile();
