@@ -376,6 +376,38 @@ fn a_placeholder_other_than_seller_id_in_the_downstream_url_stops_startup_naming
     );
 }
 
+#[test]
+fn a_bad_value_read_from_a_variable_is_named_by_the_variable_not_only_the_flag() {
+    let cases = [
+        ("consume", "TURNSTILE_WORKERS", "--workers", "x"),
+        ("consume", "TURNSTILE_ADAPTIVE", "--adaptive", "maybe"),
+        ("consume", "TURNSTILE_HTTP_ADDR", "--http-addr", "nope"),
+        ("status", "TURNSTILE_LIMIT", "--limit", "lots"),
+    ];
+    for (command, variable, flag, value) in cases {
+        let (code, out, err) = run(turnstile()
+            .env(variable, value)
+            .arg(command)
+            .stdin(Stdio::null()));
+        assert_eq!(code, 2, "{variable}={value}: {err}");
+        assert!(out.is_empty(), "{out}");
+        assert!(
+            err.contains(&format!(
+                "invalid value '{value}' for '{variable} ({flag})'"
+            )),
+            "{variable}={value}: {err}"
+        );
+        let (code, _, err) = run(turnstile()
+            .args([command, flag, value])
+            .stdin(Stdio::null()));
+        assert_eq!(code, 2, "{flag} {value}: {err}");
+        assert!(
+            err.contains(&format!("invalid value '{value}' for '{flag}")),
+            "{flag} {value}: {err}"
+        );
+    }
+}
+
 /// The test broker's URL with a password it refuses.
 fn wrong_password_url() -> String {
     let uri: lapin::uri::AMQPUri = support::broker::amqp_url().parse().expect("an AMQP URL");

@@ -118,6 +118,55 @@ fn every_leaf_command_is_listed_and_parses_with_its_defaults() {
 }
 
 #[test]
+fn a_bad_value_read_from_a_variable_is_named_by_the_variable_and_its_flag() {
+    use std::ffi::OsString;
+    let consume = ["consume", "--downstream-url", "http://h/{seller_id}"];
+    let argv = |extra: &[&str]| -> Vec<OsString> {
+        std::iter::once("turnstile")
+            .chain(consume)
+            .chain(extra.iter().copied())
+            .map(OsString::from)
+            .collect()
+    };
+    let refused = |extra: &[&str]| {
+        parse(&[&consume[..], extra].concat())
+            .map(|_| ())
+            .expect_err("a bad value")
+    };
+    let cases = [
+        ("TURNSTILE_WORKERS", "--workers", "x"),
+        ("TURNSTILE_ADAPTIVE", "--adaptive", "maybe"),
+        ("TURNSTILE_HTTP_ADDR", "--http-addr", "nope"),
+        ("TURNSTILE_ALGORITHM", "--algorithm", "foo"),
+    ];
+    for (variable, flag, value) in cases {
+        let set = |v: &str| (v == variable).then(|| OsString::from(value));
+        let from_variable = super::naming_the_variable(
+            refused(&[&format!("{flag}={value}")]),
+            &built(),
+            &argv(&[]),
+            set,
+        )
+        .to_string();
+        assert!(
+            from_variable.contains(&format!(
+                "invalid value '{value}' for '{variable} ({flag})'"
+            )),
+            "{from_variable}"
+        );
+        for given in [&[flag, value][..], &[&format!("{flag}={value}")]] {
+            let from_flag =
+                super::naming_the_variable(refused(given), &built(), &argv(given), set).to_string();
+            assert!(
+                from_flag.contains(&format!("invalid value '{value}' for '{flag}"))
+                    && !from_flag.contains(variable),
+                "{from_flag}"
+            );
+        }
+    }
+}
+
+#[test]
 fn every_argument_has_help() {
     let cmd = built();
     let missing: Vec<String> = arguments(&cmd)
