@@ -10,6 +10,7 @@ static ALLOCATOR: mimalloc::MiMalloc = mimalloc::MiMalloc;
 
 #[tokio::main]
 async fn main() -> std::process::ExitCode {
+    cli::quiet_when_stdout_closes();
     let cli = cli::parse();
     turnstile_core::telemetry::init();
     match cli::run(cli).await {

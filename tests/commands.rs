@@ -408,6 +408,44 @@ fn a_bad_value_read_from_a_variable_is_named_by_the_variable_not_only_the_flag()
     }
 }
 
+/// Runs `cmd` with its stdout a pipe whose reader has already gone (as `| head -1` leaves it
+/// once head has its line); (exit code, stderr).
+fn with_stdout_closed(cmd: &mut Command) -> (i32, String) {
+    let (reader, writer) = std::io::pipe().expect("a pipe");
+    drop(reader);
+    let out = cmd
+        .stdout(writer)
+        .stdin(Stdio::null())
+        .output()
+        .expect("command runs");
+    (
+        out.status.code().unwrap_or(-1),
+        String::from_utf8_lossy(&out.stderr).into_owned(),
+    )
+}
+
+#[test]
+fn printing_to_a_closed_stdout_ends_quietly_with_exit_zero() {
+    let prefix = support::unique("closed-stdout");
+    let mut completions = turnstile();
+    completions.args(["completions", "bash"]);
+    let mut status = turnstile();
+    status
+        .env("TURNSTILE_REDIS_URL", redis_url())
+        .env("TURNSTILE_KEY_PREFIX", &prefix)
+        .env("RUST_LOG", "off")
+        .args(["status", "--json"]);
+    for mut cmd in [completions, status] {
+        let (code, err) = with_stdout_closed(&mut cmd);
+        // `status` notes on stderr that no replica is alive; nothing else may be said there.
+        let err: Vec<&str> = err
+            .lines()
+            .filter(|l| !l.starts_with("no turnstile replica is alive"))
+            .collect();
+        assert_eq!((code, err), (0, Vec::<&str>::new()), "{cmd:?}");
+    }
+}
+
 /// The test broker's URL with a password it refuses.
 fn wrong_password_url() -> String {
     let uri: lapin::uri::AMQPUri = support::broker::amqp_url().parse().expect("an AMQP URL");

@@ -205,6 +205,31 @@ fn check_connection_flags(
     Ok(())
 }
 
+/// Ends the process quietly, with exit code 0, when a print finds stdout closed by its reader
+/// (`turnstile status | head -1`): the reader asked for no more, which is no failure to report.
+/// Any other panic is reported as before.
+pub fn quiet_when_stdout_closes() {
+    let report = std::panic::take_hook();
+    std::panic::set_hook(Box::new(move |info| {
+        if is_closed_stdout(info.payload()) {
+            std::process::exit(0);
+        }
+        report(info);
+    }));
+}
+
+/// Whether a panic's payload is the one `print!` and `println!` raise when stdout's reader has
+/// gone ("failed printing to stdout: Broken pipe (os error 32)").
+fn is_closed_stdout(payload: &(dyn std::any::Any + Send)) -> bool {
+    let text = payload
+        .downcast_ref::<String>()
+        .map(String::as_str)
+        .or_else(|| payload.downcast_ref::<&str>().copied());
+    text.is_some_and(|t| {
+        t.starts_with("failed printing to stdout") && t.to_ascii_lowercase().contains("broken pipe")
+    })
+}
+
 /// Runs a parsed command line.
 pub async fn run(cli: Cli) -> anyhow::Result<ExitCode> {
     match cli.command {
