@@ -16,7 +16,10 @@ async fn main() -> std::process::ExitCode {
     match cli::run(cli).await {
         Ok(code) => code,
         Err(error) => {
-            eprintln!("turnstile: {error:#}");
+            eprintln!(
+                "turnstile: {}",
+                turnstile_core::telemetry::error_chain(&error)
+            );
             std::process::ExitCode::FAILURE
         }
     }

@@ -456,6 +456,30 @@ fn wrong_password_url() -> String {
     )
 }
 
+#[test]
+fn a_refused_login_says_so_once_with_the_user_and_the_setting_to_check() {
+    let (code, out, err) = run(turnstile()
+        .env("TURNSTILE_AMQP_URL", wrong_password_url())
+        .env("TURNSTILE_QUEUE", support::unique("login"))
+        .env("RUST_LOG", "off")
+        .args(["dead-letters", "list"])
+        .stdin(Stdio::null()));
+    assert_eq!(code, 1, "{err}");
+    assert!(out.is_empty(), "{out}");
+    let user = support::broker::amqp_url()
+        .parse::<lapin::uri::AMQPUri>()
+        .map(|u| u.authority.userinfo.username)
+        .expect("an AMQP URL");
+    assert!(
+        err.contains(&format!(
+            "the broker refused the login for user {user}: check TURNSTILE_AMQP_URL"
+        )),
+        "{err}"
+    );
+    assert_eq!(err.matches("Login was refused").count(), 1, "{err}");
+    assert!(!err.contains("not-the-password"), "{err}");
+}
+
 /// `turnstile status --json` for a seller.
 fn status_of(rig: &Rig, seller: &str) -> serde_json::Value {
     let mut cmd = turnstile();
