@@ -699,6 +699,39 @@ fn configuration_doc() -> String {
     std::fs::read_to_string(path).unwrap_or_else(|e| panic!("{path}: {e}"))
 }
 
+#[test]
+fn the_configuration_doc_lists_every_dead_letter_reason_a_reason_flag_takes() {
+    let doc = configuration_doc();
+    let row = doc
+        .lines()
+        .find(|l| l.contains("| `--reason` |"))
+        .expect("docs/configuration.md has a `--reason` row");
+    for reason in turnstile_core::broker::dead_letters::Reason::ALL {
+        assert!(
+            row.contains(&format!("`{reason}`")),
+            "{reason} is missing: {row}"
+        );
+    }
+}
+
+#[test]
+fn the_configuration_doc_says_operator_commands_read_the_fleets_terms_from_redis() {
+    let doc = configuration_doc();
+    let section = doc
+        .split("## Operator commands")
+        .nth(1)
+        .and_then(|s| s.split("### ").next())
+        .expect("docs/configuration.md has an Operator commands section");
+    assert!(
+        section.contains("fleet's terms") && section.contains("Redis"),
+        "{section}"
+    );
+    assert!(
+        !section.contains("set them as the replicas have them"),
+        "{section}"
+    );
+}
+
 /// The variables read beside the flags (not by clap), as docs/configuration.md lists them.
 const READ_BESIDE_FLAGS: [&str; 2] = ["TURNSTILE_LOG_FORMAT", "RUST_LOG"];
 
