@@ -286,6 +286,40 @@ fn the_demo_registers_everything_within_the_limits_and_reports_json() {
     assert_eq!(last["lost"], 0);
     assert_eq!(last["duplicates"], 0);
     assert_eq!(last["violations"], 0);
+    let shown = readme_demo_output();
+    for label in [
+        "summary",
+        "registered",
+        "lost",
+        "duplicates",
+        "violations",
+        "dead-lettered",
+    ] {
+        let line = shown
+            .lines()
+            .find(|l| l.split_whitespace().next() == Some(label))
+            .unwrap_or_else(|| panic!("the README's demo output has no {label} line:\n{shown}"));
+        assert!(
+            out.lines().any(|l| l == line),
+            "the demo printed no {line:?}:\n{out}"
+        );
+    }
+}
+
+/// The demo's output as the README's quick start shows it: its first `text` block.
+fn readme_demo_output() -> String {
+    let path = concat!(env!("CARGO_MANIFEST_DIR"), "/README.md");
+    let readme = std::fs::read_to_string(path).unwrap_or_else(|e| panic!("{path}: {e}"));
+    let quick_start = readme
+        .split("## Quick start")
+        .nth(1)
+        .expect("the README has a quick start");
+    quick_start
+        .split("```text\n")
+        .nth(1)
+        .and_then(|block| block.split("```").next())
+        .unwrap_or_else(|| panic!("the quick start shows no output:\n{quick_start}"))
+        .to_owned()
 }
 
 #[test]
