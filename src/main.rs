@@ -10,12 +10,16 @@ static ALLOCATOR: mimalloc::MiMalloc = mimalloc::MiMalloc;
 
 #[tokio::main]
 async fn main() -> std::process::ExitCode {
+    cli::quiet_when_stdout_closes();
     let cli = cli::parse();
     turnstile_core::telemetry::init();
     match cli::run(cli).await {
         Ok(code) => code,
         Err(error) => {
-            eprintln!("turnstile: {error:#}");
+            eprintln!(
+                "turnstile: {}",
+                turnstile_core::telemetry::error_chain(&error)
+            );
             std::process::ExitCode::FAILURE
         }
     }

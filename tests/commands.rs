@@ -286,6 +286,40 @@ fn the_demo_registers_everything_within_the_limits_and_reports_json() {
     assert_eq!(last["lost"], 0);
     assert_eq!(last["duplicates"], 0);
     assert_eq!(last["violations"], 0);
+    let shown = readme_demo_output();
+    for label in [
+        "summary",
+        "registered",
+        "lost",
+        "duplicates",
+        "violations",
+        "dead-lettered",
+    ] {
+        let line = shown
+            .lines()
+            .find(|l| l.split_whitespace().next() == Some(label))
+            .unwrap_or_else(|| panic!("the README's demo output has no {label} line:\n{shown}"));
+        assert!(
+            out.lines().any(|l| l == line),
+            "the demo printed no {line:?}:\n{out}"
+        );
+    }
+}
+
+/// The demo's output as the README's quick start shows it: its first `text` block.
+fn readme_demo_output() -> String {
+    let path = concat!(env!("CARGO_MANIFEST_DIR"), "/README.md");
+    let readme = std::fs::read_to_string(path).unwrap_or_else(|e| panic!("{path}: {e}"));
+    let quick_start = readme
+        .split("## Quick start")
+        .nth(1)
+        .expect("the README has a quick start");
+    quick_start
+        .split("```text\n")
+        .nth(1)
+        .and_then(|block| block.split("```").next())
+        .unwrap_or_else(|| panic!("the quick start shows no output:\n{quick_start}"))
+        .to_owned()
 }
 
 #[test]
@@ -350,6 +384,134 @@ fn a_blank_dashboard_token_stops_startup_with_a_clear_error() {
         );
         assert!(err.contains("the token is empty"), "{err}");
     }
+}
+
+#[test]
+fn a_placeholder_other_than_seller_id_in_the_downstream_url_stops_startup_naming_both() {
+    let mut cmd = turnstile();
+    // A broker that refuses the login ends a replica that would start with the template.
+    cmd.env("TURNSTILE_AMQP_URL", wrong_password_url())
+        .env("TURNSTILE_REDIS_URL", redis_url())
+        .env("TURNSTILE_KEY_PREFIX", support::unique("placeholder"))
+        .env("TURNSTILE_QUEUE", support::unique("placeholder"))
+        .env(
+            "TURNSTILE_DOWNSTREAM_URL",
+            "http://127.0.0.1:1/register/{seller}",
+        )
+        .env("TURNSTILE_HTTP_ADDR", "off")
+        .env("RUST_LOG", "off")
+        .arg("consume");
+    let (code, _, err) = run(cmd.stdin(Stdio::null()));
+    assert_eq!(code, 1, "{err}");
+    assert!(
+        err.contains("TURNSTILE_DOWNSTREAM_URL")
+            && err.contains("unknown placeholder {seller}: the only placeholder is {seller_id}"),
+        "{err}"
+    );
+}
+
+#[test]
+fn a_bad_value_read_from_a_variable_is_named_by_the_variable_not_only_the_flag() {
+    let cases = [
+        ("consume", "TURNSTILE_WORKERS", "--workers", "x"),
+        ("consume", "TURNSTILE_ADAPTIVE", "--adaptive", "maybe"),
+        ("consume", "TURNSTILE_HTTP_ADDR", "--http-addr", "nope"),
+        ("status", "TURNSTILE_LIMIT", "--limit", "lots"),
+    ];
+    for (command, variable, flag, value) in cases {
+        let (code, out, err) = run(turnstile()
+            .env(variable, value)
+            .arg(command)
+            .stdin(Stdio::null()));
+        assert_eq!(code, 2, "{variable}={value}: {err}");
+        assert!(out.is_empty(), "{out}");
+        assert!(
+            err.contains(&format!(
+                "invalid value '{value}' for '{variable} ({flag})'"
+            )),
+            "{variable}={value}: {err}"
+        );
+        let (code, _, err) = run(turnstile()
+            .args([command, flag, value])
+            .stdin(Stdio::null()));
+        assert_eq!(code, 2, "{flag} {value}: {err}");
+        assert!(
+            err.contains(&format!("invalid value '{value}' for '{flag}")),
+            "{flag} {value}: {err}"
+        );
+    }
+}
+
+/// Runs `cmd` with its stdout a pipe whose reader has already gone (as `| head -1` leaves it
+/// once head has its line); (exit code, stderr).
+fn with_stdout_closed(cmd: &mut Command) -> (i32, String) {
+    let (reader, writer) = std::io::pipe().expect("a pipe");
+    drop(reader);
+    let out = cmd
+        .stdout(writer)
+        .stdin(Stdio::null())
+        .output()
+        .expect("command runs");
+    (
+        out.status.code().unwrap_or(-1),
+        String::from_utf8_lossy(&out.stderr).into_owned(),
+    )
+}
+
+#[test]
+fn printing_to_a_closed_stdout_ends_quietly_with_exit_zero() {
+    let prefix = support::unique("closed-stdout");
+    let mut completions = turnstile();
+    completions.args(["completions", "bash"]);
+    let mut status = turnstile();
+    status
+        .env("TURNSTILE_REDIS_URL", redis_url())
+        .env("TURNSTILE_KEY_PREFIX", &prefix)
+        .env("RUST_LOG", "off")
+        .args(["status", "--json"]);
+    for mut cmd in [completions, status] {
+        let (code, err) = with_stdout_closed(&mut cmd);
+        // `status` notes on stderr that no replica is alive; nothing else may be said there.
+        let err: Vec<&str> = err
+            .lines()
+            .filter(|l| !l.starts_with("no turnstile replica is alive"))
+            .collect();
+        assert_eq!((code, err), (0, Vec::<&str>::new()), "{cmd:?}");
+    }
+}
+
+/// The test broker's URL with a password it refuses.
+fn wrong_password_url() -> String {
+    let uri: lapin::uri::AMQPUri = support::broker::amqp_url().parse().expect("an AMQP URL");
+    let vhost = uri.vhost.replace('%', "%25").replace('/', "%2f");
+    format!(
+        "amqp://{}:not-the-password@{}:{}/{vhost}",
+        uri.authority.userinfo.username, uri.authority.host, uri.authority.port
+    )
+}
+
+#[test]
+fn a_refused_login_says_so_once_with_the_user_and_the_setting_to_check() {
+    let (code, out, err) = run(turnstile()
+        .env("TURNSTILE_AMQP_URL", wrong_password_url())
+        .env("TURNSTILE_QUEUE", support::unique("login"))
+        .env("RUST_LOG", "off")
+        .args(["dead-letters", "list"])
+        .stdin(Stdio::null()));
+    assert_eq!(code, 1, "{err}");
+    assert!(out.is_empty(), "{out}");
+    let user = support::broker::amqp_url()
+        .parse::<lapin::uri::AMQPUri>()
+        .map(|u| u.authority.userinfo.username)
+        .expect("an AMQP URL");
+    assert!(
+        err.contains(&format!(
+            "the broker refused the login for user {user}: check TURNSTILE_AMQP_URL"
+        )),
+        "{err}"
+    );
+    assert_eq!(err.matches("Login was refused").count(), 1, "{err}");
+    assert!(!err.contains("not-the-password"), "{err}");
 }
 
 /// `turnstile status --json` for a seller.

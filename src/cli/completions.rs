@@ -15,8 +15,10 @@ pub fn run(args: CompletionsArgs, cmd: &mut clap::Command) -> anyhow::Result<Exi
     let mut out = Vec::new();
     script(args.shell, cmd, &mut out);
     use std::io::Write;
-    std::io::stdout().lock().write_all(&out)?;
-    Ok(ExitCode::SUCCESS)
+    match std::io::stdout().lock().write_all(&out) {
+        Err(error) if error.kind() != std::io::ErrorKind::BrokenPipe => Err(error.into()),
+        _ => Ok(ExitCode::SUCCESS),
+    }
 }
 
 /// The completion script of `cmd` for `shell`.

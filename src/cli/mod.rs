@@ -13,6 +13,7 @@ mod mock_api;
 mod publish;
 mod status;
 
+use std::ffi::OsString;
 use std::process::ExitCode;
 
 use clap::parser::ValueSource;
@@ -103,14 +104,73 @@ pub fn command() -> clap::Command {
     })
 }
 
-/// Parses the process's command line (exits with the usage error on a bad one).
+/// Parses the process's command line (exits with the usage error on a bad one, which names
+/// the variable when the bad value came from the environment).
 pub fn parse() -> Cli {
     let mut cmd = command();
-    let matches = cmd.get_matches_mut();
+    let argv: Vec<OsString> = std::env::args_os().collect();
+    let matches = cmd
+        .try_get_matches_from_mut(&argv)
+        .unwrap_or_else(|e| naming_the_variable(e, &cmd, &argv, |v| std::env::var_os(v)).exit());
     if let Err(error) = check_connection_flags(&mut cmd, &matches) {
         error.exit();
     }
     Cli::from_arg_matches(&matches).unwrap_or_else(|e| e.format(&mut cmd).exit())
+}
+
+/// `error` with the flag it names (`--workers`) shown as its variable and flag
+/// (`TURNSTILE_WORKERS (--workers)`) when the bad value came from the variable: the variable
+/// (as `env` reads it) holds the bad value, and `argv` gives the flag no such value.
+fn naming_the_variable(
+    mut error: clap::Error,
+    cmd: &clap::Command,
+    argv: &[OsString],
+    env: impl Fn(&str) -> Option<OsString>,
+) -> clap::Error {
+    use clap::error::{ContextKind, ContextValue, ErrorKind};
+    if !matches!(
+        error.kind(),
+        ErrorKind::InvalidValue | ErrorKind::ValueValidation
+    ) {
+        return error;
+    }
+    let (Some(ContextValue::String(shown)), Some(ContextValue::String(value))) = (
+        error.get(ContextKind::InvalidArg),
+        error.get(ContextKind::InvalidValue),
+    ) else {
+        return error;
+    };
+    let Some(long) = shown
+        .strip_prefix("--")
+        .and_then(|s| s.split([' ', '=']).next())
+    else {
+        return error;
+    };
+    let inline = format!("--{long}={value}");
+    let given = |token: &OsString| token.to_str().is_some_and(|t| t == value || t == inline);
+    if argv.iter().skip(1).any(given) {
+        return error;
+    }
+    let variable = every_argument(cmd)
+        .filter(|a| a.get_long() == Some(long))
+        .filter_map(|a| a.get_env()?.to_str())
+        .find(|v| env(v).is_some_and(|set| set.to_str() == Some(value.as_str())));
+    let Some(variable) = variable.map(str::to_owned) else {
+        return error;
+    };
+    error.insert(
+        ContextKind::InvalidArg,
+        ContextValue::String(format!("{variable} (--{long})")),
+    );
+    error
+}
+
+/// Every argument of `cmd` and of each of its subcommands, however deep.
+fn every_argument(cmd: &clap::Command) -> Box<dyn Iterator<Item = &clap::Arg> + '_> {
+    Box::new(
+        cmd.get_arguments()
+            .chain(cmd.get_subcommands().flat_map(every_argument)),
+    )
 }
 
 /// Refuses a connection flag given before a command that does not use it (it would be
@@ -143,6 +203,31 @@ fn check_connection_flags(
         }
     }
     Ok(())
+}
+
+/// Ends the process quietly, with exit code 0, when a print finds stdout closed by its reader
+/// (`turnstile status | head -1`): the reader asked for no more, which is no failure to report.
+/// Any other panic is reported as before.
+pub fn quiet_when_stdout_closes() {
+    let report = std::panic::take_hook();
+    std::panic::set_hook(Box::new(move |info| {
+        if is_closed_stdout(info.payload()) {
+            std::process::exit(0);
+        }
+        report(info);
+    }));
+}
+
+/// Whether a panic's payload is the one `print!` and `println!` raise when stdout's reader has
+/// gone ("failed printing to stdout: Broken pipe (os error 32)").
+fn is_closed_stdout(payload: &(dyn std::any::Any + Send)) -> bool {
+    let text = payload
+        .downcast_ref::<String>()
+        .map(String::as_str)
+        .or_else(|| payload.downcast_ref::<&str>().copied());
+    text.is_some_and(|t| {
+        t.starts_with("failed printing to stdout") && t.to_ascii_lowercase().contains("broken pipe")
+    })
 }
 
 /// Runs a parsed command line.

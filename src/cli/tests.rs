@@ -118,6 +118,55 @@ fn every_leaf_command_is_listed_and_parses_with_its_defaults() {
 }
 
 #[test]
+fn a_bad_value_read_from_a_variable_is_named_by_the_variable_and_its_flag() {
+    use std::ffi::OsString;
+    let consume = ["consume", "--downstream-url", "http://h/{seller_id}"];
+    let argv = |extra: &[&str]| -> Vec<OsString> {
+        std::iter::once("turnstile")
+            .chain(consume)
+            .chain(extra.iter().copied())
+            .map(OsString::from)
+            .collect()
+    };
+    let refused = |extra: &[&str]| {
+        parse(&[&consume[..], extra].concat())
+            .map(|_| ())
+            .expect_err("a bad value")
+    };
+    let cases = [
+        ("TURNSTILE_WORKERS", "--workers", "x"),
+        ("TURNSTILE_ADAPTIVE", "--adaptive", "maybe"),
+        ("TURNSTILE_HTTP_ADDR", "--http-addr", "nope"),
+        ("TURNSTILE_ALGORITHM", "--algorithm", "foo"),
+    ];
+    for (variable, flag, value) in cases {
+        let set = |v: &str| (v == variable).then(|| OsString::from(value));
+        let from_variable = super::naming_the_variable(
+            refused(&[&format!("{flag}={value}")]),
+            &built(),
+            &argv(&[]),
+            set,
+        )
+        .to_string();
+        assert!(
+            from_variable.contains(&format!(
+                "invalid value '{value}' for '{variable} ({flag})'"
+            )),
+            "{from_variable}"
+        );
+        for given in [&[flag, value][..], &[&format!("{flag}={value}")]] {
+            let from_flag =
+                super::naming_the_variable(refused(given), &built(), &argv(given), set).to_string();
+            assert!(
+                from_flag.contains(&format!("invalid value '{value}' for '{flag}"))
+                    && !from_flag.contains(variable),
+                "{from_flag}"
+            );
+        }
+    }
+}
+
+#[test]
 fn every_argument_has_help() {
     let cmd = built();
     let missing: Vec<String> = arguments(&cmd)
@@ -648,6 +697,39 @@ fn no_help_cites_an_issue_or_an_earlier_version() {
 fn configuration_doc() -> String {
     let path = concat!(env!("CARGO_MANIFEST_DIR"), "/docs/configuration.md");
     std::fs::read_to_string(path).unwrap_or_else(|e| panic!("{path}: {e}"))
+}
+
+#[test]
+fn the_configuration_doc_lists_every_dead_letter_reason_a_reason_flag_takes() {
+    let doc = configuration_doc();
+    let row = doc
+        .lines()
+        .find(|l| l.contains("| `--reason` |"))
+        .expect("docs/configuration.md has a `--reason` row");
+    for reason in turnstile_core::broker::dead_letters::Reason::ALL {
+        assert!(
+            row.contains(&format!("`{reason}`")),
+            "{reason} is missing: {row}"
+        );
+    }
+}
+
+#[test]
+fn the_configuration_doc_says_operator_commands_read_the_fleets_terms_from_redis() {
+    let doc = configuration_doc();
+    let section = doc
+        .split("## Operator commands")
+        .nth(1)
+        .and_then(|s| s.split("### ").next())
+        .expect("docs/configuration.md has an Operator commands section");
+    assert!(
+        section.contains("fleet's terms") && section.contains("Redis"),
+        "{section}"
+    );
+    assert!(
+        !section.contains("set them as the replicas have them"),
+        "{section}"
+    );
 }
 
 /// The variables read beside the flags (not by clap), as docs/configuration.md lists them.

@@ -16,19 +16,56 @@ pub struct UrlTemplate {
     seller_in_path: bool,
 }
 
+/// The placeholders a URL template may hold, each written in braces (`{seller_id}`).
+pub const PLACEHOLDERS: [&str; 1] = ["seller_id"];
+
 /// Why a URL template was refused.
 #[derive(Debug, thiserror::Error)]
 pub enum UrlTemplateError {
     /// Not a URL, even with a seller's id in place (the parser's reason).
     #[error("{0}")]
     Invalid(String),
+    /// Not an http or https URL.
     #[error("must be an http or https URL")]
     Scheme,
+    /// A `{name}` that is none of [`PLACEHOLDERS`] (a typo such as `{seller}` would be sent
+    /// as written).
+    #[error("unknown placeholder {{{0}}}: {known}", known = known_placeholders())]
+    UnknownPlaceholder(String),
+    /// A `{` with no `}` after it.
+    #[error("a `{{` with no `}}` after it: {known}", known = known_placeholders())]
+    Unclosed,
+}
+
+/// The placeholders a template may hold, as an error says them.
+fn known_placeholders() -> String {
+    let braced: Vec<String> = PLACEHOLDERS.iter().map(|p| format!("{{{p}}}")).collect();
+    match braced.as_slice() {
+        [one] => format!("the only placeholder is {one}"),
+        many => format!("the placeholders are {}", many.join(", ")),
+    }
+}
+
+/// Refuses any `{...}` in `text` that is not one of [`PLACEHOLDERS`].
+fn check_placeholders(text: &str) -> Result<(), UrlTemplateError> {
+    let mut rest = text;
+    while let Some(open) = rest.find('{') {
+        let after = &rest[open + 1..];
+        let close = after.find('}').ok_or(UrlTemplateError::Unclosed)?;
+        let name = &after[..close];
+        if !PLACEHOLDERS.contains(&name) {
+            return Err(UrlTemplateError::UnknownPlaceholder(name.to_owned()));
+        }
+        rest = &after[close + 1..];
+    }
+    Ok(())
 }
 
 impl UrlTemplate {
-    /// The template `text`, if it is an http or https URL with an id in place of `{seller_id}`.
+    /// The template `text`, if it is an http or https URL with an id in place of `{seller_id}`
+    /// and no other `{...}` (see [`PLACEHOLDERS`]).
     pub fn parse(text: &str) -> Result<Self, UrlTemplateError> {
+        check_placeholders(text)?;
         let probe = text.replace("{seller_id}", "probe");
         let parsed =
             reqwest::Url::parse(&probe).map_err(|e| UrlTemplateError::Invalid(e.to_string()))?;
@@ -1329,6 +1366,41 @@ fn redact_one_url(url: &str) -> String {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_url_template_with_a_placeholder_other_than_seller_id_is_refused_naming_both() {
+        let error = UrlTemplate::parse("http://api.test/register/{seller}")
+            .unwrap_err()
+            .to_string();
+        assert_eq!(
+            error,
+            "unknown placeholder {seller}: the only placeholder is {seller_id}"
+        );
+        for text in [
+            "http://api.test/{seller_id}/{batch_id}",
+            "http://api.test/r?seller={Seller_ID}",
+            "http://api.test/r/{}",
+        ] {
+            assert!(
+                matches!(
+                    UrlTemplate::parse(text),
+                    Err(UrlTemplateError::UnknownPlaceholder(_))
+                ),
+                "{text}"
+            );
+        }
+        assert!(matches!(
+            UrlTemplate::parse("http://api.test/r/{seller_id"),
+            Err(UrlTemplateError::Unclosed)
+        ));
+        for text in [
+            "http://api.test/register/{seller_id}",
+            "http://api.test/s/{seller_id}/p?again={seller_id}",
+            "http://api.test/register",
+        ] {
+            assert!(UrlTemplate::parse(text).is_ok(), "{text}");
+        }
+    }
 
     #[test]
     fn a_sellers_sliding_window_has_no_guard_unless_one_is_configured_and_the_others_keep_theirs() {

@@ -135,7 +135,9 @@ impl Routes {
             .map_err(|_| format!("field `method`: {:?} is not a method", entry.method))?;
         let url = UrlTemplate::parse(&entry.url).map_err(|e| match e {
             UrlTemplateError::Invalid(why) => format!("field `url`: not a valid URL ({why})"),
-            UrlTemplateError::Scheme => format!("field `url`: {e}"),
+            UrlTemplateError::Scheme
+            | UrlTemplateError::UnknownPlaceholder(_)
+            | UrlTemplateError::Unclosed => format!("field `url`: {e}"),
         })?;
         let limits: Limits = entry
             .limit
@@ -274,6 +276,10 @@ limit = "600/1m,10000/1d@00:00+09:00"
             (
                 FILE.replace("https://api.example.com/price", "ftp://x"),
                 "route \"price\": field `url`",
+            ),
+            (
+                FILE.replace("seller={seller_id}", "seller={seller}"),
+                "route \"price\": field `url`: unknown placeholder {seller}: the only placeholder is {seller_id}",
             ),
             (
                 FILE.replace("cost = 1", "cost = 0"),

@@ -243,6 +243,7 @@ impl Nodes {
             if uri.query.heartbeat.is_none() {
                 uri.query.heartbeat = self.heartbeat;
             }
+            let user = uri.authority.userinfo.username.clone();
             let attempt = tokio::time::timeout(
                 NODE_CONNECT_TIMEOUT,
                 Connection::connect_uri(uri, properties),
@@ -252,6 +253,11 @@ impl Nodes {
                     self.next
                         .store((i + 1) % self.urls.len(), Ordering::Relaxed);
                     return Ok(connection);
+                }
+                Ok(Err(error)) if is_login_refused(&error) => {
+                    anyhow::Error::new(error).context(format!(
+                        "the broker refused the login for user {user}: check TURNSTILE_AMQP_URL"
+                    ))
                 }
                 Ok(Err(error)) => anyhow::Error::new(error),
                 Err(_) => anyhow::anyhow!("no answer within {NODE_CONNECT_TIMEOUT:?}"),
@@ -264,9 +270,11 @@ impl Nodes {
                 redact_amqp_url(url)
             )));
         }
-        Err(last_error
-            .expect("a list of nodes is never empty")
-            .context(format!("no broker node of {} answered", self.urls.len())))
+        let last_error = last_error.expect("a list of nodes is never empty");
+        Err(match self.urls.len() {
+            1 => last_error,
+            n => last_error.context(format!("no broker node of {n} answered")),
+        })
     }
 
     /// The node of the last connection made, its URL's password hidden.
@@ -296,6 +304,14 @@ pub async fn depth(channel: &Channel, queue: &str) -> anyhow::Result<u32> {
         .await
         .with_context(|| format!("reading the depth of {queue:?}"))?;
     Ok(q.message_count())
+}
+
+/// Whether a connection attempt failed because the broker refused its user name or password
+/// (ACCESS_REFUSED while connecting).
+fn is_login_refused(error: &lapin::Error) -> bool {
+    use lapin::protocol::{AMQPErrorKind, AMQPSoftError};
+    matches!(error.kind(), lapin::ErrorKind::ProtocolError(amqp)
+        if amqp.kind() == &AMQPErrorKind::Soft(AMQPSoftError::ACCESSREFUSED))
 }
 
 /// Whether the broker refused us for a reason that retrying cannot fix: wrong credentials or

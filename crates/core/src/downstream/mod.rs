@@ -192,6 +192,12 @@ impl Downstream {
             UrlTemplateError::Scheme => {
                 anyhow::anyhow!("TURNSTILE_DOWNSTREAM_URL must be an http or https URL")
             }
+            UrlTemplateError::UnknownPlaceholder(_) | UrlTemplateError::Unclosed => {
+                anyhow::anyhow!(
+                    "TURNSTILE_DOWNSTREAM_URL {:?}: {e}",
+                    crate::config::redact_url(&args.url)
+                )
+            }
         })?;
         let authorization = match &args.token {
             Some(token) => {
