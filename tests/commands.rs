@@ -196,7 +196,12 @@ async fn dead_letters_are_listed_and_replayed_after_the_cause_is_fixed() -> anyh
 
     let mut cmd = turnstile();
     env_of(&rig, &mut cmd);
-    let (code, out, err) = run(cmd.args(["dead-letters", "replay", "--reason", "rejected"]));
+    let (code, out, err) = run(cmd.env("TURNSTILE_OPERATOR", "ana").args([
+        "dead-letters",
+        "replay",
+        "--reason",
+        "rejected",
+    ]));
     assert_eq!(code, 0, "{err}");
     assert!(out.starts_with("replayed 1 to"), "{out}");
     rig.wait_registered(1).await?;
@@ -205,6 +210,65 @@ async fn dead_letters_are_listed_and_replayed_after_the_cause_is_fixed() -> anyh
         1,
         "the garbage stays dead"
     );
+    // The replay is in the audit trail every replica's console lists, with who and where.
+    let actions = turnstile_ops::audit::recent(&rig.records(), 10).await?;
+    assert_eq!(actions.len(), 1, "{actions:?}");
+    let replay = &actions[0];
+    assert_eq!(
+        (
+            replay.action.as_str(),
+            replay.argument.as_deref(),
+            replay.dry_run
+        ),
+        ("replay", Some("rejected"), false),
+        "{replay:?}"
+    );
+    assert_eq!(replay.who.operator.as_deref(), Some("ana"), "{replay:?}");
+    assert!(
+        replay.who.remote.starts_with("command line on "),
+        "{replay:?}"
+    );
+    assert!(replay.result.starts_with("replayed 1"), "{replay:?}");
+    rig.cleanup().await
+}
+
+/// A pause from the command line is in the audit trail with who asked, for how long and why,
+/// as a pause from the console is; a read (`limits get`) is not.
+#[tokio::test]
+async fn a_pause_from_the_command_line_is_audited_with_who_and_why() -> anyhow::Result<()> {
+    let rig = support::rig("cli-audit", "100/1s").prepare().await?;
+    let mut cmd = turnstile();
+    env_of(&rig, &mut cmd);
+    let (code, out, err) = run(cmd.env("TURNSTILE_OPERATOR", "night shift").args([
+        "limits",
+        "pause",
+        "--seller",
+        "S-noisy",
+        "--for",
+        "10m",
+        "--why",
+        "flooding the API",
+    ]));
+    assert_eq!(code, 0, "{err}");
+    assert!(out.starts_with("S-noisy: paused"), "{out}");
+    let mut cmd = turnstile();
+    env_of(&rig, &mut cmd);
+    let (code, _, err) = run(cmd.args(["limits", "get", "--seller", "S-noisy"]));
+    assert_eq!(code, 0, "{err}");
+    let actions = turnstile_ops::audit::recent(&rig.records(), 10).await?;
+    assert_eq!(actions.len(), 1, "only the pause: {actions:?}");
+    let pause = &actions[0];
+    assert_eq!(
+        (
+            pause.action.as_str(),
+            pause.seller.as_deref(),
+            pause.argument.as_deref()
+        ),
+        ("pause", Some("S-noisy"), Some("10m: flooding the API")),
+        "{pause:?}"
+    );
+    assert_eq!(pause.who.operator.as_deref(), Some("night shift"));
+    assert_eq!(pause.outcome, "done");
     rig.cleanup().await
 }
 

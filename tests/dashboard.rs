@@ -1265,10 +1265,26 @@ async fn dead_letters_are_browsable_found_and_replayed_exactly_as_selected_after
     let (_, would) = api.act("replay", one).await;
     assert_eq!(would["moved"], 1, "{would}");
     assert_eq!(rig.dead_lettered().await?, 2);
-    let (_, moved) = api
+    // Not without a name for the audit trail.
+    let (status, nameless) = api
         .act(
             "replay",
             json!({"message_id": "b-batch-1", "dry_run": false}),
+        )
+        .await;
+    assert_eq!(status, 400, "{nameless}");
+    assert!(
+        nameless["error"]
+            .as_str()
+            .unwrap_or_default()
+            .contains("needs your name"),
+        "{nameless}"
+    );
+    assert_eq!(rig.dead_lettered().await?, 2, "nothing moved");
+    let (_, moved) = api
+        .act(
+            "replay",
+            json!({"message_id": "b-batch-1", "dry_run": false, "operator": "ana"}),
         )
         .await;
     assert_eq!(moved["moved"], 1, "{moved}");
@@ -1287,7 +1303,7 @@ async fn dead_letters_are_browsable_found_and_replayed_exactly_as_selected_after
             upload_of(d, "S-dl-a")["registered"] == 3
                 && upload_of(d, "S-dl-b")["registered"] == 1
                 && upload_of(d, "S-dl-b")["dead"] == 1
-                && d["recent_actions"].as_array().is_some_and(|a| a.len() == 4)
+                && d["recent_actions"].as_array().is_some_and(|a| a.len() == 5)
         })
         .await;
     let replays: Vec<(bool, String)> = data["recent_actions"]
@@ -1303,8 +1319,12 @@ async fn dead_letters_are_browsable_found_and_replayed_exactly_as_selected_after
         .collect();
     assert_eq!(
         replays.iter().map(|(dry, _)| *dry).collect::<Vec<_>>(),
-        [false, true, false, true],
+        [false, false, true, false, true],
         "{replays:?}"
+    );
+    assert!(
+        replays[1].1.contains("needs your name"),
+        "the nameless replay refused: {replays:?}"
     );
     // The page after the replays: one dead letter left, the actions listed.
     let page = api.page("");
@@ -1321,7 +1341,7 @@ async fn dead_letters_are_browsable_found_and_replayed_exactly_as_selected_after
     let actions = element(&dom, "recent-actions");
     assert_eq!(
         actions.matches(r#"data-action="replay""#).count(),
-        4,
+        5,
         "{actions}"
     );
     assert!(actions.contains("replay (dry run) done"), "{actions}");

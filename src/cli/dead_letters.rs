@@ -51,6 +51,10 @@ pub enum DeadLettersAction {
         json: Json,
         #[command(flatten)]
         redis: RedisArgs,
+        /// Who replays, for the audit trail (Recent actions on the console): else the login
+        /// name (`USER`).
+        #[arg(long, env = "TURNSTILE_OPERATOR")]
+        operator: Option<String>,
     },
 }
 
@@ -132,6 +136,7 @@ pub async fn run(DeadLettersArgs { action, broker }: DeadLettersArgs) -> anyhow:
             done,
             json,
             redis,
+            operator,
         } => {
             let selection = select.selection();
             let store = PermitStore::connect(&redis, &LimiterArgs::default()).await?;
@@ -139,6 +144,23 @@ pub async fn run(DeadLettersArgs { action, broker }: DeadLettersArgs) -> anyhow:
                 &channel, &publisher, &topology, &selection, &store, done.ttl, dry_run,
             )
             .await?;
+            let operator = turnstile_ops::audit::operator_name(operator.as_deref());
+            let mut entry = turnstile_ops::audit::Entry::from_command_line("replay", &operator);
+            entry.seller = selection.seller_id.clone();
+            entry.batch = selection.batch_id.clone();
+            entry.message = selection.message_id.clone();
+            entry.argument = select.reason.map(|r| r.to_string());
+            entry.dry_run = dry_run;
+            entry.outcome = "done".into();
+            entry.result = if dry_run {
+                format!(
+                    "would replay {} (dry run); {} stay",
+                    done.matched, done.kept
+                )
+            } else {
+                format!("replayed {}; {} left", done.replayed, done.kept)
+            };
+            entry.record(&store.records()).await;
             if json.json {
                 println!(
                     "{}",

@@ -16,6 +16,7 @@ use turnstile_core::permit::{
 use turnstile_core::routes::{Routes, RoutesArgs};
 
 use super::{Json, seller_value};
+use turnstile_ops::audit;
 
 /// `turnstile limits`: its action, where the limits live and the replicas' terms they are read
 /// and changed under. The terms go before the action (`turnstile limits --algorithm gcra get
@@ -34,6 +35,10 @@ pub struct LimitsArgs {
     pub terms: TermsArgs,
     #[command(flatten)]
     pub routes: RoutesArgs,
+    /// Who changes the seller, for the audit trail (Recent actions on the console): else the
+    /// login name (`USER`).
+    #[arg(long, env = "TURNSTILE_OPERATOR", global = true)]
+    pub operator: Option<String>,
 }
 
 #[derive(Subcommand, Debug)]
@@ -105,6 +110,9 @@ pub enum LimitsAction {
         /// those) [default: until `limits resume`, at most 24h].
         #[arg(long = "for", value_name = "DURATION", value_parser = pause_arg)]
         for_: Option<Duration>,
+        /// Why, for the audit trail and the console's Paused sellers panel.
+        #[arg(long)]
+        why: Option<String>,
         #[command(flatten)]
         json: Json,
     },
@@ -137,10 +145,13 @@ pub async fn run(
         redis,
         terms,
         routes,
+        operator,
     }: LimitsArgs,
 ) -> anyhow::Result<ExitCode> {
     let routes = Routes::load(&routes)?;
     let conn = RedisConn::connect(&redis).await?;
+    let records = turnstile_core::permit::Records::new(conn.clone(), &redis.key_prefix);
+    let audited = audited(&action);
     let terms = fleet::tool_terms(&conn, &redis.key_prefix, LimiterArgs::with_terms(terms)).await?;
     if let Some(note) = terms.note(&redis.key_prefix) {
         eprintln!("{note}");
@@ -248,7 +259,9 @@ pub async fn run(
             let got = get(&store, &seller).await?;
             (json.then(got.json()), got.text())
         }
-        LimitsAction::Pause { seller, for_, json } => {
+        LimitsAction::Pause {
+            seller, for_, json, ..
+        } => {
             let span = pause_span(for_).map_err(anyhow::Error::msg)?;
             let paused = store
                 .pause_now(&seller, span)
@@ -359,11 +372,77 @@ pub async fn run(
             (json.then(document), line)
         }
     };
+    if let Some((name, seller, argument)) = audited {
+        let mut entry =
+            audit::Entry::from_command_line(name, &audit::operator_name(operator.as_deref()));
+        entry.seller = Some(seller);
+        entry.argument = argument;
+        entry.outcome = "done".into();
+        entry.result = said.clone();
+        entry.record(&records).await;
+    }
     match json {
         Some(document) => println!("{}", serde_json::to_string_pretty(&document)?),
         None => println!("{said}"),
     }
     Ok(ExitCode::SUCCESS)
+}
+
+/// What the audit trail records of `action`: its name (as the console's actions are named),
+/// its seller and argument; `None` for one that changes nothing (`get`).
+fn audited(action: &LimitsAction) -> Option<(&'static str, String, Option<String>)> {
+    let seller = |s: &SellerId| s.as_str().to_owned();
+    Some(match action {
+        LimitsAction::Get { .. } => return None,
+        LimitsAction::Set {
+            seller: s,
+            new_limit,
+            weight,
+            shadow,
+            route,
+            ..
+        } => {
+            let mut what = Vec::new();
+            if let Some(limit) = new_limit {
+                what.push(format!("{}{limit}", if *shadow { "shadow " } else { "" }));
+            }
+            if let Some(route) = route {
+                what.push(format!("route {route}"));
+            }
+            if let Some(weight) = weight {
+                what.push(format!("weight {weight}"));
+            }
+            ("set-limit", seller(s), Some(what.join(", ")))
+        }
+        LimitsAction::Clear {
+            seller: s,
+            shadow,
+            route,
+            ..
+        } => {
+            let what = match (shadow, route) {
+                (_, Some(route)) => Some(format!("route {route}")),
+                (true, None) => Some("shadow".to_owned()),
+                (false, None) => None,
+            };
+            ("clear-limit", seller(s), what)
+        }
+        LimitsAction::Pause {
+            seller: s,
+            for_,
+            why,
+            ..
+        } => {
+            let span = for_.map_or_else(|| "until resumed".to_owned(), shown);
+            let argument = match why {
+                Some(why) => format!("{span}: {why}"),
+                None => span,
+            };
+            ("pause", seller(s), Some(argument))
+        }
+        LimitsAction::Resume { seller: s, .. } => ("resume", seller(s), None),
+        LimitsAction::Reset { seller: s, .. } => ("reset", seller(s), None),
+    })
 }
 
 /// `--for`: a duration from 1µs to 24h (see `permit::pause_span`).

@@ -1230,7 +1230,7 @@ impl Member {
 }
 
 /// This machine's host name (`/proc/sys/kernel/hostname`, else `HOSTNAME`, else "unknown").
-fn host_name() -> String {
+pub fn host_name() -> String {
     std::fs::read_to_string("/proc/sys/kernel/hostname")
         .ok()
         .or_else(|| std::env::var("HOSTNAME").ok())

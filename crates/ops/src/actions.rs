@@ -572,6 +572,12 @@ async fn replay(State(endpoints): State<Endpoints>, request: Request) -> Respons
             )
             .await;
     }
+    // A replay moves messages back to be called again: the audit trail names who did it.
+    if !asked.dry_run && action.entry.who.operator.is_none() {
+        return action
+            .refuse("operator: a replay needs your name (for the audit trail)".into())
+            .await;
+    }
     let (Some(link), Some(controls)) = (
         action.dashboard.broker().cloned(),
         action.dashboard.controls().cloned(),

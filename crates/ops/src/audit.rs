@@ -1,5 +1,6 @@
-//! The audit trail of what operators did from the dashboard: every action (and every refused
-//! attempt) is logged under the tracing target `turnstile::audit` with who (remote address,
+//! The audit trail of what operators did from the dashboard, the HTTP API and the command line
+//! (`turnstile limits`, `turnstile dead-letters replay`: [`Entry::from_command_line`]): every
+//! action (and every refused attempt) is logged under the tracing target `turnstile::audit` with who (remote address,
 //! user agent, the operator's name the page asks for), what (the action, its seller, batch or
 //! message, dry run or not, the outcome) and when. Every action that was carried out or tried
 //! is also kept in Redis (`Records::note_action`: the newest [`KEPT`], for [`KEPT_FOR`]), so
@@ -100,6 +101,22 @@ impl Entry {
         }
     }
 
+    /// An entry for `action` asked from the command line on this host by `operator` (see
+    /// [`operator_name`]); the rest to fill in.
+    pub fn from_command_line(action: &str, operator: &str) -> Self {
+        let host = turnstile_core::fleet::host_name();
+        let who = Who {
+            remote: format!("command line on {host}"),
+            forwarded_for: None,
+            user_agent: Some(format!(
+                "turnstile {} (command line)",
+                env!("CARGO_PKG_VERSION")
+            )),
+            operator: Some(operator.to_owned()),
+        };
+        Self::new(action, who, &host)
+    }
+
     /// Logs it under `turnstile::audit`.
     pub fn log(&self) {
         let Entry {
@@ -157,6 +174,28 @@ impl Entry {
             metrics::counter!("turnstile_redis_errors_total").increment(1);
             warn!(target: "turnstile::audit", %error, action = %self.action, "the action was not kept in Redis: only this log line records it");
         }
+    }
+}
+
+/// The operator's name for an action from the command line: `given` (`--operator`,
+/// `TURNSTILE_OPERATOR`), else the login name (`USER`, `LOGNAME`), else `unknown`; trimmed to
+/// at most 64 characters, control characters dropped.
+pub fn operator_name(given: Option<&str>) -> String {
+    let name = given
+        .map(str::to_owned)
+        .or_else(|| std::env::var("USER").ok())
+        .or_else(|| std::env::var("LOGNAME").ok())
+        .unwrap_or_default();
+    let name: String = name
+        .trim()
+        .chars()
+        .filter(|c| !c.is_control())
+        .take(64)
+        .collect();
+    if name.is_empty() {
+        "unknown".to_owned()
+    } else {
+        name
     }
 }
 
