@@ -565,8 +565,22 @@ async fn with_an_http_token_the_dashboard_needs_it_and_probes_stay_open() -> any
         let bearer = status(path, Some(("Authorization", "Bearer dash-secret"))).await;
         assert_eq!(bearer.status(), 200, "{path} with the bearer token");
     }
-    let opened = status("/?token=dash-secret", None).await;
-    assert_eq!(opened.status(), 200);
+    // Without the token, a browser gets a form, and the API a JSON error.
+    let page = status("/", None).await.text().await.unwrap();
+    assert!(page.contains(r#"<form method="get" action="/">"#), "{page}");
+    let api = status("/api/dashboard", None).await;
+    let error: serde_json::Value = api.json().await.unwrap();
+    assert!(
+        error["error"]
+            .as_str()
+            .unwrap()
+            .contains("TURNSTILE_HTTP_TOKEN"),
+        "{error}"
+    );
+    // Opened with the token: the cookie, and on to the page without the token in its address.
+    let opened = status("/?token=dash-secret&x=1", None).await;
+    assert_eq!(opened.status(), 303);
+    assert_eq!(opened.headers()["location"], "/?x=1");
     let cookie = opened.headers()["set-cookie"].to_str().unwrap().to_owned();
     assert!(cookie.contains("HttpOnly"), "{cookie}");
     let pair = cookie.split(';').next().unwrap().to_owned();

@@ -13,7 +13,7 @@ use turnstile_core::domain::{BatchId, MessageId, SellerId};
 use turnstile_core::permit::PermitStore;
 use turnstile_core::replica::DoneTtlArgs;
 
-use super::{Json, batch_value, seller_value};
+use super::{Json, Operator, batch_value, seller_value};
 
 /// `turnstile dead-letters`: its action and the broker; `replay` also reads Redis (it counts
 /// the messages it moves back as waiting again). No limiter setting is read.
@@ -51,10 +51,8 @@ pub enum DeadLettersAction {
         json: Json,
         #[command(flatten)]
         redis: RedisArgs,
-        /// Who replays, for the audit trail (Recent actions on the console): else the login
-        /// name (`USER`).
-        #[arg(long, env = "TURNSTILE_OPERATOR")]
-        operator: Option<String>,
+        #[command(flatten)]
+        operator: Operator,
     },
 }
 
@@ -144,8 +142,8 @@ pub async fn run(DeadLettersArgs { action, broker }: DeadLettersArgs) -> anyhow:
                 &channel, &publisher, &topology, &selection, &store, done.ttl, dry_run,
             )
             .await?;
-            let operator = turnstile_ops::audit::operator_name(operator.as_deref());
-            let mut entry = turnstile_ops::audit::Entry::from_command_line("replay", &operator);
+            let mut entry =
+                turnstile_ops::audit::Entry::from_command_line("replay", &operator.name());
             entry.seller = selection.seller_id.clone();
             entry.batch = selection.batch_id.clone();
             entry.message = selection.message_id.clone();

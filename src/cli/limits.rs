@@ -15,7 +15,7 @@ use turnstile_core::permit::{
 };
 use turnstile_core::routes::{Routes, RoutesArgs};
 
-use super::{Json, seller_value};
+use super::{Json, Operator, seller_value};
 use turnstile_ops::audit;
 
 /// `turnstile limits`: its action, where the limits live and the replicas' terms they are read
@@ -35,10 +35,8 @@ pub struct LimitsArgs {
     pub terms: TermsArgs,
     #[command(flatten)]
     pub routes: RoutesArgs,
-    /// Who changes the seller, for the audit trail (Recent actions on the console): else the
-    /// login name (`USER`).
-    #[arg(long, env = "TURNSTILE_OPERATOR", global = true)]
-    pub operator: Option<String>,
+    #[command(flatten)]
+    pub operator: Operator,
 }
 
 #[derive(Subcommand, Debug)]
@@ -373,8 +371,7 @@ pub async fn run(
         }
     };
     if let Some((name, seller, argument)) = audited {
-        let mut entry =
-            audit::Entry::from_command_line(name, &audit::operator_name(operator.as_deref()));
+        let mut entry = audit::Entry::from_command_line(name, &operator.name());
         entry.seller = Some(seller);
         entry.argument = argument;
         entry.outcome = "done".into();

@@ -255,6 +255,22 @@ fn batch_value(s: &str) -> Result<BatchId, String> {
     BatchId::parse(s).map_err(|e| e.to_string())
 }
 
+/// `--operator`, on every command that changes something: who, for the audit trail.
+#[derive(clap::Args, Clone, Debug, Default)]
+pub struct Operator {
+    /// Who acts, for the audit trail (Recent actions on the console): else the login name
+    /// (`USER`).
+    #[arg(long = "operator", env = "TURNSTILE_OPERATOR", global = true)]
+    pub name: Option<String>,
+}
+
+impl Operator {
+    /// The name the audit trail records (see `turnstile_ops::audit::operator_name`).
+    pub fn name(&self) -> String {
+        turnstile_ops::audit::operator_name(self.name.as_deref())
+    }
+}
+
 /// `--json`, on every command a script calls: one JSON document on stdout instead of text.
 #[derive(clap::Args, Clone, Copy, Debug, Default)]
 pub struct Json {

@@ -287,23 +287,66 @@ async fn require_token(
             url.query_pairs()
                 .any(|(name, value)| name == "token" && matches(&value))
         });
+    let path = request.uri().path().to_owned();
     if in_query {
-        let mut response = next.run(request).await;
         let cookie = format!(
             "{TOKEN_COOKIE}={}; HttpOnly; SameSite=Strict; Path=/",
             token.expose_secret()
         );
+        // The page opened with the token (the login form, a bookmarked link): to the page
+        // without it, so that the token stays in neither the address bar nor the history.
+        let mut response = if path == "/" && request.method() == axum::http::Method::GET {
+            let rest = without_token(request.uri().query().unwrap_or_default());
+            let location = if rest.is_empty() {
+                "/".to_owned()
+            } else {
+                format!("/?{rest}")
+            };
+            (StatusCode::SEE_OTHER, [(header::LOCATION, location)]).into_response()
+        } else {
+            next.run(request).await
+        };
         if let Ok(value) = header::HeaderValue::from_str(&cookie) {
             response.headers_mut().insert(header::SET_COOKIE, value);
         }
         return response;
     }
-    (
-        StatusCode::UNAUTHORIZED,
-        [(header::WWW_AUTHENTICATE, "Bearer")],
-        "the dashboard needs TURNSTILE_HTTP_TOKEN: open /?token=<token> or send Authorization: Bearer <token>\n",
-    )
-        .into_response()
+    let why = "the dashboard needs TURNSTILE_HTTP_TOKEN: open /?token=<token> or send Authorization: Bearer <token>";
+    let challenge = [(header::WWW_AUTHENTICATE, "Bearer")];
+    if path.starts_with("/api/") {
+        return (
+            StatusCode::UNAUTHORIZED,
+            challenge,
+            axum::Json(serde_json::json!({ "error": why })),
+        )
+            .into_response();
+    }
+    if path == "/" {
+        return (StatusCode::UNAUTHORIZED, challenge, Html(LOGIN_PAGE)).into_response();
+    }
+    (StatusCode::UNAUTHORIZED, challenge, format!("{why}\n")).into_response()
+}
+
+/// The page a browser gets without the token: a form that opens `/?token=…` (which sets the
+/// cookie and sends it on to `/` without the token).
+const LOGIN_PAGE: &str = r#"<!doctype html>
+<html lang="en"><head><meta charset="utf-8"><title>turnstile: sign in</title>
+<style>body{font:15px system-ui,sans-serif;margin:15vh auto;max-width:26em;color:#1c2330}
+input{font:inherit;padding:.4em;width:100%;box-sizing:border-box;margin:.5em 0}
+button{font:inherit;padding:.4em 1.2em}</style></head>
+<body><h1>turnstile</h1>
+<p>This console needs the replicas' <code>TURNSTILE_HTTP_TOKEN</code>.</p>
+<form method="get" action="/"><label>Token<input type="password" name="token" autocomplete="current-password" autofocus required></label>
+<button type="submit">Open the console</button></form></body></html>
+"#;
+
+/// A query string without its `token` parameters (the rest kept as given).
+fn without_token(query: &str) -> String {
+    query
+        .split('&')
+        .filter(|pair| !pair.is_empty() && pair.split('=').next() != Some("token"))
+        .collect::<Vec<_>>()
+        .join("&")
 }
 
 /// Serves the endpoints until `shutdown`; returns the bound address (port 0 picks a free one).
