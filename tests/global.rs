@@ -94,8 +94,9 @@ async fn the_global_stack_is_exact_over_every_seller(backend: Backend) {
 
 /// Sellers asking for single units through `asks` workers each, every worker asking again at
 /// once after a grant and at the time it was told after a refusal (as a replica's workers do),
-/// until the global limit has granted `total` units. Returns each seller's grants from the
-/// first refusal on (before it, the limit had room for everyone and nobody competed).
+/// until the global limit has granted `total` units; the workers still waiting are stopped
+/// then, so the sellers are still competing when this returns. Returns each seller's grants
+/// from the first refusal on (before it, the limit had room for everyone and nobody competed).
 async fn compete(
     store: &turnstile_core::permit::PermitStore,
     askers: &[(&SellerId, u32)],
@@ -105,33 +106,53 @@ async fn compete(
     let granted = Arc::new(AtomicU64::new(0));
     let contended = Arc::new(AtomicBool::new(false));
     let counted: Arc<Vec<AtomicU64>> = Arc::new(askers.iter().map(|_| AtomicU64::new(0)).collect());
+    let reached = Arc::new(tokio::sync::Notify::new());
     let mut workers = Vec::new();
     for (n, (s, asks)) in askers.iter().enumerate() {
         for _ in 0..*asks {
             let (store, s) = (store.clone(), (*s).clone());
             let (granted, contended, counted) =
                 (granted.clone(), contended.clone(), counted.clone());
+            let reached = reached.clone();
             workers.push(tokio::spawn(async move {
-                while granted.load(Ordering::SeqCst) < total {
+                loop {
                     match decide(&store, Ask::new(&s)).await {
                         Decision::Granted { .. } => {
-                            granted.fetch_add(1, Ordering::SeqCst);
+                            if granted.load(Ordering::SeqCst) >= total {
+                                return;
+                            }
                             if contended.load(Ordering::SeqCst) {
                                 counted[n].fetch_add(1, Ordering::SeqCst);
+                            }
+                            if granted.fetch_add(1, Ordering::SeqCst) + 1 == total {
+                                reached.notify_one();
                             }
                         }
                         Decision::Deferred { retry_after, .. } => {
                             contended.store(true, Ordering::SeqCst);
                             tokio::time::sleep(retry_after).await;
                         }
-                        other => unreachable!("one unit fits, and the sellers' 1000/1s: {other:?}"),
+                        other => {
+                            unreachable!("one unit fits, and the sellers' 1000/1s: {other:?}")
+                        }
                     }
                 }
             }));
         }
     }
+    // Bounded only so that workers that all failed cannot hang the test.
+    tokio::time::timeout(Duration::from_secs(300), reached.notified())
+        .await
+        .expect("the global limit granted every unit asked for");
+    for worker in &workers {
+        worker.abort();
+    }
     for worker in workers {
-        worker.await.unwrap();
+        if let Err(stopped) = worker.await
+            && stopped.is_panic()
+        {
+            std::panic::resume_unwind(stopped.into_panic());
+        }
     }
     counted.iter().map(|c| c.load(Ordering::SeqCst)).collect()
 }

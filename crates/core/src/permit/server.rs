@@ -28,13 +28,9 @@ pub struct MemoryPolicy {
 impl MemoryPolicy {
     /// Reads the settings from the text of `INFO memory` (`None` if it does not say).
     pub fn parse(info: &str) -> Option<Self> {
-        let field = |name: &str| {
-            info.lines()
-                .find_map(|line| line.trim_end().strip_prefix(name)?.strip_prefix(':'))
-        };
         Some(Self {
-            maxmemory: field("maxmemory")?.parse().ok()?,
-            policy: field("maxmemory_policy")?.to_owned(),
+            maxmemory: info_field(info, "maxmemory")?.parse().ok()?,
+            policy: info_field(info, "maxmemory_policy")?.to_owned(),
         })
     }
 
@@ -75,14 +71,26 @@ pub async fn ping(conn: &RedisConn) -> Result<(), PermitError> {
     Ok(())
 }
 
-/// The memory settings of every server behind `conn` (each primary of a cluster).
-pub async fn memory_policies(conn: &RedisConn) -> Result<Vec<MemoryPolicy>, PermitError> {
+/// The value of `name` in the text of an INFO section (`name:value` lines).
+fn info_field<'a>(info: &'a str, name: &str) -> Option<&'a str> {
+    info.lines()
+        .find_map(|line| line.trim_end().strip_prefix(name)?.strip_prefix(':'))
+}
+
+/// The text of INFO `section` of every server behind `conn` (each primary of a cluster).
+async fn info_texts(conn: &RedisConn, section: &str) -> Result<Vec<String>, PermitError> {
     let answer: Value = redis::cmd("INFO")
-        .arg("memory")
+        .arg(section)
         .query_async(&mut conn.clone())
         .await?;
     let mut texts = Vec::new();
     collect_texts(answer, &mut texts);
+    Ok(texts)
+}
+
+/// The memory settings of every server behind `conn` (each primary of a cluster).
+pub async fn memory_policies(conn: &RedisConn) -> Result<Vec<MemoryPolicy>, PermitError> {
+    let texts = info_texts(conn, "memory").await?;
     let policies: Vec<MemoryPolicy> = texts
         .iter()
         .filter_map(|t| MemoryPolicy::parse(t))
@@ -144,25 +152,16 @@ pub struct ServerStart {
 impl ServerStart {
     /// Reads the start from the text of `INFO server` (`None` if it does not say).
     pub fn parse(info: &str) -> Option<Self> {
-        let field = |name: &str| {
-            info.lines()
-                .find_map(|line| line.trim_end().strip_prefix(name)?.strip_prefix(':'))
-        };
         Some(Self {
-            run_id: field("run_id")?.to_owned(),
-            uptime: Duration::from_secs(field("uptime_in_seconds")?.parse().ok()?),
+            run_id: info_field(info, "run_id")?.to_owned(),
+            uptime: Duration::from_secs(info_field(info, "uptime_in_seconds")?.parse().ok()?),
         })
     }
 }
 
 /// The start of every server behind `conn` (each primary of a cluster).
 pub async fn server_starts(conn: &RedisConn) -> Result<Vec<ServerStart>, PermitError> {
-    let answer: Value = redis::cmd("INFO")
-        .arg("server")
-        .query_async(&mut conn.clone())
-        .await?;
-    let mut texts = Vec::new();
-    collect_texts(answer, &mut texts);
+    let texts = info_texts(conn, "server").await?;
     let starts: Vec<ServerStart> = texts.iter().filter_map(|t| ServerStart::parse(t)).collect();
     if starts.is_empty() {
         return Err(PermitError::Answer("INFO server"));
