@@ -442,10 +442,18 @@ mod tests {
                 tracing::info!(n, "an info line is never folded");
             }
             tracing::warn!("another warning");
+            for _ in 0..3 {
+                tracing::warn!(target: "turnstile::audit", "operator action refused: pause");
+            }
             repeats::report_now(&folds);
         });
         let lines = lines.json();
-        let warnings: Vec<_> = lines.iter().filter(|l| l["level"] == "WARN").collect();
+        let audit = lines.iter().filter(|l| l["target"] == "turnstile::audit");
+        assert_eq!(audit.count(), 3, "the audit trail is never folded");
+        let warnings: Vec<_> = lines
+            .iter()
+            .filter(|l| l["level"] == "WARN" && l["target"] != "turnstile::audit")
+            .collect();
         assert_eq!(warnings.len(), 3, "{warnings:?}");
         assert_eq!(
             warnings[0]["message"],

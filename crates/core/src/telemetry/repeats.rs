@@ -4,7 +4,7 @@
 //! repeated", with `repeated`, `warning` and `from`). A call site quiet for an interval starts
 //! over: its next warning is written at once, as the change of state it is. So a Redis outage
 //! that makes every worker warn fifty times a second writes a few lines a minute, not
-//! thousands. Lines below WARN are never folded.
+//! thousands. Lines below WARN are never folded, nor the operators' audit trail.
 //!
 //! A call site is one `warn!` or `error!` in the code (its metadata's name, which names its file
 //! and line): warnings from one call site with
@@ -24,6 +24,10 @@ pub const INTERVAL: Duration = Duration::from_secs(30);
 
 /// The target of the lines that report the counts (never folded themselves).
 pub const TARGET: &str = "turnstile_core::telemetry::repeats";
+
+/// Targets whose lines are never folded: the counts themselves, and the operators' audit
+/// trail (`turnstile::audit`: every refused action is its own line).
+const NEVER_FOLDED: [&str; 2] = [TARGET, "turnstile::audit"];
 
 /// One call site's warnings: what was last written, and the repeats not written since.
 #[derive(Debug)]
@@ -167,7 +171,7 @@ impl FoldRepeats {
 impl<S: Subscriber> Layer<S> for FoldRepeats {
     fn event_enabled(&self, event: &Event<'_>, _: Context<'_, S>) -> bool {
         let meta = event.metadata();
-        if *meta.level() > Level::WARN || meta.target() == TARGET {
+        if *meta.level() > Level::WARN || NEVER_FOLDED.contains(&meta.target()) {
             return true;
         }
         let message = || {
