@@ -272,13 +272,16 @@ pub struct ReplicaView {
 }
 
 /// What this replica's delay ladder consumers did: messages held now, hops moved on, hops
-/// that ended more than a second late, and the longest any message came back after its due
-/// time.
+/// that ended more than a second late (and when the last did), and the longest any message
+/// came back after its due time.
 #[derive(Debug, Serialize)]
 pub struct LadderView {
     pub held: usize,
     pub hops: u64,
+    /// Since the replica started, and when the last of them ended (Unix ms, absent: none).
     pub overdue: u64,
+    pub last_overdue_ms: Option<u64>,
+    /// Since the replica started.
     pub max_late_ms: u64,
 }
 
@@ -703,6 +706,8 @@ impl Dashboard {
                 held: stats.ladder.held.load(Ordering::Relaxed),
                 hops: stats.ladder.hops.load(Ordering::Relaxed),
                 overdue: stats.ladder.overdue.load(Ordering::Relaxed),
+                last_overdue_ms: Some(stats.ladder.last_overdue_ms.load(Ordering::Relaxed))
+                    .filter(|ms| *ms > 0),
                 max_late_ms: stats.ladder.max_late_ms.load(Ordering::Relaxed),
             },
             redis_cold_start_until_ms: Some(

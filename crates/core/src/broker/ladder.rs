@@ -266,6 +266,8 @@ pub struct LadderStats {
     /// Hops that ended more than [`OVERDUE`] after their time (the message sat in the broker,
     /// e.g. during a broker restart or with no replica running).
     pub overdue: AtomicU64,
+    /// When the last of those ended (Unix ms; 0: none yet).
+    pub last_overdue_ms: AtomicU64,
     /// The latest any message came back after its due time, in ms.
     pub max_late_ms: AtomicU64,
     /// Messages moved on before their due time because their reserved slot was given back (a
@@ -517,6 +519,7 @@ impl Ladder {
             && now.saturating_sub(until) > OVERDUE.as_millis() as u64
         {
             self.stats.overdue.fetch_add(1, Ordering::Relaxed);
+            self.stats.last_overdue_ms.store(now, Ordering::Relaxed);
             metrics::counter!("turnstile_delay_overdue_total").increment(1);
         }
         let due = header_u64(&delivery, headers::DUE)
