@@ -1486,3 +1486,83 @@ async fn every_scripted_command_prints_one_json_document() -> anyhow::Result<()>
     assert_eq!(replayed["matched"], 0, "{replayed}");
     rig.cleanup().await
 }
+
+#[tokio::test]
+async fn dead_letters_are_listed_by_group_and_discarded_for_good_after_a_dry_run()
+-> anyhow::Result<()> {
+    let mut rig = support::rig("discard-cli", "100/1s").prepare().await?;
+    rig.start_replicas(1, 2).await?;
+    let rejected = json!({"mock": {"statuses": [400]}});
+    for (id, seller) in [("m-d1", "S-d"), ("m-d2", "S-d"), ("m-e1", "S-e")] {
+        let body = turnstile_lab::rig::registration_body(id, seller, Some("bd"), rejected.clone());
+        rig.publish_body(&body).await?;
+    }
+    rig.publish_body(b"garbage").await?;
+    wait_dead(&rig, 4).await;
+
+    // The table starts with the groups: three alike, one invalid.
+    let (code, table, err) = cli(&rig, &["dead-letters", "list"]);
+    assert_eq!(code, 0, "{err}");
+    assert!(table.contains("by reason and detail"), "{table}");
+    let rejected_line = table
+        .lines()
+        .find(|l| l.contains(" rejected "))
+        .unwrap_or_else(|| panic!("{table}"));
+    assert!(rejected_line.trim_start().starts_with("3 "), "{table}");
+
+    // A dry run removes nothing.
+    let dry = cli_json(
+        &rig,
+        &[
+            "dead-letters",
+            "discard",
+            "--seller",
+            "S-d",
+            "--dry-run",
+            "--json",
+        ],
+    );
+    assert_eq!(
+        (&dry["matched"], &dry["discarded"]),
+        (&json!(2), &json!(0)),
+        "{dry}"
+    );
+    wait_dead(&rig, 4).await;
+
+    // The real one removes exactly those, for good; the others stay.
+    let done = cli_json(
+        &rig,
+        &[
+            "dead-letters",
+            "discard",
+            "--seller",
+            "S-d",
+            "--operator",
+            "ana",
+            "--json",
+        ],
+    );
+    assert_eq!(
+        (&done["matched"], &done["discarded"]),
+        (&json!(2), &json!(2)),
+        "{done}"
+    );
+    assert_eq!(ids_of(&done["letters"]), ["m-d1", "m-d2"]);
+    wait_dead(&rig, 2).await;
+    assert_eq!(listed(&rig, 2, &[]).await.len(), 2);
+    assert!(listed(&rig, 2, &["--seller", "S-d"]).await.is_empty());
+    // Nothing was republished: no call for them.
+    assert_eq!(rig.mock.stats().registered, 0);
+    // Audited, with who did it.
+    let actions = turnstile_ops::audit::recent(&rig.records(), 10).await?;
+    let discards: Vec<_> = actions.iter().filter(|a| a.action == "discard").collect();
+    assert_eq!(discards.len(), 2, "{actions:?}");
+    assert!(discards.iter().any(|a| a.dry_run), "{actions:?}");
+    assert!(
+        discards
+            .iter()
+            .any(|a| a.who.operator.as_deref() == Some("ana")),
+        "{actions:?}"
+    );
+    rig.cleanup().await
+}

@@ -1364,6 +1364,234 @@ async fn dead_letters_are_browsable_found_and_replayed_exactly_as_selected_after
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn dead_letters_are_grouped_by_reason_and_detail_paged_and_discarded_after_a_dry_run()
+-> anyhow::Result<()> {
+    let chromium = Chromium::find();
+    let mut rig = support::rig("discard", "50/1s").prepare().await?;
+    rig.start_replica(ServeArgs {
+        consume: rig.settings(2),
+        http: serving_with_token("discard-secret"),
+    })
+    .await?;
+    let api = Console::of(rig.dashboard().unwrap(), Some("discard-secret"));
+    // Six alike (400 from one seller), two of another answer (422, another seller), one
+    // body that is no JSON.
+    publish_rejected_once(&mut rig, "S-g-many", "g-many", 6).await?;
+    for i in 0..2 {
+        let body = json!({"message_id": format!("g-few-{i}"), "seller_id": "S-g-few",
+            "batch_id": "g-few", "batch_size": 2,
+            "product": {"sku": format!("sku-few-{i}"), "mock": {"statuses": [422]}}});
+        rig.publish_body(body.to_string().as_bytes()).await?;
+    }
+    rig.publish_body(b"not json at all").await?;
+    support::eventually_async("nine dead letters", async || {
+        rig.dead_lettered().await.unwrap() == 9
+    })
+    .await;
+    // The history counts them in their minute, beside the registrations (none).
+    support::eventually_async("the history counts the dead letters", async || {
+        let (_, history) = api.get("/api/history?hours=1").await;
+        let sum = |rate: &str| -> u64 {
+            history["minutes"]
+                .as_array()
+                .map_or(0, |m| m.iter().map(|x| x[rate].as_u64().unwrap()).sum())
+        };
+        sum("dead") == 9 && sum("registered") == 0
+    })
+    .await;
+    let (_, history) = api.get("/api/history?hours=2").await;
+    assert_eq!(
+        history["minutes"].as_array().unwrap().len(),
+        120,
+        "{history}"
+    );
+    for bad in ["?hours=0", "?hours=25", "?hours=x"] {
+        let (status, said) = api.get(&format!("/api/history{bad}")).await;
+        assert_eq!(status, 400, "{bad}: {said}");
+    }
+
+    // Grouped by reason and detail, largest first, every letter counted.
+    let (status, all) = api.get("/api/dead-letters").await;
+    assert_eq!(status, 200, "{all}");
+    assert_eq!(all["matched"], 9, "{all}");
+    let groups = all["groups"].as_array().unwrap();
+    let counts: Vec<(u64, &str, u64)> = groups
+        .iter()
+        .map(|g| {
+            (
+                g["count"].as_u64().unwrap(),
+                g["reason"].as_str().unwrap(),
+                g["sellers"].as_u64().unwrap(),
+            )
+        })
+        .collect();
+    assert_eq!(
+        counts,
+        [
+            (6, "rejected", 1),
+            (2, "rejected", 1),
+            (1, "invalid-message", 0)
+        ],
+        "{all}"
+    );
+    assert!(
+        groups[0]["detail"].as_str().unwrap().contains("400"),
+        "{all}"
+    );
+    assert_eq!(groups[0]["some_sellers"], json!(["S-g-many"]), "{all}");
+    let few_detail = groups[1]["detail"].as_str().unwrap().to_owned();
+    assert!(few_detail.contains("422"), "{all}");
+
+    // Paged: three pages of four, each letter on exactly one of them; the groups count all.
+    let mut seen = Vec::new();
+    for offset in [0, 4, 8] {
+        let (status, page) = api
+            .get(&format!("/api/dead-letters?offset={offset}&limit=4"))
+            .await;
+        assert_eq!(status, 200, "{page}");
+        assert_eq!(
+            (page["matched"].as_u64(), page["offset"].as_u64()),
+            (Some(9), Some(offset))
+        );
+        assert_eq!(page["groups"].as_array().unwrap().len(), 3, "{page}");
+        seen.extend(ids(&page["letters"]));
+    }
+    assert_eq!(seen.len(), 9, "{seen:?}");
+    assert_eq!(seen.iter().collect::<BTreeSet<_>>().len(), 9, "{seen:?}");
+    // A group selected by its exact detail.
+    let query = format!(
+        "/api/dead-letters?reason=rejected&detail={}",
+        urlencode(&few_detail)
+    );
+    let (_, few) = api.get(&query).await;
+    assert_eq!(
+        ids(&few["letters"]),
+        BTreeSet::from(["g-few-0", "g-few-1"].map(String::from)),
+        "{few}"
+    );
+    for bad in [
+        "?offset=-1",
+        "?offset=x",
+        &format!("?detail={}", "x".repeat(1100)),
+    ] {
+        let (status, said) = api.get(&format!("/api/dead-letters{bad}")).await;
+        assert_eq!(status, 400, "{bad}: {said}");
+    }
+
+    // A discard: the dry run removes nothing; without a name it is refused; then exactly the
+    // group chosen goes, and its messages stay counted dead in their upload.
+    let group = json!({"batch": "g-few", "reason": "rejected", "detail": few_detail});
+    let mut dry = group.clone();
+    dry["dry_run"] = true.into();
+    let (status, would) = api.act("discard", dry).await;
+    assert_eq!(status, 200, "{would}");
+    assert_eq!(
+        (would["matched"].as_u64(), would["discarded"].as_u64()),
+        (Some(2), Some(0))
+    );
+    assert!(
+        would["result"]
+            .as_str()
+            .unwrap()
+            .contains("nothing removed"),
+        "{would}"
+    );
+    assert_eq!(rig.dead_lettered().await?, 9, "a dry run removes nothing");
+    let mut nameless = group.clone();
+    nameless["dry_run"] = false.into();
+    let (status, refused) = api.act("discard", nameless.clone()).await;
+    assert_eq!(status, 400, "{refused}");
+    assert!(
+        refused["error"]
+            .as_str()
+            .unwrap()
+            .contains("needs your name"),
+        "{refused}"
+    );
+    let (status, everything) = api
+        .act(
+            "discard",
+            json!({"reason": "rejected", "dry_run": false, "operator": "ana"}),
+        )
+        .await;
+    assert_eq!(
+        status, 400,
+        "a reason alone names no message, seller or batch: {everything}"
+    );
+    let mut named = nameless;
+    named["operator"] = "ana".into();
+    let (status, done) = api.act("discard", named).await;
+    assert_eq!(status, 200, "{done}");
+    assert_eq!(done["discarded"], 2, "{done}");
+    support::eventually_async("seven dead letters left", async || {
+        rig.dead_lettered().await.unwrap() == 7
+    })
+    .await;
+    let (_, left) = api.get("/api/dead-letters").await;
+    assert_eq!(left["matched"], 7, "{left}");
+    assert!(!ids(&left["letters"]).contains("g-few-0"), "{left}");
+    let data = api
+        .wait_for("the discards audited", |d| {
+            d["recent_actions"]
+                .as_array()
+                .is_some_and(|a| a.iter().filter(|a| a["action"] == "discard").count() == 4)
+        })
+        .await;
+    assert_eq!(
+        upload_of(&data, "S-g-few")["dead"],
+        2,
+        "a discarded message stays counted dead: {data}"
+    );
+    let stats = rig.mock.stats();
+    assert_eq!(
+        stats.registered, 0,
+        "nothing discarded was called: {stats:?}"
+    );
+
+    // The page: the groups, the page of letters, the discard beside the replay.
+    let page = api.page("");
+    chromium
+        .screenshot_sized(
+            &page,
+            &screens().join("dead-letter-groups.png"),
+            "1400,2200",
+        )
+        .await;
+    let dom = chromium.dump_dom(&page).await;
+    std::fs::write(screens().join("dead-letter-groups.html"), &dom).unwrap();
+    let grouped = element(&dom, "dead-groups");
+    assert_eq!(
+        grouped.matches(r#"<tr class="group""#).count(),
+        2,
+        "{grouped}"
+    );
+    assert!(
+        grouped.contains(">6<") && grouped.contains(">invalid-message<"),
+        "{grouped}"
+    );
+    assert_eq!(text_of(&dom, "dl-page"), "1–7 of 7");
+    assert!(
+        text_of(&dom, "history-totals").contains("9 dead-lettered"),
+        "{}",
+        text_of(&dom, "history-totals")
+    );
+    assert!(dom.contains(r#"id="dl-discard""#));
+    rig.cleanup().await
+}
+
+/// `text` percent-encoded for a query string.
+fn urlencode(text: &str) -> String {
+    text.bytes()
+        .map(|b| match b {
+            b'A'..=b'Z' | b'a'..=b'z' | b'0'..=b'9' | b'-' | b'_' | b'.' | b'~' => {
+                (b as char).to_string()
+            }
+            _ => format!("%{b:02X}"),
+        })
+        .collect()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn during_a_broker_outage_the_page_says_the_broker_is_down_since_when_and_marks_stale_figures()
 -> anyhow::Result<()> {
     let chromium = Chromium::find();

@@ -1,5 +1,5 @@
-//! `turnstile dead-letters`: list dead letters with their reasons, or move chosen ones back to
-//! the work queue (or see, with a dry run, exactly which would move).
+//! `turnstile dead-letters`: list dead letters with their reasons, move chosen ones back to
+//! the work queue, or discard them for good (or see, with a dry run, exactly which would).
 
 use std::borrow::Cow;
 use std::process::ExitCode;
@@ -12,6 +12,8 @@ use turnstile_core::config::{LimiterArgs, RedisArgs};
 use turnstile_core::domain::{BatchId, MessageId, SellerId};
 use turnstile_core::permit::PermitStore;
 use turnstile_core::replica::DoneTtlArgs;
+
+use turnstile_ops::audit::Entry;
 
 use super::{Json, Operator, batch_value, seller_value};
 
@@ -54,6 +56,22 @@ pub enum DeadLettersAction {
         #[command(flatten)]
         operator: Operator,
     },
+    /// Remove dead letters (all, or those the flags select) from the dead-letter queue for
+    /// good: they are not republished, and their messages stay counted dead in their uploads.
+    /// `--dry-run` shows exactly which would go, and removes nothing.
+    Discard {
+        #[command(flatten)]
+        select: Select,
+        /// Show the dead letters that would be discarded, and remove nothing.
+        #[arg(long = "dry-run")]
+        dry_run: bool,
+        #[command(flatten)]
+        json: Json,
+        #[command(flatten)]
+        redis: RedisArgs,
+        #[command(flatten)]
+        operator: Operator,
+    },
 }
 
 /// Which dead letters an action takes: those matching every flag given.
@@ -71,6 +89,9 @@ pub struct Select {
     /// Only those dead for this reason.
     #[arg(long, value_parser = reason_value())]
     pub reason: Option<Reason>,
+    /// Only those whose detail is exactly this (as `list` shows it).
+    #[arg(long)]
+    pub detail: Option<String>,
 }
 
 impl Select {
@@ -81,7 +102,28 @@ impl Select {
             seller_id: self.seller.as_ref().map(|s| s.as_str().to_owned()),
             batch_id: self.batch.as_ref().map(|b| b.as_str().to_owned()),
             reason: self.reason,
+            detail: self.detail.clone().filter(|d| !d.trim().is_empty()),
         }
+    }
+
+    /// What the audit entry records beside the ids: the reason and the detail given.
+    fn argument(&self) -> Option<String> {
+        match (self.reason, &self.detail) {
+            (Some(reason), Some(detail)) => Some(format!("{reason}: {detail}")),
+            (reason, detail) => reason.map(|r| r.to_string()).or_else(|| detail.clone()),
+        }
+    }
+
+    /// An audit entry of `action` on these dead letters by `operator`.
+    fn audited(&self, action: &str, operator: &Operator, dry_run: bool) -> Entry {
+        let mut entry = Entry::from_command_line(action, &operator.name());
+        entry.seller = self.seller.as_ref().map(|s| s.as_str().to_owned());
+        entry.batch = self.batch.as_ref().map(|b| b.as_str().to_owned());
+        entry.message = self.id.as_ref().map(|m| m.as_str().to_owned());
+        entry.argument = self.argument();
+        entry.dry_run = dry_run;
+        entry.outcome = "done".into();
+        entry
     }
 }
 
@@ -114,9 +156,11 @@ pub async fn run(DeadLettersArgs { action, broker }: DeadLettersArgs) -> anyhow:
     match action {
         DeadLettersAction::List { select, json } => {
             let selection = select.selection();
-            let letters = dead_letters::list(&channel, &topology, &selection).await?;
+            let listing =
+                dead_letters::list_page(&channel, &topology, &selection, 0, usize::MAX).await?;
+            let letters = &listing.letters;
             if json.json {
-                println!("{}", serde_json::to_string_pretty(&letters)?);
+                println!("{}", serde_json::to_string_pretty(letters)?);
             } else {
                 println!(
                     "{} dead letters in {}{}",
@@ -124,7 +168,8 @@ pub async fn run(DeadLettersArgs { action, broker }: DeadLettersArgs) -> anyhow:
                     topology.dead(),
                     of(&selection)
                 );
-                print_letters(&letters);
+                print_groups(&listing);
+                print_letters(letters);
                 nothing_matched(letters.len() as u64, &selection);
             }
         }
@@ -142,14 +187,7 @@ pub async fn run(DeadLettersArgs { action, broker }: DeadLettersArgs) -> anyhow:
                 &channel, &publisher, &topology, &selection, &store, done.ttl, dry_run,
             )
             .await?;
-            let mut entry =
-                turnstile_ops::audit::Entry::from_command_line("replay", &operator.name());
-            entry.seller = selection.seller_id.clone();
-            entry.batch = selection.batch_id.clone();
-            entry.message = selection.message_id.clone();
-            entry.argument = select.reason.map(|r| r.to_string());
-            entry.dry_run = dry_run;
-            entry.outcome = "done".into();
+            let mut entry = select.audited("replay", &operator, dry_run);
             entry.result = if dry_run {
                 format!(
                     "would replay {} (dry run); {} stay",
@@ -166,6 +204,53 @@ pub async fn run(DeadLettersArgs { action, broker }: DeadLettersArgs) -> anyhow:
                 );
             } else {
                 print_replayed(&done, &topology, &selection);
+            }
+        }
+        DeadLettersAction::Discard {
+            select,
+            dry_run,
+            json,
+            redis,
+            operator,
+        } => {
+            let selection = select.selection();
+            let store = PermitStore::connect(&redis, &LimiterArgs::default()).await?;
+            let done =
+                dead_letters::discard(&channel, &topology, &selection, dry_run, usize::MAX).await?;
+            let mut entry = select.audited("discard", &operator, dry_run);
+            entry.result = if dry_run {
+                format!(
+                    "would discard {} (dry run); {} stay",
+                    done.matched, done.kept
+                )
+            } else {
+                format!("discarded {}; {} left", done.discarded, done.kept)
+            };
+            entry.record(&store.records()).await;
+            if json.json {
+                let mut value = serde_json::json!(done);
+                value["dead_queue"] = topology.dead().into();
+                println!("{}", serde_json::to_string_pretty(&value)?);
+            } else {
+                if dry_run {
+                    println!(
+                        "would discard {} from {}{} (dry run: nothing removed); {} others stay",
+                        done.matched,
+                        topology.dead(),
+                        of(&selection),
+                        done.kept
+                    );
+                } else {
+                    println!(
+                        "discarded {} from {}{} (their messages stay counted dead); {} left",
+                        done.discarded,
+                        topology.dead(),
+                        of(&selection),
+                        done.kept
+                    );
+                }
+                print_letters(&done.letters);
+                nothing_matched(done.matched, &selection);
             }
         }
     }
@@ -223,6 +308,28 @@ fn print_replayed(done: &Replayed, topology: &Topology, selection: &Selection) {
     }
     print_letters(&done.letters);
     nothing_matched(done.matched, selection);
+}
+
+/// The dead letters by reason and detail, largest group first, when there is more than one
+/// letter (`--detail` selects a group).
+fn print_groups(listing: &dead_letters::Listing) {
+    if listing.matched < 2 {
+        return;
+    }
+    println!("by reason and detail (--reason and --detail select one):");
+    for group in &listing.groups {
+        println!(
+            "  {:>6}  {:<18} {} seller(s)  {}",
+            group.count,
+            group.reason.as_str(),
+            group.sellers,
+            printable(&group.detail)
+        );
+    }
+    if listing.other > 0 {
+        println!("  {:>6}  in further groups", listing.other);
+    }
+    println!();
 }
 
 /// One line per dead letter, then its detail and the start of its body, indented.

@@ -8,7 +8,9 @@
 //! marked [`Metric::from_start`] at startup (0 until ready, connected, computed), the
 //! replica's own gauges and the process's ([`Metric::is_process`]) at each scrape, and
 //! `turnstile_queue_messages` once the broker has been asked (within moments of startup, then
-//! every 5 s): a depth not yet read is absent rather than a false 0.
+//! every 5 s, with `turnstile_queue_messages_age_seconds` saying how old the last reading is):
+//! a depth not yet read is absent rather than a false 0, and a depth the broker stopped
+//! answering for is old rather than current.
 
 use crate::config::Algorithm;
 use crate::downstream;
@@ -433,6 +435,11 @@ pub const METRICS: &[Metric] = &[
         "Messages ready in the work queue, the return queue, the delay ladder and the dead queue.",
         "queue",
         Values::Fixed(&["work", "ready", "delay", "dead"]),
+    ),
+    plain(
+        "turnstile_queue_messages_age_seconds",
+        Gauge,
+        "Seconds since turnstile_queue_messages was last read from the broker (they are read every 5 s; above 12 they are stale: the broker is down or slow).",
     ),
     // The process metrics, under the names Prometheus' client libraries give them (see
     // `Metric::is_process`).

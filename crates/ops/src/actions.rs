@@ -1,7 +1,7 @@
 //! What an operator does from the dashboard, on every replica at once: pause or resume a
 //! seller, set or clear its limit (as `turnstile limits set` / `clear`: the seller's reserved
-//! slots are re-planned under the new terms), and replay dead letters (one message, a
-//! seller's, a batch's), a dry run first.
+//! slots are re-planned under the new terms), and replay or discard dead letters (one
+//! message, a seller's, a batch's, one reason and detail among them), a dry run first.
 //!
 //! **Who may act.** Actions are off unless `TURNSTILE_HTTP_TOKEN` is set (a replica without it
 //! answers 403 and the page shows them disabled, saying why). With it, an action needs the
@@ -67,6 +67,7 @@ pub fn routes(endpoints: &Endpoints) -> Router<Endpoints> {
         .route("/api/actions/set-limit", post(set_limit))
         .route("/api/actions/clear-limit", post(clear_limit))
         .route("/api/actions/replay", post(replay))
+        .route("/api/actions/discard", post(discard))
         .layer(DefaultBodyLimit::max(BODY_LIMIT))
         .route_layer(axum::middleware::from_fn_with_state(
             endpoints.clone(),
@@ -334,16 +335,52 @@ struct LimitBody {
     operator: Option<String>,
 }
 
-/// `{"message_id"?, "seller"?, "batch"?, "reason"?, "dry_run": true}`.
+/// `{"message_id"?, "seller"?, "batch"?, "reason"?, "detail"?, "dry_run": true}`: the dead
+/// letters a replay or a discard takes.
 #[derive(Deserialize)]
 #[serde(deny_unknown_fields)]
-struct ReplayBody {
+struct DeadLettersBody {
     message_id: Option<String>,
     seller: Option<String>,
     batch: Option<String>,
     reason: Option<String>,
+    detail: Option<String>,
     dry_run: bool,
     operator: Option<String>,
+}
+
+impl DeadLettersBody {
+    /// The dead letters it takes, its parts recorded in `entry`; refused when it names no
+    /// message, seller or batch, or (unless a dry run) no operator.
+    fn query(&self, entry: &mut Entry, verb: &str) -> Result<DeadLetterQuery, String> {
+        entry.seller = self.seller.clone();
+        entry.batch = self.batch.clone();
+        entry.message = self.message_id.clone();
+        entry.argument = match (&self.reason, &self.detail) {
+            (Some(reason), Some(detail)) => Some(format!("{reason}: {detail}")),
+            (reason, detail) => reason.clone().or_else(|| detail.clone()),
+        };
+        entry.dry_run = self.dry_run;
+        let query = DeadLetterQuery::parse(
+            self.message_id.as_deref(),
+            self.seller.as_deref(),
+            self.batch.as_deref(),
+            self.reason.as_deref(),
+        )
+        .and_then(|q| q.with_detail(self.detail.as_deref()))?;
+        if query.names_nothing() {
+            return Err(format!(
+                "choose what to {verb}: a message id, a seller or a batch (to {verb} every dead letter, use `turnstile dead-letters {verb}`)"
+            ));
+        }
+        // It moves or removes messages: the audit trail names who did it.
+        if !self.dry_run && entry.who.operator.is_none() {
+            return Err(format!(
+                "operator: a {verb} needs your name (for the audit trail)"
+            ));
+        }
+        Ok(query)
+    }
 }
 
 impl Operated for PauseBody {
@@ -376,7 +413,7 @@ impl Operated for LimitBody {
         Some(self.limit.clone())
     }
 }
-impl Operated for ReplayBody {
+impl Operated for DeadLettersBody {
     fn operator(&self) -> Option<&str> {
         self.operator.as_deref()
     }
@@ -545,46 +582,20 @@ async fn clear_limit(State(endpoints): State<Endpoints>, request: Request) -> Re
 /// reset, counted as waiting again): those of one message, a seller or a batch (and, among
 /// them, of one reason). With `"dry_run": true` nothing moves: the answer lists what would.
 async fn replay(State(endpoints): State<Endpoints>, request: Request) -> Response {
-    let (mut action, asked) = match Action::read::<ReplayBody>(&endpoints, request, "replay").await
-    {
-        Ok(read) => read,
-        Err(answer) => return answer,
-    };
-    action.entry.seller = asked.seller.clone();
-    action.entry.batch = asked.batch.clone();
-    action.entry.message = asked.message_id.clone();
-    action.entry.argument = asked.reason.clone();
-    action.entry.dry_run = asked.dry_run;
-    let query = match DeadLetterQuery::parse(
-        asked.message_id.as_deref(),
-        asked.seller.as_deref(),
-        asked.batch.as_deref(),
-        asked.reason.as_deref(),
-    ) {
+    let (mut action, asked) =
+        match Action::read::<DeadLettersBody>(&endpoints, request, "replay").await {
+            Ok(read) => read,
+            Err(answer) => return answer,
+        };
+    let query = match asked.query(&mut action.entry, "replay") {
         Ok(query) => query,
         Err(why) => return action.refuse(why).await,
     };
-    if query.names_nothing() {
-        return action
-            .refuse(
-                "choose what to replay: a message id, a seller or a batch (to replay every dead letter, use `turnstile dead-letters replay`)"
-                    .into(),
-            )
-            .await;
-    }
-    // A replay moves messages back to be called again: the audit trail names who did it.
-    if !asked.dry_run && action.entry.who.operator.is_none() {
-        return action
-            .refuse("operator: a replay needs your name (for the audit trail)".into())
-            .await;
-    }
     let (Some(link), Some(controls)) = (
         action.dashboard.broker().cloned(),
         action.dashboard.controls().cloned(),
     ) else {
-        return action
-            .failed("this replica has no broker link for dead letters (it serves no HTTP)")
-            .await;
+        return action.failed(NO_BROKER_LINK).await;
     };
     match link
         .replay_dead(&query, &controls, asked.dry_run, DRY_RUN_SHOWN)
@@ -610,6 +621,52 @@ async fn replay(State(endpoints): State<Endpoints>, request: Request) -> Respons
         Err(error) => {
             action
                 .failed(format!("replaying: {}", one_line(&error)))
+                .await
+        }
+    }
+}
+
+/// What a dead-letter action answers on a replica without the operator side's broker link.
+const NO_BROKER_LINK: &str = "this replica has no broker link for dead letters (it serves no HTTP)";
+
+/// `POST /api/actions/discard`: removes the chosen dead letters from the dead-letter queue for
+/// good (not republished; their messages stay counted dead): those of one message, a seller
+/// or a batch (and, among them, of one reason and one detail). With `"dry_run": true` nothing
+/// goes: the answer lists what would.
+async fn discard(State(endpoints): State<Endpoints>, request: Request) -> Response {
+    let (mut action, asked) =
+        match Action::read::<DeadLettersBody>(&endpoints, request, "discard").await {
+            Ok(read) => read,
+            Err(answer) => return answer,
+        };
+    let query = match asked.query(&mut action.entry, "discard") {
+        Ok(query) => query,
+        Err(why) => return action.refuse(why).await,
+    };
+    let Some(link) = action.dashboard.broker().cloned() else {
+        return action.failed(NO_BROKER_LINK).await;
+    };
+    match link
+        .discard_dead(&query, asked.dry_run, DRY_RUN_SHOWN)
+        .await
+    {
+        Ok(done) => {
+            let what = query.describe();
+            let result = if asked.dry_run {
+                format!(
+                    "dry run: {} dead letter(s) of {what} would be discarded; nothing removed",
+                    done.matched
+                )
+            } else {
+                format!("{} dead letter(s) of {what} discarded", done.discarded)
+            };
+            action
+                .done(result, serde_json::to_value(&done).unwrap_or_default())
+                .await
+        }
+        Err(error) => {
+            action
+                .failed(format!("discarding: {}", one_line(&error)))
                 .await
         }
     }

@@ -13,7 +13,9 @@ use anyhow::Context;
 use serde::Serialize;
 use tokio_util::sync::CancellationToken;
 use tracing::debug;
-use turnstile_core::broker::dead_letters::{self, DeadLetter, Reason, Selection, UnknownReason};
+use turnstile_core::broker::dead_letters::{
+    self, DeadLetter, Discarded, Listing, Reason, Selection, UnknownReason,
+};
 use turnstile_core::broker::{self, Topology};
 use turnstile_core::domain::unix_ms;
 use turnstile_core::permit::PermitStore;
@@ -56,6 +58,14 @@ impl QueueDepths {
         ] {
             metrics::gauge!("turnstile_queue_messages", "queue" => queue).set(n as f64);
         }
+    }
+
+    /// Sets `turnstile_queue_messages_age_seconds`: how old these depths are at `now_ms`, so
+    /// that a scrape during a broker outage tells frozen depths from current ones (stale
+    /// beyond [`DEPTHS_STALE_AFTER`], as the console marks them).
+    fn export_age(&self, now_ms: u64) {
+        let age = now_ms.saturating_sub(self.read_ms) as f64 / 1000.0;
+        metrics::gauge!("turnstile_queue_messages_age_seconds").set(age);
     }
 }
 
@@ -215,6 +225,9 @@ impl BrokerLink {
                     debug!(error = format!("{error:#}"), "could not read queue depths");
                 }
             }
+            if let Some(depths) = self.depths() {
+                depths.export_age(unix_ms());
+            }
         }
         if let Some(connection) = self.connection.lock().await.take() {
             let _ = tokio::time::timeout(
@@ -260,6 +273,22 @@ impl DeadLetterQuery {
         Ok(Self(selection))
     }
 
+    /// Also only the dead letters whose detail is exactly `detail` (blank: not given), as a
+    /// listing's group names it; longer than any detail kept, it is refused.
+    pub fn with_detail(mut self, detail: Option<&str>) -> Result<Self, String> {
+        let Some(detail) = detail.filter(|d| !d.trim().is_empty()) else {
+            return Ok(self);
+        };
+        if detail.len() > turnstile_core::broker::budget::DETAIL_MAX {
+            return Err(format!(
+                "detail: at most {} bytes (as a listing's group names it)",
+                turnstile_core::broker::budget::DETAIL_MAX
+            ));
+        }
+        self.0 = self.0.with_detail(detail);
+        Ok(self)
+    }
+
     /// Whether it names no message, seller or batch (a reason alone, or nothing).
     pub fn names_nothing(&self) -> bool {
         self.0.message_id.is_none() && self.0.seller_id.is_none() && self.0.batch_id.is_none()
@@ -274,15 +303,6 @@ impl DeadLetterQuery {
     pub fn selection(&self) -> &Selection {
         &self.0
     }
-}
-
-/// Dead letters as listed: how many the selection took and the first of them.
-#[derive(Debug, Serialize)]
-pub struct DeadLetters {
-    /// Dead letters the selection took.
-    pub matched: u64,
-    /// The first of them, in the queue's order (at most the listing's limit).
-    pub letters: Vec<DeadLetter>,
 }
 
 /// What a replay did, or on a dry run would do.
@@ -377,22 +397,42 @@ impl BrokerLink {
             .is_some_and(|c| c.status().connected())
     }
 
-    /// The dead letters `query` takes: how many, and the first `limit` (leaves them all where
-    /// they are).
+    /// The dead letters `query` takes: how many, grouped by reason and detail, and `limit` of
+    /// them after the first `skip` (leaves them all where they are).
     pub async fn list_dead(
         &self,
         query: &DeadLetterQuery,
+        skip: u64,
         limit: usize,
-    ) -> anyhow::Result<DeadLetters> {
+    ) -> anyhow::Result<Listing> {
         let topology = self.topology.clone();
-        let (matched, letters) = self
-            .on_dead_letters(|_, channel| async move {
-                let listed =
-                    dead_letters::list_first(&channel, &topology, query.selection(), limit).await?;
-                Ok((listed, 0))
-            })
-            .await?;
-        Ok(DeadLetters { matched, letters })
+        self.on_dead_letters(|_, channel| async move {
+            let listed =
+                dead_letters::list_page(&channel, &topology, query.selection(), skip, limit)
+                    .await?;
+            Ok((listed, 0))
+        })
+        .await
+    }
+
+    /// Removes the dead letters `query` takes from the dead-letter queue for good (see
+    /// `turnstile_core::broker::dead_letters::discard`: their messages stay counted dead); a
+    /// `dry_run` removes nothing and reports what would go. Lists at most `shown` of them.
+    pub async fn discard_dead(
+        &self,
+        query: &DeadLetterQuery,
+        dry_run: bool,
+        shown: usize,
+    ) -> anyhow::Result<Discarded> {
+        let topology = self.topology.clone();
+        let selection = query.selection().clone();
+        self.on_dead_letters(|_, channel| async move {
+            let done =
+                dead_letters::discard(&channel, &topology, &selection, dry_run, shown).await?;
+            let taken = done.discarded;
+            Ok((done, taken))
+        })
+        .await
     }
 
     /// Moves the dead letters `query` takes back to the work queue (see

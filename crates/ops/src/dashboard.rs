@@ -8,6 +8,8 @@
 //! shows the whole deployment:
 //! - `throughput:<minute>`: registrations per second (hash: unix second -> count), added by each
 //!   replica's sampler once a second, kept 11 minutes;
+//! - `history:<hour>`: registrations, dead letters, delays and retries per minute (hash:
+//!   `<minute>:<rate>` -> count), added by the same sampler, kept 24 hours (`/api/history`);
 //! - `sellers`: sellers asked about in the last 10 minutes (sorted set: seller -> last ms),
 //!   at most 10,000, also written by the sampler from [`Stats::take_sellers`];
 //! - `dead-now`: messages dead-lettered and not replayed since, by reason (hash, kept by
@@ -45,7 +47,7 @@ use turnstile_core::domain::SellerId;
 use turnstile_core::domain::unix_ms;
 use turnstile_core::downstream::recent::Recently;
 use turnstile_core::fleet;
-use turnstile_core::permit::{Admin, Records, RetryDue, Usage};
+use turnstile_core::permit::{Admin, HISTORY_HOURS, History, Records, RetryDue, Usage};
 use turnstile_core::telemetry::Readiness;
 use turnstile_core::worker::Stats;
 use turnstile_upload::progress;
@@ -735,6 +737,17 @@ impl Dashboard {
             .context("reading dead letters by reason")
     }
 
+    /// What every replica did in each of the last `hours` hours' minutes (at most
+    /// [`HISTORY_HOURS`]), the current one included, oldest first.
+    pub async fn history(&self, hours: u64) -> anyhow::Result<Vec<History>> {
+        let last = unix_ms() / 60_000;
+        let first = (last + 1).saturating_sub(hours.clamp(1, HISTORY_HOURS) * 60);
+        self.records
+            .history(first, last)
+            .await
+            .context("reading the history")
+    }
+
     /// Registrations per second over the last [`THROUGHPUT_SECONDS`], the current one included
     /// (replicas record once a second, so the newest second fills in as they do).
     async fn throughput(&self, now_ms: u64) -> anyhow::Result<Throughput> {
@@ -752,25 +765,20 @@ impl Dashboard {
         })
     }
 
-    /// Records what this replica did since the last call: `registered` in the current second's
-    /// throughput and the sellers it asked about. One round trip; when idle, a probe (Redis's
+    /// Records what this replica did since the last call: its registrations in the current
+    /// second's throughput, each rate of `done` in the current minute's history, and the
+    /// sellers it asked about. One round trip; when idle, a probe (Redis's
     /// clock) instead, so that Redis's health is known every second.
     async fn record(
         &self,
-        registered: u64,
+        done: History,
         sellers: &HashSet<String>,
     ) -> Result<(), turnstile_core::permit::PermitError> {
-        if registered == 0 && sellers.is_empty() {
+        if done == History::default() && sellers.is_empty() {
             return self.admin.redis_time_us().await.map(drop);
         }
         self.records
-            .record_activity(
-                unix_ms(),
-                registered,
-                sellers,
-                ACTIVE_FOR,
-                Stats::MAX_SELLERS,
-            )
+            .record_activity(unix_ms(), done, sellers, ACTIVE_FOR, Stats::MAX_SELLERS)
             .await
     }
 }
@@ -928,7 +936,14 @@ fn seller_rows(usage: &HashMap<&str, &Usage>) -> (Vec<SellerRow>, Vec<SellerRow>
 /// Feeds the shared state once a second (throughput, active sellers) until `stop`, then once
 /// more. Runs on every replica, with or without HTTP: every page counts every replica.
 pub async fn sample(dashboard: Arc<Dashboard>, stop: CancellationToken) {
-    let mut recorded = dashboard.stats.registered.load(Ordering::Relaxed);
+    let counted = |stats: &Stats| History {
+        minute: 0,
+        registered: stats.registered.load(Ordering::Relaxed),
+        dead: stats.dead_lettered.load(Ordering::Relaxed),
+        delayed: stats.throttled.load(Ordering::Relaxed),
+        retried: stats.retried.load(Ordering::Relaxed),
+    };
+    let mut recorded = counted(&dashboard.stats);
     let mut tick = tokio::time::interval(Duration::from_secs(1));
     tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
     loop {
@@ -936,12 +951,19 @@ pub async fn sample(dashboard: Arc<Dashboard>, stop: CancellationToken) {
             _ = tick.tick() => false,
             _ = stop.cancelled() => true,
         };
-        let registered = dashboard.stats.registered.load(Ordering::Relaxed);
+        let now = counted(&dashboard.stats);
+        let since = History {
+            minute: 0,
+            registered: now.registered.saturating_sub(recorded.registered),
+            dead: now.dead.saturating_sub(recorded.dead),
+            delayed: now.delayed.saturating_sub(recorded.delayed),
+            retried: now.retried.saturating_sub(recorded.retried),
+        };
         let sellers = dashboard.stats.take_sellers();
-        let recording = dashboard.record(registered - recorded, &sellers);
+        let recording = dashboard.record(since, &sellers);
         match tokio::time::timeout(SAMPLE_TIMEOUT, recording).await {
             Ok(Ok(())) => {
-                recorded = registered;
+                recorded = now;
                 dashboard.redis.ok();
             }
             Ok(Err(error)) => {

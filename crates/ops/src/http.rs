@@ -164,6 +164,41 @@ async fn fleet_api(State(endpoints): State<Endpoints>) -> Response {
     }
 }
 
+/// `GET /api/history[?hours=24]`: what every replica did in each minute of the last `hours`
+/// hours (1 to 24): registrations, dead letters, delays and retries, oldest minute first.
+async fn history_api(State(endpoints): State<Endpoints>, RawQuery(query): RawQuery) -> Response {
+    let Some(dashboard) = endpoints.dashboard.get().cloned() else {
+        return api_error(
+            StatusCode::SERVICE_UNAVAILABLE,
+            "not connected to Redis yet",
+        );
+    };
+    let most = turnstile_core::permit::HISTORY_HOURS;
+    let hours = match query_params(query.as_deref(), ["hours"]).and_then(|[hours]| {
+        hours.map_or(Ok(most), |h| match h.trim().parse::<u64>() {
+            Ok(n) if (1..=most).contains(&n) => Ok(n),
+            _ => Err(format!("hours: a whole number from 1 to {most}")),
+        })
+    }) {
+        Ok(hours) => hours,
+        Err(why) => return api_error(StatusCode::BAD_REQUEST, why),
+    };
+    match dashboard.history(hours).await {
+        Ok(minutes) => json_answer(
+            StatusCode::OK,
+            serde_json::json!({
+                "hours": hours,
+                "read_ms": turnstile_core::domain::unix_ms(),
+                "minutes": minutes,
+            }),
+        ),
+        Err(error) => api_error(
+            StatusCode::SERVICE_UNAVAILABLE,
+            crate::health::one_line(&error),
+        ),
+    }
+}
+
 /// The values of the query parameters `names` in a request's `query` (`None` for one not
 /// given), in order; a parameter given twice is refused, naming it. Other parameters (the
 /// dashboard's `token`) are left alone.
@@ -360,6 +395,7 @@ pub async fn serve(
         .route("/", get(|| async { Html(dashboard::PAGE) }))
         .route("/api/dashboard", get(dashboard_data))
         .route("/api/fleet", get(fleet_api))
+        .route("/api/history", get(history_api))
         .route("/api/batches/{batch_id}", get(batch_api))
         .route("/api/sellers/{seller_id}", get(seller_api))
         .route("/api/search", get(crate::lookup::search))

@@ -4,8 +4,10 @@
 //!   limits, their use, pause, backlog, batches and retries waiting), a batch (its progress and
 //!   ETA, as `/api/batches/{id}`), a message (its dead letters, and what its completion record
 //!   says: registered, dead, or nothing), each found or said plainly not to be;
-//! - `GET /api/dead-letters[?message_id=…][&seller=…][&batch=…][&reason=…][&limit=100]`: the
-//!   dead letters, browsable: reason, detail, seller, batch, message id, when, body excerpt.
+//! - `GET /api/dead-letters[?message_id=…][&seller=…][&batch=…][&reason=…][&detail=…]
+//!   [&offset=0][&limit=100]`: the dead letters, browsable a page at a time (reason, detail,
+//!   seller, batch, message id, when, body excerpt), every one selected counted and grouped by
+//!   reason and detail (`groups`, largest first, at most 100; `other_groups` counts the rest).
 //!
 //! What turnstile cannot find, it says: a message's completion record is kept per seller (a
 //! message id alone finds it only through its dead letters), records expire after
@@ -22,7 +24,7 @@ use turnstile_core::domain::SellerId;
 use turnstile_core::domain::unix_ms;
 use turnstile_upload::progress;
 
-use crate::broker_link::{DeadLetterQuery, DeadLetters};
+use crate::broker_link::DeadLetterQuery;
 use crate::dashboard::{Dashboard, LimitRow, RetryMessage};
 use crate::endpoints::{Endpoints, api_error, json_answer};
 use crate::health::one_line;
@@ -31,6 +33,16 @@ use crate::ids::{batch_id, message_id, seller_id};
 /// Dead letters a listing shows by default, and at most.
 const LISTED: usize = 100;
 const LISTED_MAX: usize = 500;
+/// What `/api/dead-letters` takes.
+const PARAMETERS: [&str; 7] = [
+    "message_id",
+    "seller",
+    "batch",
+    "reason",
+    "detail",
+    "offset",
+    "limit",
+];
 /// Retries waiting shown in a seller's view.
 const RETRIES_SHOWN: usize = 20;
 
@@ -257,7 +269,7 @@ async fn message_view(
         Some(link) => {
             let query =
                 DeadLetterQuery::parse(Some(id), None, None, None).map_err(anyhow::Error::msg)?;
-            match link.list_dead(&query, LISTED_MAX).await {
+            match link.list_dead(&query, 0, LISTED_MAX).await {
                 Ok(listed) => listed.letters,
                 Err(error) => {
                     said.push(format!(
@@ -338,13 +350,10 @@ pub async fn dead_letters(
         );
     };
     let given = |name: &str| query.get(name).map(|v| v.trim()).filter(|v| !v.is_empty());
-    if let Some(unknown) = query
-        .keys()
-        .find(|k| !["message_id", "seller", "batch", "reason", "limit"].contains(&k.as_str()))
-    {
+    if let Some(unknown) = query.keys().find(|k| !PARAMETERS.contains(&k.as_str())) {
         return api_error(
             StatusCode::BAD_REQUEST,
-            format!("unknown parameter {unknown:?}: message_id, seller, batch, reason, limit"),
+            format!("unknown parameter {unknown:?}: {}", PARAMETERS.join(", ")),
         );
     }
     let selection = match DeadLetterQuery::parse(
@@ -352,9 +361,18 @@ pub async fn dead_letters(
         given("seller"),
         given("batch"),
         given("reason"),
-    ) {
+    )
+    .and_then(|q| q.with_detail(query.get("detail").map(String::as_str)))
+    {
         Ok(selection) => selection,
         Err(why) => return api_error(StatusCode::BAD_REQUEST, why),
+    };
+    let offset = match given("offset").map(str::parse::<u64>) {
+        None => 0,
+        Some(Ok(n)) => n,
+        Some(Err(_)) => {
+            return api_error(StatusCode::BAD_REQUEST, "offset: a whole number >= 0");
+        }
     };
     let limit = match given("limit").map(str::parse::<usize>) {
         None => LISTED,
@@ -372,18 +390,20 @@ pub async fn dead_letters(
             "this replica has no broker link for dead letters (it serves no HTTP)",
         );
     };
-    match link.list_dead(&selection, limit).await {
-        Ok(DeadLetters {
-            matched, letters, ..
-        }) => json_answer(
+    match link.list_dead(&selection, offset, limit).await {
+        Ok(listing) => json_answer(
             StatusCode::OK,
             json!({
                 "selection": selection.describe(),
                 "queue": link.topology().dead(),
                 "read_ms": unix_ms(),
-                "matched": matched,
-                "shown": letters.len(),
-                "letters": letters,
+                "matched": listing.matched,
+                "offset": listing.skipped,
+                "limit": limit,
+                "shown": listing.letters.len(),
+                "groups": listing.groups,
+                "other_groups": listing.other,
+                "letters": listing.letters,
             }),
         ),
         Err(error) => api_error(

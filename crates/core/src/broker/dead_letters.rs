@@ -231,6 +231,9 @@ pub struct Selection {
     pub batch_id: Option<String>,
     /// Only those dead for this reason.
     pub reason: Option<Reason>,
+    /// Only those whose detail is exactly this (a [`Group`] of a listing names it).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub detail: Option<String>,
 }
 
 impl Selection {
@@ -268,6 +271,12 @@ impl Selection {
         self
     }
 
+    /// Also only those whose detail is exactly `detail`.
+    pub fn with_detail(mut self, detail: impl Into<String>) -> Self {
+        self.detail = Some(detail.into());
+        self
+    }
+
     /// Whether it takes every dead letter.
     pub fn is_all(&self) -> bool {
         *self == Self::all()
@@ -282,6 +291,7 @@ impl Selection {
             && same(&self.seller_id, &letter.seller_id)
             && same(&self.batch_id, &letter.batch_id)
             && self.reason.is_none_or(|r| r == letter.reason)
+            && self.detail.as_ref().is_none_or(|d| *d == letter.detail)
     }
 }
 
@@ -300,6 +310,9 @@ impl std::fmt::Display for Selection {
         }
         if let Some(reason) = self.reason {
             parts.push(format!("reason {reason}"));
+        }
+        if let Some(detail) = &self.detail {
+            parts.push(format!("detail {detail:?}"));
         }
         if parts.is_empty() {
             f.write_str("every dead letter")
@@ -561,6 +574,193 @@ async fn next(
             anyhow::anyhow!("{error:#}; {UNREADABLE}")
         }
     })
+}
+
+/// Most groups a [`Listing`] keeps apart; dead letters of further (reason, detail) pairs are
+/// counted in [`Listing::other`].
+pub const MOST_GROUPS: usize = 100;
+
+/// Dead letters of one reason and one detail, as a listing groups them (30 identical 422s are
+/// one line).
+#[derive(Clone, Debug, PartialEq, Eq, serde::Serialize)]
+pub struct Group {
+    pub reason: Reason,
+    pub detail: String,
+    /// Dead letters of the group the selection took.
+    pub count: u64,
+    /// The sellers among them: how many, and the first few.
+    pub sellers: u64,
+    pub some_sellers: Vec<String>,
+    /// When the first and the last of them died (Unix ms), when known.
+    pub first_dead_ms: Option<u64>,
+    pub last_dead_ms: Option<u64>,
+}
+
+/// Sellers a [`Group`] names.
+const GROUP_SELLERS_NAMED: usize = 5;
+/// Sellers a [`Group`] tells apart to count them; beyond, it counts at least this many.
+const GROUP_SELLERS_COUNTED: usize = 1000;
+
+/// A page of the dead letters a selection takes, with every one of them counted and grouped.
+#[derive(Clone, Debug, Default, PartialEq, Eq, serde::Serialize)]
+pub struct Listing {
+    /// Dead letters the selection took.
+    pub matched: u64,
+    /// They by reason and detail, largest group first (at most [`MOST_GROUPS`]).
+    pub groups: Vec<Group>,
+    /// Dead letters of groups beyond [`MOST_GROUPS`].
+    pub other: u64,
+    /// Taken dead letters skipped before the page.
+    pub skipped: u64,
+    /// The page: the taken dead letters after the skipped ones, in the queue's order.
+    pub letters: Vec<DeadLetter>,
+}
+
+/// Groups being counted, with the sellers each has seen (bounded, see [`Group`]).
+#[derive(Default)]
+struct Grouping {
+    groups: Vec<(Group, std::collections::HashSet<String>)>,
+    index: std::collections::HashMap<(Reason, String), usize>,
+    other: u64,
+}
+
+impl Grouping {
+    fn count(&mut self, letter: &DeadLetter) {
+        let key = (letter.reason, letter.detail.clone());
+        let at = match self.index.get(&key) {
+            Some(&at) => at,
+            None if self.groups.len() < MOST_GROUPS => {
+                self.groups.push((
+                    Group {
+                        reason: letter.reason,
+                        detail: letter.detail.clone(),
+                        count: 0,
+                        sellers: 0,
+                        some_sellers: Vec::new(),
+                        first_dead_ms: None,
+                        last_dead_ms: None,
+                    },
+                    std::collections::HashSet::new(),
+                ));
+                self.index.insert(key, self.groups.len() - 1);
+                self.groups.len() - 1
+            }
+            None => {
+                self.other += 1;
+                return;
+            }
+        };
+        let (group, sellers) = &mut self.groups[at];
+        group.count += 1;
+        if let Some(seller) = &letter.seller_id
+            && sellers.len() < GROUP_SELLERS_COUNTED
+            && sellers.insert(seller.clone())
+        {
+            group.sellers += 1;
+            if group.some_sellers.len() < GROUP_SELLERS_NAMED {
+                group.some_sellers.push(seller.clone());
+            }
+        }
+        if let Some(at) = letter.dead_at_ms {
+            group.first_dead_ms = Some(group.first_dead_ms.map_or(at, |f| f.min(at)));
+            group.last_dead_ms = Some(group.last_dead_ms.map_or(at, |l| l.max(at)));
+        }
+    }
+
+    /// The groups, largest first (then by reason and detail).
+    fn into_groups(self) -> (Vec<Group>, u64) {
+        let mut groups: Vec<Group> = self.groups.into_iter().map(|(g, _)| g).collect();
+        groups.sort_by(|a, b| {
+            b.count
+                .cmp(&a.count)
+                .then_with(|| a.reason.as_str().cmp(b.reason.as_str()))
+                .then_with(|| a.detail.cmp(&b.detail))
+        });
+        (groups, self.other)
+    }
+}
+
+/// Counts and groups every dead letter `selection` takes and lists `keep` of them after the
+/// first `skip`, in the queue's order; leaves them all where they are. Only the page and the
+/// groups are held, however many the queue has.
+pub async fn list_page(
+    channel: &Channel,
+    topology: &Topology,
+    selection: &Selection,
+    skip: u64,
+    keep: usize,
+) -> anyhow::Result<Listing> {
+    let mut listing = Listing::default();
+    let mut grouping = Grouping::default();
+    visit(channel, topology, |delivery| {
+        let letter = describe(&delivery);
+        if selection.matches(&letter) {
+            listing.matched += 1;
+            grouping.count(&letter);
+            if listing.matched > skip && listing.letters.len() < keep {
+                listing.letters.push(letter);
+            }
+        }
+        async move { (Ok(false), delivery) }
+    })
+    .await?;
+    listing.skipped = skip.min(listing.matched);
+    (listing.groups, listing.other) = grouping.into_groups();
+    Ok(listing)
+}
+
+/// What a discard did, or on a dry run would do.
+#[derive(Debug, Default, serde::Serialize)]
+pub struct Discarded {
+    /// A dry run: nothing was removed.
+    pub dry_run: bool,
+    /// Dead letters selected: removed, or on a dry run that would be.
+    pub matched: u64,
+    /// Dead letters removed from the dead-letter queue (0 on a dry run).
+    pub discarded: u64,
+    /// Dead letters not selected: they stay.
+    pub kept: u64,
+    /// The first of those selected (at most the discard's `shown`), in the queue's order.
+    pub letters: Vec<DeadLetter>,
+}
+
+/// Removes the dead letters `selection` takes from the dead-letter queue for good: they are
+/// not republished, and their messages stay counted dead (their records, their uploads'
+/// progress and the dead letters by reason are unchanged: the outcome was published, and
+/// stays what happened). A `dry_run` reads the same dead letters, reports exactly those it
+/// would remove, and removes nothing. Lists at most `shown` of those selected.
+pub async fn discard(
+    channel: &Channel,
+    topology: &Topology,
+    selection: &Selection,
+    dry_run: bool,
+    shown: usize,
+) -> anyhow::Result<Discarded> {
+    let mut done = Discarded {
+        dry_run,
+        ..Discarded::default()
+    };
+    let visited = visit(channel, topology, |delivery| {
+        let letter = describe(&delivery);
+        let selected = selection.matches(&letter);
+        if selected {
+            done.matched += 1;
+            if done.letters.len() < shown {
+                done.letters.push(letter);
+            }
+            if !dry_run {
+                done.discarded += 1;
+            }
+        } else {
+            done.kept += 1;
+        }
+        let take = selected && !dry_run;
+        async move { (Ok(take), delivery) }
+    })
+    .await;
+    visited
+        .with_context(|| format!("{} dead letters were discarded before this", done.discarded))?;
+    Ok(done)
 }
 
 /// Lists the dead letters `selection` takes, in the queue's order; leaves them all where they

@@ -329,6 +329,12 @@ impl Keyspace {
         self.shared(&format!("throughput:{minute}"))
     }
 
+    /// What the replicas did in each minute of the unix hour `hour` (hash: `<minute>:<what>`
+    /// -> count, `what` one of [`crate::permit::History`]'s rates).
+    pub fn history(&self, hour: u64) -> String {
+        self.shared(&format!("history:{hour}"))
+    }
+
     /// A key of the global limit's: `<prefix>:{<prefix>~global}:<name>`, one slot for all of
     /// them (one script reads and writes them atomically), apart from the shared keys' slot.
     fn global(&self, name: &str) -> String {

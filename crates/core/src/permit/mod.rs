@@ -74,7 +74,7 @@ pub use conn::{
 };
 pub use keys::Keyspace;
 pub use limiter::{Ask, Asked, Ended, Finished, Grant, Limiter, Progress};
-pub use records::{BatchSeen, Orphan, Records, RetryDue, UploadProgress};
+pub use records::{BatchSeen, HISTORY_HOURS, History, Orphan, Records, RetryDue, UploadProgress};
 pub use registry::{Registered, Registry, Roll, fleet_calls};
 pub use terms::Terms;
 pub use usage::{GlobalShare, GlobalUsage, LimitUsage, Shadow, Usage, binding_of};

@@ -187,6 +187,41 @@ const INDEXED_UPLOADS: usize = 1000;
 /// How long a minute of throughput is kept.
 const THROUGHPUT_KEPT: Duration = Duration::from_secs(11 * 60);
 
+/// How long an hour of [`History`] is kept after its last write.
+const HISTORY_KEPT: Duration = Duration::from_secs(25 * 3600);
+/// Most hours of history read at once.
+pub const HISTORY_HOURS: u64 = 24;
+
+/// What every replica did in one minute, as the dashboard's history keeps it (24 hours).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, serde::Serialize)]
+pub struct History {
+    /// The unix minute.
+    pub minute: u64,
+    /// Messages registered (2xx).
+    pub registered: u64,
+    /// Messages dead-lettered.
+    pub dead: u64,
+    /// Messages delayed because their seller's limit was full.
+    pub delayed: u64,
+    /// Messages put back for a retry after a failed call.
+    pub retried: u64,
+}
+
+impl History {
+    /// The rates kept, by name, as the hash's fields end.
+    pub const RATES: [&'static str; 4] = ["registered", "dead", "delayed", "retried"];
+
+    fn rate_mut(&mut self, name: &str) -> Option<&mut u64> {
+        match name {
+            "registered" => Some(&mut self.registered),
+            "dead" => Some(&mut self.dead),
+            "delayed" => Some(&mut self.delayed),
+            "retried" => Some(&mut self.retried),
+            _ => None,
+        }
+    }
+}
+
 /// The uploads' progress, the dead letters by reason and the dashboard's shared state, under
 /// one key prefix: written by the replicas (a replica takes its own from
 /// [`PermitStore::records`](super::PermitStore::records)), read by the operator commands, the
@@ -519,22 +554,70 @@ impl Records {
         Ok(per_second)
     }
 
-    /// Records what a replica did since its last sample, at `now_ms` (unix ms): `registered`
-    /// in the throughput of the current second (kept 11 minutes), and `sellers` in the sellers
-    /// seen, which keeps those seen within `seen_for`, at most `at_most` of them. One round
-    /// trip; nothing when idle.
+    /// Every minute from unix minute `first` to `last` (both included, at most
+    /// [`HISTORY_HOURS`] hours: the latest of them), oldest first, a minute without anything
+    /// recorded all zero. One round trip.
+    pub async fn history(&self, first: u64, last: u64) -> Result<Vec<History>, PermitError> {
+        let first = first.max((last + 1).saturating_sub(HISTORY_HOURS * 60));
+        let hours: Vec<u64> = (first / 60..=last / 60).collect();
+        let mut pipe = redis::pipe();
+        for h in &hours {
+            pipe.hgetall(self.keys.history(*h));
+        }
+        let counts: Vec<HashMap<String, u64>> = pipe.query_async(&mut self.conn.clone()).await?;
+        let mut minutes: Vec<History> = (first..=last)
+            .map(|minute| History {
+                minute,
+                ..History::default()
+            })
+            .collect();
+        for (field, n) in counts.iter().flatten() {
+            let Some((minute, rate)) = field.split_once(':') else {
+                continue;
+            };
+            let Ok(minute) = minute.parse::<u64>() else {
+                continue;
+            };
+            if let Some(count) = (first..=last)
+                .contains(&minute)
+                .then(|| minutes[(minute - first) as usize].rate_mut(rate))
+                .flatten()
+            {
+                *count += n;
+            }
+        }
+        Ok(minutes)
+    }
+
+    /// Records what a replica did since its last sample, at `now_ms` (unix ms): `done`'s
+    /// registrations in the throughput of the current second (kept 11 minutes), each of its
+    /// rates in the current minute's [`History`] (kept 24 hours; its `minute` is ignored), and
+    /// `sellers` in the sellers seen, which keeps those seen within `seen_for`, at most
+    /// `at_most` of them. One round trip; nothing when idle.
     pub async fn record_activity(
         &self,
         now_ms: u64,
-        registered: u64,
+        done: History,
         sellers: &HashSet<String>,
         seen_for: Duration,
         at_most: usize,
     ) -> Result<(), PermitError> {
-        if registered == 0 && sellers.is_empty() {
+        let registered = done.registered;
+        let rates = [done.registered, done.dead, done.delayed, done.retried];
+        if rates.iter().all(|n| *n == 0) && sellers.is_empty() {
             return Ok(());
         }
         let mut pipe = redis::pipe();
+        if rates.iter().any(|n| *n > 0) {
+            let minute = now_ms / 60_000;
+            let key = self.keys.history(minute / 60);
+            for (name, n) in History::RATES.iter().zip(rates) {
+                if n > 0 {
+                    pipe.hincr(&key, format!("{minute}:{name}"), n).ignore();
+                }
+            }
+            pipe.pexpire(&key, HISTORY_KEPT.as_millis() as i64).ignore();
+        }
         if registered > 0 {
             let second = now_ms / 1000;
             let key = self.keys.throughput(second / 60);
