@@ -285,6 +285,15 @@ pub struct LadderView {
     pub last_overdue_ms: Option<u64>,
     /// Since the replica started.
     pub max_late_ms: u64,
+    /// Hops and overdue hops of the last 5 minutes (since the start while younger).
+    pub recent: LadderRecent,
+}
+
+/// The delay ladder's counts over the last 5 minutes.
+#[derive(Debug, Serialize)]
+pub struct LadderRecent {
+    pub hops: u64,
+    pub overdue: u64,
 }
 
 /// One seller's window.
@@ -399,6 +408,50 @@ pub struct Dashboard {
     /// The last figures read from Redis, served (marked stale) while Redis does not answer.
     last_shared: Mutex<Option<Shared>>,
     cache: tokio::sync::Mutex<Option<(Instant, Arc<String>)>>,
+    /// The delay ladder's counts as the sampler saw them lately, for the last 5 minutes'.
+    ladder_window: Mutex<LadderWindow>,
+}
+
+/// How far back the ladder's windowed counts reach.
+const LADDER_WINDOW_MS: u64 = 5 * 60 * 1000;
+/// How often the ladder's counts are kept for the window.
+const LADDER_SAMPLE_EVERY_MS: u64 = 10_000;
+
+/// The delay ladder's cumulative counts (hops, overdue hops) kept every
+/// [`LADDER_SAMPLE_EVERY_MS`] for [`LADDER_WINDOW_MS`] and a little more (about 32 samples),
+/// so that the counts of the last 5 minutes are the counts now less those of the newest sample
+/// at least 5 minutes old (since the start while the replica is younger).
+#[derive(Debug, Default)]
+struct LadderWindow {
+    samples: std::collections::VecDeque<(u64, u64, u64)>,
+}
+
+impl LadderWindow {
+    /// Keeps `(hops, overdue)` as of `now_ms` if the last kept is older than a sample's
+    /// spacing; forgets those no window needs any more.
+    fn note(&mut self, now_ms: u64, hops: u64, overdue: u64) {
+        if self
+            .samples
+            .back()
+            .is_none_or(|(at, ..)| now_ms >= at + LADDER_SAMPLE_EVERY_MS)
+        {
+            self.samples.push_back((now_ms, hops, overdue));
+        }
+        while self.samples.len() > 1 && self.samples[1].0 + LADDER_WINDOW_MS <= now_ms {
+            self.samples.pop_front();
+        }
+    }
+
+    /// The hops and overdue hops of the last 5 minutes, given the counts now.
+    fn recent(&self, now_ms: u64, hops: u64, overdue: u64) -> (u64, u64) {
+        let base = self
+            .samples
+            .iter()
+            .rev()
+            .find(|(at, ..)| at + LADDER_WINDOW_MS <= now_ms)
+            .map_or((0, 0), |(_, h, o)| (*h, *o));
+        (hops.saturating_sub(base.0), overdue.saturating_sub(base.1))
+    }
 }
 
 impl Dashboard {
@@ -454,6 +507,7 @@ impl Dashboard {
             redis: Health::new("Redis"),
             last_shared: Mutex::default(),
             cache: tokio::sync::Mutex::default(),
+            ladder_window: Mutex::default(),
         }
     }
 
@@ -708,6 +762,15 @@ impl Dashboard {
                 held: stats.ladder.held.load(Ordering::Relaxed),
                 hops: stats.ladder.hops.load(Ordering::Relaxed),
                 overdue: stats.ladder.overdue.load(Ordering::Relaxed),
+                recent: {
+                    let (hops, overdue) =
+                        self.ladder_window.lock().expect("never poisoned").recent(
+                            unix_ms(),
+                            stats.ladder.hops.load(Ordering::Relaxed),
+                            stats.ladder.overdue.load(Ordering::Relaxed),
+                        );
+                    LadderRecent { hops, overdue }
+                },
                 last_overdue_ms: Some(stats.ladder.last_overdue_ms.load(Ordering::Relaxed))
                     .filter(|ms| *ms > 0),
                 max_late_ms: stats.ladder.max_late_ms.load(Ordering::Relaxed),
@@ -960,6 +1023,15 @@ pub async fn sample(dashboard: Arc<Dashboard>, stop: CancellationToken) {
             retried: now.retried.saturating_sub(recorded.retried),
         };
         let sellers = dashboard.stats.take_sellers();
+        dashboard
+            .ladder_window
+            .lock()
+            .expect("never poisoned")
+            .note(
+                unix_ms(),
+                dashboard.stats.ladder.hops.load(Ordering::Relaxed),
+                dashboard.stats.ladder.overdue.load(Ordering::Relaxed),
+            );
         let recording = dashboard.record(since, &sellers);
         match tokio::time::timeout(SAMPLE_TIMEOUT, recording).await {
             Ok(Ok(())) => {
@@ -986,3 +1058,42 @@ pub async fn sample(dashboard: Arc<Dashboard>, stop: CancellationToken) {
 
 /// Why actions are off on a replica without a token.
 pub const ACTIONS_OFF: &str = "actions are off: they need TURNSTILE_HTTP_TOKEN set on the replica (then open the page with ?token=…)";
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const MIN: u64 = 60_000;
+
+    #[test]
+    fn the_ladder_window_counts_the_last_five_minutes_and_everything_while_younger() {
+        let mut window = LadderWindow::default();
+        // Younger than 5 minutes: everything since the start.
+        window.note(0, 0, 0);
+        window.note(MIN, 40, 3);
+        assert_eq!(window.recent(MIN, 40, 3), (40, 3));
+        // Samples every 10 s; ten minutes on, only what came after the sample 5 minutes ago.
+        for s in 1..=60 {
+            window.note(MIN + s * 10_000, 40 + s, 3);
+        }
+        let now = MIN + 600_000;
+        let (hops, overdue) = window.recent(now, 100, 3);
+        assert_eq!(
+            (hops, overdue),
+            (100 - (40 + 30), 0),
+            "late hops 10 minutes ago are gone"
+        );
+        // An overdue hop now counts; the kept samples stay bounded.
+        assert_eq!(window.recent(now, 101, 4).1, 1);
+        assert!(window.samples.len() <= 32, "{}", window.samples.len());
+    }
+
+    #[test]
+    fn the_ladder_window_keeps_one_sample_per_spacing() {
+        let mut window = LadderWindow::default();
+        for ms in (0..20_000).step_by(100) {
+            window.note(ms, ms, 0);
+        }
+        assert_eq!(window.samples.len(), 2);
+    }
+}
