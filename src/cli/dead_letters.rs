@@ -188,14 +188,7 @@ pub async fn run(DeadLettersArgs { action, broker }: DeadLettersArgs) -> anyhow:
             )
             .await?;
             let mut entry = select.audited("replay", &operator, dry_run);
-            entry.result = if dry_run {
-                format!(
-                    "would replay {} (dry run); {} stay",
-                    done.matched, done.kept
-                )
-            } else {
-                format!("replayed {}; {} left", done.replayed, done.kept)
-            };
+            entry.result = taken("replay", dry_run, done.matched, done.replayed, done.kept);
             entry.record(&store.records()).await;
             if json.json {
                 println!(
@@ -218,14 +211,7 @@ pub async fn run(DeadLettersArgs { action, broker }: DeadLettersArgs) -> anyhow:
             let done =
                 dead_letters::discard(&channel, &topology, &selection, dry_run, usize::MAX).await?;
             let mut entry = select.audited("discard", &operator, dry_run);
-            entry.result = if dry_run {
-                format!(
-                    "would discard {} (dry run); {} stay",
-                    done.matched, done.kept
-                )
-            } else {
-                format!("discarded {}; {} left", done.discarded, done.kept)
-            };
+            entry.result = taken("discard", dry_run, done.matched, done.discarded, done.kept);
             entry.record(&store.records()).await;
             if json.json {
                 let mut value = serde_json::json!(done);
@@ -257,6 +243,16 @@ pub async fn run(DeadLettersArgs { action, broker }: DeadLettersArgs) -> anyhow:
     let closing = connection.close(200, "done".into());
     let _ = tokio::time::timeout(dead_letters::STEP_TIMEOUT, closing).await;
     Ok(ExitCode::SUCCESS)
+}
+
+/// The audit entry's result of a replay or discard: what a dry run would take of the
+/// `matched`, or how many were taken; and how many stay.
+fn taken(verb: &str, dry_run: bool, matched: u64, done: u64, kept: u64) -> String {
+    if dry_run {
+        format!("would {verb} {matched} (dry run); {kept} stay")
+    } else {
+        format!("{verb}ed {done}; {kept} left")
+    }
 }
 
 /// ` (seller "S-1", reason rejected)`, or nothing for every dead letter.

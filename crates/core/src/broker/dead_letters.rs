@@ -709,6 +709,26 @@ pub async fn list_page(
     Ok(listing)
 }
 
+/// Counts `letter` as selected (`matched`, listed while fewer than `shown` are) or not
+/// (`kept`), as a replay or a discard visits it; whether `selection` takes it.
+fn tally(
+    selection: &Selection,
+    letter: DeadLetter,
+    shown: usize,
+    (matched, kept, letters): (&mut u64, &mut u64, &mut Vec<DeadLetter>),
+) -> bool {
+    let selected = selection.matches(&letter);
+    if selected {
+        *matched += 1;
+        if letters.len() < shown {
+            letters.push(letter);
+        }
+    } else {
+        *kept += 1;
+    }
+    selected
+}
+
 /// What a discard did, or on a dry run would do.
 #[derive(Debug, Default, serde::Serialize)]
 pub struct Discarded {
@@ -741,18 +761,14 @@ pub async fn discard(
         ..Discarded::default()
     };
     let visited = visit(channel, topology, |delivery| {
-        let letter = describe(&delivery);
-        let selected = selection.matches(&letter);
-        if selected {
-            done.matched += 1;
-            if done.letters.len() < shown {
-                done.letters.push(letter);
-            }
-            if !dry_run {
-                done.discarded += 1;
-            }
-        } else {
-            done.kept += 1;
+        let selected = tally(
+            selection,
+            describe(&delivery),
+            shown,
+            (&mut done.matched, &mut done.kept, &mut done.letters),
+        );
+        if selected && !dry_run {
+            done.discarded += 1;
         }
         let take = selected && !dry_run;
         async move { (Ok(take), delivery) }
@@ -850,16 +866,12 @@ pub async fn replay_showing(
     };
     let moved = std::sync::atomic::AtomicU64::new(0);
     let visited = visit(channel, topology, |delivery| {
-        let letter = describe(&delivery);
-        let selected = selection.matches(&letter);
-        if selected {
-            done.matched += 1;
-            if done.letters.len() < shown {
-                done.letters.push(letter);
-            }
-        } else {
-            done.kept += 1;
-        }
+        let selected = tally(
+            selection,
+            describe(&delivery),
+            shown,
+            (&mut done.matched, &mut done.kept, &mut done.letters),
+        );
         let take = selected && !dry_run;
         let work = topology.work().to_owned();
         let publisher = publisher.clone();
