@@ -1592,6 +1592,74 @@ fn urlencode(text: &str) -> String {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_sellers_messages_held_for_their_slot_are_listed_by_the_replica_holding_them()
+-> anyhow::Result<()> {
+    let chromium = Chromium::find();
+    // Two a minute: of ten messages two are called, eight wait in the delay ladder.
+    let mut rig = support::rig("held", "2/1m").prepare().await?;
+    rig.start_replica(ServeArgs {
+        consume: rig.settings(2),
+        http: serving_with_token("held-secret"),
+    })
+    .await?;
+    let api = Console::of(rig.dashboard().unwrap(), Some("held-secret"));
+    rig.publish("S-held", 10).await?;
+    rig.wait_registered(2).await?;
+    let mut found = Value::Null;
+    support::eventually_async("the eight held messages are said", async || {
+        let (_, answer) = api.get("/api/search?q=S-held&kind=seller").await;
+        found = answer;
+        found["seller"]["held"]
+            .as_array()
+            .is_some_and(|h| h.iter().map(|r| r["held"].as_u64().unwrap()).sum::<u64>() == 8)
+    })
+    .await;
+    // The history counts the delays (each message delayed once or more for its slot).
+    support::eventually_async("the history counts the delays", async || {
+        let (_, history) = api.get("/api/history?hours=1").await;
+        history["minutes"].as_array().is_some_and(|m| {
+            m.iter()
+                .map(|x| x["delayed"].as_u64().unwrap())
+                .sum::<u64>()
+                >= 8
+        })
+    })
+    .await;
+    let held = &found["seller"]["held"][0];
+    let replica = held["replica"].as_str().unwrap();
+    assert!(!replica.is_empty(), "{found}");
+    let soonest = held["soonest"].as_array().unwrap();
+    assert_eq!(soonest.len(), 8, "{found}");
+    let mut ids: Vec<&str> = soonest.iter().map(|m| m[0].as_str().unwrap()).collect();
+    let dues: Vec<u64> = soonest.iter().map(|m| m[1].as_u64().unwrap()).collect();
+    assert!(
+        dues.windows(2).all(|w| w[0] <= w[1]),
+        "soonest first: {found}"
+    );
+    assert_eq!(held["next_ms"].as_u64(), dues.first().copied(), "{found}");
+    assert_eq!(held["last_ms"].as_u64(), dues.last().copied(), "{found}");
+    ids.sort_unstable();
+    ids.dedup();
+    assert_eq!(ids.len(), 8, "eight distinct messages: {found}");
+    assert!(ids.iter().all(|id| id.starts_with("S-held-")), "{found}");
+    // Another seller holds nothing.
+    rig.publish("S-free", 1).await?;
+    rig.wait_registered(3).await?;
+    let (_, free) = api.get("/api/search?q=S-free&kind=seller").await;
+    assert_eq!(free["seller"]["held"], json!([]), "{free}");
+
+    let page = api.page("#find=S-held");
+    chromium
+        .screenshot_sized(&page, &screens().join("held-messages.png"), "1400,2000")
+        .await;
+    let dom = chromium.dump_dom(&page).await;
+    let shown = element(&dom, "search-results");
+    assert!(shown.contains("held for their slot"), "{shown}");
+    assert!(shown.contains(&format!("{replica}: 8 (next ")), "{shown}");
+    rig.cleanup().await
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn during_a_broker_outage_the_page_says_the_broker_is_down_since_when_and_marks_stale_figures()
 -> anyhow::Result<()> {
     let chromium = Chromium::find();

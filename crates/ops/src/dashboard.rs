@@ -412,6 +412,21 @@ pub struct Dashboard {
     ladder_window: Mutex<LadderWindow>,
 }
 
+/// How often a replica says what its delay ladder holds, and how long that is kept.
+const HELD_EVERY: Duration = Duration::from_secs(5);
+const HELD_KEPT: Duration = Duration::from_secs(15);
+/// Sellers a replica says it holds messages of (those it holds most of), and messages said of
+/// each (the soonest).
+const HELD_SELLERS: usize = 1000;
+const HELD_SHOWN: usize = 20;
+
+/// When this replica last said what it holds, and whether it held nothing then.
+#[derive(Default)]
+struct HeldSaid {
+    at: Option<Instant>,
+    empty: bool,
+}
+
 /// How far back the ladder's windowed counts reach.
 const LADDER_WINDOW_MS: u64 = 5 * 60 * 1000;
 /// How often the ladder's counts are kept for the window.
@@ -800,6 +815,56 @@ impl Dashboard {
             .context("reading dead letters by reason")
     }
 
+    /// Says in Redis what this replica's delay ladder holds, by seller (the
+    /// [`HELD_SELLERS`] it holds most of, each with its [`HELD_SHOWN`] soonest messages),
+    /// every [`HELD_EVERY`] while it holds any, once more when it holds none; kept
+    /// [`HELD_KEPT`], so a replica gone is forgotten. Only a member of a fleet says it (its id
+    /// names the key).
+    async fn say_held(
+        &self,
+        said: &mut HeldSaid,
+    ) -> Result<(), turnstile_core::permit::PermitError> {
+        let Some(member) = &self.fleet else {
+            return Ok(());
+        };
+        let now = Instant::now();
+        if said.at.is_some_and(|at| now < at + HELD_EVERY) {
+            return Ok(());
+        }
+        let held = self
+            .stats
+            .ladder
+            .by_seller
+            .largest(HELD_SELLERS, HELD_SHOWN);
+        if held.is_empty() && said.empty {
+            return Ok(());
+        }
+        self.records
+            .record_held(member.id(), &held, HELD_KEPT)
+            .await?;
+        *said = HeldSaid {
+            at: Some(now),
+            empty: held.is_empty(),
+        };
+        Ok(())
+    }
+
+    /// What the live replicas of the fleet hold of `seller` in their delay ladders, as they
+    /// last said it (within [`HELD_KEPT`]).
+    pub async fn held_of(
+        &self,
+        seller: &str,
+    ) -> anyhow::Result<Vec<(String, turnstile_core::broker::ladder::HeldSummary)>> {
+        let replicas: Vec<String> = match self.fleet() {
+            Some(fleet) => fleet.view.replicas.iter().map(|r| r.id.clone()).collect(),
+            None => Vec::new(),
+        };
+        self.records
+            .held_of(&replicas, seller)
+            .await
+            .context("reading what the replicas hold")
+    }
+
     /// What every replica did in each of the last `hours` hours' minutes (at most
     /// [`HISTORY_HOURS`]), the current one included, oldest first.
     pub async fn history(&self, hours: u64) -> anyhow::Result<Vec<History>> {
@@ -1003,10 +1068,11 @@ pub async fn sample(dashboard: Arc<Dashboard>, stop: CancellationToken) {
         minute: 0,
         registered: stats.registered.load(Ordering::Relaxed),
         dead: stats.dead_lettered.load(Ordering::Relaxed),
-        delayed: stats.throttled.load(Ordering::Relaxed),
+        delayed: stats.delayed.load(Ordering::Relaxed),
         retried: stats.retried.load(Ordering::Relaxed),
     };
     let mut recorded = counted(&dashboard.stats);
+    let mut held_said = HeldSaid::default();
     let mut tick = tokio::time::interval(Duration::from_secs(1));
     tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
     loop {
@@ -1032,7 +1098,10 @@ pub async fn sample(dashboard: Arc<Dashboard>, stop: CancellationToken) {
                 dashboard.stats.ladder.hops.load(Ordering::Relaxed),
                 dashboard.stats.ladder.overdue.load(Ordering::Relaxed),
             );
-        let recording = dashboard.record(since, &sellers);
+        let recording = async {
+            dashboard.record(since, &sellers).await?;
+            dashboard.say_held(&mut held_said).await
+        };
         match tokio::time::timeout(SAMPLE_TIMEOUT, recording).await {
             Ok(Ok(())) => {
                 recorded = now;

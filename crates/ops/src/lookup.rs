@@ -79,9 +79,21 @@ struct SellerView {
     paused_ms: u64,
     /// Its messages waiting for a retry, soonest first (at most 20).
     retries: Vec<RetryMessage>,
+    /// Its messages the replicas hold in their delay ladders (throttled, waiting for their
+    /// slot), as each live replica last said it (every 5 s): how many, when the first and
+    /// last are due, and the 20 soonest.
+    held: Vec<HeldBy>,
     /// Whether anything of it is recorded at all (a batch, a pause, an override, use of its
     /// limit, a retry).
     known: bool,
+}
+
+/// What one replica holds of a seller.
+#[derive(Serialize)]
+struct HeldBy {
+    replica: String,
+    #[serde(flatten)]
+    summary: turnstile_core::broker::ladder::HeldSummary,
 }
 
 /// A message as a search shows it.
@@ -215,7 +227,7 @@ pub async fn search(
 /// A seller's view: its report, limits, pause and retries.
 async fn seller_view(dashboard: &Dashboard, seller: &SellerId) -> anyhow::Result<SellerView> {
     let (admin, records) = (dashboard.admin(), dashboard.records());
-    let (report, retries) = tokio::try_join!(
+    let (report, retries, held) = tokio::try_join!(
         async { Ok(progress::read_seller(admin, records, seller).await?) },
         async {
             records
@@ -223,6 +235,7 @@ async fn seller_view(dashboard: &Dashboard, seller: &SellerId) -> anyhow::Result
                 .await
                 .map_err(anyhow::Error::from)
         },
+        dashboard.held_of(seller.as_str()),
     )?;
     let usage = &report.usage;
     let known = !report.batches.is_empty()
@@ -230,8 +243,13 @@ async fn seller_view(dashboard: &Dashboard, seller: &SellerId) -> anyhow::Result
         || !usage.paused_for.is_zero()
         || usage.used > 0
         || usage.ahead > 0
-        || !retries.is_empty();
+        || !retries.is_empty()
+        || !held.is_empty();
     Ok(SellerView {
+        held: held
+            .into_iter()
+            .map(|(replica, summary)| HeldBy { replica, summary })
+            .collect(),
         limits: usage.per_limit.iter().map(LimitRow::from).collect(),
         binding: usage.per_limit[usage.binding].limit.to_string(),
         paused_ms: usage.paused_for.as_millis() as u64,

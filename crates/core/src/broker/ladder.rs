@@ -41,7 +41,7 @@
 //! [`MAX_DELAY`] is cut to it; a message without a due time is due at once. The slot a handed
 //! message comes back for is checked on Redis by the worker, as every other.
 
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, BTreeSet, HashMap};
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::time::Duration;
@@ -281,6 +281,113 @@ pub struct LadderStats {
     pub max_return_late_ms: AtomicU64,
     /// The sum of how late (after their due time) those were taken, in ms (for a mean).
     pub return_late_ms: AtomicU64,
+    /// The messages held now, by seller (see [`HeldIndex`]).
+    pub by_seller: HeldIndex,
+}
+
+/// The messages a replica's ladder holds now, by seller: each one's message id and when its
+/// hold ends (Unix ms). Bounded by what the ladder holds (its levels' prefetch), so by the
+/// prefetch, not by the queue: a message in the ladder's queues and not held is not in it.
+#[derive(Debug, Default)]
+pub struct HeldIndex {
+    sellers: std::sync::Mutex<HashMap<String, HeldOfSeller>>,
+    next: AtomicU64,
+}
+
+/// A seller's held messages: (end of hold in Unix ms, a sequence number, message id).
+type HeldOfSeller = BTreeSet<(u64, u64, String)>;
+
+/// A held message's place in the [`HeldIndex`], to take it out again.
+#[derive(Debug)]
+struct Indexed {
+    seller: String,
+    key: (u64, u64, String),
+}
+
+/// What one replica holds of one seller, as its summary says it.
+#[derive(Clone, Debug, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+pub struct HeldSummary {
+    /// Messages held.
+    pub held: u64,
+    /// When the first and the last of their holds end (Unix ms).
+    pub next_ms: u64,
+    pub last_ms: u64,
+    /// The soonest of them: message id and when its hold ends.
+    pub soonest: Vec<(String, u64)>,
+}
+
+impl HeldIndex {
+    fn lock(&self) -> std::sync::MutexGuard<'_, HashMap<String, HeldOfSeller>> {
+        self.sellers.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// Notes a delivery held until `end_ms`, if its body names a seller.
+    fn hold(&self, delivery: &Delivery, end_ms: u64) -> Option<Indexed> {
+        let identity = crate::domain::Identity::of(
+            &delivery.data,
+            delivery
+                .properties
+                .message_id()
+                .as_ref()
+                .map(|m| m.as_str()),
+        );
+        let seller = identity.seller_id?.as_str().to_owned();
+        let message = identity
+            .message_id
+            .map(|m| m.as_str().to_owned())
+            .unwrap_or_default();
+        let key = (end_ms, self.next.fetch_add(1, Ordering::Relaxed), message);
+        self.lock()
+            .entry(seller.clone())
+            .or_default()
+            .insert(key.clone());
+        Some(Indexed { seller, key })
+    }
+
+    /// Takes a held message out (moved on, released, or returned to the broker).
+    fn release(&self, indexed: Option<Indexed>) {
+        let Some(Indexed { seller, key }) = indexed else {
+            return;
+        };
+        let mut sellers = self.lock();
+        if let Some(held) = sellers.get_mut(&seller) {
+            held.remove(&key);
+            if held.is_empty() {
+                sellers.remove(&seller);
+            }
+        }
+    }
+
+    /// What it holds of `seller`, with its `shown` soonest messages.
+    pub fn of(&self, seller: &str, shown: usize) -> Option<HeldSummary> {
+        self.lock().get(seller).map(|held| summary(held, shown))
+    }
+
+    /// The `most` sellers it holds most of (most first), each with its `shown` soonest
+    /// messages.
+    pub fn largest(&self, most: usize, shown: usize) -> Vec<(String, HeldSummary)> {
+        let sellers = self.lock();
+        let mut largest: Vec<(&String, &HeldOfSeller)> = sellers.iter().collect();
+        largest.sort_by(|a, b| b.1.len().cmp(&a.1.len()).then_with(|| a.0.cmp(b.0)));
+        largest
+            .into_iter()
+            .take(most)
+            .map(|(seller, held)| (seller.clone(), summary(held, shown)))
+            .collect()
+    }
+}
+
+fn summary(held: &HeldOfSeller, shown: usize) -> HeldSummary {
+    HeldSummary {
+        held: held.len() as u64,
+        next_ms: held.first().map_or(0, |(end, ..)| *end),
+        last_ms: held.last().map_or(0, |(end, ..)| *end),
+        soonest: held
+            .iter()
+            .take(shown)
+            .map(|(end, _, message)| (message.clone(), *end))
+            .collect(),
+    }
 }
 
 impl LadderStats {
@@ -393,8 +500,9 @@ impl Ladder {
         let stale = |delivery: &Delivery, now: u64| {
             crate::permit::applied::stale_terms(header_u64(delivery, headers::TERMS), now)
         };
-        // By the end of their hold (Unix ms), then in order of receipt.
-        let mut held: BTreeMap<(u64, u64), Delivery> = BTreeMap::new();
+        // By the end of their hold (Unix ms), then in order of receipt; each with its place in
+        // the index by seller.
+        let mut held: BTreeMap<(u64, u64), (Delivery, Option<Indexed>)> = BTreeMap::new();
         let mut received = 0u64;
         loop {
             let head_wait = held
@@ -413,7 +521,8 @@ impl Ladder {
                         let now = unix_ms();
                         let hop_until = header_u64(&delivery, headers::HOP);
                         let end = now + remaining_wait(now, hop_until, level.hold).as_millis() as u64;
-                        held.insert((end, received), delivery);
+                        let indexed = self.stats.by_seller.hold(&delivery, end);
+                        held.insert((end, received), (delivery, indexed));
                         received += 1;
                     }
                     Some(Err(error)) => {
@@ -429,7 +538,8 @@ impl Ladder {
                     }
                 },
                 _ = tokio::time::sleep(head_wait.unwrap_or_default()), if head_wait.is_some() => {
-                    let (_, delivery) = held.pop_first().expect("a head to wait for");
+                    let (_, (delivery, indexed)) = held.pop_first().expect("a head to wait for");
+                    self.stats.by_seller.release(indexed);
                     self.spawn_move_on(tracker, delivery, &level.settler, false);
                 }
                 Ok(()) = terms.changed() => {
@@ -446,6 +556,9 @@ impl Ladder {
         }
         // Unacked: the broker returns them to their level when the connection closes.
         self.stats.held.fetch_sub(held.len(), Ordering::Relaxed);
+        for (_, (_, indexed)) in held {
+            self.stats.by_seller.release(indexed);
+        }
     }
 
     /// A ladder consumer ended with `error`: if the broker closed the channel for an ack
@@ -475,18 +588,19 @@ impl Ladder {
     /// Moves on at once every held delivery `released` names.
     fn release_held(
         self: &Arc<Self>,
-        held: &mut BTreeMap<(u64, u64), Delivery>,
+        held: &mut BTreeMap<(u64, u64), (Delivery, Option<Indexed>)>,
         released: impl Fn(&Delivery) -> bool,
         tracker: &TaskTracker,
         settler: &Settler,
     ) {
         let keys: Vec<(u64, u64)> = held
             .iter()
-            .filter(|(_, delivery)| released(delivery))
+            .filter(|(_, (delivery, _))| released(delivery))
             .map(|(key, _)| *key)
             .collect();
         for key in keys {
-            let delivery = held.remove(&key).expect("a held delivery");
+            let (delivery, indexed) = held.remove(&key).expect("a held delivery");
+            self.stats.by_seller.release(indexed);
             self.spawn_move_on(tracker, delivery, settler, true);
         }
     }

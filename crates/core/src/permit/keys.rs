@@ -329,6 +329,12 @@ impl Keyspace {
         self.shared(&format!("throughput:{minute}"))
     }
 
+    /// What the replica `replica` (its id in the fleet) holds in its delay ladder, by seller
+    /// (hash: seller -> its [`crate::broker::ladder::HeldSummary`] as JSON).
+    pub fn held_by(&self, replica: &str) -> String {
+        self.shared(&format!("held:{replica}"))
+    }
+
     /// What the replicas did in each minute of the unix hour `hour` (hash: `<minute>:<what>`
     /// -> count, `what` one of [`crate::permit::History`]'s rates).
     pub fn history(&self, hour: u64) -> String {

@@ -554,6 +554,60 @@ impl Records {
         Ok(per_second)
     }
 
+    /// Replaces what the replica `replica` says it holds in its delay ladder with `held`
+    /// (seller and summary), kept `ttl` unless said again. One round trip, atomic.
+    pub async fn record_held(
+        &self,
+        replica: &str,
+        held: &[(String, crate::broker::ladder::HeldSummary)],
+        ttl: Duration,
+    ) -> Result<(), PermitError> {
+        let key = self.keys.held_by(replica);
+        let mut pipe = redis::pipe();
+        pipe.atomic().del(&key).ignore();
+        if !held.is_empty() {
+            let fields: Vec<(&str, String)> = held
+                .iter()
+                .map(|(seller, summary)| {
+                    (
+                        seller.as_str(),
+                        serde_json::to_string(summary).unwrap_or_default(),
+                    )
+                })
+                .collect();
+            pipe.hset_multiple(&key, &fields)
+                .ignore()
+                .pexpire(&key, ttl.as_millis() as i64)
+                .ignore();
+        }
+        pipe.query_async::<()>(&mut self.conn.clone()).await?;
+        Ok(())
+    }
+
+    /// What each of `replicas` says it holds of `seller` (those that hold some), in their
+    /// order. One round trip.
+    pub async fn held_of(
+        &self,
+        replicas: &[String],
+        seller: &str,
+    ) -> Result<Vec<(String, crate::broker::ladder::HeldSummary)>, PermitError> {
+        if replicas.is_empty() {
+            return Ok(Vec::new());
+        }
+        let mut pipe = redis::pipe();
+        for replica in replicas {
+            pipe.hget(self.keys.held_by(replica), seller);
+        }
+        let said: Vec<Option<String>> = pipe.query_async(&mut self.conn.clone()).await?;
+        Ok(replicas
+            .iter()
+            .zip(said)
+            .filter_map(|(replica, json)| {
+                Some((replica.clone(), serde_json::from_str(&json?).ok()?))
+            })
+            .collect())
+    }
+
     /// Every minute from unix minute `first` to `last` (both included, at most
     /// [`HISTORY_HOURS`] hours: the latest of them), oldest first, a minute without anything
     /// recorded all zero. One round trip.
