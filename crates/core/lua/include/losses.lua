@@ -6,7 +6,9 @@
 
 -- What a section of INFO says a counter is (0 when it does not say).
 local function info_count(info, pattern)
-  return tonumber(string.match(info, pattern)) or 0
+  local at = string.find(info, pattern, 1, true)
+  if at == nil then return 0 end
+  return tonumber(string.match(info, '^%d+', at + #pattern)) or 0
 end
 
 -- This Redis server's run id (new at every start, different on every server), uptime in
@@ -24,9 +26,9 @@ local function server()
     server_info = {
       run_id = string.match(info, 'run_id:(%x+)') or '',
       uptime = tonumber(string.match(info, 'uptime_in_seconds:(%d+)')),
-      losses = info_count(info, '\nevicted_keys:(%d+)')
-        + info_count(info, 'cmdstat_flushall:calls=(%d+)')
-        + info_count(info, 'cmdstat_flushdb:calls=(%d+)'),
+      losses = info_count(info, '\nevicted_keys:')
+        + info_count(info, 'cmdstat_flushall:calls=')
+        + info_count(info, 'cmdstat_flushdb:calls='),
     }
   end
   return server_info
