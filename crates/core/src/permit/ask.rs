@@ -10,7 +10,7 @@ use crate::permit::block;
 use crate::permit::calls::{Acquire, AcquireAnswer, AcquireTail};
 use crate::permit::calls::{Redeem, RedeemAnswer};
 use crate::permit::decision::{
-    Asking, Decision, Forfeit, Rank, Reservation, charged_cost, parse_charge, wait_for,
+    Asking, Decision, Forfeit, Rank, Reservation, charged_cost, parse_charge, wait_since,
 };
 use crate::permit::error::PermitError;
 use crate::permit::limiter::Ask;
@@ -174,13 +174,13 @@ impl PermitStore {
                 sent,
             }),
             2 => Ok(Decision::Wait {
-                retry_after: wait_for(at, now),
+                retry_after: wait_since(at, now, sent),
                 reservation: Some(held),
             }),
             // Moved later by a message ranked ahead of it (see `lua/include/ranks.lua`): the
             // same reservation, at its new slot.
             9 => Ok(Decision::Wait {
-                retry_after: wait_for(at, now),
+                retry_after: wait_since(at, now, sent),
                 reservation: Some(Reservation {
                     slot_us: at,
                     ..held

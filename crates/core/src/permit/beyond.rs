@@ -12,7 +12,7 @@ use crate::domain::{Cost, SellerId};
 use crate::permit::calls::Release;
 use crate::permit::calls::{Global, GlobalAnswer, GlobalEnd};
 use crate::permit::calls::{Lease, LeaseAnswer};
-use crate::permit::decision::{Decision, Deferral, wait_for};
+use crate::permit::decision::{Decision, Deferral, wait_since};
 use crate::permit::error::PermitError;
 use crate::permit::store::PermitStore;
 use crate::permit::terms::Terms;
@@ -163,6 +163,7 @@ impl PermitStore {
             bound_us: self.call_bound_us().max(1),
             poll_us: LEASE_POLL.as_micros() as u64,
         };
+        let sent = std::time::Instant::now();
         let LeaseAnswer {
             leased,
             at_us,
@@ -173,7 +174,7 @@ impl PermitStore {
             .await?;
         let outcome = LEASE_OUTCOMES[usize::from(!leased)];
         metrics::counter!("turnstile_seller_leases_total", "outcome" => outcome).increment(1);
-        Ok((!leased).then(|| wait_for(at_us, now_us)))
+        Ok((!leased).then(|| wait_since(at_us, now_us, sent)))
     }
 
     /// Ends the lease of `call` (its answer came back, or it will not be sent); without
@@ -215,6 +216,7 @@ impl PermitStore {
             durable: limiter.redis_durable,
             bound_us: self.call_bound_us(),
         };
+        let sent = std::time::Instant::now();
         let GlobalAnswer {
             status,
             at_us: at,
@@ -227,7 +229,7 @@ impl PermitStore {
         let decision = match (status, why) {
             (1, _) => GlobalDecision::Granted { at_us: at },
             (0, 1 | 2) => GlobalDecision::Wait {
-                retry_after: wait_for(at, now),
+                retry_after: wait_since(at, now, sent),
                 ahead: why == 1,
             },
             (4, _) => GlobalDecision::TooCostly {

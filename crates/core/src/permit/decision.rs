@@ -258,6 +258,23 @@ pub(super) fn wait_for(at_us: i64, now_us: i64) -> Duration {
     Duration::from_micros(at_us.saturating_sub(now_us).max(0) as u64)
 }
 
+/// Most a [`wait_since`] comes back after its time, to allow for the link's jitter.
+const COME_BACK_MARGIN: Duration = Duration::from_millis(20);
+
+/// How long to wait from now to come back at Redis time `at_us`, as told by an answer that
+/// found Redis at `now_us` to a request that left at `sent`: counted from when that request
+/// left, not from its answer, so that the next request reaches Redis about at `at_us` however
+/// far Redis is (the link's latency each way cancels out; counted from the answer, every
+/// come-back reached Redis a whole round trip late, and a slow Redis cost a window two round
+/// trips instead of one). A tenth of the round trip (at most [`COME_BACK_MARGIN`]) is added:
+/// a request a little late costs that much, one a little early is told to come back again, a
+/// whole round trip more.
+pub(super) fn wait_since(at_us: i64, now_us: i64, sent: std::time::Instant) -> Duration {
+    let round_trip = sent.elapsed();
+    let margin = (round_trip / 10).min(COME_BACK_MARGIN);
+    (wait_for(at_us, now_us) + margin).saturating_sub(round_trip)
+}
+
 /// A seller's limit override as the scripts write it (`"COUNTS WINDOWS_US"`); `None` if it is
 /// not well-formed (the scripts ignore it then).
 pub(in crate::permit) fn parse_override(raw: &str) -> Option<Limits> {
@@ -274,4 +291,32 @@ pub enum Deferral {
     GlobalShare,
     /// The global limit has no room now.
     GlobalFull,
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::time::Instant;
+
+    #[test]
+    fn a_come_back_counts_from_when_the_request_left_plus_a_tenth_of_the_round_trip() {
+        // Told at Redis time 0 to come back at 1 s, by a request that left 200 ms ago: come
+        // back 800 ms from now, and 20 ms more for jitter.
+        let sent = Instant::now() - Duration::from_millis(200);
+        let wait = wait_since(1_000_000, 0, sent);
+        assert!(
+            (Duration::from_millis(800)..=Duration::from_millis(820)).contains(&wait),
+            "{wait:?}"
+        );
+        // A far Redis: the margin stays at most 20 ms.
+        let sent = Instant::now() - Duration::from_secs(2);
+        let wait = wait_since(10_000_000, 0, sent);
+        assert!(
+            (Duration::from_millis(8_000)..=Duration::from_millis(8_020)).contains(&wait),
+            "{wait:?}"
+        );
+        // A time already past, or nearer than the round trip: at once.
+        assert_eq!(wait_since(100_000, 0, sent), Duration::ZERO);
+        assert_eq!(wait_since(0, 5, Instant::now()), Duration::ZERO);
+    }
 }

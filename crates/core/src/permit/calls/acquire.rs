@@ -5,7 +5,7 @@ use crate::config::{Algorithm, Limits};
 use crate::domain::Cost;
 use crate::permit::batch::Operation;
 use crate::permit::calls::call::{Answer, Call, OnRoute, operate};
-use crate::permit::decision::{Decision, Reservation, wait_for};
+use crate::permit::decision::{Decision, Reservation, wait_since};
 use crate::permit::error::PermitError;
 use crate::permit::observed::count_verdict;
 
@@ -183,7 +183,7 @@ impl AcquireAnswer {
                 sent,
             }),
             2 => Ok(Decision::Wait {
-                retry_after: wait_for(slot, now),
+                retry_after: wait_since(slot, now, sent),
                 reservation: Some(Reservation {
                     slot_us: slot,
                     limits: answer.limits(3)?,
@@ -193,7 +193,7 @@ impl AcquireAnswer {
                 }),
             }),
             0 => Ok(Decision::Wait {
-                retry_after: wait_for(slot, now),
+                retry_after: wait_since(slot, now, sent),
                 reservation: None,
             }),
             3 => Ok(Decision::AlreadyDone),
@@ -410,7 +410,13 @@ mod tests {
         else {
             panic!("a reservation")
         };
-        assert_eq!(retry_after, std::time::Duration::from_secs(1));
+        // Counted from when the request left (a moment ago): the slot's second, give or take
+        // the moment and a tenth of it.
+        let second = std::time::Duration::from_secs(1);
+        assert!(
+            retry_after <= second && retry_after >= second - std::time::Duration::from_millis(50),
+            "{retry_after:?}"
+        );
         assert_eq!((held.slot_us, held.reserved_at_us), (2_000_000, 1_000_000));
         assert_eq!(held.limits, answer(2).stack().unwrap());
         assert!(answer(7).decision("t1".into(), Cost::ONE, sent).is_err());
