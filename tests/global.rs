@@ -302,8 +302,11 @@ async fn a_global_state_from_another_server_pauses_the_global_limit(backend: Bac
             by: Deferral::GlobalFull,
         } => {
             // One window (1 s; the global limit keeps no guard) from the moment the stamp was
-            // found foreign.
-            assert_eq!(retry_after, Duration::from_secs(1));
+            // found foreign, counted from when the request left (so a moment less).
+            assert!(
+                retry_after <= Duration::from_secs(1) && retry_after >= Duration::from_millis(900),
+                "{retry_after:?}"
+            );
             tokio::time::sleep(retry_after).await;
         }
         other => panic!("{other:?}"),
