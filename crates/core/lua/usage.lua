@@ -23,6 +23,8 @@
 -- KEYS[5]  the seller's shadow limit (see judge_shadow in include/shadow.lua), may be absent
 -- KEYS[6]  optional: the seller's calls (see calls_gate in include/calls.lua)
 -- KEYS[7]  optional: the seller's reserved set (see hold_reservation in include/reservations.lua)
+-- KEYS[8]  optional: the seller's accepted log (see note_accepted in include/learned.lua: the
+--          units the downstream accepted, kept with adaptive limits on)
 -- ARGV[1]  ALGORITHM: sliding-window, gcra, token-bucket or fixed-window
 -- ARGV[2]  default COUNTS, comma-separated (integers >= 1; 1 to 8 limits)
 -- ARGV[3]  default WINDOWS in µs, comma-separated, one per count (integers >= 1)
@@ -38,7 +40,9 @@
 -- none), AGREE, STRICTER and LOOSER; then per limit of the stack, OLDEST_AGE_US (see the end);
 -- then IN_FLIGHT: units of calls granted and not answered yet (0 without KEYS[6]); then per
 -- limit, DUE: reservations whose slot is in its window now and that are not redeemed yet (0
--- without KEYS[7]).
+-- without KEYS[7]); then ACCEPTED and ACCEPTED_OLDEST_AGE_US: the units the downstream accepted
+-- in the stack's longest window (+ guard) up to now, and how long ago the oldest of them was
+-- (both 0 without KEYS[8]).
 
 local algorithm = algorithm_arg(1)
 local default = limits_arg(2)
@@ -128,4 +132,15 @@ for _, l in ipairs(limits) do
   end
   answer[#answer + 1] = due
 end
+local accepted, accepted_age = 0, 0
+if KEYS[8] then
+  local longest = 0
+  for _, l in ipairs(limits) do longest = math.max(longest, l.span) end
+  local since = string.format('(%.0f', now - longest)
+  accepted = redis.call('ZCOUNT', KEYS[8], since, '+inf')
+  local oldest = redis.call('ZRANGEBYSCORE', KEYS[8], since, '+inf', 'WITHSCORES', 'LIMIT', 0, 1)
+  if oldest[2] then accepted_age = math.max(now - tonumber(oldest[2]), 0) end
+end
+answer[#answer + 1] = accepted
+answer[#answer + 1] = math.floor(accepted_age)
 return answer

@@ -18,7 +18,7 @@ use serde::Serialize;
 use time::format_description::well_known::Rfc3339;
 use time::{OffsetDateTime, UtcOffset};
 use turnstile_core::domain::{BatchId, SellerId};
-use turnstile_core::permit::{Admin, GlobalUsage, PermitError, Records, RetryDue, Usage};
+use turnstile_core::permit::{Admin, GlobalUsage, PermitError, Records, RetryDue, Usage, Why};
 
 /// How far one batch is.
 pub use turnstile_core::permit::UploadProgress as Progress;
@@ -122,19 +122,28 @@ pub fn observed_pace(batches: &[Progress], usage: &Usage, now_ms: u64) -> Option
 /// The least calls in a seller's window for [`recent_pace`] to say anything.
 const RECENT_AFTER_CALLS: u64 = 5;
 
-/// The seller's calls per second over its longest window now: the answered calls its window
-/// holds (not those in flight or reserved) over the time since the oldest of them, one call
-/// fewer than counted (the gaps between them); `None` with fewer than [`RECENT_AFTER_CALLS`],
-/// when they span less than half the window (a burst after a pause says little of the pace),
-/// or for an algorithm that keeps no such log (GCRA, token bucket).
+/// The seller's units registered per second over its longest window now, one unit fewer than
+/// counted over the time since the oldest of them (the gaps between them); `None` with fewer
+/// than [`RECENT_AFTER_CALLS`], when they span less than half the window (a burst after a pause
+/// says little of the pace), or for an algorithm that keeps no such log (GCRA, token bucket).
+/// With adaptive limits on, the units the downstream accepted (its accepted log): a call it
+/// refused with a 429 is no registration, and while a lower limit is being learned the calls
+/// run ahead of what registers. Without, the answered calls the window holds (not those in
+/// flight or reserved).
 pub fn recent_pace(usage: &Usage) -> Option<f64> {
     let longest = usage.per_limit.iter().max_by_key(|l| l.limit.window())?;
-    let span = longest.oldest_age.as_secs_f64();
-    let answered = longest
-        .used
-        .saturating_sub(usage.in_flight + longest.due_reserved);
+    let (counted, age) = match usage.accepted {
+        Some(accepted) => (accepted.units, accepted.oldest_age),
+        None => (
+            longest
+                .used
+                .saturating_sub(usage.in_flight + longest.due_reserved),
+            longest.oldest_age,
+        ),
+    };
+    let span = age.as_secs_f64();
     let covers = span >= longest.limit.window().as_secs_f64() / 2.0;
-    (answered >= RECENT_AFTER_CALLS && covers).then(|| (answered - 1) as f64 / span)
+    (counted >= RECENT_AFTER_CALLS && covers).then(|| (counted - 1) as f64 / span)
 }
 
 /// The pace (units per second) at which the seller's open batches (`batches` with rows
@@ -175,14 +184,52 @@ pub fn honest_eta(
     units: u64,
     window: Duration,
 ) -> (Duration, Basis) {
-    let observed = pace
-        .filter(|p| *p > 0.0)
-        .and_then(|p| Duration::try_from_secs_f64(units as f64 / p).ok());
+    let observed = at_pace(pace, units);
     let later_than = by_limits.mul_f64(OBSERVED_MARGIN).max(by_limits + window);
     match observed {
         Some(observed) if observed > later_than => (observed, Basis::ObservedPace),
         _ => (by_limits, Basis::Limits),
     }
+}
+
+/// The ETA of `units` of a seller's work: (the estimate, the soonest its limits allow, what
+/// the estimate rests on). Normally [`honest_eta`] over the limits' schedule ([`eta`]). While
+/// a limit is learned below the configured one from the API's answers (its 429s, then its
+/// acceptance; not one its rate-limit headers stated), that limit is a guess they keep revising
+/// (lowered on a 429, raised once it accepts more), so the pace it accepts now says the finish
+/// either way, never sooner than the configured limits allow.
+fn estimate(
+    usage: &Usage,
+    global_rate: Option<f64>,
+    units: u64,
+    retries: &[RetryDue],
+    pace: Option<f64>,
+) -> (Duration, Duration, Basis) {
+    let by_limits = eta(usage, global_rate, units, retries);
+    let guessed = matches!(usage.learned_why, Some(Why::Throttled | Why::Recovery));
+    if guessed && let Some(observed) = at_pace(pace, units) {
+        let configured = eta(&with_configured_limits(usage), global_rate, units, retries);
+        return (observed.max(configured), by_limits, Basis::ObservedPace);
+    }
+    let (honest, basis) = honest_eta(by_limits, pace, units, longest_window(usage));
+    (honest, by_limits, basis)
+}
+
+/// How long `units` take at `pace` units per second, when there is a pace.
+fn at_pace(pace: Option<f64>, units: u64) -> Option<Duration> {
+    pace.filter(|p| *p > 0.0)
+        .and_then(|p| Duration::try_from_secs_f64(units as f64 / p).ok())
+}
+
+/// `usage` under the seller's configured limits instead of the learned ones (the same windows,
+/// the configured counts).
+fn with_configured_limits(usage: &Usage) -> Usage {
+    let mut configured = usage.clone();
+    for (limit, count) in configured.per_limit.iter_mut().zip(usage.configured.iter()) {
+        limit.limit = *count;
+        limit.capacity = u64::from(count.count());
+    }
+    configured
 }
 
 /// The longest window + guard of the seller's stack now.
@@ -365,18 +412,14 @@ impl SellerReport {
     /// the pace observed so far gives ([`honest_eta`]).
     pub fn eta_and_basis(&self, units: u64) -> (Duration, Basis) {
         let units = self.backlog_units.saturating_add(units);
-        let by_limits = eta(
+        let (eta, _, basis) = estimate(
             &self.usage,
             self.global_share_per_s,
             units,
             &self.backlog_retries,
-        );
-        honest_eta(
-            by_limits,
             self.observed_per_s,
-            units,
-            longest_window(&self.usage),
-        )
+        );
+        (eta, basis)
     }
 
     /// The answer to `question` about this seller at `now`: when `question.rows` more rows (of
@@ -551,8 +594,7 @@ pub fn seller_report(
             None => (None, None, Basis::Limits),
             Some(0) => (Some(0.0), Some(0.0), Basis::Limits),
             Some(_) => {
-                let by_limits = eta(&usage, global_rate, ahead, &own);
-                let (honest, basis) = honest_eta(by_limits, pace, ahead, longest);
+                let (honest, by_limits, basis) = estimate(&usage, global_rate, ahead, &own, pace);
                 (
                     Some(honest.as_secs_f64()),
                     Some(by_limits.as_secs_f64()),
@@ -572,8 +614,9 @@ pub fn seller_report(
         backlog_retries.extend(own);
     }
     let backlog = batches.iter().filter_map(Progress::waiting).sum();
-    let seller_by_limits = eta(&usage, global_rate, ahead, &backlog_retries);
-    let seller_eta = honest_eta(seller_by_limits, pace, ahead, longest);
+    let (seller_honest, seller_by_limits, seller_basis) =
+        estimate(&usage, global_rate, ahead, &backlog_retries, pace);
+    let seller_eta = (seller_honest, seller_basis);
     SellerReport {
         seller_id: seller.as_str().to_owned(),
         backlog,
@@ -731,6 +774,7 @@ mod tests {
             configured: limits,
             learned_why: None,
             shadow: None,
+            accepted: None,
         }
     }
 
@@ -989,6 +1033,28 @@ mod tests {
     }
 
     #[test]
+    fn with_adaptive_limits_the_recent_pace_is_what_the_downstream_accepted_not_the_calls() {
+        // 20 calls in the last 0.95 s, but the API refused half of them (429s) while the lower
+        // limit was being learned: 10 accepted, the oldest 0.9 s ago.
+        let batches = [Progress {
+            done_units: 30,
+            ..batch("b", 0, 300, 30)
+        }];
+        let mut now = usage("20/1s", 20, Duration::from_millis(950));
+        assert_eq!(recent_pace(&now), Some(19.0 / 0.95));
+        now.accepted = Some(turnstile_core::permit::Accepted {
+            units: 10,
+            oldest_age: Duration::from_millis(900),
+        });
+        assert_eq!(recent_pace(&now), Some(10.0));
+        assert_eq!(observed_pace(&batches, &now, 10_000), Some(10.0));
+        // Nothing accepted lately says nothing of the pace (the pace so far stands).
+        now.accepted = Some(turnstile_core::permit::Accepted::default());
+        assert_eq!(recent_pace(&now), None);
+        assert_eq!(observed_pace(&batches, &now, 10_000), Some(3.0));
+    }
+
+    #[test]
     fn a_batch_without_a_total_has_no_eta_and_is_never_done() {
         let unknown = Progress {
             total: None,
@@ -1112,6 +1178,42 @@ mod tests {
             &[],
             SOON_MS,
         )
+    }
+
+    /// A seller configured at 20/1s whose limit was learned down to 5/1s (a 429), with 100
+    /// rows waiting 10 s after its batch was first seen, the downstream accepting `accepted`
+    /// units in its last 0.9 s.
+    fn learning_seller(accepted: u64) -> SellerReport {
+        let mut now = usage("5/1s", 5, Duration::from_millis(900));
+        now.configured = "20/1s".parse().unwrap();
+        now.learned_why = Some(turnstile_core::permit::Why::Throttled);
+        now.accepted = Some(turnstile_core::permit::Accepted {
+            units: accepted,
+            oldest_age: Duration::from_millis(900),
+        });
+        seller_report(
+            &SellerId::parse("S-1").unwrap(),
+            vec![batch("b", 1, 120, 20)],
+            now,
+            None,
+            &[],
+            10_000,
+        )
+    }
+
+    #[test]
+    fn while_a_limit_is_learned_the_accepted_pace_says_the_finish_either_way() {
+        // The learned 5/1s says about 20 s; the API accepts 10 a second: 10 s, observed.
+        let at_ten = learning_seller(10);
+        assert_eq!(at_ten.observed_per_s, Some(10.0));
+        assert_eq!(at_ten.eta_basis, Basis::ObservedPace);
+        assert!((at_ten.eta_s - 10.0).abs() < 0.01, "{}", at_ten.eta_s);
+        assert!(at_ten.eta_limits_s > 18.0, "{}", at_ten.eta_limits_s);
+        // Never sooner than the configured 20/1s allows (100 in 5 windows: 4 s), however fast
+        // it seems.
+        let fast = learning_seller(91);
+        assert_eq!(fast.observed_per_s, Some(100.0));
+        assert!((fast.eta_s - 4.0).abs() < 0.2, "{}", fast.eta_s);
     }
 
     #[test]

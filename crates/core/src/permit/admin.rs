@@ -382,6 +382,7 @@ impl Admin {
             shadow: self.keys.shadow(seller),
             calls: self.keys.calls(seller),
             reserved: self.keys.reserved(seller, terms.algorithm),
+            accepted: self.keys.accepted(seller),
             terms: &terms,
         };
         let answer: Vec<redis::Value> = call

@@ -77,7 +77,7 @@ pub use limiter::{Ask, Asked, Ended, Finished, Grant, Limiter, Progress};
 pub use records::{BatchSeen, HISTORY_HOURS, History, Orphan, Records, RetryDue, UploadProgress};
 pub use registry::{Registered, Registry, Roll, fleet_calls};
 pub use terms::Terms;
-pub use usage::{GlobalShare, GlobalUsage, LimitUsage, Shadow, Usage, binding_of};
+pub use usage::{Accepted, GlobalShare, GlobalUsage, LimitUsage, Shadow, Usage, binding_of};
 
 pub use beyond::{GLOBAL_OUTCOMES, LEASE_OUTCOMES};
 pub use dead::DeadLetterBook;

@@ -95,6 +95,17 @@ pub struct Usage {
     pub learned_why: Option<Why>,
     /// The seller's shadow limit and its verdicts (`delay` not read), if one is set.
     pub shadow: Option<Shadow>,
+    /// What the downstream accepted of the seller's calls in its longest window, with adaptive
+    /// limits on (which keep the accepted log); `None` with them off.
+    pub accepted: Option<Accepted>,
+}
+
+/// Units the downstream accepted (2xx) in a seller's longest window up to now, and how long
+/// ago the oldest of them was.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct Accepted {
+    pub units: u64,
+    pub oldest_age: Duration,
 }
 
 /// The limit of a stack that binds now: the most taken (`used / capacity`); among equally taken

@@ -10,7 +10,9 @@ use crate::permit::error::PermitError;
 use crate::permit::outcome::Why;
 use crate::permit::scripts;
 use crate::permit::terms::Terms;
-use crate::permit::usage::{GlobalShare, GlobalUsage, LimitUsage, Shadow, Usage, binding_of};
+use crate::permit::usage::{
+    Accepted, GlobalShare, GlobalUsage, LimitUsage, Shadow, Usage, binding_of,
+};
 
 /// `lua/usage.lua`: how much of each of the seller's limits is taken now, the stack that
 /// applies and any pause (read-only). See the script's header.
@@ -24,6 +26,8 @@ pub(in crate::permit) struct UsageCall<'a> {
     pub shadow: String,
     pub calls: String,
     pub reserved: String,
+    /// KEYS[8], with adaptive limits on: the seller's accepted log.
+    pub accepted: String,
     /// ARGV[1] to ARGV[6] (ALGORITHM, the default stack, GUARD, BURST, CAPACITY) and
     /// ARGV[7] ADAPTIVE.
     pub terms: &'a Terms,
@@ -44,6 +48,9 @@ impl UsageCall<'_> {
             .key(self.shadow.clone())
             .key(self.calls.clone())
             .key(self.reserved.clone());
+        if self.terms.adaptive {
+            to.key(self.accepted.clone());
+        }
         self.terms.args(to);
         to.arg(u8::from(self.terms.adaptive));
     }
@@ -53,7 +60,8 @@ impl UsageCall<'_> {
     /// The seller's usage from the script's answer `{PAUSED_UNTIL_US, NOW_US, OVERRIDE, COUNTS,
     /// WINDOWS_US, then per limit USED, CAPACITY, AHEAD; then CONFIGURED_COUNTS, WHY, the
     /// shadow limit's COUNTS, WINDOWS_US, AGREE, STRICTER and LOOSER; then per limit
-    /// OLDEST_AGE_US; IN_FLIGHT; then per limit DUE}` (see the script's header).
+    /// OLDEST_AGE_US; IN_FLIGHT; then per limit DUE; ACCEPTED, ACCEPTED_OLDEST_AGE_US}` (see
+    /// the script's header).
     pub fn read(&self, values: &[redis::Value]) -> Result<Usage, PermitError> {
         let answer = Answer {
             values,
@@ -62,7 +70,8 @@ impl UsageCall<'_> {
         let (paused_until, now, overridden) = (answer.int(0)?, answer.int(1)?, answer.int(2)?);
         let limit = answer.limits(3)?;
         let tail = 5 + 3 * limit.len();
-        if answer.values.len() != tail + 8 + 2 * limit.len() {
+        let accepted_at = tail + 8 + 2 * limit.len();
+        if answer.values.len() != accepted_at + 2 {
             return Err(answer.bad());
         }
         let configured = Limits::from_args(&answer.text(tail)?, &limit.windows_arg())
@@ -87,7 +96,14 @@ impl UsageCall<'_> {
         let bound = &per_limit[binding];
         let learned_why = Why::parse(&answer.text(tail + 1)?).filter(|_| configured != limit);
         let in_flight = answer.count(tail + 7 + limit.len())?;
+        let accepted = self.terms.adaptive.then_some(()).map(|()| {
+            Ok::<_, PermitError>(Accepted {
+                units: answer.count(accepted_at)?,
+                oldest_age: Duration::from_micros(answer.count(accepted_at + 1)?),
+            })
+        });
         Ok(Usage {
+            accepted: accepted.transpose()?,
             used: bound.used,
             capacity: bound.capacity,
             ahead: bound.ahead,
@@ -383,6 +399,7 @@ mod tests {
             shadow: "shadow".into(),
             calls: "calls".into(),
             reserved: "reserved".into(),
+            accepted: "accepted".into(),
             terms: &terms,
         }
         .write(&mut written);
@@ -398,6 +415,7 @@ mod tests {
                 ("shadow", "shadow limit"),
                 ("calls", "seller's calls"),
                 ("reserved", "reserved set"),
+                ("accepted", "accepted log"),
             ],
         );
         let mut args = terms_args("gcra", &written.args[3]);
@@ -418,6 +436,7 @@ mod tests {
             shadow: String::new(),
             calls: String::new(),
             reserved: String::new(),
+            accepted: String::new(),
             terms: &terms,
         };
         let answer = [
@@ -439,8 +458,11 @@ mod tests {
             Int(500), // OLDEST_AGE_US
             Int(2),   // IN_FLIGHT
             Int(1),   // DUE
+            Int(7),   // ACCEPTED
+            Int(900), // ACCEPTED_OLDEST_AGE_US
         ];
         let usage = call.read(&answer).unwrap();
+        assert_eq!(usage.accepted, None, "adaptive limits off: not read");
         assert_eq!((usage.used, usage.capacity, usage.ahead), (3, 10, 1));
         assert!(usage.overridden);
         assert_eq!(usage.paused_for, Duration::from_secs(1));
