@@ -106,21 +106,16 @@ impl Select {
         }
     }
 
-    /// What the audit entry records beside the ids: the reason and the detail given.
-    fn argument(&self) -> Option<String> {
-        match (self.reason, &self.detail) {
-            (Some(reason), Some(detail)) => Some(format!("{reason}: {detail}")),
-            (reason, detail) => reason.map(|r| r.to_string()).or_else(|| detail.clone()),
-        }
-    }
-
     /// An audit entry of `action` on these dead letters by `operator`.
     fn audited(&self, action: &str, operator: &Operator, dry_run: bool) -> Entry {
         let mut entry = Entry::from_command_line(action, &operator.name());
         entry.seller = self.seller.as_ref().map(|s| s.as_str().to_owned());
         entry.batch = self.batch.as_ref().map(|b| b.as_str().to_owned());
         entry.message = self.id.as_ref().map(|m| m.as_str().to_owned());
-        entry.argument = self.argument();
+        entry.argument = turnstile_ops::audit::dead_letters_argument(
+            self.reason.map(Reason::as_str),
+            self.detail.as_deref(),
+        );
         entry.dry_run = dry_run;
         entry.outcome = "done".into();
         entry

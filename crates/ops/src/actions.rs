@@ -356,10 +356,8 @@ impl DeadLettersBody {
         entry.seller = self.seller.clone();
         entry.batch = self.batch.clone();
         entry.message = self.message_id.clone();
-        entry.argument = match (&self.reason, &self.detail) {
-            (Some(reason), Some(detail)) => Some(format!("{reason}: {detail}")),
-            (reason, detail) => reason.clone().or_else(|| detail.clone()),
-        };
+        entry.argument =
+            crate::audit::dead_letters_argument(self.reason.as_deref(), self.detail.as_deref());
         entry.dry_run = self.dry_run;
         let query = DeadLetterQuery::parse(
             self.message_id.as_deref(),

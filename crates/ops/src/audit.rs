@@ -83,6 +83,15 @@ pub struct Entry {
     pub replica: String,
 }
 
+/// What an entry on dead letters records beside their ids: the reason and the detail that
+/// selected them (`rejected: HTTP 422…`), either alone, or nothing.
+pub fn dead_letters_argument(reason: Option<&str>, detail: Option<&str>) -> Option<String> {
+    match (reason, detail) {
+        (Some(reason), Some(detail)) => Some(format!("{reason}: {detail}")),
+        (reason, detail) => reason.or(detail).map(str::to_owned),
+    }
+}
+
 impl Entry {
     /// An entry for `action`, asked now by `who` on `replica`; the rest to fill in.
     pub fn new(action: &str, who: Who, replica: &str) -> Self {

@@ -1081,13 +1081,7 @@ pub async fn sample(dashboard: Arc<Dashboard>, stop: CancellationToken) {
             _ = stop.cancelled() => true,
         };
         let now = counted(&dashboard.stats);
-        let since = History {
-            minute: 0,
-            registered: now.registered.saturating_sub(recorded.registered),
-            dead: now.dead.saturating_sub(recorded.dead),
-            delayed: now.delayed.saturating_sub(recorded.delayed),
-            retried: now.retried.saturating_sub(recorded.retried),
-        };
+        let since = now.since(recorded);
         let sellers = dashboard.stats.take_sellers();
         dashboard
             .ladder_window

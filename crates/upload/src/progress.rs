@@ -616,7 +616,6 @@ pub fn seller_report(
     let backlog = batches.iter().filter_map(Progress::waiting).sum();
     let (seller_honest, seller_by_limits, seller_basis) =
         estimate(&usage, global_rate, ahead, &backlog_retries, pace);
-    let seller_eta = (seller_honest, seller_basis);
     SellerReport {
         seller_id: seller.as_str().to_owned(),
         backlog,
@@ -627,9 +626,9 @@ pub fn seller_report(
         overridden: usage.overridden,
         paused_for_s: usage.paused_for.as_secs_f64(),
         global_share_per_s: global_rate,
-        eta_s: seller_eta.0.as_secs_f64(),
+        eta_s: seller_honest.as_secs_f64(),
         eta_limits_s: seller_by_limits.as_secs_f64(),
-        eta_basis: seller_eta.1,
+        eta_basis: seller_basis,
         observed_per_s: pace,
         now_ms,
         retrying,

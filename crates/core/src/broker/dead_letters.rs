@@ -28,7 +28,7 @@ use lapin::{BasicProperties, Channel};
 use crate::domain::{BatchSize, Identity};
 use crate::permit::{DeadLetterBook, InBatch, PermitError};
 
-use super::{Publisher, Topology, depth, header_str, headers, is_death_history};
+use super::{Publisher, Topology, depth, header_str, headers, identity_of, is_death_history};
 
 /// The reason listed for a message the broker dead-lettered after too many returns.
 pub const DELIVERY_LIMIT_REASON: &str = "delivery-limit";
@@ -454,16 +454,6 @@ fn clip(detail: String) -> String {
     }
 }
 
-/// The message a delivery carries, as replays and completion records know it.
-fn identity_of(delivery: &Delivery) -> Identity {
-    let amqp_id = delivery
-        .properties
-        .message_id()
-        .as_ref()
-        .map(|m| m.as_str());
-    Identity::of(&delivery.data, amqp_id)
-}
-
 /// A dead letter as listed; never fails, whatever its body and headers.
 pub fn describe(delivery: &Delivery) -> DeadLetter {
     let identity = identity_of(delivery);
@@ -767,10 +757,8 @@ pub async fn discard(
             shown,
             (&mut done.matched, &mut done.kept, &mut done.letters),
         );
-        if selected && !dry_run {
-            done.discarded += 1;
-        }
         let take = selected && !dry_run;
+        done.discarded += u64::from(take);
         async move { (Ok(take), delivery) }
     })
     .await;

@@ -323,14 +323,7 @@ impl HeldIndex {
 
     /// Notes a delivery held until `end_ms`, if its body names a seller.
     fn hold(&self, delivery: &Delivery, end_ms: u64) -> Option<Indexed> {
-        let identity = crate::domain::Identity::of(
-            &delivery.data,
-            delivery
-                .properties
-                .message_id()
-                .as_ref()
-                .map(|m| m.as_str()),
-        );
+        let identity = super::identity_of(delivery);
         let seller = identity.seller_id?.as_str().to_owned();
         let message = identity
             .message_id
@@ -356,11 +349,6 @@ impl HeldIndex {
                 sellers.remove(&seller);
             }
         }
-    }
-
-    /// What it holds of `seller`, with its `shown` soonest messages.
-    pub fn of(&self, seller: &str, shown: usize) -> Option<HeldSummary> {
-        self.lock().get(seller).map(|held| summary(held, shown))
     }
 
     /// The `most` sellers it holds most of (most first), each with its `shown` soonest

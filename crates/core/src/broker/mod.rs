@@ -663,6 +663,17 @@ pub fn registration_of(
     crate::domain::Registration::parse(&delivery.data, message_id)
 }
 
+/// The message a delivery carries, as replays, completion records and the delay ladder's index
+/// know it, whether or not its body parses (the AMQP message-id property is the fallback id).
+pub fn identity_of(delivery: &Delivery) -> crate::domain::Identity {
+    let message_id = delivery
+        .properties
+        .message_id()
+        .as_ref()
+        .map(|m| m.as_str());
+    crate::domain::Identity::of(&delivery.data, message_id)
+}
+
 /// A header as text.
 pub fn header_str(delivery: &Delivery, name: &str) -> Option<String> {
     match header(delivery, name)? {

@@ -208,17 +208,35 @@ pub struct History {
 }
 
 impl History {
-    /// The rates kept, by name, as the hash's fields end.
-    pub const RATES: [&'static str; 4] = ["registered", "dead", "delayed", "retried"];
+    /// Its rates, each with its name as the hash's fields end (`<minute>:<name>`): the one list
+    /// of them.
+    fn rates_mut(&mut self) -> [(&'static str, &mut u64); 4] {
+        [
+            ("registered", &mut self.registered),
+            ("dead", &mut self.dead),
+            ("delayed", &mut self.delayed),
+            ("retried", &mut self.retried),
+        ]
+    }
+
+    /// Its rates by name (see [`History::rates_mut`]).
+    pub fn rates(mut self) -> [(&'static str, u64); 4] {
+        self.rates_mut().map(|(name, n)| (name, *n))
+    }
+
+    /// What was counted since `earlier` was (each rate less `earlier`'s, never below zero).
+    pub fn since(mut self, earlier: History) -> History {
+        for ((_, n), (_, before)) in self.rates_mut().into_iter().zip(earlier.rates()) {
+            *n = n.saturating_sub(before);
+        }
+        self
+    }
 
     fn rate_mut(&mut self, name: &str) -> Option<&mut u64> {
-        match name {
-            "registered" => Some(&mut self.registered),
-            "dead" => Some(&mut self.dead),
-            "delayed" => Some(&mut self.delayed),
-            "retried" => Some(&mut self.retried),
-            _ => None,
-        }
+        self.rates_mut()
+            .into_iter()
+            .find(|(rate, _)| *rate == name)
+            .map(|(_, n)| n)
     }
 }
 
@@ -657,18 +675,17 @@ impl Records {
         at_most: usize,
     ) -> Result<(), PermitError> {
         let registered = done.registered;
-        let rates = [done.registered, done.dead, done.delayed, done.retried];
-        if rates.iter().all(|n| *n == 0) && sellers.is_empty() {
+        let rates = done.rates();
+        let counted = rates.iter().any(|(_, n)| *n > 0);
+        if !counted && sellers.is_empty() {
             return Ok(());
         }
         let mut pipe = redis::pipe();
-        if rates.iter().any(|n| *n > 0) {
+        if counted {
             let minute = now_ms / 60_000;
             let key = self.keys.history(minute / 60);
-            for (name, n) in History::RATES.iter().zip(rates) {
-                if n > 0 {
-                    pipe.hincr(&key, format!("{minute}:{name}"), n).ignore();
-                }
+            for (name, n) in rates.into_iter().filter(|(_, n)| *n > 0) {
+                pipe.hincr(&key, format!("{minute}:{name}"), n).ignore();
             }
             pipe.pexpire(&key, HISTORY_KEPT.as_millis() as i64).ignore();
         }
