@@ -31,8 +31,8 @@ fn assert_nothing_twice_nothing_over_nothing_lost(outcome: &Outcome) {
     let report = &outcome.report;
     assert_eq!(
         report.duplicates, 0,
-        "{case}: no message is called twice (the API saw {} repeated Idempotency-Keys)",
-        report.duplicates
+        "{case}: no message is called twice (the API saw {} repeated Idempotency-Keys: {:?})",
+        report.duplicates, report.repeats
     );
     assert_eq!(
         report.violations, 0,
@@ -97,4 +97,66 @@ async fn a_replica_whose_redis_link_hangs_hands_its_messages_to_the_other() {
     let outcome = one_replica_loses(Link::Redis, Mode::Hang).await;
     assert_nothing_twice_nothing_over_nothing_lost(&outcome);
     assert_the_other_replica_kept_serving(&outcome);
+}
+
+/// A replica whose broker link resets with calls in flight: the broker hands those messages to
+/// the other replica at once, which has room to call them (four sellers of one message each)
+/// while the first calls are still waiting for the API's answer (2 s). The copies wait for
+/// those calls' answers and records and are acked as registered: each message is called once.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn calls_in_flight_when_the_broker_link_resets_are_not_made_again_by_the_other_replica() {
+    use std::time::Duration;
+    use turnstile_lab::mock_api::MockArgs;
+    use turnstile_lab::rig::Message;
+    use turnstile_lab::slow_link::{self, SlowLink};
+
+    let limit: turnstile_core::config::Limits = LIMIT.parse().expect("the limit parses");
+    let mut rig = support::rig("partition-in-flight", LIMIT)
+        .with_mock(MockArgs {
+            latency_ms: 2_000,
+            ..MockArgs::local(limit)
+        })
+        .prepare()
+        .await
+        .unwrap();
+    let mut settings = rig.settings(WORKERS);
+    settings.links.link_timeout = partition::LINK_TIMEOUT;
+    settings.links.broker_heartbeat = Some(partition::HEARTBEAT);
+    let node = settings
+        .broker
+        .amqp
+        .url
+        .split(',')
+        .next()
+        .unwrap()
+        .to_owned();
+    let link = SlowLink::start(slow_link::address_of(&node).await.unwrap(), Duration::ZERO)
+        .await
+        .unwrap();
+    settings.broker.amqp.url = link.amqp_url(&node);
+    let _cut = rig.start_replica(settings).await.unwrap();
+    let sellers = 4;
+    let messages = (0..sellers)
+        .map(|i| Message::numbered(&format!("S-{i}"), 0))
+        .collect();
+    rig.publish_all(messages).await.unwrap();
+    while rig.mock.stats().requests < sellers as u64 {
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    let _other = rig.start_replica(rig.settings(WORKERS)).await.unwrap();
+    link.cut();
+    rig.wait_registered(sellers as u64).await.unwrap();
+    let settled = rig.wait_queues_empty(partition::GUARD).await;
+    let report = rig.finish().await.unwrap();
+    drop(link);
+    assert_eq!(
+        (report.duplicates, report.registered, report.lost),
+        (0, sellers as u64, 0),
+        "each message called once, all registered (repeated: {:?})",
+        report.repeats
+    );
+    assert!(
+        settled,
+        "the copies are acked once the first calls are recorded"
+    );
 }

@@ -1163,6 +1163,11 @@ macro_rules! permit_tests {
                 .await;
         }
         #[tokio::test]
+        async fn a_message_called_on_one_replica_is_claimed_there_until_its_call_ends() {
+            cases::a_message_called_on_one_replica_is_claimed_there_until_its_call_ends($backend)
+                .await;
+        }
+        #[tokio::test]
         async fn a_late_record_ends_the_call_at_its_answer() {
             cases::a_late_record_ends_the_call_at_its_answer($backend).await;
         }
@@ -1359,6 +1364,60 @@ pub async fn an_operation_refused_in_a_batch_fails_alone(backend: Backend) {
 }
 
 /// A call's answer recorded after a while (riding along with other calls) ends the call when
+/// Two replicas (two stores on one prefix) granted one message (two copies of it): the first
+/// to claim its call holds it, the other is told how long the claim has left (at most the
+/// call's bound and the margin); once the first call ends unregistered (a 503), the other
+/// claims it.
+pub async fn a_message_called_on_one_replica_is_claimed_there_until_its_call_ends(
+    backend: Backend,
+) {
+    use turnstile_core::domain::MessageId;
+    use turnstile_core::permit::{CLAIM_MARGIN, CallClaim, Limiter};
+    let keys = Keys::new(backend, "claimed").await;
+    let timeout = Duration::from_secs(10);
+    let replica = || {
+        keys.store(limiter("10/1s", Algorithm::SlidingWindow))
+            .with_call_timeout(timeout)
+    };
+    let (first, other) = (replica(), replica());
+    let s = seller("S-claimed");
+    let m = MessageId::parse("m-1").unwrap();
+    let ask = Ask::new(&s).message(&m).without_reserving();
+    let here = call_now(&first, ask).await;
+    let there = call_now(&other, ask).await;
+
+    assert_eq!(
+        first.claim_call(&here.grant).await.unwrap(),
+        CallClaim::Ours
+    );
+    let CallClaim::Elsewhere { left } = other.claim_call(&there.grant).await.unwrap() else {
+        panic!("a copy's call is claimed while the first is in flight");
+    };
+    assert!(
+        left > Duration::ZERO && left <= timeout + CLAIM_MARGIN + Duration::from_secs(2),
+        "told how long the claim has left: {left:?}"
+    );
+    other.unsent(there.grant).await;
+
+    asks::finish(&first, &here, here.granted_us + 1, Ended::Failed).await;
+    let again = call_now(&other, ask).await;
+    let mut claimed = other.claim_call(&again.grant).await.unwrap();
+    // The first call's claim ends riding along with the next calls to Redis.
+    for _ in 0..50 {
+        if claimed == CallClaim::Ours {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
+        claimed = other.claim_call(&again.grant).await.unwrap();
+    }
+    assert_eq!(
+        claimed,
+        CallClaim::Ours,
+        "claimed once the first call ended"
+    );
+    keys.cleanup().await;
+}
+
 /// its answer came, as the caller measured it, never later than the record and never in
 /// Redis's future.
 pub async fn a_late_record_ends_the_call_at_its_answer(backend: Backend) {

@@ -287,6 +287,11 @@ pub const METRICS: &[Metric] = &[
         "429 answers from the downstream.",
     ),
     plain(
+        "turnstile_calls_claimed_elsewhere_total",
+        Counter,
+        "Grants given back because a copy of their message was being called on another replica.",
+    ),
+    plain(
         "turnstile_redis_errors_total",
         Counter,
         "Failed Redis calls.",

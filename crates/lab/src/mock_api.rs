@@ -36,7 +36,7 @@
 //! check and registration like any request; a scripted non-2xx is counted in
 //! [`Stats::scripted`] only. Scripted requests are exempt from `--fail-rate`.
 
-use std::collections::{BTreeMap, HashMap, HashSet, VecDeque};
+use std::collections::{BTreeMap, HashMap, VecDeque};
 use std::net::{IpAddr, Ipv4Addr, Ipv6Addr, SocketAddr};
 use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
 use std::time::Duration;
@@ -231,6 +231,10 @@ pub struct Stats {
     pub max_global_in_window: u64,
     /// Requests replaying an Idempotency-Key that was already accepted.
     pub duplicates: u64,
+    /// The first [`MOST_REPEATS`] of those replays: which key, and when it was accepted and
+    /// repeated (what tells a call made while the first was in flight from a record missed).
+    #[serde(default)]
+    pub repeats: Vec<Repeat>,
     /// Requests answered 503 by `--fail-rate`.
     pub injected_failures: u64,
     /// Requests answered with a scripted non-2xx status.
@@ -244,6 +248,20 @@ pub struct Stats {
     /// Per-route counters (`--route`), keyed by the route's name.
     #[serde(default)]
     pub routes: BTreeMap<String, RouteStats>,
+}
+
+/// How many replays [`Stats::repeats`] keeps.
+pub const MOST_REPEATS: usize = 20;
+
+/// One replay of an accepted Idempotency-Key.
+#[derive(Clone, Debug, Default, Serialize, Deserialize, PartialEq)]
+pub struct Repeat {
+    pub key: String,
+    pub seller: String,
+    /// When the key was first accepted and when it came again, in ms (the clock of
+    /// `first_ms`).
+    pub accepted_ms: u64,
+    pub again_ms: u64,
 }
 
 /// Counters of one route (`--route`), every seller's together.
@@ -560,7 +578,8 @@ struct Ledger {
     route_windows: HashMap<(String, String), VecDeque<(Instant, u32)>>,
     /// Per seller, requests arrived and not yet answered.
     in_flight: HashMap<String, u64>,
-    accepted: HashSet<String>,
+    /// Every accepted Idempotency-Key, and when it was accepted (ms, the clock of `first_ms`).
+    accepted: HashMap<String, u64>,
     attempts: HashMap<String, usize>,
     stats: Stats,
     /// The last [`RECENT_REQUESTS`] requests.
@@ -604,7 +623,7 @@ impl Ledger {
             global_times: VecDeque::new(),
             route_windows: HashMap::new(),
             in_flight: HashMap::new(),
-            accepted: HashSet::new(),
+            accepted: HashMap::new(),
             attempts: HashMap::new(),
             stats: Stats::default(),
             recent: VecDeque::new(),
@@ -799,9 +818,17 @@ impl App {
             quota: None,
             charged: charged.clone(),
         };
-        if accepted.contains(&req.key) {
+        if let Some(&accepted_ms) = accepted.get(&req.key) {
             tracing::debug!(key = %req.key, seller = %req.seller, "mock API: a repeated Idempotency-Key");
             stats.duplicates += 1;
+            if stats.repeats.len() < MOST_REPEATS {
+                stats.repeats.push(Repeat {
+                    key: req.key.clone(),
+                    seller: req.seller.clone(),
+                    accepted_ms,
+                    again_ms: millis(now - *epoch),
+                });
+            }
             stats
                 .sellers
                 .entry(req.seller.clone())
@@ -871,11 +898,11 @@ impl App {
         let times = windows.entry(req.seller.clone()).or_default();
         let seller = stats.sellers.entry(req.seller.clone()).or_default();
         times.push_back((now, counted));
-        accepted.insert(req.key.clone());
+        let at = millis(now - *epoch);
+        accepted.insert(req.key.clone(), at);
         stats.registered += 1;
         seller.registered += 1;
         seller.units += u64::from(counted);
-        let at = millis(now - *epoch);
         seller.first_ms.get_or_insert(at);
         seller.last_ms = Some(at);
         seller.max_in_window = seller.max_in_window.max(first_window_units);

@@ -118,6 +118,8 @@ pub struct Report {
     pub dead_lettered: u64,
     pub lost: u64,
     pub duplicates: u64,
+    /// The first repeated Idempotency-Keys, with when each was accepted and repeated.
+    pub repeats: Vec<crate::mock_api::Repeat>,
     pub violations: u64,
     pub deliveries: u64,
     pub deliveries_per_message: f64,
@@ -625,6 +627,32 @@ impl Rig {
         }
     }
 
+    /// Waits until every queue of the rig but the dead letters' is empty (every message
+    /// settled, none waiting in a delay); whether they were within `guard` (a guard against
+    /// hanging, not a speed check).
+    pub async fn wait_queues_empty(&self, guard: Duration) -> bool {
+        let queues: Vec<String> = self
+            .topology
+            .queues()
+            .into_iter()
+            .filter(|q| q != self.topology.dead())
+            .collect();
+        let deadline = Instant::now() + guard;
+        loop {
+            let mut waiting = 0;
+            for queue in &queues {
+                waiting += self.depth(queue).await.unwrap_or(1);
+            }
+            if waiting == 0 {
+                return true;
+            }
+            if Instant::now() > deadline {
+                return false;
+            }
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+    }
+
     /// Waits until the mock has registered `n` messages and returns its stats; fails after three
     /// minutes (a guard against hanging, not a speed check: generous on purpose).
     pub async fn wait_registered(&self, n: u64) -> anyhow::Result<Stats> {
@@ -741,6 +769,7 @@ impl Rig {
             dead_lettered,
             lost: published.saturating_sub(stats.registered + dead_lettered),
             duplicates: stats.duplicates,
+            repeats: stats.repeats.clone(),
             violations: stats.violations,
             deliveries,
             deliveries_per_message: deliveries as f64 / published.max(1) as f64,

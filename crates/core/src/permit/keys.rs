@@ -213,6 +213,12 @@ impl Keyspace {
         self.seller(seller, &format!("done:{}", key_part(message.as_str())))
     }
 
+    /// A message's call in flight: `<prefix>:{<seller>}:calling:<message>` (string: the call's
+    /// name, kept until the call's bound; see [`super::PermitStore::claim_call`]).
+    pub fn calling(&self, seller: &SellerId, message: &MessageId) -> String {
+        self.seller(seller, &format!("calling:{}", key_part(message.as_str())))
+    }
+
     /// An upload's progress: `<prefix>:{<seller>}:batch:<batch>` (hash).
     pub fn batch(&self, seller: &SellerId, batch: &BatchId) -> String {
         self.seller(seller, &format!("batch:{}", key_part(batch.as_str())))

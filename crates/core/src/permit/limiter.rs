@@ -17,6 +17,7 @@ use futures::future::BoxFuture;
 use tracing::{debug, info, warn};
 
 use crate::domain::{BatchId, BatchSize, Cost, Identity, MessageId, RateLimitHeaders, SellerId};
+use crate::permit::batch::{Operation, When};
 use crate::permit::decision::{Asking, Decision, Forfeit, Rank, Reservation};
 use crate::permit::error::PermitError;
 use crate::permit::outcome::{BatchEvent, CallAnswer, Completion, InBatch, Lesson, Recorded};
@@ -193,6 +194,21 @@ impl Grant {
     }
 }
 
+/// How long a call's claim outlasts the call's own bound (see
+/// [`PermitStore::claim_message_call`]): time for its record to be written.
+pub const CLAIM_MARGIN: Duration = Duration::from_secs(5);
+
+/// Whether a grant's message may be called here ([`Limiter::claim_call`]).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum CallClaim {
+    /// Claimed for this call.
+    Ours,
+    /// A copy of the message is being called elsewhere (another replica took it before the
+    /// broker handed this copy over): come back after `left`, when that call has been answered
+    /// and recorded, or its claim expired.
+    Elsewhere { left: Duration },
+}
+
 /// How a granted call ended, as the limiter needs to know it.
 #[derive(Clone, Copy, Debug)]
 pub enum Ended<'a> {
@@ -242,6 +258,11 @@ pub trait Limiter: Send + Sync {
         answered_us: i64,
         answer: Ended<'a>,
     ) -> BoxFuture<'a, Result<Finished, PermitError>>;
+
+    /// Claims `grant`'s message for its call on every replica, just before the call: no other
+    /// replica calls a copy of it while the claim holds (until the call's answer, or its bound).
+    /// A grant for no message is always [`CallClaim::Ours`].
+    fn claim_call<'a>(&'a self, grant: &'a Grant) -> BoxFuture<'a, Result<CallClaim, PermitError>>;
 
     /// Drops a grant unsent: its lease ends and its units are given back, so that the seller's
     /// next call may take them; a failure leaves them counted until they leave the window.
@@ -421,6 +442,58 @@ impl PermitStore {
         }
     }
 
+    /// Claims `message`'s call `call` on every replica: `SET NX` of the message's
+    /// [`calling`](crate::permit::keys::Keys::calling) key with the call's name, kept until the
+    /// call's bound plus [`CLAIM_MARGIN`] and the record's delay (long enough for the call to
+    /// be answered and its record written; a copy asks again after it at the latest), riding
+    /// along with other calls to Redis. Another call's claim answers how long it has left.
+    pub(crate) async fn claim_message_call(
+        &self,
+        seller: &SellerId,
+        message: &MessageId,
+        call: &str,
+    ) -> Result<CallClaim, PermitError> {
+        let key = self.keys.calling(seller, message);
+        let hold = self.call_bound + self.record_delay + CLAIM_MARGIN;
+        let mut claim = redis::cmd("SET");
+        claim
+            .arg(&key)
+            .arg(call)
+            .arg("NX")
+            .arg("PX")
+            .arg(hold.as_millis().max(1) as u64);
+        let mut left = redis::cmd("PTTL");
+        left.arg(&key);
+        let (claimed, left_ms): (Option<String>, i64) = self
+            .run(
+                Operation::commands(vec![claim, left], key.clone()),
+                When::Now,
+            )
+            .await?;
+        Ok(match claimed {
+            Some(_) => CallClaim::Ours,
+            // Gone between the two commands (answered just then): asked again at once.
+            None => CallClaim::Elsewhere {
+                left: Duration::from_millis(left_ms.max(0) as u64),
+            },
+        })
+    }
+
+    /// Ends `grant`'s claim on its message's call ([`Self::claim_message_call`]) once it was
+    /// answered without registering it, so that its retry may be called at once on any
+    /// replica; riding along with the next calls to Redis, nobody waits for it. A failure
+    /// leaves the claim to its expiry. A registration keeps its claim until it expires: its
+    /// completion record answers for it from then on.
+    fn release_claim(&self, grant: &Grant) {
+        let Some(message) = &grant.message else {
+            return;
+        };
+        let key = self.keys.calling(&grant.seller, message);
+        let mut release = redis::cmd("DEL");
+        release.arg(&key);
+        self.send_detached(Operation::commands(vec![release], key), self.record_delay);
+    }
+
     /// Ends `grant`'s lease; a failure leaves it to its expiry.
     async fn end_grant_lease(&self, grant: &Grant) {
         if let Err(error) = self.end_lease(&grant.seller, &grant.call).await {
@@ -493,6 +566,7 @@ impl PermitStore {
                     told,
                 };
                 // The call's end rides in the lesson's call, which goes at once.
+                self.release_claim(grant);
                 let (_, lowered) = tokio::join!(
                     self.end_call(grant, answered_us),
                     self.teach(seller, lesson, answered_us)
@@ -503,6 +577,7 @@ impl PermitStore {
                 })
             }
             Ended::Failed => {
+                self.release_claim(grant);
                 self.end_call(grant, answered_us).await;
                 Ok(Finished::default())
             }
@@ -575,6 +650,17 @@ impl Limiter for PermitStore {
         answer: Ended<'a>,
     ) -> BoxFuture<'a, Result<Finished, PermitError>> {
         self.finish_call(grant, answered_us, answer).boxed()
+    }
+
+    fn claim_call<'a>(&'a self, grant: &'a Grant) -> BoxFuture<'a, Result<CallClaim, PermitError>> {
+        async move {
+            let Some(message) = &grant.message else {
+                return Ok(CallClaim::Ours);
+            };
+            self.claim_message_call(&grant.seller, message, &grant.call)
+                .await
+        }
+        .boxed()
     }
 
     fn unsent(&self, grant: Grant) -> BoxFuture<'_, ()> {

@@ -22,8 +22,8 @@ use crate::domain::{
 };
 use crate::downstream::{Answered, Api, ApiResponse, Reply};
 use crate::permit::{
-    Ask, Asked, BatchEvent, BatchSeen, Decision, Ended, Finished, Grant, InBatch, Limiter, Orphan,
-    PermitError, Progress, Recorded, Reservation, UploadProgress,
+    Ask, Asked, BatchEvent, BatchSeen, CallClaim, Decision, Ended, Finished, Grant, InBatch,
+    Limiter, Orphan, PermitError, Progress, Recorded, Reservation, UploadProgress,
 };
 use crate::trace::TraceContext;
 
@@ -67,6 +67,9 @@ pub(super) enum Event {
     Answered { call: String },
     /// [`Limiter::finish`], with how the call ended.
     Finished { call: String, ended: Finish },
+    /// [`Limiter::claim_call`] found a copy of the message being called on another replica
+    /// (a claim that is ours is not noted).
+    CalledElsewhere { call: String },
     /// [`Limiter::unsent`]: a grant given back without a call.
     Unsent { call: String },
     /// [`Limiter::pause`].
@@ -188,6 +191,8 @@ struct LimiterState {
     slots_wait_for_answers: bool,
     /// Whether a grant is counted at its grant only (a global limit): no asking ahead.
     grants_counted_at_grant: bool,
+    /// Claims of a call that find a copy being called on another replica, before one is ours.
+    called_elsewhere: u32,
 }
 
 /// A per-seller limiter that answers asks from a script, in order, keeps Redis time as the
@@ -224,6 +229,16 @@ impl FakeLimiter {
         self.lock().slots_wait_for_answers = true;
         self
     }
+
+    /// The first `n` claims of a call find a copy of its message being called on another
+    /// replica, for [`Self::CALLED_ELSEWHERE_FOR`] more.
+    pub(super) fn called_elsewhere(self, n: u32) -> Self {
+        self.lock().called_elsewhere = n;
+        self
+    }
+
+    /// How long a call elsewhere holds its claim ([`Self::called_elsewhere`]).
+    pub(super) const CALLED_ELSEWHERE_FOR: Duration = Duration::from_secs(2);
 
     /// Its grants are counted at the grant only (as a global limit's are).
     pub(super) fn counting_at_grants(self) -> Self {
@@ -422,6 +437,29 @@ impl Limiter for FakeLimiter {
                 }),
                 Finish::Failed => Ok(Finished::default()),
             }
+        }
+        .boxed()
+    }
+
+    fn claim_call<'a>(&'a self, grant: &'a Grant) -> BoxFuture<'a, Result<CallClaim, PermitError>> {
+        async move {
+            let claim = {
+                let mut state = self.lock();
+                if state.called_elsewhere > 0 {
+                    state.called_elsewhere -= 1;
+                    CallClaim::Elsewhere {
+                        left: Self::CALLED_ELSEWHERE_FOR,
+                    }
+                } else {
+                    CallClaim::Ours
+                }
+            };
+            if claim != CallClaim::Ours {
+                self.journal.note(Event::CalledElsewhere {
+                    call: grant.call().to_owned(),
+                });
+            }
+            Ok(claim)
         }
         .boxed()
     }

@@ -559,6 +559,42 @@ async fn a_message_registered_before_is_not_called() {
 }
 
 #[tokio::test(start_paused = true)]
+async fn a_grant_for_a_message_being_called_on_another_replica_is_given_back_and_asked_for_again_without_calling()
+ {
+    let h = Harness::with(|journal| {
+        (
+            FakeLimiter::new(journal, [Script::Grant, Script::AlreadyDone]).called_elsewhere(1),
+            FakeApi::new(journal, []),
+        )
+    });
+    let start = Instant::now();
+
+    let outcome = h.handle(&registration("m-1"), Carried::default()).await;
+
+    assert_eq!(
+        outcome,
+        Outcome::AlreadyDone,
+        "acked once the other call is recorded"
+    );
+    assert_eq!(
+        h.journal.events(),
+        [
+            asked_with(None),
+            Event::CalledElsewhere { call: call(1) },
+            Event::Unsent { call: call(1) },
+            asked_with(None),
+        ],
+        "never called, its grant given back"
+    );
+    let asked = h.journal.times(|e| matches!(e, Event::Asked { .. }));
+    assert_eq!(
+        asked[1] - start,
+        super::CLAIM_RECHECK_MOST.min(FakeLimiter::CALLED_ELSEWHERE_FOR),
+        "asked again within the other call's claim, at most a second later"
+    );
+}
+
+#[tokio::test(start_paused = true)]
 async fn redis_out_of_reach_is_waited_out_and_asked_again_keeping_the_reservation_never_calling_without_a_grant()
  {
     let h = Harness::new(

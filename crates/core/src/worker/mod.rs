@@ -58,8 +58,8 @@ pub use stats::{LatencySummary, Stats};
 pub use waits::SellerWaits;
 
 use crate::permit::{
-    Ask, Asked, BatchEvent, CALL_ALLOWANCE, Decision, Ended, Grant, InBatch, Limiter, PermitError,
-    Progress, Rank, Recorded, Rescheduled, Reservation,
+    Ask, Asked, BatchEvent, CALL_ALLOWANCE, CallClaim, Decision, Ended, Grant, InBatch, Limiter,
+    PermitError, Progress, Rank, Recorded, Rescheduled, Reservation,
 };
 
 /// What may end a wait early: the replica shutting down, or the delivery's connection lost.
@@ -188,6 +188,12 @@ pub struct Worker {
 const ANSWER_MARGIN: Duration = Duration::from_millis(2);
 /// The most [`Worker::answers_allowance`] adds to a wait.
 const MOST_ANSWERS_ALLOWANCE: Duration = Duration::from_secs(1);
+
+/// The least and the most a message whose call could not be claimed ([`Limiter::claim_call`])
+/// waits before it asks again: the call that holds the claim is usually answered and recorded
+/// long before its claim expires, and the copy is then acked as registered.
+const CLAIM_RECHECK: Duration = Duration::from_millis(100);
+const CLAIM_RECHECK_MOST: Duration = Duration::from_secs(1);
 
 /// What a message asks for its permit with: the worker it calls under, if it took one first,
 /// and its place to ask ahead, if it took one (see [`ahead`]); neither when it asks while
@@ -958,6 +964,33 @@ impl Worker {
             carried.reservation = None;
             return Plan::AskAgain;
         };
+        // Nor on two replicas: a copy the broker handed over while another replica still calls
+        // it (that replica lost its broker link with the call in flight) waits for that call's
+        // answer and record, then asks again and is acked as registered.
+        match self.limiter.claim_call(&grant).await {
+            Ok(CallClaim::Ours) => {}
+            claimed => {
+                self.limiter.unsent(grant).await;
+                carried.reservation = None;
+                let wait = match claimed {
+                    Ok(CallClaim::Elsewhere { left }) => {
+                        metrics::counter!("turnstile_calls_claimed_elsewhere_total").increment(1);
+                        info!(
+                            wait_ms = left.as_millis() as u64,
+                            "a copy of this message is being called on another replica: asking again once that call is answered"
+                        );
+                        left
+                    }
+                    Ok(CallClaim::Ours) => unreachable!("matched above"),
+                    Err(error) => {
+                        metrics::counter!("turnstile_redis_errors_total").increment(1);
+                        debug!(%error, "the call could not be claimed (Redis); not calling");
+                        CLAIM_RECHECK
+                    }
+                };
+                return Plan::AskAfter(wait.clamp(CLAIM_RECHECK, CLAIM_RECHECK_MOST));
+            }
+        }
         self.call(
             registration,
             trace,

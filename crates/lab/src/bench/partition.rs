@@ -288,21 +288,7 @@ pub async fn one_replica_loses(
     let ready_after = waited(async || ready.get()).await;
 
     rig.wait(GUARD, |_| {}).await?;
-    let queues: Vec<String> = rig
-        .topology
-        .queues()
-        .into_iter()
-        .filter(|q| q != rig.topology.dead())
-        .collect();
-    let queues_empty = waited(async || {
-        let mut waiting = 0;
-        for queue in &queues {
-            waiting += rig.depth(queue).await.unwrap_or(1);
-        }
-        waiting == 0
-    })
-    .await
-    .is_some();
+    let queues_empty = rig.wait_queues_empty(GUARD).await;
     let limit: Limits = rig.limit.clone();
     let report = rig.finish().await?;
     drop(proxy);
