@@ -967,8 +967,23 @@ impl Worker {
         // Nor on two replicas: a copy the broker handed over while another replica still calls
         // it (that replica lost its broker link with the call in flight) waits for that call's
         // answer and record, then asks again and is acked as registered.
-        match self.limiter.claim_call(&grant).await {
-            Ok(CallClaim::Ours) => {}
+        let held = carried
+            .call_claimed_until
+            .is_some_and(|until| until > std::time::Instant::now());
+        match if held {
+            Ok(CallClaim::Ours)
+        } else {
+            self.limiter.claim_call(&grant).await
+        } {
+            Ok(CallClaim::Ours) if grant.sent().elapsed() < CALL_ALLOWANCE => {}
+            Ok(CallClaim::Ours) => {
+                // A slow Redis: the claim's round trip made the grant too old to call. The
+                // claim is kept for the next grant, which is then called at once.
+                self.limiter.unsent(grant).await;
+                carried.reservation = None;
+                carried.call_claimed_until = Some(std::time::Instant::now() + CALL_ALLOWANCE);
+                return Plan::AskAgain;
+            }
             claimed => {
                 self.limiter.unsent(grant).await;
                 carried.reservation = None;
