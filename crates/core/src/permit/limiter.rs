@@ -264,6 +264,12 @@ pub trait Limiter: Send + Sync {
     /// A grant for no message is always [`CallClaim::Ours`].
     fn claim_call<'a>(&'a self, grant: &'a Grant) -> BoxFuture<'a, Result<CallClaim, PermitError>>;
 
+    /// Claims `grant`'s message for its call as [`Self::claim_call`] does, without waiting for
+    /// the answer: the call starts meanwhile. For a message first delivered here, whose copy
+    /// can reach another replica only once this one lost its delivery, after the call started
+    /// (the claim is then long written when that copy asks for it).
+    fn note_call(&self, grant: &Grant);
+
     /// Drops a grant unsent: its lease ends and its units are given back, so that the seller's
     /// next call may take them; a failure leaves them counted until they leave the window.
     fn unsent(&self, grant: Grant) -> BoxFuture<'_, ()>;
@@ -453,15 +459,7 @@ impl PermitStore {
         message: &MessageId,
         call: &str,
     ) -> Result<CallClaim, PermitError> {
-        let key = self.keys.calling(seller, message);
-        let hold = self.call_bound + self.record_delay + CLAIM_MARGIN;
-        let mut claim = redis::cmd("SET");
-        claim
-            .arg(&key)
-            .arg(call)
-            .arg("NX")
-            .arg("PX")
-            .arg(hold.as_millis().max(1) as u64);
+        let (key, claim) = self.claim_command(seller, message, call);
         let mut left = redis::cmd("PTTL");
         left.arg(&key);
         let (claimed, left_ms): (Option<String>, i64) = self
@@ -477,6 +475,25 @@ impl PermitStore {
                 left: Duration::from_millis(left_ms.max(0) as u64),
             },
         })
+    }
+
+    /// The claim of `message`'s call `call` (see [`Self::claim_message_call`]), and its key.
+    fn claim_command(
+        &self,
+        seller: &SellerId,
+        message: &MessageId,
+        call: &str,
+    ) -> (String, redis::Cmd) {
+        let key = self.keys.calling(seller, message);
+        let hold = self.call_bound + self.record_delay + CLAIM_MARGIN;
+        let mut claim = redis::cmd("SET");
+        claim
+            .arg(&key)
+            .arg(call)
+            .arg("NX")
+            .arg("PX")
+            .arg(hold.as_millis().max(1) as u64);
+        (key, claim)
     }
 
     /// Ends `grant`'s claim on its message's call ([`Self::claim_message_call`]) once it was
@@ -661,6 +678,13 @@ impl Limiter for PermitStore {
                 .await
         }
         .boxed()
+    }
+
+    fn note_call(&self, grant: &Grant) {
+        if let Some(message) = &grant.message {
+            let (key, claim) = self.claim_command(&grant.seller, message, &grant.call);
+            self.send_detached(Operation::commands(vec![claim], key), Duration::ZERO);
+        }
     }
 
     fn unsent(&self, grant: Grant) -> BoxFuture<'_, ()> {

@@ -33,6 +33,10 @@ pub struct Carried {
     /// `Limiter::claim_call`): kept only in this replica, for a grant that the claim's round
     /// trip made too old to call, so that the next grant is called without claiming again.
     pub call_claimed_until: Option<std::time::Instant>,
+    /// Whether the broker redelivered it (the AMQP `redelivered` flag): a replica that lost
+    /// it may still be calling it, so its call is claimed before it starts (see
+    /// `Limiter::claim_call`).
+    pub redelivered: bool,
 }
 
 impl Carried {
@@ -49,6 +53,7 @@ impl Carried {
                 .map_or(now_ms, |t| t.min(now_ms)),
             terms_tag: Self::terms_tag_of(delivery),
             call_claimed_until: None,
+            redelivered: delivery.redelivered,
         }
     }
 

@@ -464,6 +464,8 @@ impl Limiter for FakeLimiter {
         .boxed()
     }
 
+    fn note_call(&self, _grant: &Grant) {}
+
     fn unsent(&self, grant: Grant) -> BoxFuture<'_, ()> {
         async move {
             self.journal.note(Event::Unsent {

@@ -559,7 +559,27 @@ async fn a_message_registered_before_is_not_called() {
 }
 
 #[tokio::test(start_paused = true)]
-async fn a_grant_for_a_message_being_called_on_another_replica_is_given_back_and_asked_for_again_without_calling()
+async fn a_message_first_delivered_here_is_called_without_waiting_for_its_claim() {
+    let h = Harness::with(|journal| {
+        (
+            FakeLimiter::new(journal, [Script::Grant]).called_elsewhere(1),
+            FakeApi::new(journal, [Answer::Created { told: None }]),
+        )
+    });
+
+    let outcome = h.handle(&registration("m-1"), Carried::default()).await;
+
+    assert_eq!(outcome, registered(1));
+    assert_eq!(
+        h.journal
+            .count(|e| matches!(e, Event::CalledElsewhere { .. })),
+        0,
+        "its claim is not waited for"
+    );
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_redelivered_message_being_called_on_another_replica_is_given_back_its_grant_and_asks_again_without_calling()
  {
     let h = Harness::with(|journal| {
         (
@@ -569,7 +589,11 @@ async fn a_grant_for_a_message_being_called_on_another_replica_is_given_back_and
     });
     let start = Instant::now();
 
-    let outcome = h.handle(&registration("m-1"), Carried::default()).await;
+    let redelivered = Carried {
+        redelivered: true,
+        ..Carried::default()
+    };
+    let outcome = h.handle(&registration("m-1"), redelivered).await;
 
     assert_eq!(
         outcome,

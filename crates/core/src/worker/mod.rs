@@ -964,17 +964,24 @@ impl Worker {
             carried.reservation = None;
             return Plan::AskAgain;
         };
-        // Nor on two replicas: a copy the broker handed over while another replica still calls
-        // it (that replica lost its broker link with the call in flight) waits for that call's
-        // answer and record, then asks again and is acked as registered.
+        // Nor on two replicas: every call claims its message, and a copy the broker handed over
+        // (redelivered) while another replica still calls it (that replica lost its broker
+        // link with the call in flight) waits for that call's answer and record, then asks
+        // again and is acked as registered.
         let held = carried
             .call_claimed_until
             .is_some_and(|until| until > std::time::Instant::now());
-        match if held {
+        let claimed = if held {
             Ok(CallClaim::Ours)
-        } else {
+        } else if carried.redelivered {
             self.limiter.claim_call(&grant).await
-        } {
+        } else {
+            // First delivered here: a copy reaches another replica only once this one lost
+            // the delivery, after the call started; the claim costs no wait.
+            self.limiter.note_call(&grant);
+            Ok(CallClaim::Ours)
+        };
+        match claimed {
             Ok(CallClaim::Ours) if grant.sent().elapsed() < CALL_ALLOWANCE => {}
             Ok(CallClaim::Ours) => {
                 // A slow Redis: the claim's round trip made the grant too old to call. The
