@@ -108,7 +108,6 @@ async fn calls_in_flight_when_the_broker_link_resets_are_not_made_again_by_the_o
     use std::time::Duration;
     use turnstile_lab::mock_api::MockArgs;
     use turnstile_lab::rig::Message;
-    use turnstile_lab::slow_link::{self, SlowLink};
 
     let limit: turnstile_core::config::Limits = LIMIT.parse().expect("the limit parses");
     let mut rig = support::rig("partition-in-flight", LIMIT)
@@ -119,21 +118,9 @@ async fn calls_in_flight_when_the_broker_link_resets_are_not_made_again_by_the_o
         .prepare()
         .await
         .unwrap();
-    let mut settings = rig.settings(WORKERS);
-    settings.links.link_timeout = partition::LINK_TIMEOUT;
-    settings.links.broker_heartbeat = Some(partition::HEARTBEAT);
-    let node = settings
-        .broker
-        .amqp
-        .url
-        .split(',')
-        .next()
-        .unwrap()
-        .to_owned();
-    let link = SlowLink::start(slow_link::address_of(&node).await.unwrap(), Duration::ZERO)
+    let (settings, link) = partition::behind_a_link(&rig, WORKERS, Link::Broker)
         .await
         .unwrap();
-    settings.broker.amqp.url = link.amqp_url(&node);
     let _cut = rig.start_replica(settings).await.unwrap();
     let sellers = 4;
     let messages = (0..sellers)

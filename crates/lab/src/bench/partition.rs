@@ -18,6 +18,7 @@ use super::workload::ScenarioArgs;
 use crate::rig::{Message, Report, Rig, RigBuilder};
 use crate::slow_link::{self, SlowLink};
 use turnstile_core::config::{LimiterArgs, Limits};
+use turnstile_core::replica::ConsumeArgs;
 
 /// The link one replica loses.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize)]
@@ -200,6 +201,42 @@ pub async fn run(args: &ScenarioArgs) -> anyhow::Result<bool> {
     Ok(outcomes.iter().all(Outcome::clean))
 }
 
+/// The settings of a replica of `workers` workers on `rig` whose `link` (to the broker or to
+/// Redis) goes through a [`SlowLink`] of its own, with [`LINK_TIMEOUT`] (and [`HEARTBEAT`] for
+/// the broker), and that link, to break.
+pub async fn behind_a_link(
+    rig: &Rig,
+    workers: u32,
+    link: Link,
+) -> anyhow::Result<(ConsumeArgs, SlowLink)> {
+    let mut settings = rig.settings(workers);
+    settings.links.link_timeout = LINK_TIMEOUT;
+    let proxy = match link {
+        Link::Broker => {
+            let node = settings
+                .broker
+                .amqp
+                .url
+                .split(',')
+                .next()
+                .unwrap_or_default()
+                .to_owned();
+            let proxy =
+                SlowLink::start(slow_link::address_of(&node).await?, Duration::ZERO).await?;
+            settings.broker.amqp.url = proxy.amqp_url(&node);
+            settings.links.broker_heartbeat = Some(HEARTBEAT);
+            proxy
+        }
+        Link::Redis => {
+            let redis = slow_link::address_of(rig.redis_url()).await?;
+            let proxy = SlowLink::start(redis, Duration::ZERO).await?;
+            settings.redis.url = proxy.redis_url();
+            proxy
+        }
+    };
+    Ok((settings, proxy))
+}
+
 /// Two replicas of `workers` workers on the rig `builder` makes, the first through a
 /// [`SlowLink`] to `link` (with [`LINK_TIMEOUT`], and [`HEARTBEAT`] for the broker); the
 /// backlogs of [`SELLERS`] published; once both replicas registered a few, the link breaks as
@@ -214,29 +251,7 @@ pub async fn one_replica_loses(
     mode: Mode,
 ) -> anyhow::Result<Outcome> {
     let mut rig = builder.prepare().await?;
-    let mut settings = rig.settings(workers);
-    settings.links.link_timeout = LINK_TIMEOUT;
-    let proxy = match link {
-        Link::Broker => {
-            let node = settings
-                .broker
-                .amqp
-                .url
-                .split(',')
-                .next()
-                .unwrap_or_default();
-            let proxy = SlowLink::start(slow_link::address_of(node).await?, Duration::ZERO).await?;
-            settings.broker.amqp.url = proxy.amqp_url(node);
-            settings.links.broker_heartbeat = Some(HEARTBEAT);
-            proxy
-        }
-        Link::Redis => {
-            let redis = slow_link::address_of(rig.redis_url()).await?;
-            let proxy = SlowLink::start(redis, Duration::ZERO).await?;
-            settings.redis.url = proxy.redis_url();
-            proxy
-        }
-    };
+    let (settings, proxy) = behind_a_link(&rig, workers, link).await?;
     let cut = rig.start_replica(settings).await?;
     let (ready, cut_stats) = (cut.ready.clone(), cut.stats.clone());
     let other = rig.start_replica(rig.settings(workers)).await?;
