@@ -997,7 +997,9 @@ impl Worker {
                 let wait = match claimed {
                     Ok(CallClaim::Elsewhere { left }) => {
                         metrics::counter!("turnstile_calls_claimed_elsewhere_total").increment(1);
-                        info!(
+                        // A warning (folded when it repeats): another replica lost this delivery
+                        // with its call in flight.
+                        warn!(
                             wait_ms = left.as_millis() as u64,
                             "a copy of this message is being called on another replica: asking again once that call is answered"
                         );
