@@ -971,18 +971,18 @@ impl Worker {
         let held = carried
             .call_claimed_until
             .is_some_and(|until| until > std::time::Instant::now());
-        let claimed = if held {
-            Ok(CallClaim::Ours)
-        } else if carried.redelivered {
+        let waits_for_claim = carried.redelivered && !held;
+        let claimed = if waits_for_claim {
             self.limiter.claim_call(&grant).await
         } else {
             // First delivered here: a copy reaches another replica only once this one lost
-            // the delivery, after the call started; the claim costs no wait.
+            // the delivery, after the call started; the claim costs no wait. (A claim held
+            // already is left as it is: the same `SET NX` changes nothing.)
             self.limiter.note_call(&grant);
             Ok(CallClaim::Ours)
         };
         match claimed {
-            Ok(CallClaim::Ours) if grant.sent().elapsed() < CALL_ALLOWANCE => {}
+            Ok(CallClaim::Ours) if !waits_for_claim || grant.sent().elapsed() < CALL_ALLOWANCE => {}
             Ok(CallClaim::Ours) => {
                 // A slow Redis: the claim's round trip made the grant too old to call. The
                 // claim is kept for the next grant, which is then called at once.
