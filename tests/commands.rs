@@ -908,15 +908,7 @@ fn the_connection_flags_go_before_or_after_the_command() {
     // What the commands wrote beside the limit (their audit entries, the terms' reschedules).
     tokio::runtime::Runtime::new()
         .expect("a runtime")
-        .block_on(async {
-            let conn =
-                turnstile_core::permit::RedisConn::connect(&support::redis_args(&redis, "unused"))
-                    .await
-                    .expect("Redis is reachable");
-            turnstile_core::permit::delete_prefix(&conn, &prefix)
-                .await
-                .expect("cleanup");
-        });
+        .block_on(support::delete_keys(&redis, &prefix));
 }
 
 #[test]

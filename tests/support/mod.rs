@@ -139,12 +139,17 @@ impl Keys {
     }
 
     pub async fn cleanup(self) {
-        // A fresh connection: the test's may have seen its server restart.
-        let conn = RedisConn::connect(&redis_args(&self.url, "unused"))
-            .await
-            .expect("Redis is reachable");
-        delete_prefix(&conn, &self.prefix).await.expect("cleanup");
+        delete_keys(&self.url, &self.prefix).await;
     }
+}
+
+/// Deletes every key under `prefix` on the Redis at `url`, through a fresh connection (the
+/// test's may have seen its server restart).
+pub async fn delete_keys(url: &str, prefix: &str) {
+    let conn = RedisConn::connect(&redis_args(url, "unused"))
+        .await
+        .expect("Redis is reachable");
+    delete_prefix(&conn, prefix).await.expect("cleanup");
 }
 
 /// Runs a command and returns (exit code, stdout, stderr).

@@ -214,7 +214,7 @@ impl Keyspace {
     }
 
     /// A message's call in flight: `<prefix>:{<seller>}:calling:<message>` (string: the call's
-    /// name, kept until the call's bound; see [`super::PermitStore::claim_call`]).
+    /// name, kept until the call's bound; see [`super::Limiter::claim_call`]).
     pub fn calling(&self, seller: &SellerId, message: &MessageId) -> String {
         self.seller(seller, &format!("calling:{}", key_part(message.as_str())))
     }

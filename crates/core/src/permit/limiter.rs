@@ -194,8 +194,8 @@ impl Grant {
     }
 }
 
-/// How long a call's claim outlasts the call's own bound (see
-/// [`PermitStore::claim_message_call`]): time for its record to be written.
+/// How long a call's claim outlasts the call's own bound (see [`Limiter::claim_call`]): time
+/// for its record to be written.
 pub const CLAIM_MARGIN: Duration = Duration::from_secs(5);
 
 /// Whether a grant's message may be called here ([`Limiter::claim_call`]).
@@ -448,36 +448,12 @@ impl PermitStore {
         }
     }
 
-    /// Claims `message`'s call `call` on every replica: `SET NX` of the message's
-    /// [`calling`](crate::permit::keys::Keys::calling) key with the call's name, kept until the
-    /// call's bound plus [`CLAIM_MARGIN`] and the record's delay (long enough for the call to
-    /// be answered and its record written; a copy asks again after it at the latest), riding
-    /// along with other calls to Redis. Another call's claim answers how long it has left.
-    pub(crate) async fn claim_message_call(
-        &self,
-        seller: &SellerId,
-        message: &MessageId,
-        call: &str,
-    ) -> Result<CallClaim, PermitError> {
-        let (key, claim) = self.claim_command(seller, message, call);
-        let mut left = redis::cmd("PTTL");
-        left.arg(&key);
-        let (claimed, left_ms): (Option<String>, i64) = self
-            .run(
-                Operation::commands(vec![claim, left], key.clone()),
-                When::Now,
-            )
-            .await?;
-        Ok(match claimed {
-            Some(_) => CallClaim::Ours,
-            // Gone between the two commands (answered just then): asked again at once.
-            None => CallClaim::Elsewhere {
-                left: Duration::from_millis(left_ms.max(0) as u64),
-            },
-        })
-    }
-
-    /// The claim of `message`'s call `call` (see [`Self::claim_message_call`]), and its key.
+    /// The claim of `message`'s call `call` on every replica, and its key: `SET NX` of the
+    /// message's [`calling`](crate::permit::Keyspace::calling) key with the call's name, kept
+    /// until the call's bound plus [`CLAIM_MARGIN`] and the record's delay (long enough for the
+    /// call to be answered and its record written; a copy asks again after it at the latest).
+    /// Sent riding along with other calls to Redis ([`Limiter::claim_call`],
+    /// [`Limiter::note_call`]).
     fn claim_command(
         &self,
         seller: &SellerId,
@@ -496,7 +472,7 @@ impl PermitStore {
         (key, claim)
     }
 
-    /// Ends `grant`'s claim on its message's call ([`Self::claim_message_call`]) once it was
+    /// Ends `grant`'s claim on its message's call ([`Self::claim_command`]) once it was
     /// answered without registering it, so that its retry may be called at once on any
     /// replica; riding along with the next calls to Redis, nobody waits for it. A failure
     /// leaves the claim to its expiry. A registration keeps its claim until it expires: its
@@ -582,8 +558,8 @@ impl PermitStore {
                     granted_us: grant.granted_us,
                     told,
                 };
-                // The call's end rides in the lesson's call, which goes at once.
                 self.release_claim(grant);
+                // The call's end rides in the lesson's call, which goes at once.
                 let (_, lowered) = tokio::join!(
                     self.end_call(grant, answered_us),
                     self.teach(seller, lesson, answered_us)
@@ -674,8 +650,22 @@ impl Limiter for PermitStore {
             let Some(message) = &grant.message else {
                 return Ok(CallClaim::Ours);
             };
-            self.claim_message_call(&grant.seller, message, &grant.call)
-                .await
+            let (key, claim) = self.claim_command(&grant.seller, message, &grant.call);
+            let mut left = redis::cmd("PTTL");
+            left.arg(&key);
+            let (claimed, left_ms): (Option<String>, i64) = self
+                .run(
+                    Operation::commands(vec![claim, left], key.clone()),
+                    When::Now,
+                )
+                .await?;
+            Ok(match claimed {
+                Some(_) => CallClaim::Ours,
+                // Gone between the two commands (answered just then): asked again at once.
+                None => CallClaim::Elsewhere {
+                    left: Duration::from_millis(left_ms.max(0) as u64),
+                },
+            })
         }
         .boxed()
     }

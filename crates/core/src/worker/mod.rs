@@ -973,7 +973,7 @@ impl Worker {
             .is_some_and(|until| until > std::time::Instant::now());
         let waits_for_claim = carried.redelivered && !held;
         let claimed = if waits_for_claim {
-            self.limiter.claim_call(&grant).await
+            counting_redis_errors(self.limiter.claim_call(&grant).await)
         } else {
             // First delivered here: a copy reaches another replica only once this one lost
             // the delivery, after the call started; the claim costs no wait. (A claim held
@@ -981,8 +981,10 @@ impl Worker {
             self.limiter.note_call(&grant);
             Ok(CallClaim::Ours)
         };
-        match claimed {
-            Ok(CallClaim::Ours) if !waits_for_claim || grant.sent().elapsed() < CALL_ALLOWANCE => {}
+        let wait = match claimed {
+            Ok(CallClaim::Ours) if !waits_for_claim || grant.sent().elapsed() < CALL_ALLOWANCE => {
+                None
+            }
             Ok(CallClaim::Ours) => {
                 // A slow Redis: the claim's round trip made the grant too old to call. The
                 // claim is kept for the next grant, which is then called at once.
@@ -991,29 +993,25 @@ impl Worker {
                 carried.call_claimed_until = Some(std::time::Instant::now() + CALL_ALLOWANCE);
                 return Plan::AskAgain;
             }
-            claimed => {
-                self.limiter.unsent(grant).await;
-                carried.reservation = None;
-                let wait = match claimed {
-                    Ok(CallClaim::Elsewhere { left }) => {
-                        metrics::counter!("turnstile_calls_claimed_elsewhere_total").increment(1);
-                        // A warning (folded when it repeats): another replica lost this delivery
-                        // with its call in flight.
-                        warn!(
-                            wait_ms = left.as_millis() as u64,
-                            "a copy of this message is being called on another replica: asking again once that call is answered"
-                        );
-                        left
-                    }
-                    Ok(CallClaim::Ours) => unreachable!("matched above"),
-                    Err(error) => {
-                        metrics::counter!("turnstile_redis_errors_total").increment(1);
-                        debug!(%error, "the call could not be claimed (Redis); not calling");
-                        CLAIM_RECHECK
-                    }
-                };
-                return Plan::AskAfter(wait.clamp(CLAIM_RECHECK, CLAIM_RECHECK_MOST));
+            Ok(CallClaim::Elsewhere { left }) => {
+                metrics::counter!("turnstile_calls_claimed_elsewhere_total").increment(1);
+                // A warning (folded when it repeats): another replica lost this delivery with
+                // its call in flight.
+                warn!(
+                    wait_ms = left.as_millis() as u64,
+                    "a copy of this message is being called on another replica: asking again once that call is answered"
+                );
+                Some(left)
             }
+            Err(error) => {
+                debug!(%error, "the call could not be claimed (Redis); not calling");
+                Some(CLAIM_RECHECK)
+            }
+        };
+        if let Some(wait) = wait {
+            self.limiter.unsent(grant).await;
+            carried.reservation = None;
+            return Plan::AskAfter(wait.clamp(CLAIM_RECHECK, CLAIM_RECHECK_MOST));
         }
         self.call(
             registration,
