@@ -234,6 +234,9 @@ impl Starting {
         };
         metrics::gauge!("turnstile_redis_connected").set(1.0);
         check_memory_policy(&conn, self.args.allow_eviction).await?;
+        if let Err(error) = permit::scripts::load_every(&conn).await {
+            warn!(%error, "could not load the limiter's scripts into Redis; each is loaded at its first use");
+        }
         let permits =
             PermitStore::new(conn, &self.args.redis.key_prefix, self.args.limiter.clone())
                 .with_call_timeout(self.args.downstream.timeout)

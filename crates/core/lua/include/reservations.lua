@@ -2,8 +2,8 @@
 -- reservations: the seller's reserved set (sorted set: member = held_name(TOKEN, COST), score =
 -- SLOT): how a reservation is named, held, how late it may be redeemed, and pruned when it can
 -- no longer be (its units given back, see give_back).
--- Defines: held_name, held_parts, MAX_RESERVED, lateness, hold_reservation, log_crowded,
---   reserved_full
+-- Defines: held_name, held_parts, MAX_RESERVED, SLOW_LINK_LATE, lateness, hold_reservation,
+--   log_crowded, reserved_full
 
 -- How a reservation of COST units is named in the seller's reserved set: TOKEN+COST. Redeeming
 -- needs both, so a reservation is bound to its entry and to its weight.
@@ -24,10 +24,16 @@ local MAX_RESERVED = 3072
 -- How late past its slot a reservation may still be redeemed (µs). The exact algorithms check
 -- every grant against the calls of the last window (calls_gate), so a late call cannot break
 -- their limit: a message late for its slot (it waited for a worker, the broker was slow) is
--- still served up to one window + guard late (the shortest of the stack). The others count the
--- call at its slot only: GUARD/2 (the smallest of the stack).
+-- still served up to one window + guard late (the shortest of the stack), and SLOW_LINK_LATE
+-- more: each time the gate answers "early" because the last window's calls are not answered
+-- yet, the message's next try costs it a round trip to Redis, which through a slow link (half a
+-- second) would otherwise make it late by the gate's own doing, again and again. The others
+-- count the call at its slot only: GUARD/2 (the smallest of the stack).
+local SLOW_LINK_LATE = 2000000
 local function lateness(algorithm, limits)
-  if algorithm == 'sliding-window' or algorithm == 'gcra' then return limits.min_span end
+  if algorithm == 'sliding-window' or algorithm == 'gcra' then
+    return limits.min_span + SLOW_LINK_LATE
+  end
   return math.floor(limits.min_guard / 2)
 end
 

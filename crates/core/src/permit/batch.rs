@@ -6,9 +6,11 @@
 //! ([`When::Now`]) or [`When::Within`] a delay, riding along with the next call that goes to
 //! the same place anyway. Operations go together only where one script may touch all their
 //! keys: on standalone Redis that is any operations; on Redis Cluster, one seller's (its hash
-//! tag, so one slot). Per place, at most [`MOST_IN_FLIGHT`] calls are in flight; what arrives
-//! meanwhile waits for the next one, so a lone operation is sent at once and a busy replica
-//! sends fewer, fuller calls. A rider waits at most its delay, and only while fewer than
+//! tag, so one slot). Per place, at most [`MOST_IN_FLIGHT`] calls are in flight that left
+//! within the last [`YOUNG`]; what arrives meanwhile waits for the next one, so a lone operation
+//! is sent at once and a busy replica sends fewer, fuller calls. A call out longer than that
+//! (a slow link, a busy Redis) no longer holds the next back, up to [`MOST_OUT`] in flight: an
+//! operation waits for the batcher at most about [`YOUNG`], not a round trip. A rider waits at most its delay, and only while fewer than
 //! [`MOST_RIDERS_WAITING`] wait: the completion records, which must only be written before the
 //! message is acked, cost nearly nothing while the replica is busy (see docs/performance.md, "Redis calls
 //! per message").
@@ -37,8 +39,15 @@ use redis::{ToRedisArgs, Value};
 use tokio::sync::{mpsc, oneshot};
 use tokio::time::Instant;
 
-/// Calls in flight at once per place (per Redis, or per seller on Redis Cluster).
+/// Calls in flight at once per place (per Redis, or per seller on Redis Cluster) that left
+/// within the last [`YOUNG`].
 pub const MOST_IN_FLIGHT: usize = 2;
+/// How long a call in flight holds the next call to its place back: on a Redis close by, calls
+/// are answered well within it, and what arrives meanwhile rides in the next one; through a
+/// slow link, what arrives waits this long, not a round trip.
+pub const YOUNG: Duration = Duration::from_millis(20);
+/// Calls in flight at once per place at most, however long they take.
+pub const MOST_OUT: usize = 16;
 /// Operations in one call at most (`lua/batch.lua` takes up to 256).
 pub const MOST_PER_CALL: usize = 64;
 /// Riders waiting at once at most: each holds a message unacked (its prefetch slot), so when
@@ -230,7 +239,11 @@ struct Place {
     /// Riders, in the order they came, which is the order of their deadlines: every rider of
     /// a batcher waits the same delay (a store's [`super::record_delay`]).
     riders: VecDeque<Request>,
-    in_flight: usize,
+    /// When each call in flight left, oldest first.
+    out: VecDeque<Instant>,
+    /// The wake-up asked for when the next call waits for a young one to age (see
+    /// [`Place::ages_at`]), so that it is asked once.
+    wake: Option<Instant>,
 }
 
 impl Place {
@@ -240,12 +253,47 @@ impl Place {
             .is_some_and(|r| r.deadline.is_none_or(|d| d <= now))
     }
 
+    fn due(&self, now: Instant, closing: bool) -> bool {
+        !self.now.is_empty() || self.rider_due(now) || (closing && !self.riders.is_empty())
+    }
+
+    /// Calls in flight that left within [`YOUNG`] of `now`.
+    fn young(&self, now: Instant) -> usize {
+        self.out
+            .iter()
+            .filter(|left| now.saturating_duration_since(**left) < YOUNG)
+            .count()
+    }
+
+    /// When a call due now but held back by the young calls in flight may go (the oldest of
+    /// them has aged); `None` if it is not held back by them.
+    fn ages_at(&self, now: Instant, closing: bool) -> Option<Instant> {
+        if !self.due(now, closing) || self.out.len() >= MOST_OUT {
+            return None;
+        }
+        if self.young(now) < MOST_IN_FLIGHT {
+            return None;
+        }
+        self.out
+            .iter()
+            .find(|left| now.saturating_duration_since(**left) < YOUNG)
+            .map(|left| *left + YOUNG)
+    }
+
+    /// A call that left at `left` was answered.
+    fn answered(&mut self, left: Instant) {
+        if let Some(i) = self.out.iter().position(|at| *at == left) {
+            self.out.remove(i);
+        }
+    }
+
     /// The next call's operations: every one waiting to go now, then riders, up to
     /// [`MOST_PER_CALL`]; `None` when nothing is due (or too many calls are in flight).
     fn next_call(&mut self, now: Instant, closing: bool) -> Option<Vec<Request>> {
-        let due =
-            !self.now.is_empty() || self.rider_due(now) || (closing && !self.riders.is_empty());
-        if self.in_flight >= MOST_IN_FLIGHT || !due {
+        if !self.due(now, closing)
+            || self.out.len() >= MOST_OUT
+            || self.young(now) >= MOST_IN_FLIGHT
+        {
             return None;
         }
         let mut call: Vec<Request> = Vec::new();
@@ -266,12 +314,12 @@ impl Place {
         if call.is_empty() {
             return None;
         }
-        self.in_flight += 1;
+        self.out.push_back(now);
         Some(call)
     }
 
     fn idle(&self) -> bool {
-        self.now.is_empty() && self.riders.is_empty() && self.in_flight == 0
+        self.now.is_empty() && self.riders.is_empty() && self.out.is_empty()
     }
 }
 
@@ -325,9 +373,9 @@ async fn serve(
                     touched.extend(places.keys().cloned());
                 }
             },
-            Some(place) = in_flight.next(), if !in_flight.is_empty() => {
+            Some((place, left)) = in_flight.next(), if !in_flight.is_empty() => {
                 if let Some(p) = places.get_mut(&place) {
-                    p.in_flight -= 1;
+                    p.answered(left);
                 }
                 touched.push(place);
             },
@@ -352,7 +400,13 @@ async fn serve(
                 riders_waiting -= call.iter().filter(|r| r.holds_a_message()).count();
                 detached_waiting -= call.iter().filter(|r| r.detached_rider()).count();
                 calls.fetch_add(1, Ordering::Relaxed);
-                in_flight.push(send(conn.clone(), place.clone(), call));
+                in_flight.push(send(conn.clone(), place.clone(), call, now));
+            }
+            if let Some(at) = p.ages_at(now, !open)
+                && p.wake.is_none_or(|wake| wake <= now || wake > at)
+            {
+                p.wake = Some(at);
+                deadlines.push(Reverse((at, place.clone())));
             }
             if p.idle() {
                 places.remove(&place);
@@ -369,8 +423,14 @@ async fn sleep_until(at: Option<Instant>) {
 }
 
 /// Sends one call (the script operations in one script call, the plain commands in one
-/// pipeline beside it) and hands each operation its answer; returns the place it went to.
-async fn send(conn: RedisConn, place: String, call: Vec<Request>) -> String {
+/// pipeline beside it) and hands each operation its answer; returns the place it went to and
+/// `left`, when it was counted in flight there.
+async fn send(
+    conn: RedisConn,
+    place: String,
+    call: Vec<Request>,
+    left: Instant,
+) -> (String, Instant) {
     let sent = Instant::now();
     let (plain, mut scripted): (Vec<Request>, Vec<Request>) =
         call.into_iter().partition(|r| r.operation.plain.is_some());
@@ -386,7 +446,7 @@ async fn send(conn: RedisConn, place: String, call: Vec<Request>) -> String {
         }
     };
     futures::join!(scripts, send_plain(conn.clone(), plain, sent));
-    place
+    (place, left)
 }
 
 /// Plain commands in one pipeline; each operation gets its own answers (or its own error).
@@ -597,6 +657,44 @@ mod tests {
     }
 
     #[test]
+    fn a_call_out_longer_than_young_holds_the_next_back_no_more() {
+        let (reply, _answer) = oneshot::channel();
+        let now = Instant::now();
+        let mut place = Place::default();
+        place.now.push_back(Request {
+            operation: Operation::new("ended"),
+            deadline: None,
+            reply: Some(reply),
+        });
+        place.out.extend([now - YOUNG / 2, now - YOUNG / 4]);
+        assert_eq!(
+            place.ages_at(now, false),
+            Some(now - YOUNG / 2 + YOUNG),
+            "held back until the older young call has aged"
+        );
+        assert!(place.next_call(now, false).is_none(), "two young calls fly");
+        let later = now + YOUNG / 2;
+        assert_eq!(place.ages_at(later, false), None, "one of them aged");
+        assert!(place.next_call(later, false).is_some(), "and the next goes");
+        assert_eq!(place.out.len(), 3);
+        place.answered(now - YOUNG / 4);
+        assert_eq!(place.out, [now - YOUNG / 2, later]);
+
+        let (reply, _answer) = oneshot::channel();
+        place.now.push_back(Request {
+            operation: Operation::new("ended"),
+            deadline: None,
+            reply: Some(reply),
+        });
+        place.out = std::iter::repeat_n(now - 10 * YOUNG, MOST_OUT).collect();
+        assert!(
+            place.next_call(now, false).is_none(),
+            "no more than MOST_OUT fly, however old"
+        );
+        assert_eq!(place.ages_at(now, false), None, "and ageing frees none");
+    }
+
+    #[test]
     fn a_call_takes_what_must_go_now_then_riders_and_no_more_than_two_fly() {
         let waiting = std::cell::RefCell::new(Vec::new());
         let request = |deadline| {
@@ -628,7 +726,7 @@ mod tests {
             place.next_call(now, false).is_none(),
             "two calls are in flight"
         );
-        place.in_flight = 0;
+        place.out.clear();
         for _ in 0..MOST_PER_CALL + 5 {
             place.now.push_back(request(None));
         }
@@ -640,12 +738,12 @@ mod tests {
             .riders
             .push_back(request(Some(now + Duration::from_secs(9))));
         place.now.clear();
-        place.in_flight = 0;
+        place.out.clear();
         assert!(
             place.next_call(now, true).is_some(),
             "closing sends every rider"
         );
-        place.in_flight = 0;
+        place.out.clear();
         let (reply, gave_up) = oneshot::channel();
         drop(gave_up);
         place.now.push_back(Request {

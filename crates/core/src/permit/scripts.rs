@@ -21,6 +21,8 @@ use std::sync::LazyLock;
 use redis::Script;
 
 use crate::config::Algorithm;
+use crate::permit::conn::RedisConn;
+use crate::permit::error::PermitError;
 
 /// The pieces of `lua/include/`, by name.
 static PIECES: &[(&str, &str)] = &[
@@ -475,6 +477,52 @@ static RETRY: LazyLock<Script> = script!("retry");
 static RETRIES: LazyLock<Script> = script!("retries");
 static BATCH: LazyLock<Script> = script!("batch");
 static FLEET: LazyLock<Script> = script!("fleet");
+
+/// Every script of this module.
+fn every() -> [&'static Script; 26] {
+    [
+        &SLIDING_WINDOW,
+        &GCRA,
+        &TOKEN_BUCKET,
+        &FIXED_WINDOW,
+        &REDEEM,
+        &PAUSE,
+        &COMPLETE,
+        &USAGE,
+        &RESCHEDULE,
+        &TALLY,
+        &ENDED,
+        &GLOBAL,
+        &GLOBAL_END,
+        &RELEASE,
+        &LEASE,
+        &LEARN,
+        &GLOBAL_USAGE,
+        &RESET,
+        &UNRESERVE,
+        &RECOST,
+        &BATCH_SEEN,
+        &BATCH_EVENT_SENT,
+        &RETRY,
+        &RETRIES,
+        &BATCH,
+        &FLEET,
+    ]
+}
+
+/// Loads every script into Redis (`SCRIPT LOAD`, all sent at once; on Redis Cluster to every
+/// primary), so that a replica's first calls find them: a script Redis does not know costs its
+/// caller two more round trips (NOSCRIPT, then the load), which through a slow link can make
+/// the first grants too old to call. A script this leaves unloaded (an error, a Redis restarted
+/// since) is loaded at its first NOSCRIPT, as ever.
+pub async fn load_every(conn: &RedisConn) -> Result<(), PermitError> {
+    let loads = every().map(|script| {
+        let mut conn = conn.clone();
+        async move { script.prepare_invoke().load_async(&mut conn).await }
+    });
+    futures::future::try_join_all(loads).await?;
+    Ok(())
+}
 
 /// The acquire script of an algorithm.
 pub fn acquire(algorithm: Algorithm) -> &'static Script {

@@ -826,6 +826,12 @@ impl Worker {
         let grant = Grant::of(question, &decision, cost);
         let sent = grant.as_ref().map_or(asked, Grant::sent);
         let waited = sent.elapsed();
+        debug!(
+            ?decision,
+            since_sent_ms = waited.as_millis() as u64,
+            asked_ms = asked.elapsed().as_millis() as u64,
+            "permit answered"
+        );
         let plan = self
             .settings
             .plan_decision(decision, waited, holding, carried);
