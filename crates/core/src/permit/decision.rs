@@ -254,6 +254,12 @@ pub(super) fn parse_charge(value: Option<&[u8]>) -> Option<u32> {
 /// drops the grant (the call's place is kept until its bound, never less).
 pub const CALL_ALLOWANCE: Duration = Duration::from_secs(1);
 
+/// How much later than one window + guard sliding-window and gcra still serve a reserved slot
+/// (`SLOW_LINK_LATE` in `lua/include/reservations.lua`): room for the round trips a redeem
+/// answered "early" by the calls gate costs its message through a slow link to Redis. The
+/// seller's reserved slots (and the keys that keep them) outlive their last slot by as much.
+pub const SLOW_LINK_LATENESS: Duration = Duration::from_secs(2);
+
 pub(super) fn wait_for(at_us: i64, now_us: i64) -> Duration {
     Duration::from_micros(at_us.saturating_sub(now_us).max(0) as u64)
 }

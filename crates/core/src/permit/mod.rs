@@ -83,7 +83,7 @@ pub use beyond::{GLOBAL_OUTCOMES, LEASE_OUTCOMES};
 pub use dead::DeadLetterBook;
 pub use decision::{
     AGING, CALL_ALLOWANCE, CHARGE_MEMORY, Decision, Deferral, Forfeit, GIVE_WAY_REACH,
-    GIVE_WAY_STEPS_PER_SECOND, GIVE_WAY_STEPS_SAVED, Rank, Reservation,
+    GIVE_WAY_STEPS_PER_SECOND, GIVE_WAY_STEPS_SAVED, Rank, Reservation, SLOW_LINK_LATENESS,
 };
 pub use error::PermitError;
 pub use observed::{NEAR_LIMIT_PERMILLE, SHADOW_VERDICTS};

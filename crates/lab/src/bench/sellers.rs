@@ -5,8 +5,9 @@
 //!   a seller's state key, beside a plain `SET key 1 PX` per seller measured the same way.
 //! - **Completion records**: what one costs (done key plus its share of the upload's hash), and
 //!   what 10,000 sellers × 500 messages cost for the done TTL.
-//! - **Keys gone after idleness**: with a short limit, every limiter key has expired one window
-//!   plus guard after the last permit; completion records stay (their TTL is the done TTL).
+//! - **Keys gone after idleness**: with a short limit, every limiter key has expired two windows
+//!   plus guards and 2 s after the last permit (a reserved slot's lateness); completion records
+//!   stay (their TTL is the done TTL).
 //! - **No per-seller growth in a replica**: the resident memory of an in-process replica after a
 //!   warm-up, and again after it has served every seller.
 //!
@@ -37,8 +38,8 @@ use turnstile_core::config::{
 };
 use turnstile_core::domain::{BatchId, MessageId, SellerId};
 use turnstile_core::permit::{
-    Ask, Completion, InBatch, Keyspace, Limiter, PermitStore, RedisConn, delete_prefix,
-    keys_matching,
+    Ask, Completion, InBatch, Keyspace, Limiter, PermitStore, RedisConn, SLOW_LINK_LATENESS,
+    delete_prefix, keys_matching,
 };
 use turnstile_ops::serve::Served;
 
@@ -54,8 +55,8 @@ pub struct SellersArgs {
     /// Limit of the memory measurement.
     #[arg(long, default_value = "100/60s", value_parser = turnstile_core::config::limit_arg)]
     pub limit: Limit,
-    /// Short limit of the idleness check: every limiter key must be gone one window plus guard
-    /// after the last permit. Its window should outlast filling one algorithm's keys, so that
+    /// Short limit of the idleness check: every limiter key must be gone two windows plus guards
+    /// and 2 s after the last permit. Its window should outlast filling one algorithm's keys, so that
     /// "keys before" counts every seller.
     #[arg(long = "idle-limit", default_value = "5/10s", value_parser = turnstile_core::config::limit_arg)]
     pub idle_limit: Limit,
@@ -122,7 +123,7 @@ pub struct AlgorithmFigures {
     pub ratio_to_baseline: f64,
     /// Limiter keys right after the sellers took their permits at the idle limit.
     pub keys_before_idle: usize,
-    /// Limiter keys one window plus guard after the last permit (expected: 0).
+    /// Limiter keys two windows plus guards and 2 s after the last permit (expected: 0).
     pub keys_after_idle: usize,
 }
 
@@ -354,9 +355,9 @@ async fn completion_records(
 }
 
 /// Every algorithm at the short idle limit: limiter keys counted right after the sellers took
-/// their permits, and again two windows plus guards after the last one (a reserved slot lies
-/// at most a window + guard ahead, and stays redeemable a window + guard late with the exact
-/// algorithms).
+/// their permits, and again two windows plus guards and [`SLOW_LINK_LATENESS`] after the last
+/// one (a reserved slot lies at most a window + guard ahead, and stays redeemable a window +
+/// guard + [`SLOW_LINK_LATENESS`] late with the exact algorithms).
 async fn idle(
     args: &SellersArgs,
     target: &Target,
@@ -386,7 +387,8 @@ async fn idle(
             .await?
             .len();
     }
-    let waited = (limit.window() + longest_guard) * 2 + Duration::from_millis(500);
+    let waited =
+        (limit.window() + longest_guard) * 2 + SLOW_LINK_LATENESS + Duration::from_millis(500);
     eprintln!(
         "  idle: waiting {} after the last permit",
         format_duration(waited)

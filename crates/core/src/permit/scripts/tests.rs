@@ -224,6 +224,11 @@ fn the_constants_rust_shares_with_the_scripts_are_equal() {
         ),
         (piece("blocks"), "MAX_BLOCK", u64::from(block::MOST_UNITS)),
         (
+            piece("reservations"),
+            "SLOW_LINK_LATE",
+            crate::permit::SLOW_LINK_LATENESS.as_micros() as u64,
+        ),
+        (
             piece("shadow"),
             "MAX_SHADOW_LOG",
             u64::from(admin::MAX_SHADOW_COUNT),
