@@ -147,3 +147,59 @@ async fn calls_in_flight_when_the_broker_link_resets_are_not_made_again_by_the_o
         "the copies are acked once the first calls are recorded"
     );
 }
+
+/// A producer's duplicate (the same message published again) arriving while the first copy's
+/// call is in flight on another replica: once the first replica's broker link resets with its
+/// calls in flight (four sellers of one message each, an API answering in 2 s), every copy, the
+/// broker's redeliveries and the duplicates published then, goes to the other replica, which
+/// has room in the limit to call them. Each finds the first call's claim, gives its grant back
+/// and asks again until that call is recorded, then is acked as registered: each message is
+/// called once.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_producers_duplicate_is_not_called_while_the_first_copy_is_called_on_another_replica() {
+    use std::time::Duration;
+    use turnstile_lab::mock_api::MockArgs;
+    use turnstile_lab::rig::Message;
+
+    let limit: turnstile_core::config::Limits = LIMIT.parse().expect("the limit parses");
+    let mut rig = support::rig("partition-duplicate", LIMIT)
+        .with_mock(MockArgs {
+            latency_ms: 2_000,
+            ..MockArgs::local(limit)
+        })
+        .prepare()
+        .await
+        .unwrap();
+    let (settings, link) = partition::behind_a_link(&rig, WORKERS, Link::Broker)
+        .await
+        .unwrap();
+    let _cut = rig.start_replica(settings).await.unwrap();
+    let sellers = 4;
+    let messages = || {
+        (0..sellers)
+            .map(|i| Message::numbered(&format!("S-{i}"), 0))
+            .collect::<Vec<_>>()
+    };
+    rig.publish_all(messages()).await.unwrap();
+    while rig.mock.stats().requests < sellers as u64 {
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    let _other = rig.start_replica(rig.settings(WORKERS)).await.unwrap();
+    link.cut();
+    rig.publish_all(messages()).await.unwrap();
+    rig.wait_registered(sellers as u64).await.unwrap();
+    let settled = rig.wait_queues_empty(partition::GUARD).await;
+    let report = rig.finish().await.unwrap();
+    drop(link);
+    // (The rig counts the duplicates as messages published, so its `lost` counts them too.)
+    assert_eq!(
+        (report.duplicates, report.registered, report.dead_lettered),
+        (0, sellers as u64, 0),
+        "each message called once, all registered (repeated: {:?})",
+        report.repeats
+    );
+    assert!(
+        settled,
+        "every copy is acked once the first calls are recorded"
+    );
+}

@@ -1163,9 +1163,11 @@ macro_rules! permit_tests {
                 .await;
         }
         #[tokio::test]
-        async fn a_message_called_on_one_replica_is_claimed_there_until_its_call_ends() {
-            cases::a_message_called_on_one_replica_is_claimed_there_until_its_call_ends($backend)
-                .await;
+        async fn a_message_s_call_is_claimed_by_one_delivery_at_a_time_until_its_call_ends() {
+            cases::a_message_s_call_is_claimed_by_one_delivery_at_a_time_until_its_call_ends(
+                $backend,
+            )
+            .await;
         }
         #[tokio::test]
         async fn a_late_record_ends_the_call_at_its_answer() {
@@ -1363,16 +1365,14 @@ pub async fn an_operation_refused_in_a_batch_fails_alone(backend: Backend) {
     keys.cleanup().await;
 }
 
-/// A call's answer recorded after a while (riding along with other calls) ends the call when
-/// Two replicas (two stores on one prefix) granted one message (two copies of it): the first
-/// to claim its call holds it, the other is told how long the claim has left (at most the
-/// call's bound and the margin); once the first call ends unregistered (a 503), the other
-/// claims it.
-pub async fn a_message_called_on_one_replica_is_claimed_there_until_its_call_ends(
+/// Of two deliveries of one message asking at once (on two replicas), one holds the claim of
+/// its call; the claim holds for the call's bound once the call starts, ends when the call is
+/// answered without registering, and a claim that led to no call ends when its delivery says so.
+pub async fn a_message_s_call_is_claimed_by_one_delivery_at_a_time_until_its_call_ends(
     backend: Backend,
 ) {
     use turnstile_core::domain::MessageId;
-    use turnstile_core::permit::{CLAIM_MARGIN, CallClaim, Limiter};
+    use turnstile_core::permit::{CLAIM_ASKING, CallClaim, Limiter};
     let keys = Keys::new(backend, "claimed").await;
     let timeout = Duration::from_secs(10);
     let replica = || {
@@ -1382,42 +1382,105 @@ pub async fn a_message_called_on_one_replica_is_claimed_there_until_its_call_end
     let (first, other) = (replica(), replica());
     let s = seller("S-claimed");
     let m = MessageId::parse("m-1").unwrap();
-    let ask = Ask::new(&s).message(&m).without_reserving();
-    let here = call_now(&first, ask).await;
-    let there = call_now(&other, ask).await;
-
-    assert_eq!(
-        first.claim_call(&here.grant).await.unwrap(),
-        CallClaim::Ours
-    );
-    let CallClaim::Elsewhere { left } = other.claim_call(&there.grant).await.unwrap() else {
-        panic!("a copy's call is claimed while the first is in flight");
+    let key = Keyspace::new(&keys.prefix).calling(&s, &m);
+    let claim_left = || {
+        let mut conn = keys.conn.clone();
+        let key = key.clone();
+        async move {
+            let left: i64 = redis::cmd("PTTL")
+                .arg(&key)
+                .query_async(&mut conn)
+                .await
+                .unwrap();
+            left
+        }
     };
-    assert!(
-        left > Duration::ZERO && left <= timeout + CLAIM_MARGIN + Duration::from_secs(2),
-        "told how long the claim has left: {left:?}"
-    );
-    other.unsent(there.grant).await;
 
-    asks::finish(&first, &here, here.granted_us + 1, Ended::Failed).await;
-    let again = call_now(&other, ask).await;
-    let mut claimed = other.claim_call(&again.grant).await.unwrap();
+    let (one, two) = tokio::join!(
+        first.claim_call(&s, &m, "delivery-1"),
+        other.claim_call(&s, &m, "delivery-2")
+    );
+    let (one, two) = (one.unwrap(), two.unwrap());
+    let mut answers = [one, two];
+    answers.sort_by_key(|c| *c != CallClaim::Ours);
+    assert_eq!(
+        answers,
+        [CallClaim::Ours, CallClaim::Elsewhere],
+        "one claim of two"
+    );
+    let (holder, holder_token, waiter, waiter_token) = if one == CallClaim::Ours {
+        (&first, "delivery-1", &other, "delivery-2")
+    } else {
+        (&other, "delivery-2", &first, "delivery-1")
+    };
+    assert_eq!(
+        holder.claim_call(&s, &m, holder_token).await.unwrap(),
+        CallClaim::Ours,
+        "a delivery asking again finds its own claim"
+    );
+    let left = claim_left().await;
+    assert!(
+        left > 0 && left <= CLAIM_ASKING.as_millis() as i64,
+        "a question's claim holds a moment: {left} ms"
+    );
+
+    let ask = Ask::new(&s).message(&m).without_reserving();
+    let here = call_now(holder, ask).await;
+    holder.note_call(&here.grant);
+    // The call's claim rides along with the next calls to Redis.
+    let mut held = claim_left().await;
+    for _ in 0..50 {
+        if held > CLAIM_ASKING.as_millis() as i64 {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
+        held = claim_left().await;
+    }
+    assert!(
+        held > CLAIM_ASKING.as_millis() as i64
+            && held <= (timeout + Duration::from_secs(8)).as_millis() as i64,
+        "held for the call's bound once it starts: {held} ms"
+    );
+    assert_eq!(
+        waiter.claim_call(&s, &m, waiter_token).await.unwrap(),
+        CallClaim::Elsewhere,
+        "a copy's call is claimed while the first is in flight"
+    );
+
+    asks::finish(holder, &here, here.granted_us + 1, Ended::Failed).await;
+    let mut claimed = waiter.claim_call(&s, &m, waiter_token).await.unwrap();
     // The first call's claim ends riding along with the next calls to Redis.
     for _ in 0..50 {
         if claimed == CallClaim::Ours {
             break;
         }
         tokio::time::sleep(Duration::from_millis(20)).await;
-        claimed = other.claim_call(&again.grant).await.unwrap();
+        claimed = waiter.claim_call(&s, &m, waiter_token).await.unwrap();
     }
     assert_eq!(
         claimed,
         CallClaim::Ours,
         "claimed once the first call ended"
     );
+
+    waiter.unclaim_call(&s, &m);
+    let mut claimed = holder.claim_call(&s, &m, "delivery-3").await.unwrap();
+    for _ in 0..50 {
+        if claimed == CallClaim::Ours {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
+        claimed = holder.claim_call(&s, &m, "delivery-3").await.unwrap();
+    }
+    assert_eq!(
+        claimed,
+        CallClaim::Ours,
+        "a claim that led to no call ends when its delivery leaves"
+    );
     keys.cleanup().await;
 }
 
+/// A call's answer recorded after a while (riding along with other calls) ends the call when
 /// its answer came, as the caller measured it, never later than the record and never in
 /// Redis's future.
 pub async fn a_late_record_ends_the_call_at_its_answer(backend: Backend) {

@@ -213,8 +213,9 @@ impl Keyspace {
         self.seller(seller, &format!("done:{}", key_part(message.as_str())))
     }
 
-    /// A message's call in flight: `<prefix>:{<seller>}:calling:<message>` (string: the call's
-    /// name, kept until the call's bound; see [`super::Limiter::claim_call`]).
+    /// The claim of a message's call: `<prefix>:{<seller>}:calling:<message>` (string: the token
+    /// of the delivery that holds it, from its permit question to its call's bound; see
+    /// [`super::Limiter::claim_call`]).
     pub fn calling(&self, seller: &SellerId, message: &MessageId) -> String {
         self.seller(seller, &format!("calling:{}", key_part(message.as_str())))
     }

@@ -194,19 +194,25 @@ impl Grant {
     }
 }
 
-/// How long a call's claim outlasts the call's own bound (see [`Limiter::claim_call`]): time
+/// How long a call's claim outlasts the call's own bound (see [`Limiter::note_call`]): time
 /// for its record to be written.
 pub const CLAIM_MARGIN: Duration = Duration::from_secs(5);
 
-/// Whether a grant's message may be called here ([`Limiter::claim_call`]).
+/// How long a claim taken with a permit question holds before its call starts (see
+/// [`Limiter::claim_call`]): a granted call starts within [`super::CALL_ALLOWANCE`] of its request
+/// leaving, or is given back; a question that leads to no call leaves a claim that soon ends.
+pub const CLAIM_ASKING: Duration = Duration::from_secs(2);
+
+/// Whether a message may be called by this delivery ([`Limiter::claim_call`]).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum CallClaim {
-    /// Claimed for this call.
+    /// Claimed by this delivery.
     Ours,
-    /// A copy of the message is being called elsewhere (another replica took it before the
-    /// broker handed this copy over): come back after `left`, when that call has been answered
-    /// and recorded, or its claim expired.
-    Elsewhere { left: Duration },
+    /// Another copy of the message holds the claim: it asked at the same moment (a producer's
+    /// duplicate), or it is being called (its replica lost the delivery with the call in
+    /// flight, and the broker handed this copy over). Asked again within a second, a copy finds
+    /// that call recorded (the message registered) or the claim ended.
+    Elsewhere,
 }
 
 /// How a granted call ended, as the limiter needs to know it.
@@ -259,16 +265,28 @@ pub trait Limiter: Send + Sync {
         answer: Ended<'a>,
     ) -> BoxFuture<'a, Result<Finished, PermitError>>;
 
-    /// Claims `grant`'s message for its call on every replica, just before the call: no other
-    /// replica calls a copy of it while the claim holds (until the call's answer, or its bound).
-    /// A grant for no message is always [`CallClaim::Ours`].
-    fn claim_call<'a>(&'a self, grant: &'a Grant) -> BoxFuture<'a, Result<CallClaim, PermitError>>;
+    /// Claims `message`'s call for one delivery of it (`token`, unique to the delivery), on
+    /// every replica: sent beside the delivery's permit question, in the same round trip, so
+    /// that of two copies asking at once only one may call. The claim holds
+    /// [`CLAIM_ASKING`] (a question leads to its call within [`super::CALL_ALLOWANCE`]), for the
+    /// whole call once it starts ([`Self::note_call`]); a delivery that asks again finds its
+    /// own claim [`CallClaim::Ours`].
+    fn claim_call<'a>(
+        &'a self,
+        seller: &'a SellerId,
+        message: &'a MessageId,
+        token: &'a str,
+    ) -> BoxFuture<'a, Result<CallClaim, PermitError>>;
 
-    /// Claims `grant`'s message for its call as [`Self::claim_call`] does, without waiting for
-    /// the answer: the call starts meanwhile. For a message first delivered here, whose copy
-    /// can reach another replica only once this one lost its delivery, after the call started
-    /// (the claim is then long written when that copy asks for it).
+    /// `grant`'s call starts: its message's claim ([`Self::claim_call`]) holds until the call's
+    /// bound plus [`CLAIM_MARGIN`] and the record's delay, riding along with the next calls to
+    /// Redis (nobody waits for it).
     fn note_call(&self, grant: &Grant);
+
+    /// Ends a delivery's claim of `message`'s call that led to no call (the delivery waits
+    /// elsewhere, is settled, or goes back to the broker), riding along with the next calls to
+    /// Redis, so that another copy may be called at once; a failure leaves it to its expiry.
+    fn unclaim_call(&self, seller: &SellerId, message: &MessageId);
 
     /// Drops a grant unsent: its lease ends and its units are given back, so that the seller's
     /// next call may take them; a failure leaves them counted until they leave the window.
@@ -448,28 +466,20 @@ impl PermitStore {
         }
     }
 
-    /// The claim of `message`'s call `call` on every replica, and its key: `SET NX` of the
-    /// message's [`calling`](crate::permit::Keyspace::calling) key with the call's name, kept
-    /// until the call's bound plus [`CLAIM_MARGIN`] and the record's delay (long enough for the
-    /// call to be answered and its record written; a copy asks again after it at the latest).
-    /// Sent riding along with other calls to Redis ([`Limiter::claim_call`],
-    /// [`Limiter::note_call`]).
-    fn claim_command(
-        &self,
-        seller: &SellerId,
-        message: &MessageId,
-        call: &str,
-    ) -> (String, redis::Cmd) {
+    /// How long a call's claim holds once the call starts: the call's bound plus
+    /// [`CLAIM_MARGIN`] and the record's delay (long enough for the call to be answered and its
+    /// record written; a copy asks again after it at the latest).
+    fn call_claim_hold(&self) -> Duration {
+        self.call_bound + self.record_delay + CLAIM_MARGIN
+    }
+
+    /// Deletes `message`'s claim ([`Limiter::claim_call`]), riding along with the next calls to
+    /// Redis; a failure leaves it to its expiry.
+    fn delete_claim(&self, seller: &SellerId, message: &MessageId) {
         let key = self.keys.calling(seller, message);
-        let hold = self.call_bound + self.record_delay + CLAIM_MARGIN;
-        let mut claim = redis::cmd("SET");
-        claim
-            .arg(&key)
-            .arg(call)
-            .arg("NX")
-            .arg("PX")
-            .arg(hold.as_millis().max(1) as u64);
-        (key, claim)
+        let mut release = redis::cmd("DEL");
+        release.arg(&key);
+        self.send_detached(Operation::commands(vec![release], key), self.record_delay);
     }
 
     /// Ends `grant`'s claim on its message's call ([`Self::claim_command`]) once it was
@@ -478,13 +488,9 @@ impl PermitStore {
     /// leaves the claim to its expiry. A registration keeps its claim until it expires: its
     /// completion record answers for it from then on.
     fn release_claim(&self, grant: &Grant) {
-        let Some(message) = &grant.message else {
-            return;
-        };
-        let key = self.keys.calling(&grant.seller, message);
-        let mut release = redis::cmd("DEL");
-        release.arg(&key);
-        self.send_detached(Operation::commands(vec![release], key), self.record_delay);
+        if let Some(message) = &grant.message {
+            self.delete_claim(&grant.seller, message);
+        }
     }
 
     /// Ends `grant`'s lease; a failure leaves it to its expiry.
@@ -645,26 +651,31 @@ impl Limiter for PermitStore {
         self.finish_call(grant, answered_us, answer).boxed()
     }
 
-    fn claim_call<'a>(&'a self, grant: &'a Grant) -> BoxFuture<'a, Result<CallClaim, PermitError>> {
+    fn claim_call<'a>(
+        &'a self,
+        seller: &'a SellerId,
+        message: &'a MessageId,
+        token: &'a str,
+    ) -> BoxFuture<'a, Result<CallClaim, PermitError>> {
         async move {
-            let Some(message) = &grant.message else {
-                return Ok(CallClaim::Ours);
-            };
-            let (key, claim) = self.claim_command(&grant.seller, message, &grant.call);
-            let mut left = redis::cmd("PTTL");
-            left.arg(&key);
-            let (claimed, left_ms): (Option<String>, i64) = self
-                .run(
-                    Operation::commands(vec![claim, left], key.clone()),
-                    When::Now,
-                )
+            let key = self.keys.calling(seller, message);
+            let mut claim = redis::cmd("SET");
+            claim
+                .arg(&key)
+                .arg(token)
+                .arg("NX")
+                .arg("PX")
+                .arg(CLAIM_ASKING.as_millis() as u64);
+            let mut owner = redis::cmd("GET");
+            owner.arg(&key);
+            let (_, owner): (redis::Value, Option<String>) = self
+                .run(Operation::commands(vec![claim, owner], key), When::Now)
                 .await?;
-            Ok(match claimed {
-                Some(_) => CallClaim::Ours,
-                // Gone between the two commands (answered just then): asked again at once.
-                None => CallClaim::Elsewhere {
-                    left: Duration::from_millis(left_ms.max(0) as u64),
-                },
+            // None: deleted between the two commands (a call ended just then); asked again.
+            Ok(if owner.as_deref() == Some(token) {
+                CallClaim::Ours
+            } else {
+                CallClaim::Elsewhere
             })
         }
         .boxed()
@@ -672,9 +683,16 @@ impl Limiter for PermitStore {
 
     fn note_call(&self, grant: &Grant) {
         if let Some(message) = &grant.message {
-            let (key, claim) = self.claim_command(&grant.seller, message, &grant.call);
-            self.send_detached(Operation::commands(vec![claim], key), Duration::ZERO);
+            let key = self.keys.calling(&grant.seller, message);
+            let mut hold = redis::cmd("PEXPIRE");
+            hold.arg(&key)
+                .arg(self.call_claim_hold().as_millis().max(1) as u64);
+            self.send_detached(Operation::commands(vec![hold], key), Duration::ZERO);
         }
+    }
+
+    fn unclaim_call(&self, seller: &SellerId, message: &MessageId) {
+        self.delete_claim(seller, message);
     }
 
     fn unsent(&self, grant: Grant) -> BoxFuture<'_, ()> {

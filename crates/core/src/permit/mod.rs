@@ -73,7 +73,9 @@ pub use conn::{
     round_trips,
 };
 pub use keys::Keyspace;
-pub use limiter::{Ask, Asked, CLAIM_MARGIN, CallClaim, Ended, Finished, Grant, Limiter, Progress};
+pub use limiter::{
+    Ask, Asked, CLAIM_ASKING, CLAIM_MARGIN, CallClaim, Ended, Finished, Grant, Limiter, Progress,
+};
 pub use records::{BatchSeen, HISTORY_HOURS, History, Orphan, Records, RetryDue, UploadProgress};
 pub use registry::{Registered, Registry, Roll, fleet_calls};
 pub use terms::Terms;

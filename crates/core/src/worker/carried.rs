@@ -29,14 +29,6 @@ pub struct Carried {
     /// The tag of the fleet's terms its wait was decided under (see
     /// `permit::applied::terms_tag`); `None` when it never waited under a fleet's terms.
     pub terms_tag: Option<u64>,
-    /// Until when this replica holds the claim of the message's call (see
-    /// `Limiter::claim_call`): kept only in this replica, for a grant that the claim's round
-    /// trip made too old to call, so that the next grant is called without claiming again.
-    pub call_claimed_until: Option<std::time::Instant>,
-    /// Whether the broker redelivered it (the AMQP `redelivered` flag): a replica that lost
-    /// it may still be calling it, so its call is claimed before it starts (see
-    /// `Limiter::claim_call`).
-    pub redelivered: bool,
 }
 
 impl Carried {
@@ -52,8 +44,6 @@ impl Carried {
             first_seen_ms: header_u64(delivery, headers::FIRST_SEEN)
                 .map_or(now_ms, |t| t.min(now_ms)),
             terms_tag: Self::terms_tag_of(delivery),
-            call_claimed_until: None,
-            redelivered: delivery.redelivered,
         }
     }
 

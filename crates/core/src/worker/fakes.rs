@@ -67,9 +67,9 @@ pub(super) enum Event {
     Answered { call: String },
     /// [`Limiter::finish`], with how the call ended.
     Finished { call: String, ended: Finish },
-    /// [`Limiter::claim_call`] found a copy of the message being called on another replica
-    /// (a claim that is ours is not noted).
-    CalledElsewhere { call: String },
+    /// [`Limiter::claim_call`] found the message's call claimed by another copy (a claim
+    /// that is ours is not noted).
+    CalledElsewhere { message: String },
     /// [`Limiter::unsent`]: a grant given back without a call.
     Unsent { call: String },
     /// [`Limiter::pause`].
@@ -191,8 +191,10 @@ struct LimiterState {
     slots_wait_for_answers: bool,
     /// Whether a grant is counted at its grant only (a global limit): no asking ahead.
     grants_counted_at_grant: bool,
-    /// Claims of a call that find a copy being called on another replica, before one is ours.
+    /// Claims of a call that find it claimed by another copy, before one is ours.
     called_elsewhere: u32,
+    /// Claims ended without a call ([`Limiter::unclaim_call`]).
+    unclaimed: u32,
 }
 
 /// A per-seller limiter that answers asks from a script, in order, keeps Redis time as the
@@ -230,15 +232,16 @@ impl FakeLimiter {
         self
     }
 
-    /// The first `n` claims of a call find a copy of its message being called on another
-    /// replica, for [`Self::CALLED_ELSEWHERE_FOR`] more.
+    /// The first `n` claims of a call find it claimed by another copy of its message.
     pub(super) fn called_elsewhere(self, n: u32) -> Self {
         self.lock().called_elsewhere = n;
         self
     }
 
-    /// How long a call elsewhere holds its claim ([`Self::called_elsewhere`]).
-    pub(super) const CALLED_ELSEWHERE_FOR: Duration = Duration::from_secs(2);
+    /// Claims that led to no call ended ([`Limiter::unclaim_call`]) so far.
+    pub(super) fn unclaimed(&self) -> u32 {
+        self.lock().unclaimed
+    }
 
     /// Its grants are counted at the grant only (as a global limit's are).
     pub(super) fn counting_at_grants(self) -> Self {
@@ -441,22 +444,25 @@ impl Limiter for FakeLimiter {
         .boxed()
     }
 
-    fn claim_call<'a>(&'a self, grant: &'a Grant) -> BoxFuture<'a, Result<CallClaim, PermitError>> {
+    fn claim_call<'a>(
+        &'a self,
+        _seller: &'a SellerId,
+        message: &'a MessageId,
+        _token: &'a str,
+    ) -> BoxFuture<'a, Result<CallClaim, PermitError>> {
         async move {
             let claim = {
                 let mut state = self.lock();
                 if state.called_elsewhere > 0 {
                     state.called_elsewhere -= 1;
-                    CallClaim::Elsewhere {
-                        left: Self::CALLED_ELSEWHERE_FOR,
-                    }
+                    CallClaim::Elsewhere
                 } else {
                     CallClaim::Ours
                 }
             };
             if claim != CallClaim::Ours {
                 self.journal.note(Event::CalledElsewhere {
-                    call: grant.call().to_owned(),
+                    message: message.as_str().to_owned(),
                 });
             }
             Ok(claim)
@@ -465,6 +471,10 @@ impl Limiter for FakeLimiter {
     }
 
     fn note_call(&self, _grant: &Grant) {}
+
+    fn unclaim_call(&self, _seller: &SellerId, _message: &MessageId) {
+        self.lock().unclaimed += 1;
+    }
 
     fn unsent(&self, grant: Grant) -> BoxFuture<'_, ()> {
         async move {

@@ -559,27 +559,7 @@ async fn a_message_registered_before_is_not_called() {
 }
 
 #[tokio::test(start_paused = true)]
-async fn a_message_first_delivered_here_is_called_without_waiting_for_its_claim() {
-    let h = Harness::with(|journal| {
-        (
-            FakeLimiter::new(journal, [Script::Grant]).called_elsewhere(1),
-            FakeApi::new(journal, [Answer::Created { told: None }]),
-        )
-    });
-
-    let outcome = h.handle(&registration("m-1"), Carried::default()).await;
-
-    assert_eq!(outcome, registered(1));
-    assert_eq!(
-        h.journal
-            .count(|e| matches!(e, Event::CalledElsewhere { .. })),
-        0,
-        "its claim is not waited for"
-    );
-}
-
-#[tokio::test(start_paused = true)]
-async fn a_redelivered_message_being_called_on_another_replica_is_given_back_its_grant_and_asks_again_without_calling()
+async fn a_message_whose_call_another_copy_claimed_is_given_back_its_grant_and_asks_again_without_calling()
  {
     let h = Harness::with(|journal| {
         (
@@ -589,22 +569,20 @@ async fn a_redelivered_message_being_called_on_another_replica_is_given_back_its
     });
     let start = Instant::now();
 
-    let redelivered = Carried {
-        redelivered: true,
-        ..Carried::default()
-    };
-    let outcome = h.handle(&registration("m-1"), redelivered).await;
+    let outcome = h.handle(&registration("m-1"), Carried::default()).await;
 
     assert_eq!(
         outcome,
         Outcome::AlreadyDone,
-        "acked once the other call is recorded"
+        "acked once the other copy's call is recorded"
     );
     assert_eq!(
         h.journal.events(),
         [
             asked_with(None),
-            Event::CalledElsewhere { call: call(1) },
+            Event::CalledElsewhere {
+                message: "m-1".into()
+            },
             Event::Unsent { call: call(1) },
             asked_with(None),
         ],
@@ -613,8 +591,34 @@ async fn a_redelivered_message_being_called_on_another_replica_is_given_back_its
     let asked = h.journal.times(|e| matches!(e, Event::Asked { .. }));
     assert_eq!(
         asked[1] - start,
-        super::CLAIM_RECHECK_MOST.min(FakeLimiter::CALLED_ELSEWHERE_FOR),
-        "asked again within the other call's claim, at most a second later"
+        super::CLAIM_RECHECK,
+        "asked again a moment later"
+    );
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_claim_that_led_to_no_call_is_ended_when_the_delivery_leaves_and_a_called_one_is_not() {
+    let waits = Harness::new(
+        [Script::Wait(Duration::from_secs(30))],
+        [Answer::Created { told: None }],
+    );
+    let outcome = waits.handle(&registration("m-1"), Carried::default()).await;
+    assert!(matches!(outcome, Outcome::Delay { .. }), "{outcome:?}");
+    assert_eq!(
+        waits.limiter.unclaimed(),
+        1,
+        "the delayed message's claim ends"
+    );
+
+    let called = Harness::new([Script::Grant], [Answer::Created { told: None }]);
+    let outcome = called
+        .handle(&registration("m-1"), Carried::default())
+        .await;
+    assert_eq!(outcome, registered(1));
+    assert_eq!(
+        called.limiter.unclaimed(),
+        0,
+        "a called message's claim is left to its call"
     );
 }
 

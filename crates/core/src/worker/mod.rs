@@ -189,11 +189,39 @@ const ANSWER_MARGIN: Duration = Duration::from_millis(2);
 /// The most [`Worker::answers_allowance`] adds to a wait.
 const MOST_ANSWERS_ALLOWANCE: Duration = Duration::from_secs(1);
 
-/// The least and the most a message whose call could not be claimed ([`Limiter::claim_call`])
-/// waits before it asks again: the call that holds the claim is usually answered and recorded
-/// long before its claim expires, and the copy is then acked as registered.
-const CLAIM_RECHECK: Duration = Duration::from_millis(100);
-const CLAIM_RECHECK_MOST: Duration = Duration::from_secs(1);
+/// How long a message whose call another copy claimed ([`Limiter::claim_call`]) waits before
+/// it asks again (the call that holds the claim is usually answered and recorded long before
+/// its claim expires, and the copy is then acked as registered), and how long one whose claim
+/// Redis did not answer waits.
+const CLAIM_RECHECK: Duration = Duration::from_secs(1);
+const CLAIM_UNANSWERED_RECHECK: Duration = Duration::from_millis(100);
+
+/// One delivery's claim of its message's call ([`Limiter::claim_call`]): the token that names
+/// the delivery in Redis, and whether the claim is known to be this delivery's and led to no
+/// call yet (it is then ended when the delivery leaves [`Worker::handle`]).
+struct DeliveryClaim {
+    token: String,
+    held: std::sync::atomic::AtomicBool,
+}
+
+impl DeliveryClaim {
+    fn new() -> Self {
+        Self {
+            token: format!("{:016x}", rand::random::<u64>()),
+            held: std::sync::atomic::AtomicBool::new(false),
+        }
+    }
+
+    /// The claim is this delivery's (`true`), or not known to be (`false`: another copy's, a
+    /// call started under it, or Redis did not say).
+    fn set_held(&self, held: bool) {
+        self.held.store(held, Ordering::Relaxed);
+    }
+
+    fn held(&self) -> bool {
+        self.held.load(Ordering::Relaxed)
+    }
+}
 
 /// What a message asks for its permit with: the worker it calls under, if it took one first,
 /// and its place to ask ahead, if it took one (see [`ahead`]); neither when it asks while
@@ -715,16 +743,17 @@ impl Worker {
             return Outcome::dead("invalid-message", why, carried.attempt);
         }
         let mut permit_errors = PermitErrors::default();
-        loop {
+        let claim = DeliveryClaim::new();
+        let outcome = loop {
             if let Some(detail) = plan::expired(registration.deadline, unix_ms(), None) {
-                return self.expire(registration, &mut carried, detail);
+                break self.expire(registration, &mut carried, detail);
             }
             let plan = self
                 .ask(
                     registration,
                     trace,
                     &mut carried,
-                    &mut permit_errors,
+                    (&mut permit_errors, &claim),
                     reporting,
                     interruptions,
                 )
@@ -734,20 +763,26 @@ impl Worker {
                 .carry_out(plan, registration, &carried, shutdown, connection_lost)
                 .await;
             if let Some(outcome) = carried_out {
-                return outcome;
+                break outcome;
             }
+        };
+        // The delivery leaves with a claim that led to no call: another copy may call now.
+        if claim.held() {
+            self.limiter
+                .unclaim_call(&registration.seller_id, &registration.message_id);
         }
+        outcome
     }
 
-    /// One round: takes a worker, asks for (or redeems) a permit and plans what its answer
-    /// leads to; a grant is called at once, under the worker, and the plan is then the
-    /// reply's. Never returns [`Plan::Call`].
+    /// One round: takes a worker, asks for (or redeems) a permit, claiming the message's call
+    /// in the same round trip, and plans what the answer leads to; a grant is called at once,
+    /// under the worker, and the plan is then the reply's. Never returns [`Plan::Call`].
     async fn ask(
         &self,
         registration: &Registration,
         trace: &TraceContext,
         carried: &mut Carried,
-        permit_errors: &mut PermitErrors,
+        (permit_errors, claim): (&mut PermitErrors, &DeliveryClaim),
         reporting: &Reporting,
         interruptions: Interruptions<'_>,
     ) -> Plan {
@@ -790,11 +825,19 @@ impl Worker {
                 arrival_ms: carried.first_seen_ms,
             })
             .route(self.route_of(registration));
-        let decided = tokio::select! {
-            d = self.decide(question) => d,
+        // Beside the question, in the same round trip: of two copies of the message asking at
+        // once (a producer's duplicate, a copy the broker handed over while this one's call is
+        // in flight elsewhere), only the claim's holder may call.
+        let claiming = self
+            .limiter
+            .claim_call(seller, &registration.message_id, &claim.token);
+        let (decided, claimed) = tokio::select! {
+            d = futures::future::join(self.decide(question), claiming) => d,
             _ = shutdown.cancelled() => return interrupted(Interrupted::Shutdown),
             _ = connection_lost.cancelled() => return interrupted(Interrupted::ConnectionLost),
         };
+        let claimed = counting_redis_errors(claimed);
+        claim.set_held(matches!(claimed, Ok(CallClaim::Ours)));
         let (mut decision, cost) = match decided {
             Ok(decided) => decided,
             Err(error) => {
@@ -840,7 +883,7 @@ impl Worker {
                 self.call_granted(
                     registration,
                     trace,
-                    grant,
+                    (grant, claimed, claim),
                     Asking { worker, ahead },
                     carried,
                     reporting,
@@ -927,19 +970,43 @@ impl Worker {
     }
 
     /// Calls a grant under `worker`, or under one taken now for a message that asked without
-    /// one (see [`Self::worker_for_grant`]): if none is free in time, or a copy of the message
-    /// registered here meanwhile, the grant goes back and the message asks again.
+    /// one (see [`Self::worker_for_grant`]): if another copy of the message holds the claim of
+    /// its call (`claimed`), no worker is free in time, or a copy registered here meanwhile,
+    /// the grant goes back and the message asks again.
     #[allow(clippy::too_many_arguments)]
     async fn call_granted(
         &self,
         registration: &Registration,
         trace: &TraceContext,
-        grant: Grant,
+        (grant, claimed, claim): (Grant, Result<CallClaim, PermitError>, &DeliveryClaim),
         Asking { worker, ahead }: Asking,
         carried: &mut Carried,
         reporting: &Reporting,
         interruptions: Interruptions<'_>,
     ) -> Plan {
+        let recheck = match claimed {
+            Ok(CallClaim::Ours) => None,
+            Ok(CallClaim::Elsewhere) => {
+                metrics::counter!("turnstile_calls_claimed_elsewhere_total").increment(1);
+                // A warning (folded when it repeats): another copy asked at the same moment, or
+                // another replica lost this delivery with its call in flight.
+                warn!(
+                    recheck_ms = CLAIM_RECHECK.as_millis() as u64,
+                    "another copy of this message holds the claim of its call: asking again in a moment"
+                );
+                Some(CLAIM_RECHECK)
+            }
+            Err(error) => {
+                debug!(%error, "the call could not be claimed (Redis); not calling");
+                Some(CLAIM_UNANSWERED_RECHECK)
+            }
+        };
+        if let Some(recheck) = recheck {
+            drop((worker, ahead));
+            self.limiter.unsent(grant).await;
+            carried.reservation = None;
+            return Plan::AskAfter(recheck);
+        }
         let worker = match worker {
             Some(worker) => worker,
             None => match self.worker_for_grant(grant.sent(), interruptions).await {
@@ -970,55 +1037,10 @@ impl Worker {
             carried.reservation = None;
             return Plan::AskAgain;
         };
-        // Nor on two replicas: every call claims its message, and a copy the broker handed over
-        // (redelivered) while another replica still calls it (that replica lost its broker
-        // link with the call in flight) waits for that call's answer and record, then asks
-        // again and is acked as registered.
-        let held = carried
-            .call_claimed_until
-            .is_some_and(|until| until > std::time::Instant::now());
-        let waits_for_claim = carried.redelivered && !held;
-        let claimed = if waits_for_claim {
-            counting_redis_errors(self.limiter.claim_call(&grant).await)
-        } else {
-            // First delivered here: a copy reaches another replica only once this one lost
-            // the delivery, after the call started; the claim costs no wait. (A claim held
-            // already is left as it is: the same `SET NX` changes nothing.)
-            self.limiter.note_call(&grant);
-            Ok(CallClaim::Ours)
-        };
-        let wait = match claimed {
-            Ok(CallClaim::Ours) if !waits_for_claim || grant.sent().elapsed() < CALL_ALLOWANCE => {
-                None
-            }
-            Ok(CallClaim::Ours) => {
-                // A slow Redis: the claim's round trip made the grant too old to call. The
-                // claim is kept for the next grant, which is then called at once.
-                self.limiter.unsent(grant).await;
-                carried.reservation = None;
-                carried.call_claimed_until = Some(std::time::Instant::now() + CALL_ALLOWANCE);
-                return Plan::AskAgain;
-            }
-            Ok(CallClaim::Elsewhere { left }) => {
-                metrics::counter!("turnstile_calls_claimed_elsewhere_total").increment(1);
-                // A warning (folded when it repeats): another replica lost this delivery with
-                // its call in flight.
-                warn!(
-                    wait_ms = left.as_millis() as u64,
-                    "a copy of this message is being called on another replica: asking again once that call is answered"
-                );
-                Some(left)
-            }
-            Err(error) => {
-                debug!(%error, "the call could not be claimed (Redis); not calling");
-                Some(CLAIM_RECHECK)
-            }
-        };
-        if let Some(wait) = wait {
-            self.limiter.unsent(grant).await;
-            carried.reservation = None;
-            return Plan::AskAfter(wait.clamp(CLAIM_RECHECK, CLAIM_RECHECK_MOST));
-        }
+        // Its claim holds for the whole call from now (the registration leaves it to expire:
+        // its record answers for it; a call answered without registering ends it).
+        self.limiter.note_call(&grant);
+        claim.set_held(false);
         self.call(
             registration,
             trace,
