@@ -1380,6 +1380,8 @@ pub async fn a_message_s_call_is_claimed_by_one_delivery_at_a_time_until_its_cal
             .with_call_timeout(timeout)
     };
     let (first, other) = (replica(), replica());
+    // One claims with `SET … NX … GET` where Redis takes it, the other with `SET NX` and `GET`.
+    first.probe_set_nx_get().await;
     let s = seller("S-claimed");
     let m = MessageId::parse("m-1").unwrap();
     let key = Keyspace::new(&keys.prefix).calling(&s, &m);

@@ -242,6 +242,7 @@ impl Starting {
                 .with_call_timeout(self.args.downstream.timeout)
                 .with_routes(self.routes.clone())
                 .with_learned_charges(self.args.downstream.cost_header.is_some());
+        permits.probe_set_nx_get().await;
         let fleet = Arc::new(
             fleet::Member::new(
                 &permits,

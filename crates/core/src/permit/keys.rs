@@ -68,6 +68,13 @@ impl Keyspace {
         &self.prefix
     }
 
+    /// What a replica writes to find out whether Redis takes `SET … NX … GET`:
+    /// `<prefix>:probe:set-nx-get` (string, expires within a second; see
+    /// `PermitStore::probe_set_nx_get`).
+    pub fn set_nx_get_probe(&self) -> String {
+        format!("{}:probe:set-nx-get", self.prefix)
+    }
+
     /// A key of the seller's: `<prefix>:{<seller tag>}:<name>`.
     fn seller(&self, seller: &SellerId, name: &str) -> String {
         // Built by hand: a message's calls build a score of these keys each.

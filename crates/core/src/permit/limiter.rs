@@ -666,13 +666,23 @@ impl Limiter for PermitStore {
                 .arg("NX")
                 .arg("PX")
                 .arg(CLAIM_ASKING.as_millis() as u64);
-            let mut owner = redis::cmd("GET");
-            owner.arg(&key);
-            let (_, owner): (redis::Value, Option<String>) = self
-                .run(Operation::commands(vec![claim, owner], key), When::Now)
-                .await?;
-            // None: deleted between the two commands (a call ended just then); asked again.
-            Ok(if owner.as_deref() == Some(token) {
+            let ours = if self.set_nx_get.load(std::sync::atomic::Ordering::Relaxed) {
+                // The holder before: none (this SET took it), this delivery, or another.
+                claim.arg("GET");
+                let (held,): (Option<String>,) = self
+                    .run(Operation::commands(vec![claim], key), When::Now)
+                    .await?;
+                held.is_none_or(|held| held == token)
+            } else {
+                let mut owner = redis::cmd("GET");
+                owner.arg(&key);
+                let (_, owner): (redis::Value, Option<String>) = self
+                    .run(Operation::commands(vec![claim, owner], key), When::Now)
+                    .await?;
+                // None: deleted between the two commands (a call ended just then); asked again.
+                owner.as_deref() == Some(token)
+            };
+            Ok(if ours {
                 CallClaim::Ours
             } else {
                 CallClaim::Elsewhere

@@ -53,6 +53,9 @@ pub struct PermitStore {
     /// Whether calls ask for the charge learned from their endpoint's answers
     /// (`TURNSTILE_COST_HEADER`, see `PermitStore::cost_to_ask`).
     pub(super) learns_charges: bool,
+    /// Whether Redis takes `SET … NX … GET` (7.0 and later; see
+    /// [`PermitStore::probe_set_nx_get`]): a call's claim is then one command, not two.
+    pub(super) set_nx_get: Arc<std::sync::atomic::AtomicBool>,
 }
 
 /// Most sellers [`PermitStore::reserving`] keeps (beyond it, the ones not seen for
@@ -215,7 +218,27 @@ impl PermitStore {
             batcher: Arc::default(),
             clock: Arc::default(),
             learns_charges: false,
+            set_nx_get: Arc::default(),
         }
+    }
+
+    /// Finds out whether Redis takes `SET … NX … GET` (Redis 7.0 and later), with a key of the
+    /// prefix's that expires within a second: a call's claim
+    /// ([`claim_call`](crate::permit::Limiter::claim_call)) is then
+    /// one command instead of `SET NX` and `GET`. Without an answer, the two are used.
+    pub async fn probe_set_nx_get(&self) {
+        let mut conn = self.conn.clone();
+        let probed: redis::RedisResult<Option<String>> = redis::cmd("SET")
+            .arg(self.keys.set_nx_get_probe())
+            .arg("1")
+            .arg("NX")
+            .arg("PX")
+            .arg(1000)
+            .arg("GET")
+            .query_async(&mut conn)
+            .await;
+        self.set_nx_get
+            .store(probed.is_ok(), std::sync::atomic::Ordering::Relaxed);
     }
 
     /// With `on` (`TURNSTILE_COST_HEADER` set), calls ask for the charge learned from their
