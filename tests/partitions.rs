@@ -99,18 +99,21 @@ async fn a_replica_whose_redis_link_hangs_hands_its_messages_to_the_other() {
     assert_the_other_replica_kept_serving(&outcome);
 }
 
-/// A replica whose broker link resets with calls in flight: the broker hands those messages to
-/// the other replica at once, which has room to call them (four sellers of one message each)
-/// while the first calls are still waiting for the API's answer (2 s). The copies wait for
-/// those calls' answers and records and are acked as registered: each message is called once.
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn calls_in_flight_when_the_broker_link_resets_are_not_made_again_by_the_other_replica() {
+/// Four sellers of one message each, an API answering in 2 s, one replica behind a link to
+/// the broker: once it has the four calls in flight, a second replica starts and the first one's
+/// broker link resets; with `published_again`, every message is then published once more (a
+/// producer's duplicates). What the API and the queues say once every message is registered,
+/// and whether every copy was acked within [`partition::GUARD`].
+async fn calls_in_flight_when_the_link_resets(
+    what: &str,
+    published_again: bool,
+) -> (turnstile_lab::rig::Report, bool) {
     use std::time::Duration;
     use turnstile_lab::mock_api::MockArgs;
     use turnstile_lab::rig::Message;
 
     let limit: turnstile_core::config::Limits = LIMIT.parse().expect("the limit parses");
-    let mut rig = support::rig("partition-in-flight", LIMIT)
+    let mut rig = support::rig(what, LIMIT)
         .with_mock(MockArgs {
             latency_ms: 2_000,
             ..MockArgs::local(limit)
@@ -122,23 +125,41 @@ async fn calls_in_flight_when_the_broker_link_resets_are_not_made_again_by_the_o
         .await
         .unwrap();
     let _cut = rig.start_replica(settings).await.unwrap();
-    let sellers = 4;
-    let messages = (0..sellers)
-        .map(|i| Message::numbered(&format!("S-{i}"), 0))
-        .collect();
-    rig.publish_all(messages).await.unwrap();
-    while rig.mock.stats().requests < sellers as u64 {
+    let messages = || {
+        (0..SELLERS_IN_FLIGHT)
+            .map(|i| Message::numbered(&format!("S-{i}"), 0))
+            .collect::<Vec<_>>()
+    };
+    rig.publish_all(messages()).await.unwrap();
+    while rig.mock.stats().requests < SELLERS_IN_FLIGHT {
         tokio::time::sleep(Duration::from_millis(20)).await;
     }
     let _other = rig.start_replica(rig.settings(WORKERS)).await.unwrap();
     link.cut();
-    rig.wait_registered(sellers as u64).await.unwrap();
+    if published_again {
+        rig.publish_all(messages()).await.unwrap();
+    }
+    rig.wait_registered(SELLERS_IN_FLIGHT).await.unwrap();
     let settled = rig.wait_queues_empty(partition::GUARD).await;
     let report = rig.finish().await.unwrap();
     drop(link);
+    (report, settled)
+}
+
+/// The sellers of [`calls_in_flight_when_the_link_resets`].
+const SELLERS_IN_FLIGHT: u64 = 4;
+
+/// A replica whose broker link resets with calls in flight: the broker hands those messages to
+/// the other replica at once, which has room to call them (four sellers of one message each)
+/// while the first calls are still waiting for the API's answer (2 s). The copies wait for
+/// those calls' answers and records and are acked as registered: each message is called once.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn calls_in_flight_when_the_broker_link_resets_are_not_made_again_by_the_other_replica() {
+    let (report, settled) =
+        calls_in_flight_when_the_link_resets("partition-in-flight", false).await;
     assert_eq!(
         (report.duplicates, report.registered, report.lost),
-        (0, sellers as u64, 0),
+        (0, SELLERS_IN_FLIGHT, 0),
         "each message called once, all registered (repeated: {:?})",
         report.repeats
     );
@@ -150,51 +171,17 @@ async fn calls_in_flight_when_the_broker_link_resets_are_not_made_again_by_the_o
 
 /// A producer's duplicate (the same message published again) arriving while the first copy's
 /// call is in flight on another replica: once the first replica's broker link resets with its
-/// calls in flight (four sellers of one message each, an API answering in 2 s), every copy, the
-/// broker's redeliveries and the duplicates published then, goes to the other replica, which
-/// has room in the limit to call them. Each finds the first call's claim, gives its grant back
-/// and asks again until that call is recorded, then is acked as registered: each message is
-/// called once.
+/// calls in flight, every copy, the broker's redeliveries and the duplicates published then,
+/// goes to the other replica, which has room in the limit to call them. Each finds the first
+/// call's claim, gives its grant back and asks again until that call is recorded, then is
+/// acked as registered: each message is called once.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_producers_duplicate_is_not_called_while_the_first_copy_is_called_on_another_replica() {
-    use std::time::Duration;
-    use turnstile_lab::mock_api::MockArgs;
-    use turnstile_lab::rig::Message;
-
-    let limit: turnstile_core::config::Limits = LIMIT.parse().expect("the limit parses");
-    let mut rig = support::rig("partition-duplicate", LIMIT)
-        .with_mock(MockArgs {
-            latency_ms: 2_000,
-            ..MockArgs::local(limit)
-        })
-        .prepare()
-        .await
-        .unwrap();
-    let (settings, link) = partition::behind_a_link(&rig, WORKERS, Link::Broker)
-        .await
-        .unwrap();
-    let _cut = rig.start_replica(settings).await.unwrap();
-    let sellers = 4;
-    let messages = || {
-        (0..sellers)
-            .map(|i| Message::numbered(&format!("S-{i}"), 0))
-            .collect::<Vec<_>>()
-    };
-    rig.publish_all(messages()).await.unwrap();
-    while rig.mock.stats().requests < sellers as u64 {
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    }
-    let _other = rig.start_replica(rig.settings(WORKERS)).await.unwrap();
-    link.cut();
-    rig.publish_all(messages()).await.unwrap();
-    rig.wait_registered(sellers as u64).await.unwrap();
-    let settled = rig.wait_queues_empty(partition::GUARD).await;
-    let report = rig.finish().await.unwrap();
-    drop(link);
+    let (report, settled) = calls_in_flight_when_the_link_resets("partition-duplicate", true).await;
     // (The rig counts the duplicates as messages published, so its `lost` counts them too.)
     assert_eq!(
         (report.duplicates, report.registered, report.dead_lettered),
-        (0, sellers as u64, 0),
+        (0, SELLERS_IN_FLIGHT, 0),
         "each message called once, all registered (repeated: {:?})",
         report.repeats
     );
