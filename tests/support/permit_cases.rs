@@ -1404,20 +1404,20 @@ pub async fn a_message_s_call_is_claimed_by_one_delivery_at_a_time_until_its_cal
     );
     let (one, two) = (one.unwrap(), two.unwrap());
     let mut answers = [one, two];
-    answers.sort_by_key(|c| *c != CallClaim::Ours);
+    answers.sort_by_key(|c| *c != CallClaim::Taken);
     assert_eq!(
         answers,
-        [CallClaim::Ours, CallClaim::Elsewhere],
+        [CallClaim::Taken, CallClaim::Elsewhere],
         "one claim of two"
     );
-    let (holder, holder_token, waiter, waiter_token) = if one == CallClaim::Ours {
+    let (holder, holder_token, waiter, waiter_token) = if one == CallClaim::Taken {
         (&first, "delivery-1", &other, "delivery-2")
     } else {
         (&other, "delivery-2", &first, "delivery-1")
     };
     assert_eq!(
         holder.claim_call(&s, &m, holder_token).await.unwrap(),
-        CallClaim::Ours,
+        CallClaim::Held,
         "a delivery asking again finds its own claim"
     );
     let left = claim_left().await;
@@ -1453,7 +1453,7 @@ pub async fn a_message_s_call_is_claimed_by_one_delivery_at_a_time_until_its_cal
     let mut claimed = waiter.claim_call(&s, &m, waiter_token).await.unwrap();
     // The first call's claim ends riding along with the next calls to Redis.
     for _ in 0..50 {
-        if claimed == CallClaim::Ours {
+        if claimed == CallClaim::Taken {
             break;
         }
         tokio::time::sleep(Duration::from_millis(20)).await;
@@ -1461,14 +1461,14 @@ pub async fn a_message_s_call_is_claimed_by_one_delivery_at_a_time_until_its_cal
     }
     assert_eq!(
         claimed,
-        CallClaim::Ours,
+        CallClaim::Taken,
         "claimed once the first call ended"
     );
 
     waiter.unclaim_call(&s, &m);
     let mut claimed = holder.claim_call(&s, &m, "delivery-3").await.unwrap();
     for _ in 0..50 {
-        if claimed == CallClaim::Ours {
+        if claimed == CallClaim::Taken {
             break;
         }
         tokio::time::sleep(Duration::from_millis(20)).await;
@@ -1476,7 +1476,7 @@ pub async fn a_message_s_call_is_claimed_by_one_delivery_at_a_time_until_its_cal
     }
     assert_eq!(
         claimed,
-        CallClaim::Ours,
+        CallClaim::Taken,
         "a claim that led to no call ends when its delivery leaves"
     );
     keys.cleanup().await;

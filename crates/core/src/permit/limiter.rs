@@ -201,13 +201,16 @@ pub const CLAIM_MARGIN: Duration = Duration::from_secs(5);
 /// How long a claim taken with a permit question holds before its call starts (see
 /// [`Limiter::claim_call`]): a granted call starts within [`super::CALL_ALLOWANCE`] of its request
 /// leaving, or is given back; a question that leads to no call leaves a claim that soon ends.
-pub const CLAIM_ASKING: Duration = Duration::from_secs(2);
+pub const CLAIM_ASKING: Duration = Duration::from_secs(4);
 
 /// Whether a message may be called by this delivery ([`Limiter::claim_call`]).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum CallClaim {
-    /// Claimed by this delivery.
-    Ours,
+    /// This question took the claim (it holds [`CLAIM_ASKING`] from then).
+    Taken,
+    /// The claim is this delivery's, taken by an earlier question of it: asking again does not
+    /// renew it ([`Limiter::renew_claim`] does).
+    Held,
     /// Another copy of the message holds the claim: it asked at the same moment (a producer's
     /// duplicate), or it is being called (its replica lost the delivery with the call in
     /// flight, and the broker handed this copy over). Asked again within a second, a copy finds
@@ -270,7 +273,7 @@ pub trait Limiter: Send + Sync {
     /// that of two copies asking at once only one may call. The claim holds
     /// [`CLAIM_ASKING`] (a question leads to its call within [`super::CALL_ALLOWANCE`]), for the
     /// whole call once it starts ([`Self::note_call`]); a delivery that asks again finds its
-    /// own claim [`CallClaim::Ours`].
+    /// own claim [`CallClaim::Held`].
     fn claim_call<'a>(
         &'a self,
         seller: &'a SellerId,
@@ -282,6 +285,11 @@ pub trait Limiter: Send + Sync {
     /// bound plus [`CLAIM_MARGIN`] and the record's delay, riding along with the next calls to
     /// Redis (nobody waits for it).
     fn note_call(&self, grant: &Grant);
+
+    /// Renews a delivery's claim of `message`'s call ([`CallClaim::Held`]) for another
+    /// [`CLAIM_ASKING`], riding along with the next calls to Redis. Only for a claim known to
+    /// hold long enough for the renewal to reach Redis first: it renews whichever claim is there.
+    fn renew_claim(&self, seller: &SellerId, message: &MessageId);
 
     /// Ends a delivery's claim of `message`'s call that led to no call (the delivery waits
     /// elsewhere, is settled, or goes back to the broker), riding along with the next calls to
@@ -666,26 +674,49 @@ impl Limiter for PermitStore {
                 .arg("NX")
                 .arg("PX")
                 .arg(CLAIM_ASKING.as_millis() as u64);
-            let ours = if self.set_nx_get.load(std::sync::atomic::Ordering::Relaxed) {
+            let held = if self.set_nx_get.load(std::sync::atomic::Ordering::Relaxed) {
                 // The holder before: none (this SET took it), this delivery, or another.
-                claim.arg("GET");
-                let (held,): (Option<String>,) = self
-                    .run(Operation::commands(vec![claim], key), When::Now)
-                    .await?;
-                held.is_none_or(|held| held == token)
+                let mut one = claim.clone();
+                one.arg("GET");
+                let answered: Result<(Option<String>,), PermitError> = self
+                    .run(Operation::commands(vec![one], key.clone()), When::Now)
+                    .await;
+                match answered {
+                    Ok((held,)) => Some(held),
+                    // A Redis that no longer takes it (a failover to one before 7.0).
+                    Err(PermitError::Redis(error))
+                        if error.kind()
+                            == redis::ErrorKind::Server(redis::ServerErrorKind::ResponseError) =>
+                    {
+                        self.set_nx_get
+                            .store(false, std::sync::atomic::Ordering::Relaxed);
+                        None
+                    }
+                    Err(error) => return Err(error),
+                }
             } else {
-                let mut owner = redis::cmd("GET");
-                owner.arg(&key);
-                let (_, owner): (redis::Value, Option<String>) = self
-                    .run(Operation::commands(vec![claim, owner], key), When::Now)
-                    .await?;
-                // None: deleted between the two commands (a call ended just then); asked again.
-                owner.as_deref() == Some(token)
+                None
             };
-            Ok(if ours {
-                CallClaim::Ours
-            } else {
-                CallClaim::Elsewhere
+            let held = match held {
+                Some(held) => held,
+                None => {
+                    let mut owner = redis::cmd("GET");
+                    owner.arg(&key);
+                    let (set, owner): (Option<String>, Option<String>) = self
+                        .run(Operation::commands(vec![claim, owner], key), When::Now)
+                        .await?;
+                    // Taken by this SET: no holder before it. (None after it: deleted between
+                    // the two commands, a call ended just then; asked again.)
+                    match set {
+                        Some(_) if owner.as_deref() == Some(token) => None,
+                        _ => Some(owner.unwrap_or_default()),
+                    }
+                }
+            };
+            Ok(match held {
+                None => CallClaim::Taken,
+                Some(held) if held == token => CallClaim::Held,
+                Some(_) => CallClaim::Elsewhere,
             })
         }
         .boxed()
@@ -699,6 +730,13 @@ impl Limiter for PermitStore {
                 .arg(self.call_claim_hold().as_millis().max(1) as u64);
             self.send_detached(Operation::commands(vec![hold], key), Duration::ZERO);
         }
+    }
+
+    fn renew_claim(&self, seller: &SellerId, message: &MessageId) {
+        let key = self.keys.calling(seller, message);
+        let mut renew = redis::cmd("PEXPIRE");
+        renew.arg(&key).arg(CLAIM_ASKING.as_millis() as u64);
+        self.send_detached(Operation::commands(vec![renew], key), Duration::ZERO);
     }
 
     fn unclaim_call(&self, seller: &SellerId, message: &MessageId) {

@@ -457,10 +457,10 @@ impl Limiter for FakeLimiter {
                     state.called_elsewhere -= 1;
                     CallClaim::Elsewhere
                 } else {
-                    CallClaim::Ours
+                    CallClaim::Taken
                 }
             };
-            if claim != CallClaim::Ours {
+            if claim == CallClaim::Elsewhere {
                 self.journal.note(Event::CalledElsewhere {
                     message: message.as_str().to_owned(),
                 });
@@ -471,6 +471,8 @@ impl Limiter for FakeLimiter {
     }
 
     fn note_call(&self, _grant: &Grant) {}
+
+    fn renew_claim(&self, _seller: &SellerId, _message: &MessageId) {}
 
     fn unclaim_call(&self, _seller: &SellerId, _message: &MessageId) {
         self.lock().unclaimed += 1;

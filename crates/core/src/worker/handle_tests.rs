@@ -12,7 +12,7 @@ use super::fakes::{
 };
 use super::{Carried, Outcome, Report};
 use crate::domain::RateLimitHeaders;
-use crate::permit::{CALL_ALLOWANCE, PermitError};
+use crate::permit::{CALL_ALLOWANCE, CallClaim, PermitError};
 
 const MS: Duration = Duration::from_millis(1);
 const SECOND: Duration = Duration::from_secs(1);
@@ -1116,4 +1116,40 @@ async fn asked_while_every_worker_was_busy_for(h: &Harness, d: Duration) -> Inst
     let (outcome, ()) = tokio::join!(h.handle(&message, Carried::default()), busy);
     assert_eq!(outcome, registered(1));
     start
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_claim_is_renewed_while_fresh_and_never_relied_on_once_it_is_not() {
+    let claim = super::DeliveryClaim::new();
+    assert!(!claim.answered(&Ok(CallClaim::Taken), Instant::now()));
+    assert_eq!(claim.stale_for(), None, "fresh once taken");
+
+    tokio::time::advance(super::CLAIM_FRESH / 2).await;
+    assert!(
+        claim.answered(&Ok(CallClaim::Held), Instant::now()),
+        "asked again while fresh: renewed"
+    );
+    tokio::time::advance(super::CLAIM_FRESH / 2 + Duration::from_millis(1)).await;
+    assert_eq!(claim.stale_for(), None, "fresh from its renewal");
+
+    tokio::time::advance(super::CLAIM_FRESH).await;
+    assert!(
+        !claim.answered(&Ok(CallClaim::Held), Instant::now()),
+        "no longer fresh: not renewed (it may end before a renewal lands)"
+    );
+    let left = claim.stale_for().expect("stale");
+    assert!(left < crate::permit::CLAIM_ASKING, "let end: {left:?}");
+    assert!(
+        !claim.fresh(),
+        "and not ended by the delivery: it may be another copy's by then"
+    );
+
+    claim.called();
+    assert_eq!(
+        claim.stale_for(),
+        Some(Duration::ZERO),
+        "one of an earlier call is not relied on"
+    );
+    claim.answered(&Ok(CallClaim::Elsewhere), Instant::now());
+    assert!(!claim.fresh());
 }

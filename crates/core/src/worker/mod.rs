@@ -58,8 +58,8 @@ pub use stats::{LatencySummary, Stats};
 pub use waits::SellerWaits;
 
 use crate::permit::{
-    Ask, Asked, BatchEvent, CALL_ALLOWANCE, CallClaim, Decision, Ended, Grant, InBatch, Limiter,
-    PermitError, Progress, Rank, Recorded, Rescheduled, Reservation,
+    Ask, Asked, BatchEvent, CALL_ALLOWANCE, CLAIM_ASKING, CallClaim, Decision, Ended, Grant,
+    InBatch, Limiter, PermitError, Progress, Rank, Recorded, Rescheduled, Reservation,
 };
 
 /// What may end a wait early: the replica shutting down, or the delivery's connection lost.
@@ -197,29 +197,76 @@ const CLAIM_RECHECK: Duration = Duration::from_secs(1);
 const CLAIM_UNANSWERED_RECHECK: Duration = Duration::from_millis(100);
 
 /// One delivery's claim of its message's call ([`Limiter::claim_call`]): the token that names
-/// the delivery in Redis, and whether the claim is known to be this delivery's and led to no
-/// call yet (it is then ended when the delivery leaves [`Worker::handle`]).
+/// the delivery in Redis, and when the claim it holds was taken (no later than when the
+/// question that took it left), if it holds one that led to no call yet. A claim is relied on
+/// only while it is fresh, within [`CLAIM_FRESH`] of being taken: asking again does not renew
+/// it, so an older one may end before the call's own hold ([`Limiter::note_call`]) reaches
+/// Redis.
 struct DeliveryClaim {
     token: String,
-    held: std::sync::atomic::AtomicBool,
+    taken: std::sync::Mutex<Option<tokio::time::Instant>>,
 }
+
+/// How long after it was taken a delivery's claim is relied on to call, or ended by the
+/// delivery itself: [`CLAIM_ASKING`] less 1.5 s, left for the call's hold (or the `DEL`) to
+/// reach Redis before the claim ends on its own. Through a link of 500 ms a question that
+/// takes two round trips (a redeem, then an acquire) still calls under its claim.
+const CLAIM_FRESH: Duration = Duration::from_millis(2_500);
 
 impl DeliveryClaim {
     fn new() -> Self {
         Self {
             token: format!("{:016x}", rand::random::<u64>()),
-            held: std::sync::atomic::AtomicBool::new(false),
+            taken: std::sync::Mutex::new(None),
         }
     }
 
-    /// The claim is this delivery's (`true`), or not known to be (`false`: another copy's, a
-    /// call started under it, or Redis did not say).
-    fn set_held(&self, held: bool) {
-        self.held.store(held, Ordering::Relaxed);
+    fn taken(&self) -> std::sync::MutexGuard<'_, Option<tokio::time::Instant>> {
+        self.taken.lock().expect("never poisoned")
     }
 
-    fn held(&self) -> bool {
-        self.held.load(Ordering::Relaxed)
+    /// A question that left at `asked` got `claimed`; whether the claim is this delivery's and
+    /// fresh, to be renewed from `asked` ([`Limiter::renew_claim`]).
+    fn answered(
+        &self,
+        claimed: &Result<CallClaim, PermitError>,
+        asked: tokio::time::Instant,
+    ) -> bool {
+        let mut taken = self.taken();
+        match claimed {
+            Ok(CallClaim::Taken) => *taken = Some(asked),
+            // Fresh, it holds long enough for its renewal to reach Redis first.
+            Ok(CallClaim::Held) if taken.is_some_and(|t| t.elapsed() < CLAIM_FRESH) => {
+                *taken = Some(asked);
+                return true;
+            }
+            Ok(CallClaim::Held) => {}
+            Ok(CallClaim::Elsewhere) => *taken = None,
+            // Not known: kept as it was (it ends on its own).
+            Err(_) => {}
+        }
+        false
+    }
+
+    /// How long until the claim this delivery holds ends on its own (or is ended), if it is no
+    /// longer fresh (see [`CLAIM_FRESH`]); `None` while it is fresh. One of an earlier call of
+    /// this delivery (answered without registering: its `DEL` may still be on its way) is not.
+    fn stale_for(&self) -> Option<Duration> {
+        let Some(taken) = *self.taken() else {
+            return Some(Duration::ZERO);
+        };
+        let age = taken.elapsed();
+        (age >= CLAIM_FRESH).then(|| CLAIM_ASKING.saturating_sub(age))
+    }
+
+    /// Whether the delivery holds a fresh claim that led to no call: it may end it.
+    fn fresh(&self) -> bool {
+        self.taken().is_some_and(|t| t.elapsed() < CLAIM_FRESH)
+    }
+
+    /// Its call started: the claim is the call's now.
+    fn called(&self) {
+        *self.taken() = None;
     }
 }
 
@@ -766,8 +813,9 @@ impl Worker {
                 break outcome;
             }
         };
-        // The delivery leaves with a claim that led to no call: another copy may call now.
-        if claim.held() {
+        // The delivery leaves with a claim that led to no call: another copy may call now. (One
+        // no longer fresh is left to end on its own: it may be another copy's by now.)
+        if claim.fresh() {
             self.limiter
                 .unclaim_call(&registration.seller_id, &registration.message_id);
         }
@@ -828,6 +876,7 @@ impl Worker {
         // Beside the question, in the same round trip: of two copies of the message asking at
         // once (a producer's duplicate, a copy the broker handed over while this one's call is
         // in flight elsewhere), only the claim's holder may call.
+        let claim_asked = tokio::time::Instant::now();
         let claiming = self
             .limiter
             .claim_call(seller, &registration.message_id, &claim.token);
@@ -837,7 +886,9 @@ impl Worker {
             _ = connection_lost.cancelled() => return interrupted(Interrupted::ConnectionLost),
         };
         let claimed = counting_redis_errors(claimed);
-        claim.set_held(matches!(claimed, Ok(CallClaim::Ours)));
+        if claim.answered(&claimed, claim_asked) {
+            self.limiter.renew_claim(seller, &registration.message_id);
+        }
         let (mut decision, cost) = match decided {
             Ok(decided) => decided,
             Err(error) => {
@@ -985,7 +1036,10 @@ impl Worker {
         interruptions: Interruptions<'_>,
     ) -> Plan {
         let recheck = match claimed {
-            Ok(CallClaim::Ours) => None,
+            // Asking again does not renew it: one no longer fresh is let end, then taken anew.
+            Ok(CallClaim::Taken | CallClaim::Held) => claim
+                .stale_for()
+                .map(|left| left + CLAIM_UNANSWERED_RECHECK),
             Ok(CallClaim::Elsewhere) => {
                 metrics::counter!("turnstile_calls_claimed_elsewhere_total").increment(1);
                 // A warning (folded when it repeats): another copy asked at the same moment, or
@@ -1040,7 +1094,7 @@ impl Worker {
         // Its claim holds for the whole call from now (the registration leaves it to expire:
         // its record answers for it; a call answered without registering ends it).
         self.limiter.note_call(&grant);
-        claim.set_held(false);
+        claim.called();
         self.call(
             registration,
             trace,
