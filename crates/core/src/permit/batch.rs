@@ -10,8 +10,8 @@
 //! within the last [`YOUNG`]; what arrives meanwhile waits for the next one, so a lone operation
 //! is sent at once and a busy replica sends fewer, fuller calls. A call out longer than that
 //! (a slow link, a busy Redis) no longer holds the next back, up to [`MOST_OUT`] in flight: an
-//! operation waits for the batcher at most about [`YOUNG`], not a round trip. A rider waits at most its delay, and only while fewer than
-//! [`MOST_RIDERS_WAITING`] wait: the completion records, which must only be written before the
+//! operation waits for the batcher at most about [`YOUNG`], not a round trip. A rider waits at
+//! most its delay, and only while fewer than [`MOST_RIDERS_WAITING`] wait: the completion records, which must only be written before the
 //! message is acked, cost nearly nothing while the replica is busy (see docs/performance.md, "Redis calls
 //! per message").
 //!
@@ -257,12 +257,11 @@ impl Place {
         !self.now.is_empty() || self.rider_due(now) || (closing && !self.riders.is_empty())
     }
 
-    /// Calls in flight that left within [`YOUNG`] of `now`.
-    fn young(&self, now: Instant) -> usize {
+    /// The calls in flight that left within [`YOUNG`] of `now`, oldest first.
+    fn young(&self, now: Instant) -> impl Iterator<Item = &Instant> {
         self.out
             .iter()
-            .filter(|left| now.saturating_duration_since(**left) < YOUNG)
-            .count()
+            .filter(move |left| now.saturating_duration_since(**left) < YOUNG)
     }
 
     /// When a call due now but held back by the young calls in flight may go (the oldest of
@@ -271,13 +270,10 @@ impl Place {
         if !self.due(now, closing) || self.out.len() >= MOST_OUT {
             return None;
         }
-        if self.young(now) < MOST_IN_FLIGHT {
+        if self.young(now).count() < MOST_IN_FLIGHT {
             return None;
         }
-        self.out
-            .iter()
-            .find(|left| now.saturating_duration_since(**left) < YOUNG)
-            .map(|left| *left + YOUNG)
+        self.young(now).next().map(|left| *left + YOUNG)
     }
 
     /// A call that left at `left` was answered.
@@ -292,7 +288,7 @@ impl Place {
     fn next_call(&mut self, now: Instant, closing: bool) -> Option<Vec<Request>> {
         if !self.due(now, closing)
             || self.out.len() >= MOST_OUT
-            || self.young(now) >= MOST_IN_FLIGHT
+            || self.young(now).count() >= MOST_IN_FLIGHT
         {
             return None;
         }

@@ -481,6 +481,66 @@ impl PermitStore {
         self.call_bound + self.record_delay + CLAIM_MARGIN
     }
 
+    /// The holder of `key`'s claim before `claim` (its `SET … NX`), with `GET` in the same
+    /// command where Redis takes it (see [`Self::probe_set_nx_get`]): `None` if this `SET`
+    /// took it. `None` (not `Some`) when Redis does not take it: it stops being tried (a
+    /// failover to a Redis before 7.0).
+    async fn claim_in_one(
+        &self,
+        key: &str,
+        claim: &redis::Cmd,
+    ) -> Option<Result<Option<String>, PermitError>> {
+        if !self.set_nx_get.load(std::sync::atomic::Ordering::Relaxed) {
+            return None;
+        }
+        let mut claim = claim.clone();
+        claim.arg("GET");
+        let answered: Result<(Option<String>,), PermitError> = self
+            .run(Operation::commands(vec![claim], key.to_owned()), When::Now)
+            .await;
+        match answered {
+            Ok((holder,)) => Some(Ok(holder)),
+            Err(PermitError::Redis(error))
+                if error.kind()
+                    == redis::ErrorKind::Server(redis::ServerErrorKind::ResponseError) =>
+            {
+                self.set_nx_get
+                    .store(false, std::sync::atomic::Ordering::Relaxed);
+                None
+            }
+            Err(error) => Some(Err(error)),
+        }
+    }
+
+    /// The holder of `key`'s claim before `claim` (its `SET … NX`, for `token`), by the `SET`
+    /// and a `GET` after it: `None` if this `SET` took it. (A `GET` that finds none: deleted
+    /// between the two commands, a call ended just then; another's, asked again.)
+    async fn claim_in_two(
+        &self,
+        key: String,
+        claim: redis::Cmd,
+        token: &str,
+    ) -> Result<Option<String>, PermitError> {
+        let mut holder = redis::cmd("GET");
+        holder.arg(&key);
+        let (set, holder): (Option<String>, Option<String>) = self
+            .run(Operation::commands(vec![claim, holder], key), When::Now)
+            .await?;
+        Ok(match set {
+            Some(_) if holder.as_deref() == Some(token) => None,
+            _ => Some(holder.unwrap_or_default()),
+        })
+    }
+
+    /// Makes `message`'s claim ([`Limiter::claim_call`]), whichever delivery's it is, hold for
+    /// `hold` from when this reaches Redis, riding along with the next calls to Redis.
+    fn hold_claim(&self, seller: &SellerId, message: &MessageId, hold: Duration) {
+        let key = self.keys.calling(seller, message);
+        let mut expire = redis::cmd("PEXPIRE");
+        expire.arg(&key).arg(hold.as_millis().max(1) as u64);
+        self.send_detached(Operation::commands(vec![expire], key), Duration::ZERO);
+    }
+
     /// Deletes `message`'s claim ([`Limiter::claim_call`]), riding along with the next calls to
     /// Redis; a failure leaves it to its expiry.
     fn delete_claim(&self, seller: &SellerId, message: &MessageId) {
@@ -490,7 +550,7 @@ impl PermitStore {
         self.send_detached(Operation::commands(vec![release], key), self.record_delay);
     }
 
-    /// Ends `grant`'s claim on its message's call ([`Self::claim_command`]) once it was
+    /// Ends `grant`'s claim on its message's call ([`Limiter::claim_call`]) once it was
     /// answered without registering it, so that its retry may be called at once on any
     /// replica; riding along with the next calls to Redis, nobody waits for it. A failure
     /// leaves the claim to its expiry. A registration keeps its claim until it expires: its
@@ -674,48 +734,13 @@ impl Limiter for PermitStore {
                 .arg("NX")
                 .arg("PX")
                 .arg(CLAIM_ASKING.as_millis() as u64);
-            let held = if self.set_nx_get.load(std::sync::atomic::Ordering::Relaxed) {
-                // The holder before: none (this SET took it), this delivery, or another.
-                let mut one = claim.clone();
-                one.arg("GET");
-                let answered: Result<(Option<String>,), PermitError> = self
-                    .run(Operation::commands(vec![one], key.clone()), When::Now)
-                    .await;
-                match answered {
-                    Ok((held,)) => Some(held),
-                    // A Redis that no longer takes it (a failover to one before 7.0).
-                    Err(PermitError::Redis(error))
-                        if error.kind()
-                            == redis::ErrorKind::Server(redis::ServerErrorKind::ResponseError) =>
-                    {
-                        self.set_nx_get
-                            .store(false, std::sync::atomic::Ordering::Relaxed);
-                        None
-                    }
-                    Err(error) => return Err(error),
-                }
-            } else {
-                None
+            let holder = match self.claim_in_one(&key, &claim).await {
+                Some(holder) => holder?,
+                None => self.claim_in_two(key, claim, token).await?,
             };
-            let held = match held {
-                Some(held) => held,
-                None => {
-                    let mut owner = redis::cmd("GET");
-                    owner.arg(&key);
-                    let (set, owner): (Option<String>, Option<String>) = self
-                        .run(Operation::commands(vec![claim, owner], key), When::Now)
-                        .await?;
-                    // Taken by this SET: no holder before it. (None after it: deleted between
-                    // the two commands, a call ended just then; asked again.)
-                    match set {
-                        Some(_) if owner.as_deref() == Some(token) => None,
-                        _ => Some(owner.unwrap_or_default()),
-                    }
-                }
-            };
-            Ok(match held {
+            Ok(match holder {
                 None => CallClaim::Taken,
-                Some(held) if held == token => CallClaim::Held,
+                Some(holder) if holder == token => CallClaim::Held,
                 Some(_) => CallClaim::Elsewhere,
             })
         }
@@ -724,19 +749,12 @@ impl Limiter for PermitStore {
 
     fn note_call(&self, grant: &Grant) {
         if let Some(message) = &grant.message {
-            let key = self.keys.calling(&grant.seller, message);
-            let mut hold = redis::cmd("PEXPIRE");
-            hold.arg(&key)
-                .arg(self.call_claim_hold().as_millis().max(1) as u64);
-            self.send_detached(Operation::commands(vec![hold], key), Duration::ZERO);
+            self.hold_claim(&grant.seller, message, self.call_claim_hold());
         }
     }
 
     fn renew_claim(&self, seller: &SellerId, message: &MessageId) {
-        let key = self.keys.calling(seller, message);
-        let mut renew = redis::cmd("PEXPIRE");
-        renew.arg(&key).arg(CLAIM_ASKING.as_millis() as u64);
-        self.send_detached(Operation::commands(vec![renew], key), Duration::ZERO);
+        self.hold_claim(seller, message, CLAIM_ASKING);
     }
 
     fn unclaim_call(&self, seller: &SellerId, message: &MessageId) {

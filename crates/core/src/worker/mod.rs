@@ -192,16 +192,16 @@ const MOST_ANSWERS_ALLOWANCE: Duration = Duration::from_secs(1);
 /// How long a message whose call another copy claimed ([`Limiter::claim_call`]) waits before
 /// it asks again (the call that holds the claim is usually answered and recorded long before
 /// its claim expires, and the copy is then acked as registered), and how long one whose claim
-/// Redis did not answer waits.
+/// Redis did not answer waits (also past the end of a claim no longer fresh).
 const CLAIM_RECHECK: Duration = Duration::from_secs(1);
 const CLAIM_UNANSWERED_RECHECK: Duration = Duration::from_millis(100);
 
 /// One delivery's claim of its message's call ([`Limiter::claim_call`]): the token that names
-/// the delivery in Redis, and when the claim it holds was taken (no later than when the
-/// question that took it left), if it holds one that led to no call yet. A claim is relied on
-/// only while it is fresh, within [`CLAIM_FRESH`] of being taken: asking again does not renew
-/// it, so an older one may end before the call's own hold ([`Limiter::note_call`]) reaches
-/// Redis.
+/// the delivery in Redis, and when the claim it holds was taken or last renewed (no later than
+/// when the question that did it left), if it holds one that led to no call yet. A claim is
+/// relied on, and renewed when the delivery asks again ([`Limiter::renew_claim`]), only while
+/// it is fresh, within [`CLAIM_FRESH`] of that: an older one may end before the renewal, or the
+/// call's own hold ([`Limiter::note_call`]), reaches Redis.
 struct DeliveryClaim {
     token: String,
     taken: std::sync::Mutex<Option<tokio::time::Instant>>,
@@ -225,6 +225,11 @@ impl DeliveryClaim {
         self.taken.lock().expect("never poisoned")
     }
 
+    /// Whether a claim taken (or renewed) at `taken` is still fresh.
+    fn fresh_since(taken: tokio::time::Instant) -> bool {
+        taken.elapsed() < CLAIM_FRESH
+    }
+
     /// A question that left at `asked` got `claimed`; whether the claim is this delivery's and
     /// fresh, to be renewed from `asked` ([`Limiter::renew_claim`]).
     fn answered(
@@ -236,7 +241,7 @@ impl DeliveryClaim {
         match claimed {
             Ok(CallClaim::Taken) => *taken = Some(asked),
             // Fresh, it holds long enough for its renewal to reach Redis first.
-            Ok(CallClaim::Held) if taken.is_some_and(|t| t.elapsed() < CLAIM_FRESH) => {
+            Ok(CallClaim::Held) if taken.is_some_and(Self::fresh_since) => {
                 *taken = Some(asked);
                 return true;
             }
@@ -255,13 +260,12 @@ impl DeliveryClaim {
         let Some(taken) = *self.taken() else {
             return Some(Duration::ZERO);
         };
-        let age = taken.elapsed();
-        (age >= CLAIM_FRESH).then(|| CLAIM_ASKING.saturating_sub(age))
+        (!Self::fresh_since(taken)).then(|| CLAIM_ASKING.saturating_sub(taken.elapsed()))
     }
 
     /// Whether the delivery holds a fresh claim that led to no call: it may end it.
     fn fresh(&self) -> bool {
-        self.taken().is_some_and(|t| t.elapsed() < CLAIM_FRESH)
+        self.taken().is_some_and(Self::fresh_since)
     }
 
     /// Its call started: the claim is the call's now.
@@ -1036,7 +1040,7 @@ impl Worker {
         interruptions: Interruptions<'_>,
     ) -> Plan {
         let recheck = match claimed {
-            // Asking again does not renew it: one no longer fresh is let end, then taken anew.
+            // One no longer fresh (not renewed) is let end, then taken anew.
             Ok(CallClaim::Taken | CallClaim::Held) => claim
                 .stale_for()
                 .map(|left| left + CLAIM_UNANSWERED_RECHECK),

@@ -546,3 +546,16 @@ fn a_piece_comes_after_what_it_needs_and_once() {
     ];
     assert_eq!(resolve(&table, ["a", "c", "b"]), ["c", "b", "a"]);
 }
+
+#[test]
+fn every_script_is_among_those_a_replica_loads_at_start() {
+    let loaded: BTreeSet<String> = every()
+        .iter()
+        .map(|script| script.get_hash().to_owned())
+        .collect();
+    for (name, _) in SCRIPTS {
+        let hash = Script::new(&source(name).text()).get_hash().to_owned();
+        assert!(loaded.contains(&hash), "{name} is not loaded at start");
+    }
+    assert_eq!(loaded.len(), every().len(), "no script twice");
+}
