@@ -264,12 +264,13 @@ async fn a_far_queue_told_under_a_slower_window_starts_afresh_under_a_faster_one
         }
     }
     let slow_ticket = slow_ticket.expect("a far ticket under the slow window");
-    // The same seller under 3,072/1s: its reserved set is still full, so it is told far, at
-    // the new pace from the first slot, not behind the slow queue's tickets.
-    let fast = keys.store(support::limiter("3072/1s", Algorithm::SlidingWindow));
+    // The same seller under 3,072/30m: no room before its grants leave the window, and its
+    // reserved set is still full, so it is told far, at the new pace from the first slot, not
+    // behind the slow queue's tickets.
+    let fast = keys.store(support::limiter("3072/30m", Algorithm::SlidingWindow));
     let fast_ticket = far_ticket(decide(&fast, Ask::new(&seller)).await)
         .expect("the reserved set is still full: a far ticket");
-    println!("far tickets: under 3072/1h {slow_ticket:?}, then under 3072/1s {fast_ticket:?}");
+    println!("far tickets: under 3072/1h {slow_ticket:?}, then under 3072/30m {fast_ticket:?}");
     assert!(
         slow_ticket > Duration::from_secs(7000),
         "the slow queue moved on: {slow_ticket:?}"
@@ -278,5 +279,57 @@ async fn a_far_queue_told_under_a_slower_window_starts_afresh_under_a_faster_one
         fast_ticket + Duration::from_secs(1800) < slow_ticket,
         "the far queue kept the slow pace: {fast_ticket:?} after {slow_ticket:?}"
     );
+    keys.cleanup().await;
+}
+
+/// A slot reserved far ahead under a slower window (a visiting replica's 1/1d) holds back no
+/// caller under a faster one (the fleet's terms raised when it left): callers under the new
+/// terms take the room the new window leaves now, before that slot, not a place after it.
+#[tokio::test]
+async fn a_slot_reserved_far_ahead_under_a_slower_window_holds_back_no_caller_under_a_faster_one() {
+    use std::time::Duration;
+    use support::asks::decide;
+    use turnstile_core::config::Algorithm;
+    use turnstile_core::domain::SellerId;
+    use turnstile_core::permit::{Ask, Decision};
+    let keys = support::Keys::new(Backend::Standalone, "far-slot").await;
+    let seller = SellerId::parse("S-far-slot").unwrap();
+    let slow = keys.store(support::limiter("1/1d", Algorithm::SlidingWindow));
+    assert!(matches!(
+        decide(&slow, Ask::new(&seller)).await,
+        Decision::Granted { .. }
+    ));
+    let reserved = decide(&slow, Ask::new(&seller)).await;
+    assert!(
+        matches!(
+            reserved,
+            Decision::Wait {
+                reservation: Some(_),
+                ..
+            }
+        ),
+        "a slot reserved a day ahead: {reserved:?}"
+    );
+    let told_to_come_back = |decision: &Decision| match decision {
+        Decision::Granted { .. } => Some(Duration::ZERO),
+        Decision::Wait { retry_after, .. } | Decision::Deferred { retry_after, .. } => {
+            Some(*retry_after)
+        }
+        _ => None,
+    };
+    // Under 20/1s, 60 callers: three windows' worth, each told to come back within its turn.
+    let fast = keys.store(support::limiter("20/1s", Algorithm::SlidingWindow));
+    let mut latest = Duration::ZERO;
+    for caller in 0..60 {
+        let decision = decide(&fast, Ask::new(&seller)).await;
+        let back =
+            told_to_come_back(&decision).unwrap_or_else(|| panic!("caller {caller}: {decision:?}"));
+        latest = latest.max(back);
+        assert!(
+            back < Duration::from_secs(60),
+            "caller {caller} waits behind the slot reserved under 1/1d: {decision:?}"
+        );
+    }
+    println!("under 20/1s, 60 callers told to come back within {latest:?}");
     keys.cleanup().await;
 }

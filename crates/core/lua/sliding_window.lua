@@ -142,9 +142,12 @@ local function fit(from)
   local slot, used = from, 0
   for _ = 1, 16 do
     local before = slot
-    slot, used = stack_fit(KEYS[1], limits, slot, now, a.cost, zone, early)
-    -- A call on a route takes room the seller's log left before its last slot (gap_fit).
-    if route and not limits.has_calendar then
+    local pushed
+    slot, used, pushed = stack_fit(KEYS[1], limits, slot, now, a.cost, zone, early)
+    -- A call takes room the seller's log left before its last slot (gap_fit): a call on a
+    -- route, whose own route may be free, and any call the log's last slot alone pushes back
+    -- (a slot reserved far ahead under slower terms holds back no caller under the new ones).
+    if (route or pushed) and not limits.has_calendar then
       slot = gap_fit(KEYS[1], limits, before, slot, a.cost)
     end
     if route then slot = route_fit(route, slot, now, a.cost, zone, early) end

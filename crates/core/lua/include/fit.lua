@@ -9,15 +9,19 @@
 -- of STACK, one pass: a sliding limit's after the log's last slot and SPAN after the most recent
 -- unit that must leave for COST more to fit (then no window of SPAN holding the new slot holds
 -- more than COUNT; any later slot fits too); a calendar limit's as calendar_fit, with ZONE and
--- AFTER plus its guard. Notes each limit's units from now on (l.logged) and returns the slot and
--- how much of the most taken limit the units leave taken, in thousandths.
+-- AFTER plus its guard. Notes each limit's units from now on (l.logged) and returns the slot,
+-- how much of the most taken limit the units leave taken, in thousandths, and whether the slot
+-- is later than the counts alone need (only the log's last: the log may have room before its
+-- end, e.g. a slot reserved far ahead under a slower window before the terms were raised; see
+-- gap_fit).
 local function stack_fit(log_key, stack, slot, now, cost, zone, after)
-  local used, last = 0, nil
+  local used, last, counted = 0, nil, slot
   for _, l in ipairs(stack) do
     local n
     if l.phase ~= nil then
       slot = calendar_fit(log_key, l, slot, cost, zone + l.guard, after + l.guard)
       n = calendar_units(log_key, l, calendar_start(l, math.max(slot, now)), zone + l.guard)
+      counted = math.max(counted, slot)
     else
       -- Units counted by this limit from now on: those slotted within its span back from now.
       n = redis.call('ZCOUNT', log_key, string.format('(%.0f', now - l.span), '+inf')
@@ -25,13 +29,14 @@ local function stack_fit(log_key, stack, slot, now, cost, zone, after)
       if n > room then
         last = last or tonumber(redis.call('ZRANGE', log_key, -1, -1, 'WITHSCORES')[2])
         local kth = tonumber(redis.call('ZREVRANGE', log_key, room, room, 'WITHSCORES')[2])
+        counted = math.max(counted, kth + l.span)
         slot = math.max(slot, last, kth + l.span)
       end
     end
     used = math.max(used, math.floor(math.min(n + cost, l.count) * 1000 / l.count))
     l.logged = n
   end
-  return slot, used
+  return slot, used, last ~= nil and slot > counted
 end
 
 -- Most moments gap_fit tries before the end of a log.
