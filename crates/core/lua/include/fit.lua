@@ -36,7 +36,7 @@ local function stack_fit(log_key, stack, slot, now, cost, zone, after)
     used = math.max(used, math.floor(math.min(n + cost, l.count) * 1000 / l.count))
     l.logged = n
   end
-  return slot, used, last ~= nil and slot > counted
+  return slot, used, slot > counted
 end
 
 -- Most moments gap_fit tries before the end of a log.
