@@ -93,6 +93,7 @@ async fn malformed_internal_headers_neither_stop_a_replica_nor_block_other_selle
     }
     rig.publish("S-normal", 3).await?;
     let stats = rig.wait_registered(forged.len() as u64 + 3).await?;
+    rig.wait_settled_registered(forged.len() as u64 + 3).await?;
     let dead = rig.total(|s| &s.dead_lettered);
     let ready = rig.replicas().all(|r| r.ready.get());
     let in_flight: usize = rig
