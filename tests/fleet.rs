@@ -29,8 +29,14 @@ async fn replica(rig: &Rig, limit: &str, stop: &CancellationToken) -> Served {
 
 /// What [`replica`] starts with.
 fn replica_args(rig: &Rig, limit: &str) -> ServeArgs {
+    replica_args_under(rig, limit, Algorithm::SlidingWindow)
+}
+
+/// What a replica with `limit` under `algorithm` starts with.
+fn replica_args_under(rig: &Rig, limit: &str, algorithm: Algorithm) -> ServeArgs {
     let mut settings = rig.settings(8);
     settings.limiter.limit = limit.parse::<Limits>().unwrap();
+    settings.limiter.algorithm = algorithm;
     settings.limiter.adaptive = false;
     ServeArgs::from(settings)
 }
@@ -711,17 +717,33 @@ async fn the_fleet_api_lists_a_replica_cut_off_from_redis_as_lost() {
 /// fleet applied under its terms is undone, and the backlog drains at the fleet's own pace.
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn a_visiting_replica_with_a_stricter_limit_leaves_nothing_stalled_behind() {
-    let mut rig = support::rig("fleet-visitor", "20/1s")
+    a_stricter_visitor_leaves_nothing_stalled(Algorithm::SlidingWindow, "fleet-visitor").await;
+}
+
+/// The same under gcra, whose state is one arrival time per limit: the visitor's day-ahead
+/// schedule is brought to the fleet's terms once they apply again.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_visiting_replica_with_a_stricter_limit_leaves_nothing_stalled_behind_under_gcra() {
+    a_stricter_visitor_leaves_nothing_stalled(Algorithm::Gcra, "fleet-visitor-gcra").await;
+}
+
+async fn a_stricter_visitor_leaves_nothing_stalled(algorithm: Algorithm, name: &str) {
+    let mut rig = support::rig(name, "20/1s")
         .with_api_limit("20/1s".parse().unwrap())
         .prepare()
         .await
         .unwrap();
     let (stop_fleet, stop_visitor) = (CancellationToken::new(), CancellationToken::new());
-    let fleet = replica(&rig, "20/1s", &stop_fleet).await;
+    let fleet = Served::start(
+        replica_args_under(&rig, "20/1s", algorithm),
+        stop_fleet.clone(),
+    )
+    .await
+    .expect("a replica starts");
     rig.publish("S-1", 200).await.unwrap();
     support::eventually("the fleet registers", || registered(&[&fleet.stats]) >= 20).await;
 
-    let mut visiting = replica_args(&rig, "1/1d");
+    let mut visiting = replica_args_under(&rig, "1/1d", algorithm);
     visiting.consume.allow_stricter_terms = true;
     let visitor = Served::start(visiting, stop_visitor.clone()).await.unwrap();
     let visitor_stats = visitor.stats.clone();

@@ -282,9 +282,50 @@ async fn a_far_queue_told_under_a_slower_window_starts_afresh_under_a_faster_one
     keys.cleanup().await;
 }
 
+/// gcra's state written under a looser stack and read under a far stricter one (a visiting
+/// 1/1d): the calls made count in the new window, and the wait is one new window at most, not
+/// the old schedule's cells spaced at the new interval (five calls under 20/1s would be five
+/// days under 1/1d).
+#[tokio::test]
+async fn gcra_under_a_stricter_stack_counts_the_calls_made_and_waits_one_window_at_most() {
+    use std::time::Duration;
+    use support::asks::decide;
+    use turnstile_core::config::Algorithm;
+    use turnstile_core::domain::SellerId;
+    use turnstile_core::permit::{Ask, Decision};
+    let keys = support::Keys::new(Backend::Standalone, "gcra-lowered").await;
+    let seller = SellerId::parse("S-gcra-lowered").unwrap();
+    let loose = keys.store(support::limiter("20/1s", Algorithm::Gcra));
+    for caller in 0..5 {
+        let decision = decide(&loose, Ask::new(&seller)).await;
+        assert!(
+            matches!(decision, Decision::Granted { .. } | Decision::Wait { .. }),
+            "caller {caller} under 20/1s: {decision:?}"
+        );
+    }
+    let strict = keys.store(support::limiter("1/1d", Algorithm::Gcra));
+    let decision = decide(&strict, Ask::new(&seller)).await;
+    let back = match &decision {
+        Decision::Wait { retry_after, .. } | Decision::Deferred { retry_after, .. } => *retry_after,
+        other => panic!("under 1/1d after a call in its window: {other:?}"),
+    };
+    println!("under 1/1d after 5 calls under 20/1s: told to come back in {back:?}");
+    let day = Duration::from_secs(86_400);
+    assert!(
+        back > day - Duration::from_secs(60),
+        "the call made under 20/1s counts in the day: {decision:?}"
+    );
+    assert!(
+        back <= day + Duration::from_secs(3),
+        "one window (+ its guard) at most: {decision:?}"
+    );
+    keys.cleanup().await;
+}
+
 /// A slot reserved far ahead under a slower window (a visiting replica's 1/1d) holds back no
-/// caller under a faster one (the fleet's terms raised when it left): callers under the new
-/// terms take the room the new window leaves now, before that slot, not a place after it.
+/// caller under a faster one (the fleet's terms raised when it left), whatever the algorithm:
+/// callers under the new terms take the room the new window leaves now, before that slot, not a
+/// place after it.
 #[tokio::test]
 async fn a_slot_reserved_far_ahead_under_a_slower_window_holds_back_no_caller_under_a_faster_one() {
     use std::time::Duration;
@@ -293,23 +334,6 @@ async fn a_slot_reserved_far_ahead_under_a_slower_window_holds_back_no_caller_un
     use turnstile_core::domain::SellerId;
     use turnstile_core::permit::{Ask, Decision};
     let keys = support::Keys::new(Backend::Standalone, "far-slot").await;
-    let seller = SellerId::parse("S-far-slot").unwrap();
-    let slow = keys.store(support::limiter("1/1d", Algorithm::SlidingWindow));
-    assert!(matches!(
-        decide(&slow, Ask::new(&seller)).await,
-        Decision::Granted { .. }
-    ));
-    let reserved = decide(&slow, Ask::new(&seller)).await;
-    assert!(
-        matches!(
-            reserved,
-            Decision::Wait {
-                reservation: Some(_),
-                ..
-            }
-        ),
-        "a slot reserved a day ahead: {reserved:?}"
-    );
     let told_to_come_back = |decision: &Decision| match decision {
         Decision::Granted { .. } => Some(Duration::ZERO),
         Decision::Wait { retry_after, .. } | Decision::Deferred { retry_after, .. } => {
@@ -317,19 +341,44 @@ async fn a_slot_reserved_far_ahead_under_a_slower_window_holds_back_no_caller_un
         }
         _ => None,
     };
-    // Under 20/1s, 60 callers: three windows' worth, each told to come back within its turn.
-    let fast = keys.store(support::limiter("20/1s", Algorithm::SlidingWindow));
-    let mut latest = Duration::ZERO;
-    for caller in 0..60 {
-        let decision = decide(&fast, Ask::new(&seller)).await;
-        let back =
-            told_to_come_back(&decision).unwrap_or_else(|| panic!("caller {caller}: {decision:?}"));
-        latest = latest.max(back);
+    for algorithm in [
+        Algorithm::SlidingWindow,
+        Algorithm::Gcra,
+        Algorithm::TokenBucket,
+        Algorithm::FixedWindow,
+    ] {
+        let seller = SellerId::parse(&format!("S-far-slot-{algorithm}")).unwrap();
+        let slow = keys.store(support::limiter("1/1d", algorithm));
+        let first = decide(&slow, Ask::new(&seller)).await;
         assert!(
-            back < Duration::from_secs(60),
-            "caller {caller} waits behind the slot reserved under 1/1d: {decision:?}"
+            matches!(first, Decision::Granted { .. }),
+            "{algorithm}: the first call under 1/1d: {first:?}"
         );
+        // The next is told a day (fixed-window: until the next UTC day): a slot reserved that
+        // far ahead, or (beyond the reserve horizon) come back then.
+        let second = decide(&slow, Ask::new(&seller)).await;
+        let day_ahead = match algorithm {
+            Algorithm::FixedWindow => Duration::ZERO,
+            _ => Duration::from_secs(80_000),
+        };
+        assert!(
+            told_to_come_back(&second).is_some_and(|back| back > day_ahead),
+            "{algorithm}: the second call under 1/1d waits a day: {second:?}"
+        );
+        // Under 20/1s, 60 callers: three windows' worth, each told to come back within its turn.
+        let fast = keys.store(support::limiter("20/1s", algorithm));
+        let mut latest = Duration::ZERO;
+        for caller in 0..60 {
+            let decision = decide(&fast, Ask::new(&seller)).await;
+            let back = told_to_come_back(&decision)
+                .unwrap_or_else(|| panic!("{algorithm}: caller {caller}: {decision:?}"));
+            latest = latest.max(back);
+            assert!(
+                back < Duration::from_secs(60),
+                "{algorithm}: caller {caller} waits behind the slot reserved under 1/1d: {decision:?}"
+            );
+        }
+        println!("{algorithm}: under 20/1s, 60 callers told to come back within {latest:?}");
     }
-    println!("under 20/1s, 60 callers told to come back within {latest:?}");
     keys.cleanup().await;
 }

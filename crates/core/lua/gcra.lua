@@ -6,6 +6,7 @@
 -- @include losses
 -- @include records
 -- @include reservations
+-- @include tats
 -- @include terms
 -- @include time
 -- gcra: generic cell rate algorithm with O(1) state per limit of a seller's stack (its
@@ -17,7 +18,10 @@
 -- the returned slot, nothing per caller is stored.
 --
 -- KEYS[1]  the seller's TATs (string: one per limit of the stack, in its order, comma-separated;
---          µs, Redis time)
+--          µs, Redis time; with the stack that wrote them, see include/tats.lua: a state written
+--          under another stack is brought to the one that applies, so that a far stricter
+--          stack's schedule, a day ahead under 1/1d, holds back no caller once it no longer
+--          applies)
 -- KEYS[2]  the seller's limit override ("COUNTS WINDOWS_US"), may be absent
 -- KEYS[3]  the seller's pause ("UNTIL_US"), may be absent
 -- KEYS[4]  the seller's reserved slots (sorted set: member = held_name(TOKEN, COST), score = slot)
@@ -71,15 +75,12 @@ if already_done(a.done) then return {3, now, now, limits.counts, limits.windows}
 if a.cost > max_cost then return never(max_cost, now, limits) end
 check_server(KEYS[5], KEYS[1], KEYS[3], a.losses, limits.max_span, now, a.durable)
 
--- The stored TATs, one per limit; a limit without one (the stack grew) takes the latest stored.
-local stored, latest = {}, 0
-for t in string.gmatch(redis.call('GET', KEYS[1]) or '', '[^,]+') do
-  stored[#stored + 1] = tonumber(t) or 0
-  latest = math.max(latest, stored[#stored])
-end
+-- The stored TATs under the stack that applies, one per limit; a limit without one (the stack
+-- grew) takes the latest stored.
+local stored = tats_under(read_tats(redis.call('GET', KEYS[1])), limits, burst, now)
 local slot = math.max(now, not_before(KEYS[3], limits, a.cost, now))
 for i, l in ipairs(limits) do
-  l.tat = math.max(stored[i] or latest, now)
+  l.tat = math.max(stored[i] or stored.latest, now)
   slot = math.max(slot, l.tat - (l.burst - a.cost) * l.interval)
 end
 -- A whole µs, never earlier: the slot is answered, held in the reserved set and redeemed as an
@@ -95,12 +96,12 @@ if status == 0 then return told_to_wait(0, slot, now, limits, a) end
 local tats, ahead, used = {}, 0, 0
 for i, l in ipairs(limits) do
   local next_tat = math.max(l.tat, slot) + a.cost * l.interval
-  tats[i] = string.format('%.0f', next_tat)
+  tats[i] = next_tat
   ahead = math.max(ahead, next_tat - now)
   used = math.max(used, math.floor((next_tat - now) * 1000 / (l.burst * l.interval)))
 end
 local ttl = math.floor(ahead / 1000) + 1
-redis.call('SET', KEYS[1], table.concat(tats, ','), 'PX', ttl)
+redis.call('SET', KEYS[1], tats_text(tats, limits), 'PX', ttl)
 local waiting = keep_and_hold(status, ttl, KEYS[5], KEYS[4], slot, now, late, a, limits)
 if waiting then return waiting end
 start_call(KEYS[6], a.token, a.cost, now, a.bound, limits)

@@ -2,6 +2,7 @@
 -- @include limits
 -- @include pauses
 -- @include states
+-- @include tats
 -- @include terms
 -- @include time
 -- usage: how much of each limit of a seller's stack is taken now, for the dashboard. Reads only;
@@ -67,15 +68,11 @@ if algorithm == 'sliding-window' then
     row(redis.call('ZCOUNT', KEYS[1], string.format('(%.0f', now - l.span), string.format('%.0f', now)), l.count, ahead)
   end
 elseif algorithm == 'gcra' then
-  local stored, latest = {}, 0
-  for t in string.gmatch(redis.call('GET', KEYS[1]) or '', '[^,]+') do
-    stored[#stored + 1] = tonumber(t) or 0
-    latest = math.max(latest, stored[#stored])
-  end
+  local stored = tats_under(read_tats(redis.call('GET', KEYS[1])), limits, int_arg(5, 1), now)
   for i, l in ipairs(limits) do
     local burst = math.min(int_arg(5, 1), l.count)
     local interval = l.span / (l.count - burst + 1)
-    local cells = math.ceil(math.max((stored[i] or latest) - now, 0) / interval)
+    local cells = math.ceil(math.max((stored[i] or stored.latest) - now, 0) / interval)
     row(math.min(cells, burst), burst, cells - math.min(cells, burst))
   end
 elseif algorithm == 'token-bucket' then

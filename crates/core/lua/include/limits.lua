@@ -96,8 +96,10 @@ end
 -- Completes a stack with what every script derives from it: each limit's guard (GUARD as in
 -- guard_for) and span (window + guard), and over the stack: min_count, max_count, min_guard,
 -- min_span, max_span and max_window, `slowest`, the limit with the lowest long-run rate
--- (count/span), and `has_calendar` when a limit is a calendar limit.
+-- (count/span), `has_calendar` when a limit is a calendar limit, and `guard_setting` (GUARD:
+-- another stack completed the same way, see written_under in include/tats.lua).
 local function with_spans(limits, guard)
+  limits.guard_setting = guard
   for _, l in ipairs(limits) do
     l.guard = guard_for(l.window, guard)
     l.span = l.window + l.guard

@@ -1,5 +1,6 @@
 -- @include states
 -- @include reservations
+-- @include tats
 -- terms_change: what a change of a seller's terms (reschedule.lua, a lesson of learn.lua) does
 -- to its state: every reserved slot given back at once, the state brought to the new stack.
 -- Defines: give_back_reserved
@@ -36,34 +37,20 @@ local function give_back_reserved(algorithm, state_key, reserved_key, limits, ne
   if algorithm == 'gcra' then
     local value = redis.call('GET', state_key)
     if value then
-      local stored, latest = {}, 0
-      for t in string.gmatch(value, '[^,]+') do
-        stored[#stored + 1] = tonumber(t) or 0
-        latest = math.max(latest, stored[#stored])
-      end
+      local state = read_tats(value)
+      -- The state as written (by another stack, if it says so: a replica may have brought it to
+      -- the terms in force already, see tats_under).
+      local from = written_under(state, limits) or limits
       -- Only units slotted after every call made so far (later than the earliest a grant may be)
       -- are the end of the schedule; an older, unredeemed one stays unused.
-      local early = math.floor(limits.min_guard / 10)
+      local early = math.floor(from.min_guard / 10)
       local ahead = units_of(redis.call('ZRANGEBYSCORE', reserved_key, string.format('(%.0f', now + early), '+inf', 'WITHSCORES'))
-      local cells = 0
-      for i, l in ipairs(limits) do
-        local b = math.min(burst, l.count)
-        local interval = l.span / (l.count - b + 1)
-        -- A grant is only made with its slot at most GUARD/10 ahead, so the calls' TAT is at most
-        -- BURST intervals past that (a pause folded into the TAT ends there too).
-        local calls_tat = math.min((stored[i] or latest) - ahead * interval, now + early + b * interval)
-        cells = math.max(cells, math.max(calls_tat - now, 0) / interval)
-      end
       -- The calls' cells, spaced at each new interval, never more than one new window ahead.
-      local tats, longest = {}, 0
-      for i, l in ipairs(new_limits) do
-        local b = math.min(burst, l.count)
-        local ahead_us = math.min(cells * l.span / (l.count - b + 1), l.span)
-        tats[i] = string.format('%.0f', now + ahead_us)
-        longest = math.max(longest, ahead_us)
-      end
-      if longest > 0 then
-        redis.call('SET', state_key, table.concat(tats, ','), 'PX', math.floor(longest / 1000) + 1)
+      local new_state = spaced(cells_ahead(state, from, burst, now, ahead, now + early), new_limits, burst, now)
+      if new_state.ahead > 0 then
+        local tats = {}
+        for i = 1, #new_limits do tats[i] = new_state[i] end
+        redis.call('SET', state_key, tats_text(tats, new_limits), 'PX', math.floor(new_state.ahead / 1000) + 1)
       else
         redis.call('DEL', state_key)
       end

@@ -53,6 +53,7 @@ static PIECES: &[(&str, &str)] = &[
         "terms_change",
         include_str!("../../lua/include/terms_change.lua"),
     ),
+    ("tats", include_str!("../../lua/include/tats.lua")),
     ("time", include_str!("../../lua/include/time.lua")),
     ("units", include_str!("../../lua/include/units.lua")),
 ];
