@@ -77,7 +77,7 @@ check_server(KEYS[5], KEYS[1], KEYS[3], a.losses, limits.max_span, now, a.durabl
 
 -- The stored TATs under the stack that applies, one per limit; a limit without one (the stack
 -- grew) takes the latest stored.
-local stored = tats_under(read_tats(redis.call('GET', KEYS[1])), limits, burst, now)
+local stored = tats_under(read_tats(redis.call('GET', KEYS[1])), limits, burst, now, KEYS[4])
 local slot = math.max(now, not_before(KEYS[3], limits, a.cost, now))
 for i, l in ipairs(limits) do
   l.tat = math.max(stored[i] or stored.latest, now)

@@ -16,13 +16,16 @@ local function with_learned(learned_key, configured, cost)
   if s[1] ~= configured.counts .. ' ' .. configured.windows then return configured end
   local learned = parse_limits(s[2], configured.windows)
   if learned == nil or #learned ~= #configured then return configured end
-  local counts = {}
+  local counts, sign = {}, {}
   for i, l in ipairs(learned) do
     local c = configured[i].count
+    sign[i] = math.min(c, l.count)
     l.count = math.min(c, math.max(l.count, math.min(cost, c)))
     counts[i] = l.count
   end
   learned.counts = csv(counts)
+  -- The counts a call of cost 1 gets: the stack as gcra's state keeps it (see stack_sign).
+  learned.sign_counts = csv(sign)
   learned.configured = configured
   learned.quota_left = tonumber(s[3])
   learned.quota_until = tonumber(s[4])

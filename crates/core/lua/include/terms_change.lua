@@ -42,11 +42,11 @@ local function give_back_reserved(algorithm, state_key, reserved_key, limits, ne
       -- the terms in force already, see tats_under).
       local from = written_under(state, limits) or limits
       -- Only units slotted after every call made so far (later than the earliest a grant may be)
-      -- are the end of the schedule; an older, unredeemed one stays unused.
+      -- are the end of the schedule; an older, unredeemed one stays unused. Every one is given
+      -- back: the calls' cells, spaced at each new interval, never more than one new span ahead.
       local early = math.floor(from.min_guard / 10)
-      local ahead = units_of(redis.call('ZRANGEBYSCORE', reserved_key, string.format('(%.0f', now + early), '+inf', 'WITHSCORES'))
-      -- The calls' cells, spaced at each new interval, never more than one new window ahead.
-      local new_state = spaced(cells_ahead(state, from, burst, now, ahead, now + early), new_limits, burst, now)
+      local ahead = units_after(reserved_key, now + early)
+      local new_state = spaced(cells_ahead(state, from, burst, now, ahead, now + early), 0, new_limits, burst, now)
       if new_state.ahead > 0 then
         local tats = {}
         for i = 1, #new_limits do tats[i] = new_state[i] end
