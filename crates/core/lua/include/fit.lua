@@ -11,9 +11,12 @@
 -- more than COUNT; any later slot fits too); a calendar limit's as calendar_fit, with ZONE and
 -- AFTER plus its guard. Notes each limit's units from now on (l.logged) and returns the slot,
 -- how much of the most taken limit the units leave taken, in thousandths, and whether the slot
--- is later than the counts alone need (only the log's last: the log may have room before its
--- end, e.g. a slot reserved far ahead under a slower window before the terms were raised; see
--- gap_fit).
+-- is later than the counts alone need by more than the stack's shortest span (only the log's
+-- last: the log may have room before its end, e.g. a slot reserved far ahead under a slower
+-- window before the terms were raised; see gap_fit). A slot pushed back less than that is not
+-- looked into: it waits at most one span more than it might, while looking (up to GAPS tries,
+-- each reading two spans of the log) would cost a backlog's every reservation far more Redis
+-- time than the wait is worth.
 local function stack_fit(log_key, stack, slot, now, cost, zone, after)
   local used, last, counted = 0, nil, slot
   for _, l in ipairs(stack) do
@@ -36,7 +39,7 @@ local function stack_fit(log_key, stack, slot, now, cost, zone, after)
     used = math.max(used, math.floor(math.min(n + cost, l.count) * 1000 / l.count))
     l.logged = n
   end
-  return slot, used, slot > counted
+  return slot, used, slot > counted + stack.min_span
 end
 
 -- Most moments gap_fit tries before the end of a log.
