@@ -433,3 +433,56 @@ async fn a_redis_started_moments_ago_is_said_with_the_end_of_its_pause() {
     }
     rig.cleanup().await.unwrap();
 }
+
+/// A flush of another database of the same Redis leaves this one's sellers alone: each seller's
+/// stamp is still there, so nothing it was granted was lost, and it is not paused; a flush of
+/// its own database (its stamp gone with its state) still pauses it for one window + guard.
+#[tokio::test]
+async fn a_flush_of_another_database_pauses_no_seller_but_one_of_its_own_does() {
+    use support::asks::decide;
+    use turnstile_core::config::Algorithm;
+    use turnstile_core::domain::SellerId;
+    use turnstile_core::permit::{Ask, Decision};
+    let redis = LocalRedis::start().unwrap();
+    let keys = support::Keys::at(&redis.url(), "other-db").await;
+    let mut limiter = support::limiter("5/1s", Algorithm::SlidingWindow);
+    limiter.redis_durable = false;
+    let store = keys.store(limiter);
+    let client = redis::Client::open(redis.url()).unwrap();
+    let mut conn = client.get_multiplexed_async_connection().await.unwrap();
+    // Past the cold start of a Redis that has just started (one window + guard).
+    while info_field(&mut conn, "server", "uptime_in_seconds")
+        .await
+        .parse::<u64>()
+        .unwrap()
+        < 3
+    {
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    let seller = SellerId::parse("S-other-db").unwrap();
+    let first = decide(&store, Ask::new(&seller)).await;
+    assert!(matches!(first, Decision::Granted { .. }), "{first:?}");
+
+    let other = redis::Client::open(format!("{}1", redis.url())).unwrap();
+    let mut other = other.get_multiplexed_async_connection().await.unwrap();
+    let _: () = other.set("another-app", "x").await.unwrap();
+    let () = redis::cmd("FLUSHDB").query_async(&mut other).await.unwrap();
+    let after_other = decide(&store, Ask::new(&seller)).await;
+    assert!(
+        matches!(after_other, Decision::Granted { .. }),
+        "a flush of database 1 paused a seller of database 0: {after_other:?}"
+    );
+
+    let () = redis::cmd("FLUSHDB").query_async(&mut conn).await.unwrap();
+    let after_own = decide(&store, Ask::new(&seller)).await;
+    let waits = match &after_own {
+        Decision::Wait { retry_after, .. } | Decision::Deferred { retry_after, .. } => *retry_after,
+        other => panic!("a flush of its own database paused nothing: {other:?}"),
+    };
+    println!("after a flush of its own database: told to come back in {waits:?}");
+    assert!(
+        waits > Duration::from_millis(500),
+        "paused for about a window: {after_own:?}"
+    );
+    keys.cleanup().await;
+}
