@@ -97,6 +97,9 @@ async fn it_accepts_count_registrations_then_refuses_with_retry_after_and_counts
     let s1 = &stats.sellers["S-1"];
     assert_eq!((s1.registered, s1.violations, s1.max_in_window), (3, 1, 3));
     assert!(s1.first_ms.unwrap() <= s1.last_ms.unwrap());
+    let refused: Vec<&str> = s1.first_violations.iter().map(|v| v.key.as_str()).collect();
+    assert_eq!(refused, ["k4"], "the refused request is named");
+    assert!(s1.first_violations[0].at_ms >= s1.last_ms.unwrap());
     assert_eq!(stats.sellers["S-2"].violations, 0);
 }
 

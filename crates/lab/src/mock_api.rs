@@ -315,6 +315,22 @@ pub struct SellerStats {
     /// The most requests of the seller in flight at once (arrived, not yet answered).
     #[serde(default)]
     pub max_in_flight: u64,
+    /// The first requests refused with 429 (at most [`MOST_VIOLATIONS_KEPT`]): when each arrived
+    /// and its Idempotency-Key, so that a test that sees a violation can say which call it was.
+    #[serde(default)]
+    pub first_violations: Vec<Violation>,
+}
+
+/// How many of a seller's refused requests [`SellerStats::first_violations`] keeps.
+pub const MOST_VIOLATIONS_KEPT: usize = 16;
+
+/// A request the mock refused with 429.
+#[derive(Clone, Debug, Default, Serialize, Deserialize, PartialEq)]
+pub struct Violation {
+    /// Milliseconds from the server's start (or last reset) to its arrival.
+    pub at_ms: u64,
+    /// Its Idempotency-Key.
+    pub key: String,
 }
 
 /// How many of the latest requests' headers the mock keeps ([`MockServer::recent_requests`]).
@@ -866,6 +882,12 @@ impl App {
         if let Some(wait) = wait.max(global_wait) {
             stats.violations += 1;
             seller.violations += 1;
+            if seller.first_violations.len() < MOST_VIOLATIONS_KEPT {
+                seller.first_violations.push(Violation {
+                    at_ms: millis(now - *epoch),
+                    key: req.key.clone(),
+                });
+            }
             let retry_after_secs = u64::try_from(wait.as_nanos().div_ceil(1_000_000_000))
                 .unwrap_or(u64::MAX)
                 .max(1);
