@@ -449,12 +449,14 @@ async fn the_fleet_api_lists_the_replicas_and_the_terms_in_force() {
         replicas.iter().any(|r| r["id"] == fleet["me"]),
         "the serving replica names itself: {fleet}"
     );
-    let metrics = endpoints.metrics().await;
-    assert!(metrics.contains("turnstile_fleet_replicas 2"), "{metrics}");
-    assert!(
-        metrics.contains("turnstile_fleet_disagreement 1"),
-        "{metrics}"
-    );
+    // The gauges follow the serving replica's heartbeat, which may come after the read above.
+    let mut metrics = String::new();
+    support::eventually_async("/metrics counts both and their disagreement", async || {
+        metrics = endpoints.metrics().await;
+        metrics.contains("turnstile_fleet_replicas 2")
+            && metrics.contains("turnstile_fleet_disagreement 1")
+    })
+    .await;
     stop.cancel();
     quiet.wait().await.unwrap();
     serving.wait().await.unwrap();
