@@ -214,6 +214,22 @@ async fn info_field(
         .to_owned()
 }
 
+/// Waits until `redis` has been up `seconds` (past the cold start of a Redis that has just
+/// started, see check_server), and gives a connection to it.
+async fn past_cold_start(redis: &LocalRedis, seconds: u64) -> redis::aio::MultiplexedConnection {
+    let client = redis::Client::open(redis.url()).unwrap();
+    let mut conn = client.get_multiplexed_async_connection().await.unwrap();
+    while info_field(&mut conn, "server", "uptime_in_seconds")
+        .await
+        .parse::<u64>()
+        .unwrap()
+        < seconds
+    {
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    conn
+}
+
 impl Loss {
     /// Makes the state of `seller` (keys under `prefix`) go.
     async fn strike(self, redis: &LocalRedis, rig: &Rig, seller: &str) {
@@ -276,17 +292,7 @@ async fn lost_state_lets_no_burst_through(loss: Loss) {
     let mut settings = rig.settings(4);
     settings.limiter.redis_durable = false;
     rig.start_replica(settings).await.unwrap();
-    // Past the cold start of a Redis that has just started.
-    let client = redis::Client::open(redis.url()).unwrap();
-    let mut conn = client.get_multiplexed_async_connection().await.unwrap();
-    while info_field(&mut conn, "server", "uptime_in_seconds")
-        .await
-        .parse::<u64>()
-        .unwrap()
-        < 4
-    {
-        tokio::time::sleep(Duration::from_millis(100)).await;
-    }
+    past_cold_start(&redis, 4).await;
     rig.publish("S-lost", 5).await.unwrap();
     rig.wait_settled_registered(5).await.unwrap();
     loss.strike(&redis, &rig, "S-lost").await;
@@ -448,17 +454,8 @@ async fn a_flush_of_another_database_pauses_no_seller_but_one_of_its_own_does() 
     let mut limiter = support::limiter("5/1s", Algorithm::SlidingWindow);
     limiter.redis_durable = false;
     let store = keys.store(limiter);
-    let client = redis::Client::open(redis.url()).unwrap();
-    let mut conn = client.get_multiplexed_async_connection().await.unwrap();
     // Past the cold start of a Redis that has just started (one window + guard).
-    while info_field(&mut conn, "server", "uptime_in_seconds")
-        .await
-        .parse::<u64>()
-        .unwrap()
-        < 3
-    {
-        tokio::time::sleep(Duration::from_millis(100)).await;
-    }
+    let mut conn = past_cold_start(&redis, 3).await;
     let seller = SellerId::parse("S-other-db").unwrap();
     let first = decide(&store, Ask::new(&seller)).await;
     assert!(matches!(first, Decision::Granted { .. }), "{first:?}");
