@@ -66,8 +66,7 @@ local burst = int_arg(9, 1)
 local limits = with_spans(effective_limits(KEYS[2], a.limits, a.learned, a.cost), a.guard)
 local max_cost = nil
 for _, l in ipairs(limits) do
-  l.burst = math.min(burst, l.count)
-  l.interval = l.span / (l.count - l.burst + 1)
+  l.burst, l.interval = cell_of(l, burst)
   max_cost = math.min(max_cost or l.burst, l.burst)
 end
 local now = now_us()

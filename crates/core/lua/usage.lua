@@ -68,10 +68,10 @@ if algorithm == 'sliding-window' then
     row(redis.call('ZCOUNT', KEYS[1], string.format('(%.0f', now - l.span), string.format('%.0f', now)), l.count, ahead)
   end
 elseif algorithm == 'gcra' then
-  local stored = tats_under(read_tats(redis.call('GET', KEYS[1])), limits, int_arg(5, 1), now, KEYS[7])
+  local burst_arg = int_arg(5, 1)
+  local stored = tats_under(read_tats(redis.call('GET', KEYS[1])), limits, burst_arg, now, KEYS[7])
   for i, l in ipairs(limits) do
-    local burst = math.min(int_arg(5, 1), l.count)
-    local interval = l.span / (l.count - burst + 1)
+    local burst, interval = cell_of(l, burst_arg)
     local cells = math.ceil(math.max((stored[i] or stored.latest) - now, 0) / interval)
     row(math.min(cells, burst), burst, cells - math.min(cells, burst))
   end

@@ -7,16 +7,26 @@
 -- one stack is read under another (a fleet's terms raised or lowered, an override, a learned
 -- count). A state without its stack ("TAT1,TAT2", written before it was kept) is read by
 -- position under whatever stack applies.
--- Defines: stack_sign, read_tats, tats_text, written_under, units_after, cells_ahead, spaced,
---   tats_under
+-- Defines: cell_of, stack_sign, read_tats, tats_text, written_under, units_after, cells_ahead,
+--   spaced, tats_under
+
+-- gcra's burst and emission interval for the limit L with BURST: B = min(BURST, COUNT), and
+-- (WINDOW + GUARD) / (COUNT - B + 1) µs (see gcra.lua).
+local function cell_of(l, burst)
+  local b = math.min(burst, l.count)
+  return b, l.span / (l.count - b + 1)
+end
 
 -- The stack LIMITS as a state keeps it: its counts and windows, `;`-separated. With learned
 -- counts, those a call of cost 1 gets (see with_learned: a costlier call may get a higher
 -- count, which is not another stack).
+-- Worked out once per stack (kept in LIMITS as `signed`).
 local function stack_sign(limits)
-  local counts = limits.counts
-  if limits.sign_counts then counts = limits.sign_counts end
-  return (string.gsub(counts, ',', ';')), (string.gsub(limits.windows, ',', ';'))
+  if limits.signed == nil then
+    local counts = limits.sign_counts or limits.counts
+    limits.signed = {(string.gsub(counts, ',', ';')), (string.gsub(limits.windows, ',', ';'))}
+  end
+  return limits.signed[1], limits.signed[2]
 end
 
 -- The state in VALUE (a GET's answer: nil or false when there is none): its TATs by position
@@ -80,8 +90,7 @@ end
 local function cells_ahead(state, from, burst, now, reserved, last)
   local cells = 0
   for i, l in ipairs(from) do
-    local b = math.min(burst, l.count)
-    local interval = l.span / (l.count - b + 1)
+    local b, interval = cell_of(l, burst)
     local tat = math.min((state[i] or state.latest) - reserved * interval, last + b * interval)
     cells = math.max(cells, math.max(tat - now, 0) / interval)
   end
@@ -98,8 +107,7 @@ end
 local function spaced(cells, reserved, to, burst, now)
   local state = {latest = now, ahead = 0}
   for i, l in ipairs(to) do
-    local b = math.min(burst, l.count)
-    local interval = l.span / (l.count - b + 1)
+    local _, interval = cell_of(l, burst)
     local ahead = math.min(cells * interval, l.span) + reserved * interval
     state[i] = now + ahead
     state.latest = math.max(state.latest, state[i])

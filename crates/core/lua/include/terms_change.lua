@@ -48,9 +48,7 @@ local function give_back_reserved(algorithm, state_key, reserved_key, limits, ne
       local ahead = units_after(reserved_key, now + early)
       local new_state = spaced(cells_ahead(state, from, burst, now, ahead, now + early), 0, new_limits, burst, now)
       if new_state.ahead > 0 then
-        local tats = {}
-        for i = 1, #new_limits do tats[i] = new_state[i] end
-        redis.call('SET', state_key, tats_text(tats, new_limits), 'PX', math.floor(new_state.ahead / 1000) + 1)
+        redis.call('SET', state_key, tats_text(new_state, new_limits), 'PX', math.floor(new_state.ahead / 1000) + 1)
       else
         redis.call('DEL', state_key)
       end
