@@ -47,6 +47,10 @@ pub enum DeadLettersAction {
         /// Show the dead letters that would be replayed, and move nothing.
         #[arg(long = "dry-run")]
         dry_run: bool,
+        /// Also replay superseded dead letters (a newer message of their product took their
+        /// place): each becomes its product's latest message again. Without it they stay.
+        #[arg(long)]
+        force: bool,
         #[command(flatten)]
         done: DoneTtlArgs,
         #[command(flatten)]
@@ -103,6 +107,7 @@ impl Select {
             batch_id: self.batch.as_ref().map(|b| b.as_str().to_owned()),
             reason: self.reason,
             detail: self.detail.clone().filter(|d| !d.trim().is_empty()),
+            force: false,
         }
     }
 
@@ -171,12 +176,13 @@ pub async fn run(DeadLettersArgs { action, broker }: DeadLettersArgs) -> anyhow:
         DeadLettersAction::Replay {
             select,
             dry_run,
+            force,
             done,
             json,
             redis,
             operator,
         } => {
-            let selection = select.selection();
+            let selection = select.selection().forced(force);
             let store = PermitStore::connect(&redis, &LimiterArgs::default()).await?;
             let done = dead_letters::replay(
                 &channel, &publisher, &topology, &selection, &store, done.ttl, dry_run,
@@ -294,6 +300,13 @@ fn print_replayed(done: &Replayed, topology: &Topology, selection: &Selection) {
             topology.work(),
             of(selection),
             done.kept,
+            topology.dead()
+        );
+    }
+    if done.refused > 0 {
+        println!(
+            "{} superseded dead letters stay in {} (a newer message of their product took their place; --force replays them too)",
+            done.refused,
             topology.dead()
         );
     }

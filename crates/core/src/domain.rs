@@ -187,6 +187,60 @@ impl BatchId {
     }
 }
 
+/// The seller's own identity of a product (the body's optional `product_key`, e.g. its SKU):
+/// 1–256 characters, no control characters. Of one seller's messages with one product key,
+/// the latest supersedes the older ones still waiting (see `permit::Supersession`).
+#[derive(Clone, Debug, PartialEq, Eq, Hash)]
+pub struct ProductKey(String);
+
+impl ProductKey {
+    pub const MAX_CHARS: usize = 256;
+
+    pub fn parse(s: &str) -> Result<Self, InvalidMessage> {
+        check_text(s, Self::MAX_CHARS).map_err(|why| InvalidMessage::Field {
+            field: "product_key",
+            why,
+        })?;
+        Ok(Self(s.to_owned()))
+    }
+    pub fn as_str(&self) -> &str {
+        &self.0
+    }
+}
+
+/// A product's version (the body's optional `version`, read only beside a `product_key`): an
+/// integer of at most 15 digits, so that Redis's Lua compares it exactly. Of two messages for one
+/// product that both carry one, the higher is the newer.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash)]
+pub struct Version(i64);
+
+impl Version {
+    /// The largest magnitude a version may have (15 digits).
+    pub const MAX: i64 = 999_999_999_999_999;
+
+    /// A version of `v`, if its magnitude is at most [`Version::MAX`].
+    pub fn new(v: i64) -> Option<Self> {
+        (-Self::MAX..=Self::MAX).contains(&v).then_some(Self(v))
+    }
+    pub fn get(self) -> i64 {
+        self.0
+    }
+
+    /// The `version` of an envelope: a JSON integer of at most 15 digits (`"3"` and `3.0` are
+    /// refused).
+    fn parse(raw: &RawValue) -> Result<Self, InvalidMessage> {
+        let why = "must be an integer of at most 15 digits";
+        let v: i64 = serde_json::from_str(raw.get()).map_err(|_| InvalidMessage::Field {
+            field: "version",
+            why,
+        })?;
+        Version::new(v).ok_or(InvalidMessage::Field {
+            field: "version",
+            why,
+        })
+    }
+}
+
 /// What one registration takes of every limit of its seller: 1 to [`Cost::MAX`] units
 /// (the envelope's `cost`, default 1).
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
@@ -297,6 +351,9 @@ pub struct Registration {
     pub route: Option<RouteName>,
     /// When its call must have been made by, if the producer said (`deadline`).
     pub deadline: Option<Deadline>,
+    /// The product it registers, as the seller names it (`product_key`), and its `version`:
+    /// the latest message of a product supersedes the older ones still waiting.
+    pub product_key: Option<(ProductKey, Option<Version>)>,
     /// Its place among its seller's waiting messages (the AMQP `priority` property; set by the
     /// consumer from the delivery, [`Priority::DEFAULT`] from [`Registration::parse`]).
     pub priority: Priority,
@@ -320,6 +377,10 @@ struct Wire<'a> {
     deadline: Option<&'a RawValue>,
     #[serde(default, borrow)]
     route: Option<&'a RawValue>,
+    #[serde(default, borrow)]
+    product_key: Option<&'a RawValue>,
+    #[serde(default, borrow)]
+    version: Option<&'a RawValue>,
     #[serde(borrow)]
     product: Option<&'a RawValue>,
 }
@@ -395,6 +456,19 @@ impl Registration {
             Some(raw) => Some(Deadline::parse(&string_field(raw, "deadline")?)?),
             None => None,
         };
+        // `version` means something only beside a `product_key`; without one the message is
+        // read as it always was.
+        let product_key = match wire.product_key.filter(|raw| raw.get() != "null") {
+            Some(raw) => {
+                let key = ProductKey::parse(&string_field(raw, "product_key")?)?;
+                let version = match wire.version.filter(|raw| raw.get() != "null") {
+                    Some(raw) => Some(Version::parse(raw)?),
+                    None => None,
+                };
+                Some((key, version))
+            }
+            None => None,
+        };
         Ok(Self {
             message_id,
             seller_id,
@@ -404,6 +478,7 @@ impl Registration {
             cost_given,
             route,
             deadline,
+            product_key,
             priority: Priority::DEFAULT,
             product: product.to_owned(),
         })
@@ -718,6 +793,52 @@ mod tests {
         }
         let none = Registration::parse(br#"{"seller_id":"S","product":{}}"#, None).unwrap();
         assert_eq!(none.cost, Cost::ONE);
+    }
+
+    #[test]
+    fn a_product_key_is_read_with_its_version_and_a_version_alone_is_ignored_as_before() {
+        let parse = |fields: &str| {
+            let body = format!(r#"{{"seller_id":"S",{fields}"product":{{}}}}"#);
+            Registration::parse(body.as_bytes(), None)
+                .map(|r| r.product_key.map(|(k, v)| (k.as_str().to_owned(), v.map(Version::get))))
+        };
+        assert_eq!(parse(""), Ok(None));
+        assert_eq!(parse(r#""product_key":null,"#), Ok(None));
+        assert_eq!(
+            parse(r#""product_key":"SKU-1","#),
+            Ok(Some(("SKU-1".into(), None)))
+        );
+        assert_eq!(
+            parse(r#""product_key":"SKU-1","version":-7,"#),
+            Ok(Some(("SKU-1".into(), Some(-7))))
+        );
+        assert_eq!(
+            parse(r#""product_key":"SKU-1","version":999999999999999,"#),
+            Ok(Some(("SKU-1".into(), Some(Version::MAX))))
+        );
+        // Without a product key, `version` is what it always was: part of nobody's contract.
+        assert_eq!(parse(r#""version":"anything","#), Ok(None));
+        for bad in [
+            r#""product_key":"","#,
+            r#""product_key":5,"#,
+            r#""product_key":"a\u0007b","#,
+        ] {
+            assert!(
+                matches!(parse(bad), Err(InvalidMessage::Field { field: "product_key", .. })),
+                "{bad}: {:?}",
+                parse(bad)
+            );
+        }
+        let long = format!(r#""product_key":"{}","#, "k".repeat(257));
+        assert!(parse(&long).is_err());
+        for bad in ["1.5", "\"3\"", "1000000000000000", "true"] {
+            let fields = format!(r#""product_key":"SKU-1","version":{bad},"#);
+            assert!(
+                matches!(parse(&fields), Err(InvalidMessage::Field { field: "version", .. })),
+                "{bad}: {:?}",
+                parse(&fields)
+            );
+        }
     }
 
     #[test]

@@ -26,7 +26,7 @@ use lapin::types::{AMQPValue, FieldTable};
 use lapin::{BasicProperties, Channel};
 
 use crate::domain::{BatchSize, Identity};
-use crate::permit::{DeadLetterBook, InBatch, PermitError};
+use crate::permit::{DeadLetterBook, InBatch, PermitError, ProductMessage};
 
 use super::{Publisher, Topology, depth, header_str, headers, identity_of, is_death_history};
 
@@ -89,6 +89,9 @@ pub enum Reason {
     Throttled,
     /// Its `deadline` came before the earliest time it could be called (never called late).
     Expired,
+    /// A newer message of its product (`product_key`) took its place before its call started;
+    /// replayed only when asked explicitly (`Selection::force`).
+    Superseded,
     /// The broker dead-lettered it after too many returns (a quorum queue's delivery limit):
     /// a message that kept crashing or disconnecting replicas.
     DeliveryLimit,
@@ -106,12 +109,13 @@ pub enum Reason {
 
 impl Reason {
     /// Every reason, in the order they are listed.
-    pub const ALL: [Reason; 10] = [
+    pub const ALL: [Reason; 11] = [
         Reason::InvalidMessage,
         Reason::Rejected,
         Reason::AttemptsExhausted,
         Reason::Throttled,
         Reason::Expired,
+        Reason::Superseded,
         Reason::DeliveryLimit,
         Reason::BrokerRejected,
         Reason::BrokerExpired,
@@ -127,6 +131,7 @@ impl Reason {
             Reason::AttemptsExhausted => "attempts-exhausted",
             Reason::Throttled => "throttled",
             Reason::Expired => "expired",
+            Reason::Superseded => "superseded",
             Reason::DeliveryLimit => DELIVERY_LIMIT_REASON,
             Reason::BrokerRejected => "broker-rejected",
             Reason::BrokerExpired => "broker-expired",
@@ -234,6 +239,11 @@ pub struct Selection {
     /// Only those whose detail is exactly this (a [`Group`] of a listing names it).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub detail: Option<String>,
+    /// A replay also takes superseded dead letters (a newer message of their product took
+    /// their place: replaying one makes it its product's latest again). Without it a replay
+    /// leaves them where they are and counts them in [`Replayed::refused`].
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub force: bool,
 }
 
 impl Selection {
@@ -274,6 +284,12 @@ impl Selection {
     /// Also only those whose detail is exactly `detail`.
     pub fn with_detail(mut self, detail: impl Into<String>) -> Self {
         self.detail = Some(detail.into());
+        self
+    }
+
+    /// Also superseded dead letters, on a replay (see [`Selection::force`]).
+    pub fn forced(mut self, force: bool) -> Self {
+        self.force = force;
         self
     }
 
@@ -489,6 +505,9 @@ pub struct Replayed {
     pub replayed: u64,
     /// Dead letters not selected: they stay in the dead-letter queue.
     pub kept: u64,
+    /// Superseded dead letters selected but not replayed, for want of [`Selection::force`]:
+    /// they stay (counted in `matched` too).
+    pub refused: u64,
     /// The selected dead letters, as listed, in the queue's order.
     pub letters: Vec<DeadLetter>,
 }
@@ -854,13 +873,17 @@ pub async fn replay_showing(
     };
     let moved = std::sync::atomic::AtomicU64::new(0);
     let visited = visit(channel, topology, |delivery| {
+        let letter = describe(&delivery);
+        let superseded = letter.reason == Reason::Superseded;
         let selected = tally(
             selection,
-            describe(&delivery),
+            letter,
             shown,
             (&mut done.matched, &mut done.kept, &mut done.letters),
         );
-        let take = selected && !dry_run;
+        let refused = selected && superseded && !selection.force;
+        done.refused += u64::from(refused);
+        let take = selected && !refused && !dry_run;
         let work = topology.work().to_owned();
         let publisher = publisher.clone();
         let moved = &moved;
@@ -885,6 +908,12 @@ pub async fn replay_showing(
                     return (Err(error), delivery);
                 }
             };
+            if superseded && let Err(error) = latest_again(permits, &delivery, ttl).await {
+                revived.undo(permits, ttl).await;
+                let error = anyhow::Error::from(error)
+                    .context("making a replayed superseded message its product's latest");
+                return (Err(error), delivery);
+            }
             let publish = publisher.publish("", &work, &delivery.data, properties);
             let republished = step(publisher.channel(), "republishing a dead letter", publish);
             if let Err(error) = republished.await {
@@ -952,6 +981,32 @@ async fn revive(
         }
         _ => Ok(Revived::Nothing),
     }
+}
+
+/// Makes a superseded dead letter's message its product's latest again, before it is
+/// republished (a forced replay): otherwise its product's newer message would supersede it
+/// once more.
+async fn latest_again(
+    permits: &dyn DeadLetterBook,
+    delivery: &Delivery,
+    ttl: Duration,
+) -> Result<(), PermitError> {
+    let Ok(registration) = super::registration_of(delivery) else {
+        return Ok(());
+    };
+    let Some((product, version)) = &registration.product_key else {
+        return Ok(());
+    };
+    let message = ProductMessage {
+        seller: &registration.seller_id,
+        product,
+        version: *version,
+        message: &registration.message_id,
+        cost: registration.cost,
+        route: registration.route.as_ref(),
+        ttl,
+    };
+    permits.latest_again(&message).await
 }
 
 /// The reason of a dead letter whose body does not parse.

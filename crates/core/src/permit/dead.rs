@@ -11,6 +11,7 @@ use crate::domain::{BatchSize, Identity, MessageId, SellerId};
 use crate::permit::error::PermitError;
 use crate::permit::outcome::{Completion, InBatch};
 use crate::permit::store::PermitStore;
+use crate::permit::supersession::{ProductMessage, SupersedeStep};
 
 /// The records a dead letter's replay changes (see `broker::dead_letters::replay`).
 pub trait DeadLetterBook: Send + Sync {
@@ -31,6 +32,13 @@ pub trait DeadLetterBook: Send + Sync {
         batch_size: Option<BatchSize>,
         reason: &'a str,
         ttl: Duration,
+    ) -> BoxFuture<'a, Result<(), PermitError>>;
+
+    /// Makes a superseded message its product's latest again (a forced replay; see
+    /// `lua/supersede.lua`'s `revive`).
+    fn latest_again<'a>(
+        &'a self,
+        message: &'a ProductMessage<'a>,
     ) -> BoxFuture<'a, Result<(), PermitError>>;
 
     /// Moves the dead letters by reason by `by` for `reason` (a body without an identity is
@@ -65,6 +73,17 @@ impl DeadLetterBook for PermitStore {
     ) -> BoxFuture<'a, Result<(), PermitError>> {
         async move {
             self.count_dead(identity, batch_size, reason, ttl).await?;
+            Ok(())
+        }
+        .boxed()
+    }
+
+    fn latest_again<'a>(
+        &'a self,
+        message: &'a ProductMessage<'a>,
+    ) -> BoxFuture<'a, Result<(), PermitError>> {
+        async move {
+            self.supersede(message, SupersedeStep::Revive).await?;
             Ok(())
         }
         .boxed()

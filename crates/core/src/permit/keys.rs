@@ -47,7 +47,7 @@
 //! docs/redis-keys.md lists every key with its type, TTL, writers and readers.
 
 use crate::config::Algorithm;
-use crate::domain::{BatchId, MessageId, RouteName, SellerId, key_part};
+use crate::domain::{BatchId, MessageId, ProductKey, RouteName, SellerId, key_part};
 
 /// The keys under one key prefix.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -225,6 +225,12 @@ impl Keyspace {
     /// [`super::Limiter::claim_call`]).
     pub fn calling(&self, seller: &SellerId, message: &MessageId) -> String {
         self.seller(seller, &format!("calling:{}", key_part(message.as_str())))
+    }
+
+    /// Which of a seller's messages for one product is the latest:
+    /// `<prefix>:{<seller>}:product:<product_key>` (hash, see `lua/supersede.lua`).
+    pub fn product(&self, seller: &SellerId, product: &ProductKey) -> String {
+        self.seller(seller, &format!("product:{}", key_part(product.as_str())))
     }
 
     /// An upload's progress: `<prefix>:{<seller>}:batch:<batch>` (hash).

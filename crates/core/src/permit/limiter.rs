@@ -23,6 +23,7 @@ use crate::permit::error::PermitError;
 use crate::permit::outcome::{BatchEvent, CallAnswer, Completion, InBatch, Lesson, Recorded};
 use crate::permit::records::{BatchSeen, Orphan, UploadProgress};
 use crate::permit::store::PermitStore;
+use crate::permit::supersession::{ProductMessage, SupersedeStep, Supersession};
 use crate::routes::Route;
 
 /// A request for a permit: the one way into the limiter (see [`Limiter::ask`]). Built with
@@ -280,6 +281,14 @@ pub trait Limiter: Send + Sync {
         message: &'a MessageId,
         token: &'a str,
     ) -> BoxFuture<'a, Result<CallClaim, PermitError>>;
+
+    /// One step of a message that names its product (see [`super::Supersession`]): whether it
+    /// is still its product's latest message, decided for every replica at once.
+    fn supersede<'a>(
+        &'a self,
+        message: &'a ProductMessage<'a>,
+        step: SupersedeStep<'a>,
+    ) -> BoxFuture<'a, Result<Supersession, PermitError>>;
 
     /// `grant`'s call starts: its message's claim ([`Self::claim_call`]) holds until the call's
     /// bound plus [`CLAIM_MARGIN`] and the record's delay, riding along with the next calls to
@@ -745,6 +754,14 @@ impl Limiter for PermitStore {
             })
         }
         .boxed()
+    }
+
+    fn supersede<'a>(
+        &'a self,
+        message: &'a ProductMessage<'a>,
+        step: SupersedeStep<'a>,
+    ) -> BoxFuture<'a, Result<Supersession, PermitError>> {
+        PermitStore::supersede(self, message, step).boxed()
     }
 
     fn note_call(&self, grant: &Grant) {

@@ -30,6 +30,8 @@
 //!   `terms` ([`Terms`], a seller's terms as the scripts take them), `usage` ([`Usage`], how
 //!   much of a seller's limits is taken) and `completion` (a completion record's states and
 //!   the one list of their transitions, written into `lua/complete.lua`);
+//! - `supersession`: superseded rows, which message of a seller's product is the latest
+//!   (`lua/supersede.lua`), asked by messages that carry a `product_key` only;
 //! - beside the store, not on the hot path: [`Admin`] (sellers' terms as operators set and
 //!   read them, `admin`), [`Records`] (uploads' progress, dead letters by reason, the
 //!   dashboard's shared state, `records`) and the fleet's [`Registry`] (`registry`).
@@ -60,6 +62,7 @@ mod registry;
 pub mod scripts;
 pub mod server;
 mod store;
+mod supersession;
 mod terms;
 mod usage;
 
@@ -76,6 +79,7 @@ pub use keys::Keyspace;
 pub use limiter::{
     Ask, Asked, CLAIM_ASKING, CLAIM_MARGIN, CallClaim, Ended, Finished, Grant, Limiter, Progress,
 };
+pub use supersession::{ProductMessage, SupersedeStep, Supersession};
 pub use records::{BatchSeen, HISTORY_HOURS, History, Orphan, Records, RetryDue, UploadProgress};
 pub use registry::{Registered, Registry, Roll, fleet_calls};
 pub use terms::Terms;

@@ -93,6 +93,7 @@ static SCRIPTS: &[(&str, &str)] = &[
     ("retries", include_str!("../../lua/retries.lua")),
     ("batch", include_str!("../../lua/batch.lua")),
     ("fleet", include_str!("../../lua/fleet.lua")),
+    ("supersede", include_str!("../../lua/supersede.lua")),
 ];
 
 /// The operations `lua/batch.lua` runs: each is the script of that file, wrapped in a function
@@ -478,9 +479,10 @@ static RETRY: LazyLock<Script> = script!("retry");
 static RETRIES: LazyLock<Script> = script!("retries");
 static BATCH: LazyLock<Script> = script!("batch");
 static FLEET: LazyLock<Script> = script!("fleet");
+static SUPERSEDE: LazyLock<Script> = script!("supersede");
 
 /// Every script of this module.
-fn every() -> [&'static Script; 26] {
+fn every() -> [&'static Script; 27] {
     [
         &SLIDING_WINDOW,
         &GCRA,
@@ -508,6 +510,7 @@ fn every() -> [&'static Script; 26] {
         &RETRIES,
         &BATCH,
         &FLEET,
+        &SUPERSEDE,
     ]
 }
 
@@ -621,6 +624,11 @@ pub fn recost() -> &'static Script {
 /// The replicas' registry (see `lua/fleet.lua`).
 pub fn fleet() -> &'static Script {
     &FLEET
+}
+
+/// Which message of a product is the latest (see `lua/supersede.lua`).
+pub fn supersede() -> &'static Script {
+    &SUPERSEDE
 }
 
 /// Notes a batch as a replica first sees one of its messages (see `lua/batch_seen.lua`).

@@ -23,7 +23,8 @@ use crate::domain::{
 use crate::downstream::{Answered, Api, ApiResponse, Reply};
 use crate::permit::{
     Ask, Asked, BatchEvent, BatchSeen, CallClaim, Decision, Ended, Finished, Grant, InBatch,
-    Limiter, Orphan, PermitError, Progress, Recorded, Reservation, UploadProgress,
+    Limiter, Orphan, PermitError, ProductMessage, Progress, Recorded, Reservation,
+    SupersedeStep, Supersession, UploadProgress,
 };
 use crate::trace::TraceContext;
 
@@ -195,6 +196,58 @@ struct LimiterState {
     called_elsewhere: u32,
     /// Claims ended without a call ([`Limiter::unclaim_call`]).
     unclaimed: u32,
+    /// Products' messages, as `lua/supersede.lua` keeps them (no reservation taken over).
+    products: HashMap<String, FakeProduct>,
+}
+
+/// One product's messages in [`FakeLimiter`]: the latest, each message seen with its arrival
+/// and version, those whose call started.
+#[derive(Default)]
+struct FakeProduct {
+    latest: Option<String>,
+    seen: HashMap<String, (u64, Option<i64>)>,
+    started: std::collections::HashSet<String>,
+}
+
+impl FakeProduct {
+    /// `lua/supersede.lua`'s answer to `step` of `message` (version `version`): `None` to go,
+    /// else the latest that superseded it.
+    fn step(&mut self, step: &SupersedeStep<'_>, message: &str, version: Option<i64>) -> Option<String> {
+        let arrivals = self.seen.len() as u64;
+        if self.started.contains(message) {
+            return None;
+        }
+        let latest = self.latest.clone();
+        let superseded = match step {
+            SupersedeStep::Revive => false,
+            SupersedeStep::Start | SupersedeStep::Reserved(_) => {
+                latest.as_deref().is_some_and(|l| l != message)
+            }
+            SupersedeStep::Arrive => match (self.seen.get(message), &latest) {
+                (Some(_), Some(l)) => l != message,
+                (Some(_), None) => false,
+                (None, None) => false,
+                (None, Some(l)) => {
+                    // A first sight is the latest arrival: older only by a lower version.
+                    let theirs = self.seen[l].1;
+                    let older = matches!((version, theirs), (Some(mine), Some(theirs)) if mine < theirs);
+                    self.seen.insert(message.to_owned(), (arrivals + 1, version));
+                    older
+                }
+            },
+        };
+        if superseded {
+            return latest;
+        }
+        self.seen.entry(message.to_owned()).or_insert((arrivals + 1, version));
+        if matches!(step, SupersedeStep::Start) {
+            self.started.insert(message.to_owned());
+        }
+        if !matches!(step, SupersedeStep::Reserved(_)) {
+            self.latest = Some(message.to_owned());
+        }
+        None
+    }
 }
 
 /// A per-seller limiter that answers asks from a script, in order, keeps Redis time as the
@@ -466,6 +519,29 @@ impl Limiter for FakeLimiter {
                 });
             }
             Ok(claim)
+        }
+        .boxed()
+    }
+
+    fn supersede<'a>(
+        &'a self,
+        message: &'a ProductMessage<'a>,
+        step: SupersedeStep<'a>,
+    ) -> BoxFuture<'a, Result<Supersession, PermitError>> {
+        async move {
+            let by = self
+                .lock()
+                .products
+                .entry(message.product.as_str().to_owned())
+                .or_default()
+                .step(&step, message.message.as_str(), message.version.map(|v| v.get()));
+            Ok(match by {
+                None => Supersession::Latest { took_over: None },
+                Some(by) => Supersession::Superseded {
+                    by: MessageId::parse(&by).ok(),
+                    reservation_taken: false,
+                },
+            })
         }
         .boxed()
     }

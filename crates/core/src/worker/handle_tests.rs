@@ -58,6 +58,7 @@ fn registered(attempts: u32) -> Outcome {
     Outcome::Registered(Report {
         response: Some(Answer::created_response()),
         attempts,
+        superseded_by: None,
     })
 }
 
@@ -439,6 +440,7 @@ async fn a_503_at_the_last_attempt_dead_letters_the_message_with_the_last_answer
             report: Report {
                 response: Some(Answer::unavailable_response()),
                 attempts: max,
+                superseded_by: None,
             },
         }
     );
@@ -471,6 +473,7 @@ async fn a_400_is_finished_as_failed_and_dead_lettered_as_rejected_at_once() {
             report: Report {
                 response: Some(Answer::bad_request_response()),
                 attempts: 1,
+                superseded_by: None,
             },
         }
     );

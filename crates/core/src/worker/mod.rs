@@ -47,6 +47,7 @@ mod handle_tests;
 mod plan;
 pub mod report;
 mod stats;
+mod superseding;
 mod waits;
 
 pub use ahead::AskAhead;
@@ -793,6 +794,20 @@ impl Worker {
         if let Err(why) = self.downstream.check_seller(&registration.seller_id) {
             return Outcome::dead("invalid-message", why, carried.attempt);
         }
+        let product = self.product_of(registration);
+        // The token of the reservation last noted for the product (see `note_reserved`).
+        let mut noted = None;
+        if let Some(product) = &product {
+            let own = carried.reservation.as_ref().map(|r| r.token.clone());
+            if let Some(superseded) = self
+                .arrive(registration, product, &mut carried, interruptions)
+                .await
+            {
+                return superseded;
+            }
+            // Its own reservation was noted when it was made; one taken over is noted anew.
+            noted = own.filter(|own| carried.reservation.as_ref().is_some_and(|r| &r.token == own));
+        }
         let mut permit_errors = PermitErrors::default();
         let claim = DeliveryClaim::new();
         let outcome = loop {
@@ -810,6 +825,14 @@ impl Worker {
                 )
                 .await;
             let plan = self.within_deadline(plan, registration, &mut carried);
+            if let Some(product) = &product
+                && matches!(plan, Plan::Hold(_) | Plan::Settle(Outcome::Delay { .. }))
+                && let Some(superseded) = self
+                    .note_reserved(registration, product, &mut carried, &mut noted)
+                    .await
+            {
+                break superseded;
+            }
             let carried_out = self
                 .carry_out(plan, registration, &carried, shutdown, connection_lost)
                 .await;
@@ -1095,6 +1118,29 @@ impl Worker {
             carried.reservation = None;
             return Plan::AskAgain;
         };
+        // A product's message that a newer one superseded takes no call; from the step that
+        // says it may, it is never superseded.
+        if let Some(product) = self.product_of(registration) {
+            let started = self
+                .start_product_call(registration, &product, carried)
+                .await;
+            let late = grant.sent().elapsed() > CALL_ALLOWANCE;
+            if !matches!(started, Ok(None)) || late {
+                drop(calling);
+                self.limiter.unsent(grant).await;
+                return match started {
+                    Ok(Some(superseded)) => Plan::Settle(superseded),
+                    Ok(None) => {
+                        carried.reservation = None;
+                        Plan::AskAgain
+                    }
+                    Err(()) => {
+                        carried.reservation = None;
+                        Plan::AskAfter(CLAIM_UNANSWERED_RECHECK)
+                    }
+                };
+            }
+        }
         // Its claim holds for the whole call from now (the registration leaves it to expire:
         // its record answers for it; a call answered without registering ends it).
         self.limiter.note_call(&grant);
@@ -1276,6 +1322,7 @@ impl Worker {
                 let report = Report {
                     response: Some(response.clone()),
                     attempts: carried.attempt.saturating_add(1),
+                    superseded_by: None,
                 };
                 let result = self.result_body(reporting, "registered", None, &report);
                 let kept = String::from_utf8_lossy(&result);

@@ -6,6 +6,7 @@ use std::time::Duration;
 
 use backon::{BackoffBuilder, ExponentialBackoff, ExponentialBuilder};
 
+use crate::domain::MessageId;
 use crate::downstream::{ApiResponse, Reply};
 use tracing::warn;
 
@@ -42,6 +43,8 @@ pub enum Outcome {
 pub struct Report {
     pub response: Option<ApiResponse>,
     pub attempts: u32,
+    /// A superseded message's successor: the newer message of its product that took its place.
+    pub superseded_by: Option<MessageId>,
 }
 
 impl Report {
@@ -50,6 +53,7 @@ impl Report {
         Self {
             response: None,
             attempts,
+            superseded_by: None,
         }
     }
 }
@@ -78,12 +82,13 @@ pub const OUTCOME_LABELS: [&str; 6] = [
 
 /// Every reason a replica dead-letters with (`x-turnstile-reason`, the `reason` label of
 /// `turnstile_dead_letters_total`).
-pub const DEAD_LETTER_REASONS: [&str; 5] = [
+pub const DEAD_LETTER_REASONS: [&str; 6] = [
     "invalid-message",
     "rejected",
     "attempts-exhausted",
     "throttled",
     "expired",
+    "superseded",
 ];
 
 impl Outcome {
@@ -352,6 +357,7 @@ impl WorkerSettings {
             Reply::Registered(response) => Plan::Settle(Outcome::Registered(Report {
                 response: Some(response),
                 attempts: carried.attempt.saturating_add(1),
+                superseded_by: None,
             })),
             // The learned limit went down: it spaces the seller's next calls, no pause needed.
             Reply::Throttled { retry_after: None } if lowered => self
@@ -371,6 +377,7 @@ impl WorkerSettings {
                 report: Report {
                     response,
                     attempts: carried.attempt.saturating_add(1),
+                    superseded_by: None,
                 },
             }),
         }
@@ -430,6 +437,7 @@ impl WorkerSettings {
                 report: Report {
                     response,
                     attempts: attempt,
+                    superseded_by: None,
                 },
             });
         }
@@ -932,6 +940,7 @@ mod tests {
         let report = Report {
             response: Some(answer),
             attempts: 1,
+            superseded_by: None,
         };
         assert_eq!(plan, Plan::Settle(Outcome::Registered(report)));
         assert_eq!(carried.reservation, None);
@@ -956,7 +965,8 @@ mod tests {
                 detail: "5 attempts failed; last: HTTP 503".into(),
                 report: Report {
                     response: Some(last),
-                    attempts: 5
+                    attempts: 5,
+                    superseded_by: None,
                 },
             })
         );
@@ -1013,6 +1023,7 @@ mod tests {
         let report = Report {
             response: Some(answer),
             attempts: 3,
+            superseded_by: None,
         };
         assert_eq!(
             plan,

@@ -33,6 +33,9 @@ struct ResultBody<'a> {
     response: Option<Box<RawValue>>,
     response_truncated: bool,
     detail: Option<&'a str>,
+    /// A superseded message's successor, present only then.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    superseded_by: Option<&'a str>,
     attempts: u32,
     first_seen: String,
     finished: String,
@@ -58,6 +61,7 @@ impl Final<'_> {
             response,
             response_truncated: answer.is_some_and(|a| a.truncated),
             detail: self.detail,
+            superseded_by: self.report.superseded_by.as_ref().map(|m| m.as_str()),
             attempts: self.report.attempts,
             first_seen: rfc3339(self.first_seen_ms.min(self.finished_ms)),
             finished: rfc3339(self.finished_ms),
@@ -117,6 +121,7 @@ mod tests {
         let report = Report {
             response: Some(ApiResponse::new(201, br#"{"product_id":12345}"#, false)),
             attempts: 2,
+            superseded_by: None,
         };
         let result = Final {
             identity: &identity(),
@@ -142,6 +147,7 @@ mod tests {
         let report = Report {
             response: Some(ApiResponse::new(422, b"invalid category", false)),
             attempts: 1,
+            superseded_by: None,
         };
         let rejected = Final {
             identity: &identity(),

@@ -19,6 +19,7 @@ mod records;
 mod recost;
 mod redeem;
 mod release;
+mod supersede;
 mod unreserve;
 
 pub(super) use acquire::{Acquire, AcquireAnswer, AcquireTail};
@@ -38,4 +39,5 @@ pub(super) use records::{BatchEventSent, BatchSeenCall, RetriesCall, RetryCall, 
 pub(super) use recost::{Recost, Recosted};
 pub(super) use redeem::{Redeem, RedeemAnswer};
 pub(super) use release::Release;
+pub(super) use supersede::{Supersede, SupersedeAnswer};
 pub(super) use unreserve::Unreserve;

@@ -1,0 +1,124 @@
+//! Superseded rows: of one seller's messages for one product (their `product_key`), the latest
+//! wins. Every replica asks `lua/supersede.lua` at three steps of a message's life: when a
+//! delivery of it begins (`arrive`), when it reserved a slot (`reserved`), and just before its
+//! call starts (`start`); an operator's forced replay makes it the latest again (`revive`). The
+//! decision lives in Redis, so it holds across replicas, restarts and redeliveries; a message
+//! whose call started is never superseded, since `start` marks it in the same step.
+
+use std::time::Duration;
+
+use crate::domain::{Cost, MessageId, ProductKey, RouteName, SellerId, Version};
+use crate::permit::calls::{Supersede, SupersedeAnswer};
+use crate::permit::decision::Reservation;
+use crate::permit::error::PermitError;
+use crate::permit::store::PermitStore;
+
+/// One message of a product, as the supersession steps name it.
+#[derive(Clone, Copy, Debug)]
+pub struct ProductMessage<'a> {
+    pub seller: &'a SellerId,
+    pub product: &'a ProductKey,
+    pub version: Option<Version>,
+    pub message: &'a MessageId,
+    /// Its cost and route: a newer message takes over an older one's reservation only when
+    /// both are the same (the reservation holds units of that cost on that route's logs).
+    pub cost: Cost,
+    pub route: Option<&'a RouteName>,
+    /// How long the product's record is kept after its last step (the completion records'
+    /// TTL).
+    pub ttl: Duration,
+}
+
+impl ProductMessage<'_> {
+    fn signature(&self) -> String {
+        format!(
+            "{}|{}",
+            self.cost.units(),
+            self.route.map_or("", |r| r.as_str())
+        )
+    }
+}
+
+/// A step of a product's message (see the module's documentation).
+#[derive(Clone, Copy, Debug)]
+pub enum SupersedeStep<'a> {
+    /// A delivery of the message begins.
+    Arrive,
+    /// It reserved this slot, which a newer message may take over.
+    Reserved(&'a Reservation),
+    /// Its call is about to start: from now on it is never superseded.
+    Start,
+    /// An operator replays it on purpose: it becomes the latest.
+    Revive,
+}
+
+impl SupersedeStep<'_> {
+    fn name(&self) -> &'static str {
+        match self {
+            Self::Arrive => "arrive",
+            Self::Reserved(_) => "reserved",
+            Self::Start => "start",
+            Self::Revive => "revive",
+        }
+    }
+}
+
+/// What a step found.
+#[derive(Clone, Debug, PartialEq)]
+pub enum Supersession {
+    /// The message is the latest of its product (or its call started): it proceeds. After
+    /// `Arrive`, `took_over` is the reservation of the message it superseded, now its own
+    /// (`None`: there was none to take).
+    Latest {
+        took_over: Option<(MessageId, Reservation)>,
+    },
+    /// A newer message (`by`) superseded it: it finishes as `superseded` without a call.
+    /// `reservation_taken`: the newer message took over its reservation, which it must then not
+    /// give back.
+    Superseded {
+        by: Option<MessageId>,
+        reservation_taken: bool,
+    },
+}
+
+impl Supersession {
+    fn of(answer: SupersedeAnswer) -> Self {
+        let by = MessageId::parse(&answer.by).ok();
+        if answer.superseded {
+            return Self::Superseded {
+                by,
+                reservation_taken: answer.reservation == "taken",
+            };
+        }
+        let took_over = by.zip(Reservation::decode(&answer.reservation));
+        Self::Latest { took_over }
+    }
+}
+
+impl PermitStore {
+    /// One step of `message` (see [`SupersedeStep`]).
+    pub(crate) async fn supersede(
+        &self,
+        message: &ProductMessage<'_>,
+        step: SupersedeStep<'_>,
+    ) -> Result<Supersession, PermitError> {
+        let signature = message.signature();
+        let call = Supersede {
+            record: self.keys.product(message.seller, message.product),
+            step: step.name(),
+            message: message.message.as_str(),
+            version: message.version.map(Version::get),
+            ttl_ms: message.ttl.as_millis() as u64,
+            signature: &signature,
+            reservation: match step {
+                SupersedeStep::Reserved(reservation) => Some(reservation.encode()),
+                _ => None,
+            },
+        };
+        let answer: SupersedeAnswer = call
+            .invocation()
+            .invoke_async(&mut self.conn.clone())
+            .await?;
+        Ok(Supersession::of(answer))
+    }
+}

@@ -1,0 +1,166 @@
+//! Superseded rows, as one delivery meets them: a message that names its product
+//! (`product_key`) asks Redis whether it is still its product's latest message when its
+//! delivery begins, when it reserves a slot, and just before its call starts (see
+//! [`crate::permit::Supersession`]). A superseded message finishes as `superseded` without a
+//! call and gives back what it holds, unless its successor took its reservation over.
+
+use tracing::{debug, warn};
+
+use super::plan::{Outcome, Report};
+use super::{Carried, Interruptions, Worker, counting_redis_errors, until_done};
+use crate::domain::{MessageId, Registration};
+use crate::permit::{ProductMessage, SupersedeStep, Supersession};
+
+/// The dead-letter reason (and result outcome) of a superseded message.
+pub const SUPERSEDED: &str = "superseded";
+
+impl Worker {
+    /// The product message `registration` is, if it names its product.
+    pub(super) fn product_of<'a>(&self, registration: &'a Registration) -> Option<ProductMessage<'a>> {
+        let (product, version) = registration.product_key.as_ref()?;
+        Some(ProductMessage {
+            seller: &registration.seller_id,
+            product,
+            version: *version,
+            message: &registration.message_id,
+            cost: registration.cost,
+            route: registration.route.as_ref(),
+            ttl: self.settings.done_ttl,
+        })
+    }
+
+    /// A delivery of a product's message begins: `Some` outcome if it is superseded (or was
+    /// interrupted before Redis answered: it goes back to the broker). When it supersedes a
+    /// message that held a reservation of its cost and route, it holds that reservation now.
+    pub(super) async fn arrive(
+        &self,
+        registration: &Registration,
+        product: &ProductMessage<'_>,
+        carried: &mut Carried,
+        interruptions: Interruptions<'_>,
+    ) -> Option<Outcome> {
+        let what = "could not ask whether the message is its product's latest";
+        let step = until_done(what, interruptions, || async move {
+            counting_redis_errors(self.limiter.supersede(product, SupersedeStep::Arrive).await)
+        })
+        .await;
+        match step {
+            None => Some(Outcome::Requeue { holding: None }),
+            Some(Supersession::Latest { took_over: None }) => None,
+            Some(Supersession::Latest {
+                took_over: Some((from, reservation)),
+            }) => {
+                metrics::counter!("turnstile_reservations_taken_over_total").increment(1);
+                debug!(from = from.as_str(), slot_us = reservation.slot_us, "took over the reservation of the message it supersedes");
+                if let Some(own) = carried.reservation.replace(reservation) {
+                    // A first delivery that carried a reservation of its own (a copy, or a
+                    // header someone wrote): one slot is enough.
+                    self.unreserve_later(
+                        registration.seller_id.clone(),
+                        own,
+                        registration.cost,
+                        self.route_of(registration).cloned(),
+                    );
+                }
+                None
+            }
+            Some(Supersession::Superseded {
+                by,
+                reservation_taken,
+            }) => Some(self.superseded(registration, carried, by, reservation_taken)),
+        }
+    }
+
+    /// The message now holds `carried`'s reservation, which its successor may take over (noted
+    /// once per reservation, `noted` keeping the last one's token): `Some` outcome if it was
+    /// superseded meanwhile. A failure to note it only means no successor can take it over.
+    pub(super) async fn note_reserved(
+        &self,
+        registration: &Registration,
+        product: &ProductMessage<'_>,
+        carried: &mut Carried,
+        noted: &mut Option<String>,
+    ) -> Option<Outcome> {
+        let reservation = carried.reservation.as_ref()?;
+        if noted.as_deref() == Some(reservation.token.as_str()) {
+            return None;
+        }
+        let step = self
+            .limiter
+            .supersede(product, SupersedeStep::Reserved(reservation))
+            .await;
+        match counting_redis_errors(step) {
+            Ok(Supersession::Latest { .. }) => {
+                *noted = Some(reservation.token.clone());
+                None
+            }
+            Ok(Supersession::Superseded {
+                by,
+                reservation_taken,
+            }) => Some(self.superseded(registration, carried, by, reservation_taken)),
+            Err(error) => {
+                debug!(%error, "the reservation was not noted for the product: a newer message cannot take it over");
+                None
+            }
+        }
+    }
+
+    /// The message's call is about to start: `Ok(None)` if it may (from now on it is never
+    /// superseded), `Ok(Some(outcome))` if a newer message superseded it, `Err` if Redis did
+    /// not answer (the call must not start).
+    pub(super) async fn start_product_call(
+        &self,
+        registration: &Registration,
+        product: &ProductMessage<'_>,
+        carried: &mut Carried,
+    ) -> Result<Option<Outcome>, ()> {
+        let step = self.limiter.supersede(product, SupersedeStep::Start).await;
+        match counting_redis_errors(step) {
+            Ok(Supersession::Latest { .. }) => Ok(None),
+            // Its reservation was redeemed into the grant the caller gives back.
+            Ok(Supersession::Superseded { by, .. }) => {
+                carried.reservation = None;
+                Ok(Some(self.superseded(registration, carried, by, true)))
+            }
+            Err(error) => {
+                warn!(%error, "could not say the call of a product's message starts (Redis): not calling yet");
+                Err(())
+            }
+        }
+    }
+
+    /// The outcome of a superseded message: its reservation given back, unless its successor
+    /// took it over (`taken`).
+    fn superseded(
+        &self,
+        registration: &Registration,
+        carried: &mut Carried,
+        by: Option<MessageId>,
+        taken: bool,
+    ) -> Outcome {
+        if let Some(reservation) = carried.reservation.take()
+            && !taken
+        {
+            self.unreserve_later(
+                registration.seller_id.clone(),
+                reservation,
+                registration.cost,
+                self.route_of(registration).cloned(),
+            );
+        }
+        metrics::counter!("turnstile_superseded_total").increment(1);
+        let detail = match &by {
+            Some(by) => format!("superseded by the newer message {by} of its product"),
+            None => "superseded by a newer message of its product".to_owned(),
+        };
+        debug!(%detail, "superseded");
+        Outcome::DeadLetter {
+            reason: SUPERSEDED,
+            detail,
+            report: Report {
+                superseded_by: by,
+                ..Report::after(carried.attempt)
+            },
+        }
+    }
+}
