@@ -6,13 +6,13 @@
 mod support;
 
 use std::collections::HashSet;
-use std::sync::{Arc, Mutex};
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
 use lapin::BasicProperties;
-use lapin::options::{BasicPublishOptions, ConfirmSelectOptions, QueueBindOptions};
+use lapin::options::{BasicPublishOptions, ConfirmSelectOptions};
 use lapin::types::{AMQPValue, FieldTable};
 use serde_json::Value;
+use support::results::Results;
 use turnstile_lab::rig::Rig;
 
 fn now_ms() -> u64 {
@@ -27,70 +27,6 @@ fn rfc3339(ms: u64) -> String {
 }
 
 /// Every result the replicas publish, in the order they came.
-#[derive(Clone, Default)]
-struct Results(Arc<Mutex<Vec<Value>>>);
-
-impl Results {
-    /// Listens to the rig's results exchange (bound before anything is published).
-    async fn listen(rig: &Rig) -> Self {
-        let results = Self::default();
-        let inbox = results.0.clone();
-        let queue = support::listen(rig.connection(), move |_, delivery| {
-            if let Ok(result) = serde_json::from_slice::<Value>(&delivery.data) {
-                inbox.lock().unwrap().push(result);
-            }
-        })
-        .await;
-        let channel = rig.connection().create_channel().await.unwrap();
-        channel
-            .queue_bind(
-                queue.as_str().into(),
-                rig.topology.results().as_str().into(),
-                "result.*".into(),
-                QueueBindOptions::default(),
-                FieldTable::default(),
-            )
-            .await
-            .unwrap();
-        let _ = channel.close(200, "bound".into()).await;
-        results
-    }
-
-    fn all(&self) -> Vec<Value> {
-        self.0.lock().unwrap().clone()
-    }
-
-    /// Each result as `<message_id>:<outcome>`, in order (for a failure's message).
-    fn brief(&self) -> Vec<String> {
-        self.all()
-            .iter()
-            .map(|r| {
-                format!(
-                    "{}:{}",
-                    r["message_id"].as_str().unwrap_or("?"),
-                    r["outcome"].as_str().unwrap_or("?")
-                )
-            })
-            .collect()
-    }
-
-    /// The message ids of the results with `outcome`, in the order they came.
-    fn with_outcome(&self, outcome: &str) -> Vec<String> {
-        self.all()
-            .iter()
-            .filter(|r| r["outcome"] == outcome)
-            .map(|r| r["message_id"].as_str().unwrap().to_owned())
-            .collect()
-    }
-
-    async fn until(&self, n: usize) {
-        support::eventually(&format!("{n} results"), || {
-            self.0.lock().unwrap().len() >= n
-        })
-        .await;
-    }
-}
-
 /// Publishes rows of `seller` with ids `<prefix>-<i>`, each with `priority` and `deadline`
 /// (Unix ms), and `headers`, confirmed.
 async fn publish(

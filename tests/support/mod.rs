@@ -17,6 +17,7 @@ pub mod asks;
 pub mod broker;
 pub mod cluster;
 pub mod permit_cases;
+pub mod results;
 
 static TRACING: Once = Once::new();
 

@@ -799,8 +799,10 @@ mod tests {
     fn a_product_key_is_read_with_its_version_and_a_version_alone_is_ignored_as_before() {
         let parse = |fields: &str| {
             let body = format!(r#"{{"seller_id":"S",{fields}"product":{{}}}}"#);
-            Registration::parse(body.as_bytes(), None)
-                .map(|r| r.product_key.map(|(k, v)| (k.as_str().to_owned(), v.map(Version::get))))
+            Registration::parse(body.as_bytes(), None).map(|r| {
+                r.product_key
+                    .map(|(k, v)| (k.as_str().to_owned(), v.map(Version::get)))
+            })
         };
         assert_eq!(parse(""), Ok(None));
         assert_eq!(parse(r#""product_key":null,"#), Ok(None));
@@ -824,7 +826,13 @@ mod tests {
             r#""product_key":"a\u0007b","#,
         ] {
             assert!(
-                matches!(parse(bad), Err(InvalidMessage::Field { field: "product_key", .. })),
+                matches!(
+                    parse(bad),
+                    Err(InvalidMessage::Field {
+                        field: "product_key",
+                        ..
+                    })
+                ),
                 "{bad}: {:?}",
                 parse(bad)
             );
@@ -834,7 +842,13 @@ mod tests {
         for bad in ["1.5", "\"3\"", "1000000000000000", "true"] {
             let fields = format!(r#""product_key":"SKU-1","version":{bad},"#);
             assert!(
-                matches!(parse(&fields), Err(InvalidMessage::Field { field: "version", .. })),
+                matches!(
+                    parse(&fields),
+                    Err(InvalidMessage::Field {
+                        field: "version",
+                        ..
+                    })
+                ),
                 "{bad}: {:?}",
                 parse(&fields)
             );

@@ -79,9 +79,9 @@ pub use keys::Keyspace;
 pub use limiter::{
     Ask, Asked, CLAIM_ASKING, CLAIM_MARGIN, CallClaim, Ended, Finished, Grant, Limiter, Progress,
 };
-pub use supersession::{ProductMessage, SupersedeStep, Supersession};
 pub use records::{BatchSeen, HISTORY_HOURS, History, Orphan, Records, RetryDue, UploadProgress};
 pub use registry::{Registered, Registry, Roll, fleet_calls};
+pub use supersession::{ProductMessage, SupersedeStep, Supersession};
 pub use terms::Terms;
 pub use usage::{Accepted, GlobalShare, GlobalUsage, LimitUsage, Shadow, Usage, binding_of};
 

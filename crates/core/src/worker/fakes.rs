@@ -23,8 +23,8 @@ use crate::domain::{
 use crate::downstream::{Answered, Api, ApiResponse, Reply};
 use crate::permit::{
     Ask, Asked, BatchEvent, BatchSeen, CallClaim, Decision, Ended, Finished, Grant, InBatch,
-    Limiter, Orphan, PermitError, ProductMessage, Progress, Recorded, Reservation,
-    SupersedeStep, Supersession, UploadProgress,
+    Limiter, Orphan, PermitError, ProductMessage, Progress, Recorded, Reservation, SupersedeStep,
+    Supersession, UploadProgress,
 };
 use crate::trace::TraceContext;
 
@@ -212,7 +212,12 @@ struct FakeProduct {
 impl FakeProduct {
     /// `lua/supersede.lua`'s answer to `step` of `message` (version `version`): `None` to go,
     /// else the latest that superseded it.
-    fn step(&mut self, step: &SupersedeStep<'_>, message: &str, version: Option<i64>) -> Option<String> {
+    fn step(
+        &mut self,
+        step: &SupersedeStep<'_>,
+        message: &str,
+        version: Option<i64>,
+    ) -> Option<String> {
         let arrivals = self.seen.len() as u64;
         if self.started.contains(message) {
             return None;
@@ -230,8 +235,10 @@ impl FakeProduct {
                 (None, Some(l)) => {
                     // A first sight is the latest arrival: older only by a lower version.
                     let theirs = self.seen[l].1;
-                    let older = matches!((version, theirs), (Some(mine), Some(theirs)) if mine < theirs);
-                    self.seen.insert(message.to_owned(), (arrivals + 1, version));
+                    let older =
+                        matches!((version, theirs), (Some(mine), Some(theirs)) if mine < theirs);
+                    self.seen
+                        .insert(message.to_owned(), (arrivals + 1, version));
                     older
                 }
             },
@@ -239,7 +246,9 @@ impl FakeProduct {
         if superseded {
             return latest;
         }
-        self.seen.entry(message.to_owned()).or_insert((arrivals + 1, version));
+        self.seen
+            .entry(message.to_owned())
+            .or_insert((arrivals + 1, version));
         if matches!(step, SupersedeStep::Start) {
             self.started.insert(message.to_owned());
         }
@@ -534,7 +543,11 @@ impl Limiter for FakeLimiter {
                 .products
                 .entry(message.product.as_str().to_owned())
                 .or_default()
-                .step(&step, message.message.as_str(), message.version.map(|v| v.get()));
+                .step(
+                    &step,
+                    message.message.as_str(),
+                    message.version.map(|v| v.get()),
+                );
             Ok(match by {
                 None => Supersession::Latest { took_over: None },
                 Some(by) => Supersession::Superseded {

@@ -806,7 +806,12 @@ impl Worker {
                 return superseded;
             }
             // Its own reservation was noted when it was made; one taken over is noted anew.
-            noted = own.filter(|own| carried.reservation.as_ref().is_some_and(|r| &r.token == own));
+            noted = own.filter(|own| {
+                carried
+                    .reservation
+                    .as_ref()
+                    .is_some_and(|r| &r.token == own)
+            });
         }
         let mut permit_errors = PermitErrors::default();
         let claim = DeliveryClaim::new();

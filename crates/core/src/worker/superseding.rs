@@ -16,7 +16,10 @@ pub const SUPERSEDED: &str = "superseded";
 
 impl Worker {
     /// The product message `registration` is, if it names its product.
-    pub(super) fn product_of<'a>(&self, registration: &'a Registration) -> Option<ProductMessage<'a>> {
+    pub(super) fn product_of<'a>(
+        &self,
+        registration: &'a Registration,
+    ) -> Option<ProductMessage<'a>> {
         let (product, version) = registration.product_key.as_ref()?;
         Some(ProductMessage {
             seller: &registration.seller_id,
@@ -51,7 +54,11 @@ impl Worker {
                 took_over: Some((from, reservation)),
             }) => {
                 metrics::counter!("turnstile_reservations_taken_over_total").increment(1);
-                debug!(from = from.as_str(), slot_us = reservation.slot_us, "took over the reservation of the message it supersedes");
+                debug!(
+                    from = from.as_str(),
+                    slot_us = reservation.slot_us,
+                    "took over the reservation of the message it supersedes"
+                );
                 if let Some(own) = carried.reservation.replace(reservation) {
                     // A first delivery that carried a reservation of its own (a copy, or a
                     // header someone wrote): one slot is enough.

@@ -86,7 +86,12 @@ mod tests {
             reservation: Some("1/10/1000000/0/t".into()),
         }
         .write(&mut written);
-        check(SOURCE, "KEYS", &written.keys, &[("record", "product's record")]);
+        check(
+            SOURCE,
+            "KEYS",
+            &written.keys,
+            &[("record", "product's record")],
+        );
         check(
             SOURCE,
             "ARGV",

@@ -1,0 +1,411 @@
+//! Superseded rows (DESIGN "Superseded rows"): of one seller's messages for one
+//! `product_key`, the newer supersedes every older one whose call has not started, across
+//! replicas, against the real Redis and RabbitMQ.
+//!
+//! First the decision alone (`lua/supersede.lua`, through `Limiter::supersede`): arrival order,
+//! versions, redeliveries, a started call, a reservation taken over, a forced replay. Then a
+//! corrected upload through replicas and a strict mock: every row gets one result, the stale
+//! rows still waiting take no call, and each product's last call is its newest row's.
+mod support;
+
+use std::collections::HashMap;
+use std::time::Duration;
+
+use lapin::BasicProperties;
+use lapin::options::{BasicPublishOptions, ConfirmSelectOptions};
+use serde_json::{Value, json};
+use support::Backend;
+use support::results::Results;
+use turnstile_core::config::Algorithm;
+use turnstile_core::domain::{Cost, MessageId, ProductKey, SellerId, Version};
+use turnstile_core::permit::{
+    Ask, Decision, Limiter, PermitStore, ProductMessage, SupersedeStep, Supersession,
+};
+use turnstile_lab::rig::Rig;
+
+const TTL: Duration = Duration::from_secs(600);
+
+/// The messages of one product of one seller, as the tests name them.
+struct Product {
+    seller: SellerId,
+    key: ProductKey,
+}
+
+impl Product {
+    fn new(seller: &str, key: &str) -> Self {
+        Self {
+            seller: SellerId::parse(seller).unwrap(),
+            key: ProductKey::parse(key).unwrap(),
+        }
+    }
+
+    /// Message `id` of the product, with `version`, costing one unit on no route.
+    fn message<'a>(&'a self, id: &'a MessageId, version: Option<i64>) -> ProductMessage<'a> {
+        ProductMessage {
+            seller: &self.seller,
+            product: &self.key,
+            version: version.map(|v| Version::new(v).unwrap()),
+            message: id,
+            cost: Cost::ONE,
+            route: None,
+            ttl: TTL,
+        }
+    }
+}
+
+fn id(s: &str) -> MessageId {
+    MessageId::parse(s).unwrap()
+}
+
+async fn step(
+    store: &PermitStore,
+    message: &ProductMessage<'_>,
+    step: SupersedeStep<'_>,
+) -> Supersession {
+    store.supersede(message, step).await.expect("Redis answers")
+}
+
+fn superseded_by(by: &str) -> Supersession {
+    Supersession::Superseded {
+        by: Some(id(by)),
+        reservation_taken: false,
+    }
+}
+
+const GO: Supersession = Supersession::Latest { took_over: None };
+
+fn store(keys: &support::Keys) -> PermitStore {
+    keys.store(support::limiter("1/1s", Algorithm::SlidingWindow))
+}
+
+#[tokio::test]
+async fn of_two_rows_for_one_product_the_later_arrival_wins_unless_its_call_started() {
+    let keys = support::Keys::new(Backend::Standalone, "supersede-order").await;
+    let store = store(&keys);
+    let product = Product::new("S-1", "SKU-1");
+    let (first, second, third) = (id("first"), id("second"), id("third"));
+    let (first, second, third) = (
+        product.message(&first, None),
+        product.message(&second, None),
+        product.message(&third, None),
+    );
+    assert_eq!(step(&store, &first, SupersedeStep::Arrive).await, GO);
+    assert_eq!(
+        step(&store, &second, SupersedeStep::Arrive).await,
+        GO,
+        "a later arrival is newer"
+    );
+    // The first comes back (a redelivery, its delayed copy): superseded, and it stays so.
+    assert_eq!(
+        step(&store, &first, SupersedeStep::Arrive).await,
+        superseded_by("second")
+    );
+    assert_eq!(
+        step(&store, &first, SupersedeStep::Start).await,
+        superseded_by("second")
+    );
+    assert_eq!(
+        step(&store, &first, SupersedeStep::Arrive).await,
+        superseded_by("second")
+    );
+    // The second's call starts: a third arrival proceeds too, and the second is never
+    // superseded afterwards (a retry after a 503 calls again).
+    assert_eq!(step(&store, &second, SupersedeStep::Start).await, GO);
+    assert_eq!(step(&store, &third, SupersedeStep::Arrive).await, GO);
+    assert_eq!(step(&store, &second, SupersedeStep::Arrive).await, GO);
+    assert_eq!(step(&store, &second, SupersedeStep::Start).await, GO);
+    assert_eq!(step(&store, &third, SupersedeStep::Start).await, GO);
+    // Another seller's product of the same key is another product.
+    let elsewhere = Product::new("S-2", "SKU-1");
+    let other = id("first");
+    assert_eq!(
+        step(
+            &store,
+            &elsewhere.message(&other, None),
+            SupersedeStep::Arrive
+        )
+        .await,
+        GO
+    );
+    keys.cleanup().await;
+}
+
+#[tokio::test]
+async fn a_higher_version_wins_whatever_order_the_rows_arrive_in() {
+    let keys = support::Keys::new(Backend::Standalone, "supersede-version").await;
+    let store = store(&keys);
+    let product = Product::new("S-1", "SKU-7");
+    let (v2, v1, v3, plain) = (id("v2"), id("v1"), id("v3"), id("plain"));
+    assert_eq!(
+        step(
+            &store,
+            &product.message(&v2, Some(2)),
+            SupersedeStep::Arrive
+        )
+        .await,
+        GO
+    );
+    // Older by its version though it arrived later: superseded at once.
+    assert_eq!(
+        step(
+            &store,
+            &product.message(&v1, Some(1)),
+            SupersedeStep::Arrive
+        )
+        .await,
+        superseded_by("v2")
+    );
+    assert_eq!(
+        step(
+            &store,
+            &product.message(&v3, Some(3)),
+            SupersedeStep::Arrive
+        )
+        .await,
+        GO
+    );
+    assert_eq!(
+        step(&store, &product.message(&v2, Some(2)), SupersedeStep::Start).await,
+        superseded_by("v3")
+    );
+    // Without a version of its own, a row is compared by arrival: it is the newer.
+    assert_eq!(
+        step(
+            &store,
+            &product.message(&plain, None),
+            SupersedeStep::Arrive
+        )
+        .await,
+        GO
+    );
+    assert_eq!(
+        step(
+            &store,
+            &product.message(&v3, Some(3)),
+            SupersedeStep::Arrive
+        )
+        .await,
+        superseded_by("plain")
+    );
+    // A forced replay makes a superseded row the latest again.
+    assert_eq!(
+        step(
+            &store,
+            &product.message(&v1, Some(1)),
+            SupersedeStep::Revive
+        )
+        .await,
+        GO
+    );
+    assert_eq!(
+        step(
+            &store,
+            &product.message(&v1, Some(1)),
+            SupersedeStep::Arrive
+        )
+        .await,
+        GO
+    );
+    assert_eq!(
+        step(&store, &product.message(&v1, Some(1)), SupersedeStep::Start).await,
+        GO
+    );
+    keys.cleanup().await;
+}
+
+#[tokio::test]
+async fn a_newer_row_takes_over_the_reservation_of_the_row_it_supersedes_and_redeems_it() {
+    let keys = support::Keys::new(Backend::Standalone, "supersede-reservation").await;
+    let store = store(&keys);
+    let product = Product::new("S-1", "SKU-3");
+    let seller = product.seller.clone();
+    // The seller's one unit a second goes to another row: the old row reserves the next slot.
+    let filler = id("filler");
+    let filled = store.ask(Ask::new(&seller).message(&filler)).await.unwrap();
+    assert!(
+        matches!(filled.decision, Decision::Granted { .. }),
+        "{:?}",
+        filled.decision
+    );
+    let (old, new) = (id("old"), id("new"));
+    let (old, new) = (product.message(&old, None), product.message(&new, None));
+    assert_eq!(step(&store, &old, SupersedeStep::Arrive).await, GO);
+    let asked = store
+        .ask(Ask::new(&seller).message(old.message))
+        .await
+        .unwrap();
+    let Decision::Wait {
+        reservation: Some(reservation),
+        ..
+    } = asked.decision
+    else {
+        panic!("the old row reserves the next slot: {:?}", asked.decision);
+    };
+    assert_eq!(
+        step(&store, &old, SupersedeStep::Reserved(&reservation)).await,
+        GO
+    );
+    // The corrected row arrives: it holds the old row's reservation now.
+    let Supersession::Latest {
+        took_over: Some((from, taken)),
+    } = step(&store, &new, SupersedeStep::Arrive).await
+    else {
+        panic!("the new row takes the reservation over");
+    };
+    assert_eq!((from.as_str(), &taken), ("old", &reservation));
+    // The old row, back for its slot, hears it was superseded and must not give the slot back.
+    assert_eq!(
+        step(&store, &old, SupersedeStep::Arrive).await,
+        Supersession::Superseded {
+            by: Some(id("new")),
+            reservation_taken: true
+        }
+    );
+    // The new row redeems the slot once it is due: granted, not told to queue anew.
+    let granted = loop {
+        let asked = store
+            .ask(Ask::new(&seller).message(new.message).held(Some(&taken)))
+            .await
+            .unwrap();
+        match asked.decision {
+            Decision::Granted { slot_us, .. } => break slot_us,
+            Decision::Wait {
+                retry_after,
+                reservation: Some(ref kept),
+            } if kept.token == taken.token => tokio::time::sleep(retry_after).await,
+            other => panic!("the taken-over reservation is redeemed: {other:?}"),
+        }
+    };
+    assert_eq!(granted, taken.slot_us, "granted at the old row's slot");
+    // A row of other units cannot hold the reservation: the one it supersedes gives it back.
+    let other = Product::new("S-1", "SKU-4");
+    let (cheap, dear) = (id("cheap"), id("dear"));
+    let cheap = other.message(&cheap, None);
+    let mut dear = other.message(&dear, None);
+    dear.cost = Cost::new(2).unwrap();
+    assert_eq!(step(&store, &cheap, SupersedeStep::Arrive).await, GO);
+    assert_eq!(
+        step(&store, &cheap, SupersedeStep::Reserved(&reservation)).await,
+        GO
+    );
+    assert_eq!(
+        step(&store, &dear, SupersedeStep::Arrive).await,
+        GO,
+        "nothing taken over"
+    );
+    assert_eq!(
+        step(&store, &cheap, SupersedeStep::Arrive).await,
+        superseded_by("dear")
+    );
+    keys.cleanup().await;
+}
+
+/// Publishes rows `<prefix>-<i>` of `seller`, for products `P-<i>`, in batch `<prefix>`,
+/// confirmed.
+async fn publish_rows(rig: &Rig, seller: &str, prefix: &str, n: usize) {
+    let channel = rig.connection().create_channel().await.unwrap();
+    channel
+        .confirm_select(ConfirmSelectOptions::default())
+        .await
+        .unwrap();
+    for i in 0..n {
+        let body = json!({
+            "message_id": format!("{prefix}-{i}"),
+            "seller_id": seller,
+            "batch_id": prefix,
+            "batch_size": n,
+            "product_key": format!("P-{i}"),
+            "product": {"sku": format!("P-{i}"), "row": prefix},
+        });
+        channel
+            .basic_publish(
+                "".into(),
+                rig.topology.work().into(),
+                BasicPublishOptions::default(),
+                &serde_json::to_vec(&body).unwrap(),
+                BasicProperties::default()
+                    .with_delivery_mode(2)
+                    .with_content_type("application/json".into()),
+            )
+            .await
+            .unwrap()
+            .await
+            .unwrap();
+    }
+    let _ = channel.close(200, "published".into()).await;
+}
+
+#[tokio::test]
+async fn a_corrected_upload_supersedes_the_rows_still_waiting_and_every_row_gets_one_result()
+-> anyhow::Result<()> {
+    let n = 40;
+    let mut rig = support::rig("superseded", "5/1s").prepare().await?;
+    let results = Results::listen(&rig).await;
+    rig.start_replicas(2, 4).await?;
+    publish_rows(&rig, "S-sup", "old", n).await;
+    results.until(5).await;
+    publish_rows(&rig, "S-sup", "new", n).await;
+    results.until(2 * n).await;
+    rig.stop_replicas().await?;
+    // One result per row (a duplicate would carry the same id and outcome).
+    let mut outcome: HashMap<String, Value> = HashMap::new();
+    for result in results.all() {
+        let id = result["message_id"].as_str().unwrap().to_owned();
+        if let Some(earlier) = outcome.get(&id) {
+            assert_eq!(
+                earlier["outcome"], result["outcome"],
+                "two outcomes for {id}"
+            );
+        }
+        outcome.insert(id, result);
+    }
+    assert_eq!(outcome.len(), 2 * n, "{:?}", results.brief());
+    let called: Vec<String> = rig
+        .mock
+        .recent_requests()
+        .iter()
+        .filter_map(|r| r.header("idempotency-key").map(str::to_owned))
+        .collect();
+    let place = |id: &str| called.iter().position(|c| c == id);
+    let mut superseded = 0;
+    for i in 0..n {
+        let (old, new) = (format!("old-{i}"), format!("new-{i}"));
+        assert_eq!(outcome[&new]["outcome"], "registered", "{}", outcome[&new]);
+        match outcome[&old]["outcome"].as_str().unwrap() {
+            "registered" => assert!(
+                place(&old) < place(&new),
+                "P-{i}: its stale row was called after its corrected one: {called:?}"
+            ),
+            "superseded" => {
+                superseded += 1;
+                assert_eq!(
+                    outcome[&old]["superseded_by"],
+                    new.as_str(),
+                    "{}",
+                    outcome[&old]
+                );
+                assert_eq!(place(&old), None, "a superseded row was called: {old}");
+            }
+            other => panic!("{old}: {other}"),
+        }
+    }
+    let stats = rig.mock.stats();
+    println!(
+        "{n} rows at 5/1s, corrected after 5 results: {} calls for {} rows, {superseded} stale rows superseded, {} over the limit",
+        called.len(),
+        2 * n,
+        stats.violations
+    );
+    assert!(superseded > 0, "no stale row was superseded: {called:?}");
+    assert_eq!(
+        called.len(),
+        2 * n - superseded,
+        "every call is one row's, once"
+    );
+    assert_eq!(stats.violations, 0, "{stats:?}");
+    assert_eq!(stats.duplicates, 0, "{stats:?}");
+    // The dead letters say why, and a replay leaves them unless forced.
+    let dead = rig.dead_lettered().await?;
+    assert_eq!(dead, superseded as u64);
+    rig.cleanup().await
+}
