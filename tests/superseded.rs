@@ -16,6 +16,8 @@ use lapin::options::{BasicPublishOptions, ConfirmSelectOptions};
 use serde_json::{Value, json};
 use support::Backend;
 use support::results::Results;
+use turnstile_core::broker::Publisher;
+use turnstile_core::broker::dead_letters::{self, Replayed, Selection};
 use turnstile_core::config::Algorithm;
 use turnstile_core::domain::{Cost, MessageId, ProductKey, SellerId, Version};
 use turnstile_core::permit::{
@@ -407,5 +409,52 @@ async fn a_corrected_upload_supersedes_the_rows_still_waiting_and_every_row_gets
     // The dead letters say why, and a replay leaves them unless forced.
     let dead = rig.dead_lettered().await?;
     assert_eq!(dead, superseded as u64);
+    let stale = (0..n)
+        .map(|i| format!("old-{i}"))
+        .find(|old| outcome[old]["outcome"] == "superseded")
+        .unwrap();
+    let replayed = replay(&rig, Selection::all().with_seller("S-sup")).await?;
+    assert_eq!(
+        (replayed.matched, replayed.replayed, replayed.refused),
+        (superseded as u64, 0, superseded as u64),
+        "{replayed:?}"
+    );
+    let forced = replay(&rig, Selection::message(&stale).forced(true)).await?;
+    assert_eq!((forced.replayed, forced.refused), (1, 0), "{forced:?}");
+    // Its product's latest again: registered, after the newer row it had lost to.
+    let calls = called.len() as u64;
+    rig.start_replica(rig.settings(2)).await?;
+    rig.wait_registered(calls + 1).await?;
+    rig.stop_replicas().await?;
+    let keys: Vec<String> = rig
+        .mock
+        .recent_requests()
+        .iter()
+        .filter_map(|r| r.header("idempotency-key").map(str::to_owned))
+        .collect();
+    assert_eq!(
+        keys.last(),
+        Some(&stale),
+        "the forced replay is called last"
+    );
     rig.cleanup().await
+}
+
+/// Replays the dead letters `selection` takes, as `turnstile dead-letters replay` does.
+async fn replay(rig: &Rig, selection: Selection) -> anyhow::Result<Replayed> {
+    let channel = rig.connection().create_channel().await?;
+    let publisher = Publisher::open(rig.connection()).await?;
+    let store = rig.store();
+    let replayed = dead_letters::replay(
+        &channel,
+        &publisher,
+        &rig.topology,
+        &selection,
+        &store,
+        TTL,
+        false,
+    )
+    .await;
+    let _ = channel.close(200, "replayed".into()).await;
+    replayed
 }

@@ -189,7 +189,13 @@ pub async fn run(DeadLettersArgs { action, broker }: DeadLettersArgs) -> anyhow:
             )
             .await?;
             let mut entry = select.audited("replay", &operator, dry_run);
-            entry.result = taken("replay", dry_run, done.matched, done.replayed, done.kept);
+            entry.result = taken(
+                "replay",
+                dry_run,
+                done.matched - done.refused,
+                done.replayed,
+                done.kept + done.refused,
+            );
             entry.record(&store.records()).await;
             if json.json {
                 println!(
@@ -287,7 +293,7 @@ fn print_replayed(done: &Replayed, topology: &Topology, selection: &Selection) {
     if done.dry_run {
         println!(
             "would replay {} to {}{} (dry run: nothing moved); {} others stay in {}",
-            done.matched,
+            done.matched - done.refused,
             topology.work(),
             of(selection),
             done.kept,

@@ -211,6 +211,16 @@ pub const METRICS: &[Metric] = &[
         "Reserved slots given back by a change of a seller's terms, or by a charge learned from an answer (TURNSTILE_COST_HEADER).",
     ),
     plain(
+        "turnstile_reservations_taken_over_total",
+        Counter,
+        "Reserved slots a product's newer message took over from the older one it superseded (product_key).",
+    ),
+    plain(
+        "turnstile_superseded_total",
+        Counter,
+        "Messages superseded by a newer message of their product (product_key): finished without a call.",
+    ),
+    plain(
         "turnstile_reservations_replanned_total",
         Counter,
         "Reserved slots a message gave back to ask anew because the fleet's terms it waited under are no longer in force (a raise, a stricter replica gone).",

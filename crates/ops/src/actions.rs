@@ -346,6 +346,9 @@ struct DeadLettersBody {
     reason: Option<String>,
     detail: Option<String>,
     dry_run: bool,
+    /// A replay takes superseded dead letters too (see `Selection::force`).
+    #[serde(default)]
+    force: bool,
     operator: Option<String>,
 }
 
@@ -365,7 +368,8 @@ impl DeadLettersBody {
             self.batch.as_deref(),
             self.reason.as_deref(),
         )
-        .and_then(|q| q.with_detail(self.detail.as_deref()))?;
+        .and_then(|q| q.with_detail(self.detail.as_deref()))?
+        .forced(self.force);
         if query.names_nothing() {
             return Err(format!(
                 "choose what to {verb}: a message id, a seller or a batch (to {verb} every dead letter, use `turnstile dead-letters {verb}`)"
@@ -601,7 +605,7 @@ async fn replay(State(endpoints): State<Endpoints>, request: Request) -> Respons
     {
         Ok(replayed) => {
             let what = query.describe();
-            let result = if asked.dry_run {
+            let mut result = if asked.dry_run {
                 format!(
                     "dry run: {} dead letter(s) of {what} would move back to the work queue; nothing moved",
                     replayed.moved
@@ -612,6 +616,12 @@ async fn replay(State(endpoints): State<Endpoints>, request: Request) -> Respons
                     replayed.moved
                 )
             };
+            if replayed.refused > 0 {
+                result.push_str(&format!(
+                    "; {} superseded dead letter(s) left (a newer message of their product took their place; replay with force to move them too)",
+                    replayed.refused
+                ));
+            }
             action
                 .done(result, serde_json::to_value(&replayed).unwrap_or_default())
                 .await

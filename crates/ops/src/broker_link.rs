@@ -289,6 +289,12 @@ impl DeadLetterQuery {
         Ok(self)
     }
 
+    /// Also superseded dead letters, on a replay (see `Selection::force`).
+    pub fn forced(mut self, force: bool) -> Self {
+        self.0 = self.0.forced(force);
+        self
+    }
+
     /// Whether it names no message, seller or batch (a reason alone, or nothing).
     pub fn names_nothing(&self) -> bool {
         self.0.message_id.is_none() && self.0.seller_id.is_none() && self.0.batch_id.is_none()
@@ -314,6 +320,8 @@ pub struct Replay {
     pub moved: u64,
     /// Dead letters not taken: they stay.
     pub kept: u64,
+    /// Superseded dead letters selected but left, for want of `force`.
+    pub refused: u64,
     /// The first of those taken (at most the replay's limit), in the queue's order.
     pub letters: Vec<DeadLetter>,
     /// Whether `letters` is only the start of them.
@@ -478,11 +486,12 @@ impl BrokerLink {
         Ok(Replay {
             dry_run,
             moved: if dry_run {
-                replayed.matched
+                replayed.matched - replayed.refused
             } else {
                 replayed.replayed
             },
             kept: replayed.kept,
+            refused: replayed.refused,
             letters,
             truncated,
         })

@@ -295,7 +295,10 @@ impl Selection {
 
     /// Whether it takes every dead letter.
     pub fn is_all(&self) -> bool {
-        *self == Self::all()
+        Self {
+            force: false,
+            ..self.clone()
+        } == Self::all()
     }
 
     /// Whether `letter` is selected: it matches every part given.
