@@ -1156,3 +1156,70 @@ async fn a_claim_is_renewed_while_fresh_and_never_relied_on_once_it_is_not() {
     claim.answered(&Ok(CallClaim::Elsewhere), Instant::now());
     assert!(!claim.fresh());
 }
+
+/// Message `id` of seller S-1 for product `SKU-1`.
+fn product_row(id: &str) -> crate::domain::Registration {
+    let body = format!(
+        r#"{{"message_id":"{id}","seller_id":"S-1","product_key":"SKU-1","product":{{"title":"t"}}}}"#
+    );
+    crate::domain::Registration::parse(body.as_bytes(), None).expect("a registration")
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_row_a_newer_one_superseded_while_it_waited_finishes_superseded_without_a_call() {
+    let h = Harness::new(
+        [Script::Wait(10 * SECOND), Script::Grant],
+        [Answer::Created { told: None }],
+    );
+    // The old row reserves a slot and goes through the ladder; the corrected row comes and is
+    // registered; then the old row comes back.
+    let old = h.handle(&product_row("old"), Carried::default()).await;
+    let Outcome::Delay { carried, .. } = old else {
+        panic!("the old row waits for its slot: {old:?}");
+    };
+    assert_eq!(
+        h.handle(&product_row("new"), Carried::default()).await,
+        registered(1)
+    );
+    let back = h.handle(&product_row("old"), carried).await;
+    let Outcome::DeadLetter { reason, report, .. } = &back else {
+        panic!("the old row is superseded: {back:?}");
+    };
+    assert_eq!(*reason, "superseded");
+    assert_eq!(
+        report.superseded_by.as_ref().map(|m| m.as_str()),
+        Some("new")
+    );
+    assert_eq!(
+        h.journal.count(called),
+        1,
+        "only the corrected row is called"
+    );
+    assert_eq!(h.journal.count(asked), 2, "the old row asks nothing more");
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_row_whose_call_started_is_not_superseded_when_it_comes_back_for_a_retry() {
+    let h = Harness::new(
+        [Script::Grant, Script::Grant, Script::Grant],
+        [
+            Answer::Unavailable,
+            Answer::Created { told: None },
+            Answer::Created { told: None },
+        ],
+    );
+    let first = h.handle(&product_row("first"), Carried::default()).await;
+    let Outcome::Delay { carried, .. } = first else {
+        panic!("a 503 is retried later: {first:?}");
+    };
+    assert_eq!(
+        h.handle(&product_row("second"), Carried::default()).await,
+        registered(1)
+    );
+    // Its call started before the second row came: it is called again, not superseded.
+    assert!(matches!(
+        h.handle(&product_row("first"), carried).await,
+        Outcome::Registered(_)
+    ));
+    assert_eq!(h.journal.count(called), 3);
+}
