@@ -319,10 +319,18 @@ pub struct SellerStats {
     /// and its Idempotency-Key, so that a test that sees a violation can say which call it was.
     #[serde(default)]
     pub first_violations: Vec<Violation>,
+    /// Of each product whose registrations carry a string `sku` and an integer `version`, the
+    /// version of the last one accepted: what the API holds for it now (at most
+    /// [`MOST_PRODUCTS_KEPT`] products).
+    #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
+    pub versions: BTreeMap<String, i64>,
 }
 
 /// How many of a seller's refused requests [`SellerStats::first_violations`] keeps.
 pub const MOST_VIOLATIONS_KEPT: usize = 16;
+
+/// How many products' versions [`SellerStats::versions`] keeps.
+pub const MOST_PRODUCTS_KEPT: usize = 10_000;
 
 /// A request the mock refused with 429.
 #[derive(Clone, Debug, Default, Serialize, Deserialize, PartialEq)]
@@ -674,6 +682,8 @@ struct Request {
     /// The route requested (`/routes/{route}/…`), if any.
     route: Option<String>,
     script: Option<ValidScript>,
+    /// The product's string `sku` and integer `version`, when it carries both.
+    version: Option<(String, i64)>,
 }
 
 enum Answer {
@@ -749,6 +759,10 @@ fn parse_request(path_seller: &str, headers: &HeaderMap, body: &[u8]) -> Result<
         .get("charge")
         .and_then(Value::as_u64)
         .and_then(|c| u32::try_from(c).ok());
+    let version = match (product.get("sku"), product.get("version")) {
+        (Some(Value::String(sku)), Some(version)) => version.as_i64().map(|v| (sku.clone(), v)),
+        _ => None,
+    };
     Ok(Request {
         seller,
         key: key.to_owned(),
@@ -756,6 +770,7 @@ fn parse_request(path_seller: &str, headers: &HeaderMap, body: &[u8]) -> Result<
         charge,
         route: None,
         script,
+        version,
     })
 }
 
@@ -927,6 +942,11 @@ impl App {
         seller.units += u64::from(counted);
         seller.first_ms.get_or_insert(at);
         seller.last_ms = Some(at);
+        if let Some((sku, version)) = &req.version
+            && (seller.versions.len() < MOST_PRODUCTS_KEPT || seller.versions.contains_key(sku))
+        {
+            seller.versions.insert(sku.clone(), *version);
+        }
         seller.max_in_window = seller.max_in_window.max(first_window_units);
         if self
             .limit

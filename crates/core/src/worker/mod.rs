@@ -1958,7 +1958,12 @@ impl Worker {
                 detail,
                 report,
             } => {
-                warn!(reason, detail, "dead-lettering");
+                // A superseded row is the seller's own correction at work, not a fault.
+                if *reason == superseding::SUPERSEDED {
+                    info!(reason, detail, "dead-lettering");
+                } else {
+                    warn!(reason, detail, "dead-lettering");
+                }
                 let mut extra = carried::started_trace_headers(started_trace);
                 extra.push(carried::first_seen_header(reporting.first_seen_ms));
                 extra.push((

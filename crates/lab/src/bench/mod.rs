@@ -16,6 +16,7 @@ pub mod routes;
 pub mod scenario;
 pub mod sellers;
 mod shares;
+pub mod supersede;
 pub mod throughput;
 mod workload;
 
@@ -73,6 +74,9 @@ pub enum BenchCommand {
     /// A mixed backlog on several routes under one budget per seller, against a strict mock
     /// enforcing every limit: each seller's drain beside the longest any one limit allows.
     Routes(Box<routes::RoutesBenchArgs>),
+    /// Superseded rows: a corrected upload with and without `product_key` (calls, when the
+    /// corrected upload was done, every row's outcome), and a burst of updates per product.
+    Supersede(Box<supersede::SupersedeArgs>),
     /// One seller's Redis memory against the depth of its backlog (each queued message asks
     /// for a permit, reserving), beside the smallest depth.
     Depth {
@@ -152,6 +156,11 @@ pub async fn run(which: BenchCommand) -> anyhow::Result<ExitCode> {
         }
         BenchCommand::Eta(args) => {
             if !eta::run(*args).await? {
+                return Ok(ExitCode::FAILURE);
+            }
+        }
+        BenchCommand::Supersede(args) => {
+            if !supersede::run(*args).await? {
                 return Ok(ExitCode::FAILURE);
             }
         }
