@@ -3,7 +3,8 @@
 //! 1. The corrected upload: one seller's `--rows` rows at `--limit`, and the same rows corrected
 //!    (version 2) published once `--corrected-after` are registered; run without `product_key`
 //!    and then with it. Prints the downstream calls, when the last registration came (the
-//!    corrected upload's completion), the rows' final outcomes and the versions the API holds.
+//!    corrected upload's completion), the rows final (registered or dead-lettered: each has its
+//!    result) and how many products the API holds at version 2.
 //! 2. The update burst: `--updates` updates (versions 1 to N) of each of `--products` products
 //!    of one seller at `--burst-limit`, published at once with `product_key` and `version`.
 //!    Prints the calls per product and whether the API holds each product's last version.
@@ -185,7 +186,7 @@ pub async fn run(args: SupersedeArgs) -> anyhow::Result<bool> {
     );
     println!(
         "  {:<20} {:>6} {:>11} {:>11} {:>11} {:>9} {:>10} {:>9}",
-        "", "calls", "registered", "superseded", "last call", "results", "latest v2", "over/dup"
+        "", "calls", "registered", "superseded", "last call", "final", "latest v2", "over/dup"
     );
     for (name, run) in [
         ("without product_key", &plain),
