@@ -217,7 +217,16 @@ async fn a_higher_version_wins_whatever_order_the_rows_arrive_in() {
 
 #[tokio::test]
 async fn a_newer_row_takes_over_the_reservation_of_the_row_it_supersedes_and_redeems_it() {
-    let keys = support::Keys::new(Backend::Standalone, "supersede-reservation").await;
+    takes_over_and_redeems(Backend::Standalone).await;
+}
+
+#[tokio::test]
+async fn on_a_redis_cluster_a_newer_row_takes_over_the_reservation_and_redeems_it() {
+    takes_over_and_redeems(Backend::Cluster).await;
+}
+
+async fn takes_over_and_redeems(backend: Backend) {
+    let keys = support::Keys::new(backend, "supersede-reservation").await;
     let store = store(&keys);
     let product = Product::new("S-1", "SKU-3");
     let seller = product.seller.clone();
@@ -457,4 +466,57 @@ async fn replay(rig: &Rig, selection: Selection) -> anyhow::Result<Replayed> {
     .await;
     let _ = channel.close(200, "replayed".into()).await;
     replayed
+}
+
+#[tokio::test]
+async fn product_keys_that_look_alike_are_different_products_and_bad_arguments_write_nothing() {
+    let keys = support::Keys::new(Backend::Standalone, "supersede-hostile").await;
+    let store = store(&keys);
+    let (braced, escaped) = (
+        Product::new("S-{1}", "{SKU}:1"),
+        Product::new("S-{1}", "%7BSKU%7D:1"),
+    );
+    let (a, b) = (id("a"), id("b"));
+    assert_eq!(
+        step(&store, &braced.message(&a, None), SupersedeStep::Arrive).await,
+        GO
+    );
+    assert_eq!(
+        step(&store, &escaped.message(&b, None), SupersedeStep::Arrive).await,
+        GO,
+        "another product: nothing superseded"
+    );
+    assert_eq!(
+        step(&store, &braced.message(&a, None), SupersedeStep::Start).await,
+        GO
+    );
+    // The script checks its arguments before it writes anything.
+    let record = store
+        .keys()
+        .product(&braced.seller, &ProductKey::parse("fresh").unwrap());
+    for (step, version, ttl) in [
+        ("arrive", "1.5", "1000"),
+        ("arrive", "1234567890123456", "1000"),
+        ("arrive", "", "0"),
+        ("bogus", "", "1000"),
+        ("reserved", "", "1000"),
+    ] {
+        let answer: redis::RedisResult<redis::Value> = turnstile_core::permit::scripts::supersede()
+            .key(&record)
+            .arg(step)
+            .arg("m-1")
+            .arg(version)
+            .arg(ttl)
+            .arg("1|")
+            .invoke_async(&mut keys.conn.clone())
+            .await;
+        assert!(answer.is_err(), "{step} {version:?} {ttl}: {answer:?}");
+    }
+    let exists: bool = redis::cmd("EXISTS")
+        .arg(&record)
+        .query_async(&mut keys.conn.clone())
+        .await
+        .unwrap();
+    assert!(!exists, "a refused call wrote the record");
+    keys.cleanup().await;
 }
