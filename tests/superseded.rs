@@ -21,7 +21,8 @@ use turnstile_core::broker::dead_letters::{self, Replayed, Selection};
 use turnstile_core::config::Algorithm;
 use turnstile_core::domain::{Cost, MessageId, ProductKey, SellerId, Version};
 use turnstile_core::permit::{
-    Ask, Decision, Limiter, PermitStore, ProductMessage, SupersedeStep, Supersession,
+    Ask, DeadLetterBook, Decision, Limiter, PermitStore, ProductMessage, Reservation,
+    SupersedeStep, Supersession,
 };
 use turnstile_lab::rig::Rig;
 
@@ -64,7 +65,20 @@ async fn step(
     message: &ProductMessage<'_>,
     step: SupersedeStep<'_>,
 ) -> Supersession {
-    store.supersede(message, step).await.expect("Redis answers")
+    holding(store, message, step, None).await
+}
+
+/// As [`step`], for a message that holds the reservation `held`.
+async fn holding(
+    store: &PermitStore,
+    message: &ProductMessage<'_>,
+    step: SupersedeStep<'_>,
+    held: Option<&Reservation>,
+) -> Supersession {
+    store
+        .supersede(message, step, held)
+        .await
+        .expect("Redis answers")
 }
 
 fn superseded_by(by: &str) -> Supersession {
@@ -189,16 +203,23 @@ async fn a_higher_version_wins_whatever_order_the_rows_arrive_in() {
         .await,
         superseded_by("plain")
     );
-    // A forced replay makes a superseded row the latest again.
+    // A forced replay makes a superseded row the latest again, and its undo (the republish
+    // failed) gives the place back.
+    let v1_message = product.message(&v1, Some(1));
+    let before = DeadLetterBook::latest_again(&store, &v1_message)
+        .await
+        .unwrap();
+    assert_eq!(before, Some(id("plain")));
+    DeadLetterBook::latest_as_before(&store, &v1_message, before.as_ref())
+        .await
+        .unwrap();
     assert_eq!(
-        step(
-            &store,
-            &product.message(&v1, Some(1)),
-            SupersedeStep::Revive
-        )
-        .await,
-        GO
+        step(&store, &v1_message, SupersedeStep::Arrive).await,
+        superseded_by("plain")
     );
+    DeadLetterBook::latest_again(&store, &v1_message)
+        .await
+        .unwrap();
     assert_eq!(
         step(
             &store,
@@ -264,12 +285,28 @@ async fn takes_over_and_redeems(backend: Backend) {
         panic!("the new row takes the reservation over");
     };
     assert_eq!((from.as_str(), &taken), ("old", &reservation));
-    // The old row, back for its slot, hears it was superseded and must not give the slot back.
+    // The old row, back for its slot, hears it was superseded and must not give the slot back;
+    // a slot it held that was not taken over (another copy's, say) it gives back.
     assert_eq!(
-        step(&store, &old, SupersedeStep::Arrive).await,
+        holding(&store, &old, SupersedeStep::Arrive, Some(&reservation)).await,
         Supersession::Superseded {
             by: Some(id("new")),
             reservation_taken: true
+        }
+    );
+    let other = Reservation {
+        token: "another-copy".into(),
+        ..reservation.clone()
+    };
+    assert_eq!(
+        holding(&store, &old, SupersedeStep::Arrive, Some(&other)).await,
+        superseded_by("new")
+    );
+    // The new row's arrive repeated (its answer lost): it hears the reservation it holds again.
+    assert_eq!(
+        step(&store, &new, SupersedeStep::Arrive).await,
+        Supersession::Latest {
+            took_over: Some((id("old"), reservation.clone()))
         }
     );
     // The new row redeems the slot once it is due: granted, not told to queue anew.
@@ -518,5 +555,94 @@ async fn product_keys_that_look_alike_are_different_products_and_bad_arguments_w
         .await
         .unwrap();
     assert!(!exists, "a refused call wrote the record");
+    keys.cleanup().await;
+}
+
+#[tokio::test]
+async fn a_lost_record_supersedes_nobody_and_a_call_that_did_not_start_is_supersedable_again() {
+    let keys = support::Keys::new(Backend::Standalone, "supersede-lost").await;
+    let store = store(&keys);
+    let product = Product::new("S-1", "SKU-9");
+    let (first, second) = (id("first"), id("second"));
+    let (first, second) = (
+        product.message(&first, None),
+        product.message(&second, None),
+    );
+    let filler = id("filler");
+    let asked = store
+        .ask(Ask::new(&product.seller).message(&filler))
+        .await
+        .unwrap();
+    assert!(matches!(asked.decision, Decision::Granted { .. }));
+    let asked = store
+        .ask(Ask::new(&product.seller).message(first.message))
+        .await
+        .unwrap();
+    let Decision::Wait {
+        reservation: Some(reservation),
+        ..
+    } = asked.decision
+    else {
+        panic!("a slot reserved: {:?}", asked.decision);
+    };
+    // Redis lost the record between the first step and the next (a failover, an eviction).
+    assert_eq!(step(&store, &first, SupersedeStep::Arrive).await, GO);
+    redis::cmd("DEL")
+        .arg(store.keys().product(&product.seller, &product.key))
+        .arg(store.keys().product_arrivals(&product.seller, &product.key))
+        .query_async::<()>(&mut keys.conn.clone())
+        .await
+        .unwrap();
+    assert_eq!(
+        step(&store, &first, SupersedeStep::Reserved(&reservation)).await,
+        GO,
+        "a message alone is nobody's to supersede"
+    );
+    // Its call was about to start, but its grant came too late: it is supersedable again.
+    assert_eq!(step(&store, &first, SupersedeStep::Start).await, GO);
+    assert_eq!(step(&store, &first, SupersedeStep::Unstart).await, GO);
+    assert_eq!(step(&store, &second, SupersedeStep::Arrive).await, GO);
+    assert_eq!(
+        step(&store, &first, SupersedeStep::Start).await,
+        superseded_by("second")
+    );
+    keys.cleanup().await;
+}
+
+#[tokio::test]
+async fn a_product_remembers_a_bounded_number_of_its_messages() {
+    let keys = support::Keys::new(Backend::Standalone, "supersede-bounded").await;
+    let store = store(&keys);
+    let product = Product::new("S-1", "SKU-busy");
+    let ids: Vec<MessageId> = (0..1100).map(|i| id(&format!("u-{i}"))).collect();
+    for id in &ids {
+        assert_eq!(
+            step(&store, &product.message(id, None), SupersedeStep::Arrive).await,
+            GO
+        );
+    }
+    let arrivals: u64 = redis::cmd("ZCARD")
+        .arg(store.keys().product_arrivals(&product.seller, &product.key))
+        .query_async(&mut keys.conn.clone())
+        .await
+        .unwrap();
+    let fields: u64 = redis::cmd("HLEN")
+        .arg(store.keys().product(&product.seller, &product.key))
+        .query_async(&mut keys.conn.clone())
+        .await
+        .unwrap();
+    println!("1,100 messages of one product: {arrivals} remembered, {fields} fields");
+    assert_eq!(arrivals, 1024);
+    assert!(fields <= 1024 + 3, "{fields} fields");
+    // The latest is never forgotten, and a recent message still hears it was superseded.
+    assert_eq!(
+        step(
+            &store,
+            &product.message(&ids[1050], None),
+            SupersedeStep::Arrive
+        )
+        .await,
+        superseded_by("u-1099")
+    );
     keys.cleanup().await;
 }

@@ -25,7 +25,7 @@ use lapin::options::{BasicAckOptions, BasicGetOptions, BasicNackOptions};
 use lapin::types::{AMQPValue, FieldTable};
 use lapin::{BasicProperties, Channel};
 
-use crate::domain::{BatchSize, Identity};
+use crate::domain::{BatchSize, Identity, Registration};
 use crate::permit::{DeadLetterBook, InBatch, PermitError, ProductMessage};
 
 use super::{Publisher, Topology, depth, header_str, headers, identity_of, is_death_history};
@@ -911,16 +911,30 @@ pub async fn replay_showing(
                     return (Err(error), delivery);
                 }
             };
-            if superseded && let Err(error) = latest_again(permits, &delivery, ttl).await {
-                revived.undo(permits, ttl).await;
-                let error = anyhow::Error::from(error)
-                    .context("making a replayed superseded message its product's latest");
-                return (Err(error), delivery);
+            let registration = super::registration_of(&delivery).ok();
+            let product = registration
+                .as_ref()
+                .filter(|_| superseded)
+                .and_then(|r| product_message(r, ttl));
+            let mut before = None;
+            if let Some(product) = &product {
+                match permits.latest_again(product).await {
+                    Ok(previous) => before = Some(previous),
+                    Err(error) => {
+                        revived.undo(permits, ttl).await;
+                        let error = anyhow::Error::from(error)
+                            .context("making a replayed superseded message its product's latest");
+                        return (Err(error), delivery);
+                    }
+                }
             }
             let publish = publisher.publish("", &work, &delivery.data, properties);
             let republished = step(publisher.channel(), "republishing a dead letter", publish);
             if let Err(error) = republished.await {
                 revived.undo(permits, ttl).await;
+                if let (Some(product), Some(previous)) = (&product, &before) {
+                    let _ = permits.latest_as_before(product, previous.as_ref()).await;
+                }
                 return (Err(error), delivery);
             }
             moved.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
@@ -986,21 +1000,11 @@ async fn revive(
     }
 }
 
-/// Makes a superseded dead letter's message its product's latest again, before it is
-/// republished (a forced replay): otherwise its product's newer message would supersede it
-/// once more.
-async fn latest_again(
-    permits: &dyn DeadLetterBook,
-    delivery: &Delivery,
-    ttl: Duration,
-) -> Result<(), PermitError> {
-    let Ok(registration) = super::registration_of(delivery) else {
-        return Ok(());
-    };
-    let Some((product, version)) = &registration.product_key else {
-        return Ok(());
-    };
-    let message = ProductMessage {
+/// A superseded dead letter's message as its product's steps name it (none without a
+/// `product_key`).
+fn product_message(registration: &Registration, ttl: Duration) -> Option<ProductMessage<'_>> {
+    let (product, version) = registration.product_key.as_ref()?;
+    Some(ProductMessage {
         seller: &registration.seller_id,
         product,
         version: *version,
@@ -1008,8 +1012,7 @@ async fn latest_again(
         cost: registration.cost,
         route: registration.route.as_ref(),
         ttl,
-    };
-    permits.latest_again(&message).await
+    })
 }
 
 /// The reason of a dead letter whose body does not parse.

@@ -11,7 +11,7 @@ use crate::domain::{BatchSize, Identity, MessageId, SellerId};
 use crate::permit::error::PermitError;
 use crate::permit::outcome::{Completion, InBatch};
 use crate::permit::store::PermitStore;
-use crate::permit::supersession::{ProductMessage, SupersedeStep};
+use crate::permit::supersession::ProductMessage;
 
 /// The records a dead letter's replay changes (see `broker::dead_letters::replay`).
 pub trait DeadLetterBook: Send + Sync {
@@ -35,10 +35,18 @@ pub trait DeadLetterBook: Send + Sync {
     ) -> BoxFuture<'a, Result<(), PermitError>>;
 
     /// Makes a superseded message its product's latest again (a forced replay; see
-    /// `lua/supersede.lua`'s `revive`).
+    /// `lua/supersede.lua`'s `revive`); answers the latest before it.
     fn latest_again<'a>(
         &'a self,
         message: &'a ProductMessage<'a>,
+    ) -> BoxFuture<'a, Result<Option<MessageId>, PermitError>>;
+
+    /// Undoes [`Self::latest_again`] (its replay failed): `previous` is the latest again, unless
+    /// another message became the latest since.
+    fn latest_as_before<'a>(
+        &'a self,
+        message: &'a ProductMessage<'a>,
+        previous: Option<&'a MessageId>,
     ) -> BoxFuture<'a, Result<(), PermitError>>;
 
     /// Moves the dead letters by reason by `by` for `reason` (a body without an identity is
@@ -81,12 +89,16 @@ impl DeadLetterBook for PermitStore {
     fn latest_again<'a>(
         &'a self,
         message: &'a ProductMessage<'a>,
+    ) -> BoxFuture<'a, Result<Option<MessageId>, PermitError>> {
+        PermitStore::latest_again(self, message).boxed()
+    }
+
+    fn latest_as_before<'a>(
+        &'a self,
+        message: &'a ProductMessage<'a>,
+        previous: Option<&'a MessageId>,
     ) -> BoxFuture<'a, Result<(), PermitError>> {
-        async move {
-            self.supersede(message, SupersedeStep::Revive).await?;
-            Ok(())
-        }
-        .boxed()
+        PermitStore::latest_as_before(self, message, previous).boxed()
     }
 
     fn tally_dead<'a>(

@@ -233,6 +233,16 @@ impl Keyspace {
         self.seller(seller, &format!("product:{}", key_part(product.as_str())))
     }
 
+    /// The messages of a product remembered, by arrival:
+    /// `<prefix>:{<seller>}:product:<product_key>:arrivals` (sorted set, see
+    /// `lua/supersede.lua`).
+    pub fn product_arrivals(&self, seller: &SellerId, product: &ProductKey) -> String {
+        self.seller(
+            seller,
+            &format!("product:{}:arrivals", key_part(product.as_str())),
+        )
+    }
+
     /// An upload's progress: `<prefix>:{<seller>}:batch:<batch>` (hash).
     pub fn batch(&self, seller: &SellerId, batch: &BatchId) -> String {
         self.seller(seller, &format!("batch:{}", key_part(batch.as_str())))

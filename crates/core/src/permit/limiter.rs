@@ -282,12 +282,14 @@ pub trait Limiter: Send + Sync {
         token: &'a str,
     ) -> BoxFuture<'a, Result<CallClaim, PermitError>>;
 
-    /// One step of a message that names its product (see [`super::Supersession`]): whether it
-    /// is still its product's latest message, decided for every replica at once.
+    /// One step of a message that names its product, holding the reservation `held` (see
+    /// [`super::Supersession`]): whether it is still its product's latest message, decided for
+    /// every replica at once.
     fn supersede<'a>(
         &'a self,
         message: &'a ProductMessage<'a>,
         step: SupersedeStep<'a>,
+        held: Option<&'a Reservation>,
     ) -> BoxFuture<'a, Result<Supersession, PermitError>>;
 
     /// `grant`'s call starts: its message's claim ([`Self::claim_call`]) holds until the call's
@@ -760,8 +762,9 @@ impl Limiter for PermitStore {
         &'a self,
         message: &'a ProductMessage<'a>,
         step: SupersedeStep<'a>,
+        held: Option<&'a Reservation>,
     ) -> BoxFuture<'a, Result<Supersession, PermitError>> {
-        PermitStore::supersede(self, message, step).boxed()
+        PermitStore::supersede(self, message, step, held).boxed()
     }
 
     fn note_call(&self, grant: &Grant) {

@@ -48,8 +48,8 @@ pub enum SupersedeStep<'a> {
     Reserved(&'a Reservation),
     /// Its call is about to start: from now on it is never superseded.
     Start,
-    /// An operator replays it on purpose: it becomes the latest.
-    Revive,
+    /// No call followed a `Start` (the grant was too old by then): it may be superseded again.
+    Unstart,
 }
 
 impl SupersedeStep<'_> {
@@ -58,7 +58,7 @@ impl SupersedeStep<'_> {
             Self::Arrive => "arrive",
             Self::Reserved(_) => "reserved",
             Self::Start => "start",
-            Self::Revive => "revive",
+            Self::Unstart => "unstart",
         }
     }
 }
@@ -73,8 +73,8 @@ pub enum Supersession {
         took_over: Option<(MessageId, Reservation)>,
     },
     /// A newer message (`by`) superseded it: it finishes as `superseded` without a call.
-    /// `reservation_taken`: the newer message took over its reservation, which it must then not
-    /// give back.
+    /// `reservation_taken`: the newer message took over the reservation it holds, which it must
+    /// then not give back.
     Superseded {
         by: Option<MessageId>,
         reservation_taken: bool,
@@ -96,29 +96,74 @@ impl Supersession {
 }
 
 impl PermitStore {
-    /// One step of `message` (see [`SupersedeStep`]).
+    /// One step of `message`, which holds the reservation `held` (see [`SupersedeStep`]).
     pub(crate) async fn supersede(
         &self,
         message: &ProductMessage<'_>,
         step: SupersedeStep<'_>,
+        held: Option<&Reservation>,
     ) -> Result<Supersession, PermitError> {
+        let extra = match step {
+            SupersedeStep::Reserved(reservation) => reservation.encode(),
+            _ => String::new(),
+        };
+        let held = match step {
+            SupersedeStep::Reserved(reservation) => Some(reservation),
+            _ => held,
+        };
+        let answer = self
+            .supersede_step(message, step.name(), held.map(|r| r.token.as_str()), extra)
+            .await?;
+        Ok(Supersession::of(answer))
+    }
+
+    /// Makes `message` its product's latest again (an operator's forced replay); answers the
+    /// latest before it, for [`Self::latest_as_before`] should the replay fail.
+    pub(crate) async fn latest_again(
+        &self,
+        message: &ProductMessage<'_>,
+    ) -> Result<Option<MessageId>, PermitError> {
+        let answer = self
+            .supersede_step(message, "revive", None, String::new())
+            .await?;
+        Ok(MessageId::parse(&answer.by).ok())
+    }
+
+    /// Undoes [`Self::latest_again`] when its replay failed: `previous` is the latest again,
+    /// unless another message became the latest since.
+    pub(crate) async fn latest_as_before(
+        &self,
+        message: &ProductMessage<'_>,
+        previous: Option<&MessageId>,
+    ) -> Result<(), PermitError> {
+        let previous = previous.map_or_else(String::new, |p| p.as_str().to_owned());
+        self.supersede_step(message, "unrevive", None, previous)
+            .await?;
+        Ok(())
+    }
+
+    async fn supersede_step(
+        &self,
+        message: &ProductMessage<'_>,
+        step: &'static str,
+        held: Option<&str>,
+        extra: String,
+    ) -> Result<SupersedeAnswer, PermitError> {
         let signature = message.signature();
         let call = Supersede {
             record: self.keys.product(message.seller, message.product),
-            step: step.name(),
+            arrivals: self.keys.product_arrivals(message.seller, message.product),
+            step,
             message: message.message.as_str(),
             version: message.version.map(Version::get),
             ttl_ms: message.ttl.as_millis() as u64,
             signature: &signature,
-            reservation: match step {
-                SupersedeStep::Reserved(reservation) => Some(reservation.encode()),
-                _ => None,
-            },
+            held: held.unwrap_or(""),
+            extra,
         };
-        let answer: SupersedeAnswer = call
+        Ok(call
             .invocation()
             .invoke_async(&mut self.conn.clone())
-            .await?;
-        Ok(Supersession::of(answer))
+            .await?)
     }
 }

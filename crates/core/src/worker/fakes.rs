@@ -224,7 +224,10 @@ impl FakeProduct {
         }
         let latest = self.latest.clone();
         let superseded = match step {
-            SupersedeStep::Revive => false,
+            SupersedeStep::Unstart => {
+                self.started.remove(message);
+                return None;
+            }
             SupersedeStep::Start | SupersedeStep::Reserved(_) => {
                 latest.as_deref().is_some_and(|l| l != message)
             }
@@ -536,6 +539,7 @@ impl Limiter for FakeLimiter {
         &'a self,
         message: &'a ProductMessage<'a>,
         step: SupersedeStep<'a>,
+        _held: Option<&'a Reservation>,
     ) -> BoxFuture<'a, Result<Supersession, PermitError>> {
         async move {
             let by = self

@@ -1126,16 +1126,24 @@ impl Worker {
         // A product's message that a newer one superseded takes no call; from the step that
         // says it may, it is never superseded.
         if let Some(product) = self.product_of(registration) {
-            let started = self
-                .start_product_call(registration, &product, carried)
-                .await;
+            let started = if grant.sent().elapsed() > CALL_ALLOWANCE {
+                Ok(None)
+            } else {
+                self.start_product_call(registration, &product, carried)
+                    .await
+                    .map(Some)
+            };
             let late = grant.sent().elapsed() > CALL_ALLOWANCE;
-            if !matches!(started, Ok(None)) || late {
+            if !matches!(started, Ok(Some(None))) || late {
                 drop(calling);
                 self.limiter.unsent(grant).await;
                 return match started {
-                    Ok(Some(superseded)) => Plan::Settle(superseded),
-                    Ok(None) => {
+                    Ok(Some(Some(superseded))) => Plan::Settle(superseded),
+                    Ok(Some(None)) | Ok(None) => {
+                        // Too old to call by now: asked again, and supersedable again.
+                        if matches!(started, Ok(Some(None))) {
+                            self.unstart_product_call(&product).await;
+                        }
                         carried.reservation = None;
                         Plan::AskAgain
                     }

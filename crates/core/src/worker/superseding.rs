@@ -43,8 +43,14 @@ impl Worker {
         interruptions: Interruptions<'_>,
     ) -> Option<Outcome> {
         let what = "could not ask whether the message is its product's latest";
+        let held = carried.reservation.clone();
+        let held = held.as_ref();
         let step = until_done(what, interruptions, || async move {
-            counting_redis_errors(self.limiter.supersede(product, SupersedeStep::Arrive).await)
+            counting_redis_errors(
+                self.limiter
+                    .supersede(product, SupersedeStep::Arrive, held)
+                    .await,
+            )
         })
         .await;
         match step {
@@ -59,9 +65,14 @@ impl Worker {
                     slot_us = reservation.slot_us,
                     "took over the reservation of the message it supersedes"
                 );
-                if let Some(own) = carried.reservation.replace(reservation) {
-                    // A first delivery that carried a reservation of its own (a copy, or a
-                    // header someone wrote): one slot is enough.
+                if let Some(own) = carried.reservation.replace(reservation)
+                    && carried
+                        .reservation
+                        .as_ref()
+                        .is_none_or(|r| r.token != own.token)
+                {
+                    // A delivery that carried a reservation of its own (a copy, or a header
+                    // someone wrote): one slot is enough.
                     self.unreserve_later(
                         registration.seller_id.clone(),
                         own,
@@ -94,7 +105,7 @@ impl Worker {
         }
         let step = self
             .limiter
-            .supersede(product, SupersedeStep::Reserved(reservation))
+            .supersede(product, SupersedeStep::Reserved(reservation), None)
             .await;
         match counting_redis_errors(step) {
             Ok(Supersession::Latest { .. }) => {
@@ -121,7 +132,10 @@ impl Worker {
         product: &ProductMessage<'_>,
         carried: &mut Carried,
     ) -> Result<Option<Outcome>, ()> {
-        let step = self.limiter.supersede(product, SupersedeStep::Start).await;
+        let step = self
+            .limiter
+            .supersede(product, SupersedeStep::Start, carried.reservation.as_ref())
+            .await;
         match counting_redis_errors(step) {
             Ok(Supersession::Latest { .. }) => Ok(None),
             // Its reservation was redeemed into the grant the caller gives back.
@@ -133,6 +147,19 @@ impl Worker {
                 warn!(%error, "could not say the call of a product's message starts (Redis): not calling yet");
                 Err(())
             }
+        }
+    }
+
+    /// No call followed a `start` that said the message may call (its grant was too old by
+    /// then): it may be superseded again. A failure leaves it exempt (it proceeds as a message
+    /// whose call started), which supersedes nothing wrongly.
+    pub(super) async fn unstart_product_call(&self, product: &ProductMessage<'_>) {
+        let step = self
+            .limiter
+            .supersede(product, SupersedeStep::Unstart, None)
+            .await;
+        if let Err(error) = counting_redis_errors(step) {
+            debug!(%error, "a product's message that did not call could not be told so");
         }
     }
 

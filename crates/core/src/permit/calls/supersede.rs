@@ -3,11 +3,13 @@
 use crate::permit::calls::call::{Call, invoke};
 use crate::permit::scripts;
 
-/// `lua/supersede.lua`: one step of a product's messages (arrive, reserved, start, revive),
-/// which says whether the message is still the latest. See the script's header.
+/// `lua/supersede.lua`: one step of a product's messages, which says whether the message is
+/// still the latest. See the script's header.
 pub(in crate::permit) struct Supersede<'a> {
     /// KEYS[1]: the product's record.
     pub record: String,
+    /// KEYS[2]: the product's arrivals.
+    pub arrivals: String,
     /// ARGV[1]: STEP.
     pub step: &'static str,
     /// ARGV[2]: the message's ID.
@@ -18,8 +20,10 @@ pub(in crate::permit) struct Supersede<'a> {
     pub ttl_ms: u64,
     /// ARGV[5]: SIGNATURE, what a reservation taken over must match.
     pub signature: &'a str,
-    /// ARGV[6]: with `reserved`, the RESERVATION as encoded.
-    pub reservation: Option<String>,
+    /// ARGV[6]: HELD, the token of the reservation the message holds ('' for none).
+    pub held: &'a str,
+    /// ARGV[7]: with `reserved`, the RESERVATION as encoded; with `unrevive`, PREVIOUS.
+    pub extra: String,
 }
 
 impl Supersede<'_> {
@@ -31,14 +35,14 @@ impl Supersede<'_> {
     /// KEYS and ARGV in the script's order.
     pub fn write<C: Call>(&self, to: &mut C) {
         to.key(self.record.clone())
+            .key(self.arrivals.clone())
             .arg(self.step)
             .arg(self.message)
             .arg(self.version.map_or_else(String::new, |v| v.to_string()))
             .arg(self.ttl_ms.max(1))
-            .arg(self.signature);
-        if let Some(reservation) = &self.reservation {
-            to.arg(reservation);
-        }
+            .arg(self.signature)
+            .arg(self.held)
+            .arg(&self.extra);
     }
 }
 
@@ -78,19 +82,24 @@ mod tests {
         let mut written = Written::default();
         Supersede {
             record: "record".into(),
+            arrivals: "arrivals".into(),
             step: "reserved",
             message: "m-1",
             version: Some(-3),
             ttl_ms: 60_000,
             signature: "1|",
-            reservation: Some("1/10/1000000/0/t".into()),
+            held: "t",
+            extra: "1/10/1000000/0/t".into(),
         }
         .write(&mut written);
         check(
             SOURCE,
             "KEYS",
             &written.keys,
-            &[("record", "product's record")],
+            &[
+                ("record", "product's record"),
+                ("arrivals", "product's arrivals"),
+            ],
         );
         check(
             SOURCE,
@@ -102,6 +111,7 @@ mod tests {
                 ("-3", "VERSION"),
                 ("60000", "TTL"),
                 ("1|", "SIGNATURE"),
+                ("t", "HELD"),
                 ("1/10/1000000/0/t", "RESERVATION"),
             ],
         );
