@@ -25,7 +25,7 @@ use lapin::options::{BasicAckOptions, BasicGetOptions, BasicNackOptions};
 use lapin::types::{AMQPValue, FieldTable};
 use lapin::{BasicProperties, Channel};
 
-use crate::domain::{BatchSize, Identity, Registration};
+use crate::domain::{BatchSize, Identity};
 use crate::permit::{DeadLetterBook, InBatch, PermitError, ProductMessage};
 
 use super::{Publisher, Topology, depth, header_str, headers, identity_of, is_death_history};
@@ -915,7 +915,7 @@ pub async fn replay_showing(
             let product = registration
                 .as_ref()
                 .filter(|_| superseded)
-                .and_then(|r| product_message(r, ttl));
+                .and_then(|r| ProductMessage::of(r, ttl));
             let mut before = None;
             if let Some(product) = &product {
                 match permits.latest_again(product).await {
@@ -998,21 +998,6 @@ async fn revive(
         }
         _ => Ok(Revived::Nothing),
     }
-}
-
-/// A superseded dead letter's message as its product's steps name it (none without a
-/// `product_key`).
-fn product_message(registration: &Registration, ttl: Duration) -> Option<ProductMessage<'_>> {
-    let (product, version) = registration.product_key.as_ref()?;
-    Some(ProductMessage {
-        seller: &registration.seller_id,
-        product,
-        version: *version,
-        message: &registration.message_id,
-        cost: registration.cost,
-        route: registration.route.as_ref(),
-        ttl,
-    })
 }
 
 /// The reason of a dead letter whose body does not parse.

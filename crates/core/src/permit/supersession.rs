@@ -7,7 +7,7 @@
 
 use std::time::Duration;
 
-use crate::domain::{Cost, MessageId, ProductKey, RouteName, SellerId, Version};
+use crate::domain::{Cost, MessageId, ProductKey, Registration, RouteName, SellerId, Version};
 use crate::permit::calls::{Supersede, SupersedeAnswer};
 use crate::permit::decision::Reservation;
 use crate::permit::error::PermitError;
@@ -29,7 +29,22 @@ pub struct ProductMessage<'a> {
     pub ttl: Duration,
 }
 
-impl ProductMessage<'_> {
+impl<'a> ProductMessage<'a> {
+    /// `registration` as its product's steps name it, its record kept `ttl` (none without a
+    /// `product_key`).
+    pub fn of(registration: &'a Registration, ttl: Duration) -> Option<Self> {
+        let (product, version) = registration.product_key.as_ref()?;
+        Some(Self {
+            seller: &registration.seller_id,
+            product,
+            version: *version,
+            message: &registration.message_id,
+            cost: registration.cost,
+            route: registration.route.as_ref(),
+            ttl,
+        })
+    }
+
     fn signature(&self) -> String {
         format!(
             "{}|{}",

@@ -20,16 +20,7 @@ impl Worker {
         &self,
         registration: &'a Registration,
     ) -> Option<ProductMessage<'a>> {
-        let (product, version) = registration.product_key.as_ref()?;
-        Some(ProductMessage {
-            seller: &registration.seller_id,
-            product,
-            version: *version,
-            message: &registration.message_id,
-            cost: registration.cost,
-            route: registration.route.as_ref(),
-            ttl: self.settings.done_ttl,
-        })
+        ProductMessage::of(registration, self.settings.done_ttl)
     }
 
     /// A delivery of a product's message begins: `Some` outcome if it is superseded (or was
