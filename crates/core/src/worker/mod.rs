@@ -1967,7 +1967,7 @@ impl Worker {
                 report,
             } => {
                 // A superseded row is the seller's own correction at work, not a fault.
-                if *reason == superseding::SUPERSEDED {
+                if *reason == plan::SUPERSEDED {
                     info!(reason, detail, "dead-lettering");
                 } else {
                     warn!(reason, detail, "dead-lettering");

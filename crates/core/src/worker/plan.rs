@@ -70,6 +70,10 @@ impl Outcome {
     }
 }
 
+/// The dead-letter reason (and result outcome) of a superseded message: a newer message of its
+/// product took its place (see `superseding`).
+pub(super) const SUPERSEDED: &str = "superseded";
+
 /// The `outcome` label values of `turnstile_outcomes_total` (see [`Outcome::label`]).
 pub const OUTCOME_LABELS: [&str; 6] = [
     "registered",
@@ -88,7 +92,7 @@ pub const DEAD_LETTER_REASONS: [&str; 6] = [
     "attempts-exhausted",
     "throttled",
     "expired",
-    "superseded",
+    SUPERSEDED,
 ];
 
 impl Outcome {

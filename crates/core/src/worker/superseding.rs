@@ -6,13 +6,10 @@
 
 use tracing::{debug, warn};
 
-use super::plan::{Outcome, Report};
+use super::plan::{Outcome, Report, SUPERSEDED};
 use super::{Carried, Interruptions, Worker, counting_redis_errors, until_done};
 use crate::domain::{MessageId, Registration};
 use crate::permit::{ProductMessage, SupersedeStep, Supersession};
-
-/// The dead-letter reason (and result outcome) of a superseded message.
-pub const SUPERSEDED: &str = "superseded";
 
 impl Worker {
     /// The product message `registration` is, if it names its product.

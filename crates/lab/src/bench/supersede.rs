@@ -30,8 +30,10 @@ pub struct SupersedeArgs {
     /// Registrations after which the corrected upload is published.
     #[arg(long, default_value_t = 100)]
     pub corrected_after: u64,
+    /// Replicas sharing the queue.
     #[arg(long, default_value_t = 4)]
     pub replicas: usize,
+    /// Workers per replica.
     #[arg(long, default_value_t = 8)]
     pub workers: u32,
     /// The limit of the update burst.
