@@ -6,7 +6,8 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use serde_json::{Value, json};
 use turnstile_core::domain::{BatchId, Registration, SellerId};
 use turnstile_upload::upload::{
-    Format, MAX_ROWS, Upload, UploadError, read_upload, read_weighed_upload,
+    Columns, Format, MAX_ROWS, Upload, UploadError, read_upload, read_upload_with,
+    read_weighed_upload,
 };
 
 /// A file in its own fresh directory under the system temp dir, removed on drop.
@@ -931,4 +932,70 @@ fn an_xlsx_cost_column_takes_whole_numbers_from_number_cells() {
     assert_eq!(row_costs(&upload), [2, 4]);
     assert_eq!(bad(&upload).len(), 1, "{:?}", bad(&upload));
     assert_eq!(bad(&upload)[0].0, 3);
+}
+
+#[test]
+fn a_product_key_column_names_each_rows_product_and_a_version_column_orders_them() {
+    let csv = "sku,rev,price\nA-1,3,10\n42,4,11\n,5,12\nB-2,x,13\nC-3,,14\nD-4, 7 ,15\n";
+    let file = TempFile::new("keyed.csv", csv.as_bytes());
+    let read = |key: Option<&str>, version: Option<&str>| {
+        let columns = Columns {
+            product_key: key,
+            version,
+            ..Columns::default()
+        };
+        read_upload_with(
+            &file.path,
+            &seller("S-1001"),
+            Some(&batch("b")),
+            false,
+            columns,
+        )
+        .unwrap()
+    };
+    let keyed = read(Some("sku"), Some("rev"));
+    let carried: Vec<(String, Option<i64>)> = keyed
+        .rows
+        .iter()
+        .map(|r| {
+            let (key, version) = Registration::parse(&r.body, None)
+                .unwrap()
+                .product_key
+                .unwrap();
+            (key.as_str().to_owned(), version.map(|v| v.get()))
+        })
+        .collect();
+    assert_eq!(
+        carried,
+        [
+            ("A-1".to_owned(), Some(3)),
+            ("42".to_owned(), Some(4)),
+            ("D-4".to_owned(), Some(7))
+        ]
+    );
+    // The fields stay in the product, forwarded verbatim.
+    assert_eq!(
+        products(&keyed)[0],
+        json!({"sku": "A-1", "rev": "3", "price": "10"})
+    );
+    let must = "its \"rev\" must be a whole number of at most 15 digits";
+    assert_eq!(
+        bad(&keyed),
+        [
+            (4, "it has no \"sku\" (the product key column)".to_owned()),
+            (5, must.to_owned()),
+            (6, "it has no \"rev\" (the version column)".to_owned()),
+        ]
+    );
+    // A product key alone: no version in the body; without either, the body is as before.
+    let unversioned = read(Some("sku"), None);
+    assert_eq!(unversioned.rows.len(), 5);
+    let body: Value = serde_json::from_slice(&unversioned.rows[0].body).unwrap();
+    assert_eq!(
+        (body["product_key"].as_str(), body.get("version")),
+        (Some("A-1"), None)
+    );
+    let plain = read(None, None);
+    let body: Value = serde_json::from_slice(&plain.rows[0].body).unwrap();
+    assert_eq!(body.get("product_key"), None);
 }

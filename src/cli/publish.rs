@@ -14,7 +14,7 @@ use turnstile_core::config::{DefaultLimitArgs, LimiterArgs, RedisArgs};
 use turnstile_core::fleet;
 use turnstile_core::permit::{Admin, RedisConn, Terms};
 use turnstile_core::trace::TraceContext;
-use turnstile_upload::upload::{UploadRow, read_weighed_upload};
+use turnstile_upload::upload::{Columns, UploadRow, read_upload_with};
 
 use turnstile_core::domain::{BatchId, SellerId};
 
@@ -39,6 +39,19 @@ pub struct PublishArgs {
     /// costs 1].
     #[arg(long = "cost-column", value_name = "NAME")]
     pub cost_column: Option<String>,
+    /// The product field (column) naming each product, its `product_key` (the SKU, say): of one
+    /// seller's rows for one product, the newest supersedes the older ones still waiting, so a
+    /// corrected upload replaces the rows of an earlier one not registered yet.
+    #[arg(long = "product-key-column", value_name = "NAME")]
+    pub product_key_column: Option<String>,
+    /// The product field (column) holding each row's `version`, a whole number: of two rows of
+    /// one product, the higher is the newer (else the later to arrive).
+    #[arg(
+        long = "version-column",
+        value_name = "NAME",
+        requires = "product_key_column"
+    )]
+    pub version_column: Option<String>,
     #[command(flatten)]
     pub json: Json,
     #[command(flatten)]
@@ -55,13 +68,12 @@ pub struct PublishArgs {
 /// Runs `turnstile publish`.
 pub async fn run(args: PublishArgs) -> anyhow::Result<ExitCode> {
     let (seller, batch) = (args.seller.clone(), args.batch.clone());
-    let upload = read_weighed_upload(
-        &args.file,
-        &seller,
-        batch.as_ref(),
-        args.strict,
-        args.cost_column.as_deref(),
-    )?;
+    let columns = Columns {
+        cost: args.cost_column.as_deref(),
+        product_key: args.product_key_column.as_deref(),
+        version: args.version_column.as_deref(),
+    };
+    let upload = read_upload_with(&args.file, &seller, batch.as_ref(), args.strict, columns)?;
     for bad in &upload.bad_rows {
         eprintln!("skipped {bad}");
     }

@@ -1,6 +1,6 @@
 //! Reading a seller's upload file (.xlsx, .csv, .jsonl) into product registration messages,
 //! ready to publish as they are (`turnstile publish FILE --seller S [--batch B] [--strict]
-//! [--cost-column NAME]`).
+//! [--cost-column NAME] [--product-key-column NAME [--version-column NAME]]`).
 //!
 //! # Cost
 //!
@@ -8,6 +8,16 @@
 //! of every limit of the seller its registration takes. The value must be a whole number from
 //! 1 to 10,000 (a JSON number, or text of digits as CSV gives it); a row without one, or with
 //! another value, is bad. The field stays in the product, which is forwarded verbatim.
+//!
+//! # Product key and version
+//!
+//! With a product key column, each product's field of that name is its message's
+//! `product_key` (text, or a number written as it is; 1 to 256 characters, no control
+//! characters), and with a version column as well, that field is its `version` (a whole number
+//! of at most 15 digits, a JSON number or text of digits). Of one seller's messages for one
+//! product key, the newest supersedes the older ones still waiting: a corrected upload replaces
+//! the rows of an earlier one that are not registered yet. A row without a valid value is bad.
+//! Both fields stay in the product.
 //!
 //! # Formats
 //!
@@ -67,7 +77,9 @@ use calamine::{Data, ExcelDateTime, Reader, SheetType, Xlsx};
 use serde_json::value::RawValue;
 use sha2::{Digest, Sha256};
 
-use turnstile_core::domain::{BatchId, BatchSize, Cost, MAX_BODY_BYTES, MessageId, SellerId};
+use turnstile_core::domain::{
+    BatchId, BatchSize, Cost, MAX_BODY_BYTES, MessageId, ProductKey, SellerId, Version,
+};
 
 /// Most product rows (non-empty rows below the header, or non-blank JSONL lines) in one file.
 pub const MAX_ROWS: usize = 100_000;
@@ -119,7 +131,7 @@ pub struct UploadRow {
     /// The full message body, UTF-8 JSON:
     /// `{"message_id":…,"seller_id":…,"batch_id":…,"batch_size":N,"product":{…}}` (N: the
     /// upload's good rows), with `"cost":N` before the product when the upload is weighed by a
-    /// cost column.
+    /// cost column, and `"product_key"` and `"version"` with those columns.
     pub body: Vec<u8>,
     /// Units of every limit its registration takes (1 without a cost column).
     pub cost: Cost,
@@ -287,6 +299,85 @@ pub fn read_weighed_upload(
     strict: bool,
     cost_column: Option<&str>,
 ) -> Result<Upload, UploadError> {
+    let columns = Columns {
+        cost: cost_column,
+        ..Columns::default()
+    };
+    read_upload_with(path, seller, batch, strict, columns)
+}
+
+/// The product fields (columns) that say more than the product: its cost, and its product key
+/// and version (see the module docs).
+#[derive(Clone, Copy, Debug, Default)]
+pub struct Columns<'a> {
+    pub cost: Option<&'a str>,
+    pub product_key: Option<&'a str>,
+    /// Read only with `product_key`.
+    pub version: Option<&'a str>,
+}
+
+/// What a row's message carries beside its product.
+#[derive(Clone, Debug, Default)]
+struct Envelope {
+    cost: Option<Cost>,
+    product_key: Option<ProductKey>,
+    version: Option<Version>,
+}
+
+impl Columns<'_> {
+    /// What `product`'s fields say for these columns, or why the row is bad.
+    fn read(&self, product: &str) -> Result<Envelope, String> {
+        let cost = self
+            .cost
+            .map(|column| cost_of(product, column))
+            .transpose()?;
+        let Some(key_column) = self.product_key else {
+            return Ok(Envelope {
+                cost,
+                ..Envelope::default()
+            });
+        };
+        let fields: serde_json::Map<String, serde_json::Value> =
+            serde_json::from_str(product).map_err(|_| "it is not a JSON object".to_owned())?;
+        let key = match fields.get(key_column) {
+            None => return Err(format!("it has no {key_column:?} (the product key column)")),
+            Some(serde_json::Value::String(text)) => text.clone(),
+            Some(serde_json::Value::Number(n)) => n.to_string(),
+            Some(_) => String::new(),
+        };
+        let product_key = ProductKey::parse(&key).map_err(|_| {
+            format!("its {key_column:?} must be 1 to 256 characters without control characters")
+        })?;
+        let version = match self.version {
+            None => None,
+            Some(column) => {
+                let why = || format!("its {column:?} must be a whole number of at most 15 digits");
+                let v = match fields.get(column) {
+                    None => return Err(format!("it has no {column:?} (the version column)")),
+                    Some(serde_json::Value::Number(n)) => n.as_i64(),
+                    Some(serde_json::Value::String(text)) => text.trim().parse::<i64>().ok(),
+                    Some(_) => None,
+                };
+                Some(v.and_then(Version::new).ok_or_else(why)?)
+            }
+        };
+        Ok(Envelope {
+            cost,
+            product_key: Some(product_key),
+            version,
+        })
+    }
+}
+
+/// As [`read_upload`], with what `columns` name read from each product (see the module docs,
+/// "Cost" and "Product key and version").
+pub fn read_upload_with(
+    path: &Path,
+    seller: &SellerId,
+    batch: Option<&BatchId>,
+    strict: bool,
+    columns: Columns<'_>,
+) -> Result<Upload, UploadError> {
     let format = Format::from_path(path)?;
     let bytes = read_bounded(path)?;
     let batch_id = match batch {
@@ -303,10 +394,9 @@ pub fn read_weighed_upload(
     let mut kept = Vec::with_capacity(parsed.products.len());
     let mut bad_rows = parsed.bad;
     for (row, product) in parsed.products {
-        let cost = match cost_column.map(|column| cost_of(&product, column)) {
-            None => None,
-            Some(Ok(cost)) => Some(cost),
-            Some(Err(reason)) => {
+        let envelope = match columns.read(&product) {
+            Ok(envelope) => envelope,
+            Err(reason) => {
                 bad_rows.push(BadRow { row, reason });
                 continue;
             }
@@ -318,7 +408,7 @@ pub fn read_weighed_upload(
             seller,
             &batch_id,
             BatchSize::new(BatchSize::MAX),
-            cost,
+            &envelope,
             &product,
         );
         if longest.len() > MAX_BODY_BYTES {
@@ -330,7 +420,7 @@ pub fn read_weighed_upload(
                 ),
             });
         } else {
-            kept.push((row, message_id, cost, product));
+            kept.push((row, message_id, envelope, product));
         }
     }
     // Every message says how many the batch has (`batch_size`), so that the consume side knows
@@ -338,11 +428,11 @@ pub fn read_weighed_upload(
     let size = u32::try_from(kept.len()).ok().and_then(BatchSize::new);
     let rows = kept
         .into_iter()
-        .map(|(row, message_id, cost, product)| UploadRow {
+        .map(|(row, message_id, envelope, product)| UploadRow {
             row,
-            body: body(&message_id, seller, &batch_id, size, cost, &product),
+            body: body(&message_id, seller, &batch_id, size, &envelope, &product),
             message_id,
-            cost: cost.unwrap_or(Cost::ONE),
+            cost: envelope.cost.unwrap_or(Cost::ONE),
         })
         .collect();
     bad_rows.sort_by_key(|b| b.row);
@@ -402,15 +492,27 @@ fn body(
     seller: &SellerId,
     batch: &BatchId,
     size: Option<BatchSize>,
-    cost: Option<Cost>,
+    envelope: &Envelope,
     product: &str,
 ) -> Vec<u8> {
     let size = size
         .map(|n| format!(r#","batch_size":{}"#, n.get()))
         .unwrap_or_default();
-    let cost = cost.map(|c| format!(r#","cost":{c}"#)).unwrap_or_default();
+    let cost = envelope
+        .cost
+        .map(|c| format!(r#","cost":{c}"#))
+        .unwrap_or_default();
+    let key = envelope
+        .product_key
+        .as_ref()
+        .map(|k| format!(r#","product_key":{}"#, json_string(k.as_str())))
+        .unwrap_or_default();
+    let version = envelope
+        .version
+        .map(|v| format!(r#","version":{}"#, v.get()))
+        .unwrap_or_default();
     format!(
-        r#"{{"message_id":{},"seller_id":{},"batch_id":{}{size}{cost},"product":{product}}}"#,
+        r#"{{"message_id":{},"seller_id":{},"batch_id":{}{size}{cost}{key}{version},"product":{product}}}"#,
         json_string(message_id.as_str()),
         json_string(seller.as_str()),
         json_string(batch.as_str()),
