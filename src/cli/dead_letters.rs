@@ -305,7 +305,7 @@ fn print_replayed(done: &Replayed, topology: &Topology, selection: &Selection) {
             done.replayed,
             topology.work(),
             of(selection),
-            done.kept,
+            done.kept + done.refused,
             topology.dead()
         );
     }

@@ -72,6 +72,9 @@ pub mod headers {
     /// On a dead letter: the calls that counted as attempts, the last one included (as its
     /// result's `attempts`).
     pub const ATTEMPTS: &str = "x-turnstile-attempts";
+    /// On a superseded dead letter: the message id of the newer message of its product that
+    /// took its place (as its result's `superseded_by`).
+    pub const SUPERSEDED_BY: &str = "x-turnstile-superseded-by";
     /// The queue the dead letter was consumed from.
     pub const QUEUE: &str = "x-turnstile-queue";
     /// When turnstile first saw the message (Unix ms), for its result.

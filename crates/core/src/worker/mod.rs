@@ -1978,6 +1978,12 @@ impl Worker {
                     crate::broker::headers::ATTEMPTS,
                     AMQPValue::LongLongInt(i64::from(report.attempts)),
                 ));
+                if let Some(by) = &report.superseded_by {
+                    extra.push((
+                        crate::broker::headers::SUPERSEDED_BY,
+                        AMQPValue::LongString(by.as_str().into()),
+                    ));
+                }
                 publisher
                     .dead_letter(&self.topology, delivery, reason, detail, &extra)
                     .await

@@ -171,11 +171,10 @@ impl Worker {
             );
         }
         metrics::counter!("turnstile_superseded_total").increment(1);
-        let detail = match &by {
-            Some(by) => format!("superseded by the newer message {by} of its product"),
-            None => "superseded by a newer message of its product".to_owned(),
-        };
-        debug!(%detail, "superseded");
+        // One detail for all, so that a listing groups them; the successor is in the result's
+        // `superseded_by` and the dead letter's `x-turnstile-superseded-by`.
+        let detail = "superseded by a newer message of its product".to_owned();
+        debug!(by = by.as_ref().map(|m| m.as_str()), "superseded");
         Outcome::DeadLetter {
             reason: SUPERSEDED,
             detail,
