@@ -2,7 +2,7 @@
 //! downstream storms, bad input, secrets. Nothing lost, no limit broken.
 mod support;
 
-use std::process::{Child, Command, Stdio};
+use std::process::Command;
 use std::time::Duration;
 
 use serde_json::json;
@@ -15,7 +15,6 @@ use turnstile_core::domain::SellerId;
 use turnstile_core::permit::{Ask, Decision, Limiter, PermitStore, RedisConn};
 use turnstile_lab::local_redis::LocalRedis;
 use turnstile_lab::mock_api::MockArgs;
-use turnstile_lab::rig::Rig;
 
 fn turnstile() -> Command {
     Command::new(env!("CARGO_BIN_EXE_turnstile"))
@@ -279,31 +278,13 @@ async fn a_redis_outage_stops_all_calls_and_its_restart_lets_no_burst_through() 
     rig.cleanup().await
 }
 
-fn spawn_consumer(rig: &Rig, workers: u32) -> Child {
-    turnstile()
-        .arg("consume")
-        .env("TURNSTILE_QUEUE", rig.topology.work())
-        .env("TURNSTILE_KEY_PREFIX", &rig.key_prefix)
-        .env("TURNSTILE_REDIS_URL", rig.redis_url())
-        .env("TURNSTILE_REDIS_DURABLE", "true")
-        .env("TURNSTILE_DOWNSTREAM_URL", rig.mock.url())
-        .env("TURNSTILE_LIMIT", rig.limit.to_string())
-        .env("TURNSTILE_HTTP_ADDR", "off")
-        .env("TURNSTILE_WORKERS", workers.to_string())
-        .env("RUST_LOG", "warn")
-        .stdout(Stdio::null())
-        .stderr(Stdio::null())
-        .spawn()
-        .expect("turnstile consume starts")
-}
-
 #[tokio::test]
 async fn a_replica_killed_with_sigkill_loses_nothing() -> anyhow::Result<()> {
     let mut rig = support::rig("sigkill", "20/1s").prepare().await?;
     rig.publish("S-busy", 100).await?;
     rig.publish("S-small", 10).await?;
-    let mut doomed = spawn_consumer(&rig, 4);
-    let mut survivor = spawn_consumer(&rig, 4);
+    let mut doomed = support::spawn_consumer(&rig, 4);
+    let mut survivor = support::spawn_consumer(&rig, 4);
     eventually("some registered", || rig.mock.stats().registered >= 30).await;
     doomed.kill().unwrap(); // SIGKILL
     doomed.wait().unwrap();
@@ -674,7 +655,7 @@ async fn sigterm_under_load_finishes_in_flight_calls_returns_the_rest_and_exits_
     for seller in ["S-a", "S-b", "S-c", "S-d", "S-e"] {
         rig.publish(seller, 60).await?;
     }
-    let mut child = spawn_consumer(&rig, 16);
+    let mut child = support::spawn_consumer(&rig, 16);
     eventually("some registered", || rig.mock.stats().registered >= 40).await;
     let in_flight_at_signal = rig.mock.stats();
     let signalled = std::time::Instant::now();

@@ -9,7 +9,6 @@ use std::collections::HashSet;
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
 use lapin::BasicProperties;
-use lapin::options::{BasicPublishOptions, ConfirmSelectOptions};
 use lapin::types::{AMQPValue, FieldTable};
 use serde_json::Value;
 use support::results::Results;
@@ -26,7 +25,6 @@ fn rfc3339(ms: u64) -> String {
     humantime::format_rfc3339_millis(UNIX_EPOCH + Duration::from_millis(ms)).to_string()
 }
 
-/// Every result the replicas publish, in the order they came.
 /// Publishes rows of `seller` with ids `<prefix>-<i>`, each with `priority` and `deadline`
 /// (Unix ms), and `headers`, confirmed.
 async fn publish(
@@ -38,12 +36,7 @@ async fn publish(
     deadline: Option<u64>,
     headers: &[(&str, AMQPValue)],
 ) {
-    let channel = rig.connection().create_channel().await.unwrap();
-    channel
-        .confirm_select(ConfirmSelectOptions::default())
-        .await
-        .unwrap();
-    for i in 0..n {
+    let rows = (0..n).map(|i| {
         let mut body = serde_json::json!({
             "message_id": format!("{prefix}-{i}"),
             "seller_id": seller,
@@ -56,27 +49,13 @@ async fn publish(
         for (name, value) in headers {
             table.insert((*name).into(), value.clone());
         }
-        let mut properties = BasicProperties::default()
-            .with_delivery_mode(2)
-            .with_content_type("application/json".into())
-            .with_headers(table);
+        let mut properties = BasicProperties::default().with_headers(table);
         if let Some(priority) = priority {
             properties = properties.with_priority(priority);
         }
-        channel
-            .basic_publish(
-                "".into(),
-                rig.topology.work().into(),
-                BasicPublishOptions::default(),
-                &serde_json::to_vec(&body).unwrap(),
-                properties,
-            )
-            .await
-            .unwrap()
-            .await
-            .unwrap();
-    }
-    let _ = channel.close(200, "published".into()).await;
+        (body, properties)
+    });
+    support::publish_confirmed(rig, rows).await;
 }
 
 /// The message ids the downstream was called with.

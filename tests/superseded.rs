@@ -12,7 +12,6 @@ use std::collections::HashMap;
 use std::time::Duration;
 
 use lapin::BasicProperties;
-use lapin::options::{BasicPublishOptions, ConfirmSelectOptions};
 use serde_json::{Value, json};
 use support::Backend;
 use support::results::Results;
@@ -351,12 +350,7 @@ async fn takes_over_and_redeems(backend: Backend) {
 /// Publishes rows `<prefix>-<i>` of `seller`, for products `P-<i>`, in batch `<prefix>`,
 /// confirmed.
 async fn publish_rows(rig: &Rig, seller: &str, prefix: &str, n: usize) {
-    let channel = rig.connection().create_channel().await.unwrap();
-    channel
-        .confirm_select(ConfirmSelectOptions::default())
-        .await
-        .unwrap();
-    for i in 0..n {
+    let rows = (0..n).map(|i| {
         let body = json!({
             "message_id": format!("{prefix}-{i}"),
             "seller_id": seller,
@@ -365,22 +359,9 @@ async fn publish_rows(rig: &Rig, seller: &str, prefix: &str, n: usize) {
             "product_key": format!("P-{i}"),
             "product": {"sku": format!("P-{i}"), "row": prefix},
         });
-        channel
-            .basic_publish(
-                "".into(),
-                rig.topology.work().into(),
-                BasicPublishOptions::default(),
-                &serde_json::to_vec(&body).unwrap(),
-                BasicProperties::default()
-                    .with_delivery_mode(2)
-                    .with_content_type("application/json".into()),
-            )
-            .await
-            .unwrap()
-            .await
-            .unwrap();
-    }
-    let _ = channel.close(200, "published".into()).await;
+        (body, BasicProperties::default())
+    });
+    support::publish_confirmed(rig, rows).await;
 }
 
 #[tokio::test]
@@ -647,25 +628,6 @@ async fn a_product_remembers_a_bounded_number_of_its_messages() {
     keys.cleanup().await;
 }
 
-/// A `turnstile consume` process on the rig's queue, keys and mock.
-fn spawn_consumer(rig: &Rig, workers: u32) -> std::process::Child {
-    std::process::Command::new(env!("CARGO_BIN_EXE_turnstile"))
-        .arg("consume")
-        .env("TURNSTILE_QUEUE", rig.topology.work())
-        .env("TURNSTILE_KEY_PREFIX", &rig.key_prefix)
-        .env("TURNSTILE_REDIS_URL", rig.redis_url())
-        .env("TURNSTILE_REDIS_DURABLE", "true")
-        .env("TURNSTILE_DOWNSTREAM_URL", rig.mock.url())
-        .env("TURNSTILE_LIMIT", rig.limit.to_string())
-        .env("TURNSTILE_HTTP_ADDR", "off")
-        .env("TURNSTILE_WORKERS", workers.to_string())
-        .env("RUST_LOG", "warn")
-        .stdout(std::process::Stdio::null())
-        .stderr(std::process::Stdio::null())
-        .spawn()
-        .expect("turnstile consume starts")
-}
-
 #[tokio::test]
 async fn a_replica_killed_while_rows_are_superseded_loses_no_row_and_calls_no_stale_row_last()
 -> anyhow::Result<()> {
@@ -673,8 +635,8 @@ async fn a_replica_killed_while_rows_are_superseded_loses_no_row_and_calls_no_st
     let rig = support::rig("superseded-kill", "5/1s").prepare().await?;
     let results = Results::listen(&rig).await;
     publish_rows(&rig, "S-kill", "old", n).await;
-    let mut doomed = spawn_consumer(&rig, 4);
-    let mut survivor = spawn_consumer(&rig, 4);
+    let mut doomed = support::spawn_consumer(&rig, 4);
+    let mut survivor = support::spawn_consumer(&rig, 4);
     support::eventually("some old rows registered", || {
         rig.mock.stats().registered >= 5
     })

@@ -319,3 +319,55 @@ pub async fn listen(
     });
     queue
 }
+
+/// A `turnstile consume` process (the test binary's own build) on the rig's queue, keys, mock
+/// and limit, with `workers` workers and no HTTP port; quiet but for warnings, not shown.
+pub fn spawn_consumer(rig: &Rig, workers: u32) -> std::process::Child {
+    Command::new(env!("CARGO_BIN_EXE_turnstile"))
+        .arg("consume")
+        .env("TURNSTILE_QUEUE", rig.topology.work())
+        .env("TURNSTILE_KEY_PREFIX", &rig.key_prefix)
+        .env("TURNSTILE_REDIS_URL", rig.redis_url())
+        .env("TURNSTILE_REDIS_DURABLE", "true")
+        .env("TURNSTILE_DOWNSTREAM_URL", rig.mock.url())
+        .env("TURNSTILE_LIMIT", rig.limit.to_string())
+        .env("TURNSTILE_HTTP_ADDR", "off")
+        .env("TURNSTILE_WORKERS", workers.to_string())
+        .env("RUST_LOG", "warn")
+        .stdout(std::process::Stdio::null())
+        .stderr(std::process::Stdio::null())
+        .spawn()
+        .expect("turnstile consume starts")
+}
+
+/// Publishes each JSON body with its properties (made persistent and `application/json`) to
+/// the rig's work queue, in order, each confirmed before the next.
+pub async fn publish_confirmed(
+    rig: &Rig,
+    messages: impl IntoIterator<Item = (serde_json::Value, lapin::BasicProperties)>,
+) {
+    use lapin::options::{BasicPublishOptions, ConfirmSelectOptions};
+    let channel = rig.connection().create_channel().await.unwrap();
+    channel
+        .confirm_select(ConfirmSelectOptions::default())
+        .await
+        .unwrap();
+    for (body, properties) in messages {
+        let properties = properties
+            .with_delivery_mode(2)
+            .with_content_type("application/json".into());
+        channel
+            .basic_publish(
+                "".into(),
+                rig.topology.work().into(),
+                BasicPublishOptions::default(),
+                &serde_json::to_vec(&body).unwrap(),
+                properties,
+            )
+            .await
+            .unwrap()
+            .await
+            .unwrap();
+    }
+    let _ = channel.close(200, "published".into()).await;
+}
