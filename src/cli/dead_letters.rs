@@ -192,7 +192,7 @@ pub async fn run(DeadLettersArgs { action, broker }: DeadLettersArgs) -> anyhow:
             entry.result = taken(
                 "replay",
                 dry_run,
-                done.matched - done.refused,
+                done.movable(),
                 done.replayed,
                 done.kept + done.refused,
             );
@@ -293,7 +293,7 @@ fn print_replayed(done: &Replayed, topology: &Topology, selection: &Selection) {
     if done.dry_run {
         println!(
             "would replay {} to {}{} (dry run: nothing moved); {} others stay in {}",
-            done.matched - done.refused,
+            done.movable(),
             topology.work(),
             of(selection),
             done.kept,

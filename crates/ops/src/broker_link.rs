@@ -480,16 +480,17 @@ impl BrokerLink {
                 Ok((replayed, taken))
             })
             .await?;
+        let moved = if dry_run {
+            replayed.movable()
+        } else {
+            replayed.replayed
+        };
         let mut letters = replayed.letters;
         let truncated = letters.len() > shown;
         letters.truncate(shown);
         Ok(Replay {
             dry_run,
-            moved: if dry_run {
-                replayed.matched - replayed.refused
-            } else {
-                replayed.replayed
-            },
+            moved,
             kept: replayed.kept,
             refused: replayed.refused,
             letters,

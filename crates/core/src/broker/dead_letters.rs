@@ -515,6 +515,14 @@ pub struct Replayed {
     pub letters: Vec<DeadLetter>,
 }
 
+impl Replayed {
+    /// Dead letters selected that a replay moves (or on a dry run would): all but the
+    /// superseded ones it leaves without [`Selection::force`].
+    pub fn movable(&self) -> u64 {
+        self.matched - self.refused
+    }
+}
+
 /// Visits each dead letter present now exactly once: `visit` answers true to take it off the
 /// dead-letter queue (after it was handled), false to leave it there, and hands the delivery
 /// back either way. Messages are held unacked while visiting and the ones left are returned at
@@ -916,10 +924,11 @@ pub async fn replay_showing(
                 .as_ref()
                 .filter(|_| superseded)
                 .and_then(|r| ProductMessage::of(r, ttl));
-            let mut before = None;
-            if let Some(product) = &product {
-                match permits.latest_again(product).await {
-                    Ok(previous) => before = Some(previous),
+            // A superseded message made its product's latest, with the latest before it.
+            let mut latest_before = None;
+            if let Some(product) = product {
+                match permits.latest_again(&product).await {
+                    Ok(previous) => latest_before = Some((product, previous)),
                     Err(error) => {
                         revived.undo(permits, ttl).await;
                         let error = anyhow::Error::from(error)
@@ -932,7 +941,7 @@ pub async fn replay_showing(
             let republished = step(publisher.channel(), "republishing a dead letter", publish);
             if let Err(error) = republished.await {
                 revived.undo(permits, ttl).await;
-                if let (Some(product), Some(previous)) = (&product, &before) {
+                if let Some((product, previous)) = &latest_before {
                     let _ = permits.latest_as_before(product, previous.as_ref()).await;
                 }
                 return (Err(error), delivery);

@@ -118,13 +118,10 @@ impl PermitStore {
         step: SupersedeStep<'_>,
         held: Option<&Reservation>,
     ) -> Result<Supersession, PermitError> {
-        let extra = match step {
-            SupersedeStep::Reserved(reservation) => reservation.encode(),
-            _ => String::new(),
-        };
-        let held = match step {
-            SupersedeStep::Reserved(reservation) => Some(reservation),
-            _ => held,
+        // The reservation `reserved` notes is the one the message holds.
+        let (held, extra) = match step {
+            SupersedeStep::Reserved(reservation) => (Some(reservation), reservation.encode()),
+            _ => (held, String::new()),
         };
         let answer = self
             .supersede_step(message, step.name(), held.map(|r| r.token.as_str()), extra)

@@ -797,21 +797,18 @@ impl Worker {
         let product = self.product_of(registration);
         // The token of the reservation last noted for the product (see `note_reserved`).
         let mut noted = None;
-        if let Some(product) = &product {
-            let own = carried.reservation.as_ref().map(|r| r.token.clone());
-            if let Some(superseded) = self
-                .arrive(registration, product, &mut carried, interruptions)
+        if let Some(product) = &product
+            && let Some(superseded) = self
+                .arrive(
+                    registration,
+                    product,
+                    &mut carried,
+                    &mut noted,
+                    interruptions,
+                )
                 .await
-            {
-                return superseded;
-            }
-            // Its own reservation was noted when it was made; one taken over is noted anew.
-            noted = own.filter(|own| {
-                carried
-                    .reservation
-                    .as_ref()
-                    .is_some_and(|r| &r.token == own)
-            });
+        {
+            return superseded;
         }
         let mut permit_errors = PermitErrors::default();
         let claim = DeliveryClaim::new();
@@ -1125,34 +1122,14 @@ impl Worker {
         };
         // A product's message that a newer one superseded takes no call; from the step that
         // says it may, it is never superseded.
-        if let Some(product) = self.product_of(registration) {
-            let started = if grant.sent().elapsed() > CALL_ALLOWANCE {
-                Ok(None)
-            } else {
-                self.start_product_call(registration, &product, carried)
-                    .await
-                    .map(Some)
-            };
-            let late = grant.sent().elapsed() > CALL_ALLOWANCE;
-            if !matches!(started, Ok(Some(None))) || late {
-                drop(calling);
-                self.limiter.unsent(grant).await;
-                return match started {
-                    Ok(Some(Some(superseded))) => Plan::Settle(superseded),
-                    Ok(Some(None)) | Ok(None) => {
-                        // Too old to call by now: asked again, and supersedable again.
-                        if matches!(started, Ok(Some(None))) {
-                            self.unstart_product_call(&product).await;
-                        }
-                        carried.reservation = None;
-                        Plan::AskAgain
-                    }
-                    Err(()) => {
-                        carried.reservation = None;
-                        Plan::AskAfter(CLAIM_UNANSWERED_RECHECK)
-                    }
-                };
-            }
+        if let Some(product) = self.product_of(registration)
+            && let Some(instead) = self
+                .start_product_call(registration, &product, &grant, carried)
+                .await
+        {
+            drop(calling);
+            self.limiter.unsent(grant).await;
+            return instead;
         }
         // Its claim holds for the whole call from now (the registration leaves it to expire:
         // its record answers for it; a call answered without registering ends it).

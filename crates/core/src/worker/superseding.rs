@@ -6,10 +6,10 @@
 
 use tracing::{debug, warn};
 
-use super::plan::{Outcome, Report, SUPERSEDED};
+use super::plan::{Outcome, Plan, Report, SUPERSEDED};
 use super::{Carried, Interruptions, Worker, counting_redis_errors, until_done};
 use crate::domain::{MessageId, Registration};
-use crate::permit::{ProductMessage, SupersedeStep, Supersession};
+use crate::permit::{CALL_ALLOWANCE, Grant, ProductMessage, SupersedeStep, Supersession};
 
 impl Worker {
     /// The product message `registration` is, if it names its product.
@@ -23,16 +23,18 @@ impl Worker {
     /// A delivery of a product's message begins: `Some` outcome if it is superseded (or was
     /// interrupted before Redis answered: it goes back to the broker). When it supersedes a
     /// message that held a reservation of its cost and route, it holds that reservation now.
+    /// `noted` is the token of the reservation the product's record already has for it: its
+    /// own (noted when it was made), none for one taken over (see [`Self::note_reserved`]).
     pub(super) async fn arrive(
         &self,
         registration: &Registration,
         product: &ProductMessage<'_>,
         carried: &mut Carried,
+        noted: &mut Option<String>,
         interruptions: Interruptions<'_>,
     ) -> Option<Outcome> {
         let what = "could not ask whether the message is its product's latest";
-        let held = carried.reservation.clone();
-        let held = held.as_ref();
+        let held = carried.reservation.as_ref();
         let step = until_done(what, interruptions, || async move {
             counting_redis_errors(
                 self.limiter
@@ -43,7 +45,10 @@ impl Worker {
         .await;
         match step {
             None => Some(Outcome::Requeue { holding: None }),
-            Some(Supersession::Latest { took_over: None }) => None,
+            Some(Supersession::Latest { took_over: None }) => {
+                *noted = carried.reservation.as_ref().map(|r| r.token.clone());
+                None
+            }
             Some(Supersession::Latest {
                 took_over: Some((from, reservation)),
             }) => {
@@ -53,11 +58,8 @@ impl Worker {
                     slot_us = reservation.slot_us,
                     "took over the reservation of the message it supersedes"
                 );
-                if let Some(own) = carried.reservation.replace(reservation)
-                    && carried
-                        .reservation
-                        .as_ref()
-                        .is_none_or(|r| r.token != own.token)
+                if let Some(own) = carried.reservation.take()
+                    && own.token != reservation.token
                 {
                     // A delivery that carried a reservation of its own (a copy, or a header
                     // someone wrote): one slot is enough.
@@ -68,6 +70,7 @@ impl Worker {
                         self.route_of(registration).cloned(),
                     );
                 }
+                carried.reservation = Some(reservation);
                 None
             }
             Some(Supersession::Superseded {
@@ -111,29 +114,48 @@ impl Worker {
         }
     }
 
-    /// The message's call is about to start: `Ok(None)` if it may (from now on it is never
-    /// superseded), `Ok(Some(outcome))` if a newer message superseded it, `Err` if Redis did
-    /// not answer (the call must not start).
+    /// The call of a product's message under `grant` is about to start: `None` if it may (from
+    /// now on it is never superseded), else what the message does instead, the grant to be
+    /// given back by the caller: settle as superseded, ask again (the grant too old to call,
+    /// before or after the step), or ask after a moment (Redis did not answer).
     pub(super) async fn start_product_call(
         &self,
         registration: &Registration,
         product: &ProductMessage<'_>,
+        grant: &Grant,
         carried: &mut Carried,
-    ) -> Result<Option<Outcome>, ()> {
+    ) -> Option<Plan> {
+        let late = || grant.sent().elapsed() > CALL_ALLOWANCE;
+        if late() {
+            carried.reservation = None;
+            return Some(Plan::AskAgain);
+        }
         let step = self
             .limiter
             .supersede(product, SupersedeStep::Start, carried.reservation.as_ref())
             .await;
         match counting_redis_errors(step) {
-            Ok(Supersession::Latest { .. }) => Ok(None),
+            Ok(Supersession::Latest { .. }) if late() => {
+                // Too old to call by now: it may be superseded again.
+                self.unstart_product_call(product).await;
+                carried.reservation = None;
+                Some(Plan::AskAgain)
+            }
+            Ok(Supersession::Latest { .. }) => None,
             // Its reservation was redeemed into the grant the caller gives back.
             Ok(Supersession::Superseded { by, .. }) => {
                 carried.reservation = None;
-                Ok(Some(self.superseded(registration, carried, by, true)))
+                Some(Plan::Settle(self.superseded(
+                    registration,
+                    carried,
+                    by,
+                    true,
+                )))
             }
             Err(error) => {
                 warn!(%error, "could not say the call of a product's message starts (Redis): not calling yet");
-                Err(())
+                carried.reservation = None;
+                Some(Plan::AskAfter(super::CLAIM_UNANSWERED_RECHECK))
             }
         }
     }
@@ -141,7 +163,7 @@ impl Worker {
     /// No call followed a `start` that said the message may call (its grant was too old by
     /// then): it may be superseded again. A failure leaves it exempt (it proceeds as a message
     /// whose call started), which supersedes nothing wrongly.
-    pub(super) async fn unstart_product_call(&self, product: &ProductMessage<'_>) {
+    async fn unstart_product_call(&self, product: &ProductMessage<'_>) {
         let step = self
             .limiter
             .supersede(product, SupersedeStep::Unstart, None)
