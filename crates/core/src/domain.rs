@@ -335,7 +335,7 @@ pub struct RateLimitHeaders {
 }
 
 /// One product registration, as received.
-#[derive(Debug)]
+#[derive(Clone, Debug)]
 pub struct Registration {
     pub message_id: MessageId,
     pub seller_id: SellerId,

@@ -170,7 +170,7 @@ pub struct Starting {
 
 impl Starting {
     /// Checks the configuration; fails at once on an error. No I/O.
-    pub fn new(args: ConsumeArgs) -> anyhow::Result<Self> {
+    pub fn new(mut args: ConsumeArgs) -> anyhow::Result<Self> {
         anyhow::ensure!(
             !args.broker.queue.name.is_empty() && args.broker.queue.name.len() <= 200,
             "TURNSTILE_QUEUE must be 1 to 200 characters"
@@ -195,6 +195,13 @@ impl Starting {
             exact_log || args.downstream.cost_header.is_none(),
             "TURNSTILE_COST_HEADER needs TURNSTILE_ALGORITHM=sliding-window (a call's units are corrected in the log)"
         );
+        // A bulk call gathers its rows from what the replica holds: a derived prefetch leaves
+        // room for two full calls.
+        if args.prefetch.is_none() {
+            let rows = routes.most_bulk_rows().saturating_mul(2);
+            let derived = args.prefetch();
+            args.prefetch = Some(derived.max(u16::try_from(rows).unwrap_or(u16::MAX)));
+        }
         let stats = Arc::new(Stats::default());
         Ok(Self {
             nodes,
@@ -456,6 +463,7 @@ fn new_worker(
         seen_batches: Default::default(),
         links: links.clone(),
         records_later: Default::default(),
+        gathers: Default::default(),
     }
 }
 

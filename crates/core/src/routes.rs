@@ -6,10 +6,15 @@
 //! seller's override) in one atomic step (`lua/include/routes.lua`). Without the file, every
 //! message calls `TURNSTILE_DOWNSTREAM_URL` as before, and a message naming a route is
 //! dead-lettered as `invalid-message`, as is one naming a route the file does not have.
+//!
+//! A route, or the default endpoint (a `[default]` table), may be bulk ([`Bulk`]): one call
+//! carries several messages of one seller (see `worker::bulk` for how they are gathered and
+//! `downstream::bulk` for the request and how its answer maps back to each row).
 
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
+use std::time::Duration;
 
 use clap::Args;
 
@@ -43,12 +48,127 @@ pub struct Route {
     pub limits: Limits,
     /// The cost of a call whose message gives none.
     pub cost: Option<Cost>,
+    /// Whether one call carries several messages, and how.
+    pub bulk: Option<Bulk>,
+}
+
+/// Most rows one bulk call may carry.
+pub const MOST_BULK_ROWS: usize = 1_000;
+
+/// Longest a bulk call may wait for more rows once its first row holds a permit: well within
+/// the time a grant may wait for its call ([`crate::permit::CALL_ALLOWANCE`]).
+pub const MOST_LINGER: Duration = Duration::from_millis(500);
+
+/// How a bulk route's calls are counted by the provider, and so by its limits.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum BulkCost {
+    /// A call takes the route's cost once, however many rows it carries.
+    Call,
+    /// A call takes the sum of its rows' costs.
+    Row,
+}
+
+/// A bulk route: one call carries up to `max_rows` messages of one seller and one route (see
+/// the module docs).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Bulk {
+    /// Most rows one call carries (1 to [`MOST_BULK_ROWS`]).
+    pub max_rows: usize,
+    /// How long a call waits for more rows once its first row holds a permit (at most
+    /// [`MOST_LINGER`]).
+    pub linger: Duration,
+    pub cost: BulkCost,
+    /// The field of the request's (and the answer's) JSON object that holds the rows' array;
+    /// without it, the body is the bare array.
+    pub items: Option<String>,
+    /// The field each product is given its `message_id` under, and by which the answer's
+    /// entries are matched to rows (in order without it).
+    pub id_field: Option<String>,
+}
+
+#[derive(serde::Deserialize)]
+#[serde(deny_unknown_fields)]
+struct BulkEntry {
+    max_rows: i64,
+    #[serde(default)]
+    linger: Option<String>,
+    #[serde(default)]
+    cost: Option<String>,
+    #[serde(default)]
+    items: Option<String>,
+    #[serde(default)]
+    id_field: Option<String>,
+}
+
+/// Longest field name a bulk route may name.
+const MOST_FIELD: usize = 64;
+
+impl Bulk {
+    /// The bulk settings of a route's `bulk` table.
+    fn parse(value: toml::Value) -> Result<Self, String> {
+        let entry: BulkEntry = value
+            .try_into()
+            .map_err(|e: toml::de::Error| format!("field `bulk`: {}", one_line(e.message())))?;
+        let max_rows = usize::try_from(entry.max_rows)
+            .ok()
+            .filter(|n| (1..=MOST_BULK_ROWS).contains(n))
+            .ok_or_else(|| {
+                format!(
+                    "field `bulk.max_rows`: {} is not an integer from 1 to {MOST_BULK_ROWS}",
+                    entry.max_rows
+                )
+            })?;
+        let linger = match &entry.linger {
+            None => Duration::from_millis(200).min(MOST_LINGER),
+            Some(text) => humantime::parse_duration(text)
+                .ok()
+                .filter(|d| *d <= MOST_LINGER)
+                .ok_or_else(|| {
+                    format!(
+                        "field `bulk.linger`: {text:?} is not a duration from 0ms to {}ms",
+                        MOST_LINGER.as_millis()
+                    )
+                })?,
+        };
+        let cost = match entry.cost.as_deref() {
+            None | Some("call") => BulkCost::Call,
+            Some("row") => BulkCost::Row,
+            Some(other) => {
+                return Err(format!(
+                    "field `bulk.cost`: {other:?} is neither \"call\" nor \"row\""
+                ));
+            }
+        };
+        let field = |name: &str, value: Option<String>| match value {
+            Some(v)
+                if v.is_empty()
+                    || v.len() > MOST_FIELD
+                    || !v
+                        .bytes()
+                        .all(|b| b.is_ascii_alphanumeric() || b == b'_' || b == b'-') =>
+            {
+                Err(format!(
+                    "field `bulk.{name}`: {v:?} must be 1 to {MOST_FIELD} ASCII letters, digits, _ or -"
+                ))
+            }
+            v => Ok(v),
+        };
+        Ok(Self {
+            max_rows,
+            linger,
+            cost,
+            items: field("items", entry.items)?,
+            id_field: field("id_field", entry.id_field)?,
+        })
+    }
 }
 
 /// The routes of the routes file, by name (none without one).
 #[derive(Clone, Debug, Default)]
 pub struct Routes {
     routes: BTreeMap<RouteName, Arc<Route>>,
+    /// The default endpoint's bulk calls (`[default] bulk = …`), for messages naming no route.
+    default_bulk: Option<Bulk>,
 }
 
 /// Why a routes file was refused: one line naming the route and the field.
@@ -64,6 +184,15 @@ struct RouteEntry {
     limit: String,
     #[serde(default)]
     cost: Option<i64>,
+    #[serde(default)]
+    bulk: Option<toml::Value>,
+}
+
+#[derive(serde::Deserialize)]
+#[serde(deny_unknown_fields)]
+struct DefaultEntry {
+    #[serde(default)]
+    bulk: Option<toml::Value>,
 }
 
 impl Routes {
@@ -92,15 +221,31 @@ impl Routes {
         let bad = |s: String| RoutesError(s);
         let table: toml::Table = toml::from_str(text)
             .map_err(|e| bad(format!("not valid TOML: {}", one_line(e.message()))))?;
-        if let Some(other) = table.keys().find(|k| *k != "routes") {
+        if let Some(other) = table.keys().find(|k| *k != "routes" && *k != "default") {
             return Err(bad(format!(
-                "unknown table or key {other:?}: only [routes.NAME] tables"
+                "unknown table or key {other:?}: only [routes.NAME] tables and [default]"
             )));
         }
-        let Some(toml::Value::Table(routes)) = table.get("routes") else {
-            return Err(bad("no [routes.NAME] table".into()));
+        let default_bulk = match table.get("default") {
+            None => None,
+            Some(value) => {
+                let entry: DefaultEntry = value.clone().try_into().map_err(|e: toml::de::Error| {
+                    bad(format!("[default]: {}", one_line(e.message())))
+                })?;
+                entry
+                    .bulk
+                    .map(Bulk::parse)
+                    .transpose()
+                    .map_err(|why| bad(format!("[default]: {why}")))?
+            }
         };
-        if routes.is_empty() {
+        let empty = toml::Table::new();
+        let routes = match table.get("routes") {
+            Some(toml::Value::Table(routes)) => routes,
+            None if default_bulk.is_some() => &empty,
+            _ => return Err(bad("no [routes.NAME] table".into())),
+        };
+        if routes.is_empty() && default_bulk.is_none() {
             return Err(bad("no [routes.NAME] table".into()));
         }
         if routes.len() > MOST_ROUTES {
@@ -115,7 +260,10 @@ impl Routes {
                 .map_err(|why| bad(format!("route {name:?}: {why}")))?;
             parsed.insert(route.name.clone(), Arc::new(route));
         }
-        Ok(Self { routes: parsed })
+        Ok(Self {
+            routes: parsed,
+            default_bulk,
+        })
     }
 
     fn route(name: &str, value: toml::Value) -> Result<Route, String> {
@@ -161,18 +309,40 @@ impl Routes {
                 "field `cost`: {cost} is more than the route's limit {limits} ever grants at once"
             ));
         }
+        let bulk = entry.bulk.map(Bulk::parse).transpose()?;
         Ok(Route {
             name,
             method,
             url,
             limits,
             cost,
+            bulk,
         })
     }
 
     /// Whether there are no routes (no routes file).
     pub fn is_empty(&self) -> bool {
         self.routes.is_empty()
+    }
+
+    /// How the calls of messages on `route` (none: the default endpoint) are made in bulk, if
+    /// they are.
+    pub fn bulk(&self, route: Option<&RouteName>) -> Option<&Bulk> {
+        match route {
+            None => self.default_bulk.as_ref(),
+            Some(name) => self.get(name)?.bulk.as_ref(),
+        }
+    }
+
+    /// The most rows any bulk call carries (0 without bulk calls).
+    pub fn most_bulk_rows(&self) -> usize {
+        self.routes
+            .values()
+            .filter_map(|r| r.bulk.as_ref())
+            .chain(self.default_bulk.as_ref())
+            .map(|b| b.max_rows)
+            .max()
+            .unwrap_or(0)
     }
 
     /// The route named `name`.

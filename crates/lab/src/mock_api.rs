@@ -26,6 +26,15 @@
 //!   its actual cost), and the answer says so in header NAME. A charge above the `cost` may so
 //!   take a window over the limit: each such registration is counted in
 //!   [`SellerStats::over_limit`].
+//! - With `--bulk call|row`, a body that is a JSON array of products (or that array under
+//!   `--bulk-items`) is a bulk call: held to the limits as one request of one unit (`call`) or
+//!   of the sum of its rows' units (`row`), refused whole with a `429` (a violation) when over,
+//!   else answered `200` with one entry per row in order (`{"status": …, "registered": true,
+//!   "id": KEY}`, with the row's `--bulk-id-field` when it has one). A row's key is its
+//!   `--bulk-id-field` value (else the call's Idempotency-Key and its index); each row is
+//!   registered (or replayed, counted as a duplicate) on its own. A row's `"mock"` script
+//!   answers its entry by attempt, and `"garble": N` makes the first N bulk calls carrying it
+//!   answer `200` with an entry missing, registering nothing ([`Stats::garbled`]).
 //! - `GET /stats`: [`Stats`] as JSON. `POST /reset`: forgets everything and restarts the clock.
 //!
 //! A product object with a `"mock"` object scripts its answers by attempt, for tests:
@@ -100,6 +109,25 @@ pub struct MockArgs {
     /// Report a request's real cost (its product's `"charge"`) in this response header.
     #[arg(long = "cost-header")]
     pub cost_header: Option<String>,
+    /// Take bulk calls (a JSON array of products, see the module docs), each counted as one
+    /// unit (`call`) or as its rows' units (`row`).
+    #[arg(long = "bulk", value_enum)]
+    pub bulk: Option<BulkCount>,
+    /// The field of a bulk call's JSON object that holds its rows (without it, a bare array).
+    #[arg(long = "bulk-items")]
+    pub bulk_items: Option<String>,
+    /// The field that names a bulk row (its key, and its answer's entry).
+    #[arg(long = "bulk-id-field", default_value = "message_id")]
+    pub bulk_id_field: String,
+}
+
+/// How the mock counts a bulk call (`--bulk`).
+#[derive(clap::ValueEnum, Clone, Copy, Debug, PartialEq, Eq)]
+pub enum BulkCount {
+    /// One unit per call.
+    Call,
+    /// The sum of the rows' units.
+    Row,
 }
 
 /// `--route NAME=LIMIT`.
@@ -200,6 +228,9 @@ impl MockArgs {
             no_retry_after: false,
             routes: Vec::new(),
             cost_header: None,
+            bulk: None,
+            bulk_items: None,
+            bulk_id_field: "message_id".into(),
         }
     }
 }
@@ -239,6 +270,14 @@ pub struct Stats {
     pub injected_failures: u64,
     /// Requests answered with a scripted non-2xx status.
     pub scripted: u64,
+    /// Bulk calls received (also counted in `requests`), and the rows they carried.
+    #[serde(default)]
+    pub bulk_calls: u64,
+    #[serde(default)]
+    pub bulk_rows: u64,
+    /// Bulk calls answered with an entry missing (a row's `"garble"`).
+    #[serde(default)]
+    pub garbled: u64,
     /// The mock's clock when this snapshot was taken (ms since start or reset), the clock of
     /// `first_ms` and `last_ms`.
     #[serde(default)]
@@ -405,6 +444,9 @@ impl MockServer {
             shutdown: shutdown.clone(),
             routes: args.routes.iter().cloned().collect(),
             cost_header: args.cost_header.clone(),
+            bulk: args
+                .bulk
+                .map(|count| (count, args.bulk_items.clone(), args.bulk_id_field.clone())),
             state: Mutex::new(Ledger::new()),
         });
         let router = Router::new()
@@ -579,6 +621,9 @@ struct App {
     /// Each route's per-seller stack (`--route`).
     routes: HashMap<String, Limits>,
     cost_header: Option<String>,
+    /// Bulk calls taken, and how they are counted (`--bulk`, `--bulk-items`,
+    /// `--bulk-id-field`).
+    bulk: Option<(BulkCount, Option<String>, String)>,
     state: Mutex<Ledger>,
 }
 
@@ -660,6 +705,9 @@ impl Ledger {
 #[serde(deny_unknown_fields)]
 struct Script {
     statuses: Vec<u16>,
+    /// The first this many bulk calls carrying the row answer with an entry missing.
+    #[serde(default)]
+    garble: usize,
     #[serde(default)]
     delay_ms: u64,
     #[serde(default)]
@@ -668,6 +716,7 @@ struct Script {
 
 struct ValidScript {
     statuses: Vec<StatusCode>,
+    garble: usize,
     delay: Duration,
     retry_after: Option<HeaderValue>,
 }
@@ -799,6 +848,7 @@ fn validate_script(mock: &Value) -> Result<ValidScript, String> {
         .transpose()?;
     Ok(ValidScript {
         statuses,
+        garble: script.garble,
         delay: Duration::from_millis(script.delay_ms),
         retry_after,
     })
@@ -1094,6 +1144,11 @@ async fn request(
         }
         ledger.recent.push_back(seen);
     }
+    if let Some(bulk) = &app.bulk
+        && let Some(rows) = bulk_rows(&body, bulk.1.as_deref())
+    {
+        return bulk_request(&app, route, &seller, &headers, rows).await;
+    }
     let req = match parse_request(&seller, &headers, &body) {
         Ok(req) => Request { route, ..req },
         Err(why) => {
@@ -1110,6 +1165,239 @@ async fn request(
     app.pause(app.latency + scripted_delay).await;
     app.answered(&req.seller);
     answer.into_response()
+}
+
+/// A bulk call's rows, if `body` is one: a JSON array, or one under `items`.
+fn bulk_rows(body: &[u8], items: Option<&str>) -> Option<Vec<Value>> {
+    match serde_json::from_slice::<Value>(body).ok()? {
+        Value::Array(rows) => Some(rows),
+        Value::Object(mut fields) => match fields.remove(items?)? {
+            Value::Array(rows) => Some(rows),
+            _ => None,
+        },
+        _ => None,
+    }
+}
+
+/// One row of a bulk call.
+struct BulkRow {
+    key: String,
+    /// Its `--bulk-id-field`, when it has one (echoed in its entry).
+    id: Option<String>,
+    units: u32,
+    script: Option<ValidScript>,
+    version: Option<(String, i64)>,
+}
+
+/// A bulk call (see the module docs).
+async fn bulk_request(
+    app: &Arc<App>,
+    route: Option<String>,
+    path_seller: &str,
+    headers: &HeaderMap,
+    rows: Vec<Value>,
+) -> Response {
+    let (count, items, id_field) = app.bulk.clone().expect("a bulk call only with --bulk");
+    let mut parsed = Vec::with_capacity(rows.len());
+    let mut seller = String::new();
+    for (i, row) in rows.iter().enumerate() {
+        let body = serde_json::to_vec(row).unwrap_or_default();
+        let req = match parse_request(path_seller, headers, &body) {
+            Ok(req) => req,
+            Err(why) => {
+                app.lock().stats.requests += 1;
+                return error(StatusCode::BAD_REQUEST, format!("row {i}: {why}"));
+            }
+        };
+        let id = row.get(&id_field).and_then(Value::as_str).map(str::to_owned);
+        seller = req.seller;
+        parsed.push(BulkRow {
+            key: id.clone().unwrap_or_else(|| format!("{}#{i}", req.key)),
+            id,
+            units: req.units,
+            script: req.script,
+            version: req.version,
+        });
+    }
+    if parsed.is_empty() {
+        app.lock().stats.requests += 1;
+        return error(StatusCode::BAD_REQUEST, "a bulk call without rows");
+    }
+    app.arrived(&seller);
+    let answer = app.decide_bulk(&seller, route.as_deref(), count, &parsed);
+    app.pause(app.latency).await;
+    app.answered(&seller);
+    match answer {
+        Ok(entries) => {
+            let entries = Value::Array(entries);
+            let body = match &items {
+                Some(items) => json!({ items.as_str(): entries }),
+                None => entries,
+            };
+            (StatusCode::OK, axum::Json(body)).into_response()
+        }
+        Err(answer) => answer.into_response(),
+    }
+}
+
+impl App {
+    /// A bulk call of `rows` of `seller` (on `route`): its entries, or the whole call's answer.
+    fn decide_bulk(
+        &self,
+        seller: &str,
+        route: Option<&str>,
+        count: BulkCount,
+        rows: &[BulkRow],
+    ) -> Result<Vec<Value>, Answer> {
+        let mut ledger = self.lock();
+        let now = ledger.now();
+        let Ledger {
+            epoch,
+            windows,
+            global_times,
+            route_windows,
+            accepted,
+            attempts,
+            stats,
+            ..
+        } = &mut *ledger;
+        stats.requests += 1;
+        stats.bulk_calls += 1;
+        stats.bulk_rows += rows.len() as u64;
+        // A row that garbles this call's answer: nothing is registered.
+        let mut garbled = false;
+        for row in rows {
+            if let Some(script) = &row.script {
+                let seen = attempts.entry(format!("garble:{}", row.key)).or_default();
+                if *seen < script.garble {
+                    *seen += 1;
+                    garbled = true;
+                }
+            }
+        }
+        if garbled {
+            stats.garbled += 1;
+            let entries = rows[1..]
+                .iter()
+                .map(|_| json!({"status": 200}))
+                .collect();
+            return Ok(entries);
+        }
+        let units = match count {
+            BulkCount::Call => 1,
+            BulkCount::Row => rows.iter().map(|r| r.units).sum(),
+        };
+        let (mut wait, first_window_units) =
+            room_for(windows.entry(seller.to_owned()).or_default(), &self.limit, now, units);
+        if let Some(route) = route {
+            let times = route_windows
+                .entry((route.to_owned(), seller.to_owned()))
+                .or_default();
+            let (route_wait, _) = room_for(times, &self.routes[route], now, units);
+            let counters = stats.routes.entry(route.to_owned()).or_default();
+            counters.requests += 1;
+            if route_wait.is_some() {
+                counters.violations += 1;
+            }
+            wait = wait.max(route_wait);
+        }
+        if let Some(global) = &self.global_limit {
+            let (global_wait, _) = room_for(global_times, global, now, units);
+            if global_wait.is_some() {
+                stats.global_violations += 1;
+            }
+            wait = wait.max(global_wait);
+        }
+        let at = millis(now - *epoch);
+        let counters = stats.sellers.entry(seller.to_owned()).or_default();
+        if let Some(wait) = wait {
+            stats.violations += 1;
+            counters.violations += 1;
+            if counters.first_violations.len() < MOST_VIOLATIONS_KEPT {
+                counters.first_violations.push(Violation {
+                    at_ms: at,
+                    key: rows[0].key.clone(),
+                });
+            }
+            return Err(Answer::Limited {
+                retry_after_secs: (!self.no_retry_after)
+                    .then(|| wait.as_secs().max(1)),
+                quota: None,
+            });
+        }
+        windows
+            .entry(seller.to_owned())
+            .or_default()
+            .push_back((now, units));
+        if let Some(route) = route {
+            route_windows
+                .entry((route.to_owned(), seller.to_owned()))
+                .or_default()
+                .push_back((now, units));
+        }
+        if self.global_limit.is_some() {
+            global_times.push_back((now, units));
+        }
+        counters.max_in_window = counters.max_in_window.max(first_window_units);
+        counters.units += u64::from(units);
+        let mut entries = Vec::with_capacity(rows.len());
+        for row in rows {
+            let mut status = StatusCode::OK;
+            let mut retry_after = None;
+            if let Some(script) = &row.script {
+                let attempt = attempts.entry(row.key.clone()).or_default();
+                status = script.statuses[(*attempt).min(script.statuses.len() - 1)];
+                *attempt += 1;
+                retry_after = script.retry_after.as_ref().and_then(|v| v.to_str().ok()?.parse::<u64>().ok());
+            }
+            let mut entry = json!({"status": status.as_u16()});
+            if let Some(id) = &row.id {
+                entry["message_id"] = id.clone().into();
+            }
+            if !status.is_success() {
+                stats.scripted += 1;
+                entry["error"] = format!("scripted {}", status.as_u16()).into();
+                if let Some(secs) = retry_after.filter(|_| status == StatusCode::TOO_MANY_REQUESTS) {
+                    entry["retry_after"] = secs.into();
+                }
+                entries.push(entry);
+                continue;
+            }
+            entry["registered"] = true.into();
+            entry["id"] = row.key.clone().into();
+            let counters = stats.sellers.entry(seller.to_owned()).or_default();
+            if let Some(&accepted_ms) = accepted.get(&row.key) {
+                stats.duplicates += 1;
+                counters.duplicates += 1;
+                if stats.repeats.len() < MOST_REPEATS {
+                    stats.repeats.push(Repeat {
+                        key: row.key.clone(),
+                        seller: seller.to_owned(),
+                        accepted_ms,
+                        again_ms: at,
+                    });
+                }
+            } else {
+                accepted.insert(row.key.clone(), at);
+                stats.registered += 1;
+                counters.registered += 1;
+                counters.first_ms.get_or_insert(at);
+                counters.last_ms = Some(at);
+                if let Some((sku, version)) = &row.version
+                    && (counters.versions.len() < MOST_PRODUCTS_KEPT
+                        || counters.versions.contains_key(sku))
+                {
+                    counters.versions.insert(sku.clone(), *version);
+                }
+                if let Some(route) = route {
+                    let route = stats.routes.entry(route.to_owned()).or_default();
+                    route.registered += 1;
+                }
+            }
+            entries.push(entry);
+        }
+        Ok(entries)
+    }
 }
 
 /// The page a scripted 3xx points to: a 200 that is not a registration.

@@ -82,6 +82,9 @@ pub mod headers {
     /// The tag of the fleet's terms the message was delayed under (decimal), see
     /// `permit::applied::terms_tag`: under other terms it is woken and asks anew.
     pub const TERMS: &str = "x-turnstile-terms";
+    /// `1` on a message of a bulk route whose bulk answer could not be mapped to its rows: it
+    /// is retried in a call of its own (anything else, or none, lets it share a call).
+    pub const ALONE: &str = "x-turnstile-alone";
 }
 
 /// `TURNSTILE_AMQP_URL`'s default: the local broker.

@@ -1,4 +1,5 @@
-//! The registration API: one POST per registration, and what its answer means.
+//! The registration API: one POST per registration (or one per bulk call of several, see
+//! [`bulk`]), and what its answer means.
 
 use std::time::{Duration, SystemTime};
 
@@ -16,6 +17,7 @@ const DOWNSTREAM_URL: &str = "TURNSTILE_DOWNSTREAM_URL";
 use crate::routes::Routes;
 use crate::trace::TraceContext;
 
+pub mod bulk;
 pub mod headers;
 pub mod recent;
 pub use headers::RateLimitHeaders;
@@ -67,7 +69,7 @@ impl std::fmt::Debug for DownstreamArgs {
 }
 
 /// What the downstream answered, classified by the contract's response table.
-#[derive(Debug, PartialEq, Eq)]
+#[derive(Clone, Debug, PartialEq, Eq)]
 pub enum Reply {
     /// 2xx: registered, with what the API said (for a registration API, the new product's id).
     Registered(ApiResponse),
@@ -266,58 +268,188 @@ impl Downstream {
     /// [`TraceContext::child`]), with what a 2xx or 429 answer's rate-limit headers said (see
     /// [`headers`]).
     pub async fn call(&self, registration: &Registration, trace: &TraceContext) -> Answered {
-        let (method, url) = match self.target(registration) {
-            Ok(target) => target,
-            Err(why) => {
-                return Answered {
-                    reply: Reply::Rejected {
-                        status: 0,
-                        body: why,
-                        response: None,
-                    },
-                    rate_limit: None,
-                    cost: None,
-                };
-            }
+        let request = match self.request(registration, trace) {
+            Ok(request) => request,
+            Err(why) => return Answered::refused(why),
         };
-        let mut request = self
-            .client
-            .request(method, url)
-            .header(CONTENT_TYPE, "application/json")
+        let mut request = request
             .header("Idempotency-Key", registration.message_id.header_value())
-            .header("X-Seller-Id", registration.seller_id.header_value())
             .body(registration.product.get().to_owned());
         if let Some(batch) = &registration.batch_id {
             request = request.header("X-Batch-Id", batch.header_value());
         }
+        let (sent, class, started) = self.send(request).await;
+        let answered = match sent {
+            Sent::Answered(response, rate_limit, cost) => Answered {
+                reply: classify(response).await,
+                rate_limit,
+                cost,
+            },
+            Sent::Unanswered(reply) => Answered {
+                reply,
+                rate_limit: None,
+                cost: None,
+            },
+        };
+        self.note(class, registration, started);
+        answered
+    }
+
+    /// One call for `rows` (at least one; all of one seller and one route) as the bulk route
+    /// `bulk` makes it (see [`bulk`]), as the span `trace`: each row's reply, in the rows'
+    /// order. What the answer's headers said goes with the first row's.
+    pub async fn call_bulk(
+        &self,
+        bulk: &crate::routes::Bulk,
+        rows: &[Registration],
+        trace: &TraceContext,
+    ) -> BulkAnswered {
+        let first = &rows[0];
+        let every = |answered: Answered| BulkAnswered {
+            answers: (0..rows.len())
+                .map(|i| Answered {
+                    reply: answered.reply.clone(),
+                    rate_limit: answered.rate_limit.filter(|_| i == 0),
+                    cost: answered.cost.filter(|_| i == 0),
+                })
+                .collect(),
+            unmapped: false,
+        };
+        let request = match self.request(first, trace) {
+            Ok(request) => request,
+            Err(why) => return every(Answered::refused(why)),
+        };
+        let mut request = request
+            .header("Idempotency-Key", bulk::idempotency_key(rows))
+            .body(bulk::body(bulk, rows));
+        if let Some(batch) = &first.batch_id
+            && rows.iter().all(|r| r.batch_id.as_ref() == Some(batch))
+        {
+            request = request.header("X-Batch-Id", batch.header_value());
+        }
+        metrics::counter!("turnstile_bulk_calls_total").increment(1);
+        metrics::counter!("turnstile_bulk_rows_total").increment(rows.len() as u64);
+        let (sent, class, started) = self.send(request).await;
+        let (response, rate_limit, cost) = match sent {
+            Sent::Unanswered(reply) => {
+                self.note(class, first, started);
+                return every(Answered {
+                    reply,
+                    rate_limit: None,
+                    cost: None,
+                });
+            }
+            Sent::Answered(response, rate_limit, cost) => (response, rate_limit, cost),
+        };
+        if !response.status().is_success() {
+            let answered = Answered {
+                reply: classify(response).await,
+                rate_limit,
+                cost,
+            };
+            self.note(class, first, started);
+            return every(answered);
+        }
+        let answer = read_capped(response, bulk::answer_cap(rows.len())).await;
+        self.note(class, first, started);
+        let ids: Vec<&crate::domain::MessageId> = rows.iter().map(|r| &r.message_id).collect();
+        match bulk::map_answer(bulk, &ids, &answer) {
+            Ok(replies) => BulkAnswered {
+                answers: replies
+                    .into_iter()
+                    .enumerate()
+                    .map(|(i, reply)| Answered {
+                        reply,
+                        rate_limit: rate_limit.filter(|_| i == 0),
+                        cost: cost.filter(|_| i == 0),
+                    })
+                    .collect(),
+                unmapped: false,
+            },
+            Err(unmappable) => {
+                metrics::counter!("turnstile_bulk_unmapped_total").increment(1);
+                let shown = match &answer.body {
+                    ResponseBody::Json(t) | ResponseBody::Text(t) if t.len() > RESPONSE_CAP => {
+                        let cut = (0..=RESPONSE_CAP).rev().find(|i| t.is_char_boundary(*i));
+                        ApiResponse::new(answer.status, &t.as_bytes()[..cut.unwrap_or(0)], true)
+                    }
+                    _ => answer.clone(),
+                };
+                let mut answered = every(Answered {
+                    reply: Reply::Transient {
+                        why: unmappable.to_string(),
+                        response: Some(shown),
+                    },
+                    rate_limit,
+                    cost,
+                });
+                answered.unmapped = true;
+                answered
+            }
+        }
+    }
+
+    /// The request of `registration`'s call with the headers every call carries (the
+    /// Idempotency-Key, the body and the batch are the caller's), or why it cannot be made.
+    fn request(
+        &self,
+        registration: &Registration,
+        trace: &TraceContext,
+    ) -> Result<reqwest::RequestBuilder, String> {
+        let (method, url) = self.target(registration)?;
+        let mut request = self
+            .client
+            .request(method, url)
+            .header(CONTENT_TYPE, "application/json")
+            .header("X-Seller-Id", registration.seller_id.header_value());
         if let Some(auth) = &self.authorization {
             request = request.header(reqwest::header::AUTHORIZATION, auth.clone());
         }
-        request = with_trace(request, trace);
+        Ok(with_trace(request, trace))
+    }
+
+    /// Sends `request`: the response with what its headers said (rate limits for a 2xx or
+    /// 429, the cost header), or the reply of a call that got no answer; the answer's class;
+    /// when it was sent.
+    async fn send(
+        &self,
+        request: reqwest::RequestBuilder,
+    ) -> (Sent, &'static str, std::time::Instant) {
         let started = std::time::Instant::now();
-        let mut rate_limit = None;
-        let mut cost = None;
-        let (reply, class) = match request.send().await {
+        let (sent, class) = match request.send().await {
             Ok(response) => {
                 let class = status_class(response.status());
-                if let Some(header) = &self.cost_header {
-                    cost = reported_cost(response.headers(), header);
-                }
-                if matches!(class, "2xx" | "429") {
-                    rate_limit =
-                        RateLimitHeaders::read(response.headers(), std::time::SystemTime::now());
-                }
-                (classify(response).await, class)
+                let cost = self
+                    .cost_header
+                    .as_ref()
+                    .and_then(|header| reported_cost(response.headers(), header));
+                let rate_limit = if matches!(class, "2xx" | "429") {
+                    RateLimitHeaders::read(response.headers(), std::time::SystemTime::now())
+                } else {
+                    None
+                };
+                (Sent::Answered(response, rate_limit, cost), class)
             }
-            Err(error) if error.is_timeout() => (Reply::unanswered("timeout".into()), "timeout"),
-            Err(error) if error.is_connect() => {
-                (Reply::unanswered("connection error".into()), "error")
+            Err(error) if error.is_timeout() => {
+                (Sent::Unanswered(Reply::unanswered("timeout".into())), "timeout")
             }
+            Err(error) if error.is_connect() => (
+                Sent::Unanswered(Reply::unanswered("connection error".into())),
+                "error",
+            ),
             Err(error) => (
-                Reply::unanswered(format!("request failed: {}", error.without_url())),
+                Sent::Unanswered(Reply::unanswered(format!(
+                    "request failed: {}",
+                    error.without_url()
+                ))),
                 "error",
             ),
         };
+        (sent, class, started)
+    }
+
+    /// Counts a call of `registration`'s route answered in `class`, sent at `started`.
+    fn note(&self, class: &'static str, registration: &Registration, started: std::time::Instant) {
         metrics::counter!("turnstile_downstream_requests_total", "class" => class).increment(1);
         if let Some(route) = &registration.route {
             metrics::counter!("turnstile_route_calls_total", "route" => route.as_str().to_owned())
@@ -329,12 +461,25 @@ impl Downstream {
         if let Some(recent) = &self.recent {
             recent.record(class, took);
         }
-        Answered {
-            reply,
-            rate_limit,
-            cost,
-        }
     }
+}
+
+/// What sending a request came to.
+enum Sent {
+    /// An answer, with what its rate-limit headers and its cost header said.
+    Answered(reqwest::Response, Option<RateLimitHeaders>, Option<u32>),
+    /// No answer: the reply that stands for it.
+    Unanswered(Reply),
+}
+
+/// A bulk call's answer ([`Downstream::call_bulk`]).
+#[derive(Debug)]
+pub struct BulkAnswered {
+    /// One per row, in the rows' order.
+    pub answers: Vec<Answered>,
+    /// Whether its 2xx answer could not be mapped to its rows: every row's reply is then
+    /// retryable, and each row is retried alone.
+    pub unmapped: bool,
 }
 
 /// What the answer's `header` says the call cost: one integer from 0 to [`Cost::MAX`]
@@ -387,6 +532,27 @@ pub trait Api: Send + Sync {
         registration: &'a Registration,
         trace: &'a TraceContext,
     ) -> futures::future::BoxFuture<'a, Answered>;
+
+    /// One bulk call for `rows` (see [`Downstream::call_bulk`]). By default, one call per row
+    /// in turn (for an API that makes no bulk calls).
+    fn call_bulk<'a>(
+        &'a self,
+        bulk: &'a crate::routes::Bulk,
+        rows: &'a [Registration],
+        trace: &'a TraceContext,
+    ) -> futures::future::BoxFuture<'a, BulkAnswered> {
+        let _ = bulk;
+        futures::FutureExt::boxed(async move {
+            let mut answers = Vec::with_capacity(rows.len());
+            for row in rows {
+                answers.push(self.call(row, trace).await);
+            }
+            BulkAnswered {
+                answers,
+                unmapped: false,
+            }
+        })
+    }
 }
 
 impl Api for Downstream {
@@ -401,6 +567,15 @@ impl Api for Downstream {
     ) -> futures::future::BoxFuture<'a, Answered> {
         futures::FutureExt::boxed(Downstream::call(self, registration, trace))
     }
+
+    fn call_bulk<'a>(
+        &'a self,
+        bulk: &'a crate::routes::Bulk,
+        rows: &'a [Registration],
+        trace: &'a TraceContext,
+    ) -> futures::future::BoxFuture<'a, BulkAnswered> {
+        futures::FutureExt::boxed(Downstream::call_bulk(self, bulk, rows, trace))
+    }
 }
 
 /// A call's classified answer, and what its rate-limit headers said (2xx and 429 only).
@@ -410,6 +585,21 @@ pub struct Answered {
     pub rate_limit: Option<RateLimitHeaders>,
     /// What the answer said the call really cost (`TURNSTILE_COST_HEADER`), if it did.
     pub cost: Option<u32>,
+}
+
+impl Answered {
+    /// A call that could not be made (`why`): rejected without a request.
+    fn refused(why: String) -> Self {
+        Answered {
+            reply: Reply::Rejected {
+                status: 0,
+                body: why,
+                response: None,
+            },
+            rate_limit: None,
+            cost: None,
+        }
+    }
 }
 
 /// Every value of the `class` label of `turnstile_downstream_requests_total` and
@@ -432,7 +622,7 @@ async fn classify(response: reqwest::Response) -> Reply {
     let status = response.status();
     if status.is_success() {
         // A body that fails midway is kept as far as it came: the registration happened.
-        return Reply::Registered(read_capped(response).await);
+        return Reply::Registered(read_capped(response, RESPONSE_CAP).await);
     }
     if status == StatusCode::TOO_MANY_REQUESTS {
         let retry_after = response
@@ -445,7 +635,7 @@ async fn classify(response: reqwest::Response) -> Reply {
     if matches!(status.as_u16(), 408 | 425 | 500 | 502 | 503 | 504) {
         return Reply::Transient {
             why: format!("HTTP {}", status.as_u16()),
-            response: Some(read_capped(response).await),
+            response: Some(read_capped(response, RESPONSE_CAP).await),
         };
     }
     let location = status.is_redirection().then(|| {
@@ -460,7 +650,7 @@ async fn classify(response: reqwest::Response) -> Reply {
             })
             .unwrap_or_default()
     });
-    let answer = read_capped(response).await;
+    let answer = read_capped(response, RESPONSE_CAP).await;
     let excerpt: String = match &answer.body {
         ResponseBody::Empty => String::new(),
         ResponseBody::Json(text) | ResponseBody::Text(text) => text.chars().take(EXCERPT).collect(),
@@ -476,16 +666,17 @@ async fn classify(response: reqwest::Response) -> Reply {
     }
 }
 
-/// The answer's status and body, reading at most [`RESPONSE_CAP`] + 1 bytes of it (a
-/// downstream may answer with gigabytes); a body that fails midway is kept as far as it came.
-async fn read_capped(mut response: reqwest::Response) -> ApiResponse {
+/// The answer's status and body, reading at most `cap` (a single call's: [`RESPONSE_CAP`]) + 1
+/// bytes of it (a downstream may answer with gigabytes); a body that fails midway is kept as
+/// far as it came.
+async fn read_capped(mut response: reqwest::Response, cap: usize) -> ApiResponse {
     let status = response.status().as_u16();
     let mut bytes = Vec::new();
     let mut truncated = false;
     loop {
         match response.chunk().await {
             Ok(Some(chunk)) => {
-                let room = RESPONSE_CAP - bytes.len();
+                let room = cap - bytes.len();
                 if chunk.len() > room {
                     bytes.extend_from_slice(&chunk[..room]);
                     truncated = true;

@@ -135,6 +135,8 @@ pub struct Grant {
     /// Whether what the answer's headers told was learned already (a completion record that
     /// failed is written again, its lesson not taught twice).
     taught: AtomicBool,
+    /// Whether it rides in another grant's bulk call ([`Grant::riding`]): it holds no units.
+    rides: bool,
 }
 
 impl Grant {
@@ -162,7 +164,34 @@ impl Grant {
             sent: *sent,
             route: ask.route.cloned(),
             taught: AtomicBool::new(false),
+            rides: false,
         })
+    }
+
+    /// The grant of `message` (of `cost` units) riding in `lead`'s bulk call, on a route whose
+    /// calls count once however many rows they carry (see [`crate::routes::BulkCost::Call`]):
+    /// it takes no units and has no call of its own (`lead`'s answer ends that), and its
+    /// registration's record is written without a call's end. Its call must start when
+    /// `lead`'s does.
+    pub fn riding(lead: &Grant, message: &MessageId, cost: Cost) -> Self {
+        Self {
+            seller: lead.seller.clone(),
+            message: Some(message.clone()),
+            requested: cost,
+            cost,
+            call: lead.call.clone(),
+            granted_us: lead.granted_us,
+            slot_us: lead.slot_us,
+            sent: lead.sent,
+            route: lead.route.clone(),
+            taught: AtomicBool::new(true),
+            rides: true,
+        }
+    }
+
+    /// Whether it rides in another grant's bulk call ([`Grant::riding`]).
+    pub fn rides(&self) -> bool {
+        self.rides
     }
 
     /// The units the call was granted for.
@@ -606,7 +635,8 @@ impl PermitStore {
                 result,
             } => {
                 let call = CallAnswer {
-                    call: &grant.call,
+                    // A row riding in another's call records no call's end: that call's does.
+                    call: if grant.rides { "" } else { &grant.call },
                     cost: grant.cost,
                     answered_us: Some(answered_us),
                     result,
@@ -630,13 +660,17 @@ impl PermitStore {
                     }
                 );
                 let recorded = recorded?;
-                if recorded.raise_due && told.is_none() {
+                if recorded.raise_due && told.is_none() && !grant.rides {
                     self.teach(seller, Lesson::Recovery, answered_us).await;
                 }
                 Ok(Finished {
                     recorded: Some(recorded),
                     lowered: false,
                 })
+            }
+            Ended::Throttled { .. } | Ended::Failed if grant.rides => {
+                self.release_claim(grant);
+                Ok(Finished::default())
             }
             Ended::Throttled { told } => {
                 let lesson = Lesson::Throttled {
@@ -712,6 +746,9 @@ impl Limiter for PermitStore {
 
     fn answered<'a>(&'a self, grant: &'a Grant) -> BoxFuture<'a, ()> {
         async move {
+            if grant.rides {
+                return;
+            }
             let answered_us = grant.answered_us();
             tokio::join!(
                 self.end_grant_lease(grant),
@@ -783,6 +820,9 @@ impl Limiter for PermitStore {
 
     fn unsent(&self, grant: Grant) -> BoxFuture<'_, ()> {
         async move {
+            if grant.rides {
+                return;
+            }
             tokio::join!(
                 self.end_grant_lease(&grant),
                 self.end_grant_globally(&grant, None)
@@ -823,6 +863,9 @@ impl Limiter for PermitStore {
 
     fn recost<'a>(&'a self, grant: &'a Grant, actual: u32) -> BoxFuture<'a, ()> {
         async move {
+            if grant.rides {
+                return;
+            }
             let recosted = PermitStore::recost(
                 self,
                 &grant.seller,

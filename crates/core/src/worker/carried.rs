@@ -29,6 +29,9 @@ pub struct Carried {
     /// The tag of the fleet's terms its wait was decided under (see
     /// `permit::applied::terms_tag`); `None` when it never waited under a fleet's terms.
     pub terms_tag: Option<u64>,
+    /// Whether its call is made alone, not shared with other rows of a bulk route: its last
+    /// bulk answer could not be mapped to its rows.
+    pub alone: bool,
 }
 
 impl Carried {
@@ -44,6 +47,7 @@ impl Carried {
             first_seen_ms: header_u64(delivery, headers::FIRST_SEEN)
                 .map_or(now_ms, |t| t.min(now_ms)),
             terms_tag: Self::terms_tag_of(delivery),
+            alone: header_u64(delivery, headers::ALONE) == Some(1),
         }
     }
 
@@ -92,6 +96,9 @@ impl Carried {
                 headers::THROTTLED_SINCE,
                 AMQPValue::LongLongInt(since as i64),
             ));
+        }
+        if self.alone {
+            headers.push((headers::ALONE, AMQPValue::LongLongInt(1)));
         }
         headers.extend(started_trace_headers(self.started_trace.as_ref()));
         headers

@@ -1033,6 +1033,7 @@ impl Worker {
             seen_batches: Default::default(),
             links: Default::default(),
             records_later: Default::default(),
+            gathers: Default::default(),
         }
     }
 }

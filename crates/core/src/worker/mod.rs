@@ -16,6 +16,7 @@
 //! - [`report`]: a message's result and a batch's completion event, as the upload service
 //!   reads them
 //! - [`batches`]: [`SeenBatches`], the batches this replica has noted as seen
+//! - [`bulk`]: [`Gathers`], the rows of one seller and route gathered into one bulk call
 
 use std::collections::HashMap;
 use std::sync::Arc;
@@ -35,10 +36,11 @@ use crate::domain::{
     BatchId, Identity, MessageId, Priority, RateLimitHeaders, Registration, SellerId,
 };
 use crate::downstream::{Api, Reply};
-use crate::routes::{Route, Routes};
+use crate::routes::{BulkCost, Route, Routes};
 use crate::trace::TraceContext;
 mod ahead;
 mod batches;
+mod bulk;
 mod carried;
 #[cfg(test)]
 mod fakes;
@@ -52,6 +54,7 @@ mod waits;
 
 pub use ahead::AskAhead;
 pub use batches::SeenBatches;
+pub use bulk::Gathers;
 pub use carried::Carried;
 pub use plan::{DEAD_LETTER_REASONS, OUTCOME_LABELS, Outcome, Report, WorkerSettings};
 use plan::{Interrupted, PermitErrors, Plan, returned, stranded};
@@ -182,6 +185,8 @@ pub struct Worker {
     /// The records written in the background once Redis answers (see [`Self::record_later`]):
     /// the replica's drain waits for them.
     pub records_later: tokio_util::task::TaskTracker,
+    /// The rows of bulk routes gathered into one call (see [`bulk`]).
+    pub gathers: Arc<Gathers>,
 }
 
 /// Added to a typical call's duration in [`Worker::answers_allowance`]: a call's end is recorded
@@ -196,6 +201,18 @@ const MOST_ANSWERS_ALLOWANCE: Duration = Duration::from_secs(1);
 /// Redis did not answer waits (also past the end of a claim no longer fresh).
 const CLAIM_RECHECK: Duration = Duration::from_secs(1);
 const CLAIM_UNANSWERED_RECHECK: Duration = Duration::from_millis(100);
+
+/// How long before its grant's allowance ends a bulk call's leader stops waiting for rows.
+const LEAD_MARGIN: Duration = Duration::from_millis(100);
+
+/// A call's answer that is only `reply` (no headers said anything).
+fn unanswered(reply: Reply) -> crate::downstream::Answered {
+    crate::downstream::Answered {
+        reply,
+        rate_limit: None,
+        cost: None,
+    }
+}
 
 /// One delivery's claim of its message's call ([`Limiter::claim_call`]): the token that names
 /// the delivery in Redis, and when the claim it holds was taken or last renewed (no later than
@@ -882,6 +899,32 @@ impl Worker {
             _ = connection_lost.cancelled() => return interrupted(Interrupted::ConnectionLost),
         }
         let seller = &registration.seller_id;
+        if let Some(rider) = self.rider(registration, carried) {
+            // Only the message's claim is asked for: the call is the gather's leader's.
+            let claim_asked = tokio::time::Instant::now();
+            let claiming = self
+                .limiter
+                .claim_call(seller, &registration.message_id, &claim.token);
+            let claimed = tokio::select! {
+                c = claiming => counting_redis_errors(c),
+                _ = shutdown.cancelled() => return interrupted(Interrupted::Shutdown),
+                _ = connection_lost.cancelled() => return interrupted(Interrupted::ConnectionLost),
+            };
+            if claim.answered(&claimed, claim_asked) {
+                self.limiter.renew_claim(seller, &registration.message_id);
+            }
+            return self
+                .call_granted(
+                    registration,
+                    trace,
+                    (rider, claimed, claim),
+                    Asking::default(),
+                    carried,
+                    reporting,
+                    interruptions,
+                )
+                .await;
+        }
         let Asking { worker, ahead } =
             match self.worker_to_ask(seller, carried, interruptions).await {
                 Ok(asking) => asking,
@@ -1091,9 +1134,11 @@ impl Worker {
             return Plan::AskAfter(recheck);
         }
         let worker = match worker {
-            Some(worker) => worker,
+            Some(worker) => Some(worker),
+            // A row riding in another's bulk call waits for it without a worker.
+            None if grant.rides() => None,
             None => match self.worker_for_grant(grant.sent(), interruptions).await {
-                Some(worker) if !self.records_in_writing.is_writing(registration) => worker,
+                Some(worker) if !self.records_in_writing.is_writing(registration) => Some(worker),
                 _ => {
                     self.limiter.unsent(grant).await;
                     carried.reservation = None;
@@ -1275,7 +1320,7 @@ impl Worker {
         registration: &Registration,
         trace: &TraceContext,
         grant: Grant,
-        (worker, calling): (OwnedSemaphorePermit, Writing<'_>),
+        (mut worker, calling): (Option<OwnedSemaphorePermit>, Writing<'_>),
         carried: &mut Carried,
         reporting: &Reporting,
         interruptions: Interruptions<'_>,
@@ -1283,9 +1328,24 @@ impl Worker {
         let span = trace.child();
         tracing::Span::current().record("span_id", tracing::field::display(span.span_id()));
         self.stats.in_flight.fetch_add(1, Ordering::Relaxed);
-        let started = std::time::Instant::now();
-        let answered = self.downstream.call(registration, &span).await;
-        self.ask_ahead.called(started.elapsed());
+        let answered = match self.routes.bulk(registration.route.as_ref()) {
+            None => {
+                let started = std::time::Instant::now();
+                let answered = self.downstream.call(registration, &span).await;
+                self.ask_ahead.called(started.elapsed());
+                answered
+            }
+            Some(bulk) => {
+                let answered = self
+                    .bulk_call(bulk, registration, &grant, &mut worker, carried, &span)
+                    .await;
+                let Some(answered) = answered else {
+                    self.stats.in_flight.fetch_sub(1, Ordering::Relaxed);
+                    return Plan::AskAgain;
+                };
+                answered
+            }
+        };
         let answered_us = grant.answered_us();
         self.stats.in_flight.fetch_sub(1, Ordering::Relaxed);
         // Kept, for a registration, until its record is written (see `ask`).
@@ -1384,6 +1444,85 @@ impl Worker {
         let window = self.limiter.shortest_window();
         self.settings
             .plan_reply(reply, carried, now_ms, window, lowered)
+    }
+
+    /// A grant for `registration` to ride with in its seller's open bulk call, on a route whose
+    /// calls count once (see [`bulk`]): only for a message with no reserved slot of its own,
+    /// not to be called alone.
+    fn rider(&self, registration: &Registration, carried: &Carried) -> Option<Grant> {
+        if carried.reservation.is_some() || carried.alone {
+            return None;
+        }
+        let bulk = self.routes.bulk(registration.route.as_ref())?;
+        if bulk.cost != BulkCost::Call || bulk.max_rows < 2 {
+            return None;
+        }
+        let key = (registration.seller_id.clone(), registration.route.clone());
+        self.gathers.ride(&key, registration)
+    }
+
+    /// `registration`'s answer from a bulk call (see [`bulk`]): as a row joining its seller's
+    /// open gather (its worker given up while it waits), or as the leader of a new one, which
+    /// waits for rows up to the route's linger (never past its grant's allowance) and makes
+    /// the call. `None` for a row riding with a grant whose gather closed before it joined (it
+    /// asks again). A row whose bulk answer could not be mapped is marked to be called alone.
+    async fn bulk_call(
+        &self,
+        bulk: &crate::routes::Bulk,
+        registration: &Registration,
+        grant: &Grant,
+        worker: &mut Option<OwnedSemaphorePermit>,
+        carried: &mut Carried,
+        span: &TraceContext,
+    ) -> Option<crate::downstream::Answered> {
+        let key = (registration.seller_id.clone(), registration.route.clone());
+        let due = tokio::time::Instant::from_std(grant.sent()) + CALL_ALLOWANCE;
+        if !carried.alone
+            && let Some(answer) = self.gathers.join(&key, registration, due)
+        {
+            drop(worker.take());
+            let (answered, unmapped) = answer.await.unwrap_or_else(|_| {
+                let reply = Reply::unanswered("the bulk call it joined was not made".into());
+                (unanswered(reply), false)
+            });
+            carried.alone |= unmapped;
+            return Some(answered);
+        }
+        if grant.rides() {
+            return None;
+        }
+        let started = std::time::Instant::now();
+        let mut joined = Vec::new();
+        if !carried.alone && bulk.max_rows > 1 {
+            let start_by = (tokio::time::Instant::now() + bulk.linger)
+                .min(due.checked_sub(LEAD_MARGIN).unwrap_or(due));
+            let lead = (bulk.cost == BulkCost::Call)
+                .then(|| Grant::riding(grant, &registration.message_id, registration.cost));
+            let gather = self.gathers.open(key.clone(), bulk.max_rows, start_by, lead);
+            gather.gathered().await;
+            joined = self.gathers.close(&key, &gather);
+        }
+        let (others, answers): (Vec<_>, Vec<_>) = joined.into_iter().unzip();
+        let mut rows = Vec::with_capacity(others.len() + 1);
+        rows.push(registration.clone());
+        rows.extend(others);
+        debug!(rows = rows.len(), "bulk call");
+        let called = self.downstream.call_bulk(bulk, &rows, span).await;
+        self.ask_ahead.called(started.elapsed());
+        let unmapped = called.unmapped;
+        let mut answered = called.answers.into_iter();
+        let mut own = answered.next().unwrap_or_else(|| {
+            unanswered(Reply::unanswered("the bulk answer had no entry for it".into()))
+        });
+        for (answer, row) in answers.into_iter().zip(answered) {
+            let _ = answer.send((row, unmapped));
+        }
+        // The provider's cost header is the whole call's: it says nothing of one row's units.
+        if bulk.cost == BulkCost::Row {
+            own.cost = None;
+        }
+        carried.alone |= unmapped;
+        Some(own)
     }
 
     /// Carries out a plan other than a call: `Some` outcome to settle the message with, or
