@@ -162,3 +162,156 @@ async fn an_upload_of_500_rows_is_registered_in_bulk_calls_under_the_calls_limit
     assert_eq!(rig.dead_lettered().await?, 0);
     rig.cleanup().await
 }
+
+/// Rows counted one by one (`cost = "row"`) at 100 units per second: each row takes its own
+/// permit, rows granted together share a call, and the API never sees a window over the limit,
+/// in far fewer requests than rows.
+#[tokio::test]
+async fn rows_counted_one_by_one_share_calls_without_a_window_over_the_limit() -> anyhow::Result<()> {
+    let bulk = r#"max_rows = 50, linger = "100ms", cost = "row", items = "items", id_field = "message_id""#;
+    let (mut rig, results) = bulk_rig("bulk-rows", "100/1s", BulkCount::Row, bulk, 2, 4).await?;
+    for i in 0..300 {
+        rig.publish_body(&row("S-rows", "rows-1", i, 300, None)).await?;
+    }
+    let stats = rig.wait_registered(300).await?;
+    results.until(300).await;
+    let seller = &stats.sellers["S-rows"];
+    println!(
+        "300 rows at 100 units/1s, each its own unit, up to 50 per call: {}; most units in a \
+         window {}; the first to the last registration {} ms (the limit allows 2,000 ms)",
+        calls_and_rows(&stats),
+        seller.max_in_window,
+        seller.last_ms.unwrap_or(0) - seller.first_ms.unwrap_or(0)
+    );
+    assert_eq!(stats.violations, 0, "{stats:?}");
+    assert_eq!(stats.duplicates, 0, "{stats:?}");
+    assert_eq!(seller.registered, 300);
+    assert_eq!(seller.units, 300, "every row's unit counted once: {stats:?}");
+    assert!(seller.max_in_window <= 100, "{stats:?}");
+    assert!(stats.requests < 100, "rows shared calls: {stats:?}");
+    assert_each_row_has_its_own_entry(&results, 300);
+    rig.stop_replicas().await?;
+    assert_eq!(rig.dead_lettered().await?, 0);
+    rig.cleanup().await
+}
+
+/// 50 rows in bulk calls whose answers say 3 rows are rejected and 2 failed for now: each row
+/// follows its own entry. The rejected are dead-lettered with their entry, the failed retried
+/// on their own and registered, the rest registered once; nothing lost, nothing registered
+/// twice. Twice over, with new rows.
+#[tokio::test]
+async fn each_row_of_a_bulk_call_follows_its_own_entry_of_the_answer() -> anyhow::Result<()> {
+    let bulk = r#"max_rows = 50, linger = "200ms", cost = "call", items = "items", id_field = "message_id""#;
+    let (mut rig, results) = bulk_rig("bulk-mixed", "20/1s", BulkCount::Call, bulk, 1, 4).await?;
+    for round in 0..2 {
+        let batch = format!("mixed-{round}");
+        for i in 0..50 {
+            let mock = match i {
+                5 | 17 | 33 => Some(json!({"statuses": [422]})),
+                8 | 40 => Some(json!({"statuses": [503, 200]})),
+                _ => None,
+            };
+            rig.publish_body(&row("S-mixed", &batch, i, 50, mock)).await?;
+        }
+        let done = 50 * (round + 1);
+        support::eventually("every row final", || results.all().len() >= done).await;
+    }
+    let stats = rig.mock.stats();
+    println!("2 x 50 rows, 3 rejected and 2 retryable in each: {}", calls_and_rows(&stats));
+    let rejected = results.with_outcome("rejected");
+    let mut expected: Vec<String> = (0..2)
+        .flat_map(|r| [5, 17, 33].map(|i| format!("mixed-{r}-{i}")))
+        .collect();
+    let mut got = rejected.clone();
+    got.sort();
+    expected.sort();
+    assert_eq!(got, expected, "{:?}", results.brief());
+    assert_each_row_has_its_own_entry(&results, 94);
+    for result in results.all().iter().filter(|r| r["outcome"] == "rejected") {
+        assert_eq!(entry_of(result).0, 422, "{result}");
+        assert_eq!(entry_of(result).1, result["message_id"].as_str().unwrap());
+    }
+    for id in ["mixed-0-8", "mixed-0-40", "mixed-1-8", "mixed-1-40"] {
+        let result = results.all().into_iter().find(|r| r["message_id"] == id).unwrap();
+        assert_eq!(result["outcome"], "registered", "{result}");
+        assert_eq!(result["attempts"], 2, "retried once: {result}");
+    }
+    assert_eq!(stats.registered, 94, "{stats:?}");
+    assert_eq!(stats.duplicates, 0, "{stats:?}");
+    assert_eq!(stats.violations, 0, "{stats:?}");
+    assert_eq!(results.all().len(), 100, "one result per row: {:?}", results.brief());
+    for round in 0..2 {
+        let batch = batch_progress(&rig, "S-mixed", &format!("mixed-{round}")).await;
+        assert!(batch.done() && batch.registered == 47 && batch.dead == 3, "{batch:?}");
+    }
+    rig.stop_replicas().await?;
+    assert_eq!(rig.dead_lettered().await?, 6);
+    rig.cleanup().await
+}
+
+/// A bulk answer that cannot be mapped to its rows (an entry missing) registers no row by a
+/// guess: every row of that call is retried in a call of its own, and each is registered once.
+/// Twice over.
+#[tokio::test]
+async fn rows_of_a_bulk_answer_that_cannot_be_mapped_are_retried_one_at_a_time() -> anyhow::Result<()> {
+    let bulk = r#"max_rows = 10, linger = "200ms", cost = "call", items = "items", id_field = "message_id""#;
+    let (mut rig, results) = bulk_rig("bulk-garbled", "20/1s", BulkCount::Call, bulk, 1, 4).await?;
+    for round in 0..2 {
+        let batch = format!("garbled-{round}");
+        for i in 0..10 {
+            let mock = (i == 3).then(|| json!({"statuses": [200], "garble": 1}));
+            rig.publish_body(&row("S-garbled", &batch, i, 10, mock)).await?;
+        }
+        let done = 10 * (round + 1);
+        support::eventually("every row final", || results.all().len() >= done).await;
+    }
+    let stats = rig.mock.stats();
+    println!("2 x 10 rows, one garbled answer in each: {}", calls_and_rows(&stats));
+    assert!(stats.garbled >= 2, "{stats:?}");
+    assert_eq!(stats.registered, 20, "{stats:?}");
+    assert_eq!(stats.duplicates, 0, "{stats:?}");
+    assert_each_row_has_its_own_entry(&results, 20);
+    // The garbled calls' rows came back alone: one request each, after the garbled ones.
+    assert!(stats.requests >= stats.garbled + 10, "{stats:?}");
+    let retried = results
+        .all()
+        .iter()
+        .filter(|r| r["attempts"] == 2)
+        .count();
+    assert!(retried >= 10, "the rows of a garbled answer were retried: {:?}", results.all());
+    rig.stop_replicas().await?;
+    assert_eq!(rig.dead_lettered().await?, 0);
+    rig.cleanup().await
+}
+
+/// One seller fills bulk calls while another sends a single row: the single row goes in a
+/// call of its own (a gather is one seller's), never waiting in the other's.
+#[tokio::test]
+async fn a_small_sellers_row_never_joins_another_sellers_bulk_call() -> anyhow::Result<()> {
+    let bulk = r#"max_rows = 50, linger = "300ms", cost = "call", items = "items", id_field = "message_id""#;
+    let (mut rig, results) = bulk_rig("bulk-small", "20/1s", BulkCount::Call, bulk, 1, 4).await?;
+    for i in 0..120 {
+        rig.publish_body(&row("S-filling", "filling", i, 120, None)).await?;
+        if i == 60 {
+            rig.publish_body(&row("S-small", "small", 0, 1, None)).await?;
+        }
+    }
+    let stats = rig.wait_registered(121).await?;
+    results.until(121).await;
+    let small = &stats.sellers["S-small"];
+    println!(
+        "120 rows of one seller in bulk calls and one of another: {}; the small seller's row \
+         registered at {} ms, the filling seller's from {} to {} ms",
+        calls_and_rows(&stats),
+        small.first_ms.unwrap_or(0),
+        stats.sellers["S-filling"].first_ms.unwrap_or(0),
+        stats.sellers["S-filling"].last_ms.unwrap_or(0),
+    );
+    assert_eq!(small.registered, 1);
+    assert_eq!(small.units, 1, "its own call: {stats:?}");
+    assert_eq!(stats.sellers["S-filling"].registered, 120);
+    assert_eq!(stats.violations + stats.duplicates, 0, "{stats:?}");
+    assert_each_row_has_its_own_entry(&results, 121);
+    rig.stop_replicas().await?;
+    rig.cleanup().await
+}

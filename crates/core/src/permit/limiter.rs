@@ -173,10 +173,12 @@ impl Grant {
     /// it takes no units and has no call of its own (`lead`'s answer ends that), and its
     /// registration's record is written without a call's end. Its call must start when
     /// `lead`'s does.
-    pub fn riding(lead: &Grant, message: &MessageId, cost: Cost) -> Self {
+    /// Without `message`, a template that rows ride with by naming themselves (see
+    /// [`Grant::riding`] of it).
+    pub fn riding(lead: &Grant, message: Option<&MessageId>, cost: Cost) -> Self {
         Self {
             seller: lead.seller.clone(),
-            message: Some(message.clone()),
+            message: message.cloned(),
             requested: cost,
             cost,
             call: lead.call.clone(),

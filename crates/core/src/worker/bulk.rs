@@ -1,28 +1,34 @@
 //! Bulk calls: the rows of one seller and one route gathered into one call (see
 //! [`crate::routes::Bulk`]).
 //!
-//! The first row of a bulk route to hold a permit leads: it opens a [`Gather`] for its seller
-//! and route, waits up to the route's `linger` (never past the moment its grant must be
-//! called by) or until `max_rows` rows have joined, closes it and makes the call for all of
-//! them. A row that joins waits for its own entry of the answer without a worker, then
-//! finishes as if it had made the call itself (its completion record, its result, its
-//! retry). A gather is one seller's: another seller's rows never wait for it.
+//! A [`Gather`] is one seller's and one route's: another seller's rows never wait for it. Its
+//! leader is the row that makes the call: once it holds a permit, the gather is open for the
+//! route's `linger` (never past the moment its grant must be called by) or until `max_rows`
+//! rows are in it; then it closes and the leader makes the call for all of them. A row that
+//! joined waits for its own entry of the answer without a worker, then finishes as if it had
+//! made the call itself (its completion record, its result, its retry).
 //!
-//! Where a row joins depends on how the route counts a call:
-//! - `cost = "row"`: every row takes its own permit for its own units; a granted row joins
-//!   the open gather (or leads a new one).
+//! How rows come into a gather depends on how the route counts a call:
+//! - `cost = "row"`: every row takes its own permit for its own units, and a granted row joins
+//!   the open gather ([`Gathers::join`]), or leads a new one.
 //! - `cost = "call"`: only the leader takes a permit (the route's cost, once). A row with no
-//!   reserved slot that finds a gather open rides in it without asking ([`Gathers::ride`]):
-//!   its grant ([`crate::permit::Grant::riding`]) holds no units.
+//!   slot of its own first attaches to the gather of its seller and route
+//!   ([`Gathers::attach`]): while the leader asks, or holds for its slot, the row waits with it
+//!   (pending); once the leader is granted, every attached row is given a grant to ride with
+//!   ([`crate::permit::Grant::riding`], holding no units) and joins. A leader that goes
+//!   through the delay ladder instead releases its riders with its delay, so that they come
+//!   back when it does; one that leaves otherwise releases them to ask on their own. A row
+//!   that finds no gather taking rows leads a new one ([`Gathers::lead`]), so a backlog of N
+//!   rows holds about N / `max_rows` reserved slots.
 
 use std::collections::HashMap;
-use std::sync::{Arc, Mutex};
+use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
 use std::time::Duration;
 
 use tokio::sync::{Notify, oneshot};
 use tokio::time::Instant;
 
-use crate::domain::{Registration, RouteName, SellerId};
+use crate::domain::{MessageId, Registration, RouteName, SellerId};
 use crate::downstream::Answered;
 use crate::permit::Grant;
 
@@ -33,43 +39,100 @@ pub type GatherKey = (SellerId, Option<RouteName>);
 /// could not be mapped to the rows (the row is then retried alone).
 pub type RowAnswer = (Answered, bool);
 
+/// What a row attached to a pending gather ([`Gathers::attach`]) is told.
+#[derive(Debug)]
+pub enum Attached {
+    /// The leader is granted: ride in its call with this grant.
+    Ride(Grant),
+    /// The leader left without a call: come back after its delay (`Some`), or ask alone.
+    Released(Option<Duration>),
+}
+
 /// How long before its call must start a gather still takes a row: time for the row to reach
 /// it and for the call to leave.
 const JOIN_MARGIN: Duration = Duration::from_millis(50);
 
-/// The gathers open on a replica, at most one per seller and route.
+/// The gathers pending or open on a replica: the one of each seller and route that rows come
+/// into, and every one by its leader.
 #[derive(Default)]
 pub struct Gathers {
-    open: Mutex<HashMap<GatherKey, Arc<Gather>>>,
+    open: Mutex<Maps>,
+}
+
+#[derive(Default)]
+struct Maps {
+    /// The gather rows of a seller and route attach to or join.
+    current: HashMap<GatherKey, Arc<Gather>>,
+    /// Every gather not closed, by its seller and leader (a full one is no longer current).
+    led: HashMap<(SellerId, MessageId), Arc<Gather>>,
 }
 
 /// Rows of one seller and one route waiting for one call.
 pub struct Gather {
+    /// The row that makes the call.
+    leader: MessageId,
+    max_rows: usize,
     rows: Mutex<Rows>,
     /// Told when the gather fills up.
     full: Notify,
-    /// When the call must start (its leader's grant's bound, or its linger's end).
-    start_by: Instant,
-    max_rows: usize,
-    /// On a route whose calls count once: the grant riders ride with (see [`Gathers::ride`]).
+}
+
+/// Where a gather is.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Phase {
+    /// Its leader asks for its permit, or holds for its slot.
+    Pending,
+    /// Its leader is granted; its call starts by then.
+    Open(Instant),
+    /// Its call is being made, or its leader left: no row joins it.
+    Closed,
+}
+
+struct Rows {
+    phase: Phase,
+    /// Places taken besides the leader's: rows attached or joined.
+    seats: usize,
+    /// Rows attached and not yet told (see [`Attached`]).
+    waiting: Vec<oneshot::Sender<Attached>>,
+    /// Rows that joined, each with where its answer goes.
+    joined: Vec<(Registration, oneshot::Sender<RowAnswer>)>,
+    /// On a route whose calls count once: the grant riders ride with.
     lead: Option<Grant>,
 }
 
-#[derive(Default)]
-struct Rows {
-    /// The rows that joined (the leader's own is not among them), each with where its answer
-    /// goes.
-    joined: Vec<(Registration, oneshot::Sender<RowAnswer>)>,
-    closed: bool,
-}
-
 impl Gather {
-    /// Whether it still takes a row whose call must start by `due` (a grant's bound).
-    fn takes(&self, rows: &Rows, due: Instant) -> bool {
-        !rows.closed
-            && rows.joined.len() + 1 < self.max_rows
-            && Instant::now() + JOIN_MARGIN < self.start_by
-            && self.start_by <= due
+    fn new(leader: &MessageId, max_rows: usize, phase: Phase) -> Self {
+        Self {
+            leader: leader.clone(),
+            max_rows,
+            rows: Mutex::new(Rows {
+                phase,
+                seats: 0,
+                waiting: Vec::new(),
+                joined: Vec::new(),
+                lead: None,
+            }),
+            full: Notify::new(),
+        }
+    }
+
+    fn lock(&self) -> MutexGuard<'_, Rows> {
+        self.rows.lock().unwrap_or_else(PoisonError::into_inner)
+    }
+
+    /// Whether it has a place for one more row.
+    fn has_room(&self, rows: &Rows) -> bool {
+        rows.seats + 1 < self.max_rows
+    }
+
+    /// Whether every place is taken by a row that joined: its call need not wait.
+    fn complete(&self, rows: &Rows) -> bool {
+        !self.has_room(rows) && rows.joined.len() >= rows.seats
+    }
+
+    /// Whether an open gather still takes a row now whose call must start by `due`.
+    fn in_time(phase: Phase, due: Instant) -> bool {
+        matches!(phase, Phase::Open(start_by) if Instant::now() + JOIN_MARGIN < start_by && start_by <= due)
     }
 
     /// Waits until it is full or its call must start.
@@ -77,74 +140,142 @@ impl Gather {
         let full = self.full.notified();
         tokio::pin!(full);
         full.as_mut().enable();
-        if self.lock().joined.len() + 1 >= self.max_rows {
+        let phase = {
+            let rows = self.lock();
+            if self.complete(&rows) {
+                return;
+            }
+            rows.phase
+        };
+        let Phase::Open(start_by) = phase else {
             return;
-        }
+        };
         tokio::select! {
             _ = full => {}
-            _ = tokio::time::sleep_until(self.start_by) => {}
+            _ = tokio::time::sleep_until(start_by) => {}
         }
-    }
-
-    fn lock(&self) -> std::sync::MutexGuard<'_, Rows> {
-        self.rows.lock().unwrap_or_else(std::sync::PoisonError::into_inner)
     }
 }
 
 impl Gathers {
-    fn lock(&self) -> std::sync::MutexGuard<'_, HashMap<GatherKey, Arc<Gather>>> {
-        self.open.lock().unwrap_or_else(std::sync::PoisonError::into_inner)
+    fn lock(&self) -> MutexGuard<'_, Maps> {
+        self.open.lock().unwrap_or_else(PoisonError::into_inner)
     }
 
-    /// Opens the gather of `key` for a leader whose call must start by `start_by`, taking up to
-    /// `max_rows` rows with the leader's; `lead`: the grant riders ride with, on a route whose
-    /// calls count once. It replaces one no longer taking rows.
+    /// The gather rows of `key` come into, if one is not closed.
+    fn current(&self, key: &GatherKey) -> Option<Arc<Gather>> {
+        let gather = self.lock().current.get(key)?.clone();
+        let closed = gather.lock().phase == Phase::Closed;
+        (!closed).then_some(gather)
+    }
+
+    /// The gather `leader` (of `key`'s seller) leads, if it is not closed.
+    fn led_by(&self, key: &GatherKey, leader: &MessageId) -> Option<Arc<Gather>> {
+        let gather = self.lock().led.get(&(key.0.clone(), leader.clone()))?.clone();
+        let closed = gather.lock().phase == Phase::Closed;
+        (!closed).then_some(gather)
+    }
+
+    /// A new gather led by `leader`, the one rows of `key` come into from now.
+    fn start(&self, key: GatherKey, leader: &MessageId, max_rows: usize) -> Arc<Gather> {
+        let gather = Arc::new(Gather::new(leader, max_rows, Phase::Pending));
+        let mut maps = self.lock();
+        maps.led.insert((key.0.clone(), leader.clone()), gather.clone());
+        maps.current.insert(key, gather.clone());
+        gather
+    }
+
+    /// Attaches a row of a route whose calls count once to the gather of `key`, if one has room
+    /// and is pending or open in time: told at once to ride when it is open, else when its
+    /// leader is granted or leaves (see [`Attached`]). `None`: the row leads a gather of its
+    /// own ([`Self::lead`]), or asks again for the one it leads.
+    pub fn attach(
+        &self,
+        key: &GatherKey,
+        row: &MessageId,
+    ) -> Option<oneshot::Receiver<Attached>> {
+        let gather = self.current(key)?;
+        if gather.leader == *row || self.led_by(key, row).is_some() {
+            // A leader asking again never waits for itself.
+            return None;
+        }
+        let mut rows = gather.lock();
+        if !gather.has_room(&rows) {
+            return None;
+        }
+        let (tell, told) = oneshot::channel();
+        match rows.phase {
+            Phase::Pending => rows.waiting.push(tell),
+            Phase::Open(start_by) if Gather::in_time(rows.phase, start_by) => {
+                let lead = rows.lead.as_ref()?;
+                let _ = tell.send(Attached::Ride(riding(lead)));
+            }
+            _ => return None,
+        }
+        rows.seats += 1;
+        Some(told)
+    }
+
+    /// Makes `leader` the leader of a new pending gather of `key` (of up to `max_rows` rows)
+    /// that rows attach to while it asks for its permit, unless it leads the current one.
+    pub fn lead(&self, key: GatherKey, leader: &MessageId, max_rows: usize) {
+        if self.led_by(&key, leader).is_none() {
+            self.start(key, leader, max_rows);
+        }
+    }
+
+    /// `leader` is granted: its gather of `key` (the pending one it leads, or a new one of up
+    /// to `max_rows` rows) is open until `start_by`; `lead`, on a route whose calls count
+    /// once, is the grant its riders ride with, given to every row attached.
     pub fn open(
         &self,
         key: GatherKey,
+        leader: &MessageId,
         max_rows: usize,
         start_by: Instant,
         lead: Option<Grant>,
     ) -> Arc<Gather> {
-        let gather = Arc::new(Gather {
-            rows: Mutex::default(),
-            full: Notify::new(),
-            start_by,
-            max_rows,
-            lead,
-        });
-        self.lock().insert(key, gather.clone());
+        let gather = match self.led_by(&key, leader) {
+            Some(gather) => gather,
+            None => self.start(key, leader, max_rows),
+        };
+        {
+            let mut rows = gather.lock();
+            rows.phase = Phase::Open(start_by);
+            for tell in std::mem::take(&mut rows.waiting) {
+                if let Some(lead) = &lead {
+                    let _ = tell.send(Attached::Ride(riding(lead)));
+                }
+            }
+            rows.lead = lead;
+        }
         gather
-    }
-
-    /// A grant to ride with in the open gather of `key`, for `registration` (of a route whose
-    /// calls count once), if one takes rows now. The row must still [`Gathers::join`] it
-    /// before its call: the gather may close meanwhile.
-    pub fn ride(&self, key: &GatherKey, registration: &Registration) -> Option<Grant> {
-        let gather = self.lock().get(key)?.clone();
-        let lead = gather.lead.as_ref()?;
-        let rows = gather.lock();
-        gather
-            .takes(&rows, gather.start_by)
-            .then(|| Grant::riding(lead, &registration.message_id, registration.cost))
     }
 
     /// Joins `registration` (whose grant must be called by `due`) to the open gather of `key`,
-    /// if it takes it: its answer comes on the receiver.
+    /// if it is in time and has room (a rider's place is its own already): its answer comes
+    /// on the receiver.
     pub fn join(
         &self,
         key: &GatherKey,
         registration: &Registration,
         due: Instant,
+        rides: bool,
     ) -> Option<oneshot::Receiver<RowAnswer>> {
-        let gather = self.lock().get(key)?.clone();
-        let mut rows = gather.lock();
-        if !gather.takes(&rows, due) {
+        let gather = self.current(key)?;
+        if gather.leader == registration.message_id {
             return None;
+        }
+        let mut rows = gather.lock();
+        if !Gather::in_time(rows.phase, due) || !(rides || gather.has_room(&rows)) {
+            return None;
+        }
+        if !rides {
+            rows.seats += 1;
         }
         let (answer, answered) = oneshot::channel();
         rows.joined.push((registration.clone(), answer));
-        if rows.joined.len() + 1 >= gather.max_rows {
+        if gather.complete(&rows) {
             gather.full.notify_one();
         }
         Some(answered)
@@ -156,21 +287,54 @@ impl Gathers {
         key: &GatherKey,
         gather: &Arc<Gather>,
     ) -> Vec<(Registration, oneshot::Sender<RowAnswer>)> {
-        {
-            let mut open = self.lock();
-            if open.get(key).is_some_and(|g| Arc::ptr_eq(g, gather)) {
-                open.remove(key);
-            }
-        }
+        self.forget(key, gather);
         let mut rows = gather.lock();
-        rows.closed = true;
+        rows.phase = Phase::Closed;
         std::mem::take(&mut rows.joined)
     }
 
-    /// How many gathers are open (each holds its rows in memory until its call).
-    pub fn open_count(&self) -> usize {
-        self.lock().len()
+    /// `leader` leaves without a call: the pending gather of `key` it leads closes, and its
+    /// attached rows are released with `delay` (see [`Attached::Released`]).
+    pub fn release(&self, key: &GatherKey, leader: &MessageId, delay: Option<Duration>) {
+        let Some(gather) = self.led_by(key, leader) else {
+            return;
+        };
+        let waiting = {
+            let mut rows = gather.lock();
+            if rows.phase != Phase::Pending {
+                return;
+            }
+            rows.phase = Phase::Closed;
+            std::mem::take(&mut rows.waiting)
+        };
+        self.forget(key, &gather);
+        for tell in waiting {
+            let _ = tell.send(Attached::Released(delay));
+        }
     }
+
+    /// Takes `gather` (of `key`) out of the maps.
+    fn forget(&self, key: &GatherKey, gather: &Arc<Gather>) {
+        let mut maps = self.lock();
+        if maps.current.get(key).is_some_and(|g| Arc::ptr_eq(g, gather)) {
+            maps.current.remove(key);
+        }
+        let led = (key.0.clone(), gather.leader.clone());
+        if maps.led.get(&led).is_some_and(|g| Arc::ptr_eq(g, gather)) {
+            maps.led.remove(&led);
+        }
+    }
+
+    /// How many gathers are pending or open (each holds its rows in memory until its call).
+    pub fn open_count(&self) -> usize {
+        self.lock().led.len()
+    }
+}
+
+/// A grant to ride with in `lead`'s call, for a row not named yet: the row makes it its own
+/// with [`Grant::riding`].
+fn riding(lead: &Grant) -> Grant {
+    Grant::riding(lead, None, lead.cost())
 }
 
 #[cfg(test)]
@@ -186,20 +350,24 @@ mod tests {
         (SellerId::parse(seller).unwrap(), None)
     }
 
+    fn id(m: &str) -> MessageId {
+        MessageId::parse(m).unwrap()
+    }
+
     #[tokio::test(start_paused = true)]
     async fn rows_join_the_open_gather_of_their_seller_until_it_is_full_and_never_another_sellers() {
         let gathers = Gathers::default();
         let start_by = Instant::now() + Duration::from_millis(200);
         let far = Instant::now() + Duration::from_secs(1);
-        let gather = gathers.open(key("S-1"), 3, start_by, None);
-        assert!(gathers.join(&key("S-2"), &registration("S-2", "x"), far).is_none());
-        assert!(gathers.join(&key("S-1"), &registration("S-1", "a"), far).is_some());
+        let gather = gathers.open(key("S-1"), &id("lead"), 3, start_by, None);
+        let join = |seller: &str, m: &str, due| gathers.join(&key(seller), &registration(seller, m), due, false);
+        assert!(join("S-2", "x", far).is_none());
+        assert!(join("S-1", "a", far).is_some());
         // Its grant must be called before the gather's call would start: not taken.
-        let soon = Instant::now() + Duration::from_millis(100);
-        assert!(gathers.join(&key("S-1"), &registration("S-1", "b"), soon).is_none());
-        assert!(gathers.join(&key("S-1"), &registration("S-1", "b"), far).is_some());
+        assert!(join("S-1", "b", Instant::now() + Duration::from_millis(100)).is_none());
+        assert!(join("S-1", "b", far).is_some());
         // Full with the leader's own row: the leader stops waiting at once.
-        assert!(gathers.join(&key("S-1"), &registration("S-1", "c"), far).is_none());
+        assert!(join("S-1", "c", far).is_none());
         let waited = Instant::now();
         gather.gathered().await;
         assert_eq!(waited.elapsed(), Duration::ZERO);
@@ -212,18 +380,41 @@ mod tests {
     #[tokio::test(start_paused = true)]
     async fn a_gather_waits_for_rows_until_its_call_must_start_and_takes_none_after_it_closed() {
         let gathers = Gathers::default();
-        let start_by = Instant::now() + Duration::from_millis(200);
         let far = Instant::now() + Duration::from_secs(1);
-        let gather = gathers.open(key("S-1"), 50, start_by, None);
+        let start_by = Instant::now() + Duration::from_millis(200);
+        let gather = gathers.open(key("S-1"), &id("lead"), 50, start_by, None);
         let waited = Instant::now();
         gather.gathered().await;
         assert_eq!(waited.elapsed(), Duration::from_millis(200));
-        assert!(gathers.join(&key("S-1"), &registration("S-1", "late"), far).is_none());
+        let late = registration("S-1", "late");
+        assert!(gathers.join(&key("S-1"), &late, far, false).is_none());
         assert!(gathers.close(&key("S-1"), &gather).is_empty());
-        let again = gathers.open(key("S-1"), 50, Instant::now() + Duration::from_millis(200), None);
+        let start_by = Instant::now() + Duration::from_millis(200);
+        let again = gathers.open(key("S-1"), &id("lead-2"), 50, start_by, None);
         gathers.close(&key("S-1"), &gather);
         assert_eq!(gathers.open_count(), 1, "closing an old gather leaves the new one open");
-        assert!(gathers.join(&key("S-1"), &registration("S-1", "new"), far).is_some());
+        let far = Instant::now() + Duration::from_secs(1);
+        assert!(gathers.join(&key("S-1"), &registration("S-1", "new"), far, false).is_some());
         assert_eq!(gathers.close(&key("S-1"), &again).len(), 1);
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn rows_attached_while_their_leader_asks_are_released_with_its_delay_when_it_leaves() {
+        let gathers = Gathers::default();
+        gathers.lead(key("S-1"), &id("lead"), 3);
+        let attach = |seller: &str, row: &str| gathers.attach(&key(seller), &id(row));
+        assert!(attach("S-1", "lead").is_none(), "its leader asking again never waits for itself");
+        let first = attach("S-1", "a").expect("a pending gather takes rows");
+        let second = attach("S-1", "b").expect("room for a second");
+        assert!(attach("S-1", "c").is_none(), "full with its leader");
+        assert!(attach("S-2", "x").is_none(), "another seller's");
+        // Another row leaving releases nothing; the leader leaving for the ladder does.
+        gathers.release(&key("S-1"), &id("other"), None);
+        gathers.release(&key("S-1"), &id("lead"), Some(Duration::from_secs(3)));
+        for told in [first, second] {
+            assert!(matches!(told.await.unwrap(), Attached::Released(Some(d)) if d == Duration::from_secs(3)));
+        }
+        assert_eq!(gathers.open_count(), 0);
+        assert!(gathers.attach(&key("S-1"), &id("d")).is_none());
     }
 }

@@ -859,6 +859,17 @@ impl Worker {
                 break outcome;
             }
         };
+        // A leader leaving without its call releases the rows that waited for it.
+        if let Some(bulk) = self.routes.bulk(registration.route.as_ref())
+            && bulk.cost == BulkCost::Call
+        {
+            let key = (registration.seller_id.clone(), registration.route.clone());
+            let delay = match &outcome {
+                Outcome::Delay { after, .. } => Some(*after),
+                _ => None,
+            };
+            self.gathers.release(&key, &registration.message_id, delay);
+        }
         // The delivery leaves with a claim that led to no call: another copy may call now. (One
         // no longer fresh is left to end on its own: it may be another copy's by now.)
         if claim.fresh() {
@@ -899,31 +910,41 @@ impl Worker {
             _ = connection_lost.cancelled() => return interrupted(Interrupted::ConnectionLost),
         }
         let seller = &registration.seller_id;
-        if let Some(rider) = self.rider(registration, carried) {
-            // Only the message's claim is asked for: the call is the gather's leader's.
-            let claim_asked = tokio::time::Instant::now();
-            let claiming = self
-                .limiter
-                .claim_call(seller, &registration.message_id, &claim.token);
-            let claimed = tokio::select! {
-                c = claiming => counting_redis_errors(c),
-                _ = shutdown.cancelled() => return interrupted(Interrupted::Shutdown),
-                _ = connection_lost.cancelled() => return interrupted(Interrupted::ConnectionLost),
+        if let Some(key) = self.riding_key(registration, carried) {
+            // A row of a route whose calls count once rides in its seller's gather, if one
+            // takes it: it asks only for its message's claim (see `bulk`).
+            let told = match self.gathers.attach(&key, &registration.message_id) {
+                Some(told) => tokio::select! {
+                    told = told => told.ok(),
+                    _ = shutdown.cancelled() => return interrupted(Interrupted::Shutdown),
+                    _ = connection_lost.cancelled() => return interrupted(Interrupted::ConnectionLost),
+                },
+                None => None,
             };
-            if claim.answered(&claimed, claim_asked) {
-                self.limiter.renew_claim(seller, &registration.message_id);
+            match told {
+                Some(bulk::Attached::Ride(template)) => {
+                    let rider = Grant::riding(
+                        &template,
+                        Some(&registration.message_id),
+                        registration.cost,
+                    );
+                    return self
+                        .ride(registration, trace, rider, claim, carried, reporting, interruptions)
+                        .await;
+                }
+                Some(bulk::Attached::Released(Some(after))) => {
+                    return Plan::Settle(Outcome::Delay {
+                        after,
+                        carried: carried.clone(),
+                    });
+                }
+                // Its leader left without a call: the first row released leads the next.
+                Some(bulk::Attached::Released(None)) => return Plan::AskAgain,
+                None => {
+                    let max_rows = self.routes.bulk(key.1.as_ref()).map_or(1, |b| b.max_rows);
+                    self.gathers.lead(key, &registration.message_id, max_rows);
+                }
             }
-            return self
-                .call_granted(
-                    registration,
-                    trace,
-                    (rider, claimed, claim),
-                    Asking::default(),
-                    carried,
-                    reporting,
-                    interruptions,
-                )
-                .await;
         }
         let Asking { worker, ahead } =
             match self.worker_to_ask(seller, carried, interruptions).await {
@@ -1176,6 +1197,12 @@ impl Worker {
             self.limiter.unsent(grant).await;
             return instead;
         }
+        // A row of a bulk route joins its seller's open gather now, when it takes it: from
+        // here on nothing stops its call. A rider whose gather closed meanwhile has no call.
+        let joined = self.join_gather(registration, &grant, carried);
+        if joined.is_none() && grant.rides() {
+            return Plan::AskAgain;
+        }
         // Its claim holds for the whole call from now (the registration leaves it to expire:
         // its record answers for it; a call answered without registering ends it).
         self.limiter.note_call(&grant);
@@ -1184,12 +1211,29 @@ impl Worker {
             registration,
             trace,
             grant,
-            (worker, calling),
+            (worker, calling, joined),
             carried,
             reporting,
             interruptions,
         )
         .await
+    }
+
+    /// Joins `registration` (granted `grant`) to its seller's open gather on a bulk route, if
+    /// the gather takes it (see [`bulk`]): its answer comes on the receiver.
+    fn join_gather(
+        &self,
+        registration: &Registration,
+        grant: &Grant,
+        carried: &Carried,
+    ) -> Option<tokio::sync::oneshot::Receiver<bulk::RowAnswer>> {
+        let bulk = self.routes.bulk(registration.route.as_ref())?;
+        if carried.alone || bulk.max_rows < 2 {
+            return None;
+        }
+        let key = (registration.seller_id.clone(), registration.route.clone());
+        let due = tokio::time::Instant::from_std(grant.sent()) + CALL_ALLOWANCE;
+        self.gathers.join(&key, registration, due, grant.rides())
     }
 
     /// A worker for a grant that came to a message asking without one, if one is free before
@@ -1320,7 +1364,11 @@ impl Worker {
         registration: &Registration,
         trace: &TraceContext,
         grant: Grant,
-        (mut worker, calling): (Option<OwnedSemaphorePermit>, Writing<'_>),
+        (mut worker, calling, joined): (
+            Option<OwnedSemaphorePermit>,
+            Writing<'_>,
+            Option<tokio::sync::oneshot::Receiver<bulk::RowAnswer>>,
+        ),
         carried: &mut Carried,
         reporting: &Reporting,
         interruptions: Interruptions<'_>,
@@ -1336,14 +1384,8 @@ impl Worker {
                 answered
             }
             Some(bulk) => {
-                let answered = self
-                    .bulk_call(bulk, registration, &grant, &mut worker, carried, &span)
-                    .await;
-                let Some(answered) = answered else {
-                    self.stats.in_flight.fetch_sub(1, Ordering::Relaxed);
-                    return Plan::AskAgain;
-                };
-                answered
+                self.bulk_call(bulk, registration, &grant, (&mut worker, joined), carried, &span)
+                    .await
             }
         };
         let answered_us = grant.answered_us();
@@ -1446,59 +1488,94 @@ impl Worker {
             .plan_reply(reply, carried, now_ms, window, lowered)
     }
 
-    /// A grant for `registration` to ride with in its seller's open bulk call, on a route whose
-    /// calls count once (see [`bulk`]): only for a message with no reserved slot of its own,
-    /// not to be called alone.
-    fn rider(&self, registration: &Registration, carried: &Carried) -> Option<Grant> {
+    /// The gather `registration` would ride in, on a route whose calls count once (see
+    /// [`bulk`]): only for a message with no reserved slot of its own, not to be called alone.
+    fn riding_key(&self, registration: &Registration, carried: &Carried) -> Option<bulk::GatherKey> {
         if carried.reservation.is_some() || carried.alone {
             return None;
         }
         let bulk = self.routes.bulk(registration.route.as_ref())?;
-        if bulk.cost != BulkCost::Call || bulk.max_rows < 2 {
-            return None;
-        }
-        let key = (registration.seller_id.clone(), registration.route.clone());
-        self.gathers.ride(&key, registration)
+        (bulk.cost == BulkCost::Call && bulk.max_rows > 1)
+            .then(|| (registration.seller_id.clone(), registration.route.clone()))
     }
 
-    /// `registration`'s answer from a bulk call (see [`bulk`]): as a row joining its seller's
-    /// open gather (its worker given up while it waits), or as the leader of a new one, which
-    /// waits for rows up to the route's linger (never past its grant's allowance) and makes
-    /// the call. `None` for a row riding with a grant whose gather closed before it joined (it
-    /// asks again). A row whose bulk answer could not be mapped is marked to be called alone.
+    /// Calls `registration` riding with `rider` in another row's bulk call, once its claim
+    /// of the call is taken (in its own round trip: it asks for no permit).
+    #[allow(clippy::too_many_arguments)]
+    async fn ride(
+        &self,
+        registration: &Registration,
+        trace: &TraceContext,
+        rider: Grant,
+        claim: &DeliveryClaim,
+        carried: &mut Carried,
+        reporting: &Reporting,
+        interruptions: Interruptions<'_>,
+    ) -> Plan {
+        let seller = &registration.seller_id;
+        let claim_asked = tokio::time::Instant::now();
+        let claiming = self
+            .limiter
+            .claim_call(seller, &registration.message_id, &claim.token);
+        let claimed = tokio::select! {
+            c = claiming => counting_redis_errors(c),
+            _ = interruptions.shutdown.cancelled() => return Plan::Settle(returned(carried.clone(), Interrupted::Shutdown)),
+            _ = interruptions.connection_lost.cancelled() => return Plan::Settle(returned(carried.clone(), Interrupted::ConnectionLost)),
+        };
+        if claim.answered(&claimed, claim_asked) {
+            self.limiter.renew_claim(seller, &registration.message_id);
+        }
+        self.call_granted(
+            registration,
+            trace,
+            (rider, claimed, claim),
+            Asking::default(),
+            carried,
+            reporting,
+            interruptions,
+        )
+        .await
+    }
+
+    /// `registration`'s answer from a bulk call (see [`bulk`]): as a row that `joined` its
+    /// seller's open gather (its worker given up while it waits), or as the leader of a new
+    /// one, which waits for rows up to the route's linger (never past its grant's allowance)
+    /// and makes the call. A row whose bulk answer could not be mapped is marked to be called
+    /// alone.
     async fn bulk_call(
         &self,
         bulk: &crate::routes::Bulk,
         registration: &Registration,
         grant: &Grant,
-        worker: &mut Option<OwnedSemaphorePermit>,
+        (worker, joined): (
+            &mut Option<OwnedSemaphorePermit>,
+            Option<tokio::sync::oneshot::Receiver<bulk::RowAnswer>>,
+        ),
         carried: &mut Carried,
         span: &TraceContext,
-    ) -> Option<crate::downstream::Answered> {
-        let key = (registration.seller_id.clone(), registration.route.clone());
-        let due = tokio::time::Instant::from_std(grant.sent()) + CALL_ALLOWANCE;
-        if !carried.alone
-            && let Some(answer) = self.gathers.join(&key, registration, due)
-        {
+    ) -> crate::downstream::Answered {
+        if let Some(answer) = joined {
             drop(worker.take());
             let (answered, unmapped) = answer.await.unwrap_or_else(|_| {
                 let reply = Reply::unanswered("the bulk call it joined was not made".into());
                 (unanswered(reply), false)
             });
             carried.alone |= unmapped;
-            return Some(answered);
+            return answered;
         }
-        if grant.rides() {
-            return None;
-        }
+        let key = (registration.seller_id.clone(), registration.route.clone());
+        let due = tokio::time::Instant::from_std(grant.sent()) + CALL_ALLOWANCE;
         let started = std::time::Instant::now();
         let mut joined = Vec::new();
         if !carried.alone && bulk.max_rows > 1 {
             let start_by = (tokio::time::Instant::now() + bulk.linger)
                 .min(due.checked_sub(LEAD_MARGIN).unwrap_or(due));
             let lead = (bulk.cost == BulkCost::Call)
-                .then(|| Grant::riding(grant, &registration.message_id, registration.cost));
-            let gather = self.gathers.open(key.clone(), bulk.max_rows, start_by, lead);
+                .then(|| Grant::riding(grant, None, registration.cost));
+            let leader = &registration.message_id;
+            let gather = self
+                .gathers
+                .open(key.clone(), leader, bulk.max_rows, start_by, lead);
             gather.gathered().await;
             joined = self.gathers.close(&key, &gather);
         }
@@ -1522,7 +1599,7 @@ impl Worker {
             own.cost = None;
         }
         carried.alone |= unmapped;
-        Some(own)
+        own
     }
 
     /// Carries out a plan other than a call: `Some` outcome to settle the message with, or
