@@ -315,3 +315,33 @@ async fn a_small_sellers_row_never_joins_another_sellers_bulk_call() -> anyhow::
     rig.stop_replicas().await?;
     rig.cleanup().await
 }
+
+/// A backlog deeper than the limit's calls: 300 rows at 2 calls per second, 50 per call. The
+/// rows wait with the row that holds their call's slot (in memory or through the delay ladder)
+/// instead of each reserving a slot of its own: about 6 calls, never a window over the limit.
+#[tokio::test]
+async fn rows_beyond_the_limits_calls_wait_with_their_calls_leader_instead_of_reserving_slots()
+-> anyhow::Result<()> {
+    let bulk = r#"max_rows = 50, linger = "200ms", cost = "call", items = "items", id_field = "message_id""#;
+    let (mut rig, results) = bulk_rig("bulk-deep", "2/1s", BulkCount::Call, bulk, 2, 4).await?;
+    for i in 0..300 {
+        rig.publish_body(&row("S-deep", "deep-1", i, 300, None)).await?;
+    }
+    let stats = rig.wait_registered(300).await?;
+    results.until(300).await;
+    let seller = &stats.sellers["S-deep"];
+    println!(
+        "300 rows at 2 calls/1s, 50 per call: {}; the first to the last registration {} ms \
+         (6 calls need 2,000 ms; one row per call 149,500 ms)",
+        calls_and_rows(&stats),
+        seller.last_ms.unwrap_or(0) - seller.first_ms.unwrap_or(0)
+    );
+    assert_eq!(stats.violations, 0, "{stats:?}");
+    assert_eq!(stats.duplicates, 0, "{stats:?}");
+    assert_eq!(seller.registered, 300);
+    assert!(stats.requests <= 30, "rows shared calls under the limit: {stats:?}");
+    assert_each_row_has_its_own_entry(&results, 300);
+    rig.stop_replicas().await?;
+    assert_eq!(rig.dead_lettered().await?, 0);
+    rig.cleanup().await
+}

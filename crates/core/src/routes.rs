@@ -485,6 +485,61 @@ limit = "600/1m,10000/1d@00:00+09:00"
     }
 
     #[test]
+    fn a_route_or_the_default_endpoint_may_be_bulk_with_its_rows_linger_and_count() {
+        let text = format!(
+            "{FILE}\n[routes.listings]\nmethod = \"POST\"\nurl = \"https://api.example.com/{{seller_id}}/batch\"\nlimit = \"100/1m\"\nbulk = {{ max_rows = 50, linger = \"200ms\", cost = \"call\", items = \"items\", id_field = \"message_id\" }}\n\n[default]\nbulk = {{ max_rows = 25, cost = \"row\" }}\n"
+        );
+        let routes = Routes::parse(&text).unwrap();
+        let listings = RouteName::parse("listings").unwrap();
+        let bulk = routes.bulk(Some(&listings)).unwrap();
+        assert_eq!(
+            *bulk,
+            Bulk {
+                max_rows: 50,
+                linger: Duration::from_millis(200),
+                cost: BulkCost::Call,
+                items: Some("items".into()),
+                id_field: Some("message_id".into()),
+            }
+        );
+        let default = routes.bulk(None).unwrap();
+        assert_eq!((default.max_rows, default.cost), (25, BulkCost::Row));
+        assert_eq!((default.items.as_deref(), default.id_field.as_deref()), (None, None));
+        assert_eq!(routes.bulk(Some(&RouteName::parse("register").unwrap())), None);
+        assert_eq!(routes.most_bulk_rows(), 50);
+        // A file of the default endpoint's bulk calls alone names no route.
+        let alone = Routes::parse("[default]\nbulk = { max_rows = 10 }\n").unwrap();
+        assert!(alone.is_empty());
+        assert_eq!(alone.bulk(None).unwrap().linger, Duration::from_millis(200));
+        assert_eq!(Routes::parse(FILE).unwrap().bulk(None), None);
+    }
+
+    #[test]
+    fn a_bad_bulk_table_is_refused_naming_its_field() {
+        let cases = [
+            ("max_rows = 0", "field `bulk.max_rows`"),
+            ("max_rows = 1001", "field `bulk.max_rows`"),
+            ("max_rows = 5, linger = \"2s\"", "field `bulk.linger`"),
+            ("max_rows = 5, linger = \"soon\"", "field `bulk.linger`"),
+            ("max_rows = 5, cost = \"rows\"", "field `bulk.cost`"),
+            ("max_rows = 5, items = \"a b\"", "field `bulk.items`"),
+            ("max_rows = 5, id_field = \"\"", "field `bulk.id_field`"),
+            ("max_rows = 5, rows = 3", "unknown field `rows`"),
+            ("linger = \"1ms\"", "missing field `max_rows`"),
+        ];
+        for (table, expected) in cases {
+            let text = format!("[default]\nbulk = {{ {table} }}\n");
+            let error = Routes::parse(&text).unwrap_err().to_string();
+            assert!(error.contains(expected), "{table}: {error:?} should say {expected:?}");
+            let text = FILE.replace("cost = 1", &format!("cost = 1\nbulk = {{ {table} }}"));
+            let error = Routes::parse(&text).unwrap_err().to_string();
+            assert!(error.contains("route \"register\"") && error.contains(expected), "{error}");
+        }
+        let error = Routes::parse("[default]\nlimit = \"1/1s\"\n").unwrap_err().to_string();
+        assert!(error.contains("[default]") && error.contains("unknown field"), "{error}");
+    }
+
+    #[test]
     fn a_message_takes_its_routes_default_cost_unless_it_gives_one() {
         let routes = Routes::parse(&FILE.replace("cost = 1", "cost = 3")).unwrap();
         let body = br#"{"seller_id":"S","route":"register","product":{}}"#;

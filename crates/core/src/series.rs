@@ -297,6 +297,21 @@ pub const METRICS: &[Metric] = &[
         "429 answers from the downstream.",
     ),
     plain(
+        "turnstile_bulk_calls_total",
+        Counter,
+        "Bulk calls made (several rows of one seller and route in one downstream call).",
+    ),
+    plain(
+        "turnstile_bulk_rows_total",
+        Counter,
+        "Rows carried by bulk calls.",
+    ),
+    plain(
+        "turnstile_bulk_unmapped_total",
+        Counter,
+        "Bulk calls whose 2xx answer could not be mapped to their rows (each row retried alone).",
+    ),
+    plain(
         "turnstile_calls_claimed_elsewhere_total",
         Counter,
         "Grants given back because a copy of their message was being called on another replica.",
