@@ -89,7 +89,10 @@ fn entry_of(result: &Value) -> (u64, String) {
 /// Every result registered, each with its own entry of the answer (its own message id).
 fn assert_each_row_has_its_own_entry(results: &Results, rows: usize) {
     let all = results.all();
-    let registered: Vec<&Value> = all.iter().filter(|r| r["outcome"] == "registered").collect();
+    let registered: Vec<&Value> = all
+        .iter()
+        .filter(|r| r["outcome"] == "registered")
+        .collect();
     assert_eq!(registered.len(), rows, "{:?}", results.brief());
     for result in registered {
         let (status, named) = entry_of(result);
@@ -99,7 +102,11 @@ fn assert_each_row_has_its_own_entry(results: &Results, rows: usize) {
 }
 
 /// A batch's progress as the replicas recorded it.
-async fn batch_progress(rig: &Rig, seller: &str, batch: &str) -> turnstile_core::permit::UploadProgress {
+async fn batch_progress(
+    rig: &Rig,
+    seller: &str,
+    batch: &str,
+) -> turnstile_core::permit::UploadProgress {
     let seller = turnstile_core::domain::SellerId::parse(seller).unwrap();
     let batch = turnstile_core::domain::BatchId::parse(batch).unwrap();
     rig.records()
@@ -132,7 +139,8 @@ async fn an_upload_of_500_rows_is_registered_in_bulk_calls_under_the_calls_limit
     let (mut rig, results) = bulk_rig("bulk-seed", "20/1s", BulkCount::Call, bulk, 2, 4).await?;
     let started = Instant::now();
     for i in 0..500 {
-        rig.publish_body(&row("S-big", "upload-1", i, 500, None)).await?;
+        rig.publish_body(&row("S-big", "upload-1", i, 500, None))
+            .await?;
     }
     let stats = rig.wait_registered(500).await?;
     let took = started.elapsed();
@@ -167,11 +175,13 @@ async fn an_upload_of_500_rows_is_registered_in_bulk_calls_under_the_calls_limit
 /// permit, rows granted together share a call, and the API never sees a window over the limit,
 /// in far fewer requests than rows.
 #[tokio::test]
-async fn rows_counted_one_by_one_share_calls_without_a_window_over_the_limit() -> anyhow::Result<()> {
+async fn rows_counted_one_by_one_share_calls_without_a_window_over_the_limit() -> anyhow::Result<()>
+{
     let bulk = r#"max_rows = 50, linger = "100ms", cost = "row", items = "items", id_field = "message_id""#;
     let (mut rig, results) = bulk_rig("bulk-rows", "100/1s", BulkCount::Row, bulk, 2, 4).await?;
     for i in 0..300 {
-        rig.publish_body(&row("S-rows", "rows-1", i, 300, None)).await?;
+        rig.publish_body(&row("S-rows", "rows-1", i, 300, None))
+            .await?;
     }
     let stats = rig.wait_registered(300).await?;
     results.until(300).await;
@@ -186,7 +196,10 @@ async fn rows_counted_one_by_one_share_calls_without_a_window_over_the_limit() -
     assert_eq!(stats.violations, 0, "{stats:?}");
     assert_eq!(stats.duplicates, 0, "{stats:?}");
     assert_eq!(seller.registered, 300);
-    assert_eq!(seller.units, 300, "every row's unit counted once: {stats:?}");
+    assert_eq!(
+        seller.units, 300,
+        "every row's unit counted once: {stats:?}"
+    );
     assert!(seller.max_in_window <= 100, "{stats:?}");
     assert!(stats.requests < 100, "rows shared calls: {stats:?}");
     assert_each_row_has_its_own_entry(&results, 300);
@@ -211,13 +224,17 @@ async fn each_row_of_a_bulk_call_follows_its_own_entry_of_the_answer() -> anyhow
                 8 | 40 => Some(json!({"statuses": [503, 200]})),
                 _ => None,
             };
-            rig.publish_body(&row("S-mixed", &batch, i, 50, mock)).await?;
+            rig.publish_body(&row("S-mixed", &batch, i, 50, mock))
+                .await?;
         }
         let done = 50 * (round + 1);
         support::eventually("every row final", || results.all().len() >= done).await;
     }
     let stats = rig.mock.stats();
-    println!("2 x 50 rows, 3 rejected and 2 retryable in each: {}", calls_and_rows(&stats));
+    println!(
+        "2 x 50 rows, 3 rejected and 2 retryable in each: {}",
+        calls_and_rows(&stats)
+    );
     let rejected = results.with_outcome("rejected");
     let mut expected: Vec<String> = (0..2)
         .flat_map(|r| [5, 17, 33].map(|i| format!("mixed-{r}-{i}")))
@@ -232,17 +249,29 @@ async fn each_row_of_a_bulk_call_follows_its_own_entry_of_the_answer() -> anyhow
         assert_eq!(entry_of(result).1, result["message_id"].as_str().unwrap());
     }
     for id in ["mixed-0-8", "mixed-0-40", "mixed-1-8", "mixed-1-40"] {
-        let result = results.all().into_iter().find(|r| r["message_id"] == id).unwrap();
+        let result = results
+            .all()
+            .into_iter()
+            .find(|r| r["message_id"] == id)
+            .unwrap();
         assert_eq!(result["outcome"], "registered", "{result}");
         assert_eq!(result["attempts"], 2, "retried once: {result}");
     }
     assert_eq!(stats.registered, 94, "{stats:?}");
     assert_eq!(stats.duplicates, 0, "{stats:?}");
     assert_eq!(stats.violations, 0, "{stats:?}");
-    assert_eq!(results.all().len(), 100, "one result per row: {:?}", results.brief());
+    assert_eq!(
+        results.all().len(),
+        100,
+        "one result per row: {:?}",
+        results.brief()
+    );
     for round in 0..2 {
         let batch = batch_progress(&rig, "S-mixed", &format!("mixed-{round}")).await;
-        assert!(batch.done() && batch.registered == 47 && batch.dead == 3, "{batch:?}");
+        assert!(
+            batch.done() && batch.registered == 47 && batch.dead == 3,
+            "{batch:?}"
+        );
     }
     rig.stop_replicas().await?;
     assert_eq!(rig.dead_lettered().await?, 6);
@@ -253,32 +282,37 @@ async fn each_row_of_a_bulk_call_follows_its_own_entry_of_the_answer() -> anyhow
 /// guess: every row of that call is retried in a call of its own, and each is registered once.
 /// Twice over.
 #[tokio::test]
-async fn rows_of_a_bulk_answer_that_cannot_be_mapped_are_retried_one_at_a_time() -> anyhow::Result<()> {
+async fn rows_of_a_bulk_answer_that_cannot_be_mapped_are_retried_one_at_a_time()
+-> anyhow::Result<()> {
     let bulk = r#"max_rows = 10, linger = "200ms", cost = "call", items = "items", id_field = "message_id""#;
     let (mut rig, results) = bulk_rig("bulk-garbled", "20/1s", BulkCount::Call, bulk, 1, 4).await?;
     for round in 0..2 {
         let batch = format!("garbled-{round}");
         for i in 0..10 {
             let mock = (i == 3).then(|| json!({"statuses": [200], "garble": 1}));
-            rig.publish_body(&row("S-garbled", &batch, i, 10, mock)).await?;
+            rig.publish_body(&row("S-garbled", &batch, i, 10, mock))
+                .await?;
         }
         let done = 10 * (round + 1);
         support::eventually("every row final", || results.all().len() >= done).await;
     }
     let stats = rig.mock.stats();
-    println!("2 x 10 rows, one garbled answer in each: {}", calls_and_rows(&stats));
+    println!(
+        "2 x 10 rows, one garbled answer in each: {}",
+        calls_and_rows(&stats)
+    );
     assert!(stats.garbled >= 2, "{stats:?}");
     assert_eq!(stats.registered, 20, "{stats:?}");
     assert_eq!(stats.duplicates, 0, "{stats:?}");
     assert_each_row_has_its_own_entry(&results, 20);
     // The garbled calls' rows came back alone: one request each, after the garbled ones.
     assert!(stats.requests >= stats.garbled + 10, "{stats:?}");
-    let retried = results
-        .all()
-        .iter()
-        .filter(|r| r["attempts"] == 2)
-        .count();
-    assert!(retried >= 10, "the rows of a garbled answer were retried: {:?}", results.all());
+    let retried = results.all().iter().filter(|r| r["attempts"] == 2).count();
+    assert!(
+        retried >= 10,
+        "the rows of a garbled answer were retried: {:?}",
+        results.all()
+    );
     rig.stop_replicas().await?;
     assert_eq!(rig.dead_lettered().await?, 0);
     rig.cleanup().await
@@ -291,9 +325,11 @@ async fn a_small_sellers_row_never_joins_another_sellers_bulk_call() -> anyhow::
     let bulk = r#"max_rows = 50, linger = "300ms", cost = "call", items = "items", id_field = "message_id""#;
     let (mut rig, results) = bulk_rig("bulk-small", "20/1s", BulkCount::Call, bulk, 1, 4).await?;
     for i in 0..120 {
-        rig.publish_body(&row("S-filling", "filling", i, 120, None)).await?;
+        rig.publish_body(&row("S-filling", "filling", i, 120, None))
+            .await?;
         if i == 60 {
-            rig.publish_body(&row("S-small", "small", 0, 1, None)).await?;
+            rig.publish_body(&row("S-small", "small", 0, 1, None))
+                .await?;
         }
     }
     let stats = rig.wait_registered(121).await?;
@@ -325,7 +361,8 @@ async fn rows_beyond_the_limits_calls_wait_with_their_calls_leader_instead_of_re
     let bulk = r#"max_rows = 50, linger = "200ms", cost = "call", items = "items", id_field = "message_id""#;
     let (mut rig, results) = bulk_rig("bulk-deep", "2/1s", BulkCount::Call, bulk, 2, 4).await?;
     for i in 0..300 {
-        rig.publish_body(&row("S-deep", "deep-1", i, 300, None)).await?;
+        rig.publish_body(&row("S-deep", "deep-1", i, 300, None))
+            .await?;
     }
     let stats = rig.wait_registered(300).await?;
     results.until(300).await;
@@ -339,7 +376,10 @@ async fn rows_beyond_the_limits_calls_wait_with_their_calls_leader_instead_of_re
     assert_eq!(stats.violations, 0, "{stats:?}");
     assert_eq!(stats.duplicates, 0, "{stats:?}");
     assert_eq!(seller.registered, 300);
-    assert!(stats.requests <= 30, "rows shared calls under the limit: {stats:?}");
+    assert!(
+        stats.requests <= 30,
+        "rows shared calls under the limit: {stats:?}"
+    );
     assert_each_row_has_its_own_entry(&results, 300);
     rig.stop_replicas().await?;
     assert_eq!(rig.dead_lettered().await?, 0);

@@ -79,6 +79,7 @@ const LEAVES: &[(usize, &[&str])] = &[
     (2, &["bench", "give-way"]),
     (2, &["bench", "passes"]),
     (2, &["bench", "supersede"]),
+    (2, &["bench", "bulk"]),
     (1, &["completions", "bash"]),
 ];
 
@@ -403,6 +404,7 @@ fn a_connection_flag_goes_before_or_after_the_command_that_uses_it() {
         ("bench rolling", &amqp_redis),
         ("bench routes", &amqp_redis),
         ("bench supersede", &amqp_redis),
+        ("bench bulk", &amqp_redis),
         ("bench depth", redis),
         ("bench lua-setup", redis),
         ("bench give-way", redis),

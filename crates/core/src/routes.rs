@@ -229,9 +229,10 @@ impl Routes {
         let default_bulk = match table.get("default") {
             None => None,
             Some(value) => {
-                let entry: DefaultEntry = value.clone().try_into().map_err(|e: toml::de::Error| {
-                    bad(format!("[default]: {}", one_line(e.message())))
-                })?;
+                let entry: DefaultEntry =
+                    value.clone().try_into().map_err(|e: toml::de::Error| {
+                        bad(format!("[default]: {}", one_line(e.message())))
+                    })?;
                 entry
                     .bulk
                     .map(Bulk::parse)
@@ -357,9 +358,14 @@ impl Routes {
 
     /// The route `registration` takes, checked against the file: a route the file does not
     /// name (or any route, without a file) makes the message invalid. A message without a
-    /// `cost` takes its route's default cost.
+    /// `cost` takes its route's default cost; on a bulk route whose calls count once
+    /// ([`BulkCost::Call`]) every message takes the route's cost (one call's), whatever it
+    /// gives.
     pub fn resolve(&self, registration: &mut Registration) -> Result<(), InvalidMessage> {
         let Some(name) = &registration.route else {
+            if self.default_bulk.as_ref().is_some_and(|b| b.cost == BulkCost::Call) {
+                registration.cost = Cost::ONE;
+            }
             return Ok(());
         };
         let route = self.get(name).ok_or(InvalidMessage::Field {
@@ -370,6 +376,10 @@ impl Routes {
             && let Some(cost) = route.cost
         {
             registration.cost = cost;
+        }
+        // On a bulk route whose calls count once, a row's call is its call's: the route's cost.
+        if route.bulk.as_ref().is_some_and(|b| b.cost == BulkCost::Call) {
+            registration.cost = route.cost.unwrap_or(Cost::ONE);
         }
         Ok(())
     }
@@ -504,8 +514,14 @@ limit = "600/1m,10000/1d@00:00+09:00"
         );
         let default = routes.bulk(None).unwrap();
         assert_eq!((default.max_rows, default.cost), (25, BulkCost::Row));
-        assert_eq!((default.items.as_deref(), default.id_field.as_deref()), (None, None));
-        assert_eq!(routes.bulk(Some(&RouteName::parse("register").unwrap())), None);
+        assert_eq!(
+            (default.items.as_deref(), default.id_field.as_deref()),
+            (None, None)
+        );
+        assert_eq!(
+            routes.bulk(Some(&RouteName::parse("register").unwrap())),
+            None
+        );
         assert_eq!(routes.most_bulk_rows(), 50);
         // A file of the default endpoint's bulk calls alone names no route.
         let alone = Routes::parse("[default]\nbulk = { max_rows = 10 }\n").unwrap();
@@ -530,13 +546,24 @@ limit = "600/1m,10000/1d@00:00+09:00"
         for (table, expected) in cases {
             let text = format!("[default]\nbulk = {{ {table} }}\n");
             let error = Routes::parse(&text).unwrap_err().to_string();
-            assert!(error.contains(expected), "{table}: {error:?} should say {expected:?}");
+            assert!(
+                error.contains(expected),
+                "{table}: {error:?} should say {expected:?}"
+            );
             let text = FILE.replace("cost = 1", &format!("cost = 1\nbulk = {{ {table} }}"));
             let error = Routes::parse(&text).unwrap_err().to_string();
-            assert!(error.contains("route \"register\"") && error.contains(expected), "{error}");
+            assert!(
+                error.contains("route \"register\"") && error.contains(expected),
+                "{error}"
+            );
         }
-        let error = Routes::parse("[default]\nlimit = \"1/1s\"\n").unwrap_err().to_string();
-        assert!(error.contains("[default]") && error.contains("unknown field"), "{error}");
+        let error = Routes::parse("[default]\nlimit = \"1/1s\"\n")
+            .unwrap_err()
+            .to_string();
+        assert!(
+            error.contains("[default]") && error.contains("unknown field"),
+            "{error}"
+        );
     }
 
     #[test]

@@ -1209,7 +1209,10 @@ async fn bulk_request(
                 return error(StatusCode::BAD_REQUEST, format!("row {i}: {why}"));
             }
         };
-        let id = row.get(&id_field).and_then(Value::as_str).map(str::to_owned);
+        let id = row
+            .get(&id_field)
+            .and_then(Value::as_str)
+            .map(str::to_owned);
         seller = req.seller;
         parsed.push(BulkRow {
             key: id.clone().unwrap_or_else(|| format!("{}#{i}", req.key)),
@@ -1277,18 +1280,19 @@ impl App {
         }
         if garbled {
             stats.garbled += 1;
-            let entries = rows[1..]
-                .iter()
-                .map(|_| json!({"status": 200}))
-                .collect();
+            let entries = rows[1..].iter().map(|_| json!({"status": 200})).collect();
             return Ok(entries);
         }
         let units = match count {
             BulkCount::Call => 1,
             BulkCount::Row => rows.iter().map(|r| r.units).sum(),
         };
-        let (mut wait, first_window_units) =
-            room_for(windows.entry(seller.to_owned()).or_default(), &self.limit, now, units);
+        let (mut wait, first_window_units) = room_for(
+            windows.entry(seller.to_owned()).or_default(),
+            &self.limit,
+            now,
+            units,
+        );
         if let Some(route) = route {
             let times = route_windows
                 .entry((route.to_owned(), seller.to_owned()))
@@ -1320,8 +1324,7 @@ impl App {
                 });
             }
             return Err(Answer::Limited {
-                retry_after_secs: (!self.no_retry_after)
-                    .then(|| wait.as_secs().max(1)),
+                retry_after_secs: (!self.no_retry_after).then(|| wait.as_secs().max(1)),
                 quota: None,
             });
         }
@@ -1348,7 +1351,10 @@ impl App {
                 let attempt = attempts.entry(row.key.clone()).or_default();
                 status = script.statuses[(*attempt).min(script.statuses.len() - 1)];
                 *attempt += 1;
-                retry_after = script.retry_after.as_ref().and_then(|v| v.to_str().ok()?.parse::<u64>().ok());
+                retry_after = script
+                    .retry_after
+                    .as_ref()
+                    .and_then(|v| v.to_str().ok()?.parse::<u64>().ok());
             }
             let mut entry = json!({"status": status.as_u16()});
             if let Some(id) = &row.id {
@@ -1357,7 +1363,8 @@ impl App {
             if !status.is_success() {
                 stats.scripted += 1;
                 entry["error"] = format!("scripted {}", status.as_u16()).into();
-                if let Some(secs) = retry_after.filter(|_| status == StatusCode::TOO_MANY_REQUESTS) {
+                if let Some(secs) = retry_after.filter(|_| status == StatusCode::TOO_MANY_REQUESTS)
+                {
                     entry["retry_after"] = secs.into();
                 }
                 entries.push(entry);

@@ -13,11 +13,10 @@
 //! retried one at a time.
 
 use serde_json::Value;
-use serde_json::value::RawValue;
 use sha2::{Digest, Sha256};
 
 use super::{ApiResponse, EXCERPT, RESPONSE_CAP, Reply, ResponseBody};
-use crate::domain::{MessageId, Registration};
+use crate::domain::Registration;
 use crate::routes::Bulk;
 
 /// Most bytes of a bulk answer read: room for every row's entry at a single answer's cap, up to
@@ -37,49 +36,60 @@ pub fn idempotency_key(rows: &[Registration]) -> String {
     format!("bulk-{}", &hex::encode(digest.finalize())[..32])
 }
 
-/// The product of `row` as a bulk call carries it: verbatim, with its `message_id` under
-/// `id_field` first when the route names one and the product does not already have that
-/// field (a product that has it is left as it is: its answer is then matched by that value).
-fn product_of(row: &Registration, id_field: Option<&str>) -> String {
+/// The product of `row` as a bulk call carries it, and the key its answer's entry is matched
+/// by: verbatim, with its `message_id` under `id_field` first when the route names one and the
+/// product does not already have that field (the key is then its message id). A product that
+/// has it is left as it is: the key is that field's value when it is a string, else its
+/// message id (which then matches no entry: the call's answer cannot be mapped, and its rows
+/// are retried alone).
+fn product_of(row: &Registration, id_field: Option<&str>) -> (String, String) {
     let product = row.product.get().trim();
+    let id = row.message_id.as_str().to_owned();
     let Some(field) = id_field else {
-        return product.to_owned();
+        return (product.to_owned(), id);
     };
-    let has_it = serde_json::from_str::<std::collections::HashMap<String, serde::de::IgnoredAny>>(
-        product,
-    )
-    .map(|fields| fields.contains_key(field))
-    .unwrap_or(true);
-    if has_it || !product.starts_with('{') {
-        return product.to_owned();
-    }
-    let rest = product[1..].trim_start();
-    let pair = format!(
-        "{}:{}",
-        Value::String(field.to_owned()),
-        Value::String(row.message_id.as_str().to_owned())
-    );
-    if rest.starts_with('}') {
-        format!("{{{pair}}}")
-    } else {
-        format!("{{{pair},{rest}")
+    let own = serde_json::from_str::<std::collections::HashMap<String, Value>>(product)
+        .ok()
+        .map(|mut fields| fields.remove(field));
+    match own {
+        Some(None) if product.starts_with('{') => {
+            let rest = product[1..].trim_start();
+            let pair = format!(
+                "{}:{}",
+                Value::String(field.to_owned()),
+                Value::String(id.clone())
+            );
+            let text = if rest.starts_with('}') {
+                format!("{{{pair}}}")
+            } else {
+                format!("{{{pair},{rest}")
+            };
+            (text, id)
+        }
+        Some(Some(Value::String(own))) => (product.to_owned(), own),
+        _ => (product.to_owned(), id),
     }
 }
 
-/// The body of a bulk call of `rows` (see the module docs).
-pub fn body(bulk: &Bulk, rows: &[Registration]) -> Vec<u8> {
+/// The body of a bulk call of `rows` (see the module docs), and each row's key in its answer
+/// (see [`map_answer`]).
+pub fn body(bulk: &Bulk, rows: &[Registration]) -> (Vec<u8>, Vec<String>) {
     let mut array = String::from("[");
+    let mut keys = Vec::with_capacity(rows.len());
     for (i, row) in rows.iter().enumerate() {
         if i > 0 {
             array.push(',');
         }
-        array.push_str(&product_of(row, bulk.id_field.as_deref()));
+        let (product, key) = product_of(row, bulk.id_field.as_deref());
+        array.push_str(&product);
+        keys.push(key);
     }
     array.push(']');
-    match &bulk.items {
+    let body = match &bulk.items {
         None => array.into_bytes(),
         Some(items) => format!("{{{}:{array}}}", Value::String(items.clone())).into_bytes(),
-    }
+    };
+    (body, keys)
 }
 
 /// Why a bulk answer could not be mapped to its rows.
@@ -88,8 +98,12 @@ pub fn body(bulk: &Bulk, rows: &[Registration]) -> Vec<u8> {
 pub struct Unmappable(pub String);
 
 /// One reply per row (in the rows' order) from a 2xx bulk answer whose body is `answer`, for
-/// the rows whose message ids are `ids`.
-pub fn map_answer(bulk: &Bulk, ids: &[&MessageId], answer: &ApiResponse) -> Result<Vec<Reply>, Unmappable> {
+/// the rows whose keys (see [`body`]) are `ids`.
+pub fn map_answer(
+    bulk: &Bulk,
+    ids: &[&str],
+    answer: &ApiResponse,
+) -> Result<Vec<Reply>, Unmappable> {
     let bad = |why: &str| Unmappable(why.to_owned());
     if answer.truncated {
         return Err(bad("the answer was longer than its cap"));
@@ -117,13 +131,13 @@ pub fn map_answer(bulk: &Bulk, ids: &[&MessageId], answer: &ApiResponse) -> Resu
     match bulk.id_field.as_deref() {
         Some(field) if ids.len() > 1 => {
             for entry in entries {
-                let id = entry.get(field).and_then(Value::as_str).ok_or_else(|| {
-                    Unmappable(format!("an entry without a string {field:?}"))
+                let id = entry
+                    .get(field)
+                    .and_then(Value::as_str)
+                    .ok_or_else(|| Unmappable(format!("an entry without a string {field:?}")))?;
+                let row = ids.iter().position(|m| *m == id).ok_or_else(|| {
+                    Unmappable(format!("an entry for {id:?}, no row of the call"))
                 })?;
-                let row = ids
-                    .iter()
-                    .position(|m| m.as_str() == id)
-                    .ok_or_else(|| Unmappable(format!("an entry for {id:?}, no row of the call")))?;
                 if ordered[row].replace(entry).is_some() {
                     return Err(Unmappable(format!("two entries for {id:?}")));
                 }
@@ -177,11 +191,6 @@ fn entry_reply(entry: &Value) -> Result<Reply, Unmappable> {
     })
 }
 
-/// Whether `raw` is a JSON object (what a bulk row's product must be to take its id).
-pub fn is_object(raw: &RawValue) -> bool {
-    raw.get().trim_start().starts_with('{')
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -208,8 +217,13 @@ mod tests {
 
     #[test]
     fn a_bulk_body_is_the_products_in_order_each_given_its_id_under_the_items_field() {
-        let rows = [row("m-1", r#"{"sku":"a"}"#), row("m-2", "{}"), row("m-3", r#"{"message_id":"own"}"#)];
-        let sent = body(&bulk(Some("items"), Some("message_id")), &rows);
+        let rows = [
+            row("m-1", r#"{"sku":"a"}"#),
+            row("m-2", "{}"),
+            row("m-3", r#"{"message_id":"own"}"#),
+        ];
+        let (sent, keys) = body(&bulk(Some("items"), Some("message_id")), &rows);
+        assert_eq!(keys, ["m-1", "m-2", "own"], "a product's own id is its key");
         let sent: Value = serde_json::from_slice(&sent).unwrap();
         assert_eq!(
             sent,
@@ -219,7 +233,7 @@ mod tests {
                 {"message_id": "own"},
             ]})
         );
-        let bare = body(&bulk(None, None), &rows[..2]);
+        let (bare, _) = body(&bulk(None, None), &rows[..2]);
         assert_eq!(bare, br#"[{"sku":"a"},{}]"#.to_vec());
     }
 
@@ -235,18 +249,21 @@ mod tests {
 
     #[test]
     fn each_row_takes_its_own_entrys_status_by_order_or_by_its_id() {
-        let ids = ["m-1", "m-2", "m-3", "m-4"].map(|m| MessageId::parse(m).unwrap());
-        let ids: Vec<&MessageId> = ids.iter().collect();
+        let ids = ["m-1", "m-2", "m-3", "m-4"];
         let in_order = answer(
             r#"[{"status":201,"id":"p1"},{"status":422,"error":"bad"},{"status":503},{"status":429,"retry_after":3}]"#,
         );
         let replies = map_answer(&bulk(None, None), &ids, &in_order).unwrap();
-        assert!(matches!(&replies[0], Reply::Registered(r) if r.status == 201 && matches!(&r.body, ResponseBody::Json(t) if t.contains("p1"))));
+        assert!(
+            matches!(&replies[0], Reply::Registered(r) if r.status == 201 && matches!(&r.body, ResponseBody::Json(t) if t.contains("p1")))
+        );
         assert!(matches!(&replies[1], Reply::Rejected { status: 422, .. }));
         assert!(matches!(&replies[2], Reply::Transient { .. }));
         assert_eq!(
             replies[3],
-            Reply::Throttled { retry_after: Some(std::time::Duration::from_secs(3)) }
+            Reply::Throttled {
+                retry_after: Some(std::time::Duration::from_secs(3))
+            }
         );
         let by_id = answer(
             r#"{"items":[{"message_id":"m-4","status":200},{"message_id":"m-1","status":400},{"message_id":"m-3","status":200},{"message_id":"m-2","status":200}]}"#,
@@ -258,18 +275,41 @@ mod tests {
 
     #[test]
     fn an_answer_that_does_not_name_each_row_once_maps_to_no_row() {
-        let ids = ["m-1", "m-2"].map(|m| MessageId::parse(m).unwrap());
-        let ids: Vec<&MessageId> = ids.iter().collect();
+        let ids = ["m-1", "m-2"];
         let by_id = bulk(None, Some("message_id"));
         let cases = [
-            (bulk(None, None), r#"[{"status":200}]"#, "1 entries for 2 rows"),
+            (
+                bulk(None, None),
+                r#"[{"status":200}]"#,
+                "1 entries for 2 rows",
+            ),
             (bulk(None, None), r#"{"status":200}"#, "no array"),
-            (bulk(Some("items"), None), r#"{"rows":[]}"#, "no array under"),
-            (bulk(None, None), r#"[{"status":200},{"status":"ok"}]"#, "integer status"),
+            (
+                bulk(Some("items"), None),
+                r#"{"rows":[]}"#,
+                "no array under",
+            ),
+            (
+                bulk(None, None),
+                r#"[{"status":200},{"status":"ok"}]"#,
+                "integer status",
+            ),
             (bulk(None, None), r#"[{"status":200},7]"#, "integer status"),
-            (by_id.clone(), r#"[{"message_id":"m-1","status":200},{"message_id":"m-1","status":200}]"#, "two entries"),
-            (by_id.clone(), r#"[{"message_id":"m-1","status":200},{"message_id":"x","status":200}]"#, "no row of the call"),
-            (by_id, r#"[{"message_id":"m-1","status":200},{"status":200}]"#, "without a string"),
+            (
+                by_id.clone(),
+                r#"[{"message_id":"m-1","status":200},{"message_id":"m-1","status":200}]"#,
+                "two entries",
+            ),
+            (
+                by_id.clone(),
+                r#"[{"message_id":"m-1","status":200},{"message_id":"x","status":200}]"#,
+                "no row of the call",
+            ),
+            (
+                by_id,
+                r#"[{"message_id":"m-1","status":200},{"status":200}]"#,
+                "without a string",
+            ),
         ];
         for (bulk, text, why) in cases {
             let error = map_answer(&bulk, &ids, &answer(text)).unwrap_err();
@@ -283,8 +323,7 @@ mod tests {
 
     #[test]
     fn a_single_row_is_matched_to_a_single_entry_whatever_its_id() {
-        let ids = [MessageId::parse("m-1").unwrap()];
-        let ids: Vec<&MessageId> = ids.iter().collect();
+        let ids = ["m-1"];
         let replies = map_answer(
             &bulk(None, Some("message_id")),
             &ids,

@@ -319,9 +319,10 @@ impl Downstream {
             Ok(request) => request,
             Err(why) => return every(Answered::refused(why)),
         };
+        let (body, keys) = bulk::body(bulk, rows);
         let mut request = request
             .header("Idempotency-Key", bulk::idempotency_key(rows))
-            .body(bulk::body(bulk, rows));
+            .body(body);
         if let Some(batch) = &first.batch_id
             && rows.iter().all(|r| r.batch_id.as_ref() == Some(batch))
         {
@@ -352,8 +353,8 @@ impl Downstream {
         }
         let answer = read_capped(response, bulk::answer_cap(rows.len())).await;
         self.note(class, first, started);
-        let ids: Vec<&crate::domain::MessageId> = rows.iter().map(|r| &r.message_id).collect();
-        match bulk::map_answer(bulk, &ids, &answer) {
+        let keys: Vec<&str> = keys.iter().map(String::as_str).collect();
+        match bulk::map_answer(bulk, &keys, &answer) {
             Ok(replies) => BulkAnswered {
                 answers: replies
                     .into_iter()
@@ -430,9 +431,10 @@ impl Downstream {
                 };
                 (Sent::Answered(response, rate_limit, cost), class)
             }
-            Err(error) if error.is_timeout() => {
-                (Sent::Unanswered(Reply::unanswered("timeout".into())), "timeout")
-            }
+            Err(error) if error.is_timeout() => (
+                Sent::Unanswered(Reply::unanswered("timeout".into())),
+                "timeout",
+            ),
             Err(error) if error.is_connect() => (
                 Sent::Unanswered(Reply::unanswered("connection error".into())),
                 "error",

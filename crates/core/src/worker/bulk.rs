@@ -30,7 +30,16 @@ use tokio::time::Instant;
 
 use crate::domain::{MessageId, Registration, RouteName, SellerId};
 use crate::downstream::Answered;
-use crate::permit::Grant;
+use crate::permit::{CALL_ALLOWANCE, Grant};
+
+/// How long before a grant's allowance ([`CALL_ALLOWANCE`]) ends the call it is in must
+/// start: time for the leader to close its gather and send the call.
+pub const CALL_MARGIN: Duration = Duration::from_millis(100);
+
+/// When a call with a grant sent at `sent` must start by, at the latest.
+pub fn due(sent: std::time::Instant) -> Instant {
+    Instant::from_std(sent) + CALL_ALLOWANCE.saturating_sub(CALL_MARGIN)
+}
 
 /// A gather's seller and route (none: the default endpoint).
 pub type GatherKey = (SellerId, Option<RouteName>);
@@ -40,17 +49,13 @@ pub type GatherKey = (SellerId, Option<RouteName>);
 pub type RowAnswer = (Answered, bool);
 
 /// What a row attached to a pending gather ([`Gathers::attach`]) is told.
-#[derive(Debug)]
 pub enum Attached {
-    /// The leader is granted: ride in its call with this grant.
-    Ride(Grant),
+    /// The leader is granted: ride in its call (join this gather, [`Gathers::ride_in`]) with
+    /// this grant.
+    Ride(Grant, Arc<Gather>),
     /// The leader left without a call: come back after its delay (`Some`), or ask alone.
     Released(Option<Duration>),
 }
-
-/// How long before its call must start a gather still takes a row: time for the row to reach
-/// it and for the call to leave.
-const JOIN_MARGIN: Duration = Duration::from_millis(50);
 
 /// The gathers pending or open on a replica: the one of each seller and route that rows come
 /// into, and every one by its leader.
@@ -130,9 +135,10 @@ impl Gather {
         !self.has_room(rows) && rows.joined.len() >= rows.seats
     }
 
-    /// Whether an open gather still takes a row now whose call must start by `due`.
+    /// Whether an open gather takes a row whose call must start by `due` (see [`due`]): its
+    /// call starts by then. (It takes rows until its leader closes it.)
     fn in_time(phase: Phase, due: Instant) -> bool {
-        matches!(phase, Phase::Open(start_by) if Instant::now() + JOIN_MARGIN < start_by && start_by <= due)
+        matches!(phase, Phase::Open(start_by) if start_by <= due)
     }
 
     /// Waits until it is full or its call must start.
@@ -171,7 +177,11 @@ impl Gathers {
 
     /// The gather `leader` (of `key`'s seller) leads, if it is not closed.
     fn led_by(&self, key: &GatherKey, leader: &MessageId) -> Option<Arc<Gather>> {
-        let gather = self.lock().led.get(&(key.0.clone(), leader.clone()))?.clone();
+        let gather = self
+            .lock()
+            .led
+            .get(&(key.0.clone(), leader.clone()))?
+            .clone();
         let closed = gather.lock().phase == Phase::Closed;
         (!closed).then_some(gather)
     }
@@ -180,7 +190,8 @@ impl Gathers {
     fn start(&self, key: GatherKey, leader: &MessageId, max_rows: usize) -> Arc<Gather> {
         let gather = Arc::new(Gather::new(leader, max_rows, Phase::Pending));
         let mut maps = self.lock();
-        maps.led.insert((key.0.clone(), leader.clone()), gather.clone());
+        maps.led
+            .insert((key.0.clone(), leader.clone()), gather.clone());
         maps.current.insert(key, gather.clone());
         gather
     }
@@ -189,11 +200,7 @@ impl Gathers {
     /// and is pending or open in time: told at once to ride when it is open, else when its
     /// leader is granted or leaves (see [`Attached`]). `None`: the row leads a gather of its
     /// own ([`Self::lead`]), or asks again for the one it leads.
-    pub fn attach(
-        &self,
-        key: &GatherKey,
-        row: &MessageId,
-    ) -> Option<oneshot::Receiver<Attached>> {
+    pub fn attach(&self, key: &GatherKey, row: &MessageId) -> Option<oneshot::Receiver<Attached>> {
         let gather = self.current(key)?;
         if gather.leader == *row || self.led_by(key, row).is_some() {
             // A leader asking again never waits for itself.
@@ -206,9 +213,9 @@ impl Gathers {
         let (tell, told) = oneshot::channel();
         match rows.phase {
             Phase::Pending => rows.waiting.push(tell),
-            Phase::Open(start_by) if Gather::in_time(rows.phase, start_by) => {
+            Phase::Open(_) => {
                 let lead = rows.lead.as_ref()?;
-                let _ = tell.send(Attached::Ride(riding(lead)));
+                let _ = tell.send(Attached::Ride(riding(lead), gather.clone()));
             }
             _ => return None,
         }
@@ -244,7 +251,7 @@ impl Gathers {
             rows.phase = Phase::Open(start_by);
             for tell in std::mem::take(&mut rows.waiting) {
                 if let Some(lead) = &lead {
-                    let _ = tell.send(Attached::Ride(riding(lead)));
+                    let _ = tell.send(Attached::Ride(riding(lead), gather.clone()));
                 }
             }
             rows.lead = lead;
@@ -252,33 +259,81 @@ impl Gathers {
         gather
     }
 
-    /// Joins `registration` (whose grant must be called by `due`) to the open gather of `key`,
-    /// if it is in time and has room (a rider's place is its own already): its answer comes
-    /// on the receiver.
+    /// Joins `registration` (whose own grant must be called by `due`, see [`due`]) to the open
+    /// gather of `key`, if it is in time and has room: its answer comes on the receiver. For a
+    /// row with a permit of its own, on a route whose rows are counted one by one.
     pub fn join(
         &self,
         key: &GatherKey,
         registration: &Registration,
         due: Instant,
-        rides: bool,
     ) -> Option<oneshot::Receiver<RowAnswer>> {
         let gather = self.current(key)?;
         if gather.leader == registration.message_id {
             return None;
         }
         let mut rows = gather.lock();
-        if !Gather::in_time(rows.phase, due) || !(rides || gather.has_room(&rows)) {
+        if !Gather::in_time(rows.phase, due) || !gather.has_room(&rows) {
             return None;
         }
-        if !rides {
-            rows.seats += 1;
+        rows.seats += 1;
+        Some(Self::joined(&gather, &mut rows, registration))
+    }
+
+    /// Joins a row told to ride in `gather` ([`Attached::Ride`]: its place is its own already)
+    /// to it, if it is still open: its answer comes on the receiver.
+    pub fn ride_in(
+        &self,
+        gather: &Arc<Gather>,
+        registration: &Registration,
+    ) -> Option<oneshot::Receiver<RowAnswer>> {
+        let mut rows = gather.lock();
+        if !matches!(rows.phase, Phase::Open(_)) {
+            return None;
         }
+        Some(Self::joined(gather, &mut rows, registration))
+    }
+
+    /// `registration` joins `gather`, whose rows are `rows`.
+    fn joined(
+        gather: &Gather,
+        rows: &mut Rows,
+        registration: &Registration,
+    ) -> oneshot::Receiver<RowAnswer> {
         let (answer, answered) = oneshot::channel();
         rows.joined.push((registration.clone(), answer));
+        if gather.complete(rows) {
+            gather.full.notify_one();
+        }
+        answered
+    }
+
+    /// Whether `gather` is open (a row told to ride in it may still join).
+    pub fn is_open(&self, gather: &Gather) -> bool {
+        matches!(gather.lock().phase, Phase::Open(_))
+    }
+
+    /// Gives up the place of `row`, told to ride in `gather`, unless it joined it.
+    pub fn leave_unless_joined(&self, gather: &Gather, row: &MessageId) {
+        let joined = gather
+            .lock()
+            .joined
+            .iter()
+            .any(|(r, _)| r.message_id == *row);
+        if !joined {
+            self.leave(gather);
+        }
+    }
+
+    /// A row told to ride in `gather` will not join it (its call was claimed elsewhere, it was
+    /// superseded, it expired, it was interrupted): its place is given up, so that the leader
+    /// does not wait for it.
+    pub fn leave(&self, gather: &Gather) {
+        let mut rows = gather.lock();
+        rows.seats = rows.seats.saturating_sub(1);
         if gather.complete(&rows) {
             gather.full.notify_one();
         }
-        Some(answered)
     }
 
     /// Closes `gather` (of `key`): no row joins it from now; the rows that joined, in order.
@@ -316,7 +371,11 @@ impl Gathers {
     /// Takes `gather` (of `key`) out of the maps.
     fn forget(&self, key: &GatherKey, gather: &Arc<Gather>) {
         let mut maps = self.lock();
-        if maps.current.get(key).is_some_and(|g| Arc::ptr_eq(g, gather)) {
+        if maps
+            .current
+            .get(key)
+            .is_some_and(|g| Arc::ptr_eq(g, gather))
+        {
             maps.current.remove(key);
         }
         let led = (key.0.clone(), gather.leader.clone());
@@ -355,12 +414,15 @@ mod tests {
     }
 
     #[tokio::test(start_paused = true)]
-    async fn rows_join_the_open_gather_of_their_seller_until_it_is_full_and_never_another_sellers() {
+    async fn rows_join_the_open_gather_of_their_seller_until_it_is_full_and_never_another_sellers()
+    {
         let gathers = Gathers::default();
         let start_by = Instant::now() + Duration::from_millis(200);
         let far = Instant::now() + Duration::from_secs(1);
         let gather = gathers.open(key("S-1"), &id("lead"), 3, start_by, None);
-        let join = |seller: &str, m: &str, due| gathers.join(&key(seller), &registration(seller, m), due, false);
+        let join = |seller: &str, m: &str, due| {
+            gathers.join(&key(seller), &registration(seller, m), due)
+        };
         assert!(join("S-2", "x", far).is_none());
         assert!(join("S-1", "a", far).is_some());
         // Its grant must be called before the gather's call would start: not taken.
@@ -386,15 +448,25 @@ mod tests {
         let waited = Instant::now();
         gather.gathered().await;
         assert_eq!(waited.elapsed(), Duration::from_millis(200));
+        // Until its leader closes it, a row whose grant is in time still joins.
         let late = registration("S-1", "late");
-        assert!(gathers.join(&key("S-1"), &late, far, false).is_none());
-        assert!(gathers.close(&key("S-1"), &gather).is_empty());
+        assert!(gathers.join(&key("S-1"), &late, far).is_some());
+        assert_eq!(gathers.close(&key("S-1"), &gather).len(), 1);
+        assert!(gathers.join(&key("S-1"), &late, far).is_none());
         let start_by = Instant::now() + Duration::from_millis(200);
         let again = gathers.open(key("S-1"), &id("lead-2"), 50, start_by, None);
         gathers.close(&key("S-1"), &gather);
-        assert_eq!(gathers.open_count(), 1, "closing an old gather leaves the new one open");
+        assert_eq!(
+            gathers.open_count(),
+            1,
+            "closing an old gather leaves the new one open"
+        );
         let far = Instant::now() + Duration::from_secs(1);
-        assert!(gathers.join(&key("S-1"), &registration("S-1", "new"), far, false).is_some());
+        assert!(
+            gathers
+                .join(&key("S-1"), &registration("S-1", "new"), far)
+                .is_some()
+        );
         assert_eq!(gathers.close(&key("S-1"), &again).len(), 1);
     }
 
@@ -403,7 +475,10 @@ mod tests {
         let gathers = Gathers::default();
         gathers.lead(key("S-1"), &id("lead"), 3);
         let attach = |seller: &str, row: &str| gathers.attach(&key(seller), &id(row));
-        assert!(attach("S-1", "lead").is_none(), "its leader asking again never waits for itself");
+        assert!(
+            attach("S-1", "lead").is_none(),
+            "its leader asking again never waits for itself"
+        );
         let first = attach("S-1", "a").expect("a pending gather takes rows");
         let second = attach("S-1", "b").expect("room for a second");
         assert!(attach("S-1", "c").is_none(), "full with its leader");
@@ -412,9 +487,56 @@ mod tests {
         gathers.release(&key("S-1"), &id("other"), None);
         gathers.release(&key("S-1"), &id("lead"), Some(Duration::from_secs(3)));
         for told in [first, second] {
-            assert!(matches!(told.await.unwrap(), Attached::Released(Some(d)) if d == Duration::from_secs(3)));
+            assert!(
+                matches!(told.await.unwrap(), Attached::Released(Some(d)) if d == Duration::from_secs(3))
+            );
         }
         assert_eq!(gathers.open_count(), 0);
         assert!(gathers.attach(&key("S-1"), &id("d")).is_none());
+    }
+
+    fn lead_grant() -> Grant {
+        use crate::permit::{Ask, Decision};
+        let seller = SellerId::parse("S-1").unwrap();
+        let decision = Decision::Granted {
+            slot_us: 1,
+            granted_us: 1,
+            used_permille: 0,
+            call: "lead-call".into(),
+            sent: std::time::Instant::now(),
+        };
+        let grant = Grant::of(Ask::new(&seller), &decision, crate::domain::Cost::ONE).unwrap();
+        Grant::riding(&grant, None, crate::domain::Cost::ONE)
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn rows_attached_to_a_pending_gather_ride_in_that_gather_whichever_is_current_later() {
+        let gathers = Gathers::default();
+        gathers.lead(key("S-1"), &id("lead"), 3);
+        let a = gathers.attach(&key("S-1"), &id("a")).unwrap();
+        let b = gathers.attach(&key("S-1"), &id("b")).unwrap();
+        // Full: the next row leads a gather of its own, now the current one.
+        assert!(gathers.attach(&key("S-1"), &id("c")).is_none());
+        gathers.lead(key("S-1"), &id("c"), 3);
+        let start_by = Instant::now() + Duration::from_millis(200);
+        let first = gathers.open(key("S-1"), &id("lead"), 3, start_by, Some(lead_grant()));
+        let Ok(Attached::Ride(grant, gather)) = a.await else {
+            panic!("a rides once its leader is granted");
+        };
+        assert!(grant.rides());
+        assert!(Arc::ptr_eq(&gather, &first), "in its own leader's gather");
+        assert!(gathers.ride_in(&gather, &registration("S-1", "a")).is_some());
+        let Ok(Attached::Ride(_, gather)) = b.await else {
+            panic!("b rides too");
+        };
+        // b gives its place up: the leader stops waiting with a only.
+        gathers.leave(&gather);
+        let waited = Instant::now();
+        first.gathered().await;
+        assert_eq!(waited.elapsed(), Duration::from_millis(200), "room again: it waits its linger");
+        let rows = gathers.close(&key("S-1"), &first);
+        assert_eq!(rows.len(), 1);
+        assert!(gathers.ride_in(&first, &registration("S-1", "b")).is_none(), "closed");
+        assert_eq!(gathers.open_count(), 1, "c's gather is still pending");
     }
 }

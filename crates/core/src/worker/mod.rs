@@ -202,9 +202,6 @@ const MOST_ANSWERS_ALLOWANCE: Duration = Duration::from_secs(1);
 const CLAIM_RECHECK: Duration = Duration::from_secs(1);
 const CLAIM_UNANSWERED_RECHECK: Duration = Duration::from_millis(100);
 
-/// How long before its grant's allowance ends a bulk call's leader stops waiting for rows.
-const LEAD_MARGIN: Duration = Duration::from_millis(100);
-
 /// A call's answer that is only `reply` (no headers said anything).
 fn unanswered(reply: Reply) -> crate::downstream::Answered {
     crate::downstream::Answered {
@@ -922,15 +919,24 @@ impl Worker {
                 None => None,
             };
             match told {
-                Some(bulk::Attached::Ride(template)) => {
-                    let rider = Grant::riding(
-                        &template,
-                        Some(&registration.message_id),
-                        registration.cost,
-                    );
-                    return self
-                        .ride(registration, trace, rider, claim, carried, reporting, interruptions)
+                Some(bulk::Attached::Ride(template, gather)) => {
+                    let rider =
+                        Grant::riding(&template, Some(&registration.message_id), registration.cost);
+                    let plan = self
+                        .ride(
+                            registration,
+                            trace,
+                            (rider, &gather),
+                            claim,
+                            carried,
+                            reporting,
+                            interruptions,
+                        )
                         .await;
+                    // Its place is given up if it did not ride (nothing, once it did).
+                    self.gathers
+                        .leave_unless_joined(&gather, &registration.message_id);
+                    return plan;
                 }
                 Some(bulk::Attached::Released(Some(after))) => {
                     return Plan::Settle(Outcome::Delay {
@@ -1027,7 +1033,7 @@ impl Worker {
                 self.call_granted(
                     registration,
                     trace,
-                    (grant, claimed, claim),
+                    (grant, claimed, claim, None),
                     Asking { worker, ahead },
                     carried,
                     reporting,
@@ -1122,7 +1128,12 @@ impl Worker {
         &self,
         registration: &Registration,
         trace: &TraceContext,
-        (grant, claimed, claim): (Grant, Result<CallClaim, PermitError>, &DeliveryClaim),
+        (grant, claimed, claim, riding): (
+            Grant,
+            Result<CallClaim, PermitError>,
+            &DeliveryClaim,
+            Option<&Arc<bulk::Gather>>,
+        ),
         Asking { worker, ahead }: Asking,
         carried: &mut Carried,
         reporting: &Reporting,
@@ -1186,6 +1197,13 @@ impl Worker {
             carried.reservation = None;
             return Plan::AskAgain;
         };
+        // A row riding in another's bulk call makes sure of its place before it may be
+        // superseded no more: its gather may have closed meanwhile (it then has no call).
+        if let Some(gather) = riding
+            && !self.gathers.is_open(gather)
+        {
+            return Plan::AskAgain;
+        }
         // A product's message that a newer one superseded takes no call; from the step that
         // says it may, it is never superseded.
         if let Some(product) = self.product_of(registration)
@@ -1197,10 +1215,16 @@ impl Worker {
             self.limiter.unsent(grant).await;
             return instead;
         }
-        // A row of a bulk route joins its seller's open gather now, when it takes it: from
-        // here on nothing stops its call. A rider whose gather closed meanwhile has no call.
-        let joined = self.join_gather(registration, &grant, carried);
+        // A row of a bulk route joins its gather now, when it takes it: from here on nothing
+        // stops its call. A rider whose gather closed in the meantime has no call.
+        let joined = match riding {
+            Some(gather) => self.gathers.ride_in(gather, registration),
+            None => self.join_gather(registration, &grant, carried),
+        };
         if joined.is_none() && grant.rides() {
+            if let Some(product) = self.product_of(registration) {
+                self.unstart_product_call(&product).await;
+            }
             return Plan::AskAgain;
         }
         // Its claim holds for the whole call from now (the registration leaves it to expire:
@@ -1219,8 +1243,10 @@ impl Worker {
         .await
     }
 
-    /// Joins `registration` (granted `grant`) to its seller's open gather on a bulk route, if
-    /// the gather takes it (see [`bulk`]): its answer comes on the receiver.
+    /// Joins `registration` (granted `grant`, a permit of its own) to its seller's open gather
+    /// on a bulk route whose rows are counted one by one, if the gather takes it (see
+    /// [`bulk`]): its answer comes on the receiver. On a route whose calls count once, a row
+    /// with a permit of its own always leads its own call.
     fn join_gather(
         &self,
         registration: &Registration,
@@ -1228,12 +1254,11 @@ impl Worker {
         carried: &Carried,
     ) -> Option<tokio::sync::oneshot::Receiver<bulk::RowAnswer>> {
         let bulk = self.routes.bulk(registration.route.as_ref())?;
-        if carried.alone || bulk.max_rows < 2 {
+        if carried.alone || bulk.max_rows < 2 || bulk.cost != BulkCost::Row {
             return None;
         }
         let key = (registration.seller_id.clone(), registration.route.clone());
-        let due = tokio::time::Instant::from_std(grant.sent()) + CALL_ALLOWANCE;
-        self.gathers.join(&key, registration, due, grant.rides())
+        self.gathers.join(&key, registration, bulk::due(grant.sent()))
     }
 
     /// A worker for a grant that came to a message asking without one, if one is free before
@@ -1384,8 +1409,15 @@ impl Worker {
                 answered
             }
             Some(bulk) => {
-                self.bulk_call(bulk, registration, &grant, (&mut worker, joined), carried, &span)
-                    .await
+                self.bulk_call(
+                    bulk,
+                    registration,
+                    &grant,
+                    (&mut worker, joined),
+                    carried,
+                    &span,
+                )
+                .await
             }
         };
         let answered_us = grant.answered_us();
@@ -1490,7 +1522,11 @@ impl Worker {
 
     /// The gather `registration` would ride in, on a route whose calls count once (see
     /// [`bulk`]): only for a message with no reserved slot of its own, not to be called alone.
-    fn riding_key(&self, registration: &Registration, carried: &Carried) -> Option<bulk::GatherKey> {
+    fn riding_key(
+        &self,
+        registration: &Registration,
+        carried: &Carried,
+    ) -> Option<bulk::GatherKey> {
         if carried.reservation.is_some() || carried.alone {
             return None;
         }
@@ -1506,7 +1542,7 @@ impl Worker {
         &self,
         registration: &Registration,
         trace: &TraceContext,
-        rider: Grant,
+        (rider, gather): (Grant, &Arc<bulk::Gather>),
         claim: &DeliveryClaim,
         carried: &mut Carried,
         reporting: &Reporting,
@@ -1528,7 +1564,7 @@ impl Worker {
         self.call_granted(
             registration,
             trace,
-            (rider, claimed, claim),
+            (rider, claimed, claim, Some(gather)),
             Asking::default(),
             carried,
             reporting,
@@ -1564,12 +1600,11 @@ impl Worker {
             return answered;
         }
         let key = (registration.seller_id.clone(), registration.route.clone());
-        let due = tokio::time::Instant::from_std(grant.sent()) + CALL_ALLOWANCE;
         let started = std::time::Instant::now();
         let mut joined = Vec::new();
         if !carried.alone && bulk.max_rows > 1 {
-            let start_by = (tokio::time::Instant::now() + bulk.linger)
-                .min(due.checked_sub(LEAD_MARGIN).unwrap_or(due));
+            let start_by =
+                (tokio::time::Instant::now() + bulk.linger).min(bulk::due(grant.sent()));
             let lead = (bulk.cost == BulkCost::Call)
                 .then(|| Grant::riding(grant, None, registration.cost));
             let leader = &registration.message_id;
@@ -1589,7 +1624,9 @@ impl Worker {
         let unmapped = called.unmapped;
         let mut answered = called.answers.into_iter();
         let mut own = answered.next().unwrap_or_else(|| {
-            unanswered(Reply::unanswered("the bulk answer had no entry for it".into()))
+            unanswered(Reply::unanswered(
+                "the bulk answer had no entry for it".into(),
+            ))
         });
         for (answer, row) in answers.into_iter().zip(answered) {
             let _ = answer.send((row, unmapped));

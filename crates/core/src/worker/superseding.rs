@@ -163,7 +163,7 @@ impl Worker {
     /// No call followed a `start` that said the message may call (its grant was too old by
     /// then): it may be superseded again. A failure leaves it exempt (it proceeds as a message
     /// whose call started), which supersedes nothing wrongly.
-    async fn unstart_product_call(&self, product: &ProductMessage<'_>) {
+    pub(super) async fn unstart_product_call(&self, product: &ProductMessage<'_>) {
         let step = self
             .limiter
             .supersede(product, SupersedeStep::Unstart, None)

@@ -2,6 +2,7 @@
 //! same run on the same machine (no thresholds: the figures are for people to read).
 
 mod adaptive;
+pub mod bulk;
 mod commandstats;
 mod depth;
 pub mod eta;
@@ -77,6 +78,9 @@ pub enum BenchCommand {
     /// Superseded rows: a corrected upload with and without `product_key` (calls, when the
     /// corrected upload was done, every row's outcome), and a burst of updates per product.
     Supersede(Box<supersede::SupersedeArgs>),
+    /// Bulk calls: one seller's upload one row per call and in bulk calls counted per call,
+    /// then counted per row (calls, when the upload was done, rows registered, over the limit).
+    Bulk(Box<bulk::BulkArgs>),
     /// One seller's Redis memory against the depth of its backlog (each queued message asks
     /// for a permit, reserving), beside the smallest depth.
     Depth {
@@ -161,6 +165,11 @@ pub async fn run(which: BenchCommand) -> anyhow::Result<ExitCode> {
         }
         BenchCommand::Supersede(args) => {
             if !supersede::run(*args).await? {
+                return Ok(ExitCode::FAILURE);
+            }
+        }
+        BenchCommand::Bulk(args) => {
+            if !bulk::run(*args).await? {
                 return Ok(ExitCode::FAILURE);
             }
         }
