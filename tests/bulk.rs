@@ -385,3 +385,59 @@ async fn rows_beyond_the_limits_calls_wait_with_their_calls_leader_instead_of_re
     assert_eq!(rig.dead_lettered().await?, 0);
     rig.cleanup().await
 }
+
+/// Whole-call answers apply to every row: an API that allows fewer calls than the replicas
+/// are told (429s with Retry-After) pauses the seller and every row of the call waits, and a
+/// whole-call 503 retries every row of the call. Every row is registered once, none lost.
+#[tokio::test]
+async fn a_whole_call_429_or_503_applies_to_every_row_and_every_row_is_registered_once()
+-> anyhow::Result<()> {
+    let mock = MockArgs {
+        bulk: Some(BulkCount::Call),
+        bulk_items: Some("items".into()),
+        ..MockArgs::local(limits("2/1s"))
+    };
+    let mut rig = support::rig("bulk-whole", "20/1s")
+        .with_mock(mock)
+        .with_api_limit(limits("2/1s"))
+        .prepare()
+        .await?;
+    let results = Results::listen(&rig).await;
+    let file = RoutesFile::bulk(
+        "bulk-whole",
+        r#"max_rows = 10, linger = "50ms", cost = "call", items = "items", id_field = "message_id""#,
+    );
+    let mut settings = rig.settings(4);
+    settings.routes.file = Some(file.0.clone());
+    rig.start_replica(settings).await?;
+    for i in 0..40 {
+        // Row 5's first call is answered 503 whole, row 25's first two.
+        let mock = match i {
+            5 => Some(json!({"statuses": [200], "garble": 1, "whole": 503})),
+            25 => Some(json!({"statuses": [200], "garble": 2, "whole": 503})),
+            _ => None,
+        };
+        rig.publish_body(&row("S-whole", "whole", i, 40, mock))
+            .await?;
+    }
+    let stats = rig.wait_registered(40).await?;
+    results.until(40).await;
+    println!(
+        "40 rows, 10 per call, told 20/1s, the API allows 2/1s and fails three calls: {}; \
+         {} answered 503 whole",
+        calls_and_rows(&stats),
+        stats.scripted
+    );
+    assert_eq!(stats.sellers["S-whole"].registered, 40);
+    assert_eq!(stats.duplicates, 0, "{stats:?}");
+    assert_eq!(stats.scripted, 3, "{stats:?}");
+    assert!(
+        stats.violations > 0,
+        "the API's own limit answered 429s: {stats:?}"
+    );
+    assert_each_row_has_its_own_entry(&results, 40);
+    assert_eq!(results.all().len(), 40, "one result per row");
+    rig.stop_replicas().await?;
+    assert_eq!(rig.dead_lettered().await?, 0);
+    rig.cleanup().await
+}

@@ -363,7 +363,11 @@ impl Routes {
     /// gives.
     pub fn resolve(&self, registration: &mut Registration) -> Result<(), InvalidMessage> {
         let Some(name) = &registration.route else {
-            if self.default_bulk.as_ref().is_some_and(|b| b.cost == BulkCost::Call) {
+            if self
+                .default_bulk
+                .as_ref()
+                .is_some_and(|b| b.cost == BulkCost::Call)
+            {
                 registration.cost = Cost::ONE;
             }
             return Ok(());
@@ -378,7 +382,11 @@ impl Routes {
             registration.cost = cost;
         }
         // On a bulk route whose calls count once, a row's call is its call's: the route's cost.
-        if route.bulk.as_ref().is_some_and(|b| b.cost == BulkCost::Call) {
+        if route
+            .bulk
+            .as_ref()
+            .is_some_and(|b| b.cost == BulkCost::Call)
+        {
             registration.cost = route.cost.unwrap_or(Cost::ONE);
         }
         Ok(())

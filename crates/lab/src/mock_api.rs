@@ -34,7 +34,9 @@
 //!   `--bulk-id-field` value (else the call's Idempotency-Key and its index); each row is
 //!   registered (or replayed, counted as a duplicate) on its own. A row's `"mock"` script
 //!   answers its entry by attempt, and `"garble": N` makes the first N bulk calls carrying it
-//!   answer `200` with an entry missing, registering nothing ([`Stats::garbled`]).
+//!   answer `200` with an entry missing, registering nothing ([`Stats::garbled`]), or with
+//!   `"whole": STATUS` answer the whole call with that status. With
+//!   `--fail-rate`, a bulk call is answered `503` whole at that rate.
 //! - `GET /stats`: [`Stats`] as JSON. `POST /reset`: forgets everything and restarts the clock.
 //!
 //! A product object with a `"mock"` object scripts its answers by attempt, for tests:
@@ -705,9 +707,12 @@ impl Ledger {
 #[serde(deny_unknown_fields)]
 struct Script {
     statuses: Vec<u16>,
-    /// The first this many bulk calls carrying the row answer with an entry missing.
+    /// The first this many bulk calls carrying the row answer with an entry missing (or
+    /// whole with the status `whole`).
     #[serde(default)]
     garble: usize,
+    #[serde(default)]
+    whole: Option<u16>,
     #[serde(default)]
     delay_ms: u64,
     #[serde(default)]
@@ -717,6 +722,7 @@ struct Script {
 struct ValidScript {
     statuses: Vec<StatusCode>,
     garble: usize,
+    whole: Option<StatusCode>,
     delay: Duration,
     retry_after: Option<HeaderValue>,
 }
@@ -846,9 +852,21 @@ fn validate_script(mock: &Value) -> Result<ValidScript, String> {
             })
         })
         .transpose()?;
+    let whole = script
+        .whole
+        .map(|s| {
+            StatusCode::from_u16(s)
+                .ok()
+                .filter(|c| (200..600).contains(&c.as_u16()))
+                .ok_or_else(|| {
+                    format!("invalid mock script: whole {s} is not a status from 200 to 599")
+                })
+        })
+        .transpose()?;
     Ok(ValidScript {
         statuses,
         garble: script.garble,
+        whole,
         delay: Duration::from_millis(script.delay_ms),
         retry_after,
     })
@@ -1227,7 +1245,7 @@ async fn bulk_request(
         return error(StatusCode::BAD_REQUEST, "a bulk call without rows");
     }
     app.arrived(&seller);
-    let answer = app.decide_bulk(&seller, route.as_deref(), count, &parsed);
+    let answer = app.decide_bulk(&seller, route.as_deref(), count, &parsed, rand::random());
     app.pause(app.latency).await;
     app.answered(&seller);
     match answer {
@@ -1251,6 +1269,7 @@ impl App {
         route: Option<&str>,
         count: BulkCount,
         rows: &[BulkRow],
+        roll: f64,
     ) -> Result<Vec<Value>, Answer> {
         let mut ledger = self.lock();
         let now = ledger.now();
@@ -1274,9 +1293,20 @@ impl App {
                 let seen = attempts.entry(format!("garble:{}", row.key)).or_default();
                 if *seen < script.garble {
                     *seen += 1;
+                    if let Some(status) = script.whole {
+                        stats.scripted += 1;
+                        return Err(Answer::Scripted {
+                            status,
+                            retry_after: None,
+                        });
+                    }
                     garbled = true;
                 }
             }
+        }
+        if !garbled && roll < self.fail_rate {
+            stats.injected_failures += 1;
+            return Err(Answer::Injected);
         }
         if garbled {
             stats.garbled += 1;

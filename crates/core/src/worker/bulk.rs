@@ -420,9 +420,8 @@ mod tests {
         let start_by = Instant::now() + Duration::from_millis(200);
         let far = Instant::now() + Duration::from_secs(1);
         let gather = gathers.open(key("S-1"), &id("lead"), 3, start_by, None);
-        let join = |seller: &str, m: &str, due| {
-            gathers.join(&key(seller), &registration(seller, m), due)
-        };
+        let join =
+            |seller: &str, m: &str, due| gathers.join(&key(seller), &registration(seller, m), due);
         assert!(join("S-2", "x", far).is_none());
         assert!(join("S-1", "a", far).is_some());
         // Its grant must be called before the gather's call would start: not taken.
@@ -525,7 +524,11 @@ mod tests {
         };
         assert!(grant.rides());
         assert!(Arc::ptr_eq(&gather, &first), "in its own leader's gather");
-        assert!(gathers.ride_in(&gather, &registration("S-1", "a")).is_some());
+        assert!(
+            gathers
+                .ride_in(&gather, &registration("S-1", "a"))
+                .is_some()
+        );
         let Ok(Attached::Ride(_, gather)) = b.await else {
             panic!("b rides too");
         };
@@ -533,10 +536,17 @@ mod tests {
         gathers.leave(&gather);
         let waited = Instant::now();
         first.gathered().await;
-        assert_eq!(waited.elapsed(), Duration::from_millis(200), "room again: it waits its linger");
+        assert_eq!(
+            waited.elapsed(),
+            Duration::from_millis(200),
+            "room again: it waits its linger"
+        );
         let rows = gathers.close(&key("S-1"), &first);
         assert_eq!(rows.len(), 1);
-        assert!(gathers.ride_in(&first, &registration("S-1", "b")).is_none(), "closed");
+        assert!(
+            gathers.ride_in(&first, &registration("S-1", "b")).is_none(),
+            "closed"
+        );
         assert_eq!(gathers.open_count(), 1, "c's gather is still pending");
     }
 }

@@ -1258,7 +1258,8 @@ impl Worker {
             return None;
         }
         let key = (registration.seller_id.clone(), registration.route.clone());
-        self.gathers.join(&key, registration, bulk::due(grant.sent()))
+        self.gathers
+            .join(&key, registration, bulk::due(grant.sent()))
     }
 
     /// A worker for a grant that came to a message asking without one, if one is free before
@@ -1603,8 +1604,7 @@ impl Worker {
         let started = std::time::Instant::now();
         let mut joined = Vec::new();
         if !carried.alone && bulk.max_rows > 1 {
-            let start_by =
-                (tokio::time::Instant::now() + bulk.linger).min(bulk::due(grant.sent()));
+            let start_by = (tokio::time::Instant::now() + bulk.linger).min(bulk::due(grant.sent()));
             let lead = (bulk.cost == BulkCost::Call)
                 .then(|| Grant::riding(grant, None, registration.cost));
             let leader = &registration.message_id;
