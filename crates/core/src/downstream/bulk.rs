@@ -15,7 +15,7 @@
 use serde_json::Value;
 use sha2::{Digest, Sha256};
 
-use super::{ApiResponse, EXCERPT, RESPONSE_CAP, Reply, ResponseBody};
+use super::reply::{ApiResponse, EXCERPT, RESPONSE_CAP, Reply, ResponseBody};
 use crate::domain::Registration;
 use crate::routes::Bulk;
 
