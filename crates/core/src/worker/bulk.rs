@@ -4,7 +4,9 @@
 //! A [`Gather`] is one seller's and one route's: another seller's rows never wait for it. Its
 //! leader is the row that makes the call: once it holds a permit, the gather is open for the
 //! route's `linger` (never past the moment its grant must be called by) or until `max_rows`
-//! rows are in it; then it closes and the leader makes the call for all of them. A row that
+//! rows are in it (on a route whose rows are counted one by one, also until no row joined for
+//! [`QUIET`]: each row pays its own units, so a call need not wait to be fuller); then it
+//! closes and the leader makes the call for all of them. A row that
 //! joined waits for its own entry of the answer without a worker, then finishes as if it had
 //! made the call itself (its completion record, its result, its retry).
 //!
@@ -40,6 +42,10 @@ pub const CALL_MARGIN: Duration = Duration::from_millis(100);
 pub fn due(sent: std::time::Instant) -> Instant {
     Instant::from_std(sent) + CALL_ALLOWANCE.saturating_sub(CALL_MARGIN)
 }
+
+/// How long a gather of rows that each hold their own permit waits for the next row before
+/// its call (see [`Gather::gathered`]): the rows a window opens for are granted together.
+pub const QUIET: Duration = Duration::from_millis(20);
 
 /// A gather's seller and route (none: the default endpoint).
 pub type GatherKey = (SellerId, Option<RouteName>);
@@ -78,8 +84,8 @@ pub struct Gather {
     leader: MessageId,
     max_rows: usize,
     rows: Mutex<Rows>,
-    /// Told when the gather fills up.
-    full: Notify,
+    /// Told when a row joins it or gives its place up.
+    changed: Notify,
 }
 
 /// Where a gather is.
@@ -117,7 +123,7 @@ impl Gather {
                 joined: Vec::new(),
                 lead: None,
             }),
-            full: Notify::new(),
+            changed: Notify::new(),
         }
     }
 
@@ -141,24 +147,29 @@ impl Gather {
         matches!(phase, Phase::Open(start_by) if start_by <= due)
     }
 
-    /// Waits until it is full or its call must start.
-    pub async fn gathered(&self) {
-        let full = self.full.notified();
-        tokio::pin!(full);
-        full.as_mut().enable();
-        let phase = {
-            let rows = self.lock();
-            if self.complete(&rows) {
+    /// Waits until every place is taken by a row that joined, or its call must start, or (with
+    /// `quiet`) no row joined for that long while none that took a place is still on its way.
+    pub async fn gathered(&self, quiet: Option<Duration>) {
+        loop {
+            let changed = self.changed.notified();
+            tokio::pin!(changed);
+            changed.as_mut().enable();
+            let (phase, settled) = {
+                let rows = self.lock();
+                if self.complete(&rows) {
+                    return;
+                }
+                (rows.phase, rows.joined.len() >= rows.seats)
+            };
+            let Phase::Open(start_by) = phase else {
                 return;
+            };
+            let quiet = quiet.filter(|_| settled);
+            tokio::select! {
+                _ = changed => {}
+                _ = tokio::time::sleep_until(start_by) => return,
+                _ = tokio::time::sleep(quiet.unwrap_or_default()), if quiet.is_some() => return,
             }
-            rows.phase
-        };
-        let Phase::Open(start_by) = phase else {
-            return;
-        };
-        tokio::select! {
-            _ = full => {}
-            _ = tokio::time::sleep_until(start_by) => {}
         }
     }
 }
@@ -302,9 +313,7 @@ impl Gathers {
     ) -> oneshot::Receiver<RowAnswer> {
         let (answer, answered) = oneshot::channel();
         rows.joined.push((registration.clone(), answer));
-        if gather.complete(rows) {
-            gather.full.notify_one();
-        }
+        gather.changed.notify_one();
         answered
     }
 
@@ -331,9 +340,7 @@ impl Gathers {
     pub fn leave(&self, gather: &Gather) {
         let mut rows = gather.lock();
         rows.seats = rows.seats.saturating_sub(1);
-        if gather.complete(&rows) {
-            gather.full.notify_one();
-        }
+        gather.changed.notify_one();
     }
 
     /// Closes `gather` (of `key`): no row joins it from now; the rows that joined, in order.
@@ -430,7 +437,7 @@ mod tests {
         // Full with the leader's own row: the leader stops waiting at once.
         assert!(join("S-1", "c", far).is_none());
         let waited = Instant::now();
-        gather.gathered().await;
+        gather.gathered(None).await;
         assert_eq!(waited.elapsed(), Duration::ZERO);
         let joined = gathers.close(&key("S-1"), &gather);
         let ids: Vec<&str> = joined.iter().map(|(r, _)| r.message_id.as_str()).collect();
@@ -445,7 +452,7 @@ mod tests {
         let start_by = Instant::now() + Duration::from_millis(200);
         let gather = gathers.open(key("S-1"), &id("lead"), 50, start_by, None);
         let waited = Instant::now();
-        gather.gathered().await;
+        gather.gathered(None).await;
         assert_eq!(waited.elapsed(), Duration::from_millis(200));
         // Until its leader closes it, a row whose grant is in time still joins.
         let late = registration("S-1", "late");
@@ -535,7 +542,7 @@ mod tests {
         // b gives its place up: the leader stops waiting with a only.
         gathers.leave(&gather);
         let waited = Instant::now();
-        first.gathered().await;
+        first.gathered(None).await;
         assert_eq!(
             waited.elapsed(),
             Duration::from_millis(200),
@@ -548,5 +555,28 @@ mod tests {
             "closed"
         );
         assert_eq!(gathers.open_count(), 1, "c's gather is still pending");
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_gather_of_rows_with_their_own_permits_calls_once_no_row_joined_for_a_moment() {
+        let gathers = Gathers::default();
+        let far = Instant::now() + Duration::from_secs(1);
+        let start_by = Instant::now() + Duration::from_millis(200);
+        let gather = gathers.open(key("S-1"), &id("lead"), 50, start_by, None);
+        let joining = async {
+            tokio::time::sleep(Duration::from_millis(15)).await;
+            gathers
+                .join(&key("S-1"), &registration("S-1", "a"), far)
+                .map(|_answer| ())
+        };
+        let waited = Instant::now();
+        let (_, joined) = tokio::join!(gather.gathered(Some(QUIET)), joining);
+        assert!(joined.is_some());
+        assert_eq!(
+            waited.elapsed(),
+            Duration::from_millis(35),
+            "a row joined at 15 ms, then 20 ms quiet"
+        );
+        assert_eq!(gathers.close(&key("S-1"), &gather).len(), 1);
     }
 }

@@ -1611,7 +1611,8 @@ impl Worker {
             let gather = self
                 .gathers
                 .open(key.clone(), leader, bulk.max_rows, start_by, lead);
-            gather.gathered().await;
+            let quiet = (bulk.cost == BulkCost::Row).then_some(bulk::QUIET);
+            gather.gathered(quiet).await;
             joined = self.gathers.close(&key, &gather);
         }
         let (others, answers): (Vec<_>, Vec<_>) = joined.into_iter().unzip();
