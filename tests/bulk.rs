@@ -165,6 +165,10 @@ async fn an_upload_of_500_rows_is_registered_in_bulk_calls_under_the_calls_limit
     assert_each_row_has_its_own_entry(&results, 500);
     let batch = batch_progress(&rig, "S-big", "upload-1").await;
     assert!(batch.done() && batch.registered == 500, "{batch:?}");
+    assert_eq!(
+        batch.rows_per_call, 50,
+        "its ETA counts 50 rows to a permit"
+    );
     assert!(batch.completed_ms.is_some(), "{batch:?}");
     rig.stop_replicas().await?;
     assert_eq!(rig.dead_lettered().await?, 0);

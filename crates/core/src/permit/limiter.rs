@@ -390,13 +390,15 @@ pub trait Limiter: Send + Sync {
 /// The records of the uploads a worker keeps: batches seen, messages dead-lettered, and
 /// batches' completion events.
 pub trait Progress: Send + Sync {
-    /// Notes a batch as seen by this replica (see `lua/batch_seen.lua`).
+    /// Notes a batch as seen by this replica (see `lua/batch_seen.lua`), whose rows go
+    /// `rows_per_call` to a permit.
     fn batch_seen<'a>(
         &'a self,
         seller: &'a SellerId,
         batch: &'a BatchId,
         size: Option<BatchSize>,
         ttl: Duration,
+        rows_per_call: u32,
     ) -> BoxFuture<'a, Result<BatchSeen, PermitError>>;
 
     /// Records a message of a batch as dead-lettered for `reason`, counted in its batch once.
@@ -911,8 +913,14 @@ impl Progress for PermitStore {
         batch: &'a BatchId,
         size: Option<BatchSize>,
         ttl: Duration,
+        rows_per_call: u32,
     ) -> BoxFuture<'a, Result<BatchSeen, PermitError>> {
-        async move { self.records().batch_seen(seller, batch, size, ttl).await }.boxed()
+        async move {
+            self.records()
+                .batch_seen_carried(seller, batch, size, ttl, rows_per_call)
+                .await
+        }
+        .boxed()
     }
 
     fn dead_in_batch<'a>(

@@ -38,6 +38,9 @@ pub struct UploadProgress {
     pub completed_ms: Option<u64>,
     /// Another `batch_size` than the total that a message of the batch gave, if one did.
     pub other_size: Option<u64>,
+    /// How many of its rows one permit carries (a bulk route whose calls count once), 1
+    /// otherwise.
+    pub rows_per_call: u64,
 }
 
 impl UploadProgress {
@@ -60,9 +63,13 @@ impl UploadProgress {
     }
 
     /// The units of the waiting messages, at the mean cost of those done so far (one unit
-    /// each before any is done); 0 when the total is unknown.
+    /// each before any is done), for rows that go `rows_per_call` to a permit as many permits
+    /// as they need; 0 when the total is unknown.
     pub fn waiting_units(&self) -> u64 {
-        let waiting = self.waiting().unwrap_or(0);
+        let waiting = self
+            .waiting()
+            .unwrap_or(0)
+            .div_ceil(self.rows_per_call.max(1));
         let done = self.registered + self.dead;
         if done == 0 || self.done_units <= done {
             return waiting;
@@ -92,6 +99,7 @@ impl UploadProgress {
             last_ms: num("last_ms"),
             completed_ms: num("completed_ms"),
             other_size: num("other_size"),
+            rows_per_call: num("rows_per_call").unwrap_or(1).clamp(1, 1000),
         })
     }
 }
@@ -269,6 +277,20 @@ impl Records {
         size: Option<BatchSize>,
         ttl: Duration,
     ) -> Result<BatchSeen, PermitError> {
+        self.batch_seen_carried(seller, batch, size, ttl, 1).await
+    }
+
+    /// [`Self::batch_seen`], for a batch whose rows go `rows_per_call` to a permit (a bulk
+    /// route whose calls count once): its progress says so, and its waiting rows are counted
+    /// by it ([`UploadProgress::waiting_units`]).
+    pub async fn batch_seen_carried(
+        &self,
+        seller: &SellerId,
+        batch: &BatchId,
+        size: Option<BatchSize>,
+        ttl: Duration,
+        rows_per_call: u32,
+    ) -> Result<BatchSeen, PermitError> {
         let key = self.keys.batch(seller, batch);
         let ttl_ms = ttl.as_millis().max(1) as u64;
         let seen = BatchSeenCall {
@@ -278,6 +300,7 @@ impl Records {
             seller: seller.as_str(),
             batch: batch.as_str(),
             size: size.map_or(0, BatchSize::get),
+            rows_per_call: rows_per_call.clamp(1, 1000),
         };
         let (first_ms, event): (u64, String) = seen
             .invocation()
@@ -862,5 +885,39 @@ mod tests {
         );
         assert_eq!(RetryDue::parse("x:b:m", 1), None);
         assert_eq!(RetryDue::parse("1:b", 1), None);
+    }
+
+    #[test]
+    fn a_batch_whose_rows_go_many_to_a_permit_waits_for_as_many_permits_as_they_need() {
+        let fields = |extra: &[(&str, &str)]| {
+            let mut fields: HashMap<String, String> = [
+                ("seller", "S"),
+                ("batch", "b"),
+                ("total", "500"),
+                ("registered", "20"),
+                ("done_units", "20"),
+            ]
+            .iter()
+            .chain(extra)
+            .map(|(k, v)| (k.to_string(), v.to_string()))
+            .collect();
+            fields.retain(|_, v| !v.is_empty());
+            fields
+        };
+        let single = UploadProgress::parse(&fields(&[])).unwrap();
+        assert_eq!((single.rows_per_call, single.waiting_units()), (1, 480));
+        let bulk = UploadProgress::parse(&fields(&[("rows_per_call", "50")])).unwrap();
+        assert_eq!(bulk.waiting(), Some(480), "it still waits for its rows");
+        assert_eq!(
+            bulk.waiting_units(),
+            10,
+            "480 rows at 50 to a permit: 10 permits"
+        );
+        let odd = UploadProgress::parse(&fields(&[("rows_per_call", "0")])).unwrap();
+        assert_eq!(
+            odd.waiting_units(),
+            480,
+            "a value out of range counts one row per permit"
+        );
     }
 }

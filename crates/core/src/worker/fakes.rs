@@ -893,6 +893,7 @@ impl Progress for FakeProgress {
         _batch: &'a BatchId,
         _size: Option<BatchSize>,
         _ttl: Duration,
+        _rows_per_call: u32,
     ) -> BoxFuture<'a, Result<BatchSeen, PermitError>> {
         self.journal.note(Event::Progress("batch_seen"));
         futures::future::ready(Ok(BatchSeen {

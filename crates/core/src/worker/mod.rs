@@ -738,10 +738,18 @@ impl Worker {
         }
         let (progress, ttl) = (self.progress.clone(), self.settings.done_ttl);
         let (seller, batch, size) = (seller.clone(), batch.clone(), registration.batch_size);
+        // A bulk route whose calls count once carries up to max_rows rows on one permit.
+        let rows_per_call = match self.routes.bulk(registration.route.as_ref()) {
+            Some(bulk) if bulk.cost == BulkCost::Call => bulk.max_rows as u32,
+            _ => 1,
+        };
         let results = reporting.results.clone();
         let seen_batches = self.seen_batches.clone();
         let note = async move {
-            match progress.batch_seen(&seller, &batch, size, ttl).await {
+            match progress
+                .batch_seen(&seller, &batch, size, ttl, rows_per_call)
+                .await
+            {
                 Ok(seen) => {
                     if seen.sellers > 1 {
                         metrics::counter!("turnstile_batch_anomalies_total", "kind" => "mixed_sellers")

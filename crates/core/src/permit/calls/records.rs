@@ -17,6 +17,8 @@ pub(in crate::permit) struct BatchSeenCall<'a> {
     pub seller: &'a str,
     pub batch: &'a str,
     pub size: u32,
+    /// ARGV[5]: ROWS_PER_CALL (1 to 1000).
+    pub rows_per_call: u32,
 }
 
 impl BatchSeenCall<'_> {
@@ -32,7 +34,8 @@ impl BatchSeenCall<'_> {
             .arg(self.ttl_ms)
             .arg(self.seller)
             .arg(self.batch)
-            .arg(self.size);
+            .arg(self.size)
+            .arg(self.rows_per_call);
     }
 }
 
@@ -141,6 +144,7 @@ mod tests {
             seller: "s1",
             batch: "b1",
             size: 7,
+            rows_per_call: 50,
         }
         .write(&mut written);
         check(
@@ -152,16 +156,18 @@ mod tests {
                 ("batches", "seller's batches"),
             ],
         );
-        // ARGV[2] to ARGV[4] share one line of the header.
         check(
             SOURCE,
             "ARGV",
-            &written.args[..2],
-            &[("9", "TTL"), ("s1", "SELLER")],
+            &written.args,
+            &[
+                ("9", "TTL"),
+                ("s1", "SELLER"),
+                ("b1", "BATCH"),
+                ("7", "BATCH_SIZE"),
+                ("50", "ROWS_PER_CALL"),
+            ],
         );
-        let line = &lines(SOURCE, "ARGV")[1];
-        assert!(line.contains("ARGV[3] BATCH, ARGV[4] BATCH_SIZE"), "{line}");
-        assert_eq!(written.args[2..], ["b1", "7"]);
     }
 
     #[test]
