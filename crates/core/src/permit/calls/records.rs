@@ -130,7 +130,7 @@ impl RetriesCall {
 
 #[cfg(test)]
 mod tests {
-    use super::super::header::{Written, check, lines};
+    use super::super::header::{Written, check};
     use super::*;
 
     #[test]
