@@ -368,6 +368,28 @@ async fn rows_beyond_the_limits_calls_wait_with_their_calls_leader_instead_of_re
         rig.publish_body(&row("S-deep", "deep-1", i, 300, None))
             .await?;
     }
+    // Once the first two calls are registered, the batch's ETA counts 50 rows to a permit.
+    let batch = turnstile_core::domain::BatchId::parse("deep-1").unwrap();
+    let report = loop {
+        let report = turnstile_upload::progress::read_batch(&rig.admin(), &rig.records(), &batch)
+            .await?
+            .expect("the batch is recorded");
+        if report.registered >= 100 {
+            break report;
+        }
+        tokio::time::sleep(std::time::Duration::from_millis(20)).await;
+    };
+    let waiting = report.waiting.unwrap_or(0);
+    let eta = report.eta_s.unwrap_or(f64::MAX);
+    println!(
+        "with {} registered and {waiting} waiting, the batch's eta_s is {eta:.2}",
+        report.registered
+    );
+    assert!(waiting >= 50, "read while rows wait: {report:?}");
+    assert!(
+        eta <= (waiting.div_ceil(50) as f64) * 1.2 + 1.0,
+        "{waiting} rows at 50 to a call and 2 calls/1s: {report:?}"
+    );
     let stats = rig.wait_registered(300).await?;
     results.until(300).await;
     let seller = &stats.sellers["S-deep"];
