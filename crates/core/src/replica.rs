@@ -197,10 +197,10 @@ impl Starting {
         );
         // A bulk call gathers its rows from what the replica holds: a derived prefetch leaves
         // room for two full calls.
-        if args.prefetch.is_none() {
-            let rows = routes.most_bulk_rows().saturating_mul(2);
-            let derived = args.prefetch();
-            args.prefetch = Some(derived.max(u16::try_from(rows).unwrap_or(u16::MAX)));
+        let bulk_rows = routes.most_bulk_rows();
+        if args.prefetch.is_none() && bulk_rows > 0 {
+            let rows = u16::try_from(bulk_rows.saturating_mul(2)).unwrap_or(u16::MAX);
+            args.prefetch = Some(args.prefetch().max(rows));
         }
         let stats = Arc::new(Stats::default());
         Ok(Self {

@@ -199,11 +199,7 @@ impl Downstream {
                 rate_limit,
                 cost,
             },
-            Sent::Unanswered(reply) => Answered {
-                reply,
-                rate_limit: None,
-                cost: None,
-            },
+            Sent::Unanswered(reply) => Answered::only(reply),
         };
         self.note(class, registration, started);
         answered
@@ -219,19 +215,10 @@ impl Downstream {
         trace: &TraceContext,
     ) -> BulkAnswered {
         let first = &rows[0];
-        let every = |answered: Answered| BulkAnswered {
-            answers: (0..rows.len())
-                .map(|i| Answered {
-                    reply: answered.reply.clone(),
-                    rate_limit: answered.rate_limit.filter(|_| i == 0),
-                    cost: answered.cost.filter(|_| i == 0),
-                })
-                .collect(),
-            unmapped: false,
-        };
+        let every = |reply: Reply| vec![reply; rows.len()];
         let request = match self.request(first, trace) {
             Ok(request) => request,
-            Err(why) => return every(Answered::refused(why)),
+            Err(why) => return BulkAnswered::of(every(Answered::refused(why).reply), None, None),
         };
         let (body, keys) = bulk::body(bulk, rows);
         let mut request = request
@@ -248,39 +235,20 @@ impl Downstream {
         let (response, rate_limit, cost) = match sent {
             Sent::Unanswered(reply) => {
                 self.note(class, first, started);
-                return every(Answered {
-                    reply,
-                    rate_limit: None,
-                    cost: None,
-                });
+                return BulkAnswered::of(every(reply), None, None);
             }
             Sent::Answered(response, rate_limit, cost) => (response, rate_limit, cost),
         };
         if !response.status().is_success() {
-            let answered = Answered {
-                reply: classify(response).await,
-                rate_limit,
-                cost,
-            };
+            let reply = classify(response).await;
             self.note(class, first, started);
-            return every(answered);
+            return BulkAnswered::of(every(reply), rate_limit, cost);
         }
         let answer = read_capped(response, bulk::answer_cap(rows.len())).await;
         self.note(class, first, started);
         let keys: Vec<&str> = keys.iter().map(String::as_str).collect();
         match bulk::map_answer(bulk, &keys, &answer) {
-            Ok(replies) => BulkAnswered {
-                answers: replies
-                    .into_iter()
-                    .enumerate()
-                    .map(|(i, reply)| Answered {
-                        reply,
-                        rate_limit: rate_limit.filter(|_| i == 0),
-                        cost: cost.filter(|_| i == 0),
-                    })
-                    .collect(),
-                unmapped: false,
-            },
+            Ok(replies) => BulkAnswered::of(replies, rate_limit, cost),
             Err(unmappable) => {
                 metrics::counter!("turnstile_bulk_unmapped_total").increment(1);
                 let shown = match &answer.body {
@@ -290,16 +258,14 @@ impl Downstream {
                     }
                     _ => answer.clone(),
                 };
-                let mut answered = every(Answered {
-                    reply: Reply::Transient {
-                        why: unmappable.to_string(),
-                        response: Some(shown),
-                    },
-                    rate_limit,
-                    cost,
-                });
-                answered.unmapped = true;
-                answered
+                let reply = Reply::Transient {
+                    why: unmappable.to_string(),
+                    response: Some(shown),
+                };
+                BulkAnswered {
+                    unmapped: true,
+                    ..BulkAnswered::of(every(reply), rate_limit, cost)
+                }
             }
         }
     }
@@ -396,6 +362,26 @@ pub struct BulkAnswered {
     /// Whether its 2xx answer could not be mapped to its rows: every row's reply is then
     /// retryable, and each row is retried alone.
     pub unmapped: bool,
+}
+
+impl BulkAnswered {
+    /// One answer per reply, in the rows' order; what the answer's headers said goes with the
+    /// first row's (its permit is the one that learns from it).
+    fn of(replies: Vec<Reply>, rate_limit: Option<RateLimitHeaders>, cost: Option<u32>) -> Self {
+        let answers = replies
+            .into_iter()
+            .enumerate()
+            .map(|(i, reply)| Answered {
+                reply,
+                rate_limit: rate_limit.filter(|_| i == 0),
+                cost: cost.filter(|_| i == 0),
+            })
+            .collect();
+        Self {
+            answers,
+            unmapped: false,
+        }
+    }
 }
 
 /// What the answer's `header` says the call cost: one integer from 0 to [`Cost::MAX`]
@@ -504,17 +490,22 @@ pub struct Answered {
 }
 
 impl Answered {
-    /// A call that could not be made (`why`): rejected without a request.
-    fn refused(why: String) -> Self {
+    /// An answer that is only `reply`: no headers said anything.
+    pub fn only(reply: Reply) -> Self {
         Answered {
-            reply: Reply::Rejected {
-                status: 0,
-                body: why,
-                response: None,
-            },
+            reply,
             rate_limit: None,
             cost: None,
         }
+    }
+
+    /// A call that could not be made (`why`): rejected without a request.
+    fn refused(why: String) -> Self {
+        Self::only(Reply::Rejected {
+            status: 0,
+            body: why,
+            response: None,
+        })
     }
 }
 

@@ -50,6 +50,11 @@ pub const QUIET: Duration = Duration::from_millis(20);
 /// A gather's seller and route (none: the default endpoint).
 pub type GatherKey = (SellerId, Option<RouteName>);
 
+/// The gather `registration` goes in: its seller's and route's.
+pub fn key_of(registration: &Registration) -> GatherKey {
+    (registration.seller_id.clone(), registration.route.clone())
+}
+
 /// What a row that joined a gather gets back: its entry of the answer, and whether the answer
 /// could not be mapped to the rows (the row is then retried alone).
 pub type RowAnswer = (Answered, bool);

@@ -202,15 +202,6 @@ const MOST_ANSWERS_ALLOWANCE: Duration = Duration::from_secs(1);
 const CLAIM_RECHECK: Duration = Duration::from_secs(1);
 const CLAIM_UNANSWERED_RECHECK: Duration = Duration::from_millis(100);
 
-/// A call's answer that is only `reply` (no headers said anything).
-fn unanswered(reply: Reply) -> crate::downstream::Answered {
-    crate::downstream::Answered {
-        reply,
-        rate_limit: None,
-        cost: None,
-    }
-}
-
 /// One delivery's claim of its message's call ([`Limiter::claim_call`]): the token that names
 /// the delivery in Redis, and when the claim it holds was taken or last renewed (no later than
 /// when the question that did it left), if it holds one that led to no call yet. A claim is
@@ -868,7 +859,7 @@ impl Worker {
         if let Some(bulk) = self.routes.bulk(registration.route.as_ref())
             && bulk.cost == BulkCost::Call
         {
-            let key = (registration.seller_id.clone(), registration.route.clone());
+            let key = bulk::key_of(registration);
             let delay = match &outcome {
                 Outcome::Delay { after, .. } => Some(*after),
                 _ => None,
@@ -992,10 +983,7 @@ impl Worker {
             _ = shutdown.cancelled() => return interrupted(Interrupted::Shutdown),
             _ = connection_lost.cancelled() => return interrupted(Interrupted::ConnectionLost),
         };
-        let claimed = counting_redis_errors(claimed);
-        if claim.answered(&claimed, claim_asked) {
-            self.limiter.renew_claim(seller, &registration.message_id);
-        }
+        let claimed = self.claim_answered(registration, claim, claimed, claim_asked);
         let (mut decision, cost) = match decided {
             Ok(decided) => decided,
             Err(error) => {
@@ -1265,7 +1253,7 @@ impl Worker {
         if carried.alone || bulk.max_rows < 2 || bulk.cost != BulkCost::Row {
             return None;
         }
-        let key = (registration.seller_id.clone(), registration.route.clone());
+        let key = bulk::key_of(registration);
         self.gathers
             .join(&key, registration, bulk::due(grant.sent()))
     }
@@ -1529,6 +1517,23 @@ impl Worker {
             .plan_reply(reply, carried, now_ms, window, lowered)
     }
 
+    /// What a delivery's claim of its message's call (asked at `asked`) came to: a Redis
+    /// failure counted, and a fresh claim of its own renewed (see [`DeliveryClaim::answered`]).
+    fn claim_answered(
+        &self,
+        registration: &Registration,
+        claim: &DeliveryClaim,
+        claimed: Result<CallClaim, PermitError>,
+        asked: tokio::time::Instant,
+    ) -> Result<CallClaim, PermitError> {
+        let claimed = counting_redis_errors(claimed);
+        if claim.answered(&claimed, asked) {
+            self.limiter
+                .renew_claim(&registration.seller_id, &registration.message_id);
+        }
+        claimed
+    }
+
     /// The gather `registration` would ride in, on a route whose calls count once (see
     /// [`bulk`]): only for a message with no reserved slot of its own, not to be called alone.
     fn riding_key(
@@ -1540,8 +1545,7 @@ impl Worker {
             return None;
         }
         let bulk = self.routes.bulk(registration.route.as_ref())?;
-        (bulk.cost == BulkCost::Call && bulk.max_rows > 1)
-            .then(|| (registration.seller_id.clone(), registration.route.clone()))
+        (bulk.cost == BulkCost::Call && bulk.max_rows > 1).then(|| bulk::key_of(registration))
     }
 
     /// Calls `registration` riding with `rider` in another row's bulk call, once its claim
@@ -1563,13 +1567,10 @@ impl Worker {
             .limiter
             .claim_call(seller, &registration.message_id, &claim.token);
         let claimed = tokio::select! {
-            c = claiming => counting_redis_errors(c),
+            c = claiming => self.claim_answered(registration, claim, c, claim_asked),
             _ = interruptions.shutdown.cancelled() => return Plan::Settle(returned(carried.clone(), Interrupted::Shutdown)),
             _ = interruptions.connection_lost.cancelled() => return Plan::Settle(returned(carried.clone(), Interrupted::ConnectionLost)),
         };
-        if claim.answered(&claimed, claim_asked) {
-            self.limiter.renew_claim(seller, &registration.message_id);
-        }
         self.call_granted(
             registration,
             trace,
@@ -1603,12 +1604,12 @@ impl Worker {
             drop(worker.take());
             let (answered, unmapped) = answer.await.unwrap_or_else(|_| {
                 let reply = Reply::unanswered("the bulk call it joined was not made".into());
-                (unanswered(reply), false)
+                (crate::downstream::Answered::only(reply), false)
             });
             carried.alone |= unmapped;
             return answered;
         }
-        let key = (registration.seller_id.clone(), registration.route.clone());
+        let key = bulk::key_of(registration);
         let started = std::time::Instant::now();
         let mut joined = Vec::new();
         if !carried.alone && bulk.max_rows > 1 {
@@ -1633,9 +1634,8 @@ impl Worker {
         let unmapped = called.unmapped;
         let mut answered = called.answers.into_iter();
         let mut own = answered.next().unwrap_or_else(|| {
-            unanswered(Reply::unanswered(
-                "the bulk answer had no entry for it".into(),
-            ))
+            let reply = Reply::unanswered("the bulk answer had no entry for it".into());
+            crate::downstream::Answered::only(reply)
         });
         for (answer, row) in answers.into_iter().zip(answered) {
             let _ = answer.send((row, unmapped));
